@@ -1,0 +1,46 @@
+"""transactional-outbox: publish events in the business transaction, relay them
+to Kafka in per-key order, and consume them once with an idempotent inbox."""
+
+from ._engine import create_async_engine, create_engine
+from ._envelope import Message, new_message_id
+from ._errors import (
+    ConfigurationError,
+    InvalidHeadersError,
+    InvalidKeyError,
+    InvalidTopicError,
+    LeaseLostError,
+    MessageValidationError,
+    OutboxError,
+    PayloadTooLargeError,
+    PermanentTransportError,
+    RetriableTransportError,
+    TransportError,
+    UnserializablePayloadError,
+)
+from ._outbox import Outbox
+from ._tables import OutboxTables
+from ._wire import ForeignRecordError, message_to_record, record_to_message
+
+__all__ = [
+    "ConfigurationError",
+    "ForeignRecordError",
+    "InvalidHeadersError",
+    "InvalidKeyError",
+    "InvalidTopicError",
+    "LeaseLostError",
+    "Message",
+    "MessageValidationError",
+    "Outbox",
+    "OutboxError",
+    "OutboxTables",
+    "PayloadTooLargeError",
+    "PermanentTransportError",
+    "RetriableTransportError",
+    "TransportError",
+    "UnserializablePayloadError",
+    "create_async_engine",
+    "create_engine",
+    "message_to_record",
+    "new_message_id",
+    "record_to_message",
+]

@@ -1,0 +1,48 @@
+"""``create_engine``: SQLAlchemy's, with the settings the outbox needs per backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy
+from sqlalchemy import Engine, event
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
+
+
+def create_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine ready for concurrent outbox writers and a relay.
+
+    On SQLite: WAL journal (readers don't block the writer), a 30 s busy
+    timeout, and ``BEGIN IMMEDIATE`` so a transaction takes the write lock at
+    its start instead of failing with "database is locked" when it upgrades
+    from reading to writing. Other backends get SQLAlchemy's defaults.
+    """
+    engine = sqlalchemy.create_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+        _configure_sqlite(engine)
+    return engine
+
+
+def create_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    """``create_engine`` for asyncio drivers (``postgresql+psycopg``, ``sqlite+aiosqlite``)."""
+    engine = _create_async_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+        _configure_sqlite(engine.sync_engine)
+    return engine
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when transactions begin.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,0 +1,56 @@
+"""The error hierarchy: one root, and each error also a builtin it resembles.
+
+Callers can catch ``OutboxError`` for everything this library raises, or the
+builtin (``ValueError``, ``TypeError``, ``ConnectionError``) when they already
+handle that family.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Root of every error this library raises."""
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """A setting is invalid; raised when the object is built, not on first use."""
+
+
+class MessageValidationError(OutboxError, ValueError):
+    """A message handed to ``publish()`` is invalid; nothing was written."""
+
+
+class InvalidTopicError(MessageValidationError):
+    """The topic name breaks Kafka's naming rules."""
+
+
+class InvalidKeyError(MessageValidationError):
+    """The sharding key has the wrong type or is too long."""
+
+
+class InvalidHeadersError(MessageValidationError):
+    """Headers are not a mapping of str to str, or use a reserved name."""
+
+
+class UnserializablePayloadError(MessageValidationError, TypeError):
+    """The payload cannot be turned into bytes."""
+
+
+class PayloadTooLargeError(MessageValidationError):
+    """The serialised payload exceeds the configured maximum."""
+
+
+class TransportError(OutboxError, ConnectionError):
+    """The broker edge failed; raised only by transports."""
+
+
+class RetriableTransportError(TransportError):
+    """A send that may succeed if tried again (broker down, timeout)."""
+
+
+class PermanentTransportError(TransportError):
+    """A send that can never succeed as it is (too large, unknown topic, denied)."""
+
+
+class LeaseLostError(OutboxError):
+    """A relay tried to act on a shard whose lease it no longer holds."""

@@ -1,0 +1,80 @@
+"""The SQL behind ``publish()``, built once per dialect and cached by SQLAlchemy.
+
+Seq order must equal commit order, so the key's counter is bumped with an
+upsert whose row lock is held until the caller commits; the message row is
+inserted after it in the same transaction, so within a key id order equals seq
+order too. On PostgreSQL the upsert, the insert and the ``pg_notify`` that wakes
+relays at commit are one statement (one round trip).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Executable, Text, bindparam, cast, func, insert, literal, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ._errors import ConfigurationError
+from ._tables import PENDING, OutboxTables
+
+SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+
+_MESSAGE_PARAMS = (
+    "message_id", "topic", "key", "shard", "payload", "content_type", "headers",
+    "created_at", "available_at",
+)
+
+
+class PublishStatements:
+    """Statements for one dialect; ``keyed`` take the seq from the key counter."""
+
+    def __init__(self, tables: OutboxTables, dialect: str, notify_channel: str | None) -> None:
+        if dialect not in SUPPORTED_DIALECTS:
+            raise ConfigurationError(
+                f"unsupported database dialect {dialect!r}; supported: {SUPPORTED_DIALECTS}"
+            )
+        self.dialect = dialect
+        self.notify = notify_channel if dialect == "postgresql" else None
+        upsert_module = postgresql if dialect == "postgresql" else sqlite
+        keys = tables.keys
+        up = upsert_module.insert(keys).values(
+            topic=bindparam("topic"), key=bindparam("key"), last_seq=1
+        )
+        self._bump_seq = up.on_conflict_do_update(
+            index_elements=[keys.c.topic, keys.c.key],
+            set_={"last_seq": keys.c.last_seq + 1},
+        ).returning(keys.c.last_seq)
+
+        m = tables.messages
+        self._row_values: dict[str, Any] = {name: bindparam(name) for name in _MESSAGE_PARAMS}
+        self._row_values |= {"attempts": 0, "status": PENDING}
+        self._messages = m
+        self.unkeyed = self._with_notify(insert(m).values(seq=None, **self._row_values))
+        if dialect == "postgresql":
+            seq = self._bump_seq.cte("next_seq")
+            # In INSERT … SELECT the binds don't inherit column types: give them.
+            typed = [
+                bindparam(name, type_=m.c[name].type) for name in _MESSAGE_PARAMS
+            ] + [literal(0, m.c.attempts.type), literal(PENDING, m.c.status.type)]
+            columns = [*self._row_values, "seq"]
+            values = [*typed, seq.c.last_seq]
+            self.keyed: Executable | None = self._with_notify(
+                insert(m).from_select(columns, select(*values).select_from(seq))
+            )
+        else:
+            self.keyed = None
+
+    def _with_notify(self, stmt: Any) -> Executable:
+        if self.notify is None:
+            return stmt
+        inserted = stmt.returning(self._messages.c.shard).cte("inserted")
+        return select(func.pg_notify(literal(self.notify), cast(inserted.c.shard, Text)))
+
+    def bump_seq(self) -> Executable:
+        """Dialects without DML in CTEs: bump first, then insert with the returned seq."""
+        return self._bump_seq
+
+    def insert_with_seq(self) -> Executable:
+        return insert(self._messages).values(
+            seq=bindparam("seq"), **self._row_values
+        )

@@ -1,0 +1,85 @@
+"""Checks applied to every message before it reaches the database.
+
+Each check raises the specific ``MessageValidationError`` subclass and names the
+offending value, so the caller learns what is wrong inside ``publish()``, before
+anything commits, instead of the relay finding a poison row later.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import (
+    ConfigurationError,
+    InvalidHeadersError,
+    InvalidKeyError,
+    InvalidTopicError,
+)
+
+# Kafka's own rule (kafka.common.internals.Topic): legal characters, 249 at most.
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,40}")
+
+MAX_KEY_LENGTH = 255
+RESERVED_HEADER_PREFIX = "outbox-"
+
+
+def validate_topic(topic: object) -> str:
+    if not isinstance(topic, str):
+        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}: {topic!r}")
+    if not _TOPIC.fullmatch(topic) or topic in {".", ".."}:
+        raise InvalidTopicError(
+            f"invalid topic {topic!r}: Kafka topics are 1-249 characters of "
+            "letters, digits, '.', '_' and '-', and not '.' or '..'"
+        )
+    return topic
+
+
+def normalize_key(key: object) -> str | None:
+    """Return the key as text; str, int and UUID keys are accepted."""
+    if key is None:
+        return None
+    if isinstance(key, bool) or not isinstance(key, str | int | uuid.UUID):
+        raise InvalidKeyError(
+            f"key must be str, int or UUID, got {type(key).__name__}: {key!r}"
+        )
+    text = str(key)
+    if not text:
+        raise InvalidKeyError("key must not be empty; pass key=None for unkeyed messages")
+    if len(text) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(
+            f"key is {len(text)} characters, the maximum is {MAX_KEY_LENGTH}: {text[:40]!r}..."
+        )
+    return text
+
+
+def validate_headers(headers: Mapping[str, Any] | None) -> dict[str, str]:
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise InvalidHeadersError(f"headers must be a mapping, got {type(headers).__name__}")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidHeadersError(f"header names must be non-empty str, got {name!r}")
+        if name.lower().startswith(RESERVED_HEADER_PREFIX) or name.lower() == "content-type":
+            raise InvalidHeadersError(f"header {name!r} is reserved for the outbox envelope")
+        if not isinstance(value, str):
+            raise InvalidHeadersError(
+                f"header {name!r} must be a str, got {type(value).__name__}: {value!r}"
+            )
+    return dict(headers)
+
+
+def validate_identifier(value: str, what: str, *, allow_empty: bool = False) -> str:
+    """Accept only plain SQL identifiers; they are used as table-name parts."""
+    if allow_empty and value == "":
+        return value
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        raise ConfigurationError(
+            f"invalid {what} {value!r}: use letters, digits and '_' "
+            "(not starting with a digit, at most 41 characters)"
+        )
+    return value

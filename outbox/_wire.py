@@ -1,0 +1,94 @@
+"""How an envelope maps to a broker record, and back: defined here and nowhere else.
+
+Record value = the payload bytes; record key = the sharding key in UTF-8;
+headers carry the envelope (``outbox-message-id``, ``outbox-seq``,
+``content-type``, ``outbox-created-at``, ``outbox-available-at`` when delayed)
+followed by the user's headers, which is where W3C ``traceparent`` and
+``tracestate`` travel.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from transports import Record
+
+from ._envelope import Message
+from ._errors import OutboxError
+
+MESSAGE_ID = "outbox-message-id"
+SEQ = "outbox-seq"
+CONTENT_TYPE = "content-type"
+CREATED_AT = "outbox-created-at"
+AVAILABLE_AT = "outbox-available-at"
+ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT})
+
+
+class ForeignRecordError(OutboxError, ValueError):
+    """A record that does not carry an outbox envelope, or carries a broken one."""
+
+
+def to_record(
+    *,
+    message_id: uuid.UUID,
+    topic: str,
+    key: str | None,
+    seq: int | None,
+    payload: bytes,
+    content_type: str,
+    headers: dict[str, str] | None,
+    created_at: datetime,
+    available_at: datetime | None = None,
+) -> Record:
+    """Build the broker record; the relay calls this per row, so it stays lean."""
+    wire = [
+        (MESSAGE_ID, str(message_id).encode()),
+        (CONTENT_TYPE, content_type.encode()),
+        (CREATED_AT, created_at.isoformat().encode()),
+    ]
+    if seq is not None:
+        wire.append((SEQ, str(seq).encode()))
+    if available_at is not None and available_at != created_at:
+        wire.append((AVAILABLE_AT, available_at.isoformat().encode()))
+    if headers:
+        wire.extend((name, value.encode()) for name, value in headers.items())
+    return Record(
+        topic=topic,
+        key=key.encode() if key is not None else None,
+        value=payload,
+        headers=wire,
+    )
+
+
+def message_to_record(message: Message) -> Record:
+    return to_record(**message.model_dump(exclude={"available_at"}),
+                     available_at=message.available_at)
+
+
+def record_to_message(record: Record) -> Message:
+    """Decode a consumed record; raises ``ForeignRecordError`` naming what is missing."""
+    envelope: dict[str, str] = {}
+    user: dict[str, str] = {}
+    try:
+        for name, raw in record.headers or ():
+            value = raw.decode() if raw is not None else ""
+            (envelope if name in ENVELOPE_HEADERS else user)[name] = value
+        if MESSAGE_ID not in envelope:
+            raise ForeignRecordError(f"record has no {MESSAGE_ID!r} header: not an outbox message")
+        created_at = datetime.fromisoformat(envelope[CREATED_AT])
+        return Message.model_construct(
+            message_id=uuid.UUID(envelope[MESSAGE_ID]),
+            topic=record.topic,
+            key=record.key.decode() if record.key is not None else None,
+            seq=int(envelope[SEQ]) if SEQ in envelope else None,
+            payload=record.value if record.value is not None else b"",
+            content_type=envelope.get(CONTENT_TYPE, "application/octet-stream"),
+            headers=user,
+            created_at=created_at,
+            available_at=datetime.fromisoformat(envelope.get(AVAILABLE_AT) or envelope[CREATED_AT]),
+        )
+    except ForeignRecordError:
+        raise
+    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+        raise ForeignRecordError(f"record has a broken outbox envelope: {exc!r}") from exc

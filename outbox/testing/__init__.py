@@ -1,0 +1,29 @@
+"""Test helpers shipped with the package: real servers, not fakes.
+
+``postgres_url()`` and ``kafka_bootstrap()`` resolve a database and a broker
+(environment variable, then testcontainers, then local binaries or librdkafka's
+mock cluster); ``local_postgres()`` runs a throwaway cluster directly.
+"""
+
+from ._postgres import FAST_SETTINGS, free_port, local_postgres, postgres_bindir
+from ._resolve import (
+    KAFKA_BOOTSTRAP_VARIABLE,
+    POSTGRES_URL_VARIABLE,
+    Unavailable,
+    docker_engine_answers,
+    kafka_bootstrap,
+    postgres_url,
+)
+
+__all__ = [
+    "FAST_SETTINGS",
+    "KAFKA_BOOTSTRAP_VARIABLE",
+    "POSTGRES_URL_VARIABLE",
+    "Unavailable",
+    "docker_engine_answers",
+    "free_port",
+    "kafka_bootstrap",
+    "local_postgres",
+    "postgres_bindir",
+    "postgres_url",
+]

@@ -1,0 +1,10 @@
+"""Broker transports for the outbox relay and the inbox.
+
+The protocols here use primitive types only; ``transports.kafka`` (needs the
+``kafka`` extra) and ``transports.kafka_python`` (needs ``kafka-python``)
+implement them.
+"""
+
+from ._protocol import Outcome, Record, RevokeCallback, SendResult, Source, Transport
+
+__all__ = ["Outcome", "Record", "RevokeCallback", "SendResult", "Source", "Transport"]

@@ -1,0 +1,12 @@
+"""Kafka transport on confluent-kafka (install the ``kafka`` extra)."""
+
+try:
+    import confluent_kafka  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        'transports.kafka needs confluent-kafka: pip install "transactional-outbox[kafka]"'
+    ) from exc
+
+from ._embedded import embedded_kafka
+
+__all__ = ["embedded_kafka"]
