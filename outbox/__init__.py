@@ -1,6 +1,7 @@
 """transactional-outbox: publish events in the business transaction, relay them
 to Kafka in per-key order, and consume them once with an idempotent inbox."""
 
+from ._alerts import Alert, AlertSink, LoggingAlertSink, WebhookAlertSink
 from ._engine import create_async_engine, create_engine
 from ._envelope import Message, new_message_id
 from ._errors import (
@@ -22,12 +23,15 @@ from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
 
 __all__ = [
+    "Alert",
+    "AlertSink",
     "ConfigurationError",
     "ForeignRecordError",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
     "LeaseLostError",
+    "LoggingAlertSink",
     "Message",
     "MessageValidationError",
     "Outbox",
@@ -38,6 +42,7 @@ __all__ = [
     "RetriableTransportError",
     "TransportError",
     "UnserializablePayloadError",
+    "WebhookAlertSink",
     "create_async_engine",
     "create_engine",
     "message_to_record",

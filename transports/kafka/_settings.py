@@ -1,0 +1,123 @@
+"""Client settings: kafka-python-ng style names or raw librdkafka keys, checked up front.
+
+Teams moving from kafka-python keep their keyword arguments
+(``bootstrap_servers``, ``linger_ms``, ``sasl_plain_password`` …); raw librdkafka
+keys (``"linger.ms"``) pass through. An unknown name raises
+``ConfigurationError`` when the client is built. Secrets are never shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from outbox import ConfigurationError
+
+# kafka-python-ng keyword -> librdkafka property
+KAFKA_PYTHON_NAMES: dict[str, str] = {
+    "bootstrap_servers": "bootstrap.servers",
+    "client_id": "client.id",
+    "acks": "acks",
+    "linger_ms": "linger.ms",
+    "batch_size": "batch.size",
+    "compression_type": "compression.type",
+    "retries": "retries",
+    "retry_backoff_ms": "retry.backoff.ms",
+    "request_timeout_ms": "request.timeout.ms",
+    "delivery_timeout_ms": "message.timeout.ms",
+    "max_request_size": "message.max.bytes",
+    "max_in_flight_requests_per_connection": "max.in.flight.requests.per.connection",
+    "enable_idempotence": "enable.idempotence",
+    "metadata_max_age_ms": "topic.metadata.refresh.interval.ms",
+    "reconnect_backoff_ms": "reconnect.backoff.ms",
+    "reconnect_backoff_max_ms": "reconnect.backoff.max.ms",
+    "connections_max_idle_ms": "connections.max.idle.ms",
+    "security_protocol": "security.protocol",
+    "sasl_mechanism": "sasl.mechanism",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
+    "sasl_kerberos_service_name": "sasl.kerberos.service.name",
+    "ssl_cafile": "ssl.ca.location",
+    "ssl_certfile": "ssl.certificate.location",
+    "ssl_keyfile": "ssl.key.location",
+    "ssl_password": "ssl.key.password",
+    "ssl_crlfile": "ssl.crl.location",
+    "ssl_ciphers": "ssl.cipher.suites",
+    "ssl_check_hostname": "ssl.endpoint.identification.algorithm",
+    # consumer side
+    "group_id": "group.id",
+    "group_instance_id": "group.instance.id",
+    "auto_offset_reset": "auto.offset.reset",
+    "enable_auto_commit": "enable.auto.commit",
+    "session_timeout_ms": "session.timeout.ms",
+    "heartbeat_interval_ms": "heartbeat.interval.ms",
+    "max_poll_interval_ms": "max.poll.interval.ms",
+    "fetch_min_bytes": "fetch.min.bytes",
+    "fetch_max_wait_ms": "fetch.wait.max.ms",
+    "fetch_max_bytes": "fetch.max.bytes",
+    "max_partition_fetch_bytes": "max.partition.fetch.bytes",
+    "isolation_level": "isolation.level",
+    "partition_assignment_strategy": "partition.assignment.strategy",
+}
+
+SECRET_KEYS = frozenset({"sasl.password", "ssl.key.password", "sasl.oauthbearer.client.secret",
+                         "ssl.keystore.password", "ssl.key.pem"})
+
+
+def _value(name: str, value: Any) -> Any:
+    if name == "ssl.endpoint.identification.algorithm" and isinstance(value, bool):
+        return "https" if value else "none"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return value
+
+
+def librdkafka_config(
+    settings: Mapping[str, Any] | None = None, /, **kwargs: Any
+) -> dict[str, Any]:
+    """Translate kafka-python-ng keywords and raw keys into one librdkafka dict.
+
+    Both ``settings`` and ``kwargs`` may hold kafka-python-ng names or raw
+    librdkafka keys; anything else raises ``ConfigurationError`` naming it.
+    """
+    config: dict[str, Any] = {}
+    for key, value in {**(settings or {}), **kwargs}.items():
+        if key in KAFKA_PYTHON_NAMES:
+            librdkafka_key = KAFKA_PYTHON_NAMES[key]
+        elif "." in key or key in _SINGLE_WORD_KEYS:
+            librdkafka_key = key
+        else:
+            raise ConfigurationError(
+                f"unknown Kafka setting {key!r}: use a kafka-python-ng name "
+                f"(e.g. bootstrap_servers, linger_ms) or a librdkafka key (e.g. 'linger.ms')"
+            )
+        config[librdkafka_key] = _value(librdkafka_key, value)
+    return config
+
+
+_SINGLE_WORD_KEYS = frozenset({"acks", "retries", "debug", "partitioner", "log_level"})
+
+
+def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -> None:
+    """Let librdkafka reject unknown or invalid keys now, as a ConfigurationError."""
+    from confluent_kafka import Consumer, KafkaException, Producer
+
+    probe = dict(config)
+    probe.setdefault("bootstrap.servers", "127.0.0.1:9")
+    probe["log_level"] = 0  # the probe never connects; keep it quiet
+    if client == "consumer":
+        probe.setdefault("group.id", "config-check")
+    try:
+        instance = (Consumer if client == "consumer" else Producer)(probe)
+    except KafkaException as exc:
+        raise ConfigurationError(f"invalid Kafka setting: {exc.args[0].str()}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"invalid Kafka setting: {exc}") from None
+    if client == "consumer":
+        instance.close()
+
+
+def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with secret values replaced, for logs and reprs."""
+    return {k: ("***" if k in SECRET_KEYS or "password" in k or "secret" in k else v)
+            for k, v in config.items()}
