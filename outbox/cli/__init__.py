@@ -12,6 +12,13 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Transactional outbox: database set-up, relay, inbox and audits."""
+
+
 from . import _db  # noqa: E402,F401  (registers commands)
 
 

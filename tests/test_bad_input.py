@@ -1,0 +1,107 @@
+"""Each invalid input raises the named error inside publish() and commits nothing."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import (
+    ConfigurationError,
+    InvalidHeadersError,
+    InvalidKeyError,
+    InvalidTopicError,
+    MessageValidationError,
+    Outbox,
+    OutboxError,
+    OutboxTables,
+    PayloadTooLargeError,
+    UnserializablePayloadError,
+)
+
+OK = {"topic": "orders", "payload": {"ok": True}, "key": "k"}
+
+CASES = [
+    ({"topic": ""}, InvalidTopicError, "invalid topic ''"),
+    ({"topic": "orders/eu"}, InvalidTopicError, "orders/eu"),
+    ({"topic": "x" * 250}, InvalidTopicError, "1-249 characters"),
+    ({"topic": ".."}, InvalidTopicError, "'..'"),
+    ({"topic": 42}, InvalidTopicError, "topic must be a str"),
+    ({"key": 1.5}, InvalidKeyError, "got float"),
+    ({"key": b"raw"}, InvalidKeyError, "got bytes"),
+    ({"key": True}, InvalidKeyError, "got bool"),
+    ({"key": ""}, InvalidKeyError, "must not be empty"),
+    ({"key": "k" * 256}, InvalidKeyError, "256 characters"),
+    ({"payload": object()}, UnserializablePayloadError, "got object"),
+    ({"payload": {"when": object()}}, UnserializablePayloadError, "not JSON-serialisable"),
+    ({"payload": None}, UnserializablePayloadError, "got NoneType"),
+    ({"payload": b"x" * (1024 * 1024 + 1)}, PayloadTooLargeError, "1048577 bytes"),
+    ({"headers": {"trace": 1}}, InvalidHeadersError, "'trace' must be a str"),
+    ({"headers": {"outbox-seq": "1"}}, InvalidHeadersError, "reserved"),
+    ({"headers": ["a"]}, InvalidHeadersError, "must be a mapping"),
+    ({"delay": -1}, MessageValidationError, "must not be negative"),
+    ({"delay": "soon"}, MessageValidationError, "timedelta or seconds"),
+]
+
+
+@pytest.mark.parametrize("override, error, message", CASES,
+                         ids=[f"{next(iter(o))}-{e.__name__}" for o, e, _ in CASES])
+def test_bad_input_raises_named_error_and_commits_nothing(engine, outbox, override, error, message):
+    args = {**OK, **override}
+
+    @outbox.transactional
+    def write(*, session) -> None:
+        outbox.publish(session, "orders", {"first": "valid"}, key="k")
+        outbox.publish(session, args.pop("topic"), args.pop("payload"), **args)
+
+    with pytest.raises(error, match=message):
+        write()
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(outbox.tables.messages)) == 0
+        assert conn.scalar(sa.select(sa.func.count()).select_from(outbox.tables.keys)) == 0
+
+
+def test_errors_resemble_builtins():
+    assert issubclass(InvalidTopicError, ValueError) and issubclass(InvalidTopicError, OutboxError)
+    assert issubclass(UnserializablePayloadError, TypeError)
+    assert issubclass(ConfigurationError, ValueError)
+
+
+@pytest.mark.parametrize("prefix", ["bad-prefix", "1abc", "a b", "x;drop table y", "é"])
+def test_bad_table_prefix(prefix):
+    with pytest.raises(ConfigurationError, match="invalid table prefix"):
+        OutboxTables(prefix=prefix)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"schema": "public.x"}, "invalid schema"),
+    ({"shards": 0}, "shards must be an int from 1 to 4096"),
+    ({"max_payload_bytes": -5}, "max_payload_bytes must be a positive int"),
+    ({"notify_channel": "bad channel"}, "invalid notify channel"),
+    ({"prefix": "a_", "tables": OutboxTables()}, "either tables= or prefix="),
+])
+def test_bad_configuration_fails_at_construction(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        Outbox(sa.create_engine("sqlite://"), **kwargs)
+
+
+def test_unsupported_database_is_refused_at_construction():
+    from outbox._statements import PublishStatements
+
+    with pytest.raises(ConfigurationError, match="unsupported database dialect 'mysql'"):
+        PublishStatements(OutboxTables(), "mysql", None)
+
+
+def test_accepted_key_types_and_max_size(outbox, engine):
+    @outbox.transactional
+    def write(*, session):
+        return [
+            outbox.publish(session, "orders", b"x", key=12),
+            outbox.publish(session, "orders", b"x", key=uuid.UUID(int=1)),
+            outbox.publish(session, "orders", b"x" * (1024 * 1024), key="k" * 255,
+                           delay=timedelta(seconds=5)),
+        ]
+
+    assert len(write()) == 3
