@@ -29,9 +29,13 @@ def machine() -> str:
 
 def write_section(name: str, body: str) -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    block = f"<!-- bench:{name} -->\n{body.strip()}\n\n_Measured {stamp} on {machine()}._\n<!-- /bench:{name} -->"
+    footer = f"_Measured {stamp} on {machine()}._"
+    block = f"<!-- bench:{name} -->\n{body.strip()}\n\n{footer}\n<!-- /bench:{name} -->"
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     pattern = re.compile(rf"<!-- bench:{name} -->.*?<!-- /bench:{name} -->", re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
     DOC.write_text(text)
     print(f"wrote section {name!r} of {DOC}")
