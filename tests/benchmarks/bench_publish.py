@@ -21,10 +21,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import markdown_table, write_section  # noqa: E402
+from _report import markdown_table, write_section
 
-from outbox import Outbox, create_engine  # noqa: E402
-from outbox.testing import local_postgres  # noqa: E402
+from outbox import Outbox, create_engine
+from outbox.testing import local_postgres
 
 business = sa.MetaData()
 orders = sa.Table(
