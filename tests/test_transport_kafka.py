@@ -1,0 +1,85 @@
+"""KafkaTransport: the shared conformance suite, settings, and error translation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import KafkaError
+
+from outbox import ConfigurationError
+from transports import Outcome, Record, Transport
+from transports.kafka import KafkaTransport
+from transports.kafka._transport import classify
+from transports.testing import TransportConformance
+
+
+@pytest.mark.kafka
+class TestKafkaTransportConformance(TransportConformance):
+    @pytest.fixture
+    def transport(self, kafka: str) -> Iterator[KafkaTransport]:
+        transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10)
+        yield transport
+        transport.close()
+
+
+def test_is_a_transport() -> None:
+    assert isinstance(KafkaTransport(bootstrap_servers="127.0.0.1:9"), Transport)
+
+
+def test_kafka_python_names_and_raw_keys_are_accepted() -> None:
+    transport = KafkaTransport({"linger.ms": 2}, bootstrap_servers="127.0.0.1:9", client_id="relay-1")
+    assert transport._config["client.id"] == "relay-1"
+    assert transport._config["linger.ms"] == 2
+    assert transport._config["enable.idempotence"] is True
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ({"bootstrap_servers": "h:9", "lingerms": 5}, "lingerms"),
+    ({"bootstrap_servers": "h:9", "linger.ms": "soon"}, "Invalid value"),
+    ({"linger_ms": 5}, "bootstrap_servers"),
+    ({"bootstrap_servers": "h:9", "enable_idempotence": False}, "enable.idempotence"),
+])
+def test_bad_settings_fail_at_construction(settings: dict, fragment: str) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        KafkaTransport(**settings)
+
+
+def test_secrets_never_appear_in_repr() -> None:
+    transport = KafkaTransport(
+        bootstrap_servers="127.0.0.1:9", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+        sasl_plain_username="svc", sasl_plain_password="hunter2-secret",
+    )
+    text = repr(transport)
+    assert "hunter2" not in text and "svc" in text and "***" in text
+
+
+@pytest.mark.parametrize("code, outcome", [
+    (KafkaError.MSG_SIZE_TOO_LARGE, Outcome.FAILED),
+    (KafkaError.TOPIC_AUTHORIZATION_FAILED, Outcome.FAILED),
+    (KafkaError.UNKNOWN_TOPIC_OR_PART, Outcome.FAILED),
+    (KafkaError.INVALID_RECORD, Outcome.FAILED),
+    (KafkaError._MSG_TIMED_OUT, Outcome.RETRY),
+    (KafkaError._TRANSPORT, Outcome.RETRY),
+    (KafkaError._ALL_BROKERS_DOWN, Outcome.RETRY),
+    (KafkaError.NOT_ENOUGH_REPLICAS, Outcome.RETRY),
+])
+def test_error_translation(code: int, outcome: Outcome) -> None:
+    assert classify(KafkaError(code)) is outcome
+
+
+@pytest.mark.kafka
+def test_unknown_topic_fails_when_auto_create_is_off(kafka: str, topic: str) -> None:
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5,
+                               **{"allow.auto.create.topics": False})
+    results = transport.publish([Record(topic=topic, value=b"v", key=b"k"),
+                                 Record(topic=topic, value=b"w", key=b"k")])
+    assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY]
+    assert "Unknown topic" in (results[0].error or "")
+
+
+def test_broker_down_is_retry_within_the_delivery_timeout() -> None:
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:9", delivery_timeout=1.5, log_level=0)
+    results = transport.publish([Record(topic="t", value=b"v", key=b"k"),
+                                 Record(topic="t", value=b"v")])
+    assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY]

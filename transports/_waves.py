@@ -1,0 +1,60 @@
+"""Sending a batch in waves: how both Kafka transports keep the per-key contract.
+
+Wave 1 holds the first record of every key and every unkeyed record; wave n
+holds the n-th record of each key whose records 1..n-1 were all delivered. A
+record is thus never written while an earlier record of its key is
+unacknowledged, whatever the broker or client retries do, and a failed record
+can never be overtaken by its successor. Keys rarely repeat inside one batch,
+so most batches are a single wave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ._protocol import Outcome, Record, SendResult
+
+NOT_SENT = "not sent: an earlier record of this key was not delivered"
+NO_REPORT = "no delivery report in time"
+
+# send_wave(indexes, results): send records[i] for i in indexes and fill results[i].
+SendWave = Callable[[list[int], list[SendResult | None]], None]
+
+
+def waves(records: Sequence[Record]) -> list[list[int]]:
+    """Record indexes grouped so wave n holds the n-th record of each key."""
+    grouped: list[list[int]] = [[]]
+    seen: dict[bytes, int] = {}
+    for i, record in enumerate(records):
+        key = record.key
+        if key is None:
+            grouped[0].append(i)
+            continue
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        if n == len(grouped):
+            grouped.append([])
+        grouped[n].append(i)
+    return grouped
+
+
+def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[SendResult]:
+    """Run ``send_wave`` per wave, skipping keys already not delivered; results in input order."""
+    results: list[SendResult | None] = [None] * len(records)
+    blocked: set[bytes] = set()
+    for wave in waves(records):
+        sendable = []
+        for i in wave:
+            if records[i].key in blocked:
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT)
+            else:
+                sendable.append(i)
+        if not sendable:
+            continue
+        send_wave(sendable, results)
+        for i in sendable:
+            result = results[i]
+            key = records[i].key
+            if key is not None and (result is None or result.outcome is not Outcome.DELIVERED):
+                blocked.add(key)
+    return [r if r is not None else SendResult(Outcome.RETRY, error=NO_REPORT) for r in results]

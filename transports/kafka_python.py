@@ -1,0 +1,105 @@
+"""``KafkaPythonTransport``: the ``Transport`` protocol over a kafka-python-ng ``KafkaProducer``.
+
+For teams that already run a configured ``KafkaProducer`` (SASL, SSL, their own
+serialisation of nothing: records are bytes here). The same per-key contract as
+``transports.kafka.KafkaTransport`` holds, and it is kept the same way: records
+go out in waves (the n-th record of a key only after records 1..n-1 of that key
+were acknowledged), with the partition Kafka's Java client would choose for the
+key. Unlike librdkafka, kafka-python-ng has no idempotent producer, so a broker
+retry inside the client may duplicate a record; duplicates are allowed, and the
+waves keep first occurrences in order.
+
+Not safe to call ``publish`` from several threads at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+try:
+    import kafka.errors as kafka_errors
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        'transports.kafka_python needs kafka-python-ng: pip install "transactional-outbox[kafka-python]"'
+    ) from exc
+
+from outbox import ConfigurationError
+from outbox._sharding import partition_for_key
+
+from ._protocol import Outcome, Record, SendResult
+from ._waves import NO_REPORT, publish_in_waves
+
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.ClusterAuthorizationFailedError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.InvalidMessageError,
+    kafka_errors.PolicyViolationError,
+)
+
+
+def classify(error: BaseException) -> Outcome:
+    """FAILED for errors a resend cannot fix; RETRY for everything else (timeouts, broker down)."""
+    return Outcome.FAILED if isinstance(error, PERMANENT_ERRORS) else Outcome.RETRY
+
+
+class KafkaPythonTransport:
+    """Publishes through an existing ``kafka.KafkaProducer``; the producer stays yours.
+
+    ``delivery_timeout`` bounds the wait for acknowledgements of one wave;
+    records without one come back as ``RETRY``. ``close`` flushes but does not
+    close the producer, because the caller created it.
+    """
+
+    def __init__(self, producer: Any, *, delivery_timeout: float = 30.0) -> None:
+        if not all(hasattr(producer, name) for name in ("send", "flush", "partitions_for")):
+            raise ConfigurationError(
+                f"KafkaPythonTransport needs a kafka.KafkaProducer, got {type(producer).__name__}"
+            )
+        if not delivery_timeout > 0:
+            raise ConfigurationError(f"delivery_timeout must be positive, got {delivery_timeout!r}")
+        self._producer = producer
+        self._delivery_timeout = delivery_timeout
+
+    def __repr__(self) -> str:
+        return f"KafkaPythonTransport({type(self._producer).__name__})"
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        """Send ``records``; one result per record, in input order."""
+        return publish_in_waves(records, partial(self._send_wave, records))
+
+    def _send_wave(
+        self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None]
+    ) -> None:
+        futures = [(i, self._send(records[i], results, i)) for i in indexes]
+        self._producer.flush(self._delivery_timeout)
+        for i, future in futures:
+            if future is not None:
+                results[i] = _outcome(future)
+
+    def _send(self, record: Record, results: list[SendResult | None], i: int) -> Any:
+        try:
+            partition = None
+            if record.key is not None:
+                partitions = self._producer.partitions_for(record.topic)
+                partition = partition_for_key(record.key, len(partitions))
+            return self._producer.send(record.topic, value=record.value, key=record.key,
+                                       headers=list(record.headers), partition=partition)
+        except kafka_errors.KafkaError as exc:
+            results[i] = SendResult(classify(exc), error=repr(exc))
+            return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._producer.flush(timeout)
+
+
+def _outcome(future: Any) -> SendResult:
+    if not future.is_done:
+        return SendResult(Outcome.RETRY, error=NO_REPORT)
+    if future.failed():
+        return SendResult(classify(future.exception), error=repr(future.exception))
+    metadata = future.value
+    return SendResult(Outcome.DELIVERED, metadata.partition, metadata.offset)

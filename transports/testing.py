@@ -1,0 +1,180 @@
+"""Test helpers for transports: a conformance suite, a read-back consumer, fault injection.
+
+``TransportConformance`` is the contract of ``transports.Transport`` as pytest
+tests. Subclass it in a test module and provide two fixtures: ``transport``
+(a fresh transport connected to the broker at fixture ``kafka``) and ``topic``
+(a topic name no other test uses, auto-created with several partitions). Every
+transport of this package passes it; a third-party transport should too.
+
+``FaultyTransport`` wraps a real transport and fails a share of sends in the two
+ways real brokers do (never sent; sent but the acknowledgement lost), while
+keeping the per-key contract, so relay tests can prove ordering and no loss.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+from outbox._sharding import partition_for_key
+
+from ._protocol import Outcome, Record, SendResult, Transport
+from ._waves import NOT_SENT
+
+INJECTED_NOT_SENT = "injected fault: not sent"
+INJECTED_LOST_ACK = "injected fault: sent, acknowledgement lost"
+
+
+def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30.0) -> list[Record]:
+    """Read ``topic`` from the beginning until ``expected`` records arrived or ``timeout`` passed.
+
+    Records come back in partition order (offset order within each partition),
+    with partition and offset set.
+    """
+    import uuid
+
+    from confluent_kafka import Consumer
+
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap,
+        "group.id": f"read-back-{uuid.uuid4().hex}",
+        "auto.offset.reset": "earliest",
+        "enable.auto.commit": False,
+        "fetch.wait.max.ms": 10,
+        "log_level": 3,
+    })
+    consumer.subscribe([topic])
+    records: list[Record] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(records) < expected and time.monotonic() < deadline:
+            for message in consumer.consume(10000, 0.2):
+                if message.error() is not None:
+                    continue
+                records.append(Record(
+                    topic=message.topic(), value=message.value() or b"", key=message.key(),
+                    headers=list(message.headers() or []), partition=message.partition(),
+                    offset=message.offset(),
+                ))
+    finally:
+        consumer.close()
+    records.sort(key=lambda r: (r.partition, r.offset))
+    return records
+
+
+def partition_count(bootstrap: str, topic: str) -> int:
+    from confluent_kafka import Producer
+
+    metadata = Producer({"bootstrap.servers": bootstrap, "log_level": 3}).list_topics(topic, timeout=10)
+    return len(metadata.topics[topic].partitions)
+
+
+class FaultyTransport:
+    """Wraps a transport and fails about ``rate`` of the records, keeping the per-key contract.
+
+    A faulted record is either not sent at all (``RETRY``, as when the broker is
+    down) or sent and then reported ``RETRY`` (as when the acknowledgement times
+    out after the broker wrote it: the retry becomes a duplicate). Later records
+    of a faulted key in the same batch are not sent. Safe to call from one
+    thread at a time, like the transports it wraps.
+    """
+
+    def __init__(self, inner: Transport, *, rate: float = 0.1, seed: int | None = None) -> None:
+        if not 0 <= rate < 1:
+            raise ValueError(f"rate must be in [0, 1), got {rate!r}")
+        self.inner = inner
+        self.rate = rate
+        self._random = random.Random(seed)
+        self.injected = 0
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        results: list[SendResult | None] = [None] * len(records)
+        faulted: set[bytes] = set()
+        to_send: list[int] = []
+        lost_ack: set[int] = set()
+        for i, record in enumerate(records):
+            if record.key is not None and record.key in faulted:
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT)
+                continue
+            if self._random.random() < self.rate:
+                self.injected += 1
+                if record.key is not None:
+                    faulted.add(record.key)
+                if self._random.random() < 0.5:
+                    results[i] = SendResult(Outcome.RETRY, error=INJECTED_NOT_SENT)
+                    continue
+                lost_ack.add(i)
+            to_send.append(i)
+        sent = self.inner.publish([records[i] for i in to_send]) if to_send else []
+        for i, result in zip(to_send, sent, strict=True):
+            if i in lost_ack and result.outcome is Outcome.DELIVERED:
+                result = SendResult(Outcome.RETRY, error=INJECTED_LOST_ACK)
+            results[i] = result
+        return results  # type: ignore[return-value]
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.inner.close(timeout)
+
+
+class TransportConformance:
+    """The ``Transport`` contract as tests; subclass and provide ``transport`` and ``topic``."""
+
+    #: Set False for transports that cannot see a record over the client's size limit.
+    rejects_oversized = True
+    oversized_value = b"x" * 1_100_000
+
+    def _records(self, topic: str, keys: Sequence[str | None], tag: str = "") -> list[Record]:
+        return [
+            Record(topic=topic, value=f"{tag}{i}".encode(), key=None if k is None else k.encode(),
+                   headers=[("n", str(i).encode())])
+            for i, k in enumerate(keys)
+        ]
+
+    def test_empty_batch_returns_no_results(self, transport: Transport) -> None:
+        assert transport.publish([]) == []
+
+    def test_results_in_input_order_with_partition_and_offset(
+        self, transport: Transport, kafka: str, topic: str
+    ) -> None:
+        records = self._records(topic, ["a", "b", None, "a", "c", None, "b"])
+        results = transport.publish(records)
+        assert [r.outcome for r in results] == [Outcome.DELIVERED] * len(records)
+        written = {(r.partition, r.offset): r for r in read_topic(kafka, topic, expected=len(records))}
+        for record, result in zip(records, results, strict=True):
+            assert result.partition is not None and result.offset is not None
+            found = written[(result.partition, result.offset)]
+            assert (found.key, found.value, found.headers) == (record.key, record.value, record.headers)
+
+    def test_same_key_goes_to_java_partition_in_order(
+        self, transport: Transport, kafka: str, topic: str
+    ) -> None:
+        keys = [f"k{i % 7}" for i in range(70)]
+        results = transport.publish(self._records(topic, keys))
+        assert all(r.outcome is Outcome.DELIVERED for r in results)
+        partitions = partition_count(kafka, topic)
+        by_key: dict[str, list[tuple[int, int]]] = {}
+        for key, result in zip(keys, results, strict=True):
+            assert result.partition == partition_for_key(key.encode(), partitions)
+            by_key.setdefault(key, []).append((result.partition, result.offset))
+        for positions in by_key.values():
+            assert positions == sorted(positions) and len({p for p, _ in positions}) == 1
+
+    def test_unkeyed_records_are_delivered(self, transport: Transport, topic: str) -> None:
+        results = transport.publish(self._records(topic, [None] * 40))
+        assert all(r.outcome is Outcome.DELIVERED for r in results)
+
+    def test_oversized_record_fails_and_stops_only_its_key(
+        self, transport: Transport, kafka: str, topic: str
+    ) -> None:
+        if not self.rejects_oversized:
+            return
+        records = self._records(topic, ["k", "k", "k", "other", "other"])
+        records[1].value = self.oversized_value
+        results = transport.publish(records)
+        assert [r.outcome for r in results] == [
+            Outcome.DELIVERED, Outcome.FAILED, Outcome.RETRY, Outcome.DELIVERED, Outcome.DELIVERED
+        ]
+        assert results[1].error and results[2].error
+        written = read_topic(kafka, topic, expected=3)
+        assert sorted(r.value for r in written) == [b"0", b"3", b"4"]
