@@ -19,12 +19,15 @@ from ._errors import (
     UnserializablePayloadError,
 )
 from ._outbox import Outbox
+from ._relay import Relay
+from ._relay_batch import BatchResult
 from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
 
 __all__ = [
     "Alert",
     "AlertSink",
+    "BatchResult",
     "ConfigurationError",
     "ForeignRecordError",
     "InvalidHeadersError",
@@ -39,6 +42,7 @@ __all__ = [
     "OutboxTables",
     "PayloadTooLargeError",
     "PermanentTransportError",
+    "Relay",
     "RetriableTransportError",
     "TransportError",
     "UnserializablePayloadError",

@@ -1,0 +1,164 @@
+"""Shard leases: how several relay processes split the outbox without sending twice in parallel.
+
+Each relay heartbeats into ``outbox_relays``; the live relays (heartbeat within
+one TTL) split ``outbox.shards`` evenly, by sorted worker id, so every relay
+computes the same share for everybody. A relay takes free or expired shards up
+to its share (the epoch goes up by one on every take-over), gives back shards
+above its share, and renews what it holds every TTL/3. The epoch is the fencing
+token every "mark published" carries (see ``_relay_sql``).
+
+Giving shards back happens between batches (``release_surplus``, called by the
+relay's worker thread), so a shard is never released under a batch in flight;
+taking and renewing happens on the lease thread, so a batch that blocks on the
+broker does not let the leases lapse. All methods are safe to call from both
+threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timedelta
+
+from sqlalchemy import Engine, delete, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ._envelope import utcnow
+from ._tables import OutboxTables
+
+log = logging.getLogger("outbox.relay.leases")
+
+
+def fair_share(shards: int, live: list[str], me: str) -> int:
+    """Shards ``me`` should hold: the first ``shards % n`` live relays hold one more."""
+    ordered = sorted(set(live) | {me})
+    base, extra = divmod(shards, len(ordered))
+    return base + (1 if ordered.index(me) < extra else 0)
+
+
+class Leases:
+    """The shard leases one relay holds, kept in step with the database."""
+
+    def __init__(self, engine: Engine, tables: OutboxTables, shards: int, worker_id: str,
+                 ttl: float) -> None:
+        self._engine = engine
+        self._tables = tables
+        self.shards = shards
+        self.worker_id = worker_id
+        self.ttl = ttl
+        self._owned: dict[int, int] = {}  # shard -> epoch
+        self._surplus = 0
+        self._lock = threading.Lock()
+        self._prepared = False
+
+    def owned(self) -> dict[int, int]:
+        """A snapshot: shard -> epoch held right now."""
+        with self._lock:
+            return dict(self._owned)
+
+    @property
+    def surplus(self) -> int:
+        return self._surplus
+
+    def _prepare(self) -> None:
+        t = self._tables.leases
+        module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        epoch = utcnow() - timedelta(days=1)
+        rows = [{"shard": s, "owner": None, "epoch": 0, "expires_at": epoch}
+                for s in range(self.shards)]
+        with self._engine.begin() as conn:
+            conn.execute(module.insert(t).on_conflict_do_nothing(index_elements=[t.c.shard]), rows)
+        self._prepared = True
+
+    def maintain(self) -> dict[int, int]:
+        """Heartbeat, renew, and take free shards up to the fair share; returns what is held."""
+        with self._lock:
+            if not self._prepared:
+                self._prepare()
+            now = utcnow()
+            expires = now + timedelta(seconds=self.ttl)
+            relays, leases = self._tables.relays, self._tables.leases
+            module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+            with self._engine.begin() as conn:
+                up = module.insert(relays).values(worker_id=self.worker_id, heartbeat_at=now)
+                conn.execute(up.on_conflict_do_update(
+                    index_elements=[relays.c.worker_id], set_={"heartbeat_at": now}))
+                live = list(conn.scalars(select(relays.c.worker_id).where(
+                    relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
+                # Only leases this object took: a namesake's leases from an earlier
+                # process expire and are taken afresh, with a new epoch.
+                renewed = conn.execute(
+                    update(leases)
+                    .where(leases.c.owner == self.worker_id, leases.c.shard.in_(list(self._owned)))
+                    .values(expires_at=expires).returning(leases.c.shard, leases.c.epoch)
+                ).all() if self._owned else []
+            held = {s: e for s, e in renewed if self._owned.get(s) == e}
+            lost = set(self._owned) - set(held)
+            if lost:
+                log.warning("relay %s lost shard leases %s", self.worker_id, sorted(lost))
+            share = fair_share(self.shards, live, self.worker_id)
+            if len(held) < share:
+                held |= self._take(share - len(held), now, expires)
+            self._owned = held
+            self._surplus = max(0, len(held) - share)
+            return dict(held)
+
+    def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
+        leases = self._tables.leases
+        taken: dict[int, int] = {}
+        with self._engine.begin() as conn:
+            free = list(conn.scalars(
+                select(leases.c.shard)
+                .where((leases.c.owner.is_(None)) | (leases.c.expires_at < now))
+                .order_by(leases.c.shard)
+            ))
+            for shard in free[:wanted]:
+                epoch = conn.execute(
+                    update(leases)
+                    .where(leases.c.shard == shard,
+                           (leases.c.owner.is_(None)) | (leases.c.expires_at < now))
+                    .values(owner=self.worker_id, epoch=leases.c.epoch + 1, expires_at=expires)
+                    .returning(leases.c.epoch)
+                ).scalar()
+                if epoch is not None:
+                    taken[shard] = epoch
+        if taken:
+            log.info("relay %s took shards %s", self.worker_id, sorted(taken))
+        return taken
+
+    def release_surplus(self) -> None:
+        """Give back shards above the fair share; call only between batches."""
+        with self._lock:
+            if self._surplus <= 0:
+                return
+            give = sorted(self._owned)[-self._surplus:]
+            self._release(give)
+            self._surplus = 0
+
+    def release_all(self) -> None:
+        """Give back every shard and leave the membership table (clean shutdown)."""
+        with self._lock:
+            self._release(sorted(self._owned))
+            relays = self._tables.relays
+            with self._engine.begin() as conn:
+                conn.execute(delete(relays).where(relays.c.worker_id == self.worker_id))
+
+    def _release(self, shards: list[int]) -> None:
+        leases = self._tables.leases
+        now = utcnow()
+        with self._engine.begin() as conn:
+            for shard in shards:
+                conn.execute(
+                    update(leases)
+                    .where(leases.c.shard == shard, leases.c.owner == self.worker_id,
+                           leases.c.epoch == self._owned[shard])
+                    .values(owner=None, expires_at=now)
+                )
+                del self._owned[shard]
+        if shards:
+            log.info("relay %s released shards %s", self.worker_id, shards)
+
+
+def renew_interval(ttl: float) -> float:
+    return max(0.05, ttl / 3)
+

@@ -1,0 +1,214 @@
+"""``Relay``: moves committed outbox rows to the broker, per key in seq order.
+
+This module is the relay's life cycle: configuration checked at construction,
+the loop (wake on NOTIFY, wheel timers or the poll interval; go again at once
+after a full batch), the lease thread, and a graceful stop. What happens inside
+one batch, and why it keeps per-key order, is in ``_relay_batch``.
+
+``run`` loops until ``stop`` (or SIGTERM/SIGINT): it finishes the batch in hand
+(the transport bounds the wait for delivery reports), marks it, releases its
+leases and returns, so a process running it exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import tenacity
+from sqlalchemy import Engine
+
+from transports import Transport
+
+from ._alerts import Alert, AlertSink, LoggingAlertSink
+from ._errors import ConfigurationError
+from ._leases import Leases, renew_interval
+from ._outbox import Outbox
+from ._relay_batch import Batch, BatchResult
+from ._relay_metrics import RelayMetrics, relay_metrics
+from ._relay_sql import RelayStatements
+from ._relay_wakeup import Wakeup
+from ._wheel import TimingWheel
+
+log = logging.getLogger("outbox.relay")
+
+DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
+
+
+class Relay:
+    """Publishes an ``Outbox``'s rows through a ``Transport``; see the module doc.
+
+    ``engine`` (a sync ``Engine``) defaults to the outbox's; ``worker_id`` must
+    be unique among relays of one database (default: host, pid and a random
+    suffix). ``backoff`` is a tenacity wait strategy giving the delay before
+    attempt n+1; retriable errors are retried without limit. ``run`` and
+    ``run_once`` must be called from one thread; ``stop`` from any.
+    """
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        transport: Transport,
+        *,
+        engine: Engine | None = None,
+        batch_size: int = 1000,
+        worker_id: str | None = None,
+        alert: AlertSink | Callable[[Alert], None] | None = None,
+        lease_ttl: float = 10.0,
+        poll_interval: float = 0.5,
+        backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF,
+        metrics: RelayMetrics | None = None,
+        wheel_tick: float = 0.02,
+    ) -> None:
+        if not isinstance(outbox, Outbox):
+            raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
+        if not callable(getattr(transport, "publish", None)):
+            raise ConfigurationError(f"transport {transport!r} has no publish(records) method")
+        engine = engine if engine is not None else outbox.engine  # type: ignore[assignment]
+        if not isinstance(engine, Engine):
+            raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
+            raise ConfigurationError(f"batch_size must be an int from 1 to 100000, got {batch_size!r}")
+        for name, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
+                            ("wheel_tick", wheel_tick)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
+        if not callable(backoff):
+            raise ConfigurationError(f"backoff must be a tenacity wait strategy, got {backoff!r}")
+        worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if not isinstance(worker_id, str) or len(worker_id) > 200:
+            raise ConfigurationError(f"worker_id must be a str of at most 200 characters: {worker_id!r}")
+        alert = alert if alert is not None else LoggingAlertSink()
+        if not callable(alert):
+            raise ConfigurationError(f"alert must be an AlertSink or callable, got {alert!r}")
+
+        self.outbox = outbox
+        self.transport = transport
+        self.engine = engine
+        self.batch_size = batch_size
+        self.worker_id = worker_id
+        self.alert = alert
+        self.poll_interval = float(poll_interval)
+        self.backoff = backoff
+        self.metrics = metrics or relay_metrics()
+        self.leases = Leases(engine, outbox.tables, outbox.shards, worker_id, float(lease_ttl))
+        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
+        self._batch = Batch(
+            engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
+            backoff=backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
+            batch_size=batch_size,
+        )
+        self._wakeup = Wakeup()
+        self._stopping = threading.Event()
+        self._lease_thread: threading.Thread | None = None
+        self._next_lease_check = 0.0
+
+    def __repr__(self) -> str:
+        return f"Relay(worker_id={self.worker_id!r}, transport={self.transport!r})"
+
+    # -- one batch ------------------------------------------------------------
+
+    def run_once(self) -> BatchResult:
+        """Fetch, send and mark one batch; returns what happened.
+
+        Without ``run`` (tests, embedding) the leases are maintained here, at
+        most every TTL/3.
+        """
+        if self._lease_thread is None and time.monotonic() >= self._next_lease_check:
+            self._maintain_leases()
+        self.leases.release_surplus()
+        self.wheel.advance(time.monotonic())
+        owned = self.leases.owned()
+        if not owned:
+            return BatchResult()
+        return self._batch.run(owned)
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Publish until ``stop()`` or SIGTERM/SIGINT; then drain, release leases, return."""
+        restore = self._install_signal_handlers()
+        self._stopping.clear()
+        self._maintain_leases()
+        self._lease_thread = threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
+                                              daemon=True)
+        self._lease_thread.start()
+        if self.outbox.notify_channel:
+            self._wakeup.listen(self.engine, self.outbox.notify_channel)
+        log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
+        try:
+            self._loop()
+        finally:
+            self._stopping.set()
+            self._wakeup.close()
+            if self._lease_thread is not None:
+                self._lease_thread.join(10)
+                self._lease_thread = None
+            self.leases.release_all()
+            restore()
+            log.info("relay %s stopped; leases released", self.worker_id)
+
+    def _loop(self) -> None:
+        poll_due = 0.0
+        again = True
+        while not self._stopping.is_set():
+            mono = time.monotonic()
+            if again or mono >= poll_due or self.wheel.advance(mono):
+                poll_due = mono + self.poll_interval
+                try:
+                    batch = self.run_once()
+                except Exception:
+                    log.exception("relay %s batch failed; retrying after the poll interval",
+                                  self.worker_id)
+                    batch = BatchResult()
+                    self._stopping.wait(self.poll_interval)
+                again = batch.fetched == self.batch_size
+                if again:
+                    continue
+            wait = self.wheel.tick if len(self.wheel) else max(0.0, poll_due - time.monotonic())
+            again = self._wakeup.wait(wait)
+
+    def _lease_loop(self) -> None:
+        interval = renew_interval(self.leases.ttl)
+        while not self._stopping.wait(interval):
+            try:
+                before = set(self.leases.owned())
+                after = self._maintain_leases()
+                if set(after) - before or self.leases.surplus:
+                    self._wakeup.set()  # new shards to serve, or surplus to give back
+            except Exception:
+                log.exception("relay %s could not maintain its leases", self.worker_id)
+
+    def _maintain_leases(self) -> dict[int, int]:
+        owned = self.leases.maintain()
+        self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
+        self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
+        return owned
+
+    def stop(self) -> None:
+        """Ask ``run`` to finish the batch in hand and return; safe from any thread or signal."""
+        self._stopping.set()
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """Release leases held from ``run_once`` calls (``run`` does this itself)."""
+        self.leases.release_all()
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in previous:
+            signal.signal(sig, lambda *_: self.stop())
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        return restore

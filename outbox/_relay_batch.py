@@ -1,0 +1,163 @@
+"""One relay batch: fetch due rows, send them, record every outcome in fenced bulk updates.
+
+The rules that keep per-key order live here:
+
+- the fetch returns a key's due rows in seq order and no row of a key whose
+  earlier row failed or waits for a later attempt (``_relay_sql``);
+- keys whose head waits in the timing wheel are dropped after the fetch;
+- the transport never writes a key's record after an earlier one of that key
+  was not delivered;
+- a key stops at its first row that was not delivered: that row gets its
+  attempt count, error and next attempt time (retry) or ``failed`` status,
+  and the key's later rows stay pending, untouched.
+
+Only the relay's worker thread uses a ``Batch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import tenacity
+from sqlalchemy import Connection, Engine
+
+from transports import Outcome, SendResult, Transport
+
+from ._alerts import Alert, AlertSink, deliver
+from ._envelope import utcnow
+from ._relay_metrics import RelayMetrics
+from ._relay_sql import Marks, RelayStatements, add_mark, empty_marks
+from ._wheel import TimingWheel
+from ._wire import to_record
+
+log = logging.getLogger("outbox.relay")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """What one ``run_once`` did; ``fetched == batch_size`` means more may be waiting."""
+
+    fetched: int = 0
+    sent: int = 0
+    published: int = 0
+    retried: int = 0
+    failed: int = 0
+    held: int = 0
+    """Rows not sent because their key waits in the timing wheel."""
+    fenced: int = 0
+    """Rows delivered but not marked because this relay lost the shard's lease."""
+
+
+class Batch:
+    """Runs batches for one relay (see the module doc)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        sql: RelayStatements,
+        transport: Transport,
+        wheel: TimingWheel[tuple[str, str]],
+        *,
+        backoff: tenacity.wait.wait_base,
+        alert: AlertSink | Callable[[Alert], None],
+        metrics: RelayMetrics,
+        worker_id: str,
+        batch_size: int,
+    ) -> None:
+        self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
+        self.backoff, self.alert, self.metrics = backoff, alert, metrics
+        self.worker_id, self.batch_size = worker_id, batch_size
+
+    def run(self, owned: dict[int, int]) -> BatchResult:
+        """One batch over the shards in ``owned`` (shard -> lease epoch)."""
+        started = time.perf_counter()
+        with self.engine.connect() as conn:
+            rows = conn.execute(self.sql.fetch, {
+                "now": utcnow(), "shards": sorted(owned), "limit": self.batch_size,
+            }).all()
+            conn.rollback()
+        if not rows:
+            return BatchResult()
+        wheel = self.wheel
+        sendable = [r for r in rows if r.key is None or (r.topic, r.key) not in wheel]
+        records = [
+            to_record(message_id=r.message_id, topic=r.topic, key=r.key, seq=r.seq, payload=r.payload,
+                      content_type=r.content_type, headers=r.headers, created_at=r.created_at,
+                      available_at=r.available_at)
+            for r in sendable
+        ]
+        results = self.transport.publish(records) if records else []
+        if len(results) != len(records):
+            raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
+        outcome = self._record(sendable, results, owned)
+        self.metrics.batch_duration.observe(time.perf_counter() - started)
+        self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
+        return BatchResult(fetched=len(rows), sent=len(records), held=len(rows) - len(sendable),
+                           **outcome)
+
+    def _record(self, rows: list[Any], results: list[SendResult], owned: dict[int, int]) -> dict:
+        published, retried = empty_marks(), empty_marks()
+        failed: list[tuple[Any, int, str]] = []
+        published_topics: dict[str, int] = {}
+        stopped: set[tuple[str, str]] = set()
+        now, mono = utcnow(), time.monotonic()
+        for row, res in zip(rows, results, strict=True):
+            key = (row.topic, row.key) if row.key is not None else None
+            if key is not None and key in stopped:
+                continue
+            epoch = owned[row.shard]
+            if res.outcome is Outcome.DELIVERED:
+                add_mark(published, row.id, epoch, kafka_partition=res.partition,
+                         kafka_offset=res.offset)
+                published_topics[row.topic] = published_topics.get(row.topic, 0) + 1
+                continue
+            if key is not None:
+                stopped.add(key)
+            if res.outcome is Outcome.FAILED:
+                failed.append((row, epoch, res.error or "failed"))
+            else:
+                delay = self._delay(row.attempts + 1)
+                add_mark(retried, row.id, epoch, available_at=now + timedelta(seconds=delay),
+                         last_error=res.error)
+                self.metrics.retried.labels(row.topic).inc()
+                # The wheel holds the key back and wakes the relay; the row is the truth.
+                wheel_key = key if key is not None else (row.topic, str(row.message_id))
+                self.wheel.schedule(wheel_key, mono + delay)
+        with self.engine.begin() as conn:
+            marked = self.sql.published(conn, self.worker_id, published, now)
+            self.sql.retried(conn, self.worker_id, retried)
+            newly_failed = self._mark_failed(conn, failed)
+        for topic, n in published_topics.items():
+            self.metrics.published.labels(topic).inc(n)
+        for row, error in newly_failed:
+            self.metrics.failed.labels(row.topic).inc()
+            deliver(self.alert, Alert(kind="message_failed", topic=row.topic, key=row.key,
+                                      message_id=str(row.message_id), error=error,
+                                      details={"id": row.id, "seq": row.seq}))
+        fenced = len(published.ids) - marked
+        if fenced:
+            log.warning("relay %s lost a lease: %d delivered rows left to the new owner",
+                        self.worker_id, fenced)
+        return {"published": marked, "retried": len(retried.ids), "failed": len(newly_failed),
+                "fenced": fenced}
+
+    def _mark_failed(self, conn: Connection, failed: list[tuple[Any, int, str]]) -> list:
+        """Failed rows are rare: one update each, so only rows that really changed alert."""
+        changed = []
+        for row, epoch, error in failed:
+            if self.sql.failed(conn, self.worker_id, Marks([row.id], [epoch], {"last_error": [error]})):
+                changed.append((row, error))
+        return changed
+
+    def _delay(self, attempt: int) -> float:
+        state = tenacity.RetryCallState(None, None, (), {})
+        state.attempt_number = attempt
+        return float(self.backoff(state))
+
+
+

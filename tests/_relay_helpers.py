@@ -1,0 +1,91 @@
+"""Helpers shared by the relay tests: publishing, draining, reading rows and the topic."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox import Outbox, Relay
+from outbox._wire import SEQ
+from transports import Outcome, Record, SendResult
+
+
+def publish(outbox: Outbox, topic: str, keys: Sequence[str | None], *, payload: Any = None,
+            **kwargs: Any) -> list:
+    """Publish one message per key (in one transaction); returns their message ids."""
+    ids = []
+    with outbox._sessions() as session, session.begin():
+        for i, key in enumerate(keys):
+            body = payload if payload is not None else {"i": i}
+            ids.append(outbox.publish(session, topic, body, key=key, **kwargs))
+    return ids
+
+
+def drain(relay: Relay, *, timeout: float = 20.0) -> None:
+    """Run batches until every row is published or failed (or fail after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        relay.run_once()
+        if not rows(relay.outbox, status="pending"):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"still pending after {timeout}s: {rows(relay.outbox, status='pending')}")
+
+
+def rows(outbox: Outbox, **where: Any) -> list[Any]:
+    m = outbox.tables.messages
+    query = sa.select(m).order_by(m.c.id)
+    for name, value in where.items():
+        query = query.where(m.c[name] == value)
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return list(conn.execute(query))
+
+
+def seqs_by_key(records: Sequence[Record]) -> dict[bytes, list[int]]:
+    """First occurrence of each seq per key (keyed records only), in (partition, offset) order."""
+    seen: dict[bytes, list[int]] = {}
+    for record in records:
+        if record.key is None:
+            continue
+        seq = int(dict(record.headers)[SEQ])
+        order = seen.setdefault(record.key, [])
+        if seq not in order:
+            order.append(seq)
+    return seen
+
+
+class ScriptedTransport:
+    """An in-memory transport whose outcomes a test decides, per message id.
+
+    ``script[message_id]`` is a list of outcomes used one per attempt (then
+    DELIVERED). It keeps the per-key contract like the real transports.
+    """
+
+    def __init__(self, script: dict | None = None) -> None:
+        self.script: dict[str, list[Outcome]] = script or {}
+        self.sent: list[Record] = []
+        self.offset = 0
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        results, blocked = [], set()
+        for record in records:
+            if record.key is not None and record.key in blocked:
+                results.append(SendResult(Outcome.RETRY, error="not sent"))
+                continue
+            message_id = dict(record.headers)["outbox-message-id"].decode()
+            planned = self.script.get(message_id) or []
+            outcome = planned.pop(0) if planned else Outcome.DELIVERED
+            if outcome is Outcome.DELIVERED:
+                self.sent.append(record)
+                self.offset += 1
+                results.append(SendResult(Outcome.DELIVERED, 0, self.offset))
+            else:
+                blocked.add(record.key)
+                results.append(SendResult(outcome, error=f"scripted {outcome.value}"))
+        return results
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass

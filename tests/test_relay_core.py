@@ -1,0 +1,159 @@
+"""The relay's batch rules on SQLite and PostgreSQL: order, retries, failures, delays, restarts."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import tenacity
+from _relay_helpers import ScriptedTransport, drain, publish, rows, seqs_by_key
+
+from outbox import Alert, ConfigurationError, Outbox, Relay
+from outbox._sharding import partition_for_key
+from transports import Outcome
+from transports.kafka import KafkaTransport
+from transports.testing import partition_count, read_topic
+
+FAST = tenacity.wait_fixed(0.3)
+
+
+@pytest.mark.kafka
+def test_every_row_reaches_its_key_partition_in_seq_order(outbox: Outbox, kafka: str, topic: str) -> None:
+    keys = [f"k{i % 13}" for i in range(400)] + [None] * 20
+    publish(outbox, topic, keys)
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), batch_size=97)
+    drain(relay)
+    relay.close()
+    stored = rows(outbox)
+    assert {r.status for r in stored} == {"published"}
+    assert all(r.kafka_partition is not None and r.kafka_offset is not None for r in stored)
+    records = read_topic(kafka, topic, expected=len(keys))
+    assert len(records) == len(keys)
+    partitions = partition_count(kafka, topic)
+    expected = {f"k{k}".encode(): list(range(1, keys.count(f"k{k}") + 1)) for k in range(13)}
+    assert seqs_by_key(records) == expected
+    for record in records:
+        if record.key is not None:
+            assert record.partition == partition_for_key(record.key, partitions)
+    stored_positions = {(r.kafka_partition, r.kafka_offset) for r in stored}
+    assert stored_positions == {(r.partition, r.offset) for r in records}
+
+
+def test_a_retried_head_holds_its_key_while_other_keys_flow(outbox: Outbox) -> None:
+    ids = publish(outbox, "orders", ["a", "a", "a", "b", "b"])
+    transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY, Outcome.RETRY]})
+    relay = Relay(outbox, transport, backoff=FAST)
+    first = relay.run_once()
+    assert (first.published, first.retried) == (2, 1)
+    head = rows(outbox, message_id=ids[0])[0]
+    assert head.status == "pending" and head.attempts == 1 and head.last_error == "scripted retry"
+    assert head.available_at > datetime.now(UTC)
+    assert [r.status for r in rows(outbox, key="a")] == ["pending"] * 3
+    assert [r.attempts for r in rows(outbox, key="a")[1:]] == [0, 0]
+    assert relay.run_once().fetched == 0  # the head is not due, so nothing of key a is
+    drain(relay)
+    relay.close()
+    assert [(r.key, int(dict(r.headers)["outbox-seq"])) for r in transport.sent] == [
+        (b"b", 1), (b"b", 2), (b"a", 1), (b"a", 2), (b"a", 3)
+    ]
+    assert rows(outbox, message_id=ids[0])[0].attempts == 3
+
+
+def test_a_failed_row_blocks_only_its_key_and_alerts_once(outbox: Outbox) -> None:
+    ids = publish(outbox, "orders", ["a", "a", "b"])
+    alerts: list[Alert] = []
+    relay = Relay(outbox, ScriptedTransport({str(ids[0]): [Outcome.FAILED]}), alert=alerts.append)
+    relay.run_once()
+    for _ in range(3):
+        assert relay.run_once().fetched == 0
+    relay.close()
+    assert [r.status for r in rows(outbox)] == ["failed", "pending", "published"]
+    assert rows(outbox)[0].last_error == "scripted failed"
+    assert [(a.kind, a.key, a.message_id) for a in alerts] == [("message_failed", "a", str(ids[0]))]
+
+
+def test_delayed_messages_are_not_sent_early_and_hold_their_key(outbox: Outbox) -> None:
+    publish(outbox, "orders", ["a"], delay=1.0)
+    publish(outbox, "orders", ["a", "b"])
+    transport = ScriptedTransport()
+    relay = Relay(outbox, transport)
+    started = time.monotonic()
+    relay.run_once()
+    assert [r.key for r in transport.sent] == [b"b"]
+    while rows(outbox, status="pending"):
+        relay.run_once()
+        if rows(outbox, key="a", status="published"):
+            assert time.monotonic() - started >= 1.0
+        time.sleep(0.05)
+    relay.close()
+    assert [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent] == [
+        (b"b", b"1"), (b"a", b"1"), (b"a", b"2")
+    ]
+    assert "outbox-available-at" in dict(transport.sent[1].headers)
+
+
+def test_a_restarted_relay_honours_attempts_and_next_attempt_time(outbox: Outbox) -> None:
+    ids = publish(outbox, "orders", ["a"])
+    first = Relay(outbox, ScriptedTransport({str(ids[0]): [Outcome.RETRY]}),
+                  backoff=tenacity.wait_fixed(1.5))
+    first.run_once()
+    first.close()
+    row = rows(outbox)[0]
+    assert (row.attempts, row.status) == (1, "pending")
+    transport = ScriptedTransport()
+    restarted = Relay(outbox, transport)  # a new process: empty wheel
+    assert restarted.run_once().fetched == 0
+    while datetime.now(UTC) < row.available_at:
+        assert restarted.run_once().fetched == 0
+        time.sleep(0.05)
+    drain(restarted)
+    restarted.close()
+    assert len(transport.sent) == 1 and rows(outbox)[0].attempts == 2
+
+
+def test_a_relay_whose_lease_expired_cannot_mark(outbox: Outbox) -> None:
+    publish(outbox, "orders", ["a", "b", "c"])
+    other = Relay(outbox, ScriptedTransport(), lease_ttl=0.5)
+
+    class Paused(ScriptedTransport):
+        def publish(self, records):  # the broker acks, then this relay stalls past its TTL
+            results = super().publish(records)
+            time.sleep(0.7)
+            other.leases.maintain()  # the other relay takes the expired shards over
+            return results
+
+    paused = Relay(outbox, Paused(), lease_ttl=0.5)
+    result = paused.run_once()
+    assert (result.sent, result.published, result.fenced) == (3, 0, 3)
+    assert {r.status for r in rows(outbox)} == {"pending"}
+    drain(other)
+    assert {r.status for r in rows(outbox)} == {"published"}
+    other.close()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": "10"}, "batch_size"),
+    ({"lease_ttl": -1}, "lease_ttl"),
+    ({"poll_interval": 0}, "poll_interval"),
+    ({"worker_id": "x" * 201}, "worker_id"),
+    ({"alert": "ops@example.com"}, "alert"),
+    ({"backoff": 3}, "backoff"),
+])
+def test_bad_settings_fail_at_construction(outbox: Outbox, kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        Relay(outbox, ScriptedTransport(), **kwargs)
+
+
+def test_transport_must_publish(outbox: Outbox) -> None:
+    with pytest.raises(ConfigurationError, match="publish"):
+        Relay(outbox, object())  # type: ignore[arg-type]
+
+
+def test_delay_backoff_is_capped() -> None:
+    wait = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
+    state = tenacity.RetryCallState(None, None, (), {})
+    state.attempt_number = 500
+    assert wait(state) <= 30.2
+    assert timedelta(seconds=wait(state)) <= timedelta(seconds=30.2)
