@@ -83,6 +83,8 @@ class Leases:
                 up = module.insert(relays).values(worker_id=self.worker_id, heartbeat_at=now)
                 conn.execute(up.on_conflict_do_update(
                     index_elements=[relays.c.worker_id], set_={"heartbeat_at": now}))
+                conn.execute(delete(relays).where(  # long dead (killed): forget them
+                    relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
                 live = list(conn.scalars(select(relays.c.worker_id).where(
                     relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
                 # Only leases this object took: a namesake's leases from an earlier

@@ -33,6 +33,7 @@ from sqlalchemy.engine import Dialect
 from ._validation import validate_identifier
 
 PENDING, PUBLISHED, FAILED = "pending", "published", "failed"
+SKIPPED = "skipped"  # a failed row an operator chose not to send (``outbox failed skip``)
 PROCESSED, DISCARDED = "processed", "discarded"
 
 # SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
@@ -110,7 +111,8 @@ class OutboxTables:
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),
             CheckConstraint(
-                f"status IN ('{PENDING}', '{PUBLISHED}', '{FAILED}')", name=f"ck_{p}outbox_status"
+                f"status IN ('{PENDING}', '{PUBLISHED}', '{FAILED}', '{SKIPPED}')",
+                name=f"ck_{p}outbox_status",
             ),
             schema=s,
         )

@@ -26,8 +26,12 @@ INJECTED_NOT_SENT = "injected fault: not sent"
 INJECTED_LOST_ACK = "injected fault: sent, acknowledgement lost"
 
 
-def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30.0) -> list[Record]:
+def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30.0,
+               settle: float = 0.0) -> list[Record]:
     """Read ``topic`` from the beginning until ``expected`` records arrived or ``timeout`` passed.
+
+    With ``settle`` it goes on reading until nothing arrived for that long
+    (to count duplicates beyond ``expected``).
 
     Records come back in partition order (offset order within each partition),
     with partition and offset set.
@@ -48,8 +52,14 @@ def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30
     records: list[Record] = []
     deadline = time.monotonic() + timeout
     try:
-        while len(records) < expected and time.monotonic() < deadline:
-            for message in consumer.consume(10000, 0.2):
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            if len(records) >= expected and time.monotonic() - quiet_since >= settle:
+                break
+            batch = consumer.consume(10000, 0.2)
+            if batch:
+                quiet_since = time.monotonic()
+            for message in batch:
                 if message.error() is not None:
                     continue
                 records.append(Record(

@@ -1,0 +1,93 @@
+"""Operating the relay's table: failed rows (list, retry, skip) and backlog statistics.
+
+A failed row blocks its key: the relay sends nothing of that key until the row
+is retried (back to pending, sent again in its place) or skipped (never sent;
+the key's later rows flow). Both are explicit operator decisions, recorded in
+the row's status and ``last_error``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine, func, select, update
+
+from ._envelope import utcnow
+from ._errors import ConfigurationError
+from ._outbox import Outbox
+from ._tables import FAILED, PENDING, SKIPPED
+
+
+def _engine(outbox: Outbox) -> Engine:
+    if not isinstance(outbox.engine, Engine):
+        raise ConfigurationError("the relay admin commands need a sync Engine")
+    return outbox.engine
+
+
+def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000) -> list[Any]:
+    """Failed rows, oldest first."""
+    m = outbox.tables.messages
+    query = (select(m.c.id, m.c.message_id, m.c.topic, m.c.key, m.c.seq, m.c.attempts,
+                    m.c.last_error, m.c.created_at)
+             .where(m.c.status == FAILED).order_by(m.c.id).limit(limit))
+    if topic is not None:
+        query = query.where(m.c.topic == topic)
+    with _engine(outbox).connect() as conn:
+        return list(conn.execute(query))
+
+
+def _change_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None,
+                   topic: str | None, values: dict[str, Any]) -> int:
+    if message_ids is not None and not message_ids:
+        return 0
+    m = outbox.tables.messages
+    stmt = update(m).where(m.c.status == FAILED).values(**values)
+    if message_ids is not None:
+        stmt = stmt.where(m.c.message_id.in_([uuid.UUID(str(i)) for i in message_ids]))
+    if topic is not None:
+        stmt = stmt.where(m.c.topic == topic)
+    with _engine(outbox).begin() as conn:
+        return conn.execute(stmt).rowcount
+
+
+def retry_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
+                 topic: str | None = None) -> int:
+    """Make failed rows pending again, due now; ``None`` ids means every failed row (of ``topic``)."""
+    return _change_failed(outbox, message_ids, topic, {"status": PENDING, "available_at": utcnow()})
+
+
+def skip_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
+                topic: str | None = None) -> int:
+    """Mark failed rows skipped (never sent), unblocking the later rows of their keys."""
+    m = outbox.tables.messages
+    note = func.coalesce(m.c.last_error, "") + " [skipped by operator]"
+    return _change_failed(outbox, message_ids, topic, {"status": SKIPPED, "last_error": note})
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogRow:
+    topic: str
+    shard: int
+    pending: int
+    failed: int
+    oldest_pending: datetime | None
+
+
+def backlog(outbox: Outbox) -> list[BacklogRow]:
+    """Pending and failed counts and the oldest pending row, per topic and shard."""
+    m = outbox.tables.messages
+    query = (
+        select(m.c.topic, m.c.shard,
+               func.count().filter(m.c.status == PENDING),
+               func.count().filter(m.c.status == FAILED),
+               func.min(m.c.created_at).filter(m.c.status == PENDING))
+        .where(m.c.status.in_([PENDING, FAILED]))
+        .group_by(m.c.topic, m.c.shard).order_by(m.c.topic, m.c.shard)
+    )
+    with _engine(outbox).connect() as conn:
+        result = conn.execute(query).all()
+    return [BacklogRow(*row) for row in result]

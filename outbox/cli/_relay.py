@@ -1,0 +1,130 @@
+"""``outbox relay``, ``outbox failed list|retry|skip`` and ``outbox stats``."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .._alerts import LoggingAlertSink, WebhookAlertSink
+from .._engine import create_engine
+from .._errors import ConfigurationError
+from .._outbox import DEFAULT_SHARDS, Outbox
+from .._relay_admin import backlog, failed_rows, retry_failed, skip_failed
+from . import app
+
+DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://…")
+PREFIX = typer.Option("", help="Table name prefix.")
+SCHEMA = typer.Option(None, help="Database schema of the tables.")
+TOPIC = typer.Option(None, help="Only this topic.")
+
+failed_app = typer.Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
+app.add_typer(failed_app, name="failed")
+
+
+def _outbox(db: str, prefix: str, schema: str | None, shards: int = DEFAULT_SHARDS) -> Outbox:
+    return Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
+
+
+def _kafka_config(pairs: list[str]) -> dict[str, str]:
+    config = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--kafka-config")
+        config[name.strip()] = value
+    return config
+
+
+@app.command("relay")
+def relay(
+    db: str = DB,
+    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", help="host:port,…"),
+    kafka_config: list[str] = typer.Option(
+        [], "--kafka-config", help="Producer setting KEY=VALUE (kafka-python or librdkafka name)."),
+    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
+    worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
+    batch_size: int = typer.Option(1000, help="Rows per batch."),
+    lease_ttl: float = typer.Option(10.0, help="Seconds a shard lease lasts without renewal."),
+    poll_interval: float = typer.Option(0.5, help="Seconds between polls when nothing wakes the relay."),
+    shards: int = typer.Option(DEFAULT_SHARDS, help="Shard count; the same as the publishers'."),
+    webhook: str | None = typer.Option(None, help="POST alerts as JSON to this URL (default: log them)."),
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+    log_level: str = typer.Option("INFO", help="Python log level."),
+) -> None:
+    """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
+    from transports.kafka import KafkaTransport
+
+    from .._relay import Relay
+    from .._relay_metrics import relay_metrics
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        transport = KafkaTransport(_kafka_config(kafka_config), bootstrap_servers=bootstrap_servers)
+        worker = Relay(
+            _outbox(db, prefix, schema, shards), transport, worker_id=worker_id, batch_size=batch_size,
+            lease_ttl=lease_ttl, poll_interval=poll_interval,
+            alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
+        )
+    except ConfigurationError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if metrics_port is not None:
+        relay_metrics().serve(metrics_port)
+    try:
+        worker.run()
+    finally:
+        transport.close()
+
+
+@failed_app.command("list")
+def failed_list(db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
+                schema: str | None = SCHEMA) -> None:
+    """Show failed rows, oldest first."""
+    table = Table("message id", "topic", "key", "seq", "attempts", "error", "created")
+    found = failed_rows(_outbox(db, prefix, schema), topic=topic)
+    for row in found:
+        table.add_row(str(row.message_id), row.topic, row.key or "", str(row.seq or ""),
+                      str(row.attempts), (row.last_error or "")[:80], f"{row.created_at:%Y-%m-%d %H:%M:%S}")
+    Console(width=200).print(table if found else "no failed rows")
+
+
+def _ids_or_all(message_ids: list[str], all_: bool) -> list[str] | None:
+    if bool(message_ids) == all_:
+        raise typer.BadParameter("give message ids or --all (not both)")
+    return None if all_ else message_ids
+
+
+@failed_app.command("retry")
+def failed_retry(message_ids: list[str] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+                 db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
+                 schema: str | None = SCHEMA) -> None:
+    """Send failed rows again, in their place in their key's order."""
+    count = retry_failed(_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
+    Console().print(f"{count} row(s) pending again")
+
+
+@failed_app.command("skip")
+def failed_skip(message_ids: list[str] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+                db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
+                schema: str | None = SCHEMA) -> None:
+    """Never send these failed rows; their keys' later rows flow again."""
+    count = skip_failed(_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
+    Console().print(f"{count} row(s) skipped")
+
+
+@app.command("stats")
+def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA) -> None:
+    """Backlog per topic and shard: pending, failed, oldest pending age."""
+    rows = backlog(_outbox(db, prefix, schema))
+    now = datetime.now(UTC)
+    table = Table("topic", "shard", "pending", "failed", "oldest pending age")
+    for row in rows:
+        age = f"{(now - row.oldest_pending).total_seconds():.1f} s" if row.oldest_pending else ""
+        table.add_row(row.topic, str(row.shard), str(row.pending), str(row.failed), age)
+    table.add_section()
+    table.add_row("total", "", str(sum(r.pending for r in rows)), str(sum(r.failed for r in rows)), "")
+    Console(width=200).print(table)

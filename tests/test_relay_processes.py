@@ -1,0 +1,198 @@
+"""Relay processes against PostgreSQL and the session's broker: SIGTERM, SIGKILL, hand-over, faults.
+
+The relays run as real processes (``python -m outbox relay`` or a small script
+wrapping the transport in ``FaultyTransport``); the broker is the session's
+mock cluster, which other processes reach over TCP while pytest keeps it alive.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import publish, rows, seqs_by_key
+
+from outbox import Outbox, create_engine
+from outbox._sharding import shard_for_key
+from outbox._wire import MESSAGE_ID
+from transports.testing import read_topic
+
+pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
+
+FAULTY_RELAY = """
+import sys, logging, tenacity
+from outbox import Outbox, Relay, create_engine
+from transports.kafka import KafkaTransport
+from transports.testing import FaultyTransport
+url, servers, worker = sys.argv[1:4]
+logging.basicConfig(level=logging.WARNING)
+transport = FaultyTransport(KafkaTransport(bootstrap_servers=servers, delivery_timeout=10), rate=0.1)
+Relay(Outbox(create_engine(url)), transport, worker_id=worker, lease_ttl=2, batch_size=500,
+      backoff=tenacity.wait_exponential_jitter(multiplier=0.05, max=1, jitter=0.05)).run()
+"""
+
+
+@pytest.fixture
+def pg_outbox(postgres_db: str):
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    yield outbox
+    engine.dispose()
+
+
+def start_cli_relay(db: str, kafka: str, log: Path, *args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
+               "--log-level", "WARNING", *args]
+    return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+
+def leases(outbox: Outbox) -> list:
+    t = outbox.tables.leases
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return list(conn.execute(sa.select(t).order_by(t.c.shard)))
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int) -> dict:
+    """Every published row's partition/offset holds that row's message on the topic."""
+    records = read_topic(kafka, topic, expected=expected, timeout=30)
+    at = {(r.partition, r.offset): dict(r.headers)[MESSAGE_ID].decode() for r in records}
+    published = rows(outbox, status="published")
+    for row in published:
+        assert at[(row.kafka_partition, row.kafka_offset)] == str(row.message_id)
+    return at
+
+
+def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, kafka: str,
+                                                   topic: str, tmp_path: Path) -> None:
+    keys = [f"k{i % 200}" for i in range(12_000)]
+    publish(pg_outbox, topic, keys)
+    relay = start_cli_relay(postgres_db, kafka, tmp_path / "relay.log", "--batch-size", "200",
+                            "--worker-id", "terminated")
+    wait_for(lambda: len(rows(pg_outbox, status="published")) >= 1000, 30, "a busy relay")
+    relay.send_signal(signal.SIGTERM)
+    assert relay.wait(30) == 0, (tmp_path / "relay.log").read_text()
+    published = rows(pg_outbox, status="published")
+    assert 1000 <= len(published) < len(keys), "SIGTERM should stop a run in the middle"
+    assert all(lease.owner is None for lease in leases(pg_outbox))
+    with pg_outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        assert conn.scalar(sa.select(sa.func.count()).select_from(pg_outbox.tables.relays)) == 0
+    # Nothing in flight was lost: every record on the topic belongs to a published row,
+    # and every published row points at its own record (no double marks).
+    on_topic = positions_match_topic(pg_outbox, kafka, topic, expected=len(published))
+    assert sorted(on_topic.values()) == sorted(str(r.message_id) for r in published)
+
+
+def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
+    pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
+) -> None:
+    ttl = 3.0
+    args = ["--lease-ttl", str(ttl), "--poll-interval", "0.1"]
+    first = start_cli_relay(postgres_db, kafka, tmp_path / "a.log", "--worker-id", "a", *args)
+    second = start_cli_relay(postgres_db, kafka, tmp_path / "b.log", "--worker-id", "b", *args)
+    try:
+        wait_for(lambda: sorted(str(lease.owner) for lease in leases(pg_outbox)) == ["a"] * 8 + ["b"] * 8, 20,
+                 "a fair split of 16 shards")
+        epochs = {lease.shard: lease.epoch for lease in leases(pg_outbox)}
+        a_shards = {lease.shard for lease in leases(pg_outbox) if lease.owner == "a"}
+        first.send_signal(signal.SIGKILL)
+        first.wait(5)
+        killed_at = time.monotonic()
+        keys = [k for k in (f"key-{i}" for i in range(400)) if shard_for_key(k, 16) in a_shards]
+        publish(pg_outbox, topic, keys)
+        wait_for(lambda: not rows(pg_outbox, status="pending"), 20, "b to publish a's shards")
+        elapsed = time.monotonic() - killed_at
+        assert elapsed <= ttl + ttl / 3 + 1.0, f"hand-over took {elapsed:.1f}s"
+        now = leases(pg_outbox)
+        assert all(lease.owner == "b" for lease in now)
+        assert all(lease.epoch == epochs[lease.shard] + 1 for lease in now if lease.shard in a_shards)
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(30)
+    assert second.returncode == 0
+
+
+@pytest.mark.slow
+def test_order_and_no_loss_under_faults_and_sigkill(pg_outbox: Outbox, postgres_db: str, kafka: str,
+                                                    topic: str, tmp_path: Path) -> None:
+    total, key_count, writers = 50_000, 1_000, 4
+    script = tmp_path / "faulty_relay.py"
+    script.write_text(FAULTY_RELAY)
+    log = (tmp_path / "relays.log").open("a")
+
+    def start(n: int) -> subprocess.Popen:
+        worker = f"relay-{n}-{uuid.uuid4().hex[:4]}"
+        return subprocess.Popen([sys.executable, str(script), postgres_db, kafka, worker],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    relays = [start(n) for n in range(3)]
+    rng = random.Random(3)
+    done = threading.Event()
+    kills = 0
+
+    def killer() -> None:
+        nonlocal kills
+        while not done.wait(rng.uniform(2, 4)):
+            n = rng.randrange(3)
+            relays[n].send_signal(signal.SIGKILL)
+            relays[n].wait()
+            relays[n] = start(n)
+            kills += 1
+
+    def write(writer: int) -> None:
+        mine = random.Random(writer)
+        for _ in range(total // writers // 25):
+            # Keys in sorted order inside a transaction: concurrent writers never deadlock.
+            keys = sorted(f"key-{mine.randrange(key_count)}" for _ in range(25))
+            publish(pg_outbox, topic, keys, payload=b"x")
+
+    killing = threading.Thread(target=killer)
+    killing.start()
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wait_for(lambda: not rows(pg_outbox, status="pending"), 240, "every row published", 0.5)
+    finally:
+        done.set()
+        killing.join()
+        for process in relays:
+            process.send_signal(signal.SIGTERM)
+        for process in relays:
+            process.wait(30)
+        log.close()
+    assert kills >= 2
+    stored = rows(pg_outbox)
+    assert len(stored) == total and {r.status for r in stored} == {"published"}
+    records = read_topic(kafka, topic, expected=total, timeout=90, settle=2.0)
+    ids = {dict(r.headers)[MESSAGE_ID].decode() for r in records}
+    assert ids == {str(r.message_id) for r in stored}, "messages missing from the topic"
+    expected = {}
+    for row in stored:
+        expected.setdefault(row.key.encode(), []).append(row.seq)
+    assert seqs_by_key(records) == {k: sorted(v) for k, v in expected.items()}
+    assert all(v == list(range(1, len(v) + 1)) for v in expected.values())
+    duplicates = len(records) - total
+    print(f"\n{total} messages, {len(records)} records on the topic, {duplicates} duplicates, "
+          f"{kills} relays killed")
