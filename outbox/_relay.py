@@ -27,9 +27,11 @@ from sqlalchemy import Engine
 from transports import Transport
 
 from ._alerts import Alert, AlertSink, LoggingAlertSink
+from ._envelope import utcnow
 from ._errors import ConfigurationError
 from ._leases import Leases, renew_interval
 from ._outbox import Outbox
+from ._relay_admin import backlog
 from ._relay_batch import Batch, BatchResult
 from ._relay_metrics import RelayMetrics, relay_metrics
 from ._relay_sql import RelayStatements
@@ -64,6 +66,7 @@ class Relay:
         poll_interval: float = 0.5,
         backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF,
         metrics: RelayMetrics | None = None,
+        backlog_metrics: bool = False,
         wheel_tick: float = 0.02,
     ) -> None:
         if not isinstance(outbox, Outbox):
@@ -97,6 +100,8 @@ class Relay:
         self.poll_interval = float(poll_interval)
         self.backoff = backoff
         self.metrics = metrics or relay_metrics()
+        self.backlog_metrics = backlog_metrics
+        self._backlog_topics: set[str] = set()
         self.leases = Leases(engine, outbox.tables, outbox.shards, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
         self._batch = Batch(
@@ -182,6 +187,8 @@ class Relay:
                 after = self._maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
+                if self.backlog_metrics:
+                    self.refresh_backlog_metrics()
             except Exception:
                 log.exception("relay %s could not maintain its leases", self.worker_id)
 
@@ -190,6 +197,20 @@ class Relay:
         self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
         self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
         return owned
+
+    def refresh_backlog_metrics(self) -> None:
+        """Set the pending-by-topic and oldest-pending-age gauges (one GROUP BY query)."""
+        rows = backlog(self.outbox)
+        # Topics seen before and now drained must drop to 0, not keep their last value.
+        pending = dict.fromkeys(self._backlog_topics, 0)
+        for row in rows:
+            pending[row.topic] = pending.get(row.topic, 0) + row.pending
+        for topic, count in pending.items():
+            self.metrics.pending.labels(topic).set(count)
+        self._backlog_topics = set(pending)
+        oldest = [row.oldest_pending for row in rows if row.oldest_pending is not None]
+        self.metrics.oldest_pending_age.set(
+            (utcnow() - min(oldest)).total_seconds() if oldest else 0.0)
 
     def stop(self) -> None:
         """Ask ``run`` to finish the batch in hand and return; safe from any thread or signal."""

@@ -69,6 +69,7 @@ def relay(
             _outbox(db, prefix, schema, shards), transport, worker_id=worker_id, batch_size=batch_size,
             lease_ttl=lease_ttl, poll_interval=poll_interval,
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
+            backlog_metrics=metrics_port is not None,
         )
     except ConfigurationError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -1,0 +1,81 @@
+"""Permanent failures through the real transport: failed row, only its key blocked, one alert,
+and ``outbox failed list|retry|skip`` / ``outbox stats`` from the command line."""
+
+from __future__ import annotations
+
+import pytest
+from _relay_helpers import publish, rows, seqs_by_key
+from typer.testing import CliRunner
+
+from outbox import Alert, Outbox, Relay
+from outbox.cli import app
+from transports.kafka import KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = pytest.mark.kafka
+runner = CliRunner()
+
+
+def cli(*args: str) -> str:
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def settle(relay: Relay, rounds: int = 4) -> None:
+    for _ in range(rounds):
+        relay.run_once()
+
+
+def test_too_large_fails_blocks_only_its_key_alerts_once_and_skip_unblocks(
+    outbox: Outbox, db_url: str, kafka: str, topic: str
+) -> None:
+    # Over librdkafka's default message.max.bytes (1,000,000), under the outbox's 1 MiB limit.
+    publish(outbox, topic, ["a"])
+    big = publish(outbox, topic, ["a"], payload=b"x" * 1_040_000)[0]
+    publish(outbox, topic, ["a", "b"])
+    alerts: list[Alert] = []
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), alert=alerts.append)
+    settle(relay)
+    assert [(r.key, r.status) for r in rows(outbox)] == [
+        ("a", "published"), ("a", "failed"), ("a", "pending"), ("b", "published")
+    ]
+    assert "too large" in rows(outbox, message_id=big)[0].last_error.lower()
+    assert [(a.kind, a.message_id) for a in alerts] == [("message_failed", str(big))]
+
+    assert str(big) in cli("failed", "list", "--db", db_url)
+    stats = cli("stats", "--db", db_url)
+    assert topic in stats and "total" in stats
+    assert "1 row(s) skipped" in cli("failed", "skip", str(big), "--db", db_url)
+    settle(relay)
+    relay.close()
+    assert [r.status for r in rows(outbox)] == ["published", "skipped", "published", "published"]
+    assert len(alerts) == 1
+    records = read_topic(kafka, topic, expected=3)
+    assert seqs_by_key(records) == {b"a": [1, 3], b"b": [1]}
+    assert "no failed rows" in cli("failed", "list", "--db", db_url)
+
+
+def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
+    outbox: Outbox, db_url: str, kafka: str, topic: str
+) -> None:
+    publish(outbox, topic, ["k", "k", "k"])
+    alerts: list[Alert] = []
+    strict = KafkaTransport(bootstrap_servers=kafka, **{"allow.auto.create.topics": False})
+    relay = Relay(outbox, strict, alert=alerts.append)
+    settle(relay)
+    relay.close()
+    assert [r.status for r in rows(outbox)] == ["failed", "pending", "pending"]
+    assert len(alerts) == 1
+    # The operator creates the topic (here: a relay whose producer may auto-create it) and retries.
+    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    fixed = Relay(outbox, KafkaTransport(bootstrap_servers=kafka))
+    settle(fixed)
+    fixed.close()
+    assert [r.status for r in rows(outbox)] == ["published"] * 3
+    assert seqs_by_key(read_topic(kafka, topic, expected=3)) == {b"k": [1, 2, 3]}
+
+
+def test_retry_and_skip_need_ids_or_all(db_url: str, outbox: Outbox) -> None:
+    result = runner.invoke(app, ["failed", "retry", "--db", db_url])
+    assert result.exit_code != 0 and "--all" in result.output

@@ -1,0 +1,110 @@
+"""``Relay.run``: LISTEN wake-up, polling, stop, lease sharing, metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+from _relay_helpers import ScriptedTransport, publish, rows
+from prometheus_client import CollectorRegistry
+
+from outbox import Outbox, Relay, create_engine
+from outbox._leases import fair_share
+from outbox._relay_metrics import relay_metrics
+from outbox.testing import free_port
+
+
+def running(relay: Relay) -> threading.Thread:
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_published(outbox: Outbox, count: int, timeout: float) -> float:
+    started = time.monotonic()
+    while len(rows(outbox, status="published")) < count:
+        assert time.monotonic() - started < timeout, "not published in time"
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+@pytest.mark.postgres
+def test_run_wakes_on_notify_not_on_the_poll_interval(postgres_db: str) -> None:
+    outbox = Outbox(create_engine(postgres_db))
+    outbox.create_tables()
+    relay = Relay(outbox, ScriptedTransport(), poll_interval=30)
+    thread = running(relay)
+    time.sleep(0.5)  # started, leases taken, first (empty) poll done
+    latencies = []
+    for n in range(1, 6):
+        publish(outbox, "orders", [f"k{n}"])
+        latencies.append(wait_published(outbox, n, timeout=5))
+    relay.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert max(latencies) < 1.0, latencies  # far below the 30 s poll interval
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+def test_run_polls_and_stop_releases_leases(outbox: Outbox) -> None:
+    relay = Relay(outbox, ScriptedTransport(), poll_interval=0.05, batch_size=10)
+    thread = running(relay)
+    publish(outbox, "orders", [f"k{i % 3}" for i in range(55)])
+    wait_published(outbox, 55, timeout=10)
+    relay.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        owners = conn.execute(outbox.tables.leases.select()).all()
+        relays = conn.execute(outbox.tables.relays.select()).all()
+    assert owners and all(lease.owner is None for lease in owners) and relays == []
+
+
+def test_fair_share_splits_every_shard_once() -> None:
+    for live in (["a"], ["a", "b"], ["a", "b", "c"], [f"r{i}" for i in range(20)]):
+        shares = [fair_share(16, live, me) for me in live]
+        assert sum(shares) == 16 and max(shares) - min(shares) <= 1
+
+
+def test_relays_rebalance_and_take_over_expired_leases(outbox: Outbox) -> None:
+    a = Relay(outbox, ScriptedTransport(), worker_id="a", lease_ttl=0.6)
+    b = Relay(outbox, ScriptedTransport(), worker_id="b", lease_ttl=0.6)
+    assert len(a.leases.maintain()) == 16
+    assert b.leases.maintain() == {}  # nothing free yet
+    a.leases.maintain()
+    assert a.leases.surplus == 8
+    a.leases.release_surplus()
+    assert len(b.leases.maintain()) == 8 and len(a.leases.owned()) == 8
+    epochs = b.leases.owned()
+    time.sleep(0.7)  # a stops renewing: as if killed
+    taken = b.leases.maintain()
+    assert len(taken) == 16
+    assert all(taken[s] == e for s, e in epochs.items())  # b's own leases keep their epoch
+    assert a.leases.maintain() == {}  # a came back: all its shards are gone
+    b.close()
+
+
+def test_metrics_count_and_serve(outbox: Outbox) -> None:
+    registry = CollectorRegistry()
+    metrics = relay_metrics(registry)
+    assert relay_metrics(registry) is metrics  # defined once per process and registry
+    publish(outbox, "metered", ["a", "b", None])
+    relay = Relay(outbox, ScriptedTransport(), metrics=metrics, worker_id="m")
+    relay.run_once()
+    assert registry.get_sample_value("outbox_relay_published_total", {"topic": "metered"}) == 3
+    assert registry.get_sample_value("outbox_relay_shards_owned", {"worker": "m"}) == 16
+    assert registry.get_sample_value("outbox_relay_batch_seconds_count") == 1
+    publish(outbox, "metered", ["c"])
+    relay.refresh_backlog_metrics()
+    assert registry.get_sample_value("outbox_relay_pending", {"topic": "metered"}) == 1
+    assert registry.get_sample_value("outbox_relay_oldest_pending_age_seconds") >= 0
+    relay.run_once()
+    relay.refresh_backlog_metrics()
+    assert registry.get_sample_value("outbox_relay_pending", {"topic": "metered"}) == 0
+    relay.close()
+    port = free_port()
+    metrics.serve(port, registry)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'outbox_relay_published_total{topic="metered"} 4.0' in body
