@@ -119,24 +119,29 @@ class KafkaTransport:
         """Produce every record of one wave, then wait (bounded) for all delivery reports."""
         produce = self._producer.produce
         report = self._report
+        partitions: dict[str, int | SendResult] = {}  # per wave: metadata looked up once per topic
         outstanding = 0
         for i in indexes:
             record = records[i]
-            partition = self._partition(record)
-            if isinstance(partition, SendResult):
-                results[i] = partition
-                continue
+            partition = -1  # librdkafka's "unassigned": it spreads unkeyed records
+            if record.key is not None:
+                count = partitions.get(record.topic)
+                if count is None:
+                    count = partitions[record.topic] = self._partition_count(record.topic)
+                if isinstance(count, SendResult):
+                    results[i] = count
+                    continue
+                partition = partition_for_key(record.key, count)
+            callback = partial(report, results, i)
             try:
-                kwargs: dict[str, Any] = {"key": record.key, "headers": record.headers,
-                                          "on_delivery": partial(report, results, i)}
-                if partition is not None:
-                    kwargs["partition"] = partition
                 try:
-                    produce(record.topic, record.value, **kwargs)
+                    produce(record.topic, record.value, record.key, partition, on_delivery=callback,
+                            headers=record.headers)
                 except BufferError:
                     # Local queue full: let earlier records drain, then try once more.
                     self._producer.poll(0.5)
-                    produce(record.topic, record.value, **kwargs)
+                    produce(record.topic, record.value, record.key, partition, on_delivery=callback,
+                            headers=record.headers)
                 outstanding += 1
             except BufferError:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")
@@ -156,16 +161,12 @@ class KafkaTransport:
 
     # -- partitions ---------------------------------------------------------
 
-    def _partition(self, record: Record) -> int | SendResult | None:
-        """The explicit partition of a keyed record, None for unkeyed, or a result on error."""
-        if record.key is None:
-            return None
-        count = self._partition_count(record.topic)
-        if isinstance(count, KafkaError):
-            return SendResult(classify(count), error=count.str())
-        return partition_for_key(record.key, count)
+    def _partition_count(self, topic: str) -> int | SendResult:
+        """The topic's partition count (cached for ``metadata_refresh`` s), or the error as a result."""
+        count = self._lookup_partitions(topic)
+        return SendResult(classify(count), error=count.str()) if isinstance(count, KafkaError) else count
 
-    def _partition_count(self, topic: str) -> int | KafkaError:
+    def _lookup_partitions(self, topic: str) -> int | KafkaError:
         now = time.monotonic()
         cached = self._partitions.get(topic)
         if cached is not None and now - cached[0] < self._metadata_refresh:

@@ -1,0 +1,274 @@
+"""Relay throughput, end-to-end latency and scaling, each next to a baseline loop.
+
+All against a durable local PostgreSQL (``local_postgres()`` defaults) and the
+embedded Kafka-protocol broker (librdkafka's mock cluster, in this process;
+relays are separate processes that reach it over TCP).
+
+- throughput: 200,000 messages over 10,000 keys drained by one relay process
+  (``python -m outbox relay --batch-size 5000``), against a baseline process
+  doing nothing but SELECT 5000 pending rows / produce them / flush / one
+  UPDATE. Target ≥ 25,000 msg/s and ≥ 0.7 of the baseline.
+- latency: writers commit 1,000 messages/s (one per transaction); latency is
+  the relay's acknowledgement time (``published_at``, taken when the delivery
+  reports are in) minus the writer's commit time. Target p50 ≤ 20 ms, p99 ≤ 100 ms.
+- scaling: the throughput run with 1, 2 and 4 relay processes.
+
+    python tests/benchmarks/bench_relay.py [--messages N] [--keys N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _report import markdown_table, write_section
+
+from outbox import Outbox, create_engine
+from outbox._sharding import shard_for_key
+from outbox.testing import local_postgres
+from transports.kafka import embedded_kafka
+
+PAYLOAD = b'{"order":"o-1","status":"paid","total":"19.90","currency":"EUR","lines":[{"sku":"A-1","qty":2}]}'
+
+
+# -- the baseline: select / produce / flush / update, nothing else -------------------
+
+def baseline(url: str, servers: str) -> None:
+    """Runs in its own process; prints messages/s."""
+    from confluent_kafka import Producer
+
+    engine = sa.create_engine(url)
+    producer = Producer({"bootstrap.servers": servers, "enable.idempotence": True, "acks": "all",
+                         "linger.ms": 5, "compression.type": "lz4", "log_level": 3})
+    producer.list_topics("bench", timeout=10)
+    sent = 0
+    started = time.perf_counter()
+    while True:
+        with engine.begin() as conn:
+            rows = conn.execute(sa.text(
+                "SELECT id, topic, key, payload FROM outbox_messages WHERE status = 'pending' "
+                "ORDER BY id LIMIT 5000")).all()
+            if not rows:
+                break
+            for row in rows:
+                producer.produce(row.topic, row.payload, key=row.key.encode())
+            producer.flush(30)
+            conn.execute(sa.text("UPDATE outbox_messages SET status = 'published' WHERE id = ANY(:ids)"),
+                         {"ids": [row.id for row in rows]})
+        sent += len(rows)
+    print(sent / (time.perf_counter() - started))
+
+
+# -- set-up ---------------------------------------------------------------------------
+
+def fill(outbox: Outbox, messages: int, keys: int) -> None:
+    """Generate the rows once into ``bench_source``; each run copies them in fresh."""
+    seq: dict[str, int] = {}
+    now = datetime.now(UTC)
+    rng = random.Random(1)
+    rows = []
+    for _ in range(messages):
+        key = f"key-{rng.randrange(keys)}"
+        seq[key] = seq.get(key, 0) + 1
+        rows.append({"message_id": uuid.uuid4(), "topic": "bench", "key": key, "seq": seq[key],
+                     "shard": shard_for_key(key, outbox.shards), "payload": PAYLOAD,
+                     "content_type": "application/json", "headers": {}, "created_at": now,
+                     "available_at": now, "attempts": 0, "status": "pending"})
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        conn.execute(sa.text("CREATE TABLE bench_source (LIKE outbox_messages INCLUDING DEFAULTS)"))
+        source = sa.Table("bench_source", sa.MetaData(), *(c.copy() for c in outbox.tables.messages.c))
+        for start in range(0, messages, 10_000):
+            conn.execute(source.insert(), rows[start:start + 10_000])
+
+
+def load(engine: sa.Engine, *, wake: bool = False) -> None:
+    """Replace the outbox with fresh copies of the generated rows, in one transaction."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox_messages"))
+        conn.execute(sa.text("INSERT INTO outbox_messages SELECT * FROM bench_source"))
+        conn.execute(sa.text("ANALYZE outbox_messages"))
+        if wake:
+            conn.execute(sa.text("SELECT pg_notify('outbox', '0')"))
+
+
+def pending(engine: sa.Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.scalar(sa.text(
+            "SELECT EXISTS (SELECT 1 FROM outbox_messages WHERE status = 'pending')")))
+
+
+def run_baseline(url: str, servers: str, engine: sa.Engine) -> float:
+    load(engine)
+    out = subprocess.run([sys.executable, __file__, "--baseline", url, servers],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def start_relays(url: str, servers: str, count: int, *extra: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen(
+        [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers", servers,
+         "--worker-id", f"bench-{i}", "--log-level", "WARNING", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(count)]
+
+
+def stop(relays: list[subprocess.Popen]) -> None:
+    for relay in relays:
+        relay.terminate()
+    for relay in relays:
+        relay.wait(60)
+
+
+def wait_leased(engine: sa.Engine, relays: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            owners = conn.execute(sa.text(
+                "SELECT owner, count(*) FROM outbox_leases WHERE owner IS NOT NULL "
+                "AND expires_at > now() GROUP BY owner")).all()
+        if len(owners) == relays and sum(n for _, n in owners) == 16:
+            return
+        time.sleep(0.2)
+    raise RuntimeError("relays did not split the shards")
+
+
+def run_relays(url: str, servers: str, engine: sa.Engine, count: int, messages: int) -> float:
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox_messages"))
+    relays = start_relays(url, servers, count, "--batch-size", "5000", "--lease-ttl", "10")
+    try:
+        wait_leased(engine, count)
+        load(engine, wake=True)
+        started = time.perf_counter()
+        while pending(engine):
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - started
+    finally:
+        stop(relays)
+    return messages / elapsed
+
+
+# -- latency --------------------------------------------------------------------------
+
+def run_latency(url: str, servers: str, rate: int, seconds: float) -> tuple[float, float, float]:
+    engine = create_engine(url)
+    outbox = Outbox(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox_messages"))
+    relays = start_relays(url, servers, 1, "--poll-interval", "5")
+    committed: dict[str, float] = {}
+    lock = threading.Lock()
+    writers = 2
+    try:
+        wait_leased(engine, 1)
+        time.sleep(1)
+
+        def write(w: int) -> None:
+            interval = writers / rate
+            start = time.perf_counter()
+            for n in range(int(rate * seconds / writers)):
+                target = start + n * interval
+                if (delay := target - time.perf_counter()) > 0:
+                    time.sleep(delay)
+                with outbox._sessions() as session, session.begin():
+                    message_id = outbox.publish(session, "latency", PAYLOAD, key=f"w{w}-{n % 500}")
+                with lock:
+                    committed[str(message_id)] = time.time()
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        while pending(engine):
+            time.sleep(0.1)
+    finally:
+        stop(relays)
+    with engine.connect() as conn:
+        acked = conn.execute(sa.text("SELECT message_id, published_at FROM outbox_messages")).all()
+    latencies = sorted((at.timestamp() - committed[str(mid)]) * 1000 for mid, at in acked)
+    q = statistics.quantiles(latencies, n=100)
+    achieved = len(latencies) / seconds
+    engine.dispose()
+    return q[49], q[98], achieved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--keys", type=int, default=10_000)
+    parser.add_argument("--baseline", nargs=2, metavar=("URL", "SERVERS"))
+    args = parser.parse_args()
+    if args.baseline:
+        baseline(*args.baseline)
+        return
+    with local_postgres() as url, embedded_kafka() as servers:
+        engine = create_engine(url)
+        outbox = Outbox(engine)
+        outbox.create_tables()
+        fill(outbox, args.messages, args.keys)
+        print("filled", flush=True)
+        base = run_baseline(url, servers, engine)
+        print(f"baseline {base:,.0f} msg/s", flush=True)
+        scaling = {}
+        for count in (1, 2, 4):
+            scaling[count] = run_relays(url, servers, engine, count, args.messages)
+            print(f"{count} relay(s) {scaling[count]:,.0f} msg/s", flush=True)
+        p50, p99, achieved = run_latency(url, servers, rate=1000, seconds=15)
+        print(f"latency p50 {p50:.1f} ms p99 {p99:.1f} ms at {achieved:.0f} msg/s", flush=True)
+        engine.dispose()
+    report(args.messages, args.keys, base, scaling, (p50, p99, achieved))
+
+
+def report(messages: int, keys: int, base: float, scaling: dict[int, float],
+           latency: tuple[float, float, float]) -> None:
+    one = scaling[1]
+    p50, p99, achieved = latency
+    body = f"""## Relay: throughput, latency, scaling
+
+`python tests/benchmarks/bench_relay.py` — durable local PostgreSQL (fsync on),
+embedded Kafka-protocol broker (librdkafka mock cluster) in the benchmark process,
+relays as separate processes (`python -m outbox relay --batch-size 5000`).
+
+**Throughput**, {messages:,} messages over {keys:,} keys, one relay process, against a
+baseline process that only does SELECT 5000 pending / produce / flush / one UPDATE.
+Targets: ≥ 25,000 msg/s and ≥ 0.7 of the baseline.
+
+{markdown_table(["loop", "messages/s", "vs baseline"], [
+    ["baseline (select/produce/flush/update)", f"{base:,.0f}", "1.00"],
+    ["relay, 1 process", f"{one:,.0f}", f"**{one / base:.2f}**"],
+])}
+
+**Latency**, commit → broker acknowledgement, writers committing {achieved:,.0f} msg/s (one
+message per transaction), relay woken by LISTEN/NOTIFY (poll interval 5 s, so polling
+cannot explain it). Targets: p50 ≤ 20 ms, p99 ≤ 100 ms.
+
+{markdown_table(["p50 ms", "p99 ms"], [[f"**{p50:.1f}**", f"**{p99:.1f}**"]])}
+
+**Scaling** with relay processes sharing the 16 shards through leases:
+
+{markdown_table(["relay processes", "messages/s", "vs 1 process"], [
+    [n, f"{rate:,.0f}", f"{rate / one:.2f}"] for n, rate in scaling.items()
+])}
+
+On this 2-core machine the relay processes, PostgreSQL and the broker (a thread pool in
+the benchmark process) share two cores, so extra relays cannot add CPU: they add
+parallel round trips (one relay's flush overlaps another's fetch) and lose it again to
+contention. Relays scale out for availability and across machines; on one box, one
+relay is close to what the cores allow.
+"""
+    write_section("relay", body)
+
+
+if __name__ == "__main__":
+    main()
