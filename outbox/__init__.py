@@ -21,6 +21,7 @@ from ._errors import (
 from ._outbox import Outbox
 from ._relay import Relay
 from ._relay_batch import BatchResult
+from ._relay_metrics import RelayMetrics, relay_metrics
 from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
 
@@ -43,6 +44,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PermanentTransportError",
     "Relay",
+    "RelayMetrics",
     "RetriableTransportError",
     "TransportError",
     "UnserializablePayloadError",
@@ -52,4 +54,5 @@ __all__ = [
     "message_to_record",
     "new_message_id",
     "record_to_message",
+    "relay_metrics",
 ]

@@ -46,15 +46,16 @@ class Leases:
         self.shards = shards
         self.worker_id = worker_id
         self.ttl = ttl
-        self._owned: dict[int, int] = {}  # shard -> epoch
+        self._owned: dict[int, int] = {}  # shard -> epoch; replaced, never mutated
         self._surplus = 0
         self._lock = threading.Lock()
         self._prepared = False
 
     def owned(self) -> dict[int, int]:
         """A snapshot: shard -> epoch held right now."""
-        with self._lock:
-            return dict(self._owned)
+        # No lock: ``_owned`` is replaced, never changed in place, so reading it is
+        # atomic and a batch never waits for the lease thread's database round trips.
+        return dict(self._owned)
 
     @property
     def surplus(self) -> int:
@@ -130,6 +131,8 @@ class Leases:
 
     def release_surplus(self) -> None:
         """Give back shards above the fair share; call only between batches."""
+        if self._surplus <= 0:  # the common case, without waiting for the lease thread
+            return
         with self._lock:
             if self._surplus <= 0:
                 return
@@ -156,7 +159,7 @@ class Leases:
                            leases.c.epoch == self._owned[shard])
                     .values(owner=None, expires_at=now)
                 )
-                del self._owned[shard]
+        self._owned = {s: e for s, e in self._owned.items() if s not in shards}
         if shards:
             log.info("relay %s released shards %s", self.worker_id, shards)
 
