@@ -33,28 +33,29 @@ _lock = threading.Lock()
 _by_registry: dict[int, RelayMetrics] = {}
 
 
+# attribute -> (collector, name, help, labels)
+_SPEC: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
+    "published": (Counter, "outbox_relay_published", "Messages acknowledged and marked published",
+                  ("topic",)),
+    "failed": (Counter, "outbox_relay_failed", "Messages marked failed (permanent error)", ("topic",)),
+    "retried": (Counter, "outbox_relay_retried", "Sends that will be retried", ("topic",)),
+    "pending": (Gauge, "outbox_relay_pending", "Pending messages by topic", ("topic",)),
+    "oldest_pending_age": (Gauge, "outbox_relay_oldest_pending_age_seconds",
+                           "Age of the oldest pending message", ()),
+    "wheel_size": (Gauge, "outbox_relay_wheel_size", "Keys waiting for their next attempt", ("worker",)),
+    "shards_owned": (Gauge, "outbox_relay_shards_owned", "Shard leases held", ("worker",)),
+    "batch_duration": (Histogram, "outbox_relay_batch_seconds", "Fetch, send and mark of one batch", ()),
+}
+
+
 def relay_metrics(registry: CollectorRegistry = REGISTRY) -> RelayMetrics:
     """The process-wide relay collectors of ``registry`` (created on first use)."""
     with _lock:
         found = _by_registry.get(id(registry))
         if found is None:
-            found = RelayMetrics(
-                published=Counter("outbox_relay_published", "Messages acknowledged and marked published",
-                                  ["topic"], registry=registry),
-                failed=Counter("outbox_relay_failed", "Messages marked failed (permanent error)",
-                               ["topic"], registry=registry),
-                retried=Counter("outbox_relay_retried", "Sends that will be retried",
-                                ["topic"], registry=registry),
-                pending=Gauge("outbox_relay_pending", "Pending messages by topic",
-                              ["topic"], registry=registry),
-                oldest_pending_age=Gauge("outbox_relay_oldest_pending_age_seconds",
-                                         "Age of the oldest pending message", registry=registry),
-                wheel_size=Gauge("outbox_relay_wheel_size", "Keys waiting for their next attempt",
-                                 ["worker"], registry=registry),
-                shards_owned=Gauge("outbox_relay_shards_owned", "Shard leases held",
-                                   ["worker"], registry=registry),
-                batch_duration=Histogram("outbox_relay_batch_seconds",
-                                         "Fetch, send and mark of one batch", registry=registry),
-            )
+            found = RelayMetrics(**{
+                attribute: kind(name, text, list(labels), registry=registry)
+                for attribute, (kind, name, text, labels) in _SPEC.items()
+            })
             _by_registry[id(registry)] = found
         return found
