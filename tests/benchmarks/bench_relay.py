@@ -19,6 +19,7 @@ relays are separate processes that reach it over TCP).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -87,7 +88,8 @@ def fill(outbox: Outbox, messages: int, keys: int) -> None:
                      "available_at": now, "attempts": 0, "status": "pending"})
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         conn.execute(sa.text("CREATE TABLE bench_source (LIKE outbox_messages INCLUDING DEFAULTS)"))
-        source = sa.Table("bench_source", sa.MetaData(), *(c.copy() for c in outbox.tables.messages.c))
+        source = sa.Table("bench_source", sa.MetaData(),
+                          *(sa.Column(c.name, c.type) for c in outbox.tables.messages.c))
         for start in range(0, messages, 10_000):
             conn.execute(source.insert(), rows[start:start + 10_000])
 
@@ -212,6 +214,7 @@ def main() -> None:
     if args.baseline:
         baseline(*args.baseline)
         return
+    load_before = os.getloadavg()[0]
     with local_postgres() as url, embedded_kafka() as servers:
         engine = create_engine(url)
         outbox = Outbox(engine)
@@ -227,33 +230,43 @@ def main() -> None:
         p50, p99, achieved = run_latency(url, servers, rate=1000, seconds=15)
         print(f"latency p50 {p50:.1f} ms p99 {p99:.1f} ms at {achieved:.0f} msg/s", flush=True)
         engine.dispose()
-    report(args.messages, args.keys, base, scaling, (p50, p99, achieved))
+    report(args.messages, args.keys, base, scaling, (p50, p99, achieved),
+           (load_before, os.getloadavg()[0]))
 
 
 def report(messages: int, keys: int, base: float, scaling: dict[int, float],
-           latency: tuple[float, float, float]) -> None:
+           latency: tuple[float, float, float], load: tuple[float, float]) -> None:
     one = scaling[1]
     p50, p99, achieved = latency
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
     body = f"""## Relay: throughput, latency, scaling
 
-`python tests/benchmarks/bench_relay.py` — durable local PostgreSQL (fsync on),
-embedded Kafka-protocol broker (librdkafka mock cluster) in the benchmark process,
-relays as separate processes (`python -m outbox relay --batch-size 5000`).
+`python tests/benchmarks/bench_relay.py` — durable local PostgreSQL (`local_postgres()`
+defaults: fsync on), embedded Kafka-protocol broker (librdkafka mock cluster) in the
+benchmark process, relays as separate processes (`python -m outbox relay --batch-size 5000`).
+Load average of the machine before / after the run: {load[0]:.1f} / {load[1]:.1f} (other jobs
+shared the two cores, so absolute figures move between runs; the ratios are the fair ones).
 
 **Throughput**, {messages:,} messages over {keys:,} keys, one relay process, against a
 baseline process that only does SELECT 5000 pending / produce / flush / one UPDATE.
-Targets: ≥ 25,000 msg/s and ≥ 0.7 of the baseline.
 
 {markdown_table(["loop", "messages/s", "vs baseline"], [
     ["baseline (select/produce/flush/update)", f"{base:,.0f}", "1.00"],
     ["relay, 1 process", f"{one:,.0f}", f"**{one / base:.2f}**"],
 ])}
 
+Targets: ≥ 25,000 msg/s — {verdict(one >= 25_000)}; ≥ 0.7 of the baseline — {verdict(one >= 0.7 * base)}.
+
 **Latency**, commit → broker acknowledgement, writers committing {achieved:,.0f} msg/s (one
 message per transaction), relay woken by LISTEN/NOTIFY (poll interval 5 s, so polling
-cannot explain it). Targets: p50 ≤ 20 ms, p99 ≤ 100 ms.
+cannot explain it):
 
 {markdown_table(["p50 ms", "p99 ms"], [[f"**{p50:.1f}**", f"**{p99:.1f}**"]])}
+
+Targets: p50 ≤ 20 ms — {verdict(p50 <= 20)}; p99 ≤ 100 ms — {verdict(p99 <= 100)}.
 
 **Scaling** with relay processes sharing the 16 shards through leases:
 
@@ -261,11 +274,14 @@ cannot explain it). Targets: p50 ≤ 20 ms, p99 ≤ 100 ms.
     [n, f"{rate:,.0f}", f"{rate / one:.2f}"] for n, rate in scaling.items()
 ])}
 
-On this 2-core machine the relay processes, PostgreSQL and the broker (a thread pool in
-the benchmark process) share two cores, so extra relays cannot add CPU: they add
-parallel round trips (one relay's flush overlaps another's fetch) and lose it again to
-contention. Relays scale out for availability and across machines; on one box, one
-relay is close to what the cores allow.
+What two cores allow: one relay process is bound by its own Python work per row
+(decoding the row, building the record, the delivery callback, the outcome
+bookkeeping — about as much again as the baseline's whole loop) while it also waits,
+single-threaded, for PostgreSQL (the id-ordered fetch, the fenced bulk update, a WAL
+flush per batch) and for the broker's acknowledgements. More processes overlap one's
+waits with another's CPU work, until the two cores — shared by the relays, PostgreSQL
+and the broker threads — are busy; past that, more relays only add contention. On a
+machine with more cores, relays scale with the cores, up to the shard count.
 """
     write_section("relay", body)
 
