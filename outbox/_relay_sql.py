@@ -47,7 +47,9 @@ _INT_ARRAYS = frozenset({"id", "shard", "epoch", "kafka_partition", "kafka_offse
 
 
 def _int_array(values: list[int | None]) -> str:
-    return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
+    if None in values:
+        return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 @dataclass(slots=True)
