@@ -155,9 +155,13 @@ class Relay:
             if self._lease_thread is not None:
                 self._lease_thread.join(10)
                 self._lease_thread = None
-            self.leases.release_all()
             restore()
-            log.info("relay %s stopped; leases released", self.worker_id)
+            try:
+                self.leases.release_all()
+                log.info("relay %s stopped; leases released", self.worker_id)
+            except Exception:
+                # The database is unreachable: the leases expire by themselves within the TTL.
+                log.exception("relay %s stopped; could not release its leases", self.worker_id)
 
     def _loop(self) -> None:
         poll_due = 0.0
