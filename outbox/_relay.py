@@ -125,14 +125,23 @@ class Relay:
         Without ``run`` (tests, embedding) the leases are maintained here, at
         most every TTL/3.
         """
+        self._prepare_batch()
+        return self._run_batch(wait=True)
+
+    def _prepare_batch(self) -> None:
         if self._lease_thread is None and time.monotonic() >= self._next_lease_check:
             self._maintain_leases()
-        self.leases.release_surplus()
+        if self.leases.surplus:
+            self._batch.finish()  # never give a shard back under a write in flight
+            self.leases.release_surplus()
         self.wheel.advance(time.monotonic())
+
+    def _run_batch(self, *, wait: bool) -> BatchResult:
         owned = self.leases.owned()
         if not owned:
+            self._batch.finish()
             return BatchResult()
-        return self._batch.run(owned)
+        return self._batch.run(owned, wait=wait)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -157,6 +166,10 @@ class Relay:
                 self._lease_thread = None
             restore()
             try:
+                self._batch.close()  # the last batch's marks, before its leases go
+            except Exception:
+                log.exception("relay %s could not record its last batch", self.worker_id)
+            try:
                 self.leases.release_all()
                 log.info("relay %s stopped; leases released", self.worker_id)
             except Exception:
@@ -171,7 +184,9 @@ class Relay:
             if again or mono >= poll_due or self.wheel.advance(mono):
                 poll_due = mono + self.poll_interval
                 try:
-                    batch = self.run_once()
+                    # Pipelined: this batch's outcomes are written while the next one runs.
+                    self._prepare_batch()
+                    batch = self._run_batch(wait=False)
                 except Exception:
                     log.exception("relay %s batch failed; retrying after the poll interval",
                                   self.worker_id)
@@ -223,6 +238,7 @@ class Relay:
 
     def close(self) -> None:
         """Release leases held from ``run_once`` calls (``run`` does this itself)."""
+        self._batch.close()
         self.leases.release_all()
 
     def _install_signal_handlers(self) -> Callable[[], None]:

@@ -11,6 +11,12 @@ The rules that keep per-key order live here:
   attempt count, error and next attempt time (retry) or ``failed`` status,
   and the key's later rows stay pending, untouched.
 
+Pipelined batches (``run(wait=False)``, PostgreSQL, used by ``Relay.run``)
+write one batch's outcomes on a helper thread while the next batch is fetched
+and sent; the rows being written are excluded from that fetch and the keys of
+the keys it stopped (retried or failed heads) are held in memory until the
+write commits.
+
 Only the relay's worker thread uses a ``Batch``.
 """
 
@@ -20,8 +26,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import tenacity
@@ -32,7 +39,7 @@ from transports import Outcome, SendResult, Transport
 from ._alerts import Alert, AlertSink, deliver
 from ._envelope import utcnow
 from ._relay_metrics import RelayMetrics
-from ._relay_sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
+from ._relay_sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks, int_array
 from ._wheel import TimingWheel
 from ._wire import to_record
 
@@ -58,6 +65,19 @@ class BatchResult:
     """Rows delivered but not marked because this relay lost the shard's lease."""
 
 
+@dataclass(slots=True)
+class _Plan:
+    """A batch's decided outcomes, ready to be written."""
+
+    now: datetime
+    published: Marks
+    published_topics: dict[str, int]
+    retried: Marks
+    failed: list[tuple[Any, int, str]]
+    stopped: set[tuple[str, str]]
+    """Keys whose head was retried or failed: they wait until the write commits."""
+
+
 class Batch:
     """Runs batches for one relay (see the module doc)."""
 
@@ -77,9 +97,23 @@ class Batch:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
         self.worker_id, self.batch_size = worker_id, batch_size
+        # Pipelining (PostgreSQL, inside Relay.run): the previous batch's outcomes are
+        # written on a helper thread while this batch is fetched and sent. Its rows are
+        # excluded from the fetch ("busy") and the keys it stops (retried or failed
+        # heads) held in memory until that write commits: until then the database
+        # does not know they wait, and a wheel timer may already have fired.
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: Future[dict] | None = None
+        self._busy: list[int] = []
+        self._held: set[tuple[str, str]] = set()
 
-    def run(self, owned: dict[int, int]) -> BatchResult:
-        """One batch over the shards in ``owned`` (shard -> lease epoch)."""
+    def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
+        """One batch over the shards in ``owned`` (shard -> lease epoch).
+
+        With ``wait=False`` (PostgreSQL only) the outcomes are written in the
+        background while the next batch runs; the counts returned are then what
+        is being written, and ``finish`` waits for it.
+        """
         started = time.perf_counter()
         with self.engine.connect() as conn:
             if self.sql.postgres:
@@ -87,15 +121,18 @@ class Batch:
                 # session zone named 'UTC' psycopg returns datetime.UTC datetimes, which
                 # format and compare several times faster than ZoneInfo('Etc/UTC') ones.
                 conn.exec_driver_sql("SET LOCAL jit = off; SET LOCAL TIME ZONE 'UTC'")
-            rows = conn.execute(self.sql.fetch(owned), {"now": utcnow(), "limit": self.batch_size}).all()
+            params = {"now": utcnow(), "limit": self.batch_size, "busy": int_array(self._busy)}
+            rows = conn.execute(self.sql.fetch(owned), params).all()
             conn.rollback()
         if not rows:
+            self.finish()
             return BatchResult()
-        wheel = self.wheel
+        wheel, held = self.wheel, self._held
         # Rows are unpacked by position: a Row's attribute access costs more per row
         # than building its record.
-        sendable = rows if not len(wheel) else [
-            r for r in rows if r[_KEY] is None or (r[_TOPIC], r[_KEY]) not in wheel
+        sendable = rows if not (len(wheel) or held) else [
+            r for r in rows
+            if r[_KEY] is None or ((r[_TOPIC], r[_KEY]) not in wheel and (r[_TOPIC], r[_KEY]) not in held)
         ]
         records = [
             to_record(message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
@@ -108,13 +145,44 @@ class Batch:
         results = self.transport.publish(records) if records else []
         if len(results) != len(records):
             raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
-        outcome = self._record(sendable, results, owned)
+        plan = self._plan(sendable, results, owned)
+        try:
+            self.finish()  # at most one write in flight, and in batch order
+        except Exception:
+            # Its rows stay pending and are sent again (duplicates); this batch goes on.
+            log.exception("relay %s could not record a batch's outcomes", self.worker_id)
+        if wait or not self.sql.postgres:
+            outcome = self._write(plan)
+        else:
+            self._busy = plan.published.ids + plan.retried.ids + [row.id for row, _, _ in plan.failed]
+            self._held = plan.stopped
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="outbox-relay-writer")
+            self._writing = self._writer.submit(self._write, plan)
+            outcome = {"published": len(plan.published.ids), "retried": len(plan.retried.ids),
+                       "failed": len(plan.failed), "fenced": 0}
         self.metrics.batch_duration.observe(time.perf_counter() - started)
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
         return BatchResult(fetched=len(rows), sent=len(records), held=len(rows) - len(sendable),
                            **outcome)
 
-    def _record(self, rows: list[Any], results: list[SendResult], owned: dict[int, int]) -> dict:
+    def finish(self) -> None:
+        """Wait for the background write of the previous batch, if any; re-raises its error."""
+        writing, self._writing = self._writing, None
+        try:
+            if writing is not None:
+                writing.result()
+        finally:
+            self._busy, self._held = [], set()
+
+    def close(self) -> None:
+        self.finish()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+
+    def _plan(self, rows: list[Any], results: list[SendResult], owned: dict[int, int]) -> _Plan:
+        """Decide every row's outcome (and schedule retries in the wheel); no SQL."""
         retried = empty_marks()
         ids: list[int] = []
         shards: list[int] = []
@@ -154,11 +222,16 @@ class Batch:
                 # The wheel holds the key back and wakes the relay; the row is the truth.
                 wheel_key = key if key is not None else (row.topic, str(row.message_id))
                 self.wheel.schedule(wheel_key, mono + delay)
+        return _Plan(now, published, published_topics, retried, failed, stopped)
+
+    def _write(self, plan: _Plan) -> dict:
+        """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
+        published, failed = plan.published, plan.failed
         with self.engine.begin() as conn:
-            marked = self.sql.published(conn, self.worker_id, published, now)
-            self.sql.retried(conn, self.worker_id, retried)
+            marked = self.sql.published(conn, self.worker_id, published, plan.now)
+            self.sql.retried(conn, self.worker_id, plan.retried)
             newly_failed = self._mark_failed(conn, failed)
-        for topic, n in published_topics.items():
+        for topic, n in plan.published_topics.items():
             self.metrics.published.labels(topic).inc(n)
         for row, error in newly_failed:
             self.metrics.failed.labels(row.topic).inc()
@@ -169,7 +242,7 @@ class Batch:
         if fenced:
             log.warning("relay %s lost a lease: %d delivered rows left to the new owner",
                         self.worker_id, fenced)
-        return {"published": marked, "retried": len(retried.ids), "failed": len(newly_failed),
+        return {"published": marked, "retried": len(plan.retried.ids), "failed": len(newly_failed),
                 "fenced": fenced}
 
     def _mark_failed(self, conn: Connection, failed: list[tuple[Any, int, str]]) -> list:

@@ -11,7 +11,7 @@ elsewhere it is one executemany.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -46,7 +46,9 @@ ROW_COLUMNS = (
 _INT_ARRAYS = frozenset({"id", "shard", "epoch", "kafka_partition", "kafka_offset"})
 
 
-def _int_array(values: list[int | None]) -> str:
+def int_array(values: Iterable[int | None]) -> str:
+    """A PostgreSQL integer array literal, e.g. '{1,2,3}'."""
+    values = list(values)
     if None in values:
         return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
     return "{" + ",".join(map(str, values)) + "}"
@@ -106,7 +108,13 @@ class RelayStatements:
             return found
         m, limit = self._m, bindparam("limit")
         if self.postgres:
-            parts = [self._due.where(m.c.shard == shard).order_by(m.c.id).limit(limit) for shard in key]
+            # "busy": ids whose outcome is still being written (pipelined batches).
+            # NOT IN (SELECT …) becomes a hashed subplan; "<> ALL(array)" compared every
+            # row with every busy id.
+            busy_ids = select(func.unnest(cast(bindparam("busy", type_=Text()), ARRAY(BigInteger))))
+            busy = m.c.id.not_in(busy_ids.scalar_subquery())
+            parts = [self._due.where(m.c.shard == shard, busy).order_by(m.c.id).limit(limit)
+                     for shard in key]
             merged = union_all(*parts).subquery("due")
             found = select(merged).order_by(merged.c.id).limit(limit)
         else:
@@ -150,7 +158,7 @@ class RelayStatements:
                 .where(m.c.id == rows.c.id, m.c.shard == rows.c.shard, m.c.status == PENDING, fenced)
                 .values(**set_, **{name: rows.c[name] for name in per_row})
             )
-            params = {f"a_{name}": _int_array(values) if name in _INT_ARRAYS else values
+            params = {f"a_{name}": int_array(values) if name in _INT_ARRAYS else values
                       for name, values in (("id", marks.ids), ("shard", marks.shards),
                                            ("epoch", marks.epochs), *marks.values.items())}
             return conn.execute(stmt, params).rowcount

@@ -9,7 +9,7 @@ import pytest
 import tenacity
 from _relay_helpers import ScriptedTransport, drain, publish, rows, seqs_by_key
 
-from outbox import Alert, ConfigurationError, Outbox, Relay
+from outbox import Alert, ConfigurationError, Outbox, Relay, create_engine
 from outbox._sharding import partition_for_key
 from transports import Outcome
 from transports.kafka import KafkaTransport
@@ -157,3 +157,30 @@ def test_delay_backoff_is_capped() -> None:
     state.attempt_number = 500
     assert wait(state) <= 30.2
     assert timedelta(seconds=wait(state)) <= timedelta(seconds=30.2)
+
+
+@pytest.mark.postgres
+def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(postgres_db: str, monkeypatch) -> None:
+    outbox = Outbox(create_engine(postgres_db))
+    outbox.create_tables()
+    ids = publish(outbox, "orders", ["a", "a", "b"])
+    transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY]})
+    relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(0))  # the wheel fires at once
+    write = relay._batch._write
+    monkeypatch.setattr(relay._batch, "_write", lambda plan: time.sleep(0.5) or write(plan))
+    relay._prepare_batch()
+    relay._run_batch(wait=False)  # a1 retried, b1 delivered; the write is still running
+    time.sleep(0.1)  # past the wheel's tick
+    relay._prepare_batch()
+    assert ("orders", "a") not in relay.wheel
+    second = relay._run_batch(wait=False)
+    # a1 is being written (excluded) and a's retry timer has fired, but the database does not
+    # know yet that a waits: a2 must not go out ahead of a1.
+    assert second.sent == 0 and second.held == 1
+    assert [r.key for r in transport.sent] == [b"b"]
+    drain(relay)
+    relay.close()
+    assert [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent] == [
+        (b"b", b"1"), (b"a", b"1"), (b"a", b"2")
+    ]
+    outbox.engine.dispose()  # type: ignore[union-attr]
