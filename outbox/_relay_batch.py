@@ -13,11 +13,11 @@ The rules that keep per-key order live here:
 
 Pipelined batches (``run(wait=False)``, PostgreSQL, used by ``Relay.run``)
 write one batch's outcomes on a helper thread while the next batch is fetched
-and sent; the rows being written are excluded from that fetch and the keys of
-the keys it stopped (retried or failed heads) are held in memory until the
-write commits.
+and sent; the rows being written are excluded from that fetch and the keys it
+stopped (retried or failed heads) are held in memory until the write commits.
 
-Only the relay's worker thread uses a ``Batch``.
+Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
+(with their metrics and alerts) may run on the one helper thread.
 """
 
 from __future__ import annotations

@@ -274,14 +274,13 @@ Targets: p50 ≤ 20 ms — {verdict(p50 <= 20)}; p99 ≤ 100 ms — {verdict(p99
     [n, f"{rate:,.0f}", f"{rate / one:.2f}"] for n, rate in scaling.items()
 ])}
 
-What two cores allow: one relay process is bound by its own Python work per row
-(decoding the row, building the record, the delivery callback, the outcome
-bookkeeping — about as much again as the baseline's whole loop) while it also waits,
-single-threaded, for PostgreSQL (the id-ordered fetch, the fenced bulk update, a WAL
-flush per batch) and for the broker's acknowledgements. More processes overlap one's
-waits with another's CPU work, until the two cores — shared by the relays, PostgreSQL
-and the broker threads — are busy; past that, more relays only add contention. On a
-machine with more cores, relays scale with the cores, up to the shard count.
+What two cores allow: one relay process keeps about one core busy with its Python
+work per row (decoding the row, building the record, the delivery callback, the
+outcome bookkeeping); its bulk update and commit run on a helper thread, overlapped
+with the next batch. A second process uses the second core, until the two cores —
+shared by the relays, PostgreSQL (fetch, fenced update, a WAL flush per batch) and the
+broker's threads — are busy; four processes then add only contention. On a machine
+with more cores, relays scale with the cores, up to the shard count.
 """
     write_section("relay", body)
 
