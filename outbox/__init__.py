@@ -18,6 +18,9 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
+from ._inbox import Inbox
+from ._inbox_admin import NotParkedError, ParkedMessage, ReplayResult
+from ._inbox_signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 from ._outbox import Outbox
 from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
@@ -26,7 +29,10 @@ __all__ = [
     "Alert",
     "AlertSink",
     "ConfigurationError",
+    "Disposition",
     "ForeignRecordError",
+    "HandlerSignal",
+    "Inbox",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
@@ -34,12 +40,18 @@ __all__ = [
     "LoggingAlertSink",
     "Message",
     "MessageValidationError",
+    "NotParkedError",
     "Outbox",
     "OutboxError",
     "OutboxTables",
+    "ParkMessage",
+    "ParkedMessage",
     "PayloadTooLargeError",
     "PermanentTransportError",
+    "ReplayResult",
     "RetriableTransportError",
+    "RetryLater",
+    "SkipMessage",
     "TransportError",
     "UnserializablePayloadError",
     "WebhookAlertSink",
