@@ -14,8 +14,11 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
+from outbox import Alert
 from outbox._wire import to_record
 from transports import Record
+
+TOPIC = "orders"
 
 business = sa.MetaData()
 effects = sa.Table(
@@ -43,6 +46,13 @@ def record(topic: str, key: str | None, seq: int | None, *, payload: bytes = b'{
         message_id=message_id or uuid.uuid4(), topic=topic, key=key, seq=seq, payload=payload,
         content_type="application/json", headers=None, created_at=datetime.now(UTC),
     )
+
+
+class AlertLog(list):
+    """An alert sink that keeps what it was given."""
+
+    def __call__(self, alert: Alert) -> None:
+        self.append(alert)
 
 
 class OrderViolation(AssertionError):

@@ -12,9 +12,11 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from outbox import Alert, Disposition, Inbox
+from outbox import Disposition, Inbox
 from outbox._envelope import utcnow
 from tests.inbox_support import (
+    TOPIC,
+    AlertLog,
     OrderViolation,
     applied,
     apply_effect,
@@ -23,8 +25,6 @@ from tests.inbox_support import (
     insert_effect,
     record,
 )
-
-TOPIC = "orders"
 
 
 @pytest.fixture
@@ -35,11 +35,6 @@ def inbox(engine: sa.Engine) -> Inbox:
     business.create_all(engine)
     box.handler(TOPIC)(apply_effect)
     return box
-
-
-class AlertLog(list):
-    def __call__(self, alert: Alert) -> None:
-        self.append(alert)
 
 
 def test_applies_once_and_counts_redeliveries(inbox: Inbox, engine: sa.Engine) -> None:
