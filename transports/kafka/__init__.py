@@ -8,5 +8,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ._embedded import embedded_kafka
+from ._source import KafkaSource
 
-__all__ = ["embedded_kafka"]
+__all__ = ["KafkaSource", "embedded_kafka"]
