@@ -1,10 +1,11 @@
 """One inbox transaction: classify, dedup, run handlers, advance key state, commit.
 
-A batch holds deliveries of *different* keys (the scheduler guarantees it),
-each handled in its own SAVEPOINT, so one failing handler rolls back only its
-own writes and the others commit. The dedup rows, the key's new ``last_seq``
-and the handler's writes commit together: that is what makes effects inside
-the inbox database happen once. A held message that becomes next is applied
+A batch holds deliveries of *different* keys (the scheduler guarantees it);
+when one handler fails, the batch is redone with each message in its own
+SAVEPOINT, so the failure rolls back only its own writes and the others
+commit. The dedup rows, the key's new ``last_seq`` and the handler's writes
+commit together: that is what makes effects inside the inbox database happen
+once. A held message that becomes next is applied
 in the same transaction, right after its predecessor.
 
 Failures are not retried here: they come back in ``Batch.failed`` and the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,8 @@ class Batch:
     done: list[tuple[Delivery, Disposition]] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
     alerts: list[Alert] = field(default_factory=list)
+    parked: list[tuple[str, str]] = field(default_factory=list)
+    """(topic, reason) of each message parked, for the metrics."""
 
 
 class Applier:
@@ -60,13 +64,34 @@ class Applier:
         self.metrics = metrics
 
     def apply(self, deliveries: list[Delivery]) -> Batch:
-        """Handle ``deliveries`` (at most one per key) in one transaction and commit."""
+        """Handle ``deliveries`` (at most one per key) in one transaction and commit.
+
+        A batch first runs without savepoints (they cost two round trips per
+        message); if a handler fails, that transaction is rolled back and the
+        batch redone with a SAVEPOINT per message, reusing the failure instead
+        of running the failed handler again. Either way the others commit.
+        """
+        known: dict[uuid.UUID, tuple[BaseException, str]] = {}
+        if len(deliveries) > 1:
+            try:
+                return self._transaction(deliveries, known, savepoints=False)
+            except _Redo as redo:
+                known[redo.delivery.message.message_id] = redo.error
+        return self._transaction(deliveries, known, savepoints=True)
+
+    def _transaction(self, deliveries: list[Delivery], known: dict[uuid.UUID, tuple[BaseException, str]],
+                     *, savepoints: bool) -> Batch:
         batch = Batch()
         with self.sessions() as session, session.begin():
-            self._apply(session, deliveries, batch)
+            self._apply(session, deliveries, batch, known, savepoints)
+        for d, disposition in batch.done:
+            self.metrics.counted(d.message.topic, disposition)
+        for topic, reason in batch.parked:
+            self.metrics.parked(topic, reason)
         return batch
 
-    def _apply(self, session: Session, pending: list[Delivery], batch: Batch) -> None:
+    def _apply(self, session: Session, pending: list[Delivery], batch: Batch,
+               known: dict[uuid.UUID, tuple[BaseException, str]], savepoints: bool) -> None:
         store = self.store
         states: dict[KeyId, KeyState] = {}
         new_seqs: dict[KeyId, int] = {}
@@ -83,7 +108,10 @@ class Applier:
                 if d.message.message_id not in claimed:
                     duplicates.append(d)
                     continue
-                error = self.run_handler(session, d)
+                error = known.get(d.message.message_id) or self.run_handler(
+                    session, d, savepoint=savepoints)
+                if error is not None and not savepoints:
+                    raise _Redo(d, error)
                 if error is not None and not isinstance(error[0], SkipMessage):
                     lost.append(d)
                     batch.failed.append(Failure(d, *error))
@@ -101,9 +129,7 @@ class Applier:
         store.count_redelivery(session, (d.message.message_id for d in duplicates))
         store.unhold(session, (d.message.message_id for d in unhold))
         store.set_last_seq(session, new_seqs)
-        for d in duplicates:
-            self.metrics.duplicate(d.message.topic)
-            batch.done.append((d, Disposition.DUPLICATE))
+        batch.done.extend((d, Disposition.DUPLICATE) for d in duplicates)
 
     def _triage(self, session: Session, d: Delivery, states: dict[KeyId, KeyState],
                 duplicates: list[Delivery], unhold: list[Delivery], batch: Batch) -> bool:
@@ -136,7 +162,6 @@ class Applier:
         if msg.seq > state.last_seq + 1:  # type: ignore[operator]
             if not d.from_held:
                 store.hold(session, d)
-                self.metrics.held(msg.topic)
             batch.done.append((d, Disposition.HELD))
             return False
         return True
@@ -144,30 +169,42 @@ class Applier:
     def _park(self, session: Session, d: Delivery, batch: Batch, *, reason: str,
               error: str | None = None) -> None:
         self.store.park(session, d, reason=reason, error=error)
-        self.metrics.parked(d.message.topic, reason)
+        batch.parked.append((d.message.topic, reason))
         batch.done.append((d, Disposition.PARKED))
 
     def _alert(self, kind: str, d: Delivery, error: str) -> Alert:
         return make_alert(kind, d, error, self.store.group)
 
-    def run_handler(self, session: Session, d: Delivery) -> tuple[BaseException, str] | None:
-        """Run the topic's handler inside a SAVEPOINT; the error and traceback if it raised."""
+    def run_handler(self, session: Session, d: Delivery, *,
+                    savepoint: bool = True) -> tuple[BaseException, str] | None:
+        """Run the topic's handler (in a SAVEPOINT if asked); the error and traceback if it raised."""
         topic = d.message.topic
         handler = self.handlers.get(topic)
         started = time.perf_counter()
-        savepoint = session.begin_nested()
+        nested = session.begin_nested() if savepoint else None
         try:
             if handler is None:
                 raise ParkMessage(f"no handler registered for topic {topic!r}")
             handler(session, d.message)
             session.flush()
-            savepoint.commit()
+            if nested is not None:
+                nested.commit()
         except Exception as exc:
-            savepoint.rollback()
-            self.metrics.failed(topic, time.perf_counter() - started)
+            if nested is not None:
+                nested.rollback()
+            self.metrics.ran(topic, time.perf_counter() - started, failed=True)
             return exc, traceback.format_exc()
-        self.metrics.handled(topic, time.perf_counter() - started)
+        self.metrics.ran(topic, time.perf_counter() - started, failed=False)
         return None
+
+
+class _Redo(Exception):
+    """A handler failed in a batch without savepoints: roll it all back, redo with savepoints."""
+
+    def __init__(self, delivery: Delivery, error: tuple[BaseException, str]) -> None:
+        super().__init__(f"redo batch: {error[0]!r}")
+        self.delivery = delivery
+        self.error = error
 
 
 def park_key(store: InboxStore, session: Session, d: Delivery, reason: str,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from ._inbox_signals import Disposition
+
 _CONSUMED = Counter("outbox_inbox_consumed", "Records received from the broker.",
                     ["group", "topic"])
 _DUPLICATES = Counter("outbox_inbox_duplicates_dropped",
@@ -43,22 +45,23 @@ class InboxMetrics:
     def consumed(self, topic: str) -> None:
         _CONSUMED.labels(self.group, topic).inc()
 
-    def duplicate(self, topic: str) -> None:
-        _DUPLICATES.labels(self.group, topic).inc()
-
-    def handled(self, topic: str, seconds: float) -> None:
-        _HANDLED.labels(self.group, topic).inc()
+    def ran(self, topic: str, seconds: float, *, failed: bool) -> None:
+        """One handler run, committed or not."""
         _DURATION.labels(self.group, topic).observe(seconds)
+        if failed:
+            _FAILED.labels(self.group, topic).inc()
 
-    def failed(self, topic: str, seconds: float) -> None:
-        _FAILED.labels(self.group, topic).inc()
-        _DURATION.labels(self.group, topic).observe(seconds)
+    def counted(self, topic: str, disposition: Disposition) -> None:
+        """A committed outcome (parked messages are counted by reason in ``parked``)."""
+        if disposition is Disposition.APPLIED:
+            _HANDLED.labels(self.group, topic).inc()
+        elif disposition is Disposition.DUPLICATE:
+            _DUPLICATES.labels(self.group, topic).inc()
+        elif disposition is Disposition.HELD:
+            _HELD.labels(self.group, topic).inc()
 
     def parked(self, topic: str, reason: str) -> None:
         _PARKED.labels(self.group, topic, reason).inc()
-
-    def held(self, topic: str) -> None:
-        _HELD.labels(self.group, topic).inc()
 
     def parked_keys(self, count: int) -> None:
         _PARKED_KEYS.labels(self.group).set(count)
