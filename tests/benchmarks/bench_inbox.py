@@ -30,11 +30,11 @@ from confluent_kafka import Consumer, Producer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from outbox import Inbox, create_engine  # noqa: E402
-from outbox.testing import local_postgres  # noqa: E402
-from tests.benchmarks._report import markdown_table, write_section  # noqa: E402
-from tests.inbox_support import business, effects, insert_effect, record  # noqa: E402
-from transports.kafka import KafkaSource, embedded_kafka  # noqa: E402
+from outbox import Inbox, create_engine
+from outbox.testing import local_postgres
+from tests.benchmarks._report import markdown_table, write_section
+from tests.inbox_support import business, effects, insert_effect, record
+from transports.kafka import KafkaSource, embedded_kafka
 
 FAST_FETCH = {"fetch_max_wait_ms": 10, "session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
 
