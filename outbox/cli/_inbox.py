@@ -72,7 +72,7 @@ def run(
     target: str = typer.Argument(..., metavar="MODULE:ATTRIBUTE", help=APP_HELP),
     bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
     group: str | None = typer.Option(None, help="Kafka consumer group id (default: the inbox's group)."),
-    kafka_setting: list[str] = typer.Option([], "--kafka-setting", "-X",  # noqa: B008
+    kafka_setting: list[str] = typer.Option([], "--kafka-setting", "-X",
                                             help="NAME=VALUE, kafka-python-ng name or librdkafka key."),
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
 ) -> None:
