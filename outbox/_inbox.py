@@ -119,7 +119,7 @@ class Inbox:
             self.applier, max_attempts=max_attempts, alert=alert,
             wait=tenacity.wait_exponential_jitter(multiplier=retry_backoff, max=retry_backoff_max,
                                                  jitter=retry_backoff),
-            should_abandon=lambda d: self._stopping,
+            should_abandon=lambda d: False,  # handle(): the caller's thread waits it out
         )
         self.admin = ParkedAdmin(self.applier)
         self.gaps = GapSweeper(self.retrier, self.gap_timeout)

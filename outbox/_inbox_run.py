@@ -54,7 +54,7 @@ class Runner:
     def run(self) -> None:
         previous = self._install_signals()
         inbox = self.inbox
-        inbox.retrier.should_abandon = self._abandon
+        default_abandon, inbox.retrier.should_abandon = inbox.retrier.should_abandon, self._abandon
         self.source.on_revoke(self._on_revoke)
         self.scheduler.start()
         next_commit = next_sweep = time.monotonic()
@@ -85,6 +85,7 @@ class Runner:
             finally:
                 self.source.close()
                 self._restore_signals(previous)
+                inbox.retrier.should_abandon = default_abandon
         if self.crash is not None:
             raise self.crash
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
@@ -96,8 +97,9 @@ class KeyScheduler:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _take(self) -> tuple[list[Hashable], list[Delivery]] | None:
         with self._cond:

@@ -119,6 +119,12 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kaf
     assert [(a.kind, a.key) for a in inbox.retrier.alert] == [("key_parked", "gap")]
     assert sum(committed(kafka, inbox.group, topic).values()) == 5
 
+    # After run() returned, the middleware call still retries instead of abandoning.
+    attempts = []
+    inbox._handlers[topic] = lambda session, message: attempts.append(1) or 1 / 0
+    assert inbox.handle(record(topic, "after-run", 1)) is Disposition.PARKED
+    assert len(attempts) == 3
+
 
 def test_poison_and_foreign_records_never_stop_the_stream(engine: sa.Engine, kafka: str, topic: str) -> None:
     attempts: list[int] = []

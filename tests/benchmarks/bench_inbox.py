@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=50_000)
     parser.add_argument("--batch-size", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--io-batch-size", type=int, default=8)
     args = parser.parse_args()
     with local_postgres() as db, embedded_kafka() as servers:
         engine = create_engine(db)
@@ -137,12 +138,13 @@ def main() -> None:
         print(f"inbox {rate:,.0f} msg/s", flush=True)
         scaling = []
         for concurrency in (1, 4, 16, 64):
-            n = min(300 * concurrency, 12_000)
-            r = inbox_rate(servers, db, n, 1000, concurrency=concurrency, batch_size=1, sleep=0.005)
+            n = min(400 * concurrency, 12_000)
+            r = inbox_rate(servers, db, n, 1000, concurrency=concurrency,
+                           batch_size=args.io_batch_size, sleep=0.005)
             print(f"io-bound concurrency={concurrency}: {r:,.0f} msg/s", flush=True)
             scaling.append((concurrency, n, r))
 
-    body = "\n\n".join([
+    body = "\n\n".join(part for part in [
         "## Inbox (consumer side)",
         "PostgreSQL 15 with durable defaults (fsync, synchronous_commit on), librdkafka's "
         "mock cluster in the same process, 1,000 keys on 4 partitions, handler inserting one "
@@ -155,8 +157,16 @@ def main() -> None:
              f"concurrency={args.concurrency}", f"{args.messages:,}", f"{rate:,.0f}",
              f"{rate / base:.1f}x"],
         ]),
+        ("" if rate >= 10_000 else
+         "**Below the 10,000 msg/s target on this machine.** Each message still costs the "
+         "handler's own INSERT round trip plus SQLAlchemy's per-statement work, and here the "
+         "consumer, the mock broker and the PostgreSQL server share the cores listed below "
+         "with other jobs; the number is CPU-bound, not bound by the inbox's SQL (one batch "
+         "of 100-200 keys costs six statements besides the handlers')."),
         "I/O-bound handler (sleeps 5 ms, then inserts the row), 1,000 keys on 4 partitions, "
-        "batch_size=1: throughput by `concurrency` (key-ordered parallelism within partitions).",
+        f"batch_size={args.io_batch_size}: throughput by `concurrency` (key-ordered parallelism "
+        "within partitions; one worker handles its batch's messages one after another, so "
+        "concurrency 1 cannot exceed 200 msg/s).",
         markdown_table(["concurrency", "messages", "msg/s", "vs concurrency 1"], [
             [c, f"{n:,}", f"{r:,.0f}", f"{r / scaling[0][2]:.1f}x"] for c, n, r in scaling
         ]),
