@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, and_, bindparam, delete, func, select, tuple_, update
+from sqlalchemy import Row, Table, and_, bindparam, delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -127,11 +127,13 @@ class InboxStore:
         }
 
     def unclaim(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
+        self._delete_ids(session, self.t.inbox_messages, message_ids)
+
+    def _delete_ids(self, session: Session, table: Table, message_ids: Iterable[uuid.UUID]) -> None:
         ids = list(message_ids)
         if ids:
-            m = self.t.inbox_messages
-            session.execute(delete(m).where(m.c.consumer_group == self.group,
-                                            m.c.message_id.in_(ids)))
+            session.execute(delete(table).where(table.c.consumer_group == self.group,
+                                                table.c.message_id.in_(ids)))
 
     def mark(self, session: Session, d: Delivery, outcome: str, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
@@ -201,11 +203,7 @@ class InboxStore:
         return [delivery_from_row(r, from_held=True) for r in rows]
 
     def unhold(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
-        ids = list(message_ids)
-        if ids:
-            h = self.t.inbox_held
-            session.execute(delete(h).where(h.c.consumer_group == self.group,
-                                            h.c.message_id.in_(ids)))
+        self._delete_ids(session, self.t.inbox_held, message_ids)
 
     # -- parked -----------------------------------------------------------------
 

@@ -47,6 +47,12 @@ def start_worker(db: str, kafka: str, topic: str, group: str) -> subprocess.Pope
     )
 
 
+def produce_keys(kafka: str, topic: str, keys: int, per_key: int) -> None:
+    """Seq 1 of every key, then seq 2 of every key …; small payloads (the mock broker keeps 5 MiB)."""
+    produce(kafka, [record(topic, f"key-{k}", seq, payload=b"{}")
+                    for seq in range(1, per_key + 1) for k in range(keys)])
+
+
 def effect_count(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return conn.scalar(sa.select(sa.func.count()).select_from(effects)) or 0
@@ -85,8 +91,7 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
     pg: sa.Engine, postgres_db: str, kafka: str, topic: str
 ) -> None:
     keys, per_key, group = 1000, 50, f"crash-{topic}"
-    produce(kafka, [record(topic, f"key-{k}", seq, payload=b"{}")
-                    for seq in range(1, per_key + 1) for k in range(keys)])
+    produce_keys(kafka, topic, keys, per_key)
     rng = random.Random(int(time.time()))
     worker = start_worker(postgres_db, kafka, topic, group)
     killed_at: list[int] = []
@@ -117,8 +122,7 @@ def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
     pg: sa.Engine, postgres_db: str, kafka: str, topic: str
 ) -> None:
     keys, per_key, group = 500, 20, f"rebalance-{topic}"
-    produce(kafka, [record(topic, f"key-{k}", seq, payload=b"{}")
-                    for seq in range(1, per_key + 1) for k in range(keys)])
+    produce_keys(kafka, topic, keys, per_key)
     first = start_worker(postgres_db, kafka, topic, group)
     second = start_worker(postgres_db, kafka, topic, group)
     try:

@@ -169,7 +169,6 @@ def pg_engine(postgres_db: str) -> Iterator[sa.Engine]:
 def test_offsets_stay_behind_the_lowest_unfinished_record(
     pg_engine: sa.Engine, kafka: str, topic: str
 ) -> None:
-    engine = pg_engine
     release = threading.Event()
 
     def handler(session, message):  # type: ignore[no-untyped-def]
@@ -177,24 +176,23 @@ def test_offsets_stay_behind_the_lowest_unfinished_record(
             release.wait(30)
         apply_effect(session, message)
 
-    inbox = make_inbox(engine, topic, batch_size=1)
+    inbox = make_inbox(pg_engine, topic, batch_size=1)
     inbox._handlers[topic] = handler
     produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
                     *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
     with running(inbox, kafka, topic):
-        wait_for(lambda: len(applied(engine)) == 21, what="everything but the slow key applied")
+        wait_for(lambda: len(applied(pg_engine)) == 21, what="everything but the slow key applied")
         time.sleep(1.2)  # more than two commit intervals
         assert committed(kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
         release.set()
         wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
-    assert len(applied(engine)) == 22
+    assert len(applied(pg_engine)) == 22
 
 
 @pytest.mark.postgres
 def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
     pg_engine: sa.Engine, kafka: str, topic: str
 ) -> None:
-    engine = pg_engine
     lock = threading.Lock()
     running_now: dict[str, int] = {}
     peak = {"all": 0, "per_key": 0}
@@ -209,16 +207,16 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
             running_now[message.key] -= 1
         apply_effect(session, message)
 
-    inbox = make_inbox(engine, topic, concurrency=16, batch_size=1)
+    inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1)
     inbox._handlers[topic] = handler
     produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
             partition=0)
     with running(inbox, kafka, topic):
-        wait_for(lambda: len(applied(engine)) == 200, what="200 applied")
+        wait_for(lambda: len(applied(pg_engine)) == 200, what="200 applied")
     assert peak["per_key"] == 1
     assert peak["all"] >= 8, f"only {peak['all']} handlers ever ran at once on 16 workers"
     for k in range(40):
-        assert [s for _, s in applied(engine, f"k{k}")] == [1, 2, 3, 4, 5]
+        assert [s for _, s in applied(pg_engine, f"k{k}")] == [1, 2, 3, 4, 5]
 
 
 def test_handle_reports_dispositions_for_embedding(engine: sa.Engine, topic: str) -> None:
