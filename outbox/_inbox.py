@@ -211,8 +211,11 @@ class Inbox:
         """Parked messages of this group, per key in seq order."""
         return self.admin.parked(topic, key)
 
-    def replay(self, topic: str, key: str) -> ReplayResult:
-        """Re-run a parked key's messages in seq order; unpark it when all succeed."""
+    def replay(self, topic: str, key: str | None) -> ReplayResult:
+        """Re-run a parked key's messages in seq order; unpark it when all succeed.
+
+        ``key=None`` re-runs the topic's parked unkeyed messages.
+        """
         return self.admin.replay(topic, key)
 
     def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
@@ -85,7 +86,7 @@ class ParkedAdmin:
             return session.scalar(select(func.count()).where(
                 k.c.consumer_group == self.store.group, k.c.parked.is_(True))) or 0
 
-    def replay(self, topic: str, key: str) -> ReplayResult:
+    def replay(self, topic: str, key: str | None) -> ReplayResult:
         """Re-run the key's parked messages in seq order; unpark it when none is left.
 
         Stops at the first message that fails again (it stays parked, with its
@@ -93,31 +94,37 @@ class ParkedAdmin:
         message. The first message may be ahead of the key's ``last_seq`` (a
         key parked for a gap): replaying it accepts that the missing messages
         are gone, and they count as duplicates if they arrive later.
+        ``key=None`` replays the topic's parked unkeyed messages, oldest first.
+        Foreign records are never replayed: discard them.
         """
         applied = 0
+        lane = (topic, key) if key is not None else None
         while True:
             with self.applier.sessions() as session, session.begin():
-                state = self.store.lock_keys(session, [(topic, key)])[(topic, key)]
+                state = self.store.lock_keys(session, [lane])[lane] if lane else None
                 row = self._next_parked(session, topic, key)
                 if row is None:
-                    self.store.unpark_key(session, (topic, key), last_seq=state.last_seq)
+                    if lane and state:
+                        self.store.unpark_key(session, lane, last_seq=state.last_seq)
                     return ReplayResult(applied, 0, unparked=True)
                 d = delivery_from_row(row)
-                seq = d.message.seq
-                if seq is not None and seq <= state.last_seq:
+                seq = d.message.seq if state else None
+                if seq is not None and seq <= state.last_seq:  # type: ignore[union-attr]
                     self._unpark_row(session, row.id)  # applied meanwhile: nothing to redo
                     continue
-                if seq is not None and seq > state.last_seq + 1 and applied:
+                if seq is not None and seq > state.last_seq + 1 and applied:  # type: ignore[union-attr]
                     return self._stopped(session, topic, key, applied,
-                                         f"{GAP}: seq {state.last_seq + 1} to {seq - 1} missing")
-                self.store.claim(session, [d])
+                                         f"{GAP}: seq {state.last_seq + 1} to {seq - 1} missing")  # type: ignore[union-attr]
+                if not self.store.claim(session, [d]):
+                    self._unpark_row(session, row.id)  # its id was processed already
+                    continue
                 failure = self.applier.run_handler(session, d)
                 if failure is None or isinstance(failure[0], SkipMessage):
                     if failure is not None:
                         self.store.mark(session, d, SKIPPED, str(failure[0]) or "skipped by handler")
                     self._unpark_row(session, row.id)
-                    if seq is not None:
-                        self.store.set_last_seq(session, {(topic, key): seq})
+                    if lane and seq is not None:
+                        self.store.set_last_seq(session, {lane: seq})
                     applied += 1
                     continue
                 self.store.unclaim(session, [d.message.message_id])
@@ -157,22 +164,25 @@ class ParkedAdmin:
                 else:
                     self.store.set_last_seq(session, {lane: last_seq})
 
-    def _next_parked(self, session: Session, topic: str, key: str):  # type: ignore[no-untyped-def]
+    def _next_parked(self, session: Session, topic: str, key: str | None):  # type: ignore[no-untyped-def]
         p = self.t.inbox_parked
         return session.execute(
-            select(p).where(p.c.consumer_group == self.store.group, p.c.topic == topic,
-                            p.c.key == key, p.c.reason != FOREIGN)
-            .order_by(p.c.seq, p.c.id).limit(1)
+            select(p).where(*self._of_key(topic, key)).order_by(p.c.seq, p.c.id).limit(1)
         ).first()
+
+    def _of_key(self, topic: str, key: str | None) -> list[Any]:
+        """Replayable parked rows of one key (or of the unkeyed messages when ``key`` is None)."""
+        p = self.t.inbox_parked
+        return [p.c.consumer_group == self.store.group, p.c.topic == topic,
+                p.c.key.is_(None) if key is None else p.c.key == key, p.c.reason != FOREIGN]
 
     def _unpark_row(self, session: Session, row_id: int) -> None:
         p = self.t.inbox_parked
         session.execute(delete(p).where(p.c.id == row_id))
 
-    def _stopped(self, session: Session, topic: str, key: str, applied: int,
+    def _stopped(self, session: Session, topic: str, key: str | None, applied: int,
                  error: str) -> ReplayResult:
         p = self.t.inbox_parked
-        remaining = session.scalar(select(func.count()).where(
-            p.c.consumer_group == self.store.group, p.c.topic == topic, p.c.key == key,
-            p.c.reason != FOREIGN)) or 0
+        remaining = session.scalar(select(func.count()).select_from(p).where(
+            *self._of_key(topic, key))) or 0
         return ReplayResult(applied, remaining, unparked=False, error=error)

@@ -220,3 +220,23 @@ def test_effects_row_is_unique_per_key_and_seq(inbox: Inbox, engine: sa.Engine) 
         conn.execute(effects.insert().values(topic=TOPIC, key="a", seq=1, message_id=uuid.uuid4()))
     with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
         conn.execute(effects.insert().values(topic=TOPIC, key="a", seq=1, message_id=uuid.uuid4()))
+
+
+def test_a_failed_unkeyed_message_parks_alone_and_replays(inbox: Inbox, engine: sa.Engine) -> None:
+    broken = [True]
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        if broken[0] and message.payload == b'{"n":2}':
+            raise RuntimeError("unkeyed poison")
+        apply_effect(session, message)
+
+    inbox._handlers[TOPIC] = handler
+    assert inbox.handle(record(TOPIC, None, None, payload=b'{"n":2}')) is Disposition.PARKED
+    assert inbox.handle(record(TOPIC, None, None)) is Disposition.APPLIED  # nothing else blocked
+    [alert] = inbox.retrier.alert
+    assert (alert.kind, alert.key) == ("message_parked", None)
+    assert inbox.replay(TOPIC, None).remaining == 1  # still broken: stays parked
+    broken[0] = False
+    result = inbox.replay(TOPIC, None)
+    assert (result.applied, result.remaining, result.unparked) == (1, 0, True)
+    assert len(applied(engine)) == 2 and inbox.parked() == []

@@ -115,7 +115,8 @@ def list_parked(
 
 @parked_app.command("replay")
 def replay(
-    topic: str = typer.Argument(...), key: str = typer.Argument(...),
+    topic: str = typer.Argument(...),
+    key: str | None = typer.Argument(None, help="Omit to replay the topic's unkeyed messages."),
     target: str = typer.Option(..., "--app", help=APP_HELP),
     group: str | None = GROUP,
 ) -> None:
@@ -124,7 +125,8 @@ def replay(
     console = Console()
     console.print(f"applied {result.applied}, still parked {result.remaining}")
     if result.unparked:
-        console.print(f"[green]key {key!r} unparked[/green]")
+        console.print(f"[green]key {key!r} unparked[/green]" if key is not None
+                      else "[green]no unkeyed message left parked[/green]")
     else:
         console.print(f"[red]stopped: {result.error}[/red]")
         raise typer.Exit(1)
