@@ -58,13 +58,18 @@ class Retrier:
     def settle(self, deliveries: list[Delivery]) -> list[tuple[Delivery, Disposition]]:
         """Take ``deliveries`` (at most one per key) to a final disposition.
 
-        Raises ``Abandoned`` (nothing of the unfinished ones committed) when the
-        inbox stops or loses the partition while the database is unreachable.
+        Returns the deliveries that reached one (plus any held successors
+        applied with them). One whose retries were abandoned is missing from
+        the result. Raises ``Abandoned``, with nothing committed, when the inbox
+        stops or loses the partition while the database is unreachable.
         """
         batch = self._until_database_answers(deliveries)
         done = list(batch.done)
         for failure in batch.failed:
-            done.extend(self._retry(failure))
+            try:
+                done.extend(self._retry(failure))
+            except Abandoned:
+                continue  # left unfinished: its offset is not committed, the next owner redoes it
         return done
 
     def _until_database_answers(self, deliveries: list[Delivery]) -> Batch:

@@ -23,6 +23,7 @@ from transports import Source
 
 from ._inbox_delivery import Delivery, decode
 from ._inbox_offsets import OffsetTracker, TopicPartition
+from ._inbox_retry import Abandoned
 from ._inbox_schedule import KeyScheduler
 
 if TYPE_CHECKING:
@@ -91,11 +92,15 @@ class Runner:
 
     def _work(self, batch: list[Delivery]) -> None:
         try:
-            self.inbox.retrier.settle(batch)
+            done = self.inbox.retrier.settle(batch)
+        except Abandoned:
+            done = []
         finally:
             with self._sweep_lock:
                 self._sweeping.difference_update(d.message.message_id for d in batch)
-        for d in batch:
+        # Only what reached a disposition is finished; an abandoned record keeps its
+        # partition's commit behind it, whatever else its batch carried.
+        for d, _ in done:
             if d.tracked:
                 self.tracker.finished((d.message.topic, d.partition), d.offset)  # type: ignore[arg-type]
 
