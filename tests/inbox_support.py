@@ -39,6 +39,9 @@ order_violations = sa.Table(
 )
 
 
+_insert_effect = effects.insert()
+
+
 def record(topic: str, key: str | None, seq: int | None, *, payload: bytes = b'{"n":1}',
            message_id: uuid.UUID | None = None) -> Record:
     """An outbox record as the relay would produce it."""
@@ -79,8 +82,8 @@ def apply_effect(session, message) -> None:  # type: ignore[no-untyped-def]
 
 def insert_effect(session, message) -> None:  # type: ignore[no-untyped-def]
     """The business write alone, for tests where a key legitimately skips a seq (discard)."""
-    session.execute(effects.insert().values(
-        topic=message.topic, key=message.key, seq=message.seq, message_id=message.message_id))
+    session.execute(_insert_effect, {"topic": message.topic, "key": message.key,
+                                     "seq": message.seq, "message_id": message.message_id})
 
 
 def applied(engine: sa.Engine, key: str | None = None) -> list[tuple[str | None, int | None]]:
