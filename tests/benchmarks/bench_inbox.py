@@ -122,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=50_000)
     parser.add_argument("--batch-size", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--io-batch-size", type=int, default=8)
     args = parser.parse_args()
     with local_postgres() as db, embedded_kafka() as servers:
