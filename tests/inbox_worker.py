@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=20)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="worker %(process)d %(name)s: %(message)s")
+    for name in ("outbox.inbox", "transports.kafka"):  # assignments, revocations
+        logging.getLogger(name).setLevel(logging.INFO)
     engine = create_engine(args.db, pool_size=args.concurrency + 2)
     inbox = Inbox(engine, group=args.group, concurrency=args.concurrency,
                   batch_size=args.batch_size, retry_backoff=0.01)

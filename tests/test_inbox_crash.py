@@ -39,11 +39,13 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-def start_worker(db: str, kafka: str, topic: str, group: str) -> subprocess.Popen[bytes]:
+def start_worker(db: str, kafka: str, topic: str, group: str,
+                 log: Path | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), db, kafka, topic, group, "--concurrency", "4",
          "--batch-size", "20"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stderr=None if log is None else log.open("wb"),
     )
 
 
@@ -119,14 +121,20 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
 
 
 def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
-    pg: sa.Engine, postgres_db: str, kafka: str, topic: str
+    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:
-    keys, per_key, group = 500, 20, f"rebalance-{topic}"
+    keys, per_key, group = 1000, 20, f"rebalance-{topic}"
     produce_keys(kafka, topic, keys, per_key)
     first = start_worker(postgres_db, kafka, topic, group)
-    second = start_worker(postgres_db, kafka, topic, group)
+    second_log = tmp_path / "second.log"
+    second = start_worker(postgres_db, kafka, topic, group, log=second_log)
     try:
-        stopped_at = wait_for_count(pg, 1000, 90, [first, second])
+        deadline = time.monotonic() + 60
+        while f"assigned [({topic!r}, " not in second_log.read_text():
+            assert time.monotonic() < deadline, "the second consumer never got partitions"
+            assert second.poll() is None, f"worker exited with {second.returncode}"
+            time.sleep(0.1)
+        stopped_at = wait_for_count(pg, effect_count(pg) + 500, 90, [first, second])
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
         deadline = time.monotonic() + 120
@@ -140,4 +148,7 @@ def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
                 w.wait(60)
     assert stopped_at < keys * per_key
     assert first.returncode == 0
+    # Its last revoke (on leaving) names the partitions it owned mid-stream.
+    revokes = [line for line in second_log.read_text().splitlines() if "revoked [" in line]
+    assert revokes and f"({topic!r}, " in revokes[-1], revokes
     assert_exactly_once_in_order(pg, group, keys, per_key)

@@ -68,7 +68,8 @@ class KafkaSource:
         self.config = config
         self._revoke_callbacks: list[RevokeCallback] = []
         self._consumer = Consumer(config)
-        self._consumer.subscribe(self.topics, on_revoke=self._revoked, on_lost=self._revoked)
+        self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
+                                 on_lost=self._revoked)
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to ``max_records`` records; rebalance callbacks run inside this call."""
@@ -113,6 +114,9 @@ class KafkaSource:
     def close(self) -> None:
         """Leave the group (partitions go to the others at once) and close."""
         self._consumer.close()
+
+    def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
 
     def _revoked(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         gone = [(tp.topic, tp.partition) for tp in partitions]
