@@ -11,6 +11,7 @@ import threading
 import time
 
 import sqlalchemy as sa
+from prometheus_client import REGISTRY
 
 from outbox import Inbox
 from tests.inbox_support import AlertLog, applied, apply_effect, business, record
@@ -58,7 +59,7 @@ def test_revoke_abandons_a_waiting_retry_and_still_commits_its_batch_mates(sqlit
     from outbox import create_engine
 
     engine = create_engine(sqlite_db)
-    inbox = Inbox(engine, group="g", concurrency=1, batch_size=10, retry_backoff=0.4,
+    inbox = Inbox(engine, group="runner", concurrency=1, batch_size=10, retry_backoff=0.4,
                   alert=AlertLog())
     inbox.create_tables()
     business.create_all(engine)
@@ -95,3 +96,6 @@ def test_revoke_abandons_a_waiting_retry_and_still_commits_its_batch_mates(sqlit
     assert all(c.get((TOPIC, 0), 0) == 0 for c in source.commits)  # poison's offset stays open
     with engine.connect() as conn:
         assert conn.scalar(sa.select(sa.func.count()).select_from(inbox.tables.inbox_messages)) == 2
+    lag = REGISTRY.get_sample_value("outbox_inbox_commit_lag",
+                                    {"group": "runner", "topic": TOPIC, "partition": "1"})
+    assert lag == 0  # both records of partition 1 committed
