@@ -18,6 +18,9 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
+from ._inbox import Inbox
+from ._inbox_admin import NotParkedError, ParkedMessage, ReplayResult
+from ._inbox_signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 from ._outbox import Outbox
 from ._relay import Relay
 from ._relay_batch import BatchResult
@@ -30,7 +33,10 @@ __all__ = [
     "AlertSink",
     "BatchResult",
     "ConfigurationError",
+    "Disposition",
     "ForeignRecordError",
+    "HandlerSignal",
+    "Inbox",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
@@ -38,14 +44,20 @@ __all__ = [
     "LoggingAlertSink",
     "Message",
     "MessageValidationError",
+    "NotParkedError",
     "Outbox",
     "OutboxError",
     "OutboxTables",
+    "ParkMessage",
+    "ParkedMessage",
     "PayloadTooLargeError",
     "PermanentTransportError",
     "Relay",
     "RelayMetrics",
+    "ReplayResult",
     "RetriableTransportError",
+    "RetryLater",
+    "SkipMessage",
     "TransportError",
     "UnserializablePayloadError",
     "WebhookAlertSink",

@@ -19,7 +19,9 @@ def _root() -> None:
     """Transactional outbox: database set-up, relay, inbox and audits."""
 
 
-from . import _db, _relay  # noqa: E402,F401  (register their commands)
+from . import _db  # noqa: E402,F401,I001  (registers commands)
+from . import _inbox  # noqa: E402,F401  (registers commands)
+from . import _relay  # noqa: E402,F401  (registers commands)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ._embedded import embedded_kafka
+from ._source import KafkaSource
 from ._transport import KafkaTransport
 
-__all__ = ["KafkaTransport", "embedded_kafka"]
+__all__ = ["KafkaSource", "KafkaTransport", "embedded_kafka"]

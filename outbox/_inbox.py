@@ -1,0 +1,252 @@
+"""``Inbox``: the consumer side. Handles each message once, per key in seq order.
+
+Register one handler per topic, then either ``run(source)`` (a blocking
+consumer loop with key-ordered parallelism and safe offset commits) or call
+``handle(record)`` from your own consumer loop: that is the middleware around
+your handler. See docs/consumer.md for the handler contract.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import tenacity
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.orm import Session, sessionmaker
+
+from transports import Record, Source
+
+from ._alerts import AlertSink, LoggingAlertSink
+from ._envelope import Message
+from ._errors import ConfigurationError
+from ._inbox_admin import ParkedAdmin, ParkedMessage, ReplayResult
+from ._inbox_apply import Applier, Handler
+from ._inbox_delivery import Delivery, decode
+from ._inbox_gaps import GapSweeper
+from ._inbox_metrics import InboxMetrics
+from ._inbox_retry import Retrier
+from ._inbox_signals import Disposition
+from ._inbox_store import InboxStore
+from ._statements import SUPPORTED_DIALECTS
+from ._tables import OutboxTables
+from ._validation import validate_topic
+
+log = logging.getLogger("outbox.inbox")
+
+H = Callable[[Session, Message], Any]
+
+
+class Inbox:
+    """Idempotent, key-ordered message handling for one consumer group.
+
+    Guarantees: a message's handler writes, its dedup record and its key's new
+    ``last_seq`` commit in one transaction, so effects in this database happen
+    once however often the broker redelivers. Messages of one key are handled
+    one at a time, in seq order; a message that arrives ahead of a gap waits in
+    ``inbox_held`` (and parks the key after ``gap_timeout``). A message that
+    fails ``max_attempts`` times parks its key, and only its key.
+
+    ``bind`` is a sync ``Engine`` or ``sessionmaker`` (handlers run on worker
+    threads). ``concurrency`` worker threads handle different keys in
+    parallel; ``batch_size`` > 1 lets one transaction carry several keys'
+    messages (a SAVEPOINT each), which is what high throughput needs.
+    Configuration is checked here; registering handlers and ``handle`` are
+    safe from several threads.
+    """
+
+    def __init__(
+        self,
+        bind: Engine | sessionmaker[Session],
+        *,
+        group: str,
+        max_attempts: int = 3,
+        alert: AlertSink | Callable[..., None] | None = None,
+        concurrency: int = 8,
+        batch_size: int = 1,
+        gap_timeout: timedelta | float = 60.0,
+        retry_backoff: float = 0.1,
+        retry_backoff_max: float = 5.0,
+        foreign_records: Literal["park", "accept"] = "park",
+        tables: OutboxTables | None = None,
+        prefix: str = "",
+        schema: str | None = None,
+    ) -> None:
+        self.sessions = _sessionmaker(bind)
+        engine = self.sessions.kw["bind"]
+        if engine.dialect.name not in SUPPORTED_DIALECTS:
+            raise ConfigurationError(f"unsupported database dialect {engine.dialect.name!r}; "
+                                     f"supported: {SUPPORTED_DIALECTS}")
+        if not isinstance(group, str) or not group.strip() or len(group) > 255:
+            raise ConfigurationError(f"group must be a non-empty str of at most 255 characters, "
+                                     f"got {group!r}")
+        _positive_int("max_attempts", max_attempts, 100)
+        _positive_int("concurrency", concurrency, 1024)
+        _positive_int("batch_size", batch_size, 10_000)
+        seconds = gap_timeout.total_seconds() if isinstance(gap_timeout, timedelta) else gap_timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+            raise ConfigurationError(f"gap_timeout must be positive seconds or a timedelta, "
+                                     f"got {gap_timeout!r}")
+        for name, value in (("retry_backoff", retry_backoff), ("retry_backoff_max", retry_backoff_max)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigurationError(f"{name} must be non-negative seconds, got {value!r}")
+        if foreign_records not in ("park", "accept"):
+            raise ConfigurationError(f"foreign_records must be 'park' or 'accept', "
+                                     f"got {foreign_records!r}")
+        alert = LoggingAlertSink() if alert is None else alert
+        if not callable(alert):
+            raise ConfigurationError(f"alert must be an AlertSink (a callable), got {alert!r}")
+        if tables is not None and (prefix or schema):
+            raise ConfigurationError("pass either tables= or prefix=/schema=, not both")
+
+        self.group = group
+        self.tables = tables or OutboxTables(prefix=prefix, schema=schema)
+        self.concurrency = concurrency
+        self.batch_size = batch_size
+        self.gap_timeout = float(seconds)
+        self.accept_foreign = foreign_records == "accept"
+        self.metrics = InboxMetrics(group)
+        self._handlers: dict[str, Handler] = {}
+        self._stopping = False
+        self.store = InboxStore(self.tables, group, engine.dialect.name)
+        self.applier = Applier(self.sessions, self.store, self._handlers, self.metrics)
+        self.retrier = Retrier(
+            self.applier, max_attempts=max_attempts, alert=alert,
+            wait=tenacity.wait_exponential_jitter(multiplier=retry_backoff, max=retry_backoff_max,
+                                                 jitter=retry_backoff),
+            should_abandon=lambda d: False,  # handle(): the caller's thread waits it out
+        )
+        self.admin = ParkedAdmin(self.applier)
+        self.gaps = GapSweeper(self.retrier, self.gap_timeout)
+        _warn_small_pool(engine, concurrency)
+
+    # -- handlers -------------------------------------------------------------
+
+    def handler(self, topic: str) -> Callable[[H], H]:
+        """Register ``fn(session, message)`` for ``topic``; one handler per topic.
+
+        The handler runs inside the inbox's transaction: write through
+        ``session``, never commit or roll back. Raise to fail (it is retried,
+        then parked) or raise ``RetryLater`` / ``SkipMessage`` / ``ParkMessage``.
+        """
+        validate_topic(topic)
+
+        def register(fn: H) -> H:
+            if not callable(fn):
+                raise ConfigurationError(f"handler for {topic!r} must be callable, got {fn!r}")
+            try:
+                inspect.signature(fn).bind(None, None)
+            except TypeError:
+                raise ConfigurationError(
+                    f"handler {getattr(fn, '__qualname__', fn)!r} must take (session, message)"
+                ) from None
+            if topic in self._handlers:
+                raise ConfigurationError(f"topic {topic!r} already has a handler")
+            self._handlers[topic] = fn
+            return fn
+
+        return register
+
+    @property
+    def topics(self) -> list[str]:
+        """The topics with a handler, to subscribe to."""
+        return sorted(self._handlers)
+
+    # -- consuming --------------------------------------------------------------
+
+    def handle(self, record: Record | Message, *, partition: int | None = None,
+               offset: int | None = None) -> Disposition:
+        """Process one record to the end, in the calling thread; returns what became of it.
+
+        This is the middleware for your own consumer loop: when it returns, the
+        record is finished (applied, dropped as duplicate, held or parked) and
+        its offset may be committed. Retries happen inside, with backoff. Call
+        it for one key from one thread at a time, in the order received, and
+        call ``sweep()`` every few seconds so gaps that never fill are parked.
+        """
+        if isinstance(record, Message):
+            d = Delivery(record, partition, offset)
+        else:
+            d = decode(record, accept_foreign=self.accept_foreign)
+        self.metrics.consumed(d.message.topic)
+        for done, disposition in self.retrier.settle([d]):
+            if done is d:
+                return disposition
+        raise AssertionError("settle() returned no disposition for the delivery")  # pragma: no cover
+
+    def run(self, source: Source, *, install_signal_handlers: bool = True) -> None:
+        """Consume from ``source`` until ``stop()`` or SIGTERM/SIGINT; blocks.
+
+        On stop, running transactions finish, queued records are left
+        uncommitted (the next consumer gets them), offsets are committed and
+        the source is closed.
+        """
+        from ._inbox_run import Runner
+
+        if not self._handlers:
+            raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
+        self._stopping = False
+        Runner(self, source, install_signal_handlers=install_signal_handlers).run()
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return; safe from any thread or a signal handler."""
+        self._stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def sweep(self) -> None:
+        """Apply held messages whose gap filled, park keys whose gap outlived ``gap_timeout``."""
+        self.gaps.sweep()
+
+    # -- operators ----------------------------------------------------------------
+
+    def parked(self, topic: str | None = None, key: str | None = None) -> list[ParkedMessage]:
+        """Parked messages of this group, per key in seq order."""
+        return self.admin.parked(topic, key)
+
+    def replay(self, topic: str, key: str | None) -> ReplayResult:
+        """Re-run a parked key's messages in seq order; unpark it when all succeed.
+
+        ``key=None`` re-runs the topic's parked unkeyed messages.
+        """
+        return self.admin.replay(topic, key)
+
+    def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:
+        """Skip one parked message for good, recording who discarded it, when and why."""
+        self.admin.discard(message_id, by=by, reason=reason)
+
+    def create_tables(self) -> None:
+        """Create the outbox and inbox tables that do not exist yet."""
+        self.tables.metadata.create_all(self.sessions.kw["bind"])
+
+
+def _sessionmaker(bind: object) -> sessionmaker[Session]:
+    if isinstance(bind, AsyncEngine):
+        raise ConfigurationError("Inbox runs handlers on worker threads: pass a sync Engine, "
+                                 "not an AsyncEngine")
+    if isinstance(bind, Engine):
+        return sessionmaker(bind, expire_on_commit=False)
+    if isinstance(bind, sessionmaker) and isinstance(bind.kw.get("bind"), Engine):
+        return bind
+    raise ConfigurationError(f"Inbox needs an Engine or a sessionmaker bound to one, got {bind!r}")
+
+
+def _positive_int(name: str, value: object, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigurationError(f"{name} must be an int from 1 to {maximum}, got {value!r}")
+
+
+def _warn_small_pool(engine: Engine, concurrency: int) -> None:
+    size = getattr(engine.pool, "size", None)
+    overflow = getattr(engine.pool, "_max_overflow", 0)
+    if callable(size) and concurrency > size() + max(overflow, 0):
+        log.warning("concurrency=%d exceeds the engine's pool (%d + %d overflow): workers will "
+                    "wait for connections; create the engine with pool_size=%d",
+                    concurrency, size(), overflow, concurrency)

@@ -1,0 +1,143 @@
+"""Key-ordered parallelism: local queues of work, one per key, served by a thread pool.
+
+Like Confluent Parallel Consumer's KEY mode. Every key has its own queue
+(a *lane*); a lane is served by at most one worker at a time, so **messages of
+one key are handled one at a time, in the order they were submitted**, while
+different keys, even of one partition, run concurrently on up to
+``concurrency`` threads. Unkeyed messages each get a lane of their own, so
+they run unordered. A worker takes the heads of up to ``batch_size`` ready
+lanes at once and hands them to ``work`` as one batch (one transaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+
+from ._inbox_delivery import Delivery
+from ._inbox_retry import Abandoned
+
+log = logging.getLogger("outbox.inbox")
+
+Work = Callable[[list[Delivery]], None]
+
+
+class KeyScheduler:
+    """Lanes of deliveries and the workers that drain them. Safe to use from several threads."""
+
+    def __init__(self, work: Work, *, concurrency: int, batch_size: int,
+                 on_crash: Callable[[BaseException], None]) -> None:
+        self._work = work
+        self._concurrency = concurrency
+        self._batch_size = batch_size
+        self._on_crash = on_crash
+        self._cond = threading.Condition()
+        self._lanes: dict[Hashable, deque[Delivery]] = {}
+        self._ready: deque[Hashable] = deque()
+        self._busy: set[Hashable] = set()
+        self._running: list[Delivery] = []
+        self._queued = 0
+        self._idle = 0
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for n in range(self._concurrency):
+            thread = threading.Thread(target=self._serve, name=f"inbox-worker-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def submit(self, d: Delivery) -> None:
+        lane: Hashable = d.lane if d.lane is not None else ("", id(d))
+        with self._cond:
+            queue = self._lanes.get(lane)
+            if queue is None:
+                self._lanes[lane] = deque([d])
+                self._ready.append(lane)
+            else:
+                queue.append(d)
+            self._queued += 1
+            self._cond.notify()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._queued + len(self._running)
+
+    def wait_for_room(self, limit: int, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queued + len(self._running) < limit, timeout)
+
+    def drop(self, which: Callable[[Delivery], bool]) -> int:
+        """Remove queued (not started) deliveries that match; returns how many."""
+        dropped = 0
+        with self._cond:
+            for lane, queue in list(self._lanes.items()):
+                keep = deque(d for d in queue if not which(d))
+                dropped += len(queue) - len(keep)
+                if keep or lane in self._busy:
+                    self._lanes[lane] = keep
+                else:
+                    del self._lanes[lane]
+                    self._ready.remove(lane)
+            self._queued -= dropped
+            self._cond.notify_all()
+        return dropped
+
+    def wait_idle(self, which: Callable[[Delivery], bool], timeout: float) -> bool:
+        """Wait until no running delivery matches; False if ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(which(d) for d in self._running), timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Drop queued work, let running batches finish (up to ``timeout``), end the workers."""
+        self.drop(lambda d: True)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _take(self) -> tuple[list[Hashable], list[Delivery]] | None:
+        with self._cond:
+            self._idle += 1
+            self._cond.wait_for(lambda: self._ready or self._stopping)
+            self._idle -= 1
+            if self._stopping:
+                return None
+            # Leave work for idle peers: a big batch on one thread would serialise it.
+            share = -(-len(self._ready) // (self._idle + 1))
+            lanes = [self._ready.popleft() for _ in range(min(self._batch_size, share))]
+            batch = [self._lanes[lane].popleft() for lane in lanes]
+            self._busy.update(lanes)
+            self._running.extend(batch)
+            self._queued -= len(batch)
+            return lanes, batch
+
+    def _serve(self) -> None:
+        while (taken := self._take()) is not None:
+            lanes, batch = taken
+            try:
+                self._work(batch)
+            except Abandoned:
+                pass
+            except BaseException as exc:  # a bug, not a message problem: stop the inbox
+                log.exception("inbox worker crashed")
+                self._on_crash(exc)
+            finally:
+                self._release(lanes, batch)
+
+    def _release(self, lanes: list[Hashable], batch: list[Delivery]) -> None:
+        with self._cond:
+            for d in batch:
+                self._running.remove(d)
+            for lane in lanes:
+                self._busy.discard(lane)
+                if self._lanes[lane]:
+                    self._ready.append(lane)
+                else:
+                    del self._lanes[lane]
+            self._cond.notify_all()

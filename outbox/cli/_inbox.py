@@ -1,0 +1,148 @@
+"""``outbox inbox run`` and ``outbox parked list|replay|discard``: the consumer and its runbook.
+
+``inbox run`` imports your ``Inbox`` like ``uvicorn app:app`` imports an app.
+``parked list`` and ``parked discard`` need only the database and the group;
+``parked replay`` runs your handlers, so it takes the app too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from .._engine import create_engine
+from .._errors import ConfigurationError
+from .._inbox import Inbox
+from .._inbox_admin import NotParkedError
+from . import app
+
+inbox_app = typer.Typer(help="Run the consumer inbox.", no_args_is_help=True)
+parked_app = typer.Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
+app.add_typer(inbox_app, name="inbox")
+app.add_typer(parked_app, name="parked")
+
+APP_HELP = "Your Inbox as MODULE:ATTRIBUTE, e.g. billing.consumer:inbox (imported like uvicorn's app)."
+
+
+def load_inbox(target: str) -> Inbox:
+    """Import ``MODULE:ATTRIBUTE`` and check that it is an ``Inbox``."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise typer.BadParameter(f"expected MODULE:ATTRIBUTE, got {target!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # like uvicorn: the current directory is importable
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        raise typer.BadParameter(f"cannot import {target!r}: {exc}") from exc
+    if not isinstance(found, Inbox):
+        raise typer.BadParameter(f"{target!r} is a {type(found).__name__}, not an outbox.Inbox")
+    return found
+
+
+def _inbox(db: str | None, group: str | None, target: str | None) -> Inbox:
+    if target:
+        inbox = load_inbox(target)
+        if group and group != inbox.group:
+            raise typer.BadParameter(f"--group {group!r} differs from the app's group {inbox.group!r}")
+        return inbox
+    if not db or not group:
+        raise typer.BadParameter("give --db and --group, or --app MODULE:ATTRIBUTE")
+    return Inbox(create_engine(db), group=group)
+
+
+def _settings(pairs: list[str]) -> dict[str, str]:
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise typer.BadParameter(f"--kafka-setting takes NAME=VALUE, got {pair!r}")
+        settings[name] = value
+    return settings
+
+
+@inbox_app.command("run")
+def run(
+    target: str = typer.Argument(..., metavar="MODULE:ATTRIBUTE", help=APP_HELP),
+    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
+    group: str | None = typer.Option(None, help="Kafka consumer group id (default: the inbox's group)."),
+    kafka_setting: list[str] = typer.Option([], "--kafka-setting", "-X",
+                                            help="NAME=VALUE, kafka-python-ng name or librdkafka key."),
+    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
+) -> None:
+    """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
+    from transports.kafka import KafkaSource
+
+    inbox = load_inbox(target)
+    try:
+        source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
+                             topics=inbox.topics, **_settings(kafka_setting))
+    except ConfigurationError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+    Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
+    inbox.run(source)
+
+
+DB = typer.Option(None, "--db", help="SQLAlchemy database URL of the inbox tables.")
+GROUP = typer.Option(None, "--group", help="The inbox's consumer group.")
+APP = typer.Option(None, "--app", help=APP_HELP)
+
+
+@parked_app.command("list")
+def list_parked(
+    db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
+    topic: str | None = typer.Option(None), key: str | None = typer.Option(None),
+) -> None:
+    """Show parked messages, per key in seq order, with why they were parked."""
+    parked = _inbox(db, group, target).parked(topic, key)
+    # One line per message, whatever the terminal width: greppable, and nothing truncated.
+    for p in parked:
+        typer.echo(f"{p.topic}\t{p.key or '-'}\tseq={p.seq if p.seq is not None else '-'}\t"
+                   f"{p.reason}\tattempts={p.attempts}\t{p.last_failure_at:%Y-%m-%d %H:%M:%S}\t"
+                   f"{p.message_id}\t{(p.error or '').splitlines()[0] if p.error else ''}")
+    typer.echo(f"{len(parked)} parked message(s)")
+
+
+@parked_app.command("replay")
+def replay(
+    topic: str = typer.Argument(...),
+    key: str | None = typer.Argument(None, help="Omit to replay the topic's unkeyed messages."),
+    target: str = typer.Option(..., "--app", help=APP_HELP),
+    group: str | None = GROUP,
+) -> None:
+    """Re-run a key's parked messages in seq order with the app's (fixed) handlers."""
+    result = _inbox(None, group, target).replay(topic, key)
+    console = Console()
+    console.print(f"applied {result.applied}, still parked {result.remaining}")
+    if result.unparked:
+        console.print(f"[green]key {key!r} unparked[/green]" if key is not None
+                      else "[green]no unkeyed message left parked[/green]")
+    else:
+        console.print(f"[red]stopped: {result.error}[/red]")
+        raise typer.Exit(1)
+
+
+@parked_app.command("discard")
+def discard(
+    message_id: str = typer.Argument(...),
+    by: str = typer.Option(..., help="Who discards it (kept with the record)."),
+    reason: str = typer.Option(..., help="Why (kept with the record)."),
+    db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
+) -> None:
+    """Skip one parked message for good; its key moves on past it."""
+    try:
+        _inbox(db, group, target).discard(message_id, by=by, reason=reason)
+    except (NotParkedError, ValueError) as exc:
+        Console(stderr=True).print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    Console().print(f"discarded {message_id}; run `outbox parked replay` for the rest of its key")

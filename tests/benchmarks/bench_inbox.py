@@ -1,0 +1,179 @@
+"""Inbox throughput on PostgreSQL, against a plain consumer loop, and its key-ordered scaling.
+
+Run: ``.venv/bin/python tests/benchmarks/bench_inbox.py`` (writes the "inbox"
+section of docs/benchmarks.md). Everything is measured in one run, on one
+throwaway PostgreSQL cluster with durable default settings (fsync and
+synchronous_commit on) and librdkafka's mock cluster in this process:
+
+1. baseline: a plain confluent-kafka consumer inserting the same business row,
+   one database commit per message, no dedup, no ordering;
+2. the inbox with dedup and per-key ordering on, batching several keys per
+   transaction (a SAVEPOINT each);
+3. an I/O-bound handler (sleeps 5 ms) over 1,000 keys on 4 partitions at
+   concurrency 1, 4, 16, 64: throughput must grow far past the partition count.
+
+Timings start at the first applied message, so the consumer group join is
+not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+from confluent_kafka import Consumer, Producer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from outbox import Inbox, create_engine
+from outbox.testing import local_postgres
+from tests.benchmarks._report import markdown_table, write_section
+from tests.inbox_support import business, effects, insert_effect, record
+from transports.kafka import KafkaSource, embedded_kafka
+
+FAST_FETCH = {"fetch_max_wait_ms": 10, "session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
+
+
+def produce(servers: str, topic: str, messages: int, keys: int) -> None:
+    producer = Producer({"bootstrap.servers": servers, "linger.ms": 20})
+    for n in range(messages):
+        r = record(topic, f"key-{n % keys}", n // keys + 1, payload=b'{"amount":1}')
+        producer.produce(r.topic, r.value, r.key, headers=r.headers)
+        if n % 10_000 == 0:
+            producer.poll(0)
+    producer.flush(60)
+
+
+def count(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).select_from(effects)) or 0
+
+
+def reset(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(effects.delete())
+
+
+def baseline(servers: str, db: str, messages: int) -> float:
+    """Plain consumer, one INSERT and one COMMIT per message: msg/s."""
+    topic = f"base-{uuid.uuid4().hex[:8]}"
+    produce(servers, topic, messages, 1000)
+    engine = create_engine(db)
+    reset(engine)
+    consumer = Consumer({"bootstrap.servers": servers, "group.id": topic, "auto.offset.reset": "earliest",
+                         "enable.auto.commit": False, "fetch.wait.max.ms": 10})
+    consumer.subscribe([topic])
+    done, started = 0, None
+    insert = effects.insert()
+    with engine.connect() as conn:
+        while done < messages:
+            for msg in consumer.consume(500, 0.5):
+                if msg.error():
+                    continue
+                started = started or time.perf_counter()
+                conn.execute(insert, {"topic": topic, "key": msg.key().decode(), "seq": done,
+                                      "message_id": uuid.uuid4()})
+                conn.commit()
+                done += 1
+            consumer.commit(asynchronous=True)
+    elapsed = time.perf_counter() - started  # type: ignore[operator]
+    consumer.close()
+    engine.dispose()
+    return messages / elapsed
+
+
+def inbox_rate(servers: str, db: str, messages: int, keys: int, *, concurrency: int,
+               batch_size: int, sleep: float = 0.0) -> float:
+    """The inbox consuming ``messages`` records: applied msg/s from the first one on."""
+    topic = f"inbox-{uuid.uuid4().hex[:8]}"
+    produce(servers, topic, messages, keys)
+    engine = create_engine(db, pool_size=concurrency + 4)
+    reset(engine)
+    inbox = Inbox(engine, group=topic, concurrency=concurrency, batch_size=batch_size)
+
+    @inbox.handler(topic)
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        if sleep:
+            time.sleep(sleep)
+        insert_effect(session, message)
+
+    source = KafkaSource(bootstrap_servers=servers, group_id=topic, topics=[topic], **FAST_FETCH)
+    thread = threading.Thread(target=inbox.run, args=(source,),
+                              kwargs={"install_signal_handlers": False})
+    thread.start()
+    while count(engine) == 0:
+        time.sleep(0.01)
+    started = time.perf_counter()
+    while (done := count(engine)) < messages:
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - started
+    inbox.stop()
+    thread.join()
+    engine.dispose()
+    return (done - 1) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--batch-size", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--io-batch-size", type=int, default=8)
+    args = parser.parse_args()
+    with local_postgres() as db, embedded_kafka() as servers:
+        engine = create_engine(db)
+        Inbox(engine, group="setup").create_tables()
+        business.create_all(engine)
+        engine.dispose()
+
+        base = baseline(servers, db, min(args.messages, 20_000))
+        print(f"baseline {base:,.0f} msg/s", flush=True)
+        rate = inbox_rate(servers, db, args.messages, 1000, concurrency=args.concurrency,
+                          batch_size=args.batch_size)
+        print(f"inbox {rate:,.0f} msg/s", flush=True)
+        scaling = []
+        for concurrency in (1, 4, 16, 64):
+            n = min(400 * concurrency, 12_000)
+            r = inbox_rate(servers, db, n, 1000, concurrency=concurrency,
+                           batch_size=args.io_batch_size, sleep=0.005)
+            print(f"io-bound concurrency={concurrency}: {r:,.0f} msg/s", flush=True)
+            scaling.append((concurrency, n, r))
+
+    body = "\n\n".join(part for part in [
+        "## Inbox (consumer side)",
+        "PostgreSQL 15 with durable defaults (fsync, synchronous_commit on), librdkafka's "
+        "mock cluster in the same process, 1,000 keys on 4 partitions, handler inserting one "
+        "row. Baseline: a plain confluent-kafka consumer inserting the same row with one "
+        "database commit per message, no dedup and no ordering.",
+        markdown_table(["loop", "messages", "msg/s", "vs baseline"], [
+            ["baseline: plain consumer, commit per message", f"{min(args.messages, 20_000):,}",
+             f"{base:,.0f}", "1.0x"],
+            [f"inbox: dedup + key order, batch_size={args.batch_size}, "
+             f"concurrency={args.concurrency}", f"{args.messages:,}", f"{rate:,.0f}",
+             f"{rate / base:.1f}x"],
+        ]),
+        ("" if rate >= 10_000 else
+         "**Below the 10,000 msg/s target on this machine.** The inbox's own SQL is about six "
+         "statements per batch of 100-200 keys; what remains per message is the handler's "
+         "INSERT round trip and SQLAlchemy's per-statement work (a profile shows most time "
+         "waiting for that round trip). Here the consumer, the mock broker and the PostgreSQL "
+         "server share the cores listed below with other jobs, so more concurrency stops "
+         "paying once they are busy."),
+        "I/O-bound handler (sleeps 5 ms, then inserts the row), 1,000 keys on 4 partitions, "
+        f"batch_size={args.io_batch_size}: throughput by `concurrency` (key-ordered parallelism "
+        "within partitions; one worker handles its batch's messages one after another, so "
+        "concurrency 1 cannot exceed 200 msg/s).",
+        markdown_table(["concurrency", "messages", "msg/s", "vs concurrency 1"], [
+            [c, f"{n:,}", f"{r:,.0f}", f"{r / scaling[0][2]:.1f}x"] for c, n, r in scaling
+        ]),
+    ])
+    write_section("inbox", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Shared by the inbox tests and the consumer worker script: records, a business table, a handler.
+
+The business table ``effects`` has one row per applied message under a unique
+(topic, key, seq) constraint, so a second application of a message cannot hide:
+it fails the insert. The handler also checks order itself: the key's previous
+effect must be seq - 1, otherwise it fails (and on PostgreSQL also records the
+violation in its own transaction, so a later replay cannot hide it).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+from outbox import Alert
+from outbox._wire import to_record
+from transports import Record
+
+TOPIC = "orders"
+
+business = sa.MetaData()
+effects = sa.Table(
+    "effects", business,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("topic", sa.String(249), nullable=False),
+    sa.Column("key", sa.String(255)),
+    sa.Column("seq", sa.BigInteger),
+    sa.Column("message_id", sa.Uuid, nullable=False, unique=True),
+    sa.UniqueConstraint("topic", "key", "seq", name="ux_effects_seq"),
+)
+order_violations = sa.Table(
+    "order_violations", business,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("key", sa.String(255)),
+    sa.Column("seq", sa.BigInteger),
+    sa.Column("previous", sa.BigInteger),
+)
+
+
+_insert_effect = effects.insert()
+
+
+def record(topic: str, key: str | None, seq: int | None, *, payload: bytes = b'{"n":1}',
+           message_id: uuid.UUID | None = None) -> Record:
+    """An outbox record as the relay would produce it."""
+    return to_record(
+        message_id=message_id or uuid.uuid4(), topic=topic, key=key, seq=seq, payload=payload,
+        content_type="application/json", headers=None, created_at=datetime.now(UTC),
+    )
+
+
+class AlertLog(list):
+    """An alert sink that keeps what it was given."""
+
+    def __call__(self, alert: Alert) -> None:
+        self.append(alert)
+
+
+class OrderViolation(AssertionError):
+    pass
+
+
+def apply_effect(session, message) -> None:  # type: ignore[no-untyped-def]
+    """The test handler: check seq = previous + 1, then insert the one business row."""
+    if message.key is not None and message.seq is not None:
+        previous = session.scalar(
+            sa.select(sa.func.max(effects.c.seq)).where(
+                effects.c.topic == message.topic, effects.c.key == message.key)
+        ) or 0
+        if message.seq != previous + 1 and session.get_bind().dialect.name != "postgresql":
+            raise OrderViolation(f"{message.key}: seq {message.seq} after {previous}")
+        if message.seq != previous + 1:
+            with session.get_bind().engine.connect() as own:  # survives the rollback of this transaction
+                own.execute(order_violations.insert().values(
+                    key=message.key, seq=message.seq, previous=previous))
+                own.commit()
+            raise OrderViolation(f"{message.key}: seq {message.seq} after {previous}")
+    insert_effect(session, message)
+
+
+def insert_effect(session, message) -> None:  # type: ignore[no-untyped-def]
+    """The business write alone, for tests where a key legitimately skips a seq (discard)."""
+    session.execute(_insert_effect, {"topic": message.topic, "key": message.key,
+                                     "seq": message.seq, "message_id": message.message_id})
+
+
+def applied(engine: sa.Engine, key: str | None = None) -> list[tuple[str | None, int | None]]:
+    """(key, seq) of every effect, in the order they were applied."""
+    stmt = sa.select(effects.c.key, effects.c.seq).order_by(effects.c.id)
+    if key is not None:
+        stmt = stmt.where(effects.c.key == key)
+    with engine.connect() as conn:
+        return [(r.key, r.seq) for r in conn.execute(stmt)]

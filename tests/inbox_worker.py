@@ -1,0 +1,51 @@
+"""A consumer process for the inbox tests: ``python tests/inbox_worker.py DB SERVERS TOPIC GROUP``.
+
+It runs ``Inbox.run`` with the test handler (``apply_effect``: one business row
+under a unique constraint, seq order checked) against the session's broker,
+until SIGTERM, or until SIGKILL when a test wants to see a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from outbox import Inbox, create_engine
+from tests.inbox_support import apply_effect
+from transports.kafka import KafkaSource
+
+# Shortest session the mock cluster accepts: a killed consumer's partitions
+# move on after this long instead of the 45 s default.
+TEST_CONSUMER_SETTINGS = {"fetch_max_wait_ms": 10, "session_timeout_ms": 4000,
+                          "heartbeat_interval_ms": 500}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("db")
+    parser.add_argument("servers")
+    parser.add_argument("topic")
+    parser.add_argument("group")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=20)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="worker %(process)d %(name)s: %(message)s")
+    for name in ("outbox.inbox", "transports.kafka"):  # assignments, revocations
+        logging.getLogger(name).setLevel(logging.INFO)
+    engine = create_engine(args.db, pool_size=args.concurrency + 2)
+    inbox = Inbox(engine, group=args.group, concurrency=args.concurrency,
+                  batch_size=args.batch_size, retry_backoff=0.01)
+    inbox.handler(args.topic)(apply_effect)
+    source = KafkaSource(bootstrap_servers=args.servers, group_id=args.group,
+                         topics=[args.topic], **TEST_CONSUMER_SETTINGS)
+    print("ready", flush=True)
+    inbox.run(source)
+    print("stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The inbox CLI: ``outbox parked list|replay|discard`` and ``outbox inbox run MODULE:ATTRIBUTE``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from outbox.cli import app
+from tests.inbox_support import applied, business, record
+from tests.test_inbox_kafka import produce
+
+ROOT = Path(__file__).resolve().parents[1]
+
+APP_MODULE = '''
+from outbox import Inbox, create_engine
+from tests.inbox_support import apply_effect
+
+inbox = Inbox(create_engine({db!r}), group="cli", retry_backoff=0.001)
+BROKEN = {{"seq": 2}}
+
+
+@inbox.handler({topic!r})
+def handle(session, message):
+    if message.seq == BROKEN["seq"]:
+        raise RuntimeError("bug 42")
+    apply_effect(session, message)
+'''
+
+
+@pytest.fixture
+def app_module(sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    name = f"cliapp_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=sqlite_db, topic="orders"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    module.inbox.create_tables()
+    business.create_all(module.inbox.sessions.kw["bind"])
+    yield module
+    sys.modules.pop(name, None)
+
+
+def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: str) -> None:  # type: ignore[no-untyped-def]
+    inbox, cli = app_module.inbox, CliRunner()
+    for seq in (1, 2, 3):
+        inbox.handle(record("orders", "k", seq))
+    target = f"{app_module.__name__}:inbox"
+
+    listed = cli.invoke(app, ["parked", "list", "--db", sqlite_db, "--group", "cli"])
+    assert listed.exit_code == 0, listed.output
+    assert "bug 42" in listed.output and "key_parked" in listed.output
+    assert "2 parked message(s)" in listed.output
+
+    still_broken = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target])
+    assert still_broken.exit_code == 1 and "stopped: RuntimeError: bug 42" in still_broken.output
+
+    app_module.BROKEN["seq"] = 5  # the fix
+    fixed = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target])
+    assert fixed.exit_code == 0, fixed.output
+    assert "applied 2" in fixed.output and "unparked" in fixed.output
+    assert applied(inbox.sessions.kw["bind"], "k") == [("k", 1), ("k", 2), ("k", 3)]
+
+    for seq in (4, 5, 6):
+        inbox.handle(record("orders", "k", seq))
+    poison = inbox.parked()[0].message_id
+    args = ["parked", "discard", str(poison), "--by", "alice", "--reason", "duplicate order",
+            "--db", sqlite_db, "--group", "cli"]
+    assert cli.invoke(app, args).exit_code == 0
+    again = cli.invoke(app, args)
+    assert again.exit_code == 1 and "not parked" in again.output
+
+
+def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None:  # type: ignore[no-untyped-def]
+    cli = CliRunner()
+    missing = cli.invoke(app, ["inbox", "run", "no_such_module:inbox", "--bootstrap-servers", "x:9"])
+    assert missing.exit_code == 2 and "cannot import" in missing.output
+    wrong = cli.invoke(app, ["inbox", "run", f"{app_module.__name__}:BROKEN",
+                             "--bootstrap-servers", "x:9"])
+    assert wrong.exit_code == 2 and "not an outbox.Inbox" in wrong.output
+    setting = cli.invoke(app, ["inbox", "run", f"{app_module.__name__}:inbox",
+                               "--bootstrap-servers", "x:9", "-X", "lingerr=5"])
+    assert setting.exit_code == 2 and "lingerr" in setting.output
+    nothing = cli.invoke(app, ["parked", "list"])
+    assert nothing.exit_code == 2 and "--db and --group" in nothing.output
+
+
+@pytest.mark.kafka
+def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka: str, topic: str) -> None:
+    (tmp_path / "service.py").write_text(APP_MODULE.format(db=sqlite_db, topic=topic))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "outbox", "init-db", "--db", sqlite_db], check=True,
+                   cwd=tmp_path, env=env, capture_output=True)
+    from outbox import create_engine
+
+    engine = create_engine(sqlite_db)
+    business.create_all(engine)
+    produce(kafka, [record(topic, "k", 1), record(topic, "j", 1)])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbox", "inbox", "run", "service:inbox", "--bootstrap-servers",
+         kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=4000"],
+        cwd=tmp_path, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(applied(engine)) < 2:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    assert sorted(applied(engine)) == [("j", 1), ("k", 1)]

@@ -1,0 +1,155 @@
+"""Consumer processes that die or leave mid-stream: every effect still lands exactly once, in order.
+
+The consumers are real processes (``tests/inbox_worker.py``) on the session's
+broker and a PostgreSQL database; the handler inserts one business row per
+message under a unique (topic, key, seq) constraint and fails on any seq that
+is not the key's previous + 1, so both a doubled effect and a reordering
+would show up as an error, a parked message or a missing row.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Inbox, create_engine
+from tests.inbox_support import business, effects, order_violations, record
+from tests.test_inbox_kafka import produce
+
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("inbox_worker.py")
+
+
+@pytest.fixture
+def pg(postgres_db: str) -> Iterator[sa.Engine]:
+    engine = create_engine(postgres_db)
+    Inbox(engine, group="unused").create_tables()
+    business.create_all(engine)
+    yield engine
+    engine.dispose()
+
+
+def start_worker(db: str, kafka: str, topic: str, group: str,
+                 log: Path | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), db, kafka, topic, group, "--concurrency", "4",
+         "--batch-size", "20"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stderr=None if log is None else log.open("wb"),
+    )
+
+
+def produce_keys(kafka: str, topic: str, keys: int, per_key: int) -> None:
+    """Seq 1 of every key, then seq 2 of every key …; small payloads (the mock broker keeps 5 MiB)."""
+    produce(kafka, [record(topic, f"key-{k}", seq, payload=b"{}")
+                    for seq in range(1, per_key + 1) for k in range(keys)])
+
+
+def effect_count(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).select_from(effects)) or 0
+
+
+def wait_for_count(engine: sa.Engine, above: int, timeout: float, workers: list) -> int:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while (n := effect_count(engine)) <= above:
+        for w in workers:
+            assert w.poll() is None, f"worker exited with {w.returncode}"
+        if time.monotonic() > deadline:
+            pytest.fail(f"no progress past {above} effects in {timeout}s")
+        time.sleep(0.05)
+    return n
+
+
+def assert_exactly_once_in_order(engine: sa.Engine, inbox_group: str, keys: int, per_key: int) -> None:
+    tables = Inbox(engine, group=inbox_group).tables
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(effects.c.key, effects.c.seq).order_by(effects.c.id)).all()
+        violations = conn.execute(sa.select(order_violations)).all()
+        parked = conn.scalar(sa.select(sa.func.count()).select_from(tables.inbox_parked))
+        held = conn.scalar(sa.select(sa.func.count()).select_from(tables.inbox_held))
+        processed = conn.scalar(sa.select(sa.func.count()).select_from(tables.inbox_messages))
+    assert violations == [], f"order violations: {violations[:5]}"
+    assert (parked, held) == (0, 0)
+    assert len(rows) == keys * per_key == processed
+    by_key: dict[str, list[int]] = {}
+    for key, seq in rows:
+        by_key.setdefault(key, []).append(seq)
+    assert len(by_key) == keys
+    assert all(seqs == list(range(1, per_key + 1)) for seqs in by_key.values())
+
+
+def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
+    pg: sa.Engine, postgres_db: str, kafka: str, topic: str
+) -> None:
+    keys, per_key, group = 1000, 50, f"crash-{topic}"
+    produce_keys(kafka, topic, keys, per_key)
+    rng = random.Random(int(time.time()))
+    worker = start_worker(postgres_db, kafka, topic, group)
+    killed_at: list[int] = []
+    try:
+        for _ in range(10):
+            wait_for_count(pg, effect_count(pg), 90, [worker])  # it consumes again
+            time.sleep(rng.uniform(0.05, 0.8))
+            worker.send_signal(signal.SIGKILL)
+            worker.wait()
+            killed_at.append(effect_count(pg))
+            worker = start_worker(postgres_db, kafka, topic, group)
+        deadline = time.monotonic() + 240
+        while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
+            assert worker.poll() is None, f"worker exited with {worker.returncode}"
+            time.sleep(0.2)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0
+    assert len(killed_at) == 10 and max(killed_at) < keys * per_key, killed_at  # all mid-stream
+    assert_exactly_once_in_order(pg, group, keys, per_key)
+    m = Inbox(pg, group=group).tables.inbox_messages
+    with pg.connect() as conn:
+        redelivered = conn.scalar(sa.select(sa.func.sum(m.c.deliveries))) - keys * per_key
+    print(f"killed after {killed_at} effects; {redelivered} redeliveries dropped")
+    assert redelivered > 0, "no crash caused a redelivery: the test did not exercise replay"
+
+
+def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
+    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, tmp_path: Path
+) -> None:
+    keys, per_key, group = 1000, 20, f"rebalance-{topic}"
+    produce_keys(kafka, topic, keys, per_key)
+    first = start_worker(postgres_db, kafka, topic, group)
+    second_log = tmp_path / "second.log"
+    second = start_worker(postgres_db, kafka, topic, group, log=second_log)
+    try:
+        deadline = time.monotonic() + 60
+        while f"assigned [({topic!r}, " not in second_log.read_text():
+            assert time.monotonic() < deadline, "the second consumer never got partitions"
+            assert second.poll() is None, f"worker exited with {second.returncode}"
+            time.sleep(0.1)
+        stopped_at = wait_for_count(pg, effect_count(pg) + 500, 90, [first, second])
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0
+        deadline = time.monotonic() + 120
+        while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
+            assert first.poll() is None, f"worker exited with {first.returncode}"
+            time.sleep(0.2)
+    finally:
+        for w in (first, second):
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+                w.wait(60)
+    assert stopped_at < keys * per_key
+    assert first.returncode == 0
+    # Its last revoke (on leaving) names the partitions it owned mid-stream.
+    revokes = [line for line in second_log.read_text().splitlines() if "revoked [" in line]
+    assert revokes and f"({topic!r}, " in revokes[-1], revokes
+    assert_exactly_once_in_order(pg, group, keys, per_key)

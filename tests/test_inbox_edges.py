@@ -1,0 +1,192 @@
+"""Foreign and undecodable records, handler signals, batches with savepoints, bad configuration."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import (
+    ConfigurationError,
+    Disposition,
+    Inbox,
+    LoggingAlertSink,
+    ParkMessage,
+    RetryLater,
+    SkipMessage,
+)
+from outbox._inbox_delivery import decode
+from tests.inbox_support import (
+    TOPIC,
+    AlertLog,
+    applied,
+    apply_effect,
+    business,
+    insert_effect,
+    record,
+)
+from transports import Record
+
+
+@pytest.fixture
+def inbox(engine: sa.Engine) -> Inbox:
+    box = Inbox(engine, group="g", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+    box.create_tables()
+    business.create_all(engine)
+    box.handler(TOPIC)(apply_effect)
+    return box
+
+
+def test_a_foreign_record_parks_with_its_reason_and_the_next_one_is_handled(
+    inbox: Inbox, engine: sa.Engine
+) -> None:
+    foreign = Record(topic=TOPIC, value=b"hello from a legacy producer", key=b"a", partition=2, offset=7)
+    assert inbox.handle(foreign) is Disposition.PARKED
+    assert inbox.handle(foreign) is Disposition.PARKED  # redelivered: still one row
+    [parked] = inbox.parked()
+    assert (parked.reason, parked.key, parked.partition, parked.offset) == ("foreign", "a", 2, 7)
+    assert "outbox-message-id" in parked.error
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # the key is not blocked
+    assert [a.kind for a in inbox.retrier.alert] == ["foreign_record"]
+    inbox.handle(Record(topic=TOPIC, value=b"again", partition=2, offset=8))
+    assert len(inbox.retrier.alert) == 1  # one alert per topic, not one per record
+
+
+def test_a_broken_envelope_parks_as_foreign(inbox: Inbox) -> None:
+    broken = record(TOPIC, "a", 1)
+    broken.headers = [(n, b"not-a-uuid" if n == "outbox-message-id" else v) for n, v in broken.headers]
+    assert inbox.handle(broken) is Disposition.PARKED
+    assert "broken outbox envelope" in inbox.parked()[0].error
+
+
+def test_bad_json_parks_the_message_and_its_key(inbox: Inbox, engine: sa.Engine) -> None:
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+    assert inbox.handle(record(TOPIC, "a", 2, payload=b"{not json")) is Disposition.PARKED
+    assert inbox.handle(record(TOPIC, "a", 3)) is Disposition.PARKED
+    assert inbox.handle(record(TOPIC, "b", 1)) is Disposition.APPLIED
+    parked = inbox.parked()
+    assert [(p.seq, p.reason) for p in parked] == [(2, "undecodable"), (3, "key_parked")]
+    assert "not valid JSON" in parked[0].error
+    [alert] = inbox.retrier.alert
+    assert (alert.kind, alert.key) == ("key_parked", "a")
+
+
+def test_accept_policy_handles_foreign_records_as_unkeyed(engine: sa.Engine) -> None:
+    box = Inbox(engine, group="g", foreign_records="accept")
+    box.create_tables()
+    seen = []
+    box.handler(TOPIC)(lambda session, message: seen.append(message))
+    foreign = Record(topic=TOPIC, value=b"raw", key=b"legacy-key", partition=0, offset=3)
+    assert box.handle(foreign) is Disposition.APPLIED
+    assert box.handle(foreign) is Disposition.DUPLICATE  # same broker position, same derived id
+    assert (seen[0].key, seen[0].seq, seen[0].payload) == (None, None, b"raw")
+    assert seen[0].content_type == "application/octet-stream"
+
+
+def test_retry_later_does_not_count_as_an_attempt(inbox: Inbox, engine: sa.Engine) -> None:
+    calls = []
+
+    def busy_then_ok(session, message):  # type: ignore[no-untyped-def]
+        calls.append(message.seq)
+        if len(calls) <= 4:
+            raise RetryLater(0.001, "downstream busy")
+        apply_effect(session, message)
+
+    inbox._handlers[TOPIC] = busy_then_ok
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # 4 > max_attempts, no park
+    assert len(calls) == 5
+
+
+def test_skip_message_records_the_skip_and_moves_the_key_on(inbox: Inbox, engine: sa.Engine) -> None:
+    def skip_first(session, message):  # type: ignore[no-untyped-def]
+        insert_effect(session, message)
+        if message.seq == 1:
+            raise SkipMessage("order already cancelled")
+
+    inbox._handlers[TOPIC] = skip_first
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.SKIPPED
+    assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.APPLIED
+    m = inbox.tables.inbox_messages
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(m.c.seq, m.c.outcome, m.c.note).order_by(m.c.seq)).all()
+    assert [tuple(r) for r in rows] == [(1, "skipped", "order already cancelled"), (2, "processed", None)]
+    assert applied(engine) == [("a", 2)]  # the skipped message's own write was rolled back
+
+
+def test_park_message_parks_at_once(inbox: Inbox) -> None:
+    calls = []
+
+    def invalid(session, message):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        raise ParkMessage("amount must be positive")
+
+    inbox._handlers[TOPIC] = invalid
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
+    assert len(calls) == 1
+    assert inbox.parked()[0].error == "ParkMessage: amount must be positive"
+
+
+def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine: sa.Engine) -> None:
+    calls: list[str] = []
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        calls.append(message.key)
+        apply_effect(session, message)
+        if message.key == "bad":
+            raise RuntimeError("after writing: the savepoint must undo this write")
+
+    inbox._handlers[TOPIC] = handler
+    batch = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in ("a", "bad", "c")]
+    result = inbox.applier.apply(batch)
+    assert sorted(d.message.key for d, disposition in result.done
+                  if disposition is Disposition.APPLIED) == ["a", "c"]
+    assert [f.delivery.message.key for f in result.failed] == ["bad"]
+    assert sorted(applied(engine)) == [("a", 1), ("c", 1)]
+    # Redone with savepoints after the failure; the failed handler is not run a second time.
+    assert calls == ["a", "bad", "a", "c"]
+    m = inbox.tables.inbox_messages
+    with engine.connect() as conn:
+        assert sorted(conn.scalars(sa.select(m.c.key))) == ["a", "c"]  # no dedup row for "bad"
+
+
+def test_a_held_successor_is_applied_in_the_same_batch(inbox: Inbox, engine: sa.Engine) -> None:
+    assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.HELD
+    assert inbox.handle(record(TOPIC, "a", 3)) is Disposition.HELD
+    batch = [decode(record(TOPIC, "a", 1), accept_foreign=False),
+             decode(record(TOPIC, "b", 1), accept_foreign=False)]
+    result = inbox.applier.apply(batch)
+    assert [(d.message.key, d.message.seq) for d, _ in result.done] == [
+        ("a", 1), ("b", 1), ("a", 2), ("a", 3)]
+    assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"group": ""}, "group"),
+    ({"group": "g", "max_attempts": 0}, "max_attempts"),
+    ({"group": "g", "concurrency": 0}, "concurrency"),
+    ({"group": "g", "batch_size": True}, "batch_size"),
+    ({"group": "g", "gap_timeout": 0}, "gap_timeout"),
+    ({"group": "g", "retry_backoff": -1}, "retry_backoff"),
+    ({"group": "g", "foreign_records": "drop"}, "foreign_records"),
+    ({"group": "g", "alert": "pager"}, "alert"),
+    ({"group": "g", "prefix": "bad-prefix"}, "prefix"),
+])
+def test_bad_configuration_is_rejected_at_construction(sqlite_db: str, kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    from outbox import create_engine
+
+    with pytest.raises(ConfigurationError, match=message):
+        Inbox(create_engine(sqlite_db), **kwargs)
+
+
+def test_bad_binds_and_handlers_are_rejected(sqlite_db: str) -> None:
+    from outbox import create_async_engine, create_engine
+
+    with pytest.raises(ConfigurationError, match="AsyncEngine"):
+        Inbox(create_async_engine("sqlite+aiosqlite:///:memory:"), group="g")
+    box = Inbox(create_engine(sqlite_db), group="g", alert=LoggingAlertSink())
+    with pytest.raises(ConfigurationError, match="session, message"):
+        box.handler(TOPIC)(lambda message: None)
+    box.handler(TOPIC)(lambda session, message: None)
+    with pytest.raises(ConfigurationError, match="already has a handler"):
+        box.handler(TOPIC)(lambda session, message: None)
+    with pytest.raises(ValueError, match="topic"):
+        box.handler("no spaces allowed")

@@ -1,0 +1,225 @@
+"""``Inbox.run`` on the session's Kafka-protocol broker: duplicates and disorder on the wire,
+poison and foreign records mid-stream, offsets committed only behind finished work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import sqlalchemy as sa
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from outbox import Disposition, Inbox
+from tests.inbox_support import AlertLog, applied, apply_effect, business, record
+from tests.inbox_worker import TEST_CONSUMER_SETTINGS
+from transports import Record
+from transports.kafka import KafkaSource
+
+pytestmark = pytest.mark.kafka
+
+
+def produce(servers: str, records: list[Record], partition: int | None = None) -> None:
+    producer = Producer({"bootstrap.servers": servers, "linger.ms": 5})
+    for r in records:
+        extra = {} if partition is None else {"partition": partition}
+        producer.produce(r.topic, r.value, r.key, headers=r.headers, **extra)
+    assert producer.flush(30) == 0
+
+
+@contextmanager
+def running(inbox: Inbox, servers: str, topic: str) -> Iterator[None]:
+    """``inbox.run`` on a thread for the duration; its exception, if any, fails the test."""
+    source = KafkaSource(bootstrap_servers=servers, group_id=inbox.group, topics=[topic],
+                         **TEST_CONSUMER_SETTINGS)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            inbox.run(source)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield
+    finally:
+        inbox.stop()
+        thread.join(60)
+    assert not thread.is_alive(), "Inbox.run did not return after stop()"
+    if errors:
+        raise errors[0]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what or condition}")
+        time.sleep(0.05)
+
+
+def committed(servers: str, group: str, topic: str) -> dict[int, int]:
+    """Committed position per partition; 0 where nothing was committed yet."""
+    probe = Consumer({"bootstrap.servers": servers, "group.id": group})
+    try:
+        return {tp.partition: max(tp.offset, 0) for tp in
+                probe.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)}
+    finally:
+        probe.close()
+
+
+def make_inbox(engine: sa.Engine, topic: str, **kwargs) -> Inbox:  # type: ignore[no-untyped-def]
+    options = {"concurrency": 4, "batch_size": 8, "retry_backoff": 0.001, "alert": AlertLog()}
+    box = Inbox(engine, group=f"g-{topic}", **{**options, **kwargs})
+    box.create_tables()
+    business.create_all(engine)
+    box.handler(topic)(apply_effect)
+    return box
+
+
+def count(engine: sa.Engine, table: sa.Table, *where) -> int:  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).select_from(table).where(*where)) or 0
+
+
+def test_duplicates_on_the_wire_are_applied_once(engine: sa.Engine, kafka: str, topic: str) -> None:
+    records = [record(topic, f"k{k}", seq) for seq in range(1, 11) for k in range(20)]
+    produce(kafka, records)
+    produce(kafka, records)  # the same records again: a producer retry, a relay replay
+    inbox = make_inbox(engine, topic)
+    m = inbox.tables.inbox_messages
+    with running(inbox, kafka, topic):
+        wait_for(lambda: count(engine, m, m.c.deliveries == 2) == 200, what="200 redeliveries seen")
+    effects = applied(engine)
+    assert len(effects) == 200 and len(set(effects)) == 200
+    for k in range(20):
+        assert [seq for _, seq in applied(engine, f"k{k}")] == list(range(1, 11))
+    assert sum(committed(kafka, inbox.group, topic).values()) == 400
+
+
+def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kafka: str, topic: str) -> None:
+    inbox = make_inbox(engine, topic, gap_timeout=1.0)
+    h = inbox.tables.inbox_held
+    with running(inbox, kafka, topic):
+        produce(kafka, [record(topic, "a", 1), record(topic, "gap", 1)], partition=0)
+        produce(kafka, [record(topic, "a", 3), record(topic, "gap", 3)], partition=1)
+        wait_for(lambda: count(engine, h, h.c.key == "a") == 1 and len(applied(engine, "a")) == 1,
+                 what="a:1 applied and a:3 held")
+        assert applied(engine, "a") == [("a", 1)]
+        produce(kafka, [record(topic, "a", 2)], partition=2)
+        wait_for(lambda: len(applied(engine, "a")) == 3, what="a:2 and a:3 applied")
+        wait_for(lambda: bool(inbox.parked(topic, "gap")), what="the unfilled gap parked")
+    assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
+    [parked] = inbox.parked(topic, "gap")
+    assert (parked.seq, parked.reason) == (3, "gap")
+    assert [(a.kind, a.key) for a in inbox.retrier.alert] == [("key_parked", "gap")]
+    assert sum(committed(kafka, inbox.group, topic).values()) == 5
+
+    # After run() returned, the middleware call still retries instead of abandoning.
+    attempts = []
+    inbox._handlers[topic] = lambda session, message: attempts.append(1) or 1 / 0
+    assert inbox.handle(record(topic, "after-run", 1)) is Disposition.PARKED
+    assert len(attempts) == 3
+
+
+def test_poison_and_foreign_records_never_stop_the_stream(engine: sa.Engine, kafka: str, topic: str) -> None:
+    attempts: list[int] = []
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        if message.key == "K" and message.seq == 5:
+            attempts.append(1)
+            raise RuntimeError("K#5 is poison")
+        apply_effect(session, message)
+
+    inbox = make_inbox(engine, topic, foreign_records="park")
+    inbox._handlers[topic] = handler
+    records = [record(topic, key, seq) for seq in range(1, 11) for key in ["K", *map(str, range(30))]]
+    produce(kafka, records[:150])
+    produce(kafka, [Record(topic=topic, value=b"not ours", key=b"3")])
+    produce(kafka, records[150:])
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(engine)) == 300 + 4 and len(inbox.parked()) == 7,
+                 what="all other keys applied, K parked from seq 5")
+        wait_for(lambda: sum(committed(kafka, inbox.group, topic).values()) == 311,
+                 what="offsets committed past parked and foreign records")
+    assert len(attempts) == 3
+    assert [s for _, s in applied(engine, "K")] == [1, 2, 3, 4]
+    parked = inbox.parked()
+    assert [(p.key, p.seq, p.reason) for p in parked if p.key == "K"] == [
+        ("K", 5, "failed"), *[("K", s, "key_parked") for s in range(6, 11)]]
+    assert [(p.key, p.reason) for p in parked if p.key != "K"] == [("3", "foreign")]
+    assert sorted(a.kind for a in inbox.retrier.alert) == ["foreign_record", "key_parked"]
+
+
+@pytest.fixture
+def pg_engine(postgres_db: str) -> Iterator[sa.Engine]:
+    """PostgreSQL only: on SQLite one write transaction at a time runs, so a slow handler blocks all."""
+    from outbox import create_engine
+
+    engine = create_engine(postgres_db, pool_size=20)
+    yield engine
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_offsets_stay_behind_the_lowest_unfinished_record(
+    pg_engine: sa.Engine, kafka: str, topic: str
+) -> None:
+    release = threading.Event()
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        if message.key == "slow":
+            release.wait(30)
+        apply_effect(session, message)
+
+    inbox = make_inbox(pg_engine, topic, batch_size=1)
+    inbox._handlers[topic] = handler
+    produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
+                    *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(pg_engine)) == 21, what="everything but the slow key applied")
+        time.sleep(1.2)  # more than two commit intervals
+        assert committed(kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
+        release.set()
+        wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
+    assert len(applied(pg_engine)) == 22
+
+
+@pytest.mark.postgres
+def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
+    pg_engine: sa.Engine, kafka: str, topic: str
+) -> None:
+    lock = threading.Lock()
+    running_now: dict[str, int] = {}
+    peak = {"all": 0, "per_key": 0}
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        with lock:
+            running_now[message.key] = running_now.get(message.key, 0) + 1
+            peak["all"] = max(peak["all"], sum(running_now.values()))
+            peak["per_key"] = max(peak["per_key"], running_now[message.key])
+        time.sleep(0.02)  # I/O-bound
+        with lock:
+            running_now[message.key] -= 1
+        apply_effect(session, message)
+
+    inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1)
+    inbox._handlers[topic] = handler
+    produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
+            partition=0)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(pg_engine)) == 200, what="200 applied")
+    assert peak["per_key"] == 1
+    assert peak["all"] >= 8, f"only {peak['all']} handlers ever ran at once on 16 workers"
+    for k in range(40):
+        assert [s for _, s in applied(pg_engine, f"k{k}")] == [1, 2, 3, 4, 5]
+
+
+def test_handle_reports_dispositions_for_embedding(engine: sa.Engine, topic: str) -> None:
+    inbox = make_inbox(engine, topic)
+    r = record(topic, "a", 1)
+    assert [inbox.handle(r), inbox.handle(r)] == [Disposition.APPLIED, Disposition.DUPLICATE]

@@ -1,0 +1,101 @@
+"""``Inbox.run``'s bookkeeping under a revoke, driven by a scripted ``Source``.
+
+The Kafka tests show the loop against a real broker; this one needs exact
+control over *when* a partition is revoked (while a message of it waits for its
+next attempt), which a broker's rebalance timing cannot give.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import sqlalchemy as sa
+from prometheus_client import REGISTRY
+
+from outbox import Inbox
+from tests.inbox_support import AlertLog, applied, apply_effect, business, record
+from transports import Record, Source
+
+TOPIC = "orders"
+
+
+class ScriptedSource:
+    """Hands out the given records once, records commits, revokes when told to."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.pending = records
+        self.commits: list[dict[tuple[str, int], int]] = []
+        self.callbacks: list = []  # type: ignore[type-arg]
+        self.revoke: list[tuple[str, int]] | None = None
+        self.closed = False
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        if self.revoke is not None:  # like librdkafka: the callback runs inside poll
+            gone, self.revoke = self.revoke, None
+            for callback in self.callbacks:
+                callback(gone)
+        out, self.pending = self.pending[:max_records], self.pending[max_records:]
+        if not out:
+            time.sleep(min(timeout, 0.01))
+        return out
+
+    def commit(self, offsets) -> None:  # type: ignore[no-untyped-def]
+        self.commits.append(dict(offsets))
+
+    def on_revoke(self, callback) -> None:  # type: ignore[no-untyped-def]
+        self.callbacks.append(callback)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def at(r: Record, partition: int, offset: int) -> Record:
+    r.partition, r.offset = partition, offset
+    return r
+
+
+def test_revoke_abandons_a_waiting_retry_and_still_commits_its_batch_mates(sqlite_db: str) -> None:
+    from outbox import create_engine
+
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="runner", concurrency=1, batch_size=10, retry_backoff=0.4,
+                  alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    attempts: list[int] = []
+
+    @inbox.handler(TOPIC)
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        if message.key == "poison":
+            attempts.append(1)
+            raise RuntimeError("waits for its next attempt")
+        apply_effect(session, message)
+
+    source = ScriptedSource([at(record(TOPIC, "poison", 1), 0, 0),
+                             at(record(TOPIC, "a", 1), 1, 0), at(record(TOPIC, "b", 1), 1, 1)])
+    assert isinstance(source, Source)
+    thread = threading.Thread(target=inbox.run, args=(source,),
+                              kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(applied(engine)) < 2 or not attempts:
+            assert time.monotonic() < deadline, "the batch never ran"
+            time.sleep(0.01)
+        source.revoke = [(TOPIC, 0)]  # while "poison" sleeps before attempt 2
+        while not any(c.get((TOPIC, 1)) == 2 for c in source.commits):
+            assert time.monotonic() < deadline, f"partition 1 never committed: {source.commits}"
+            time.sleep(0.01)
+    finally:
+        inbox.stop()
+        thread.join(10)
+    assert not thread.is_alive() and source.closed
+    assert len(attempts) < 3  # abandoned, not parked: the next owner retries it
+    assert inbox.parked() == []
+    assert all(c.get((TOPIC, 0), 0) == 0 for c in source.commits)  # poison's offset stays open
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(inbox.tables.inbox_messages)) == 2
+    lag = REGISTRY.get_sample_value("outbox_inbox_commit_lag",
+                                    {"group": "runner", "topic": TOPIC, "partition": "1"})
+    assert lag == 0  # both records of partition 1 committed

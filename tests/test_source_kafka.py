@@ -1,0 +1,78 @@
+"""``KafkaSource`` against the session's Kafka-protocol broker, and its settings checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from outbox import ConfigurationError
+from transports import Source
+from transports.kafka import KafkaSource
+
+FAST = {"fetch_max_wait_ms": 10, "session_timeout_ms": 4000, "heartbeat_interval_ms": 500}
+
+
+def test_settings_are_checked_when_the_source_is_built() -> None:
+    with pytest.raises(ConfigurationError, match="unknown Kafka setting 'linger'"):
+        KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], linger=5)
+    with pytest.raises(ConfigurationError, match=r"enable\.auto\.commit must stay off"):
+        KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                    enable_auto_commit=True)
+    with pytest.raises(ConfigurationError, match="invalid Kafka setting"):
+        KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                    session_timeout_ms="soon")
+    with pytest.raises(ConfigurationError, match="topics"):
+        KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics="t")
+    with pytest.raises(ValueError, match="invalid topic"):
+        KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["a topic"])
+    with pytest.raises(ConfigurationError, match="group_id"):
+        KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="", topics=["t"])
+
+
+def test_secrets_do_not_show_in_repr() -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                         security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
+                         sasl_plain_username="svc", sasl_plain_password="hunter2")
+    try:
+        assert "hunter2" not in repr(source)
+        assert isinstance(source, Source)
+        assert source.config["enable.auto.offset.store"] is False
+        assert source.config["auto.offset.reset"] == "earliest"
+    finally:
+        source.close()
+
+
+def poll_until(source: KafkaSource, count: int, timeout: float = 30.0) -> list:  # type: ignore[type-arg]
+    records: list = []  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while len(records) < count and time.monotonic() < deadline:
+        records.extend(source.poll(100, 0.2))
+    return records
+
+
+@pytest.mark.kafka
+def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic: str) -> None:
+    producer = Producer({"bootstrap.servers": kafka})
+    for i in range(10):
+        producer.produce(topic, f"v{i}".encode(), b"k", partition=1, headers=[("h", b"x")])
+    producer.flush(10)
+    revoked: list[list[tuple[str, int]]] = []
+    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{topic}", topics=[topic], **FAST)
+    source.on_revoke(revoked.append)
+    records = poll_until(source, 10)
+    assert [r.value for r in records] == [f"v{i}".encode() for i in range(10)]
+    assert [r.offset for r in records] == list(range(10))
+    assert {(r.topic, r.partition, r.key) for r in records} == {(topic, 1, b"k")}
+    assert records[0].headers == [("h", b"x")]
+    source.commit({(topic, 1): 4})  # "everything before offset 4 is done"
+    source.close()
+    assert revoked and (topic, 1) in revoked[0]  # leaving the group revokes first
+
+    probe = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}"})
+    try:
+        [position] = probe.committed([TopicPartition(topic, 1)], timeout=10)
+        assert position.offset == 4
+    finally:
+        probe.close()
