@@ -19,7 +19,7 @@ def _root() -> None:
     """Transactional outbox: database set-up, relay, inbox and audits."""
 
 
-from . import _db  # noqa: E402,F401  (registers commands)
+from . import _db, _demo  # noqa: E402,F401  (registers commands)
 
 
 def main() -> None:
