@@ -20,6 +20,7 @@ def _root() -> None:
 
 
 from . import _db  # noqa: E402,F401,I001  (registers commands)
+from . import _demo  # noqa: E402,F401  (registers commands)
 from . import _inbox  # noqa: E402,F401  (registers commands)
 from . import _relay  # noqa: E402,F401  (registers commands)
 

@@ -19,6 +19,7 @@ from .._errors import ConfigurationError
 from .._inbox import Inbox
 from .._inbox_admin import NotParkedError
 from . import app
+from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
 inbox_app = typer.Typer(help="Run the consumer inbox.", no_args_is_help=True)
 parked_app = typer.Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
@@ -57,32 +58,23 @@ def _inbox(db: str | None, group: str | None, target: str | None) -> Inbox:
     return Inbox(create_engine(db), group=group)
 
 
-def _settings(pairs: list[str]) -> dict[str, str]:
-    settings = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise typer.BadParameter(f"--kafka-setting takes NAME=VALUE, got {pair!r}")
-        settings[name] = value
-    return settings
-
-
 @inbox_app.command("run")
 def run(
     target: str = typer.Argument(..., metavar="MODULE:ATTRIBUTE", help=APP_HELP),
     bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
     group: str | None = typer.Option(None, help="Kafka consumer group id (default: the inbox's group)."),
-    kafka_setting: list[str] = typer.Option([], "--kafka-setting", "-X",
-                                            help="NAME=VALUE, kafka-python-ng name or librdkafka key."),
+    kafka_config: list[str] = KAFKA_CONFIG,
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
+    log_level: str = LOG_LEVEL,
 ) -> None:
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
+    configure_logging(log_level)
     from transports.kafka import KafkaSource
 
     inbox = load_inbox(target)
     try:
         source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
-                             topics=inbox.topics, **_settings(kafka_setting))
+                             topics=inbox.topics, **parse_kafka_config(kafka_config))
     except ConfigurationError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if metrics_port is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from datetime import UTC, datetime
 
 import typer
@@ -15,6 +14,7 @@ from .._errors import ConfigurationError
 from .._outbox import DEFAULT_SHARDS, Outbox
 from .._relay_admin import backlog, failed_rows, retry_failed, skip_failed
 from . import app
+from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
 DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://…")
 PREFIX = typer.Option("", help="Table name prefix.")
@@ -29,22 +29,11 @@ def _outbox(db: str, prefix: str, schema: str | None, shards: int = DEFAULT_SHAR
     return Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
 
 
-def _kafka_config(pairs: list[str]) -> dict[str, str]:
-    config = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--kafka-config")
-        config[name.strip()] = value
-    return config
-
-
 @app.command("relay")
 def relay(
     db: str = DB,
     bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", help="host:port,…"),
-    kafka_config: list[str] = typer.Option(
-        [], "--kafka-config", help="Producer setting KEY=VALUE (kafka-python or librdkafka name)."),
+    kafka_config: list[str] = KAFKA_CONFIG,
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
     batch_size: int = typer.Option(1000, help="Rows per batch."),
@@ -54,7 +43,7 @@ def relay(
     webhook: str | None = typer.Option(None, help="POST alerts as JSON to this URL (default: log them)."),
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
-    log_level: str = typer.Option("INFO", help="Python log level."),
+    log_level: str = LOG_LEVEL,
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -62,9 +51,9 @@ def relay(
     from .._relay import Relay
     from .._relay_metrics import relay_metrics
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(log_level)
     try:
-        transport = KafkaTransport(_kafka_config(kafka_config), bootstrap_servers=bootstrap_servers)
+        transport = KafkaTransport(parse_kafka_config(kafka_config), bootstrap_servers=bootstrap_servers)
         worker = Relay(
             _outbox(db, prefix, schema, shards), transport, worker_id=worker_id, batch_size=batch_size,
             lease_ttl=lease_ttl, poll_interval=poll_interval,
