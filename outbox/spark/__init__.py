@@ -15,14 +15,18 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         'pip install "transactional-outbox[spark]"'
     ) from exc
 
+from ._archive import ArchiveBusyError, ArchiveResult, archive
 from ._audit import AuditResult, audit
 from ._session import spark_session
 from ._source import read_table
 from ._window import Window
 
 __all__ = [
+    "ArchiveBusyError",
+    "ArchiveResult",
     "AuditResult",
     "Window",
+    "archive",
     "audit",
     "read_table",
     "spark_session",
