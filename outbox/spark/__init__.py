@@ -17,17 +17,21 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ._archive import ArchiveBusyError, ArchiveResult, archive
 from ._audit import AuditResult, audit
+from ._replay import REPLAY_HEADER, ReplayResult, replay
 from ._session import spark_session
 from ._source import read_table
 from ._window import Window
 
 __all__ = [
+    "REPLAY_HEADER",
     "ArchiveBusyError",
     "ArchiveResult",
     "AuditResult",
+    "ReplayResult",
     "Window",
     "archive",
     "audit",
     "read_table",
+    "replay",
     "spark_session",
 ]
