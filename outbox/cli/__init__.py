@@ -12,6 +12,8 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
+import outbox.cli._spark  # noqa: E402,F401  (registers commands)
+
 from . import _db  # noqa: E402,F401  (registers commands)
 
 
