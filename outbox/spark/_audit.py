@@ -28,7 +28,7 @@ from ._source import read_table
 from ._window import Window, parse_duration, parse_instant
 
 OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "published_at"]
-INBOX_COLUMNS = ["consumer_group", "message_id", "received_at", "processed_at", "deliveries", "outcome"]
+
 DETAILS = ("lost", "duplicates", "out_of_order")
 
 
@@ -99,7 +99,7 @@ def audit(
     outbox = table(outbox_url, "outbox_messages", OUTBOX_COLUMNS, "created_at", True)
     # Consumption of a message happens after its creation, so rows received
     # before the window starts cannot belong to it; there is no upper bound.
-    inbox = table(inbox_url, "inbox_messages", INBOX_COLUMNS, "received_at", False)
+    inbox = table(inbox_url, "inbox_messages", find.INBOX, "received_at", False)
     parked = table(inbox_url, "inbox_parked", ["consumer_group", "message_id"], "first_failure_at", False)
     held = table(inbox_url, "inbox_held", ["consumer_group", "message_id"], "received_at", False)
     if group is not None:
@@ -108,18 +108,20 @@ def audit(
 
     step("reading outbox and inbox")
     outbox = outbox.cache()
-    rows = find.consumed(inbox, outbox).cache()
+    # One join of everything the consumer side knows about a message against the
+    # outbox, instead of one per table: each join shuffles the whole outbox.
+    known = find.consumer_side(inbox, parked, held)
+    joined = find.consumed(known, outbox).cache()
+    rows = joined.where(F.col("kind") == "inbox")
     topics = [r.asDict() for r in find.topic_counts(outbox).collect()]
     groups = [r.asDict() for r in find.group_counts(rows).collect()]
-    ids = outbox.select("message_id", "topic")
-    parked_in = parked.join(ids, "message_id").cache()
-    held_in = held.join(ids, "message_id").cache()
-    parked_counts = _count(parked_in, ["consumer_group", "topic"])
-    held_counts = _count(held_in, ["consumer_group", "topic"])
-    pairs = find.subscriptions(rows, parked_in, held_in).cache()
-    seen = (rows.select("consumer_group", "message_id")
-            .unionByName(parked_in.select("consumer_group", "message_id"))
-            .unionByName(held_in.select("consumer_group", "message_id")))
+    kinds = {(r["consumer_group"], r["topic"], r["kind"]): r["count"]
+             for r in joined.groupBy("consumer_group", "topic", "kind").count().collect()}
+    pair_list = sorted({(g, t) for g, t, _kind in kinds})
+    parked_counts = {(g, t): n for (g, t, kind), n in kinds.items() if kind == "parked"}
+    held_counts = {(g, t): n for (g, t, kind), n in kinds.items() if kind == "held"}
+    pairs = session.createDataFrame(pair_list, "consumer_group string, topic string")
+    seen = joined.select("consumer_group", "message_id")
 
     step("finding lost, duplicated and out-of-order messages")
     out.mkdir(parents=True, exist_ok=True)
@@ -144,13 +146,13 @@ def audit(
     produced, processed = find.timeline(outbox, rows, start, bucket_seconds)
     summary = build_summary(
         as_of=now, window=span, sla=sla_delta, group=group, topics=topics, groups=groups,
-        pairs=[tuple(r) for r in pairs.collect()], parked=parked_counts, held=held_counts,
+        pairs=pair_list, parked=parked_counts, held=held_counts,
         found=found, bad_keys=bad_keys,
     )
     draw_chart(out / "chart.png", summary, [r.asDict() for r in produced.collect()],
                [r.asDict() for r in processed.collect()], start, bucket_seconds)
     write_report(out, summary)
-    for frame in (outbox, rows, parked_in, held_in, pairs):
+    for frame in (outbox, joined):
         frame.unpersist()
     return AuditResult(summary=summary, out_dir=out)
 

@@ -17,6 +17,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 QUANTILES = [0.5, 0.95, 0.99]
+INBOX = ["consumer_group", "message_id", "received_at", "processed_at", "deliveries", "outcome"]
 
 
 def millis_between(later: str, earlier: str) -> Column:
@@ -41,7 +42,7 @@ def topic_counts(outbox: DataFrame) -> DataFrame:
 
 
 def consumed(inbox: DataFrame, outbox: DataFrame) -> DataFrame:
-    """Inbox rows of messages in the window, with the outbox's topic, key, seq and times."""
+    """Consumer-side rows of messages in the window, with the outbox's topic, key, seq and times."""
     produced = outbox.select("message_id", "topic", "key", "seq", "created_at", "published_at")
     return inbox.join(produced, "message_id")
 
@@ -58,13 +59,20 @@ def group_counts(consumed_rows: DataFrame) -> DataFrame:
     )
 
 
-def subscriptions(*per_group: DataFrame) -> DataFrame:
-    """The (group, topic) pairs to audit: every pair any inbox table has seen."""
-    pairs = [df.select("consumer_group", "topic") for df in per_group]
-    union = pairs[0]
-    for more in pairs[1:]:
-        union = union.unionByName(more)
-    return union.distinct()
+def consumer_side(inbox: DataFrame, parked: DataFrame, held: DataFrame) -> DataFrame:
+    """Every (group, message) the consumer side knows, with ``kind`` inbox, parked or held.
+
+    A (group, topic) pair appears here exactly when the group has consumed,
+    parked or holds a message of that topic: those are the pairs audited.
+    """
+    def waiting(frame: DataFrame, kind: str) -> DataFrame:
+        return frame.select(
+            "consumer_group", "message_id", F.lit(None).cast("timestamp").alias("received_at"),
+            F.lit(None).cast("timestamp").alias("processed_at"), F.lit(None).cast("long").alias("deliveries"),
+            F.lit(None).cast("string").alias("outcome"), F.lit(kind).alias("kind"),
+        )
+    return (inbox.select(*INBOX, F.lit("inbox").alias("kind"))
+            .unionByName(waiting(parked, "parked")).unionByName(waiting(held, "held")))
 
 
 def lost(outbox: DataFrame, pairs: DataFrame, seen: DataFrame, as_of: datetime,

@@ -20,6 +20,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
 from .._errors import ConfigurationError
+from . import _pgcopy as pgcopy
 from ._tablemap import arrow_schema, check_table, connect, table_for, to_batch
 
 FORMAT = "outbox_table"
@@ -121,6 +122,10 @@ class _RangeReader(DataSourceReader):
         stmt = sa.select(*query.columns).where(*query.filters, *range_filter(query.table, partition.value))
         engine = connect(query.url)
         try:
+            if pgcopy.supports(engine, query.columns, schema):
+                where = [*query.filters, *range_filter(query.table, partition.value)]
+                yield from pgcopy.read_batches(engine, query.columns, schema, where)
+                return
             with engine.connect() as conn:
                 result = conn.execution_options(stream_results=True).execute(stmt)
                 for rows in result.partitions(FETCH_ROWS):
