@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -126,28 +125,27 @@ def inbox_rows(sc: Scenario) -> Iterable[dict[str, Any]]:
             }
 
 
+def _stored(sc: Scenario, i: int) -> dict[str, Any]:
+    """The columns parked and held rows share: the whole message, kept for a replay."""
+    return {
+        "consumer_group": "billing", "message_id": sc.ids[i], **sc.rows[i],
+        "payload": b"{}", "content_type": "application/json", "headers": {},
+        "created_at": sc.start + timedelta(seconds=i), "kafka_partition": 0, "kafka_offset": i,
+    }
+
+
 def parked_rows(sc: Scenario) -> Iterable[dict[str, Any]]:
     for i in sorted(sc.parked):
-        created = sc.start + timedelta(seconds=i)
-        yield {
-            "consumer_group": "billing", "message_id": sc.ids[i], **sc.rows[i],
-            "payload": b"{}", "content_type": "application/json", "headers": {},
-            "created_at": created, "kafka_partition": 0, "kafka_offset": i,
+        failed = sc.start + timedelta(seconds=i + 1)
+        yield _stored(sc, i) | {
             "reason": "failed", "error": "boom", "traceback": None, "attempts": 3,
-            "first_failure_at": created + timedelta(seconds=1),
-            "last_failure_at": created + timedelta(seconds=2),
+            "first_failure_at": failed, "last_failure_at": failed + timedelta(seconds=1),
         }
 
 
 def held_rows(sc: Scenario) -> Iterable[dict[str, Any]]:
     for i in sorted(sc.held):
-        created = sc.start + timedelta(seconds=i)
-        yield {
-            "consumer_group": "billing", "message_id": sc.ids[i], **sc.rows[i],
-            "payload": b"{}", "content_type": "application/json", "headers": {},
-            "created_at": created, "kafka_partition": 0, "kafka_offset": i,
-            "received_at": created + timedelta(seconds=1),
-        }
+        yield _stored(sc, i) | {"received_at": sc.start + timedelta(seconds=i + 1)}
 
 
 def seed(sc: Scenario, outbox_url: str, inbox_url: str) -> None:
@@ -219,18 +217,3 @@ def spark_for_tests():
     })
     spark.sparkContext.setLogLevel("ERROR")
     return spark
-
-
-@contextmanager
-def extra_postgres_database(server_url: str) -> Iterator[str]:
-    """A second fresh database on the test server, for "outbox and inbox apart"."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()

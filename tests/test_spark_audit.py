@@ -7,10 +7,11 @@ from datetime import timedelta
 
 import pandas as pd
 import pytest
-from _spark_seed import AS_OF, SLA, build, extra_postgres_database, seed, spark_for_tests
+from _spark_seed import AS_OF, SLA, build, seed, spark_for_tests
 
 from outbox import ConfigurationError
 from outbox.spark import audit
+from outbox.testing import fresh_database
 
 pytestmark = pytest.mark.spark
 
@@ -32,7 +33,7 @@ def two_databases(request, tmp_path):
         yield f"sqlite:///{tmp_path / 'producer.db'}", f"sqlite:///{tmp_path / 'consumer.db'}"
         return
     outbox_db = request.getfixturevalue("postgres_db")
-    with extra_postgres_database(request.getfixturevalue("postgres_server")) as inbox_db:
+    with fresh_database(request.getfixturevalue("postgres_server")) as inbox_db:
         yield outbox_db, inbox_db
 
 

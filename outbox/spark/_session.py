@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Mapping
 
-from pyspark import SparkConf
 from pyspark.sql import SparkSession
 
 from ._source import TableSource
@@ -36,20 +35,27 @@ def spark_session(
     if active is not None and master is None:
         spark = active
     else:
-        configured = SparkConf().get("spark.master") or os.environ.get("SPARK_MASTER")
-        chosen = master or configured or DEFAULT_MASTER
-        if chosen.startswith("local"):
-            # Local workers must run the interpreter that has this package installed,
-            # not whatever "python3" is first on PATH.
-            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         builder = (
-            SparkSession.builder.master(chosen)
-            .appName(app_name)
+            SparkSession.builder.appName(app_name)
             .config("spark.sql.session.timeZone", "UTC")
             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         )
+        chosen = master or _configured_master()
+        if chosen is not None:
+            builder = builder.master(chosen)
+        if (chosen or "").startswith("local"):
+            # Local workers must run the interpreter that has this package installed,
+            # not whatever "python3" is first on PATH.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         for name, value in (config or {}).items():
             builder = builder.config(name, value)
         spark = builder.getOrCreate()
     spark.dataSource.register(TableSource)
     return spark
+
+
+def _configured_master() -> str | None:
+    """None under spark-submit (its JVM already knows the master), else SPARK_MASTER or local[*]."""
+    if os.environ.get("PYSPARK_GATEWAY_PORT"):
+        return None
+    return os.environ.get("SPARK_MASTER") or DEFAULT_MASTER

@@ -17,6 +17,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
 from .._errors import ConfigurationError
@@ -51,12 +52,17 @@ def read_table(
     unknown = [n for n in [*names, time_column] if n and n not in sa_table.c]
     if unknown:
         raise ConfigurationError(f"table {table} has no column(s) {', '.join(map(str, unknown))}")
+    for moment in (since, until):
+        if moment is not None and moment.tzinfo is None:
+            raise ConfigurationError(f"since/until must be timezone-aware (UTC), got {moment!r}")
     check_table(url, sa_table)
     count = partitions or 2 * spark.sparkContext.defaultParallelism
     if count < 1:
         raise ConfigurationError(f"partitions must be at least 1, got {count}")
+    # Giving the schema spares Spark a Python planning process asking the source for it.
+    spark_schema = from_arrow_schema(arrow_schema([sa_table.c[n] for n in names]))
     reader = (
-        spark.read.format(FORMAT)
+        spark.read.format(FORMAT).schema(spark_schema)
         .option("url", url).option("table", table).option("prefix", prefix)
         .option("columns", ",".join(names)).option("partitions", str(count))
     )
@@ -79,8 +85,6 @@ class TableSource(DataSource):
         return FORMAT
 
     def schema(self) -> StructType:
-        from pyspark.sql.pandas.types import from_arrow_schema
-
         return from_arrow_schema(arrow_schema(_Query(self.options).columns))
 
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -119,14 +123,14 @@ class _RangeReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         query = _Query(self.options)
         schema = arrow_schema(query.columns)
-        stmt = sa.select(*query.columns).where(*query.filters, *range_filter(query.table, partition.value))
+        where = [*query.filters, *range_filter(query.table, partition.value)]
         engine = connect(query.url)
         try:
             if pgcopy.supports(engine, query.columns, schema):
-                where = [*query.filters, *range_filter(query.table, partition.value)]
                 yield from pgcopy.read_batches(engine, query.columns, schema, where)
                 return
             with engine.connect() as conn:
+                stmt = sa.select(*query.columns).where(*where)
                 result = conn.execution_options(stream_results=True).execute(stmt)
                 for rows in result.partitions(FETCH_ROWS):
                     yield to_batch(rows, query.columns, schema)
