@@ -73,3 +73,5 @@ def test_unknown_table_or_column_is_named(spark, tmp_path):
         read_table(spark, url, "outbox")
     with pytest.raises(ConfigurationError, match="has no column"):
         read_table(spark, url, "outbox_messages", columns=["nope"])
+    with pytest.raises(ConfigurationError, match="partitions must be at least 1"):
+        read_table(spark, url, "outbox_messages", partitions=0)

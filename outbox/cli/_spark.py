@@ -77,6 +77,7 @@ def audit_command(
     sla: str = typer.Option("15m", help="A published message not consumed after this is lost."),
     group: str | None = typer.Option(None, help="Audit only this consumer group."),
     as_of: str | None = typer.Option(None, help="Audit as if it were this ISO-8601 time (default: now)."),
+    partitions: int | None = typer.Option(None, help="Read partitions per table = DB connections."),
     master: str | None = MASTER,
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
@@ -90,9 +91,9 @@ def audit_command(
     if since or until:
         span = (since or "1970-01-01T00:00:00Z", until or as_of or datetime.now(UTC).isoformat())
     with _progress(total=False) as step:
-        result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group, as_of=as_of,
-                            spark=jobs.spark_session(master), prefix=prefix, schema=schema,
-                            progress=step)
+        result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group,
+                            as_of=as_of, partitions=partitions, spark=jobs.spark_session(master),
+                            prefix=prefix, schema=schema, progress=step)
         step("done")
     print(result.path("report.md").read_text())
     if not result.ok:

@@ -55,10 +55,10 @@ def read_table(
     for moment in (since, until):
         if moment is not None and moment.tzinfo is None:
             raise ConfigurationError(f"since/until must be timezone-aware (UTC), got {moment!r}")
-    check_table(url, sa_table)
-    count = partitions or 2 * spark.sparkContext.defaultParallelism
+    count = 2 * spark.sparkContext.defaultParallelism if partitions is None else partitions
     if count < 1:
         raise ConfigurationError(f"partitions must be at least 1, got {count}")
+    check_table(url, sa_table)
     # Giving the schema spares Spark a Python planning process asking the source for it.
     spark_schema = from_arrow_schema(arrow_schema([sa_table.c[n] for n in names]))
     reader = (
