@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, create_engine
-from outbox.testing import Unavailable, kafka_bootstrap, postgres_url
+from outbox.testing import Unavailable, fresh_database, kafka_bootstrap, postgres_url
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -53,16 +53,8 @@ def java_home() -> str:
 @pytest.fixture
 def postgres_db(postgres_server: str) -> Iterator[str]:
     """A fresh, empty database on the shared server, dropped after the test."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield sa.make_url(postgres_server).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_database(postgres_server) as url:
+        yield url
 
 
 @pytest.fixture

@@ -19,10 +19,7 @@ def _root() -> None:
     """Transactional outbox: database set-up, relay, inbox and audits."""
 
 
-from . import _db  # noqa: E402,F401,I001  (registers commands)
-from . import _demo  # noqa: E402,F401  (registers commands)
-from . import _inbox  # noqa: E402,F401  (registers commands)
-from . import _relay  # noqa: E402,F401  (registers commands)
+from . import _db, _demo, _inbox, _relay, _spark  # noqa: E402,F401  (each registers its commands)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 mock cluster); ``local_postgres()`` runs a throwaway cluster directly.
 """
 
-from ._postgres import FAST_SETTINGS, free_port, local_postgres, postgres_bindir
+from ._postgres import FAST_SETTINGS, free_port, fresh_database, local_postgres, postgres_bindir
 from ._resolve import (
     KAFKA_BOOTSTRAP_VARIABLE,
     POSTGRES_URL_VARIABLE,
@@ -22,6 +22,7 @@ __all__ = [
     "Unavailable",
     "docker_engine_answers",
     "free_port",
+    "fresh_database",
     "kafka_bootstrap",
     "local_postgres",
     "postgres_bindir",

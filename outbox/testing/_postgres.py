@@ -8,9 +8,12 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+
+import sqlalchemy as sa
 
 # Durability off: tests want speed, and a crash of a throwaway cluster loses nothing.
 FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
@@ -69,6 +72,21 @@ def local_postgres(settings: Mapping[str, str] | None = None) -> Iterator[str]:
                   "-w", "stop"], check=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def fresh_database(server_url: str) -> Iterator[str]:
+    """Create an empty database on the server at ``server_url``; yield its URL; drop it after."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def _run(cmd: list[str], *, check: bool = True) -> None:

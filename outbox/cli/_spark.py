@@ -1,0 +1,150 @@
+"""``outbox spark audit|archive|replay``: the Spark jobs from a shell or a CI step.
+
+Exit codes: 0 all well, 1 the audit found lost or out-of-order messages (so a
+pipeline can gate on it), 2 bad input. PySpark is imported only when a
+command runs, so the rest of the CLI works without the ``spark`` extra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from .._errors import OutboxError
+from . import app
+
+spark_app = typer.Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay.",
+                        no_args_is_help=True)
+app.add_typer(spark_app, name="spark")
+console = Console(stderr=True)
+
+MASTER = typer.Option(None, help="Spark master; default: spark-submit's, else local[*].")
+PREFIX = typer.Option("", help="Table name prefix.")
+SCHEMA = typer.Option(None, help="Database schema of the tables.")
+KEYS = typer.Option(None, help="Replay only this key (repeat for more).")
+
+
+def _jobs() -> Any:
+    try:
+        import outbox.spark as jobs
+    except ImportError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    return jobs
+
+
+@contextmanager
+def _progress(total: bool) -> Iterator[Callable[..., None]]:
+    """A live progress line; the callback takes (description[, done, total])."""
+    columns: list[Any] = [SpinnerColumn(), TextColumn("{task.description}")]
+    if total:
+        columns += [BarColumn(), MofNCompleteColumn()]
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("starting Spark", total=None)
+
+        def update(description: str, done: int | None = None, of: int | None = None) -> None:
+            bar.update(task, description=description, completed=done or 0, total=of)
+
+        try:
+            yield update
+        except OutboxError as exc:  # bad input, named by the job: no traceback
+            bar.stop()
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
+
+
+@spark_app.command("audit")
+def audit_command(
+    outbox_db: str = typer.Option(..., help="SQLAlchemy URL of the producer database."),
+    inbox_db: str | None = typer.Option(None, help="URL of the consumer database (default: outbox-db)."),
+    out: str = typer.Option("outbox-audit", help="Output directory (summary, report, chart, Parquet)."),
+    window: str | None = typer.Option(None, help="Messages created in the last DURATION (24h, 7d)."),
+    since: str | None = typer.Option(None, help="Window start, ISO-8601 (with --until)."),
+    until: str | None = typer.Option(None, help="Window end, ISO-8601 (default: now)."),
+    sla: str = typer.Option("15m", help="A published message not consumed after this is lost."),
+    group: str | None = typer.Option(None, help="Audit only this consumer group."),
+    as_of: str | None = typer.Option(None, help="Audit as if it were this ISO-8601 time (default: now)."),
+    partitions: int | None = typer.Option(None, help="Read partitions per table = DB connections."),
+    master: str | None = MASTER,
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+) -> None:
+    """Compare outbox and inbox; exit 1 when any message is lost or out of order."""
+    jobs = _jobs()
+    if window is not None and (since or until):
+        console.print("[red]error:[/red] give either --window or --since/--until")
+        raise typer.Exit(2)
+    span: Any = window
+    if since or until:
+        span = (since or "1970-01-01T00:00:00Z", until or as_of or datetime.now(UTC).isoformat())
+    with _progress(total=False) as step:
+        result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group,
+                            as_of=as_of, partitions=partitions, spark=jobs.spark_session(master),
+                            prefix=prefix, schema=schema, progress=step)
+        step("done")
+    print(result.path("report.md").read_text())
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@spark_app.command("archive")
+def archive_command(
+    db: str = typer.Option(..., help="SQLAlchemy URL of the outbox database."),
+    archive_dir: str = typer.Option(..., help="Archive root (shared by all Spark executors)."),
+    retention: str = typer.Option(..., help="Archive published rows created longer ago than this (30d)."),
+    inbox_db: str | None = typer.Option(None, help="Inbox database URL (default: --db)."),
+    dedup_window: str | None = typer.Option(None, help="Also archive inbox rows processed longer ago."),
+    chunk_rows: int = typer.Option(50_000, help="Rows per chunk (one Spark task, one commit)."),
+    delete_batch: int = typer.Option(1_000, help="Rows deleted per database transaction."),
+    master: str | None = MASTER,
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+) -> None:
+    """Move old rows to Parquet, then delete them; safe to kill and re-run."""
+    jobs = _jobs()
+    with _progress(total=True) as step:
+        result = jobs.archive(db, archive_dir, retention=retention, inbox_url=inbox_db,
+                              dedup_window=dedup_window, chunk_rows=chunk_rows,
+                              delete_batch=delete_batch, spark=jobs.spark_session(master),
+                              prefix=prefix, schema=schema, progress=step)
+    for table, rows in result.archived.items():
+        print(f"{table}: archived {rows:,}, deleted {result.deleted[table]:,}")
+    if result.recovered_chunks or result.debris_removed:
+        print(f"finished {result.recovered_chunks} chunk(s) of an interrupted run, "
+              f"removed {result.debris_removed} uncommitted file(s)")
+
+
+@spark_app.command("replay")
+def replay_command(
+    archive_dir: str = typer.Option(..., help="Archive root written by `outbox spark archive`."),
+    db: str = typer.Option(..., help="SQLAlchemy URL of the outbox database to publish into."),
+    topic: str = typer.Option(..., help="Topic to replay."),
+    key: list[str] | None = KEYS,
+    since: str | None = typer.Option(None, help="Only messages created at or after, ISO-8601."),
+    until: str | None = typer.Option(None, help="Only messages created before, ISO-8601."),
+    batch: int = typer.Option(500, help="Messages per transaction."),
+    master: str | None = MASTER,
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+) -> None:
+    """Publish archived messages again as new messages, each key in its original order."""
+    jobs = _jobs()
+    with _progress(total=False) as step:
+        result = jobs.replay(archive_dir, db, topic=topic, keys=key or None, since=since, until=until,
+                             batch=batch, spark=jobs.spark_session(master), prefix=prefix,
+                             schema=schema, progress=lambda n: step(f"replayed {n:,}"))
+    print(f"replayed {result.replayed:,} message(s) of {topic} "
+          f"({len(result.per_key)} key(s)) with header {jobs.REPLAY_HEADER!r}")

@@ -1,0 +1,158 @@
+"""``archive``: move old published outbox rows (and old inbox dedup rows) to Parquet.
+
+Rows leave the database only after a committed copy exists, chunk by chunk
+(see ``_chunks``). Each run first finishes what a killed run left behind, then
+plans new chunks over the rows now eligible, and runs them as Spark tasks in
+waves so progress can be reported. Rows newer than the retention are never
+read for archiving and never deleted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+from pyspark.sql import SparkSession
+
+from .._envelope import utcnow
+from .._errors import ConfigurationError, OutboxError
+from ._chunks import Chunk, delete_archived, eligible, mark_done, run_chunk
+from ._layout import remove_debris, unfinished_manifests
+from ._session import spark_session
+from ._source import plan_ranges
+from ._tablemap import check_table, connect, table_for
+from ._window import parse_duration, parse_instant
+
+Progress = Callable[[str, int, int], None]
+
+
+class ArchiveBusyError(OutboxError, RuntimeError):
+    """Another archive run holds the archive directory's lock."""
+
+
+@dataclass
+class ArchiveResult:
+    """Rows archived and deleted per table in this run, including chunks finished for a killed run."""
+
+    archived: dict[str, int] = field(default_factory=dict)
+    deleted: dict[str, int] = field(default_factory=dict)
+    recovered_chunks: int = 0
+    debris_removed: int = 0
+    chunks: int = 0
+
+
+def archive(
+    outbox_url: str,
+    archive_dir: str | Path,
+    *,
+    retention: timedelta | str | float,
+    inbox_url: str | None = None,
+    dedup_window: timedelta | str | float | None = None,
+    chunk_rows: int = 50_000,
+    delete_batch: int = 1_000,
+    as_of: datetime | str | None = None,
+    spark: SparkSession | None = None,
+    prefix: str = "",
+    schema: str | None = None,
+    progress: Progress | None = None,
+) -> ArchiveResult:
+    """Archive published outbox rows created more than ``retention`` ago, then delete them.
+
+    With ``dedup_window``, inbox rows processed longer ago than that are
+    archived too (from ``inbox_url``, default ``outbox_url``); after that the
+    inbox no longer recognises a redelivery of those messages, so choose a
+    window far longer than any redelivery can take. Safe to kill at any point
+    and run again; only one run per ``archive_dir`` at a time.
+    """
+    now = utcnow() if as_of is None else parse_instant(as_of, "as_of")
+    jobs = [("outbox_messages", outbox_url, now - parse_duration(retention, "retention"))]
+    if dedup_window is not None:
+        jobs.append(("inbox_messages", inbox_url or outbox_url,
+                     now - parse_duration(dedup_window, "dedup window")))
+    for name, value in (("chunk_rows", chunk_rows), ("delete_batch", delete_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+    root = Path(archive_dir)
+    if root.exists() and not root.is_dir():
+        raise ConfigurationError(f"archive_dir {root} exists and is not a directory")
+    for name, url, _cutoff in jobs:
+        check_table(url, table_for(name, prefix, schema))
+    report = progress or (lambda _step, _done, _total: None)
+    root.mkdir(parents=True, exist_ok=True)
+    result = ArchiveResult()
+    with _exclusive(root):
+        session = spark or spark_session()
+        for name, url, cutoff in jobs:
+            result.debris_removed += remove_debris(root, name)
+            result.recovered_chunks += _finish_committed(root, name, url, prefix, schema, delete_batch)
+            chunks = _plan(root, name, url, cutoff, prefix, schema, chunk_rows, delete_batch)
+            result.chunks += len(chunks)
+            archived = deleted = 0
+            wave = max(1, 4 * session.sparkContext.defaultParallelism)
+            report(f"archiving {name}", 0, len(chunks))
+            for start in range(0, len(chunks), wave):
+                batch = chunks[start:start + wave]
+                for rows, gone in session.sparkContext.parallelize(batch, len(batch)).map(
+                        run_chunk).collect():
+                    archived, deleted = archived + rows, deleted + gone
+                report(f"archiving {name}", start + len(batch), len(chunks))
+            result.archived[name], result.deleted[name] = archived, deleted
+    return result
+
+
+def _finish_committed(root: Path, name: str, url: str, prefix: str, schema: str | None,
+                      batch: int) -> int:
+    """Delete the rows of chunks a killed run committed but did not finish deleting."""
+    manifests = unfinished_manifests(root, name)
+    if not manifests:
+        return 0
+    table, engine = table_for(name, prefix, schema), connect(url)
+    try:
+        for manifest in manifests:
+            delete_archived(engine, table, manifest, batch)
+            mark_done(root, name, manifest["stem"])
+    finally:
+        engine.dispose()
+    return len(manifests)
+
+
+def _plan(root: Path, name: str, url: str, cutoff: datetime, prefix: str, schema: str | None,
+          chunk_rows: int, delete_batch: int) -> list[Chunk]:
+    table, engine = table_for(name, prefix, schema), connect(url)
+    filters = eligible(table, cutoff)
+    try:
+        with engine.connect() as conn:
+            total = conn.execute(sa.select(sa.func.count()).select_from(table).where(*filters)).scalar_one()
+            if total == 0:
+                return []
+            ranges = plan_ranges(conn, table, filters, math.ceil(total / chunk_rows))
+    finally:
+        engine.dispose()
+    run = f"{utcnow():%Y%m%dT%H%M%S}-{secrets.token_hex(4)}"
+    return [
+        Chunk(root=str(root), table=name, url=url, prefix=prefix, schema=schema, cutoff=cutoff,
+              bounds=r.value, stem=f"{run}-{i:06d}", delete_batch=delete_batch)
+        for i, r in enumerate(ranges)
+    ]
+
+
+@contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """Hold the archive directory's lock; the OS drops it when the process dies, even by SIGKILL."""
+    fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArchiveBusyError(f"another archive run is using {root}") from None
+        yield
+    finally:
+        os.close(fd)

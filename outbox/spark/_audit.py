@@ -1,0 +1,161 @@
+"""``audit``: does every message the outbox produced reach every consumer group, once and in order?
+
+Reads the outbox (producer database) and the inbox tables (consumer database,
+which may be a different one), compares them in Spark and writes, into
+``out_dir``: ``summary.json``, ``report.md``, ``chart.png`` and one Parquet
+dataset per finding (``lost/``, ``duplicates/``, ``out_of_order/``) listing
+every message concerned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from .._envelope import utcnow
+from .._errors import ConfigurationError
+from . import _findings as find
+from ._chart import draw_chart
+from ._report import build_summary, write_report
+from ._session import spark_session
+from ._source import read_table
+from ._window import Window, parse_duration, parse_instant
+
+OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "published_at"]
+
+DETAILS = ("lost", "duplicates", "out_of_order")
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """What the audit found; ``ok`` is False when any message is lost or out of order."""
+
+    summary: dict[str, Any]
+    out_dir: Path
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.summary["ok"])
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return self.summary["totals"]
+
+    def path(self, name: str) -> Path:
+        """Where an output lives: ``"lost"``, ``"summary.json"``, ``"chart.png"`` …"""
+        return self.out_dir / name
+
+
+def audit(
+    outbox_url: str,
+    inbox_url: str | None = None,
+    *,
+    out_dir: str | Path,
+    window: Window | timedelta | str | tuple[Any, Any] | None = None,
+    sla: timedelta | str | float = "15m",
+    group: str | None = None,
+    as_of: datetime | str | None = None,
+    spark: SparkSession | None = None,
+    partitions: int | None = None,
+    prefix: str = "",
+    schema: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> AuditResult:
+    """Audit the messages created in ``window`` against what each consumer group did.
+
+    ``inbox_url`` defaults to ``outbox_url`` (both sides in one database).
+    ``window`` is a duration back from ``as_of`` ("24h"), a (since, until)
+    pair or None for everything. A message is *lost* for a group when it was
+    published more than ``sla`` before ``as_of`` and the group neither
+    processed, parked nor holds it. ``group`` limits the audit to one consumer
+    group; otherwise every group the inbox has seen is audited for every
+    topic it has consumed. ``as_of`` defaults to now.
+    """
+    step = progress or (lambda _message: None)
+    now = utcnow() if as_of is None else parse_instant(as_of, "as_of")
+    span = Window.parse(window, now=now)
+    sla_delta = parse_duration(sla, "SLA")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise ConfigurationError(f"group must be a non-empty string, got {group!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigurationError(f"out_dir {out} exists and is not a directory")
+    inbox_url = inbox_url or outbox_url
+
+    def table(url: str, name: str, columns: list[str], time_column: str, upper: bool) -> DataFrame:
+        return read_table(
+            session, url, name, columns=columns, time_column=time_column, since=span.since,
+            until=span.until if upper else None, partitions=partitions, prefix=prefix, schema=schema,
+        )
+
+    step("checking tables")
+    session = spark or spark_session()
+    outbox = table(outbox_url, "outbox_messages", OUTBOX_COLUMNS, "created_at", True)
+    # Consumption of a message happens after its creation, so rows received
+    # before the window starts cannot belong to it; there is no upper bound.
+    inbox = table(inbox_url, "inbox_messages", find.INBOX, "received_at", False)
+    parked = table(inbox_url, "inbox_parked", ["consumer_group", "message_id"], "first_failure_at", False)
+    held = table(inbox_url, "inbox_held", ["consumer_group", "message_id"], "received_at", False)
+    if group is not None:
+        only = F.col("consumer_group") == group
+        inbox, parked, held = inbox.where(only), parked.where(only), held.where(only)
+
+    step("reading outbox and inbox")
+    outbox = outbox.cache()
+    # One join of everything the consumer side knows about a message against the
+    # outbox, instead of one per table: each join shuffles the whole outbox.
+    known = find.consumer_side(inbox, parked, held)
+    joined = find.consumed(known, outbox).cache()
+    rows = joined.where(F.col("kind") == "inbox")
+    topics = [r.asDict() for r in find.topic_counts(outbox).collect()]
+    groups = [r.asDict() for r in find.group_counts(rows).collect()]
+    kinds = {(r["consumer_group"], r["topic"], r["kind"]): r["count"]
+             for r in joined.groupBy("consumer_group", "topic", "kind").count().collect()}
+    pair_list = sorted({(g, t) for g, t, _kind in kinds})
+    parked_counts = {(g, t): n for (g, t, kind), n in kinds.items() if kind == "parked"}
+    held_counts = {(g, t): n for (g, t, kind), n in kinds.items() if kind == "held"}
+    pairs = session.createDataFrame(pair_list, "consumer_group string, topic string")
+    seen = joined.select("consumer_group", "message_id")
+
+    step("finding lost, duplicated and out-of-order messages")
+    out.mkdir(parents=True, exist_ok=True)
+    details = {
+        "lost": find.lost(outbox, pairs, seen, now, sla_delta.total_seconds()),
+        "duplicates": find.duplicates(rows),
+        "out_of_order": find.out_of_order(rows),
+    }
+    found: dict[str, dict[tuple[str, str], int]] = {}
+    for name, frame in details.items():
+        frame.orderBy("consumer_group", "topic", "key", "seq").coalesce(1).write.mode(
+            "overwrite").parquet(str(out / name))
+        found[name] = _count(session.read.parquet(str(out / name)), ["consumer_group", "topic"])
+    bad_keys = _count(session.read.parquet(str(out / "out_of_order"))
+                      .select("consumer_group", "topic", "key").distinct(), ["consumer_group", "topic"])
+
+    step("drawing the chart")
+    # Epoch micros, not a collected timestamp: those come back naive in local time.
+    first = outbox.agg(F.min(F.unix_micros("created_at"))).first()[0]
+    start = span.since if first is None else datetime.fromtimestamp(first / 1e6, UTC)
+    bucket_seconds = max(1.0, (now - start).total_seconds() / 120)
+    produced, processed = find.timeline(outbox, rows, start, bucket_seconds)
+    summary = build_summary(
+        as_of=now, window=span, sla=sla_delta, group=group, topics=topics, groups=groups,
+        pairs=pair_list, parked=parked_counts, held=held_counts,
+        found=found, bad_keys=bad_keys,
+    )
+    draw_chart(out / "chart.png", summary, [r.asDict() for r in produced.collect()],
+               [r.asDict() for r in processed.collect()], start, bucket_seconds)
+    write_report(out, summary)
+    for frame in (outbox, joined):
+        frame.unpersist()
+    return AuditResult(summary=summary, out_dir=out)
+
+
+def _count(frame: DataFrame, by: list[str]) -> dict[tuple[str, str], int]:
+    return {tuple(r[c] for c in by): r["count"] for r in frame.groupBy(*by).count().collect()}

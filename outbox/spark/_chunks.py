@@ -1,0 +1,147 @@
+"""One archive chunk, start to finish: copy rows to Parquet, commit, then delete them.
+
+Runs inside a Spark task, so it touches only the database and the archive
+directory. The order of steps is what makes a SIGKILL harmless at any point:
+
+1. read the chunk's eligible rows;
+2. write one Parquet file per (topic, date), each complete or absent;
+3. **commit**: atomically write the manifest naming exactly those files and
+   the keys of exactly those rows;
+4. delete those keys from the database in bounded batches (only rows still
+   published/processed, never anything else);
+5. write the ``.done`` marker.
+
+Killed before 3, the files are debris (removed on the next run) and the rows
+are still in the database, to be archived again. Killed after 3, the next
+run finishes step 4 from the manifest before planning anything new, so no row
+is archived twice and none is deleted without a committed copy.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sqlalchemy as sa
+
+from .._tables import PUBLISHED
+from ._layout import manifest_dir, table_dir, write_atomically
+from ._source import range_filter
+from ._tablemap import arrow_schema, connect, table_for, to_batch
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Everything a task needs to archive one range (picklable, primitive values only)."""
+
+    root: str
+    table: str
+    url: str
+    prefix: str
+    schema: str | None
+    cutoff: datetime
+    bounds: tuple[Any, ...]
+    stem: str
+    delete_batch: int
+
+    def sa_table(self) -> sa.Table:
+        return table_for(self.table, self.prefix, self.schema)
+
+
+def eligible(table: sa.Table, cutoff: datetime) -> list[sa.ColumnElement[bool]]:
+    """Rows old enough to leave the database: published outbox rows, processed inbox rows."""
+    if "status" in table.c:
+        return [table.c.status == PUBLISHED, table.c.created_at < cutoff]
+    return [table.c.processed_at < cutoff]
+
+
+def _date_column(table: sa.Table) -> str:
+    return "created_at" if "status" in table.c else "processed_at"
+
+
+def _key_columns(table: sa.Table) -> list[sa.Column[Any]]:
+    return [table.c.id] if "id" in table.c else [table.c.consumer_group, table.c.message_id]
+
+
+def run_chunk(chunk: Chunk) -> tuple[int, int]:
+    """Archive and delete one chunk; return (rows archived, rows deleted)."""
+    table = chunk.sa_table()
+    engine = connect(chunk.url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(*table.columns)
+                .where(*eligible(table, chunk.cutoff), *range_filter(table, chunk.bounds))
+                .order_by(*_key_columns(table))
+            ).all()
+        if not rows:
+            return 0, 0
+        manifest = write_files(chunk, table, rows)
+        write_atomically(manifest_dir(Path(chunk.root), chunk.table) / f"{chunk.stem}.json",
+                         json.dumps(manifest).encode())
+        deleted = delete_archived(engine, table, manifest, chunk.delete_batch)
+        mark_done(Path(chunk.root), chunk.table, chunk.stem)
+        return len(rows), deleted
+    finally:
+        engine.dispose()
+
+
+def write_files(chunk: Chunk, table: sa.Table, rows: Sequence[sa.Row[Any]]) -> dict[str, Any]:
+    """One Parquet file per (topic, date); returns the manifest (not yet committed)."""
+    columns = [c for c in table.columns if c.name != "topic"]
+    schema = arrow_schema(columns)
+    parts: dict[tuple[str, str], list[sa.Row[Any]]] = defaultdict(list)
+    date_column = _date_column(table)
+    for row in rows:
+        parts[(row.topic, getattr(row, date_column).date().isoformat())].append(row)
+    root = Path(chunk.root)
+    files = []
+    for (topic, day), part in sorted(parts.items()):
+        values = [tuple(getattr(r, c.name) for c in columns) for r in part]
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_batches([to_batch(values, columns, schema)]), sink)
+        path = table_dir(root, chunk.table) / f"topic={topic}" / f"date={day}" / f"{chunk.stem}.parquet"
+        write_atomically(path, sink.getvalue().to_pybytes())
+        files.append({"path": str(path.relative_to(root)), "rows": len(part)})
+    key_names = [c.name for c in _key_columns(table)]
+    keys = [row.id for row in rows] if key_names == ["id"] else [
+        [row.consumer_group, str(row.message_id)] for row in rows
+    ]
+    return {"table": chunk.table, "stem": chunk.stem, "cutoff": chunk.cutoff.isoformat(),
+            "files": files, "keys": keys}
+
+
+def delete_archived(engine: sa.Engine, table: sa.Table, manifest: dict[str, Any], batch: int) -> int:
+    """Delete exactly the manifest's rows, ``batch`` per transaction; safe to repeat."""
+    deleted = 0
+    keys = manifest["keys"]
+    if "id" in table.c:
+        for start in range(0, len(keys), batch):
+            ids = keys[start:start + batch]
+            with engine.begin() as conn:
+                deleted += conn.execute(
+                    sa.delete(table).where(table.c.id.in_(ids), table.c.status == PUBLISHED)
+                ).rowcount
+        return deleted
+    by_group: dict[str, list[uuid.UUID]] = defaultdict(list)
+    for group, message_id in keys:
+        by_group[group].append(uuid.UUID(message_id))
+    for group, ids in by_group.items():
+        for start in range(0, len(ids), batch):
+            with engine.begin() as conn:
+                deleted += conn.execute(sa.delete(table).where(
+                    table.c.consumer_group == group, table.c.message_id.in_(ids[start:start + batch])
+                )).rowcount
+    return deleted
+
+
+def mark_done(root: Path, table: str, stem: str) -> None:
+    write_atomically(manifest_dir(root, table) / f"{stem}.done", b"")

@@ -1,0 +1,135 @@
+"""The audit's Spark computations: each function takes DataFrames and returns one.
+
+Kept apart from I/O so each rule (what counts as lost, as a duplicate, as out
+of order) is one readable expression.
+
+Columns used: outbox ``message_id, topic, key, seq, status, created_at,
+published_at``; inbox ``consumer_group, message_id, received_at,
+processed_at, deliveries, outcome``; parked and held ``consumer_group,
+message_id``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+QUANTILES = [0.5, 0.95, 0.99]
+INBOX = ["consumer_group", "message_id", "received_at", "processed_at", "deliveries", "outcome"]
+
+
+def millis_between(later: str, earlier: str) -> Column:
+    return (F.unix_micros(F.col(later)) - F.unix_micros(F.col(earlier))) / 1000.0
+
+
+def percentiles(column: Column, name: str) -> Column:
+    return F.percentile_approx(column, F.array(*map(F.lit, QUANTILES)), 10_000).alias(name)
+
+
+def topic_counts(outbox: DataFrame) -> DataFrame:
+    """Per topic: produced, published, pending, failed, relay lag (ms) percentiles."""
+    status = F.col("status")
+    return outbox.groupBy("topic").agg(
+        F.count(F.lit(1)).alias("produced"),
+        F.sum((status == "published").cast("long")).alias("published"),
+        F.sum((status == "pending").cast("long")).alias("pending"),
+        F.sum((status == "failed").cast("long")).alias("failed"),
+        percentiles(F.when(status == "published", millis_between("published_at", "created_at")),
+                    "relay_lag_ms"),
+    )
+
+
+def consumed(inbox: DataFrame, outbox: DataFrame) -> DataFrame:
+    """Consumer-side rows of messages in the window, with the outbox's topic, key, seq and times."""
+    produced = outbox.select("message_id", "topic", "key", "seq", "created_at", "published_at")
+    return inbox.join(produced, "message_id")
+
+
+def group_counts(consumed_rows: DataFrame) -> DataFrame:
+    """Per (group, topic): consumed, discarded, duplicates, end-to-end latency (ms)."""
+    deliveries = F.col("deliveries")
+    return consumed_rows.groupBy("consumer_group", "topic").agg(
+        F.sum((F.col("outcome") == "processed").cast("long")).alias("consumed"),
+        F.sum((F.col("outcome") == "discarded").cast("long")).alias("discarded"),
+        F.sum((deliveries > 1).cast("long")).alias("duplicated_messages"),
+        F.sum(F.greatest(deliveries - 1, F.lit(0))).alias("extra_deliveries"),
+        percentiles(millis_between("processed_at", "created_at"), "latency_ms"),
+    )
+
+
+def consumer_side(inbox: DataFrame, parked: DataFrame, held: DataFrame) -> DataFrame:
+    """Every (group, message) the consumer side knows, with ``kind`` inbox, parked or held.
+
+    A (group, topic) pair appears here exactly when the group has consumed,
+    parked or holds a message of that topic: those are the pairs audited.
+    """
+    def waiting(frame: DataFrame, kind: str) -> DataFrame:
+        return frame.select(
+            "consumer_group", "message_id", F.lit(None).cast("timestamp").alias("received_at"),
+            F.lit(None).cast("timestamp").alias("processed_at"), F.lit(None).cast("long").alias("deliveries"),
+            F.lit(None).cast("string").alias("outcome"), F.lit(kind).alias("kind"),
+        )
+    return (inbox.select(*INBOX, F.lit("inbox").alias("kind"))
+            .unionByName(waiting(parked, "parked")).unionByName(waiting(held, "held")))
+
+
+def lost(outbox: DataFrame, pairs: DataFrame, seen: DataFrame, as_of: datetime,
+         sla_seconds: float) -> DataFrame:
+    """Published more than the SLA before ``as_of`` and neither processed, parked nor held.
+
+    ``seen`` holds (consumer_group, message_id) of every message a group
+    processed, discarded, parked or holds; parked and held messages are
+    reported under their own counts, not as lost.
+    """
+    deadline = F.lit(as_of) - F.make_dt_interval(secs=F.lit(sla_seconds))
+    overdue = outbox.where((F.col("status") == "published") & (F.col("published_at") < deadline))
+    expected = overdue.join(F.broadcast(pairs), "topic")
+    return expected.join(seen, ["consumer_group", "message_id"], "left_anti").select(
+        "consumer_group", "topic", "key", "seq", "message_id", "created_at", "published_at"
+    )
+
+
+def duplicates(consumed_rows: DataFrame) -> DataFrame:
+    """Messages a group received more than once (the inbox counts deliveries)."""
+    return consumed_rows.where(F.col("deliveries") > 1).select(
+        "consumer_group", "topic", "key", "seq", "message_id", "deliveries", "processed_at"
+    )
+
+
+def out_of_order(consumed_rows: DataFrame) -> DataFrame:
+    """Messages processed after a message of the same key with a higher seq.
+
+    Processing order is ``processed_at``, then ``received_at``; exact ties
+    fall back to seq, so only a real inversion counts.
+    """
+    by_key = (
+        Window.partitionBy("consumer_group", "topic", "key")
+        .orderBy("processed_at", "received_at", "seq")
+        .rowsBetween(Window.unboundedPreceding, -1)
+    )
+    keyed = consumed_rows.where(F.col("key").isNotNull() & F.col("seq").isNotNull())
+    return (
+        keyed.withColumn("processed_after_seq", F.max("seq").over(by_key))
+        .where(F.col("seq") < F.col("processed_after_seq"))
+        .select("consumer_group", "topic", "key", "seq", "processed_after_seq", "message_id",
+                "processed_at")
+    )
+
+
+def timeline(outbox: DataFrame, consumed_rows: DataFrame, start: datetime,
+             bucket_seconds: float) -> tuple[DataFrame, DataFrame]:
+    """Per time bucket: (topic, created, published) and (group, topic, processed) counts."""
+    def bucket(column: str) -> Column:
+        offset = F.unix_micros(F.col(column)) - F.unix_micros(F.lit(start))
+        return F.floor(offset / (bucket_seconds * 1e6)).alias("bucket")
+
+    made = outbox.groupBy("topic", bucket("created_at")).agg(F.count(F.lit(1)).alias("created"))
+    sent = (outbox.where(F.col("published_at").isNotNull())
+            .groupBy("topic", bucket("published_at")).agg(F.count(F.lit(1)).alias("published")))
+    produced = made.join(sent, ["topic", "bucket"], "full").fillna(0)
+    processed = consumed_rows.groupBy("consumer_group", "topic", bucket("processed_at")).agg(
+        F.count(F.lit(1)).alias("processed")
+    )
+    return produced, processed

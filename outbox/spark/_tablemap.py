@@ -1,0 +1,108 @@
+"""Which table a job means, its columns as Spark types, and a checked connection.
+
+Shared by the driver (planning, validation) and the executors (reading,
+archiving), so it imports nothing from Spark's session machinery.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
+
+from .._engine import create_engine
+from .._errors import ConfigurationError
+from .._tables import OutboxTables, UTCDateTime
+
+TABLE_NAMES = (
+    "outbox_messages", "outbox_keys", "inbox_messages", "inbox_keys", "inbox_parked", "inbox_held",
+)
+
+
+def table_for(name: str, prefix: str = "", schema: str | None = None) -> sa.Table:
+    """The ``sa.Table`` for a default table name such as ``"inbox_messages"``."""
+    if name not in TABLE_NAMES:
+        raise ConfigurationError(f"unknown table {name!r}; expected one of {', '.join(TABLE_NAMES)}")
+    tables = OutboxTables(prefix=prefix, schema=schema)
+    attribute = {"outbox_messages": "messages", "outbox_keys": "keys"}.get(name, name)
+    return getattr(tables, attribute)
+
+
+def safe_url(url: str) -> str:
+    """The URL as it may appear in an error message: password hidden."""
+    try:
+        return sa.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "<unparseable URL>"
+
+
+def connect(url: str) -> sa.Engine:
+    """An engine without a pool (each Spark task opens and closes its own connection)."""
+    if not isinstance(url, str) or not url:
+        raise ConfigurationError(f"database URL must be a non-empty string, got {url!r}")
+    try:
+        return create_engine(url, poolclass=NullPool)
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
+        raise ConfigurationError(f"invalid database URL {safe_url(url)!r}: {exc}") from None
+
+
+def check_table(url: str, table: sa.Table) -> None:
+    """Fail now, naming database and table, if the database is unreachable or lacks the table."""
+    engine = connect(url)
+    try:
+        with engine.connect() as conn:
+            present = sa.inspect(conn).has_table(table.name, schema=table.schema)
+    except sa.exc.DBAPIError as exc:
+        raise ConfigurationError(
+            f"cannot read database {safe_url(url)}: {exc.orig or exc}"
+        ) from None
+    finally:
+        engine.dispose()
+    if not present:
+        where = f"{table.schema}.{table.name}" if table.schema else table.name
+        raise ConfigurationError(
+            f"table {where} does not exist in {safe_url(url)} (run `outbox init-db`?)"
+        )
+
+
+def arrow_type(column: sa.Column[Any]) -> pa.DataType:
+    kind = column.type
+    if isinstance(kind, UTCDateTime | sa.DateTime):
+        return pa.timestamp("us", tz="UTC")
+    if isinstance(kind, sa.Boolean):
+        return pa.bool_()
+    if isinstance(kind, sa.Integer):
+        return pa.int64()
+    if isinstance(kind, sa.LargeBinary):
+        return pa.binary()
+    return pa.string()  # strings, text, UUIDs (canonical text) and JSON (serialised)
+
+
+def converter(column: sa.Column[Any]) -> Callable[[Any], Any] | None:
+    """How a value read through SQLAlchemy becomes an Arrow value (None: as it is)."""
+    if isinstance(column.type, sa.Uuid):
+        return lambda v: None if v is None else str(v)
+    if isinstance(column.type, sa.JSON):
+        return lambda v: None if v is None else json.dumps(v, sort_keys=True)
+    return None
+
+
+def arrow_schema(columns: Sequence[sa.Column[Any]]) -> pa.Schema:
+    return pa.schema([pa.field(c.name, arrow_type(c)) for c in columns])
+
+
+def to_batch(rows: Sequence[Sequence[Any]], columns: Sequence[sa.Column[Any]],
+             schema: pa.Schema) -> pa.RecordBatch:
+    """Rows from SQLAlchemy as one Arrow batch of ``schema``."""
+    arrays = []
+    for index, column in enumerate(columns):
+        values = [row[index] for row in rows]
+        convert = converter(column)
+        if convert is not None:
+            values = [convert(v) for v in values]
+        arrays.append(pa.array(values, type=schema.field(index).type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)

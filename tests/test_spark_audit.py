@@ -1,0 +1,130 @@
+"""The audit finds exactly the lost, duplicated and reordered messages of a known scenario."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pandas as pd
+import pytest
+from _spark_seed import AS_OF, SLA, build, seed, spark_for_tests
+
+from outbox import ConfigurationError
+from outbox.spark import audit
+from outbox.testing import fresh_database
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def spark(java_home):
+    return spark_for_tests()
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return build(n=100_000)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def two_databases(request, tmp_path):
+    """(outbox URL, inbox URL): two separate databases of the same kind."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'producer.db'}", f"sqlite:///{tmp_path / 'consumer.db'}"
+        return
+    outbox_db = request.getfixturevalue("postgres_db")
+    with fresh_database(request.getfixturevalue("postgres_server")) as inbox_db:
+        yield outbox_db, inbox_db
+
+
+def _ids(frame: pd.DataFrame, *columns: str) -> set[tuple]:
+    return set(frame[list(columns)].itertuples(index=False, name=None))
+
+
+def test_audit_reports_exactly_the_seeded_faults(spark, scenario, two_databases, tmp_path):
+    sc = scenario
+    outbox_url, inbox_url = two_databases
+    seed(sc, outbox_url, inbox_url)
+    window = (sc.start + timedelta(seconds=sc.window_start), AS_OF)
+    out = tmp_path / "audit"
+
+    result = audit(outbox_url, inbox_url, out_dir=out, window=window, sla=SLA, as_of=AS_OF,
+                   spark=spark)
+
+    in_window = set(range(sc.window_start, sc.n))
+    lost = pd.read_parquet(out / "lost")
+    assert _ids(lost, "consumer_group", "message_id") == {
+        (group, str(sc.ids[i])) for group, found in sc.lost.items() for i in found
+    }
+    duplicates = pd.read_parquet(out / "duplicates")
+    assert _ids(duplicates, "message_id", "deliveries") == {
+        (str(sc.ids[i]), n) for i, n in sc.deliveries.items()
+    }
+    assert set(duplicates.consumer_group) == {"billing"}
+    reordered = pd.read_parquet(out / "out_of_order")
+    assert reordered.to_dict("records") == [{
+        "consumer_group": "billing", "topic": "orders", "key": "k7", "seq": 11,
+        "processed_after_seq": 13, "message_id": str(sc.ids[sc.out_of_order]),
+        "processed_at": reordered.processed_at[0],
+    }]
+
+    s = result.summary
+    assert result.ok is False
+    for topic in ("orders", "payments"):
+        mine = {i for i in in_window if sc.topic(i) == topic}
+        assert s["topics"][topic] | {"relay_lag_ms": None} == {
+            "produced": len(mine), "pending": len(mine & sc.pending),
+            "failed": len(mine & sc.failed), "published": len(mine - sc.pending - sc.failed),
+            "relay_lag_ms": None,
+        }
+    assert set(s["groups"]) == {"billing", "shipping"}
+    assert set(s["groups"]["shipping"]) == {"orders"}  # never consumed payments: not audited for it
+    billing_payments = s["groups"]["billing"]["payments"]
+    assert (billing_payments["parked"], billing_payments["held"]) == (5, 3)
+    assert {k: s["totals"][k] for k in ("lost", "duplicated_messages", "extra_deliveries",
+                                        "out_of_order_messages", "out_of_order_keys",
+                                        "parked", "held")} == {
+        "lost": 42, "duplicated_messages": 55, "extra_deliveries": 60,
+        "out_of_order_messages": 1, "out_of_order_keys": 1, "parked": 5, "held": 3,
+    }
+    delivered = in_window - sc.pending - sc.failed - sc.in_flight
+    assert s["groups"]["billing"]["orders"]["consumed"] == len(
+        {i for i in delivered if sc.topic(i) == "orders"} - sc.lost["billing"])
+    assert json.loads((out / "summary.json").read_text()) == s
+    assert "PROBLEM: 42 lost, 1 out of order" in (out / "report.md").read_text()
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_audit_of_clean_data_is_ok(spark, tmp_path):
+    sc = build(n=2_000, keys=50)
+    sc.lost = {"billing": set(), "shipping": set()}
+    sc.deliveries, sc.out_of_order = {}, -1
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    seed(sc, url, url)
+
+    result = audit(url, out_dir=tmp_path / "audit", sla="10m", as_of=AS_OF, spark=spark)
+
+    assert result.ok
+    assert result.totals["lost"] == result.totals["out_of_order_messages"] == 0
+    assert result.totals["produced"] == 2_000
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"window": "-3h"}, "invalid window"),
+    ({"window": ("2026-01-02", "2026-01-01")}, "empty window"),
+    ({"sla": "soon"}, "invalid SLA"),
+    ({"sla": 0}, "SLA must be positive"),
+])
+def test_bad_arguments_fail_before_spark_runs(tmp_path, kwargs, message):
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    with pytest.raises(ConfigurationError, match=message):
+        audit(url, out_dir=tmp_path / "out", **kwargs)
+
+
+def test_bad_url_and_missing_table_are_named(spark, tmp_path):
+    with pytest.raises(ConfigurationError, match="invalid database URL"):
+        audit("nosuchdb://x", out_dir=tmp_path / "out", spark=spark)
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    with pytest.raises(ConfigurationError, match="outbox_messages does not exist"):
+        audit(empty, out_dir=tmp_path / "out", spark=spark)
+

@@ -1,0 +1,69 @@
+"""``outbox spark …``: exit codes a pipeline can gate on, and the jobs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _spark_seed import AS_OF, build, seed, spark_for_tests
+from typer.testing import CliRunner
+
+from outbox.cli import app
+
+pytestmark = pytest.mark.spark
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def spark(java_home):
+    return spark_for_tests()  # the commands pick up this active session
+
+
+def run(*args: str):
+    return runner.invoke(app, ["spark", *args])
+
+
+def test_audit_exits_1_when_messages_are_lost_and_0_when_clean(spark, tmp_path):
+    faulty, clean = build(n=3_000, keys=30), build(n=3_000, keys=30)
+    clean.lost, clean.out_of_order = {"billing": set(), "shipping": set()}, -1
+    urls = {}
+    for name, sc in (("faulty", faulty), ("clean", clean)):
+        urls[name] = f"sqlite:///{tmp_path / name}.db"
+        seed(sc, urls[name], f"sqlite:///{tmp_path / name}-inbox.db")
+
+    bad = run("audit", "--outbox-db", urls["faulty"], "--inbox-db", f"sqlite:///{tmp_path}/faulty-inbox.db",
+              "--out", str(tmp_path / "a1"), "--sla", "10m", "--as-of", AS_OF.isoformat())
+    good = run("audit", "--outbox-db", urls["clean"], "--inbox-db", f"sqlite:///{tmp_path}/clean-inbox.db",
+               "--out", str(tmp_path / "a2"), "--window", "2h", "--as-of", AS_OF.isoformat())
+
+    assert bad.exit_code == 1, bad.output
+    lost = sum(len(v) for v in faulty.lost.values())
+    assert json.loads((tmp_path / "a1" / "summary.json").read_text())["totals"]["lost"] == lost
+    assert f"PROBLEM: {lost} lost, 1 out of order" in bad.output
+    assert good.exit_code == 0, good.output
+    assert "OK: nothing lost" in good.output
+
+
+def test_bad_input_exits_2_naming_it(spark, tmp_path):
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    result = run("audit", "--outbox-db", url, "--out", str(tmp_path / "a"), "--window", "yesterday")
+    assert result.exit_code == 2
+    assert "invalid window 'yesterday'" in result.output
+    result = run("archive", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/none",
+                 "--archive-dir", str(tmp_path / "arch"), "--retention", "7d")
+    assert result.exit_code == 2
+    assert "cannot read database postgresql+psycopg://nobody@127.0.0.1:1/none" in result.output
+
+
+def test_archive_then_replay_from_the_command_line(spark, tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.db'}"
+    seed(build(n=2_000, keys=10), url, url)
+    archived = run("archive", "--db", url, "--archive-dir", str(tmp_path / "arch"), "--retention", "1s",
+                   "--chunk-rows", "200")
+    assert archived.exit_code == 0, archived.output
+    assert "outbox_messages: archived" in archived.output
+
+    replayed = run("replay", "--archive-dir", str(tmp_path / "arch"), "--db", url, "--topic", "orders",
+                   "--key", "k1", "--key", "k2")
+    assert replayed.exit_code == 0, replayed.output
+    assert "(2 key(s)) with header 'replay-of'" in replayed.output
