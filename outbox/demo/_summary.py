@@ -44,6 +44,8 @@ class Summary:
             (self.replayed_orders == 1, "the poisoned order was not replayed to completion"),
             (self.alerts == 1, f"{self.alerts} alerts raised for the one poisoned order, expected 1"),
             (self.relay_kills >= 1, "the relay was never killed"),
+            (self.spark_verdict is None or self.spark_verdict.startswith("OK"),
+             f"Spark audit: {self.spark_verdict}"),
         ]
         self.failures = [message for ok, message in rules if not ok]
 
