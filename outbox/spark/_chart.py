@@ -53,7 +53,8 @@ def _latency(ax: Any, summary: dict[str, Any]) -> None:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # an empty window has nothing to label
+        ax.legend()
     ax.grid(axis="y", alpha=0.3)
 
 
