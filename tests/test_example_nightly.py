@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import _spark_seed as seed
 import pytest
 import sqlalchemy as sa
 
-import _spark_seed as seed
 from examples.nightly_audit_archive import nightly
 
 pytestmark = pytest.mark.spark
