@@ -17,9 +17,16 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if BLOCK.search(d.read_text())],
-                         ids=lambda d: d.relative_to(ROOT).as_posix())
-def test_python_blocks_run(doc, tmp_path, monkeypatch):
+def _param(doc: Path):
+    """Docs that run Spark jobs need a JVM, like the Spark tests."""
+    marks = [pytest.mark.spark] if "outbox.spark" in doc.read_text() else []
+    return pytest.param(doc, marks=marks, id=doc.relative_to(ROOT).as_posix())
+
+
+@pytest.mark.parametrize("doc", [_param(d) for d in DOCS if BLOCK.search(d.read_text())])
+def test_python_blocks_run(doc, tmp_path, monkeypatch, request):
+    if "outbox.spark" in doc.read_text():
+        request.getfixturevalue("java_home")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs.{doc.stem}"}
     for number, match in enumerate(BLOCK.finditer(doc.read_text()), 1):
