@@ -161,9 +161,11 @@ def main() -> None:
          "**Below the 10,000 msg/s target on this machine.** The inbox's own SQL is about six "
          "statements per batch of 100-200 keys; what remains per message is the handler's "
          "INSERT round trip and SQLAlchemy's per-statement work (a profile shows most time "
-         "waiting for that round trip). Here the consumer, the mock broker and the PostgreSQL "
-         "server share the cores listed below with other jobs, so more concurrency stops "
-         "paying once they are busy."),
+         "waiting for that round trip). The consumer, the mock broker and the PostgreSQL "
+         "server share the two cores listed below; the inbox is CPU-bound on its per-message "
+         "Python work (decode, handler statement, bookkeeping), so more concurrency stops "
+         "paying once the cores are busy. A batch-handler API (one executemany per batch) is "
+         "the planned way past this."),
         "I/O-bound handler (sleeps 5 ms, then inserts the row), 1,000 keys on 4 partitions, "
         f"batch_size={args.io_batch_size}: throughput by `concurrency` (key-ordered parallelism "
         "within partitions; one worker handles its batch's messages one after another, so "
