@@ -75,3 +75,15 @@ def test_unknown_table_or_column_is_named(spark, tmp_path):
         read_table(spark, url, "outbox_messages", columns=["nope"])
     with pytest.raises(ConfigurationError, match="partitions must be at least 1"):
         read_table(spark, url, "outbox_messages", partitions=0)
+
+
+def test_relative_sqlite_paths_are_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    """Spark's Python workers run in their own directory; a relative path must not reach them."""
+    from outbox.spark._source import portable_url
+
+    monkeypatch.chdir(tmp_path)
+    assert portable_url("sqlite:///orders.db") == f"sqlite:///{tmp_path}/orders.db"
+    assert portable_url("sqlite:////data/orders.db") == "sqlite:////data/orders.db"
+    assert portable_url("sqlite://") == "sqlite://"
+    pg = "postgresql+psycopg://u:secret@db:5432/app"
+    assert portable_url(pg) == pg

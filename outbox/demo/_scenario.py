@@ -206,15 +206,21 @@ def _read_alerts(path: Path) -> list[dict]:
 def _spark_audit(orders_url: str, billing_url: str, workdir: Path, console: Console) -> str | None:
     """The Spark audit's verdict when the ``spark`` extra and a JVM are present."""
     try:
-        from ..spark import audit
+        from ..spark import audit, spark_session
     except ImportError:
         return None
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         return None
     console.print("running the Spark audit (outbox vs inbox, two databases) …")
+    # A few hundred rows: a handful of shuffle partitions, and no progress bars in the demo's output.
+    spark = spark_session(app_name="outbox-demo", config={
+        "spark.sql.shuffle.partitions": "4", "spark.ui.showConsoleProgress": "false",
+        "spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
     # SLA of one second: after the demo everything must be consumed, so a message
     # published over a second ago and never processed really is lost.
-    result = audit(orders_url, billing_url, group="billing", sla="1s", out_dir=workdir / "audit")
+    result = audit(orders_url, billing_url, group="billing", sla="1s", out_dir=workdir / "audit",
+                   spark=spark, partitions=2)
     totals = result.totals
     verdict = "OK" if result.ok else "PROBLEMS"
     return (f"{verdict}: lost {totals['lost']}, out of order {totals['out_of_order_messages']}, "

@@ -47,6 +47,8 @@ def spark_session(
             # Local workers must run the interpreter that has this package installed,
             # not whatever "python3" is first on PATH.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+            # A local session talks only to itself: bind to loopback, not the host's address.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         for name, value in (config or {}).items():
             builder = builder.config(name, value)
         spark = builder.getOrCreate()

@@ -8,6 +8,7 @@ driver jar is involved, so a fresh machine needs only the ``spark`` extra.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import datetime
@@ -26,6 +27,19 @@ from ._tablemap import arrow_schema, check_table, connect, table_for, to_batch
 
 FORMAT = "outbox_table"
 FETCH_ROWS = 20_000
+
+
+def portable_url(url: str) -> str:
+    """The URL with a relative SQLite path made absolute, here on the driver.
+
+    Spark's Python workers plan and read partitions in their own working
+    directory, so ``sqlite:///orders.db`` would name another file there.
+    """
+    parsed = sa.make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:" or os.path.isabs(path):
+        return url
+    return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
 
 
 def read_table(
@@ -47,6 +61,7 @@ def read_table(
     fails before Spark starts any task. ``partitions`` defaults to twice the
     session's parallelism.
     """
+    url = portable_url(url)
     sa_table = table_for(table, prefix, schema)
     names = list(columns) if columns else [c.name for c in sa_table.columns]
     unknown = [n for n in [*names, time_column] if n and n not in sa_table.c]
