@@ -107,8 +107,8 @@ class Outbox:
             raise ConfigurationError("publish() got an AsyncSession; use await publish_async()")
         params = self._row(topic, payload, key, headers, delay)
         if params["key"] is not None and self._sql.keyed is None:
-            params["seq"] = session.execute(self._sql.bump_seq(), params).scalar_one()
-            session.execute(self._sql.insert_with_seq(), params)
+            params["seq"] = session.execute(self._sql.bump_seq, params).scalar_one()
+            session.execute(self._sql.insert_with_seq, params)
         else:
             session.execute(self._sql.keyed if params["key"] is not None else self._sql.unkeyed,
                             params)
@@ -127,9 +127,9 @@ class Outbox:
         """``publish()`` for an ``AsyncSession``; same guarantees."""
         params = self._row(topic, payload, key, headers, delay)
         if params["key"] is not None and self._sql.keyed is None:
-            result = await session.execute(self._sql.bump_seq(), params)
+            result = await session.execute(self._sql.bump_seq, params)
             params["seq"] = result.scalar_one()
-            await session.execute(self._sql.insert_with_seq(), params)
+            await session.execute(self._sql.insert_with_seq, params)
         else:
             await session.execute(
                 self._sql.keyed if params["key"] is not None else self._sql.unkeyed, params

@@ -40,7 +40,8 @@ class PublishStatements:
         up = upsert_module.insert(keys).values(
             topic=bindparam("topic"), key=bindparam("key"), last_seq=1
         )
-        self._bump_seq = up.on_conflict_do_update(
+        # Dialects without DML in CTEs: bump_seq first, then insert_with_seq.
+        self.bump_seq: Executable = up.on_conflict_do_update(
             index_elements=[keys.c.topic, keys.c.key],
             set_={"last_seq": keys.c.last_seq + 1},
         ).returning(keys.c.last_seq)
@@ -50,8 +51,9 @@ class PublishStatements:
         self._row_values |= {"attempts": 0, "status": PENDING}
         self._messages = m
         self.unkeyed = self._with_notify(insert(m).values(seq=None, **self._row_values))
+        self.insert_with_seq: Executable = insert(m).values(seq=bindparam("seq"), **self._row_values)
         if dialect == "postgresql":
-            seq = self._bump_seq.cte("next_seq")
+            seq = self.bump_seq.cte("next_seq")
             # In INSERT … SELECT the binds don't inherit column types: give them.
             typed = [
                 bindparam(name, type_=m.c[name].type) for name in _MESSAGE_PARAMS
@@ -70,11 +72,3 @@ class PublishStatements:
         inserted = stmt.returning(self._messages.c.shard).cte("inserted")
         return select(func.pg_notify(literal(self.notify), cast(inserted.c.shard, Text)))
 
-    def bump_seq(self) -> Executable:
-        """Dialects without DML in CTEs: bump first, then insert with the returned seq."""
-        return self._bump_seq
-
-    def insert_with_seq(self) -> Executable:
-        return insert(self._messages).values(
-            seq=bindparam("seq"), **self._row_values
-        )

@@ -62,8 +62,7 @@ def to_record(
 
 
 def message_to_record(message: Message) -> Record:
-    return to_record(**message.model_dump(exclude={"available_at"}),
-                     available_at=message.available_at)
+    return to_record(**message.model_dump())
 
 
 def record_to_message(record: Record) -> Message:
