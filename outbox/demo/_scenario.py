@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .. import OutboxTables
 from ._orders import EVENTS, TOPIC, OrdersService
 from ._summary import Summary, read_back
-from .billing import build_inbox, faults
+from .billing import build_inbox, faults, invoices
 
 DEADLINE_SECONDS = 90
 
@@ -77,8 +77,8 @@ class Processes:
         return problems
 
 
-def _count(url: str, table: sa.Table, *where: sa.ColumnElement[bool]) -> int:
-    with sa.create_engine(url).connect() as conn:
+def _count(engine: sa.Engine, table: sa.Table, *where: sa.ColumnElement[bool]) -> int:
+    with engine.connect() as conn:
         return conn.scalar(sa.select(sa.func.count()).select_from(table).where(*where)) or 0
 
 
@@ -131,7 +131,7 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
             bar_applied = progress.add_task("applied by billing", total=total)
             while time.monotonic() - started < DEADLINE_SECONDS:
                 published = service.counts().get("published", 0)
-                applied = _count(billing_url, i)
+                applied = _count(billing_engine, i)
                 progress.update(bar_written, completed=written[0])
                 progress.update(bar_published, completed=published)
                 progress.update(bar_applied, completed=applied)
@@ -141,7 +141,7 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
                     progress.console.print(
                         f"[red]SIGKILL relay[/] after {published} published; restarting it")
                     procs.start_relay()
-                parked = _count(billing_url, tables.inbox_parked)
+                parked = _count(billing_engine, tables.inbox_parked)
                 if not placing.is_alive() and applied + parked >= total and parked >= 2:
                     break
                 time.sleep(0.2)
@@ -152,17 +152,17 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
         for alert in alerts:
             console.print(f"[bold red]ALERT[/] {alert['kind']}: topic={alert['topic']} "
                           f"key={alert['key']} message={alert['message_id']}: {alert['error']}")
-        summary.parked_messages = _count(billing_url, tables.inbox_parked)
+        summary.parked_messages = _count(billing_engine, tables.inbox_parked)
         console.print(f"order {poisoned}: {summary.parked_messages} messages parked; "
                       "fixing the card processor and replaying the key")
         with billing_engine.begin() as conn:
             conn.execute(faults.delete())
         billing.replay(TOPIC, str(poisoned))
-        from .billing import invoices
-        done = _count(billing_url, invoices, invoices.c.order_id == poisoned,
+        done = _count(billing_engine, invoices, invoices.c.order_id == poisoned,
                       invoices.c.state == "shipped")
         summary.replayed_orders = done
         problems = procs.stop()
+        billing_engine.dispose()
 
     read_back(summary, orders_url, billing_url)
     summary.spark_verdict = _spark_audit(orders_url, billing_url, workdir, console)

@@ -43,9 +43,9 @@ class CardDeclined(Exception):
     """The demo's poison: the payment processor rejects this order."""
 
 
-def record_violation(url: str, order_id: int, detail: str) -> None:
+def record_violation(engine: sa.Engine, order_id: int, detail: str) -> None:
     """Violations are written outside the handler's transaction so a rollback keeps them."""
-    with create_engine(url).begin() as conn:
+    with engine.begin() as conn:
         conn.execute(violations.insert().values(order_id=order_id, detail=detail))
 
 
@@ -63,7 +63,7 @@ def build_inbox(url: str, alerts_file: Path) -> Inbox:
         expected_before = NEXT_STATE[name]
         if (row.state if row else None) != expected_before:
             detail = f"{name} (seq {message.seq}) after {row.state if row else 'nothing'}"
-            record_violation(url, order_id, detail)
+            record_violation(engine, order_id, detail)
             raise OrderOutOfSequence(f"order {order_id}: {detail}")
         if name == "paid" and session.execute(
                 sa.select(faults.c.order_id).where(faults.c.order_id == order_id)).first():
