@@ -45,12 +45,8 @@ class TransportError(OutboxError, ConnectionError):
 
 
 class RetriableTransportError(TransportError):
-    """A send that may succeed if tried again (broker down, timeout)."""
+    """A broker operation that may succeed if tried again (broker down, timeout).
 
+    Sends never raise: their permanent failures come back as ``Outcome.FAILED``.
+    """
 
-class PermanentTransportError(TransportError):
-    """A send that can never succeed as it is (too large, unknown topic, denied)."""
-
-
-class LeaseLostError(OutboxError):
-    """A relay tried to act on a shard whose lease it no longer holds."""
