@@ -26,7 +26,7 @@ from ._alerts import AlertSink, LoggingAlertSink
 from ._envelope import Message
 from ._errors import ConfigurationError
 from ._inbox_admin import ParkedAdmin, ParkedMessage, ReplayResult
-from ._inbox_apply import Applier, Handler
+from ._inbox_apply import Applier, TopicHandler
 from ._inbox_delivery import Delivery, decode
 from ._inbox_gaps import GapSweeper
 from ._inbox_metrics import InboxMetrics
@@ -40,6 +40,7 @@ from ._validation import validate_topic
 log = logging.getLogger("outbox.inbox")
 
 H = Callable[[Session, Message], Any]
+B = Callable[[Session, list[Message]], Any]
 
 
 class Inbox:
@@ -111,7 +112,7 @@ class Inbox:
         self.gap_timeout = float(seconds)
         self.accept_foreign = foreign_records == "accept"
         self.metrics = InboxMetrics(group)
-        self._handlers: dict[str, Handler] = {}
+        self._handlers: dict[str, TopicHandler] = {}
         self._stopping = False
         self.store = InboxStore(self.tables, group, engine.dialect.name)
         self.applier = Applier(self.sessions, self.store, self._handlers, self.metrics)
@@ -134,20 +135,35 @@ class Inbox:
         ``session``, never commit or roll back. Raise to fail (it is retried,
         then parked) or raise ``RetryLater`` / ``SkipMessage`` / ``ParkMessage``.
         """
+        return self._register(topic, batch=False)
+
+    def batch_handler(self, topic: str) -> Callable[[B], B]:
+        """Register ``fn(session, messages)`` for ``topic``: many messages per call, for throughput.
+
+        ``messages`` are of different keys (a key's next message comes in a
+        later call), so one ``executemany`` can write them all. Same contract
+        as ``handler``; when a call raises, the inbox rolls back and calls
+        ``fn`` once per message, each in a SAVEPOINT, so only the failing
+        message is retried and parked, and attempts count only those calls.
+        """
+        return self._register(topic, batch=True)
+
+    def _register(self, topic: str, *, batch: bool) -> Callable[[Any], Any]:
         validate_topic(topic)
 
-        def register(fn: H) -> H:
+        def register(fn: Any) -> Any:
             if not callable(fn):
                 raise ConfigurationError(f"handler for {topic!r} must be callable, got {fn!r}")
             try:
                 inspect.signature(fn).bind(None, None)
             except TypeError:
                 raise ConfigurationError(
-                    f"handler {getattr(fn, '__qualname__', fn)!r} must take (session, message)"
+                    f"handler {getattr(fn, '__qualname__', fn)!r} must take "
+                    f"(session, {'messages' if batch else 'message'})"
                 ) from None
             if topic in self._handlers:
                 raise ConfigurationError(f"topic {topic!r} already has a handler")
-            self._handlers[topic] = fn
+            self._handlers[topic] = TopicHandler(fn, batch=batch)
             return fn
 
         return register

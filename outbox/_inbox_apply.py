@@ -3,7 +3,9 @@
 A batch holds deliveries of *different* keys (the scheduler guarantees it);
 when one handler fails, the batch is redone with each message in its own
 SAVEPOINT, so the failure rolls back only its own writes and the others
-commit. The dedup rows, the key's new ``last_seq`` and the handler's writes
+commit. A batch handler gets all of a batch's messages of its topic in one
+call; when that call fails, the redo calls it once per message, each in its
+SAVEPOINT, to find the message that fails. The dedup rows, the key's new ``last_seq`` and the handler's writes
 commit together: that is what makes effects inside the inbox database happen
 once. A held message that becomes next is applied
 in the same transaction, right after its predecessor.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 import traceback
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +35,23 @@ from ._inbox_signals import Disposition, ParkMessage, SkipMessage
 from ._inbox_store import KEY_PARKED, InboxStore, KeyId, KeyState
 
 Handler = Callable[[Session, Message], Any]
+BatchHandler = Callable[[Session, list[Message]], Any]
 SKIPPED = "skipped"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicHandler:
+    """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
+
+    fn: Callable[[Session, Any], Any]
+    batch: bool = False
+
+    def __call__(self, session: Session, messages: list[Message]) -> None:
+        if self.batch:
+            self.fn(session, messages)
+        else:
+            for message in messages:
+                self.fn(session, message)
 
 
 @dataclass(slots=True)
@@ -57,7 +76,7 @@ class Applier:
     """Runs batches; safe to call from several threads (each call has its own session)."""
 
     def __init__(self, sessions: sessionmaker[Session], store: InboxStore,
-                 handlers: Mapping[str, Handler], metrics: InboxMetrics) -> None:
+                 handlers: Mapping[str, TopicHandler], metrics: InboxMetrics) -> None:
         self.sessions = sessions
         self.store = store
         self.handlers = handlers
@@ -76,7 +95,8 @@ class Applier:
             try:
                 return self._transaction(deliveries, known, savepoints=False)
             except _Redo as redo:
-                known[redo.delivery.message.message_id] = redo.error
+                if redo.delivery is not None:
+                    known[redo.delivery.message.message_id] = redo.error
         return self._transaction(deliveries, known, savepoints=True)
 
     def _transaction(self, deliveries: list[Delivery], known: dict[uuid.UUID, tuple[BaseException, str]],
@@ -84,8 +104,9 @@ class Applier:
         batch = Batch()
         with self.sessions() as session, session.begin():
             self._apply(session, deliveries, batch, known, savepoints)
-        for d, disposition in batch.done:
-            self.metrics.counted(d.message.topic, disposition)
+        for (topic, disposition), count in Counter(
+                (d.message.topic, disposition) for d, disposition in batch.done).items():
+            self.metrics.counted(topic, disposition, count)
         for topic, reason in batch.parked:
             self.metrics.parked(topic, reason)
         return batch
@@ -102,16 +123,17 @@ class Applier:
             states |= store.lock_keys(session, to_lock)  # type: ignore[arg-type]
             ready = [d for d in pending if self._triage(session, d, states, duplicates, unhold, batch)]
             claimed = store.claim(session, ready)
+            fresh = [d for d in ready if d.message.message_id in claimed]
+            duplicates.extend(d for d in ready if d.message.message_id not in claimed)
+            if savepoints:
+                outcomes = [(d, known.get(d.message.message_id) or self.run_handler(session, d))
+                            for d in fresh]
+            else:
+                self._run_unguarded(session, fresh)
+                outcomes = [(d, None) for d in fresh]
             advanced: dict[KeyId, int] = {}
             lost: list[Delivery] = []
-            for d in ready:
-                if d.message.message_id not in claimed:
-                    duplicates.append(d)
-                    continue
-                error = known.get(d.message.message_id) or self.run_handler(
-                    session, d, savepoint=savepoints)
-                if error is not None and not savepoints:
-                    raise _Redo(d, error)
+            for d, error in outcomes:
                 if error is not None and not isinstance(error[0], SkipMessage):
                     lost.append(d)
                     batch.failed.append(Failure(d, *error))
@@ -175,33 +197,56 @@ class Applier:
     def _alert(self, kind: str, d: Delivery, error: str) -> Alert:
         return make_alert(kind, d, error, self.store.group)
 
-    def run_handler(self, session: Session, d: Delivery, *,
-                    savepoint: bool = True) -> tuple[BaseException, str] | None:
-        """Run the topic's handler (in a SAVEPOINT if asked); the error and traceback if it raised."""
-        topic = d.message.topic
+    def _run_unguarded(self, session: Session, fresh: list[Delivery]) -> None:
+        """Run the handlers without savepoints, a batch handler once per topic; ``_Redo`` on a failure."""
+        by_topic: dict[str, list[Delivery]] = {}
+        for d in fresh:
+            by_topic.setdefault(d.message.topic, []).append(d)
+        for topic, group in by_topic.items():
+            handler = self.handlers.get(topic)
+            if handler is not None and handler.batch and len(group) > 1:
+                error = self._call(session, topic, [d.message for d in group], savepoint=False)
+                if error is not None:
+                    raise _Redo(None, error)  # which message failed is found by the redo
+                continue
+            for d in group:
+                error = self._call(session, topic, [d.message], savepoint=False)
+                if error is not None:
+                    raise _Redo(d, error)
+
+    def run_handler(self, session: Session, d: Delivery) -> tuple[BaseException, str] | None:
+        """Run the topic's handler for ``d`` alone in a SAVEPOINT; the error and traceback if it raised."""
+        return self._call(session, d.message.topic, [d.message], savepoint=True)
+
+    def _call(self, session: Session, topic: str, messages: list[Message], *,
+              savepoint: bool) -> tuple[BaseException, str] | None:
         handler = self.handlers.get(topic)
         started = time.perf_counter()
         nested = session.begin_nested() if savepoint else None
         try:
             if handler is None:
                 raise ParkMessage(f"no handler registered for topic {topic!r}")
-            handler(session, d.message)
+            handler(session, messages)
             session.flush()
             if nested is not None:
                 nested.commit()
         except Exception as exc:
             if nested is not None:
                 nested.rollback()
-            self.metrics.ran(topic, time.perf_counter() - started, failed=True)
+            # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
+            self.metrics.ran(topic, time.perf_counter() - started, failed=len(messages) == 1)
             return exc, traceback.format_exc()
         self.metrics.ran(topic, time.perf_counter() - started, failed=False)
         return None
 
 
 class _Redo(Exception):
-    """A handler failed in a batch without savepoints: roll it all back, redo with savepoints."""
+    """A handler failed in a batch without savepoints: roll it all back, redo with savepoints.
 
-    def __init__(self, delivery: Delivery, error: tuple[BaseException, str]) -> None:
+    ``delivery`` is the message that failed, when a call had only that one.
+    """
+
+    def __init__(self, delivery: Delivery | None, error: tuple[BaseException, str]) -> None:
         super().__init__(f"redo batch: {error[0]!r}")
         self.delivery = delivery
         self.error = error

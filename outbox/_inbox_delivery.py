@@ -53,30 +53,27 @@ class Delivery:
         return (self.message.topic, key) if key is not None else None
 
 
-def decode(record: Record, *, accept_foreign: bool) -> Delivery:
+def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None = None) -> Delivery:
     """Turn a consumed record into a delivery; never raises."""
+    received_at = received_at or utcnow()
     try:
         message = record_to_message(record)
     except ForeignRecordError as exc:
         has_envelope = any(name == MESSAGE_ID for name, _ in record.headers or ())
         if accept_foreign and not has_envelope:
-            return _delivery(record, _foreign_message(record, key=None))
-        return _delivery(record, _foreign_message(record, key=_text_key(record)),
-                         problem=FOREIGN, detail=str(exc))
+            return Delivery(_foreign_message(record, key=None), record.partition, record.offset,
+                            received_at)
+        return Delivery(_foreign_message(record, key=_text_key(record)), record.partition,
+                        record.offset, received_at, problem=FOREIGN, problem_detail=str(exc))
     if "json" in message.content_type:
         try:
             json.loads(message.payload)
         except ValueError as exc:
-            return _delivery(record, message, problem=UNDECODABLE,
-                             detail=f"payload is not valid JSON for content type "
-                                    f"{message.content_type!r}: {exc}")
-    return _delivery(record, message)
-
-
-def _delivery(record: Record, message: Message, *, problem: str | None = None,
-              detail: str | None = None) -> Delivery:
-    return Delivery(message, record.partition, record.offset, problem=problem,
-                    problem_detail=detail)
+            return Delivery(message, record.partition, record.offset, received_at,
+                            problem=UNDECODABLE,
+                            problem_detail=f"payload is not valid JSON for content type "
+                                           f"{message.content_type!r}: {exc}")
+    return Delivery(message, record.partition, record.offset, received_at)
 
 
 def _text_key(record: Record) -> str | None:

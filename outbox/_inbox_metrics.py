@@ -42,8 +42,8 @@ class InboxMetrics:
 
     group: str
 
-    def consumed(self, topic: str) -> None:
-        _CONSUMED.labels(self.group, topic).inc()
+    def consumed(self, topic: str, count: int = 1) -> None:
+        _CONSUMED.labels(self.group, topic).inc(count)
 
     def ran(self, topic: str, seconds: float, *, failed: bool) -> None:
         """One handler run, committed or not."""
@@ -51,14 +51,14 @@ class InboxMetrics:
         if failed:
             _FAILED.labels(self.group, topic).inc()
 
-    def counted(self, topic: str, disposition: Disposition) -> None:
-        """A committed outcome (parked messages are counted by reason in ``parked``)."""
+    def counted(self, topic: str, disposition: Disposition, count: int = 1) -> None:
+        """Committed outcomes (parked messages are counted by reason in ``parked``)."""
         if disposition is Disposition.APPLIED:
-            _HANDLED.labels(self.group, topic).inc()
+            _HANDLED.labels(self.group, topic).inc(count)
         elif disposition is Disposition.DUPLICATE:
-            _DUPLICATES.labels(self.group, topic).inc()
+            _DUPLICATES.labels(self.group, topic).inc(count)
         elif disposition is Disposition.HELD:
-            _HELD.labels(self.group, topic).inc()
+            _HELD.labels(self.group, topic).inc(count)
 
     def parked(self, topic: str, reason: str) -> None:
         _PARKED.labels(self.group, topic, reason).inc()

@@ -36,21 +36,30 @@ class OffsetTracker:
         self._lock = threading.Lock()
         self._partitions: dict[TopicPartition, _Partition] = {}
 
-    def received(self, tp: TopicPartition, offset: int) -> None:
+    def received(self, positions: Iterable[tuple[TopicPartition, int]]) -> None:
+        """Offsets handed to the workers, in the order each partition delivered them."""
         with self._lock:
-            part = self._partitions.setdefault(tp, _Partition())
-            part.open.append(offset)
-            part.next_offset = max(part.next_offset, offset + 1)
+            for tp, offset in positions:
+                part = self._partitions.get(tp)
+                if part is None:
+                    part = self._partitions[tp] = _Partition()
+                part.open.append(offset)
+                if offset >= part.next_offset:
+                    part.next_offset = offset + 1
 
-    def finished(self, tp: TopicPartition, offset: int) -> None:
-        """Mark ``offset`` done (its database transaction committed); unknown partitions are ignored."""
+    def finished(self, positions: Iterable[tuple[TopicPartition, int]]) -> None:
+        """Mark offsets done (their database transaction committed); unknown partitions are ignored."""
         with self._lock:
-            part = self._partitions.get(tp)
-            if part is None:
-                return
-            part.finished.add(offset)
-            while part.open and part.open[0] in part.finished:
-                part.finished.discard(part.open.popleft())
+            touched = set()
+            for tp, offset in positions:
+                part = self._partitions.get(tp)
+                if part is not None:
+                    part.finished.add(offset)
+                    touched.add(tp)
+            for tp in touched:
+                part = self._partitions[tp]
+                while part.open and part.open[0] in part.finished:
+                    part.finished.discard(part.open.popleft())
 
     def committable(self, only: Iterable[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Positions that moved since the last ``committed()``: "all before this is done"."""

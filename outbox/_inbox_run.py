@@ -16,11 +16,13 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from transports import Source
+from transports import Record, Source
 
+from ._envelope import utcnow
 from ._inbox_delivery import Delivery, decode
 from ._inbox_offsets import OffsetTracker, TopicPartition
 from ._inbox_retry import Abandoned
@@ -65,12 +67,7 @@ class Runner:
                 if room <= 0:
                     self.scheduler.wait_for_room(self.max_in_flight, 0.1)
                 else:
-                    for record in self.source.poll(min(room, 500), 0.1):
-                        d = decode(record, accept_foreign=inbox.accept_foreign)
-                        d.tracked = True
-                        inbox.metrics.consumed(record.topic)
-                        self.tracker.received((record.topic, record.partition), record.offset)  # type: ignore[arg-type]
-                        self.scheduler.submit(d)
+                    self._receive(self.source.poll(min(room, 500), 0.1))
                 now = time.monotonic()
                 if now >= next_commit:
                     self._commit()
@@ -90,6 +87,20 @@ class Runner:
         if self.crash is not None:
             raise self.crash
 
+    def _receive(self, records: list[Record]) -> None:
+        """Decode a poll's records and hand them to the workers, tracked for the offset commit."""
+        if not records:
+            return
+        received_at = utcnow()
+        accept_foreign = self.inbox.accept_foreign
+        deliveries = [decode(r, accept_foreign=accept_foreign, received_at=received_at) for r in records]
+        for d in deliveries:
+            d.tracked = True
+        for topic, count in Counter(r.topic for r in records).items():
+            self.inbox.metrics.consumed(topic, count)
+        self.tracker.received(((r.topic, r.partition), r.offset) for r in records)  # type: ignore[misc]
+        self.scheduler.submit(deliveries)
+
     def _work(self, batch: list[Delivery]) -> None:
         try:
             done = self.inbox.retrier.settle(batch)
@@ -100,9 +111,8 @@ class Runner:
                 self._sweeping.difference_update(d.message.message_id for d in batch)
         # Only what reached a disposition is finished; an abandoned record keeps its
         # partition's commit behind it, whatever else its batch carried.
-        for d, _ in done:
-            if d.tracked:
-                self.tracker.finished((d.message.topic, d.partition), d.offset)  # type: ignore[arg-type]
+        self.tracker.finished(((d.message.topic, d.partition), d.offset)  # type: ignore[misc]
+                              for d, _ in done if d.tracked)
 
     def _abandon(self, d: Delivery) -> bool:
         return self.inbox.stopping or (d.tracked and (d.message.topic, d.partition) in self.revoked)
@@ -142,7 +152,7 @@ class Runner:
                 if d.message.message_id in self._sweeping:
                     continue  # already queued by an earlier sweep
                 self._sweeping.add(d.message.message_id)
-            self.scheduler.submit(d)
+            self.scheduler.submit([d])
         gaps.park_stale()
         self.inbox.metrics.parked_keys(self.inbox.admin.parked_key_count())
 

@@ -50,17 +50,19 @@ class KeyScheduler:
             thread.start()
             self._threads.append(thread)
 
-    def submit(self, d: Delivery) -> None:
-        lane: Hashable = d.lane if d.lane is not None else ("", id(d))
+    def submit(self, deliveries: list[Delivery]) -> None:
+        """Queue ``deliveries``; each lane keeps the order they come in."""
         with self._cond:
-            queue = self._lanes.get(lane)
-            if queue is None:
-                self._lanes[lane] = deque([d])
-                self._ready.append(lane)
-            else:
-                queue.append(d)
-            self._queued += 1
-            self._cond.notify()
+            for d in deliveries:
+                lane: Hashable = d.lane if d.lane is not None else ("", id(d))
+                queue = self._lanes.get(lane)
+                if queue is None:
+                    self._lanes[lane] = deque([d])
+                    self._ready.append(lane)
+                else:
+                    queue.append(d)
+            self._queued += len(deliveries)
+            self._cond.notify(len(deliveries))
 
     def in_flight(self) -> int:
         with self._cond:

@@ -38,8 +38,9 @@ from transports import Outcome, SendResult, Transport
 
 from ._alerts import Alert, AlertSink, deliver
 from ._envelope import utcnow
+from ._pg_arrays import int_array
 from ._relay_metrics import RelayMetrics
-from ._relay_sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks, int_array
+from ._relay_sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 from ._wheel import TimingWheel
 from ._wire import to_record
 

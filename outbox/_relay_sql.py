@@ -11,7 +11,7 @@ elsewhere it is one executemany.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -35,23 +35,13 @@ from sqlalchemy import (
     update,
 )
 
+from ._pg_arrays import array_params, rows_of
 from ._tables import FAILED, PENDING, PUBLISHED, OutboxTables
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",
     "created_at", "available_at", "attempts",
 )
-
-
-_INT_ARRAYS = frozenset({"id", "shard", "epoch", "kafka_partition", "kafka_offset"})
-
-
-def int_array(values: Iterable[int | None]) -> str:
-    """A PostgreSQL integer array literal, e.g. '{1,2,3}'."""
-    values = list(values)
-    if None in values:
-        return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
-    return "{" + ",".join(map(str, values)) + "}"
 
 
 @dataclass(slots=True)
@@ -137,16 +127,7 @@ class RelayStatements:
         m, leases = self._m, self._leases
         if self.postgres:
             arrays = {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row}
-            # Integer arrays travel as one '{1,2,3}' text literal: building it with
-            # str.join is far cheaper than the driver adapting 5,000 ints one by one.
-            columns = [
-                func.unnest(
-                    cast(bindparam(f"a_{name}", type_=Text()), ARRAY(kind))
-                    if name in _INT_ARRAYS else bindparam(f"a_{name}", type_=ARRAY(kind))
-                ).label(name)
-                for name, kind in arrays.items()
-            ]
-            rows = select(*columns).subquery("v")
+            rows = rows_of(arrays)
             # The fence names only v's columns, so PostgreSQL checks it per incoming row
             # and then finds each row by primary key (a fence on m.shard made it scan
             # every pending row of the owned shards).
@@ -158,9 +139,8 @@ class RelayStatements:
                 .where(m.c.id == rows.c.id, m.c.shard == rows.c.shard, m.c.status == PENDING, fenced)
                 .values(**set_, **{name: rows.c[name] for name in per_row})
             )
-            params = {f"a_{name}": int_array(values) if name in _INT_ARRAYS else values
-                      for name, values in (("id", marks.ids), ("shard", marks.shards),
-                                           ("epoch", marks.epochs), *marks.values.items())}
+            params = array_params(arrays, {"id": marks.ids, "shard": marks.shards,
+                                           "epoch": marks.epochs, **marks.values})
             return conn.execute(stmt, params).rowcount
         fenced = exists().where(
             leases.c.shard == m.c.shard, leases.c.owner == owner,

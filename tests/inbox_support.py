@@ -80,6 +80,32 @@ def apply_effect(session, message) -> None:  # type: ignore[no-untyped-def]
     insert_effect(session, message)
 
 
+def apply_effects(session, messages) -> None:  # type: ignore[no-untyped-def]
+    """The batch test handler: ``apply_effect``'s checks and rows, one query and one INSERT per call."""
+    topic = messages[0].topic
+    keyed = [m for m in messages if m.key is not None and m.seq is not None]
+    previous = dict(session.execute(
+        sa.select(effects.c.key, sa.func.max(effects.c.seq))
+        .where(effects.c.topic == topic, effects.c.key.in_([m.key for m in keyed]))
+        .group_by(effects.c.key)
+    ).all()) if keyed else {}
+    wrong = [m for m in keyed if m.seq != previous.get(m.key, 0) + 1]
+    if wrong and session.get_bind().dialect.name == "postgresql":
+        with session.get_bind().engine.connect() as own:  # survives the rollback of this transaction
+            own.execute(order_violations.insert(), [
+                {"key": m.key, "seq": m.seq, "previous": previous.get(m.key, 0)} for m in wrong])
+            own.commit()
+    if wrong:
+        raise OrderViolation(f"{wrong[0].key}: seq {wrong[0].seq} after {previous.get(wrong[0].key, 0)}")
+    insert_effects(session, messages)
+
+
+def insert_effects(session, messages) -> None:  # type: ignore[no-untyped-def]
+    """``insert_effect`` for a batch: one executemany."""
+    session.execute(_insert_effect, [{"topic": m.topic, "key": m.key, "seq": m.seq,
+                                      "message_id": m.message_id} for m in messages])
+
+
 def insert_effect(session, message) -> None:  # type: ignore[no-untyped-def]
     """The business write alone, for tests where a key legitimately skips a seq (discard)."""
     session.execute(_insert_effect, {"topic": message.topic, "key": message.key,

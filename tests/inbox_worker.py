@@ -1,7 +1,8 @@
 """A consumer process for the inbox tests: ``python tests/inbox_worker.py DB SERVERS TOPIC GROUP``.
 
 It runs ``Inbox.run`` with the test handler (``apply_effect``: one business row
-under a unique constraint, seq order checked) against the session's broker,
+under a unique constraint, seq order checked; ``apply_effects`` with
+``--batch-handler``) against the session's broker,
 until SIGTERM, or until SIGKILL when a test wants to see a crash.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from outbox import Inbox, create_engine
-from tests.inbox_support import apply_effect
+from tests.inbox_support import apply_effect, apply_effects
 from transports.kafka import KafkaSource
 
 # Shortest session the mock cluster accepts: a killed consumer's partitions
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("group")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument("--batch-handler", action="store_true",
+                        help="register apply_effects with @inbox.batch_handler")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="worker %(process)d %(name)s: %(message)s")
     for name in ("outbox.inbox", "transports.kafka"):  # assignments, revocations
@@ -39,7 +42,10 @@ def main() -> None:
     engine = create_engine(args.db, pool_size=args.concurrency + 2)
     inbox = Inbox(engine, group=args.group, concurrency=args.concurrency,
                   batch_size=args.batch_size, retry_backoff=0.01)
-    inbox.handler(args.topic)(apply_effect)
+    if args.batch_handler:
+        inbox.batch_handler(args.topic)(apply_effects)
+    else:
+        inbox.handler(args.topic)(apply_effect)
     source = KafkaSource(bootstrap_servers=args.servers, group_id=args.group,
                          topics=[args.topic], **TEST_CONSUMER_SETTINGS)
     print("ready", flush=True)

@@ -39,11 +39,11 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-def start_worker(db: str, kafka: str, topic: str, group: str,
-                 log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_worker(db: str, kafka: str, topic: str, group: str, log: Path | None = None,
+                 *, batch_handler: bool = False) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), db, kafka, topic, group, "--concurrency", "4",
-         "--batch-size", "20"],
+         "--batch-size", "20", *(["--batch-handler"] if batch_handler else [])],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stderr=None if log is None else log.open("wb"),
     )
@@ -89,13 +89,14 @@ def assert_exactly_once_in_order(engine: sa.Engine, inbox_group: str, keys: int,
     assert all(seqs == list(range(1, per_key + 1)) for seqs in by_key.values())
 
 
+@pytest.mark.parametrize("batch_handler", [False, True], ids=["handler", "batch_handler"])
 def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
-    pg: sa.Engine, postgres_db: str, kafka: str, topic: str
+    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, batch_handler: bool
 ) -> None:
     keys, per_key, group = 1000, 50, f"crash-{topic}"
     produce_keys(kafka, topic, keys, per_key)
     rng = random.Random(int(time.time()))
-    worker = start_worker(postgres_db, kafka, topic, group)
+    worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)
     killed_at: list[int] = []
     try:
         for _ in range(10):
@@ -104,7 +105,7 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
             worker.send_signal(signal.SIGKILL)
             worker.wait()
             killed_at.append(effect_count(pg))
-            worker = start_worker(postgres_db, kafka, topic, group)
+            worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)
         deadline = time.monotonic() + 240
         while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
             assert worker.poll() is None, f"worker exited with {worker.returncode}"

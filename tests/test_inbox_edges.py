@@ -14,6 +14,7 @@ from outbox import (
     RetryLater,
     SkipMessage,
 )
+from outbox._inbox_apply import TopicHandler
 from outbox._inbox_delivery import decode
 from tests.inbox_support import (
     TOPIC,
@@ -22,6 +23,7 @@ from tests.inbox_support import (
     apply_effect,
     business,
     insert_effect,
+    insert_effects,
     record,
 )
 from transports import Record
@@ -91,7 +93,7 @@ def test_retry_later_does_not_count_as_an_attempt(inbox: Inbox, engine: sa.Engin
             raise RetryLater(0.001, "downstream busy")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = busy_then_ok
+    inbox._handlers[TOPIC] = TopicHandler(busy_then_ok)
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # 4 > max_attempts, no park
     assert len(calls) == 5
 
@@ -102,7 +104,7 @@ def test_skip_message_records_the_skip_and_moves_the_key_on(inbox: Inbox, engine
         if message.seq == 1:
             raise SkipMessage("order already cancelled")
 
-    inbox._handlers[TOPIC] = skip_first
+    inbox._handlers[TOPIC] = TopicHandler(skip_first)
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.SKIPPED
     assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.APPLIED
     m = inbox.tables.inbox_messages
@@ -119,7 +121,7 @@ def test_park_message_parks_at_once(inbox: Inbox) -> None:
         calls.append(1)
         raise ParkMessage("amount must be positive")
 
-    inbox._handlers[TOPIC] = invalid
+    inbox._handlers[TOPIC] = TopicHandler(invalid)
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
     assert len(calls) == 1
     assert inbox.parked()[0].error == "ParkMessage: amount must be positive"
@@ -134,7 +136,7 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
         if message.key == "bad":
             raise RuntimeError("after writing: the savepoint must undo this write")
 
-    inbox._handlers[TOPIC] = handler
+    inbox._handlers[TOPIC] = TopicHandler(handler)
     batch = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in ("a", "bad", "c")]
     result = inbox.applier.apply(batch)
     assert sorted(d.message.key for d, disposition in result.done
@@ -146,6 +148,66 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
     m = inbox.tables.inbox_messages
     with engine.connect() as conn:
         assert sorted(conn.scalars(sa.select(m.c.key))) == ["a", "c"]  # no dedup row for "bad"
+
+
+def batch_inbox(engine: sa.Engine, calls: list[list[str | None]], *, bad: str | None = None) -> Inbox:
+    """An inbox whose batch handler logs each call's keys and fails any call that holds ``bad``."""
+    box = Inbox(engine, group="b", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+    box.create_tables()
+    business.create_all(engine)
+
+    @box.batch_handler(TOPIC)
+    def handle(session, messages):  # type: ignore[no-untyped-def]
+        calls.append([m.key for m in messages])
+        insert_effects(session, messages)
+        if any(m.key == bad for m in messages):
+            raise RuntimeError("after writing: the rollback must undo this call's writes")
+
+    return box
+
+
+def deliveries(*keys: str) -> list:  # type: ignore[type-arg]
+    return [decode(record(TOPIC, key, 1), accept_foreign=False) for key in keys]
+
+
+def test_a_batch_handler_gets_the_batch_in_one_call(engine: sa.Engine) -> None:
+    calls: list[list[str | None]] = []
+    box = batch_inbox(engine, calls)
+    result = box.applier.apply(deliveries("a", "b", "c"))
+    assert calls == [["a", "b", "c"]]
+    assert [disposition for _, disposition in result.done] == [Disposition.APPLIED] * 3
+    assert sorted(applied(engine)) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_a_failed_batch_call_is_redone_one_message_per_call(engine: sa.Engine) -> None:
+    calls: list[list[str | None]] = []
+    box = batch_inbox(engine, calls, bad="bad")
+    result = box.applier.apply(deliveries("a", "bad", "c"))
+    assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
+    assert [f.delivery.message.key for f in result.failed] == ["bad"]
+    assert sorted(applied(engine)) == [("a", 1), ("c", 1)]
+
+
+def test_a_batch_handler_poison_parks_after_exactly_max_attempts(engine: sa.Engine) -> None:
+    calls: list[list[str | None]] = []
+    box = batch_inbox(engine, calls, bad="bad")
+    done = dict((d.message.key, disposition) for d, disposition in
+                box.retrier.settle(deliveries("a", "bad", "c")))
+    assert done == {"a": Disposition.APPLIED, "bad": Disposition.PARKED, "c": Disposition.APPLIED}
+    # The failed three-message call counts for no one; the three calls of "bad" alone do.
+    assert calls.count(["bad"]) == 3
+    [parked] = box.parked(TOPIC, "bad")
+    assert parked.attempts == 3 and "RuntimeError" in (parked.error or "")
+    assert [(a.kind, a.key) for a in box.retrier.alert] == [("key_parked", "bad")]
+
+
+def test_a_batch_handler_must_take_session_and_messages(engine: sa.Engine) -> None:
+    box = Inbox(engine, group="b")
+    with pytest.raises(ConfigurationError, match=r"\(session, messages\)"):
+        box.batch_handler(TOPIC)(lambda messages: None)
+    box.batch_handler(TOPIC)(insert_effects)
+    with pytest.raises(ConfigurationError, match="already has a handler"):
+        box.handler(TOPIC)(insert_effect)
 
 
 def test_a_held_successor_is_applied_in_the_same_batch(inbox: Inbox, engine: sa.Engine) -> None:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import Disposition, Inbox
+from outbox._inbox_apply import TopicHandler
 from tests.inbox_support import AlertLog, applied, apply_effect, business, record
 from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 from transports import Record
@@ -121,7 +122,7 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kaf
 
     # After run() returned, the middleware call still retries instead of abandoning.
     attempts = []
-    inbox._handlers[topic] = lambda session, message: attempts.append(1) or 1 / 0
+    inbox._handlers[topic] = TopicHandler(lambda session, message: attempts.append(1) or 1 / 0)
     assert inbox.handle(record(topic, "after-run", 1)) is Disposition.PARKED
     assert len(attempts) == 3
 
@@ -136,7 +137,7 @@ def test_poison_and_foreign_records_never_stop_the_stream(engine: sa.Engine, kaf
         apply_effect(session, message)
 
     inbox = make_inbox(engine, topic, foreign_records="park")
-    inbox._handlers[topic] = handler
+    inbox._handlers[topic] = TopicHandler(handler)
     records = [record(topic, key, seq) for seq in range(1, 11) for key in ["K", *map(str, range(30))]]
     produce(kafka, records[:150])
     produce(kafka, [Record(topic=topic, value=b"not ours", key=b"3")])
@@ -177,7 +178,7 @@ def test_offsets_stay_behind_the_lowest_unfinished_record(
         apply_effect(session, message)
 
     inbox = make_inbox(pg_engine, topic, batch_size=1)
-    inbox._handlers[topic] = handler
+    inbox._handlers[topic] = TopicHandler(handler)
     produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
                     *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
     with running(inbox, kafka, topic):
@@ -208,7 +209,7 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
         apply_effect(session, message)
 
     inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1)
-    inbox._handlers[topic] = handler
+    inbox._handlers[topic] = TopicHandler(handler)
     produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
             partition=0)
     with running(inbox, kafka, topic):

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from outbox import Inbox, create_engine
 from outbox.testing import local_postgres
 from tests.benchmarks._report import markdown_table, write_section
-from tests.inbox_support import business, effects, insert_effect, record
+from tests.inbox_support import business, effects, insert_effect, insert_effects, record
 from transports.kafka import KafkaSource, embedded_kafka
 
 FAST_FETCH = {"fetch_max_wait_ms": 10, "session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
@@ -88,7 +88,7 @@ def baseline(servers: str, db: str, messages: int) -> float:
 
 
 def inbox_rate(servers: str, db: str, messages: int, keys: int, *, concurrency: int,
-               batch_size: int, sleep: float = 0.0) -> float:
+               batch_size: int, sleep: float = 0.0, batch_handler: bool = False) -> float:
     """The inbox consuming ``messages`` records: applied msg/s from the first one on."""
     topic = f"inbox-{uuid.uuid4().hex[:8]}"
     produce(servers, topic, messages, keys)
@@ -96,11 +96,14 @@ def inbox_rate(servers: str, db: str, messages: int, keys: int, *, concurrency: 
     reset(engine)
     inbox = Inbox(engine, group=topic, concurrency=concurrency, batch_size=batch_size)
 
-    @inbox.handler(topic)
-    def handle(session, message):  # type: ignore[no-untyped-def]
-        if sleep:
-            time.sleep(sleep)
-        insert_effect(session, message)
+    if batch_handler:
+        inbox.batch_handler(topic)(insert_effects)
+    else:
+        @inbox.handler(topic)
+        def handle(session, message):  # type: ignore[no-untyped-def]
+            if sleep:
+                time.sleep(sleep)
+            insert_effect(session, message)
 
     source = KafkaSource(bootstrap_servers=servers, group_id=topic, topics=[topic], **FAST_FETCH)
     thread = threading.Thread(target=inbox.run, args=(source,),
