@@ -88,7 +88,9 @@ class Applier:
         A batch first runs without savepoints (they cost two round trips per
         message); if a handler fails, that transaction is rolled back and the
         batch redone with a SAVEPOINT per message, reusing the failure instead
-        of running the failed handler again. Either way the others commit.
+        of running the failed handler again (a failed batch-handler call has
+        no single culprit: the redo calls it once per message to find it).
+        Either way the others commit.
         """
         known: dict[uuid.UUID, tuple[BaseException, str]] = {}
         if len(deliveries) > 1:
