@@ -28,7 +28,8 @@ _PARKED_KEYS = Gauge("outbox_inbox_parked_keys", "Keys currently parked (read fr
                      ["group"])
 _HELD = Counter("outbox_inbox_held", "Messages held because they arrived ahead of a gap.",
                 ["group", "topic"])
-_DURATION = Histogram("outbox_inbox_handler_seconds", "Handler run time per message.",
+_DURATION = Histogram("outbox_inbox_handler_seconds",
+                      "Handler run time per call (a batch handler's call covers its batch).",
                       ["group", "topic"],
                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
 _COMMIT_LAG = Gauge("outbox_inbox_commit_lag",
