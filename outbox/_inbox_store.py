@@ -16,43 +16,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    DateTime,
-    Integer,
-    Row,
-    Table,
-    Text,
-    Uuid,
-    and_,
-    bindparam,
-    delete,
-    false,
-    func,
-    literal,
-    select,
-    true,
-    tuple_,
-    update,
-)
+from sqlalchemy import Row, Table, and_, bindparam, delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ._envelope import Message, utcnow
+from ._inbox_bulk import PostgresBulk
 from ._inbox_delivery import Delivery
-from ._pg_arrays import array_params, rows_of
 from ._tables import PROCESSED, OutboxTables
 
 KeyId = tuple[str, str]
 
 GAP, FAILED, KEY_PARKED = "gap", "failed", "key_parked"
-
-# Per-batch statements on PostgreSQL take one array per column (see _pg_arrays).
-_KEYS = {"topic": Text(), "key": Text()}
-_SEQS = {**_KEYS, "seq": BigInteger()}
-_CLAIMS = {"message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
-           "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True)}
-
 
 @dataclass(slots=True)
 class KeyState:
@@ -66,55 +41,16 @@ class InboxStore:
     def __init__(self, tables: OutboxTables, group: str, dialect: str) -> None:
         self.t = tables
         self.group = group
-        self._postgres = dialect == "postgresql"
-        self._insert = (postgresql if self._postgres else sqlite).insert
-        k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
-        if not self._postgres:
-            self._set_last_seq = (
-                update(k)
-                .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
-                       k.c.key == bindparam("b_key"))
-                .values(last_seq=bindparam("b_seq"))
-            )
-            return
-        # Each per-batch statement walks the batch's rows and probes a unique index
-        # per row (a LATERAL subquery, or an INSERT's conflict check), so its plan
-        # does not depend on table statistics: a join the planner may order either
-        # way scanned every key of the group per batch while the statistics of a
-        # young table said it was empty.
-        keys, seqs, claims = rows_of(_KEYS), rows_of(_SEQS), rows_of(_CLAIMS)
-        locked = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked)
-            .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
-            .with_for_update()
-            .lateral("locked")
+        postgres = dialect == "postgresql"
+        self._insert = (postgresql if postgres else sqlite).insert
+        self._bulk = PostgresBulk(tables, group) if postgres else None
+        k = tables.inbox_keys
+        self._set_last_seq = (
+            update(k)
+            .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
+                   k.c.key == bindparam("b_key"))
+            .values(last_seq=bindparam("b_seq"))
         )
-        self._lock_keys = select(locked).select_from(keys.join(locked, true()))
-        self._create_keys = self._insert(k).from_select(
-            ["consumer_group", "topic", "key", "last_seq", "parked"],
-            select(literal(group), keys.c.topic, keys.c.key, literal(0, BigInteger), false()),
-        ).on_conflict_do_nothing()
-        claimed = ["message_id", "topic", "key", "seq", "kafka_partition", "kafka_offset",
-                   "created_at", "received_at"]
-        self._claim = self._insert(m).from_select(
-            ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
-            select(literal(group), *[claims.c[c] for c in claimed],
-                   bindparam("now", type_=DateTime(timezone=True)), literal(1), literal(PROCESSED)),
-        ).on_conflict_do_nothing().returning(m.c.message_id)
-        # The rows exist and are locked (lock_keys ran first): the upsert only updates.
-        upsert = self._insert(k).from_select(
-            ["consumer_group", "topic", "key", "last_seq", "parked"],
-            select(literal(group), seqs.c.topic, seqs.c.key, seqs.c.seq, false()),
-        )
-        self._set_last_seq = upsert.on_conflict_do_update(
-            index_elements=[k.c.consumer_group, k.c.topic, k.c.key],
-            set_={"last_seq": upsert.excluded.last_seq},
-        )
-        successor = select(h).where(
-            h.c.consumer_group == group, h.c.topic == seqs.c.topic, h.c.key == seqs.c.key,
-            h.c.seq == seqs.c.seq,
-        ).lateral("successor")
-        self._successors = select(successor).select_from(seqs.join(successor, true()))
 
     # -- key state ------------------------------------------------------------
 
@@ -123,8 +59,9 @@ class InboxStore:
         wanted = sorted(set(keys))
         if not wanted:
             return {}
-        if self._postgres:
-            return self._lock_keys_pg(session, wanted)
+        if self._bulk is not None:
+            return {(r.topic, r.key): KeyState(r.last_seq, r.parked)
+                    for r in self._bulk.lock_keys(session, wanted)}
         states = self._select_keys(session, wanted)
         missing = [key for key in wanted if key not in states]
         if missing:
@@ -135,22 +72,6 @@ class InboxStore:
                   "parked": False} for t, key in missing],
             )
             states |= self._select_keys(session, missing)
-        return states
-
-    def _lock_keys_pg(self, session: Session, wanted: list[KeyId]) -> dict[KeyId, KeyState]:
-        """One round trip when every key exists (the steady state), three when some are new.
-
-        Keys are locked in the order given (sorted), so two consumers that
-        briefly share a partition cannot deadlock on them.
-        """
-        params = _key_params(wanted)
-        states = {(r.topic, r.key): KeyState(r.last_seq, r.parked)
-                  for r in session.execute(self._lock_keys, params)}
-        if len(states) < len(wanted):
-            missing = [key for key in wanted if key not in states]
-            session.execute(self._create_keys, _key_params(missing))
-            states |= {(r.topic, r.key): KeyState(r.last_seq, r.parked)
-                       for r in session.execute(self._lock_keys, _key_params(missing))}
         return states
 
     def _select_keys(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
@@ -165,8 +86,8 @@ class InboxStore:
     def set_last_seq(self, session: Session, seqs: dict[KeyId, int]) -> None:
         if not seqs:
             return
-        if self._postgres:
-            session.execute(self._set_last_seq, _seq_params(seqs))
+        if self._bulk is not None:
+            self._bulk.set_last_seq(session, seqs)
             return
         session.execute(self._set_last_seq, [
             {"b_topic": t, "b_key": key, "b_seq": seq} for (t, key), seq in seqs.items()
@@ -196,18 +117,8 @@ class InboxStore:
             return set()
         m = self.t.inbox_messages
         now = utcnow()
-        if self._postgres:
-            messages = [d.message for d in deliveries]
-            params = array_params(_CLAIMS, {
-                "message_id": [msg.message_id for msg in messages],
-                "topic": [msg.topic for msg in messages], "key": [msg.key for msg in messages],
-                "seq": [msg.seq for msg in messages],
-                "kafka_partition": [d.partition for d in deliveries],
-                "kafka_offset": [d.offset for d in deliveries],
-                "created_at": [msg.created_at for msg in messages],
-                "received_at": [d.received_at for d in deliveries],
-            })
-            return set(session.scalars(self._claim, {**params, "now": now}))
+        if self._bulk is not None:
+            return self._bulk.claim(session, deliveries, now)
         rows = [self._done_row(d, now) for d in deliveries]
         stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
@@ -261,9 +172,8 @@ class InboxStore:
         """Held messages that are now next in their key (``seq == last_seq + 1``)."""
         if not next_seqs:
             return []
-        if self._postgres:
-            rows = session.execute(self._successors, _seq_params(next_seqs))
-            return [delivery_from_row(r, from_held=True) for r in rows]
+        if self._bulk is not None:
+            return [delivery_from_row(r, from_held=True) for r in self._bulk.successors(session, next_seqs)]
         h = self.t.inbox_held
         wanted = [(t, key, seq) for (t, key), seq in next_seqs.items()]
         rows = session.execute(select(h).where(
@@ -329,15 +239,6 @@ class InboxStore:
             "created_at": msg.created_at, "kafka_partition": d.partition,
             "kafka_offset": d.offset,
         }
-
-
-def _key_params(keys: Sequence[KeyId]) -> dict[str, Any]:
-    return array_params(_KEYS, {"topic": [t for t, _ in keys], "key": [key for _, key in keys]})
-
-
-def _seq_params(seqs: dict[KeyId, int]) -> dict[str, Any]:
-    return array_params(_SEQS, {"topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
-                                "seq": list(seqs.values())})
 
 
 def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:

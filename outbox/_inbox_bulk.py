@@ -1,0 +1,113 @@
+"""The inbox's per-batch statements on PostgreSQL: a constant text and a stable plan at any batch size.
+
+Each statement takes one array per column (``_pg_arrays``), so its text does
+not change with the batch size: psycopg caches it and prepares it after a few
+runs. Each walks the batch's rows and probes a unique index per row (a
+LATERAL subquery, or an INSERT's conflict check), so its plan does not depend
+on table statistics: the IN-list join it replaces scanned every key of the
+group for every batch while the statistics of a young table said it was
+empty.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Integer, Row, Text, Uuid, bindparam, false, literal, select, true
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from ._inbox_delivery import Delivery
+from ._pg_arrays import array_params, rows_of
+from ._tables import PROCESSED, OutboxTables
+
+_KEYS = {"topic": Text(), "key": Text()}
+_SEQS = {**_KEYS, "seq": BigInteger()}
+_CLAIMS = {"message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
+           "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True)}
+
+
+class PostgresBulk:
+    """Statements for one group, built once; every method runs in the caller's transaction."""
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
+        keys, seqs, claims = rows_of(_KEYS), rows_of(_SEQS), rows_of(_CLAIMS)
+        locked = (
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked)
+            .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
+            .with_for_update()
+            .lateral("locked")
+        )
+        self._lock_keys = select(locked).select_from(keys.join(locked, true()))
+        self._create_keys = insert(k).from_select(
+            ["consumer_group", "topic", "key", "last_seq", "parked"],
+            select(literal(group), keys.c.topic, keys.c.key, literal(0, BigInteger), false()),
+        ).on_conflict_do_nothing()
+        claimed = list(_CLAIMS)
+        self._claim = insert(m).from_select(
+            ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
+            select(literal(group), *[claims.c[c] for c in claimed],
+                   bindparam("now", type_=DateTime(timezone=True)), literal(1), literal(PROCESSED)),
+        ).on_conflict_do_nothing().returning(m.c.message_id)
+        # The rows exist and are locked (lock_keys ran first): the upsert only updates.
+        upsert = insert(k).from_select(
+            ["consumer_group", "topic", "key", "last_seq", "parked"],
+            select(literal(group), seqs.c.topic, seqs.c.key, seqs.c.seq, false()),
+        )
+        self._set_last_seq = upsert.on_conflict_do_update(
+            index_elements=[k.c.consumer_group, k.c.topic, k.c.key],
+            set_={"last_seq": upsert.excluded.last_seq},
+        )
+        successor = select(h).where(
+            h.c.consumer_group == group, h.c.topic == seqs.c.topic, h.c.key == seqs.c.key,
+            h.c.seq == seqs.c.seq,
+        ).lateral("successor")
+        self._successors = select(successor).select_from(seqs.join(successor, true()))
+
+    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
+        """Lock and read ``keys`` (topic, key, last_seq, parked), creating missing ones at seq 0.
+
+        One round trip when every key exists (the steady state), three when
+        some are new. Keys are locked in the order given, so callers that
+        sort them cannot deadlock on each other.
+        """
+        rows = session.execute(self._lock_keys, _key_params(keys)).all()
+        if len(rows) < len(keys):
+            found = {(r.topic, r.key) for r in rows}
+            missing = [key for key in keys if key not in found]
+            session.execute(self._create_keys, _key_params(missing))
+            rows += session.execute(self._lock_keys, _key_params(missing)).all()
+        return rows
+
+    def claim(self, session: Session, deliveries: Sequence[Delivery], now: datetime) -> set[uuid.UUID]:
+        messages = [d.message for d in deliveries]
+        params = array_params(_CLAIMS, {
+            "message_id": [msg.message_id for msg in messages],
+            "topic": [msg.topic for msg in messages], "key": [msg.key for msg in messages],
+            "seq": [msg.seq for msg in messages],
+            "kafka_partition": [d.partition for d in deliveries],
+            "kafka_offset": [d.offset for d in deliveries],
+            "created_at": [msg.created_at for msg in messages],
+            "received_at": [d.received_at for d in deliveries],
+        })
+        return set(session.scalars(self._claim, {**params, "now": now}))
+
+    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int]) -> None:
+        session.execute(self._set_last_seq, _seq_params(seqs))
+
+    def successors(self, session: Session, next_seqs: dict[tuple[str, str], int]) -> list[Row[Any]]:
+        """Held rows whose (topic, key, seq) is in ``next_seqs``."""
+        return session.execute(self._successors, _seq_params(next_seqs)).all()
+
+
+def _key_params(keys: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    return array_params(_KEYS, {"topic": [t for t, _ in keys], "key": [key for _, key in keys]})
+
+
+def _seq_params(seqs: dict[tuple[str, str], int]) -> dict[str, Any]:
+    return array_params(_SEQS, {"topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
+                                "seq": list(seqs.values())})
