@@ -189,6 +189,10 @@ def main() -> None:
         markdown_table(["concurrency", "messages", "msg/s", "vs concurrency 1"], [
             [c, f"{n:,}", f"{r:,.0f}", f"{r / scaling[0][2]:.1f}x"] for c, n, r in scaling
         ]),
+        "Throughput grows far past the 4 partitions. Between 16 and 64 workers it flattens: "
+        "the process is then one busy core (each message's own INSERT through SQLAlchemy, and "
+        "64 threads handing one interpreter lock around), so a handler that waits on I/O "
+        "scales further with more consumer processes in the group than with more threads.",
     ])
     write_section("inbox", body)
 
