@@ -6,6 +6,7 @@ from ._engine import create_async_engine, create_engine
 from ._envelope import Message, new_message_id
 from ._errors import (
     ConfigurationError,
+    InvalidContentTypeError,
     InvalidHeadersError,
     InvalidKeyError,
     InvalidTopicError,
@@ -35,6 +36,7 @@ __all__ = [
     "ForeignRecordError",
     "HandlerSignal",
     "Inbox",
+    "InvalidContentTypeError",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",

@@ -32,6 +32,10 @@ class InvalidHeadersError(MessageValidationError):
     """Headers are not a mapping of str to str, or use a reserved name."""
 
 
+class InvalidContentTypeError(MessageValidationError):
+    """The content type is malformed, or contradicts how the payload is serialised."""
+
+
 class UnserializablePayloadError(MessageValidationError, TypeError):
     """The payload cannot be turned into bytes."""
 

@@ -13,12 +13,23 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from ._envelope import new_message_id, serialize_payload, utcnow
-from ._errors import ConfigurationError, MessageValidationError, PayloadTooLargeError
+from ._envelope import BYTES, TEXT, new_message_id, serialize_payload, utcnow
+from ._errors import (
+    ConfigurationError,
+    InvalidContentTypeError,
+    MessageValidationError,
+    PayloadTooLargeError,
+)
 from ._sharding import shard_for_key
 from ._statements import PublishStatements
 from ._tables import OutboxTables
-from ._validation import normalize_key, validate_headers, validate_identifier, validate_topic
+from ._validation import (
+    normalize_key,
+    validate_content_type,
+    validate_headers,
+    validate_identifier,
+    validate_topic,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,6 +105,7 @@ class Outbox:
         key: str | int | uuid.UUID | None = None,
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
+        content_type: str | None = None,
     ) -> uuid.UUID:
         """Add one event to ``session``'s transaction and return its message id.
 
@@ -102,10 +114,12 @@ class Outbox:
         ``MessageValidationError`` subclass before any SQL runs. Messages with
         the same ``topic`` and ``key`` get seq 1, 2, 3 … in commit order;
         concurrent writers of one key wait for each other's commit.
+        ``content_type`` labels a bytes or str payload (say ``application/avro``);
+        other payloads are always JSON.
         """
         if isinstance(session, AsyncSession):
             raise ConfigurationError("publish() got an AsyncSession; use await publish_async()")
-        params = self._row(topic, payload, key, headers, delay)
+        params = self._row(topic, payload, key, headers, delay, content_type)
         if params["key"] is not None and self._sql.keyed is None:
             params["seq"] = session.execute(self._sql.bump_seq, params).scalar_one()
             session.execute(self._sql.insert_with_seq, params)
@@ -123,9 +137,10 @@ class Outbox:
         key: str | int | uuid.UUID | None = None,
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
+        content_type: str | None = None,
     ) -> uuid.UUID:
         """``publish()`` for an ``AsyncSession``; same guarantees."""
-        params = self._row(topic, payload, key, headers, delay)
+        params = self._row(topic, payload, key, headers, delay, content_type)
         if params["key"] is not None and self._sql.keyed is None:
             result = await session.execute(self._sql.bump_seq, params)
             params["seq"] = result.scalar_one()
@@ -143,11 +158,20 @@ class Outbox:
         key: object,
         headers: Mapping[str, str] | None,
         delay: timedelta | float | None,
+        declared_type: str | None,
     ) -> dict[str, Any]:
         topic = validate_topic(topic)
         text_key = normalize_key(key)
         user_headers = validate_headers(headers)
         body, content_type = serialize_payload(payload)
+        if declared_type is not None:
+            declared_type = validate_content_type(declared_type)
+            if content_type not in (BYTES, TEXT):
+                raise InvalidContentTypeError(
+                    f"content_type={declared_type!r} labels bytes or str payloads; a "
+                    f"{type(payload).__name__} payload is always sent as {content_type}"
+                )
+            content_type = declared_type
         if len(body) > self.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"payload for topic {topic!r} is {len(body)} bytes, "

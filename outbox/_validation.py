@@ -14,6 +14,7 @@ from typing import Any
 
 from ._errors import (
     ConfigurationError,
+    InvalidContentTypeError,
     InvalidHeadersError,
     InvalidKeyError,
     InvalidTopicError,
@@ -24,6 +25,8 @@ _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,40}")
 
 MAX_KEY_LENGTH = 255
+# A MIME type as a header value: visible ASCII, inner spaces allowed ("text/csv; charset=utf-8").
+_CONTENT_TYPE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,98}[\x21-\x7e])?")
 RESERVED_HEADER_PREFIX = "outbox-"
 
 
@@ -54,6 +57,15 @@ def normalize_key(key: object) -> str | None:
             f"key is {len(text)} characters, the maximum is {MAX_KEY_LENGTH}: {text[:40]!r}..."
         )
     return text
+
+
+def validate_content_type(content_type: object) -> str:
+    if not isinstance(content_type, str) or not _CONTENT_TYPE.fullmatch(content_type):
+        raise InvalidContentTypeError(
+            f"content_type must be 1-100 visible ASCII characters, a MIME type such as "
+            f"'application/avro', got {content_type!r}"
+        )
+    return content_type
 
 
 def validate_headers(headers: Mapping[str, Any] | None) -> dict[str, str]:

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from outbox import (
     ConfigurationError,
+    InvalidContentTypeError,
     InvalidHeadersError,
     InvalidKeyError,
     InvalidTopicError,
@@ -41,6 +42,11 @@ CASES = [
     ({"headers": {"trace": 1}}, InvalidHeadersError, "'trace' must be a str"),
     ({"headers": {"outbox-seq": "1"}}, InvalidHeadersError, "reserved"),
     ({"headers": ["a"]}, InvalidHeadersError, "must be a mapping"),
+    ({"payload": b"x", "content_type": ""}, InvalidContentTypeError, "1-100 visible ASCII"),
+    ({"payload": b"x", "content_type": "a\nb"}, InvalidContentTypeError, "1-100 visible ASCII"),
+    ({"payload": b"x", "content_type": 7}, InvalidContentTypeError, "got 7"),
+    ({"payload": {"a": 1}, "content_type": "application/avro"}, InvalidContentTypeError,
+     "a dict payload is always sent as application/json"),
     ({"delay": -1}, MessageValidationError, "must not be negative"),
     ({"delay": "soon"}, MessageValidationError, "timedelta or seconds"),
 ]
@@ -105,3 +111,17 @@ def test_accepted_key_types_and_max_size(outbox, engine):
         ]
 
     assert len(write()) == 3
+
+
+def test_content_type_labels_bytes_and_str_payloads(engine, outbox):
+    @outbox.transactional
+    def write(*, session) -> None:
+        outbox.publish(session, "orders", b"\x00avro", key="k", content_type="application/avro")
+        outbox.publish(session, "orders", "id,amount\n1,5\n", content_type="text/csv; charset=utf-8")
+        outbox.publish(session, "orders", b"raw")
+
+    write()
+    m = outbox.tables.messages
+    with engine.connect() as conn:
+        types = conn.scalars(sa.select(m.c.content_type).order_by(m.c.id)).all()
+    assert types == ["application/avro", "text/csv; charset=utf-8", "application/octet-stream"]

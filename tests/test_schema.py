@@ -91,7 +91,8 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 
 PUBLIC_API = [
     "Alert", "AlertSink", "BatchResult", "ConfigurationError", "Disposition", "ForeignRecordError",
-    "HandlerSignal", "Inbox", "InvalidHeadersError", "InvalidKeyError", "InvalidTopicError",
+    "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidHeadersError", "InvalidKeyError",
+    "InvalidTopicError",
     "LoggingAlertSink", "Message", "MessageValidationError", "NotParkedError", "Outbox",
     "OutboxError", "OutboxTables", "ParkMessage", "ParkedMessage", "PayloadTooLargeError",
     "Relay", "RelayMetrics", "ReplayResult", "RetriableTransportError",

@@ -21,7 +21,6 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy.orm import Session
 
-from .._envelope import BYTES
 from .._errors import ConfigurationError
 from .._outbox import Outbox
 from .._validation import normalize_key, validate_topic
@@ -115,20 +114,11 @@ def replay(
 
 
 def _publish(outbox: Outbox, engine: sa.Engine, topic: str, rows: list[Any], result: ReplayResult) -> None:
-    """One transaction: publish each row, then restore content types ``publish`` cannot take."""
-    messages = outbox.tables.messages
+    """One transaction: publish each row again, under its original content type."""
     with Session(engine) as session, session.begin():
-        retyped = []
         for row in rows:
             headers = json.loads(row.headers) | {REPLAY_HEADER: row.message_id}
-            new_id = outbox.publish(session, topic, bytes(row.payload), key=row.key, headers=headers)
-            if row.content_type != BYTES:
-                retyped.append({"new_id": new_id, "content_type": row.content_type})
+            outbox.publish(session, topic, bytes(row.payload), key=row.key, headers=headers,
+                           content_type=row.content_type)
             result.per_key[row.key] += 1
-        if retyped:  # same transaction: the relay never sees the interim content type
-            session.connection().execute(
-                sa.update(messages).where(messages.c.message_id == sa.bindparam("new_id"))
-                .values(content_type=sa.bindparam("content_type")),
-                retyped,
-            )
     result.replayed += len(rows)
