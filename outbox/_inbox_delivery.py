@@ -77,7 +77,10 @@ def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None
 
 
 def _text_key(record: Record) -> str | None:
-    return record.key.decode("utf-8", "replace")[:255] if record.key is not None else None
+    """The key of a record we park unread, made storable: UTF-8, no NUL, at most 255 characters."""
+    if record.key is None:
+        return None
+    return record.key.decode("utf-8", "replace").replace("\x00", "\ufffd")[:255] or None
 
 
 def _foreign_message(record: Record, *, key: str | None) -> Message:

@@ -52,6 +52,8 @@ def normalize_key(key: object) -> str | None:
     text = str(key)
     if not text:
         raise InvalidKeyError("key must not be empty; pass key=None for unkeyed messages")
+    if "\x00" in text:
+        raise InvalidKeyError(f"key must not contain NUL characters: {text[:40]!r}")
     if len(text) > MAX_KEY_LENGTH:
         raise InvalidKeyError(
             f"key is {len(text)} characters, the maximum is {MAX_KEY_LENGTH}: {text[:40]!r}..."

@@ -16,6 +16,7 @@ from transports import Record
 
 from ._envelope import Message
 from ._errors import OutboxError
+from ._validation import MAX_KEY_LENGTH, validate_content_type
 
 MESSAGE_ID = "outbox-message-id"
 SEQ = "outbox-seq"
@@ -23,6 +24,7 @@ CONTENT_TYPE = "content-type"
 CREATED_AT = "outbox-created-at"
 AVAILABLE_AT = "outbox-available-at"
 ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT})
+MAX_SEQ = 2**63 - 1  # a BIGINT column
 
 
 class ForeignRecordError(OutboxError, ValueError):
@@ -75,19 +77,45 @@ def record_to_message(record: Record) -> Message:
             (envelope if name in ENVELOPE_HEADERS else user)[name] = value
         if MESSAGE_ID not in envelope:
             raise ForeignRecordError(f"record has no {MESSAGE_ID!r} header: not an outbox message")
-        created_at = datetime.fromisoformat(envelope[CREATED_AT])
+        created_at = _instant(envelope[CREATED_AT])
         return Message.model_construct(
             message_id=uuid.UUID(envelope[MESSAGE_ID]),
             topic=record.topic,
-            key=record.key.decode() if record.key is not None else None,
-            seq=int(envelope[SEQ]) if SEQ in envelope else None,
+            key=_key(record.key),
+            seq=_seq(envelope[SEQ]) if SEQ in envelope else None,
             payload=record.value if record.value is not None else b"",
-            content_type=envelope.get(CONTENT_TYPE, "application/octet-stream"),
+            content_type=validate_content_type(envelope.get(CONTENT_TYPE, "application/octet-stream")),
             headers=user,
             created_at=created_at,
-            available_at=datetime.fromisoformat(envelope.get(AVAILABLE_AT) or envelope[CREATED_AT]),
+            available_at=_instant(envelope[AVAILABLE_AT]) if AVAILABLE_AT in envelope else created_at,
         )
     except ForeignRecordError:
         raise
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise ForeignRecordError(f"record has a broken outbox envelope: {exc!r}") from exc
+
+
+# What publish() could never have written is a broken envelope, caught here: stored
+# as it is, it would fail the inbox's own INSERT on every redelivery.
+
+def _key(raw: bytes | None) -> str | None:
+    if raw is None:
+        return None
+    key = raw.decode()
+    if not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
+        raise ValueError(f"key must be 1-{MAX_KEY_LENGTH} characters without NUL, got {key[:40]!r}")
+    return key
+
+
+def _seq(text: str) -> int:
+    seq = int(text)
+    if not 1 <= seq <= MAX_SEQ:
+        raise ValueError(f"seq {seq} is outside 1..{MAX_SEQ}")
+    return seq
+
+
+def _instant(text: str) -> datetime:
+    value = datetime.fromisoformat(text)
+    if value.tzinfo is None:
+        raise ValueError(f"timestamp {text!r} has no UTC offset")
+    return value

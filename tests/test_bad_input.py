@@ -35,6 +35,7 @@ CASES = [
     ({"key": True}, InvalidKeyError, "got bool"),
     ({"key": ""}, InvalidKeyError, "must not be empty"),
     ({"key": "k" * 256}, InvalidKeyError, "256 characters"),
+    ({"key": "a\x00b"}, InvalidKeyError, "NUL"),
     ({"payload": object()}, UnserializablePayloadError, "got object"),
     ({"payload": {"when": object()}}, UnserializablePayloadError, "not JSON-serialisable"),
     ({"payload": None}, UnserializablePayloadError, "got NoneType"),

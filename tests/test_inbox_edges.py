@@ -60,6 +60,37 @@ def test_a_broken_envelope_parks_as_foreign(inbox: Inbox) -> None:
     assert "broken outbox envelope" in inbox.parked()[0].error
 
 
+def with_header(r: Record, name: str, value: bytes) -> Record:
+    r.headers = [(n, value if n == name else v) for n, v in r.headers]
+    return r
+
+
+def with_key(r: Record, key: bytes) -> Record:
+    r.key = key
+    return r
+
+
+# Values publish() refuses; stored as they are they would fail the inbox's own INSERT
+# on PostgreSQL on every redelivery, so they must park as foreign instead.
+UNSTORABLE = {
+    "key with NUL": with_key(record(TOPIC, "a", 1), b"bad\x00key"),
+    "key over 255": with_key(record(TOPIC, "a", 1), b"k" * 300),
+    "seq zero": with_header(record(TOPIC, "a", 1), "outbox-seq", b"0"),
+    "seq over bigint": with_header(record(TOPIC, "a", 1), "outbox-seq", str(2**63).encode()),
+    "content type over 100": with_header(record(TOPIC, "a", 1), "content-type", b"x/" + b"y" * 120),
+    "content type with NUL": with_header(record(TOPIC, "a", 1), "content-type", b"text/plain\x00"),
+    "naive timestamp": with_header(record(TOPIC, "a", 1), "outbox-created-at", b"2026-01-01T00:00:00"),
+}
+
+
+@pytest.mark.parametrize("name", UNSTORABLE)
+def test_an_envelope_with_unstorable_values_parks_as_foreign(inbox: Inbox, name: str) -> None:
+    assert inbox.handle(UNSTORABLE[name]) is Disposition.PARKED
+    [parked] = inbox.parked()
+    assert parked.reason == "foreign" and "broken outbox envelope" in (parked.error or "")
+    assert inbox.handle(record(TOPIC, "b", 1)) is Disposition.APPLIED  # the consumer goes on
+
+
 def test_bad_json_parks_the_message_and_its_key(inbox: Inbox, engine: sa.Engine) -> None:
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     assert inbox.handle(record(TOPIC, "a", 2, payload=b"{not json")) is Disposition.PARKED
