@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import datetime
 
 import tenacity
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from ._alerts import Alert, AlertSink, deliver
 from ._envelope import utcnow
@@ -36,6 +37,16 @@ log = logging.getLogger("outbox.inbox")
 
 class Abandoned(Exception):
     """Work given up because the inbox stops or lost the partition; it was not committed."""
+
+
+def is_outage(error: DBAPIError) -> bool:
+    """The database could not be reached or could not serve the transaction now (retry it as is).
+
+    Lost connections, deadlocks, serialization failures, lock timeouts and a
+    full disk are OperationalErrors in psycopg and SQLite; integrity, data and
+    programming errors are not, and retrying them unchanged never succeeds.
+    """
+    return error.connection_invalidated or isinstance(error, OperationalError | InterfaceError)
 
 
 class Retrier:
@@ -73,18 +84,38 @@ class Retrier:
         return done
 
     def _until_database_answers(self, deliveries: list[Delivery]) -> Batch:
-        """Infrastructure errors (database down) are not the message's fault: never count them."""
+        """Infrastructure errors (database down) are not the message's fault: never count them.
+
+        Any other database error outside the handler's call (a deferred
+        constraint the handler's writes broke, failing at COMMIT) belongs to
+        one message of the batch: the batch is split until it is found, and
+        that message fails like a handler that raised.
+        """
         outage = 0
         while True:
             try:
                 batch = self.applier.apply(deliveries)
             except DBAPIError as exc:
+                if not is_outage(exc):
+                    return self._rejected(deliveries, exc)
                 outage += 1
                 log.warning("inbox transaction failed (%s); retrying the batch", exc.__class__.__name__)
                 self._sleep(min(0.2 * 2 ** min(outage, 5), 5.0), deliveries)
                 continue
             self.raise_alerts(batch.alerts)
             return batch
+
+    def _rejected(self, deliveries: list[Delivery], error: DBAPIError) -> Batch:
+        if len(deliveries) == 1:
+            log.warning("inbox transaction of %s/%s seq %s rejected: %s", deliveries[0].message.topic,
+                        deliveries[0].message.key, deliveries[0].message.seq, error.orig)
+            return Batch(failed=[Failure(deliveries[0], error, traceback.format_exc())])
+        batch = Batch()
+        for d in deliveries:
+            alone = self._until_database_answers([d])
+            batch.done.extend(alone.done)
+            batch.failed.extend(alone.failed)
+        return batch
 
     def _retry(self, failure: Failure) -> list[tuple[Delivery, Disposition]]:
         d, error, trace = failure.delivery, failure.error, failure.traceback

@@ -13,6 +13,7 @@ from outbox import (
     ParkMessage,
     RetryLater,
     SkipMessage,
+    create_engine,
 )
 from outbox._inbox_apply import TopicHandler
 from outbox._inbox_delivery import decode
@@ -283,3 +284,31 @@ def test_bad_binds_and_handlers_are_rejected(sqlite_db: str) -> None:
         box.handler(TOPIC)(lambda session, message: None)
     with pytest.raises(ValueError, match="topic"):
         box.handler("no spaces allowed")
+
+
+@pytest.mark.postgres
+def test_a_commit_rejected_for_one_message_fails_only_that_message(postgres_db: str) -> None:
+    """A deferred constraint broken by one handler fails the whole batch at COMMIT, not in the
+    handler: the batch is split to find that message, which retries and parks; the others commit."""
+    engine = create_engine(postgres_db)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE codes (code text UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+            conn.exec_driver_sql("INSERT INTO codes VALUES ('taken')")
+        box = Inbox(engine, group="g", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+        box.create_tables()
+
+        @box.batch_handler(TOPIC)
+        def handle(session, messages):  # type: ignore[no-untyped-def]
+            session.execute(sa.text("INSERT INTO codes VALUES (:code)"),
+                            [{"code": "taken" if m.key == "bad" else m.key} for m in messages])
+
+        done = {d.message.key: disposition for d, disposition in
+                box.retrier.settle(deliveries("a", "bad", "c"))}
+        assert done == {"a": Disposition.APPLIED, "bad": Disposition.PARKED, "c": Disposition.APPLIED}
+        [parked] = box.parked(TOPIC, "bad")
+        assert parked.attempts == 3 and "UniqueViolation" in (parked.error or "")
+        with engine.connect() as conn:
+            assert sorted(conn.scalars(sa.text("SELECT code FROM codes"))) == ["a", "c", "taken"]
+    finally:
+        engine.dispose()
