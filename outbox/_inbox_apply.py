@@ -5,10 +5,10 @@ when one handler fails, the batch is redone with each message in its own
 SAVEPOINT, so the failure rolls back only its own writes and the others
 commit. A batch handler gets all of a batch's messages of its topic in one
 call; when that call fails, the redo calls it once per message, each in its
-SAVEPOINT, to find the message that fails. The dedup rows, the key's new ``last_seq`` and the handler's writes
-commit together: that is what makes effects inside the inbox database happen
-once. A held message that becomes next is applied
-in the same transaction, right after its predecessor.
+SAVEPOINT, to find the message that fails. The dedup rows, the key's new
+``last_seq`` and the handler's writes commit together: that is what makes
+effects inside the inbox database happen once. A held message that becomes
+next is applied in the same transaction, right after its predecessor.
 
 Failures are not retried here: they come back in ``Batch.failed`` and the
 caller retries them one at a time (``_inbox_retry``), so a poison message
@@ -34,8 +34,6 @@ from ._inbox_metrics import InboxMetrics
 from ._inbox_signals import Disposition, ParkMessage, SkipMessage
 from ._inbox_store import KEY_PARKED, InboxStore, KeyId, KeyState
 
-Handler = Callable[[Session, Message], Any]
-BatchHandler = Callable[[Session, list[Message]], Any]
 SKIPPED = "skipped"
 
 
