@@ -21,11 +21,9 @@ from ._inbox import Inbox
 from ._inbox_admin import NotParkedError, ParkedMessage, ReplayResult
 from ._inbox_signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 from ._outbox import Outbox
-from ._relay import Relay
-from ._relay_batch import BatchResult
-from ._relay_metrics import RelayMetrics, relay_metrics
 from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
+from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 
 __all__ = [
     "Alert",

@@ -1,5 +1,8 @@
 """The error hierarchy: one root, and each error also a builtin it resembles.
 
+The root and the errors a transport raises are defined in ``transports._errors``
+(the lowest layer that raises them) and re-exported here.
+
 Callers can catch ``OutboxError`` for everything this library raises, or the
 builtin (``ValueError``, ``TypeError``, ``ConnectionError``) when they already
 handle that family.
@@ -7,21 +10,28 @@ handle that family.
 
 from __future__ import annotations
 
+from transports._errors import (
+    ConfigurationError,
+    InvalidTopicError,
+    MessageValidationError,
+    OutboxError,
+    RetriableTransportError,
+    TransportError,
+)
 
-class OutboxError(Exception):
-    """Root of every error this library raises."""
-
-
-class ConfigurationError(OutboxError, ValueError):
-    """A setting is invalid; raised when the object is built, not on first use."""
-
-
-class MessageValidationError(OutboxError, ValueError):
-    """A message handed to ``publish()`` is invalid; nothing was written."""
-
-
-class InvalidTopicError(MessageValidationError):
-    """The topic name breaks Kafka's naming rules."""
+__all__ = [
+    "ConfigurationError",
+    "InvalidContentTypeError",
+    "InvalidHeadersError",
+    "InvalidKeyError",
+    "InvalidTopicError",
+    "MessageValidationError",
+    "OutboxError",
+    "PayloadTooLargeError",
+    "RetriableTransportError",
+    "TransportError",
+    "UnserializablePayloadError",
+]
 
 
 class InvalidKeyError(MessageValidationError):
@@ -42,15 +52,3 @@ class UnserializablePayloadError(MessageValidationError, TypeError):
 
 class PayloadTooLargeError(MessageValidationError):
     """The serialised payload exceeds the configured maximum."""
-
-
-class TransportError(OutboxError, ConnectionError):
-    """The broker edge failed; raised only by transports."""
-
-
-class RetriableTransportError(TransportError):
-    """A broker operation that may succeed if tried again (broker down, timeout).
-
-    Sends never raise: their permanent failures come back as ``Outcome.FAILED``.
-    """
-

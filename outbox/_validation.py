@@ -12,16 +12,16 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+# Topic names are checked where transports check them too (the lowest layer).
+from transports._errors import validate_topic as validate_topic
+
 from ._errors import (
     ConfigurationError,
     InvalidContentTypeError,
     InvalidHeadersError,
     InvalidKeyError,
-    InvalidTopicError,
 )
 
-# Kafka's own rule (kafka.common.internals.Topic): legal characters, 249 at most.
-_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,40}")
 
 MAX_KEY_LENGTH = 255
@@ -29,16 +29,6 @@ MAX_KEY_LENGTH = 255
 _CONTENT_TYPE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,98}[\x21-\x7e])?")
 RESERVED_HEADER_PREFIX = "outbox-"
 
-
-def validate_topic(topic: object) -> str:
-    if not isinstance(topic, str):
-        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}: {topic!r}")
-    if not _TOPIC.fullmatch(topic) or topic in {".", ".."}:
-        raise InvalidTopicError(
-            f"invalid topic {topic!r}: Kafka topics are 1-249 characters of "
-            "letters, digits, '.', '_' and '-', and not '.' or '..'"
-        )
-    return topic
 
 
 def normalize_key(key: object) -> str | None:

@@ -11,8 +11,8 @@ from _relay_helpers import ScriptedTransport, publish, rows
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine
-from outbox._leases import fair_share
-from outbox._relay_metrics import relay_metrics
+from outbox.relay._leases import fair_share
+from outbox.relay._metrics import relay_metrics
 from outbox.testing import free_port
 
 

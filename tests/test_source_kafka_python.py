@@ -10,7 +10,7 @@ from outbox import ConfigurationError, Inbox
 from tests.inbox_support import AlertLog, applied, apply_effect, business, record
 from tests.test_inbox_kafka import committed, produce, wait_for
 from transports import Source
-from transports.kafka_python_source import KafkaPythonSource
+from transports.kafka_python import KafkaPythonSource
 
 FAST = {"fetch_max_wait_ms": 10, "session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
 

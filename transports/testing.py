@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Sequence
 
-from outbox._sharding import partition_for_key
+from transports._partitioner import partition_for_key
 
 from ._protocol import Outcome, Record, SendResult, Transport
 from ._waves import NOT_SENT

@@ -12,7 +12,7 @@ from .._alerts import LoggingAlertSink, WebhookAlertSink
 from .._engine import create_engine
 from .._errors import ConfigurationError
 from .._outbox import DEFAULT_SHARDS, Outbox
-from .._relay_admin import backlog, failed_rows, retry_failed, skip_failed
+from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from . import app
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
@@ -48,8 +48,7 @@ def relay(
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
 
-    from .._relay import Relay
-    from .._relay_metrics import relay_metrics
+    from ..relay import Relay, relay_metrics
 
     configure_logging(log_level)
     try:

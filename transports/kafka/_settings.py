@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from outbox import ConfigurationError
+from transports._errors import ConfigurationError
 
 # kafka-python-ng keyword -> librdkafka property
 KAFKA_PYTHON_NAMES: dict[str, str] = {

@@ -15,8 +15,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from outbox import ConfigurationError, RetriableTransportError, TransportError
-from outbox._validation import validate_topic
+from transports._errors import ConfigurationError, RetriableTransportError, TransportError, validate_topic
 from transports._protocol import Record, RevokeCallback
 
 from ._settings import check_with_librdkafka, librdkafka_config, redacted

@@ -24,8 +24,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outbox import ConfigurationError
-from outbox._sharding import partition_for_key
+from transports._errors import ConfigurationError
+from transports._partitioner import partition_for_key
 
 from .._protocol import Outcome, Record, SendResult
 from .._waves import publish_in_waves

@@ -18,18 +18,12 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-try:
-    import kafka.errors as kafka_errors
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        'transports.kafka_python needs kafka-python-ng: pip install "transactional-outbox[kafka-python]"'
-    ) from exc
+import kafka.errors as kafka_errors
 
-from outbox import ConfigurationError
-from outbox._sharding import partition_for_key
-
-from ._protocol import Outcome, Record, SendResult
-from ._waves import NO_REPORT, publish_in_waves
+from .._errors import ConfigurationError
+from .._partitioner import partition_for_key
+from .._protocol import Outcome, Record, SendResult
+from .._waves import NO_REPORT, publish_in_waves
 
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.MessageSizeTooLargeError,

@@ -13,18 +13,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-try:
-    from kafka import ConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition
-    from kafka.errors import CommitFailedError, KafkaError
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        'transports.kafka_python_source needs kafka-python-ng: '
-        'pip install "transactional-outbox[kafka-python]"'
-    ) from exc
+from kafka import ConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition
+from kafka.errors import CommitFailedError, KafkaError
 
-from outbox import ConfigurationError, TransportError
-from outbox._validation import validate_topic
-from transports._protocol import Record, RevokeCallback
+from .._errors import ConfigurationError, TransportError, validate_topic
+from .._protocol import Record, RevokeCallback
 
 log = logging.getLogger("transports.kafka_python")
 

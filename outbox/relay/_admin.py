@@ -16,10 +16,10 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select, update
 
-from ._envelope import utcnow
-from ._errors import ConfigurationError
-from ._outbox import Outbox
-from ._tables import FAILED, PENDING, SKIPPED
+from .._envelope import utcnow
+from .._errors import ConfigurationError
+from .._outbox import Outbox
+from .._tables import FAILED, PENDING, SKIPPED
 
 
 def _engine(outbox: Outbox) -> Engine:

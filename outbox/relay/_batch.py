@@ -36,13 +36,13 @@ from sqlalchemy import Connection, Engine
 
 from transports import Outcome, SendResult, Transport
 
-from ._alerts import Alert, AlertSink, deliver
-from ._envelope import utcnow
-from ._pg_arrays import int_array
-from ._relay_metrics import RelayMetrics
-from ._relay_sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
-from ._wheel import TimingWheel
-from ._wire import to_record
+from .._alerts import Alert, AlertSink, deliver
+from .._envelope import utcnow
+from .._pg_arrays import int_array
+from .._wheel import TimingWheel
+from .._wire import to_record
+from ._metrics import RelayMetrics
+from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 log = logging.getLogger("outbox.relay")
 

@@ -23,8 +23,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ._envelope import utcnow
-from ._tables import OutboxTables
+from .._envelope import utcnow
+from .._tables import OutboxTables
 
 log = logging.getLogger("outbox.relay.leases")
 

@@ -35,8 +35,8 @@ from sqlalchemy import (
     update,
 )
 
-from ._pg_arrays import array_params, rows_of
-from ._tables import FAILED, PENDING, PUBLISHED, OutboxTables
+from .._pg_arrays import array_params, rows_of
+from .._tables import FAILED, PENDING, PUBLISHED, OutboxTables
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",

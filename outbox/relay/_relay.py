@@ -26,17 +26,17 @@ from sqlalchemy import Engine
 
 from transports import Transport
 
-from ._alerts import Alert, AlertSink, LoggingAlertSink
-from ._envelope import utcnow
-from ._errors import ConfigurationError
+from .._alerts import Alert, AlertSink, LoggingAlertSink
+from .._envelope import utcnow
+from .._errors import ConfigurationError
+from .._outbox import Outbox
+from .._wheel import TimingWheel
+from ._admin import backlog
+from ._batch import Batch, BatchResult
 from ._leases import Leases, renew_interval
-from ._outbox import Outbox
-from ._relay_admin import backlog
-from ._relay_batch import Batch, BatchResult
-from ._relay_metrics import RelayMetrics, relay_metrics
-from ._relay_sql import RelayStatements
-from ._relay_wakeup import Wakeup
-from ._wheel import TimingWheel
+from ._metrics import RelayMetrics, relay_metrics
+from ._sql import RelayStatements
+from ._wakeup import Wakeup
 
 log = logging.getLogger("outbox.relay")
 

@@ -1,0 +1,24 @@
+"""The relay: publishes committed outbox rows to a ``Transport`` in per-key order.
+
+Private modules behind the names ``outbox`` exports: ``_relay`` (the worker
+loop, signals, leases' life cycle), ``_batch`` (one fetch → send → mark cycle),
+``_sql`` (every relay statement), ``_leases`` (shard ownership with fencing),
+``_wakeup`` (LISTEN/poll), ``_metrics`` and ``_admin`` (the `failed`/`stats`
+commands' queries).
+"""
+
+from ._admin import backlog, failed_rows, retry_failed, skip_failed
+from ._batch import BatchResult
+from ._metrics import RelayMetrics, relay_metrics
+from ._relay import Relay
+
+__all__ = [
+    "BatchResult",
+    "Relay",
+    "RelayMetrics",
+    "backlog",
+    "failed_rows",
+    "relay_metrics",
+    "retry_failed",
+    "skip_failed",
+]

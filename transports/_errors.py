@@ -1,0 +1,53 @@
+"""Errors raised at the broker edge, and the root they share with the framework.
+
+They live at the lowest layer that raises them, so a transport needs nothing
+from ``outbox``; ``outbox`` re-exports every one (``outbox.TransportError`` is
+this class), so callers catch them by the framework's names.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class OutboxError(Exception):
+    """Root of every error this library raises."""
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """A setting is invalid; raised when the object is built, not on first use."""
+
+
+class MessageValidationError(OutboxError, ValueError):
+    """A message handed to ``publish()`` is invalid; nothing was written."""
+
+
+class InvalidTopicError(MessageValidationError):
+    """The topic name breaks Kafka's naming rules."""
+
+
+class TransportError(OutboxError, ConnectionError):
+    """The broker edge failed; raised only by transports."""
+
+
+class RetriableTransportError(TransportError):
+    """A broker operation that may succeed if tried again (broker down, timeout).
+
+    Sends never raise: their permanent failures come back as ``Outcome.FAILED``.
+    """
+
+
+# Kafka's own rule (kafka.common.internals.Topic): legal characters, 249 at most.
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def validate_topic(topic: object) -> str:
+    """Return ``topic`` if Kafka accepts it as a topic name, else raise ``InvalidTopicError``."""
+    if not isinstance(topic, str):
+        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}: {topic!r}")
+    if not _TOPIC.fullmatch(topic) or topic in {".", ".."}:
+        raise InvalidTopicError(
+            f"invalid topic {topic!r}: Kafka topics are 1-249 characters of "
+            "letters, digits, '.', '_' and '-', and not '.' or '..'"
+        )
+    return topic
