@@ -75,12 +75,19 @@ class RelayStatements:
             or_(prior.c.status == FAILED,
                 and_(prior.c.status == PENDING, prior.c.available_at > now)),
         )
+        # Due: asked for no delay and never pushed back (both timestamps were written by
+        # one host in one statement, so no clock is compared with another), or the time
+        # has come. A row that is not due therefore has available_at > created_at and is
+        # in ix_outbox_key_waits, where key_waits finds it: whatever the clocks of
+        # publishers and relays, a row is fetched only together with (or after) every
+        # earlier unpublished row of its key. See "Clocks" in docs/relay.md.
+        due = or_(m.c.available_at <= m.c.created_at, m.c.available_at <= now)
         # Headers come as JSON text and are decoded only when not empty (most are):
         # decoding "{}" 5,000 times a batch is measurable.
         columns = [cast(m.c.headers, Text).label("headers") if name == "headers" else m.c[name]
                    for name in ROW_COLUMNS]
         self._due = select(*columns).where(
-            m.c.status == PENDING, m.c.available_at <= now, or_(m.c.key.is_(None), ~key_waits),
+            m.c.status == PENDING, due, or_(m.c.key.is_(None), ~key_waits),
         )
         self._fetch_by_shards: dict[tuple[int, ...], Select[Any]] = {}
 
