@@ -2,6 +2,8 @@
 
 Wave 1 holds the first record of every key and every unkeyed record; wave n
 holds the n-th record of each key whose records 1..n-1 were all delivered. A
+key is a (topic, key bytes) pair: the same key bytes on two topics are two
+independent streams, and one topic's failure never holds the other back. A
 record is thus never written while an earlier record of its key is
 unacknowledged, whatever the broker or client retries do, and a failed record
 can never be overtaken by its successor. Keys rarely repeat inside one batch,
@@ -24,12 +26,12 @@ SendWave = Callable[[list[int], list[SendResult | None]], None]
 def waves(records: Sequence[Record]) -> list[list[int]]:
     """Record indexes grouped so wave n holds the n-th record of each key."""
     grouped: list[list[int]] = [[]]
-    seen: dict[bytes, int] = {}
+    seen: dict[tuple[str, bytes], int] = {}
     for i, record in enumerate(records):
-        key = record.key
-        if key is None:
+        if record.key is None:
             grouped[0].append(i)
             continue
+        key = (record.topic, record.key)
         n = seen.get(key, 0)
         seen[key] = n + 1
         if n == len(grouped):
@@ -41,11 +43,11 @@ def waves(records: Sequence[Record]) -> list[list[int]]:
 def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[SendResult]:
     """Run ``send_wave`` per wave, skipping keys already not delivered; results in input order."""
     results: list[SendResult | None] = [None] * len(records)
-    blocked: set[bytes] = set()
+    blocked: set[tuple[str, bytes | None]] = set()
     for wave in waves(records):
         sendable = []
         for i in wave:
-            if records[i].key in blocked:
+            if (records[i].topic, records[i].key) in blocked:
                 results[i] = SendResult(Outcome.RETRY, error=NOT_SENT)
             else:
                 sendable.append(i)
@@ -54,7 +56,7 @@ def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[Sen
         send_wave(sendable, results)
         for i in sendable:
             result = results[i]
-            key = records[i].key
-            if key is not None and (result is None or result.outcome is not Outcome.DELIVERED):
-                blocked.add(key)
+            record = records[i]
+            if record.key is not None and (result is None or result.outcome is not Outcome.DELIVERED):
+                blocked.add((record.topic, record.key))
     return [r if r is not None else SendResult(Outcome.RETRY, error=NO_REPORT) for r in results]

@@ -9,11 +9,18 @@ transport of this package passes it; a third-party transport should too.
 ``FaultyTransport`` wraps a real transport and fails a share of sends in the two
 ways real brokers do (never sent; sent but the acknowledgement lost), while
 keeping the per-key contract, so relay tests can prove ordering and no loss.
+
+``BrokerProcess`` hosts the embedded broker in a process of its own, so a test
+can freeze it (SIGSTOP: connections stay open, nothing answers) and thaw it.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -100,17 +107,17 @@ class FaultyTransport:
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]:
         results: list[SendResult | None] = [None] * len(records)
-        faulted: set[bytes] = set()
+        faulted: set[tuple[str, bytes]] = set()
         to_send: list[int] = []
         lost_ack: set[int] = set()
         for i, record in enumerate(records):
-            if record.key is not None and record.key in faulted:
+            if record.key is not None and (record.topic, record.key) in faulted:
                 results[i] = SendResult(Outcome.RETRY, error=NOT_SENT)
                 continue
             if self._random.random() < self.rate:
                 self.injected += 1
                 if record.key is not None:
-                    faulted.add(record.key)
+                    faulted.add((record.topic, record.key))
                 if self._random.random() < 0.5:
                     results[i] = SendResult(Outcome.RETRY, error=INJECTED_NOT_SENT)
                     continue
@@ -125,6 +132,66 @@ class FaultyTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         self.inner.close(timeout)
+
+
+_BROKER = """
+import sys
+from transports.kafka import embedded_kafka
+with embedded_kafka(int(sys.argv[1])) as servers:
+    print(servers, flush=True)
+    sys.stdin.read()  # until the parent closes stdin (or goes away)
+"""
+
+
+class BrokerProcess:
+    """The embedded broker (librdkafka's mock cluster) in a child process; a context manager.
+
+    ``bootstrap`` is its address; ``freeze()`` stops the process (SIGSTOP) so
+    the broker neither answers nor closes connections, as a hung or partitioned
+    broker does; ``thaw()`` lets it go on (SIGCONT). Topics and records live as
+    long as the process.
+    """
+
+    def __init__(self, brokers: int = 3) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _BROKER, str(brokers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self._process.stdout is not None
+        self.bootstrap = self._process.stdout.readline().strip()
+        if not self.bootstrap:
+            self.close()
+            raise RuntimeError("the embedded broker process did not start")
+        self.frozen = False
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def freeze(self) -> None:
+        os.kill(self._process.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        os.kill(self._process.pid, signal.SIGCONT)
+        self.frozen = False
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self.thaw()
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    def __enter__(self) -> BrokerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class TransportConformance:
@@ -188,3 +255,18 @@ class TransportConformance:
         assert results[1].error and results[2].error
         written = read_topic(kafka, topic, expected=3)
         assert sorted(r.value for r in written) == [b"0", b"3", b"4"]
+
+    def test_a_key_stopped_on_one_topic_flows_on_another(
+        self, transport: Transport, kafka: str, topic: str
+    ) -> None:
+        """Per-key order is per (topic, key): the same key bytes elsewhere are not held."""
+        if not self.rejects_oversized:
+            return
+        other = f"{topic}-other"
+        records = [*self._records(topic, ["k", "k"]), *self._records(other, ["k", "k"], tag="o")]
+        records[0].value = self.oversized_value
+        results = transport.publish(records)
+        assert [r.outcome for r in results] == [
+            Outcome.FAILED, Outcome.RETRY, Outcome.DELIVERED, Outcome.DELIVERED
+        ]
+        assert [r.value for r in read_topic(kafka, other, expected=2)] == [b"o0", b"o1"]
