@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 from kafka import KafkaProducer
 
-from outbox import ConfigurationError
-from transports import Transport
+from _relay_helpers import publish, rows
+
+from outbox import ConfigurationError, Outbox, Relay, create_engine
+from transports import Outcome, Record, Transport
+from transports._waves import NO_REPORT
 from transports.kafka_python import KafkaPythonTransport
-from transports.testing import TransportConformance
+from transports.testing import BrokerProcess, TransportConformance, read_topic
 
 
 @pytest.mark.kafka
@@ -35,3 +39,63 @@ def test_is_a_transport() -> None:
         def partitions_for(self): ...
 
     assert isinstance(KafkaPythonTransport(Stub()), Transport)
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("acks", [1, 0, None], ids=["acks=1", "acks=0", "default acks"])
+def test_settings_that_can_lose_acknowledged_records_are_refused(kafka: str, acks: int | None) -> None:
+    settings = {} if acks is None else {"acks": acks}  # kafka-python-ng's default is acks=1
+    producer = KafkaProducer(bootstrap_servers=kafka.split(","), **settings)
+    try:
+        with pytest.raises(ConfigurationError, match="acks='all'"):
+            KafkaPythonTransport(producer)
+    finally:
+        producer.close(5)
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("acks", ["all", -1])
+def test_acks_all_is_accepted(kafka: str, acks: str | int) -> None:
+    producer = KafkaProducer(bootstrap_servers=kafka.split(","), acks=acks)
+    KafkaPythonTransport(producer)
+    producer.close(5)
+
+
+@pytest.mark.kafka
+def test_a_flush_timeout_is_a_retry_per_record_not_an_error_of_the_batch(tmp_path, topic: str) -> None:
+    """A broker that stops answering: each unacknowledged record comes back RETRY.
+
+    The relay then backs off and counts the attempt on the row, as for any
+    retriable error; once the broker answers again the same rows go out.
+    """
+    with BrokerProcess() as broker:
+        producer = KafkaProducer(bootstrap_servers=broker.bootstrap.split(","), acks="all",
+                                 max_block_ms=3000)
+        transport = KafkaPythonTransport(producer, delivery_timeout=1.5)
+        warm = transport.publish([Record(topic=topic, value=b"warm", key=b"w")])
+        assert [r.outcome for r in warm] == [Outcome.DELIVERED]  # topic and metadata known
+
+        outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'outbox.db'}"))
+        outbox.create_tables()
+        publish(outbox, topic, ["a", "a", "b"])
+        relay = Relay(outbox, transport)
+        broker.freeze()
+        result = relay.run_once()
+        assert (result.sent, result.published, result.retried) == (3, 0, 2)
+        stored = rows(outbox)
+        assert [(r.status, r.attempts, r.last_error) for r in stored] == [
+            ("pending", 1, NO_REPORT), ("pending", 0, None), ("pending", 1, NO_REPORT)
+        ]
+        assert all(r.available_at > r.created_at for r in (stored[0], stored[2]))  # backed off
+
+        broker.thaw()
+        for _ in range(100):
+            relay.run_once()
+            if not rows(outbox, status="pending"):
+                break
+            time.sleep(0.1)
+        relay.close()
+        assert {r.status for r in rows(outbox)} == {"published"}
+        values = [r.key for r in read_topic(broker.bootstrap, topic, expected=4, timeout=20)]
+        assert values.count(b"a") >= 2 and values.count(b"b") >= 1  # duplicates allowed
+        producer.close(5)

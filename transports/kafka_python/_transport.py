@@ -9,6 +9,21 @@ key. Unlike librdkafka, kafka-python-ng has no idempotent producer, so a broker
 retry inside the client may duplicate a record; duplicates are allowed, and the
 waves keep first occurrences in order.
 
+Settings that could lose an acknowledged record are refused when the transport
+is built: ``acks`` must be ``'all'`` (-1). With ``acks=1`` (kafka-python-ng's
+default) the leader acknowledges before any replica has the record, so a leader
+failure loses records the relay already marked published; with ``acks=0``
+every record is "delivered" the moment it is queued, written or not. Client
+``retries`` with ``max_in_flight_requests_per_connection`` > 1 may reorder
+records of one partition, but never two records of one key here: a key's next
+record is only sent after the previous one was acknowledged (the waves), so
+those settings are left to the producer's owner.
+
+A wave whose acknowledgements do not all arrive within ``delivery_timeout``
+is not an error of the batch: its unacknowledged records come back as
+``RETRY`` (the relay backs off and counts the attempt); records still queued
+in the producer may reach the broker later, as duplicates.
+
 Not safe to call ``publish`` from several threads at once.
 """
 
@@ -35,6 +50,9 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+SAFE_ACKS = frozenset({"all", "-1"})
+
+
 def classify(error: BaseException) -> Outcome:
     """FAILED for errors a resend cannot fix; RETRY for everything else (timeouts, broker down)."""
     return Outcome.FAILED if isinstance(error, PERMANENT_ERRORS) else Outcome.RETRY
@@ -55,6 +73,13 @@ class KafkaPythonTransport:
             )
         if not delivery_timeout > 0:
             raise ConfigurationError(f"delivery_timeout must be positive, got {delivery_timeout!r}")
+        acks = getattr(producer, "config", {}).get("acks", "all")
+        if str(acks) not in SAFE_ACKS:
+            raise ConfigurationError(
+                f"KafkaPythonTransport needs a KafkaProducer with acks='all', got acks={acks!r}: "
+                "with acks=1 a leader failure loses records already acknowledged, and with "
+                "acks=0 a record counts as delivered without being written"
+            )
         self._producer = producer
         self._delivery_timeout = delivery_timeout
 
@@ -68,23 +93,42 @@ class KafkaPythonTransport:
     def _send_wave(
         self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None]
     ) -> None:
-        futures = [(i, self._send(records[i], results, i)) for i in indexes]
-        self._producer.flush(self._delivery_timeout)
-        for i, future in futures:
-            if future is not None:
-                results[i] = _outcome(future)
-
-    def _send(self, record: Record, results: list[SendResult | None], i: int) -> Any:
+        # Per wave, a topic's partition count (or the error looking it up) is asked once:
+        # with the broker down each lookup blocks for max_block_ms.
+        counts: dict[str, int | SendResult] = {}
+        futures = []
+        for i in indexes:
+            record = records[i]
+            try:
+                partition = None
+                if record.key is not None:
+                    count = counts.get(record.topic)
+                    if count is None:
+                        count = counts[record.topic] = self._partition_count(record.topic)
+                    if isinstance(count, SendResult):
+                        results[i] = count
+                        continue
+                    partition = partition_for_key(record.key, count)
+                futures.append((i, self._producer.send(
+                    record.topic, value=record.value, key=record.key,
+                    headers=list(record.headers), partition=partition)))
+            except kafka_errors.KafkaError as exc:
+                results[i] = SendResult(classify(exc), error=repr(exc))
         try:
-            partition = None
-            if record.key is not None:
-                partitions = self._producer.partitions_for(record.topic)
-                partition = partition_for_key(record.key, len(partitions))
-            return self._producer.send(record.topic, value=record.value, key=record.key,
-                                       headers=list(record.headers), partition=partition)
+            self._producer.flush(self._delivery_timeout)
+        except kafka_errors.KafkaTimeoutError:
+            pass  # the records without an acknowledgement come back as RETRY below
+        for i, future in futures:
+            results[i] = _outcome(future)
+
+    def _partition_count(self, topic: str) -> int | SendResult:
+        try:
+            partitions = self._producer.partitions_for(topic)
         except kafka_errors.KafkaError as exc:
-            results[i] = SendResult(classify(exc), error=repr(exc))
-            return None
+            return SendResult(classify(exc), error=repr(exc))
+        if not partitions:
+            return SendResult(Outcome.RETRY, error=f"no partitions known for topic {topic!r}")
+        return len(partitions)
 
     def close(self, timeout: float = 10.0) -> None:
         self._producer.flush(timeout)
