@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
+from datetime import UTC, datetime
 
 import pytest
+import sqlalchemy as sa
 from _relay_helpers import ScriptedTransport, publish, rows
 from prometheus_client import CollectorRegistry
 
@@ -108,3 +110,34 @@ def test_metrics_count_and_serve(outbox: Outbox) -> None:
     metrics.serve(port, registry)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'outbox_relay_published_total{topic="metered"} 4.0' in body
+
+
+def test_a_slow_backlog_query_never_delays_lease_renewal(outbox: Outbox, monkeypatch) -> None:
+    """The backlog gauges' GROUP BY runs on its own thread, not on the lease thread."""
+    import outbox.relay._relay as relay_module
+
+    real_backlog = relay_module.backlog
+    calls = []
+
+    def slow_backlog(ob: Outbox):
+        calls.append(time.monotonic())
+        time.sleep(2.5)  # a GROUP BY over a huge backlog, longer than the TTL
+        return real_backlog(ob)
+
+    monkeypatch.setattr(relay_module, "backlog", slow_backlog)
+    relay = Relay(outbox, ScriptedTransport(), lease_ttl=1.0, backlog_metrics=True, worker_id="w")
+    thread = running(relay)
+    leases = outbox.tables.leases
+    try:
+        time.sleep(0.5)
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            with outbox.engine.connect() as conn:
+                held = list(conn.execute(sa.select(leases.c.owner, leases.c.expires_at)))
+            now = datetime.now(UTC)
+            assert all(owner == "w" and expires > now for owner, expires in held), held
+            time.sleep(0.1)
+    finally:
+        relay.stop()
+        thread.join(15)
+    assert calls, "the backlog gauges were never refreshed"

@@ -112,6 +112,7 @@ class Relay:
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
         self._lease_thread: threading.Thread | None = None
+        self._backlog_thread: threading.Thread | None = None
         self._next_lease_check = 0.0
 
     def __repr__(self) -> str:
@@ -153,6 +154,11 @@ class Relay:
         self._lease_thread = threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
                                               daemon=True)
         self._lease_thread.start()
+        if self.backlog_metrics:
+            # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
+            self._backlog_thread = threading.Thread(target=self._backlog_loop,
+                                                    name="outbox-relay-backlog", daemon=True)
+            self._backlog_thread.start()
         if self.outbox.notify_channel:
             self._wakeup.listen(self.engine, self.outbox.notify_channel)
         log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
@@ -161,9 +167,10 @@ class Relay:
         finally:
             self._stopping.set()
             self._wakeup.close()
-            if self._lease_thread is not None:
-                self._lease_thread.join(10)
-                self._lease_thread = None
+            for thread in (self._lease_thread, self._backlog_thread):
+                if thread is not None:
+                    thread.join(10)
+            self._lease_thread = self._backlog_thread = None
             restore()
             try:
                 self._batch.close()  # the last batch's marks, before its leases go
@@ -206,10 +213,16 @@ class Relay:
                 after = self._maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
-                if self.backlog_metrics:
-                    self.refresh_backlog_metrics()
             except Exception:
                 log.exception("relay %s could not maintain its leases", self.worker_id)
+
+    def _backlog_loop(self) -> None:
+        interval = renew_interval(self.leases.ttl)
+        while not self._stopping.wait(interval):
+            try:
+                self.refresh_backlog_metrics()
+            except Exception:
+                log.exception("relay %s could not refresh the backlog gauges", self.worker_id)
 
     def _maintain_leases(self) -> dict[int, int]:
         owned = self.leases.maintain()
