@@ -8,6 +8,7 @@ SQL (``offset`` and ``group`` are reserved words).
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -32,8 +33,21 @@ from sqlalchemy.engine import Dialect
 
 from ._validation import validate_identifier
 
-PENDING, PUBLISHED, FAILED = "pending", "published", "failed"
-SKIPPED = "skipped"  # a failed row an operator chose not to send (``outbox failed skip``)
+
+class OutboxStatus(StrEnum):
+    """Where an outbox row is; a ``str`` enum, so the stored values are these strings."""
+
+    PENDING = "pending"
+    """Committed, not yet acknowledged by the broker (maybe waiting for a delay or retry)."""
+    PUBLISHED = "published"
+    """Acknowledged by the broker; ``kafka_partition``/``kafka_offset`` say where."""
+    FAILED = "failed"
+    """Can never be sent as it is; blocks its key until an operator retries or skips it."""
+    SKIPPED = "skipped"
+    """A failed row an operator chose not to send (``outbox failed skip``)."""
+
+
+PENDING, PUBLISHED, FAILED, SKIPPED = OutboxStatus  # the names older modules import
 PROCESSED, DISCARDED = "processed", "discarded"
 
 # SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
@@ -111,7 +125,7 @@ class OutboxTables:
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),
             CheckConstraint(
-                f"status IN ('{PENDING}', '{PUBLISHED}', '{FAILED}', '{SKIPPED}')",
+                "status IN ({})".format(", ".join(f"'{status}'" for status in OutboxStatus)),
                 name=f"ck_{p}outbox_status",
             ),
             schema=s,

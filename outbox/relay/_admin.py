@@ -19,7 +19,7 @@ from sqlalchemy import Engine, func, select, update
 from .._envelope import utcnow
 from .._errors import ConfigurationError
 from .._outbox import Outbox
-from .._tables import FAILED, PENDING, SKIPPED
+from .._tables import OutboxStatus
 
 
 def _engine(outbox: Outbox) -> Engine:
@@ -33,7 +33,7 @@ def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000) 
     m = outbox.tables.messages
     query = (select(m.c.id, m.c.message_id, m.c.topic, m.c.key, m.c.seq, m.c.attempts,
                     m.c.last_error, m.c.created_at)
-             .where(m.c.status == FAILED).order_by(m.c.id).limit(limit))
+             .where(m.c.status == OutboxStatus.FAILED).order_by(m.c.id).limit(limit))
     if topic is not None:
         query = query.where(m.c.topic == topic)
     with _engine(outbox).connect() as conn:
@@ -45,7 +45,7 @@ def _change_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None
     if message_ids is not None and not message_ids:
         return 0
     m = outbox.tables.messages
-    stmt = update(m).where(m.c.status == FAILED).values(**values)
+    stmt = update(m).where(m.c.status == OutboxStatus.FAILED).values(**values)
     if message_ids is not None:
         stmt = stmt.where(m.c.message_id.in_([uuid.UUID(str(i)) for i in message_ids]))
     if topic is not None:
@@ -57,7 +57,8 @@ def _change_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None
 def retry_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
                  topic: str | None = None) -> int:
     """Make failed rows pending again, due now; ``None`` ids means every failed row (of ``topic``)."""
-    return _change_failed(outbox, message_ids, topic, {"status": PENDING, "available_at": utcnow()})
+    return _change_failed(outbox, message_ids, topic,
+                          {"status": OutboxStatus.PENDING, "available_at": utcnow()})
 
 
 def skip_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
@@ -65,7 +66,8 @@ def skip_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = 
     """Mark failed rows skipped (never sent), unblocking the later rows of their keys."""
     m = outbox.tables.messages
     note = func.coalesce(m.c.last_error, "") + " [skipped by operator]"
-    return _change_failed(outbox, message_ids, topic, {"status": SKIPPED, "last_error": note})
+    return _change_failed(outbox, message_ids, topic,
+                          {"status": OutboxStatus.SKIPPED, "last_error": note})
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +84,10 @@ def backlog(outbox: Outbox) -> list[BacklogRow]:
     m = outbox.tables.messages
     query = (
         select(m.c.topic, m.c.shard,
-               func.count().filter(m.c.status == PENDING),
-               func.count().filter(m.c.status == FAILED),
-               func.min(m.c.created_at).filter(m.c.status == PENDING))
-        .where(m.c.status.in_([PENDING, FAILED]))
+               func.count().filter(m.c.status == OutboxStatus.PENDING),
+               func.count().filter(m.c.status == OutboxStatus.FAILED),
+               func.min(m.c.created_at).filter(m.c.status == OutboxStatus.PENDING))
+        .where(m.c.status.in_([OutboxStatus.PENDING, OutboxStatus.FAILED]))
         .group_by(m.c.topic, m.c.shard).order_by(m.c.topic, m.c.shard)
     )
     with _engine(outbox).connect() as conn:

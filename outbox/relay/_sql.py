@@ -11,7 +11,7 @@ elsewhere it is one executemany.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -36,7 +36,7 @@ from sqlalchemy import (
 )
 
 from .._pg_arrays import array_params, rows_of
-from .._tables import FAILED, PENDING, PUBLISHED, OutboxTables
+from .._tables import OutboxStatus, OutboxTables
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",
@@ -67,13 +67,13 @@ class RelayStatements:
         # The first two conditions repeat the predicate of ix_outbox_key_waits (only
         # failed, delayed or retried rows), so the probe reads that tiny index.
         key_waits = exists().where(
-            prior.c.status != PUBLISHED,
-            or_(prior.c.status == FAILED, prior.c.available_at > prior.c.created_at),
+            prior.c.status != OutboxStatus.PUBLISHED,
+            or_(prior.c.status == OutboxStatus.FAILED, prior.c.available_at > prior.c.created_at),
             prior.c.topic == m.c.topic,
             prior.c.key == m.c.key,
             prior.c.seq < m.c.seq,
-            or_(prior.c.status == FAILED,
-                and_(prior.c.status == PENDING, prior.c.available_at > now)),
+            or_(prior.c.status == OutboxStatus.FAILED,
+                and_(prior.c.status == OutboxStatus.PENDING, prior.c.available_at > now)),
         )
         # Due: asked for no delay and never pushed back (both timestamps were written by
         # one host in one statement, so no clock is compared with another), or the time
@@ -87,11 +87,11 @@ class RelayStatements:
         columns = [cast(m.c.headers, Text).label("headers") if name == "headers" else m.c[name]
                    for name in ROW_COLUMNS]
         self._due = select(*columns).where(
-            m.c.status == PENDING, due, or_(m.c.key.is_(None), ~key_waits),
+            m.c.status == OutboxStatus.PENDING, due, or_(m.c.key.is_(None), ~key_waits),
         )
         self._fetch_by_shards: dict[tuple[int, ...], Select[Any]] = {}
 
-    def fetch(self, shards: Sequence[int]) -> Select[Any]:
+    def fetch(self, shards: Iterable[int]) -> Select[Any]:
         """Due rows of ``shards`` in id order; params ``now`` and ``limit``.
 
         On PostgreSQL one index range scan per shard on the pending index, merged in
@@ -103,7 +103,7 @@ class RelayStatements:
         found = self._fetch_by_shards.get(key)
         if found is not None:
             return found
-        m, limit = self._m, bindparam("limit")
+        m, limit = self._m, bindparam("limit", type_=Integer())
         if self.postgres:
             # "busy": ids whose outcome is still being written (pipelined batches).
             # NOT IN (SELECT …) becomes a hashed subplan; "<> ALL(array)" compared every
@@ -143,7 +143,8 @@ class RelayStatements:
             )
             stmt = (
                 update(m)
-                .where(m.c.id == rows.c.id, m.c.shard == rows.c.shard, m.c.status == PENDING, fenced)
+                .where(m.c.id == rows.c.id, m.c.shard == rows.c.shard,
+                       m.c.status == OutboxStatus.PENDING, fenced)
                 .values(**set_, **{name: rows.c[name] for name in per_row})
             )
             params = array_params(arrays, {"id": marks.ids, "shard": marks.shards,
@@ -155,21 +156,21 @@ class RelayStatements:
         )
         stmt = (
             update(m)
-            .where(m.c.id == bindparam("b_id"), m.c.status == PENDING, fenced)
+            .where(m.c.id == bindparam("b_id"), m.c.status == OutboxStatus.PENDING, fenced)
             .values(**set_, **{name: bindparam(f"b_{name}") for name in per_row})
         )
-        params = [
+        rows_params = [
             {"b_id": row_id, "b_epoch": epoch,
              **{f"b_{name}": values[i] for name, values in marks.values.items()}}
             for i, (row_id, epoch) in enumerate(zip(marks.ids, marks.epochs, strict=True))
         ]
-        return conn.execute(stmt, params).rowcount
+        return conn.execute(stmt, rows_params).rowcount
 
     def published(self, conn: Connection, owner: str, marks: Marks, now: datetime) -> int:
         m = self._m
         return self.mark(
             conn, owner, marks,
-            {"status": PUBLISHED, "published_at": now, "attempts": m.c.attempts + 1},
+            {"status": OutboxStatus.PUBLISHED, "published_at": now, "attempts": m.c.attempts + 1},
             per_row={"kafka_partition": Integer(), "kafka_offset": BigInteger()},
         )
 
@@ -183,7 +184,7 @@ class RelayStatements:
     def failed(self, conn: Connection, owner: str, marks: Marks) -> int:
         m = self._m
         return self.mark(
-            conn, owner, marks, {"status": FAILED, "attempts": m.c.attempts + 1},
+            conn, owner, marks, {"status": OutboxStatus.FAILED, "attempts": m.c.attempts + 1},
             per_row={"last_error": Text()},
         )
 
