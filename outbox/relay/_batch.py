@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -42,6 +42,7 @@ from .._pg_arrays import int_array
 from .._wheel import TimingWheel
 from .._wire import to_record
 from ._metrics import RelayMetrics
+from ._outage import Dependency, Outages, is_database_outage
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 log = logging.getLogger("outbox.relay")
@@ -64,6 +65,8 @@ class BatchResult:
     """Rows not sent because their key waits in the timing wheel."""
     fenced: int = 0
     """Rows delivered but not marked because this relay lost the shard's lease."""
+    error: str | None = None
+    """The first error of a row to be retried, if any."""
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class _Plan:
     failed: list[tuple[Any, int, str]]
     stopped: set[tuple[str, str]]
     """Keys whose head was retried or failed: they wait until the write commits."""
+    error: str | None
+    """The first retriable error."""
 
 
 class Batch:
@@ -94,8 +99,11 @@ class Batch:
         metrics: RelayMetrics,
         worker_id: str,
         batch_size: int,
+        outages: Outages,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
+        self.outages = outages
+        self._retrying = tenacity.Retrying()  # only to build the state a wait strategy reads
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
         self.worker_id, self.batch_size = worker_id, batch_size
         # Pipelining (PostgreSQL, inside Relay.run): the previous batch's outcomes are
@@ -123,7 +131,7 @@ class Batch:
                 # format and compare several times faster than ZoneInfo('Etc/UTC') ones.
                 conn.exec_driver_sql("SET LOCAL jit = off; SET LOCAL TIME ZONE 'UTC'")
             params = {"now": utcnow(), "limit": self.batch_size, "busy": int_array(self._busy)}
-            rows = conn.execute(self.sql.fetch(owned), params).all()
+            rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
             conn.rollback()
         if not rows:
             self.finish()
@@ -149,9 +157,12 @@ class Batch:
         plan = self._plan(sendable, results, owned)
         try:
             self.finish()  # at most one write in flight, and in batch order
-        except Exception:
+        except Exception as exc:
             # Its rows stay pending and are sent again (duplicates); this batch goes on.
-            log.exception("relay %s could not record a batch's outcomes", self.worker_id)
+            if is_database_outage(exc):
+                self.outages.down(Dependency.DATABASE, exc)
+            else:
+                log.exception("relay %s could not record a batch's outcomes", self.worker_id)
         if wait or not self.sql.postgres:
             outcome = self._write(plan)
         else:
@@ -165,7 +176,7 @@ class Batch:
         self.metrics.batch_duration.observe(time.perf_counter() - started)
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
         return BatchResult(fetched=len(rows), sent=len(records), held=len(rows) - len(sendable),
-                           **outcome)
+                           error=plan.error, **outcome)
 
     def finish(self) -> None:
         """Wait for the background write of the previous batch, if any; re-raises its error."""
@@ -182,7 +193,7 @@ class Batch:
             self._writer.shutdown()
             self._writer = None
 
-    def _plan(self, rows: list[Any], results: list[SendResult], owned: dict[int, int]) -> _Plan:
+    def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int]) -> _Plan:
         """Decide every row's outcome (and schedule retries in the wheel); no SQL."""
         retried = empty_marks()
         ids: list[int] = []
@@ -194,6 +205,7 @@ class Batch:
         failed: list[tuple[Any, int, str]] = []
         published_topics: dict[str, int] = {}
         stopped: set[tuple[str, str]] = set()
+        error: str | None = None
         now, mono = utcnow(), time.monotonic()
         delivered = Outcome.DELIVERED
         for row, res in zip(rows, results, strict=True):
@@ -216,6 +228,7 @@ class Batch:
             if res.outcome is Outcome.FAILED:
                 failed.append((row, epoch, res.error or "failed"))
             else:
+                error = error or res.error
                 delay = self._delay(row.attempts + 1)
                 add_mark(retried, row.id, row.shard, epoch, available_at=now + timedelta(seconds=delay),
                          last_error=res.error)
@@ -223,7 +236,7 @@ class Batch:
                 # The wheel holds the key back and wakes the relay; the row is the truth.
                 wheel_key = key if key is not None else (row.topic, str(row.message_id))
                 self.wheel.schedule(wheel_key, mono + delay)
-        return _Plan(now, published, published_topics, retried, failed, stopped)
+        return _Plan(now, published, published_topics, retried, failed, stopped, error)
 
     def _write(self, plan: _Plan) -> dict:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
@@ -256,7 +269,7 @@ class Batch:
         return changed
 
     def _delay(self, attempt: int) -> float:
-        state = tenacity.RetryCallState(None, None, (), {})
+        state = tenacity.RetryCallState(self._retrying, None, (), {})
         state.attempt_number = attempt
         return float(self.backoff(state))
 

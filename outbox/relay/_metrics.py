@@ -23,6 +23,7 @@ class RelayMetrics:
     wheel_size: Gauge
     shards_owned: Gauge
     batch_duration: Histogram
+    outages: Counter
 
     def serve(self, port: int, registry: CollectorRegistry = REGISTRY) -> None:
         """Expose every collector of ``registry`` on ``http://0.0.0.0:port/metrics``."""
@@ -45,6 +46,8 @@ _SPEC: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
     "wheel_size": (Gauge, "outbox_relay_wheel_size", "Keys waiting for their next attempt", ("worker",)),
     "shards_owned": (Gauge, "outbox_relay_shards_owned", "Shard leases held", ("worker",)),
     "batch_duration": (Histogram, "outbox_relay_batch_seconds", "Fetch, send and mark of one batch", ()),
+    "outages": (Counter, "outbox_relay_outages", "Times the database or the broker became unreachable",
+                ("dependency",)),
 }
 
 

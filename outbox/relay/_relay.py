@@ -35,6 +35,7 @@ from ._admin import backlog
 from ._batch import Batch, BatchResult
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
+from ._outage import Dependency, Outages, database_backoff, is_database_outage
 from ._sql import RelayStatements
 from ._wakeup import Wakeup
 
@@ -104,10 +105,11 @@ class Relay:
         self._backlog_topics: set[str] = set()
         self.leases = Leases(engine, outbox.tables, outbox.shards, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
+        self.outages = Outages(worker_id, self.metrics.outages)
         self._batch = Batch(
             engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
             backoff=backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
-            batch_size=batch_size,
+            batch_size=batch_size, outages=self.outages,
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
@@ -186,6 +188,7 @@ class Relay:
     def _loop(self) -> None:
         poll_due = 0.0
         again = True
+        failures = 0
         while not self._stopping.is_set():
             mono = time.monotonic()
             if again or mono >= poll_due or self.wheel.advance(mono):
@@ -194,11 +197,18 @@ class Relay:
                     # Pipelined: this batch's outcomes are written while the next one runs.
                     self._prepare_batch()
                     batch = self._run_batch(wait=False)
-                except Exception:
-                    log.exception("relay %s batch failed; retrying after the poll interval",
-                                  self.worker_id)
-                    batch = BatchResult()
-                    self._stopping.wait(self.poll_interval)
+                except Exception as exc:
+                    self._report(exc, "batch failed")
+                    self._stopping.wait(database_backoff(failures, self.poll_interval))
+                    failures += 1
+                    again = True
+                    continue
+                failures = 0
+                self.outages.up(Dependency.DATABASE)
+                if batch.published:
+                    self.outages.up(Dependency.BROKER)
+                elif batch.retried and batch.error:
+                    self.outages.down(Dependency.BROKER, batch.error)
                 again = batch.fetched == self.batch_size
                 if again:
                     continue
@@ -213,16 +223,23 @@ class Relay:
                 after = self._maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
-            except Exception:
-                log.exception("relay %s could not maintain its leases", self.worker_id)
+            except Exception as exc:
+                self._report(exc, "could not maintain its leases")
 
     def _backlog_loop(self) -> None:
         interval = renew_interval(self.leases.ttl)
         while not self._stopping.wait(interval):
             try:
                 self.refresh_backlog_metrics()
-            except Exception:
-                log.exception("relay %s could not refresh the backlog gauges", self.worker_id)
+            except Exception as exc:
+                self._report(exc, "could not refresh the backlog gauges")
+
+    def _report(self, error: Exception, what: str) -> None:
+        """A database outage is logged once per state change; anything else is a bug: traceback."""
+        if is_database_outage(error):
+            self.outages.down(Dependency.DATABASE, error)
+        else:
+            log.exception("relay %s %s", self.worker_id, what)
 
     def _maintain_leases(self) -> dict[int, int]:
         owned = self.leases.maintain()

@@ -3,7 +3,8 @@
 On PostgreSQL ``publish()`` runs ``pg_notify(channel, shard)`` which the server
 delivers at commit; a dedicated connection here LISTENs and sets the event, so
 the relay reacts in milliseconds instead of a poll interval. If that connection
-breaks, it is reopened after a second; polling covers the gap.
+breaks, it is reopened every second (one log line when it breaks, one when it
+is back); polling covers the gap.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Wakeup:
         self._thread.start()
 
     def _listen(self, engine: Engine, channel: str) -> None:
+        broken = False
         while not self._stop.is_set():
             fairy: Any = None
             try:
@@ -53,12 +55,18 @@ class Wakeup:
                 conn = fairy.dbapi_connection
                 conn.autocommit = True
                 conn.execute(f'LISTEN "{channel}"')  # channel is a validated identifier
+                if broken:
+                    log.warning("LISTEN %s is back", channel)
+                    broken = False
                 self.event.set()  # anything committed before LISTEN is found by this poll
                 while not self._stop.is_set():
                     for _ in conn.notifies(timeout=0.5):
                         self.event.set()
             except Exception as exc:
-                log.warning("LISTEN %s failed (%r); retrying in 1 s", channel, exc)
+                if not broken:
+                    log.warning("LISTEN %s failed (%r); polling, and retrying every second",
+                                channel, exc)
+                    broken = True
                 self._stop.wait(1.0)
             finally:
                 if fairy is not None:

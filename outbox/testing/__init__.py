@@ -2,10 +2,18 @@
 
 ``postgres_url()`` and ``kafka_bootstrap()`` resolve a database and a broker
 (environment variable, then testcontainers, then local binaries or librdkafka's
-mock cluster); ``local_postgres()`` runs a throwaway cluster directly.
+mock cluster); ``local_postgres()`` runs a throwaway cluster directly (``LocalPostgres``
+also stops and restarts it, for outage tests).
 """
 
-from ._postgres import FAST_SETTINGS, free_port, fresh_database, local_postgres, postgres_bindir
+from ._postgres import (
+    FAST_SETTINGS,
+    LocalPostgres,
+    free_port,
+    fresh_database,
+    local_postgres,
+    postgres_bindir,
+)
 from ._resolve import (
     KAFKA_BOOTSTRAP_VARIABLE,
     POSTGRES_URL_VARIABLE,
@@ -19,6 +27,7 @@ __all__ = [
     "FAST_SETTINGS",
     "KAFKA_BOOTSTRAP_VARIABLE",
     "POSTGRES_URL_VARIABLE",
+    "LocalPostgres",
     "Unavailable",
     "docker_engine_answers",
     "free_port",

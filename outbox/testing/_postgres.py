@@ -34,44 +34,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LocalPostgres:
+    """A new cluster in a temp dir on a free port, running until ``close()``.
+
+    ``url`` is its SQLAlchemy URL. ``stop()`` and ``start()`` take the same
+    cluster (same data, same port) down and up again, for outage tests. As
+    root, the server runs as the ``postgres`` user (initdb refuses root).
+    """
+
+    def __init__(self, settings: Mapping[str, str] | None = None) -> None:
+        bindir = postgres_bindir()
+        if bindir is None:
+            raise FileNotFoundError("PostgreSQL binaries (initdb, pg_ctl) not found")
+        self._as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self._pg_ctl = str(bindir / "pg_ctl")
+        self._root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+        self._data = self._root / "data"
+        if self._as_user:
+            shutil.chown(self._root, "postgres")
+        port = free_port()
+        options = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(port),
+            "unix_socket_directories": str(self._root),
+            "max_connections": "200",
+            **(settings or {}),
+        }
+        self._options = " ".join(f"-c {k}={v}" for k, v in options.items())
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        try:
+            _run([*self._as_user, str(bindir / "initdb"), "-D", str(self._data), "-U", "postgres",
+                  "-A", "trust", "-E", "UTF8", "--no-sync"])
+            self.start()
+        except BaseException:
+            shutil.rmtree(self._root, ignore_errors=True)
+            raise
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections."""
+        _run([*self._as_user, self._pg_ctl, "-D", str(self._data), "-l", str(self._root / "log"),
+              "-o", self._options, "-w", "-t", "60", "start"])
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (``fast``: disconnect clients, roll back what is open)."""
+        _run([*self._as_user, self._pg_ctl, "-D", str(self._data), "-m", mode, "-w", "stop"])
+
+    def close(self) -> None:
+        """Stop the server at once and remove its directory."""
+        try:
+            _run([*self._as_user, self._pg_ctl, "-D", str(self._data), "-m", "immediate", "-w",
+                  "stop"], check=False)
+        finally:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+
 @contextmanager
 def local_postgres(settings: Mapping[str, str] | None = None) -> Iterator[str]:
-    """Run a new cluster in a temp dir on a free port; yield its SQLAlchemy URL.
-
-    As root, the server runs as the ``postgres`` user (initdb refuses root).
-    The cluster is stopped and its directory removed when the context exits.
-    """
-    bindir = postgres_bindir()
-    if bindir is None:
-        raise FileNotFoundError("PostgreSQL binaries (initdb, pg_ctl) not found")
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        as_user = ["runuser", "-u", "postgres", "--"]
-    root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
-    data = root / "data"
-    if as_user:
-        shutil.chown(root, "postgres")
-    port = free_port()
-    options = {
-        "listen_addresses": "127.0.0.1",
-        "port": str(port),
-        "unix_socket_directories": str(root),
-        "max_connections": "200",
-        **(settings or {}),
-    }
-    opts = " ".join(f"-c {k}={v}" for k, v in options.items())
+    """Run a new cluster (``LocalPostgres``); yield its URL; stop and remove it after."""
+    server = LocalPostgres(settings)
     try:
-        _run([*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "postgres",
-              "-A", "trust", "-E", "UTF8", "--no-sync"])
-        _run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"),
-              "-o", opts, "-w", "-t", "60", "start"])
-        try:
-            yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-        finally:
-            _run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate",
-                  "-w", "stop"], check=False)
+        yield server.url
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        server.close()
 
 
 @contextmanager

@@ -1,0 +1,164 @@
+"""Outages are not failures: the broker frozen for 60 s, then PostgreSQL down for 10 s, under two relays.
+
+The broker (librdkafka's mock cluster) lives in its own process, frozen with
+SIGSTOP so it neither answers nor closes a connection; PostgreSQL is a server
+of this test's own, stopped with ``pg_ctl stop -m fast`` and started again on
+the same data and port. A writer publishes throughout. The relays (``outbox
+relay`` processes with the product's defaults) must stay up, lose nothing,
+keep each key's order on the wire, never mark a row failed or alert, and say
+what happened: one log line when a dependency goes away and one when it is
+back, an outage counter and the retry counter in their metrics.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _relay_helpers import publish, rows, seqs_by_key
+
+from outbox import Outbox, create_engine
+from outbox._wire import MESSAGE_ID
+from outbox.testing import LocalPostgres, free_port
+from transports.testing import BrokerProcess, read_topic
+
+pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
+
+FREEZE, DB_DOWN = 60.0, 10.0
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    try:
+        server = LocalPostgres()
+    except FileNotFoundError as exc:
+        from conftest import unavailable
+
+        unavailable(str(exc))
+    yield server
+    server.close()
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_relays_ride_out_a_frozen_broker_and_a_stopped_database(
+    own_postgres: LocalPostgres, topic: str, tmp_path: Path
+) -> None:
+    url = own_postgres.url
+    outbox = Outbox(create_engine(url))
+    outbox.create_tables()
+    with BrokerProcess() as broker:
+        ports = [free_port(), free_port()]
+        logs = [tmp_path / "relay-a.log", tmp_path / "relay-b.log"]
+        relays = [
+            subprocess.Popen(
+                [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers",
+                 broker.bootstrap, "--worker-id", worker, "--metrics-port", str(port),
+                 "--log-level", "INFO"],
+                stdout=log.open("w"), stderr=subprocess.STDOUT)
+            for worker, port, log in zip("ab", ports, logs, strict=True)
+        ]
+        writing = threading.Event()
+        writing.set()
+        write_errors = []
+
+        def write() -> None:
+            rng = random.Random(5)
+            while writing.is_set():
+                try:
+                    publish(outbox, topic, sorted(f"key-{rng.randrange(100)}" for _ in range(5)))
+                except Exception as exc:  # the database is down: this transaction did not commit
+                    write_errors.append(exc)
+                    time.sleep(0.5)
+                time.sleep(0.05)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            wait_for(lambda: len(rows(outbox, status="published")) >= 300, 60, "relays at work")
+
+            broker.freeze()
+            time.sleep(FREEZE)
+            broker.thaw()
+            frozen_backlog = len(rows(outbox, status="pending"))
+            wait_for(lambda: len(rows(outbox, status="pending")) < frozen_backlog / 2, 90,
+                     "the relays to resume after the broker came back")
+
+            own_postgres.stop()
+            time.sleep(DB_DOWN)
+            own_postgres.start()
+            time.sleep(5)
+        finally:
+            writing.clear()
+            writer.join(60)
+        assert write_errors, "the writer should have met the stopped database"
+        try:
+            wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published")
+            assert all(relay.poll() is None for relay in relays), "a relay ended during an outage"
+            retried = sum(metric(port, "outbox_relay_retried_total") for port in ports)
+            broker_outages = [metric(port, "outbox_relay_outages_total", dependency="broker")
+                              for port in ports]
+            database_outages = [metric(port, "outbox_relay_outages_total", dependency="database")
+                                for port in ports]
+        finally:
+            for relay in relays:
+                relay.send_signal(signal.SIGTERM)
+            codes = [relay.wait(60) for relay in relays]
+        texts = [log.read_text() for log in logs]
+        assert codes == [0, 0], texts
+
+        # Nothing lost, nothing failed, order kept on the wire.
+        stored = rows(outbox)
+        assert {r.status for r in stored} == {"published"}
+        records = read_topic(broker.bootstrap, topic, expected=len(stored), timeout=90, settle=2.0)
+        assert {dict(r.headers)[MESSAGE_ID].decode() for r in records} == {
+            str(r.message_id) for r in stored}
+        expected: dict[bytes, list[int]] = {}
+        for row in stored:
+            expected.setdefault(row.key.encode(), []).append(row.seq)
+        assert seqs_by_key(records) == {k: sorted(v) for k, v in expected.items()}
+
+    # Visible: the retry counter moved and each outage was counted and logged once per change.
+    assert retried > 0
+    assert sum(broker_outages) >= 1 and all(n >= 1 for n in database_outages), (
+        broker_outages, database_outages)
+    for text, broker_count, database_count in zip(texts, broker_outages, database_outages,
+                                                  strict=True):
+        assert "message_failed" not in text and " ERROR outbox" not in text, text
+        # The only traceback allowed is SQLAlchemy's own, when a connection the server
+        # terminated cannot be reset on its way back to the pool.
+        entries = re.split(r"\n(?=\d{4}-\d\d-\d\d )", text)
+        assert all(" sqlalchemy.pool" in entry for entry in entries if "Traceback" in entry), text
+        assert text.count("database unreachable") == database_count
+        assert text.count("database reachable again") == database_count
+        assert text.count("broker unreachable") == broker_count
+        assert text.count("broker reachable again") == broker_count
+        assert database_count <= 2 and broker_count <= 3, text
+    print(f"\n{len(stored)} messages, {len(records)} records on the topic, "
+          f"{len(records) - len(stored)} duplicates; {retried:.0f} retried sends; outages: "
+          f"broker {broker_outages}, database {database_outages}")
