@@ -6,9 +6,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kafka import KafkaProducer
-
 from _relay_helpers import publish, rows
+from kafka import KafkaProducer
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from transports import Outcome, Record, Transport

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from transports._partitioner import partition_for_key
 
@@ -70,9 +71,9 @@ def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30
                 if message.error() is not None:
                     continue
                 records.append(Record(
-                    topic=message.topic(), value=message.value() or b"", key=message.key(),
-                    headers=list(message.headers() or []), partition=message.partition(),
-                    offset=message.offset(),
+                    topic=cast(str, message.topic()), value=cast(bytes, message.value() or b""),
+                    key=message.key(), headers=cast(list[tuple[str, bytes]], list(message.headers() or [])),
+                    partition=message.partition(), offset=message.offset(),
                 ))
     finally:
         consumer.close()
@@ -233,6 +234,7 @@ class TransportConformance:
         by_key: dict[str, list[tuple[int, int]]] = {}
         for key, result in zip(keys, results, strict=True):
             assert result.partition == partition_for_key(key.encode(), partitions)
+            assert result.offset is not None
             by_key.setdefault(key, []).append((result.partition, result.offset))
         for positions in by_key.values():
             assert positions == sorted(positions) and len({p for p, _ in positions}) == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -83,9 +83,11 @@ class KafkaSource:
                 log.warning("Kafka consumer error (librdkafka retries): %s", error.str())
                 continue
             timestamp_type, timestamp = msg.timestamp()
+            # A consumed message always has a topic; value and header values are bytes
+            # (None only for tombstones and null headers, which the inbox rejects itself).
             records.append(Record(
-                topic=msg.topic(), value=msg.value(), key=msg.key(),
-                headers=list(msg.headers() or ()), partition=msg.partition(),
+                topic=cast(str, msg.topic()), value=cast(bytes, msg.value()), key=msg.key(),
+                headers=cast(list[tuple[str, bytes]], list(msg.headers() or ())), partition=msg.partition(),
                 offset=msg.offset(), timestamp_ms=timestamp if timestamp_type else None,
             ))
         return records

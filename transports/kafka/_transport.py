@@ -133,15 +133,16 @@ class KafkaTransport:
                     continue
                 partition = partition_for_key(record.key, count)
             callback = partial(report, results, i)
+            headers: Any = record.headers  # librdkafka's stubs want a list of str | bytes | None
             try:
                 try:
                     produce(record.topic, record.value, record.key, partition, on_delivery=callback,
-                            headers=record.headers)
+                            headers=headers)
                 except BufferError:
                     # Local queue full: let earlier records drain, then try once more.
                     self._producer.poll(0.5)
                     produce(record.topic, record.value, record.key, partition, on_delivery=callback,
-                            headers=record.headers)
+                            headers=headers)
                 outstanding += 1
             except BufferError:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")

@@ -29,6 +29,7 @@ Not safe to call ``publish`` from several threads at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -114,10 +115,10 @@ class KafkaPythonTransport:
                     headers=list(record.headers), partition=partition)))
             except kafka_errors.KafkaError as exc:
                 results[i] = SendResult(classify(exc), error=repr(exc))
-        try:
+        # A timeout is no error of the batch: records without an acknowledgement come back
+        # as RETRY below.
+        with contextlib.suppress(kafka_errors.KafkaTimeoutError):
             self._producer.flush(self._delivery_timeout)
-        except kafka_errors.KafkaTimeoutError:
-            pass  # the records without an acknowledgement come back as RETRY below
         for i, future in futures:
             results[i] = _outcome(future)
 
