@@ -1,0 +1,86 @@
+"""One shard count, stored with the tables: every publisher, relay and command reads it.
+
+Before, the count was a flag each process had to repeat; a process that used
+the default 16 against a database run with another count put rows in shards no
+relay owned, or a key's rows in two shards served by two relays.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport, publish, rows
+from typer.testing import CliRunner
+
+from outbox import ConfigurationError, Outbox, OutboxTables, Relay, create_engine
+from outbox._schema import SCHEMA_VERSION
+from outbox._sharding import shard_for_key
+from outbox.cli import app
+
+KEYS = [f"key-{i}" for i in range(40)]
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in result.output
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.fixture
+def eight(db_url):
+    """A database initialised with ``outbox init-db --shards 8``."""
+    code, out = cli("init-db", "--db", db_url, "--shards", "8")
+    assert code == 0 and "shard count 8" in out, out
+    engine = create_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+def test_publishers_and_relays_use_the_stored_count_without_being_told(eight):
+    outbox = Outbox(eight)  # no shards=: what `outbox spark replay` and every example build
+    publish(outbox, "orders", KEYS)
+    assert {(r.key, r.shard) for r in rows(outbox)} == {(k, shard_for_key(k, 8)) for k in KEYS}
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="solo")
+    relay.run_once()
+    assert sorted(relay.leases.owned()) == list(range(8))
+    assert not rows(outbox, status="pending")
+
+
+def test_a_different_count_is_an_error_naming_both(eight, db_url):
+    numbers = re.compile(r"shards=16 .* use 8 shards")
+    with pytest.raises(ConfigurationError, match=numbers):
+        publish(Outbox(eight, shards=16), "orders", ["k"])
+    with pytest.raises(ConfigurationError, match=numbers):
+        Relay(Outbox(eight, shards=16), ScriptedTransport())
+    with pytest.raises(ConfigurationError, match=numbers):
+        Outbox(eight, shards=16).create_tables()
+    assert not rows(Outbox(eight))
+    for command in (["relay", "--bootstrap-servers", "localhost:1"], ["init-db"]):
+        code, out = cli(*command, "--db", db_url, "--shards", "16")
+        assert code == 2 and numbers.search(out), (command, out)
+    assert cli("init-db", "--db", db_url)[0] == 0  # naming no count, or the same one, is fine
+    assert cli("init-db", "--db", db_url, "--shards", "8")[0] == 0
+
+
+def test_the_count_is_read_once_per_outbox_not_per_message(eight):
+    outbox = Outbox(eight)
+    publish(outbox, "orders", ["first"])
+    meta = OutboxTables().meta
+    with eight.begin() as conn:  # behind the live publisher's back (never do this)
+        conn.execute(meta.update().where(meta.c.name == "shard_count").values(value="3"))
+    publish(outbox, "orders", KEYS)
+    assert all(r.shard == shard_for_key(r.key, 8) for r in rows(outbox))
+    assert Outbox(eight).shards == 3  # a new Outbox reads it again
+
+
+def test_create_tables_records_the_count_once(sqlite_db):
+    engine = create_engine(sqlite_db)
+    Outbox(engine, shards=4).create_tables()
+    Outbox(engine).create_tables()  # idempotent, keeps 4
+    assert Outbox(engine).shards == 4
+    with engine.connect() as conn:
+        meta = OutboxTables().meta
+        assert dict(conn.execute(sa.select(meta.c.name, meta.c.value)).all()) \
+            == {"schema_version": str(SCHEMA_VERSION), "shard_count": "4"}
