@@ -84,3 +84,23 @@ def test_create_tables_records_the_count_once(sqlite_db):
         meta = OutboxTables().meta
         assert dict(conn.execute(sa.select(meta.c.name, meta.c.value)).all()) \
             == {"schema_version": str(SCHEMA_VERSION), "shard_count": "4"}
+
+
+@pytest.mark.spark
+def test_spark_replay_publishes_into_the_stored_shards(java_home, sqlite_db, tmp_path):
+    """The replay used to build ``Outbox(engine)`` with 16 shards whatever the database ran with."""
+    from _spark_seed import AS_OF, build, seed, spark_for_tests
+
+    from outbox.spark import archive, replay
+
+    Outbox(create_engine(sqlite_db), shards=8).create_tables()
+    seed(build(n=2_000, keys=40), sqlite_db, sqlite_db)
+    spark = spark_for_tests()
+    archive(sqlite_db, tmp_path / "archive", retention="10m", as_of=AS_OF, spark=spark)
+    outbox = Outbox(create_engine(sqlite_db))
+    before = {r.id for r in rows(outbox)}
+    result = replay(tmp_path / "archive", sqlite_db, topic="orders", spark=spark)
+    new = [r for r in rows(outbox) if r.id not in before]
+    assert result.replayed == len(new) > 100
+    assert all(r.shard == shard_for_key(r.key, 8) for r in new if r.key is not None)
+    assert {r.shard for r in new if r.key is None} <= set(range(8))
