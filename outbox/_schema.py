@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, func, inspect, select, text, update
+from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.schema import CreateColumn
 
+from ._envelope import utcnow
 from ._errors import ConfigurationError, SchemaError
 from ._sharding import shard_for_key
 from ._tables import PUBLISHED, SKIPPED, OutboxTables
@@ -147,6 +148,34 @@ def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> 
             _put(conn, tables, "shard_count", count)
         check_same_shards(shards, read(conn, tables).shard_count)
     return before, SCHEMA_VERSION
+
+
+def reshard(engine: Engine, tables: OutboxTables, shards: int) -> int:
+    """Change the stored shard count of a drained, stopped outbox; returns the old count.
+
+    Refused while a row is unpublished (its key would get rows in two shards,
+    served by two relays) or a relay holds a live lease (it would go on serving
+    the old split). Publishers keep the count they read, so they must be
+    stopped too; that this function cannot see (docs/relay.md says so).
+    """
+    m, leases = tables.messages, tables.leases
+    with engine.begin() as conn:
+        old = read(conn, tables).shard_count
+        waiting = conn.scalar(select(func.count()).select_from(m)
+                              .where(m.c.status.not_in([PUBLISHED, SKIPPED])))
+        if waiting:
+            raise ConfigurationError(
+                f"{waiting} row(s) are not published yet: stop the publishers, let the relays "
+                "drain (`outbox stats` shows nothing pending or failed), then change the shard count")
+        live = conn.scalar(select(func.count()).select_from(leases).where(
+            leases.c.owner.is_not(None), leases.c.expires_at > utcnow()))
+        if live:
+            raise ConfigurationError(
+                f"running relays hold {live} shard lease(s): stop every relay first (SIGTERM, or "
+                "wait one lease TTL after a kill), then change the shard count")
+        conn.execute(delete(leases))  # the relays recreate one row per shard of the new count
+        _put(conn, tables, "shard_count", check_shard_count(shards))
+    return old
 
 
 def check(engine: Engine, tables: OutboxTables) -> StoredSchema:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import ScriptedTransport, drain, publish, rows
 from typer.testing import CliRunner
 
 from outbox import ConfigurationError, Outbox, OutboxTables, Relay, create_engine
@@ -84,6 +84,31 @@ def test_create_tables_records_the_count_once(sqlite_db):
         meta = OutboxTables().meta
         assert dict(conn.execute(sa.select(meta.c.name, meta.c.value)).all()) \
             == {"schema_version": str(SCHEMA_VERSION), "shard_count": "4"}
+
+
+def test_the_count_changes_only_on_a_drained_stopped_outbox(eight, db_url):
+    outbox = Outbox(eight)
+    publish(outbox, "orders", KEYS)
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 2 and "40 row(s) are not published yet" in out, out
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="r")
+    drain(relay)
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 2 and "running relays hold 8 shard lease(s)" in out, out
+    relay.close()
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 0 and "shard count changed from 8 to 4" in out, out
+
+    restarted = Outbox(eight)  # publishers and relays started after the change
+    publish(restarted, "orders", KEYS)
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="r2")
+    drain(relay)
+    assert sorted(relay.leases.owned()) == [0, 1, 2, 3]
+    fresh = [r for r in rows(restarted) if r.published_at is not None and r.id > len(KEYS)]
+    assert {(r.key, r.shard) for r in fresh} == {(k, shard_for_key(k, 4)) for k in KEYS}
+    with eight.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(OutboxTables().leases)) == 4
+    relay.close()
 
 
 @pytest.mark.spark

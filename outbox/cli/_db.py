@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from sqlalchemy import Engine
 
+from .. import _schema
 from .._engine import create_engine
 from .._errors import OutboxError
 from .._outbox import Outbox
@@ -38,10 +40,18 @@ def init_db(
         None, help="Shard count of a new database (default 16); stored with the tables."),
     upgrade: bool = typer.Option(
         False, "--upgrade", help="Upgrade tables made by an older release in place."),
+    reshard: int | None = typer.Option(
+        None, help="Change the stored shard count; only with publishers and relays stopped "
+                   "and nothing pending (see docs/relay.md)."),
 ) -> None:
     """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
     try:
         outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
+        if reshard is not None:
+            assert isinstance(outbox.engine, Engine)
+            old = _schema.reshard(outbox.engine, outbox.tables, reshard)
+            Console().print(f"shard count changed from {old} to {reshard}")
+            return
         if upgrade:
             before, after = outbox.upgrade_tables()
         else:
