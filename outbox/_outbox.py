@@ -80,7 +80,7 @@ class Outbox:
         self.is_async = isinstance(self.engine, AsyncEngine)
         if isinstance(bind, sessionmaker | async_sessionmaker):
             self._sessions: Any = bind
-        elif self.is_async:
+        elif isinstance(self.engine, AsyncEngine):
             self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         else:
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -128,13 +128,15 @@ class Outbox:
         params = self._row(topic, payload, key, headers, delay, content_type)
         stored = self._stored or self._accept(_schema.read(session.connection(), self.tables))
         params["shard"] = shard_for_key(params["key"], stored.shard_count)
-        if params["key"] is not None and self._sql.keyed is None:
+        if params["key"] is None:
+            session.execute(self._sql.unkeyed, params)
+        elif self._sql.keyed is not None:  # PostgreSQL: seq, row and NOTIFY in one statement
+            session.execute(self._sql.keyed, params)
+        else:
             params["seq"] = session.execute(self._sql.bump_seq, params).scalar_one()
             session.execute(self._sql.insert_with_seq, params)
-        else:
-            session.execute(self._sql.keyed if params["key"] is not None else self._sql.unkeyed,
-                            params)
-        return params["message_id"]
+        message_id: uuid.UUID = params["message_id"]
+        return message_id
 
     async def publish_async(
         self,
@@ -152,15 +154,16 @@ class Outbox:
         stored = self._stored or self._accept(
             await session.run_sync(lambda sync: _schema.read(sync.connection(), self.tables)))
         params["shard"] = shard_for_key(params["key"], stored.shard_count)
-        if params["key"] is not None and self._sql.keyed is None:
+        if params["key"] is None:
+            await session.execute(self._sql.unkeyed, params)
+        elif self._sql.keyed is not None:
+            await session.execute(self._sql.keyed, params)
+        else:
             result = await session.execute(self._sql.bump_seq, params)
             params["seq"] = result.scalar_one()
             await session.execute(self._sql.insert_with_seq, params)
-        else:
-            await session.execute(
-                self._sql.keyed if params["key"] is not None else self._sql.unkeyed, params
-            )
-        return params["message_id"]
+        message_id: uuid.UUID = params["message_id"]
+        return message_id
 
     def _row(
         self,
