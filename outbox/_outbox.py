@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -27,6 +25,7 @@ from ._schema import StoredSchema
 from ._sharding import shard_for_key
 from ._statements import PublishStatements
 from ._tables import OutboxTables
+from ._transactional import wrap
 from ._validation import (
     normalize_key,
     validate_content_type,
@@ -243,44 +242,7 @@ class Outbox:
         caller that already has a session passes ``session=`` itself: ``fn``
         then joins that transaction and the decorator neither begins nor commits.
         """
-        params = list(inspect.signature(fn).parameters.values())
-        if "session" not in {p.name for p in params}:
-            raise ConfigurationError(
-                f"{fn.__qualname__} must take the session first or as a 'session' keyword "
-                "argument to be transactional"
-            )
-        positional = params[0].name == "session" and params[0].kind in (
-            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-        def call(session: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-            return fn(session, *args, **kw) if positional else fn(*args, session=session, **kw)
-
-        if inspect.iscoroutinefunction(fn):
-            if not self.is_async:
-                raise ConfigurationError(
-                    f"{fn.__qualname__} is async but this Outbox has a sync engine"
-                )
-
-            @functools.wraps(fn)
-            async def run_async(*args: Any, session: AsyncSession | None = None, **kw: Any) -> Any:
-                if session is not None:
-                    return await call(session, args, kw)
-                async with self.begin_async() as new_session:
-                    return await call(new_session, args, kw)
-
-            return run_async
-
-        if self.is_async:
-            raise ConfigurationError(f"{fn.__qualname__} is sync but this Outbox has an AsyncEngine")
-
-        @functools.wraps(fn)
-        def run(*args: Any, session: Session | None = None, **kw: Any) -> Any:
-            if session is not None:
-                return call(session, args, kw)
-            with self.begin() as new_session:
-                return call(new_session, args, kw)
-
-        return run
+        return wrap(fn, self.is_async, self.begin, self.begin_async)
 
     # -- schema -------------------------------------------------------------
 
