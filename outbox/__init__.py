@@ -14,6 +14,7 @@ from ._errors import (
     OutboxError,
     PayloadTooLargeError,
     RetriableTransportError,
+    SchemaError,
     TransportError,
     UnserializablePayloadError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ReplayResult",
     "RetriableTransportError",
     "RetryLater",
+    "SchemaError",
     "SkipMessage",
     "TransportError",
     "UnserializablePayloadError",

@@ -29,6 +29,7 @@ __all__ = [
     "OutboxError",
     "PayloadTooLargeError",
     "RetriableTransportError",
+    "SchemaError",
     "TransportError",
     "UnserializablePayloadError",
 ]
@@ -52,3 +53,7 @@ class UnserializablePayloadError(MessageValidationError, TypeError):
 
 class PayloadTooLargeError(MessageValidationError):
     """The serialised payload exceeds the configured maximum."""
+
+
+class SchemaError(ConfigurationError):
+    """The tables are missing, older than this release (upgrade them) or newer (upgrade the package)."""

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from transports import Record, Source
 
+from . import _schema
 from ._alerts import AlertSink, LoggingAlertSink
 from ._envelope import Message
 from ._errors import ConfigurationError
@@ -206,6 +207,7 @@ class Inbox:
 
         if not self._handlers:
             raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
+        _schema.check(self.sessions.kw["bind"], self.tables)  # old or new tables: say what to run
         self._stopping = False
         Runner(self, source, install_signal_handlers=install_signal_handlers).run()
 
@@ -239,8 +241,9 @@ class Inbox:
         self.admin.discard(message_id, by=by, reason=reason)
 
     def create_tables(self) -> None:
-        """Create the outbox and inbox tables that do not exist yet."""
-        self.tables.metadata.create_all(self.sessions.kw["bind"])
+        """Create the outbox and inbox tables that do not exist yet (see ``Outbox.create_tables``)."""
+        with self.sessions.kw["bind"].begin() as conn:
+            _schema.create(conn, self.tables, None)
 
 
 def _sessionmaker(bind: object) -> sessionmaker[Session]:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
+from . import _schema
 from ._envelope import BYTES, TEXT, new_message_id, serialize_payload, utcnow
 from ._errors import (
     ConfigurationError,
@@ -20,9 +20,12 @@ from ._errors import (
     MessageValidationError,
     PayloadTooLargeError,
 )
+from ._schema import DEFAULT_SHARDS as DEFAULT_SHARDS
+from ._schema import StoredSchema
 from ._sharding import shard_for_key
 from ._statements import PublishStatements
 from ._tables import OutboxTables
+from ._transactional import wrap
 from ._validation import (
     normalize_key,
     validate_content_type,
@@ -31,9 +34,10 @@ from ._validation import (
     validate_topic,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S", Session, AsyncSession)
 
-DEFAULT_SHARDS = 16
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
 
@@ -44,8 +48,10 @@ class Outbox:
     ``async_sessionmaker``; it is used by ``transactional`` to open sessions and
     by ``create_tables``. ``publish`` itself only uses the session it is given.
 
-    ``shards`` splits the outbox among relay processes; it must be the same for
-    every publisher and relay of one database. Safe to share between threads.
+    The shard count (how the outbox is split among relay processes) is stored
+    with the tables and read once, on the first ``publish``; ``shards`` is only
+    for ``create_tables`` on a new database, or a check: a different stored
+    count raises ``ConfigurationError``. Safe to share between threads.
     """
 
     def __init__(
@@ -55,7 +61,7 @@ class Outbox:
         tables: OutboxTables | None = None,
         prefix: str = "",
         schema: str | None = None,
-        shards: int = DEFAULT_SHARDS,
+        shards: int | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         notify_channel: str | None = "outbox",
     ) -> None:
@@ -73,7 +79,7 @@ class Outbox:
         self.is_async = isinstance(self.engine, AsyncEngine)
         if isinstance(bind, sessionmaker | async_sessionmaker):
             self._sessions: Any = bind
-        elif self.is_async:
+        elif isinstance(self.engine, AsyncEngine):
             self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         else:
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -81,15 +87,14 @@ class Outbox:
         if tables is not None and (prefix or schema):
             raise ConfigurationError("pass either tables= or prefix=/schema=, not both")
         self.tables = tables or OutboxTables(prefix=prefix, schema=schema)
-        if not isinstance(shards, int) or not 1 <= shards <= 4096:
-            raise ConfigurationError(f"shards must be an int from 1 to 4096, got {shards!r}")
+        self.requested_shards = None if shards is None else _schema.check_shard_count(shards)
+        self._stored: StoredSchema | None = None
         if not isinstance(max_payload_bytes, int) or max_payload_bytes <= 0:
             raise ConfigurationError(
                 f"max_payload_bytes must be a positive int, got {max_payload_bytes!r}"
             )
         if notify_channel is not None:
             validate_identifier(notify_channel, "notify channel")
-        self.shards = shards
         self.max_payload_bytes = max_payload_bytes
         self.notify_channel = notify_channel
         self._sql = PublishStatements(self.tables, self.engine.dialect.name, notify_channel)
@@ -120,13 +125,17 @@ class Outbox:
         if isinstance(session, AsyncSession):
             raise ConfigurationError("publish() got an AsyncSession; use await publish_async()")
         params = self._row(topic, payload, key, headers, delay, content_type)
-        if params["key"] is not None and self._sql.keyed is None:
+        stored = self._stored or self._accept(_schema.read(session.connection(), self.tables))
+        params["shard"] = shard_for_key(params["key"], stored.shard_count)
+        if params["key"] is None:
+            session.execute(self._sql.unkeyed, params)
+        elif self._sql.keyed is not None:  # PostgreSQL: seq, row and NOTIFY in one statement
+            session.execute(self._sql.keyed, params)
+        else:
             params["seq"] = session.execute(self._sql.bump_seq, params).scalar_one()
             session.execute(self._sql.insert_with_seq, params)
-        else:
-            session.execute(self._sql.keyed if params["key"] is not None else self._sql.unkeyed,
-                            params)
-        return params["message_id"]
+        message_id: uuid.UUID = params["message_id"]
+        return message_id
 
     async def publish_async(
         self,
@@ -141,15 +150,19 @@ class Outbox:
     ) -> uuid.UUID:
         """``publish()`` for an ``AsyncSession``; same guarantees."""
         params = self._row(topic, payload, key, headers, delay, content_type)
-        if params["key"] is not None and self._sql.keyed is None:
+        stored = self._stored or self._accept(
+            await session.run_sync(lambda sync: _schema.read(sync.connection(), self.tables)))
+        params["shard"] = shard_for_key(params["key"], stored.shard_count)
+        if params["key"] is None:
+            await session.execute(self._sql.unkeyed, params)
+        elif self._sql.keyed is not None:
+            await session.execute(self._sql.keyed, params)
+        else:
             result = await session.execute(self._sql.bump_seq, params)
             params["seq"] = result.scalar_one()
             await session.execute(self._sql.insert_with_seq, params)
-        else:
-            await session.execute(
-                self._sql.keyed if params["key"] is not None else self._sql.unkeyed, params
-            )
-        return params["message_id"]
+        message_id: uuid.UUID = params["message_id"]
+        return message_id
 
     def _row(
         self,
@@ -182,7 +195,6 @@ class Outbox:
             "message_id": new_message_id(),
             "topic": topic,
             "key": text_key,
-            "shard": shard_for_key(text_key, self.shards),
             "payload": body,
             "content_type": content_type,
             "headers": user_headers,
@@ -192,59 +204,114 @@ class Outbox:
 
     # -- transactions -------------------------------------------------------
 
-    def transactional(self, fn: F) -> F:
-        """Run ``fn`` in a new transaction, passing the session as ``session=``.
+    @contextmanager
+    def begin(self) -> Iterator[Session]:
+        """A new session in a transaction: committed when the block ends, rolled back on error.
 
-        Business rows and outbox rows commit together when ``fn`` returns and
-        are rolled back together when it raises (the exception propagates).
-        Works on plain and ``async def`` functions. A caller that already has a
-        session passes ``session=`` itself: ``fn`` then joins that transaction
-        and the decorator neither begins nor commits.
+        ``with outbox.begin() as session: outbox.publish(session, …)`` commits
+        the business rows and the outbox rows together (sync engines).
         """
-        if "session" not in inspect.signature(fn).parameters:
-            raise ConfigurationError(
-                f"{fn.__qualname__} must accept a 'session' keyword argument to be transactional"
-            )
-        if inspect.iscoroutinefunction(fn):
-            if not self.is_async:
-                raise ConfigurationError(
-                    f"{fn.__qualname__} is async but this Outbox has a sync engine"
-                )
-
-            @functools.wraps(fn)
-            async def run_async(*args: Any, session: AsyncSession | None = None, **kw: Any) -> Any:
-                if session is not None:
-                    return await fn(*args, session=session, **kw)
-                async with self._sessions() as new_session, new_session.begin():
-                    return await fn(*args, session=new_session, **kw)
-
-            return run_async  # type: ignore[return-value]
-
         if self.is_async:
-            raise ConfigurationError(f"{fn.__qualname__} is sync but this Outbox has an AsyncEngine")
+            raise ConfigurationError("this Outbox has an AsyncEngine; use async with outbox.begin_async()")
+        with self._sessions() as session, session.begin():
+            yield session
 
-        @functools.wraps(fn)
-        def run(*args: Any, session: Session | None = None, **kw: Any) -> Any:
-            if session is not None:
-                return fn(*args, session=session, **kw)
-            with self._sessions() as new_session, new_session.begin():
-                return fn(*args, session=new_session, **kw)
+    @asynccontextmanager
+    async def begin_async(self) -> AsyncIterator[AsyncSession]:
+        """``begin()`` for an ``AsyncEngine``: ``async with outbox.begin_async() as session:``."""
+        if not self.is_async:
+            raise ConfigurationError("this Outbox has a sync engine; use with outbox.begin()")
+        async with self._sessions() as session, session.begin():
+            yield session
 
-        return run  # type: ignore[return-value]
+    @overload
+    def transactional(self, fn: Callable[Concatenate[S, P], R]) -> Callable[P, R]: ...
+
+    @overload
+    def transactional(self, fn: Callable[P, R]) -> Callable[P, R]: ...
+
+    def transactional(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Run ``fn`` in a new transaction (``begin()``) and hand it the session.
+
+        ``fn`` takes the session as its first parameter, ``def place(session,
+        order)``, and is called without it, ``place(order)``: the signature type
+        checkers see. A keyword-only ``session`` (``def place(order, *,
+        session)``) works too. Business rows and outbox rows commit together
+        when ``fn`` returns and are rolled back together when it raises (the
+        exception propagates). Works on plain and ``async def`` functions. A
+        caller that already has a session passes ``session=`` itself: ``fn``
+        then joins that transaction and the decorator neither begins nor commits.
+        """
+        return wrap(fn, self.is_async, self.begin, self.begin_async)
 
     # -- schema -------------------------------------------------------------
 
+    @property
+    def shards(self) -> int:
+        """The database's shard count (read once from the meta table; sync engines)."""
+        return self.load_schema().shard_count
+
+    def load_schema(self, bind: Engine | Connection | None = None) -> StoredSchema:
+        """The stored schema version and shard count, read on first call and kept.
+
+        Raises ``SchemaError`` when the tables are missing, older than this
+        release or newer, and ``ConfigurationError`` when ``shards`` was given
+        and differs from the stored count. ``bind`` defaults to the engine.
+        """
+        if self._stored is None:
+            if isinstance(bind, Connection):
+                return self._accept(_schema.read(bind, self.tables))
+            engine = bind if bind is not None else self.engine
+            if not isinstance(engine, Engine):
+                raise ConfigurationError("this Outbox has an AsyncEngine; await load_schema_async()")
+            with engine.connect() as conn:
+                return self._accept(_schema.read(conn, self.tables))
+        return self._stored
+
+    async def load_schema_async(self) -> StoredSchema:
+        """``load_schema()`` for an ``AsyncEngine``."""
+        if self._stored is None:
+            assert isinstance(self.engine, AsyncEngine)
+            async with self.engine.connect() as conn:
+                return self._accept(await conn.run_sync(_schema.read, self.tables))
+        return self._stored
+
+    def _accept(self, stored: StoredSchema) -> StoredSchema:
+        _schema.check_same_shards(self.requested_shards, stored.shard_count)
+        self._stored = stored
+        return stored
+
     def create_tables(self) -> None:
-        """Create every outbox and inbox table that does not exist yet (sync engines)."""
+        """Create the tables that do not exist yet and record the schema version and shard count.
+
+        The shard count is ``shards`` (default 16) on a new database; on an
+        existing one a different ``shards`` raises. Tables of an older release
+        raise ``SchemaError``: upgrade them with ``upgrade_tables()``.
+        """
         if self.is_async:
             raise ConfigurationError("this Outbox has an AsyncEngine; use await create_tables_async()")
-        self.tables.metadata.create_all(self.engine)  # type: ignore[arg-type]
+        assert isinstance(self.engine, Engine)
+        with self.engine.begin() as conn:
+            self._accept(_schema.create(conn, self.tables, self.requested_shards))
 
     async def create_tables_async(self) -> None:
         """``create_tables()`` for an ``AsyncEngine``."""
         assert isinstance(self.engine, AsyncEngine)
         async with self.engine.begin() as conn:
-            await conn.run_sync(self.tables.metadata.create_all)
+            self._accept(await conn.run_sync(_schema.create, self.tables, self.requested_shards))
+
+    def upgrade_tables(self) -> tuple[int, int]:
+        """Bring the tables of an older release to this one's schema, in place, without losing a row.
+
+        Returns (version before, version after); a current schema is left as it
+        is, missing tables are created. Stop publishers and relays first.
+        """
+        if not isinstance(self.engine, Engine):
+            raise ConfigurationError("upgrade_tables() needs a sync Engine")
+        self._stored = None
+        result = _schema.upgrade(self.engine, self.tables, self.requested_shards)
+        self.load_schema()
+        return result
 
 
 def _as_delay(delay: timedelta | float | None) -> timedelta:

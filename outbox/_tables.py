@@ -163,6 +163,14 @@ class OutboxTables:
             Column("expires_at", UTCDateTime, nullable=False),
             schema=s,
         )
+        # Settings every process of this database must agree on, and the schema version:
+        # one row per name (``schema_version``, ``shard_count``), see ``_schema``.
+        self.meta = Table(
+            f"{p}outbox_meta", md,
+            Column("name", String(64), primary_key=True),
+            Column("value", String(255), nullable=False),
+            schema=s,
+        )
         self.relays = Table(
             f"{p}outbox_relays", md,
             Column("worker_id", String(200), primary_key=True),
@@ -234,7 +242,7 @@ class OutboxTables:
 
     @property
     def outbox_tables(self) -> list[Table]:
-        return [self.messages, self.keys, self.leases, self.relays]
+        return [self.messages, self.keys, self.leases, self.relays, self.meta]
 
     @property
     def inbox_tables(self) -> list[Table]:

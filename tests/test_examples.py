@@ -31,9 +31,9 @@ def test_relay_example_keeps_the_sasl_password_out_of_reprs():
 @pytest.mark.postgres
 @pytest.mark.kafka
 def test_relay_example_publishes_from_postgresql(postgres_db, kafka, topic):
-    relay = relay_postgres_kafka.build_relay(postgres_db, kafka)
     outbox = Outbox(create_engine(postgres_db))
-    outbox.create_tables()
+    outbox.create_tables()  # before the relay: it reads the stored shard count when built
+    relay = relay_postgres_kafka.build_relay(postgres_db, kafka)
     with Session(outbox.engine) as session, session.begin():
         outbox.publish(session, topic, {"order_id": 1, "event": "created"}, key=1)
     result = relay.run_once()

@@ -10,7 +10,7 @@ import outbox
 from outbox import Outbox, OutboxTables, create_engine
 from outbox.cli import app
 
-TABLES = {"outbox_messages", "outbox_keys", "outbox_leases", "outbox_relays",
+TABLES = {"outbox_messages", "outbox_keys", "outbox_leases", "outbox_relays", "outbox_meta",
           "inbox_messages", "inbox_keys", "inbox_parked", "inbox_held"}
 
 
@@ -85,8 +85,9 @@ def test_init_db_cli(tmp_path):
 def test_init_db_cli_rejects_bad_prefix(tmp_path):
     result = CliRunner().invoke(app, ["init-db", "--db", f"sqlite:///{tmp_path}/x.db",
                                       "--prefix", "drop table"])
-    assert result.exit_code != 0
-    assert "invalid table prefix 'drop table'" in str(result.exception)
+    assert result.exit_code == 2
+    assert "invalid table prefix 'drop table'" in result.output
+    assert "Traceback" not in result.output
 
 
 PUBLIC_API = [
@@ -96,7 +97,8 @@ PUBLIC_API = [
     "LoggingAlertSink", "Message", "MessageValidationError", "NotParkedError", "Outbox",
     "OutboxError", "OutboxTables", "ParkMessage", "ParkedMessage", "PayloadTooLargeError",
     "Relay", "RelayMetrics", "ReplayResult", "RetriableTransportError",
-    "RetryLater", "SkipMessage", "TransportError", "UnserializablePayloadError", "WebhookAlertSink",
+    "RetryLater", "SchemaError", "SkipMessage", "TransportError", "UnserializablePayloadError",
+    "WebhookAlertSink",
     "create_async_engine", "create_engine", "message_to_record", "new_message_id",
     "record_to_message", "relay_metrics",
 ]

@@ -74,7 +74,7 @@ def run(
     inbox = load_inbox(target)
     try:
         source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
-                             topics=inbox.topics, **parse_kafka_config(kafka_config))
+                             topics=inbox.topics, settings=parse_kafka_config(kafka_config))
     except ConfigurationError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if metrics_port is not None:

@@ -9,11 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .._alerts import LoggingAlertSink, WebhookAlertSink
-from .._engine import create_engine
 from .._errors import ConfigurationError
-from .._outbox import DEFAULT_SHARDS, Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from . import app
+from ._db import open_outbox
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
 DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://…")
@@ -23,10 +22,6 @@ TOPIC = typer.Option(None, help="Only this topic.")
 
 failed_app = typer.Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
 app.add_typer(failed_app, name="failed")
-
-
-def _outbox(db: str, prefix: str, schema: str | None, shards: int = DEFAULT_SHARDS) -> Outbox:
-    return Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
 
 
 @app.command("relay")
@@ -39,7 +34,8 @@ def relay(
     batch_size: int = typer.Option(1000, help="Rows per batch."),
     lease_ttl: float = typer.Option(10.0, help="Seconds a shard lease lasts without renewal."),
     poll_interval: float = typer.Option(0.5, help="Seconds between polls when nothing wakes the relay."),
-    shards: int = typer.Option(DEFAULT_SHARDS, help="Shard count; the same as the publishers'."),
+    shards: int | None = typer.Option(
+        None, help="Expected shard count; the database's is used, and another is an error."),
     webhook: str | None = typer.Option(None, help="POST alerts as JSON to this URL (default: log them)."),
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
@@ -51,10 +47,11 @@ def relay(
     from ..relay import Relay, relay_metrics
 
     configure_logging(log_level)
+    outbox = open_outbox(db, prefix, schema, shards)
     try:
         transport = KafkaTransport(parse_kafka_config(kafka_config), bootstrap_servers=bootstrap_servers)
         worker = Relay(
-            _outbox(db, prefix, schema, shards), transport, worker_id=worker_id, batch_size=batch_size,
+            outbox, transport, worker_id=worker_id, batch_size=batch_size,
             lease_ttl=lease_ttl, poll_interval=poll_interval,
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
             backlog_metrics=metrics_port is not None,
@@ -74,7 +71,7 @@ def failed_list(db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
                 schema: str | None = SCHEMA) -> None:
     """Show failed rows, oldest first."""
     table = Table("message id", "topic", "key", "seq", "attempts", "error", "created")
-    found = failed_rows(_outbox(db, prefix, schema), topic=topic)
+    found = failed_rows(open_outbox(db, prefix, schema), topic=topic)
     for row in found:
         table.add_row(str(row.message_id), row.topic, row.key or "", str(row.seq or ""),
                       str(row.attempts), (row.last_error or "")[:80], f"{row.created_at:%Y-%m-%d %H:%M:%S}")
@@ -92,7 +89,7 @@ def failed_retry(message_ids: list[str] = typer.Argument(None), all_: bool = typ
                  db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
                  schema: str | None = SCHEMA) -> None:
     """Send failed rows again, in their place in their key's order."""
-    count = retry_failed(_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
+    count = retry_failed(open_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
     Console().print(f"{count} row(s) pending again")
 
 
@@ -101,14 +98,14 @@ def failed_skip(message_ids: list[str] = typer.Argument(None), all_: bool = type
                 db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
                 schema: str | None = SCHEMA) -> None:
     """Never send these failed rows; their keys' later rows flow again."""
-    count = skip_failed(_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
+    count = skip_failed(open_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
     Console().print(f"{count} row(s) skipped")
 
 
 @app.command("stats")
 def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA) -> None:
     """Backlog per topic and shard: pending, failed, oldest pending age."""
-    rows = backlog(_outbox(db, prefix, schema))
+    rows = backlog(open_outbox(db, prefix, schema))
     now = datetime.now(UTC)
     table = Table("topic", "shard", "pending", "failed", "oldest pending age")
     for row in rows:

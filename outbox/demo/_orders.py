@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
 from .. import Outbox, create_engine
 
@@ -31,7 +32,7 @@ class OrdersService:
         self.outbox.create_tables()
         self.advance = self.outbox.transactional(self._advance)
 
-    def _advance(self, order_id: int, event: str, *, session) -> None:
+    def _advance(self, session: Session, order_id: int, event: str) -> None:
         if event == "created":
             session.execute(self.orders.insert().values(
                 id=order_id, customer=f"customer-{order_id % 37}",

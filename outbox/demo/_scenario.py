@@ -67,6 +67,7 @@ class Processes:
                 problems.append(f"{name} exited early with {proc.returncode if proc else None}")
                 continue
             proc.send_signal(signal.SIGTERM)
+            code: int | str
             try:
                 code = proc.wait(30)
             except subprocess.TimeoutExpired:

@@ -80,17 +80,18 @@ def read_back(summary: Summary, orders_url: str, billing_url: str) -> None:
     tables = OutboxTables()
     with sa.create_engine(orders_url).connect() as conn:
         m = tables.messages
-        summary.events_written = conn.scalar(sa.select(sa.func.count()).select_from(m))
+        summary.events_written = conn.scalar(sa.select(sa.func.count()).select_from(m)) or 0
         summary.published = conn.scalar(
-            sa.select(sa.func.count()).select_from(m).where(m.c.status == "published"))
+            sa.select(sa.func.count()).select_from(m).where(m.c.status == "published")) or 0
         sent = set(conn.scalars(sa.select(m.c.message_id)))
     with sa.create_engine(billing_url).connect() as conn:
         i = tables.inbox_messages
         rows = conn.execute(sa.select(i.c.message_id, i.c.deliveries, i.c.created_at,
                                       i.c.processed_at)).all()
         summary.orders_completed = conn.scalar(
-            sa.select(sa.func.count()).select_from(invoices).where(invoices.c.state == "shipped"))
-        summary.order_violations = conn.scalar(sa.select(sa.func.count()).select_from(violations))
+            sa.select(sa.func.count()).select_from(invoices).where(invoices.c.state == "shipped")) or 0
+        summary.order_violations = conn.scalar(
+            sa.select(sa.func.count()).select_from(violations)) or 0
     summary.consumed = len(rows)
     summary.lost = len(sent - {r.message_id for r in rows})
     summary.duplicates_dropped = sum(max(0, (r.deliveries or 1) - 1) for r in rows)

@@ -103,7 +103,8 @@ class Relay:
         self.metrics = metrics or relay_metrics()
         self.backlog_metrics = backlog_metrics
         self._backlog_topics: set[str] = set()
-        self.leases = Leases(engine, outbox.tables, outbox.shards, worker_id, float(lease_ttl))
+        shards = outbox.load_schema(engine).shard_count  # stored with the tables, read once
+        self.leases = Leases(engine, outbox.tables, shards, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
         self.outages = Outages(worker_id, self.metrics.outages)
         self._batch = Batch(

@@ -1,0 +1,251 @@
+"""The schema version and shard count stored with the tables, and in-place upgrades.
+
+Settings that every publisher and relay of a database must agree on live in the
+database (DESIGN §9), in ``{prefix}outbox_meta``: ``schema_version`` and
+``shard_count``. Release 0.1 had no meta table; its tables are schema version 1.
+
+An upgrade is the ordered list ``UPGRADES``: entry *i* (from 0) takes a database
+from version *i + 1* to *i + 2*, so ``SCHEMA_VERSION`` is ``1 + len(UPGRADES)``.
+Each step runs in its own transaction together with its version bump, and each
+is idempotent (it looks before it creates), so an interrupted upgrade resumes
+where it stopped, and tables already altered by hand or by Alembic are only
+stamped. Adding a column or a table is one more entry, made with
+``add_column`` / ``create_table`` / ``create_index`` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.schema import CreateColumn
+
+from ._envelope import utcnow
+from ._errors import ConfigurationError, SchemaError
+from ._sharding import shard_for_key
+from ._tables import PUBLISHED, SKIPPED, OutboxTables
+
+DEFAULT_SHARDS = 16
+MAX_SHARDS = 4096
+UPGRADE_HINT = "run `outbox init-db --upgrade` (or Outbox.upgrade_tables())"
+
+Step = Callable[[Connection, OutboxTables], None]
+
+
+def create_table(attribute: str) -> Step:
+    """A step creating ``OutboxTables.<attribute>`` with its indexes, unless it exists."""
+    def step(conn: Connection, tables: OutboxTables) -> None:
+        getattr(tables, attribute).create(conn, checkfirst=True)
+    return step
+
+
+def add_column(attribute: str, column: str) -> Step:
+    """A step adding one column, defined once in ``_tables``, unless it exists.
+
+    On a table with rows, a NOT NULL column needs a ``server_default``.
+    """
+    def step(conn: Connection, tables: OutboxTables) -> None:
+        table = getattr(tables, attribute)
+        present = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+        if column not in present:
+            ddl = CreateColumn(table.c[column]).compile(dialect=conn.dialect)
+            name = conn.dialect.identifier_preparer.format_table(table)
+            conn.execute(text(f"ALTER TABLE {name} ADD COLUMN {ddl}"))
+    return step
+
+
+def create_index(attribute: str, name: str) -> Step:
+    """A step creating the index ``name`` (declared in ``_tables``) on a table, unless it exists."""
+    def step(conn: Connection, tables: OutboxTables) -> None:
+        (index,) = [i for i in getattr(tables, attribute).indexes if i.name == name]
+        index.create(conn, checkfirst=True)
+    return step
+
+
+# (what it does, the step). Append only; never reorder or remove a released entry.
+UPGRADES: list[tuple[str, Step]] = [
+    ("outbox_meta: the schema version and the shard count", create_table("meta")),
+]
+SCHEMA_VERSION = 1 + len(UPGRADES)
+
+
+@dataclass(frozen=True)
+class StoredSchema:
+    """What the meta table says: the tables' schema version and the shard count."""
+
+    version: int
+    shard_count: int
+
+
+def check_shard_count(shards: object) -> int:
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise ConfigurationError(f"shards must be an int from 1 to {MAX_SHARDS}, got {shards!r}")
+    return shards
+
+
+def check_same_shards(requested: int | None, stored: int) -> None:
+    """A caller that names a shard count must name the stored one; a silent re-route splits keys."""
+    if requested is not None and requested != stored:
+        raise ConfigurationError(
+            f"shards={requested} was asked for, but this database's outbox tables use "
+            f"{stored} shards (stored in outbox_meta): leave the shard count out to use "
+            "the stored one; to change it see 'Changing the shard count' in docs/relay.md"
+        )
+
+
+def read(conn: Connection, tables: OutboxTables) -> StoredSchema:
+    """The stored schema, or a ``SchemaError`` saying what to run when it does not fit."""
+    version, values = _look(conn, tables)
+    if version is None:
+        where = f" with prefix {tables.prefix!r}" if tables.prefix else ""
+        raise SchemaError(
+            f"no outbox tables{where} in this database: run `outbox init-db` "
+            "(or Outbox.create_tables())"
+        )
+    _check_version(version)
+    if "shard_count" not in values:
+        raise SchemaError(f"outbox_meta records no shard count: {UPGRADE_HINT}")
+    return StoredSchema(version, int(values["shard_count"]))
+
+
+def create(conn: Connection, tables: OutboxTables, shards: int | None) -> StoredSchema:
+    """Create missing tables and record version and shard count; refuse an old or new schema."""
+    version, _ = _look(conn, tables)
+    if version is not None:
+        _check_version(version)
+    tables.metadata.create_all(conn)
+    if version is None:
+        _insert_missing(conn, tables, {"schema_version": SCHEMA_VERSION,
+                                       "shard_count": shards or DEFAULT_SHARDS})
+    stored = read(conn, tables)
+    check_same_shards(shards, stored.shard_count)
+    return stored
+
+
+def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> tuple[int, int]:
+    """Bring the tables to ``SCHEMA_VERSION`` in place; returns (version before, after).
+
+    A database without tables is created. Release 0.1's shard count was a flag,
+    so it is taken from ``shards``, else the relays' lease rows, else the
+    default, and refused if unpublished rows were sharded with another count.
+    """
+    with engine.begin() as conn:
+        before, values = _look(conn, tables)
+        if before is None:
+            create(conn, tables, shards)
+            return 0, SCHEMA_VERSION
+        _check_version(before, allow_older=True)
+        count = None if "shard_count" in values else _shards_in_use(conn, tables, shards)
+    for version, (_, step) in enumerate(UPGRADES, start=2):
+        if before < version:
+            with engine.begin() as conn:
+                step(conn, tables)
+                _put(conn, tables, "schema_version", version)
+    with engine.begin() as conn:
+        if count is not None and "shard_count" not in _look(conn, tables)[1]:
+            _put(conn, tables, "shard_count", count)
+        check_same_shards(shards, read(conn, tables).shard_count)
+    return before, SCHEMA_VERSION
+
+
+def reshard(engine: Engine, tables: OutboxTables, shards: int) -> int:
+    """Change the stored shard count of a drained, stopped outbox; returns the old count.
+
+    Refused while a row is unpublished (its key would get rows in two shards,
+    served by two relays) or a relay holds a live lease (it would go on serving
+    the old split). Publishers keep the count they read, so they must be
+    stopped too; that this function cannot see (docs/relay.md says so).
+    """
+    m, leases = tables.messages, tables.leases
+    with engine.begin() as conn:
+        old = read(conn, tables).shard_count
+        waiting = conn.scalar(select(func.count()).select_from(m)
+                              .where(m.c.status.not_in([PUBLISHED, SKIPPED])))
+        if waiting:
+            raise ConfigurationError(
+                f"{waiting} row(s) are not published yet: stop the publishers, let the relays "
+                "drain (`outbox stats` shows nothing pending or failed), then change the shard count")
+        live = conn.scalar(select(func.count()).select_from(leases).where(
+            leases.c.owner.is_not(None), leases.c.expires_at > utcnow()))
+        if live:
+            raise ConfigurationError(
+                f"running relays hold {live} shard lease(s): stop every relay first (SIGTERM, or "
+                "wait one lease TTL after a kill), then change the shard count")
+        conn.execute(delete(leases))  # the relays recreate one row per shard of the new count
+        _put(conn, tables, "shard_count", check_shard_count(shards))
+    return old
+
+
+def check(engine: Engine, tables: OutboxTables) -> StoredSchema:
+    """``read`` on a connection of its own: for entry points that do not publish."""
+    with engine.connect() as conn:
+        return read(conn, tables)
+
+
+def _look(conn: Connection, tables: OutboxTables) -> tuple[int | None, dict[str, str]]:
+    """(version, meta rows): version None means no tables (or meta rows not yet written)."""
+    found = inspect(conn)
+    if not found.has_table(tables.meta.name, schema=tables.schema):
+        old = found.has_table(tables.messages.name, schema=tables.schema)
+        return (1 if old else None), {}
+    meta = tables.meta
+    values = {name: value for name, value in conn.execute(select(meta.c.name, meta.c.value))}
+    version = values.get("schema_version")
+    return (int(version) if version is not None else None), values
+
+
+def _check_version(version: int, *, allow_older: bool = False) -> None:
+    if version > SCHEMA_VERSION:
+        raise SchemaError(
+            f"the outbox tables are at schema version {version}, newer than this release of "
+            f"transactional-outbox knows ({SCHEMA_VERSION}): upgrade the package"
+        )
+    if version < SCHEMA_VERSION and not allow_older:
+        raise SchemaError(
+            f"the outbox tables are at schema version {version} and this release needs "
+            f"{SCHEMA_VERSION}: {UPGRADE_HINT}"
+        )
+
+
+def _shards_in_use(conn: Connection, tables: OutboxTables, requested: int | None) -> int:
+    """The shard count a 0.1 database was run with; refuse one its unpublished rows contradict."""
+    leased = conn.execute(select(func.max(tables.leases.c.shard))).scalar()
+    count = requested or (leased + 1 if leased is not None else DEFAULT_SHARDS)
+    if leased is not None and count != leased + 1:
+        raise ConfigurationError(
+            f"the relays of this database leased shards up to {leased}, so they ran with "
+            f"{leased + 1} shards, not {count}: pass --shards {leased + 1}"
+        )
+    m = tables.messages
+    unpublished = (select(m.c.key, m.c.shard).distinct()
+                   .where(m.c.status.not_in([PUBLISHED, SKIPPED])))
+    for key, shard in conn.execute(unpublished):
+        if shard >= count or (key is not None and shard_for_key(key, count) != shard):
+            raise ConfigurationError(
+                f"unpublished rows were sharded with another count than {count} (key {key!r} "
+                f"is in shard {shard}): pass --shards with the count your publishers used"
+            )
+    return count
+
+
+def _insert_missing(conn: Connection, tables: OutboxTables, values: dict[str, object]) -> None:
+    """Insert meta rows, leaving any a concurrent ``create`` wrote first."""
+    meta = tables.meta
+    rows = [{"name": name, "value": str(value)} for name, value in values.items()]
+    dialect = conn.dialect.name
+    if dialect in ("postgresql", "sqlite"):
+        insert = (postgresql if dialect == "postgresql" else sqlite).insert(meta)
+        conn.execute(insert.on_conflict_do_nothing(index_elements=[meta.c.name]), rows)
+    else:
+        present = set(conn.scalars(select(meta.c.name)))
+        missing = [row for row in rows if row["name"] not in present]
+        if missing:
+            conn.execute(meta.insert(), missing)
+
+
+def _put(conn: Connection, tables: OutboxTables, name: str, value: object) -> None:
+    meta = tables.meta
+    if not conn.execute(update(meta).where(meta.c.name == name).values(value=str(value))).rowcount:
+        conn.execute(meta.insert().values(name=name, value=str(value)))

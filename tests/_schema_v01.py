@@ -1,0 +1,231 @@
+"""FROZEN: the tables of release 0.1.0 (``git show 4de3200:outbox/_tables.py``), schema version 1.
+
+Never edit this file: the upgrade tests build a database exactly as 0.1.0 did
+and check that ``outbox init-db --upgrade`` brings it to the current schema
+without losing a row. The only change from the original is the import of
+``validate_identifier`` (replaced by a pass-through: the tests pass plain names).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    Uuid,
+)
+from sqlalchemy.engine import Dialect
+
+
+def validate_identifier(value, what, *, allow_empty=False):
+    return value
+
+PENDING, PUBLISHED, FAILED = "pending", "published", "failed"
+SKIPPED = "skipped"  # a failed row an operator chose not to send (``outbox failed skip``)
+PROCESSED, DISCARDED = "processed", "discarded"
+
+# SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC in Python on every backend (SQLite stores naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass timezone-aware UTC datetimes")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None or value.tzinfo is not None:
+            return value
+        return value.replace(tzinfo=UTC)
+
+
+def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[Any]]:
+    """Columns that keep a whole consumed message, for tables that replay it later."""
+    return [
+        Column("message_id", Uuid, nullable=False, primary_key=id_is_primary_key),
+        Column("topic", String(249), nullable=False),
+        Column("key", String(255)),
+        Column("seq", BigInteger),
+        Column("payload", LargeBinary, nullable=False),
+        Column("content_type", String(100), nullable=False),
+        Column("headers", JSON, nullable=False),
+        Column("created_at", UTCDateTime, nullable=False),
+        Column("kafka_partition", Integer),
+        Column("kafka_offset", BigInteger),
+    ]
+
+
+class OutboxTables:
+    """All outbox and inbox tables, named ``{prefix}outbox_messages`` etc.
+
+    Pass your own ``metadata`` to get the tables into your Alembic migrations;
+    ``prefix`` and ``schema`` must be plain identifiers and are checked here.
+    """
+
+    def __init__(
+        self, metadata: MetaData | None = None, *, prefix: str = "", schema: str | None = None
+    ) -> None:
+        self.prefix = validate_identifier(prefix, "table prefix", allow_empty=True)
+        self.schema = None if schema is None else validate_identifier(schema, "schema")
+        self.metadata = metadata if metadata is not None else MetaData()
+        p, s, md = self.prefix, self.schema, self.metadata
+
+        self.messages = Table(
+            f"{p}outbox_messages", md,
+            Column("id", _BigId, primary_key=True, autoincrement=True),
+            Column("message_id", Uuid, nullable=False, unique=True),
+            Column("topic", String(249), nullable=False),
+            Column("key", String(255)),
+            Column("seq", BigInteger),
+            Column("shard", Integer, nullable=False),
+            Column("payload", LargeBinary, nullable=False),
+            Column("content_type", String(100), nullable=False),
+            Column("headers", JSON, nullable=False),
+            Column("created_at", UTCDateTime, nullable=False),
+            Column("available_at", UTCDateTime, nullable=False),
+            Column("attempts", Integer, nullable=False, default=0),
+            Column("last_error", Text),
+            Column("status", String(9), nullable=False, default=PENDING),
+            Column("published_at", UTCDateTime),
+            Column("kafka_partition", Integer),
+            Column("kafka_offset", BigInteger),
+            CheckConstraint(
+                f"status IN ('{PENDING}', '{PUBLISHED}', '{FAILED}', '{SKIPPED}')",
+                name=f"ck_{p}outbox_status",
+            ),
+            schema=s,
+        )
+        m = self.messages.c
+        Index(
+            f"ix_{p}outbox_pending", m.shard, m.id,
+            postgresql_where=m.status == PENDING, sqlite_where=m.status == PENDING,
+        )
+        # Finds the unfinished predecessors of a key's message (relay ordering, failed rows).
+        Index(
+            f"ix_{p}outbox_open_key", m.topic, m.key, m.seq,
+            postgresql_where=m.status != PUBLISHED, sqlite_where=m.status != PUBLISHED,
+        )
+        # Rows that may hold their key back (failed, delayed, waiting for a retry): tiny,
+        # so the relay's per-row "does an earlier row block my key" probe is nearly free.
+        may_block = (m.status != PUBLISHED) & ((m.status == FAILED) | (m.available_at > m.created_at))
+        Index(
+            f"ix_{p}outbox_key_waits", m.topic, m.key, m.seq,
+            postgresql_where=may_block, sqlite_where=may_block,
+        )
+
+        self.keys = Table(
+            f"{p}outbox_keys", md,
+            Column("topic", String(249), primary_key=True),
+            Column("key", String(255), primary_key=True),
+            Column("last_seq", BigInteger, nullable=False),
+            schema=s,
+        )
+        self.leases = Table(
+            f"{p}outbox_leases", md,
+            Column("shard", Integer, primary_key=True, autoincrement=False),
+            Column("owner", String(200)),
+            Column("epoch", BigInteger, nullable=False, default=0),
+            Column("expires_at", UTCDateTime, nullable=False),
+            schema=s,
+        )
+        self.relays = Table(
+            f"{p}outbox_relays", md,
+            Column("worker_id", String(200), primary_key=True),
+            Column("heartbeat_at", UTCDateTime, nullable=False),
+            schema=s,
+        )
+
+        self.inbox_messages = Table(
+            f"{p}inbox_messages", md,
+            Column("consumer_group", String(255), primary_key=True),
+            Column("message_id", Uuid, primary_key=True),
+            Column("topic", String(249), nullable=False),
+            Column("key", String(255)),
+            Column("seq", BigInteger),
+            Column("kafka_partition", Integer),
+            Column("kafka_offset", BigInteger),
+            Column("created_at", UTCDateTime),
+            Column("received_at", UTCDateTime, nullable=False),
+            Column("processed_at", UTCDateTime, nullable=False),
+            Column("deliveries", Integer, nullable=False, default=1),
+            Column("outcome", String(9), nullable=False, default=PROCESSED),
+            Column("note", Text),
+            schema=s,
+        )
+        self.inbox_keys = Table(
+            f"{p}inbox_keys", md,
+            Column("consumer_group", String(255), primary_key=True),
+            Column("topic", String(249), primary_key=True),
+            Column("key", String(255), primary_key=True),
+            Column("last_seq", BigInteger, nullable=False, default=0),
+            Column("parked", Boolean, nullable=False, default=False),
+            Column("parked_reason", Text),
+            Column("parked_at", UTCDateTime),
+            schema=s,
+        )
+        self.inbox_parked = Table(
+            f"{p}inbox_parked", md,
+            Column("id", _BigId, primary_key=True, autoincrement=True),
+            Column("consumer_group", String(255), nullable=False),
+            *_stored_message_columns(),
+            Column("reason", String(20), nullable=False),
+            Column("error", Text),
+            Column("traceback", Text),
+            Column("attempts", Integer, nullable=False, default=0),
+            Column("first_failure_at", UTCDateTime, nullable=False),
+            Column("last_failure_at", UTCDateTime, nullable=False),
+            schema=s,
+        )
+        Index(
+            f"ix_{p}inbox_parked_key",
+            self.inbox_parked.c.consumer_group, self.inbox_parked.c.topic,
+            self.inbox_parked.c.key, self.inbox_parked.c.seq,
+        )
+        Index(
+            f"ux_{p}inbox_parked_message",
+            self.inbox_parked.c.consumer_group, self.inbox_parked.c.message_id, unique=True,
+        )
+        # Messages that arrived ahead of a gap in their key's seq, waiting for it to fill.
+        self.inbox_held = Table(
+            f"{p}inbox_held", md,
+            Column("consumer_group", String(255), primary_key=True),
+            *_stored_message_columns(id_is_primary_key=True),
+            Column("received_at", UTCDateTime, nullable=False),
+            UniqueConstraint(
+                "consumer_group", "topic", "key", "seq", name=f"ux_{p}inbox_held_seq"
+            ),
+            schema=s,
+        )
+
+    @property
+    def outbox_tables(self) -> list[Table]:
+        return [self.messages, self.keys, self.leases, self.relays]
+
+    @property
+    def inbox_tables(self) -> list[Table]:
+        return [self.inbox_messages, self.inbox_keys, self.inbox_parked, self.inbox_held]
+

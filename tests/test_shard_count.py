@@ -1,0 +1,131 @@
+"""One shard count, stored with the tables: every publisher, relay and command reads it.
+
+Before, the count was a flag each process had to repeat; a process that used
+the default 16 against a database run with another count put rows in shards no
+relay owned, or a key's rows in two shards served by two relays.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport, drain, publish, rows
+from typer.testing import CliRunner
+
+from outbox import ConfigurationError, Outbox, OutboxTables, Relay, create_engine
+from outbox._schema import SCHEMA_VERSION
+from outbox._sharding import shard_for_key
+from outbox.cli import app
+
+KEYS = [f"key-{i}" for i in range(40)]
+
+
+def cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in result.output
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.fixture
+def eight(db_url):
+    """A database initialised with ``outbox init-db --shards 8``."""
+    code, out = cli("init-db", "--db", db_url, "--shards", "8")
+    assert code == 0 and "shard count 8" in out, out
+    engine = create_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+def test_publishers_and_relays_use_the_stored_count_without_being_told(eight):
+    outbox = Outbox(eight)  # no shards=: what `outbox spark replay` and every example build
+    publish(outbox, "orders", KEYS)
+    assert {(r.key, r.shard) for r in rows(outbox)} == {(k, shard_for_key(k, 8)) for k in KEYS}
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="solo")
+    relay.run_once()
+    assert sorted(relay.leases.owned()) == list(range(8))
+    assert not rows(outbox, status="pending")
+
+
+def test_a_different_count_is_an_error_naming_both(eight, db_url):
+    numbers = re.compile(r"shards=16 .* use 8 shards")
+    with pytest.raises(ConfigurationError, match=numbers):
+        publish(Outbox(eight, shards=16), "orders", ["k"])
+    with pytest.raises(ConfigurationError, match=numbers):
+        Relay(Outbox(eight, shards=16), ScriptedTransport())
+    with pytest.raises(ConfigurationError, match=numbers):
+        Outbox(eight, shards=16).create_tables()
+    assert not rows(Outbox(eight))
+    for command in (["relay", "--bootstrap-servers", "localhost:1"], ["init-db"]):
+        code, out = cli(*command, "--db", db_url, "--shards", "16")
+        assert code == 2 and numbers.search(out), (command, out)
+    assert cli("init-db", "--db", db_url)[0] == 0  # naming no count, or the same one, is fine
+    assert cli("init-db", "--db", db_url, "--shards", "8")[0] == 0
+
+
+def test_the_count_is_read_once_per_outbox_not_per_message(eight):
+    outbox = Outbox(eight)
+    publish(outbox, "orders", ["first"])
+    meta = OutboxTables().meta
+    with eight.begin() as conn:  # behind the live publisher's back (never do this)
+        conn.execute(meta.update().where(meta.c.name == "shard_count").values(value="3"))
+    publish(outbox, "orders", KEYS)
+    assert all(r.shard == shard_for_key(r.key, 8) for r in rows(outbox))
+    assert Outbox(eight).shards == 3  # a new Outbox reads it again
+
+
+def test_create_tables_records_the_count_once(sqlite_db):
+    engine = create_engine(sqlite_db)
+    Outbox(engine, shards=4).create_tables()
+    Outbox(engine).create_tables()  # idempotent, keeps 4
+    assert Outbox(engine).shards == 4
+    with engine.connect() as conn:
+        meta = OutboxTables().meta
+        assert dict(conn.execute(sa.select(meta.c.name, meta.c.value)).all()) \
+            == {"schema_version": str(SCHEMA_VERSION), "shard_count": "4"}
+
+
+def test_the_count_changes_only_on_a_drained_stopped_outbox(eight, db_url):
+    outbox = Outbox(eight)
+    publish(outbox, "orders", KEYS)
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 2 and "40 row(s) are not published yet" in out, out
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="r")
+    drain(relay)
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 2 and "running relays hold 8 shard lease(s)" in out, out
+    relay.close()
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 0 and "shard count changed from 8 to 4" in out, out
+
+    restarted = Outbox(eight)  # publishers and relays started after the change
+    publish(restarted, "orders", KEYS)
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="r2")
+    drain(relay)
+    assert sorted(relay.leases.owned()) == [0, 1, 2, 3]
+    fresh = [r for r in rows(restarted) if r.published_at is not None and r.id > len(KEYS)]
+    assert {(r.key, r.shard) for r in fresh} == {(k, shard_for_key(k, 4)) for k in KEYS}
+    with eight.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(OutboxTables().leases)) == 4
+    relay.close()
+
+
+@pytest.mark.spark
+def test_spark_replay_publishes_into_the_stored_shards(java_home, sqlite_db, tmp_path):
+    """The replay used to build ``Outbox(engine)`` with 16 shards whatever the database ran with."""
+    from _spark_seed import AS_OF, build, seed, spark_for_tests
+
+    from outbox.spark import archive, replay
+
+    Outbox(create_engine(sqlite_db), shards=8).create_tables()
+    seed(build(n=2_000, keys=40), sqlite_db, sqlite_db)
+    spark = spark_for_tests()
+    archive(sqlite_db, tmp_path / "archive", retention="10m", as_of=AS_OF, spark=spark)
+    outbox = Outbox(create_engine(sqlite_db))
+    before = {r.id for r in rows(outbox)}
+    result = replay(tmp_path / "archive", sqlite_db, topic="orders", spark=spark)
+    new = [r for r in rows(outbox) if r.id not in before]
+    assert result.replayed == len(new) > 100
+    assert all(r.shard == shard_for_key(r.key, 8) for r in new if r.key is not None)
+    assert {r.shard for r in new if r.key is None} <= set(range(8))

@@ -1,0 +1,86 @@
+"""Type checkers accept the producer API: ``@transactional`` functions are called without the session.
+
+mypy runs on ``typed_usage.py`` (must pass ``--strict``) and on a snippet with
+a wrong argument (must fail: the decorator keeps the signature, minus the
+session, instead of hiding it behind ``Any``). The usage file also runs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from typed_usage import build, run, run_async
+
+from outbox import ConfigurationError, Outbox
+
+HERE = Path(__file__).parent
+
+
+def mypy(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
+         str(path)], cwd=HERE.parent, capture_output=True, text=True, timeout=300)
+
+
+def test_typed_usage_passes_mypy_strict():
+    result = mypy(HERE / "typed_usage.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_sees_the_decorated_signature(tmp_path):
+    snippet = tmp_path / "wrong.py"
+    snippet.write_text(
+        "from sqlalchemy.orm import Session\n"
+        "from outbox import Outbox, create_engine\n"
+        "outbox = Outbox(create_engine('sqlite://'))\n\n"
+        "@outbox.transactional\n"
+        "def place(session: Session, order_id: int) -> str:\n"
+        "    return str(order_id)\n\n"
+        "count: int = place('seven')\n"
+    )
+    result = mypy(snippet)
+    assert result.returncode == 1
+    assert 'Argument 1 to "place" has incompatible type "str"; expected "int"' in result.stdout
+    assert 'expression has type "str", variable has type "int"' in result.stdout
+
+
+def test_the_typed_usage_runs(sqlite_db):
+    outbox = build(sqlite_db)
+    outbox.create_tables()
+    assert run(outbox) == ["first"]
+    m = outbox.tables.messages
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        assert list(conn.scalars(sa.select(m.c.key).order_by(m.c.id))) == ["1", "2"]
+
+
+async def test_the_typed_async_usage_runs(tmp_path):
+    url = f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"
+    from outbox import create_async_engine
+
+    await Outbox(create_async_engine(url)).create_tables_async()
+    assert await run_async(url) == 4
+
+
+def test_a_session_first_function_can_join_a_callers_transaction(outbox):
+    @outbox.transactional
+    def place(session, order_id):
+        outbox.publish(session, "orders", {"id": order_id}, key=order_id)
+        return session
+
+    with outbox.begin() as session:
+        assert place(1, session=session) is session  # joined: no new session, no commit of its own
+        session.rollback()
+    with outbox.engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(outbox.tables.messages)) == 0
+
+
+def test_begin_refuses_the_wrong_engine_kind():
+    from outbox import create_async_engine
+
+    with pytest.raises(ConfigurationError, match="begin_async"), \
+            Outbox(create_async_engine("sqlite+aiosqlite://")).begin():
+        pass
