@@ -116,9 +116,9 @@ def create(conn: Connection, tables: OutboxTables, shards: int | None) -> Stored
     if version is not None:
         _check_version(version)
     tables.metadata.create_all(conn)
-    if version is None:
+    if version is None:  # empty tables; _shards_in_use still refuses a count leases contradict
         _insert_missing(conn, tables, {"schema_version": SCHEMA_VERSION,
-                                       "shard_count": shards or DEFAULT_SHARDS})
+                                       "shard_count": _shards_in_use(conn, tables, shards)})
     stored = read(conn, tables)
     check_same_shards(shards, stored.shard_count)
     return stored
@@ -193,7 +193,21 @@ def _look(conn: Connection, tables: OutboxTables) -> tuple[int | None, dict[str,
     meta = tables.meta
     values = {name: value for name, value in conn.execute(select(meta.c.name, meta.c.value))}
     version = values.get("schema_version")
+    if version is None and _has_rows(conn, tables):
+        # An empty meta table beside tables with rows: an older database whose meta
+        # table was made by someone else (Alembic's autogenerate). It is to be upgraded,
+        # shard count and all, never stamped as new with the default count.
+        return 1, values
     return (int(version) if version is not None else None), values
+
+
+def _has_rows(conn: Connection, tables: OutboxTables) -> bool:
+    found = inspect(conn)
+    return any(
+        found.has_table(table.name, schema=table.schema)
+        and conn.scalar(select(1).select_from(table).limit(1)) is not None
+        for table in (tables.messages, tables.leases)
+    )
 
 
 def _check_version(version: int, *, allow_older: bool = False) -> None:

@@ -212,6 +212,19 @@ def test_upgrade_takes_the_shard_count_the_01_relays_used(sqlite_db):
     assert code == 0 and "shard count 8" in out, out
 
 
+def test_an_empty_meta_table_from_alembic_does_not_hide_a_01_database(db_url):
+    """Autogenerate creates ``outbox_meta`` empty beside the 0.1 tables: still an upgrade, count and all."""
+    build_v01(db_url, shards=8)
+    engine = sa.create_engine(db_url)
+    OutboxTables().meta.create(engine)
+    engine.dispose()
+    entry_points_refuse(db_url, "init-db --upgrade")
+    code, out = cli("init-db", "--db", db_url)
+    assert code == 2 and "--upgrade" in out, out
+    code, out = cli("init-db", "--db", db_url, "--upgrade")
+    assert code == 0 and "shard count 8" in out, out
+
+
 def test_upgrade_refuses_a_count_the_unpublished_rows_contradict(sqlite_db):
     build_v01(sqlite_db, shards=8, leases=False)  # no relay ever ran: only the rows tell
     before = snapshot(sqlite_db)
