@@ -54,3 +54,11 @@ class RetriableTransportError(TransportError):
     Sends never raise: their permanent failures come back as ``Outcome.FAILED``.
     """
 
+
+
+class CommitRefusedError(TransportError):
+    """The broker refused an offset commit because the group is rebalancing or moved on.
+
+    Nothing was committed: the positions stay where they were, and whoever owns
+    the partition next replays from there (the inbox drops what it applied).
+    """

@@ -119,3 +119,25 @@ def applied(engine: sa.Engine, key: str | None = None) -> list[tuple[str | None,
         stmt = stmt.where(effects.c.key == key)
     with engine.connect() as conn:
         return [(r.key, r.seq) for r in conn.execute(stmt)]
+
+
+def settle_all(inbox, deliveries) -> list:  # type: ignore[no-untyped-def]
+    """Run ``deliveries`` through the settle stage until each is done, sleeping out the retry delays
+    (what the runner's timer does); returns every (delivery, disposition) reached."""
+    import time
+
+    done: list = []  # type: ignore[type-arg]
+    pending = [(d, 0.0) for d in deliveries]
+    first = True
+    while pending:
+        if first:
+            batches, first = [[d for d, _ in pending]], False
+        else:
+            time.sleep(max(delay for _, delay in pending))
+            batches = [[d] for d, _ in pending]
+        pending = []
+        for batch in batches:
+            settled = inbox.settler.settle(batch)
+            done.extend(settled.done)
+            pending.extend(settled.later)
+    return done

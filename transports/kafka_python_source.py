@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         'pip install "transactional-outbox[kafka-python]"'
     ) from exc
 
-from outbox import ConfigurationError, TransportError
+from outbox import CommitRefusedError, ConfigurationError, RetriableTransportError, TransportError
 from outbox._validation import validate_topic
 from transports._protocol import Record, RevokeCallback
 
@@ -74,9 +74,10 @@ class KafkaPythonSource:
             self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, None)
                                    for (t, p), o in offsets.items()})
         except CommitFailedError as exc:
-            log.warning("offset commit refused (%s); the next owner replays from the last "
-                        "commit and duplicates are dropped", exc)
+            raise CommitRefusedError(f"offset commit refused: {exc}") from None
         except KafkaError as exc:
+            if getattr(exc, "retriable", False):
+                raise RetriableTransportError(f"offset commit failed: {exc}") from None
             raise TransportError(f"offset commit failed: {exc}") from None
 
     def on_revoke(self, callback: RevokeCallback) -> None:

@@ -20,9 +20,10 @@ from sqlalchemy import BigInteger, DateTime, Integer, Row, Text, Uuid, bindparam
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from ._inbox_delivery import Delivery
-from ._pg_arrays import array_params, rows_of
-from ._tables import PROCESSED, OutboxTables
+from .._pg_arrays import array_params, rows_of
+from .._tables import OutboxTables
+from ._delivery import Delivery
+from ._kinds import Outcome
 
 _KEYS = {"topic": Text(), "key": Text()}
 _SEQS = {**_KEYS, "seq": BigInteger()}
@@ -37,7 +38,7 @@ class PostgresBulk:
         k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
         keys, seqs, claims = rows_of(_KEYS), rows_of(_SEQS), rows_of(_CLAIMS)
         locked = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked)
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
             .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
             .with_for_update()
             .lateral("locked")
@@ -51,7 +52,8 @@ class PostgresBulk:
         self._claim = insert(m).from_select(
             ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
             select(literal(group), *[claims.c[c] for c in claimed],
-                   bindparam("now", type_=DateTime(timezone=True)), literal(1), literal(PROCESSED)),
+                   bindparam("now", type_=DateTime(timezone=True)), literal(1),
+                   literal(Outcome.PROCESSED.value)),
         ).on_conflict_do_nothing().returning(m.c.message_id)
         # The rows exist and are locked (lock_keys ran first): the upsert only updates.
         upsert = insert(k).from_select(
@@ -69,7 +71,7 @@ class PostgresBulk:
         self._successors = select(successor).select_from(seqs.join(successor, true()))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
-        """Lock and read ``keys`` (topic, key, last_seq, parked), creating missing ones at seq 0.
+        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq); create missing ones.
 
         One round trip when every key exists (the steady state), three when
         some are new. Keys are locked in the order given, so callers that
