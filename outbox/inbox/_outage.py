@@ -76,7 +76,7 @@ class OutageLog:
     all knock at once. Safe to call from several threads.
     """
 
-    def __init__(self, what: str = "database") -> None:
+    def __init__(self, what: str = "the database") -> None:
         self.what = what
         self._lock = threading.Lock()
         self._failures = 0

@@ -200,7 +200,8 @@ class TransactionStep:
         store.count_redelivery(session, (d.message.message_id for d in duplicates))
         store.unhold(session, (d.message.message_id for d in unhold))
         store.set_last_seq(session, new_seqs)
-        store.set_started(session, starts)
+        # A key starts where its first message applied; if that one failed, its retry starts it.
+        store.set_started(session, {lane: seq for lane, seq in starts.items() if lane in new_seqs})
         batch.done.extend((d, Disposition.DUPLICATE) for d in duplicates)
 
     def _triage(self, session: Session, d: Delivery, states: dict[KeyId, KeyState],
