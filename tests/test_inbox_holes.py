@@ -129,7 +129,7 @@ def test_discard_refuses_to_skip_past_earlier_parked_messages(engine: sa.Engine)
     inbox._handlers[TOPIC] = TopicHandler(handler)
     for seq in (1, 2, 3):
         assert inbox.handle(record(TOPIC, "k", seq)) is Disposition.PARKED
-    one, two, three = inbox.parked(TOPIC, "k")
+    _, two, _ = inbox.parked(TOPIC, "k")
     with pytest.raises(DiscardRefusedError, match="1 earlier message"):
         inbox.discard(two.message_id, by="alice", reason="order 2 is bogus")
     assert [p.seq for p in inbox.parked(TOPIC, "k")] == [1, 2, 3]  # nothing changed
