@@ -96,7 +96,7 @@ def handler_for(world: World, group: str):  # type: ignore[no-untyped-def]
         behaviour = world.behaviours[message.message_id]
         world.calls[message.message_id] += 1
         calls = world.calls[message.message_id]
-        if behaviour == "flaky1" and calls <= 1 or behaviour == "flaky2" and calls <= 2:
+        if (behaviour == "flaky1" and calls <= 1) or (behaviour == "flaky2" and calls <= 2):
             raise RuntimeError("flaky")
         if behaviour == "retry_later" and calls <= 2:
             raise RetryLater(0.0, "busy")
