@@ -2,10 +2,19 @@
 
 ``postgres_url()`` and ``kafka_bootstrap()`` resolve a database and a broker
 (environment variable, then testcontainers, then local binaries or librdkafka's
-mock cluster); ``local_postgres()`` runs a throwaway cluster directly.
+mock cluster); ``local_postgres()`` runs a throwaway cluster directly, and
+``local_postgres_server()`` one a test can stop and start again.
 """
 
-from ._postgres import FAST_SETTINGS, free_port, fresh_database, local_postgres, postgres_bindir
+from ._postgres import (
+    FAST_SETTINGS,
+    LocalPostgres,
+    free_port,
+    fresh_database,
+    local_postgres,
+    local_postgres_server,
+    postgres_bindir,
+)
 from ._resolve import (
     KAFKA_BOOTSTRAP_VARIABLE,
     POSTGRES_URL_VARIABLE,
@@ -19,12 +28,14 @@ __all__ = [
     "FAST_SETTINGS",
     "KAFKA_BOOTSTRAP_VARIABLE",
     "POSTGRES_URL_VARIABLE",
+    "LocalPostgres",
     "Unavailable",
     "docker_engine_answers",
     "free_port",
     "fresh_database",
     "kafka_bootstrap",
     "local_postgres",
+    "local_postgres_server",
     "postgres_bindir",
     "postgres_url",
 ]

@@ -34,44 +34,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LocalPostgres:
+    """A throwaway cluster in a temp dir on a free port, that a test can stop and start again.
+
+    As root, the server runs as the ``postgres`` user (initdb refuses root).
+    ``stop()`` shuts it down like an operator would (``pg_ctl stop -m fast``);
+    ``start()`` brings it back on the same data directory and port, so the URL
+    stays valid: what a database restart looks like to a client.
+    """
+
+    def __init__(self, settings: Mapping[str, str] | None = None) -> None:
+        bindir = postgres_bindir()
+        if bindir is None:
+            raise FileNotFoundError("PostgreSQL binaries (initdb, pg_ctl) not found")
+        self._bindir = bindir
+        self._as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self._root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+        self._data = self._root / "data"
+        if self._as_user:
+            shutil.chown(self._root, "postgres")
+        self.port = free_port()
+        options = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(self.port),
+            "unix_socket_directories": str(self._root),
+            "max_connections": "200",
+            **(settings or {}),
+        }
+        self._options = " ".join(f"-c {k}={v}" for k, v in options.items())
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        try:
+            _run([*self._as_user, str(bindir / "initdb"), "-D", str(self._data), "-U", "postgres",
+                  "-A", "trust", "-E", "UTF8", "--no-sync"])
+            self.start()
+        except BaseException:
+            shutil.rmtree(self._root, ignore_errors=True)
+            raise
+
+    def start(self) -> None:
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-l",
+              str(self._root / "log"), "-o", self._options, "-w", "-t", "60", "start"])
+
+    def stop(self, mode: str = "fast") -> None:
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", mode,
+              "-w", "stop"])
+
+    def remove(self) -> None:
+        """Stop the server if it runs and delete its directory."""
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "immediate",
+              "-w", "stop"], check=False)
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
 @contextmanager
 def local_postgres(settings: Mapping[str, str] | None = None) -> Iterator[str]:
     """Run a new cluster in a temp dir on a free port; yield its SQLAlchemy URL.
 
-    As root, the server runs as the ``postgres`` user (initdb refuses root).
     The cluster is stopped and its directory removed when the context exits.
     """
-    bindir = postgres_bindir()
-    if bindir is None:
-        raise FileNotFoundError("PostgreSQL binaries (initdb, pg_ctl) not found")
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        as_user = ["runuser", "-u", "postgres", "--"]
-    root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
-    data = root / "data"
-    if as_user:
-        shutil.chown(root, "postgres")
-    port = free_port()
-    options = {
-        "listen_addresses": "127.0.0.1",
-        "port": str(port),
-        "unix_socket_directories": str(root),
-        "max_connections": "200",
-        **(settings or {}),
-    }
-    opts = " ".join(f"-c {k}={v}" for k, v in options.items())
+    with local_postgres_server(settings) as server:
+        yield server.url
+
+
+@contextmanager
+def local_postgres_server(settings: Mapping[str, str] | None = None) -> Iterator[LocalPostgres]:
+    """``local_postgres``, yielding the server itself, to stop and start it mid-test."""
+    server = LocalPostgres(settings)
     try:
-        _run([*as_user, str(bindir / "initdb"), "-D", str(data), "-U", "postgres",
-              "-A", "trust", "-E", "UTF8", "--no-sync"])
-        _run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"),
-              "-o", opts, "-w", "-t", "60", "start"])
-        try:
-            yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-        finally:
-            _run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate",
-                  "-w", "stop"], check=False)
+        yield server
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        server.remove()
 
 
 @contextmanager
