@@ -64,8 +64,10 @@ class Inbox:
     threads). ``concurrency`` worker threads handle different keys in
     parallel; ``batch_size`` > 1 lets one transaction carry several keys'
     messages (a SAVEPOINT each), which is what high throughput needs.
-    Configuration is checked here; registering handlers and ``handle`` are
-    safe from several threads.
+    ``start`` is where a key first met past seq 1 starts (``StartPolicy``).
+    A database or broker outage is never a failed attempt: the work waits
+    and resumes. Configuration is checked here; registering handlers and
+    ``handle`` are safe from several threads.
     """
 
     def __init__(
