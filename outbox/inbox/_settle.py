@@ -33,7 +33,7 @@ from ._alerting import Alerter
 from ._delivery import Delivery
 from ._outage import OutageLog, is_outage
 from ._signals import Disposition, ParkMessage, RetryLater
-from ._transaction import Failure, TransactionStep
+from ._transaction import Batch, Failure, Parked, TransactionStep
 
 log = logging.getLogger("outbox.inbox")
 
@@ -58,68 +58,86 @@ class Settler:
         self.wait = wait
 
     def settle(self, deliveries: list[Delivery]) -> Settled:
-        """Apply ``deliveries`` (at most one per key) and settle each one; never sleeps."""
-        settled = Settled()
+        """Apply ``deliveries`` (at most one per key) and settle each one; never sleeps.
+
+        The only calls into the transaction step are here (``apply``, ``park``);
+        the decisions are the ``after_*`` methods, which an async driver of an
+        async step reuses as they are.
+        """
         try:
             batch = self.step.apply(deliveries)
         except Exception as exc:
-            if is_outage(exc):
-                delay = self.outages.failed(exc)
-                settled.later.extend((d, delay) for d in deliveries)
+            if isinstance(exc, DBAPIError) and not is_outage(exc) and len(deliveries) > 1:
+                settled = Settled()  # one message broke the commit: find it by applying each alone
+                for d in deliveries:
+                    alone = self.settle([d])
+                    settled.done.extend(alone.done)
+                    settled.later.extend(alone.later)
                 return settled
-            if not isinstance(exc, DBAPIError):
-                raise  # a bug, not the message's fault nor the database's
-            return self._rejected(deliveries, exc)
-        self.outages.answered()
-        self.alerter.parked(batch.parked)
-        settled.done.extend(batch.done)
-        for failure in batch.failed:
-            self._failed(failure, settled)
+            settled, to_park = self.after_error(deliveries, exc)
+        else:
+            settled, to_park = self.after_apply(batch)
+        for failure in to_park:
+            try:
+                outcome = self.step.park(failure.delivery, failure.error, failure.traceback)
+            except Exception as exc:
+                self.after_park_error(failure.delivery, exc, settled)
+            else:
+                self.after_park(failure.delivery, outcome, settled)
         return settled
 
-    def _rejected(self, deliveries: list[Delivery], error: DBAPIError) -> Settled:
-        if len(deliveries) > 1:
-            settled = Settled()
-            for d in deliveries:
-                alone = self.settle([d])
-                settled.done.extend(alone.done)
-                settled.later.extend(alone.later)
-            return settled
-        d = deliveries[0]
+    def after_error(self, deliveries: list[Delivery], error: Exception) -> tuple[Settled, list[Failure]]:
+        """The transaction failed as a whole: wait out an outage, else fail its one delivery."""
+        settled = Settled()
+        if is_outage(error):
+            delay = self.outages.failed(error)
+            settled.later.extend((d, delay) for d in deliveries)
+            return settled, []
+        if not isinstance(error, DBAPIError):
+            raise error  # a bug, not the message's fault nor the database's
+        [d] = deliveries
         log.warning("inbox transaction of %s/%s seq %s rejected: %s", d.message.topic,
                     d.message.key, d.message.seq, error.orig)
-        settled = Settled()
-        self._failed(Failure(d, error, traceback.format_exc()), settled)
-        return settled
+        to_park = self._failed(Failure(d, error, traceback.format_exc()), settled)
+        return settled, [] if to_park is None else [to_park]
 
-    def _failed(self, failure: Failure, settled: Settled) -> None:
+    def after_apply(self, batch: Batch) -> tuple[Settled, list[Failure]]:
+        """A committed batch: what is done, what to try again when, and what to park now."""
+        self.outages.answered()
+        self.alerter.parked(batch.parked)
+        settled = Settled(done=list(batch.done))
+        to_park = [f for f in batch.failed if self._failed(f, settled) is not None]
+        return settled, to_park
+
+    def after_park(self, d: Delivery, outcome: tuple[Disposition, Parked | None],
+                   settled: Settled) -> None:
+        self.outages.answered()
+        disposition, parked = outcome
+        if parked is not None:
+            self.alerter.parked([parked])
+        settled.done.append((d, disposition))
+
+    def after_park_error(self, d: Delivery, error: Exception, settled: Settled) -> None:
+        if not is_outage(error):
+            raise error
+        d.attempts -= 1  # parking did not happen: the next try ends here again
+        settled.later.append((d, self.outages.failed(error)))
+
+    def _failed(self, failure: Failure, settled: Settled) -> Failure | None:
+        """Count the attempt; the failure back when the message must be parked now."""
         d, error = failure.delivery, failure.error
         if isinstance(error, RetryLater):
             settled.later.append((d, error.delay))
-            return
+            return None
         d.attempts += 1
         if d.first_failure_at is None:
             d.first_failure_at = utcnow()
         if isinstance(error, ParkMessage) or d.attempts >= self.max_attempts:
-            self._park(d, error, failure.traceback, settled)
-            return
+            return failure
         log.warning("handler failed on %s/%s seq %s (attempt %d of %d): %r", d.message.topic,
                     d.message.key, d.message.seq, d.attempts, self.max_attempts, error)
         settled.later.append((d, self._backoff(d.attempts)))
-
-    def _park(self, d: Delivery, error: BaseException, trace: str, settled: Settled) -> None:
-        try:
-            disposition, parked = self.step.park(d, error, trace)
-        except Exception as exc:
-            if not is_outage(exc):
-                raise
-            d.attempts -= 1  # parking did not happen: the next try ends here again
-            settled.later.append((d, self.outages.failed(exc)))
-            return
-        self.outages.answered()
-        if parked is not None:
-            self.alerter.parked([parked])
-        settled.done.append((d, disposition))
+        return None
 
     def _backoff(self, attempt: int) -> float:
         state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
