@@ -343,3 +343,48 @@ def test_kafka_source_reports_a_commit_refused_by_a_rebalance() -> None:
     source._consumer = Refusing()  # type: ignore[assignment]
     with pytest.raises(CommitRefusedError, match="refused"):
         source.commit({(TOPIC, 0): 5})
+
+
+def _wrapped(kind: type[sa.exc.DBAPIError], orig: BaseException) -> sa.exc.DBAPIError:
+    return kind("SELECT 1", {}, orig)  # type: ignore[arg-type]
+
+
+def _outage_cases() -> list:  # type: ignore[type-arg]
+    import sqlite3
+
+    import psycopg
+
+    return [
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.OperationalError("server closed")), True,
+                     id="connection lost"),
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.errors.AdminShutdown()), True,
+                     id="server shutting down"),
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.errors.SerializationFailure()), True,
+                     id="serialization failure"),
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.errors.LockNotAvailable()), True,
+                     id="lock timeout"),
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.errors.QueryCanceled()), False,
+                     id="statement timeout"),
+        pytest.param(_wrapped(sa.exc.IntegrityError, psycopg.errors.UniqueViolation()), False,
+                     id="unique violation"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.UndefinedTable()), False,
+                     id="undefined table"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("database is locked")),
+                     True, id="sqlite locked"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("no such table: x")),
+                     False, id="sqlite no such table"),
+        pytest.param(sa.exc.PendingRollbackError("Can't reconnect until invalid transaction is rolled "
+                                                 "back."), True, id="connection died in a transaction"),
+        pytest.param(ValueError("a handler's own bug"), False, id="handler bug"),
+    ]
+
+
+@pytest.mark.parametrize(("error", "outage"), _outage_cases())
+def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
+    from outbox.inbox._outage import is_outage
+
+    assert is_outage(error) is outage
+    try:
+        raise RuntimeError("wrapped by a handler") from error
+    except RuntimeError as wrapped:
+        assert is_outage(wrapped) is outage  # a handler that wraps an outage still reports one

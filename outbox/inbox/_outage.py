@@ -23,6 +23,9 @@ log = logging.getLogger("outbox.inbox")
 # 55P03 lock not available, 58 system error (I/O).
 _OUTAGE_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58")
 _OUTAGE_SQLSTATES = ("55P03",)
+# 57014 is a statement timeout or a cancel: a handler's query too slow for its limit is the
+# message's problem (it would time out again), not the database's.
+_NOT_OUTAGE_SQLSTATES = ("57014",)
 # SQLite reports everything as OperationalError, "no such table" (a bug) included.
 _SQLITE_OUTAGES = ("locked", "busy", "disk i/o", "unable to open", "disk is full", "readonly")
 
@@ -59,6 +62,8 @@ def _dbapi_outage(error: DBAPIError) -> bool:
         return True
     sqlstate = getattr(error.orig, "sqlstate", None)
     if sqlstate:
+        if sqlstate in _NOT_OUTAGE_SQLSTATES:
+            return False
         return sqlstate.startswith(_OUTAGE_SQLSTATE_CLASSES) or sqlstate in _OUTAGE_SQLSTATES
     if not isinstance(error, OperationalError):
         return False
