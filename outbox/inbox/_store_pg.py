@@ -19,16 +19,19 @@ from typing import Any
 from sqlalchemy import BigInteger, DateTime, Integer, Row, Text, Uuid, bindparam, false, literal, select, true
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
+from sqlalchemy.types import TypeEngine
 
 from .._pg_arrays import array_params, rows_of
 from .._tables import OutboxTables
 from ._delivery import Delivery
 from ._kinds import Outcome
 
-_KEYS = {"topic": Text(), "key": Text()}
-_SEQS = {**_KEYS, "seq": BigInteger()}
-_CLAIMS = {"message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
-           "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True)}
+_KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
+_SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
+_CLAIMS: dict[str, TypeEngine[Any]] = {
+    "message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
+    "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True),
+}
 
 
 class PostgresBulk:
@@ -77,12 +80,12 @@ class PostgresBulk:
         some are new. Keys are locked in the order given, so callers that
         sort them cannot deadlock on each other.
         """
-        rows = session.execute(self._lock_keys, _key_params(keys)).all()
+        rows = list(session.execute(self._lock_keys, _key_params(keys)).all())
         if len(rows) < len(keys):
             found = {(r.topic, r.key) for r in rows}
             missing = [key for key in keys if key not in found]
             session.execute(self._create_keys, _key_params(missing))
-            rows += session.execute(self._lock_keys, _key_params(missing)).all()
+            rows.extend(session.execute(self._lock_keys, _key_params(missing)).all())
         return rows
 
     def claim(self, session: Session, deliveries: Sequence[Delivery], now: datetime) -> set[uuid.UUID]:
@@ -103,7 +106,7 @@ class PostgresBulk:
 
     def successors(self, session: Session, next_seqs: dict[tuple[str, str], int]) -> list[Row[Any]]:
         """Held rows whose (topic, key, seq) is in ``next_seqs``."""
-        return session.execute(self._successors, _seq_params(next_seqs)).all()
+        return list(session.execute(self._successors, _seq_params(next_seqs)).all())
 
 
 def _key_params(keys: Sequence[tuple[str, str]]) -> dict[str, Any]:
