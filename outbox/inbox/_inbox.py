@@ -37,7 +37,7 @@ from ._delivery import Delivery, decode
 from ._gaps import GapSweeper
 from ._kinds import StartPolicy
 from ._metrics import InboxMetrics
-from ._outage import OutageLog
+from ._outage import OutageLog, is_outage
 from ._runner import Runner
 from ._settle import Settler
 from ._signals import Disposition
@@ -248,10 +248,19 @@ class Inbox:
         return self._stop.is_set()
 
     def sweep(self) -> None:
-        """Apply held messages whose gap filled, park keys whose gap outlived ``gap_timeout``."""
-        for d in self.gaps.ready():
-            self._settle_here(d)
-        self.gaps.park_stale()
+        """Apply held messages whose gap filled, park keys whose gap outlived ``gap_timeout``.
+
+        A database outage makes it return without doing anything (logged once):
+        call it again at your next turn.
+        """
+        try:
+            for d in self.gaps.ready():
+                self._settle_here(d)
+            self.gaps.park_stale()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self.settler.outages.failed(exc)
 
     # -- operators ----------------------------------------------------------------
 
