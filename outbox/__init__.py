@@ -5,6 +5,7 @@ from ._alerts import Alert, AlertSink, LoggingAlertSink, WebhookAlertSink
 from ._engine import create_async_engine, create_engine
 from ._envelope import Message, new_message_id
 from ._errors import (
+    CommitRefusedError,
     ConfigurationError,
     InvalidContentTypeError,
     InvalidHeadersError,
@@ -18,19 +19,31 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
-from ._inbox import Inbox
-from ._inbox_admin import NotParkedError, ParkedMessage, ReplayResult
-from ._inbox_signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 from ._outbox import Outbox
 from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
+from .inbox import (
+    DiscardRefusedError,
+    Disposition,
+    HandlerSignal,
+    Inbox,
+    NotParkedError,
+    ParkedMessage,
+    ParkMessage,
+    ReplayResult,
+    RetryLater,
+    SkipMessage,
+    StartPolicy,
+)
 from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 
 __all__ = [
     "Alert",
     "AlertSink",
     "BatchResult",
+    "CommitRefusedError",
     "ConfigurationError",
+    "DiscardRefusedError",
     "Disposition",
     "ForeignRecordError",
     "HandlerSignal",
@@ -56,6 +69,7 @@ __all__ = [
     "RetryLater",
     "SchemaError",
     "SkipMessage",
+    "StartPolicy",
     "TransportError",
     "UnserializablePayloadError",
     "WebhookAlertSink",

@@ -11,6 +11,7 @@ handle that family.
 from __future__ import annotations
 
 from transports._errors import (
+    CommitRefusedError,
     ConfigurationError,
     InvalidTopicError,
     MessageValidationError,
@@ -20,6 +21,7 @@ from transports._errors import (
 )
 
 __all__ = [
+    "CommitRefusedError",
     "ConfigurationError",
     "InvalidContentTypeError",
     "InvalidHeadersError",

@@ -67,6 +67,8 @@ def create_index(attribute: str, name: str) -> Step:
 # (what it does, the step). Append only; never reorder or remove a released entry.
 UPGRADES: list[tuple[str, Step]] = [
     ("outbox_meta: the schema version and the shard count", create_table("meta")),
+    ("inbox_keys.started_at_seq: the seq a first_seen key started at",
+     add_column("inbox_keys", "started_at_seq")),
 ]
 SCHEMA_VERSION = 1 + len(UPGRADES)
 

@@ -204,6 +204,9 @@ class OutboxTables:
             Column("parked", Boolean, nullable=False, default=False),
             Column("parked_reason", Text),
             Column("parked_at", UTCDateTime),
+            # The seq this group started the key at, when it met the key past seq 1 under the
+            # start policy "first_seen"; NULL when the key started at seq 1.
+            Column("started_at_seq", BigInteger),
             schema=s,
         )
         self.inbox_parked = Table(

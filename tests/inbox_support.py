@@ -119,3 +119,64 @@ def applied(engine: sa.Engine, key: str | None = None) -> list[tuple[str | None,
         stmt = stmt.where(effects.c.key == key)
     with engine.connect() as conn:
         return [(r.key, r.seq) for r in conn.execute(stmt)]
+
+
+def settle_all(inbox, deliveries) -> list:  # type: ignore[no-untyped-def]
+    """Run ``deliveries`` through the settle stage until each is done, sleeping out the retry delays
+    (what the runner's timer does); returns every (delivery, disposition) reached."""
+    import time
+
+    done: list = []  # type: ignore[type-arg]
+    pending = [(d, 0.0) for d in deliveries]
+    first = True
+    while pending:
+        if first:
+            batches, first = [[d for d, _ in pending]], False
+        else:
+            time.sleep(max(delay for _, delay in pending))
+            batches = [[d] for d, _ in pending]
+        pending = []
+        for batch in batches:
+            settled = inbox.settler.settle(batch)
+            done.extend(settled.done)
+            pending.extend(settled.later)
+    return done
+
+
+class DatabaseOutage:
+    """Makes ``engine``'s statements fail as if the database were down, while ``on``.
+
+    The error is the driver's own ``OperationalError`` raised where the driver
+    would raise it, so SQLAlchemy wraps it as it wraps a real outage. ``only``
+    limits it to statements containing that text (e.g. a handler's table);
+    ``times`` switches it off by itself after that many failures.
+    """
+
+    def __init__(self, engine: sa.Engine, *, only: str | None = None) -> None:
+        self.on = False
+        self.only = only
+        self.times: int | None = None
+        self.failures = 0
+        dialect = engine.dialect
+        error = dialect.loaded_dbapi.OperationalError
+        message = "disk I/O error" if dialect.name == "sqlite" else "server closed the connection"
+
+        def wrap(original):  # type: ignore[no-untyped-def]
+            def call(cursor, statement, *args, **kwargs):  # type: ignore[no-untyped-def]
+                if self.on and (self.only is None or self.only in statement):
+                    self.failures += 1
+                    if self.times is not None:
+                        self.times -= 1
+                        self.on = self.times > 0
+                    raise error(message)
+                return original(cursor, statement, *args, **kwargs)
+            return call
+
+        for name in ("do_execute", "do_executemany", "do_execute_no_params"):
+            setattr(dialect, name, wrap(getattr(dialect, name)))
+
+    def fail(self, times: int | None = None) -> None:
+        self.times, self.on = times, True
+
+    def end(self) -> None:
+        self.on = False

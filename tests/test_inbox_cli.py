@@ -70,7 +70,10 @@ def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: st
 
     for seq in (4, 5, 6):
         inbox.handle(record("orders", "k", seq))
-    poison = inbox.parked()[0].message_id
+    poison, behind = (p.message_id for p in inbox.parked())
+    skip_ahead = cli.invoke(app, ["parked", "discard", str(behind), "--by", "alice", "--reason", "x",
+                                  "--db", sqlite_db, "--group", "cli"])
+    assert skip_ahead.exit_code == 1 and "replay or discard them first" in " ".join(skip_ahead.output.split())
     args = ["parked", "discard", str(poison), "--by", "alice", "--reason", "duplicate order",
             "--db", sqlite_db, "--group", "cli"]
     assert cli.invoke(app, args).exit_code == 0

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from outbox import Disposition, Inbox
 from outbox._envelope import utcnow
-from outbox._inbox_apply import TopicHandler
+from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     TOPIC,
     AlertLog,
@@ -88,7 +88,7 @@ def test_a_gap_that_never_fills_parks_the_key_after_the_timeout(inbox: Inbox) ->
     [parked] = inbox.parked()
     assert (parked.key, parked.seq, parked.reason) == ("a", 3, "gap")
     assert "seq 2 did not arrive" in parked.error
-    [alert] = inbox.retrier.alert
+    [alert] = inbox.alert
     assert (alert.kind, alert.key, alert.details["reason"]) == ("key_parked", "a", "gap")
     assert inbox.handle(record(TOPIC, "a", 4)) is Disposition.PARKED
     assert [p.seq for p in inbox.parked()] == [3, 4]
@@ -118,7 +118,7 @@ def test_poison_parks_its_key_only_and_alerts_once(inbox: Inbox, engine: sa.Engi
     assert "ValueError: cannot bill order K#5" in parked[0].error
     assert "Traceback" in inbox_parked_traceback(engine, inbox, parked[0].message_id)
     assert {p.reason for p in parked[1:]} == {"key_parked"}
-    [alert] = inbox.retrier.alert
+    [alert] = inbox.alert
     assert (alert.kind, alert.topic, alert.key, alert.group) == ("key_parked", TOPIC, "K", "billing")
     assert alert.message_id == str(parked[0].message_id)
     assert "cannot bill order K#5" in alert.error
@@ -129,7 +129,7 @@ def test_poison_parks_its_key_only_and_alerts_once(inbox: Inbox, engine: sa.Engi
     assert [s for _, s in applied(engine, "K")] == list(range(1, 11))
     assert inbox.parked() == []
     assert inbox.handle(record(TOPIC, "K", 11)) is Disposition.APPLIED
-    assert len(inbox.retrier.alert) == 1
+    assert len(inbox.alert) == 1
 
 
 def inbox_parked_traceback(engine: sa.Engine, inbox: Inbox, message_id: uuid.UUID) -> str:
@@ -234,7 +234,7 @@ def test_a_failed_unkeyed_message_parks_alone_and_replays(inbox: Inbox, engine: 
     inbox._handlers[TOPIC] = TopicHandler(handler)
     assert inbox.handle(record(TOPIC, None, None, payload=b'{"n":2}')) is Disposition.PARKED
     assert inbox.handle(record(TOPIC, None, None)) is Disposition.APPLIED  # nothing else blocked
-    [alert] = inbox.retrier.alert
+    [alert] = inbox.alert
     assert (alert.kind, alert.key) == ("message_parked", None)
     assert inbox.replay(TOPIC, None).remaining == 1  # still broken: stays parked
     broken[0] = False

@@ -15,8 +15,8 @@ from outbox import (
     SkipMessage,
     create_engine,
 )
-from outbox._inbox_apply import TopicHandler
-from outbox._inbox_delivery import decode
+from outbox.inbox._delivery import decode
+from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     TOPIC,
     AlertLog,
@@ -26,6 +26,7 @@ from tests.inbox_support import (
     insert_effect,
     insert_effects,
     record,
+    settle_all,
 )
 from transports import Record
 
@@ -49,9 +50,9 @@ def test_a_foreign_record_parks_with_its_reason_and_the_next_one_is_handled(
     assert (parked.reason, parked.key, parked.partition, parked.offset) == ("foreign", "a", 2, 7)
     assert "outbox-message-id" in parked.error
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # the key is not blocked
-    assert [a.kind for a in inbox.retrier.alert] == ["foreign_record"]
+    assert [a.kind for a in inbox.alert] == ["foreign_record"]
     inbox.handle(Record(topic=TOPIC, value=b"again", partition=2, offset=8))
-    assert len(inbox.retrier.alert) == 1  # one alert per topic, not one per record
+    assert len(inbox.alert) == 1  # one alert per topic, not one per record
 
 
 def test_a_broken_envelope_parks_as_foreign(inbox: Inbox) -> None:
@@ -100,7 +101,7 @@ def test_bad_json_parks_the_message_and_its_key(inbox: Inbox, engine: sa.Engine)
     parked = inbox.parked()
     assert [(p.seq, p.reason) for p in parked] == [(2, "undecodable"), (3, "key_parked")]
     assert "not valid JSON" in parked[0].error
-    [alert] = inbox.retrier.alert
+    [alert] = inbox.alert
     assert (alert.kind, alert.key) == ("key_parked", "a")
 
 
@@ -170,7 +171,7 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
 
     inbox._handlers[TOPIC] = TopicHandler(handler)
     batch = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in ("a", "bad", "c")]
-    result = inbox.applier.apply(batch)
+    result = inbox.step.apply(batch)
     assert sorted(d.message.key for d, disposition in result.done
                   if disposition is Disposition.APPLIED) == ["a", "c"]
     assert [f.delivery.message.key for f in result.failed] == ["bad"]
@@ -205,7 +206,7 @@ def deliveries(*keys: str) -> list:  # type: ignore[type-arg]
 def test_a_batch_handler_gets_the_batch_in_one_call(engine: sa.Engine) -> None:
     calls: list[list[str | None]] = []
     box = batch_inbox(engine, calls)
-    result = box.applier.apply(deliveries("a", "b", "c"))
+    result = box.step.apply(deliveries("a", "b", "c"))
     assert calls == [["a", "b", "c"]]
     assert [disposition for _, disposition in result.done] == [Disposition.APPLIED] * 3
     assert sorted(applied(engine)) == [("a", 1), ("b", 1), ("c", 1)]
@@ -214,7 +215,7 @@ def test_a_batch_handler_gets_the_batch_in_one_call(engine: sa.Engine) -> None:
 def test_a_failed_batch_call_is_redone_one_message_per_call(engine: sa.Engine) -> None:
     calls: list[list[str | None]] = []
     box = batch_inbox(engine, calls, bad="bad")
-    result = box.applier.apply(deliveries("a", "bad", "c"))
+    result = box.step.apply(deliveries("a", "bad", "c"))
     assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
     assert [f.delivery.message.key for f in result.failed] == ["bad"]
     assert sorted(applied(engine)) == [("a", 1), ("c", 1)]
@@ -224,13 +225,13 @@ def test_a_batch_handler_poison_parks_after_exactly_max_attempts(engine: sa.Engi
     calls: list[list[str | None]] = []
     box = batch_inbox(engine, calls, bad="bad")
     done = dict((d.message.key, disposition) for d, disposition in
-                box.retrier.settle(deliveries("a", "bad", "c")))
+                settle_all(box, deliveries("a", "bad", "c")))
     assert done == {"a": Disposition.APPLIED, "bad": Disposition.PARKED, "c": Disposition.APPLIED}
     # The failed three-message call counts for no one; the three calls of "bad" alone do.
     assert calls.count(["bad"]) == 3
     [parked] = box.parked(TOPIC, "bad")
     assert parked.attempts == 3 and "RuntimeError" in (parked.error or "")
-    assert [(a.kind, a.key) for a in box.retrier.alert] == [("key_parked", "bad")]
+    assert [(a.kind, a.key) for a in box.alert] == [("key_parked", "bad")]
 
 
 def test_a_batch_handler_must_take_session_and_messages(engine: sa.Engine) -> None:
@@ -247,7 +248,7 @@ def test_a_held_successor_is_applied_in_the_same_batch(inbox: Inbox, engine: sa.
     assert inbox.handle(record(TOPIC, "a", 3)) is Disposition.HELD
     batch = [decode(record(TOPIC, "a", 1), accept_foreign=False),
              decode(record(TOPIC, "b", 1), accept_foreign=False)]
-    result = inbox.applier.apply(batch)
+    result = inbox.step.apply(batch)
     assert [(d.message.key, d.message.seq) for d, _ in result.done] == [
         ("a", 1), ("b", 1), ("a", 2), ("a", 3)]
     assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
@@ -304,7 +305,7 @@ def test_a_commit_rejected_for_one_message_fails_only_that_message(postgres_db: 
                             [{"code": "taken" if m.key == "bad" else m.key} for m in messages])
 
         done = {d.message.key: disposition for d, disposition in
-                box.retrier.settle(deliveries("a", "bad", "c"))}
+                settle_all(box, deliveries("a", "bad", "c"))}
         assert done == {"a": Disposition.APPLIED, "bad": Disposition.PARKED, "c": Disposition.APPLIED}
         [parked] = box.parked(TOPIC, "bad")
         assert parked.attempts == 3 and "UniqueViolation" in (parked.error or "")

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import Disposition, Inbox
-from outbox._inbox_apply import TopicHandler
+from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import AlertLog, applied, apply_effect, business, record
 from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 from transports import Record
@@ -117,7 +117,7 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kaf
     assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
     [parked] = inbox.parked(topic, "gap")
     assert (parked.seq, parked.reason) == (3, "gap")
-    assert [(a.kind, a.key) for a in inbox.retrier.alert] == [("key_parked", "gap")]
+    assert [(a.kind, a.key) for a in inbox.alert] == [("key_parked", "gap")]
     assert sum(committed(kafka, inbox.group, topic).values()) == 5
 
     # After run() returned, the middleware call still retries instead of abandoning.
@@ -153,7 +153,7 @@ def test_poison_and_foreign_records_never_stop_the_stream(engine: sa.Engine, kaf
     assert [(p.key, p.seq, p.reason) for p in parked if p.key == "K"] == [
         ("K", 5, "failed"), *[("K", s, "key_parked") for s in range(6, 11)]]
     assert [(p.key, p.reason) for p in parked if p.key != "K"] == [("3", "foreign")]
-    assert sorted(a.kind for a in inbox.retrier.alert) == ["foreign_record", "key_parked"]
+    assert sorted(a.kind for a in inbox.alert) == ["foreign_record", "key_parked"]
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox._inbox_offsets import OffsetTracker
+from outbox.inbox._offsets import OffsetTracker
 
 TP = ("orders", 0)
 

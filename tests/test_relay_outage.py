@@ -28,7 +28,7 @@ from _relay_helpers import publish, rows, seqs_by_key
 
 from outbox import Outbox, create_engine
 from outbox._wire import MESSAGE_ID
-from outbox.testing import LocalPostgres, free_port
+from outbox.testing import LocalPostgres, free_port, local_postgres_server
 from transports.testing import BrokerProcess, read_topic
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
@@ -39,13 +39,16 @@ FREEZE, DB_DOWN = 60.0, 10.0
 @pytest.fixture
 def own_postgres() -> Iterator[LocalPostgres]:
     try:
-        server = LocalPostgres()
+        context = local_postgres_server()
+        server = context.__enter__()
     except FileNotFoundError as exc:
         from conftest import unavailable
 
         unavailable(str(exc))
-    yield server
-    server.close()
+    try:
+        yield server
+    finally:
+        context.__exit__(None, None, None)
 
 
 def metric(port: int, name: str, **labels: str) -> float:

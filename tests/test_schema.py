@@ -91,13 +91,14 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 
 
 PUBLIC_API = [
-    "Alert", "AlertSink", "BatchResult", "ConfigurationError", "Disposition", "ForeignRecordError",
+    "Alert", "AlertSink", "BatchResult", "CommitRefusedError", "ConfigurationError",
+    "DiscardRefusedError", "Disposition", "ForeignRecordError",
     "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidHeadersError", "InvalidKeyError",
     "InvalidTopicError",
     "LoggingAlertSink", "Message", "MessageValidationError", "NotParkedError", "Outbox",
     "OutboxError", "OutboxTables", "ParkMessage", "ParkedMessage", "PayloadTooLargeError",
     "Relay", "RelayMetrics", "ReplayResult", "RetriableTransportError",
-    "RetryLater", "SchemaError", "SkipMessage", "TransportError", "UnserializablePayloadError",
+    "RetryLater", "SchemaError", "SkipMessage", "StartPolicy", "TransportError", "UnserializablePayloadError",
     "WebhookAlertSink",
     "create_async_engine", "create_engine", "message_to_record", "new_message_id",
     "record_to_message", "relay_metrics",

@@ -37,6 +37,14 @@ class RetriableTransportError(TransportError):
     """
 
 
+class CommitRefusedError(TransportError):
+    """The broker refused an offset commit because the group is rebalancing or moved on.
+
+    Nothing was committed: the positions stay where they were, and whoever owns
+    the partition next replays from there (the inbox drops what it applied).
+    """
+
+
 # Kafka's own rule (kafka.common.internals.Topic): legal characters, 249 at most.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 

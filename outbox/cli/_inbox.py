@@ -16,8 +16,7 @@ from rich.console import Console
 
 from .._engine import create_engine
 from .._errors import ConfigurationError
-from .._inbox import Inbox
-from .._inbox_admin import NotParkedError
+from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
@@ -134,7 +133,7 @@ def discard(
     """Skip one parked message for good; its key moves on past it."""
     try:
         _inbox(db, group, target).discard(message_id, by=by, reason=reason)
-    except (NotParkedError, ValueError) as exc:
+    except (NotParkedError, DiscardRefusedError, ValueError) as exc:
         Console(stderr=True).print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
     Console().print(f"discarded {message_id}; run `outbox parked replay` for the rest of its key")

@@ -2,8 +2,8 @@
 
 ``postgres_url()`` and ``kafka_bootstrap()`` resolve a database and a broker
 (environment variable, then testcontainers, then local binaries or librdkafka's
-mock cluster); ``local_postgres()`` runs a throwaway cluster directly (``LocalPostgres``
-also stops and restarts it, for outage tests).
+mock cluster); ``local_postgres()`` runs a throwaway cluster directly, and
+``local_postgres_server()`` one a test can stop and start again.
 """
 
 from ._postgres import (
@@ -12,6 +12,7 @@ from ._postgres import (
     free_port,
     fresh_database,
     local_postgres,
+    local_postgres_server,
     postgres_bindir,
 )
 from ._resolve import (
@@ -34,6 +35,7 @@ __all__ = [
     "fresh_database",
     "kafka_bootstrap",
     "local_postgres",
+    "local_postgres_server",
     "postgres_bindir",
     "postgres_url",
 ]

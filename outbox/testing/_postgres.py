@@ -35,33 +35,34 @@ def free_port() -> int:
 
 
 class LocalPostgres:
-    """A new cluster in a temp dir on a free port, running until ``close()``.
+    """A throwaway cluster in a temp dir on a free port, that a test can stop and start again.
 
-    ``url`` is its SQLAlchemy URL. ``stop()`` and ``start()`` take the same
-    cluster (same data, same port) down and up again, for outage tests. As
-    root, the server runs as the ``postgres`` user (initdb refuses root).
+    As root, the server runs as the ``postgres`` user (initdb refuses root).
+    ``stop()`` shuts it down like an operator would (``pg_ctl stop -m fast``);
+    ``start()`` brings it back on the same data directory and port, so the URL
+    stays valid: what a database restart looks like to a client.
     """
 
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         bindir = postgres_bindir()
         if bindir is None:
             raise FileNotFoundError("PostgreSQL binaries (initdb, pg_ctl) not found")
+        self._bindir = bindir
         self._as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        self._pg_ctl = str(bindir / "pg_ctl")
         self._root = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
         self._data = self._root / "data"
         if self._as_user:
             shutil.chown(self._root, "postgres")
-        port = free_port()
+        self.port = free_port()
         options = {
             "listen_addresses": "127.0.0.1",
-            "port": str(port),
+            "port": str(self.port),
             "unix_socket_directories": str(self._root),
             "max_connections": "200",
             **(settings or {}),
         }
         self._options = " ".join(f"-c {k}={v}" for k, v in options.items())
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
         try:
             _run([*self._as_user, str(bindir / "initdb"), "-D", str(self._data), "-U", "postgres",
                   "-A", "trust", "-E", "UTF8", "--no-sync"])
@@ -71,31 +72,38 @@ class LocalPostgres:
             raise
 
     def start(self) -> None:
-        """Start the server and wait until it accepts connections."""
-        _run([*self._as_user, self._pg_ctl, "-D", str(self._data), "-l", str(self._root / "log"),
-              "-o", self._options, "-w", "-t", "60", "start"])
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-l",
+              str(self._root / "log"), "-o", self._options, "-w", "-t", "60", "start"])
 
     def stop(self, mode: str = "fast") -> None:
-        """Stop the server (``fast``: disconnect clients, roll back what is open)."""
-        _run([*self._as_user, self._pg_ctl, "-D", str(self._data), "-m", mode, "-w", "stop"])
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", mode,
+              "-w", "stop"])
 
-    def close(self) -> None:
-        """Stop the server at once and remove its directory."""
-        try:
-            _run([*self._as_user, self._pg_ctl, "-D", str(self._data), "-m", "immediate", "-w",
-                  "stop"], check=False)
-        finally:
-            shutil.rmtree(self._root, ignore_errors=True)
+    def remove(self) -> None:
+        """Stop the server if it runs and delete its directory."""
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "immediate",
+              "-w", "stop"], check=False)
+        shutil.rmtree(self._root, ignore_errors=True)
 
 
 @contextmanager
 def local_postgres(settings: Mapping[str, str] | None = None) -> Iterator[str]:
-    """Run a new cluster (``LocalPostgres``); yield its URL; stop and remove it after."""
+    """Run a new cluster in a temp dir on a free port; yield its SQLAlchemy URL.
+
+    The cluster is stopped and its directory removed when the context exits.
+    """
+    with local_postgres_server(settings) as server:
+        yield server.url
+
+
+@contextmanager
+def local_postgres_server(settings: Mapping[str, str] | None = None) -> Iterator[LocalPostgres]:
+    """``local_postgres``, yielding the server itself, to stop and start it mid-test."""
     server = LocalPostgres(settings)
     try:
-        yield server.url
+        yield server
     finally:
-        server.close()
+        server.remove()
 
 
 @contextmanager

@@ -15,7 +15,13 @@ from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from transports._errors import ConfigurationError, RetriableTransportError, TransportError, validate_topic
+from transports._errors import (
+    CommitRefusedError,
+    ConfigurationError,
+    RetriableTransportError,
+    TransportError,
+    validate_topic,
+)
 from transports._protocol import Record, RevokeCallback
 
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -24,7 +30,7 @@ log = logging.getLogger("transports.kafka")
 
 # Owned by the inbox: a user value would break "commit only what is finished".
 _FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
-# A commit refused because the group moved on: the next owner replays, the inbox drops duplicates.
+# A commit refused because the group moved on: nothing committed; the next owner replays.
 _STALE_COMMIT = {
     KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
     KafkaError.UNKNOWN_MEMBER_ID, KafkaError._NO_OFFSET, KafkaError._STATE,
@@ -93,7 +99,11 @@ class KafkaSource:
         return records
 
     def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
-        """Commit "everything before these offsets is done", synchronously."""
+        """Commit "everything before these offsets is done", synchronously.
+
+        Raises ``CommitRefusedError`` when the group refused it (a rebalance
+        moved on): nothing was committed, and the caller must not record it.
+        """
         if not offsets:
             return
         positions = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
@@ -102,9 +112,7 @@ class KafkaSource:
         except KafkaException as exc:
             error = exc.args[0]
             if error.code() in _STALE_COMMIT:
-                log.warning("offset commit refused (%s); the next owner replays from the "
-                            "last commit and duplicates are dropped", error.str())
-                return
+                raise CommitRefusedError(f"offset commit refused: {error.str()}") from None
             if error.retriable():
                 raise RetriableTransportError(f"offset commit failed: {error.str()}") from None
             raise TransportError(f"offset commit failed: {error.str()}") from None

@@ -16,7 +16,13 @@ from typing import Any
 from kafka import ConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition
 from kafka.errors import CommitFailedError, KafkaError
 
-from .._errors import ConfigurationError, TransportError, validate_topic
+from .._errors import (
+    CommitRefusedError,
+    ConfigurationError,
+    RetriableTransportError,
+    TransportError,
+    validate_topic,
+)
 from .._protocol import Record, RevokeCallback
 
 log = logging.getLogger("transports.kafka_python")
@@ -67,9 +73,10 @@ class KafkaPythonSource:
             self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, None)
                                    for (t, p), o in offsets.items()})
         except CommitFailedError as exc:
-            log.warning("offset commit refused (%s); the next owner replays from the last "
-                        "commit and duplicates are dropped", exc)
+            raise CommitRefusedError(f"offset commit refused: {exc}") from None
         except KafkaError as exc:
+            if getattr(exc, "retriable", False):
+                raise RetriableTransportError(f"offset commit failed: {exc}") from None
             raise TransportError(f"offset commit failed: {exc}") from None
 
     def on_revoke(self, callback: RevokeCallback) -> None:

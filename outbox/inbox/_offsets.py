@@ -73,6 +73,13 @@ class OffsetTracker:
                     result[tp] = position
             return result
 
+    def is_open(self, tp: TopicPartition, offset: int) -> bool:
+        """True while ``offset`` of ``tp`` was received and is neither finished nor forgotten."""
+        with self._lock:
+            part = self._partitions.get(tp)
+            return (part is not None and bool(part.open) and part.open[0] <= offset < part.next_offset
+                    and offset not in part.finished)
+
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
         with self._lock:
             for tp, offset in offsets.items():

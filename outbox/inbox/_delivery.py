@@ -15,10 +15,9 @@ from datetime import datetime
 
 from transports import Record
 
-from ._envelope import BYTES, Message, utcnow
-from ._wire import MESSAGE_ID, ForeignRecordError, record_to_message
-
-FOREIGN, UNDECODABLE = "foreign", "undecodable"
+from .._envelope import BYTES, Message, utcnow
+from .._wire import MESSAGE_ID, ForeignRecordError, record_to_message
+from ._kinds import Reason
 
 # Foreign records have no message id; one derived from their broker position
 # makes a redelivery of the same record a duplicate instead of a second row.
@@ -33,18 +32,28 @@ class Delivery:
     partition: int | None = None
     offset: int | None = None
     received_at: datetime = field(default_factory=utcnow)
-    problem: str | None = None
-    """``"foreign"`` or ``"undecodable"``: park with this reason, never call the handler."""
+    problem: Reason | None = None
+    """``FOREIGN`` or ``UNDECODABLE``: park with this reason, never call the handler."""
     problem_detail: str | None = None
     from_held: bool = False
     """Taken out of ``inbox_held``; its held row is deleted when it is applied or parked."""
     tracked: bool = False
     """Received from a source whose offset tracker waits for it to finish."""
+    attempts: int = 0
+    """Failed handler attempts so far (``RetryLater`` and outages do not count)."""
+    first_failure_at: datetime | None = None
 
     @property
     def ordered(self) -> bool:
         """Subject to the key's seq order (keyed and numbered)."""
         return self.message.key is not None and self.message.seq is not None
+
+    @property
+    def position(self) -> tuple[tuple[str, int], int] | None:
+        """((topic, partition), offset) in the broker, when the record came from a tracked source."""
+        if not self.tracked:
+            return None
+        return (self.message.topic, self.partition), self.offset  # type: ignore[return-value]
 
     @property
     def lane(self) -> tuple[str, str] | None:
@@ -64,13 +73,13 @@ def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None
             return Delivery(_foreign_message(record, key=None), record.partition, record.offset,
                             received_at)
         return Delivery(_foreign_message(record, key=_text_key(record)), record.partition,
-                        record.offset, received_at, problem=FOREIGN, problem_detail=str(exc))
+                        record.offset, received_at, problem=Reason.FOREIGN, problem_detail=str(exc))
     if "json" in message.content_type:
         try:
             json.loads(message.payload)
         except ValueError as exc:
             return Delivery(message, record.partition, record.offset, received_at,
-                            problem=UNDECODABLE,
+                            problem=Reason.UNDECODABLE,
                             problem_detail=f"payload is not valid JSON for content type "
                                            f"{message.content_type!r}: {exc}")
     return Delivery(message, record.partition, record.offset, received_at)

@@ -1,4 +1,4 @@
-"""The inbox's SQL: key state, dedup records, held and parked rows of one consumer group.
+"""The inbox's SQL, all of it: key state, dedup records, held and parked rows of one group.
 
 Every method runs inside the caller's transaction and never commits. Ordering
 rests on one rule: a transaction that reads or changes a key's state first
@@ -6,6 +6,10 @@ locks the key's ``inbox_keys`` row (``SELECT … FOR UPDATE`` on PostgreSQL;
 SQLite's ``BEGIN IMMEDIATE`` already serialises writers), so two consumers
 that briefly both hold a partition during a rebalance still apply a key's
 messages one at a time, in seq order.
+
+``park`` is the one way a message enters ``inbox_parked``: with a reason that
+stops the key it also marks the key parked and moves the key's held messages
+behind it.
 """
 
 from __future__ import annotations
@@ -20,19 +24,38 @@ from sqlalchemy import Row, Table, and_, bindparam, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from ._envelope import Message, utcnow
-from ._inbox_bulk import PostgresBulk
-from ._inbox_delivery import Delivery
-from ._tables import PROCESSED, OutboxTables
+from .._envelope import Message, utcnow
+from .._tables import OutboxTables
+from ._delivery import Delivery
+from ._kinds import Outcome, Reason
+from ._store_pg import PostgresBulk
 
 KeyId = tuple[str, str]
 
-GAP, FAILED, KEY_PARKED = "gap", "failed", "key_parked"
 
 @dataclass(slots=True)
 class KeyState:
     last_seq: int
     parked: bool
+    started_at_seq: int | None = None
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing of this key was applied yet, nor was a start point chosen."""
+        return self.last_seq == 0 and self.started_at_seq is None
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedRow:
+    """One ``inbox_parked`` row: the message and why it is there."""
+
+    id: int
+    delivery: Delivery
+    reason: Reason
+    error: str | None
+    attempts: int
+    first_failure_at: datetime
+    last_failure_at: datetime
 
 
 class InboxStore:
@@ -51,6 +74,12 @@ class InboxStore:
                    k.c.key == bindparam("b_key"))
             .values(last_seq=bindparam("b_seq"))
         )
+        self._set_started = (
+            update(k)
+            .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
+                   k.c.key == bindparam("b_key"))
+            .values(started_at_seq=bindparam("b_seq"))
+        )
 
     # -- key state ------------------------------------------------------------
 
@@ -60,7 +89,7 @@ class InboxStore:
         if not wanted:
             return {}
         if self._bulk is not None:
-            return {(r.topic, r.key): KeyState(r.last_seq, r.parked)
+            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
                     for r in self._bulk.lock_keys(session, wanted)}
         states = self._select_keys(session, wanted)
         missing = [key for key in wanted if key not in states]
@@ -77,11 +106,12 @@ class InboxStore:
     def _select_keys(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
         k = self.t.inbox_keys
         stmt = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked)
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
             .where(k.c.consumer_group == self.group, tuple_(k.c.topic, k.c.key).in_(keys))
             .order_by(k.c.topic, k.c.key)
         )
-        return {(r.topic, r.key): KeyState(r.last_seq, r.parked) for r in session.execute(stmt)}
+        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
+                for r in session.execute(stmt)}
 
     def set_last_seq(self, session: Session, seqs: dict[KeyId, int]) -> None:
         if not seqs:
@@ -93,13 +123,12 @@ class InboxStore:
             {"b_topic": t, "b_key": key, "b_seq": seq} for (t, key), seq in seqs.items()
         ])
 
-    def park_key(self, session: Session, key: KeyId, reason: str) -> None:
-        k = self.t.inbox_keys
-        session.execute(
-            update(k)
-            .where(k.c.consumer_group == self.group, k.c.topic == key[0], k.c.key == key[1])
-            .values(parked=True, parked_reason=reason[:2000], parked_at=utcnow())
-        )
+    def set_started(self, session: Session, starts: dict[KeyId, int]) -> None:
+        """Record the seq at which keys started (start policy ``first_seen``)."""
+        if starts:
+            session.execute(self._set_started, [
+                {"b_topic": t, "b_key": key, "b_seq": seq} for (t, key), seq in starts.items()
+            ])
 
     def unpark_key(self, session: Session, key: KeyId, *, last_seq: int) -> None:
         k = self.t.inbox_keys
@@ -109,10 +138,19 @@ class InboxStore:
             .values(parked=False, parked_reason=None, parked_at=None, last_seq=last_seq)
         )
 
+    def parked_key_count(self, session: Session) -> int:
+        k = self.t.inbox_keys
+        return session.scalar(select(func.count()).where(
+            k.c.consumer_group == self.group, k.c.parked.is_(True))) or 0
+
     # -- dedup records ----------------------------------------------------------
 
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
-        """Insert the dedup rows; returns the ids that were new (the rest are duplicates)."""
+        """Insert the dedup rows; returns the ids that were new (the rest are duplicates).
+
+        ``deliveries`` must not repeat a message id: two copies in one statement
+        would both look new to the caller.
+        """
         if not deliveries:
             return set()
         m = self.t.inbox_messages
@@ -123,7 +161,12 @@ class InboxStore:
         stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
 
-    def _done_row(self, d: Delivery, now: datetime, *, outcome: str = PROCESSED,
+    def is_recorded(self, session: Session, message_id: uuid.UUID) -> bool:
+        m = self.t.inbox_messages
+        return session.scalar(select(m.c.message_id).where(
+            m.c.consumer_group == self.group, m.c.message_id == message_id)) is not None
+
+    def _done_row(self, d: Delivery, now: datetime, *, outcome: Outcome = Outcome.PROCESSED,
                   note: str | None = None) -> dict[str, Any]:
         msg = d.message
         return {
@@ -131,7 +174,7 @@ class InboxStore:
             "key": msg.key, "seq": msg.seq, "kafka_partition": d.partition,
             "kafka_offset": d.offset, "created_at": msg.created_at,
             "received_at": d.received_at, "processed_at": now, "deliveries": 1,
-            "outcome": outcome, "note": note,
+            "outcome": outcome.value, "note": note,
         }
 
     def unclaim(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
@@ -143,13 +186,13 @@ class InboxStore:
             session.execute(delete(table).where(table.c.consumer_group == self.group,
                                                 table.c.message_id.in_(ids)))
 
-    def mark(self, session: Session, d: Delivery, outcome: str, note: str) -> None:
+    def mark(self, session: Session, d: Delivery, outcome: Outcome, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
         m = self.t.inbox_messages
         session.execute(self._insert(m).values(self._done_row(d, utcnow(), outcome=outcome,
                                                               note=note[:4000]))
                         .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
-                                               set_={"outcome": outcome, "note": note[:4000]}))
+                                               set_={"outcome": outcome.value, "note": note[:4000]}))
 
     def count_redelivery(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         """A duplicate arrived: count it on the original's row (the audit reads this)."""
@@ -217,18 +260,84 @@ class InboxStore:
 
     # -- parked -----------------------------------------------------------------
 
-    def park(self, session: Session, d: Delivery, *, reason: str, error: str | None = None,
-             traceback: str | None = None, attempts: int = 0,
-             first_failure_at: datetime | None = None) -> None:
-        """Store ``d`` in ``inbox_parked`` (a second park of the same message is a no-op)."""
+    def park(self, session: Session, d: Delivery, reason: Reason, *, error: str | None = None,
+             traceback: str | None = None, attempts: int = 0) -> bool:
+        """Store ``d`` in ``inbox_parked``; True when this also parked its key.
+
+        A keyed, ordered message parked for a reason that stops its key
+        (``Reason.parks_key``) marks the key parked and moves the key's held
+        messages behind it (reason ``KEY_PARKED``). The caller holds the key's
+        lock. A second park of the same message is a no-op.
+        """
         now = utcnow()
         p = self.t.inbox_parked
-        row = {**self._stored(d), "reason": reason, "error": error, "traceback": traceback,
-               "attempts": attempts, "first_failure_at": first_failure_at or now,
+        row = {**self._stored(d), "reason": reason.value, "error": error, "traceback": traceback,
+               "attempts": attempts, "first_failure_at": d.first_failure_at or now,
                "last_failure_at": now}
         session.execute(self._insert(p).values(row).on_conflict_do_nothing())
         if d.from_held:
             self.unhold(session, [d.message.message_id])
+        if not (reason.parks_key and d.ordered):
+            return False
+        key: KeyId = d.lane  # type: ignore[assignment]
+        k = self.t.inbox_keys
+        note = f"{reason}: message {d.message.message_id} (seq {d.message.seq}): {error or ''}"
+        session.execute(
+            update(k)
+            .where(k.c.consumer_group == self.group, k.c.topic == key[0], k.c.key == key[1])
+            .values(parked=True, parked_reason=note[:2000], parked_at=now)
+        )
+        for held in self.held_of(session, key):
+            if held.message.message_id != d.message.message_id:
+                self.park(session, held, Reason.KEY_PARKED)
+        return True
+
+    def parked(self, session: Session, topic: str | None = None, key: str | None = None,
+               *, replayable: bool = False, limit: int | None = None) -> list[ParkedRow]:
+        """Parked messages of the group (one topic / key), per key in seq order.
+
+        ``replayable`` with a ``topic`` selects one key's replayable rows, or
+        the topic's unkeyed ones when ``key`` is None; foreign records are never
+        replayable.
+        """
+        p = self.t.inbox_parked
+        stmt = select(p).where(p.c.consumer_group == self.group)
+        if topic is not None:
+            stmt = stmt.where(p.c.topic == topic)
+        if replayable:
+            stmt = stmt.where(p.c.key.is_(None) if key is None else p.c.key == key,
+                              p.c.reason != Reason.FOREIGN.value)
+        elif key is not None:
+            stmt = stmt.where(p.c.key == key)
+        stmt = stmt.order_by(p.c.topic, p.c.key, p.c.seq, p.c.id)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        return [ParkedRow(r.id, delivery_from_row(r), Reason(r.reason), r.error, r.attempts,
+                          r.first_failure_at, r.last_failure_at) for r in session.execute(stmt)]
+
+    def parked_by_id(self, session: Session, message_id: uuid.UUID) -> ParkedRow | None:
+        p = self.t.inbox_parked
+        r = session.execute(select(p).where(p.c.consumer_group == self.group,
+                                            p.c.message_id == message_id)).first()
+        return None if r is None else ParkedRow(r.id, delivery_from_row(r), Reason(r.reason), r.error,
+                                                r.attempts, r.first_failure_at, r.last_failure_at)
+
+    def parked_before(self, session: Session, key: KeyId, seq: int) -> int:
+        """How many messages of ``key`` below ``seq`` are parked."""
+        p = self.t.inbox_parked
+        return session.scalar(select(func.count()).select_from(p).where(
+            p.c.consumer_group == self.group, p.c.topic == key[0], p.c.key == key[1],
+            p.c.seq < seq)) or 0
+
+    def unpark(self, session: Session, row_id: int) -> None:
+        p = self.t.inbox_parked
+        session.execute(delete(p).where(p.c.id == row_id))
+
+    def failed_again(self, session: Session, row_id: int, error: str, traceback: str) -> None:
+        """A replayed message failed: count the attempt on its row."""
+        p = self.t.inbox_parked
+        session.execute(update(p).where(p.c.id == row_id).values(
+            attempts=p.c.attempts + 1, error=error, traceback=traceback, last_failure_at=utcnow()))
 
     def _stored(self, d: Delivery) -> dict[str, Any]:
         msg = d.message
@@ -251,4 +360,3 @@ def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
     received = getattr(row, "received_at", None) or utcnow()
     return Delivery(message, row.kafka_partition, row.kafka_offset, received_at=received,
                     from_held=from_held)
-

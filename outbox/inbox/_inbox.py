@@ -8,8 +8,11 @@ your handler. See docs/consumer.md for the handler contract.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,21 +25,25 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from transports import Record, Source
 
-from . import _schema
-from ._alerts import AlertSink, LoggingAlertSink
-from ._envelope import Message
-from ._errors import ConfigurationError
-from ._inbox_admin import ParkedAdmin, ParkedMessage, ReplayResult
-from ._inbox_apply import Applier, TopicHandler
-from ._inbox_delivery import Delivery, decode
-from ._inbox_gaps import GapSweeper
-from ._inbox_metrics import InboxMetrics
-from ._inbox_retry import Retrier
-from ._inbox_signals import Disposition
-from ._inbox_store import InboxStore
-from ._statements import SUPPORTED_DIALECTS
-from ._tables import OutboxTables
-from ._validation import validate_topic
+from .. import _schema
+from .._alerts import AlertSink, LoggingAlertSink
+from .._envelope import Message
+from .._errors import ConfigurationError
+from .._statements import SUPPORTED_DIALECTS
+from .._tables import OutboxTables
+from .._validation import validate_topic
+from ._admin import ParkedAdmin, ParkedMessage, ReplayResult
+from ._alerting import Alerter
+from ._delivery import Delivery, decode
+from ._gaps import GapSweeper
+from ._kinds import StartPolicy
+from ._metrics import InboxMetrics
+from ._outage import OutageLog, is_outage
+from ._runner import Runner
+from ._settle import Settler
+from ._signals import Disposition
+from ._store import InboxStore
+from ._transaction import TopicHandler, TransactionStep
 
 log = logging.getLogger("outbox.inbox")
 
@@ -58,8 +65,10 @@ class Inbox:
     threads). ``concurrency`` worker threads handle different keys in
     parallel; ``batch_size`` > 1 lets one transaction carry several keys'
     messages (a SAVEPOINT each), which is what high throughput needs.
-    Configuration is checked here; registering handlers and ``handle`` are
-    safe from several threads.
+    ``start`` is where a key first met past seq 1 starts (``StartPolicy``).
+    A database or broker outage is never a failed attempt: the work waits
+    and resumes. Configuration is checked here; registering handlers and
+    ``handle`` are safe from several threads.
     """
 
     def __init__(
@@ -75,6 +84,7 @@ class Inbox:
         retry_backoff: float = 0.1,
         retry_backoff_max: float = 5.0,
         foreign_records: Literal["park", "accept"] = "park",
+        start: StartPolicy | Literal["strict", "first_seen"] = StartPolicy.STRICT,
         tables: OutboxTables | None = None,
         prefix: str = "",
         schema: str | None = None,
@@ -100,6 +110,11 @@ class Inbox:
         if foreign_records not in ("park", "accept"):
             raise ConfigurationError(f"foreign_records must be 'park' or 'accept', "
                                      f"got {foreign_records!r}")
+        try:
+            start = StartPolicy(start)
+        except ValueError:
+            raise ConfigurationError(f"start must be one of {[p.value for p in StartPolicy]}, "
+                                     f"got {start!r}") from None
         alert = LoggingAlertSink() if alert is None else alert
         if not callable(alert):
             raise ConfigurationError(f"alert must be an AlertSink (a callable), got {alert!r}")
@@ -112,19 +127,22 @@ class Inbox:
         self.batch_size = batch_size
         self.gap_timeout = float(seconds)
         self.accept_foreign = foreign_records == "accept"
+        self.start = start
+        self.alert = alert
         self.metrics = InboxMetrics(group)
         self._handlers: dict[str, TopicHandler] = {}
-        self._stopping = False
+        self._stop = threading.Event()
+        # The pipeline's stages, each handed what it needs: one store owns every statement.
         self.store = InboxStore(self.tables, group, engine.dialect.name)
-        self.applier = Applier(self.sessions, self.store, self._handlers, self.metrics)
-        self.retrier = Retrier(
-            self.applier, max_attempts=max_attempts, alert=alert,
+        self.step = TransactionStep(self.sessions, self.store, self._handlers, self.metrics, start)
+        self.alerter = Alerter(alert, group, self.metrics)
+        self.settler = Settler(
+            self.step, self.alerter, OutageLog(), max_attempts=max_attempts,
             wait=tenacity.wait_exponential_jitter(multiplier=retry_backoff, max=retry_backoff_max,
                                                  jitter=retry_backoff),
-            should_abandon=lambda d: False,  # handle(): the caller's thread waits it out
         )
-        self.admin = ParkedAdmin(self.applier)
-        self.gaps = GapSweeper(self.retrier, self.gap_timeout)
+        self.admin = ParkedAdmin(self.sessions, self.store, self.step)
+        self.gaps = GapSweeper(self.sessions, self.store, self.alerter, self.gap_timeout)
         _warn_small_pool(engine, concurrency)
 
     # -- handlers -------------------------------------------------------------
@@ -182,46 +200,87 @@ class Inbox:
 
         This is the middleware for your own consumer loop: when it returns, the
         record is finished (applied, dropped as duplicate, held or parked) and
-        its offset may be committed. Retries happen inside, with backoff. Call
-        it for one key from one thread at a time, in the order received, and
-        call ``sweep()`` every few seconds so gaps that never fill are parked.
+        its offset may be committed. Retries, ``RetryLater`` and database
+        outages are waited out inside, in this thread. Call it for one key
+        from one thread at a time, in the order received, and call ``sweep()``
+        every few seconds so gaps that never fill are parked.
         """
         if isinstance(record, Message):
             d = Delivery(record, partition, offset)
         else:
             d = decode(record, accept_foreign=self.accept_foreign)
         self.metrics.consumed(d.message.topic)
-        for done, disposition in self.retrier.settle([d]):
-            if done is d:
-                return disposition
-        raise AssertionError("settle() returned no disposition for the delivery")  # pragma: no cover
+        return self._settle_here(d)
+
+    def _settle_here(self, d: Delivery) -> Disposition:
+        """Settle ``d`` in this thread, sleeping through retry delays and outages."""
+        while True:
+            settled = self.settler.settle([d])
+            for done, disposition in settled.done:
+                if done is d:
+                    return disposition
+            [(_, delay)] = [(later, delay) for later, delay in settled.later if later is d]
+            time.sleep(delay)
 
     def run(self, source: Source, *, install_signal_handlers: bool = True) -> None:
         """Consume from ``source`` until ``stop()`` or SIGTERM/SIGINT; blocks.
 
         On stop, running transactions finish, queued records are left
         uncommitted (the next consumer gets them), offsets are committed and
-        the source is closed.
+        the source is closed. Database and broker outages do not end it: it
+        waits for them, and resumes by itself.
         """
-        from ._inbox_run import Runner
-
         if not self._handlers:
             raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
-        _schema.check(self.sessions.kw["bind"], self.tables)  # old or new tables: say what to run
-        self._stopping = False
-        Runner(self, source, install_signal_handlers=install_signal_handlers).run()
+        self._stop.clear()
+        self._check_schema()
+        Runner(
+            source, decode=functools.partial(decode, accept_foreign=self.accept_foreign),
+            settler=self.settler, gaps=self.gaps, metrics=self.metrics, stop=self._stop,
+            concurrency=self.concurrency, batch_size=self.batch_size,
+            parked_keys=self.admin.parked_key_count, install_signal_handlers=install_signal_handlers,
+        ).run()
+
+    def _check_schema(self) -> None:
+        """Refuse old or new tables with what to run; a database that is down is waited for.
+
+        The first query of ``run()``: a consumer started (or restarted by its
+        supervisor) while the database restarts must wait, not exit.
+        """
+        outage = OutageLog()
+        while not self._stop.is_set():
+            try:
+                _schema.check(self.sessions.kw["bind"], self.tables)
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                self._stop.wait(outage.failed(exc))
+            else:
+                outage.answered()
+                return
 
     def stop(self) -> None:
-        """Ask ``run()`` to return; safe from any thread or a signal handler."""
-        self._stopping = True
+        """Ask ``run()`` to return; safe from any thread."""
+        self._stop.set()
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
+        return self._stop.is_set()
 
     def sweep(self) -> None:
-        """Apply held messages whose gap filled, park keys whose gap outlived ``gap_timeout``."""
-        self.gaps.sweep()
+        """Apply held messages whose gap filled, park keys whose gap outlived ``gap_timeout``.
+
+        A database outage makes it return without doing anything (logged once):
+        call it again at your next turn.
+        """
+        try:
+            for d in self.gaps.ready():
+                self._settle_here(d)
+            self.gaps.park_stale()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self.settler.outages.failed(exc)
 
     # -- operators ----------------------------------------------------------------
 
@@ -237,7 +296,11 @@ class Inbox:
         return self.admin.replay(topic, key)
 
     def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:
-        """Skip one parked message for good, recording who discarded it, when and why."""
+        """Skip one parked message for good, recording who discarded it, when and why.
+
+        Raises ``DiscardRefusedError`` while an earlier message of its key is
+        parked (replay or discard that one first): nothing may be skipped over.
+        """
         self.admin.discard(message_id, by=by, reason=reason)
 
     def create_tables(self) -> None:

@@ -19,15 +19,19 @@ from typing import Any
 from sqlalchemy import BigInteger, DateTime, Integer, Row, Text, Uuid, bindparam, false, literal, select, true
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
+from sqlalchemy.types import TypeEngine
 
-from ._inbox_delivery import Delivery
-from ._pg_arrays import array_params, rows_of
-from ._tables import PROCESSED, OutboxTables
+from .._pg_arrays import array_params, rows_of
+from .._tables import OutboxTables
+from ._delivery import Delivery
+from ._kinds import Outcome
 
-_KEYS = {"topic": Text(), "key": Text()}
-_SEQS = {**_KEYS, "seq": BigInteger()}
-_CLAIMS = {"message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
-           "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True)}
+_KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
+_SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
+_CLAIMS: dict[str, TypeEngine[Any]] = {
+    "message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
+    "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True),
+}
 
 
 class PostgresBulk:
@@ -37,7 +41,7 @@ class PostgresBulk:
         k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
         keys, seqs, claims = rows_of(_KEYS), rows_of(_SEQS), rows_of(_CLAIMS)
         locked = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked)
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
             .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
             .with_for_update()
             .lateral("locked")
@@ -51,7 +55,8 @@ class PostgresBulk:
         self._claim = insert(m).from_select(
             ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
             select(literal(group), *[claims.c[c] for c in claimed],
-                   bindparam("now", type_=DateTime(timezone=True)), literal(1), literal(PROCESSED)),
+                   bindparam("now", type_=DateTime(timezone=True)), literal(1),
+                   literal(Outcome.PROCESSED.value)),
         ).on_conflict_do_nothing().returning(m.c.message_id)
         # The rows exist and are locked (lock_keys ran first): the upsert only updates.
         upsert = insert(k).from_select(
@@ -69,18 +74,18 @@ class PostgresBulk:
         self._successors = select(successor).select_from(seqs.join(successor, true()))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
-        """Lock and read ``keys`` (topic, key, last_seq, parked), creating missing ones at seq 0.
+        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq); create missing ones.
 
         One round trip when every key exists (the steady state), three when
         some are new. Keys are locked in the order given, so callers that
         sort them cannot deadlock on each other.
         """
-        rows = session.execute(self._lock_keys, _key_params(keys)).all()
+        rows = list(session.execute(self._lock_keys, _key_params(keys)).all())
         if len(rows) < len(keys):
             found = {(r.topic, r.key) for r in rows}
             missing = [key for key in keys if key not in found]
             session.execute(self._create_keys, _key_params(missing))
-            rows += session.execute(self._lock_keys, _key_params(missing)).all()
+            rows.extend(session.execute(self._lock_keys, _key_params(missing)).all())
         return rows
 
     def claim(self, session: Session, deliveries: Sequence[Delivery], now: datetime) -> set[uuid.UUID]:
@@ -101,7 +106,7 @@ class PostgresBulk:
 
     def successors(self, session: Session, next_seqs: dict[tuple[str, str], int]) -> list[Row[Any]]:
         """Held rows whose (topic, key, seq) is in ``next_seqs``."""
-        return session.execute(self._successors, _seq_params(next_seqs)).all()
+        return list(session.execute(self._successors, _seq_params(next_seqs)).all())
 
 
 def _key_params(keys: Sequence[tuple[str, str]]) -> dict[str, Any]:

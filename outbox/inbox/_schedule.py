@@ -7,6 +7,11 @@ different keys, even of one partition, run concurrently on up to
 ``concurrency`` threads. Unkeyed messages each get a lane of their own, so
 they run unordered. A worker takes the heads of up to ``batch_size`` ready
 lanes at once and hands them to ``work`` as one batch (one transaction).
+
+A delivery to be tried again later goes back to the head of its lane, and the
+lane *waits* on a timer (a hashed timing wheel) instead of a worker sleeping:
+a waiting key holds back only itself, and as many stuck keys as there are
+workers stall nothing.
 """
 
 from __future__ import annotations
@@ -17,12 +22,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from ._inbox_delivery import Delivery
-from ._inbox_retry import Abandoned
+from .._wheel import TimingWheel
+from ._delivery import Delivery
 
 log = logging.getLogger("outbox.inbox")
 
-Work = Callable[[list[Delivery]], None]
+Work = Callable[[list[Delivery]], list[tuple[Delivery, float]]]
+"""Handles a batch; returns the deliveries to try again, each with its delay in seconds."""
+
+TICK = 0.02
+
+
+def lane_of(d: Delivery) -> Hashable:
+    return d.lane if d.lane is not None else ("", id(d))
 
 
 class KeyScheduler:
@@ -38,8 +50,11 @@ class KeyScheduler:
         self._lanes: dict[Hashable, deque[Delivery]] = {}
         self._ready: deque[Hashable] = deque()
         self._busy: set[Hashable] = set()
+        self._waiting: TimingWheel[Hashable] = TimingWheel(tick=TICK, start=time.monotonic())
         self._running: list[Delivery] = []
         self._queued = 0
+        self._blocked = 0
+        """Queued deliveries in waiting lanes: they cannot run before their timer fires."""
         self._idle = 0
         self._stopping = False
         self._threads: list[threading.Thread] = []
@@ -49,41 +64,65 @@ class KeyScheduler:
             thread = threading.Thread(target=self._serve, name=f"inbox-worker-{n}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        timer = threading.Thread(target=self._tick, name="inbox-timer", daemon=True)
+        timer.start()
+        self._threads.append(timer)
 
     def submit(self, deliveries: list[Delivery]) -> None:
         """Queue ``deliveries``; each lane keeps the order they come in."""
         with self._cond:
             for d in deliveries:
-                lane: Hashable = d.lane if d.lane is not None else ("", id(d))
+                lane = lane_of(d)
                 queue = self._lanes.get(lane)
                 if queue is None:
                     self._lanes[lane] = deque([d])
                     self._ready.append(lane)
                 else:
                     queue.append(d)
+                    if lane in self._waiting:
+                        self._blocked += 1
             self._queued += len(deliveries)
             self._cond.notify(len(deliveries))
 
     def in_flight(self) -> int:
+        """Deliveries queued, waiting or running."""
         with self._cond:
             return self._queued + len(self._running)
 
+    def runnable(self) -> int:
+        """Deliveries queued or running, except those behind a waiting key."""
+        with self._cond:
+            return self._queued - self._blocked + len(self._running)
+
     def wait_for_room(self, limit: int, timeout: float) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._queued + len(self._running) < limit, timeout)
+            self._cond.wait_for(lambda: self._queued - self._blocked + len(self._running) < limit,
+                                timeout)
 
     def drop(self, which: Callable[[Delivery], bool]) -> int:
-        """Remove queued (not started) deliveries that match; returns how many."""
+        """Remove queued and waiting (not running) deliveries that match; returns how many."""
         dropped = 0
         with self._cond:
             for lane, queue in list(self._lanes.items()):
                 keep = deque(d for d in queue if not which(d))
-                dropped += len(queue) - len(keep)
-                if keep or lane in self._busy:
+                gone = len(queue) - len(keep)
+                if not gone:
+                    continue
+                dropped += gone
+                waiting = self._waiting.cancel(lane)
+                if waiting:  # its head may be gone: let the lane run again now
+                    self._blocked -= len(queue)
+                    self._busy.discard(lane)
+                if keep:
+                    self._lanes[lane] = keep
+                    if waiting:
+                        self._ready.append(lane)
+                elif lane in self._busy:
                     self._lanes[lane] = keep
                 else:
                     del self._lanes[lane]
-                    self._ready.remove(lane)
+                    if not waiting:
+                        self._ready.remove(lane)
             self._queued -= dropped
             self._cond.notify_all()
         return dropped
@@ -94,7 +133,7 @@ class KeyScheduler:
             return self._cond.wait_for(lambda: not any(which(d) for d in self._running), timeout)
 
     def stop(self, timeout: float) -> None:
-        """Drop queued work, let running batches finish (up to ``timeout``), end the workers."""
+        """Drop queued and waiting work, let running batches finish (up to ``timeout``), end the threads."""
         self.drop(lambda d: True)
         with self._cond:
             self._stopping = True
@@ -122,24 +161,54 @@ class KeyScheduler:
     def _serve(self) -> None:
         while (taken := self._take()) is not None:
             lanes, batch = taken
+            later: list[tuple[Delivery, float]] = []
             try:
-                self._work(batch)
-            except Abandoned:
-                pass
+                later = self._work(batch)
             except BaseException as exc:  # a bug, not a message problem: stop the inbox
                 log.exception("inbox worker crashed")
                 self._on_crash(exc)
             finally:
-                self._release(lanes, batch)
+                self._release(lanes, batch, later)
 
-    def _release(self, lanes: list[Hashable], batch: list[Delivery]) -> None:
+    def _release(self, lanes: list[Hashable], batch: list[Delivery],
+                 later: list[tuple[Delivery, float]]) -> None:
+        now = time.monotonic()
         with self._cond:
             for d in batch:
                 self._running.remove(d)
+            for d, delay in later:
+                lane = lane_of(d)
+                if lane not in self._busy and lane in self._ready:
+                    self._ready.remove(lane)  # not one of this batch's lanes: it must not run now
+                queue = self._lanes.setdefault(lane, deque())
+                queue.appendleft(d)
+                self._queued += 1
+                if lane not in self._waiting:
+                    self._blocked += len(queue)
+                else:
+                    self._blocked += 1
+                self._busy.add(lane)
+                self._waiting.schedule(lane, max(now + delay, self._waiting.deadline(lane) or 0.0))
             for lane in lanes:
+                if lane in self._waiting:
+                    continue
                 self._busy.discard(lane)
                 if self._lanes[lane]:
                     self._ready.append(lane)
                 else:
                     del self._lanes[lane]
             self._cond.notify_all()
+
+    def _tick(self) -> None:
+        """Wake the lanes whose wait is over."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._waiting) > 0 or self._stopping)
+                if self._stopping:
+                    return
+                for lane in self._waiting.advance(time.monotonic()):
+                    self._blocked -= len(self._lanes[lane])
+                    self._busy.discard(lane)
+                    self._ready.append(lane)
+                self._cond.notify_all()
+            time.sleep(TICK)

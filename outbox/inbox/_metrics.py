@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from ._inbox_signals import Disposition
+from ._signals import Disposition
 
 _CONSUMED = Counter("outbox_inbox_consumed", "Records received from the broker.",
                     ["group", "topic"])

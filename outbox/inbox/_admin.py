@@ -1,0 +1,187 @@
+"""Operator actions on parked keys: list, replay in order, discard one message.
+
+These are for a person who fixed the cause of a failure (see
+docs/runbook-parked-keys.md). Each replayed message runs in its own
+transaction, exactly like a live one: dedup row, handler writes and the key's
+``last_seq`` commit together. They may run while consumers are live: every
+step locks the key's row first, and a live message of a parked key is parked
+behind the replayed ones, so nothing overtakes.
+
+Nothing vanishes here: a parked message leaves ``inbox_parked`` only when it
+was applied, was recorded as skipped, was already recorded in
+``inbox_messages``, or was discarded with a record of who, when and why.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from .._envelope import utcnow
+from .._errors import OutboxError
+from ._kinds import Outcome, Reason
+from ._signals import SkipMessage
+from ._store import InboxStore, ParkedRow
+from ._transaction import TransactionStep
+
+
+class NotParkedError(OutboxError, LookupError):
+    """``discard`` named a message that is not in ``inbox_parked`` for this group."""
+
+
+class DiscardRefusedError(OutboxError, ValueError):
+    """``discard`` named a message with earlier messages of its key still parked.
+
+    Skipping it would move the key past those earlier messages, so they could
+    never be applied: replay or discard them first.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedMessage:
+    """One row of ``inbox_parked``, as ``Inbox.parked()`` lists it."""
+
+    message_id: uuid.UUID
+    topic: str
+    key: str | None
+    seq: int | None
+    reason: Reason
+    error: str | None
+    attempts: int
+    first_failure_at: datetime
+    last_failure_at: datetime
+    partition: int | None
+    offset: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """What ``replay`` did: how many applied, how many still parked, and why it stopped."""
+
+    applied: int
+    remaining: int
+    unparked: bool
+    error: str | None = None
+
+
+class ParkedAdmin:
+    """Replays and discards for one group; safe to call from several threads."""
+
+    def __init__(self, sessions: sessionmaker[Session], store: InboxStore, step: TransactionStep) -> None:
+        self.sessions = sessions
+        self.store = store
+        self.step = step
+
+    def parked(self, topic: str | None = None, key: str | None = None) -> list[ParkedMessage]:
+        """Parked messages of the group (optionally one topic / key), per key in seq order."""
+        with self.sessions() as session:
+            rows = self.store.parked(session, topic, key)
+        return [_listed(r) for r in rows]
+
+    def parked_key_count(self) -> int:
+        with self.sessions() as session:
+            return self.store.parked_key_count(session)
+
+    def replay(self, topic: str, key: str | None) -> ReplayResult:
+        """Re-run the key's parked messages in seq order; unpark it when none is left.
+
+        Stops at the first message that fails again (it stays parked, with its
+        attempts and error updated) or at a hole in the seqs after the first
+        message. The first message may be ahead of the key's ``last_seq`` (a
+        key parked for a gap): replaying it accepts that the missing messages
+        are gone, and they count as duplicates if they arrive later.
+        ``key=None`` replays the topic's parked unkeyed messages, oldest first.
+        Foreign records are never replayed: discard them.
+        """
+        applied = 0
+        lane = (topic, key) if key is not None else None
+        store = self.store
+        while True:
+            with self.sessions() as session, session.begin():
+                state = store.lock_keys(session, [lane])[lane] if lane else None
+                rows = store.parked(session, topic, key, replayable=True, limit=1)
+                if not rows:
+                    if lane and state:
+                        store.unpark_key(session, lane, last_seq=state.last_seq)
+                    return ReplayResult(applied, 0, unparked=True)
+                row = rows[0]
+                d = row.delivery
+                seq = d.message.seq if state else None
+                if state is not None and seq is not None and seq <= state.last_seq:
+                    if not store.is_recorded(session, d.message.message_id):
+                        return self._stopped(session, topic, key, applied,
+                                             f"seq {seq} is at or below the key's last seq "
+                                             f"{state.last_seq} but was never applied: discard it")
+                    store.unpark(session, row.id)  # applied meanwhile: nothing to redo
+                    continue
+                if state is not None and seq is not None and seq > state.last_seq + 1 and applied:
+                    return self._stopped(session, topic, key, applied,
+                                         f"{Reason.GAP}: seq {state.last_seq + 1} to {seq - 1} missing")
+                if not store.claim(session, [d]):
+                    store.unpark(session, row.id)  # its id was processed already
+                    continue
+                failure = self.step.run_handler(session, d)
+                if failure is None or isinstance(failure[0], SkipMessage):
+                    if failure is not None:
+                        store.mark(session, d, Outcome.SKIPPED, str(failure[0]) or "skipped by handler")
+                    store.unpark(session, row.id)
+                    if lane and seq is not None:
+                        store.set_last_seq(session, {lane: seq})
+                    applied += 1
+                    continue
+                store.unclaim(session, [d.message.message_id])
+                error = f"{type(failure[0]).__name__}: {failure[0]}"
+                store.failed_again(session, row.id, error, failure[1])
+                return self._stopped(session, topic, key, applied, error)
+
+    def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:
+        """Skip one parked message for good, keeping a record of who, why and when.
+
+        The message is recorded in ``inbox_messages`` with ``outcome='discarded'``
+        (so a redelivery is a duplicate) and leaves ``inbox_parked``. Its key
+        moves past it; if nothing else of the key is parked, the key is unparked.
+        Refused (``DiscardRefusedError``) while an earlier message of the key is
+        parked: moving the key past that one would lose it.
+        """
+        if not by or not by.strip() or not reason or not reason.strip():
+            raise ValueError("discard needs who (by=) and why (reason=), both non-empty")
+        mid = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
+        store = self.store
+        with self.sessions() as session, session.begin():
+            row = store.parked_by_id(session, mid)
+            if row is None:
+                raise NotParkedError(f"message {mid} is not parked in group {store.group!r}")
+            d = row.delivery
+            lane = d.lane if d.ordered else None
+            state = store.lock_keys(session, [lane])[lane] if lane else None
+            if lane and state is not None:
+                earlier = store.parked_before(session, lane, d.message.seq)  # type: ignore[arg-type]
+                if earlier:
+                    raise DiscardRefusedError(
+                        f"message {mid} is seq {d.message.seq} of {lane[0]}/{lane[1]}, and {earlier} "
+                        f"earlier message(s) of that key are parked: replay or discard them first, "
+                        f"or the key would move past them")
+            note = f"discarded by {by.strip()} at {utcnow().isoformat()}: {reason.strip()}"
+            store.mark(session, d, Outcome.DISCARDED, note)
+            store.unpark(session, row.id)
+            if lane and state is not None:
+                last_seq = max(state.last_seq, d.message.seq or 0)
+                if not store.parked(session, *lane, replayable=True, limit=1):
+                    store.unpark_key(session, lane, last_seq=last_seq)
+                else:
+                    store.set_last_seq(session, {lane: last_seq})
+
+    def _stopped(self, session: Session, topic: str, key: str | None, applied: int,
+                 error: str) -> ReplayResult:
+        remaining = len(self.store.parked(session, topic, key, replayable=True))
+        return ReplayResult(applied, remaining, unparked=False, error=error)
+
+
+def _listed(r: ParkedRow) -> ParkedMessage:
+    d = r.delivery
+    return ParkedMessage(d.message.message_id, d.message.topic, d.message.key, d.message.seq,
+                         r.reason, r.error, r.attempts, r.first_failure_at, r.last_failure_at,
+                         d.partition, d.offset)

@@ -1,0 +1,56 @@
+"""The inbox's vocabulary: why a message is parked, how it was recorded, where a key starts.
+
+String enums, so a member is stored and compared as its value: ``Reason.GAP ==
+"gap"``, and the tables keep the same strings as before.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Reason(enum.StrEnum):
+    """Why a message sits in ``inbox_parked``."""
+
+    FAILED = "failed"
+    """The handler raised ``max_attempts`` times, or raised ``ParkMessage``; its key is parked."""
+    KEY_PARKED = "key_parked"
+    """Arrived after its key was parked; never ran. Replay carries it along."""
+    GAP = "gap"
+    """The key's next seq did not arrive within ``gap_timeout``; its key is parked."""
+    FOREIGN = "foreign"
+    """No (or a broken) outbox envelope; parked alone, never replayed."""
+    UNDECODABLE = "undecodable"
+    """The payload does not match its content type; a keyed one parks its key."""
+    BEFORE_START = "before_start"
+    """Arrived below the seq its key started at (start policy ``first_seen``); parked alone."""
+
+    @property
+    def parks_key(self) -> bool:
+        """Whether parking a keyed message for this reason stops its key."""
+        return self in (Reason.FAILED, Reason.GAP, Reason.UNDECODABLE)
+
+
+class Outcome(enum.StrEnum):
+    """``inbox_messages.outcome``: how a message id was finished."""
+
+    PROCESSED = "processed"
+    """The handler's writes committed with this row."""
+    SKIPPED = "skipped"
+    """The handler raised ``SkipMessage``."""
+    DISCARDED = "discarded"
+    """An operator discarded it (``note`` says who, when and why)."""
+
+
+class StartPolicy(enum.StrEnum):
+    """What a consumer group does with a key whose first message it meets is past seq 1.
+
+    That happens to a group that joins mid-stream, after retention deleted a
+    key's first messages, or after the relay skipped a failed row.
+    """
+
+    STRICT = "strict"
+    """Hold it and wait for the missing seqs; park the key as a gap after ``gap_timeout``."""
+    FIRST_SEEN = "first_seen"
+    """Start the key at the first seq met and record that seq in ``inbox_keys.started_at_seq``;
+    a lower seq that arrives later is parked alone with reason ``before_start``."""

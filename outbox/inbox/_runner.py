@@ -1,0 +1,224 @@
+"""The consumer loop behind ``Inbox.run``: poll, schedule by key, settle, commit what is finished.
+
+One thread (the caller's) polls the source, hands deliveries to the key
+scheduler, sweeps held messages and commits offsets; the scheduler's workers
+run each batch through the settle stage. An offset is committed only after
+the database transaction of its record and of every earlier record of the
+partition committed.
+
+When partitions are revoked, their queued and waiting records are dropped,
+their running transactions are waited for, their finished offsets are
+committed, and only then does the revoke callback return, so the next owner
+starts exactly where this one stopped and sees nothing applied twice. Records
+of the partitions this consumer keeps are not touched.
+
+Outages never end the loop: a database that does not answer makes the
+deliveries wait (the settle stage), the sweep and the offset commit are tried
+again at their next turn, and a broker that does not answer is polled again
+after a capped backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from transports import Record, Source
+
+from .._envelope import utcnow
+from .._errors import CommitRefusedError, RetriableTransportError
+from ._delivery import Delivery
+from ._gaps import GapSweeper
+from ._metrics import InboxMetrics
+from ._offsets import OffsetTracker, TopicPartition
+from ._outage import OutageLog, is_outage
+from ._schedule import KeyScheduler
+from ._settle import Settler
+
+log = logging.getLogger("outbox.inbox")
+
+COMMIT_INTERVAL = 0.5
+SWEEP_INTERVAL = 1.0
+REVOKE_TIMEOUT = 30.0
+
+Decode = Callable[..., Delivery]
+"""``decode(record, received_at=…)``: a record as a delivery, never raising."""
+
+
+class Runner:
+    """One ``Inbox.run`` call; not reusable. Returns when ``stop`` is set."""
+
+    def __init__(self, source: Source, *, decode: Decode, settler: Settler, gaps: GapSweeper,
+                 metrics: InboxMetrics, stop: threading.Event, concurrency: int, batch_size: int,
+                 parked_keys: Callable[[], int], install_signal_handlers: bool = True) -> None:
+        self.source = source
+        self.decode = decode
+        self.settler = settler
+        self.gaps = gaps
+        self.metrics = metrics
+        self.stop = stop
+        self.parked_keys = parked_keys
+        self.install_signal_handlers = install_signal_handlers
+        self.tracker = OffsetTracker()
+        self.revoked: set[TopicPartition] = set()
+        self.crash: BaseException | None = None
+        self.scheduler = KeyScheduler(self._work, concurrency=concurrency, batch_size=batch_size,
+                                      on_crash=self._crashed)
+        self.max_in_flight = max(1000, 4 * concurrency * batch_size)
+        # Deliveries queued behind keys that wait for a retry do not count against
+        # max_in_flight (they would stop the poll for every key); this bounds memory.
+        self.max_buffered = 20 * self.max_in_flight
+        self.broker = OutageLog("the broker")
+        self.database = OutageLog("the database (sweep)")
+        self._sweeping: set[object] = set()
+        self._sweep_lock = threading.Lock()
+        self._poll_again_at = 0.0
+        self._signalled = False
+
+    def run(self) -> None:
+        previous = self._install_signals()
+        self.source.on_revoke(self._on_revoke)
+        self.scheduler.start()
+        next_commit = next_sweep = time.monotonic()
+        try:
+            while not self.stop.is_set() and not self._signalled and self.crash is None:
+                room = self.max_in_flight - self.scheduler.runnable()
+                if room <= 0 or self.scheduler.in_flight() >= self.max_buffered:
+                    self.scheduler.wait_for_room(self.max_in_flight, 0.1)
+                    if self.scheduler.in_flight() >= self.max_buffered:
+                        self.stop.wait(0.1)
+                else:
+                    self._receive(self._poll(min(room, 500)))
+                now = time.monotonic()
+                if now >= next_commit:
+                    self._commit()
+                    next_commit = now + COMMIT_INTERVAL
+                if now >= next_sweep:
+                    self._sweep()
+                    next_sweep = time.monotonic() + SWEEP_INTERVAL
+        finally:
+            self.stop.set()
+            self.scheduler.stop(REVOKE_TIMEOUT)
+            try:
+                self._commit()
+            finally:
+                self.source.close()
+                self._restore_signals(previous)
+        if self.crash is not None:
+            raise self.crash
+
+    def _poll(self, max_records: int) -> list[Record]:
+        if time.monotonic() < self._poll_again_at:
+            self.stop.wait(0.05)
+            return []
+        try:
+            records = self.source.poll(max_records, 0.1)
+        except RetriableTransportError as exc:
+            self._poll_again_at = time.monotonic() + self.broker.failed(exc)
+            return []
+        self.broker.answered()
+        return records
+
+    def _receive(self, records: list[Record]) -> None:
+        """Decode a poll's records and hand them to the workers, tracked for the offset commit."""
+        if not records:
+            return
+        received_at = utcnow()
+        deliveries = [self.decode(r, received_at=received_at) for r in records]
+        for d in deliveries:
+            d.tracked = True
+        for topic, count in Counter(r.topic for r in records).items():
+            self.metrics.consumed(topic, count)
+        self.tracker.received(((r.topic, r.partition), r.offset) for r in records)  # type: ignore[misc]
+        self.scheduler.submit(deliveries)
+
+    def _work(self, batch: list[Delivery]) -> list[tuple[Delivery, float]]:
+        try:
+            settled = self.settler.settle(batch)
+        finally:
+            with self._sweep_lock:
+                self._sweeping.difference_update(d.message.message_id for d in batch)
+        self.tracker.finished(d.position for d, _ in settled.done if d.tracked)  # type: ignore[misc]
+        # A record of a partition that was taken away meanwhile is the next owner's to retry.
+        return [(d, delay) for d, delay in settled.later if self._still_mine(d)]
+
+    def _still_mine(self, d: Delivery) -> bool:
+        if not d.tracked:
+            return True
+        tp, offset = d.position  # type: ignore[misc]
+        return tp not in self.revoked and self.tracker.is_open(tp, offset)
+
+    def _crashed(self, exc: BaseException) -> None:
+        self.crash = exc
+        self.stop.set()
+
+    def _commit(self, only: Sequence[TopicPartition] | None = None) -> None:
+        offsets = self.tracker.committable(only)
+        if offsets:
+            try:
+                self.source.commit(offsets)
+            except CommitRefusedError as exc:
+                # Not committed: keep the old position, the next commit (or owner) tries again.
+                log.warning("offset commit refused (%s); the positions stay uncommitted", exc)
+            except RetriableTransportError as exc:
+                self.broker.failed(exc)
+            else:
+                self.broker.answered()
+                self.tracker.committed(offsets)
+        for (topic, partition), lag in self.tracker.lag().items():
+            self.metrics.commit_lag(topic, partition, lag)
+
+    def _on_revoke(self, partitions: Sequence[tuple[str, int]]) -> None:
+        gone = set(partitions)
+        self.revoked |= gone
+        try:
+            def mine(d: Delivery) -> bool:
+                return d.tracked and (d.message.topic, d.partition) in gone
+
+            dropped = self.scheduler.drop(mine)
+            if not self.scheduler.wait_idle(mine, REVOKE_TIMEOUT):
+                log.error("revoke: work on %s still running after %ss; its offsets stay "
+                          "uncommitted and the next owner redoes it", sorted(gone), REVOKE_TIMEOUT)
+            self._commit(list(gone))
+            log.info("revoked %s: %d queued records left for the next owner", sorted(gone), dropped)
+        finally:
+            self.tracker.forget(gone)
+            self.revoked -= gone
+
+    def _sweep(self) -> None:
+        """Apply held messages whose gap filled, park gaps that never fill; outages wait a turn."""
+        try:
+            for d in self.gaps.ready():
+                with self._sweep_lock:
+                    if d.message.message_id in self._sweeping:
+                        continue  # already queued by an earlier sweep
+                    self._sweeping.add(d.message.message_id)
+                self.scheduler.submit([d])
+            self.gaps.park_stale()
+            self.metrics.parked_keys(self.parked_keys())
+        except Exception as exc:
+            if is_outage(exc):
+                self.database.failed(exc)
+                return
+            log.exception("inbox sweep failed; trying again in %ss", SWEEP_INTERVAL)
+            return
+        self.database.answered()
+
+    def _install_signals(self) -> dict[int, object]:
+        if not self.install_signal_handlers or threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, object] = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    def _on_signal(self, *_: object) -> None:
+        self._signalled = True  # no lock in a signal handler: the loop sets ``stop``
+
+    def _restore_signals(self, previous: dict[int, object]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]

@@ -1,0 +1,145 @@
+"""Settle: what becomes of each delivery after its transaction — done, retry later, or park.
+
+The settle stage never waits. It returns, per delivery, either a final
+``Disposition`` or the delay after which to try it again, and the caller
+decides how to wait: the runner puts the delivery on a timer and frees the
+worker thread; ``Inbox.handle`` sleeps in its caller's thread.
+
+- A handler failure counts one attempt; below ``max_attempts`` the message is
+  tried again after an exponential backoff with jitter (tenacity's), alone in
+  its own transaction; at ``max_attempts`` it is parked with its key, and the
+  alert sink hears of it once.
+- ``RetryLater`` tries again after its delay and counts nothing.
+- ``ParkMessage`` parks at once.
+- A database outage (``is_outage``) counts nothing, parks nothing and alerts
+  nothing: the whole batch is tried again after a capped backoff.
+- Any other database error of the transaction itself (a deferred constraint
+  broken by one handler's writes, failing at COMMIT) belongs to one message:
+  the batch is split until it is found, and that message fails like a handler
+  that raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass, field
+
+import tenacity
+from sqlalchemy.exc import DBAPIError
+
+from .._envelope import utcnow
+from ._alerting import Alerter
+from ._delivery import Delivery
+from ._outage import OutageLog, is_outage
+from ._signals import Disposition, ParkMessage, RetryLater
+from ._transaction import Batch, Failure, Parked, TransactionStep
+
+log = logging.getLogger("outbox.inbox")
+
+
+@dataclass(slots=True)
+class Settled:
+    """Deliveries that reached a disposition, and those to try again after a delay (seconds)."""
+
+    done: list[tuple[Delivery, Disposition]] = field(default_factory=list)
+    later: list[tuple[Delivery, float]] = field(default_factory=list)
+
+
+class Settler:
+    """Runs a batch through its transaction and settles every delivery; safe from several threads."""
+
+    def __init__(self, step: TransactionStep, alerter: Alerter, outages: OutageLog, *,
+                 max_attempts: int, wait: tenacity.wait.wait_base) -> None:
+        self.step = step
+        self.alerter = alerter
+        self.outages = outages
+        self.max_attempts = max_attempts
+        self.wait = wait
+
+    def settle(self, deliveries: list[Delivery]) -> Settled:
+        """Apply ``deliveries`` (at most one per key) and settle each one; never sleeps.
+
+        The only calls into the transaction step are here (``apply``, ``park``);
+        the decisions are the ``after_*`` methods, which an async driver of an
+        async step reuses as they are.
+        """
+        try:
+            batch = self.step.apply(deliveries)
+        except Exception as exc:
+            if isinstance(exc, DBAPIError) and not is_outage(exc) and len(deliveries) > 1:
+                settled = Settled()  # one message broke the commit: find it by applying each alone
+                for d in deliveries:
+                    alone = self.settle([d])
+                    settled.done.extend(alone.done)
+                    settled.later.extend(alone.later)
+                return settled
+            settled, to_park = self.after_error(deliveries, exc)
+        else:
+            settled, to_park = self.after_apply(batch)
+        for failure in to_park:
+            try:
+                outcome = self.step.park(failure.delivery, failure.error, failure.traceback)
+            except Exception as exc:
+                self.after_park_error(failure.delivery, exc, settled)
+            else:
+                self.after_park(failure.delivery, outcome, settled)
+        return settled
+
+    def after_error(self, deliveries: list[Delivery], error: Exception) -> tuple[Settled, list[Failure]]:
+        """The transaction failed as a whole: wait out an outage, else fail its one delivery."""
+        settled = Settled()
+        if is_outage(error):
+            delay = self.outages.failed(error)
+            settled.later.extend((d, delay) for d in deliveries)
+            return settled, []
+        if not isinstance(error, DBAPIError):
+            raise error  # a bug, not the message's fault nor the database's
+        [d] = deliveries
+        log.warning("inbox transaction of %s/%s seq %s rejected: %s", d.message.topic,
+                    d.message.key, d.message.seq, error.orig)
+        to_park = self._failed(Failure(d, error, traceback.format_exc()), settled)
+        return settled, [] if to_park is None else [to_park]
+
+    def after_apply(self, batch: Batch) -> tuple[Settled, list[Failure]]:
+        """A committed batch: what is done, what to try again when, and what to park now."""
+        self.outages.answered()
+        self.alerter.parked(batch.parked)
+        settled = Settled(done=list(batch.done))
+        to_park = [f for f in batch.failed if self._failed(f, settled) is not None]
+        return settled, to_park
+
+    def after_park(self, d: Delivery, outcome: tuple[Disposition, Parked | None],
+                   settled: Settled) -> None:
+        self.outages.answered()
+        disposition, parked = outcome
+        if parked is not None:
+            self.alerter.parked([parked])
+        settled.done.append((d, disposition))
+
+    def after_park_error(self, d: Delivery, error: Exception, settled: Settled) -> None:
+        if not is_outage(error):
+            raise error
+        d.attempts -= 1  # parking did not happen: the next try ends here again
+        settled.later.append((d, self.outages.failed(error)))
+
+    def _failed(self, failure: Failure, settled: Settled) -> Failure | None:
+        """Count the attempt; the failure back when the message must be parked now."""
+        d, error = failure.delivery, failure.error
+        if isinstance(error, RetryLater):
+            settled.later.append((d, error.delay))
+            return None
+        d.attempts += 1
+        if d.first_failure_at is None:
+            d.first_failure_at = utcnow()
+        if isinstance(error, ParkMessage) or d.attempts >= self.max_attempts:
+            return failure
+        log.warning("handler failed on %s/%s seq %s (attempt %d of %d): %r", d.message.topic,
+                    d.message.key, d.message.seq, d.attempts, self.max_attempts, error)
+        settled.later.append((d, self._backoff(d.attempts)))
+        return None
+
+    def _backoff(self, attempt: int) -> float:
+        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        state.attempt_number = attempt
+        return float(self.wait(state))

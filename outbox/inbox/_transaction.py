@@ -1,0 +1,344 @@
+"""One inbox transaction: claim, order check, handler, advance — and commit.
+
+This is the seam where the database work happens, and the only stage that
+touches a session: everything before it (decode, schedule) and after it
+(settle, commit offsets) works on its plain results. ``TransactionStep`` has
+three entry points, each one transaction: ``apply`` a batch, ``park`` a message
+whose attempts are spent, and ``run_handler`` inside an operator's replay.
+
+A batch holds deliveries of *different* keys (the scheduler guarantees it);
+when one handler fails, the batch is redone with each message in its own
+SAVEPOINT, so the failure rolls back only its own writes and the others
+commit. A batch handler gets all of a batch's messages of its topic in one
+call; when that call fails, the redo calls it once per message, each in its
+SAVEPOINT, to find the message that fails. The dedup rows, the key's new
+``last_seq`` and the handler's writes commit together: that is what makes
+effects inside the inbox database happen once. A held message that becomes
+next is applied in the same transaction, right after its predecessor.
+
+Failures are not retried here: they come back in ``Batch.failed`` for the
+settle stage. A database outage under a handler aborts the whole transaction
+(``Outage``): it is nobody's attempt.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from .._envelope import Message
+from ._delivery import Delivery
+from ._kinds import Outcome, Reason, StartPolicy
+from ._metrics import InboxMetrics
+from ._outage import Outage, is_outage
+from ._signals import Disposition, ParkMessage, SkipMessage
+from ._store import InboxStore, KeyId, KeyState
+
+Error = tuple[BaseException, str]
+"""An exception and its formatted traceback."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicHandler:
+    """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
+
+    fn: Callable[[Session, Any], Any]
+    batch: bool = False
+
+    def __call__(self, session: Session, messages: list[Message]) -> None:
+        if self.batch:
+            self.fn(session, messages)
+        else:
+            for message in messages:
+                self.fn(session, message)
+
+
+@dataclass(slots=True)
+class Failure:
+    delivery: Delivery
+    error: BaseException
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """A message this transaction parked, for the alerts and metrics raised after commit."""
+
+    delivery: Delivery
+    reason: Reason
+    error: str
+    key_parked: bool
+
+
+@dataclass(slots=True)
+class Batch:
+    """The outcome of one committed transaction."""
+
+    done: list[tuple[Delivery, Disposition]] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+    parked: list[Parked] = field(default_factory=list)
+
+
+class TransactionStep:
+    """Runs inbox transactions; safe to call from several threads (each call has its own session)."""
+
+    def __init__(self, sessions: sessionmaker[Session], store: InboxStore,
+                 handlers: Mapping[str, TopicHandler], metrics: InboxMetrics,
+                 start: StartPolicy = StartPolicy.STRICT) -> None:
+        self.sessions = sessions
+        self.store = store
+        self.handlers = handlers
+        self.metrics = metrics
+        self.start = start
+
+    # -- apply ------------------------------------------------------------------
+
+    def apply(self, deliveries: list[Delivery]) -> Batch:
+        """Handle ``deliveries`` (at most one per key) in one transaction and commit.
+
+        A batch first runs without savepoints (they cost two round trips per
+        message); if a handler fails, that transaction is rolled back and the
+        batch redone with a SAVEPOINT per message, reusing the failure instead
+        of running the failed handler again (a failed batch-handler call has
+        no single culprit: the redo calls it once per message to find it).
+        Either way the others commit. Raises what the database raised when the
+        transaction itself failed (``Outage`` among them).
+        """
+        known: dict[uuid.UUID, Error] = {}
+        if len(deliveries) > 1:
+            try:
+                return self._transaction(deliveries, known, savepoints=False)
+            except _Redo as redo:
+                if redo.delivery is not None:
+                    known[redo.delivery.message.message_id] = redo.error
+        return self._transaction(deliveries, known, savepoints=True)
+
+    def _transaction(self, deliveries: list[Delivery], known: dict[uuid.UUID, Error], *,
+                     savepoints: bool) -> Batch:
+        batch = Batch()
+        with self.sessions() as session, session.begin():
+            self._apply(session, deliveries, batch, known, savepoints)
+        for (topic, disposition), count in Counter(
+                (d.message.topic, disposition) for d, disposition in batch.done).items():
+            self.metrics.counted(topic, disposition, count)
+        return batch
+
+    def _apply(self, session: Session, pending: list[Delivery], batch: Batch,
+               known: dict[uuid.UUID, Error], savepoints: bool) -> None:
+        store = self.store
+        states: dict[KeyId, KeyState] = {}
+        new_seqs: dict[KeyId, int] = {}
+        starts: dict[KeyId, int] = {}
+        seen: set[uuid.UUID] = set()
+        duplicates: list[Delivery] = []
+        unhold: list[Delivery] = []
+        while pending:
+            to_lock = {d.lane for d in pending if d.ordered} - states.keys()
+            states |= store.lock_keys(session, to_lock)  # type: ignore[arg-type]
+            ready: list[Delivery] = []
+            behind: list[Delivery] = []
+            for d in pending:
+                # Two copies of one message in a batch (a resend, a lost ack): only the first may run.
+                if d.message.message_id in seen:
+                    duplicates.append(d)
+                    continue
+                verdict = self._triage(session, d, states, starts, batch)
+                if verdict is _Triage.DUPLICATE:
+                    duplicates.append(d)
+                    if d.from_held:
+                        unhold.append(d)
+                elif verdict is not _Triage.SETTLED:
+                    seen.add(d.message.message_id)
+                    (ready if verdict is _Triage.RUN else behind).append(d)
+            # A seq below the key's start is claimed too (same statement): is its id new here?
+            claimed = store.claim(session, ready + behind)
+            fresh = [d for d in ready if d.message.message_id in claimed]
+            duplicates.extend(d for d in ready if d.message.message_id not in claimed)
+            for d in behind:
+                if d.message.message_id not in claimed:
+                    duplicates.append(d)
+                    if d.from_held:
+                        unhold.append(d)
+            passed = [d for d in behind if d.message.message_id in claimed]
+            if passed:
+                store.unclaim(session, (d.message.message_id for d in passed))
+                for d in passed:
+                    self._park(session, d, batch, Reason.BEFORE_START,
+                               f"seq {d.message.seq} arrived after its key started at seq "
+                               f"{states[d.lane].started_at_seq} (start policy first_seen)")  # type: ignore[index]
+            if savepoints:
+                outcomes = [(d, known.get(d.message.message_id) or self._call_one(session, d))
+                            for d in fresh]
+            else:
+                self._run_unguarded(session, fresh)
+                outcomes = [(d, None) for d in fresh]
+            advanced: dict[KeyId, int] = {}
+            lost: list[Delivery] = []
+            for d, error in outcomes:
+                if error is not None and not isinstance(error[0], SkipMessage):
+                    lost.append(d)
+                    batch.failed.append(Failure(d, *error))
+                    continue
+                if error is not None:
+                    store.mark(session, d, Outcome.SKIPPED, str(error[0]) or "skipped by handler")
+                batch.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
+                if d.from_held:
+                    unhold.append(d)
+                if d.ordered:
+                    lane: KeyId = d.lane  # type: ignore[assignment]
+                    states[lane].last_seq = advanced[lane] = new_seqs[lane] = d.message.seq  # type: ignore[assignment]
+            store.unclaim(session, (d.message.message_id for d in lost))
+            pending = store.successors(session, {k: seq + 1 for k, seq in advanced.items()})
+        store.count_redelivery(session, (d.message.message_id for d in duplicates))
+        store.unhold(session, (d.message.message_id for d in unhold))
+        store.set_last_seq(session, new_seqs)
+        # A key starts where its first message applied; if that one failed, its retry starts it.
+        store.set_started(session, {lane: seq for lane, seq in starts.items() if lane in new_seqs})
+        batch.done.extend((d, Disposition.DUPLICATE) for d in duplicates)
+
+    def _triage(self, session: Session, d: Delivery, states: dict[KeyId, KeyState],
+                starts: dict[KeyId, int], batch: Batch) -> _Triage:
+        """Settle what needs neither a claim nor a handler; what to do with ``d`` otherwise."""
+        msg = d.message
+        if d.problem is Reason.FOREIGN:
+            self._park(session, d, batch, Reason.FOREIGN, d.problem_detail or "")
+            return _Triage.SETTLED
+        if not d.ordered:
+            if d.problem is Reason.UNDECODABLE:
+                self._park(session, d, batch, Reason.UNDECODABLE, d.problem_detail or "")
+                return _Triage.SETTLED
+            return _Triage.RUN
+        lane: KeyId = d.lane  # type: ignore[assignment]
+        state = states[lane]
+        seq: int = msg.seq  # type: ignore[assignment]
+        if self.start is StartPolicy.FIRST_SEEN and state.untouched and seq > 1:
+            state.last_seq, state.started_at_seq = seq - 1, seq
+            starts[lane] = seq
+        if seq <= state.last_seq:
+            if state.started_at_seq is not None and seq < state.started_at_seq:
+                return _Triage.BEHIND  # never applied here, unless a copy was parked and discarded
+            return _Triage.DUPLICATE
+        if state.parked:
+            self._park(session, d, batch, Reason.KEY_PARKED, "")
+            return _Triage.SETTLED
+        if d.problem is Reason.UNDECODABLE:
+            self._park(session, d, batch, Reason.UNDECODABLE, d.problem_detail or "")
+            state.parked = True
+            return _Triage.SETTLED
+        if seq > state.last_seq + 1:
+            if not d.from_held:
+                self.store.hold(session, d)
+            batch.done.append((d, Disposition.HELD))
+            return _Triage.SETTLED
+        return _Triage.RUN
+
+    def _park(self, session: Session, d: Delivery, batch: Batch, reason: Reason, error: str) -> None:
+        key_parked = self.store.park(session, d, reason, error=error or None)
+        batch.parked.append(Parked(d, reason, error, key_parked))
+        batch.done.append((d, Disposition.PARKED))
+
+    # -- park -------------------------------------------------------------------
+
+    def park(self, d: Delivery, error: BaseException, trace: str) -> tuple[Disposition, Parked | None]:
+        """Park a message whose attempts are spent (and its key), in its own transaction."""
+        text = f"{type(error).__name__}: {error}"
+        with self.sessions() as session, session.begin():
+            lane = d.lane if d.ordered else None
+            state = self.store.lock_keys(session, [lane])[lane] if lane is not None else None
+            if state is not None and d.message.seq <= state.last_seq:  # type: ignore[operator]
+                return Disposition.DUPLICATE, None  # applied meanwhile by another consumer
+            reason = Reason.KEY_PARKED if state is not None and state.parked else Reason.FAILED
+            if reason is Reason.KEY_PARKED:
+                key_parked = self.store.park(session, d, reason)
+            else:
+                key_parked = self.store.park(session, d, reason, error=text, traceback=trace,
+                                             attempts=d.attempts)
+        return Disposition.PARKED, Parked(d, reason, text, key_parked)
+
+    # -- handlers -----------------------------------------------------------------
+
+    def _run_unguarded(self, session: Session, fresh: list[Delivery]) -> None:
+        """Run the handlers without savepoints, a batch handler once per topic; ``_Redo`` on a failure."""
+        by_topic: dict[str, list[Delivery]] = {}
+        for d in fresh:
+            by_topic.setdefault(d.message.topic, []).append(d)
+        for topic, group in by_topic.items():
+            handler = self.handlers.get(topic)
+            if handler is not None and handler.batch and len(group) > 1:
+                error = self._call(session, topic, [d.message for d in group], savepoint=False)
+                if error is not None:
+                    raise _Redo(None, error)  # which message failed is found by the redo
+                continue
+            for d in group:
+                error = self._call(session, topic, [d.message], savepoint=False)
+                if error is not None:
+                    raise _Redo(d, error)
+
+    def run_handler(self, session: Session, d: Delivery) -> Error | None:
+        """Run the topic's handler for ``d`` alone in a SAVEPOINT; the error and traceback if it raised.
+
+        Raises ``Outage`` when the database failed under the handler.
+        """
+        return self._call_one(session, d)
+
+    def _call_one(self, session: Session, d: Delivery) -> Error | None:
+        return self._call(session, d.message.topic, [d.message], savepoint=True)
+
+    def _call(self, session: Session, topic: str, messages: list[Message], *,
+              savepoint: bool) -> Error | None:
+        handler = self.handlers.get(topic)
+        started = time.perf_counter()
+        nested = session.begin_nested() if savepoint else None
+        try:
+            if handler is None:
+                raise ParkMessage(f"no handler registered for topic {topic!r}")
+            handler(session, messages)
+            session.flush()
+            if nested is not None:
+                nested.commit()
+        except Exception as exc:
+            if is_outage(exc):
+                raise Outage(f"the database failed under the handler: {exc!r}") from exc
+            if nested is not None:
+                try:
+                    nested.rollback()
+                except Exception as rollback_error:
+                    if is_outage(rollback_error):
+                        raise Outage(f"rollback failed: {rollback_error!r}") from rollback_error
+                    raise
+            # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
+            self.metrics.ran(topic, time.perf_counter() - started, failed=len(messages) == 1)
+            return exc, traceback.format_exc()
+        self.metrics.ran(topic, time.perf_counter() - started, failed=False)
+        return None
+
+
+class _Triage(enum.Enum):
+    RUN = "run"
+    """Next in its key (or unkeyed): claim it and run its handler."""
+    DUPLICATE = "duplicate"
+    """At or below its key's last seq: applied already."""
+    BEHIND = "behind"
+    """Below the seq its key started at: park it, unless its id is recorded already."""
+    SETTLED = "settled"
+    """Held or parked without a claim."""
+
+
+class _Redo(Exception):
+    """A handler failed in a batch without savepoints: roll it all back, redo with savepoints.
+
+    ``delivery`` is the message that failed, when a call had only that one.
+    """
+
+    def __init__(self, delivery: Delivery | None, error: Error) -> None:
+        super().__init__(f"redo batch: {error[0]!r}")
+        self.delivery = delivery
+        self.error = error

@@ -1,0 +1,373 @@
+"""The inbox against a tiny reference model: random interleavings, invariants checked at every step.
+
+Hypothesis drives a deterministic stand-in for Kafka and the runner around
+the real pipeline (decode → settle → transaction → store, and the real offset
+tracker): a producer appends messages to two partitions, with duplicates
+(keyed and unkeyed), reordered seqs and messages whose handler fails once,
+twice, always (poison), asks to ``RetryLater`` or skips; the consumer polls,
+runs batches of lane heads, puts retries on a timer it fires at will, commits,
+loses partitions, restarts from the committed offsets (a new ``Inbox``: all
+memory gone), and an operator replays and discards.
+
+Invariants, after every step: each message id takes effect at most once; per
+key, effects in seq order. After draining: nothing vanished (every delivered
+message is applied, parked, held, or recorded as skipped or discarded by an
+operator), and a poisoned key never blocked another (every key that was never
+parked has all its messages applied).
+
+The effects table has no unique constraint, so a second application shows
+instead of failing. Examples per run: ``INBOX_MODEL_EXAMPLES`` (default 30,
+derandomized, so CI runs the same ones every time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from outbox import DiscardRefusedError, Inbox, RetryLater, SkipMessage
+from outbox.inbox._delivery import Delivery, decode
+from outbox.inbox._offsets import OffsetTracker
+from tests.inbox_support import record
+from transports import Record
+
+settings.register_profile(
+    "inbox-model",
+    max_examples=int(os.environ.get("INBOX_MODEL_EXAMPLES", "30")),
+    stateful_step_count=40,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+TOPIC = "model"
+KEYS = ["k0", "k1", "k2", "k3"]
+PARTITIONS = 2
+BEHAVIOURS = ["ok", "ok", "ok", "flaky1", "flaky2", "retry_later", "poison", "skip"]
+
+model_effects = sa.Table(
+    "model_effects", sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("consumer_group", sa.String(100), nullable=False),
+    sa.Column("key", sa.String(20)),
+    sa.Column("seq", sa.Integer),
+    sa.Column("message_id", sa.Uuid, nullable=False),
+)
+
+
+@dataclass
+class Produced:
+    message_id: uuid.UUID
+    key: str | None
+    seq: int | None
+    behaviour: str
+    record: Record
+
+
+@dataclass
+class World:
+    """What the handler reads: how each message behaves, and which poison an operator fixed."""
+
+    behaviours: dict[uuid.UUID, str] = field(default_factory=dict)
+    calls: dict[uuid.UUID, int] = field(default_factory=lambda: defaultdict(int))
+    fixed: set[uuid.UUID] = field(default_factory=set)
+
+
+def handler_for(world: World, group: str):  # type: ignore[no-untyped-def]
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        # The write comes first: a failure after it must roll it back.
+        session.execute(model_effects.insert().values(consumer_group=group, key=message.key,
+                                                      seq=message.seq, message_id=message.message_id))
+        behaviour = world.behaviours[message.message_id]
+        world.calls[message.message_id] += 1
+        calls = world.calls[message.message_id]
+        if (behaviour == "flaky1" and calls <= 1) or (behaviour == "flaky2" and calls <= 2):
+            raise RuntimeError("flaky")
+        if behaviour == "retry_later" and calls <= 2:
+            raise RetryLater(0.0, "busy")
+        if behaviour == "poison" and message.message_id not in world.fixed:
+            raise RuntimeError("poison")
+        if behaviour == "skip":
+            raise SkipMessage("not for us")
+    return handle
+
+
+class InboxModel(RuleBasedStateMachine):
+    engine: sa.Engine
+    runs = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.group = f"model-{os.getpid()}-{next(self.runs)}"
+        self.world = World()
+        self.logs: list[list[Record]] = [[] for _ in range(PARTITIONS)]
+        self.produced: dict[uuid.UUID, Produced] = {}
+        self.next_seq: dict[str, int] = defaultdict(lambda: 1)
+        self.committed = [0] * PARTITIONS
+        self.discarded: set[uuid.UUID] = set()
+        self._start_consumer()
+
+    # -- the consumer process -------------------------------------------------------
+
+    def _start_consumer(self) -> None:
+        self.inbox = Inbox(self.engine, group=self.group, max_attempts=3, retry_backoff=0,
+                           gap_timeout=3600, alert=lambda alert: None)
+        self.inbox.handler(TOPIC)(handler_for(self.world, self.group))
+        self.tracker = OffsetTracker()
+        self.position = list(self.committed)
+        self.queue: list[Delivery] = []
+        self.waiting: list[Delivery] = []
+
+    # -- producer -------------------------------------------------------------------------
+
+    def _append(self, p: Produced, partition: int) -> None:
+        r = self.logs[partition]
+        copy = Record(p.record.topic, p.record.value, p.record.key, list(p.record.headers),
+                      partition=partition, offset=len(r))
+        r.append(copy)
+
+    def _new(self, key: str | None, behaviour: str, seq: int | None = None) -> Produced:
+        if key is not None and seq is None:
+            seq = self.next_seq[key]
+            self.next_seq[key] += 1
+        r = record(TOPIC, key, seq)
+        message_id = uuid.UUID(dict(r.headers)["outbox-message-id"].decode())
+        produced = Produced(message_id, key, seq, behaviour, r)
+        self.produced[message_id] = produced
+        self.world.behaviours[message_id] = behaviour
+        return produced
+
+    @staticmethod
+    def _partition(key: str | None, salt: int = 0) -> int:
+        return (KEYS.index(key) + salt) % PARTITIONS if key is not None else salt % PARTITIONS
+
+    @rule(key=st.sampled_from([*KEYS, None]), behaviour=st.sampled_from(BEHAVIOURS),
+          salt=st.integers(0, 1))
+    def produce(self, key: str | None, behaviour: str, salt: int) -> None:
+        p = self._new(key, behaviour)
+        self._append(p, self._partition(key, salt if key is None else 0))
+
+    @initialize(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6),
+                poisoned=st.sampled_from(KEYS))
+    def some_traffic(self, keys: list[str], poisoned: str) -> None:
+        """Every run starts with messages on the wire, one key poisoned with two behind it."""
+        for key in keys:
+            self._append(self._new(key, "ok"), self._partition(key))
+        self.produce_poison(poisoned, 2)
+
+    @rule(key=st.sampled_from(KEYS), after=st.integers(1, 3))
+    def produce_poison(self, key: str, after: int) -> None:
+        """A poison message and ``after`` more of its key: they park behind it."""
+        for behaviour in ["poison"] + ["ok"] * after:
+            self._append(self._new(key, behaviour), self._partition(key))
+
+    @rule(key=st.sampled_from(KEYS))
+    def produce_reordered(self, key: str) -> None:
+        """The key's next two seqs land in the wrong order (e.g. the key moved partitions)."""
+        first, second = self._new(key, "ok"), self._new(key, "ok")
+        self._append(second, self._partition(key))
+        self._append(first, self._partition(key, 1))
+
+    @rule(data=st.data())
+    def resend(self, data: st.DataObject) -> None:
+        """A relay resend or a lost acknowledgement: the same message (same id) again."""
+        if self.produced:
+            p = data.draw(st.sampled_from(sorted(self.produced.values(), key=lambda p: str(p.message_id))))
+            self._append(p, self._partition(p.key, data.draw(st.integers(0, 1))))
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    @rule(partition=st.integers(0, PARTITIONS - 1), count=st.integers(1, 4))
+    def poll(self, partition: int, count: int) -> None:
+        records = self.logs[partition][self.position[partition]:self.position[partition] + count]
+        self.position[partition] += len(records)
+        for r in records:
+            d = decode(r, accept_foreign=False)
+            d.tracked = True
+            self.queue.append(d)
+        self.tracker.received(((r.topic, r.partition), r.offset) for r in records)  # type: ignore[misc]
+
+    @rule(size=st.integers(1, 5))
+    def run_batch(self, size: int) -> None:
+        """A worker takes the heads of up to ``size`` ready lanes (a waiting lane is not ready)."""
+        blocked = {d.lane for d in self.waiting if d.lane is not None}
+        seen: set[object] = set()
+        batch = []
+        for d in self.queue:
+            lane = d.lane if d.lane is not None else id(d)
+            if lane in seen or lane in blocked:
+                seen.add(lane)
+                continue
+            seen.add(lane)
+            batch.append(d)
+            if len(batch) == size:
+                break
+        if not batch:
+            return
+        for d in batch:
+            self.queue.remove(d)
+        settled = self.inbox.settler.settle(batch)
+        self.tracker.finished(d.position for d, _ in settled.done if d.tracked)  # type: ignore[misc]
+        self.waiting.extend(d for d, _ in settled.later)
+
+    @rule()
+    def consume_everything(self) -> None:
+        """Poll to the end and run batches, firing timers, until nothing moves."""
+        self._drain()
+
+    @rule()
+    def timers_fire(self) -> None:
+        """Retry delays are over: waiting deliveries go back to the head of their lanes."""
+        self.queue[:0] = self.waiting
+        self.waiting = []
+
+    @rule()
+    def commit(self) -> None:
+        offsets = self.tracker.committable()
+        for (_, partition), offset in offsets.items():
+            self.committed[partition] = offset
+        self.tracker.committed(offsets)
+
+    @rule(partition=st.integers(0, PARTITIONS - 1))
+    def revoke(self, partition: int) -> None:
+        """The partition goes away and comes back: queued and waiting records are dropped after a
+        commit of what finished; it is read again from the committed offset."""
+        def mine(d: Delivery) -> bool:
+            return d.tracked and d.partition == partition
+
+        self.queue = [d for d in self.queue if not mine(d)]
+        self.waiting = [d for d in self.waiting if not mine(d)]
+        for (_, p), offset in self.tracker.committable([(TOPIC, partition)]).items():
+            self.committed[p] = offset
+        self.tracker.forget([(TOPIC, partition)])
+        self.position[partition] = self.committed[partition]
+
+    @rule()
+    def restart(self) -> None:
+        """The consumer process dies (SIGKILL): everything in memory is gone."""
+        self._start_consumer()
+
+    @rule()
+    def sweep(self) -> None:
+        self.queue.extend(self.inbox.gaps.ready())
+
+    # -- operator ---------------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        """The operator fixed the cause of a key's failures, and replays it."""
+        parked = self.inbox.parked(TOPIC)
+        if not parked:
+            return
+        target = data.draw(st.sampled_from(parked))
+        self.world.fixed.update(p.message_id for p in parked if p.key == target.key)
+        self.inbox.replay(TOPIC, target.key)
+
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        parked = self.inbox.parked(TOPIC)
+        if not parked:
+            return
+        # Half the time the last parked message of a key: the one that must not skip the others.
+        last = {p.key: p for p in parked}
+        target = data.draw(st.sampled_from(parked) | st.sampled_from(list(last.values())))
+        earlier = [p for p in parked if p.key is not None and p.key == target.key
+                   and p.seq < target.seq]  # type: ignore[operator]
+        try:
+            self.inbox.discard(target.message_id, by="model", reason="operator decision")
+        except DiscardRefusedError:
+            assert earlier, "a discard with no earlier parked message of its key was refused"
+            return
+        assert not earlier, "a discard skipped past earlier parked messages"
+        self.discarded.add(target.message_id)
+
+    # -- invariants ---------------------------------------------------------------------------------
+
+    def _effects(self) -> list[tuple[str | None, int | None, uuid.UUID]]:
+        e = model_effects
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(  # type: ignore[misc]
+                sa.select(e.c.key, e.c.seq, e.c.message_id)
+                .where(e.c.consumer_group == self.group).order_by(e.c.id))]
+
+    @invariant()
+    def at_most_once_and_in_key_order(self) -> None:
+        effects = self._effects()
+        ids = [m for _, _, m in effects]
+        assert len(ids) == len(set(ids)), "a message took effect twice"
+        last: dict[str, int] = {}
+        for key, seq, _ in effects:
+            if key is not None:
+                assert seq > last.get(key, 0), f"key {key}: seq {seq} applied after {last[key]}"
+                last[key] = seq
+
+    def teardown(self) -> None:
+        try:
+            self._drain()
+            self.at_most_once_and_in_key_order()
+            self._nothing_vanished()
+        finally:
+            self.inbox = None  # type: ignore[assignment]
+
+    def _drain(self) -> None:
+        """Deliver everything, fire every timer, run until nothing moves."""
+        for _ in range(200):
+            self.timers_fire()
+            for partition in range(PARTITIONS):
+                self.poll(partition, 1_000)
+            self.sweep()
+            if not self.queue:
+                return
+            while self.queue:
+                self.run_batch(5)
+                self.timers_fire()
+        raise AssertionError("the consumer never became idle")
+
+    def _nothing_vanished(self) -> None:
+        t = self.inbox.tables
+        with self.engine.connect() as conn:
+            applied = {m for _, _, m in self._effects()}
+            parked = set(conn.scalars(sa.select(t.inbox_parked.c.message_id)
+                                      .where(t.inbox_parked.c.consumer_group == self.group)))
+            held = set(conn.scalars(sa.select(t.inbox_held.c.message_id)
+                                    .where(t.inbox_held.c.consumer_group == self.group)))
+            recorded = dict(conn.execute(
+                sa.select(t.inbox_messages.c.message_id, t.inbox_messages.c.outcome)
+                .where(t.inbox_messages.c.consumer_group == self.group)).all())
+        skipped = {m for m, outcome in recorded.items() if outcome == "skipped"}
+        discarded = {m for m, outcome in recorded.items() if outcome == "discarded"}
+        assert discarded == self.discarded, "a discard without an operator, or one not recorded"
+        assert applied <= {m for m, outcome in recorded.items() if outcome == "processed"}
+        for p in self.produced.values():
+            assert p.message_id in applied | parked | held | skipped | discarded, (
+                f"{p.key} seq {p.seq} ({p.behaviour}) vanished")
+        parked_keys = {self.produced[m].key for m in parked | held | discarded}
+        for key in KEYS:
+            if key not in parked_keys:
+                mine = sorted(p.seq for p in self.produced.values() if p.key == key)  # type: ignore[type-var]
+                done = sorted(self.produced[m].seq for m in applied | skipped  # type: ignore[type-var]
+                              if self.produced[m].key == key)
+                assert done == mine, f"key {key} was never parked, yet not all of it applied"
+
+
+@pytest.mark.slow
+def test_the_inbox_keeps_its_invariants_under_random_interleavings(engine: sa.Engine) -> None:
+    Inbox(engine, group="setup").create_tables()
+    model_effects.create(engine, checkfirst=True)
+    machine = type("Machine", (InboxModel,), {"engine": engine})
+    run_state_machine_as_test(machine, settings=settings.get_profile("inbox-model"))
