@@ -209,7 +209,9 @@ class Relay:
                     self.outages.up(Dependency.BROKER)
                 elif batch.retried and batch.error:
                     self.outages.down(Dependency.BROKER, batch.error)
-                again = batch.fetched == self.batch_size
+                # A full batch means more may be waiting, unless all of it waits in the
+                # wheel: then fetching again at once would only spin.
+                again = batch.fetched == self.batch_size and batch.sent > 0
                 if again:
                     continue
             wait = self.wheel.tick if len(self.wheel) else max(0.0, poll_due - time.monotonic())
