@@ -114,7 +114,13 @@ def test_the_relays_own_clock_never_reorders_a_key(
         publish_alternately(outbox, db_url, topic, "+3s", [0, 0.5, 0, 0, 0, 0])
     finally:
         relay.send_signal(signal.SIGTERM)
-        assert relay.wait(30) == 0, log.read_text()
+        try:
+            code = relay.wait(30)
+        except subprocess.TimeoutExpired:
+            relay.kill()
+            relay.wait()
+            raise
+    assert code == 0, log.read_text()
     assert_in_seq_order(outbox, kafka, topic, 6)
     outbox.engine.dispose()  # type: ignore[union-attr]
 
