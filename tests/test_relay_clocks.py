@@ -10,8 +10,10 @@ SQLite), then the topic is read back.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +24,7 @@ import tenacity
 from _relay_helpers import rows, seqs_by_key
 from conftest import unavailable
 
-from outbox import Outbox, Relay
+from outbox import Outbox, Relay, create_engine
 from transports.kafka import KafkaTransport
 from transports.testing import FaultyTransport, read_topic
 
@@ -70,8 +72,7 @@ class Publisher:
 def test_a_publisher_clock_ahead_never_reorders_a_key(
     outbox: Outbox, db_url: str, kafka: str, topic: str, skew: str, delays: list[float], faults: float
 ) -> None:
-    if shutil.which("faketime") is None:
-        unavailable("faketime is not installed (Debian package faketime)")
+    need_faketime()
     transport = KafkaTransport(bootstrap_servers=kafka)
     if faults:
         transport = FaultyTransport(transport, rate=faults, seed=7)
@@ -79,21 +80,71 @@ def test_a_publisher_clock_ahead_never_reorders_a_key(
                   backoff=tenacity.wait_fixed(0.2))
     running = threading.Thread(target=relay.run)
     running.start()
-    fast = Publisher(db_url, topic, skew=skew)
-    normal = Publisher(db_url, topic, skew=None)
     try:
-        for i, delay in enumerate(delays):
-            (fast if i % 2 == 0 else normal).publish("order-1", delay)
-            time.sleep(0.1)  # let the relay fetch between two publishes
-        fast.close()
-        normal.close()
-        deadline = time.monotonic() + 30
-        while rows(outbox, status="pending") and time.monotonic() < deadline:
-            time.sleep(0.1)
+        publish_alternately(outbox, db_url, topic, skew, delays)
     finally:
         relay.stop()
         running.join(30)
         transport.close()
+    assert_in_seq_order(outbox, kafka, topic, len(delays))
+
+
+@pytest.mark.parametrize("relay_skew", ["-3s", "+3s"], ids=["relay-behind", "relay-ahead"])
+@pytest.mark.postgres
+def test_the_relays_own_clock_never_reorders_a_key(
+    postgres_db: str, kafka: str, topic: str, relay_skew: str, tmp_path
+) -> None:
+    """The relay's "now" off from the publishers' (and the database's): order still holds."""
+    outbox = Outbox(create_engine(postgres_db))
+    outbox.create_tables()
+    db_url = postgres_db
+    need_faketime()
+    found = glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1")
+    if not found:
+        unavailable("libfaketimeMT not found (Debian package faketime)")
+    log = tmp_path / "relay.log"
+    # The library itself rather than the faketime wrapper, so SIGTERM reaches the relay; only
+    # the wall clock is off, as on a host whose NTP is broken (the monotonic clock is not).
+    env = {**os.environ, "LD_PRELOAD": found[0], "FAKETIME": relay_skew, "DONT_FAKE_MONOTONIC": "1"}
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "outbox", "relay", "--db", db_url, "--bootstrap-servers", kafka,
+         "--poll-interval", "0.05", "--log-level", "WARNING"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        publish_alternately(outbox, db_url, topic, "+3s", [0, 0.5, 0, 0, 0, 0])
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        try:
+            code = relay.wait(30)
+        except subprocess.TimeoutExpired:
+            relay.kill()
+            relay.wait()
+            raise
+    assert code == 0, log.read_text()
+    assert_in_seq_order(outbox, kafka, topic, 6)
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+def need_faketime() -> None:
+    if shutil.which("faketime") is None:
+        unavailable("faketime is not installed (Debian package faketime)")
+
+
+def publish_alternately(outbox: Outbox, url: str, topic: str, skew: str, delays: list[float]) -> None:
+    """One message of key order-1 per delay, from a skewed and a normal publisher in turn."""
+    fast = Publisher(url, topic, skew=skew)
+    normal = Publisher(url, topic, skew=None)
+    for i, delay in enumerate(delays):
+        (fast if i % 2 == 0 else normal).publish("order-1", delay)
+        time.sleep(0.1)  # let the relay fetch between two publishes
+    fast.close()
+    normal.close()
+    deadline = time.monotonic() + 30
+    while rows(outbox, status="pending") and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def assert_in_seq_order(outbox: Outbox, kafka: str, topic: str, count: int) -> None:
     assert {r.status for r in rows(outbox)} == {"published"}
-    records = read_topic(kafka, topic, expected=len(delays), timeout=20, settle=0.5)
-    assert seqs_by_key(records) == {b"order-1": list(range(1, len(delays) + 1))}
+    records = read_topic(kafka, topic, expected=count, timeout=20, settle=0.5)
+    assert seqs_by_key(records) == {b"order-1": list(range(1, count + 1))}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ._partitioner import partition_for_key
 from ._protocol import Outcome, Record, SendResult
 
 NOT_SENT = "not sent: an earlier record of this key was not delivered"
@@ -38,6 +39,22 @@ def waves(records: Sequence[Record]) -> list[list[int]]:
             grouped.append([])
         grouped[n].append(i)
     return grouped
+
+
+def key_partition(record: Record, counts: dict[str, int | SendResult],
+                  lookup: Callable[[str], int | SendResult]) -> int | SendResult | None:
+    """The partition Kafka's Java client picks for ``record``'s key; None if unkeyed.
+
+    ``counts`` caches ``lookup(topic)`` (a partition count, or the error looking it
+    up as a result) for one wave, so a down broker costs one lookup per topic, not
+    one per record.
+    """
+    if record.key is None:
+        return None
+    count = counts.get(record.topic)
+    if count is None:
+        count = counts[record.topic] = lookup(record.topic)
+    return count if isinstance(count, SendResult) else partition_for_key(record.key, count)
 
 
 def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[SendResult]:

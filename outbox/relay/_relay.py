@@ -5,6 +5,11 @@ the loop (wake on NOTIFY, wheel timers or the poll interval; go again at once
 after a full batch), the lease thread, and a graceful stop. What happens inside
 one batch, and why it keeps per-key order, is in ``_relay_batch``.
 
+A database or broker outage is not a failure: the loop waits it out with
+capped backoff and ``_outage`` logs it once when it starts and once when it
+ends. The backlog gauges have a thread of their own, so their GROUP BY never
+delays lease renewal.
+
 ``run`` loops until ``stop`` (or SIGTERM/SIGINT): it finishes the batch in hand
 (the transport bounds the wait for delivery reports), marks it, releases its
 leases and returns, so a process running it exits 0.
@@ -210,7 +215,9 @@ class Relay:
                     self.outages.up(Dependency.BROKER)
                 elif batch.retried and batch.error:
                     self.outages.down(Dependency.BROKER, batch.error)
-                again = batch.fetched == self.batch_size
+                # A full batch means more may be waiting, unless all of it waits in the
+                # wheel: then fetching again at once would only spin.
+                again = batch.fetched == self.batch_size and batch.sent > 0
                 if again:
                     continue
             wait = self.wheel.tick if len(self.wheel) else max(0.0, poll_due - time.monotonic())

@@ -25,10 +25,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from transports._errors import ConfigurationError
-from transports._partitioner import partition_for_key
 
 from .._protocol import Outcome, Record, SendResult
-from .._waves import publish_in_waves
+from .._waves import key_partition, publish_in_waves
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 # Errors that cannot succeed by sending the same record again.
@@ -119,19 +118,17 @@ class KafkaTransport:
         """Produce every record of one wave, then wait (bounded) for all delivery reports."""
         produce = self._producer.produce
         report = self._report
-        partitions: dict[str, int | SendResult] = {}  # per wave: metadata looked up once per topic
+        counts: dict[str, int | SendResult] = {}  # per wave: metadata looked up once per topic
+        lookup = self._partition_count
         outstanding = 0
         for i in indexes:
             record = records[i]
-            partition = -1  # librdkafka's "unassigned": it spreads unkeyed records
-            if record.key is not None:
-                count = partitions.get(record.topic)
-                if count is None:
-                    count = partitions[record.topic] = self._partition_count(record.topic)
-                if isinstance(count, SendResult):
-                    results[i] = count
-                    continue
-                partition = partition_for_key(record.key, count)
+            partition = key_partition(record, counts, lookup)
+            if isinstance(partition, SendResult):
+                results[i] = partition
+                continue
+            if partition is None:
+                partition = -1  # librdkafka's "unassigned": it spreads unkeyed records
             callback = partial(report, results, i)
             headers: Any = record.headers  # librdkafka's stubs want a list of str | bytes | None
             try:

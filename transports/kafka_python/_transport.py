@@ -37,9 +37,8 @@ from typing import Any
 import kafka.errors as kafka_errors
 
 from .._errors import ConfigurationError
-from .._partitioner import partition_for_key
 from .._protocol import Outcome, Record, SendResult
-from .._waves import NO_REPORT, publish_in_waves
+from .._waves import NO_REPORT, key_partition, publish_in_waves
 
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.MessageSizeTooLargeError,
@@ -94,22 +93,15 @@ class KafkaPythonTransport:
     def _send_wave(
         self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None]
     ) -> None:
-        # Per wave, a topic's partition count (or the error looking it up) is asked once:
-        # with the broker down each lookup blocks for max_block_ms.
-        counts: dict[str, int | SendResult] = {}
+        counts: dict[str, int | SendResult] = {}  # with the broker down a lookup takes max_block_ms
         futures = []
         for i in indexes:
             record = records[i]
             try:
-                partition = None
-                if record.key is not None:
-                    count = counts.get(record.topic)
-                    if count is None:
-                        count = counts[record.topic] = self._partition_count(record.topic)
-                    if isinstance(count, SendResult):
-                        results[i] = count
-                        continue
-                    partition = partition_for_key(record.key, count)
+                partition = key_partition(record, counts, self._partition_count)
+                if isinstance(partition, SendResult):
+                    results[i] = partition
+                    continue
                 futures.append((i, self._producer.send(
                     record.topic, value=record.value, key=record.key,
                     headers=list(record.headers), partition=partition)))
