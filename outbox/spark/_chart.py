@@ -65,7 +65,8 @@ def _backlog(ax: Any, summary: dict[str, Any], produced: list[dict[str, Any]],
         ax.text(0.5, 0.5, "no messages in the window", ha="center", transform=ax.transAxes)
         return
     times = [start + timedelta(seconds=(b + 1) * bucket_seconds) for b in buckets]
-    created, published = defaultdict(int), defaultdict(int)
+    created: dict[int, int] = defaultdict(int)
+    published: dict[int, int] = defaultdict(int)
     published_by_topic: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in produced:
         created[r["bucket"]] += r["created"]
