@@ -31,6 +31,7 @@ from ._noise import LEVELS, forward_filtered
 from ._source import TableSource
 
 DEFAULT_MASTER = "local[*]"
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 SessionFactory = Callable[[], SparkSession]
 EXECUTOR_MODULES = ("outbox", "sqlalchemy", "pyarrow", "pandas")
 _checked: set[str] = set()  # application ids whose executors were probed
@@ -68,7 +69,6 @@ def spark_session(
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.execution.arrow.pyspark.enabled": "true",
             "spark.ui.showConsoleProgress": "false",  # the CLI draws its own progress on stderr
-            "spark.log.level": level,
             **(config or {}),
         }
         if (chosen or "").startswith("local"):
@@ -76,7 +76,7 @@ def spark_session(
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         if chosen is not None:
             settings["spark.master"] = chosen
-        spark = _build(app_name, settings, quiet=level in ("ERROR", "WARN"))
+        spark = _build(app_name, settings, level)
     spark.dataSource.register(TableSource)
     _check_executors(spark)
     return spark
@@ -91,18 +91,24 @@ def session_from(spark: SparkSession | SessionFactory | None) -> SparkSession:
     return spark()
 
 
-def _build(app_name: str, settings: Mapping[str, str], quiet: bool) -> SparkSession:
+def _build(app_name: str, settings: Mapping[str, str], level: str) -> SparkSession:
+    """Start the SparkContext at ``level`` (its first lines are logged before that applies)."""
+    settings = {"spark.log.level": level, **settings}
+    if SparkContext._active_spark_context is None:
+        conf = SparkConf().setAppName(app_name).setAll(list(settings.items()))
+        gateway = None
+        if level in ("ERROR", "WARN") and not _under_spark_submit():
+            # Start the JVM ourselves so that its stderr passes through the filter.
+            gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
+            forward_filtered(gateway.proc.stderr)
+        context = SparkContext(conf=conf, gateway=gateway)
+        if not context.getConf().contains(SHUFFLE_PARTITIONS):
+            # Spark's 200 shuffle partitions cost seconds of task overhead per
+            # stage on small inputs; a few per core keep big ones spread too.
+            settings[SHUFFLE_PARTITIONS] = str(2 * context.defaultParallelism)
     builder = SparkSession.builder.appName(app_name)
     for name, value in settings.items():
         builder = builder.config(name, value)
-    if quiet and SparkContext._active_spark_context is None and not _under_spark_submit():
-        # Start the JVM ourselves so its stderr passes through a filter.
-        conf = SparkConf().setAppName(app_name)
-        for name, value in settings.items():
-            conf.set(name, value)
-        gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
-        forward_filtered(gateway.proc.stderr)
-        SparkContext(conf=conf, gateway=gateway)
     return builder.getOrCreate()
 
 
