@@ -99,7 +99,7 @@ def test_bad_urls_and_missing_tables_are_named_before_spark_starts(tmp_path, arg
 
 def test_only_the_report_goes_to_stdout_and_the_jvm_stays_quiet(java_home, tmp_path):
     url = f"sqlite:///{tmp_path / 'db.db'}"
-    seed(build(n=1_000, keys=10), url, url)
+    seed(build(n=3_000, keys=30), url, url)
     done = cli("audit", "--outbox-db", url, "--out", str(tmp_path / "a"), "--as-of", AS_OF.isoformat(),
                "--master", "local[1]")
     assert done.returncode == 1, done.stderr[-3000:]  # the scenario loses messages

@@ -62,10 +62,10 @@ def rows(url: str, table: sa.Table) -> list[dict]:
     return found
 
 
-def seeded_pair(directory: Path, n: int = 3_000) -> str:
+def seeded_pair(directory: Path) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{directory / 'db.db'}"
-    seed(build(n=n, keys=30), url, url)
+    seed(build(n=3_000, keys=30), url, url)
     return url
 
 
@@ -172,7 +172,7 @@ def test_executors_without_the_package_are_named(cluster, tmp_path):
     if subprocess.run([bare, "-c", "import outbox"], capture_output=True).returncode == 0 or \
             not Path(bare).exists():
         pytest.fail(f"{bare} must exist and lack the package for this test")  # pragma: no cover
-    url = seeded_pair(tmp_path, n=500)
+    url = seeded_pair(tmp_path)
 
     failed = outbox_spark(cluster, "audit", "--outbox-db", url, "--out", str(tmp_path / "a"),
                           "--shared-storage", PYSPARK_PYTHON=bare)
