@@ -1,9 +1,11 @@
-"""A Spark data source for the outbox and inbox tables, read in parallel ranges.
+"""Reading the outbox and inbox tables into Spark, in parallel ranges.
 
 The driver runs one small query for the bounds (min/max id, or per consumer
 group min/max message id) and splits them into ranges; each Spark task then
 reads its own range with SQLAlchemy and hands Arrow batches to Spark. No JDBC
 driver jar is involved, so a fresh machine needs only the ``spark`` extra.
+``read_table`` (what the jobs use) runs the reads as a ``mapInArrow``;
+``TableSource`` offers the same reads as ``spark.read.format("outbox_table")``.
 """
 
 from __future__ import annotations

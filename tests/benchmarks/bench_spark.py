@@ -152,7 +152,7 @@ def main() -> None:
         "",
         "Outbox + inbox rows in one database (so the single SQL query can run too), one consumer "
         f"group, one message in {LOST_EVERY:,} never consumed. The audit time is end to end: "
-        "partitioned reads through the Python data source, all findings, Parquet, JSON, chart. "
+        "partitioned reads by Python tasks (Arrow), all findings, Parquet, JSON, chart. "
         f"Up to {SMALL:,} rows it is the whole `outbox spark audit` command in a fresh process, "
         "JVM and SparkSession start included (a daily audit as a scheduler runs it); above, "
         f"`audit()` in a session that was already up (its start took {startup:.1f} s). The SQL "
