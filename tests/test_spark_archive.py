@@ -202,15 +202,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def manifests(root: Path) -> int:
+def settled(root: Path) -> int:
+    """Chunks whose rows the driver has read back and deleted (``.done`` markers)."""
     directory = manifest_dir(root, "outbox_messages")
-    return len(list(directory.glob("*.json"))) if directory.is_dir() else 0
+    return len(list(directory.glob("*.done"))) if directory.is_dir() else 0
 
 
-def kill_when(process: subprocess.Popen, root: Path, committed: int) -> None:
-    """SIGKILL the archive job (driver, JVM and workers) once ``committed`` chunks are in."""
+def kill_when(process: subprocess.Popen, root: Path, done: int) -> None:
+    """SIGKILL the archive job (driver, JVM and workers) once ``done`` chunks are settled."""
     deadline = time.monotonic() + 180
-    while manifests(root) < committed:
+    while settled(root) < done:
         assert process.poll() is None, f"archive job ended before the kill: {process.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline, "archive job made no progress"
         time.sleep(0.02)
@@ -229,7 +230,7 @@ def test_archive_killed_with_sigkill_and_rerun(spark, java_home, sqlite_db, tmp_
     for more in (5, 15):  # two kills: a fresh run, then a run that is itself recovering
         job = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        kill_when(job, root, manifests(root) + more)
+        kill_when(job, root, settled(root) + more)
         remaining = old & set(snapshot(sqlite_db, TABLES.messages))
         assert 0 < len(remaining) < len(old), "the kill did not land mid-run"
         # At the moment of the crash: nothing deleted without a committed copy.
