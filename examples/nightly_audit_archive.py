@@ -7,7 +7,9 @@ anything was lost or reordered, so the scheduler's own alerting fires:
                 python examples/nightly_audit_archive.py
 
 Under spark-submit the same file runs on a cluster (the session it builds
-keeps the master spark-submit gives it).
+keeps the master spark-submit gives it); there REPORTS_DIR and ARCHIVE_DIR
+must be mounted at the same path on every node, which SHARED_STORAGE=1
+declares (see docs/spark.md, "Run on a cluster").
 """
 
 from __future__ import annotations
@@ -21,18 +23,19 @@ from outbox.spark import archive, audit, spark_session
 
 
 def nightly(outbox_db: str, inbox_db: str, archive_dir: Path, reports_dir: Path,
-            as_of: datetime | None = None) -> int:
+            as_of: datetime | None = None, shared_storage: bool = False) -> int:
     """Audit the last 24 h, archive rows past 7 days; 1 when anything was lost or reordered."""
     spark = spark_session(app_name="outbox-nightly")
     result = audit(outbox_db, inbox_db, window="24h", sla="15m", out_dir=reports_dir,
-                   as_of=as_of, spark=spark)
+                   as_of=as_of, spark=spark, shared_storage=shared_storage)
     print(result.path("report.md").read_text())
     moved = archive(outbox_db, archive_dir, retention="7d", inbox_url=inbox_db,
-                    dedup_window="30d", as_of=as_of, spark=spark)
+                    dedup_window="30d", as_of=as_of, spark=spark, shared_storage=shared_storage)
     print(f"archived {moved.archived}, deleted {moved.deleted}")
     return 0 if result.ok else 1
 
 
 if __name__ == "__main__":
     sys.exit(nightly(os.environ["OUTBOX_DB"], os.environ["INBOX_DB"],
-                     Path(os.environ["ARCHIVE_DIR"]), Path(os.environ.get("REPORTS_DIR", "audit"))))
+                     Path(os.environ["ARCHIVE_DIR"]), Path(os.environ.get("REPORTS_DIR", "audit")),
+                     shared_storage=os.environ.get("SHARED_STORAGE") == "1"))

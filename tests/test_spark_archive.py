@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 import sqlalchemy as sa
@@ -20,7 +21,14 @@ from _spark_seed import AS_OF, build, seed, spark_for_tests
 from outbox import ConfigurationError, OutboxTables
 from outbox.spark import archive
 from outbox.spark._archive import _plan
-from outbox.spark._chunks import delete_archived, run_chunk, write_files
+from outbox.spark._chunks import (
+    ArchiveUnreadableError,
+    delete_archived,
+    read_manifest,
+    run_chunk,
+    settle,
+    write_files,
+)
 from outbox.spark._layout import committed_files, manifest_dir, write_atomically
 
 pytestmark = pytest.mark.spark
@@ -122,7 +130,8 @@ def test_rerun_completes_a_run_killed_between_any_two_steps(spark, sqlite_db, tm
             return conn.execute(sa.select(*table.columns).where(
                 *eligible(table, chunk.cutoff), *range_filter(table, chunk.bounds))).all()
 
-    run_chunk(chunks[0])                                       # finished
+    stem, _rows = run_chunk(chunks[0])                         # finished
+    settle(engine, table, root, read_manifest(root, "outbox_messages", stem), 100)
     write_files(chunks[1], table, rows_of(chunks[1]))          # files written, no commit
     for chunk, deleted_share in ((chunks[2], 0), (chunks[3], 0.5)):  # committed; none / half deleted
         manifest = write_files(chunk, table, rows_of(chunk))
@@ -139,6 +148,50 @@ def test_rerun_completes_a_run_killed_between_any_two_steps(spark, sqlite_db, tm
     assert_archived_exactly_once(sqlite_db, root, before, inbox_before)
 
 
+def commit_by_hand(url: str, root: Path, count: int) -> list[dict]:
+    """Commit ``count`` chunks the way a task does (files, then manifest) and stop there."""
+    chunks = _plan(root, "outbox_messages", url, AS_OF - RETENTION, "", None, 300, 100)[:count]
+    table, manifests = TABLES.messages, []
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        for chunk in chunks:
+            from outbox.spark._chunks import eligible
+            from outbox.spark._source import range_filter
+            rows = conn.execute(sa.select(*table.columns).where(
+                *eligible(table, chunk.cutoff), *range_filter(table, chunk.bounds))).all()
+            manifest = write_files(chunk, table, rows)
+            write_atomically(manifest_dir(root, "outbox_messages") / f"{chunk.stem}.json",
+                             json.dumps(manifest).encode())
+            manifests.append(manifest)
+    engine.dispose()
+    return manifests
+
+
+@pytest.mark.parametrize("damage", ["file missing", "rows missing", "other rows"])
+def test_a_chunk_that_does_not_read_back_is_not_deleted(spark, sqlite_db, tmp_path, damage):
+    """Before deleting, the driver reads the chunk's files back; what it cannot read stays in the table."""
+    before, _inbox = seeded(sqlite_db, 3_000)
+    root = tmp_path / "archive"
+    first, second = commit_by_hand(sqlite_db, root, 2)
+    victim = root / second["files"][0]["path"]
+    if damage == "file missing":
+        victim.unlink()
+    else:
+        import pyarrow.parquet as pq
+        table = pq.read_table(victim)
+        shrunk = table.slice(1) if damage == "rows missing" else table.set_column(
+            table.schema.get_field_index("id"), "id", pa.array([i + 10**9 for i in table["id"].to_pylist()]))
+        pq.write_table(shrunk, victim)
+
+    with pytest.raises(ArchiveUnreadableError, match="nothing of this chunk was deleted"):
+        archive(sqlite_db, root, retention=RETENTION, as_of=AS_OF, spark=spark)
+
+    left = set(snapshot(sqlite_db, TABLES.messages))
+    by_id = {r["id"]: k for k, r in before.items()}
+    assert {by_id[i] for i in second["keys"]} <= left, "rows of an unreadable chunk were deleted"
+    assert len(left) >= len(before) - len(first["keys"])
+
+
 SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
@@ -149,15 +202,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def manifests(root: Path) -> int:
+def settled(root: Path) -> int:
+    """Chunks whose rows the driver has read back and deleted (``.done`` markers)."""
     directory = manifest_dir(root, "outbox_messages")
-    return len(list(directory.glob("*.json"))) if directory.is_dir() else 0
+    return len(list(directory.glob("*.done"))) if directory.is_dir() else 0
 
 
-def kill_when(process: subprocess.Popen, root: Path, committed: int) -> None:
-    """SIGKILL the archive job (driver, JVM and workers) once ``committed`` chunks are in."""
+def kill_when(process: subprocess.Popen, root: Path, done: int) -> None:
+    """SIGKILL the archive job (driver, JVM and workers) once ``done`` chunks are settled."""
     deadline = time.monotonic() + 180
-    while manifests(root) < committed:
+    while settled(root) < done:
         assert process.poll() is None, f"archive job ended before the kill: {process.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline, "archive job made no progress"
         time.sleep(0.02)
@@ -176,7 +230,7 @@ def test_archive_killed_with_sigkill_and_rerun(spark, java_home, sqlite_db, tmp_
     for more in (5, 15):  # two kills: a fresh run, then a run that is itself recovering
         job = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        kill_when(job, root, manifests(root) + more)
+        kill_when(job, root, settled(root) + more)
         remaining = old & set(snapshot(sqlite_db, TABLES.messages))
         assert 0 < len(remaining) < len(old), "the kill did not land mid-run"
         # At the moment of the crash: nothing deleted without a committed copy.

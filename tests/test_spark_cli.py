@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from _spark_seed import AS_OF, build, seed, spark_for_tests
@@ -67,3 +71,39 @@ def test_archive_then_replay_from_the_command_line(spark, tmp_path):
                    "--key", "k1", "--key", "k2")
     assert replayed.exit_code == 0, replayed.output
     assert "(2 key(s)) with header 'replay-of'" in replayed.output
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``outbox spark ARGS`` in a fresh process, as a scheduler runs it."""
+    return subprocess.run([str(Path(sys.executable).parent / "outbox"), "spark", *args],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["audit", "--outbox-db", "postgresql+psycopg://nobody@127.0.0.1:1/none", "--out", "{tmp}/a"],
+     "cannot read database postgresql+psycopg://nobody@127.0.0.1:1/none"),
+    (["audit", "--outbox-db", "sqlite:///{tmp}/empty.db", "--out", "{tmp}/a"],
+     "table outbox_messages does not exist"),
+    (["archive", "--db", "nosuchdb://x", "--archive-dir", "{tmp}/arch", "--retention", "1d"],
+     "invalid database URL"),
+    (["replay", "--archive-dir", "{tmp}", "--db", "sqlite:///{tmp}/empty.db", "--topic", "orders"],
+     "table outbox_messages does not exist"),
+])
+def test_bad_urls_and_missing_tables_are_named_before_spark_starts(tmp_path, args, message):
+    """SPARK_HOME points nowhere: a command that started Spark would fail differently."""
+    failed = cli(*[a.format(tmp=tmp_path) for a in args], SPARK_HOME=str(tmp_path / "no-spark"))
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    assert message in failed.stderr and "Traceback" not in failed.stderr
+    assert failed.stdout == ""
+
+
+def test_only_the_report_goes_to_stdout_and_the_jvm_stays_quiet(java_home, tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.db'}"
+    seed(build(n=3_000, keys=30), url, url)
+    done = cli("audit", "--outbox-db", url, "--out", str(tmp_path / "a"), "--as-of", AS_OF.isoformat(),
+               "--master", "local[1]")
+    assert done.returncode == 1, done.stderr[-3000:]  # the scenario loses messages
+    assert done.stdout == (tmp_path / "a" / "report.md").read_text() + "\n"
+    for noise in ("Using incubator modules", "log4j", "NativeCodeLoader", "setLogLevel", " INFO "):
+        assert noise not in done.stderr, done.stderr[-3000:]
+    assert "done" in done.stderr  # the progress line

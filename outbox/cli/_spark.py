@@ -1,12 +1,16 @@
 """``outbox spark audit|archive|replay``: the Spark jobs from a shell or a CI step.
 
 Exit codes: 0 all well, 1 the audit found lost or out-of-order messages (so a
-pipeline can gate on it), 2 bad input. PySpark is imported only when a
-command runs, so the rest of the CLI works without the ``spark`` extra.
+pipeline can gate on it) or a job failed, 2 bad input. PySpark is imported
+only when a command runs, so the rest of the CLI works without the ``spark``
+extra. Only the report goes to stdout; progress and errors go to stderr, which
+under ``spark-submit`` means the JVM's stderr (spark-submit pipes the Python
+process's stdout and stderr into its own stdout).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -23,15 +27,46 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from .._errors import OutboxError
+from .._errors import ConfigurationError, OutboxError
 from . import app
 
 spark_app = typer.Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay.",
                         no_args_is_help=True)
 app.add_typer(spark_app, name="spark")
-console = Console(stderr=True)
+
+
+class _JvmStderr:
+    """A text stream onto spark-submit's stderr, through the JVM that started this process."""
+
+    def write(self, text: str) -> int:
+        from pyspark import SparkContext
+
+        SparkContext._ensure_initialized()  # connects to spark-submit's gateway; starts nothing
+        assert SparkContext._jvm is not None
+        SparkContext._jvm.System.err.print(text)
+        return len(text)
+
+    def flush(self) -> None:
+        from pyspark import SparkContext
+
+        if SparkContext._jvm is not None:
+            SparkContext._jvm.System.err.flush()
+
+
+def _stderr_console() -> Console:
+    if os.environ.get("PYSPARK_GATEWAY_PORT"):
+        return Console(file=_JvmStderr(), force_terminal=False)  # type: ignore[arg-type]
+    return Console(stderr=True)
+
+
+console = _stderr_console()
 
 MASTER = typer.Option(None, help="Spark master; default: spark-submit's, else local[*].")
+SHARED = typer.Option(False, "--shared-storage",
+                      help="Declare the path mounted at the same place on every node (needed "
+                           "on a non-local master).")
+LOG_LEVEL = typer.Option("WARN", help="Spark's log level: ERROR, WARN, INFO or DEBUG "
+                                      "(INFO and DEBUG also show the JVM's start-up notices).")
 PREFIX = typer.Option("", help="Table name prefix.")
 SCHEMA = typer.Option(None, help="Database schema of the tables.")
 KEYS = typer.Option(None, help="Replay only this key (repeat for more).")
@@ -53,17 +88,22 @@ def _progress(total: bool) -> Iterator[Callable[..., None]]:
     if total:
         columns += [BarColumn(), MofNCompleteColumn()]
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar:
-        task = bar.add_task("starting Spark", total=None)
+        task = bar.add_task("checking arguments", total=None)
 
         def update(description: str, done: int | None = None, of: int | None = None) -> None:
             bar.update(task, description=description, completed=done or 0, total=of)
 
         try:
             yield update
-        except OutboxError as exc:  # bad input, named by the job: no traceback
+        except OutboxError as exc:  # named by the job: no traceback
             bar.stop()
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
+            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
+
+
+def _session(master: str | None, log_level: str) -> Callable[[], Any]:
+    """Build the session only when the job asks for it, after its arguments and tables are checked."""
+    return lambda: _jobs().spark_session(master, log_level=log_level)
 
 
 @spark_app.command("audit")
@@ -81,6 +121,8 @@ def audit_command(
     master: str | None = MASTER,
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
+    shared_storage: bool = SHARED,
+    log_level: str = LOG_LEVEL,
 ) -> None:
     """Compare outbox and inbox; exit 1 when any message is lost or out of order."""
     jobs = _jobs()
@@ -92,8 +134,9 @@ def audit_command(
         span = (since or "1970-01-01T00:00:00Z", until or as_of or datetime.now(UTC).isoformat())
     with _progress(total=False) as step:
         result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group,
-                            as_of=as_of, partitions=partitions, spark=jobs.spark_session(master),
-                            prefix=prefix, schema=schema, progress=step)
+                            as_of=as_of, partitions=partitions, spark=_session(master, log_level),
+                            prefix=prefix, schema=schema, progress=step,
+                            shared_storage=shared_storage)
         step("done")
     print(result.path("report.md").read_text())
     if not result.ok:
@@ -112,14 +155,17 @@ def archive_command(
     master: str | None = MASTER,
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
+    shared_storage: bool = SHARED,
+    log_level: str = LOG_LEVEL,
 ) -> None:
     """Move old rows to Parquet, then delete them; safe to kill and re-run."""
     jobs = _jobs()
     with _progress(total=True) as step:
         result = jobs.archive(db, archive_dir, retention=retention, inbox_url=inbox_db,
                               dedup_window=dedup_window, chunk_rows=chunk_rows,
-                              delete_batch=delete_batch, spark=jobs.spark_session(master),
-                              prefix=prefix, schema=schema, progress=step)
+                              delete_batch=delete_batch, spark=_session(master, log_level),
+                              prefix=prefix, schema=schema, progress=step,
+                              shared_storage=shared_storage)
     for table, rows in result.archived.items():
         print(f"{table}: archived {rows:,}, deleted {result.deleted[table]:,}")
     if result.recovered_chunks or result.debris_removed:
@@ -139,12 +185,15 @@ def replay_command(
     master: str | None = MASTER,
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
+    shared_storage: bool = SHARED,
+    log_level: str = LOG_LEVEL,
 ) -> None:
     """Publish archived messages again as new messages, each key in its original order."""
     jobs = _jobs()
     with _progress(total=False) as step:
         result = jobs.replay(archive_dir, db, topic=topic, keys=key or None, since=since, until=until,
-                             batch=batch, spark=jobs.spark_session(master), prefix=prefix,
-                             schema=schema, progress=lambda n: step(f"replayed {n:,}"))
+                             batch=batch, spark=_session(master, log_level), prefix=prefix,
+                             schema=schema, progress=lambda n: step(f"replayed {n:,}"),
+                             shared_storage=shared_storage)
     print(f"replayed {result.replayed:,} message(s) of {topic} "
           f"({len(result.per_key)} key(s)) with header {jobs.REPLAY_HEADER!r}")

@@ -213,11 +213,9 @@ def _spark_audit(orders_url: str, billing_url: str, workdir: Path, console: Cons
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         return None
     console.print("running the Spark audit (outbox vs inbox, two databases) …")
-    # A few hundred rows: a handful of shuffle partitions, and no progress bars in the demo's output.
+    # A few hundred rows: a handful of shuffle partitions; only errors from the JVM in the demo's output.
     spark = spark_session(app_name="outbox-demo", config={
-        "spark.sql.shuffle.partitions": "4", "spark.ui.showConsoleProgress": "false",
-        "spark.ui.enabled": "false"})
-    spark.sparkContext.setLogLevel("ERROR")
+        "spark.sql.shuffle.partitions": "4", "spark.ui.enabled": "false"}, log_level="ERROR")
     # SLA of one second: after the demo everything must be consumed, so a message
     # published over a second ago and never processed really is lost.
     result = audit(orders_url, billing_url, group="billing", sla="1s", out_dir=workdir / "audit",

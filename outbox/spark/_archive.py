@@ -1,10 +1,12 @@
 """``archive``: move old published outbox rows (and old inbox dedup rows) to Parquet.
 
-Rows leave the database only after a committed copy exists, chunk by chunk
-(see ``_chunks``). Each run first finishes what a killed run left behind, then
-plans new chunks over the rows now eligible, and runs them as Spark tasks in
-waves so progress can be reported. Rows newer than the retention are never
-read for archiving and never deleted.
+Rows leave the database only after a committed copy exists and the driver
+has read it back, chunk by chunk (see ``_chunks``). Each run first finishes
+what a killed run left behind, then plans new chunks over the rows now
+eligible, and runs them as Spark tasks in waves so progress can be reported;
+the driver settles (reads back, deletes, marks done) each chunk a wave
+returns. Rows newer than the retention are never read for archiving and
+never deleted.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from pyspark.sql import SparkSession
 
 from .._envelope import utcnow
 from .._errors import ConfigurationError, OutboxError
-from ._chunks import Chunk, delete_archived, eligible, mark_done, run_chunk
+from ._chunks import Chunk, eligible, read_manifest, run_chunk, settle
 from ._layout import remove_debris, unfinished_manifests
-from ._session import spark_session
+from ._session import SessionFactory, session_from
 from ._source import plan_ranges
+from ._storage import local_path, require_shared
 from ._tablemap import check_table, connect, table_for
 from ._window import parse_duration, parse_instant
 
@@ -59,10 +62,11 @@ def archive(
     chunk_rows: int = 50_000,
     delete_batch: int = 1_000,
     as_of: datetime | str | None = None,
-    spark: SparkSession | None = None,
+    spark: SparkSession | SessionFactory | None = None,
     prefix: str = "",
     schema: str | None = None,
     progress: Progress | None = None,
+    shared_storage: bool = False,
 ) -> ArchiveResult:
     """Archive published outbox rows created more than ``retention`` ago, then delete them.
 
@@ -71,6 +75,11 @@ def archive(
     inbox no longer recognises a redelivery of those messages, so choose a
     window far longer than any redelivery can take. Safe to kill at any point
     and run again; only one run per ``archive_dir`` at a time.
+
+    ``archive_dir`` is made absolute here; on a master other than ``local``
+    it must be storage every node mounts at that path, which
+    ``shared_storage=True`` declares (refused otherwise). ``spark`` is a
+    session or a function that builds one once the arguments are checked.
     """
     now = utcnow() if as_of is None else parse_instant(as_of, "as_of")
     jobs = [("outbox_messages", outbox_url, now - parse_duration(retention, "retention"))]
@@ -80,48 +89,43 @@ def archive(
     for name, value in (("chunk_rows", chunk_rows), ("delete_batch", delete_batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
-    root = Path(archive_dir)
+    root = local_path(archive_dir, "archive_dir")
     if root.exists() and not root.is_dir():
         raise ConfigurationError(f"archive_dir {root} exists and is not a directory")
     for name, url, _cutoff in jobs:
         check_table(url, table_for(name, prefix, schema))
     report = progress or (lambda _step, _done, _total: None)
+    report("starting Spark", 0, 0)
+    session = session_from(spark)
+    require_shared(session, root, "archive_dir", shared_storage)
     root.mkdir(parents=True, exist_ok=True)
     result = ArchiveResult()
     with _exclusive(root):
-        session = spark or spark_session()
         for name, url, cutoff in jobs:
-            result.debris_removed += remove_debris(root, name)
-            result.recovered_chunks += _finish_committed(root, name, url, prefix, schema, delete_batch)
-            chunks = _plan(root, name, url, cutoff, prefix, schema, chunk_rows, delete_batch)
-            result.chunks += len(chunks)
-            archived = deleted = 0
-            wave = max(1, 4 * session.sparkContext.defaultParallelism)
-            report(f"archiving {name}", 0, len(chunks))
-            for start in range(0, len(chunks), wave):
-                batch = chunks[start:start + wave]
-                for rows, gone in session.sparkContext.parallelize(batch, len(batch)).map(
-                        run_chunk).collect():
-                    archived, deleted = archived + rows, deleted + gone
-                report(f"archiving {name}", start + len(batch), len(chunks))
-            result.archived[name], result.deleted[name] = archived, deleted
+            table, engine = table_for(name, prefix, schema), connect(url)
+            try:
+                result.debris_removed += remove_debris(root, name)
+                for manifest in unfinished_manifests(root, name):  # committed by a killed run
+                    settle(engine, table, root, manifest, delete_batch)
+                    result.recovered_chunks += 1
+                chunks = _plan(root, name, url, cutoff, prefix, schema, chunk_rows, delete_batch)
+                result.chunks += len(chunks)
+                archived = deleted = 0
+                wave = max(1, 4 * session.sparkContext.defaultParallelism)
+                report(f"archiving {name}", 0, len(chunks))
+                for start in range(0, len(chunks), wave):
+                    batch = chunks[start:start + wave]
+                    for stem, rows in session.sparkContext.parallelize(batch, len(batch)).map(
+                            run_chunk).collect():
+                        if rows:
+                            manifest = read_manifest(root, name, stem)
+                            deleted += settle(engine, table, root, manifest, delete_batch)
+                            archived += rows
+                    report(f"archiving {name}", start + len(batch), len(chunks))
+                result.archived[name], result.deleted[name] = archived, deleted
+            finally:
+                engine.dispose()
     return result
-
-
-def _finish_committed(root: Path, name: str, url: str, prefix: str, schema: str | None,
-                      batch: int) -> int:
-    """Delete the rows of chunks a killed run committed but did not finish deleting."""
-    manifests = unfinished_manifests(root, name)
-    if not manifests:
-        return 0
-    table, engine = table_for(name, prefix, schema), connect(url)
-    try:
-        for manifest in manifests:
-            delete_archived(engine, table, manifest, batch)
-            mark_done(root, name, manifest["stem"])
-    finally:
-        engine.dispose()
-    return len(manifests)
 
 
 def _plan(root: Path, name: str, url: str, cutoff: datetime, prefix: str, schema: str | None,

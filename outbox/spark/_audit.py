@@ -15,21 +15,30 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from .._envelope import utcnow
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, OutboxError
 from . import _findings as find
 from ._chart import draw_chart
 from ._report import build_summary, write_report
-from ._session import spark_session
-from ._source import read_table
+from ._session import SessionFactory, session_from
+from ._source import portable_url, read_table
+from ._storage import local_path, require_shared, uri
+from ._tablemap import check_table, table_for
 from ._window import Window, parse_duration, parse_instant
 
 OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "published_at"]
 
 DETAILS = ("lost", "duplicates", "out_of_order")
+INBOX_TABLES = ("inbox_messages", "inbox_parked", "inbox_held")
+
+
+class AuditOutputError(OutboxError, RuntimeError):
+    """What the executors wrote is not where the driver reads it (out_dir not shared)."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +70,12 @@ def audit(
     sla: timedelta | str | float = "15m",
     group: str | None = None,
     as_of: datetime | str | None = None,
-    spark: SparkSession | None = None,
+    spark: SparkSession | SessionFactory | None = None,
     partitions: int | None = None,
     prefix: str = "",
     schema: str | None = None,
     progress: Callable[[str], None] | None = None,
+    shared_storage: bool = False,
 ) -> AuditResult:
     """Audit the messages created in ``window`` against what each consumer group did.
 
@@ -76,6 +86,11 @@ def audit(
     processed, parked nor holds it. ``group`` limits the audit to one consumer
     group; otherwise every group the inbox has seen is audited for every
     topic it has consumed. ``as_of`` defaults to now.
+
+    Arguments and tables are checked before ``spark`` (a session, or a
+    function that builds one) is used. ``out_dir`` is made absolute here; on
+    a master other than ``local`` it must be storage every node mounts at
+    that path, which ``shared_storage=True`` declares (refused otherwise).
     """
     step = progress or (lambda _message: None)
     now = utcnow() if as_of is None else parse_instant(as_of, "as_of")
@@ -83,10 +98,13 @@ def audit(
     sla_delta = parse_duration(sla, "SLA")
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigurationError(f"group must be a non-empty string, got {group!r}")
-    out = Path(out_dir)
+    out = local_path(out_dir, "out_dir")
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"out_dir {out} exists and is not a directory")
     inbox_url = inbox_url or outbox_url
+    step("checking tables")
+    for url, name in ((outbox_url, "outbox_messages"), *((inbox_url, n) for n in INBOX_TABLES)):
+        check_table(portable_url(url), table_for(name, prefix, schema))
 
     def table(url: str, name: str, columns: list[str], time_column: str, upper: bool) -> DataFrame:
         return read_table(
@@ -94,8 +112,9 @@ def audit(
             until=span.until if upper else None, partitions=partitions, prefix=prefix, schema=schema,
         )
 
-    step("checking tables")
-    session = spark or spark_session()
+    step("starting Spark")
+    session = session_from(spark)
+    require_shared(session, out, "out_dir", shared_storage)
     outbox = table(outbox_url, "outbox_messages", OUTBOX_COLUMNS, "created_at", True)
     # Consumption of a message happens after its creation, so rows received
     # before the window starts cannot belong to it; there is no upper bound.
@@ -110,17 +129,12 @@ def audit(
     outbox = outbox.cache()
     # One join of everything the consumer side knows about a message against the
     # outbox, instead of one per table: each join shuffles the whole outbox.
-    known = find.consumer_side(inbox, parked, held)
-    joined = find.consumed(known, outbox).cache()
+    joined = find.consumed(find.consumer_side(inbox, parked, held), outbox).cache()
     rows = joined.where(F.col("kind") == "inbox")
     topics = [r.asDict() for r in find.topic_counts(outbox).collect()]
-    groups = [r.asDict() for r in find.group_counts(rows).collect()]
-    kinds = {(r["consumer_group"], r["topic"], r["kind"]): r["count"]
-             for r in joined.groupBy("consumer_group", "topic", "kind").count().collect()}
-    pair_list = sorted({(g, t) for g, t, _kind in kinds})
-    parked_counts = {(g, t): n for (g, t, kind), n in kinds.items() if kind == "parked"}
-    held_counts = {(g, t): n for (g, t, kind), n in kinds.items() if kind == "held"}
-    pairs = session.createDataFrame(pair_list, "consumer_group string, topic string")
+    groups = [r.asDict() for r in find.group_counts(joined).collect()]
+    pairs = session.createDataFrame(sorted((g["consumer_group"], g["topic"]) for g in groups),
+                                    "consumer_group string, topic string")
     seen = joined.select("consumer_group", "message_id")
 
     step("finding lost, duplicated and out-of-order messages")
@@ -132,23 +146,20 @@ def audit(
     }
     found: dict[str, dict[tuple[str, str], int]] = {}
     for name, frame in details.items():
-        frame.orderBy("consumer_group", "topic", "key", "seq").coalesce(1).write.mode(
-            "overwrite").parquet(str(out / name))
-        found[name] = _count(session.read.parquet(str(out / name)), ["consumer_group", "topic"])
-    bad_keys = _count(session.read.parquet(str(out / "out_of_order"))
-                      .select("consumer_group", "topic", "key").distinct(), ["consumer_group", "topic"])
+        # One sorted file; repartition, not coalesce, so the join above stays parallel.
+        frame.repartition(1).sortWithinPartitions("consumer_group", "topic", "key", "seq").write.mode(
+            "overwrite").parquet(uri(out / name))
+        found[name] = _count(_read_back(out / name), ["consumer_group", "topic"])
+    bad_keys = _count(_read_back(out / "out_of_order").group_by(
+        ["consumer_group", "topic", "key"]).aggregate([]), ["consumer_group", "topic"])
 
     step("drawing the chart")
-    # Epoch micros, not a collected timestamp: those come back naive in local time.
-    first = outbox.agg(F.min(F.unix_micros("created_at"))).first()[0]
-    start = span.since if first is None else datetime.fromtimestamp(first / 1e6, UTC)
+    firsts = [t["first_created_us"] for t in topics if t["first_created_us"] is not None]
+    start = datetime.fromtimestamp(min(firsts) / 1e6, UTC) if firsts else span.since
     bucket_seconds = max(1.0, (now - start).total_seconds() / 120)
     produced, processed = find.timeline(outbox, rows, start, bucket_seconds)
-    summary = build_summary(
-        as_of=now, window=span, sla=sla_delta, group=group, topics=topics, groups=groups,
-        pairs=pair_list, parked=parked_counts, held=held_counts,
-        found=found, bad_keys=bad_keys,
-    )
+    summary = build_summary(as_of=now, window=span, sla=sla_delta, group=group, topics=topics,
+                            groups=groups, found=found, bad_keys=bad_keys)
     draw_chart(out / "chart.png", summary, [r.asDict() for r in produced.collect()],
                [r.asDict() for r in processed.collect()], start, bucket_seconds)
     write_report(out, summary)
@@ -157,5 +168,17 @@ def audit(
     return AuditResult(summary=summary, out_dir=out)
 
 
-def _count(frame: DataFrame, by: list[str]) -> dict[tuple[str, str], int]:
-    return {tuple(r[c] for c in by): r["count"] for r in frame.groupBy(*by).count().collect()}
+def _read_back(path: Path) -> pa.Table:
+    """A finding's Parquet dataset as the driver sees it; written by the executors, it must be here."""
+    parts = list(path.glob("part-*.parquet"))
+    if not parts:
+        raise AuditOutputError(
+            f"the executors wrote {path.name}/ but the driver finds no data file in {path}: "
+            "out_dir is not on storage shared by driver and executors"
+        )
+    return pq.read_table(parts)
+
+
+def _count(table: pa.Table, by: list[str]) -> dict[tuple[str, str], int]:
+    counts = table.group_by(by).aggregate([([], "count_all")]).to_pylist()
+    return {(r[by[0]], r[by[1]]): r["count_all"] for r in counts}

@@ -3,6 +3,10 @@
 Top: relay lag and end-to-end latency p50/p95/p99 per topic (and group).
 Bottom: over time, messages created but not yet published, and per group
 messages published but not yet processed, so a growing backlog stands out.
+
+matplotlib is imported when a chart is drawn, not with the package: Spark's
+Python workers import ``outbox.spark`` to read tables and must not pay for it.
+It draws on a ``Figure`` of its own (Agg canvas), not through pyplot's global state.
 """
 
 from __future__ import annotations
@@ -12,24 +16,19 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display on servers and executors
-
-import matplotlib.pyplot as plt
-from matplotlib.ticker import FuncFormatter
-
 
 def draw_chart(path: Path, summary: dict[str, Any], produced: list[dict[str, Any]],
                processed: list[dict[str, Any]], start: datetime, bucket_seconds: float) -> None:
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8.5), constrained_layout=True)
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 8.5), layout="constrained")
+    top, bottom = figure.subplots(2, 1)
     _latency(top, summary)
     _backlog(bottom, summary, produced, processed, start, bucket_seconds)
     verdict = "OK" if summary["ok"] else (
         f"{summary['totals']['lost']:,} LOST, {summary['totals']['out_of_order_messages']:,} OUT OF ORDER")
     figure.suptitle(f"Outbox audit as of {summary['as_of'][:19]} UTC: {verdict}", fontsize=13)
     figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 def _latency(ax: Any, summary: dict[str, Any]) -> None:
@@ -50,6 +49,8 @@ def _latency(ax: Any, summary: dict[str, Any]) -> None:
     ax.set_ylabel("milliseconds")
     ax.set_title("Latency percentiles (relay: created → published; end-to-end: created → processed)")
     if any(v > 0 for values in series.values() for v in values):
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
@@ -65,7 +66,8 @@ def _backlog(ax: Any, summary: dict[str, Any], produced: list[dict[str, Any]],
         ax.text(0.5, 0.5, "no messages in the window", ha="center", transform=ax.transAxes)
         return
     times = [start + timedelta(seconds=(b + 1) * bucket_seconds) for b in buckets]
-    created, published = defaultdict(int), defaultdict(int)
+    created: dict[int, int] = defaultdict(int)
+    published: dict[int, int] = defaultdict(int)
     published_by_topic: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in produced:
         created[r["bucket"]] += r["created"]

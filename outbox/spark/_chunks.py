@@ -7,14 +7,21 @@ directory. The order of steps is what makes a SIGKILL harmless at any point:
 2. write one Parquet file per (topic, date), each complete or absent;
 3. **commit**: atomically write the manifest naming exactly those files and
    the keys of exactly those rows;
-4. delete those keys from the database in bounded batches (only rows still
+
+and then, on the driver (``settle``):
+
+4. read the manifest and its files back from the archive root, as replay
+   will read them, and check the rows and keys against the manifest;
+5. delete those keys from the database in bounded batches (only rows still
    published/processed, never anything else);
-5. write the ``.done`` marker.
+6. write the ``.done`` marker.
 
 Killed before 3, the files are debris (removed on the next run) and the rows
 are still in the database, to be archived again. Killed after 3, the next
-run finishes step 4 from the manifest before planning anything new, so no row
-is archived twice and none is deleted without a committed copy.
+run finishes steps 4-6 from the manifest before planning anything new, so no
+row is archived twice and none is deleted without a committed copy. Step 4
+is what makes a root the executors do not really share with the driver
+harmless: the driver finds nothing to read back and deletes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import sqlalchemy as sa
 
+from .._errors import OutboxError
 from .._tables import PUBLISHED
 from ._layout import manifest_dir, table_dir, write_atomically
 from ._source import range_filter
@@ -71,8 +79,12 @@ def _key_columns(table: sa.Table) -> list[sa.Column[Any]]:
     return [table.c.id] if "id" in table.c else [table.c.consumer_group, table.c.message_id]
 
 
-def run_chunk(chunk: Chunk) -> tuple[int, int]:
-    """Archive and delete one chunk; return (rows archived, rows deleted)."""
+class ArchiveUnreadableError(OutboxError, RuntimeError):
+    """A committed chunk cannot be read back from the archive root: its rows are not deleted."""
+
+
+def run_chunk(chunk: Chunk) -> tuple[str, int]:
+    """Copy one chunk to Parquet and commit its manifest (in a task); return (stem, rows)."""
     table = chunk.sa_table()
     engine = connect(chunk.url)
     try:
@@ -83,15 +95,62 @@ def run_chunk(chunk: Chunk) -> tuple[int, int]:
                 .order_by(*_key_columns(table))
             ).all()
         if not rows:
-            return 0, 0
+            return chunk.stem, 0
         manifest = write_files(chunk, table, rows)
         write_atomically(manifest_dir(Path(chunk.root), chunk.table) / f"{chunk.stem}.json",
                          json.dumps(manifest).encode())
-        deleted = delete_archived(engine, table, manifest, chunk.delete_batch)
-        mark_done(Path(chunk.root), chunk.table, chunk.stem)
-        return len(rows), deleted
+        return chunk.stem, len(rows)
     finally:
         engine.dispose()
+
+
+def settle(engine: sa.Engine, sa_table: sa.Table, root: Path, manifest: dict[str, Any],
+           batch: int) -> int:
+    """Read a committed chunk back, then delete its rows and mark it done; return rows deleted."""
+    verify(root, sa_table, manifest)
+    deleted = delete_archived(engine, sa_table, manifest, batch)
+    mark_done(root, manifest["table"], manifest["stem"])
+    return deleted
+
+
+def read_manifest(root: Path, table: str, stem: str) -> dict[str, Any]:
+    path = manifest_dir(root, table) / f"{stem}.json"
+    try:
+        manifest: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArchiveUnreadableError(
+            f"chunk {stem} was committed by a Spark task but its manifest {path} is not there for "
+            "the driver: the archive root is not shared by driver and executors. Nothing of this "
+            "chunk was deleted from the database."
+        ) from None
+    return manifest
+
+
+def verify(root: Path, sa_table: sa.Table, manifest: dict[str, Any]) -> None:
+    """Raise unless the manifest's files, read here, hold exactly the manifest's rows and keys."""
+    names = [c.name for c in _key_columns(sa_table)]
+    found: list[Any] = []
+    for entry in manifest["files"]:
+        path = root / entry["path"]
+        try:
+            columns = pq.read_table(path, columns=names).to_pydict()
+        except (OSError, pa.ArrowException) as exc:
+            raise ArchiveUnreadableError(
+                f"archive file {path} of chunk {manifest['stem']} cannot be read back ({exc}); "
+                "nothing of this chunk was deleted from the database"
+            ) from None
+        keys = columns["id"] if names == ["id"] else [list(k) for k in zip(*columns.values(), strict=True)]
+        if len(keys) != entry["rows"]:
+            raise ArchiveUnreadableError(
+                f"archive file {path} holds {len(keys)} rows, its manifest says {entry['rows']}; "
+                "nothing of this chunk was deleted from the database"
+            )
+        found += keys
+    if sorted(map(str, found)) != sorted(map(str, manifest["keys"])):
+        raise ArchiveUnreadableError(
+            f"the files of chunk {manifest['stem']} under {root} do not hold the rows its manifest "
+            "lists; nothing of this chunk was deleted from the database"
+        )
 
 
 def write_files(chunk: Chunk, table: sa.Table, rows: Sequence[sa.Row[Any]]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def percentiles(column: Column, name: str) -> Column:
 
 
 def topic_counts(outbox: DataFrame) -> DataFrame:
-    """Per topic: produced, published, pending, failed, relay lag (ms) percentiles."""
+    """Per topic: produced, published, pending, failed, relay lag (ms) percentiles, first creation."""
     status = F.col("status")
     return outbox.groupBy("topic").agg(
         F.count(F.lit(1)).alias("produced"),
@@ -38,6 +38,8 @@ def topic_counts(outbox: DataFrame) -> DataFrame:
         F.sum((status == "failed").cast("long")).alias("failed"),
         percentiles(F.when(status == "published", millis_between("published_at", "created_at")),
                     "relay_lag_ms"),
+        # Epoch micros, not a collected timestamp: those come back naive in local time.
+        F.min(F.unix_micros("created_at")).alias("first_created_us"),
     )
 
 
@@ -47,12 +49,15 @@ def consumed(inbox: DataFrame, outbox: DataFrame) -> DataFrame:
     return inbox.join(produced, "message_id")
 
 
-def group_counts(consumed_rows: DataFrame) -> DataFrame:
-    """Per (group, topic): consumed, discarded, duplicates, end-to-end latency (ms)."""
-    deliveries = F.col("deliveries")
-    return consumed_rows.groupBy("consumer_group", "topic").agg(
+def group_counts(known: DataFrame) -> DataFrame:
+    """Per (group, topic) the consumer side knows: consumed, discarded, parked, held,
+    duplicates and end-to-end latency (ms), from ``consumed(consumer_side(…), outbox)``."""
+    deliveries, kind = F.col("deliveries"), F.col("kind")
+    return known.groupBy("consumer_group", "topic").agg(
         F.sum((F.col("outcome") == "processed").cast("long")).alias("consumed"),
         F.sum((F.col("outcome") == "discarded").cast("long")).alias("discarded"),
+        F.sum((kind == "parked").cast("long")).alias("parked"),
+        F.sum((kind == "held").cast("long")).alias("held"),
         F.sum((deliveries > 1).cast("long")).alias("duplicated_messages"),
         F.sum(F.greatest(deliveries - 1, F.lit(0))).alias("extra_deliveries"),
         percentiles(millis_between("processed_at", "created_at"), "latency_ms"),

@@ -44,7 +44,8 @@ def read_batches(engine: sa.Engine, columns: Sequence[sa.Column[Any]], schema: p
     buffer = io.BytesIO()
     raw = engine.raw_connection()
     try:
-        with raw.cursor() as cursor, cursor.copy(
+        cursor: Any = raw.cursor()  # psycopg's cursor: a context manager with copy()
+        with cursor, cursor.copy(
             f"COPY ({compiled.string}) TO STDOUT (FORMAT csv)", compiled.params
         ) as copy:
             for block in copy:

@@ -25,7 +25,8 @@ from .._errors import ConfigurationError
 from .._outbox import Outbox
 from .._validation import normalize_key, validate_topic
 from ._layout import committed_files, table_dir
-from ._session import spark_session
+from ._session import SessionFactory, session_from
+from ._storage import local_path, require_shared, uri
 from ._tablemap import check_table, connect, table_for
 from ._window import parse_instant
 
@@ -50,10 +51,11 @@ def replay(
     since: datetime | str | None = None,
     until: datetime | str | None = None,
     batch: int = 500,
-    spark: SparkSession | None = None,
+    spark: SparkSession | SessionFactory | None = None,
     prefix: str = "",
     schema: str | None = None,
     progress: Callable[[int], None] | None = None,
+    shared_storage: bool = False,
 ) -> ReplayResult:
     """Publish archived messages of ``topic`` again: only ``keys``, ``since <= created_at < until``.
 
@@ -61,6 +63,10 @@ def replay(
     order. A crash part-way leaves the batches already committed in the
     outbox; running again replays the whole selection again (the ``replay-of``
     header lets consumers or a query recognise repeats).
+
+    The executors read the archive: on a master other than ``local``,
+    ``archive_dir`` must be storage every node mounts at the same path, which
+    ``shared_storage=True`` declares (refused otherwise).
     """
     topic = validate_topic(topic)
     wanted = None if keys is None else [normalize_key(k) for k in keys]
@@ -72,18 +78,19 @@ def replay(
         raise ConfigurationError(f"empty time range: since {lower} is not before until {upper}")
     if not isinstance(batch, int) or batch < 1:
         raise ConfigurationError(f"batch must be a positive int, got {batch!r}")
-    root = Path(archive_dir)
+    root = local_path(archive_dir, "archive_dir")
     if not root.is_dir():
         raise ConfigurationError(f"archive directory {root} does not exist")
     check_table(outbox_url, table_for("outbox_messages", prefix, schema))
-    files = [str(f) for f in committed_files(root, "outbox_messages")
+    files = [uri(f) for f in committed_files(root, "outbox_messages")
              if f"topic={topic}" in f.relative_to(root).parts]
     result = ReplayResult()
     if not files:
         return result
 
-    session = spark or spark_session()
-    frame = (session.read.option("basePath", str(table_dir(root, "outbox_messages")))
+    session = session_from(spark)
+    require_shared(session, root, "archive_dir", shared_storage)
+    frame = (session.read.option("basePath", uri(table_dir(root, "outbox_messages")))
              .parquet(*files).select(*COLUMNS))
     if wanted is not None:
         frame = frame.where(F.col("key").isin(wanted))

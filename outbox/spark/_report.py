@@ -17,31 +17,34 @@ TOPIC_FIELDS = ("produced", "published", "pending", "failed")
 
 
 def _quantiles(values: list[float] | None) -> dict[str, float | None]:
-    values = values or [None] * len(QUANTILES)
-    return {f"p{round(q * 100)}": v for q, v in zip(QUANTILES, values, strict=True)}
+    found: list[float | None] = list(values) if values else [None] * len(QUANTILES)
+    return {f"p{round(q * 100)}": v for q, v in zip(QUANTILES, found, strict=True)}
 
 
 def build_summary(
     *, as_of: datetime, window: Window, sla: timedelta, group: str | None,
-    topics: list[dict[str, Any]], groups: list[dict[str, Any]], pairs: list[Pair],
-    parked: dict[Pair, int], held: dict[Pair, int], found: dict[str, dict[Pair, int]],
-    bad_keys: dict[Pair, int],
+    topics: list[dict[str, Any]], groups: list[dict[str, Any]],
+    found: dict[str, dict[Pair, int]], bad_keys: dict[Pair, int],
 ) -> dict[str, Any]:
-    """The JSON summary: per topic, per group and topic, totals, and the verdict."""
-    by_topic = {
+    """The JSON summary: per topic, per group and topic, totals, and the verdict.
+
+    ``groups`` has one row per (group, topic) the consumer side knows
+    (``_findings.group_counts``); ``found`` counts each finding per pair.
+    """
+    by_topic: dict[str, dict[str, Any]] = {
         t["topic"]: {**{f: int(t[f] or 0) for f in TOPIC_FIELDS},
                      "relay_lag_ms": _quantiles(t["relay_lag_ms"])}
         for t in sorted(topics, key=lambda t: t["topic"])
     }
     consumed = {(g["consumer_group"], g["topic"]): g for g in groups}
     by_group: dict[str, dict[str, Any]] = {}
-    for pair in sorted(set(pairs) | set(consumed)):
-        g = consumed.get(pair, {})
+    for pair in sorted(consumed):
+        g = consumed[pair]
         by_group.setdefault(pair[0], {})[pair[1]] = {
             "consumed": int(g.get("consumed") or 0),
             "discarded": int(g.get("discarded") or 0),
-            "parked": parked.get(pair, 0),
-            "held": held.get(pair, 0),
+            "parked": int(g.get("parked") or 0),
+            "held": int(g.get("held") or 0),
             "lost": found["lost"].get(pair, 0),
             "duplicated_messages": found["duplicates"].get(pair, 0),
             "extra_deliveries": int(g.get("extra_deliveries") or 0),
@@ -49,9 +52,9 @@ def build_summary(
             "out_of_order_keys": bad_keys.get(pair, 0),
             "latency_ms": _quantiles(g.get("latency_ms")),
         }
-    totals = {f: sum(t[f] for t in by_topic.values()) for f in TOPIC_FIELDS}
+    totals: dict[str, int] = {f: sum(t[f] for t in by_topic.values()) for f in TOPIC_FIELDS}
     for f in GROUP_FIELDS:
-        totals[f] = sum(row[f] for topics_of in by_group.values() for row in topics_of.values())
+        totals[f] = sum(int(row[f]) for topics_of in by_group.values() for row in topics_of.values())
     return {
         "as_of": as_of.isoformat(),
         "window": {"since": window.since.isoformat(), "until": window.until.isoformat()},

@@ -4,19 +4,37 @@ Under ``spark-submit`` the master and resources come from the command line and
 are left alone; run as a plain Python program the jobs start a local session.
 Either way the session works in UTC, so the timestamps read from the
 databases (stored in UTC) are never shifted by the machine's time zone.
+
+Two things a first cluster run trips over are settled here: the executors'
+Python (``PYSPARK_PYTHON``, this interpreter unless set) is checked with one
+tiny task on a non-local master, so a node without the package is named in
+one sentence rather than by an executor's ``No module named …``; and Spark's
+logging stays at ``log_level`` (WARN) from the start, with the JVM's start-up
+notices filtered out of a locally launched driver's stderr (see ``_noise``).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from py4j.protocol import Py4JError
+from pyspark import SparkConf, SparkContext
+from pyspark.errors import PySparkException
+from pyspark.java_gateway import launch_gateway
 from pyspark.sql import SparkSession
 
+from .._errors import ConfigurationError
+from ._noise import LEVELS, forward_filtered
 from ._source import TableSource
 
 DEFAULT_MASTER = "local[*]"
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+SessionFactory = Callable[[], SparkSession]
+EXECUTOR_MODULES = ("outbox", "sqlalchemy", "pyarrow", "pandas")
+_checked: set[str] = set()  # application ids whose executors were probed
 
 
 def spark_session(
@@ -24,40 +42,119 @@ def spark_session(
     *,
     app_name: str = "outbox",
     config: Mapping[str, str] | None = None,
+    log_level: str = "WARN",
 ) -> SparkSession:
     """Return the active session, or build one, with the outbox data source registered.
 
     ``master`` overrides the configured master (``spark.master`` from
     ``spark-submit`` or ``SPARK_MASTER``); with neither, ``local[*]`` is used.
     ``config`` adds settings for a new session, e.g. ``spark.ui.enabled``.
+    ``log_level`` (``ERROR``, ``WARN``, ``INFO``, ``DEBUG``) is Spark's log
+    level from its start; below WARN the JVM's start-up notices are shown too.
+    Raises ``ConfigurationError`` when the executors cannot import this package.
     """
+    level = log_level.upper()
+    if level not in LEVELS:
+        raise ConfigurationError(f"log level must be one of {', '.join(LEVELS)}, got {log_level!r}")
     active = SparkSession.getActiveSession()
     if active is not None and master is None:
         spark = active
     else:
-        builder = (
-            SparkSession.builder.appName(app_name)
-            .config("spark.sql.session.timeZone", "UTC")
-            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        )
+        # Executors must run an interpreter that has this package installed, not
+        # whatever "python3" is first on their PATH; spark-submit's
+        # spark.pyspark.python or a user's PYSPARK_PYTHON wins.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         chosen = master or _configured_master()
-        if chosen is not None:
-            builder = builder.master(chosen)
+        settings = {
+            "spark.sql.session.timeZone": "UTC",
+            "spark.sql.execution.arrow.pyspark.enabled": "true",
+            "spark.ui.showConsoleProgress": "false",  # the CLI draws its own progress on stderr
+            **(config or {}),
+        }
         if (chosen or "").startswith("local"):
-            # Local workers must run the interpreter that has this package installed,
-            # not whatever "python3" is first on PATH.
-            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             # A local session talks only to itself: bind to loopback, not the host's address.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        for name, value in (config or {}).items():
-            builder = builder.config(name, value)
-        spark = builder.getOrCreate()
+        if chosen is not None:
+            settings["spark.master"] = chosen
+        spark = _build(app_name, settings, level)
     spark.dataSource.register(TableSource)
+    _check_executors(spark)
     return spark
+
+
+def session_from(spark: SparkSession | SessionFactory | None) -> SparkSession:
+    """The session a job runs in: the one given, one built by the given function, or the default."""
+    if spark is None:
+        return spark_session()
+    if isinstance(spark, SparkSession):
+        return spark
+    return spark()
+
+
+def _build(app_name: str, settings: Mapping[str, str], level: str) -> SparkSession:
+    """Start the SparkContext at ``level`` (its first lines are logged before that applies)."""
+    settings = {"spark.log.level": level, **settings}
+    if SparkContext._active_spark_context is None:
+        conf = SparkConf().setAppName(app_name).setAll(list(settings.items()))
+        gateway = None
+        if level in ("ERROR", "WARN") and not _under_spark_submit():
+            # Start the JVM ourselves so that its stderr passes through the filter.
+            gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
+            forward_filtered(gateway.proc.stderr)
+        context = SparkContext(conf=conf, gateway=gateway)
+        if not context.getConf().contains(SHUFFLE_PARTITIONS):
+            # Spark's 200 shuffle partitions cost seconds of task overhead per
+            # stage on small inputs; a few per core keep big ones spread too.
+            settings[SHUFFLE_PARTITIONS] = str(2 * context.defaultParallelism)
+    builder = SparkSession.builder.appName(app_name)
+    for name, value in settings.items():
+        builder = builder.config(name, value)
+    return builder.getOrCreate()
+
+
+def _check_executors(spark: SparkSession) -> None:
+    """On a non-local master, run one task that imports what the jobs need, naming what is missing."""
+    context = spark.sparkContext
+    if (context.master or "local").startswith("local") or context.applicationId in _checked:
+        return
+
+    def probe(_: object) -> tuple[str, str | None]:  # nested: pickled by value, needs no outbox
+        import importlib
+        import sys as executor_sys
+
+        for module in EXECUTOR_MODULES:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                return executor_sys.executable, f"{type(exc).__name__}: {exc}"
+        return executor_sys.executable, None
+
+    python = os.environ.get("PYSPARK_PYTHON", "python3")
+    try:
+        executable, missing = context.parallelize([0], 1).map(probe).collect()[0]
+    except (Py4JError, PySparkException) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigurationError(
+            f"the executors of {context.master} cannot run Python {python!r} ({first[:300]}); "
+            "set PYSPARK_PYTHON (or spark.pyspark.python) to an interpreter every node has, "
+            'with "transactional-outbox[spark]" installed (see docs/spark.md, "Run on a cluster")'
+        ) from None
+    if missing is not None:
+        raise ConfigurationError(
+            f"the executors' Python {executable} (master {context.master}) lacks the outbox "
+            f'environment ({missing}); install "transactional-outbox[spark]" and the database '
+            "driver there, or ship a packed environment with --archives and point PYSPARK_PYTHON "
+            'at it (see docs/spark.md, "Run on a cluster")'
+        )
+    _checked.add(context.applicationId)
+
+
+def _under_spark_submit() -> bool:
+    return bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
 
 
 def _configured_master() -> str | None:
     """None under spark-submit (its JVM already knows the master), else SPARK_MASTER or local[*]."""
-    if os.environ.get("PYSPARK_GATEWAY_PORT"):
+    if _under_spark_submit():
         return None
     return os.environ.get("SPARK_MASTER") or DEFAULT_MASTER
