@@ -133,6 +133,7 @@ class Batch:
             params = {"now": utcnow(), "limit": self.batch_size, "busy": int_array(self._busy)}
             rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
             conn.rollback()
+        self.outages.up(Dependency.DATABASE)
         if not rows:
             self.finish()
             return BatchResult()

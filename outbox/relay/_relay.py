@@ -57,6 +57,10 @@ class Relay:
     suffix). ``backoff`` is a tenacity wait strategy giving the delay before
     attempt n+1; retriable errors are retried without limit. ``run`` and
     ``run_once`` must be called from one thread; ``stop`` from any.
+
+    Construction reads the stored shard count, so it needs the database and
+    raises if it is unreachable; ``run`` then waits out any database outage,
+    from its first lease onwards.
     """
 
     def __init__(
@@ -158,19 +162,20 @@ class Relay:
         """Publish until ``stop()`` or SIGTERM/SIGINT; then drain, release leases, return."""
         restore = self._install_signal_handlers()
         self._stopping.clear()
-        self._maintain_leases()
-        self._lease_thread = threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
-                                              daemon=True)
-        self._lease_thread.start()
-        if self.backlog_metrics:
-            # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
-            self._backlog_thread = threading.Thread(target=self._backlog_loop,
-                                                    name="outbox-relay-backlog", daemon=True)
-            self._backlog_thread.start()
-        if self.outbox.notify_channel:
-            self._wakeup.listen(self.engine, self.outbox.notify_channel)
-        log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
         try:
+            if not self._first_leases():
+                return  # stopped while waiting for the database
+            self._lease_thread = threading.Thread(target=self._lease_loop,
+                                                  name="outbox-relay-leases", daemon=True)
+            self._lease_thread.start()
+            if self.backlog_metrics:
+                # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
+                self._backlog_thread = threading.Thread(target=self._backlog_loop,
+                                                        name="outbox-relay-backlog", daemon=True)
+                self._backlog_thread.start()
+            if self.outbox.notify_channel:
+                self._wakeup.listen(self.engine, self.outbox.notify_channel)
+            log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
             self._loop()
         finally:
             self._stopping.set()
@@ -187,9 +192,32 @@ class Relay:
             try:
                 self.leases.release_all()
                 log.info("relay %s stopped; leases released", self.worker_id)
-            except Exception:
+            except Exception as exc:
                 # The database is unreachable: the leases expire by themselves within the TTL.
-                log.exception("relay %s stopped; could not release its leases", self.worker_id)
+                if not is_database_outage(exc):
+                    log.exception("relay %s stopped; could not release its leases", self.worker_id)
+                    return
+                log.warning("relay %s stopped; could not release its leases (%s): they expire "
+                            "within the lease TTL", self.worker_id, type(exc).__name__)
+
+    def _first_leases(self) -> bool:
+        """Take the first leases, waiting out a database outage; False if stopped meanwhile.
+
+        A relay started while the database is down waits for it (one log line each
+        way, like any outage) instead of exiting; any other error is raised.
+        """
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                self._maintain_leases()
+                return True
+            except Exception as exc:
+                if not is_database_outage(exc):
+                    raise
+                self.outages.down(Dependency.DATABASE, exc)
+                self._stopping.wait(database_backoff(failures, self.poll_interval))
+                failures += 1
+        return False
 
     def _loop(self) -> None:
         poll_due = 0.0
@@ -210,7 +238,8 @@ class Relay:
                     again = True
                     continue
                 failures = 0
-                self.outages.up(Dependency.DATABASE)
+                # The database is marked up by the queries that reached it (the fetch, the
+                # lease maintenance), never here: a relay owning no shards ran none.
                 if batch.published:
                     self.outages.up(Dependency.BROKER)
                 elif batch.retried and batch.error:
@@ -251,6 +280,7 @@ class Relay:
 
     def _maintain_leases(self) -> dict[int, int]:
         owned = self.leases.maintain()
+        self.outages.up(Dependency.DATABASE)
         self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
         self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
         return owned
