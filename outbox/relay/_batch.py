@@ -49,7 +49,8 @@ log = logging.getLogger("outbox.relay")
 
 _NO_HEADERS = frozenset({None, "{}", "null"})
 # Positions in a fetched row (``_relay_sql.ROW_COLUMNS``).
-_ID, _TOPIC, _KEY, _SHARD = (ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard"))
+_ID, _TOPIC, _KEY, _SHARD, _CREATED = (
+    ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard", "created_at"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +232,11 @@ class Batch:
             else:
                 error = error or res.error
                 delay = self._delay(row.attempts + 1)
-                add_mark(retried, row.id, row.shard, epoch, available_at=now + timedelta(seconds=delay),
+                # From the later of the two clocks: a publisher ahead of this relay by more
+                # than the delay would otherwise get available_at <= created_at, which the
+                # fetch reads as "due, never pushed back" (no backoff, key not held).
+                base = max(now, row[_CREATED])
+                add_mark(retried, row.id, row.shard, epoch, available_at=base + timedelta(seconds=delay),
                          last_error=res.error)
                 self.metrics.retried.labels(row.topic).inc()
                 # The wheel holds the key back and wakes the relay; the row is the truth.
