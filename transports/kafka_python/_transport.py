@@ -53,9 +53,24 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
 SAFE_ACKS = frozenset({"all", "-1"})
 
 
+# Errors meaning the broker did not answer at all (down, unreachable, frozen).
+UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.NoBrokersAvailable,
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.RequestTimedOutError,
+)
+
+
 def classify(error: BaseException) -> Outcome:
     """FAILED for errors a resend cannot fix; RETRY for everything else (timeouts, broker down)."""
     return Outcome.FAILED if isinstance(error, PERMANENT_ERRORS) else Outcome.RETRY
+
+
+def result_of(error: BaseException) -> SendResult:
+    """The ``SendResult`` of a record that ``error`` kept from being delivered."""
+    return SendResult(classify(error), error=repr(error),
+                      unreachable=isinstance(error, UNREACHABLE_ERRORS))
 
 
 class KafkaPythonTransport:
@@ -106,7 +121,7 @@ class KafkaPythonTransport:
                     record.topic, value=record.value, key=record.key,
                     headers=list(record.headers), partition=partition)))
             except kafka_errors.KafkaError as exc:
-                results[i] = SendResult(classify(exc), error=repr(exc))
+                results[i] = result_of(exc)
         # A timeout is no error of the batch: records without an acknowledgement come back
         # as RETRY below.
         with contextlib.suppress(kafka_errors.KafkaTimeoutError):
@@ -118,7 +133,7 @@ class KafkaPythonTransport:
         try:
             partitions = self._producer.partitions_for(topic)
         except kafka_errors.KafkaError as exc:
-            return SendResult(classify(exc), error=repr(exc))
+            return result_of(exc)
         if not partitions:
             return SendResult(Outcome.RETRY, error=f"no partitions known for topic {topic!r}")
         return len(partitions)
@@ -129,8 +144,8 @@ class KafkaPythonTransport:
 
 def _outcome(future: Any) -> SendResult:
     if not future.is_done:
-        return SendResult(Outcome.RETRY, error=NO_REPORT)
+        return SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
     if future.failed():
-        return SendResult(classify(future.exception), error=repr(future.exception))
+        return result_of(future.exception)
     metadata = future.value
     return SendResult(Outcome.DELIVERED, metadata.partition, metadata.offset)
