@@ -33,7 +33,7 @@ from transports import Transport
 
 from .._alerts import Alert, AlertSink, LoggingAlertSink
 from .._envelope import utcnow
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, SchemaError
 from .._outbox import Outbox
 from .._wheel import TimingWheel
 from ._admin import backlog
@@ -126,6 +126,7 @@ class Relay:
         self._lease_thread: threading.Thread | None = None
         self._backlog_thread: threading.Thread | None = None
         self._next_lease_check = 0.0
+        self._fatal: Exception | None = None
 
     def __repr__(self) -> str:
         return f"Relay(worker_id={self.worker_id!r}, transport={self.transport!r})"
@@ -162,6 +163,7 @@ class Relay:
         """Publish until ``stop()`` or SIGTERM/SIGINT; then drain, release leases, return."""
         restore = self._install_signal_handlers()
         self._stopping.clear()
+        self._fatal = None
         try:
             if not self._first_leases():
                 return  # stopped while waiting for the database
@@ -177,6 +179,8 @@ class Relay:
                 self._wakeup.listen(self.engine, self.outbox.notify_channel)
             log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
             self._loop()
+            if self._fatal is not None:
+                raise self._fatal
         finally:
             self._stopping.set()
             self._wakeup.close()
@@ -260,6 +264,11 @@ class Relay:
                 after = self._maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
+            except SchemaError as exc:
+                log.error("relay %s: %s", self.worker_id, exc)
+                self._fatal = exc
+                self.stop()
+                return
             except Exception as exc:
                 self._report(exc, "could not maintain its leases")
 
