@@ -76,6 +76,29 @@ def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
     assert seqs_by_key(read_topic(kafka, topic, expected=3)) == {b"k": [1, 2, 3]}
 
 
+def test_retry_right_after_creating_the_topic_publishes_without_a_second_alert(
+    outbox: Outbox, db_url: str, kafka: str, topic: str
+) -> None:
+    """The same relay and transport: an unknown-topic error must not be remembered past the fix."""
+    from confluent_kafka import Producer
+
+    publish(outbox, topic, ["k", "k"])
+    alerts: list[Alert] = []
+    strict = KafkaTransport(bootstrap_servers=kafka, **{"allow.auto.create.topics": False})
+    relay = Relay(outbox, strict, alert=alerts.append)
+    settle(relay)
+    assert [r.status for r in rows(outbox)] == ["failed", "pending"] and len(alerts) == 1
+    # The operator creates the topic (here: a metadata request that may auto-create it).
+    creator = Producer({"bootstrap.servers": kafka})
+    assert creator.list_topics(topic, timeout=10).topics[topic].error is None
+    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    settle(relay)
+    relay.close()
+    assert [r.status for r in rows(outbox)] == ["published"] * 2
+    assert len(alerts) == 1
+    assert seqs_by_key(read_topic(kafka, topic, expected=2)) == {b"k": [1, 2]}
+
+
 def test_retry_and_skip_need_ids_or_all(db_url: str, outbox: Outbox) -> None:
     result = runner.invoke(app, ["failed", "retry", "--db", db_url])
     assert result.exit_code != 0 and "--all" in result.output

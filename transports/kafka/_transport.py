@@ -111,7 +111,7 @@ class KafkaTransport:
         self._config = config
         self._delivery_timeout = delivery_timeout
         self._metadata_refresh = metadata_refresh
-        self._partitions: dict[str, tuple[float, int | KafkaError]] = {}
+        self._partitions: dict[str, tuple[float, int]] = {}
         self._producer = Producer({**config, "error_cb": self._on_error})
         self._fatal: KafkaError | None = None
 
@@ -178,6 +178,7 @@ class KafkaTransport:
         return result_of(count) if isinstance(count, KafkaError) else count
 
     def _lookup_partitions(self, topic: str) -> int | KafkaError:
+        """Partition counts are cached for ``metadata_refresh`` s; errors never are."""
         now = time.monotonic()
         cached = self._partitions.get(topic)
         if cached is not None and now - cached[0] < self._metadata_refresh:
@@ -190,8 +191,10 @@ class KafkaTransport:
         if info is None:
             return KafkaError(KafkaError._UNKNOWN_TOPIC, f"no metadata for topic {topic!r}")
         if info.error is not None:
-            if classify(info.error) is Outcome.FAILED:
-                self._partitions[topic] = (now, info.error)
+            # Not cached, not even an unknown topic: the operator may create it and run
+            # `outbox failed retry` at once, and a cached error would fail the row again
+            # (with a second alert). The per-wave cache still asks once per wave.
+            self._partitions.pop(topic, None)
             return info.error
         if not info.partitions:
             return KafkaError(KafkaError.LEADER_NOT_AVAILABLE, f"topic {topic!r} has no partitions yet")
