@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -152,15 +153,17 @@ def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> 
     return before, SCHEMA_VERSION
 
 
-def reshard(engine: Engine, tables: OutboxTables, shards: int) -> int:
+def reshard(engine: Engine, tables: OutboxTables, shards: int, *, lease_ttl: float = 10.0) -> int:
     """Change the stored shard count of a drained, stopped outbox; returns the old count.
 
     Refused while a row is unpublished (its key would get rows in two shards,
-    served by two relays) or a relay holds a live lease (it would go on serving
-    the old split). Publishers keep the count they read, so they must be
-    stopped too; that this function cannot see (docs/relay.md says so).
+    served by two relays), a relay holds a live lease or a relay heartbeat is
+    younger than ``lease_ttl`` (the relays' TTL; a running relay would go on
+    serving the old split — it also notices the change and stops). Publishers
+    keep the count they read, so they must be stopped too; that this function
+    cannot see (docs/relay.md says so).
     """
-    m, leases = tables.messages, tables.leases
+    m, leases, relays = tables.messages, tables.leases, tables.relays
     with engine.begin() as conn:
         old = read(conn, tables).shard_count
         waiting = conn.scalar(select(func.count()).select_from(m)
@@ -175,6 +178,13 @@ def reshard(engine: Engine, tables: OutboxTables, shards: int) -> int:
             raise ConfigurationError(
                 f"running relays hold {live} shard lease(s): stop every relay first (SIGTERM, or "
                 "wait one lease TTL after a kill), then change the shard count")
+        beating = list(conn.scalars(select(relays.c.worker_id).where(
+            relays.c.heartbeat_at > utcnow() - timedelta(seconds=lease_ttl))))
+        if beating:
+            raise ConfigurationError(
+                f"relay(s) {', '.join(sorted(beating))} sent a heartbeat in the last {lease_ttl:g} s: "
+                "stop every relay first (SIGTERM, or wait one lease TTL after a kill), then "
+                "change the shard count")
         conn.execute(delete(leases))  # the relays recreate one row per shard of the new count
         _put(conn, tables, "shard_count", check_shard_count(shards))
     return old

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 import pytest
 import tenacity
@@ -134,8 +135,17 @@ def publish_alternately(outbox: Outbox, url: str, topic: str, skew: str, delays:
     """One message of key order-1 per delay, from a skewed and a normal publisher in turn."""
     fast = Publisher(url, topic, skew=skew)
     normal = Publisher(url, topic, skew=None)
+    ahead_by = float(skew.removesuffix("s"))
     for i, delay in enumerate(delays):
-        (fast if i % 2 == 0 else normal).publish("order-1", delay)
+        publisher = fast if i % 2 == 0 else normal
+        publisher.publish("order-1", delay)
+        # The fake clock must really be ahead (an ineffective faketime would pass the
+        # test without testing anything): created_at is the publisher's clock.
+        ahead = (rows(outbox)[-1].created_at - datetime.now(UTC)).total_seconds()
+        if publisher is fast:
+            assert ahead > ahead_by - 1, f"the faked publisher is only {ahead:.2f} s ahead"
+        else:
+            assert ahead < 0.5, f"the normal publisher is {ahead:.2f} s ahead"
         time.sleep(0.1)  # let the relay fetch between two publishes
     fast.close()
     normal.close()

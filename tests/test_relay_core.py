@@ -113,6 +113,33 @@ def test_a_restarted_relay_honours_attempts_and_next_attempt_time(outbox: Outbox
     assert len(transport.sent) == 1 and rows(outbox)[0].attempts == 2
 
 
+def test_a_retry_backs_off_even_when_the_publisher_clock_ran_ahead(outbox: Outbox) -> None:
+    """Next attempt from max(relay now, created_at): else a fast publisher's row is "due" at once."""
+    ids = publish(outbox, "orders", [None, "k"])
+    m = outbox.tables.messages
+    ahead = timedelta(seconds=5)  # the publisher's clock, 5 s ahead of the relay's
+    stored = rows(outbox)
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        for row in stored:
+            conn.execute(m.update().where(m.c.id == row.id).values(
+                created_at=row.created_at + ahead, available_at=row.available_at + ahead))
+    assert all(r.created_at > datetime.now(UTC) + timedelta(seconds=4) for r in rows(outbox))
+    transport = ScriptedTransport({str(i): [Outcome.RETRY] for i in ids})
+    relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(2))
+    assert relay.run_once().retried == 2
+    for row in rows(outbox):
+        assert row.available_at >= row.created_at + timedelta(seconds=2), row
+    # Neither row is due again: not the unkeyed one in a tight loop, not the keyed one
+    # after a restart (a new process has an empty wheel).
+    for _ in range(5):
+        assert relay.run_once().sent == 0
+    relay.close()
+    restarted = Relay(outbox, transport)
+    assert restarted.run_once().fetched == 0
+    restarted.close()
+    assert transport.sent == []
+
+
 def test_a_relay_whose_lease_expired_cannot_mark(outbox: Outbox) -> None:
     publish(outbox, "orders", ["a", "b", "c"])
     other = Relay(outbox, ScriptedTransport(), lease_ttl=0.5)

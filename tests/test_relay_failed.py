@@ -3,6 +3,8 @@ and ``outbox failed list|retry|skip`` / ``outbox stats`` from the command line."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from _relay_helpers import publish, rows, seqs_by_key
 from typer.testing import CliRunner
@@ -76,6 +78,58 @@ def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
     assert seqs_by_key(read_topic(kafka, topic, expected=3)) == {b"k": [1, 2, 3]}
 
 
+def test_retry_right_after_creating_the_topic_publishes_without_a_second_alert(
+    outbox: Outbox, db_url: str, kafka: str, topic: str
+) -> None:
+    """The same relay and transport: an unknown-topic error must not be remembered past the fix."""
+    from confluent_kafka import Producer
+
+    publish(outbox, topic, ["k", "k"])
+    alerts: list[Alert] = []
+    strict = KafkaTransport(bootstrap_servers=kafka, **{"allow.auto.create.topics": False})
+    relay = Relay(outbox, strict, alert=alerts.append)
+    settle(relay)
+    assert [r.status for r in rows(outbox)] == ["failed", "pending"] and len(alerts) == 1
+    # The operator creates the topic (here: a metadata request that may auto-create it).
+    creator = Producer({"bootstrap.servers": kafka})
+    assert creator.list_topics(topic, timeout=10).topics[topic].error is None
+    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    settle(relay)
+    relay.close()
+    assert [r.status for r in rows(outbox)] == ["published"] * 2
+    assert len(alerts) == 1
+    assert seqs_by_key(read_topic(kafka, topic, expected=2)) == {b"k": [1, 2]}
+
+
 def test_retry_and_skip_need_ids_or_all(db_url: str, outbox: Outbox) -> None:
     result = runner.invoke(app, ["failed", "retry", "--db", db_url])
     assert result.exit_code != 0 and "--all" in result.output
+
+
+def test_unknown_topic_fails_through_kafka_python_ng(
+    outbox: Outbox, db_url: str, kafka: str, topic: str
+) -> None:
+    """kafka-python-ng only logs UnknownTopicOrPartition and waits max_block_ms (60 s)."""
+    from kafka import KafkaProducer
+
+    from transports.kafka_python import KafkaPythonTransport
+
+    publish(outbox, topic, ["k", "k", None])
+    alerts: list[Alert] = []
+    producer = KafkaProducer(bootstrap_servers=kafka.split(","), acks="all")  # max_block_ms 60 s
+    strict = KafkaPythonTransport(producer, allow_auto_create_topics=False)
+    relay = Relay(outbox, strict, alert=alerts.append)
+    started = time.monotonic()
+    settle(relay)
+    took = time.monotonic() - started
+    relay.close()
+    assert [r.status for r in rows(outbox)] == ["failed", "pending", "failed"]
+    assert "UnknownTopicOrPartition" in rows(outbox)[0].last_error
+    assert len(alerts) == 2 and took < 20, (alerts, took)
+    assert "2 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    fixed = Relay(outbox, KafkaPythonTransport(producer))  # may auto-create the topic
+    settle(fixed)
+    fixed.close()
+    producer.close(5)
+    assert [r.status for r in rows(outbox)] == ["published"] * 3
+    assert seqs_by_key(read_topic(kafka, topic, expected=3)) == {b"k": [1, 2]}

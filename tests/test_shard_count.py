@@ -8,13 +8,16 @@ relay owned, or a key's rows in two shards served by two relays.
 from __future__ import annotations
 
 import re
+import threading
+import time
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import ScriptedTransport, drain, publish, rows
 from typer.testing import CliRunner
 
-from outbox import ConfigurationError, Outbox, OutboxTables, Relay, create_engine
+from outbox import ConfigurationError, Outbox, OutboxTables, Relay, SchemaError, create_engine
 from outbox._schema import SCHEMA_VERSION
 from outbox._sharding import shard_for_key
 from outbox.cli import app
@@ -129,3 +132,48 @@ def test_spark_replay_publishes_into_the_stored_shards(java_home, sqlite_db, tmp
     assert result.replayed == len(new) > 100
     assert all(r.shard == shard_for_key(r.key, 8) for r in new if r.key is not None)
     assert {r.shard for r in new if r.key is None} <= set(range(8))
+
+
+def test_reshard_is_refused_while_a_relay_heartbeats_without_live_leases(eight, db_url):
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="beating")
+    relay.run_once()
+    leases = OutboxTables().leases
+    with eight.begin() as conn:  # its leases lapsed (a long pause), its heartbeat is fresh
+        conn.execute(sa.update(leases).values(expires_at=datetime(2000, 1, 1, tzinfo=UTC)))
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 2 and "beating" in out and "heartbeat" in out, out
+    relay.close()  # a clean stop leaves the membership table
+    code, out = cli("init-db", "--db", db_url, "--reshard", "4")
+    assert code == 0 and "shard count changed from 8 to 4" in out, out
+
+
+def test_a_running_relay_stops_when_the_stored_shard_count_changes(eight):
+    outbox = Outbox(eight)
+    relay = Relay(outbox, ScriptedTransport(), worker_id="old-split", lease_ttl=0.6,
+                  poll_interval=0.05)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive() and len(relay.leases.owned()) == 8
+    meta = OutboxTables().meta
+    with eight.begin() as conn:  # what a reshard that got past the guard leaves
+        conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="4"))
+    thread.join(10)
+    assert not thread.is_alive(), "the relay went on serving the old split"
+    assert len(errors) == 1 and isinstance(errors[0], SchemaError), errors
+    assert "changed from 8 to 4" in str(errors[0])
+    assert relay.leases.owned() == {}
+    # run_once (embedded use) raises too, instead of serving the old split.
+    embedded = Relay(Outbox(eight), ScriptedTransport(), worker_id="embedded")
+    with pytest.raises(SchemaError, match="changed from 4 to 8"):
+        with eight.begin() as conn:
+            conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="8"))
+        embedded.run_once()

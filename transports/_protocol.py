@@ -43,6 +43,10 @@ class SendResult:
     partition: int | None = None
     offset: int | None = None
     error: str | None = None
+    unreachable: bool = False
+    """For ``RETRY``: the broker did not answer (timeout, connection down), as opposed to
+    answering with an error about this record. A batch the broker delivered nothing of
+    whose retries are all unreachable is an outage: the relay does not count an attempt."""
 
 
 @runtime_checkable

@@ -60,12 +60,14 @@ def key_partition(record: Record, counts: dict[str, int | SendResult],
 def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[SendResult]:
     """Run ``send_wave`` per wave, skipping keys already not delivered; results in input order."""
     results: list[SendResult | None] = [None] * len(records)
-    blocked: set[tuple[str, bytes | None]] = set()
+    blocked: dict[tuple[str, bytes | None], bool] = {}  # key -> its failure was unreachable
     for wave in waves(records):
         sendable = []
         for i in wave:
             if (records[i].topic, records[i].key) in blocked:
-                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT)
+                # Not sent: as unreachable as the record of its key that held it back.
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT,
+                                        unreachable=blocked[records[i].topic, records[i].key])
             else:
                 sendable.append(i)
         if not sendable:
@@ -75,5 +77,6 @@ def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[Sen
             result = results[i]
             record = records[i]
             if record.key is not None and (result is None or result.outcome is not Outcome.DELIVERED):
-                blocked.add((record.topic, record.key))
-    return [r if r is not None else SendResult(Outcome.RETRY, error=NO_REPORT) for r in results]
+                blocked[record.topic, record.key] = result is None or result.unreachable
+    return [r if r is not None else SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
+            for r in results]

@@ -11,6 +11,11 @@ The rules that keep per-key order live here:
   attempt count, error and next attempt time (retry) or ``failed`` status,
   and the key's later rows stay pending, untouched.
 
+A batch whose every record is to be retried because the broker did not answer
+(``SendResult.unreachable``) is a broker outage (DESIGN §9: never counted
+against a message): its rows get an error and a short, capped next attempt
+time but keep their attempt count.
+
 Pipelined batches (``run(wait=False)``, PostgreSQL, used by ``Relay.run``)
 write one batch's outcomes on a helper thread while the next batch is fetched
 and sent; the rows being written are excluded from that fetch and the keys it
@@ -42,14 +47,15 @@ from .._pg_arrays import int_array
 from .._wheel import TimingWheel
 from .._wire import to_record
 from ._metrics import RelayMetrics
-from ._outage import Dependency, Outages, is_database_outage
+from ._outage import Dependency, Outages, broker_outage_backoff, is_database_outage
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 log = logging.getLogger("outbox.relay")
 
 _NO_HEADERS = frozenset({None, "{}", "null"})
 # Positions in a fetched row (``_relay_sql.ROW_COLUMNS``).
-_ID, _TOPIC, _KEY, _SHARD = (ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard"))
+_ID, _TOPIC, _KEY, _SHARD, _CREATED = (
+    ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard", "created_at"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,8 @@ class _Plan:
     published: Marks
     published_topics: dict[str, int]
     retried: Marks
+    postponed: Marks
+    """Rows to retry without counting an attempt: the broker delivered nothing (an outage)."""
     failed: list[tuple[Any, int, str]]
     stopped: set[tuple[str, str]]
     """Keys whose head was retried or failed: they wait until the write commits."""
@@ -115,6 +123,7 @@ class Batch:
         self._writing: Future[dict] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
+        self._outage_batches = 0  # consecutive batches the broker delivered nothing of
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).
@@ -133,6 +142,7 @@ class Batch:
             params = {"now": utcnow(), "limit": self.batch_size, "busy": int_array(self._busy)}
             rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
             conn.rollback()
+        self.outages.up(Dependency.DATABASE)
         if not rows:
             self.finish()
             return BatchResult()
@@ -166,12 +176,14 @@ class Batch:
         if wait or not self.sql.postgres:
             outcome = self._write(plan)
         else:
-            self._busy = plan.published.ids + plan.retried.ids + [row.id for row, _, _ in plan.failed]
+            self._busy = (plan.published.ids + plan.retried.ids + plan.postponed.ids
+                          + [row.id for row, _, _ in plan.failed])
             self._held = plan.stopped
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="outbox-relay-writer")
             self._writing = self._writer.submit(self._write, plan)
-            outcome = {"published": len(plan.published.ids), "retried": len(plan.retried.ids),
+            outcome = {"published": len(plan.published.ids),
+                       "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                        "failed": len(plan.failed), "fenced": 0}
         self.metrics.batch_duration.observe(time.perf_counter() - started)
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
@@ -195,7 +207,17 @@ class Batch:
 
     def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int]) -> _Plan:
         """Decide every row's outcome (and schedule retries in the wheel); no SQL."""
-        retried = empty_marks()
+        retried, postponed = empty_marks(), empty_marks()
+        # Nothing delivered and every retry for want of an answer: the broker is down, an
+        # outage, not these records' fault. A retriable error the broker returned still counts.
+        retries = [res for res in results if res.outcome is not Outcome.FAILED]
+        outage = bool(retries) and all(
+            res.outcome is Outcome.RETRY and res.unreachable for res in retries)
+        outage_delay = broker_outage_backoff(self._outage_batches)
+        if outage:
+            self._outage_batches += 1
+        elif results:
+            self._outage_batches = 0
         ids: list[int] = []
         shards: list[int] = []
         epochs: list[int] = []
@@ -229,14 +251,18 @@ class Batch:
                 failed.append((row, epoch, res.error or "failed"))
             else:
                 error = error or res.error
-                delay = self._delay(row.attempts + 1)
-                add_mark(retried, row.id, row.shard, epoch, available_at=now + timedelta(seconds=delay),
-                         last_error=res.error)
+                delay = outage_delay if outage else self._delay(row.attempts + 1)
+                # From the later of the two clocks: a publisher ahead of this relay by more
+                # than the delay would otherwise get available_at <= created_at, which the
+                # fetch reads as "due, never pushed back" (no backoff, key not held).
+                base = max(now, row[_CREATED])
+                add_mark(postponed if outage else retried, row.id, row.shard, epoch,
+                         available_at=base + timedelta(seconds=delay), last_error=res.error)
                 self.metrics.retried.labels(row.topic).inc()
                 # The wheel holds the key back and wakes the relay; the row is the truth.
                 wheel_key = key if key is not None else (row.topic, str(row.message_id))
                 self.wheel.schedule(wheel_key, mono + delay)
-        return _Plan(now, published, published_topics, retried, failed, stopped, error)
+        return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error)
 
     def _write(self, plan: _Plan) -> dict:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
@@ -244,6 +270,7 @@ class Batch:
         with self.engine.begin() as conn:
             marked = self.sql.published(conn, self.worker_id, published, plan.now)
             self.sql.retried(conn, self.worker_id, plan.retried)
+            self.sql.postponed(conn, self.worker_id, plan.postponed)
             newly_failed = self._mark_failed(conn, failed)
         for topic, n in plan.published_topics.items():
             self.metrics.published.labels(topic).inc(n)
@@ -256,7 +283,8 @@ class Batch:
         if fenced:
             log.warning("relay %s lost a lease: %d delivered rows left to the new owner",
                         self.worker_id, fenced)
-        return {"published": marked, "retried": len(plan.retried.ids), "failed": len(newly_failed),
+        return {"published": marked, "retried": len(plan.retried.ids) + len(plan.postponed.ids),
+                "failed": len(newly_failed),
                 "fenced": fenced}
 
     def _mark_failed(self, conn: Connection, failed: list[tuple[Any, int, str]]) -> list:

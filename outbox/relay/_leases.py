@@ -24,6 +24,7 @@ from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .._envelope import utcnow
+from .._errors import SchemaError
 from .._tables import OutboxTables
 
 log = logging.getLogger("outbox.relay.leases")
@@ -88,6 +89,17 @@ class Leases:
                     relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
                 live = list(conn.scalars(select(relays.c.worker_id).where(
                     relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
+                meta = self._tables.meta
+                stored = conn.scalar(select(meta.c.value).where(meta.c.name == "shard_count"))
+                if stored is not None and int(stored) != self.shards:
+                    # Resharded under a running relay (the guard was passed, or a relay
+                    # started meanwhile): serving the old split could give one key two
+                    # shards, so stop serving anything and say why.
+                    self._owned, self._surplus = {}, 0
+                    raise SchemaError(
+                        f"the stored shard count changed from {self.shards} to {int(stored)} "
+                        f"while relay {self.worker_id} ran (outbox init-db --reshard): it "
+                        "stops; restart it to serve the new split")
                 # Only leases this object took: a namesake's leases from an earlier
                 # process expire and are taken afresh, with a new epoch.
                 renewed = conn.execute(

@@ -25,6 +25,10 @@ MAX_DATABASE_BACKOFF = 5.0
 """Seconds between attempts to reach a database that is down, at most."""
 
 
+MAX_BROKER_OUTAGE_BACKOFF = 5.0
+"""Seconds before a row is sent again while the broker is unreachable, at most."""
+
+
 class Dependency(enum.Enum):
     """What the relay cannot work without."""
 
@@ -42,6 +46,11 @@ def is_database_outage(error: BaseException) -> bool:
 def database_backoff(failures: int, first: float) -> float:
     """Delay before attempt ``failures`` + 1 to reach the database: doubling, capped."""
     return min(MAX_DATABASE_BACKOFF, first * 2 ** min(failures, 16))
+
+
+def broker_outage_backoff(batches: int) -> float:
+    """Next attempt delay after ``batches`` consecutive batches the broker delivered nothing of."""
+    return min(MAX_BROKER_OUTAGE_BACKOFF, 0.2 * 2 ** min(batches, 16))
 
 
 class Outages:

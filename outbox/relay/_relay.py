@@ -33,7 +33,7 @@ from transports import Transport
 
 from .._alerts import Alert, AlertSink, LoggingAlertSink
 from .._envelope import utcnow
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, SchemaError
 from .._outbox import Outbox
 from .._wheel import TimingWheel
 from ._admin import backlog
@@ -57,6 +57,10 @@ class Relay:
     suffix). ``backoff`` is a tenacity wait strategy giving the delay before
     attempt n+1; retriable errors are retried without limit. ``run`` and
     ``run_once`` must be called from one thread; ``stop`` from any.
+
+    Construction reads the stored shard count, so it needs the database and
+    raises if it is unreachable; ``run`` then waits out any database outage,
+    from its first lease onwards.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Relay:
         self._lease_thread: threading.Thread | None = None
         self._backlog_thread: threading.Thread | None = None
         self._next_lease_check = 0.0
+        self._fatal: Exception | None = None
 
     def __repr__(self) -> str:
         return f"Relay(worker_id={self.worker_id!r}, transport={self.transport!r})"
@@ -158,20 +163,24 @@ class Relay:
         """Publish until ``stop()`` or SIGTERM/SIGINT; then drain, release leases, return."""
         restore = self._install_signal_handlers()
         self._stopping.clear()
-        self._maintain_leases()
-        self._lease_thread = threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
-                                              daemon=True)
-        self._lease_thread.start()
-        if self.backlog_metrics:
-            # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
-            self._backlog_thread = threading.Thread(target=self._backlog_loop,
-                                                    name="outbox-relay-backlog", daemon=True)
-            self._backlog_thread.start()
-        if self.outbox.notify_channel:
-            self._wakeup.listen(self.engine, self.outbox.notify_channel)
-        log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
+        self._fatal = None
         try:
+            if not self._first_leases():
+                return  # stopped while waiting for the database
+            self._lease_thread = threading.Thread(target=self._lease_loop,
+                                                  name="outbox-relay-leases", daemon=True)
+            self._lease_thread.start()
+            if self.backlog_metrics:
+                # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
+                self._backlog_thread = threading.Thread(target=self._backlog_loop,
+                                                        name="outbox-relay-backlog", daemon=True)
+                self._backlog_thread.start()
+            if self.outbox.notify_channel:
+                self._wakeup.listen(self.engine, self.outbox.notify_channel)
+            log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
             self._loop()
+            if self._fatal is not None:
+                raise self._fatal
         finally:
             self._stopping.set()
             self._wakeup.close()
@@ -187,9 +196,32 @@ class Relay:
             try:
                 self.leases.release_all()
                 log.info("relay %s stopped; leases released", self.worker_id)
-            except Exception:
+            except Exception as exc:
                 # The database is unreachable: the leases expire by themselves within the TTL.
-                log.exception("relay %s stopped; could not release its leases", self.worker_id)
+                if not is_database_outage(exc):
+                    log.exception("relay %s stopped; could not release its leases", self.worker_id)
+                    return
+                log.warning("relay %s stopped; could not release its leases (%s): they expire "
+                            "within the lease TTL", self.worker_id, type(exc).__name__)
+
+    def _first_leases(self) -> bool:
+        """Take the first leases, waiting out a database outage; False if stopped meanwhile.
+
+        A relay started while the database is down waits for it (one log line each
+        way, like any outage) instead of exiting; any other error is raised.
+        """
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                self._maintain_leases()
+                return True
+            except Exception as exc:
+                if not is_database_outage(exc):
+                    raise
+                self.outages.down(Dependency.DATABASE, exc)
+                self._stopping.wait(database_backoff(failures, self.poll_interval))
+                failures += 1
+        return False
 
     def _loop(self) -> None:
         poll_due = 0.0
@@ -210,7 +242,8 @@ class Relay:
                     again = True
                     continue
                 failures = 0
-                self.outages.up(Dependency.DATABASE)
+                # The database is marked up by the queries that reached it (the fetch, the
+                # lease maintenance), never here: a relay owning no shards ran none.
                 if batch.published:
                     self.outages.up(Dependency.BROKER)
                 elif batch.retried and batch.error:
@@ -231,6 +264,11 @@ class Relay:
                 after = self._maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
+            except SchemaError as exc:
+                log.error("relay %s: %s", self.worker_id, exc)
+                self._fatal = exc
+                self.stop()
+                return
             except Exception as exc:
                 self._report(exc, "could not maintain its leases")
 
@@ -251,6 +289,7 @@ class Relay:
 
     def _maintain_leases(self) -> dict[int, int]:
         owned = self.leases.maintain()
+        self.outages.up(Dependency.DATABASE)
         self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
         self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
         return owned

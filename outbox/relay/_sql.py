@@ -181,6 +181,13 @@ class RelayStatements:
             per_row={"available_at": DateTime(timezone=True), "last_error": Text()},
         )
 
+    def postponed(self, conn: Connection, owner: str, marks: Marks) -> int:
+        """Like ``retried`` without counting an attempt: the broker was unreachable (an outage)."""
+        return self.mark(
+            conn, owner, marks, {},
+            per_row={"available_at": DateTime(timezone=True), "last_error": Text()},
+        )
+
     def failed(self, conn: Connection, owner: str, marks: Marks) -> int:
         m = self._m
         return self.mark(

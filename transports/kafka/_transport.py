@@ -47,6 +47,15 @@ PERMANENT_ERRORS = frozenset({
     KafkaError._INVALID_ARG,
 })
 
+# Errors meaning the broker did not answer at all (frozen, down, unreachable).
+UNREACHABLE_ERRORS = frozenset({
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._RESOLVE,
+})
+
 DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
     "acks": "all",
@@ -60,6 +69,11 @@ def classify(error: KafkaError) -> Outcome:
     if error.code() in PERMANENT_ERRORS:
         return Outcome.FAILED
     return Outcome.RETRY
+
+
+def result_of(error: KafkaError) -> SendResult:
+    """The ``SendResult`` of a record that ``error`` kept from being delivered."""
+    return SendResult(classify(error), error=error.str(), unreachable=error.code() in UNREACHABLE_ERRORS)
 
 
 class KafkaTransport:
@@ -97,7 +111,7 @@ class KafkaTransport:
         self._config = config
         self._delivery_timeout = delivery_timeout
         self._metadata_refresh = metadata_refresh
-        self._partitions: dict[str, tuple[float, int | KafkaError]] = {}
+        self._partitions: dict[str, tuple[float, int]] = {}
         self._producer = Producer({**config, "error_cb": self._on_error})
         self._fatal: KafkaError | None = None
 
@@ -144,8 +158,7 @@ class KafkaTransport:
             except BufferError:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")
             except KafkaException as exc:
-                error = exc.args[0]
-                results[i] = SendResult(classify(error), error=error.str())
+                results[i] = result_of(exc.args[0])
         if outstanding:
             self._producer.flush(self._delivery_timeout)
 
@@ -155,16 +168,17 @@ class KafkaTransport:
         if error is None:
             results[index] = SendResult(Outcome.DELIVERED, message.partition(), message.offset())
         else:
-            results[index] = SendResult(classify(error), error=error.str())
+            results[index] = result_of(error)
 
     # -- partitions ---------------------------------------------------------
 
     def _partition_count(self, topic: str) -> int | SendResult:
         """The topic's partition count (cached for ``metadata_refresh`` s), or the error as a result."""
         count = self._lookup_partitions(topic)
-        return SendResult(classify(count), error=count.str()) if isinstance(count, KafkaError) else count
+        return result_of(count) if isinstance(count, KafkaError) else count
 
     def _lookup_partitions(self, topic: str) -> int | KafkaError:
+        """Partition counts are cached for ``metadata_refresh`` s; errors never are."""
         now = time.monotonic()
         cached = self._partitions.get(topic)
         if cached is not None and now - cached[0] < self._metadata_refresh:
@@ -177,8 +191,10 @@ class KafkaTransport:
         if info is None:
             return KafkaError(KafkaError._UNKNOWN_TOPIC, f"no metadata for topic {topic!r}")
         if info.error is not None:
-            if classify(info.error) is Outcome.FAILED:
-                self._partitions[topic] = (now, info.error)
+            # Not cached, not even an unknown topic: the operator may create it and run
+            # `outbox failed retry` at once, and a cached error would fail the row again
+            # (with a second alert). The per-wave cache still asks once per wave.
+            self._partitions.pop(topic, None)
             return info.error
         if not info.partitions:
             return KafkaError(KafkaError.LEADER_NOT_AVAILABLE, f"topic {topic!r} has no partitions yet")

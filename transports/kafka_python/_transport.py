@@ -30,11 +30,14 @@ Not safe to call ``publish`` from several threads at once.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import kafka.errors as kafka_errors
+from kafka.protocol.metadata import MetadataRequest
 
 from .._errors import ConfigurationError
 from .._protocol import Outcome, Record, SendResult
@@ -50,12 +53,34 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# Topic errors in a metadata answer that no resend can fix.
+PERMANENT_TOPIC_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.UnknownTopicOrPartitionError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.TopicAuthorizationFailedError,
+)
+
 SAFE_ACKS = frozenset({"all", "-1"})
+
+
+# Errors meaning the broker did not answer at all (down, unreachable, frozen).
+UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.NoBrokersAvailable,
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.RequestTimedOutError,
+)
 
 
 def classify(error: BaseException) -> Outcome:
     """FAILED for errors a resend cannot fix; RETRY for everything else (timeouts, broker down)."""
     return Outcome.FAILED if isinstance(error, PERMANENT_ERRORS) else Outcome.RETRY
+
+
+def result_of(error: BaseException) -> SendResult:
+    """The ``SendResult`` of a record that ``error`` kept from being delivered."""
+    return SendResult(classify(error), error=repr(error),
+                      unreachable=isinstance(error, UNREACHABLE_ERRORS))
 
 
 class KafkaPythonTransport:
@@ -64,9 +89,18 @@ class KafkaPythonTransport:
     ``delivery_timeout`` bounds the wait for acknowledgements of one wave;
     records without one come back as ``RETRY``. ``close`` flushes but does not
     close the producer, because the caller created it.
+
+    Before sending to a topic the producer has no metadata for, the transport
+    asks the broker about it (one Metadata request, bounded by the producer's
+    ``max_block_ms`` and ``delivery_timeout``): kafka-python-ng itself only logs
+    ``UnknownTopicOrPartition`` and waits ``max_block_ms`` for a topic that will
+    never appear, which would retry the record forever. An unknown, invalid or
+    unauthorised topic makes its records ``FAILED``. ``allow_auto_create_topics``
+    is what that request asks for (the broker's own setting still applies).
     """
 
-    def __init__(self, producer: Any, *, delivery_timeout: float = 30.0) -> None:
+    def __init__(self, producer: Any, *, delivery_timeout: float = 30.0,
+                 allow_auto_create_topics: bool = True) -> None:
         if not all(hasattr(producer, name) for name in ("send", "flush", "partitions_for")):
             raise ConfigurationError(
                 f"KafkaPythonTransport needs a kafka.KafkaProducer, got {type(producer).__name__}"
@@ -82,6 +116,9 @@ class KafkaPythonTransport:
             )
         self._producer = producer
         self._delivery_timeout = delivery_timeout
+        self._auto_create = bool(allow_auto_create_topics)
+        max_block = getattr(producer, "config", {}).get("max_block_ms", 60_000) / 1000
+        self._probe_timeout = min(delivery_timeout, max_block)
 
     def __repr__(self) -> str:
         return f"KafkaPythonTransport({type(self._producer).__name__})"
@@ -94,9 +131,16 @@ class KafkaPythonTransport:
         self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None]
     ) -> None:
         counts: dict[str, int | SendResult] = {}  # with the broker down a lookup takes max_block_ms
+        topic_errors: dict[str, SendResult | None] = {}  # per wave: one probe per new topic
         futures = []
         for i in indexes:
             record = records[i]
+            if record.topic not in topic_errors:
+                topic_errors[record.topic] = self._topic_error(record.topic)
+            error = topic_errors[record.topic]
+            if error is not None:
+                results[i] = error
+                continue
             try:
                 partition = key_partition(record, counts, self._partition_count)
                 if isinstance(partition, SendResult):
@@ -106,7 +150,7 @@ class KafkaPythonTransport:
                     record.topic, value=record.value, key=record.key,
                     headers=list(record.headers), partition=partition)))
             except kafka_errors.KafkaError as exc:
-                results[i] = SendResult(classify(exc), error=repr(exc))
+                results[i] = result_of(exc)
         # A timeout is no error of the batch: records without an acknowledgement come back
         # as RETRY below.
         with contextlib.suppress(kafka_errors.KafkaTimeoutError):
@@ -118,10 +162,37 @@ class KafkaPythonTransport:
         try:
             partitions = self._producer.partitions_for(topic)
         except kafka_errors.KafkaError as exc:
-            return SendResult(classify(exc), error=repr(exc))
+            return result_of(exc)
         if not partitions:
             return SendResult(Outcome.RETRY, error=f"no partitions known for topic {topic!r}")
         return len(partitions)
+
+    def _topic_error(self, topic: str) -> SendResult | None:
+        """A result for every record of ``topic`` if the broker rejects or does not answer; else None."""
+        cluster = getattr(self._producer, "_metadata", None)
+        client = getattr(getattr(self._producer, "_sender", None), "_client", None)
+        if cluster is None or client is None or cluster.partitions_for_topic(topic) is not None:
+            return None  # known topic (the common case), or not a producer we can ask through
+        deadline = time.monotonic() + self._probe_timeout
+        while True:
+            node = client.least_loaded_node()
+            answered = threading.Event()
+            future = (client.send(node, MetadataRequest[4]([topic], self._auto_create))
+                      if node is not None else None)
+            if future is not None:
+                future.add_both(lambda *_, event=answered: event.set())
+                client.wakeup()
+                answered.wait(max(0.0, deadline - time.monotonic()))
+                if future.succeeded():
+                    for error_code, name, *_ in future.value.topics:
+                        error = kafka_errors.for_code(error_code)
+                        if name == topic and issubclass(error, PERMANENT_TOPIC_ERRORS):
+                            return SendResult(Outcome.FAILED, error=f"{error.__name__}: topic {topic!r}")
+                    return None  # known, or being created: partitions_for waits for it
+            if time.monotonic() >= deadline:
+                return SendResult(Outcome.RETRY, unreachable=True, error=(
+                    f"no metadata answer for topic {topic!r} in {self._probe_timeout:g} s"))
+            time.sleep(0.05)  # no connection ready yet (the client is connecting)
 
     def close(self, timeout: float = 10.0) -> None:
         self._producer.flush(timeout)
@@ -129,8 +200,8 @@ class KafkaPythonTransport:
 
 def _outcome(future: Any) -> SendResult:
     if not future.is_done:
-        return SendResult(Outcome.RETRY, error=NO_REPORT)
+        return SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
     if future.failed():
-        return SendResult(classify(future.exception), error=repr(future.exception))
+        return result_of(future.exception)
     metadata = future.value
     return SendResult(Outcome.DELIVERED, metadata.partition, metadata.offset)

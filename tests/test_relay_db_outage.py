@@ -1,0 +1,116 @@
+"""Database outages in ``Relay.run`` that the big outage test does not reach.
+
+A relay started while the database is down must wait for it, not exit; a
+relay that owns no shards must count and log one outage as one, not flap
+between "unreachable" and "reachable again" on every poll. The server is a
+PostgreSQL of the test's own, stopped and started on the same port.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from _relay_helpers import ScriptedTransport, publish, rows
+from prometheus_client import CollectorRegistry
+
+from outbox import Outbox, Relay, create_engine
+from outbox.relay._metrics import relay_metrics
+from outbox.testing import LocalPostgres, local_postgres_server
+
+pytestmark = [pytest.mark.postgres]
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    try:
+        context = local_postgres_server()
+        server = context.__enter__()
+    except FileNotFoundError as exc:
+        from conftest import unavailable
+
+        unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        context.__exit__(None, None, None)
+
+
+def running(relay: Relay) -> threading.Thread:
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def outages(relay: Relay) -> float:
+    return relay.metrics.outages.labels("database")._value.get()
+
+
+def lines(caplog: pytest.LogCaptureFixture, worker: str, text: str) -> int:
+    return sum(1 for r in caplog.records if f"relay {worker}:" in r.getMessage() and text in r.getMessage())
+
+
+def test_a_relay_started_while_the_database_is_down_waits_for_it(
+    own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    outbox = Outbox(create_engine(own_postgres.url))
+    outbox.create_tables()
+    publish(outbox, "orders", ["k1", None])
+    relay = Relay(outbox, ScriptedTransport(), worker_id="late", poll_interval=0.1, lease_ttl=1.5,
+                  metrics=relay_metrics(CollectorRegistry()))
+    own_postgres.stop()
+    thread = running(relay)
+    try:
+        time.sleep(3)
+        assert thread.is_alive(), "run() ended while the database was down"
+        assert lines(caplog, "late", "database unreachable") == 1
+        own_postgres.start()
+        deadline = time.monotonic() + 15
+        while len(rows(outbox, status="published")) < 2:
+            assert time.monotonic() < deadline, "not published after the database came back"
+            time.sleep(0.05)
+    finally:
+        relay.stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert outages(relay) == 1
+    assert lines(caplog, "late", "database unreachable") == 1
+    assert lines(caplog, "late", "database reachable again") == 1
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+def test_a_relay_without_shards_counts_one_outage_once(
+    own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    outbox = Outbox(create_engine(own_postgres.url), shards=1)
+    outbox.create_tables()
+    holder = Relay(outbox, ScriptedTransport(), worker_id="a-holder", lease_ttl=60,
+                   metrics=relay_metrics(CollectorRegistry()))
+    holder.run_once()  # holds the only shard; sorts first, so its fair share is 1
+    idle = Relay(outbox, ScriptedTransport(), worker_id="b-idle", poll_interval=0.1, lease_ttl=1.5,
+                 metrics=relay_metrics(CollectorRegistry()))
+    thread = running(idle)
+    try:
+        time.sleep(1)
+        assert thread.is_alive() and idle.leases.owned() == {}
+        own_postgres.stop()
+        time.sleep(4)  # eight lease periods and forty polls
+        own_postgres.start()
+        deadline = time.monotonic() + 10
+        while lines(caplog, "b-idle", "database reachable again") == 0:
+            assert time.monotonic() < deadline, "the outage never ended"
+            time.sleep(0.1)
+        time.sleep(1)
+    finally:
+        idle.stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert outages(idle) == 1
+    assert lines(caplog, "b-idle", "database unreachable") == 1
+    assert lines(caplog, "b-idle", "database reachable again") == 1
+    outbox.engine.dispose()  # type: ignore[union-attr]
