@@ -13,21 +13,9 @@ import random
 import threading
 import time
 
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, PendingRollbackError
+from .._outage import is_database_outage
 
 log = logging.getLogger("outbox.inbox")
-
-# SQLSTATE classes that mean "try again later": 08 connection exception, 40 transaction
-# rollback (serialization failure, deadlock), 53 insufficient resources (disk full, too many
-# connections), 57 operator intervention (admin shutdown, the server is starting up),
-# 55P03 lock not available, 58 system error (I/O).
-_OUTAGE_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58")
-_OUTAGE_SQLSTATES = ("55P03",)
-# 57014 is a statement timeout or a cancel: a handler's query too slow for its limit is the
-# message's problem (it would time out again), not the database's.
-_NOT_OUTAGE_SQLSTATES = ("57014",)
-# SQLite reports everything as OperationalError, "no such table" (a bug) included.
-_SQLITE_OUTAGES = ("locked", "busy", "disk i/o", "unable to open", "disk is full", "readonly")
 
 OUTAGE_BACKOFF_MAX = 5.0
 
@@ -37,40 +25,8 @@ class Outage(Exception):
 
 
 def is_outage(error: BaseException) -> bool:
-    """True when ``error`` (or what caused it) says the database is unavailable, not wrong.
-
-    Lost or refused connections, deadlocks, serialization failures, lock
-    timeouts, a full disk, a server shutting down: retried unchanged, they
-    succeed once the database is back. Integrity, data and programming errors
-    are not outages: retried unchanged they fail again, so they count.
-    """
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, Outage):
-            return True
-        if isinstance(error, PendingRollbackError) and "invalid transaction" in str(error):
-            return True  # the connection died under the transaction
-        if isinstance(error, DBAPIError) and _dbapi_outage(error):
-            return True
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-        seen += 1
-    return False
-
-
-def _dbapi_outage(error: DBAPIError) -> bool:
-    if error.connection_invalidated or isinstance(error, InterfaceError):
-        return True
-    sqlstate = getattr(error.orig, "sqlstate", None)
-    if sqlstate:
-        if sqlstate in _NOT_OUTAGE_SQLSTATES:
-            return False
-        return sqlstate.startswith(_OUTAGE_SQLSTATE_CLASSES) or sqlstate in _OUTAGE_SQLSTATES
-    if not isinstance(error, OperationalError):
-        return False
-    if type(error.orig).__module__.startswith("sqlite3"):
-        text = str(error.orig).lower()
-        return any(word in text for word in _SQLITE_OUTAGES)
-    return True  # a driver error without a SQLSTATE: the connection failed
+    """``Outage`` raised by the transaction step, or a database outage (``is_database_outage``)."""
+    return isinstance(error, Outage) or is_database_outage(error)
 
 
 class OutageLog:

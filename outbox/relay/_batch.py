@@ -43,11 +43,12 @@ from transports import Outcome, SendResult, Transport
 
 from .._alerts import Alert, AlertSink, deliver
 from .._envelope import utcnow
+from .._outage import is_database_outage
 from .._pg_arrays import int_array
 from .._wheel import TimingWheel
 from .._wire import to_record
 from ._metrics import RelayMetrics
-from ._outage import Dependency, Outages, broker_outage_backoff, is_database_outage
+from ._outage import Dependency, Outages, broker_outage_backoff
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 log = logging.getLogger("outbox.relay")

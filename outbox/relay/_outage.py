@@ -17,7 +17,6 @@ import threading
 import time
 
 from prometheus_client import Counter
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 log = logging.getLogger("outbox.relay")
 
@@ -34,13 +33,6 @@ class Dependency(enum.Enum):
 
     DATABASE = "database"
     BROKER = "broker"
-
-
-def is_database_outage(error: BaseException) -> bool:
-    """Connection-level errors (server down, connection lost), not errors of a statement."""
-    return isinstance(error, OperationalError | InterfaceError) or (
-        isinstance(error, DBAPIError) and error.connection_invalidated
-    )
 
 
 def database_backoff(failures: int, first: float) -> float:

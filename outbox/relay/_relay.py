@@ -34,13 +34,14 @@ from transports import Transport
 from .._alerts import Alert, AlertSink, LoggingAlertSink
 from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
+from .._outage import is_database_outage
 from .._outbox import Outbox
 from .._wheel import TimingWheel
 from ._admin import backlog
 from ._batch import Batch, BatchResult
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
-from ._outage import Dependency, Outages, database_backoff, is_database_outage
+from ._outage import Dependency, Outages, database_backoff
 from ._sql import RelayStatements
 from ._wakeup import Wakeup
 
