@@ -102,8 +102,13 @@ def _progress(total: bool) -> Iterator[Callable[..., None]]:
 
 
 def _session(master: str | None, log_level: str) -> Callable[[], Any]:
-    """Build the session only when the job asks for it, after its arguments and tables are checked."""
-    return lambda: _jobs().spark_session(master, log_level=log_level)
+    """Build the session only when the job asks for it, after its arguments and tables are checked.
+
+    No web UI: the command's process, and with it the UI, ends with the job;
+    starting it costs about a second.
+    """
+    return lambda: _jobs().spark_session(master, log_level=log_level,
+                                         config={"spark.ui.enabled": "false"})
 
 
 @spark_app.command("audit")

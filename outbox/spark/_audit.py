@@ -9,7 +9,9 @@ every message concerned.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,10 +25,10 @@ from pyspark.sql import functions as F
 from .._envelope import utcnow
 from .._errors import ConfigurationError, OutboxError
 from . import _findings as find
-from ._chart import draw_chart
+from ._chart import draw_chart, preload_matplotlib
 from ._report import build_summary, write_report
 from ._session import SessionFactory, session_from
-from ._source import portable_url, read_table
+from ._source import estimate_rows, portable_url, read_table
 from ._storage import local_path, require_shared, uri
 from ._tablemap import check_table, table_for
 from ._window import Window, parse_duration, parse_instant
@@ -35,6 +37,9 @@ OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "
 
 DETAILS = ("lost", "duplicates", "out_of_order")
 INBOX_TABLES = ("inbox_messages", "inbox_parked", "inbox_held")
+# Up to this many outbox rows, generating and compiling Java code for each
+# stage (whole-stage codegen) costs more than it saves: seconds per stage kind.
+SMALL_INPUT = 100_000
 
 
 class AuditOutputError(OutboxError, RuntimeError):
@@ -112,6 +117,11 @@ def audit(
             until=span.until if upper else None, partitions=partitions, prefix=prefix, schema=schema,
         )
 
+    # matplotlib's import (a second or two) overlaps the JVM's start; Python
+    # only waits on the JVM meanwhile.
+    preload_matplotlib()
+    small = estimate_rows(portable_url(outbox_url), table_for("outbox_messages", prefix, schema)) \
+        <= SMALL_INPUT
     step("starting Spark")
     session = session_from(spark)
     require_shared(session, out, "out_dir", shared_storage)
@@ -125,14 +135,27 @@ def audit(
         only = F.col("consumer_group") == group
         inbox, parked, held = inbox.where(only), parked.where(only), held.where(only)
 
+    # Independent Spark jobs run side by side: on small inputs most of their
+    # time is the driver planning and compiling, which then overlaps.
+    with _codegen(session, enabled=not small), ThreadPoolExecutor(5, "audit") as pool:
+        summary = _run(session, pool, out, outbox, inbox, parked, held, now=now, span=span,
+                       sla=sla_delta, group=group, step=step)
+    return AuditResult(summary=summary, out_dir=out)
+
+
+def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: DataFrame,
+         inbox: DataFrame, parked: DataFrame, held: DataFrame, *, now: datetime, span: Window,
+         sla: timedelta, group: str | None, step: Callable[[str], None]) -> dict[str, Any]:
+    """The Spark part of ``audit``: counts, findings, chart and report written into ``out``."""
     step("reading outbox and inbox")
     outbox = outbox.cache()
     # One join of everything the consumer side knows about a message against the
     # outbox, instead of one per table: each join shuffles the whole outbox.
     joined = find.consumed(find.consumer_side(inbox, parked, held), outbox).cache()
     rows = joined.where(F.col("kind") == "inbox")
-    topics = [r.asDict() for r in find.topic_counts(outbox).collect()]
-    groups = [r.asDict() for r in find.group_counts(joined).collect()]
+    topics_job = pool.submit(_collect, find.topic_counts(outbox))
+    groups = pool.submit(_collect, find.group_counts(joined)).result()
+    topics = topics_job.result()
     pairs = session.createDataFrame(sorted((g["consumer_group"], g["topic"]) for g in groups),
                                     "consumer_group string, topic string")
     seen = joined.select("consumer_group", "message_id")
@@ -140,32 +163,54 @@ def audit(
     step("finding lost, duplicated and out-of-order messages")
     out.mkdir(parents=True, exist_ok=True)
     details = {
-        "lost": find.lost(outbox, pairs, seen, now, sla_delta.total_seconds()),
+        "lost": find.lost(outbox, pairs, seen, now, sla.total_seconds()),
         "duplicates": find.duplicates(rows),
         "out_of_order": find.out_of_order(rows),
     }
-    found: dict[str, dict[tuple[str, str], int]] = {}
-    for name, frame in details.items():
-        # One sorted file; repartition, not coalesce, so the join above stays parallel.
-        frame.repartition(1).sortWithinPartitions("consumer_group", "topic", "key", "seq").write.mode(
-            "overwrite").parquet(uri(out / name))
-        found[name] = _count(_read_back(out / name), ["consumer_group", "topic"])
-    bad_keys = _count(_read_back(out / "out_of_order").group_by(
-        ["consumer_group", "topic", "key"]).aggregate([]), ["consumer_group", "topic"])
-
-    step("drawing the chart")
     firsts = [t["first_created_us"] for t in topics if t["first_created_us"] is not None]
     start = datetime.fromtimestamp(min(firsts) / 1e6, UTC) if firsts else span.since
     bucket_seconds = max(1.0, (now - start).total_seconds() / 120)
     produced, processed = find.timeline(outbox, rows, start, bucket_seconds)
-    summary = build_summary(as_of=now, window=span, sla=sla_delta, group=group, topics=topics,
+    written = {name: pool.submit(_write, frame, out / name) for name, frame in details.items()}
+    timeline = [pool.submit(_collect, frame) for frame in (produced, processed)]
+    tables = {name: job.result() for name, job in written.items()}
+    buckets = [job.result() for job in timeline]
+    found = {name: _count(table, ["consumer_group", "topic"]) for name, table in tables.items()}
+    bad_keys = _count(tables["out_of_order"].group_by(
+        ["consumer_group", "topic", "key"]).aggregate([]), ["consumer_group", "topic"])
+
+    step("drawing the chart")
+    summary = build_summary(as_of=now, window=span, sla=sla, group=group, topics=topics,
                             groups=groups, found=found, bad_keys=bad_keys)
-    draw_chart(out / "chart.png", summary, [r.asDict() for r in produced.collect()],
-               [r.asDict() for r in processed.collect()], start, bucket_seconds)
+    draw_chart(out / "chart.png", summary, buckets[0], buckets[1], start, bucket_seconds)
     write_report(out, summary)
     for frame in (outbox, joined):
         frame.unpersist()
-    return AuditResult(summary=summary, out_dir=out)
+    return summary
+
+
+def _collect(frame: DataFrame) -> list[dict[str, Any]]:
+    return [row.asDict() for row in frame.collect()]
+
+
+def _write(frame: DataFrame, path: Path) -> pa.Table:
+    """One finding as one sorted Parquet file, read back as the driver sees it."""
+    # repartition, not coalesce, so the join above stays parallel.
+    frame.repartition(1).sortWithinPartitions("consumer_group", "topic", "key", "seq").write.mode(
+        "overwrite").parquet(uri(path))
+    return _read_back(path)
+
+
+@contextmanager
+def _codegen(session: SparkSession, *, enabled: bool) -> Iterator[None]:
+    """Whole-stage codegen on or off for the audit's queries, the session's setting restored after."""
+    key = "spark.sql.codegen.wholeStage"
+    before = session.conf.get(key, "true") or "true"
+    session.conf.set(key, str(enabled).lower())
+    try:
+        yield
+    finally:
+        session.conf.set(key, before)
 
 
 def _read_back(path: Path) -> pa.Table:

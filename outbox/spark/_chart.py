@@ -14,7 +14,17 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 from pathlib import Path
+from threading import Thread
 from typing import Any
+
+
+def preload_matplotlib() -> None:
+    """Import matplotlib on a daemon thread, so the chart does not wait for it later."""
+    def load() -> None:
+        import matplotlib.backends.backend_agg
+        import matplotlib.figure  # noqa: F401
+
+    Thread(target=load, name="matplotlib-import", daemon=True).start()
 
 
 def draw_chart(path: Path, summary: dict[str, Any], produced: list[dict[str, Any]],

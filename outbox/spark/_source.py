@@ -44,6 +44,17 @@ def portable_url(url: str) -> str:
     return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
 
 
+def estimate_rows(url: str, table: sa.Table) -> int:
+    """An upper bound of the table's row count from its id bounds (an index lookup), or 0."""
+    engine = connect(url)
+    try:
+        with engine.connect() as conn:
+            low, high = conn.execute(sa.select(sa.func.min(table.c.id), sa.func.max(table.c.id))).one()
+    finally:
+        engine.dispose()
+    return 0 if low is None else high - low + 1
+
+
 def read_table(
     spark: SparkSession,
     url: str,
