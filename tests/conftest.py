@@ -16,7 +16,14 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, create_engine
-from outbox.testing import Unavailable, fresh_database, kafka_bootstrap, postgres_url
+from outbox.testing import (
+    LocalPostgres,
+    Unavailable,
+    fresh_database,
+    kafka_bootstrap,
+    local_postgres_server,
+    postgres_url,
+)
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -38,6 +45,20 @@ def postgres_server() -> Iterator[str]:
         unavailable(str(exc))
     try:
         yield url
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of the test's own, that the test may stop and start (outage tests)."""
+    try:
+        context = local_postgres_server()
+        server = context.__enter__()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield server
     finally:
         context.__exit__(None, None, None)
 

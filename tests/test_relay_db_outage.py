@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from _relay_helpers import ScriptedTransport, publish, rows
@@ -19,24 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._metrics import relay_metrics
-from outbox.testing import LocalPostgres, local_postgres_server
+from outbox.testing import LocalPostgres
 
 pytestmark = [pytest.mark.postgres]
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[LocalPostgres]:
-    try:
-        context = local_postgres_server()
-        server = context.__enter__()
-    except FileNotFoundError as exc:
-        from conftest import unavailable
-
-        unavailable(str(exc))
-    try:
-        yield server
-    finally:
-        context.__exit__(None, None, None)
 
 
 def running(relay: Relay) -> threading.Thread:

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,27 +27,12 @@ from _relay_helpers import publish, rows, seqs_by_key
 
 from outbox import Outbox, create_engine
 from outbox._wire import MESSAGE_ID
-from outbox.testing import LocalPostgres, free_port, local_postgres_server
+from outbox.testing import LocalPostgres, free_port
 from transports.testing import BrokerProcess, read_topic
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
 FREEZE, DB_DOWN = 60.0, 10.0
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[LocalPostgres]:
-    try:
-        context = local_postgres_server()
-        server = context.__enter__()
-    except FileNotFoundError as exc:
-        from conftest import unavailable
-
-        unavailable(str(exc))
-    try:
-        yield server
-    finally:
-        context.__exit__(None, None, None)
 
 
 def metric(port: int, name: str, **labels: str) -> float:
