@@ -23,6 +23,13 @@ from outbox.testing import LocalPostgres
 pytestmark = [pytest.mark.postgres]
 
 
+def assert_one_outage(relay: Relay, caplog: pytest.LogCaptureFixture, worker: str) -> None:
+    """One outage counted, and one log line each way: not one per poll or lease period."""
+    assert outages(relay) == 1
+    assert lines(caplog, worker, "database unreachable") == 1
+    assert lines(caplog, worker, "database reachable again") == 1
+
+
 def running(relay: Relay) -> threading.Thread:
     thread = threading.Thread(target=relay.run, daemon=True)
     thread.start()
@@ -61,9 +68,7 @@ def test_a_relay_started_while_the_database_is_down_waits_for_it(
         relay.stop()
         thread.join(20)
     assert not thread.is_alive()
-    assert outages(relay) == 1
-    assert lines(caplog, "late", "database unreachable") == 1
-    assert lines(caplog, "late", "database reachable again") == 1
+    assert_one_outage(relay, caplog, "late")
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
@@ -94,7 +99,5 @@ def test_a_relay_without_shards_counts_one_outage_once(
         idle.stop()
         thread.join(20)
     assert not thread.is_alive()
-    assert outages(idle) == 1
-    assert lines(caplog, "b-idle", "database unreachable") == 1
-    assert lines(caplog, "b-idle", "database reachable again") == 1
+    assert_one_outage(idle, caplog, "b-idle")
     outbox.engine.dispose()  # type: ignore[union-attr]
