@@ -19,6 +19,7 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
+from ._gc import tune_gc_for_batches
 from ._outbox import Outbox
 from ._tables import OutboxTables
 from ._wire import ForeignRecordError, message_to_record, record_to_message
@@ -79,4 +80,5 @@ __all__ = [
     "new_message_id",
     "record_to_message",
     "relay_metrics",
+    "tune_gc_for_batches",
 ]

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from .._engine import create_engine
 from .._errors import ConfigurationError
+from .._gc import tune_gc_for_batches
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
@@ -81,6 +82,7 @@ def run(
 
         start_http_server(metrics_port)
     Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
+    tune_gc_for_batches()
     inbox.run(source)
 
 

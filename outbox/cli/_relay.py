@@ -10,6 +10,7 @@ from rich.table import Table
 
 from .._alerts import LoggingAlertSink, WebhookAlertSink
 from .._errors import ConfigurationError
+from .._gc import tune_gc_for_batches
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from . import app
 from ._db import open_outbox
@@ -60,6 +61,7 @@ def relay(
         raise typer.BadParameter(str(exc)) from None
     if metrics_port is not None:
         relay_metrics().serve(metrics_port)
+    tune_gc_for_batches()
     try:
         worker.run()
     finally:
