@@ -33,7 +33,7 @@ class ForeignRecordError(OutboxError, ValueError):
 
 def to_record(
     *,
-    message_id: uuid.UUID,
+    message_id: uuid.UUID | str,
     topic: str,
     key: str | None,
     seq: int | None,
@@ -43,7 +43,10 @@ def to_record(
     created_at: datetime,
     available_at: datetime | None = None,
 ) -> Record:
-    """Build the broker record; the relay calls this per row, so it stays lean."""
+    """Build the broker record; the relay calls this per row, so it stays lean.
+
+    ``message_id`` may come as its canonical text (the relay fetches it so).
+    """
     wire = [
         (MESSAGE_ID, str(message_id).encode()),
         (CONTENT_TYPE, content_type.encode()),
