@@ -93,7 +93,7 @@ class KafkaSource:
             # (None only for tombstones and null headers, which the inbox rejects itself).
             records.append(Record(
                 topic=cast(str, msg.topic()), value=cast(bytes, msg.value()), key=msg.key(),
-                headers=cast(list[tuple[str, bytes]], list(msg.headers() or ())), partition=msg.partition(),
+                headers=cast("list[tuple[str, bytes]]", list(msg.headers() or ())), partition=msg.partition(),
                 offset=msg.offset(), timestamp_ms=timestamp if timestamp_type else None,
             ))
         return records
