@@ -14,7 +14,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from .._engine import create_engine
+from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError
 from .._tables import OutboxTables, UTCDateTime
 
@@ -46,12 +46,18 @@ def connect(url: str) -> sa.Engine:
         raise ConfigurationError(f"database URL must be a non-empty string, got {url!r}")
     try:
         return create_engine(url, poolclass=NullPool)
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(f"invalid database URL {safe_url(url)!r}: {exc}") from None
 
 
 def check_table(url: str, table: sa.Table) -> None:
-    """Fail now, naming database and table, if the database is unreachable or lacks the table."""
+    """Fail now, naming database and table, if the database is unreachable or lacks the table.
+
+    A SQLite file that does not exist is refused before connecting: SQLite would create it.
+    """
+    missing = missing_sqlite_file(url) if isinstance(url, str) and url else None
+    if missing is not None:
+        raise ConfigurationError(f"database file {missing} does not exist (check the URL {safe_url(url)})")
     engine = connect(url)
     try:
         with engine.connect() as conn:
