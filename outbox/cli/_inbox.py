@@ -131,9 +131,11 @@ def discard(
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
 ) -> None:
     """Skip one parked message for good; its key moves on past it."""
+    inbox = _inbox(db, group, target)
     try:
-        _inbox(db, group, target).discard(message_id, by=by, reason=reason)
-    except (NotParkedError, DiscardRefusedError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+        inbox.discard(message_id, by=by, reason=reason)
+    except (NotParkedError, DiscardRefusedError):
+        raise  # the state of the key forbids it now: exit 1 (see _errors)
+    except ValueError as exc:  # a malformed id, an empty --by or --reason
+        raise typer.BadParameter(str(exc)) from None
     Console().print(f"discarded {message_id}; run `outbox parked replay` for the rest of its key")
