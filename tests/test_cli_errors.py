@@ -51,11 +51,20 @@ def assert_one_sentence(result: subprocess.CompletedProcess[str], status: int, *
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    """``empty.db`` (a SQLite file without tables), ``ready.db`` (initialised), an inbox app module."""
+    """SQLite files: ``empty.db`` (no tables), ``ready.db`` (initialised), ``outboxonly.db``
+    (no inbox tables); and inbox app modules on them."""
     sqlite3.connect(tmp_path / "empty.db").close()
     outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'ready.db'}"))
     outbox.create_tables()
     outbox.engine.dispose()  # type: ignore[union-attr]
+    outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'outboxonly.db'}"))
+    outbox.create_tables()
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        for table in ("inbox_held", "inbox_parked", "inbox_keys", "inbox_messages"):
+            conn.exec_driver_sql(f"DROP TABLE {table}")
+    outbox.engine.dispose()  # type: ignore[union-attr]
+    (tmp_path / "outboxonlyapp.py").write_text(
+        INBOX_APP.format(db=f"sqlite:///{tmp_path / 'outboxonly.db'}"))
     (tmp_path / "emptyapp.py").write_text(INBOX_APP.format(db=f"sqlite:///{tmp_path / 'empty.db'}"))
     (tmp_path / "missingapp.py").write_text(INBOX_APP.format(db=f"sqlite:///{tmp_path / 'gone.db'}"))
     return tmp_path
@@ -74,6 +83,8 @@ CASES = [
     (["failed", "retry", "--all", "--db", "sqlite:///{d}/empty.db"], 2, ["no outbox tables", "init-db"]),
     (["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
      ["no outbox tables", "empty.db", "init-db"]),
+    (["inbox", "run", "outboxonlyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
+     ["table inbox_messages does not exist", "outboxonly.db", "init-db"]),
     (["inbox", "run", "nosuchmodule:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
      ["cannot import 'nosuchmodule:inbox'"]),
     (["spark", "audit", "--outbox-db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist"]),
