@@ -87,7 +87,8 @@ CASES = [
      ["table inbox_messages does not exist", "outboxonly.db", "init-db"]),
     (["inbox", "run", "nosuchmodule:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
      ["cannot import 'nosuchmodule:inbox'"]),
-    (["spark", "audit", "--outbox-db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist"]),
+    (["spark", "audit", "--outbox-db", "sqlite:///{d}/missing.db"], 2,
+     ["outbox_messages does not exist", "missing.db: there is no such database file"]),
     # a missing driver, an unparseable URL, a missing option
     (["stats", "--db", "postgresql+asyncpg://u@h/x"], 2, ["asyncpg", "driver"]),
     (["failed", "list", "--db", "not a url"], 2, ["invalid database URL"]),

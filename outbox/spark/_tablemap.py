@@ -55,9 +55,10 @@ def check_table(url: str, table: sa.Table) -> None:
 
     A SQLite file that does not exist is refused before connecting: SQLite would create it.
     """
-    missing = missing_sqlite_file(url) if isinstance(url, str) and url else None
-    if missing is not None:
-        raise ConfigurationError(f"database file {missing} does not exist (check the URL {safe_url(url)})")
+    where = f"{table.schema}.{table.name}" if table.schema else table.name
+    if isinstance(url, str) and url and missing_sqlite_file(url) is not None:
+        raise ConfigurationError(f"table {where} does not exist in {safe_url(url)}: there is no such "
+                                 "database file (check the URL, or run `outbox init-db`)")
     engine = connect(url)
     try:
         with engine.connect() as conn:
@@ -69,7 +70,6 @@ def check_table(url: str, table: sa.Table) -> None:
     finally:
         engine.dispose()
     if not present:
-        where = f"{table.schema}.{table.name}" if table.schema else table.name
         raise ConfigurationError(
             f"table {where} does not exist in {safe_url(url)} (run `outbox init-db`?)"
         )
