@@ -112,6 +112,14 @@ CASES = [
      ["invalid Kafka setting"]),
     (["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "x:9", "-X", "enable.auto.commit=true"], 2,
      ["enable.auto.commit must stay off"]),
+    # the other commands
+    (["init-db", "--db", "notadb://x"], 2, ["unknown database dialect"]),
+    (["demo", "--orders", "1"], 2, ["--orders", "greater than or equal to 10"]),
+    (["spark", "archive", "--db", "sqlite:///{d}/missing.db", "--archive-dir", "{d}/arch",
+      "--retention", "7d"], 2, ["outbox_messages does not exist", "no such database file"]),
+    (["spark", "replay", "--archive-dir", "{d}/nowhere", "--db", "sqlite:///{d}/ready.db",
+      "--topic", "orders"], 2, ["archive directory", "does not exist"]),
+    (["nosuch"], 2, ["No such command 'nosuch'"]),
     # an app whose SQLite file does not exist
     (["parked", "replay", "orders", "k", "--app", "missingapp:inbox"], 2, ["gone.db does not exist"]),
 ]

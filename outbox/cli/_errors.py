@@ -83,7 +83,8 @@ def explain(exc: BaseException) -> tuple[str, int]:
     if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's usage errors
         context = getattr(exc, "ctx", None)
         hint = f" (see `{context.command_path} --help`)" if context is not None else ""
-        return f"{exc.format_message()}{hint}", exc.exit_code
+        message = exc.format_message()  # empty when the help was printed instead (no arguments)
+        return (f"{message}{hint}" if message else ""), exc.exit_code
     if isinstance(exc, SchemaError):
         return f"{_database}: {exc}", USAGE
     if isinstance(exc, ConfigurationError):
@@ -117,7 +118,8 @@ def report(exc: BaseException) -> int:
     message, status = explain(exc)
     if logging.getLogger().isEnabledFor(logging.DEBUG):
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if message:
+        print(f"error: {message}", file=sys.stderr, flush=True)
     return status
 
 
