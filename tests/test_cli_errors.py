@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from outbox import Outbox, create_engine
+from outbox.testing import LocalPostgres
 
 ROOT = Path(__file__).resolve().parents[1]
 NOWHERE = "postgresql+psycopg://outbox@127.0.0.1:1/x"  # nothing listens on port 1
@@ -174,6 +176,48 @@ def test_a_relay_waits_for_a_database_that_does_not_answer_yet(tmp_path: Path) -
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert "127.0.0.1:1/x unreachable" in lines[0] and "waiting for it" in lines[0]
+
+
+@pytest.mark.postgres
+def test_a_relay_started_before_its_database_starts_once_it_answers(
+    own_postgres: LocalPostgres, tmp_path: Path
+) -> None:
+    """Started while PostgreSQL is down: one line each way, then it takes its shards."""
+    engine = create_engine(own_postgres.url)
+    Outbox(engine).create_tables()
+    engine.dispose()
+    own_postgres.stop()
+    relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", own_postgres.url,
+                              "--bootstrap-servers", "127.0.0.1:1"], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(3)
+        assert relay.poll() is None, relay.communicate()[1]
+        own_postgres.start()
+        deadline = time.monotonic() + 60
+        while not owned_shards(own_postgres.url):
+            assert time.monotonic() < deadline and relay.poll() is None, "the relay never started"
+            time.sleep(0.5)
+        relay.send_signal(signal.SIGTERM)
+        _, stderr = relay.communicate(timeout=30)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert sum("unreachable" in line and "waiting for it" in line for line in stderr.splitlines()) == 1
+    assert sum("reachable again" in line for line in stderr.splitlines()) == 1, stderr
+
+
+def owned_shards(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.exec_driver_sql(
+                "SELECT count(*) FROM outbox_leases WHERE owner IS NOT NULL").scalar_one())
+    except sa.exc.OperationalError:
+        return 0  # not up yet
+    finally:
+        engine.dispose()
 
 
 def test_a_relay_with_no_broker_logs_through_python_logging(workdir: Path) -> None:

@@ -19,8 +19,7 @@ from .._outbox import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from . import app
 from ._db import open_outbox
-from ._errors import Typer
-from ._errors import database_name as naming_of_database
+from ._errors import Typer, database_name
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
 DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://…")
@@ -99,13 +98,14 @@ def _wait_for_tables(outbox: Outbox) -> bool:
                 if since is None:
                     since = time.monotonic()
                     log.warning("database %s unreachable (%s); waiting for it before starting "
-                                "(check --db if this persists)", naming_of_database(),
+                                "(check --db if this persists)", database_name(),
                                 str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
-                stop.wait(min(0.2 * 2 ** failures, 5.0))
+                stop.wait(min(0.2 * 2 ** min(failures, 5), 5.0))
                 failures += 1
             else:
                 if since is not None:
-                    log.warning("database reachable after %.1f s", time.monotonic() - since)
+                    log.warning("database %s reachable again after %.1f s; starting", database_name(),
+                                time.monotonic() - since)
                 return True
         return False
     finally:
