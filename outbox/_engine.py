@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy
@@ -22,6 +23,25 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     return engine
+
+
+def missing_sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names when it does not exist, else None.
+
+    SQLite creates a missing file on connect, so a command that only reads
+    (or a worker pointed at a mistyped path) must look first, or it would
+    leave an empty database behind and report "no tables" instead of "no file".
+    """
+    try:
+        parsed = sqlalchemy.make_url(url)
+    except sqlalchemy.exc.ArgumentError:
+        return None  # not a URL at all: create_engine says so
+    if not parsed.drivername.startswith("sqlite"):
+        return None
+    path = parsed.database or ""
+    if path in ("", ":memory:") or path.startswith("file:") or parsed.query.get("mode") == "memory":
+        return None
+    return None if Path(path).exists() else path
 
 
 def create_async_engine(url: str, **kwargs: Any) -> AsyncEngine:

@@ -190,10 +190,22 @@ def reshard(engine: Engine, tables: OutboxTables, shards: int, *, lease_ttl: flo
     return old
 
 
-def check(engine: Engine, tables: OutboxTables) -> StoredSchema:
-    """``read`` on a connection of its own: for entry points that do not publish."""
+def check(engine: Engine, tables: OutboxTables, *, inbox: bool = False) -> StoredSchema:
+    """``read`` on a connection of its own: for entry points that do not publish.
+
+    With ``inbox``, the inbox tables must be there too: the meta table alone
+    does not prove it (they can be dropped, or the outbox tables made by hand),
+    and a consumer would otherwise fail later, on every sweep, with "no such table".
+    """
     with engine.connect() as conn:
-        return read(conn, tables)
+        stored = read(conn, tables)
+        if inbox:
+            found = inspect(conn)
+            for table in (tables.inbox_messages, tables.inbox_keys, tables.inbox_parked, tables.inbox_held):
+                if not found.has_table(table.name, schema=table.schema):
+                    raise SchemaError(f"table {table.name} does not exist in this database: "
+                                      "run `outbox init-db` (or Inbox.create_tables())")
+        return stored
 
 
 def _look(conn: Connection, tables: OutboxTables) -> tuple[int | None, dict[str, str]]:

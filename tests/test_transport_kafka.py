@@ -83,3 +83,39 @@ def test_broker_down_is_retry_within_the_delivery_timeout() -> None:
     results = transport.publish([Record(topic="t", value=b"v", key=b"k"),
                                  Record(topic="t", value=b"v")])
     assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY]
+
+
+def test_librdkafka_lines_go_to_python_logging_once_a_minute_per_kind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused connection is logged once, as a WARNING, not once per attempt as an ERROR."""
+    import logging
+
+    from transports.kafka._logging import LibrdkafkaLog
+
+    caplog.set_level(logging.DEBUG, logger="transports.kafka.librdkafka")
+    log = LibrdkafkaLog(every=60)
+    refused = "127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused (after {}ms)"
+    for ms in range(5):
+        log.log(logging.ERROR, "%s [%s] %s", "FAIL", "rdkafka#producer-1", refused.format(ms))
+    log.log(logging.ERROR, "%s [%s] %s", "SASL", "rdkafka#producer-1", "authentication failed")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (logging.WARNING, "FAIL [rdkafka#producer-1] " + refused.format(0)),
+        (logging.ERROR, "SASL [rdkafka#producer-1] authentication failed"),
+    ]
+    log.every = 0  # the next line of a kind says how many were dropped
+    log.log(logging.ERROR, "%s [%s] %s", "FAIL", "rdkafka#producer-1", refused.format(9))
+    assert caplog.records[-1].getMessage().endswith("(4 more like it in the last 0 s)")
+
+
+def test_the_producer_logs_through_python_logging(caplog: pytest.LogCaptureFixture) -> None:
+    """No raw ``%3|…|FAIL|`` line on stderr: librdkafka's lines reach the logger at flush."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="transports.kafka.librdkafka")
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:1", delivery_timeout=1.0)
+    transport._producer.produce("t", b"x")
+    transport.close(timeout=2.0)
+    assert any("Connection refused" in r.getMessage() for r in caplog.records
+               if r.name == "transports.kafka.librdkafka")

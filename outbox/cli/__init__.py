@@ -1,11 +1,13 @@
 """The ``outbox`` command. Each command group lives in its own module and
-registers itself on ``app`` here."""
+registers itself on ``app`` here; how a failed command reports is ``_errors``."""
 
 from __future__ import annotations
 
-import typer
+import sys
 
-app = typer.Typer(
+from ._errors import Typer, report
+
+app = Typer(
     name="outbox",
     help="Transactional outbox: database set-up, relay, inbox and audits.",
     no_args_is_help=True,
@@ -23,4 +25,9 @@ from . import _db, _demo, _inbox, _relay, _spark  # noqa: E402,F401  (each regis
 
 
 def main() -> None:
-    app()
+    """Run the command line; click's own usage errors (a missing option) get one line too."""
+    try:
+        status = app(standalone_mode=False)
+    except Exception as exc:  # what a command raises is reported by the command (_errors.reporting)
+        status = report(exc)
+    sys.exit(status if isinstance(status, int) else 0)

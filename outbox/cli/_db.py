@@ -7,28 +7,41 @@ from rich.console import Console
 from sqlalchemy import Engine
 
 from .. import _schema
-from .._engine import create_engine
-from .._errors import OutboxError
+from .._engine import create_engine, missing_sqlite_file
+from .._errors import ConfigurationError
 from .._outbox import Outbox
 from . import app
+from ._errors import naming
 
 DB_OPTION = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. sqlite:///app.db")
 
 
+def open_engine(url: str) -> Engine:
+    """The engine of a database that must exist already (every command but ``init-db``).
+
+    Names the URL for error messages, and refuses a missing SQLite file rather
+    than letting SQLite create an empty one.
+    """
+    existing_database(url)
+    return create_engine(url)
+
+
+def existing_database(url: str) -> None:
+    """Name ``url`` for error messages; refuse a SQLite file that does not exist."""
+    name = naming(url)
+    missing = missing_sqlite_file(url)
+    if missing is not None:
+        raise ConfigurationError(f"database file {missing} does not exist (check --db, or create "
+                                 f"it with `outbox init-db --db {name}`)")
+
+
 def open_outbox(db: str, prefix: str = "", schema: str | None = None,
-                shards: int | None = None) -> Outbox:
-    """An ``Outbox`` whose tables are checked now: a wrong schema or shard count is one line, exit 2."""
-    try:
-        outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
+                shards: int | None = None, *, check: bool = True) -> Outbox:
+    """An ``Outbox`` on an existing database, its tables checked now unless ``check`` is False."""
+    outbox = Outbox(open_engine(db), prefix=prefix, schema=schema, shards=shards)
+    if check:
         outbox.load_schema()
-    except OutboxError as exc:
-        fail(exc)
     return outbox
-
-
-def fail(exc: Exception) -> None:
-    Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 @app.command("init-db")
@@ -45,19 +58,17 @@ def init_db(
                    "and nothing pending (see docs/relay.md)."),
 ) -> None:
     """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
-    try:
-        outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
-        if reshard is not None:
-            assert isinstance(outbox.engine, Engine)
-            old = _schema.reshard(outbox.engine, outbox.tables, reshard)
-            Console().print(f"shard count changed from {old} to {reshard}")
-            return
-        if upgrade:
-            before, after = outbox.upgrade_tables()
-        else:
-            outbox.create_tables()
-    except OutboxError as exc:
-        fail(exc)
+    naming(db)
+    outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
+    if reshard is not None:
+        assert isinstance(outbox.engine, Engine)
+        old = _schema.reshard(outbox.engine, outbox.tables, reshard)
+        Console().print(f"shard count changed from {old} to {reshard}")
+        return
+    if upgrade:
+        before, after = outbox.upgrade_tables()
+    else:
+        outbox.create_tables()
     console = Console()
     if upgrade and before == after:
         console.print(f"schema version {after} is current; nothing to upgrade")

@@ -14,15 +14,15 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from .._engine import create_engine
-from .._errors import ConfigurationError
 from .._gc import tune_gc_for_batches
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
+from ._db import existing_database, open_engine
+from ._errors import Typer
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
-inbox_app = typer.Typer(help="Run the consumer inbox.", no_args_is_help=True)
-parked_app = typer.Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
+inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True)
+parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
 app.add_typer(inbox_app, name="inbox")
 app.add_typer(parked_app, name="parked")
 
@@ -44,6 +44,7 @@ def load_inbox(target: str) -> Inbox:
         raise typer.BadParameter(f"cannot import {target!r}: {exc}") from exc
     if not isinstance(found, Inbox):
         raise typer.BadParameter(f"{target!r} is a {type(found).__name__}, not an outbox.Inbox")
+    existing_database(found.sessions.kw["bind"].url.render_as_string(hide_password=False))
     return found
 
 
@@ -55,7 +56,7 @@ def _inbox(db: str | None, group: str | None, target: str | None) -> Inbox:
         return inbox
     if not db or not group:
         raise typer.BadParameter("give --db and --group, or --app MODULE:ATTRIBUTE")
-    return Inbox(create_engine(db), group=group)
+    return Inbox(open_engine(db), group=group)
 
 
 @inbox_app.command("run")
@@ -72,11 +73,8 @@ def run(
     from transports.kafka import KafkaSource
 
     inbox = load_inbox(target)
-    try:
-        source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
-                             topics=inbox.topics, settings=parse_kafka_config(kafka_config))
-    except ConfigurationError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
+                         topics=inbox.topics, settings=parse_kafka_config(kafka_config))
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -133,9 +131,11 @@ def discard(
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
 ) -> None:
     """Skip one parked message for good; its key moves on past it."""
+    inbox = _inbox(db, group, target)
     try:
-        _inbox(db, group, target).discard(message_id, by=by, reason=reason)
-    except (NotParkedError, DiscardRefusedError, ValueError) as exc:
-        Console(stderr=True).print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
+        inbox.discard(message_id, by=by, reason=reason)
+    except (NotParkedError, DiscardRefusedError):
+        raise  # the state of the key forbids it now: exit 1 (see _errors)
+    except ValueError as exc:  # a malformed id, an empty --by or --reason
+        raise typer.BadParameter(str(exc)) from None
     Console().print(f"discarded {message_id}; run `outbox parked replay` for the rest of its key")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+import time
 from datetime import UTC, datetime
 
 import typer
@@ -9,11 +13,13 @@ from rich.console import Console
 from rich.table import Table
 
 from .._alerts import LoggingAlertSink, WebhookAlertSink
-from .._errors import ConfigurationError
 from .._gc import tune_gc_for_batches
+from .._outage import is_database_outage
+from .._outbox import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from . import app
 from ._db import open_outbox
+from ._errors import Typer, database_name
 from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
 
 DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://…")
@@ -21,7 +27,9 @@ PREFIX = typer.Option("", help="Table name prefix.")
 SCHEMA = typer.Option(None, help="Database schema of the tables.")
 TOPIC = typer.Option(None, help="Only this topic.")
 
-failed_app = typer.Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
+log = logging.getLogger("outbox.relay")
+
+failed_app = Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
 app.add_typer(failed_app, name="failed")
 
 
@@ -48,17 +56,17 @@ def relay(
     from ..relay import Relay, relay_metrics
 
     configure_logging(log_level)
-    outbox = open_outbox(db, prefix, schema, shards)
-    try:
-        transport = KafkaTransport(parse_kafka_config(kafka_config), bootstrap_servers=bootstrap_servers)
-        worker = Relay(
-            outbox, transport, worker_id=worker_id, batch_size=batch_size,
-            lease_ttl=lease_ttl, poll_interval=poll_interval,
-            alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
-            backlog_metrics=metrics_port is not None,
-        )
-    except ConfigurationError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    settings = parse_kafka_config(kafka_config)
+    outbox = open_outbox(db, prefix, schema, shards, check=False)
+    if not _wait_for_tables(outbox):
+        return  # stopped before the database ever answered
+    transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
+    worker = Relay(
+        outbox, transport, worker_id=worker_id, batch_size=batch_size,
+        lease_ttl=lease_ttl, poll_interval=poll_interval,
+        alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
+        backlog_metrics=metrics_port is not None,
+    )
     if metrics_port is not None:
         relay_metrics().serve(metrics_port)
     tune_gc_for_batches()
@@ -66,6 +74,43 @@ def relay(
         worker.run()
     finally:
         transport.close()
+
+
+def _wait_for_tables(outbox: Outbox) -> bool:
+    """Check the tables, waiting for a database that does not answer yet; False if stopped first.
+
+    The relay's rule, from start-up on: an unreachable database may come back,
+    so it is waited out (one line when it starts, one when it ends), as
+    ``Relay.run`` and ``outbox inbox run`` do; what can never work (no tables,
+    a wrong prefix or schema) is an error at once. SIGTERM/SIGINT end the wait.
+    """
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    since = None
+    failures = 0
+    try:
+        while not stop.is_set():
+            try:
+                outbox.load_schema()
+            except Exception as exc:
+                if not is_database_outage(exc):
+                    raise
+                if since is None:
+                    since = time.monotonic()
+                    log.warning("database %s unreachable (%s); waiting for it before starting "
+                                "(check --db if this persists)", database_name(),
+                                str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
+                stop.wait(min(0.2 * 2 ** min(failures, 5), 5.0))
+                failures += 1
+            else:
+                if since is not None:
+                    log.warning("database %s reachable again after %.1f s; starting", database_name(),
+                                time.monotonic() - since)
+                return True
+        return False
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @failed_app.command("list")

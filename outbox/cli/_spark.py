@@ -29,8 +29,9 @@ from rich.progress import (
 
 from .._errors import ConfigurationError, OutboxError
 from . import app
+from ._errors import Typer
 
-spark_app = typer.Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay.",
+spark_app = Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay.",
                         no_args_is_help=True)
 app.add_typer(spark_app, name="spark")
 

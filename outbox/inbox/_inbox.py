@@ -250,7 +250,7 @@ class Inbox:
         outage = OutageLog()
         while not self._stop.is_set():
             try:
-                _schema.check(self.sessions.kw["bind"], self.tables)
+                _schema.check(self.sessions.kw["bind"], self.tables, inbox=True)
             except Exception as exc:
                 if not is_outage(exc):
                     raise

@@ -46,17 +46,53 @@ def _change_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None
         return 0
     m = outbox.tables.messages
     stmt = update(m).where(m.c.status == OutboxStatus.FAILED).values(**values)
-    if message_ids is not None:
-        stmt = stmt.where(m.c.message_id.in_([uuid.UUID(str(i)) for i in message_ids]))
     if topic is not None:
         stmt = stmt.where(m.c.topic == topic)
     with _engine(outbox).begin() as conn:
+        if message_ids is not None:
+            ids = _message_ids(message_ids)
+            stmt = stmt.where(m.c.message_id.in_(ids))
+            _refuse_unknown(conn, outbox, ids, topic)
         return conn.execute(stmt).rowcount
+
+
+def _message_ids(message_ids: Sequence[uuid.UUID | str]) -> list[uuid.UUID]:
+    try:
+        return [i if isinstance(i, uuid.UUID) else uuid.UUID(str(i)) for i in message_ids]
+    except ValueError:
+        bad = [str(i) for i in message_ids if not _is_uuid(i)]
+        raise ConfigurationError(f"not a message id: {', '.join(bad)} (ids are UUIDs, "
+                                 "as `outbox failed list` shows them)") from None
+
+
+def _is_uuid(value: object) -> bool:
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _refuse_unknown(conn: Any, outbox: Outbox, ids: list[uuid.UUID], topic: str | None) -> None:
+    """Naming a row that is not failed is a mistake to report, not a silent 0: change nothing."""
+    m = outbox.tables.messages
+    query = select(m.c.message_id).where(m.c.status == OutboxStatus.FAILED, m.c.message_id.in_(ids))
+    if topic is not None:
+        query = query.where(m.c.topic == topic)
+    found = {uuid.UUID(str(i)) for i in conn.execute(query).scalars()}
+    unknown = [str(i) for i in ids if i not in found]
+    if unknown:
+        where = f" of topic {topic}" if topic else ""
+        raise ConfigurationError(f"no failed row{where} with message id {', '.join(unknown)} "
+                                 "(see `outbox failed list`); nothing changed")
 
 
 def retry_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
                  topic: str | None = None) -> int:
-    """Make failed rows pending again, due now; ``None`` ids means every failed row (of ``topic``)."""
+    """Make failed rows pending again, due now; ``None`` ids means every failed row (of ``topic``).
+
+    An id that names no failed row raises ``ConfigurationError`` and changes nothing.
+    """
     return _change_failed(outbox, message_ids, topic,
                           {"status": OutboxStatus.PENDING, "available_at": utcnow()})
 

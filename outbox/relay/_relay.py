@@ -61,7 +61,8 @@ class Relay:
 
     Construction reads the stored shard count, so it needs the database and
     raises if it is unreachable; ``run`` then waits out any database outage,
-    from its first lease onwards.
+    from its first lease onwards. ``outbox relay`` waits for the database
+    before it constructs one, so the process waits from start-up on.
     """
 
     def __init__(

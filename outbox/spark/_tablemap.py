@@ -14,7 +14,7 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from .._engine import create_engine
+from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError
 from .._tables import OutboxTables, UTCDateTime
 
@@ -46,12 +46,19 @@ def connect(url: str) -> sa.Engine:
         raise ConfigurationError(f"database URL must be a non-empty string, got {url!r}")
     try:
         return create_engine(url, poolclass=NullPool)
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(f"invalid database URL {safe_url(url)!r}: {exc}") from None
 
 
 def check_table(url: str, table: sa.Table) -> None:
-    """Fail now, naming database and table, if the database is unreachable or lacks the table."""
+    """Fail now, naming database and table, if the database is unreachable or lacks the table.
+
+    A SQLite file that does not exist is refused before connecting: SQLite would create it.
+    """
+    where = f"{table.schema}.{table.name}" if table.schema else table.name
+    if isinstance(url, str) and url and missing_sqlite_file(url) is not None:
+        raise ConfigurationError(f"table {where} does not exist in {safe_url(url)}: there is no such "
+                                 "database file (check the URL, or run `outbox init-db`)")
     engine = connect(url)
     try:
         with engine.connect() as conn:
@@ -63,7 +70,6 @@ def check_table(url: str, table: sa.Table) -> None:
     finally:
         engine.dispose()
     if not present:
-        where = f"{table.schema}.{table.name}" if table.schema else table.name
         raise ConfigurationError(
             f"table {where} does not exist in {safe_url(url)} (run `outbox init-db`?)"
         )

@@ -24,6 +24,7 @@ from transports._errors import (
 )
 from transports._protocol import Record, RevokeCallback
 
+from ._logging import LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 log = logging.getLogger("transports.kafka")
@@ -72,7 +73,7 @@ class KafkaSource:
         check_with_librdkafka(config, "consumer")
         self.config = config
         self._revoke_callbacks: list[RevokeCallback] = []
-        self._consumer = Consumer(config)
+        self._consumer = Consumer({**config, "logger": LibrdkafkaLog()})  # see _logging
         self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
                                  on_lost=self._revoked)
 

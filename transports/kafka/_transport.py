@@ -28,6 +28,7 @@ from transports._errors import ConfigurationError
 
 from .._protocol import Outcome, Record, SendResult
 from .._waves import key_partition, publish_in_waves
+from ._logging import LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 # Errors that cannot succeed by sending the same record again.
@@ -112,7 +113,8 @@ class KafkaTransport:
         self._delivery_timeout = delivery_timeout
         self._metadata_refresh = metadata_refresh
         self._partitions: dict[str, tuple[float, int]] = {}
-        self._producer = Producer({**config, "error_cb": self._on_error})
+        self._log = LibrdkafkaLog()
+        self._producer = self._new_producer()
         self._fatal: KafkaError | None = None
 
     def __repr__(self) -> str:
@@ -210,8 +212,12 @@ class KafkaTransport:
 
     def _rebuild(self) -> None:
         self._producer.flush(0)
-        self._producer = Producer({**self._config, "error_cb": self._on_error})
+        self._producer = self._new_producer()
         self._fatal = None
+
+    def _new_producer(self) -> Producer:
+        """librdkafka's log lines go to Python logging (``_logging``), not raw to stderr."""
+        return Producer({**self._config, "error_cb": self._on_error, "logger": self._log})
 
     def close(self, timeout: float = 10.0) -> None:
         """Wait up to ``timeout`` seconds for queued records, then drop the producer."""

@@ -1,0 +1,137 @@
+"""What a failed command prints, and its exit status: the one place that decides both.
+
+Every command is registered on a ``Typer`` from this module, which wraps it in
+``reporting``, and ``main`` sends click's own usage errors (a missing option)
+to the same ``report``. Whatever a command raises ends here as one line on
+stderr, ``error: <what is wrong> (<what to do>)``, and an exit status: 2 for
+usage and configuration (retrying the same command line cannot help: a bad
+option, URL, driver, missing tables, a wrong prefix, an unknown id, a bad
+``-X`` setting), 1 for runtime failures (the database or the
+broker did not answer, anything unexpected). The traceback is printed only
+when Python logging is at DEBUG (``--log-level DEBUG``), because an operator
+needs the sentence, and a developer the traceback.
+
+Database errors carry no URL, so the command names the database it opens with
+``naming(url)`` and the message repeats it (password hidden).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+import typer
+
+from .._errors import ConfigurationError, OutboxError, SchemaError
+from .._outage import is_database_outage
+
+USAGE, RUNTIME = 2, 1
+_database = "the database"  # the URL of the database the command opened, for messages
+
+
+def safe_url(url: str) -> str:
+    """The URL as it may appear in a message: password hidden."""
+    try:
+        return sa.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return repr(url)
+
+
+def naming(url: str) -> str:
+    """Remember the database this command works on, so errors can name it; returns it printable."""
+    global _database
+    _database = safe_url(url)
+    return _database
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reporting(command: F) -> F:
+    """``command``, with whatever it raises turned into ``report``'s line and exit status."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:
+            raise typer.Exit(report(exc)) from None
+    return run  # type: ignore[return-value]
+
+
+class Typer(typer.Typer):
+    """``typer.Typer`` whose commands report errors through ``reporting``."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
+        register = super().command(*args, **kwargs)
+        return lambda command: register(reporting(command))
+
+
+def database_name() -> str:
+    """The database this command works on, as named in messages."""
+    return _database
+
+
+def explain(exc: BaseException) -> tuple[str, int]:
+    """(one-line message, exit status) for anything a command raised."""
+    if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # click's usage errors
+        context = getattr(exc, "ctx", None)
+        hint = f" (see `{context.command_path} --help`)" if context is not None else ""
+        message = exc.format_message()  # empty when the help was printed instead (no arguments)
+        return (f"{message}{hint}" if message else ""), exc.exit_code
+    if isinstance(exc, SchemaError):
+        return f"{_database}: {exc}", USAGE
+    if isinstance(exc, ConfigurationError):
+        return str(exc), USAGE
+    if isinstance(exc, OutboxError):
+        return str(exc), RUNTIME
+    if isinstance(exc, sa.exc.NoSuchModuleError):
+        return (f"unknown database dialect or driver in {_database} (use e.g. "
+                "postgresql+psycopg://user@host/db or sqlite:///file.db)"), USAGE
+    if isinstance(exc, sa.exc.ArgumentError):
+        return f"invalid database URL {_database}: {_first_line(exc)}", USAGE
+    if isinstance(exc, ImportError):
+        name = exc.name or "a module"
+        return (f"cannot import {name} for {_database}: {_first_line(exc)} "
+                f"(install the database driver this URL names)"), USAGE
+    if isinstance(exc, sa.exc.DBAPIError):
+        reason = _first_line(exc.orig or exc)
+        if is_database_outage(exc):
+            return f"cannot reach {_database}: {reason} (is it running, and is --db right?)", RUNTIME
+        if _missing_table(reason):
+            return (f"{reason} in {_database} (run `outbox init-db`, or check "
+                    "--prefix/--schema)"), USAGE
+        return f"{_database}: {reason}", RUNTIME
+    if _is_kafka_error(exc):
+        return f"Kafka: {_first_line(exc)}", RUNTIME
+    return f"{type(exc).__name__}: {_first_line(exc)} (--log-level DEBUG shows the traceback)", RUNTIME
+
+
+def report(exc: BaseException) -> int:
+    """Print ``exc`` as ``error: …`` on stderr (with the traceback at DEBUG); return the exit status."""
+    message, status = explain(exc)
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        traceback.print_exception(exc, file=sys.stderr)
+    if message:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _missing_table(reason: str) -> bool:
+    lowered = reason.lower()
+    return "no such table" in lowered or ("relation" in lowered and "does not exist" in lowered)
+
+
+def _is_kafka_error(exc: Any) -> bool:
+    return type(exc).__module__.startswith(("confluent_kafka", "cimpl", "kafka"))

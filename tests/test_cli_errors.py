@@ -1,0 +1,243 @@
+"""Every ``outbox`` command, given a bad command line, says what is wrong in one or two lines.
+
+Each case runs ``python -m outbox …`` as an operator would and checks the exit
+status (2 usage and configuration, 1 runtime), that stderr names the problem,
+that it is at most two lines without a traceback, and that a command that only
+reads left no SQLite file behind. The mapping itself is ``outbox/cli/_errors.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Outbox, create_engine
+from outbox.testing import LocalPostgres
+
+ROOT = Path(__file__).resolve().parents[1]
+NOWHERE = "postgresql+psycopg://outbox@127.0.0.1:1/x"  # nothing listens on port 1
+UNKNOWN_ID = "0195c3a4-0000-7000-8000-000000000000"
+
+INBOX_APP = """
+from outbox import Inbox, create_engine
+
+inbox = Inbox(create_engine({db!r}), group="billing")
+
+
+@inbox.handler("orders")
+def handle(session, message):
+    pass
+"""
+
+
+def outbox_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "outbox", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def assert_one_sentence(result: subprocess.CompletedProcess[str], status: int, *names: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == status, result.stderr
+    assert 1 <= len(lines) <= 2 and "Traceback" not in result.stderr, result.stderr
+    assert lines[-1].startswith("error: "), result.stderr
+    for name in names:
+        assert name in result.stderr, result.stderr
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """SQLite files: ``empty.db`` (no tables), ``ready.db`` (initialised), ``outboxonly.db``
+    (no inbox tables); and inbox app modules on them."""
+    sqlite3.connect(tmp_path / "empty.db").close()
+    outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'ready.db'}"))
+    outbox.create_tables()
+    outbox.engine.dispose()  # type: ignore[union-attr]
+    outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'outboxonly.db'}"))
+    outbox.create_tables()
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        for table in ("inbox_held", "inbox_parked", "inbox_keys", "inbox_messages"):
+            conn.exec_driver_sql(f"DROP TABLE {table}")
+    outbox.engine.dispose()  # type: ignore[union-attr]
+    (tmp_path / "outboxonlyapp.py").write_text(
+        INBOX_APP.format(db=f"sqlite:///{tmp_path / 'outboxonly.db'}"))
+    (tmp_path / "emptyapp.py").write_text(INBOX_APP.format(db=f"sqlite:///{tmp_path / 'empty.db'}"))
+    (tmp_path / "missingapp.py").write_text(INBOX_APP.format(db=f"sqlite:///{tmp_path / 'gone.db'}"))
+    return tmp_path
+
+
+# (command line, exit status, what stderr must name); {d} is the work directory.
+CASES = [
+    # the issue's eight
+    (["stats", "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist", "init-db"]),
+    (["parked", "list", "--db", "sqlite:///{d}/empty.db", "--group", "g"], 2,
+     ["inbox_parked", "empty.db", "init-db"]),
+    (["relay", "--db", "notadb://x", "--bootstrap-servers", "127.0.0.1:1"], 2,
+     ["unknown database dialect", "notadb://x"]),
+    (["relay", "--db", "sqlite:///{d}/ready.db", "--prefix", "app_", "--bootstrap-servers", "127.0.0.1:1"], 2,
+     ["no outbox tables with prefix 'app_'", "ready.db", "init-db"]),
+    (["failed", "retry", "--all", "--db", "sqlite:///{d}/empty.db"], 2, ["no outbox tables", "init-db"]),
+    (["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
+     ["no outbox tables", "empty.db", "init-db"]),
+    (["inbox", "run", "outboxonlyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
+     ["table inbox_messages does not exist", "outboxonly.db", "init-db"]),
+    (["inbox", "run", "nosuchmodule:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
+     ["cannot import 'nosuchmodule:inbox'"]),
+    (["spark", "audit", "--outbox-db", "sqlite:///{d}/missing.db"], 2,
+     ["outbox_messages does not exist", "missing.db: there is no such database file"]),
+    # a missing driver, an unparseable URL, a missing option
+    (["stats", "--db", "postgresql+asyncpg://u@h/x"], 2, ["asyncpg", "driver"]),
+    (["failed", "list", "--db", "not a url"], 2, ["invalid database URL"]),
+    (["stats"], 2, ["Missing option '--db'", "--help"]),
+    # a database that does not answer, for a one-shot command: a runtime failure
+    (["stats", "--db", NOWHERE], 1, ["cannot reach", "127.0.0.1:1", "Connection refused"]),
+    (["init-db", "--db", NOWHERE], 1, ["cannot reach", "127.0.0.1:1"]),
+    # unknown and malformed message ids
+    (["failed", "retry", UNKNOWN_ID, "--db", "sqlite:///{d}/ready.db"], 2,
+     [UNKNOWN_ID, "no failed row", "outbox failed list"]),
+    (["failed", "skip", "not-an-id", "--db", "sqlite:///{d}/ready.db"], 2, ["not a message id: not-an-id"]),
+    (["parked", "discard", UNKNOWN_ID, "--by", "me", "--reason", "x", "--db", "sqlite:///{d}/ready.db",
+      "--group", "g"], 1, [UNKNOWN_ID, "not parked"]),
+    (["failed", "retry", "--db", "sqlite:///{d}/ready.db"], 2, ["message ids or --all"]),
+    # bad -X settings
+    (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "-X", "linger.ms"], 2,
+     ["--kafka-config", "KEY=VALUE"]),
+    (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "-X", "lingerr=5"], 2,
+     ["unknown Kafka setting 'lingerr'"]),
+    (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "-X", "linger.ms=soon"], 2,
+     ["invalid Kafka setting"]),
+    (["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "x:9", "-X", "enable.auto.commit=true"], 2,
+     ["enable.auto.commit must stay off"]),
+    # the other commands
+    (["init-db", "--db", "notadb://x"], 2, ["unknown database dialect"]),
+    (["demo", "--orders", "1"], 2, ["--orders", "greater than or equal to 10"]),
+    (["spark", "archive", "--db", "sqlite:///{d}/missing.db", "--archive-dir", "{d}/arch",
+      "--retention", "7d"], 2, ["outbox_messages does not exist", "no such database file"]),
+    (["spark", "replay", "--archive-dir", "{d}/nowhere", "--db", "sqlite:///{d}/ready.db",
+      "--topic", "orders"], 2, ["archive directory", "does not exist"]),
+    (["nosuch"], 2, ["No such command 'nosuch'"]),
+    # an app whose SQLite file does not exist
+    (["parked", "replay", "orders", "k", "--app", "missingapp:inbox"], 2, ["gone.db does not exist"]),
+]
+
+
+@pytest.mark.parametrize("args, status, names", CASES, ids=[" ".join(c[0][:2]) for c in CASES])
+def test_a_bad_command_line_gets_one_clear_sentence(
+    workdir: Path, args: list[str], status: int, names: list[str]
+) -> None:
+    before = databases(workdir)
+    result = outbox_cli(*(a.format(d=workdir) for a in args), cwd=workdir)
+    assert_one_sentence(result, status, *names)
+    assert databases(workdir) == before, "a failed command created a database file"
+
+
+def databases(directory: Path) -> set[str]:
+    """The SQLite files (SQLite's -wal/-shm companions of an existing one are no new database)."""
+    return {p.name for p in directory.iterdir() if p.suffix == ".db"}
+
+
+def test_the_traceback_is_there_at_debug(workdir: Path) -> None:
+    result = outbox_cli("relay", "--db", "notadb://x", "--bootstrap-servers", "x:9",
+                        "--log-level", "DEBUG", cwd=workdir)
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: unknown database dialect")
+
+
+@pytest.mark.postgres
+def test_a_wrong_schema_on_postgresql_is_named(postgres_db: str, tmp_path: Path) -> None:
+    outbox = Outbox(create_engine(postgres_db))
+    outbox.create_tables()
+    outbox.engine.dispose()  # type: ignore[union-attr]
+    for command in (["stats"], ["failed", "list"]):
+        result = outbox_cli(*command, "--db", postgres_db, "--schema", "nosuch", cwd=tmp_path)
+        assert_one_sentence(result, 2, "no outbox tables", "init-db")
+
+
+def test_a_relay_waits_for_a_database_that_does_not_answer_yet(tmp_path: Path) -> None:
+    """It may be starting: one line saying so, no traceback, and SIGTERM ends the wait with 0."""
+    relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", NOWHERE,
+                              "--bootstrap-servers", "127.0.0.1:1"], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(6)  # start-up, and a few retries
+        assert relay.poll() is None, relay.communicate()[1]
+        relay.send_signal(signal.SIGTERM)
+        _, stderr = relay.communicate(timeout=30)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "127.0.0.1:1/x unreachable" in lines[0] and "waiting for it" in lines[0]
+
+
+@pytest.mark.postgres
+def test_a_relay_started_before_its_database_starts_once_it_answers(
+    own_postgres: LocalPostgres, tmp_path: Path
+) -> None:
+    """Started while PostgreSQL is down: one line each way, then it takes its shards."""
+    engine = create_engine(own_postgres.url)
+    Outbox(engine).create_tables()
+    engine.dispose()
+    own_postgres.stop()
+    relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", own_postgres.url,
+                              "--bootstrap-servers", "127.0.0.1:1"], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(3)
+        assert relay.poll() is None, relay.communicate()[1]
+        own_postgres.start()
+        deadline = time.monotonic() + 60
+        while not owned_shards(own_postgres.url):
+            assert time.monotonic() < deadline and relay.poll() is None, "the relay never started"
+            time.sleep(0.5)
+        relay.send_signal(signal.SIGTERM)
+        _, stderr = relay.communicate(timeout=30)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert sum("unreachable" in line and "waiting for it" in line for line in stderr.splitlines()) == 1
+    assert sum("reachable again" in line for line in stderr.splitlines()) == 1, stderr
+
+
+def owned_shards(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.exec_driver_sql(
+                "SELECT count(*) FROM outbox_leases WHERE owner IS NOT NULL").scalar_one())
+    except sa.exc.OperationalError:
+        return 0  # not up yet
+    finally:
+        engine.dispose()
+
+
+def test_a_relay_with_no_broker_logs_through_python_logging(workdir: Path) -> None:
+    """librdkafka's refused connections: no raw ``%3|…|FAIL|`` lines, at most one logged line."""
+    outbox = Outbox(create_engine(f"sqlite:///{workdir / 'ready.db'}"))
+    from sqlalchemy.orm import Session
+
+    with Session(outbox.engine) as session, session.begin():
+        outbox.publish(session, "orders", {"n": 1}, key="k")
+    outbox.engine.dispose()  # type: ignore[union-attr]
+    relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", f"sqlite:///{workdir}/ready.db",
+                              "--bootstrap-servers", "127.0.0.1:1", "--poll-interval", "0.2"],
+                             cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(15)  # the first publish waits for metadata (10 s), then backs off
+        relay.send_signal(signal.SIGTERM)
+        _, stderr = relay.communicate(timeout=60)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, stderr
+    assert "%3|" not in stderr and "Traceback" not in stderr, stderr
+    assert sum("transports.kafka.librdkafka" in line for line in stderr.splitlines()) <= 2, stderr
+    assert sum("broker unreachable" in line for line in stderr.splitlines()) == 1, stderr
