@@ -7,6 +7,7 @@ process (``python -m outbox status``), on SQLite and PostgreSQL.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url:
     [group] = doc["inbox"]["groups"]
     assert (group["group"], group["parked_keys"], group["parked_messages"]) == ("billing", 2, 3)
     assert group["oldest_parked_age_s"] >= 0 and group["held_messages"] == 0
-    assert doc["stuck"] == ["group billing: 2 parked key(s) (outbox parked list --group …)"]
+    assert doc["stuck"] == ["group billing: 2 parked key(s) (outbox parked list --group billing)"]
     human = status(db_url)
     assert human.returncode == STUCK and "STUCK: group billing: 2 parked key(s)" in human.stdout
     code, doc = status_json(db_url, "--group", "shipping")  # another group: nothing of billing's
@@ -209,3 +210,46 @@ def test_a_stopped_relays_shards_show_expired_then_reowned(
                 process.kill()
             process.wait(timeout=30)
         outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+SHOWN = "$ outbox status --db sqlite:///orders.db\n"
+
+
+def _normalised(text: str) -> list[list[str]]:
+    """Lines as words, every age as ``N s``: the page's example was taken at another moment."""
+    return [re.sub(r"-?\d+(\.\d+)? s\b", "N s", line).split() for line in text.strip().splitlines()]
+
+
+def test_the_operations_page_shows_real_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page's ``outbox status`` example is this situation's output, ages aside: one relay,
+    a failed row, a key behind a retrying head, a parked key in group billing."""
+    monkeypatch.chdir(tmp_path)
+    url = "sqlite:///orders.db"
+    engine = create_engine(url)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    failed = publish(outbox, "orders", ["order-7"])[0]
+    head = publish(outbox, "orders", ["order-9", "order-9", "order-9"])[0]
+    publish(outbox, "orders", ["order-11", "order-12"])
+    script = {str(failed): [Outcome.FAILED], str(head): [Outcome.RETRY] * 20}
+    relay = Relay(outbox, ScriptedTransport(script), worker_id="relay-1", lease_ttl=600)
+    relay.run_once()
+    # Rows written while the relay was away: pending, oldest first.
+    publish(outbox, "orders", ["order-13", "order-14"])
+    inbox = Inbox(engine, group="billing", alert=AlertLog())
+    business.create_all(engine)
+
+    def broken(session, message):  # type: ignore[no-untyped-def]
+        raise ValueError(f"no customer for {message.key}")
+
+    inbox.handler(TOPIC)(broken)
+    inbox.handle(record(TOPIC, "customer-3", 1))
+    result = status(url)
+    relay.close()
+    engine.dispose()
+    text = DOC.read_text()
+    start = text.index(SHOWN) + len(SHOWN)
+    shown, _, code = text[start:text.index("```", start)].partition("$ echo $?\n")
+    assert _normalised(shown) == _normalised(result.stdout), result.stdout
+    assert int(code) == result.returncode == STUCK

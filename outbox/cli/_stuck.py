@@ -123,7 +123,7 @@ def stuck_reasons(doc: dict[str, Any]) -> list[str]:
     for g in (doc["inbox"] or {"groups": []})["groups"]:
         if g["parked_keys"]:
             reasons.append(f"group {g['group']}: {g['parked_keys']} parked key(s) "
-                           "(outbox parked list --group …)")
+                           f"(outbox parked list --group {g['group']})")
         if g["held_messages"] and (g["oldest_held_age_s"] or 0) > limit:
             reasons.append(f"group {g['group']}: a gap held for {g['oldest_held_age_s']:g} s")
     return reasons
