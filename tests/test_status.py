@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, publish, rows
-from test_relay_processes import start_cli_relay, wait_for
+from _relay_helpers import ScriptedTransport, publish, rows, start_cli_relay, wait_for
 
 from outbox import Disposition, Inbox, Outbox, Relay, create_engine
 from outbox.inbox._transaction import TopicHandler
