@@ -123,7 +123,10 @@ def backlog(outbox: Outbox) -> list[BacklogRow]:
                func.count().filter(m.c.status == OutboxStatus.PENDING),
                func.count().filter(m.c.status == OutboxStatus.FAILED),
                func.min(m.c.created_at).filter(m.c.status == OutboxStatus.PENDING))
-        .where(m.c.status.in_([OutboxStatus.PENDING, OutboxStatus.FAILED]))
+        # The != term is implied by the IN; it lets SQLite use the partial index on
+        # unpublished rows too (PostgreSQL infers it), so published rows are never read.
+        .where(m.c.status != OutboxStatus.PUBLISHED,
+               m.c.status.in_([OutboxStatus.PENDING, OutboxStatus.FAILED]))
         .group_by(m.c.topic, m.c.shard).order_by(m.c.topic, m.c.shard)
     )
     with _engine(outbox).connect() as conn:
@@ -158,11 +161,15 @@ def retrying_heads(outbox: Outbox, *, limit: int = 50) -> list[RetryingHead]:
     behind = m.alias("behind")
     waiting = (select(func.count()).where(
         behind.c.topic == m.c.topic, behind.c.key == m.c.key, behind.c.seq > m.c.seq,
+        behind.c.status != OutboxStatus.PUBLISHED,  # ix_outbox_open_key's predicate, for SQLite
         behind.c.status == OutboxStatus.PENDING).scalar_subquery())
     query = (select(m.c.topic, m.c.key, m.c.seq, m.c.message_id, m.c.attempts, m.c.created_at,
                     m.c.available_at, m.c.last_error, waiting)
              .where(m.c.status != OutboxStatus.PUBLISHED, m.c.available_at > m.c.created_at,
-                    m.c.status == OutboxStatus.PENDING, m.c.attempts > 0)
+                    # "pending", said without naming it: ``status = 'pending'`` would let
+                    # SQLite pick ix_outbox_pending, a scan of the whole backlog.
+                    m.c.status.not_in([OutboxStatus.FAILED, OutboxStatus.SKIPPED]),
+                    m.c.attempts > 0)
              .order_by(m.c.created_at, m.c.id).limit(limit))
     heads: dict[tuple[str, str | None], RetryingHead] = {}
     with _engine(outbox).connect() as conn:
