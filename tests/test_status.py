@@ -58,10 +58,8 @@ def test_an_empty_database_is_nothing_stuck(outbox: Outbox, db_url: str) -> None
 
 
 @pytest.mark.parametrize("drop", ["inbox", "outbox"])
-def test_outbox_only_and_inbox_only_databases(tmp_path: Path, drop: str) -> None:
-    url = f"sqlite:///{tmp_path / 'half.db'}"
-    outbox = Outbox(create_engine(url))
-    outbox.create_tables()
+def test_outbox_only_and_inbox_only_databases(outbox: Outbox, db_url: str, drop: str) -> None:
+    url = db_url
     gone = outbox.tables.inbox_tables if drop == "inbox" else outbox.tables.outbox_tables
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         for table in gone:
