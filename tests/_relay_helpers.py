@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,6 +45,21 @@ def rows(outbox: Outbox, **where: Any) -> list[Any]:
         query = query.where(m.c[name] == value)
     with outbox.engine.connect() as conn:  # type: ignore[union-attr]
         return list(conn.execute(query))
+
+
+def start_cli_relay(db: str, kafka: str, log: Path, *args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
+               "--log-level", "WARNING", *args]
+    return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def seqs_by_key(records: Sequence[Record]) -> dict[bytes, list[int]]:

@@ -91,6 +91,13 @@ CASES = [
      ["cannot import 'nosuchmodule:inbox'"]),
     (["spark", "audit", "--outbox-db", "sqlite:///{d}/missing.db"], 2,
      ["outbox_messages does not exist", "missing.db: there is no such database file"]),
+    # outbox status: nothing created, missing tables and a dead database named like everywhere
+    (["status", "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist", "init-db"]),
+    (["status", "--db", "sqlite:///{d}/empty.db"], 2, ["no outbox tables and no inbox tables", "init-db"]),
+    (["status", "--db", "sqlite:///{d}/ready.db", "--prefix", "app_"], 2,
+     ["no outbox tables and no inbox tables with prefix 'app_'", "ready.db"]),
+    (["status", "--db", NOWHERE, "--json"], 1, ["cannot reach", "127.0.0.1:1"]),
+    (["status", "--db", "sqlite:///{d}/ready.db", "--stuck-after", "-1"], 2, ["--stuck-after"]),
     # a missing driver, an unparseable URL, a missing option
     (["stats", "--db", "postgresql+asyncpg://u@h/x"], 2, ["asyncpg", "driver"]),
     (["failed", "list", "--db", "not a url"], 2, ["invalid database URL"]),
@@ -155,7 +162,7 @@ def test_a_wrong_schema_on_postgresql_is_named(postgres_db: str, tmp_path: Path)
     outbox = Outbox(create_engine(postgres_db))
     outbox.create_tables()
     outbox.engine.dispose()  # type: ignore[union-attr]
-    for command in (["stats"], ["failed", "list"]):
+    for command in (["stats"], ["failed", "list"], ["status"]):
         result = outbox_cli(*command, "--db", postgres_db, "--schema", "nosuch", cwd=tmp_path)
         assert_one_sentence(result, 2, "no outbox tables", "init-db")
 

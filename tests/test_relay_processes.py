@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import publish, rows, seqs_by_key
+from _relay_helpers import publish, rows, seqs_by_key, start_cli_relay, wait_for
 
 from outbox import Outbox, create_engine
 from outbox._sharding import shard_for_key
@@ -56,25 +56,10 @@ def pg_outbox(postgres_db: str):
     engine.dispose()
 
 
-def start_cli_relay(db: str, kafka: str, log: Path, *args: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
-               "--log-level", "WARNING", *args]
-    return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
-
-
 def leases(outbox: Outbox) -> list:
     t = outbox.tables.leases
     with outbox.engine.connect() as conn:  # type: ignore[union-attr]
         return list(conn.execute(sa.select(t).order_by(t.c.shard)))
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int) -> dict:

@@ -31,6 +31,7 @@ from .._errors import ConfigurationError, OutboxError, SchemaError
 from .._outage import is_database_outage
 
 USAGE, RUNTIME = 2, 1
+STUCK = 3  # ``outbox status`` ran fine and found something stuck (a health check's "unhealthy")
 _database = "the database"  # the URL of the database the command opened, for messages
 
 

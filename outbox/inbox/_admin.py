@@ -185,3 +185,4 @@ def _listed(r: ParkedRow) -> ParkedMessage:
     return ParkedMessage(d.message.message_id, d.message.topic, d.message.key, d.message.seq,
                          r.reason, r.error, r.attempts, r.first_failure_at, r.last_failure_at,
                          d.partition, d.offset)
+

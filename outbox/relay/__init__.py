@@ -3,11 +3,18 @@
 Private modules behind the names ``outbox`` exports: ``_relay`` (the worker
 loop, signals, leases' life cycle), ``_batch`` (one fetch → send → mark cycle),
 ``_sql`` (every relay statement), ``_leases`` (shard ownership with fencing),
-``_wakeup`` (LISTEN/poll), ``_metrics`` and ``_admin`` (the `failed`/`stats`
+``_wakeup`` (LISTEN/poll), ``_metrics`` and ``_admin`` (the `failed`/`stats`/`status`
 commands' queries).
 """
 
-from ._admin import backlog, failed_rows, retry_failed, skip_failed
+from ._admin import (
+    backlog,
+    failed_rows,
+    retry_failed,
+    retrying_heads,
+    shard_leases,
+    skip_failed,
+)
 from ._batch import BatchResult
 from ._metrics import RelayMetrics, relay_metrics
 from ._relay import Relay
@@ -20,5 +27,7 @@ __all__ = [
     "failed_rows",
     "relay_metrics",
     "retry_failed",
+    "retrying_heads",
+    "shard_leases",
     "skip_failed",
 ]

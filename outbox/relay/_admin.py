@@ -123,9 +123,90 @@ def backlog(outbox: Outbox) -> list[BacklogRow]:
                func.count().filter(m.c.status == OutboxStatus.PENDING),
                func.count().filter(m.c.status == OutboxStatus.FAILED),
                func.min(m.c.created_at).filter(m.c.status == OutboxStatus.PENDING))
-        .where(m.c.status.in_([OutboxStatus.PENDING, OutboxStatus.FAILED]))
+        # The != term is implied by the IN; it lets SQLite use the partial index on
+        # unpublished rows too (PostgreSQL infers it), so published rows are never read.
+        .where(m.c.status != OutboxStatus.PUBLISHED,
+               m.c.status.in_([OutboxStatus.PENDING, OutboxStatus.FAILED]))
         .group_by(m.c.topic, m.c.shard).order_by(m.c.topic, m.c.shard)
     )
     with _engine(outbox).connect() as conn:
         result = conn.execute(query).all()
     return [BacklogRow(*row) for row in result]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryingHead:
+    """The earliest unpublished row of a key, which the relay is retrying; the key waits for it."""
+
+    topic: str
+    key: str | None
+    seq: int | None
+    message_id: uuid.UUID
+    attempts: int
+    created_at: datetime
+    available_at: datetime
+    last_error: str | None
+    waiting: int  # pending rows of the same key behind it
+
+
+def retrying_heads(outbox: Outbox, *, limit: int = 50) -> list[RetryingHead]:
+    """Pending rows being retried (attempts > 0, due later), oldest first, one per key.
+
+    The filter repeats the predicate of the ``ix_outbox_key_waits`` partial index
+    (failed, delayed or retrying rows: a tiny set), so this stays cheap however
+    big the table; the rows waiting behind each head are counted on
+    ``ix_outbox_open_key``. A delayed publish (attempts 0) is not a retry.
+    """
+    m = outbox.tables.messages
+    behind = m.alias("behind")
+    waiting = (select(func.count()).where(
+        behind.c.topic == m.c.topic, behind.c.key == m.c.key, behind.c.seq > m.c.seq,
+        behind.c.status != OutboxStatus.PUBLISHED,  # ix_outbox_open_key's predicate, for SQLite
+        behind.c.status == OutboxStatus.PENDING).scalar_subquery())
+    query = (select(m.c.topic, m.c.key, m.c.seq, m.c.message_id, m.c.attempts, m.c.created_at,
+                    m.c.available_at, m.c.last_error, waiting)
+             .where(m.c.status != OutboxStatus.PUBLISHED, m.c.available_at > m.c.created_at,
+                    # "pending", said without naming it: ``status = 'pending'`` would let
+                    # SQLite pick ix_outbox_pending, a scan of the whole backlog.
+                    m.c.status.not_in([OutboxStatus.FAILED, OutboxStatus.SKIPPED]),
+                    m.c.attempts > 0)
+             .order_by(m.c.created_at, m.c.id).limit(limit))
+    heads: dict[tuple[str, str | None], RetryingHead] = {}
+    with _engine(outbox).connect() as conn:
+        for row in conn.execute(query):
+            head = RetryingHead(*row[:8], waiting=row[8] or 0)
+            lane = (head.topic, head.key if head.key is not None else str(head.message_id))
+            earlier = heads.get(lane)
+            if earlier is None or (head.seq or 0) < (earlier.seq or 0):
+                heads[lane] = head
+    return sorted(heads.values(), key=lambda h: h.created_at)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLease:
+    shard: int
+    owner: str | None
+    epoch: int
+    expires_at: datetime | None  # None: no lease row yet (no relay has started)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayHeartbeat:
+    worker_id: str
+    heartbeat_at: datetime
+
+
+def shard_leases(outbox: Outbox, shards: int) -> tuple[list[ShardLease], list[RelayHeartbeat]]:
+    """Every shard's lease (one row per shard, ``shards`` rows at most) and the relays' heartbeats.
+
+    Both tables are as small as the shard count and the number of relays; a shard
+    without a lease row is listed unowned, as a relay that never started leaves it.
+    """
+    leases, relays = outbox.tables.leases, outbox.tables.relays
+    with _engine(outbox).connect() as conn:
+        rows = {r.shard: ShardLease(r.shard, r.owner, r.epoch, r.expires_at) for r in conn.execute(
+            select(leases.c.shard, leases.c.owner, leases.c.epoch, leases.c.expires_at))}
+        beats = [RelayHeartbeat(*r) for r in conn.execute(
+            select(relays.c.worker_id, relays.c.heartbeat_at).order_by(relays.c.worker_id))]
+    listed = [rows.pop(s, ShardLease(s, None, 0, None)) for s in range(shards)]
+    return listed + sorted(rows.values(), key=lambda lease: lease.shard), beats

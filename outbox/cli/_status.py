@@ -1,0 +1,97 @@
+"""``outbox status``: everything stuck, in one view, with an exit status for health checks.
+
+Read-only (``open_engine`` refuses a missing SQLite file; nothing is created).
+Exit 0: nothing stuck; 3 (``STUCK``): something needs a person, each reason
+printed; 2/1 as every command (``_errors``). ``outbox stats`` stays as the
+backlog table alone; ``status`` shows the same rows among the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import app
+from ._db import open_outbox
+from ._errors import STUCK
+from ._relay import DB, PREFIX, SCHEMA
+from ._stuck import gather
+
+
+@app.command("status")
+def status(
+    db: str = DB,
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+    group: str | None = typer.Option(None, help="Only this inbox consumer group."),
+    stuck_after: float = typer.Option(
+        300.0, "--stuck-after", min=0,
+        help="Seconds after which a retrying head or a held gap counts as stuck."),
+    as_json: bool = typer.Option(False, "--json", help="Print the status as one JSON document."),
+) -> None:
+    """Backlog, failed rows, retrying keys, relays and leases, parked keys and held gaps.
+
+    Exits 0 when nothing is stuck and 3 when something is, so it serves as a health check.
+    """
+    doc = gather(open_outbox(db, prefix, schema, check=False), group=group, stuck_after=stuck_after)
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        _print(doc)
+    if doc["stuck"]:
+        raise typer.Exit(STUCK)
+
+
+def _s(value: float | None) -> str:
+    return "" if value is None else f"{value:g} s"
+
+
+def _print(doc: dict[str, Any]) -> None:
+    """Compact: a table only for what has rows, and one closing verdict."""
+    console = Console(width=160)
+
+    def show(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+        table = Table(*columns, title=title, title_justify="left", box=None, pad_edge=False)
+        for row in rows:
+            table.add_row(*("" if v is None else str(v) for v in row))
+        console.print(table)
+
+    out = doc["outbox"]
+    if out is None:
+        console.print("outbox: no outbox tables")
+    else:
+        if out["backlog"]:
+            show("backlog", ("topic", "shard", "pending", "failed", "oldest pending"),
+                 [(r["topic"], r["shard"], r["pending"], r["failed"], _s(r["oldest_pending_age_s"]))
+                  for r in out["backlog"]])
+        else:
+            console.print("backlog: none")
+        if out["retrying"]:
+            show("retrying heads", ("topic", "key", "seq", "attempts", "age", "waiting", "last error"),
+                 [(h["topic"], h["key"], h["seq"], h["attempts"], _s(h["age_s"]), h["waiting_behind"],
+                   (h["last_error"] or "")[:60]) for h in out["retrying"]])
+        owned = sum(s["state"] == "owned" for s in out["shards"])
+        console.print(f"shards: {owned} of {out['shard_count']} owned" + "".join(
+            f", {n} {state}" for state in ("expired", "unowned")
+            if (n := sum(s["state"] == state for s in out["shards"]))))
+        if out["relays"]:
+            show("relays", ("worker", "heartbeat age", "shards"),
+                 [(r["worker_id"], _s(r["heartbeat_age_s"]), r["shards"]) for r in out["relays"]])
+    inbox = doc["inbox"]
+    if inbox is None:
+        console.print("inbox: no inbox tables")
+    elif inbox["groups"]:
+        show("inbox groups", ("group", "parked keys", "parked msgs", "oldest parked", "held", "oldest held"),
+             [(g["group"], g["parked_keys"], g["parked_messages"], _s(g["oldest_parked_age_s"]),
+               g["held_messages"], _s(g["oldest_held_age_s"])) for g in inbox["groups"]])
+    else:
+        console.print("inbox: nothing parked or held")
+    if doc["stuck"]:
+        for reason in doc["stuck"]:
+            console.print(f"STUCK: {reason}", highlight=False)
+    else:
+        console.print("nothing stuck")
