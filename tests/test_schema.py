@@ -101,7 +101,7 @@ PUBLIC_API = [
     "RetryLater", "SchemaError", "SkipMessage", "StartPolicy", "TransportError", "UnserializablePayloadError",
     "WebhookAlertSink",
     "create_async_engine", "create_engine", "message_to_record", "new_message_id",
-    "record_to_message", "relay_metrics",
+    "record_to_message", "relay_metrics", "tune_gc_for_batches",
 ]
 
 
