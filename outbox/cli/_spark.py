@@ -105,9 +105,10 @@ def _session(master: str | None, log_level: str) -> Callable[[], Any]:
     """Build the session only when the job asks for it, after its arguments and tables are checked.
 
     No web UI: the command's process, and with it the UI, ends with the job;
-    starting it costs about a second.
+    starting it costs about a second. Nor the ``outbox_table`` data source,
+    which the jobs do not read through (registering it costs two).
     """
-    return lambda: _jobs().spark_session(master, log_level=log_level,
+    return lambda: _jobs().spark_session(master, log_level=log_level, data_source=False,
                                          config={"spark.ui.enabled": "false"})
 
 

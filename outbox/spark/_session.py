@@ -51,6 +51,7 @@ def spark_session(
     app_name: str = "outbox",
     config: Mapping[str, str] | None = None,
     log_level: str = "WARN",
+    data_source: bool = True,
 ) -> SparkSession:
     """Return the active session, or build one, with the outbox data source registered.
 
@@ -59,6 +60,9 @@ def spark_session(
     ``config`` adds settings for a new session, e.g. ``spark.ui.enabled``.
     ``log_level`` (``ERROR``, ``WARN``, ``INFO``, ``DEBUG``) is Spark's log
     level from its start; below WARN the JVM's start-up notices are shown too.
+    ``data_source=False`` leaves ``spark.read.format("outbox_table")`` out: the
+    jobs do not read through it, and registering it makes Spark start a Python
+    process to look for other data sources (about two seconds).
     Raises ``ConfigurationError`` when the executors cannot import this package.
     """
     level = log_level.upper()
@@ -85,7 +89,8 @@ def spark_session(
         if chosen is not None:
             settings["spark.master"] = chosen
         spark = _build(app_name, settings, level)
-    spark.dataSource.register(TableSource)
+    if data_source:
+        spark.dataSource.register(TableSource)
     _check_executors(spark)
     return spark
 
