@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def java_options(base: str, settings: Mapping[str, str]) -> tuple[str, Path | No
     except OSError:
         return base, None, None
     _remove_stale(folder)
-    dump = folder / f"{archive.name}.{os.getpid()}.tmp"
+    # One name per JVM: a process may start another after stopping its first.
+    dump = folder / f"{archive.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     return f'{base} "-XX:ArchiveClassesAtExit={dump}" {QUIET}', None, dump
 
 
