@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,3 +44,13 @@ def test_a_failed_dump_leaves_nothing_and_an_empty_setting_turns_it_off(tmp_path
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv(classcache.CACHE_ENV, "")
     assert classcache.java_options(FAST_START, {}) == (FAST_START, None, None)
+
+
+def test_archives_unused_for_a_month_go_when_a_new_one_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv(classcache.CACHE_ENV, str(tmp_path))
+    old, dead = tmp_path / "driver-0000000000000000.jsa", tmp_path / "driver-x.jsa.1-ab.tmp"
+    for path in (old, dead):
+        path.write_bytes(b"")
+        os.utime(path, (time.time() - 40 * 86400,) * 2)
+    _, _, dump = classcache.java_options(FAST_START, {})
+    assert dump is not None and not old.exists() and not dead.exists()

@@ -34,6 +34,7 @@ CACHE_ENV = "OUTBOX_SPARK_CLASS_CACHE"
 # (skipped classes) must not end up among a command's output.
 QUIET = "-Xlog:cds*=off"
 STALE_SECONDS = 3600  # an unfinished dump this old belongs to a process that died
+UNUSED_SECONDS = 30 * 86400  # an archive no run mapped for this long is for an old installation
 
 
 def java_options(base: str, settings: Mapping[str, str]) -> tuple[str, Path | None, Path | None]:
@@ -48,6 +49,8 @@ def java_options(base: str, settings: Mapping[str, str]) -> tuple[str, Path | No
         return base, None, None
     archive = folder / f"driver-{_fingerprint(base, settings)}.jsa"
     if archive.is_file():
+        with contextlib.suppress(OSError):
+            os.utime(archive)  # marks it in use, see _remove_stale
         return f'{base} "-XX:SharedArchiveFile={archive}" {QUIET}', archive, None
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -124,7 +127,9 @@ def _stat(path: Path) -> list[str]:
 
 
 def _remove_stale(folder: Path) -> None:
-    for leftover in folder.glob("*.tmp"):
-        with contextlib.suppress(OSError):
-            if time.time() - leftover.stat().st_mtime > STALE_SECONDS:
-                leftover.unlink()
+    """Dumps of processes that died, and archives of installations no longer used (190 MB each)."""
+    for pattern, age in (("*.tmp", STALE_SECONDS), ("driver-*.jsa", UNUSED_SECONDS)):
+        for leftover in folder.glob(pattern):
+            with contextlib.suppress(OSError):
+                if time.time() - leftover.stat().st_mtime > age:
+                    leftover.unlink()
