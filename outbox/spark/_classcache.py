@@ -1,19 +1,21 @@
-"""A class-data-sharing archive for the driver JVM: built by the first run, mapped by the next.
+"""A class-data-sharing archive for the driver JVM: written by ``outbox spark warm-up``, mapped by every run.
 
 Starting the driver JVM and the SparkSession is mostly loading, parsing and
 verifying some ten thousand classes from Spark's jars. A JVM started with an
 archive of them (AppCDS, ``-XX:SharedArchiveFile``) maps them ready-made: on
 two cores the session and its first job take about half the time.
 
-The archive fits one Java runtime, one set of Spark jars and one set of
-driver options, so its file name carries a hash of them; an upgrade makes a
-new one. A run that finds none has its JVM write one when it exits
-(``-XX:ArchiveClassesAtExit``), waits for that at the end of the process and
-moves the file into place, so no run ever maps a half-written archive (one
-the JVM cannot start with is deleted, and the start retried without it). That
-first run takes 40 to 55 s longer on two shared cores: recording and writing the
-classes is slow, but it is paid once. ``OUTBOX_SPARK_CLASS_CACHE`` names the directory
-(default ``~/.cache/outbox-spark``); set it empty to use no archive.
+A run maps the archive when there is one and never writes one: writing
+(``-XX:ArchiveClassesAtExit``) makes the JVM's exit wait for a ~190 MB file,
+which where nothing survives a run (a fresh container per job) would be paid
+by every run for nothing. ``outbox spark warm-up`` writes it on purpose: its
+JVM records the classes of a small audit, and the command waits for the JVM's
+exit and moves the file into place, so no run ever maps a half-written
+archive. The archive fits one Java runtime, one set of Spark jars and one set
+of driver options, so its file name carries a hash of them; after an upgrade
+runs find none until the next warm-up. One the JVM cannot start with is
+deleted, and the start retried without it. ``OUTBOX_SPARK_CLASS_CACHE`` names
+the directory (default ``~/.cache/outbox-spark``); set it empty to use no archive.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 CACHE_ENV = "OUTBOX_SPARK_CLASS_CACHE"
@@ -37,44 +39,84 @@ STALE_SECONDS = 3600  # an unfinished dump this old belongs to a process that di
 UNUSED_SECONDS = 30 * 86400  # an archive no run mapped for this long is for an old installation
 
 
-def java_options(base: str, settings: Mapping[str, str]) -> tuple[str, Path | None, Path | None]:
+_write = False
+
+
+@contextlib.contextmanager
+def writing() -> Iterator[None]:
+    """Within it, a driver JVM that starts writes an archive at its exit (``outbox spark warm-up``)."""
+    global _write
+    _write = True
+    try:
+        yield
+    finally:
+        _write = False
+
+
+def archive_path(base: str, settings: Mapping[str, str]) -> Path | None:
+    """Where the archive for these driver options lives (it may not exist); None when turned off."""
+    folder = _folder()
+    return None if folder is None else folder / f"driver-{_fingerprint(base, settings)}.jsa"
+
+
+def java_options(base: str, settings: Mapping[str, str], *,
+                 write: bool | None = None) -> tuple[str, Path | None, Path | None]:
     """``(options, mapped, dump)``: ``base`` plus the options that map or write the archive.
 
-    ``mapped`` is the archive the JVM maps, if any (``discard`` it should the
-    JVM not start); ``dump`` is where the JVM writes a new one at its exit,
-    if it does (hand it to ``finish_at_exit``).
+    ``mapped`` is the archive the JVM maps, if one exists (``discard`` it
+    should the JVM not start). Only with ``write`` (default: inside
+    ``writing()``, as ``outbox spark warm-up`` runs) does the JVM write a new
+    one at its exit, to ``dump`` (hand it to ``finish_at_exit``).
     """
-    folder = _folder()
-    if folder is None:
+    write = _write if write is None else write
+    archive = archive_path(base, settings)
+    if archive is None:
         return base, None, None
-    archive = folder / f"driver-{_fingerprint(base, settings)}.jsa"
-    if archive.is_file():
+    if not write:
+        if not archive.is_file():
+            return base, None, None
         with contextlib.suppress(OSError):
             os.utime(archive)  # marks it in use, see _remove_stale
         return f'{base} "-XX:SharedArchiveFile={archive}" {QUIET}', archive, None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        archive.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
         return base, None, None
-    _remove_stale(folder)
+    _remove_stale(archive.parent)
     # One name per JVM: a process may start another after stopping its first.
-    dump = folder / f"{archive.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    dump = archive.with_name(f"{archive.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     return f'{base} "-XX:ArchiveClassesAtExit={dump}" {QUIET}', None, dump
 
 
 def discard(archive: Path) -> None:
-    """Remove an archive the JVM could not start with; the next run writes a new one."""
+    """Remove an archive the JVM could not start with; ``outbox spark warm-up`` writes a new one."""
     with contextlib.suppress(OSError):
         archive.unlink()
 
 
+_pending: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+
 def finish_at_exit(jvm: subprocess.Popen[bytes] | None, dump: Path | None) -> None:
-    """At the process's exit, let the JVM end (it dumps then) and move its archive into place."""
+    """At the process's exit, or in ``finish_pending``: let the JVM end (it dumps then), place its archive."""
     if jvm is not None and dump is not None:
-        atexit.register(finish, jvm, dump)
+        if not _pending:
+            atexit.register(finish_pending)
+        _pending.append((jvm, dump))
 
 
-def finish(jvm: subprocess.Popen[bytes], dump: Path) -> None:
+def finish_pending() -> list[Path]:
+    """``finish`` every JVM ``finish_at_exit`` was given; the archives now in place."""
+    done = []
+    while _pending:
+        jvm, dump = _pending.pop()
+        archive = finish(jvm, dump)
+        if archive is not None:
+            done.append(archive)
+    return done
+
+
+def finish(jvm: subprocess.Popen[bytes], dump: Path) -> Path | None:
     """End the JVM, wait for its dump, and rename a complete one (exit code 0) to the archive's name."""
     from pyspark import SparkContext
 
@@ -88,12 +130,14 @@ def finish(jvm: subprocess.Popen[bytes], dump: Path) -> None:
     try:
         jvm.wait(timeout=300)
     except subprocess.TimeoutExpired:
-        return  # left to _remove_stale
+        return None  # left to _remove_stale
+    archive = dump.with_name(dump.name.split(".jsa.")[0] + ".jsa")
     with contextlib.suppress(OSError):
         if jvm.returncode == 0 and dump.is_file():
-            os.replace(dump, dump.with_name(dump.name.split(".jsa.")[0] + ".jsa"))
-        else:
-            dump.unlink(missing_ok=True)
+            os.replace(dump, archive)
+            return archive
+        dump.unlink(missing_ok=True)
+    return None
 
 
 def _folder() -> Path | None:
