@@ -8,10 +8,11 @@ the lost count, and writes the ``spark`` section of docs/benchmarks.md.
 
 Sizes up to ``SMALL`` rows are timed as a user runs a daily audit: the whole
 ``outbox spark audit`` command in a fresh process, JVM and session start
-included, once on a fresh class-archive directory (the run that writes the
-driver's AppCDS archive) and then ``WARM_RUNS`` times with it (the figure in
-the table is their median). Larger sizes time ``audit()`` in a session that
-is already up. Rows of sizes not measured are kept from the previous run.
+included, ``RUNS`` times on a fresh, empty class-archive directory (what a
+user gets by default) and ``RUNS`` times with the driver's AppCDS archive
+written by ``outbox spark warm-up`` (whose own time is reported too); the
+table shows both medians. Larger sizes time ``audit()`` in a session that is
+already up. Rows of sizes not measured are kept from the previous run.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ AS_OF = datetime(2026, 1, 10, tzinfo=UTC)
 LOST_EVERY = 10_000
 KEYS = 50_000
 SMALL = 100_000
-WARM_RUNS = 3
-CLASS_CACHE_ENV = "OUTBOX_SPARK_CLASS_CACHE"  # a fresh one per run: the first run writes it
+RUNS = 3
+CLASS_CACHE_ENV = "OUTBOX_SPARK_CLASS_CACHE"  # a fresh directory per benchmark run
 
 LOST_SQL = """
 SELECT count(*) FROM outbox_messages o
@@ -118,23 +119,36 @@ def audit_command(url: str, out: str, class_cache: str | None = None) -> tuple[i
     return json.loads((Path(out) / "summary.json").read_text())["totals"]["lost"], elapsed
 
 
-def small_audits(url: str, out: str) -> tuple[int, float, str]:
-    """The command on a machine that has no class archive yet, then WARM_RUNS times with it.
+def warm_up(class_cache: str) -> float:
+    """``outbox spark warm-up`` in its own process; seconds."""
+    started = time.perf_counter()
+    done = subprocess.run([str(Path(sys.executable).parent / "outbox"), "spark", "warm-up"],
+                          capture_output=True, text=True, env={**os.environ, CLASS_CACHE_ENV: class_cache})
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr[-2000:]
+    return elapsed
 
-    Returns (lost, median of the warm runs, a note with the runs and the first one).
+
+def small_audits(url: str, out: str) -> tuple[int, str, str]:
+    """The command RUNS times without a class archive, then RUNS times with one from warm-up.
+
+    Returns (lost, the audit cell with both medians, a note with every run and the warm-up's time).
     """
+    medians, notes = [], []
     with tempfile.TemporaryDirectory() as cache:
-        lost, first = audit_command(url, out, cache)
-        runs = []
-        for _ in range(WARM_RUNS):
-            load = os.getloadavg()[0]
-            lost, elapsed = audit_command(url, out, cache)
-            runs.append((elapsed, load))
-    median = sorted(e for e, _ in runs)[len(runs) // 2]
-    each = ", ".join(f"{e:.1f} s at load {ld:.1f}" for e, ld in runs)
-    note = (f"median of {len(runs)} runs with the driver's class archive in place: {each}; "
-            f"the first run on a machine, which writes the archive, took {first:.1f} s")
-    return lost, median, note
+        for label in ("without the class archive", "with it"):
+            if label == "with it":
+                load = os.getloadavg()[0]
+                notes.append(f"`outbox spark warm-up` took {warm_up(cache):.1f} s at load {load:.1f}")
+            runs = []
+            for _ in range(RUNS):
+                load = os.getloadavg()[0]
+                lost, elapsed = audit_command(url, out, cache)
+                runs.append((elapsed, load))
+            medians.append(sorted(e for e, _ in runs)[len(runs) // 2])
+            notes.append(f"{label}: " + ", ".join(f"{e:.1f} s at load {ld:.1f}" for e, ld in runs))
+    cell = f"{medians[1]:.1f} s with the class archive, {medians[0]:.1f} s without"
+    return lost, cell, f"medians of {RUNS} runs; " + "; ".join(notes)
 
 
 def kept_rows(sizes: list[int]) -> tuple[list[list[str]], str | None, str | None]:
@@ -175,8 +189,10 @@ def main() -> None:
                 print(f"{n:,} rows each seeded in {seeded:.1f} s", flush=True)
                 load = os.getloadavg()[0]
                 note = ""
+                cell = ""
                 if n <= SMALL:
-                    spark_lost, elapsed, note = small_audits(url, out)
+                    spark_lost, cell, note = small_audits(url, out)
+                    elapsed = 0.0
                 else:
                     started = time.perf_counter()
                     result = audit(url, out_dir=out, sla="15m", as_of=AS_OF, spark=spark, partitions=8)
@@ -185,12 +201,12 @@ def main() -> None:
                 sql_lost, sql_time = one_query(url)
             expected = len(range(7, n, LOST_EVERY))
             assert spark_lost == sql_lost == expected, (spark_lost, sql_lost, expected)
-            print(f"{n:,}: audit {elapsed:.1f} s, one SQL query {sql_time:.2f} s, lost {spark_lost}",
-                  flush=True)
-            results.append((n, seeded, elapsed, sql_time, spark_lost, load, note))
+            cell = cell or f"{elapsed:.1f} s"
+            print(f"{n:,}: audit {cell}, one SQL query {sql_time:.2f} s, lost {spark_lost}", flush=True)
+            results.append((n, seeded, elapsed, sql_time, spark_lost, load, note, cell))
     kept, earlier_startup, earlier_scaling = kept_rows(sizes)
-    rows = kept + [[f"{n:,} + {n - e:,}" + (f" ({note})" if note else ""), f"{a:.1f} s", f"{q:.2f} s",
-                    f"{e:,}", f"{s:.0f} s", f"{ld:.1f}"] for n, s, a, q, e, ld, note in results]
+    rows = kept + [[f"{n:,} + {n - e:,}" + (f" ({note})" if note else ""), cell, f"{q:.2f} s",
+                    f"{e:,}", f"{s:.0f} s", f"{ld:.1f}"] for n, s, _, q, e, ld, note, cell in results]
     rows.sort(key=lambda row: int(row[0].split(" ")[0].replace(",", "")))
     started_in = f"{startup:.1f}" if spark is not None else earlier_startup or "?"
     body = [
@@ -200,7 +216,8 @@ def main() -> None:
         f"group, one message in {LOST_EVERY:,} never consumed. The audit time is end to end: "
         "partitioned reads by Python tasks (Arrow), all findings, Parquet, JSON, chart. "
         f"Up to {SMALL:,} rows it is the whole `outbox spark audit` command in a fresh process, "
-        "JVM and SparkSession start included (a daily audit as a scheduler runs it); above, "
+        "JVM and SparkSession start included (a daily audit as a scheduler runs it), without and "
+        "with the driver's class archive written by `outbox spark warm-up`; above, "
         f"`audit()` in a session that was already up (its start took {started_in} s). The SQL "
         "query computes only the lost count. Rows of sizes not given to `--sizes` are kept "
         "from the previous run.",
