@@ -67,6 +67,14 @@ def test_time_filter_is_half_open(spark, seeded):
         k for k, r in outbox.items() if since <= r.created_at < until)
 
 
+def test_the_same_reads_as_a_registered_data_source(spark, seeded):
+    """spark_session() registers "outbox_table" (the CLI's session leaves it out: it costs seconds)."""
+    url, outbox, _ = seeded
+    frame = spark.read.format("outbox_table").options(
+        url=url, table="outbox_messages", columns="message_id,seq", partitions="3").load()
+    assert sorted(frame.toArrow().column("message_id").to_pylist()) == sorted(outbox)
+
+
 def test_unknown_table_or_column_is_named(spark, tmp_path):
     url = f"sqlite:///{tmp_path / 'x.db'}"
     with pytest.raises(ConfigurationError, match="unknown table 'outbox'"):

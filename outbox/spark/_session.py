@@ -27,6 +27,7 @@ from pyspark.java_gateway import launch_gateway
 from pyspark.sql import SparkSession
 
 from .._errors import ConfigurationError
+from . import _classcache as classcache
 from ._noise import LEVELS, forward_filtered
 from ._source import TableSource
 
@@ -50,6 +51,7 @@ def spark_session(
     app_name: str = "outbox",
     config: Mapping[str, str] | None = None,
     log_level: str = "WARN",
+    data_source: bool = True,
 ) -> SparkSession:
     """Return the active session, or build one, with the outbox data source registered.
 
@@ -58,6 +60,9 @@ def spark_session(
     ``config`` adds settings for a new session, e.g. ``spark.ui.enabled``.
     ``log_level`` (``ERROR``, ``WARN``, ``INFO``, ``DEBUG``) is Spark's log
     level from its start; below WARN the JVM's start-up notices are shown too.
+    ``data_source=False`` leaves ``spark.read.format("outbox_table")`` out: the
+    jobs do not read through it, and registering it makes Spark start a Python
+    process to look for other data sources (about two seconds).
     Raises ``ConfigurationError`` when the executors cannot import this package.
     """
     level = log_level.upper()
@@ -84,7 +89,8 @@ def spark_session(
         if chosen is not None:
             settings["spark.master"] = chosen
         spark = _build(app_name, settings, level)
-    spark.dataSource.register(TableSource)
+    if data_source:
+        spark.dataSource.register(TableSource)
     _check_executors(spark)
     return spark
 
@@ -101,16 +107,23 @@ def session_from(spark: SparkSession | SessionFactory | None) -> SparkSession:
 def _build(app_name: str, settings: Mapping[str, str], level: str) -> SparkSession:
     """Start the SparkContext at ``level`` (its first lines are logged before that applies)."""
     settings = {"spark.log.level": level, **settings}
-    if SparkContext._active_spark_context is None and not _under_spark_submit():
-        settings.setdefault(DRIVER_JAVA_OPTIONS, os.environ.get(DRIVER_JAVA_OPTIONS_ENV, FAST_START))
+    mapped = dump = None
+    if SparkContext._active_spark_context is None and not _under_spark_submit() \
+            and DRIVER_JAVA_OPTIONS not in settings:
+        options = os.environ.get(DRIVER_JAVA_OPTIONS_ENV)
+        if options is None:
+            options, mapped, dump = classcache.java_options(FAST_START, settings)
+        settings[DRIVER_JAVA_OPTIONS] = options
     if SparkContext._active_spark_context is None:
-        conf = SparkConf().setAppName(app_name).setAll(list(settings.items()))
-        gateway = None
-        if level in ("ERROR", "WARN") and not _under_spark_submit():
-            # Start the JVM ourselves so that its stderr passes through the filter.
-            gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
-            forward_filtered(gateway.proc.stderr)
-        context = SparkContext(conf=conf, gateway=gateway)
+        try:
+            context = _start_context(app_name, settings, level)
+        except PySparkException:
+            if mapped is None:
+                raise
+            classcache.discard(mapped)  # a damaged class archive: start without it
+            settings[DRIVER_JAVA_OPTIONS] = FAST_START
+            context = _start_context(app_name, settings, level)
+        classcache.finish_at_exit(getattr(context._gateway, "proc", None), dump)
         if not context.getConf().contains(SHUFFLE_PARTITIONS):
             # Spark's 200 shuffle partitions cost seconds of task overhead per
             # stage on small inputs; a few per core keep big ones spread too.
@@ -119,6 +132,19 @@ def _build(app_name: str, settings: Mapping[str, str], level: str) -> SparkSessi
     for name, value in settings.items():
         builder = builder.config(name, value)
     return builder.getOrCreate()
+
+
+def _start_context(app_name: str, settings: Mapping[str, str], level: str) -> SparkContext:
+    conf = SparkConf().setAppName(app_name).setAll(list(settings.items()))
+    gateway = None
+    if level in ("ERROR", "WARN") and not _under_spark_submit():
+        # Start the JVM ourselves so that its output passes through the filter,
+        # onto stderr: stdout is the command's (the report), not the JVM's
+        # (a crash report, say, would otherwise land among it).
+        gateway = launch_gateway(conf, popen_kwargs={"stdout": subprocess.PIPE,
+                                                     "stderr": subprocess.STDOUT})
+        forward_filtered(gateway.proc.stdout)
+    return SparkContext(conf=conf, gateway=gateway)
 
 
 def _check_executors(spark: SparkSession) -> None:
