@@ -248,3 +248,15 @@ def test_a_relay_with_no_broker_logs_through_python_logging(workdir: Path) -> No
     assert "%3|" not in stderr and "Traceback" not in stderr, stderr
     assert sum("transports.kafka.librdkafka" in line for line in stderr.splitlines()) <= 2, stderr
     assert sum("broker unreachable" in line for line in stderr.splitlines()) == 1, stderr
+
+
+def test_spark_warm_up_with_archives_turned_off_says_so(tmp_path: Path) -> None:
+    """An empty OUTBOX_SPARK_CLASS_CACHE turns archives off: warm-up refuses in one line,
+    before Spark starts."""
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "outbox", "spark", "warm-up"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=120,
+                            env={**os.environ, "OUTBOX_SPARK_CLASS_CACHE": ""})
+    assert_one_sentence(result, 2, "OUTBOX_SPARK_CLASS_CACHE")
+    assert list(tmp_path.iterdir()) == []
