@@ -17,6 +17,7 @@ from .._gc import tune_gc_for_batches
 from .._outage import is_database_outage
 from .._outbox import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
+from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name
@@ -100,7 +101,7 @@ def _wait_for_tables(outbox: Outbox) -> bool:
                     log.warning("database %s unreachable (%s); waiting for it before starting "
                                 "(check --db if this persists)", database_name(),
                                 str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
-                stop.wait(min(0.2 * 2 ** min(failures, 5), 5.0))
+                stop.wait(database_backoff(failures, 0.2))
                 failures += 1
             else:
                 if since is not None:
