@@ -256,7 +256,7 @@ def test_status_reads_no_published_row_on_sqlite(tmp_path: Path) -> None:
     """Every read of outbox_messages goes through a partial index of unpublished rows, so a
     table of millions of published rows costs nothing (SQLite picks partial indexes only when
     the query repeats their predicate; PostgreSQL infers them, as EXPLAIN on 400,000 rows showed)."""
-    from outbox.cli._stuck import gather
+    from outbox.ops import gather
 
     engine = create_engine(f"sqlite:///{tmp_path / 'plan.db'}")
     outbox = Outbox(engine)

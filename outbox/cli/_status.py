@@ -15,11 +15,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..ops import gather
 from . import app
 from ._db import open_outbox
 from ._errors import STUCK
 from ._relay import DB, PREFIX, SCHEMA
-from ._stuck import gather
 
 
 @app.command("status")
