@@ -12,8 +12,7 @@ from .._errors import ConfigurationError
 from .._outbox import Outbox
 from . import app
 from ._errors import naming
-
-DB_OPTION = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. sqlite:///app.db")
+from ._options import DB, PREFIX, SCHEMA
 
 
 def open_engine(url: str) -> Engine:
@@ -46,9 +45,9 @@ def open_outbox(db: str, prefix: str = "", schema: str | None = None,
 
 @app.command("init-db")
 def init_db(
-    db: str = DB_OPTION,
-    prefix: str = typer.Option("", help="Table name prefix."),
-    schema: str | None = typer.Option(None, help="Database schema for the tables."),
+    db: str = DB,
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
     shards: int | None = typer.Option(
         None, help="Shard count of a new database (default 16); stored with the tables."),
     upgrade: bool = typer.Option(

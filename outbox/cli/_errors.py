@@ -29,6 +29,7 @@ import typer
 
 from .._errors import ConfigurationError, OutboxError, SchemaError
 from .._outage import is_database_outage
+from ._options import from_environment
 
 USAGE, RUNTIME = 2, 1
 STUCK = 3  # ``outbox status`` ran fine and found something stuck (a health check's "unhealthy")
@@ -67,11 +68,18 @@ def reporting(command: F) -> F:
 
 
 class Typer(typer.Typer):
-    """``typer.Typer`` whose commands report errors through ``reporting``."""
+    """``typer.Typer`` whose commands report errors through ``reporting`` and read the environment.
+
+    (``_options.from_environment``: every option also from an ``OUTBOX_…`` variable.)
+    """
 
     def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
         register = super().command(*args, **kwargs)
-        return lambda command: register(reporting(command))
+
+        def registered(command: F) -> F:
+            from_environment(command)
+            return register(reporting(command))
+        return registered
 
 
 def database_name() -> str:

@@ -19,7 +19,15 @@ from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._db import existing_database, open_engine
 from ._errors import Typer
-from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
+from ._options import (
+    BOOTSTRAP_SERVERS,
+    KAFKA_CONFIG,
+    LOG_LEVEL,
+    PREFIX,
+    SCHEMA,
+    configure_logging,
+    parse_kafka_config,
+)
 
 inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True)
 parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
@@ -48,24 +56,30 @@ def load_inbox(target: str) -> Inbox:
     return found
 
 
-def _inbox(db: str | None, group: str | None, target: str | None) -> Inbox:
+def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = "",
+           schema: str | None = None) -> Inbox:
+    """The app's ``Inbox`` (``--app``), or one on ``--db``/``--group``/``--prefix``/``--schema``."""
     if target:
         inbox = load_inbox(target)
         if group and group != inbox.group:
             raise typer.BadParameter(f"--group {group!r} differs from the app's group {inbox.group!r}")
+        if (prefix, schema) != ("", None) and (prefix, schema) != (inbox.tables.prefix, inbox.tables.schema):
+            raise typer.BadParameter("--prefix/--schema differ from the app's tables; the app's Inbox "
+                                     "names its tables, so leave them out with --app")
         return inbox
     if not db or not group:
         raise typer.BadParameter("give --db and --group, or --app MODULE:ATTRIBUTE")
-    return Inbox(open_engine(db), group=group)
+    return Inbox(open_engine(db), group=group, prefix=prefix, schema=schema)
 
 
 @inbox_app.command("run")
 def run(
     target: str = typer.Argument(..., metavar="MODULE:ATTRIBUTE", help=APP_HELP),
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
+    bootstrap_servers: str = BOOTSTRAP_SERVERS,
     group: str | None = typer.Option(None, help="Kafka consumer group id (default: the inbox's group)."),
     kafka_config: list[str] = KAFKA_CONFIG,
-    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
+    metrics_port: int | None = typer.Option(
+        None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
@@ -76,15 +90,15 @@ def run(
     source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
                          topics=inbox.topics, settings=parse_kafka_config(kafka_config))
     if metrics_port is not None:
-        from prometheus_client import start_http_server
+        from ..ops import inbox_readiness, serve_health
 
-        start_http_server(metrics_port)
+        serve_health(metrics_port, inbox_readiness(inbox.sessions.kw["bind"], source))
     Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
     tune_gc_for_batches()
     inbox.run(source)
 
 
-DB = typer.Option(None, "--db", help="SQLAlchemy database URL of the inbox tables.")
+DB = typer.Option(None, "--db", help="SQLAlchemy database URL of the inbox tables (or --app).")
 GROUP = typer.Option(None, "--group", help="The inbox's consumer group.")
 APP = typer.Option(None, "--app", help=APP_HELP)
 
@@ -92,10 +106,12 @@ APP = typer.Option(None, "--app", help=APP_HELP)
 @parked_app.command("list")
 def list_parked(
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
-    topic: str | None = typer.Option(None), key: str | None = typer.Option(None),
+    topic: str | None = typer.Option(None, help="Only this topic."),
+    key: str | None = typer.Option(None, help="Only this key."),
+    prefix: str = PREFIX, schema: str | None = SCHEMA,
 ) -> None:
     """Show parked messages, per key in seq order, with why they were parked."""
-    parked = _inbox(db, group, target).parked(topic, key)
+    parked = _inbox(db, group, target, prefix, schema).parked(topic, key)
     # One line per message, whatever the terminal width: greppable, and nothing truncated.
     for p in parked:
         typer.echo(f"{p.topic}\t{p.key or '-'}\tseq={p.seq if p.seq is not None else '-'}\t"
@@ -106,20 +122,45 @@ def list_parked(
 
 @parked_app.command("replay")
 def replay(
-    topic: str = typer.Argument(...),
+    topic: str | None = typer.Argument(None, help="The topic of the key to replay."),
     key: str | None = typer.Argument(None, help="Omit to replay the topic's unkeyed messages."),
     target: str = typer.Option(..., "--app", help=APP_HELP),
     group: str | None = GROUP,
+    all_keys: bool = typer.Option(
+        False, "--all", help="Replay every parked key of the group (of TOPIC, if given), one after "
+                             "another; a key that fails again stays parked and the others go on."),
 ) -> None:
     """Re-run a key's parked messages in seq order with the app's (fixed) handlers."""
-    result = _inbox(None, group, target).replay(topic, key)
+    if topic is None and not all_keys:
+        raise typer.BadParameter("give TOPIC [KEY] to replay one key, or --all")
+    if key is not None and all_keys:
+        raise typer.BadParameter("give a KEY or --all, not both")
+    inbox = _inbox(None, group, target)
     console = Console()
-    console.print(f"applied {result.applied}, still parked {result.remaining}")
-    if result.unparked:
+    if not all_keys:
+        assert topic is not None
+        result = inbox.replay(topic, key)
+        console.print(f"applied {result.applied}, still parked {result.remaining}")
+        if not result.unparked:
+            console.print(f"[red]stopped: {result.error}[/red]")
+            raise typer.Exit(1)
         console.print(f"[green]key {key!r} unparked[/green]" if key is not None
                       else "[green]no unkeyed message left parked[/green]")
-    else:
-        console.print(f"[red]stopped: {result.error}[/red]")
+        return
+    # Each key is its own replay: one that fails again must not keep the others parked.
+    lanes = sorted({(p.topic, p.key) for p in inbox.parked(topic)}, key=lambda lane: (lane[0], lane[1] or ""))
+    stopped = 0
+    for lane_topic, lane_key in lanes:
+        result = inbox.replay(lane_topic, lane_key)
+        name = f"{lane_topic} {lane_key!r}" if lane_key is not None else f"{lane_topic} (unkeyed)"
+        if result.unparked:
+            console.print(f"{name}: applied {result.applied}, [green]unparked[/green]")
+        else:
+            stopped += 1
+            console.print(f"{name}: applied {result.applied}, still parked {result.remaining}: "
+                          f"[red]{result.error}[/red]")
+    console.print(f"{len(lanes) - stopped} of {len(lanes)} key(s) unparked")
+    if stopped:
         raise typer.Exit(1)
 
 
@@ -129,9 +170,10 @@ def discard(
     by: str = typer.Option(..., help="Who discards it (kept with the record)."),
     reason: str = typer.Option(..., help="Why (kept with the record)."),
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
+    prefix: str = PREFIX, schema: str | None = SCHEMA,
 ) -> None:
     """Skip one parked message for good; its key moves on past it."""
-    inbox = _inbox(db, group, target)
+    inbox = _inbox(db, group, target, prefix, schema)
     try:
         inbox.discard(message_id, by=by, reason=reason)
     except (NotParkedError, DiscardRefusedError):

@@ -1,8 +1,54 @@
-"""Options shared by several commands, so each is spelled and parsed one way."""
+"""Options shared by several commands, so each is spelled, documented and parsed one way.
+
+Every option is also read from an environment variable, ``OUTBOX_`` and the
+option's name (``--db`` → ``OUTBOX_DB``, ``--bootstrap-servers`` →
+``OUTBOX_BOOTSTRAP_SERVERS``), shown in ``--help``: a container or a systemd
+unit configures a worker without a shell line. ``from_environment`` assigns
+the names when a command is registered, so no command can forget one. Options
+that choose *what an operator action hits* (``--all``, ``--force``,
+``--upgrade``, ``--reshard``, ``--by``, ``--reason``) are read from the command
+line only: a variable left in an environment must never widen a retry or a
+skip to every row.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import typer
+from typer.models import OptionInfo
+
+ENV_PREFIX = "OUTBOX_"
+COMMAND_LINE_ONLY = frozenset({"all", "force", "upgrade", "reshard", "by", "reason", "help"})
+
+
+def env_name(flag: str) -> str:
+    """``--bootstrap-servers`` → ``OUTBOX_BOOTSTRAP_SERVERS``; ``--outbox-db`` → ``OUTBOX_DB``."""
+    stem = flag.lstrip("-").removeprefix("outbox-")
+    return ENV_PREFIX + stem.upper().replace("-", "_")
+
+
+def from_environment(command: Callable[..., Any]) -> None:
+    """Give each option of ``command`` without an environment variable its ``OUTBOX_…`` one."""
+    for name, parameter in inspect.signature(command).parameters.items():
+        info = parameter.default
+        if not isinstance(info, OptionInfo) or info.envvar is not None:
+            continue
+        flag = next((d for d in info.param_decls or () if d.startswith("--")), "--" + name.replace("_", "-"))
+        if flag.lstrip("-") in COMMAND_LINE_ONLY:
+            continue
+        info.envvar = env_name(flag)
+        info.show_envvar = True
+
+
+DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://… or sqlite:///app.db")
+PREFIX = typer.Option("", "--prefix", help="Table name prefix.")
+SCHEMA = typer.Option(None, "--schema", help="Database schema of the tables.")
+BOOTSTRAP_SERVERS = typer.Option(
+    ..., "--bootstrap-servers", envvar=["OUTBOX_BOOTSTRAP_SERVERS", "KAFKA_BOOTSTRAP_SERVERS"],
+    help="Kafka brokers, host:port,…")
 
 KAFKA_CONFIG = typer.Option(
     [], "--kafka-config", "-X",

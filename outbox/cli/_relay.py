@@ -21,11 +21,17 @@ from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name
-from ._options import KAFKA_CONFIG, LOG_LEVEL, configure_logging, parse_kafka_config
+from ._options import (
+    BOOTSTRAP_SERVERS,
+    DB,
+    KAFKA_CONFIG,
+    LOG_LEVEL,
+    PREFIX,
+    SCHEMA,
+    configure_logging,
+    parse_kafka_config,
+)
 
-DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://…")
-PREFIX = typer.Option("", help="Table name prefix.")
-SCHEMA = typer.Option(None, help="Database schema of the tables.")
 TOPIC = typer.Option(None, help="Only this topic.")
 
 log = logging.getLogger("outbox.relay")
@@ -37,9 +43,10 @@ app.add_typer(failed_app, name="failed")
 @app.command("relay")
 def relay(
     db: str = DB,
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", help="host:port,…"),
+    bootstrap_servers: str = BOOTSTRAP_SERVERS,
     kafka_config: list[str] = KAFKA_CONFIG,
-    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
+    metrics_port: int | None = typer.Option(
+        None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
     batch_size: int = typer.Option(1000, help="Rows per batch."),
     lease_ttl: float = typer.Option(10.0, help="Seconds a shard lease lasts without renewal."),
@@ -54,6 +61,7 @@ def relay(
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
 
+    from ..ops import relay_readiness, serve_health
     from ..relay import Relay, relay_metrics
 
     configure_logging(log_level)
@@ -69,7 +77,8 @@ def relay(
         backlog_metrics=metrics_port is not None,
     )
     if metrics_port is not None:
-        relay_metrics().serve(metrics_port)
+        relay_metrics()  # registered before the first scrape
+        serve_health(metrics_port, relay_readiness(worker))
     tune_gc_for_batches()
     try:
         worker.run()

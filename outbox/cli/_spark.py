@@ -30,6 +30,7 @@ from rich.progress import (
 from .._errors import ConfigurationError, OutboxError
 from . import app
 from ._errors import Typer
+from ._options import PREFIX, SCHEMA
 
 spark_app = Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay; "
                        "warm-up writes the driver's class archive.",
@@ -69,8 +70,6 @@ SHARED = typer.Option(False, "--shared-storage",
                            "on a non-local master).")
 LOG_LEVEL = typer.Option("WARN", help="Spark's log level: ERROR, WARN, INFO or DEBUG "
                                       "(INFO and DEBUG also show the JVM's start-up notices).")
-PREFIX = typer.Option("", help="Table name prefix.")
-SCHEMA = typer.Option(None, help="Database schema of the tables.")
 KEYS = typer.Option(None, help="Replay only this key (repeat for more).")
 
 

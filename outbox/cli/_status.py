@@ -19,7 +19,7 @@ from ..ops import gather
 from . import app
 from ._db import open_outbox
 from ._errors import STUCK
-from ._relay import DB, PREFIX, SCHEMA
+from ._options import DB, PREFIX, SCHEMA
 
 
 @app.command("status")
