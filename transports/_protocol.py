@@ -79,6 +79,10 @@ class Source(Protocol):
     read, so committing means "everything before this is finished".
     ``on_revoke`` is called from inside ``poll`` before partitions are taken
     away, so in-flight work can be finished or abandoned first.
+
+    A source may also offer ``assigned() -> frozenset[tuple[str, int]]``, the
+    partitions it holds now (both Kafka sources do); a worker's ``/readyz``
+    reports "no partitions assigned" from it, and skips that check without it.
     """
 
     def poll(self, max_records: int, timeout: float) -> list[Record]: ...

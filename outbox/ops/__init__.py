@@ -1,9 +1,14 @@
-"""What operators read: the report of everything stuck, shared by ``outbox status`` and the console.
+"""What operators and platforms read: the report of everything stuck, and the health endpoints.
 
-It sits above ``relay`` and ``inbox`` (it reads both) and below ``cli`` and
-``console``, which only present it.
+``gather`` is the document behind ``outbox status`` (and the console);
+``serve_health`` puts ``/healthz`` and ``/readyz`` beside ``/metrics`` for a
+worker, with ``relay_readiness`` or ``inbox_readiness`` saying what "ready"
+means for it. This package sits above ``relay`` and ``inbox`` (it reads both)
+and below ``cli`` and ``console``, which only present it.
 """
 
+from ._health import DatabaseCheck, Readiness, inbox_readiness, relay_readiness, serve_health
 from ._stuck import VERSION, gather
 
-__all__ = ["VERSION", "gather"]
+__all__ = ["VERSION", "DatabaseCheck", "Readiness", "gather", "inbox_readiness", "relay_readiness",
+           "serve_health"]

@@ -49,6 +49,7 @@ class Leases:
         self.ttl = ttl
         self._owned: dict[int, int] = {}  # shard -> epoch; replaced, never mutated
         self._surplus = 0
+        self._share: int | None = None  # None until the first maintain() counted the live relays
         self._lock = threading.Lock()
         self._prepared = False
 
@@ -61,6 +62,11 @@ class Leases:
     @property
     def surplus(self) -> int:
         return self._surplus
+
+    @property
+    def share(self) -> int | None:
+        """Shards this relay should hold (its fair share), as of the last ``maintain``; None before."""
+        return self._share
 
     def _prepare(self) -> None:
         t = self._tables.leases
@@ -115,6 +121,7 @@ class Leases:
             if len(held) < share:
                 held |= self._take(share - len(held), now, expires)
             self._owned = held
+            self._share = share
             self._surplus = max(0, len(held) - share)
             return dict(held)
 

@@ -73,6 +73,7 @@ class KafkaSource:
         check_with_librdkafka(config, "consumer")
         self.config = config
         self._revoke_callbacks: list[RevokeCallback] = []
+        self._assignment: frozenset[tuple[str, int]] = frozenset()
         self._consumer = Consumer({**config, "logger": LibrdkafkaLog()})  # see _logging
         self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
                                  on_lost=self._revoked)
@@ -125,11 +126,18 @@ class KafkaSource:
         """Leave the group (partitions go to the others at once) and close."""
         self._consumer.close()
 
+    def assigned(self) -> frozenset[tuple[str, int]]:
+        """The (topic, partition) pairs this consumer holds now; safe to read from any thread."""
+        return self._assignment  # replaced, never changed in place
+
     def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
+        added = {(tp.topic, tp.partition) for tp in partitions}
+        self._assignment = self._assignment | added
+        log.info("assigned %s", sorted(added))
 
     def _revoked(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         gone = [(tp.topic, tp.partition) for tp in partitions]
+        self._assignment = self._assignment - set(gone)
         for callback in self._revoke_callbacks:
             try:
                 callback(gone)

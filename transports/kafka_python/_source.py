@@ -53,7 +53,8 @@ class KafkaPythonSource:
         except (TypeError, AssertionError, KafkaError) as exc:
             raise ConfigurationError(f"invalid kafka-python-ng setting: {exc}") from None
         self._revoke_callbacks: list[RevokeCallback] = []
-        self._consumer.subscribe(self.topics, listener=_Listener(self._revoked))
+        self._assignment: frozenset[tuple[str, int]] = frozenset()
+        self._consumer.subscribe(self.topics, listener=_Listener(self._revoked, self._assigned))
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max(1, max_records))
@@ -85,8 +86,16 @@ class KafkaPythonSource:
     def close(self) -> None:
         self._consumer.close(autocommit=False)
 
+    def assigned(self) -> frozenset[tuple[str, int]]:
+        """The (topic, partition) pairs this consumer holds now; safe to read from any thread."""
+        return self._assignment  # replaced, never changed in place
+
+    def _assigned(self, partitions: Sequence[Any]) -> None:
+        self._assignment = self._assignment | {(tp.topic, tp.partition) for tp in partitions}
+
     def _revoked(self, partitions: Sequence[Any]) -> None:
         gone = [(tp.topic, tp.partition) for tp in partitions]
+        self._assignment = self._assignment - set(gone)
         for callback in self._revoke_callbacks:
             try:
                 callback(gone)
@@ -95,12 +104,13 @@ class KafkaPythonSource:
 
 
 class _Listener(ConsumerRebalanceListener):
-    def __init__(self, revoked: Any) -> None:
+    def __init__(self, revoked: Any, assigned: Any) -> None:
         self._revoked = revoked
+        self._assigned = assigned
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         if revoked:
             self._revoked(revoked)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        pass
+        self._assigned(assigned)

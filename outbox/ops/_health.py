@@ -1,0 +1,147 @@
+"""``/healthz`` and ``/readyz`` beside ``/metrics``: the two questions a container platform asks.
+
+``/healthz`` answers 200 while the process serves HTTP: liveness, "restart me
+if I stop answering". It deliberately checks nothing else: a database or
+broker outage is waited out by the worker (DESIGN §9), and a liveness probe
+that failed on it would restart every worker in the middle of an outage.
+
+``/readyz`` answers 200 when the worker does its job right now and 503 with
+the reason otherwise: the database answers ``SELECT 1`` within
+``DATABASE_TIMEOUT``, and the worker holds its work — a relay its fair share
+of the shard leases (a standby relay, with more relays than shards, has a
+share of 0 and is ready), a consumer at least one assigned partition. It is
+what a dashboard or a rollout should watch; it is not a restart signal.
+
+Everything else on the port is Prometheus's exposition (``/metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
+from sqlalchemy import Engine, text
+
+from ..relay import Relay
+
+log = logging.getLogger("outbox.health")
+
+DATABASE_TIMEOUT = 2.0
+"""Seconds ``/readyz`` waits for the database's answer before it reports it unreachable."""
+
+Readiness = Callable[[], str | None]
+"""Returns None when ready, else the reason it is not (one line, shown in the 503's body)."""
+
+
+class DatabaseCheck:
+    """``SELECT 1`` on ``engine``, answered within ``timeout`` or reported as not answering.
+
+    One ping at a time: probes that arrive while a ping hangs (a database that
+    is down can keep a connect waiting for minutes) share it instead of piling
+    up threads and connections.
+    """
+
+    def __init__(self, engine: Engine, timeout: float = DATABASE_TIMEOUT) -> None:
+        self._engine = engine
+        self._timeout = timeout
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="outbox-readyz")
+        self._pinging: Future[None] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> str | None:
+        with self._lock:
+            if self._pinging is None or self._pinging.done():
+                self._pinging = self._executor.submit(self._ping)
+            pinging = self._pinging
+        try:
+            pinging.result(self._timeout)
+        except FutureTimeout:
+            return f"database did not answer within {self._timeout:g} s"
+        except Exception as exc:
+            first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+            return f"database unreachable: {first[0] if first else type(exc).__name__}"
+        return None
+
+    def _ping(self) -> None:
+        with self._engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+
+def relay_readiness(relay: Relay) -> Readiness:
+    """Ready: the database answers and ``relay`` holds its fair share of the shard leases."""
+    database = DatabaseCheck(relay.engine)
+
+    def ready() -> str | None:
+        share = relay.leases.share
+        if share is None:
+            return "has not taken its shard leases yet"
+        problem = database()
+        if problem is not None:
+            return problem
+        held = len(relay.leases.owned())
+        if held < share:
+            return f"holds {held} of its {share} shard lease(s)"
+        return None
+    return ready
+
+
+def inbox_readiness(engine: Engine, source: object) -> Readiness:
+    """Ready: the database answers and ``source`` holds at least one partition (if it can say)."""
+    database = DatabaseCheck(engine)
+    assigned: Callable[[], frozenset[tuple[str, int]]] | None = getattr(source, "assigned", None)
+
+    def ready() -> str | None:
+        problem = database()
+        if problem is not None:
+            return problem
+        if assigned is not None and not assigned():
+            return "no partitions assigned"
+        return None
+    return ready
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: no access log
+        pass
+
+
+def serve_health(port: int, readiness: Readiness, *, registry: CollectorRegistry = REGISTRY,
+          addr: str = "0.0.0.0") -> WSGIServer:
+    """Serve ``/healthz``, ``/readyz`` and the metrics of ``registry`` on ``port``, in a daemon thread."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            return _plain(start_response, "200 OK", "alive")
+        if path == "/readyz":
+            try:
+                problem = readiness()
+            except Exception as exc:  # a probe must answer, whatever the check ran into
+                problem = f"readiness check failed: {type(exc).__name__}: {exc}"
+            if problem is None:
+                return _plain(start_response, "200 OK", "ready")
+            return _plain(start_response, "503 Service Unavailable", f"not ready: {problem}")
+        return metrics(environ, start_response)
+
+    server = make_server(addr, port, app, _Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="outbox-http", daemon=True).start()
+    return server
+
+
+def _plain(start_response: Callable[..., Any], status: str, body: str) -> list[bytes]:
+    data = (body + "\n").encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                            ("Content-Length", str(len(data)))])
+    return [data]
