@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from _relay_helpers import wait_for
 from typer.core import TyperGroup, TyperOption
 
 from outbox import Outbox, create_engine
@@ -27,8 +28,6 @@ from outbox.cli import app
 from outbox.cli._options import COMMAND_LINE_ONLY
 from outbox.testing import LocalPostgres
 from outbox.testing._postgres import free_port
-
-from _relay_helpers import wait_for
 
 pytestmark = pytest.mark.postgres
 
@@ -80,7 +79,7 @@ def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
         wait_for(lambda: probe(standby_port, "/readyz") == (200, "ready\n"), 30, "the standby to be ready")
 
         own_postgres.stop()
-        status, body = wait_for(lambda: (r := probe(port, "/readyz"))[0] == 503 and r, 30,
+        _, body = wait_for(lambda: (r := probe(port, "/readyz"))[0] == 503 and r, 30,
                                 "/readyz to report the database")
         assert body.startswith("not ready: database"), body
         assert probe(port, "/healthz") == (200, "alive\n")  # an outage never asks for a restart
@@ -119,8 +118,8 @@ def test_a_consumer_is_ready_once_it_holds_a_partition(
     (tmp_path / "healthapp.py").write_text(INBOX_APP.format(db=postgres_db, topic=topic))
     port = free_port()
     consumer = start(["inbox", "run", "healthapp:inbox", "--metrics-port", str(port),
-                      "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": kafka}, tmp_path / "inbox.log",
-                     cwd=tmp_path)
+                      "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": kafka},
+                     tmp_path / "inbox.log", cwd=tmp_path)
     try:
         wait_for(lambda: probe(port, "/healthz")[0] == 200, 30, "the consumer's port")
         wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), 60, "a partition to be assigned")

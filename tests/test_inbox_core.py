@@ -88,7 +88,8 @@ def test_a_gap_that_never_fills_parks_the_key_after_the_timeout(inbox: Inbox) ->
     [parked] = inbox.parked()
     assert (parked.key, parked.seq, parked.reason) == ("a", 3, "gap")
     assert "seq 2 did not arrive" in parked.error
-    [alert] = inbox.alert
+    warned, alert = inbox.alert  # held past gap_alert_after (half the timeout), then parked
+    assert (warned.kind, warned.key, warned.details["seq"]) == ("gap_held", "a", 3)
     assert (alert.kind, alert.key, alert.details["reason"]) == ("key_parked", "a", "gap")
     assert inbox.handle(record(TOPIC, "a", 4)) is Disposition.PARKED
     assert [p.seq for p in inbox.parked()] == [3, 4]

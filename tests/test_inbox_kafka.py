@@ -117,7 +117,9 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kaf
     assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
     [parked] = inbox.parked(topic, "gap")
     assert (parked.seq, parked.reason) == (3, "gap")
-    assert [(a.kind, a.key) for a in inbox.alert] == [("key_parked", "gap")]
+    # "gap" was held past gap_alert_after before it parked; "a" may have been too, briefly.
+    assert [(a.kind, a.key) for a in inbox.alert if a.kind != "gap_held"] == [("key_parked", "gap")]
+    assert "gap" in {a.key for a in inbox.alert if a.kind == "gap_held"}
     assert sum(committed(kafka, inbox.group, topic).values()) == 5
 
     # After run() returned, the middleware call still retries instead of abandoning.

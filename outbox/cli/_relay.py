@@ -54,6 +54,8 @@ def relay(
     shards: int | None = typer.Option(
         None, help="Expected shard count; the database's is used, and another is an error."),
     webhook: str | None = typer.Option(None, help="POST alerts as JSON to this URL (default: log them)."),
+    key_stuck_after: float = typer.Option(
+        300.0, min=0.001, help="Seconds a key's head may keep being retried before one key_stuck alert."),
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
     log_level: str = LOG_LEVEL,
@@ -74,7 +76,7 @@ def relay(
         outbox, transport, worker_id=worker_id, batch_size=batch_size,
         lease_ttl=lease_ttl, poll_interval=poll_interval,
         alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
-        backlog_metrics=metrics_port is not None,
+        backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,
     )
     if metrics_port is not None:
         relay_metrics()  # registered before the first scrape

@@ -6,15 +6,20 @@ applied by another consumer (a key whose records sit on two partitions owned
 by different processes), and the predecessor never comes. After
 ``gap_timeout`` the key is parked with reason ``gap``: the first held message
 carries the reason, the others are parked behind it, and the alert sink hears
-of it once.
+of it once. Before that, after ``alert_after``, a gap still held raises one
+``gap_held`` alert (per head message and process): the missing message may
+still be on its way — a slow relay, a broker outage — and someone can look
+before the key parks.
 """
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from .._alerts import Alert, deliver
 from .._envelope import utcnow
 from ._alerting import Alerter
 from ._delivery import Delivery
@@ -30,19 +35,52 @@ class GapSweeper:
     """
 
     def __init__(self, sessions: sessionmaker[Session], store: InboxStore, alerter: Alerter,
-                 gap_timeout: float) -> None:
+                 gap_timeout: float, alert_after: float) -> None:
         self.sessions = sessions
         self.store = store
         self.alerter = alerter
         self.gap_timeout = gap_timeout
+        self.alert_after = alert_after
+        self._alerted: set[uuid.UUID] = set()  # head message ids of gaps already alerted on
 
     def ready(self, limit: int = 500) -> list[Delivery]:
         """Held messages that are next in their key; apply each through its key's lane."""
         with self.sessions() as session:
             return self.store.ready_held(session, limit)
 
+    def warn_held(self) -> int:
+        """One ``gap_held`` alert per gap held longer than ``alert_after`` (not yet parked); how many new."""
+        now = utcnow()
+        with self.sessions() as session:
+            keys = self.store.stale_gaps(session, now - timedelta(seconds=self.alert_after))
+            states = self.store.key_states(session, keys)
+            heads = [(key, held[0], len(held)) for key in keys if (held := self.store.held_of(session, key))]
+        current, raised = set(), 0
+        for key, head, waiting in heads:
+            state = states.get(key)
+            last_seq = state.last_seq if state is not None else 0
+            if head.message.seq is None or head.message.seq <= last_seq + 1:
+                continue  # the gap filled meanwhile (the sweep applies it) or it is a stale copy
+            current.add(head.message.message_id)
+            if head.message.message_id in self._alerted:
+                continue
+            held_for = (now - head.received_at).total_seconds()
+            missing = f"seq {last_seq + 1}" + (f" to {head.message.seq - 1}"
+                                               if head.message.seq - 1 > last_seq + 1 else "")
+            deliver(self.alerter.sink, Alert(
+                kind="gap_held", topic=head.message.topic, key=head.message.key,
+                message_id=str(head.message.message_id), group=self.alerter.group,
+                error=f"{missing} missing; seq {head.message.seq} held for {held_for:.0f}s",
+                details={"seq": head.message.seq, "missing_from": last_seq + 1, "waiting": waiting,
+                         "held_for_s": round(held_for, 1),
+                         "parks_in_s": round(max(0.0, self.gap_timeout - held_for), 1)}))
+            raised += 1
+        self._alerted = current  # a gap that filled or parked is forgotten
+        return raised
+
     def park_stale(self) -> int:
-        """Park keys whose oldest held message waited longer than ``gap_timeout``; how many."""
+        """Warn about gaps held past ``alert_after``; park keys whose gap outlived ``gap_timeout``."""
+        self.warn_held()
         cutoff = utcnow() - timedelta(seconds=self.gap_timeout)
         with self.sessions() as session:
             keys = self.store.stale_gaps(session, cutoff)

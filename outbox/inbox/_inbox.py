@@ -58,8 +58,10 @@ class Inbox:
     ``last_seq`` commit in one transaction, so effects in this database happen
     once however often the broker redelivers. Messages of one key are handled
     one at a time, in seq order; a message that arrives ahead of a gap waits in
-    ``inbox_held`` (and parks the key after ``gap_timeout``). A message that
-    fails ``max_attempts`` times parks its key, and only its key.
+    ``inbox_held`` (and parks the key after ``gap_timeout``, with one
+    ``gap_held`` alert before, after ``gap_alert_after``: half the timeout
+    unless given). A message that fails ``max_attempts`` times parks its key,
+    and only its key.
 
     ``bind`` is a sync ``Engine`` or ``sessionmaker`` (handlers run on worker
     threads). ``concurrency`` worker threads handle different keys in
@@ -81,6 +83,7 @@ class Inbox:
         concurrency: int = 8,
         batch_size: int = 1,
         gap_timeout: timedelta | float = 60.0,
+        gap_alert_after: timedelta | float | None = None,
         retry_backoff: float = 0.1,
         retry_backoff_max: float = 5.0,
         foreign_records: Literal["park", "accept"] = "park",
@@ -104,6 +107,12 @@ class Inbox:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
             raise ConfigurationError(f"gap_timeout must be positive seconds or a timedelta, "
                                      f"got {gap_timeout!r}")
+        alert_seconds = (seconds / 2 if gap_alert_after is None else gap_alert_after.total_seconds()
+                         if isinstance(gap_alert_after, timedelta) else gap_alert_after)
+        if (isinstance(alert_seconds, bool) or not isinstance(alert_seconds, int | float)
+                or not 0 < alert_seconds < seconds):
+            raise ConfigurationError(f"gap_alert_after must be positive seconds below gap_timeout "
+                                     f"({seconds:g}), got {gap_alert_after!r}")
         for name, value in (("retry_backoff", retry_backoff), ("retry_backoff_max", retry_backoff_max)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigurationError(f"{name} must be non-negative seconds, got {value!r}")
@@ -142,7 +151,8 @@ class Inbox:
                                                  jitter=retry_backoff),
         )
         self.admin = ParkedAdmin(self.sessions, self.store, self.step)
-        self.gaps = GapSweeper(self.sessions, self.store, self.alerter, self.gap_timeout)
+        self.gaps = GapSweeper(self.sessions, self.store, self.alerter, self.gap_timeout,
+                               float(alert_seconds))
         _warn_small_pool(engine, concurrency)
 
     # -- handlers -------------------------------------------------------------

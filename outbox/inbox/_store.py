@@ -103,6 +103,10 @@ class InboxStore:
             states |= self._select_keys(session, missing)
         return states
 
+    def key_states(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
+        """Read (without locking) the state of those of ``keys`` that exist."""
+        return self._select_keys(session, keys) if keys else {}
+
     def _select_keys(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
         k = self.t.inbox_keys
         stmt = (

@@ -149,8 +149,12 @@ class RetryingHead:
     waiting: int  # pending rows of the same key behind it
 
 
-def retrying_heads(outbox: Outbox, *, limit: int = 50) -> list[RetryingHead]:
+def retrying_heads(outbox: Outbox, *, limit: int = 50, shards: Sequence[int] | None = None,
+                   engine: Engine | None = None) -> list[RetryingHead]:
     """Pending rows being retried (attempts > 0, due later), oldest first, one per key.
+
+    ``shards`` limits it to those shards (a relay watching its own keys);
+    ``engine`` overrides the outbox's (a relay given its own sync engine).
 
     The filter repeats the predicate of the ``ix_outbox_key_waits`` partial index
     (failed, delayed or retrying rows: a tiny set), so this stays cheap however
@@ -171,8 +175,10 @@ def retrying_heads(outbox: Outbox, *, limit: int = 50) -> list[RetryingHead]:
                     m.c.status.not_in([OutboxStatus.FAILED, OutboxStatus.SKIPPED]),
                     m.c.attempts > 0)
              .order_by(m.c.created_at, m.c.id).limit(limit))
+    if shards is not None:
+        query = query.where(m.c.shard.in_(list(shards)))
     heads: dict[tuple[str, str | None], RetryingHead] = {}
-    with _engine(outbox).connect() as conn:
+    with (engine or _engine(outbox)).connect() as conn:
         for row in conn.execute(query):
             head = RetryingHead(*row[:8], waiting=row[8] or 0)
             lane = (head.topic, head.key if head.key is not None else str(head.message_id))

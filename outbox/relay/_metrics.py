@@ -22,6 +22,7 @@ class RelayMetrics:
     oldest_pending_age: Gauge
     wheel_size: Gauge
     shards_owned: Gauge
+    stuck_keys: Gauge
     batch_duration: Histogram
     outages: Counter
 
@@ -45,6 +46,9 @@ _SPEC: dict[str, tuple[type, str, str, tuple[str, ...]]] = {
                            "Age of the oldest pending message", ()),
     "wheel_size": (Gauge, "outbox_relay_wheel_size", "Keys waiting for their next attempt", ("worker",)),
     "shards_owned": (Gauge, "outbox_relay_shards_owned", "Shard leases held", ("worker",)),
+    "stuck_keys": (Gauge, "outbox_relay_stuck_keys",
+                   "Keys of owned shards whose head has been retrying longer than key_stuck_after",
+                   ("worker",)),
     "batch_duration": (Histogram, "outbox_relay_batch_seconds", "Fetch, send and mark of one batch", ()),
     "outages": (Counter, "outbox_relay_outages", "Times the database or the broker became unreachable",
                 ("dependency",)),

@@ -43,6 +43,7 @@ from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
 from ._outage import Dependency, Outages, database_backoff
 from ._sql import RelayStatements
+from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
 log = logging.getLogger("outbox.relay")
@@ -56,8 +57,10 @@ class Relay:
     ``engine`` (a sync ``Engine``) defaults to the outbox's; ``worker_id`` must
     be unique among relays of one database (default: host, pid and a random
     suffix). ``backoff`` is a tenacity wait strategy giving the delay before
-    attempt n+1; retriable errors are retried without limit. ``run`` and
-    ``run_once`` must be called from one thread; ``stop`` from any.
+    attempt n+1; retriable errors are retried without limit, so a head still
+    retrying after ``key_stuck_after`` seconds raises one ``key_stuck`` alert
+    and counts in ``outbox_relay_stuck_keys`` (``_stuck``; checked by ``run``).
+    ``run`` and ``run_once`` must be called from one thread; ``stop`` from any.
 
     Construction reads the stored shard count, so it needs the database and
     raises if it is unreachable; ``run`` then waits out any database outage,
@@ -80,6 +83,7 @@ class Relay:
         metrics: RelayMetrics | None = None,
         backlog_metrics: bool = False,
         wheel_tick: float = 0.02,
+        key_stuck_after: float = 300.0,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
@@ -91,7 +95,7 @@ class Relay:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
             raise ConfigurationError(f"batch_size must be an int from 1 to 100000, got {batch_size!r}")
         for name, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
-                            ("wheel_tick", wheel_tick)):
+                            ("wheel_tick", wheel_tick), ("key_stuck_after", key_stuck_after)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
         if not callable(backoff):
@@ -114,6 +118,8 @@ class Relay:
         self.metrics = metrics or relay_metrics()
         self.backlog_metrics = backlog_metrics
         self._backlog_topics: set[str] = set()
+        self.stuck_keys = StuckKeys(outbox, engine, float(key_stuck_after), alert,
+                                    self.metrics.stuck_keys, worker_id)
         shards = outbox.load_schema(engine).shard_count  # stored with the tables, read once
         self.leases = Leases(engine, outbox.tables, shards, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
@@ -126,7 +132,7 @@ class Relay:
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
         self._lease_thread: threading.Thread | None = None
-        self._backlog_thread: threading.Thread | None = None
+        self._watch_thread: threading.Thread | None = None
         self._next_lease_check = 0.0
         self._fatal: Exception | None = None
 
@@ -172,11 +178,10 @@ class Relay:
             self._lease_thread = threading.Thread(target=self._lease_loop,
                                                   name="outbox-relay-leases", daemon=True)
             self._lease_thread.start()
-            if self.backlog_metrics:
-                # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
-                self._backlog_thread = threading.Thread(target=self._backlog_loop,
-                                                        name="outbox-relay-backlog", daemon=True)
-                self._backlog_thread.start()
+            # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
+            self._watch_thread = threading.Thread(target=self._watch_loop,
+                                                  name="outbox-relay-watch", daemon=True)
+            self._watch_thread.start()
             if self.outbox.notify_channel:
                 self._wakeup.listen(self.engine, self.outbox.notify_channel)
             log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
@@ -186,10 +191,10 @@ class Relay:
         finally:
             self._stopping.set()
             self._wakeup.close()
-            for thread in (self._lease_thread, self._backlog_thread):
+            for thread in (self._lease_thread, self._watch_thread):
                 if thread is not None:
                     thread.join(10)
-            self._lease_thread = self._backlog_thread = None
+            self._lease_thread = self._watch_thread = None
             restore()
             try:
                 self._batch.close()  # the last batch's marks, before its leases go
@@ -274,13 +279,16 @@ class Relay:
             except Exception as exc:
                 self._report(exc, "could not maintain its leases")
 
-    def _backlog_loop(self) -> None:
+    def _watch_loop(self) -> None:
+        """Every lease renewal interval: keys stuck behind a retrying head; the backlog gauges if asked."""
         interval = renew_interval(self.leases.ttl)
         while not self._stopping.wait(interval):
             try:
-                self.refresh_backlog_metrics()
+                self.stuck_keys.check(sorted(self.leases.owned()))
+                if self.backlog_metrics:
+                    self.refresh_backlog_metrics()
             except Exception as exc:
-                self._report(exc, "could not refresh the backlog gauges")
+                self._report(exc, "could not watch its keys and backlog")
 
     def _report(self, error: Exception, what: str) -> None:
         """A database outage is logged once per state change; anything else is a bug: traceback."""
