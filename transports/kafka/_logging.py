@@ -6,7 +6,8 @@ every failed connection attempt: several lines a second while a broker is down.
 ``LibrdkafkaLog`` is given as confluent-kafka's ``logger`` setting (any object
 with ``log(level, msg, *args)``), so the lines go to the ``transports.kafka.librdkafka``
 logger; a line that differs from an earlier one only in its numbers (timings,
-counts) is dropped for ``every`` seconds, and the next one says how many were.
+counts) is dropped for ``every`` seconds, and the next one says how many were
+(``transports._repeats``).
 A failed connection is a WARNING, not an ERROR: the relay and the inbox wait a
 broker outage out and say so themselves.
 
@@ -18,13 +19,11 @@ used: at once for a consumer, at the next ``publish`` for the relay's producer.
 from __future__ import annotations
 
 import logging
-import re
-import threading
-import time
 from typing import Any
 
+from .._repeats import Repeats
+
 LOGGER = logging.getLogger("transports.kafka.librdkafka")
-_NUMBERS = re.compile(r"\d+")
 _CONNECTION_FACILITIES = frozenset({"FAIL", "ERROR"})
 
 
@@ -33,9 +32,7 @@ class LibrdkafkaLog:
 
     def __init__(self, logger: logging.Logger = LOGGER, every: float = 60.0) -> None:
         self.logger = logger
-        self.every = every
-        self._lock = threading.Lock()
-        self._seen: dict[str, tuple[float, int]] = {}  # kind -> (last logged, dropped since)
+        self._repeats = Repeats(every)
 
     def log(self, level: int, msg: str, *args: Any) -> None:
         text = msg % args if args else msg
@@ -44,14 +41,6 @@ class LibrdkafkaLog:
             level = logging.WARNING
         if not self.logger.isEnabledFor(level):
             return
-        kind = _NUMBERS.sub("#", text)
-        now = time.monotonic()
-        with self._lock:
-            last, dropped = self._seen.get(kind, (None, 0))
-            if last is not None and now - last < self.every:
-                self._seen[kind] = (last, dropped + 1)
-                return
-            self._seen[kind] = (now, 0)
-        if dropped:
-            text += f" ({dropped} more like it in the last {self.every:.0f} s)"
-        self.logger.log(level, "%s", text)
+        admitted = self._repeats.admit(text)
+        if admitted is not None:
+            self.logger.log(level, "%s", admitted)

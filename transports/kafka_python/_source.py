@@ -24,6 +24,7 @@ from .._errors import (
     validate_topic,
 )
 from .._protocol import Record, RevokeCallback
+from ._logging import route_kafka_logs
 
 log = logging.getLogger("transports.kafka_python")
 
@@ -47,6 +48,7 @@ class KafkaPythonSource:
                                      "itself, after its database transaction")
         self.topics = [validate_topic(t) for t in topics]
         options = {"auto_offset_reset": "earliest", **settings, "enable_auto_commit": False}
+        route_kafka_logs()
         try:
             self._consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=group_id,
                                            **options)

@@ -42,6 +42,7 @@ from kafka.protocol.metadata import MetadataRequest
 from .._errors import ConfigurationError
 from .._protocol import Outcome, Record, SendResult
 from .._waves import NO_REPORT, key_partition, publish_in_waves
+from ._logging import route_kafka_logs
 
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.MessageSizeTooLargeError,
@@ -101,6 +102,7 @@ class KafkaPythonTransport:
 
     def __init__(self, producer: Any, *, delivery_timeout: float = 30.0,
                  allow_auto_create_topics: bool = True) -> None:
+        route_kafka_logs()
         if not all(hasattr(producer, name) for name in ("send", "flush", "partitions_for")):
             raise ConfigurationError(
                 f"KafkaPythonTransport needs a kafka.KafkaProducer, got {type(producer).__name__}"
