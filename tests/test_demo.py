@@ -34,6 +34,8 @@ def test_readme_demo_command(tmp_path):
     assert re.search(r"lost events\s+│\s+0 │", output), output[-3000:]
     assert re.search(r"per-key order violations\s+│\s+0 │", output)
     assert "SIGKILL relay" in output and "ALERT key_parked" in output
+    for noise in ("Using incubator modules", "log4j", "NativeCodeLoader", "setLogLevel", "WARN "):
+        assert noise not in output, output[-3000:]  # the JVM's start-up lines stay out
 
     work = ROOT / "demo-output"
     with sa.create_engine(f"sqlite:///{work / 'orders.db'}").connect() as conn:

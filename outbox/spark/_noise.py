@@ -2,9 +2,11 @@
 
 A locally launched driver JVM prints, before any logging setting can apply,
 ``WARNING: Using incubator modules``, log4j's profile notice, the shell's
-"Setting default log level" hint and a ``NativeCodeLoader`` warning. None of
-them is actionable for a user of ``outbox spark``; everything else the JVM
-writes (errors, warnings, stack traces) passes through unchanged.
+"Setting default log level" hint and a ``NativeCodeLoader`` warning; later,
+a cached partition computed twice logs ``BlockManager: Block rdd_… already
+exists``, a WARN about Spark's own bookkeeping. None of them is actionable
+for a user of ``outbox spark``; everything else the JVM writes (errors,
+warnings, stack traces) passes through unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ NOISE = re.compile(
     rb"|Setting Spark log level to"
     rb"|To adjust logging level use sc\.setLogLevel"
     rb"|NativeCodeLoader: Unable to load native-hadoop library"
+    rb"|BlockManager: Block rdd_\d+_\d+ already exists on this machine"
 )
 
 
