@@ -81,6 +81,32 @@ def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: st
     assert again.exit_code == 1 and "not parked" in again.output
 
 
+def test_replay_all_unparks_each_fixed_key_and_leaves_a_still_broken_one(app_module) -> None:  # type: ignore[no-untyped-def]
+    inbox, cli = app_module.inbox, CliRunner()
+    engine = inbox.sessions.kw["bind"]
+    for key, seqs in (("a", (1, 2, 3)), ("b", (1, 2))):
+        for seq in seqs:
+            inbox.handle(record("orders", key, seq))  # both park at seq 2
+    app_module.BROKEN["seq"] = 5
+    for seq in range(1, 6):
+        inbox.handle(record("orders", "x", seq))  # parks at seq 5
+    assert sorted({p.key for p in inbox.parked()}) == ["a", "b", "x"]
+    target = f"{app_module.__name__}:inbox"
+
+    # seq 2 is fixed, seq 5 is not: a and b unpark, x fails again, stays parked, and says so.
+    partly = cli.invoke(app, ["parked", "replay", "--all", "--app", target])
+    assert partly.exit_code == 1, partly.output
+    assert "2 of 3 key(s) unparked" in partly.output and partly.output.count("bug 42") == 1
+    assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
+    assert applied(engine, "b") == [("b", 1), ("b", 2)]
+    assert [(p.key, p.seq) for p in inbox.parked()] == [("x", 5)]
+
+    app_module.BROKEN["seq"] = 99
+    done = cli.invoke(app, ["parked", "replay", "--all", "--app", target])
+    assert done.exit_code == 0 and "1 of 1 key(s) unparked" in done.output, done.output
+    assert applied(engine, "x")[-1] == ("x", 5) and inbox.parked() == []
+
+
 def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None:  # type: ignore[no-untyped-def]
     cli = CliRunner()
     missing = cli.invoke(app, ["inbox", "run", "no_such_module:inbox", "--bootstrap-servers", "x:9"])
