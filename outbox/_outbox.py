@@ -25,6 +25,7 @@ from ._schema import StoredSchema
 from ._sharding import shard_for_key
 from ._statements import PublishStatements
 from ._tables import OutboxTables
+from ._tracing import with_current_context
 from ._transactional import wrap
 from ._validation import (
     normalize_key,
@@ -197,7 +198,7 @@ class Outbox:
             "key": text_key,
             "payload": body,
             "content_type": content_type,
-            "headers": user_headers,
+            "headers": with_current_context(user_headers),
             "created_at": now,
             "available_at": now + _as_delay(delay),
         }

@@ -45,6 +45,8 @@ from .._alerts import Alert, AlertSink, deliver
 from .._envelope import utcnow
 from .._outage import is_database_outage
 from .._pg_arrays import int_array
+from .._tracing import INSTALLED as TRACING_INSTALLED
+from .._tracing import start_send
 from .._wheel import TimingWheel
 from .._wire import to_record
 from ._metrics import RelayMetrics
@@ -162,7 +164,12 @@ class Batch:
             for (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
                  available_at, _) in sendable
         ]
+        traced = None
+        if TRACING_INSTALLED and records:  # a send span per traced record, when an SDK records
+            records, traced = start_send(records, [str(r[1]) for r in sendable])
         results = self.transport.publish(records) if records else []
+        if traced is not None:
+            traced.finish(results)
         if len(results) != len(records):
             raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
         plan = self._plan(sendable, results, owned)

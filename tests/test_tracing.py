@@ -1,0 +1,103 @@
+"""OpenTelemetry: one trace from the publishing request through the relay (and on to the handler).
+
+Each process records its spans with the SDK (``tests/otel_worker.py``, as
+``opentelemetry-instrument`` would); the test joins the files: the record's
+``traceparent`` names the relay's ``send`` span, whose parent is the request
+span active at ``publish()``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, create_engine
+from transports.testing import read_topic
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "otel_worker.py")
+
+pytestmark = pytest.mark.kafka
+
+
+def spans(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def traceparent(record) -> str | None:  # type: ignore[no-untyped-def]
+    return next((v.decode() for n, v in record.headers if n == "traceparent"), None)
+
+
+def relay_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, traced: bool) -> list:
+    command = [sys.executable, WORKER, str(tmp_path / "relay.jsonl")] if traced else [sys.executable, "-m"]
+    relay = subprocess.Popen([*command, "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
+                              "--log-level", "WARNING"], cwd=ROOT, stdout=(tmp_path / "relay.log").open("w"),
+                             stderr=subprocess.STDOUT)
+    try:
+        records = read_topic(kafka, topic, expected=n, timeout=60)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(30)
+    assert relay.returncode == 0, (tmp_path / "relay.log").read_text()
+    return records
+
+
+def test_the_record_carries_the_relays_send_span_whose_parent_is_the_request(
+    kafka: str, topic: str, tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'shop.db'}"
+    Outbox(create_engine(db)).create_tables()
+    subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic,
+                    "order-1", "3"], cwd=ROOT, check=True)
+    records = relay_until(db, kafka, topic, 3, tmp_path, traced=True)
+
+    requests = {s["span_id"]: s for s in spans(tmp_path / "shop.jsonl") if s["name"] == "POST /orders"}
+    sends = {s["span_id"]: s for s in spans(tmp_path / "relay.jsonl") if s["name"] == f"send {topic}"}
+    assert len(requests) == 3 and len(sends) == 3
+    for record in records:
+        _, trace_id, span_id, _ = traceparent(record).split("-")
+        send = sends[span_id]
+        assert send["trace_id"] == trace_id and send["kind"] == "PRODUCER"
+        request = requests[send["parent_id"]]  # the send span continues the publishing request
+        assert request["trace_id"] == trace_id
+        attributes = send["attributes"]
+        assert attributes["messaging.system"] == "kafka"
+        assert attributes["messaging.destination.name"] == topic
+        assert attributes["messaging.kafka.message.key"] == "order-1"
+        assert attributes["messaging.destination.partition.id"] == str(record.partition)
+        assert attributes["messaging.kafka.offset"] == record.offset
+        message_id = next(v.decode() for n, v in record.headers if n == "outbox-message-id")
+        assert attributes["messaging.message.id"] == message_id
+    assert len({s["trace_id"] for s in sends.values()}) == 3  # one trace per request
+
+
+def test_without_an_sdk_the_relay_passes_the_stored_context_through(
+    kafka: str, topic: str, tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'shop.db'}"
+    Outbox(create_engine(db)).create_tables()
+    subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic, "k", "1"],
+                   cwd=ROOT, check=True)
+    [record] = relay_until(db, kafka, topic, 1, tmp_path, traced=False)
+    [request] = spans(tmp_path / "shop.jsonl")
+    assert traceparent(record).split("-")[1:3] == [request["trace_id"], request["span_id"]]
+
+
+def test_publish_stores_no_context_outside_a_span_and_keeps_the_callers_own(tmp_path: Path) -> None:
+    outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'shop.db'}"))
+    outbox.create_tables()
+    mine = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with Session(outbox.engine) as session, session.begin():
+        outbox.publish(session, "orders", {"n": 1}, key="a")
+        outbox.publish(session, "orders", {"n": 2}, key="a", headers={"traceparent": mine})
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        stored = [json.loads(h) if isinstance(h, str) else h for (h,) in conn.exec_driver_sql(
+            "SELECT headers FROM outbox_messages ORDER BY seq")]
+    assert "traceparent" not in (stored[0] or {})
+    assert stored[1]["traceparent"] == mine
