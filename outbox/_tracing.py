@@ -113,6 +113,13 @@ def start_send(records: list[Record], message_ids: Sequence[str]) -> tuple[list[
     return sent, (SendSpans(spans) if spans else None)
 
 
+def _processing(topic: str, group: str) -> dict[str, Any]:
+    """The attributes every consumer span carries."""
+    return {"messaging.system": SYSTEM, "messaging.operation.type": "process",
+            "messaging.operation.name": "process", "messaging.destination.name": topic,
+            "messaging.consumer.group.name": group}
+
+
 @contextmanager
 def process_span(topic: str, headers: Mapping[str, str], *, message_id: str, key: str | None,
                  group: str, partition: int | None, offset: int | None) -> Iterator[None]:
@@ -120,10 +127,8 @@ def process_span(topic: str, headers: Mapping[str, str], *, message_id: str, key
     if _propagator is None or TRACEPARENT not in headers or not _recording():
         yield
         return
-    attributes: dict[str, Any] = {
-        "messaging.system": SYSTEM, "messaging.operation.type": "process",
-        "messaging.operation.name": "process", "messaging.destination.name": topic,
-        "messaging.message.id": message_id, "messaging.consumer.group.name": group}
+    attributes = _processing(topic, group)
+    attributes["messaging.message.id"] = message_id
     if key is not None:
         attributes["messaging.kafka.message.key"] = key
     if partition is not None:
@@ -152,10 +157,8 @@ def process_batch_span(topic: str, contexts: Sequence[Mapping[str, str]], *, gro
     if not links:
         yield
         return
-    attributes: dict[str, Any] = {
-        "messaging.system": SYSTEM, "messaging.operation.type": "process",
-        "messaging.operation.name": "process", "messaging.destination.name": topic,
-        "messaging.consumer.group.name": group, "messaging.batch.message_count": count}
+    attributes = _processing(topic, group)
+    attributes["messaging.batch.message_count"] = count
     tracer = trace.get_tracer(_TRACER)
     with tracer.start_as_current_span(f"process {topic}", kind=SpanKind.CONSUMER, links=links,
                                       attributes=attributes):
