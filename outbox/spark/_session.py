@@ -65,7 +65,8 @@ def spark_session(
     process to look for other data sources (about two seconds).
     Raises ``ConfigurationError`` when the executors cannot import this package.
     """
-    level = log_level.upper()
+    # Python's names too: one OUTBOX_LOG_LEVEL serves the workers and the Spark jobs.
+    level = {"WARNING": "WARN", "CRITICAL": "ERROR"}.get(log_level.upper(), log_level.upper())
     if level not in LEVELS:
         raise ConfigurationError(f"log level must be one of {', '.join(LEVELS)}, got {log_level!r}")
     active = SparkSession.getActiveSession()
