@@ -28,14 +28,22 @@ def _engine(outbox: Outbox) -> Engine:
     return outbox.engine
 
 
-def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000) -> list[Any]:
-    """Failed rows, oldest first."""
+def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000,
+                after: int | None = None) -> list[Any]:
+    """Failed rows, oldest first; ``after`` (a row ``id``) pages on from the previous page's last row.
+
+    The ``!=`` term is implied by ``failed``; it lets SQLite use the partial index on
+    unpublished rows, as ``backlog`` does, so published rows are never read.
+    """
     m = outbox.tables.messages
     query = (select(m.c.id, m.c.message_id, m.c.topic, m.c.key, m.c.seq, m.c.attempts,
                     m.c.last_error, m.c.created_at)
-             .where(m.c.status == OutboxStatus.FAILED).order_by(m.c.id).limit(limit))
+             .where(m.c.status != OutboxStatus.PUBLISHED, m.c.status == OutboxStatus.FAILED)
+             .order_by(m.c.id).limit(limit))
     if topic is not None:
         query = query.where(m.c.topic == topic)
+    if after is not None:
+        query = query.where(m.c.id > after)
     with _engine(outbox).connect() as conn:
         return list(conn.execute(query))
 
@@ -87,23 +95,36 @@ def _refuse_unknown(conn: Any, outbox: Outbox, ids: list[uuid.UUID], topic: str 
                                  "(see `outbox failed list`); nothing changed")
 
 
+def _note(outbox: Outbox, action: str, by: str | None, reason: str | None) -> Any:
+    """``last_error`` with the operator's decision appended: the row keeps who and why."""
+    m = outbox.tables.messages
+    who = f" by {by.strip()}" if by and by.strip() else " by operator"
+    why = f": {reason.strip()}" if reason and reason.strip() else ""
+    return func.coalesce(m.c.last_error, "") + f" [{action}{who} at {utcnow().isoformat()}{why}]"
+
+
 def retry_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
-                 topic: str | None = None) -> int:
+                 topic: str | None = None, by: str | None = None, reason: str | None = None) -> int:
     """Make failed rows pending again, due now; ``None`` ids means every failed row (of ``topic``).
 
     An id that names no failed row raises ``ConfigurationError`` and changes nothing.
+    ``by``/``reason``, when given, are appended to the row's ``last_error``.
     """
-    return _change_failed(outbox, message_ids, topic,
-                          {"status": OutboxStatus.PENDING, "available_at": utcnow()})
+    values: dict[str, Any] = {"status": OutboxStatus.PENDING, "available_at": utcnow()}
+    if by or reason:
+        values["last_error"] = _note(outbox, "retried", by, reason)
+    return _change_failed(outbox, message_ids, topic, values)
 
 
 def skip_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
-                topic: str | None = None) -> int:
-    """Mark failed rows skipped (never sent), unblocking the later rows of their keys."""
-    m = outbox.tables.messages
-    note = func.coalesce(m.c.last_error, "") + " [skipped by operator]"
+                topic: str | None = None, by: str | None = None, reason: str | None = None) -> int:
+    """Mark failed rows skipped (never sent), unblocking the later rows of their keys.
+
+    The row's ``last_error`` keeps the decision: ``[skipped by <by> at <time>: <reason>]``.
+    """
     return _change_failed(outbox, message_ids, topic,
-                          {"status": OutboxStatus.SKIPPED, "last_error": note})
+                          {"status": OutboxStatus.SKIPPED,
+                           "last_error": _note(outbox, "skipped", by, reason)})
 
 
 @dataclass(frozen=True, slots=True)
