@@ -27,7 +27,7 @@ def console(
     schema: str | None = SCHEMA,
     target: list[str] = typer.Option([], "--app", help=APP_HELP + " Repeat for several groups."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; the default serves this machine only."),
-    port: int = typer.Option(8470, min=0, max=65535, help="Port to listen on (0: any free port)."),
+    port: int = typer.Option(8470, min=1, max=65535, help="Port to listen on."),
     read_only: bool = typer.Option(False, "--read-only", help="Show everything, allow no action."),
     stuck_after: float = typer.Option(
         300.0, "--stuck-after", min=0,
