@@ -32,14 +32,18 @@ def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000,
                 after: int | None = None) -> list[Any]:
     """Failed rows, oldest first; ``after`` (a row ``id``) pages on from the previous page's last row.
 
-    The ``!=`` term is implied by ``failed``; it lets SQLite use the partial index on
-    unpublished rows, as ``backlog`` does, so published rows are never read.
+    Read through ``ix_outbox_key_waits`` (failed, delayed and retrying rows: a tiny
+    set), whose predicate the first two terms repeat so SQLite uses it too; the
+    order is ``id + 0`` because ordering by the bare ``id`` makes PostgreSQL walk
+    the primary key through every pending row looking for failed ones.
     """
     m = outbox.tables.messages
     query = (select(m.c.id, m.c.message_id, m.c.topic, m.c.key, m.c.seq, m.c.attempts,
                     m.c.last_error, m.c.created_at)
-             .where(m.c.status != OutboxStatus.PUBLISHED, m.c.status == OutboxStatus.FAILED)
-             .order_by(m.c.id).limit(limit))
+             .where(m.c.status != OutboxStatus.PUBLISHED,
+                    (m.c.status == OutboxStatus.FAILED) | (m.c.available_at > m.c.created_at),
+                    m.c.status == OutboxStatus.FAILED)
+             .order_by(m.c.id + 0).limit(limit))
     if topic is not None:
         query = query.where(m.c.topic == topic)
     if after is not None:

@@ -60,13 +60,14 @@ def fill(engine: sa.Engine, rows: int, keys: int) -> None:
         held = max(1, keys // 10)
         conn.execute(sa.text("""
             INSERT INTO inbox_keys (consumer_group, topic, key, last_seq, parked)
-            SELECT :g, 'orders', 'gap-' || lpad(i::text, 6, '0'), 1, false FROM generate_series(0, :n - 1) AS i
+            SELECT :g, 'orders', 'gap-' || lpad(i::text, 6, '0'), 1, false
+            FROM generate_series(0, :n - 1) AS i
             """), {"g": GROUP, "n": held})
         conn.execute(sa.text("""
             INSERT INTO inbox_held (consumer_group, message_id, topic, key, seq, payload, content_type,
                                     headers, created_at, received_at)
-            SELECT :g, gen_random_uuid(), 'orders', 'gap-' || lpad(i::text, 6, '0'), 3, '\\x7b7d', 'application/json',
-                   '{}', now(), now() - interval '5 minutes'
+            SELECT :g, gen_random_uuid(), 'orders', 'gap-' || lpad(i::text, 6, '0'), 3, '\\x7b7d',
+                   'application/json', '{}', now(), now() - interval '5 minutes'
             FROM generate_series(0, :n - 1) AS i"""), {"g": GROUP, "n": held})
     with engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT").execute(sa.text("VACUUM ANALYZE"))
