@@ -256,3 +256,27 @@ def test_bad_configuration_is_refused_when_built(outbox: Outbox) -> None:
     with pytest.raises(ConfigurationError, match=r"outbox\.Outbox"):
         create_app("sqlite://")  # type: ignore[arg-type]
     assert Operators.from_env({"OUTBOX_CONSOLE_USERS": "a:1, b:2"}).users == {"a": "1", "b": "2"}
+
+
+def test_a_forged_lane_creates_no_key_row_and_pages_forbid_framing_and_scripts(
+    outbox: Outbox, engine: sa.Engine
+) -> None:
+    inbox, _ = broken_inbox(engine)
+    client = client_for(outbox, inboxes=[inbox])
+    auth = ("alice", USERS["alice"])
+    page = client.get("/parked/billing", auth=auth)
+    assert page.headers["x-frame-options"] == "DENY"
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    refused = client.post("/parked/billing/replay", auth=auth, data={
+        "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "never-seen"]), "reason": "r"})
+    assert refused.status_code == 409 and "nothing parked" in refused.text
+    k = outbox.tables.inbox_keys
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(k)) == 0
+
+
+def test_a_database_without_tables_is_named_on_the_page(engine: sa.Engine) -> None:
+    client = client_for(Outbox(engine))
+    page = client.get("/", auth=("alice", USERS["alice"]))
+    assert page.status_code == 500 and "no outbox tables and no inbox tables" in page.text

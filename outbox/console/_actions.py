@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from .._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError
+from ..inbox._store_pages import parked_page
 from ..relay import retry_failed, skip_failed
 from ._context import Context, Refused, audit, base
 
@@ -81,8 +82,13 @@ def replay(ctx: Context) -> Handler:
             raise Refused(400, "select at least one parked key")
         lines, failures = [], 0
         for topic, key in lanes:
-            result = await run_in_threadpool(inbox.replay, topic, key)
             name = f"{topic}/{key if key is not None else '(unkeyed)'}"
+            if not await run_in_threadpool(_is_parked, ctx, group, topic, key):
+                # replay() of a key with nothing parked would create its key row: refuse instead.
+                failures += 1
+                lines.append(f"{name}: nothing parked (replayed or discarded meanwhile?)")
+                continue
+            result = await run_in_threadpool(inbox.replay, topic, key)
             audit.info("replay %s group %s by %s (%s): applied %d, remaining %d, unparked %s, error %s",
                        name, group, who, reason, result.applied, result.remaining, result.unparked,
                        result.error)
@@ -119,6 +125,11 @@ def discard(ctx: Context) -> Handler:
     return act
 
 
+def _is_parked(ctx: Context, group: str, topic: str, key: str | None) -> bool:
+    with ctx.engine.connect() as conn:
+        return bool(parked_page(conn, ctx.outbox.tables, group, topic, key, limit=1))
+
+
 def _lane(value: Any) -> tuple[str, str | None]:
     try:
         topic, key = json.loads(str(value))
@@ -150,7 +161,8 @@ def login(ctx: Context) -> Handler:
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"],
                               back=base(request) + "/")
         response.set_cookie(SESSION_COOKIE, session_cookie(ctx.secret, name), httponly=True,
-                            samesite="strict", path=base(request) + "/")
+                            samesite="strict", secure=request.url.scheme == "https",
+                            path=base(request) + "/")
         return response
     return page
 

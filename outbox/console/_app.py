@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, OutboxError
 from .._outbox import Outbox
 from ..inbox import Inbox
 from . import _actions, _pages
@@ -76,9 +76,13 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
         assert isinstance(exc, _Redirect)
         return exc.response()
 
+    async def outbox_error(request: Request, exc: Exception) -> Response:
+        # Missing tables, a schema mismatch: the library's errors name the problem and the fix.
+        return ctx.render(request, "error.html", status=500, message=str(exc))
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return ctx.render(request, "error.html", status=exc.status_code, message=str(exc.detail))
 
     return Starlette(routes=routes, exception_handlers={
-        Refused: refused, _Redirect: redirect, HTTPException: http_error})
+        Refused: refused, _Redirect: redirect, HTTPException: http_error, OutboxError: outbox_error})
