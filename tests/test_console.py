@@ -248,6 +248,12 @@ def test_mounted_in_a_host_app_behind_its_own_guard(outbox: Outbox, engine: sa.E
     assert 'href="/ops/outbox/parked/billing"' in done.text and "evil" not in done.text
 
 
+def test_the_public_names_are_pinned() -> None:
+    import outbox.console
+
+    assert outbox.console.__all__ == ["Operators", "create_app"]
+
+
 def test_bad_configuration_is_refused_when_built(outbox: Outbox) -> None:
     with pytest.raises(ConfigurationError, match="at least 16"):
         Operators(token="short")

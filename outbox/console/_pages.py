@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from .._envelope import utcnow
 from ..inbox._store_pages import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows
@@ -138,7 +139,7 @@ def held(ctx: Context) -> Handler:
         lanes = await run_in_threadpool(read)
         more = len(lanes) > limit
         lanes = lanes[:limit]
-        return ctx.render(request, "held.html", who=who, group=group, lanes=lanes, limit=limit,
+        return ctx.render(request, "held.html", who=who, group=group, lanes=lanes, limit=limit, now=utcnow(),
                           next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
     return page
 
