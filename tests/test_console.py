@@ -286,3 +286,22 @@ def test_a_database_without_tables_is_named_on_the_page(engine: sa.Engine) -> No
     client = client_for(Outbox(engine))
     page = client.get("/", auth=("alice", USERS["alice"]))
     assert page.status_code == 500 and "no outbox tables and no inbox tables" in page.text
+
+
+def test_a_new_token_signs_everyone_out_and_inboxes_must_share_the_tables(
+    outbox: Outbox, engine: sa.Engine
+) -> None:
+    secret = "a-shared-secret-of-32-bytes-----"
+    old = client_for(outbox, operators=Operators(token=TOKEN), secret=secret)
+    old.post("/login", data={"csrf": form_page(old, "/login"), "name": "bob", "token": TOKEN})
+    assert old.get("/", follow_redirects=False).status_code == 200
+    rotated = TestClient(create_app(outbox, operators=Operators(token=TOKEN + "-rotated"), secret=secret),
+                         base_url="http://127.0.0.1", cookies=dict(old.cookies))
+    assert rotated.get("/", follow_redirects=False).status_code == 303
+    same = TestClient(create_app(outbox, operators=Operators(token=TOKEN), secret=secret),
+                      base_url="http://127.0.0.1", cookies=dict(old.cookies))
+    assert same.get("/", follow_redirects=False).status_code == 200  # a restart with the same secret
+    from outbox import Inbox
+
+    with pytest.raises(ConfigurationError, match="other tables"):
+        create_app(outbox, inboxes=[Inbox(engine, group="g", prefix="x_", concurrency=1)])

@@ -49,6 +49,10 @@ def console(
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
     outbox = open_outbox(db, prefix, schema)
     inboxes = [load_inbox(t) for t in target]
+    for name, inbox in zip(target, inboxes, strict=True):
+        # Listing one database and replaying in another would confuse everyone: refuse it now.
+        if inbox.sessions.kw["bind"].url != outbox.engine.url:
+            raise typer.BadParameter(f"{name}'s inbox uses another database than --db", param_hint="--app")
     operators = Operators.from_env()
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after)

@@ -160,9 +160,9 @@ def login(ctx: Context) -> Handler:
         audit.info("signed in: %s", name)
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"],
                               back=base(request) + "/")
-        response.set_cookie(SESSION_COOKIE, session_cookie(ctx.secret, name), httponly=True,
-                            samesite="strict", secure=request.url.scheme == "https",
-                            path=base(request) + "/")
+        cookie = session_cookie(ctx.operators.session_key(ctx.secret), name)
+        response.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https", path=base(request) + "/")
         return response
     return page
 

@@ -40,6 +40,10 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     for inbox in inboxes:
         if not isinstance(inbox, Inbox):
             raise ConfigurationError(f"inboxes must be outbox.Inbox objects, got {type(inbox).__name__}")
+        if (inbox.tables.prefix, inbox.tables.schema) != (outbox.tables.prefix, outbox.tables.schema):
+            raise ConfigurationError(f"the inbox of group {inbox.group!r} uses other tables (prefix "
+                                     f"{inbox.tables.prefix!r}, schema {inbox.tables.schema!r}) than the "
+                                     f"console's outbox ({outbox.tables.prefix!r}, {outbox.tables.schema!r})")
         if inbox.group in by_group:
             raise ConfigurationError(f"two inboxes for group {inbox.group!r}")
         by_group[inbox.group] = inbox

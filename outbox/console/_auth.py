@@ -93,8 +93,12 @@ class Operators:
                 return name
             return None
         if self.token:
-            return session_operator(secret, request.cookies.get(SESSION_COOKIE))
+            return session_operator(self.session_key(secret), request.cookies.get(SESSION_COOKIE))
         return None
+
+    def session_key(self, secret: bytes) -> bytes:
+        """What signs sign-in cookies: the secret and the token, so a new token signs everyone out."""
+        return secret + hashlib.sha256((self.token or "").encode()).digest()
 
     def token_matches(self, sent: str) -> bool:
         return self.token is not None and hmac.compare_digest(self.token.encode(), sent.encode())
