@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from outbox import ConfigurationError, Outbox
+from outbox import ConfigurationError, Inbox, Outbox
 from outbox.console import Operators, create_app
 from outbox.ops import gather
 from tests.console_support import TOKEN, broken_inbox, csrf_of, form_page, park
@@ -301,7 +301,30 @@ def test_a_new_token_signs_everyone_out_and_inboxes_must_share_the_tables(
     same = TestClient(create_app(outbox, operators=Operators(token=TOKEN), secret=secret),
                       base_url="http://127.0.0.1", cookies=dict(old.cookies))
     assert same.get("/", follow_redirects=False).status_code == 200  # a restart with the same secret
-    from outbox import Inbox
 
     with pytest.raises(ConfigurationError, match="other tables"):
         create_app(outbox, inboxes=[Inbox(engine, group="g", prefix="x_", concurrency=1)])
+
+
+def test_unkeyed_parked_messages_are_one_lane_per_topic(outbox: Outbox, engine: sa.Engine) -> None:
+    inbox = Inbox(engine, group="billing", retry_backoff=0.001, concurrency=1)
+    broken = {"on": True}
+
+    @inbox.handler(TOPIC)
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        if broken["on"]:
+            raise RuntimeError("bug 7")
+
+    for _ in range(3):
+        inbox.handle(record(TOPIC, None, None))
+    client = client_for(outbox, inboxes=[inbox])
+    auth = ("alice", USERS["alice"])
+    page = client.get("/parked/billing", auth=auth)
+    assert page.text.count("(unkeyed)") == 1 and 'value="[&#34;orders&#34;, null]"' in page.text
+    lane = client.get("/parked/billing/key", params={"topic": TOPIC}, auth=auth)
+    assert lane.text.count("discard message") == 3
+    broken["on"] = False
+    done = client.post("/parked/billing/replay", auth=auth, data={
+        "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, None]), "reason": "fixed"})
+    assert done.status_code == 200 and "orders/(unkeyed): applied 3" in done.text
+    assert keys_parked(outbox) == set()
