@@ -74,8 +74,7 @@ def failed(ctx: Context) -> Handler:
         topic = request.query_params.get("topic") or None
         rows = await run_in_threadpool(failed_rows, ctx.outbox, topic=topic, limit=limit + 1,
                                        after=_int_after(request))
-        more = len(rows) > limit
-        rows = rows[:limit]
+        rows, more = _split(rows, limit)
         return ctx.render(request, "failed.html", who=who, rows=rows, topic=topic, limit=limit,
                           next_after=rows[-1].id if more else None)
     return page
@@ -94,8 +93,7 @@ def parked(ctx: Context) -> Handler:
             return lanes, unkeyed
 
         lanes, unkeyed = await run_in_threadpool(read)
-        more = len(lanes) > limit
-        lanes = lanes[:limit]
+        lanes, more = _split(lanes, limit)
         return ctx.render(request, "parked.html", who=who, group=group, lanes=lanes, unkeyed=unkeyed,
                           limit=limit, can_replay=group in ctx.inboxes, json=json.dumps,
                           next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
@@ -118,8 +116,7 @@ def parked_key(ctx: Context) -> Handler:
                                    limit=limit + 1)
 
         rows = await run_in_threadpool(read)
-        more = len(rows) > limit
-        rows = rows[:limit]
+        rows, more = _split(rows, limit)
         return ctx.render(request, "key.html", who=who, group=group, topic=topic, key=key, rows=rows,
                           limit=limit, can_replay=group in ctx.inboxes, lane=json.dumps([topic, key]),
                           next_after=rows[-1].id if more else None, payload=_payload)
@@ -137,8 +134,7 @@ def held(ctx: Context) -> Handler:
                 return held_lanes(conn, ctx.outbox.tables, group, after=after, limit=limit + 1)
 
         lanes = await run_in_threadpool(read)
-        more = len(lanes) > limit
-        lanes = lanes[:limit]
+        lanes, more = _split(lanes, limit)
         return ctx.render(request, "held.html", who=who, group=group, lanes=lanes, limit=limit, now=utcnow(),
                           next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
     return page
@@ -156,6 +152,11 @@ def ping(ctx: Context) -> Handler:
         await run_in_threadpool(select_one)
         return PlainTextResponse("ok")
     return page
+
+
+def _split(rows: list[Any], limit: int) -> tuple[list[Any], bool]:
+    """A page read with ``limit + 1`` rows: the page, and whether another follows."""
+    return rows[:limit], len(rows) > limit
 
 
 def _payload(raw: bytes | None, limit: int = 4000) -> str:
