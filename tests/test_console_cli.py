@@ -100,3 +100,19 @@ def test_demo_console_mounts_orders_and_billing(tmp_path: Path, monkeypatch: pyt
                         lambda workdir, port: served.append((workdir, port)))
     result = CliRunner().invoke(app, ["demo", "--console", "--port", "9999", "--workdir", str(tmp_path)])
     assert result.exit_code == 0 and served == [(tmp_path, 9999)]
+
+
+def test_an_app_on_another_database_than_db_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    listed, other = (f"sqlite:///{tmp_path / name}" for name in ("listed.db", "other.db"))
+    for url in (listed, other):
+        Outbox(create_engine(url)).create_tables()
+    (tmp_path / "elsewhere_app.py").write_text(
+        f"from outbox import Inbox, create_engine\ninbox = Inbox(create_engine({other!r}), group='g')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the console started"))
+    result = CliRunner().invoke(app, ["console", "--db", listed, "--app", "elsewhere_app:inbox"])
+    assert result.exit_code == 2 and "another database than --db" in result.output
