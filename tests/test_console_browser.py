@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def browser() -> Iterator[object]:
         driver.quit()
 
 
+@contextmanager
 def serve(app: object) -> Iterator[str]:
     """Run ``app`` on uvicorn in a thread on a free port of 127.0.0.1; yields its address."""
     import uvicorn
@@ -126,7 +128,7 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
         b.find_element(By.CSS_SELECTOR, "#login button").click()
         assert "signed in as alice" in after_click("result")
 
-    for url in serve(app):
+    with serve(app) as url:
         b.get(f"{url}/")
         assert b.current_url == f"{url}/login"  # a stranger sees nothing
         shot("login")
