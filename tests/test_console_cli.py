@@ -116,3 +116,16 @@ def test_an_app_on_another_database_than_db_is_refused(
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the console started"))
     result = CliRunner().invoke(app, ["console", "--db", listed, "--app", "elsewhere_app:inbox"])
     assert result.exit_code == 2 and "another database than --db" in result.output
+
+
+def test_a_network_address_without_a_credential_is_refused(
+    sqlite_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    Outbox(create_engine(sqlite_db)).create_tables()
+    monkeypatch.delenv("OUTBOX_CONSOLE_TOKEN", raising=False)
+    monkeypatch.delenv("OUTBOX_CONSOLE_USERS", raising=False)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the console started"))
+    result = CliRunner().invoke(app, ["console", "--db", sqlite_db, "--host", "0.0.0.0"])
+    assert result.exit_code == 2 and "needs OUTBOX_CONSOLE_TOKEN" in result.output

@@ -2,8 +2,9 @@
 
 Binds to 127.0.0.1 unless told otherwise. Operators come from
 ``OUTBOX_CONSOLE_TOKEN`` / ``OUTBOX_CONSOLE_USERS``; without either the
-console is read-only. ``--app`` (repeatable) hands it your ``Inbox`` objects,
-so it can replay their parked keys with their handlers.
+console is read-only, and it refuses to listen on any address but loopback.
+``--app`` (repeatable) hands it your ``Inbox`` objects, so it can replay their
+parked keys with their handlers.
 """
 
 from __future__ import annotations
@@ -47,21 +48,26 @@ def console(
         from ..console import Operators, create_app
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
+    operators = Operators.from_env()
+    local = host in ("127.0.0.1", "localhost", "::1")
+    if not local and not operators.configured:
+        # Pages show payloads: on a network address they need an operator even to look.
+        raise typer.BadParameter(f"serving on {host} needs OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS "
+                                 "(the pages show payloads)", param_hint="--host")
     outbox = open_outbox(db, prefix, schema)
     inboxes = [load_inbox(t) for t in target]
     for name, inbox in zip(target, inboxes, strict=True):
         # Listing one database and replaying in another would confuse everyone: refuse it now.
         if inbox.sessions.kw["bind"].url != outbox.engine.url:
             raise typer.BadParameter(f"{name}'s inbox uses another database than --db", param_hint="--app")
-    operators = Operators.from_env()
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after)
     err = Console(stderr=True)
     if not operators.configured and not read_only:
         err.print("no OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS: the console is read-only")
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        err.print(f"[yellow]serving on {host}: anyone who can reach it can read payloads "
-                  f"{'and sign in' if operators.configured else ''}; put it behind TLS[/yellow]")
+    if not local:
+        err.print(f"[yellow]serving on {host}: put it behind TLS (sign-ins and payloads cross the "
+                  "network)[/yellow]")
     config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False)
     server = uvicorn.Server(config)
     err.print(f"outbox console on http://{host}:{port}/ (Ctrl-C stops it)")
