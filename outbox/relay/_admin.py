@@ -28,14 +28,26 @@ def _engine(outbox: Outbox) -> Engine:
     return outbox.engine
 
 
-def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000) -> list[Any]:
-    """Failed rows, oldest first."""
+def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000,
+                after: int | None = None) -> list[Any]:
+    """Failed rows, oldest first; ``after`` (a row ``id``) pages on from the previous page's last row.
+
+    Read through ``ix_outbox_key_waits`` (failed, delayed and retrying rows: a tiny
+    set), whose predicate the first two terms repeat so SQLite uses it too. Order
+    and page bound say ``id + 0``: on the bare ``id`` PostgreSQL walks the primary
+    key through every pending row looking for failed ones (50 ms at 1M pending).
+    """
     m = outbox.tables.messages
     query = (select(m.c.id, m.c.message_id, m.c.topic, m.c.key, m.c.seq, m.c.attempts,
                     m.c.last_error, m.c.created_at)
-             .where(m.c.status == OutboxStatus.FAILED).order_by(m.c.id).limit(limit))
+             .where(m.c.status != OutboxStatus.PUBLISHED,
+                    (m.c.status == OutboxStatus.FAILED) | (m.c.available_at > m.c.created_at),
+                    m.c.status == OutboxStatus.FAILED)
+             .order_by(m.c.id + 0).limit(limit))
     if topic is not None:
         query = query.where(m.c.topic == topic)
+    if after is not None:
+        query = query.where(m.c.id + 0 > after)
     with _engine(outbox).connect() as conn:
         return list(conn.execute(query))
 
@@ -87,23 +99,36 @@ def _refuse_unknown(conn: Any, outbox: Outbox, ids: list[uuid.UUID], topic: str 
                                  "(see `outbox failed list`); nothing changed")
 
 
+def _note(outbox: Outbox, action: str, by: str | None, reason: str | None) -> Any:
+    """``last_error`` with the operator's decision appended: the row keeps who and why."""
+    m = outbox.tables.messages
+    who = f" by {by.strip()}" if by and by.strip() else " by operator"
+    why = f": {reason.strip()}" if reason and reason.strip() else ""
+    return func.coalesce(m.c.last_error, "") + f" [{action}{who} at {utcnow().isoformat()}{why}]"
+
+
 def retry_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
-                 topic: str | None = None) -> int:
+                 topic: str | None = None, by: str | None = None, reason: str | None = None) -> int:
     """Make failed rows pending again, due now; ``None`` ids means every failed row (of ``topic``).
 
     An id that names no failed row raises ``ConfigurationError`` and changes nothing.
+    ``by``/``reason``, when given, are appended to the row's ``last_error``.
     """
-    return _change_failed(outbox, message_ids, topic,
-                          {"status": OutboxStatus.PENDING, "available_at": utcnow()})
+    values: dict[str, Any] = {"status": OutboxStatus.PENDING, "available_at": utcnow()}
+    if by or reason:
+        values["last_error"] = _note(outbox, "retried", by, reason)
+    return _change_failed(outbox, message_ids, topic, values)
 
 
 def skip_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None = None, *,
-                topic: str | None = None) -> int:
-    """Mark failed rows skipped (never sent), unblocking the later rows of their keys."""
-    m = outbox.tables.messages
-    note = func.coalesce(m.c.last_error, "") + " [skipped by operator]"
+                topic: str | None = None, by: str | None = None, reason: str | None = None) -> int:
+    """Mark failed rows skipped (never sent), unblocking the later rows of their keys.
+
+    The row's ``last_error`` keeps the decision: ``[skipped by <by> at <time>: <reason>]``.
+    """
     return _change_failed(outbox, message_ids, topic,
-                          {"status": OutboxStatus.SKIPPED, "last_error": note})
+                          {"status": OutboxStatus.SKIPPED,
+                           "last_error": _note(outbox, "skipped", by, reason)})
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,74 @@
+"""``outbox console``: serve the web console (``outbox.console``) with uvicorn.
+
+Binds to 127.0.0.1 unless told otherwise. Operators come from
+``OUTBOX_CONSOLE_TOKEN`` / ``OUTBOX_CONSOLE_USERS``; without either the
+console is read-only, and it refuses to listen on any address but loopback.
+``--app`` (repeatable) hands it your ``Inbox`` objects, so it can replay their
+parked keys with their handlers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import typer
+from rich.console import Console
+
+from . import app
+from ._db import open_outbox
+from ._inbox import APP_HELP, load_inbox
+from ._options import LOG_LEVEL, configure_logging
+from ._relay import DB, PREFIX, SCHEMA
+
+
+@app.command("console")
+def console(
+    db: str = DB,
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+    target: list[str] = typer.Option([], "--app", help=APP_HELP + " Repeat for several groups."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; the default serves this machine only."),
+    port: int = typer.Option(8470, min=1, max=65535, help="Port to listen on."),
+    read_only: bool = typer.Option(False, "--read-only", help="Show everything, allow no action."),
+    stuck_after: float = typer.Option(
+        300.0, "--stuck-after", min=0,
+        help="Seconds after which a retrying head or a held gap counts as stuck."),
+    log_level: str = LOG_LEVEL,
+) -> None:
+    """Serve the web console: overview, failed rows, parked keys and held gaps, with actions.
+
+    Actions need an operator: set OUTBOX_CONSOLE_TOKEN (sign in on /login) or
+    OUTBOX_CONSOLE_USERS="name:password,..." (basic auth). Set OUTBOX_CONSOLE_SECRET
+    to keep sign-ins across restarts and across several console processes.
+    """
+    configure_logging(log_level)
+    try:
+        import uvicorn
+
+        from ..console import Operators, create_app
+    except ImportError as exc:
+        raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
+    operators = Operators.from_env()
+    local = host in ("127.0.0.1", "localhost", "::1")
+    if not local and not operators.configured:
+        # Pages show payloads: on a network address they need an operator even to look.
+        raise typer.BadParameter(f"serving on {host} needs OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS "
+                                 "(the pages show payloads)", param_hint="--host")
+    outbox = open_outbox(db, prefix, schema)
+    inboxes = [load_inbox(t) for t in target]
+    for name, inbox in zip(target, inboxes, strict=True):
+        # Listing one database and replaying in another would confuse everyone: refuse it now.
+        if inbox.sessions.kw["bind"].url != outbox.engine.url:
+            raise typer.BadParameter(f"{name}'s inbox uses another database than --db", param_hint="--app")
+    web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
+                     secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after)
+    err = Console(stderr=True)
+    if not operators.configured and not read_only:
+        err.print("no OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS: the console is read-only")
+    if not local:
+        err.print(f"[yellow]serving on {host}: put it behind TLS (sign-ins and payloads cross the "
+                  "network)[/yellow]")
+    config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    server = uvicorn.Server(config)
+    err.print(f"outbox console on http://{host}:{port}/ (Ctrl-C stops it)")
+    server.run()

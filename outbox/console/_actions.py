@@ -1,0 +1,179 @@
+"""The actions: POSTs that change state, each after ``Context.actor``'s checks and recorded.
+
+Every action needs an operator, a valid CSRF token and a reason; it calls the
+owning module's admin API with ``by``/``reason`` where that API keeps them
+(a failed row's ``last_error``, a discarded message's ``inbox_messages`` note)
+and always writes one line to the ``outbox.console.audit`` log naming who,
+what, why and the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .._errors import ConfigurationError
+from ..inbox import DiscardRefusedError, NotParkedError
+from ..inbox._store_pages import parked_page
+from ..relay import retry_failed, skip_failed
+from ._context import Context, Refused, audit, base
+
+Handler = Callable[[Request], Awaitable[Response]]
+MAX_FORM_ITEMS = 1000
+
+
+async def _form(request: Request) -> FormData:
+    return await request.form(max_files=0, max_fields=MAX_FORM_ITEMS + 10)
+
+
+def _back(request: Request, form: FormData, default: str) -> str:
+    """Where the result page links back to: a path of this console only (no open redirect)."""
+    back = str(form.get("back") or "")
+    root = base(request) + "/"
+    return back if back.startswith(root) and not back.startswith("//") and "\\" not in back else default
+
+
+def _done(ctx: Context, request: Request, form: FormData, lines: list[str], *, status: int = 200,
+          default: str = "") -> Response:
+    return ctx.render(request, "result.html", status=status, lines=lines,
+                      back=_back(request, form, default or base(request) + "/"))
+
+
+def failed_action(ctx: Context, action: str) -> Handler:
+    """Retry or skip the selected failed outbox rows."""
+    change = {"retry": retry_failed, "skip": skip_failed}[action]
+
+    async def act(request: Request) -> Response:
+        form = await _form(request)
+        who, reason = ctx.actor(request, form)
+        ids = [str(i) for i in form.getlist("message_id")]
+        if not ids:
+            raise Refused(400, "select at least one failed row")
+        try:
+            n = await run_in_threadpool(lambda: change(ctx.outbox, ids, by=who, reason=reason))
+        except ConfigurationError as exc:
+            audit.info("%s failed rows %s by %s (%s): refused: %s", action, ids, who, reason, exc)
+            raise Refused(409, str(exc)) from None
+        audit.info("%s failed rows %s by %s (%s): %d changed", action, ids, who, reason, n)
+        verb = "retried (pending again)" if action == "retry" else "skipped (never sent)"
+        return _done(ctx, request, form, [f"{n} failed row(s) {verb} by {who}: {reason}"],
+                     default=f"{base(request)}/failed")
+    return act
+
+
+def replay(ctx: Context) -> Handler:
+    """Replay the selected parked keys of a group, each in seq order, with the app's handlers."""
+    async def act(request: Request) -> Response:
+        form = await _form(request)
+        group = request.path_params["group"]
+        who, reason = ctx.actor(request, form)
+        inbox = ctx.inboxes.get(group)
+        if inbox is None:
+            raise Refused(409, f"replay runs group {group}'s handlers: start the console with "
+                               f"--app MODULE:ATTRIBUTE naming that Inbox (or pass it to create_app)")
+        lanes = [_lane(v) for v in form.getlist("lane")]
+        if not lanes:
+            raise Refused(400, "select at least one parked key")
+        lines, failures = [], 0
+        for topic, key in lanes:
+            name = f"{topic}/{key if key is not None else '(unkeyed)'}"
+            if not await run_in_threadpool(_is_parked, ctx, group, topic, key):
+                # replay() of a key with nothing parked would create its key row: refuse instead.
+                failures += 1
+                lines.append(f"{name}: nothing parked (replayed or discarded meanwhile?)")
+                continue
+            result = await run_in_threadpool(inbox.replay, topic, key)
+            audit.info("replay %s group %s by %s (%s): applied %d, remaining %d, unparked %s, error %s",
+                       name, group, who, reason, result.applied, result.remaining, result.unparked,
+                       result.error)
+            if result.unparked:
+                lines.append(f"{name}: applied {result.applied}, key unparked")
+            else:
+                failures += 1
+                lines.append(f"{name}: applied {result.applied}, still parked {result.remaining}, "
+                             f"stopped: {result.error}")
+        lines.append(f"replayed by {who}: {reason}")
+        return _done(ctx, request, form, lines, status=409 if failures else 200,
+                     default=f"{base(request)}/parked/{group}")
+    return act
+
+
+def discard(ctx: Context) -> Handler:
+    """Discard one parked message for good; the inbox records who and why."""
+    async def act(request: Request) -> Response:
+        form = await _form(request)
+        group = request.path_params["group"]
+        who, reason = ctx.actor(request, form)
+        message_id = str(form.get("message_id") or "")
+        inbox = ctx.inbox_for_discard(group)
+        try:
+            await run_in_threadpool(lambda: inbox.discard(message_id, by=who, reason=reason))
+        except (NotParkedError, DiscardRefusedError) as exc:
+            audit.info("discard %s group %s by %s (%s): refused: %s", message_id, group, who, reason, exc)
+            raise Refused(409, str(exc)) from None
+        except ValueError as exc:
+            raise Refused(400, f"not a message id: {message_id!r} ({exc})") from None
+        audit.info("discard %s group %s by %s (%s): done", message_id, group, who, reason)
+        return _done(ctx, request, form, [f"message {message_id} discarded by {who}: {reason}"],
+                     default=f"{base(request)}/parked/{group}")
+    return act
+
+
+def _is_parked(ctx: Context, group: str, topic: str, key: str | None) -> bool:
+    with ctx.engine.connect() as conn:
+        return bool(parked_page(conn, ctx.outbox.tables, group, topic, key, limit=1))
+
+
+def _lane(value: Any) -> tuple[str, str | None]:
+    try:
+        topic, key = json.loads(str(value))
+    except (ValueError, TypeError):
+        raise Refused(400, f"not a parked key: {value!r}") from None
+    if not isinstance(topic, str) or not (key is None or isinstance(key, str)):
+        raise Refused(400, f"not a parked key: {value!r}")
+    return topic, key
+
+
+# -- signing in with the shared token ------------------------------------------------------
+
+def login(ctx: Context) -> Handler:
+    from ._auth import SESSION_COOKIE, session_cookie
+
+    async def page(request: Request) -> Response:
+        if request.method == "GET":
+            return ctx.render(request, "login.html", error=None, token_login=bool(ctx.operators.token))
+        form = await _form(request)
+        ctx.check_csrf(request, form)
+        name = str(form.get("name") or "").strip()
+        if not ctx.operators.token or not ctx.operators.token_matches(str(form.get("token") or "")):
+            audit.info("sign-in refused for %r", name)
+            return ctx.render(request, "login.html", status=401, error="wrong token", token_login=True)
+        if not name or len(name) > 100:
+            return ctx.render(request, "login.html", status=400, token_login=True,
+                              error="give your name (1 to 100 characters): actions are recorded with it")
+        audit.info("signed in: %s", name)
+        response = ctx.render(request, "result.html", lines=[f"signed in as {name}"],
+                              back=base(request) + "/")
+        cookie = session_cookie(ctx.operators.session_key(ctx.secret), name)
+        response.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https", path=base(request) + "/")
+        return response
+    return page
+
+
+def logout(ctx: Context) -> Handler:
+    from ._auth import SESSION_COOKIE
+
+    async def act(request: Request) -> Response:
+        form = await _form(request)
+        ctx.check_csrf(request, form)
+        response = ctx.render(request, "result.html", lines=["signed out"], back=base(request) + "/")
+        response.delete_cookie(SESSION_COOKIE, path=base(request) + "/")
+        return response
+    return act

@@ -1,0 +1,92 @@
+"""``create_app``: the console as a Starlette app, served by ``outbox console`` or mounted in yours."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .._errors import ConfigurationError, OutboxError
+from .._outbox import Outbox
+from ..inbox import Inbox
+from . import _actions, _pages
+from ._auth import Operators
+from ._context import Context, Refused, _Redirect
+
+
+def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Operators | None = None,
+               read_only: bool = False, secret: bytes | str | None = None,
+               stuck_after: float = 300.0) -> Starlette:
+    """The web console for ``outbox``'s database: overview, failed rows, parked keys, held gaps.
+
+    ``inboxes`` are your ``Inbox`` objects with their handlers registered: a
+    group's parked keys can be replayed only when its ``Inbox`` is given
+    (replay runs the handlers); discarding needs only the database.
+    ``operators`` says who may act (``Operators.from_env()`` reads
+    ``OUTBOX_CONSOLE_TOKEN``/``OUTBOX_CONSOLE_USERS``; ``Operators(guard=...)``
+    lets the host application's authentication decide); with none the console
+    is read-only. ``secret`` signs CSRF tokens and sign-in cookies; give the
+    same one to every process behind one address (default: random per process).
+    Mount it with ``Mount("/outbox", app=create_app(...))``; links follow the mount path.
+    """
+    if not isinstance(outbox, Outbox):
+        raise ConfigurationError(f"create_app needs an outbox.Outbox, got {type(outbox).__name__}")
+    by_group: dict[str, Inbox] = {}
+    for inbox in inboxes:
+        if not isinstance(inbox, Inbox):
+            raise ConfigurationError(f"inboxes must be outbox.Inbox objects, got {type(inbox).__name__}")
+        if (inbox.tables.prefix, inbox.tables.schema) != (outbox.tables.prefix, outbox.tables.schema):
+            raise ConfigurationError(f"the inbox of group {inbox.group!r} uses other tables (prefix "
+                                     f"{inbox.tables.prefix!r}, schema {inbox.tables.schema!r}) than the "
+                                     f"console's outbox ({outbox.tables.prefix!r}, {outbox.tables.schema!r})")
+        if inbox.group in by_group:
+            raise ConfigurationError(f"two inboxes for group {inbox.group!r}")
+        by_group[inbox.group] = inbox
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if secret is not None and len(secret) < 16:
+        raise ConfigurationError("the console secret must be at least 16 bytes")
+    if isinstance(stuck_after, bool) or not isinstance(stuck_after, int | float) or stuck_after < 0:
+        raise ConfigurationError(f"stuck_after must be non-negative seconds, got {stuck_after!r}")
+    ctx = Context(outbox, by_group, operators or Operators(), read_only,
+                  secret or secrets.token_bytes(32), float(stuck_after))
+    routes = [
+        Route("/", _pages.overview(ctx)),
+        Route("/ping", _pages.ping(ctx)),
+        Route("/failed", _pages.failed(ctx)),
+        Route("/failed/retry", _actions.failed_action(ctx, "retry"), methods=["POST"]),
+        Route("/failed/skip", _actions.failed_action(ctx, "skip"), methods=["POST"]),
+        Route("/parked/{group}", _pages.parked(ctx)),
+        Route("/parked/{group}/key", _pages.parked_key(ctx)),
+        Route("/parked/{group}/replay", _actions.replay(ctx), methods=["POST"]),
+        Route("/parked/{group}/discard", _actions.discard(ctx), methods=["POST"]),
+        Route("/held/{group}", _pages.held(ctx)),
+        Route("/login", _actions.login(ctx), methods=["GET", "POST"]),
+        Route("/logout", _actions.logout(ctx), methods=["POST"]),
+    ]
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, Refused)
+        response = ctx.render(request, "error.html", status=exc.status, message=str(exc))
+        response.headers.update(exc.headers)
+        return response
+
+    async def redirect(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, _Redirect)
+        return exc.response()
+
+    async def outbox_error(request: Request, exc: Exception) -> Response:
+        # Missing tables, a schema mismatch: the library's errors name the problem and the fix.
+        return ctx.render(request, "error.html", status=500, message=str(exc))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return ctx.render(request, "error.html", status=exc.status_code, message=str(exc.detail))
+
+    return Starlette(routes=routes, exception_handlers={
+        Refused: refused, _Redirect: redirect, HTTPException: http_error, OutboxError: outbox_error})

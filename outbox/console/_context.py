@@ -1,0 +1,159 @@
+"""What every page and action of one console shares: the databases, who may act, how to render.
+
+One ``Context`` per app, built by ``create_app`` and never changed after: the
+handlers read it from several threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from sqlalchemy import Engine
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from .._outbox import Outbox
+from ..inbox import Inbox
+from . import _csrf
+from ._auth import Operators
+
+audit = logging.getLogger("outbox.console.audit")
+
+PAGE = 50
+MAX_PAGE = 500
+# The pages run no script at all, so a payload that slipped past escaping could not run
+# either; and no other site may frame them to trick an operator into a click.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class Refused(Exception):
+    """A request the console will not serve; becomes an escaped error page with ``status``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+@dataclass
+class Context:
+    outbox: Outbox
+    inboxes: Mapping[str, Inbox]
+    operators: Operators
+    read_only: bool
+    secret: bytes
+    stuck_after: float
+    env: Environment = field(init=False)
+    _discarders: dict[str, Inbox] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        # Autoescape everything: payloads, errors and keys are other people's data.
+        self.env = Environment(loader=PackageLoader("outbox.console", "templates"),
+                               autoescape=select_autoescape(default=True, default_for_string=True))
+
+    @property
+    def engine(self) -> Engine:
+        engine = self.outbox.engine
+        assert isinstance(engine, Engine)
+        return engine
+
+    def inbox_for_discard(self, group: str) -> Inbox:
+        """The group's ``Inbox``: the app's when given, else one without handlers (discard needs none)."""
+        if group in self.inboxes:
+            return self.inboxes[group]
+        with self._lock:
+            if group not in self._discarders:
+                self._discarders[group] = Inbox(self.engine, group=group, tables=self.outbox.tables,
+                                                concurrency=1)
+            return self._discarders[group]
+
+    # -- access ---------------------------------------------------------------------
+
+    def viewer(self, request: Request) -> str | None:
+        """The operator looking, or ``None`` on an unprotected console; refuses a stranger."""
+        if not self.operators.configured:
+            return None
+        who = self.operators.operator(request, self.secret)
+        if who is None:
+            raise self._unauthenticated(request)
+        return who
+
+    def actor(self, request: Request, form: Mapping[str, Any]) -> tuple[str, str]:
+        """Who acts and why, after every check an action needs; raises ``Refused`` otherwise."""
+        if self.read_only:
+            raise Refused(403, "this console is read-only (started with --read-only)")
+        if not self.operators.configured:
+            raise Refused(403, "no operator credential is configured, so this console is read-only "
+                               "(set OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS)")
+        who = self.operators.operator(request, self.secret)
+        if who is None:
+            raise Refused(401, "an action needs an operator credential: sign in first",
+                          self._challenge())
+        self.check_csrf(request, form)
+        reason = str(form.get("reason") or "").strip()
+        if not reason:
+            raise Refused(400, "say why: every action is recorded with a reason")
+        return who, reason
+
+    def check_csrf(self, request: Request, form: Mapping[str, Any]) -> None:
+        if not _csrf.valid(self.secret, request.cookies.get(_csrf.COOKIE), form.get(_csrf.FIELD)):
+            raise Refused(403, "the form's CSRF token is missing or wrong (reload the page and retry)")
+
+    def _challenge(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Basic realm="outbox console"'} if self.operators.users else {}
+
+    def _unauthenticated(self, request: Request) -> Exception:
+        if self.operators.token and not self.operators.users:
+            return _Redirect(f"{base(request)}/login")
+        return Refused(401, "this console needs an operator credential", self._challenge())
+
+    # -- rendering ------------------------------------------------------------------
+
+    def render(self, request: Request, template: str, status: int = 200, **values: Any) -> Response:
+        """Render ``template`` with the form token; set the CSRF cookie on the first visit."""
+        cookie = request.cookies.get(_csrf.COOKIE)
+        fresh = cookie is None
+        if cookie is None:
+            cookie = _csrf.new_cookie()
+        html = self.env.get_template(template).render(
+            base=base(request), csrf=_csrf.form_token(self.secret, cookie), read_only=self.read_only,
+            can_act=self.operators.configured and not self.read_only, **values)
+        response = HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+        if fresh:
+            response.set_cookie(_csrf.COOKIE, cookie, httponly=True, samesite="strict",
+                                secure=request.url.scheme == "https", path=base(request) + "/")
+        return response
+
+
+class _Redirect(Exception):
+    def __init__(self, location: str) -> None:
+        super().__init__(location)
+        self.location = location
+
+    def response(self) -> Response:
+        return RedirectResponse(self.location, status_code=303)
+
+
+def base(request: Request) -> str:
+    """Where the console is mounted ("" at the root): every link and cookie path starts here."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+def page_size(request: Request) -> int:
+    try:
+        return max(1, min(MAX_PAGE, int(request.query_params.get("limit", PAGE))))
+    except ValueError:
+        raise Refused(400, "limit must be a whole number") from None

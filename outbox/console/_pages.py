@@ -1,0 +1,167 @@
+"""The pages: each reads one page of data through the owning module's query and renders it.
+
+Every list is keyset-paged (``after`` names the last row of the page before),
+so a page costs the same however large the table behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from .._envelope import utcnow
+from ..inbox._store_pages import held_lanes, parked_lanes, parked_page, parked_unkeyed
+from ..ops import gather
+from ..relay import failed_rows
+from ._context import Context, Refused, page_size
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _lane_after(request: Request) -> tuple[str, str] | None:
+    raw = request.query_params.get("after")
+    if not raw:
+        return None
+    try:
+        topic, key = json.loads(raw)
+    except (ValueError, TypeError):
+        raise Refused(400, "after must be a [topic, key] pair, as the next-page link gives it") from None
+    return str(topic), str(key)
+
+
+def _int_after(request: Request) -> int | None:
+    raw = request.query_params.get("after")
+    try:
+        return None if not raw else int(raw)
+    except ValueError:
+        raise Refused(400, "after must be a row id, as the next-page link gives it") from None
+
+
+def _topics(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The backlog per topic (``outbox status`` lists it per topic and shard)."""
+    topics: dict[str, dict[str, Any]] = {}
+    for r in (doc["outbox"] or {"backlog": []})["backlog"]:
+        t = topics.setdefault(r["topic"], {"topic": r["topic"], "pending": 0, "failed": 0,
+                                           "oldest": None, "shards": 0})
+        t["pending"] += r["pending"]
+        t["failed"] += r["failed"]
+        t["shards"] += 1
+        age = r["oldest_pending_age_s"]
+        if age is not None and (t["oldest"] is None or age > t["oldest"]):
+            t["oldest"] = age
+    return list(topics.values())
+
+
+def overview(ctx: Context) -> Handler:
+    async def page(request: Request) -> Response:
+        who = ctx.viewer(request)
+        doc = await run_in_threadpool(gather, ctx.outbox, stuck_after=ctx.stuck_after)
+        return ctx.render(request, "overview.html", who=who, doc=doc, topics=_topics(doc),
+                          replayable=sorted(ctx.inboxes))
+    return page
+
+
+def failed(ctx: Context) -> Handler:
+    async def page(request: Request) -> Response:
+        who = ctx.viewer(request)
+        limit = page_size(request)
+        topic = request.query_params.get("topic") or None
+        rows = await run_in_threadpool(failed_rows, ctx.outbox, topic=topic, limit=limit + 1,
+                                       after=_int_after(request))
+        rows, more = _split(rows, limit)
+        return ctx.render(request, "failed.html", who=who, rows=rows, topic=topic, limit=limit,
+                          next_after=rows[-1].id if more else None)
+    return page
+
+
+def parked(ctx: Context) -> Handler:
+    async def page(request: Request) -> Response:
+        who = ctx.viewer(request)
+        group = request.path_params["group"]
+        limit, after = page_size(request), _lane_after(request)
+
+        def read() -> tuple[list[Any], list[Any]]:
+            with ctx.engine.connect() as conn:
+                lanes = parked_lanes(conn, ctx.outbox.tables, group, after=after, limit=limit + 1)
+                unkeyed = parked_unkeyed(conn, ctx.outbox.tables, group) if after is None else []
+            return lanes, unkeyed
+
+        lanes, unkeyed = await run_in_threadpool(read)
+        lanes, more = _split(lanes, limit)
+        return ctx.render(request, "parked.html", who=who, group=group, lanes=lanes, unkeyed=unkeyed,
+                          limit=limit, can_replay=group in ctx.inboxes, json=json.dumps,
+                          next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
+    return page
+
+
+def parked_key(ctx: Context) -> Handler:
+    async def page(request: Request) -> Response:
+        who = ctx.viewer(request)
+        group = request.path_params["group"]
+        topic = request.query_params.get("topic")
+        if not topic:
+            raise Refused(400, "name the topic (?topic=...&key=...)")
+        key = request.query_params.get("key")  # absent: the topic's unkeyed messages
+        limit, after = page_size(request), _int_after(request)
+
+        def read() -> list[Any]:
+            with ctx.engine.connect() as conn:
+                return parked_page(conn, ctx.outbox.tables, group, topic, key, after=after,
+                                   limit=limit + 1)
+
+        rows = await run_in_threadpool(read)
+        rows, more = _split(rows, limit)
+        return ctx.render(request, "key.html", who=who, group=group, topic=topic, key=key, rows=rows,
+                          limit=limit, can_replay=group in ctx.inboxes, lane=json.dumps([topic, key]),
+                          next_after=rows[-1].id if more else None, payload=_payload)
+    return page
+
+
+def held(ctx: Context) -> Handler:
+    async def page(request: Request) -> Response:
+        who = ctx.viewer(request)
+        group = request.path_params["group"]
+        limit, after = page_size(request), _lane_after(request)
+
+        def read() -> list[Any]:
+            with ctx.engine.connect() as conn:
+                return held_lanes(conn, ctx.outbox.tables, group, after=after, limit=limit + 1)
+
+        lanes = await run_in_threadpool(read)
+        lanes, more = _split(lanes, limit)
+        return ctx.render(request, "held.html", who=who, group=group, lanes=lanes, limit=limit, now=utcnow(),
+                          next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
+    return page
+
+
+def ping(ctx: Context) -> Handler:
+    """``SELECT 1`` through the app: the round trip every page pays, the benchmarks' baseline."""
+    async def page(request: Request) -> Response:
+        ctx.viewer(request)
+
+        def select_one() -> None:
+            with ctx.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+
+        await run_in_threadpool(select_one)
+        return PlainTextResponse("ok")
+    return page
+
+
+def _split(rows: list[Any], limit: int) -> tuple[list[Any], bool]:
+    """A page read with ``limit + 1`` rows: the page, and whether another follows."""
+    return rows[:limit], len(rows) > limit
+
+
+def _payload(raw: bytes | None, limit: int = 4000) -> str:
+    """The payload as text for a person (undecodable bytes shown as replacements), cut at ``limit``."""
+    if raw is None:
+        return ""
+    shown = bytes(raw[:limit]).decode("utf-8", errors="replace")
+    return shown + (f" … ({len(raw)} bytes)" if len(raw) > limit else "")

@@ -1,0 +1,131 @@
+"""``outbox console`` as an operator starts it, and ``outbox demo --console``'s consoles."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+from typer.testing import CliRunner
+
+from outbox import Outbox, create_engine
+from outbox.cli import app
+from tests.console_support import TOKEN
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def outside_addresses() -> list[str]:
+    """This host's address on its default route, if it has one besides loopback (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            address = s.getsockname()[0]
+    except OSError:
+        return []
+    return [] if address.startswith("127.") else [address]
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str) -> None:
+    Outbox(create_engine(sqlite_db)).create_tables()
+    port = free_port()
+    env = {**os.environ, "OUTBOX_CONSOLE_TOKEN": TOKEN}
+    command = [sys.executable, "-m", "outbox", "console", "--db", sqlite_db, "--port", str(port)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _ = get(f"http://127.0.0.1:{port}/login")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, "the console did not start"
+                time.sleep(0.2)
+        assert status == 200
+        ok, page = get(f"http://127.0.0.1:{port}/",
+                       {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "probe"})
+        assert ok == 200 and "nothing stuck" in page
+        for address in outside_addresses()[:1]:  # bound to 127.0.0.1: the host's other address refuses
+            with pytest.raises(urllib.error.URLError):
+                get(f"http://{address}:{port}/login")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down cleanly, then exits as interrupted (128 + SIGINT), as a shell expects.
+    assert proc.returncode in (0, 130) and "Application shutdown complete" in out, out
+    assert f"outbox console on http://127.0.0.1:{port}/" in out
+
+
+def test_outbox_console_names_a_missing_database_in_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["console", "--db", f"sqlite:///{tmp_path / 'nope.db'}"])
+    assert result.exit_code != 0 and "does not exist" in result.output
+
+
+def test_demo_console_mounts_orders_and_billing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from outbox.console import Operators
+    from outbox.demo._console import demo_console
+
+    Outbox(create_engine(f"sqlite:///{tmp_path / 'orders.db'}")).create_tables()
+    client = TestClient(demo_console(tmp_path, Operators(token=TOKEN)), base_url="http://127.0.0.1")
+    auth = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "demo"}
+    for path in ("/orders/", "/billing/", "/billing/parked/billing"):
+        page = client.get(path, headers=auth)
+        assert page.status_code == 200, (path, page.text)
+    assert "replay enabled for: billing" in client.get("/billing/", headers=auth).text
+
+    served: list[tuple[Path, int]] = []
+    monkeypatch.setattr("outbox.demo.run_demo", lambda orders, workdir: 0)
+    monkeypatch.setattr("outbox.demo._console.serve_console",
+                        lambda workdir, port: served.append((workdir, port)))
+    result = CliRunner().invoke(app, ["demo", "--console", "--port", "9999", "--workdir", str(tmp_path)])
+    assert result.exit_code == 0 and served == [(tmp_path, 9999)]
+
+
+def test_an_app_on_another_database_than_db_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    listed, other = (f"sqlite:///{tmp_path / name}" for name in ("listed.db", "other.db"))
+    for url in (listed, other):
+        Outbox(create_engine(url)).create_tables()
+    (tmp_path / "elsewhere_app.py").write_text(
+        f"from outbox import Inbox, create_engine\ninbox = Inbox(create_engine({other!r}), group='g')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the console started"))
+    result = CliRunner().invoke(app, ["console", "--db", listed, "--app", "elsewhere_app:inbox"])
+    assert result.exit_code == 2 and "another database than --db" in result.output
+
+
+def test_a_network_address_without_a_credential_is_refused(
+    sqlite_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    Outbox(create_engine(sqlite_db)).create_tables()
+    monkeypatch.delenv("OUTBOX_CONSOLE_TOKEN", raising=False)
+    monkeypatch.delenv("OUTBOX_CONSOLE_USERS", raising=False)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the console started"))
+    result = CliRunner().invoke(app, ["console", "--db", sqlite_db, "--host", "0.0.0.0"])
+    assert result.exit_code == 2 and "needs OUTBOX_CONSOLE_TOKEN" in result.output
