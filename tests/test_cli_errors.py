@@ -139,6 +139,10 @@ CASES = [
      ["app_inbox_parked", "init-db"]),
     (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "--key-stuck-after", "0"],
      2, ["--key-stuck-after"]),
+    # the console: a missing database, and a network address without a credential
+    (["console", "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist", "init-db"]),
+    (["console", "--db", "sqlite:///{d}/ready.db", "--host", "0.0.0.0"], 2,
+     ["--host", "OUTBOX_CONSOLE_TOKEN"]),
 ]
 
 # Commands whose bad input is tested elsewhere in this file (they need more than one command line).

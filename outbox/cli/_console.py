@@ -27,8 +27,10 @@ def console(
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
     target: list[str] = typer.Option([], "--app", help=APP_HELP + " Repeat for several groups."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; the default serves this machine only."),
-    port: int = typer.Option(8470, min=1, max=65535, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", envvar="OUTBOX_CONSOLE_HOST",
+                             help="Address to bind; the default serves this machine only."),
+    port: int = typer.Option(8470, min=1, max=65535, envvar="OUTBOX_CONSOLE_PORT",
+                             help="Port to listen on."),
     read_only: bool = typer.Option(False, "--read-only", help="Show everything, allow no action."),
     stuck_after: float = typer.Option(
         300.0, "--stuck-after", min=0,
