@@ -102,6 +102,19 @@ def result_of(error: KafkaError) -> SendResult:
     return SendResult(classify(error), error=error.str(), unreachable=error.code() in UNREACHABLE_ERRORS)
 
 
+def fatal_error(exc: Exception) -> KafkaError:
+    """The error a fatal stop was raised with, out of ``flush`` or ``poll``.
+
+    confluent-kafka raises librdkafka's fatal error (e.g. the gap-less stop) from
+    the call serving callbacks, and a delivery callback that runs in the same
+    serving pass then ends in ``SystemError`` (it returns with that exception
+    pending); both mean the producer is finished.
+    """
+    if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return KafkaError(KafkaError._FATAL, f"producer stopped: {exc}")
+
+
 class KafkaTransport:
     """Publishes outbox batches to Kafka with per-key order and per-record results.
 
@@ -179,6 +192,7 @@ class KafkaTransport:
         """
         produce = self._producer.produce
         report = self._report
+        reports: dict[int, tuple[KafkaError | None, Any]] = {}
         counts: dict[str, int | SendResult] = {}  # per wave: metadata looked up once per topic
         lookup = self._partition_count
         outstanding = 0
@@ -195,7 +209,7 @@ class KafkaTransport:
                 continue
             if partition is None:
                 partition = -1  # librdkafka's "unassigned": it spreads unkeyed records
-            callback = partial(report, results, i)
+            callback = partial(report, reports, i)
             headers: Any = record.headers  # librdkafka's stubs want a list of str | bytes | None
             try:
                 try:
@@ -215,6 +229,9 @@ class KafkaTransport:
                 stopped.add((record.topic, record.key))
         if outstanding:
             self._wait(self._delivery_timeout)
+        for i, (error, message) in reports.items():
+            results[i] = (SendResult(Outcome.DELIVERED, message.partition(), message.offset())
+                          if error is None else result_of(error))
 
     def _wait(self, timeout: float) -> None:
         """Serve delivery reports until none is outstanding or ``timeout`` passed.
@@ -225,29 +242,32 @@ class KafkaTransport:
         """
         try:
             left = self._producer.flush(timeout)
-        except KafkaException as exc:  # flush raises a fatal error (e.g. gap-less violated)
-            self._fatal = exc.args[0]
+        except (KafkaException, SystemError) as exc:
+            self._fatal = fatal_error(exc)
             left = 1
         if left or self._fatal is not None:
             self._abandon()
 
     def _abandon(self) -> None:
-        """Purge everything outstanding, serve the purge reports, recreate on next publish."""
-        try:
+        """Purge everything outstanding, serve the reports left, recreate on next publish."""
+        with suppress(KafkaException, SystemError):
             self._producer.purge(in_queue=True, in_flight=True)
-            self._producer.poll(0)
-        except KafkaException as exc:
-            self._fatal = self._fatal or exc.args[0]
+        for _ in range(3):  # each raise stops serving; the reports behind it are still queued
+            try:
+                self._producer.poll(0)
+                break
+            except (KafkaException, SystemError) as exc:
+                self._fatal = self._fatal or fatal_error(exc)
         if self._fatal is None:
-            self._fatal = KafkaError(KafkaError._TIMED_OUT, "abandoned after delivery_timeout")
+            self._fatal = KafkaError(KafkaError._TIMED_OUT, "no delivery report within delivery_timeout")
 
     @staticmethod
-    def _report(results: list[SendResult | None], index: int, error: KafkaError | None,
-                message: Any) -> None:
-        if error is None:
-            results[index] = SendResult(Outcome.DELIVERED, message.partition(), message.offset())
-        else:
-            results[index] = result_of(error)
+    def _report(reports: dict[int, tuple[KafkaError | None, Any]], index: int,
+                error: KafkaError | None, message: Any) -> None:
+        # Only stored here, read after the wait: once librdkafka raises a fatal error,
+        # confluent-kafka runs the remaining callbacks with that exception pending, and
+        # any call into it (error.code(), message.offset()) would fail with SystemError.
+        reports[index] = (error, message)
 
     # -- partitions ---------------------------------------------------------
 
