@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 from _mock_faults import MockCluster
 from confluent_kafka import KafkaError
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transports import Outcome, Record
@@ -120,6 +120,7 @@ def test_retriable_errors_inside_a_pipeline_keep_the_order(cluster: MockCluster,
 def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_producer(
     cluster: MockCluster, topic: str
 ) -> None:
+    """The gap-less stop: the refused record FAILED, the rest RETRY, a new producer, order kept."""
     keys = {"hot": 300}
     transport = transport_for(cluster.bootstrap)
     transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
@@ -135,7 +136,17 @@ def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_produc
     transport.close()
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluster, topic: str) -> None:
+    transport = transport_for(cluster.bootstrap)
+    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+    cluster.fail_produce(KafkaError.INVALID_RECORD)
+    results = transport.publish(stream(topic, {"k": 3})["k"])
+    assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY, Outcome.RETRY]
+    assert transport._fatal is not None
+    transport.close(timeout=1)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,
                        max_size=4),
        hot=st.integers(50, 600), spread=st.integers(0, 30))

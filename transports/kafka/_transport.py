@@ -318,6 +318,10 @@ class KafkaTransport:
         return Producer({**self._config, "error_cb": self._on_error, "logger": self._log})
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait up to ``timeout`` seconds for queued records, then drop the producer."""
-        self._producer.flush(timeout)
+        """Wait up to ``timeout`` seconds for queued records, then drop the producer.
 
+        A producer stopped by a fatal error raises it again from ``flush``; its
+        records were all reported already, so there is nothing left to wait for.
+        """
+        with suppress(KafkaException, SystemError):
+            self._producer.flush(timeout)
