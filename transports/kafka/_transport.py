@@ -308,7 +308,7 @@ class KafkaTransport:
             self._fatal = error
 
     def _rebuild(self) -> None:
-        with suppress(KafkaException):  # the fatal error that brought us here, raised again
+        with suppress(KafkaException, SystemError):  # the fatal error that brought us here, again
             self._producer.flush(0)
         self._producer = self._new_producer()
         self._fatal = None
