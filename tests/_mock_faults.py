@@ -40,6 +40,8 @@ def _library() -> ctypes.CDLL:
     lib.rd_kafka_mock_push_request_errors_array.argtypes = [
         ctypes.c_void_p, ctypes.c_int16, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)]
     lib.rd_kafka_mock_broker_set_rtt.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int]
+    lib.rd_kafka_mock_partition_set_leader.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
+                                                       ctypes.c_int32]
     return lib
 
 
@@ -63,6 +65,10 @@ class MockCluster:
         """The next ``len(codes)`` ProduceRequests (to any broker) are answered with these errors."""
         array = (ctypes.c_int * len(codes))(*codes)
         self._lib.rd_kafka_mock_push_request_errors_array(self._cluster, PRODUCE, len(codes), array)
+
+    def move_leader(self, topic: str, partition: int, broker: int) -> None:
+        """Make ``broker`` the partition's leader: the old one answers NOT_LEADER from now on."""
+        self._lib.rd_kafka_mock_partition_set_leader(self._cluster, topic.encode(), partition, broker)
 
     def close(self) -> None:
         if self._cluster:

@@ -136,6 +136,34 @@ def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_produc
     transport.close()
 
 
+def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
+    """The partitions' leaders move between brokers every 150 ms while a hot key's requests are in flight."""
+    keys = {"hot": 3000, "other": 300}
+    with MockCluster(rtt_ms=10) as slow:
+        transport = transport_for(slow.bootstrap, **{"topic.metadata.refresh.interval.ms": 200})
+        transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+        stop = threading.Event()
+        moved = 0
+
+        def mover() -> None:
+            nonlocal moved
+            while not stop.wait(0.15):
+                moved += 1
+                for partition in range(4):
+                    slow.move_leader(topic, partition, 1 + moved % 3)
+
+        thread = threading.Thread(target=mover)
+        thread.start()
+        try:
+            relay_until_done(transport, stream(topic, keys), batch=600, rounds=200)
+        finally:
+            stop.set()
+            thread.join()
+        check_topic(slow.bootstrap, topic, {**keys, "x": 1})
+        transport.close()
+    assert moved >= 5
+
+
 def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluster, topic: str) -> None:
     transport = transport_for(cluster.bootstrap)
     transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
