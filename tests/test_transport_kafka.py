@@ -23,6 +23,29 @@ class TestKafkaTransportConformance(TransportConformance):
         transport.close()
 
 
+@pytest.mark.kafka
+class TestKafkaTransportInWavesConformance(TransportConformance):
+    """A user-set message timeout turns pipelining off: the waves path keeps the contract too."""
+
+    @pytest.fixture
+    def transport(self, kafka: str) -> Iterator[KafkaTransport]:
+        transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10, delivery_timeout_ms=9000)
+        assert not transport._pipelined
+        yield transport
+        transport.close()
+
+
+def test_pipelining_is_on_only_when_librdkafka_cannot_drop_a_record() -> None:
+    def pipelined(**settings: object) -> bool:
+        return KafkaTransport(bootstrap_servers="127.0.0.1:9", **settings)._pipelined
+
+    assert pipelined()
+    assert KafkaTransport(bootstrap_servers="127.0.0.1:9")._config["message.timeout.ms"] == 0
+    assert not pipelined(delivery_timeout_ms=5000)
+    assert not pipelined(retries=3)
+    assert not pipelined(**{"enable.gapless.guarantee": False})
+
+
 def test_is_a_transport() -> None:
     assert isinstance(KafkaTransport(bootstrap_servers="127.0.0.1:9"), Transport)
 

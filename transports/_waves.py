@@ -1,4 +1,4 @@
-"""Sending a batch in waves: how both Kafka transports keep the per-key contract.
+"""Sending a batch in waves: how the per-key contract is kept without client help.
 
 Wave 1 holds the first record of every key and every unkeyed record; wave n
 holds the n-th record of each key whose records 1..n-1 were all delivered. A
@@ -8,6 +8,11 @@ record is thus never written while an earlier record of its key is
 unacknowledged, whatever the broker or client retries do, and a failed record
 can never be overtaken by its successor. Keys rarely repeat inside one batch,
 so most batches are a single wave.
+
+A hot key (one key with many records in a batch) costs one broker round trip
+per record this way; ``KafkaTransport`` pipelines instead, on librdkafka's
+gap-less idempotent producer, and only shares ``hold_behind_undelivered`` with
+this module. The kafka-python-ng transport keeps waves.
 """
 
 from __future__ import annotations
@@ -57,6 +62,32 @@ def key_partition(record: Record, counts: dict[str, int | SendResult],
     return count if isinstance(count, SendResult) else partition_for_key(record.key, count)
 
 
+def hold_behind_undelivered(records: Sequence[Record],
+                            results: Sequence[SendResult | None]) -> list[SendResult]:
+    """Final results: after a key's first record that is not delivered, its later ones are ``RETRY``.
+
+    A later record reported delivered behind an undelivered one is turned into
+    ``RETRY`` too: the relay then sends the key again from its first undelivered
+    record, so its successors are written again behind it (a duplicate, which
+    the contract allows), never counted as done ahead of it. A held record is
+    as unreachable as the one that held it, so an outage costs no attempt.
+    A missing result (no report in time) is an unreachable ``RETRY``.
+    """
+    final: list[SendResult] = []
+    blocked: dict[tuple[str, bytes], bool] = {}  # key -> its failure was unreachable
+    for record, result in zip(records, results, strict=True):
+        if result is None:
+            result = SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
+        if record.key is not None:
+            key = (record.topic, record.key)
+            if key in blocked:
+                result = SendResult(Outcome.RETRY, error=NOT_SENT, unreachable=blocked[key])
+            elif result.outcome is not Outcome.DELIVERED:
+                blocked[key] = result.unreachable
+        final.append(result)
+    return final
+
+
 def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[SendResult]:
     """Run ``send_wave`` per wave, skipping keys already not delivered; results in input order."""
     results: list[SendResult | None] = [None] * len(records)
@@ -78,5 +109,4 @@ def publish_in_waves(records: Sequence[Record], send_wave: SendWave) -> list[Sen
             record = records[i]
             if record.key is not None and (result is None or result.outcome is not Outcome.DELIVERED):
                 blocked[record.topic, record.key] = result is None or result.unreachable
-    return [r if r is not None else SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
-            for r in results]
+    return hold_behind_undelivered(records, results)

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from transports._partitioner import partition_for_key
@@ -79,6 +79,27 @@ def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30
         consumer.close()
     records.sort(key=lambda r: (r.partition, r.offset))
     return records
+
+
+def behind_undelivered(records: Sequence[Record], seq: Callable[[Record], int]) -> list[Record]:
+    """The records written behind an undelivered record of their key: should be none.
+
+    ``records`` in (partition, offset) order, as ``read_topic`` returns them;
+    ``seq(record)`` is the record's place in its key, counting from 0. A record
+    is in order when every earlier record of its key appeared before it on the
+    topic; duplicates (a retry of something already written) are fine.
+    """
+    seen: dict[tuple[str, bytes], set[int]] = {}
+    wrong = []
+    for record in records:
+        if record.key is None:
+            continue
+        mine = seen.setdefault((record.topic, record.key), set())
+        n = seq(record)
+        if n > 0 and n - 1 not in mine:
+            wrong.append(record)
+        mine.add(n)
+    return wrong
 
 
 def partition_count(bootstrap: str, topic: str) -> int:
@@ -138,7 +159,7 @@ class FaultyTransport:
 _BROKER = """
 import sys
 from transports.kafka import embedded_kafka
-with embedded_kafka(int(sys.argv[1])) as servers:
+with embedded_kafka(int(sys.argv[1]), int(sys.argv[2])) as servers:
     print(servers, flush=True)
     sys.stdin.read()  # until the parent closes stdin (or goes away)
 """
@@ -150,12 +171,12 @@ class BrokerProcess:
     ``bootstrap`` is its address; ``freeze()`` stops the process (SIGSTOP) so
     the broker neither answers nor closes connections, as a hung or partitioned
     broker does; ``thaw()`` lets it go on (SIGCONT). Topics and records live as
-    long as the process.
+    long as the process. ``rtt_ms`` delays every broker response.
     """
 
-    def __init__(self, brokers: int = 3) -> None:
+    def __init__(self, brokers: int = 3, rtt_ms: int = 0) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _BROKER, str(brokers)],
+            [sys.executable, "-c", _BROKER, str(brokers), str(rtt_ms)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self._process.stdout is not None
@@ -272,3 +293,26 @@ class TransportConformance:
             Outcome.FAILED, Outcome.RETRY, Outcome.DELIVERED, Outcome.DELIVERED
         ]
         assert [r.value for r in read_topic(kafka, other, expected=2)] == [b"o0", b"o1"]
+
+    def test_a_hot_key_is_delivered_in_order(self, transport: Transport, kafka: str, topic: str) -> None:
+        """Many records of one key in one batch, among other keys: all delivered, in order."""
+        keys = ["hot" if i % 4 else f"k{i}" for i in range(400)]
+        records = self._records(topic, keys)
+        results = transport.publish(records)
+        assert [r.outcome for r in results] == [Outcome.DELIVERED] * len(records)
+        hot = [(r.partition, r.offset) for k, r in zip(keys, results, strict=True) if k == "hot"]
+        assert len({p for p, _ in hot}) == 1 and hot == sorted(hot) and len(set(hot)) == len(hot)
+        written = [r for r in read_topic(kafka, topic, expected=len(records)) if r.key == b"hot"]
+        assert [r.value for r in written] == [r.value for r in records if r.key == b"hot"]
+
+    def test_a_hot_key_stops_at_its_failed_record(self, transport: Transport, kafka: str, topic: str) -> None:
+        """Nothing of a key is written behind its failed record, however many follow it."""
+        if not self.rejects_oversized:
+            return
+        records = self._records(topic, ["hot"] * 30 + ["other"] * 3)
+        records[7].value = self.oversized_value
+        results = transport.publish(records)
+        assert [r.outcome for r in results] == (
+            [Outcome.DELIVERED] * 7 + [Outcome.FAILED] + [Outcome.RETRY] * 22 + [Outcome.DELIVERED] * 3)
+        written = read_topic(kafka, topic, expected=10, settle=0.5)
+        assert [r.value for r in written if r.key == b"hot"] == [f"{i}".encode() for i in range(7)]

@@ -13,8 +13,16 @@ relays are separate processes that reach it over TCP).
   the relay's acknowledgement time (``published_at``, taken when the delivery
   reports are in) minus the writer's commit time. Target p50 ≤ 20 ms, p99 ≤ 100 ms.
 - scaling: the throughput run with 1, 2 and 4 relay processes.
+- hot keys (``--hot-keys``, a section of its own): one relay process
+  (``python -m outbox relay``, default batch size) draining the same number of
+  messages over one key and over as many keys as messages, alternating in
+  pairs, with the broker answering at once and with every response delayed
+  5 ms (``test.mock.broker.rtt``); the waves path (one round trip per record
+  of a key, what the relay did before pipelining) as a third row for the
+  comparison. Target: hot / spread ≥ 0.5.
 
     python tests/benchmarks/bench_relay.py [--messages N] [--keys N] [--pairs N]
+    python tests/benchmarks/bench_relay.py --hot-keys [--hot-messages N] [--pairs N]
 """
 
 from __future__ import annotations
@@ -74,8 +82,8 @@ def baseline(url: str, servers: str) -> None:
 
 # -- set-up ---------------------------------------------------------------------------
 
-def fill(outbox: Outbox, messages: int, keys: int) -> None:
-    """Generate the rows once into ``bench_source``; each run copies them in fresh."""
+def fill(outbox: Outbox, messages: int, keys: int, source_table: str = "bench_source") -> None:
+    """Generate the rows once into ``source_table``; each run copies them in fresh."""
     seq: dict[str, int] = {}
     now = datetime.now(UTC)
     rng = random.Random(1)
@@ -88,14 +96,14 @@ def fill(outbox: Outbox, messages: int, keys: int) -> None:
                      "content_type": "application/json", "headers": {}, "created_at": now,
                      "available_at": now, "attempts": 0, "status": "pending"})
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
-        conn.execute(sa.text("CREATE TABLE bench_source (LIKE outbox_messages INCLUDING DEFAULTS)"))
-        source = sa.Table("bench_source", sa.MetaData(),
+        conn.execute(sa.text(f"CREATE TABLE {source_table} (LIKE outbox_messages INCLUDING DEFAULTS)"))
+        source = sa.Table(source_table, sa.MetaData(),
                           *(sa.Column(c.name, c.type) for c in outbox.tables.messages.c))
         for start in range(0, messages, 10_000):
             conn.execute(source.insert(), rows[start:start + 10_000])
 
 
-def load(engine: sa.Engine, *, wake: bool = False) -> None:
+def load(engine: sa.Engine, *, wake: bool = False, source: str = "bench_source") -> None:
     """Replace the outbox with fresh copies of the generated rows, in one transaction.
 
     With ``wake`` the relays are already running on the empty table: no TRUNCATE
@@ -105,7 +113,7 @@ def load(engine: sa.Engine, *, wake: bool = False) -> None:
     with engine.begin() as conn:
         if not wake:
             conn.execute(sa.text("TRUNCATE outbox_messages"))
-        conn.execute(sa.text("INSERT INTO outbox_messages SELECT * FROM bench_source"))
+        conn.execute(sa.text(f"INSERT INTO outbox_messages SELECT * FROM {source}"))
         conn.execute(sa.text("ANALYZE outbox_messages"))
         if wake:
             conn.execute(sa.text("SELECT pg_notify('outbox', '0')"))
@@ -151,13 +159,14 @@ def wait_leased(engine: sa.Engine, relays: int, timeout: float = 60) -> None:
     raise RuntimeError("relays did not split the shards")
 
 
-def run_relays(url: str, servers: str, engine: sa.Engine, count: int, messages: int) -> float:
+def run_relays(url: str, servers: str, engine: sa.Engine, count: int, messages: int,
+               *extra: str, source: str = "bench_source") -> float:
     with engine.begin() as conn:
         conn.execute(sa.text("TRUNCATE outbox_messages"))
-    relays = start_relays(url, servers, count, "--batch-size", "5000", "--lease-ttl", "10")
+    relays = start_relays(url, servers, count, *(extra or ("--batch-size", "5000")), "--lease-ttl", "10")
     try:
         wait_leased(engine, count)
-        load(engine, wake=True)
+        load(engine, wake=True, source=source)
         started = time.perf_counter()
         while pending(engine):
             time.sleep(0.05)
@@ -212,17 +221,91 @@ def run_latency(url: str, servers: str, rate: int, seconds: float) -> tuple[floa
     return q[49], q[98], achieved
 
 
+# -- hot keys -------------------------------------------------------------------------
+
+# The waves path: a user-set message timeout turns KafkaTransport's pipelining off.
+WAVES = ("-X", "message.timeout.ms=29500")
+
+
+def run_hot_keys(messages: int, pairs: int) -> list[tuple[int, list[tuple[float, float, float]]]]:
+    """Per broker RTT: pairs of (spread keys, one hot key, one hot key in waves) msg/s."""
+    rows = []
+    with local_postgres() as url:
+        engine = create_engine(url)
+        outbox = Outbox(engine)
+        outbox.create_tables()
+        fill(outbox, messages, messages * 1000, "bench_spread")  # keys practically never repeat
+        fill(outbox, messages, 1, "bench_hot")
+        # Waves cost a round trip per message: a tenth of the messages keeps the run short.
+        fill(outbox, messages // 10, 1, "bench_hot_small")
+        for rtt in (0, 5):
+            with embedded_kafka(rtt_ms=rtt) as servers:
+                runs = []
+                for _ in range(pairs):
+                    spread = run_relays(url, servers, engine, 1, messages, "--batch-size", "1000",
+                                        source="bench_spread")
+                    hot = run_relays(url, servers, engine, 1, messages, "--batch-size", "1000",
+                                     source="bench_hot")
+                    waves = run_relays(url, servers, engine, 1, messages // 10, "--batch-size", "1000",
+                                       *WAVES, source="bench_hot_small")
+                    runs.append((spread, hot, waves))
+                    print(f"rtt {rtt} ms: spread {spread:,.0f} msg/s, hot {hot:,.0f} ({hot / spread:.2f}), "
+                          f"hot in waves {waves:,.0f} ({waves / spread:.2f})", flush=True)
+                rows.append((rtt, runs))
+        engine.dispose()
+    return rows
+
+
+def report_hot_keys(messages: int, rows: list[tuple[int, list[tuple[float, float, float]]]],
+                    load: tuple[float, float]) -> None:
+    table = []
+    for rtt, runs in rows:
+        spread = statistics.median(s for s, _, _ in runs)
+        hot = statistics.median(h for _, h, _ in runs)
+        waves = statistics.median(w for _, _, w in runs)
+        ratio = statistics.median(h / s for s, h, _ in runs)
+        waves_ratio = statistics.median(w / s for s, _, w in runs)
+        table.append([f"{rtt} ms", f"{spread:,.0f}", f"{hot:,.0f}", f"**{ratio:.2f}**",
+                      f"{waves:,.0f} ({waves_ratio:.2f})"])
+    worst = min(statistics.median(h / s for s, h, _ in runs) for _, runs in rows)
+    verdict = "met" if worst >= 0.5 else "**not met**"
+    body = f"""## Relay: a hot key
+
+`python tests/benchmarks/bench_relay.py --hot-keys` — one relay process (`python -m outbox
+relay --batch-size 1000`), durable local PostgreSQL, the embedded broker in the benchmark
+process, {messages:,} messages per run: over {messages:,} distinct keys ("spread") and all on
+one key ("hot"). The runs alternate, {len(rows[0][1])} rounds per broker RTT; medians, and the
+hot / spread ratio is the median of the rounds' ratios. "Waves" is the same hot key with
+pipelining turned off (`-X message.timeout.ms=29500`, a tenth of the messages): one broker
+round trip per record of a key, how the relay sent a hot key before. RTT is the mock
+broker's `test.mock.broker.rtt`.
+Load average before / after: {load[0]:.1f} / {load[1]:.1f}.
+
+{markdown_table(["broker RTT", "spread msg/s", "hot key msg/s", "hot / spread",
+                 "hot key in waves msg/s (/ spread)"], table)}
+
+Target: one hot key at ≥ 0.5 of spread keys in the same run — {verdict}.
+"""
+    write_section("relay-hot-keys", body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--keys", type=int, default=10_000)
     parser.add_argument("--pairs", type=int, default=3, help="baseline / one relay runs, alternating")
     parser.add_argument("--baseline", nargs=2, metavar=("URL", "SERVERS"))
+    parser.add_argument("--hot-keys", action="store_true", help="only the hot-key comparison")
+    parser.add_argument("--hot-messages", type=int, default=20_000)
     args = parser.parse_args()
     if args.baseline:
         baseline(*args.baseline)
         return
     load_before = os.getloadavg()[0]
+    if args.hot_keys:
+        rows = run_hot_keys(args.hot_messages, args.pairs)
+        report_hot_keys(args.hot_messages, rows, (load_before, os.getloadavg()[0]))
+        return
     with local_postgres() as url, embedded_kafka() as servers:
         engine = create_engine(url)
         outbox = Outbox(engine)

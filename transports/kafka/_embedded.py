@@ -15,9 +15,13 @@ from confluent_kafka import Producer
 
 
 @contextmanager
-def embedded_kafka(brokers: int = 3) -> Iterator[str]:
-    """Start a mock cluster and yield its bootstrap servers ("host:port,…")."""
-    owner = Producer({"test.mock.num.brokers": brokers, "log_level": 3})
+def embedded_kafka(brokers: int = 3, rtt_ms: int = 0) -> Iterator[str]:
+    """Start a mock cluster and yield its bootstrap servers ("host:port,…").
+
+    ``rtt_ms`` delays every broker response (``test.mock.broker.rtt``), so a
+    round trip costs what it costs on a real cluster across zones.
+    """
+    owner = Producer({"test.mock.num.brokers": brokers, "test.mock.broker.rtt": rtt_ms, "log_level": 3})
     try:
         metadata = owner.list_topics(timeout=10)
         yield ",".join(f"{b.host}:{b.port}" for b in metadata.brokers.values())

@@ -1,9 +1,29 @@
 """``KafkaTransport``: the relay's broker edge on confluent-kafka (librdkafka).
 
-The per-key contract of ``transports.Transport`` is kept by sending each batch
-in waves (``transports._waves``), not left to librdkafka's retry behaviour: a
-record of a key is never written while an earlier record of that key is
-unacknowledged.
+The per-key contract of ``transports.Transport`` (a record is never written
+behind an undelivered record of its key) is kept by *pipelining* a batch on
+librdkafka's idempotent producer, so a hot key costs no round trip per record:
+
+- every record of a batch is produced at once, each key to its one partition;
+  the idempotent producer writes a partition's records in produce order across
+  retries (up to 5 requests in flight), the broker refusing any sequence gap;
+- ``message.timeout.ms=0``: librdkafka never times a record out of its queue,
+  the one way it would knowingly skip a record and write its successor
+  (INTRODUCTION.md, "Message timeout considerations": 1, 4, 5);
+- ``enable.gapless.guarantee=true``: a record the broker refuses for good fails
+  the producer fatally instead of letting the next one through;
+- the transport bounds its own wait: records without a report after
+  ``delivery_timeout`` are purged (queued and in flight) and the producer is
+  recreated, as it is after a fatal error. A producer thus never carries on
+  past a record it did not write: it is dropped first. A purged in-flight
+  request may still land later, but only behind everything it followed.
+
+Results then go through ``hold_behind_undelivered``: after a key's first
+record that was not delivered, the later ones come back ``RETRY``.
+
+Setting ``message.timeout.ms`` (``delivery_timeout_ms``) or ``retries``, or
+turning the gap-less guarantee off, falls back to waves (``transports._waves``): the n-th
+record of a key is sent only once the (n-1)-th is acknowledged.
 
 Keyed records go to the partition Kafka's Java client would choose
 (``partition_for_key``: murmur2 of the key modulo the partition count), so JVM
@@ -19,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -27,7 +48,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from transports._errors import ConfigurationError
 
 from .._protocol import Outcome, Record, SendResult
-from .._waves import key_partition, publish_in_waves
+from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
@@ -55,10 +76,14 @@ UNREACHABLE_ERRORS = frozenset({
     KafkaError._TRANSPORT,
     KafkaError._ALL_BROKERS_DOWN,
     KafkaError._RESOLVE,
+    # Purged by the transport itself: no report within its delivery_timeout.
+    KafkaError._PURGE_QUEUE,
+    KafkaError._PURGE_INFLIGHT,
 })
 
 DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
+    "enable.gapless.guarantee": True,
     "acks": "all",
     "linger.ms": 5,
     "compression.type": "lz4",
@@ -77,6 +102,19 @@ def result_of(error: KafkaError) -> SendResult:
     return SendResult(classify(error), error=error.str(), unreachable=error.code() in UNREACHABLE_ERRORS)
 
 
+def fatal_error(exc: Exception) -> KafkaError:
+    """The error a fatal stop was raised with, out of ``flush`` or ``poll``.
+
+    confluent-kafka raises librdkafka's fatal error (e.g. the gap-less stop) from
+    the call serving callbacks, and a delivery callback that runs in the same
+    serving pass then ends in ``SystemError`` (it returns with that exception
+    pending); both mean the producer is finished.
+    """
+    if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return KafkaError(KafkaError._FATAL, f"producer stopped: {exc}")
+
+
 class KafkaTransport:
     """Publishes outbox batches to Kafka with per-key order and per-record results.
 
@@ -84,9 +122,11 @@ class KafkaTransport:
     (``bootstrap_servers``, ``linger_ms``, ``sasl_plain_password`` …) or raw
     librdkafka keys (``"linger.ms"``); unknown or invalid ones raise
     ``ConfigurationError`` here. ``delivery_timeout`` bounds how long one
-    ``publish`` waits for delivery reports (librdkafka's ``message.timeout.ms``
-    is set just below it, so every record gets a report); records still without
-    one come back as ``RETRY``.
+    ``publish`` waits for delivery reports; records still without one are
+    purged and come back as ``RETRY`` (unreachable), and the producer is
+    recreated. A key's records are pipelined (module doc) unless
+    ``message.timeout.ms`` or ``retries`` is set or ``enable.gapless.guarantee`` is off, in
+    which case they go in waves, one round trip per record of a key.
     """
 
     def __init__(
@@ -107,7 +147,17 @@ class KafkaTransport:
             )
         if not delivery_timeout > 0 or not metadata_refresh > 0:
             raise ConfigurationError("delivery_timeout and metadata_refresh must be positive seconds")
-        config.setdefault("message.timeout.ms", max(1, int(delivery_timeout * 1000) - 500))
+        # A user-set timeout or retry limit would let librdkafka drop a record and write
+        # its successor (the gap-less guarantee does not cover timeouts): waves then.
+        self._pipelined = (
+            not {"message.timeout.ms", "retries", "message.send.max.retries"} & config.keys()
+            and str(config.get("enable.gapless.guarantee")).lower() in {"true", "1"}
+        )
+        # Pipelined: librdkafka never times a record out (that would skip it and write
+        # its successor); the transport bounds its wait and purges. Waves: a timeout
+        # just below delivery_timeout, so every record gets a report.
+        config.setdefault("message.timeout.ms",
+                          0 if self._pipelined else max(1, int(delivery_timeout * 1000) - 500))
         check_with_librdkafka(config)
         self._config = config
         self._delivery_timeout = delivery_timeout
@@ -126,26 +176,40 @@ class KafkaTransport:
         """Send ``records``; one result per record, in input order (see module doc)."""
         if self._fatal is not None:
             self._rebuild()
-        return publish_in_waves(records, partial(self._send_wave, records))
+        if not self._pipelined:
+            return publish_in_waves(records, partial(self._send_wave, records))
+        results: list[SendResult | None] = [None] * len(records)
+        self._send_wave(records, list(range(len(records))), results)
+        return hold_behind_undelivered(records, results)
 
     def _send_wave(
         self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None]
     ) -> None:
-        """Produce every record of one wave, then wait (bounded) for all delivery reports."""
+        """Produce the records at ``indexes``, then wait (bounded) for all delivery reports.
+
+        A key whose record could not even be queued (queue full, refused locally)
+        gets none of its later records queued: they would be written behind it.
+        """
         produce = self._producer.produce
         report = self._report
+        reports: dict[int, tuple[KafkaError | None, Any]] = {}
         counts: dict[str, int | SendResult] = {}  # per wave: metadata looked up once per topic
         lookup = self._partition_count
         outstanding = 0
+        stopped: set[tuple[str, bytes | None]] = set()
         for i in indexes:
             record = records[i]
+            if (record.topic, record.key) in stopped:
+                continue  # hold_behind_undelivered gives it its result
             partition = key_partition(record, counts, lookup)
             if isinstance(partition, SendResult):
                 results[i] = partition
+                if record.key is not None:
+                    stopped.add((record.topic, record.key))
                 continue
             if partition is None:
                 partition = -1  # librdkafka's "unassigned": it spreads unkeyed records
-            callback = partial(report, results, i)
+            callback = partial(report, reports, i)
             headers: Any = record.headers  # librdkafka's stubs want a list of str | bytes | None
             try:
                 try:
@@ -161,16 +225,49 @@ class KafkaTransport:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")
             except KafkaException as exc:
                 results[i] = result_of(exc.args[0])
+            if results[i] is not None and record.key is not None:
+                stopped.add((record.topic, record.key))
         if outstanding:
-            self._producer.flush(self._delivery_timeout)
+            self._wait(self._delivery_timeout)
+        for i, (error, message) in reports.items():
+            results[i] = (SendResult(Outcome.DELIVERED, message.partition(), message.offset())
+                          if error is None else result_of(error))
+
+    def _wait(self, timeout: float) -> None:
+        """Serve delivery reports until none is outstanding or ``timeout`` passed.
+
+        What is left then is purged (its reports say so) and the producer is
+        marked for recreation: it must not go on sending behind records it
+        dropped. A fatal error ends the wait the same way.
+        """
+        try:
+            left = self._producer.flush(timeout)
+        except (KafkaException, SystemError) as exc:
+            self._fatal = fatal_error(exc)
+            left = 1
+        if left or self._fatal is not None:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Purge everything outstanding, serve the reports left, recreate on next publish."""
+        with suppress(KafkaException, SystemError):
+            self._producer.purge(in_queue=True, in_flight=True)
+        for _ in range(3):  # each raise stops serving; the reports behind it are still queued
+            try:
+                self._producer.poll(0)
+                break
+            except (KafkaException, SystemError) as exc:
+                self._fatal = self._fatal or fatal_error(exc)
+        if self._fatal is None:
+            self._fatal = KafkaError(KafkaError._TIMED_OUT, "no delivery report within delivery_timeout")
 
     @staticmethod
-    def _report(results: list[SendResult | None], index: int, error: KafkaError | None,
-                message: Any) -> None:
-        if error is None:
-            results[index] = SendResult(Outcome.DELIVERED, message.partition(), message.offset())
-        else:
-            results[index] = result_of(error)
+    def _report(reports: dict[int, tuple[KafkaError | None, Any]], index: int,
+                error: KafkaError | None, message: Any) -> None:
+        # Only stored here, read after the wait: once librdkafka raises a fatal error,
+        # confluent-kafka runs the remaining callbacks with that exception pending, and
+        # any call into it (error.code(), message.offset()) would fail with SystemError.
+        reports[index] = (error, message)
 
     # -- partitions ---------------------------------------------------------
 
@@ -211,7 +308,8 @@ class KafkaTransport:
             self._fatal = error
 
     def _rebuild(self) -> None:
-        self._producer.flush(0)
+        with suppress(KafkaException, SystemError):  # the fatal error that brought us here, again
+            self._producer.flush(0)
         self._producer = self._new_producer()
         self._fatal = None
 
@@ -220,6 +318,10 @@ class KafkaTransport:
         return Producer({**self._config, "error_cb": self._on_error, "logger": self._log})
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait up to ``timeout`` seconds for queued records, then drop the producer."""
-        self._producer.flush(timeout)
+        """Wait up to ``timeout`` seconds for queued records, then drop the producer.
 
+        A producer stopped by a fatal error raises it again from ``flush``; its
+        records were all reported already, so there is nothing left to wait for.
+        """
+        with suppress(KafkaException, SystemError):
+            self._producer.flush(timeout)

@@ -1,0 +1,255 @@
+"""A hot key on KafkaTransport: pipelined, and never written behind an undelivered record.
+
+The broker is librdkafka's mock cluster with scripted ProduceResponse errors
+(``_mock_faults``) or, for freezes, hosted in a process of its own
+(``BrokerProcess``). Each test drives the transport the way the relay does:
+publish a key's pending records, keep the delivered prefix, send the rest
+again; then reads the topic back and checks that every record's predecessor
+in its key was written before it, and that nothing is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from _mock_faults import MockCluster
+from confluent_kafka import KafkaError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transports import Outcome, Record
+from transports.kafka import KafkaTransport
+from transports.testing import BrokerProcess, behind_undelivered, read_topic
+
+pytestmark = pytest.mark.kafka
+
+RETRIABLE = [KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.NOT_LEADER_FOR_PARTITION,
+             KafkaError.REQUEST_TIMED_OUT, KafkaError.LEADER_NOT_AVAILABLE]
+PERMANENT = [KafkaError.INVALID_RECORD, KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.POLICY_VIOLATION]
+
+
+def seq_of(record: Record) -> int:
+    return int(record.value.split(b":")[1])
+
+
+def stream(topic: str, keys: dict[str, int]) -> dict[str, list[Record]]:
+    """``keys[k]`` records of key k, value b"k:n"."""
+    return {k: [Record(topic=topic, value=f"{k}:{n}".encode(), key=k.encode()) for n in range(count)]
+            for k, count in keys.items()}
+
+
+def relay_until_done(transport: KafkaTransport, pending: dict[str, list[Record]], *, batch: int = 500,
+                     rounds: int = 60, between=None) -> list[list]:
+    """Publish like the relay: each key's oldest ``batch`` pending records, drop the delivered prefix.
+
+    A FAILED record is sent again too (the faults are injected, the records are fine).
+    Returns each round's outcomes.
+    """
+    history = []
+    for _ in range(rounds):
+        if not any(pending.values()):
+            return history
+        sending = [r for records in pending.values() for r in records[:batch]]
+        results = transport.publish(sending)
+        history.append([r.outcome for r in results])
+        delivered = {id(rec) for rec, res in zip(sending, results, strict=True)
+                     if res.outcome is Outcome.DELIVERED}
+        for key, records in pending.items():
+            done = 0
+            while done < len(records) and id(records[done]) in delivered:
+                done += 1
+            # The contract: after the first undelivered record of a key, nothing is delivered.
+            assert not any(id(r) in delivered for r in records[done:]), key
+            pending[key] = records[done:]
+        if between is not None:
+            between()
+    raise AssertionError(f"still pending after {rounds} rounds: "
+                         f"{ {k: len(v) for k, v in pending.items() if v} }")
+
+
+def check_topic(bootstrap: str, topic: str, keys: dict[str, int]) -> list[Record]:
+    written = read_topic(bootstrap, topic, expected=sum(keys.values()), settle=0.5)
+    assert behind_undelivered(written, seq_of) == []
+    for key, count in keys.items():
+        assert {seq_of(r) for r in written if r.key == key.encode()} == set(range(count)), key
+    return written
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[MockCluster]:
+    with MockCluster() as mock:
+        yield mock
+
+
+def transport_for(bootstrap: str, delivery_timeout: float = 10, **settings: object) -> KafkaTransport:
+    # Small requests: a hot key's batch then spans all 5 in-flight requests and more.
+    return KafkaTransport(bootstrap_servers=bootstrap, delivery_timeout=delivery_timeout, log_level=0,
+                          **{"batch.num.messages": 20, "linger.ms": 1, **settings})
+
+
+def test_a_hot_key_costs_no_round_trip_per_record(topic: str) -> None:
+    """With 50 ms per round trip, 200 records of one key take well under 200 round trips."""
+    with MockCluster(rtt_ms=50) as slow:
+        transport = transport_for(slow.bootstrap, **{"batch.num.messages": 10000})
+        transport.publish([Record(topic=topic, value=b"warm:0", key=b"warm")])
+        records = stream(topic, {"hot": 200})["hot"]
+        started = time.monotonic()
+        results = transport.publish(records)
+        took = time.monotonic() - started
+        transport.close()
+    assert all(r.outcome is Outcome.DELIVERED for r in results)
+    assert took < 2.5, f"{took:.1f} s: one round trip per record would be 10 s"
+
+
+def test_retriable_errors_inside_a_pipeline_keep_the_order(cluster: MockCluster, topic: str) -> None:
+    keys = {"hot": 400, "warm": 40, "cold": 3}
+    transport = transport_for(cluster.bootstrap)
+    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])  # metadata and producer id
+    cluster.fail_produce(*RETRIABLE, *RETRIABLE)
+    relay_until_done(transport, stream(topic, keys))
+    written = check_topic(cluster.bootstrap, topic, {**keys, "x": 1})
+    # Retriable errors are retried inside librdkafka, in order, without duplicates.
+    assert [seq_of(r) for r in written if r.key == b"hot"] == list(range(400))
+    transport.close()
+
+
+def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_producer(
+    cluster: MockCluster, topic: str
+) -> None:
+    """The gap-less stop: the refused record FAILED, the rest RETRY, a new producer, order kept."""
+    keys = {"hot": 300}
+    transport = transport_for(cluster.bootstrap)
+    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+    first = transport._producer
+    cluster.fail_produce(KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.INVALID_RECORD)
+    history = relay_until_done(transport, stream(topic, keys))
+    outcomes = history[0]
+    stop = next(i for i, o in enumerate(outcomes) if o is not Outcome.DELIVERED)
+    assert outcomes[stop] is Outcome.FAILED
+    assert set(outcomes[stop + 1:]) == {Outcome.RETRY}
+    assert transport._producer is not first, "the producer must be recreated after the gap-less stop"
+    check_topic(cluster.bootstrap, topic, {**keys, "x": 1})
+    transport.close()
+
+
+def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
+    """The partitions' leaders move between brokers every 150 ms while a hot key's requests are in flight."""
+    keys = {"hot": 3000, "other": 300}
+    with MockCluster(rtt_ms=10) as slow:
+        transport = transport_for(slow.bootstrap, **{"topic.metadata.refresh.interval.ms": 200})
+        transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+        stop = threading.Event()
+        moved = 0
+
+        def mover() -> None:
+            nonlocal moved
+            while not stop.wait(0.15):
+                moved += 1
+                for partition in range(4):
+                    slow.move_leader(topic, partition, 1 + moved % 3)
+
+        thread = threading.Thread(target=mover)
+        thread.start()
+        try:
+            relay_until_done(transport, stream(topic, keys), batch=600, rounds=200)
+        finally:
+            stop.set()
+            thread.join()
+        check_topic(slow.bootstrap, topic, {**keys, "x": 1})
+        transport.close()
+    assert moved >= 5
+
+
+def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluster, topic: str) -> None:
+    transport = transport_for(cluster.bootstrap)
+    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+    cluster.fail_produce(KafkaError.INVALID_RECORD)
+    results = transport.publish(stream(topic, {"k": 3})["k"])
+    assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY, Outcome.RETRY]
+    assert transport._fatal is not None
+    transport.close(timeout=1)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,
+                       max_size=4),
+       hot=st.integers(50, 600), spread=st.integers(0, 30))
+def test_any_schedule_of_produce_errors_keeps_every_key_in_order(
+    faults: list[list[int]], hot: int, spread: int
+) -> None:
+    """Errors pushed before each round, hot and spread keys together: order holds, nothing is lost.
+
+    A cluster per example: errors an example pushed but did not use stay out of the next.
+    """
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    keys = {"hot": hot, "second": hot // 3, **{f"k{i}": 2 for i in range(spread)}}
+    with MockCluster() as cluster:
+        transport = transport_for(cluster.bootstrap)
+        schedule = iter(faults)
+
+        def next_faults() -> None:
+            codes = next(schedule, [])
+            if codes:
+                cluster.fail_produce(*codes)
+
+        next_faults()
+        relay_until_done(transport, stream(topic, keys), batch=200, between=next_faults)
+        check_topic(cluster.bootstrap, topic, keys)
+        transport.close()
+
+
+@pytest.mark.slow
+def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(topic: str) -> None:
+    """SIGSTOP the broker while a hot key's pipeline is in flight, several times.
+
+    Each publish returns within its delivery timeout (what is queued or in flight
+    is purged and comes back RETRY, not counted as an attempt); a new producer
+    sends the key again from its first undelivered record.
+    """
+    keys = {"hot": 4000, "second": 400, **{f"k{i}": 3 for i in range(20)}}
+    with BrokerProcess(rtt_ms=20) as broker:
+        transport = transport_for(broker.bootstrap, delivery_timeout=1.5, **{"batch.num.messages": 50})
+        renewed = 0
+        stalls: list[float] = []
+        unreachable = 0
+        stop = threading.Event()
+
+        def freezer() -> None:
+            for _ in range(3):  # a new producer needs about a second to connect after a thaw
+                if stop.wait(1.5):
+                    return
+                broker.freeze()
+                time.sleep(2.0)
+                broker.thaw()
+
+        original = transport.publish
+
+        def timed(records):  # type: ignore[no-untyped-def]
+            nonlocal unreachable, renewed
+            producer = transport._producer
+            started = time.monotonic()
+            results = original(records)
+            stalls.append(time.monotonic() - started)
+            unreachable += sum(1 for r in results if r.outcome is Outcome.RETRY and r.unreachable)
+            renewed += transport._producer is not producer or transport._fatal is not None
+            return results
+
+        thread = threading.Thread(target=freezer)
+        thread.start()
+        try:
+            pending = stream(topic, keys)
+            transport.publish = timed  # type: ignore[method-assign]
+            relay_until_done(transport, pending, batch=100, rounds=400)
+        finally:
+            stop.set()
+            thread.join()
+            if broker.frozen:
+                broker.thaw()
+        check_topic(broker.bootstrap, topic, keys)
+        transport.close()
+    assert unreachable > 0 and renewed > 0, "no publish met a frozen broker"
+    assert max(stalls) < 1.5 + 2.0, f"a publish took {max(stalls):.1f} s"
