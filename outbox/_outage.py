@@ -20,6 +20,21 @@ _OUTAGE_SQLSTATES = ("55P03",)
 # 57014 is a statement timeout or a cancel: a handler's query too slow for its limit is the
 # message's problem (it would time out again), not the database's.
 _NOT_OUTAGE_SQLSTATES = ("57014",)
+# MySQL/MariaDB error numbers that mean "try again later". The drivers (PyMySQL, aiomysql,
+# mysqlclient) raise OperationalError for most server errors, a misspelt column (1054)
+# included, so the number decides, not the class. Client side: 2002/2003 cannot connect,
+# 2006 server gone away, 2013/2055 connection lost mid-query. Server side: 1040/1203 too
+# many connections, 1053 shutdown in progress, 1205 lock wait timeout, 1213 deadlock
+# (both roll back our work: rerun the transaction), 1021/1114 disk or table full,
+# 1037/1038/1041 out of memory or resources, 1152/1159/1160/1161 connection aborted or
+# a network read/write failed, 1180 error during commit, 1927 connection killed (MariaDB),
+# 4031 disconnected for inactivity (MySQL 8). Statement timeouts (MySQL 3024, MariaDB
+# 1969) are not outages: like PostgreSQL's 57014, the work would time out again.
+_MYSQL_OUTAGE_CODES = frozenset({
+    2002, 2003, 2006, 2013, 2055, 1040, 1203, 1053, 1205, 1213, 1021, 1114, 1037, 1038, 1041,
+    1152, 1159, 1160, 1161, 1180, 1927, 4031,
+})
+_MYSQL_DRIVERS = ("pymysql", "aiomysql", "MySQLdb", "asyncmy", "mysql", "mariadb")
 # SQLite reports everything as OperationalError, "no such table" (a bug) included.
 _SQLITE_OUTAGES = ("locked", "busy", "disk i/o", "unable to open", "disk is full", "readonly")
 
@@ -51,9 +66,20 @@ def _dbapi_outage(error: DBAPIError) -> bool:
         if sqlstate in _NOT_OUTAGE_SQLSTATES:
             return False
         return sqlstate.startswith(_OUTAGE_SQLSTATE_CLASSES) or sqlstate in _OUTAGE_SQLSTATES
+    code = _mysql_error_code(error.orig)
+    if code is not None:
+        return code in _MYSQL_OUTAGE_CODES
     if not isinstance(error, OperationalError):
         return False
     if type(error.orig).__module__.startswith("sqlite3"):
         text = str(error.orig).lower()
         return any(word in text for word in _SQLITE_OUTAGES)
     return True  # a driver error without a SQLSTATE: the connection failed
+
+
+def _mysql_error_code(orig: BaseException | None) -> int | None:
+    """The MySQL error number a MySQL driver's exception carries as its first argument."""
+    if orig is None or type(orig).__module__.split(".")[0] not in _MYSQL_DRIVERS:
+        return None
+    args = getattr(orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None

@@ -1,8 +1,8 @@
-"""The test bed every test uses: real PostgreSQL, SQLite files, a real Kafka protocol.
+"""The test bed every test uses: real PostgreSQL and MariaDB/MySQL, SQLite files, a real Kafka protocol.
 
 Resolution order (see ``outbox.testing``): environment variable, testcontainers
 when a Docker engine answers, local binaries / librdkafka's mock cluster.
-With ``CI=true`` a missing PostgreSQL or Java fails the run instead of skipping.
+With ``CI=true`` a missing PostgreSQL, MariaDB or Java fails the run instead of skipping.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from outbox.testing import (
     LocalPostgres,
     Unavailable,
     fresh_database,
+    fresh_mysql_database,
     kafka_bootstrap,
     local_postgres_server,
+    mysql_url,
     postgres_url,
 )
 
@@ -40,6 +42,20 @@ def postgres_server() -> Iterator[str]:
     """URL of a PostgreSQL server shared by the session (its default database)."""
     try:
         context = postgres_url()
+        url = context.__enter__()
+    except Unavailable as exc:
+        unavailable(str(exc))
+    try:
+        yield url
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def mysql_server() -> Iterator[str]:
+    """URL of a MySQL or MariaDB server shared by the session (its ``mysql`` database)."""
+    try:
+        context = mysql_url()
         url = context.__enter__()
     except Unavailable as exc:
         unavailable(str(exc))
@@ -79,13 +95,38 @@ def postgres_db(postgres_server: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def mysql_db(mysql_server: str) -> Iterator[str]:
+    """A fresh, empty database on the shared MySQL/MariaDB server, dropped after the test."""
+    with fresh_mysql_database(mysql_server) as url:
+        yield url
+
+
+@pytest.fixture
 def sqlite_db(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'test.db'}"
+
+
+SERVER_DATABASES = [pytest.param("postgres", marks=pytest.mark.postgres),
+                    pytest.param("mysql", marks=pytest.mark.mysql)]
+"""The database servers a proof runs on: ``server_db_url`` (SQLite is in ``db_url`` too)."""
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request) -> str:
     """Each test using it runs once on SQLite and once on PostgreSQL."""
+    return request.getfixturevalue(f"{request.param}_db")
+
+
+@pytest.fixture(params=["sqlite", *SERVER_DATABASES])
+def proof_db_url(request) -> str:
+    """Each test using it runs on SQLite, PostgreSQL and MySQL/MariaDB: the proofs that
+    docs/guarantees.md says ran on all three databases."""
+    return request.getfixturevalue(f"{request.param}_db")
+
+
+@pytest.fixture(params=SERVER_DATABASES)
+def server_db_url(request) -> str:
+    """Each test using it runs on PostgreSQL and MySQL/MariaDB (proofs SQLite cannot host)."""
     return request.getfixturevalue(f"{request.param}_db")
 
 

@@ -2,14 +2,18 @@
 
 Every method runs inside the caller's transaction and never commits. Ordering
 rests on one rule: a transaction that reads or changes a key's state first
-locks the key's ``inbox_keys`` row (``SELECT … FOR UPDATE`` on PostgreSQL;
-SQLite's ``BEGIN IMMEDIATE`` already serialises writers), so two consumers
+locks the key's ``inbox_keys`` row (``SELECT … FOR UPDATE`` on PostgreSQL and
+MySQL/MariaDB; SQLite's ``BEGIN IMMEDIATE`` already serialises writers), so two consumers
 that briefly both hold a partition during a rebalance still apply a key's
 messages one at a time, in seq order.
 
 ``park`` is the one way a message enters ``inbox_parked``: with a reason that
 stops the key it also marks the key parked and moves the key's held messages
 behind it.
+
+MySQL and MariaDB have no ``ON CONFLICT DO NOTHING``: "insert unless present"
+is ``INSERT … ON DUPLICATE KEY UPDATE`` with a no-op assignment, not ``INSERT
+IGNORE``, which would also turn a too-long value or a NULL into a warning.
 """
 
 from __future__ import annotations
@@ -20,12 +24,26 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, Table, and_, bindparam, delete, func, select, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import (
+    Connection,
+    Insert,
+    Row,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .._envelope import Message, utcnow
-from .._tables import OutboxTables
+from .._tables import MYSQL_FAMILY, OutboxTables
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason
 from ._store_pg import PostgresBulk
@@ -65,6 +83,7 @@ class InboxStore:
         self.t = tables
         self.group = group
         postgres = dialect == "postgresql"
+        self._mysql = dialect in MYSQL_FAMILY
         self._insert = (postgresql if postgres else sqlite).insert
         self._bulk = PostgresBulk(tables, group) if postgres else None
         k = tables.inbox_keys
@@ -96,7 +115,7 @@ class InboxStore:
         if missing:
             k = self.t.inbox_keys
             session.execute(
-                self._insert(k).on_conflict_do_nothing(),
+                self._insert_new(k),
                 [{"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
                   "parked": False} for t, key in missing],
             )
@@ -110,6 +129,8 @@ class InboxStore:
             .where(k.c.consumer_group == self.group, tuple_(k.c.topic, k.c.key).in_(keys))
             .order_by(k.c.topic, k.c.key)
         )
+        if self._mysql:  # a locking read: the latest row, never REPEATABLE READ's snapshot
+            stmt = stmt.with_for_update()
         return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
                 for r in session.execute(stmt)}
 
@@ -158,8 +179,43 @@ class InboxStore:
         if self._bulk is not None:
             return self._bulk.claim(session, deliveries, now)
         rows = [self._done_row(d, now) for d in deliveries]
+        if self._mysql:
+            return self._claim_mysql(session, rows)
         stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
+
+    def _claim_mysql(self, session: Session, rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+        """``claim`` without RETURNING: all rows in one insert; on a duplicate, row by row.
+
+        Each try runs in a savepoint, so a duplicate key undoes only that try.
+        The row-by-row pass tells which ids were new; it runs only for batches
+        that hold a duplicate (redeliveries after a crash or a rebalance).
+        """
+        m = self.t.inbox_messages
+        try:
+            with session.begin_nested():
+                session.execute(insert(m), rows)
+            return {row["message_id"] for row in rows}
+        except IntegrityError as exc:
+            if not _duplicate_key(exc):
+                raise
+        new: set[uuid.UUID] = set()
+        for row in rows:
+            try:
+                with session.begin_nested():
+                    session.execute(insert(m), row)
+                new.add(row["message_id"])
+            except IntegrityError as exc:
+                if not _duplicate_key(exc):
+                    raise
+        return new
+
+    def _insert_new(self, table: Table) -> Insert:
+        """An INSERT that leaves a row with the same unique key as it is."""
+        if self._mysql:
+            ins = mysql.insert(table)  # every unique key of these tables holds consumer_group
+            return ins.on_duplicate_key_update(consumer_group=ins.inserted.consumer_group)
+        return self._insert(table).on_conflict_do_nothing()
 
     def is_recorded(self, session: Session, message_id: uuid.UUID) -> bool:
         m = self.t.inbox_messages
@@ -189,10 +245,14 @@ class InboxStore:
     def mark(self, session: Session, d: Delivery, outcome: Outcome, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
         m = self.t.inbox_messages
-        session.execute(self._insert(m).values(self._done_row(d, utcnow(), outcome=outcome,
-                                                              note=note[:4000]))
+        row = self._done_row(d, utcnow(), outcome=outcome, note=note[:4000])
+        changes = {"outcome": outcome.value, "note": note[:4000]}
+        if self._mysql:
+            session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
+            return
+        session.execute(self._insert(m).values(row)
                         .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
-                                               set_={"outcome": outcome.value, "note": note[:4000]}))
+                                               set_=changes))
 
     def count_redelivery(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         """A duplicate arrived: count it on the original's row (the audit reads this)."""
@@ -209,7 +269,7 @@ class InboxStore:
     def hold(self, session: Session, d: Delivery) -> None:
         h = self.t.inbox_held
         row = {**self._stored(d), "received_at": d.received_at}
-        session.execute(self._insert(h).values(row).on_conflict_do_nothing())
+        session.execute(self._insert_new(h).values(row))
 
     def successors(self, session: Session, next_seqs: dict[KeyId, int]) -> list[Delivery]:
         """Held messages that are now next in their key (``seq == last_seq + 1``)."""
@@ -274,7 +334,7 @@ class InboxStore:
         row = {**self._stored(d), "reason": reason.value, "error": error, "traceback": traceback,
                "attempts": attempts, "first_failure_at": d.first_failure_at or now,
                "last_failure_at": now}
-        session.execute(self._insert(p).values(row).on_conflict_do_nothing())
+        session.execute(self._insert_new(p).values(row))
         if d.from_held:
             self.unhold(session, [d.message.message_id])
         if not (reason.parks_key and d.ordered):
@@ -348,6 +408,12 @@ class InboxStore:
             "created_at": msg.created_at, "kafka_partition": d.partition,
             "kafka_offset": d.offset,
         }
+
+
+def _duplicate_key(error: IntegrityError) -> bool:
+    """MySQL's ER_DUP_ENTRY (1062): the row is there already."""
+    args: tuple[Any, ...] = getattr(error.orig, "args", ())
+    return bool(args) and args[0] == 1062
 
 
 def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
