@@ -1,4 +1,5 @@
-"""Relay processes against PostgreSQL and the session's broker: SIGTERM, SIGKILL, hand-over, faults.
+"""Relay processes against PostgreSQL (MariaDB too, for the SIGKILL campaign) and the session's
+broker: SIGTERM, SIGKILL, hand-over, faults.
 
 The relays run as real processes (``python -m outbox relay`` or a small script
 wrapping the transport in ``FaultyTransport``); the broker is the session's
@@ -25,7 +26,7 @@ from outbox._sharding import shard_for_key
 from outbox._wire import MESSAGE_ID
 from transports.testing import read_topic
 
-pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
+pytestmark = [pytest.mark.kafka]
 
 FAULTY_RELAY = """
 import sys, logging, tenacity
@@ -45,6 +46,15 @@ transport = FaultyTransport(inner, rate=0.1)
 Relay(Outbox(create_engine(url)), transport, worker_id=worker, lease_ttl=2, batch_size=500,
       backoff=tenacity.wait_exponential_jitter(multiplier=0.05, max=1, jitter=0.05)).run()
 """
+
+
+@pytest.fixture
+def server_outbox(server_db_url: str):
+    engine = create_engine(server_db_url)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    yield outbox
+    engine.dispose()
 
 
 @pytest.fixture
@@ -72,6 +82,7 @@ def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int)
     return at
 
 
+@pytest.mark.postgres
 def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, kafka: str,
                                                    topic: str, tmp_path: Path) -> None:
     keys = [f"k{i % 200}" for i in range(12_000)]
@@ -92,6 +103,7 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
     assert sorted(on_topic.values()) == sorted(str(r.message_id) for r in published)
 
 
+@pytest.mark.postgres
 def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
     pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:
@@ -129,13 +141,16 @@ def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("client", "total"), [
-    ("kafka", 50_000),
-    ("kafka_python", 10_000),  # pure Python: fewer messages keep the run short
-])
-def test_order_and_no_loss_under_faults_and_sigkill(pg_outbox: Outbox, postgres_db: str, kafka: str,
+@pytest.mark.parametrize(("server_db_url", "client", "total"), [
+    pytest.param("postgres", "kafka", 50_000, marks=pytest.mark.postgres),
+    # pure Python: fewer messages keep the run short
+    pytest.param("postgres", "kafka_python", 10_000, marks=pytest.mark.postgres),
+    pytest.param("mysql", "kafka", 50_000, marks=pytest.mark.mysql),
+], indirect=["server_db_url"])
+def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, server_db_url: str, kafka: str,
                                                     topic: str, tmp_path: Path, client: str,
                                                     total: int) -> None:
+    pg_outbox, postgres_db = server_outbox, server_db_url
     key_count, writers = 1_000, 4
     script = tmp_path / "faulty_relay.py"
     script.write_text(FAULTY_RELAY)
