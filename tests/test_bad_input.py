@@ -111,7 +111,7 @@ def test_a_prefix_too_long_for_an_identifier_is_refused_at_construction():
     """PostgreSQL truncates a name past 63 characters (two tables could then share one),
     MySQL refuses one past 64: the prefix is checked before any SQL runs."""
     OutboxTables(prefix="p" * 40)  # the longest that fits: ux_{prefix}inbox_parked_message is 63
-    with pytest.raises(ConfigurationError, match="table prefix 'p{41}' is too long: .* at most 40"):
+    with pytest.raises(ConfigurationError, match=r"table prefix 'p{41}' is too long: .* at most 40"):
         OutboxTables(prefix="p" * 41)
 
 
