@@ -10,10 +10,6 @@ messages one at a time, in seq order.
 ``park`` is the one way a message enters ``inbox_parked``: with a reason that
 stops the key it also marks the key parked and moves the key's held messages
 behind it.
-
-MySQL and MariaDB have no ``ON CONFLICT DO NOTHING``: "insert unless present"
-is ``INSERT … ON DUPLICATE KEY UPDATE`` with a no-op assignment, not ``INSERT
-IGNORE``, which would also turn a too-long value or a NULL into a warning.
 """
 
 from __future__ import annotations
@@ -33,19 +29,18 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    insert,
     select,
     tuple_,
     update,
 )
-from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from .._envelope import Message, utcnow
 from .._tables import MYSQL_FAMILY, OutboxTables
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason
+from ._store_mysql import MySQLWrites
 from ._store_pg import PostgresBulk
 
 KeyId = tuple[str, str]
@@ -83,7 +78,7 @@ class InboxStore:
         self.t = tables
         self.group = group
         postgres = dialect == "postgresql"
-        self._mysql = dialect in MYSQL_FAMILY
+        self._mysql = MySQLWrites(tables, group) if dialect in MYSQL_FAMILY else None
         self._insert = (postgresql if postgres else sqlite).insert
         self._bulk = PostgresBulk(tables, group) if postgres else None
         k = tables.inbox_keys
@@ -129,7 +124,7 @@ class InboxStore:
             .where(k.c.consumer_group == self.group, tuple_(k.c.topic, k.c.key).in_(keys))
             .order_by(k.c.topic, k.c.key)
         )
-        if self._mysql:  # a locking read: the latest row, never REPEATABLE READ's snapshot
+        if self._mysql is not None:  # a locking read: the latest row, never REPEATABLE READ's snapshot
             stmt = stmt.with_for_update()
         return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
                 for r in session.execute(stmt)}
@@ -139,6 +134,9 @@ class InboxStore:
             return
         if self._bulk is not None:
             self._bulk.set_last_seq(session, seqs)
+            return
+        if self._mysql is not None:
+            self._mysql.set_last_seq(session, seqs)
             return
         session.execute(self._set_last_seq, [
             {"b_topic": t, "b_key": key, "b_seq": seq} for (t, key), seq in seqs.items()
@@ -179,42 +177,15 @@ class InboxStore:
         if self._bulk is not None:
             return self._bulk.claim(session, deliveries, now)
         rows = [self._done_row(d, now) for d in deliveries]
-        if self._mysql:
-            return self._claim_mysql(session, rows)
+        if self._mysql is not None:
+            return self._mysql.claim(session, rows)
         stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
 
-    def _claim_mysql(self, session: Session, rows: list[dict[str, Any]]) -> set[uuid.UUID]:
-        """``claim`` without RETURNING: all rows in one insert; on a duplicate, row by row.
-
-        Each try runs in a savepoint, so a duplicate key undoes only that try.
-        The row-by-row pass tells which ids were new; it runs only for batches
-        that hold a duplicate (redeliveries after a crash or a rebalance).
-        """
-        m = self.t.inbox_messages
-        try:
-            with session.begin_nested():
-                session.execute(insert(m), rows)
-            return {row["message_id"] for row in rows}
-        except IntegrityError as exc:
-            if not _duplicate_key(exc):
-                raise
-        new: set[uuid.UUID] = set()
-        for row in rows:
-            try:
-                with session.begin_nested():
-                    session.execute(insert(m), row)
-                new.add(row["message_id"])
-            except IntegrityError as exc:
-                if not _duplicate_key(exc):
-                    raise
-        return new
-
     def _insert_new(self, table: Table) -> Insert:
         """An INSERT that leaves a row with the same unique key as it is."""
-        if self._mysql:
-            ins = mysql.insert(table)  # every unique key of these tables holds consumer_group
-            return ins.on_duplicate_key_update(consumer_group=ins.inserted.consumer_group)
+        if self._mysql is not None:
+            return self._mysql.insert_new(table)
         return self._insert(table).on_conflict_do_nothing()
 
     def is_recorded(self, session: Session, message_id: uuid.UUID) -> bool:
@@ -247,8 +218,8 @@ class InboxStore:
         m = self.t.inbox_messages
         row = self._done_row(d, utcnow(), outcome=outcome, note=note[:4000])
         changes = {"outcome": outcome.value, "note": note[:4000]}
-        if self._mysql:
-            session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
+        if self._mysql is not None:
+            self._mysql.record_done(session, row, changes)
             return
         session.execute(self._insert(m).values(row)
                         .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
@@ -408,12 +379,6 @@ class InboxStore:
             "created_at": msg.created_at, "kafka_partition": d.partition,
             "kafka_offset": d.offset,
         }
-
-
-def _duplicate_key(error: IntegrityError) -> bool:
-    """MySQL's ER_DUP_ENTRY (1062): the row is there already."""
-    args: tuple[Any, ...] = getattr(error.orig, "args", ())
-    return bool(args) and args[0] == 1062
 
 
 def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:

@@ -25,11 +25,9 @@ from ._postgres import free_port
 # The isolation level (InnoDB's REPEATABLE READ) and the collation (case-insensitive)
 # are left at the server's defaults on purpose: the library must be correct there, as
 # on the servers users have (docs/producer.md, "MySQL and MariaDB").
-FAST_OPTIONS = (
-    "--innodb-flush-log-at-trx-commit=0", "--sync-binlog=0", "--innodb-doublewrite=0",
-    "--skip-log-bin", "--innodb-buffer-pool-size=128M", "--max-connections=300",
-    "--skip-name-resolve", "--character-set-server=utf8mb4",
-)
+FAST_OPTIONS = ("--innodb-flush-log-at-trx-commit=0", "--sync-binlog=0", "--innodb-doublewrite=0")
+_OPTIONS = ("--skip-log-bin", "--innodb-buffer-pool-size=256M", "--max-connections=300",
+            "--skip-name-resolve", "--character-set-server=utf8mb4")
 
 
 def mariadb_binaries() -> tuple[Path, Path] | None:
@@ -47,11 +45,13 @@ class LocalMariaDB:
 
     ``url`` logs in as ``root`` over TCP without a password (the datadir was
     made with ``--auth-root-authentication-method=normal`` and an empty
-    password): only processes on this machine reach 127.0.0.1.
+    password): only processes on this machine reach 127.0.0.1. ``durable``
+    keeps InnoDB's flush at every commit (benchmarks); tests turn it off.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, durable: bool = False) -> None:
         found = mariadb_binaries()
+        self._options = _OPTIONS if durable else (*_OPTIONS, *FAST_OPTIONS)
         if found is None:
             raise FileNotFoundError("MariaDB binaries (mariadbd, mariadb-install-db) not found")
         self._server, install = found
@@ -79,7 +79,7 @@ class LocalMariaDB:
         self._process = subprocess.Popen(
             [*self._as_user, str(self._server), "--no-defaults", f"--datadir={self._data}",
              f"--port={self.port}", "--bind-address=127.0.0.1", f"--socket={self._socket}",
-             f"--pid-file={self._root / 'mariadbd.pid'}", *FAST_OPTIONS],
+             f"--pid-file={self._root / 'mariadbd.pid'}", *self._options],
             stdout=log, stderr=log, cwd="/",
         )
         log.close()
@@ -116,9 +116,9 @@ class LocalMariaDB:
 
 
 @contextmanager
-def local_mariadb() -> Iterator[str]:
+def local_mariadb(*, durable: bool = False) -> Iterator[str]:
     """Run a new MariaDB in a temp dir on a free port; yield its SQLAlchemy URL; remove it after."""
-    server = LocalMariaDB()
+    server = LocalMariaDB(durable=durable)
     try:
         yield server.url
     finally:
