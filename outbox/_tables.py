@@ -74,6 +74,10 @@ _BigId = BigInteger().with_variant(Integer(), "sqlite")
 # Text that may be long (errors, tracebacks): MySQL's TEXT stops at 64 KiB.
 _LongText = Text().with_variant(mysql.MEDIUMTEXT(), *MYSQL_FAMILY)
 _Payload = LargeBinary().with_variant(mysql.LONGBLOB(), *MYSQL_FAMILY)
+# 32 hex digits on MySQL and MariaDB. MariaDB's own UUID type orders values otherwise than
+# their bytes (it moves segments for index locality), so a range of ids split in Python —
+# the Spark reader's partitions of inbox_messages — would miss rows there.
+_MessageId = Uuid().with_variant(Uuid(native_uuid=False), *MYSQL_FAMILY)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -129,7 +133,7 @@ class Name(TypeDecorator[str]):
 def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[Any]]:
     """Columns that keep a whole consumed message, for tables that replay it later."""
     return [
-        Column("message_id", Uuid, nullable=False, primary_key=id_is_primary_key),
+        Column("message_id", _MessageId, nullable=False, primary_key=id_is_primary_key),
         Column("topic", Name(249), nullable=False),
         Column("key", Name(255)),
         Column("seq", BigInteger),
@@ -160,7 +164,7 @@ class OutboxTables:
         self.messages = Table(
             f"{p}outbox_messages", md,
             Column("id", _BigId, primary_key=True, autoincrement=True),
-            Column("message_id", Uuid, nullable=False, unique=True),
+            Column("message_id", _MessageId, nullable=False, unique=True),
             Column("topic", Name(249), nullable=False),
             Column("key", Name(255)),
             Column("seq", BigInteger),
@@ -234,7 +238,7 @@ class OutboxTables:
         self.inbox_messages = Table(
             f"{p}inbox_messages", md,
             Column("consumer_group", Name(255), primary_key=True),
-            Column("message_id", Uuid, primary_key=True),
+            Column("message_id", _MessageId, primary_key=True),
             Column("topic", Name(249), nullable=False),
             Column("key", Name(255)),
             Column("seq", BigInteger),
