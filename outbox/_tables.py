@@ -123,11 +123,15 @@ class Name(TypeDecorator[str]):
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         if dialect.name in MYSQL_FAMILY:
-            # MySQL 8 names it utf8mb4_0900_bin; MariaDB (10.2+) utf8mb4_nopad_bin.
-            collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
             length = getattr(self.impl_instance, "length", None)
-            return dialect.type_descriptor(mysql.VARCHAR(length, charset="utf8mb4", collation=collation))
+            return dialect.type_descriptor(
+                mysql.VARCHAR(length, charset="utf8mb4", collation=name_collation(dialect)))
         return dialect.type_descriptor(self.impl_instance)
+
+
+def name_collation(dialect: Dialect) -> str:
+    """The binary no-pad utf8mb4 collation of ``Name`` columns on MySQL 8 or MariaDB (10.2+)."""
+    return "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
 
 
 def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[Any]]:

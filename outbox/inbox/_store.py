@@ -105,6 +105,16 @@ class InboxStore:
         if self._bulk is not None:
             return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
                     for r in self._bulk.lock_keys(session, wanted)}
+        if self._mysql is not None:
+            found = self._mysql.lock_keys(session, wanted)
+            if len(found) < len(wanted):
+                have = {(r.topic, r.key) for r in found}
+                missing = [key for key in wanted if key not in have]
+                session.execute(self._insert_new(self.t.inbox_keys), [
+                    {"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
+                     "parked": False} for t, key in missing])
+                found += self._mysql.lock_keys(session, missing)
+            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq) for r in found}
         states = self._select_keys(session, wanted)
         missing = [key for key in wanted if key not in states]
         if missing:
@@ -124,8 +134,6 @@ class InboxStore:
             .where(k.c.consumer_group == self.group, tuple_(k.c.topic, k.c.key).in_(keys))
             .order_by(k.c.topic, k.c.key)
         )
-        if self._mysql is not None:  # a locking read: the latest row, never REPEATABLE READ's snapshot
-            stmt = stmt.with_for_update()
         return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
                 for r in session.execute(stmt)}
 

@@ -8,19 +8,27 @@ row, each in its own savepoint: so the caller learns which ids were new
 without ``RETURNING``. Every executemany here is an ``INSERT``, which the
 driver sends as one multi-row statement (an executemany of ``UPDATE``\\ s is a
 round trip per row).
+
+Keys are locked through a join from ``JSON_TABLE(:keys)``: one primary-key
+lookup per key, in the order given. The plain ``(topic, key) IN (…)`` is
+planned as a scan of the whole group once a batch names a good part of its
+keys, and a ``FOR UPDATE`` scan waits for every row another worker holds:
+two workers then run one after the other (and deadlock now and then).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Insert, Table, insert
+from sqlalchemy import Insert, Row, String, Table, and_, insert, select, text
 from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .._tables import OutboxTables
+from .._tables import OutboxTables, name_collation
 
 ER_DUP_ENTRY = 1062
 
@@ -31,6 +39,23 @@ class MySQLWrites:
     def __init__(self, tables: OutboxTables, group: str) -> None:
         self.t = tables
         self.group = group
+
+    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
+        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq) that exist."""
+        k = self.t.inbox_keys
+        collation = name_collation(session.get_bind().dialect)
+        wanted = text(
+            "SELECT * FROM JSON_TABLE(:keys, '$[*]' COLUMNS ("
+            f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
+            f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]')) AS jt"
+        ).columns(topic=String(), key=String()).subquery("wanted")
+        stmt: Any = (
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
+            .select_from(wanted.join(k, and_(k.c.consumer_group == self.group,
+                                              k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)))
+            .with_for_update()
+        )
+        return list(session.execute(stmt, {"keys": json.dumps([list(key) for key in keys])}).all())
 
     def insert_new(self, table: Table) -> Insert:
         """An INSERT that leaves a row with the same unique key as it is."""
