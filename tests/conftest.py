@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import sqlalchemy as sa
@@ -37,11 +38,10 @@ def unavailable(what: str) -> None:
     pytest.skip(what)
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """URL of a PostgreSQL server shared by the session (its default database)."""
+def _resolved(resolve: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
+    """The URL ``resolve()`` yields, or skip (locally) / fail (in CI) when it is unavailable."""
     try:
-        context = postgres_url()
+        context = resolve()
         url = context.__enter__()
     except Unavailable as exc:
         unavailable(str(exc))
@@ -49,20 +49,18 @@ def postgres_server() -> Iterator[str]:
         yield url
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """URL of a PostgreSQL server shared by the session (its default database)."""
+    yield from _resolved(postgres_url)
 
 
 @pytest.fixture(scope="session")
 def mysql_server() -> Iterator[str]:
     """URL of a MySQL or MariaDB server shared by the session (its ``mysql`` database)."""
-    try:
-        context = mysql_url()
-        url = context.__enter__()
-    except Unavailable as exc:
-        unavailable(str(exc))
-    try:
-        yield url
-    finally:
-        context.__exit__(None, None, None)
+    yield from _resolved(mysql_url)
 
 
 @pytest.fixture

@@ -48,22 +48,22 @@ Relay(Outbox(create_engine(url)), transport, worker_id=worker, lease_ttl=2, batc
 """
 
 
-@pytest.fixture
-def server_outbox(server_db_url: str):
-    engine = create_engine(server_db_url)
+def _outbox_on(url: str):
+    engine = create_engine(url)
     outbox = Outbox(engine)
     outbox.create_tables()
     yield outbox
     engine.dispose()
+
+
+@pytest.fixture
+def server_outbox(server_db_url: str):
+    yield from _outbox_on(server_db_url)
 
 
 @pytest.fixture
 def pg_outbox(postgres_db: str):
-    engine = create_engine(postgres_db)
-    outbox = Outbox(engine)
-    outbox.create_tables()
-    yield outbox
-    engine.dispose()
+    yield from _outbox_on(postgres_db)
 
 
 def leases(outbox: Outbox) -> list:

@@ -67,7 +67,7 @@ def mysql_url() -> Iterator[str]:
         from testcontainers.mysql import MySqlContainer
 
         with MySqlContainer("mysql:8.0", dialect="pymysql", username="root") as container:
-            yield container.get_connection_url()
+            yield container.get_connection_url() + "?charset=utf8mb4"
     elif mariadb_binaries() is not None:
         with local_mariadb() as url:
             yield url

@@ -102,6 +102,12 @@ def pending(engine: sa.Engine, outbox: Outbox) -> bool:
         return conn.scalar(sa.select(m.c.id).where(m.c.status == "pending").limit(1)) is not None
 
 
+def last_pending(engine: sa.Engine, outbox: Outbox) -> bool:
+    m = outbox.tables.messages
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(m.c.status).order_by(m.c.id.desc()).limit(1)) == "pending"
+
+
 def relay_pairs(url: str, servers: str, messages: int, keys: int, pairs: int) -> list[tuple[float, float]]:
     engine = create_engine(url)
     outbox = Outbox(engine)
@@ -133,7 +139,10 @@ def relay_pairs(url: str, servers: str, messages: int, keys: int, pairs: int) ->
                 time.sleep(0.1)
             load(outbox, messages, keys)
             started = time.perf_counter()
-            while pending(engine, outbox):
+            # Watch the last row by its primary key, then check the rest once: polling
+            # "any pending row?" every 50 ms scans the published rows on MySQL (no partial
+            # index) and would slow the relay it measures.
+            while last_pending(engine, outbox) or pending(engine, outbox):
                 time.sleep(0.05)
             relayed = messages / (time.perf_counter() - started)
         finally:
