@@ -61,14 +61,16 @@ def is_database_outage(error: BaseException) -> bool:
 def _dbapi_outage(error: DBAPIError) -> bool:
     if error.connection_invalidated or isinstance(error, InterfaceError):
         return True
+    # First: PyMySQL gives its errors a SQLSTATE too, and a lock wait timeout's (HY000)
+    # says nothing; the MySQL error number does.
+    code = _mysql_error_code(error.orig)
+    if code is not None:
+        return code in _MYSQL_OUTAGE_CODES
     sqlstate = getattr(error.orig, "sqlstate", None)
     if sqlstate:
         if sqlstate in _NOT_OUTAGE_SQLSTATES:
             return False
         return sqlstate.startswith(_OUTAGE_SQLSTATE_CLASSES) or sqlstate in _OUTAGE_SQLSTATES
-    code = _mysql_error_code(error.orig)
-    if code is not None:
-        return code in _MYSQL_OUTAGE_CODES
     if not isinstance(error, OperationalError):
         return False
     if type(error.orig).__module__.startswith("sqlite3"):
