@@ -53,6 +53,8 @@ def is_database_outage(error: BaseException) -> bool:
             return True  # the connection died under the transaction
         if isinstance(error, DBAPIError) and _dbapi_outage(error):
             return True
+        if not isinstance(error, DBAPIError) and _raw_mysql_outage(error):
+            return True
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
         seen += 1
     return False
@@ -77,6 +79,19 @@ def _dbapi_outage(error: DBAPIError) -> bool:
         text = str(error.orig).lower()
         return any(word in text for word in _SQLITE_OUTAGES)
     return True  # a driver error without a SQLSTATE: the connection failed
+
+
+def _raw_mysql_outage(error: BaseException) -> bool:
+    """A MySQL driver's own error that SQLAlchemy let through unwrapped.
+
+    SQLAlchemy sets a checked-out connection's isolation level (the relay's and
+    inbox's READ COMMITTED) outside its error wrapping, so a pooled connection
+    the server dropped surfaces there as the driver's bare error.
+    """
+    code = _mysql_error_code(error)
+    if code is None:
+        return False
+    return code in _MYSQL_OUTAGE_CODES or type(error).__name__ == "InterfaceError"
 
 
 def _mysql_error_code(orig: BaseException | None) -> int | None:

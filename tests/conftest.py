@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from outbox import Outbox, create_engine
 from outbox.testing import (
+    LocalMariaDB,
     LocalPostgres,
     Unavailable,
     fresh_database,
@@ -75,6 +76,26 @@ def own_postgres() -> Iterator[LocalPostgres]:
         yield server
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def own_mariadb() -> Iterator[LocalMariaDB]:
+    """A MariaDB server of the test's own, that the test may stop and start (outage tests)."""
+    try:
+        server = LocalMariaDB()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("mariadb", marks=pytest.mark.mysql)])
+def own_server(request) -> LocalPostgres | LocalMariaDB:
+    """``own_postgres``, then ``own_mariadb``: a server of the test's own, on each kind."""
+    return request.getfixturevalue(f"own_{request.param}")
 
 
 @pytest.fixture(scope="session")

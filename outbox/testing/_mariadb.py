@@ -43,7 +43,8 @@ def mariadb_binaries() -> tuple[Path, Path] | None:
 class LocalMariaDB:
     """A throwaway MariaDB in a temp dir on a free port, that a test can stop and start again.
 
-    ``url`` logs in as ``root`` over TCP without a password (the datadir was
+    ``url`` names its empty database ``outbox`` and logs in as ``root`` over
+    TCP without a password, allowed to create more (the datadir was
     made with ``--auth-root-authentication-method=normal`` and an empty
     password): only processes on this machine reach 127.0.0.1. ``durable``
     keeps InnoDB's flush at every commit (benchmarks); tests turn it off.
@@ -62,13 +63,18 @@ class LocalMariaDB:
         if self._as_user:
             shutil.chown(self._root, "mysql")
         self.port = free_port()
-        self.url = f"mysql+pymysql://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
+        self._admin_url = f"mysql+pymysql://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
+        self.url = f"mysql+pymysql://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
         self._process: subprocess.Popen[bytes] | None = None
         try:
             _run([*self._as_user, str(install), "--no-defaults", f"--datadir={self._data}",
                   "--auth-root-authentication-method=normal", "--skip-test-db",
                   "--skip-name-resolve"])
             self.start()
+            admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+            with admin.connect() as conn:
+                conn.execute(sa.text("CREATE DATABASE outbox CHARACTER SET utf8mb4"))
+            admin.dispose()
         except BaseException:
             self.remove()
             raise
@@ -84,7 +90,7 @@ class LocalMariaDB:
         )
         log.close()
         deadline = time.monotonic() + 60
-        engine = sa.create_engine(self.url, poolclass=sa.NullPool)
+        engine = sa.create_engine(self._admin_url, poolclass=sa.NullPool)
         try:
             while True:
                 try:
