@@ -25,6 +25,22 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     return engine
 
 
+def worker_engine(engine: Engine) -> Engine:
+    """The engine a relay or inbox runs its own transactions on: READ COMMITTED on MySQL/MariaDB.
+
+    Their SQL was proved at PostgreSQL's READ COMMITTED, where every statement
+    sees what committed before it. InnoDB defaults to REPEATABLE READ, whose
+    plain ``SELECT`` reads a snapshot taken at the transaction's first read and
+    keeps gap locks (more deadlocks between consumers of neighbouring keys).
+    The copy shares the pool; only its transactions change level. Elsewhere
+    the engine is returned as it is. Publishers need nothing: their seq comes
+    from a locking upsert, correct at any level.
+    """
+    if engine.dialect.name in ("mysql", "mariadb"):
+        return engine.execution_options(isolation_level="READ COMMITTED")
+    return engine
+
+
 def missing_sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names when it does not exist, else None.
 

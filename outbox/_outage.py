@@ -20,6 +20,21 @@ _OUTAGE_SQLSTATES = ("55P03",)
 # 57014 is a statement timeout or a cancel: a handler's query too slow for its limit is the
 # message's problem (it would time out again), not the database's.
 _NOT_OUTAGE_SQLSTATES = ("57014",)
+# MySQL/MariaDB error numbers that mean "try again later". The drivers (PyMySQL, aiomysql,
+# mysqlclient) raise OperationalError for most server errors, a misspelt column (1054)
+# included, so the number decides, not the class. Client side: 2002/2003 cannot connect,
+# 2006 server gone away, 2013/2055 connection lost mid-query. Server side: 1040/1203 too
+# many connections, 1053 shutdown in progress, 1205 lock wait timeout, 1213 deadlock
+# (both roll back our work: rerun the transaction), 1021/1114 disk or table full,
+# 1037/1038/1041 out of memory or resources, 1152/1159/1160/1161 connection aborted or
+# a network read/write failed, 1180 error during commit, 1927 connection killed (MariaDB),
+# 4031 disconnected for inactivity (MySQL 8). Statement timeouts (MySQL 3024, MariaDB
+# 1969) are not outages: like PostgreSQL's 57014, the work would time out again.
+_MYSQL_OUTAGE_CODES = frozenset({
+    2002, 2003, 2006, 2013, 2055, 1040, 1203, 1053, 1205, 1213, 1021, 1114, 1037, 1038, 1041,
+    1152, 1159, 1160, 1161, 1180, 1927, 4031,
+})
+_MYSQL_DRIVERS = ("pymysql", "aiomysql", "MySQLdb", "asyncmy", "mysql", "mariadb")
 # SQLite reports everything as OperationalError, "no such table" (a bug) included.
 _SQLITE_OUTAGES = ("locked", "busy", "disk i/o", "unable to open", "disk is full", "readonly")
 
@@ -38,6 +53,8 @@ def is_database_outage(error: BaseException) -> bool:
             return True  # the connection died under the transaction
         if isinstance(error, DBAPIError) and _dbapi_outage(error):
             return True
+        if not isinstance(error, DBAPIError) and _raw_mysql_outage(error):
+            return True
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
         seen += 1
     return False
@@ -46,6 +63,11 @@ def is_database_outage(error: BaseException) -> bool:
 def _dbapi_outage(error: DBAPIError) -> bool:
     if error.connection_invalidated or isinstance(error, InterfaceError):
         return True
+    # First: PyMySQL gives its errors a SQLSTATE too, and a lock wait timeout's (HY000)
+    # says nothing; the MySQL error number does.
+    code = _mysql_error_code(error.orig)
+    if code is not None:
+        return code in _MYSQL_OUTAGE_CODES
     sqlstate = getattr(error.orig, "sqlstate", None)
     if sqlstate:
         if sqlstate in _NOT_OUTAGE_SQLSTATES:
@@ -57,3 +79,24 @@ def _dbapi_outage(error: DBAPIError) -> bool:
         text = str(error.orig).lower()
         return any(word in text for word in _SQLITE_OUTAGES)
     return True  # a driver error without a SQLSTATE: the connection failed
+
+
+def _raw_mysql_outage(error: BaseException) -> bool:
+    """A MySQL driver's own error that SQLAlchemy let through unwrapped.
+
+    SQLAlchemy sets a checked-out connection's isolation level (the relay's and
+    inbox's READ COMMITTED) outside its error wrapping, so a pooled connection
+    the server dropped surfaces there as the driver's bare error.
+    """
+    code = _mysql_error_code(error)
+    if code is None:
+        return False
+    return code in _MYSQL_OUTAGE_CODES or type(error).__name__ == "InterfaceError"
+
+
+def _mysql_error_code(orig: BaseException | None) -> int | None:
+    """The MySQL error number a MySQL driver's exception carries as its first argument."""
+    if orig is None or type(orig).__module__.split(".")[0] not in _MYSQL_DRIVERS:
+        return None
+    args = getattr(orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None

@@ -133,7 +133,7 @@ class Outbox:
         elif self._sql.keyed is not None:  # PostgreSQL: seq, row and NOTIFY in one statement
             session.execute(self._sql.keyed, params)
         else:
-            params["seq"] = session.execute(self._sql.bump_seq, params).scalar_one()
+            params["seq"] = self._sql.seq_of(session.execute(self._sql.bump_seq, params))
             session.execute(self._sql.insert_with_seq, params)
         message_id: uuid.UUID = params["message_id"]
         return message_id
@@ -159,8 +159,7 @@ class Outbox:
         elif self._sql.keyed is not None:
             await session.execute(self._sql.keyed, params)
         else:
-            result = await session.execute(self._sql.bump_seq, params)
-            params["seq"] = result.scalar_one()
+            params["seq"] = self._sql.seq_of(await session.execute(self._sql.bump_seq, params))
             await session.execute(self._sql.insert_with_seq, params)
         message_id: uuid.UUID = params["message_id"]
         return message_id

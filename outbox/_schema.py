@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.schema import CreateColumn
 
 from ._envelope import utcnow
 from ._errors import ConfigurationError, SchemaError
 from ._sharding import shard_for_key
-from ._tables import PUBLISHED, SKIPPED, OutboxTables
+from ._tables import MYSQL_FAMILY, PUBLISHED, SKIPPED, OutboxTables
 
 DEFAULT_SHARDS = 16
 MAX_SHARDS = 4096
@@ -276,6 +276,9 @@ def _insert_missing(conn: Connection, tables: OutboxTables, values: dict[str, ob
     if dialect in ("postgresql", "sqlite"):
         insert = (postgresql if dialect == "postgresql" else sqlite).insert(meta)
         conn.execute(insert.on_conflict_do_nothing(index_elements=[meta.c.name]), rows)
+    elif dialect in MYSQL_FAMILY:  # a no-op update: unlike INSERT IGNORE it hides no other error
+        upsert = mysql.insert(meta)
+        conn.execute(upsert.on_duplicate_key_update(name=upsert.inserted.name), rows)
     else:
         present = set(conn.scalars(select(meta.c.name)))
         missing = [row for row in rows if row["name"] not in present]

@@ -5,6 +5,14 @@ upsert whose row lock is held until the caller commits; the message row is
 inserted after it in the same transaction, so within a key id order equals seq
 order too. On PostgreSQL the upsert, the insert and the ``pg_notify`` that wakes
 relays at commit are one statement (one round trip).
+
+MySQL and MariaDB have no ``RETURNING`` on an upsert (MySQL none at all), so the
+bump is ``INSERT … ON DUPLICATE KEY UPDATE last_seq = LAST_INSERT_ID(last_seq + 1)``:
+the new value comes back in the statement's own reply as its insert id (the
+documented counter idiom), still one round trip. The update reads and locks the
+latest committed row whatever the isolation level — under InnoDB's REPEATABLE
+READ too, where a plain ``SELECT`` would read an older snapshot — and the lock
+is held to commit, so the order of seqs is the order of commits.
 """
 
 from __future__ import annotations
@@ -12,12 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Executable, Text, bindparam, cast, func, insert, literal, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import Result
 
 from ._errors import ConfigurationError
-from ._tables import PENDING, OutboxTables
+from ._tables import MYSQL_FAMILY, PENDING, OutboxTables
 
-SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
 
 _MESSAGE_PARAMS = (
     "message_id", "topic", "key", "shard", "payload", "content_type", "headers",
@@ -35,16 +44,22 @@ class PublishStatements:
             )
         self.dialect = dialect
         self.notify = notify_channel if dialect == "postgresql" else None
-        upsert_module = postgresql if dialect == "postgresql" else sqlite
         keys = tables.keys
-        up = upsert_module.insert(keys).values(
-            topic=bindparam("topic"), key=bindparam("key"), last_seq=1
-        )
         # Dialects without DML in CTEs: bump_seq first, then insert_with_seq.
-        self.bump_seq: Executable = up.on_conflict_do_update(
-            index_elements=[keys.c.topic, keys.c.key],
-            set_={"last_seq": keys.c.last_seq + 1},
-        ).returning(keys.c.last_seq)
+        self._seq_in_insert_id = dialect in MYSQL_FAMILY
+        if self._seq_in_insert_id:
+            self.bump_seq: Executable = mysql.insert(keys).values(
+                topic=bindparam("topic"), key=bindparam("key"), last_seq=func.last_insert_id(1)
+            ).on_duplicate_key_update(last_seq=func.last_insert_id(keys.c.last_seq + 1))
+        else:
+            upsert_module = postgresql if dialect == "postgresql" else sqlite
+            up = upsert_module.insert(keys).values(
+                topic=bindparam("topic"), key=bindparam("key"), last_seq=1
+            )
+            self.bump_seq = up.on_conflict_do_update(
+                index_elements=[keys.c.topic, keys.c.key],
+                set_={"last_seq": keys.c.last_seq + 1},
+            ).returning(keys.c.last_seq)
 
         m = tables.messages
         self._row_values: dict[str, Any] = {name: bindparam(name) for name in _MESSAGE_PARAMS}
@@ -53,7 +68,7 @@ class PublishStatements:
         self.unkeyed = self._with_notify(insert(m).values(seq=None, **self._row_values))
         self.insert_with_seq: Executable = insert(m).values(seq=bindparam("seq"), **self._row_values)
         if dialect == "postgresql":
-            seq = self.bump_seq.cte("next_seq")
+            seq = self.bump_seq.cte("next_seq")  # type: ignore[attr-defined]
             # In INSERT … SELECT the binds don't inherit column types: give them.
             typed = [
                 bindparam(name, type_=m.c[name].type) for name in _MESSAGE_PARAMS
@@ -65,6 +80,13 @@ class PublishStatements:
             )
         else:
             self.keyed = None
+
+    def seq_of(self, bumped: Result[Any]) -> int:
+        """The seq ``bump_seq`` allotted, from its result."""
+        if self._seq_in_insert_id:
+            seq: int = bumped.lastrowid  # type: ignore[attr-defined]  # a CursorResult
+            return seq
+        return int(bumped.scalar_one())
 
     def _with_notify(self, stmt: Any) -> Executable:
         if self.notify is None:

@@ -3,6 +3,13 @@
 Broker positions are stored as ``kafka_partition`` / ``kafka_offset`` and the
 consumer group as ``consumer_group``, so no column needs quoting in hand-written
 SQL (``offset`` and ``group`` are reserved words).
+
+On MySQL and MariaDB the generic types would lose things, so they get variants
+(docs/producer.md, "MySQL and MariaDB"): timestamps keep microseconds
+(``DATETIME(6)``), payloads up to 4 GiB (``LONGBLOB``, a ``BLOB`` stops at
+64 KiB), and topics, keys and group names compare byte for byte (a binary,
+no-pad collation), where the servers' default collations would make ``"A"``
+and ``"a"`` — or ``"a"`` and ``"a "`` — one key sharing one seq.
 """
 
 from __future__ import annotations
@@ -29,9 +36,19 @@ from sqlalchemy import (
     UniqueConstraint,
     Uuid,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeEngine
 
+from ._errors import ConfigurationError
 from ._validation import validate_identifier
+
+MYSQL_FAMILY = ("mysql", "mariadb")
+"""SQLAlchemy's dialect names for MySQL and MariaDB (``mariadb://`` URLs name the second)."""
+
+# The shortest identifier limit among the supported databases: PostgreSQL's 63 bytes
+# (MySQL's is 64). A longer name is truncated by PostgreSQL and refused by MySQL.
+MAX_IDENTIFIER_LENGTH = 63
 
 
 class OutboxStatus(StrEnum):
@@ -54,11 +71,29 @@ PROCESSED, DISCARDED = "processed", "discarded"
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
+# Text that may be long (errors, tracebacks): MySQL's TEXT stops at 64 KiB.
+_LongText = Text().with_variant(mysql.MEDIUMTEXT(), *MYSQL_FAMILY)
+_Payload = LargeBinary().with_variant(mysql.LONGBLOB(), *MYSQL_FAMILY)
+# 32 hex digits on MySQL and MariaDB. MariaDB's own UUID type orders values otherwise than
+# their bytes (it moves segments for index locality), so a range of ids split in Python —
+# the Spark reader's partitions of inbox_messages — would miss rows there.
+_MessageId = Uuid().with_variant(Uuid(native_uuid=False), *MYSQL_FAMILY)
+
+
 class UTCDateTime(TypeDecorator[datetime]):
-    """Timezone-aware UTC in Python on every backend (SQLite stores naive UTC)."""
+    """Timezone-aware UTC in Python on every backend (SQLite and MySQL store naive UTC).
+
+    On MySQL/MariaDB the column is ``DATETIME(6)``: a plain ``DATETIME`` drops the
+    microseconds, and ``TIMESTAMP`` converts with the session's time zone.
+    """
 
     impl = DateTime(timezone=True)
     cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in MYSQL_FAMILY:
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime(timezone=True))
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
@@ -66,7 +101,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: pass timezone-aware UTC datetimes")
         value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+        return value if dialect.name == "postgresql" else value.replace(tzinfo=None)
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None or value.tzinfo is not None:
@@ -74,14 +109,39 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC)
 
 
+class Name(TypeDecorator[str]):
+    """A ``VARCHAR`` compared byte for byte on every backend: topics, keys, group and worker names.
+
+    PostgreSQL and SQLite compare strings exactly already. MySQL's and MariaDB's
+    default collations ignore case (and accents, and trailing spaces): there the
+    column gets the binary no-pad collation of utf8mb4, so two keys that differ
+    only in case or a trailing space stay two keys with two seqs.
+    """
+
+    impl = String
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in MYSQL_FAMILY:
+            length = getattr(self.impl_instance, "length", None)
+            return dialect.type_descriptor(
+                mysql.VARCHAR(length, charset="utf8mb4", collation=name_collation(dialect)))
+        return dialect.type_descriptor(self.impl_instance)
+
+
+def name_collation(dialect: Dialect) -> str:
+    """The binary no-pad utf8mb4 collation of ``Name`` columns on MySQL 8 or MariaDB (10.2+)."""
+    return "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+
+
 def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[Any]]:
     """Columns that keep a whole consumed message, for tables that replay it later."""
     return [
-        Column("message_id", Uuid, nullable=False, primary_key=id_is_primary_key),
-        Column("topic", String(249), nullable=False),
-        Column("key", String(255)),
+        Column("message_id", _MessageId, nullable=False, primary_key=id_is_primary_key),
+        Column("topic", Name(249), nullable=False),
+        Column("key", Name(255)),
         Column("seq", BigInteger),
-        Column("payload", LargeBinary, nullable=False),
+        Column("payload", _Payload, nullable=False),
         Column("content_type", String(100), nullable=False),
         Column("headers", JSON, nullable=False),
         Column("created_at", UTCDateTime, nullable=False),
@@ -108,18 +168,18 @@ class OutboxTables:
         self.messages = Table(
             f"{p}outbox_messages", md,
             Column("id", _BigId, primary_key=True, autoincrement=True),
-            Column("message_id", Uuid, nullable=False, unique=True),
-            Column("topic", String(249), nullable=False),
-            Column("key", String(255)),
+            Column("message_id", _MessageId, nullable=False, unique=True),
+            Column("topic", Name(249), nullable=False),
+            Column("key", Name(255)),
             Column("seq", BigInteger),
             Column("shard", Integer, nullable=False),
-            Column("payload", LargeBinary, nullable=False),
+            Column("payload", _Payload, nullable=False),
             Column("content_type", String(100), nullable=False),
             Column("headers", JSON, nullable=False),
             Column("created_at", UTCDateTime, nullable=False),
             Column("available_at", UTCDateTime, nullable=False),
             Column("attempts", Integer, nullable=False, default=0),
-            Column("last_error", Text),
+            Column("last_error", _LongText),
             Column("status", String(9), nullable=False, default=PENDING),
             Column("published_at", UTCDateTime),
             Column("kafka_partition", Integer),
@@ -143,22 +203,23 @@ class OutboxTables:
         # Rows that may hold their key back (failed, delayed, waiting for a retry): tiny,
         # so the relay's per-row "does an earlier row block my key" probe is nearly free.
         may_block = (m.status != PUBLISHED) & ((m.status == FAILED) | (m.available_at > m.created_at))
+        # Without partial indexes (MySQL) it would repeat ix_outbox_open_key: not made there.
         Index(
             f"ix_{p}outbox_key_waits", m.topic, m.key, m.seq,
             postgresql_where=may_block, sqlite_where=may_block,
-        )
+        ).ddl_if(dialect=("postgresql", "sqlite"))  # type: ignore[arg-type]  # a tuple is documented
 
         self.keys = Table(
             f"{p}outbox_keys", md,
-            Column("topic", String(249), primary_key=True),
-            Column("key", String(255), primary_key=True),
+            Column("topic", Name(249), primary_key=True),
+            Column("key", Name(255), primary_key=True),
             Column("last_seq", BigInteger, nullable=False),
             schema=s,
         )
         self.leases = Table(
             f"{p}outbox_leases", md,
             Column("shard", Integer, primary_key=True, autoincrement=False),
-            Column("owner", String(200)),
+            Column("owner", Name(200)),
             Column("epoch", BigInteger, nullable=False, default=0),
             Column("expires_at", UTCDateTime, nullable=False),
             schema=s,
@@ -173,17 +234,17 @@ class OutboxTables:
         )
         self.relays = Table(
             f"{p}outbox_relays", md,
-            Column("worker_id", String(200), primary_key=True),
+            Column("worker_id", Name(200), primary_key=True),
             Column("heartbeat_at", UTCDateTime, nullable=False),
             schema=s,
         )
 
         self.inbox_messages = Table(
             f"{p}inbox_messages", md,
-            Column("consumer_group", String(255), primary_key=True),
-            Column("message_id", Uuid, primary_key=True),
-            Column("topic", String(249), nullable=False),
-            Column("key", String(255)),
+            Column("consumer_group", Name(255), primary_key=True),
+            Column("message_id", _MessageId, primary_key=True),
+            Column("topic", Name(249), nullable=False),
+            Column("key", Name(255)),
             Column("seq", BigInteger),
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),
@@ -192,17 +253,17 @@ class OutboxTables:
             Column("processed_at", UTCDateTime, nullable=False),
             Column("deliveries", Integer, nullable=False, default=1),
             Column("outcome", String(9), nullable=False, default=PROCESSED),
-            Column("note", Text),
+            Column("note", _LongText),
             schema=s,
         )
         self.inbox_keys = Table(
             f"{p}inbox_keys", md,
-            Column("consumer_group", String(255), primary_key=True),
-            Column("topic", String(249), primary_key=True),
-            Column("key", String(255), primary_key=True),
+            Column("consumer_group", Name(255), primary_key=True),
+            Column("topic", Name(249), primary_key=True),
+            Column("key", Name(255), primary_key=True),
             Column("last_seq", BigInteger, nullable=False, default=0),
             Column("parked", Boolean, nullable=False, default=False),
-            Column("parked_reason", Text),
+            Column("parked_reason", _LongText),
             Column("parked_at", UTCDateTime),
             # The seq this group started the key at, when it met the key past seq 1 under the
             # start policy "first_seen"; NULL when the key started at seq 1.
@@ -212,11 +273,11 @@ class OutboxTables:
         self.inbox_parked = Table(
             f"{p}inbox_parked", md,
             Column("id", _BigId, primary_key=True, autoincrement=True),
-            Column("consumer_group", String(255), nullable=False),
+            Column("consumer_group", Name(255), nullable=False),
             *_stored_message_columns(),
             Column("reason", String(20), nullable=False),
-            Column("error", Text),
-            Column("traceback", Text),
+            Column("error", _LongText),
+            Column("traceback", _LongText),
             Column("attempts", Integer, nullable=False, default=0),
             Column("first_failure_at", UTCDateTime, nullable=False),
             Column("last_failure_at", UTCDateTime, nullable=False),
@@ -234,7 +295,7 @@ class OutboxTables:
         # Messages that arrived ahead of a gap in their key's seq, waiting for it to fill.
         self.inbox_held = Table(
             f"{p}inbox_held", md,
-            Column("consumer_group", String(255), primary_key=True),
+            Column("consumer_group", Name(255), primary_key=True),
             *_stored_message_columns(id_is_primary_key=True),
             Column("received_at", UTCDateTime, nullable=False),
             UniqueConstraint(
@@ -242,6 +303,23 @@ class OutboxTables:
             ),
             schema=s,
         )
+
+        self._check_identifier_lengths()
+
+    def _check_identifier_lengths(self) -> None:
+        """Refuse a prefix that makes a table, index or constraint name too long for a database."""
+        names: list[str] = []
+        for table in [*self.outbox_tables, *self.inbox_tables]:
+            names.append(table.name)
+            names += [str(i.name) for i in table.indexes if i.name]
+            names += [str(c.name) for c in table.constraints if isinstance(c.name, str)]
+        longest = max(names, key=len)
+        if len(longest) > MAX_IDENTIFIER_LENGTH:
+            room = len(self.prefix) - (len(longest) - MAX_IDENTIFIER_LENGTH)
+            raise ConfigurationError(
+                f"table prefix {self.prefix!r} is too long: it makes the name {longest!r} "
+                f"{len(longest)} characters, over the {MAX_IDENTIFIER_LENGTH} that PostgreSQL and "
+                f"MySQL allow; use at most {room} characters")
 
     @property
     def outbox_tables(self) -> list[Table]:

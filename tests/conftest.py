@@ -1,8 +1,8 @@
-"""The test bed every test uses: real PostgreSQL, SQLite files, a real Kafka protocol.
+"""The test bed every test uses: real PostgreSQL and MariaDB/MySQL, SQLite files, a real Kafka protocol.
 
 Resolution order (see ``outbox.testing``): environment variable, testcontainers
 when a Docker engine answers, local binaries / librdkafka's mock cluster.
-With ``CI=true`` a missing PostgreSQL or Java fails the run instead of skipping.
+With ``CI=true`` a missing PostgreSQL, MariaDB or Java fails the run instead of skipping.
 """
 
 from __future__ import annotations
@@ -10,18 +10,22 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, create_engine
 from outbox.testing import (
+    LocalMariaDB,
     LocalPostgres,
     Unavailable,
     fresh_database,
+    fresh_mysql_database,
     kafka_bootstrap,
     local_postgres_server,
+    mysql_url,
     postgres_url,
 )
 
@@ -35,11 +39,10 @@ def unavailable(what: str) -> None:
     pytest.skip(what)
 
 
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """URL of a PostgreSQL server shared by the session (its default database)."""
+def _resolved(resolve: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
+    """The URL ``resolve()`` yields, or skip (locally) / fail (in CI) when it is unavailable."""
     try:
-        context = postgres_url()
+        context = resolve()
         url = context.__enter__()
     except Unavailable as exc:
         unavailable(str(exc))
@@ -47,6 +50,18 @@ def postgres_server() -> Iterator[str]:
         yield url
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """URL of a PostgreSQL server shared by the session (its default database)."""
+    yield from _resolved(postgres_url)
+
+
+@pytest.fixture(scope="session")
+def mysql_server() -> Iterator[str]:
+    """URL of a MySQL or MariaDB server shared by the session (its ``mysql`` database)."""
+    yield from _resolved(mysql_url)
 
 
 @pytest.fixture
@@ -61,6 +76,26 @@ def own_postgres() -> Iterator[LocalPostgres]:
         yield server
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def own_mariadb() -> Iterator[LocalMariaDB]:
+    """A MariaDB server of the test's own, that the test may stop and start (outage tests)."""
+    try:
+        server = LocalMariaDB()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("mariadb", marks=pytest.mark.mysql)])
+def own_server(request) -> LocalPostgres | LocalMariaDB:
+    """``own_postgres``, then ``own_mariadb``: a server of the test's own, on each kind."""
+    return request.getfixturevalue(f"own_{request.param}")
 
 
 @pytest.fixture(scope="session")
@@ -79,13 +114,38 @@ def postgres_db(postgres_server: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def mysql_db(mysql_server: str) -> Iterator[str]:
+    """A fresh, empty database on the shared MySQL/MariaDB server, dropped after the test."""
+    with fresh_mysql_database(mysql_server) as url:
+        yield url
+
+
+@pytest.fixture
 def sqlite_db(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'test.db'}"
+
+
+SERVER_DATABASES = [pytest.param("postgres", marks=pytest.mark.postgres),
+                    pytest.param("mysql", marks=pytest.mark.mysql)]
+"""The database servers a proof runs on: ``server_db_url`` (SQLite is in ``db_url`` too)."""
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request) -> str:
     """Each test using it runs once on SQLite and once on PostgreSQL."""
+    return request.getfixturevalue(f"{request.param}_db")
+
+
+@pytest.fixture(params=["sqlite", *SERVER_DATABASES])
+def proof_db_url(request) -> str:
+    """Each test using it runs on SQLite, PostgreSQL and MySQL/MariaDB: the proofs that
+    docs/guarantees.md says ran on all three databases."""
+    return request.getfixturevalue(f"{request.param}_db")
+
+
+@pytest.fixture(params=SERVER_DATABASES)
+def server_db_url(request) -> str:
+    """Each test using it runs on PostgreSQL and MySQL/MariaDB (proofs SQLite cannot host)."""
     return request.getfixturevalue(f"{request.param}_db")
 
 

@@ -3,8 +3,8 @@
 The business table ``effects`` has one row per applied message under a unique
 (topic, key, seq) constraint, so a second application of a message cannot hide:
 it fails the insert. The handler also checks order itself: the key's previous
-effect must be seq - 1, otherwise it fails (and on PostgreSQL also records the
-violation in its own transaction, so a later replay cannot hide it).
+effect must be seq - 1, otherwise it fails (and on a database server also records
+the violation in its own transaction, so a later replay cannot hide it).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def apply_effect(session, message) -> None:  # type: ignore[no-untyped-def]
             sa.select(sa.func.max(effects.c.seq)).where(
                 effects.c.topic == message.topic, effects.c.key == message.key)
         ) or 0
-        if message.seq != previous + 1 and session.get_bind().dialect.name != "postgresql":
+        if message.seq != previous + 1 and session.get_bind().dialect.name == "sqlite":
             raise OrderViolation(f"{message.key}: seq {message.seq} after {previous}")
         if message.seq != previous + 1:
             with session.get_bind().engine.connect() as own:  # survives the rollback of this transaction

@@ -13,6 +13,12 @@ business = sa.MetaData()
 orders = sa.Table("orders", business, sa.Column("id", sa.Integer, primary_key=True))
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """This proof runs on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
+
 def counts(engine: sa.Engine, outbox: Outbox) -> tuple[int, int]:
     with engine.connect() as conn:
         return (
@@ -58,8 +64,9 @@ def test_caller_session_is_joined_not_committed(engine, outbox):
 
 def _async_url(sync_url: str) -> str:
     url = sa.make_url(sync_url)
-    return url.set(drivername="sqlite+aiosqlite" if url.get_backend_name() == "sqlite"
-                   else "postgresql+psycopg").render_as_string(hide_password=False)
+    driver = {"sqlite": "sqlite+aiosqlite", "mysql": "mysql+asyncmy", "mariadb": "mariadb+asyncmy"}
+    return url.set(drivername=driver.get(url.get_backend_name(), "postgresql+psycopg")).render_as_string(
+        hide_password=False)
 
 
 def test_async_raise_leaves_neither_row_and_return_leaves_both(db_url, engine):

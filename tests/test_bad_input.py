@@ -94,11 +94,36 @@ def test_bad_configuration_fails_at_construction(kwargs, message):
         Outbox(sa.create_engine("sqlite://"), **kwargs)
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """The publish-time checks run on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
+
 def test_unsupported_database_is_refused_at_construction():
     from outbox._statements import PublishStatements
 
-    with pytest.raises(ConfigurationError, match="unsupported database dialect 'mysql'"):
-        PublishStatements(OutboxTables(), "mysql", None)
+    with pytest.raises(ConfigurationError, match="unsupported database dialect 'oracle'"):
+        PublishStatements(OutboxTables(), "oracle", None)
+
+
+def test_a_prefix_too_long_for_an_identifier_is_refused_at_construction():
+    """PostgreSQL truncates a name past 63 characters (two tables could then share one),
+    MySQL refuses one past 64: the prefix is checked before any SQL runs."""
+    OutboxTables(prefix="p" * 40)  # the longest that fits: ux_{prefix}inbox_parked_message is 63
+    with pytest.raises(ConfigurationError, match=r"table prefix 'p{41}' is too long: .* at most 40"):
+        OutboxTables(prefix="p" * 41)
+
+
+def test_keys_that_differ_in_case_or_trailing_space_are_different_keys(engine, outbox):
+    """MySQL's default collations compare "A" = "a" and "a" = "a ": the tables use a binary one."""
+    with outbox.begin() as session:
+        for key in ["a", "A", "a ", "a", "é", "e"]:
+            outbox.publish(session, "orders", {"k": key}, key=key)
+    m = outbox.tables.messages
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(m.c.key, m.c.seq).order_by(m.c.id)).all()
+    assert [tuple(r) for r in rows] == [("a", 1), ("A", 1), ("a ", 1), ("a", 2), ("é", 1), ("e", 1)]
 
 
 def test_accepted_key_types_and_max_size(outbox, engine):

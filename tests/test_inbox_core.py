@@ -1,4 +1,4 @@
-"""The inbox's per-message state machine, through ``Inbox.handle``, on SQLite and PostgreSQL.
+"""The inbox's per-message state machine, through ``Inbox.handle``, on SQLite, PostgreSQL and MariaDB.
 
 No broker here: records are built as the relay builds them and handed to the
 middleware call, in the order a test wants them to arrive.
@@ -26,6 +26,12 @@ from tests.inbox_support import (
     insert_effect,
     record,
 )
+
+
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """The inbox's core behaviour runs on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Consumer processes that die or leave mid-stream: every effect still lands exactly once, in order.
 
 The consumers are real processes (``tests/inbox_worker.py``) on the session's
-broker and a PostgreSQL database; the handler inserts one business row per
+broker and a PostgreSQL or MariaDB/MySQL database; the handler inserts one business row per
 message under a unique (topic, key, seq) constraint and fails on any seq that
 is not the key's previous + 1, so both a doubled effect and a reordering
 would show up as an error, a parked message or a missing row.
@@ -25,14 +25,15 @@ from outbox import Inbox, create_engine
 from tests.inbox_support import business, effects, order_violations, record
 from tests.test_inbox_kafka import produce
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("inbox_worker.py")
 
 
 @pytest.fixture
-def pg(postgres_db: str) -> Iterator[sa.Engine]:
-    engine = create_engine(postgres_db)
+def pg(server_db_url: str) -> Iterator[sa.Engine]:
+    """The database of the test, on each server (``server_db_url``): PostgreSQL, MySQL/MariaDB."""
+    engine = create_engine(server_db_url)
     Inbox(engine, group="unused").create_tables()
     business.create_all(engine)
     yield engine
@@ -91,12 +92,12 @@ def assert_exactly_once_in_order(engine: sa.Engine, inbox_group: str, keys: int,
 
 @pytest.mark.parametrize("batch_handler", [False, True], ids=["handler", "batch_handler"])
 def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
-    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, batch_handler: bool
+    pg: sa.Engine, server_db_url: str, kafka: str, topic: str, batch_handler: bool
 ) -> None:
     keys, per_key, group = 1000, 50, f"crash-{topic}"
     produce_keys(kafka, topic, keys, per_key)
     rng = random.Random(int(time.time()))
-    worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)
+    worker = start_worker(server_db_url, kafka, topic, group, batch_handler=batch_handler)
     killed_at: list[int] = []
     try:
         for _ in range(10):
@@ -105,7 +106,7 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
             worker.send_signal(signal.SIGKILL)
             worker.wait()
             killed_at.append(effect_count(pg))
-            worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)
+            worker = start_worker(server_db_url, kafka, topic, group, batch_handler=batch_handler)
         deadline = time.monotonic() + 240
         while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
             assert worker.poll() is None, f"worker exited with {worker.returncode}"
@@ -123,13 +124,13 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
 
 
 def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
-    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, tmp_path: Path
+    pg: sa.Engine, server_db_url: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:
     keys, per_key, group = 1000, 20, f"rebalance-{topic}"
     produce_keys(kafka, topic, keys, per_key)
-    first = start_worker(postgres_db, kafka, topic, group)
+    first = start_worker(server_db_url, kafka, topic, group)
     second_log = tmp_path / "second.log"
-    second = start_worker(postgres_db, kafka, topic, group, log=second_log)
+    second = start_worker(server_db_url, kafka, topic, group, log=second_log)
     try:
         deadline = time.monotonic() + 60
         while f"assigned [({topic!r}, " not in second_log.read_text():

@@ -365,6 +365,12 @@ class InboxModel(RuleBasedStateMachine):
                 assert done == mine, f"key {key} was never parked, yet not all of it applied"
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """The model runs on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
+
 @pytest.mark.slow
 def test_the_inbox_keeps_its_invariants_under_random_interleavings(engine: sa.Engine) -> None:
     Inbox(engine, group="setup").create_tables()

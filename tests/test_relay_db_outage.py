@@ -3,7 +3,7 @@
 A relay started while the database is down must wait for it, not exit; a
 relay that owns no shards must count and log one outage as one, not flap
 between "unreachable" and "reachable again" on every poll. The server is a
-PostgreSQL of the test's own, stopped and started on the same port.
+PostgreSQL (or MariaDB) of the test's own, stopped and started on the same port.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._metrics import relay_metrics
-from outbox.testing import LocalPostgres
-
-pytestmark = [pytest.mark.postgres]
+from outbox.testing import LocalMariaDB, LocalPostgres
 
 
 def assert_one_outage(relay: Relay, caplog: pytest.LogCaptureFixture, worker: str) -> None:
@@ -45,8 +43,9 @@ def lines(caplog: pytest.LogCaptureFixture, worker: str, text: str) -> int:
 
 
 def test_a_relay_started_while_the_database_is_down_waits_for_it(
-    own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture
+    own_server: LocalPostgres | LocalMariaDB, caplog: pytest.LogCaptureFixture
 ) -> None:
+    own_postgres = own_server  # PostgreSQL, then MariaDB
     caplog.set_level(logging.INFO, logger="outbox.relay")
     outbox = Outbox(create_engine(own_postgres.url))
     outbox.create_tables()
@@ -72,6 +71,7 @@ def test_a_relay_started_while_the_database_is_down_waits_for_it(
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
+@pytest.mark.postgres
 def test_a_relay_without_shards_counts_one_outage_once(
     own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture
 ) -> None:

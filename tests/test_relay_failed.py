@@ -18,6 +18,12 @@ pytestmark = pytest.mark.kafka
 runner = CliRunner()
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """The relay's failed-row handling runs on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
+
 def cli(*args: str) -> str:
     result = runner.invoke(app, list(args), catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -1,4 +1,5 @@
-"""Relay processes against PostgreSQL and the session's broker: SIGTERM, SIGKILL, hand-over, faults.
+"""Relay processes against PostgreSQL (MariaDB too, for the SIGKILL campaign) and the session's
+broker: SIGTERM, SIGKILL, hand-over, faults.
 
 The relays run as real processes (``python -m outbox relay`` or a small script
 wrapping the transport in ``FaultyTransport``); the broker is the session's
@@ -25,7 +26,7 @@ from outbox._sharding import shard_for_key
 from outbox._wire import MESSAGE_ID
 from transports.testing import read_topic
 
-pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
+pytestmark = [pytest.mark.kafka]
 
 FAULTY_RELAY = """
 import sys, logging, tenacity
@@ -47,13 +48,22 @@ Relay(Outbox(create_engine(url)), transport, worker_id=worker, lease_ttl=2, batc
 """
 
 
-@pytest.fixture
-def pg_outbox(postgres_db: str):
-    engine = create_engine(postgres_db)
+def _outbox_on(url: str):
+    engine = create_engine(url)
     outbox = Outbox(engine)
     outbox.create_tables()
     yield outbox
     engine.dispose()
+
+
+@pytest.fixture
+def server_outbox(server_db_url: str):
+    yield from _outbox_on(server_db_url)
+
+
+@pytest.fixture
+def pg_outbox(postgres_db: str):
+    yield from _outbox_on(postgres_db)
 
 
 def leases(outbox: Outbox) -> list:
@@ -72,6 +82,7 @@ def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int)
     return at
 
 
+@pytest.mark.postgres
 def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, kafka: str,
                                                    topic: str, tmp_path: Path) -> None:
     keys = [f"k{i % 200}" for i in range(12_000)]
@@ -92,6 +103,7 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
     assert sorted(on_topic.values()) == sorted(str(r.message_id) for r in published)
 
 
+@pytest.mark.postgres
 def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
     pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:
@@ -129,16 +141,19 @@ def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("client", "total", "key_count"), [
-    ("kafka", 50_000, 1_000),
-    ("kafka_python", 10_000, 1_000),  # pure Python: fewer messages keep the run short
+@pytest.mark.parametrize(("server_db_url", "client", "total", "key_count"), [
+    pytest.param("postgres", "kafka", 50_000, 1_000, marks=pytest.mark.postgres, id="kafka"),
+    # pure Python: fewer messages keep the run short
+    pytest.param("postgres", "kafka_python", 10_000, 1_000, marks=pytest.mark.postgres, id="kafka_python"),
     # Hot keys: a relay batch holds hundreds of records of one key, pipelined by
     # KafkaTransport; every injected fault cuts a key's run short, so fewer messages.
-    ("kafka", 10_000, 3),
-], ids=["kafka", "kafka_python", "kafka-hot-keys"])
-def test_order_and_no_loss_under_faults_and_sigkill(pg_outbox: Outbox, postgres_db: str, kafka: str,
+    pytest.param("postgres", "kafka", 10_000, 3, marks=pytest.mark.postgres, id="kafka-hot-keys"),
+    pytest.param("mysql", "kafka", 50_000, 1_000, marks=pytest.mark.mysql, id="mysql-kafka"),
+], indirect=["server_db_url"])
+def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, server_db_url: str, kafka: str,
                                                     topic: str, tmp_path: Path, client: str,
                                                     total: int, key_count: int) -> None:
+    pg_outbox, postgres_db = server_outbox, server_db_url
     writers = 4
     script = tmp_path / "faulty_relay.py"
     script.write_text(FAULTY_RELAY)

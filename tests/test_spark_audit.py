@@ -11,7 +11,7 @@ from _spark_seed import AS_OF, SLA, build, seed, spark_for_tests
 
 from outbox import ConfigurationError
 from outbox.spark import audit
-from outbox.testing import fresh_database
+from outbox.testing import fresh_database, fresh_mysql_database
 
 pytestmark = pytest.mark.spark
 
@@ -26,14 +26,16 @@ def scenario():
     return build(n=100_000)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("mysql", marks=pytest.mark.mysql)])
 def two_databases(request, tmp_path):
     """(outbox URL, inbox URL): two separate databases of the same kind."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'producer.db'}", f"sqlite:///{tmp_path / 'consumer.db'}"
         return
-    outbox_db = request.getfixturevalue("postgres_db")
-    with fresh_database(request.getfixturevalue("postgres_server")) as inbox_db:
+    outbox_db = request.getfixturevalue(f"{request.param}_db")
+    fresh = fresh_database if request.param == "postgres" else fresh_mysql_database
+    with fresh(request.getfixturevalue(f"{request.param}_server")) as inbox_db:
         yield outbox_db, inbox_db
 
 

@@ -13,6 +13,12 @@ pytestmark = pytest.mark.spark
 messages = OutboxTables().messages
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """These Spark jobs run on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
+
 @pytest.fixture(scope="module")
 def spark(java_home):
     return spark_for_tests()

@@ -27,6 +27,7 @@ from transports import Record, Source
 
 from .. import _schema
 from .._alerts import AlertSink, LoggingAlertSink
+from .._engine import worker_engine
 from .._envelope import Message
 from .._errors import ConfigurationError
 from .._statements import SUPPORTED_DIALECTS
@@ -324,9 +325,11 @@ def _sessionmaker(bind: object) -> sessionmaker[Session]:
         raise ConfigurationError("Inbox runs handlers on worker threads: pass a sync Engine, "
                                  "not an AsyncEngine")
     if isinstance(bind, Engine):
-        return sessionmaker(bind, expire_on_commit=False)
+        return sessionmaker(worker_engine(bind), expire_on_commit=False)
     if isinstance(bind, sessionmaker) and isinstance(bind.kw.get("bind"), Engine):
-        return bind
+        engine = bind.kw["bind"]
+        return bind if worker_engine(engine) is engine else sessionmaker(
+            class_=bind.class_, **{**bind.kw, "bind": worker_engine(engine)})
     raise ConfigurationError(f"Inbox needs an Engine or a sessionmaker bound to one, got {bind!r}")
 
 

@@ -2,8 +2,8 @@
 
 Every method runs inside the caller's transaction and never commits. Ordering
 rests on one rule: a transaction that reads or changes a key's state first
-locks the key's ``inbox_keys`` row (``SELECT … FOR UPDATE`` on PostgreSQL;
-SQLite's ``BEGIN IMMEDIATE`` already serialises writers), so two consumers
+locks the key's ``inbox_keys`` row (``SELECT … FOR UPDATE`` on PostgreSQL and
+MySQL/MariaDB; SQLite's ``BEGIN IMMEDIATE`` already serialises writers), so two consumers
 that briefly both hold a partition during a rebalance still apply a key's
 messages one at a time, in seq order.
 
@@ -20,14 +20,27 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, Table, and_, bindparam, delete, func, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Insert,
+    Row,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    func,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from .._envelope import Message, utcnow
-from .._tables import OutboxTables
+from .._tables import MYSQL_FAMILY, OutboxTables
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason
+from ._store_mysql import MySQLWrites
 from ._store_pg import PostgresBulk
 
 KeyId = tuple[str, str]
@@ -65,6 +78,7 @@ class InboxStore:
         self.t = tables
         self.group = group
         postgres = dialect == "postgresql"
+        self._mysql = MySQLWrites(tables, group) if dialect in MYSQL_FAMILY else None
         self._insert = (postgresql if postgres else sqlite).insert
         self._bulk = PostgresBulk(tables, group) if postgres else None
         k = tables.inbox_keys
@@ -91,12 +105,22 @@ class InboxStore:
         if self._bulk is not None:
             return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
                     for r in self._bulk.lock_keys(session, wanted)}
+        if self._mysql is not None:
+            found = self._mysql.lock_keys(session, wanted)
+            if len(found) < len(wanted):
+                have = {(r.topic, r.key) for r in found}
+                missing = [key for key in wanted if key not in have]
+                session.execute(self._insert_new(self.t.inbox_keys), [
+                    {"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
+                     "parked": False} for t, key in missing])
+                found += self._mysql.lock_keys(session, missing)
+            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq) for r in found}
         states = self._select_keys(session, wanted)
         missing = [key for key in wanted if key not in states]
         if missing:
             k = self.t.inbox_keys
             session.execute(
-                self._insert(k).on_conflict_do_nothing(),
+                self._insert_new(k),
                 [{"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
                   "parked": False} for t, key in missing],
             )
@@ -122,6 +146,9 @@ class InboxStore:
             return
         if self._bulk is not None:
             self._bulk.set_last_seq(session, seqs)
+            return
+        if self._mysql is not None:
+            self._mysql.set_last_seq(session, seqs)
             return
         session.execute(self._set_last_seq, [
             {"b_topic": t, "b_key": key, "b_seq": seq} for (t, key), seq in seqs.items()
@@ -162,8 +189,16 @@ class InboxStore:
         if self._bulk is not None:
             return self._bulk.claim(session, deliveries, now)
         rows = [self._done_row(d, now) for d in deliveries]
+        if self._mysql is not None:
+            return self._mysql.claim(session, rows)
         stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
+
+    def _insert_new(self, table: Table) -> Insert:
+        """An INSERT that leaves a row with the same unique key as it is."""
+        if self._mysql is not None:
+            return self._mysql.insert_new(table)
+        return self._insert(table).on_conflict_do_nothing()
 
     def is_recorded(self, session: Session, message_id: uuid.UUID) -> bool:
         m = self.t.inbox_messages
@@ -193,10 +228,14 @@ class InboxStore:
     def mark(self, session: Session, d: Delivery, outcome: Outcome, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
         m = self.t.inbox_messages
-        session.execute(self._insert(m).values(self._done_row(d, utcnow(), outcome=outcome,
-                                                              note=note[:4000]))
+        row = self._done_row(d, utcnow(), outcome=outcome, note=note[:4000])
+        changes = {"outcome": outcome.value, "note": note[:4000]}
+        if self._mysql is not None:
+            self._mysql.record_done(session, row, changes)
+            return
+        session.execute(self._insert(m).values(row)
                         .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
-                                               set_={"outcome": outcome.value, "note": note[:4000]}))
+                                               set_=changes))
 
     def count_redelivery(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         """A duplicate arrived: count it on the original's row (the audit reads this)."""
@@ -213,7 +252,7 @@ class InboxStore:
     def hold(self, session: Session, d: Delivery) -> None:
         h = self.t.inbox_held
         row = {**self._stored(d), "received_at": d.received_at}
-        session.execute(self._insert(h).values(row).on_conflict_do_nothing())
+        session.execute(self._insert_new(h).values(row))
 
     def successors(self, session: Session, next_seqs: dict[KeyId, int]) -> list[Delivery]:
         """Held messages that are now next in their key (``seq == last_seq + 1``)."""
@@ -278,7 +317,7 @@ class InboxStore:
         row = {**self._stored(d), "reason": reason.value, "error": error, "traceback": traceback,
                "attempts": attempts, "first_failure_at": d.first_failure_at or now,
                "last_failure_at": now}
-        session.execute(self._insert(p).values(row).on_conflict_do_nothing())
+        session.execute(self._insert_new(p).values(row))
         if d.from_held:
             self.unhold(session, [d.message.message_id])
         if not (reason.parks_key and d.ordered):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, case, func, select, update
 
 from .._envelope import utcnow
 from .._errors import ConfigurationError
@@ -144,10 +144,11 @@ def backlog(outbox: Outbox) -> list[BacklogRow]:
     """Pending and failed counts and the oldest pending row, per topic and shard."""
     m = outbox.tables.messages
     query = (
+        # CASE, not FILTER (WHERE …): MySQL and MariaDB have no FILTER clause.
         select(m.c.topic, m.c.shard,
-               func.count().filter(m.c.status == OutboxStatus.PENDING),
-               func.count().filter(m.c.status == OutboxStatus.FAILED),
-               func.min(m.c.created_at).filter(m.c.status == OutboxStatus.PENDING))
+               func.count(case((m.c.status == OutboxStatus.PENDING, 1))),
+               func.count(case((m.c.status == OutboxStatus.FAILED, 1))),
+               func.min(case((m.c.status == OutboxStatus.PENDING, m.c.created_at))))
         # The != term is implied by the IN; it lets SQLite use the partial index on
         # unpublished rows too (PostgreSQL infers it), so published rows are never read.
         .where(m.c.status != OutboxStatus.PUBLISHED,

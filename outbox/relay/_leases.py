@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Engine, delete, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Engine, Table, delete, select, update
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from .._envelope import utcnow
 from .._errors import SchemaError
-from .._tables import OutboxTables
+from .._tables import MYSQL_FAMILY, OutboxTables
 
 log = logging.getLogger("outbox.relay.leases")
 
@@ -68,14 +69,30 @@ class Leases:
         """Shards this relay should hold (its fair share), as of the last ``maintain``; None before."""
         return self._share
 
+    @property
+    def _mysql(self) -> bool:
+        # MySQL has no RETURNING, MariaDB none on UPDATE: those updates are followed by a
+        # locking read of the rows they changed (it sees the latest rows, never a snapshot).
+        return self._engine.dialect.name in MYSQL_FAMILY
+
+    def _upsert(self, table: Table, key: str, set_: dict[str, Any]) -> Any:
+        """INSERT that updates ``set_`` (or nothing, when empty) on a row with the same ``key``."""
+        if self._mysql:
+            ins = mysql.insert(table)
+            return ins.on_duplicate_key_update(set_ or {key: ins.inserted[key]})
+        module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        ins = module.insert(table)
+        if not set_:
+            return ins.on_conflict_do_nothing(index_elements=[table.c[key]])
+        return ins.on_conflict_do_update(index_elements=[table.c[key]], set_=set_)
+
     def _prepare(self) -> None:
         t = self._tables.leases
-        module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
         epoch = utcnow() - timedelta(days=1)
         rows = [{"shard": s, "owner": None, "epoch": 0, "expires_at": epoch}
                 for s in range(self.shards)]
         with self._engine.begin() as conn:
-            conn.execute(module.insert(t).on_conflict_do_nothing(index_elements=[t.c.shard]), rows)
+            conn.execute(self._upsert(t, "shard", {}), rows)
         self._prepared = True
 
     def maintain(self) -> dict[int, int]:
@@ -85,12 +102,10 @@ class Leases:
                 self._prepare()
             now = utcnow()
             expires = now + timedelta(seconds=self.ttl)
-            relays, leases = self._tables.relays, self._tables.leases
-            module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+            relays = self._tables.relays
             with self._engine.begin() as conn:
-                up = module.insert(relays).values(worker_id=self.worker_id, heartbeat_at=now)
-                conn.execute(up.on_conflict_do_update(
-                    index_elements=[relays.c.worker_id], set_={"heartbeat_at": now}))
+                conn.execute(self._upsert(relays, "worker_id", {"heartbeat_at": now}),
+                             {"worker_id": self.worker_id, "heartbeat_at": now})
                 conn.execute(delete(relays).where(  # long dead (killed): forget them
                     relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
                 live = list(conn.scalars(select(relays.c.worker_id).where(
@@ -108,11 +123,7 @@ class Leases:
                         "stops; restart it to serve the new split")
                 # Only leases this object took: a namesake's leases from an earlier
                 # process expire and are taken afresh, with a new epoch.
-                renewed = conn.execute(
-                    update(leases)
-                    .where(leases.c.owner == self.worker_id, leases.c.shard.in_(list(self._owned)))
-                    .values(expires_at=expires).returning(leases.c.shard, leases.c.epoch)
-                ).all() if self._owned else []
+                renewed = self._renew(conn, expires) if self._owned else []
             held = {s: e for s, e in renewed if self._owned.get(s) == e}
             lost = set(self._owned) - set(held)
             if lost:
@@ -125,6 +136,16 @@ class Leases:
             self._surplus = max(0, len(held) - share)
             return dict(held)
 
+    def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
+        leases = self._tables.leases
+        mine = (leases.c.owner == self.worker_id, leases.c.shard.in_(list(self._owned)))
+        renew = update(leases).where(*mine).values(expires_at=expires)
+        if not self._mysql:
+            return [(s, e) for s, e in conn.execute(renew.returning(leases.c.shard, leases.c.epoch))]
+        conn.execute(renew)
+        locked = select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
+        return [(s, e) for s, e in conn.execute(locked)]
+
     def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
         leases = self._tables.leases
         taken: dict[int, int] = {}
@@ -135,13 +156,19 @@ class Leases:
                 .order_by(leases.c.shard)
             ))
             for shard in free[:wanted]:
-                epoch = conn.execute(
+                take = (
                     update(leases)
                     .where(leases.c.shard == shard,
                            (leases.c.owner.is_(None)) | (leases.c.expires_at < now))
                     .values(owner=self.worker_id, epoch=leases.c.epoch + 1, expires_at=expires)
-                    .returning(leases.c.epoch)
-                ).scalar()
+                )
+                if not self._mysql:
+                    epoch = conn.execute(take.returning(leases.c.epoch)).scalar()
+                elif conn.execute(take).rowcount == 1:
+                    epoch = conn.scalar(select(leases.c.epoch).where(
+                        leases.c.shard == shard, leases.c.owner == self.worker_id).with_for_update())
+                else:
+                    epoch = None
                 if epoch is not None:
                     taken[shard] = epoch
         if taken:

@@ -32,6 +32,7 @@ from sqlalchemy import Engine
 from transports import Transport
 
 from .._alerts import Alert, AlertSink, LoggingAlertSink
+from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
 from .._outage import is_database_outage
@@ -92,6 +93,7 @@ class Relay:
         engine = engine if engine is not None else outbox.engine  # type: ignore[assignment]
         if not isinstance(engine, Engine):
             raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
+        engine = worker_engine(engine)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
             raise ConfigurationError(f"batch_size must be an int from 1 to 100000, got {batch_size!r}")
         for name, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),

@@ -1,11 +1,13 @@
 """Test helpers shipped with the package: real servers, not fakes.
 
-``postgres_url()`` and ``kafka_bootstrap()`` resolve a database and a broker
+``postgres_url()``, ``mysql_url()`` and ``kafka_bootstrap()`` resolve databases and a broker
 (environment variable, then testcontainers, then local binaries or librdkafka's
 mock cluster); ``local_postgres()`` runs a throwaway cluster directly, and
-``local_postgres_server()`` one a test can stop and start again.
+``local_postgres_server()`` one a test can stop and start again;
+``local_mariadb()`` the same for MariaDB.
 """
 
+from ._mariadb import LocalMariaDB, fresh_mysql_database, local_mariadb, mariadb_binaries
 from ._postgres import (
     FAST_SETTINGS,
     LocalPostgres,
@@ -17,25 +19,33 @@ from ._postgres import (
 )
 from ._resolve import (
     KAFKA_BOOTSTRAP_VARIABLE,
+    MYSQL_URL_VARIABLE,
     POSTGRES_URL_VARIABLE,
     Unavailable,
     docker_engine_answers,
     kafka_bootstrap,
+    mysql_url,
     postgres_url,
 )
 
 __all__ = [
     "FAST_SETTINGS",
     "KAFKA_BOOTSTRAP_VARIABLE",
+    "MYSQL_URL_VARIABLE",
     "POSTGRES_URL_VARIABLE",
+    "LocalMariaDB",
     "LocalPostgres",
     "Unavailable",
     "docker_engine_answers",
     "free_port",
     "fresh_database",
+    "fresh_mysql_database",
     "kafka_bootstrap",
+    "local_mariadb",
     "local_postgres",
     "local_postgres_server",
+    "mariadb_binaries",
+    "mysql_url",
     "postgres_bindir",
     "postgres_url",
 ]

@@ -2,7 +2,7 @@
 
 The order is the same for both: an address from an environment variable;
 testcontainers when a Docker engine answers; else something local (PostgreSQL
-binaries, librdkafka's mock cluster). Never a hand-written fake.
+binaries, MariaDB's, librdkafka's mock cluster). Never a hand-written fake.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import subprocess
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from ._mariadb import local_mariadb, mariadb_binaries
 from ._postgres import FAST_SETTINGS, local_postgres, postgres_bindir
 
 POSTGRES_URL_VARIABLE = "OUTBOX_TEST_POSTGRES_URL"
+MYSQL_URL_VARIABLE = "OUTBOX_TEST_MYSQL_URL"
 KAFKA_BOOTSTRAP_VARIABLE = "OUTBOX_TEST_KAFKA_BOOTSTRAP"
 
 
@@ -50,6 +52,29 @@ def postgres_url(settings: Mapping[str, str] | None = FAST_SETTINGS) -> Iterator
         raise Unavailable(
             f"no PostgreSQL: set {POSTGRES_URL_VARIABLE}, start Docker, "
             "or install the PostgreSQL server binaries"
+        )
+
+
+@contextmanager
+def mysql_url() -> Iterator[str]:
+    """Yield a SQLAlchemy URL of a MySQL or MariaDB server to test against (its ``mysql`` database).
+
+    The URL's user must be allowed to create and drop databases: each test gets its own.
+    """
+    if url := os.environ.get(MYSQL_URL_VARIABLE):
+        yield url
+    elif docker_engine_answers():
+        from testcontainers.mysql import MySqlContainer
+
+        with MySqlContainer("mysql:8.0", dialect="pymysql", username="root") as container:
+            yield container.get_connection_url() + "?charset=utf8mb4"
+    elif mariadb_binaries() is not None:
+        with local_mariadb() as url:
+            yield url
+    else:
+        raise Unavailable(
+            f"no MySQL/MariaDB: set {MYSQL_URL_VARIABLE}, start Docker, "
+            "or install the MariaDB server (Debian: mariadb-server)"
         )
 
 

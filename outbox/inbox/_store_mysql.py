@@ -1,0 +1,102 @@
+"""The inbox's writes on MySQL and MariaDB, which have neither ``ON CONFLICT`` nor ``RETURNING``.
+
+"Insert unless present" is ``INSERT … ON DUPLICATE KEY UPDATE`` with a no-op
+assignment, not ``INSERT IGNORE``, which would also turn a too-long value or a
+NULL into a warning and store something else. Dedup rows go in one multi-row
+``INSERT`` in a savepoint and, only when that meets a duplicate key, row by
+row, each in its own savepoint: so the caller learns which ids were new
+without ``RETURNING``. Every executemany here is an ``INSERT``, which the
+driver sends as one multi-row statement (an executemany of ``UPDATE``\\ s is a
+round trip per row).
+
+Keys are locked through a join from ``JSON_TABLE(:keys)``: one primary-key
+lookup per key, in the order given. The plain ``(topic, key) IN (…)`` is
+planned as a scan of the whole group once a batch names a good part of its
+keys, and a ``FOR UPDATE`` scan waits for every row another worker holds:
+two workers then run one after the other (and deadlock now and then).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Insert, Row, String, Table, and_, insert, select, text
+from sqlalchemy.dialects import mysql
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from .._tables import OutboxTables, name_collation
+
+ER_DUP_ENTRY = 1062
+
+
+class MySQLWrites:
+    """Statements for one group; every method runs in the caller's transaction."""
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        self.t = tables
+        self.group = group
+
+    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
+        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq) that exist."""
+        k = self.t.inbox_keys
+        collation = name_collation(session.get_bind().dialect)
+        wanted = text(
+            "SELECT * FROM JSON_TABLE(:keys, '$[*]' COLUMNS ("
+            f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
+            f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]')) AS jt"
+        ).columns(topic=String(), key=String()).subquery("wanted")
+        stmt: Any = (
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
+            .select_from(wanted.join(k, and_(k.c.consumer_group == self.group,
+                                              k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)))
+            .with_for_update()
+        )
+        return list(session.execute(stmt, {"keys": json.dumps([list(key) for key in keys])}).all())
+
+    def insert_new(self, table: Table) -> Insert:
+        """An INSERT that leaves a row with the same unique key as it is."""
+        ins = mysql.insert(table)  # every unique key of the inbox tables holds consumer_group
+        return ins.on_duplicate_key_update(consumer_group=ins.inserted.consumer_group)
+
+    def claim(self, session: Session, rows: list[dict[str, Any]]) -> set[uuid.UUID]:
+        """Insert the dedup rows; returns the ids that were new."""
+        m = self.t.inbox_messages
+        try:
+            with session.begin_nested():
+                session.execute(insert(m), rows)
+            return {row["message_id"] for row in rows}
+        except IntegrityError as exc:
+            if not _duplicate_key(exc):
+                raise
+        new: set[uuid.UUID] = set()
+        for row in rows:
+            try:
+                with session.begin_nested():
+                    session.execute(insert(m), row)
+                new.add(row["message_id"])
+            except IntegrityError as exc:
+                if not _duplicate_key(exc):
+                    raise
+        return new
+
+    def record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
+        """Insert a dedup row, or apply ``changes`` to the one already there."""
+        m = self.t.inbox_messages
+        session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
+
+    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int]) -> None:
+        """Advance keys whose rows exist and are locked (lock_keys ran first): the upsert only updates."""
+        upsert = mysql.insert(self.t.inbox_keys)
+        session.execute(upsert.on_duplicate_key_update(last_seq=upsert.inserted.last_seq), [
+            {"consumer_group": self.group, "topic": t, "key": key, "last_seq": seq, "parked": False}
+            for (t, key), seq in seqs.items()
+        ])
+
+
+def _duplicate_key(error: IntegrityError) -> bool:
+    args: tuple[Any, ...] = getattr(error.orig, "args", ())
+    return bool(args) and args[0] == ER_DUP_ENTRY

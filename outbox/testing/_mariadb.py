@@ -1,0 +1,152 @@
+"""A throwaway MariaDB server from the local binaries (Debian's ``mariadb-server``), for tests.
+
+The same shape as ``_postgres``: a temp directory, a free port, the server run
+as the ``mysql`` user when we are root (mariadbd refuses root), its unix socket
+inside the temp directory, stopped and removed after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from ._postgres import free_port
+
+# Durability off: tests want speed, and a crash of a throwaway server loses nothing.
+# The isolation level (InnoDB's REPEATABLE READ) and the collation (case-insensitive)
+# are left at the server's defaults on purpose: the library must be correct there, as
+# on the servers users have (docs/producer.md, "MySQL and MariaDB").
+FAST_OPTIONS = ("--innodb-flush-log-at-trx-commit=0", "--sync-binlog=0", "--innodb-doublewrite=0")
+_OPTIONS = ("--skip-log-bin", "--innodb-buffer-pool-size=256M", "--max-connections=300",
+            "--skip-name-resolve", "--character-set-server=utf8mb4")
+
+
+def mariadb_binaries() -> tuple[Path, Path] | None:
+    """(mariadbd, mariadb-install-db) from PATH or Debian's layout, or None."""
+    server = shutil.which("mariadbd") or next(
+        (p for p in ("/usr/sbin/mariadbd", "/usr/sbin/mysqld") if os.path.exists(p)), None)
+    install = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
+    if server is None or install is None:
+        return None
+    return Path(server), Path(install)
+
+
+class LocalMariaDB:
+    """A throwaway MariaDB in a temp dir on a free port, that a test can stop and start again.
+
+    ``url`` names its empty database ``outbox`` and logs in as ``root`` over
+    TCP without a password, allowed to create more (the datadir was
+    made with ``--auth-root-authentication-method=normal`` and an empty
+    password): only processes on this machine reach 127.0.0.1. ``durable``
+    keeps InnoDB's flush at every commit (benchmarks); tests turn it off.
+    """
+
+    def __init__(self, *, durable: bool = False) -> None:
+        found = mariadb_binaries()
+        self._options = _OPTIONS if durable else (*_OPTIONS, *FAST_OPTIONS)
+        if found is None:
+            raise FileNotFoundError("MariaDB binaries (mariadbd, mariadb-install-db) not found")
+        self._server, install = found
+        self._as_user = ["runuser", "-u", "mysql", "--"] if os.geteuid() == 0 else []
+        self._root = Path(tempfile.mkdtemp(prefix="outbox-mariadb-"))
+        self._data = self._root / "data"
+        self._socket = self._root / "mysqld.sock"
+        if self._as_user:
+            shutil.chown(self._root, "mysql")
+        self.port = free_port()
+        self._admin_url = f"mysql+pymysql://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
+        self.url = f"mysql+pymysql://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
+        self._process: subprocess.Popen[bytes] | None = None
+        try:
+            _run([*self._as_user, str(install), "--no-defaults", f"--datadir={self._data}",
+                  "--auth-root-authentication-method=normal", "--skip-test-db",
+                  "--skip-name-resolve"])
+            self.start()
+            admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+            with admin.connect() as conn:
+                conn.execute(sa.text("CREATE DATABASE outbox CHARACTER SET utf8mb4"))
+            admin.dispose()
+        except BaseException:
+            self.remove()
+            raise
+
+    def start(self) -> None:
+        """Start the server on the same datadir and port; return once it accepts connections."""
+        log = open(self._root / "log", "ab")  # noqa: SIM115 - the server writes it while it runs
+        self._process = subprocess.Popen(
+            [*self._as_user, str(self._server), "--no-defaults", f"--datadir={self._data}",
+             f"--port={self.port}", "--bind-address=127.0.0.1", f"--socket={self._socket}",
+             f"--pid-file={self._root / 'mariadbd.pid'}", *self._options],
+            stdout=log, stderr=log, cwd="/",
+        )
+        log.close()
+        deadline = time.monotonic() + 60
+        engine = sa.create_engine(self._admin_url, poolclass=sa.NullPool)
+        try:
+            while True:
+                try:
+                    with engine.connect():
+                        return
+                except sa.exc.OperationalError:
+                    if self._process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"mariadbd did not start:\n{(self._root / 'log').read_text()}") from None
+                    time.sleep(0.1)
+        finally:
+            engine.dispose()
+
+    def stop(self) -> None:
+        """Shut the server down as an operator would (SIGTERM: a clean shutdown) and wait."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()  # runuser forwards it to mariadbd
+            try:
+                self._process.wait(60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+    def remove(self) -> None:
+        """Stop the server if it runs and delete its directory."""
+        self.stop()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
+@contextmanager
+def local_mariadb(*, durable: bool = False) -> Iterator[str]:
+    """Run a new MariaDB in a temp dir on a free port; yield its SQLAlchemy URL; remove it after."""
+    server = LocalMariaDB(durable=durable)
+    try:
+        yield server.url
+    finally:
+        server.remove()
+
+
+@contextmanager
+def fresh_mysql_database(server_url: str) -> Iterator[str]:
+    """Create an empty database on the MySQL/MariaDB server at ``server_url``; yield its URL; drop it."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    try:
+        yield sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+def _run(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd="/")
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
