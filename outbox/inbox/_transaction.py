@@ -28,42 +28,20 @@ settle stage. A database outage under a handler aborts the whole transaction
 from __future__ import annotations
 
 import enum
-import time
-import traceback
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from .._envelope import Message
+from ._calls import Error, HandlerCalls, Redo, TopicHandler
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason, StartPolicy
 from ._metrics import InboxMetrics
-from ._outage import Outage, is_outage
 from ._runs import Lanes, lane_of
-from ._signals import Disposition, ParkMessage, SkipMessage
+from ._signals import Disposition, SkipMessage
 from ._store import InboxStore, KeyId, KeyState
-
-Error = tuple[BaseException, str]
-"""An exception and its formatted traceback."""
-
-
-@dataclass(frozen=True, slots=True)
-class TopicHandler:
-    """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
-
-    fn: Callable[[Session, Any], Any]
-    batch: bool = False
-
-    def __call__(self, session: Session, messages: list[Message]) -> None:
-        if self.batch:
-            self.fn(session, messages)
-        else:
-            for message in messages:
-                self.fn(session, message)
 
 
 @dataclass(slots=True)
@@ -104,6 +82,7 @@ class TransactionStep:
         self.store = store
         self.handlers = handlers
         self.metrics = metrics
+        self.calls = HandlerCalls(handlers, metrics)
         self.start = start
 
     # -- apply ------------------------------------------------------------------
@@ -123,7 +102,7 @@ class TransactionStep:
         if len(deliveries) > 1:
             try:
                 return self._transaction(deliveries, known, savepoints=False)
-            except _Redo as redo:
+            except Redo as redo:
                 if redo.delivery is not None:
                     known[redo.delivery.message.message_id] = redo.error
         return self._transaction(deliveries, known, savepoints=True)
@@ -188,13 +167,13 @@ class TransactionStep:
                 if cut:
                     fresh.append(run[:cut])
             if not savepoints:
-                self._run_unguarded(session, [d for run in fresh for d in run])
+                self.calls.unguarded(session, [d for run in fresh for d in run])
             applied: dict[KeyId, tuple[int, int]] = {}
             for run in fresh:
                 for n, d in enumerate(run):
                     error = None
                     if savepoints:
-                        error = known.get(d.message.message_id) or self._call_one(session, d)
+                        error = known.get(d.message.message_id) or self.calls.one(session, d)
                     if error is not None and not isinstance(error[0], SkipMessage):
                         # Nothing after a failure may apply: the rest of the key waits for it.
                         batch.failed.append(Failure(d, *error))
@@ -326,62 +305,12 @@ class TransactionStep:
                                              attempts=d.attempts)
         return Disposition.PARKED, Parked(d, reason, text, key_parked)
 
-    # -- handlers -----------------------------------------------------------------
-
-    def _run_unguarded(self, session: Session, fresh: list[Delivery]) -> None:
-        """Run the handlers without savepoints, a batch handler once per topic; ``_Redo`` on a failure."""
-        by_topic: dict[str, list[Delivery]] = {}
-        for d in fresh:
-            by_topic.setdefault(d.message.topic, []).append(d)
-        for topic, group in by_topic.items():
-            handler = self.handlers.get(topic)
-            if handler is not None and handler.batch and len(group) > 1:
-                error = self._call(session, topic, [d.message for d in group], savepoint=False)
-                if error is not None:
-                    raise _Redo(None, error)  # which message failed is found by the redo
-                continue
-            for d in group:
-                error = self._call(session, topic, [d.message], savepoint=False)
-                if error is not None:
-                    raise _Redo(d, error)
-
     def run_handler(self, session: Session, d: Delivery) -> Error | None:
-        """Run the topic's handler for ``d`` alone in a SAVEPOINT; the error and traceback if it raised.
+        """Run the topic's handler for ``d`` alone in a SAVEPOINT (an operator's replay).
 
         Raises ``Outage`` when the database failed under the handler.
         """
-        return self._call_one(session, d)
-
-    def _call_one(self, session: Session, d: Delivery) -> Error | None:
-        return self._call(session, d.message.topic, [d.message], savepoint=True)
-
-    def _call(self, session: Session, topic: str, messages: list[Message], *,
-              savepoint: bool) -> Error | None:
-        handler = self.handlers.get(topic)
-        started = time.perf_counter()
-        nested = session.begin_nested() if savepoint else None
-        try:
-            if handler is None:
-                raise ParkMessage(f"no handler registered for topic {topic!r}")
-            handler(session, messages)
-            session.flush()
-            if nested is not None:
-                nested.commit()
-        except Exception as exc:
-            if is_outage(exc):
-                raise Outage(f"the database failed under the handler: {exc!r}") from exc
-            if nested is not None:
-                try:
-                    nested.rollback()
-                except Exception as rollback_error:
-                    if is_outage(rollback_error):
-                        raise Outage(f"rollback failed: {rollback_error!r}") from rollback_error
-                    raise
-            # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
-            self.metrics.ran(topic, time.perf_counter() - started, failed=len(messages) == 1)
-            return exc, traceback.format_exc()
-        self.metrics.ran(topic, time.perf_counter() - started, failed=False)
-        return None
+        return self.calls.one(session, d)
 
 
 class _Triage(enum.Enum):
@@ -393,15 +322,3 @@ class _Triage(enum.Enum):
     """Below the seq its key started at: park it, unless its id is recorded already."""
     SETTLED = "settled"
     """Held or parked without a claim."""
-
-
-class _Redo(Exception):
-    """A handler failed in a batch without savepoints: roll it all back, redo with savepoints.
-
-    ``delivery`` is the message that failed, when a call had only that one.
-    """
-
-    def __init__(self, delivery: Delivery | None, error: Error) -> None:
-        super().__init__(f"redo batch: {error[0]!r}")
-        self.delivery = delivery
-        self.error = error
