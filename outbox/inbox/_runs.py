@@ -32,12 +32,17 @@ class Lanes:
     """One transaction's deliveries, a queue per key in seq order; for one thread."""
 
     def __init__(self, deliveries: Iterable[Delivery]) -> None:
-        self._queues: dict[Hashable, deque[Delivery]] = {}
+        queues: dict[Hashable, list[Delivery]] = {}
         for d in deliveries:
-            self._queues.setdefault(lane_of(d), deque()).append(d)
-        for lane, queue in self._queues.items():
-            if len(queue) > 1:  # sorted() is stable: copies of one message keep their arrival order
-                self._queues[lane] = deque(sorted(queue, key=_seq))
+            msg = d.message
+            lane = (msg.topic, msg.key) if msg.key is not None and msg.seq is not None else ("", id(d))
+            if (queue := queues.get(lane)) is None:
+                queues[lane] = [d]
+            else:
+                queue.append(d)
+        # sorted() is stable: copies of one message keep their arrival order.
+        self._queues = {lane: deque(sorted(queue, key=_seq) if len(queue) > 1 else queue)
+                        for lane, queue in queues.items()}
 
     def keys(self) -> list[KeyId]:
         """The ordered keys among the lanes, to lock."""

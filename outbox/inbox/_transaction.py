@@ -141,7 +141,8 @@ class TransactionStep:
                 if run:
                     runs.append(run)
             # A seq below the key's start is claimed too (same statement): is its id new here?
-            claimed = store.claim(session, [d for run in runs for d in run] + behind)
+            candidates = [d for run in runs for d in run]
+            claimed = store.claim(session, candidates + behind)
             for d in behind:
                 if d.message.message_id not in claimed:
                     duplicate(d)
@@ -154,7 +155,9 @@ class TransactionStep:
                                f"{states[d.lane].started_at_seq} (start policy first_seen)")  # type: ignore[index]
             lost: list[Delivery] = []
             fresh: list[list[Delivery]] = []
-            for run in runs:
+            if len(claimed) == len(candidates) + len(behind):
+                fresh = runs  # every id new: the common case
+            for run in runs if fresh is not runs else ():
                 # A recorded id ends the run: what follows it waits for the next round, against
                 # the key's real state (it is held there, as the key did not advance).
                 cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
@@ -167,9 +170,11 @@ class TransactionStep:
                 if cut:
                     fresh.append(run[:cut])
             if not savepoints:
-                self.calls.unguarded(session, [d for run in fresh for d in run])
+                self.calls.unguarded(session, candidates if fresh is runs else
+                                     [d for run in fresh for d in run])
             applied: dict[KeyId, tuple[int, int]] = {}
             for run in fresh:
+                done = len(run)
                 for n, d in enumerate(run):
                     error = None
                     if savepoints:
@@ -179,17 +184,18 @@ class TransactionStep:
                         batch.failed.append(Failure(d, *error))
                         lost.extend(run[n:])
                         batch.blocked.extend(run[n + 1:] + lanes.stop(d))
+                        done = n
                         break
                     if error is not None:
                         store.mark(session, d, Outcome.SKIPPED, str(error[0]) or "skipped by handler")
                     batch.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
                     if d.from_held:
                         unhold[d.message.message_id] = d
-                    if d.ordered:
-                        lane: KeyId = d.lane  # type: ignore[assignment]
-                        seq: int = d.message.seq  # type: ignore[assignment]
-                        states[lane].last_seq = new_seqs[lane] = seq
-                        applied[lane] = (applied.get(lane, (seq, seq))[0], seq)
+                if done and run[0].ordered:
+                    lane: KeyId = run[0].lane  # type: ignore[assignment]
+                    first, last = run[0].message.seq, run[done - 1].message.seq
+                    states[lane].last_seq = new_seqs[lane] = last  # type: ignore[assignment]
+                    applied[lane] = (applied[lane][0] if lane in applied else first, last)  # type: ignore[assignment]
             store.unclaim(session, (d.message.message_id for d in lost))
             # Held copies of what was applied go; the next held one joins the next round.
             blocked = {lane_of(f.delivery) for f in batch.failed}
