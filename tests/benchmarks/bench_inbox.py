@@ -24,6 +24,7 @@ not counted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--hot-messages", type=int, default=6_000,
                         help="messages of the spread-keys and hot-key comparison")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
     with local_postgres() as db, embedded_kafka() as servers:
         engine = create_engine(db)
         Inbox(engine, group="setup").create_tables()
@@ -220,6 +222,9 @@ def main() -> None:
         "the process is then one busy core (each message's own INSERT through SQLAlchemy, and "
         "64 threads handing one interpreter lock around), so a handler that waits on I/O "
         "scales further with more consumer processes in the group than with more threads.",
+        f"Load average (1 min) {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+        "end: the machine is shared, and absolute numbers move with it; ratios within one run "
+        "are what to read.",
     ])
     write_section("inbox", body)
 
