@@ -72,6 +72,10 @@ class Batch:
     """Later messages of a failed message's key: not run, they wait for it, in seq order."""
 
 
+HELD_RUN = 100
+"""Held messages of a key fetched at most per round, when the key catches up to them."""
+
+
 class TransactionStep:
     """Runs inbox transactions; safe to call from several threads (each call has its own session)."""
 
@@ -197,17 +201,21 @@ class TransactionStep:
                     states[lane].last_seq = new_seqs[lane] = last  # type: ignore[assignment]
                     applied[lane] = (applied[lane][0] if lane in applied else first, last)  # type: ignore[assignment]
             store.unclaim(session, (d.message.message_id for d in lost))
-            # Held copies of what was applied go; the next held one joins the next round.
+            # Held copies of what was applied go; the held ones that are next join the next round.
             blocked = {lane_of(f.delivery) for f in batch.failed}
+            expected = {lane: last + 1 for lane, (_, last) in applied.items()}
             for d in store.successors(session, {
-                    lane: (first, last if lane in blocked else last + 1)
+                    lane: (first, last if lane in blocked else last + HELD_RUN)
                     for lane, (first, last) in applied.items()}):
+                lane = d.lane  # type: ignore[assignment]
                 if d.message.message_id in unhold:
                     continue  # the held row this transaction applied
-                if d.message.seq <= states[d.lane].last_seq:  # type: ignore[index,operator]
+                if d.message.seq <= states[lane].last_seq:  # type: ignore[operator]
                     duplicate(d)
-                else:
+                elif d.message.seq == expected[lane]:
                     lanes.push_front([d])
+                    expected[lane] += 1
+                # else: behind another gap; it stays held
         store.count_redelivery(session, (d.message.message_id for d in duplicates))
         store.unhold(session, unhold)
         store.set_last_seq(session, new_seqs)
