@@ -335,3 +335,26 @@ def test_a_held_backlog_that_becomes_next_runs_as_one_run_up_to_its_next_gap(
     # Look after 2, look after 3..40, delete the applied rows: not a round per held message.
     assert len(held_statements) == 3, held_statements
     assert last_seq(inbox, engine, "a") == 40
+
+
+def test_an_outage_while_parking_mid_run_keeps_the_failed_message_ahead_of_its_key(
+    inbox: Inbox, engine: sa.Engine
+) -> None:
+    outage = DatabaseOutage(engine, only="INSERT INTO inbox_parked")
+
+    @inbox.handler(TOPIC)
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        apply_effect(session, message)
+        if message.seq == 2:
+            raise ParkMessage("bad amount")
+
+    outage.fail(times=1)
+    settled = inbox.settler.settle(run_of("a", 1, 4))
+    assert seqs(settled.done) == [1]
+    assert seqs(settled.later) == [2, 3, 4]  # the park waits out the outage, the key behind it
+    assert [d.attempts for d, _ in settled.later] == [0, 0, 0]
+    outage.end()
+    assert drain(inbox, [d for d, _ in settled.later]) == {
+        2: Disposition.PARKED, 3: Disposition.PARKED, 4: Disposition.PARKED}
+    assert [(p.seq, p.reason) for p in inbox.parked(TOPIC, "a")] == [
+        (2, "failed"), (3, "key_parked"), (4, "key_parked")]

@@ -135,7 +135,11 @@ class Settler:
         if not is_outage(error):
             raise error
         d.attempts -= 1  # parking did not happen: the next try ends here again
-        settled.later.append((d, self.outages.failed(error)))
+        # Ahead of the rest of its key, which waits behind it.
+        lane = lane_of(d)
+        at = next((n for n, (other, _) in enumerate(settled.later) if lane_of(other) == lane),
+                  len(settled.later))
+        settled.later.insert(at, (d, self.outages.failed(error)))
 
     def _failed(self, failure: Failure, settled: Settled) -> Failure | None:
         """Count the attempt; the failure back when the message must be parked now."""
