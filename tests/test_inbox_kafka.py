@@ -226,3 +226,35 @@ def test_handle_reports_dispositions_for_embedding(engine: sa.Engine, topic: str
     inbox = make_inbox(engine, topic)
     r = record(topic, "a", 1)
     assert [inbox.handle(r), inbox.handle(r)] == [Disposition.APPLIED, Disposition.DUPLICATE]
+
+
+def test_a_hot_key_runs_in_few_transactions_and_a_failure_inside_keeps_its_order(
+    engine: sa.Engine, kafka: str, topic: str
+) -> None:
+    """One key, 600 records (and 200 of them twice): runs of up to batch_size per transaction;
+    seq 250 fails twice mid-run, and the rest of the key waits behind it, in order."""
+    records = [record(topic, "hot", seq) for seq in range(1, 601)]
+    produce(kafka, records + records[100:300])
+    inbox = make_inbox(engine, topic, batch_size=50)
+    failures = {250: 2}
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        apply_effect(session, message)
+        if failures.get(message.seq, 0):
+            failures[message.seq] -= 1
+            raise RuntimeError("after writing: rolled back, retried, the key waits")
+
+    inbox._handlers[topic] = TopicHandler(handler)
+    commits: list[int] = []
+
+    def count_commit(conn) -> None:  # type: ignore[no-untyped-def]
+        commits.append(1)
+
+    sa.event.listen(engine, "commit", count_commit)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(engine, "hot")) == 600
+                 and sum(committed(kafka, inbox.group, topic).values()) == 800, what="all applied")
+    sa.event.remove(engine, "commit", count_commit)
+    assert [seq for _, seq in applied(engine, "hot")] == list(range(1, 601))
+    assert failures == {250: 0}
+    assert len(commits) < 120, f"{len(commits)} commits for 600 messages of one key"

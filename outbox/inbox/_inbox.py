@@ -66,8 +66,9 @@ class Inbox:
 
     ``bind`` is a sync ``Engine`` or ``sessionmaker`` (handlers run on worker
     threads). ``concurrency`` worker threads handle different keys in
-    parallel; ``batch_size`` > 1 lets one transaction carry several keys'
-    messages (a SAVEPOINT each), which is what high throughput needs.
+    parallel; ``batch_size`` > 1 lets one transaction carry up to that many
+    messages, of several keys or a run of one busy key's consecutive
+    messages, which is what high throughput (and a hot key) needs.
     ``start`` is where a key first met past seq 1 starts (``StartPolicy``).
     A database or broker outage is never a failed attempt: the work waits
     and resumes. Configuration is checked here; registering handlers and
@@ -170,11 +171,13 @@ class Inbox:
     def batch_handler(self, topic: str) -> Callable[[B], B]:
         """Register ``fn(session, messages)`` for ``topic``: many messages per call, for throughput.
 
-        ``messages`` are of different keys (a key's next message comes in a
-        later call), so one ``executemany`` can write them all. Same contract
-        as ``handler``; when a call raises, the inbox rolls back and calls
-        ``fn`` once per message, each in a SAVEPOINT, so only the failing
-        message is retried and parked, and attempts count only those calls.
+        ``messages`` may hold several consecutive messages of one key, always
+        in seq order (a hot key's run), so one ``executemany`` can write them
+        all; a write that folds messages into one row per key must follow
+        that order. Same contract as ``handler``; when a call raises, the
+        inbox rolls back and calls ``fn`` once per message, each in a
+        SAVEPOINT, so only the failing message is retried and parked, and
+        attempts count only those calls.
         """
         return self._register(topic, batch=True)
 

@@ -9,7 +9,9 @@ consumer baseline, then the batch-handler and the per-message-handler rows of
 is its tree, alternating which tree goes first, then the baseline again. On a
 shared machine single runs move by a third from one minute to the next; the
 per-round ratio new / REV of the same row, and its median, are what to read.
-Prints the table; writes nothing.
+``--hot`` adds both rows with every message on one key; ``--messages`` sets the
+count of each inbox row (the baseline runs at most 20,000). Prints the table;
+writes nothing.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ SETUP = ("import sys, os; sys.path.insert(0, os.getcwd()); from outbox import In
          "from tests.inbox_support import business; e = create_engine(sys.argv[1]); "
          "Inbox(e, group='setup').create_tables(); business.create_all(e)")
 RUN = ("import sys, os; sys.path.insert(0, os.getcwd()); sys.path.insert(0, 'tests/benchmarks'); "
-       "import bench_inbox as b; servers, db, row = sys.argv[1:4]; print("
-       "b.baseline(servers, db, 20_000) if row == 'baseline' else "
-       "b.inbox_rate(servers, db, 60_000, 1000, concurrency=8, batch_size=200) if row == 'handler' else "
-       "b.inbox_rate(servers, db, 60_000, 1000, concurrency=2, batch_size=500, batch_handler=True))")
+       "import bench_inbox as b; servers, db, row, n, keys = sys.argv[1:6]; n, keys = int(n), int(keys); "
+       "print(b.baseline(servers, db, min(n, 20_000)) if row == 'baseline' else "
+       "b.inbox_rate(servers, db, n, keys, concurrency=8, batch_size=200) if row == 'handler' else "
+       "b.inbox_rate(servers, db, n, keys, concurrency=2, batch_size=500, batch_handler=True))")
 ROWS = ("batch handler", "handler")
+HOT_ROWS = ("batch handler, one key", "handler, one key")
 
 
 def run(tree: Path, *args: str) -> str:
@@ -54,7 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rev", help="the commit to compare with, e.g. 70151f6")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=60_000)
+    parser.add_argument("--hot", action="store_true",
+                        help="also run both rows with every message on one key")
     args = parser.parse_args()
+    rows = ROWS + (HOT_ROWS if args.hot else ())
     with tempfile.TemporaryDirectory() as tmp, local_postgres() as url, embedded_kafka() as servers:
         other = Path(tmp)
         archive = subprocess.run(["git", "archive", args.rev], cwd=HERE, capture_output=True, check=True)
@@ -71,20 +78,23 @@ def main() -> None:
         results = []
         for r in range(args.rounds):
             load = os.getloadavg()[0]
-            base = [float(run(HERE, RUN, servers, urls["this"], "baseline"))]
+            n = str(args.messages)
+            base = [float(run(HERE, RUN, servers, urls["this"], "baseline", n, "1000"))]
             rates = {}
-            for row in ROWS:
+            for row in rows:
                 order = list(trees) if r % 2 == 0 else list(trees)[::-1]
                 for name in order:
-                    rates[name, row] = float(run(trees[name], RUN, servers, urls[name],
-                                                 "batch" if row == "batch handler" else "handler"))
-            base.append(float(run(HERE, RUN, servers, urls["this"], "baseline")))
+                    rates[name, row] = float(run(
+                        trees[name], RUN, servers, urls[name],
+                        "batch" if row.startswith("batch handler") else "handler", n,
+                        "1" if row.endswith("one key") else "1000"))
+            base.append(float(run(HERE, RUN, servers, urls["this"], "baseline", n, "1000")))
             baseline = statistics.mean(base)
             results.append(rates)
             print(f"round {r + 1} (load {load:.1f}): baseline {baseline:,.0f} msg/s; " + "; ".join(
                 f"{row}: this {rates['this', row] / baseline:.2f}x, {args.rev} "
-                f"{rates[args.rev, row] / baseline:.2f}x" for row in ROWS), flush=True)
-        for row in ROWS:
+                f"{rates[args.rev, row] / baseline:.2f}x" for row in rows), flush=True)
+        for row in rows:
             ratios = [rates["this", row] / rates[args.rev, row] for rates in results]
             print(f"{row}: this / {args.rev} per round {', '.join(f'{x:.2f}' for x in ratios)}; "
                   f"median {statistics.median(ratios):.2f}")
