@@ -34,6 +34,15 @@ class LibrdkafkaLog:
         self.logger = logger
         self._repeats = Repeats(every)
 
+    @property
+    def every(self) -> float:
+        """Seconds a kind of line stays quiet after it was logged."""
+        return self._repeats.every
+
+    @every.setter
+    def every(self, seconds: float) -> None:
+        self._repeats.every = seconds
+
     def log(self, level: int, msg: str, *args: Any) -> None:
         text = msg % args if args else msg
         facility = str(args[0]) if args else ""
