@@ -48,6 +48,7 @@ def console(
         import uvicorn
 
         from ..console import Operators, create_app
+        from ..console._serve import serve_until_stopped
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
     operators = Operators.from_env()
@@ -73,4 +74,4 @@ def console(
     config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False)
     server = uvicorn.Server(config)
     err.print(f"outbox console on http://{host}:{port}/ (Ctrl-C stops it)")
-    server.run()
+    serve_until_stopped(server)

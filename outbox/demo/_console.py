@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from ..console import Operators
+    from ..console._serve import serve_until_stopped
 
 
 def serve_console(workdir: Path, *, host: str = "127.0.0.1", port: int = 8470,
@@ -38,7 +39,7 @@ def serve_console(workdir: Path, *, host: str = "127.0.0.1", port: int = 8470,
                                            log_level="warning"))
     console.print(f"outbox console: http://{host}:{port}/orders/ and http://{host}:{port}/billing/ "
                   "(Ctrl-C stops it)")
-    server.run()
+    serve_until_stopped(server)
 
 
 def demo_console(workdir: Path, operators: Operators) -> Starlette:
