@@ -89,14 +89,17 @@ def apply_effects(session, messages) -> None:  # type: ignore[no-untyped-def]
         .where(effects.c.topic == topic, effects.c.key.in_([m.key for m in keyed]))
         .group_by(effects.c.key)
     ).all()) if keyed else {}
-    wrong = [m for m in keyed if m.seq != previous.get(m.key, 0) + 1]
+    wrong = []  # a call may carry a run of one key: each message follows the one before it
+    for m in keyed:
+        if m.seq != previous.get(m.key, 0) + 1:
+            wrong.append({"key": m.key, "seq": m.seq, "previous": previous.get(m.key, 0)})
+        previous[m.key] = m.seq
     if wrong and session.get_bind().dialect.name == "postgresql":
         with session.get_bind().engine.connect() as own:  # survives the rollback of this transaction
-            own.execute(order_violations.insert(), [
-                {"key": m.key, "seq": m.seq, "previous": previous.get(m.key, 0)} for m in wrong])
+            own.execute(order_violations.insert(), wrong)
             own.commit()
     if wrong:
-        raise OrderViolation(f"{wrong[0].key}: seq {wrong[0].seq} after {previous.get(wrong[0].key, 0)}")
+        raise OrderViolation(f"{wrong[0]['key']}: seq {wrong[0]['seq']} after {wrong[0]['previous']}")
     insert_effects(session, messages)
 
 

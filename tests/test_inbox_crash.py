@@ -89,11 +89,16 @@ def assert_exactly_once_in_order(engine: sa.Engine, inbox_group: str, keys: int,
     assert all(seqs == list(range(1, per_key + 1)) for seqs in by_key.values())
 
 
-@pytest.mark.parametrize("batch_handler", [False, True], ids=["handler", "batch_handler"])
+@pytest.mark.parametrize(("batch_handler", "keys", "per_key"), [
+    (False, 1000, 50), (True, 1000, 50),
+    # Two hot keys: every batch is a run of one key, so a kill lands inside runs.
+    (False, 2, 6000), (True, 2, 6000),
+], ids=["handler", "batch_handler", "hot_keys_handler", "hot_keys_batch_handler"])
 def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
-    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, batch_handler: bool
+    pg: sa.Engine, postgres_db: str, kafka: str, topic: str, batch_handler: bool, keys: int,
+    per_key: int
 ) -> None:
-    keys, per_key, group = 1000, 50, f"crash-{topic}"
+    group = f"crash-{topic}"
     produce_keys(kafka, topic, keys, per_key)
     rng = random.Random(int(time.time()))
     worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)

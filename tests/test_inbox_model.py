@@ -3,9 +3,11 @@
 Hypothesis drives a deterministic stand-in for Kafka and the runner around
 the real pipeline (decode → settle → transaction → store, and the real offset
 tracker): a producer appends messages to two partitions, with duplicates
-(keyed and unkeyed), reordered seqs and messages whose handler fails once,
-twice, always (poison), asks to ``RetryLater`` or skips; the consumer polls,
-runs batches of lane heads, puts retries on a timer it fires at will, commits,
+(keyed and unkeyed), reordered seqs, bursts of one key, and messages whose
+handler fails once, twice, always (poison), asks to ``RetryLater`` or skips;
+the consumer polls, runs batches of lane heads with a run of each lane's
+queue behind them (so a failure can sit in the middle of a key's run), puts
+retries on a timer it fires at will, commits,
 loses partitions, restarts from the committed offsets (a new ``Inbox``: all
 memory gone), and an operator replays and discards.
 
@@ -176,6 +178,13 @@ class InboxModel(RuleBasedStateMachine):
         for behaviour in ["poison"] + ["ok"] * after:
             self._append(self._new(key, behaviour), self._partition(key))
 
+    @rule(key=st.sampled_from(KEYS), behaviours=st.lists(st.sampled_from(BEHAVIOURS), min_size=2,
+                                                          max_size=6))
+    def produce_run(self, key: str, behaviours: list[str]) -> None:
+        """A burst of one key (a hot key): a batch can carry it as one run, failures in the middle."""
+        for behaviour in behaviours:
+            self._append(self._new(key, behaviour), self._partition(key))
+
     @rule(key=st.sampled_from(KEYS))
     def produce_reordered(self, key: str) -> None:
         """The key's next two seqs land in the wrong order (e.g. the key moved partitions)."""
@@ -202,21 +211,28 @@ class InboxModel(RuleBasedStateMachine):
             self.queue.append(d)
         self.tracker.received(((r.topic, r.partition), r.offset) for r in records)  # type: ignore[misc]
 
-    @rule(size=st.integers(1, 5))
-    def run_batch(self, size: int) -> None:
-        """A worker takes the heads of up to ``size`` ready lanes (a waiting lane is not ready)."""
+    @rule(size=st.integers(1, 5), run=st.integers(1, 5))
+    def run_batch(self, size: int, run: int) -> None:
+        """A worker takes the heads of up to ``size`` ready lanes (a waiting lane is not ready) and,
+        while the batch has room for ``size``, up to ``run`` - 1 more of each lane's queue behind
+        its head: a key's run, as the scheduler hands it out."""
         blocked = {d.lane for d in self.waiting if d.lane is not None}
-        seen: set[object] = set()
-        batch = []
+        lanes: dict[object, list[Delivery]] = {}
         for d in self.queue:
             lane = d.lane if d.lane is not None else id(d)
-            if lane in seen or lane in blocked:
-                seen.add(lane)
+            if lane in blocked:
                 continue
-            seen.add(lane)
-            batch.append(d)
-            if len(batch) == size:
-                break
+            if lane not in lanes:
+                if len(lanes) < size:
+                    lanes[lane] = [d]
+            elif d.lane is not None and len(lanes[lane]) < run:
+                lanes[lane].append(d)
+        room = size - len(lanes)
+        batch = []
+        for taken in lanes.values():
+            extra = min(room, len(taken) - 1)
+            room -= extra
+            batch.extend(taken[:1 + extra])
         if not batch:
             return
         for d in batch:
@@ -334,7 +350,7 @@ class InboxModel(RuleBasedStateMachine):
             if not self.queue:
                 return
             while self.queue:
-                self.run_batch(5)
+                self.run_batch(5, 5)
                 self.timers_fire()
         raise AssertionError("the consumer never became idle")
 

@@ -5,8 +5,11 @@ Like Confluent Parallel Consumer's KEY mode. Every key has its own queue
 one key are handled one at a time, in the order they were submitted**, while
 different keys, even of one partition, run concurrently on up to
 ``concurrency`` threads. Unkeyed messages each get a lane of their own, so
-they run unordered. A worker takes the heads of up to ``batch_size`` ready
-lanes at once and hands them to ``work`` as one batch (one transaction).
+they run unordered. A worker takes up to ``batch_size`` deliveries at once and
+hands them to ``work`` as one batch (one transaction): the head of each ready
+lane it takes, and with what room is left, the deliveries queued behind those
+heads (a *run*), so a hot key's backlog costs one transaction per batch, not
+one per message. The batch's lanes stay busy until it returns.
 
 A delivery to be tried again later goes back to the head of its lane, and the
 lane *waits* on a timer (a hashed timing wheel) instead of a worker sleeping:
@@ -152,7 +155,13 @@ class KeyScheduler:
             # Leave work for idle peers: a big batch on one thread would serialise it.
             share = -(-len(self._ready) // (self._idle + 1))
             lanes = [self._ready.popleft() for _ in range(min(self._batch_size, share))]
-            batch = [self._lanes[lane].popleft() for lane in lanes]
+            room = self._batch_size - len(lanes)
+            batch: list[Delivery] = []
+            for lane in lanes:  # every head, then the runs behind them while there is room
+                queue = self._lanes[lane]
+                run = 1 + min(room, len(queue) - 1)
+                room -= run - 1
+                batch.extend(queue.popleft() for _ in range(run))
             self._busy.update(lanes)
             self._running.extend(batch)
             self._queued -= len(batch)
@@ -173,22 +182,29 @@ class KeyScheduler:
     def _release(self, lanes: list[Hashable], batch: list[Delivery],
                  later: list[tuple[Delivery, float]]) -> None:
         now = time.monotonic()
+        # A lane's deliveries to try again go back to its head in the order given
+        # (a failed message, then the run that waits behind it).
+        back: dict[Hashable, list[Delivery]] = {}
+        delays: dict[Hashable, float] = {}
+        for d, delay in later:
+            lane = lane_of(d)
+            back.setdefault(lane, []).append(d)
+            delays[lane] = max(delay, delays.get(lane, 0.0))
         with self._cond:
-            for d in batch:
-                self._running.remove(d)
-            for d, delay in later:
-                lane = lane_of(d)
+            running = {id(d) for d in batch}
+            self._running = [d for d in self._running if id(d) not in running]
+            for lane, returned in back.items():
                 if lane not in self._busy and lane in self._ready:
                     self._ready.remove(lane)  # not one of this batch's lanes: it must not run now
                 queue = self._lanes.setdefault(lane, deque())
-                queue.appendleft(d)
-                self._queued += 1
+                queue.extendleft(reversed(returned))
+                self._queued += len(returned)
                 if lane not in self._waiting:
                     self._blocked += len(queue)
                 else:
-                    self._blocked += 1
+                    self._blocked += len(returned)
                 self._busy.add(lane)
-                self._waiting.schedule(lane, max(now + delay, self._waiting.deadline(lane) or 0.0))
+                self._waiting.schedule(lane, max(now + delays[lane], self._waiting.deadline(lane) or 0.0))
             for lane in lanes:
                 if lane in self._waiting:
                     continue

@@ -11,6 +11,9 @@ worker thread; ``Inbox.handle`` sleeps in its caller's thread.
   alert sink hears of it once.
 - ``RetryLater`` tries again after its delay and counts nothing.
 - ``ParkMessage`` parks at once.
+- The messages of a key that a transaction did not run because one before
+  them failed (``Batch.blocked``) wait as long as that one, and go back to
+  their key right behind it: they count no attempt.
 - A database outage (``is_outage``) counts nothing, parks nothing and alerts
   nothing: the whole batch is tried again after a capped backoff.
 - Any other database error of the transaction itself (a deferred constraint
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import tenacity
@@ -32,6 +36,7 @@ from .._envelope import utcnow
 from ._alerting import Alerter
 from ._delivery import Delivery
 from ._outage import OutageLog, is_outage
+from ._runs import lane_of
 from ._signals import Disposition, ParkMessage, RetryLater
 from ._transaction import Batch, Failure, Parked, TransactionStep
 
@@ -58,7 +63,7 @@ class Settler:
         self.wait = wait
 
     def settle(self, deliveries: list[Delivery]) -> Settled:
-        """Apply ``deliveries`` (at most one per key) and settle each one; never sleeps.
+        """Apply ``deliveries`` (a run of consecutive messages per key) and settle each one; never sleeps.
 
         The only calls into the transaction step are here (``apply``, ``park``);
         the decisions are the ``after_*`` methods, which an async driver of an
@@ -106,7 +111,16 @@ class Settler:
         self.outages.answered()
         self.alerter.parked(batch.parked)
         settled = Settled(done=list(batch.done))
-        to_park = [f for f in batch.failed if self._failed(f, settled) is not None]
+        to_park: list[Failure] = []
+        waits: dict[Hashable, float] = {}
+        for failure in batch.failed:
+            if self._failed(failure, settled) is None:
+                waits[lane_of(failure.delivery)] = settled.later[-1][1]
+            else:
+                to_park.append(failure)
+                waits[lane_of(failure.delivery)] = 0.0  # parked first: then they park behind it
+        # A key's messages behind its failed one wait as long as it does, and run after it.
+        settled.later.extend((d, waits[lane_of(d)]) for d in batch.blocked)
         return settled, to_park
 
     def after_park(self, d: Delivery, outcome: tuple[Disposition, Parked | None],

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, Table, and_, bindparam, delete, func, select, tuple_, update
+from sqlalchemy import Connection, Row, Table, and_, bindparam, delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -215,17 +215,28 @@ class InboxStore:
         row = {**self._stored(d), "received_at": d.received_at}
         session.execute(self._insert(h).values(row).on_conflict_do_nothing())
 
-    def successors(self, session: Session, next_seqs: dict[KeyId, int]) -> list[Delivery]:
-        """Held messages that are now next in their key (``seq == last_seq + 1``)."""
-        if not next_seqs:
+    def successors(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> list[Delivery]:
+        """Held messages of each key with ``first <= seq <= last``, in seq order.
+
+        The caller asks from the first seq its transaction applied to the key's
+        next one: a held copy of a message the transaction just applied from a
+        fresh delivery must be deleted (it is a duplicate now), and the next one
+        may be applied in the same transaction.
+        """
+        if not ranges:
             return []
         if self._bulk is not None:
-            return [delivery_from_row(r, from_held=True) for r in self._bulk.successors(session, next_seqs)]
-        h = self.t.inbox_held
-        wanted = [(t, key, seq) for (t, key), seq in next_seqs.items()]
-        rows = session.execute(select(h).where(
-            h.c.consumer_group == self.group, tuple_(h.c.topic, h.c.key, h.c.seq).in_(wanted)))
-        return [delivery_from_row(r, from_held=True) for r in rows]
+            rows = self._bulk.successors(session, ranges)
+        else:
+            h, wanted = self.t.inbox_held, list(ranges.items())
+            rows = []
+            for n in range(0, len(wanted), 200):  # an OR of ranges; SQLite limits expression depth
+                rows.extend(session.execute(select(h).where(
+                    h.c.consumer_group == self.group,
+                    or_(*[and_(h.c.topic == t, h.c.key == key, h.c.seq.between(first, last))
+                          for (t, key), (first, last) in wanted[n:n + 200]]))))
+        return sorted((delivery_from_row(r, from_held=True) for r in rows),
+                      key=lambda d: d.message.seq)  # type: ignore[arg-type,return-value]
 
     def ready_held(self, session: Session, limit: int) -> list[Delivery]:
         """Held messages whose gap has filled but that nobody picked up (e.g. filled elsewhere)."""

@@ -28,6 +28,7 @@ from ._kinds import Outcome
 
 _KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
 _SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
+_RANGES: dict[str, TypeEngine[Any]] = {**_KEYS, "first": BigInteger(), "last": BigInteger()}
 _CLAIMS: dict[str, TypeEngine[Any]] = {
     "message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
     "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True),
@@ -40,6 +41,7 @@ class PostgresBulk:
     def __init__(self, tables: OutboxTables, group: str) -> None:
         k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
         keys, seqs, claims = rows_of(_KEYS), rows_of(_SEQS), rows_of(_CLAIMS)
+        ranges = rows_of(_RANGES)
         locked = (
             select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
             .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
@@ -68,10 +70,10 @@ class PostgresBulk:
             set_={"last_seq": upsert.excluded.last_seq},
         )
         successor = select(h).where(
-            h.c.consumer_group == group, h.c.topic == seqs.c.topic, h.c.key == seqs.c.key,
-            h.c.seq == seqs.c.seq,
+            h.c.consumer_group == group, h.c.topic == ranges.c.topic, h.c.key == ranges.c.key,
+            h.c.seq >= ranges.c["first"], h.c.seq <= ranges.c["last"],
         ).lateral("successor")
-        self._successors = select(successor).select_from(seqs.join(successor, true()))
+        self._successors = select(successor).select_from(ranges.join(successor, true()))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
         """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq); create missing ones.
@@ -104,9 +106,14 @@ class PostgresBulk:
     def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int]) -> None:
         session.execute(self._set_last_seq, _seq_params(seqs))
 
-    def successors(self, session: Session, next_seqs: dict[tuple[str, str], int]) -> list[Row[Any]]:
-        """Held rows whose (topic, key, seq) is in ``next_seqs``."""
-        return list(session.execute(self._successors, _seq_params(next_seqs)).all())
+    def successors(self, session: Session,
+                   ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
+        """Held rows of each (topic, key) whose seq lies in its (first, last) range."""
+        params = array_params(_RANGES, {
+            "topic": [t for t, _ in ranges], "key": [key for _, key in ranges],
+            "first": [first for first, _ in ranges.values()],
+            "last": [last for _, last in ranges.values()]})
+        return list(session.execute(self._successors, params).all())
 
 
 def _key_params(keys: Sequence[tuple[str, str]]) -> dict[str, Any]:

@@ -6,15 +6,19 @@ touches a session: everything before it (decode, schedule) and after it
 three entry points, each one transaction: ``apply`` a batch, ``park`` a message
 whose attempts are spent, and ``run_handler`` inside an operator's replay.
 
-A batch holds deliveries of *different* keys (the scheduler guarantees it);
-when one handler fails, the batch is redone with each message in its own
-SAVEPOINT, so the failure rolls back only its own writes and the others
-commit. A batch handler gets all of a batch's messages of its topic in one
-call; when that call fails, the redo calls it once per message, each in its
-SAVEPOINT, to find the message that fails. The dedup rows, the key's new
-``last_seq`` and the handler's writes commit together: that is what makes
-effects inside the inbox database happen once. A held message that becomes
-next is applied in the same transaction, right after its predecessor.
+A batch holds a *run* per key: its consecutive messages in seq order (see
+``_runs``), so a busy key pays one lock, one claim, one advance and one commit
+for the whole run, and the handler once per message. When a handler fails,
+the batch is redone with each message in its own SAVEPOINT, so the failure
+rolls back only its own writes: the messages before it in its key commit,
+the key advances to the one before it, and the rest of its key is not run
+(``Batch.blocked``: it waits for the failed one). A batch handler gets all of
+a batch's messages of its topic in one call, each key's in seq order; when
+that call fails, the redo calls it once per message, each in its SAVEPOINT,
+to find the message that fails. The dedup rows, the key's new ``last_seq`` and
+the handler's writes commit together: that is what makes effects inside the
+inbox database happen once. A held message that becomes next is applied in
+the same transaction, right after its predecessor.
 
 Failures are not retried here: they come back in ``Batch.failed`` for the
 settle stage. A database outage under a handler aborts the whole transaction
@@ -24,41 +28,20 @@ settle stage. A database outage under a handler aborts the whole transaction
 from __future__ import annotations
 
 import enum
-import time
-import traceback
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from .._envelope import Message
+from ._calls import Error, HandlerCalls, Redo, TopicHandler
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason, StartPolicy
 from ._metrics import InboxMetrics
-from ._outage import Outage, is_outage
-from ._signals import Disposition, ParkMessage, SkipMessage
+from ._runs import Lanes, lane_of
+from ._signals import Disposition, SkipMessage
 from ._store import InboxStore, KeyId, KeyState
-
-Error = tuple[BaseException, str]
-"""An exception and its formatted traceback."""
-
-
-@dataclass(frozen=True, slots=True)
-class TopicHandler:
-    """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
-
-    fn: Callable[[Session, Any], Any]
-    batch: bool = False
-
-    def __call__(self, session: Session, messages: list[Message]) -> None:
-        if self.batch:
-            self.fn(session, messages)
-        else:
-            for message in messages:
-                self.fn(session, message)
 
 
 @dataclass(slots=True)
@@ -85,6 +68,8 @@ class Batch:
     done: list[tuple[Delivery, Disposition]] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
     parked: list[Parked] = field(default_factory=list)
+    blocked: list[Delivery] = field(default_factory=list)
+    """Later messages of a failed message's key: not run, they wait for it, in seq order."""
 
 
 class TransactionStep:
@@ -97,12 +82,13 @@ class TransactionStep:
         self.store = store
         self.handlers = handlers
         self.metrics = metrics
+        self.calls = HandlerCalls(handlers, metrics)
         self.start = start
 
     # -- apply ------------------------------------------------------------------
 
     def apply(self, deliveries: list[Delivery]) -> Batch:
-        """Handle ``deliveries`` (at most one per key) in one transaction and commit.
+        """Handle ``deliveries`` (any number per key) in one transaction and commit.
 
         A batch first runs without savepoints (they cost two round trips per
         message); if a handler fails, that transaction is rolled back and the
@@ -116,7 +102,7 @@ class TransactionStep:
         if len(deliveries) > 1:
             try:
                 return self._transaction(deliveries, known, savepoints=False)
-            except _Redo as redo:
+            except Redo as redo:
                 if redo.delivery is not None:
                     known[redo.delivery.message.message_id] = redo.error
         return self._transaction(deliveries, known, savepoints=True)
@@ -131,42 +117,34 @@ class TransactionStep:
             self.metrics.counted(topic, disposition, count)
         return batch
 
-    def _apply(self, session: Session, pending: list[Delivery], batch: Batch,
+    def _apply(self, session: Session, deliveries: list[Delivery], batch: Batch,
                known: dict[uuid.UUID, Error], savepoints: bool) -> None:
         store = self.store
-        states: dict[KeyId, KeyState] = {}
+        lanes = Lanes(deliveries)
+        states = store.lock_keys(session, lanes.keys())  # every key of the batch, one statement
         new_seqs: dict[KeyId, int] = {}
         starts: dict[KeyId, int] = {}
         seen: set[uuid.UUID] = set()
         duplicates: list[Delivery] = []
-        unhold: list[Delivery] = []
-        while pending:
-            to_lock = {d.lane for d in pending if d.ordered} - states.keys()
-            states |= store.lock_keys(session, to_lock)  # type: ignore[arg-type]
-            ready: list[Delivery] = []
+        unhold: dict[uuid.UUID, Delivery] = {}
+
+        def duplicate(d: Delivery) -> None:
+            duplicates.append(d)
+            if d.from_held:
+                unhold[d.message.message_id] = d
+
+        while lanes:
+            runs: list[list[Delivery]] = []
             behind: list[Delivery] = []
-            for d in pending:
-                # Two copies of one message in a batch (a resend, a lost ack): only the first may run.
-                if d.message.message_id in seen:
-                    duplicates.append(d)
-                    continue
-                verdict = self._triage(session, d, states, starts, batch)
-                if verdict is _Triage.DUPLICATE:
-                    duplicates.append(d)
-                    if d.from_held:
-                        unhold.append(d)
-                elif verdict is not _Triage.SETTLED:
-                    seen.add(d.message.message_id)
-                    (ready if verdict is _Triage.RUN else behind).append(d)
+            for queue in lanes.queues():
+                run = self._walk(session, queue, states, starts, seen, batch, duplicate, behind)
+                if run:
+                    runs.append(run)
             # A seq below the key's start is claimed too (same statement): is its id new here?
-            claimed = store.claim(session, ready + behind)
-            fresh = [d for d in ready if d.message.message_id in claimed]
-            duplicates.extend(d for d in ready if d.message.message_id not in claimed)
+            claimed = store.claim(session, [d for run in runs for d in run] + behind)
             for d in behind:
                 if d.message.message_id not in claimed:
-                    duplicates.append(d)
-                    if d.from_held:
-                        unhold.append(d)
+                    duplicate(d)
             passed = [d for d in behind if d.message.message_id in claimed]
             if passed:
                 store.unclaim(session, (d.message.message_id for d in passed))
@@ -174,35 +152,99 @@ class TransactionStep:
                     self._park(session, d, batch, Reason.BEFORE_START,
                                f"seq {d.message.seq} arrived after its key started at seq "
                                f"{states[d.lane].started_at_seq} (start policy first_seen)")  # type: ignore[index]
-            if savepoints:
-                outcomes = [(d, known.get(d.message.message_id) or self._call_one(session, d))
-                            for d in fresh]
-            else:
-                self._run_unguarded(session, fresh)
-                outcomes = [(d, None) for d in fresh]
-            advanced: dict[KeyId, int] = {}
             lost: list[Delivery] = []
-            for d, error in outcomes:
-                if error is not None and not isinstance(error[0], SkipMessage):
-                    lost.append(d)
-                    batch.failed.append(Failure(d, *error))
-                    continue
-                if error is not None:
-                    store.mark(session, d, Outcome.SKIPPED, str(error[0]) or "skipped by handler")
-                batch.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
-                if d.from_held:
-                    unhold.append(d)
-                if d.ordered:
-                    lane: KeyId = d.lane  # type: ignore[assignment]
-                    states[lane].last_seq = advanced[lane] = new_seqs[lane] = d.message.seq  # type: ignore[assignment]
+            fresh: list[list[Delivery]] = []
+            for run in runs:
+                # A recorded id ends the run: what follows it waits for the next round, against
+                # the key's real state (it is held there, as the key did not advance).
+                cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
+                if cut < len(run):
+                    duplicate(run[cut])
+                    rest = run[cut + 1:]
+                    lost.extend(rest)
+                    seen.difference_update(d.message.message_id for d in rest)
+                    lanes.push_front(rest)
+                if cut:
+                    fresh.append(run[:cut])
+            if not savepoints:
+                self.calls.unguarded(session, [d for run in fresh for d in run])
+            applied: dict[KeyId, tuple[int, int]] = {}
+            for run in fresh:
+                for n, d in enumerate(run):
+                    error = None
+                    if savepoints:
+                        error = known.get(d.message.message_id) or self.calls.one(session, d)
+                    if error is not None and not isinstance(error[0], SkipMessage):
+                        # Nothing after a failure may apply: the rest of the key waits for it.
+                        batch.failed.append(Failure(d, *error))
+                        lost.extend(run[n:])
+                        batch.blocked.extend(run[n + 1:] + lanes.stop(d))
+                        break
+                    if error is not None:
+                        store.mark(session, d, Outcome.SKIPPED, str(error[0]) or "skipped by handler")
+                    batch.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
+                    if d.from_held:
+                        unhold[d.message.message_id] = d
+                    if d.ordered:
+                        lane: KeyId = d.lane  # type: ignore[assignment]
+                        seq: int = d.message.seq  # type: ignore[assignment]
+                        states[lane].last_seq = new_seqs[lane] = seq
+                        applied[lane] = (applied.get(lane, (seq, seq))[0], seq)
             store.unclaim(session, (d.message.message_id for d in lost))
-            pending = store.successors(session, {k: seq + 1 for k, seq in advanced.items()})
+            # Held copies of what was applied go; the next held one joins the next round.
+            blocked = {lane_of(f.delivery) for f in batch.failed}
+            for d in store.successors(session, {
+                    lane: (first, last if lane in blocked else last + 1)
+                    for lane, (first, last) in applied.items()}):
+                if d.message.message_id in unhold:
+                    continue  # the held row this transaction applied
+                if d.message.seq <= states[d.lane].last_seq:  # type: ignore[index,operator]
+                    duplicate(d)
+                else:
+                    lanes.push_front([d])
         store.count_redelivery(session, (d.message.message_id for d in duplicates))
-        store.unhold(session, (d.message.message_id for d in unhold))
+        store.unhold(session, unhold)
         store.set_last_seq(session, new_seqs)
         # A key starts where its first message applied; if that one failed, its retry starts it.
         store.set_started(session, {lane: seq for lane, seq in starts.items() if lane in new_seqs})
         batch.done.extend((d, Disposition.DUPLICATE) for d in duplicates)
+
+    def _walk(self, session: Session, queue: deque[Delivery], states: dict[KeyId, KeyState],
+              starts: dict[KeyId, int], seen: set[uuid.UUID], batch: Batch,
+              duplicate: Callable[[Delivery], None], behind: list[Delivery]) -> list[Delivery]:
+        """Settle a lane's head deliveries that need no handler; return the key's run.
+
+        The run is the next message of the key and those that follow it in
+        seq order without a gap. It stops before anything else, which the next
+        round settles against the state the run leaves.
+        """
+        run: list[Delivery] = []
+        while queue:
+            d = queue[0]
+            if run:
+                last = run[-1].message
+                if (d.message.seq != last.seq + 1 or d.problem is not None  # type: ignore[operator]
+                        or d.message.message_id in seen):
+                    break
+                queue.popleft()
+                seen.add(d.message.message_id)
+                run.append(d)
+                continue
+            queue.popleft()
+            # Two copies of one message (a resend, a lost ack): only the first may run.
+            if d.message.message_id in seen:
+                duplicate(d)
+                continue
+            verdict = self._triage(session, d, states, starts, batch)
+            if verdict is _Triage.DUPLICATE:
+                duplicate(d)
+                continue
+            seen.add(d.message.message_id)
+            if verdict is _Triage.RUN:
+                run.append(d)
+            elif verdict is _Triage.BEHIND:
+                behind.append(d)
+        return run
 
     def _triage(self, session: Session, d: Delivery, states: dict[KeyId, KeyState],
                 starts: dict[KeyId, int], batch: Batch) -> _Triage:
@@ -263,62 +305,12 @@ class TransactionStep:
                                              attempts=d.attempts)
         return Disposition.PARKED, Parked(d, reason, text, key_parked)
 
-    # -- handlers -----------------------------------------------------------------
-
-    def _run_unguarded(self, session: Session, fresh: list[Delivery]) -> None:
-        """Run the handlers without savepoints, a batch handler once per topic; ``_Redo`` on a failure."""
-        by_topic: dict[str, list[Delivery]] = {}
-        for d in fresh:
-            by_topic.setdefault(d.message.topic, []).append(d)
-        for topic, group in by_topic.items():
-            handler = self.handlers.get(topic)
-            if handler is not None and handler.batch and len(group) > 1:
-                error = self._call(session, topic, [d.message for d in group], savepoint=False)
-                if error is not None:
-                    raise _Redo(None, error)  # which message failed is found by the redo
-                continue
-            for d in group:
-                error = self._call(session, topic, [d.message], savepoint=False)
-                if error is not None:
-                    raise _Redo(d, error)
-
     def run_handler(self, session: Session, d: Delivery) -> Error | None:
-        """Run the topic's handler for ``d`` alone in a SAVEPOINT; the error and traceback if it raised.
+        """Run the topic's handler for ``d`` alone in a SAVEPOINT (an operator's replay).
 
         Raises ``Outage`` when the database failed under the handler.
         """
-        return self._call_one(session, d)
-
-    def _call_one(self, session: Session, d: Delivery) -> Error | None:
-        return self._call(session, d.message.topic, [d.message], savepoint=True)
-
-    def _call(self, session: Session, topic: str, messages: list[Message], *,
-              savepoint: bool) -> Error | None:
-        handler = self.handlers.get(topic)
-        started = time.perf_counter()
-        nested = session.begin_nested() if savepoint else None
-        try:
-            if handler is None:
-                raise ParkMessage(f"no handler registered for topic {topic!r}")
-            handler(session, messages)
-            session.flush()
-            if nested is not None:
-                nested.commit()
-        except Exception as exc:
-            if is_outage(exc):
-                raise Outage(f"the database failed under the handler: {exc!r}") from exc
-            if nested is not None:
-                try:
-                    nested.rollback()
-                except Exception as rollback_error:
-                    if is_outage(rollback_error):
-                        raise Outage(f"rollback failed: {rollback_error!r}") from rollback_error
-                    raise
-            # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
-            self.metrics.ran(topic, time.perf_counter() - started, failed=len(messages) == 1)
-            return exc, traceback.format_exc()
-        self.metrics.ran(topic, time.perf_counter() - started, failed=False)
-        return None
+        return self.calls.one(session, d)
 
 
 class _Triage(enum.Enum):
@@ -330,15 +322,3 @@ class _Triage(enum.Enum):
     """Below the seq its key started at: park it, unless its id is recorded already."""
     SETTLED = "settled"
     """Held or parked without a claim."""
-
-
-class _Redo(Exception):
-    """A handler failed in a batch without savepoints: roll it all back, redo with savepoints.
-
-    ``delivery`` is the message that failed, when a call had only that one.
-    """
-
-    def __init__(self, delivery: Delivery | None, error: Error) -> None:
-        super().__init__(f"redo batch: {error[0]!r}")
-        self.delivery = delivery
-        self.error = error

@@ -10,7 +10,11 @@ synchronous_commit on) and librdkafka's mock cluster in this process:
 2. the inbox with dedup and per-key ordering on, batching several keys per
    transaction: once with a per-message handler, once with a batch handler
    (one executemany per batch; the throughput target);
-3. an I/O-bound handler (sleeps 5 ms) over 1,000 keys on 4 partitions at
+3. hot keys: the per-message and the batch-handler runs again with every
+   message on one key, beside the same runs over 1,000 keys: a key's
+   consecutive messages share one transaction, so one hot key must run at
+   least half as fast as spread keys (issue 13);
+4. an I/O-bound handler (sleeps 5 ms) over 1,000 keys on 4 partitions at
    concurrency 1, 4, 16, 64: throughput must grow far past the partition count.
 
 Timings start at the first applied message, so the consumer group join is
@@ -132,6 +136,8 @@ def main() -> None:
     parser.add_argument("--handler-batch-size", type=int, default=200)
     parser.add_argument("--handler-concurrency", type=int, default=8)
     parser.add_argument("--io-batch-size", type=int, default=8)
+    parser.add_argument("--hot-messages", type=int, default=6_000,
+                        help="messages of the spread-keys and hot-key comparison")
     args = parser.parse_args()
     with local_postgres() as db, embedded_kafka() as servers:
         engine = create_engine(db)
@@ -148,6 +154,19 @@ def main() -> None:
         batched = inbox_rate(servers, db, args.messages, 1000, concurrency=args.concurrency,
                              batch_size=args.batch_size, batch_handler=True)
         print(f"inbox, batch handler {batched:,.0f} msg/s", flush=True)
+        hot_rows = []
+        for label, kwargs in (
+                (f"`@inbox.handler`, batch_size={args.handler_batch_size}, "
+                 f"concurrency={args.handler_concurrency}",
+                 {"concurrency": args.handler_concurrency, "batch_size": args.handler_batch_size}),
+                (f"`@inbox.batch_handler`, batch_size={args.batch_size}, concurrency={args.concurrency}",
+                 {"concurrency": args.concurrency, "batch_size": args.batch_size, "batch_handler": True})):
+            spread = inbox_rate(servers, db, args.hot_messages, 1000, **kwargs)  # type: ignore[arg-type]
+            hot = inbox_rate(servers, db, args.hot_messages, 1, **kwargs)  # type: ignore[arg-type]
+            print(f"{label}: 1,000 keys {spread:,.0f} msg/s, one key {hot:,.0f} msg/s "
+                  f"({hot / spread:.2f}x)", flush=True)
+            hot_rows.append([label, f"{args.hot_messages:,}", f"{spread:,.0f}", f"{hot:,.0f}",
+                             f"**{hot / spread:.2f}x**"])
         scaling = []
         for concurrency in (1, 4, 16, 64):
             n = min(400 * concurrency, 12_000)
@@ -182,6 +201,14 @@ def main() -> None:
         "well as eight: the consumer, the mock broker and PostgreSQL share the two cores "
         "listed below. A plain per-message handler pays one statement per message; "
         "its row shows that cost.",
+        "**Hot keys.** The same loops with every message on one key (one partition, one "
+        "lane), beside the same loops over 1,000 keys, measured one after the other. The "
+        "inbox applies a key's consecutive messages in one transaction (one lock, one "
+        "claim, the handler per message, one advance, one commit), up to `batch_size` of "
+        "them, so a hot key pays about what a batch of many keys pays. Target: one hot key "
+        "at ≥ 0.5x the spread keys of the same run.",
+        markdown_table(["loop", "messages", "1,000 keys msg/s", "one key msg/s", "one key / 1,000 keys"],
+                       hot_rows),
         "I/O-bound handler (sleeps 5 ms, then inserts the row), 1,000 keys on 4 partitions, "
         f"batch_size={args.io_batch_size}: throughput by `concurrency` (key-ordered parallelism "
         "within partitions; one worker handles its batch's messages one after another, so "

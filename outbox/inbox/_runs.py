@@ -1,0 +1,62 @@
+"""A key's run: the consecutive messages of one key that one transaction applies.
+
+The scheduler hands a transaction up to ``batch_size`` deliveries, several of
+one key when that key is busy. ``Lanes`` sorts them into a queue per key, in
+seq order (an unkeyed delivery is a lane of its own). The transaction step
+walks each queue from its head and takes, as the key's *run*, the messages
+that follow one another without a gap: they are claimed in one statement,
+handled one by one and advance the key once. Whatever breaks a run (a gap, a
+second copy of a message in it, a message to park) is looked at again in the
+next round of the same transaction, against the key's state after the run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+
+from ._delivery import Delivery
+from ._store import KeyId
+
+
+def lane_of(d: Delivery) -> Hashable:
+    """The queue ``d`` joins in a transaction: its key when it is ordered, else its own."""
+    return d.lane if d.ordered else ("", id(d))
+
+
+def _seq(d: Delivery) -> int:
+    return d.message.seq or 0
+
+
+class Lanes:
+    """One transaction's deliveries, a queue per key in seq order; for one thread."""
+
+    def __init__(self, deliveries: Iterable[Delivery]) -> None:
+        self._queues: dict[Hashable, deque[Delivery]] = {}
+        for d in deliveries:
+            self._queues.setdefault(lane_of(d), deque()).append(d)
+        for lane, queue in self._queues.items():
+            if len(queue) > 1:  # sorted() is stable: copies of one message keep their arrival order
+                self._queues[lane] = deque(sorted(queue, key=_seq))
+
+    def keys(self) -> list[KeyId]:
+        """The ordered keys among the lanes, to lock."""
+        return [lane for lane, queue in self._queues.items() if queue and queue[0].ordered]  # type: ignore[misc]
+
+    def __bool__(self) -> bool:
+        return any(self._queues.values())
+
+    def queues(self) -> list[deque[Delivery]]:
+        """The lanes that still hold deliveries; the empty ones are dropped."""
+        self._queues = {lane: queue for lane, queue in self._queues.items() if queue}
+        return list(self._queues.values())
+
+    def push_front(self, deliveries: Iterable[Delivery]) -> None:
+        """Put ``deliveries`` back for the next round, each among its key's in seq order."""
+        for d in deliveries:
+            lane = lane_of(d)
+            self._queues[lane] = deque(sorted([d, *self._queues.get(lane, ())], key=_seq))
+
+    def stop(self, d: Delivery) -> list[Delivery]:
+        """Take out what is left of ``d``'s lane: it waits for ``d``, which failed."""
+        return list(self._queues.pop(lane_of(d), ()))

@@ -1,0 +1,313 @@
+"""Hot keys: a key's consecutive messages in one transaction, and what a failure inside the run does.
+
+A run of one key must cost one lock, one claim, one advance and one commit;
+a failure at message k commits 1..k-1, rolls back only k's writes, runs
+nothing after k, and sends k to retry or park with the rest of its key behind
+it. Duplicates, held messages and handler signals inside a run are settled as
+they would be one message at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Disposition, Inbox, ParkMessage, RetryLater, SkipMessage
+from outbox.inbox._delivery import Delivery, decode
+from outbox.inbox._schedule import KeyScheduler
+from tests.inbox_support import (
+    TOPIC,
+    AlertLog,
+    DatabaseOutage,
+    applied,
+    apply_effect,
+    business,
+    insert_effects,
+    record,
+)
+
+
+@pytest.fixture
+def inbox(engine: sa.Engine) -> Inbox:
+    box = Inbox(engine, group="hot", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+    box.create_tables()
+    business.create_all(engine)
+    return box
+
+
+def delivery(key: str, seq: int, message_id: uuid.UUID | None = None) -> Delivery:
+    return decode(record(TOPIC, key, seq, message_id=message_id), accept_foreign=False)
+
+
+def run_of(key: str, first: int, last: int) -> list[Delivery]:
+    return [delivery(key, seq) for seq in range(first, last + 1)]
+
+
+def seqs(pairs) -> list[int | None]:  # type: ignore[no-untyped-def]
+    return [d.message.seq for d, *_ in pairs]
+
+
+def last_seq(inbox: Inbox, engine: sa.Engine, key: str) -> int:
+    k = inbox.tables.inbox_keys
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(k.c.last_seq).where(k.c.consumer_group == inbox.group,
+                                                         k.c.key == key)) or 0
+
+
+def rows(inbox: Inbox, engine: sa.Engine, table: str) -> list[int]:
+    t = getattr(inbox.tables, table)
+    with engine.connect() as conn:
+        return sorted(conn.scalars(sa.select(t.c.seq).where(t.c.consumer_group == inbox.group)))
+
+
+def drain(inbox: Inbox, batch: list[Delivery]) -> dict[int, Disposition]:
+    """Settle ``batch``; hand what comes back to the settle stage again, as one batch in the order
+    given (what the scheduler does with a lane's returned deliveries), until all are done."""
+    done: dict[int, Disposition] = {}
+    for _ in range(50):
+        settled = inbox.settler.settle(batch)
+        for d, disposition in settled.done:
+            done[d.message.seq] = disposition  # type: ignore[index]
+        if not settled.later:
+            return done
+        time.sleep(max(delay for _, delay in settled.later))
+        batch = [d for d, _ in settled.later]
+    raise AssertionError("never settled")
+
+
+def test_a_key_run_is_one_lock_one_claim_one_commit(inbox: Inbox, engine: sa.Engine) -> None:
+    inbox.handler(TOPIC)(apply_effect)
+    statements: Counter[str] = Counter()
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def count(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        text = " ".join(statement.split()).upper()
+        for what in ("INSERT INTO INBOX_MESSAGES", "UPDATE INBOX_KEYS", "INBOX_HELD"):
+            if what in text:
+                statements[what] += 1
+        if "FROM INBOX_KEYS" in text:
+            statements["lock"] += 1
+
+    sa.event.listen(engine, "commit", lambda conn: statements.update(["commit"]))
+    result = inbox.step.apply(run_of("a", 1, 50))
+    sa.event.remove(engine, "before_cursor_execute", count)
+    assert [disposition for _, disposition in result.done] == [Disposition.APPLIED] * 50
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 51)]
+    assert last_seq(inbox, engine, "a") == 50
+    # A new key costs the insert of its row; the advance is one statement on both dialects.
+    assert statements["INSERT INTO INBOX_MESSAGES"] == 1, statements
+    assert statements["commit"] == 1, statements
+    assert statements["INBOX_HELD"] == 1, statements  # one look for held successors
+    assert statements["lock"] <= 2, statements  # lock (and read again after creating the row)
+
+
+def test_a_run_that_arrives_out_of_order_applies_in_seq_order(inbox: Inbox, engine: sa.Engine) -> None:
+    inbox.handler(TOPIC)(apply_effect)
+    batch = [delivery("a", seq) for seq in (3, 1, 2, 5, 4)]
+    result = inbox.step.apply(batch)
+    assert seqs(result.done) == [1, 2, 3, 4, 5]
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 6)]
+    assert rows(inbox, engine, "inbox_held") == []
+
+
+def failing_at(fail: dict[int, int], calls: list[int]):  # type: ignore[no-untyped-def]
+    """``apply_effect`` that fails (after writing) at each seq in ``fail`` that many times."""
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        calls.append(message.seq)
+        apply_effect(session, message)
+        if fail.get(message.seq, 0) > 0:
+            fail[message.seq] -= 1
+            raise RuntimeError(f"seq {message.seq} fails")
+    return handle
+
+
+def test_a_failure_mid_run_commits_the_ones_before_and_runs_none_after(
+    inbox: Inbox, engine: sa.Engine
+) -> None:
+    calls: list[int] = []
+    inbox.handler(TOPIC)(failing_at({3: 1}, calls))
+    settled = inbox.settler.settle(run_of("a", 1, 6))
+    assert [(d.message.seq, disposition) for d, disposition in settled.done] == [
+        (1, Disposition.APPLIED), (2, Disposition.APPLIED)]
+    # The failed one first, then the rest of its key, all after the same delay; one attempt counted.
+    assert seqs(settled.later) == [3, 4, 5, 6]
+    assert len({delay for _, delay in settled.later}) == 1
+    assert [d.attempts for d, _ in settled.later] == [1, 0, 0, 0]
+    assert applied(engine, "a") == [("a", 1), ("a", 2)]  # 3's write rolled back
+    assert last_seq(inbox, engine, "a") == 2
+    assert rows(inbox, engine, "inbox_messages") == [1, 2]  # no dedup row for 3..6
+    assert rows(inbox, engine, "inbox_held") == []
+    # Unguarded first, then the redo with savepoints reuses 3's failure: 4..6 never ran.
+    assert calls == [1, 2, 3, 1, 2]
+    assert drain(inbox, [d for d, _ in settled.later]) == dict.fromkeys(range(3, 7), Disposition.APPLIED)
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 7)]
+
+
+def test_a_poison_mid_run_parks_with_the_rest_of_its_key_behind_it(inbox: Inbox, engine: sa.Engine) -> None:
+    calls: list[int] = []
+    inbox.handler(TOPIC)(failing_at({3: 100}, calls))
+    done = drain(inbox, run_of("a", 1, 5) + run_of("b", 1, 2))
+    assert done == {1: Disposition.APPLIED, 2: Disposition.APPLIED, 3: Disposition.PARKED,
+                    4: Disposition.PARKED, 5: Disposition.PARKED}
+    assert applied(engine, "a") == [("a", 1), ("a", 2)]
+    assert applied(engine, "b") == [("b", 1), ("b", 2)]  # another key is not held up
+    assert calls.count(3) == 3 and 4 not in calls and 5 not in calls
+    parked = inbox.parked(TOPIC, "a")
+    assert [(p.seq, p.reason, p.attempts) for p in parked] == [
+        (3, "failed", 3), (4, "key_parked", 0), (5, "key_parked", 0)]
+    assert [(a.kind, a.key) for a in inbox.alert] == [("key_parked", "a")]
+    inbox._handlers.clear()
+    inbox.handler(TOPIC)(apply_effect)
+    assert inbox.replay(TOPIC, "a").applied == 3
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 6)]
+
+
+def test_handler_signals_inside_a_run(inbox: Inbox, engine: sa.Engine) -> None:
+    later_once: set[int] = set()
+    # A skipped seq leaves no business row: this handler does not check the order itself.
+    calls: list[int] = []
+
+    @inbox.handler(TOPIC)
+    def handle_unchecked(session, message):  # type: ignore[no-untyped-def]
+        calls.append(message.seq)
+        if message.seq == 2:
+            raise SkipMessage("not for us")
+        insert_effects(session, [message])
+        if message.seq == 4 and 4 not in later_once:
+            later_once.add(4)
+            raise RetryLater(0.01, "busy")
+        if message.seq == 6:
+            raise ParkMessage("bad amount")
+
+    first = inbox.settler.settle(run_of("a", 1, 8))
+    assert seqs(first.later) == [4, 5, 6, 7, 8]
+    assert [d.attempts for d, _ in first.later] == [0] * 5  # RetryLater counts nothing
+    done = drain(inbox, [d for d, _ in first.later])
+    assert done == {4: Disposition.APPLIED, 5: Disposition.APPLIED, 6: Disposition.PARKED,
+                    7: Disposition.PARKED, 8: Disposition.PARKED}
+    assert [seq for _, seq in applied(engine, "a")] == [1, 3, 4, 5]
+    assert [(p.seq, p.reason) for p in inbox.parked(TOPIC, "a")] == [
+        (6, "failed"), (7, "key_parked"), (8, "key_parked")]
+    m = inbox.tables.inbox_messages
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(m.c.outcome).where(m.c.seq == 2)) == "skipped"
+    assert 7 not in calls and 8 not in calls
+
+
+def test_duplicates_inside_a_run_apply_once(inbox: Inbox, engine: sa.Engine) -> None:
+    inbox.handler(TOPIC)(apply_effect)
+    [one] = run_of("a", 1, 1)
+    assert inbox.step.apply([one]).done == [(one, Disposition.APPLIED)]
+    two, three, four = run_of("a", 2, 4)
+    again = [delivery("a", 2, two.message.message_id), delivery("a", 3, three.message.message_id),
+             delivery("a", 1, one.message.message_id)]
+    result = inbox.step.apply([two, again[0], three, again[2], four, again[1]])
+    assert sorted((d.message.seq, disposition.value) for d, disposition in result.done) == [
+        (1, "duplicate"), (2, "applied"), (2, "duplicate"), (3, "applied"), (3, "duplicate"),
+        (4, "applied")]
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 5)]
+    m = inbox.tables.inbox_messages
+    with engine.connect() as conn:
+        assert dict(conn.execute(sa.select(m.c.seq, m.c.deliveries)).all()) == {1: 2, 2: 2, 3: 2, 4: 1}
+
+
+def test_a_held_message_that_becomes_next_joins_the_run(inbox: Inbox, engine: sa.Engine) -> None:
+    inbox.handler(TOPIC)(apply_effect)
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+    assert inbox.handle(record(TOPIC, "a", 4)) is Disposition.HELD
+    result = inbox.step.apply([delivery("a", seq) for seq in (2, 3, 5, 6)])
+    assert seqs(result.done) == [2, 3, 4, 5, 6]
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 7)]
+    assert rows(inbox, engine, "inbox_held") == []
+
+
+def test_a_held_copy_of_a_message_the_run_applied_is_removed(inbox: Inbox, engine: sa.Engine) -> None:
+    """Seq 3 waits in inbox_held; its fresh copy arrives right behind 2 and runs with it."""
+    inbox.handler(TOPIC)(apply_effect)
+    inbox.gap_timeout = inbox.gaps.gap_timeout = 0.01
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+    three = uuid.uuid4()
+    assert inbox.handle(record(TOPIC, "a", 3, message_id=three)) is Disposition.HELD
+    result = inbox.step.apply([delivery("a", 2), delivery("a", 3, three)])
+    assert sorted((d.message.seq, disposition.value) for d, disposition in result.done) == [
+        (2, "applied"), (3, "applied"), (3, "duplicate")]
+    assert rows(inbox, engine, "inbox_held") == []
+    time.sleep(0.05)
+    inbox.sweep()  # a held row left behind would park the key as a gap that never fills
+    assert inbox.parked() == []
+    assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
+
+
+def test_a_batch_handler_gets_each_keys_run_in_seq_order(inbox: Inbox, engine: sa.Engine) -> None:
+    calls: list[list[tuple[str, int]]] = []
+    bad: set[tuple[str, int]] = set()
+
+    @inbox.batch_handler(TOPIC)
+    def handle(session, messages):  # type: ignore[no-untyped-def]
+        calls.append([(m.key, m.seq) for m in messages])
+        insert_effects(session, messages)
+        if bad & {(m.key, m.seq) for m in messages}:
+            raise RuntimeError("after writing")
+
+    batch = [delivery(key, seq) for key, seq in (("a", 3), ("b", 1), ("a", 1), ("a", 2), ("b", 2))]
+    inbox.step.apply(batch)
+    assert calls == [[("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2)]]
+    calls.clear()
+    bad.add(("a", 5))
+    result = inbox.step.apply([delivery("a", seq) for seq in (4, 5, 6)] + [delivery("b", 3)])
+    # The failed call is redone one message per call, and stops the key at its failure.
+    assert calls == [[("a", 4), ("a", 5), ("a", 6), ("b", 3)], [("a", 4)], [("a", 5)], [("b", 3)]]
+    assert [d.message.seq for d in result.blocked] == [6]
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 5)]
+
+
+def test_an_outage_mid_run_applies_nothing_and_counts_no_attempt(inbox: Inbox, engine: sa.Engine) -> None:
+    outage = DatabaseOutage(engine)
+
+    @inbox.handler(TOPIC)
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        apply_effect(session, message)
+        if message.seq == 3 and not outage.failures:
+            outage.fail(times=1)
+            session.execute(sa.text("SELECT 1"))
+
+    settled = inbox.settler.settle(run_of("a", 1, 5))
+    assert settled.done == []
+    assert seqs(settled.later) == [1, 2, 3, 4, 5]
+    assert [d.attempts for d, _ in settled.later] == [0] * 5
+    assert applied(engine, "a") == [] and rows(inbox, engine, "inbox_messages") == []
+    assert last_seq(inbox, engine, "a") == 0
+    assert drain(inbox, [d for d, _ in settled.later]) == dict.fromkeys(range(1, 6), Disposition.APPLIED)
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 6)]
+
+
+def test_the_scheduler_hands_out_runs_bounded_by_the_batch_size() -> None:
+    batches: list[list[tuple[str | None, int | None]]] = []
+    finished = threading.Event()
+    returned: list[bool] = []
+
+    def work(batch: list[Delivery]) -> list[tuple[Delivery, float]]:
+        batches.append([(d.message.key, d.message.seq) for d in batch])
+        if not returned:  # the first batch comes back once, as a failure and its followers would
+            returned.append(True)
+            return [(d, 0.0) for d in batch if d.message.key == "a"]
+        if sum(len(b) for b in batches) == 11 + 3:
+            finished.set()
+        return []
+
+    scheduler = KeyScheduler(work, concurrency=1, batch_size=4, on_crash=lambda exc: None)
+    scheduler.submit(run_of("a", 1, 10) + run_of("b", 1, 1))
+    scheduler.start()
+    try:
+        assert finished.wait(10), batches
+    finally:
+        scheduler.stop(5)
+    assert batches[0] == [("a", 1), ("a", 2), ("a", 3), ("b", 1)]  # each head, then a's run
+    assert all(len(b) <= 4 for b in batches)
+    a = [seq for b in batches[1:] for key, seq in b if key == "a"]
+    assert a == list(range(1, 11))  # what came back runs first, in the order it came back
