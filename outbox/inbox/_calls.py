@@ -6,6 +6,12 @@ retries, replays), so a failure rolls back only that call's writes. A failure
 comes back as an ``Error`` for the settle stage; a database outage under the
 handler is raised as ``Outage``: the whole transaction is lost, and it is
 nobody's attempt.
+
+Each call is traced when OpenTelemetry records (``_tracing``): a per-message
+handler gets a ``process {topic}`` span per message, continuing the trace in
+the message's ``traceparent``; a batch handler gets one span per call, linked
+to each message's context. This is the one place that knows both the handler
+call and each message's partition and offset.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from .._envelope import Message
+from .._tracing import process_batch_span, process_span
 from ._delivery import Delivery
 from ._metrics import InboxMetrics
 from ._outage import Outage, is_outage
@@ -34,13 +41,6 @@ class TopicHandler:
 
     fn: Callable[[Session, Any], Any]
     batch: bool = False
-
-    def __call__(self, session: Session, messages: list[Message]) -> None:
-        if self.batch:
-            self.fn(session, messages)
-        else:
-            for message in messages:
-                self.fn(session, message)
 
 
 class Redo(Exception):
@@ -58,9 +58,10 @@ class Redo(Exception):
 class HandlerCalls:
     """Runs the registered handlers; safe from several threads (each call has its own session)."""
 
-    def __init__(self, handlers: Mapping[str, TopicHandler], metrics: InboxMetrics) -> None:
+    def __init__(self, handlers: Mapping[str, TopicHandler], metrics: InboxMetrics, group: str) -> None:
         self.handlers = handlers
         self.metrics = metrics
+        self.group = group
 
     def unguarded(self, session: Session, fresh: list[Delivery]) -> None:
         """Run the handlers without savepoints, a batch handler once per topic; ``Redo`` on a failure.
@@ -73,12 +74,12 @@ class HandlerCalls:
         for topic, group in by_topic.items():
             handler = self.handlers.get(topic)
             if handler is not None and handler.batch and len(group) > 1:
-                error = self._call(session, topic, [d.message for d in group], savepoint=False)
+                error = self._call(session, topic, group, savepoint=False)
                 if error is not None:
                     raise Redo(None, error)  # which message failed is found by the redo
                 continue
             for d in group:
-                error = self._call(session, topic, [d.message], savepoint=False)
+                error = self._call(session, topic, [d], savepoint=False)
                 if error is not None:
                     raise Redo(d, error)
 
@@ -87,9 +88,9 @@ class HandlerCalls:
 
         Raises ``Outage`` when the database failed under the handler.
         """
-        return self._call(session, d.message.topic, [d.message], savepoint=True)
+        return self._call(session, d.message.topic, [d], savepoint=True)
 
-    def _call(self, session: Session, topic: str, messages: list[Message], *,
+    def _call(self, session: Session, topic: str, deliveries: list[Delivery], *,
               savepoint: bool) -> Error | None:
         handler = self.handlers.get(topic)
         started = time.perf_counter()
@@ -97,7 +98,7 @@ class HandlerCalls:
         try:
             if handler is None:
                 raise ParkMessage(f"no handler registered for topic {topic!r}")
-            handler(session, messages)
+            self._run(handler, session, topic, deliveries)
             session.flush()
             if nested is not None:
                 nested.commit()
@@ -112,7 +113,22 @@ class HandlerCalls:
                         raise Outage(f"rollback failed: {rollback_error!r}") from rollback_error
                     raise
             # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
-            self.metrics.ran(topic, time.perf_counter() - started, failed=len(messages) == 1)
+            self.metrics.ran(topic, time.perf_counter() - started, failed=len(deliveries) == 1)
             return exc, traceback.format_exc()
         self.metrics.ran(topic, time.perf_counter() - started, failed=False)
         return None
+
+    def _run(self, handler: TopicHandler, session: Session, topic: str,
+             deliveries: list[Delivery]) -> None:
+        """Call ``handler`` once (batch) or once per delivery, each call inside its span."""
+        if handler.batch:
+            messages: list[Message] = [d.message for d in deliveries]
+            with process_batch_span(topic, [m.headers for m in messages], group=self.group,
+                                    count=len(messages)):
+                handler.fn(session, messages)
+            return
+        for d in deliveries:
+            m = d.message
+            with process_span(topic, m.headers, message_id=str(m.message_id), key=m.key,
+                              group=self.group, partition=d.partition, offset=d.offset):
+                handler.fn(session, m)

@@ -82,7 +82,7 @@ class TransactionStep:
         self.store = store
         self.handlers = handlers
         self.metrics = metrics
-        self.calls = HandlerCalls(handlers, metrics)
+        self.calls = HandlerCalls(handlers, metrics, store.group)
         self.start = start
 
     # -- apply ------------------------------------------------------------------
