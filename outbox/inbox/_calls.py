@@ -7,6 +7,10 @@ comes back as an ``Error`` for the settle stage; a database outage under the
 handler is raised as ``Outage``: the whole transaction is lost, and it is
 nobody's attempt.
 
+On an async inbox (``_sessions``) the call is the one thing that differs: the
+handler is called with the ``AsyncSession`` around the transaction's session
+and awaited from inside the transaction (``await_result``).
+
 Each call is traced when OpenTelemetry records (``_tracing``): a per-message
 handler gets a ``process {topic}`` span per message, continuing the trace in
 the message's ``traceparent``; a batch handler gets one span per call, linked
@@ -16,6 +20,7 @@ call and each message's partition and offset.
 
 from __future__ import annotations
 
+import inspect
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -29,6 +34,7 @@ from .._tracing import process_batch_span, process_span
 from ._delivery import Delivery
 from ._metrics import InboxMetrics
 from ._outage import Outage, is_outage
+from ._sessions import async_view, await_result
 from ._signals import ParkMessage
 
 Error = tuple[BaseException, str]
@@ -39,7 +45,7 @@ Error = tuple[BaseException, str]
 class TopicHandler:
     """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
 
-    fn: Callable[[Session, Any], Any]
+    fn: Callable[[Any, Any], Any]
     batch: bool = False
 
 
@@ -125,10 +131,34 @@ class HandlerCalls:
             messages: list[Message] = [d.message for d in deliveries]
             with process_batch_span(topic, [m.headers for m in messages], group=self.group,
                                     count=len(messages)):
-                handler.fn(session, messages)
+                _invoke(handler, session, messages)
             return
         for d in deliveries:
             m = d.message
             with process_span(topic, m.headers, message_id=str(m.message_id), key=m.key,
                               group=self.group, partition=d.partition, offset=d.offset):
-                handler.fn(session, m)
+                _invoke(handler, session, m)
+
+
+def _invoke(handler: TopicHandler, session: Session, arg: Any) -> None:
+    """``fn(session, arg)``; on an async inbox ``await fn(async_session, arg)``.
+
+    A result of the wrong kind is the handler's failure, never a silent success:
+    an un-awaited coroutine would record the message as applied without its writes.
+    """
+    view = async_view(session)
+    result = handler.fn(session if view is None else view, arg)
+    if view is None and inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TypeError(f"handler {_name(handler.fn)} returned an awaitable: an async handler needs "
+                        f"an Inbox built on an AsyncEngine or async_sessionmaker")
+    if view is not None:
+        if not inspect.isawaitable(result):
+            raise TypeError(f"handler {_name(handler.fn)} returned {type(result).__name__}, not an "
+                            f"awaitable: an Inbox on an AsyncEngine takes async def handlers")
+        await_result(result)
+
+
+def _name(fn: Any) -> str:
+    return repr(getattr(fn, "__qualname__", fn))

@@ -1,0 +1,141 @@
+"""Where the inbox's transactions run: in the calling thread (sync), or on the inbox's event loop (async).
+
+The inbox has one set of rules, written as synchronous code against a
+``Session``: the transaction step, the store's statements, replay, discard and
+the gap sweep. An inbox on an ``AsyncEngine`` runs that same code, unchanged,
+inside SQLAlchemy's greenlet bridge (``greenlet_spawn``) on an event loop
+thread of its own: the sync ``Session`` it gets is the ``sync_session`` of an
+``AsyncSession``, its statements go through the async driver (asyncpg,
+psycopg async, aiosqlite), and the one thing that differs — the handler call
+— awaits the ``async def`` handler with that ``AsyncSession`` (``await_``), so
+the handler's writes, the dedup row and the key's ``last_seq`` are still one
+transaction.
+
+One loop serves all the inbox's worker threads: asyncpg connections belong to
+the loop that opened them, so a pool shared by one loop per thread would hand
+a connection to the wrong loop. The worker threads keep what they do (key
+scheduling, settling, retry timers, alerts); each waits for its transaction's
+result. That loop is the inbox's own: give an async inbox an engine that no
+other event loop uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.util import greenlet_spawn
+
+try:
+    from sqlalchemy.util import await_
+except ImportError:  # SQLAlchemy 2.0 names it await_only
+    from sqlalchemy.util import await_only as await_
+
+from .._errors import ConfigurationError
+
+T = TypeVar("T")
+
+_ASYNC_VIEW = "outbox.inbox.async_session"
+
+
+class Sessions:
+    """Opens the inbox's sessions and runs the functions that use them; safe from several threads."""
+
+    engine: Engine
+    """The sync engine: dialect, URL, pool (an async engine's ``sync_engine``)."""
+    is_async = False
+
+    def __call__(self) -> Session:
+        raise NotImplementedError
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call ``fn(*args)`` where this inbox's sessions work; its result or its exception."""
+        raise NotImplementedError
+
+
+class SyncSessions(Sessions):
+    """A sync ``sessionmaker``: everything runs in the calling thread."""
+
+    def __init__(self, maker: sessionmaker[Session]) -> None:
+        self.maker = maker
+        self.engine = maker.kw["bind"]
+
+    def __call__(self) -> Session:
+        return self.maker()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+
+class AsyncSessions(Sessions):
+    """An ``async_sessionmaker``: functions run in a greenlet on the inbox's event loop thread.
+
+    The loop thread starts on first use and lives as long as the process (a
+    daemon thread). ``run`` called from inside a function it runs (replay
+    calls the transaction step) runs the nested function in place.
+    """
+
+    is_async = True
+
+    def __init__(self, maker: async_sessionmaker[AsyncSession]) -> None:
+        self.maker = maker
+        self.async_engine: AsyncEngine = maker.kw["bind"]
+        self.engine = self.async_engine.sync_engine
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def __call__(self) -> Session:
+        session = self.maker()
+        sync = session.sync_session
+        sync.info[_ASYNC_VIEW] = session  # the handler's view of it; kept alive with it
+        return sync
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if threading.current_thread() is self._thread:
+            from sqlalchemy.util.concurrency import in_greenlet
+
+            if in_greenlet():
+                return fn(*args)
+            raise RuntimeError("an async inbox's blocking call (handle, replay, …) was made on the "
+                               "inbox's own event loop: it would wait for itself")
+        return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), self._running()).result()
+
+    def _running(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=loop.run_forever, name="outbox-inbox-loop",
+                                                daemon=True)
+                self._thread.start()
+                self._loop = loop
+            return self._loop
+
+
+def async_view(session: Session) -> AsyncSession | None:
+    """The ``AsyncSession`` around ``session`` (what an async handler is given); None on a sync inbox."""
+    return session.info.get(_ASYNC_VIEW)
+
+
+def await_result(awaitable: Any) -> Any:
+    """Wait for ``awaitable`` from inside a function ``AsyncSessions.run`` runs."""
+    return await_(awaitable)
+
+
+def sessions_for(bind: object) -> tuple[Sessions, sessionmaker[Session] | async_sessionmaker[AsyncSession]]:
+    """The inbox's ``Sessions`` for what the user passed, and the session maker it wraps."""
+    if isinstance(bind, Engine):
+        bind = sessionmaker(bind, expire_on_commit=False)
+    elif isinstance(bind, AsyncEngine):
+        bind = async_sessionmaker(bind, expire_on_commit=False)
+    if isinstance(bind, sessionmaker) and isinstance(bind.kw.get("bind"), Engine):
+        return SyncSessions(bind), bind
+    if isinstance(bind, async_sessionmaker) and isinstance(bind.kw.get("bind"), AsyncEngine):
+        return AsyncSessions(bind), bind
+    raise ConfigurationError(f"Inbox needs an Engine or AsyncEngine, or a sessionmaker or "
+                             f"async_sessionmaker bound to one, got {bind!r}")
