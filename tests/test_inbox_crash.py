@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Inbox, create_engine
-from tests.inbox_support import business, effects, order_violations, record
+from tests.inbox_support import INBOX_KINDS, business, effects, order_violations, record
 from tests.test_inbox_kafka import produce
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
@@ -40,10 +40,11 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
 
 
 def start_worker(db: str, kafka: str, topic: str, group: str, log: Path | None = None,
-                 *, batch_handler: bool = False) -> subprocess.Popen[bytes]:
+                 *, batch_handler: bool = False, kind: str = "sync") -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), db, kafka, topic, group, "--concurrency", "4",
-         "--batch-size", "20", *(["--batch-handler"] if batch_handler else [])],
+         "--batch-size", "20", *(["--batch-handler"] if batch_handler else []),
+         *(["--async"] if kind == "async" else [])],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stderr=None if log is None else log.open("wb"),
     )
@@ -89,6 +90,7 @@ def assert_exactly_once_in_order(engine: sa.Engine, inbox_group: str, keys: int,
     assert all(seqs == list(range(1, per_key + 1)) for seqs in by_key.values())
 
 
+@pytest.mark.parametrize("kind", INBOX_KINDS)  # async: an AsyncEngine on asyncpg, async def handlers
 @pytest.mark.parametrize(("batch_handler", "keys", "per_key"), [
     (False, 1000, 50), (True, 1000, 50),
     # Two hot keys: every batch is a run of one key, so a kill lands inside runs.
@@ -96,12 +98,12 @@ def assert_exactly_once_in_order(engine: sa.Engine, inbox_group: str, keys: int,
 ], ids=["handler", "batch_handler", "hot_keys_handler", "hot_keys_batch_handler"])
 def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
     pg: sa.Engine, postgres_db: str, kafka: str, topic: str, batch_handler: bool, keys: int,
-    per_key: int
+    per_key: int, kind: str
 ) -> None:
     group = f"crash-{topic}"
     produce_keys(kafka, topic, keys, per_key)
     rng = random.Random(int(time.time()))
-    worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)
+    worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler, kind=kind)
     killed_at: list[int] = []
     try:
         for _ in range(10):
@@ -110,7 +112,8 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
             worker.send_signal(signal.SIGKILL)
             worker.wait()
             killed_at.append(effect_count(pg))
-            worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler)
+            worker = start_worker(postgres_db, kafka, topic, group, batch_handler=batch_handler,
+                                  kind=kind)
         deadline = time.monotonic() + 240
         while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
             assert worker.poll() is None, f"worker exited with {worker.returncode}"

@@ -341,6 +341,10 @@ class Inbox:
         """The inbox's sync engine (an ``AsyncEngine``'s ``sync_engine``): its dialect and URL."""
         return self._sessions.engine
 
+    def run_database(self, fn: Callable[[], Any]) -> Any:
+        """Call ``fn()``, which uses ``engine``, where that works (an async inbox: on its event loop)."""
+        return self._sessions.run(fn)
+
     @property
     def is_async(self) -> bool:
         """Built on an ``AsyncEngine``: handlers are ``async def`` and given an ``AsyncSession``."""
