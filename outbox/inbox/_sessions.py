@@ -11,18 +11,19 @@ psycopg async, aiosqlite), and the one thing that differs — the handler call
 the handler's writes, the dedup row and the key's ``last_seq`` are still one
 transaction.
 
-One loop serves all the inbox's worker threads: asyncpg connections belong to
-the loop that opened them, so a pool shared by one loop per thread would hand
-a connection to the wrong loop. The worker threads keep what they do (key
-scheduling, settling, retry timers, alerts); each waits for its transaction's
-result. That loop is the inbox's own: give an async inbox an engine that no
-other event loop uses.
+One loop serves all the worker threads, and every inbox on the same engine:
+asyncpg connections belong to the loop that opened them, so a pool shared by
+several loops would hand a connection to the wrong one. The worker threads
+keep what they do (key scheduling, settling, retry timers, alerts); each
+waits for its transaction's result. That loop is the engine's: give an async
+inbox an engine that no other event loop uses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util.concurrency import in_greenlet
 
 try:
     from sqlalchemy.util import await_
@@ -73,11 +75,12 @@ class SyncSessions(Sessions):
 
 
 class AsyncSessions(Sessions):
-    """An ``async_sessionmaker``: functions run in a greenlet on the inbox's event loop thread.
+    """An ``async_sessionmaker``: functions run in a greenlet on its engine's event loop thread.
 
-    The loop thread starts on first use and lives as long as the process (a
-    daemon thread). ``run`` called from inside a function it runs (replay
-    calls the transaction step) runs the nested function in place.
+    The loop thread starts on first use, is shared by every ``AsyncSessions``
+    on the same engine, and lives as long as the process (a daemon thread).
+    ``run`` called from inside a function it runs (replay calls the
+    transaction step) runs the nested function in place.
     """
 
     is_async = True
@@ -86,9 +89,7 @@ class AsyncSessions(Sessions):
         self.maker = maker
         self.async_engine: AsyncEngine = maker.kw["bind"]
         self.engine = self.async_engine.sync_engine
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
 
     def __call__(self) -> Session:
         session = self.maker()
@@ -97,24 +98,32 @@ class AsyncSessions(Sessions):
         return sync
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if threading.current_thread() is self._thread:
-            from sqlalchemy.util.concurrency import in_greenlet
-
+        if self._loop is None:
+            self._loop = _loop_of(self.engine)
+        loop, thread = self._loop
+        if threading.current_thread() is thread:
             if in_greenlet():
                 return fn(*args)
             raise RuntimeError("an async inbox's blocking call (handle, replay, …) was made on the "
                                "inbox's own event loop: it would wait for itself")
-        return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), self._running()).result()
+        return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), loop).result()
 
-    def _running(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=loop.run_forever, name="outbox-inbox-loop",
-                                                daemon=True)
-                self._thread.start()
-                self._loop = loop
-            return self._loop
+
+_loops: weakref.WeakKeyDictionary[Engine, tuple[asyncio.AbstractEventLoop, threading.Thread]] = (
+    weakref.WeakKeyDictionary())
+_loops_lock = threading.Lock()
+
+
+def _loop_of(engine: Engine) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """The event loop (and its thread) that every async inbox on ``engine`` uses; started once."""
+    with _loops_lock:
+        found = _loops.get(engine)
+        if found is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="outbox-inbox-loop", daemon=True)
+            thread.start()
+            found = _loops[engine] = (loop, thread)
+        return found
 
 
 def async_view(session: Session) -> AsyncSession | None:
