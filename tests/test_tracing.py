@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Inbox, Outbox, create_engine
+from tests.inbox_support import async_url
 from transports.testing import read_topic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,23 +109,28 @@ def test_publish_stores_no_context_outside_a_span_and_keeps_the_callers_own(tmp_
 
 
 INBOX_APP = """
-from outbox import Inbox, create_engine
+from opentelemetry import trace
+from outbox import Inbox, {create}
 
-inbox = Inbox(create_engine({db!r}), group="billing", batch_size=10)
-SEEN = []
+inbox = Inbox({create}({db!r}), group="billing", batch_size=10)
 
 
 @inbox.{register}({topic!r})
-def handle(session, message):
-    SEEN.append(message)
+{prefix}def handle(session, message):
+    with trace.get_tracer("billing").start_as_current_span("bill"):  # nests under process
+        pass
 """
 
 
-def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batch: bool) -> None:
+def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batch: bool,
+                asynchronous: bool) -> None:
     """Run ``outbox inbox run app:inbox`` with the SDK recording until ``n`` messages are processed."""
     name = f"app_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(INBOX_APP.format(
-        db=db, topic=topic, register="batch_handler" if batch else "handler"))
+        db=async_url(db) if asynchronous else db, topic=topic,
+        register="batch_handler" if batch else "handler",
+        create="create_async_engine" if asynchronous else "create_engine",
+        prefix="async " if asynchronous else ""))
     engine = create_engine(db)
     inbox = Inbox(engine, group="billing")
     log = tmp_path / "inbox.log"
@@ -149,21 +155,25 @@ def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batc
     assert consumer.returncode == 0, log.read_text()
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["handler", "batch_handler"])
+@pytest.mark.parametrize(("batch", "asynchronous"), [(False, False), (True, False), (False, True)],
+                         ids=["handler", "batch_handler", "async_handler"])
 def test_one_trace_from_the_request_through_the_relay_to_the_inbox_handler(
-    kafka: str, topic: str, tmp_path: Path, batch: bool
+    kafka: str, topic: str, tmp_path: Path, batch: bool, asynchronous: bool
 ) -> None:
     db = f"sqlite:///{tmp_path / 'shop.db'}"
     Outbox(create_engine(db)).create_tables()
     subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic,
                     "order-1", "3"], cwd=ROOT, check=True)
     records = relay_until(db, kafka, topic, 3, tmp_path, traced=True)
-    inbox_until(db, kafka, topic, 3, tmp_path, batch=batch)
+    inbox_until(db, kafka, topic, 3, tmp_path, batch=batch, asynchronous=asynchronous)
 
     requests = {s["span_id"]: s for s in spans(tmp_path / "shop.jsonl") if s["name"] == "POST /orders"}
     sends = {s["span_id"]: s for s in spans(tmp_path / "relay.jsonl") if s["name"] == f"send {topic}"}
     processes = [s for s in spans(tmp_path / "inbox.jsonl") if s["name"] == f"process {topic}"]
+    bills = [s for s in spans(tmp_path / "inbox.jsonl") if s["name"] == "bill"]
     assert len(requests) == len(sends) == 3
+    # The process span is current in the handler (sync or async): the handler's own spans nest in it.
+    assert sorted(b["parent_id"] for b in bills) == sorted(p["span_id"] for p in processes)
     assert {s["kind"] for s in processes} == {"CONSUMER"}
     for span in processes:
         attributes = span["attributes"]

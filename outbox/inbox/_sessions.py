@@ -31,7 +31,6 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.util import greenlet_spawn
-from sqlalchemy.util.concurrency import in_greenlet
 
 try:
     from sqlalchemy.util import await_
@@ -43,6 +42,13 @@ from .._errors import ConfigurationError
 T = TypeVar("T")
 
 _ASYNC_VIEW = "outbox.inbox.async_session"
+
+
+def in_greenlet() -> bool:
+    """Running inside ``greenlet_spawn`` (SQLAlchemy marks its greenlets; 2.0 has no public test)."""
+    import greenlet
+
+    return getattr(greenlet.getcurrent(), "__sqlalchemy_greenlet_provider__", False) is True
 
 
 class Sessions:
