@@ -144,11 +144,13 @@ def inbox_rate(servers: str, db: str, messages: int, keys: int, *, concurrency: 
 
 
 ASYNC_NOTE = (
-    "Every statement of an async transaction crosses from its worker thread to the loop "
-    "thread and back through a greenlet switch, and all transactions share that one "
-    "thread; asyncpg's own speed wins part of it back. An async handler is for a "
-    "service whose code is async (it awaits other I/O inside the transaction), not a "
-    "way to make the inbox faster: a sync handler is at least as fast for database work.")
+    "Two things differ, and they pull in opposite directions. Every statement of an "
+    "async transaction crosses from its worker thread to the one loop thread that all "
+    "transactions share, and back through a greenlet switch: a per-message handler, one "
+    "statement per message, pays that per message. The driver differs too (asyncpg "
+    "instead of psycopg): asyncpg's executemany pipelines a batch's rows, so a batch "
+    "handler can be faster async than sync. Choose an async inbox because your "
+    "handler's code is async, and measure your own handler.")
 
 
 def main() -> None:
@@ -245,7 +247,7 @@ def main() -> None:
         "**Async handlers.** The two inbox runs above again, with the Inbox on an "
         "`AsyncEngine` (asyncpg) and `async def` handlers given an `AsyncSession`, in the "
         "same run: the same pipeline and statements, each transaction run in SQLAlchemy's "
-        "greenlet bridge on the inbox's event loop thread, the handler awaited there.",
+        "greenlet bridge on the engine's event loop thread, the handler awaited there.",
         markdown_table(["loop", "messages", "sync msg/s", "async msg/s", "async / sync"], [
             [f"`handler`, batch_size={args.handler_batch_size}, concurrency={args.handler_concurrency}",
              f"{args.messages:,}", f"{per_message:,.0f}", f"{async_one:,.0f}",
