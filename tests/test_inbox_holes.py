@@ -176,6 +176,26 @@ def test_an_outage_inside_the_handler_is_not_an_attempt(engine: sa.Engine) -> No
     assert applied(engine) == [("a", 1)]
 
 
+def test_a_refused_connection_is_an_outage_for_the_inbox_and_a_failure_for_a_handler(
+    engine: sa.Engine
+) -> None:
+    """asyncpg raises the socket's ConnectionRefusedError when the database is down (waited out, see
+    test_inbox_outage.py); the same error from a handler's own HTTP call is the handler's failure."""
+    from outbox.inbox._outage import is_handler_outage, is_outage
+
+    refused = ConnectionRefusedError(111, "Connect call failed")
+    assert is_outage(refused) and not is_handler_outage(refused)
+    inbox = make_inbox(engine)
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        raise ConnectionRefusedError(111, "the payment API refused")
+
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
+    [parked] = inbox.parked()
+    assert parked.attempts == 3 and "payment API" in parked.error
+
+
 @pytest.mark.postgres
 def test_a_connection_killed_under_the_handler_is_waited_out(postgres_db: str) -> None:
     engine = create_engine(postgres_db)

@@ -33,7 +33,7 @@ from .._envelope import Message
 from .._tracing import process_batch_span, process_span
 from ._delivery import Delivery
 from ._metrics import InboxMetrics
-from ._outage import Outage, is_outage
+from ._outage import Outage, is_handler_outage
 from ._sessions import async_view, await_result
 from ._signals import ParkMessage
 
@@ -109,13 +109,13 @@ class HandlerCalls:
             if nested is not None:
                 nested.commit()
         except Exception as exc:
-            if is_outage(exc):
+            if is_handler_outage(exc):
                 raise Outage(f"the database failed under the handler: {exc!r}") from exc
             if nested is not None:
                 try:
                     nested.rollback()
                 except Exception as rollback_error:
-                    if is_outage(rollback_error):
+                    if is_handler_outage(rollback_error):
                         raise Outage(f"rollback failed: {rollback_error!r}") from rollback_error
                     raise
             # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
