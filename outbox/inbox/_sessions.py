@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import greenlet
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
@@ -46,8 +47,6 @@ _ASYNC_VIEW = "outbox.inbox.async_session"
 
 def in_greenlet() -> bool:
     """Running inside ``greenlet_spawn`` (SQLAlchemy marks its greenlets; 2.0 has no public test)."""
-    import greenlet
-
     return getattr(greenlet.getcurrent(), "__sqlalchemy_greenlet_provider__", False) is True
 
 
