@@ -9,6 +9,7 @@ and a handler of the wrong kind can never pass for an applied message.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -120,3 +121,77 @@ def test_a_blocking_call_from_the_inbox_loop_is_refused_not_a_deadlock(async_inb
 
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     assert len(refused) == 1 and "would wait for itself" in str(refused[0])
+
+
+@pytest.fixture
+def pg_async(postgres_db: str) -> Iterator[tuple[Inbox, sa.Engine]]:
+    """An async Inbox on asyncpg with 16 workers, and a sync engine on its database to look."""
+    from outbox import create_engine
+
+    engine = create_engine(postgres_db)
+    inbox = Inbox(create_async_engine(async_url(postgres_db), pool_size=20), group="async-kafka",
+                  concurrency=16, batch_size=1, retry_backoff=0.001, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    yield inbox, engine
+    dispose(inbox)
+    engine.dispose()
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_time(
+    pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Key-ordered concurrency, async: the workers' transactions interleave at the handlers' awaits."""
+    from tests.test_inbox_kafka import produce, running, wait_for
+
+    inbox, engine = pg_async
+    running_now: dict[str, int] = {}
+    peak = {"all": 0, "per_key": 0}
+
+    @inbox.handler(topic)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        running_now[message.key] = running_now.get(message.key, 0) + 1  # one loop: no lock needed
+        peak["all"] = max(peak["all"], sum(running_now.values()))
+        peak["per_key"] = max(peak["per_key"], running_now[message.key])
+        await asyncio.sleep(0.02)  # I/O-bound
+        running_now[message.key] -= 1
+        await _insert(session, message)
+
+    produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)], partition=0)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(engine)) == 200, what="200 applied")
+    assert peak["per_key"] == 1
+    assert peak["all"] >= 8, f"only {peak['all']} handlers ever ran at once on 16 workers"
+    for k in range(40):
+        assert [s for _, s in applied(engine, f"k{k}")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+def test_an_async_handler_waiting_holds_back_only_its_key_and_the_offset(
+    pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
+) -> None:
+    from tests.test_inbox_kafka import committed, produce, running, wait_for
+
+    inbox, engine = pg_async
+    release = asyncio.Event()
+    loop: list[asyncio.AbstractEventLoop] = []
+
+    @inbox.handler(topic)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        if message.key == "slow":
+            loop.append(asyncio.get_running_loop())
+            await asyncio.wait_for(release.wait(), 30)
+        await _insert(session, message)
+
+    produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
+                    *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(engine)) == 21, what="everything but the slow key applied")
+        time.sleep(1.2)  # more than two commit intervals
+        assert committed(kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
+        loop[0].call_soon_threadsafe(release.set)
+        wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
+    assert len(applied(engine)) == 22
