@@ -183,3 +183,49 @@ class DatabaseOutage:
 
     def end(self) -> None:
         self.on = False
+
+
+# -- sync and async inboxes ------------------------------------------------------------------
+
+INBOX_KINDS = ["sync", "async"]
+"""The two ways to build an Inbox; the inbox tests run under both."""
+
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "mysql": "mysql+asyncmy"}
+
+
+def async_url(url: str | sa.URL) -> str:
+    """The same database through an asyncio driver: aiosqlite, asyncpg on PostgreSQL, asyncmy on MySQL."""
+    parsed = sa.make_url(url)
+    driver = _ASYNC_DRIVERS[parsed.get_backend_name()]
+    return parsed.set(drivername=driver).render_as_string(hide_password=False)
+
+
+def inbox_bind(engine: sa.Engine, kind: str, **kwargs):  # type: ignore[no-untyped-def]
+    """What an Inbox of ``kind`` is built on: ``engine`` itself, or an AsyncEngine on its database."""
+    if kind == "sync":
+        return engine
+    from outbox import create_async_engine
+
+    return create_async_engine(async_url(engine.url), **kwargs)
+
+
+def for_inbox(inbox, fn):  # type: ignore[no-untyped-def]
+    """``fn(session, message)`` as ``inbox`` wants its handlers: as is, or as an ``async def``
+    that runs it on the AsyncSession it is given (``run_sync``: the same transaction)."""
+    if not inbox.is_async:
+        return fn
+
+    async def handler(session, arg):  # type: ignore[no-untyped-def]
+        from sqlalchemy.ext.asyncio import AsyncSession
+
+        assert isinstance(session, AsyncSession), session
+        return await session.run_sync(fn, arg)
+
+    handler.__qualname__ = getattr(fn, "__qualname__", "handler")
+    return handler
+
+
+def dispose(inbox) -> None:  # type: ignore[no-untyped-def]
+    """Close the pool of an async inbox's engine on the inbox's loop (a sync one: the test's job)."""
+    if inbox.is_async:
+        inbox._sessions.run(inbox.engine.dispose)

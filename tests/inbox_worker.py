@@ -3,7 +3,9 @@
 It runs ``Inbox.run`` with the test handler (``apply_effect``: one business row
 under a unique constraint, seq order checked; ``apply_effects`` with
 ``--batch-handler``) against the session's broker,
-until SIGTERM, or until SIGKILL when a test wants to see a crash.
+until SIGTERM, or until SIGKILL when a test wants to see a crash. With
+``--async`` the Inbox is built on an AsyncEngine (aiosqlite, asyncpg) and the
+handler is an ``async def`` running the same checks on its AsyncSession.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from outbox import Inbox, create_engine
-from tests.inbox_support import apply_effect, apply_effects
+from tests.inbox_support import apply_effect, apply_effects, for_inbox, inbox_bind
 from transports.kafka import KafkaSource
 
 # Shortest session the mock cluster accepts: a killed consumer's partitions
@@ -35,17 +37,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--batch-handler", action="store_true",
                         help="register apply_effects with @inbox.batch_handler")
+    parser.add_argument("--async", dest="asynchronous", action="store_true",
+                        help="build the Inbox on an AsyncEngine, with an async def handler")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="worker %(process)d %(name)s: %(message)s")
     for name in ("outbox.inbox", "transports.kafka"):  # assignments, revocations
         logging.getLogger(name).setLevel(logging.INFO)
     engine = create_engine(args.db, pool_size=args.concurrency + 2)
-    inbox = Inbox(engine, group=args.group, concurrency=args.concurrency,
+    bind = inbox_bind(engine, "async" if args.asynchronous else "sync", pool_size=args.concurrency + 2)
+    inbox = Inbox(bind, group=args.group, concurrency=args.concurrency,
                   batch_size=args.batch_size, retry_backoff=0.01)
     if args.batch_handler:
-        inbox.batch_handler(args.topic)(apply_effects)
+        inbox.batch_handler(args.topic)(for_inbox(inbox, apply_effects))
     else:
-        inbox.handler(args.topic)(apply_effect)
+        inbox.handler(args.topic)(for_inbox(inbox, apply_effect))
     source = KafkaSource(bootstrap_servers=args.servers, group_id=args.group,
                          topics=[args.topic], **TEST_CONSUMER_SETTINGS)
     print("ready", flush=True)

@@ -1,7 +1,8 @@
 """Run an ``outbox`` command (or a publishing snippet) with OpenTelemetry's SDK recording to a file.
 
-``python tests/otel_worker.py SPANS.jsonl outbox relay --db …`` is what
-``opentelemetry-instrument outbox relay …`` does in production, minus the
+``python tests/otel_worker.py SPANS.jsonl outbox relay --db …`` (or ``outbox
+inbox run app:inbox …``) is what ``opentelemetry-instrument outbox relay …``
+does in production, minus the
 OTLP exporter: every finished span is appended to SPANS.jsonl as one JSON
 line (name, kind, trace and span ids, parent, attributes), written when the
 span ends, so nothing is lost when the process is stopped.
@@ -32,7 +33,8 @@ class JsonLines(SpanExporter):
                     "name": span.name, "kind": span.kind.name,
                     "trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}",
                     "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
-                    "links": [f"{link.context.trace_id:032x}" for link in span.links],
+                    "links": [{"trace_id": f"{link.context.trace_id:032x}",
+                               "span_id": f"{link.context.span_id:016x}"} for link in span.links],
                     "attributes": dict(span.attributes or {}),
                 }) + "\n")
         return SpanExportResult.SUCCESS

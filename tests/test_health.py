@@ -28,6 +28,7 @@ from outbox.cli import app
 from outbox.cli._options import COMMAND_LINE_ONLY
 from outbox.testing import LocalPostgres
 from outbox.testing._postgres import free_port
+from tests.inbox_support import INBOX_KINDS, async_url
 
 pytestmark = pytest.mark.postgres
 
@@ -105,9 +106,21 @@ def handle(session, message):
     pass
 """
 
+ASYNC_INBOX_APP = """
+from outbox import Inbox, create_async_engine
 
+inbox = Inbox(create_async_engine({db!r}), group="health")
+
+
+@inbox.handler({topic!r})
+async def handle(session, message):
+    pass
+"""
+
+
+@pytest.mark.parametrize("kind", INBOX_KINDS)  # async: its readiness ping runs on the inbox's loop
 def test_a_consumer_is_ready_once_it_holds_a_partition(
-    postgres_db: str, kafka: str, topic: str, tmp_path: Path
+    postgres_db: str, kafka: str, topic: str, tmp_path: Path, kind: str
 ) -> None:
     Outbox(create_engine(postgres_db)).create_tables()
     from confluent_kafka import Producer
@@ -115,7 +128,8 @@ def test_a_consumer_is_ready_once_it_holds_a_partition(
     creates_the_topic = Producer({"bootstrap.servers": kafka})
     creates_the_topic.produce(topic, b"{}")  # an unknown record parks; readiness is what is tested
     assert creates_the_topic.flush(10) == 0
-    (tmp_path / "healthapp.py").write_text(INBOX_APP.format(db=postgres_db, topic=topic))
+    app, db = (INBOX_APP, postgres_db) if kind == "sync" else (ASYNC_INBOX_APP, async_url(postgres_db))
+    (tmp_path / "healthapp.py").write_text(app.format(db=db, topic=topic))
     port = free_port()
     consumer = start(["inbox", "run", "healthapp:inbox", "--metrics-port", str(port),
                       "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": kafka},

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from outbox.cli import app
-from tests.inbox_support import applied, business, record
+from tests.inbox_support import INBOX_KINDS, applied, async_url, business, record
 from tests.test_inbox_kafka import produce
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +33,18 @@ def handle(session, message):
     if message.seq == BROKEN["seq"]:
         raise RuntimeError("bug 42")
     apply_effect(session, message)
+'''
+
+ASYNC_APP_MODULE = '''
+from outbox import Inbox, create_async_engine
+from tests.inbox_support import apply_effect
+
+inbox = Inbox(create_async_engine({db!r}), group="cli", retry_backoff=0.001)
+
+
+@inbox.handler({topic!r})
+async def handle(session, message):
+    await session.run_sync(apply_effect, message)
 '''
 
 
@@ -122,8 +134,12 @@ def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None: 
 
 
 @pytest.mark.kafka
-def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka: str, topic: str) -> None:
-    (tmp_path / "service.py").write_text(APP_MODULE.format(db=sqlite_db, topic=topic))
+@pytest.mark.parametrize("kind", INBOX_KINDS)
+def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka: str, topic: str,
+                                          kind: str) -> None:
+    module = APP_MODULE if kind == "sync" else ASYNC_APP_MODULE
+    db = sqlite_db if kind == "sync" else async_url(sqlite_db)
+    (tmp_path / "service.py").write_text(module.format(db=db, topic=topic))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-m", "outbox", "init-db", "--db", sqlite_db], check=True,
                    cwd=tmp_path, env=env, capture_output=True)

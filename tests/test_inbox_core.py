@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -16,13 +17,17 @@ from outbox import Disposition, Inbox
 from outbox._envelope import utcnow
 from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
+    INBOX_KINDS,
     TOPIC,
     AlertLog,
     OrderViolation,
     applied,
     apply_effect,
     business,
+    dispose,
     effects,
+    for_inbox,
+    inbox_bind,
     insert_effect,
     record,
 )
@@ -34,14 +39,16 @@ def db_url(proof_db_url: str) -> str:
     return proof_db_url
 
 
-@pytest.fixture
-def inbox(engine: sa.Engine) -> Inbox:
-    box = Inbox(engine, group="billing", retry_backoff=0.001, retry_backoff_max=0.01,
-                gap_timeout=0.3, alert=AlertLog())
+@pytest.fixture(params=INBOX_KINDS)
+def inbox(engine: sa.Engine, request: pytest.FixtureRequest) -> Iterator[Inbox]:
+    """An Inbox on ``engine``, or on an AsyncEngine on the same database with async handlers."""
+    box = Inbox(inbox_bind(engine, request.param), group="billing", retry_backoff=0.001,
+                retry_backoff_max=0.01, gap_timeout=0.3, alert=AlertLog())
     box.create_tables()
     business.create_all(engine)
-    box.handler(TOPIC)(apply_effect)
-    return box
+    box.handler(TOPIC)(for_inbox(box, apply_effect))
+    yield box
+    dispose(box)
 
 
 def test_applies_once_and_counts_redeliveries(inbox: Inbox, engine: sa.Engine) -> None:
@@ -111,7 +118,7 @@ def test_poison_parks_its_key_only_and_alerts_once(inbox: Inbox, engine: sa.Engi
                 raise ValueError("cannot bill order K#5")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(flaky)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, flaky))
     for seq in range(1, 11):
         for key in ("K", "x", "y"):
             expected = Disposition.PARKED if key == "K" and seq >= 5 else Disposition.APPLIED
@@ -130,7 +137,7 @@ def test_poison_parks_its_key_only_and_alerts_once(inbox: Inbox, engine: sa.Engi
     assert alert.message_id == str(parked[0].message_id)
     assert "cannot bill order K#5" in alert.error
 
-    inbox._handlers[TOPIC] = TopicHandler(apply_effect)  # the fix is deployed
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, apply_effect))  # the fix is deployed
     result = inbox.replay(TOPIC, "K")
     assert (result.applied, result.remaining, result.unparked) == (6, 0, True)
     assert [s for _, s in applied(engine, "K")] == list(range(1, 11))
@@ -153,7 +160,7 @@ def test_replay_stops_at_the_first_failure_which_stays_parked(inbox: Inbox, engi
             raise RuntimeError(f"broken {message.seq}")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     for seq in range(1, 7):
         inbox.handle(record(TOPIC, "k", seq))
     broken.discard(3)
@@ -176,7 +183,7 @@ def test_discard_skips_one_message_with_a_record_and_the_key_continues(
             raise RuntimeError("poison")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     records = [record(TOPIC, "k", seq) for seq in range(1, 5)]
     for r in records:
         inbox.handle(r)
@@ -200,9 +207,9 @@ def test_discarding_the_only_parked_message_unparks_the_key(inbox: Inbox, engine
     def handler(session, message):  # type: ignore[no-untyped-def]
         raise RuntimeError("down")
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     inbox.handle(record(TOPIC, "k", 1))
-    inbox._handlers[TOPIC] = TopicHandler(insert_effect)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, insert_effect))
     inbox.discard(inbox.parked()[0].message_id, by="bob", reason="test data")
     assert inbox.parked() == []
     assert inbox.handle(record(TOPIC, "k", 2)) is Disposition.APPLIED
@@ -238,7 +245,7 @@ def test_a_failed_unkeyed_message_parks_alone_and_replays(inbox: Inbox, engine: 
             raise RuntimeError("unkeyed poison")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, None, None, payload=b'{"n":2}')) is Disposition.PARKED
     assert inbox.handle(record(TOPIC, None, None)) is Disposition.APPLIED  # nothing else blocked
     [alert] = inbox.alert

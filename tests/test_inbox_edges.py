@@ -275,9 +275,18 @@ def test_bad_configuration_is_rejected_at_construction(sqlite_db: str, kwargs, m
 def test_bad_binds_and_handlers_are_rejected(sqlite_db: str) -> None:
     from outbox import create_async_engine, create_engine
 
-    with pytest.raises(ConfigurationError, match="AsyncEngine"):
-        Inbox(create_async_engine("sqlite+aiosqlite:///:memory:"), group="g")
+    with pytest.raises(ConfigurationError, match="AsyncEngine, or a sessionmaker or async_sessionmaker"):
+        Inbox(create_async_engine("sqlite+aiosqlite:///:memory:").sync_engine.url, group="g")
+    asynchronous = Inbox(create_async_engine("sqlite+aiosqlite:///:memory:"), group="g")
+    with pytest.raises(ConfigurationError, match="must be an async def function"):
+        asynchronous.handler(TOPIC)(lambda session, message: None)
+
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        pass
+
     box = Inbox(create_engine(sqlite_db), group="g", alert=LoggingAlertSink())
+    with pytest.raises(ConfigurationError, match="must be a plain function: an async def handler needs"):
+        box.handler(TOPIC)(handle)
     with pytest.raises(ConfigurationError, match="session, message"):
         box.handler(TOPIC)(lambda message: None)
     box.handler(TOPIC)(lambda session, message: None)

@@ -26,25 +26,43 @@ from outbox import (
 from outbox.inbox._delivery import decode
 from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
+    INBOX_KINDS,
     TOPIC,
     AlertLog,
     DatabaseOutage,
     applied,
     apply_effect,
     business,
+    dispose,
+    for_inbox,
+    inbox_bind,
     insert_effect,
     record,
 )
 from tests.test_inbox_runner import ScriptedSource, at
 from transports import Record
 
+_made: list[Inbox] = []
+_kind = ["sync"]
+
+
+@pytest.fixture(autouse=True, params=INBOX_KINDS)
+def inbox_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs with a sync Inbox and with one on an AsyncEngine (async handlers)."""
+    _kind[0] = request.param
+    yield request.param
+    while _made:
+        dispose(_made.pop())
+
 
 def make_inbox(engine: sa.Engine, **kwargs) -> Inbox:  # type: ignore[no-untyped-def]
+    """An Inbox of this run's kind on ``engine``'s database; ``inbox.engine`` is the one it uses."""
     options = {"retry_backoff": 0.001, "retry_backoff_max": 0.01, "alert": AlertLog()}
-    box = Inbox(engine, group="holes", **{**options, **kwargs})
+    box = Inbox(inbox_bind(engine, _kind[0]), group="holes", **{**options, **kwargs})
+    _made.append(box)
     box.create_tables()
     business.create_all(engine)
-    box.handler(TOPIC)(apply_effect)
+    box.handler(TOPIC)(for_inbox(box, apply_effect))
     return box
 
 
@@ -126,7 +144,7 @@ def test_discard_refuses_to_skip_past_earlier_parked_messages(engine: sa.Engine)
             raise RuntimeError(f"broken {message.seq}")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     for seq in (1, 2, 3):
         assert inbox.handle(record(TOPIC, "k", seq)) is Disposition.PARKED
     _, two, _ = inbox.parked(TOPIC, "k")
@@ -150,12 +168,32 @@ def test_discard_refuses_to_skip_past_earlier_parked_messages(engine: sa.Engine)
 
 def test_an_outage_inside_the_handler_is_not_an_attempt(engine: sa.Engine) -> None:
     inbox = make_inbox(engine)
-    outage = DatabaseOutage(engine, only="INSERT INTO effects")
+    outage = DatabaseOutage(inbox.engine, only="INSERT INTO effects")
     outage.fail(times=5)  # more than max_attempts
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     assert outage.failures == 5
     assert inbox.parked() == [] and inbox.alert == []
     assert applied(engine) == [("a", 1)]
+
+
+def test_a_refused_connection_is_an_outage_for_the_inbox_and_a_failure_for_a_handler(
+    engine: sa.Engine
+) -> None:
+    """asyncpg raises the socket's ConnectionRefusedError when the database is down (waited out, see
+    test_inbox_outage.py); the same error from a handler's own HTTP call is the handler's failure."""
+    from outbox.inbox._outage import is_handler_outage, is_outage
+
+    refused = ConnectionRefusedError(111, "Connect call failed")
+    assert is_outage(refused) and not is_handler_outage(refused)
+    inbox = make_inbox(engine)
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        raise ConnectionRefusedError(111, "the payment API refused")
+
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
+    [parked] = inbox.parked()
+    assert parked.attempts == 3 and "payment API" in parked.error
 
 
 @pytest.mark.postgres
@@ -171,7 +209,7 @@ def test_a_connection_killed_under_the_handler_is_waited_out(postgres_db: str) -
                 session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
             apply_effect(session, message)
 
-        inbox._handlers[TOPIC] = TopicHandler(handler)
+        inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
         deliveries = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in "abc"]
         from tests.inbox_support import settle_all
 
@@ -185,7 +223,7 @@ def test_a_connection_killed_under_the_handler_is_waited_out(postgres_db: str) -
 def test_run_waits_out_a_database_outage_and_resumes(sqlite_db: str) -> None:
     engine = create_engine(sqlite_db)
     inbox = make_inbox(engine, gap_timeout=0.2, concurrency=2, batch_size=5)
-    outage = DatabaseOutage(engine)
+    outage = DatabaseOutage(inbox.engine)
     first = [at(record(TOPIC, f"k{n}", 1), 0, n) for n in range(10)]
     source = ScriptedSource(first)
     with running(inbox, source) as errors:
@@ -229,7 +267,7 @@ def test_a_revoke_during_an_outage_keeps_the_other_partitions_records(sqlite_db:
     inbox = make_inbox(engine, concurrency=1, batch_size=10)
     # The batch meets it (its first statement reads FROM inbox_keys); run()'s schema check,
     # which looks the inbox tables up by name, does not.
-    outage = DatabaseOutage(engine, only="FROM inbox_")
+    outage = DatabaseOutage(inbox.engine, only="FROM inbox_")
     outage.fail()
     source = ScriptedSource([at(record(TOPIC, "gone", 1), 0, 0), at(record(TOPIC, "kept", 1), 1, 0)])
     with running(inbox, source) as errors:
@@ -257,7 +295,7 @@ def test_start_at_first_seen_applies_a_key_met_mid_stream_and_records_where(engi
             raise RuntimeError("the first attempt fails: the retry must start the key the same way")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, "late", 5)) is Disposition.APPLIED
     assert inbox.handle(record(TOPIC, "late", 7)) is Disposition.HELD  # later gaps are gaps
     assert inbox.handle(record(TOPIC, "late", 6)) is Disposition.APPLIED
@@ -298,7 +336,7 @@ def test_keys_waiting_for_a_retry_do_not_hold_up_the_others(sqlite_db: str) -> N
             raise RetryLater(30, "downstream busy")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     records = [record(TOPIC, "stuck-1", 1), record(TOPIC, "stuck-2", 1)]
     records += [record(TOPIC, "stuck-hot", seq) for seq in range(1, 1501)]  # a hot stuck key
     records += [record(TOPIC, f"k{n}", 1) for n in range(100)]

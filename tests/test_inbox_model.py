@@ -45,7 +45,7 @@ from hypothesis.stateful import (
 from outbox import DiscardRefusedError, Inbox, RetryLater, SkipMessage
 from outbox.inbox._delivery import Delivery, decode
 from outbox.inbox._offsets import OffsetTracker
-from tests.inbox_support import record
+from tests.inbox_support import INBOX_KINDS, dispose, for_inbox, inbox_bind, record
 from transports import Record
 
 settings.register_profile(
@@ -111,6 +111,7 @@ def handler_for(world: World, group: str):  # type: ignore[no-untyped-def]
 
 class InboxModel(RuleBasedStateMachine):
     engine: sa.Engine
+    bind: object  # what the Inbox is built on: ``engine``, or an AsyncEngine on its database
     runs = itertools.count()
 
     def __init__(self) -> None:
@@ -127,9 +128,9 @@ class InboxModel(RuleBasedStateMachine):
     # -- the consumer process -------------------------------------------------------
 
     def _start_consumer(self) -> None:
-        self.inbox = Inbox(self.engine, group=self.group, max_attempts=3, retry_backoff=0,
+        self.inbox = Inbox(self.bind, group=self.group, max_attempts=3, retry_backoff=0,  # type: ignore[arg-type]
                            gap_timeout=3600, alert=lambda alert: None)
-        self.inbox.handler(TOPIC)(handler_for(self.world, self.group))
+        self.inbox.handler(TOPIC)(for_inbox(self.inbox, handler_for(self.world, self.group)))
         self.tracker = OffsetTracker()
         self.position = list(self.committed)
         self.queue: list[Delivery] = []
@@ -388,8 +389,14 @@ def db_url(proof_db_url: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_inbox_keeps_its_invariants_under_random_interleavings(engine: sa.Engine) -> None:
+@pytest.mark.parametrize("kind", INBOX_KINDS)
+def test_the_inbox_keeps_its_invariants_under_random_interleavings(engine: sa.Engine, kind: str) -> None:
     Inbox(engine, group="setup").create_tables()
     model_effects.create(engine, checkfirst=True)
-    machine = type("Machine", (InboxModel,), {"engine": engine})
-    run_state_machine_as_test(machine, settings=settings.get_profile("inbox-model"))
+    bind = inbox_bind(engine, kind)  # one engine for every consumer the model starts
+    machine = type("Machine", (InboxModel,), {"engine": engine, "bind": bind})
+    try:
+        run_state_machine_as_test(machine, settings=settings.get_profile("inbox-model"))
+    finally:
+        if kind == "async":
+            dispose(Inbox(bind, group="teardown"))

@@ -21,7 +21,7 @@ import pytest
 from outbox import Inbox, create_engine
 from outbox.testing import FAST_SETTINGS, local_postgres_server, postgres_bindir
 from tests.conftest import unavailable
-from tests.inbox_support import business
+from tests.inbox_support import INBOX_KINDS, async_url, business
 from tests.test_inbox_crash import assert_exactly_once_in_order, effect_count, produce_keys
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
@@ -44,11 +44,27 @@ def handle(session, message):
     apply_effect(session, message)
 '''
 
+ASYNC_APP = '''
+import asyncio
+from outbox import Inbox, create_async_engine
+from tests.inbox_support import apply_effect
+
+inbox = Inbox(create_async_engine({db!r}, pool_size=6), group={group!r}, concurrency=4,
+              batch_size=10, retry_backoff=0.01)
+
+
+@inbox.handler({topic!r})
+async def handle(session, message):
+    await asyncio.sleep(0.004)
+    await session.run_sync(apply_effect, message)
+'''
+
 DOWNTIME = 10.0
 
 
+@pytest.mark.parametrize("kind", INBOX_KINDS)  # async: asyncpg's errors are outages too
 def test_postgres_stopped_for_ten_seconds_under_a_running_consumer(
-    kafka: str, topic: str, tmp_path: Path
+    kafka: str, topic: str, tmp_path: Path, kind: str
 ) -> None:
     if postgres_bindir() is None:
         unavailable("the fault campaign stops its own PostgreSQL: it needs the local server binaries")
@@ -57,7 +73,8 @@ def test_postgres_stopped_for_ten_seconds_under_a_running_consumer(
         engine = create_engine(server.url)
         Inbox(engine, group=group).create_tables()
         business.create_all(engine)
-        (tmp_path / "service.py").write_text(APP.format(db=server.url, group=group, topic=topic))
+        app, db = (APP, server.url) if kind == "sync" else (ASYNC_APP, async_url(server.url))
+        (tmp_path / "service.py").write_text(app.format(db=db, group=group, topic=topic))
         produce_keys(kafka, topic, keys, per_key)
         log = tmp_path / "consumer.log"
         process = subprocess.Popen(

@@ -1,9 +1,10 @@
-"""OpenTelemetry: one trace from the publishing request through the relay (and on to the handler).
+"""OpenTelemetry: one trace from the publishing request through the relay to the inbox's handler.
 
 Each process records its spans with the SDK (``tests/otel_worker.py``, as
 ``opentelemetry-instrument`` would); the test joins the files: the record's
 ``traceparent`` names the relay's ``send`` span, whose parent is the request
-span active at ``publish()``.
+span active at ``publish()``, and the inbox's ``process`` span is the send
+span's child (a per-message handler) or links to it (a batch handler).
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import json
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, create_engine
+from outbox import Inbox, Outbox, create_engine
+from tests.inbox_support import async_url
 from transports.testing import read_topic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,3 +106,96 @@ def test_publish_stores_no_context_outside_a_span_and_keeps_the_callers_own(tmp_
             "SELECT headers FROM outbox_messages ORDER BY seq")]
     assert "traceparent" not in (stored[0] or {})
     assert stored[1]["traceparent"] == mine
+
+
+INBOX_APP = """
+from opentelemetry import trace
+from outbox import Inbox, {create}
+
+inbox = Inbox({create}({db!r}), group="billing", batch_size=10)
+
+
+@inbox.{register}({topic!r})
+{prefix}def handle(session, message):
+    with trace.get_tracer("billing").start_as_current_span("bill"):  # nests under process
+        pass
+"""
+
+
+def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batch: bool,
+                asynchronous: bool) -> None:
+    """Run ``outbox inbox run app:inbox`` with the SDK recording until ``n`` messages are processed."""
+    name = f"app_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(INBOX_APP.format(
+        db=async_url(db) if asynchronous else db, topic=topic,
+        register="batch_handler" if batch else "handler",
+        create="create_async_engine" if asynchronous else "create_engine",
+        prefix="async " if asynchronous else ""))
+    engine = create_engine(db)
+    inbox = Inbox(engine, group="billing")
+    log = tmp_path / "inbox.log"
+    consumer = subprocess.Popen([sys.executable, WORKER, str(tmp_path / "inbox.jsonl"), "outbox", "inbox",
+                                 "run", f"{name}:inbox", "--bootstrap-servers", kafka,
+                                 "--log-level", "WARNING"], cwd=tmp_path, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with engine.connect() as conn:
+                done = conn.scalar(sa.select(sa.func.count()).select_from(inbox.tables.inbox_messages))
+            if done == n:
+                break
+            assert consumer.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"{done} of {n} processed in 60 s: {log.read_text()}"
+            time.sleep(0.1)
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        consumer.wait(30)
+        engine.dispose()
+    assert consumer.returncode == 0, log.read_text()
+
+
+@pytest.mark.parametrize(("batch", "asynchronous"), [(False, False), (True, False), (False, True)],
+                         ids=["handler", "batch_handler", "async_handler"])
+def test_one_trace_from_the_request_through_the_relay_to_the_inbox_handler(
+    kafka: str, topic: str, tmp_path: Path, batch: bool, asynchronous: bool
+) -> None:
+    db = f"sqlite:///{tmp_path / 'shop.db'}"
+    Outbox(create_engine(db)).create_tables()
+    subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic,
+                    "order-1", "3"], cwd=ROOT, check=True)
+    records = relay_until(db, kafka, topic, 3, tmp_path, traced=True)
+    inbox_until(db, kafka, topic, 3, tmp_path, batch=batch, asynchronous=asynchronous)
+
+    requests = {s["span_id"]: s for s in spans(tmp_path / "shop.jsonl") if s["name"] == "POST /orders"}
+    sends = {s["span_id"]: s for s in spans(tmp_path / "relay.jsonl") if s["name"] == f"send {topic}"}
+    processes = [s for s in spans(tmp_path / "inbox.jsonl") if s["name"] == f"process {topic}"]
+    bills = [s for s in spans(tmp_path / "inbox.jsonl") if s["name"] == "bill"]
+    assert len(requests) == len(sends) == 3
+    # The process span is current in the handler (sync or async): the handler's own spans nest in it.
+    assert sorted(b["parent_id"] for b in bills) == sorted(p["span_id"] for p in processes)
+    assert {s["kind"] for s in processes} == {"CONSUMER"}
+    for span in processes:
+        attributes = span["attributes"]
+        assert attributes["messaging.system"] == "kafka"
+        assert attributes["messaging.destination.name"] == topic
+        assert attributes["messaging.consumer.group.name"] == "billing"
+        assert attributes["messaging.operation.type"] == "process"
+    if batch:  # one span per call, linked to the send span of each message it carried
+        linked = [(link["trace_id"], link["span_id"]) for s in processes for link in s["links"]]
+        assert sorted(linked) == sorted((s["trace_id"], span_id) for span_id, s in sends.items())
+        assert sum(s["attributes"]["messaging.batch.message_count"] for s in processes) == 3
+        return
+    by_parent = {s["parent_id"]: s for s in processes}
+    assert len(processes) == 3 and len(by_parent) == 3
+    for record in records:
+        _, trace_id, send_id, _ = traceparent(record).split("-")
+        process = by_parent[send_id]  # the handler's span continues the relay's send span ...
+        assert process["trace_id"] == trace_id
+        assert requests[sends[send_id]["parent_id"]]["trace_id"] == trace_id  # ... of the request
+        attributes = process["attributes"]
+        message_id = next(v.decode() for n, v in record.headers if n == "outbox-message-id")
+        assert attributes["messaging.message.id"] == message_id
+        assert attributes["messaging.kafka.message.key"] == "order-1"
+        assert attributes["messaging.destination.partition.id"] == str(record.partition)
+        assert attributes["messaging.kafka.offset"] == record.offset

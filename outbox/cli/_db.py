@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlalchemy
 import typer
 from rich.console import Console
 from sqlalchemy import Engine
@@ -22,7 +23,22 @@ def open_engine(url: str) -> Engine:
     than letting SQLite create an empty one.
     """
     existing_database(url)
+    refuse_async_driver(url)
     return create_engine(url)
+
+
+def refuse_async_driver(url: str) -> None:
+    """The commands run sync code: an asyncio driver (asyncpg, aiosqlite) would fail at its first query."""
+    try:
+        parsed = sqlalchemy.make_url(url)
+        is_async = getattr(parsed.get_dialect(), "is_async", False)
+    except Exception:
+        return  # not a URL, or an unknown dialect: create_engine names the problem
+    if is_async:
+        raise ConfigurationError(
+            f"--db {naming(url)} names the asyncio driver {parsed.get_driver_name()!r}; the command "
+            f"line needs a sync driver (postgresql+psycopg://… or sqlite:///…); an async app's "
+            f"Inbox is used through --app")
 
 
 def existing_database(url: str) -> None:

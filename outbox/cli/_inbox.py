@@ -52,7 +52,7 @@ def load_inbox(target: str) -> Inbox:
         raise typer.BadParameter(f"cannot import {target!r}: {exc}") from exc
     if not isinstance(found, Inbox):
         raise typer.BadParameter(f"{target!r} is a {type(found).__name__}, not an outbox.Inbox")
-    existing_database(found.sessions.kw["bind"].url.render_as_string(hide_password=False))
+    existing_database(found.engine.url.render_as_string(hide_password=False))
     return found
 
 
@@ -92,7 +92,7 @@ def run(
     if metrics_port is not None:
         from ..ops import inbox_readiness, serve_health
 
-        serve_health(metrics_port, inbox_readiness(inbox.sessions.kw["bind"], source))
+        serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database))
     Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
     tune_gc_for_batches()
     inbox.run(source)

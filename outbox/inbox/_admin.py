@@ -18,11 +18,12 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from .._envelope import utcnow
 from .._errors import OutboxError
 from ._kinds import Outcome, Reason
+from ._sessions import Sessions
 from ._signals import SkipMessage
 from ._store import InboxStore, ParkedRow
 from ._transaction import TransactionStep
@@ -68,20 +69,30 @@ class ReplayResult:
 
 
 class ParkedAdmin:
-    """Replays and discards for one group; safe to call from several threads."""
+    """Replays and discards for one group; safe to call from several threads.
 
-    def __init__(self, sessions: sessionmaker[Session], store: InboxStore, step: TransactionStep) -> None:
+    Each public method runs as a whole through ``Sessions.run`` (on an async
+    inbox, on its event loop).
+    """
+
+    def __init__(self, sessions: Sessions, store: InboxStore, step: TransactionStep) -> None:
         self.sessions = sessions
         self.store = store
         self.step = step
 
     def parked(self, topic: str | None = None, key: str | None = None) -> list[ParkedMessage]:
         """Parked messages of the group (optionally one topic / key), per key in seq order."""
+        return self.sessions.run(self._parked, topic, key)
+
+    def _parked(self, topic: str | None, key: str | None) -> list[ParkedMessage]:
         with self.sessions() as session:
             rows = self.store.parked(session, topic, key)
         return [_listed(r) for r in rows]
 
     def parked_key_count(self) -> int:
+        return self.sessions.run(self._parked_key_count)
+
+    def _parked_key_count(self) -> int:
         with self.sessions() as session:
             return self.store.parked_key_count(session)
 
@@ -96,6 +107,9 @@ class ParkedAdmin:
         ``key=None`` replays the topic's parked unkeyed messages, oldest first.
         Foreign records are never replayed: discard them.
         """
+        return self.sessions.run(self._replay, topic, key)
+
+    def _replay(self, topic: str, key: str | None) -> ReplayResult:
         applied = 0
         lane = (topic, key) if key is not None else None
         store = self.store
@@ -149,6 +163,9 @@ class ParkedAdmin:
         if not by or not by.strip() or not reason or not reason.strip():
             raise ValueError("discard needs who (by=) and why (reason=), both non-empty")
         mid = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
+        self.sessions.run(self._discard, mid, by, reason)
+
+    def _discard(self, mid: uuid.UUID, by: str, reason: str) -> None:
         store = self.store
         with self.sessions() as session, session.begin():
             row = store.parked_by_id(session, mid)

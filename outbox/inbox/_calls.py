@@ -6,10 +6,21 @@ retries, replays), so a failure rolls back only that call's writes. A failure
 comes back as an ``Error`` for the settle stage; a database outage under the
 handler is raised as ``Outage``: the whole transaction is lost, and it is
 nobody's attempt.
+
+On an async inbox (``_sessions``) the call is the one thing that differs: the
+handler is called with the ``AsyncSession`` around the transaction's session
+and awaited from inside the transaction (``await_result``).
+
+Each call is traced when OpenTelemetry records (``_tracing``): a per-message
+handler gets a ``process {topic}`` span per message, continuing the trace in
+the message's ``traceparent``; a batch handler gets one span per call, linked
+to each message's context. This is the one place that knows both the handler
+call and each message's partition and offset.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -19,9 +30,11 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from .._envelope import Message
+from .._tracing import process_batch_span, process_span
 from ._delivery import Delivery
 from ._metrics import InboxMetrics
-from ._outage import Outage, is_outage
+from ._outage import Outage, is_handler_outage
+from ._sessions import async_view, await_result
 from ._signals import ParkMessage
 
 Error = tuple[BaseException, str]
@@ -32,15 +45,8 @@ Error = tuple[BaseException, str]
 class TopicHandler:
     """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
 
-    fn: Callable[[Session, Any], Any]
+    fn: Callable[[Any, Any], Any]
     batch: bool = False
-
-    def __call__(self, session: Session, messages: list[Message]) -> None:
-        if self.batch:
-            self.fn(session, messages)
-        else:
-            for message in messages:
-                self.fn(session, message)
 
 
 class Redo(Exception):
@@ -58,9 +64,10 @@ class Redo(Exception):
 class HandlerCalls:
     """Runs the registered handlers; safe from several threads (each call has its own session)."""
 
-    def __init__(self, handlers: Mapping[str, TopicHandler], metrics: InboxMetrics) -> None:
+    def __init__(self, handlers: Mapping[str, TopicHandler], metrics: InboxMetrics, group: str) -> None:
         self.handlers = handlers
         self.metrics = metrics
+        self.group = group
 
     def unguarded(self, session: Session, fresh: list[Delivery]) -> None:
         """Run the handlers without savepoints, a batch handler once per topic; ``Redo`` on a failure.
@@ -73,12 +80,12 @@ class HandlerCalls:
         for topic, group in by_topic.items():
             handler = self.handlers.get(topic)
             if handler is not None and handler.batch and len(group) > 1:
-                error = self._call(session, topic, [d.message for d in group], savepoint=False)
+                error = self._call(session, topic, group, savepoint=False)
                 if error is not None:
                     raise Redo(None, error)  # which message failed is found by the redo
                 continue
             for d in group:
-                error = self._call(session, topic, [d.message], savepoint=False)
+                error = self._call(session, topic, [d], savepoint=False)
                 if error is not None:
                     raise Redo(d, error)
 
@@ -87,9 +94,9 @@ class HandlerCalls:
 
         Raises ``Outage`` when the database failed under the handler.
         """
-        return self._call(session, d.message.topic, [d.message], savepoint=True)
+        return self._call(session, d.message.topic, [d], savepoint=True)
 
-    def _call(self, session: Session, topic: str, messages: list[Message], *,
+    def _call(self, session: Session, topic: str, deliveries: list[Delivery], *,
               savepoint: bool) -> Error | None:
         handler = self.handlers.get(topic)
         started = time.perf_counter()
@@ -97,22 +104,61 @@ class HandlerCalls:
         try:
             if handler is None:
                 raise ParkMessage(f"no handler registered for topic {topic!r}")
-            handler(session, messages)
+            self._run(handler, session, topic, deliveries)
             session.flush()
             if nested is not None:
                 nested.commit()
         except Exception as exc:
-            if is_outage(exc):
+            if is_handler_outage(exc):
                 raise Outage(f"the database failed under the handler: {exc!r}") from exc
             if nested is not None:
                 try:
                     nested.rollback()
                 except Exception as rollback_error:
-                    if is_outage(rollback_error):
+                    if is_handler_outage(rollback_error):
                         raise Outage(f"rollback failed: {rollback_error!r}") from rollback_error
                     raise
             # A failed call of several messages is no one's attempt yet: the redo finds whose it is.
-            self.metrics.ran(topic, time.perf_counter() - started, failed=len(messages) == 1)
+            self.metrics.ran(topic, time.perf_counter() - started, failed=len(deliveries) == 1)
             return exc, traceback.format_exc()
         self.metrics.ran(topic, time.perf_counter() - started, failed=False)
         return None
+
+    def _run(self, handler: TopicHandler, session: Session, topic: str,
+             deliveries: list[Delivery]) -> None:
+        """Call ``handler`` once (batch) or once per delivery, each call inside its span."""
+        if handler.batch:
+            messages: list[Message] = [d.message for d in deliveries]
+            with process_batch_span(topic, [m.headers for m in messages], group=self.group,
+                                    count=len(messages)):
+                _invoke(handler, session, messages)
+            return
+        for d in deliveries:
+            m = d.message
+            with process_span(topic, m.headers, message_id=str(m.message_id), key=m.key,
+                              group=self.group, partition=d.partition, offset=d.offset):
+                _invoke(handler, session, m)
+
+
+def _invoke(handler: TopicHandler, session: Session, arg: Any) -> None:
+    """``fn(session, arg)``; on an async inbox ``await fn(async_session, arg)``.
+
+    A result of the wrong kind is the handler's failure, never a silent success:
+    an un-awaited coroutine would record the message as applied without its writes.
+    """
+    view = async_view(session)
+    result = handler.fn(session if view is None else view, arg)
+    if view is None and inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TypeError(f"handler {_name(handler.fn)} returned an awaitable: an async handler needs "
+                        f"an Inbox built on an AsyncEngine or async_sessionmaker")
+    if view is not None:
+        if not inspect.isawaitable(result):
+            raise TypeError(f"handler {_name(handler.fn)} returned {type(result).__name__}, not an "
+                            f"awaitable: an Inbox on an AsyncEngine takes async def handlers")
+        await_result(result)
+
+
+def _name(fn: Any) -> str:
+    return repr(getattr(fn, "__qualname__", fn))

@@ -15,16 +15,15 @@ before the key parks.
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
-
-from sqlalchemy.orm import Session, sessionmaker
+from datetime import datetime, timedelta
 
 from .._alerts import Alert, deliver
 from .._envelope import utcnow
 from ._alerting import Alerter
 from ._delivery import Delivery
 from ._kinds import Reason
-from ._store import InboxStore
+from ._sessions import Sessions
+from ._store import InboxStore, KeyId, KeyState
 from ._transaction import Parked
 
 
@@ -32,9 +31,11 @@ class GapSweeper:
     """Finds and settles held messages for one group; safe to call from several threads.
 
     Database errors propagate: the caller decides whether to wait (an outage).
+    The database work runs through ``Sessions.run``; alerts go out from the
+    calling thread.
     """
 
-    def __init__(self, sessions: sessionmaker[Session], store: InboxStore, alerter: Alerter,
+    def __init__(self, sessions: Sessions, store: InboxStore, alerter: Alerter,
                  gap_timeout: float, alert_after: float) -> None:
         self.sessions = sessions
         self.store = store
@@ -45,16 +46,16 @@ class GapSweeper:
 
     def ready(self, limit: int = 500) -> list[Delivery]:
         """Held messages that are next in their key; apply each through its key's lane."""
+        return self.sessions.run(self._ready, limit)
+
+    def _ready(self, limit: int) -> list[Delivery]:
         with self.sessions() as session:
             return self.store.ready_held(session, limit)
 
     def warn_held(self) -> int:
         """One ``gap_held`` alert per gap held longer than ``alert_after`` (not yet parked); how many new."""
         now = utcnow()
-        with self.sessions() as session:
-            keys = self.store.stale_gaps(session, now - timedelta(seconds=self.alert_after))
-            states = self.store.key_states(session, keys)
-            heads = [(key, held[0], len(held)) for key in keys if (held := self.store.held_of(session, key))]
+        states, heads = self.sessions.run(self._heads, now - timedelta(seconds=self.alert_after))
         current, raised = set(), 0
         for key, head, waiting in heads:
             state = states.get(key)
@@ -78,32 +79,49 @@ class GapSweeper:
         self._alerted = current  # a gap that filled or parked is forgotten
         return raised
 
+    def _heads(self, before: datetime) -> tuple[dict[KeyId, KeyState],
+                                                list[tuple[KeyId, Delivery, int]]]:
+        """Key states and first held messages of the gaps held since before ``before``."""
+        with self.sessions() as session:
+            keys = self.store.stale_gaps(session, before)
+            states = self.store.key_states(session, keys)
+            return states, [(key, held[0], len(held)) for key in keys
+                            if (held := self.store.held_of(session, key))]
+
     def park_stale(self) -> int:
         """Warn about gaps held past ``alert_after``; park keys whose gap outlived ``gap_timeout``."""
         self.warn_held()
         cutoff = utcnow() - timedelta(seconds=self.gap_timeout)
-        with self.sessions() as session:
-            keys = self.store.stale_gaps(session, cutoff)
         parked = 0
-        for key in keys:
-            with self.sessions() as session, session.begin():
-                state = self.store.lock_keys(session, [key])[key]
-                held = self.store.held_of(session, key)
-                # A held copy of a seq applied meanwhile (it came again on another path) is a duplicate.
-                stale = [d for d in held if d.message.seq <= state.last_seq]  # type: ignore[operator]
-                self.store.unhold(session, (d.message.message_id for d in stale))
-                held = held[len(stale):]
-                if state.parked or not held or held[0].received_at >= cutoff:
-                    continue  # settled meanwhile
-                head = held[0]
-                expected = state.last_seq + 1
-                if head.message.seq == expected:
-                    continue  # the gap filled: ready(), not parking
-                last_missing = head.message.seq - 1  # type: ignore[operator]
-                missing = f"seq {expected}" + (f" to {last_missing}" if last_missing > expected else "")
-                error = (f"{missing} did not arrive within {self.gap_timeout:g}s "
-                         f"(seq {head.message.seq} waiting since {head.received_at.isoformat()})")
-                key_parked = self.store.park(session, head, Reason.GAP, error=error)
-            parked += 1
-            self.alerter.parked([Parked(head, Reason.GAP, error, key_parked)])
+        for key in self.sessions.run(self._stale, cutoff):
+            found = self.sessions.run(self._park_gap, key, cutoff)
+            if found is not None:
+                parked += 1
+                self.alerter.parked([found])
         return parked
+
+    def _stale(self, cutoff: datetime) -> list[KeyId]:
+        with self.sessions() as session:
+            return self.store.stale_gaps(session, cutoff)
+
+    def _park_gap(self, key: KeyId, cutoff: datetime) -> Parked | None:
+        """Park ``key`` if its gap is still there, in one transaction; what was parked."""
+        with self.sessions() as session, session.begin():
+            state = self.store.lock_keys(session, [key])[key]
+            held = self.store.held_of(session, key)
+            # A held copy of a seq applied meanwhile (it came again on another path) is a duplicate.
+            stale = [d for d in held if d.message.seq <= state.last_seq]  # type: ignore[operator]
+            self.store.unhold(session, (d.message.message_id for d in stale))
+            held = held[len(stale):]
+            if state.parked or not held or held[0].received_at >= cutoff:
+                return None  # settled meanwhile
+            head = held[0]
+            expected = state.last_seq + 1
+            if head.message.seq == expected:
+                return None  # the gap filled: ready(), not parking
+            last_missing = head.message.seq - 1  # type: ignore[operator]
+            missing = f"seq {expected}" + (f" to {last_missing}" if last_missing > expected else "")
+            error = (f"{missing} did not arrive within {self.gap_timeout:g}s "
+                     f"(seq {head.message.seq} waiting since {head.received_at.isoformat()})")
+            key_parked = self.store.park(session, head, Reason.GAP, error=error)
+        return Parked(head, Reason.GAP, error, key_parked)

@@ -14,20 +14,19 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import tenacity
 from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from transports import Record, Source
 
 from .. import _schema
 from .._alerts import AlertSink, LoggingAlertSink
-from .._engine import worker_engine
 from .._envelope import Message
 from .._errors import ConfigurationError
 from .._statements import SUPPORTED_DIALECTS
@@ -41,6 +40,7 @@ from ._kinds import StartPolicy
 from ._metrics import InboxMetrics
 from ._outage import OutageLog, is_outage
 from ._runner import Runner
+from ._sessions import sessions_for
 from ._settle import Settler
 from ._signals import Disposition
 from ._store import InboxStore
@@ -48,8 +48,9 @@ from ._transaction import TopicHandler, TransactionStep
 
 log = logging.getLogger("outbox.inbox")
 
-H = Callable[[Session, Message], Any]
-B = Callable[[Session, list[Message]], Any]
+H = TypeVar("H", bound=Callable[[Session, Message], Any] | Callable[[AsyncSession, Message], Awaitable[Any]])
+B = TypeVar("B", bound=Callable[[Session, list[Message]], Any]
+            | Callable[[AsyncSession, list[Message]], Awaitable[Any]])
 
 
 class Inbox:
@@ -64,8 +65,12 @@ class Inbox:
     unless given). A message that fails ``max_attempts`` times parks its key,
     and only its key.
 
-    ``bind`` is a sync ``Engine`` or ``sessionmaker`` (handlers run on worker
-    threads). ``concurrency`` worker threads handle different keys in
+    ``bind`` is a sync ``Engine`` or ``sessionmaker``: handlers are plain
+    functions given a ``Session`` and run on worker threads. Or it is an
+    ``AsyncEngine`` or ``async_sessionmaker``: handlers are ``async def``
+    functions given an ``AsyncSession``, awaited on the inbox's own event loop
+    inside the same transaction, under the same rules (``_sessions``).
+    ``concurrency`` worker threads handle different keys in
     parallel; ``batch_size`` > 1 lets one transaction carry up to that many
     messages, of several keys or a run of one busy key's consecutive
     messages, which is what high throughput (and a hot key) needs.
@@ -77,7 +82,7 @@ class Inbox:
 
     def __init__(
         self,
-        bind: Engine | sessionmaker[Session],
+        bind: Engine | sessionmaker[Session] | AsyncEngine | async_sessionmaker[AsyncSession],
         *,
         group: str,
         max_attempts: int = 3,
@@ -94,8 +99,8 @@ class Inbox:
         prefix: str = "",
         schema: str | None = None,
     ) -> None:
-        self.sessions = _sessionmaker(bind)
-        engine = self.sessions.kw["bind"]
+        self._sessions, self.sessions = sessions_for(bind)
+        engine = self._sessions.engine
         if engine.dialect.name not in SUPPORTED_DIALECTS:
             raise ConfigurationError(f"unsupported database dialect {engine.dialect.name!r}; "
                                      f"supported: {SUPPORTED_DIALECTS}")
@@ -145,15 +150,15 @@ class Inbox:
         self._stop = threading.Event()
         # The pipeline's stages, each handed what it needs: one store owns every statement.
         self.store = InboxStore(self.tables, group, engine.dialect.name)
-        self.step = TransactionStep(self.sessions, self.store, self._handlers, self.metrics, start)
+        self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start)
         self.alerter = Alerter(alert, group, self.metrics)
         self.settler = Settler(
             self.step, self.alerter, OutageLog(), max_attempts=max_attempts,
             wait=tenacity.wait_exponential_jitter(multiplier=retry_backoff, max=retry_backoff_max,
                                                  jitter=retry_backoff),
         )
-        self.admin = ParkedAdmin(self.sessions, self.store, self.step)
-        self.gaps = GapSweeper(self.sessions, self.store, self.alerter, self.gap_timeout,
+        self.admin = ParkedAdmin(self._sessions, self.store, self.step)
+        self.gaps = GapSweeper(self._sessions, self.store, self.alerter, self.gap_timeout,
                                float(alert_seconds))
         _warn_small_pool(engine, concurrency)
 
@@ -163,7 +168,9 @@ class Inbox:
         """Register ``fn(session, message)`` for ``topic``; one handler per topic.
 
         The handler runs inside the inbox's transaction: write through
-        ``session``, never commit or roll back. Raise to fail (it is retried,
+        ``session``, never commit or roll back. On an inbox built on an
+        ``AsyncEngine``, ``fn`` is an ``async def`` function given an
+        ``AsyncSession``. Raise to fail (it is retried,
         then parked) or raise ``RetryLater`` / ``SkipMessage`` / ``ParkMessage``.
         """
         return self._register(topic, batch=False)
@@ -194,6 +201,13 @@ class Inbox:
                     f"handler {getattr(fn, '__qualname__', fn)!r} must take "
                     f"(session, {'messages' if batch else 'message'})"
                 ) from None
+            if self._sessions.is_async != _is_async(fn):
+                raise ConfigurationError(
+                    f"handler {getattr(fn, '__qualname__', fn)!r} must be "
+                    + ("an async def function: this Inbox is built on an AsyncEngine"
+                       if self._sessions.is_async else
+                       "a plain function: an async def handler needs an Inbox built on an "
+                       "AsyncEngine or async_sessionmaker"))
             if topic in self._handlers:
                 raise ConfigurationError(f"topic {topic!r} already has a handler")
             self._handlers[topic] = TopicHandler(fn, batch=batch)
@@ -264,7 +278,7 @@ class Inbox:
         outage = OutageLog()
         while not self._stop.is_set():
             try:
-                _schema.check(self.sessions.kw["bind"], self.tables, inbox=True)
+                self._sessions.run(functools.partial(_schema.check, inbox=True), self.engine, self.tables)
             except Exception as exc:
                 if not is_outage(exc):
                     raise
@@ -319,21 +333,30 @@ class Inbox:
 
     def create_tables(self) -> None:
         """Create the outbox and inbox tables that do not exist yet (see ``Outbox.create_tables``)."""
-        with self.sessions.kw["bind"].begin() as conn:
+        self._sessions.run(self._create_tables)
+
+    def _create_tables(self) -> None:
+        with self.engine.begin() as conn:
             _schema.create(conn, self.tables, None)
 
+    @property
+    def engine(self) -> Engine:
+        """The inbox's sync engine (an ``AsyncEngine``'s ``sync_engine``): its dialect and URL."""
+        return self._sessions.engine
 
-def _sessionmaker(bind: object) -> sessionmaker[Session]:
-    if isinstance(bind, AsyncEngine):
-        raise ConfigurationError("Inbox runs handlers on worker threads: pass a sync Engine, "
-                                 "not an AsyncEngine")
-    if isinstance(bind, Engine):
-        return sessionmaker(worker_engine(bind), expire_on_commit=False)
-    if isinstance(bind, sessionmaker) and isinstance(bind.kw.get("bind"), Engine):
-        engine = bind.kw["bind"]
-        return bind if worker_engine(engine) is engine else sessionmaker(
-            class_=bind.class_, **{**bind.kw, "bind": worker_engine(engine)})
-    raise ConfigurationError(f"Inbox needs an Engine or a sessionmaker bound to one, got {bind!r}")
+    def run_database(self, fn: Callable[[], Any]) -> Any:
+        """Call ``fn()``, which uses ``engine``, where that works (an async inbox: on its event loop)."""
+        return self._sessions.run(fn)
+
+    @property
+    def is_async(self) -> bool:
+        """Built on an ``AsyncEngine``: handlers are ``async def`` and given an ``AsyncSession``."""
+        return self._sessions.is_async
+
+
+def _is_async(fn: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _positive_int(name: str, value: object, maximum: int) -> None:

@@ -25,7 +25,23 @@ class Outage(Exception):
 
 
 def is_outage(error: BaseException) -> bool:
-    """``Outage`` raised by the transaction step, or a database outage (``is_database_outage``)."""
+    """``Outage`` raised by the transaction step, or a database outage (``is_database_outage``).
+
+    Outside a handler, an ``OSError`` is one too: the asyncio drivers (asyncpg)
+    raise the socket's own error (``ConnectionRefusedError``, a DNS failure, a
+    missing Unix socket) when they cannot connect, where a sync driver raises
+    its ``OperationalError``, and the inbox's own code does no other I/O.
+    What a handler raises is judged by ``is_handler_outage`` instead.
+    """
+    return is_handler_outage(error) or isinstance(error, OSError)
+
+
+def is_handler_outage(error: BaseException) -> bool:
+    """An error raised under a handler that is the database's, not the handler's.
+
+    Not a bare ``OSError``: that is the handler's own I/O failing (an HTTP call
+    refused), which counts as an attempt like any other failure.
+    """
     return isinstance(error, Outage) or is_database_outage(error)
 
 

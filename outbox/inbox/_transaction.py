@@ -23,6 +23,10 @@ the same transaction, right after its predecessor.
 Failures are not retried here: they come back in ``Batch.failed`` for the
 settle stage. A database outage under a handler aborts the whole transaction
 (``Outage``): it is nobody's attempt.
+
+Each transaction runs through ``Sessions.run``: in the calling thread on a
+sync inbox, on the inbox's event loop on an async one (``_sessions``). The
+rules here are the same for both.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from ._calls import Error, HandlerCalls, Redo, TopicHandler
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason, StartPolicy
 from ._metrics import InboxMetrics
 from ._runs import Lanes, lane_of
+from ._sessions import Sessions
 from ._signals import Disposition, SkipMessage
 from ._store import InboxStore, KeyId, KeyState
 
@@ -79,14 +84,14 @@ HELD_RUN = 100
 class TransactionStep:
     """Runs inbox transactions; safe to call from several threads (each call has its own session)."""
 
-    def __init__(self, sessions: sessionmaker[Session], store: InboxStore,
+    def __init__(self, sessions: Sessions, store: InboxStore,
                  handlers: Mapping[str, TopicHandler], metrics: InboxMetrics,
                  start: StartPolicy = StartPolicy.STRICT) -> None:
         self.sessions = sessions
         self.store = store
         self.handlers = handlers
         self.metrics = metrics
-        self.calls = HandlerCalls(handlers, metrics)
+        self.calls = HandlerCalls(handlers, metrics, store.group)
         self.start = start
 
     # -- apply ------------------------------------------------------------------
@@ -113,12 +118,17 @@ class TransactionStep:
 
     def _transaction(self, deliveries: list[Delivery], known: dict[uuid.UUID, Error], *,
                      savepoints: bool) -> Batch:
-        batch = Batch()
-        with self.sessions() as session, session.begin():
-            self._apply(session, deliveries, batch, known, savepoints)
+        batch = self.sessions.run(self._commit, deliveries, known, savepoints)
         for (topic, disposition), count in Counter(
                 (d.message.topic, disposition) for d, disposition in batch.done).items():
             self.metrics.counted(topic, disposition, count)
+        return batch
+
+    def _commit(self, deliveries: list[Delivery], known: dict[uuid.UUID, Error],
+                savepoints: bool) -> Batch:
+        batch = Batch()
+        with self.sessions() as session, session.begin():
+            self._apply(session, deliveries, batch, known, savepoints)
         return batch
 
     def _apply(self, session: Session, deliveries: list[Delivery], batch: Batch,
@@ -305,6 +315,10 @@ class TransactionStep:
 
     def park(self, d: Delivery, error: BaseException, trace: str) -> tuple[Disposition, Parked | None]:
         """Park a message whose attempts are spent (and its key), in its own transaction."""
+        return self.sessions.run(self._park_spent, d, error, trace)
+
+    def _park_spent(self, d: Delivery, error: BaseException,
+                    trace: str) -> tuple[Disposition, Parked | None]:
         text = f"{type(error).__name__}: {error}"
         with self.sessions() as session, session.begin():
             lane = d.lane if d.ordered else None

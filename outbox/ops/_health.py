@@ -48,8 +48,10 @@ class DatabaseCheck:
     up threads and connections.
     """
 
-    def __init__(self, engine: Engine, timeout: float = DATABASE_TIMEOUT) -> None:
+    def __init__(self, engine: Engine, timeout: float = DATABASE_TIMEOUT,
+                 run: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._engine = engine
+        self._run = run
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="outbox-readyz")
         self._pinging: Future[None] | None = None
@@ -70,6 +72,12 @@ class DatabaseCheck:
         return None
 
     def _ping(self) -> None:
+        if self._run is not None:  # an async engine's sync side works only where ``run`` calls it
+            self._run(self._select_1)
+        else:
+            self._select_1()
+
+    def _select_1(self) -> None:
         with self._engine.connect() as conn:
             conn.execute(text("SELECT 1"))
 
@@ -92,9 +100,14 @@ def relay_readiness(relay: Relay) -> Readiness:
     return ready
 
 
-def inbox_readiness(engine: Engine, source: object) -> Readiness:
-    """Ready: the database answers and ``source`` holds at least one partition (if it can say)."""
-    database = DatabaseCheck(engine)
+def inbox_readiness(engine: Engine, source: object,
+                    run: Callable[[Callable[[], None]], None] | None = None) -> Readiness:
+    """Ready: the database answers and ``source`` holds at least one partition (if it can say).
+
+    ``run`` is how the ping must be called when ``engine`` is an async engine's sync side
+    (an async inbox's ``Sessions.run``).
+    """
+    database = DatabaseCheck(engine, run=run)
     assigned: Callable[[], frozenset[tuple[str, int]]] | None = getattr(source, "assigned", None)
 
     def ready() -> str | None:

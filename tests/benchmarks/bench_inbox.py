@@ -15,7 +15,9 @@ synchronous_commit on) and librdkafka's mock cluster in this process:
    consecutive messages share one transaction, so one hot key must run at
    least half as fast as spread keys (issue 13);
 4. an I/O-bound handler (sleeps 5 ms) over 1,000 keys on 4 partitions at
-   concurrency 1, 4, 16, 64: throughput must grow far past the partition count.
+   concurrency 1, 4, 16, 64: throughput must grow far past the partition count;
+5. the runs of 2. again with an Inbox on an AsyncEngine (asyncpg) and
+   ``async def`` handlers, beside the sync ones.
 
 Timings start at the first applied message, so the consumer group join is
 not counted.
@@ -36,10 +38,10 @@ from confluent_kafka import Consumer, Producer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from outbox import Inbox, create_engine
+from outbox import Inbox, create_async_engine, create_engine
 from outbox.testing import local_postgres
 from tests.benchmarks._report import markdown_table, write_section
-from tests.inbox_support import business, effects, insert_effect, insert_effects, record
+from tests.inbox_support import async_url, business, dispose, effects, insert_effect, insert_effects, record
 from transports.kafka import KafkaSource, embedded_kafka
 
 FAST_FETCH = {"fetch_max_wait_ms": 10, "session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
@@ -94,15 +96,29 @@ def baseline(servers: str, db: str, messages: int) -> float:
 
 
 def inbox_rate(servers: str, db: str, messages: int, keys: int, *, concurrency: int,
-               batch_size: int, sleep: float = 0.0, batch_handler: bool = False) -> float:
+               batch_size: int, sleep: float = 0.0, batch_handler: bool = False,
+               asynchronous: bool = False) -> float:
     """The inbox consuming ``messages`` records: applied msg/s from the first one on."""
     topic = f"inbox-{uuid.uuid4().hex[:8]}"
     produce(servers, topic, messages, keys)
     engine = create_engine(db, pool_size=concurrency + 4)
     reset(engine)
-    inbox = Inbox(engine, group=topic, concurrency=concurrency, batch_size=batch_size)
+    bind = create_async_engine(async_url(db), pool_size=concurrency + 4) if asynchronous else engine
+    inbox = Inbox(bind, group=topic, concurrency=concurrency, batch_size=batch_size)
 
-    if batch_handler:
+    if asynchronous:
+        insert = effects.insert()
+        if batch_handler:
+            @inbox.batch_handler(topic)
+            async def handle_all(session, messages):  # type: ignore[no-untyped-def]
+                await session.execute(insert, [{"topic": m.topic, "key": m.key, "seq": m.seq,
+                                                "message_id": m.message_id} for m in messages])
+        else:
+            @inbox.handler(topic)
+            async def handle_one(session, m):  # type: ignore[no-untyped-def]
+                await session.execute(insert, {"topic": m.topic, "key": m.key, "seq": m.seq,
+                                               "message_id": m.message_id})
+    elif batch_handler:
         inbox.batch_handler(topic)(insert_effects)
     else:
         @inbox.handler(topic)
@@ -123,8 +139,19 @@ def inbox_rate(servers: str, db: str, messages: int, keys: int, *, concurrency: 
     elapsed = time.perf_counter() - started
     inbox.stop()
     thread.join()
+    dispose(inbox)
     engine.dispose()
     return (done - 1) / elapsed
+
+
+ASYNC_NOTE = (
+    "Two things differ, and they pull in opposite directions. Every statement of an "
+    "async transaction crosses from its worker thread to the one loop thread that all "
+    "transactions share, and back through a greenlet switch: a per-message handler, one "
+    "statement per message, pays that per message. The driver differs too (asyncpg "
+    "instead of psycopg): asyncpg's executemany pipelines a batch's rows, so a batch "
+    "handler can be faster async than sync. Choose an async inbox because your "
+    "handler's code is async, and measure your own handler.")
 
 
 def main() -> None:
@@ -156,6 +183,14 @@ def main() -> None:
         batched = inbox_rate(servers, db, args.messages, 1000, concurrency=args.concurrency,
                              batch_size=args.batch_size, batch_handler=True)
         print(f"inbox, batch handler {batched:,.0f} msg/s", flush=True)
+        async_one = inbox_rate(servers, db, args.messages, 1000, concurrency=args.handler_concurrency,
+                               batch_size=args.handler_batch_size, asynchronous=True)
+        print(f"async inbox, handler {async_one:,.0f} msg/s ({async_one / per_message:.2f}x sync)",
+              flush=True)
+        async_batched = inbox_rate(servers, db, args.messages, 1000, concurrency=args.concurrency,
+                                   batch_size=args.batch_size, batch_handler=True, asynchronous=True)
+        print(f"async inbox, batch handler {async_batched:,.0f} msg/s "
+              f"({async_batched / batched:.2f}x sync)", flush=True)
         hot_rows = []
         for label, kwargs in (
                 (f"`@inbox.handler`, batch_size={args.handler_batch_size}, "
@@ -213,6 +248,19 @@ def main() -> None:
         "where 1,000 keys spread them over all the workers.",
         markdown_table(["loop", "messages", "1,000 keys msg/s", "one key msg/s", "one key / 1,000 keys"],
                        hot_rows),
+        "**Async handlers.** The two inbox runs above again, with the Inbox on an "
+        "`AsyncEngine` (asyncpg) and `async def` handlers given an `AsyncSession`, in the "
+        "same run: the same pipeline and statements, each transaction run in SQLAlchemy's "
+        "greenlet bridge on the engine's event loop thread, the handler awaited there.",
+        markdown_table(["loop", "messages", "sync msg/s", "async msg/s", "async / sync"], [
+            [f"`handler`, batch_size={args.handler_batch_size}, concurrency={args.handler_concurrency}",
+             f"{args.messages:,}", f"{per_message:,.0f}", f"{async_one:,.0f}",
+             f"{async_one / per_message:.2f}x"],
+            [f"`batch_handler`, batch_size={args.batch_size}, concurrency={args.concurrency}",
+             f"{args.messages:,}", f"{batched:,.0f}", f"{async_batched:,.0f}",
+             f"{async_batched / batched:.2f}x"],
+        ]),
+        ASYNC_NOTE,
         "I/O-bound handler (sleeps 5 ms, then inserts the row), 1,000 keys on 4 partitions, "
         f"batch_size={args.io_batch_size}: throughput by `concurrency` (key-ordered parallelism "
         "within partitions; one worker handles its batch's messages one after another, so "

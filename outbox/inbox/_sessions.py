@@ -1,0 +1,174 @@
+"""Where the inbox's transactions run: in the calling thread (sync), or on the inbox's event loop (async).
+
+The inbox has one set of rules, written as synchronous code against a
+``Session``: the transaction step, the store's statements, replay, discard and
+the gap sweep. An inbox on an ``AsyncEngine`` runs that same code, unchanged,
+inside SQLAlchemy's greenlet bridge (``greenlet_spawn``) on an event loop
+thread of its own: the sync ``Session`` it gets is the ``sync_session`` of an
+``AsyncSession``, its statements go through the async driver (asyncpg,
+psycopg async, aiosqlite), and the one thing that differs — the handler call
+— awaits the ``async def`` handler with that ``AsyncSession`` (``await_``), so
+the handler's writes, the dedup row and the key's ``last_seq`` are still one
+transaction.
+
+One loop serves all the worker threads, and every inbox on the same engine:
+asyncpg connections belong to the loop that opened them, so a pool shared by
+several loops would hand a connection to the wrong one. The worker threads
+keep what they do (key scheduling, settling, retry timers, alerts); each
+waits for its transaction's result. That loop is the engine's: give an async
+inbox an engine that no other event loop uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import greenlet
+from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.util import greenlet_spawn
+
+from .._engine import worker_engine
+
+try:
+    from sqlalchemy.util import await_
+except ImportError:  # SQLAlchemy 2.0 names it await_only
+    from sqlalchemy.util import await_only as await_
+
+from .._errors import ConfigurationError
+
+T = TypeVar("T")
+
+_ASYNC_VIEW = "outbox.inbox.async_session"
+
+
+def in_greenlet() -> bool:
+    """Running inside ``greenlet_spawn`` (SQLAlchemy marks its greenlets; 2.0 has no public test)."""
+    return getattr(greenlet.getcurrent(), "__sqlalchemy_greenlet_provider__", False) is True
+
+
+class Sessions:
+    """Opens the inbox's sessions and runs the functions that use them; safe from several threads."""
+
+    engine: Engine
+    """The sync engine: dialect, URL, pool (an async engine's ``sync_engine``)."""
+    is_async = False
+
+    def __call__(self) -> Session:
+        raise NotImplementedError
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call ``fn(*args)`` where this inbox's sessions work; its result or its exception."""
+        raise NotImplementedError
+
+
+class SyncSessions(Sessions):
+    """A sync ``sessionmaker``: everything runs in the calling thread."""
+
+    def __init__(self, maker: sessionmaker[Session]) -> None:
+        self.maker = maker
+        self.engine = maker.kw["bind"]
+
+    def __call__(self) -> Session:
+        return self.maker()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+
+class AsyncSessions(Sessions):
+    """An ``async_sessionmaker``: functions run in a greenlet on its engine's event loop thread.
+
+    The loop thread starts on first use, is shared by every ``AsyncSessions``
+    on the same engine, and lives as long as the process (a daemon thread).
+    ``run`` called from inside a function it runs (replay calls the
+    transaction step) runs the nested function in place.
+    """
+
+    is_async = True
+
+    def __init__(self, maker: async_sessionmaker[AsyncSession]) -> None:
+        self.maker = maker
+        self.async_engine: AsyncEngine = maker.kw["bind"]
+        self.engine = self.async_engine.sync_engine
+        self._loop: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
+
+    def __call__(self) -> Session:
+        session = self.maker()
+        sync = session.sync_session
+        sync.info[_ASYNC_VIEW] = session  # the handler's view of it; kept alive with it
+        return sync
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._loop is None:
+            self._loop = _loop_of(self.engine)
+        loop, thread = self._loop
+        if threading.current_thread() is thread:
+            if in_greenlet():
+                return fn(*args)
+            raise RuntimeError("an async inbox's blocking call (handle, replay, …) was made on the "
+                               "inbox's own event loop: it would wait for itself")
+        return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), loop).result()
+
+
+_loops: weakref.WeakKeyDictionary[Engine, tuple[asyncio.AbstractEventLoop, threading.Thread]] = (
+    weakref.WeakKeyDictionary())
+_loops_lock = threading.Lock()
+
+
+def _loop_of(engine: Engine) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """The event loop (and its thread) that every async inbox on ``engine`` uses; started once."""
+    with _loops_lock:
+        found = _loops.get(engine)
+        if found is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="outbox-inbox-loop", daemon=True)
+            thread.start()
+            found = _loops[engine] = (loop, thread)
+        return found
+
+
+def async_view(session: Session) -> AsyncSession | None:
+    """The ``AsyncSession`` around ``session`` (what an async handler is given); None on a sync inbox."""
+    return session.info.get(_ASYNC_VIEW)
+
+
+def await_result(awaitable: Any) -> Any:
+    """Wait for ``awaitable`` from inside a function ``AsyncSessions.run`` runs."""
+    return await_(awaitable)
+
+
+def _async_worker_engine(engine: AsyncEngine) -> AsyncEngine:
+    """``worker_engine`` for an ``AsyncEngine``: READ COMMITTED on MySQL/MariaDB, else itself."""
+    if worker_engine(engine.sync_engine) is engine.sync_engine:
+        return engine
+    return engine.execution_options(isolation_level="READ COMMITTED")
+
+
+def sessions_for(bind: object) -> tuple[Sessions, sessionmaker[Session] | async_sessionmaker[AsyncSession]]:
+    """The inbox's ``Sessions`` for what the user passed, and the session maker it wraps.
+
+    Its transactions run on the worker engine (``worker_engine``: READ COMMITTED
+    on MySQL/MariaDB, the level the inbox's SQL was proved at).
+    """
+    if isinstance(bind, Engine):
+        bind = sessionmaker(worker_engine(bind), expire_on_commit=False)
+    elif isinstance(bind, AsyncEngine):
+        bind = async_sessionmaker(_async_worker_engine(bind), expire_on_commit=False)
+    if isinstance(bind, sessionmaker) and isinstance(bind.kw.get("bind"), Engine):
+        engine = bind.kw["bind"]
+        if worker_engine(engine) is not engine:
+            bind = sessionmaker(class_=bind.class_, **{**bind.kw, "bind": worker_engine(engine)})
+        return SyncSessions(bind), bind
+    if isinstance(bind, async_sessionmaker) and isinstance(bind.kw.get("bind"), AsyncEngine):
+        engine = bind.kw["bind"]
+        if _async_worker_engine(engine) is not engine:
+            bind = async_sessionmaker(class_=bind.class_, **{**bind.kw, "bind": _async_worker_engine(engine)})
+        return AsyncSessions(bind), bind
+    raise ConfigurationError(f"Inbox needs an Engine or AsyncEngine, or a sessionmaker or "
+                             f"async_sessionmaker bound to one, got {bind!r}")

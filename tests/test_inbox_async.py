@@ -1,0 +1,197 @@
+"""What only an async inbox has: `async def` handlers awaited on the transaction's `AsyncSession`.
+
+The inbox's rules are proved for both kinds by the core, holes and crash
+tests (parametrised over ``INBOX_KINDS``); here are the seams: the session an
+async handler gets is the transaction's, on every asyncio driver we support,
+and a handler of the wrong kind can never pass for an applied message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from outbox import Disposition, Inbox, create_async_engine
+from outbox.inbox._transaction import TopicHandler
+from tests.inbox_support import TOPIC, AlertLog, applied, async_url, business, dispose, effects, record
+
+
+@pytest.fixture(params=["aiosqlite", "asyncpg", "psycopg"])
+def async_inbox(request: pytest.FixtureRequest, tmp_path) -> Iterator[tuple[Inbox, sa.Engine]]:  # type: ignore[no-untyped-def]
+    """An async Inbox through each asyncio driver, and a sync engine on its database to look."""
+    if request.param == "aiosqlite":
+        url = request.getfixturevalue("sqlite_db")
+    else:
+        url = request.getfixturevalue("postgres_db")
+    driver = {"aiosqlite": "sqlite+aiosqlite", "asyncpg": "postgresql+asyncpg",
+              "psycopg": "postgresql+psycopg"}[request.param]
+    from outbox import create_engine
+
+    engine = create_engine(url)
+    inbox = Inbox(create_async_engine(sa.make_url(async_url(url)).set(drivername=driver)
+                                      .render_as_string(hide_password=False)),
+                  group="async", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    yield inbox, engine
+    dispose(inbox)
+    engine.dispose()
+
+
+def test_the_handler_writes_through_the_transactions_async_session(async_inbox) -> None:  # type: ignore[no-untyped-def]
+    inbox, engine = async_inbox
+    sessions: list[object] = []
+
+    @inbox.handler(TOPIC)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        sessions.append(session)
+        await session.execute(effects.insert().values(topic=message.topic, key=message.key,
+                                                      seq=message.seq, message_id=message.message_id))
+        await asyncio.sleep(0)  # a real suspension inside the transaction
+        if message.seq == 2:
+            raise ValueError("after the write")  # the write must roll back with the transaction
+
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.DUPLICATE
+    assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.PARKED
+    assert applied(engine) == [("a", 1)]  # seq 2's three attempts wrote nothing
+    assert all(isinstance(s, AsyncSession) for s in sessions) and len(sessions) == 4
+    [parked] = inbox.parked()
+    assert (parked.seq, parked.attempts) == (2, 3) and "after the write" in parked.error
+    inbox._handlers[TOPIC] = TopicHandler(_insert)  # the fix is deployed
+    assert inbox.replay(TOPIC, "a").unparked
+    assert applied(engine) == [("a", 1), ("a", 2)]
+
+
+async def _insert(session, message) -> None:  # type: ignore[no-untyped-def]
+    await session.execute(effects.insert().values(topic=message.topic, key=message.key,
+                                                  seq=message.seq, message_id=message.message_id))
+
+
+def test_an_async_batch_handler_gets_the_batch_in_one_awaited_call(async_inbox) -> None:  # type: ignore[no-untyped-def]
+    inbox, engine = async_inbox
+    calls: list[int] = []
+
+    @inbox.batch_handler(TOPIC)
+    async def handle(session, messages):  # type: ignore[no-untyped-def]
+        calls.append(len(messages))
+        await session.execute(effects.insert(), [
+            {"topic": m.topic, "key": m.key, "seq": m.seq, "message_id": m.message_id} for m in messages])
+
+    from outbox.inbox._delivery import decode
+    from tests.inbox_support import settle_all
+
+    deliveries = [decode(record(TOPIC, f"k{n}", 1), accept_foreign=False) for n in range(5)]
+    assert {disposition for _, disposition in settle_all(inbox, deliveries)} == {Disposition.APPLIED}
+    assert calls == [5] and len(applied(engine)) == 5
+
+
+def test_a_handler_of_the_wrong_kind_fails_and_parks_never_applies(async_inbox, sqlite_db: str) -> None:  # type: ignore[no-untyped-def]
+    inbox, engine = async_inbox
+    inbox._handlers[TOPIC] = TopicHandler(lambda session, message: None)  # registered around the check
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
+    assert "not an awaitable" in inbox.parked()[0].error
+
+    from outbox import create_engine
+
+    sync = Inbox(create_engine(sqlite_db), group="sync", retry_backoff=0.001, alert=AlertLog())
+    sync.create_tables()
+    sync._handlers[TOPIC] = TopicHandler(_insert)  # a coroutine nobody awaits would write nothing
+    assert sync.handle(record(TOPIC, "b", 1)) is Disposition.PARKED
+    assert "returned an awaitable" in sync.parked()[0].error
+    assert applied(engine) == []
+
+
+def test_a_blocking_call_from_the_inbox_loop_is_refused_not_a_deadlock(async_inbox) -> None:  # type: ignore[no-untyped-def]
+    inbox, _ = async_inbox
+    refused: list[BaseException] = []
+
+    @inbox.handler(TOPIC)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        try:
+            inbox.parked()
+        except RuntimeError as exc:
+            refused.append(exc)
+        await _insert(session, message)
+
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+    assert len(refused) == 1 and "would wait for itself" in str(refused[0])
+
+
+@pytest.fixture
+def pg_async(postgres_db: str) -> Iterator[tuple[Inbox, sa.Engine]]:
+    """An async Inbox on asyncpg with 16 workers, and a sync engine on its database to look."""
+    from outbox import create_engine
+
+    engine = create_engine(postgres_db)
+    inbox = Inbox(create_async_engine(async_url(postgres_db), pool_size=20), group="async-kafka",
+                  concurrency=16, batch_size=1, retry_backoff=0.001, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    yield inbox, engine
+    dispose(inbox)
+    engine.dispose()
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_time(
+    pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
+) -> None:
+    """Key-ordered concurrency, async: the workers' transactions interleave at the handlers' awaits."""
+    from tests.test_inbox_kafka import produce, running, wait_for
+
+    inbox, engine = pg_async
+    running_now: dict[str, int] = {}
+    peak = {"all": 0, "per_key": 0}
+
+    @inbox.handler(topic)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        running_now[message.key] = running_now.get(message.key, 0) + 1  # one loop: no lock needed
+        peak["all"] = max(peak["all"], sum(running_now.values()))
+        peak["per_key"] = max(peak["per_key"], running_now[message.key])
+        await asyncio.sleep(0.02)  # I/O-bound
+        running_now[message.key] -= 1
+        await _insert(session, message)
+
+    produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)], partition=0)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(engine)) == 200, what="200 applied")
+    assert peak["per_key"] == 1
+    assert peak["all"] >= 8, f"only {peak['all']} handlers ever ran at once on 16 workers"
+    for k in range(40):
+        assert [s for _, s in applied(engine, f"k{k}")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+def test_an_async_handler_waiting_holds_back_only_its_key_and_the_offset(
+    pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
+) -> None:
+    from tests.test_inbox_kafka import committed, produce, running, wait_for
+
+    inbox, engine = pg_async
+    release = asyncio.Event()
+    loop: list[asyncio.AbstractEventLoop] = []
+
+    @inbox.handler(topic)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        if message.key == "slow":
+            loop.append(asyncio.get_running_loop())
+            await asyncio.wait_for(release.wait(), 30)
+        await _insert(session, message)
+
+    produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
+                    *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
+    with running(inbox, kafka, topic):
+        wait_for(lambda: len(applied(engine)) == 21, what="everything but the slow key applied")
+        time.sleep(1.2)  # more than two commit intervals
+        assert committed(kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
+        loop[0].call_soon_threadsafe(release.set)
+        wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
+    assert len(applied(engine)) == 22
