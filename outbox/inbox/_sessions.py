@@ -31,6 +31,7 @@ import greenlet
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import Pool
 from sqlalchemy.util import greenlet_spawn
 
 from .._engine import worker_engine
@@ -116,20 +117,25 @@ class AsyncSessions(Sessions):
         return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), loop).result()
 
 
-_loops: weakref.WeakKeyDictionary[Engine, tuple[asyncio.AbstractEventLoop, threading.Thread]] = (
+_loops: weakref.WeakKeyDictionary[Pool, tuple[asyncio.AbstractEventLoop, threading.Thread]] = (
     weakref.WeakKeyDictionary())
 _loops_lock = threading.Lock()
 
 
 def _loop_of(engine: Engine) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-    """The event loop (and its thread) that every async inbox on ``engine`` uses; started once."""
+    """The event loop (and its thread) that every async inbox on ``engine``'s pool uses; started once.
+
+    Keyed by the pool, not the engine: an engine with other execution options
+    (the READ COMMITTED worker engine on MySQL) shares its pool, and a pooled
+    asyncio connection works only on the loop that opened it.
+    """
     with _loops_lock:
-        found = _loops.get(engine)
+        found = _loops.get(engine.pool)
         if found is None:
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name="outbox-inbox-loop", daemon=True)
             thread.start()
-            found = _loops[engine] = (loop, thread)
+            found = _loops[engine.pool] = (loop, thread)
         return found
 
 
