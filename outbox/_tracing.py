@@ -19,7 +19,7 @@ service that has not set tracing up pays nothing in the relay's hot path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -79,8 +79,12 @@ class SendSpans:
             span.end()
 
 
-def start_send(records: list[Record], message_ids: Sequence[str]) -> tuple[list[Record], SendSpans | None]:
+def start_send(records: list[Record],
+               message_id: Callable[[int], str]) -> tuple[list[Record], SendSpans | None]:
     """A ``send`` span per record that carries a trace context, and its context in the record.
+
+    ``message_id(i)`` names record ``i``; it is asked only for traced records, so
+    a relay without a recording SDK builds nothing per message.
 
     Returns the records to send (traced ones with their ``traceparent``
     replaced by the send span's) and the spans to ``finish``; ``None`` when
@@ -100,7 +104,7 @@ def start_send(records: list[Record], message_ids: Sequence[str]) -> tuple[list[
         attributes: dict[str, Any] = {
             "messaging.system": SYSTEM, "messaging.operation.type": "send",
             "messaging.operation.name": "send", "messaging.destination.name": record.topic,
-            "messaging.message.id": message_ids[i]}
+            "messaging.message.id": message_id(i)}
         if record.key is not None:
             attributes["messaging.kafka.message.key"] = record.key.decode()
         span = tracer.start_span(f"send {record.topic}", context=parent, kind=SpanKind.PRODUCER,

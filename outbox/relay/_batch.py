@@ -166,7 +166,7 @@ class Batch:
         ]
         traced = None
         if TRACING_INSTALLED and records:  # a send span per traced record, when an SDK records
-            records, traced = start_send(records, [str(r[1]) for r in sendable])
+            records, traced = start_send(records, lambda i: str(sendable[i][1]))
         results = self.transport.publish(records) if records else []
         if traced is not None:
             traced.finish(results)
