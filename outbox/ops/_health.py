@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -45,7 +45,8 @@ class DatabaseCheck:
 
     One ping at a time: probes that arrive while a ping hangs (a database that
     is down can keep a connect waiting for minutes) share it instead of piling
-    up threads and connections.
+    up threads and connections. The ping runs on a daemon thread, so a hung
+    connect never delays the worker's exit after SIGTERM.
     """
 
     def __init__(self, engine: Engine, timeout: float = DATABASE_TIMEOUT,
@@ -53,14 +54,15 @@ class DatabaseCheck:
         self._engine = engine
         self._run = run
         self._timeout = timeout
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="outbox-readyz")
         self._pinging: Future[None] | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> str | None:
         with self._lock:
             if self._pinging is None or self._pinging.done():
-                self._pinging = self._executor.submit(self._ping)
+                self._pinging = Future()
+                threading.Thread(target=self._ping, args=(self._pinging,), name="outbox-readyz",
+                                 daemon=True).start()
             pinging = self._pinging
         try:
             pinging.result(self._timeout)
@@ -71,11 +73,16 @@ class DatabaseCheck:
             return f"database unreachable: {first[0] if first else type(exc).__name__}"
         return None
 
-    def _ping(self) -> None:
-        if self._run is not None:  # an async engine's sync side works only where ``run`` calls it
-            self._run(self._select_1)
+    def _ping(self, answer: Future[None]) -> None:
+        try:
+            if self._run is not None:  # an async engine's sync side works only where ``run`` calls it
+                self._run(self._select_1)
+            else:
+                self._select_1()
+        except BaseException as exc:
+            answer.set_exception(exc)
         else:
-            self._select_1()
+            answer.set_result(None)
 
     def _select_1(self) -> None:
         with self._engine.connect() as conn:
