@@ -152,7 +152,8 @@ def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
     request, and librdkafka, trusting the broker, reports the refused one
     delivered (``rd_kafka_handle_idempotent_Produce_success``: "R2 succeeded,
     so R1 was in fact persisted"). On the mock that loses records whatever the
-    client does, waves and one request in flight included (tried), so it
+    pipelining client does, one request in flight per connection included
+    (tried: it still failed in 2 of 6 runs), so it
     cannot be tested here; docs/relay.md ("Hot keys") says what order rests on.
     """
     keys = {"hot": 3000, "other": 300}
