@@ -225,6 +225,14 @@ def for_inbox(inbox, fn):  # type: ignore[no-untyped-def]
     return handler
 
 
+def handles(inbox, topic: str, *, batch: bool = False):  # type: ignore[no-untyped-def]
+    """``@inbox.handler(topic)`` (or ``batch_handler``) for a sync ``fn``, through ``for_inbox``."""
+    def register(fn):  # type: ignore[no-untyped-def]
+        (inbox.batch_handler if batch else inbox.handler)(topic)(for_inbox(inbox, fn))
+        return fn
+    return register
+
+
 def dispose(inbox) -> None:  # type: ignore[no-untyped-def]
     """Close the pool of an async inbox's engine on the inbox's loop (a sync one: the test's job)."""
     if inbox.is_async:

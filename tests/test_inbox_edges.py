@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import sqlalchemy as sa
 
@@ -18,11 +20,16 @@ from outbox import (
 from outbox.inbox._delivery import decode
 from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
+    INBOX_KINDS,
     TOPIC,
     AlertLog,
     applied,
     apply_effect,
     business,
+    dispose,
+    for_inbox,
+    handles,
+    inbox_bind,
     insert_effect,
     insert_effects,
     record,
@@ -31,13 +38,21 @@ from tests.inbox_support import (
 from transports import Record
 
 
+@pytest.fixture(params=INBOX_KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each test runs with a sync Inbox and with one on an AsyncEngine (async handlers)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def inbox(engine: sa.Engine) -> Inbox:
-    box = Inbox(engine, group="g", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+def inbox(engine: sa.Engine, kind: str) -> Iterator[Inbox]:
+    box = Inbox(inbox_bind(engine, kind), group="g", retry_backoff=0.001, retry_backoff_max=0.01,
+                alert=AlertLog())
     box.create_tables()
     business.create_all(engine)
-    box.handler(TOPIC)(apply_effect)
-    return box
+    box.handler(TOPIC)(for_inbox(box, apply_effect))
+    yield box
+    dispose(box)
 
 
 def test_a_foreign_record_parks_with_its_reason_and_the_next_one_is_handled(
@@ -126,7 +141,7 @@ def test_retry_later_does_not_count_as_an_attempt(inbox: Inbox, engine: sa.Engin
             raise RetryLater(0.001, "downstream busy")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(busy_then_ok)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, busy_then_ok))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # 4 > max_attempts, no park
     assert len(calls) == 5
 
@@ -137,7 +152,7 @@ def test_skip_message_records_the_skip_and_moves_the_key_on(inbox: Inbox, engine
         if message.seq == 1:
             raise SkipMessage("order already cancelled")
 
-    inbox._handlers[TOPIC] = TopicHandler(skip_first)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, skip_first))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.SKIPPED
     assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.APPLIED
     m = inbox.tables.inbox_messages
@@ -154,7 +169,7 @@ def test_park_message_parks_at_once(inbox: Inbox) -> None:
         calls.append(1)
         raise ParkMessage("amount must be positive")
 
-    inbox._handlers[TOPIC] = TopicHandler(invalid)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, invalid))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
     assert len(calls) == 1
     assert inbox.parked()[0].error == "ParkMessage: amount must be positive"
@@ -169,7 +184,7 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
         if message.key == "bad":
             raise RuntimeError("after writing: the savepoint must undo this write")
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     batch = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in ("a", "bad", "c")]
     result = inbox.step.apply(batch)
     assert sorted(d.message.key for d, disposition in result.done
@@ -183,47 +198,68 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
         assert sorted(conn.scalars(sa.select(m.c.key))) == ["a", "c"]  # no dedup row for "bad"
 
 
-def batch_inbox(engine: sa.Engine, calls: list[list[str | None]], *, bad: str | None = None) -> Inbox:
-    """An inbox whose batch handler logs each call's keys and fails any call that holds ``bad``."""
-    box = Inbox(engine, group="b", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
-    box.create_tables()
-    business.create_all(engine)
+MakeInbox = Callable[..., Inbox]
 
-    @box.batch_handler(TOPIC)
+
+@pytest.fixture
+def batch_inbox(engine: sa.Engine, kind: str) -> Iterator[MakeInbox]:
+    """``make(calls, bad=None)``: an inbox whose batch handler logs each call's keys and fails
+    any call that holds ``bad``; sync or async as ``kind`` says."""
+    made: list[Inbox] = []
+
+    def make(calls: list[list[str | None]], *, bad: str | None = None) -> Inbox:
+        box = Inbox(inbox_bind(engine, kind), group="b", retry_backoff=0.001, retry_backoff_max=0.01,
+                    alert=AlertLog())
+        made.append(box)
+        box.create_tables()
+        business.create_all(engine)
+        handles(box, TOPIC, batch=True)(logged_batch(calls, bad))
+        return box
+
+    yield make
+    for box in made:
+        dispose(box)
+
+
+def logged_batch(calls: list[list[str | None]], bad: str | None):  # type: ignore[no-untyped-def]
     def handle(session, messages):  # type: ignore[no-untyped-def]
         calls.append([m.key for m in messages])
         insert_effects(session, messages)
         if any(m.key == bad for m in messages):
             raise RuntimeError("after writing: the rollback must undo this call's writes")
 
-    return box
+    return handle
 
 
 def deliveries(*keys: str) -> list:  # type: ignore[type-arg]
     return [decode(record(TOPIC, key, 1), accept_foreign=False) for key in keys]
 
 
-def test_a_batch_handler_gets_the_batch_in_one_call(engine: sa.Engine) -> None:
+def test_a_batch_handler_gets_the_batch_in_one_call(engine: sa.Engine, batch_inbox: MakeInbox) -> None:
     calls: list[list[str | None]] = []
-    box = batch_inbox(engine, calls)
+    box = batch_inbox(calls)
     result = box.step.apply(deliveries("a", "b", "c"))
     assert calls == [["a", "b", "c"]]
     assert [disposition for _, disposition in result.done] == [Disposition.APPLIED] * 3
     assert sorted(applied(engine)) == [("a", 1), ("b", 1), ("c", 1)]
 
 
-def test_a_failed_batch_call_is_redone_one_message_per_call(engine: sa.Engine) -> None:
+def test_a_failed_batch_call_is_redone_one_message_per_call(
+    engine: sa.Engine, batch_inbox: MakeInbox
+) -> None:
     calls: list[list[str | None]] = []
-    box = batch_inbox(engine, calls, bad="bad")
+    box = batch_inbox(calls, bad="bad")
     result = box.step.apply(deliveries("a", "bad", "c"))
     assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
     assert [f.delivery.message.key for f in result.failed] == ["bad"]
     assert sorted(applied(engine)) == [("a", 1), ("c", 1)]
 
 
-def test_a_batch_handler_poison_parks_after_exactly_max_attempts(engine: sa.Engine) -> None:
+def test_a_batch_handler_poison_parks_after_exactly_max_attempts(
+    engine: sa.Engine, batch_inbox: MakeInbox
+) -> None:
     calls: list[list[str | None]] = []
-    box = batch_inbox(engine, calls, bad="bad")
+    box = batch_inbox(calls, bad="bad")
     done = dict((d.message.key, disposition) for d, disposition in
                 settle_all(box, deliveries("a", "bad", "c")))
     assert done == {"a": Disposition.APPLIED, "bad": Disposition.PARKED, "c": Disposition.APPLIED}

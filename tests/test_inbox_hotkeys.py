@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -21,23 +22,31 @@ from outbox import Disposition, Inbox, ParkMessage, RetryLater, SkipMessage
 from outbox.inbox._delivery import Delivery, decode
 from outbox.inbox._schedule import KeyScheduler
 from tests.inbox_support import (
+    INBOX_KINDS,
     TOPIC,
     AlertLog,
     DatabaseOutage,
     applied,
     apply_effect,
     business,
+    dispose,
+    for_inbox,
+    handles,
+    inbox_bind,
     insert_effects,
     record,
 )
 
 
-@pytest.fixture
-def inbox(engine: sa.Engine) -> Inbox:
-    box = Inbox(engine, group="hot", retry_backoff=0.001, retry_backoff_max=0.01, alert=AlertLog())
+@pytest.fixture(params=INBOX_KINDS)
+def inbox(engine: sa.Engine, request: pytest.FixtureRequest) -> Iterator[Inbox]:
+    """An Inbox on ``engine``, or on an AsyncEngine on the same database with async handlers."""
+    box = Inbox(inbox_bind(engine, request.param), group="hot", retry_backoff=0.001,
+                retry_backoff_max=0.01, alert=AlertLog())
     box.create_tables()
     business.create_all(engine)
-    return box
+    yield box
+    dispose(box)
 
 
 def delivery(key: str, seq: int, message_id: uuid.UUID | None = None) -> Delivery:
@@ -81,10 +90,10 @@ def drain(inbox: Inbox, batch: list[Delivery]) -> dict[int, Disposition]:
 
 
 def test_a_key_run_is_one_lock_one_claim_one_commit(inbox: Inbox, engine: sa.Engine) -> None:
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     statements: Counter[str] = Counter()
 
-    @sa.event.listens_for(engine, "before_cursor_execute")
+    @sa.event.listens_for(inbox.engine, "before_cursor_execute")
     def count(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
         text = " ".join(statement.split()).upper()
         for what in ("INSERT INTO INBOX_MESSAGES", "UPDATE INBOX_KEYS", "INBOX_HELD"):
@@ -93,9 +102,9 @@ def test_a_key_run_is_one_lock_one_claim_one_commit(inbox: Inbox, engine: sa.Eng
         if "FROM INBOX_KEYS" in text:
             statements["lock"] += 1
 
-    sa.event.listen(engine, "commit", lambda conn: statements.update(["commit"]))
+    sa.event.listen(inbox.engine, "commit", lambda conn: statements.update(["commit"]))
     result = inbox.step.apply(run_of("a", 1, 50))
-    sa.event.remove(engine, "before_cursor_execute", count)
+    sa.event.remove(inbox.engine, "before_cursor_execute", count)
     assert [disposition for _, disposition in result.done] == [Disposition.APPLIED] * 50
     assert applied(engine, "a") == [("a", seq) for seq in range(1, 51)]
     assert last_seq(inbox, engine, "a") == 50
@@ -107,7 +116,7 @@ def test_a_key_run_is_one_lock_one_claim_one_commit(inbox: Inbox, engine: sa.Eng
 
 
 def test_a_run_that_arrives_out_of_order_applies_in_seq_order(inbox: Inbox, engine: sa.Engine) -> None:
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     batch = [delivery("a", seq) for seq in (3, 1, 2, 5, 4)]
     result = inbox.step.apply(batch)
     assert seqs(result.done) == [1, 2, 3, 4, 5]
@@ -130,7 +139,7 @@ def test_a_failure_mid_run_commits_the_ones_before_and_runs_none_after(
     inbox: Inbox, engine: sa.Engine
 ) -> None:
     calls: list[int] = []
-    inbox.handler(TOPIC)(failing_at({3: 1}, calls))
+    inbox.handler(TOPIC)(for_inbox(inbox, failing_at({3: 1}, calls)))
     settled = inbox.settler.settle(run_of("a", 1, 6))
     assert [(d.message.seq, disposition) for d, disposition in settled.done] == [
         (1, Disposition.APPLIED), (2, Disposition.APPLIED)]
@@ -150,7 +159,7 @@ def test_a_failure_mid_run_commits_the_ones_before_and_runs_none_after(
 
 def test_a_poison_mid_run_parks_with_the_rest_of_its_key_behind_it(inbox: Inbox, engine: sa.Engine) -> None:
     calls: list[int] = []
-    inbox.handler(TOPIC)(failing_at({3: 100}, calls))
+    inbox.handler(TOPIC)(for_inbox(inbox, failing_at({3: 100}, calls)))
     done = drain(inbox, run_of("a", 1, 5) + run_of("b", 1, 2))
     assert done == {1: Disposition.APPLIED, 2: Disposition.APPLIED, 3: Disposition.PARKED,
                     4: Disposition.PARKED, 5: Disposition.PARKED}
@@ -162,7 +171,7 @@ def test_a_poison_mid_run_parks_with_the_rest_of_its_key_behind_it(inbox: Inbox,
         (3, "failed", 3), (4, "key_parked", 0), (5, "key_parked", 0)]
     assert [(a.kind, a.key) for a in inbox.alert] == [("key_parked", "a")]
     inbox._handlers.clear()
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     assert inbox.replay(TOPIC, "a").applied == 3
     assert applied(engine, "a") == [("a", seq) for seq in range(1, 6)]
 
@@ -172,7 +181,7 @@ def test_handler_signals_inside_a_run(inbox: Inbox, engine: sa.Engine) -> None:
     # A skipped seq leaves no business row: this handler does not check the order itself.
     calls: list[int] = []
 
-    @inbox.handler(TOPIC)
+    @handles(inbox, TOPIC)
     def handle_unchecked(session, message):  # type: ignore[no-untyped-def]
         calls.append(message.seq)
         if message.seq == 2:
@@ -200,7 +209,7 @@ def test_handler_signals_inside_a_run(inbox: Inbox, engine: sa.Engine) -> None:
 
 
 def test_duplicates_inside_a_run_apply_once(inbox: Inbox, engine: sa.Engine) -> None:
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     [one] = run_of("a", 1, 1)
     assert inbox.step.apply([one]).done == [(one, Disposition.APPLIED)]
     two, three, four = run_of("a", 2, 4)
@@ -217,7 +226,7 @@ def test_duplicates_inside_a_run_apply_once(inbox: Inbox, engine: sa.Engine) -> 
 
 
 def test_a_held_message_that_becomes_next_joins_the_run(inbox: Inbox, engine: sa.Engine) -> None:
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     assert inbox.handle(record(TOPIC, "a", 4)) is Disposition.HELD
     result = inbox.step.apply([delivery("a", seq) for seq in (2, 3, 5, 6)])
@@ -228,7 +237,7 @@ def test_a_held_message_that_becomes_next_joins_the_run(inbox: Inbox, engine: sa
 
 def test_a_held_copy_of_a_message_the_run_applied_is_removed(inbox: Inbox, engine: sa.Engine) -> None:
     """Seq 3 waits in inbox_held; its fresh copy arrives right behind 2 and runs with it."""
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     inbox.gap_timeout = inbox.gaps.gap_timeout = 0.01
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     three = uuid.uuid4()
@@ -247,7 +256,7 @@ def test_a_batch_handler_gets_each_keys_run_in_seq_order(inbox: Inbox, engine: s
     calls: list[list[tuple[str, int]]] = []
     bad: set[tuple[str, int]] = set()
 
-    @inbox.batch_handler(TOPIC)
+    @handles(inbox, TOPIC, batch=True)
     def handle(session, messages):  # type: ignore[no-untyped-def]
         calls.append([(m.key, m.seq) for m in messages])
         insert_effects(session, messages)
@@ -267,9 +276,9 @@ def test_a_batch_handler_gets_each_keys_run_in_seq_order(inbox: Inbox, engine: s
 
 
 def test_an_outage_mid_run_applies_nothing_and_counts_no_attempt(inbox: Inbox, engine: sa.Engine) -> None:
-    outage = DatabaseOutage(engine)
+    outage = DatabaseOutage(inbox.engine)
 
-    @inbox.handler(TOPIC)
+    @handles(inbox, TOPIC)
     def handle(session, message):  # type: ignore[no-untyped-def]
         apply_effect(session, message)
         if message.seq == 3 and not outage.failures:
@@ -316,19 +325,19 @@ def test_the_scheduler_hands_out_runs_bounded_by_the_batch_size() -> None:
 def test_a_held_backlog_that_becomes_next_runs_as_one_run_up_to_its_next_gap(
     inbox: Inbox, engine: sa.Engine
 ) -> None:
-    inbox.handler(TOPIC)(apply_effect)
+    inbox.handler(TOPIC)(for_inbox(inbox, apply_effect))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     for seq in [*range(3, 41), *range(42, 46)]:  # 41 is missing too
         assert inbox.handle(record(TOPIC, "a", seq)) is Disposition.HELD
     held_statements: list[str] = []
 
-    @sa.event.listens_for(engine, "before_cursor_execute")
+    @sa.event.listens_for(inbox.engine, "before_cursor_execute")
     def count(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
         if "inbox_held" in statement:
             held_statements.append(statement)
 
     result = inbox.step.apply([delivery("a", 2)])
-    sa.event.remove(engine, "before_cursor_execute", count)
+    sa.event.remove(inbox.engine, "before_cursor_execute", count)
     assert seqs(result.done) == list(range(2, 41))
     assert [seq for _, seq in applied(engine, "a")] == list(range(1, 41))
     assert rows(inbox, engine, "inbox_held") == list(range(42, 46))  # behind the gap at 41
@@ -340,9 +349,9 @@ def test_a_held_backlog_that_becomes_next_runs_as_one_run_up_to_its_next_gap(
 def test_an_outage_while_parking_mid_run_keeps_the_failed_message_ahead_of_its_key(
     inbox: Inbox, engine: sa.Engine
 ) -> None:
-    outage = DatabaseOutage(engine, only="INSERT INTO inbox_parked")
+    outage = DatabaseOutage(inbox.engine, only="INSERT INTO inbox_parked")
 
-    @inbox.handler(TOPIC)
+    @handles(inbox, TOPIC)
     def handle(session, message):  # type: ignore[no-untyped-def]
         apply_effect(session, message)
         if message.seq == 2:

@@ -3,6 +3,7 @@ poison and foreign records mid-stream, offsets committed only behind finished wo
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,17 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import Disposition, Inbox
 from outbox.inbox._transaction import TopicHandler
-from tests.inbox_support import AlertLog, applied, apply_effect, business, record
+from tests.inbox_support import (
+    INBOX_KINDS,
+    AlertLog,
+    applied,
+    apply_effect,
+    business,
+    dispose,
+    for_inbox,
+    inbox_bind,
+    record,
+)
 from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 from transports import Record
 from transports.kafka import KafkaSource
@@ -73,13 +84,33 @@ def committed(servers: str, group: str, topic: str) -> dict[int, int]:
         probe.close()
 
 
-def make_inbox(engine: sa.Engine, topic: str, **kwargs) -> Inbox:  # type: ignore[no-untyped-def]
-    options = {"concurrency": 4, "batch_size": 8, "retry_backoff": 0.001, "alert": AlertLog()}
-    box = Inbox(engine, group=f"g-{topic}", **{**options, **kwargs})
-    box.create_tables()
-    business.create_all(engine)
-    box.handler(topic)(apply_effect)
-    return box
+@pytest.fixture(params=INBOX_KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each test runs with a sync Inbox and with one on an AsyncEngine (async handlers)."""
+    return str(request.param)
+
+
+MakeInbox = Callable[..., Inbox]
+
+
+@pytest.fixture
+def make_inbox(kind: str) -> Iterator[MakeInbox]:
+    """``make(engine, topic, **options)``: an Inbox of ``kind`` applying ``apply_effect``."""
+    made: list[Inbox] = []
+
+    def make(engine: sa.Engine, topic: str, *, pool_size: int = 5, **kwargs) -> Inbox:  # type: ignore[no-untyped-def]
+        options = {"concurrency": 4, "batch_size": 8, "retry_backoff": 0.001, "alert": AlertLog()}
+        box = Inbox(inbox_bind(engine, kind, pool_size=pool_size) if kind == "async" else engine,
+                    group=f"g-{topic}", **{**options, **kwargs})
+        made.append(box)
+        box.create_tables()
+        business.create_all(engine)
+        box.handler(topic)(for_inbox(box, apply_effect))
+        return box
+
+    yield make
+    for box in made:
+        dispose(box)
 
 
 def count(engine: sa.Engine, table: sa.Table, *where) -> int:  # type: ignore[no-untyped-def]
@@ -87,7 +118,9 @@ def count(engine: sa.Engine, table: sa.Table, *where) -> int:  # type: ignore[no
         return conn.scalar(sa.select(sa.func.count()).select_from(table).where(*where)) or 0
 
 
-def test_duplicates_on_the_wire_are_applied_once(engine: sa.Engine, kafka: str, topic: str) -> None:
+def test_duplicates_on_the_wire_are_applied_once(
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
+) -> None:
     records = [record(topic, f"k{k}", seq) for seq in range(1, 11) for k in range(20)]
     produce(kafka, records)
     produce(kafka, records)  # the same records again: a producer retry, a relay replay
@@ -102,7 +135,9 @@ def test_duplicates_on_the_wire_are_applied_once(engine: sa.Engine, kafka: str, 
     assert sum(committed(kafka, inbox.group, topic).values()) == 400
 
 
-def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kafka: str, topic: str) -> None:
+def test_out_of_order_on_the_wire_is_applied_in_seq_order(
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
+) -> None:
     inbox = make_inbox(engine, topic, gap_timeout=1.0)
     h = inbox.tables.inbox_held
     with running(inbox, kafka, topic):
@@ -124,12 +159,15 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(engine: sa.Engine, kaf
 
     # After run() returned, the middleware call still retries instead of abandoning.
     attempts = []
-    inbox._handlers[topic] = TopicHandler(lambda session, message: attempts.append(1) or 1 / 0)
+    failing = for_inbox(inbox, lambda session, message: attempts.append(1) or 1 / 0)
+    inbox._handlers[topic] = TopicHandler(failing)
     assert inbox.handle(record(topic, "after-run", 1)) is Disposition.PARKED
     assert len(attempts) == 3
 
 
-def test_poison_and_foreign_records_never_stop_the_stream(engine: sa.Engine, kafka: str, topic: str) -> None:
+def test_poison_and_foreign_records_never_stop_the_stream(
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
+) -> None:
     attempts: list[int] = []
 
     def handler(session, message):  # type: ignore[no-untyped-def]
@@ -139,7 +177,7 @@ def test_poison_and_foreign_records_never_stop_the_stream(engine: sa.Engine, kaf
         apply_effect(session, message)
 
     inbox = make_inbox(engine, topic, foreign_records="park")
-    inbox._handlers[topic] = TopicHandler(handler)
+    inbox._handlers[topic] = TopicHandler(for_inbox(inbox, handler))
     records = [record(topic, key, seq) for seq in range(1, 11) for key in ["K", *map(str, range(30))]]
     produce(kafka, records[:150])
     produce(kafka, [Record(topic=topic, value=b"not ours", key=b"3")])
@@ -170,7 +208,7 @@ def pg_engine(postgres_db: str) -> Iterator[sa.Engine]:
 
 @pytest.mark.postgres
 def test_offsets_stay_behind_the_lowest_unfinished_record(
-    pg_engine: sa.Engine, kafka: str, topic: str
+    pg_engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     release = threading.Event()
 
@@ -179,8 +217,13 @@ def test_offsets_stay_behind_the_lowest_unfinished_record(
             release.wait(30)
         apply_effect(session, message)
 
-    inbox = make_inbox(pg_engine, topic, batch_size=1)
-    inbox._handlers[topic] = TopicHandler(handler)
+    async def async_handler(session, message):  # type: ignore[no-untyped-def]
+        if message.key == "slow":  # waits off the event loop, as real async I/O would
+            await asyncio.to_thread(release.wait, 30)
+        await session.run_sync(apply_effect, message)
+
+    inbox = make_inbox(pg_engine, topic, batch_size=1, pool_size=20)
+    inbox._handlers[topic] = TopicHandler(async_handler if inbox.is_async else handler)
     produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
                     *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
     with running(inbox, kafka, topic):
@@ -194,24 +237,36 @@ def test_offsets_stay_behind_the_lowest_unfinished_record(
 
 @pytest.mark.postgres
 def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
-    pg_engine: sa.Engine, kafka: str, topic: str
+    pg_engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     lock = threading.Lock()
     running_now: dict[str, int] = {}
     peak = {"all": 0, "per_key": 0}
 
-    def handler(session, message):  # type: ignore[no-untyped-def]
+    def enter(key: str) -> None:
         with lock:
-            running_now[message.key] = running_now.get(message.key, 0) + 1
+            running_now[key] = running_now.get(key, 0) + 1
             peak["all"] = max(peak["all"], sum(running_now.values()))
-            peak["per_key"] = max(peak["per_key"], running_now[message.key])
-        time.sleep(0.02)  # I/O-bound
+            peak["per_key"] = max(peak["per_key"], running_now[key])
+
+    def leave(key: str) -> None:
         with lock:
-            running_now[message.key] -= 1
+            running_now[key] -= 1
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        enter(message.key)
+        time.sleep(0.02)  # I/O-bound
+        leave(message.key)
         apply_effect(session, message)
 
-    inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1)
-    inbox._handlers[topic] = TopicHandler(handler)
+    async def async_handler(session, message):  # type: ignore[no-untyped-def]
+        enter(message.key)
+        await asyncio.sleep(0.02)  # I/O-bound, on the event loop
+        leave(message.key)
+        await session.run_sync(apply_effect, message)
+
+    inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1, pool_size=20)
+    inbox._handlers[topic] = TopicHandler(async_handler if inbox.is_async else handler)
     produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
             partition=0)
     with running(inbox, kafka, topic):
@@ -222,14 +277,16 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
         assert [s for _, s in applied(pg_engine, f"k{k}")] == [1, 2, 3, 4, 5]
 
 
-def test_handle_reports_dispositions_for_embedding(engine: sa.Engine, topic: str) -> None:
+def test_handle_reports_dispositions_for_embedding(
+    engine: sa.Engine, topic: str, make_inbox: MakeInbox
+) -> None:
     inbox = make_inbox(engine, topic)
     r = record(topic, "a", 1)
     assert [inbox.handle(r), inbox.handle(r)] == [Disposition.APPLIED, Disposition.DUPLICATE]
 
 
 def test_a_hot_key_runs_in_few_transactions_and_a_failure_inside_keeps_its_order(
-    engine: sa.Engine, kafka: str, topic: str
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     """One key, 600 records (and 200 of them twice): runs of up to batch_size per transaction;
     seq 250 fails twice mid-run, and the rest of the key waits behind it, in order."""
@@ -244,17 +301,17 @@ def test_a_hot_key_runs_in_few_transactions_and_a_failure_inside_keeps_its_order
             failures[message.seq] -= 1
             raise RuntimeError("after writing: rolled back, retried, the key waits")
 
-    inbox._handlers[topic] = TopicHandler(handler)
+    inbox._handlers[topic] = TopicHandler(for_inbox(inbox, handler))
     commits: list[int] = []
 
     def count_commit(conn) -> None:  # type: ignore[no-untyped-def]
         commits.append(1)
 
-    sa.event.listen(engine, "commit", count_commit)
+    sa.event.listen(inbox.engine, "commit", count_commit)
     with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(engine, "hot")) == 600
                  and sum(committed(kafka, inbox.group, topic).values()) == 800, what="all applied")
-    sa.event.remove(engine, "commit", count_commit)
+    sa.event.remove(inbox.engine, "commit", count_commit)
     assert [seq for _, seq in applied(engine, "hot")] == list(range(1, 601))
     assert failures == {250: 0}
     assert len(commits) < 120, f"{len(commits)} commits for 600 messages of one key"
