@@ -36,9 +36,11 @@ def worker_engine(engine: Engine) -> Engine:
     the engine is returned as it is. Publishers need nothing: their seq comes
     from a locking upsert, correct at any level.
     """
-    if engine.dialect.name in ("mysql", "mariadb"):
-        return engine.execution_options(isolation_level="READ COMMITTED")
-    return engine
+    if engine.dialect.name not in ("mysql", "mariadb"):
+        return engine
+    if engine.get_execution_options().get("isolation_level") == "READ COMMITTED":
+        return engine  # already one: SQLAlchemy 2.0 refuses to set the level on a copy again
+    return engine.execution_options(isolation_level="READ COMMITTED")
 
 
 def missing_sqlite_file(url: str) -> str | None:

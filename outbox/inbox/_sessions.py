@@ -160,21 +160,22 @@ def sessions_for(bind: object) -> tuple[Sessions, sessionmaker[Session] | async_
     """The inbox's ``Sessions`` for what the user passed, and the session maker it wraps.
 
     Its transactions run on the worker engine (``worker_engine``: READ COMMITTED
-    on MySQL/MariaDB, the level the inbox's SQL was proved at).
+    on MySQL/MariaDB, the level the inbox's SQL was proved at); a session maker
+    the user passed is copied onto it, keeping its other settings.
     """
     if isinstance(bind, Engine):
-        bind = sessionmaker(worker_engine(bind), expire_on_commit=False)
+        bind = sessionmaker(bind, expire_on_commit=False)
     elif isinstance(bind, AsyncEngine):
-        bind = async_sessionmaker(_async_worker_engine(bind), expire_on_commit=False)
+        bind = async_sessionmaker(bind, expire_on_commit=False)
     if isinstance(bind, sessionmaker) and isinstance(bind.kw.get("bind"), Engine):
-        engine = bind.kw["bind"]
-        if worker_engine(engine) is not engine:
-            bind = sessionmaker(class_=bind.class_, **{**bind.kw, "bind": worker_engine(engine)})
+        engine = worker_engine(bind.kw["bind"])
+        if engine is not bind.kw["bind"]:
+            bind = sessionmaker(class_=bind.class_, **{**bind.kw, "bind": engine})
         return SyncSessions(bind), bind
     if isinstance(bind, async_sessionmaker) and isinstance(bind.kw.get("bind"), AsyncEngine):
-        engine = bind.kw["bind"]
-        if _async_worker_engine(engine) is not engine:
-            bind = async_sessionmaker(class_=bind.class_, **{**bind.kw, "bind": _async_worker_engine(engine)})
+        async_engine = _async_worker_engine(bind.kw["bind"])
+        if async_engine is not bind.kw["bind"]:
+            bind = async_sessionmaker(class_=bind.class_, **{**bind.kw, "bind": async_engine})
         return AsyncSessions(bind), bind
     raise ConfigurationError(f"Inbox needs an Engine or AsyncEngine, or a sessionmaker or "
                              f"async_sessionmaker bound to one, got {bind!r}")
