@@ -11,7 +11,7 @@ from _relay_helpers import ScriptedTransport, drain, publish, rows, seqs_by_key
 
 from outbox import Alert, ConfigurationError, Outbox, Relay, create_engine
 from outbox._sharding import partition_for_key
-from transports import Outcome
+from transports import Outcome, SendResult
 from transports.kafka import KafkaTransport
 from transports.testing import partition_count, read_topic
 
@@ -212,3 +212,41 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(postgres_db:
         (b"b", b"1"), (b"a", b"1"), (b"a", b"2")
     ]
     outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+class AnsweringThen(ScriptedTransport):
+    """Returns ``first`` for the batch's first record and ``rest`` for every other one, once."""
+
+    def __init__(self, first: SendResult, rest: SendResult) -> None:
+        super().__init__()
+        self.first, self.rest = first, rest
+
+    def publish(self, records):  # type: ignore[no-untyped-def]
+        if self.first is None:
+            return super().publish(records)
+        results = [self.first] + [self.rest] * (len(records) - 1)
+        self.first = None  # type: ignore[assignment]
+        return results
+
+
+PURGED = SendResult(Outcome.RETRY, error="Local: Purged in flight", unreachable=True)
+
+
+@pytest.mark.parametrize(("first", "down", "attempts"), [
+    (PURGED, True, [0, 0, 0]),  # no answer for anything: the broker is down, nothing counted
+    # The gap-less stop: the refused record fails (its attempt), the purged rest is not counted.
+    (SendResult(Outcome.FAILED, error="Broker: Invalid record"), False, [1, 0, 0]),
+    # The broker answered one with a retriable error: that batch counts, as it always did.
+    (SendResult(Outcome.RETRY, error="Broker: Not enough in-sync replicas"), False, [1, 1, 1]),
+])
+def test_only_a_batch_without_any_answer_is_a_broker_outage(
+    outbox: Outbox, first: SendResult, down: bool, attempts: list[int]
+) -> None:
+    """After a refused record, the gap-less stop purges the rest unanswered: the record is FAILED,
+    the others wait without an attempt counted, and no broker outage is reported (or logged)."""
+    publish(outbox, "orders", ["a", "b", "c"])
+    relay = Relay(outbox, AnsweringThen(first, PURGED), backoff=FAST)
+    batch = relay.run_once()
+    assert batch.broker_unreachable is down
+    assert [r.attempts for r in rows(outbox)] == attempts
+    relay.close()

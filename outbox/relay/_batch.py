@@ -76,6 +76,8 @@ class BatchResult:
     """Rows delivered but not marked because this relay lost the shard's lease."""
     error: str | None = None
     """The first error of a row to be retried, if any."""
+    broker_unreachable: bool = False
+    """Nothing delivered, nothing refused, no answer for any record: the broker is down."""
 
 
 @dataclass(slots=True)
@@ -93,6 +95,9 @@ class _Plan:
     """Keys whose head was retried or failed: they wait until the write commits."""
     error: str | None
     """The first retriable error."""
+    broker_unreachable: bool
+    """An outage with no record refused: not the gap-less stop after a refused record, whose
+    followers come back purged without an answer from a broker that is up."""
 
 
 class Batch:
@@ -196,7 +201,7 @@ class Batch:
         self.metrics.batch_duration.observe(time.perf_counter() - started)
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
         return BatchResult(fetched=len(rows), sent=len(records), held=len(rows) - len(sendable),
-                           error=plan.error, **outcome)
+                           error=plan.error, broker_unreachable=plan.broker_unreachable, **outcome)
 
     def finish(self) -> None:
         """Wait for the background write of the previous batch, if any; re-raises its error."""
@@ -270,7 +275,8 @@ class Batch:
                 # The wheel holds the key back and wakes the relay; the row is the truth.
                 wheel_key = key if key is not None else (row.topic, str(row.message_id))
                 self.wheel.schedule(wheel_key, mono + delay)
-        return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error)
+        return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error,
+                     broker_unreachable=outage and not failed)
 
     def _write(self, plan: _Plan) -> dict:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""

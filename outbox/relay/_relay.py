@@ -255,8 +255,8 @@ class Relay:
                 # lease maintenance), never here: a relay owning no shards ran none.
                 if batch.published:
                     self.outages.up(Dependency.BROKER)
-                elif batch.retried and batch.error:
-                    self.outages.down(Dependency.BROKER, batch.error)
+                elif batch.broker_unreachable:
+                    self.outages.down(Dependency.BROKER, batch.error or "no delivery report")
                 # A full batch means more may be waiting, unless all of it waits in the
                 # wheel: then fetching again at once would only spin.
                 again = batch.fetched == self.batch_size and batch.sent > 0
