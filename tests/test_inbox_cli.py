@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from outbox.cli import app
@@ -73,6 +74,13 @@ def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: st
 
     still_broken = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target])
     assert still_broken.exit_code == 1 and "stopped: RuntimeError: bug 42" in still_broken.output
+
+    typo = cli.invoke(app, ["parked", "replay", "orders", "K", "--app", target])
+    assert typo.exit_code == 1 and "no key 'K' of topic 'orders' is parked in group 'cli'" in typo.output
+    assert len(typo.output.strip().splitlines()) <= 2, typo.output
+    keys = inbox.tables.inbox_keys
+    with inbox.sessions.kw["bind"].connect() as conn:  # the typo made up no key row
+        assert conn.scalar(sa.select(sa.func.count()).select_from(keys).where(keys.c.key == "K")) == 0
 
     app_module.BROKEN["seq"] = 5  # the fix
     fixed = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target])

@@ -151,8 +151,12 @@ def replay(
     lanes = sorted({(p.topic, p.key) for p in inbox.parked(topic)}, key=lambda lane: (lane[0], lane[1] or ""))
     stopped = 0
     for lane_topic, lane_key in lanes:
-        result = inbox.replay(lane_topic, lane_key)
         name = f"{lane_topic} {lane_key!r}" if lane_key is not None else f"{lane_topic} (unkeyed)"
+        try:
+            result = inbox.replay(lane_topic, lane_key)
+        except NotParkedError:
+            console.print(f"{name}: nothing parked any more (replayed or discarded meanwhile)")
+            continue
         if result.unparked:
             console.print(f"{name}: applied {result.applied}, [green]unparked[/green]")
         else:

@@ -20,7 +20,6 @@ from starlette.responses import Response
 
 from .._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError
-from ..inbox._store_pages import parked_page
 from ..relay import retry_failed, skip_failed
 from ._context import Context, Refused, audit, base
 
@@ -83,12 +82,12 @@ def replay(ctx: Context) -> Handler:
         lines, failures = [], 0
         for topic, key in lanes:
             name = f"{topic}/{key if key is not None else '(unkeyed)'}"
-            if not await run_in_threadpool(_is_parked, ctx, group, topic, key):
-                # replay() of a key with nothing parked would create its key row: refuse instead.
+            try:
+                result = await run_in_threadpool(inbox.replay, topic, key)
+            except NotParkedError:
                 failures += 1
                 lines.append(f"{name}: nothing parked (replayed or discarded meanwhile?)")
                 continue
-            result = await run_in_threadpool(inbox.replay, topic, key)
             audit.info("replay %s group %s by %s (%s): applied %d, remaining %d, unparked %s, error %s",
                        name, group, who, reason, result.applied, result.remaining, result.unparked,
                        result.error)
@@ -123,11 +122,6 @@ def discard(ctx: Context) -> Handler:
         return _done(ctx, request, form, [f"message {message_id} discarded by {who}: {reason}"],
                      default=f"{base(request)}/parked/{group}")
     return act
-
-
-def _is_parked(ctx: Context, group: str, topic: str, key: str | None) -> bool:
-    with ctx.engine.connect() as conn:
-        return bool(parked_page(conn, ctx.outbox.tables, group, topic, key, limit=1))
 
 
 def _lane(value: Any) -> tuple[str, str | None]:

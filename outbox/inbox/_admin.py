@@ -30,7 +30,7 @@ from ._transaction import TransactionStep
 
 
 class NotParkedError(OutboxError, LookupError):
-    """``discard`` named a message that is not in ``inbox_parked`` for this group."""
+    """``discard`` named a message, or ``replay`` a key, with nothing in ``inbox_parked`` for this group."""
 
 
 class DiscardRefusedError(OutboxError, ValueError):
@@ -105,7 +105,10 @@ class ParkedAdmin:
         key parked for a gap): replaying it accepts that the missing messages
         are gone, and they count as duplicates if they arrive later.
         ``key=None`` replays the topic's parked unkeyed messages, oldest first.
-        Foreign records are never replayed: discard them.
+        Foreign records are never replayed: discard them. Raises
+        ``NotParkedError`` when nothing of the key is parked (a typo, or replayed
+        meanwhile), before writing anything: a key row made up for a key never
+        seen would set its start for good.
         """
         return self.sessions.run(self._replay, topic, key)
 
@@ -113,6 +116,12 @@ class ParkedAdmin:
         applied = 0
         lane = (topic, key) if key is not None else None
         store = self.store
+        with self.sessions() as session:
+            state = store.key_states(session, [lane]).get(lane) if lane else None
+            if not (state and state.parked) and not store.parked(session, topic, key, replayable=True,
+                                                                  limit=1):
+                name = f"key {key!r}" if key is not None else "unkeyed message"
+                raise NotParkedError(f"no {name} of topic {topic!r} is parked in group {store.group!r}")
         while True:
             with self.sessions() as session, session.begin():
                 state = store.lock_keys(session, [lane])[lane] if lane else None
