@@ -38,6 +38,11 @@ from tests.inbox_support import (
 from transports import Record
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """These proofs run on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
 @pytest.fixture(params=INBOX_KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
     """Each test runs with a sync Inbox and with one on an AsyncEngine (async handlers)."""

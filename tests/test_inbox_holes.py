@@ -46,6 +46,12 @@ _made: list[Inbox] = []
 _kind = ["sync"]
 
 
+
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """These proofs run on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
 @pytest.fixture(autouse=True, params=INBOX_KINDS)
 def inbox_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test here runs with a sync Inbox and with one on an AsyncEngine (async handlers)."""

@@ -38,6 +38,11 @@ from tests.inbox_support import (
 )
 
 
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """These proofs run on SQLite, PostgreSQL and MySQL/MariaDB."""
+    return proof_db_url
+
 @pytest.fixture(params=INBOX_KINDS)
 def inbox(engine: sa.Engine, request: pytest.FixtureRequest) -> Iterator[Inbox]:
     """An Inbox on ``engine``, or on an AsyncEngine on the same database with async handlers."""
