@@ -3,9 +3,9 @@
 "Insert unless present" is ``INSERT … ON DUPLICATE KEY UPDATE`` with a no-op
 assignment, not ``INSERT IGNORE``, which would also turn a too-long value or a
 NULL into a warning and store something else. Dedup rows go in one multi-row
-``INSERT`` in a savepoint and, only when that meets a duplicate key, row by
-row, each in its own savepoint: so the caller learns which ids were new
-without ``RETURNING``. Every executemany here is an ``INSERT``, which the
+``INSERT`` (InnoDB undoes just that statement when it meets a duplicate key) and,
+only when that meets a duplicate key, row by row, each in its own savepoint: so the
+caller learns which ids were new without ``RETURNING``. Every executemany here is an ``INSERT``, which the
 driver sends as one multi-row statement (an executemany of ``UPDATE``\\ s is a
 round trip per row).
 
@@ -85,8 +85,10 @@ class MySQLWrites:
         """Insert the dedup rows; returns the ids that were new."""
         m = self.t.inbox_messages
         try:
-            with session.begin_nested():
-                session.execute(insert(m), rows)
+            # No savepoint: InnoDB rolls back only the statement that meets a duplicate key
+            # (error 1062), never the transaction, so the batch's earlier writes stand and
+            # the rows go again one by one. A savepoint here cost two round trips a batch.
+            session.execute(insert(m), rows)
             return {row["message_id"] for row in rows}
         except IntegrityError as exc:
             if not _duplicate_key(exc):
