@@ -50,6 +50,24 @@ def test_run_wakes_on_notify_not_on_the_poll_interval(postgres_db: str) -> None:
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
+def test_a_full_batch_is_followed_by_a_fetch_at_once_not_a_poll_wait(proof_db_url: str) -> None:
+    # Where nothing wakes the relay (MySQL, SQLite) a backlog must still drain at batch
+    # speed: after a full batch the next fetch starts at once, whatever poll_interval says.
+    outbox = Outbox(create_engine(proof_db_url))
+    outbox.create_tables()
+    publish(outbox, "orders", [f"k{i % 7}" for i in range(40)])
+    relay = Relay(outbox, ScriptedTransport(), poll_interval=30, batch_size=10)
+    thread = running(relay)
+    try:
+        took = wait_published(outbox, 40, timeout=10)  # four full batches; one poll wait is 30 s
+    finally:
+        relay.stop()
+        thread.join(10)
+        outbox.engine.dispose()  # type: ignore[union-attr]
+    assert not thread.is_alive()
+    assert took < 10
+
+
 def test_run_polls_and_stop_releases_leases(outbox: Outbox) -> None:
     relay = Relay(outbox, ScriptedTransport(), poll_interval=0.05, batch_size=10)
     thread = running(relay)

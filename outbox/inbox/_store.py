@@ -267,6 +267,8 @@ class InboxStore:
             return []
         if self._bulk is not None:
             rows = self._bulk.successors(session, ranges)
+        elif self._mysql is not None:
+            rows = self._mysql.successors(session, ranges)
         else:
             h, wanted = self.t.inbox_held, list(ranges.items())
             rows = []

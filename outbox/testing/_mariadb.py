@@ -30,6 +30,25 @@ _OPTIONS = ("--skip-log-bin", "--innodb-buffer-pool-size=256M", "--max-connectio
             "--skip-name-resolve", "--character-set-server=utf8mb4")
 
 
+DRIVER_VARIABLE = "OUTBOX_TEST_MYSQL_DRIVER"
+
+
+def sync_driver() -> str:
+    """The sync driver the test bed uses: mysqlclient (C) when installed, else PyMySQL.
+
+    mysqlclient decodes rows in C, several times faster than pure-Python PyMySQL
+    (the relay's fetch of 5,000 rows: 0.12 s against 0.42 s); docs/producer.md.
+    ``OUTBOX_TEST_MYSQL_DRIVER=pymysql`` (or ``mysqldb``) chooses one.
+    """
+    if chosen := os.environ.get(DRIVER_VARIABLE):
+        return chosen
+    try:
+        import MySQLdb  # noqa: F401
+    except ImportError:
+        return "pymysql"
+    return "mysqldb"
+
+
 def mariadb_binaries() -> tuple[Path, Path] | None:
     """(mariadbd, mariadb-install-db) from PATH or Debian's layout, or None."""
     server = shutil.which("mariadbd") or next(
@@ -63,8 +82,9 @@ class LocalMariaDB:
         if self._as_user:
             shutil.chown(self._root, "mysql")
         self.port = free_port()
-        self._admin_url = f"mysql+pymysql://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
-        self.url = f"mysql+pymysql://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
+        driver = sync_driver()
+        self._admin_url = f"mysql+{driver}://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
+        self.url = f"mysql+{driver}://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
         self._process: subprocess.Popen[bytes] | None = None
         try:
             _run([*self._as_user, str(install), "--no-defaults", f"--datadir={self._data}",

@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from ._mariadb import local_mariadb, mariadb_binaries
+from ._mariadb import local_mariadb, mariadb_binaries, sync_driver
 from ._postgres import FAST_SETTINGS, local_postgres, postgres_bindir
 
 POSTGRES_URL_VARIABLE = "OUTBOX_TEST_POSTGRES_URL"
@@ -66,7 +66,7 @@ def mysql_url() -> Iterator[str]:
     elif docker_engine_answers():
         from testcontainers.mysql import MySqlContainer
 
-        with MySqlContainer("mysql:8.0", dialect="pymysql", username="root") as container:
+        with MySqlContainer("mysql:8.0", dialect=sync_driver(), username="root") as container:
             yield container.get_connection_url() + "?charset=utf8mb4"
     elif mariadb_binaries() is not None:
         with local_mariadb() as url:
