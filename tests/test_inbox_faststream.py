@@ -249,6 +249,23 @@ async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(pg: s
     assert now["peak"] == 1
 
 
+async def test_faststreams_in_memory_broker_runs_the_inbox_for_unit_tests(pg: sa.Engine, topic: str) -> None:
+    """Not a proof (no Kafka protocol): users' unit tests with ``TestKafkaBroker`` work, dedup included."""
+    from faststream.confluent import TestKafkaBroker
+
+    inbox = Inbox(pg, group=f"g-{topic}", alert=AlertLog())
+    inbox.create_tables()
+    inbox.handler(topic)(apply_effect)
+    broker = KafkaBroker("127.0.0.1:9")
+    subscribe(broker, inbox)
+    r = record(topic, "a", 1)
+    async with TestKafkaBroker(broker) as test_broker:
+        for _ in range(2):
+            await test_broker.publish(r.value, topic, key=r.key,
+                                      headers={name: value.decode() for name, value in r.headers})
+    assert applied(pg) == [("a", 1)]
+
+
 def test_subscribe_refuses_what_would_break_the_guarantees(pg: sa.Engine, topic: str) -> None:
     from faststream import AckPolicy
 
