@@ -249,6 +249,39 @@ async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(pg: s
     assert now["peak"] == 1
 
 
+async def test_several_subscribers_split_the_partitions_and_run_in_parallel(pg: sa.Engine, kafka: str,
+                                                                            topic: str) -> None:
+    """The way to parallelism FastStream leaves: one consumer per ``subscribe`` call, a partition each."""
+    lock = threading.Lock()
+    now = {"running": 0, "peak": 0}
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        with lock:
+            now["running"] += 1
+            now["peak"] = max(now["peak"], now["running"])
+        time.sleep(0.05)
+        with lock:
+            now["running"] -= 1
+        apply_effect(session, message)
+
+    produce(kafka, [record(topic, f"k{k}", seq) for seq in (1, 2) for k in range(40)])
+    inbox = Inbox(create_engine(pg.url, pool_size=8), group=f"g-{topic}", alert=AlertLog())
+    inbox.create_tables()
+    inbox.handler(topic)(handler)
+    broker = KafkaBroker(kafka, allow_auto_create_topics=False)
+    for _ in range(4):
+        subscribe(broker, inbox, **TEST_SUBSCRIBER_SETTINGS)
+    await broker.start()
+    try:
+        await wait_for(lambda: len(applied(pg)) == 80, "80 applied")
+    finally:
+        await broker.stop()
+        inbox.engine.dispose()
+    assert now["peak"] >= 2, "the four consumers never ran two records at once"
+    for k in range(40):
+        assert applied(pg, f"k{k}") == [(f"k{k}", 1), (f"k{k}", 2)]
+
+
 async def test_faststreams_in_memory_broker_runs_the_inbox_for_unit_tests(pg: sa.Engine, topic: str) -> None:
     """Not a proof (no Kafka protocol): users' unit tests with ``TestKafkaBroker`` work, dedup included."""
     from faststream.confluent import TestKafkaBroker
