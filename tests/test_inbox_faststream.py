@@ -315,3 +315,10 @@ def test_subscribe_refuses_what_would_break_the_guarantees(pg: sa.Engine, topic:
         subscribe(broker, inbox, topics=[topic, "elsewhere"])
     with pytest.raises(ConfigurationError, match="every"):
         sweeping(inbox, every=0)
+
+
+def test_without_faststream_the_import_says_what_to_install() -> None:
+    probe = ("import sys; sys.modules['faststream'] = None\n"
+             "try:\n    import outbox.faststream\nexcept ImportError as exc:\n    print(exc)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert 'pip install "transactional-outbox[faststream]"' in out.stdout
