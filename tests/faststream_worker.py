@@ -4,7 +4,7 @@ A FastStream app whose one subscriber is the inbox (``outbox.faststream.subscrib
 with the test handler ``apply_effect``, and the sweep in its lifespan. With
 ``--block-seq N`` the handler prints ``blocked`` and hangs at seq N, before
 its transaction commits, for a test that kills the process there. With
-``--async`` the Inbox is built on an AsyncEngine.
+``--async`` the Inbox is built on an AsyncEngine; ``--broker aiokafka`` uses FastStream's aiokafka broker.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from faststream import FastStream
-from faststream.confluent import KafkaBroker
+from faststream.confluent import KafkaBroker as ConfluentBroker
+from faststream.kafka import KafkaBroker as AiokafkaBroker
 
 from outbox import Inbox, create_engine
 from outbox.faststream import subscribe, sweeping
@@ -30,6 +31,10 @@ TEST_SUBSCRIBER_SETTINGS = {"auto_offset_reset": "earliest", "fetch_max_wait_ms"
                             "session_timeout_ms": 4000, "heartbeat_interval_ms": 500}
 
 
+BROKERS = {"confluent": ConfluentBroker, "aiokafka": AiokafkaBroker}
+"""FastStream's two Kafka brokers: on confluent-kafka (librdkafka) and on aiokafka."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("db")
@@ -37,6 +42,7 @@ def main() -> None:
     parser.add_argument("topic")
     parser.add_argument("group")
     parser.add_argument("--async", dest="asynchronous", action="store_true")
+    parser.add_argument("--broker", choices=sorted(BROKERS), default="confluent")
     parser.add_argument("--block-seq", type=int, default=None)
     args = parser.parse_args()
 
@@ -50,7 +56,8 @@ def main() -> None:
         apply_effect(session, message)
 
     inbox.handler(args.topic)(for_inbox(inbox, handler))
-    broker = KafkaBroker(args.servers, allow_auto_create_topics=False)  # the test created the topic
+    # The test made the topic; creating it through the admin API waits for a controller the mock lacks.
+    broker = BROKERS[args.broker](args.servers.split(","), allow_auto_create_topics=False)
     subscribe(broker, inbox, **TEST_SUBSCRIBER_SETTINGS)
 
     @contextlib.asynccontextmanager

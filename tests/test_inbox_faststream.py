@@ -1,5 +1,6 @@
 """The inbox in front of a FastStream subscriber (``outbox.faststream``), on the session's Kafka-protocol
-broker (librdkafka's mock cluster, never FastStream's in-memory ``TestKafkaBroker``) and PostgreSQL.
+broker (librdkafka's mock cluster, never FastStream's in-memory ``TestKafkaBroker``) and PostgreSQL,
+through both FastStream Kafka brokers: ``faststream.confluent`` and ``faststream.kafka`` (aiokafka).
 
 Each promise is checked in the business table: duplicates applied once, a key's disorder applied in
 seq order, a poison key parked alone and replayed, an unfinished record never committed.
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from faststream.confluent import KafkaBroker
+from faststream.confluent import KafkaBroker as ConfluentBroker
 
 from outbox import ConfigurationError, Inbox, create_engine
 from outbox.faststream import subscribe, sweeping
-from tests.faststream_worker import TEST_SUBSCRIBER_SETTINGS
+from tests.faststream_worker import BROKERS, TEST_SUBSCRIBER_SETTINGS
 from tests.inbox_support import (
     INBOX_KINDS,
     AlertLog,
@@ -51,6 +52,16 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
+@pytest.fixture(params=sorted(BROKERS))
+def broker_kind(request: pytest.FixtureRequest) -> str:
+    """Each FastStream Kafka broker: ``confluent`` (confluent-kafka), ``aiokafka``."""
+    return request.param
+
+
+def new_broker(kind: str, servers: str):  # type: ignore[no-untyped-def]
+    return BROKERS[kind](servers.split(","), allow_auto_create_topics=False)  # the tests produce first
+
+
 @pytest.fixture(params=INBOX_KINDS)
 def make_inbox(request: pytest.FixtureRequest, pg: sa.Engine, topic: str) -> Iterator[Callable[..., Inbox]]:
     """Builds the test's Inbox (sync, or on an AsyncEngine) with ``handler`` for ``topic``."""
@@ -70,9 +81,9 @@ def make_inbox(request: pytest.FixtureRequest, pg: sa.Engine, topic: str) -> Ite
 
 
 @contextlib.asynccontextmanager
-async def consuming(inbox: Inbox, servers: str) -> AsyncIterator[None]:
-    """A FastStream broker with the inbox's subscriber and the sweep, running for the duration."""
-    broker = KafkaBroker(servers, allow_auto_create_topics=False)  # the tests produce first
+async def consuming(inbox: Inbox, servers: str, kind: str) -> AsyncIterator[None]:
+    """A FastStream broker of ``kind`` with the inbox's subscriber and the sweep, running for the duration."""
+    broker = new_broker(kind, servers)
     subscribe(broker, inbox, **TEST_SUBSCRIBER_SETTINGS)
     async with sweeping(inbox, every=0.2):
         await broker.start()
@@ -91,8 +102,8 @@ async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60
         await asyncio.sleep(0.1)
 
 
-async def test_duplicates_in_the_stream_are_applied_once(make_inbox, pg: sa.Engine, kafka: str,
-                                                         topic: str) -> None:
+async def test_duplicates_in_the_stream_are_applied_once(
+        broker_kind: str, make_inbox, pg: sa.Engine, kafka: str, topic: str) -> None:
     records = [record(topic, f"k{k}", seq) for seq in range(1, 5) for k in range(5)]
     produce(kafka, records)
     produce(kafka, records)  # the same records again: a producer retry, a relay replay
@@ -104,7 +115,7 @@ async def test_duplicates_in_the_stream_are_applied_once(make_inbox, pg: sa.Engi
             return conn.scalar(sa.select(sa.func.count()).select_from(seen)
                                .where(seen.c.deliveries == 2)) or 0
 
-    async with consuming(inbox, kafka):
+    async with consuming(inbox, kafka, broker_kind):
         await wait_for(lambda: redelivered() == 20, "20 redeliveries seen")
         await wait_for(lambda: sum(committed(kafka, inbox.group, topic).values()) == 40, "40 committed")
     for k in range(5):
@@ -112,8 +123,8 @@ async def test_duplicates_in_the_stream_are_applied_once(make_inbox, pg: sa.Engi
     assert len(applied(pg)) == 20
 
 
-async def test_a_keys_disorder_is_held_and_applied_in_seq_order(make_inbox, pg: sa.Engine, kafka: str,
-                                                                topic: str) -> None:
+async def test_a_keys_disorder_is_held_and_applied_in_seq_order(
+        broker_kind: str, make_inbox, pg: sa.Engine, kafka: str, topic: str) -> None:
     produce(kafka, [record(topic, "a", 1), record(topic, "gap", 1)], partition=0)
     produce(kafka, [record(topic, "a", 3), record(topic, "gap", 3)], partition=1)
     inbox = make_inbox(gap_timeout=1.0)
@@ -123,7 +134,7 @@ async def test_a_keys_disorder_is_held_and_applied_in_seq_order(make_inbox, pg: 
         with pg.connect() as conn:
             return bool(conn.scalar(sa.select(sa.func.count()).select_from(held).where(held.c.key == "a")))
 
-    async with consuming(inbox, kafka):
+    async with consuming(inbox, kafka, broker_kind):
         await wait_for(lambda: a_held() and applied(pg, "a") == [("a", 1)], "a:1 applied, a:3 held")
         await asyncio.to_thread(produce, kafka, [record(topic, "a", 2)], 2)
         await wait_for(lambda: len(applied(pg, "a")) == 3, "a:2 and a:3 applied")
@@ -135,8 +146,8 @@ async def test_a_keys_disorder_is_held_and_applied_in_seq_order(make_inbox, pg: 
     assert [(a.kind, a.key) for a in inbox.alert if a.kind == "key_parked"] == [("key_parked", "gap")]
 
 
-async def test_a_failing_key_parks_alone_alerts_once_and_replays(make_inbox, pg: sa.Engine, kafka: str,
-                                                                 topic: str) -> None:
+async def test_a_failing_key_parks_alone_alerts_once_and_replays(
+        broker_kind: str, make_inbox, pg: sa.Engine, kafka: str, topic: str) -> None:
     broken = threading.Event()
     broken.set()
     attempts: list[int] = []
@@ -149,7 +160,7 @@ async def test_a_failing_key_parks_alone_alerts_once_and_replays(make_inbox, pg:
 
     produce(kafka, [record(topic, key, seq) for seq in (1, 2) for key in ("bad", "k0", "k1", "k2")])
     inbox = make_inbox(handler)
-    async with consuming(inbox, kafka):
+    async with consuming(inbox, kafka, broker_kind):
         await wait_for(lambda: len(applied(pg)) == 6 and len(inbox.parked(topic, "bad")) == 2,
                        "the other keys applied, bad parked")
         assert attempts == [1, 1, 1]  # three failures of bad:1; bad:2 parked behind it, never run
@@ -168,14 +179,14 @@ async def test_a_failing_key_parks_alone_alerts_once_and_replays(make_inbox, pg:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", INBOX_KINDS)
 def test_a_record_cut_short_by_a_crash_is_not_committed_and_comes_again(
-        postgres_db: str, pg: sa.Engine, kafka: str, topic: str, kind: str) -> None:
+        postgres_db: str, pg: sa.Engine, kafka: str, topic: str, kind: str, broker_kind: str) -> None:
     Inbox(pg, group="unused").create_tables()
     produce(kafka, [record(topic, "a", 1), record(topic, "a", 2)], partition=0)
     group = f"g-{topic}"
-    first = start_worker(postgres_db, kafka, topic, group, kind, "--block-seq", "2")
+    first = start_worker(postgres_db, kafka, topic, group, kind, "--broker", broker_kind, "--block-seq", "2")
     try:
         expect_line(first, b"blocked")  # a:2's handler hangs before its transaction commits
-        # Longer than librdkafka's auto-commit interval (5 s): a consumer that committed on receipt
+        # Longer than the clients' auto-commit interval (5 s): a consumer that committed on receipt
         # (FastStream's default AckPolicy.ACK_FIRST) would have committed a:2 by now.
         time.sleep(6)
         assert applied(pg, "a") == [("a", 1)]
@@ -184,7 +195,7 @@ def test_a_record_cut_short_by_a_crash_is_not_committed_and_comes_again(
         first.kill()
         first.wait(30)
 
-    second = start_worker(postgres_db, kafka, topic, group, kind)
+    second = start_worker(postgres_db, kafka, topic, group, kind, "--broker", broker_kind)
     try:
         deadline = time.monotonic() + 60
         while len(applied(pg, "a")) < 2:
@@ -224,8 +235,8 @@ def start_worker(db: str, kafka: str, topic: str, group: str, kind: str,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE)
 
 
-async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(pg: sa.Engine, kafka: str,
-                                                                           topic: str) -> None:
+async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(
+        broker_kind: str, pg: sa.Engine, kafka: str, topic: str) -> None:
     """What FastStream cannot give that ``Inbox.run`` gives: different keys of one partition in parallel.
     With the commit after the inbox, FastStream's confluent subscriber runs one record at a time."""
     lock = threading.Lock()
@@ -244,14 +255,18 @@ async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(pg: s
     inbox = Inbox(pg, group=f"g-{topic}", concurrency=16, alert=AlertLog())
     inbox.create_tables()
     inbox.handler(topic)(handler)
-    async with consuming(inbox, kafka):
+    async with consuming(inbox, kafka, broker_kind):
         await wait_for(lambda: len(applied(pg)) == 20, "20 keys applied")
     assert now["peak"] == 1
 
 
-async def test_several_subscribers_split_the_partitions_and_run_in_parallel(pg: sa.Engine, kafka: str,
-                                                                            topic: str) -> None:
-    """The way to parallelism FastStream leaves: one consumer per ``subscribe`` call, a partition each."""
+async def test_several_subscribers_split_the_partitions_and_run_in_parallel(
+        pg: sa.Engine, kafka: str, topic: str) -> None:
+    """The way to parallelism FastStream leaves: one consumer per ``subscribe`` call, a partition each.
+
+    Confluent only: aiokafka's SyncGroup for several members gets ``InvalidRequestError`` from
+    librdkafka's mock cluster, so its group never forms there (a real broker is another matter).
+    """
     lock = threading.Lock()
     now = {"running": 0, "peak": 0}
 
@@ -268,7 +283,7 @@ async def test_several_subscribers_split_the_partitions_and_run_in_parallel(pg: 
     inbox = Inbox(create_engine(pg.url, pool_size=8), group=f"g-{topic}", alert=AlertLog())
     inbox.create_tables()
     inbox.handler(topic)(handler)
-    broker = KafkaBroker(kafka, allow_auto_create_topics=False)
+    broker = new_broker("confluent", kafka)
     for _ in range(4):
         subscribe(broker, inbox, **TEST_SUBSCRIBER_SETTINGS)
     await broker.start()
@@ -282,17 +297,20 @@ async def test_several_subscribers_split_the_partitions_and_run_in_parallel(pg: 
         assert applied(pg, f"k{k}") == [(f"k{k}", 1), (f"k{k}", 2)]
 
 
-async def test_faststreams_in_memory_broker_runs_the_inbox_for_unit_tests(pg: sa.Engine, topic: str) -> None:
+async def test_faststreams_in_memory_broker_runs_the_inbox_for_unit_tests(
+        broker_kind: str, pg: sa.Engine, topic: str) -> None:
     """Not a proof (no Kafka protocol): users' unit tests with ``TestKafkaBroker`` work, dedup included."""
-    from faststream.confluent import TestKafkaBroker
+    from faststream.confluent import TestKafkaBroker as ConfluentTestBroker
+    from faststream.kafka import TestKafkaBroker as AiokafkaTestBroker
 
     inbox = Inbox(pg, group=f"g-{topic}", alert=AlertLog())
     inbox.create_tables()
     inbox.handler(topic)(apply_effect)
-    broker = KafkaBroker("127.0.0.1:9")
+    broker = new_broker(broker_kind, "127.0.0.1:9")
     subscribe(broker, inbox)
     r = record(topic, "a", 1)
-    async with TestKafkaBroker(broker) as test_broker:
+    test_broker_class = {"confluent": ConfluentTestBroker, "aiokafka": AiokafkaTestBroker}[broker_kind]
+    async with test_broker_class(broker) as test_broker:
         for _ in range(2):
             await test_broker.publish(r.value, topic, key=r.key,
                                       headers={name: value.decode() for name, value in r.headers})
@@ -303,7 +321,7 @@ def test_subscribe_refuses_what_would_break_the_guarantees(pg: sa.Engine, topic:
     from faststream import AckPolicy
 
     inbox = Inbox(pg, group="billing")
-    broker = KafkaBroker("127.0.0.1:9")
+    broker = ConfluentBroker("127.0.0.1:9")
     with pytest.raises(ConfigurationError, match="at least one"):
         subscribe(broker, inbox)
     inbox.handler(topic)(apply_effect)

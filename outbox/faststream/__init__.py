@@ -8,14 +8,15 @@ FastStream section of docs/consumer.md.
 """
 
 try:
-    import faststream.confluent  # noqa: F401
+    import faststream  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
-        f"outbox.faststream needs FastStream with confluent-kafka ({exc.name} is missing): "
-        'pip install "transactional-outbox[faststream]"'
+        'outbox.faststream needs FastStream: pip install "transactional-outbox[faststream]" '
+        '(confluent-kafka), or faststream[kafka] for the aiokafka broker'
     ) from exc
 
-from ._subscriber import record_of, subscribe
+from ._records import record_of
+from ._subscriber import subscribe
 from ._sweep import sweeping
 
 __all__ = ["record_of", "subscribe", "sweeping"]

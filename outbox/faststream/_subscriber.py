@@ -8,30 +8,27 @@ and re-runs the parked key). Each of those needs the handler on the inbox,
 given the inbox's session; a FastStream body can be called only by FastStream,
 for a message it is delivering now.
 
-Why it commits itself (``AckPolicy.MANUAL``): FastStream's confluent ack
-commits the consumer's positions with an asynchronous ``commit()`` that names
-no offsets; librdkafka reads the positions when it gets to the request, and
-by then the subscriber may have polled the next record, so an unfinished
-record can be committed (seen once in tests/test_inbox_faststream.py's
-crash test). Naming the finished record's offset cannot commit anything after it.
+Why it commits itself (``AckPolicy.MANUAL``): FastStream's default,
+``AckPolicy.ACK_FIRST``, is the client's auto-commit, which commits records
+still in the handler. Its confluent ack commits the consumer's positions
+with an asynchronous ``commit()`` that names no offsets; librdkafka reads the
+positions when it gets to the request, and by then the subscriber may have
+polled the next record, so an unfinished record can be committed (seen once
+in tests/test_inbox_faststream.py's crash test). Naming the finished
+record's offset cannot commit anything after it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from typing import Any
 
-from confluent_kafka import TopicPartition
 from faststream import AckPolicy, Context
-
-from transports import Record
 
 from .._errors import ConfigurationError
 from ..inbox import Inbox
-
-log = logging.getLogger("outbox.inbox")
+from ._records import commit_through, record_of
 
 _OURS = ("group_id", "ack_policy", "max_workers", "batch")
 """Subscriber options ``subscribe`` sets itself: the guarantees depend on them."""
@@ -47,8 +44,9 @@ missing tables: it waits out outages and parks failing handlers itself)."""
 def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None, **options: Any) -> Any:
     """Subscribe ``inbox`` to ``topics`` (default: every topic with a handler) on ``broker``.
 
-    ``broker`` is FastStream's confluent ``KafkaBroker`` or a ``KafkaRouter`` of
-    it (``faststream.confluent``). The subscriber joins the consumer group
+    ``broker`` is a FastStream ``KafkaBroker`` or ``KafkaRouter``, on
+    confluent-kafka (``faststream.confluent``) or aiokafka
+    (``faststream.kafka``). The subscriber joins the consumer group
     ``inbox.group`` and handles one record at a time, in the order received:
     that keeps a key to one thread, as ``Inbox.handle`` requires.
     ``Inbox.handle`` runs on a worker thread, so the event loop goes on
@@ -60,9 +58,9 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
     ``session_timeout_ms`` …); those the guarantees depend on are refused.
     Returns the subscriber.
     """
-    if not type(broker).__module__.startswith("faststream.confluent"):
-        raise ConfigurationError(f"subscribe() needs FastStream's confluent KafkaBroker or KafkaRouter "
-                                 f"(faststream.confluent), got {type(broker).__qualname__}")
+    if not type(broker).__module__.startswith(("faststream.confluent", "faststream.kafka")):
+        raise ConfigurationError(f"subscribe() needs a FastStream Kafka broker or router "
+                                 f"(faststream.confluent or faststream.kafka), got {type(broker).__name__}")
     if clash := sorted(set(options) & set(_OURS)):
         raise ConfigurationError(f"subscribe() sets {', '.join(clash)} itself: one record at a time, "
                                  f"group {inbox.group!r}, committed after the inbox finished it")
@@ -83,28 +81,7 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
             await asyncio.sleep(RETRY_PAUSE)
             await message.nack()  # seeks back to this record: it is polled again, nothing skips it
             raise
-        _commit(message, raw)
+        await commit_through(message)
 
     subscriber(handle_in_inbox)
     return subscriber
-
-
-def _commit(message: Any, raw: Any) -> None:
-    """Commit "everything of ``raw``'s partition before the record after it": nothing later.
-
-    Asynchronous: the next record need not wait for the broker; a commit lost
-    in a crash means one redelivery, dropped as a duplicate. FastStream's
-    in-memory ``TestKafkaBroker`` hands a consumer with nothing to commit on.
-    """
-    consumer = getattr(message.consumer, "consumer", None)  # confluent-kafka's, inside FastStream's wrapper
-    if consumer is not None:
-        consumer.commit(offsets=[TopicPartition(raw.topic(), raw.partition(), raw.offset() + 1)],
-                        asynchronous=True)
-
-
-def record_of(raw: Any) -> Record:
-    """The ``Record`` of a confluent-kafka ``Message``, as ``Inbox.handle`` takes it."""
-    timestamp_type, timestamp = raw.timestamp()
-    return Record(topic=raw.topic(), value=raw.value(), key=raw.key(), headers=list(raw.headers() or ()),
-                  partition=raw.partition(), offset=raw.offset(),
-                  timestamp_ms=timestamp if timestamp_type else None)
