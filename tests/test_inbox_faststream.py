@@ -176,6 +176,21 @@ async def test_a_failing_key_parks_alone_alerts_once_and_replays(
     assert inbox.parked() == []
 
 
+async def test_a_record_the_inbox_could_not_take_comes_again_and_nothing_skips_it(
+        broker_kind: str, pg: sa.Engine, kafka: str, topic: str) -> None:
+    """``handle`` itself raising (here: no inbox tables yet) seeks back; the records wait for the fix."""
+    produce(kafka, [record(topic, "a", 1), record(topic, "a", 2)], partition=0)
+    inbox = Inbox(pg, group=f"g-{topic}", alert=AlertLog())
+    inbox.handler(topic)(apply_effect)
+    async with consuming(inbox, kafka, broker_kind):
+        await asyncio.sleep(3)  # a few deliveries of a:1 fail: the inbox's tables do not exist
+        assert sum(committed(kafka, inbox.group, topic).values()) == 0
+        await asyncio.to_thread(inbox.create_tables)
+        await wait_for(lambda: len(applied(pg)) == 2, "a:1 and a:2 applied once the tables exist")
+        await wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 2, "both committed")
+    assert applied(pg) == [("a", 1), ("a", 2)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", INBOX_KINDS)
 def test_a_record_cut_short_by_a_crash_is_not_committed_and_comes_again(
