@@ -4,11 +4,15 @@ It consumes the ``orders`` events that examples/fastapi_orders.py publishes
 (through a relay) into an ``invoices`` table of the same database, with an
 async inbox: ``order.created`` opens an invoice, ``order.paid`` marks it paid.
 A duplicate is dropped, a ``paid`` that overtook its ``created`` waits for it,
-and an event that fails three times parks its order (only its order) for
-``outbox parked replay orders ORDER_ID``. One command runs it:
+and an event that fails three times parks its order (only its order). One
+command runs it:
 
     DATABASE_URL=postgresql+asyncpg://app@db/app KAFKA_BOOTSTRAP=broker-1:9092 \\
     faststream run examples.faststream_billing:app
+
+and one replays a parked order after the fix, with the same environment:
+
+    outbox parked replay orders ORDER_ID --app examples.faststream_billing:inbox
 """
 
 from __future__ import annotations
