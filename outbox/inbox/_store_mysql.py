@@ -35,6 +35,23 @@ from .._tables import OutboxTables, name_collation
 ER_DUP_ENTRY = 1062
 
 
+def _keys_table(session: Session, param: str, *, seq_range: bool = False) -> Any:
+    """``JSON_TABLE(:param)`` of ``[topic, key]`` (and ``first_seq, last_seq``) rows, to join on.
+
+    The key columns take the tables' collation (``name_collation``), so the join
+    compares keys exactly as the tables do: ``"A"`` is not ``"a"``.
+    """
+    collation = name_collation(session.get_bind().dialect)
+    columns = (f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
+               f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]'")
+    types: dict[str, Any] = {"topic": String(), "key": String()}
+    if seq_range:
+        columns += ", first_seq BIGINT PATH '$[2]', last_seq BIGINT PATH '$[3]'"
+        types.update(first_seq=BigInteger(), last_seq=BigInteger())
+    return text(f"SELECT * FROM JSON_TABLE(:{param}, '$[*]' COLUMNS ({columns})) AS jt"
+                ).columns(**types).subquery("wanted")
+
+
 class MySQLWrites:
     """Statements for one group; every method runs in the caller's transaction."""
 
@@ -45,12 +62,7 @@ class MySQLWrites:
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
         """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq) that exist."""
         k = self.t.inbox_keys
-        collation = name_collation(session.get_bind().dialect)
-        wanted = text(
-            "SELECT * FROM JSON_TABLE(:keys, '$[*]' COLUMNS ("
-            f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
-            f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]')) AS jt"
-        ).columns(topic=String(), key=String()).subquery("wanted")
+        wanted = _keys_table(session, "keys")
         stmt: Any = (
             select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
             .select_from(wanted.join(k, and_(k.c.consumer_group == self.group,
@@ -62,14 +74,7 @@ class MySQLWrites:
     def successors(self, session: Session, ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
         """Held rows of each key with ``first <= seq <= last`` (any order; the caller sorts)."""
         h = self.t.inbox_held
-        collation = name_collation(session.get_bind().dialect)
-        wanted = text(
-            "SELECT * FROM JSON_TABLE(:ranges, '$[*]' COLUMNS ("
-            f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
-            f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]', "
-            "first_seq BIGINT PATH '$[2]', last_seq BIGINT PATH '$[3]')) AS jt"
-        ).columns(topic=String(), key=String(), first_seq=BigInteger(), last_seq=BigInteger()
-                  ).subquery("wanted")
+        wanted = _keys_table(session, "ranges", seq_range=True)
         stmt = select(h).select_from(wanted.join(h, and_(
             h.c.consumer_group == self.group, h.c.topic == wanted.c.topic, h.c.key == wanted.c.key,
             h.c.seq >= wanted.c.first_seq, h.c.seq <= wanted.c.last_seq)))
