@@ -25,10 +25,11 @@ from faststream.kafka import KafkaBroker as AiokafkaBroker
 from outbox import Inbox, create_engine
 from outbox.faststream import subscribe, sweeping
 from tests.inbox_support import apply_effect, for_inbox, inbox_bind
+from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 
-# Shortest session the mock cluster accepts: a killed consumer's partitions move on after 4 s.
-TEST_SUBSCRIBER_SETTINGS = {"auto_offset_reset": "earliest", "fetch_max_wait_ms": 10,
-                            "session_timeout_ms": 4000, "heartbeat_interval_ms": 500}
+# The inbox workers' consumer settings (a killed consumer's partitions move on after 4 s), reading
+# a new group's topic from its start.
+TEST_SUBSCRIBER_SETTINGS = {"auto_offset_reset": "earliest", **TEST_CONSUMER_SETTINGS}
 
 
 BROKERS = {"confluent": ConfluentBroker, "aiokafka": AiokafkaBroker}

@@ -250,10 +250,8 @@ def start_worker(db: str, kafka: str, topic: str, group: str, kind: str,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE)
 
 
-async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(
-        broker_kind: str, pg: sa.Engine, kafka: str, topic: str) -> None:
-    """What FastStream cannot give that ``Inbox.run`` gives: different keys of one partition in parallel.
-    With the commit after the inbox, FastStream's confluent subscriber runs one record at a time."""
+def overlap_counting(pause: float):  # type: ignore[no-untyped-def]
+    """``apply_effect`` after ``pause`` s; ``now["peak"]``: the most calls ever running at once."""
     lock = threading.Lock()
     now = {"running": 0, "peak": 0}
 
@@ -261,10 +259,19 @@ async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(
         with lock:
             now["running"] += 1
             now["peak"] = max(now["peak"], now["running"])
-        time.sleep(0.02)
+        time.sleep(pause)
         with lock:
             now["running"] -= 1
         apply_effect(session, message)
+
+    return handler, now
+
+
+async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(
+        broker_kind: str, pg: sa.Engine, kafka: str, topic: str) -> None:
+    """What FastStream cannot give that ``Inbox.run`` gives: different keys of one partition in parallel.
+    With the commit after the inbox, FastStream's confluent subscriber runs one record at a time."""
+    handler, now = overlap_counting(0.02)
 
     produce(kafka, [record(topic, f"k{k}", 1) for k in range(20)], partition=0)
     inbox = Inbox(pg, group=f"g-{topic}", concurrency=16, alert=AlertLog())
@@ -282,17 +289,7 @@ async def test_several_subscribers_split_the_partitions_and_run_in_parallel(
     Confluent only: aiokafka's SyncGroup for several members gets ``InvalidRequestError`` from
     librdkafka's mock cluster, so its group never forms there (a real broker is another matter).
     """
-    lock = threading.Lock()
-    now = {"running": 0, "peak": 0}
-
-    def handler(session, message):  # type: ignore[no-untyped-def]
-        with lock:
-            now["running"] += 1
-            now["peak"] = max(now["peak"], now["running"])
-        time.sleep(0.05)
-        with lock:
-            now["running"] -= 1
-        apply_effect(session, message)
+    handler, now = overlap_counting(0.05)
 
     produce(kafka, [record(topic, f"k{k}", seq) for seq in (1, 2) for k in range(40)])
     inbox = Inbox(create_engine(pg.url, pool_size=8), group=f"g-{topic}", alert=AlertLog())
