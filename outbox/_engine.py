@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,55 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     On SQLite: WAL journal (readers don't block the writer), a 30 s busy
     timeout, and ``BEGIN IMMEDIATE`` so a transaction takes the write lock at
     its start instead of failing with "database is locked" when it upgrades
-    from reading to writing. Other backends get SQLAlchemy's defaults.
+    from reading to writing. On MySQL/MariaDB through mysqlclient or PyMySQL
+    (unless ``connect_args`` brings a ``conv``): ``DATETIME`` values decoded by
+    ``datetime.fromisoformat``, see ``_fast_datetimes``. Other backends get
+    SQLAlchemy's defaults.
     """
+    connect_args = kwargs.get("connect_args", {})
+    driver = sqlalchemy.make_url(url).get_dialect().driver
+    conversions = _fast_datetimes(driver) if "conv" not in connect_args else None
+    if conversions is not None:
+        kwargs = {**kwargs, "connect_args": {**connect_args, "conv": conversions}}
     engine = sqlalchemy.create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     return engine
+
+
+# The drivers whose DATETIME decoder ``_fast_datetimes`` replaces: driver name -> package.
+_DRIVER_PACKAGES = {"mysqldb": "MySQLdb", "pymysql": "pymysql"}
+
+
+def _fast_datetimes(driver: str) -> dict[Any, Any] | None:
+    """The driver's conversions with DATETIME parsed by ``datetime.fromisoformat`` (C).
+
+    Both drivers parse ``DATETIME(6)`` text in Python (mysqlclient slices and
+    calls ``int`` seven times, PyMySQL runs a regex): ~4 µs a value, two a
+    row, as much as the rest of a relay's fetch of 5,000 rows. What
+    ``fromisoformat`` refuses (zero dates) goes to the driver's own parser.
+    None for any other driver, or when the driver is missing (SQLAlchemy then
+    names it).
+    """
+    package = _DRIVER_PACKAGES.get(driver)
+    if package is None:
+        return None
+    try:
+        converters = importlib.import_module(f"{package}.converters")
+        field_type = importlib.import_module(f"{package}.constants.FIELD_TYPE")
+    except ImportError:
+        return None
+    conversions = dict(converters.conversions)
+    slow = conversions[field_type.DATETIME]
+
+    def datetime_of(text: str | bytes) -> Any:
+        try:
+            return datetime.fromisoformat(text.decode() if isinstance(text, bytes) else text)
+        except ValueError:
+            return slow(text)
+
+    conversions[field_type.DATETIME] = datetime_of
+    return conversions
 
 
 def worker_engine(engine: Engine) -> Engine:

@@ -130,7 +130,7 @@ class Outbox:
         params["shard"] = shard_for_key(params["key"], stored.shard_count)
         if params["key"] is None:
             session.execute(self._sql.unkeyed, params)
-        elif self._sql.keyed is not None:  # PostgreSQL: seq, row and NOTIFY in one statement
+        elif self._sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
             session.execute(self._sql.keyed, params)
         else:
             params["seq"] = self._sql.seq_of(session.execute(self._sql.bump_seq, params))

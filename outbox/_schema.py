@@ -23,6 +23,7 @@ from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, 
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.schema import CreateColumn
 
+from . import _mysql
 from ._envelope import utcnow
 from ._errors import ConfigurationError, SchemaError
 from ._sharding import shard_for_key
@@ -110,6 +111,8 @@ def read(conn: Connection, tables: OutboxTables) -> StoredSchema:
     _check_version(version)
     if "shard_count" not in values:
         raise SchemaError(f"outbox_meta records no shard count: {UPGRADE_HINT}")
+    if conn.dialect.name in MYSQL_FAMILY and (absent := _mysql.missing(conn, tables)):
+        raise SchemaError(f"the outbox tables lack the {' and the '.join(absent)}: {UPGRADE_HINT}")
     return StoredSchema(version, int(values["shard_count"]))
 
 
@@ -119,6 +122,7 @@ def create(conn: Connection, tables: OutboxTables, shards: int | None) -> Stored
     if version is not None:
         _check_version(version)
     tables.metadata.create_all(conn)
+    _create_mysql_objects(conn, tables)
     if version is None:  # empty tables; _shards_in_use still refuses a count leases contradict
         _insert_missing(conn, tables, {"schema_version": SCHEMA_VERSION,
                                        "shard_count": _shards_in_use(conn, tables, shards)})
@@ -147,6 +151,7 @@ def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> 
                 step(conn, tables)
                 _put(conn, tables, "schema_version", version)
     with engine.begin() as conn:
+        _create_mysql_objects(conn, tables)
         if count is not None and "shard_count" not in _look(conn, tables)[1]:
             _put(conn, tables, "shard_count", count)
         check_same_shards(shards, read(conn, tables).shard_count)
@@ -206,6 +211,16 @@ def check(engine: Engine, tables: OutboxTables, *, inbox: bool = False) -> Store
                     raise SchemaError(f"table {table.name} does not exist in this database: "
                                       "run `outbox init-db` (or Inbox.create_tables())")
         return stored
+
+
+def _create_mysql_objects(conn: Connection, tables: OutboxTables) -> None:
+    """MySQL/MariaDB: the seq trigger and the "may block" column, unless there (``_mysql``).
+
+    Not an upgrade step: they come with MySQL support itself, and a database made
+    before they existed (or by ``create_all`` alone) gets them from ``upgrade``.
+    """
+    if conn.dialect.name in MYSQL_FAMILY:
+        _mysql.create(conn, tables)
 
 
 def _look(conn: Connection, tables: OutboxTables) -> tuple[int | None, dict[str, str]]:

@@ -6,13 +6,9 @@ inserted after it in the same transaction, so within a key id order equals seq
 order too. On PostgreSQL the upsert, the insert and the ``pg_notify`` that wakes
 relays at commit are one statement (one round trip).
 
-MySQL and MariaDB have no ``RETURNING`` on an upsert (MySQL none at all), so the
-bump is ``INSERT … ON DUPLICATE KEY UPDATE last_seq = LAST_INSERT_ID(last_seq + 1)``:
-the new value comes back in the statement's own reply as its insert id (the
-documented counter idiom), still one round trip. The update reads and locks the
-latest committed row whatever the isolation level — under InnoDB's REPEATABLE
-READ too, where a plain ``SELECT`` would read an older snapshot — and the lock
-is held to commit, so the order of seqs is the order of commits.
+On MySQL and MariaDB the insert alone is the statement: a trigger made with the
+tables bumps the counter for a keyed row that comes without a seq (``_mysql``).
+Elsewhere (SQLite) the upsert returns the seq and the insert follows.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Executable, Text, bindparam, cast, func, insert, literal, select
-from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
 from ._errors import ConfigurationError
@@ -45,21 +41,12 @@ class PublishStatements:
         self.dialect = dialect
         self.notify = notify_channel if dialect == "postgresql" else None
         keys = tables.keys
-        # Dialects without DML in CTEs: bump_seq first, then insert_with_seq.
-        self._seq_in_insert_id = dialect in MYSQL_FAMILY
-        if self._seq_in_insert_id:
-            self.bump_seq: Executable = mysql.insert(keys).values(
-                topic=bindparam("topic"), key=bindparam("key"), last_seq=func.last_insert_id(1)
-            ).on_duplicate_key_update(last_seq=func.last_insert_id(keys.c.last_seq + 1))
-        else:
-            upsert_module = postgresql if dialect == "postgresql" else sqlite
-            up = upsert_module.insert(keys).values(
-                topic=bindparam("topic"), key=bindparam("key"), last_seq=1
-            )
-            self.bump_seq = up.on_conflict_do_update(
-                index_elements=[keys.c.topic, keys.c.key],
-                set_={"last_seq": keys.c.last_seq + 1},
-            ).returning(keys.c.last_seq)
+        upsert_module = postgresql if dialect == "postgresql" else sqlite
+        up = upsert_module.insert(keys).values(topic=bindparam("topic"), key=bindparam("key"), last_seq=1)
+        self.bump_seq: Executable = up.on_conflict_do_update(
+            index_elements=[keys.c.topic, keys.c.key],
+            set_={"last_seq": keys.c.last_seq + 1},
+        ).returning(keys.c.last_seq)
 
         m = tables.messages
         self._row_values: dict[str, Any] = {name: bindparam(name) for name in _MESSAGE_PARAMS}
@@ -68,7 +55,7 @@ class PublishStatements:
         self.unkeyed = self._with_notify(insert(m).values(seq=None, **self._row_values))
         self.insert_with_seq: Executable = insert(m).values(seq=bindparam("seq"), **self._row_values)
         if dialect == "postgresql":
-            seq = self.bump_seq.cte("next_seq")  # type: ignore[attr-defined]
+            seq = self.bump_seq.cte("next_seq")
             # In INSERT … SELECT the binds don't inherit column types: give them.
             typed = [
                 bindparam(name, type_=m.c[name].type) for name in _MESSAGE_PARAMS
@@ -78,14 +65,13 @@ class PublishStatements:
             self.keyed: Executable | None = self._with_notify(
                 insert(m).from_select(columns, select(*values).select_from(seq))
             )
+        elif dialect in MYSQL_FAMILY:  # the seq trigger numbers the row
+            self.keyed = self.unkeyed
         else:
             self.keyed = None
 
     def seq_of(self, bumped: Result[Any]) -> int:
         """The seq ``bump_seq`` allotted, from its result."""
-        if self._seq_in_insert_id:
-            seq: int = bumped.lastrowid  # type: ignore[attr-defined]  # a CursorResult
-            return seq
         return int(bumped.scalar_one())
 
     def _with_notify(self, stmt: Any) -> Executable:

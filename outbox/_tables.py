@@ -203,7 +203,8 @@ class OutboxTables:
         # Rows that may hold their key back (failed, delayed, waiting for a retry): tiny,
         # so the relay's per-row "does an earlier row block my key" probe is nearly free.
         may_block = (m.status != PUBLISHED) & ((m.status == FAILED) | (m.available_at > m.created_at))
-        # Without partial indexes (MySQL) it would repeat ix_outbox_open_key: not made there.
+        # MySQL and MariaDB have no partial indexes: there ``_mysql`` makes an index of
+        # this name on a generated column holding the predicate.
         Index(
             f"ix_{p}outbox_key_waits", m.topic, m.key, m.seq,
             postgresql_where=may_block, sqlite_where=may_block,
@@ -308,7 +309,7 @@ class OutboxTables:
 
     def _check_identifier_lengths(self) -> None:
         """Refuse a prefix that makes a table, index or constraint name too long for a database."""
-        names: list[str] = []
+        names: list[str] = [self.seq_trigger_name]
         for table in [*self.outbox_tables, *self.inbox_tables]:
             names.append(table.name)
             names += [str(i.name) for i in table.indexes if i.name]
@@ -320,6 +321,11 @@ class OutboxTables:
                 f"table prefix {self.prefix!r} is too long: it makes the name {longest!r} "
                 f"{len(longest)} characters, over the {MAX_IDENTIFIER_LENGTH} that PostgreSQL and "
                 f"MySQL allow; use at most {room} characters")
+
+    @property
+    def seq_trigger_name(self) -> str:
+        """MySQL/MariaDB only: the trigger that numbers a key's messages (``_mysql``)."""
+        return f"{self.prefix}outbox_seq"
 
     @property
     def outbox_tables(self) -> list[Table]:

@@ -1,4 +1,4 @@
-"""The relay's batch rules on SQLite and PostgreSQL: order, retries, failures, delays, restarts."""
+"""The relay's batch rules on SQLite, PostgreSQL and MariaDB: order, retries, failures, delays, restarts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ from transports.kafka import KafkaTransport
 from transports.testing import partition_count, read_topic
 
 FAST = tenacity.wait_fixed(0.3)
+
+
+@pytest.fixture
+def db_url(proof_db_url: str) -> str:
+    """All three databases: MySQL's fetch has its own "an earlier row blocks my key" probe."""
+    return proof_db_url
 
 
 @pytest.mark.kafka

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._leases import fair_share
 from outbox.relay._metrics import relay_metrics
+from outbox.relay._sql import RelayStatements
 from outbox.testing import free_port
 
 
@@ -159,3 +160,27 @@ def test_a_slow_backlog_query_never_delays_lease_renewal(outbox: Outbox, monkeyp
         relay.stop()
         thread.join(15)
     assert calls, "the backlog gauges were never refreshed"
+
+
+@pytest.mark.mysql
+def test_the_mysql_probe_reads_only_the_rows_that_may_block_a_key(mysql_db: str) -> None:
+    """Without partial indexes, MySQL's ix_outbox_key_waits leads with the key and the
+    generated ``may_block``: the fetch's probe uses it, and ``SELECT *`` never shows it."""
+    outbox = Outbox(create_engine(mysql_db))
+    outbox.create_tables()
+    publish(outbox, "orders", ["a", "a"])
+    publish(outbox, "orders", ["a"], delay=timedelta(hours=1))
+    m = outbox.tables.messages
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        conn.execute(sa.update(m).where(m.c.seq == 1).values(status="published"))
+        flags = conn.execute(sa.text(f"SELECT seq, may_block FROM {m.name} ORDER BY seq")).all()
+        assert [tuple(r) for r in flags] == [(1, 0), (2, 0), (3, 1)]
+        assert "may_block" not in list(conn.execute(sa.text(f"SELECT * FROM {m.name}")).keys())
+        fetch = RelayStatements(outbox.tables, conn.dialect.name).fetch(range(16))
+        sent: list[tuple[str, object]] = []
+        sa.event.listen(conn, "before_cursor_execute", lambda *a: sent.append((a[2], a[3])))
+        assert len(conn.execute(fetch, {"now": datetime.now(UTC), "limit": 100}).all()) == 1  # seq 2
+        statement, parameters = sent[-1]
+        plan = conn.exec_driver_sql("EXPLAIN " + statement, parameters).mappings().all()
+    probes = [row for row in plan if row["select_type"] == "DEPENDENT SUBQUERY"]
+    assert [row["key"] for row in probes] == ["ix_outbox_key_waits"], plan
