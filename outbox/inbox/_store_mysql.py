@@ -23,20 +23,43 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import BigInteger, Insert, Row, String, Table, and_, insert, select, text
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Insert,
+    Integer,
+    Row,
+    String,
+    Table,
+    and_,
+    bindparam,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from .._mysql import json_rows, json_table
 from .._tables import OutboxTables, name_collation
 
 ER_DUP_ENTRY = 1062
 
+# inbox_messages' columns besides the group, as ``claim`` sends them.
+_CLAIMED = ("message_id", "topic", "key", "seq", "kafka_partition", "kafka_offset", "created_at",
+            "received_at", "processed_at", "deliveries", "outcome", "note")
+_JSON_TYPES: dict[str, Any] = {
+    "seq": BigInteger(), "kafka_partition": Integer(), "kafka_offset": BigInteger(),
+    "created_at": DateTime(), "received_at": DateTime(), "processed_at": DateTime(), "deliveries": Integer(),
+}
 
-def _keys_table(session: Session, param: str, *, seq_range: bool = False) -> Any:
-    """``JSON_TABLE(:param)`` of ``[topic, key]`` (and ``first_seq, last_seq``) rows, to join on.
+
+def _keys_table(session: Session, param: str, **seqs: BigInteger) -> Any:
+    """``JSON_TABLE(:param)`` of ``[topic, key, *seqs]`` rows, to join on.
 
     The key columns take the tables' collation (``name_collation``), so the join
     compares keys exactly as the tables do: ``"A"`` is not ``"a"``.
@@ -45,9 +68,9 @@ def _keys_table(session: Session, param: str, *, seq_range: bool = False) -> Any
     columns = (f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
                f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]'")
     types: dict[str, Any] = {"topic": String(), "key": String()}
-    if seq_range:
-        columns += ", first_seq BIGINT PATH '$[2]', last_seq BIGINT PATH '$[3]'"
-        types.update(first_seq=BigInteger(), last_seq=BigInteger())
+    for i, name in enumerate(seqs, start=2):
+        columns += f", {name} BIGINT PATH '$[{i}]'"
+    types.update(seqs)
     return text(f"SELECT * FROM JSON_TABLE(:{param}, '$[*]' COLUMNS ({columns})) AS jt"
                 ).columns(**types).subquery("wanted")
 
@@ -58,8 +81,16 @@ class MySQLWrites:
     def __init__(self, tables: OutboxTables, group: str) -> None:
         self.t = tables
         self.group = group
+        m = tables.inbox_messages
+        # The batch's dedup rows from one JSON parameter (``_mysql.json_table``), not a
+        # multi-row INSERT, whose values the driver quotes one by one in Python.
+        claimed = json_table("rows", {c: _JSON_TYPES.get(c, String()) for c in _CLAIMED})
+        self._claim = insert(m).from_select(
+            ["consumer_group", *_CLAIMED],
+            select(bindparam("group", type_=m.c.consumer_group.type), *claimed.c))
 
-    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
+    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]
+                  ) -> list[tuple[str, str, int, bool, int | None]]:
         """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq) that exist."""
         k = self.t.inbox_keys
         wanted = _keys_table(session, "keys")
@@ -69,12 +100,13 @@ class MySQLWrites:
                                               k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)))
             .with_for_update()
         )
-        return list(session.execute(stmt, {"keys": json.dumps([list(key) for key in keys])}).all())
+        rows = session.execute(stmt, {"keys": json.dumps(keys)}).all()
+        return cast(list[tuple[str, str, int, bool, int | None]], rows)
 
     def successors(self, session: Session, ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
         """Held rows of each key with ``first <= seq <= last`` (any order; the caller sorts)."""
         h = self.t.inbox_held
-        wanted = _keys_table(session, "ranges", seq_range=True)
+        wanted = _keys_table(session, "ranges", first_seq=BigInteger(), last_seq=BigInteger())
         stmt = select(h).select_from(wanted.join(h, and_(
             h.c.consumer_group == self.group, h.c.topic == wanted.c.topic, h.c.key == wanted.c.key,
             h.c.seq >= wanted.c.first_seq, h.c.seq <= wanted.c.last_seq)))
@@ -93,7 +125,8 @@ class MySQLWrites:
             # No savepoint: InnoDB rolls back only the statement that meets a duplicate key
             # (error 1062), never the transaction, so the batch's earlier writes stand and
             # the rows go again one by one. A savepoint here cost two round trips a batch.
-            session.execute(insert(m), rows)
+            session.execute(self._claim, {"group": self.group,
+                                          "rows": json_rows([row[c] for c in _CLAIMED] for row in rows)})
             return {row["message_id"] for row in rows}
         except IntegrityError as exc:
             if not _duplicate_key(exc):
@@ -115,12 +148,13 @@ class MySQLWrites:
         session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
 
     def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int]) -> None:
-        """Advance keys whose rows exist and are locked (lock_keys ran first): the upsert only updates."""
-        upsert = mysql.insert(self.t.inbox_keys)
-        session.execute(upsert.on_duplicate_key_update(last_seq=upsert.inserted.last_seq), [
-            {"consumer_group": self.group, "topic": t, "key": key, "last_seq": seq, "parked": False}
-            for (t, key), seq in seqs.items()
-        ])
+        """Advance keys whose rows exist and are locked (lock_keys ran first): one joined UPDATE."""
+        k = self.t.inbox_keys
+        wanted = _keys_table(session, "seqs", last_seq=BigInteger())
+        stmt = (update(k)
+                .where(k.c.consumer_group == self.group, k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)
+                .values(last_seq=wanted.c.last_seq))
+        session.execute(stmt, {"seqs": json.dumps([[t, key, seq] for (t, key), seq in seqs.items()])})
 
 
 def _duplicate_key(error: IntegrityError) -> bool:

@@ -14,10 +14,9 @@ elsewhere (SQLite, in process) it is one executemany.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -36,13 +35,11 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
-    text,
     union_all,
     update,
 )
-from sqlalchemy.types import TypeEngine
 
-from .._mysql import MAY_BLOCK
+from .._mysql import MAY_BLOCK, json_rows, json_table
 from .._pg_arrays import array_params, rows_of
 from .._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 
@@ -196,12 +193,8 @@ class RelayStatements:
     def _mark_mysql(self, conn: Connection, owner: str, marks: Marks, set_: dict[str, Any],
                     per_row: dict[str, Any]) -> int:
         m, leases = self._m, self._leases
-        names = ["id", "shard", "epoch", *per_row]
-        types = {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row}
-        columns = ", ".join(f"{name} {_json_table_type(types[name])} PATH '$[{i}]'"
-                            for i, name in enumerate(names))
-        rows = text(f"SELECT * FROM JSON_TABLE(:rows, '$[*]' COLUMNS ({columns})) AS jt"
-                    ).columns(**types).subquery("v")
+        rows = json_table("rows", {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row},
+                          name="v")
         fenced = exists().where(
             leases.c.shard == rows.c.shard, leases.c.owner == owner, leases.c.epoch == rows.c.epoch
         )
@@ -211,8 +204,7 @@ class RelayStatements:
             .values(**set_, **{name: rows.c[name] for name in per_row})
         )
         values = [marks.ids, marks.shards, marks.epochs, *(marks.values[name] for name in per_row)]
-        batch = json.dumps([[_json_value(v) for v in row] for row in zip(*values, strict=True)])
-        return conn.execute(stmt, {"rows": batch}).rowcount
+        return conn.execute(stmt, {"rows": json_rows(zip(*values, strict=True))}).rowcount
 
     def published(self, conn: Connection, owner: str, marks: Marks, now: datetime) -> int:
         m = self._m
@@ -242,23 +234,6 @@ class RelayStatements:
             conn, owner, marks, {"status": OutboxStatus.FAILED, "attempts": m.c.attempts + 1},
             per_row={"last_error": Text()},
         )
-
-
-def _json_table_type(type_: TypeEngine[Any]) -> str:
-    if isinstance(type_, BigInteger):
-        return "BIGINT"
-    if isinstance(type_, Integer):
-        return "INT"
-    if isinstance(type_, DateTime):
-        return "DATETIME(6)"
-    return "LONGTEXT"
-
-
-def _json_value(value: Any) -> Any:
-    """A mark's value as JSON_TABLE reads it: datetimes as naive UTC text (DATETIME(6))."""
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).replace(tzinfo=None).isoformat(sep=" ")
-    return value
 
 
 def empty_marks() -> Marks:
