@@ -102,8 +102,18 @@ def json_rows(rows: Iterable[Sequence[Any]]) -> str:
     """``rows`` as the JSON that ``json_table`` reads: datetimes as naive UTC text, UUIDs as hex.
 
     Only those two reach ``_json_value`` (``default``): the C encoder writes the rest.
+    A batch repeats its datetimes (one receive time, one processing time), so each
+    is formatted once.
     """
-    return json.dumps(rows if isinstance(rows, list) else list(rows), default=_json_value)
+    formatted: dict[Any, str] = {}
+
+    def text_of(value: Any) -> str:
+        text = formatted.get(value)
+        if text is None:
+            text = formatted[value] = _json_value(value)
+        return text
+
+    return json.dumps(rows if isinstance(rows, list) else list(rows), default=text_of)
 
 
 def _json_table_type(type_: TypeEngine[Any]) -> str:
@@ -116,8 +126,10 @@ def _json_table_type(type_: TypeEngine[Any]) -> str:
     return "LONGTEXT"
 
 
-def _json_value(value: Any) -> Any:
+def _json_value(value: Any) -> str:
     if isinstance(value, datetime):
+        if value.tzinfo is UTC:  # the common case: its text less "+00:00"
+            return value.isoformat(sep=" ")[:-6]
         return value.astimezone(UTC).replace(tzinfo=None).isoformat(sep=" ")
     if isinstance(value, uuid.UUID):
         return value.hex  # the CHAR(32) the tables store

@@ -9,15 +9,19 @@ MariaDB by ``test_seq_order.py`` (the ``engine`` there runs on all three).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, SchemaError, create_engine
+from outbox._mysql import json_rows
 
 pytestmark = pytest.mark.mysql
 
@@ -78,3 +82,18 @@ def test_a_database_without_them_is_refused_by_name_and_upgrade_restores_them(
         fresh.publish(session, "orders", {}, key="o-1")
     with fresh.engine.connect() as conn:  # type: ignore[union-attr]
         assert conn.execute(sa.select(fresh.tables.messages.c.seq)).scalars().all() == [1]
+
+
+def test_json_rows_write_what_json_table_reads() -> None:
+    """Datetimes as naive UTC ``DATETIME(6)`` text whatever their zone, UUIDs as the stored hex."""
+    plus_one = timezone(timedelta(hours=1))
+    shared = datetime(2026, 11, 24, 7, 0, tzinfo=UTC)
+    rows = [(uuid.UUID(int=1), "k", None, 7, shared), (uuid.UUID(int=2), "k", 1.5, True, shared),
+            (uuid.UUID(int=3), None, "x", 0, datetime(2026, 11, 24, 8, 0, 0, 5, tzinfo=plus_one))]
+    assert json.loads(json_rows(iter(rows))) == [
+        ["0" * 31 + "1", "k", None, 7, "2026-11-24 07:00:00"],
+        ["0" * 31 + "2", "k", 1.5, True, "2026-11-24 07:00:00"],
+        ["0" * 31 + "3", None, "x", 0, "2026-11-24 07:00:00.000005"],
+    ]
+    with pytest.raises(TypeError, match="Decimal cannot go into a JSON_TABLE row"):
+        json_rows([[Decimal("1.5")]])
