@@ -52,12 +52,21 @@ def normalize_key(key: object) -> str | None:
 
 
 def validate_content_type(content_type: object) -> str:
+    # Every consumed message is checked, and a service uses a handful of content types:
+    # one set lookup instead of the regex (bounded, so odd senders cannot grow it).
+    if type(content_type) is str and content_type in _VALID_CONTENT_TYPES:
+        return content_type
     if not isinstance(content_type, str) or not _CONTENT_TYPE.fullmatch(content_type):
         raise InvalidContentTypeError(
             f"content_type must be 1-100 visible ASCII characters, a MIME type such as "
             f"'application/avro', got {content_type!r}"
         )
+    if type(content_type) is str and len(_VALID_CONTENT_TYPES) < 64:
+        _VALID_CONTENT_TYPES.add(content_type)
     return content_type
+
+
+_VALID_CONTENT_TYPES: set[str] = set()
 
 
 def validate_headers(headers: Mapping[str, Any] | None) -> dict[str, str]:

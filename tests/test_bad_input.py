@@ -20,7 +20,9 @@ from outbox import (
     OutboxTables,
     PayloadTooLargeError,
     UnserializablePayloadError,
+    _validation,
 )
+from outbox._validation import validate_content_type
 
 OK = {"topic": "orders", "payload": {"ok": True}, "key": "k"}
 
@@ -151,3 +153,14 @@ def test_content_type_labels_bytes_and_str_payloads(engine, outbox):
     with engine.connect() as conn:
         types = conn.scalars(sa.select(m.c.content_type).order_by(m.c.id)).all()
     assert types == ["application/avro", "text/csv; charset=utf-8", "application/octet-stream"]
+
+
+def test_content_types_checked_once_are_remembered_and_the_rest_still_refused() -> None:
+    """The consumer checks every message's content type, so valid ones are remembered; the
+    memory is bounded (a sender of endless odd types cannot grow it) and never lets a bad one by."""
+    for n in range(200):
+        assert validate_content_type(f"application/x-{n}") == f"application/x-{n}"
+    assert len(_validation._VALID_CONTENT_TYPES) <= 64
+    for bad in ["", "a\nb", " leading", "x" * 101, 7, ["application/json"]]:
+        with pytest.raises(InvalidContentTypeError):
+            validate_content_type(bad)
