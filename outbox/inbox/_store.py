@@ -191,9 +191,9 @@ class InboxStore:
         now = utcnow()
         if self._bulk is not None:
             return self._bulk.claim(session, deliveries, now)
-        rows = [self._done_row(d, now) for d in deliveries]
         if self._mysql is not None:
-            return self._mysql.claim(session, rows)
+            return self._mysql.claim(session, deliveries, now, lambda d: self._done_row(d, now))
+        rows = [self._done_row(d, now) for d in deliveries]
         stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
 

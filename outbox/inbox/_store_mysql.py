@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -36,6 +37,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     insert,
+    literal,
     select,
     text,
     update,
@@ -46,15 +48,16 @@ from sqlalchemy.orm import Session
 
 from .._mysql import json_rows, json_table
 from .._tables import OutboxTables, name_collation
+from ._delivery import Delivery
+from ._kinds import Outcome
 
 ER_DUP_ENTRY = 1062
 
-# inbox_messages' columns besides the group, as ``claim`` sends them.
-_CLAIMED = ("message_id", "topic", "key", "seq", "kafka_partition", "kafka_offset", "created_at",
-            "received_at", "processed_at", "deliveries", "outcome", "note")
-_JSON_TYPES: dict[str, Any] = {
-    "seq": BigInteger(), "kafka_partition": Integer(), "kafka_offset": BigInteger(),
-    "created_at": DateTime(), "received_at": DateTime(), "processed_at": DateTime(), "deliveries": Integer(),
+# The per-message columns of inbox_messages, as ``claim`` sends them (the rest are constants).
+_CLAIMS: dict[str, Any] = {
+    "message_id": String(), "topic": String(), "key": String(), "seq": BigInteger(),
+    "kafka_partition": Integer(), "kafka_offset": BigInteger(), "created_at": DateTime(),
+    "received_at": DateTime(),
 }
 
 
@@ -84,10 +87,11 @@ class MySQLWrites:
         m = tables.inbox_messages
         # The batch's dedup rows from one JSON parameter (``_mysql.json_table``), not a
         # multi-row INSERT, whose values the driver quotes one by one in Python.
-        claimed = json_table("rows", {c: _JSON_TYPES.get(c, String()) for c in _CLAIMED})
+        claims = json_table("rows", _CLAIMS)
         self._claim = insert(m).from_select(
-            ["consumer_group", *_CLAIMED],
-            select(bindparam("group", type_=m.c.consumer_group.type), *claimed.c))
+            ["consumer_group", *_CLAIMS, "processed_at", "deliveries", "outcome"],
+            select(literal(group), *claims.c, bindparam("now", type_=m.c.processed_at.type),
+                   literal(1), literal(Outcome.PROCESSED.value)))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]
                   ) -> list[tuple[str, str, int, bool, int | None]]:
@@ -118,25 +122,28 @@ class MySQLWrites:
         ins = mysql.insert(table)  # every unique key of the inbox tables holds consumer_group
         return ins.on_duplicate_key_update(consumer_group=ins.inserted.consumer_group)
 
-    def claim(self, session: Session, rows: list[dict[str, Any]]) -> set[uuid.UUID]:
-        """Insert the dedup rows; returns the ids that were new."""
-        m = self.t.inbox_messages
+    def claim(self, session: Session, deliveries: Sequence[Delivery], now: datetime,
+              row_of: Callable[[Delivery], dict[str, Any]]) -> set[uuid.UUID]:
+        """Insert the dedup rows; returns the ids that were new. ``row_of`` makes the
+        whole row of one delivery, for the one-by-one retry after a duplicate."""
         try:
             # No savepoint: InnoDB rolls back only the statement that meets a duplicate key
             # (error 1062), never the transaction, so the batch's earlier writes stand and
             # the rows go again one by one. A savepoint here cost two round trips a batch.
-            session.execute(self._claim, {"group": self.group,
-                                          "rows": json_rows([row[c] for c in _CLAIMED] for row in rows)})
-            return {row["message_id"] for row in rows}
+            rows = [(d.message.message_id.hex, d.message.topic, d.message.key, d.message.seq,
+                     d.partition, d.offset, d.message.created_at, d.received_at) for d in deliveries]
+            session.execute(self._claim, {"rows": json_rows(rows), "now": now})
+            return {d.message.message_id for d in deliveries}
         except IntegrityError as exc:
             if not _duplicate_key(exc):
                 raise
+        m = self.t.inbox_messages
         new: set[uuid.UUID] = set()
-        for row in rows:
+        for d in deliveries:
             try:
                 with session.begin_nested():
-                    session.execute(insert(m), row)
-                new.add(row["message_id"])
+                    session.execute(insert(m), row_of(d))
+                new.add(d.message.message_id)
             except IntegrityError as exc:
                 if not _duplicate_key(exc):
                     raise
