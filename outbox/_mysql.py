@@ -50,32 +50,20 @@ MAY_BLOCK = "may_block"
 
 def missing(conn: Connection, tables: OutboxTables) -> list[str]:
     """What of the trigger and the column is not in the database, by name."""
-    schema = "COALESCE(:schema, DATABASE())"
-    params = {"schema": tables.schema, "table": tables.messages.name}
-    found = []
-    if conn.execute(text(f"SELECT 1 FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = {schema}"
-                         " AND TRIGGER_NAME = :name AND EVENT_OBJECT_TABLE = :table"),
-                    {**params, "name": tables.seq_trigger_name}).first() is None:
-        found.append(f"trigger {tables.seq_trigger_name}")
-    if conn.execute(text(f"SELECT 1 FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = {schema}"
-                         " AND TABLE_NAME = :table AND COLUMN_NAME = :column"),
-                    {**params, "column": MAY_BLOCK}).first() is None:
-        found.append(f"column {tables.messages.name}.{MAY_BLOCK}")
-    return found
+    absent = [] if _has_trigger(conn, tables) else [f"trigger {tables.seq_trigger_name}"]
+    return absent + ([] if _has_column(conn, tables) else [f"column {tables.messages.name}.{MAY_BLOCK}"])
 
 
 def create(conn: Connection, tables: OutboxTables) -> None:
     """Make what ``missing`` names (the rest is left as it is)."""
-    absent = missing(conn, tables)
     quote = conn.dialect.identifier_preparer
     messages, keys = quote.format_table(tables.messages), quote.format_table(tables.keys)
-    if f"column {tables.messages.name}.{MAY_BLOCK}" in absent:
+    if not _has_column(conn, tables):
         conn.execute(text(
             f"ALTER TABLE {messages} ADD COLUMN {MAY_BLOCK} TINYINT GENERATED ALWAYS AS "
             f"(status = '{FAILED}' OR (status = '{PENDING}' AND available_at > created_at)) "
-            f"STORED INVISIBLE, "
-            f"ADD INDEX ix_{tables.prefix}outbox_key_waits (topic, `key`, {MAY_BLOCK}, seq)"))
-    if f"trigger {tables.seq_trigger_name}" in absent:
+            f"STORED INVISIBLE, ADD INDEX {tables.key_waits_index} (topic, `key`, {MAY_BLOCK}, seq)"))
+    if not _has_trigger(conn, tables):
         trigger = quote.quote(tables.seq_trigger_name)
         if tables.schema:
             trigger = f"{quote.quote_schema(tables.schema)}.{trigger}"
@@ -90,9 +78,30 @@ def create(conn: Connection, tables: OutboxTables) -> None:
             "END"))
 
 
-def json_table(param: str, types: dict[str, TypeEngine[Any]], *, name: str = "jt") -> Any:
-    """A subquery of ``JSON_TABLE(:param)``: one column per ``types`` entry, in that order."""
-    columns = ", ".join(f"`{column}` {_json_table_type(type_)} PATH '$[{i}]'"
+def _has_trigger(conn: Connection, tables: OutboxTables) -> bool:
+    return conn.execute(text(
+        "SELECT 1 FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = COALESCE(:schema, DATABASE())"
+        " AND TRIGGER_NAME = :name AND EVENT_OBJECT_TABLE = :table"),
+        {"schema": tables.schema, "table": tables.messages.name, "name": tables.seq_trigger_name},
+    ).first() is not None
+
+
+def _has_column(conn: Connection, tables: OutboxTables) -> bool:
+    return conn.execute(text(
+        "SELECT 1 FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = COALESCE(:schema, DATABASE())"
+        " AND TABLE_NAME = :table AND COLUMN_NAME = :column"),
+        {"schema": tables.schema, "table": tables.messages.name, "column": MAY_BLOCK},
+    ).first() is not None
+
+
+def json_table(param: str, types: dict[str, TypeEngine[Any]], *, name: str = "jt",
+               sql_types: dict[str, str] | None = None) -> Any:
+    """A subquery of ``JSON_TABLE(:param)``: one column per ``types`` entry, in that order.
+
+    ``sql_types`` overrides a column's SQL type (a collation to join on, say).
+    """
+    declared = sql_types or {}
+    columns = ", ".join(f"`{column}` {declared.get(column) or _json_table_type(type_)} PATH '$[{i}]'"
                         for i, (column, type_) in enumerate(types.items()))
     return text(f"SELECT * FROM JSON_TABLE(:{param}, '$[*]' COLUMNS ({columns})) AS {name}_rows"
                 ).columns(**types).subquery(name)

@@ -206,7 +206,7 @@ class OutboxTables:
         # MySQL and MariaDB have no partial indexes: there ``_mysql`` makes an index of
         # this name on a generated column holding the predicate.
         Index(
-            f"ix_{p}outbox_key_waits", m.topic, m.key, m.seq,
+            self.key_waits_index, m.topic, m.key, m.seq,
             postgresql_where=may_block, sqlite_where=may_block,
         ).ddl_if(dialect=("postgresql", "sqlite"))  # type: ignore[arg-type]  # a tuple is documented
 
@@ -321,6 +321,11 @@ class OutboxTables:
                 f"table prefix {self.prefix!r} is too long: it makes the name {longest!r} "
                 f"{len(longest)} characters, over the {MAX_IDENTIFIER_LENGTH} that PostgreSQL and "
                 f"MySQL allow; use at most {room} characters")
+
+    @property
+    def key_waits_index(self) -> str:
+        """The index of rows that may hold their key back (partial, or on MySQL ``_mysql``'s column)."""
+        return f"ix_{self.prefix}outbox_key_waits"
 
     @property
     def seq_trigger_name(self) -> str:

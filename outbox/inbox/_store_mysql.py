@@ -39,7 +39,6 @@ from sqlalchemy import (
     insert,
     literal,
     select,
-    text,
     update,
 )
 from sqlalchemy.dialects import mysql
@@ -68,14 +67,9 @@ def _keys_table(session: Session, param: str, **seqs: BigInteger) -> Any:
     compares keys exactly as the tables do: ``"A"`` is not ``"a"``.
     """
     collation = name_collation(session.get_bind().dialect)
-    columns = (f"topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[0]', "
-               f"`key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation} PATH '$[1]'")
-    types: dict[str, Any] = {"topic": String(), "key": String()}
-    for i, name in enumerate(seqs, start=2):
-        columns += f", {name} BIGINT PATH '$[{i}]'"
-    types.update(seqs)
-    return text(f"SELECT * FROM JSON_TABLE(:{param}, '$[*]' COLUMNS ({columns})) AS jt"
-                ).columns(**types).subquery("wanted")
+    return json_table(param, {"topic": String(), "key": String(), **seqs}, name="wanted", sql_types={
+        "topic": f"VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation}",
+        "key": f"VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation}"})
 
 
 class MySQLWrites:

@@ -76,13 +76,12 @@ class RelayStatements:
                          and_(prior.c.status == OutboxStatus.PENDING, prior.c.available_at > now))
         same_key_before = (prior.c.topic == m.c.topic, prior.c.key == m.c.key, prior.c.seq < m.c.seq)
         if self.mysql:
-            # There the index's predicate is its generated column (``_tables``), which the
+            # There the index's predicate is its generated column (``_mysql``), which the
             # probe names; forced, as the planner prefers ix_outbox_open_key's shorter
             # prefix and would walk every earlier row of the key.
-            index = f"ix_{tables.prefix}outbox_key_waits"
             key_waits = exists(
                 select(literal_column("1")).select_from(prior)
-                .with_hint(prior, f"FORCE INDEX ({index})")
+                .with_hint(prior, f"FORCE INDEX ({tables.key_waits_index})")
                 .where(literal_column(f"prior.{MAY_BLOCK}") == 1, *same_key_before, blocks_now))
         else:
             key_waits = exists().where(
