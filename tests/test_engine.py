@@ -1,7 +1,9 @@
-"""``worker_engine`` (the READ COMMITTED copy the relay and the inbox run on, on MySQL/MariaDB
+"""``worker_engine`` (the copy the relay and the inbox run on, at READ COMMITTED on MySQL/MariaDB
 only) and ``create_engine``'s DATETIME decoder for the MySQL drivers.
 
-No server is needed: an engine connects on first use, and these only build engines.
+Most need no server (an engine connects on first use, and they only build engines); the
+two ``mysql`` ones pass one pooled connection between a worker and the application on a
+real server.
 """
 
 from __future__ import annotations
@@ -13,39 +15,95 @@ import pytest
 import sqlalchemy as sa
 from pymysql.constants import FIELD_TYPE
 from sqlalchemy.ext.asyncio import async_sessionmaker
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from outbox import create_async_engine, create_engine
-from outbox._engine import _fast_datetimes, worker_engine
+from outbox._engine import _WORKER, _fast_datetimes, _keep_levels, worker_engine
+from outbox._outage import is_database_outage
 from outbox.inbox._sessions import sessions_for
 
 MYSQL = "mysql+pymysql://app@127.0.0.1:1/shop"
 POSTGRES = "postgresql+psycopg://app@127.0.0.1:1/shop"
 
 
-def test_mysql_workers_run_at_read_committed_on_the_same_pool() -> None:
+def test_mysql_workers_share_the_pool_on_a_marked_copy() -> None:
     engine = create_engine(MYSQL)
     worker = worker_engine(engine)
-    assert worker.get_execution_options()["isolation_level"] == "READ COMMITTED"
+    assert worker.get_execution_options()[_WORKER] is True
     assert worker.pool is engine.pool
-    assert "isolation_level" not in engine.get_execution_options()  # the publishers' engine is untouched
+    assert _WORKER not in engine.get_execution_options()  # the publishers' engine is untouched
+    assert "isolation_level" not in worker.get_execution_options()  # no set and reset per checkout
+    assert sa.event.contains(engine, "engine_connect", _keep_levels)
 
 
 def test_a_worker_engine_is_made_once_whatever_passes_it_on() -> None:
-    """SQLAlchemy 2.0 (the floor in pyproject) refuses to set the isolation level on an engine
-    copy again ("No such event 'engine_connect'"), so a second pass must return the copy as is."""
     worker = worker_engine(create_engine(MYSQL))
     assert worker_engine(worker) is worker
     _, maker = sessions_for(worker)
     assert isinstance(maker, sessionmaker) and maker.kw["bind"] is worker
     _, maker = sessions_for(sessionmaker(worker_engine(create_engine(MYSQL))))
-    assert maker.kw["bind"].get_execution_options()["isolation_level"] == "READ COMMITTED"
+    assert maker.kw["bind"].get_execution_options()[_WORKER] is True
 
 
-def test_an_async_mysql_inbox_runs_at_read_committed() -> None:
-    _, maker = sessions_for(create_async_engine(MYSQL.replace("pymysql", "asyncmy")))
+def test_the_level_keeper_listens_on_the_root_engine_whose_connections_it_must_switch_back() -> None:
+    """Given a copy (``engine.execution_options(...)``), the listener still goes on the engine the
+    application checks connections out of: on the copy it would never see them."""
+    engine = create_engine(MYSQL)
+    worker_engine(engine.execution_options(logging_token="a").execution_options(logging_token="b"))
+    assert sa.event.contains(engine, "engine_connect", _keep_levels)
+
+
+def test_an_async_mysql_inbox_runs_on_a_marked_copy() -> None:
+    engine = create_async_engine(MYSQL.replace("pymysql", "asyncmy"))
+    _, maker = sessions_for(engine)
     assert isinstance(maker, async_sessionmaker)
-    assert maker.kw["bind"].sync_engine.get_execution_options()["isolation_level"] == "READ COMMITTED"
+    assert maker.kw["bind"].sync_engine.get_execution_options()[_WORKER] is True
+    assert sa.event.contains(engine.sync_engine, "engine_connect", _keep_levels)
+
+
+@pytest.mark.mysql
+def test_a_worker_switches_a_connection_to_read_committed_once_and_the_application_gets_it_back(
+        mysql_db: str) -> None:
+    """One pooled connection passed between a worker and the application on a real server: the
+    worker's transactions see READ COMMITTED, the application's its engine's level (InnoDB's
+    REPEATABLE READ), and a worker reusing the connection sends no SET (the server's own count)."""
+    engine = create_engine(mysql_db, pool_size=1, max_overflow=0)
+    worker = worker_engine(engine)
+
+    def level_and_sets(conn: sa.Connection) -> tuple[str, int]:
+        sets = conn.exec_driver_sql("SHOW SESSION STATUS LIKE 'Com_set_option'").one()[1]
+        return conn.get_isolation_level(), int(sets)
+
+    with worker.connect() as conn:
+        level, sets = level_and_sets(conn)
+        assert level == "READ COMMITTED"
+    for _ in range(3):
+        with worker.connect() as conn:
+            assert level_and_sets(conn) == ("READ COMMITTED", sets)
+    with engine.connect() as conn:
+        assert level_and_sets(conn)[0] == "REPEATABLE READ"
+    with Session(worker) as session:
+        assert session.connection().get_isolation_level() == "READ COMMITTED"
+    engine.dispose()
+
+
+@pytest.mark.mysql
+def test_a_connection_that_died_while_switched_is_dropped_not_handed_out_again(mysql_db: str) -> None:
+    """The server ends a worker's connection while it sits in the pool; the application's
+    checkout fails to switch it back, and the next one gets a fresh connection."""
+    engine = create_engine(mysql_db, pool_size=1, max_overflow=0)
+    worker = worker_engine(engine)
+    with worker.connect() as conn:
+        dead = conn.exec_driver_sql("SELECT CONNECTION_ID()").scalar()
+    with sa.create_engine(mysql_db, poolclass=sa.NullPool).connect() as admin:
+        admin.exec_driver_sql(f"KILL {dead}")
+    with pytest.raises(Exception) as failed:
+        engine.connect()
+    assert is_database_outage(failed.value)  # waited out by a worker, not counted against a message
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT CONNECTION_ID()").scalar() != dead
+        assert conn.get_isolation_level() == "REPEATABLE READ"
+    engine.dispose()
 
 
 def test_other_databases_keep_their_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -149,13 +149,6 @@ def await_result(awaitable: Any) -> Any:
     return await_(awaitable)
 
 
-def _async_worker_engine(engine: AsyncEngine) -> AsyncEngine:
-    """``worker_engine`` for an ``AsyncEngine``: READ COMMITTED on MySQL/MariaDB, else itself."""
-    if worker_engine(engine.sync_engine) is engine.sync_engine:
-        return engine
-    return engine.execution_options(isolation_level="READ COMMITTED")
-
-
 def sessions_for(bind: object) -> tuple[Sessions, sessionmaker[Session] | async_sessionmaker[AsyncSession]]:
     """The inbox's ``Sessions`` for what the user passed, and the session maker it wraps.
 
@@ -173,7 +166,7 @@ def sessions_for(bind: object) -> tuple[Sessions, sessionmaker[Session] | async_
             bind = sessionmaker(class_=bind.class_, **{**bind.kw, "bind": engine})
         return SyncSessions(bind), bind
     if isinstance(bind, async_sessionmaker) and isinstance(bind.kw.get("bind"), AsyncEngine):
-        async_engine = _async_worker_engine(bind.kw["bind"])
+        async_engine = worker_engine(bind.kw["bind"])
         if async_engine is not bind.kw["bind"]:
             bind = async_sessionmaker(class_=bind.class_, **{**bind.kw, "bind": async_engine})
         return AsyncSessions(bind), bind
