@@ -84,9 +84,10 @@ def _dbapi_outage(error: DBAPIError) -> bool:
 def _raw_mysql_outage(error: BaseException) -> bool:
     """A MySQL driver's own error that SQLAlchemy let through unwrapped.
 
-    SQLAlchemy sets a checked-out connection's isolation level (the relay's and
-    inbox's READ COMMITTED) outside its error wrapping, so a pooled connection
-    the server dropped surfaces there as the driver's bare error.
+    A checked-out connection's isolation level (the relay's and inbox's READ
+    COMMITTED, and back, ``outbox._engine._keep_levels``) is set outside
+    SQLAlchemy's error wrapping, so a pooled connection the server dropped
+    surfaces there as the driver's bare error.
     """
     code = _mysql_error_code(error)
     if code is None:
