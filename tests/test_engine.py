@@ -21,6 +21,7 @@ from outbox import create_async_engine, create_engine
 from outbox._engine import _WORKER, _fast_datetimes, _keep_levels, worker_engine
 from outbox._outage import is_database_outage
 from outbox.inbox._sessions import sessions_for
+from tests.inbox_support import async_url
 
 MYSQL = "mysql+pymysql://app@127.0.0.1:1/shop"
 POSTGRES = "postgresql+psycopg://app@127.0.0.1:1/shop"
@@ -85,6 +86,20 @@ def test_a_worker_switches_a_connection_to_read_committed_once_and_the_applicati
     with Session(worker) as session:
         assert session.connection().get_isolation_level() == "READ COMMITTED"
     engine.dispose()
+
+
+@pytest.mark.mysql
+async def test_an_async_worker_switches_through_the_async_driver_too(mysql_db: str) -> None:
+    """asyncmy: the switch runs inside SQLAlchemy's greenlet bridge, as the statements do."""
+    engine = create_async_engine(async_url(mysql_db), pool_size=1, max_overflow=0)
+    worker = worker_engine(engine)
+    async with worker.connect() as conn:
+        assert await conn.get_isolation_level() == "READ COMMITTED"
+    async with engine.connect() as conn:
+        assert await conn.get_isolation_level() == "REPEATABLE READ"
+    async with worker.connect() as conn:
+        assert await conn.get_isolation_level() == "READ COMMITTED"
+    await engine.dispose()
 
 
 @pytest.mark.mysql
