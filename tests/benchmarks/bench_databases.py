@@ -89,7 +89,8 @@ which sends a `SET` at every checkout and another at every checkin: two of the e
 of a batch (8% of the worker threads' samples). A connection is now switched once, when a worker
 takes it, and back only when the application's engine does (`outbox/_engine.py`). Its upper
 bound, measured first: with the server itself at READ COMMITTED and no switching, four
-alternating pairs of inbox runs gave 13,000 to 15,000 msg/s against 12,100 to 13,700 (noisy, ~10%). What is left is spread thin: decoding envelopes (pydantic's
+alternating pairs of inbox runs gave 13,000 to 15,000 msg/s against 12,100 to 13,700 (noisy,
+~10%). What is left is spread thin: decoding envelopes (pydantic's
 `model_construct`, the JSON check of each payload), the benchmark's own handler (an executemany
 the driver quotes), and the server on the same two cores."""
 
