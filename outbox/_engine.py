@@ -117,21 +117,26 @@ def _keep_levels(connection: Connection) -> None:
     it as an outage); the connection is invalidated first, so the pool does not
     hand it out again.
     """
-    worker = bool(connection.get_execution_options().get(_WORKER))
+    options = connection.get_execution_options()
+    worker = bool(options.get(_WORKER))
+    # An engine copy with its own ``isolation_level`` option: SQLAlchemy has just set that
+    # level (a copy's own listeners run before its parent's, where this one is) and puts the
+    # engine's level back at checkin. Leave it, unless a worker was built on such a copy.
+    theirs = "isolation_level" in options
     pooled = connection.connection
-    if pooled.info.get(_AT_READ_COMMITTED, False) == worker:
+    if not theirs and pooled.info.get(_AT_READ_COMMITTED, False) == worker:
         return
     dbapi = pooled.dbapi_connection
     assert dbapi is not None  # a connection just checked out has one
     try:
         if worker:
             connection.dialect.set_isolation_level(dbapi, "READ COMMITTED")
-        else:
+        elif not theirs:
             connection.dialect.reset_isolation_level(dbapi)
     except Exception:
         connection.invalidate()
         raise
-    pooled.info[_AT_READ_COMMITTED] = worker
+    pooled.info[_AT_READ_COMMITTED] = worker and not theirs
 
 
 def missing_sqlite_file(url: str) -> str | None:

@@ -89,6 +89,23 @@ def test_a_worker_switches_a_connection_to_read_committed_once_and_the_applicati
 
 
 @pytest.mark.mysql
+def test_an_engine_copy_with_its_own_level_keeps_it_and_a_worker_built_on_one_still_reads_committed(
+        mysql_db: str) -> None:
+    """The application's ``engine.execution_options(isolation_level=...)`` copies: SQLAlchemy sets
+    their level at checkout and resets it at checkin, around the worker's switch."""
+    engine = create_engine(mysql_db, pool_size=1, max_overflow=0)
+    serializable = engine.execution_options(isolation_level="SERIALIZABLE")
+    worker = worker_engine(engine)
+    levels = []
+    for user in (worker, serializable, engine, worker, worker_engine(serializable), worker, engine):
+        with user.connect() as conn:
+            levels.append(conn.get_isolation_level())
+    assert levels == ["READ COMMITTED", "SERIALIZABLE", "REPEATABLE READ", "READ COMMITTED",
+                      "READ COMMITTED", "READ COMMITTED", "REPEATABLE READ"]
+    engine.dispose()
+
+
+@pytest.mark.mysql
 async def test_an_async_worker_switches_through_the_async_driver_too(mysql_db: str) -> None:
     """asyncmy: the switch runs inside SQLAlchemy's greenlet bridge, as the statements do."""
     engine = create_async_engine(async_url(mysql_db), pool_size=1, max_overflow=0)
