@@ -2,8 +2,8 @@
 only) and ``create_engine``'s DATETIME decoder for the MySQL drivers.
 
 Most need no server (an engine connects on first use, and they only build engines); the
-two ``mysql`` ones pass one pooled connection between a worker and the application on a
-real server.
+``mysql`` ones pass one pooled connection between a worker and the application on a real
+server.
 """
 
 from __future__ import annotations

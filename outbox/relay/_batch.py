@@ -152,8 +152,9 @@ class Batch:
                 # session zone named 'UTC' psycopg returns datetime.UTC datetimes, which
                 # format and compare several times faster than ZoneInfo('Etc/UTC') ones.
                 conn.exec_driver_sql("SET LOCAL jit = off; SET LOCAL TIME ZONE 'UTC'")
-            params = {"now": utcnow(), "limit": self.batch_size + len(drop or ()),
-                      "busy": int_array(self._busy)}
+            params: dict[str, Any] = {"now": utcnow(), "limit": self.batch_size + len(drop or ())}
+            if self.sql.postgres:  # only its statement names the busy ids
+                params["busy"] = int_array(self._busy)
             rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
             conn.rollback()
         if drop:
