@@ -9,16 +9,17 @@ every other key.
 from __future__ import annotations
 
 import json
-import logging
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
+from transports._logsafe import safe_logger
+
 from ._envelope import utcnow
 
-log = logging.getLogger("outbox.alerts")
+log = safe_logger("outbox.alerts")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import settings
 
 from outbox import Outbox, create_engine
 from outbox.testing import (
@@ -30,6 +31,14 @@ from outbox.testing import (
 )
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+# Property tests: CI runs a fixed set of examples (derandomized, so a red run is repeatable from its
+# log); `HYPOTHESIS_PROFILE=release` is the longer run before a release (docs/testing.md).
+# Tests leave max_examples to the profile unless a test's examples are expensive.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.register_profile("release", max_examples=2000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "dev"))
 
 
 def unavailable(what: str) -> None:

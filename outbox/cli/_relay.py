@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
@@ -11,6 +10,8 @@ from datetime import UTC, datetime
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from transports._logsafe import safe_logger
 
 from .._alerts import LoggingAlertSink, WebhookAlertSink
 from .._gc import tune_gc_for_batches
@@ -34,7 +35,7 @@ from ._options import (
 
 TOPIC = typer.Option(None, help="Only this topic.")
 
-log = logging.getLogger("outbox.relay")
+log = safe_logger("outbox.relay")
 
 failed_app = Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
 app.add_typer(failed_app, name="failed")

@@ -6,7 +6,6 @@ handlers read it from several threads.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,12 +16,14 @@ from sqlalchemy import Engine
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
+from transports._logsafe import safe_logger
+
 from .._outbox import Outbox
 from ..inbox import Inbox
 from . import _csrf
 from ._auth import Operators
 
-audit = logging.getLogger("outbox.console.audit")
+audit = safe_logger("outbox.console.audit")
 
 PAGE = 50
 MAX_PAGE = 500

@@ -8,12 +8,12 @@ methods) and consumes through a wrapper around confluent-kafka's
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from transports import Record
+from transports._logsafe import safe_logger
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 
 def record_of(raw: Any) -> Record:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
+
+from transports._logsafe import safe_logger
 
 from .._errors import ConfigurationError
 from ..inbox import Inbox
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 
 def sweeping(inbox: Inbox, *, every: float = 2.0) -> AbstractAsyncContextManager[None]:

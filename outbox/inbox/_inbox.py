@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from transports import Record, Source
+from transports._logsafe import safe_logger
 
 from .. import _schema
 from .._alerts import AlertSink, LoggingAlertSink
@@ -46,7 +46,7 @@ from ._signals import Disposition
 from ._store import InboxStore
 from ._transaction import TopicHandler, TransactionStep
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 H = TypeVar("H", bound=Callable[[Session, Message], Any] | Callable[[AsyncSession, Message], Awaitable[Any]])
 B = TypeVar("B", bound=Callable[[Session, list[Message]], Any]

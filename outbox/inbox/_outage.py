@@ -8,14 +8,15 @@ state (down, then back up) instead of once per failed transaction.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
 
+from transports._logsafe import safe_logger
+
 from .._outage import is_database_outage
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 OUTAGE_BACKOFF_MAX = 5.0
 

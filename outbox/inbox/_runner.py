@@ -20,7 +20,6 @@ after a capped backoff.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
@@ -28,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from transports import Record, Source
+from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from .._errors import CommitRefusedError, RetriableTransportError
@@ -39,7 +39,7 @@ from ._outage import OutageLog, is_outage
 from ._schedule import KeyScheduler
 from ._settle import Settler
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 COMMIT_INTERVAL = 0.5
 SWEEP_INTERVAL = 1.0

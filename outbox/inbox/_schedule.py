@@ -19,16 +19,17 @@ workers stall nothing.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from transports._logsafe import safe_logger
+
 from .._wheel import TimingWheel
 from ._delivery import Delivery
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 Work = Callable[[list[Delivery]], list[tuple[Delivery, float]]]
 """Handles a batch; returns the deliveries to try again, each with its delay in seconds."""

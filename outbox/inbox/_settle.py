@@ -24,13 +24,14 @@ worker thread; ``Inbox.handle`` sleeps in its caller's thread.
 
 from __future__ import annotations
 
-import logging
 import traceback
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import tenacity
 from sqlalchemy.exc import DBAPIError
+
+from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from ._alerting import Alerter
@@ -40,7 +41,7 @@ from ._runs import lane_of
 from ._signals import Disposition, ParkMessage, RetryLater
 from ._transaction import Batch, Failure, Parked, TransactionStep
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 
 @dataclass(slots=True)

@@ -17,7 +17,6 @@ Everything else on the port is Prometheus's exposition (``/metrics``).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -29,9 +28,11 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 from sqlalchemy import Engine, text
 
+from transports._logsafe import safe_logger
+
 from ..relay import Relay
 
-log = logging.getLogger("outbox.health")
+log = safe_logger("outbox.health")
 
 DATABASE_TIMEOUT = 2.0
 """Seconds ``/readyz`` waits for the database's answer before it reports it unreachable."""

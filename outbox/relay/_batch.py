@@ -30,7 +30,6 @@ Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +41,7 @@ import tenacity
 from sqlalchemy import Connection, Engine
 
 from transports import Outcome, SendResult, Transport
+from transports._logsafe import safe_logger
 
 from .._alerts import Alert, AlertSink, deliver
 from .._envelope import utcnow
@@ -55,7 +55,7 @@ from ._metrics import RelayMetrics
 from ._outage import Dependency, Outages, broker_outage_backoff
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
-log = logging.getLogger("outbox.relay")
+log = safe_logger("outbox.relay")
 
 _NO_HEADERS = frozenset({None, "{}", "null"})
 # Positions in a fetched row (``_relay_sql.ROW_COLUMNS``).

@@ -16,7 +16,6 @@ threads.
 
 from __future__ import annotations
 
-import logging
 import threading
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,11 +23,13 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Table, delete, select, update
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
+from transports._logsafe import safe_logger
+
 from .._envelope import utcnow
 from .._errors import SchemaError
 from .._tables import MYSQL_FAMILY, OutboxTables
 
-log = logging.getLogger("outbox.relay.leases")
+log = safe_logger("outbox.relay.leases")
 
 
 def fair_share(shards: int, live: list[str], me: str) -> int:

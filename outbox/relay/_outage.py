@@ -12,13 +12,14 @@ state change logs it, the others are silent.
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 import time
 
 from prometheus_client import Counter
 
-log = logging.getLogger("outbox.relay")
+from transports._logsafe import safe_logger
+
+log = safe_logger("outbox.relay")
 
 MAX_DATABASE_BACKOFF = 5.0
 """Seconds between attempts to reach a database that is down, at most."""

@@ -17,7 +17,6 @@ leases and returns, so a process running it exits 0.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ import tenacity
 from sqlalchemy import Engine
 
 from transports import Transport
+from transports._logsafe import safe_logger
 
 from .._alerts import Alert, AlertSink, LoggingAlertSink
 from .._engine import worker_engine
@@ -47,7 +47,7 @@ from ._sql import RelayStatements
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
-log = logging.getLogger("outbox.relay")
+log = safe_logger("outbox.relay")
 
 DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
 

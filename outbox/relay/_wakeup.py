@@ -10,13 +10,14 @@ is back); polling covers the gap.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from typing import Any
 
 from sqlalchemy import Engine
 
-log = logging.getLogger("outbox.relay")
+from transports._logsafe import safe_logger
+
+log = safe_logger("outbox.relay")
 
 
 class Wakeup:

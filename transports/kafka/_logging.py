@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .._logsafe import safe_logger
 from .._repeats import Repeats
 
-LOGGER = logging.getLogger("transports.kafka.librdkafka")
+LOGGER = safe_logger("transports.kafka.librdkafka")
 _CONNECTION_FACILITIES = frozenset({"FAIL", "ERROR"})
 
 

@@ -9,7 +9,6 @@ partitions go. librdkafka errors are translated here and nowhere else.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -24,10 +23,11 @@ from transports._errors import (
 )
 from transports._protocol import Record, RevokeCallback
 
+from .._logsafe import safe_logger
 from ._logging import LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
-log = logging.getLogger("transports.kafka")
+log = safe_logger("transports.kafka")
 
 # Owned by the inbox: a user value would break "commit only what is finished".
 _FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 
+from .._logsafe import safe_logger
 from .._repeats import Repeats
 
-LOGGER = logging.getLogger("transports.kafka_python.client")
+LOGGER = safe_logger("transports.kafka_python.client")
 _CONNECTION_LOGGERS = ("kafka.conn", "kafka.client")
 _lock = threading.Lock()
 

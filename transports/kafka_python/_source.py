@@ -9,7 +9,6 @@ listener from inside ``poll``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,10 +22,11 @@ from .._errors import (
     TransportError,
     validate_topic,
 )
+from .._logsafe import safe_logger
 from .._protocol import Record, RevokeCallback
 from ._logging import route_kafka_logs
 
-log = logging.getLogger("transports.kafka_python")
+log = safe_logger("transports.kafka_python")
 
 
 class KafkaPythonSource:

@@ -1,0 +1,112 @@
+"""Log lines cannot be forged: client-controlled text is escaped in every library logger's output."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outbox import Inbox, create_engine
+from tests.inbox_support import TOPIC, record
+from transports._logsafe import escape_controls, safe_logger
+
+FORGED = "k\nINFO outbox.relay all clear"
+# Every name a library module logs under (each is made by safe_logger when its module is imported).
+LIBRARY_LOGGERS = ["outbox.inbox", "outbox.relay", "outbox.relay.leases", "outbox.alerts",
+                   "outbox.health", "outbox.console.audit", "transports.kafka",
+                   "transports.kafka.librdkafka", "transports.kafka_python"]
+any_text = st.text(st.characters(codec=None, categories=None), max_size=60)
+
+
+def _capture(name: str) -> tuple[logging.Logger, io.StringIO, logging.Handler]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    return logger, stream, handler
+
+
+@pytest.fixture(scope="module")
+def relay_log() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    logger, stream, handler = _capture("outbox.relay")
+    yield safe_logger("outbox.relay"), stream
+    logger.removeHandler(handler)
+
+
+def _breaks(text: str) -> int:
+    """How many extra lines a reader (a terminal, ``str.splitlines``, a log shipper) would see."""
+    return len(text.splitlines()) - 1
+
+
+@given(any_text)
+def test_escaped_text_is_one_printable_line_and_keeps_printable_text(text: str) -> None:
+    safe = escape_controls(text)
+    assert _breaks(safe + "x") == 0
+    safe.encode("utf-8")  # no lone surrogate left to make a UTF-8 handler fail
+    if text.isprintable():
+        assert safe == text
+
+
+@given(key=any_text, number=st.integers())
+def test_a_record_with_any_arguments_stays_one_line(
+        relay_log: tuple[logging.Logger, io.StringIO], key: str, number: int) -> None:
+    log, stream = relay_log
+    stream.seek(0), stream.truncate()
+    log.warning("key %s (%r) seq %d failed: %s", key, key, number, ValueError(key))
+    log.warning("mapping %(key)s", {"key": key})
+    out = stream.getvalue()
+    assert _breaks(out) == 1  # the two records, nothing else
+    out.encode("utf-8")
+
+
+def test_an_exception_message_cannot_add_a_line_to_its_traceback(
+        relay_log: tuple[logging.Logger, io.StringIO]) -> None:
+    log, stream = relay_log
+    try:
+        try:
+            raise KeyError(FORGED)
+        except KeyError as inner:
+            raise RuntimeError(f"while sending {FORGED}") from inner
+    except RuntimeError:
+        log.exception("batch failed")
+    lines = stream.getvalue().splitlines()
+    assert not [line for line in lines if line.startswith("INFO outbox.relay all clear")]
+    assert "RuntimeError: while sending k\\nINFO outbox.relay all clear" in lines
+
+
+@pytest.mark.parametrize("name", LIBRARY_LOGGERS)
+def test_every_library_logger_escapes(name: str) -> None:
+
+    logger, stream, handler = _capture(name)
+    try:
+        logger.warning("topic %s", FORGED)
+    finally:
+        logger.removeHandler(handler)
+    assert stream.getvalue() == f"WARNING {name} topic k\\nINFO outbox.relay all clear\n"
+
+
+def test_a_forged_key_failing_in_the_inbox_is_logged_on_one_line(tmp_path: Path) -> None:
+    """The real path: a handler fails on a client's key; the inbox's warning names the key safely."""
+    inbox = Inbox(create_engine(f"sqlite:///{tmp_path / 'inbox.db'}"), group="billing",
+                  retry_backoff=0.001, retry_backoff_max=0.001, alert=lambda alert: None)
+    inbox.create_tables()
+
+    @inbox.handler(TOPIC)
+    def fail(session, message):  # type: ignore[no-untyped-def]
+        raise ValueError(f"cannot bill {message.key}")
+
+    logger, stream, handler = _capture("outbox.inbox")
+    try:
+        inbox.handle(record(TOPIC, FORGED, 1))
+    finally:
+        logger.removeHandler(handler)
+    out = stream.getvalue()
+    assert "handler failed" in out
+    assert not [line for line in out.splitlines() if line.startswith("INFO outbox.relay")]
+    assert "k\\nINFO outbox.relay all clear" in out
