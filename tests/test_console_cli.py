@@ -90,7 +90,7 @@ def test_demo_console_mounts_orders_and_billing(tmp_path: Path, monkeypatch: pyt
     Outbox(create_engine(f"sqlite:///{tmp_path / 'orders.db'}")).create_tables()
     client = TestClient(demo_console(tmp_path, Operators(token=TOKEN)), base_url="http://127.0.0.1")
     auth = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "demo"}
-    for path in ("/orders/", "/billing/", "/billing/parked/billing"):
+    for path in ("/orders/", "/billing/", "/billing/parked?group=billing", "/billing/parked/billing"):
         page = client.get(path, headers=auth)
         assert page.status_code == 200, (path, page.text)
     assert "replay enabled for: billing" in client.get("/billing/", headers=auth).text

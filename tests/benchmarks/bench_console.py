@@ -100,9 +100,9 @@ def measure(url: str, rows: int, keys: int, repeat: int) -> dict[str, float]:
     start = time.perf_counter()
     fill(engine, rows, keys)
     print(f"  filled {rows} rows, {keys} parked keys in {time.perf_counter() - start:.1f} s")
-    client = TestClient(create_app(outbox, operators=Operators(users={"bench": "bench-password"})),
+    client = TestClient(create_app(outbox, operators=Operators(users={"bench": "bench-password-long"})),
                         base_url="http://127.0.0.1")
-    auth = ("bench", "bench-password")
+    auth = ("bench", "bench-password-long")
     timings: dict[str, list[float]] = {}
     targets = pages(outbox, keys)
     for _ in range(2):  # warm caches and statement compilation
