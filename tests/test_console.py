@@ -68,23 +68,23 @@ def test_replay_and_discard_through_the_console(outbox: Outbox, engine: sa.Engin
     auth = ("alice", USERS["alice"])
     csrf = form_page(client, "/parked?group=billing", auth=auth)
     lanes = [json.dumps([TOPIC, "bad-1"])]
-    still = client.post("/parked/replay", auth=auth,
-                        data={"group": "billing", "csrf": csrf, "lane": lanes, "reason": "try again"})
+    still = client.post("/parked/replay?group=billing", auth=auth,
+                        data={"csrf": csrf, "lane": lanes, "reason": "try again"})
     assert still.status_code == 409 and "still parked 3" in still.text and "bug 42" in still.text
 
     broken["on"] = False
-    done = client.post("/parked/replay", auth=auth,
-                       data={"group": "billing", "csrf": csrf, "lane": lanes, "reason": "fixed in 1.2.3"})
+    done = client.post("/parked/replay?group=billing", auth=auth,
+                       data={"csrf": csrf, "lane": lanes, "reason": "fixed in 1.2.3"})
     assert done.status_code == 200, done.text
     assert "bad-1: applied 3, key unparked" in done.text and "replayed by alice: fixed in 1.2.3" in done.text
     assert applied(engine, "bad-1") == [("bad-1", 1), ("bad-1", 2), ("bad-1", 3)]
 
     first, second = (p.message_id for p in inbox.parked(TOPIC, "bad-2"))
-    refused = client.post("/parked/discard", auth=auth, data={
-        "group": "billing", "csrf": csrf, "message_id": str(second), "reason": "skip ahead"})
+    refused = client.post("/parked/discard?group=billing", auth=auth, data={
+        "csrf": csrf, "message_id": str(second), "reason": "skip ahead"})
     assert refused.status_code == 409 and "earlier message" in refused.text
-    ok = client.post("/parked/discard", auth=auth, data={
-        "group": "billing", "csrf": csrf, "message_id": str(first), "reason": "duplicate order"})
+    ok = client.post("/parked/discard?group=billing", auth=auth, data={
+        "csrf": csrf, "message_id": str(first), "reason": "duplicate order"})
     assert ok.status_code == 200, ok.text
     m = outbox.tables.inbox_messages
     with engine.connect() as conn:
@@ -99,8 +99,8 @@ def test_replay_needs_the_groups_inbox(outbox: Outbox, engine: sa.Engine) -> Non
     auth = ("alice", USERS["alice"])
     page = client.get("/parked?group=billing", auth=auth)
     assert "--app MODULE:ATTRIBUTE" in page.text and "replay-selected" not in page.text
-    refused = client.post("/parked/replay", auth=auth, data={
-        "group": "billing", "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "bad-1"]), "reason": "x"})
+    refused = client.post("/parked/replay?group=billing", auth=auth, data={
+        "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "bad-1"]), "reason": "x"})
     assert refused.status_code == 409 and keys_parked(outbox) == {"bad-1"}
 
 
@@ -116,29 +116,29 @@ def test_every_action_without_credential_csrf_or_reason_is_refused(outbox: Outbo
         "no credential": ({}, {"csrf": csrf, "lane": lane, "reason": "r"}, 401),
         "wrong password": ({"auth": ("alice", "nope")}, {"csrf": csrf, "lane": lane, "reason": "r"}, 401),
         "no csrf": ({"auth": auth}, {"lane": lane, "reason": "r"}, 403),
-        "bad csrf": ({"auth": auth}, {"group": "billing", "csrf": "0" * 64, "lane": lane, "reason": "r"}, 403),
+        "bad csrf": ({"auth": auth}, {"csrf": "0" * 64, "lane": lane, "reason": "r"}, 403),
         "no reason": ({"auth": auth}, {"csrf": csrf, "lane": lane, "reason": " "}, 400),
     }
     for what, (kw, data, status) in attempts.items():
-        response = client.post("/parked/replay", data=data, **kw)
+        response = client.post("/parked/replay?group=billing", data=data, **kw)
         assert response.status_code == status, (what, response.text)
         assert keys_parked(outbox) == {"bad-1"}, what
     # A CSRF token is bound to the browser's cookie: another browser's token is refused.
     other = client_for(outbox, inboxes=[inbox])
     form_page(other, "/parked?group=billing", auth=auth)
-    assert other.post("/parked/replay", auth=auth,
-                      data={"group": "billing", "csrf": csrf, "lane": lane, "reason": "r"}).status_code == 403
+    assert other.post("/parked/replay?group=billing", auth=auth,
+                      data={"csrf": csrf, "lane": lane, "reason": "r"}).status_code == 403
     # Read-only, and no credential configured at all: looking works, acting does not.
     for kwargs in ({"read_only": True}, {"operators": None}):
         ro = client_for(outbox, inboxes=[inbox], **kwargs)
         page = ro.get("/parked?group=billing", auth=auth)
         assert page.status_code == 200 and "replay-selected" not in page.text
-        refused = ro.post("/parked/replay", auth=auth,
-                          data={"group": "billing", "csrf": csrf_of(page.text), "lane": lane, "reason": "r"})
+        refused = ro.post("/parked/replay?group=billing", auth=auth,
+                          data={"csrf": csrf_of(page.text), "lane": lane, "reason": "r"})
         assert refused.status_code == 403 and "read-only" in refused.text
     assert keys_parked(outbox) == {"bad-1"}
-    done = client.post("/parked/replay", auth=auth,
-                       data={"group": "billing", "csrf": csrf, "lane": lane, "reason": "r"})
+    done = client.post("/parked/replay?group=billing", auth=auth,
+                       data={"csrf": csrf, "lane": lane, "reason": "r"})
     assert done.status_code == 200 and keys_parked(outbox) == set()
 
 
@@ -240,10 +240,10 @@ def test_mounted_in_a_host_app_behind_its_own_guard(outbox: Outbox, engine: sa.E
     stranger = client.get("/ops/outbox/")
     assert stranger.status_code == 401 and "Path=/ops/outbox/" in stranger.headers["set-cookie"]
     page = client.get("/ops/outbox/parked?group=billing", headers={"x-host-user": "carol"})
-    assert page.status_code == 200 and 'action="/ops/outbox/parked/replay"' in page.text
+    assert page.status_code == 200 and 'action="/ops/outbox/parked/replay?group=billing"' in page.text
     assert 'href="/ops/outbox/failed"' in page.text
-    done = client.post("/ops/outbox/parked/replay", headers={"x-host-user": "carol"}, data={
-        "group": "billing", "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "bad-1"]), "reason": "r",
+    done = client.post("/ops/outbox/parked/replay?group=billing", headers={"x-host-user": "carol"}, data={
+        "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "bad-1"]), "reason": "r",
         "back": "//evil.example/"})
     assert done.status_code == 200 and "replayed by carol" in done.text
     assert 'href="/ops/outbox/parked?group=billing"' in done.text and "evil" not in done.text
@@ -265,8 +265,8 @@ def test_bad_configuration_is_refused_when_built(outbox: Outbox) -> None:
         Operators.from_env({"OUTBOX_CONSOLE_USERS": "alice"})
     with pytest.raises(ConfigurationError, match=r"outbox\.Outbox"):
         create_app("sqlite://")  # type: ignore[arg-type]
-    assert Operators.from_env({"OUTBOX_CONSOLE_USERS": "a:password-of-user-a, b:password-of-user-b"}).users == {
-        "a": "password-of-user-a", "b": "password-of-user-b"}
+    users = Operators.from_env({"OUTBOX_CONSOLE_USERS": "a:password-of-user-a, b:password-of-user-b"}).users
+    assert users == {"a": "password-of-user-a", "b": "password-of-user-b"}
 
 
 def test_a_forged_lane_creates_no_key_row_and_pages_forbid_framing_and_scripts(
@@ -279,8 +279,8 @@ def test_a_forged_lane_creates_no_key_row_and_pages_forbid_framing_and_scripts(
     assert page.headers["x-frame-options"] == "DENY"
     assert "default-src 'none'" in page.headers["content-security-policy"]
     assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
-    refused = client.post("/parked/replay", auth=auth, data={
-        "group": "billing", "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "never-seen"]), "reason": "r"})
+    refused = client.post("/parked/replay?group=billing", auth=auth, data={
+        "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, "never-seen"]), "reason": "r"})
     assert refused.status_code == 409 and "nothing parked" in refused.text
     k = outbox.tables.inbox_keys
     with engine.connect() as conn:
@@ -330,7 +330,7 @@ def test_unkeyed_parked_messages_are_one_lane_per_topic(outbox: Outbox, engine: 
     lane = client.get("/parked/key", params={"group": "billing", "topic": TOPIC}, auth=auth)
     assert lane.text.count("discard message") == 3
     broken["on"] = False
-    done = client.post("/parked/replay", auth=auth, data={
-        "group": "billing", "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, None]), "reason": "fixed"})
+    done = client.post("/parked/replay?group=billing", auth=auth, data={
+        "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, None]), "reason": "fixed"})
     assert done.status_code == 200 and "orders/(unkeyed): applied 3" in done.text
     assert keys_parked(outbox) == set()

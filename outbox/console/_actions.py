@@ -72,7 +72,7 @@ def replay(ctx: Context) -> Handler:
     async def act(request: Request) -> Response:
         form = await _form(request)
         who, reason = ctx.actor(request, form)
-        group = group_of(form)
+        group = group_of(request.query_params)
         inbox = ctx.inboxes.get(group)
         if inbox is None:
             raise Refused(409, f"replay runs group {group}'s handlers: start the console with "
@@ -109,7 +109,7 @@ def discard(ctx: Context) -> Handler:
     async def act(request: Request) -> Response:
         form = await _form(request)
         who, reason = ctx.actor(request, form)
-        group = group_of(form)
+        group = group_of(request.query_params)
         message_id = str(form.get("message_id") or "")
         inbox = ctx.inbox_for_discard(group)
         try:

@@ -13,14 +13,19 @@ spaces, treats ``\\`` as ``/`` and ``%2e`` as ``.`` in dot segments — so
 ``/\\t/evil.example/`` is ``//evil.example/``, another host. Accepted is only
 what cannot be read two ways: printable ASCII without ``\\`` or spaces,
 starting with the console's own path and ``/`` (not ``//``), and no ``.`` or
-``..`` segment in the path that could climb out of it.
+``..`` segment in the path that could climb out of it. The path itself (the
+part before ``?``) may hold only letters, digits and ``-._~/``: the console's
+paths need no more, and so no encoded variant (``%2e``, ``%2f``, ``%5c``,
+``%09``) has to be reasoned about; names live in the query, encoded.
 """
 
 from __future__ import annotations
 
+import string
 from urllib.parse import quote, urlencode
 
 _DOT_SEGMENTS = {".", ".."}
+_PATH_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-._~/")
 
 
 def link(base: str, path: str, **params: object) -> str:
@@ -36,7 +41,8 @@ def console_path(value: str, base: str) -> str | None:
     if not all("!" <= c <= "~" for c in value) or "\\" in value:
         return None
     path = value.split("?", 1)[0].split("#", 1)[0]
-    for segment in path.split("/"):
-        if segment.lower().replace("%2e", ".") in _DOT_SEGMENTS:
-            return None
+    if not all(c in _PATH_CHARACTERS for c in path):
+        return None
+    if any(segment in _DOT_SEGMENTS for segment in path.split("/")):
+        return None
     return value
