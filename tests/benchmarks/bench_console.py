@@ -29,6 +29,7 @@ from _report import markdown_table, write_section
 
 from outbox import Outbox, create_engine
 from outbox.console import Operators, create_app
+from outbox.console._links import link
 from outbox.testing import fresh_database, local_postgres_server
 
 GROUP = "billing"
@@ -86,10 +87,11 @@ def pages(outbox: Outbox, keys: int) -> dict[str, str]:
         "overview": "/",
         "failed rows, first page": "/failed",
         "failed rows, middle page": f"/failed?after={middle_failed}",
-        "parked keys, first page": f"/parked/{GROUP}",
-        "parked keys, middle page": f"/parked/{GROUP}?after=" + json.dumps(["orders", middle_key]),
-        "one parked key": f"/parked/{GROUP}/key?topic=orders&key={middle_key}",
-        "held gaps, first page": f"/held/{GROUP}",
+        "parked keys, first page": link("", "/parked", group=GROUP),
+        "parked keys, middle page": link("", "/parked", group=GROUP,
+                                         after=json.dumps(["orders", middle_key])),
+        "one parked key": link("", "/parked/key", group=GROUP, topic="orders", key=middle_key),
+        "held gaps, first page": link("", "/held", group=GROUP),
     }
 
 
