@@ -295,3 +295,13 @@ def test_no_secret_reaches_a_log_a_repr_or_a_page(sqlite_outbox: Outbox, clock: 
             assert value not in text, (value, text[:300])
     assert "sign-in locked" in every_log.text and "bearer token refused" in every_log.text  # yet logged
     assert "alice" in repr(operators) and "token" in repr(operators)
+
+
+def test_a_database_outage_shows_and_logs_no_database_password(every_log: pytest.LogCaptureFixture) -> None:
+    outbox = Outbox(create_engine("postgresql+psycopg://console:s3cret-db-pw@127.0.0.1:1/orders"))
+    client = TestClient(create_app(outbox, operators=Operators(token=TOKEN)), base_url="http://127.0.0.1",
+                        raise_server_exceptions=False)
+    page = client.get("/", headers={"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "cron"})
+    assert page.status_code == 500
+    assert "s3cret-db-pw" not in page.text + every_log.text
+    assert "s3cret-db-pw" not in repr(outbox.engine)
