@@ -144,18 +144,13 @@ def login(ctx: Context) -> Handler:
         form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
         name = str(form.get("name") or "").strip()
-        client = client_of(request)
-        ctx.gate.refuse_if_locked(client)
-        if not ctx.operators.token_matches(str(form.get("token") or "")):
-            ctx.gate.throttle.failed(client)
-            audit.info("sign-in refused for %r from %s: wrong token", name[:100], client)
+        if not ctx.gate.token_sign_in(request, str(form.get("token") or "")):
             return ctx.render(request, "login.html", status=401, error="wrong token",
                               token_login=bool(ctx.operators.token))
-        ctx.gate.throttle.succeeded(client)
         if not name or len(name) > 100:
             return ctx.render(request, "login.html", status=400, token_login=True,
                               error="give your name (1 to 100 characters): actions are recorded with it")
-        audit.info("signed in: %s from %s", name, client)
+        audit.info("signed in: %r from %s", name, client_of(request))
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"],
                               back=base(request) + "/")
         ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old

@@ -71,6 +71,17 @@ class Gate:
             return self.sessions.operator(request.cookies.get(SESSION_COOKIE))
         return None
 
+    def token_sign_in(self, request: Request, sent: str) -> bool:
+        """``sent`` (a ``/login`` form's token) is the token; raises ``Refused(429)`` while locked out."""
+        client = client_of(request)
+        self.refuse_if_locked(client)
+        if not self.operators.token_matches(sent):
+            self.throttle.failed(client)
+            audit.info("sign-in refused from %s: wrong token", client)
+            return False
+        self.throttle.succeeded(client)
+        return True
+
     def refuse_if_locked(self, *subjects: str) -> None:
         wait = self.throttle.wait(*subjects)
         if wait > 0:
