@@ -2,8 +2,9 @@
 
 A key parks through a real inbox; an operator signs in, opens the key and
 replays it with a click, and the business table shows it applied. An action
-without a credential and one with a forged CSRF token are refused, and a
-payload holding ``<script>`` shows as text and runs nothing. Every page is
+without a credential and one with a forged CSRF token are refused, a
+payload holding ``<script>`` shows as text and runs nothing, and a cookie
+copied before signing out is refused after. Every page is
 photographed: into a temporary folder, or into docs/console/ (the pictures
 docs/operations.md shows) with ``UPDATE_SCREENSHOTS=1``.
 """
@@ -139,10 +140,10 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
         b.get(f"{url}/failed")
         assert "MSG_SIZE_TOO_LARGE: <b>1.2 MB</b>" in b.find_element(By.ID, "failed").text
         shot("failed")
-        b.get(f"{url}/held/billing")
+        b.get(f"{url}/held?group=billing")
         assert "late" in b.find_element(By.ID, "held").text
         shot("held")
-        b.get(f"{url}/parked/billing")
+        b.get(f"{url}/parked?group=billing")
         shot("parked")
         b.find_element(By.LINK_TEXT, "bad-1").click()
         payload = b.find_element(By.CSS_SELECTOR, "pre.payload").text
@@ -158,7 +159,7 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
         assert applied(engine, "bad-1") == [("bad-1", 1), ("bad-1", 2), ("bad-1", 3)]
 
         # No credential: the page was open, the sign-in cookie is gone, the click is refused.
-        b.get(f"{url}/parked/billing/key?topic={TOPIC}&key=bad-2")
+        b.get(f"{url}/parked/key?group=billing&topic={TOPIC}&key=bad-2")
         b.delete_cookie("outbox_console_operator")
         form = b.find_elements(By.CSS_SELECTOR, "form.discard")[0]
         form.find_element(By.NAME, "reason").send_keys("no credential")
@@ -168,7 +169,7 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
 
         # A forged CSRF token: refused although the operator is signed in.
         sign_in()
-        b.get(f"{url}/parked/billing/key?topic={TOPIC}&key=bad-2")
+        b.get(f"{url}/parked/key?group=billing&topic={TOPIC}&key=bad-2")
         form = b.find_elements(By.CSS_SELECTOR, "form.discard")[0]
         b.execute_script("arguments[0].querySelector('input[name=csrf]').value = '0'.repeat(64)", form)
         form.find_element(By.NAME, "reason").send_keys("forged")
@@ -176,3 +177,13 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
         assert "CSRF token is missing or wrong" in after_click("error")
         assert still_parked(outbox, "bad-2")
         no_script_ran()
+
+        # Signing out ends the session on the server: a copy of the cookie taken before is refused.
+        b.get(f"{url}/")
+        copied = b.get_cookie("outbox_console_operator")
+        assert copied is not None
+        b.find_element(By.CSS_SELECTOR, "#logout button").click()
+        assert "signed out" in after_click("result")
+        b.add_cookie({"name": copied["name"], "value": copied["value"], "path": copied["path"]})
+        b.get(f"{url}/failed")
+        assert b.current_url == f"{url}/login"

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
@@ -90,7 +91,7 @@ def test_demo_console_mounts_orders_and_billing(tmp_path: Path, monkeypatch: pyt
     Outbox(create_engine(f"sqlite:///{tmp_path / 'orders.db'}")).create_tables()
     client = TestClient(demo_console(tmp_path, Operators(token=TOKEN)), base_url="http://127.0.0.1")
     auth = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "demo"}
-    for path in ("/orders/", "/billing/", "/billing/parked/billing"):
+    for path in ("/orders/", "/billing/", "/billing/parked?group=billing", "/billing/parked/billing"):
         page = client.get(path, headers=auth)
         assert page.status_code == 200, (path, page.text)
     assert "replay enabled for: billing" in client.get("/billing/", headers=auth).text
@@ -169,3 +170,48 @@ def test_ctrl_c_stops_the_console_quietly_even_after_pyspark_took_sigint() -> No
         assert signal.getsignal(signal.SIGINT) is pyspark_like  # put back as it was
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_behind_a_trusted_proxy_cookies_are_secure_and_guesses_count_per_real_client(
+    sqlite_db: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reverse-proxy setup of docs/security.md: X-Forwarded-* believed from the proxy named only."""
+    import logging
+
+    import uvicorn
+
+    from tests.console_support import csrf_of
+
+    Outbox(create_engine(sqlite_db)).create_tables()
+    monkeypatch.setenv("OUTBOX_CONSOLE_TOKEN", TOKEN)
+    monkeypatch.delenv("OUTBOX_CONSOLE_USERS", raising=False)
+    configs: list[uvicorn.Config] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: configs.append(self.config))
+    result = CliRunner().invoke(app, ["console", "--db", sqlite_db, "--forwarded-allow-ips", "10.0.0.5",
+                                      "--max-body", "2048", "--session-idle", "60"])
+    assert result.exit_code == 0, result.output
+    [config] = configs
+    config.load()
+    forwarded = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "198.51.100.9"}
+    proxy = TestClient(config.loaded_app, base_url="http://127.0.0.1", client=("10.0.0.5", 4000),
+                       headers=forwarded)
+    caplog.set_level(logging.INFO, logger="outbox.console.audit")
+
+    def sign_in(client: TestClient, token: str) -> Any:
+        page = client.get("/login")  # its CSRF cookie is Secure when the request counts as https:
+        cookie = (page.headers.get("set-cookie", "").split(";")[0]  # sent back by hand, as https would
+                  or f"outbox_console_csrf={client.cookies['outbox_console_csrf']}")
+        return client.post("/login", data={"csrf": csrf_of(page.text), "name": "bob", "token": token},
+                           headers={"Cookie": cookie})
+
+    signed = sign_in(proxy, TOKEN)
+    assert signed.status_code == 200 and "; secure" in signed.headers["set-cookie"].lower()
+    assert sign_in(proxy, "w" * 20).status_code == 401
+    assert "from client 198.51.100.9" in caplog.text
+    assert proxy.post("/login", content=b"x" * 4096).status_code == 413  # --max-body reached the app
+    # Any other peer's forwarded headers are not believed: its own address counts, the cookie is plain.
+    stranger = TestClient(config.loaded_app, base_url="http://127.0.0.1", client=("10.0.0.6", 4000),
+                          headers=forwarded)
+    plain = sign_in(stranger, TOKEN)
+    assert plain.status_code == 200 and "secure" not in plain.headers["set-cookie"].lower()
+    assert sign_in(stranger, "w" * 20).status_code == 401 and "from client 10.0.0.6" in caplog.text

@@ -35,13 +35,24 @@ def console(
     stuck_after: float = typer.Option(
         300.0, "--stuck-after", min=0,
         help="Seconds after which a retrying head or a held gap counts as stuck."),
+    session_idle: float = typer.Option(
+        1800.0, "--session-idle", min=1, envvar="OUTBOX_CONSOLE_SESSION_IDLE",
+        help="Seconds without a request after which a token sign-in ends."),
+    max_body: int = typer.Option(
+        1024 * 1024, "--max-body", min=1024, envvar="OUTBOX_CONSOLE_MAX_BODY",
+        help="Largest request body accepted, in bytes (checked before anything is parsed)."),
+    forwarded_allow_ips: str = typer.Option(
+        "127.0.0.1", "--forwarded-allow-ips", envvar="OUTBOX_CONSOLE_FORWARDED_ALLOW_IPS",
+        help="Addresses of reverse proxies whose X-Forwarded-For/-Proto are believed "
+             "(comma-separated, '*' for any)."),
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Serve the web console: overview, failed rows, parked keys and held gaps, with actions.
 
     Actions need an operator: set OUTBOX_CONSOLE_TOKEN (sign in on /login) or
-    OUTBOX_CONSOLE_USERS="name:password,..." (basic auth). Set OUTBOX_CONSOLE_SECRET
-    to keep sign-ins across restarts and across several console processes.
+    OUTBOX_CONSOLE_USERS="name:password,..." (basic auth); each at least 16
+    characters with 8 different ones. Set OUTBOX_CONSOLE_SECRET to share CSRF
+    tokens across several console processes. See docs/security.md.
     """
     configure_logging(log_level)
     try:
@@ -64,14 +75,17 @@ def console(
         if inbox.sessions.kw["bind"].url != outbox.engine.url:
             raise typer.BadParameter(f"{name}'s inbox uses another database than --db", param_hint="--app")
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
-                     secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after)
+                     secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after,
+                     session_idle=session_idle, max_body=max_body)
     err = Console(stderr=True)
     if not operators.configured and not read_only:
         err.print("no OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS: the console is read-only")
     if not local:
         err.print(f"[yellow]serving on {host}: put it behind TLS (sign-ins and payloads cross the "
                   "network)[/yellow]")
-    config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False)
+    # No access log: URLs name groups and keys; proxy headers only from the proxies named.
+    config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                            proxy_headers=True, forwarded_allow_ips=forwarded_allow_ips)
     server = uvicorn.Server(config)
     err.print(f"outbox console on http://{host}:{port}/ (Ctrl-C stops it)")
     serve_until_stopped(server)

@@ -21,21 +21,22 @@ from starlette.responses import Response
 from .._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError
 from ..relay import retry_failed, skip_failed
-from ._context import Context, Refused, audit, base
+from ._context import Context, Refused, audit, base, group_of
+from ._gate import SESSION_COOKIE, client_of
+from ._links import console_path, link
 
 Handler = Callable[[Request], Awaitable[Response]]
 MAX_FORM_ITEMS = 1000
 
 
-async def _form(request: Request) -> FormData:
-    return await request.form(max_files=0, max_fields=MAX_FORM_ITEMS + 10)
+async def _form(request: Request, max_fields: int = MAX_FORM_ITEMS + 10) -> FormData:
+    # The body is already bounded (``_limits.BodyLimit``); this bounds the fields parsed from it.
+    return await request.form(max_files=0, max_fields=max_fields)
 
 
 def _back(request: Request, form: FormData, default: str) -> str:
-    """Where the result page links back to: a path of this console only (no open redirect)."""
-    back = str(form.get("back") or "")
-    root = base(request) + "/"
-    return back if back.startswith(root) and not back.startswith("//") and "\\" not in back else default
+    """Where the result page links back to: a path of this console only (``_links.console_path``)."""
+    return console_path(str(form.get("back") or ""), base(request)) or default
 
 
 def _done(ctx: Context, request: Request, form: FormData, lines: list[str], *, status: int = 200,
@@ -70,8 +71,8 @@ def replay(ctx: Context) -> Handler:
     """Replay the selected parked keys of a group, each in seq order, with the app's handlers."""
     async def act(request: Request) -> Response:
         form = await _form(request)
-        group = request.path_params["group"]
         who, reason = ctx.actor(request, form)
+        group = group_of(request.query_params)
         inbox = ctx.inboxes.get(group)
         if inbox is None:
             raise Refused(409, f"replay runs group {group}'s handlers: start the console with "
@@ -99,7 +100,7 @@ def replay(ctx: Context) -> Handler:
                              f"stopped: {result.error}")
         lines.append(f"replayed by {who}: {reason}")
         return _done(ctx, request, form, lines, status=409 if failures else 200,
-                     default=f"{base(request)}/parked/{group}")
+                     default=link(base(request), "/parked", group=group))
     return act
 
 
@@ -107,8 +108,8 @@ def discard(ctx: Context) -> Handler:
     """Discard one parked message for good; the inbox records who and why."""
     async def act(request: Request) -> Response:
         form = await _form(request)
-        group = request.path_params["group"]
         who, reason = ctx.actor(request, form)
+        group = group_of(request.query_params)
         message_id = str(form.get("message_id") or "")
         inbox = ctx.inbox_for_discard(group)
         try:
@@ -120,7 +121,7 @@ def discard(ctx: Context) -> Handler:
             raise Refused(400, f"not a message id: {message_id!r} ({exc})") from None
         audit.info("discard %s group %s by %s (%s): done", message_id, group, who, reason)
         return _done(ctx, request, form, [f"message {message_id} discarded by {who}: {reason}"],
-                     default=f"{base(request)}/parked/{group}")
+                     default=link(base(request), "/parked", group=group))
     return act
 
 
@@ -137,36 +138,34 @@ def _lane(value: Any) -> tuple[str, str | None]:
 # -- signing in with the shared token ------------------------------------------------------
 
 def login(ctx: Context) -> Handler:
-    from ._auth import SESSION_COOKIE, session_cookie
-
     async def page(request: Request) -> Response:
         if request.method == "GET":
             return ctx.render(request, "login.html", error=None, token_login=bool(ctx.operators.token))
-        form = await _form(request)
+        form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
         name = str(form.get("name") or "").strip()
-        if not ctx.operators.token or not ctx.operators.token_matches(str(form.get("token") or "")):
-            audit.info("sign-in refused for %r", name)
-            return ctx.render(request, "login.html", status=401, error="wrong token", token_login=True)
+        if not ctx.gate.token_sign_in(request, str(form.get("token") or "")):
+            return ctx.render(request, "login.html", status=401, error="wrong token",
+                              token_login=bool(ctx.operators.token))
         if not name or len(name) > 100:
             return ctx.render(request, "login.html", status=400, token_login=True,
                               error="give your name (1 to 100 characters): actions are recorded with it")
-        audit.info("signed in: %s", name)
+        audit.info("signed in: %r from %s", name, client_of(request))
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"],
                               back=base(request) + "/")
-        cookie = session_cookie(ctx.operators.session_key(ctx.secret), name)
-        response.set_cookie(SESSION_COOKIE, cookie, httponly=True, samesite="strict",
+        ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
+        response.set_cookie(SESSION_COOKIE, ctx.gate.sessions.start(name), httponly=True, samesite="strict",
                             secure=request.url.scheme == "https", path=base(request) + "/")
         return response
     return page
 
 
 def logout(ctx: Context) -> Handler:
-    from ._auth import SESSION_COOKIE
-
     async def act(request: Request) -> Response:
-        form = await _form(request)
+        form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
+        # Ended on the server: a copy of the cookie taken before is worthless from now on.
+        ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))
         response = ctx.render(request, "result.html", lines=["signed out"], back=base(request) + "/")
         response.delete_cookie(SESSION_COOKIE, path=base(request) + "/")
         return response

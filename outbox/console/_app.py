@@ -7,8 +7,9 @@ from collections.abc import Iterable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
@@ -16,12 +17,20 @@ from .._outbox import Outbox
 from ..inbox import Inbox
 from . import _actions, _pages
 from ._auth import Operators
-from ._context import Context, Refused, _Redirect
+from ._context import Context, Refused, _Redirect, base
+from ._gate import Gate
+from ._limits import DEFAULT_MAX_BODY, BodyLimit
+from ._links import link
+from ._sessions import Sessions
+from ._throttle import Throttle
+
+DEFAULT_SESSION_IDLE = 1800.0
 
 
 def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Operators | None = None,
                read_only: bool = False, secret: bytes | str | None = None,
-               stuck_after: float = 300.0) -> Starlette:
+               stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
+               max_body: int = DEFAULT_MAX_BODY) -> Starlette:
     """The web console for ``outbox``'s database: overview, failed rows, parked keys, held gaps.
 
     ``inboxes`` are your ``Inbox`` objects with their handlers registered: a
@@ -30,12 +39,17 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     ``operators`` says who may act (``Operators.from_env()`` reads
     ``OUTBOX_CONSOLE_TOKEN``/``OUTBOX_CONSOLE_USERS``; ``Operators(guard=...)``
     lets the host application's authentication decide); with none the console
-    is read-only. ``secret`` signs CSRF tokens and sign-in cookies; give the
-    same one to every process behind one address (default: random per process).
+    is read-only. ``secret`` signs CSRF tokens; give the same one to every
+    process behind one address (default: random per process). A token
+    sign-in ends at logout, after ``session_idle`` seconds without a request,
+    or after 12 hours. ``max_body`` bounds every request's body (bytes).
     Mount it with ``Mount("/outbox", app=create_app(...))``; links follow the mount path.
     """
     if not isinstance(outbox, Outbox):
         raise ConfigurationError(f"create_app needs an outbox.Outbox, got {type(outbox).__name__}")
+    if operators is not None and not isinstance(operators, Operators):
+        raise ConfigurationError(f"operators must be outbox.console.Operators, "
+                                 f"got {type(operators).__name__}")
     by_group: dict[str, Inbox] = {}
     for inbox in inboxes:
         if not isinstance(inbox, Inbox):
@@ -53,21 +67,30 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
         raise ConfigurationError("the console secret must be at least 16 bytes")
     if isinstance(stuck_after, bool) or not isinstance(stuck_after, int | float) or stuck_after < 0:
         raise ConfigurationError(f"stuck_after must be non-negative seconds, got {stuck_after!r}")
-    ctx = Context(outbox, by_group, operators or Operators(), read_only,
-                  secret or secrets.token_bytes(32), float(stuck_after))
+    if isinstance(session_idle, bool) or not isinstance(session_idle, int | float) or session_idle <= 0:
+        raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
+    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
+        raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
+    operators = operators or Operators()
+    gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
+    ctx = Context(outbox, by_group, operators, gate, read_only, secret or secrets.token_bytes(32),
+                  float(stuck_after), max_body)
     routes = [
         Route("/", _pages.overview(ctx)),
         Route("/ping", _pages.ping(ctx)),
         Route("/failed", _pages.failed(ctx)),
         Route("/failed/retry", _actions.failed_action(ctx, "retry"), methods=["POST"]),
         Route("/failed/skip", _actions.failed_action(ctx, "skip"), methods=["POST"]),
-        Route("/parked/{group}", _pages.parked(ctx)),
-        Route("/parked/{group}/key", _pages.parked_key(ctx)),
-        Route("/parked/{group}/replay", _actions.replay(ctx), methods=["POST"]),
-        Route("/parked/{group}/discard", _actions.discard(ctx), methods=["POST"]),
-        Route("/held/{group}", _pages.held(ctx)),
+        Route("/parked", _pages.parked(ctx)),
+        Route("/parked/key", _pages.parked_key(ctx)),
+        Route("/parked/replay", _actions.replay(ctx), methods=["POST"]),
+        Route("/parked/discard", _actions.discard(ctx), methods=["POST"]),
+        Route("/held", _pages.held(ctx)),
         Route("/login", _actions.login(ctx), methods=["GET", "POST"]),
         Route("/logout", _actions.logout(ctx), methods=["POST"]),
+        # Links of earlier releases (a group without "/"), kept for bookmarks.
+        Route("/parked/{group}", _moved("/parked")),
+        Route("/held/{group}", _moved("/held")),
     ]
 
     async def refused(request: Request, exc: Exception) -> Response:
@@ -88,5 +111,12 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
         assert isinstance(exc, HTTPException)
         return ctx.render(request, "error.html", status=exc.status_code, message=str(exc.detail))
 
-    return Starlette(routes=routes, exception_handlers={
-        Refused: refused, _Redirect: redirect, HTTPException: http_error, OutboxError: outbox_error})
+    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body)],
+                     exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: http_error,
+                                         OutboxError: outbox_error})
+
+
+def _moved(path: str) -> _pages.Handler:
+    async def moved(request: Request) -> Response:
+        return RedirectResponse(link(base(request), path, group=request.path_params["group"]), 301)
+    return moved

@@ -4,10 +4,10 @@ Three ways, chosen when the console is built (``Operators``):
 
 - ``token``: a shared secret (``OUTBOX_CONSOLE_TOKEN``). A browser signs in once
   on ``/login`` with the token and the operator's name; the console then keeps
-  a signed cookie naming that person, so every action is recorded against a
-  name, not against "the token". Scripts may send ``Authorization: Bearer``
-  with an ``X-Outbox-Operator`` header instead.
-- ``users``: basic-auth users (``OUTBOX_CONSOLE_USERS="alice:pw1,bob:pw2"``);
+  a server-side session naming that person (``_sessions``), so every action is
+  recorded against a name, not against "the token". Scripts may send
+  ``Authorization: Bearer`` with an ``X-Outbox-Operator`` header instead.
+- ``users``: basic-auth users (``OUTBOX_CONSOLE_USERS="alice:PASSWORD,..."``);
   the browser asks for them itself. The user name is the operator.
 - ``guard``: when the console is mounted in a host application, a callable
   ``guard(request) -> str | None`` naming the signed-in operator (or ``None``
@@ -15,16 +15,18 @@ Three ways, chosen when the console is built (``Operators``):
 
 With none configured the console is read-only: anyone who can reach it (by
 default only this machine) may look, nobody may act.
+
+Tokens and passwords must be strong enough to survive guessing (``weakness``);
+they are compared as SHA-256 digests with ``hmac.compare_digest``, so neither
+their content nor their length shows in the answer's timing, and they never
+appear in a ``repr``.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,25 +35,60 @@ from starlette.requests import Request
 from .._errors import ConfigurationError
 
 Guard = Callable[[Request], "str | None"]
-SESSION_COOKIE = "outbox_console_operator"
-SESSION_SECONDS = 12 * 3600
+MIN_LENGTH = 16
+MIN_DISTINCT = 8
+GENERATE = "python -c 'import secrets; print(secrets.token_urlsafe())'"
+# Compared against when a basic-auth user name is unknown, so that case costs the same time.
+_NOBODY = hashlib.sha256(b"no such console user").digest()
+
+
+def weakness(secret: str) -> str | None:
+    """Why ``secret`` is too weak to guard the console, or ``None``; never quotes the secret."""
+    if len(secret) < MIN_LENGTH:
+        return f"has {len(secret)} characters, needs at least {MIN_LENGTH}"
+    if len(set(secret)) < MIN_DISTINCT:
+        return f"uses {len(set(secret))} different characters, needs at least {MIN_DISTINCT}"
+    return None
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
 @dataclass(frozen=True)
 class Operators:
-    """The credentials that make someone an operator; see the module docstring."""
+    """The credentials that make someone an operator; see the module docstring.
 
-    token: str | None = None
-    users: Mapping[str, str] = field(default_factory=dict)
+    The token and the passwords are kept out of ``repr`` (they would land in logs and tracebacks).
+    """
+
+    token: str | None = field(default=None, repr=False)
+    users: Mapping[str, str] = field(default_factory=dict, repr=False)
     guard: Guard | None = None
+    _token_digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _user_digests: Mapping[str, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.token is not None and len(self.token) < 16:
-            raise ConfigurationError("the console token must be at least 16 characters "
-                                     "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe())'`)")
+        if self.token is not None:
+            if not isinstance(self.token, str):
+                raise ConfigurationError("the console token must be a str")
+            why = weakness(self.token)
+            if why:
+                raise ConfigurationError(f"the console token {why} (make one with `{GENERATE}`)")
         for name, password in self.users.items():
-            if not name or ":" in name or not password:
-                raise ConfigurationError(f"console user {name!r}: give NAME:PASSWORD, both non-empty")
+            if not isinstance(name, str) or not name or ":" in name or not isinstance(password, str):
+                raise ConfigurationError(f"console user {name!r}: give NAME:PASSWORD, both non-empty, "
+                                         "NAME without ':'")
+            why = weakness(password)
+            if why:
+                raise ConfigurationError(f"console user {name!r}: the password {why}")
+        object.__setattr__(self, "_token_digest", None if self.token is None else _digest(self.token))
+        object.__setattr__(self, "_user_digests", {n: _digest(p) for n, p in self.users.items()})
+
+    def __repr__(self) -> str:
+        kinds = [k for k, on in (("token", self.token), ("users", self.users), ("guard", self.guard)) if on]
+        users = f", users={sorted(self.users)!r}" if self.users else ""
+        return f"Operators({'+'.join(kinds) or 'none'}{users})"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Operators:
@@ -64,67 +101,28 @@ class Operators:
                 raise ConfigurationError(f"OUTBOX_CONSOLE_USERS: {name!r} has no password "
                                          "(expected name:password,name:password)")
             users[name] = password
-        return cls(token=env.get("OUTBOX_CONSOLE_TOKEN") or None, users=users)
+        token = env.get("OUTBOX_CONSOLE_TOKEN") or None
+        try:
+            cls(token=token)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"OUTBOX_CONSOLE_TOKEN: {exc}") from None
+        try:
+            cls(users=users)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"OUTBOX_CONSOLE_USERS: {exc}") from None
+        return cls(token=token, users=users)
 
     @property
     def configured(self) -> bool:
         return bool(self.token or self.users or self.guard)
 
-    def operator(self, request: Request, secret: bytes) -> str | None:
-        """The operator's name for this request, or ``None`` when it carries no valid credential."""
-        if self.guard is not None:
-            who = self.guard(request)
-            if who:
-                return who
-        header = request.headers.get("authorization", "")
-        scheme, _, value = header.partition(" ")
-        if self.users and scheme.lower() == "basic":
-            try:
-                name, _, password = base64.b64decode(value, validate=True).decode().partition(":")
-            except (binascii.Error, UnicodeDecodeError):
-                return None
-            expected = self.users.get(name)
-            if expected is not None and hmac.compare_digest(expected.encode(), password.encode()):
-                return name
-            return None
-        if self.token and scheme.lower() == "bearer":
-            name = request.headers.get("x-outbox-operator", "").strip()
-            if name and hmac.compare_digest(self.token.encode(), value.encode()):
-                return name
-            return None
-        if self.token:
-            return session_operator(self.session_key(secret), request.cookies.get(SESSION_COOKIE))
-        return None
-
-    def session_key(self, secret: bytes) -> bytes:
-        """What signs sign-in cookies: the secret and the token, so a new token signs everyone out."""
-        return secret + hashlib.sha256((self.token or "").encode()).digest()
-
     def token_matches(self, sent: str) -> bool:
-        return self.token is not None and hmac.compare_digest(self.token.encode(), sent.encode())
+        """``sent`` is the token; constant time whatever ``sent``'s length or content."""
+        expected = self._token_digest
+        return expected is not None and hmac.compare_digest(expected, _digest(sent))
 
-
-def _sign(secret: bytes, text: str) -> str:
-    return hmac.new(secret, b"operator:" + text.encode(), hashlib.sha256).hexdigest()
-
-
-def session_cookie(secret: bytes, name: str, now: float | None = None) -> str:
-    """A cookie value naming ``name`` until it expires, signed with the console's secret."""
-    expires = int((now or time.time()) + SESSION_SECONDS)
-    text = f"{expires}:{base64.urlsafe_b64encode(name.encode()).decode()}"
-    return f"{text}:{_sign(secret, text)}"
-
-
-def session_operator(secret: bytes, cookie: str | None) -> str | None:
-    if not cookie or cookie.count(":") != 2:
-        return None
-    expires, encoded, signature = cookie.split(":")
-    text = f"{expires}:{encoded}"
-    if not hmac.compare_digest(_sign(secret, text), signature):
-        return None
-    try:
-        if int(expires) < time.time():
-            return None
-        return base64.urlsafe_b64decode(encoded.encode()).decode() or None
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        return None
+    def password_matches(self, name: str, sent: str) -> bool:
+        """``name`` is a user whose password is ``sent``; an unknown name costs the same time."""
+        expected = self._user_digests.get(name)
+        same = hmac.compare_digest(expected or _NOBODY, _digest(sent))
+        return expected is not None and same

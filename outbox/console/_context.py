@@ -22,6 +22,9 @@ from .._outbox import Outbox
 from ..inbox import Inbox
 from . import _csrf
 from ._auth import Operators
+from ._gate import Gate
+from ._links import link
+from ._refused import Refused
 
 audit = safe_logger("outbox.console.audit")
 
@@ -39,24 +42,17 @@ SECURITY_HEADERS = {
 }
 
 
-class Refused(Exception):
-    """A request the console will not serve; becomes an escaped error page with ``status``."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or {}
-
-
 @dataclass
 class Context:
     outbox: Outbox
     inboxes: Mapping[str, Inbox]
     operators: Operators
+    gate: Gate
     read_only: bool
-    secret: bytes
+    secret: bytes = field(repr=False)
     stuck_after: float
-    env: Environment = field(init=False)
+    max_body: int
+    env: Environment = field(init=False, repr=False)
     _discarders: dict[str, Inbox] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
@@ -87,7 +83,7 @@ class Context:
         """The operator looking, or ``None`` on an unprotected console; refuses a stranger."""
         if not self.operators.configured:
             return None
-        who = self.operators.operator(request, self.secret)
+        who = self.gate.operator(request)
         if who is None:
             raise self._unauthenticated(request)
         return who
@@ -99,7 +95,7 @@ class Context:
         if not self.operators.configured:
             raise Refused(403, "no operator credential is configured, so this console is read-only "
                                "(set OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS)")
-        who = self.operators.operator(request, self.secret)
+        who = self.gate.operator(request)
         if who is None:
             raise Refused(401, "an action needs an operator credential: sign in first",
                           self._challenge())
@@ -129,9 +125,12 @@ class Context:
         fresh = cookie is None
         if cookie is None:
             cookie = _csrf.new_cookie()
+        root = base(request)
         html = self.env.get_template(template).render(
-            base=base(request), csrf=_csrf.form_token(self.secret, cookie), read_only=self.read_only,
-            can_act=self.operators.configured and not self.read_only, **values)
+            base=root, url=lambda path, **params: link(root, path, **params),
+            csrf=_csrf.form_token(self.secret, cookie), read_only=self.read_only,
+            can_act=self.operators.configured and not self.read_only,
+            session_login=self.operators.token is not None, **values)
         response = HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
         if fresh:
             response.set_cookie(_csrf.COOKIE, cookie, httponly=True, samesite="strict",
@@ -151,6 +150,14 @@ class _Redirect(Exception):
 def base(request: Request) -> str:
     """Where the console is mounted ("" at the root): every link and cookie path starts here."""
     return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+def group_of(values: Mapping[str, Any]) -> str:
+    """The consumer group a page or action is about (a query or form field: any name routes)."""
+    group = str(values.get("group") or "")
+    if not group:
+        raise Refused(400, "name the consumer group (?group=...)")
+    return group
 
 
 def page_size(request: Request) -> int:

@@ -19,7 +19,7 @@ from .._envelope import utcnow
 from ..inbox._store_pages import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows
-from ._context import Context, Refused, page_size
+from ._context import Context, Refused, group_of, page_size
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -83,7 +83,7 @@ def failed(ctx: Context) -> Handler:
 def parked(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
-        group = request.path_params["group"]
+        group = group_of(request.query_params)
         limit, after = page_size(request), _lane_after(request)
 
         def read() -> tuple[list[Any], list[Any]]:
@@ -103,7 +103,7 @@ def parked(ctx: Context) -> Handler:
 def parked_key(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
-        group = request.path_params["group"]
+        group = group_of(request.query_params)
         topic = request.query_params.get("topic")
         if not topic:
             raise Refused(400, "name the topic (?topic=...&key=...)")
@@ -126,7 +126,7 @@ def parked_key(ctx: Context) -> Handler:
 def held(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
-        group = request.path_params["group"]
+        group = group_of(request.query_params)
         limit, after = page_size(request), _lane_after(request)
 
         def read() -> list[Any]:

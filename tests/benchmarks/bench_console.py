@@ -29,6 +29,7 @@ from _report import markdown_table, write_section
 
 from outbox import Outbox, create_engine
 from outbox.console import Operators, create_app
+from outbox.console._links import link
 from outbox.testing import fresh_database, local_postgres_server
 
 GROUP = "billing"
@@ -86,10 +87,11 @@ def pages(outbox: Outbox, keys: int) -> dict[str, str]:
         "overview": "/",
         "failed rows, first page": "/failed",
         "failed rows, middle page": f"/failed?after={middle_failed}",
-        "parked keys, first page": f"/parked/{GROUP}",
-        "parked keys, middle page": f"/parked/{GROUP}?after=" + json.dumps(["orders", middle_key]),
-        "one parked key": f"/parked/{GROUP}/key?topic=orders&key={middle_key}",
-        "held gaps, first page": f"/held/{GROUP}",
+        "parked keys, first page": link("", "/parked", group=GROUP),
+        "parked keys, middle page": link("", "/parked", group=GROUP,
+                                         after=json.dumps(["orders", middle_key])),
+        "one parked key": link("", "/parked/key", group=GROUP, topic="orders", key=middle_key),
+        "held gaps, first page": link("", "/held", group=GROUP),
     }
 
 
@@ -100,9 +102,9 @@ def measure(url: str, rows: int, keys: int, repeat: int) -> dict[str, float]:
     start = time.perf_counter()
     fill(engine, rows, keys)
     print(f"  filled {rows} rows, {keys} parked keys in {time.perf_counter() - start:.1f} s")
-    client = TestClient(create_app(outbox, operators=Operators(users={"bench": "bench-password"})),
+    client = TestClient(create_app(outbox, operators=Operators(users={"bench": "bench-password-long"})),
                         base_url="http://127.0.0.1")
-    auth = ("bench", "bench-password")
+    auth = ("bench", "bench-password-long")
     timings: dict[str, list[float]] = {}
     targets = pages(outbox, keys)
     for _ in range(2):  # warm caches and statement compilation
