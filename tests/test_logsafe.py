@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
+import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,12 +13,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import outbox
+import transports
 from outbox import Inbox, create_engine
 from tests.inbox_support import TOPIC, record
 from transports._logsafe import escape_controls, safe_logger
 
 FORGED = "k\nINFO outbox.relay all clear"
-# Every name a library module logs under (each is made by safe_logger when its module is imported).
+# Names the library logs under today; the test also finds any logger a new module adds.
 LIBRARY_LOGGERS = ["outbox.inbox", "outbox.relay", "outbox.relay.leases", "outbox.alerts",
                    "outbox.health", "outbox.console.audit", "transports.kafka",
                    "transports.kafka.librdkafka", "transports.kafka_python"]
@@ -80,15 +84,26 @@ def test_an_exception_message_cannot_add_a_line_to_its_traceback(
     assert "RuntimeError: while sending k\\nINFO outbox.relay all clear" in lines
 
 
-@pytest.mark.parametrize("name", LIBRARY_LOGGERS)
-def test_every_library_logger_escapes(name: str) -> None:
+def _library_loggers() -> list[str]:
+    """Every logger a module of the two packages made, once all of them are imported."""
+    for package in (outbox, transports):
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if not module.name.endswith("__main__"):
+                importlib.import_module(module.name)
+    return sorted(name for name, logger in logging.Logger.manager.loggerDict.items()
+                  if isinstance(logger, logging.Logger) and name.split(".")[0] in {"outbox", "transports"})
 
-    logger, stream, handler = _capture(name)
-    try:
-        logger.warning("topic %s", FORGED)
-    finally:
-        logger.removeHandler(handler)
-    assert stream.getvalue() == f"WARNING {name} topic k\\nINFO outbox.relay all clear\n"
+
+def test_every_library_logger_escapes() -> None:
+    names = _library_loggers()
+    assert set(LIBRARY_LOGGERS) <= set(names)
+    for name in names:
+        logger, stream, handler = _capture(name)
+        try:
+            logger.warning("topic %s", FORGED)
+        finally:
+            logger.removeHandler(handler)
+        assert stream.getvalue() == f"WARNING {name} topic k\\nINFO outbox.relay all clear\n", name
 
 
 def test_a_forged_key_failing_in_the_inbox_is_logged_on_one_line(tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import logging
 import math
 
 from starlette.requests import Request
+
+from transports._logsafe import safe_logger
 
 from ._auth import Operators
 from ._refused import Refused
@@ -23,7 +24,7 @@ from ._sessions import Sessions
 from ._throttle import Throttle
 
 SESSION_COOKIE = "outbox_console_operator"
-audit = logging.getLogger("outbox.console.audit")
+audit = safe_logger("outbox.console.audit")
 
 
 def client_of(request: Request) -> str:

@@ -18,12 +18,13 @@ Safe to call from several threads.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
 
-audit = logging.getLogger("outbox.console.audit")
+from transports._logsafe import safe_logger
+
+audit = safe_logger("outbox.console.audit")
 
 
 @dataclass
