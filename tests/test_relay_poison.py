@@ -75,7 +75,7 @@ CASES = [
     Bad("key not UTF-8", "cannot be read", LOOSE, raw={"key": "CAST(x'6beda080' AS TEXT)"}),
     # MySQL's seq trigger numbers a keyed row that comes without one.
     Bad("keyed, no seq", "keyed row has seq none", NOT_MARIADB, {"seq": None}),
-    Bad("keyed, seq 0", "keyed row has seq 0", columns={"seq": 0}),
+    Bad("keyed, seq 0", "row has seq 0, outside", columns={"seq": 0}),
     Bad("content type not ASCII", "content_type must be", columns={"content_type": "tëxt/plain"}),
     Bad("empty content type", "content_type must be", columns={"content_type": ""}),
     Bad("long content type", "content_type must be", LOOSE, {"content_type": "a/" + "b" * 120}),

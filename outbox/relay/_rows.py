@@ -95,8 +95,10 @@ class RowEncoder:
         if key is not None:
             if type(key) is not str or not 0 < len(key) <= MAX_KEY_LENGTH or "\x00" in key:
                 raise UnsendableRow(_key_problem(key))
-            if type(seq) is not int or not 1 <= seq <= MAX_SEQ:
-                raise UnsendableRow(f"keyed row has seq {seq!r}: a key's rows need a seq of 1..{MAX_SEQ}")
+            if seq is None:
+                raise UnsendableRow("keyed row has seq None: a key's rows are numbered from 1")
+        if seq is not None and (type(seq) is not int or not 1 <= seq <= MAX_SEQ):
+            raise UnsendableRow(f"row has seq {seq!r}, outside 1..{MAX_SEQ}")
         if type(payload) is not bytes:
             raise UnsendableRow(f"payload is {type(payload).__name__}, not bytes")
         try:
