@@ -38,7 +38,7 @@ from ._sql import ROW_COLUMNS
 _NO_HEADERS = frozenset({None, "{}", "null"})
 _TOPIC, _KEY = ROW_COLUMNS.index("topic"), ROW_COLUMNS.index("key")
 _MAX_REASON = 500
-_MAX_TOPICS = 10_000
+_MAX_SEEN = 10_000
 
 
 class UnsendableRow(ValueError):
@@ -48,11 +48,13 @@ class UnsendableRow(ValueError):
 class RowEncoder:
     """Encodes fetched rows (``_sql.ROW_COLUMNS`` order) into records; one per relay thread."""
 
-    __slots__ = ("_topics",)
+    __slots__ = ("_content_types", "_topics")
 
     def __init__(self) -> None:
-        # Topics seen valid: a relay serves a handful, so the regex runs once per topic.
+        # Topics and content types seen valid: a relay meets a handful, so each regex
+        # runs once per value.
         self._topics: set[str] = set()
+        self._content_types: set[str] = set()
 
     def records(self, rows: Sequence[Any]) -> tuple[list[Record], Sequence[Any], list[tuple[Any, str]]]:
         """Records of ``rows``, the rows they are of, and the unsendable rows with their reason.
@@ -64,30 +66,23 @@ class RowEncoder:
         unsendable: list[tuple[Any, str]] = []
         encoded: list[Any] = []
         stopped: set[tuple[Any, Any]] = set()
-        encode = self.record
+        encode = self._record
         for row in rows:
             if stopped and row[_KEY] is not None and (row[_TOPIC], row[_KEY]) in stopped:
                 continue
             try:
                 records.append(encode(row))
-            except UnsendableRow as exc:
-                unsendable.append((row, safe_reason(f"cannot be sent: {exc}")))
+            except Exception as exc:  # to_record's encode(), or a value of an unexpected type
+                reason = str(exc) if isinstance(exc, UnsendableRow) else _diagnose(row, exc)
+                unsendable.append((row, safe_reason(f"cannot be sent: {reason}")))
                 if row[_KEY] is not None:
                     stopped.add((row[_TOPIC], row[_KEY]))
                 continue
             encoded.append(row)
         return records, (encoded if unsendable else rows), unsendable
 
-    def record(self, row: Any) -> Record:
-        """The row's record; raises ``UnsendableRow`` if it breaks the envelope's contract."""
-        try:
-            return self._record(row)
-        except UnsendableRow:
-            raise
-        except Exception as exc:  # to_record's encode(), or a value of an unexpected type
-            raise UnsendableRow(_diagnose(row, exc)) from exc
-
     def _record(self, row: Any) -> Record:
+        """The row's record; raises ``UnsendableRow``, or what encoding raised, if it cannot be one."""
         (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
          available_at, _) = row
         if topic not in self._topics:
@@ -101,10 +96,8 @@ class RowEncoder:
             raise UnsendableRow(f"row has seq {seq!r}, outside 1..{MAX_SEQ}")
         if type(payload) is not bytes:
             raise UnsendableRow(f"payload is {type(payload).__name__}, not bytes")
-        try:
-            content_type = validate_content_type(content_type)
-        except MessageValidationError as exc:
-            raise UnsendableRow(str(exc)) from None
+        if content_type not in self._content_types:
+            self._check_content_type(content_type)
         return to_record(
             message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
             content_type=content_type,
@@ -112,12 +105,21 @@ class RowEncoder:
             created_at=created_at, available_at=available_at,
         )
 
+    def _check_content_type(self, content_type: object) -> None:
+        try:
+            valid = validate_content_type(content_type)
+        except MessageValidationError as exc:
+            raise UnsendableRow(str(exc)) from None
+        if len(self._content_types) >= _MAX_SEEN:
+            self._content_types.clear()
+        self._content_types.add(valid)
+
     def _check_topic(self, topic: object) -> None:
         try:
             valid = validate_topic(topic)
         except InvalidTopicError as exc:
             raise UnsendableRow(str(exc)) from None
-        if len(self._topics) >= _MAX_TOPICS:
+        if len(self._topics) >= _MAX_SEEN:
             self._topics.clear()
         self._topics.add(valid)
 
