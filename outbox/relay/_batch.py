@@ -29,7 +29,6 @@ Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,14 +49,14 @@ from .._pg_arrays import int_array
 from .._tracing import INSTALLED as TRACING_INSTALLED
 from .._tracing import start_send
 from .._wheel import TimingWheel
-from .._wire import to_record
 from ._metrics import RelayMetrics
 from ._outage import Dependency, Outages, broker_outage_backoff
+from ._rows import RowEncoder, safe_reason
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
+from ._unreadable import find_unreadable
 
 log = safe_logger("outbox.relay")
 
-_NO_HEADERS = frozenset({None, "{}", "null"})
 # Positions in a fetched row (``_relay_sql.ROW_COLUMNS``).
 _ID, _TOPIC, _KEY, _SHARD, _CREATED = (
     ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard", "created_at"))
@@ -134,6 +133,7 @@ class Batch:
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
         self._outage_batches = 0  # consecutive batches the broker delivered nothing of
+        self._encoder = RowEncoder()
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).
@@ -155,8 +155,16 @@ class Batch:
             params: dict[str, Any] = {"now": utcnow(), "limit": self.batch_size + len(drop or ())}
             if self.sql.postgres:  # only its statement names the busy ids
                 params["busy"] = int_array(self._busy)
-            rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
+            try:
+                rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
+                unreadable = None
+            except Exception as exc:
+                if is_database_outage(exc):
+                    raise
+                unreadable = exc
             conn.rollback()
+        if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
+            return self._fail_unreadable(owned, params, unreadable, started)
         if drop:
             rows = [r for r in rows if r[_ID] not in drop][:self.batch_size]
         self.outages.up(Dependency.DATABASE)
@@ -170,14 +178,8 @@ class Batch:
             r for r in rows
             if r[_KEY] is None or ((r[_TOPIC], r[_KEY]) not in wheel and (r[_TOPIC], r[_KEY]) not in held)
         ]
-        records = [
-            to_record(message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
-                      content_type=content_type,
-                      headers=None if headers in _NO_HEADERS else json.loads(headers),
-                      created_at=created_at, available_at=available_at)
-            for (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
-                 available_at, _) in sendable
-        ]
+        # Each row is encoded on its own: one that can never be a record fails alone (``_rows``).
+        records, sendable, unsendable = self._encoder.records(sendable)
         traced = None
         if TRACING_INSTALLED and records:  # a send span per traced record, when an SDK records
             records, traced = start_send(records, lambda i: str(sendable[i][1]))
@@ -186,7 +188,7 @@ class Batch:
             traced.finish(results)
         if len(results) != len(records):
             raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
-        plan = self._plan(sendable, results, owned)
+        plan = self._plan(sendable, results, owned, unsendable)
         try:
             self.finish()  # at most one write in flight, and in batch order
         except Exception as exc:
@@ -209,7 +211,8 @@ class Batch:
                        "failed": len(plan.failed), "fenced": 0}
         self.metrics.batch_duration.observe(time.perf_counter() - started)
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
-        return BatchResult(fetched=len(rows), sent=len(records), held=len(rows) - len(sendable),
+        return BatchResult(fetched=len(rows), sent=len(records),
+                           held=len(rows) - len(sendable) - len(unsendable),
                            error=plan.error, broker_unreachable=plan.broker_unreachable, **outcome)
 
     def finish(self) -> None:
@@ -227,8 +230,12 @@ class Batch:
             self._writer.shutdown()
             self._writer = None
 
-    def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int]) -> _Plan:
-        """Decide every row's outcome (and schedule retries in the wheel); no SQL."""
+    def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int],
+              unsendable: list[tuple[Any, str]]) -> _Plan:
+        """Decide every row's outcome (and schedule retries in the wheel); no SQL.
+
+        ``unsendable`` rows were not sent: they fail, and their keys wait like a failed head's.
+        """
         retried, postponed = empty_marks(), empty_marks()
         # Nothing delivered and every retry for want of an answer: the broker is down, an
         # outage, not these records' fault. A retriable error the broker returned still counts.
@@ -246,9 +253,10 @@ class Batch:
         partitions: list[int | None] = []
         offsets: list[int | None] = []
         published = Marks(ids, shards, epochs, {"kafka_partition": partitions, "kafka_offset": offsets})
-        failed: list[tuple[Any, int, str]] = []
+        failed: list[tuple[Any, int, str]] = [(row, owned[row[_SHARD]], error) for row, error in unsendable]
         published_topics: dict[str, int] = {}
-        stopped: set[tuple[str, str]] = set()
+        stopped: set[tuple[str, str]] = {
+            (row[_TOPIC], row[_KEY]) for row, _ in unsendable if row[_KEY] is not None}
         error: str | None = None
         now, mono = utcnow(), time.monotonic()
         delivered = Outcome.DELIVERED
@@ -273,7 +281,7 @@ class Batch:
                 failed.append((row, epoch, res.error or "failed"))
             else:
                 error = error or res.error
-                delay = outage_delay if outage else self._delay(row.attempts + 1)
+                delay = outage_delay if outage else self._delay(_attempts(row) + 1)
                 # From the later of the two clocks: a publisher ahead of this relay by more
                 # than the delay would otherwise get available_at <= created_at, which the
                 # fetch reads as "due, never pushed back" (no backoff, key not held).
@@ -297,11 +305,7 @@ class Batch:
             newly_failed = self._mark_failed(conn, failed)
         for topic, n in plan.published_topics.items():
             self.metrics.published.labels(topic).inc(n)
-        for row, error in newly_failed:
-            self.metrics.failed.labels(row.topic).inc()
-            deliver(self.alert, Alert(kind="message_failed", topic=row.topic, key=row.key,
-                                      message_id=str(row.message_id), error=error,
-                                      details={"id": row.id, "seq": row.seq}))
+        self._alert_failed(newly_failed)
         fenced = len(published.ids) - marked
         if fenced:
             log.warning("relay %s lost a lease: %d delivered rows left to the new owner",
@@ -309,6 +313,34 @@ class Batch:
         return {"published": marked, "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                 "failed": len(newly_failed),
                 "fenced": fenced}
+
+    def _fail_unreadable(self, owned: dict[int, int], params: dict[str, Any], error: Exception,
+                         started: float) -> BatchResult:
+        """The fetch failed on a value it cannot read: fail those rows alone (``_unreadable``).
+
+        Nothing is sent in this batch; the next fetch no longer meets the failed rows,
+        and the key of each waits behind it like behind any failed row.
+        """
+        self.finish()
+        found = find_unreadable(self.engine, self.sql, sorted(owned), params)
+        if not found:
+            raise error  # not a row's fault: the loop reports it
+        failed = [(row, owned[row.shard], safe_reason(f"cannot be read: {reason}"))
+                  for row, reason in found]
+        with self.engine.begin() as conn:
+            newly_failed = self._mark_failed(conn, failed)
+        self._alert_failed(newly_failed)
+        self.metrics.batch_duration.observe(time.perf_counter() - started)
+        return BatchResult(fetched=len(found), failed=len(newly_failed))
+
+    def _alert_failed(self, newly_failed: list[tuple[Any, str]]) -> None:
+        """One alert per row that became failed (after its write committed)."""
+        for row, error in newly_failed:
+            self.metrics.failed.labels(row.topic).inc()
+            message_id = str(row.message_id) if row.message_id is not None else None
+            deliver(self.alert, Alert(kind="message_failed", topic=row.topic, key=row.key,
+                                      message_id=message_id, error=error,
+                                      details={"id": row.id, "seq": row.seq}))
 
     def _mark_failed(self, conn: Connection, failed: list[tuple[Any, int, str]]) -> list:
         """Failed rows are rare: one update each, so only rows that really changed alert."""
@@ -325,4 +357,7 @@ class Batch:
         return float(self.backoff(state))
 
 
-
+def _attempts(row: Any) -> int:
+    """The row's attempt count; a hand-written row may hold anything there (SQLite)."""
+    attempts = row.attempts
+    return attempts if type(attempts) is int and attempts >= 0 else 0

@@ -107,6 +107,7 @@ class RelayStatements:
             parts = [func.substr(m.c.message_id, start, length)
                      for start, length in ((1, 8), (9, 4), (13, 4), (17, 4), (21, 12))]
             columns[ROW_COLUMNS.index("message_id")] = func.concat_ws("-", *parts).label("message_id")
+        self._columns = columns
         self._due = select(*columns).where(
             m.c.status == OutboxStatus.PENDING, due, or_(m.c.key.is_(None), ~key_waits),
         )
@@ -141,6 +142,22 @@ class RelayStatements:
             self._fetch_by_shards.clear()
         self._fetch_by_shards[key] = found
         return found
+
+    # -- rows the fetch cannot read (``_unreadable``) ---------------------------
+
+    def due_ids(self, shards: Iterable[int]) -> Select[Any]:
+        """The ids and shards of what ``fetch`` returns (same params): integers always read."""
+        due = self.fetch(shards).subquery("due_rows")
+        return select(due.c.id, due.c.shard).order_by(due.c.id)
+
+    def row(self) -> Select[Any]:
+        """One row by ``id``, with ``fetch``'s columns."""
+        return select(*self._columns).where(self._m.c.id == bindparam("id"))
+
+    def row_field(self, name: str) -> Select[Any]:
+        """One column of one row by ``id``, as text where the fetch reads it so."""
+        column = self._columns[ROW_COLUMNS.index(name)]
+        return select(column).where(self._m.c.id == bindparam("id"))
 
     # -- bulk, fenced updates ----------------------------------------------
 

@@ -225,6 +225,10 @@ class KafkaTransport:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")
             except KafkaException as exc:
                 results[i] = result_of(exc.args[0])
+            except (TypeError, ValueError) as exc:
+                # The client refused the record's own values (text it cannot encode, a
+                # header of the wrong type): that record fails, not the batch.
+                results[i] = SendResult(Outcome.FAILED, error=f"producer refused the record: {exc}")
             if results[i] is not None and record.key is not None:
                 stopped.add((record.topic, record.key))
         if outstanding:
