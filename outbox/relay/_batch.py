@@ -118,8 +118,10 @@ class Batch:
         worker_id: str,
         batch_size: int,
         outages: Outages,
+        incarnation: str | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
+        self.incarnation = incarnation  # this database's identity, in every envelope
         self.outages = outages
         self._retrying = tenacity.Retrying()  # only to build the state a wait strategy reads
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
@@ -170,11 +172,12 @@ class Batch:
             r for r in rows
             if r[_KEY] is None or ((r[_TOPIC], r[_KEY]) not in wheel and (r[_TOPIC], r[_KEY]) not in held)
         ]
+        incarnation = self.incarnation
         records = [
             to_record(message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
                       content_type=content_type,
                       headers=None if headers in _NO_HEADERS else json.loads(headers),
-                      created_at=created_at, available_at=available_at)
+                      created_at=created_at, available_at=available_at, incarnation=incarnation)
             for (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
                  available_at, _) in sendable
         ]
