@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from .._envelope import utcnow
 from .._errors import OutboxError
+from ._conflicts import rebuilt
 from ._kinds import Outcome, Reason
 from ._sessions import Sessions
 from ._signals import SkipMessage
@@ -141,7 +142,8 @@ class ParkedAdmin:
                     if store.is_recorded(session, d.message.message_id):
                         store.unpark(session, row.id)  # applied meanwhile: nothing to redo
                         continue
-                    if not row.reason.restarts_on_replay:
+                    if not (row.reason.restarts_on_replay
+                            or rebuilt(state.incarnation, d.message.incarnation)):
                         return self._stopped(session, topic, key, applied,
                                              f"seq {seq} is at or below the key's last seq "
                                              f"{state.last_seq} but was never applied: discard it")

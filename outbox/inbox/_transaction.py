@@ -350,8 +350,9 @@ class TransactionStep:
             return _Triage.DUPLICATE
         seq: int = d.message.seq  # type: ignore[assignment]
         if verdict is Verdict.RESTART:
-            # Recorded like a first_seen start once its first message applies (set_started).
-            state.last_seq, state.started_at_seq, state.incarnation = seq - 1, seq, d.message.incarnation
+            # Recorded like a first_seen start once its first message applies (set_started),
+            # which also records the new incarnation (set_last_seq).
+            state.last_seq, state.started_at_seq = seq - 1, seq
             starts[d.lane] = seq  # type: ignore[index]
             return _Triage.RUN
         reason: Reason = verdict.reason  # type: ignore[assignment]
