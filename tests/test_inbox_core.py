@@ -63,7 +63,7 @@ def test_applies_once_and_counts_redeliveries(inbox: Inbox, engine: sa.Engine) -
     assert tuple(row) == (3, "processed", 1)
 
 
-def test_same_seq_with_another_message_id_is_a_conflict_not_a_duplicate(inbox: Inbox, engine: sa.Engine) -> None:
+def test_same_seq_with_another_message_id_is_a_conflict(inbox: Inbox, engine: sa.Engine) -> None:
     """Issue 23: only a recorded id is a duplicate; another id at a used seq parks its key."""
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED

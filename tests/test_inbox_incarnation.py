@@ -146,7 +146,7 @@ def test_old_envelopes_without_the_header_keep_working_and_are_never_dropped(mak
     assert key_row(inbox, "k") == (3, None, None, False)
     # Without an incarnation a restart cannot be told from a conflict: parked, not dropped.
     assert inbox.handle(record(TOPIC, "k", 1)) is Disposition.PARKED
-    assert [(p.seq, p.reason) for p in inbox.parked()][0] == (1, "seq_conflict")
+    assert [(p.seq, p.reason) for p in inbox.parked(TOPIC, "k")] == [(1, "seq_conflict"), (5, "key_parked")]
     # A key first met by old envelopes, then a header-carrying producer: a restart is unprovable.
     for r in history(inbox, None, range(1, 3), key="m"):
         inbox.handle(r)
