@@ -44,11 +44,11 @@ def db_url(proof_db_url: str) -> str:
 @pytest.fixture
 def make(engine: sa.Engine) -> Iterator:  # type: ignore[type-arg]
     group = f"g-{uuid.uuid4().hex[:8]}"
+    effects.create(engine, checkfirst=True)
 
     def make_inbox(**kwargs) -> Inbox:  # type: ignore[no-untyped-def]
         inbox = Inbox(engine, group=group, retry_backoff=0, alert=AlertLog(), **kwargs)
         inbox.create_tables()
-        effects.create(engine, checkfirst=True)
 
         @inbox.handler(TOPIC)
         def handle(session, message):  # type: ignore[no-untyped-def]
