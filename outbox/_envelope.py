@@ -58,7 +58,9 @@ class Message(pydantic.BaseModel):
 
     ``payload`` holds the exact bytes that were sent; ``json()`` and ``parse()``
     decode them. ``seq`` counts 1, 2, 3 … per (topic, key) in commit order and
-    is None for unkeyed messages.
+    is None for unkeyed messages. ``incarnation`` names the outbox database
+    that sent it (its ``outbox_meta`` identity): seqs count within one
+    incarnation; None on envelopes of releases before it existed.
     """
 
     model_config = pydantic.ConfigDict(frozen=True)
@@ -72,6 +74,7 @@ class Message(pydantic.BaseModel):
     headers: dict[str, str] = pydantic.Field(default_factory=dict)
     created_at: datetime
     available_at: datetime
+    incarnation: str | None = None
 
     def json(self) -> Any:  # type: ignore[override]
         """The payload decoded as JSON."""

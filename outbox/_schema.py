@@ -4,6 +4,12 @@ Settings that every publisher and relay of a database must agree on live in the
 database (DESIGN §9), in ``{prefix}outbox_meta``: ``schema_version`` and
 ``shard_count``. Release 0.1 had no meta table; its tables are schema version 1.
 
+The meta table also holds the database's ``incarnation`` (DESIGN §10): a UUID
+minted when the tables are made, carried in every envelope the relay sends, so
+a consumer can tell a rebuilt producer (whose keys count from seq 1 again)
+from a broken one. A restored backup carries the incarnation of the database
+it copied: ``new_incarnation`` mints another one after a restore.
+
 An upgrade is the ordered list ``UPGRADES``: entry *i* (from 0) takes a database
 from version *i + 1* to *i + 2*, so ``SCHEMA_VERSION`` is ``1 + len(UPGRADES)``.
 Each step runs in its own transaction together with its version bump, and each
@@ -15,6 +21,7 @@ stamped. Adding a column or a table is one more entry, made with
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +38,7 @@ from ._tables import MYSQL_FAMILY, PUBLISHED, SKIPPED, OutboxTables
 
 DEFAULT_SHARDS = 16
 MAX_SHARDS = 4096
+INCARNATION = "incarnation"
 UPGRADE_HINT = "run `outbox init-db --upgrade` (or Outbox.upgrade_tables())"
 
 Step = Callable[[Connection, OutboxTables], None]
@@ -66,21 +74,32 @@ def create_index(attribute: str, name: str) -> Step:
     return step
 
 
+def add_incarnation(conn: Connection, tables: OutboxTables) -> None:
+    """The upgrade step of the incarnation: mint one unless there, add the inbox's columns."""
+    _insert_missing(conn, tables, {INCARNATION: uuid.uuid4()})
+    for attribute in ("inbox_keys", "inbox_held", "inbox_parked"):
+        add_column(attribute, "incarnation")(conn, tables)
+
+
 # (what it does, the step). Append only; never reorder or remove a released entry.
 UPGRADES: list[tuple[str, Step]] = [
     ("outbox_meta: the schema version and the shard count", create_table("meta")),
     ("inbox_keys.started_at_seq: the seq a first_seen key started at",
      add_column("inbox_keys", "started_at_seq")),
+    ("incarnation: this database's identity in outbox_meta, and the producer incarnation "
+     "of each inbox key, held and parked message", add_incarnation),
 ]
 SCHEMA_VERSION = 1 + len(UPGRADES)
 
 
 @dataclass(frozen=True)
 class StoredSchema:
-    """What the meta table says: the tables' schema version and the shard count."""
+    """What the meta table says: the tables' schema version, the shard count, the incarnation."""
 
     version: int
     shard_count: int
+    incarnation: str = ""
+    """This database's identity (a UUID's text), sent in every envelope as ``outbox-incarnation``."""
 
 
 def check_shard_count(shards: object) -> int:
@@ -111,9 +130,11 @@ def read(conn: Connection, tables: OutboxTables) -> StoredSchema:
     _check_version(version)
     if "shard_count" not in values:
         raise SchemaError(f"outbox_meta records no shard count: {UPGRADE_HINT}")
+    if INCARNATION not in values:
+        raise SchemaError(f"outbox_meta records no incarnation: {UPGRADE_HINT}")
     if conn.dialect.name in MYSQL_FAMILY and (absent := _mysql.missing(conn, tables)):
         raise SchemaError(f"the outbox tables lack the {' and the '.join(absent)}: {UPGRADE_HINT}")
-    return StoredSchema(version, int(values["shard_count"]))
+    return StoredSchema(version, int(values["shard_count"]), values[INCARNATION])
 
 
 def create(conn: Connection, tables: OutboxTables, shards: int | None) -> StoredSchema:
@@ -125,7 +146,8 @@ def create(conn: Connection, tables: OutboxTables, shards: int | None) -> Stored
     _create_mysql_objects(conn, tables)
     if version is None:  # empty tables; _shards_in_use still refuses a count leases contradict
         _insert_missing(conn, tables, {"schema_version": SCHEMA_VERSION,
-                                       "shard_count": _shards_in_use(conn, tables, shards)})
+                                       "shard_count": _shards_in_use(conn, tables, shards),
+                                       INCARNATION: uuid.uuid4()})
     stored = read(conn, tables)
     check_same_shards(shards, stored.shard_count)
     return stored
@@ -193,6 +215,23 @@ def reshard(engine: Engine, tables: OutboxTables, shards: int, *, lease_ttl: flo
         conn.execute(delete(leases))  # the relays recreate one row per shard of the new count
         _put(conn, tables, "shard_count", check_shard_count(shards))
     return old
+
+
+def new_incarnation(engine: Engine, tables: OutboxTables) -> tuple[str, str]:
+    """Give the database a new identity; returns (old incarnation, new one).
+
+    Run it after restoring the database from a backup, or copying it to a new
+    server, before any relay sends from it: the copy would otherwise send its
+    keys' seqs again under the identity of the database it copied, and the
+    consumers could not tell the restart from a conflict (they park it as a
+    ``seq_conflict``). Relays read the incarnation once when they start, so
+    stop them first (docs/consumer.md, "Producer restarts").
+    """
+    with engine.begin() as conn:
+        old = read(conn, tables).incarnation
+        new = str(uuid.uuid4())
+        _put(conn, tables, INCARNATION, new)
+    return old, new
 
 
 def check(engine: Engine, tables: OutboxTables, *, inbox: bool = False) -> StoredSchema:

@@ -147,6 +147,8 @@ def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[A
         Column("created_at", UTCDateTime, nullable=False),
         Column("kafka_partition", Integer),
         Column("kafka_offset", BigInteger),
+        # The producer database's incarnation from the envelope; NULL when it carried none.
+        Column("incarnation", String(36)),
     ]
 
 
@@ -226,7 +228,7 @@ class OutboxTables:
             schema=s,
         )
         # Settings every process of this database must agree on, and the schema version:
-        # one row per name (``schema_version``, ``shard_count``), see ``_schema``.
+        # one row per name (``schema_version``, ``shard_count``, ``incarnation``), see ``_schema``.
         self.meta = Table(
             f"{p}outbox_meta", md,
             Column("name", String(64), primary_key=True),
@@ -269,6 +271,10 @@ class OutboxTables:
             # The seq this group started the key at, when it met the key past seq 1 under the
             # start policy "first_seen"; NULL when the key started at seq 1.
             Column("started_at_seq", BigInteger),
+            # The producer database incarnation the key's last applied message came from
+            # (NULL: none known yet, or an older producer): tells a rebuilt producer, whose
+            # seqs count again, from a conflict (``inbox/_conflicts``).
+            Column("incarnation", String(36)),
             schema=s,
         )
         self.inbox_parked = Table(

@@ -2,8 +2,9 @@
 
 Record value = the payload bytes; record key = the sharding key in UTF-8;
 headers carry the envelope (``outbox-message-id``, ``outbox-seq``,
-``content-type``, ``outbox-created-at``, ``outbox-available-at`` when delayed)
-followed by the user's headers, which is where W3C ``traceparent`` and
+``content-type``, ``outbox-created-at``, ``outbox-available-at`` when delayed,
+``outbox-incarnation``: the identity of the outbox database that sent it, since
+the third release) followed by the user's headers, which is where W3C ``traceparent`` and
 ``tracestate`` travel.
 """
 
@@ -23,7 +24,8 @@ SEQ = "outbox-seq"
 CONTENT_TYPE = "content-type"
 CREATED_AT = "outbox-created-at"
 AVAILABLE_AT = "outbox-available-at"
-ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT})
+INCARNATION = "outbox-incarnation"
+ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT, INCARNATION})
 MAX_SEQ = 2**63 - 1  # a BIGINT column
 
 
@@ -42,10 +44,12 @@ def to_record(
     headers: dict[str, str] | None,
     created_at: datetime,
     available_at: datetime | None = None,
+    incarnation: str | None = None,
 ) -> Record:
     """Build the broker record; the relay calls this per row, so it stays lean.
 
     ``message_id`` may come as its canonical text (the relay fetches it so).
+    ``incarnation`` is the sending database's (``StoredSchema.incarnation``).
     """
     wire = [
         (MESSAGE_ID, str(message_id).encode()),
@@ -56,6 +60,8 @@ def to_record(
         wire.append((SEQ, str(seq).encode()))
     if available_at is not None and available_at != created_at:
         wire.append((AVAILABLE_AT, available_at.isoformat().encode()))
+    if incarnation:
+        wire.append((INCARNATION, incarnation.encode()))
     if headers:
         wire.extend((name, value.encode()) for name, value in headers.items())
     return Record(
@@ -91,6 +97,7 @@ def record_to_message(record: Record) -> Message:
             headers=user,
             created_at=created_at,
             available_at=_instant(envelope[AVAILABLE_AT]) if AVAILABLE_AT in envelope else created_at,
+            incarnation=str(uuid.UUID(envelope[INCARNATION])) if INCARNATION in envelope else None,
         )
     except ForeignRecordError:
         raise

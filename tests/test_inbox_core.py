@@ -63,10 +63,13 @@ def test_applies_once_and_counts_redeliveries(inbox: Inbox, engine: sa.Engine) -
     assert tuple(row) == (3, "processed", 1)
 
 
-def test_same_seq_with_another_message_id_is_a_duplicate(inbox: Inbox, engine: sa.Engine) -> None:
+def test_same_seq_with_another_message_id_is_a_conflict(inbox: Inbox, engine: sa.Engine) -> None:
+    """Issue 23: only a recorded id is a duplicate; another id at a used seq parks its key."""
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
-    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.DUPLICATE
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
     assert applied(engine) == [("a", 1)]
+    [parked] = inbox.parked()
+    assert (parked.seq, parked.reason) == (1, "seq_conflict")
 
 
 def test_unkeyed_messages_are_deduplicated_by_message_id(inbox: Inbox, engine: sa.Engine) -> None:

@@ -9,10 +9,13 @@ the consumer polls, runs batches of lane heads with a run of each lane's
 queue behind them (so a failure can sit in the middle of a key's run), puts
 retries on a timer it fires at will, commits,
 loses partitions, restarts from the committed offsets (a new ``Inbox``: all
-memory gone), and an operator replays and discards.
+memory gone), and an operator replays and discards. The producer's database
+can be rebuilt (issue 23): a new incarnation whose keys count from seq 1 again,
+with new message ids.
 
 Invariants, after every step: each message id takes effect at most once; per
-key, effects in seq order. After draining: nothing vanished (every delivered
+key and producer incarnation, effects in seq order; nothing vanishes silently
+(a delivery settled as a duplicate has its id recorded). After draining: nothing vanished (every delivered
 message is applied, parked, held, or recorded as skipped or discarded by an
 operator), and a poisoned key never blocked another (every key that was never
 parked has all its messages applied).
@@ -42,7 +45,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from outbox import DiscardRefusedError, Inbox, RetryLater, SkipMessage
+from outbox import DiscardRefusedError, Disposition, Inbox, RetryLater, SkipMessage
 from outbox.inbox._delivery import Delivery, decode
 from outbox.inbox._offsets import OffsetTracker
 from tests.inbox_support import INBOX_KINDS, dispose, for_inbox, inbox_bind, record
@@ -79,6 +82,7 @@ class Produced:
     seq: int | None
     behaviour: str
     record: Record
+    incarnation: str
 
 
 @dataclass
@@ -123,6 +127,8 @@ class InboxModel(RuleBasedStateMachine):
         self.next_seq: dict[str, int] = defaultdict(lambda: 1)
         self.committed = [0] * PARTITIONS
         self.discarded: set[uuid.UUID] = set()
+        self.incarnation = str(uuid.uuid4())  # the producer database's identity
+        self.duplicates: set[uuid.UUID] = set()  # ids the inbox settled as duplicates
         self._start_consumer()
 
     # -- the consumer process -------------------------------------------------------
@@ -148,9 +154,9 @@ class InboxModel(RuleBasedStateMachine):
         if key is not None and seq is None:
             seq = self.next_seq[key]
             self.next_seq[key] += 1
-        r = record(TOPIC, key, seq)
+        r = record(TOPIC, key, seq, incarnation=self.incarnation)
         message_id = uuid.UUID(dict(r.headers)["outbox-message-id"].decode())
-        produced = Produced(message_id, key, seq, behaviour, r)
+        produced = Produced(message_id, key, seq, behaviour, r, self.incarnation)
         self.produced[message_id] = produced
         self.world.behaviours[message_id] = behaviour
         return produced
@@ -192,6 +198,13 @@ class InboxModel(RuleBasedStateMachine):
         first, second = self._new(key, "ok"), self._new(key, "ok")
         self._append(second, self._partition(key))
         self._append(first, self._partition(key, 1))
+
+    @rule()
+    def producer_rebuilt(self) -> None:
+        """The producer's database is restored or recreated (and given a new incarnation, as
+        docs/consumer.md says): every key counts from seq 1 again, with new message ids."""
+        self.incarnation = str(uuid.uuid4())
+        self.next_seq.clear()
 
     @rule(data=st.data())
     def resend(self, data: st.DataObject) -> None:
@@ -239,6 +252,8 @@ class InboxModel(RuleBasedStateMachine):
         for d in batch:
             self.queue.remove(d)
         settled = self.inbox.settler.settle(batch)
+        self.duplicates.update(d.message.message_id for d, disposition in settled.done
+                               if disposition is Disposition.DUPLICATE)
         self.tracker.finished(d.position for d, _ in settled.done if d.tracked)  # type: ignore[misc]
         self.waiting.extend(d for d, _ in settled.later)
 
@@ -327,11 +342,29 @@ class InboxModel(RuleBasedStateMachine):
         effects = self._effects()
         ids = [m for _, _, m in effects]
         assert len(ids) == len(set(ids)), "a message took effect twice"
-        last: dict[str, int] = {}
-        for key, seq, _ in effects:
+        last: dict[tuple[str, str], int] = {}
+        for key, seq, message_id in effects:
             if key is not None:
-                assert seq > last.get(key, 0), f"key {key}: seq {seq} applied after {last[key]}"
-                last[key] = seq
+                lane = (key, self.produced[message_id].incarnation)
+                assert seq > last.get(lane, 0), f"key {key}: seq {seq} applied after {last[lane]}"
+                last[lane] = seq
+
+    @invariant()
+    def nothing_vanishes_silently(self) -> None:
+        """A delivery dropped as a duplicate is a copy of a message the group recorded, parked,
+        held, or still has in flight (a second copy in one batch, while the first one waits for
+        its retry): issue 23's rebuilt producer had its new messages dropped as duplicates."""
+        in_flight = {d.message.message_id for d in self.queue + self.waiting}
+        suspects = self.duplicates - in_flight
+        if not suspects:
+            return
+        t = self.inbox.tables
+        with self.engine.connect() as conn:
+            kept = {i for table in (t.inbox_messages, t.inbox_parked, t.inbox_held)
+                    for i in conn.scalars(sa.select(table.c.message_id).where(
+                        table.c.consumer_group == self.group, table.c.message_id.in_(suspects)))}
+        lost = suspects - kept
+        assert not lost, f"dropped as duplicates, never kept: {[self.produced[i] for i in lost]}"
 
     def teardown(self) -> None:
         try:
@@ -376,9 +409,8 @@ class InboxModel(RuleBasedStateMachine):
         parked_keys = {self.produced[m].key for m in parked | held | discarded}
         for key in KEYS:
             if key not in parked_keys:
-                mine = sorted(p.seq for p in self.produced.values() if p.key == key)  # type: ignore[type-var]
-                done = sorted(self.produced[m].seq for m in applied | skipped  # type: ignore[type-var]
-                              if self.produced[m].key == key)
+                mine = {m for m, p in self.produced.items() if p.key == key}
+                done = {m for m in applied | skipped if self.produced[m].key == key}
                 assert done == mine, f"key {key} was never parked, yet not all of it applied"
 
 

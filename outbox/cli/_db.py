@@ -71,6 +71,10 @@ def init_db(
     reshard: int | None = typer.Option(
         None, help="Change the stored shard count; only with publishers and relays stopped "
                    "and nothing pending (see docs/relay.md)."),
+    new_incarnation: bool = typer.Option(
+        False, "--new-incarnation",
+        help="Give this database a new identity: run it after restoring it from a backup or "
+             "copying it, with its relays stopped (see docs/consumer.md, 'Producer restarts')."),
 ) -> None:
     """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
     naming(db)
@@ -79,6 +83,11 @@ def init_db(
         assert isinstance(outbox.engine, Engine)
         old = _schema.reshard(outbox.engine, outbox.tables, reshard)
         Console().print(f"shard count changed from {old} to {reshard}")
+        return
+    if new_incarnation:
+        assert isinstance(outbox.engine, Engine)
+        was, now = _schema.new_incarnation(outbox.engine, outbox.tables)
+        Console().print(f"incarnation changed from {was} to {now}: start the relays again")
         return
     if upgrade:
         before, after = outbox.upgrade_tables()

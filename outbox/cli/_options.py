@@ -6,7 +6,7 @@ option's name (``--db`` → ``OUTBOX_DB``, ``--bootstrap-servers`` →
 unit configures a worker without a shell line. ``from_environment`` assigns
 the names when a command is registered, so no command can forget one. Options
 that choose *what an operator action hits* (``--all``, ``--force``,
-``--upgrade``, ``--reshard``, ``--by``, ``--reason``) are read from the command
+``--upgrade``, ``--reshard``, ``--new-incarnation``, ``--by``, ``--reason``) are read from the command
 line only: a variable left in an environment must never widen a retry or a
 skip to every row.
 """
@@ -21,7 +21,8 @@ import typer
 from typer.models import OptionInfo
 
 ENV_PREFIX = "OUTBOX_"
-COMMAND_LINE_ONLY = frozenset({"all", "force", "upgrade", "reshard", "by", "reason", "help"})
+COMMAND_LINE_ONLY = frozenset({"all", "force", "upgrade", "reshard", "new-incarnation", "by", "reason",
+                               "help"})
 
 
 def env_name(flag: str) -> str:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from .._envelope import utcnow
 from .._errors import OutboxError
+from ._conflicts import rebuilt
 from ._kinds import Outcome, Reason
 from ._sessions import Sessions
 from ._signals import SkipMessage
@@ -101,7 +102,10 @@ class ParkedAdmin:
 
         Stops at the first message that fails again (it stays parked, with its
         attempts and error updated) or at a hole in the seqs after the first
-        message. The first message may be ahead of the key's ``last_seq`` (a
+        message. A message parked as a conflict (``new_incarnation``,
+        ``seq_conflict``) starts its key again at its seq, recorded as
+        ``started_at_seq``: the operator's decision to apply the rebuilt
+        producer's messages. The first message may be ahead of the key's ``last_seq`` (a
         key parked for a gap): replaying it accepts that the missing messages
         are gone, and they count as duplicates if they arrive later.
         ``key=None`` replays the topic's parked unkeyed messages, oldest first.
@@ -133,13 +137,19 @@ class ParkedAdmin:
                 row = rows[0]
                 d = row.delivery
                 seq = d.message.seq if state else None
+                restart = False
                 if state is not None and seq is not None and seq <= state.last_seq:
-                    if not store.is_recorded(session, d.message.message_id):
+                    if store.is_recorded(session, d.message.message_id):
+                        store.unpark(session, row.id)  # applied meanwhile: nothing to redo
+                        continue
+                    if not (row.reason.restarts_on_replay
+                            or rebuilt(state.incarnation, d.message.incarnation)):
                         return self._stopped(session, topic, key, applied,
                                              f"seq {seq} is at or below the key's last seq "
                                              f"{state.last_seq} but was never applied: discard it")
-                    store.unpark(session, row.id)  # applied meanwhile: nothing to redo
-                    continue
+                    # A rebuilt producer or a seq conflict: the operator's replay starts the key
+                    # again here, as first_seen would have.
+                    state.last_seq, restart = seq - 1, True
                 if state is not None and seq is not None and seq > state.last_seq + 1 and applied:
                     return self._stopped(session, topic, key, applied,
                                          f"{Reason.GAP}: seq {state.last_seq + 1} to {seq - 1} missing")
@@ -152,7 +162,10 @@ class ParkedAdmin:
                         store.mark(session, d, Outcome.SKIPPED, str(failure[0]) or "skipped by handler")
                     store.unpark(session, row.id)
                     if lane and seq is not None:
-                        store.set_last_seq(session, {lane: seq})
+                        incarnation = d.message.incarnation
+                        store.set_last_seq(session, {lane: seq}, {lane: incarnation} if incarnation else None)
+                        if restart:
+                            store.set_started(session, {lane: seq})
                     applied += 1
                     continue
                 store.unclaim(session, [d.message.message_id])

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from .._alerts import Alert, deliver
 from .._envelope import utcnow
 from ._alerting import Alerter
+from ._conflicts import Verdict, describe
 from ._delivery import Delivery
 from ._kinds import Reason
 from ._sessions import Sessions
@@ -109,9 +110,18 @@ class GapSweeper:
         with self.sessions() as session, session.begin():
             state = self.store.lock_keys(session, [key])[key]
             held = self.store.held_of(session, key)
-            # A held copy of a seq applied meanwhile (it came again on another path) is a duplicate.
+            # A held copy of a seq applied meanwhile (it came again on another path) is a
+            # duplicate; a held message with another id at such a seq is a conflict.
             stale = [d for d in held if d.message.seq <= state.last_seq]  # type: ignore[operator]
-            self.store.unhold(session, (d.message.message_id for d in stale))
+            recorded = self.store.known(session, stale)
+            self.store.unhold(session, (d.message.message_id for d in stale
+                                        if d.message.message_id in recorded))
+            conflicting = [d for d in stale if d.message.message_id not in recorded]
+            if conflicting:
+                head = conflicting[0]
+                reason = Reason.KEY_PARKED if state.parked else Reason.SEQ_CONFLICT
+                error = describe(Verdict.SEQ_CONFLICT, head, state)
+                return Parked(head, reason, error, self.store.park(session, head, reason, error=error))
             held = held[len(stale):]
             if state.parked or not held or held[0].received_at >= cutoff:
                 return None  # settled meanwhile

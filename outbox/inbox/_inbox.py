@@ -74,7 +74,13 @@ class Inbox:
     parallel; ``batch_size`` > 1 lets one transaction carry up to that many
     messages, of several keys or a run of one busy key's consecutive
     messages, which is what high throughput (and a hot key) needs.
-    ``start`` is where a key first met past seq 1 starts (``StartPolicy``).
+    ``start`` is where a key first met past seq 1 starts (``StartPolicy``),
+    and what a rebuilt producer (a new incarnation counting its seqs again)
+    does to its keys. ``dedup_window`` is how long this group's dedup records
+    are kept when they are pruned (``outbox spark archive --dedup-window``): a
+    message older than that, with a pruned record, is then counted and logged
+    as an expired redelivery instead of parked as a conflict. Only a recorded
+    message id is a duplicate (docs/consumer.md, "Producer restarts").
     A database or broker outage is never a failed attempt: the work waits
     and resumes. Configuration is checked here; registering handlers and
     ``handle`` are safe from several threads.
@@ -95,6 +101,7 @@ class Inbox:
         retry_backoff_max: float = 5.0,
         foreign_records: Literal["park", "accept"] = "park",
         start: StartPolicy | Literal["strict", "first_seen"] = StartPolicy.STRICT,
+        dedup_window: timedelta | float | None = None,
         tables: OutboxTables | None = None,
         prefix: str = "",
         schema: str | None = None,
@@ -131,6 +138,11 @@ class Inbox:
         except ValueError:
             raise ConfigurationError(f"start must be one of {[p.value for p in StartPolicy]}, "
                                      f"got {start!r}") from None
+        window = dedup_window.total_seconds() if isinstance(dedup_window, timedelta) else dedup_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int | float)
+                                   or not 0 < window < float("inf")):
+            raise ConfigurationError(f"dedup_window must be positive seconds or a timedelta, "
+                                     f"got {dedup_window!r}")
         alert = LoggingAlertSink() if alert is None else alert
         if not callable(alert):
             raise ConfigurationError(f"alert must be an AlertSink (a callable), got {alert!r}")
@@ -150,7 +162,8 @@ class Inbox:
         self._stop = threading.Event()
         # The pipeline's stages, each handed what it needs: one store owns every statement.
         self.store = InboxStore(self.tables, group, engine.dialect.name)
-        self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start)
+        self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start,
+                                    None if window is None else float(window))
         self.alerter = Alerter(alert, group, self.metrics)
         self.settler = Settler(
             self.step, self.alerter, OutageLog(), max_attempts=max_attempts,

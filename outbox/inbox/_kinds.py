@@ -24,11 +24,25 @@ class Reason(enum.StrEnum):
     """The payload does not match its content type; a keyed one parks its key."""
     BEFORE_START = "before_start"
     """Arrived below the seq its key started at (start policy ``first_seen``); parked alone."""
+    NEW_INCARNATION = "new_incarnation"
+    """A new id at or below its key's last seq from another producer incarnation: the
+    producer database was rebuilt and counts again (start policy ``strict``); its key is
+    parked. Replay starts the key again at this message."""
+    SEQ_CONFLICT = "seq_conflict"
+    """A new id at or below its key's last seq from the same producer incarnation (or
+    one unknown): two messages claim one seq; its key is parked. Replay starts the key
+    again at this message; discard it if it is not to be applied."""
 
     @property
     def parks_key(self) -> bool:
         """Whether parking a keyed message for this reason stops its key."""
-        return self in (Reason.FAILED, Reason.GAP, Reason.UNDECODABLE)
+        return self in (Reason.FAILED, Reason.GAP, Reason.UNDECODABLE, Reason.NEW_INCARNATION,
+                        Reason.SEQ_CONFLICT)
+
+    @property
+    def restarts_on_replay(self) -> bool:
+        """Whether replaying a message parked for this reason starts its key again at its seq."""
+        return self in (Reason.NEW_INCARNATION, Reason.SEQ_CONFLICT)
 
 
 class Outcome(enum.StrEnum):
@@ -50,7 +64,13 @@ class StartPolicy(enum.StrEnum):
     """
 
     STRICT = "strict"
-    """Hold it and wait for the missing seqs; park the key as a gap after ``gap_timeout``."""
+    """Hold it and wait for the missing seqs; park the key as a gap after ``gap_timeout``.
+
+    A rebuilt producer (a new incarnation whose seqs count again) parks its
+    keys with reason ``new_incarnation`` until an operator replays them."""
     FIRST_SEEN = "first_seen"
     """Start the key at the first seq met and record that seq in ``inbox_keys.started_at_seq``;
-    a lower seq that arrives later is parked alone with reason ``before_start``."""
+    a lower seq that arrives later is parked alone with reason ``before_start``.
+
+    A rebuilt producer (a new incarnation whose seqs count again) starts its
+    keys again the same way, at the first seq of the new incarnation met."""

@@ -28,6 +28,10 @@ _PARKED_KEYS = Gauge("outbox_inbox_parked_keys", "Keys currently parked (read fr
                      ["group"])
 _HELD = Counter("outbox_inbox_held", "Messages held because they arrived ahead of a gap.",
                 ["group", "topic"])
+_CONFLICTS = Counter("outbox_inbox_seq_conflicts",
+                     "New message ids at or below their key's last seq, by verdict: expired, "
+                     "restart, new_incarnation, before_start, key_parked, seq_conflict.",
+                     ["group", "topic", "verdict"])
 _DURATION = Histogram("outbox_inbox_handler_seconds",
                       "Handler run time per call (a batch handler's call covers its batch).",
                       ["group", "topic"],
@@ -63,6 +67,10 @@ class InboxMetrics:
 
     def parked(self, topic: str, reason: str) -> None:
         _PARKED.labels(self.group, topic, reason).inc()
+
+    def conflicts(self, topic: str, verdict: str, count: int = 1) -> None:
+        """New ids at or below their key's position (``_conflicts.Verdict``), after commit."""
+        _CONFLICTS.labels(self.group, topic, verdict).inc(count)
 
     def parked_keys(self, count: int) -> None:
         _PARKED_KEYS.labels(self.group).set(count)

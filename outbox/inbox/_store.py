@@ -15,7 +15,7 @@ behind it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -52,6 +52,8 @@ class KeyState:
     last_seq: int
     parked: bool
     started_at_seq: int | None = None
+    incarnation: str | None = None
+    """The producer incarnation of the key's last applied message (None: not known)."""
 
     @property
     def untouched(self) -> bool:
@@ -87,7 +89,9 @@ class InboxStore:
             update(k)
             .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
                    k.c.key == bindparam("b_key"))
-            .values(last_seq=bindparam("b_seq"))
+            .values(last_seq=bindparam("b_seq"),
+                    incarnation=func.coalesce(bindparam("b_incarnation", type_=k.c.incarnation.type),
+                                              k.c.incarnation))
         )
         self._set_started = (
             update(k)
@@ -104,7 +108,7 @@ class InboxStore:
         if not wanted:
             return {}
         if self._bulk is not None:
-            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
+            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
                     for r in self._bulk.lock_keys(session, wanted)}
         if self._mysql is not None:
             found = self._mysql.lock_keys(session, wanted)
@@ -116,8 +120,8 @@ class InboxStore:
                      "parked": False} for t, key in missing])
                 found += self._mysql.lock_keys(session, missing)
             # Unpacked: a Row's attribute access costs more than the rest of the loop.
-            return {(topic, key): KeyState(last_seq, parked, started)
-                    for topic, key, last_seq, parked, started in found}
+            return {(topic, key): KeyState(last_seq, parked, started, incarnation)
+                    for topic, key, last_seq, parked, started, incarnation in found}
         states = self._select_keys(session, wanted)
         missing = [key for key in wanted if key not in states]
         if missing:
@@ -137,24 +141,32 @@ class InboxStore:
     def _select_keys(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
         k = self.t.inbox_keys
         stmt = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq, k.c.incarnation)
             .where(k.c.consumer_group == self.group, tuple_(k.c.topic, k.c.key).in_(keys))
             .order_by(k.c.topic, k.c.key)
         )
-        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq)
+        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
                 for r in session.execute(stmt)}
 
-    def set_last_seq(self, session: Session, seqs: dict[KeyId, int]) -> None:
+    def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
+                     incarnations: Mapping[KeyId, str] | None = None) -> None:
+        """Advance keys (locked by the caller) to ``seqs``, in one statement.
+
+        A key in ``incarnations`` also records the producer incarnation its
+        message came from; the others keep theirs.
+        """
         if not seqs:
             return
+        incarnations = incarnations or {}
         if self._bulk is not None:
-            self._bulk.set_last_seq(session, seqs)
+            self._bulk.set_last_seq(session, seqs, incarnations)
             return
         if self._mysql is not None:
-            self._mysql.set_last_seq(session, seqs)
+            self._mysql.set_last_seq(session, seqs, incarnations)
             return
         session.execute(self._set_last_seq, [
-            {"b_topic": t, "b_key": key, "b_seq": seq} for (t, key), seq in seqs.items()
+            {"b_topic": t, "b_key": key, "b_seq": seq, "b_incarnation": incarnations.get((t, key))}
+            for (t, key), seq in seqs.items()
         ])
 
     def set_started(self, session: Session, starts: dict[KeyId, int]) -> None:
@@ -202,6 +214,19 @@ class InboxStore:
         if self._mysql is not None:
             return self._mysql.insert_new(table)
         return self._insert(table).on_conflict_do_nothing()
+
+    def known(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
+        """The ids of ``deliveries`` this group recorded already (applied, skipped, discarded).
+
+        One statement for the batch: the lookup of messages at or below their
+        key's position, which only a recorded id makes duplicates.
+        """
+        if not deliveries:
+            return set()
+        m = self.t.inbox_messages
+        return set(session.scalars(select(m.c.message_id).where(
+            m.c.consumer_group == self.group,
+            m.c.message_id.in_([d.message.message_id for d in deliveries]))))
 
     def is_recorded(self, session: Session, message_id: uuid.UUID) -> bool:
         m = self.t.inbox_messages
@@ -405,7 +430,7 @@ class InboxStore:
             "key": msg.key, "seq": msg.seq, "payload": msg.payload,
             "content_type": msg.content_type, "headers": msg.headers,
             "created_at": msg.created_at, "kafka_partition": d.partition,
-            "kafka_offset": d.offset,
+            "kafka_offset": d.offset, "incarnation": msg.incarnation,
         }
 
 
@@ -414,7 +439,7 @@ def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
     message = Message.model_construct(
         message_id=row.message_id, topic=row.topic, key=row.key, seq=row.seq,
         payload=row.payload, content_type=row.content_type, headers=row.headers or {},
-        created_at=row.created_at, available_at=row.created_at,
+        created_at=row.created_at, available_at=row.created_at, incarnation=row.incarnation,
     )
     received = getattr(row, "received_at", None) or utcnow()
     return Delivery(message, row.kafka_partition, row.kafka_offset, received_at=received,

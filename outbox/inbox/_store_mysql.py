@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -36,6 +36,7 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
+    func,
     insert,
     literal,
     select,
@@ -60,7 +61,7 @@ _CLAIMS: dict[str, Any] = {
 }
 
 
-def _keys_table(session: Session, param: str, **seqs: BigInteger) -> Any:
+def _keys_table(session: Session, param: str, **seqs: BigInteger | String) -> Any:
     """``JSON_TABLE(:param)`` of ``[topic, key, *seqs]`` rows, to join on.
 
     The key columns take the tables' collation (``name_collation``), so the join
@@ -88,18 +89,18 @@ class MySQLWrites:
                    literal(1), literal(Outcome.PROCESSED.value)))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]
-                  ) -> list[tuple[str, str, int, bool, int | None]]:
-        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq) that exist."""
+                  ) -> list[tuple[str, str, int, bool, int | None, str | None]]:
+        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq, incarnation) that exist."""
         k = self.t.inbox_keys
         wanted = _keys_table(session, "keys")
         stmt: Any = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq, k.c.incarnation)
             .select_from(wanted.join(k, and_(k.c.consumer_group == self.group,
                                               k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)))
             .with_for_update()
         )
         rows = session.execute(stmt, {"keys": json.dumps(keys)}).all()
-        return cast(list[tuple[str, str, int, bool, int | None]], rows)
+        return cast(list[tuple[str, str, int, bool, int | None, str | None]], rows)
 
     def successors(self, session: Session, ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
         """Held rows of each key with ``first <= seq <= last`` (any order; the caller sorts)."""
@@ -148,14 +149,20 @@ class MySQLWrites:
         m = self.t.inbox_messages
         session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
 
-    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int]) -> None:
-        """Advance keys whose rows exist and are locked (lock_keys ran first): one joined UPDATE."""
+    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int],
+                     incarnations: Mapping[tuple[str, str], str]) -> None:
+        """Advance keys whose rows exist and are locked (lock_keys ran first): one joined UPDATE.
+
+        A key in ``incarnations`` records that producer incarnation; a JSON null keeps the key's.
+        """
         k = self.t.inbox_keys
-        wanted = _keys_table(session, "seqs", last_seq=BigInteger())
+        wanted = _keys_table(session, "seqs", last_seq=BigInteger(), incarnation=String())
         stmt = (update(k)
                 .where(k.c.consumer_group == self.group, k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)
-                .values(last_seq=wanted.c.last_seq))
-        session.execute(stmt, {"seqs": json.dumps([[t, key, seq] for (t, key), seq in seqs.items()])})
+                .values(last_seq=wanted.c.last_seq,
+                        incarnation=func.coalesce(wanted.c.incarnation, k.c.incarnation)))
+        session.execute(stmt, {"seqs": json.dumps([[t, key, seq, incarnations.get((t, key))]
+                                                   for (t, key), seq in seqs.items()])})
 
 
 def _duplicate_key(error: IntegrityError) -> bool:

@@ -12,11 +12,24 @@ empty.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Integer, Row, Text, Uuid, bindparam, false, literal, select, true
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Integer,
+    Row,
+    Text,
+    Uuid,
+    bindparam,
+    false,
+    func,
+    literal,
+    select,
+    true,
+)
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
@@ -28,6 +41,7 @@ from ._kinds import Outcome
 
 _KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
 _SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
+_ADVANCES: dict[str, TypeEngine[Any]] = {**_SEQS, "incarnation": Text()}
 _RANGES: dict[str, TypeEngine[Any]] = {**_KEYS, "first": BigInteger(), "last": BigInteger()}
 _CLAIMS: dict[str, TypeEngine[Any]] = {
     "message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
@@ -40,10 +54,10 @@ class PostgresBulk:
 
     def __init__(self, tables: OutboxTables, group: str) -> None:
         k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
-        keys, seqs, claims = rows_of(_KEYS), rows_of(_SEQS), rows_of(_CLAIMS)
+        keys, advances, claims = rows_of(_KEYS), rows_of(_ADVANCES), rows_of(_CLAIMS)
         ranges = rows_of(_RANGES)
         locked = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq)
+            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq, k.c.incarnation)
             .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
             .with_for_update()
             .lateral("locked")
@@ -62,12 +76,14 @@ class PostgresBulk:
         ).on_conflict_do_nothing().returning(m.c.message_id)
         # The rows exist and are locked (lock_keys ran first): the upsert only updates.
         upsert = insert(k).from_select(
-            ["consumer_group", "topic", "key", "last_seq", "parked"],
-            select(literal(group), seqs.c.topic, seqs.c.key, seqs.c.seq, false()),
+            ["consumer_group", "topic", "key", "last_seq", "parked", "incarnation"],
+            select(literal(group), advances.c.topic, advances.c.key, advances.c.seq, false(),
+                   advances.c.incarnation),
         )
         self._set_last_seq = upsert.on_conflict_do_update(
             index_elements=[k.c.consumer_group, k.c.topic, k.c.key],
-            set_={"last_seq": upsert.excluded.last_seq},
+            set_={"last_seq": upsert.excluded.last_seq,
+                  "incarnation": func.coalesce(upsert.excluded.incarnation, k.c.incarnation)},
         )
         successor = select(h).where(
             h.c.consumer_group == group, h.c.topic == ranges.c.topic, h.c.key == ranges.c.key,
@@ -76,7 +92,8 @@ class PostgresBulk:
         self._successors = select(successor).select_from(ranges.join(successor, true()))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
-        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq); create missing ones.
+        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq, incarnation);
+        create missing ones.
 
         One round trip when every key exists (the steady state), three when
         some are new. Keys are locked in the order given, so callers that
@@ -103,8 +120,11 @@ class PostgresBulk:
         })
         return set(session.scalars(self._claim, {**params, "now": now}))
 
-    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int]) -> None:
-        session.execute(self._set_last_seq, _seq_params(seqs))
+    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int],
+                     incarnations: Mapping[tuple[str, str], str]) -> None:
+        session.execute(self._set_last_seq, array_params(_ADVANCES, {
+            "topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
+            "seq": list(seqs.values()), "incarnation": [incarnations.get(key) for key in seqs]}))
 
     def successors(self, session: Session,
                    ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
@@ -119,7 +139,3 @@ class PostgresBulk:
 def _key_params(keys: Sequence[tuple[str, str]]) -> dict[str, Any]:
     return array_params(_KEYS, {"topic": [t for t, _ in keys], "key": [key for _, key in keys]})
 
-
-def _seq_params(seqs: dict[tuple[str, str], int]) -> dict[str, Any]:
-    return array_params(_SEQS, {"topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
-                                "seq": list(seqs.values())})

@@ -32,14 +32,18 @@ rules here are the same for both.
 from __future__ import annotations
 
 import enum
+import logging
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
+from .._envelope import utcnow
 from ._calls import Error, HandlerCalls, Redo, TopicHandler
+from ._conflicts import Verdict, describe, judge
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason, StartPolicy
 from ._metrics import InboxMetrics
@@ -75,7 +79,11 @@ class Batch:
     parked: list[Parked] = field(default_factory=list)
     blocked: list[Delivery] = field(default_factory=list)
     """Later messages of a failed message's key: not run, they wait for it, in seq order."""
+    conflicts: list[tuple[Delivery, Verdict]] = field(default_factory=list)
+    """New ids met at or below their key's last seq, and what became of each (``_conflicts``)."""
 
+
+log = logging.getLogger("outbox.inbox")
 
 HELD_RUN = 100
 """Held messages of a key fetched at most per round, when the key catches up to them."""
@@ -86,13 +94,15 @@ class TransactionStep:
 
     def __init__(self, sessions: Sessions, store: InboxStore,
                  handlers: Mapping[str, TopicHandler], metrics: InboxMetrics,
-                 start: StartPolicy = StartPolicy.STRICT) -> None:
+                 start: StartPolicy = StartPolicy.STRICT, dedup_window: float | None = None) -> None:
         self.sessions = sessions
         self.store = store
         self.handlers = handlers
         self.metrics = metrics
         self.calls = HandlerCalls(handlers, metrics, store.group)
         self.start = start
+        self.dedup_window = dedup_window
+        """Seconds after which this group's dedup records may be pruned; None: never."""
 
     # -- apply ------------------------------------------------------------------
 
@@ -122,7 +132,25 @@ class TransactionStep:
         for (topic, disposition), count in Counter(
                 (d.message.topic, disposition) for d, disposition in batch.done).items():
             self.metrics.counted(topic, disposition, count)
+        if batch.conflicts:
+            self._report_conflicts(batch.conflicts)
         return batch
+
+    def _report_conflicts(self, conflicts: list[tuple[Delivery, Verdict]]) -> None:
+        """Count every verdict; log the ones that park nothing (parks raise their own alerts)."""
+        for (topic, verdict), count in Counter((d.message.topic, v) for d, v in conflicts).items():
+            self.metrics.conflicts(topic, verdict, count)
+        for d, verdict in conflicts:
+            msg = d.message
+            if verdict is Verdict.RESTART:
+                log.warning("group %r: key %r of topic %r starts again at seq %s of producer "
+                            "incarnation %s (start policy first_seen)", self.store.group, msg.key,
+                            msg.topic, msg.seq, msg.incarnation)
+            elif verdict is Verdict.EXPIRED:
+                log.warning("group %r: message %s (%r/%r seq %s, created %s) is older than the dedup "
+                            "window and its record was pruned: taken for a redelivery, not applied",
+                            self.store.group, msg.message_id, msg.topic, msg.key, msg.seq,
+                            msg.created_at.isoformat())
 
     def _commit(self, deliveries: list[Delivery], known: dict[uuid.UUID, Error],
                 savepoints: bool) -> Batch:
@@ -136,7 +164,12 @@ class TransactionStep:
         store = self.store
         lanes = Lanes(deliveries)
         states = store.lock_keys(session, lanes.keys())  # every key of the batch, one statement
+        # Only a recorded id is a duplicate: the ids at or below their key's position, one statement.
+        dedup = _Recorded(store)
+        dedup.look_up(session, [d for d in deliveries
+                                if d.ordered and d.message.seq <= states[d.lane].last_seq])  # type: ignore[index,operator]
         new_seqs: dict[KeyId, int] = {}
+        incarnations: dict[KeyId, str] = {}  # keys whose applied message changed their incarnation
         starts: dict[KeyId, int] = {}
         seen: set[uuid.UUID] = set()
         duplicates: list[Delivery] = []
@@ -151,25 +184,18 @@ class TransactionStep:
             runs: list[list[Delivery]] = []
             behind: list[Delivery] = []
             for queue in lanes.queues():
-                run = self._walk(session, queue, states, starts, seen, batch, duplicate, behind)
+                run = self._walk(session, queue, states, starts, seen, batch, duplicate, behind, dedup)
                 if run:
                     runs.append(run)
-            # A seq below the key's start is claimed too (same statement): is its id new here?
             candidates = [d for run in runs for d in run]
-            claimed = store.claim(session, candidates + behind)
-            for d in behind:
-                if d.message.message_id not in claimed:
-                    duplicate(d)
-            passed = [d for d in behind if d.message.message_id in claimed]
-            if passed:
-                store.unclaim(session, (d.message.message_id for d in passed))
-                for d in passed:
-                    self._park(session, d, batch, Reason.BEFORE_START,
-                               f"seq {d.message.seq} arrived after its key started at seq "
-                               f"{states[d.lane].started_at_seq} (start policy first_seen)")  # type: ignore[index]
+            claimed = store.claim(session, candidates)
+            if behind:  # met at or below its key's position only after a run: look them up now
+                dedup.look_up(session, behind)
+                seen.difference_update(d.message.message_id for d in behind)
+                lanes.push_front(behind)  # the next round settles each as duplicate or conflict
             lost: list[Delivery] = []
             fresh: list[list[Delivery]] = []
-            if len(claimed) == len(candidates) + len(behind):
+            if len(claimed) == len(candidates):
                 fresh = runs  # every id new: the common case
             for run in runs if fresh is not runs else ():
                 # A recorded id ends the run: what follows it waits for the next round, against
@@ -209,6 +235,9 @@ class TransactionStep:
                     lane: KeyId = run[0].lane  # type: ignore[assignment]
                     first, last = run[0].message.seq, run[done - 1].message.seq
                     states[lane].last_seq = new_seqs[lane] = last  # type: ignore[assignment]
+                    incarnation = run[done - 1].message.incarnation
+                    if incarnation is not None and incarnation != states[lane].incarnation:
+                        states[lane].incarnation = incarnations[lane] = incarnation
                     applied[lane] = (applied[lane][0] if lane in applied else first, last)  # type: ignore[assignment]
             store.unclaim(session, (d.message.message_id for d in lost))
             # Held copies of what was applied go; the held ones that are next join the next round.
@@ -221,21 +250,22 @@ class TransactionStep:
                 if d.message.message_id in unhold:
                     continue  # the held row this transaction applied
                 if d.message.seq <= states[lane].last_seq:  # type: ignore[operator]
-                    duplicate(d)
+                    lanes.push_front([d])  # a duplicate only if its id is recorded: the next round
                 elif d.message.seq == expected[lane]:
                     lanes.push_front([d])
                     expected[lane] += 1
                 # else: behind another gap; it stays held
         store.count_redelivery(session, (d.message.message_id for d in duplicates))
         store.unhold(session, unhold)
-        store.set_last_seq(session, new_seqs)
+        store.set_last_seq(session, new_seqs, incarnations)
         # A key starts where its first message applied; if that one failed, its retry starts it.
         store.set_started(session, {lane: seq for lane, seq in starts.items() if lane in new_seqs})
         batch.done.extend((d, Disposition.DUPLICATE) for d in duplicates)
 
     def _walk(self, session: Session, queue: deque[Delivery], states: dict[KeyId, KeyState],
               starts: dict[KeyId, int], seen: set[uuid.UUID], batch: Batch,
-              duplicate: Callable[[Delivery], None], behind: list[Delivery]) -> list[Delivery]:
+              duplicate: Callable[[Delivery], None], behind: list[Delivery],
+              dedup: _Recorded) -> list[Delivery]:
         """Settle a lane's head deliveries that need no handler; return the key's run.
 
         The run is the next message of the key and those that follow it in
@@ -259,7 +289,7 @@ class TransactionStep:
             if d.message.message_id in seen:
                 duplicate(d)
                 continue
-            verdict = self._triage(session, d, states, starts, batch)
+            verdict = self._triage(session, d, states, starts, batch, dedup)
             if verdict is _Triage.DUPLICATE:
                 duplicate(d)
                 continue
@@ -268,10 +298,11 @@ class TransactionStep:
                 run.append(d)
             elif verdict is _Triage.BEHIND:
                 behind.append(d)
+                break  # the rest of the key waits until this one is settled
         return run
 
     def _triage(self, session: Session, d: Delivery, states: dict[KeyId, KeyState],
-                starts: dict[KeyId, int], batch: Batch) -> _Triage:
+                starts: dict[KeyId, int], batch: Batch, dedup: _Recorded) -> _Triage:
         """Settle what needs neither a claim nor a handler; what to do with ``d`` otherwise."""
         msg = d.message
         if d.problem is Reason.FOREIGN:
@@ -289,9 +320,11 @@ class TransactionStep:
             state.last_seq, state.started_at_seq = seq - 1, seq
             starts[lane] = seq
         if seq <= state.last_seq:
-            if state.started_at_seq is not None and seq < state.started_at_seq:
-                return _Triage.BEHIND  # never applied here, unless a copy was parked and discarded
-            return _Triage.DUPLICATE
+            if not dedup.looked_up(msg.message_id):
+                return _Triage.BEHIND
+            if dedup.recorded(msg.message_id):
+                return _Triage.DUPLICATE
+            return self._conflict(session, d, state, starts, batch)
         if state.parked:
             self._park(session, d, batch, Reason.KEY_PARKED, "")
             return _Triage.SETTLED
@@ -305,6 +338,28 @@ class TransactionStep:
             batch.done.append((d, Disposition.HELD))
             return _Triage.SETTLED
         return _Triage.RUN
+
+    def _conflict(self, session: Session, d: Delivery, state: KeyState, starts: dict[KeyId, int],
+                  batch: Batch) -> _Triage:
+        """Settle a new id at or below its key's last seq by its verdict (``_conflicts``)."""
+        expired_before = (utcnow() - timedelta(seconds=self.dedup_window)
+                          if self.dedup_window is not None else None)
+        verdict = judge(d, state, self.start, expired_before)
+        batch.conflicts.append((d, verdict))
+        if verdict is Verdict.EXPIRED:
+            return _Triage.DUPLICATE
+        seq: int = d.message.seq  # type: ignore[assignment]
+        if verdict is Verdict.RESTART:
+            # Recorded like a first_seen start once its first message applies (set_started),
+            # which also records the new incarnation (set_last_seq).
+            state.last_seq, state.started_at_seq = seq - 1, seq
+            starts[d.lane] = seq  # type: ignore[index]
+            return _Triage.RUN
+        reason: Reason = verdict.reason  # type: ignore[assignment]
+        self._park(session, d, batch, reason, describe(verdict, d, state))
+        if reason.parks_key:
+            state.parked = True
+        return _Triage.SETTLED
 
     def _park(self, session: Session, d: Delivery, batch: Batch, reason: Reason, error: str) -> None:
         key_parked = self.store.park(session, d, reason, error=error or None)
@@ -323,7 +378,8 @@ class TransactionStep:
         with self.sessions() as session, session.begin():
             lane = d.lane if d.ordered else None
             state = self.store.lock_keys(session, [lane])[lane] if lane is not None else None
-            if state is not None and d.message.seq <= state.last_seq:  # type: ignore[operator]
+            if (state is not None and d.message.seq <= state.last_seq  # type: ignore[operator]
+                    and self.store.is_recorded(session, d.message.message_id)):
                 return Disposition.DUPLICATE, None  # applied meanwhile by another consumer
             reason = Reason.KEY_PARKED if state is not None and state.parked else Reason.FAILED
             if reason is Reason.KEY_PARKED:
@@ -345,8 +401,29 @@ class _Triage(enum.Enum):
     RUN = "run"
     """Next in its key (or unkeyed): claim it and run its handler."""
     DUPLICATE = "duplicate"
-    """At or below its key's last seq: applied already."""
+    """At or below its key's last seq with a recorded id (or expired): applied already."""
     BEHIND = "behind"
-    """Below the seq its key started at: park it, unless its id is recorded already."""
+    """At or below its key's last seq, its id not looked up yet: settled in the next round."""
     SETTLED = "settled"
     """Held or parked without a claim."""
+
+
+class _Recorded:
+    """Which message ids of one transaction the group recorded already, looked up a batch at a time."""
+
+    def __init__(self, store: InboxStore) -> None:
+        self._store = store
+        self._asked: set[uuid.UUID] = set()
+        self._found: set[uuid.UUID] = set()
+
+    def look_up(self, session: Session, deliveries: list[Delivery]) -> None:
+        """One statement for all of ``deliveries`` (none when it is empty: the steady state)."""
+        if deliveries:
+            self._asked.update(d.message.message_id for d in deliveries)
+            self._found |= self._store.known(session, deliveries)
+
+    def looked_up(self, message_id: uuid.UUID) -> bool:
+        return message_id in self._asked
+
+    def recorded(self, message_id: uuid.UUID) -> bool:
+        return message_id in self._found

@@ -117,6 +117,7 @@ class Batch:
         worker_id: str,
         batch_size: int,
         outages: Outages,
+        incarnation: str | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
         self.outages = outages
@@ -133,7 +134,7 @@ class Batch:
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
         self._outage_batches = 0  # consecutive batches the broker delivered nothing of
-        self._encoder = RowEncoder()
+        self._encoder = RowEncoder(incarnation)  # this database's identity, in every envelope
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).

@@ -122,14 +122,14 @@ class Relay:
         self._backlog_topics: set[str] = set()
         self.stuck_keys = StuckKeys(outbox, engine, float(key_stuck_after), alert,
                                     self.metrics.stuck_keys, worker_id)
-        shards = outbox.load_schema(engine).shard_count  # stored with the tables, read once
-        self.leases = Leases(engine, outbox.tables, shards, worker_id, float(lease_ttl))
+        stored = outbox.load_schema(engine)  # stored with the tables, read once
+        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
         self.outages = Outages(worker_id, self.metrics.outages)
         self._batch = Batch(
             engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
             backoff=backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
-            batch_size=batch_size, outages=self.outages,
+            batch_size=batch_size, outages=self.outages, incarnation=stored.incarnation,
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()

@@ -48,9 +48,10 @@ class UnsendableRow(ValueError):
 class RowEncoder:
     """Encodes fetched rows (``_sql.ROW_COLUMNS`` order) into records; one per relay thread."""
 
-    __slots__ = ("_content_types", "_topics")
+    __slots__ = ("_content_types", "_incarnation", "_topics")
 
-    def __init__(self) -> None:
+    def __init__(self, incarnation: str | None = None) -> None:
+        self._incarnation = incarnation
         # Topics and content types seen valid: a relay meets a handful, so each regex
         # runs once per value.
         self._topics: set[str] = set()
@@ -102,7 +103,7 @@ class RowEncoder:
             message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
             content_type=content_type,
             headers=None if headers in _NO_HEADERS else user_headers(headers),
-            created_at=created_at, available_at=available_at,
+            created_at=created_at, available_at=available_at, incarnation=self._incarnation,
         )
 
     def _check_content_type(self, content_type: object) -> None:
