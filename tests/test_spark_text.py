@@ -47,7 +47,7 @@ HAZARDS = [
     " ", "  ", " NA", "NA ", "\t", "a\tb", "\n", "\r", "\r\n", "a\r\nb", "a\rb", "\n\n", ",", "a,b",
     '"', '""', 'q"q"', "'", "\\", "a\\b", "\\.", "\x1f", "\x7f", "\ufeff", "\ufeffNA", "\u200f",
     "\u202eNA", "\u2028", "\u00a0", "e\u0301", "\u00e9", "😀", "\U0010ffff", "\ufffd",
-    "x" * 249, "𝄞" * 249,
+    "x" * 249, "𝄞" * 249, "k" * 255, "😀" * 255,
 ]
 KEY_MAX, TOPIC_MAX, GROUP_MAX = 255, 249, 255
 EXAMPLES = int(os.environ.get("SPARK_TEXT_EXAMPLES", "25"))
