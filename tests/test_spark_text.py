@@ -152,8 +152,8 @@ def generic_path() -> Iterator[None]:
 
 
 def check_python_paths(db: Tables) -> None:
-    copy_path = db.engine.dialect.name == "postgresql"
-    for path in ([generic_path, _copy_path] if copy_path else [_copy_path]):
+    has_copy = db.engine.dialect.name == "postgresql"
+    for path in ([generic_path, readers_choice] if has_copy else [readers_choice]):
         with path():
             # The key first and alone too: a one-column row holding NULL is an empty CSV line,
             # and a value starting the COPY stream is where a byte-order mark would be dropped.
@@ -165,7 +165,7 @@ def check_python_paths(db: Tables) -> None:
 
 
 @contextmanager
-def _copy_path() -> Iterator[None]:
+def readers_choice() -> Iterator[None]:
     """The reader's own choice: COPY on PostgreSQL through psycopg, the generic path elsewhere."""
     yield
 
