@@ -6,6 +6,16 @@ Arrow's C++ parser turns into columns directly. The server renders UUIDs and
 JSON as text and timestamps as epoch microseconds, so nothing needs
 converting in Python. Columns of other types (binary payloads) take the
 generic path.
+
+Text is data: a value is NULL only when the server says so, never because of
+what it says. COPY's CSV marks NULL with an unquoted empty field, and
+``FORCE_QUOTE *`` quotes every other value (the empty string included), so
+that field is the one null marker Arrow is given; Arrow's defaults would
+also read "NA", "null", "nan", "N/A", "#N/A", … as NULL. Quoting every value
+also keeps Arrow from dropping a leading byte-order mark (it skips one at the
+start of the stream), and empty lines are kept: a one-column row whose value
+is NULL is an empty line. The server sends UTF-8 whatever the session's
+client encoding, which is what Arrow decodes.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ import pyarrow.csv as pacsv
 import sqlalchemy as sa
 
 BATCH_ROWS = 65_536
+NULL_MARKER = ""  # COPY's NULL in CSV, written unquoted; a quoted "" is the empty string
+COPY_OPTIONS = "FORMAT csv, NULL '', FORCE_QUOTE *, ENCODING 'UTF8'"
 
 
 def supports(engine: sa.Engine, columns: Sequence[sa.Column[Any]], schema: pa.Schema) -> bool:
@@ -46,7 +58,7 @@ def read_batches(engine: sa.Engine, columns: Sequence[sa.Column[Any]], schema: p
     try:
         cursor: Any = raw.cursor()  # psycopg's cursor: a context manager with copy()
         with cursor, cursor.copy(
-            f"COPY ({compiled.string}) TO STDOUT (FORMAT csv)", compiled.params
+            f"COPY ({compiled.string}) TO STDOUT ({COPY_OPTIONS})", compiled.params
         ) as copy:
             for block in copy:
                 buffer.write(block)
@@ -59,10 +71,10 @@ def read_batches(engine: sa.Engine, columns: Sequence[sa.Column[Any]], schema: p
     table = pacsv.read_csv(
         buffer,
         read_options=pacsv.ReadOptions(column_names=schema.names, block_size=32 << 20),
-        parse_options=pacsv.ParseOptions(newlines_in_values=True),
+        parse_options=pacsv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False),
         convert_options=pacsv.ConvertOptions(
             column_types=dict(zip(schema.names, wire, strict=True)),
-            strings_can_be_null=True, quoted_strings_can_be_null=False,
+            null_values=[NULL_MARKER], strings_can_be_null=True, quoted_strings_can_be_null=False,
             true_values=["t"], false_values=["f"],
         ),
     )

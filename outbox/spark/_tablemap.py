@@ -6,6 +6,7 @@ archiving), so it imports nothing from Spark's session machinery.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,9 +28,21 @@ def table_for(name: str, prefix: str = "", schema: str | None = None) -> sa.Tabl
     """The ``sa.Table`` for a default table name such as ``"inbox_messages"``."""
     if name not in TABLE_NAMES:
         raise ConfigurationError(f"unknown table {name!r}; expected one of {', '.join(TABLE_NAMES)}")
-    tables = OutboxTables(prefix=prefix, schema=schema)
+    plain = isinstance(prefix, str) and (schema is None or isinstance(schema, str))
+    tables = _tables(prefix, schema) if plain else OutboxTables(prefix=prefix, schema=schema)
     attribute = {"outbox_messages": "messages", "outbox_keys": "keys"}.get(name, name)
     return getattr(tables, attribute)
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(prefix: str, schema: str | None) -> OutboxTables:
+    """The tables of one prefix and schema, built once per process.
+
+    Every range a Spark task reads resolves its table, and building all the
+    tables costs about 10 ms: with one range per consumer group, that was
+    most of a small read. The tables are only read from, never changed.
+    """
+    return OutboxTables(prefix=prefix, schema=schema)
 
 
 def safe_url(url: str) -> str:
