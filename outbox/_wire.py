@@ -33,10 +33,9 @@ MAX_SEQ = 2**63 - 1  # a BIGINT column
 # timestamp delta 10, offset delta 5, key length 5, value length 5, header count 5: the
 # widest varints) + key + value + the headers' serialised size, where each header adds
 # its name and value and their lengths as zig-zag varints (``rd_kafka_header_add``).
-# kafka-python's own estimate of a record batch is at most ``RECORD_BATCH_MARGIN`` more.
+# (The kafka-python transport converts its own count into this one: ``max_record_bytes``.)
 
 RECORD_OVERHEAD = 36
-RECORD_BATCH_MARGIN = 61  # kafka-python's estimate_size_in_bytes above ours, at the most
 
 
 def varint_size(length: int) -> int:
