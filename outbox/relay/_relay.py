@@ -60,8 +60,14 @@ def check_record_limit(transport: Transport, max_record_bytes: int) -> None:
     until an operator steps in. A transport that does not say its limit is trusted.
     """
     limit = getattr(transport, "max_record_bytes", None)
-    if isinstance(limit, int) and limit < max_record_bytes:
-        setting = getattr(transport, "max_record_setting", "its maximum record size")
+    if isinstance(limit, int):
+        refuse_smaller_producer(limit, getattr(transport, "max_record_setting", "its maximum record size"),
+                                max_record_bytes)
+
+
+def refuse_smaller_producer(limit: int, setting: str, max_record_bytes: int) -> None:
+    """``ConfigurationError`` when a producer's ``limit`` (from ``setting``) is under the stored one."""
+    if limit < max_record_bytes:
         raise ConfigurationError(
             f"this relay's producer sends records of at most {limit} bytes ({setting}), but "
             f"publishers accept records up to max_record_bytes={max_record_bytes} (stored with the "

@@ -181,6 +181,16 @@ class KafkaTransport:
         """
         return int(self._config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
 
+    @staticmethod
+    def max_record_bytes_for(settings: Mapping[str, Any] | None = None, /, **kwargs: Any) -> int:
+        """``max_record_bytes`` of a transport built with these settings, without building it.
+
+        For a command that must refuse a setting before a producer starts
+        connecting (and logging).
+        """
+        config = librdkafka_config(settings, **kwargs)
+        return int(config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
+
     max_record_setting = "message.max.bytes"
 
     # -- publishing ---------------------------------------------------------
