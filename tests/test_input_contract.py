@@ -349,7 +349,8 @@ def test_the_limit_is_stored_by_create_tables_and_read_by_every_publisher(tmp_pa
 def test_a_database_made_before_the_limit_uses_the_default(tmp_path):
     outbox = sqlite_outbox(tmp_path)
     outbox.create_tables()
-    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+    assert isinstance(outbox.engine, sa.Engine)
+    with outbox.engine.begin() as conn:
         conn.execute(sa.delete(outbox.tables.meta).where(outbox.tables.meta.c.name == "max_record_bytes"))
     assert sqlite_outbox(tmp_path).load_schema().max_record_bytes == 1_000_000
 
