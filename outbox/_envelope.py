@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
+import types
+import typing
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, TypeVar
 
 import pydantic
@@ -39,8 +42,11 @@ def serialize_payload(payload: object) -> tuple[bytes, str]:
     does what has no faithful form: a str with a lone surrogate (no UTF-8), and
     JSON that is not standard (``NonStandardJsonError``, see ``standard_json``).
     """
-    if isinstance(payload, bytes | bytearray | memoryview):
+    if isinstance(payload, bytes):
         return bytes(payload), BYTES
+    kind = type(payload)  # exact types before BaseModel: isinstance against its ABC metaclass is slow
+    if kind is dict or kind is list or kind is tuple:
+        return _json(payload, False), JSON
     if isinstance(payload, str):
         try:
             return payload.encode("utf-8"), TEXT
@@ -48,18 +54,25 @@ def serialize_payload(payload: object) -> tuple[bytes, str]:
             raise UnserializablePayloadError(
                 f"str payload is not valid Unicode text: a lone surrogate {payload[exc.start]!r} "
                 f"at index {exc.start} has no UTF-8 form") from None
-    if isinstance(payload, pydantic.BaseModel | dict | list | tuple):
-        try:
-            body = (payload.model_dump_json().encode("utf-8") if isinstance(payload, pydantic.BaseModel)
-                    else pydantic_core.to_json(payload))
-        except pydantic_core.PydanticSerializationError as exc:
-            raise UnserializablePayloadError(f"payload is not JSON-serialisable: {exc}") from exc
-        standard_json(body, payload)
-        return body, JSON
+    if isinstance(payload, pydantic.BaseModel):
+        return _json(payload, True), JSON
+    if isinstance(payload, dict | list | tuple):
+        return _json(payload, False), JSON
+    if isinstance(payload, bytearray | memoryview):
+        return bytes(payload), BYTES
     raise UnserializablePayloadError(
         f"payload must be a pydantic model, dict, list, str or bytes, "
         f"got {type(payload).__name__}: {payload!r:.80}"
     )
+
+
+def _json(payload: Any, model: bool) -> bytes:
+    try:
+        body = payload.model_dump_json().encode("utf-8") if model else pydantic_core.to_json(payload)
+    except pydantic_core.PydanticSerializationError as exc:
+        raise UnserializablePayloadError(f"payload is not JSON-serialisable: {exc}") from exc
+    standard_json(body, payload)
+    return body
 
 
 def standard_json(body: bytes, payload: object) -> None:
@@ -80,7 +93,8 @@ def standard_json(body: bytes, payload: object) -> None:
         same = False
     if not same:
         _strict_parse(body)
-    if b"null" in body and _holds_nulled_float(payload):
+    if b"null" in body and (_model_holds_nulled_float(payload) if isinstance(payload, pydantic.BaseModel)
+                            else _holds_nulled_float(payload)):
         raise NonStandardJsonError(
             "payload holds a float NaN or infinity, which its model writes as JSON null: "
             "a consumer would read null, not the number; send None, a finite number or a string")
@@ -127,10 +141,48 @@ def _holds_nulled_float(value: object) -> bool:
     if isinstance(value, list | tuple | set | frozenset):
         return any(_holds_nulled_float(item) for item in value)
     if isinstance(value, pydantic.BaseModel):
-        if value.model_config.get("ser_json_inf_nan", "null") != "null":
-            return False  # "constants" shows in the body; "strings" is the model's own choice
-        fields = [*value.__dict__.values(), *(value.__pydantic_extra__ or {}).values()]
-        return any(_holds_nulled_float(item) for item in fields)
+        return _model_holds_nulled_float(value)
+    return False
+
+
+def _model_holds_nulled_float(model: pydantic.BaseModel) -> bool:
+    if model.model_config.get("ser_json_inf_nan", "null") != "null":
+        return False  # "constants" shows in the body; "strings" is the model's own choice
+    extra = model.__pydantic_extra__
+    if not extra and _floatless(type(model)):
+        return False
+    computed = [getattr(model, name) for name in type(model).model_computed_fields]
+    return any(_holds_nulled_float(item)
+               for item in [*model.__dict__.values(), *(extra or {}).values(), *computed])
+
+
+_FLOATLESS: dict[type, bool] = {}
+_NO_FLOAT = frozenset({str, int, bool, type(None), bytes, datetime, date, time, timedelta, uuid.UUID,
+                       decimal.Decimal})
+
+
+def _floatless(model: type[pydantic.BaseModel]) -> bool:
+    """Whether no field of ``model``, computed ones too, can hold a float (str, int, datetime …).
+
+    Decided once per class (a bounded cache: a service has a handful of models).
+    """
+    known = _FLOATLESS.get(model)
+    if known is None:
+        known = (all(_no_float(field.annotation) for field in model.model_fields.values())
+                 and all(_no_float(field.return_type) for field in model.model_computed_fields.values()))
+        if len(_FLOATLESS) < 1024:
+            _FLOATLESS[model] = known
+    return known
+
+
+def _no_float(annotation: Any) -> bool:
+    if annotation in _NO_FLOAT:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return all(_no_float(arg) for arg in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return _no_float(typing.get_args(annotation)[0])
     return False
 
 

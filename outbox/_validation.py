@@ -126,8 +126,9 @@ def checked_headers(headers: Mapping[str, Any] | None) -> tuple[dict[str, str], 
         if "\x00" in name:
             raise InvalidHeadersError(
                 f"header name {shown(name)} contains NUL: Kafka clients cut a header name there")
-        sizes.append((utf8_size(name, InvalidHeadersError, "header name"),
-                      utf8_size(value, InvalidHeadersError, f"header {shown(name)}")))
+        sizes.append((len(name) if name.isascii() else utf8_size(name, InvalidHeadersError, "header name"),
+                      len(value) if value.isascii()
+                      else utf8_size(value, InvalidHeadersError, f"header {shown(name)}")))
     return dict(headers), sizes
 
 

@@ -423,3 +423,36 @@ def test_init_db_stores_the_limit_and_a_smaller_producer_stops_the_relay_cli(tmp
     assert "max_record_bytes=2000000" in refused.output
     assert "Traceback" not in refused.output
     assert len(refused.output.strip().splitlines()) <= 2
+
+
+class Inner(pydantic.BaseModel):
+    x: float | None = None
+
+
+class Outer(pydantic.BaseModel):
+    label: str | None = None
+    inner: Inner
+
+
+class Ratio(pydantic.BaseModel):
+    a: int
+
+    @pydantic.computed_field
+    def ratio(self) -> float:
+        return self.a / 0 if self.a else math.nan
+
+
+class Loose(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+    name: str | None = None
+
+
+@pytest.mark.parametrize("payload", [
+    Outer(inner=Inner(x=math.nan)), Ratio(a=0), Loose(spare=math.inf),
+    {"reading": Inner(x=-math.inf), "note": None}, [None, Inner(x=math.nan)],
+], ids=["nested model", "computed field", "extra field", "model in a dict", "model in a list"])
+def test_a_nan_a_model_would_write_as_null_is_refused_wherever_the_model_sits(payload):
+    from outbox._envelope import serialize_payload
+
+    with pytest.raises(NonStandardJsonError, match="JSON null"):
+        serialize_payload(payload)
