@@ -24,12 +24,15 @@ __all__ = [
     "CommitRefusedError",
     "ConfigurationError",
     "InvalidContentTypeError",
+    "InvalidDelayError",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
     "MessageValidationError",
+    "NonStandardJsonError",
     "OutboxError",
     "PayloadTooLargeError",
+    "RecordTooLargeError",
     "RetriableTransportError",
     "SchemaError",
     "TransportError",
@@ -53,8 +56,29 @@ class UnserializablePayloadError(MessageValidationError, TypeError):
     """The payload cannot be turned into bytes."""
 
 
+class NonStandardJsonError(UnserializablePayloadError):
+    """A JSON payload would not be standard JSON: NaN or Infinity, or two keys that serialise alike.
+
+    ``{"a": float("nan")}`` and ``{1: "x", "1": "y"}`` have no standard JSON form
+    that a consumer reads back as sent; a pydantic model would even turn NaN
+    into ``null`` without a word.
+    """
+
+
 class PayloadTooLargeError(MessageValidationError):
     """The serialised payload exceeds the configured maximum."""
+
+
+class RecordTooLargeError(PayloadTooLargeError):
+    """The broker record (payload, key, headers and envelope) exceeds ``max_record_bytes``.
+
+    The limit is stored with the tables and agreed with the relay's producer, so
+    a record refused here is one the relay could never have sent.
+    """
+
+
+class InvalidDelayError(MessageValidationError):
+    """The delay is not a timedelta or seconds, is negative, not finite, or too long."""
 
 
 class SchemaError(ConfigurationError):

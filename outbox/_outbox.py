@@ -17,8 +17,9 @@ from ._envelope import BYTES, TEXT, new_message_id, serialize_payload, utcnow
 from ._errors import (
     ConfigurationError,
     InvalidContentTypeError,
-    MessageValidationError,
+    InvalidDelayError,
     PayloadTooLargeError,
+    RecordTooLargeError,
 )
 from ._schema import DEFAULT_SHARDS as DEFAULT_SHARDS
 from ._schema import StoredSchema
@@ -28,18 +29,24 @@ from ._tables import OutboxTables
 from ._tracing import with_current_context
 from ._transactional import wrap
 from ._validation import (
-    normalize_key,
+    checked_headers,
+    checked_key,
+    shown,
     validate_content_type,
-    validate_headers,
     validate_identifier,
     validate_topic,
 )
+from ._wire import envelope_size, header_size
 
 P = ParamSpec("P")
 R = TypeVar("R")
 S = TypeVar("S", Session, AsyncSession)
 
-DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = None
+"""No cap on the payload alone: the record limit stored with the tables governs."""
+MAX_DELAY = timedelta(days=3650)
+"""The longest delay ``publish()`` accepts: ten years, far inside every database's timestamps."""
+_MAX_DELAY_SECONDS = MAX_DELAY.total_seconds()
 
 
 class Outbox:
@@ -52,7 +59,13 @@ class Outbox:
     The shard count (how the outbox is split among relay processes) is stored
     with the tables and read once, on the first ``publish``; ``shards`` is only
     for ``create_tables`` on a new database, or a check: a different stored
-    count raises ``ConfigurationError``. Safe to share between threads.
+    count raises ``ConfigurationError``. The same holds for ``max_record_bytes``,
+    the largest broker record (payload, key, headers and envelope) that
+    ``publish()`` accepts and the relays must be able to send: stored with the
+    tables (default 1,000,000, what librdkafka and a default broker accept),
+    given here only for ``create_tables``, which stores it, or as a check.
+    ``max_payload_bytes`` is an optional, tighter cap on the payload alone.
+    Safe to share between threads.
     """
 
     def __init__(
@@ -63,7 +76,8 @@ class Outbox:
         prefix: str = "",
         schema: str | None = None,
         shards: int | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_record_bytes: int | None = None,
         notify_channel: str | None = "outbox",
     ) -> None:
         if isinstance(bind, Engine | AsyncEngine):
@@ -90,10 +104,14 @@ class Outbox:
         self.tables = tables or OutboxTables(prefix=prefix, schema=schema)
         self.requested_shards = None if shards is None else _schema.check_shard_count(shards)
         self._stored: StoredSchema | None = None
-        if not isinstance(max_payload_bytes, int) or max_payload_bytes <= 0:
+        if max_payload_bytes is not None and (
+                isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int)
+                or max_payload_bytes <= 0):
             raise ConfigurationError(
                 f"max_payload_bytes must be a positive int, got {max_payload_bytes!r}"
             )
+        self.requested_max_record_bytes = (
+            None if max_record_bytes is None else _schema.check_max_record_bytes(max_record_bytes))
         if notify_channel is not None:
             validate_identifier(notify_channel, "notify channel")
         self.max_payload_bytes = max_payload_bytes
@@ -116,8 +134,10 @@ class Outbox:
         """Add one event to ``session``'s transaction and return its message id.
 
         Nothing is committed: the event becomes visible to the relay when, and
-        only if, the caller's transaction commits. Invalid input raises a
-        ``MessageValidationError`` subclass before any SQL runs. Messages with
+        only if, the caller's transaction commits. Input outside the contract
+        (docs/producer.md, "Input contract") raises a ``MessageValidationError``
+        subclass naming the field before any row is written; only the first
+        publish of an ``Outbox`` reads the stored settings first. Messages with
         the same ``topic`` and ``key`` get seq 1, 2, 3 … in commit order;
         concurrent writers of one key wait for each other's commit.
         ``content_type`` labels a bytes or str payload (say ``application/avro``);
@@ -125,8 +145,8 @@ class Outbox:
         """
         if isinstance(session, AsyncSession):
             raise ConfigurationError("publish() got an AsyncSession; use await publish_async()")
-        params = self._row(topic, payload, key, headers, delay, content_type)
         stored = self._stored or self._accept(_schema.read(session.connection(), self.tables))
+        params = self._row(topic, payload, key, headers, delay, content_type, stored.max_record_bytes)
         params["shard"] = shard_for_key(params["key"], stored.shard_count)
         if params["key"] is None:
             session.execute(self._sql.unkeyed, params)
@@ -150,9 +170,9 @@ class Outbox:
         content_type: str | None = None,
     ) -> uuid.UUID:
         """``publish()`` for an ``AsyncSession``; same guarantees."""
-        params = self._row(topic, payload, key, headers, delay, content_type)
         stored = self._stored or self._accept(
             await session.run_sync(lambda sync: _schema.read(sync.connection(), self.tables)))
+        params = self._row(topic, payload, key, headers, delay, content_type, stored.max_record_bytes)
         params["shard"] = shard_for_key(params["key"], stored.shard_count)
         if params["key"] is None:
             await session.execute(self._sql.unkeyed, params)
@@ -172,10 +192,16 @@ class Outbox:
         headers: Mapping[str, str] | None,
         delay: timedelta | float | None,
         declared_type: str | None,
+        max_record_bytes: int,
     ) -> dict[str, Any]:
-        topic = validate_topic(topic)
-        text_key = normalize_key(key)
-        user_headers = validate_headers(headers)
+        """The row to insert, once every part of the message passed the input contract.
+
+        On every publish's path: texts are encoded once, ASCII not at all, and
+        the record size is added up from the lengths found on the way.
+        """
+        topic = validate_topic(topic)  # ASCII by Kafka's rule: its size is its length
+        text_key, key_size = checked_key(key)
+        user_headers, header_sizes = checked_headers(headers)
         body, content_type = serialize_payload(payload)
         if declared_type is not None:
             declared_type = validate_content_type(declared_type)
@@ -185,10 +211,23 @@ class Outbox:
                     f"{type(payload).__name__} payload is always sent as {content_type}"
                 )
             content_type = declared_type
-        if len(body) > self.max_payload_bytes:
+        if self.max_payload_bytes is not None and len(body) > self.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"payload for topic {topic!r} is {len(body)} bytes, "
                 f"over max_payload_bytes={self.max_payload_bytes}"
+            )
+        row_headers = with_current_context(user_headers)
+        if row_headers is not user_headers:  # a trace context was added: count it too
+            header_sizes = header_sizes + [(len(name), len(value)) for name, value in row_headers.items()
+                                           if name not in user_headers]
+        size = len(body) + key_size + envelope_size(content_type)
+        for name_size, value_size in header_sizes:
+            size += header_size(name_size, value_size)
+        if size > max_record_bytes:
+            raise RecordTooLargeError(
+                f"the record for topic {topic!r} would be {size} bytes (payload {len(body)} bytes, "
+                f"key {key_size}, {len(header_sizes)} header(s) and the envelope), over "
+                f"max_record_bytes={max_record_bytes}, the limit stored with the tables"
             )
         now = utcnow()
         return {
@@ -197,7 +236,7 @@ class Outbox:
             "key": text_key,
             "payload": body,
             "content_type": content_type,
-            "headers": with_current_context(user_headers),
+            "headers": row_headers,
             "created_at": now,
             "available_at": now + _as_delay(delay),
         }
@@ -278,6 +317,7 @@ class Outbox:
 
     def _accept(self, stored: StoredSchema) -> StoredSchema:
         _schema.check_same_shards(self.requested_shards, stored.shard_count)
+        _schema.check_same_max_record_bytes(self.requested_max_record_bytes, stored.max_record_bytes)
         self._stored = stored
         return stored
 
@@ -285,20 +325,24 @@ class Outbox:
         """Create the tables that do not exist yet and record the schema version and shard count.
 
         The shard count is ``shards`` (default 16) on a new database; on an
-        existing one a different ``shards`` raises. Tables of an older release
+        existing one a different ``shards`` raises. A given ``max_record_bytes``
+        is stored, replacing the old limit (restart the relays, they check it
+        against their producer's at start). Tables of an older release
         raise ``SchemaError``: upgrade them with ``upgrade_tables()``.
         """
         if self.is_async:
             raise ConfigurationError("this Outbox has an AsyncEngine; use await create_tables_async()")
         assert isinstance(self.engine, Engine)
         with self.engine.begin() as conn:
-            self._accept(_schema.create(conn, self.tables, self.requested_shards))
+            self._accept(_schema.create(conn, self.tables, self.requested_shards,
+                                        self.requested_max_record_bytes))
 
     async def create_tables_async(self) -> None:
         """``create_tables()`` for an ``AsyncEngine``."""
         assert isinstance(self.engine, AsyncEngine)
         async with self.engine.begin() as conn:
-            self._accept(await conn.run_sync(_schema.create, self.tables, self.requested_shards))
+            self._accept(await conn.run_sync(_schema.create, self.tables, self.requested_shards,
+                                             self.requested_max_record_bytes))
 
     def upgrade_tables(self) -> tuple[int, int]:
         """Bring the tables of an older release to this one's schema, in place, without losing a row.
@@ -309,19 +353,24 @@ class Outbox:
         if not isinstance(self.engine, Engine):
             raise ConfigurationError("upgrade_tables() needs a sync Engine")
         self._stored = None
-        result = _schema.upgrade(self.engine, self.tables, self.requested_shards)
+        result = _schema.upgrade(self.engine, self.tables, self.requested_shards,
+                                 self.requested_max_record_bytes)
         self.load_schema()
         return result
 
 
 def _as_delay(delay: timedelta | float | None) -> timedelta:
+    """``delay`` as a timedelta from 0 to ``MAX_DELAY``, or ``InvalidDelayError``."""
     if delay is None:
         return timedelta(0)
     if isinstance(delay, bool) or not isinstance(delay, timedelta | int | float):
-        raise MessageValidationError(
+        raise InvalidDelayError(
             f"delay must be a timedelta or seconds, got {type(delay).__name__}"
         )
-    result = delay if isinstance(delay, timedelta) else timedelta(seconds=delay)
-    if result < timedelta(0):
-        raise MessageValidationError(f"delay must not be negative, got {delay!r}")
-    return result
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+    if seconds < 0:
+        raise InvalidDelayError(f"delay must not be negative, got {shown(delay)}")
+    if not seconds <= _MAX_DELAY_SECONDS:  # NaN and infinity fail this test too
+        raise InvalidDelayError(
+            f"delay must be a finite number of seconds up to {MAX_DELAY.days} days, got {shown(delay)}")
+    return delay if isinstance(delay, timedelta) else timedelta(seconds=delay)

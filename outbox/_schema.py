@@ -1,8 +1,10 @@
 """The schema version and shard count stored with the tables, and in-place upgrades.
 
 Settings that every publisher and relay of a database must agree on live in the
-database (DESIGN §9), in ``{prefix}outbox_meta``: ``schema_version`` and
-``shard_count``. Release 0.1 had no meta table; its tables are schema version 1.
+database (DESIGN §9), in ``{prefix}outbox_meta``: ``schema_version``,
+``shard_count`` and ``max_record_bytes`` (the record size limit publishers
+check and relays must be able to send; optional, for databases made before
+it). Release 0.1 had no meta table; its tables are schema version 1.
 
 The meta table also holds the database's ``incarnation`` (DESIGN §10): a UUID
 minted when the tables are made, carried in every envelope the relay sends, so
@@ -39,6 +41,11 @@ from ._tables import MYSQL_FAMILY, PUBLISHED, SKIPPED, OutboxTables
 DEFAULT_SHARDS = 16
 MAX_SHARDS = 4096
 INCARNATION = "incarnation"
+# The largest broker record publish() accepts, counted as librdkafka counts it (``_wire``):
+# librdkafka's default message.max.bytes, below a default broker's 1,048,588 per batch.
+DEFAULT_MAX_RECORD_BYTES = 1_000_000
+MIN_MAX_RECORD_BYTES = 4096  # room for the envelope and a small message
+MAX_MAX_RECORD_BYTES = 1_000_000_000  # librdkafka's upper bound for message.max.bytes
 UPGRADE_HINT = "run `outbox init-db --upgrade` (or Outbox.upgrade_tables())"
 
 Step = Callable[[Connection, OutboxTables], None]
@@ -94,18 +101,42 @@ SCHEMA_VERSION = 1 + len(UPGRADES)
 
 @dataclass(frozen=True)
 class StoredSchema:
-    """What the meta table says: the tables' schema version, the shard count, the incarnation."""
+    """What the meta table says: schema version, shard count, incarnation, record size limit.
+
+    ``max_record_bytes`` is the largest broker record ``publish()`` accepts and
+    every relay must be able to send; a database without the row (made before
+    it existed) uses ``DEFAULT_MAX_RECORD_BYTES``.
+    """
 
     version: int
     shard_count: int
     incarnation: str = ""
     """This database's identity (a UUID's text), sent in every envelope as ``outbox-incarnation``."""
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
 
 def check_shard_count(shards: object) -> int:
     if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
         raise ConfigurationError(f"shards must be an int from 1 to {MAX_SHARDS}, got {shards!r}")
     return shards
+
+
+def check_max_record_bytes(value: object) -> int:
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not MIN_MAX_RECORD_BYTES <= value <= MAX_MAX_RECORD_BYTES):
+        raise ConfigurationError(
+            f"max_record_bytes must be an int from {MIN_MAX_RECORD_BYTES} to {MAX_MAX_RECORD_BYTES}, "
+            f"got {value!r}")
+    return value
+
+
+def check_same_max_record_bytes(requested: int | None, stored: int) -> None:
+    """A publisher or relay that names the record limit must name the stored one."""
+    if requested is not None and requested != stored:
+        raise ConfigurationError(
+            f"max_record_bytes={requested} was asked for, but this database's outbox tables "
+            f"store {stored}: leave it out to use the stored one, or change it with "
+            f"`outbox init-db --max-record-bytes {requested}` (relays must accept records that large)")
 
 
 def check_same_shards(requested: int | None, stored: int) -> None:
@@ -134,11 +165,16 @@ def read(conn: Connection, tables: OutboxTables) -> StoredSchema:
         raise SchemaError(f"outbox_meta records no incarnation: {UPGRADE_HINT}")
     if conn.dialect.name in MYSQL_FAMILY and (absent := _mysql.missing(conn, tables)):
         raise SchemaError(f"the outbox tables lack the {' and the '.join(absent)}: {UPGRADE_HINT}")
-    return StoredSchema(version, int(values["shard_count"]), values[INCARNATION])
+    return StoredSchema(version, int(values["shard_count"]), values[INCARNATION],
+                        int(values.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES)))
 
 
-def create(conn: Connection, tables: OutboxTables, shards: int | None) -> StoredSchema:
-    """Create missing tables and record version and shard count; refuse an old or new schema."""
+def create(conn: Connection, tables: OutboxTables, shards: int | None,
+           max_record_bytes: int | None = None) -> StoredSchema:
+    """Create missing tables and record version and shard count; refuse an old or new schema.
+
+    ``max_record_bytes``, when given, is stored (a new value replaces the old one).
+    """
     version, _ = _look(conn, tables)
     if version is not None:
         _check_version(version)
@@ -148,12 +184,15 @@ def create(conn: Connection, tables: OutboxTables, shards: int | None) -> Stored
         _insert_missing(conn, tables, {"schema_version": SCHEMA_VERSION,
                                        "shard_count": _shards_in_use(conn, tables, shards),
                                        INCARNATION: uuid.uuid4()})
+    if max_record_bytes is not None:
+        _put(conn, tables, "max_record_bytes", check_max_record_bytes(max_record_bytes))
     stored = read(conn, tables)
     check_same_shards(shards, stored.shard_count)
     return stored
 
 
-def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> tuple[int, int]:
+def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None,
+            max_record_bytes: int | None = None) -> tuple[int, int]:
     """Bring the tables to ``SCHEMA_VERSION`` in place; returns (version before, after).
 
     A database without tables is created. Release 0.1's shard count was a flag,
@@ -163,7 +202,7 @@ def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> 
     with engine.begin() as conn:
         before, values = _look(conn, tables)
         if before is None:
-            create(conn, tables, shards)
+            create(conn, tables, shards, max_record_bytes)
             return 0, SCHEMA_VERSION
         _check_version(before, allow_older=True)
         count = None if "shard_count" in values else _shards_in_use(conn, tables, shards)
@@ -176,6 +215,8 @@ def upgrade(engine: Engine, tables: OutboxTables, shards: int | None = None) -> 
         _create_mysql_objects(conn, tables)
         if count is not None and "shard_count" not in _look(conn, tables)[1]:
             _put(conn, tables, "shard_count", count)
+        if max_record_bytes is not None:
+            _put(conn, tables, "max_record_bytes", check_max_record_bytes(max_record_bytes))
         check_same_shards(shards, read(conn, tables).shard_count)
     return before, SCHEMA_VERSION
 

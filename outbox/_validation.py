@@ -20,6 +20,7 @@ from ._errors import (
     InvalidContentTypeError,
     InvalidHeadersError,
     InvalidKeyError,
+    MessageValidationError,
 )
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,40}")
@@ -33,22 +34,49 @@ RESERVED_HEADER_PREFIX = "outbox-"
 
 def normalize_key(key: object) -> str | None:
     """Return the key as text; str, int and UUID keys are accepted."""
+    return checked_key(key)[0]
+
+
+def checked_key(key: object) -> tuple[str | None, int]:
+    """The key as text and its size in UTF-8 bytes (0 for no key), or ``InvalidKeyError``."""
     if key is None:
-        return None
+        return None, 0
     if isinstance(key, bool) or not isinstance(key, str | int | uuid.UUID):
         raise InvalidKeyError(
-            f"key must be str, int or UUID, got {type(key).__name__}: {key!r}"
+            f"key must be str, int or UUID, got {type(key).__name__}: {shown(key)}"
         )
     text = str(key)
     if not text:
         raise InvalidKeyError("key must not be empty; pass key=None for unkeyed messages")
-    if "\x00" in text:
-        raise InvalidKeyError(f"key must not contain NUL characters: {text[:40]!r}")
     if len(text) > MAX_KEY_LENGTH:
         raise InvalidKeyError(
-            f"key is {len(text)} characters, the maximum is {MAX_KEY_LENGTH}: {text[:40]!r}..."
+            f"key is {len(text)} characters, the maximum is {MAX_KEY_LENGTH}: {shown(text)}"
         )
-    return text
+    if "\x00" in text:
+        raise InvalidKeyError(f"key must not contain NUL characters: {shown(text)}")
+    return text, utf8_size(text, InvalidKeyError, "key")
+
+
+def utf8_size(text: str, error: type[MessageValidationError], what: str) -> int:
+    """``len(text.encode())``, or ``error`` naming ``what`` when text has a lone surrogate.
+
+    A lone surrogate (``"\\ud800"``, which ``json.loads`` hands any service that
+    parses client JSON) has no UTF-8 form: no database column, broker header or
+    consumer could ever receive it. ASCII, the common case, is counted without encoding.
+    """
+    if text.isascii():
+        return len(text)
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise error(f"{what} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at "
+                    f"index {exc.start} has no UTF-8 form: {shown(text)}") from None
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: an error message never echoes a huge value."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit + 2 else f"{text[:limit]}..."
 
 
 def validate_content_type(content_type: object) -> str:
@@ -70,20 +98,38 @@ _VALID_CONTENT_TYPES: set[str] = set()
 
 
 def validate_headers(headers: Mapping[str, Any] | None) -> dict[str, str]:
-    if headers is None:
-        return {}
+    return checked_headers(headers)[0]
+
+
+def checked_headers(headers: Mapping[str, Any] | None) -> tuple[dict[str, str], list[tuple[int, int]]]:
+    """The headers as a new dict and each one's (name, value) size in UTF-8 bytes, or ``InvalidHeadersError``.
+
+    Names are non-empty text without NUL (librdkafka cuts a header name at its
+    first NUL) and not reserved for the envelope; names and values are text with
+    a UTF-8 form. Every other character, NUL and control characters in values
+    included, is stored as a JSON escape and arrives as it was sent.
+    """
+    if headers is None or (not headers and isinstance(headers, Mapping)):
+        return {}, []
     if not isinstance(headers, Mapping):
         raise InvalidHeadersError(f"headers must be a mapping, got {type(headers).__name__}")
+    sizes = []
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
-            raise InvalidHeadersError(f"header names must be non-empty str, got {name!r}")
+            raise InvalidHeadersError(f"header names must be non-empty str, got {shown(name)}")
         if name.lower().startswith(RESERVED_HEADER_PREFIX) or name.lower() == "content-type":
-            raise InvalidHeadersError(f"header {name!r} is reserved for the outbox envelope")
+            raise InvalidHeadersError(f"header {shown(name)} is reserved for the outbox envelope")
         if not isinstance(value, str):
             raise InvalidHeadersError(
-                f"header {name!r} must be a str, got {type(value).__name__}: {value!r}"
+                f"header {shown(name)} must be a str, got {type(value).__name__}: {shown(value)}"
             )
-    return dict(headers)
+        if "\x00" in name:
+            raise InvalidHeadersError(
+                f"header name {shown(name)} contains NUL: Kafka clients cut a header name there")
+        sizes.append((len(name) if name.isascii() else utf8_size(name, InvalidHeadersError, "header name"),
+                      len(value) if value.isascii()
+                      else utf8_size(value, InvalidHeadersError, f"header {shown(name)}")))
+    return dict(headers), sizes
 
 
 def validate_identifier(value: str, what: str, *, allow_empty: bool = False) -> str:

@@ -28,6 +28,58 @@ INCARNATION = "outbox-incarnation"
 ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT, INCARNATION})
 MAX_SEQ = 2**63 - 1  # a BIGINT column
 
+# -- record size, counted as librdkafka counts it for ``message.max.bytes`` ---------------
+#
+# librdkafka refuses a record at produce() when ``rd_kafka_msg_max_wire_size`` is over
+# ``message.max.bytes``: RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD (length 5, attributes 1,
+# timestamp delta 10, offset delta 5, key length 5, value length 5, header count 5: the
+# widest varints) + key + value + the headers' serialised size, where each header adds
+# its name and value and their lengths as zig-zag varints (``rd_kafka_header_add``).
+# (The kafka-python transport converts its own count into this one: ``max_record_bytes``.)
+
+RECORD_OVERHEAD = 36
+
+
+def varint_size(length: int) -> int:
+    """Bytes of ``length`` as a zig-zag varint (a non-negative n is encoded as 2n)."""
+    return ((length << 1).bit_length() + 6) // 7 or 1
+
+
+def header_size(name_bytes: int, value_bytes: int) -> int:
+    """What one header adds to a record: name, value and both lengths."""
+    return name_bytes + value_bytes + varint_size(name_bytes) + varint_size(value_bytes)
+
+
+def record_size(record: Record) -> int:
+    """The size librdkafka checks against ``message.max.bytes`` for ``record``."""
+    return (RECORD_OVERHEAD + len(record.value) + (len(record.key) if record.key is not None else 0)
+            + sum(header_size(len(name.encode()), len(value) if value is not None else 0)
+                  for name, value in record.headers))
+
+
+INCARNATION_BUDGET = ("outbox-incarnation", 36)  # a UUID's text; the header may not exist yet
+# The widest value each envelope header the relay adds can take: a UUID's text, a
+# microsecond ISO timestamp with its offset ("2026-11-25T09:16:57.123456+00:00"), a
+# BIGINT seq. The content type is added per message, it is known at publish().
+_ENVELOPE_WIDEST = ((MESSAGE_ID, 36), (CREATED_AT, 32), (AVAILABLE_AT, 32), (SEQ, 19),
+                    INCARNATION_BUDGET)
+ENVELOPE_BUDGET = sum(header_size(len(name), width) for name, width in _ENVELOPE_WIDEST)
+"""Bytes the relay's envelope headers can add to a record, besides ``content-type``."""
+
+
+def envelope_size(content_type: str) -> int:
+    """The most the envelope (every header the relay adds) adds to a record of ``content_type``.
+
+    ``content_type`` is visible ASCII (``validate_content_type``): one byte a character.
+    With the per-record overhead, which the envelope's size is counted with.
+    """
+    return _ENVELOPE_SIZES[len(content_type)]
+
+
+# By the content type's length (1-100 characters): publish() looks it up, it does not count.
+_ENVELOPE_SIZES = [RECORD_OVERHEAD + ENVELOPE_BUDGET + header_size(len(CONTENT_TYPE), length)
+                   for length in range(101)]
+
 
 class ForeignRecordError(OutboxError, ValueError):
     """A record that does not carry an outbox envelope, or carries a broken one."""

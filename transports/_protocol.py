@@ -61,6 +61,13 @@ class Transport(Protocol):
     - once a record of a key is not delivered, the later records of that key in
       the same batch are not written either (they come back as ``RETRY``), so a
       retry can never land behind its successor.
+
+    A transport may also offer ``max_record_bytes: int``, the largest record it
+    can send, counted as librdkafka counts it for ``message.max.bytes`` (key,
+    value, headers with their lengths, 36 bytes per record), and
+    ``max_record_setting: str``, the client setting that decides it. A relay
+    refuses to start on a transport that cannot send every record the outbox
+    accepts (both Kafka transports offer them).
     """
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]: ...

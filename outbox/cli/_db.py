@@ -66,6 +66,10 @@ def init_db(
     schema: str | None = SCHEMA,
     shards: int | None = typer.Option(
         None, help="Shard count of a new database (default 16); stored with the tables."),
+    max_record_bytes: int | None = typer.Option(
+        None, help="Largest broker record publishers accept (payload, key, headers, envelope; "
+                   "default 1000000); stored with the tables, and every relay's producer must "
+                   "allow it (message.max.bytes)."),
     upgrade: bool = typer.Option(
         False, "--upgrade", help="Upgrade tables made by an older release in place."),
     reshard: int | None = typer.Option(
@@ -78,7 +82,8 @@ def init_db(
 ) -> None:
     """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
     naming(db)
-    outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards)
+    outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards,
+                    max_record_bytes=max_record_bytes)
     if reshard is not None:
         assert isinstance(outbox.engine, Engine)
         old = _schema.reshard(outbox.engine, outbox.tables, reshard)
@@ -101,4 +106,6 @@ def init_db(
     else:
         names = ", ".join(t.name for t in outbox.tables.metadata.sorted_tables)
         console.print(f"[green]created[/green] {names}")
-    console.print(f"shard count {outbox.shards}, schema version {outbox.load_schema().version}")
+    stored = outbox.load_schema()
+    console.print(f"shard count {stored.shard_count}, schema version {stored.version}, "
+                  f"max record bytes {stored.max_record_bytes}")

@@ -66,12 +66,16 @@ def relay(
 
     from ..ops import relay_readiness, serve_health
     from ..relay import Relay, relay_metrics
+    from ..relay._relay import refuse_smaller_producer
 
     configure_logging(log_level)
     settings = parse_kafka_config(kafka_config)
     outbox = open_outbox(db, prefix, schema, shards, check=False)
     if not _wait_for_tables(outbox):
         return  # stopped before the database ever answered
+    # Refused before the producer exists: it would start connecting, and logging, at once.
+    refuse_smaller_producer(KafkaTransport.max_record_bytes_for(settings), "message.max.bytes",
+                            outbox.load_schema().max_record_bytes)
     transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
     worker = Relay(
         outbox, transport, worker_id=worker_id, batch_size=batch_size,

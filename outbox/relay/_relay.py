@@ -52,6 +52,29 @@ log = safe_logger("outbox.relay")
 DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
 
 
+def check_record_limit(transport: Transport, max_record_bytes: int) -> None:
+    """Refuse a transport that could not send every record ``publish()`` accepts.
+
+    Publishers accept records up to the limit stored with the tables; a producer
+    configured for less would fail some of them for good, each blocking its key
+    until an operator steps in. A transport that does not say its limit is trusted.
+    """
+    limit = getattr(transport, "max_record_bytes", None)
+    if isinstance(limit, int):
+        refuse_smaller_producer(limit, getattr(transport, "max_record_setting", "its maximum record size"),
+                                max_record_bytes)
+
+
+def refuse_smaller_producer(limit: int, setting: str, max_record_bytes: int) -> None:
+    """``ConfigurationError`` when a producer's ``limit`` (from ``setting``) is under the stored one."""
+    if limit < max_record_bytes:
+        raise ConfigurationError(
+            f"this relay's producer sends records of at most {limit} bytes ({setting}), but "
+            f"publishers accept records up to max_record_bytes={max_record_bytes} (stored with the "
+            f"tables): raise that setting to allow {max_record_bytes}, or lower the stored limit "
+            f"with `outbox init-db --max-record-bytes {limit}`")
+
+
 class Relay:
     """Publishes an ``Outbox``'s rows through a ``Transport``; see the module doc.
 
@@ -63,10 +86,12 @@ class Relay:
     and counts in ``outbox_relay_stuck_keys`` (``_stuck``; checked by ``run``).
     ``run`` and ``run_once`` must be called from one thread; ``stop`` from any.
 
-    Construction reads the stored shard count, so it needs the database and
-    raises if it is unreachable; ``run`` then waits out any database outage,
-    from its first lease onwards. ``outbox relay`` waits for the database
-    before it constructs one, so the process waits from start-up on.
+    Construction reads the stored shard count and record limit, so it needs the
+    database and raises if it is unreachable, and raises ``ConfigurationError``
+    when the transport cannot send records as large as the stored limit;
+    ``run`` then waits out any database outage, from its first lease onwards.
+    ``outbox relay`` waits for the database before it constructs one, so the
+    process waits from start-up on.
     """
 
     def __init__(
@@ -122,7 +147,8 @@ class Relay:
         self._backlog_topics: set[str] = set()
         self.stuck_keys = StuckKeys(outbox, engine, float(key_stuck_after), alert,
                                     self.metrics.stuck_keys, worker_id)
-        stored = outbox.load_schema(engine)  # stored with the tables, read once
+        stored = outbox.load_schema(engine)  # shard count, record limit, incarnation: with the tables
+        check_record_limit(transport, stored.max_record_bytes)
         self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
         self.outages = Outages(worker_id, self.metrics.outages)

@@ -81,6 +81,8 @@ UNREACHABLE_ERRORS = frozenset({
     KafkaError._PURGE_INFLIGHT,
 })
 
+LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+
 DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
     "enable.gapless.guarantee": True,
@@ -169,6 +171,27 @@ class KafkaTransport:
 
     def __repr__(self) -> str:
         return f"KafkaTransport({redacted(self._config)!r})"
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record this producer sends: ``message.max.bytes`` (``max_request_size``).
+
+        librdkafka refuses a larger record at produce(), counting key, value,
+        headers and a fixed per-record overhead.
+        """
+        return int(self._config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
+
+    @staticmethod
+    def max_record_bytes_for(settings: Mapping[str, Any] | None = None, /, **kwargs: Any) -> int:
+        """``max_record_bytes`` of a transport built with these settings, without building it.
+
+        For a command that must refuse a setting before a producer starts
+        connecting (and logging).
+        """
+        config = librdkafka_config(settings, **kwargs)
+        return int(config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
+
+    max_record_setting = "message.max.bytes"
 
     # -- publishing ---------------------------------------------------------
 

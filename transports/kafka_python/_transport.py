@@ -63,6 +63,12 @@ PERMANENT_TOPIC_ERRORS: tuple[type[Exception], ...] = (
 
 SAFE_ACKS = frozenset({"all", "-1"})
 
+# kafka-python-ng refuses a record whose batch estimate (a 61-byte batch header, 21 bytes of
+# the widest record overhead, then key, value and headers with their varint lengths) is over
+# max_request_size. That estimate exceeds librdkafka's per-record count, by which records
+# are measured (``max_record_bytes``), by at most 58 bytes; 61 keeps a margin.
+BATCH_ESTIMATE_MARGIN = 61
+
 
 # Errors meaning the broker did not answer at all (down, unreachable, frozen).
 UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
@@ -124,6 +130,14 @@ class KafkaPythonTransport:
 
     def __repr__(self) -> str:
         return f"KafkaPythonTransport({type(self._producer).__name__})"
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record (librdkafka's count) the producer's ``max_request_size`` lets through."""
+        return int(getattr(self._producer, "config", {}).get("max_request_size", 1_048_576)
+                   ) - BATCH_ESTIMATE_MARGIN
+
+    max_record_setting = f"max_request_size less {BATCH_ESTIMATE_MARGIN} bytes of batch overhead"
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]:
         """Send ``records``; one result per record, in input order."""
