@@ -68,6 +68,12 @@ def parse_kafka_config(pairs: list[str]) -> dict[str, str]:
     return config
 
 
+METRICS_HOST = typer.Option(
+    "0.0.0.0", "--metrics-host",
+    help="Address the --metrics-port server listens on: 0.0.0.0 (every IPv4 interface, what a "
+         "Kubernetes probe of the pod IP needs), :: (IPv6 too), 127.0.0.1 (this host only) or "
+         "one interface's address.")
+
 LOG_LEVEL = typer.Option("INFO", "--log-level", help="Python log level (DEBUG, INFO, WARNING …).")
 
 

@@ -26,6 +26,7 @@ from ._options import (
     DB,
     KAFKA_CONFIG,
     LOG_LEVEL,
+    METRICS_HOST,
     PREFIX,
     SCHEMA,
     configure_logging,
@@ -47,6 +48,7 @@ def relay(
     kafka_config: list[str] = KAFKA_CONFIG,
     metrics_port: int | None = typer.Option(
         None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
+    metrics_host: str = METRICS_HOST,
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
     batch_size: int = typer.Option(1000, help="Rows per batch."),
     lease_ttl: float = typer.Option(10.0, help="Seconds a shard lease lasts without renewal."),
@@ -80,7 +82,7 @@ def relay(
     )
     if metrics_port is not None:
         relay_metrics()  # registered before the first scrape
-        serve_health(metrics_port, relay_readiness(worker))
+        serve_health(metrics_port, relay_readiness(worker), host=metrics_host)
     tune_gc_for_batches()
     try:
         worker.run()
