@@ -29,6 +29,7 @@ import typer
 
 from .._errors import ConfigurationError, OutboxError, SchemaError
 from .._outage import is_database_outage
+from .._secrets import database_url
 from ._options import from_environment
 
 USAGE, RUNTIME = 2, 1
@@ -37,11 +38,8 @@ _database = "the database"  # the URL of the database the command opened, for me
 
 
 def safe_url(url: str) -> str:
-    """The URL as it may appear in a message: password hidden."""
-    try:
-        return sa.make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return repr(url)
+    """The URL as it may appear in a message: password and secret query values hidden, parseable or not."""
+    return database_url(url)
 
 
 def naming(url: str) -> str:

@@ -14,6 +14,7 @@ skip to every row.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,11 @@ def parse_kafka_config(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name.strip():
-            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--kafka-config")
+            # Only the key-like start is echoed: a mistyped separator (``sasl.password:…``)
+            # must not print the password.
+            key = re.match(r"[\w.-]*", pair)
+            shown = (key.group() if key else "") + ("…" if key is None or key.end() < len(pair) else "")
+            raise typer.BadParameter(f"expected KEY=VALUE, got {shown!r}", param_hint="--kafka-config")
         config[name.strip()] = value
     return config
 
