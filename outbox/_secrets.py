@@ -12,7 +12,7 @@ exactly what an error message has to name.
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import sqlalchemy as sa
 
@@ -27,10 +27,52 @@ def database_url(url: str) -> str:
     try:
         parsed = sa.make_url(url)
     except (sa.exc.ArgumentError, ValueError, TypeError):
-        return _mask_query(_mask_userinfo(str(url)))
-    masked = {name: MASK for name in parsed.query if _SECRET_NAME.search(name)}
-    shown = parsed.update_query_dict(masked).render_as_string(hide_password=True)
-    return shown.replace("%2A%2A%2A", MASK)  # the mask, as SQLAlchemy escapes it in a query
+        shown = _mask_query(_mask_userinfo(str(url)))
+    else:
+        masked = {name: MASK for name in parsed.query if _SECRET_NAME.search(name)}
+        shown = parsed.update_query_dict(masked).render_as_string(hide_password=True)
+        shown = shown.replace("%2A%2A%2A", MASK)  # the mask, as SQLAlchemy escapes it in a query
+    return scrub(shown, database_secrets(url))
+
+
+def database_secrets(url: str) -> list[str]:
+    """Every form in which ``url``'s credentials can reach a message, longest first.
+
+    A password with an unescaped ``@``, ``/`` or ``:`` is cut by URL parsing, and its
+    pieces land in the host or the port, where a driver's "could not connect to
+    host …" repeats them: so the pieces count too, not only the whole.
+    """
+    text = str(url)
+    found: set[str] = set()
+    colon_to_at = _userinfo_password(text)
+    values = [colon_to_at] if colon_to_at else []
+    query = text.partition("?")[2]
+    for pair in query.split("&"):
+        name, equals, value = pair.partition("=")
+        if equals and value and _SECRET_NAME.search(name):
+            values.append(value)
+    try:
+        password = sa.make_url(text).password
+    except (sa.exc.ArgumentError, ValueError, TypeError):
+        password = None
+    if password:
+        values.append(str(password))
+    for value in values:
+        for form in (value, unquote(value)):
+            found.add(form)
+            found.update(_URL_DELIMITERS.split(form))
+    # Shorter ones would mask ordinary words of every message (and guard next to nothing).
+    return sorted((f for f in found if len(f) >= 4), key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with each of ``secrets`` (longest first, as ``database_secrets`` gives them) masked."""
+    for secret in secrets:
+        text = text.replace(secret, MASK)
+    return text
+
+
+_URL_DELIMITERS = re.compile(r"[@/:?#&=\[\]]")
 
 
 def webhook_url(url: str) -> str:
@@ -49,13 +91,27 @@ def webhook_url(url: str) -> str:
 
 def _mask_userinfo(text: str) -> str:
     """``scheme://user:password@host…`` → ``scheme://user:***@host…`` (also without a scheme)."""
+    password = _userinfo_password(text)
+    if password is None:
+        return text
+    colon = _password_start(text)
+    return f"{text[:colon]}{MASK}{text[colon + len(password):]}"
+
+
+def _userinfo_password(text: str) -> str | None:
+    """The text between the user's colon and the *last* ``@``: the password, even unescaped."""
+    start = _password_start(text)
+    return None if start < 0 else text[start:text.rfind("@")]
+
+
+def _password_start(text: str) -> int:
     at = text.rfind("@")
     if at < 0:
-        return text
+        return -1
     slashes = text.find("//")
     start = slashes + 2 if 0 <= slashes < at else 0
     colon = text.find(":", start, at)
-    return text if colon < 0 else f"{text[:colon + 1]}{MASK}{text[at:]}"
+    return -1 if colon < 0 else colon + 1
 
 
 def _mask_query(text: str) -> str:

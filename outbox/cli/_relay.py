@@ -20,7 +20,7 @@ from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
-from ._errors import Typer, database_name
+from ._errors import Typer, database_name, hidden
 from ._options import (
     BOOTSTRAP_SERVERS,
     DB,
@@ -113,7 +113,7 @@ def _wait_for_tables(outbox: Outbox) -> bool:
                     since = time.monotonic()
                     log.warning("database %s unreachable (%s); waiting for it before starting "
                                 "(check --db if this persists)", database_name(),
-                                str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
+                                hidden(str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]))
                 stop.wait(database_backoff(failures, 0.2))
                 failures += 1
             else:

@@ -61,10 +61,10 @@ KAFKA_PYTHON_NAMES: dict[str, str] = {
 }
 
 SECRET_KEYS = frozenset({"sasl.password", "ssl.key.password", "sasl.oauthbearer.client.secret",
-                         "ssl.keystore.password", "ssl.key.pem", "sasl.oauthbearer.config",
-                         "sasl.username"})
+                         "ssl.keystore.password", "ssl.key.pem", "sasl.oauthbearer.config"})
 """Settings whose values never appear in a repr, a log line or an error (librdkafka's own
-debug output, ``debug=conf``, redacts them too)."""
+debug output, ``debug=conf``, redacts them too). The SASL user name is shown: it says who
+connects, and is no credential alone."""
 
 
 def _value(name: str, value: Any) -> Any:
