@@ -162,7 +162,8 @@ def serve_health(port: int, readiness: Readiness, *, registry: CollectorRegistry
         server = BoundedServer(host, port, timeout=timeout, max_connections=max_connections,
                                max_request=max_request)
     except OSError as exc:
-        raise ConfigurationError(f"cannot serve /healthz, /readyz and /metrics on {host}:{port}: "
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConfigurationError(f"cannot serve /healthz, /readyz and /metrics on {where}: "
                                  f"{exc.strerror or exc} (check --metrics-host and --metrics-port)") from None
     server.set_app(app)
     threading.Thread(target=server.serve_forever, name="outbox-http", daemon=True).start()
