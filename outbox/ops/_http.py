@@ -48,7 +48,7 @@ class BoundedServer(WSGIServer):
     """A thread per connection, at most ``max_connections`` of them; see the module doc."""
 
     daemon_threads = True  # a worker's exit never waits on a client
-    request_queue_size = 128  # connections the kernel holds until accepted: a burst must not stall a probe
+    request_queue_size = 1024  # connections the kernel holds until accepted: a burst must not stall a probe
 
     def __init__(self, host: str, port: int, *, timeout: float = TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, max_request: int = MAX_REQUEST) -> None:
