@@ -12,7 +12,7 @@ exactly what an error message has to name.
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import sqlalchemy as sa
 
@@ -40,7 +40,9 @@ def database_secrets(url: str) -> list[str]:
 
     A password with an unescaped ``@``, ``/`` or ``:`` is cut by URL parsing, and its
     pieces land in the host or the port, where a driver's "could not connect to
-    host …" repeats them: so the pieces count too, not only the whole.
+    host …" repeats them (libpq cuts further, at the ``,`` between hosts): so every
+    piece between two characters other than letters, digits, ``.``, ``_``, ``~`` and
+    ``-`` counts too, not only the whole.
     """
     text = str(url)
     found: set[str] = set()
@@ -59,8 +61,9 @@ def database_secrets(url: str) -> list[str]:
         values.append(str(password))
     for value in values:
         for form in (value, unquote(value)):
-            found.add(form)
-            found.update(_URL_DELIMITERS.split(form))
+            pieces = {form, *_URL_DELIMITERS.split(form)}
+            found.update(pieces)
+            found.update(quote(piece, safe="") for piece in pieces)  # as a URL renders them
     # Shorter ones would mask ordinary words of every message (and guard next to nothing).
     return sorted((f for f in found if len(f) >= 4), key=len, reverse=True)
 
@@ -72,7 +75,8 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-_URL_DELIMITERS = re.compile(r"[@/:?#&=\[\]]")
+_URL_DELIMITERS = re.compile(r"[^\w.~-]")
+"""Where a password may be cut: URL syntax, and what drivers split on (libpq: ``,`` between hosts)."""
 
 
 def webhook_url(url: str) -> str:

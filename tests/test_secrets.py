@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import pytest
 from _relay_helpers import wait_for
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -36,7 +36,7 @@ from outbox._alerts import deliver
 from outbox.cli import app
 from outbox.testing._postgres import free_port
 
-secrets = st.builds(lambda middle: f"S3cr3t{middle}Zz", st.text(
+secrets = st.builds(lambda middle: f"S3cr3t{middle}Zz9q", st.text(
     st.sampled_from("abcXYZ019@:/?#%&+= -_.~!$'()*,;[]é"), min_size=2, max_size=12))
 """A credential: recognisable, and full of what a URL must percent-encode."""
 
@@ -45,8 +45,12 @@ SWEEP = settings(max_examples=15, deadline=None,
 
 
 def leaks(secret: str, *texts: str) -> list[str]:
-    """The texts that show ``secret``, as given, as a URL carries it, or a piece of it (its start)."""
-    forms = {secret, quote(secret, safe=""), quote(secret), secret[:6]}
+    """The texts that show ``secret``, as given, as a URL carries it, or a piece of it (its ends).
+
+    A password that URL parsing cut apart (an unescaped ``@``) leaks by pieces: its
+    start and its end are recognisable, so they must not show either.
+    """
+    forms = {secret, quote(secret, safe=""), quote(secret), secret[:6], secret[-4:]}
     return [text for text in texts if any(form in text for form in forms)]
 
 
@@ -145,6 +149,7 @@ DATABASE_URLS = [
     "postgresql+psycopg://ops@127.0.0.1:{port}/db?password={s}",
     "postgresql+psycopg://ops:{s}@127.0.0.1:notaport/db",   # the port does not parse
     "postgresql+psycopg://ops:{raw}@127.0.0.1:{port}/db",   # unescaped: parsing cuts it apart
+    "postgresql+psycopg://ops:S3cr3t/ab@{raw}@127.0.0.1:{port}/db",  # surely cut: an @ and a /
     "ops:{s}@127.0.0.1/db",                                  # not a URL at all
     "nosuchdialect://ops:{s}@127.0.0.1/db",
     "postgresql+asyncpg://ops:{s}@127.0.0.1:{port}/db",     # refused: an asyncio driver
@@ -228,3 +233,25 @@ def test_a_relay_waiting_for_its_database_logs_no_credential_at_debug(tmp_path: 
     output = log.read_text()
     assert "ops:***@127.0.0.1" in output, output  # it names the database it waits for
     assert not leaks(secret, output)
+
+
+@SWEEP
+@given(secret=secrets)
+@example(secret="S3cr3t/ab@cdZz9q")  # the host becomes "cdZz9q@127.0.0.1"
+@example(secret="S3cr3t@ab/cdZz9q")  # the host becomes "ab", the database "cdZz9q@…"
+def test_readyz_never_serves_a_piece_of_the_database_password(secret: str) -> None:
+    from sqlalchemy.exc import ArgumentError
+
+    from outbox import create_engine
+    from outbox.ops import DatabaseCheck
+
+    port = free_port()
+    for url in (f"postgresql+psycopg://ops:{quote(secret, safe='')}@127.0.0.1:{port}/db",
+                f"postgresql+psycopg://ops:{secret}@127.0.0.1:{port}/db"):  # unescaped: cut apart
+        try:
+            engine = create_engine(url)
+        except (ArgumentError, ValueError):
+            continue  # refused before any connection: nothing to serve
+        reason = DatabaseCheck(engine, timeout=5)()
+        assert reason is not None and reason.startswith("database")
+        assert not leaks(secret, reason), reason

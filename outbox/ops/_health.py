@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 from sqlalchemy import Engine, text
 
 from .._errors import ConfigurationError
+from .._secrets import database_secrets, scrub
 from ..relay import Relay
 from ._http import MAX_CONNECTIONS, MAX_REQUEST, TIMEOUT, BoundedServer
 
@@ -56,6 +57,8 @@ class DatabaseCheck:
     def __init__(self, engine: Engine, timeout: float = DATABASE_TIMEOUT,
                  run: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._engine = engine
+        # The reason is served to whoever asks: never with a piece of the password in it.
+        self._secrets = database_secrets(engine.url.render_as_string(hide_password=False))
         self._run = run
         self._timeout = timeout
         self._pinging: Future[None] | None = None
@@ -74,7 +77,8 @@ class DatabaseCheck:
             return f"database did not answer within {self._timeout:g} s"
         except Exception as exc:
             first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-            return f"database unreachable: {first[0] if first else type(exc).__name__}"
+            return scrub(f"database unreachable: {first[0] if first else type(exc).__name__}",
+                         self._secrets)
         return None
 
     def _ping(self, answer: Future[None]) -> None:
