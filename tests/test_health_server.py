@@ -73,7 +73,7 @@ def test_idle_connections_hold_a_bounded_number_of_threads_and_are_cut_after_the
     port = served.server_address[1]
     assert healthz(port) == 200
     before = threading.active_count()
-    idle = []
+    idle: list[socket.socket] = []
     try:
         started = time.monotonic()
         idle.extend(connect(port) for _ in range(300))  # connected, never a byte sent
