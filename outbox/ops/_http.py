@@ -32,6 +32,8 @@ import time
 from typing import IO, Any, cast
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
+from .._errors import ConfigurationError
+
 log = logging.getLogger("outbox.health")
 
 TIMEOUT = 5.0
@@ -53,8 +55,8 @@ class BoundedServer(WSGIServer):
     def __init__(self, host: str, port: int, *, timeout: float = TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS, max_request: int = MAX_REQUEST) -> None:
         if not timeout > 0 or max_connections < 1 or max_request < 64:
-            raise ValueError("timeout must be positive, max_connections at least 1 and "
-                             "max_request at least 64 bytes")
+            raise ConfigurationError("timeout must be positive, max_connections at least 1 and "
+                                     "max_request at least 64 bytes")
         if ":" in host:  # an IPv6 address, e.g. "::" for every interface of both families
             self.address_family = socket.AF_INET6
         self.request_timeout = timeout
@@ -78,8 +80,11 @@ class BoundedServer(WSGIServer):
         if full and oldest is None:  # every slot is answering: close the newcomer, unanswered
             super().shutdown_request(request)
             return
-        threading.Thread(target=self._serve, args=(request, client_address),
-                         name="outbox-http-request", daemon=True).start()
+        try:
+            threading.Thread(target=self._serve, args=(request, client_address),
+                             name="outbox-http-request", daemon=True).start()
+        except RuntimeError:  # no thread to be had: the slot must not stay taken
+            self.shutdown_request(request)
 
     def _serve(self, request: socket.socket, client_address: Any) -> None:
         try:
