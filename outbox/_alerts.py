@@ -8,16 +8,22 @@ every other key.
 
 from __future__ import annotations
 
+import base64
 import json
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
+from urllib.parse import unquote
 
 from transports._logsafe import safe_logger
 
 from ._envelope import utcnow
+from ._errors import ConfigurationError, OutboxError
+from ._secrets import MASK, webhook_url
 
 log = safe_logger("outbox.alerts")
 
@@ -59,25 +65,92 @@ class LoggingAlertSink:
 
 
 class WebhookAlertSink:
-    """POSTs the alert as a JSON body to ``url`` (Slack/PagerDuty bridges, Alertmanager)."""
+    """POSTs the alert as a JSON body to ``url`` (Slack/PagerDuty bridges, Alertmanager).
+
+    Credentials in the URL (``https://user:password@host/…``) are sent as HTTP
+    Basic auth and taken out of the URL: urllib sends no userinfo, so such a
+    URL could never authenticate otherwise. Percent-escapes in them are
+    decoded (``p%40ss`` is the password ``p@ss``). Giving both them and an
+    ``Authorization`` header is a ``ConfigurationError``. Over ``http://`` they
+    travel in clear; a warning says so at construction.
+
+    Redirects are not followed: a redirect would turn the POST into a GET and
+    carry the ``Authorization`` header to whatever host it names.
+
+    A webhook URL is often a secret as a whole (Slack's key is its path, others
+    take a ``?token=``), so logs, ``repr`` and errors show only its scheme, host
+    and port (``outbox._secrets.webhook_url``); a failed POST raises
+    ``WebhookDeliveryError`` with the status or the reason and nothing of the
+    URL's rest.
+    """
 
     def __init__(self, url: str, *, timeout: float = 5.0, headers: dict[str, str] | None = None):
-        if not url.startswith(("http://", "https://")):
-            from ._errors import ConfigurationError
-
-            raise ConfigurationError(f"webhook url must be http(s), got {url!r}")
-        self.url = url
-        self.timeout = timeout
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigurationError(f"webhook url must be http(s), got {_shown(url)}")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 -- a malformed port raises here, not at the first alert
+        except ValueError:
+            raise ConfigurationError(f"webhook url {webhook_url(url)} is malformed (its host or "
+                                     f"port does not parse)") from None
+        if not parts.hostname or any(c.isspace() or ord(c) < 32 for c in url):
+            raise ConfigurationError(f"webhook url {webhook_url(url)} has no host, or contains "
+                                     f"spaces or control characters")
         self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self._secrets = [part for part in (parts.password, parts.username, parts.path, parts.query,
+                                           parts.fragment) if part and len(part) > 1]
+        if parts.username is not None or parts.password is not None:
+            if any(name.lower() == "authorization" for name in self.headers):
+                raise ConfigurationError(f"webhook url {webhook_url(url)} has credentials and an "
+                                         f"Authorization header is given too: give one of them")
+            pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+            self.headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+            if parts.scheme == "http":
+                log.warning("webhook %s sends its credentials unencrypted (http://)", webhook_url(url))
+            netloc = parts.netloc.rpartition("@")[2]
+            url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        self.url = url
+        """The URL POSTed to, without credentials; still a secret for many services: never log it."""
+        self.timeout = timeout
+        self._opener = urllib.request.build_opener(_NoRedirects)
 
     def __call__(self, alert: Alert) -> None:
         body = json.dumps(alert.to_json()).encode()
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            response.read()
+        try:
+            with self._opener.open(request, timeout=self.timeout) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            raise WebhookDeliveryError(f"webhook {self} answered {exc.code} "
+                                       f"{self._scrub(str(exc.reason))}") from None
+        except Exception as exc:  # refused, unresolvable, timed out, TLS: the reason, never the URL
+            reason = getattr(exc, "reason", None) or exc
+            raise WebhookDeliveryError(f"webhook {self} failed: {type(exc).__name__}: "
+                                       f"{self._scrub(str(reason))}") from None
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, MASK).replace(unquote(secret), MASK)
+        return text
+
+    def __str__(self) -> str:
+        return webhook_url(self.url)
 
     def __repr__(self) -> str:
-        return f"WebhookAlertSink({self.url.split('?')[0]!r})"
+        return f"WebhookAlertSink({webhook_url(self.url)!r})"
+
+
+class WebhookDeliveryError(OutboxError, ConnectionError):
+    """A webhook did not take an alert; the message names its host, never the rest of its URL."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # urllib then raises the 3xx as an HTTPError
+
+
+def _shown(url: object) -> str:
+    return webhook_url(url) if isinstance(url, str) else type(url).__name__
 
 
 def deliver(sink: AlertSink | Callable[[Alert], None], alert: Alert) -> None:

@@ -29,26 +29,36 @@ import typer
 
 from .._errors import ConfigurationError, OutboxError, SchemaError
 from .._outage import is_database_outage
+from .._secrets import database_secrets, database_url, scrub
 from ._options import from_environment
 
 USAGE, RUNTIME = 2, 1
 STUCK = 3  # ``outbox status`` ran fine and found something stuck (a health check's "unhealthy")
 _database = "the database"  # the URL of the database the command opened, for messages
+_secrets: list[str] = []  # the forms its credentials can take in a message (``database_secrets``)
 
 
 def safe_url(url: str) -> str:
-    """The URL as it may appear in a message: password hidden."""
-    try:
-        return sa.make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return repr(url)
+    """The URL as it may appear in a message: password and secret query values hidden, parseable or not."""
+    return database_url(url)
 
 
 def naming(url: str) -> str:
     """Remember the database this command works on, so errors can name it; returns it printable."""
-    global _database
+    global _database, _secrets
     _database = safe_url(url)
+    _secrets = database_secrets(url)
     return _database
+
+
+def hidden(text: str) -> str:
+    """``text`` with the credentials of the database this command works on masked.
+
+    A driver's message can repeat pieces of a password that URL parsing cut
+    (an unescaped ``@`` moves them into the host name), so every message and
+    traceback passes through here.
+    """
+    return scrub(text, _secrets)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -126,9 +136,9 @@ def report(exc: BaseException) -> int:
     """Print ``exc`` as ``error: …`` on stderr (with the traceback at DEBUG); return the exit status."""
     message, status = explain(exc)
     if logging.getLogger().isEnabledFor(logging.DEBUG):
-        traceback.print_exception(exc, file=sys.stderr)
+        print(hidden("".join(traceback.format_exception(exc))), file=sys.stderr, end="")
     if message:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"error: {hidden(message)}", file=sys.stderr, flush=True)
     return status
 
 

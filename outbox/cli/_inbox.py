@@ -23,6 +23,7 @@ from ._options import (
     BOOTSTRAP_SERVERS,
     KAFKA_CONFIG,
     LOG_LEVEL,
+    METRICS_HOST,
     PREFIX,
     SCHEMA,
     configure_logging,
@@ -80,6 +81,7 @@ def run(
     kafka_config: list[str] = KAFKA_CONFIG,
     metrics_port: int | None = typer.Option(
         None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
+    metrics_host: str = METRICS_HOST,
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
@@ -92,7 +94,8 @@ def run(
     if metrics_port is not None:
         from ..ops import inbox_readiness, serve_health
 
-        serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database))
+        serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database),
+                     host=metrics_host)
     Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
     tune_gc_for_batches()
     inbox.run(source)

@@ -14,6 +14,7 @@ skip to every row.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -64,9 +65,31 @@ def parse_kafka_config(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name.strip():
-            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--kafka-config")
+            raise typer.BadParameter(f"expected KEY=VALUE, got {_setting_name_of(pair)}",
+                                     param_hint="--kafka-config")
         config[name.strip()] = value
     return config
+
+
+METRICS_HOST = typer.Option(
+    "0.0.0.0", "--metrics-host",
+    help="Address the --metrics-port server listens on: 0.0.0.0 (every IPv4 interface, what a "
+         "Kubernetes probe of the pod IP needs), :: (IPv6 too), 127.0.0.1 (this host only) or "
+         "one interface's address.")
+
+def _setting_name_of(pair: str) -> str:
+    """What of a malformed ``-X`` pair may be echoed: its start if that names a setting, else nothing.
+
+    A mistyped separator (``sasl.password:…``) or a bare value (a password given
+    without its key) must not print the value.
+    """
+    from transports.kafka._settings import KAFKA_PYTHON_NAMES
+
+    start = re.match(r"[\w.-]*", pair)
+    name = start.group() if start else ""
+    if "." in name or name in KAFKA_PYTHON_NAMES:
+        return repr(name + ("…" if len(name) < len(pair) else ""))
+    return f"a value of {len(pair)} character(s) without '=' (not shown: it may be a secret)"
 
 
 LOG_LEVEL = typer.Option("INFO", "--log-level", help="Python log level (DEBUG, INFO, WARNING …).")

@@ -21,12 +21,13 @@ from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
-from ._errors import Typer, database_name
+from ._errors import Typer, database_name, hidden
 from ._options import (
     BOOTSTRAP_SERVERS,
     DB,
     KAFKA_CONFIG,
     LOG_LEVEL,
+    METRICS_HOST,
     PREFIX,
     SCHEMA,
     configure_logging,
@@ -48,6 +49,7 @@ def relay(
     kafka_config: list[str] = KAFKA_CONFIG,
     metrics_port: int | None = typer.Option(
         None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
+    metrics_host: str = METRICS_HOST,
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
     batch_size: int = typer.Option(1000, help="Rows per batch."),
     lease_ttl: float = typer.Option(10.0, help="Seconds a shard lease lasts without renewal."),
@@ -85,7 +87,7 @@ def relay(
     )
     if metrics_port is not None:
         relay_metrics()  # registered before the first scrape
-        serve_health(metrics_port, relay_readiness(worker))
+        serve_health(metrics_port, relay_readiness(worker), host=metrics_host)
     tune_gc_for_batches()
     try:
         worker.run()
@@ -116,7 +118,7 @@ def _wait_for_tables(outbox: Outbox) -> bool:
                     since = time.monotonic()
                     log.warning("database %s unreachable (%s); waiting for it before starting "
                                 "(check --db if this persists)", database_name(),
-                                str(getattr(exc, "orig", None) or exc).strip().splitlines()[0])
+                                hidden(str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]))
                 stop.wait(database_backoff(failures, 0.2))
                 failures += 1
             else:

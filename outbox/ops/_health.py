@@ -12,7 +12,8 @@ of the shard leases (a standby relay, with more relays than shards, has a
 share of 0 and is ready), a consumer at least one assigned partition. It is
 what a dashboard or a rollout should watch; it is not a restart signal.
 
-Everything else on the port is Prometheus's exposition (``/metrics``).
+Everything else on the port is Prometheus's exposition (``/metrics``). The
+server bounds what any client can hold (threads, time, bytes): ``_http``.
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 from sqlalchemy import Engine, text
 
 from transports._logsafe import safe_logger
 
+from .._errors import ConfigurationError
+from .._secrets import database_secrets, scrub
 from ..relay import Relay
+from ._http import MAX_CONNECTIONS, MAX_REQUEST, TIMEOUT, BoundedServer
 
 log = safe_logger("outbox.health")
+
+DEFAULT_HOST = "0.0.0.0"
+"""Every IPv4 interface: a Kubernetes probe connects to the pod's IP, not to its loopback."""
 
 DATABASE_TIMEOUT = 2.0
 """Seconds ``/readyz`` waits for the database's answer before it reports it unreachable."""
@@ -53,6 +58,8 @@ class DatabaseCheck:
     def __init__(self, engine: Engine, timeout: float = DATABASE_TIMEOUT,
                  run: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._engine = engine
+        # The reason is served to whoever asks: never with a piece of the password in it.
+        self._secrets = database_secrets(engine.url.render_as_string(hide_password=False))
         self._run = run
         self._timeout = timeout
         self._pinging: Future[None] | None = None
@@ -71,7 +78,8 @@ class DatabaseCheck:
             return f"database did not answer within {self._timeout:g} s"
         except Exception as exc:
             first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-            return f"database unreachable: {first[0] if first else type(exc).__name__}"
+            return scrub(f"database unreachable: {first[0] if first else type(exc).__name__}",
+                         self._secrets)
         return None
 
     def _ping(self, answer: Future[None]) -> None:
@@ -128,18 +136,17 @@ def inbox_readiness(engine: Engine, source: object,
     return ready
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds: no access log
-        pass
-
-
 def serve_health(port: int, readiness: Readiness, *, registry: CollectorRegistry = REGISTRY,
-          addr: str = "0.0.0.0") -> WSGIServer:
-    """Serve ``/healthz``, ``/readyz`` and the metrics of ``registry`` on ``port``, in a daemon thread."""
+                 host: str = DEFAULT_HOST, timeout: float = TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS, max_request: int = MAX_REQUEST) -> BoundedServer:
+    """Serve ``/healthz``, ``/readyz`` and the metrics of ``registry`` on ``host:port``, in a daemon thread.
+
+    ``readiness`` is called for each ``/readyz``, on the request's thread; it
+    returns None when ready, else the reason (see ``Readiness``). ``timeout``,
+    ``max_connections`` and ``max_request`` bound what one client can hold
+    (``_http``). An address that cannot be listened on raises
+    ``ConfigurationError`` naming it.
+    """
     metrics = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -156,7 +163,14 @@ def serve_health(port: int, readiness: Readiness, *, registry: CollectorRegistry
             return _plain(start_response, "503 Service Unavailable", f"not ready: {problem}")
         return metrics(environ, start_response)
 
-    server = make_server(addr, port, app, _Server, handler_class=_Quiet)
+    try:
+        server = BoundedServer(host, port, timeout=timeout, max_connections=max_connections,
+                               max_request=max_request)
+    except OSError as exc:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConfigurationError(f"cannot serve /healthz, /readyz and /metrics on {where}: "
+                                 f"{exc.strerror or exc} (check --metrics-host and --metrics-port)") from None
+    server.set_app(app)
     threading.Thread(target=server.serve_forever, name="outbox-http", daemon=True).start()
     return server
 

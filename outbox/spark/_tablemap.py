@@ -17,6 +17,7 @@ from sqlalchemy.pool import NullPool
 
 from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError
+from .._secrets import database_url
 from .._tables import OutboxTables, UTCDateTime
 
 TABLE_NAMES = (
@@ -46,11 +47,8 @@ def _tables(prefix: str, schema: str | None) -> OutboxTables:
 
 
 def safe_url(url: str) -> str:
-    """The URL as it may appear in an error message: password hidden."""
-    try:
-        return sa.make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return "<unparseable URL>"
+    """The URL as it may appear in an error message: password and secret query values hidden."""
+    return database_url(url)
 
 
 def connect(url: str) -> sa.Engine:

@@ -61,7 +61,10 @@ KAFKA_PYTHON_NAMES: dict[str, str] = {
 }
 
 SECRET_KEYS = frozenset({"sasl.password", "ssl.key.password", "sasl.oauthbearer.client.secret",
-                         "ssl.keystore.password", "ssl.key.pem"})
+                         "ssl.keystore.password", "ssl.key.pem", "sasl.oauthbearer.config"})
+"""Settings whose values never appear in a repr, a log line or an error (librdkafka's own
+debug output, ``debug=conf``, redacts them too). The SASL user name is shown: it says who
+connects, and is no credential alone."""
 
 
 def _value(name: str, value: Any) -> Any:
@@ -110,14 +113,26 @@ def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -
     try:
         instance = (Consumer if client == "consumer" else Producer)(probe)
     except KafkaException as exc:
-        raise ConfigurationError(f"invalid Kafka setting: {exc.args[0].str()}") from None
+        raise ConfigurationError(f"invalid Kafka setting: {_scrub(exc.args[0].str(), config)}") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigurationError(f"invalid Kafka setting: {exc}") from None
+        raise ConfigurationError(f"invalid Kafka setting: {_scrub(str(exc), config)}") from None
     if client == "consumer":
         instance.close()
 
 
+def is_secret(key: str) -> bool:
+    """Whether the setting ``key`` (a librdkafka name) holds a credential."""
+    return key in SECRET_KEYS or "password" in key or "secret" in key
+
+
 def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config with secret values replaced, for logs and reprs."""
-    return {k: ("***" if k in SECRET_KEYS or "password" in k or "secret" in k else v)
-            for k, v in config.items()}
+    return {k: ("***" if is_secret(k) else v) for k, v in config.items()}
+
+
+def _scrub(message: str, config: Mapping[str, Any]) -> str:
+    """``message`` with every secret setting's value masked (librdkafka quotes a value it refuses)."""
+    for key, value in config.items():
+        if is_secret(key) and len(str(value)) >= 4:  # a shorter one would mask ordinary words
+            message = message.replace(str(value), "***")
+    return message
