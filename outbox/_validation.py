@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # Topic names are checked where transports check them too (the lowest layer).
+from transports._errors import shown as shown
 from transports._errors import validate_topic as validate_topic
 
 from ._errors import (
@@ -71,12 +72,6 @@ def utf8_size(text: str, error: type[MessageValidationError], what: str) -> int:
     except UnicodeEncodeError as exc:
         raise error(f"{what} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at "
                     f"index {exc.start} has no UTF-8 form: {shown(text)}") from None
-
-
-def shown(value: object, limit: int = 40) -> str:
-    """``repr(value)`` cut to about ``limit`` characters: an error message never echoes a huge value."""
-    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
-    return text if len(text) <= limit + 2 else f"{text[:limit]}..."
 
 
 def validate_content_type(content_type: object) -> str:

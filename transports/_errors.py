@@ -45,6 +45,12 @@ class CommitRefusedError(TransportError):
     """
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: an error message never echoes a huge value."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit + 2 else f"{text[:limit]}..."
+
+
 # Kafka's own rule (kafka.common.internals.Topic): legal characters, 249 at most.
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
@@ -52,10 +58,10 @@ _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 def validate_topic(topic: object) -> str:
     """Return ``topic`` if Kafka accepts it as a topic name, else raise ``InvalidTopicError``."""
     if not isinstance(topic, str):
-        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}: {topic!r}")
+        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}: {shown(topic)}")
     if not _TOPIC.fullmatch(topic) or topic in {".", ".."}:
         raise InvalidTopicError(
-            f"invalid topic {topic!r}: Kafka topics are 1-249 characters of "
+            f"invalid topic {shown(topic)} ({len(topic)} characters): Kafka topics are 1-249 characters of "
             "letters, digits, '.', '_' and '-', and not '.' or '..'"
         )
     return topic
