@@ -29,7 +29,7 @@ def outbox(tmp_path) -> Outbox:
 
 def stored(outbox: Outbox) -> list[Any]:
     m = outbox.tables.messages
-    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+    with outbox.engine.connect() as conn:
         return [tuple(row) for row in conn.execute(sa.select(m.c.key, m.c.headers))]
 
 
