@@ -29,11 +29,12 @@ def outbox(tmp_path) -> Outbox:
 
 def stored(outbox: Outbox) -> list[Any]:
     m = outbox.tables.messages
+    assert isinstance(outbox.engine, sa.Engine)
     with outbox.engine.connect() as conn:
         return [tuple(row) for row in conn.execute(sa.select(m.c.key, m.c.headers))]
 
 
-class ItemsHide(dict):  # type: ignore[type-arg]
+class ItemsHide(dict[str, str]):
     """A dict whose items() shows a clean header while it holds another."""
 
     def items(self) -> Any:
