@@ -112,3 +112,29 @@ def test_a_json_number_no_consumer_can_read_is_refused_by_name(outbox):
     with pytest.raises(UnserializablePayloadError, match="cannot be read back"), outbox.begin() as session:
         outbox.publish(session, "t", {"n": 10**5000, "id": uuid.uuid4()})
     assert stored(outbox) == []
+
+
+@pytest.mark.parametrize("name, value", [("max_record_bytes", "lots"), ("max_record_bytes", "-5"),
+                                         ("max_record_bytes", "0"), ("incarnation", "garbage"),
+                                         ("incarnation", ""), ("shard_count", "0")])
+def test_a_meta_row_edited_to_garbage_stops_publish_with_the_row_named(tmp_path, name, value):
+    """Taken on trust, a negative limit refuses every message by size, and an incarnation
+    that is no UUID reaches every envelope, which every consumer then refuses as broken."""
+    from outbox import SchemaError, create_engine
+    from outbox._schema import new_incarnation, read
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    Outbox(create_engine(url)).create_tables()
+    outbox = Outbox(create_engine(url))
+    meta = outbox.tables.meta
+    assert isinstance(outbox.engine, sa.Engine)
+    with outbox.engine.begin() as conn:
+        conn.execute(sa.delete(meta).where(meta.c.name == name))
+        conn.execute(sa.insert(meta).values(name=name, value=value))
+    with pytest.raises(SchemaError, match=f"outbox_meta's '{name}' row holds"), outbox.begin() as session:
+        outbox.publish(session, "t", b"x")
+    assert stored(outbox) == []
+    if name == "incarnation":  # the documented repair works on the broken row
+        new_incarnation(outbox.engine, outbox.tables)
+        with outbox.engine.connect() as conn:
+            assert str(uuid.UUID(read(conn, outbox.tables).incarnation))
