@@ -120,6 +120,12 @@ def _strict_parse(body: bytes) -> None:
         json.loads(body, object_pairs_hook=one_value_per_key, parse_constant=no_constant)
     except RecursionError:
         raise UnserializablePayloadError("payload is nested too deeply to check as JSON") from None
+    except NonStandardJsonError:
+        raise
+    except ValueError as exc:  # an int of over 4,300 digits: Python's reader refuses it
+        raise UnserializablePayloadError(
+            f"payload cannot be read back as JSON by a consumer (Message.json()): {str(exc)[:120]}"
+        ) from None
 
 
 _LEAVES = frozenset({str, int, bool, type(None), bytes})

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, update
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -165,8 +166,37 @@ def read(conn: Connection, tables: OutboxTables) -> StoredSchema:
         raise SchemaError(f"outbox_meta records no incarnation: {UPGRADE_HINT}")
     if conn.dialect.name in MYSQL_FAMILY and (absent := _mysql.missing(conn, tables)):
         raise SchemaError(f"the outbox tables lack the {' and the '.join(absent)}: {UPGRADE_HINT}")
-    return StoredSchema(version, int(values["shard_count"]), values[INCARNATION],
-                        int(values.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES)))
+    return StoredSchema(version, _stored(values, "shard_count", check_shard_count),
+                        _stored(values, INCARNATION, _check_incarnation),
+                        _stored(values, "max_record_bytes", check_max_record_bytes,
+                                str(DEFAULT_MAX_RECORD_BYTES)))
+
+
+def _check_incarnation(text: str) -> str:
+    """A UUID's canonical text: every envelope carries it, and the inbox decodes it as a UUID."""
+    if str(uuid.UUID(text)) != text:
+        raise ValueError(f"not a UUID's canonical text: {text[:40]!r}")
+    return text
+
+
+def _stored(values: dict[str, str], name: str, check: Callable[[Any], Any], default: str = "") -> Any:
+    """The meta row ``name`` as ``check`` accepts it, or ``SchemaError`` naming the row.
+
+    The meta table is plain rows anyone can edit: a value ``publish()`` or a relay would
+    take on trust (a negative record limit, an incarnation every consumer refuses to
+    decode) stops them here, at the first read, with what to fix.
+    """
+    text = str(values.get(name, default))
+    try:
+        return check(text if name == INCARNATION else int(text))
+    except (ValueError, ConfigurationError) as exc:
+        raise SchemaError(
+            f"outbox_meta's {name!r} row holds {text[:40]!r}, which is not a valid {name} ({exc}): "
+            f"{_REPAIRS.get(name, 'restore the value it had')}") from None
+
+
+_REPAIRS = {INCARNATION: "give the database a new one with `outbox init-db --new-incarnation`",
+            "max_record_bytes": "store the limit again with `outbox init-db --max-record-bytes N`"}
 
 
 def create(conn: Connection, tables: OutboxTables, shards: int | None,
@@ -269,7 +299,9 @@ def new_incarnation(engine: Engine, tables: OutboxTables) -> tuple[str, str]:
     stop them first (docs/consumer.md, "Producer restarts").
     """
     with engine.begin() as conn:
-        old = read(conn, tables).incarnation
+        old = _look(conn, tables)[1].get(INCARNATION)  # as it is: a broken one is what this repairs
+        if old is None:
+            old = read(conn, tables).incarnation  # says what is missing
         new = str(uuid.uuid4())
         _put(conn, tables, INCARNATION, new)
     return old, new

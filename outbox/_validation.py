@@ -46,7 +46,10 @@ def checked_key(key: object) -> tuple[str | None, int]:
         raise InvalidKeyError(
             f"key must be str, int or UUID, got {type(key).__name__}: {shown(key)}"
         )
-    text = str(key)
+    if isinstance(key, int) and key.bit_length() > _KEY_INT_BITS:
+        raise InvalidKeyError(f"key is an int of {key.bit_length()} bits, more than "
+                              f"{MAX_KEY_LENGTH} digits: the maximum is {MAX_KEY_LENGTH} characters")
+    text = key_text(key)
     if not text:
         raise InvalidKeyError("key must not be empty; pass key=None for unkeyed messages")
     if len(text) > MAX_KEY_LENGTH:
@@ -56,6 +59,32 @@ def checked_key(key: object) -> tuple[str | None, int]:
     if "\x00" in text:
         raise InvalidKeyError(f"key must not contain NUL characters: {shown(text)}")
     return text, utf8_size(text, InvalidKeyError, "key")
+
+
+_KEY_INT_BITS = (10**MAX_KEY_LENGTH).bit_length()
+"""An int with more bits has more digits than a key may have characters (Python refuses
+to write an int of over 4,300 digits as text at all: a bare ``ValueError``)."""
+
+
+def key_text(key: str | int | uuid.UUID) -> str:
+    """The key as the text its value is: what a subclass's ``__str__`` says does not count.
+
+    ``str(key)`` of a ``str``/``int`` enum member is ``"Color.RED"``, not the ``"red"``
+    the member equals, and a subclass can make ``__str__`` return anything: the key
+    that arrives (and orders, and shards) is the value the caller's key compares equal to.
+    """
+    if type(key) is str:
+        return key
+    if isinstance(key, str):
+        return str.__str__(key)
+    if isinstance(key, int):
+        return int.__repr__(key)
+    return uuid.UUID.__str__(key)
+
+
+def exact_str(text: str) -> str:
+    """``text`` as a plain ``str``: a subclass's own ``isascii``/``encode`` cannot hide what it holds."""
+    return text if type(text) is str else str.__str__(text)
 
 
 def utf8_size(text: str, error: type[MessageValidationError], what: str) -> int:
@@ -109,22 +138,26 @@ def checked_headers(headers: Mapping[str, Any] | None) -> tuple[dict[str, str], 
     if not isinstance(headers, Mapping):
         raise InvalidHeadersError(f"headers must be a mapping, got {type(headers).__name__}")
     sizes = []
+    checked: dict[str, str] = {}  # what was checked is what is stored, whatever the mapping does
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
             raise InvalidHeadersError(f"header names must be non-empty str, got {shown(name)}")
+        name = exact_str(name)
         if name.lower().startswith(RESERVED_HEADER_PREFIX) or name.lower() == "content-type":
             raise InvalidHeadersError(f"header {shown(name)} is reserved for the outbox envelope")
         if not isinstance(value, str):
             raise InvalidHeadersError(
                 f"header {shown(name)} must be a str, got {type(value).__name__}: {shown(value)}"
             )
+        value = exact_str(value)
         if "\x00" in name:
             raise InvalidHeadersError(
                 f"header name {shown(name)} contains NUL: Kafka clients cut a header name there")
+        checked[name] = value
         sizes.append((len(name) if name.isascii() else utf8_size(name, InvalidHeadersError, "header name"),
                       len(value) if value.isascii()
                       else utf8_size(value, InvalidHeadersError, f"header {shown(name)}")))
-    return dict(headers), sizes
+    return checked, sizes
 
 
 def validate_identifier(value: str, what: str, *, allow_empty: bool = False) -> str:

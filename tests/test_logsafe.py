@@ -8,6 +8,7 @@ import logging
 import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -125,3 +126,48 @@ def test_a_forged_key_failing_in_the_inbox_is_logged_on_one_line(tmp_path: Path)
     assert "handler failed" in out
     assert not [line for line in out.splitlines() if line.startswith("INFO outbox.relay")]
     assert "k\\nINFO outbox.relay all clear" in out
+
+
+def _raise_group() -> None:
+    raise ExceptionGroup("handlers failed", [ValueError(FORGED), KeyError("k")])
+
+
+def _raise_with_note() -> None:
+    error = ValueError("send failed")
+    error.add_note(f"while sending {FORGED}")
+    raise error
+
+
+@pytest.mark.parametrize("raises", [_raise_group, _raise_with_note], ids=["group-member", "note"])
+def test_what_a_traceback_prints_besides_the_message_cannot_add_a_line(
+        relay_log: tuple[logging.Logger, io.StringIO], raises: Any) -> None:
+    """asyncio's TaskGroup raises an ExceptionGroup; a note is printed after the message."""
+    log, stream = relay_log
+    stream.seek(0), stream.truncate()
+    try:
+        raises()
+    except Exception:
+        log.exception("batch failed")
+    lines = stream.getvalue().splitlines()
+    assert not [line for line in lines if line.lstrip(" |").startswith("INFO outbox.relay")], lines
+    assert any("k\\nINFO outbox.relay all clear" in line for line in lines), lines
+
+
+class _Says(str):
+    def __str__(self) -> str:
+        return FORGED
+
+
+class _Counts(int):
+    def __str__(self) -> str:
+        return FORGED
+
+    __repr__ = __str__
+
+
+def test_a_subclass_argument_is_shown_as_the_value_it_holds(
+        relay_log: tuple[logging.Logger, io.StringIO]) -> None:
+    log, stream = relay_log
+    stream.seek(0), stream.truncate()
+    log.warning("key %s seq %s of %d", _Says("k"), _Counts(3), _Counts(4))
+    assert stream.getvalue() == "WARNING outbox.relay key k seq 3 of 4\n"

@@ -71,3 +71,13 @@ def test_any_row_becomes_an_intact_record_or_fails_alone_with_a_storable_reason(
         assert (message.topic, message.key, message.payload, message.content_type, message.headers) \
             == (row[2], row[3], row[6], row[7], user)
         assert message.seq == row[4] and message.created_at == NOW
+
+
+def test_a_message_id_that_is_no_uuid_fails_its_row_where_the_database_stores_text() -> None:
+    """MySQL/MariaDB keep the id as CHAR(32), dashed by the fetch whatever it holds."""
+    row = (1, "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz", "orders", "k", 1, 0, b"{}", "application/json",
+           None, NOW, NOW, 0)
+    good = (2, str(uuid.uuid4()), "orders", "j", 1, 0, b"{}", "application/json", None, NOW, NOW, 0)
+    records, sent, unsendable = RowEncoder(check_ids=True).records([row, good])
+    assert [r[0] for r in sent] == [2] and len(records) == 1
+    assert [(r[0], "is not a UUID" in reason) for r, reason in unsendable] == [(1, True)]

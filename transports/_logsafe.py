@@ -64,11 +64,19 @@ class _Escaped:
 
 
 def _safe_arg(value: object) -> object:
+    # A subclass is shown as the value it holds: its own __str__ could say anything.
     if isinstance(value, str):
-        return escape_controls(value)
-    if value is None or isinstance(value, int | float):  # numbers keep %d / %.1f working
+        return escape_controls(value if type(value) is str else str.__str__(value))
+    if value is None or type(value) in _NUMBERS:  # numbers keep %d / %.1f working
         return value
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
     return _Escaped(value)
+
+
+_NUMBERS = frozenset({int, float, bool})
 
 
 class EscapeControls(logging.Filter):
@@ -86,22 +94,33 @@ class EscapeControls(logging.Filter):
 
 
 def _exception_text(exc: BaseException) -> str:
-    """The traceback as ``logging`` prints it, with each exception's own message escaped."""
-    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    """The traceback as ``logging`` prints it, with each exception's own message and notes escaped.
+
+    The texts are escaped in ``TracebackException``'s captured copy before it is
+    formatted: a group's members are printed with a ``|`` before each line, so a
+    message cannot be found again in the formatted text.
+    """
+    report = traceback.TracebackException.from_exception(exc)
     seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
+    waiting = [report]
+    while waiting:  # every exception traceback prints: causes, contexts, a group's members
+        current = waiting.pop()
+        if id(current) in seen:
+            continue
         seen.add(id(current))
-        try:
-            message = str(current)
-        except Exception:  # a broken __str__: traceback printed its own placeholder
-            message = ""
-        if message and (safe := escape_controls(message)) != message:
-            text = text.replace(message, safe)
-        current = current.__cause__ or current.__context__
-    return text
+        captured = getattr(current, _CAPTURED_STR, None)
+        if isinstance(captured, str):
+            setattr(current, _CAPTURED_STR, escape_controls(captured))
+        notes = current.__notes__  # printed one per line after the message
+        if isinstance(notes, list):
+            current.__notes__ = [escape_controls(n) if isinstance(n, str) else n for n in notes]
+        waiting.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+        waiting.extend(current.exceptions or ())
+    return "".join(report.format()).rstrip("\n")
 
 
+_CAPTURED_STR = "_str"
+"""Where CPython's ``TracebackException`` keeps ``str(exc)`` (not in its type stubs)."""
 _FILTER = EscapeControls()
 
 

@@ -32,7 +32,6 @@ rules here are the same for both.
 from __future__ import annotations
 
 import enum
-import logging
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -40,6 +39,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from sqlalchemy.orm import Session
+
+from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from ._calls import Error, HandlerCalls, Redo, TopicHandler
@@ -83,7 +84,7 @@ class Batch:
     """New ids met at or below their key's last seq, and what became of each (``_conflicts``)."""
 
 
-log = logging.getLogger("outbox.inbox")
+log = safe_logger("outbox.inbox")
 
 HELD_RUN = 100
 """Held messages of a key fetched at most per round, when the key catches up to them."""

@@ -134,7 +134,8 @@ class Batch:
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
         self._outage_batches = 0  # consecutive batches the broker delivered nothing of
-        self._encoder = RowEncoder(incarnation)  # this database's identity, in every envelope
+        # This database's identity, in every envelope.
+        self._encoder = RowEncoder(incarnation, check_ids=sql.mysql)
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).

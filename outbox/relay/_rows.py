@@ -24,6 +24,7 @@ slow diagnosis runs only for a row that failed.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from .._wire import CONTENT_TYPE, MAX_SEQ, to_record
 from ._sql import ROW_COLUMNS
 
 _NO_HEADERS = frozenset({None, "{}", "null"})
+_UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _TOPIC, _KEY = ROW_COLUMNS.index("topic"), ROW_COLUMNS.index("key")
 _MAX_REASON = 500
 _MAX_SEEN = 10_000
@@ -48,10 +50,14 @@ class UnsendableRow(ValueError):
 class RowEncoder:
     """Encodes fetched rows (``_sql.ROW_COLUMNS`` order) into records; one per relay thread."""
 
-    __slots__ = ("_content_types", "_incarnation", "_topics")
+    __slots__ = ("_check_ids", "_content_types", "_incarnation", "_topics")
 
-    def __init__(self, incarnation: str | None = None) -> None:
+    def __init__(self, incarnation: str | None = None, *, check_ids: bool = False) -> None:
         self._incarnation = incarnation
+        # MySQL/MariaDB store the message id as 32 characters of CHAR, dashed into its
+        # text by the fetch whatever they are: there only, a row can carry an id that
+        # is no UUID (PostgreSQL's uuid type and SQLite's read both refuse one).
+        self._check_ids = check_ids
         # Topics and content types seen valid: a relay meets a handful, so each regex
         # runs once per value.
         self._topics: set[str] = set()
@@ -86,6 +92,9 @@ class RowEncoder:
         """The row's record; raises ``UnsendableRow``, or what encoding raised, if it cannot be one."""
         (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
          available_at, _) = row
+        if self._check_ids and (type(message_id) is not str or not _UUID_TEXT.fullmatch(message_id)):
+            raise UnsendableRow(f"message id {_short(message_id)} is not a UUID: the inbox "
+                                "could not read the envelope")
         if topic not in self._topics:
             self._check_topic(topic)
         if key is not None:
