@@ -138,3 +138,32 @@ def test_a_meta_row_edited_to_garbage_stops_publish_with_the_row_named(tmp_path,
         new_incarnation(outbox.engine, outbox.tables)
         with outbox.engine.connect() as conn:
             assert str(uuid.UUID(read(conn, outbox.tables).incarnation))
+
+
+def test_a_nan_a_models_own_serializer_makes_is_refused(outbox: Outbox) -> None:
+    """A field_serializer returning NaN is written as null by pydantic: not the value sent."""
+    import pydantic
+
+    from outbox import NonStandardJsonError
+
+    class Price(pydantic.BaseModel):
+        cents: int
+
+        @pydantic.field_serializer("cents")
+        def as_units(self, cents: int) -> float:
+            return cents / 100 if cents >= 0 else float("nan")
+
+    class Order(pydantic.BaseModel):
+        price: Price
+        note: str | None = None
+
+    with outbox.begin() as session:
+        outbox.publish(session, "orders", Order(price=Price(cents=250)))  # a null, and no NaN: sent
+        for payload in (Price(cents=-1), Order(price=Price(cents=-1))):
+            with pytest.raises(NonStandardJsonError, match="NaN or infinity"):
+                outbox.publish(session, "orders", payload)
+    m, engine = outbox.tables.messages, outbox.engine
+    assert isinstance(engine, sa.Engine)
+    with engine.connect() as conn:
+        payloads = [json.loads(p) for p in conn.scalars(sa.select(m.c.payload))]
+    assert payloads == [{"price": {"cents": 2.5}, "note": None}]
