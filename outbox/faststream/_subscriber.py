@@ -16,13 +16,24 @@ positions when it gets to the request, and by then the subscriber may have
 polled the next record, so an unfinished record can be committed (seen once
 in tests/test_inbox_faststream.py's crash test). Naming the finished
 record's offset cannot commit anything after it.
+
+Why ``Inbox.handle`` runs on a daemon thread of its own rather than
+``asyncio.to_thread``: the event loop's default executor is joined when
+``asyncio.run`` ends, so a worker thread still waiting out a database outage
+(or sitting in a query to a frozen server) would keep the process from
+exiting after SIGTERM. The app's stop cancels the body, which sets the
+call's ``cancel`` event: ``Inbox.handle`` gives up at its next wait, and a
+thread stuck in the driver is left behind without holding the exit.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from faststream import AckPolicy, Context
 
@@ -73,10 +84,15 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
 
     async def handle_in_inbox(message: Any = _MESSAGE) -> None:
         raw = message.raw_message
+        cancel = threading.Event()
         try:
             # Cancelled (the app stopping), this returns at once and commits nothing; the thread
-            # finishes its transaction, and the redelivery is dropped as a duplicate.
-            await asyncio.to_thread(inbox.handle, record_of(raw))
+            # gives up at its next wait (or finishes its transaction), and the redelivery is
+            # dropped as a duplicate.
+            await in_daemon_thread(lambda: inbox.handle(record_of(raw), cancel=cancel))
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
         except Exception:
             await asyncio.sleep(RETRY_PAUSE)
             await message.nack()  # seeks back to this record: it is polled again, nothing skips it
@@ -85,3 +101,37 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
 
     subscriber(handle_in_inbox)
     return subscriber
+
+
+T = TypeVar("T")
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """``asyncio.to_thread`` on a daemon thread: awaited like it, but never joined at exit.
+
+    The context variables go along (tracing spans), as with ``to_thread``.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile: nobody waits for it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(cast(T, result))
+
+    def target() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = context.run(fn)
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the app stopped without it
+            loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=target, name="outbox-faststream-handle", daemon=True).start()
+    return await future
