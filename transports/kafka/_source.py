@@ -24,7 +24,7 @@ from transports._errors import (
 )
 from transports._protocol import Record, RevokeCallback
 
-from ._logging import LibrdkafkaLog
+from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 log = logging.getLogger("transports.kafka")
@@ -74,7 +74,8 @@ class KafkaSource:
         self.config = config
         self._revoke_callbacks: list[RevokeCallback] = []
         self._assignment: frozenset[tuple[str, int]] = frozenset()
-        self._consumer = Consumer({**config, "logger": LibrdkafkaLog()})  # see _logging
+        self._errors = ClientErrors("consumer")
+        self._consumer = Consumer({**config, "logger": LibrdkafkaLog(), "error_cb": self._errors})
         self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
                                  on_lost=self._revoked)
 
@@ -88,7 +89,7 @@ class KafkaSource:
                     continue
                 if error.fatal():
                     raise TransportError(f"Kafka consumer failed: {error.str()}")
-                log.warning("Kafka consumer error (librdkafka retries): %s", error.str())
+                self._errors(error)  # once per change, not once per poll; librdkafka retries
                 continue
             timestamp_type, timestamp = msg.timestamp()
             # A consumed message always has a topic; value and header values are bytes
@@ -133,6 +134,7 @@ class KafkaSource:
     def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         added = {(tp.topic, tp.partition) for tp in partitions}
         self._assignment = self._assignment | added
+        self._errors.cleared()
         log.info("assigned %s", sorted(added))
 
     def _revoked(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
