@@ -21,7 +21,7 @@ import pytest
 from _relay_helpers import publish
 
 from outbox import Inbox, Outbox, Relay, create_engine
-from outbox.faststream._subscriber import in_daemon_thread
+from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
 from transports import Record, SendResult

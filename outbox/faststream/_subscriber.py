@@ -29,17 +29,16 @@ thread stuck in the driver is left behind without holding the exit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any
 
 from faststream import AckPolicy, Context
 
 from .._errors import ConfigurationError
 from ..inbox import Inbox
 from ._records import commit_through, record_of
+from ._threads import in_daemon_thread
 
 _OURS = ("group_id", "ack_policy", "max_workers", "batch")
 """Subscriber options ``subscribe`` sets itself: the guarantees depend on them."""
@@ -102,36 +101,3 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
     subscriber(handle_in_inbox)
     return subscriber
 
-
-T = TypeVar("T")
-
-
-async def in_daemon_thread(fn: Callable[[], T]) -> T:
-    """``asyncio.to_thread`` on a daemon thread: awaited like it, but never joined at exit.
-
-    The context variables go along (tracing spans), as with ``to_thread``.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-    context = contextvars.copy_context()
-
-    def deliver(result: T | None, error: BaseException | None) -> None:
-        if future.done():  # cancelled meanwhile: nobody waits for it
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(cast(T, result))
-
-    def target() -> None:
-        result: T | None = None
-        error: BaseException | None = None
-        try:
-            result = context.run(fn)
-        except BaseException as exc:
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the app stopped without it
-            loop.call_soon_threadsafe(deliver, result, error)
-
-    threading.Thread(target=target, name="outbox-faststream-handle", daemon=True).start()
-    return await future

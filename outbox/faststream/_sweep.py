@@ -10,6 +10,7 @@ from contextlib import AbstractAsyncContextManager
 
 from .._errors import ConfigurationError
 from ..inbox import Inbox
+from ._threads import in_daemon_thread
 
 log = logging.getLogger("outbox.inbox")
 
@@ -33,7 +34,7 @@ async def _sweeping(inbox: Inbox, every: float) -> AsyncIterator[None]:
     async def sweep_forever() -> None:
         while True:
             try:
-                await asyncio.to_thread(inbox.sweep)
+                await in_daemon_thread(inbox.sweep)  # never joined at exit (see _threads)
             except Exception:
                 log.exception("inbox sweep of group %r failed; trying again in %gs", inbox.group, every)
             await asyncio.sleep(every)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -84,11 +85,13 @@ class LocalPostgres:
         """SIGSTOP the server and every process of it: connections stay open and nothing answers,
         as with a hung host or a network partition. ``thaw()`` lets it go on."""
         for pid in self._pids():
-            os.kill(pid, signal.SIGSTOP)
+            with contextlib.suppress(ProcessLookupError):  # a backend that ended meanwhile
+                os.kill(pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
         for pid in self._pids():
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def _pids(self) -> list[int]:
         """The postmaster, then its children (read from /proc)."""
