@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._errors import OutboxError
+from ._errors import ConfigurationError, OutboxError
 
 STOP_TIMEOUT = 10.0
 """Seconds a worker has, after the stop was asked for, before ``run`` returns without it."""
@@ -54,7 +54,7 @@ def run_with_stop_bound(
     says whether it was asked. An exception of ``body`` is raised here.
     """
     if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, int | float) or stop_timeout <= 0:
-        raise ValueError(f"stop_timeout must be positive seconds, got {stop_timeout!r}")
+        raise ConfigurationError(f"stop_timeout must be positive seconds, got {stop_timeout!r}")
     done = threading.Event()
     failure: list[BaseException] = []
 

@@ -31,7 +31,8 @@ def test_a_relay_says_its_broker_does_not_resolve_while_it_runs(
     sqlite_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    outbox = Outbox(create_engine(sqlite_db))
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
     outbox.create_tables()
     publish(outbox, "orders", ["k1"])
     transport = KafkaTransport(bootstrap_servers=UNRESOLVABLE, delivery_timeout=0.5)
@@ -56,7 +57,7 @@ def test_a_relay_says_its_broker_does_not_resolve_while_it_runs(
     [line] = resolve_lines(caplog)  # once, not once per batch
     assert UNRESOLVABLE in line.getMessage() and line.levelno == logging.WARNING
     assert attempts <= 1
-    outbox.engine.dispose()  # type: ignore[union-attr]
+    engine.dispose()
 
 
 def test_each_kind_of_client_error_is_logged_once_until_the_client_worked(

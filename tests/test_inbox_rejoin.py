@@ -115,3 +115,22 @@ def test_readyz_says_why_a_consumer_has_no_partitions(sqlite_db: str) -> None:
         assert source.group_problem() is None
     finally:
         source.close()
+
+
+def test_the_watch_starts_at_the_first_poll_and_not_without_statistics() -> None:
+    """A consumer built long before its first poll is not "out of its group" since construction."""
+    from transports.kafka import KafkaSource
+
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], rejoin_after=30)
+    quiet = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                        settings={"statistics.interval.ms": 0}, rejoin_after=30)
+    try:
+        assert source._unjoined_since is None
+        source.poll(1, 0.01)
+        assert source._unjoined_since is not None
+        quiet.poll(1, 0.01)
+        quiet._statistics('{"cgrp": {"state": "up", "join_state": "wait-join"}}')
+        assert quiet._unjoined_since is None and quiet.group_problem() is None
+    finally:
+        source.close()
+        quiet.close()

@@ -15,12 +15,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 from _relay_helpers import publish
 
-from outbox import Inbox, Outbox, Relay, create_engine
+from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
 from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
@@ -87,9 +88,9 @@ def sigterm_once_entered() -> Iterator[list[Hang]]:
     sent.set()
 
 
-def stopped_within(run: object, bound: float) -> float:
+def stopped_within(run: Callable[[], None], bound: float) -> float:
     started = time.monotonic()
-    run()  # type: ignore[operator]
+    run()
     took = time.monotonic() - started
     assert took < bound, f"returned {took:.1f}s after it started, bound {bound}s"
     return took
@@ -126,7 +127,11 @@ def test_inbox_run_returns_within_its_bound_after_stop(sqlite_db: str) -> None:
     r = record("orders", "k", 1)
     r.partition, r.offset = 0, 0
     source = DeadBrokerSource([r])
-    threading.Thread(target=lambda: (source.hang.entered.wait(HANG), inbox.stop()), daemon=True).start()
+    def stop_once_committing() -> None:
+        source.hang.entered.wait(HANG)
+        inbox.stop()
+
+    threading.Thread(target=stop_once_committing, daemon=True).start()
     took = stopped_within(lambda: inbox.run(source, install_signal_handlers=False,
                                             stop_timeout=STOP_TIMEOUT), STOP_TIMEOUT + MARGIN)
     assert took >= STOP_TIMEOUT * 0.9, "it gave the loop less than its bound to wind down"
@@ -150,7 +155,8 @@ class DeadBrokerTransport:
 def test_relay_run_returns_on_sigterm_while_a_publish_hangs(
     sqlite_db: str, sigterm_once_entered: list[Hang]
 ) -> None:
-    outbox = Outbox(create_engine(sqlite_db))
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
     outbox.create_tables()
     publish(outbox, "orders", ["k1", "k2"])
     transport = DeadBrokerTransport()
@@ -158,7 +164,7 @@ def test_relay_run_returns_on_sigterm_while_a_publish_hangs(
     relay = Relay(outbox, transport, poll_interval=0.05)
     stopped_within(lambda: relay.run(stop_timeout=STOP_TIMEOUT), HANG / 2)
     assert transport.hang.entered.is_set()
-    outbox.engine.dispose()  # type: ignore[union-attr]
+    engine.dispose()
 
 
 def test_an_error_of_the_loop_is_raised_by_run(sqlite_db: str) -> None:
@@ -177,6 +183,10 @@ def test_an_error_of_the_loop_is_raised_by_run(sqlite_db: str) -> None:
 
     with pytest.raises(TypeError, match="a bug"):
         inbox.run(Broken([]), install_signal_handlers=False)
+    wrongs: list[Any] = [0, -1.0, True, "10"]
+    for wrong in wrongs:
+        with pytest.raises(ConfigurationError, match="stop_timeout must be positive seconds"):
+            inbox.run(Broken([]), install_signal_handlers=False, stop_timeout=wrong)
     engine.dispose()
 
 
@@ -219,7 +229,8 @@ def test_the_subscribers_thread_never_holds_the_process_at_exit() -> None:
     async def main() -> str:
         assert await in_daemon_thread(lambda: "value") == "value"
         with pytest.raises(KeyError):
-            await in_daemon_thread(lambda: {}["missing"])
+            empty: dict[str, int] = {}
+            await in_daemon_thread(lambda: empty["missing"])
         task = asyncio.ensure_future(in_daemon_thread(lambda: release.wait(HANG)))
         await asyncio.sleep(0.05)
         task.cancel()

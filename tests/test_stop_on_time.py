@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,8 @@ ROUNDS = [  # (worker, broker fault, database fault)
 ]
 
 
-def until(condition, timeout: float, what: str, process: subprocess.Popen[bytes], log: Path) -> None:  # type: ignore[no-untyped-def]
+def until(condition: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen[bytes],
+          log: Path) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, f"{what}: the worker exited\n{log.read_text()}"

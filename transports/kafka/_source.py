@@ -105,7 +105,11 @@ class KafkaSource:
         self._errors = ClientErrors("consumer")
         self._log = LibrdkafkaLog()
         self._join_state = "init"
-        self._unjoined_since: float | None = time.monotonic()
+        # The clock starts at the first poll (the join starts there), not at construction;
+        # without statistics (statistics.interval.ms=0) there is nothing to watch.
+        self._watching = int(config["statistics.interval.ms"]) > 0
+        self._unjoined_since: float | None = None
+        self._polled = False
         self._next_probe = 0.0
         self._consumer = self._subscribed()
 
@@ -201,14 +205,20 @@ class KafkaSource:
         state = str(group.get("join_state", "")) if group.get("state") == "up" else \
             f"coordinator {group.get('state', 'unknown')}"
         self._join_state = state
+        if not self._watching:
+            return
         if state == "steady":
             self._unjoined_since = None
         elif self._unjoined_since is None:
             self._unjoined_since = time.monotonic()
 
     def _watch_group(self) -> None:
-        since = self._unjoined_since
         now = time.monotonic()
+        if not self._polled:
+            self._polled = True
+            if self._watching and self._unjoined_since is None:
+                self._unjoined_since = now
+        since = self._unjoined_since
         if since is None or now - since < self.rejoin_after or now < self._next_probe:
             return
         self._next_probe = now + _PROBE_EVERY
