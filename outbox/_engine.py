@@ -23,9 +23,19 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     (unless ``connect_args`` brings a ``conv``): ``DATETIME`` values decoded by
     ``datetime.fromisoformat``, see ``_fast_datetimes``. Other backends get
     SQLAlchemy's defaults.
+
+    PostgreSQL and MySQL connections give up after ``CONNECT_TIMEOUT`` seconds
+    unless the URL or ``connect_args`` says otherwise: a server that accepts
+    the TCP connection and never answers (frozen, overloaded) would otherwise
+    hold a worker in ``connect`` for good.
     """
+    parsed = sqlalchemy.make_url(url)
     connect_args = kwargs.get("connect_args", {})
-    driver = sqlalchemy.make_url(url).get_dialect().driver
+    driver = parsed.get_dialect().driver
+    timeout = _connect_timeout(driver, parsed.query, connect_args)
+    if timeout:
+        kwargs = {**kwargs, "connect_args": {**connect_args, **timeout}}
+        connect_args = kwargs["connect_args"]
     conversions = _fast_datetimes(driver) if "conv" not in connect_args else None
     if conversions is not None:
         kwargs = {**kwargs, "connect_args": {**connect_args, "conv": conversions}}
@@ -33,6 +43,22 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     return engine
+
+
+CONNECT_TIMEOUT = 10
+"""Seconds a new PostgreSQL or MySQL connection may take, unless the URL or ``connect_args`` set one."""
+
+# driver -> the name of its connect timeout argument
+_TIMEOUT_ARGUMENTS = {"psycopg": "connect_timeout", "psycopg2": "connect_timeout",
+                      "mysqldb": "connect_timeout", "pymysql": "connect_timeout",
+                      "asyncpg": "timeout"}
+
+
+def _connect_timeout(driver: str, query: Any, connect_args: dict[str, Any]) -> dict[str, Any]:
+    name = _TIMEOUT_ARGUMENTS.get(driver)
+    if name is None or name in query or name in connect_args:
+        return {}
+    return {name: CONNECT_TIMEOUT}
 
 
 # The drivers whose DATETIME decoder ``_fast_datetimes`` replaces: driver name -> package.
@@ -160,6 +186,11 @@ def missing_sqlite_file(url: str) -> str | None:
 
 def create_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """``create_engine`` for asyncio drivers (``postgresql+psycopg``, ``sqlite+aiosqlite``)."""
+    parsed = sqlalchemy.make_url(url)
+    connect_args = kwargs.get("connect_args", {})
+    timeout = _connect_timeout(parsed.get_dialect().driver, parsed.query, connect_args)
+    if timeout:
+        kwargs = {**kwargs, "connect_args": {**connect_args, **timeout}}
     engine = _create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine.sync_engine)

@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--batch-handler", action="store_true",
                         help="register apply_effects with @inbox.batch_handler")
+    parser.add_argument("--rejoin-after", type=float, default=None,
+                        help="KafkaSource's rejoin_after (seconds out of the group before a new consumer)")
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="build the Inbox on an AsyncEngine, with an async def handler")
     args = parser.parse_args()
@@ -51,8 +53,9 @@ def main() -> None:
         inbox.batch_handler(args.topic)(for_inbox(inbox, apply_effects))
     else:
         inbox.handler(args.topic)(for_inbox(inbox, apply_effect))
+    rejoin = {} if args.rejoin_after is None else {"rejoin_after": args.rejoin_after}
     source = KafkaSource(bootstrap_servers=args.servers, group_id=args.group,
-                         topics=[args.topic], **TEST_CONSUMER_SETTINGS)
+                         topics=[args.topic], **rejoin, **TEST_CONSUMER_SETTINGS)
     print("ready", flush=True)
     inbox.run(source)
     print("stopped", flush=True)

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from outbox import create_async_engine, create_engine
-from outbox._engine import _WORKER, _fast_datetimes, _keep_levels, worker_engine
+from outbox._engine import _WORKER, CONNECT_TIMEOUT, _fast_datetimes, _keep_levels, worker_engine
 from outbox._outage import is_database_outage
 from outbox.inbox._sessions import sessions_for
 from tests.inbox_support import async_url
@@ -177,4 +177,4 @@ def test_the_fast_decoder_is_only_for_the_two_mysql_drivers_and_yields_to_a_call
     create_engine(MYSQL.replace("pymysql", "mysqldb"), connect_args={"conv": mine, "connect_timeout": 2})
     assert given[MYSQL.replace("pymysql", "mysqldb")]["connect_args"] == {"conv": mine, "connect_timeout": 2}
     create_engine(POSTGRES)
-    assert "connect_args" not in given[POSTGRES]
+    assert given[POSTGRES]["connect_args"] == {"connect_timeout": CONNECT_TIMEOUT}  # nothing else

@@ -92,7 +92,7 @@ def relay(
     try:
         worker.run()
     finally:
-        transport.close()
+        transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
 
 
 def _wait_for_tables(outbox: Outbox) -> bool:

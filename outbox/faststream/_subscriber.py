@@ -16,11 +16,20 @@ positions when it gets to the request, and by then the subscriber may have
 polled the next record, so an unfinished record can be committed (seen once
 in tests/test_inbox_faststream.py's crash test). Naming the finished
 record's offset cannot commit anything after it.
+
+Why ``Inbox.handle`` runs on a daemon thread of its own rather than
+``asyncio.to_thread``: the event loop's default executor is joined when
+``asyncio.run`` ends, so a worker thread still waiting out a database outage
+(or sitting in a query to a frozen server) would keep the process from
+exiting after SIGTERM. The app's stop cancels the body, which sets the
+call's ``cancel`` event: ``Inbox.handle`` gives up at its next wait, and a
+thread stuck in the driver is left behind without holding the exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +38,7 @@ from faststream import AckPolicy, Context
 from .._errors import ConfigurationError
 from ..inbox import Inbox
 from ._records import commit_through, record_of
+from ._threads import in_daemon_thread
 
 _OURS = ("group_id", "ack_policy", "max_workers", "batch")
 """Subscriber options ``subscribe`` sets itself: the guarantees depend on them."""
@@ -73,10 +83,15 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
 
     async def handle_in_inbox(message: Any = _MESSAGE) -> None:
         raw = message.raw_message
+        cancel = threading.Event()
         try:
             # Cancelled (the app stopping), this returns at once and commits nothing; the thread
-            # finishes its transaction, and the redelivery is dropped as a duplicate.
-            await asyncio.to_thread(inbox.handle, record_of(raw))
+            # gives up at its next wait (or finishes its transaction), and the redelivery is
+            # dropped as a duplicate.
+            await in_daemon_thread(lambda: inbox.handle(record_of(raw), cancel=cancel))
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
         except Exception:
             await asyncio.sleep(RETRY_PAUSE)
             await message.nack()  # seeks back to this record: it is polled again, nothing skips it
@@ -85,3 +100,4 @@ def subscribe(broker: Any, inbox: Inbox, *, topics: Sequence[str] | None = None,
 
     subscriber(handle_in_inbox)
     return subscriber
+

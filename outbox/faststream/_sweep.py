@@ -11,6 +11,7 @@ from transports._logsafe import safe_logger
 
 from .._errors import ConfigurationError
 from ..inbox import Inbox
+from ._threads import in_daemon_thread
 
 log = safe_logger("outbox.inbox")
 
@@ -34,7 +35,7 @@ async def _sweeping(inbox: Inbox, every: float) -> AsyncIterator[None]:
     async def sweep_forever() -> None:
         while True:
             try:
-                await asyncio.to_thread(inbox.sweep)
+                await in_daemon_thread(inbox.sweep)  # never joined at exit (see _threads)
             except Exception:
                 log.exception("inbox sweep of group %r failed; trying again in %gs", inbox.group, every)
             await asyncio.sleep(every)

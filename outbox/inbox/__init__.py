@@ -8,6 +8,7 @@ or park (``_settle``) → commit offsets (``_offsets``, driven by ``_runner``).
 names are re-exported by ``outbox``.
 """
 
+from .._stopping import StopRequested
 from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ReplayResult
 from ._inbox import Inbox
 from ._kinds import Outcome, Reason, StartPolicy
@@ -27,4 +28,5 @@ __all__ = [
     "RetryLater",
     "SkipMessage",
     "StartPolicy",
+    "StopRequested",
 ]

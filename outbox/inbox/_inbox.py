@@ -30,6 +30,7 @@ from .._alerts import AlertSink, LoggingAlertSink
 from .._envelope import Message
 from .._errors import ConfigurationError
 from .._statements import SUPPORTED_DIALECTS
+from .._stopping import STOP_TIMEOUT, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
 from ._admin import ParkedAdmin, ParkedMessage, ReplayResult
@@ -236,7 +237,7 @@ class Inbox:
     # -- consuming --------------------------------------------------------------
 
     def handle(self, record: Record | Message, *, partition: int | None = None,
-               offset: int | None = None) -> Disposition:
+               offset: int | None = None, cancel: threading.Event | None = None) -> Disposition:
         """Process one record to the end, in the calling thread; returns what became of it.
 
         This is the middleware for your own consumer loop: when it returns, the
@@ -245,41 +246,58 @@ class Inbox:
         outages are waited out inside, in this thread. Call it for one key
         from one thread at a time, in the order received, and call ``sweep()``
         every few seconds so gaps that never fill are parked.
+
+        ``cancel``, when set (by a worker that is stopping), ends the waiting:
+        ``StopRequested`` is raised at the next retry or outage wait instead of
+        the next attempt. The record is then not finished: do not commit it.
         """
         if isinstance(record, Message):
             d = Delivery(record, partition, offset)
         else:
             d = decode(record, accept_foreign=self.accept_foreign)
         self.metrics.consumed(d.message.topic)
-        return self._settle_here(d)
+        return self._settle_here(d, cancel)
 
-    def _settle_here(self, d: Delivery) -> Disposition:
-        """Settle ``d`` in this thread, sleeping through retry delays and outages."""
+    def _settle_here(self, d: Delivery, cancel: threading.Event | None = None) -> Disposition:
+        """Settle ``d`` in this thread, sleeping through retry delays and outages (until ``cancel``)."""
         while True:
+            if cancel is not None and cancel.is_set():
+                raise StopRequested(f"stopped before {d.message.topic}/{d.message.key} seq "
+                                    f"{d.message.seq} was finished; it is delivered again")
             settled = self.settler.settle([d])
             for done, disposition in settled.done:
                 if done is d:
                     return disposition
             [(_, delay)] = [(later, delay) for later, delay in settled.later if later is d]
-            time.sleep(delay)
+            if cancel is None:
+                time.sleep(delay)
+            else:
+                cancel.wait(delay)
 
-    def run(self, source: Source, *, install_signal_handlers: bool = True) -> None:
+    def run(self, source: Source, *, install_signal_handlers: bool = True,
+            stop_timeout: float = STOP_TIMEOUT) -> None:
         """Consume from ``source`` until ``stop()`` or SIGTERM/SIGINT; blocks.
 
         On stop, running transactions finish, queued records are left
         uncommitted (the next consumer gets them), offsets are committed and
         the source is closed. Database and broker outages do not end it: it
         waits for them, and resumes by itself.
+
+        It returns at most ``stop_timeout`` seconds after the stop, whatever is
+        down: the consumer loop runs on a thread of its own, and what it has not
+        finished by then (a commit or a close that a dead broker never answers,
+        a transaction on a frozen database) is left behind; an offset it did
+        not commit only means a redelivery, which the inbox drops as a duplicate.
         """
         if not self._handlers:
             raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
         self._stop.clear()
-        self._check_schema()
         Runner(
             source, decode=functools.partial(decode, accept_foreign=self.accept_foreign),
             settler=self.settler, gaps=self.gaps, metrics=self.metrics, stop=self._stop,
             concurrency=self.concurrency, batch_size=self.batch_size,
             parked_keys=self.admin.parked_key_count, install_signal_handlers=install_signal_handlers,
+            stop_timeout=stop_timeout, prepare=self._check_schema,
         ).run()
 
     def _check_schema(self) -> None:

@@ -16,11 +16,15 @@ Outages never end the loop: a database that does not answer makes the
 deliveries wait (the settle stage), the sweep and the offset commit are tried
 again at their next turn, and a broker that does not answer is polled again
 after a capped backoff.
+
+The loop runs on a thread of its own (``outbox._stopping``): the caller's
+thread only waits, so SIGTERM is seen at once even while librdkafka sits in
+an offset commit or a close that a dead broker never answers, and ``run``
+returns at most ``stop_timeout`` seconds after the stop.
 """
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections import Counter
@@ -31,6 +35,7 @@ from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from .._errors import CommitRefusedError, RetriableTransportError
+from .._stopping import STOP_TIMEOUT, run_with_stop_bound
 from ._delivery import Delivery
 from ._gaps import GapSweeper
 from ._metrics import InboxMetrics
@@ -54,7 +59,8 @@ class Runner:
 
     def __init__(self, source: Source, *, decode: Decode, settler: Settler, gaps: GapSweeper,
                  metrics: InboxMetrics, stop: threading.Event, concurrency: int, batch_size: int,
-                 parked_keys: Callable[[], int], install_signal_handlers: bool = True) -> None:
+                 parked_keys: Callable[[], int], install_signal_handlers: bool = True,
+                 stop_timeout: float = STOP_TIMEOUT, prepare: Callable[[], None] = lambda: None) -> None:
         self.source = source
         self.decode = decode
         self.settler = settler
@@ -63,6 +69,8 @@ class Runner:
         self.stop = stop
         self.parked_keys = parked_keys
         self.install_signal_handlers = install_signal_handlers
+        self.stop_timeout = stop_timeout
+        self.prepare = prepare
         self.tracker = OffsetTracker()
         self.revoked: set[TopicPartition] = set()
         self.crash: BaseException | None = None
@@ -77,15 +85,24 @@ class Runner:
         self._sweeping: set[object] = set()
         self._sweep_lock = threading.Lock()
         self._poll_again_at = 0.0
-        self._signalled = False
 
     def run(self) -> None:
-        previous = self._install_signals()
+        """Consume until ``stop`` is set (or SIGTERM/SIGINT); back at most ``stop_timeout`` s after it."""
+        run_with_stop_bound(self._consume, stop=self.stop.set, stopping=self.stop.is_set,
+                            name="outbox-inbox-consumer", what="the inbox consumer", log=log,
+                            stop_timeout=self.stop_timeout,
+                            install_signal_handlers=self.install_signal_handlers)
+
+    def _consume(self) -> None:
+        self.prepare()
+        if self.stop.is_set():
+            self.source.close()
+            return
         self.source.on_revoke(self._on_revoke)
         self.scheduler.start()
         next_commit = next_sweep = time.monotonic()
         try:
-            while not self.stop.is_set() and not self._signalled and self.crash is None:
+            while not self.stop.is_set() and self.crash is None:
                 room = self.max_in_flight - self.scheduler.runnable()
                 if room <= 0 or self.scheduler.in_flight() >= self.max_buffered:
                     self.scheduler.wait_for_room(self.max_in_flight, 0.1)
@@ -102,12 +119,12 @@ class Runner:
                     next_sweep = time.monotonic() + SWEEP_INTERVAL
         finally:
             self.stop.set()
-            self.scheduler.stop(REVOKE_TIMEOUT)
+            # Half the stop budget for running transactions; the rest for the commit and the close.
+            self.scheduler.stop(min(REVOKE_TIMEOUT, self.stop_timeout / 2))
             try:
                 self._commit()
             finally:
                 self.source.close()
-                self._restore_signals(previous)
         if self.crash is not None:
             raise self.crash
 
@@ -207,18 +224,3 @@ class Runner:
             log.exception("inbox sweep failed; trying again in %ss", SWEEP_INTERVAL)
             return
         self.database.answered()
-
-    def _install_signals(self) -> dict[int, object]:
-        if not self.install_signal_handlers or threading.current_thread() is not threading.main_thread():
-            return {}
-        previous: dict[int, object] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, self._on_signal)
-        return previous
-
-    def _on_signal(self, *_: object) -> None:
-        self._signalled = True  # no lock in a signal handler: the loop sets ``stop``
-
-    def _restore_signals(self, previous: dict[int, object]) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]

@@ -131,7 +131,9 @@ def inbox_readiness(engine: Engine, source: object,
         if problem is not None:
             return problem
         if assigned is not None and not assigned():
-            return "no partitions assigned"
+            # A source that watches its group (KafkaSource) says why it has none for long.
+            why = getattr(source, "group_problem", lambda: None)()
+            return f"no partitions assigned: {why}" if why else "no partitions assigned"
         return None
     return ready
 

@@ -12,13 +12,16 @@ delays lease renewal.
 
 ``run`` loops until ``stop`` (or SIGTERM/SIGINT): it finishes the batch in hand
 (the transport bounds the wait for delivery reports), marks it, releases its
-leases and returns, so a process running it exits 0.
+leases and returns, so a process running it exits 0. The loop runs on a thread
+of its own (``outbox._stopping``), so ``run`` returns at most ``stop_timeout``
+seconds after the stop even when the broker and the database are both gone:
+what the loop has not finished by then is left behind (rows sent but not
+marked are sent again, leases expire within their TTL).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -37,6 +40,7 @@ from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
 from .._outage import is_database_outage
 from .._outbox import Outbox
+from .._stopping import STOP_TIMEOUT, run_with_stop_bound
 from .._wheel import TimingWheel
 from ._admin import backlog
 from ._batch import Batch, BatchResult
@@ -195,11 +199,18 @@ class Relay:
 
     # -- the loop ---------------------------------------------------------------
 
-    def run(self) -> None:
-        """Publish until ``stop()`` or SIGTERM/SIGINT; then drain, release leases, return."""
-        restore = self._install_signal_handlers()
+    def run(self, *, stop_timeout: float = STOP_TIMEOUT) -> None:
+        """Publish until ``stop()`` or SIGTERM/SIGINT; then drain, release leases, return.
+
+        Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
+        """
         self._stopping.clear()
         self._fatal = None
+        run_with_stop_bound(self._run, stop=self.stop, stopping=self._stopping.is_set,
+                            name="outbox-relay-loop", what=f"relay {self.worker_id}", log=log,
+                            stop_timeout=stop_timeout)
+
+    def _run(self) -> None:
         try:
             if not self._first_leases():
                 return  # stopped while waiting for the database
@@ -223,7 +234,6 @@ class Relay:
                 if thread is not None:
                     thread.join(10)
             self._lease_thread = self._watch_thread = None
-            restore()
             try:
                 self._batch.close()  # the last batch's marks, before its leases go
             except Exception:
@@ -355,16 +365,3 @@ class Relay:
         """Release leases held from ``run_once`` calls (``run`` does this itself)."""
         self._batch.close()
         self.leases.release_all()
-
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-        for sig in previous:
-            signal.signal(sig, lambda *_: self.stop())
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -78,6 +80,31 @@ class LocalPostgres:
     def stop(self, mode: str = "fast") -> None:
         _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", mode,
               "-w", "stop"])
+
+    def freeze(self) -> None:
+        """SIGSTOP the server and every process of it: connections stay open and nothing answers,
+        as with a hung host or a network partition. ``thaw()`` lets it go on."""
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):  # a backend that ended meanwhile
+                os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _pids(self) -> list[int]:
+        """The postmaster, then its children (read from /proc)."""
+        master = int((self._data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            if int(fields[1]) == master:
+                children.append(int(stat.parent.name))
+        return [master, *children]
 
     def remove(self) -> None:
         """Stop the server if it runs and delete its directory."""

@@ -19,6 +19,7 @@ used: at once for a consumer, at the next ``publish`` for the relay's producer.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from .._logsafe import safe_logger
@@ -54,3 +55,44 @@ class LibrdkafkaLog:
         admitted = self._repeats.admit(text)
         if admitted is not None:
             self.logger.log(level, "%s", admitted)
+
+
+ERRORS = safe_logger("transports.kafka")
+_NUMBERS = re.compile(r"\d+")
+_AUTHENTICATION = frozenset({"_AUTHENTICATION", "SASL_AUTHENTICATION_FAILED", "_SSL",
+                             "TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED",
+                             "CLUSTER_AUTHORIZATION_FAILED"})
+
+
+class ClientErrors:
+    """confluent-kafka's ``error_cb``: a client's errors logged when they happen, once per change.
+
+    librdkafka reports what keeps a client from working at all (the broker's
+    name does not resolve, authentication fails, every broker is down) through
+    this callback, inside ``poll``/``consume``/``flush``. Each kind (the text
+    with its numbers masked) is logged the first time it comes, and again only
+    after ``cleared()`` said the client worked meanwhile; an authentication failure
+    and a fatal error are ERRORs (they will not pass by themselves), the rest
+    WARNINGs (an outage the worker waits out). The text is librdkafka's, which
+    names hosts but never a credential.
+    """
+
+    def __init__(self, client: str, logger: logging.Logger = ERRORS) -> None:
+        self.client = client
+        self.logger = logger
+        self._seen: set[str] = set()
+
+    def __call__(self, error: Any) -> None:
+        text = error.str()
+        kind = f"{error.name()} {_NUMBERS.sub('#', text)}"
+        if kind in self._seen:
+            return
+        self._seen = self._seen | {kind}  # replaced, never changed in place: no lock needed
+        level = (logging.ERROR if error.fatal() or error.name() in _AUTHENTICATION
+                 else logging.WARNING)
+        self.logger.log(level, "Kafka %s: %s (%s)", self.client, text, error.name())
+
+    def cleared(self) -> None:
+        """The client worked: the next error is news again, even if it is the last one."""
+        if self._seen:
+            self._seen = set()

@@ -5,10 +5,25 @@ automatic offset store are off, and ``commit`` commits exactly the positions
 it is given, synchronously. The rebalance callbacks are wired to
 ``on_revoke``, so the inbox can finish in-flight work and commit before the
 partitions go. librdkafka errors are translated here and nowhere else.
+
+A consumer can lose its group and not get it back by itself: a JoinGroup
+request in flight when the broker froze (a long GC pause, a partition) is
+never answered, and librdkafka gives up on it only after
+``max.poll.interval.ms`` + 3 s (five minutes by default), consuming nothing
+meanwhile. So the source watches the group state in librdkafka's statistics:
+when the consumer has been out of the ``steady`` join state for
+``rejoin_after`` seconds and the broker answers a metadata request, it logs
+one line and replaces the consumer with a new one on the same settings,
+which joins afresh. Nothing is lost or doubled: it held no partition (or
+gives them up through ``on_revoke`` first), offsets are committed only for
+finished records, and the next assignment starts at the committed offsets.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -24,10 +39,17 @@ from transports._errors import (
 from transports._protocol import Record, RevokeCallback
 
 from .._logsafe import safe_logger
-from ._logging import LibrdkafkaLog
+from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 log = safe_logger("transports.kafka")
+
+REJOIN_AFTER = 60.0
+"""Seconds out of the group (join not steady) before a consumer whose broker answers is replaced."""
+STATISTICS_INTERVAL_MS = 2000
+"""How often librdkafka reports the group state the rejoin watch reads (unless the settings say)."""
+_PROBE_EVERY = 5.0
+"""Seconds between metadata requests asking whether the broker answers again."""
 
 # Owned by the inbox: a user value would break "commit only what is finished".
 _FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
@@ -56,6 +78,7 @@ class KafkaSource:
         group_id: str,
         topics: Sequence[str],
         settings: Mapping[str, Any] | None = None,
+        rejoin_after: float = REJOIN_AFTER,
         **kwargs: Any,
     ) -> None:
         if not isinstance(group_id, str) or not group_id:
@@ -69,17 +92,43 @@ class KafkaSource:
             if key in config and str(config[key]).lower() not in (str(forced).lower(), "0"):
                 raise ConfigurationError(f"{key} must stay off: the inbox commits offsets itself, "
                                          "after its database transaction")
-        config = {"auto.offset.reset": "earliest", **config, **_FORCED}
+        if isinstance(rejoin_after, bool) or not isinstance(rejoin_after, int | float) or rejoin_after <= 0:
+            raise ConfigurationError(f"rejoin_after must be positive seconds, got {rejoin_after!r}")
+        config = {"auto.offset.reset": "earliest", "statistics.interval.ms": STATISTICS_INTERVAL_MS,
+                  **config, **_FORCED}
         check_with_librdkafka(config, "consumer")
         self.config = config
+        self.rejoin_after = float(rejoin_after)
+        self.rejoins = 0
         self._revoke_callbacks: list[RevokeCallback] = []
         self._assignment: frozenset[tuple[str, int]] = frozenset()
-        self._consumer = Consumer({**config, "logger": LibrdkafkaLog()})  # see _logging
-        self._consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
-                                 on_lost=self._revoked)
+        self._errors = ClientErrors("consumer")
+        self._log = LibrdkafkaLog()
+        self._join_state = "init"
+        # The clock starts at the first poll (the join starts there), not at construction;
+        # without statistics (statistics.interval.ms=0) there is nothing to watch.
+        self._watching = int(config["statistics.interval.ms"]) > 0
+        self._unjoined_since: float | None = None
+        self._polled = False
+        self._next_probe = 0.0
+        self._consumer = self._subscribed()
+
+    def _subscribed(self) -> Consumer:
+        generation = self.rejoins
+
+        def statistics(text: str) -> None:
+            if generation == self.rejoins:  # not a replaced consumer's, on its way out
+                self._statistics(text)
+
+        consumer = Consumer({**self.config, "logger": self._log, "error_cb": self._errors,
+                             "stats_cb": statistics})
+        consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
+                           on_lost=self._revoked)
+        return consumer
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to ``max_records`` records; rebalance callbacks run inside this call."""
+        self._watch_group()
         records = []
         for msg in self._consumer.consume(max(1, max_records), timeout):
             error = msg.error()
@@ -88,7 +137,7 @@ class KafkaSource:
                     continue
                 if error.fatal():
                     raise TransportError(f"Kafka consumer failed: {error.str()}")
-                log.warning("Kafka consumer error (librdkafka retries): %s", error.str())
+                self._errors(error)  # once per change, not once per poll; librdkafka retries
                 continue
             timestamp_type, timestamp = msg.timestamp()
             # A consumed message always has a topic; value and header values are bytes
@@ -130,12 +179,81 @@ class KafkaSource:
         """The (topic, partition) pairs this consumer holds now; safe to read from any thread."""
         return self._assignment  # replaced, never changed in place
 
-    def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def group_problem(self) -> str | None:
+        """Why the consumer is not in its group, once it has been out longer than a rebalance; else None.
+
+        Safe to call from any thread (the health server's ``/readyz``).
+        """
+        since = self._unjoined_since
+        if since is None:
+            return None
+        out = time.monotonic() - since
+        if out < min(self.rejoin_after, 10.0):
+            return None  # a rebalance in progress
+        return (f"not joined to the consumer group for {out:.0f}s (join state {self._join_state}); "
+                f"rejoined {self.rejoins} time(s), a new consumer after {self.rejoin_after:g}s "
+                "once the broker answers")
+
+    # -- the rejoin watch (module doc) ------------------------------------------
+
+    def _statistics(self, text: str) -> None:
+        """librdkafka's statistics (served inside ``consume``): the group's join state."""
+        try:
+            group = json.loads(text).get("cgrp") or {}
+        except ValueError:
+            return
+        state = str(group.get("join_state", "")) if group.get("state") == "up" else \
+            f"coordinator {group.get('state', 'unknown')}"
+        self._join_state = state
+        if not self._watching:
+            return
+        if state == "steady":
+            self._unjoined_since = None
+        elif self._unjoined_since is None:
+            self._unjoined_since = time.monotonic()
+
+    def _watch_group(self) -> None:
+        now = time.monotonic()
+        if not self._polled:
+            self._polled = True
+            if self._watching and self._unjoined_since is None:
+                self._unjoined_since = now
+        since = self._unjoined_since
+        if since is None or now - since < self.rejoin_after or now < self._next_probe:
+            return
+        self._next_probe = now + _PROBE_EVERY
+        try:
+            self._consumer.list_topics(timeout=2.0)
+        except KafkaException:
+            return  # the broker does not answer yet: a new consumer would wait the same way
+        self._rejoin(now - since)
+
+    def _rejoin(self, out: float) -> None:
+        log.warning("consumer of group %s not joined for %.0fs (join state %s) although the broker "
+                    "answers: replacing it with a new consumer that joins afresh; uncommitted records "
+                    "come again and are dropped as duplicates", self.config.get("group.id"), out,
+                    self._join_state)
+        if self._assignment:  # give them up properly first: finished work is committed
+            self._revoked(self._consumer, [TopicPartition(t, p) for t, p in sorted(self._assignment)])
+        self.rejoins += 1
+        old, self._consumer = self._consumer, self._subscribed()
+        self._join_state = "init"
+        self._unjoined_since = time.monotonic()
+        # Its close may wait for the request that never came back: never on this thread.
+        threading.Thread(target=_close_quietly, args=(old,), name="outbox-consumer-retired",
+                         daemon=True).start()
+
+    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if consumer is not self._consumer:
+            return  # a replaced consumer, closing
         added = {(tp.topic, tp.partition) for tp in partitions}
         self._assignment = self._assignment | added
+        self._errors.cleared()
         log.info("assigned %s", sorted(added))
 
-    def _revoked(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if consumer is not self._consumer:
+            return  # a replaced consumer, closing: what it held was given up before
         gone = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment - set(gone)
         for callback in self._revoke_callbacks:
@@ -146,3 +264,10 @@ class KafkaSource:
 
     def __repr__(self) -> str:
         return f"KafkaSource({redacted(self.config)!r})"
+
+
+def _close_quietly(consumer: Consumer) -> None:
+    try:
+        consumer.close()
+    except (KafkaException, RuntimeError) as exc:
+        log.info("the replaced consumer closed with %s", exc)

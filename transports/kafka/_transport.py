@@ -49,7 +49,7 @@ from transports._errors import ConfigurationError
 
 from .._protocol import Outcome, Record, SendResult
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
-from ._logging import LibrdkafkaLog
+from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 # Errors that cannot succeed by sending the same record again.
@@ -166,6 +166,7 @@ class KafkaTransport:
         self._metadata_refresh = metadata_refresh
         self._partitions: dict[str, tuple[float, int]] = {}
         self._log = LibrdkafkaLog()
+        self._errors = ClientErrors("producer")
         self._producer = self._new_producer()
         self._fatal: KafkaError | None = None
 
@@ -197,6 +198,13 @@ class KafkaTransport:
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]:
         """Send ``records``; one result per record, in input order (see module doc)."""
+        # Serve what librdkafka queued since the last batch (its log lines, its errors: an
+        # unresolvable host, a failed authentication) now, not at the next flush, which a
+        # batch refused before any produce (no metadata) never reaches.
+        try:
+            self._producer.poll(0)
+        except (KafkaException, SystemError) as exc:
+            self._fatal = self._fatal or fatal_error(exc)
         if self._fatal is not None:
             self._rebuild()
         if not self._pipelined:
@@ -256,6 +264,8 @@ class KafkaTransport:
                 stopped.add((record.topic, record.key))
         if outstanding:
             self._wait(self._delivery_timeout)
+        if any(error is None for error, _ in reports.values()):
+            self._errors.cleared()
         for i, (error, message) in reports.items():
             results[i] = (SendResult(Outcome.DELIVERED, message.partition(), message.offset())
                           if error is None else result_of(error))
@@ -312,6 +322,8 @@ class KafkaTransport:
         try:
             metadata = self._producer.list_topics(topic, timeout=min(10.0, self._delivery_timeout))
         except KafkaException as exc:
+            with suppress(KafkaException, SystemError):
+                self._producer.poll(0)  # the cause (unresolvable, refused, authentication) is logged now
             return exc.args[0]  # broker unreachable: not cached, asked again next time
         info = metadata.topics.get(topic)
         if info is None:
@@ -330,6 +342,7 @@ class KafkaTransport:
     # -- lifecycle ----------------------------------------------------------
 
     def _on_error(self, error: KafkaError) -> None:
+        self._errors(error)
         # Fatal errors (e.g. the idempotent producer fenced) make the instance unusable.
         if error.fatal():
             self._fatal = error

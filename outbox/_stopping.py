@@ -1,0 +1,106 @@
+"""Workers stop on time (DESIGN §10): the thread that must see SIGTERM never calls a broker or a database.
+
+A worker's loop (``Inbox.run``'s consumer, ``Relay.run``'s publisher) calls
+librdkafka and the database driver, and some of those calls block for as long
+as a dead peer lets them: a synchronous offset commit waits for a coordinator
+that is gone, a consumer's close for a group that never answers, a query for
+a frozen server. A Python signal handler runs only when the main thread comes
+back to the interpreter, so a loop on the main thread could sit through
+SIGTERM until the platform kills it.
+
+``run_with_stop_bound`` runs the loop on a thread of its own; the calling
+thread only waits (an ``Event`` wait, which a signal interrupts). Once a stop
+is asked for (``stop()``, SIGTERM or SIGINT), the loop has ``stop_timeout``
+seconds to wind down as it always did (finish, commit, close, release); if it
+has not by then, it is left behind on its daemon thread and the call returns
+anyway, with one WARNING. What it could not finish is safe to lose: an
+offset not committed is a redelivery the inbox drops as a duplicate, a row
+sent but not marked is sent again, a lease not released expires within its
+TTL. The tables and the committed offsets stay the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from ._errors import ConfigurationError, OutboxError
+
+STOP_TIMEOUT = 10.0
+"""Seconds a worker has, after the stop was asked for, before ``run`` returns without it."""
+
+
+
+class StopRequested(OutboxError):
+    """A worker that is stopping gave up on what it was waiting for (``Inbox.handle(cancel=…)``)."""
+
+
+_WATCH = 0.1
+"""How often the waiting thread looks whether a stop was asked for (signals interrupt it anyway)."""
+
+
+def run_with_stop_bound(
+    body: Callable[[], None], *, stop: Callable[[], None], stopping: Callable[[], bool],
+    name: str, what: str, log: logging.Logger, stop_timeout: float = STOP_TIMEOUT,
+    install_signal_handlers: bool = True,
+) -> None:
+    """Run ``body`` on a daemon thread ``name``; return when it ends or ``stop_timeout`` s after a stop.
+
+    ``stop()`` asks ``body`` to end (SIGTERM and SIGINT call it too, when this
+    runs on the main thread and ``install_signal_handlers``); ``stopping()``
+    says whether it was asked. An exception of ``body`` is raised here.
+    """
+    if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, int | float) or stop_timeout <= 0:
+        raise ConfigurationError(f"stop_timeout must be positive seconds, got {stop_timeout!r}")
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            body()
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    restore = _install(stop) if install_signal_handlers else (lambda: None)
+    try:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        while not done.wait(_WATCH):
+            if stopping():
+                asked = time.monotonic()
+                if not done.wait(stop_timeout):
+                    log.warning(
+                        "%s did not finish within %gs of the stop (a broker or database call that does "
+                        "not return); returning without it: uncommitted offsets are delivered again and "
+                        "dropped as duplicates, unmarked rows are sent again, leases expire by their TTL",
+                        what, time.monotonic() - asked)
+                    return
+                break
+    except BaseException:
+        stop()  # KeyboardInterrupt or the like in the waiting thread: the loop must not outlive it
+        raise
+    finally:
+        restore()
+    if failure:
+        raise failure[0]
+
+
+def _install(stop: Callable[[], None]) -> Callable[[], None]:
+    """SIGTERM/SIGINT call ``stop`` (main thread only); returns what puts the old handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: stop())
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+    return restore

@@ -1,0 +1,136 @@
+"""A consumer whose group join was cut short by a broker freeze rejoins by itself (``KafkaSource``).
+
+The broker (librdkafka's mock cluster in a process of its own) is frozen with
+SIGSTOP for ``FREEZE`` seconds under a running consumer process, in rounds:
+right after the consumer subscribed, so its JoinGroup request is in flight
+when the broker stops (librdkafka would wait ``max.poll.interval.ms`` + 3 s
+for the answer, consuming nothing), and during steady consumption. Every
+round, consumption must resume within ``RESUME`` seconds of SIGCONT and every
+message must be applied exactly once, in key order. Without the rejoin watch
+the join rounds stall for five minutes (checked: they fail at ``RESUME``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from outbox import Inbox, create_engine
+from tests.inbox_support import business
+from tests.test_inbox_crash import assert_exactly_once_in_order, effect_count, produce_keys
+from transports.testing import BrokerProcess
+
+WORKER = Path(__file__).with_name("inbox_worker.py")
+FREEZE = 15.0
+"""Seconds the broker is frozen: the shortest freeze that left the join unanswered in trials."""
+REJOIN_AFTER = 8.0
+RESUME = REJOIN_AFTER + 20.0
+"""Seconds after SIGCONT by which consumption must have resumed: the watch's next probe (5 s),
+its 2 s metadata timeout and a join, with room for a slow machine."""
+KEYS, PER_KEY = 100, 10
+
+
+def consumer(db: str, bootstrap: str, topic: str, group: str, log: Path) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, str(WORKER), db, bootstrap, topic, group, "--rejoin-after", str(REJOIN_AFTER),
+         "--concurrency", "4", "--batch-size", "10"],
+        stdout=subprocess.PIPE, stderr=log.open("wb"))
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == b"ready", log.read_text()
+    return process
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.parametrize("rounds", [["join", "join", "steady", "join"]])
+def test_a_broker_freeze_during_the_join_or_consumption_never_stalls_the_consumer(
+    tmp_path: Path, rounds: list[str]
+) -> None:
+    with BrokerProcess() as broker:
+        for n, when in enumerate(rounds):
+            db = f"sqlite:///{tmp_path / f'round-{n}.db'}"
+            engine = create_engine(db)
+            group = f"rejoin-{uuid.uuid4().hex[:8]}"
+            Inbox(engine, group=group).create_tables()
+            business.create_all(engine)
+            topic = f"t-{uuid.uuid4().hex[:10]}"
+            produce_keys(broker.bootstrap, topic, KEYS, PER_KEY)
+            log = tmp_path / f"round-{n}.log"
+            process = consumer(db, broker.bootstrap, topic, group, log)
+            try:
+                if when == "join":
+                    time.sleep(0.3)  # subscribed, first poll: the JoinGroup goes out now
+                else:
+                    deadline = time.monotonic() + 60
+                    while effect_count(engine) < KEYS:
+                        assert time.monotonic() < deadline, f"round {n}: never consumed\n{log.read_text()}"
+                        time.sleep(0.02)
+                before = effect_count(engine)
+                broker.freeze()
+                time.sleep(FREEZE)
+                broker.thaw()
+                thawed = time.monotonic()
+                while effect_count(engine) < KEYS * PER_KEY:
+                    assert process.poll() is None, f"round {n}: the consumer exited\n{log.read_text()}"
+                    assert time.monotonic() - thawed < RESUME, (
+                        f"round {n} ({when}): {effect_count(engine)} of {KEYS * PER_KEY} applied "
+                        f"{RESUME}s after SIGCONT ({before} before the freeze)\n{log.read_text()}")
+                    time.sleep(0.1)
+            finally:
+                if broker.frozen:
+                    broker.thaw()
+                process.terminate()
+                process.wait(30)
+            assert_exactly_once_in_order(engine, group, KEYS, PER_KEY)
+            engine.dispose()
+            if when == "join":
+                assert before < KEYS * PER_KEY, f"round {n}: all consumed before the freeze"
+
+
+def test_readyz_says_why_a_consumer_has_no_partitions(sqlite_db: str) -> None:
+    """The join state comes from librdkafka's statistics; ``/readyz`` names it once it lasts."""
+    from outbox.ops import inbox_readiness
+    from transports.kafka import KafkaSource
+
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], rejoin_after=30)
+    ready = inbox_readiness(create_engine(sqlite_db), source)
+    try:
+        source._statistics('{"cgrp": {"state": "up", "join_state": "steady"}}')
+        assert source.group_problem() is None
+        assert ready() == "no partitions assigned"  # steady: more consumers than partitions
+        source._statistics('{"cgrp": {"state": "up", "join_state": "wait-join"}}')
+        assert source.group_problem() is None, "a rebalance in progress is no problem yet"
+        source._unjoined_since = time.monotonic() - 12  # as if it had waited that long
+        problem = ready()
+        assert problem is not None and problem.startswith("no partitions assigned: not joined")
+        assert "wait-join" in problem and "30s" in problem, problem
+        source._statistics('{"cgrp": {"state": "wait-coord"}}')
+        assert "coordinator wait-coord" in (source.group_problem() or "")
+        source._statistics('{"cgrp": {"state": "up", "join_state": "steady"}}')
+        assert source.group_problem() is None
+    finally:
+        source.close()
+
+
+def test_the_watch_starts_at_the_first_poll_and_not_without_statistics() -> None:
+    """A consumer built long before its first poll is not "out of its group" since construction."""
+    from transports.kafka import KafkaSource
+
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], rejoin_after=30)
+    quiet = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                        settings={"statistics.interval.ms": 0}, rejoin_after=30)
+    try:
+        assert source._unjoined_since is None
+        source.poll(1, 0.01)
+        assert source._unjoined_since is not None
+        quiet.poll(1, 0.01)
+        quiet._statistics('{"cgrp": {"state": "up", "join_state": "wait-join"}}')
+        assert quiet._unjoined_since is None and quiet.group_problem() is None
+    finally:
+        source.close()
+        quiet.close()

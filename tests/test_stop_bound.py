@@ -1,0 +1,242 @@
+"""Workers stop on time (DESIGN §10): ``Inbox.run``, ``Relay.run`` and ``Inbox.handle(cancel=…)``.
+
+Each test puts the worker in a call that does not come back, as librdkafka's
+synchronous offset commit or close does when the broker is gone, and a
+producer's flush when nothing answers, then sends SIGTERM (or cancels) and
+asserts the worker returned within its stop bound. The calls "hang" for
+``HANG`` seconds rather than forever, so that a worker that waits for them
+fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+from _relay_helpers import publish
+
+from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
+from outbox.faststream._threads import in_daemon_thread
+from outbox.inbox import StopRequested
+from tests.inbox_support import DatabaseOutage, apply_effect, business, record
+from transports import Record, SendResult
+
+HANG = 30.0
+"""How long a "blocking" broker call lasts here: far past any stop bound."""
+STOP_TIMEOUT = 1.0
+MARGIN = 1.5
+"""Seconds on top of the bound for the thread switch and a slow, shared machine."""
+
+
+class Hang:
+    """A call into a dead broker: returns only after ``HANG`` seconds, whatever signal comes."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+
+    def __call__(self) -> None:
+        self.entered.set()
+        deadline = time.monotonic() + HANG
+        while time.monotonic() < deadline:  # like C code: a signal handler may run, nothing returns
+            time.sleep(0.05)
+
+
+class DeadBrokerSource:
+    """Delivers ``records`` once; then every commit and the close hang as librdkafka's do."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.pending = records
+        self.hang = Hang()
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        out, self.pending = self.pending[:max_records], self.pending[max_records:]
+        if not out:
+            time.sleep(min(timeout, 0.01))
+        return out
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        self.hang()
+
+    def on_revoke(self, callback: object) -> None:
+        pass
+
+    def close(self) -> None:
+        self.hang()
+
+
+@pytest.fixture
+def sigterm_once_entered() -> Iterator[list[Hang]]:
+    """Sends this process SIGTERM as soon as the ``Hang`` put in the list was entered."""
+    hangs: list[Hang] = []
+    sent = threading.Event()
+
+    def send() -> None:
+        while not hangs or not hangs[0].entered.wait(0.05):
+            if sent.is_set():
+                return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    yield hangs
+    sent.set()
+
+
+def stopped_within(run: Callable[[], None], bound: float) -> float:
+    started = time.monotonic()
+    run()
+    took = time.monotonic() - started
+    assert took < bound, f"returned {took:.1f}s after it started, bound {bound}s"
+    return took
+
+
+def test_inbox_run_returns_on_sigterm_while_the_offset_commit_hangs(
+    sqlite_db: str, sigterm_once_entered: list[Hang]
+) -> None:
+    """On the main thread, as ``outbox inbox run`` calls it: SIGTERM must be seen during the commit."""
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="stop", concurrency=2)
+    inbox.create_tables()
+    business.create_all(engine)
+    inbox.handler("orders")(apply_effect)
+    records = [record("orders", f"k{i}", 1) for i in range(5)]
+    for n, r in enumerate(records):
+        r.partition, r.offset = 0, n
+    source = DeadBrokerSource(records)
+    sigterm_once_entered.append(source.hang)
+    previous = signal.getsignal(signal.SIGTERM)
+    # The commit hangs from the first try on; the stop must not wait for it, nor for the close.
+    stopped_within(lambda: inbox.run(source, stop_timeout=STOP_TIMEOUT), HANG / 2)
+    assert source.hang.entered.is_set()
+    assert signal.getsignal(signal.SIGTERM) is previous, "the handler was not put back"
+    engine.dispose()
+
+
+def test_inbox_run_returns_within_its_bound_after_stop(sqlite_db: str) -> None:
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="stop", concurrency=2)
+    inbox.create_tables()
+    business.create_all(engine)
+    inbox.handler("orders")(apply_effect)
+    r = record("orders", "k", 1)
+    r.partition, r.offset = 0, 0
+    source = DeadBrokerSource([r])
+    def stop_once_committing() -> None:
+        source.hang.entered.wait(HANG)
+        inbox.stop()
+
+    threading.Thread(target=stop_once_committing, daemon=True).start()
+    took = stopped_within(lambda: inbox.run(source, install_signal_handlers=False,
+                                            stop_timeout=STOP_TIMEOUT), STOP_TIMEOUT + MARGIN)
+    assert took >= STOP_TIMEOUT * 0.9, "it gave the loop less than its bound to wind down"
+    engine.dispose()
+
+
+class DeadBrokerTransport:
+    """A producer whose flush waits for a broker that never answers."""
+
+    def __init__(self) -> None:
+        self.hang = Hang()
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        self.hang()
+        raise AssertionError("unreachable within the test")
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+
+def test_relay_run_returns_on_sigterm_while_a_publish_hangs(
+    sqlite_db: str, sigterm_once_entered: list[Hang]
+) -> None:
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    publish(outbox, "orders", ["k1", "k2"])
+    transport = DeadBrokerTransport()
+    sigterm_once_entered.append(transport.hang)
+    relay = Relay(outbox, transport, poll_interval=0.05)
+    stopped_within(lambda: relay.run(stop_timeout=STOP_TIMEOUT), HANG / 2)
+    assert transport.hang.entered.is_set()
+    engine.dispose()
+
+
+def test_an_error_of_the_loop_is_raised_by_run(sqlite_db: str) -> None:
+    """The loop's own thread hands its exception to the caller, as the loop on the caller's did."""
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="stop")
+    inbox.create_tables()
+    inbox.handler("orders")(apply_effect)
+
+    class Broken(DeadBrokerSource):
+        def poll(self, max_records: int, timeout: float) -> list[Record]:
+            raise TypeError("a bug in the source")
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="a bug"):
+        inbox.run(Broken([]), install_signal_handlers=False)
+    wrongs: list[Any] = [0, -1.0, True, "10"]
+    for wrong in wrongs:
+        with pytest.raises(ConfigurationError, match="stop_timeout must be positive seconds"):
+            inbox.run(Broken([]), install_signal_handlers=False, stop_timeout=wrong)
+    engine.dispose()
+
+
+def test_handle_gives_up_waiting_out_an_outage_when_cancelled(sqlite_db: str) -> None:
+    """The FastStream subscriber's worker thread: ``Inbox.handle`` in a database outage ends on cancel."""
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="stop")
+    inbox.create_tables()
+    business.create_all(engine)
+    inbox.handler("orders")(apply_effect)
+    outage = DatabaseOutage(engine)
+    outage.fail()
+    cancel = threading.Event()
+    failures: list[BaseException] = []
+
+    def handle() -> None:
+        try:
+            inbox.handle(record("orders", "k", 1), cancel=cancel)
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=handle, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while outage.failures < 3:
+        assert time.monotonic() < deadline, "the outage was never met"
+        time.sleep(0.01)
+    cancel.set()
+    thread.join(STOP_TIMEOUT + MARGIN)
+    assert not thread.is_alive(), "handle() went on waiting out the outage after cancel"
+    assert len(failures) == 1 and isinstance(failures[0], StopRequested), failures
+    outage.end()
+    engine.dispose()
+
+
+def test_the_subscribers_thread_never_holds_the_process_at_exit() -> None:
+    """``in_daemon_thread`` is awaited like ``to_thread``, but ``asyncio.run`` does not join it."""
+    release = threading.Event()
+
+    async def main() -> str:
+        assert await in_daemon_thread(lambda: "value") == "value"
+        with pytest.raises(KeyError):
+            empty: dict[str, int] = {}
+            await in_daemon_thread(lambda: empty["missing"])
+        task = asyncio.ensure_future(in_daemon_thread(lambda: release.wait(HANG)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return "done"
+
+    started = time.monotonic()
+    assert asyncio.run(main()) == "done"  # to_thread: asyncio.run would wait for the thread
+    assert time.monotonic() - started < MARGIN
+    release.set()
