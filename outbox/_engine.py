@@ -126,8 +126,8 @@ def worker_engine(engine: E) -> E:
     if sync.dialect.name not in ("mysql", "mariadb") or sync.get_execution_options().get(_WORKER):
         return engine
     root = sync
-    while isinstance(getattr(root, "_proxied", None), Engine):  # an execution_options() copy
-        root = root._proxied  # type: ignore[attr-defined]
+    while isinstance(proxied := getattr(root, "_proxied", None), Engine):  # an execution_options() copy
+        root = proxied
     if not event.contains(root, "engine_connect", _keep_levels):
         event.listen(root, "engine_connect", _keep_levels)
     return engine.execution_options(**{_WORKER: True})

@@ -48,14 +48,15 @@ def is_database_outage(error: BaseException) -> bool:
     are not outages: retried unchanged they fail again, so they count.
     """
     seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, PendingRollbackError) and "invalid transaction" in str(error):
+    link: BaseException | None = error  # then what caused it, and so on down the chain
+    while link is not None and seen < 8:
+        if isinstance(link, PendingRollbackError) and "invalid transaction" in str(link):
             return True  # the connection died under the transaction
-        if isinstance(error, DBAPIError) and _dbapi_outage(error):
+        if isinstance(link, DBAPIError) and _dbapi_outage(link):
             return True
-        if not isinstance(error, DBAPIError) and _raw_mysql_outage(error):
+        if not isinstance(link, DBAPIError) and _raw_mysql_outage(link):
             return True
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+        link = link.__cause__ or link.__context__
         seen += 1
     return False
 

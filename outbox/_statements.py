@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Executable, Text, bindparam, cast, func, insert, literal, select
+from sqlalchemy import Executable, Insert, Text, bindparam, cast, func, insert, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
@@ -41,8 +41,8 @@ class PublishStatements:
         self.dialect = dialect
         self.notify = notify_channel if dialect == "postgresql" else None
         keys = tables.keys
-        upsert_module = postgresql if dialect == "postgresql" else sqlite
-        up = upsert_module.insert(keys).values(topic=bindparam("topic"), key=bindparam("key"), last_seq=1)
+        upsert = postgresql.insert(keys) if dialect == "postgresql" else sqlite.insert(keys)
+        up = upsert.values(topic=bindparam("topic"), key=bindparam("key"), last_seq=1)
         self.bump_seq: Executable = up.on_conflict_do_update(
             index_elements=[keys.c.topic, keys.c.key],
             set_={"last_seq": keys.c.last_seq + 1},
@@ -74,7 +74,7 @@ class PublishStatements:
         """The seq ``bump_seq`` allotted, from its result."""
         return int(bumped.scalar_one())
 
-    def _with_notify(self, stmt: Any) -> Executable:
+    def _with_notify(self, stmt: Insert) -> Executable:
         if self.notify is None:
             return stmt
         inserted = stmt.returning(self._messages.c.shard).cte("inserted")

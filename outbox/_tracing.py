@@ -30,13 +30,13 @@ try:
     from opentelemetry import trace
     from opentelemetry.trace import Link, SpanKind, Status, StatusCode
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-except ImportError:  # the otel extra is not installed
-    trace = None  # type: ignore[assignment]
+    INSTALLED = True
+except ImportError:  # the otel extra is not installed: nothing below touches ``trace`` then
+    INSTALLED = False
 
-INSTALLED = trace is not None
 TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
 SYSTEM = "kafka"
-_propagator = TraceContextTextMapPropagator() if trace is not None else None
+_propagator = TraceContextTextMapPropagator() if INSTALLED else None
 _TRACER = "transactional-outbox"
 
 
@@ -53,7 +53,7 @@ def with_current_context(headers: dict[str, str]) -> dict[str, str]:
 
 def _recording() -> bool:
     """A tracer provider that records (an SDK) is configured: spans are worth making."""
-    if trace is None:
+    if not INSTALLED:
         return False
     provider = trace.get_tracer_provider()
     return type(provider).__name__ not in ("ProxyTracerProvider", "NoOpTracerProvider")

@@ -71,7 +71,7 @@ def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30
                 if message.error() is not None:
                     continue
                 records.append(Record(
-                    topic=cast(str, message.topic()), value=cast(bytes, message.value() or b""),
+                    topic=cast(str, message.topic()), value=message.value() or b"",
                     key=message.key(), headers=cast(list[tuple[str, bytes]], list(message.headers() or [])),
                     partition=message.partition(), offset=message.offset(),
                 ))

@@ -17,8 +17,7 @@ from rich.console import Console
 from . import app
 from ._db import open_outbox
 from ._inbox import APP_HELP, load_inbox
-from ._options import LOG_LEVEL, configure_logging
-from ._relay import DB, PREFIX, SCHEMA
+from ._options import DB, LOG_LEVEL, PREFIX, SCHEMA, configure_logging
 
 
 @app.command("console")

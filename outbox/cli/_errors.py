@@ -22,7 +22,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import sqlalchemy as sa
 import typer
@@ -62,19 +62,21 @@ def hidden(text: str) -> str:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def reporting(command: F) -> F:
+def reporting(command: Callable[P, R]) -> Callable[P, R]:
     """``command``, with whatever it raises turned into ``report``'s line and exit status."""
     @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return command(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:
             raise typer.Exit(report(exc)) from None
-    return run  # type: ignore[return-value]
+    return run
 
 
 class Typer(typer.Typer):
@@ -88,7 +90,9 @@ class Typer(typer.Typer):
 
         def registered(command: F) -> F:
             from_environment(command)
-            return register(reporting(command))
+            # typer's signature wants ``command``'s own type back: the wrapper has its
+            # signature (``reporting`` keeps it), but a function object of its own.
+            return register(cast(F, reporting(command)))
         return registered
 
 

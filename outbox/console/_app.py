@@ -17,10 +17,11 @@ from .._outbox import Outbox
 from ..inbox import Inbox
 from . import _actions, _pages
 from ._auth import Operators
-from ._context import Context, Refused, _Redirect, base
+from ._context import Context, _Redirect, base
 from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
 from ._links import link
+from ._refused import Refused
 from ._sessions import Sessions
 from ._throttle import Throttle
 

@@ -19,7 +19,8 @@ from .._envelope import utcnow
 from ..inbox._store_pages import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows
-from ._context import Context, Refused, group_of, page_size
+from ._context import Context, group_of, page_size
+from ._refused import Refused
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from rich.console import Console
@@ -30,11 +31,12 @@ class Processes:
     def __init__(self, workdir: Path, bootstrap: str, orders_url: str, billing_url: str) -> None:
         self.workdir, self.bootstrap = workdir, bootstrap
         self.orders_url, self.billing_url = orders_url, billing_url
-        self.relay: subprocess.Popen | None = None
-        self.consumer: subprocess.Popen | None = None
+        self.relay: subprocess.Popen[bytes] | None = None
+        self.consumer: subprocess.Popen[bytes] | None = None
         self.relay_starts = 0
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str],
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("ab")
         return subprocess.Popen([sys.executable, "-m", "outbox", *args], stdout=log, stderr=log,
                                 env={**os.environ, **(env or {})})
@@ -198,7 +200,7 @@ def _wait_for_line(path: Path, text: str, timeout: float) -> bool:
     return False
 
 
-def _read_alerts(path: Path) -> list[dict]:
+def _read_alerts(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

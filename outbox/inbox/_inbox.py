@@ -35,6 +35,7 @@ from .._tables import OutboxTables
 from .._validation import validate_topic
 from ._admin import ParkedAdmin, ParkedMessage, ReplayResult
 from ._alerting import Alerter
+from ._calls import TopicHandler
 from ._delivery import Delivery, decode
 from ._gaps import GapSweeper
 from ._kinds import StartPolicy
@@ -45,7 +46,7 @@ from ._sessions import sessions_for
 from ._settle import Settler
 from ._signals import Disposition
 from ._store import InboxStore
-from ._transaction import TopicHandler, TransactionStep
+from ._transaction import TransactionStep
 
 log = safe_logger("outbox.inbox")
 

@@ -72,7 +72,7 @@ class OutageLog:
                 log.warning("%s unavailable (%s: %s); waiting for it, nothing counts as a failed "
                             "attempt meanwhile", self.what, type(error).__name__,
                             str(error).splitlines()[0] if str(error) else "")
-            delay = min(0.2 * 2 ** min(self._failures - 1, 5), OUTAGE_BACKOFF_MAX)
+            delay = min(0.2 * 2.0 ** min(self._failures - 1, 5), OUTAGE_BACKOFF_MAX)
         return delay * random.uniform(0.75, 1.0)
 
     def answered(self) -> None:

@@ -15,7 +15,7 @@ behind it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -82,7 +82,8 @@ class InboxStore:
         self.group = group
         postgres = dialect == "postgresql"
         self._mysql = MySQLWrites(tables, group) if dialect in MYSQL_FAMILY else None
-        self._insert = (postgresql if postgres else sqlite).insert
+        self._insert: Callable[[Table], postgresql.Insert | sqlite.Insert] = (
+            postgresql.insert if postgres else sqlite.insert)
         self._bulk = PostgresBulk(tables, group) if postgres else None
         k = tables.inbox_keys
         self._set_last_seq = (

@@ -163,7 +163,8 @@ def serve_health(port: int, readiness: Readiness, *, registry: CollectorRegistry
             if problem is None:
                 return _plain(start_response, "200 OK", "ready")
             return _plain(start_response, "503 Service Unavailable", f"not ready: {problem}")
-        return metrics(environ, start_response)
+        body: Iterable[bytes] = metrics(environ, start_response)
+        return body
 
     try:
         server = BoundedServer(host, port, timeout=timeout, max_connections=max_connections,

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import tenacity
 from sqlalchemy import Connection, Engine
@@ -79,6 +79,15 @@ class BatchResult:
     """The first error of a row to be retried, if any."""
     broker_unreachable: bool = False
     """Nothing delivered, nothing refused, no answer for any record: the broker is down."""
+
+
+class _Written(TypedDict):
+    """The counts of a batch's outcome write, as ``BatchResult`` fields."""
+
+    published: int
+    retried: int
+    failed: int
+    fenced: int
 
 
 @dataclass(slots=True)
@@ -130,7 +139,7 @@ class Batch:
         # heads) held in memory until that write commits: until then the database
         # does not know they wait, and a wheel timer may already have fired.
         self._writer: ThreadPoolExecutor | None = None
-        self._writing: Future[dict] | None = None
+        self._writing: Future[_Written] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
         self._outage_batches = 0  # consecutive batches the broker delivered nothing of
@@ -297,7 +306,7 @@ class Batch:
         return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error,
                      broker_unreachable=outage and not failed)
 
-    def _write(self, plan: _Plan) -> dict:
+    def _write(self, plan: _Plan) -> _Written:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
         published, failed = plan.published, plan.failed
         with self.engine.begin() as conn:
@@ -344,9 +353,9 @@ class Batch:
                                       message_id=message_id, error=error,
                                       details={"id": row.id, "seq": row.seq}))
 
-    def _mark_failed(self, conn: Connection, failed: list[tuple[Any, int, str]]) -> list:
+    def _mark_failed(self, conn: Connection, failed: list[tuple[Any, int, str]]) -> list[tuple[Any, str]]:
         """Failed rows are rare: one update each, so only rows that really changed alert."""
-        changed = []
+        changed: list[tuple[Any, str]] = []
         for row, epoch, error in failed:
             one = Marks([row.id], [row.shard], [epoch], {"last_error": [error]})
             if self.sql.failed(conn, self.worker_id, one):

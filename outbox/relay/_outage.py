@@ -38,12 +38,12 @@ class Dependency(enum.Enum):
 
 def database_backoff(failures: int, first: float) -> float:
     """Delay before attempt ``failures`` + 1 to reach the database: doubling, capped."""
-    return min(MAX_DATABASE_BACKOFF, first * 2 ** min(failures, 16))
+    return min(MAX_DATABASE_BACKOFF, first * 2.0 ** min(failures, 16))
 
 
 def broker_outage_backoff(batches: int) -> float:
     """Next attempt delay after ``batches`` consecutive batches the broker delivered nothing of."""
-    return min(MAX_BROKER_OUTAGE_BACKOFF, 0.2 * 2 ** min(batches, 16))
+    return min(MAX_BROKER_OUTAGE_BACKOFF, 0.2 * 2.0 ** min(batches, 16))
 
 
 class Outages:

@@ -119,10 +119,10 @@ class Relay:
             raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
         if not callable(getattr(transport, "publish", None)):
             raise ConfigurationError(f"transport {transport!r} has no publish(records) method")
-        engine = engine if engine is not None else outbox.engine  # type: ignore[assignment]
-        if not isinstance(engine, Engine):
+        bound = engine if engine is not None else outbox.engine
+        if not isinstance(bound, Engine):
             raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
-        engine = worker_engine(engine)
+        engine = worker_engine(bound)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
             raise ConfigurationError(f"batch_size must be an int from 1 to 100000, got {batch_size!r}")
         for name, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),

@@ -59,7 +59,8 @@ class AuditResult:
 
     @property
     def totals(self) -> dict[str, int]:
-        return self.summary["totals"]
+        totals: dict[str, int] = self.summary["totals"]
+        return totals
 
     def path(self, name: str) -> Path:
         """Where an output lives: ``"lost"``, ``"summary.json"``, ``"chart.png"`` …"""

@@ -32,7 +32,8 @@ def table_for(name: str, prefix: str = "", schema: str | None = None) -> sa.Tabl
     plain = isinstance(prefix, str) and (schema is None or isinstance(schema, str))
     tables = _tables(prefix, schema) if plain else OutboxTables(prefix=prefix, schema=schema)
     attribute = {"outbox_messages": "messages", "outbox_keys": "keys"}.get(name, name)
-    return getattr(tables, attribute)
+    table: sa.Table = getattr(tables, attribute)
+    return table
 
 
 @functools.lru_cache(maxsize=16)

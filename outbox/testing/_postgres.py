@@ -33,7 +33,8 @@ def postgres_bindir() -> Path | None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class LocalPostgres:

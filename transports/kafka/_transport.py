@@ -44,6 +44,7 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import ClusterMetadata
 
 from transports._errors import ConfigurationError
 
@@ -320,11 +321,13 @@ class KafkaTransport:
         if cached is not None and now - cached[0] < self._metadata_refresh:
             return cached[1]
         try:
-            metadata = self._producer.list_topics(topic, timeout=min(10.0, self._delivery_timeout))
+            metadata: ClusterMetadata = self._producer.list_topics(
+                topic, timeout=min(10.0, self._delivery_timeout))
         except KafkaException as exc:
             with suppress(KafkaException, SystemError):
                 self._producer.poll(0)  # the cause (unresolvable, refused, authentication) is logged now
-            return exc.args[0]  # broker unreachable: not cached, asked again next time
+            unreachable: KafkaError = exc.args[0]
+            return unreachable  # broker unreachable: not cached, asked again next time
         info = metadata.topics.get(topic)
         if info is None:
             return KafkaError(KafkaError._UNKNOWN_TOPIC, f"no metadata for topic {topic!r}")
