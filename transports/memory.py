@@ -265,6 +265,8 @@ class InMemoryTransport:
         self.broker = broker if broker is not None else InMemoryBroker()
         self.down = False
         self.closed = False
+        self.injected = 0
+        """How many records an injected failure or outage answered (a test can check it struck)."""
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
 
@@ -309,9 +311,11 @@ class InMemoryTransport:
 
     def _send(self, record: Record) -> SendResult:
         if self.down:
+            self.injected += 1
             return SendResult(Outcome.RETRY, error="injected outage: the broker is down", unreachable=True)
         for fault in self._faults:
             if fault.matches(record):
+                self.injected += 1
                 fault.times -= 1
                 if fault.times == 0:
                     self._faults.remove(fault)
