@@ -150,3 +150,36 @@ def test_misuse_is_named(outbox: Outbox, engine: sa.Engine) -> None:
         h.deliver()
     with OutboxTestHarness() as h, pytest.raises(ConfigurationError, match="with an outbox"):
         h.relay()
+
+
+def test_inbox_run_consumes_an_in_memory_source_and_commits_what_it_finished(
+    inbox: Inbox, engine: sa.Engine
+) -> None:
+    """The running consumer (``Inbox.run``) on ``h.source()``: applied, committed, and stopped in time."""
+    import threading
+    import time
+
+    with OutboxTestHarness(inbox=inbox) as h:
+        for event in ("created", "paid"):
+            h.send("orders", {"event": event}, key="k")
+        failures: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                inbox.run(h.source(), install_signal_handlers=False, stop_timeout=5)
+            except BaseException as exc:
+                failures.append(exc)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while len(rows(engine)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        inbox.stop()
+        worker.join(10)
+        assert not worker.is_alive() and failures == []
+        assert rows(engine) == [(1, "created"), (2, "paid")]
+        record = h.broker.records("orders")[-1]
+        assert record.partition is not None and record.offset is not None
+        assert h.broker.committed("billing", "orders", record.partition) == record.offset + 1
+        assert h.deliver() == []  # the group's committed offsets are shared with deliver()
