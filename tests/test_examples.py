@@ -80,3 +80,10 @@ def test_billing_example_applies_once_and_alerts_the_webhook(db_url):
     assert [(r.order_id, r.state) for r in rows] == [(1, "paid")]
     assert [(a["kind"], a["key"], a["message_id"]) for a in _Hook.received] == [
         ("key_parked", "2", str(orphan.message_id))]
+
+
+def test_the_unit_test_example_passes(tmp_path):
+    """examples/orders_unit_test.py: a service's unit test on OutboxTestHarness, no servers."""
+    from examples import orders_unit_test
+
+    orders_unit_test.test_placing_an_order_publishes_it_and_billing_invoices_it_once(tmp_path)

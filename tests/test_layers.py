@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-MODULES = ["transports", "transports.kafka", "transports.kafka_python", "transports.testing"]
+MODULES = ["transports", "transports.kafka", "transports.kafka_python", "transports.memory",
+           "transports.testing"]
 FRAMEWORK = ("outbox", "sqlalchemy", "pydantic", "prometheus_client")
 
 

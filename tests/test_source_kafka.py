@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import ConfigurationError
-from transports import Source
+from transports import Record, Source
 from transports.kafka import KafkaSource
+from transports.testing import SourceConformance
 
 FAST = {"fetch_max_wait_ms": 10, "session_timeout_ms": 4000, "heartbeat_interval_ms": 500}
 
@@ -76,3 +78,35 @@ def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic
         assert position.offset == 4
     finally:
         probe.close()
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+class TestKafkaSourceConformance(SourceConformance):
+    """The suite ``transports.memory.InMemorySource`` passes too: the double is held to the real one."""
+
+    quiet_seconds = 0.5
+
+    @pytest.fixture
+    def make_source(self, kafka: str) -> Iterator[Callable[[str, Sequence[str]], Source]]:
+        made: list[KafkaSource] = []
+
+        def make(group: str, topics: Sequence[str]) -> Source:
+            made.append(KafkaSource(bootstrap_servers=kafka, group_id=group, topics=topics, **FAST))
+            return made[-1]
+
+        yield make
+        for source in made:
+            source.close()
+
+    @pytest.fixture
+    def produce(self, kafka: str) -> Callable[[Sequence[Record]], None]:
+        def produce(records: Sequence[Record]) -> None:
+            producer = Producer({"bootstrap.servers": kafka, "log_level": 3})
+            for record in records:
+                assert record.partition is not None
+                producer.produce(record.topic, record.value, record.key, partition=record.partition,
+                                 headers=record.headers)
+            assert producer.flush(10) == 0
+
+        return produce

@@ -6,6 +6,10 @@ tests. Subclass it in a test module and provide two fixtures: ``transport``
 (a topic name no other test uses, auto-created with several partitions). Every
 transport of this package passes it; a third-party transport should too.
 
+``SourceConformance`` is the contract of ``transports.Source`` the same way
+(fixtures ``make_source``, ``produce`` and ``topic``); ``KafkaSource`` and
+``transports.memory.InMemorySource`` pass it.
+
 ``FaultyTransport`` wraps a real transport and fails a share of sends in the two
 ways real brokers do (never sent; sent but the acknowledgement lost), while
 keeping the per-key contract, so relay tests can prove ordering and no loss.
@@ -27,7 +31,7 @@ from typing import cast
 
 from transports._partitioner import partition_for_key
 
-from ._protocol import Outcome, Record, SendResult, Transport
+from ._protocol import Outcome, Record, SendResult, Source, Transport
 from ._waves import NOT_SENT
 
 INJECTED_NOT_SENT = "injected fault: not sent"
@@ -223,6 +227,17 @@ class TransportConformance:
     rejects_oversized = True
     oversized_value = b"x" * 1_100_000
 
+    def read_back(self, kafka: str, topic: str, *, expected: int, settle: float = 0.0) -> list[Record]:
+        """What the broker at fixture ``kafka`` holds on ``topic``, in (partition, offset) order.
+
+        Override it (with ``partition_count_of``) for a broker that is not reached by address,
+        such as ``transports.memory.InMemoryBroker``: its fixture ``kafka`` is then that broker.
+        """
+        return read_topic(kafka, topic, expected=expected, settle=settle)
+
+    def partition_count_of(self, kafka: str, topic: str) -> int:
+        return partition_count(kafka, topic)
+
     def _records(self, topic: str, keys: Sequence[str | None], tag: str = "") -> list[Record]:
         return [
             Record(topic=topic, value=f"{tag}{i}".encode(), key=None if k is None else k.encode(),
@@ -239,7 +254,7 @@ class TransportConformance:
         records = self._records(topic, ["a", "b", None, "a", "c", None, "b"])
         results = transport.publish(records)
         assert [r.outcome for r in results] == [Outcome.DELIVERED] * len(records)
-        written = {(r.partition, r.offset): r for r in read_topic(kafka, topic, expected=len(records))}
+        written = {(r.partition, r.offset): r for r in self.read_back(kafka, topic, expected=len(records))}
         for record, result in zip(records, results, strict=True):
             assert result.partition is not None and result.offset is not None
             found = written[(result.partition, result.offset)]
@@ -251,7 +266,7 @@ class TransportConformance:
         keys = [f"k{i % 7}" for i in range(70)]
         results = transport.publish(self._records(topic, keys))
         assert all(r.outcome is Outcome.DELIVERED for r in results)
-        partitions = partition_count(kafka, topic)
+        partitions = self.partition_count_of(kafka, topic)
         by_key: dict[str, list[tuple[int, int]]] = {}
         for key, result in zip(keys, results, strict=True):
             assert result.partition == partition_for_key(key.encode(), partitions)
@@ -276,7 +291,7 @@ class TransportConformance:
             Outcome.DELIVERED, Outcome.FAILED, Outcome.RETRY, Outcome.DELIVERED, Outcome.DELIVERED
         ]
         assert results[1].error and results[2].error
-        written = read_topic(kafka, topic, expected=3)
+        written = self.read_back(kafka, topic, expected=3)
         assert sorted(r.value for r in written) == [b"0", b"3", b"4"]
 
     def test_a_key_stopped_on_one_topic_flows_on_another(
@@ -292,7 +307,7 @@ class TransportConformance:
         assert [r.outcome for r in results] == [
             Outcome.FAILED, Outcome.RETRY, Outcome.DELIVERED, Outcome.DELIVERED
         ]
-        assert [r.value for r in read_topic(kafka, other, expected=2)] == [b"o0", b"o1"]
+        assert [r.value for r in self.read_back(kafka, other, expected=2)] == [b"o0", b"o1"]
 
     def test_a_hot_key_is_delivered_in_order(self, transport: Transport, kafka: str, topic: str) -> None:
         """Many records of one key in one batch, among other keys: all delivered, in order."""
@@ -302,7 +317,7 @@ class TransportConformance:
         assert [r.outcome for r in results] == [Outcome.DELIVERED] * len(records)
         hot = [(r.partition, r.offset) for k, r in zip(keys, results, strict=True) if k == "hot"]
         assert len({p for p, _ in hot}) == 1 and hot == sorted(hot) and len(set(hot)) == len(hot)
-        written = [r for r in read_topic(kafka, topic, expected=len(records)) if r.key == b"hot"]
+        written = [r for r in self.read_back(kafka, topic, expected=len(records)) if r.key == b"hot"]
         assert [r.value for r in written] == [r.value for r in records if r.key == b"hot"]
 
     def test_a_hot_key_stops_at_its_failed_record(self, transport: Transport, kafka: str, topic: str) -> None:
@@ -314,5 +329,72 @@ class TransportConformance:
         results = transport.publish(records)
         assert [r.outcome for r in results] == (
             [Outcome.DELIVERED] * 7 + [Outcome.FAILED] + [Outcome.RETRY] * 22 + [Outcome.DELIVERED] * 3)
-        written = read_topic(kafka, topic, expected=10, settle=0.5)
+        written = self.read_back(kafka, topic, expected=10, settle=0.5)
         assert [r.value for r in written if r.key == b"hot"] == [f"{i}".encode() for i in range(7)]
+
+
+SourceFactory = Callable[[str, Sequence[str]], Source]
+"""``make_source(group_id, topics)``: a new source on the conformance broker, closed by the fixture."""
+Produce = Callable[[Sequence[Record]], None]
+"""``produce(records)``: writes each record to its ``topic`` and ``partition`` (both set), in order."""
+
+
+class SourceConformance:
+    """The ``Source`` contract as tests; subclass and provide ``make_source``, ``produce`` and ``topic``.
+
+    ``topic`` must have at least two partitions. What is held here is what the
+    inbox relies on: each partition in offset order with what was written; a
+    new group starts at the earliest record; only committed positions survive
+    a restart (the rest is delivered again, from the first uncommitted
+    offset); closing revokes the held partitions first.
+    """
+
+    #: How long a poll must come back empty to show nothing more is coming.
+    quiet_seconds = 1.0
+    #: The longest wait for records that were written (a group join on a real broker).
+    deadline_seconds = 30.0
+
+    def _poll_until(self, source: Source, count: int) -> list[Record]:
+        records: list[Record] = []
+        deadline = time.monotonic() + self.deadline_seconds
+        while len(records) < count and time.monotonic() < deadline:
+            records.extend(source.poll(100, 0.2))
+        assert len(records) >= count, f"{len(records)} of {count} records came before the deadline"
+        records.extend(source.poll(100, self.quiet_seconds))  # and nothing beyond them
+        return records
+
+    @staticmethod
+    def _written(topic: str, partition: int, values: Sequence[str], key: bytes | None = b"k") -> list[Record]:
+        return [Record(topic=topic, value=v.encode(), key=key, headers=[("n", v.encode())],
+                       partition=partition) for v in values]
+
+    def test_delivers_as_written_and_only_committed_positions_survive_a_restart(
+        self, make_source: SourceFactory, produce: Produce, topic: str
+    ) -> None:
+        """One test, because on a real broker every group join costs seconds."""
+        written = [*self._written(topic, 0, ["a0", "a1", "a2", "a3", "a4"]),
+                   *self._written(topic, 1, ["b0", "b1"], key=None)]
+        produce(written)
+        group = f"g-{topic}"
+        first = make_source(group, [topic])  # a new group: from the earliest record
+        revoked: list[tuple[str, int]] = []
+        first.on_revoke(revoked.extend)
+        records = self._poll_until(first, len(written))
+        assert len(records) == len(written)
+        for partition in (0, 1):
+            mine = [r for r in records if r.partition == partition]
+            expected = [w for w in written if w.partition == partition]
+            assert [r.offset for r in mine] == list(range(len(expected)))
+            assert [(r.topic, r.key, r.value, r.headers) for r in mine] == [
+                (w.topic, w.key, w.value, w.headers) for w in expected]
+        assigned = getattr(first, "assigned", None)
+        if assigned is not None:
+            assert {(topic, 0), (topic, 1)} <= assigned()
+        first.commit({(topic, 0): 3})  # a0..a2 finished; nothing of partition 1
+        first.close()
+        assert {(topic, 0), (topic, 1)} <= set(revoked), "closing revokes the held partitions first"
+
+        second = make_source(group, [topic])  # the restart: from the committed positions
+        again = self._poll_until(second, 4)
+        assert sorted((r.partition, r.offset, r.value) for r in again) == [
+            (0, 3, b"a3"), (0, 4, b"a4"), (1, 0, b"b0"), (1, 1, b"b1")]

@@ -5,8 +5,17 @@
 mock cluster); ``local_postgres()`` runs a throwaway cluster directly, and
 ``local_postgres_server()`` one a test can stop and start again;
 ``local_mariadb()`` the same for MariaDB.
+
+For a service's own unit tests, without servers: ``OutboxTestHarness`` runs
+the real relay and inbox on ``InMemoryBroker`` (with ``InMemoryTransport``
+and ``InMemorySource``, held to the same conformance suites as the Kafka
+transport and source); see docs/testing.md, "Testing your service without
+servers".
 """
 
+from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
+
+from ._harness import OutboxTestHarness
 from ._mariadb import LocalMariaDB, fresh_mysql_database, local_mariadb, mariadb_binaries
 from ._postgres import (
     FAST_SETTINGS,
@@ -33,8 +42,12 @@ __all__ = [
     "KAFKA_BOOTSTRAP_VARIABLE",
     "MYSQL_URL_VARIABLE",
     "POSTGRES_URL_VARIABLE",
+    "InMemoryBroker",
+    "InMemorySource",
+    "InMemoryTransport",
     "LocalMariaDB",
     "LocalPostgres",
+    "OutboxTestHarness",
     "Unavailable",
     "docker_engine_answers",
     "free_port",
