@@ -101,6 +101,24 @@ def test_guessing_the_token_locks_the_client_out_the_right_token_included(
     assert sign_in(guesser, TOKEN).status_code == 200
 
 
+def test_an_ipv6_guesser_cannot_rotate_addresses_within_its_own_network(
+    sqlite_outbox: Outbox, clock: Clock
+) -> None:
+    """Anyone given an IPv6 /64 (every home line, every cloud VM) holds 2**64 addresses.
+
+    Counted per address, each new one would bring 5 free guesses: unlimited guessing.
+    Counted per /64, the whole network shares one count; another network is not affected.
+    """
+    app = create_app(sqlite_outbox, operators=Operators(token=TOKEN))
+    answers = []
+    for i in range(12):
+        guesser = browser(app, f"2001:db8:1:2::{i + 1:x}")
+        answers.append(sign_in(guesser, f"guess-{i:04d}-of-it").status_code)
+    assert answers[:5] == [401] * 5 and set(answers[6:]) == {429}, answers
+    assert sign_in(browser(app, "2001:db8:1:3::1"), TOKEN).status_code == 200
+    assert sign_in(browser(app, "::ffff:203.0.113.9"), TOKEN).status_code == 200
+
+
 def test_guessing_a_users_password_locks_that_user_from_every_address(
     sqlite_outbox: Outbox, clock: Clock
 ) -> None:
