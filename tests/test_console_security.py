@@ -323,3 +323,28 @@ def test_a_database_outage_shows_and_logs_no_database_password(every_log: pytest
     assert page.status_code == 500
     assert "s3cret-db-pw" not in page.text + every_log.text
     assert "s3cret-db-pw" not in repr(outbox.engine)
+
+
+def test_a_client_gone_before_its_body_ended_is_no_error(sqlite_outbox: Outbox) -> None:
+    """A POST whose client hangs up mid-body (or is cut off by the request deadline) ended in an
+    unhandled ``ClientDisconnect``: an ERROR traceback in the log per anonymous request."""
+    import asyncio
+
+    app = create_app(sqlite_outbox, operators=Operators(token=TOKEN))
+    messages = [{"type": "http.request", "body": b"csrf=x&name=", "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/login", "raw_path": b"/login", "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/x-www-form-urlencoded"),
+                         (b"content-length", b"100")],
+             "client": ("203.0.113.7", 5000), "server": ("127.0.0.1", 8470)}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
+    assert sent and sent[0]["status"] == 400
