@@ -275,3 +275,20 @@ def test_an_unencoded_password_that_breaks_the_url_is_a_clear_error_without_it(p
         assert "percent-encode" in str(exc)
         for piece in database_secrets(url):
             assert piece not in str(exc), (piece, str(exc))
+
+
+@pytest.mark.parametrize("key", ["sasl.oauthbearer.assertion.private.key.passphrase",
+                                 "sasl.oauthbearer.assertion.private.key.pem"])
+def test_the_oauth_assertion_key_and_its_passphrase_stay_out_of_reprs(key: str) -> None:
+    """librdkafka 2.10+ signs OAUTHBEARER assertions with a private key given in the settings;
+    neither "password" nor "secret" is in these names, and their values were shown in reprs."""
+    from transports.kafka import KafkaSource, KafkaTransport
+
+    secret = "S3cr3t-assertion-key-Zz9q"
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:9", **{key: secret})
+    shown = repr(transport)
+    transport.close(0.1)
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], settings={key: secret})
+    shown += repr(source)
+    source.close()
+    assert secret not in shown and key in shown
