@@ -12,6 +12,9 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 
+from ._errors import ConfigurationError
+from ._secrets import database_url
+
 
 def create_engine(url: str, **kwargs: Any) -> Engine:
     """An engine ready for concurrent outbox writers and a relay.
@@ -29,7 +32,7 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     the TCP connection and never answers (frozen, overloaded) would otherwise
     hold a worker in ``connect`` for good.
     """
-    parsed = sqlalchemy.make_url(url)
+    parsed = _parsed(url)
     connect_args = kwargs.get("connect_args", {})
     driver = parsed.get_dialect().driver
     timeout = _connect_timeout(driver, parsed.query, connect_args)
@@ -43,6 +46,23 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     return engine
+
+
+def _parsed(url: str) -> sqlalchemy.URL:
+    """``url`` parsed, or a ``ConfigurationError`` that says why and quotes no credential.
+
+    A password with an unescaped ``@``, ``:`` or ``/`` cuts the URL elsewhere:
+    SQLAlchemy's own error is ``invalid literal for int() … '99@db:5432'``, a
+    piece of the password and no word about the cause.
+    """
+    try:
+        return sqlalchemy.make_url(url)
+    except ValueError:
+        raise ConfigurationError(
+            f"the database URL {database_url(str(url))} cannot be parsed "
+            "(a port that is not a number, most often cut from a password): "
+            "percent-encode a password that holds @, : or / (urllib.parse.quote(password, safe=''))"
+        ) from None
 
 
 CONNECT_TIMEOUT = 10
@@ -174,8 +194,8 @@ def missing_sqlite_file(url: str) -> str | None:
     """
     try:
         parsed = sqlalchemy.make_url(url)
-    except sqlalchemy.exc.ArgumentError:
-        return None  # not a URL at all: create_engine says so
+    except (sqlalchemy.exc.ArgumentError, ValueError):
+        return None  # not a URL at all, or a port cut from a password: create_engine says so
     if not parsed.drivername.startswith("sqlite"):
         return None
     path = parsed.database or ""
@@ -186,7 +206,7 @@ def missing_sqlite_file(url: str) -> str | None:
 
 def create_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """``create_engine`` for asyncio drivers (``postgresql+psycopg``, ``sqlite+aiosqlite``)."""
-    parsed = sqlalchemy.make_url(url)
+    parsed = _parsed(url)
     connect_args = kwargs.get("connect_args", {})
     timeout = _connect_timeout(parsed.get_dialect().driver, parsed.query, connect_args)
     if timeout:

@@ -46,8 +46,10 @@ def run_with_stop_bound(
     body: Callable[[], None], *, stop: Callable[[], None], stopping: Callable[[], bool],
     name: str, what: str, log: logging.Logger, stop_timeout: float = STOP_TIMEOUT,
     install_signal_handlers: bool = True,
-) -> None:
+) -> threading.Thread | None:
     """Run ``body`` on a daemon thread ``name``; return when it ends or ``stop_timeout`` s after a stop.
+
+    Returns the thread when it was left behind still running, else None.
 
     ``stop()`` asks ``body`` to end (SIGTERM and SIGINT call it too, when this
     runs on the main thread and ``install_signal_handlers``); ``stopping()``
@@ -79,7 +81,7 @@ def run_with_stop_bound(
                         "not return); returning without it: uncommitted offsets are delivered again and "
                         "dropped as duplicates, unmarked rows are sent again, leases expire by their TTL",
                         what, time.monotonic() - asked)
-                    return
+                    return thread
                 break
     except BaseException:
         stop()  # KeyboardInterrupt or the like in the waiting thread: the loop must not outlive it
@@ -88,6 +90,43 @@ def run_with_stop_bound(
         restore()
     if failure:
         raise failure[0]
+    return None
+
+
+class RunOnce:
+    """A worker's ``run``: one at a time, and a ``stop()`` that came before it is kept.
+
+    An application that starts ``run`` on a thread and shuts down at once may
+    call ``stop()`` before that thread reached ``run``: clearing the stop at the
+    start of ``run`` lost it, and the thread ran on forever. So the stop is
+    cleared when ``run`` returns instead. A loop left behind at its stop (in a
+    call that has not returned) still waits to see that stop: a new ``run``
+    would clear it and revive the old loop beside the new one, so ``run`` is
+    refused while it lives, as it is while another ``run`` is running.
+    """
+
+    def __init__(self, stopping: threading.Event, what: str) -> None:
+        self._stopping, self._what = stopping, what
+        self._running = threading.Lock()
+        self._behind: threading.Thread | None = None
+
+    def run(self, start: Callable[[], threading.Thread | None]) -> None:
+        """``start()`` (which calls ``run_with_stop_bound``), guarded as the class doc says."""
+        if not self._running.acquire(blocking=False):
+            raise ConfigurationError(f"{self._what}: run() is already running (one run at a time)")
+        try:
+            if self._behind is not None:
+                if self._behind.is_alive():
+                    raise ConfigurationError(
+                        f"{self._what}: the loop of the previous run() is still running (left behind at "
+                        "its stop, in a broker or database call that has not returned); make a new one")
+                self._behind = None
+                self._stopping.clear()  # that run's stop, seen by its loop at last: not a new one
+            self._behind = start()
+        finally:
+            if self._behind is None:
+                self._stopping.clear()  # returned: the next run starts afresh
+            self._running.release()
 
 
 def _install(stop: Callable[[], None]) -> Callable[[], None]:

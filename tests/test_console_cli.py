@@ -215,3 +215,59 @@ def test_behind_a_trusted_proxy_cookies_are_secure_and_guesses_count_per_real_cl
     plain = sign_in(stranger, TOKEN)
     assert plain.status_code == 200 and "secure" not in plain.headers["set-cookie"].lower()
     assert sign_in(stranger, "w" * 20).status_code == 401 and "from client 10.0.0.6" in caplog.text
+
+
+def test_a_client_that_never_finishes_its_request_is_cut_off(
+    sqlite_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slowloris: uvicorn alone kept a silent connection, a half-sent header or a half-sent body
+    open for good (a file descriptor each, anonymous). As ``outbox console`` serves it, each
+    request must arrive whole within ``REQUEST_TIMEOUT``; a complete one is answered as before."""
+    import threading
+
+    import uvicorn
+
+    from outbox.console import _serve
+
+    Outbox(create_engine(sqlite_db)).create_tables()
+    monkeypatch.delenv("OUTBOX_CONSOLE_TOKEN", raising=False)
+    monkeypatch.delenv("OUTBOX_CONSOLE_USERS", raising=False)
+    monkeypatch.setattr(_serve, "REQUEST_TIMEOUT", 0.5)
+    configs: list[uvicorn.Config] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: configs.append(self.config))
+    assert CliRunner().invoke(app, ["console", "--db", sqlite_db]).exit_code == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(_serve, "REQUEST_TIMEOUT", 0.5)
+    [config] = configs
+    config.port = port = free_port()
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "the console did not start"
+            time.sleep(0.02)
+        slow = [b"", b"GET / HTTP/1.1\r\nHost: x\r\nX-a: b",
+                b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab"]
+        sockets = []
+        for first in slow:
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(first)
+            s.settimeout(10)
+            sockets.append(s)
+        for first, s in zip(slow, sockets, strict=True):
+            started = time.monotonic()
+            try:
+                while s.recv(4096):  # an early answer (a refusal) may come first; then the close
+                    pass
+            except ConnectionResetError:
+                pass
+            except TimeoutError:
+                pytest.fail(f"{first!r} still held its connection after 10 s")
+            assert time.monotonic() - started < 5, f"{first!r} held its connection"
+            s.close()
+        assert get(f"http://127.0.0.1:{port}/ping")[0] == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)

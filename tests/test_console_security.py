@@ -101,6 +101,24 @@ def test_guessing_the_token_locks_the_client_out_the_right_token_included(
     assert sign_in(guesser, TOKEN).status_code == 200
 
 
+def test_an_ipv6_guesser_cannot_rotate_addresses_within_its_own_network(
+    sqlite_outbox: Outbox, clock: Clock
+) -> None:
+    """Anyone given an IPv6 /64 (every home line, every cloud VM) holds 2**64 addresses.
+
+    Counted per address, each new one would bring 5 free guesses: unlimited guessing.
+    Counted per /64, the whole network shares one count; another network is not affected.
+    """
+    app = create_app(sqlite_outbox, operators=Operators(token=TOKEN))
+    answers = []
+    for i in range(12):
+        guesser = browser(app, f"2001:db8:1:2::{i + 1:x}")
+        answers.append(sign_in(guesser, f"guess-{i:04d}-of-it").status_code)
+    assert answers[:5] == [401] * 5 and set(answers[6:]) == {429}, answers
+    assert sign_in(browser(app, "2001:db8:1:3::1"), TOKEN).status_code == 200
+    assert sign_in(browser(app, "::ffff:203.0.113.9"), TOKEN).status_code == 200
+
+
 def test_guessing_a_users_password_locks_that_user_from_every_address(
     sqlite_outbox: Outbox, clock: Clock
 ) -> None:
@@ -305,3 +323,28 @@ def test_a_database_outage_shows_and_logs_no_database_password(every_log: pytest
     assert page.status_code == 500
     assert "s3cret-db-pw" not in page.text + every_log.text
     assert "s3cret-db-pw" not in repr(outbox.engine)
+
+
+def test_a_client_gone_before_its_body_ended_is_no_error(sqlite_outbox: Outbox) -> None:
+    """A POST whose client hangs up mid-body (or is cut off by the request deadline) ended in an
+    unhandled ``ClientDisconnect``: an ERROR traceback in the log per anonymous request."""
+    import asyncio
+
+    app = create_app(sqlite_outbox, operators=Operators(token=TOKEN))
+    messages = [{"type": "http.request", "body": b"csrf=x&name=", "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/login", "raw_path": b"/login", "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/x-www-form-urlencoded"),
+                         (b"content-length", b"100")],
+             "client": ("203.0.113.7", 5000), "server": ("127.0.0.1", 8470)}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
+    assert sent and sent[0]["status"] == 400

@@ -134,3 +134,31 @@ def test_the_watch_starts_at_the_first_poll_and_not_without_statistics() -> None
     finally:
         source.close()
         quiet.close()
+
+
+@pytest.mark.kafka
+def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silence(kafka: str) -> None:
+    """A user's ``statistics.interval.ms`` longer than ``rejoin_after``: no report yet is no evidence.
+
+    Joined and consuming, it got no statistics within ``rejoin_after`` because none were due;
+    replacing it then (and its successor, for the same silence) would churn the group forever.
+    """
+    from transports.kafka import KafkaSource
+
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    produce_keys(kafka, topic, 1, 1)
+    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
+                         settings={"statistics.interval.ms": 3_600_000}, rejoin_after=0.5)
+    try:
+        got: list[object] = []
+        deadline = time.monotonic() + 30
+        while not got:
+            assert time.monotonic() < deadline, "never consumed"
+            got += source.poll(10, 0.2)
+        end = time.monotonic() + 1.5  # three times rejoin_after, the broker answering throughout
+        while time.monotonic() < end:
+            source.poll(10, 0.1)
+        assert source.rejoins == 0
+        assert source.group_problem() is None
+    finally:
+        source.close()

@@ -33,6 +33,7 @@ from typer.testing import CliRunner
 
 from outbox import Alert, ConfigurationError, WebhookAlertSink
 from outbox._alerts import deliver
+from outbox._secrets import database_secrets
 from outbox.cli import app
 from outbox.testing._postgres import free_port
 
@@ -255,3 +256,39 @@ def test_readyz_never_serves_a_piece_of_the_database_password(secret: str) -> No
         reason = DatabaseCheck(engine, timeout=5)()
         assert reason is not None and reason.startswith("database")
         assert not leaks(secret, reason), reason
+
+
+@settings(max_examples=200, deadline=None)
+@example("Pg@Secret:99")
+@given(st.text(alphabet="abcdefXYZ0123456789@:/", min_size=8, max_size=24).filter(
+    lambda p: any(c in p for c in "@:/")))
+def test_an_unencoded_password_that_breaks_the_url_is_a_clear_error_without_it(password: str) -> None:
+    """``create_engine`` with ``@``, ``:`` or ``/`` left in the password: it parses, or it refuses
+    with a ``ConfigurationError`` that says to percent-encode and quotes no piece of the password
+    (SQLAlchemy's own ``invalid literal for int() … '99@127.0.0.1'`` names neither)."""
+    from outbox import create_engine
+
+    url = f"postgresql+psycopg://app:{password}@db.example:5432/app"
+    try:
+        create_engine(url).dispose()
+    except ConfigurationError as exc:
+        assert "percent-encode" in str(exc)
+        for piece in database_secrets(url):
+            assert piece not in str(exc), (piece, str(exc))
+
+
+@pytest.mark.parametrize("key", ["sasl.oauthbearer.assertion.private.key.passphrase",
+                                 "sasl.oauthbearer.assertion.private.key.pem"])
+def test_the_oauth_assertion_key_and_its_passphrase_stay_out_of_reprs(key: str) -> None:
+    """librdkafka 2.10+ signs OAUTHBEARER assertions with a private key given in the settings;
+    neither "password" nor "secret" is in these names, and their values were shown in reprs."""
+    from transports.kafka import KafkaSource, KafkaTransport
+
+    secret = "S3cr3t-assertion-key-Zz9q"
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:9", **{key: secret})
+    shown = repr(transport)
+    transport.close(0.1)
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], settings={key: secret})
+    shown += repr(source)
+    source.close()
+    assert secret not in shown and key in shown

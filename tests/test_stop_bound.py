@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from _relay_helpers import publish
+from _relay_helpers import ScriptedTransport, publish, wait_for
 
 from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
 from outbox.faststream._threads import in_daemon_thread
@@ -240,3 +240,81 @@ def test_the_subscribers_thread_never_holds_the_process_at_exit() -> None:
     assert asyncio.run(main()) == "done"  # to_thread: asyncio.run would wait for the thread
     assert time.monotonic() - started < MARGIN
     release.set()
+
+
+def _in_thread(run: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+class IdleSource(DeadBrokerSource):
+    """Nothing to deliver, and a close that returns."""
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stop_asked_before_run_is_kept_and_the_worker_runs_again_after(sqlite_db: str) -> None:
+    """An application starts ``run`` on a thread and shuts down at once: its ``stop()`` may come
+    before the thread reached ``run``. ``run`` cleared it and ran on forever (the join hung)."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    inbox = Inbox(engine, group="stop")
+    inbox.handler("orders")(apply_effect)
+    transport = ScriptedTransport()
+    relay = Relay(outbox, transport, poll_interval=0.05)
+    workers: list[tuple[Callable[[], None], Callable[[], None]]] = [
+        (relay.stop, lambda: relay.run(stop_timeout=STOP_TIMEOUT)),
+        (inbox.stop, lambda: inbox.run(IdleSource([]), stop_timeout=STOP_TIMEOUT)),
+    ]
+    try:
+        for stop, run in workers:
+            stop()
+            thread = _in_thread(run)
+            thread.join(STOP_TIMEOUT + MARGIN)
+            assert not thread.is_alive(), f"{run} lost the stop asked before it ran"
+        # Once returned, it runs again until the next stop.
+        thread = _in_thread(lambda: relay.run(stop_timeout=STOP_TIMEOUT))
+        publish(outbox, "orders", ["k1"])
+        wait_for(lambda: transport.sent, 10, "the relay's second run to publish")
+        relay.stop()
+        thread.join(STOP_TIMEOUT + MARGIN)
+        assert not thread.is_alive()
+    finally:
+        relay.stop()
+        inbox.stop()
+    engine.dispose()
+
+
+def test_run_is_refused_while_a_loop_left_behind_at_its_stop_still_runs(sqlite_db: str) -> None:
+    """A second ``run`` would clear the stop the first loop (stuck in a broker call) waits to see:
+    two loops on one relay, the old one resuming once its call returns."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    publish(outbox, "orders", ["k1"])
+    transport = DeadBrokerTransport()
+    relay = Relay(outbox, transport, poll_interval=0.05)
+    thread = _in_thread(lambda: relay.run(stop_timeout=STOP_TIMEOUT))
+    assert transport.hang.entered.wait(10)
+    relay.stop()
+    thread.join(STOP_TIMEOUT + MARGIN)
+    assert not thread.is_alive()
+    refused: list[ConfigurationError] = []
+
+    def again() -> None:
+        try:
+            relay.run(stop_timeout=STOP_TIMEOUT)
+        except ConfigurationError as exc:
+            refused.append(exc)
+
+    second = _in_thread(again)
+    second.join(STOP_TIMEOUT + MARGIN)
+    try:
+        assert refused and "still running" in str(refused[0]), "a second loop was started"
+        assert relay._stopping.is_set(), "the stop the first loop waits to see was cleared"
+    finally:
+        relay.stop()
+    engine.dispose()

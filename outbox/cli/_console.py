@@ -58,7 +58,7 @@ def console(
         import uvicorn
 
         from ..console import Operators, create_app
-        from ..console._serve import serve_until_stopped
+        from ..console._serve import BoundedH11, serve_until_stopped
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
     operators = Operators.from_env()
@@ -84,7 +84,7 @@ def console(
                   "network)[/yellow]")
     # No access log: URLs name groups and keys; proxy headers only from the proxies named.
     config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            proxy_headers=True, forwarded_allow_ips=forwarded_allow_ips)
+                            proxy_headers=True, forwarded_allow_ips=forwarded_allow_ips, http=BoundedH11)
     server = uvicorn.Server(config)
     err.print(f"outbox console on http://{host}:{port}/ (Ctrl-C stops it)")
     serve_until_stopped(server)

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .._errors import ConfigurationError
@@ -32,7 +32,10 @@ MAX_FORM_ITEMS = 1000
 
 async def _form(request: Request, max_fields: int = MAX_FORM_ITEMS + 10) -> FormData:
     # The body is already bounded (``_limits.BodyLimit``); this bounds the fields parsed from it.
-    return await request.form(max_files=0, max_fields=max_fields)
+    try:
+        return await request.form(max_files=0, max_fields=max_fields)
+    except ClientDisconnect:  # hung up (or cut off by the request deadline) mid-body: not our error
+        raise Refused(400, "the request ended before its body did") from None
 
 
 def _back(request: Request, form: FormData, default: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import math
 
 from starlette.requests import Request
@@ -28,8 +29,22 @@ audit = safe_logger("outbox.console.audit")
 
 
 def client_of(request: Request) -> str:
-    """The client's address as the server saw it (behind a trusted proxy: X-Forwarded-For's)."""
-    return f"client {request.client.host if request.client else 'unknown'}"
+    """The client's address as the server saw it (behind a trusted proxy: X-Forwarded-For's).
+
+    An IPv6 client is named by its /64 network: whoever has one address there
+    (a home line, a cloud VM) can use all 2**64, and counted one by one each
+    would bring its own free guesses. An IPv4-mapped address is its IPv4 one.
+    """
+    host = request.client.host if request.client else "unknown"
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return f"client {host}"
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return f"client {address.ipv4_mapped}"
+        return f"client {ipaddress.ip_network(f'{address}/64', strict=False)}"
+    return f"client {address}"
 
 
 class Gate:

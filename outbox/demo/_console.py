@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from ..console import Operators
-    from ..console._serve import serve_until_stopped
+    from ..console._serve import BoundedH11, serve_until_stopped
 
 
 def serve_console(workdir: Path, *, host: str = "127.0.0.1", port: int = 8470,
@@ -36,7 +36,7 @@ def serve_console(workdir: Path, *, host: str = "127.0.0.1", port: int = 8470,
         operators = Operators(token=token)
         console.print(f"console token for this run: [bold]{token}[/] (sign in with any name)")
     server = uvicorn.Server(uvicorn.Config(demo_console(workdir, operators), host=host, port=port,
-                                           log_level="warning"))
+                                           log_level="warning", http=BoundedH11))
     console.print(f"outbox console: http://{host}:{port}/orders/ and http://{host}:{port}/billing/ "
                   "(Ctrl-C stops it)")
     serve_until_stopped(server)

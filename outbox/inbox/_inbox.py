@@ -30,7 +30,7 @@ from .._alerts import AlertSink, LoggingAlertSink
 from .._envelope import Message
 from .._errors import ConfigurationError
 from .._statements import SUPPORTED_DIALECTS
-from .._stopping import STOP_TIMEOUT, StopRequested
+from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
 from ._admin import ParkedAdmin, ParkedMessage, ReplayResult
@@ -162,6 +162,7 @@ class Inbox:
         self.metrics = InboxMetrics(group)
         self._handlers: dict[str, TopicHandler] = {}
         self._stop = threading.Event()
+        self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         # The pipeline's stages, each handed what it needs: one store owns every statement.
         self.store = InboxStore(self.tables, group, engine.dialect.name)
         self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start,
@@ -292,14 +293,13 @@ class Inbox:
         """
         if not self._handlers:
             raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
-        self._stop.clear()
-        Runner(
+        self._runs.run(lambda: Runner(
             source, decode=functools.partial(decode, accept_foreign=self.accept_foreign),
             settler=self.settler, gaps=self.gaps, metrics=self.metrics, stop=self._stop,
             concurrency=self.concurrency, batch_size=self.batch_size,
             parked_keys=self.admin.parked_key_count, install_signal_handlers=install_signal_handlers,
             stop_timeout=stop_timeout, prepare=self._check_schema,
-        ).run()
+        ).run())
 
     def _check_schema(self) -> None:
         """Refuse old or new tables with what to run; a database that is down is waited for.
@@ -320,7 +320,7 @@ class Inbox:
                 return
 
     def stop(self) -> None:
-        """Ask ``run()`` to return; safe from any thread."""
+        """Ask ``run()`` to return; safe from any thread. Asked before ``run()``, it returns at once."""
         self._stop.set()
 
     @property

@@ -86,9 +86,12 @@ class Runner:
         self._sweep_lock = threading.Lock()
         self._poll_again_at = 0.0
 
-    def run(self) -> None:
-        """Consume until ``stop`` is set (or SIGTERM/SIGINT); back at most ``stop_timeout`` s after it."""
-        run_with_stop_bound(self._consume, stop=self.stop.set, stopping=self.stop.is_set,
+    def run(self) -> threading.Thread | None:
+        """Consume until ``stop`` is set (or SIGTERM/SIGINT); back at most ``stop_timeout`` s after it.
+
+        Returns the loop's thread when it was left behind still running.
+        """
+        return run_with_stop_bound(self._consume, stop=self.stop.set, stopping=self.stop.is_set,
                             name="outbox-inbox-consumer", what="the inbox consumer", log=log,
                             stop_timeout=self.stop_timeout,
                             install_signal_handlers=self.install_signal_handlers)

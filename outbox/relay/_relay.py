@@ -40,7 +40,7 @@ from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
 from .._outage import is_database_outage
 from .._outbox import Outbox
-from .._stopping import STOP_TIMEOUT, run_with_stop_bound
+from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._wheel import TimingWheel
 from ._admin import backlog
 from ._batch import Batch, BatchResult
@@ -163,6 +163,7 @@ class Relay:
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
+        self._runs = RunOnce(self._stopping, f"relay {self.worker_id}")
         self._lease_thread: threading.Thread | None = None
         self._watch_thread: threading.Thread | None = None
         self._next_lease_check = 0.0
@@ -204,11 +205,12 @@ class Relay:
 
         Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
         """
-        self._stopping.clear()
-        self._fatal = None
-        run_with_stop_bound(self._run, stop=self.stop, stopping=self._stopping.is_set,
-                            name="outbox-relay-loop", what=f"relay {self.worker_id}", log=log,
-                            stop_timeout=stop_timeout)
+        def start() -> threading.Thread | None:
+            self._fatal = None
+            return run_with_stop_bound(self._run, stop=self.stop, stopping=self._stopping.is_set,
+                                       name="outbox-relay-loop", what=f"relay {self.worker_id}", log=log,
+                                       stop_timeout=stop_timeout)
+        self._runs.run(start)
 
     def _run(self) -> None:
         try:
@@ -357,7 +359,11 @@ class Relay:
             (utcnow() - min(oldest)).total_seconds() if oldest else 0.0)
 
     def stop(self) -> None:
-        """Ask ``run`` to finish the batch in hand and return; safe from any thread or signal."""
+        """Ask ``run`` to finish the batch in hand and return; safe from any thread or signal.
+
+        Asked before ``run`` (a thread that starts it while the application already stops), ``run``
+        returns at once.
+        """
         self._stopping.set()
         self._wakeup.set()
 

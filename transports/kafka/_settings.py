@@ -121,8 +121,14 @@ def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -
 
 
 def is_secret(key: str) -> bool:
-    """Whether the setting ``key`` (a librdkafka name) holds a credential."""
-    return key in SECRET_KEYS or "password" in key or "secret" in key
+    """Whether the setting ``key`` (a librdkafka name) holds a credential.
+
+    Besides the known names, any password, passphrase or secret, and any private key
+    given inline (``….key.pem``): librdkafka adds such settings release by release
+    (2.10's ``sasl.oauthbearer.assertion.private.key.pem`` and its ``….passphrase``).
+    """
+    return (key in SECRET_KEYS or "password" in key or "passphrase" in key or "secret" in key
+            or key.endswith("key.pem"))
 
 
 def redacted(config: Mapping[str, Any]) -> dict[str, Any]:

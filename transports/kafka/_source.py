@@ -109,6 +109,7 @@ class KafkaSource:
         # without statistics (statistics.interval.ms=0) there is nothing to watch.
         self._watching = int(config["statistics.interval.ms"]) > 0
         self._unjoined_since: float | None = None
+        self._last_report: float | None = None  # when librdkafka last reported the group state
         self._polled = False
         self._next_probe = 0.0
         self._consumer = self._subscribed()
@@ -184,7 +185,7 @@ class KafkaSource:
 
         Safe to call from any thread (the health server's ``/readyz``).
         """
-        since = self._unjoined_since
+        since = self._out_since()
         if since is None:
             return None
         out = time.monotonic() - since
@@ -207,10 +208,22 @@ class KafkaSource:
         self._join_state = state
         if not self._watching:
             return
+        now = self._last_report = time.monotonic()
         if state == "steady":
             self._unjoined_since = None
         elif self._unjoined_since is None:
-            self._unjoined_since = time.monotonic()
+            self._unjoined_since = now
+
+    def _out_since(self) -> float | None:
+        """Since when the consumer is out of its group, once a report said so; else None.
+
+        The clock starts at the first poll, but only a statistics report naming a
+        state other than ``steady`` is evidence: with ``statistics.interval.ms``
+        longer than ``rejoin_after``, no report yet is only silence, and acting on
+        it would replace every consumer (and each successor) before it joined.
+        """
+        since, reported = self._unjoined_since, self._last_report
+        return since if since is not None and reported is not None and reported >= since else None
 
     def _watch_group(self) -> None:
         now = time.monotonic()
@@ -218,7 +231,7 @@ class KafkaSource:
             self._polled = True
             if self._watching and self._unjoined_since is None:
                 self._unjoined_since = now
-        since = self._unjoined_since
+        since = self._out_since()
         if since is None or now - since < self.rejoin_after or now < self._next_probe:
             return
         self._next_probe = now + _PROBE_EVERY
@@ -238,7 +251,7 @@ class KafkaSource:
         self.rejoins += 1
         old, self._consumer = self._consumer, self._subscribed()
         self._join_state = "init"
-        self._unjoined_since = time.monotonic()
+        self._unjoined_since, self._last_report = time.monotonic(), None
         # Its close may wait for the request that never came back: never on this thread.
         threading.Thread(target=_close_quietly, args=(old,), name="outbox-consumer-retired",
                          daemon=True).start()
