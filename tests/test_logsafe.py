@@ -6,6 +6,8 @@ import importlib
 import io
 import logging
 import pkgutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,14 +87,31 @@ def test_an_exception_message_cannot_add_a_line_to_its_traceback(
     assert "RuntimeError: while sending k\\nINFO outbox.relay all clear" in lines
 
 
+_LIST_LOGGERS = """
+import importlib, logging, pkgutil, outbox, transports
+for package in (outbox, transports):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+print("\\n".join(sorted(name for name, logger in logging.Logger.manager.loggerDict.items()
+                        if isinstance(logger, logging.Logger)
+                        and name.split(".")[0] in {"outbox", "transports"})))
+"""
+
+
 def _library_loggers() -> list[str]:
-    """Every logger a module of the two packages made, once all of them are imported."""
-    for package in (outbox, transports):
+    """Every logger a module of the two packages makes, once all of them are imported.
+
+    Listed by a fresh interpreter: in this one, tests create loggers of their own
+    (``caplog.set_level(logger=...)``), which are not the library's.
+    """
+    listed = subprocess.run([sys.executable, "-c", _LIST_LOGGERS], capture_output=True, text=True,
+                            check=True, timeout=120)
+    for package in (outbox, transports):  # the same modules here, so the filters are attached
         for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
             if not module.name.endswith("__main__"):
                 importlib.import_module(module.name)
-    return sorted(name for name, logger in logging.Logger.manager.loggerDict.items()
-                  if isinstance(logger, logging.Logger) and name.split(".")[0] in {"outbox", "transports"})
+    return listed.stdout.split()
 
 
 def test_every_library_logger_escapes() -> None:
