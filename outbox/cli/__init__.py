@@ -21,7 +21,7 @@ def _root() -> None:
     """Transactional outbox: database set-up, relay, inbox and audits."""
 
 
-from . import _console, _db, _demo, _inbox, _relay, _spark, _status  # noqa: E402,F401  (each adds commands)
+from . import _console, _db, _demo, _dev_broker, _inbox, _relay, _spark, _status  # noqa: E402,F401  (each adds commands)
 
 
 def main() -> None:
