@@ -88,3 +88,16 @@ __all__ = [
     "relay_metrics",
     "tune_gc_for_batches",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``outbox.__version__``, read from the distribution's metadata when first asked for.
+
+    Lazily: reading package metadata costs tens of milliseconds that a process
+    which never asks should not pay at ``import outbox``.
+    """
+    if name == "__version__":
+        from ._version import version
+
+        return version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,6 +73,8 @@ def workdir(tmp_path: Path) -> Path:
 
 
 # (command line, exit status, what stderr must name); {d} is the work directory.
+WHO = ["--by", "me", "--reason", "x"]  # an operator action says who and why
+
 CASES = [
     # the eight
     (["stats", "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist", "init-db"]),
@@ -82,7 +84,8 @@ CASES = [
      ["unknown database dialect", "notadb://x"]),
     (["relay", "--db", "sqlite:///{d}/ready.db", "--prefix", "app_", "--bootstrap-servers", "127.0.0.1:1"], 2,
      ["no outbox tables with prefix 'app_'", "ready.db", "init-db"]),
-    (["failed", "retry", "--all", "--db", "sqlite:///{d}/empty.db"], 2, ["no outbox tables", "init-db"]),
+    (["failed", "retry", "--all", "--db", "sqlite:///{d}/empty.db", *WHO], 2,
+     ["no outbox tables", "init-db"]),
     (["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
      ["no outbox tables", "empty.db", "init-db"]),
     (["inbox", "run", "outboxonlyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"], 2,
@@ -102,16 +105,27 @@ CASES = [
     (["stats", "--db", "postgresql+asyncpg://u@h/x"], 2, ["asyncpg", "driver"]),
     (["failed", "list", "--db", "not a url"], 2, ["invalid database URL"]),
     (["stats"], 2, ["Missing option '--db'", "--help"]),
+    # an operator action records who and why, like the console's: both required, neither blank
+    (["failed", "skip", "--all", "--db", "sqlite:///{d}/ready.db"], 2, ["Missing option '--by'"]),
+    (["failed", "retry", "--all", "--by", "me", "--db", "sqlite:///{d}/ready.db"], 2,
+     ["Missing option '--reason'"]),
+    (["failed", "retry", "--all", "--by", "me", "--reason", " ", "--db", "sqlite:///{d}/ready.db"], 2,
+     ["--reason", "say why"]),
+    (["parked", "replay", "--all", "--app", "emptyapp:inbox", "--by", " ", "--reason", "x"], 2,
+     ["--by", "say who"]),
+    (["parked", "replay", "--all", "--app", "emptyapp:inbox", "--by", "me"], 2,
+     ["Missing option '--reason'"]),
     # a database that does not answer, for a one-shot command: a runtime failure
     (["stats", "--db", NOWHERE], 1, ["cannot reach", "127.0.0.1:1", "Connection refused"]),
     (["init-db", "--db", NOWHERE], 1, ["cannot reach", "127.0.0.1:1"]),
     # unknown and malformed message ids
-    (["failed", "retry", UNKNOWN_ID, "--db", "sqlite:///{d}/ready.db"], 2,
+    (["failed", "retry", UNKNOWN_ID, "--db", "sqlite:///{d}/ready.db", *WHO], 2,
      [UNKNOWN_ID, "no failed row", "outbox failed list"]),
-    (["failed", "skip", "not-an-id", "--db", "sqlite:///{d}/ready.db"], 2, ["not a message id: not-an-id"]),
+    (["failed", "skip", "not-an-id", "--db", "sqlite:///{d}/ready.db", *WHO], 2,
+     ["not a message id: not-an-id"]),
     (["parked", "discard", UNKNOWN_ID, "--by", "me", "--reason", "x", "--db", "sqlite:///{d}/ready.db",
       "--group", "g"], 1, [UNKNOWN_ID, "not parked"]),
-    (["failed", "retry", "--db", "sqlite:///{d}/ready.db"], 2, ["message ids or --all"]),
+    (["failed", "retry", "--db", "sqlite:///{d}/ready.db", *WHO], 2, ["message ids or --all"]),
     # bad -X settings
     (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "-X", "linger.ms"], 2,
      ["--kafka-config", "KEY=VALUE"]),
@@ -134,12 +148,14 @@ CASES = [
     (["spark", "replay", "--archive-dir", "{d}/nowhere", "--db", "sqlite:///{d}/ready.db",
       "--topic", "orders"], 2, ["archive directory", "does not exist"]),
     (["nosuch"], 2, ["No such command 'nosuch'"]),
+    (["dev-broker", "--brokers", "0"], 2, ["--brokers", "greater than or equal to 1"]),
     # an app whose SQLite file does not exist
-    (["parked", "replay", "orders", "k", "--app", "missingapp:inbox"], 2, ["gone.db does not exist"]),
+    (["parked", "replay", "orders", "k", "--app", "missingapp:inbox", *WHO], 2, ["gone.db does not exist"]),
     # parked replay: one key or --all, never neither nor both; parked list's --prefix is checked
-    (["parked", "replay", "--app", "emptyapp:inbox"], 2, ["give TOPIC [KEY]", "--all"]),
-    (["parked", "replay", "orders", "k", "--all", "--app", "emptyapp:inbox"], 2, ["a KEY or --all"]),
-    (["parked", "replay", "--all", "--app", "emptyapp:inbox"], 2, ["inbox_parked", "empty.db", "init-db"]),
+    (["parked", "replay", "--app", "emptyapp:inbox", *WHO], 2, ["give TOPIC [KEY]", "--all"]),
+    (["parked", "replay", "orders", "k", "--all", "--app", "emptyapp:inbox", *WHO], 2, ["a KEY or --all"]),
+    (["parked", "replay", "--all", "--app", "emptyapp:inbox", *WHO], 2,
+     ["inbox_parked", "empty.db", "init-db"]),
     (["parked", "list", "--db", "sqlite:///{d}/ready.db", "--group", "g", "--prefix", "app_"], 2,
      ["app_inbox_parked", "init-db"]),
     (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "--key-stuck-after", "0"],

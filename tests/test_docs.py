@@ -38,3 +38,71 @@ def test_links_between_docs_resolve():
     for doc in DOCS:
         for target in re.findall(r"\]\(([^)#]+\.md)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def _commands_of(paths, find):
+    for path in paths:
+        for number, command in find(path):
+            yield f"{path.relative_to(ROOT)}:{number}", command
+
+
+def test_every_outbox_command_the_docs_show_parses():
+    """Each `outbox …` line of README and docs/ names real commands and options (nothing runs)."""
+    from _doc_commands import doc_commands, parse_error
+
+    shown = list(_commands_of(DOCS, doc_commands))
+    assert len(shown) > 150  # the extraction finds the docs' commands, not nothing
+    wrong = [f"{where}: {command}\n    {error}" for where, command in shown
+             if (error := parse_error(command)) is not None]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_outbox_command_a_message_names_parses():
+    """What the library's messages tell users to run (`outbox init-db --db …`) exists too."""
+    from _doc_commands import parse_error, source_commands
+
+    named = list(_commands_of(sorted((ROOT / "outbox").rglob("*.py")), source_commands))
+    assert len(named) > 10
+    wrong = [f"{where}: {command}\n    {error}" for where, command in named
+             if (error := parse_error(command)) is not None]
+    assert not wrong, "\n".join(wrong)
+
+
+def _every_command():
+    """(path words, command) of every command of the real CLI, groups walked recursively."""
+    import typer
+
+    from outbox.cli import app
+
+    def walk(command, path):
+        subcommands = getattr(command, "commands", None)
+        if subcommands is None:
+            yield path, command
+            return
+        for name, sub in subcommands.items():
+            yield from walk(sub, [*path, name])
+    yield from walk(typer.main.get_command(app), [])
+
+
+def test_the_checker_accepts_every_real_option_and_rejects_any_other():
+    """Over the whole CLI: each option of each command parses; a misspelt one, an unknown
+    command and a surplus argument do not — so a passing doc check means something."""
+    from _doc_commands import parse_error
+
+    commands = list(_every_command())
+    assert len(commands) > 15
+    for path, command in commands:
+        line = " ".join(["outbox", *path])
+        positional = [p for p in command.params if p.param_type_name == "argument"]
+        assert parse_error(line + " …") is None
+        if not positional:
+            assert parse_error(line + " surplus") is not None, line
+        for param in command.params:
+            if param.param_type_name != "option":
+                continue
+            flag = next(o for o in param.opts if o.startswith("--"))
+            value = [] if param.is_flag else ["VALUE"]
+            assert parse_error(" ".join([line, flag, *value])) is None, (line, flag)
+            assert parse_error(" ".join([line, flag + "x", *value])) is not None, (line, flag)
+    assert parse_error("outbox no-such-command") is not None
+    assert parse_error("outbox inbox no-such-command") is not None

@@ -78,7 +78,8 @@ def test_the_billing_service_bills_every_order_once(postgres_db: str,
                 conn.execute(sa.text("INSERT INTO invoices VALUES (999, 'eve', 5, 'open')"))
             replay = subprocess.run(
                 [sys.executable, "-m", "outbox", "parked", "replay", "orders", "999",
-                 "--app", "examples.faststream_billing:inbox"], cwd=ROOT, env=env, capture_output=True,
+                 "--app", "examples.faststream_billing:inbox", "--by", "test", "--reason", "invoice entered"],
+                cwd=ROOT, env=env, capture_output=True,
                 text=True, timeout=120)
             assert replay.returncode == 0, replay.stdout + replay.stderr
             assert invoices(postgres_db)[-1] == (999, "eve", 5, "paid")

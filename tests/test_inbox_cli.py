@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from outbox.cli import app
 from tests.inbox_support import INBOX_KINDS, applied, async_url, business, record
 from tests.test_inbox_kafka import produce
 
+WHO = ["--by", "alice", "--reason", "the fix is deployed"]  # every operator action says who and why
 ROOT = Path(__file__).resolve().parents[1]
 
 APP_MODULE = '''
@@ -61,7 +63,7 @@ def app_module(sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     sys.modules.pop(name, None)
 
 
-def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: str) -> None:  # type: ignore[no-untyped-def]
+def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: str, caplog) -> None:  # type: ignore[no-untyped-def]
     inbox, cli = app_module.inbox, CliRunner()
     for seq in (1, 2, 3):
         inbox.handle(record("orders", "k", seq))
@@ -72,10 +74,10 @@ def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: st
     assert "bug 42" in listed.output and "key_parked" in listed.output
     assert "2 parked message(s)" in listed.output
 
-    still_broken = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target])
+    still_broken = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target, *WHO])
     assert still_broken.exit_code == 1 and "stopped: RuntimeError: bug 42" in still_broken.output
 
-    typo = cli.invoke(app, ["parked", "replay", "orders", "K", "--app", target])
+    typo = cli.invoke(app, ["parked", "replay", "orders", "K", "--app", target, *WHO])
     assert typo.exit_code == 1 and "no key 'K' of topic 'orders' is parked in group 'cli'" in typo.output
     assert len(typo.output.strip().splitlines()) <= 2, typo.output
     keys = inbox.tables.inbox_keys
@@ -83,8 +85,13 @@ def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: st
         assert conn.scalar(sa.select(sa.func.count()).select_from(keys).where(keys.c.key == "K")) == 0
 
     app_module.BROKEN["seq"] = 5  # the fix
-    fixed = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target])
+    with caplog.at_level(logging.INFO, logger="outbox.cli.audit"):
+        fixed = cli.invoke(app, ["parked", "replay", "orders", "k", "--app", target, *WHO])
     assert fixed.exit_code == 0, fixed.output
+    assert "replayed by alice: the fix is deployed" in fixed.output
+    assert [r.getMessage() for r in caplog.records if r.name == "outbox.cli.audit"] == [
+        "replay orders/k group cli by alice (the fix is deployed): applied 2, remaining 0, unparked True, "
+        "error None"]  # the console's audit line, from the command line
     assert "applied 2" in fixed.output and "unparked" in fixed.output
     assert applied(inbox.sessions.kw["bind"], "k") == [("k", 1), ("k", 2), ("k", 3)]
 
@@ -114,7 +121,7 @@ def test_replay_all_unparks_each_fixed_key_and_leaves_a_still_broken_one(app_mod
     target = f"{app_module.__name__}:inbox"
 
     # seq 2 is fixed, seq 5 is not: a and b unpark, x fails again, stays parked, and says so.
-    partly = cli.invoke(app, ["parked", "replay", "--all", "--app", target])
+    partly = cli.invoke(app, ["parked", "replay", "--all", "--app", target, *WHO])
     assert partly.exit_code == 1, partly.output
     assert "2 of 3 key(s) unparked" in partly.output and partly.output.count("bug 42") == 1
     assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
@@ -122,7 +129,7 @@ def test_replay_all_unparks_each_fixed_key_and_leaves_a_still_broken_one(app_mod
     assert [(p.key, p.seq) for p in inbox.parked()] == [("x", 5)]
 
     app_module.BROKEN["seq"] = 99
-    done = cli.invoke(app, ["parked", "replay", "--all", "--app", target])
+    done = cli.invoke(app, ["parked", "replay", "--all", "--app", target, *WHO])
     assert done.exit_code == 0 and "1 of 1 key(s) unparked" in done.output, done.output
     assert applied(engine, "x")[-1] == ("x", 5) and inbox.parked() == []
 

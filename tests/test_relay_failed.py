@@ -16,6 +16,7 @@ from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
 pytestmark = pytest.mark.kafka
+WHO = ["--by", "alice", "--reason", "the fix is deployed"]  # every operator action says who and why
 runner = CliRunner()
 
 
@@ -60,7 +61,9 @@ def test_too_large_fails_blocks_only_its_key_alerts_once_and_skip_unblocks(
     assert str(big) in cli("failed", "list", "--db", db_url)
     stats = cli("stats", "--db", db_url)
     assert topic in stats and "total" in stats
-    assert "1 row(s) skipped" in cli("failed", "skip", str(big), "--db", db_url)
+    assert "1 row(s) skipped" in cli("failed", "skip", str(big), "--db", db_url, *WHO)
+    note = rows(outbox, message_id=big)[0].last_error
+    assert "[skipped by alice at " in note and note.endswith(": the fix is deployed]")  # the console's record
     settle(relay)
     relay.close()
     assert [r.status for r in rows(outbox)] == ["published", "skipped", "published", "published"]
@@ -82,7 +85,8 @@ def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
     assert [r.status for r in rows(outbox)] == ["failed", "pending", "pending"]
     assert len(alerts) == 1
     # The operator creates the topic (here: a relay whose producer may auto-create it) and retries.
-    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url, *WHO)
+    assert "[retried by alice at " in rows(outbox)[0].last_error  # who and why, kept with the row
     fixed = Relay(outbox, KafkaTransport(bootstrap_servers=kafka))
     settle(fixed)
     fixed.close()
@@ -105,7 +109,7 @@ def test_retry_right_after_creating_the_topic_publishes_without_a_second_alert(
     # The operator creates the topic (here: a metadata request that may auto-create it).
     creator = Producer({"bootstrap.servers": kafka})
     assert creator.list_topics(topic, timeout=10).topics[topic].error is None
-    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url, *WHO)
     settle(relay)
     relay.close()
     assert [r.status for r in rows(outbox)] == ["published"] * 2
@@ -114,7 +118,7 @@ def test_retry_right_after_creating_the_topic_publishes_without_a_second_alert(
 
 
 def test_retry_and_skip_need_ids_or_all(db_url: str, outbox: Outbox) -> None:
-    result = runner.invoke(app, ["failed", "retry", "--db", db_url])
+    result = runner.invoke(app, ["failed", "retry", "--db", db_url, *WHO])
     assert result.exit_code != 0 and "--all" in result.output
 
 
@@ -138,7 +142,7 @@ def test_unknown_topic_fails_through_kafka_python_ng(
     assert [r.status for r in rows(outbox)] == ["failed", "pending", "failed"]
     assert "UnknownTopicOrPartition" in rows(outbox)[0].last_error
     assert len(alerts) == 2 and took < 20, (alerts, took)
-    assert "2 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url)
+    assert "2 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url, *WHO)
     fixed = Relay(outbox, KafkaPythonTransport(producer))  # may auto-create the topic
     settle(fixed)
     fixed.close()

@@ -59,6 +59,23 @@ def open_outbox(db: str, prefix: str = "", schema: str | None = None,
     return outbox
 
 
+def _existing_tables(engine: Engine, outbox: Outbox) -> set[str]:
+    """Which of the outbox's and inbox's tables the database has already."""
+    present = set(sqlalchemy.inspect(engine).get_table_names(schema=outbox.tables.schema))
+    return {t.name for t in outbox.tables.metadata.sorted_tables} & present
+
+
+def _created(outbox: Outbox, existed: set[str]) -> str:
+    """What ``init-db`` did: which tables it created, and which it left alone."""
+    names = [t.name for t in outbox.tables.metadata.sorted_tables]
+    new = [n for n in names if n not in existed]
+    kept = [n for n in names if n in existed]
+    if not new:
+        return "all tables exist already; nothing created"
+    done = f"[green]created[/green] {', '.join(new)}"
+    return done + (f"; existed already: {', '.join(kept)}" if kept else "")
+
+
 @app.command("init-db")
 def init_db(
     db: str = DB,
@@ -94,6 +111,8 @@ def init_db(
         was, now = _schema.new_incarnation(outbox.engine, outbox.tables)
         Console().print(f"incarnation changed from {was} to {now}: start the relays again")
         return
+    assert isinstance(outbox.engine, Engine)
+    existed = _existing_tables(outbox.engine, outbox)
     if upgrade:
         before, after = outbox.upgrade_tables()
     else:
@@ -104,8 +123,7 @@ def init_db(
     elif upgrade and before:
         console.print(f"[green]upgraded[/green] schema version {before} to {after}")
     else:
-        names = ", ".join(t.name for t in outbox.tables.metadata.sorted_tables)
-        console.print(f"[green]created[/green] {names}")
+        console.print(_created(outbox, existed))
     stored = outbox.load_schema()
     console.print(f"shard count {stored.shard_count}, schema version {stored.version}, "
                   f"max record bytes {stored.max_record_bytes}")

@@ -14,6 +14,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from transports._logsafe import safe_logger
+
 from .._gc import tune_gc_for_batches
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
@@ -21,14 +23,19 @@ from ._db import existing_database, open_engine
 from ._errors import Typer
 from ._options import (
     BOOTSTRAP_SERVERS,
+    BY,
     KAFKA_CONFIG,
     LOG_LEVEL,
     METRICS_HOST,
     PREFIX,
+    REASON,
     SCHEMA,
     configure_logging,
+    operator,
     parse_kafka_config,
 )
+
+audit = safe_logger("outbox.cli.audit")
 
 inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True)
 parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
@@ -132,8 +139,16 @@ def replay(
     all_keys: bool = typer.Option(
         False, "--all", help="Replay every parked key of the group (of TOPIC, if given), one after "
                              "another; a key that fails again stays parked and the others go on."),
+    by: str = BY, reason: str = REASON,
+    log_level: str = LOG_LEVEL,
 ) -> None:
-    """Re-run a key's parked messages in seq order with the app's (fixed) handlers."""
+    """Re-run a key's parked messages in seq order with the app's (fixed) handlers.
+
+    Who and why go to the ``outbox.cli.audit`` log with each key's outcome, as
+    the console's replay writes them to ``outbox.console.audit``.
+    """
+    configure_logging(log_level)
+    who, why = operator(by, reason)
     if topic is None and not all_keys:
         raise typer.BadParameter("give TOPIC [KEY] to replay one key, or --all")
     if key is not None and all_keys:
@@ -143,7 +158,9 @@ def replay(
     if not all_keys:
         assert topic is not None
         result = inbox.replay(topic, key)
+        _audit(inbox, f"{topic}/{key if key is not None else '(unkeyed)'}", who, why, result)
         console.print(f"applied {result.applied}, still parked {result.remaining}")
+        console.print(f"replayed by {who}: {why}", markup=False)
         if not result.unparked:
             console.print(f"[red]stopped: {result.error}[/red]")
             raise typer.Exit(1)
@@ -157,6 +174,7 @@ def replay(
         name = f"{lane_topic} {lane_key!r}" if lane_key is not None else f"{lane_topic} (unkeyed)"
         try:
             result = inbox.replay(lane_topic, lane_key)
+            _audit(inbox, name, who, why, result)
         except NotParkedError:
             console.print(f"{name}: nothing parked any more (replayed or discarded meanwhile)")
             continue
@@ -167,8 +185,15 @@ def replay(
             console.print(f"{name}: applied {result.applied}, still parked {result.remaining}: "
                           f"[red]{result.error}[/red]")
     console.print(f"{len(lanes) - stopped} of {len(lanes)} key(s) unparked")
+    console.print(f"replayed by {who}: {why}", markup=False)
     if stopped:
         raise typer.Exit(1)
+
+
+def _audit(inbox: Inbox, name: str, who: str, why: str, result: Any) -> None:
+    """One audit line per replayed key, the console's format: who, why and what happened."""
+    audit.info("replay %s group %s by %s (%s): applied %d, remaining %d, unparked %s, error %s",
+               name, inbox.group, who, why, result.applied, result.remaining, result.unparked, result.error)
 
 
 @parked_app.command("discard")

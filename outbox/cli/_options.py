@@ -92,6 +92,20 @@ def _setting_name_of(pair: str) -> str:
     return f"a value of {len(pair)} character(s) without '=' (not shown: it may be a secret)"
 
 
+BY = typer.Option(..., "--by", help="Who acts (kept with the record, like the console's operator).")
+REASON = typer.Option(..., "--reason", help="Why (kept with the record; the console demands one too).")
+
+
+def operator(by: str, reason: str) -> tuple[str, str]:
+    """(who, why) of an operator action, both non-empty: every action is recorded with them."""
+    who, why = by.strip(), reason.strip()
+    if not who:
+        raise typer.BadParameter("say who acts: it is recorded with the action", param_hint="--by")
+    if not why:
+        raise typer.BadParameter("say why: every action is recorded with a reason", param_hint="--reason")
+    return who, why
+
+
 LOG_LEVEL = typer.Option("INFO", "--log-level", help="Python log level (DEBUG, INFO, WARNING …).")
 
 

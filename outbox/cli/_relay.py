@@ -24,13 +24,16 @@ from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
 from ._options import (
     BOOTSTRAP_SERVERS,
+    BY,
     DB,
     KAFKA_CONFIG,
     LOG_LEVEL,
     METRICS_HOST,
     PREFIX,
+    REASON,
     SCHEMA,
     configure_logging,
+    operator,
     parse_kafka_config,
 )
 
@@ -151,21 +154,29 @@ def _ids_or_all(message_ids: list[str], all_: bool) -> list[str] | None:
 
 
 @failed_app.command("retry")
-def failed_retry(message_ids: list[str] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+def failed_retry(message_ids: list[str] = typer.Argument(None, help="Message ids (UUIDs) of failed rows."),
+                 all_: bool = typer.Option(False, "--all", help="Every failed row (of --topic, if given)."),
+                 by: str = BY, reason: str = REASON,
                  db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
                  schema: str | None = SCHEMA) -> None:
-    """Send failed rows again, in their place in their key's order."""
-    count = retry_failed(open_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
-    Console().print(f"{count} row(s) pending again")
+    """Send failed rows again, in their place in their key's order; the rows keep who and why."""
+    who, why = operator(by, reason)
+    count = retry_failed(open_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic,
+                         by=who, reason=why)
+    Console().print(f"{count} row(s) pending again (retried by {who}: {why})", markup=False)
 
 
 @failed_app.command("skip")
-def failed_skip(message_ids: list[str] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+def failed_skip(message_ids: list[str] = typer.Argument(None, help="Message ids (UUIDs) of failed rows."),
+                all_: bool = typer.Option(False, "--all", help="Every failed row (of --topic, if given)."),
+                by: str = BY, reason: str = REASON,
                 db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
                 schema: str | None = SCHEMA) -> None:
-    """Never send these failed rows; their keys' later rows flow again."""
-    count = skip_failed(open_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic)
-    Console().print(f"{count} row(s) skipped")
+    """Never send these failed rows; their keys' later rows flow again; the rows keep who and why."""
+    who, why = operator(by, reason)
+    count = skip_failed(open_outbox(db, prefix, schema), _ids_or_all(message_ids or [], all_), topic=topic,
+                        by=who, reason=why)
+    Console().print(f"{count} row(s) skipped (by {who}: {why})", markup=False)
 
 
 @app.command("stats")

@@ -6,7 +6,7 @@ runs the same commands as ``outbox spark`` with the cluster's master.
 
 import sys
 
-from outbox.cli import app
+from outbox.cli import main
 
 if __name__ == "__main__":
-    app(["spark", *sys.argv[1:]], prog_name="outbox spark")
+    main(["spark", *sys.argv[1:]], prog_name="outbox")  # errors as `outbox`'s: one `error: …` line

@@ -116,7 +116,7 @@ def render_report(s: dict[str, Any]) -> str:
         "",
         "Every lost, duplicated and out-of-order message is listed in the Parquet datasets "
         "`lost/`, `duplicates/` and `out_of_order/`; `chart.png` shows latency and backlog "
-        "over time. Parked and held messages are waiting in the inbox (`outbox inbox parked`), "
+        "over time. Parked and held messages are waiting in the inbox (`outbox parked list`), "
         "not lost.",
         "",
     ]
