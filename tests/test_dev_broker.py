@@ -64,7 +64,10 @@ def test_dev_broker_carries_a_record_and_stops_cleanly_on_sigterm():
         consumer.close()
         assert got == value
         process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=15)
+        # Not communicate(): it would read stdout too, racing the reader thread for the last line.
+        process.wait(timeout=15)
+        assert process.stderr is not None
+        err = process.stderr.read()
         assert process.returncode == 0, err
         assert _first_line_with(lines, "dev-broker stopped", time.monotonic() + 5)
         assert "Traceback" not in err
