@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transports import Record
@@ -96,7 +96,7 @@ class RowEncoder:
             raise UnsendableRow(f"message id {_short(message_id)} is not a UUID: the inbox "
                                 "could not read the envelope")
         if topic not in self._topics:
-            self._check_topic(topic)
+            _remember(self._topics, topic, validate_topic)
         if key is not None:
             if type(key) is not str or not 0 < len(key) <= MAX_KEY_LENGTH or "\x00" in key:
                 raise UnsendableRow(_key_problem(key))
@@ -107,7 +107,7 @@ class RowEncoder:
         if type(payload) is not bytes:
             raise UnsendableRow(f"payload is {type(payload).__name__}, not bytes")
         if content_type not in self._content_types:
-            self._check_content_type(content_type)
+            _remember(self._content_types, content_type, validate_content_type)
         return to_record(
             message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
             content_type=content_type,
@@ -115,23 +115,16 @@ class RowEncoder:
             created_at=created_at, available_at=available_at, incarnation=self._incarnation,
         )
 
-    def _check_content_type(self, content_type: object) -> None:
-        try:
-            valid = validate_content_type(content_type)
-        except MessageValidationError as exc:
-            raise UnsendableRow(str(exc)) from None
-        if len(self._content_types) >= _MAX_SEEN:
-            self._content_types.clear()
-        self._content_types.add(valid)
 
-    def _check_topic(self, topic: object) -> None:
-        try:
-            valid = validate_topic(topic)
-        except InvalidTopicError as exc:
-            raise UnsendableRow(str(exc)) from None
-        if len(self._topics) >= _MAX_SEEN:
-            self._topics.clear()
-        self._topics.add(valid)
+def _remember(seen: set[str], value: object, validate: Callable[[object], str]) -> None:
+    """Validate ``value`` (``UnsendableRow`` if invalid) and add it to ``seen``, a bounded set."""
+    try:
+        valid = validate(value)
+    except (MessageValidationError, InvalidTopicError) as exc:
+        raise UnsendableRow(str(exc)) from None
+    if len(seen) >= _MAX_SEEN:
+        seen.clear()
+    seen.add(valid)
 
 
 def user_headers(text: object) -> dict[str, str]:
