@@ -74,7 +74,11 @@ def make_inbox(engine: sa.Engine, **kwargs) -> Inbox:  # type: ignore[no-untyped
 
 @contextmanager
 def running(inbox: Inbox, source: ScriptedSource) -> Iterator[list[BaseException]]:
-    """``inbox.run(source)`` on a thread; yields the list its exception lands in."""
+    """``inbox.run(source)`` on a thread; yields the list its exception lands in.
+
+    On leaving, the test fails unless ``run`` returned after ``stop()`` without raising:
+    an exception it raised at any point (even after the test's last wait) is re-raised here.
+    """
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -83,14 +87,16 @@ def running(inbox: Inbox, source: ScriptedSource) -> Iterator[list[BaseException
         except BaseException as exc:
             errors.append(exc)
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         yield errors
     finally:
         inbox.stop()
         thread.join(30)
-    assert not thread.is_alive(), "Inbox.run did not return after stop()"
+    assert not thread.is_alive(), "Inbox.run did not return within 30 s of stop()"
+    if errors:
+        raise AssertionError(f"Inbox.run raised {errors[0]!r}") from errors[0]
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0,

@@ -56,10 +56,16 @@ def test_settings_that_can_lose_acknowledged_records_are_refused(kafka: str, ack
 
 @pytest.mark.kafka
 @pytest.mark.parametrize("acks", ["all", -1])
-def test_acks_all_is_accepted(kafka: str, acks: str | int) -> None:
+def test_acks_all_is_accepted(kafka: str, topic: str, acks: str | int) -> None:
+    """Both spellings of acks=all build a transport, and that transport delivers."""
     producer = KafkaProducer(bootstrap_servers=kafka.split(","), acks=acks)
-    KafkaPythonTransport(producer)
-    producer.close(5)
+    try:
+        transport = KafkaPythonTransport(producer, delivery_timeout=10)
+        [result] = transport.publish([Record(topic=topic, value=b"v", key=b"k")])
+        assert result.outcome is Outcome.DELIVERED, result
+        assert [(r.key, r.value) for r in read_topic(kafka, topic, expected=1, timeout=20)] == [(b"k", b"v")]
+    finally:
+        producer.close(5)
 
 
 @pytest.mark.kafka
