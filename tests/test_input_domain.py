@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _relay_helpers import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -213,15 +213,13 @@ def relay_all(run: Run, kafka: str) -> None:
     thread = threading.Thread(target=relay.run, name="relay-under-test")
     thread.start()
     m = run.outbox.tables.messages
+
+    def nothing_pending() -> bool:
+        with run.engine.connect() as conn:
+            return not conn.scalar(sa.select(sa.func.count()).where(m.c.status == "pending"))
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with run.engine.connect() as conn:
-                states = dict(list(conn.execute(
-                    sa.select(m.c.status, sa.func.count()).group_by(m.c.status))))
-            if not states.get("pending"):
-                break
-            time.sleep(0.1)
+        wait_for(nothing_pending, 120, "the relay to send every accepted row", interval=0.1)
     finally:
         relay.stop()
         thread.join(30)
@@ -253,9 +251,8 @@ def consume_all(run: Run, kafka: str) -> None:
     thread = threading.Thread(target=consume, name="inbox-under-test")
     thread.start()
     try:
-        deadline = time.monotonic() + 120
-        while len(seen) < len(run.sent) and time.monotonic() < deadline and thread.is_alive():
-            time.sleep(0.1)
+        wait_for(lambda: len(seen) >= len(run.sent) or not thread.is_alive(), 120,
+                 "the handler to see every accepted message", interval=0.1)
     finally:
         inbox.stop()
         thread.join(60)
