@@ -192,3 +192,28 @@ def test_a_restart_whose_first_message_keeps_failing_is_parked_not_dropped(make,
     [parked] = inbox.parked()
     assert (parked.seq, parked.reason) == (1, "failed")
     assert key_row(inbox, "k")[:3] == (3, None, X)  # the restart did not commit
+
+
+@pytest.mark.parametrize("start", ["strict", "first_seen"])
+@pytest.mark.parametrize("incarnation", [Y, X, None], ids=["rebuilt", "same", "unknown"])
+def test_a_second_message_for_a_held_seq_is_parked_not_dropped(make, engine, start, incarnation) -> None:  # type: ignore[no-untyped-def]
+    """The model test's find: a key holds one message per seq ahead of a gap, so another id at a
+    held seq (a rebuilt producer's, or the same seq sent twice) was reported held and never stored."""
+    inbox = make(start=start)
+    assert inbox.handle(record(TOPIC, "k", 1, incarnation=X)) is Disposition.APPLIED
+    waiting = record(TOPIC, "k", 3, incarnation=X)
+    assert inbox.handle(waiting) is Disposition.HELD  # seq 2 is missing
+    assert inbox.handle(waiting) is Disposition.HELD  # a redelivery of the held one changes nothing
+    second = record(TOPIC, "k", 3, incarnation=incarnation)
+    assert inbox.handle(second) is Disposition.PARKED
+    reason = "new_incarnation" if incarnation == Y else "seq_conflict"
+    parked = inbox.parked(TOPIC, "k")
+    second_id, waiting_id = (uuid.UUID(dict(r.headers)["outbox-message-id"].decode())
+                             for r in (second, waiting))
+    assert [(p.message_id, p.seq, p.reason) for p in parked] == [
+        (second_id, 3, reason), (waiting_id, 3, "key_parked")]
+    assert f"message {waiting_id}" in (parked[0].error or "")
+    assert [(a.kind, a.details["reason"]) for a in inbox.alert] == [("key_parked", reason)]
+    assert conflicts(inbox, reason) == 1
+    assert key_row(inbox, "k")[3] is True
+    assert applied(engine) == [("X", 1, "k")]

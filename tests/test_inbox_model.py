@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -127,7 +128,7 @@ class InboxModel(RuleBasedStateMachine):
         self.next_seq: dict[str, int] = defaultdict(lambda: 1)
         self.committed = [0] * PARTITIONS
         self.discarded: set[uuid.UUID] = set()
-        self.incarnation = str(uuid.uuid4())  # the producer database's identity
+        self.incarnation = ""  # the producer database's identity: drawn in some_traffic
         self.duplicates: set[uuid.UUID] = set()  # ids the inbox settled as duplicates
         self._start_consumer()
 
@@ -154,8 +155,8 @@ class InboxModel(RuleBasedStateMachine):
         if key is not None and seq is None:
             seq = self.next_seq[key]
             self.next_seq[key] += 1
-        r = record(TOPIC, key, seq, incarnation=self.incarnation)
-        message_id = uuid.UUID(dict(r.headers)["outbox-message-id"].decode())
+        message_id = self._uuid()
+        r = record(TOPIC, key, seq, incarnation=self.incarnation, message_id=message_id)
         produced = Produced(message_id, key, seq, behaviour, r, self.incarnation)
         self.produced[message_id] = produced
         self.world.behaviours[message_id] = behaviour
@@ -171,10 +172,19 @@ class InboxModel(RuleBasedStateMachine):
         p = self._new(key, behaviour)
         self._append(p, self._partition(key, salt if key is None else 0))
 
+    def _uuid(self) -> uuid.UUID:
+        return uuid.UUID(int=self.ids.getrandbits(128), version=4)
+
     @initialize(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6),
-                poisoned=st.sampled_from(KEYS))
-    def some_traffic(self, keys: list[str], poisoned: str) -> None:
-        """Every run starts with messages on the wire, one key poisoned with two behind it."""
+                poisoned=st.sampled_from(KEYS), seed=st.integers(0, 2**64 - 1))
+    def some_traffic(self, keys: list[str], poisoned: str, seed: int) -> None:
+        """Every run starts with messages on the wire, one key poisoned with two behind it.
+
+        Message ids and incarnations come from ``seed``: their order decides
+        which row a query returns first, so an example must replay with the
+        same ones (uuid4 made a failure show in one run out of two)."""
+        self.ids = random.Random(seed)
+        self.incarnation = str(self._uuid())
         for key in keys:
             self._append(self._new(key, "ok"), self._partition(key))
         self.produce_poison(poisoned, 2)
@@ -203,7 +213,7 @@ class InboxModel(RuleBasedStateMachine):
     def producer_rebuilt(self) -> None:
         """The producer's database is restored or recreated (and given a new incarnation, as
         docs/consumer.md says): every key counts from seq 1 again, with new message ids."""
-        self.incarnation = str(uuid.uuid4())
+        self.incarnation = str(self._uuid())
         self.next_seq.clear()
 
     @rule(data=st.data())

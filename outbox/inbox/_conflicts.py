@@ -17,6 +17,12 @@ against the key's state, and the verdict is counted, logged or parked:
   older producer release): two messages claim one seq, ``Reason.SEQ_CONFLICT``,
   and the key is parked.
 
+A key holds one message per seq ahead of a gap. Another id arriving for a
+held seq is judged the same way against the held one (``judge_held``): from
+another incarnation, ``Reason.NEW_INCARNATION``; else ``Reason.SEQ_CONFLICT``;
+either way it parks with its key, the held one behind it, whatever the start
+policy — which of the two follows the gap cannot be told before it fills.
+
 A message taken out of ``inbox_held`` never restarts a key: it waited behind a
 gap of the incarnation it came from, so it is older than the key's state.
 """
@@ -76,6 +82,26 @@ def judge(d: Delivery, state: KeyState, start: StartPolicy, expired_before: date
     if state.parked:
         return Verdict.KEY_PARKED
     return Verdict.SEQ_CONFLICT
+
+
+def judge_held(d: Delivery, holder: Delivery) -> Verdict:
+    """The verdict on ``d``, ahead of its key's gap, whose seq ``holder`` (another id) holds."""
+    if rebuilt(holder.message.incarnation, d.message.incarnation):
+        return Verdict.NEW_INCARNATION
+    return Verdict.SEQ_CONFLICT
+
+
+def describe_held(verdict: Verdict, d: Delivery, holder: Delivery, state: KeyState) -> str:
+    """The parked row's error text for ``judge_held``'s verdict."""
+    msg, held = d.message, holder.message
+    where = (f"seq {msg.seq} (incarnation {msg.incarnation or 'unknown'}) arrived while message "
+             f"{held.message_id} (incarnation {held.incarnation or 'unknown'}) waits at that seq "
+             f"for the gap after the key's last seq {state.last_seq}")
+    if verdict is Verdict.NEW_INCARNATION:
+        return (f"{where}: the producer database was rebuilt and counts again; replay the key to "
+                "apply its parked messages in seq order, or discard the ones you do not want")
+    return (f"{where}: two messages claim one seq; replay the key to apply its parked messages in "
+            "seq order, or discard the one you do not want")
 
 
 def describe(verdict: Verdict, d: Delivery, state: KeyState) -> str:

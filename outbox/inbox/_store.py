@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Connection,
@@ -35,6 +35,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from .._envelope import Message, utcnow
@@ -278,10 +279,28 @@ class InboxStore:
 
     # -- held -------------------------------------------------------------------
 
-    def hold(self, session: Session, d: Delivery) -> None:
+    def hold(self, session: Session, d: Delivery) -> Delivery | None:
+        """Store ``d`` in ``inbox_held``; the other message already held at its seq, if one is.
+
+        A key holds one message per seq (the unique index the successor
+        lookups read). A second copy of the held message is a redelivery and
+        changes nothing; another id at that seq — the same seq sent twice, or a
+        rebuilt producer's — is returned for the caller to settle, because the
+        insert leaves it out and it would otherwise vanish. The caller holds
+        the key's lock, so the held row cannot change under this check.
+        """
         h = self.t.inbox_held
         row = {**self._stored(d), "received_at": d.received_at}
-        session.execute(self._insert_new(h).values(row))
+        result = cast(CursorResult[Any], session.execute(self._insert_new(h).values(row)))
+        stored = result.rowcount == 1
+        if stored and self._mysql is None:  # MySQL counts a kept duplicate as a found row, too
+            return None
+        holder = session.execute(select(h).where(
+            h.c.consumer_group == self.group, h.c.topic == d.message.topic,
+            h.c.key == d.message.key, h.c.seq == d.message.seq)).one()
+        if holder.message_id == d.message.message_id:
+            return None
+        return delivery_from_row(holder, from_held=True)
 
     def successors(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> list[Delivery]:
         """Held messages of each key with ``first <= seq <= last``, in seq order.

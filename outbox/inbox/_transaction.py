@@ -44,7 +44,7 @@ from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from ._calls import Error, HandlerCalls, Redo, TopicHandler
-from ._conflicts import Verdict, describe, judge
+from ._conflicts import Verdict, describe, describe_held, judge, judge_held
 from ._delivery import Delivery
 from ._kinds import Outcome, Reason, StartPolicy
 from ._metrics import InboxMetrics
@@ -334,8 +334,9 @@ class TransactionStep:
             state.parked = True
             return _Triage.SETTLED
         if seq > state.last_seq + 1:
-            if not d.from_held:
-                self.store.hold(session, d)
+            holder = None if d.from_held else self.store.hold(session, d)
+            if holder is not None:
+                return self._held_conflict(session, d, holder, state, batch)
             batch.done.append((d, Disposition.HELD))
             return _Triage.SETTLED
         return _Triage.RUN
@@ -360,6 +361,22 @@ class TransactionStep:
         self._park(session, d, batch, reason, describe(verdict, d, state))
         if reason.parks_key:
             state.parked = True
+        return _Triage.SETTLED
+
+    def _held_conflict(self, session: Session, d: Delivery, holder: Delivery, state: KeyState,
+                       batch: Batch) -> _Triage:
+        """Settle ``d``, ahead of a gap, whose seq another held message claims already.
+
+        The key can hold one message per seq, and which of the two follows the
+        gap is not for the inbox to guess: ``d`` parks with its key (the held
+        one behind it), under either start policy, as a conflict below the
+        key's position would (``_conflicts.judge_held``).
+        """
+        verdict = judge_held(d, holder)
+        batch.conflicts.append((d, verdict))
+        self._park(session, d, batch, verdict.reason or Reason.SEQ_CONFLICT,
+                   describe_held(verdict, d, holder, state))
+        state.parked = True
         return _Triage.SETTLED
 
     def _park(self, session: Session, d: Delivery, batch: Batch, reason: Reason, error: str) -> None:
