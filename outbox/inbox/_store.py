@@ -297,9 +297,9 @@ class InboxStore:
             return None
         holder = session.execute(select(h).where(
             h.c.consumer_group == self.group, h.c.topic == d.message.topic,
-            h.c.key == d.message.key, h.c.seq == d.message.seq)).one()
-        if holder.message_id == d.message.message_id:
-            return None
+            h.c.key == d.message.key, h.c.seq == d.message.seq)).one_or_none()
+        if holder is None or holder.message_id == d.message.message_id:
+            return None  # held already (None: its id is held at another seq: one id, one message)
         return delivery_from_row(holder, from_held=True)
 
     def successors(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> list[Delivery]:
