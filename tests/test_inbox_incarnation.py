@@ -219,3 +219,56 @@ def test_a_second_message_for_a_held_seq_is_parked_not_dropped(make, engine, sta
     assert conflicts(inbox, reason) == 1
     assert key_row(inbox, "k")[3] is True
     assert applied(engine) == [("X", 1, "k")]
+
+
+def held_ids(inbox: Inbox) -> set[uuid.UUID]:
+    h = inbox.tables.inbox_held
+    with inbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return set(conn.scalars(sa.select(h.c.message_id).where(h.c.consumer_group == inbox.group)))
+
+
+def recorded_ids(inbox: Inbox) -> set[uuid.UUID]:
+    m = inbox.tables.inbox_messages
+    with inbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return set(conn.scalars(sa.select(m.c.message_id).where(m.c.consumer_group == inbox.group)))
+
+
+def message_id(r) -> uuid.UUID:  # type: ignore[no-untyped-def]
+    return uuid.UUID(dict(r.headers)["outbox-message-id"].decode())
+
+
+def test_resends_from_before_a_restart_stay_duplicates_in_one_run(make, engine) -> None:  # type: ignore[no-untyped-def]
+    """The model test's second find: after a key restarted below them, two recorded ids in one run
+    of a batch: the first ended the run and the second's dedup record was deleted with the
+    claims given back, so it was held, and applied again once the new incarnation reached it."""
+    inbox = make(start="first_seen", batch_size=20)
+    old = history(inbox, X, range(1, 5))
+    for r in old:
+        inbox.handle(r)
+    assert inbox.handle(record(TOPIC, "k", 1, incarnation=Y)) is Disposition.APPLIED  # a restart
+    done = inbox.settler.settle([decode(r, accept_foreign=False) for r in old[1:3]]).done
+    assert [disposition for _, disposition in done] == [Disposition.DUPLICATE] * 2
+    assert {message_id(r) for r in old} <= recorded_ids(inbox) and held_ids(inbox) == set()
+    for seq in (2, 3):
+        assert inbox.handle(record(TOPIC, "k", seq, incarnation=Y)) is Disposition.APPLIED
+    assert applied(engine) == [("X", s, "k") for s in (1, 2, 3, 4)] + [("Y", s, "k") for s in (1, 2, 3)]
+
+
+def test_a_held_resend_from_before_a_restart_gives_way_to_the_new_incarnation(make, engine) -> None:  # type: ignore[no-untyped-def]
+    inbox = make(start="first_seen")
+    old = history(inbox, X, range(1, 6))
+    for r in old:
+        inbox.handle(r)
+    assert inbox.handle(record(TOPIC, "k", 1, incarnation=Y)) is Disposition.APPLIED  # a restart
+    assert inbox.handle(old[3]) is Disposition.HELD  # X's seq 4 again: ahead of the key, not looked up
+    new4 = record(TOPIC, "k", 4, incarnation=Y)
+    assert inbox.handle(new4) is Disposition.HELD  # the recorded resend gives way
+    assert held_ids(inbox) == {message_id(new4)}
+    assert inbox.handle(old[4]) is Disposition.HELD  # X's seq 5: no conflict with anything held
+    new5 = record(TOPIC, "k", 5, incarnation=Y)
+    assert inbox.handle(new5) is Disposition.HELD
+    assert inbox.handle(old[3]) is Disposition.DUPLICATE  # the resend meets Y's held seq 4
+    for seq in (2, 3):
+        assert inbox.handle(record(TOPIC, "k", seq, incarnation=Y)) is Disposition.APPLIED
+    assert applied(engine) == [("X", s, "k") for s in range(1, 6)] + [("Y", s, "k") for s in range(1, 6)]
+    assert inbox.parked() == [] and held_ids(inbox) == set()

@@ -204,7 +204,13 @@ class TransactionStep:
                 cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
                 if cut < len(run):
                     duplicate(run[cut])
-                    rest = run[cut + 1:]
+                    # What follows goes back to be walked again, its claims given back; an id
+                    # in it that was recorded before (its key restarted below it) is a
+                    # duplicate too, and keeps its record.
+                    rest = [d for d in run[cut + 1:] if d.message.message_id in claimed]
+                    for d in run[cut + 1:]:
+                        if d.message.message_id not in claimed:
+                            duplicate(d)
                     lost.extend(rest)
                     seen.difference_update(d.message.message_id for d in rest)
                     lanes.push_front(rest)
@@ -367,11 +373,25 @@ class TransactionStep:
                        batch: Batch) -> _Triage:
         """Settle ``d``, ahead of a gap, whose seq another held message claims already.
 
+        A recorded id is a duplicate whatever its seq (a key that restarted
+        below it holds resends of what it applied before): if either of the
+        two is recorded, it is the duplicate and the other is held.
+
         The key can hold one message per seq, and which of the two follows the
         gap is not for the inbox to guess: ``d`` parks with its key (the held
         one behind it), under either start policy, as a conflict below the
         key's position would (``_conflicts.judge_held``).
         """
+        recorded = self.store.known(session, [d, holder])
+        if d.message.message_id in recorded:
+            return _Triage.DUPLICATE  # a resend of a message applied before its key restarted
+        if holder.message.message_id in recorded:
+            # The held one is such a resend: it goes (counted as a redelivery), ``d`` takes its place.
+            self.store.unhold(session, [holder.message.message_id])
+            self.store.count_redelivery(session, [holder.message.message_id])
+            if self.store.hold(session, d) is None:
+                batch.done.append((d, Disposition.HELD))
+                return _Triage.SETTLED
         verdict = judge_held(d, holder)
         batch.conflicts.append((d, verdict))
         self._park(session, d, batch, verdict.reason or Reason.SEQ_CONFLICT,
