@@ -6,14 +6,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from _retention_rows import inbox_row, outbox_row, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import Outbox, create_engine
 from outbox._errors import ConfigurationError
 from outbox.housekeeping import run_retention
-
-from _retention_rows import inbox_row, outbox_row, snapshot
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 RETENTION, WINDOW = timedelta(days=7), timedelta(days=3)
@@ -68,7 +67,8 @@ def test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
     kept_outbox = {r["message_id"] for r in outbox
                    if not (r["status"] == "published" and r["created_at"] < outbox_cut)}
     settled_inbox = {(r["consumer_group"], r["message_id"]) for r in inbox
-                     if r["processed_at"] < inbox_cut and (r["created_at"] is None or r["created_at"] < inbox_cut)}
+                     if r["processed_at"] < inbox_cut
+                     and (r["created_at"] is None or r["created_at"] < inbox_cut)}
     all_inbox = {(r["consumer_group"], r["message_id"]) for r in inbox}
     kept_inbox = all_inbox if outbox_only else all_inbox - settled_inbox
     assert after["messages"] == kept_outbox
@@ -97,7 +97,8 @@ def test_a_dry_run_counts_and_deletes_nothing(filled: Outbox) -> None:
 @pytest.mark.parametrize("kwargs, named", [
     ({}, "older_than"), ({"older_than": "7 days"}, "retention"), ({"older_than": "-1d"}, "retention"),
     ({"older_than": 0}, "retention"), ({"dedup_window": "soon"}, "dedup window"),
-    ({"older_than": "7d", "batch_size": 0}, "batch_size"), ({"older_than": "7d", "batch_size": True}, "batch_size"),
+    ({"older_than": "7d", "batch_size": 0}, "batch_size"),
+    ({"older_than": "7d", "batch_size": True}, "batch_size"),
 ])
 def test_bad_settings_are_refused_before_any_sql(kwargs, named: str) -> None:
     engine = create_engine("sqlite://")  # no tables: a refusal must come before the first statement

@@ -61,6 +61,7 @@ def run_retention(
     older_than: timedelta | str | float | None = None,
     dedup_window: timedelta | str | float | None = None,
     tables: OutboxTables | None = None,
+    group: str | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     dry_run: bool = False,
     progress: Progress | None = None,
@@ -76,19 +77,21 @@ def run_retention(
     parked as a conflict (docs/consumer.md). Safe to call from a scheduler,
     from several processes at once, and to kill at any point. ``bind`` is an
     ``Outbox`` (its engine and tables) or an engine with ``tables``.
-    ``stop`` ends the run between batches.
+    ``group`` limits the inbox records to one consumer group's. ``stop`` ends
+    the run between batches.
     """
     engine, tables = _bound(bind, tables)
     if older_than is None and dedup_window is None:
         raise ConfigurationError("give older_than (outbox rows), dedup_window (inbox records) or both")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+            or not 1 <= batch_size <= MAX_BATCH_SIZE):
         raise ConfigurationError(f"batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {batch_size!r}")
     moment = now or utcnow()
     jobs: list[tuple[Target, datetime]] = []
     if older_than is not None:
         jobs.append((outbox_target(tables), moment - parse_period(older_than, "retention")))
     if dedup_window is not None:
-        jobs.append((inbox_target(tables), moment - parse_period(dedup_window, "dedup window")))
+        jobs.append((inbox_target(tables, group), moment - parse_period(dedup_window, "dedup window")))
     engine = worker_engine(engine)
     result = RetentionResult(dry_run=dry_run)
     for target, cutoff in jobs:

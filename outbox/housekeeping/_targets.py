@@ -46,7 +46,9 @@ def outbox_target(tables: OutboxTables) -> Target:
     return Target(m, (m.c.id,), lambda cutoff: [m.c.status == PUBLISHED, m.c.created_at < cutoff])
 
 
-def inbox_target(tables: OutboxTables) -> Target:
+def inbox_target(tables: OutboxTables, group: str | None = None) -> Target:
+    """Dedup records of every group, or of ``group`` only (its own window)."""
     i = tables.inbox_messages
+    of_group = [] if group is None else [i.c.consumer_group == group]
     return Target(i, (i.c.consumer_group, i.c.message_id), lambda cutoff: [
-        i.c.processed_at < cutoff, or_(i.c.created_at.is_(None), i.c.created_at < cutoff)])
+        *of_group, i.c.processed_at < cutoff, or_(i.c.created_at.is_(None), i.c.created_at < cutoff)])
