@@ -49,7 +49,7 @@ def run(
         raise typer.BadParameter("--group limits the inbox records: give --dedup-window too")
     for flag, value in (("--older-than", older_than), ("--dedup-window", dedup_window)):
         if value is not None:
-            parse_period(value, flag.lstrip("-").replace("-", " "))
+            parse_period(value, flag)
     outbox = open_outbox(db, prefix, schema)
     started = time.monotonic()
     shown = [started]
