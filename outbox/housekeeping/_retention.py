@@ -18,16 +18,19 @@ continues. Several runs at once split the rows between them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, literal, select, tuple_
+from sqlalchemy.exc import DBAPIError
 
 from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError
+from .._outage import is_database_outage
 from .._outbox import Outbox
 from .._tables import MYSQL_FAMILY, OutboxTables
 from ._durations import parse_period
@@ -35,6 +38,7 @@ from ._targets import Target, inbox_target, outbox_target
 
 DEFAULT_BATCH_SIZE = 5000
 MAX_BATCH_SIZE = 100_000
+BATCH_ATTEMPTS = 5
 
 Progress = Callable[[str, int], None]
 """Called after each batch with the table's name and the rows deleted from it so far."""
@@ -124,23 +128,41 @@ def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Any
     """Delete batch after batch, yielding each one's count, until a batch finds fewer than ``size``."""
     after: Sequence[Any] | None = None
     while True:
-        with engine.begin() as conn:
-            pick = (select(*target.key).where(*target.settled(cutoff))
-                    .order_by(*target.key).limit(size))
-            if after is not None:
-                pick = pick.where(_key(target) > _values(target, after))
-            if engine.dialect.name == "postgresql" or engine.dialect.name in MYSQL_FAMILY:
-                pick = pick.with_for_update(skip_locked=True)
-            rows = conn.execute(pick).all()
-            if not rows:
-                return
-            gone = conn.execute(delete(target.table).where(
-                _key(target).in_([tuple(r) if len(target.key) > 1 else r[0] for r in rows]),
-                *target.settled(cutoff))).rowcount
+        for attempt in range(BATCH_ATTEMPTS):
+            try:
+                rows, gone = _one_batch(engine, target, cutoff, size, after)
+                break
+            except DBAPIError as exc:
+                # A deadlock (InnoDB can pick a batch as the victim of a publisher's unique-index
+                # check) or a lost connection: the batch rolled back whole, so it is run again.
+                if not is_database_outage(exc) or attempt == BATCH_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.05 * 2 ** attempt)
+        if not rows:
+            return
         yield gone
         if len(rows) < size:
             return
         after = tuple(rows[-1])
+
+
+def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
+               after: Sequence[Any] | None) -> tuple[list[Any], int]:
+    """One transaction: pick the next settled rows after ``after``, delete them; (picked, deleted)."""
+    with engine.begin() as conn:
+        pick = (select(*target.key).where(*target.settled(cutoff))
+                .order_by(*target.key).limit(size))
+        if after is not None:
+            pick = pick.where(_key(target) > _values(target, after))
+        if engine.dialect.name == "postgresql" or engine.dialect.name in MYSQL_FAMILY:
+            pick = pick.with_for_update(skip_locked=True)
+        rows = list(conn.execute(pick).all())
+        if not rows:
+            return rows, 0
+        gone = conn.execute(delete(target.table).where(
+            _key(target).in_([tuple(r) if len(target.key) > 1 else r[0] for r in rows]),
+            *target.settled(cutoff))).rowcount
+    return rows, gone
 
 
 def _key(target: Target) -> Any:
