@@ -47,7 +47,7 @@ def test_two_retention_runs_and_a_relay_at_once(server_db_url: str) -> None:
     def retain() -> None:
         try:
             results.append(run_retention(outbox, older_than="1d", batch_size=250))
-        except BaseException as exc:  # noqa: BLE001  (the test thread reports it)
+        except BaseException as exc:  # the test thread reports it
             errors.append(exc)
 
     transport = ScriptedTransport()

@@ -130,7 +130,7 @@ def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Any
     while True:
         for attempt in range(BATCH_ATTEMPTS):
             try:
-                rows, gone = _one_batch(engine, target, cutoff, size, after)
+                picked, last, gone = _one_batch(engine, target, cutoff, size, after)
                 break
             except DBAPIError as exc:
                 # A deadlock (InnoDB can pick a batch as the victim of a publisher's unique-index
@@ -138,17 +138,23 @@ def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Any
                 if not is_database_outage(exc) or attempt == BATCH_ATTEMPTS - 1:
                     raise
                 time.sleep(0.05 * 2 ** attempt)
-        if not rows:
+        if not picked:
             return
         yield gone
-        if len(rows) < size:
+        if picked < size:
             return
-        after = tuple(rows[-1])
+        after = last
 
 
 def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
-               after: Sequence[Any] | None) -> tuple[list[Any], int]:
-    """One transaction: pick the next settled rows after ``after``, delete them; (picked, deleted)."""
+               after: Sequence[Any] | None) -> tuple[int, tuple[Any, ...] | None, int]:
+    """One transaction: pick the next settled rows after ``after``, delete them.
+
+    Returns how many were picked, the last one's key (the next batch starts after it) and how
+    many were deleted.
+    """
+    if engine.dialect.name == "postgresql":
+        return _one_statement(engine, target, cutoff, size, after)
     with engine.begin() as conn:
         pick = (select(*target.key).where(*target.settled(cutoff))
                 .order_by(*target.key).limit(size))
@@ -158,11 +164,36 @@ def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
             pick = pick.with_for_update(skip_locked=True)
         rows = list(conn.execute(pick).all())
         if not rows:
-            return rows, 0
+            return 0, None, 0
         gone = conn.execute(delete(target.table).where(
             _key(target).in_([tuple(r) if len(target.key) > 1 else r[0] for r in rows]),
             *target.settled(cutoff))).rowcount
-    return rows, gone
+    return len(rows), tuple(rows[-1]), gone
+
+
+def _one_statement(engine: Engine, target: Target, cutoff: datetime, size: int,
+                   after: Sequence[Any] | None) -> tuple[int, tuple[Any, ...] | None, int]:
+    """PostgreSQL: the pick and the delete as one statement, which reports the count and last key.
+
+    ``DELETE … WHERE key IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED) RETURNING key``: one round
+    trip a batch and no key list sent back and forth. The last key is the database's greatest,
+    by its own collation, which the next batch compares with.
+    """
+    pick = (select(*target.key).where(*target.settled(cutoff)).order_by(*target.key).limit(size)
+            .with_for_update(skip_locked=True))
+    if after is not None:
+        pick = pick.where(_key(target) > _values(target, after))
+    picked = pick.scalar_subquery() if len(target.key) == 1 else pick
+    gone = (delete(target.table).where(_key(target).in_(picked))
+            .returning(*target.key).cte("gone"))
+    gone_key = [gone.c[c.name] for c in target.key]
+    last = (select(*gone_key, func.count().over()).select_from(gone)
+            .order_by(*[c.desc() for c in gone_key]).limit(1))
+    with engine.begin() as conn:
+        row = conn.execute(last).first()
+    if row is None:
+        return 0, None, 0
+    return row[-1], tuple(row[:-1]), row[-1]
 
 
 def _key(target: Target) -> Any:
