@@ -29,6 +29,12 @@ def filled(proof_db_url: str):
     engine.dispose()
 
 
+@pytest.fixture
+def prepare():
+    """Called after each example emptied the tables; test_partitions makes it remake partitions."""
+    return lambda outbox: None
+
+
 OUTBOX_ROWS = st.lists(st.tuples(st.sampled_from(["pending", "published", "failed", "skipped"]), AGES),
                        max_size=30)
 INBOX_ROWS = st.lists(st.tuples(st.sampled_from(["g", "G", "g ", "other"]), AGES,
@@ -40,7 +46,7 @@ INBOX_ROWS = st.lists(st.tuples(st.sampled_from(["g", "G", "g ", "other"]), AGES
 @given(outbox_rows=OUTBOX_ROWS, inbox_rows=INBOX_ROWS, batch_size=st.integers(1, 7),
        outbox_only=st.booleans())
 def test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
-        filled: Outbox, outbox_rows, inbox_rows, batch_size: int, outbox_only: bool) -> None:
+        filled: Outbox, prepare, outbox_rows, inbox_rows, batch_size: int, outbox_only: bool) -> None:
     t, engine = filled.tables, filled.engine
     hours = lambda h: NOW - timedelta(hours=h)  # noqa: E731
     outbox = [outbox_row(status, hours(age)) for status, age in outbox_rows]
@@ -49,6 +55,8 @@ def test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
     with engine.begin() as conn:
         for table in (t.messages, t.inbox_messages, t.keys, t.inbox_keys, t.inbox_held, t.inbox_parked):
             conn.execute(sa.delete(table))
+    prepare(filled)
+    with engine.begin() as conn:
         if outbox:
             conn.execute(sa.insert(t.messages), outbox)
         if inbox:
@@ -75,7 +83,8 @@ def test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
     assert after["inbox"] == kept_inbox
     for unchanged in ("outbox_keys", "inbox_keys", "held", "parked"):
         assert after[unchanged] == before[unchanged]
-    assert result.deleted["outbox_messages"] == len(outbox) - len(kept_outbox)
+    if result.partitions is None:  # dropped partitions' rows are counted apart, estimated
+        assert result.deleted["outbox_messages"] == len(outbox) - len(kept_outbox)
     assert result.deleted.get("inbox_messages", 0) == len(inbox) - len(kept_inbox)
 
     again = run_retention(filled, older_than=RETENTION, dedup_window=WINDOW, batch_size=batch_size, now=NOW)

@@ -34,6 +34,7 @@ from .._outage import is_database_outage
 from .._outbox import Outbox
 from .._tables import MYSQL_FAMILY, OutboxTables
 from ._durations import parse_period
+from ._partitions import PartitionReport, is_partitioned, maintain_partitions
 from ._targets import Target, inbox_target, outbox_target
 
 DEFAULT_BATCH_SIZE = 5000
@@ -53,6 +54,9 @@ class RetentionResult:
     dry_run: bool = False
     stopped: bool = False
     """True when ``stop`` was set before every table was done."""
+    partitions: PartitionReport | None = None
+    """On a partitioned outbox table: the partitions made, dropped (estimated rows, not in
+    ``deleted``) and kept (why)."""
 
     @property
     def total(self) -> int:
@@ -103,6 +107,8 @@ def run_retention(
         if stop is not None and stop.is_set():
             result.stopped = True
             break
+        if target.table is tables.messages and _partitioned(engine, target):
+            result.partitions = maintain_partitions(engine, tables, cutoff, now=moment, dry_run=dry_run)
         if dry_run:
             result.deleted[target.name] = count_settled(engine, target, cutoff)
             continue
@@ -115,6 +121,13 @@ def run_retention(
                 result.stopped = True
                 return result
     return result
+
+
+def _partitioned(engine: Engine, target: Target) -> bool:
+    if engine.dialect.name != "postgresql":
+        return False
+    with engine.connect() as conn:
+        return is_partitioned(conn, target.table)
 
 
 def count_settled(engine: Engine, target: Target, cutoff: datetime) -> int:
