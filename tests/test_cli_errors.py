@@ -164,6 +164,7 @@ CASES = [
     (["console", "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist", "init-db"]),
     # housekeeping: nothing to delete named, a bad period, a missing database; a worker's --retention
     (["housekeeping", "run", "--db", "sqlite:///{d}/ready.db"], 2, ["--older-than", "--dedup-window"]),
+    (["init-db", "--db", "sqlite:///{d}/ready.db", "--partitioned"], 2, ["--partitioned", "PostgreSQL"]),
     (["housekeeping", "run", "--db", "sqlite:///{d}/ready.db", "--older-than", "7days"], 2,
      ["--older-than", "'7days'", "7d"]),
     (["housekeeping", "run", "--db", "sqlite:///{d}/missing.db", "--older-than", "7d"], 2,

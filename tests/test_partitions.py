@@ -3,6 +3,8 @@ days and keeps the rest, and the retention property holds on them too."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -99,4 +101,25 @@ def test_retention_drops_a_settled_day_and_keeps_a_day_with_a_pending_row(postgr
     assert {r.message_id for r in left if r.created_at < today} == {pending["message_id"]}
     assert len(left) == 11
     assert f"outbox_messages_p{today + 7 * DAY:%Y%m%d}" in partitions(engine)  # made ahead
+    engine.dispose()
+
+
+def test_init_db_partitioned_then_housekeeping_from_the_command_line(postgres_db: str) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "outbox", *args, "--db", postgres_db],
+                              capture_output=True, text=True, timeout=120)
+
+    made = cli("init-db", "--partitioned")
+    assert made.returncode == 0 and "partitioned outbox_messages by day (0 row(s) moved)" in made.stdout
+    assert "partitioned already" in cli("init-db", "--partitioned").stdout
+    engine = create_engine(postgres_db)
+    tables = Outbox(engine).tables
+    old = datetime.now(UTC) - 10 * DAY
+    with engine.begin() as conn:  # a day that lands in the default partition: deleted row by row
+        conn.execute(sa.insert(tables.messages), [outbox_row("published", old), outbox_row("failed", old)])
+    dry = cli("housekeeping", "run", "--older-than", "7d", "--dry-run")
+    assert dry.returncode == 0 and "1 row(s) before" in dry.stdout and "would be deleted" in dry.stdout
+    done = cli("housekeeping", "run", "--older-than", "7d")
+    assert done.returncode == 0 and "1 row(s) before" in done.stdout, done.stdout
+    assert [r.status for r in rows(Outbox(engine))] == ["failed"]
     engine.dispose()

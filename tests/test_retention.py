@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -115,3 +117,26 @@ def test_bad_settings_are_refused_before_any_sql(kwargs, named: str) -> None:
         run_retention(Outbox(engine), **kwargs)
 
 
+
+
+def test_the_command_deletes_with_progress_and_a_dry_run_deletes_nothing(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    outbox = Outbox(create_engine(url))
+    outbox.create_tables()
+    old = datetime.now(UTC) - timedelta(days=8)
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        conn.execute(sa.insert(outbox.tables.messages),
+                     [outbox_row("published", old) for _ in range(30)] + [outbox_row("pending", old)])
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "outbox", "housekeeping", "run", "--db", url, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    dry = cli("--older-than", "7d", "--dry-run")
+    assert dry.returncode == 0 and "outbox_messages: 30 row(s) before" in dry.stdout
+    assert "dry run" in dry.stdout
+    done = cli("--older-than", "7d", "--batch-size", "7")
+    assert done.returncode == 0 and "outbox_messages: 30 row(s) before" in done.stdout, done.stderr
+    assert "deleted in" in done.stdout
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        assert list(conn.execute(sa.select(outbox.tables.messages.c.status)).scalars()) == ["pending"]

@@ -63,6 +63,15 @@ def run(
     result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
                            batch_size=batch_size, dry_run=dry_run, progress=progress)
     elapsed = time.monotonic() - started
+    parts = result.partitions
+    if parts is not None:
+        verb = "would drop" if dry_run else "dropped"
+        for name, rows in parts.dropped.items():
+            typer.echo(f"{name}: {verb} (about {rows:,} row(s))")
+        for name, why in parts.kept.items():
+            typer.echo(f"{name}: kept, {why}")
+        if parts.created:
+            typer.echo(f"created partition(s) {', '.join(parts.created)}")
     for table, count in result.deleted.items():
         cutoff = f"{result.cutoffs[table]:%Y-%m-%d %H:%M:%S} UTC"
         if dry_run:
