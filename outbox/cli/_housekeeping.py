@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import typer
+from sqlalchemy import Engine
 
 from ..housekeeping import DEFAULT_BATCH_SIZE, RetentionResult, parse_period, run_retention
 from ..housekeeping._worker import RetentionThread
@@ -102,6 +103,10 @@ def dedup_retention(inbox: Inbox, retention: str) -> timedelta:
     (parked): the window must be set, and the retention at least as long.
     """
     period = parse_period(retention, "retention")
+    if not isinstance(inbox.engine, Engine):
+        raise typer.BadParameter("the worker's retention runs on a sync engine and this Inbox's is "
+                                 "async: run `outbox housekeeping run --dedup-window …` from a "
+                                 "scheduler instead", param_hint="--retention")
     window = inbox.step.dedup_window
     if window is None:
         raise typer.BadParameter("the Inbox has no dedup_window: set Inbox(dedup_window=...) to at most "

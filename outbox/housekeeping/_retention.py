@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -137,7 +137,7 @@ def count_settled(engine: Engine, target: Target, cutoff: datetime) -> int:
                                 .where(*target.settled(cutoff))).scalar_one())
 
 
-def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Any:
+def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Iterator[int]:
     """Delete batch after batch, yielding each one's count, until a batch finds fewer than ``size``."""
     after: Sequence[Any] | None = None
     while True:
@@ -197,7 +197,7 @@ def _one_statement(engine: Engine, target: Target, cutoff: datetime, size: int,
     if after is not None:
         pick = pick.where(_key(target) > _values(target, after))
     picked = pick.scalar_subquery() if len(target.key) == 1 else pick
-    gone = (delete(target.table).where(_key(target).in_(picked))
+    gone = (delete(target.table).where(_key(target).in_(picked), *target.settled(cutoff))
             .returning(*target.key).cte("gone"))
     gone_key = [gone.c[c.name] for c in target.key]
     last = (select(*gone_key, func.count().over()).select_from(gone)
