@@ -219,7 +219,7 @@ def main() -> None:
 
 `{command}`:
 durable local PostgreSQL, the embedded broker, one run (load average {load[0]:.1f} → {load[1]:.1f}).
-The issue asks for 5,000,000 rows; this run deleted {args.rows:,} (what fitted the time), and the
+The issue asks for 5,000,000 rows; this run deleted {args.rows:,}, and the
 Spark archive ran on {args.spark_rows:,} rows (JVM start included, as an operator runs it).
 
 {markdown_table(["job", "rows", "seconds", "rows/s", "peak RSS"], [
@@ -232,7 +232,7 @@ Ratio retention / archive: **{own / spark:.1f}x** (target ≥ 4x: {verdict(own >
 The archive's rate here includes its JVM start on few rows; against the issue's measurement of the
 archive on 5,000,000 rows (13.7k rows/s, JVM start amortised), retention's rate is
 **{own / 13_700:.1f}x** — the fairer comparison.
-retention's memory {rss} MB (target < 200 MB: {verdict(rss < 200)}).
+Retention's memory: {rss} MB (target < 200 MB: {verdict(rss < 200)}).
 
 Relay commit→ack latency at {args.rate} msg/s for {args.seconds:.0f} s, without and with a retention of
 {args.latency_rows:,} rows running beside it, alternating:
