@@ -9,9 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+import test_retention
 from _relay_helpers import ScriptedTransport, drain, publish, rows
 from _retention_rows import outbox_row
-from test_retention import NOW, test_retention_deletes_exactly_the_settled_rows_past_the_cutoff  # noqa: F401
+from test_retention import NOW
 
 from outbox import Outbox, Relay, create_engine
 from outbox.housekeeping import maintain_partitions, partition_outbox, run_retention
@@ -23,7 +24,7 @@ DAY = timedelta(days=1)
 
 @pytest.fixture
 def filled(postgres_db: str):
-    """The property test of test_retention, on a partitioned outbox table around its NOW."""
+    """A partitioned outbox table with day partitions around test_retention's NOW."""
     engine = create_engine(postgres_db)
     outbox = Outbox(engine)
     outbox.create_tables()
@@ -37,6 +38,13 @@ def prepare():
     """Remake the day partitions an earlier example's retention dropped (the tables are empty)."""
     return lambda outbox: maintain_partitions(outbox.engine, outbox.tables, NOW - 30 * DAY,
                                               now=NOW - 13 * DAY, ahead_days=14)
+
+
+@pytest.mark.slow
+def test_the_retention_property_holds_on_a_partitioned_table(filled: Outbox, prepare) -> None:
+    """test_retention's property, its examples run on day partitions (some dropped whole)."""
+    test_retention.test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
+        filled=filled, prepare=prepare)
 
 
 def partitions(engine: sa.Engine) -> set[str]:
@@ -104,6 +112,7 @@ def test_retention_drops_a_settled_day_and_keeps_a_day_with_a_pending_row(postgr
     engine.dispose()
 
 
+@pytest.mark.slow
 def test_init_db_partitioned_then_housekeeping_from_the_command_line(postgres_db: str) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "outbox", *args, "--db", postgres_db],

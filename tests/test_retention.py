@@ -119,6 +119,7 @@ def test_bad_settings_are_refused_before_any_sql(kwargs, named: str) -> None:
 
 
 
+@pytest.mark.slow
 def test_the_command_deletes_with_progress_and_a_dry_run_deletes_nothing(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'app.db'}"
     outbox = Outbox(create_engine(url))
