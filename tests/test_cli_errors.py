@@ -162,6 +162,17 @@ CASES = [
      2, ["--key-stuck-after"]),
     # the console: a missing database, and a network address without a credential
     (["console", "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist", "init-db"]),
+    # housekeeping: nothing to delete named, a bad period, a missing database; a worker's --retention
+    (["housekeeping", "run", "--db", "sqlite:///{d}/ready.db"], 2, ["--older-than", "--dedup-window"]),
+    (["init-db", "--db", "sqlite:///{d}/ready.db", "--partitioned"], 2, ["--partitioned", "PostgreSQL"]),
+    (["housekeeping", "run", "--db", "sqlite:///{d}/ready.db", "--older-than", "7days"], 2,
+     ["--older-than", "'7days'", "7d"]),
+    (["housekeeping", "run", "--db", "sqlite:///{d}/missing.db", "--older-than", "7d"], 2,
+     ["missing.db does not exist"]),
+    (["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "x:9", "--retention", "30d"], 2,
+     ["--retention", "dedup_window"]),
+    (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "--retention", "0d"], 2,
+     ["retention must be positive"]),
     (["console", "--db", "sqlite:///{d}/ready.db", "--host", "0.0.0.0"], 2,
      ["--host", "OUTBOX_CONSOLE_TOKEN"]),
 ]

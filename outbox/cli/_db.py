@@ -11,6 +11,7 @@ from .. import _schema
 from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError
 from .._outbox import Outbox
+from ..housekeeping import partition_outbox
 from . import app
 from ._errors import naming
 from ._options import DB, PREFIX, SCHEMA
@@ -96,11 +97,18 @@ def init_db(
         False, "--new-incarnation",
         help="Give this database a new identity: run it after restoring it from a backup or "
              "copying it, with its relays stopped (see docs/consumer.md, 'Producer restarts')."),
+    partitioned: bool = typer.Option(
+        False, "--partitioned",
+        help="PostgreSQL: partition outbox_messages by day, so retention drops whole days; converts "
+             "an existing table keeping every row (docs/operations.md, 'Housekeeping')."),
 ) -> None:
     """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
     naming(db)
     outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards,
                     max_record_bytes=max_record_bytes)
+    if partitioned and outbox.engine.dialect.name != "postgresql":
+        raise ConfigurationError(
+            f"--partitioned needs PostgreSQL; {naming(db)} is {outbox.engine.dialect.name}")
     if reshard is not None:
         assert isinstance(outbox.engine, Engine)
         old = _schema.reshard(outbox.engine, outbox.tables, reshard)
@@ -124,6 +132,11 @@ def init_db(
         console.print(f"[green]upgraded[/green] schema version {before} to {after}")
     else:
         console.print(_created(outbox, existed))
+    if partitioned:
+        assert isinstance(outbox.engine, Engine)
+        moved = partition_outbox(outbox.engine, outbox.tables)
+        console.print("outbox_messages is partitioned already" if moved is None
+                      else f"[green]partitioned[/green] outbox_messages by day ({moved:,} row(s) moved)")
     stored = outbox.load_schema()
     console.print(f"shard count {stored.shard_count}, schema version {stored.version}, "
                   f"max record bytes {stored.max_record_bytes}")

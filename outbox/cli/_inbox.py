@@ -17,10 +17,12 @@ from rich.console import Console
 from transports._logsafe import safe_logger
 
 from .._gc import tune_gc_for_batches
+from ..housekeeping import run_retention
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._db import existing_database, open_engine
 from ._errors import Typer
+from ._housekeeping import RETENTION_EVERY, dedup_retention, every_seconds, start_retention
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -90,12 +92,18 @@ def run(
         None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
     metrics_host: str = METRICS_HOST,
     log_level: str = LOG_LEVEL,
+    retention: str | None = typer.Option(
+        None, "--retention", help="Also delete this group's dedup records whose message is older than "
+                                  "this (at least the Inbox's dedup_window), on a thread of its own."),
+    retention_every: str = RETENTION_EVERY,
 ) -> None:
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
     configure_logging(log_level)
     from transports.kafka import KafkaSource
 
+    every = every_seconds(retention_every)
     inbox = load_inbox(target)
+    window = None if retention is None else dedup_retention(inbox, retention)
     source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
                          topics=inbox.topics, settings=parse_kafka_config(kafka_config))
     if metrics_port is not None:
@@ -105,7 +113,14 @@ def run(
                      host=metrics_host)
     Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
     tune_gc_for_batches()
-    inbox.run(source)
+    housekeeper = None if window is None else start_retention(
+        lambda stop: run_retention(inbox.engine, tables=inbox.tables, group=inbox.group,
+                                   dedup_window=window, stop=stop), every)
+    try:
+        inbox.run(source)
+    finally:
+        if housekeeper is not None:
+            housekeeper.stop()
 
 
 DB = typer.Option(None, "--db", help="SQLAlchemy database URL of the inbox tables (or --app).")

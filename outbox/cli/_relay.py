@@ -17,11 +17,13 @@ from .._alerts import LoggingAlertSink, WebhookAlertSink
 from .._gc import tune_gc_for_batches
 from .._outage import is_database_outage
 from .._outbox import Outbox
+from ..housekeeping import parse_period, run_retention
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
+from ._housekeeping import RETENTION_EVERY, every_seconds, start_retention
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -65,6 +67,10 @@ def relay(
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
     log_level: str = LOG_LEVEL,
+    retention: str | None = typer.Option(
+        None, "--retention", help="Also delete published rows older than this (e.g. 7d), on a thread of "
+                                  "its own (docs/operations.md, 'Housekeeping')."),
+    retention_every: str = RETENTION_EVERY,
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -75,6 +81,8 @@ def relay(
 
     configure_logging(log_level)
     settings = parse_kafka_config(kafka_config)
+    retention_period = None if retention is None else parse_period(retention, "retention")
+    every = every_seconds(retention_every)
     outbox = open_outbox(db, prefix, schema, shards, check=False)
     if not _wait_for_tables(outbox):
         return  # stopped before the database ever answered
@@ -92,9 +100,13 @@ def relay(
         relay_metrics()  # registered before the first scrape
         serve_health(metrics_port, relay_readiness(worker), host=metrics_host)
     tune_gc_for_batches()
+    housekeeper = None if retention_period is None else start_retention(
+        lambda stop: run_retention(outbox, older_than=retention_period, stop=stop), every)
     try:
         worker.run()
     finally:
+        if housekeeper is not None:
+            housekeeper.stop()
         transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
 
 

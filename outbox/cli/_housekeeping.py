@@ -1,0 +1,119 @@
+"""``outbox housekeeping run``: delete settled rows past their retention, with progress.
+
+The relay and the inbox can run the same passes themselves (``outbox relay
+--retention 7d``, ``outbox inbox run --retention 30d``); this command is for a
+cron job, a Kubernetes CronJob or a one-off clean-up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import typer
+from sqlalchemy import Engine
+
+from ..housekeeping import DEFAULT_BATCH_SIZE, RetentionResult, parse_period, run_retention
+from ..housekeeping._worker import RetentionThread
+from ..inbox import Inbox
+from . import app
+from ._db import open_outbox
+from ._errors import Typer
+from ._options import DB, PREFIX, SCHEMA
+
+housekeeping_app = Typer(help="Delete published and processed rows past their retention.",
+                         no_args_is_help=True)
+app.add_typer(housekeeping_app, name="housekeeping")
+
+OLDER_THAN_HELP = "Delete published outbox rows created longer ago than this (e.g. 7d, 36h)."
+DEDUP_WINDOW_HELP = ("Delete inbox dedup records whose message is older than this; at least the "
+                     "Inbox(dedup_window=) of every group (docs/consumer.md).")
+
+
+@housekeeping_app.command("run")
+def run(
+    db: str = DB,
+    older_than: str | None = typer.Option(None, "--older-than", help=OLDER_THAN_HELP),
+    dedup_window: str | None = typer.Option(None, "--dedup-window", help=DEDUP_WINDOW_HELP),
+    group: str | None = typer.Option(None, "--group", help="Only this consumer group's dedup records."),
+    batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, "--batch-size", help="Rows per delete transaction."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+) -> None:
+    """Delete settled rows past their retention in short batches; safe to stop and run again."""
+    if older_than is None and dedup_window is None:
+        raise typer.BadParameter("give --older-than (outbox rows), --dedup-window (inbox records) or both")
+    if group is not None and dedup_window is None:
+        raise typer.BadParameter("--group limits the inbox records: give --dedup-window too")
+    for flag, value in (("--older-than", older_than), ("--dedup-window", dedup_window)):
+        if value is not None:
+            parse_period(value, flag)
+    outbox = open_outbox(db, prefix, schema)
+    started = time.monotonic()
+    shown = [started]
+
+    def progress(table: str, deleted: int) -> None:
+        now = time.monotonic()
+        if now - shown[0] >= 1.0:
+            shown[0] = now
+            typer.echo(f"{table}: {deleted:,} deleted ({deleted / max(now - started, 1e-9):,.0f} rows/s)")
+
+    result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
+                           batch_size=batch_size, dry_run=dry_run, progress=progress)
+    elapsed = time.monotonic() - started
+    parts = result.partitions
+    if parts is not None:
+        verb = "would drop" if dry_run else "dropped"
+        for name, rows in parts.dropped.items():
+            typer.echo(f"{name}: {verb} (about {rows:,} row(s))")
+        for name, why in parts.kept.items():
+            typer.echo(f"{name}: kept, {why}")
+        if parts.created:
+            typer.echo(f"created partition(s) {', '.join(parts.created)}")
+    for table, count in result.deleted.items():
+        cutoff = f"{result.cutoffs[table]:%Y-%m-%d %H:%M:%S} UTC"
+        if dry_run:
+            typer.echo(f"{table}: {count:,} row(s) before {cutoff} would be deleted (dry run)")
+        else:
+            typer.echo(f"{table}: {count:,} row(s) before {cutoff} deleted in {elapsed:.1f} s")
+
+
+
+
+RETENTION_EVERY = typer.Option("10m", "--retention-every", help="How often the worker runs a retention pass.")
+
+
+def every_seconds(every: str) -> float:
+    """``--retention-every`` in seconds, checked before a worker starts."""
+    return parse_period(every, "retention interval") / timedelta(seconds=1)
+
+
+def start_retention(run_pass: Callable[[threading.Event], RetentionResult], every: float) -> RetentionThread:
+    """Start a worker's retention thread; ``run_pass(stop)`` runs one pass every ``every`` seconds."""
+    return RetentionThread(run_pass, every).start()
+
+
+def dedup_retention(inbox: Inbox, retention: str) -> timedelta:
+    """The inbox worker's ``--retention``, refused unless the group's dedup window covers it.
+
+    A record deleted inside the window would turn a redelivery into a conflict
+    (parked): the window must be set, and the retention at least as long.
+    """
+    period = parse_period(retention, "retention")
+    if not isinstance(inbox.engine, Engine):
+        raise typer.BadParameter("the worker's retention runs on a sync engine and this Inbox's is "
+                                 "async: run `outbox housekeeping run --dedup-window …` from a "
+                                 "scheduler instead", param_hint="--retention")
+    window = inbox.step.dedup_window
+    if window is None:
+        raise typer.BadParameter("the Inbox has no dedup_window: set Inbox(dedup_window=...) to at most "
+                                 "the retention, or a redelivery of a deleted record parks as a conflict",
+                                 param_hint="--retention")
+    if period < timedelta(seconds=window):
+        raise typer.BadParameter(f"{retention!r} is shorter than the Inbox's dedup_window "
+                                 f"({timedelta(seconds=window)}): records inside the window must stay",
+                                 param_hint="--retention")
+    return period

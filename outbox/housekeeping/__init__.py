@@ -1,0 +1,14 @@
+"""Housekeeping without Spark: retention of settled rows, and time-partitioned tables on PostgreSQL.
+
+``run_retention`` deletes published outbox rows and inbox dedup records past
+their retention in short batches, online (docs/operations.md, "Housekeeping").
+``partition_outbox`` makes ``outbox_messages`` partitioned by day on PostgreSQL,
+after which a retention pass drops whole settled partitions (``maintain_partitions``).
+"""
+
+from ._durations import parse_period
+from ._partitions import PartitionReport, maintain_partitions, partition_outbox
+from ._retention import DEFAULT_BATCH_SIZE, RetentionResult, count_settled, run_retention
+
+__all__ = ["DEFAULT_BATCH_SIZE", "PartitionReport", "RetentionResult", "count_settled",
+           "maintain_partitions", "parse_period", "partition_outbox", "run_retention"]

@@ -1,0 +1,234 @@
+"""Delete settled rows past their retention, in short batches that never wait on the hot path.
+
+Each batch is its own transaction: it picks up to ``batch_size`` settled rows
+past the cutoff in primary-key order, after the last key the previous batch
+reached, and deletes exactly those (the delete checks the same conditions
+again). On PostgreSQL, MySQL and MariaDB the pick is ``FOR UPDATE SKIP
+LOCKED``: a row another retention run (or an inbox counting a redelivery) has
+locked is passed over, never waited for; the next run takes it. Publishers
+insert new rows, the relay updates pending ones and the inbox inserts new
+records, none of which a batch selects, so none of them waits on it. MySQL
+runs the batch at READ COMMITTED (no gap locks, locks only on matched rows).
+On SQLite a batch is one short write transaction, as every writer's is there.
+
+A killed run loses at most its open batch, which rolls back; running again
+continues. Several runs at once split the rows between them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, delete, func, literal, select, tuple_
+from sqlalchemy.exc import DBAPIError
+
+from .._engine import worker_engine
+from .._envelope import utcnow
+from .._errors import ConfigurationError
+from .._outage import is_database_outage
+from .._outbox import Outbox
+from .._tables import MYSQL_FAMILY, OutboxTables
+from ._durations import parse_period
+from ._partitions import PartitionReport, is_partitioned, maintain_partitions
+from ._targets import Target, inbox_target, outbox_target
+
+DEFAULT_BATCH_SIZE = 5000
+MAX_BATCH_SIZE = 100_000
+BATCH_ATTEMPTS = 5
+
+Progress = Callable[[str, int], None]
+"""Called after each batch with the table's name and the rows deleted from it so far."""
+
+
+@dataclass
+class RetentionResult:
+    """Rows deleted per table (or, with ``dry_run``, rows that would be), and the cutoffs used."""
+
+    deleted: dict[str, int] = field(default_factory=dict)
+    cutoffs: dict[str, datetime] = field(default_factory=dict)
+    dry_run: bool = False
+    stopped: bool = False
+    """True when ``stop`` was set before every table was done."""
+    partitions: PartitionReport | None = None
+    """On a partitioned outbox table: the partitions made, dropped (estimated rows, not in
+    ``deleted``) and kept (why)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.deleted.values())
+
+
+def run_retention(
+    bind: Outbox | Engine,
+    *,
+    older_than: timedelta | str | float | None = None,
+    dedup_window: timedelta | str | float | None = None,
+    tables: OutboxTables | None = None,
+    group: str | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+    stop: threading.Event | None = None,
+    now: datetime | None = None,
+) -> RetentionResult:
+    """Delete published outbox rows created more than ``older_than`` ago, and inbox dedup
+    records whose message is older than ``dedup_window``; returns what was deleted.
+
+    Give at least one of the two. ``dedup_window`` must be at least the
+    ``Inbox(dedup_window=)`` of every group using these tables, which must be
+    set: a redelivery older than the window is then counted as expired, not
+    parked as a conflict (docs/consumer.md). Safe to call from a scheduler,
+    from several processes at once, and to kill at any point. ``bind`` is an
+    ``Outbox`` (its engine and tables) or an engine with ``tables``.
+    ``group`` limits the inbox records to one consumer group's. ``stop`` ends
+    the run between batches.
+    """
+    engine, tables = _bound(bind, tables)
+    if older_than is None and dedup_window is None:
+        raise ConfigurationError("give older_than (outbox rows), dedup_window (inbox records) or both")
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+            or not 1 <= batch_size <= MAX_BATCH_SIZE):
+        raise ConfigurationError(f"batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {batch_size!r}")
+    moment = now or utcnow()
+    jobs: list[tuple[Target, datetime]] = []
+    if older_than is not None:
+        jobs.append((outbox_target(tables), moment - parse_period(older_than, "retention")))
+    if dedup_window is not None:
+        jobs.append((inbox_target(tables, group), moment - parse_period(dedup_window, "dedup window")))
+    engine = worker_engine(engine)
+    result = RetentionResult(dry_run=dry_run)
+    for target, cutoff in jobs:
+        result.cutoffs[target.name] = cutoff
+        if stop is not None and stop.is_set():
+            result.stopped = True
+            break
+        if target.table is tables.messages and _partitioned(engine, target):
+            result.partitions = maintain_partitions(engine, tables, cutoff, now=moment, dry_run=dry_run)
+        if dry_run:
+            result.deleted[target.name] = count_settled(engine, target, cutoff)
+            continue
+        result.deleted[target.name] = 0
+        for done in _batches(engine, target, cutoff, batch_size):
+            result.deleted[target.name] += done
+            if progress is not None:
+                progress(target.name, result.deleted[target.name])
+            if stop is not None and stop.is_set():
+                result.stopped = True
+                return result
+    return result
+
+
+def _partitioned(engine: Engine, target: Target) -> bool:
+    if engine.dialect.name != "postgresql":
+        return False
+    with engine.connect() as conn:
+        return is_partitioned(conn, target.table)
+
+
+def count_settled(engine: Engine, target: Target, cutoff: datetime) -> int:
+    """How many rows a run with this cutoff would delete now (reads, locks nothing)."""
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(target.table)
+                                .where(*target.settled(cutoff))).scalar_one())
+
+
+def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Iterator[int]:
+    """Delete batch after batch, yielding each one's count, until a batch finds fewer than ``size``."""
+    after: Sequence[Any] | None = None
+    while True:
+        for attempt in range(BATCH_ATTEMPTS):
+            try:
+                picked, last, gone = _one_batch(engine, target, cutoff, size, after)
+                break
+            except DBAPIError as exc:
+                # A deadlock (InnoDB can pick a batch as the victim of a publisher's unique-index
+                # check) or a lost connection: the batch rolled back whole, so it is run again.
+                if not is_database_outage(exc) or attempt == BATCH_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.05 * 2 ** attempt)
+        if not picked:
+            return
+        yield gone
+        if picked < size:
+            return
+        after = last
+
+
+def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
+               after: Sequence[Any] | None) -> tuple[int, tuple[Any, ...] | None, int]:
+    """One transaction: pick the next settled rows after ``after``, delete them.
+
+    Returns how many were picked, the last one's key (the next batch starts after it) and how
+    many were deleted.
+    """
+    if engine.dialect.name == "postgresql":
+        return _one_statement(engine, target, cutoff, size, after)
+    with engine.begin() as conn:
+        pick = (select(*target.key).where(*target.settled(cutoff))
+                .order_by(*target.key).limit(size))
+        if after is not None:
+            pick = pick.where(_key(target) > _values(target, after))
+        if engine.dialect.name == "postgresql" or engine.dialect.name in MYSQL_FAMILY:
+            pick = pick.with_for_update(skip_locked=True)
+        rows = list(conn.execute(pick).all())
+        if not rows:
+            return 0, None, 0
+        gone = conn.execute(delete(target.table).where(
+            _key(target).in_([tuple(r) if len(target.key) > 1 else r[0] for r in rows]),
+            *target.settled(cutoff))).rowcount
+    return len(rows), tuple(rows[-1]), gone
+
+
+def _one_statement(engine: Engine, target: Target, cutoff: datetime, size: int,
+                   after: Sequence[Any] | None) -> tuple[int, tuple[Any, ...] | None, int]:
+    """PostgreSQL: the pick and the delete as one statement, which reports the count and last key.
+
+    ``DELETE … WHERE key IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED) RETURNING key``: one round
+    trip a batch and no key list sent back and forth. The last key is the database's greatest,
+    by its own collation, which the next batch compares with.
+    """
+    pick = (select(*target.key).where(*target.settled(cutoff)).order_by(*target.key).limit(size)
+            .with_for_update(skip_locked=True))
+    if after is not None:
+        pick = pick.where(_key(target) > _values(target, after))
+    picked = pick.scalar_subquery() if len(target.key) == 1 else pick
+    gone = (delete(target.table).where(_key(target).in_(picked), *target.settled(cutoff))
+            .returning(*target.key).cte("gone"))
+    gone_key = [gone.c[c.name] for c in target.key]
+    last = (select(*gone_key, func.count().over()).select_from(gone)
+            .order_by(*[c.desc() for c in gone_key]).limit(1))
+    with engine.begin() as conn:
+        row = conn.execute(last).first()
+    if row is None:
+        return 0, None, 0
+    return row[-1], tuple(row[:-1]), row[-1]
+
+
+def _key(target: Target) -> Any:
+    return target.key[0] if len(target.key) == 1 else tuple_(*target.key)
+
+
+def _values(target: Target, row: Sequence[Any]) -> Any:
+    """A key's values, bound with their columns' types (a UUID is text on MySQL)."""
+    if len(row) == 1:
+        return row[0]
+    return tuple_(*[literal(value, column.type) for value, column in zip(row, target.key, strict=True)])
+
+
+def _bound(bind: Outbox | Engine, tables: OutboxTables | None) -> tuple[Engine, OutboxTables]:
+    if isinstance(bind, Outbox):
+        if tables is not None:
+            raise ConfigurationError("pass tables= with an engine; an Outbox names its own tables")
+        engine: object = bind.engine
+        tables = bind.tables
+    else:
+        engine = bind
+    if not isinstance(engine, Engine):
+        raise ConfigurationError(f"retention runs on a sync Engine (or an Outbox made with one), "
+                                 f"got {type(engine).__name__}")
+    return engine, tables or OutboxTables()

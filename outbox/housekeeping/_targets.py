@@ -1,0 +1,54 @@
+"""What retention may delete, table by table: the settled rows older than a cutoff.
+
+Only two tables hold rows that can settle for good:
+
+- ``outbox_messages``: a row the broker acknowledged (``published``). Pending,
+  failed and skipped rows stay: a pending or failed row is unfinished work, a
+  skipped one is an operator's record that holds a key's history.
+- ``inbox_messages``: a dedup record (processed, or discarded by an operator)
+  whose message was created *and* processed before the cutoff. The inbox judges
+  an unrecorded id at or below its key's position by the message's
+  ``created_at`` (``Inbox(dedup_window=)``), so a record goes only when its
+  message is older than the window by that same clock.
+
+Nothing else is ever touched: ``outbox_keys`` (a key's next seq),
+``inbox_keys`` (a key's position, parked flag, incarnation), ``inbox_held``
+and ``inbox_parked`` keep every row, so a key's position survives the deletion
+of its dedup rows and no waiting or parked message can vanish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Column, ColumnElement, Table, or_
+
+from .._tables import PUBLISHED, OutboxTables
+
+
+@dataclass(frozen=True)
+class Target:
+    """One table retention cleans: its primary key (the order batches walk) and its settled rows."""
+
+    table: Table
+    key: tuple[Column[object], ...]
+    settled: Callable[[datetime], list[ColumnElement[bool]]]
+
+    @property
+    def name(self) -> str:
+        return self.table.name
+
+
+def outbox_target(tables: OutboxTables) -> Target:
+    m = tables.messages
+    return Target(m, (m.c.id,), lambda cutoff: [m.c.status == PUBLISHED, m.c.created_at < cutoff])
+
+
+def inbox_target(tables: OutboxTables, group: str | None = None) -> Target:
+    """Dedup records of every group, or of ``group`` only (its own window)."""
+    i = tables.inbox_messages
+    of_group = [] if group is None else [i.c.consumer_group == group]
+    return Target(i, (i.c.consumer_group, i.c.message_id), lambda cutoff: [
+        *of_group, i.c.processed_at < cutoff, or_(i.c.created_at.is_(None), i.c.created_at < cutoff)])

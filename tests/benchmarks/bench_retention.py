@@ -1,0 +1,257 @@
+"""Retention without a JVM, against ``outbox spark archive``, and the relay's latency while it runs.
+
+All in one run, against a durable local PostgreSQL (``local_postgres()``) and
+the embedded Kafka-protocol broker:
+
+- built-in retention: ``outbox housekeeping run --older-than 1d`` in a fresh
+  process deleting ``--rows`` old published rows (and nothing else: as many
+  pending rows stay); rows/s and the process's peak RSS.
+- Spark archive: ``outbox spark archive --retention 1d`` on ``--spark-rows``
+  rows (smaller: it is slow), rows/s. Ratio: retention rows/s / archive rows/s.
+- relay commit→ack latency: writers commit ``--rate`` messages/s (one per
+  transaction) for ``--seconds`` with a relay process running, alternately
+  without and with a retention process deleting ``--rows`` rows beside it
+  (``--pairs`` pairs); p50/p99/max of each, and the ratio of the p99 medians.
+
+    python tests/benchmarks/bench_retention.py [--rows N] [--spark-rows N] [--pairs N]
+- partitioned: on a table made by ``init-db --partitioned``, one retention
+  pass retiring a settled day of ``--partition-rows`` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _report import markdown_table, write_section
+from bench_relay import PAYLOAD, pending, start_relays, stop, wait_leased
+
+from outbox import Outbox, create_engine
+from outbox.housekeeping import partition_outbox, run_retention
+from outbox.testing import local_postgres
+from transports.kafka import embedded_kafka
+
+DAY = timedelta(days=1)
+MEASURED = """
+import resource, sys
+from outbox.cli import main
+try:
+    main(sys.argv[1:], prog_name="outbox")
+finally:
+    print(f"maxrss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+"""
+
+
+def seed_old(engine: sa.Engine, published: int, pending_rows: int = 10_000) -> None:
+    """``published`` rows published 30 days ago, and ``pending_rows`` old pending ones delayed
+    for days (retention must leave them; the relay does not send them yet)."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("""
+            INSERT INTO outbox_messages (message_id, topic, key, seq, shard, payload, content_type,
+                headers, created_at, available_at, attempts, status, published_at)
+            SELECT gen_random_uuid(), 'old', NULL, NULL, 0, :payload, 'application/json', '{}',
+                   now() - interval '30 days',
+                   CASE WHEN g <= :pending THEN now() + interval '10 days'
+                        ELSE now() - interval '30 days' END,
+                   0,
+                   CASE WHEN g <= :pending THEN 'pending' ELSE 'published' END,
+                   CASE WHEN g <= :pending THEN NULL ELSE now() - interval '30 days' END
+            FROM generate_series(1, :total) AS g"""),
+            {"payload": PAYLOAD, "pending": pending_rows, "total": published + pending_rows})
+        conn.execute(sa.text("ANALYZE outbox_messages"))
+
+
+def run_retention_process(url: str) -> tuple[float, int, int]:
+    """(seconds, rows deleted, peak RSS in MB) of one ``outbox housekeeping run``."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", MEASURED, "housekeeping", "run", "--db", url,
+                           "--older-than", "1d"], capture_output=True, text=True, check=True)
+    seconds = time.perf_counter() - started
+    deleted = int(done.stdout.strip().splitlines()[-1].split(":")[1].split()[0].replace(",", ""))
+    rss = int(done.stderr.strip().splitlines()[-1].split("=")[1]) // 1024
+    return seconds, deleted, rss
+
+
+def run_spark_archive(url: str) -> tuple[float, int]:
+    with tempfile.TemporaryDirectory() as root:
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "outbox", "spark", "archive", "--db", url,
+                               "--archive-dir", root, "--retention", "1d", "--log-level", "ERROR"],
+                              capture_output=True, text=True, check=True)
+        seconds = time.perf_counter() - started
+    line = next(x for x in done.stdout.splitlines() if x.startswith("outbox_messages:"))
+    return seconds, int(line.split("deleted")[1].strip().replace(",", ""))
+
+
+def latency(url: str, servers: str, rate: int, seconds: float, beside: int) -> tuple[float, float, float]:
+    """p50/p99/max commit→ack ms of ``rate`` msg/s, with a retention of ``beside`` rows running (or 0)."""
+    engine = create_engine(url)
+    outbox = Outbox(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox_messages"))
+    if beside:
+        seed_old(engine, beside, pending_rows=0)
+    relays = start_relays(url, servers, 1, "--poll-interval", "5")
+    committed: dict[str, float] = {}
+    lock = threading.Lock()
+    retention = None
+    try:
+        wait_leased(engine, 1)
+        time.sleep(1)
+        if beside:
+            retention = subprocess.Popen([sys.executable, "-m", "outbox", "housekeeping", "run",
+                                          "--db", url, "--older-than", "1d"], stdout=subprocess.DEVNULL)
+
+        def write(w: int) -> None:
+            interval, start = 2 / rate, time.perf_counter()
+            for n in range(int(rate * seconds / 2)):
+                if (delay := start + n * interval - time.perf_counter()) > 0:
+                    time.sleep(delay)
+                with outbox._sessions() as session, session.begin():
+                    message_id = outbox.publish(session, "latency", PAYLOAD, key=f"w{w}-{n % 500}")
+                with lock:
+                    committed[str(message_id)] = time.time()
+
+        writers = [threading.Thread(target=write, args=(w,)) for w in range(2)]
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join()
+        still_running = retention is not None and retention.poll() is None
+        while pending(engine):
+            time.sleep(0.1)
+    finally:
+        stop(relays)
+        if retention is not None:
+            retention.wait()
+    if beside and not still_running:
+        print("  note: retention ended before the writers did", flush=True)
+    with engine.connect() as conn:
+        acked = conn.execute(sa.text(
+            "SELECT message_id, published_at FROM outbox_messages WHERE topic = 'latency'")).all()
+    ms = sorted((at.timestamp() - committed[str(mid)]) * 1000 for mid, at in acked)
+    q = statistics.quantiles(ms, n=100)
+    engine.dispose()
+    return q[49], q[98], ms[-1]
+
+
+def partition_drop(engine: sa.Engine, rows: int) -> tuple[float, int]:
+    """Seconds of a retention pass that retires one settled day of ``rows`` rows on a partitioned table."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE outbox_messages"))
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    partition_outbox(engine, outbox.tables, now=today - 3 * DAY, ahead_days=10)
+    with engine.begin() as conn:
+        conn.execute(sa.text("""
+            INSERT INTO outbox_messages (message_id, topic, shard, payload, content_type, headers,
+                created_at, available_at, attempts, status, published_at)
+            SELECT gen_random_uuid(), 'old', 0, :payload, 'application/json', '{}',
+                   :day + g * interval '1 millisecond' * (86400000.0 / :rows), :day, 0, 'published', :day
+            FROM generate_series(0, :rows - 1) AS g"""), {"payload": PAYLOAD, "rows": rows,
+                                                          "day": today - 3 * DAY})
+        conn.execute(sa.text("ANALYZE outbox_messages"))
+    started = time.perf_counter()
+    result = run_retention(outbox, older_than="1d")
+    seconds = time.perf_counter() - started
+    day = f"outbox_messages_p{today - 3 * DAY:%Y%m%d}"
+    assert result.partitions is not None and day in result.partitions.dropped, result.partitions
+    assert result.total == 0 and not result.partitions.kept, result
+    return seconds, result.partitions.dropped[day]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--spark-rows", type=int, default=100_000)
+    parser.add_argument("--latency-rows", type=int, default=2_000_000,
+                        help="rows the retention beside the latency runs deletes")
+    parser.add_argument("--partition-rows", type=int, default=1_000_000, help="rows in the day dropped")
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--rate", type=int, default=500)
+    parser.add_argument("--seconds", type=float, default=15)
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    with local_postgres() as url, embedded_kafka() as servers:
+        engine = create_engine(url)
+        Outbox(engine).create_tables()
+        seed_old(engine, args.rows)
+        seconds, deleted, rss = run_retention_process(url)
+        own = deleted / seconds
+        print(f"retention: {deleted:,} rows in {seconds:.1f} s ({own:,.0f} rows/s), RSS {rss} MB", flush=True)
+        with engine.begin() as conn:
+            conn.execute(sa.text("TRUNCATE outbox_messages"))
+        seed_old(engine, args.spark_rows)
+        spark_seconds, spark_deleted = run_spark_archive(url)
+        spark = spark_deleted / spark_seconds
+        print(f"spark archive: {spark_deleted:,} rows in {spark_seconds:.1f} s ({spark:,.0f} rows/s)",
+              flush=True)
+        pairs = []
+        for _ in range(args.pairs):
+            without = latency(url, servers, args.rate, args.seconds, 0)
+            during = latency(url, servers, args.rate, args.seconds, args.latency_rows)
+            pairs.append((without, during))
+            print(f"latency without p50/p99/max {without[0]:.1f}/{without[1]:.1f}/{without[2]:.0f} ms, "
+                  f"during retention {during[0]:.1f}/{during[1]:.1f}/{during[2]:.0f} ms", flush=True)
+        drop_seconds, dropped = partition_drop(engine, args.partition_rows)
+        print(f"partitioned: a day of {dropped:,} rows retired in {drop_seconds:.3f} s", flush=True)
+        engine.dispose()
+    load = (load_before, os.getloadavg()[0])
+    p99_without = statistics.median(w[1] for w, _ in pairs)
+    p99_during = statistics.median(d[1] for _, d in pairs)
+    command = (f"python tests/benchmarks/bench_retention.py --rows {args.rows} "
+               f"--spark-rows {args.spark_rows} --latency-rows {args.latency_rows} "
+               f"--partition-rows {args.partition_rows} --pairs {args.pairs}")
+    verdict = lambda ok: "**met**" if ok else "**not met**"  # noqa: E731
+    body = f"""## Retention: built-in vs Spark archive, and the relay beside it
+
+`{command}`:
+durable local PostgreSQL, the embedded broker, one run (load average {load[0]:.1f} → {load[1]:.1f}).
+The issue asks for 5,000,000 rows; this run deleted {args.rows:,}, and the
+Spark archive ran on {args.spark_rows:,} rows (JVM start included, as an operator runs it).
+
+{markdown_table(["job", "rows", "seconds", "rows/s", "peak RSS"], [
+        ["`outbox housekeeping run`", f"{deleted:,}", f"{seconds:.1f}", f"**{own:,.0f}**", f"{rss} MB"],
+        ["`outbox spark archive`", f"{spark_deleted:,}", f"{spark_seconds:.1f}", f"{spark:,.0f}",
+         "not measured"],
+    ])}
+
+Ratio retention / archive: **{own / spark:.1f}x** (target ≥ 4x: {verdict(own >= 4 * spark)}).
+The archive's rate here includes its JVM start on few rows; against the issue's measurement of the
+archive on 5,000,000 rows (13.7k rows/s, JVM start amortised), retention's rate is
+**{own / 13_700:.1f}x** — the fairer comparison.
+Retention's memory: {rss} MB (target < 200 MB: {verdict(rss < 200)}).
+
+Relay commit→ack latency at {args.rate} msg/s for {args.seconds:.0f} s, without and with a retention of
+{args.latency_rows:,} rows running beside it, alternating:
+
+{markdown_table(["pair", "without p50 / p99 / max ms", "during p50 / p99 / max ms", "p99 during / without"], [
+        [str(i + 1), "{:.1f} / {:.1f} / {:.0f}".format(*w), "{:.1f} / {:.1f} / {:.0f}".format(*d),
+         f"{d[1] / w[1]:.2f}x"] for i, (w, d) in enumerate(pairs)])}
+
+p99 during / without (medians of the pairs): **{p99_during / p99_without:.2f}x**
+(target ≤ 1.5x: {verdict(p99_during <= 1.5 * p99_without)}); worst pair
+{max(d[1] / w[1] for w, d in pairs):.2f}x. On a shared 2-core machine one run's p99 moves by
+several times from one minute to the next (see the pairs): read the pairs, not only the median.
+
+Partitioned table (`init-db --partitioned`): a retention pass (`run_retention(older_than="1d")`)
+that retires a settled day of {dropped:,} rows (and an empty one) took **{drop_seconds:.3f} s** (target < 1 s:
+{verdict(drop_seconds < 1)}): a detach, a check for an unpublished row, a drop.
+"""
+    write_section("retention", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Retention deletes exactly the settled rows past their cutoff, on every database, and nothing else."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from _retention_rows import inbox_row, outbox_row, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from outbox import Outbox, create_engine
+from outbox._errors import ConfigurationError
+from outbox.housekeeping import run_retention
+
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+RETENTION, WINDOW = timedelta(days=7), timedelta(days=3)
+# Ages in hours around both cutoffs, the exact cutoff included (it is kept: "older than" is strict).
+AGES = st.one_of(st.integers(0, 24 * 12), st.sampled_from([72, 168, 167, 169, 71, 73]))
+
+
+@pytest.fixture
+def filled(proof_db_url: str):
+    engine = create_engine(proof_db_url)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    yield outbox
+    engine.dispose()
+
+
+@pytest.fixture
+def prepare():
+    """Called after each example emptied the tables; test_partitions makes it remake partitions."""
+    return lambda outbox: None
+
+
+OUTBOX_ROWS = st.lists(st.tuples(st.sampled_from(["pending", "published", "failed", "skipped"]), AGES),
+                       max_size=30)
+INBOX_ROWS = st.lists(st.tuples(st.sampled_from(["g", "G", "g ", "other"]), AGES,
+                                st.one_of(st.none(), AGES), st.sampled_from(["processed", "discarded"])),
+                      max_size=30)
+
+
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(outbox_rows=OUTBOX_ROWS, inbox_rows=INBOX_ROWS, batch_size=st.integers(1, 7),
+       outbox_only=st.booleans())
+def test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
+        filled: Outbox, prepare, outbox_rows, inbox_rows, batch_size: int, outbox_only: bool) -> None:
+    t, engine = filled.tables, filled.engine
+    hours = lambda h: NOW - timedelta(hours=h)  # noqa: E731
+    outbox = [outbox_row(status, hours(age)) for status, age in outbox_rows]
+    inbox = [inbox_row(group, hours(processed), None if created is None else hours(created), outcome)
+             for group, processed, created, outcome in inbox_rows]
+    with engine.begin() as conn:
+        for table in (t.messages, t.inbox_messages, t.keys, t.inbox_keys, t.inbox_held, t.inbox_parked):
+            conn.execute(sa.delete(table))
+    prepare(filled)
+    with engine.begin() as conn:
+        if outbox:
+            conn.execute(sa.insert(t.messages), outbox)
+        if inbox:
+            conn.execute(sa.insert(t.inbox_messages), inbox)
+        # A key's positions, which must survive the deletion of every row they count.
+        conn.execute(sa.insert(t.keys), [{"topic": "t", "key": "k", "last_seq": 9}])
+        conn.execute(sa.insert(t.inbox_keys), [{"consumer_group": "g", "topic": "t", "key": "k",
+                                                "last_seq": 9, "parked": False}])
+    before = snapshot(engine, t)
+
+    result = run_retention(filled, older_than=RETENTION, dedup_window=None if outbox_only else WINDOW,
+                           batch_size=batch_size, now=NOW)
+
+    after = snapshot(engine, t)
+    outbox_cut, inbox_cut = NOW - RETENTION, NOW - WINDOW
+    kept_outbox = {r["message_id"] for r in outbox
+                   if not (r["status"] == "published" and r["created_at"] < outbox_cut)}
+    settled_inbox = {(r["consumer_group"], r["message_id"]) for r in inbox
+                     if r["processed_at"] < inbox_cut
+                     and (r["created_at"] is None or r["created_at"] < inbox_cut)}
+    all_inbox = {(r["consumer_group"], r["message_id"]) for r in inbox}
+    kept_inbox = all_inbox if outbox_only else all_inbox - settled_inbox
+    assert after["messages"] == kept_outbox
+    assert after["inbox"] == kept_inbox
+    for unchanged in ("outbox_keys", "inbox_keys", "held", "parked"):
+        assert after[unchanged] == before[unchanged]
+    if result.partitions is None:  # dropped partitions' rows are counted apart, estimated
+        assert result.deleted["outbox_messages"] == len(outbox) - len(kept_outbox)
+    assert result.deleted.get("inbox_messages", 0) == len(inbox) - len(kept_inbox)
+
+    again = run_retention(filled, older_than=RETENTION, dedup_window=WINDOW, batch_size=batch_size, now=NOW)
+    assert again.total == (len(settled_inbox) if outbox_only else 0)
+    assert snapshot(engine, t)["inbox"] == all_inbox - settled_inbox
+
+
+def test_a_dry_run_counts_and_deletes_nothing(filled: Outbox) -> None:
+    t = filled.tables
+    old = NOW - timedelta(days=30)
+    with filled.engine.begin() as conn:
+        conn.execute(sa.insert(t.messages), [outbox_row("published", old), outbox_row("pending", old)])
+    before = snapshot(filled.engine, t)
+    result = run_retention(filled, older_than="7d", dry_run=True, now=NOW)
+    assert result.dry_run and result.deleted == {"outbox_messages": 1}
+    assert snapshot(filled.engine, t) == before
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({}, "older_than"), ({"older_than": "7 days"}, "retention"), ({"older_than": "-1d"}, "retention"),
+    ({"older_than": 0}, "retention"), ({"dedup_window": "soon"}, "dedup window"),
+    ({"older_than": "7d", "batch_size": 0}, "batch_size"),
+    ({"older_than": "7d", "batch_size": True}, "batch_size"),
+])
+def test_bad_settings_are_refused_before_any_sql(kwargs, named: str) -> None:
+    engine = create_engine("sqlite://")  # no tables: a refusal must come before the first statement
+    with pytest.raises(ConfigurationError, match=named):
+        run_retention(Outbox(engine), **kwargs)
+
+
+
+
+@pytest.mark.slow
+def test_the_command_deletes_with_progress_and_a_dry_run_deletes_nothing(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    outbox = Outbox(create_engine(url))
+    outbox.create_tables()
+    old = datetime.now(UTC) - timedelta(days=8)
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        conn.execute(sa.insert(outbox.tables.messages),
+                     [outbox_row("published", old) for _ in range(30)] + [outbox_row("pending", old)])
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "outbox", "housekeeping", "run", "--db", url, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    dry = cli("--older-than", "7d", "--dry-run")
+    assert dry.returncode == 0 and "outbox_messages: 30 row(s) before" in dry.stdout
+    assert "dry run" in dry.stdout
+    done = cli("--older-than", "7d", "--batch-size", "7")
+    assert done.returncode == 0 and "outbox_messages: 30 row(s) before" in done.stdout, done.stderr
+    assert "deleted in" in done.stdout
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        assert list(conn.execute(sa.select(outbox.tables.messages.c.status)).scalars()) == ["pending"]
