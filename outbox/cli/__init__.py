@@ -34,7 +34,7 @@ def _root(
     """Transactional outbox: database set-up, relay, inbox and audits."""
 
 
-from . import _console, _db, _demo, _dev_broker, _inbox, _relay, _spark, _status  # noqa: E402,F401  (each adds commands)
+from . import _console, _db, _demo, _dev_broker, _inbox, _relay, _spark, _status, _trace  # noqa: E402,F401  (each adds commands)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

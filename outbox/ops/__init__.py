@@ -12,3 +12,6 @@ from ._stuck import VERSION, gather
 
 __all__ = ["VERSION", "DatabaseCheck", "Readiness", "gather", "inbox_readiness", "relay_readiness",
            "serve_health"]
+from ._trace import Database, trace_key, trace_message  # ``outbox trace``, the console's trace page
+
+__all__ += ["Database", "trace_key", "trace_message"]
