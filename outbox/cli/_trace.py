@@ -138,7 +138,8 @@ def describe_outbox(o: dict[str, Any] | None, now: datetime) -> str:
     written = f"written {_when(o['created_at'], now)}"
     if status == "published":
         where = "" if o["partition"] is None else f" to partition {o['partition']} offset {o['offset']}"
-        retried = f" after {o['attempts']} failed attempt(s)" if o["attempts"] else ""
+        # The relay counts the send that succeeded too: 1 is "sent at the first try".
+        retried = f" at attempt {o['attempts']}" if o["attempts"] else ""
         return f"{written}; sent {_when(o['published_at'], now)}{where}{retried}"
     error = f"; last error: {(o['last_error'] or '').strip()[:200]}" if o["last_error"] else ""
     if status == "pending":
@@ -168,7 +169,7 @@ def print_trace(doc: dict[str, Any]) -> None:
                 continue
             text = f"last applied {g['last_applied_seq'] or '-'}"
             if g["parked"]:
-                text += f"; PARKED ({g['parked_reason']}) {_when(g['parked_at'], now)}"
+                text += f"; PARKED {_when(g['parked_at'], now)}: {(g['parked_reason'] or '')[:160]}"
             if g["parked_messages"]:
                 text += f"; {g['parked_messages']} parked message(s): seqs {_seqs(g['parked_seqs'])}"
             if g["held_seqs"]:
