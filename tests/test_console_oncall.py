@@ -11,9 +11,12 @@ import re
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from outbox import Inbox, Outbox, create_engine
@@ -195,3 +198,26 @@ def test_a_relay_without_heartbeat_is_stale_and_a_consumer_database_shows_no_sha
     marked = re.findall(r'<tr( class="stale-relay")?><td>(alive|dead)</td>', page)
     rows = {name: mark for mark, name in marked}
     assert rows == {"alive": "", "dead": ' class="stale-relay"'}
+
+
+@pytest.fixture(scope="module")
+def trace_client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
+    """A console over a database holding one parked key, shared by the examples below."""
+    engine = create_engine(f"sqlite:///{tmp_path_factory.mktemp('trace')}/console.db")
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    inbox, _ = broken_inbox(engine)
+    park(inbox, "bad-1")
+    return client_for(outbox)
+
+
+@settings(max_examples=60, deadline=None)
+@given(id_=st.text(max_size=60), topic=st.text(max_size=60), key=st.text(max_size=60))
+def test_any_search_text_gets_a_page_never_a_server_error(trace_client: TestClient, id_: str, topic: str,
+                                                         key: str) -> None:
+    """What a browser sends is UTF-8: a lone surrogate goes as its bytes, which the server replaces."""
+    query = "&".join(f"{name}={quote(value, safe='', errors='surrogatepass')}"
+                     for name, value in (("id", id_), ("topic", topic), ("key", key)))
+    page = trace_client.get("/trace?" + query, auth=AUTH)
+    assert page.status_code in (200, 400, 404), page.text
+    assert 'id="trace-form"' in page.text

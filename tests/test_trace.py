@@ -253,3 +253,11 @@ def test_every_trace_query_is_an_index_lookup(world: World) -> None:
     scans = [(s, p) for s, p in plans if "Seq Scan" in p or "SCAN " in p.replace("SCAN CONSTANT", "")
              or ("Index" in p and "Index Cond" not in p and "Limit" not in p)]
     assert len(plans) > 20 and not scans, scans
+
+
+def test_a_database_named_twice_is_read_once(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_message(outbox_db, [*inbox_dbs, outbox_db, *inbox_dbs], world.ids["order-1"][0])
+    [m] = doc["messages"]
+    assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
+    assert m["outbox"] is not None

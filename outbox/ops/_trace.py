@@ -354,7 +354,9 @@ class _opened:
 
     def __init__(self, outbox_db: Database | None, inbox_dbs: Iterable[Database],
                  groups: Sequence[str] | None) -> None:
-        self.plan = ([(outbox_db, True)] if outbox_db else []) + [(db, False) for db in inbox_dbs]
+        plan = ([(outbox_db, True)] if outbox_db else []) + [(db, False) for db in inbox_dbs]
+        # One database named twice (its URL as outbox and as inbox database) is read once.
+        self.plan = list({db.name: (db, outbox_side) for db, outbox_side in reversed(plan)}.values())[::-1]
         if not self.plan:
             raise ConfigurationError("give an outbox database, an inbox database, or both")
         self.groups = list(groups) if groups else None
