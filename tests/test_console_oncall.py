@@ -171,7 +171,7 @@ def test_a_read_only_console_says_why_and_how_to_enable_actions(outbox: Outbox) 
     without = TestClient(create_app(outbox)).get("/").text
     assert "set OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS and restart" in without
     flagged = client_for(outbox, read_only=True).get("/", auth=AUTH).text
-    assert "started with --read-only; start it without to act" in flagged
+    assert "started with --read-only (create_app(read_only=True)); start it without to act" in flagged
     assert 'id="read-only"' not in client_for(outbox).get("/", auth=AUTH).text
 
 

@@ -151,11 +151,11 @@ class Context:
                                 secure=request.url.scheme == "https", path=base(request) + "/")
         return response
 
-
     def _read_only_because(self) -> str | None:
         """Why no action is offered, and how to enable them; ``None`` when they are."""
         if self.read_only:
-            return "read-only: this console was started with --read-only; start it without to act"
+            return ("read-only: this console was started with --read-only (create_app(read_only=True)); "
+                    "start it without to act")
         if not self.operators.configured:
             return ("read-only: no operator credential is set; set OUTBOX_CONSOLE_TOKEN or "
                     "OUTBOX_CONSOLE_USERS and restart the console to retry, skip, replay or discard "
