@@ -4,8 +4,9 @@
 ``serve_health`` puts ``/healthz`` and ``/readyz`` beside ``/metrics`` for a
 worker, with ``relay_readiness`` or ``inbox_readiness`` saying what "ready"
 means for it; ``trace_message``/``trace_key`` follow one message or key
-across an outbox database and its inbox databases (``outbox trace``). This package sits above ``relay`` and ``inbox`` (it reads both)
-and below ``cli`` and ``console``, which only present it.
+across an outbox database and its inbox databases (``outbox trace``). This
+package sits above ``relay`` and ``inbox`` (it reads both) and below ``cli``
+and ``console``, which only present it.
 """
 
 from ._health import DatabaseCheck, Readiness, inbox_readiness, relay_readiness, serve_health
