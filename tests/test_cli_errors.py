@@ -101,6 +101,14 @@ CASES = [
      ["no outbox tables and no inbox tables with prefix 'app_'", "ready.db"]),
     (["status", "--db", NOWHERE, "--json"], 1, ["cannot reach", "127.0.0.1:1"]),
     (["status", "--db", "sqlite:///{d}/ready.db", "--stuck-after", "-1"], 2, ["--stuck-after"]),
+    # outbox trace: bad ids, unknown names, databases without tables or unreachable
+    (["trace", "not-a-uuid", "--db", "sqlite:///{d}/ready.db"], 2, ["'not-a-uuid' is not a UUID"]),
+    (["trace", UNKNOWN_ID, "--db", "sqlite:///{d}/ready.db"], 2, [UNKNOWN_ID, "in none of the databases"]),
+    (["trace", "--topic", "orders", "--key", "1", "--db", "sqlite:///{d}/ready.db"], 2,
+     ["topic 'orders' is in none of the databases"]),
+    (["trace", UNKNOWN_ID, "--db", "sqlite:///{d}/empty.db"], 2, ["no outbox or inbox tables", "empty.db"]),
+    (["trace", UNKNOWN_ID, "--db", "sqlite:///{d}/missing.db"], 2, ["missing.db does not exist"]),
+    (["trace", UNKNOWN_ID, "--inbox-db", NOWHERE], 1, ["cannot reach", "127.0.0.1:1"]),
     # a missing driver, an unparseable URL, a missing option
     (["stats", "--db", "postgresql+asyncpg://u@h/x"], 2, ["asyncpg", "driver"]),
     (["failed", "list", "--db", "not a url"], 2, ["invalid database URL"]),

@@ -221,7 +221,9 @@ def test_parked_keys_and_held_gaps_page_without_repeats(outbox: Outbox, engine: 
 
     parked = walk("/parked?group=billing&limit=5", r'&amp;key=([^"]+)">')
     assert parked == keys
-    held = walk("/held?group=billing&limit=2", r"<tr><td>orders</td><td>([^<]+)</td><td>0</td><td>3</td>")
+    held = walk("/held?group=billing&limit=2",
+                r'<tr><td>orders</td><td><a href="[^"]+" title="trace this key">([^<]+)</a></td>'
+                r"<td>0</td><td>3</td>")
     assert held == ["gap-a", "gap-b", "gap-c"]
     assert client.get("/parked?group=billing&after=nonsense", auth=auth).status_code == 400
 

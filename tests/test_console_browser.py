@@ -136,6 +136,9 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
         sign_in()
         b.get(f"{url}/")
         assert "1 failed outbox row(s)" in b.page_source and "2 parked key(s)" in b.page_source
+        counts = {name: b.find_element(By.CSS_SELECTOR, f"#nav-{name} .count").text
+                  for name in ("failed", "parked", "held")}
+        assert counts == {"failed": "1", "parked": "5", "held": "1"}
         shot("overview")
         b.get(f"{url}/failed")
         assert "MSG_SIZE_TOO_LARGE: <b>1.2 MB</b>" in b.find_element(By.ID, "failed").text
@@ -157,6 +160,20 @@ def test_replay_a_parked_key_with_a_click(outbox: Outbox, browser, tmp_path: Pat
         assert "bad-1: applied 3, key unparked" in after_click("result")
         shot("replayed")
         assert applied(engine, "bad-1") == [("bad-1", 1), ("bad-1", 2), ("bad-1", 3)]
+
+        # Where is bad-2? The trace page from the navigation: the key, then one of its messages.
+        b.get(f"{url}/")
+        b.find_element(By.ID, "nav-trace").click()
+        after_click("trace-form")
+        b.find_element(By.NAME, "topic").send_keys(TOPIC)
+        b.find_element(By.NAME, "key").send_keys("bad-2")
+        b.find_element(By.ID, "trace").click()
+        assert "2 parked message(s) (seqs 1, 2)" in after_click("key-position")
+        shot("trace-key")
+        b.find_elements(By.CSS_SELECTOR, "h3.message-title a")[1].click()
+        assert "parked behind seq 1 of its key (never ran)" in after_click("trace-form") + b.page_source
+        no_script_ran()
+        shot("trace")
 
         # No credential: the page was open, the sign-in cookie is gone, the click is refused.
         b.get(f"{url}/parked/key?group=billing&topic={TOPIC}&key=bad-2")

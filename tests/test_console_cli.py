@@ -17,9 +17,10 @@ import pytest
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
-from outbox import Outbox, create_engine
+from outbox import Inbox, Outbox, create_engine
 from outbox.cli import app
 from tests.console_support import TOKEN
+from tests.inbox_support import record
 
 
 def free_port() -> int:
@@ -48,11 +49,17 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str) -> None:
+def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str, tmp_path: Path) -> None:
     Outbox(create_engine(sqlite_db)).create_tables()
+    inbox_db = f"sqlite:///{tmp_path / 'shipping.db'}"
+    shipping = Inbox(create_engine(inbox_db), group="shipping")
+    shipping.create_tables()
+    shipping.handler("orders")(lambda session, message: None)
+    shipping.handle(record("orders", "gap-1", 2))  # held in the consumer's own database
     port = free_port()
     env = {**os.environ, "OUTBOX_CONSOLE_TOKEN": TOKEN}
-    command = [sys.executable, "-m", "outbox", "console", "--db", sqlite_db, "--port", str(port)]
+    command = [sys.executable, "-m", "outbox", "console", "--db", sqlite_db, "--port", str(port),
+               "--inbox-db", inbox_db]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -67,6 +74,9 @@ def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str) ->
         ok, page = get(f"http://127.0.0.1:{port}/",
                        {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "probe"})
         assert ok == 200 and "nothing stuck" in page
+        ok, page = get(f"http://127.0.0.1:{port}/trace?topic=orders&key=gap-1",
+                       {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "probe"})
+        assert ok == 200 and "group shipping" in page and "waiting for seq 1" in page, page
         for address in outside_addresses()[:1]:  # bound to 127.0.0.1: the host's other address refuses
             with pytest.raises(urllib.error.URLError):
                 get(f"http://{address}:{port}/login")
@@ -82,6 +92,11 @@ def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str) ->
 def test_outbox_console_names_a_missing_database_in_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["console", "--db", f"sqlite:///{tmp_path / 'nope.db'}"])
     assert result.exit_code != 0 and "does not exist" in result.output
+    ready = f"sqlite:///{tmp_path / 'ready.db'}"
+    Outbox(create_engine(ready)).create_tables()
+    gone = f"sqlite:///{tmp_path / 'gone.db'}"
+    result = CliRunner().invoke(app, ["console", "--db", ready, "--inbox-db", gone])
+    assert result.exit_code != 0 and "gone.db does not exist" in result.output
 
 
 def test_demo_console_mounts_orders_and_billing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,7 @@ from . import (  # noqa: E402,F401  (each adds commands)
     _relay,
     _spark,
     _status,
+    _trace,
 )
 
 

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from . import app
-from ._db import open_outbox
+from ._db import open_engine, open_outbox
 from ._inbox import APP_HELP, load_inbox
 from ._options import DB, LOG_LEVEL, PREFIX, SCHEMA, configure_logging
 
@@ -26,6 +26,9 @@ def console(
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
     target: list[str] = typer.Option([], "--app", help=APP_HELP + " Repeat for several groups."),
+    inbox_db: list[str] = typer.Option(
+        [], "--inbox-db", help="SQLAlchemy URL of a consumer's own inbox database, shown in the trace "
+                               "page and the navigation's counts. Repeat for several."),
     host: str = typer.Option("127.0.0.1", envvar="OUTBOX_CONSOLE_HOST",
                              help="Address to bind; the default serves this machine only."),
     port: int = typer.Option(8470, min=1, max=65535, envvar="OUTBOX_CONSOLE_PORT",
@@ -67,6 +70,7 @@ def console(
         # Pages show payloads: on a network address they need an operator even to look.
         raise typer.BadParameter(f"serving on {host} needs OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS "
                                  "(the pages show payloads)", param_hint="--host")
+    inbox_engines = [open_engine(url) for url in inbox_db]
     outbox = open_outbox(db, prefix, schema)
     inboxes = [load_inbox(t) for t in target]
     for name, inbox in zip(target, inboxes, strict=True):
@@ -75,7 +79,7 @@ def console(
             raise typer.BadParameter(f"{name}'s inbox uses another database than --db", param_hint="--app")
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after,
-                     session_idle=session_idle, max_body=max_body)
+                     session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines)
     err = Console(stderr=True)
     if not operators.configured and not read_only:
         err.print("no OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS: the console is read-only")

@@ -45,7 +45,8 @@ def _back(request: Request, form: FormData, default: str) -> str:
 
 def _done(ctx: Context, request: Request, form: FormData, lines: list[str], *, status: int = 200,
           default: str = "") -> Response:
-    return ctx.render(request, "result.html", status=status, lines=lines,
+    # Red when the action did not fix what it was for (a replay that left its key parked).
+    return ctx.render(request, "result.html", status=status, lines=lines, ok=status < 400,
                       back=_back(request, form, default or base(request) + "/"))
 
 
@@ -155,7 +156,7 @@ def login(ctx: Context) -> Handler:
             return ctx.render(request, "login.html", status=400, token_login=True,
                               error="give your name (1 to 100 characters): actions are recorded with it")
         audit.info("signed in: %r from %s", name, client_of(request))
-        response = ctx.render(request, "result.html", lines=[f"signed in as {name}"],
+        response = ctx.render(request, "result.html", lines=[f"signed in as {name}"], ok=True,
                               back=base(request) + "/")
         ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
         response.set_cookie(SESSION_COOKIE, ctx.gate.sessions.start(name), httponly=True, samesite="strict",
@@ -170,7 +171,8 @@ def logout(ctx: Context) -> Handler:
         ctx.check_csrf(request, form)
         # Ended on the server: a copy of the cookie taken before is worthless from now on.
         ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))
-        response = ctx.render(request, "result.html", lines=["signed out"], back=base(request) + "/")
+        response = ctx.render(request, "result.html", lines=["signed out"], ok=True,
+                              back=base(request) + "/")
         response.delete_cookie(SESSION_COOKIE, path=base(request) + "/")
         return response
     return act

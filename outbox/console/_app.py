@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable
 
+from sqlalchemy import Engine
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -15,15 +16,18 @@ from starlette.routing import Route
 from .._errors import ConfigurationError, OutboxError
 from .._outbox import Outbox
 from ..inbox import Inbox
+from ..ops import Database
 from . import _actions, _pages
 from ._auth import Operators
 from ._context import Context, _Redirect, base
 from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
 from ._links import link
+from ._nav import Counts, navigated, toggle_refresh
 from ._refused import Refused
 from ._sessions import Sessions
 from ._throttle import Throttle
+from ._trace_page import trace
 
 DEFAULT_SESSION_IDLE = 1800.0
 
@@ -31,7 +35,7 @@ DEFAULT_SESSION_IDLE = 1800.0
 def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Operators | None = None,
                read_only: bool = False, secret: bytes | str | None = None,
                stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
-               max_body: int = DEFAULT_MAX_BODY) -> Starlette:
+               max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = ()) -> Starlette:
     """The web console for ``outbox``'s database: overview, failed rows, parked keys, held gaps.
 
     ``inboxes`` are your ``Inbox`` objects with their handlers registered: a
@@ -44,6 +48,9 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     process behind one address (default: random per process). A token
     sign-in ends at logout, after ``session_idle`` seconds without a request,
     or after 12 hours. ``max_body`` bounds every request's body (bytes).
+    ``inbox_databases`` are engines of consumers' own databases (inbox tables
+    with the outbox's prefix and schema): the trace page and the navigation's
+    parked and held counts read them beside ``outbox``'s database.
     Mount it with ``Mount("/outbox", app=create_app(...))``; links follow the mount path.
     """
     if not isinstance(outbox, Outbox):
@@ -72,21 +79,35 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
         raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
+    engines = list(inbox_databases)
+    for engine in engines:
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(f"inbox_databases must be sqlalchemy Engines, "
+                                     f"got {type(engine).__name__}")
     operators = operators or Operators()
     gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
     ctx = Context(outbox, by_group, operators, gate, read_only, secret or secrets.token_bytes(32),
                   float(stuck_after), max_body)
+    outbox_db = _database(ctx.engine, outbox)
+    inbox_dbs = [_database(engine, outbox) for engine in engines]
+    counts = Counts([outbox_db, *inbox_dbs])
+
+    def nav(handler: _pages.Handler) -> _pages.Handler:
+        return navigated(ctx, counts, handler)
+
     routes = [
-        Route("/", _pages.overview(ctx)),
+        Route("/", nav(_pages.overview(ctx))),
         Route("/ping", _pages.ping(ctx)),
-        Route("/failed", _pages.failed(ctx)),
+        Route("/failed", nav(_pages.failed(ctx))),
         Route("/failed/retry", _actions.failed_action(ctx, "retry"), methods=["POST"]),
         Route("/failed/skip", _actions.failed_action(ctx, "skip"), methods=["POST"]),
-        Route("/parked", _pages.parked(ctx)),
-        Route("/parked/key", _pages.parked_key(ctx)),
+        Route("/parked", nav(_pages.parked(ctx))),
+        Route("/parked/key", nav(_pages.parked_key(ctx))),
         Route("/parked/replay", _actions.replay(ctx), methods=["POST"]),
         Route("/parked/discard", _actions.discard(ctx), methods=["POST"]),
-        Route("/held", _pages.held(ctx)),
+        Route("/held", nav(_pages.held(ctx))),
+        Route("/trace", nav(trace(ctx, outbox_db, inbox_dbs))),
+        Route("/refresh", toggle_refresh(ctx)),
         Route("/login", _actions.login(ctx), methods=["GET", "POST"]),
         Route("/logout", _actions.logout(ctx), methods=["POST"]),
         # Links of earlier releases (a group without "/"), kept for bookmarks.
@@ -115,6 +136,11 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body)],
                      exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: http_error,
                                          OutboxError: outbox_error})
+
+
+def _database(engine: Engine, outbox: Outbox) -> Database:
+    """A database the trace and the counts read, named without its password."""
+    return Database(engine.url.render_as_string(hide_password=True), engine, outbox.tables)
 
 
 def _moved(path: str) -> _pages.Handler:

@@ -25,10 +25,16 @@ from ._auth import Operators
 from ._gate import Gate
 from ._links import link
 from ._refused import Refused
+from ._when import when
 
 audit = safe_logger("outbox.console.audit")
 
 PAGE = 50
+REFRESH_SECONDS = 30
+"""Pages without an action form reload themselves this often (``_nav``), unless turned off."""
+REFRESH_COOKIE = "outbox_refresh"
+STALE_RELAY_AFTER = 60
+"""Seconds without a heartbeat after which the overview marks a relay stale (relays renew every few)."""
 MAX_PAGE = 500
 # The pages run no script at all, so a payload that slipped past escaping could not run
 # either; and no other site may frame them to trick an operator into a click.
@@ -60,6 +66,7 @@ class Context:
         # Autoescape everything: payloads, errors and keys are other people's data.
         self.env = Environment(loader=PackageLoader("outbox.console", "templates"),
                                autoescape=select_autoescape(default=True, default_for_string=True))
+        self.env.filters["when"] = when
 
     @property
     def engine(self) -> Engine:
@@ -83,6 +90,8 @@ class Context:
         """The operator looking, or ``None`` on an unprotected console; refuses a stranger."""
         if not self.operators.configured:
             return None
+        if hasattr(request.state, "viewer"):  # checked already for this request (``_nav.navigated``)
+            return str(request.state.viewer)
         who = self.gate.operator(request)
         if who is None:
             raise self._unauthenticated(request)
@@ -130,12 +139,28 @@ class Context:
             base=root, url=lambda path, **params: link(root, path, **params),
             csrf=_csrf.form_token(self.secret, cookie), read_only=self.read_only,
             can_act=self.operators.configured and not self.read_only,
+            read_only_because=self._read_only_because(),
+            nav=getattr(request.state, "nav", None), stale_relay_after=STALE_RELAY_AFTER,
+            page_url=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+            refresh=REFRESH_SECONDS if request.cookies.get(REFRESH_COOKIE) != "off" else None,
+            refresh_off=request.cookies.get(REFRESH_COOKIE) == "off",
             session_login=self.operators.token is not None, **values)
         response = HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
         if fresh:
             response.set_cookie(_csrf.COOKIE, cookie, httponly=True, samesite="strict",
                                 secure=request.url.scheme == "https", path=base(request) + "/")
         return response
+
+    def _read_only_because(self) -> str | None:
+        """Why no action is offered, and how to enable them; ``None`` when they are."""
+        if self.read_only:
+            return ("read-only: this console was started with --read-only (create_app(read_only=True)); "
+                    "start it without to act")
+        if not self.operators.configured:
+            return ("read-only: no operator credential is set; set OUTBOX_CONSOLE_TOKEN or "
+                    "OUTBOX_CONSOLE_USERS and restart the console to retry, skip, replay or discard "
+                    "(see docs/security.md)")
+        return None
 
 
 class _Redirect(Exception):

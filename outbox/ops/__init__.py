@@ -3,8 +3,10 @@
 ``gather`` is the document behind ``outbox status`` (and the console);
 ``serve_health`` puts ``/healthz`` and ``/readyz`` beside ``/metrics`` for a
 worker, with ``relay_readiness`` or ``inbox_readiness`` saying what "ready"
-means for it. This package sits above ``relay`` and ``inbox`` (it reads both)
-and below ``cli`` and ``console``, which only present it.
+means for it; ``trace_message``/``trace_key`` follow one message or key
+across an outbox database and its inbox databases (``outbox trace``). This
+package sits above ``relay`` and ``inbox`` (it reads both) and below ``cli``
+and ``console``, which only present it.
 """
 
 from ._health import DatabaseCheck, Readiness, inbox_readiness, relay_readiness, serve_health
@@ -12,3 +14,6 @@ from ._stuck import VERSION, gather
 
 __all__ = ["VERSION", "DatabaseCheck", "Readiness", "gather", "inbox_readiness", "relay_readiness",
            "serve_health"]
+from ._trace import Database, trace_key, trace_message  # ``outbox trace``, the console's trace page
+
+__all__ += ["Database", "trace_key", "trace_message"]

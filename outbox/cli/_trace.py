@@ -1,0 +1,202 @@
+"""``outbox trace``: where is message X? By id, or by topic and key, across the outbox and inbox databases.
+
+Read-only, indexed lookups only (``ops._trace`` says which). A table for
+people, ``--json`` for scripts (the document is ``ops.trace_message``'s or
+``ops.trace_key``'s, documented in docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .._envelope import utcnow
+from .._errors import ConfigurationError
+from .._secrets import database_secrets, scrub
+from .._tables import OutboxTables
+from ..ops import Database, trace_key, trace_message
+from ..ops._trace import DEFAULT_LIMIT, MAX_LIMIT
+from . import app
+from ._db import open_engine
+from ._errors import naming
+from ._options import PREFIX, SCHEMA
+
+
+@app.command("trace")
+def trace(
+    message_id: str | None = typer.Argument(None, help="The message id (a UUID) to trace; "
+                                                       "or give --topic and --key instead."),
+    db: str | None = typer.Option(None, "--db", help="SQLAlchemy URL of the outbox database "
+                                  "(it may hold inbox tables too), e.g. postgresql+psycopg://… "
+                                  "or sqlite:///app.db"),
+    inbox_db: list[str] = typer.Option([], "--inbox-db", help="SQLAlchemy URL of a consumer's inbox "
+                                       "database (every group in it is shown). Repeat for several."),
+    topic: str | None = typer.Option(None, "--topic", help="Trace a key: its topic (with --key)."),
+    key: str | None = typer.Option(None, "--key", help="Trace a key: the key, e.g. an order number "
+                                   "(with --topic)."),
+    group: list[str] = typer.Option([], "--group", help="Only this consumer group. Repeat for several."),
+    limit: int = typer.Option(DEFAULT_LIMIT, "--limit", min=1, max=MAX_LIMIT,
+                              help="At most this many of a key's waiting messages."),
+    prefix: str = PREFIX,
+    schema: str | None = SCHEMA,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (see docs/operations.md)."),
+) -> None:
+    """Show where a message is: written, sent (partition/offset), and per consumer group
+    applied, discarded, parked, held or never seen. With --topic and --key: where the key
+    stands and what waits behind what."""
+    by_key = topic is not None or key is not None
+    if message_id is not None and by_key:
+        raise typer.BadParameter("give a message id, or --topic and --key, not both")
+    if message_id is None and not by_key:
+        raise typer.BadParameter("give a message id, or --topic and --key")
+    if by_key and (topic is None or key is None):
+        raise typer.BadParameter("a key trace needs both --topic and --key")
+    if db is None and not inbox_db:
+        raise typer.BadParameter("give --db (the outbox database), --inbox-db, or both")
+    secrets = [s for url in [*([db] if db else []), *inbox_db] for s in database_secrets(url)]
+    try:
+        tables = OutboxTables(prefix=prefix, schema=schema)
+        outbox_db = _database(db, tables) if db else None
+        inbox_dbs = [_database(url, tables) for url in inbox_db]
+        if message_id is not None:
+            doc = trace_message(outbox_db, inbox_dbs, message_id, groups=group)
+        else:
+            assert topic is not None and key is not None
+            doc = trace_key(outbox_db, inbox_dbs, topic, key, groups=group, limit=limit)
+    except ConfigurationError:
+        raise
+    except Exception as exc:
+        # Several databases: a driver's message may repeat any one's credentials.
+        text = str(exc)
+        if scrub(text, secrets) != text:
+            raise RuntimeError(scrub(text, secrets)) from None
+        raise
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+    else:
+        print_trace(doc)
+
+
+def _database(url: str, tables: OutboxTables) -> Database:
+    name = naming(url)
+    return Database(name=name, engine=open_engine(url), tables=tables)
+
+
+def _when(value: str | None, now: datetime) -> str:
+    """``2026-11-25 13:02:11 UTC (3 min ago)``: the absolute time with its zone, and how long ago."""
+    if value is None:
+        return ""
+    at = datetime.fromisoformat(value)
+    return f"{at:%Y-%m-%d %H:%M:%S} UTC ({ago(now, at)})"
+
+
+def ago(now: datetime, then: datetime) -> str:
+    """How long ago ``then`` was, in the largest whole unit ("in 5 s" for the future)."""
+    seconds = (now - then).total_seconds()
+    future, seconds = seconds < 0, abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            text = f"{int(seconds // size)} {unit}"
+            break
+    else:
+        text = f"{int(seconds)} s"
+    return f"in {text}" if future else f"{text} ago"
+
+
+def describe_group(g: dict[str, Any], now: datetime) -> str:
+    """One consumer group's state of a message, as a sentence."""
+    state = g["state"]
+    where = "" if g.get("partition") is None else f" from partition {g['partition']} offset {g['offset']}"
+    if state == "applied":
+        return f"applied {_when(g['processed_at'], now)}{where}, {g['deliveries']} delivery(ies)"
+    if state == "discarded":
+        return f"discarded {_when(g['processed_at'], now)}{where}: {g['note'] or ''}"
+    if state == "parked":
+        if g["reason"] == "key_parked" and not g["attempts"]:
+            cause = (f"parked behind seq {g['parked_behind_seq']} of its key" if g["parked_behind_seq"]
+                     else "parked behind its key")
+            return f"{cause} (never ran), since {_when(g['first_failure_at'], now)}"
+        error = (g["error"] or "").strip().splitlines()
+        return (f"parked ({g['reason']}) after {g['attempts']} attempt(s), last "
+                f"{_when(g['last_failure_at'], now)}" + (f": {error[-1][:120]}" if error else ""))
+    if state == "held":
+        return f"held since {_when(g['received_at'], now)}, waiting for seq {g['waiting_for_seq']}{where}"
+    past = g.get("key_last_seq")
+    return "never seen" + (f" (the group's key is at seq {past})" if past else "")
+
+
+def describe_outbox(o: dict[str, Any] | None, now: datetime) -> str:
+    if o is None:
+        return "not in the outbox database (written elsewhere, or removed by retention)"
+    status = o["status"]
+    written = f"written {_when(o['created_at'], now)}"
+    if status == "published":
+        where = "" if o["partition"] is None else f" to partition {o['partition']} offset {o['offset']}"
+        # The relay counts the send that succeeded too: 1 is "sent at the first try".
+        retried = f" at attempt {o['attempts']}" if o["attempts"] else ""
+        return f"{written}; sent {_when(o['published_at'], now)}{where}{retried}"
+    error = f"; last error: {(o['last_error'] or '').strip()[:200]}" if o["last_error"] else ""
+    if status == "pending":
+        due = f", due {_when(o['available_at'], now)}" if o["available_at"] != o["created_at"] else ""
+        return f"{written}; not sent yet{due}, {o['attempts']} failed attempt(s){error}"
+    return f"{written}; {status} after {o['attempts']} attempt(s){error}"
+
+
+def print_trace(doc: dict[str, Any]) -> None:
+    console = Console(width=160, highlight=False)
+    now = utcnow()
+    key = doc["key"]
+    if key is not None:
+        console.print(f"key {escape(repr(key['key']))} of topic {escape(key['topic'])}")
+        table = Table("where", "position", title_justify="left", box=None, pad_edge=False)
+        o = key["outbox"]
+        if o is not None:
+            table.add_row("outbox", escape(
+                f"last seq written {o['last_seq']}, last sent {o['last_sent_seq'] or '-'}"
+                + (f", first unsent {o['first_unsent_seq']}" if o["first_unsent_seq"] else "")
+                + f"; {o['pending']} pending, {o['failed']} failed, {o['skipped']} skipped"
+                + (" (more)" if o["more"] else "")))
+        for g in key["groups"]:
+            label = escape(_group_label(g, key["groups"]))
+            if not g["seen"]:
+                table.add_row(label, "never seen")
+                continue
+            text = f"last applied {g['last_applied_seq'] or '-'}"
+            if g["parked"]:
+                text += f"; PARKED {_when(g['parked_at'], now)}: {(g['parked_reason'] or '')[:160]}"
+            if g["parked_messages"]:
+                text += f"; {g['parked_messages']} parked message(s): seqs {_seqs(g['parked_seqs'])}"
+            if g["held_seqs"]:
+                text += (f"; held seqs {_seqs(g['held_seqs'])}{' …' if g['held_more'] else ''} "
+                         f"waiting for seq {g['waiting_for_seq']}")
+            table.add_row(label, escape(text))
+        console.print(table)
+        if not doc["messages"]:
+            console.print("no message of this key waits anywhere; trace a sent one by its id")
+    for m in doc["messages"]:
+        console.print()
+        console.print(escape(f"message {m['message_id']}  topic {m['topic']}  key {m['key']!r}  "
+                             f"seq {m['seq']}"))
+        table = Table("where", "state", box=None, pad_edge=False)
+        table.add_row("outbox", escape(describe_outbox(m["outbox"], now)))
+        for g in m["groups"]:
+            table.add_row(escape(_group_label(g, m["groups"])), escape(describe_group(g, now)))
+        console.print(table)
+    if doc.get("more"):
+        console.print(f"(more messages wait; showing {len(doc['messages'])}: raise --limit)")
+
+
+def _group_label(g: dict[str, Any], groups: list[dict[str, Any]]) -> str:
+    """``group billing``, with its database named when the groups come from several."""
+    several = len({x["database"] for x in groups}) > 1
+    return f"group {g['group']}" + (f" in {g['database']}" if several else "")
+
+
+def _seqs(seqs: list[int | None]) -> str:
+    return ", ".join(str(s) for s in seqs)

@@ -1,0 +1,267 @@
+"""``outbox trace`` and ``ops.trace_message``/``trace_key``: a message's journey through real tables.
+
+The rows are written by the real relay (on the in-memory broker, through
+``OutboxTestHarness``) and the real inbox of two consumer groups: one in the
+outbox's database, one in a database of its own, as a consumer team has.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner
+
+from outbox import Inbox, Message, Outbox, create_engine
+from outbox.cli import app
+from outbox.ops import Database, trace_key, trace_message
+from outbox.testing import InMemoryBroker, OutboxTestHarness
+from tests.inbox_support import record
+
+TOPIC = "orders"
+
+
+@dataclass
+class World:
+    outbox_url: str
+    inbox_url: str
+    outbox: Outbox
+    billing: Inbox
+    shipping: Inbox
+    ids: dict[str, list[uuid.UUID]]
+
+    def dbs(self) -> tuple[Database, list[Database]]:
+        return (Database("outbox-db", self.outbox.engine, self.outbox.tables),  # type: ignore[arg-type]
+                [Database("shipping-db", self.shipping.engine, self.shipping.tables)])
+
+
+def _publish(outbox: Outbox, key: str, n: int) -> list[uuid.UUID]:
+    assert isinstance(outbox.engine, sa.Engine)
+    with Session(outbox.engine) as session, session.begin():
+        return [outbox.publish(session, TOPIC, {"n": i}, key=key) for i in range(n)]
+
+
+@pytest.fixture
+def world(db_url: str, tmp_path: Path) -> Iterator[World]:
+    """order-1: sent, applied by both groups; bad-1: billing parked it at seq 1, seq 2 behind it;
+    late-1: written, not sent; gap-1 (billing only): seq 3 arrived without 1 and 2, held."""
+    engine = create_engine(db_url)
+    inbox_url = f"sqlite:///{tmp_path}/shipping.db"
+    inbox_engine = create_engine(inbox_url)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    billing = Inbox(engine, group="billing", retry_backoff=0, max_attempts=2)
+    shipping = Inbox(inbox_engine, group="shipping", retry_backoff=0)
+    shipping.create_tables()
+
+    @billing.handler(TOPIC)
+    def bill(session: Session, message: Message) -> None:
+        if message.key == "bad-1":
+            raise RuntimeError("card declined")
+
+    @shipping.handler(TOPIC)
+    def ship(session: Session, message: Message) -> None:
+        pass
+
+    broker = InMemoryBroker(partitions=3)
+    ids = {"order-1": _publish(outbox, "order-1", 3), "bad-1": _publish(outbox, "bad-1", 2)}
+    with OutboxTestHarness(outbox, billing, broker=broker) as producer, \
+            OutboxTestHarness(None, shipping, broker=broker) as consumer:
+        assert producer.relay() == 5
+        producer.deliver()
+        consumer.deliver()
+    ids["late-1"] = _publish(outbox, "late-1", 1)
+    ids["gap-1"] = [uuid.uuid4()]
+    billing.handle(record(TOPIC, "gap-1", 3, message_id=ids["gap-1"][0]))
+    yield World(db_url, inbox_url, outbox, billing, shipping, ids)
+    engine.dispose()
+    inbox_engine.dispose()
+
+
+def _groups(message: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["group"]: g for g in message["groups"]}
+
+
+def test_a_sent_and_applied_message_shows_where_it_went_and_when_each_group_applied_it(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_message(outbox_db, inbox_dbs, world.ids["order-1"][1])
+    [m] = doc["messages"]
+    assert (m["topic"], m["key"], m["seq"]) == (TOPIC, "order-1", 2)
+    assert m["outbox"]["status"] == "published" and m["outbox"]["published_at"]
+    assert m["outbox"]["partition"] is not None and m["outbox"]["offset"] is not None
+    groups = _groups(m)
+    assert set(groups) == {"billing", "shipping"}
+    for g in groups.values():
+        assert g["state"] == "applied" and g["processed_at"]
+        assert (g["partition"], g["offset"]) == (m["outbox"]["partition"], m["outbox"]["offset"])
+    assert groups["shipping"]["database"] == "shipping-db"
+
+
+def test_a_parked_message_and_the_one_behind_it_say_why(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    first, second = world.ids["bad-1"]
+    parked = _groups(trace_message(outbox_db, inbox_dbs, first)["messages"][0])
+    assert parked["billing"]["state"] == "parked" and parked["billing"]["reason"] == "failed"
+    assert parked["billing"]["attempts"] == 2 and "card declined" in parked["billing"]["error"]
+    assert parked["shipping"]["state"] == "applied"
+    behind = _groups(trace_message(outbox_db, inbox_dbs, second)["messages"][0])["billing"]
+    assert (behind["state"], behind["reason"], behind["attempts"]) == ("parked", "key_parked", 0)
+    assert behind["parked_behind_seq"] == 1
+
+
+def test_an_unsent_message_is_never_seen_by_the_groups(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    [m] = trace_message(outbox_db, inbox_dbs, world.ids["late-1"][0])["messages"]
+    assert m["outbox"]["status"] == "pending" and m["outbox"]["published_at"] is None
+    assert {g["state"] for g in m["groups"]} == {"not_seen"}
+
+
+def test_a_key_shows_its_position_and_what_waits_behind_what(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_key(outbox_db, inbox_dbs, TOPIC, "bad-1")
+    key = doc["key"]
+    assert key["outbox"]["last_seq"] == 2 and key["outbox"]["last_sent_seq"] == 2
+    groups = {g["group"]: g for g in key["groups"]}
+    assert groups["billing"]["parked"] and groups["billing"]["parked_messages"] == 2
+    assert groups["billing"]["parked_seqs"] == [1, 2] and groups["billing"]["last_applied_seq"] is None
+    assert groups["shipping"]["last_applied_seq"] == 2 and not groups["shipping"]["parked"]
+    assert [m["seq"] for m in doc["messages"]] == [1, 2]
+
+    held = trace_key(outbox_db, inbox_dbs, TOPIC, "gap-1")
+    billing = {g["group"]: g for g in held["key"]["groups"]}["billing"]
+    assert billing["held_seqs"] == [3] and billing["waiting_for_seq"] == 1
+    assert held["key"]["outbox"] is None
+    [m] = held["messages"]
+    assert _groups(m)["billing"]["state"] == "held" and _groups(m)["shipping"]["state"] == "not_seen"
+
+    late = trace_key(outbox_db, inbox_dbs, TOPIC, "late-1")["key"]["outbox"]
+    assert (late["last_seq"], late["last_sent_seq"], late["first_unsent_seq"]) == (1, None, 1)
+    assert late["pending"] == 1
+
+
+def test_unknown_ids_topics_and_keys_are_errors_naming_what_is_missing(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    from outbox import ConfigurationError
+    with pytest.raises(ConfigurationError, match="in none of the databases"):
+        trace_message(outbox_db, inbox_dbs, uuid.uuid4())
+    with pytest.raises(ConfigurationError, match="topic 'nope' is in none"):
+        trace_key(outbox_db, inbox_dbs, "nope", "order-1")
+    with pytest.raises(ConfigurationError, match="key 'order-9' of topic 'orders' is in none"):
+        trace_key(outbox_db, inbox_dbs, TOPIC, "order-9")
+
+
+runner = CliRunner()
+
+
+def _cli(*args: str) -> Any:
+    return runner.invoke(app, ["trace", *args])
+
+
+def test_the_command_prints_the_journey_and_json_for_scripts(world: World) -> None:
+    mid = str(world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", world.inbox_url)
+    assert shown.exit_code == 0, shown.output
+    assert "parked behind seq 1 of its key" in shown.output and "attempts 0" not in shown.output
+    assert "group shipping" in shown.output and "applied" in shown.output
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db",
+                   world.inbox_url, "--json")
+    assert as_json.exit_code == 0, as_json.output
+    doc = json.loads(as_json.output)
+    assert doc["version"] == 1 and doc["query"] == {"topic": TOPIC, "key": "bad-1", "limit": 20}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["not-a-uuid"], "is not a UUID"),
+    (["--topic", "nope", "--key", "k"], "topic 'nope' is in none"),
+    (["--topic", "bad topic", "--key", "k"], "invalid topic"),
+    (["--topic", TOPIC], "needs both --topic and --key"),
+    ([], "give a message id, or --topic and --key"),
+])
+def test_bad_input_is_one_error_line_and_a_failing_exit(world: World, args: list[str], says: str) -> None:
+    result = runner.invoke(app, ["trace", *args, "--db", world.outbox_url])
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.output
+
+
+ANY_CHARACTER = st.characters(categories=None, codec=None)  # lone surrogates included
+
+
+@pytest.fixture(scope="module")
+def small_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('trace')}/small.db"
+    outbox = Outbox(create_engine(url))
+    outbox.create_tables()
+    _publish(outbox, "k", 1)  # the one key found: every other input is an error
+    yield url
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(topic=st.one_of(st.text(ANY_CHARACTER, max_size=300), st.sampled_from([TOPIC, "nope"])),
+       key=st.one_of(st.text(ANY_CHARACTER, max_size=300), st.just("k")))
+def test_any_text_as_topic_and_key_gets_an_answer_or_a_clean_error(small_db: str, topic: str,
+                                                                   key: str) -> None:
+    result = _cli("--topic", topic, "--key", key, "--db", small_db, "--json")
+    if result.exit_code == 0:
+        assert json.loads(result.output)["key"]["key"] == key and (topic, key) == (TOPIC, "k")
+    else:
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+        assert "Traceback" not in result.output
+
+
+def test_every_trace_query_is_an_index_lookup(world: World) -> None:
+    """The plan of every statement a trace runs: no full scan of any table (of its index neither).
+
+    On PostgreSQL sequential scans are switched off for the check, so a plan
+    that still scans is one no index can serve, however small the test tables.
+    """
+    engine = world.outbox.engine
+    postgres = engine.dialect.name == "postgresql"
+    plans: list[tuple[str, str]] = []
+
+    def explain(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("SELECT") and "pg_catalog" not in statement:
+            prefix = "EXPLAIN " if postgres else "EXPLAIN QUERY PLAN "
+            rows = conn.exec_driver_sql(prefix + statement, parameters).all()
+            plans.append((statement, "\n".join(str(r[-1]) for r in rows)))
+
+    def no_seqscan(conn, record):  # type: ignore[no-untyped-def]
+        conn.cursor().execute("SET enable_seqscan = off")
+
+    if postgres:
+        engine.dispose()
+        sa.event.listen(engine, "connect", no_seqscan)
+    sa.event.listen(engine, "before_cursor_execute", explain)
+    try:
+        outbox_db, _ = world.dbs()
+        trace_message(outbox_db, [], world.ids["bad-1"][1])
+        trace_message(outbox_db, [], world.ids["gap-1"][0])
+        trace_key(outbox_db, [], TOPIC, "bad-1")
+        trace_key(outbox_db, [], TOPIC, "gap-1")
+        trace_key(outbox_db, [], TOPIC, "late-1")
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", explain)
+        if postgres:
+            sa.event.remove(engine, "connect", no_seqscan)
+    # Every index read is bounded: a condition on its leading columns, or min() under a Limit.
+    scans = [(s, p) for s, p in plans if "Seq Scan" in p or "SCAN " in p.replace("SCAN CONSTANT", "")
+             or ("Index" in p and "Index Cond" not in p and "Limit" not in p)]
+    assert len(plans) > 20 and not scans, scans
+
+
+def test_a_database_named_twice_is_read_once(world: World) -> None:
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_message(outbox_db, [*inbox_dbs, outbox_db, *inbox_dbs], world.ids["order-1"][0])
+    [m] = doc["messages"]
+    assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
+    assert m["outbox"] is not None
