@@ -3,10 +3,10 @@
 This module is the relay's life cycle: configuration checked at construction,
 the loop (wake on NOTIFY, wheel timers or the poll interval; go again at once
 after a full batch), the lease thread, and a graceful stop. What happens inside
-one batch, and why it keeps per-key order, is in ``_relay_batch``.
+one batch, and why it keeps per-key order, is in ``_batch``.
 
 A database or broker outage is not a failure: the loop waits it out with
-capped backoff and ``_outage`` logs it once when it starts and once when it
+capped backoff and ``outbox._outage`` logs it once when it starts and once when it
 ends. The backlog gauges have a thread of their own, so their GROUP BY never
 delays lease renewal.
 
@@ -38,15 +38,15 @@ from .._alerts import Alert, AlertSink, LoggingAlertSink
 from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
-from .._outage import is_database_outage
+from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
 from .._outbox import Outbox
 from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._wheel import TimingWheel
 from ._admin import backlog
-from ._batch import Batch, BatchResult
+from ._batch import BatchResult, BatchRunner
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
-from ._outage import Dependency, Outages, database_backoff
+from ._record_limit import check_record_limit
 from ._sql import RelayStatements
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
@@ -54,29 +54,6 @@ from ._wakeup import Wakeup
 log = safe_logger("outbox.relay")
 
 DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
-
-
-def check_record_limit(transport: Transport, max_record_bytes: int) -> None:
-    """Refuse a transport that could not send every record ``publish()`` accepts.
-
-    Publishers accept records up to the limit stored with the tables; a producer
-    configured for less would fail some of them for good, each blocking its key
-    until an operator steps in. A transport that does not say its limit is trusted.
-    """
-    limit = getattr(transport, "max_record_bytes", None)
-    if isinstance(limit, int):
-        refuse_smaller_producer(limit, getattr(transport, "max_record_setting", "its maximum record size"),
-                                max_record_bytes)
-
-
-def refuse_smaller_producer(limit: int, setting: str, max_record_bytes: int) -> None:
-    """``ConfigurationError`` when a producer's ``limit`` (from ``setting``) is under the stored one."""
-    if limit < max_record_bytes:
-        raise ConfigurationError(
-            f"this relay's producer sends records of at most {limit} bytes ({setting}), but "
-            f"publishers accept records up to max_record_bytes={max_record_bytes} (stored with the "
-            f"tables): raise that setting to allow {max_record_bytes}, or lower the stored limit "
-            f"with `outbox init-db --max-record-bytes {limit}`")
 
 
 class Relay:
@@ -155,11 +132,18 @@ class Relay:
         check_record_limit(transport, stored.max_record_bytes)
         self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, float(lease_ttl))
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
-        self.outages = Outages(worker_id, self.metrics.outages)
-        self._batch = Batch(
+        # The loop's pause after a failed batch (an outage or not) grows from the poll interval.
+        self._failure_backoff = OutageBackoff(first=float(poll_interval))
+        self.database_outage = OutageTracker(
+            f"relay {worker_id}: database", log=log, wording=RELAY_WORDING, backoff=self._failure_backoff,
+            count=self.metrics.outages.labels("database").inc)
+        self.broker_outage = OutageTracker(
+            f"relay {worker_id}: broker", log=log, wording=RELAY_WORDING,
+            count=self.metrics.outages.labels("broker").inc)
+        self._batch = BatchRunner(
             engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
             backoff=backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
-            batch_size=batch_size, outages=self.outages, incarnation=stored.incarnation,
+            batch_size=batch_size, database_outage=self.database_outage, incarnation=stored.incarnation,
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
@@ -257,7 +241,6 @@ class Relay:
         A relay started while the database is down waits for it (one log line each
         way, like any outage) instead of exiting; any other error is raised.
         """
-        failures = 0
         while not self._stopping.is_set():
             try:
                 self._maintain_leases()
@@ -265,9 +248,7 @@ class Relay:
             except Exception as exc:
                 if not is_database_outage(exc):
                     raise
-                self.outages.down(Dependency.DATABASE, exc)
-                self._stopping.wait(database_backoff(failures, self.poll_interval))
-                failures += 1
+                self._stopping.wait(self.database_outage.failed(exc))
         return False
 
     def _loop(self) -> None:
@@ -284,17 +265,17 @@ class Relay:
                     batch = self._run_batch(wait=False)
                 except Exception as exc:
                     self._report(exc, "batch failed")
-                    self._stopping.wait(database_backoff(failures, self.poll_interval))
                     failures += 1
+                    self._stopping.wait(self._failure_backoff.delay(failures))
                     again = True
                     continue
                 failures = 0
                 # The database is marked up by the queries that reached it (the fetch, the
                 # lease maintenance), never here: a relay owning no shards ran none.
                 if batch.published:
-                    self.outages.up(Dependency.BROKER)
+                    self.broker_outage.answered()
                 elif batch.broker_unreachable:
-                    self.outages.down(Dependency.BROKER, batch.error or "no delivery report")
+                    self.broker_outage.failed(batch.error or "no delivery report")
                 # A full batch means more may be waiting, unless all of it waits in the
                 # wheel: then fetching again at once would only spin.
                 again = batch.fetched == self.batch_size and batch.sent > 0
@@ -333,13 +314,13 @@ class Relay:
     def _report(self, error: Exception, what: str) -> None:
         """A database outage is logged once per state change; anything else is a bug: traceback."""
         if is_database_outage(error):
-            self.outages.down(Dependency.DATABASE, error)
+            self.database_outage.failed(error)
         else:
             log.exception("relay %s %s", self.worker_id, what)
 
     def _maintain_leases(self) -> dict[int, int]:
         owned = self.leases.maintain()
-        self.outages.up(Dependency.DATABASE)
+        self.database_outage.answered()
         self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
         self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
         return owned
