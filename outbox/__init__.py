@@ -2,6 +2,7 @@
 to Kafka in per-key order, and consume them once with an idempotent inbox."""
 
 from ._alerts import Alert, AlertSink, LoggingAlertSink, WebhookAlertSink
+from ._async_outbox import AsyncOutbox
 from ._engine import create_async_engine, create_engine
 from ._envelope import Message, new_message_id
 from ._errors import (
@@ -44,6 +45,7 @@ from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 __all__ = [
     "Alert",
     "AlertSink",
+    "AsyncOutbox",
     "BatchResult",
     "CommitRefusedError",
     "ConfigurationError",

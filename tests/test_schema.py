@@ -91,7 +91,7 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 
 
 PUBLIC_API = [
-    "Alert", "AlertSink", "BatchResult", "CommitRefusedError", "ConfigurationError",
+    "Alert", "AlertSink", "AsyncOutbox", "BatchResult", "CommitRefusedError", "ConfigurationError",
     "DiscardRefusedError", "Disposition", "ForeignRecordError",
     "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidHeadersError",
     "InvalidKeyError", "InvalidTopicError",
