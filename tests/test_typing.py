@@ -123,7 +123,7 @@ async def test_an_async_outbox_writes_what_an_outbox_on_an_async_engine_writes(t
 
 
 def test_each_flavour_refuses_the_other_kind_of_engine_and_function():
-    with pytest.raises(ConfigurationError, match="AsyncOutbox needs an AsyncEngine.*use Outbox"):
+    with pytest.raises(ConfigurationError, match=r"AsyncOutbox needs an AsyncEngine.*use Outbox"):
         AsyncOutbox(create_engine("sqlite://"))
     outbox = AsyncOutbox(create_async_engine("sqlite+aiosqlite://"))
 

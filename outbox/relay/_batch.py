@@ -42,7 +42,7 @@ from sqlalchemy import Connection, Engine
 from transports import Outcome, SendResult, Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink, deliver
+from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._envelope import utcnow
 from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
 from .._pg_arrays import int_array
@@ -351,7 +351,7 @@ class BatchRunner:
         for row, error in newly_failed:
             self.metrics.failed.labels(row.topic).inc()
             message_id = str(row.message_id) if row.message_id is not None else None
-            deliver(self.alert, Alert(kind="message_failed", topic=row.topic, key=row.key,
+            deliver(self.alert, Alert(kind=AlertKind.MESSAGE_FAILED, topic=row.topic, key=row.key,
                                       message_id=message_id, error=error,
                                       details={"id": row.id, "seq": row.seq}))
 
