@@ -20,11 +20,13 @@ from ._batch import BatchResult
 from ._metrics import RelayMetrics, relay_metrics
 from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
+from ._settings import RelaySettings
 
 __all__ = [
     "BatchResult",
     "Relay",
     "RelayMetrics",
+    "RelaySettings",
     "backlog",
     "failed_rows",
     "refuse_smaller_producer",

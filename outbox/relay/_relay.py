@@ -21,11 +21,8 @@ marked are sent again, leases expire within their TTL).
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import tenacity
@@ -47,14 +44,12 @@ from ._batch import BatchResult, BatchRunner
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
 from ._record_limit import check_record_limit
+from ._settings import DEFAULT_BACKOFF, RelaySettings, default_worker_id
 from ._sql import RelayStatements
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
 log = safe_logger("outbox.relay")
-
-DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
-
 
 class Relay:
     """Publishes an ``Outbox``'s rows through a ``Transport``; see the module doc.
@@ -66,6 +61,9 @@ class Relay:
     retrying after ``key_stuck_after`` seconds raises one ``key_stuck`` alert
     and counts in ``outbox_relay_stuck_keys`` (``_stuck``; checked by ``run``).
     ``run`` and ``run_once`` must be called from one thread; ``stop`` from any.
+    The tuning keywords (``batch_size`` … ``key_stuck_after``) build a
+    ``RelaySettings``, kept as ``relay.settings``, which checks each of them
+    and names a bad one.
 
     Construction reads the stored shard count and record limit, so it needs the
     database and raises if it is unreachable, and raises ``ConfigurationError``
@@ -100,40 +98,36 @@ class Relay:
         if not isinstance(bound, Engine):
             raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
         engine = worker_engine(bound)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
-            raise ConfigurationError(f"batch_size must be an int from 1 to 100000, got {batch_size!r}")
-        for name, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
-                            ("wheel_tick", wheel_tick), ("key_stuck_after", key_stuck_after)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
-        if not callable(backoff):
-            raise ConfigurationError(f"backoff must be a tenacity wait strategy, got {backoff!r}")
-        worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        if not isinstance(worker_id, str) or len(worker_id) > 200:
-            raise ConfigurationError(f"worker_id must be a str of at most 200 characters: {worker_id!r}")
+        settings = RelaySettings(
+            batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
+            poll_interval=poll_interval, backoff=backoff, backlog_metrics=backlog_metrics,
+            wheel_tick=wheel_tick, key_stuck_after=key_stuck_after)
+        worker_id = settings.worker_id
         alert = alert if alert is not None else LoggingAlertSink()
         if not callable(alert):
             raise ConfigurationError(f"alert must be an AlertSink or callable, got {alert!r}")
 
+        self.settings = settings
         self.outbox = outbox
         self.transport = transport
         self.engine = engine
-        self.batch_size = batch_size
+        self.batch_size = settings.batch_size
         self.worker_id = worker_id
         self.alert = alert
-        self.poll_interval = float(poll_interval)
-        self.backoff = backoff
+        self.poll_interval = settings.poll_interval
+        self.backoff = settings.backoff
         self.metrics = metrics or relay_metrics()
-        self.backlog_metrics = backlog_metrics
+        self.backlog_metrics = settings.backlog_metrics
         self._backlog_topics: set[str] = set()
-        self.stuck_keys = StuckKeys(outbox, engine, float(key_stuck_after), alert,
+        self.stuck_keys = StuckKeys(outbox, engine, settings.key_stuck_after, alert,
                                     self.metrics.stuck_keys, worker_id)
         stored = outbox.load_schema(engine)  # shard count, record limit, incarnation: with the tables
         check_record_limit(transport, stored.max_record_bytes)
-        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, float(lease_ttl))
-        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
+        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, settings.lease_ttl)
+        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=settings.wheel_tick,
+                                                               start=time.monotonic())
         # The loop's pause after a failed batch (an outage or not) grows from the poll interval.
-        self._failure_backoff = OutageBackoff(first=float(poll_interval))
+        self._failure_backoff = OutageBackoff(first=settings.poll_interval)
         self.database_outage = OutageTracker(
             f"relay {worker_id}: database", log=log, wording=RELAY_WORDING, backoff=self._failure_backoff,
             count=self.metrics.outages.labels("database").inc)
@@ -142,8 +136,9 @@ class Relay:
             count=self.metrics.outages.labels("broker").inc)
         self._batch = BatchRunner(
             engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
-            backoff=backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
-            batch_size=batch_size, database_outage=self.database_outage, incarnation=stored.incarnation,
+            backoff=settings.backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
+            batch_size=settings.batch_size, database_outage=self.database_outage,
+            incarnation=stored.incarnation,
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
