@@ -62,16 +62,15 @@ class Outbox(OutboxBase):
         notify_channel: str | None = "outbox",
     ) -> None:
         engine = engine_of(bind, "Outbox")
-        self._async: AsyncOutbox | None = None
-        if isinstance(engine, AsyncEngine):  # chosen once: every async call goes to AsyncOutbox
-            self._async = AsyncOutbox(bind if isinstance(bind, async_sessionmaker) else engine,
-                                      tables=tables, prefix=prefix, schema=schema, shards=shards,
-                                      max_payload_bytes=max_payload_bytes,
-                                      max_record_bytes=max_record_bytes, notify_channel=notify_channel)
         super().__init__(engine, tables=tables, prefix=prefix, schema=schema, shards=shards,
                          max_payload_bytes=max_payload_bytes, max_record_bytes=max_record_bytes,
                          notify_channel=notify_channel)
         self.engine: Engine | AsyncEngine = engine
+        self._async: AsyncOutbox | None = None
+        if isinstance(engine, AsyncEngine):  # chosen once: every async call goes to AsyncOutbox
+            self._async = AsyncOutbox(bind if isinstance(bind, async_sessionmaker) else engine,
+                                      tables=self.tables, shards=shards, max_payload_bytes=max_payload_bytes,
+                                      max_record_bytes=max_record_bytes, notify_channel=notify_channel)
         self.is_async = self._async is not None
         self._sessions: sessionmaker[Any] | None = None  # an AsyncEngine's are AsyncOutbox's
         if isinstance(bind, sessionmaker):

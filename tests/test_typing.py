@@ -131,3 +131,19 @@ def test_each_flavour_refuses_the_other_kind_of_engine_and_function():
 
     with pytest.raises(ConfigurationError, match="sync_place is sync but this outbox has an AsyncEngine"):
         outbox.transactional(sync_place)
+
+
+async def test_create_tables_async_creates_the_tables_declared_on_the_outboxs_metadata(tmp_path):
+    """Business tables declared on ``outbox.tables.metadata`` (one MetaData for Alembic) are created too."""
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+    for outbox in (Outbox(engine, prefix="legacy_"), AsyncOutbox(engine, prefix="new_")):
+        sa.Table(f"{outbox.tables.prefix}orders", outbox.tables.metadata,
+                 sa.Column("id", sa.Integer, primary_key=True))
+        if isinstance(outbox, AsyncOutbox):
+            await outbox.create_tables()
+        else:
+            await outbox.create_tables_async()
+    async with engine.connect() as conn:
+        names = await conn.run_sync(lambda sync: sa.inspect(sync).get_table_names())
+    await engine.dispose()
+    assert {"legacy_orders", "new_orders", "legacy_outbox_messages", "new_outbox_messages"} <= set(names)
