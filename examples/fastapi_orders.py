@@ -16,12 +16,12 @@ import pydantic
 import sqlalchemy as sa
 from fastapi import FastAPI, HTTPException
 
-from outbox import Outbox, create_async_engine
+from outbox import AsyncOutbox, create_async_engine
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///orders.db")
 
 engine = create_async_engine(DATABASE_URL)
-outbox = Outbox(engine)
+outbox = AsyncOutbox(engine)
 orders = sa.Table(
     "orders", outbox.tables.metadata,  # one MetaData: Alembic sees business and outbox tables
     sa.Column("id", sa.Integer, primary_key=True),
@@ -49,7 +49,7 @@ async def place_order(order: NewOrder, *, session) -> int:
         orders.insert().values(customer=order.customer, total_cents=order.total_cents,
                                state="created").returning(orders.c.id))
     order_id = result.scalar_one()
-    await outbox.publish_async(session, "orders", OrderEvent(
+    await outbox.publish(session, "orders", OrderEvent(
         order_id=order_id, event="created", **order.model_dump()), key=order_id)
     return order_id
 
@@ -63,14 +63,14 @@ async def pay_order(order_id: int, *, session) -> None:
     if row.state != "created":
         raise HTTPException(409, f"order {order_id} is {row.state}, not created")
     await session.execute(orders.update().where(orders.c.id == order_id).values(state="paid"))
-    await outbox.publish_async(session, "orders", OrderEvent(
+    await outbox.publish(session, "orders", OrderEvent(
         order_id=order_id, event="paid", customer=row.customer, total_cents=row.total_cents),
         key=order_id)
 
 
 @asynccontextmanager
 async def lifespan(_: FastAPI):
-    await outbox.create_tables_async()  # in production: Alembic migrations instead
+    await outbox.create_tables()  # in production: Alembic migrations instead
     yield
     await engine.dispose()
 

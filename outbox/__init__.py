@@ -1,7 +1,8 @@
 """transactional-outbox: publish events in the business transaction, relay them
 to Kafka in per-key order, and consume them once with an idempotent inbox."""
 
-from ._alerts import Alert, AlertSink, LoggingAlertSink, WebhookAlertSink
+from ._alerts import Alert, AlertKind, AlertSink, LoggingAlertSink, WebhookAlertSink
+from ._async_outbox import AsyncOutbox
 from ._engine import create_async_engine, create_engine
 from ._envelope import Message, new_message_id
 from ._errors import (
@@ -29,6 +30,7 @@ from ._wire import ForeignRecordError, message_to_record, record_to_message
 from .inbox import (
     DiscardRefusedError,
     Disposition,
+    ForeignRecords,
     HandlerSignal,
     Inbox,
     NotParkedError,
@@ -43,13 +45,16 @@ from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 
 __all__ = [
     "Alert",
+    "AlertKind",
     "AlertSink",
+    "AsyncOutbox",
     "BatchResult",
     "CommitRefusedError",
     "ConfigurationError",
     "DiscardRefusedError",
     "Disposition",
     "ForeignRecordError",
+    "ForeignRecords",
     "HandlerSignal",
     "Inbox",
     "InvalidContentTypeError",

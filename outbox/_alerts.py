@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote
 
@@ -28,11 +29,28 @@ from ._secrets import MASK, webhook_url
 log = safe_logger("outbox.alerts")
 
 
+class AlertKind(StrEnum):
+    """What an ``Alert`` is about; a ``str`` enum, so JSON and logs carry the same strings as before."""
+
+    MESSAGE_FAILED = "message_failed"
+    """The relay can never send an outbox row as it is: it is ``failed`` and blocks its key."""
+    KEY_STUCK = "key_stuck"
+    """A key's head has been retried by the relay for longer than ``key_stuck_after``."""
+    KEY_PARKED = "key_parked"
+    """The inbox parked a message and, with it, its key."""
+    MESSAGE_PARKED = "message_parked"
+    """The inbox parked a message alone; its key goes on."""
+    FOREIGN_RECORD = "foreign_record"
+    """A record without an outbox envelope arrived on a topic (once per topic and process)."""
+    GAP_HELD = "gap_held"
+    """The inbox holds a key's messages behind a missing seq."""
+
+
 @dataclass(frozen=True, slots=True)
 class Alert:
-    """One incident: ``kind`` is e.g. ``"key_parked"`` or ``"message_failed"``."""
+    """One incident: ``kind`` says what (``AlertKind``; its string value is accepted too)."""
 
-    kind: str
+    kind: AlertKind | str
     topic: str
     key: str | None
     message_id: str | None
@@ -40,6 +58,14 @@ class Alert:
     group: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     raised_at: datetime = field(default_factory=utcnow)
+
+    def __post_init__(self) -> None:
+        try:
+            kind = AlertKind(self.kind)
+        except ValueError:
+            raise ConfigurationError(f"Alert kind must be one of {', '.join(AlertKind)}, "
+                                     f"got {self.kind!r}") from None
+        object.__setattr__(self, "kind", kind)
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)

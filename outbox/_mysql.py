@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, DateTime, Integer, text
 from sqlalchemy.types import TypeEngine
 
-from ._tables import FAILED, PENDING, OutboxTables
+from ._tables import OutboxStatus, OutboxTables
 
 MAY_BLOCK = "may_block"
 """The generated column behind MySQL's ``ix_outbox_key_waits``; the relay's probe names it."""
@@ -61,7 +61,8 @@ def create(conn: Connection, tables: OutboxTables) -> None:
     if not _has_column(conn, tables):
         conn.execute(text(
             f"ALTER TABLE {messages} ADD COLUMN {MAY_BLOCK} TINYINT GENERATED ALWAYS AS "
-            f"(status = '{FAILED}' OR (status = '{PENDING}' AND available_at > created_at)) "
+            f"(status = '{OutboxStatus.FAILED}' OR "
+            f"(status = '{OutboxStatus.PENDING}' AND available_at > created_at)) "
             f"STORED INVISIBLE, ADD INDEX {tables.key_waits_index} (topic, `key`, {MAY_BLOCK}, seq)"))
     if not _has_trigger(conn, tables):
         trigger = quote.quote(tables.seq_trigger_name)

@@ -1,15 +1,38 @@
-"""What counts as a database outage: the database cannot serve us *now*; not the work's fault.
+"""Outages: a database or a broker cannot serve us *now*; not the work's fault (DESIGN §9).
 
-One rule for every worker (DESIGN §9: an outage is not a failure). The inbox
-waits an outage out without counting an attempt; the relay waits it out and
-logs it once. Anything else a statement raises (an integrity, data or
-programming error, a statement timeout) would fail again unchanged, so it is
-the work's own failure.
+One module for every worker, relay and inbox alike:
+
+- ``is_database_outage`` draws the line. Anything else a statement raises (an
+  integrity, data or programming error, a statement timeout) would fail again
+  unchanged, so it is the work's own failure. The inbox adds its own rule on
+  top (``Outage``, ``is_outage``, ``is_handler_outage``: a handler's own I/O
+  failing is the handler's failure).
+- ``OutageBackoff`` paces the retries: capped exponential, tenacity's
+  ``wait_exponential``, optionally jittered so that workers do not all knock at
+  once.
+- ``OutageTracker`` says so once per change of state (down, then back up, with how
+  long it was gone) and counts it, instead of a line per failed attempt.
+
+An outage never counts as an attempt, never parks, never alerts and never ends
+a worker; the waits are ``Event`` waits, so a stop (SIGTERM) ends them at once.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import tenacity
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, PendingRollbackError
+
+from ._errors import ConfigurationError
+
+MAX_OUTAGE_BACKOFF = 5.0
+"""Seconds between attempts to reach a dependency that is down, at most."""
 
 # SQLSTATE classes that mean "try again later": 08 connection exception, 40 transaction
 # rollback (serialization failure, deadlock), 53 insufficient resources (disk full, too many
@@ -102,3 +125,150 @@ def _mysql_error_code(orig: BaseException | None) -> int | None:
         return None
     args = getattr(orig, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
+
+
+class Outage(Exception):
+    """Raised inside the inbox's transaction when the database failed under a handler."""
+
+
+def is_outage(error: BaseException) -> bool:
+    """``Outage`` raised by the inbox's transaction step, or a database outage (``is_database_outage``).
+
+    Outside a handler, an ``OSError`` is one too: the asyncio drivers (asyncpg)
+    raise the socket's own error (``ConnectionRefusedError``, a DNS failure, a
+    missing Unix socket) when they cannot connect, where a sync driver raises
+    its ``OperationalError``, and the inbox's own code does no other I/O.
+    What a handler raises is judged by ``is_handler_outage`` instead.
+    """
+    return is_handler_outage(error) or isinstance(error, OSError)
+
+
+def is_handler_outage(error: BaseException) -> bool:
+    """An error raised under a handler that is the database's, not the handler's.
+
+    Not a bare ``OSError``: that is the handler's own I/O failing (an HTTP call
+    refused), which counts as an attempt like any other failure.
+    """
+    return isinstance(error, Outage) or is_database_outage(error)
+
+
+# -- pacing -------------------------------------------------------------------
+
+_RETRYING = tenacity.Retrying()
+"""The controller a wait strategy's call state names; the strategies read only the attempt number."""
+
+
+def delay_before(wait: tenacity.wait.wait_base, attempt: int) -> float:
+    """The delay tenacity wait strategy ``wait`` gives after failed attempt number ``attempt`` (from 1).
+
+    Wait strategies are called with tenacity's ``RetryCallState``; this is the
+    one place that builds one, for the workers that count attempts themselves
+    (a row's attempts live in its table, a handler's in its delivery).
+    """
+    state = tenacity.RetryCallState(_RETRYING, fn=None, args=(), kwargs={})
+    state.attempt_number = attempt
+    return float(wait(state))
+
+
+@dataclass(frozen=True)
+class OutageBackoff:
+    """Delays while a dependency is down: ``first``, twice that, four times … up to ``cap`` seconds.
+
+    ``jitter`` (0 to 1) cuts each delay by up to that fraction at random, so
+    that workers that lost the database together do not all come back at once.
+    """
+
+    first: float = 0.2
+    cap: float = MAX_OUTAGE_BACKOFF
+    jitter: float = 0.0
+    _wait: tenacity.wait_exponential = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("first", "cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigurationError(f"OutageBackoff.{name} must be positive seconds, got {value!r}")
+        jitter = self.jitter
+        if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not 0 <= jitter <= 1:
+            raise ConfigurationError(f"OutageBackoff.jitter must be from 0 to 1, got {self.jitter!r}")
+        object.__setattr__(self, "_wait", tenacity.wait_exponential(multiplier=self.first, max=self.cap))
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` consecutive failures (1 for the first)."""
+        delay = delay_before(self._wait, max(1, failures))
+        return delay * random.uniform(1.0 - self.jitter, 1.0) if self.jitter else delay
+
+
+# -- telling -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OutageWording:
+    """The two log lines of an outage: ``down % (what, detail)`` and ``up % (what, seconds)``."""
+
+    down: str
+    up: str
+
+
+RELAY_WORDING = OutageWording(down="%s unreachable (%s); waiting with capped backoff",
+                              up="%s reachable again after %.1f s")
+INBOX_WORDING = OutageWording(
+    down="%s unavailable (%s); waiting for it, nothing counts as a failed attempt meanwhile",
+    up="%s available again after %.1fs")
+
+
+def first_line(error: BaseException | str) -> str:
+    """``error`` in one short line for a log: the exception's type and its message's first line."""
+    if isinstance(error, str):
+        text = error.strip().splitlines()[0] if error.strip() else error
+        return text[:300]
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+
+
+class OutageTracker:
+    """Whether one dependency answers; logs and counts when that changes, and paces the retries.
+
+    ``failed`` records a failure and returns how long to wait before trying
+    again (``backoff``, by consecutive failures); the first failure after an
+    answer logs one WARNING and calls ``count``. ``answered`` logs once that the
+    dependency is back. Safe to call from several threads: the first report of
+    a change logs it, the others are silent.
+    """
+
+    def __init__(self, what: str, *, log: logging.Logger, wording: OutageWording = INBOX_WORDING,
+                 backoff: OutageBackoff = OutageBackoff(), count: Callable[[], object] | None = None,
+                 detail: Callable[[BaseException | str], str] = first_line) -> None:
+        self.what = what
+        self.backoff = backoff
+        self._log, self._wording, self._count, self._detail = log, wording, count, detail
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._since: float | None = None
+
+    @property
+    def down(self) -> bool:
+        """True from a failure until the next answer."""
+        return self._since is not None
+
+    def failed(self, error: BaseException | str) -> float:
+        """Record that the dependency failed; the seconds to wait before trying again."""
+        with self._lock:
+            self._failures += 1
+            failures = self._failures
+            changed = self._since is None
+            if changed:
+                self._since = time.monotonic()
+        if changed:
+            self._log.warning(self._wording.down, self.what, self._detail(error))
+            if self._count is not None:
+                self._count()
+        return self.backoff.delay(failures)
+
+    def answered(self) -> None:
+        """Record that the dependency worked; logs only the change from down to up."""
+        if self._since is None:  # the common case: no lock, no log
+            return
+        with self._lock:
+            since, self._since, self._failures = self._since, None, 0
+        if since is not None:
+            self._log.warning(self._wording.up, self.what, time.monotonic() - since)

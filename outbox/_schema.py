@@ -37,7 +37,7 @@ from . import _mysql
 from ._envelope import utcnow
 from ._errors import ConfigurationError, SchemaError
 from ._sharding import shard_for_key
-from ._tables import MYSQL_FAMILY, PUBLISHED, SKIPPED, OutboxTables
+from ._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 
 DEFAULT_SHARDS = 16
 MAX_SHARDS = 4096
@@ -265,7 +265,7 @@ def reshard(engine: Engine, tables: OutboxTables, shards: int, *, lease_ttl: flo
     with engine.begin() as conn:
         old = read(conn, tables).shard_count
         waiting = conn.scalar(select(func.count()).select_from(m)
-                              .where(m.c.status.not_in([PUBLISHED, SKIPPED])))
+                              .where(m.c.status.not_in([OutboxStatus.PUBLISHED, OutboxStatus.SKIPPED])))
         if waiting:
             raise ConfigurationError(
                 f"{waiting} row(s) are not published yet: stop the publishers, let the relays "
@@ -385,7 +385,7 @@ def _shards_in_use(conn: Connection, tables: OutboxTables, requested: int | None
         )
     m = tables.messages
     unpublished = (select(m.c.key, m.c.shard).distinct()
-                   .where(m.c.status.not_in([PUBLISHED, SKIPPED])))
+                   .where(m.c.status.not_in([OutboxStatus.PUBLISHED, OutboxStatus.SKIPPED])))
     for key, shard in conn.execute(unpublished):
         if shard >= count or (key is not None and shard_for_key(key, count) != shard):
             raise ConfigurationError(

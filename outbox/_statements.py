@@ -20,7 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
 from ._errors import ConfigurationError
-from ._tables import MYSQL_FAMILY, PENDING, OutboxTables
+from ._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
 
@@ -50,7 +50,7 @@ class PublishStatements:
 
         m = tables.messages
         self._row_values: dict[str, Any] = {name: bindparam(name) for name in _MESSAGE_PARAMS}
-        self._row_values |= {"attempts": 0, "status": PENDING}
+        self._row_values |= {"attempts": 0, "status": OutboxStatus.PENDING}
         self._messages = m
         self.unkeyed = self._with_notify(insert(m).values(seq=None, **self._row_values))
         self.insert_with_seq: Executable = insert(m).values(seq=bindparam("seq"), **self._row_values)
@@ -59,7 +59,7 @@ class PublishStatements:
             # In INSERT … SELECT the binds don't inherit column types: give them.
             typed = [
                 bindparam(name, type_=m.c[name].type) for name in _MESSAGE_PARAMS
-            ] + [literal(0, m.c.attempts.type), literal(PENDING, m.c.status.type)]
+            ] + [literal(0, m.c.attempts.type), literal(OutboxStatus.PENDING, m.c.status.type)]
             columns = [*self._row_values, "seq"]
             values = [*typed, seq.c.last_seq]
             self.keyed: Executable | None = self._with_notify(

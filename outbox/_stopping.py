@@ -21,11 +21,12 @@ TTL. The tables and the committed offsets stay the truth.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ._errors import ConfigurationError, OutboxError
 
@@ -68,26 +69,25 @@ def run_with_stop_bound(
         finally:
             done.set()
 
-    restore = _install(stop) if install_signal_handlers else (lambda: None)
-    try:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        while not done.wait(_WATCH):
-            if stopping():
-                asked = time.monotonic()
-                if not done.wait(stop_timeout):
-                    log.warning(
-                        "%s did not finish within %gs of the stop (a broker or database call that does "
-                        "not return); returning without it: uncommitted offsets are delivered again and "
-                        "dropped as duplicates, unmarked rows are sent again, leases expire by their TTL",
-                        what, time.monotonic() - asked)
-                    return thread
-                break
-    except BaseException:
-        stop()  # KeyboardInterrupt or the like in the waiting thread: the loop must not outlive it
-        raise
-    finally:
-        restore()
+    signals = stop_signals(stop) if install_signal_handlers else contextlib.nullcontext()
+    with signals:
+        try:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            while not done.wait(_WATCH):
+                if stopping():
+                    asked = time.monotonic()
+                    if not done.wait(stop_timeout):
+                        log.warning(
+                            "%s did not finish within %gs of the stop (a broker or database call that "
+                            "does not return); returning without it: uncommitted offsets are delivered "
+                            "again and dropped as duplicates, unmarked rows are sent again, leases "
+                            "expire by their TTL", what, time.monotonic() - asked)
+                        return thread
+                    break
+        except BaseException:
+            stop()  # KeyboardInterrupt or the like in the waiting thread: the loop must not outlive it
+            raise
     if failure:
         raise failure[0]
     return None
@@ -129,17 +129,22 @@ class RunOnce:
             self._running.release()
 
 
-def _install(stop: Callable[[], None]) -> Callable[[], None]:
-    """SIGTERM/SIGINT call ``stop`` (main thread only); returns what puts the old handlers back."""
+@contextlib.contextmanager
+def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT call ``stop`` instead of their handlers; then put back.
+
+    The one place a worker or a command installs its signal handlers. Python
+    runs signal handlers on the main thread only, so elsewhere this does nothing.
+    """
     if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+        yield
+        return
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:
         signal.signal(sig, lambda *_: stop())
-
-    def restore() -> None:
+    try:
+        yield
+    finally:
         for sig, handler in previous.items():
             if handler is not None:
                 signal.signal(sig, handler)
-
-    return restore

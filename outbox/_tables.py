@@ -64,8 +64,16 @@ class OutboxStatus(StrEnum):
     """A failed row an operator chose not to send (``outbox failed skip``)."""
 
 
-PENDING, PUBLISHED, FAILED, SKIPPED = OutboxStatus  # the names older modules import
-PROCESSED, DISCARDED = "processed", "discarded"
+
+class InboxOutcome(StrEnum):
+    """``inbox_messages.outcome``: how a message id was finished (``outbox.inbox.Outcome``)."""
+
+    PROCESSED = "processed"
+    """The handler's writes committed with this row."""
+    SKIPPED = "skipped"
+    """The handler raised ``SkipMessage``."""
+    DISCARDED = "discarded"
+    """An operator discarded it (``note`` says who, when and why)."""
 
 # SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -182,7 +190,7 @@ class OutboxTables:
             Column("available_at", UTCDateTime, nullable=False),
             Column("attempts", Integer, nullable=False, default=0),
             Column("last_error", _LongText),
-            Column("status", String(9), nullable=False, default=PENDING),
+            Column("status", String(9), nullable=False, default=OutboxStatus.PENDING),
             Column("published_at", UTCDateTime),
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),
@@ -195,16 +203,18 @@ class OutboxTables:
         m = self.messages.c
         Index(
             f"ix_{p}outbox_pending", m.shard, m.id,
-            postgresql_where=m.status == PENDING, sqlite_where=m.status == PENDING,
+            postgresql_where=m.status == OutboxStatus.PENDING, sqlite_where=m.status == OutboxStatus.PENDING,
         )
         # Finds the unfinished predecessors of a key's message (relay ordering, failed rows).
         Index(
             f"ix_{p}outbox_open_key", m.topic, m.key, m.seq,
-            postgresql_where=m.status != PUBLISHED, sqlite_where=m.status != PUBLISHED,
+            postgresql_where=m.status != OutboxStatus.PUBLISHED,
+            sqlite_where=m.status != OutboxStatus.PUBLISHED,
         )
         # Rows that may hold their key back (failed, delayed, waiting for a retry): tiny,
         # so the relay's per-row "does an earlier row block my key" probe is nearly free.
-        may_block = (m.status != PUBLISHED) & ((m.status == FAILED) | (m.available_at > m.created_at))
+        may_block = (m.status != OutboxStatus.PUBLISHED) & (
+            (m.status == OutboxStatus.FAILED) | (m.available_at > m.created_at))
         # MySQL and MariaDB have no partial indexes: there ``_mysql`` makes an index of
         # this name on a generated column holding the predicate.
         Index(
@@ -255,7 +265,7 @@ class OutboxTables:
             Column("received_at", UTCDateTime, nullable=False),
             Column("processed_at", UTCDateTime, nullable=False),
             Column("deliveries", Integer, nullable=False, default=1),
-            Column("outcome", String(9), nullable=False, default=PROCESSED),
+            Column("outcome", String(9), nullable=False, default=InboxOutcome.PROCESSED),
             Column("note", _LongText),
             schema=s,
         )

@@ -1,4 +1,9 @@
-"""The ``transactional`` decorator's wrapper: open a transaction unless the caller brings one."""
+"""The ``transactional`` decorator's wrappers: open a transaction unless the caller brings one.
+
+One wrapper per flavour, chosen by the outbox (``Outbox`` sync, ``AsyncOutbox``
+async); both hand the session the same way and refuse a function of the other
+kind when it is decorated, not when it is first called.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +18,13 @@ from sqlalchemy.orm import Session
 
 from ._errors import ConfigurationError
 
+_Call = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
-def wrap(
-    fn: Callable[..., Any],
-    is_async: bool,
-    begin: Callable[[], AbstractContextManager[Session]],
-    begin_async: Callable[[], AbstractAsyncContextManager[AsyncSession]],
-) -> Callable[..., Any]:
-    """``fn`` called with a session from ``begin``/``begin_async``, or the caller's ``session=``.
 
-    The session goes first when ``fn``'s first parameter is ``session`` (the
-    form type checkers understand), else as the keyword ``session=``.
+def _session_call(fn: Callable[..., Any]) -> _Call:
+    """How to hand ``fn`` its session: first when its first parameter is ``session``, else as ``session=``.
+
+    The first form is the one type checkers understand.
     """
     params = list(inspect.signature(fn).parameters.values())
     if "session" not in {p.name for p in params}:
@@ -37,23 +38,15 @@ def wrap(
     def call(session: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         return fn(session, *args, **kw) if positional else fn(*args, session=session, **kw)
 
+    return call
+
+
+def wrap_sync(fn: Callable[..., Any], begin: Callable[[], AbstractContextManager[Session]],
+              outbox: str) -> Callable[..., Any]:
+    """``fn`` called with a session from ``begin``, or the caller's ``session=``; ``outbox`` says whose."""
+    call = _session_call(fn)
     if inspect.iscoroutinefunction(fn):
-        if not is_async:
-            raise ConfigurationError(
-                f"{fn.__qualname__} is async but this Outbox has a sync engine"
-            )
-
-        @functools.wraps(fn)
-        async def run_async(*args: Any, session: AsyncSession | None = None, **kw: Any) -> Any:
-            if session is not None:
-                return await call(session, args, kw)
-            async with begin_async() as new_session:
-                return await call(new_session, args, kw)
-
-        return run_async
-
-    if is_async:
-        raise ConfigurationError(f"{fn.__qualname__} is sync but this Outbox has an AsyncEngine")
+        raise ConfigurationError(f"{fn.__qualname__} is async but {outbox}")
 
     @functools.wraps(fn)
     def run(*args: Any, session: Session | None = None, **kw: Any) -> Any:
@@ -63,3 +56,20 @@ def wrap(
             return call(new_session, args, kw)
 
     return run
+
+
+def wrap_async(fn: Callable[..., Any], begin: Callable[[], AbstractAsyncContextManager[AsyncSession]],
+               outbox: str) -> Callable[..., Any]:
+    """``wrap_sync`` for an ``async def`` ``fn`` and an async ``begin``."""
+    call = _session_call(fn)
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigurationError(f"{fn.__qualname__} is sync but {outbox}")
+
+    @functools.wraps(fn)
+    async def run_async(*args: Any, session: AsyncSession | None = None, **kw: Any) -> Any:
+        if session is not None:
+            return await call(session, args, kw)
+        async with begin() as new_session:
+            return await call(new_session, args, kw)
+
+    return run_async

@@ -91,8 +91,9 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 
 
 PUBLIC_API = [
-    "Alert", "AlertSink", "BatchResult", "CommitRefusedError", "ConfigurationError",
-    "DiscardRefusedError", "Disposition", "ForeignRecordError",
+    "Alert", "AlertKind", "AlertSink", "AsyncOutbox", "BatchResult", "CommitRefusedError",
+    "ConfigurationError",
+    "DiscardRefusedError", "Disposition", "ForeignRecordError", "ForeignRecords",
     "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidHeadersError",
     "InvalidKeyError", "InvalidTopicError",
     "LoggingAlertSink", "Message", "MessageValidationError", "NonStandardJsonError", "NotParkedError",

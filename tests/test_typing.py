@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from typed_usage import build, run, run_async
+from typed_usage import build, run, run_async, run_async_outbox
 
-from outbox import ConfigurationError, Outbox
+from outbox import AsyncOutbox, ConfigurationError, Outbox, create_async_engine, create_engine
 
 HERE = Path(__file__).parent
 
@@ -105,3 +105,45 @@ def test_the_first_examples_pass_mypy_strict(tmp_path):
          *(str(tmp_path / f"{name}.py") for name in examples)],
         cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_an_async_outbox_writes_what_an_outbox_on_an_async_engine_writes(tmp_path):
+    """``AsyncOutbox`` and the older ``Outbox(async_engine)`` are one implementation: same rows, same seqs."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"
+    assert await run_async_outbox(url) == [7, 16]
+    legacy = Outbox(create_async_engine(url))
+    async with legacy.begin_async() as session:
+        await legacy.publish_async(session, "orders", {"id": 9}, key=7)
+    m = legacy.tables.messages
+    async with legacy.engine.connect() as conn:
+        rows = (await conn.execute(sa.select(m.c.key, m.c.seq, m.c.shard).order_by(m.c.id))).all()
+    await legacy.engine.dispose()
+    assert [(key, seq) for key, seq, _ in rows] == [("7", 1), ("7", 2), ("7", 3)]
+    assert len({shard for _, _, shard in rows}) == 1
+
+
+def test_each_flavour_refuses_the_other_kind_of_engine_and_function():
+    with pytest.raises(ConfigurationError, match=r"AsyncOutbox needs an AsyncEngine.*use Outbox"):
+        AsyncOutbox(create_engine("sqlite://"))
+    outbox = AsyncOutbox(create_async_engine("sqlite+aiosqlite://"))
+
+    def sync_place(session: object) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="sync_place is sync but this outbox has an AsyncEngine"):
+        outbox.transactional(sync_place)
+
+
+async def test_create_tables_async_creates_the_tables_declared_on_the_outboxs_metadata(tmp_path):
+    """Business tables declared on ``outbox.tables.metadata`` (one MetaData for Alembic) are created too."""
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+    for outbox in (Outbox(engine, prefix="legacy_"), AsyncOutbox(engine, prefix="new_")):
+        sa.Table(f"{outbox.tables.prefix}orders", outbox.tables.metadata,
+                 sa.Column("id", sa.Integer, primary_key=True))
+        if isinstance(outbox, AsyncOutbox):
+            await outbox.create_tables()
+        else:
+            await outbox.create_tables_async()
+    async with engine.connect() as conn:
+        names = await conn.run_sync(lambda sync: sa.inspect(sync).get_table_names())
+    await engine.dispose()
+    assert {"legacy_orders", "new_orders", "legacy_outbox_messages", "new_outbox_messages"} <= set(names)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, create_async_engine, create_engine
+from outbox import AsyncOutbox, Outbox, create_async_engine, create_engine
 
 
 def build(url: str) -> Outbox:
@@ -39,3 +39,21 @@ async def run_async(url: str) -> int:
     async with outbox.begin_async() as session:
         await outbox.publish_async(session, "orders", {"id": number + 1}, key=number + 1)
     return number
+
+
+async def run_async_outbox(url: str) -> list[int]:
+    """The async flavour by its own name: ``await publish``, ``async with begin()``, typed ``await``s."""
+    outbox = AsyncOutbox(create_async_engine(url))
+    await outbox.create_tables()
+
+    @outbox.transactional
+    async def place(session: AsyncSession, order_id: int) -> int:
+        await outbox.publish(session, "orders", {"id": order_id}, key=order_id)
+        return order_id
+
+    placed: list[int] = [await place(7)]
+    async with outbox.begin() as session:
+        await outbox.publish(session, "orders", {"id": 8}, key=7)
+    placed.append((await outbox.load_schema()).shard_count)
+    await outbox.engine.dispose()
+    return placed

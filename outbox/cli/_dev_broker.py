@@ -9,11 +9,11 @@ few MiB of each partition: it is for trying things, never for production.
 
 from __future__ import annotations
 
-import signal
 import threading
 
 import typer
 
+from .._stopping import stop_signals
 from . import app
 
 
@@ -28,15 +28,10 @@ def dev_broker(
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[kafka]')") from None
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with embedded_kafka(brokers=brokers) as servers:
-            print(usage(servers), flush=True)  # plain print: no markup eaten, no wrapping when piped
-            stop.wait()
-            print("dev-broker stopped; its topics and records are gone", flush=True)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_signals(stop.set), embedded_kafka(brokers=brokers) as servers:
+        print(usage(servers), flush=True)  # plain print: no markup eaten, no wrapping when piped
+        stop.wait()
+        print("dev-broker stopped; its topics and records are gone", flush=True)
 
 
 def usage(servers: str) -> str:

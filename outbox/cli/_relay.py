@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import signal
 import threading
-import time
 from datetime import UTC, datetime
 
 import typer
@@ -15,11 +13,11 @@ from transports._logsafe import safe_logger
 
 from .._alerts import LoggingAlertSink, WebhookAlertSink
 from .._gc import tune_gc_for_batches
-from .._outage import is_database_outage
+from .._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
 from .._outbox import Outbox
+from .._stopping import stop_signals
 from ..housekeeping import parse_period, run_retention
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
-from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
@@ -76,8 +74,7 @@ def relay(
     from transports.kafka import KafkaTransport
 
     from ..ops import relay_readiness, serve_health
-    from ..relay import Relay, relay_metrics
-    from ..relay._relay import refuse_smaller_producer
+    from ..relay import Relay, refuse_smaller_producer, relay_metrics
 
     configure_logging(log_level)
     settings = parse_kafka_config(kafka_config)
@@ -119,32 +116,24 @@ def _wait_for_tables(outbox: Outbox) -> bool:
     a wrong prefix or schema) is an error at once. SIGTERM/SIGINT end the wait.
     """
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    since = None
-    failures = 0
-    try:
+    database = OutageTracker(
+        f"database {database_name()}", log=log, backoff=OutageBackoff(first=0.2),
+        wording=OutageWording(down="%s unreachable (%s); waiting for it before starting "
+                                   "(check --db if this persists)",
+                              up="%s reachable again after %.1f s; starting"),
+        detail=lambda exc: hidden(str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]))
+    with stop_signals(stop.set):
         while not stop.is_set():
             try:
                 outbox.load_schema()
             except Exception as exc:
                 if not is_database_outage(exc):
                     raise
-                if since is None:
-                    since = time.monotonic()
-                    log.warning("database %s unreachable (%s); waiting for it before starting "
-                                "(check --db if this persists)", database_name(),
-                                hidden(str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]))
-                stop.wait(database_backoff(failures, 0.2))
-                failures += 1
+                stop.wait(database.failed(exc))
             else:
-                if since is not None:
-                    log.warning("database %s reachable again after %.1f s; starting", database_name(),
-                                time.monotonic() - since)
+                database.answered()
                 return True
         return False
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @failed_app.command("list")

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from .._tables import FAILED, PUBLISHED
+from .._tables import OutboxStatus as Status
 from ..ops import Database
 from ._context import REFRESH_COOKIE, Context, base
 from ._links import console_path
@@ -62,9 +62,9 @@ class Counts:
                 present = self._tables(db, conn)
                 m = t.messages.c
                 parts = {
-                    "failed": (t.messages, [m.status != PUBLISHED,
-                                            (m.status == FAILED) | (m.available_at > m.created_at),
-                                            m.status == FAILED]),
+                    "failed": (t.messages, [m.status != Status.PUBLISHED,
+                                            (m.status == Status.FAILED) | (m.available_at > m.created_at),
+                                            m.status == Status.FAILED]),
                     "parked": (t.inbox_parked, []),
                     "held": (t.inbox_held, []),
                 }

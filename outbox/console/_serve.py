@@ -12,11 +12,12 @@ before uvicorn took its handlers (start-up) asks the server to stop, too.
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .._stopping import stop_signals
 
 REQUEST_TIMEOUT = 10.0
 """Seconds a client has to send a whole request (line, headers and body) once it may send one."""
@@ -72,12 +73,8 @@ class BoundedH11(H11Protocol):
 
 def serve_until_stopped(server: Any) -> None:
     """``server.run()`` (a ``uvicorn.Server``) with SIGINT and SIGTERM ending it quietly."""
-    def stop(*_: object) -> None:
+    def stop() -> None:
         server.should_exit = True
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with stop_signals(stop):
         server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

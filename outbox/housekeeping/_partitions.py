@@ -35,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .._envelope import utcnow
 from .._errors import ConfigurationError
-from .._tables import MAX_IDENTIFIER_LENGTH, PUBLISHED, OutboxTables
+from .._tables import MAX_IDENTIFIER_LENGTH, OutboxStatus, OutboxTables
 
 DAY = timedelta(days=1)
 DEFAULT_AHEAD_DAYS = 7
@@ -160,7 +160,7 @@ def _retire(engine: Engine, table: Table, name: str, report: PartitionReport, dr
             # Detached inside this transaction, nothing can be written to it: the check holds.
             open_rows = conn.execute(text(
                 f"SELECT count(*) FROM (SELECT 1 FROM {part} WHERE status <> :published LIMIT 1000) o"),
-                {"published": PUBLISHED}).scalar_one()
+                {"published": OutboxStatus.PUBLISHED}).scalar_one()
             if open_rows:
                 report.kept[name] = f"{open_rows}{'+' if open_rows == 1000 else ''} row(s) not published"
                 conn.rollback()

@@ -25,7 +25,8 @@ from datetime import datetime
 
 from sqlalchemy import Column, ColumnElement, Table, or_
 
-from .._tables import PUBLISHED, OutboxTables
+from .._tables import OutboxStatus as Status
+from .._tables import OutboxTables
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Target:
 
 def outbox_target(tables: OutboxTables) -> Target:
     m = tables.messages
-    return Target(m, (m.c.id,), lambda cutoff: [m.c.status == PUBLISHED, m.c.created_at < cutoff])
+    return Target(m, (m.c.id,), lambda cutoff: [m.c.status == Status.PUBLISHED, m.c.created_at < cutoff])
 
 
 def inbox_target(tables: OutboxTables, group: str | None = None) -> Target:

@@ -11,12 +11,13 @@ names are re-exported by ``outbox``.
 from .._stopping import StopRequested
 from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ReplayResult
 from ._inbox import Inbox
-from ._kinds import Outcome, Reason, StartPolicy
+from ._kinds import ForeignRecords, Outcome, Reason, StartPolicy
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
     "DiscardRefusedError",
     "Disposition",
+    "ForeignRecords",
     "HandlerSignal",
     "Inbox",
     "NotParkedError",

@@ -38,7 +38,7 @@ from ._alerting import Alerter
 from ._calls import TopicHandler
 from ._delivery import Delivery, decode
 from ._gaps import GapSweeper
-from ._kinds import StartPolicy
+from ._kinds import ForeignRecords, StartPolicy
 from ._metrics import InboxMetrics
 from ._outage import OutageLog, is_outage
 from ._runner import Runner
@@ -101,7 +101,7 @@ class Inbox:
         gap_alert_after: timedelta | float | None = None,
         retry_backoff: float = 0.1,
         retry_backoff_max: float = 5.0,
-        foreign_records: Literal["park", "accept"] = "park",
+        foreign_records: ForeignRecords | Literal["park", "accept"] = ForeignRecords.PARK,
         start: StartPolicy | Literal["strict", "first_seen"] = StartPolicy.STRICT,
         dedup_window: timedelta | float | None = None,
         tables: OutboxTables | None = None,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from .._tables import InboxOutcome
+
 
 class Reason(enum.StrEnum):
     """Why a message sits in ``inbox_parked``."""
@@ -45,15 +47,8 @@ class Reason(enum.StrEnum):
         return self in (Reason.NEW_INCARNATION, Reason.SEQ_CONFLICT)
 
 
-class Outcome(enum.StrEnum):
-    """``inbox_messages.outcome``: how a message id was finished."""
-
-    PROCESSED = "processed"
-    """The handler's writes committed with this row."""
-    SKIPPED = "skipped"
-    """The handler raised ``SkipMessage``."""
-    DISCARDED = "discarded"
-    """An operator discarded it (``note`` says who, when and why)."""
+Outcome = InboxOutcome
+"""``inbox_messages.outcome``: how a message id was finished (defined with the tables)."""
 
 
 class StartPolicy(enum.StrEnum):
@@ -74,3 +69,12 @@ class StartPolicy(enum.StrEnum):
 
     A rebuilt producer (a new incarnation whose seqs count again) starts its
     keys again the same way, at the first seq of the new incarnation met."""
+
+
+class ForeignRecords(enum.StrEnum):
+    """What the inbox does with a record that has no outbox envelope (``Inbox(foreign_records=…)``)."""
+
+    PARK = "park"
+    """Park it alone with reason ``foreign`` (one alert per topic): it never runs a handler."""
+    ACCEPT = "accept"
+    """Hand it to the handler as a ``Message`` without seq or incarnation; it is never ordered."""

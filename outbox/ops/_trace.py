@@ -35,7 +35,8 @@ from sqlalchemy import Connection, Engine, func, inspect, select
 from transports._errors import InvalidTopicError, validate_topic
 
 from .._errors import ConfigurationError, MessageValidationError
-from .._tables import FAILED, PENDING, PUBLISHED, SKIPPED, OutboxTables
+from .._tables import OutboxStatus as Status
+from .._tables import OutboxTables
 from .._validation import checked_key, shown
 
 VERSION = 1
@@ -231,21 +232,21 @@ def _outbox_key(conn: Connection, t: OutboxTables, topic: str, key: str,
     # ``status != 'published'`` repeats ix_outbox_open_key's predicate: the unsent, failed
     # and skipped rows of the key, in seq order, without touching its published ones.
     rows = conn.execute(select(m.seq, m.status, m.message_id)
-                        .where(m.topic == topic, m.key == key, m.status != PUBLISHED)
+                        .where(m.topic == topic, m.key == key, m.status != Status.PUBLISHED)
                         .order_by(m.seq).limit(limit + 1)).all()
-    first_unsent = next((r.seq for r in rows if r.status in (PENDING, FAILED)), None)
+    first_unsent = next((r.seq for r in rows if r.status in (Status.PENDING, Status.FAILED)), None)
     if first_unsent is None and len(rows) > limit:
         first_unsent = conn.scalar(select(func.min(m.seq)).where(
-            m.topic == topic, m.key == key, m.status != PUBLISHED, m.status != SKIPPED))
+            m.topic == topic, m.key == key, m.status != Status.PUBLISHED, m.status != Status.SKIPPED))
     last_sent = last_seq if first_unsent is None else first_unsent - 1
-    skipped = {r.seq for r in rows if r.status == SKIPPED}
+    skipped = {r.seq for r in rows if r.status == Status.SKIPPED}
     while last_sent in skipped:
         last_sent -= 1
     part = {"last_seq": last_seq, "last_sent_seq": last_sent if last_sent > 0 else None,
             "first_unsent_seq": first_unsent,
-            "pending": sum(r.status == PENDING for r in rows[:limit]),
-            "failed": sum(r.status == FAILED for r in rows[:limit]),
-            "skipped": sum(r.status == SKIPPED for r in rows[:limit]), "more": len(rows) > limit}
+            "pending": sum(r.status == Status.PENDING for r in rows[:limit]),
+            "failed": sum(r.status == Status.FAILED for r in rows[:limit]),
+            "skipped": sum(r.status == Status.SKIPPED for r in rows[:limit]), "more": len(rows) > limit}
     return part, [r.message_id for r in rows[:limit]]
 
 

@@ -3,7 +3,8 @@
 Private modules behind the names ``outbox`` exports: ``_relay`` (the worker
 loop, signals, leases' life cycle), ``_batch`` (one fetch → send → mark cycle),
 ``_sql`` (every relay statement), ``_leases`` (shard ownership with fencing),
-``_wakeup`` (LISTEN/poll), ``_metrics`` and ``_admin`` (the `failed`/`stats`/`status`
+``_wakeup`` (LISTEN/poll), ``_record_limit`` (the producer's
+record size against the stored limit), ``_metrics`` and ``_admin`` (the `failed`/`stats`/`status`
 commands' queries).
 """
 
@@ -17,14 +18,18 @@ from ._admin import (
 )
 from ._batch import BatchResult
 from ._metrics import RelayMetrics, relay_metrics
+from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
+from ._settings import RelaySettings
 
 __all__ = [
     "BatchResult",
     "Relay",
     "RelayMetrics",
+    "RelaySettings",
     "backlog",
     "failed_rows",
+    "refuse_smaller_producer",
     "relay_metrics",
     "retry_failed",
     "retrying_heads",

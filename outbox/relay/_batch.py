@@ -3,7 +3,7 @@
 The rules that keep per-key order live here:
 
 - the fetch returns a key's due rows in seq order and no row of a key whose
-  earlier row failed or waits for a later attempt (``_relay_sql``);
+  earlier row failed or waits for a later attempt (``_sql``);
 - keys whose head waits in the timing wheel are dropped after the fetch;
 - the transport never writes a key's record after an earlier one of that key
   was not delivered;
@@ -42,22 +42,21 @@ from sqlalchemy import Connection, Engine
 from transports import Outcome, SendResult, Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink, deliver
+from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._envelope import utcnow
-from .._outage import is_database_outage
+from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
 from .._pg_arrays import int_array
 from .._tracing import INSTALLED as TRACING_INSTALLED
 from .._tracing import start_send
 from .._wheel import TimingWheel
 from ._metrics import RelayMetrics
-from ._outage import Dependency, Outages, broker_outage_backoff
 from ._rows import RowEncoder, safe_reason
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 from ._unreadable import find_unreadable
 
 log = safe_logger("outbox.relay")
 
-# Positions in a fetched row (``_relay_sql.ROW_COLUMNS``).
+# Positions in a fetched row (``_sql.ROW_COLUMNS``).
 _ID, _TOPIC, _KEY, _SHARD, _CREATED = (
     ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard", "created_at"))
 
@@ -110,8 +109,12 @@ class _Plan:
     followers come back purged without an answer from a broker that is up."""
 
 
-class Batch:
-    """Runs batches for one relay (see the module doc)."""
+BROKER_OUTAGE_BACKOFF = OutageBackoff(first=0.2)
+"""When rows are sent again while the broker delivers nothing: 0.2 s, doubling, at most 5 s."""
+
+
+class BatchRunner:
+    """Runs one relay's batches one after the other (see the module doc); each gives a ``BatchResult``."""
 
     def __init__(
         self,
@@ -125,12 +128,11 @@ class Batch:
         metrics: RelayMetrics,
         worker_id: str,
         batch_size: int,
-        outages: Outages,
+        database_outage: OutageTracker,
         incarnation: str | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
-        self.outages = outages
-        self._retrying = tenacity.Retrying()  # only to build the state a wait strategy reads
+        self.database_outage = database_outage
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
         self.worker_id, self.batch_size = worker_id, batch_size
         # Pipelining (PostgreSQL, inside Relay.run): the previous batch's outcomes are
@@ -178,7 +180,7 @@ class Batch:
             return self._fail_unreadable(owned, params, unreadable, started)
         if drop:
             rows = [r for r in rows if r[_ID] not in drop][:self.batch_size]
-        self.outages.up(Dependency.DATABASE)
+        self.database_outage.answered()
         if not rows:
             self.finish()
             return BatchResult()
@@ -205,7 +207,7 @@ class Batch:
         except Exception as exc:
             # Its rows stay pending and are sent again (duplicates); this batch goes on.
             if is_database_outage(exc):
-                self.outages.down(Dependency.DATABASE, exc)
+                self.database_outage.failed(exc)
             else:
                 log.exception("relay %s could not record a batch's outcomes", self.worker_id)
         if wait or not (self.sql.postgres or self.sql.mysql):
@@ -253,7 +255,7 @@ class Batch:
         retries = [res for res in results if res.outcome is not Outcome.FAILED]
         outage = bool(retries) and all(
             res.outcome is Outcome.RETRY and res.unreachable for res in retries)
-        outage_delay = broker_outage_backoff(self._outage_batches)
+        outage_delay = BROKER_OUTAGE_BACKOFF.delay(self._outage_batches + 1)
         if outage:
             self._outage_batches += 1
         elif results:
@@ -349,7 +351,7 @@ class Batch:
         for row, error in newly_failed:
             self.metrics.failed.labels(row.topic).inc()
             message_id = str(row.message_id) if row.message_id is not None else None
-            deliver(self.alert, Alert(kind="message_failed", topic=row.topic, key=row.key,
+            deliver(self.alert, Alert(kind=AlertKind.MESSAGE_FAILED, topic=row.topic, key=row.key,
                                       message_id=message_id, error=error,
                                       details={"id": row.id, "seq": row.seq}))
 
@@ -363,9 +365,7 @@ class Batch:
         return changed
 
     def _delay(self, attempt: int) -> float:
-        state = tenacity.RetryCallState(self._retrying, None, (), {})
-        state.attempt_number = attempt
-        return float(self.backoff(state))
+        return delay_before(self.backoff, attempt)
 
 
 def _attempts(row: Any) -> int:

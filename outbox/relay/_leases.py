@@ -5,7 +5,7 @@ one TTL) split ``outbox.shards`` evenly, by sorted worker id, so every relay
 computes the same share for everybody. A relay takes free or expired shards up
 to its share (the epoch goes up by one on every take-over), gives back shards
 above its share, and renews what it holds every TTL/3. The epoch is the fencing
-token every "mark published" carries (see ``_relay_sql``).
+token every "mark published" carries (see ``_sql``).
 
 Giving shards back happens between batches (``release_surplus``, called by the
 relay's worker thread), so a shard is never released under a batch in flight;

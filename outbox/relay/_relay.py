@@ -3,10 +3,10 @@
 This module is the relay's life cycle: configuration checked at construction,
 the loop (wake on NOTIFY, wheel timers or the poll interval; go again at once
 after a full batch), the lease thread, and a graceful stop. What happens inside
-one batch, and why it keeps per-key order, is in ``_relay_batch``.
+one batch, and why it keeps per-key order, is in ``_batch``.
 
 A database or broker outage is not a failure: the loop waits it out with
-capped backoff and ``_outage`` logs it once when it starts and once when it
+capped backoff and ``outbox._outage`` logs it once when it starts and once when it
 ends. The backlog gauges have a thread of their own, so their GROUP BY never
 delays lease renewal.
 
@@ -21,11 +21,8 @@ marked are sent again, leases expire within their TTL).
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import tenacity
@@ -38,46 +35,21 @@ from .._alerts import Alert, AlertSink, LoggingAlertSink
 from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
-from .._outage import is_database_outage
+from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
 from .._outbox import Outbox
 from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._wheel import TimingWheel
 from ._admin import backlog
-from ._batch import Batch, BatchResult
+from ._batch import BatchResult, BatchRunner
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
-from ._outage import Dependency, Outages, database_backoff
+from ._record_limit import check_record_limit
+from ._settings import DEFAULT_BACKOFF, RelaySettings, default_worker_id
 from ._sql import RelayStatements
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
 log = safe_logger("outbox.relay")
-
-DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
-
-
-def check_record_limit(transport: Transport, max_record_bytes: int) -> None:
-    """Refuse a transport that could not send every record ``publish()`` accepts.
-
-    Publishers accept records up to the limit stored with the tables; a producer
-    configured for less would fail some of them for good, each blocking its key
-    until an operator steps in. A transport that does not say its limit is trusted.
-    """
-    limit = getattr(transport, "max_record_bytes", None)
-    if isinstance(limit, int):
-        refuse_smaller_producer(limit, getattr(transport, "max_record_setting", "its maximum record size"),
-                                max_record_bytes)
-
-
-def refuse_smaller_producer(limit: int, setting: str, max_record_bytes: int) -> None:
-    """``ConfigurationError`` when a producer's ``limit`` (from ``setting``) is under the stored one."""
-    if limit < max_record_bytes:
-        raise ConfigurationError(
-            f"this relay's producer sends records of at most {limit} bytes ({setting}), but "
-            f"publishers accept records up to max_record_bytes={max_record_bytes} (stored with the "
-            f"tables): raise that setting to allow {max_record_bytes}, or lower the stored limit "
-            f"with `outbox init-db --max-record-bytes {limit}`")
-
 
 class Relay:
     """Publishes an ``Outbox``'s rows through a ``Transport``; see the module doc.
@@ -89,6 +61,9 @@ class Relay:
     retrying after ``key_stuck_after`` seconds raises one ``key_stuck`` alert
     and counts in ``outbox_relay_stuck_keys`` (``_stuck``; checked by ``run``).
     ``run`` and ``run_once`` must be called from one thread; ``stop`` from any.
+    The tuning keywords (``batch_size`` … ``key_stuck_after``) build a
+    ``RelaySettings``, kept as ``relay.settings``, which checks each of them
+    and names a bad one.
 
     Construction reads the stored shard count and record limit, so it needs the
     database and raises if it is unreachable, and raises ``ConfigurationError``
@@ -123,43 +98,47 @@ class Relay:
         if not isinstance(bound, Engine):
             raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
         engine = worker_engine(bound)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
-            raise ConfigurationError(f"batch_size must be an int from 1 to 100000, got {batch_size!r}")
-        for name, value in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
-                            ("wheel_tick", wheel_tick), ("key_stuck_after", key_stuck_after)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
-        if not callable(backoff):
-            raise ConfigurationError(f"backoff must be a tenacity wait strategy, got {backoff!r}")
-        worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        if not isinstance(worker_id, str) or len(worker_id) > 200:
-            raise ConfigurationError(f"worker_id must be a str of at most 200 characters: {worker_id!r}")
+        settings = RelaySettings(
+            batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
+            poll_interval=poll_interval, backoff=backoff, backlog_metrics=backlog_metrics,
+            wheel_tick=wheel_tick, key_stuck_after=key_stuck_after)
+        worker_id = settings.worker_id
         alert = alert if alert is not None else LoggingAlertSink()
         if not callable(alert):
             raise ConfigurationError(f"alert must be an AlertSink or callable, got {alert!r}")
 
+        self.settings = settings
         self.outbox = outbox
         self.transport = transport
         self.engine = engine
-        self.batch_size = batch_size
+        self.batch_size = settings.batch_size
         self.worker_id = worker_id
         self.alert = alert
-        self.poll_interval = float(poll_interval)
-        self.backoff = backoff
+        self.poll_interval = settings.poll_interval
+        self.backoff = settings.backoff
         self.metrics = metrics or relay_metrics()
-        self.backlog_metrics = backlog_metrics
+        self.backlog_metrics = settings.backlog_metrics
         self._backlog_topics: set[str] = set()
-        self.stuck_keys = StuckKeys(outbox, engine, float(key_stuck_after), alert,
+        self.stuck_keys = StuckKeys(outbox, engine, settings.key_stuck_after, alert,
                                     self.metrics.stuck_keys, worker_id)
         stored = outbox.load_schema(engine)  # shard count, record limit, incarnation: with the tables
         check_record_limit(transport, stored.max_record_bytes)
-        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, float(lease_ttl))
-        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=wheel_tick, start=time.monotonic())
-        self.outages = Outages(worker_id, self.metrics.outages)
-        self._batch = Batch(
+        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, settings.lease_ttl)
+        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=settings.wheel_tick,
+                                                               start=time.monotonic())
+        # The loop's pause after a failed batch (an outage or not) grows from the poll interval.
+        self._failure_backoff = OutageBackoff(first=settings.poll_interval)
+        self.database_outage = OutageTracker(
+            f"relay {worker_id}: database", log=log, wording=RELAY_WORDING, backoff=self._failure_backoff,
+            count=self.metrics.outages.labels("database").inc)
+        self.broker_outage = OutageTracker(
+            f"relay {worker_id}: broker", log=log, wording=RELAY_WORDING,
+            count=self.metrics.outages.labels("broker").inc)
+        self._batch = BatchRunner(
             engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
-            backoff=backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
-            batch_size=batch_size, outages=self.outages, incarnation=stored.incarnation,
+            backoff=settings.backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
+            batch_size=settings.batch_size, database_outage=self.database_outage,
+            incarnation=stored.incarnation,
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
@@ -257,7 +236,6 @@ class Relay:
         A relay started while the database is down waits for it (one log line each
         way, like any outage) instead of exiting; any other error is raised.
         """
-        failures = 0
         while not self._stopping.is_set():
             try:
                 self._maintain_leases()
@@ -265,9 +243,7 @@ class Relay:
             except Exception as exc:
                 if not is_database_outage(exc):
                     raise
-                self.outages.down(Dependency.DATABASE, exc)
-                self._stopping.wait(database_backoff(failures, self.poll_interval))
-                failures += 1
+                self._stopping.wait(self.database_outage.failed(exc))
         return False
 
     def _loop(self) -> None:
@@ -284,17 +260,17 @@ class Relay:
                     batch = self._run_batch(wait=False)
                 except Exception as exc:
                     self._report(exc, "batch failed")
-                    self._stopping.wait(database_backoff(failures, self.poll_interval))
                     failures += 1
+                    self._stopping.wait(self._failure_backoff.delay(failures))
                     again = True
                     continue
                 failures = 0
                 # The database is marked up by the queries that reached it (the fetch, the
                 # lease maintenance), never here: a relay owning no shards ran none.
                 if batch.published:
-                    self.outages.up(Dependency.BROKER)
+                    self.broker_outage.answered()
                 elif batch.broker_unreachable:
-                    self.outages.down(Dependency.BROKER, batch.error or "no delivery report")
+                    self.broker_outage.failed(batch.error or "no delivery report")
                 # A full batch means more may be waiting, unless all of it waits in the
                 # wheel: then fetching again at once would only spin.
                 again = batch.fetched == self.batch_size and batch.sent > 0
@@ -333,13 +309,13 @@ class Relay:
     def _report(self, error: Exception, what: str) -> None:
         """A database outage is logged once per state change; anything else is a bug: traceback."""
         if is_database_outage(error):
-            self.outages.down(Dependency.DATABASE, error)
+            self.database_outage.failed(error)
         else:
             log.exception("relay %s %s", self.worker_id, what)
 
     def _maintain_leases(self) -> dict[int, int]:
         owned = self.leases.maintain()
-        self.outages.up(Dependency.DATABASE)
+        self.database_outage.answered()
         self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
         self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
         return owned

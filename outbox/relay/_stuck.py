@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client import Gauge
 from sqlalchemy import Engine
 
-from .._alerts import Alert, AlertSink, deliver
+from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._envelope import utcnow
 from .._outbox import Outbox
 from ._admin import RetryingHead, retrying_heads
@@ -50,7 +50,7 @@ class StuckKeys:
         for head in stuck:
             if str(head.message_id) not in self._alerted:
                 deliver(self.alert, Alert(
-                    kind="key_stuck", topic=head.topic, key=head.key, message_id=str(head.message_id),
+                    kind=AlertKind.KEY_STUCK, topic=head.topic, key=head.key, message_id=str(head.message_id),
                     error=head.last_error or "retrying",
                     details={"seq": head.seq, "attempts": head.attempts, "waiting": head.waiting,
                              "retrying_for_s": round((now - head.created_at).total_seconds(), 1),

@@ -17,14 +17,18 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ._archive import ArchiveBusyError, ArchiveResult, archive
 from ._audit import AuditResult, audit
-from ._replay import REPLAY_HEADER, ReplayResult, replay
+from ._replay import REPLAY_HEADER, ArchiveReplayResult, replay
 from ._session import spark_session
 from ._source import read_table
 from ._window import Window
 
+ReplayResult = ArchiveReplayResult
+"""The name of earlier releases for ``ArchiveReplayResult`` (``outbox.ReplayResult`` is the inbox's)."""
+
 __all__ = [
     "REPLAY_HEADER",
     "ArchiveBusyError",
+    "ArchiveReplayResult",
     "ArchiveResult",
     "AuditResult",
     "ReplayResult",

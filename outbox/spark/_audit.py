@@ -153,7 +153,7 @@ def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: Dat
     # One join of everything the consumer side knows about a message against the
     # outbox, instead of one per table: each join shuffles the whole outbox.
     joined = find.consumed(find.consumer_side(inbox, parked, held), outbox).cache()
-    rows = joined.where(F.col("kind") == "inbox")
+    rows = joined.where(F.col("kind") == find.Seen.INBOX.value)
     topics_job = pool.submit(_collect, find.topic_counts(outbox))
     groups = pool.submit(_collect, find.group_counts(joined)).result()
     topics = topics_job.result()

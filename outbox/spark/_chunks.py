@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 
 from .._errors import OutboxError
-from .._tables import PUBLISHED
+from .._tables import OutboxStatus
 from ._layout import manifest_dir, table_dir, write_atomically
 from ._source import range_filter
 from ._tablemap import arrow_schema, connect, table_for, to_batch
@@ -67,7 +67,7 @@ class Chunk:
 def eligible(table: sa.Table, cutoff: datetime) -> list[sa.ColumnElement[bool]]:
     """Rows old enough to leave the database: published outbox rows, processed inbox rows."""
     if "status" in table.c:
-        return [table.c.status == PUBLISHED, table.c.created_at < cutoff]
+        return [table.c.status == OutboxStatus.PUBLISHED, table.c.created_at < cutoff]
     return [table.c.processed_at < cutoff]
 
 
@@ -187,7 +187,7 @@ def delete_archived(engine: sa.Engine, table: sa.Table, manifest: dict[str, Any]
             ids = keys[start:start + batch]
             with engine.begin() as conn:
                 deleted += conn.execute(
-                    sa.delete(table).where(table.c.id.in_(ids), table.c.status == PUBLISHED)
+                    sa.delete(table).where(table.c.id.in_(ids), table.c.status == OutboxStatus.PUBLISHED)
                 ).rowcount
         return deleted
     by_group: dict[str, list[uuid.UUID]] = defaultdict(list)

@@ -11,12 +11,28 @@ message_id``.
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from .._tables import InboxOutcome, OutboxStatus
+
 QUANTILES = [0.5, 0.95, 0.99]
+
+
+class Seen(enum.StrEnum):
+    """``consumer_side``'s ``kind``: where the consumer side holds a message."""
+
+    INBOX = "inbox"
+    """Finished: a row of ``inbox_messages`` (its ``outcome`` says how)."""
+    PARKED = "parked"
+    """In ``inbox_parked``."""
+    HELD = "held"
+    """In ``inbox_held``, waiting for an earlier seq."""
+
+
 INBOX = ["consumer_group", "message_id", "received_at", "processed_at", "deliveries", "outcome"]
 
 
@@ -33,11 +49,11 @@ def topic_counts(outbox: DataFrame) -> DataFrame:
     status = F.col("status")
     return outbox.groupBy("topic").agg(
         F.count(F.lit(1)).alias("produced"),
-        F.sum((status == "published").cast("long")).alias("published"),
-        F.sum((status == "pending").cast("long")).alias("pending"),
-        F.sum((status == "failed").cast("long")).alias("failed"),
-        percentiles(F.when(status == "published", millis_between("published_at", "created_at")),
-                    "relay_lag_ms"),
+        F.sum((status == OutboxStatus.PUBLISHED.value).cast("long")).alias("published"),
+        F.sum((status == OutboxStatus.PENDING.value).cast("long")).alias("pending"),
+        F.sum((status == OutboxStatus.FAILED.value).cast("long")).alias("failed"),
+        percentiles(F.when(status == OutboxStatus.PUBLISHED.value,
+                           millis_between("published_at", "created_at")), "relay_lag_ms"),
         # Epoch micros, not a collected timestamp: those come back naive in local time.
         F.min(F.unix_micros("created_at")).alias("first_created_us"),
     )
@@ -54,10 +70,10 @@ def group_counts(known: DataFrame) -> DataFrame:
     duplicates and end-to-end latency (ms), from ``consumed(consumer_side(…), outbox)``."""
     deliveries, kind = F.col("deliveries"), F.col("kind")
     return known.groupBy("consumer_group", "topic").agg(
-        F.sum((F.col("outcome") == "processed").cast("long")).alias("consumed"),
-        F.sum((F.col("outcome") == "discarded").cast("long")).alias("discarded"),
-        F.sum((kind == "parked").cast("long")).alias("parked"),
-        F.sum((kind == "held").cast("long")).alias("held"),
+        F.sum((F.col("outcome") == InboxOutcome.PROCESSED.value).cast("long")).alias("consumed"),
+        F.sum((F.col("outcome") == InboxOutcome.DISCARDED.value).cast("long")).alias("discarded"),
+        F.sum((kind == Seen.PARKED.value).cast("long")).alias("parked"),
+        F.sum((kind == Seen.HELD.value).cast("long")).alias("held"),
         F.sum((deliveries > 1).cast("long")).alias("duplicated_messages"),
         F.sum(F.greatest(deliveries - 1, F.lit(0))).alias("extra_deliveries"),
         percentiles(millis_between("processed_at", "created_at"), "latency_ms"),
@@ -70,14 +86,14 @@ def consumer_side(inbox: DataFrame, parked: DataFrame, held: DataFrame) -> DataF
     A (group, topic) pair appears here exactly when the group has consumed,
     parked or holds a message of that topic: those are the pairs audited.
     """
-    def waiting(frame: DataFrame, kind: str) -> DataFrame:
+    def waiting(frame: DataFrame, kind: Seen) -> DataFrame:
         return frame.select(
             "consumer_group", "message_id", F.lit(None).cast("timestamp").alias("received_at"),
             F.lit(None).cast("timestamp").alias("processed_at"), F.lit(None).cast("long").alias("deliveries"),
-            F.lit(None).cast("string").alias("outcome"), F.lit(kind).alias("kind"),
+            F.lit(None).cast("string").alias("outcome"), F.lit(kind.value).alias("kind"),
         )
-    return (inbox.select(*INBOX, F.lit("inbox").alias("kind"))
-            .unionByName(waiting(parked, "parked")).unionByName(waiting(held, "held")))
+    return (inbox.select(*INBOX, F.lit(Seen.INBOX.value).alias("kind"))
+            .unionByName(waiting(parked, Seen.PARKED)).unionByName(waiting(held, Seen.HELD)))
 
 
 def lost(outbox: DataFrame, pairs: DataFrame, seen: DataFrame, as_of: datetime,
@@ -89,7 +105,8 @@ def lost(outbox: DataFrame, pairs: DataFrame, seen: DataFrame, as_of: datetime,
     reported under their own counts, not as lost.
     """
     deadline = F.lit(as_of) - F.make_dt_interval(secs=F.lit(sla_seconds))
-    overdue = outbox.where((F.col("status") == "published") & (F.col("published_at") < deadline))
+    published = F.col("status") == OutboxStatus.PUBLISHED.value
+    overdue = outbox.where(published & (F.col("published_at") < deadline))
     expected = overdue.join(F.broadcast(pairs), "topic")
     return expected.join(seen, ["consumer_group", "message_id"], "left_anti").select(
         "consumer_group", "topic", "key", "seq", "message_id", "created_at", "published_at"

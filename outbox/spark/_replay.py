@@ -35,8 +35,11 @@ COLUMNS = ["id", "message_id", "key", "seq", "payload", "content_type", "headers
 
 
 @dataclass
-class ReplayResult:
-    """How many messages were written back, per key (None for unkeyed messages)."""
+class ArchiveReplayResult:
+    """What ``replay`` wrote back from the archive: how many messages, per key (None for unkeyed ones).
+
+    Not the inbox's ``ReplayResult`` (what replaying a parked key applied).
+    """
 
     replayed: int = 0
     per_key: Counter[str | None] = field(default_factory=Counter)
@@ -56,7 +59,7 @@ def replay(
     schema: str | None = None,
     progress: Callable[[int], None] | None = None,
     shared_storage: bool = False,
-) -> ReplayResult:
+) -> ArchiveReplayResult:
     """Publish archived messages of ``topic`` again: only ``keys``, ``since <= created_at < until``.
 
     Messages are written ``batch`` per transaction, keys in original seq
@@ -84,7 +87,7 @@ def replay(
     check_table(outbox_url, table_for("outbox_messages", prefix, schema))
     files = [uri(f) for f in committed_files(root, "outbox_messages")
              if f"topic={topic}" in f.relative_to(root).parts]
-    result = ReplayResult()
+    result = ArchiveReplayResult()
     if not files:
         return result
 
@@ -120,7 +123,8 @@ def replay(
     return result
 
 
-def _publish(outbox: Outbox, engine: sa.Engine, topic: str, rows: list[Any], result: ReplayResult) -> None:
+def _publish(outbox: Outbox, engine: sa.Engine, topic: str, rows: list[Any],
+             result: ArchiveReplayResult) -> None:
     """One transaction: publish each row again, under its original content type."""
     with Session(engine) as session, session.begin():
         for row in rows:

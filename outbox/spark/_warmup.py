@@ -15,6 +15,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from .._errors import ConfigurationError
+from .._tables import OutboxStatus
 from . import _classcache as classcache
 from ._session import DRIVER_JAVA_OPTIONS_ENV, FAST_START
 
@@ -62,8 +63,8 @@ def warm_up(*, force: bool = False, master: str = "local[2]", log_level: str = "
         messages, hour_ago = outbox.tables.messages, datetime.now(UTC) - timedelta(hours=1)
         with engine.begin() as conn:  # as a relay and a consumer would: most published, some consumed
             conn.execute(sa.update(messages).where(messages.c.seq > 2).values(
-                status="published", published_at=hour_ago))
-            rows = conn.execute(sa.select(messages).where(messages.c.status == "published")).all()
+                status=OutboxStatus.PUBLISHED, published_at=hour_ago))
+            rows = conn.execute(sa.select(messages).where(messages.c.status == OutboxStatus.PUBLISHED)).all()
             conn.execute(sa.insert(outbox.tables.inbox_messages), [
                 {"consumer_group": "warm-up", "message_id": r.message_id, "topic": r.topic,
                  "key": r.key, "seq": r.seq, "created_at": r.created_at, "received_at": hour_ago,

@@ -1,0 +1,127 @@
+"""``AsyncOutbox``: the ``Outbox`` of an ``AsyncEngine``; ``await publish()`` in the caller's session."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any, Concatenate, ParamSpec, TypeVar, overload
+
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from . import _schema
+from ._errors import ConfigurationError
+from ._outbox_base import DEFAULT_MAX_PAYLOAD_BYTES, OutboxBase, engine_of
+from ._schema import StoredSchema
+from ._tables import OutboxTables
+from ._transactional import wrap_async
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+async def publish_in(
+    outbox: OutboxBase,
+    session: AsyncSession,
+    topic: str,
+    payload: object,
+    key: str | int | uuid.UUID | None,
+    headers: Mapping[str, str] | None,
+    delay: timedelta | float | None,
+    content_type: str | None,
+) -> uuid.UUID:
+    """Add one event to ``session``'s transaction (the statements of ``Outbox.publish``, awaited)."""
+    stored = outbox._stored or outbox._accept(
+        await session.run_sync(lambda sync: _schema.read(sync.connection(), outbox.tables)))
+    params = outbox._message(stored, topic, payload, key, headers, delay, content_type)
+    sql = outbox._sql
+    if params["key"] is None:
+        await session.execute(sql.unkeyed, params)
+    elif sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
+        await session.execute(sql.keyed, params)
+    else:
+        params["seq"] = sql.seq_of(await session.execute(sql.bump_seq, params))
+        await session.execute(sql.insert_with_seq, params)
+    message_id: uuid.UUID = params["message_id"]
+    return message_id
+
+
+class AsyncOutbox(OutboxBase):
+    """The producer side on an ``AsyncEngine``: ``await publish()`` adds an event to the caller's transaction.
+
+    ``bind`` is an ``AsyncEngine`` or an ``async_sessionmaker``; the settings
+    and guarantees are ``Outbox``'s. ``Outbox(async_engine)`` still works (its
+    ``publish_async``, ``begin_async`` … are these methods); this class says
+    which flavour it is in its type, so a type checker sees ``await``.
+    Safe to share between the tasks and threads of one event loop.
+    """
+
+    engine: AsyncEngine
+
+    def __init__(
+        self,
+        bind: AsyncEngine | async_sessionmaker[Any],
+        *,
+        tables: OutboxTables | None = None,
+        prefix: str = "",
+        schema: str | None = None,
+        shards: int | None = None,
+        max_payload_bytes: int | None = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_record_bytes: int | None = None,
+        notify_channel: str | None = "outbox",
+    ) -> None:
+        engine = engine_of(bind, "AsyncOutbox")
+        if not isinstance(engine, AsyncEngine):
+            raise ConfigurationError("AsyncOutbox needs an AsyncEngine or async_sessionmaker; "
+                                     "use Outbox for a sync Engine")
+        super().__init__(engine, tables=tables, prefix=prefix, schema=schema, shards=shards,
+                         max_payload_bytes=max_payload_bytes, max_record_bytes=max_record_bytes,
+                         notify_channel=notify_channel)
+        self._sessions: async_sessionmaker[Any] = (
+            bind if isinstance(bind, async_sessionmaker)
+            else async_sessionmaker(engine, expire_on_commit=False))
+
+    async def publish(
+        self,
+        session: AsyncSession,
+        topic: str,
+        payload: object,
+        *,
+        key: str | int | uuid.UUID | None = None,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+        content_type: str | None = None,
+    ) -> uuid.UUID:
+        """``Outbox.publish`` for an ``AsyncSession``: nothing committed, same guarantees."""
+        return await publish_in(self, session, topic, payload, key, headers, delay, content_type)
+
+    @asynccontextmanager
+    async def begin(self) -> AsyncIterator[AsyncSession]:
+        """``async with outbox.begin() as session:`` committed when the block ends, rolled back on error."""
+        async with self._sessions() as session, session.begin():
+            yield session
+
+    @overload
+    def transactional(
+        self, fn: Callable[Concatenate[AsyncSession, P], Awaitable[R]]) -> Callable[P, Awaitable[R]]: ...
+
+    @overload
+    def transactional(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]: ...
+
+    def transactional(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``Outbox.transactional`` for ``async def`` functions: a new transaction (``begin()``) per call."""
+        return wrap_async(fn, self.begin, "this outbox has an AsyncEngine")
+
+    async def load_schema(self) -> StoredSchema:
+        """The stored schema version and shard count, read on first call and kept (``Outbox.load_schema``)."""
+        if self._stored is None:
+            async with self.engine.connect() as conn:
+                return self._accept(await conn.run_sync(_schema.read, self.tables))
+        return self._stored
+
+    async def create_tables(self) -> None:
+        """``Outbox.create_tables`` on the ``AsyncEngine``."""
+        async with self.engine.begin() as conn:
+            self._accept(await conn.run_sync(_schema.create, self.tables, self.requested_shards,
+                                             self.requested_max_record_bytes))

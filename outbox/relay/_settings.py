@@ -1,0 +1,69 @@
+"""``RelaySettings``: a relay's tuning, checked when it is made, each bad value named by its field."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+import tenacity
+
+from .._errors import ConfigurationError
+
+DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
+"""Delay before a row's attempt n+1: 0.2 s doubling to 30 s, plus up to 0.2 s of jitter."""
+
+MAX_BATCH_SIZE = 100_000
+
+
+def default_worker_id() -> str:
+    """Host, pid and a random suffix: unique among the relays of one database."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """How one ``Relay`` works; ``Relay(…)``'s keywords of the same names build one.
+
+    Every field is checked here, once: a bad value raises ``ConfigurationError``
+    naming the field before the relay touches the database. Seconds are kept as
+    floats; an empty ``worker_id`` gets the default.
+    """
+
+    batch_size: int = 1000
+    """Rows fetched, sent and marked together (1 to 100,000)."""
+    worker_id: str = field(default_factory=default_worker_id)
+    """Unique among the relays of one database; at most 200 characters."""
+    lease_ttl: float = 10.0
+    """Seconds a shard lease lives without renewal."""
+    poll_interval: float = 0.5
+    """Seconds between fetches when nothing wakes the relay; also the first pause after a failed batch."""
+    backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF
+    """tenacity wait strategy: the delay before a row's attempt n+1."""
+    backlog_metrics: bool = False
+    """Keep the pending-by-topic and oldest-pending gauges up to date (one GROUP BY per lease period)."""
+    wheel_tick: float = 0.02
+    """Resolution, in seconds, of the timers of rows waiting for a retry."""
+    key_stuck_after: float = 300.0
+    """Seconds a key's head may keep being retried before one ``key_stuck`` alert."""
+
+    def __post_init__(self) -> None:
+        size = self.batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH_SIZE:
+            raise ConfigurationError(f"batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {size!r}")
+        for name in ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after"):
+            object.__setattr__(self, name, _positive_seconds(name, getattr(self, name)))
+        if not callable(self.backoff):
+            raise ConfigurationError(f"backoff must be a tenacity wait strategy, got {self.backoff!r}")
+        if self.worker_id == "":
+            object.__setattr__(self, "worker_id", default_worker_id())
+        if not isinstance(self.worker_id, str) or len(self.worker_id) > 200:
+            raise ConfigurationError(
+                f"worker_id must be a str of at most 200 characters: {self.worker_id!r}")

@@ -1,0 +1,119 @@
+"""The one outage module relay and inbox share (``outbox._outage``): pacing and telling.
+
+No server: what is proved here is arithmetic and bookkeeping. That a real
+outage is waited out is proved by the relay and inbox outage campaigns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+import tenacity
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outbox import ConfigurationError
+from outbox._outage import (
+    RELAY_WORDING,
+    OutageBackoff,
+    OutageTracker,
+    delay_before,
+)
+from outbox.inbox._outage import OutageLog
+
+waits = st.one_of(
+    st.builds(tenacity.wait_exponential, multiplier=st.floats(0.001, 10), max=st.floats(0.01, 100)),
+    st.builds(tenacity.wait_fixed, st.floats(0, 100)),
+    st.builds(tenacity.wait_incrementing, start=st.floats(0, 10), increment=st.floats(0, 10),
+              max=st.floats(0, 100)),
+)
+
+
+@given(wait=waits, attempts=st.integers(1, 12))
+def test_delay_before_is_what_tenacity_itself_sleeps(wait: tenacity.wait.wait_base, attempts: int) -> None:
+    """The one place that evaluates a wait strategy gives the sleeps tenacity's own loop takes."""
+    slept: list[float] = []
+
+    def fail() -> None:
+        raise OSError("down")
+
+    retrying = tenacity.Retrying(wait=wait, stop=tenacity.stop_after_attempt(attempts + 1),
+                                 sleep=slept.append, reraise=True)
+    with pytest.raises(OSError):
+        retrying(fail)
+    assert slept == [delay_before(wait, n) for n in range(1, attempts + 1)]
+
+
+@given(first=st.floats(0.001, 10), cap=st.floats(0.001, 100), failures=st.integers(1, 10_000))
+def test_outage_backoff_doubles_from_first_up_to_cap(first: float, cap: float, failures: int) -> None:
+    delay = OutageBackoff(first=first, cap=cap).delay(failures)
+    assert delay == pytest.approx(min(cap, first * 2.0 ** min(failures - 1, 60)))
+
+
+@given(jitter=st.floats(0, 1), failures=st.integers(1, 50))
+def test_jitter_only_shortens_a_delay_by_at_most_its_fraction(jitter: float, failures: int) -> None:
+    plain = OutageBackoff().delay(failures)
+    jittered = OutageBackoff(jitter=jitter).delay(failures)
+    assert plain * (1 - jitter) - 1e-12 <= jittered <= plain + 1e-12
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"first": 0}, "first"), ({"first": True}, "first"), ({"cap": -1.0}, "cap"),
+    ({"cap": float("nan")}, "cap"), ({"jitter": 1.5}, "jitter"), ({"jitter": "0.1"}, "jitter"),
+])
+def test_a_bad_backoff_setting_is_named(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"OutageBackoff.{field} "):
+        OutageBackoff(**kwargs)
+
+
+def test_an_outage_is_logged_and_counted_once_however_many_threads_report_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    counted: list[None] = []
+    tracker = OutageTracker("relay a: database", log=logging.getLogger("test.outage"),
+                            wording=RELAY_WORDING, count=lambda: counted.append(None))
+    go = threading.Barrier(8)
+
+    def report() -> None:
+        go.wait()
+        for _ in range(200):
+            tracker.failed(OSError("connection refused\nsecond line"))
+
+    with caplog.at_level(logging.WARNING, "test.outage"):
+        threads = [threading.Thread(target=report) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert tracker.down
+        for _ in range(3):
+            tracker.answered()
+        tracker.failed("no delivery report")
+        tracker.answered()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("relay a: database unreachable (OSError: connection refused); "
+                        "waiting with capped backoff")
+    assert lines[1].startswith("relay a: database reachable again after ")
+    assert lines[2] == "relay a: database unreachable (no delivery report); waiting with capped backoff"
+    assert lines[3].startswith("relay a: database reachable again after ")
+    assert len(lines) == 4 and len(counted) == 2 and not tracker.down
+
+
+def test_the_backoff_restarts_from_first_after_an_answer() -> None:
+    tracker = OutageTracker("db", log=logging.getLogger("test.outage"), backoff=OutageBackoff(first=0.5))
+    assert [tracker.failed("down") for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 5.0]
+    tracker.answered()
+    assert tracker.failed("down") == 0.5
+
+
+def test_the_inbox_waits_from_a_jittered_fifth_of_a_second_up_to_five(
+        caplog: pytest.LogCaptureFixture) -> None:
+    outage = OutageLog()
+    with caplog.at_level(logging.WARNING, "outbox.inbox"):
+        delays = [outage.failed(OSError("refused")) for _ in range(12)]
+    assert 0.15 <= delays[0] <= 0.2 and all(3.75 <= d <= 5.0 for d in delays[6:])
+    assert [r.getMessage() for r in caplog.records] == [
+        "the database unavailable (OSError: refused); waiting for it, nothing counts as a failed "
+        "attempt meanwhile"]

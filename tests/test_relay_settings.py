@@ -1,0 +1,70 @@
+"""``RelaySettings`` checks a relay's tuning when it is made and names the bad field.
+
+No broker: the settings are refused before the relay touches the database or
+the transport, which is what is proved here (``Relay``'s keywords build one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import tenacity
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outbox import ConfigurationError, Outbox, Relay
+from outbox.relay import RelaySettings
+from outbox.testing import InMemoryTransport
+
+SECONDS = ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after")
+
+not_positive_seconds = st.one_of(
+    st.floats(max_value=0.0), st.just(math.nan), st.booleans(), st.integers(max_value=0),
+    st.text(max_size=3), st.none(), st.just([1.0]),
+)
+
+
+@given(field=st.sampled_from(SECONDS), value=not_positive_seconds)
+def test_seconds_that_are_not_positive_numbers_are_refused_by_name(field: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=f"^{field} must be positive seconds, got "):
+        RelaySettings(**{field: value})
+
+
+@given(field=st.sampled_from(SECONDS), value=st.one_of(st.integers(1, 10**6), st.floats(1e-6, 1e6)))
+def test_positive_seconds_are_kept_as_floats(field: str, value: float) -> None:
+    assert getattr(RelaySettings(**{field: value}), field) == float(value)
+    assert type(getattr(RelaySettings(**{field: value}), field)) is float
+
+
+@given(size=st.one_of(st.integers(max_value=0), st.integers(min_value=100_001), st.booleans(),
+                      st.floats(), st.text(max_size=3)))
+def test_a_batch_size_outside_one_to_100000_is_refused(size: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"^batch_size must be an int from 1 to 100000"):
+        RelaySettings(batch_size=size)
+
+
+def test_worker_id_and_backoff_are_checked_and_the_defaults_hold() -> None:
+    with pytest.raises(ConfigurationError, match=r"^worker_id must be a str of at most 200"):
+        RelaySettings(worker_id="w" * 201)
+    with pytest.raises(ConfigurationError, match=r"^backoff must be a tenacity wait strategy"):
+        RelaySettings(backoff=3)
+    assert RelaySettings(worker_id="").worker_id != ""  # empty: the default, as Relay did
+    a, b = RelaySettings(), RelaySettings()
+    assert a.worker_id != b.worker_id and a.batch_size == 1000 and a.poll_interval == 0.5
+    assert isinstance(a.backoff, tenacity.wait.wait_base)
+
+
+def test_relay_keywords_build_the_settings_and_a_nan_is_refused(tmp_path: Any) -> None:
+    """A NaN interval passed ``value <= 0`` before; waits of NaN seconds are nonsense."""
+    outbox = Outbox(sa.create_engine(f"sqlite:///{tmp_path / 'o.db'}"))
+    outbox.create_tables()
+    relay = Relay(outbox, InMemoryTransport(), worker_id="w1", batch_size=7, poll_interval=2)
+    assert relay.settings == RelaySettings(worker_id="w1", batch_size=7, poll_interval=2.0,
+                                           backoff=relay.settings.backoff)
+    relay.close()
+    for field in SECONDS:
+        with pytest.raises(ConfigurationError, match=f"^{field} must be positive seconds, got nan"):
+            Relay(outbox, InMemoryTransport(), **{field: math.nan})
