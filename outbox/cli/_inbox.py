@@ -21,6 +21,7 @@ from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._db import existing_database, open_engine
 from ._errors import Typer
+from ._listing import json_option, print_json, print_table, stdout_console
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -37,8 +38,9 @@ from ._options import (
 
 audit = safe_logger("outbox.cli.audit")
 
-inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True)
-parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
+inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True, env_namespace="inbox")
+parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True,
+                   env_namespace="parked")
 app.add_typer(inbox_app, name="inbox")
 app.add_typer(parked_app, name="parked")
 
@@ -119,15 +121,36 @@ def list_parked(
     topic: str | None = typer.Option(None, help="Only this topic."),
     key: str | None = typer.Option(None, help="Only this key."),
     prefix: str = PREFIX, schema: str | None = SCHEMA,
+    as_json: bool = json_option(),
+    tsv: bool = typer.Option(False, "--tsv", help="One tab-separated line per message and a count line "
+                                                 "(0.1's format, for existing scripts)."),
 ) -> None:
     """Show parked messages, per key in seq order, with why they were parked."""
+    if as_json and tsv:
+        raise typer.BadParameter("give --json or --tsv, not both")
     parked = _inbox(db, group, target, prefix, schema).parked(topic, key)
-    # One line per message, whatever the terminal width: greppable, and nothing truncated.
-    for p in parked:
-        typer.echo(f"{p.topic}\t{p.key or '-'}\tseq={p.seq if p.seq is not None else '-'}\t"
-                   f"{p.reason}\tattempts={p.attempts}\t{p.last_failure_at:%Y-%m-%d %H:%M:%S}\t"
-                   f"{p.message_id}\t{(p.error or '').splitlines()[0] if p.error else ''}")
-    typer.echo(f"{len(parked)} parked message(s)")
+    if as_json:
+        print_json({"message_id": p.message_id, "topic": p.topic, "key": p.key, "seq": p.seq,
+                    "reason": p.reason, "attempts": p.attempts, "first_failure_at": p.first_failure_at,
+                    "last_failure_at": p.last_failure_at, "partition": p.partition, "offset": p.offset,
+                    "error": p.error} for p in parked)
+        return
+    if tsv:
+        for p in parked:
+            typer.echo(f"{p.topic}\t{p.key or '-'}\tseq={p.seq if p.seq is not None else '-'}\t"
+                       f"{p.reason}\tattempts={p.attempts}\t{p.last_failure_at:%Y-%m-%d %H:%M:%S}\t"
+                       f"{p.message_id}\t{_first_line(p.error)}")
+        typer.echo(f"{len(parked)} parked message(s)")
+        return
+    print_table(("topic", "key", "seq", "reason", "attempts", "last failure", "message id", "error"),
+                ((p.topic, p.key, p.seq, p.reason, p.attempts, f"{p.last_failure_at:%Y-%m-%d %H:%M:%S}",
+                  p.message_id, _first_line(p.error)) for p in parked),
+                empty="no parked messages")
+    stdout_console().print(f"{len(parked)} parked message(s)")
+
+
+def _first_line(error: str | None) -> str:
+    return error.splitlines()[0] if error else ""
 
 
 @parked_app.command("replay")
@@ -198,7 +221,8 @@ def _audit(inbox: Inbox, name: str, who: str, why: str, result: Any) -> None:
 
 @parked_app.command("discard")
 def discard(
-    message_id: str = typer.Argument(...),
+    message_id: str = typer.Argument(
+        ..., help="Id (UUID) of the parked message, as `outbox parked list` shows it."),
     by: str = typer.Option(..., help="Who discards it (kept with the record)."),
     reason: str = typer.Option(..., help="Why (kept with the record)."),
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,

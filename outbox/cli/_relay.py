@@ -22,6 +22,7 @@ from ..relay._outage import database_backoff
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
+from ._listing import json_option, print_json, print_table
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -41,7 +42,8 @@ TOPIC = typer.Option(None, help="Only this topic.")
 
 log = safe_logger("outbox.relay")
 
-failed_app = Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
+failed_app = Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True,
+                   env_namespace="failed")
 app.add_typer(failed_app, name="failed")
 
 
@@ -137,14 +139,25 @@ def _wait_for_tables(outbox: Outbox) -> bool:
 
 @failed_app.command("list")
 def failed_list(db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
-                schema: str | None = SCHEMA) -> None:
-    """Show failed rows, oldest first."""
-    table = Table("message id", "topic", "key", "seq", "attempts", "error", "created")
-    found = failed_rows(open_outbox(db, prefix, schema), topic=topic)
-    for row in found:
-        table.add_row(str(row.message_id), row.topic, row.key or "", str(row.seq or ""),
-                      str(row.attempts), (row.last_error or "")[:80], f"{row.created_at:%Y-%m-%d %H:%M:%S}")
-    Console(width=200).print(table if found else "no failed rows")
+                schema: str | None = SCHEMA, as_json: bool = json_option()) -> None:
+    """Show failed rows, oldest first (the first 1000; the last line says when there are more)."""
+    found = failed_rows(open_outbox(db, prefix, schema), topic=topic, limit=FAILED_PAGE + 1)
+    more, found = len(found) > FAILED_PAGE, found[:FAILED_PAGE]
+    if as_json:
+        print_json({"message_id": r.message_id, "topic": r.topic, "key": r.key, "seq": r.seq,
+                    "attempts": r.attempts, "last_error": r.last_error, "created_at": r.created_at}
+                   for r in found)
+    else:
+        print_table(("message id", "topic", "key", "seq", "attempts", "error", "created"),
+                    ((r.message_id, r.topic, r.key, r.seq, r.attempts, (r.last_error or "")[:80],
+                      f"{r.created_at:%Y-%m-%d %H:%M:%S}") for r in found),
+                    empty="no failed rows")
+    if more:
+        typer.echo(f"more than {FAILED_PAGE} failed rows; the first {FAILED_PAGE} are shown "
+                   "(narrow with --topic)", err=True)
+
+
+FAILED_PAGE = 1000
 
 
 def _ids_or_all(message_ids: list[str], all_: bool) -> list[str] | None:

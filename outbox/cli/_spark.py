@@ -34,7 +34,7 @@ from ._options import PREFIX, SCHEMA
 
 spark_app = Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay; "
                        "warm-up writes the driver's class archive.",
-                  no_args_is_help=True)
+                  no_args_is_help=True, env_namespace="spark")
 app.add_typer(spark_app, name="spark")
 
 
