@@ -13,15 +13,17 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from transports._logsafe import safe_logger
 
 from .._gc import tune_gc_for_batches
+from .._terminal import stdout_console
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._db import existing_database, open_engine
 from ._errors import Typer
-from ._listing import json_option, print_json, print_table, stdout_console
+from ._listing import json_option, print_json, print_table
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -105,7 +107,8 @@ def run(
 
         serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database),
                      host=metrics_host)
-    Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
+    Console(stderr=True).print(f"inbox [bold]{escape(inbox.group)}[/bold] consuming "
+                               f"{escape(', '.join(inbox.topics))}")
     tune_gc_for_batches()
     inbox.run(source)
 
@@ -185,9 +188,9 @@ def replay(
         console.print(f"applied {result.applied}, still parked {result.remaining}")
         console.print(f"replayed by {who}: {why}", markup=False)
         if not result.unparked:
-            console.print(f"[red]stopped: {result.error}[/red]")
+            console.print(f"[red]stopped: {escape(str(result.error))}[/red]")
             raise typer.Exit(1)
-        console.print(f"[green]key {key!r} unparked[/green]" if key is not None
+        console.print(f"[green]key {escape(repr(key))} unparked[/green]" if key is not None
                       else "[green]no unkeyed message left parked[/green]")
         return
     # Each key is its own replay: one that fails again must not keep the others parked.
@@ -199,14 +202,14 @@ def replay(
             result = inbox.replay(lane_topic, lane_key)
             _audit(inbox, name, who, why, result)
         except NotParkedError:
-            console.print(f"{name}: nothing parked any more (replayed or discarded meanwhile)")
+            console.print(f"{escape(name)}: nothing parked any more (replayed or discarded meanwhile)")
             continue
         if result.unparked:
-            console.print(f"{name}: applied {result.applied}, [green]unparked[/green]")
+            console.print(f"{escape(name)}: applied {result.applied}, [green]unparked[/green]")
         else:
             stopped += 1
-            console.print(f"{name}: applied {result.applied}, still parked {result.remaining}: "
-                          f"[red]{result.error}[/red]")
+            console.print(f"{escape(name)}: applied {result.applied}, still parked {result.remaining}: "
+                          f"[red]{escape(str(result.error))}[/red]")
     console.print(f"{len(lanes) - stopped} of {len(lanes)} key(s) unparked")
     console.print(f"replayed by {who}: {why}", markup=False)
     if stopped:

@@ -9,28 +9,21 @@ content: nothing wraps at 80 columns and no value is cut.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from .._terminal import stdout_console
 
 
 def json_option() -> Any:
     """``--json``; a new option object per command, as each gets its own environment variable."""
     return typer.Option(False, "--json", help="Print one JSON array (one object per row) for scripts.")
-
-
-def stdout_console() -> Console:
-    """A console on stdout that wraps only on a terminal; piped output keeps each line whole."""
-    if sys.stdout.isatty():
-        return Console(highlight=False)
-    return Console(width=10_000, highlight=False, soft_wrap=True)
 
 
 def print_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, empty: str) -> None:

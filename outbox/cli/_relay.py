@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from transports._logsafe import safe_logger
 
@@ -17,6 +18,7 @@ from .._alerts import LoggingAlertSink, WebhookAlertSink
 from .._gc import tune_gc_for_batches
 from .._outage import is_database_outage
 from .._outbox import Outbox
+from .._terminal import stdout_console
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._outage import database_backoff
 from . import app
@@ -200,7 +202,7 @@ def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA) -> No
     table = Table("topic", "shard", "pending", "failed", "oldest pending age")
     for row in rows:
         age = f"{(now - row.oldest_pending).total_seconds():.1f} s" if row.oldest_pending else ""
-        table.add_row(row.topic, str(row.shard), str(row.pending), str(row.failed), age)
+        table.add_row(Text(row.topic), str(row.shard), str(row.pending), str(row.failed), age)
     table.add_section()
     table.add_row("total", "", str(sum(r.pending for r in rows)), str(sum(r.failed for r in rows)), "")
-    Console(width=200).print(table)
+    stdout_console().print(table)
