@@ -68,3 +68,29 @@ def test_failed_list_is_a_table_with_markup_kept_and_json_for_scripts(tmp_path):
     (row,) = json.loads(runner.invoke(app, ["failed", "list", "--db", url, "--json"]).output)
     assert (row["message_id"], row["key"], row["last_error"]) == (
         str(message_id), KEY, "[bold]too large[/bold]")
+
+
+def test_failed_list_says_when_it_shows_only_the_first_thousand(tmp_path):
+    """It read at most 1000 rows and said nothing: 1000 looked like all of them."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    assert runner.invoke(app, ["init-db", "--db", url]).exit_code == 0
+    engine = create_engine(url)
+    outbox = Outbox(engine)
+    with Session(engine) as session, session.begin():
+        for n in range(1001):
+            outbox.publish(session, "orders", {"n": n}, key=str(n))
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox_messages SET status = 'failed', attempts = 1, last_error = 'x'"))
+    listed = runner.invoke(app, ["failed", "list", "--db", url, "--json"])
+    assert len(json.loads(listed.stdout)) == 1000
+    assert listed.stderr == "more than 1000 failed rows; the first 1000 are shown (narrow with --topic)\n"
+
+
+def test_stats_has_json(tmp_path):
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    assert runner.invoke(app, ["init-db", "--db", url]).exit_code == 0
+    engine = create_engine(url)
+    with Session(engine) as session, session.begin():
+        Outbox(engine).publish(session, "orders", {"n": 1}, key="k")
+    (row,) = json.loads(runner.invoke(app, ["stats", "--db", url, "--json"]).stdout)
+    assert (row["topic"], row["pending"], row["failed"]) == ("orders", 1, 0) and row["oldest_pending"]

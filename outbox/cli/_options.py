@@ -32,7 +32,8 @@ COMMAND_LINE_ONLY = frozenset({"all", "force", "upgrade", "reshard", "new-incarn
 SHARED = frozenset({"db", "inbox-db", "prefix", "schema", "bootstrap-servers", "kafka-config", "log-level",
                     "metrics-port", "metrics-host", "group", "shards", "app"})
 # Variables introduced with their namespaced name: no 0.1 name to carry over.
-NO_OLD_NAME = frozenset({"OUTBOX_PARKED_JSON", "OUTBOX_PARKED_TSV", "OUTBOX_FAILED_JSON"})
+NO_OLD_NAME = frozenset({"OUTBOX_PARKED_JSON", "OUTBOX_PARKED_TSV", "OUTBOX_FAILED_JSON",
+                         "OUTBOX_STATS_JSON"})
 _assigned: dict[int, tuple[str, str | None]] = {}  # id(option) -> (its variable, the deprecated one)
 
 

@@ -195,9 +195,14 @@ def failed_skip(message_ids: list[str] = typer.Argument(None, help="Message ids 
 
 
 @app.command("stats")
-def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA) -> None:
+def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA,
+          as_json: bool = json_option()) -> None:
     """Backlog per topic and shard: pending, failed, oldest pending age."""
     rows = backlog(open_outbox(db, prefix, schema))
+    if as_json:
+        print_json({"topic": r.topic, "shard": r.shard, "pending": r.pending, "failed": r.failed,
+                    "oldest_pending": r.oldest_pending} for r in rows)
+        return
     now = datetime.now(UTC)
     table = Table("topic", "shard", "pending", "failed", "oldest pending age")
     for row in rows:

@@ -119,7 +119,8 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
         procs.start_consumer()
         with console.status("billing joins its consumer group …"):
             if not _wait_for_line(workdir / "billing.log", "assigned [(", timeout=30):
-                console.print("[red]billing never got its partitions[/]; see billing.log")
+                console.print("[red]billing never got its partitions[/]; see "
+                              f"{escape(str(workdir / 'billing.log'))}")
                 procs.stop()
                 return 1
         written = [0]
