@@ -31,9 +31,45 @@ COMMAND_LINE_ONLY = frozenset({"all", "force", "upgrade", "reshard", "new-incarn
 # variable set for one command never changes what another does.
 SHARED = frozenset({"db", "inbox-db", "prefix", "schema", "bootstrap-servers", "kafka-config", "log-level",
                     "metrics-port", "metrics-host", "group", "shards", "app"})
-# Variables introduced with their namespaced name: no 0.1 name to carry over.
-NO_OLD_NAME = frozenset({"OUTBOX_PARKED_JSON", "OUTBOX_PARKED_TSV", "OUTBOX_FAILED_JSON",
-                         "OUTBOX_STATS_JSON"})
+# The names 0.1 read these options from (its rule: ``OUTBOX_`` and the bare option
+# name). They still work for one release, with a warning; delete this in the next.
+RENAMED_IN_0_2 = {
+    "OUTBOX_CONSOLE_READ_ONLY": "OUTBOX_READ_ONLY",
+    "OUTBOX_CONSOLE_STUCK_AFTER": "OUTBOX_STUCK_AFTER",
+    "OUTBOX_DEMO_CONSOLE": "OUTBOX_CONSOLE",
+    "OUTBOX_DEMO_ORDERS": "OUTBOX_ORDERS",
+    "OUTBOX_DEMO_PORT": "OUTBOX_PORT",
+    "OUTBOX_DEMO_WORKDIR": "OUTBOX_WORKDIR",
+    "OUTBOX_FAILED_TOPIC": "OUTBOX_TOPIC",
+    "OUTBOX_INIT_DB_MAX_RECORD_BYTES": "OUTBOX_MAX_RECORD_BYTES",
+    "OUTBOX_PARKED_KEY": "OUTBOX_KEY",
+    "OUTBOX_PARKED_TOPIC": "OUTBOX_TOPIC",
+    "OUTBOX_RELAY_BATCH_SIZE": "OUTBOX_BATCH_SIZE",
+    "OUTBOX_RELAY_KEY_STUCK_AFTER": "OUTBOX_KEY_STUCK_AFTER",
+    "OUTBOX_RELAY_LEASE_TTL": "OUTBOX_LEASE_TTL",
+    "OUTBOX_RELAY_POLL_INTERVAL": "OUTBOX_POLL_INTERVAL",
+    "OUTBOX_RELAY_WEBHOOK": "OUTBOX_WEBHOOK",
+    "OUTBOX_RELAY_WORKER_ID": "OUTBOX_WORKER_ID",
+    "OUTBOX_SPARK_ARCHIVE_DIR": "OUTBOX_ARCHIVE_DIR",
+    "OUTBOX_SPARK_AS_OF": "OUTBOX_AS_OF",
+    "OUTBOX_SPARK_BATCH": "OUTBOX_BATCH",
+    "OUTBOX_SPARK_CHUNK_ROWS": "OUTBOX_CHUNK_ROWS",
+    "OUTBOX_SPARK_DEDUP_WINDOW": "OUTBOX_DEDUP_WINDOW",
+    "OUTBOX_SPARK_DELETE_BATCH": "OUTBOX_DELETE_BATCH",
+    "OUTBOX_SPARK_KEY": "OUTBOX_KEY",
+    "OUTBOX_SPARK_MASTER": "OUTBOX_MASTER",
+    "OUTBOX_SPARK_OUT": "OUTBOX_OUT",
+    "OUTBOX_SPARK_PARTITIONS": "OUTBOX_PARTITIONS",
+    "OUTBOX_SPARK_RETENTION": "OUTBOX_RETENTION",
+    "OUTBOX_SPARK_SHARED_STORAGE": "OUTBOX_SHARED_STORAGE",
+    "OUTBOX_SPARK_SINCE": "OUTBOX_SINCE",
+    "OUTBOX_SPARK_SLA": "OUTBOX_SLA",
+    "OUTBOX_SPARK_TOPIC": "OUTBOX_TOPIC",
+    "OUTBOX_SPARK_UNTIL": "OUTBOX_UNTIL",
+    "OUTBOX_SPARK_WINDOW": "OUTBOX_WINDOW",
+    "OUTBOX_STATUS_JSON": "OUTBOX_JSON",
+    "OUTBOX_STATUS_STUCK_AFTER": "OUTBOX_STUCK_AFTER",
+}
 _assigned: dict[int, tuple[str, str | None]] = {}  # id(option) -> (its variable, the deprecated one)
 
 
@@ -52,9 +88,9 @@ def env_name(flag: str, namespace: str = "") -> str:
 def from_environment(command: Callable[..., Any], namespace: str) -> list[tuple[str, str]]:
     """Give each option of ``command`` without an environment variable its ``OUTBOX_…`` one.
 
-    Returns the (variable, deprecated variable) pairs of the command: until 0.4 the
-    0.1 read namespaced options from the bare name (``OUTBOX_TOPIC``), which still
-    works for one release, with a warning (``warn_deprecated``).
+    Returns the (variable, deprecated variable) pairs of the command: 0.1 read
+    namespaced options from the bare name (``OUTBOX_TOPIC``), which still works for
+    one release, with a warning (``warn_deprecated``; ``RENAMED_IN_0_2``).
     """
     renamed = []
     for name, parameter in inspect.signature(command).parameters.items():
@@ -72,8 +108,8 @@ def from_environment(command: Callable[..., Any], namespace: str) -> list[tuple[
         elif info.envvar is not None:
             continue  # named by hand (OUTBOX_CONSOLE_PORT, OUTBOX_DEV_BROKERS)
         else:
-            variable, bare = env_name(flag, namespace), env_name(flag)
-            old = bare if bare != variable and variable not in NO_OLD_NAME else None
+            variable = env_name(flag, namespace)
+            old = RENAMED_IN_0_2.get(variable)
             info.envvar = [variable, old] if old else variable
             info.show_envvar = True
             _assigned[id(info)] = (variable, old)
