@@ -1,4 +1,4 @@
-"""The console every command prints through: wrapped on a terminal, whole lines when redirected.
+"""stdout for lists, status, stats and the demo: wrapped on a terminal, whole lines when redirected.
 
 rich wraps at 80 columns when stdout is not a terminal (a pipe, a file, CI
 logs), which cut a long path in two; redirected output keeps each line whole
