@@ -3,8 +3,9 @@
 Each order event is applied once, in per-order sequence; a message that fails
 three times parks its order (and only its order) and POSTs one alert.
 
-    BILLING_DB=postgresql+psycopg://billing@db/billing ALERT_WEBHOOK=https://hooks.example/outbox \\
-    outbox inbox run examples.billing_consumer:inbox --bootstrap-servers broker-1:9092
+    OUTBOX_INBOX_DB=postgresql+psycopg://billing@db/billing \\
+    OUTBOX_ALERT_WEBHOOK=https://hooks.example/outbox OUTBOX_BOOTSTRAP_SERVERS=broker-1:9092 \\
+    outbox inbox run examples.billing_consumer:inbox
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def build_inbox(db_url: str, alert_webhook: str) -> Inbox:
 
 def __getattr__(name: str) -> Inbox:
     if name == "inbox":  # built on first use, from the environment (see the docstring)
-        globals()["inbox"] = value = build_inbox(os.environ["BILLING_DB"],
-                                                 os.environ["ALERT_WEBHOOK"])
+        globals()["inbox"] = value = build_inbox(os.environ["OUTBOX_INBOX_DB"],
+                                                 os.environ["OUTBOX_ALERT_WEBHOOK"])
         return value
     raise AttributeError(name)

@@ -4,7 +4,7 @@ Placing an order writes the order row and its ``order.created`` event in one
 transaction; paying it writes the state change and ``order.paid``. A relay
 process (see relay_postgres_kafka.py) publishes the events to Kafka.
 
-    DATABASE_URL=sqlite+aiosqlite:///orders.db uvicorn examples.fastapi_orders:app
+    OUTBOX_DB=sqlite+aiosqlite:///orders.db uvicorn examples.fastapi_orders:app
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi import FastAPI, HTTPException
 
 from outbox import AsyncOutbox, create_async_engine
 
-DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///orders.db")
+DATABASE_URL = os.environ.get("OUTBOX_DB", "sqlite+aiosqlite:///orders.db")
 
 engine = create_async_engine(DATABASE_URL)
 outbox = AsyncOutbox(engine)

@@ -7,7 +7,7 @@ A duplicate is dropped, a ``paid`` that overtook its ``created`` waits for it,
 and an event that fails three times parks its order (only its order). One
 command runs it:
 
-    DATABASE_URL=postgresql+asyncpg://app@db/app KAFKA_BOOTSTRAP=broker-1:9092 \\
+    OUTBOX_INBOX_DB=postgresql+asyncpg://app@db/app OUTBOX_BOOTSTRAP_SERVERS=broker-1:9092 \\
     faststream run examples.faststream_billing:app
 
 and one replays a parked order after the fix, with the same environment:
@@ -31,8 +31,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from outbox import Inbox, Message, WebhookAlertSink, create_async_engine
 from outbox.faststream import subscribe, sweeping
 
-DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///orders.db")
-KAFKA_BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP", "localhost:9092")
+DATABASE_URL = os.environ.get("OUTBOX_INBOX_DB", "sqlite+aiosqlite:///orders.db")
+KAFKA_BOOTSTRAP = os.environ.get("OUTBOX_BOOTSTRAP_SERVERS", "localhost:9092")
 
 billing = sa.MetaData()
 invoices = sa.Table(
@@ -56,7 +56,7 @@ class OrderEvent(pydantic.BaseModel):
 # The inbox's own engine: asyncpg connections belong to the event loop that opened them, and the
 # inbox runs its transactions on a loop of its own, not FastStream's.
 inbox = Inbox(create_async_engine(DATABASE_URL), group="billing",
-              alert=WebhookAlertSink(url) if (url := os.environ.get("ALERT_WEBHOOK")) else None)
+              alert=WebhookAlertSink(url) if (url := os.environ.get("OUTBOX_ALERT_WEBHOOK")) else None)
 
 
 @inbox.handler("orders")

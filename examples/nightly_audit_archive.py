@@ -3,13 +3,13 @@
 Schedule it with cron, a Kubernetes CronJob or Airflow; it exits non-zero when
 anything was lost or reordered, so the scheduler's own alerting fires:
 
-    15 2 * * *  OUTBOX_DB=… INBOX_DB=… ARCHIVE_DIR=/data/outbox-archive \\
+    15 2 * * *  OUTBOX_DB=… OUTBOX_INBOX_DB=… OUTBOX_SPARK_ARCHIVE_DIR=/data/outbox-archive \\
                 python examples/nightly_audit_archive.py
 
 Under spark-submit the same file runs on a cluster (the session it builds
-keeps the master spark-submit gives it); there REPORTS_DIR and ARCHIVE_DIR
-must be mounted at the same path on every node, which SHARED_STORAGE=1
-declares (see docs/spark.md, "Run on a cluster").
+keeps the master spark-submit gives it); there OUTBOX_SPARK_OUT and
+OUTBOX_SPARK_ARCHIVE_DIR must be mounted at the same path on every node, which
+OUTBOX_SPARK_SHARED_STORAGE=1 declares (see docs/spark.md, "Run on a cluster").
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def nightly(outbox_db: str, inbox_db: str, archive_dir: Path, reports_dir: Path,
 
 
 if __name__ == "__main__":
-    sys.exit(nightly(os.environ["OUTBOX_DB"], os.environ["INBOX_DB"],
-                     Path(os.environ["ARCHIVE_DIR"]), Path(os.environ.get("REPORTS_DIR", "audit")),
-                     shared_storage=os.environ.get("SHARED_STORAGE") == "1"))
+    sys.exit(nightly(os.environ["OUTBOX_DB"], os.environ["OUTBOX_INBOX_DB"],
+                     Path(os.environ["OUTBOX_SPARK_ARCHIVE_DIR"]),
+                     Path(os.environ.get("OUTBOX_SPARK_OUT", "audit")),
+                     shared_storage=os.environ.get("OUTBOX_SPARK_SHARED_STORAGE") == "1"))

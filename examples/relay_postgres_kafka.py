@@ -4,8 +4,8 @@ Settings use kafka-python-ng names (raw librdkafka keys work too); secrets come
 from the environment and never appear in logs or reprs. Run one per host or
 pod; several relays share the outbox's shards through leases.
 
-    OUTBOX_DB=postgresql+psycopg://app@db/app KAFKA_BOOTSTRAP=broker-1:9093 \\
-    KAFKA_USERNAME=relay KAFKA_PASSWORD=... python examples/relay_postgres_kafka.py
+    OUTBOX_DB=postgresql+psycopg://app@db/app OUTBOX_BOOTSTRAP_SERVERS=broker-1:9093 \\
+    OUTBOX_KAFKA_USERNAME=relay OUTBOX_KAFKA_PASSWORD=... python examples/relay_postgres_kafka.py
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def kafka_settings(bootstrap: str, username: str | None, password: str | None) -
             "sasl_mechanism": "SCRAM-SHA-512",
             "sasl_plain_username": username,
             "sasl_plain_password": password,
-            "ssl_cafile": os.environ.get("KAFKA_CA_FILE", "/etc/ssl/certs/ca-certificates.crt"),
+            "ssl_cafile": os.environ.get("OUTBOX_KAFKA_CA_FILE", "/etc/ssl/certs/ca-certificates.crt"),
         }
     return settings
 
@@ -47,13 +47,13 @@ def build_relay(db_url: str, bootstrap: str, *, username: str | None = None,
 def main() -> None:
     logging.basicConfig(level=logging.INFO)
     relay = build_relay(
-        os.environ["OUTBOX_DB"], os.environ["KAFKA_BOOTSTRAP"],
-        username=os.environ.get("KAFKA_USERNAME"), password=os.environ.get("KAFKA_PASSWORD"),
-        alert_webhook=os.environ.get("ALERT_WEBHOOK"),
+        os.environ["OUTBOX_DB"], os.environ["OUTBOX_BOOTSTRAP_SERVERS"],
+        username=os.environ.get("OUTBOX_KAFKA_USERNAME"), password=os.environ.get("OUTBOX_KAFKA_PASSWORD"),
+        alert_webhook=os.environ.get("OUTBOX_ALERT_WEBHOOK"),
     )
     from prometheus_client import start_http_server
 
-    start_http_server(int(os.environ.get("METRICS_PORT", "9464")))
+    start_http_server(int(os.environ.get("OUTBOX_METRICS_PORT", "9464")))
     relay.run()  # until SIGTERM: drains in-flight sends, releases its leases, returns
 
 

@@ -15,7 +15,7 @@ def service(db_url, monkeypatch):
     url = sa.make_url(db_url)
     async_url = url.set(drivername="sqlite+aiosqlite" if url.get_backend_name() == "sqlite"
                         else "postgresql+psycopg")
-    monkeypatch.setenv("DATABASE_URL", async_url.render_as_string(hide_password=False))
+    monkeypatch.setenv("OUTBOX_DB", async_url.render_as_string(hide_password=False))
     sys.modules.pop("examples.fastapi_orders", None)
     module = importlib.import_module("examples.fastapi_orders")
     with TestClient(module.app) as client:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def place_and_pay_orders(db: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Order 1 placed and paid, order 2 placed: three events in the outbox."""
     url = sa.make_url(db).set(drivername="postgresql+psycopg")
-    monkeypatch.setenv("DATABASE_URL", url.render_as_string(hide_password=False))
+    monkeypatch.setenv("OUTBOX_DB", url.render_as_string(hide_password=False))
     sys.modules.pop("examples.fastapi_orders", None)
     orders = importlib.import_module("examples.fastapi_orders")
     with TestClient(orders.app) as client:
@@ -57,8 +57,8 @@ def test_the_billing_service_bills_every_order_once(postgres_db: str,
         relay = relay_postgres_kafka.build_relay(postgres_db, servers)
         assert relay.run_once().published == 3
         billing_db = sa.make_url(postgres_db).set(drivername="postgresql+asyncpg")
-        env = {**os.environ, "DATABASE_URL": billing_db.render_as_string(hide_password=False),
-               "KAFKA_BOOTSTRAP": servers}
+        env = {**os.environ, "OUTBOX_INBOX_DB": billing_db.render_as_string(hide_password=False),
+               "OUTBOX_BOOTSTRAP_SERVERS": servers}
         service = subprocess.Popen(
             [sys.executable, "-m", "faststream", "run", "examples.faststream_billing:app"], cwd=ROOT, env=env)
         try:

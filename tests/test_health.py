@@ -64,9 +64,9 @@ def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
     outbox.create_tables()
     outbox.engine.dispose()  # type: ignore[union-attr]
     env = {"OUTBOX_DB": own_postgres.url, "OUTBOX_BOOTSTRAP_SERVERS": kafka,
-           "OUTBOX_LEASE_TTL": "2", "OUTBOX_LOG_LEVEL": "WARNING"}
+           "OUTBOX_RELAY_LEASE_TTL": "2", "OUTBOX_LOG_LEVEL": "WARNING"}
     port, standby_port = free_port(), free_port()
-    relay = start(["relay"], {**env, "OUTBOX_METRICS_PORT": str(port), "OUTBOX_WORKER_ID": "a"},
+    relay = start(["relay"], {**env, "OUTBOX_METRICS_PORT": str(port), "OUTBOX_RELAY_WORKER_ID": "a"},
                   tmp_path / "a.log")
     standby = None
     try:

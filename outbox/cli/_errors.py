@@ -30,7 +30,7 @@ import typer
 from .._errors import ConfigurationError, OutboxError, SchemaError
 from .._outage import is_database_outage
 from .._secrets import database_secrets, database_url, scrub
-from ._options import from_environment
+from ._options import from_environment, warn_deprecated
 
 USAGE, RUNTIME = 2, 1
 STUCK = 3  # ``outbox status`` ran fine and found something stuck (a health check's "unhealthy")
@@ -66,10 +66,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def reporting(command: Callable[P, R]) -> Callable[P, R]:
-    """``command``, with whatever it raises turned into ``report``'s line and exit status."""
+def reporting(command: Callable[P, R], renamed: list[tuple[str, str]] | None = None) -> Callable[P, R]:
+    """``command``, with whatever it raises turned into ``report``'s line and exit status.
+
+    ``renamed``: (variable, deprecated variable) pairs to warn about when the old one is set.
+    """
     @functools.wraps(command)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        warn_deprecated(renamed or [])
         try:
             return command(*args, **kwargs)
         except (typer.Exit, typer.Abort):
@@ -85,14 +89,20 @@ class Typer(typer.Typer):
     (``_options.from_environment``: every option also from an ``OUTBOX_…`` variable.)
     """
 
+    def __init__(self, *args: Any, env_namespace: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env_namespace = env_namespace  # the group's name; None: each command's own name
+
     def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
         register = super().command(*args, **kwargs)
+        name = args[0] if args else kwargs.get("name")
 
         def registered(command: F) -> F:
-            from_environment(command)
+            namespace = self.env_namespace or name or command.__name__.replace("_", "-")
+            renamed = from_environment(command, namespace)
             # typer's signature wants ``command``'s own type back: the wrapper has its
             # signature (``reporting`` keeps it), but a function object of its own.
-            return register(cast(F, reporting(command)))
+            return register(cast(F, reporting(command, renamed)))
         return registered
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import typer
 from sqlalchemy import Engine
@@ -24,7 +25,7 @@ from ._errors import Typer
 from ._options import DB, PREFIX, SCHEMA
 
 housekeeping_app = Typer(help="Delete published and processed rows past their retention.",
-                         no_args_is_help=True)
+                         no_args_is_help=True, env_namespace="housekeeping")
 app.add_typer(housekeeping_app, name="housekeeping")
 
 OLDER_THAN_HELP = "Delete published outbox rows created longer ago than this (e.g. 7d, 36h)."
@@ -83,7 +84,9 @@ def run(
 
 
 
-RETENTION_EVERY = typer.Option("10m", "--retention-every", help="How often the worker runs a retention pass.")
+def retention_every_option() -> Any:
+    """``--retention-every``; a new option object per command (each gets its own environment variable)."""
+    return typer.Option("10m", "--retention-every", help="How often the worker runs a retention pass.")
 
 
 def every_seconds(every: str) -> float:

@@ -13,16 +13,19 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from transports._logsafe import safe_logger
 
 from .._gc import tune_gc_for_batches
+from .._terminal import stdout_console
 from ..housekeeping import run_retention
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
 from . import app
 from ._db import existing_database, open_engine
 from ._errors import Typer
-from ._housekeeping import RETENTION_EVERY, dedup_retention, every_seconds, start_retention
+from ._housekeeping import dedup_retention, every_seconds, retention_every_option, start_retention
+from ._listing import json_option, print_json, print_table
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -39,8 +42,9 @@ from ._options import (
 
 audit = safe_logger("outbox.cli.audit")
 
-inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True)
-parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True)
+inbox_app = Typer(help="Run the consumer inbox.", no_args_is_help=True, env_namespace="inbox")
+parked_app = Typer(help="Inspect, replay and discard parked messages.", no_args_is_help=True,
+                   env_namespace="parked")
 app.add_typer(inbox_app, name="inbox")
 app.add_typer(parked_app, name="parked")
 
@@ -95,7 +99,7 @@ def run(
     retention: str | None = typer.Option(
         None, "--retention", help="Also delete this group's dedup records whose message is older than "
                                   "this (at least the Inbox's dedup_window), on a thread of its own."),
-    retention_every: str = RETENTION_EVERY,
+    retention_every: str = retention_every_option(),
 ) -> None:
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
     configure_logging(log_level)
@@ -111,7 +115,8 @@ def run(
 
         serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database),
                      host=metrics_host)
-    Console(stderr=True).print(f"inbox [bold]{inbox.group}[/bold] consuming {', '.join(inbox.topics)}")
+    Console(stderr=True).print(f"inbox [bold]{escape(inbox.group)}[/bold] consuming "
+                               f"{escape(', '.join(inbox.topics))}")
     tune_gc_for_batches()
     housekeeper = None if window is None else start_retention(
         lambda stop: run_retention(inbox.engine, tables=inbox.tables, group=inbox.group,
@@ -134,15 +139,36 @@ def list_parked(
     topic: str | None = typer.Option(None, help="Only this topic."),
     key: str | None = typer.Option(None, help="Only this key."),
     prefix: str = PREFIX, schema: str | None = SCHEMA,
+    as_json: bool = json_option(),
+    tsv: bool = typer.Option(False, "--tsv", help="One tab-separated line per message and a count line "
+                                                 "(0.1's format, for existing scripts)."),
 ) -> None:
     """Show parked messages, per key in seq order, with why they were parked."""
+    if as_json and tsv:
+        raise typer.BadParameter("give --json or --tsv, not both")
     parked = _inbox(db, group, target, prefix, schema).parked(topic, key)
-    # One line per message, whatever the terminal width: greppable, and nothing truncated.
-    for p in parked:
-        typer.echo(f"{p.topic}\t{p.key or '-'}\tseq={p.seq if p.seq is not None else '-'}\t"
-                   f"{p.reason}\tattempts={p.attempts}\t{p.last_failure_at:%Y-%m-%d %H:%M:%S}\t"
-                   f"{p.message_id}\t{(p.error or '').splitlines()[0] if p.error else ''}")
-    typer.echo(f"{len(parked)} parked message(s)")
+    if as_json:
+        print_json({"message_id": p.message_id, "topic": p.topic, "key": p.key, "seq": p.seq,
+                    "reason": p.reason, "attempts": p.attempts, "first_failure_at": p.first_failure_at,
+                    "last_failure_at": p.last_failure_at, "partition": p.partition, "offset": p.offset,
+                    "error": p.error} for p in parked)
+        return
+    if tsv:
+        for p in parked:
+            typer.echo(f"{p.topic}\t{p.key or '-'}\tseq={p.seq if p.seq is not None else '-'}\t"
+                       f"{p.reason}\tattempts={p.attempts}\t{p.last_failure_at:%Y-%m-%d %H:%M:%S}\t"
+                       f"{p.message_id}\t{_first_line(p.error)}")
+        typer.echo(f"{len(parked)} parked message(s)")
+        return
+    print_table(("topic", "key", "seq", "reason", "attempts", "last failure", "message id", "error"),
+                ((p.topic, p.key, p.seq, p.reason, p.attempts, f"{p.last_failure_at:%Y-%m-%d %H:%M:%S}",
+                  p.message_id, _first_line(p.error)) for p in parked),
+                empty="no parked messages")
+    stdout_console().print(f"{len(parked)} parked message(s)")
+
+
+def _first_line(error: str | None) -> str:
+    return error.splitlines()[0] if error else ""
 
 
 @parked_app.command("replay")
@@ -177,9 +203,9 @@ def replay(
         console.print(f"applied {result.applied}, still parked {result.remaining}")
         console.print(f"replayed by {who}: {why}", markup=False)
         if not result.unparked:
-            console.print(f"[red]stopped: {result.error}[/red]")
+            console.print(f"[red]stopped: {escape(str(result.error))}[/red]")
             raise typer.Exit(1)
-        console.print(f"[green]key {key!r} unparked[/green]" if key is not None
+        console.print(f"[green]key {escape(repr(key))} unparked[/green]" if key is not None
                       else "[green]no unkeyed message left parked[/green]")
         return
     # Each key is its own replay: one that fails again must not keep the others parked.
@@ -191,14 +217,14 @@ def replay(
             result = inbox.replay(lane_topic, lane_key)
             _audit(inbox, name, who, why, result)
         except NotParkedError:
-            console.print(f"{name}: nothing parked any more (replayed or discarded meanwhile)")
+            console.print(f"{escape(name)}: nothing parked any more (replayed or discarded meanwhile)")
             continue
         if result.unparked:
-            console.print(f"{name}: applied {result.applied}, [green]unparked[/green]")
+            console.print(f"{escape(name)}: applied {result.applied}, [green]unparked[/green]")
         else:
             stopped += 1
-            console.print(f"{name}: applied {result.applied}, still parked {result.remaining}: "
-                          f"[red]{result.error}[/red]")
+            console.print(f"{escape(name)}: applied {result.applied}, still parked {result.remaining}: "
+                          f"[red]{escape(str(result.error))}[/red]")
     console.print(f"{len(lanes) - stopped} of {len(lanes)} key(s) unparked")
     console.print(f"replayed by {who}: {why}", markup=False)
     if stopped:
@@ -213,7 +239,8 @@ def _audit(inbox: Inbox, name: str, who: str, why: str, result: Any) -> None:
 
 @parked_app.command("discard")
 def discard(
-    message_id: str = typer.Argument(...),
+    message_id: str = typer.Argument(
+        ..., help="Id (UUID) of the parked message, as `outbox parked list` shows it."),
     by: str = typer.Option(..., help="Who discards it (kept with the record)."),
     reason: str = typer.Option(..., help="Why (kept with the record)."),
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,

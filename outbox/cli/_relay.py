@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from transports._logsafe import safe_logger
 
@@ -16,12 +17,14 @@ from .._gc import tune_gc_for_batches
 from .._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
 from .._outbox import Outbox
 from .._stopping import stop_signals
+from .._terminal import stdout_console
 from ..housekeeping import parse_period, run_retention
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
-from ._housekeeping import RETENTION_EVERY, every_seconds, start_retention
+from ._housekeeping import every_seconds, retention_every_option, start_retention
+from ._listing import json_option, print_json, print_table
 from ._options import (
     BOOTSTRAP_SERVERS,
     BY,
@@ -41,7 +44,8 @@ TOPIC = typer.Option(None, help="Only this topic.")
 
 log = safe_logger("outbox.relay")
 
-failed_app = Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True)
+failed_app = Typer(help="Rows that failed permanently and block their key.", no_args_is_help=True,
+                   env_namespace="failed")
 app.add_typer(failed_app, name="failed")
 
 
@@ -68,7 +72,7 @@ def relay(
     retention: str | None = typer.Option(
         None, "--retention", help="Also delete published rows older than this (e.g. 7d), on a thread of "
                                   "its own (docs/operations.md, 'Housekeeping')."),
-    retention_every: str = RETENTION_EVERY,
+    retention_every: str = retention_every_option(),
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -138,14 +142,25 @@ def _wait_for_tables(outbox: Outbox) -> bool:
 
 @failed_app.command("list")
 def failed_list(db: str = DB, topic: str | None = TOPIC, prefix: str = PREFIX,
-                schema: str | None = SCHEMA) -> None:
-    """Show failed rows, oldest first."""
-    table = Table("message id", "topic", "key", "seq", "attempts", "error", "created")
-    found = failed_rows(open_outbox(db, prefix, schema), topic=topic)
-    for row in found:
-        table.add_row(str(row.message_id), row.topic, row.key or "", str(row.seq or ""),
-                      str(row.attempts), (row.last_error or "")[:80], f"{row.created_at:%Y-%m-%d %H:%M:%S}")
-    Console(width=200).print(table if found else "no failed rows")
+                schema: str | None = SCHEMA, as_json: bool = json_option()) -> None:
+    """Show failed rows, oldest first (the first 1000; the last line says when there are more)."""
+    found = failed_rows(open_outbox(db, prefix, schema), topic=topic, limit=FAILED_PAGE + 1)
+    more, found = len(found) > FAILED_PAGE, found[:FAILED_PAGE]
+    if as_json:
+        print_json({"message_id": r.message_id, "topic": r.topic, "key": r.key, "seq": r.seq,
+                    "attempts": r.attempts, "last_error": r.last_error, "created_at": r.created_at}
+                   for r in found)
+    else:
+        print_table(("message id", "topic", "key", "seq", "attempts", "error", "created"),
+                    ((r.message_id, r.topic, r.key, r.seq, r.attempts, (r.last_error or "")[:80],
+                      f"{r.created_at:%Y-%m-%d %H:%M:%S}") for r in found),
+                    empty="no failed rows")
+    if more:
+        typer.echo(f"more than {FAILED_PAGE} failed rows; the first {FAILED_PAGE} are shown "
+                   "(narrow with --topic)", err=True)
+
+
+FAILED_PAGE = 1000
 
 
 def _ids_or_all(message_ids: list[str], all_: bool) -> list[str] | None:
@@ -181,14 +196,19 @@ def failed_skip(message_ids: list[str] = typer.Argument(None, help="Message ids 
 
 
 @app.command("stats")
-def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA) -> None:
+def stats(db: str = DB, prefix: str = PREFIX, schema: str | None = SCHEMA,
+          as_json: bool = json_option()) -> None:
     """Backlog per topic and shard: pending, failed, oldest pending age."""
     rows = backlog(open_outbox(db, prefix, schema))
+    if as_json:
+        print_json({"topic": r.topic, "shard": r.shard, "pending": r.pending, "failed": r.failed,
+                    "oldest_pending": r.oldest_pending} for r in rows)
+        return
     now = datetime.now(UTC)
     table = Table("topic", "shard", "pending", "failed", "oldest pending age")
     for row in rows:
         age = f"{(now - row.oldest_pending).total_seconds():.1f} s" if row.oldest_pending else ""
-        table.add_row(row.topic, str(row.shard), str(row.pending), str(row.failed), age)
+        table.add_row(Text(row.topic), str(row.shard), str(row.pending), str(row.failed), age)
     table.add_section()
     table.add_row("total", "", str(sum(r.pending for r in rows)), str(sum(r.failed for r in rows)), "")
-    Console(width=200).print(table)
+    stdout_console().print(table)

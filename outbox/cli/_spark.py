@@ -18,6 +18,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -34,7 +35,7 @@ from ._options import PREFIX, SCHEMA
 
 spark_app = Typer(help="Spark jobs over the outbox and inbox: audit, archive, replay; "
                        "warm-up writes the driver's class archive.",
-                  no_args_is_help=True)
+                  no_args_is_help=True, env_namespace="spark")
 app.add_typer(spark_app, name="spark")
 
 
@@ -77,7 +78,7 @@ def _jobs() -> Any:
     try:
         import outbox.spark as jobs
     except ImportError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)  # "[spark]" stays
         raise typer.Exit(2) from None
     return jobs
 
@@ -98,7 +99,7 @@ def _progress(total: bool) -> Iterator[Callable[..., None]]:
             yield update
         except OutboxError as exc:  # named by the job: no traceback
             bar.stop()
-            console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
 
 
@@ -224,7 +225,7 @@ def warm_up_command(
         step("done")
     size = archive.stat().st_size / 1e6
     if written:
-        console.print(f"class archive written: {archive} ({size:.0f} MB)", soft_wrap=True)
+        console.print(f"class archive written: {archive} ({size:.0f} MB)", soft_wrap=True, markup=False)
     else:
         console.print(f"class archive already in place: {archive} ({size:.0f} MB); "
-                      "--force writes a new one", soft_wrap=True)
+                      "--force writes a new one", soft_wrap=True, markup=False)

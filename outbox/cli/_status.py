@@ -12,9 +12,10 @@ import json
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from .._terminal import stdout_console
 from ..ops import gather
 from . import app
 from ._db import open_outbox
@@ -52,12 +53,12 @@ def _s(value: float | None) -> str:
 
 def _print(doc: dict[str, Any]) -> None:
     """Compact: a table only for what has rows, and one closing verdict."""
-    console = Console(width=160)
+    console = stdout_console()
 
     def show(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
         table = Table(*columns, title=title, title_justify="left", box=None, pad_edge=False)
         for row in rows:
-            table.add_row(*("" if v is None else str(v) for v in row))
+            table.add_row(*(Text("" if v is None else str(v)) for v in row))  # values, not markup
         console.print(table)
 
     out = doc["outbox"]
@@ -92,6 +93,6 @@ def _print(doc: dict[str, Any]) -> None:
         console.print("inbox: nothing parked or held")
     if doc["stuck"]:
         for reason in doc["stuck"]:
-            console.print(f"STUCK: {reason}", highlight=False)
+            console.print(f"STUCK: {reason}", highlight=False, markup=False)
     else:
         console.print("nothing stuck")

@@ -15,9 +15,11 @@ from typing import Any
 
 import sqlalchemy as sa
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import OutboxTables
+from .._terminal import stdout_console
 from ._orders import EVENTS, TOPIC, OrdersService
 from ._summary import Summary, read_back
 from .billing import build_inbox, faults, invoices
@@ -90,7 +92,7 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
     """Run the whole demo; return 0 when every check passed, 1 otherwise."""
     from transports.kafka import embedded_kafka
 
-    console = console or Console()
+    console = console or stdout_console()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     orders_url = f"sqlite:///{workdir / 'orders.db'}"
@@ -108,7 +110,7 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
         billing_engine = sa.create_engine(billing_url)
         with billing_engine.begin() as conn:
             conn.execute(faults.insert().values(order_id=poisoned))
-        console.print(f"orders → [cyan]{orders_url}[/], billing → [cyan]{billing_url}[/]; "
+        console.print(f"orders → [cyan]{escape(orders_url)}[/], billing → [cyan]{escape(billing_url)}[/]; "
                       f"order {poisoned} will be declined by the card processor")
 
         _create_topic(bootstrap, TOPIC)
@@ -117,7 +119,8 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
         procs.start_consumer()
         with console.status("billing joins its consumer group …"):
             if not _wait_for_line(workdir / "billing.log", "assigned [(", timeout=30):
-                console.print("[red]billing never got its partitions[/]; see billing.log")
+                console.print("[red]billing never got its partitions[/]; see "
+                              f"{escape(str(workdir / 'billing.log'))}")
                 procs.stop()
                 return 1
         written = [0]
@@ -153,8 +156,8 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
         alerts = _read_alerts(workdir / "alerts.jsonl")
         summary.alerts = len(alerts)
         for alert in alerts:
-            console.print(f"[bold red]ALERT[/] {alert['kind']}: topic={alert['topic']} "
-                          f"key={alert['key']} message={alert['message_id']}: {alert['error']}")
+            console.print("[bold red]ALERT[/] " + escape(f"{alert['kind']}: topic={alert['topic']} "
+                          f"key={alert['key']} message={alert['message_id']}: {alert['error']}"))
         summary.parked_messages = _count(billing_engine, tables.inbox_parked)
         console.print(f"order {poisoned}: {summary.parked_messages} messages parked; "
                       "fixing the card processor and replaying the key")
@@ -175,8 +178,8 @@ def run_demo(orders: int = 300, workdir: Path = Path("demo-output"), threads: in
     elapsed = time.monotonic() - started
     if summary.failures:
         for failure in summary.failures:
-            console.print(f"[bold red]FAILED[/] {failure}")
-        console.print(f"logs: {workdir}/relay.log, {workdir}/billing.log")
+            console.print(f"[bold red]FAILED[/] {escape(failure)}")
+        console.print(f"logs: {workdir}/relay.log, {workdir}/billing.log", markup=False)
         return 1
     console.print(f"[bold green]all checks passed[/] in {elapsed:.1f} s "
                   f"(zero lost, zero order violations, poisoned order parked then replayed)")
@@ -222,7 +225,7 @@ def _spark_audit(orders_url: str, billing_url: str, workdir: Path, console: Cons
     # published over a second ago and never processed really is lost.
     result = audit(orders_url, billing_url, group="billing", sla="1s", out_dir=workdir / "audit",
                    spark=spark, partitions=2)
-    totals = result.totals
-    verdict = "OK" if result.ok else "PROBLEMS"
-    return (f"{verdict}: lost {totals['lost']}, out of order {totals['out_of_order_messages']}, "
-            f"duplicated {totals['duplicated_messages']}; chart {result.path('chart.png')}")
+    from ..spark._report import verdict  # the report's own first sentence: one verdict, not two
+
+    return f"{verdict(result.summary)}; duplicated {result.totals['duplicated_messages']}; " \
+           f"chart {result.path('chart.png')}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 from rich.table import Table
+from rich.text import Text
 
 from .. import OutboxTables
 from .billing import invoices, violations
@@ -52,7 +53,7 @@ class Summary:
     def table(self) -> Table:
         table = Table(title="transactional-outbox demo", show_header=True)
         table.add_column("measure")
-        table.add_column("value", justify="right")
+        table.add_column("value", justify="right", overflow="fold")  # folds a long path, never cuts it
         rows = [
             ("orders placed (created → paid → shipped)", self.orders),
             ("events written in business transactions", self.events_written),
@@ -72,7 +73,7 @@ class Summary:
         if self.spark_verdict:
             rows.append(("Spark audit", self.spark_verdict))
         for name, value in rows:
-            table.add_row(name, str(value))
+            table.add_row(name, Text(str(value)))
         return table
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from threading import Thread
 from typing import Any
 
+from ._report import waiting
+
 
 def preload_matplotlib() -> None:
     """Import matplotlib on a daemon thread, so the chart does not wait for it later."""
@@ -35,8 +37,9 @@ def draw_chart(path: Path, summary: dict[str, Any], produced: list[dict[str, Any
     top, bottom = figure.subplots(2, 1)
     _latency(top, summary)
     _backlog(bottom, summary, produced, processed, start, bucket_seconds)
-    verdict = "OK" if summary["ok"] else (
-        f"{summary['totals']['lost']:,} LOST, {summary['totals']['out_of_order_messages']:,} OUT OF ORDER")
+    totals = summary["totals"]
+    verdict = (f"{totals['lost']:,} LOST, {totals['out_of_order_messages']:,} OUT OF ORDER"
+               if not summary["ok"] else "NEEDS ATTENTION" if waiting(totals) else "OK")
     figure.suptitle(f"Outbox audit as of {summary['as_of'][:19]} UTC: {verdict}", fontsize=13)
     figure.savefig(path, dpi=110)
 

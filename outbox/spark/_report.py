@@ -76,17 +76,51 @@ def _ms(q: dict[str, float | None]) -> str:
     return " / ".join("-" if v is None else f"{v:,.0f}" for v in q.values())
 
 
-def render_report(s: dict[str, Any]) -> str:
+EPOCH = "1970-01-01T00:00:00+00:00"  # the start of a window that was not given: every message
+
+
+def waiting(totals: dict[str, Any]) -> list[str]:
+    """What is neither lost nor done and needs a person: failed rows, parked and held messages."""
+    found = [(totals.get("failed", 0), "failed outbox row(s) blocking their keys (outbox failed list)"),
+             (totals.get("parked", 0), "parked message(s) (outbox parked list)"),
+             (totals.get("held", 0), "held message(s) waiting for an earlier seq")]
+    return [f"{count:,} {what}" for count, what in found if count]
+
+
+def verdict(s: dict[str, Any]) -> str:
+    """The report's first sentence: OK only when nothing is lost, out of order, failed, parked or held.
+
+    ``ok`` (the exit status) stays about loss and order; a failed row or a parked
+    message is not lost, but an "OK" beside it would tell the reader to look no further.
+    """
     t = s["totals"]
-    verdict = "OK: nothing lost, nothing out of order" if s["ok"] else (
-        f"PROBLEM: {t['lost']} lost, {t['out_of_order_messages']} out of order "
-        f"(in {t['out_of_order_keys']} keys)")
+    attention = waiting(t)
+    if not s["ok"]:
+        head = (f"PROBLEM: {t['lost']:,} lost, {t['out_of_order_messages']:,} out of order "
+                f"(in {t['out_of_order_keys']:,} keys)")
+    elif attention:
+        head = "NEEDS ATTENTION: nothing lost, nothing out of order, but"
+        return f"{head} {', '.join(attention)}"
+    else:
+        return "OK: nothing lost, nothing out of order, nothing failed, parked or held"
+    return f"{head}; also {', '.join(attention)}" if attention else head
+
+
+def window_line(s: dict[str, Any]) -> str:
+    """Which messages the audit read: a window's bounds, or all of them up to its end."""
+    window = s["window"]
+    if window["since"] == EPOCH:
+        return f"All messages created up to {window['until']}, as of {s['as_of']}"
+    return f"Messages created {window['since']} to {window['until']}, as of {s['as_of']}"
+
+
+def render_report(s: dict[str, Any]) -> str:
     lines = [
         "# Outbox audit",
         "",
-        f"**{verdict}.**",
+        f"**{verdict(s)}.**",
         "",
-        f"Messages created {s['window']['since']} to {s['window']['until']}, as of {s['as_of']}; "
+        f"{window_line(s)}; "
         f"a published message counts as lost after {s['sla_seconds']:g} s without reaching a group.",
         "",
         "## Producer side, per topic",

@@ -27,6 +27,11 @@ from .._repeats import Repeats
 
 LOGGER = safe_logger("transports.kafka.librdkafka")
 _CONNECTION_FACILITIES = frozenset({"FAIL", "ERROR"})
+# librdkafka warns at every producer start that a property the transport sets on
+# purpose is experimental (``KafkaTransport``: a record the broker refuses for good
+# must stop the producer, not let its key's next record through). Nobody can act on
+# it, so it is logged at DEBUG; any other configuration warning stays a WARNING.
+_EXPECTED_CONFWARN = "Configuration property enable.gapless.guarantee is experimental"
 
 
 class LibrdkafkaLog:
@@ -50,6 +55,8 @@ class LibrdkafkaLog:
         facility = str(args[0]) if args else ""
         if facility in _CONNECTION_FACILITIES and level > logging.WARNING:
             level = logging.WARNING
+        if facility == "CONFWARN" and _EXPECTED_CONFWARN in text:
+            level = logging.DEBUG
         if not self.logger.isEnabledFor(level):
             return
         admitted = self._repeats.admit(text)
