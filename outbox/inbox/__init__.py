@@ -9,22 +9,22 @@ names are re-exported by ``outbox``.
 """
 
 from .._stopping import StopRequested
-from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ReplayResult
+from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedReplay
 from ._inbox import Inbox
-from ._kinds import Outcome, Reason, StartPolicy
+from ._kinds import Finished, Reason, StartPolicy
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
     "DiscardRefusedError",
     "Disposition",
+    "Finished",
     "HandlerSignal",
     "Inbox",
     "NotParkedError",
-    "Outcome",
     "ParkMessage",
     "ParkedMessage",
+    "ParkedReplay",
     "Reason",
-    "ReplayResult",
     "RetryLater",
     "SkipMessage",
     "StartPolicy",

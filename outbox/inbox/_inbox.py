@@ -33,10 +33,10 @@ from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
-from ._admin import ParkedAdmin, ParkedMessage, ReplayResult
+from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._alerting import Alerter
 from ._calls import TopicHandler
-from ._delivery import Delivery, decode
+from ._delivery import Delivery, decode, delivery
 from ._gaps import GapSweeper
 from ._kinds import StartPolicy
 from ._metrics import InboxMetrics
@@ -254,7 +254,7 @@ class Inbox:
         the next attempt. The record is then not finished: do not commit it.
         """
         if isinstance(record, Message):
-            d = Delivery(record, partition, offset)
+            d = delivery(record, partition, offset)
         else:
             d = decode(record, accept_foreign=self.accept_foreign)
         self.metrics.consumed(d.message.topic)
@@ -348,7 +348,7 @@ class Inbox:
         """Parked messages of this group, per key in seq order."""
         return self.admin.parked(topic, key)
 
-    def replay(self, topic: str, key: str | None) -> ReplayResult:
+    def replay(self, topic: str, key: str | None) -> ParkedReplay:
         """Re-run a parked key's messages in seq order; unpark it when all succeed.
 
         ``key=None`` re-runs the topic's parked unkeyed messages.

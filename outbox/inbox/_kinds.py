@@ -45,7 +45,7 @@ class Reason(enum.StrEnum):
         return self in (Reason.NEW_INCARNATION, Reason.SEQ_CONFLICT)
 
 
-class Outcome(enum.StrEnum):
+class Finished(enum.StrEnum):
     """``inbox_messages.outcome``: how a message id was finished."""
 
     PROCESSED = "processed"

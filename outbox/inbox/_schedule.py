@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable
 from transports._logsafe import safe_logger
 
 from .._wheel import TimingWheel
-from ._delivery import Delivery
+from ._delivery import Delivery, turn_of
 
 log = safe_logger("outbox.inbox")
 
@@ -35,10 +35,6 @@ Work = Callable[[list[Delivery]], list[tuple[Delivery, float]]]
 """Handles a batch; returns the deliveries to try again, each with its delay in seconds."""
 
 TICK = 0.02
-
-
-def lane_of(d: Delivery) -> Hashable:
-    return d.lane if d.lane is not None else ("", id(d))
 
 
 class KeyScheduler:
@@ -76,7 +72,7 @@ class KeyScheduler:
         """Queue ``deliveries``; each lane keeps the order they come in."""
         with self._cond:
             for d in deliveries:
-                lane = lane_of(d)
+                lane = turn_of(d)
                 queue = self._lanes.get(lane)
                 if queue is None:
                     self._lanes[lane] = deque([d])
@@ -188,7 +184,7 @@ class KeyScheduler:
         back: dict[Hashable, list[Delivery]] = {}
         delays: dict[Hashable, float] = {}
         for d, delay in later:
-            lane = lane_of(d)
+            lane = turn_of(d)
             back.setdefault(lane, []).append(d)
             delays[lane] = max(delay, delays.get(lane, 0.0))
         with self._cond:

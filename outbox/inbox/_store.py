@@ -39,12 +39,10 @@ from sqlalchemy.orm import Session
 
 from .._envelope import Message, utcnow
 from .._tables import MYSQL_FAMILY, OutboxTables
-from ._delivery import Delivery
-from ._kinds import Outcome, Reason
+from ._delivery import Delivery, KeyId, OrderedDelivery, Origin, delivery
+from ._kinds import Finished, Reason
 from ._store_mysql import MySQLWrites
 from ._store_pg import PostgresBulk
-
-KeyId = tuple[str, str]
 
 
 @dataclass(slots=True)
@@ -234,7 +232,7 @@ class InboxStore:
         return session.scalar(select(m.c.message_id).where(
             m.c.consumer_group == self.group, m.c.message_id == message_id)) is not None
 
-    def _done_row(self, d: Delivery, now: datetime, *, outcome: Outcome = Outcome.PROCESSED,
+    def _done_row(self, d: Delivery, now: datetime, *, outcome: Finished = Finished.PROCESSED,
                   note: str | None = None) -> dict[str, Any]:
         msg = d.message
         return {
@@ -254,7 +252,7 @@ class InboxStore:
             session.execute(delete(table).where(table.c.consumer_group == self.group,
                                                 table.c.message_id.in_(ids)))
 
-    def mark(self, session: Session, d: Delivery, outcome: Outcome, note: str) -> None:
+    def mark(self, session: Session, d: Delivery, outcome: Finished, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
         m = self.t.inbox_messages
         row = self._done_row(d, utcnow(), outcome=outcome, note=note[:4000])
@@ -283,7 +281,8 @@ class InboxStore:
         row = {**self._stored(d), "received_at": d.received_at}
         session.execute(self._insert_new(h).values(row))
 
-    def successors(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> list[Delivery]:
+    def successors(self, session: Session,
+                   ranges: dict[KeyId, tuple[int, int]]) -> list[OrderedDelivery]:
         """Held messages of each key with ``first <= seq <= last``, in seq order.
 
         The caller asks from the first seq its transaction applied to the key's
@@ -305,10 +304,9 @@ class InboxStore:
                     h.c.consumer_group == self.group,
                     or_(*[and_(h.c.topic == t, h.c.key == key, h.c.seq.between(first, last))
                           for (t, key), (first, last) in wanted[n:n + 200]]))))
-        return sorted((delivery_from_row(r, from_held=True) for r in rows),
-                      key=lambda d: d.message.seq)  # type: ignore[arg-type,return-value]
+        return sorted((held_from_row(r) for r in rows), key=lambda d: d.seq)
 
-    def ready_held(self, session: Session, limit: int) -> list[Delivery]:
+    def ready_held(self, session: Session, limit: int) -> list[OrderedDelivery]:
         """Held messages whose gap has filled but that nobody picked up (e.g. filled elsewhere)."""
         h, k = self.t.inbox_held, self.t.inbox_keys
         rows = session.execute(
@@ -318,7 +316,7 @@ class InboxStore:
                    k.c.parked.is_(False))
             .limit(limit)
         )
-        return [delivery_from_row(r, from_held=True) for r in rows]
+        return [held_from_row(r) for r in rows]
 
     def stale_gaps(self, session: Session, before: datetime) -> list[KeyId]:
         """Unparked keys whose oldest held message has waited since before ``before``."""
@@ -333,12 +331,12 @@ class InboxStore:
         )
         return [(r.topic, r.key) for r in rows]
 
-    def held_of(self, session: Session, key: KeyId) -> list[Delivery]:
+    def held_of(self, session: Session, key: KeyId) -> list[OrderedDelivery]:
         h = self.t.inbox_held
         rows = session.execute(select(h).where(
             h.c.consumer_group == self.group, h.c.topic == key[0], h.c.key == key[1]
         ).order_by(h.c.seq))
-        return [delivery_from_row(r, from_held=True) for r in rows]
+        return [held_from_row(r) for r in rows]
 
     def unhold(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         self._delete_ids(session, self.t.inbox_held, message_ids)
@@ -357,14 +355,14 @@ class InboxStore:
         now = utcnow()
         p = self.t.inbox_parked
         row = {**self._stored(d), "reason": reason.value, "error": error, "traceback": traceback,
-               "attempts": attempts, "first_failure_at": d.first_failure_at or now,
+               "attempts": attempts, "first_failure_at": d.attempts.first_failure_at or now,
                "last_failure_at": now}
         session.execute(self._insert_new(p).values(row))
         if d.from_held:
             self.unhold(session, [d.message.message_id])
-        if not (reason.parks_key and d.ordered):
+        if not (reason.parks_key and isinstance(d, OrderedDelivery)):
             return False
-        key: KeyId = d.lane  # type: ignore[assignment]
+        key = d.lane
         k = self.t.inbox_keys
         note = f"{reason}: message {d.message.message_id} (seq {d.message.seq}): {error or ''}"
         session.execute(
@@ -435,7 +433,7 @@ class InboxStore:
         }
 
 
-def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
+def delivery_from_row(row: Row[Any], *, origin: Origin = Origin.PARKED) -> Delivery:
     """Rebuild a delivery from an ``inbox_held`` or ``inbox_parked`` row."""
     message = Message.model_construct(
         message_id=row.message_id, topic=row.topic, key=row.key, seq=row.seq,
@@ -443,8 +441,15 @@ def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
         created_at=row.created_at, available_at=row.created_at, incarnation=row.incarnation,
     )
     received = getattr(row, "received_at", None) or utcnow()
-    return Delivery(message, row.kafka_partition, row.kafka_offset, received_at=received,
-                    from_held=from_held)
+    return delivery(message, row.kafka_partition, row.kafka_offset, received, origin=origin)
+
+
+def held_from_row(row: Row[Any]) -> OrderedDelivery:
+    """Rebuild a delivery from an ``inbox_held`` row: always keyed and numbered (only those are held)."""
+    d = delivery_from_row(row, origin=Origin.HELD)
+    if not isinstance(d, OrderedDelivery):
+        raise AssertionError(f"inbox_held row {row.message_id} has no key or seq")
+    return d
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ from sqlalchemy.orm import Session
 from .._mysql import json_rows, json_table
 from .._tables import OutboxTables, name_collation
 from ._delivery import Delivery
-from ._kinds import Outcome
+from ._kinds import Finished
 
 ER_DUP_ENTRY = 1062
 
@@ -86,7 +86,7 @@ class MySQLWrites:
         self._claim = insert(m).from_select(
             ["consumer_group", *_CLAIMS, "processed_at", "deliveries", "outcome"],
             select(literal(group), *claims.c, bindparam("now", type_=m.c.processed_at.type),
-                   literal(1), literal(Outcome.PROCESSED.value)))
+                   literal(1), literal(Finished.PROCESSED.value)))
 
     def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]
                   ) -> list[tuple[str, str, int, bool, int | None, str | None]]:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, func, select, tuple_
 
 from .._tables import OutboxTables
-from ._store import KeyId
+from ._delivery import KeyId
 
 
 @dataclass(frozen=True, slots=True)

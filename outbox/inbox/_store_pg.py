@@ -37,7 +37,7 @@ from sqlalchemy.types import TypeEngine
 from .._pg_arrays import array_params, rows_of
 from .._tables import OutboxTables
 from ._delivery import Delivery
-from ._kinds import Outcome
+from ._kinds import Finished
 
 _KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
 _SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
@@ -72,7 +72,7 @@ class PostgresBulk:
             ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
             select(literal(group), *[claims.c[c] for c in claimed],
                    bindparam("now", type_=DateTime(timezone=True)), literal(1),
-                   literal(Outcome.PROCESSED.value)),
+                   literal(Finished.PROCESSED.value)),
         ).on_conflict_do_nothing().returning(m.c.message_id)
         # The rows exist and are locked (lock_keys ran first): the upsert only updates.
         upsert = insert(k).from_select(
