@@ -45,7 +45,7 @@ from ._runner import Runner
 from ._sessions import sessions_for
 from ._settle import Settler
 from ._signals import Disposition
-from ._store import InboxStore
+from ._store import store_for
 from ._transaction import TransactionStep
 
 log = safe_logger("outbox.inbox")
@@ -164,7 +164,7 @@ class Inbox:
         self._stop = threading.Event()
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         # The pipeline's stages, each handed what it needs: one store owns every statement.
-        self.store = InboxStore(self.tables, group, engine.dialect.name)
+        self.store = store_for(self.tables, group, engine.dialect.name)
         self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start,
                                     None if window is None else float(window))
         self.alerter = Alerter(alert, group, self.metrics)

@@ -10,12 +10,18 @@ messages one at a time, in seq order.
 ``park`` is the one way a message enters ``inbox_parked``: with a reason that
 stops the key it also marks the key parked and moves the key's held messages
 behind it.
+
+``InboxStore`` holds what every database shares; what differs is a subclass
+per dialect, chosen once by ``store_for``: ``SQLiteStore`` (``_store_sqlite``),
+``PostgresStore`` (``_store_pg``: one array per column, a stable plan) and
+``MySQLStore`` (``_store_mysql``: no ``ON CONFLICT``, no ``RETURNING``).
 """
 
 from __future__ import annotations
 
+import abc
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,7 +35,6 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    or_,
     select,
     tuple_,
     update,
@@ -41,8 +46,6 @@ from .._envelope import Message, utcnow
 from .._tables import MYSQL_FAMILY, OutboxTables
 from ._delivery import Delivery, KeyId, OrderedDelivery, Origin, delivery
 from ._kinds import Finished, Reason
-from ._store_mysql import MySQLWrites
-from ._store_pg import PostgresBulk
 
 
 @dataclass(slots=True)
@@ -72,26 +75,16 @@ class ParkedRow:
     last_failure_at: datetime
 
 
-class InboxStore:
-    """Statements for one group on one dialect; safe to share between threads."""
+class InboxStore(abc.ABC):
+    """Statements for one group on one dialect; safe to share between threads.
 
-    def __init__(self, tables: OutboxTables, group: str, dialect: str) -> None:
+    The abstract methods are the ones whose SQL differs per dialect.
+    """
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
         self.t = tables
         self.group = group
-        postgres = dialect == "postgresql"
-        self._mysql = MySQLWrites(tables, group) if dialect in MYSQL_FAMILY else None
-        self._insert: Callable[[Table], postgresql.Insert | sqlite.Insert] = (
-            postgresql.insert if postgres else sqlite.insert)
-        self._bulk = PostgresBulk(tables, group) if postgres else None
         k = tables.inbox_keys
-        self._set_last_seq = (
-            update(k)
-            .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
-                   k.c.key == bindparam("b_key"))
-            .values(last_seq=bindparam("b_seq"),
-                    incarnation=func.coalesce(bindparam("b_incarnation", type_=k.c.incarnation.type),
-                                              k.c.incarnation))
-        )
         self._set_started = (
             update(k)
             .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
@@ -101,37 +94,12 @@ class InboxStore:
 
     # -- key state ------------------------------------------------------------
 
+    @abc.abstractmethod
     def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
-        """Lock and read the state of ``keys``, creating missing ones at seq 0."""
-        wanted = sorted(set(keys))
-        if not wanted:
-            return {}
-        if self._bulk is not None:
-            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
-                    for r in self._bulk.lock_keys(session, wanted)}
-        if self._mysql is not None:
-            found = self._mysql.lock_keys(session, wanted)
-            if len(found) < len(wanted):
-                have = {(topic, key) for topic, key, *_ in found}
-                missing = [key for key in wanted if key not in have]
-                session.execute(self._insert_new(self.t.inbox_keys), [
-                    {"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
-                     "parked": False} for t, key in missing])
-                found += self._mysql.lock_keys(session, missing)
-            # Unpacked: a Row's attribute access costs more than the rest of the loop.
-            return {(topic, key): KeyState(last_seq, parked, started, incarnation)
-                    for topic, key, last_seq, parked, started, incarnation in found}
-        states = self._select_keys(session, wanted)
-        missing = [key for key in wanted if key not in states]
-        if missing:
-            k = self.t.inbox_keys
-            session.execute(
-                self._insert_new(k),
-                [{"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
-                  "parked": False} for t, key in missing],
-            )
-            states |= self._select_keys(session, missing)
-        return states
+        """Lock and read the state of ``keys``, creating missing ones at seq 0.
+
+        Keys are locked in sorted order, so two transactions cannot deadlock on each other.
+        """
 
     def key_states(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
         """Read (without locking) the state of those of ``keys`` that exist."""
@@ -147,6 +115,7 @@ class InboxStore:
         return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
                 for r in session.execute(stmt)}
 
+    @abc.abstractmethod
     def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
                      incarnations: Mapping[KeyId, str] | None = None) -> None:
         """Advance keys (locked by the caller) to ``seqs``, in one statement.
@@ -154,19 +123,6 @@ class InboxStore:
         A key in ``incarnations`` also records the producer incarnation its
         message came from; the others keep theirs.
         """
-        if not seqs:
-            return
-        incarnations = incarnations or {}
-        if self._bulk is not None:
-            self._bulk.set_last_seq(session, seqs, incarnations)
-            return
-        if self._mysql is not None:
-            self._mysql.set_last_seq(session, seqs, incarnations)
-            return
-        session.execute(self._set_last_seq, [
-            {"b_topic": t, "b_key": key, "b_seq": seq, "b_incarnation": incarnations.get((t, key))}
-            for (t, key), seq in seqs.items()
-        ])
 
     def set_started(self, session: Session, starts: dict[KeyId, int]) -> None:
         """Record the seq at which keys started (start policy ``first_seen``)."""
@@ -190,29 +146,21 @@ class InboxStore:
 
     # -- dedup records ----------------------------------------------------------
 
+    @abc.abstractmethod
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         """Insert the dedup rows; returns the ids that were new (the rest are duplicates).
 
         ``deliveries`` must not repeat a message id: two copies in one statement
         would both look new to the caller.
         """
-        if not deliveries:
-            return set()
-        m = self.t.inbox_messages
-        now = utcnow()
-        if self._bulk is not None:
-            return self._bulk.claim(session, deliveries, now)
-        if self._mysql is not None:
-            return self._mysql.claim(session, deliveries, now, lambda d: self._done_row(d, now))
-        rows = [self._done_row(d, now) for d in deliveries]
-        stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
-        return set(session.scalars(stmt, rows))
 
+    @abc.abstractmethod
     def _insert_new(self, table: Table) -> Insert:
         """An INSERT that leaves a row with the same unique key as it is."""
-        if self._mysql is not None:
-            return self._mysql.insert_new(table)
-        return self._insert(table).on_conflict_do_nothing()
+
+    @abc.abstractmethod
+    def _record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
+        """Insert a dedup row, or apply ``changes`` to the one already there."""
 
     def known(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         """The ids of ``deliveries`` this group recorded already (applied, skipped, discarded).
@@ -254,15 +202,8 @@ class InboxStore:
 
     def mark(self, session: Session, d: Delivery, outcome: Finished, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
-        m = self.t.inbox_messages
         row = self._done_row(d, utcnow(), outcome=outcome, note=note[:4000])
-        changes = {"outcome": outcome.value, "note": note[:4000]}
-        if self._mysql is not None:
-            self._mysql.record_done(session, row, changes)
-            return
-        session.execute(self._insert(m).values(row)
-                        .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
-                                               set_=changes))
+        self._record_done(session, row, {"outcome": outcome.value, "note": note[:4000]})
 
     def count_redelivery(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         """A duplicate arrived: count it on the original's row (the audit reads this)."""
@@ -292,19 +233,12 @@ class InboxStore:
         """
         if not ranges:
             return []
-        if self._bulk is not None:
-            rows = self._bulk.successors(session, ranges)
-        elif self._mysql is not None:
-            rows = self._mysql.successors(session, ranges)
-        else:
-            h, wanted = self.t.inbox_held, list(ranges.items())
-            rows = []
-            for n in range(0, len(wanted), 200):  # an OR of ranges; SQLite limits expression depth
-                rows.extend(session.execute(select(h).where(
-                    h.c.consumer_group == self.group,
-                    or_(*[and_(h.c.topic == t, h.c.key == key, h.c.seq.between(first, last))
-                          for (t, key), (first, last) in wanted[n:n + 200]]))))
+        rows = self._held_rows(session, ranges)
         return sorted((held_from_row(r) for r in rows), key=lambda d: d.seq)
+
+    @abc.abstractmethod
+    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
+        """``inbox_held`` rows of each key with ``first <= seq <= last``, in any order."""
 
     def ready_held(self, session: Session, limit: int) -> list[OrderedDelivery]:
         """Held messages whose gap has filled but that nobody picked up (e.g. filled elsewhere)."""
@@ -431,6 +365,37 @@ class InboxStore:
             "created_at": msg.created_at, "kafka_partition": d.partition,
             "kafka_offset": d.offset, "incarnation": msg.incarnation,
         }
+
+
+class OnConflictStore(InboxStore):
+    """The databases with ``INSERT … ON CONFLICT`` (SQLite, PostgreSQL)."""
+
+    @abc.abstractmethod
+    def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
+        """This dialect's INSERT, which has ``on_conflict_do_nothing``/``_do_update``."""
+
+    def _insert_new(self, table: Table) -> Insert:
+        return self._insert(table).on_conflict_do_nothing()
+
+    def _record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
+        m = self.t.inbox_messages
+        session.execute(self._insert(m).values(row)
+                        .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
+                                               set_=changes))
+
+
+def store_for(tables: OutboxTables, group: str, dialect: str) -> InboxStore:
+    """The store of ``dialect`` (an engine's ``dialect.name``) for one group."""
+    # Imported here: each dialect's module builds on the classes above.
+    from ._store_mysql import MySQLStore
+    from ._store_pg import PostgresStore
+    from ._store_sqlite import SQLiteStore
+
+    if dialect == "postgresql":
+        return PostgresStore(tables, group)
+    if dialect in MYSQL_FAMILY:
+        return MySQLStore(tables, group)
+    return SQLiteStore(tables, group)
 
 
 def delivery_from_row(row: Row[Any], *, origin: Origin = Origin.PARKED) -> Delivery:
