@@ -6,7 +6,8 @@ one key are handled one at a time, in the order they were submitted**, while
 different keys, even of one partition, run concurrently on up to
 ``concurrency`` threads. Unkeyed messages each get a lane of their own, so
 they run unordered. A scheduler lane is ``turn_of`` a delivery: its key, seq
-or not, which is wider than the transaction's ``lane_of`` (keyed and numbered). A worker takes up to ``batch_size`` deliveries at once and
+or not, which is wider than the transaction's ``lane_of`` (keyed and numbered).
+A worker takes up to ``batch_size`` deliveries at once and
 hands them to ``work`` as one batch (one transaction): the head of each ready
 lane it takes, and with what room is left, the deliveries queued behind those
 heads (a *run*), so a hot key's backlog costs one transaction per batch, not

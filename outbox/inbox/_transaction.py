@@ -318,9 +318,9 @@ class _Transaction:
             d = queue[0]
             if run:
                 last = run[-1]
-                if not (isinstance(d, OrderedDelivery) and isinstance(last, OrderedDelivery)
-                        and d.seq == last.seq + 1) or d.unreadable is not None \
-                        or d.message.message_id in self.seen:
+                follows = (isinstance(d, OrderedDelivery) and isinstance(last, OrderedDelivery)
+                           and d.seq == last.seq + 1)
+                if not follows or d.unreadable is not None or d.message.message_id in self.seen:
                     break
                 queue.popleft()
                 self.seen.add(d.message.message_id)
