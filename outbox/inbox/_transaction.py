@@ -1,11 +1,14 @@
 """One inbox transaction, as rounds of phases: triage, claim, run, advance, successors.
 
 **This is where a delivery becomes applied or parked.** Every decision on a
-delivery that reaches a transaction is taken here, in one of the phases of
-``_Transaction`` below; the only other places that park are the gap sweeper
-(``_gaps``: a gap that outlived ``gap_timeout``) and an operator's discard
-(``_admin``), and an operator's replay runs through these same phases. The SQL
-behind each decision is ``_store``'s.
+delivery that reaches a transaction is taken here: in one of the phases of
+``_Transaction`` below, or in ``TransactionStep.park`` for a message whose
+attempts are spent (the settle stage decides *when*, this module *how*). The
+one other place that parks is the gap sweeper (``_gaps``: a gap that outlived
+``gap_timeout``). An operator's replay (``_admin``) runs parked messages
+through these same phases; a discard records one as discarded. The SQL behind
+each decision is ``_store``'s, whose ``park`` is the one way into
+``inbox_parked``.
 
 ``TransactionStep`` has three entry points, each one transaction: ``apply`` a
 batch, ``park`` a message whose attempts are spent, and ``transaction`` for an
