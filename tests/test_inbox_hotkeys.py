@@ -151,7 +151,7 @@ def test_a_failure_mid_run_commits_the_ones_before_and_runs_none_after(
     # The failed one first, then the rest of its key, all after the same delay; one attempt counted.
     assert seqs(settled.later) == [3, 4, 5, 6]
     assert len({delay for _, delay in settled.later}) == 1
-    assert [d.attempts for d, _ in settled.later] == [1, 0, 0, 0]
+    assert [d.attempts.count for d, _ in settled.later] == [1, 0, 0, 0]
     assert applied(engine, "a") == [("a", 1), ("a", 2)]  # 3's write rolled back
     assert last_seq(inbox, engine, "a") == 2
     assert rows(inbox, engine, "inbox_messages") == [1, 2]  # no dedup row for 3..6
@@ -200,7 +200,7 @@ def test_handler_signals_inside_a_run(inbox: Inbox, engine: sa.Engine) -> None:
 
     first = inbox.settler.settle(run_of("a", 1, 8))
     assert seqs(first.later) == [4, 5, 6, 7, 8]
-    assert [d.attempts for d, _ in first.later] == [0] * 5  # RetryLater counts nothing
+    assert [d.attempts.count for d, _ in first.later] == [0] * 5  # RetryLater counts nothing
     done = drain(inbox, [d for d, _ in first.later])
     assert done == {4: Disposition.APPLIED, 5: Disposition.APPLIED, 6: Disposition.PARKED,
                     7: Disposition.PARKED, 8: Disposition.PARKED}
@@ -293,7 +293,7 @@ def test_an_outage_mid_run_applies_nothing_and_counts_no_attempt(inbox: Inbox, e
     settled = inbox.settler.settle(run_of("a", 1, 5))
     assert settled.done == []
     assert seqs(settled.later) == [1, 2, 3, 4, 5]
-    assert [d.attempts for d, _ in settled.later] == [0] * 5
+    assert [d.attempts.count for d, _ in settled.later] == [0] * 5
     assert applied(engine, "a") == [] and rows(inbox, engine, "inbox_messages") == []
     assert last_seq(inbox, engine, "a") == 0
     assert drain(inbox, [d for d, _ in settled.later]) == dict.fromkeys(range(1, 6), Disposition.APPLIED)
@@ -366,7 +366,7 @@ def test_an_outage_while_parking_mid_run_keeps_the_failed_message_ahead_of_its_k
     settled = inbox.settler.settle(run_of("a", 1, 4))
     assert seqs(settled.done) == [1]
     assert seqs(settled.later) == [2, 3, 4]  # the park waits out the outage, the key behind it
-    assert [d.attempts for d, _ in settled.later] == [0, 0, 0]
+    assert [d.attempts.count for d, _ in settled.later] == [0, 0, 0]
     outage.end()
     assert drain(inbox, [d for d, _ in settled.later]) == {
         2: Disposition.PARKED, 3: Disposition.PARKED, 4: Disposition.PARKED}

@@ -47,7 +47,7 @@ from hypothesis.stateful import (
 )
 
 from outbox import DiscardRefusedError, Disposition, Inbox, RetryLater, SkipMessage
-from outbox.inbox._delivery import Delivery, decode
+from outbox.inbox._delivery import Delivery, Origin, decode, turn_of
 from outbox.inbox._offsets import OffsetTracker
 from tests.inbox_support import INBOX_KINDS, dispose, for_inbox, inbox_bind, record
 from transports import Record
@@ -230,26 +230,26 @@ class InboxModel(RuleBasedStateMachine):
         records = self.logs[partition][self.position[partition]:self.position[partition] + count]
         self.position[partition] += len(records)
         for r in records:
-            d = decode(r, accept_foreign=False)
-            d.tracked = True
+            d = decode(r, accept_foreign=False, origin=Origin.POLLED)
             self.queue.append(d)
-        self.tracker.received(((r.topic, r.partition), r.offset) for r in records)  # type: ignore[misc]
+            if d.position is not None:
+                self.tracker.received([d.position])
 
     @rule(size=st.integers(1, 5), run=st.integers(1, 5))
     def run_batch(self, size: int, run: int) -> None:
         """A worker takes the heads of up to ``size`` ready lanes (a waiting lane is not ready) and,
         while the batch has room for ``size``, up to ``run`` - 1 more of each lane's queue behind
         its head: a key's run, as the scheduler hands it out."""
-        blocked = {d.lane for d in self.waiting if d.lane is not None}
+        blocked = {turn_of(d) for d in self.waiting}
         lanes: dict[object, list[Delivery]] = {}
         for d in self.queue:
-            lane = d.lane if d.lane is not None else id(d)
+            lane = turn_of(d)
             if lane in blocked:
                 continue
             if lane not in lanes:
                 if len(lanes) < size:
                     lanes[lane] = [d]
-            elif d.lane is not None and len(lanes[lane]) < run:
+            elif d.message.key is not None and len(lanes[lane]) < run:
                 lanes[lane].append(d)
         room = size - len(lanes)
         batch = []
@@ -264,7 +264,7 @@ class InboxModel(RuleBasedStateMachine):
         settled = self.inbox.settler.settle(batch)
         self.duplicates.update(d.message.message_id for d, disposition in settled.done
                                if disposition is Disposition.DUPLICATE)
-        self.tracker.finished(d.position for d, _ in settled.done if d.tracked)  # type: ignore[misc]
+        self.tracker.finished(d.position for d, _ in settled.done if d.position is not None)
         self.waiting.extend(d for d, _ in settled.later)
 
     @rule()
@@ -290,7 +290,7 @@ class InboxModel(RuleBasedStateMachine):
         """The partition goes away and comes back: queued and waiting records are dropped after a
         commit of what finished; it is read again from the committed offset."""
         def mine(d: Delivery) -> bool:
-            return d.tracked and d.partition == partition
+            return d.position is not None and d.partition == partition
 
         self.queue = [d for d in self.queue if not mine(d)]
         self.waiting = [d for d in self.waiting if not mine(d)]

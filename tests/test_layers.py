@@ -31,3 +31,22 @@ def test_the_framework_reexports_the_transport_errors() -> None:
               "InvalidTopicError")
     for name in shared:
         assert getattr(outbox, name) is getattr(low, name)
+
+
+def test_console_and_ops_read_the_inbox_through_its_public_admin_api() -> None:
+    """``outbox.console`` and ``outbox.ops`` import no private module of ``outbox.inbox``."""
+    import ast
+    import pathlib
+
+    import outbox
+
+    root = pathlib.Path(outbox.__file__).parent
+    private = []
+    for package in ("console", "ops"):
+        for path in sorted((root / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    parts = node.module.split(".")
+                    if "inbox" in parts and any(p.startswith("_") for p in parts[parts.index("inbox") + 1:]):
+                        private.append(f"{path.relative_to(root)}: from {'.' * node.level}{node.module}")
+    assert private == []

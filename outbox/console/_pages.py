@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from .._envelope import utcnow
-from ..inbox._store_pages import held_lanes, parked_lanes, parked_page, parked_unkeyed
+from ..inbox.admin import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows
 from ._context import Context, group_of, page_size

@@ -1,17 +1,22 @@
 """The consumer side: an inbox that applies each message once, per key in seq order.
 
-One pipeline, one module per stage: decode (``_delivery``) → schedule by key
-(``_schedule``) → one transaction: claim, order check, handler, advance
-(``_transaction``, the only stage with a session) → settle: done, retry later
-or park (``_settle``) → commit offsets (``_offsets``, driven by ``_runner``).
-``_store`` owns every inbox statement and the one way to park. The public
-names are re-exported by ``outbox``.
+One pipeline, one module per stage: decode into typed deliveries
+(``_delivery``) → schedule by key (``_schedule``) → one transaction in rounds
+of phases: triage, claim, run, advance, successors (``_transaction``, the only
+stage with a session, and **where a delivery becomes applied or parked**) →
+settle: done, retry later or park (``_settle``) → commit offsets
+(``_offsets``, driven by ``_runner``). An operator's replay (``_admin``) runs
+through the same phases. ``_store`` owns every inbox statement and the one way
+to park, with one subclass per dialect (``_store_sqlite``, ``_store_pg``,
+``_store_mysql``). The public names are re-exported by ``outbox``; tools that
+read what waits (``outbox status``, the console) use ``outbox.inbox.admin``.
 """
 
 from .._stopping import StopRequested
-from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ReplayResult
+from .._tables import InboxOutcome
+from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedReplay
 from ._inbox import Inbox
-from ._kinds import ForeignRecords, Outcome, Reason, StartPolicy
+from ._kinds import ForeignRecords, Reason, StartPolicy
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
@@ -20,12 +25,12 @@ __all__ = [
     "ForeignRecords",
     "HandlerSignal",
     "Inbox",
+    "InboxOutcome",
     "NotParkedError",
-    "Outcome",
     "ParkMessage",
     "ParkedMessage",
+    "ParkedReplay",
     "Reason",
-    "ReplayResult",
     "RetryLater",
     "SkipMessage",
     "StartPolicy",

@@ -14,6 +14,7 @@ was applied, was recorded as skipped, was already recorded in
 
 from __future__ import annotations
 
+import enum
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,11 +23,12 @@ from sqlalchemy.orm import Session
 
 from .._envelope import utcnow
 from .._errors import OutboxError
+from .._tables import InboxOutcome
 from ._conflicts import rebuilt
-from ._kinds import Outcome, Reason
+from ._delivery import KeyId, OrderedDelivery
+from ._kinds import Reason
 from ._sessions import Sessions
-from ._signals import SkipMessage
-from ._store import InboxStore, ParkedRow
+from ._store import InboxStore, KeyState, ParkedRow
 from ._transaction import TransactionStep
 
 
@@ -60,7 +62,7 @@ class ParkedMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayResult:
+class ParkedReplay:
     """What ``replay`` did: how many applied, how many still parked, and why it stopped."""
 
     applied: int
@@ -97,7 +99,7 @@ class ParkedAdmin:
         with self.sessions() as session:
             return self.store.parked_key_count(session)
 
-    def replay(self, topic: str, key: str | None) -> ReplayResult:
+    def replay(self, topic: str, key: str | None) -> ParkedReplay:
         """Re-run the key's parked messages in seq order; unpark it when none is left.
 
         Stops at the first message that fails again (it stays parked, with its
@@ -116,8 +118,7 @@ class ParkedAdmin:
         """
         return self.sessions.run(self._replay, topic, key)
 
-    def _replay(self, topic: str, key: str | None) -> ReplayResult:
-        applied = 0
+    def _replay(self, topic: str, key: str | None) -> ParkedReplay:
         lane = (topic, key) if key is not None else None
         store = self.store
         with self.sessions() as session:
@@ -126,52 +127,61 @@ class ParkedAdmin:
                                                                   limit=1):
                 name = f"key {key!r}" if key is not None else "unkeyed message"
                 raise NotParkedError(f"no {name} of topic {topic!r} is parked in group {store.group!r}")
+        applied = 0
         while True:
             with self.sessions() as session, session.begin():
-                state = store.lock_keys(session, [lane])[lane] if lane else None
+                states = store.lock_keys(session, [lane]) if lane else {}
                 rows = store.parked(session, topic, key, replayable=True, limit=1)
                 if not rows:
-                    if lane and state:
-                        store.unpark_key(session, lane, last_seq=state.last_seq)
-                    return ReplayResult(applied, 0, unparked=True)
-                row = rows[0]
-                d = row.delivery
-                seq = d.message.seq if state else None
-                restart = False
-                if state is not None and seq is not None and seq <= state.last_seq:
-                    if store.is_recorded(session, d.message.message_id):
-                        store.unpark(session, row.id)  # applied meanwhile: nothing to redo
-                        continue
-                    if not (row.reason.restarts_on_replay
-                            or rebuilt(state.incarnation, d.message.incarnation)):
-                        return self._stopped(session, topic, key, applied,
-                                             f"seq {seq} is at or below the key's last seq "
-                                             f"{state.last_seq} but was never applied: discard it")
-                    # A rebuilt producer or a seq conflict: the operator's replay starts the key
-                    # again here, as first_seen would have.
-                    state.last_seq, restart = seq - 1, True
-                if state is not None and seq is not None and seq > state.last_seq + 1 and applied:
-                    return self._stopped(session, topic, key, applied,
-                                         f"{Reason.GAP}: seq {state.last_seq + 1} to {seq - 1} missing")
-                if not store.claim(session, [d]):
-                    store.unpark(session, row.id)  # its id was processed already
-                    continue
-                failure = self.step.run_handler(session, d)
-                if failure is None or isinstance(failure[0], SkipMessage):
-                    if failure is not None:
-                        store.mark(session, d, Outcome.SKIPPED, str(failure[0]) or "skipped by handler")
-                    store.unpark(session, row.id)
-                    if lane and seq is not None:
-                        incarnation = d.message.incarnation
-                        store.set_last_seq(session, {lane: seq}, {lane: incarnation} if incarnation else None)
-                        if restart:
-                            store.set_started(session, {lane: seq})
+                    if lane:
+                        store.unpark_key(session, lane, last_seq=states[lane].last_seq)
+                    return ParkedReplay(applied, 0, unparked=True)
+                done = self._replay_one(session, states, rows[0], first=not applied)
+                if isinstance(done, str):
+                    return self._stopped(session, topic, key, applied, done)
+                if done is _Replayed.APPLIED:
                     applied += 1
-                    continue
-                store.unclaim(session, [d.message.message_id])
-                error = f"{type(failure[0]).__name__}: {failure[0]}"
-                store.failed_again(session, row.id, error, failure[1])
-                return self._stopped(session, topic, key, applied, error)
+
+    def _replay_one(self, session: Session, states: dict[KeyId, KeyState], row: ParkedRow, *,
+                    first: bool) -> _Replayed | str:
+        """Replay one parked message through the transaction's phases; why it stopped, if it did.
+
+        The rules an operator's replay adds are here: a message at or below
+        its key's last seq starts the key again when a rebuilt producer or a
+        seq conflict parked it, and after the first message a hole in the seqs
+        stops the replay. Claim, handler and advance are the live path's
+        (``_transaction``).
+        """
+        store, d = self.store, row.delivery
+        tx = self.step.transaction(session, states)
+        state = states.get(d.lane) if isinstance(d, OrderedDelivery) else None
+        if isinstance(d, OrderedDelivery) and state is not None:
+            if d.seq <= state.last_seq:
+                if store.is_recorded(session, d.message.message_id):
+                    store.unpark(session, row.id)  # applied meanwhile: nothing to redo
+                    return _Replayed.ALREADY
+                if not (row.reason.restarts_on_replay
+                        or rebuilt(state.incarnation, d.message.incarnation)):
+                    return (f"seq {d.seq} is at or below the key's last seq {state.last_seq} "
+                            "but was never applied: discard it")
+                # A rebuilt producer or a seq conflict: the operator's replay starts the key
+                # again here, as first_seen would have.
+                tx.restart(d)
+            elif d.seq > state.last_seq + 1 and not first:
+                return f"{Reason.GAP}: seq {state.last_seq + 1} to {d.seq - 1} missing"
+        fresh = tx.claim([[d]])
+        if not fresh:
+            store.unpark(session, row.id)  # its id was processed already
+            return _Replayed.ALREADY
+        tx.advance(tx.run(fresh))
+        tx.finish()
+        if not tx.committed.failed:
+            store.unpark(session, row.id)
+            return _Replayed.APPLIED
+        failure = tx.committed.failed[0]
+        error = f"{type(failure.error).__name__}: {failure.error}"
+        store.failed_again(session, row.id, error, failure.traceback)
+        return error
 
     def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:
         """Skip one parked message for good, keeping a record of who, why and when.
@@ -194,17 +204,17 @@ class ParkedAdmin:
             if row is None:
                 raise NotParkedError(f"message {mid} is not parked in group {store.group!r}")
             d = row.delivery
-            lane = d.lane if d.ordered else None
+            lane = d.lane if isinstance(d, OrderedDelivery) else None
             state = store.lock_keys(session, [lane])[lane] if lane else None
-            if lane and state is not None:
-                earlier = store.parked_before(session, lane, d.message.seq)  # type: ignore[arg-type]
+            if isinstance(d, OrderedDelivery) and state is not None:
+                earlier = store.parked_before(session, d.lane, d.seq)
                 if earlier:
                     raise DiscardRefusedError(
-                        f"message {mid} is seq {d.message.seq} of {lane[0]}/{lane[1]}, and {earlier} "
+                        f"message {mid} is seq {d.seq} of {d.lane[0]}/{d.lane[1]}, and {earlier} "
                         f"earlier message(s) of that key are parked: replay or discard them first, "
                         f"or the key would move past them")
             note = f"discarded by {by.strip()} at {utcnow().isoformat()}: {reason.strip()}"
-            store.mark(session, d, Outcome.DISCARDED, note)
+            store.mark(session, d, InboxOutcome.DISCARDED, note)
             store.unpark(session, row.id)
             if lane and state is not None:
                 last_seq = max(state.last_seq, d.message.seq or 0)
@@ -214,9 +224,16 @@ class ParkedAdmin:
                     store.set_last_seq(session, {lane: last_seq})
 
     def _stopped(self, session: Session, topic: str, key: str | None, applied: int,
-                 error: str) -> ReplayResult:
+                 error: str) -> ParkedReplay:
         remaining = len(self.store.parked(session, topic, key, replayable=True))
-        return ReplayResult(applied, remaining, unparked=False, error=error)
+        return ParkedReplay(applied, remaining, unparked=False, error=error)
+
+
+class _Replayed(enum.Enum):
+    APPLIED = "applied"
+    """Its handler ran (or skipped it) and the key advanced."""
+    ALREADY = "already"
+    """Its id was recorded meanwhile: unparked, nothing to redo."""
 
 
 def _listed(r: ParkedRow) -> ParkedMessage:

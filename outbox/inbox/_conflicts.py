@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from ._delivery import Delivery
+from ._delivery import OrderedDelivery
 from ._kinds import Reason, StartPolicy
 from ._store import KeyState
 
@@ -68,7 +68,8 @@ def rebuilt(recorded: str | None, incoming: str | None) -> bool:
     return recorded is not None and incoming is not None and recorded != incoming
 
 
-def judge(d: Delivery, state: KeyState, start: StartPolicy, expired_before: datetime | None) -> Verdict:
+def judge(d: OrderedDelivery, state: KeyState, start: StartPolicy,
+          expired_before: datetime | None) -> Verdict:
     """The verdict on ``d``, a keyed message with an unrecorded id and ``seq <= state.last_seq``."""
     msg = d.message
     if expired_before is not None and msg.created_at < expired_before:
@@ -77,21 +78,22 @@ def judge(d: Delivery, state: KeyState, start: StartPolicy, expired_before: date
         if state.parked:
             return Verdict.KEY_PARKED
         return Verdict.RESTART if start is StartPolicy.FIRST_SEEN else Verdict.NEW_INCARNATION
-    if state.started_at_seq is not None and msg.seq < state.started_at_seq:  # type: ignore[operator]
+    if state.started_at_seq is not None and d.seq < state.started_at_seq:
         return Verdict.BEFORE_START
     if state.parked:
         return Verdict.KEY_PARKED
     return Verdict.SEQ_CONFLICT
 
 
-def judge_held(d: Delivery, holder: Delivery) -> Verdict:
+def judge_held(d: OrderedDelivery, holder: OrderedDelivery) -> Verdict:
     """The verdict on ``d``, ahead of its key's gap, whose seq ``holder`` (another id) holds."""
     if rebuilt(holder.message.incarnation, d.message.incarnation):
         return Verdict.NEW_INCARNATION
     return Verdict.SEQ_CONFLICT
 
 
-def describe_held(verdict: Verdict, d: Delivery, holder: Delivery, state: KeyState) -> str:
+def describe_held(verdict: Verdict, d: OrderedDelivery, holder: OrderedDelivery,
+                  state: KeyState) -> str:
     """The parked row's error text for ``judge_held``'s verdict."""
     msg, held = d.message, holder.message
     where = (f"seq {msg.seq} (incarnation {msg.incarnation or 'unknown'}) arrived while message "
@@ -104,7 +106,7 @@ def describe_held(verdict: Verdict, d: Delivery, holder: Delivery, state: KeySta
             "seq order, or discard the one you do not want")
 
 
-def describe(verdict: Verdict, d: Delivery, state: KeyState) -> str:
+def describe(verdict: Verdict, d: OrderedDelivery, state: KeyState) -> str:
     """The parked row's error text: what the conflict is and what an operator can do."""
     msg = d.message
     if verdict is Verdict.BEFORE_START:

@@ -4,12 +4,21 @@ Decoding never raises. A record without an outbox envelope is *foreign*; one
 whose envelope is fine but whose payload does not match its content type is
 *undecodable*. Both become deliveries that the inbox parks with that reason,
 so a bad record can never stop the consumer.
+
+The types say what differs. An ``OrderedDelivery`` (keyed and numbered) has a
+``lane`` and a ``seq`` and follows its key's seq order; a plain ``Delivery``
+(unkeyed, unnumbered or foreign) has neither. ``origin`` says where a delivery
+came from (polled, held, parked, handed in) and ``unreadable`` why it is parked
+unread; both are fixed when it is built. Only ``attempts`` changes in flight.
+``lane_of`` is the one queue a delivery keeps its order in.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import uuid
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -24,45 +33,129 @@ from ._kinds import Reason
 _FOREIGN_NAMESPACE = uuid.UUID("0b7e4c3e-6f1d-4a53-9a57-2f7f1bd0c0de")
 
 
-@dataclass(slots=True, eq=False)
+KeyId = tuple[str, str]
+"""(topic, key): the unit whose messages apply one at a time, in seq order."""
+
+Position = tuple[tuple[str, int], int]
+"""((topic, partition), offset): where a polled record sits in the broker."""
+
+Lane = Hashable
+"""A queue in which deliveries keep their order: a ``KeyId``, or one delivery's own."""
+
+
+class Origin(enum.Enum):
+    """Where a delivery came from, which decides what finishing it must also do."""
+
+    CALLER = "caller"
+    """Handed in by ``Inbox.handle`` or a test: nobody waits on its offset."""
+    POLLED = "polled"
+    """Polled by ``Inbox.run``: the offset tracker waits for it to finish (``position``)."""
+    HELD = "held"
+    """Taken out of ``inbox_held``: its held row is deleted when it is applied or parked."""
+    PARKED = "parked"
+    """Read from ``inbox_parked`` (listing, replay, discard)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """Why a delivery is parked unread: its handler is never called."""
+
+    reason: Reason
+    """``FOREIGN`` (no outbox envelope) or ``UNDECODABLE`` (payload does not match its content type)."""
+    detail: str
+
+
+@dataclass(slots=True)
+class Attempts:
+    """Failed handler attempts of one delivery so far (``RetryLater`` and outages do not count).
+
+    The one part of a delivery that changes while it is in flight: the settle
+    stage counts here, and parking stores it.
+    """
+
+    count: int = 0
+    first_failure_at: datetime | None = None
+
+    def failed(self) -> int:
+        """Count one more failure; how many there were."""
+        self.count += 1
+        if self.first_failure_at is None:
+            self.first_failure_at = utcnow()
+        return self.count
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Delivery:
-    """One message in flight; ``problem`` is set when it must be parked unread."""
+    """One message in flight, without a place in any key's seq order (unkeyed, unnumbered or foreign).
+
+    Build deliveries with ``delivery()``, which gives a keyed, numbered
+    message an ``OrderedDelivery``.
+    """
 
     message: Message
     partition: int | None = None
     offset: int | None = None
     received_at: datetime = field(default_factory=utcnow)
-    problem: Reason | None = None
-    """``FOREIGN`` or ``UNDECODABLE``: park with this reason, never call the handler."""
-    problem_detail: str | None = None
-    from_held: bool = False
-    """Taken out of ``inbox_held``; its held row is deleted when it is applied or parked."""
-    tracked: bool = False
-    """Received from a source whose offset tracker waits for it to finish."""
-    attempts: int = 0
-    """Failed handler attempts so far (``RetryLater`` and outages do not count)."""
-    first_failure_at: datetime | None = None
+    origin: Origin = Origin.CALLER
+    unreadable: Unreadable | None = None
+    """Set when it must be parked unread."""
+    attempts: Attempts = field(default_factory=Attempts)
 
     @property
-    def ordered(self) -> bool:
-        """Subject to the key's seq order (keyed and numbered)."""
-        return self.message.key is not None and self.message.seq is not None
+    def from_held(self) -> bool:
+        """Taken out of ``inbox_held``: its held row goes when it is applied or parked."""
+        return self.origin is Origin.HELD
 
     @property
-    def position(self) -> tuple[tuple[str, int], int] | None:
-        """((topic, partition), offset) in the broker, when the record came from a tracked source."""
-        if not self.tracked:
+    def position(self) -> Position | None:
+        """Its broker position when the offset tracker waits for it (polled by ``Inbox.run``)."""
+        if self.origin is not Origin.POLLED or self.partition is None or self.offset is None:
             return None
-        return (self.message.topic, self.partition), self.offset  # type: ignore[return-value]
-
-    @property
-    def lane(self) -> tuple[str, str] | None:
-        """Deliveries of one lane are handled one at a time; None means unordered."""
-        key = self.message.key
-        return (self.message.topic, key) if key is not None else None
+        return (self.message.topic, self.partition), self.offset
 
 
-def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None = None) -> Delivery:
+@dataclass(frozen=True, slots=True, eq=False)
+class OrderedDelivery(Delivery):
+    """A keyed, numbered message: subject to its key's seq order."""
+
+    lane: KeyId = field(kw_only=True)
+    """(topic, key): the key whose ``last_seq`` it must follow."""
+    seq: int = field(kw_only=True)
+
+
+def delivery(message: Message, partition: int | None = None, offset: int | None = None,
+             received_at: datetime | None = None, *, origin: Origin = Origin.CALLER,
+             unreadable: Unreadable | None = None) -> Delivery:
+    """A delivery of ``message``: an ``OrderedDelivery`` when it has a key and a seq."""
+    received_at = received_at or utcnow()
+    if message.key is not None and message.seq is not None:
+        return OrderedDelivery(message, partition, offset, received_at, origin, unreadable,
+                               lane=(message.topic, message.key), seq=message.seq)
+    return Delivery(message, partition, offset, received_at, origin, unreadable)
+
+
+def lane_of(d: Delivery) -> Lane:
+    """The queue in which ``d`` keeps its seq order: its key's when it is ordered, else its own.
+
+    The transaction sorts a batch into these (``_runs``) and the settle stage
+    keeps a failed message ahead of the rest of its lane.
+    """
+    return d.lane if isinstance(d, OrderedDelivery) else ("", id(d))
+
+
+def turn_of(d: Delivery) -> Lane:
+    """What the scheduler runs one at a time: ``d``'s (topic, key) when keyed, seq or not; else ``d``.
+
+    Wider than ``lane_of``: keyed messages without a seq have no seq order to
+    keep, but the scheduler still hands them over one at a time, in the
+    order they were submitted.
+    """
+    key = d.message.key
+    return (d.message.topic, key) if key is not None else ("", id(d))
+
+
+def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None = None,
+           origin: Origin = Origin.CALLER) -> Delivery:
     """Turn a consumed record into a delivery; never raises."""
     received_at = received_at or utcnow()
     try:
@@ -70,19 +163,20 @@ def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None
     except ForeignRecordError as exc:
         has_envelope = any(name == MESSAGE_ID for name, _ in record.headers or ())
         if accept_foreign and not has_envelope:
-            return Delivery(_foreign_message(record, key=None), record.partition, record.offset,
-                            received_at)
-        return Delivery(_foreign_message(record, key=_text_key(record)), record.partition,
-                        record.offset, received_at, problem=Reason.FOREIGN, problem_detail=str(exc))
+            return delivery(_foreign_message(record, key=None), record.partition, record.offset,
+                            received_at, origin=origin)
+        return delivery(_foreign_message(record, key=_text_key(record)), record.partition,
+                        record.offset, received_at, origin=origin,
+                        unreadable=Unreadable(Reason.FOREIGN, str(exc)))
     if "json" in message.content_type:
         try:
             json.loads(message.payload)
         except ValueError as exc:
-            return Delivery(message, record.partition, record.offset, received_at,
-                            problem=Reason.UNDECODABLE,
-                            problem_detail=f"payload is not valid JSON for content type "
-                                           f"{message.content_type!r}: {exc}")
-    return Delivery(message, record.partition, record.offset, received_at)
+            return delivery(message, record.partition, record.offset, received_at, origin=origin,
+                            unreadable=Unreadable(Reason.UNDECODABLE,
+                                                  f"payload is not valid JSON for content type "
+                                                  f"{message.content_type!r}: {exc}"))
+    return delivery(message, record.partition, record.offset, received_at, origin=origin)
 
 
 def _text_key(record: Record) -> str | None:

@@ -21,10 +21,10 @@ from .._alerts import Alert, deliver
 from .._envelope import utcnow
 from ._alerting import Alerter
 from ._conflicts import Verdict, describe
-from ._delivery import Delivery
+from ._delivery import Delivery, KeyId, OrderedDelivery
 from ._kinds import Reason
 from ._sessions import Sessions
-from ._store import InboxStore, KeyId, KeyState
+from ._store import InboxStore, KeyState
 from ._transaction import Parked
 
 
@@ -45,11 +45,11 @@ class GapSweeper:
         self.alert_after = alert_after
         self._alerted: set[uuid.UUID] = set()  # head message ids of gaps already alerted on
 
-    def ready(self, limit: int = 500) -> list[Delivery]:
+    def ready(self, limit: int = 500) -> list[OrderedDelivery]:
         """Held messages that are next in their key; apply each through its key's lane."""
         return self.sessions.run(self._ready, limit)
 
-    def _ready(self, limit: int) -> list[Delivery]:
+    def _ready(self, limit: int) -> list[OrderedDelivery]:
         with self.sessions() as session:
             return self.store.ready_held(session, limit)
 
@@ -112,7 +112,7 @@ class GapSweeper:
             held = self.store.held_of(session, key)
             # A held copy of a seq applied meanwhile (it came again on another path) is a
             # duplicate; a held message with another id at such a seq is a conflict.
-            stale = [d for d in held if d.message.seq <= state.last_seq]  # type: ignore[operator]
+            stale = [d for d in held if d.seq <= state.last_seq]
             recorded = self.store.known(session, stale)
             self.store.unhold(session, (d.message.message_id for d in stale
                                         if d.message.message_id in recorded))
@@ -129,7 +129,7 @@ class GapSweeper:
             expected = state.last_seq + 1
             if head.message.seq == expected:
                 return None  # the gap filled: ready(), not parking
-            last_missing = head.message.seq - 1  # type: ignore[operator]
+            last_missing = head.seq - 1
             missing = f"seq {expected}" + (f" to {last_missing}" if last_missing > expected else "")
             error = (f"{missing} did not arrive within {self.gap_timeout:g}s "
                      f"(seq {head.message.seq} waiting since {head.received_at.isoformat()})")

@@ -33,10 +33,10 @@ from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
-from ._admin import ParkedAdmin, ParkedMessage, ReplayResult
+from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._alerting import Alerter
 from ._calls import TopicHandler
-from ._delivery import Delivery, decode
+from ._delivery import Delivery, decode, delivery
 from ._gaps import GapSweeper
 from ._kinds import ForeignRecords, StartPolicy
 from ._metrics import InboxMetrics
@@ -45,7 +45,7 @@ from ._runner import Runner
 from ._sessions import sessions_for
 from ._settle import Settler
 from ._signals import Disposition
-from ._store import InboxStore
+from ._store import store_for
 from ._transaction import TransactionStep
 
 log = safe_logger("outbox.inbox")
@@ -164,7 +164,7 @@ class Inbox:
         self._stop = threading.Event()
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         # The pipeline's stages, each handed what it needs: one store owns every statement.
-        self.store = InboxStore(self.tables, group, engine.dialect.name)
+        self.store = store_for(self.tables, group, engine.dialect.name)
         self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start,
                                     None if window is None else float(window))
         self.alerter = Alerter(alert, group, self.metrics)
@@ -254,7 +254,7 @@ class Inbox:
         the next attempt. The record is then not finished: do not commit it.
         """
         if isinstance(record, Message):
-            d = Delivery(record, partition, offset)
+            d = delivery(record, partition, offset)
         else:
             d = decode(record, accept_foreign=self.accept_foreign)
         self.metrics.consumed(d.message.topic)
@@ -348,7 +348,7 @@ class Inbox:
         """Parked messages of this group, per key in seq order."""
         return self.admin.parked(topic, key)
 
-    def replay(self, topic: str, key: str | None) -> ReplayResult:
+    def replay(self, topic: str, key: str | None) -> ParkedReplay:
         """Re-run a parked key's messages in seq order; unpark it when all succeed.
 
         ``key=None`` re-runs the topic's parked unkeyed messages.

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import enum
 
-from .._tables import InboxOutcome
-
 
 class Reason(enum.StrEnum):
     """Why a message sits in ``inbox_parked``."""
@@ -47,8 +45,6 @@ class Reason(enum.StrEnum):
         return self in (Reason.NEW_INCARNATION, Reason.SEQ_CONFLICT)
 
 
-Outcome = InboxOutcome
-"""``inbox_messages.outcome``: how a message id was finished (defined with the tables)."""
 
 
 class StartPolicy(enum.StrEnum):

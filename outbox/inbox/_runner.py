@@ -36,7 +36,7 @@ from transports._logsafe import safe_logger
 from .._envelope import utcnow
 from .._errors import CommitRefusedError, RetriableTransportError
 from .._stopping import STOP_TIMEOUT, run_with_stop_bound
-from ._delivery import Delivery
+from ._delivery import Delivery, Origin
 from ._gaps import GapSweeper
 from ._metrics import InboxMetrics
 from ._offsets import OffsetTracker, TopicPartition
@@ -51,7 +51,7 @@ SWEEP_INTERVAL = 1.0
 REVOKE_TIMEOUT = 30.0
 
 Decode = Callable[..., Delivery]
-"""``decode(record, received_at=…)``: a record as a delivery, never raising."""
+"""``decode(record, received_at=…, origin=…)``: a record as a delivery, never raising."""
 
 
 class Runner:
@@ -148,12 +148,10 @@ class Runner:
         if not records:
             return
         received_at = utcnow()
-        deliveries = [self.decode(r, received_at=received_at) for r in records]
-        for d in deliveries:
-            d.tracked = True
+        deliveries = [self.decode(r, received_at=received_at, origin=Origin.POLLED) for r in records]
         for topic, count in Counter(r.topic for r in records).items():
             self.metrics.consumed(topic, count)
-        self.tracker.received(((r.topic, r.partition), r.offset) for r in records)  # type: ignore[misc]
+        self.tracker.received(position for d in deliveries if (position := d.position) is not None)
         self.scheduler.submit(deliveries)
 
     def _work(self, batch: list[Delivery]) -> list[tuple[Delivery, float]]:
@@ -162,14 +160,14 @@ class Runner:
         finally:
             with self._sweep_lock:
                 self._sweeping.difference_update(d.message.message_id for d in batch)
-        self.tracker.finished(d.position for d, _ in settled.done if d.tracked)  # type: ignore[misc]
+        self.tracker.finished(position for d, _ in settled.done if (position := d.position) is not None)
         # A record of a partition that was taken away meanwhile is the next owner's to retry.
         return [(d, delay) for d, delay in settled.later if self._still_mine(d)]
 
     def _still_mine(self, d: Delivery) -> bool:
-        if not d.tracked:
+        if d.position is None:
             return True
-        tp, offset = d.position  # type: ignore[misc]
+        tp, offset = d.position
         return tp not in self.revoked and self.tracker.is_open(tp, offset)
 
     def _crashed(self, exc: BaseException) -> None:
@@ -197,7 +195,7 @@ class Runner:
         self.revoked |= gone
         try:
             def mine(d: Delivery) -> bool:
-                return d.tracked and (d.message.topic, d.partition) in gone
+                return d.position is not None and d.position[0] in gone
 
             dropped = self.scheduler.drop(mine)
             if not self.scheduler.wait_idle(mine, REVOKE_TIMEOUT):

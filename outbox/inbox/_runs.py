@@ -13,29 +13,22 @@ next round of the same transaction, against the key's state after the run.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 
-from ._delivery import Delivery
-from ._store import KeyId
-
-
-def lane_of(d: Delivery) -> Hashable:
-    """The queue ``d`` joins in a transaction: its key when it is ordered, else its own."""
-    return d.lane if d.ordered else ("", id(d))
+from ._delivery import Delivery, KeyId, Lane, OrderedDelivery, lane_of
 
 
 def _seq(d: Delivery) -> int:
-    return d.message.seq or 0
+    return d.seq if isinstance(d, OrderedDelivery) else 0
 
 
 class Lanes:
     """One transaction's deliveries, a queue per key in seq order; for one thread."""
 
     def __init__(self, deliveries: Iterable[Delivery]) -> None:
-        queues: dict[Hashable, list[Delivery]] = {}
+        queues: dict[Lane, list[Delivery]] = {}
         for d in deliveries:
-            msg = d.message
-            lane = (msg.topic, msg.key) if msg.key is not None and msg.seq is not None else ("", id(d))
+            lane = lane_of(d)
             if (queue := queues.get(lane)) is None:
                 queues[lane] = [d]
             else:
@@ -46,7 +39,8 @@ class Lanes:
 
     def keys(self) -> list[KeyId]:
         """The ordered keys among the lanes, to lock."""
-        return [lane for lane, queue in self._queues.items() if queue and queue[0].ordered]  # type: ignore[misc]
+        return [queue[0].lane for queue in self._queues.values()
+                if queue and isinstance(queue[0], OrderedDelivery)]
 
     def __bool__(self) -> bool:
         return any(self._queues.values())

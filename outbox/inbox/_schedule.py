@@ -5,7 +5,9 @@ Like Confluent Parallel Consumer's KEY mode. Every key has its own queue
 one key are handled one at a time, in the order they were submitted**, while
 different keys, even of one partition, run concurrently on up to
 ``concurrency`` threads. Unkeyed messages each get a lane of their own, so
-they run unordered. A worker takes up to ``batch_size`` deliveries at once and
+they run unordered. A scheduler lane is ``turn_of`` a delivery: its key, seq
+or not, which is wider than the transaction's ``lane_of`` (keyed and numbered).
+A worker takes up to ``batch_size`` deliveries at once and
 hands them to ``work`` as one batch (one transaction): the head of each ready
 lane it takes, and with what room is left, the deliveries queued behind those
 heads (a *run*), so a hot key's backlog costs one transaction per batch, not
@@ -27,7 +29,7 @@ from collections.abc import Callable, Hashable
 from transports._logsafe import safe_logger
 
 from .._wheel import TimingWheel
-from ._delivery import Delivery
+from ._delivery import Delivery, turn_of
 
 log = safe_logger("outbox.inbox")
 
@@ -35,10 +37,6 @@ Work = Callable[[list[Delivery]], list[tuple[Delivery, float]]]
 """Handles a batch; returns the deliveries to try again, each with its delay in seconds."""
 
 TICK = 0.02
-
-
-def lane_of(d: Delivery) -> Hashable:
-    return d.lane if d.lane is not None else ("", id(d))
 
 
 class KeyScheduler:
@@ -76,7 +74,7 @@ class KeyScheduler:
         """Queue ``deliveries``; each lane keeps the order they come in."""
         with self._cond:
             for d in deliveries:
-                lane = lane_of(d)
+                lane = turn_of(d)
                 queue = self._lanes.get(lane)
                 if queue is None:
                     self._lanes[lane] = deque([d])
@@ -188,7 +186,7 @@ class KeyScheduler:
         back: dict[Hashable, list[Delivery]] = {}
         delays: dict[Hashable, float] = {}
         for d, delay in later:
-            lane = lane_of(d)
+            lane = turn_of(d)
             back.setdefault(lane, []).append(d)
             delays[lane] = max(delay, delays.get(lane, 0.0))
         with self._cond:

@@ -12,7 +12,7 @@ worker thread; ``Inbox.handle`` sleeps in its caller's thread.
 - ``RetryLater`` tries again after its delay and counts nothing.
 - ``ParkMessage`` parks at once.
 - The messages of a key that a transaction did not run because one before
-  them failed (``Batch.blocked``) wait as long as that one, and go back to
+  them failed (``Committed.blocked``) wait as long as that one, and go back to
   their key right behind it: they count no attempt.
 - A database outage (``is_outage``) counts nothing, parks nothing and alerts
   nothing: the whole batch is tried again after a capped backoff.
@@ -33,15 +33,16 @@ from sqlalchemy.exc import DBAPIError
 
 from transports._logsafe import safe_logger
 
-from .._envelope import utcnow
 from ._alerting import Alerter
-from ._delivery import Delivery
+from ._delivery import Delivery, lane_of
 from ._outage import OutageLog, is_outage
-from ._runs import lane_of
 from ._signals import Disposition, ParkMessage, RetryLater
-from ._transaction import Batch, Failure, Parked, TransactionStep
+from ._transaction import Committed, Failure, Parked, TransactionStep
 
 log = safe_logger("outbox.inbox")
+
+_NO_RETRYING = tenacity.Retrying()
+"""The retry object a ``RetryCallState`` must name; the wait strategies read only the attempt number."""
 
 
 @dataclass(slots=True)
@@ -67,11 +68,12 @@ class Settler:
         """Apply ``deliveries`` (a run of consecutive messages per key) and settle each one; never sleeps.
 
         The only calls into the transaction step are here (``apply``, ``park``);
-        the decisions are the ``after_*`` methods, which an async driver of an
-        async step reuses as they are.
+        the decisions are the ``after_*`` methods. On an async inbox the step
+        runs each transaction on the inbox's event loop (``_sessions``); this
+        stage is the same for both.
         """
         try:
-            batch = self.step.apply(deliveries)
+            committed = self.step.apply(deliveries)
         except Exception as exc:
             if isinstance(exc, DBAPIError) and not is_outage(exc) and len(deliveries) > 1:
                 settled = Settled()  # one message broke the commit: find it by applying each alone
@@ -82,7 +84,7 @@ class Settler:
                 return settled
             settled, to_park = self.after_error(deliveries, exc)
         else:
-            settled, to_park = self.after_apply(batch)
+            settled, to_park = self.after_apply(committed)
         for failure in to_park:
             try:
                 outcome = self.step.park(failure.delivery, failure.error, failure.traceback)
@@ -107,21 +109,21 @@ class Settler:
         to_park = self._failed(Failure(d, error, traceback.format_exc()), settled)
         return settled, [] if to_park is None else [to_park]
 
-    def after_apply(self, batch: Batch) -> tuple[Settled, list[Failure]]:
-        """A committed batch: what is done, what to try again when, and what to park now."""
+    def after_apply(self, committed: Committed) -> tuple[Settled, list[Failure]]:
+        """A committed transaction: what is done, what to try again when, and what to park now."""
         self.outages.answered()
-        self.alerter.parked(batch.parked)
-        settled = Settled(done=list(batch.done))
+        self.alerter.parked(committed.parked)
+        settled = Settled(done=list(committed.done))
         to_park: list[Failure] = []
         waits: dict[Hashable, float] = {}
-        for failure in batch.failed:
+        for failure in committed.failed:
             if self._failed(failure, settled) is None:
                 waits[lane_of(failure.delivery)] = settled.later[-1][1]
             else:
                 to_park.append(failure)
                 waits[lane_of(failure.delivery)] = 0.0  # parked first: then they park behind it
         # A key's messages behind its failed one wait as long as it does, and run after it.
-        settled.later.extend((d, waits[lane_of(d)]) for d in batch.blocked)
+        settled.later.extend((d, waits[lane_of(d)]) for d in committed.blocked)
         return settled, to_park
 
     def after_park(self, d: Delivery, outcome: tuple[Disposition, Parked | None],
@@ -135,7 +137,7 @@ class Settler:
     def after_park_error(self, d: Delivery, error: Exception, settled: Settled) -> None:
         if not is_outage(error):
             raise error
-        d.attempts -= 1  # parking did not happen: the next try ends here again
+        d.attempts.count -= 1  # parking did not happen: the next try ends here again
         # Ahead of the rest of its key, which waits behind it.
         lane = lane_of(d)
         at = next((n for n, (other, _) in enumerate(settled.later) if lane_of(other) == lane),
@@ -148,17 +150,15 @@ class Settler:
         if isinstance(error, RetryLater):
             settled.later.append((d, error.delay))
             return None
-        d.attempts += 1
-        if d.first_failure_at is None:
-            d.first_failure_at = utcnow()
-        if isinstance(error, ParkMessage) or d.attempts >= self.max_attempts:
+        attempts = d.attempts.failed()
+        if isinstance(error, ParkMessage) or attempts >= self.max_attempts:
             return failure
         log.warning("handler failed on %s/%s seq %s (attempt %d of %d): %r", d.message.topic,
-                    d.message.key, d.message.seq, d.attempts, self.max_attempts, error)
-        settled.later.append((d, self._backoff(d.attempts)))
+                    d.message.key, d.message.seq, attempts, self.max_attempts, error)
+        settled.later.append((d, self._backoff(attempts)))
         return None
 
     def _backoff(self, attempt: int) -> float:
-        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        state = tenacity.RetryCallState(retry_object=_NO_RETRYING, fn=None, args=(), kwargs={})
         state.attempt_number = attempt
         return float(self.wait(state))

@@ -10,18 +10,23 @@ messages one at a time, in seq order.
 ``park`` is the one way a message enters ``inbox_parked``: with a reason that
 stops the key it also marks the key parked and moves the key's held messages
 behind it.
+
+``InboxStore`` holds what every database shares; what differs is a subclass
+per dialect, chosen once by ``store_for``: ``SQLiteStore`` (``_store_sqlite``),
+``PostgresStore`` (``_store_pg``: one array per column, a stable plan) and
+``MySQLStore`` (``_store_mysql``: no ``ON CONFLICT``, no ``RETURNING``).
 """
 
 from __future__ import annotations
 
+import abc
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
-    Connection,
     Insert,
     Row,
     Table,
@@ -29,7 +34,6 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    or_,
     select,
     tuple_,
     update,
@@ -39,13 +43,9 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from .._envelope import Message, utcnow
-from .._tables import MYSQL_FAMILY, OutboxTables
-from ._delivery import Delivery
-from ._kinds import Outcome, Reason
-from ._store_mysql import MySQLWrites
-from ._store_pg import PostgresBulk
-
-KeyId = tuple[str, str]
+from .._tables import MYSQL_FAMILY, InboxOutcome, OutboxTables
+from ._delivery import Delivery, KeyId, OrderedDelivery, Origin, delivery
+from ._kinds import Reason
 
 
 @dataclass(slots=True)
@@ -75,26 +75,19 @@ class ParkedRow:
     last_failure_at: datetime
 
 
-class InboxStore:
-    """Statements for one group on one dialect; safe to share between threads."""
+class InboxStore(abc.ABC):
+    """Statements for one group on one dialect; safe to share between threads.
 
-    def __init__(self, tables: OutboxTables, group: str, dialect: str) -> None:
+    The abstract methods are the ones whose SQL differs per dialect.
+    """
+
+    inserts_count_exactly = True
+    """An INSERT that leaves an existing row alone reports 0 rows (not so on MySQL: ``_store_mysql``)."""
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
         self.t = tables
         self.group = group
-        postgres = dialect == "postgresql"
-        self._mysql = MySQLWrites(tables, group) if dialect in MYSQL_FAMILY else None
-        self._insert: Callable[[Table], postgresql.Insert | sqlite.Insert] = (
-            postgresql.insert if postgres else sqlite.insert)
-        self._bulk = PostgresBulk(tables, group) if postgres else None
         k = tables.inbox_keys
-        self._set_last_seq = (
-            update(k)
-            .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
-                   k.c.key == bindparam("b_key"))
-            .values(last_seq=bindparam("b_seq"),
-                    incarnation=func.coalesce(bindparam("b_incarnation", type_=k.c.incarnation.type),
-                                              k.c.incarnation))
-        )
         self._set_started = (
             update(k)
             .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
@@ -104,37 +97,12 @@ class InboxStore:
 
     # -- key state ------------------------------------------------------------
 
+    @abc.abstractmethod
     def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
-        """Lock and read the state of ``keys``, creating missing ones at seq 0."""
-        wanted = sorted(set(keys))
-        if not wanted:
-            return {}
-        if self._bulk is not None:
-            return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
-                    for r in self._bulk.lock_keys(session, wanted)}
-        if self._mysql is not None:
-            found = self._mysql.lock_keys(session, wanted)
-            if len(found) < len(wanted):
-                have = {(topic, key) for topic, key, *_ in found}
-                missing = [key for key in wanted if key not in have]
-                session.execute(self._insert_new(self.t.inbox_keys), [
-                    {"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
-                     "parked": False} for t, key in missing])
-                found += self._mysql.lock_keys(session, missing)
-            # Unpacked: a Row's attribute access costs more than the rest of the loop.
-            return {(topic, key): KeyState(last_seq, parked, started, incarnation)
-                    for topic, key, last_seq, parked, started, incarnation in found}
-        states = self._select_keys(session, wanted)
-        missing = [key for key in wanted if key not in states]
-        if missing:
-            k = self.t.inbox_keys
-            session.execute(
-                self._insert_new(k),
-                [{"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
-                  "parked": False} for t, key in missing],
-            )
-            states |= self._select_keys(session, missing)
-        return states
+        """Lock and read the state of ``keys``, creating missing ones at seq 0.
+
+        Keys are locked in sorted order, so two transactions cannot deadlock on each other.
+        """
 
     def key_states(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
         """Read (without locking) the state of those of ``keys`` that exist."""
@@ -150,6 +118,7 @@ class InboxStore:
         return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
                 for r in session.execute(stmt)}
 
+    @abc.abstractmethod
     def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
                      incarnations: Mapping[KeyId, str] | None = None) -> None:
         """Advance keys (locked by the caller) to ``seqs``, in one statement.
@@ -157,19 +126,6 @@ class InboxStore:
         A key in ``incarnations`` also records the producer incarnation its
         message came from; the others keep theirs.
         """
-        if not seqs:
-            return
-        incarnations = incarnations or {}
-        if self._bulk is not None:
-            self._bulk.set_last_seq(session, seqs, incarnations)
-            return
-        if self._mysql is not None:
-            self._mysql.set_last_seq(session, seqs, incarnations)
-            return
-        session.execute(self._set_last_seq, [
-            {"b_topic": t, "b_key": key, "b_seq": seq, "b_incarnation": incarnations.get((t, key))}
-            for (t, key), seq in seqs.items()
-        ])
 
     def set_started(self, session: Session, starts: dict[KeyId, int]) -> None:
         """Record the seq at which keys started (start policy ``first_seen``)."""
@@ -193,29 +149,21 @@ class InboxStore:
 
     # -- dedup records ----------------------------------------------------------
 
+    @abc.abstractmethod
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         """Insert the dedup rows; returns the ids that were new (the rest are duplicates).
 
         ``deliveries`` must not repeat a message id: two copies in one statement
         would both look new to the caller.
         """
-        if not deliveries:
-            return set()
-        m = self.t.inbox_messages
-        now = utcnow()
-        if self._bulk is not None:
-            return self._bulk.claim(session, deliveries, now)
-        if self._mysql is not None:
-            return self._mysql.claim(session, deliveries, now, lambda d: self._done_row(d, now))
-        rows = [self._done_row(d, now) for d in deliveries]
-        stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
-        return set(session.scalars(stmt, rows))
 
+    @abc.abstractmethod
     def _insert_new(self, table: Table) -> Insert:
         """An INSERT that leaves a row with the same unique key as it is."""
-        if self._mysql is not None:
-            return self._mysql.insert_new(table)
-        return self._insert(table).on_conflict_do_nothing()
+
+    @abc.abstractmethod
+    def _record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
+        """Insert a dedup row, or apply ``changes`` to the one already there."""
 
     def known(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         """The ids of ``deliveries`` this group recorded already (applied, skipped, discarded).
@@ -235,7 +183,7 @@ class InboxStore:
         return session.scalar(select(m.c.message_id).where(
             m.c.consumer_group == self.group, m.c.message_id == message_id)) is not None
 
-    def _done_row(self, d: Delivery, now: datetime, *, outcome: Outcome = Outcome.PROCESSED,
+    def _done_row(self, d: Delivery, now: datetime, *, outcome: InboxOutcome = InboxOutcome.PROCESSED,
                   note: str | None = None) -> dict[str, Any]:
         msg = d.message
         return {
@@ -255,17 +203,10 @@ class InboxStore:
             session.execute(delete(table).where(table.c.consumer_group == self.group,
                                                 table.c.message_id.in_(ids)))
 
-    def mark(self, session: Session, d: Delivery, outcome: Outcome, note: str) -> None:
+    def mark(self, session: Session, d: Delivery, outcome: InboxOutcome, note: str) -> None:
         """Record a message as done without its effects (skipped, discarded)."""
-        m = self.t.inbox_messages
         row = self._done_row(d, utcnow(), outcome=outcome, note=note[:4000])
-        changes = {"outcome": outcome.value, "note": note[:4000]}
-        if self._mysql is not None:
-            self._mysql.record_done(session, row, changes)
-            return
-        session.execute(self._insert(m).values(row)
-                        .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
-                                               set_=changes))
+        self._record_done(session, row, {"outcome": outcome.value, "note": note[:4000]})
 
     def count_redelivery(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         """A duplicate arrived: count it on the original's row (the audit reads this)."""
@@ -279,7 +220,7 @@ class InboxStore:
 
     # -- held -------------------------------------------------------------------
 
-    def hold(self, session: Session, d: Delivery) -> Delivery | None:
+    def hold(self, session: Session, d: Delivery) -> OrderedDelivery | None:
         """Store ``d`` in ``inbox_held``; the other message already held at its seq, if one is.
 
         A key holds one message per seq (the unique index the successor
@@ -292,17 +233,17 @@ class InboxStore:
         h = self.t.inbox_held
         row = {**self._stored(d), "received_at": d.received_at}
         result = cast(CursorResult[Any], session.execute(self._insert_new(h).values(row)))
-        stored = result.rowcount == 1
-        if stored and self._mysql is None:  # MySQL counts a kept duplicate as a found row, too
+        if result.rowcount == 1 and self.inserts_count_exactly:
             return None
         holder = session.execute(select(h).where(
             h.c.consumer_group == self.group, h.c.topic == d.message.topic,
             h.c.key == d.message.key, h.c.seq == d.message.seq)).one_or_none()
         if holder is None or holder.message_id == d.message.message_id:
             return None  # held already (None: its id is held at another seq: one id, one message)
-        return delivery_from_row(holder, from_held=True)
+        return held_from_row(holder)
 
-    def successors(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> list[Delivery]:
+    def successors(self, session: Session,
+                   ranges: dict[KeyId, tuple[int, int]]) -> list[OrderedDelivery]:
         """Held messages of each key with ``first <= seq <= last``, in seq order.
 
         The caller asks from the first seq its transaction applied to the key's
@@ -312,22 +253,14 @@ class InboxStore:
         """
         if not ranges:
             return []
-        if self._bulk is not None:
-            rows = self._bulk.successors(session, ranges)
-        elif self._mysql is not None:
-            rows = self._mysql.successors(session, ranges)
-        else:
-            h, wanted = self.t.inbox_held, list(ranges.items())
-            rows = []
-            for n in range(0, len(wanted), 200):  # an OR of ranges; SQLite limits expression depth
-                rows.extend(session.execute(select(h).where(
-                    h.c.consumer_group == self.group,
-                    or_(*[and_(h.c.topic == t, h.c.key == key, h.c.seq.between(first, last))
-                          for (t, key), (first, last) in wanted[n:n + 200]]))))
-        return sorted((delivery_from_row(r, from_held=True) for r in rows),
-                      key=lambda d: d.message.seq)  # type: ignore[arg-type,return-value]
+        rows = self._held_rows(session, ranges)
+        return sorted((held_from_row(r) for r in rows), key=lambda d: d.seq)
 
-    def ready_held(self, session: Session, limit: int) -> list[Delivery]:
+    @abc.abstractmethod
+    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
+        """``inbox_held`` rows of each key with ``first <= seq <= last``, in any order."""
+
+    def ready_held(self, session: Session, limit: int) -> list[OrderedDelivery]:
         """Held messages whose gap has filled but that nobody picked up (e.g. filled elsewhere)."""
         h, k = self.t.inbox_held, self.t.inbox_keys
         rows = session.execute(
@@ -337,7 +270,7 @@ class InboxStore:
                    k.c.parked.is_(False))
             .limit(limit)
         )
-        return [delivery_from_row(r, from_held=True) for r in rows]
+        return [held_from_row(r) for r in rows]
 
     def stale_gaps(self, session: Session, before: datetime) -> list[KeyId]:
         """Unparked keys whose oldest held message has waited since before ``before``."""
@@ -352,12 +285,12 @@ class InboxStore:
         )
         return [(r.topic, r.key) for r in rows]
 
-    def held_of(self, session: Session, key: KeyId) -> list[Delivery]:
+    def held_of(self, session: Session, key: KeyId) -> list[OrderedDelivery]:
         h = self.t.inbox_held
         rows = session.execute(select(h).where(
             h.c.consumer_group == self.group, h.c.topic == key[0], h.c.key == key[1]
         ).order_by(h.c.seq))
-        return [delivery_from_row(r, from_held=True) for r in rows]
+        return [held_from_row(r) for r in rows]
 
     def unhold(self, session: Session, message_ids: Iterable[uuid.UUID]) -> None:
         self._delete_ids(session, self.t.inbox_held, message_ids)
@@ -376,14 +309,14 @@ class InboxStore:
         now = utcnow()
         p = self.t.inbox_parked
         row = {**self._stored(d), "reason": reason.value, "error": error, "traceback": traceback,
-               "attempts": attempts, "first_failure_at": d.first_failure_at or now,
+               "attempts": attempts, "first_failure_at": d.attempts.first_failure_at or now,
                "last_failure_at": now}
         session.execute(self._insert_new(p).values(row))
         if d.from_held:
             self.unhold(session, [d.message.message_id])
-        if not (reason.parks_key and d.ordered):
+        if not (reason.parks_key and isinstance(d, OrderedDelivery)):
             return False
-        key: KeyId = d.lane  # type: ignore[assignment]
+        key = d.lane
         k = self.t.inbox_keys
         note = f"{reason}: message {d.message.message_id} (seq {d.message.seq}): {error or ''}"
         session.execute(
@@ -454,7 +387,38 @@ class InboxStore:
         }
 
 
-def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
+class OnConflictStore(InboxStore):
+    """The databases with ``INSERT … ON CONFLICT`` (SQLite, PostgreSQL)."""
+
+    @abc.abstractmethod
+    def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
+        """This dialect's INSERT, which has ``on_conflict_do_nothing``/``_do_update``."""
+
+    def _insert_new(self, table: Table) -> Insert:
+        return self._insert(table).on_conflict_do_nothing()
+
+    def _record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
+        m = self.t.inbox_messages
+        session.execute(self._insert(m).values(row)
+                        .on_conflict_do_update(index_elements=[m.c.consumer_group, m.c.message_id],
+                                               set_=changes))
+
+
+def store_for(tables: OutboxTables, group: str, dialect: str) -> InboxStore:
+    """The store of ``dialect`` (an engine's ``dialect.name``) for one group."""
+    # Imported here: each dialect's module builds on the classes above.
+    from ._store_mysql import MySQLStore
+    from ._store_pg import PostgresStore
+    from ._store_sqlite import SQLiteStore
+
+    if dialect == "postgresql":
+        return PostgresStore(tables, group)
+    if dialect in MYSQL_FAMILY:
+        return MySQLStore(tables, group)
+    return SQLiteStore(tables, group)
+
+
+def delivery_from_row(row: Row[Any], *, origin: Origin = Origin.PARKED) -> Delivery:
     """Rebuild a delivery from an ``inbox_held`` or ``inbox_parked`` row."""
     message = Message.model_construct(
         message_id=row.message_id, topic=row.topic, key=row.key, seq=row.seq,
@@ -462,43 +426,12 @@ def delivery_from_row(row: Row[Any], *, from_held: bool = False) -> Delivery:
         created_at=row.created_at, available_at=row.created_at, incarnation=row.incarnation,
     )
     received = getattr(row, "received_at", None) or utcnow()
-    return Delivery(message, row.kafka_partition, row.kafka_offset, received_at=received,
-                    from_held=from_held)
+    return delivery(message, row.kafka_partition, row.kafka_offset, received, origin=origin)
 
 
-@dataclass(frozen=True, slots=True)
-class GroupBacklog:
-    """What waits in one consumer group: parked keys and messages, held (gap) messages."""
-
-    group: str
-    parked_keys: int
-    parked_messages: int
-    oldest_parked: datetime | None  # first failure of the oldest parked message
-    held_messages: int
-    oldest_held: datetime | None  # when the oldest message held behind a gap arrived
-
-
-def stuck_by_group(conn: Connection, tables: OutboxTables, group: str | None = None) -> list[GroupBacklog]:
-    """Parked and held messages per consumer group (only ``group`` if given), for ``outbox status``.
-
-    Reads ``inbox_parked`` and ``inbox_held`` only — both hold just what is
-    waiting, so they stay small — and never ``inbox_keys`` (a row per key ever
-    seen, with no index on ``parked``): a parked key is a distinct
-    (topic, key) of ``inbox_parked``, on the ``ix_inbox_parked_key`` index (a
-    topic's parked unkeyed messages count as one key, as ``replay`` treats them).
-    """
-    p, h = tables.inbox_parked, tables.inbox_held
-    lanes = (select(p.c.consumer_group, p.c.topic, p.c.key, func.count().label("n"),
-                    func.min(p.c.first_failure_at).label("first"))
-             .group_by(p.c.consumer_group, p.c.topic, p.c.key))
-    held = select(h.c.consumer_group, func.count(), func.min(h.c.received_at)).group_by(h.c.consumer_group)
-    if group is not None:
-        lanes = lanes.where(p.c.consumer_group == group)
-        held = held.where(h.c.consumer_group == group)
-    lane = lanes.subquery()
-    per_group = select(lane.c.consumer_group, func.count(), func.sum(lane.c.n), func.min(lane.c.first))
-    parked = conn.execute(per_group.group_by(lane.c.consumer_group)).all()
-    groups = {g: [int(keys), int(n), first, 0, None] for g, keys, n, first in parked}
-    for g, n, oldest in conn.execute(held):
-        groups.setdefault(g, [0, 0, None, 0, None])[3:] = [int(n), oldest]
-    return [GroupBacklog(g, *groups[g]) for g in sorted(groups)]
+def held_from_row(row: Row[Any]) -> OrderedDelivery:
+    """Rebuild a delivery from an ``inbox_held`` row: always keyed and numbered (only those are held)."""
+    d = delivery_from_row(row, origin=Origin.HELD)
+    if not isinstance(d, OrderedDelivery):
+        raise AssertionError(f"inbox_held row {row.message_id} has no key or seq")
+    return d

@@ -1,4 +1,4 @@
-"""The inbox's writes on MySQL and MariaDB, which have neither ``ON CONFLICT`` nor ``RETURNING``.
+"""The inbox's store on MySQL and MariaDB, which have neither ``ON CONFLICT`` nor ``RETURNING``.
 
 "Insert unless present" is ``INSERT … ON DUPLICATE KEY UPDATE`` with a no-op
 assignment, not ``INSERT IGNORE``, which would also turn a too-long value or a
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -46,10 +45,11 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from .._envelope import utcnow
 from .._mysql import json_rows, json_table
-from .._tables import OutboxTables, name_collation
-from ._delivery import Delivery
-from ._kinds import Outcome
+from .._tables import InboxOutcome, OutboxTables, name_collation
+from ._delivery import Delivery, KeyId
+from ._store import InboxStore, KeyState
 
 ER_DUP_ENTRY = 1062
 
@@ -73,12 +73,14 @@ def _keys_table(session: Session, param: str, **seqs: BigInteger | String) -> An
         "key": f"VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation}"})
 
 
-class MySQLWrites:
+class MySQLStore(InboxStore):
     """Statements for one group; every method runs in the caller's transaction."""
 
+    inserts_count_exactly = False
+    """``ON DUPLICATE KEY UPDATE`` counts a kept row as found (the driver's FOUND_ROWS flag)."""
+
     def __init__(self, tables: OutboxTables, group: str) -> None:
-        self.t = tables
-        self.group = group
+        super().__init__(tables, group)
         m = tables.inbox_messages
         # The batch's dedup rows from one JSON parameter (``_mysql.json_table``), not a
         # multi-row INSERT, whose values the driver quotes one by one in Python.
@@ -86,10 +88,26 @@ class MySQLWrites:
         self._claim = insert(m).from_select(
             ["consumer_group", *_CLAIMS, "processed_at", "deliveries", "outcome"],
             select(literal(group), *claims.c, bindparam("now", type_=m.c.processed_at.type),
-                   literal(1), literal(Outcome.PROCESSED.value)))
+                   literal(1), literal(InboxOutcome.PROCESSED.value)))
 
-    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]
-                  ) -> list[tuple[str, str, int, bool, int | None, str | None]]:
+    def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
+        wanted = sorted(set(keys))
+        if not wanted:
+            return {}
+        found = self._lock_existing(session, wanted)
+        if len(found) < len(wanted):
+            have = {(topic, key) for topic, key, *_ in found}
+            missing = [key for key in wanted if key not in have]
+            session.execute(self._insert_new(self.t.inbox_keys), [
+                {"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
+                 "parked": False} for t, key in missing])
+            found += self._lock_existing(session, missing)
+        # Unpacked: a Row's attribute access costs more than the rest of the loop.
+        return {(topic, key): KeyState(last_seq, parked, started, incarnation)
+                for topic, key, last_seq, parked, started, incarnation in found}
+
+    def _lock_existing(self, session: Session, keys: Sequence[KeyId]
+                       ) -> list[tuple[str, str, int, bool, int | None, str | None]]:
         """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq, incarnation) that exist."""
         k = self.t.inbox_keys
         wanted = _keys_table(session, "keys")
@@ -102,8 +120,7 @@ class MySQLWrites:
         rows = session.execute(stmt, {"keys": json.dumps(keys)}).all()
         return cast(list[tuple[str, str, int, bool, int | None, str | None]], rows)
 
-    def successors(self, session: Session, ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
-        """Held rows of each key with ``first <= seq <= last`` (any order; the caller sorts)."""
+    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
         h = self.t.inbox_held
         wanted = _keys_table(session, "ranges", first_seq=BigInteger(), last_seq=BigInteger())
         stmt = select(h).select_from(wanted.join(h, and_(
@@ -112,15 +129,15 @@ class MySQLWrites:
         params = json.dumps([[t, key, first, last] for (t, key), (first, last) in ranges.items()])
         return list(session.execute(stmt, {"ranges": params}).all())
 
-    def insert_new(self, table: Table) -> Insert:
+    def _insert_new(self, table: Table) -> Insert:
         """An INSERT that leaves a row with the same unique key as it is."""
         ins = mysql.insert(table)  # every unique key of the inbox tables holds consumer_group
         return ins.on_duplicate_key_update(consumer_group=ins.inserted.consumer_group)
 
-    def claim(self, session: Session, deliveries: Sequence[Delivery], now: datetime,
-              row_of: Callable[[Delivery], dict[str, Any]]) -> set[uuid.UUID]:
-        """Insert the dedup rows; returns the ids that were new. ``row_of`` makes the
-        whole row of one delivery, for the one-by-one retry after a duplicate."""
+    def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
+        if not deliveries:
+            return set()
+        now = utcnow()
         try:
             # No savepoint: InnoDB rolls back only the statement that meets a duplicate key
             # (error 1062), never the transaction, so the batch's earlier writes stand and
@@ -137,24 +154,26 @@ class MySQLWrites:
         for d in deliveries:
             try:
                 with session.begin_nested():
-                    session.execute(insert(m), row_of(d))
+                    session.execute(insert(m), self._done_row(d, now))
                 new.add(d.message.message_id)
             except IntegrityError as exc:
                 if not _duplicate_key(exc):
                     raise
         return new
 
-    def record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
-        """Insert a dedup row, or apply ``changes`` to the one already there."""
+    def _record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
         m = self.t.inbox_messages
         session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
 
-    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int],
-                     incarnations: Mapping[tuple[str, str], str]) -> None:
+    def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
+                     incarnations: Mapping[KeyId, str] | None = None) -> None:
         """Advance keys whose rows exist and are locked (lock_keys ran first): one joined UPDATE.
 
         A key in ``incarnations`` records that producer incarnation; a JSON null keeps the key's.
         """
+        if not seqs:
+            return
+        incarnations = incarnations or {}
         k = self.t.inbox_keys
         wanted = _keys_table(session, "seqs", last_seq=BigInteger(), incarnation=String())
         stmt = (update(k)

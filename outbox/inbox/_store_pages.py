@@ -1,9 +1,10 @@
-"""The store's read-only listings for operators, a page at a time (the web console).
+"""The store's read-only listings for operators: a page at a time (the web console), and a summary.
 
-Part of the store (its SQL on the inbox tables), split out by role: these run
-outside any consumer transaction, on a plain connection, and every listing is
-keyset-paged on an index so a page costs the same with ten parked keys or ten
-thousand.
+Part of the store (its SQL on the inbox tables), split out by role and
+published as ``outbox.inbox.admin``: these run outside any consumer
+transaction, on a plain connection. Every listing is keyset-paged on an
+index, so a page costs the same with ten parked keys or ten thousand;
+``stuck_by_group`` (``outbox status``) reads only the tables of what waits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, func, select, tuple_
 
 from .._tables import OutboxTables
-from ._store import KeyId
+from ._delivery import KeyId
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +121,41 @@ def held_lanes(conn: Connection, tables: OutboxTables, group: str, *,
     if after is not None:
         query = query.where(tuple_(h.c.topic, h.c.key) > tuple_(*after))
     return [HeldLane(*r) for r in conn.execute(query)]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupBacklog:
+    """What waits in one consumer group: parked keys and messages, held (gap) messages."""
+
+    group: str
+    parked_keys: int
+    parked_messages: int
+    oldest_parked: datetime | None  # first failure of the oldest parked message
+    held_messages: int
+    oldest_held: datetime | None  # when the oldest message held behind a gap arrived
+
+
+def stuck_by_group(conn: Connection, tables: OutboxTables, group: str | None = None) -> list[GroupBacklog]:
+    """Parked and held messages per consumer group (only ``group`` if given), for ``outbox status``.
+
+    Reads ``inbox_parked`` and ``inbox_held`` only — both hold just what is
+    waiting, so they stay small — and never ``inbox_keys`` (a row per key ever
+    seen, with no index on ``parked``): a parked key is a distinct
+    (topic, key) of ``inbox_parked``, on the ``ix_inbox_parked_key`` index (a
+    topic's parked unkeyed messages count as one key, as ``replay`` treats them).
+    """
+    p, h = tables.inbox_parked, tables.inbox_held
+    lanes = (select(p.c.consumer_group, p.c.topic, p.c.key, func.count().label("n"),
+                    func.min(p.c.first_failure_at).label("first"))
+             .group_by(p.c.consumer_group, p.c.topic, p.c.key))
+    held = select(h.c.consumer_group, func.count(), func.min(h.c.received_at)).group_by(h.c.consumer_group)
+    if group is not None:
+        lanes = lanes.where(p.c.consumer_group == group)
+        held = held.where(h.c.consumer_group == group)
+    lane = lanes.subquery()
+    per_group = select(lane.c.consumer_group, func.count(), func.sum(lane.c.n), func.min(lane.c.first))
+    parked = conn.execute(per_group.group_by(lane.c.consumer_group)).all()
+    groups = {g: [int(keys), int(n), first, 0, None] for g, keys, n, first in parked}
+    for g, n, oldest in conn.execute(held):
+        groups.setdefault(g, [0, 0, None, 0, None])[3:] = [int(n), oldest]
+    return [GroupBacklog(g, *groups[g]) for g in sorted(groups)]

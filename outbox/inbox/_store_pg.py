@@ -1,4 +1,4 @@
-"""The inbox's per-batch statements on PostgreSQL: a constant text and a stable plan at any batch size.
+"""The inbox's store on PostgreSQL: per-batch statements with a constant text and a stable plan.
 
 Each statement takes one array per column (``_pg_arrays``), so its text does
 not change with the batch size: psycopg caches it and prepares it after a few
@@ -12,8 +12,7 @@ empty.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
-from datetime import datetime
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -21,6 +20,7 @@ from sqlalchemy import (
     DateTime,
     Integer,
     Row,
+    Table,
     Text,
     Uuid,
     bindparam,
@@ -30,14 +30,16 @@ from sqlalchemy import (
     select,
     true,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
+from .._envelope import utcnow
 from .._pg_arrays import array_params, rows_of
-from .._tables import OutboxTables
-from ._delivery import Delivery
-from ._kinds import Outcome
+from .._tables import InboxOutcome, OutboxTables
+from ._delivery import Delivery, KeyId
+from ._store import KeyState, OnConflictStore
 
 _KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
 _SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
@@ -49,10 +51,11 @@ _CLAIMS: dict[str, TypeEngine[Any]] = {
 }
 
 
-class PostgresBulk:
+class PostgresStore(OnConflictStore):
     """Statements for one group, built once; every method runs in the caller's transaction."""
 
     def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group)
         k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
         keys, advances, claims = rows_of(_KEYS), rows_of(_ADVANCES), rows_of(_CLAIMS)
         ranges = rows_of(_RANGES)
@@ -72,7 +75,7 @@ class PostgresBulk:
             ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
             select(literal(group), *[claims.c[c] for c in claimed],
                    bindparam("now", type_=DateTime(timezone=True)), literal(1),
-                   literal(Outcome.PROCESSED.value)),
+                   literal(InboxOutcome.PROCESSED.value)),
         ).on_conflict_do_nothing().returning(m.c.message_id)
         # The rows exist and are locked (lock_keys ran first): the upsert only updates.
         upsert = insert(k).from_select(
@@ -91,23 +94,30 @@ class PostgresBulk:
         ).lateral("successor")
         self._successors = select(successor).select_from(ranges.join(successor, true()))
 
-    def lock_keys(self, session: Session, keys: Sequence[tuple[str, str]]) -> list[Row[Any]]:
-        """Lock and read ``keys`` (topic, key, last_seq, parked, started_at_seq, incarnation);
-        create missing ones.
+    def _insert(self, table: Table) -> postgresql.Insert:
+        return insert(table)
+
+    def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
+        """Lock and read ``keys``, creating missing ones.
 
         One round trip when every key exists (the steady state), three when
-        some are new. Keys are locked in the order given, so callers that
-        sort them cannot deadlock on each other.
+        some are new.
         """
-        rows = list(session.execute(self._lock_keys, _key_params(keys)).all())
-        if len(rows) < len(keys):
+        wanted = sorted(set(keys))
+        if not wanted:
+            return {}
+        rows = list(session.execute(self._lock_keys, _key_params(wanted)).all())
+        if len(rows) < len(wanted):
             found = {(r.topic, r.key) for r in rows}
-            missing = [key for key in keys if key not in found]
+            missing = [key for key in wanted if key not in found]
             session.execute(self._create_keys, _key_params(missing))
             rows.extend(session.execute(self._lock_keys, _key_params(missing)).all())
-        return rows
+        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
+                for r in rows}
 
-    def claim(self, session: Session, deliveries: Sequence[Delivery], now: datetime) -> set[uuid.UUID]:
+    def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
+        if not deliveries:
+            return set()
         messages = [d.message for d in deliveries]
         params = array_params(_CLAIMS, {
             "message_id": [msg.message_id for msg in messages],
@@ -118,24 +128,25 @@ class PostgresBulk:
             "created_at": [msg.created_at for msg in messages],
             "received_at": [d.received_at for d in deliveries],
         })
-        return set(session.scalars(self._claim, {**params, "now": now}))
+        return set(session.scalars(self._claim, {**params, "now": utcnow()}))
 
-    def set_last_seq(self, session: Session, seqs: dict[tuple[str, str], int],
-                     incarnations: Mapping[tuple[str, str], str]) -> None:
+    def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
+                     incarnations: Mapping[KeyId, str] | None = None) -> None:
+        if not seqs:
+            return
+        incarnations = incarnations or {}
         session.execute(self._set_last_seq, array_params(_ADVANCES, {
             "topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
             "seq": list(seqs.values()), "incarnation": [incarnations.get(key) for key in seqs]}))
 
-    def successors(self, session: Session,
-                   ranges: dict[tuple[str, str], tuple[int, int]]) -> list[Row[Any]]:
-        """Held rows of each (topic, key) whose seq lies in its (first, last) range."""
+    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
         params = array_params(_RANGES, {
             "topic": [t for t, _ in ranges], "key": [key for _, key in ranges],
             "first": [first for first, _ in ranges.values()],
             "last": [last for _, last in ranges.values()]})
-        return list(session.execute(self._successors, params).all())
+        return session.execute(self._successors, params).all()
 
 
-def _key_params(keys: Sequence[tuple[str, str]]) -> dict[str, Any]:
+def _key_params(keys: Sequence[KeyId]) -> dict[str, Any]:
     return array_params(_KEYS, {"topic": [t for t, _ in keys], "key": [key for _, key in keys]})
 

@@ -1,26 +1,55 @@
-"""One inbox transaction: claim, order check, handler, advance — and commit.
+"""One inbox transaction, as rounds of phases: triage, claim, run, advance, successors.
 
-This is the seam where the database work happens, and the only stage that
-touches a session: everything before it (decode, schedule) and after it
-(settle, commit offsets) works on its plain results. ``TransactionStep`` has
-three entry points, each one transaction: ``apply`` a batch, ``park`` a message
-whose attempts are spent, and ``run_handler`` inside an operator's replay.
+**This is where a delivery becomes applied or parked.** Every decision on a
+delivery that reaches a transaction is taken here: in one of the phases of
+``_Transaction`` below, or in ``TransactionStep.park`` for a message whose
+attempts are spent (the settle stage decides *when*, this module *how*). The
+one other place that parks is the gap sweeper (``_gaps``: a gap that outlived
+``gap_timeout``). An operator's replay (``_admin``) runs parked messages
+through these same phases; a discard records one as discarded. The SQL behind
+each decision is ``_store``'s, whose ``park`` is the one way into
+``inbox_parked``.
+
+``TransactionStep`` has three entry points, each one transaction: ``apply`` a
+batch, ``park`` a message whose attempts are spent, and ``transaction`` for an
+operator's replay. Everything before it (decode, schedule) and after it
+(settle, commit offsets) works on its plain results.
 
 A batch holds a *run* per key: its consecutive messages in seq order (see
 ``_runs``), so a busy key pays one lock, one claim, one advance and one commit
-for the whole run, and the handler once per message. When a handler fails,
-the batch is redone with each message in its own SAVEPOINT, so the failure
-rolls back only its own writes: the messages before it in its key commit,
-the key advances to the one before it, and the rest of its key is not run
-(``Batch.blocked``: it waits for the failed one). A batch handler gets all of
-a batch's messages of its topic in one call, each key's in seq order; when
-that call fails, the redo calls it once per message, each in its SAVEPOINT,
-to find the message that fails. The dedup rows, the key's new ``last_seq`` and
-the handler's writes commit together: that is what makes effects inside the
-inbox database happen once. A held message that becomes next is applied in
-the same transaction, right after its predecessor.
+for the whole run, and the handler once per message. One round:
 
-Failures are not retried here: they come back in ``Batch.failed`` for the
+1. **triage** walks each key's queue: what needs no handler is settled here
+   (a second copy, a recorded id: duplicate; a gap: held; a foreign,
+   undecodable or conflicting message, or one of a parked key: parked); what
+   is next in its key starts the key's run;
+2. **claim** inserts the runs' dedup rows in one statement; a recorded id
+   ends its run (a duplicate), the rest of the key waits for the next round;
+3. **run** calls the handlers (``_AllAtOnce`` or ``_OneByOne``, below): a
+   message whose handler returned is *applied* (or skipped); one that failed
+   comes back in ``Committed.failed`` and the rest of its key is not run
+   (``Committed.blocked``);
+4. **advance** moves each key to its last applied seq and gives back the
+   claims of what did not apply;
+5. **successors** fetches the held messages that are next now: they join the
+   next round, so a held message is applied in the same transaction, right
+   after its predecessor.
+
+Rounds repeat until no lane holds anything; **finish** then writes what the
+rounds gathered (redelivery counts, held rows to delete, the keys' new
+``last_seq``) and the transaction commits. The dedup rows, the keys' new
+``last_seq`` and the handlers' writes commit together: that is what makes
+effects inside the inbox database happen once.
+
+A batch first runs without savepoints (they cost two round trips per message).
+When a handler fails, the batch is redone with each message in its own
+SAVEPOINT, so the failure rolls back only its own writes: the messages before
+it in its key commit, the key advances to the one before it. A batch handler
+gets all of a batch's messages of its topic in one call, each key's in seq
+order; when that call fails, the redo calls it once per message, each in its
+SAVEPOINT, to find the message that fails.
+
+Failures are not retried here: they come back in ``Committed.failed`` for the
 settle stage. A database outage under a handler aborts the whole transaction
 (``Outage``): it is nobody's attempt.
 
@@ -34,24 +63,26 @@ from __future__ import annotations
 import enum
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 from sqlalchemy.orm import Session
 
 from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
+from .._tables import InboxOutcome
 from ._calls import Error, HandlerCalls, Redo, TopicHandler
 from ._conflicts import Verdict, describe, describe_held, judge, judge_held
-from ._delivery import Delivery
-from ._kinds import Outcome, Reason, StartPolicy
+from ._delivery import Delivery, KeyId, OrderedDelivery, lane_of
+from ._kinds import Reason, StartPolicy
 from ._metrics import InboxMetrics
-from ._runs import Lanes, lane_of
+from ._runs import Lanes
 from ._sessions import Sessions
 from ._signals import Disposition, SkipMessage
-from ._store import InboxStore, KeyId, KeyState
+from ._store import InboxStore, KeyState
 
 
 @dataclass(slots=True)
@@ -72,15 +103,15 @@ class Parked:
 
 
 @dataclass(slots=True)
-class Batch:
-    """The outcome of one committed transaction."""
+class Committed:
+    """What one committed inbox transaction did with its deliveries."""
 
     done: list[tuple[Delivery, Disposition]] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
     parked: list[Parked] = field(default_factory=list)
     blocked: list[Delivery] = field(default_factory=list)
     """Later messages of a failed message's key: not run, they wait for it, in seq order."""
-    conflicts: list[tuple[Delivery, Verdict]] = field(default_factory=list)
+    conflicts: list[tuple[OrderedDelivery, Verdict]] = field(default_factory=list)
     """New ids met at or below their key's last seq, and what became of each (``_conflicts``)."""
 
 
@@ -107,7 +138,7 @@ class TransactionStep:
 
     # -- apply ------------------------------------------------------------------
 
-    def apply(self, deliveries: list[Delivery]) -> Batch:
+    def apply(self, deliveries: list[Delivery]) -> Committed:
         """Handle ``deliveries`` (any number per key) in one transaction and commit.
 
         A batch first runs without savepoints (they cost two round trips per
@@ -121,23 +152,22 @@ class TransactionStep:
         known: dict[uuid.UUID, Error] = {}
         if len(deliveries) > 1:
             try:
-                return self._transaction(deliveries, known, savepoints=False)
+                return self._transaction(deliveries, _AllAtOnce(self.calls))
             except Redo as redo:
                 if redo.delivery is not None:
                     known[redo.delivery.message.message_id] = redo.error
-        return self._transaction(deliveries, known, savepoints=True)
+        return self._transaction(deliveries, _OneByOne(self.calls, known))
 
-    def _transaction(self, deliveries: list[Delivery], known: dict[uuid.UUID, Error], *,
-                     savepoints: bool) -> Batch:
-        batch = self.sessions.run(self._commit, deliveries, known, savepoints)
+    def _transaction(self, deliveries: list[Delivery], handlers: _Handlers) -> Committed:
+        committed = self.sessions.run(self._commit, deliveries, handlers)
         for (topic, disposition), count in Counter(
-                (d.message.topic, disposition) for d, disposition in batch.done).items():
+                (d.message.topic, disposition) for d, disposition in committed.done).items():
             self.metrics.counted(topic, disposition, count)
-        if batch.conflicts:
-            self._report_conflicts(batch.conflicts)
-        return batch
+        if committed.conflicts:
+            self._report_conflicts(committed.conflicts)
+        return committed
 
-    def _report_conflicts(self, conflicts: list[tuple[Delivery, Verdict]]) -> None:
+    def _report_conflicts(self, conflicts: list[tuple[OrderedDelivery, Verdict]]) -> None:
         """Count every verdict; log the ones that park nothing (parks raise their own alerts)."""
         for (topic, verdict), count in Counter((d.message.topic, v) for d, v in conflicts).items():
             self.metrics.conflicts(topic, verdict, count)
@@ -153,256 +183,20 @@ class TransactionStep:
                             self.store.group, msg.message_id, msg.topic, msg.key, msg.seq,
                             msg.created_at.isoformat())
 
-    def _commit(self, deliveries: list[Delivery], known: dict[uuid.UUID, Error],
-                savepoints: bool) -> Batch:
-        batch = Batch()
+    def _commit(self, deliveries: list[Delivery], handlers: _Handlers) -> Committed:
         with self.sessions() as session, session.begin():
-            self._apply(session, deliveries, batch, known, savepoints)
-        return batch
+            lanes = Lanes(deliveries)
+            tx = _Transaction(self, session, self.store.lock_keys(session, lanes.keys()),
+                              handlers, lanes)  # every key of the batch locked, one statement
+            tx.look_up_behind(deliveries)
+            while lanes:
+                tx.round()
+            tx.finish()
+        return tx.committed
 
-    def _apply(self, session: Session, deliveries: list[Delivery], batch: Batch,
-               known: dict[uuid.UUID, Error], savepoints: bool) -> None:
-        store = self.store
-        lanes = Lanes(deliveries)
-        states = store.lock_keys(session, lanes.keys())  # every key of the batch, one statement
-        # Only a recorded id is a duplicate: the ids at or below their key's position, one statement.
-        dedup = _Recorded(store)
-        dedup.look_up(session, [d for d in deliveries
-                                if d.ordered and d.message.seq <= states[d.lane].last_seq])  # type: ignore[index,operator]
-        new_seqs: dict[KeyId, int] = {}
-        incarnations: dict[KeyId, str] = {}  # keys whose applied message changed their incarnation
-        starts: dict[KeyId, int] = {}
-        seen: set[uuid.UUID] = set()
-        duplicates: list[Delivery] = []
-        unhold: dict[uuid.UUID, Delivery] = {}
-
-        def duplicate(d: Delivery) -> None:
-            duplicates.append(d)
-            if d.from_held:
-                unhold[d.message.message_id] = d
-
-        while lanes:
-            runs: list[list[Delivery]] = []
-            behind: list[Delivery] = []
-            for queue in lanes.queues():
-                run = self._walk(session, queue, states, starts, seen, batch, duplicate, behind, dedup)
-                if run:
-                    runs.append(run)
-            candidates = [d for run in runs for d in run]
-            claimed = store.claim(session, candidates)
-            if behind:  # met at or below its key's position only after a run: look them up now
-                dedup.look_up(session, behind)
-                seen.difference_update(d.message.message_id for d in behind)
-                lanes.push_front(behind)  # the next round settles each as duplicate or conflict
-            lost: list[Delivery] = []
-            fresh: list[list[Delivery]] = []
-            if len(claimed) == len(candidates):
-                fresh = runs  # every id new: the common case
-            for run in runs if fresh is not runs else ():
-                # A recorded id ends the run: what follows it waits for the next round, against
-                # the key's real state (it is held there, as the key did not advance).
-                cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
-                if cut < len(run):
-                    duplicate(run[cut])
-                    # What follows goes back to be walked again, its claims given back; an id
-                    # in it that was recorded before (its key restarted below it) is a
-                    # duplicate too, and keeps its record.
-                    rest = [d for d in run[cut + 1:] if d.message.message_id in claimed]
-                    for d in run[cut + 1:]:
-                        if d.message.message_id not in claimed:
-                            duplicate(d)
-                    lost.extend(rest)
-                    seen.difference_update(d.message.message_id for d in rest)
-                    lanes.push_front(rest)
-                if cut:
-                    fresh.append(run[:cut])
-            if not savepoints:
-                self.calls.unguarded(session, candidates if fresh is runs else
-                                     [d for run in fresh for d in run])
-            applied: dict[KeyId, tuple[int, int]] = {}
-            for run in fresh:
-                done = len(run)
-                for n, d in enumerate(run):
-                    error = None
-                    if savepoints:
-                        error = known.get(d.message.message_id) or self.calls.one(session, d)
-                    if error is not None and not isinstance(error[0], SkipMessage):
-                        # Nothing after a failure may apply: the rest of the key waits for it.
-                        batch.failed.append(Failure(d, *error))
-                        lost.extend(run[n:])
-                        batch.blocked.extend(run[n + 1:] + lanes.stop(d))
-                        done = n
-                        break
-                    if error is not None:
-                        store.mark(session, d, Outcome.SKIPPED, str(error[0]) or "skipped by handler")
-                    batch.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
-                    if d.from_held:
-                        unhold[d.message.message_id] = d
-                if done and run[0].ordered:
-                    lane: KeyId = run[0].lane  # type: ignore[assignment]
-                    first, last = run[0].message.seq, run[done - 1].message.seq
-                    states[lane].last_seq = new_seqs[lane] = last  # type: ignore[assignment]
-                    incarnation = run[done - 1].message.incarnation
-                    if incarnation is not None and incarnation != states[lane].incarnation:
-                        states[lane].incarnation = incarnations[lane] = incarnation
-                    applied[lane] = (applied[lane][0] if lane in applied else first, last)  # type: ignore[assignment]
-            store.unclaim(session, (d.message.message_id for d in lost))
-            # Held copies of what was applied go; the held ones that are next join the next round.
-            blocked = {lane_of(f.delivery) for f in batch.failed}
-            expected = {lane: last + 1 for lane, (_, last) in applied.items()}
-            for d in store.successors(session, {
-                    lane: (first, last if lane in blocked else last + HELD_RUN)
-                    for lane, (first, last) in applied.items()}):
-                lane = d.lane  # type: ignore[assignment]
-                if d.message.message_id in unhold:
-                    continue  # the held row this transaction applied
-                if d.message.seq <= states[lane].last_seq:  # type: ignore[operator]
-                    lanes.push_front([d])  # a duplicate only if its id is recorded: the next round
-                elif d.message.seq == expected[lane]:
-                    lanes.push_front([d])
-                    expected[lane] += 1
-                # else: behind another gap; it stays held
-        store.count_redelivery(session, (d.message.message_id for d in duplicates))
-        store.unhold(session, unhold)
-        store.set_last_seq(session, new_seqs, incarnations)
-        # A key starts where its first message applied; if that one failed, its retry starts it.
-        store.set_started(session, {lane: seq for lane, seq in starts.items() if lane in new_seqs})
-        batch.done.extend((d, Disposition.DUPLICATE) for d in duplicates)
-
-    def _walk(self, session: Session, queue: deque[Delivery], states: dict[KeyId, KeyState],
-              starts: dict[KeyId, int], seen: set[uuid.UUID], batch: Batch,
-              duplicate: Callable[[Delivery], None], behind: list[Delivery],
-              dedup: _Recorded) -> list[Delivery]:
-        """Settle a lane's head deliveries that need no handler; return the key's run.
-
-        The run is the next message of the key and those that follow it in
-        seq order without a gap. It stops before anything else, which the next
-        round settles against the state the run leaves.
-        """
-        run: list[Delivery] = []
-        while queue:
-            d = queue[0]
-            if run:
-                last = run[-1].message
-                if (d.message.seq != last.seq + 1 or d.problem is not None  # type: ignore[operator]
-                        or d.message.message_id in seen):
-                    break
-                queue.popleft()
-                seen.add(d.message.message_id)
-                run.append(d)
-                continue
-            queue.popleft()
-            # Two copies of one message (a resend, a lost ack): only the first may run.
-            if d.message.message_id in seen:
-                duplicate(d)
-                continue
-            verdict = self._triage(session, d, states, starts, batch, dedup)
-            if verdict is _Triage.DUPLICATE:
-                duplicate(d)
-                continue
-            seen.add(d.message.message_id)
-            if verdict is _Triage.RUN:
-                run.append(d)
-            elif verdict is _Triage.BEHIND:
-                behind.append(d)
-                break  # the rest of the key waits until this one is settled
-        return run
-
-    def _triage(self, session: Session, d: Delivery, states: dict[KeyId, KeyState],
-                starts: dict[KeyId, int], batch: Batch, dedup: _Recorded) -> _Triage:
-        """Settle what needs neither a claim nor a handler; what to do with ``d`` otherwise."""
-        msg = d.message
-        if d.problem is Reason.FOREIGN:
-            self._park(session, d, batch, Reason.FOREIGN, d.problem_detail or "")
-            return _Triage.SETTLED
-        if not d.ordered:
-            if d.problem is Reason.UNDECODABLE:
-                self._park(session, d, batch, Reason.UNDECODABLE, d.problem_detail or "")
-                return _Triage.SETTLED
-            return _Triage.RUN
-        lane: KeyId = d.lane  # type: ignore[assignment]
-        state = states[lane]
-        seq: int = msg.seq  # type: ignore[assignment]
-        if self.start is StartPolicy.FIRST_SEEN and state.untouched and seq > 1:
-            state.last_seq, state.started_at_seq = seq - 1, seq
-            starts[lane] = seq
-        if seq <= state.last_seq:
-            if not dedup.looked_up(msg.message_id):
-                return _Triage.BEHIND
-            if dedup.recorded(msg.message_id):
-                return _Triage.DUPLICATE
-            return self._conflict(session, d, state, starts, batch)
-        if state.parked:
-            self._park(session, d, batch, Reason.KEY_PARKED, "")
-            return _Triage.SETTLED
-        if d.problem is Reason.UNDECODABLE:
-            self._park(session, d, batch, Reason.UNDECODABLE, d.problem_detail or "")
-            state.parked = True
-            return _Triage.SETTLED
-        if seq > state.last_seq + 1:
-            holder = None if d.from_held else self.store.hold(session, d)
-            if holder is not None:
-                return self._held_conflict(session, d, holder, state, batch)
-            batch.done.append((d, Disposition.HELD))
-            return _Triage.SETTLED
-        return _Triage.RUN
-
-    def _conflict(self, session: Session, d: Delivery, state: KeyState, starts: dict[KeyId, int],
-                  batch: Batch) -> _Triage:
-        """Settle a new id at or below its key's last seq by its verdict (``_conflicts``)."""
-        expired_before = (utcnow() - timedelta(seconds=self.dedup_window)
-                          if self.dedup_window is not None else None)
-        verdict = judge(d, state, self.start, expired_before)
-        batch.conflicts.append((d, verdict))
-        if verdict is Verdict.EXPIRED:
-            return _Triage.DUPLICATE
-        seq: int = d.message.seq  # type: ignore[assignment]
-        if verdict is Verdict.RESTART:
-            # Recorded like a first_seen start once its first message applies (set_started),
-            # which also records the new incarnation (set_last_seq).
-            state.last_seq, state.started_at_seq = seq - 1, seq
-            starts[d.lane] = seq  # type: ignore[index]
-            return _Triage.RUN
-        reason: Reason = verdict.reason  # type: ignore[assignment]
-        self._park(session, d, batch, reason, describe(verdict, d, state))
-        if reason.parks_key:
-            state.parked = True
-        return _Triage.SETTLED
-
-    def _held_conflict(self, session: Session, d: Delivery, holder: Delivery, state: KeyState,
-                       batch: Batch) -> _Triage:
-        """Settle ``d``, ahead of a gap, whose seq another held message claims already.
-
-        A recorded id is a duplicate whatever its seq (a key that restarted
-        below it holds resends of what it applied before): if either of the
-        two is recorded, it is the duplicate and the other is held.
-
-        The key can hold one message per seq, and which of the two follows the
-        gap is not for the inbox to guess: ``d`` parks with its key (the held
-        one behind it), under either start policy, as a conflict below the
-        key's position would (``_conflicts.judge_held``).
-        """
-        recorded = self.store.known(session, [d, holder])
-        if d.message.message_id in recorded:
-            return _Triage.DUPLICATE  # a resend of a message applied before its key restarted
-        if holder.message.message_id in recorded:
-            # The held one is such a resend: it goes (counted as a redelivery), ``d`` takes its place.
-            self.store.unhold(session, [holder.message.message_id])
-            self.store.count_redelivery(session, [holder.message.message_id])
-            if self.store.hold(session, d) is None:
-                batch.done.append((d, Disposition.HELD))
-                return _Triage.SETTLED
-        verdict = judge_held(d, holder)
-        batch.conflicts.append((d, verdict))
-        self._park(session, d, batch, verdict.reason or Reason.SEQ_CONFLICT,
-                   describe_held(verdict, d, holder, state))
-        state.parked = True
-        return _Triage.SETTLED
-
-    def _park(self, session: Session, d: Delivery, batch: Batch, reason: Reason, error: str) -> None:
-        key_parked = self.store.park(session, d, reason, error=error or None)
-        batch.parked.append(Parked(d, reason, error, key_parked))
-        batch.done.append((d, Disposition.PARKED))
+    def transaction(self, session: Session, states: dict[KeyId, KeyState]) -> _Transaction:
+        """The phases over keys the caller locked, each message in its SAVEPOINT (an operator's replay)."""
+        return _Transaction(self, session, states, _OneByOne(self.calls, {}), Lanes(()))
 
     # -- park -------------------------------------------------------------------
 
@@ -414,9 +208,9 @@ class TransactionStep:
                     trace: str) -> tuple[Disposition, Parked | None]:
         text = f"{type(error).__name__}: {error}"
         with self.sessions() as session, session.begin():
-            lane = d.lane if d.ordered else None
-            state = self.store.lock_keys(session, [lane])[lane] if lane is not None else None
-            if (state is not None and d.message.seq <= state.last_seq  # type: ignore[operator]
+            state = (self.store.lock_keys(session, [d.lane])[d.lane]
+                     if isinstance(d, OrderedDelivery) else None)
+            if (state is not None and isinstance(d, OrderedDelivery) and d.seq <= state.last_seq
                     and self.store.is_recorded(session, d.message.message_id)):
                 return Disposition.DUPLICATE, None  # applied meanwhile by another consumer
             reason = Reason.KEY_PARKED if state is not None and state.parked else Reason.FAILED
@@ -424,15 +218,340 @@ class TransactionStep:
                 key_parked = self.store.park(session, d, reason)
             else:
                 key_parked = self.store.park(session, d, reason, error=text, traceback=trace,
-                                             attempts=d.attempts)
+                                             attempts=d.attempts.count)
         return Disposition.PARKED, Parked(d, reason, text, key_parked)
 
-    def run_handler(self, session: Session, d: Delivery) -> Error | None:
-        """Run the topic's handler for ``d`` alone in a SAVEPOINT (an operator's replay).
 
-        Raises ``Outage`` when the database failed under the handler.
+class _Handlers(Protocol):
+    """How the run phase calls the handlers: all at once, or each message in its SAVEPOINT."""
+
+    def call(self, session: Session, fresh: list[Delivery]) -> None:
+        """Before the run phase walks ``fresh``: the calls that need no SAVEPOINT."""
+
+    def error(self, session: Session, d: Delivery) -> Error | None:
+        """What ``d``'s handler raised, calling it now if it was not called yet."""
+
+
+class _AllAtOnce:
+    """The first pass over a batch: every handler called bare, ``Redo`` on the first failure."""
+
+    def __init__(self, calls: HandlerCalls) -> None:
+        self.calls = calls
+
+    def call(self, session: Session, fresh: list[Delivery]) -> None:
+        self.calls.unguarded(session, fresh)
+
+    def error(self, session: Session, d: Delivery) -> Error | None:
+        return None  # a failure raised Redo in call()
+
+
+class _OneByOne:
+    """The redo, retries and replays: each handler in its own SAVEPOINT; a failure rolls back only it."""
+
+    def __init__(self, calls: HandlerCalls, known: dict[uuid.UUID, Error]) -> None:
+        self.calls = calls
+        self.known = known
+        """Failures met by the first pass: reused, not run again."""
+
+    def call(self, session: Session, fresh: list[Delivery]) -> None:
+        pass
+
+    def error(self, session: Session, d: Delivery) -> Error | None:
+        return self.known.get(d.message.message_id) or self.calls.one(session, d)
+
+
+class _Transaction:
+    """The phases of one transaction over keys its caller locked; for one thread, one session."""
+
+    def __init__(self, step: TransactionStep, session: Session, states: dict[KeyId, KeyState],
+                 handlers: _Handlers, lanes: Lanes) -> None:
+        self.step = step
+        self.store = step.store
+        self.session = session
+        self.states = states
+        self.handlers = handlers
+        self.lanes = lanes
+        self.committed = Committed()
+        self.dedup = _Recorded(step.store)
+        self.new_seqs: dict[KeyId, int] = {}
+        self.incarnations: dict[KeyId, str] = {}  # keys whose applied message changed their incarnation
+        self.starts: dict[KeyId, int] = {}
+        self.seen: set[uuid.UUID] = set()
+        self.duplicates: list[Delivery] = []
+        self.unhold: dict[uuid.UUID, Delivery] = {}
+        self.lost: list[Delivery] = []
+        """Claimed this round but not applied: their claims go back in ``advance``."""
+
+    def look_up_behind(self, deliveries: list[Delivery]) -> None:
+        """Only a recorded id is a duplicate: look up the ids at or below their key's position."""
+        self.dedup.look_up(self.session, [d for d in deliveries if isinstance(d, OrderedDelivery)
+                                          and d.seq <= self.states[d.lane].last_seq])
+
+    def round(self) -> None:
+        """One pass over every lane: triage, claim, run, advance, successors."""
+        runs, behind = self.triage()
+        fresh = self.claim(runs)
+        if behind:  # met at or below its key's position only after a run: look them up now
+            self.dedup.look_up(self.session, behind)
+            self.seen.difference_update(d.message.message_id for d in behind)
+            self.lanes.push_front(behind)  # the next round settles each as duplicate or conflict
+        applied = self.advance(self.run(fresh))
+        self.successors(applied)
+
+    # -- triage -----------------------------------------------------------------
+
+    def triage(self) -> tuple[list[list[Delivery]], list[Delivery]]:
+        """Settle each lane's head deliveries that need no handler; the keys' runs, and what is behind."""
+        runs: list[list[Delivery]] = []
+        behind: list[Delivery] = []
+        for queue in self.lanes.queues():
+            run = self._walk(queue, behind)
+            if run:
+                runs.append(run)
+        return runs, behind
+
+    def _walk(self, queue: deque[Delivery], behind: list[Delivery]) -> list[Delivery]:
+        """Settle a lane's head deliveries that need no handler; return the key's run.
+
+        The run is the next message of the key and those that follow it in
+        seq order without a gap. It stops before anything else, which the next
+        round settles against the state the run leaves.
         """
-        return self.calls.one(session, d)
+        run: list[Delivery] = []
+        while queue:
+            d = queue[0]
+            if run:
+                last = run[-1]
+                follows = (isinstance(d, OrderedDelivery) and isinstance(last, OrderedDelivery)
+                           and d.seq == last.seq + 1)
+                if not follows or d.unreadable is not None or d.message.message_id in self.seen:
+                    break
+                queue.popleft()
+                self.seen.add(d.message.message_id)
+                run.append(d)
+                continue
+            queue.popleft()
+            # Two copies of one message (a resend, a lost ack): only the first may run.
+            if d.message.message_id in self.seen:
+                self._duplicate(d)
+                continue
+            verdict = self._triage(d)
+            if verdict is _Triage.DUPLICATE:
+                self._duplicate(d)
+                continue
+            self.seen.add(d.message.message_id)
+            if verdict is _Triage.RUN:
+                run.append(d)
+            elif verdict is _Triage.BEHIND:
+                behind.append(d)
+                break  # the rest of the key waits until this one is settled
+        return run
+
+    def _triage(self, d: Delivery) -> _Triage:
+        """Settle what needs neither a claim nor a handler; what to do with ``d`` otherwise."""
+        unreadable = d.unreadable
+        if unreadable is not None and unreadable.reason is Reason.FOREIGN:
+            self._park(d, Reason.FOREIGN, unreadable.detail)
+            return _Triage.SETTLED
+        if not isinstance(d, OrderedDelivery):
+            if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
+                self._park(d, Reason.UNDECODABLE, unreadable.detail)
+                return _Triage.SETTLED
+            return _Triage.RUN
+        state = self.states[d.lane]
+        seq = d.seq
+        if self.step.start is StartPolicy.FIRST_SEEN and state.untouched and seq > 1:
+            state.last_seq, state.started_at_seq = seq - 1, seq
+            self.starts[d.lane] = seq
+        if seq <= state.last_seq:
+            if not self.dedup.looked_up(d.message.message_id):
+                return _Triage.BEHIND
+            if self.dedup.recorded(d.message.message_id):
+                return _Triage.DUPLICATE
+            return self._conflict(d, state)
+        if state.parked:
+            self._park(d, Reason.KEY_PARKED, "")
+            return _Triage.SETTLED
+        if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
+            self._park(d, Reason.UNDECODABLE, unreadable.detail)
+            state.parked = True
+            return _Triage.SETTLED
+        if seq > state.last_seq + 1:
+            holder = None if d.from_held else self.store.hold(self.session, d)
+            if holder is not None:
+                return self._held_conflict(d, holder, state)
+            self.committed.done.append((d, Disposition.HELD))
+            return _Triage.SETTLED
+        return _Triage.RUN
+
+    def _held_conflict(self, d: OrderedDelivery, holder: OrderedDelivery, state: KeyState) -> _Triage:
+        """Settle ``d``, ahead of a gap, whose seq another held message claims already.
+
+        A recorded id is a duplicate whatever its seq (a key that restarted
+        below it holds resends of what it applied before): if either of the
+        two is recorded, it is the duplicate and the other is held. Otherwise
+        the key can hold one message per seq, and which of the two follows the
+        gap is not for the inbox to guess: ``d`` parks with its key (the held
+        one behind it), under either start policy, as a conflict below the
+        key's position would (``_conflicts.judge_held``).
+        """
+        recorded = self.store.known(self.session, [d, holder])
+        if d.message.message_id in recorded:
+            return _Triage.DUPLICATE  # a resend of a message applied before its key restarted
+        if holder.message.message_id in recorded:
+            # The held one is such a resend: it goes (counted as a redelivery), ``d`` takes its place.
+            self.store.unhold(self.session, [holder.message.message_id])
+            self.store.count_redelivery(self.session, [holder.message.message_id])
+            if self.store.hold(self.session, d) is None:
+                self.committed.done.append((d, Disposition.HELD))
+                return _Triage.SETTLED
+        verdict = judge_held(d, holder)
+        self.committed.conflicts.append((d, verdict))
+        self._park(d, verdict.reason or Reason.SEQ_CONFLICT, describe_held(verdict, d, holder, state))
+        state.parked = True
+        return _Triage.SETTLED
+
+    def _conflict(self, d: OrderedDelivery, state: KeyState) -> _Triage:
+        """Settle a new id at or below its key's last seq by its verdict (``_conflicts``)."""
+        window = self.step.dedup_window
+        expired_before = utcnow() - timedelta(seconds=window) if window is not None else None
+        verdict = judge(d, state, self.step.start, expired_before)
+        self.committed.conflicts.append((d, verdict))
+        if verdict is Verdict.EXPIRED:
+            return _Triage.DUPLICATE
+        if verdict is Verdict.RESTART:
+            # Recorded like a first_seen start once its first message applies (set_started),
+            # which also records the new incarnation (set_last_seq).
+            self.restart(d)
+            return _Triage.RUN
+        reason = verdict.reason
+        if reason is None:
+            raise AssertionError(f"verdict {verdict} parks nothing")  # EXPIRED, RESTART: above
+        self._park(d, reason, describe(verdict, d, state))
+        if reason.parks_key:
+            state.parked = True
+        return _Triage.SETTLED
+
+    def restart(self, d: OrderedDelivery) -> None:
+        """Start ``d``'s key again at ``d``'s seq (a rebuilt producer, an operator's replay)."""
+        state = self.states[d.lane]
+        state.last_seq, state.started_at_seq = d.seq - 1, d.seq
+        self.starts[d.lane] = d.seq
+
+    def _park(self, d: Delivery, reason: Reason, error: str) -> None:
+        key_parked = self.store.park(self.session, d, reason, error=error or None)
+        self.committed.parked.append(Parked(d, reason, error, key_parked))
+        self.committed.done.append((d, Disposition.PARKED))
+
+    def _duplicate(self, d: Delivery) -> None:
+        self.duplicates.append(d)
+        if d.from_held:
+            self.unhold[d.message.message_id] = d
+
+    # -- claim ------------------------------------------------------------------
+
+    def claim(self, runs: list[list[Delivery]]) -> list[list[Delivery]]:
+        """Insert the runs' dedup rows, one statement; the runs cut before their first recorded id."""
+        candidates = [d for run in runs for d in run]
+        claimed = self.store.claim(self.session, candidates)
+        if len(claimed) == len(candidates):
+            return runs  # every id new: the common case
+        fresh: list[list[Delivery]] = []
+        for run in runs:
+            # A recorded id ends the run: what follows it waits for the next round, against
+            # the key's real state (it is held there, as the key did not advance).
+            cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
+            if cut < len(run):
+                self._duplicate(run[cut])
+                # What follows goes back to be walked again, its claims given back; an id in it
+                # that was recorded before (its key restarted below it) is a duplicate too, and
+                # keeps its record.
+                rest = [d for d in run[cut + 1:] if d.message.message_id in claimed]
+                for d in run[cut + 1:]:
+                    if d.message.message_id not in claimed:
+                        self._duplicate(d)
+                self.lost.extend(rest)
+                self.seen.difference_update(d.message.message_id for d in rest)
+                self.lanes.push_front(rest)
+            if cut:
+                fresh.append(run[:cut])
+        return fresh
+
+    # -- run --------------------------------------------------------------------
+
+    def run(self, fresh: list[list[Delivery]]) -> list[list[Delivery]]:
+        """Call the handlers of the claimed runs; each run's messages that applied (or were skipped)."""
+        self.handlers.call(self.session, [d for run in fresh for d in run])
+        return [self._run(run) for run in fresh]
+
+    def _run(self, run: list[Delivery]) -> list[Delivery]:
+        for n, d in enumerate(run):
+            error = self.handlers.error(self.session, d)
+            if error is not None and not isinstance(error[0], SkipMessage):
+                # Nothing after a failure may apply: the rest of the key waits for it.
+                self.committed.failed.append(Failure(d, *error))
+                self.lost.extend(run[n:])
+                self.committed.blocked.extend(run[n + 1:] + self.lanes.stop(d))
+                return run[:n]
+            if error is not None:
+                self.store.mark(self.session, d, InboxOutcome.SKIPPED, str(error[0]) or "skipped by handler")
+            self.committed.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
+            if d.from_held:
+                self.unhold[d.message.message_id] = d
+        return run
+
+    # -- advance ----------------------------------------------------------------
+
+    def advance(self, applied: list[list[Delivery]]) -> dict[KeyId, tuple[int, int]]:
+        """Move each key to its last applied seq; give back the claims of what did not apply.
+
+        Returns each advanced key's (first, last) seq applied in this transaction.
+        """
+        ranges: dict[KeyId, tuple[int, int]] = {}
+        for run in applied:
+            first, last = (run[0], run[-1]) if run else (None, None)
+            if not (isinstance(first, OrderedDelivery) and isinstance(last, OrderedDelivery)):
+                continue
+            lane, state = first.lane, self.states[first.lane]
+            state.last_seq = self.new_seqs[lane] = last.seq
+            incarnation = last.message.incarnation
+            if incarnation is not None and incarnation != state.incarnation:
+                state.incarnation = self.incarnations[lane] = incarnation
+            ranges[lane] = (ranges[lane][0] if lane in ranges else first.seq, last.seq)
+        self.store.unclaim(self.session, (d.message.message_id for d in self.lost))
+        self.lost = []
+        return ranges
+
+    # -- successors -------------------------------------------------------------
+
+    def successors(self, applied: dict[KeyId, tuple[int, int]]) -> None:
+        """Held copies of what was applied go; the held ones that are next join the next round."""
+        blocked = {lane_of(f.delivery) for f in self.committed.failed}
+        expected = {lane: last + 1 for lane, (_, last) in applied.items()}
+        for d in self.store.successors(self.session, {
+                lane: (first, last if lane in blocked else last + HELD_RUN)
+                for lane, (first, last) in applied.items()}):
+            if d.message.message_id in self.unhold:
+                continue  # the held row this transaction applied
+            if d.seq <= self.states[d.lane].last_seq:
+                self.lanes.push_front([d])  # a duplicate only if its id is recorded: the next round
+            elif d.seq == expected[d.lane]:
+                self.lanes.push_front([d])
+                expected[d.lane] += 1
+            # else: behind another gap; it stays held
+
+    # -- finish -----------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Write what the rounds gathered: redeliveries, held rows applied, the keys' new positions."""
+        store, session = self.store, self.session
+        store.count_redelivery(session, (d.message.message_id for d in self.duplicates))
+        store.unhold(session, self.unhold)
+        store.set_last_seq(session, self.new_seqs, self.incarnations)
+        # A key starts where its first message applied; if that one failed, its retry starts it.
+        store.set_started(session, {lane: seq for lane, seq in self.starts.items()
+                                    if lane in self.new_seqs})
+        self.committed.done.extend((d, Disposition.DUPLICATE) for d in self.duplicates)
 
 
 class _Triage(enum.Enum):

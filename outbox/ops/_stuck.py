@@ -4,7 +4,7 @@
 is documented in docs/operations.md and versioned by ``"version"``), so the
 human output, the JSON and the exit status are all read off one structure.
 It reuses the admin queries (``relay.backlog``, ``relay.retrying_heads``,
-``relay.shard_leases``, the inbox store's ``stuck_by_group``), each on an index or on a
+``relay.shard_leases``, ``inbox.admin.stuck_by_group``), each on an index or on a
 table as small as the shard count or as what is parked, so it stays cheap on a
 big outbox table. A part whose tables are missing is ``null``: an outbox-only
 or an inbox-only database is a normal set-up, not an error.
@@ -20,7 +20,7 @@ from sqlalchemy import Engine, inspect
 from .._envelope import utcnow
 from .._errors import SchemaError
 from .._outbox import Outbox
-from ..inbox._store import stuck_by_group
+from ..inbox.admin import stuck_by_group
 from ..relay import backlog, retrying_heads, shard_leases
 
 VERSION = 1
