@@ -33,6 +33,7 @@ from sqlalchemy.exc import DBAPIError
 
 from transports._logsafe import safe_logger
 
+from .._outage import delay_before
 from ._alerting import Alerter
 from ._delivery import Delivery, lane_of
 from ._outage import OutageLog, is_outage
@@ -40,9 +41,6 @@ from ._signals import Disposition, ParkMessage, RetryLater
 from ._transaction import Committed, Failure, Parked, TransactionStep
 
 log = safe_logger("outbox.inbox")
-
-_NO_RETRYING = tenacity.Retrying()
-"""The retry object a ``RetryCallState`` must name; the wait strategies read only the attempt number."""
 
 
 @dataclass(slots=True)
@@ -159,6 +157,4 @@ class Settler:
         return None
 
     def _backoff(self, attempt: int) -> float:
-        state = tenacity.RetryCallState(retry_object=_NO_RETRYING, fn=None, args=(), kwargs={})
-        state.attempt_number = attempt
-        return float(self.wait(state))
+        return delay_before(self.wait, attempt)
