@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 from outbox import Alert, AlertKind, ConfigurationError, ForeignRecords, Inbox
 from outbox._tables import InboxOutcome, OutboxStatus
-from outbox.inbox import Outcome
+from outbox.inbox import InboxOutcome as PublicInboxOutcome
 from outbox.spark._findings import Seen
 
 
 def test_the_stored_and_sent_strings_are_the_old_ones() -> None:
     assert [s.value for s in OutboxStatus] == ["pending", "published", "failed", "skipped"]
     assert [o.value for o in InboxOutcome] == ["processed", "skipped", "discarded"]
-    assert Outcome is InboxOutcome  # one definition, with the tables; the inbox's name for it
+    assert PublicInboxOutcome is InboxOutcome  # one definition, with the tables, exported by the inbox
     assert [k.value for k in AlertKind] == [
         "message_failed", "key_stuck", "key_parked", "message_parked", "foreign_record", "gap_held"]
     assert [f.value for f in ForeignRecords] == ["park", "accept"]

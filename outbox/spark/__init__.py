@@ -23,7 +23,7 @@ from ._source import read_table
 from ._window import Window
 
 ReplayResult = ArchiveReplayResult
-"""The name of earlier releases for ``ArchiveReplayResult`` (``outbox.ReplayResult`` is the inbox's)."""
+"""The name of earlier releases for ``ArchiveReplayResult`` (kept for one release; the inbox's replay result is ``outbox.ParkedReplay``)."""
 
 __all__ = [
     "REPLAY_HEADER",

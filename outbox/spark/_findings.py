@@ -26,7 +26,7 @@ class Seen(enum.StrEnum):
     """``consumer_side``'s ``kind``: where the consumer side holds a message."""
 
     INBOX = "inbox"
-    """Finished: a row of ``inbox_messages`` (its ``outcome`` says how)."""
+    """Recorded: a row of ``inbox_messages`` (its ``outcome`` says how)."""
     PARKED = "parked"
     """In ``inbox_parked``."""
     HELD = "held"

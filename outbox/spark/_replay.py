@@ -38,7 +38,7 @@ COLUMNS = ["id", "message_id", "key", "seq", "payload", "content_type", "headers
 class ArchiveReplayResult:
     """What ``replay`` wrote back from the archive: how many messages, per key (None for unkeyed ones).
 
-    Not the inbox's ``ReplayResult`` (what replaying a parked key applied).
+    Not the inbox's ``ParkedReplay`` (what replaying a parked key applied).
     """
 
     replayed: int = 0
