@@ -66,7 +66,7 @@ class OutboxStatus(StrEnum):
 
 
 class InboxOutcome(StrEnum):
-    """``inbox_messages.outcome``: how a message id was finished (exported as ``outbox.inbox.InboxOutcome``)."""
+    """``inbox_messages.outcome``: how a message id was finished (``outbox.inbox.InboxOutcome``)."""
 
     PROCESSED = "processed"
     """The handler's writes committed with this row."""

@@ -23,7 +23,10 @@ from ._source import read_table
 from ._window import Window
 
 ReplayResult = ArchiveReplayResult
-"""The name of earlier releases for ``ArchiveReplayResult`` (kept for one release; the inbox's replay result is ``outbox.ParkedReplay``)."""
+"""The name of earlier releases for ``ArchiveReplayResult``, kept for one release.
+
+(The inbox's replay result is ``outbox.ParkedReplay``.)
+"""
 
 __all__ = [
     "REPLAY_HEADER",
