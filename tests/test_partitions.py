@@ -132,3 +132,26 @@ def test_init_db_partitioned_then_housekeeping_from_the_command_line(postgres_db
     assert done.returncode == 0 and "1 row(s) before" in done.stdout, done.stdout
     assert [r.status for r in rows(Outbox(engine))] == ["failed"]
     engine.dispose()
+
+
+def test_a_dry_run_tells_what_the_run_then_does(postgres_db: str) -> None:
+    """Rows of a partition that would be dropped are counted with it, exactly, not also as row
+    deletions; and a dropped partition never analyzed is "not known", not "about 0 rows"."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    partition_outbox(engine, outbox.tables, now=NOW - 20 * DAY)
+    with engine.begin() as conn:  # 21 days of 10 published rows, and a pending one 10 days old
+        conn.execute(sa.insert(outbox.tables.messages),
+                     [outbox_row("published", NOW - d * DAY) for d in range(21) for _ in range(10)]
+                     + [outbox_row("pending", NOW - 10 * DAY)])
+
+    dry = run_retention(outbox, older_than="7d", now=NOW, dry_run=True)
+    real = run_retention(outbox, older_than="7d", now=NOW)
+
+    assert dry.partitions is not None and real.partitions is not None
+    assert dry.partitions.dropped == {name: 10 for name in real.partitions.dropped}
+    assert len(dry.partitions.dropped) == 8  # 13..20 days ago; the days after went to DEFAULT
+    assert set(real.partitions.dropped.values()) == {None}
+    assert dry.deleted == real.deleted == {"outbox_messages": 13 * 10 - 8 * 10}
+    engine.dispose()

@@ -81,7 +81,9 @@ def run(
     if parts is not None:
         verb = "would drop" if dry_run else "dropped"
         for name, rows in parts.dropped.items():
-            typer.echo(f"{name}: {verb} (about {rows:,} row(s))")
+            size = ("row count not known yet" if rows is None
+                    else f"{'' if dry_run else 'about '}{rows:,} row(s)")
+            typer.echo(f"{name}: {verb} ({size})")
         for name, why in parts.kept.items():
             typer.echo(f"{name}: kept, {why}")
         if parts.created:

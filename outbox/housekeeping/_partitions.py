@@ -48,7 +48,9 @@ class PartitionReport:
     """What a maintenance pass did: partitions made, dropped (with their estimated rows), kept and why."""
 
     created: list[str] = field(default_factory=list)
-    dropped: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int | None] = field(default_factory=dict)
+    """Partition -> its rows: PostgreSQL's estimate when dropped (None when it was never analyzed:
+    counting would hold the table's lock), the exact count in a dry run (a read locks nothing)."""
     kept: dict[str, str] = field(default_factory=dict)
 
 
@@ -165,11 +167,14 @@ def _retire(engine: Engine, table: Table, name: str, report: PartitionReport, dr
                 report.kept[name] = f"{open_rows}{'+' if open_rows == 1000 else ''} row(s) not published"
                 conn.rollback()
                 return
-            estimate = conn.execute(text("SELECT greatest(reltuples, 0)::bigint FROM pg_class "
+            if dry_run:
+                report.dropped[name] = conn.execute(text(f"SELECT count(*) FROM {part}")).scalar_one()
+                return
+            # reltuples is -1 until the partition is first analyzed: unknown, not "0 rows".
+            estimate = conn.execute(text("SELECT reltuples::bigint FROM pg_class "
                                          "WHERE oid = to_regclass(:p)"), {"p": part}).scalar_one()
-            if not dry_run:
-                conn.execute(text(f"DROP TABLE {part}"))
-            report.dropped[name] = int(estimate)
+            conn.execute(text(f"DROP TABLE {part}"))
+            report.dropped[name] = None if estimate < 0 else int(estimate)
     except DBAPIError as exc:
         report.kept[name] = f"not dropped yet: {_first_line(exc)}"
 
