@@ -105,3 +105,34 @@ def test_a_run_killed_mid_way_loses_nothing_and_the_next_run_finishes(postgres_d
     assert "outbox_messages:" in again.stdout and "deleted in" in again.stdout
     assert {r.message_id for r in rows(outbox)} == kept
     engine.dispose()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_command_between_batches_with_its_totals(tmp_path) -> None:
+    """A CronJob's pod ending: the open batch finishes, the count printed is the rows really gone,
+    one line says it stopped, and the exit status (128 + 15) tells a scheduler it did not finish."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = create_engine(url)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    kept = seed(outbox, 40_000, unfinished=30)
+    count = sa.select(sa.func.count()).select_from(outbox.tables.messages)
+    run = subprocess.Popen([sys.executable, "-m", "outbox", "housekeeping", "run", "--db", url,
+                            "--older-than", "1d", "--batch-size", "20"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def started() -> bool:
+        with engine.connect() as conn:
+            return conn.execute(count).scalar_one() < 40_000
+    wait_for(started, 60, "the run to delete its first batches")
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=30)
+
+    assert run.returncode == 128 + signal.SIGTERM, out
+    lines = out.strip().splitlines()
+    assert lines[-1] == "stopped by SIGTERM before it finished; run it again to carry on", out
+    with engine.connect() as conn:
+        left = conn.execute(count).scalar_one()
+    assert left > len(kept), "the run finished before it could be stopped"
+    assert lines[-2].startswith(f"outbox_messages: {40_000 + len(kept) - left:,} row(s) before "), out
+    engine.dispose()

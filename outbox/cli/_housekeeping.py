@@ -7,6 +7,7 @@ cron job, a Kubernetes CronJob or a one-off clean-up.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -62,14 +63,28 @@ def run(
             shown[0] = now
             typer.echo(f"{table}: {deleted:,} deleted ({deleted / max(now - started, 1e-9):,.0f} rows/s)")
 
-    result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
-                           batch_size=batch_size, dry_run=dry_run, progress=progress)
+    stop, stopped_by = threading.Event(), list[signal.Signals]()
+
+    def stop_between_batches(signum: int, _frame: object) -> None:
+        stopped_by.append(signal.Signals(signum))
+        stop.set()
+
+    # SIGTERM (a CronJob's pod ending) or Ctrl-C: the open batch commits, the totals are printed.
+    previous = {sig: signal.signal(sig, stop_between_batches) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
+                               batch_size=batch_size, dry_run=dry_run, progress=progress, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     elapsed = time.monotonic() - started
     parts = result.partitions
     if parts is not None:
         verb = "would drop" if dry_run else "dropped"
         for name, rows in parts.dropped.items():
-            typer.echo(f"{name}: {verb} (about {rows:,} row(s))")
+            size = ("row count not known yet" if rows is None
+                    else f"{'' if dry_run else 'about '}{rows:,} row(s)")
+            typer.echo(f"{name}: {verb} ({size})")
         for name, why in parts.kept.items():
             typer.echo(f"{name}: kept, {why}")
         if parts.created:
@@ -80,6 +95,9 @@ def run(
             typer.echo(f"{table}: {count:,} row(s) before {cutoff} would be deleted (dry run)")
         else:
             typer.echo(f"{table}: {count:,} row(s) before {cutoff} deleted in {elapsed:.1f} s")
+    if result.stopped:
+        typer.echo(f"stopped by {stopped_by[0].name} before it finished; run it again to carry on")
+        raise typer.Exit(128 + stopped_by[0].value)
 
 
 

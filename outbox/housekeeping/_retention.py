@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, literal, select, tuple_
+from sqlalchemy import Engine, delete, func, literal, literal_column, select, tuple_
 from sqlalchemy.exc import DBAPIError
 
 from .._engine import worker_engine
@@ -110,7 +110,10 @@ def run_retention(
         if target.table is tables.messages and _partitioned(engine, target):
             result.partitions = maintain_partitions(engine, tables, cutoff, now=moment, dry_run=dry_run)
         if dry_run:
-            result.deleted[target.name] = count_settled(engine, target, cutoff)
+            # Rows of a partition that would be dropped are reported with it, not as deletions.
+            dropping = (list(result.partitions.dropped)
+                        if result.partitions and target.table is tables.messages else [])
+            result.deleted[target.name] = count_settled(engine, target, cutoff, besides=dropping)
             continue
         result.deleted[target.name] = 0
         for done in _batches(engine, target, cutoff, batch_size):
@@ -130,11 +133,17 @@ def _partitioned(engine: Engine, target: Target) -> bool:
         return is_partitioned(conn, target.table)
 
 
-def count_settled(engine: Engine, target: Target, cutoff: datetime) -> int:
-    """How many rows a run with this cutoff would delete now (reads, locks nothing)."""
+def count_settled(engine: Engine, target: Target, cutoff: datetime, besides: Sequence[str] = ()) -> int:
+    """How many rows a run with this cutoff would delete now (reads, locks nothing), leaving out
+    the rows of the partitions named in ``besides`` (PostgreSQL: they would be dropped whole)."""
+    query = select(func.count()).select_from(target.table).where(*target.settled(cutoff))
+    if besides:
+        quote = engine.dialect.identifier_preparer.quote
+        schema = f"{quote(target.table.schema)}." if target.table.schema else ""
+        query = query.where(literal_column("tableoid").not_in(
+            [func.to_regclass(literal(schema + quote(name))) for name in besides]))
     with engine.connect() as conn:
-        return int(conn.execute(select(func.count()).select_from(target.table)
-                                .where(*target.settled(cutoff))).scalar_one())
+        return int(conn.execute(query).scalar_one())
 
 
 def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Iterator[int]:
