@@ -43,6 +43,7 @@ from ._metrics import InboxMetrics
 from ._outage import OutageLog, is_outage
 from ._runner import Runner
 from ._sessions import sessions_for
+from ._settings import InboxSettings
 from ._settle import Settler
 from ._signals import Disposition
 from ._store import store_for
@@ -108,56 +109,29 @@ class Inbox:
         prefix: str = "",
         schema: str | None = None,
     ) -> None:
-        self._sessions, self.sessions = sessions_for(bind)
-        engine = self._sessions.engine
-        if engine.dialect.name not in SUPPORTED_DIALECTS:
-            raise ConfigurationError(f"unsupported database dialect {engine.dialect.name!r}; "
-                                     f"supported: {SUPPORTED_DIALECTS}")
-        if not isinstance(group, str) or not group.strip() or len(group) > 255:
-            raise ConfigurationError(f"group must be a non-empty str of at most 255 characters, "
-                                     f"got {group!r}")
-        _positive_int("max_attempts", max_attempts, 100)
-        _positive_int("concurrency", concurrency, 1024)
-        _positive_int("batch_size", batch_size, 10_000)
-        seconds = gap_timeout.total_seconds() if isinstance(gap_timeout, timedelta) else gap_timeout
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
-            raise ConfigurationError(f"gap_timeout must be positive seconds or a timedelta, "
-                                     f"got {gap_timeout!r}")
-        alert_seconds = (seconds / 2 if gap_alert_after is None else gap_alert_after.total_seconds()
-                         if isinstance(gap_alert_after, timedelta) else gap_alert_after)
-        if (isinstance(alert_seconds, bool) or not isinstance(alert_seconds, int | float)
-                or not 0 < alert_seconds < seconds):
-            raise ConfigurationError(f"gap_alert_after must be positive seconds below gap_timeout "
-                                     f"({seconds:g}), got {gap_alert_after!r}")
-        for name, value in (("retry_backoff", retry_backoff), ("retry_backoff_max", retry_backoff_max)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ConfigurationError(f"{name} must be non-negative seconds, got {value!r}")
-        if foreign_records not in ("park", "accept"):
-            raise ConfigurationError(f"foreign_records must be 'park' or 'accept', "
-                                     f"got {foreign_records!r}")
-        try:
-            start = StartPolicy(start)
-        except ValueError:
-            raise ConfigurationError(f"start must be one of {[p.value for p in StartPolicy]}, "
-                                     f"got {start!r}") from None
-        window = dedup_window.total_seconds() if isinstance(dedup_window, timedelta) else dedup_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int | float)
-                                   or not 0 < window < float("inf")):
-            raise ConfigurationError(f"dedup_window must be positive seconds or a timedelta, "
-                                     f"got {dedup_window!r}")
+        self.settings = settings = InboxSettings.of(
+            group=group, max_attempts=max_attempts, concurrency=concurrency, batch_size=batch_size,
+            gap_timeout=gap_timeout, gap_alert_after=gap_alert_after, retry_backoff=retry_backoff,
+            retry_backoff_max=retry_backoff_max, foreign_records=foreign_records, start=start,
+            dedup_window=dedup_window)
         alert = LoggingAlertSink() if alert is None else alert
         if not callable(alert):
             raise ConfigurationError(f"alert must be an AlertSink (a callable), got {alert!r}")
         if tables is not None and (prefix or schema):
             raise ConfigurationError("pass either tables= or prefix=/schema=, not both")
+        self._sessions, self.sessions = sessions_for(bind)
+        engine = self._sessions.engine
+        if engine.dialect.name not in SUPPORTED_DIALECTS:
+            raise ConfigurationError(f"unsupported database dialect {engine.dialect.name!r}; "
+                                     f"supported: {SUPPORTED_DIALECTS}")
 
         self.group = group
         self.tables = tables or OutboxTables(prefix=prefix, schema=schema)
-        self.concurrency = concurrency
-        self.batch_size = batch_size
-        self.gap_timeout = float(seconds)
-        self.accept_foreign = foreign_records == "accept"
-        self.start = start
+        self.concurrency = settings.concurrency
+        self.batch_size = settings.batch_size
+        self.gap_timeout = settings.gap_timeout
+        self.accept_foreign = settings.foreign_records is ForeignRecords.ACCEPT
+        self.start = settings.start
         self.alert = alert
         self.metrics = InboxMetrics(group)
         self._handlers: dict[str, TopicHandler] = {}
@@ -165,18 +139,19 @@ class Inbox:
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         # The pipeline's stages, each handed what it needs: one store owns every statement.
         self.store = store_for(self.tables, group, engine.dialect.name)
-        self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics, start,
-                                    None if window is None else float(window))
+        self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics,
+                                    settings.start, settings.dedup_window)
         self.alerter = Alerter(alert, group, self.metrics)
         self.settler = Settler(
-            self.step, self.alerter, OutageLog(), max_attempts=max_attempts,
-            wait=tenacity.wait_exponential_jitter(multiplier=retry_backoff, max=retry_backoff_max,
-                                                 jitter=retry_backoff),
+            self.step, self.alerter, OutageLog(), max_attempts=settings.max_attempts,
+            wait=tenacity.wait_exponential_jitter(multiplier=settings.retry_backoff,
+                                                 max=settings.retry_backoff_max,
+                                                 jitter=settings.retry_backoff),
         )
         self.admin = ParkedAdmin(self._sessions, self.store, self.step)
         self.gaps = GapSweeper(self._sessions, self.store, self.alerter, self.gap_timeout,
-                               float(alert_seconds))
-        _warn_small_pool(engine, concurrency)
+                               settings.gap_alert_after or self.gap_timeout / 2)
+        _warn_small_pool(engine, settings.concurrency)
 
     # -- handlers -------------------------------------------------------------
 
@@ -389,11 +364,6 @@ class Inbox:
 def _is_async(fn: object) -> bool:
     """An ``async def`` function, or an object whose ``__call__`` is one."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
-
-
-def _positive_int(name: str, value: object, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-        raise ConfigurationError(f"{name} must be an int from 1 to {maximum}, got {value!r}")
 
 
 def _warn_small_pool(engine: Engine, concurrency: int) -> None:

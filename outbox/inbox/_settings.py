@@ -1,0 +1,120 @@
+"""``InboxSettings``: a consumer group's tuning, checked when it is made, each bad value named by its field.
+
+``Inbox(…)``'s keywords of the same names build one (``Inbox.settings``), so
+the constructor wires stages instead of validating; the relay's twin is
+``outbox.relay.RelaySettings``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from .._errors import ConfigurationError
+from ._kinds import ForeignRecords, StartPolicy
+
+MAX_ATTEMPTS = 100
+MAX_CONCURRENCY = 1024
+MAX_BATCH_SIZE = 10_000
+
+
+@dataclass(frozen=True)
+class InboxSettings:
+    """How one ``Inbox`` works. Seconds are kept as floats; a ``timedelta`` is accepted for each."""
+
+    group: str
+    """The consumer group: whose positions, dedup records and parked messages these are (≤ 255 chars)."""
+    max_attempts: int = 3
+    """Handler attempts before a message parks with its key (1 to 100)."""
+    concurrency: int = 8
+    """Keys worked on at once (1 to 1024)."""
+    batch_size: int = 1
+    """Messages per transaction (1 to 10,000)."""
+    gap_timeout: float = 60.0
+    """Seconds a held message waits for its predecessor before its key parks (reason ``gap``)."""
+    gap_alert_after: float | None = None
+    """Seconds a gap is held before one ``gap_held`` alert; None: half of ``gap_timeout``."""
+    retry_backoff: float = 0.1
+    """The first retry's delay and the jitter, in seconds (exponential, tenacity's)."""
+    retry_backoff_max: float = 5.0
+    """The longest retry delay, in seconds."""
+    foreign_records: ForeignRecords = ForeignRecords.PARK
+    """What a record without the outbox envelope becomes."""
+    start: StartPolicy = StartPolicy.STRICT
+    """Where a key first met past seq 1 starts (``_conflicts``)."""
+    dedup_window: float | None = None
+    """Seconds after which this group's dedup records may be pruned; None: never."""
+
+    @classmethod
+    def of(cls, *, group: str, max_attempts: int = 3, concurrency: int = 8, batch_size: int = 1,
+           gap_timeout: timedelta | float = 60.0, gap_alert_after: timedelta | float | None = None,
+           retry_backoff: float = 0.1, retry_backoff_max: float = 5.0,
+           foreign_records: ForeignRecords | str = ForeignRecords.PARK,
+           start: StartPolicy | str = StartPolicy.STRICT,
+           dedup_window: timedelta | float | None = None) -> InboxSettings:
+        """Settings from what a user passes (``timedelta`` or seconds, enum or its value)."""
+        try:
+            foreign = ForeignRecords(foreign_records)
+        except ValueError:
+            raise ConfigurationError(f"foreign_records must be 'park' or 'accept', "
+                                     f"got {foreign_records!r}") from None
+        try:
+            policy = StartPolicy(start)
+        except ValueError:
+            raise ConfigurationError(f"start must be one of {[p.value for p in StartPolicy]}, "
+                                     f"got {start!r}") from None
+        return cls(group=group, max_attempts=max_attempts, concurrency=concurrency,
+                   batch_size=batch_size, gap_timeout=_as_seconds(gap_timeout),
+                   gap_alert_after=None if gap_alert_after is None else _as_seconds(gap_alert_after),
+                   retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
+                   foreign_records=foreign, start=policy,
+                   dedup_window=None if dedup_window is None else _as_seconds(dedup_window))
+
+    def __post_init__(self) -> None:
+        group = self.group
+        if not isinstance(group, str) or not group.strip() or len(group) > 255:
+            raise ConfigurationError(
+                f"group must be a non-empty str of at most 255 characters, got {group!r}")
+        _int_in("max_attempts", self.max_attempts, MAX_ATTEMPTS)
+        _int_in("concurrency", self.concurrency, MAX_CONCURRENCY)
+        _int_in("batch_size", self.batch_size, MAX_BATCH_SIZE)
+        gap = _seconds("gap_timeout", self.gap_timeout, "positive seconds or a timedelta", lambda s: s > 0)
+        self._set("gap_timeout", gap)
+        alert = gap / 2 if self.gap_alert_after is None else _seconds(
+            "gap_alert_after", self.gap_alert_after, f"positive seconds below gap_timeout ({gap:g})",
+            lambda s: 0 < s < gap)
+        self._set("gap_alert_after", alert)
+        for name in ("retry_backoff", "retry_backoff_max"):
+            self._set(name, _seconds(name, getattr(self, name), "non-negative seconds", lambda s: s >= 0))
+        if not isinstance(self.foreign_records, ForeignRecords):
+            raise ConfigurationError(
+                f"foreign_records must be a ForeignRecords, got {self.foreign_records!r}")
+        if not isinstance(self.start, StartPolicy):
+            raise ConfigurationError(f"start must be a StartPolicy, got {self.start!r}")
+        if self.dedup_window is not None:
+            self._set("dedup_window", _seconds("dedup_window", self.dedup_window,
+                                               "positive seconds or a timedelta", lambda s: s > 0))
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+
+def _as_seconds(value: timedelta | float) -> float:
+    """A ``timedelta`` as seconds; anything else as given, for ``__post_init__`` to judge."""
+    return value.total_seconds() if isinstance(value, timedelta) else value
+
+
+def _int_in(name: str, value: object, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigurationError(f"{name} must be an int from 1 to {maximum}, got {value!r}")
+
+
+def _seconds(name: str, value: object, wanted: str, ok: Callable[[float], bool]) -> float:
+    """``value`` as finite float seconds, if ``ok`` accepts it; else the error naming ``name``."""
+    seconds = value
+    if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds)
+            or not ok(seconds)):
+        raise ConfigurationError(f"{name} must be {wanted}, got {value!r}")
+    return float(seconds)
