@@ -3,6 +3,8 @@
 Resolution order (see ``outbox.testing``): environment variable, testcontainers
 when a Docker engine answers, local binaries / librdkafka's mock cluster.
 With ``CI=true`` a missing PostgreSQL, MariaDB or Java fails the run instead of skipping.
+Session fixtures belong to one process: under pytest-xdist every worker starts its own
+servers (temp directories, free ports), so workers share nothing but the machine.
 """
 
 from __future__ import annotations
@@ -39,6 +41,24 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.register_profile("dev", deadline=None)
 settings.register_profile("release", max_examples=2000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "dev"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every Spark test is ``slow`` and joins the ``spark`` group.
+
+    Slow: a Spark test needs a JVM, whose start alone takes tens of seconds here; the fast
+    tier (``-m "not slow"``) starts none. The group: under ``pytest -n N`` each worker is a
+    process with its own servers (the session fixtures below) and its own Spark session; a JVM
+    costs about a core while it starts and a gigabyte while it lives, so the Spark tests share
+    one worker instead of starting one JVM per worker. (Runs before the ``-m`` selection and
+    before pytest-xdist reads the groups: ``tryfirst``.)
+    """
+    for item in items:
+        if item.get_closest_marker("spark"):
+            item.add_marker(pytest.mark.slow)
+            if not item.get_closest_marker("xdist_group"):
+                item.add_marker(pytest.mark.xdist_group("spark"))
 
 
 def unavailable(what: str) -> None:
@@ -174,7 +194,7 @@ def outbox(engine: sa.Engine) -> Outbox:
 
 @pytest.fixture(scope="session")
 def kafka() -> Iterator[str]:
-    """Bootstrap servers of a Kafka-protocol broker shared by the session."""
+    """Bootstrap servers of a Kafka-protocol broker shared by the session (by one xdist worker's tests)."""
     with kafka_bootstrap() as servers:
         yield servers
 

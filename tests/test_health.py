@@ -57,6 +57,7 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+@pytest.mark.slow
 def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
     own_postgres: LocalPostgres, kafka: str, tmp_path: Path
 ) -> None:
@@ -118,6 +119,7 @@ async def handle(session, message):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", INBOX_KINDS)  # async: its readiness ping runs on the inbox's loop
 def test_a_consumer_is_ready_once_it_holds_a_partition(
     postgres_db: str, kafka: str, topic: str, tmp_path: Path, kind: str
