@@ -26,7 +26,8 @@ from outbox._sharding import shard_for_key
 from outbox._wire import MESSAGE_ID
 from transports.testing import read_topic
 
-pytestmark = [pytest.mark.kafka]
+# wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("timing")]
 
 FAULTY_RELAY = """
 import sys, logging, tenacity

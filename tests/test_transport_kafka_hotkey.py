@@ -25,7 +25,8 @@ from transports import Outcome, Record
 from transports.kafka import KafkaTransport
 from transports.testing import BrokerProcess, behind_undelivered, read_topic
 
-pytestmark = pytest.mark.kafka
+# wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("timing")]
 
 RETRIABLE = [KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.NOT_LEADER_FOR_PARTITION,
              KafkaError.REQUEST_TIMED_OUT, KafkaError.LEADER_NOT_AVAILABLE]
