@@ -53,6 +53,7 @@ def relay_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, trac
     return records
 
 
+@pytest.mark.slow
 def test_the_record_carries_the_relays_send_span_whose_parent_is_the_request(
     kafka: str, topic: str, tmp_path: Path
 ) -> None:
@@ -82,6 +83,7 @@ def test_the_record_carries_the_relays_send_span_whose_parent_is_the_request(
     assert len({s["trace_id"] for s in sends.values()}) == 3  # one trace per request
 
 
+@pytest.mark.slow
 def test_without_an_sdk_the_relay_passes_the_stored_context_through(
     kafka: str, topic: str, tmp_path: Path
 ) -> None:
@@ -155,6 +157,7 @@ def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batc
     assert consumer.returncode == 0, log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("batch", "asynchronous"), [(False, False), (True, False), (False, True)],
                          ids=["handler", "batch_handler", "async_handler"])
 def test_one_trace_from_the_request_through_the_relay_to_the_inbox_handler(
