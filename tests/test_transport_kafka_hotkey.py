@@ -137,6 +137,7 @@ def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_produc
     transport.close()
 
 
+@pytest.mark.slow
 def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
     """Every partition's leader moves to another broker before each batch of a hot key.
 
@@ -193,6 +194,7 @@ def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluste
     transport.close(timeout=1)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,
                        max_size=4),
