@@ -83,6 +83,7 @@ def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int)
     return at
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, kafka: str,
                                                    topic: str, tmp_path: Path) -> None:
@@ -104,6 +105,7 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
     assert sorted(on_topic.values()) == sorted(str(r.message_id) for r in published)
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
     pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
