@@ -26,8 +26,7 @@ from outbox._sharding import shard_for_key
 from outbox._wire import MESSAGE_ID
 from transports.testing import read_topic
 
-# wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
-pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("timing")]
+pytestmark = pytest.mark.kafka
 
 FAULTY_RELAY = """
 import sys, logging, tenacity
@@ -107,6 +106,7 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.xdist_group("timing")  # a wall-clock bound (the TTL): one at a time (docs/testing.md)
 def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
     pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:

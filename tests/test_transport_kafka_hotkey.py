@@ -25,8 +25,10 @@ from transports import Outcome, Record
 from transports.kafka import KafkaTransport
 from transports.testing import BrokerProcess, behind_undelivered, read_topic
 
-# wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
-pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("timing")]
+pytestmark = pytest.mark.kafka
+# The tests with wall-clock bounds join the "timing" group, which runs one test at a time
+# (docs/testing.md); the order campaigns assert no time and run on any worker.
+TIMING = pytest.mark.xdist_group("timing")
 
 RETRIABLE = [KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.NOT_LEADER_FOR_PARTITION,
              KafkaError.REQUEST_TIMED_OUT, KafkaError.LEADER_NOT_AVAILABLE]
@@ -92,6 +94,7 @@ def transport_for(bootstrap: str, delivery_timeout: float = 10, **settings: obje
                           **{"batch.num.messages": 20, "linger.ms": 1, **settings})
 
 
+@TIMING
 def test_a_hot_key_costs_no_round_trip_per_record(topic: str) -> None:
     """With 50 ms per round trip, 200 records of one key take well under 200 round trips."""
     with MockCluster(rtt_ms=50) as slow:
@@ -224,6 +227,7 @@ def test_any_schedule_of_produce_errors_keeps_every_key_in_order(
 
 
 @pytest.mark.slow
+@TIMING
 def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(topic: str) -> None:
     """SIGSTOP the broker while a hot key's pipeline is in flight, several times.
 
