@@ -43,9 +43,17 @@ settings.register_profile("release", max_examples=2000, deadline=None, print_blo
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "dev"))
 
 
+SERVER_FIXTURES = {"postgres_server": "postgres", "own_postgres": "postgres", "mysql_server": "mysql",
+                   "own_mariadb": "mysql", "kafka": "kafka", "java_home": "spark"}
+"""The fixtures that start a server, and the marker a test using one (even through another
+fixture) gets, so that ``-m "not postgres and not mysql and not kafka and not spark"`` runs
+exactly the tests that need none (docs/testing.md, the tiers)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every Spark test is ``slow`` and joins the ``spark`` group.
+    """A test that uses a server's fixture gets its marker; every Spark test is ``slow`` and joins
+    the ``spark`` group.
 
     Slow: a Spark test needs a JVM, whose start alone takes tens of seconds here; the fast
     tier (``-m "not slow"``) starts none. The group: under ``pytest -n N`` each worker is a
@@ -55,6 +63,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     before pytest-xdist reads the groups: ``tryfirst``.)
     """
     for item in items:
+        for fixture in getattr(item, "fixturenames", ()):  # the closure: fixtures of fixtures too
+            server = SERVER_FIXTURES.get(fixture)
+            if server is not None and not item.get_closest_marker(server):
+                item.add_marker(getattr(pytest.mark, server))
         if item.get_closest_marker("spark"):
             item.add_marker(pytest.mark.slow)
             if not item.get_closest_marker("xdist_group"):
