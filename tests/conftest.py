@@ -17,13 +17,16 @@ from contextlib import AbstractContextManager
 
 import pytest
 import sqlalchemy as sa
+from _mock_faults import MockCluster
 from hypothesis import settings
 
 from outbox import Outbox, create_engine
 from outbox.testing import (
+    KAFKA_BOOTSTRAP_VARIABLE,
     LocalMariaDB,
     LocalPostgres,
     Unavailable,
+    docker_engine_answers,
     fresh_database,
     fresh_mysql_database,
     kafka_bootstrap,
@@ -206,9 +209,19 @@ def outbox(engine: sa.Engine) -> Outbox:
 
 @pytest.fixture(scope="session")
 def kafka() -> Iterator[str]:
-    """Bootstrap servers of a Kafka-protocol broker shared by the session (by one xdist worker's tests)."""
-    with kafka_bootstrap() as servers:
-        yield servers
+    """Bootstrap servers of a Kafka-protocol broker shared by the session (by one xdist worker's tests).
+
+    Resolved as ``outbox.testing.kafka_bootstrap`` does; its last resort, librdkafka's mock
+    cluster, is made here through ``MockCluster`` so that a new consumer group forms at once:
+    the 3 s initial rebalance delay cost every test with a consumer 3 s.
+    """
+    if os.environ.get(KAFKA_BOOTSTRAP_VARIABLE) or docker_engine_answers():
+        with kafka_bootstrap() as servers:
+            yield servers
+        return
+    with MockCluster() as cluster:
+        cluster.join_at_once()
+        yield cluster.bootstrap
 
 
 @pytest.fixture
