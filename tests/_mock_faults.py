@@ -42,6 +42,8 @@ def _library() -> ctypes.CDLL:
     lib.rd_kafka_mock_broker_set_rtt.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int]
     lib.rd_kafka_mock_partition_set_leader.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32,
                                                        ctypes.c_int32]
+    lib.rd_kafka_mock_group_initial_rebalance_delay_ms.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.rd_kafka_mock_group_initial_rebalance_delay_ms.restype = None
     return lib
 
 
@@ -60,6 +62,14 @@ class MockCluster:
         self.bootstrap = self._lib.rd_kafka_mock_cluster_bootstraps(self._cluster).decode()
         for broker in range(1, brokers + 1):
             self._lib.rd_kafka_mock_broker_set_rtt(self._cluster, broker, rtt_ms)
+
+    def join_at_once(self) -> None:
+        """A new consumer group forms at once, not after the 3 s ``group.initial.rebalance.delay.ms``.
+
+        The delay (Kafka's default too) waits for more members before the first assignment;
+        a group that grows later rebalances as it would on a broker set to 0, as many are.
+        """
+        self._lib.rd_kafka_mock_group_initial_rebalance_delay_ms(self._cluster, 0)
 
     def fail_produce(self, *codes: int) -> None:
         """The next ``len(codes)`` ProduceRequests (to any broker) are answered with these errors."""

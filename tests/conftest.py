@@ -3,6 +3,8 @@
 Resolution order (see ``outbox.testing``): environment variable, testcontainers
 when a Docker engine answers, local binaries / librdkafka's mock cluster.
 With ``CI=true`` a missing PostgreSQL, MariaDB or Java fails the run instead of skipping.
+Session fixtures belong to one process: under pytest-xdist every worker starts its own
+servers (temp directories, free ports), so workers share nothing but the machine.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from contextlib import AbstractContextManager
 
 import pytest
 import sqlalchemy as sa
+from _mock_faults import MockCluster
 from hypothesis import settings
 
 from outbox import Outbox, create_engine
 from outbox.testing import (
+    KAFKA_BOOTSTRAP_VARIABLE,
     LocalMariaDB,
     LocalPostgres,
     Unavailable,
+    docker_engine_answers,
     fresh_database,
     fresh_mysql_database,
     kafka_bootstrap,
@@ -39,6 +44,36 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.register_profile("dev", deadline=None)
 settings.register_profile("release", max_examples=2000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "dev"))
+
+
+SERVER_FIXTURES = {"postgres_server": "postgres", "own_postgres": "postgres", "mysql_server": "mysql",
+                   "own_mariadb": "mysql", "kafka": "kafka", "java_home": "spark"}
+"""The fixtures that start a server, and the marker a test using one (even through another
+fixture) gets, so that ``-m "not postgres and not mysql and not kafka and not spark"`` runs
+exactly the tests that need none (docs/testing.md, the tiers)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses a server's fixture gets its marker; every Spark test is ``slow`` and joins
+    the ``spark`` group.
+
+    Slow: a Spark test needs a JVM, whose start alone takes tens of seconds here; the fast
+    tier (``-m "not slow"``) starts none. The group: under ``pytest -n N`` each worker is a
+    process with its own servers (the session fixtures below) and its own Spark session; a JVM
+    costs about a core while it starts and a gigabyte while it lives, so the Spark tests share
+    one worker instead of starting one JVM per worker. (Runs before the ``-m`` selection and
+    before pytest-xdist reads the groups: ``tryfirst``.)
+    """
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):  # the closure: fixtures of fixtures too
+            server = SERVER_FIXTURES.get(fixture)
+            if server is not None and not item.get_closest_marker(server):
+                item.add_marker(getattr(pytest.mark, server))
+        if item.get_closest_marker("spark"):
+            item.add_marker(pytest.mark.slow)
+            if not item.get_closest_marker("xdist_group"):
+                item.add_marker(pytest.mark.xdist_group("spark"))
 
 
 def unavailable(what: str) -> None:
@@ -174,9 +209,19 @@ def outbox(engine: sa.Engine) -> Outbox:
 
 @pytest.fixture(scope="session")
 def kafka() -> Iterator[str]:
-    """Bootstrap servers of a Kafka-protocol broker shared by the session."""
-    with kafka_bootstrap() as servers:
-        yield servers
+    """Bootstrap servers of a Kafka-protocol broker shared by the session (by one xdist worker's tests).
+
+    Resolved as ``outbox.testing.kafka_bootstrap`` does; its last resort, librdkafka's mock
+    cluster, is made here through ``MockCluster`` so that a new consumer group forms at once:
+    the 3 s initial rebalance delay cost every test with a consumer 3 s.
+    """
+    if os.environ.get(KAFKA_BOOTSTRAP_VARIABLE) or docker_engine_answers():
+        with kafka_bootstrap() as servers:
+            yield servers
+        return
+    with MockCluster() as cluster:
+        cluster.join_at_once()
+        yield cluster.bootstrap
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
@@ -46,6 +47,7 @@ def test_a_source_tree_without_metadata_says_so(tmp_path, monkeypatch):
     assert _version.source_version(tmp_path / "missing.toml") == "0+unknown"
 
 
+@pytest.mark.slow  # a process per entry point: 5-30 s
 def test_every_entry_point_reports_a_usage_error_as_one_error_line():
     """`outbox …` and `python -m outbox.spark …` (spark-submit's entry) alike: `error: …`, exit 2."""
     for entry in (["-m", "outbox", "spark", "audit", "--nope"], ["-m", "outbox.spark", "audit", "--nope"]):

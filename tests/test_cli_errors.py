@@ -241,6 +241,7 @@ def test_a_wrong_schema_on_postgresql_is_named(postgres_db: str, tmp_path: Path)
         assert_one_sentence(result, 2, "no outbox tables", "init-db")
 
 
+@pytest.mark.slow
 def test_a_relay_waits_for_a_database_that_does_not_answer_yet(tmp_path: Path) -> None:
     """It may be starting: one line saying so, no traceback, and SIGTERM ends the wait with 0."""
     relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", NOWHERE,
@@ -259,6 +260,7 @@ def test_a_relay_waits_for_a_database_that_does_not_answer_yet(tmp_path: Path) -
     assert "127.0.0.1:1/x unreachable" in lines[0] and "waiting for it" in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_a_relay_started_before_its_database_starts_once_it_answers(
     own_postgres: LocalPostgres, tmp_path: Path
@@ -301,6 +303,7 @@ def owned_shards(url: str) -> int:
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_relay_with_no_broker_logs_through_python_logging(workdir: Path) -> None:
     """librdkafka's refused connections: no raw ``%3|…|FAIL|`` lines, at most one logged line."""
     outbox = Outbox(create_engine(f"sqlite:///{workdir / 'ready.db'}"))

@@ -212,6 +212,7 @@ def back_values(base: str) -> st.SearchStrategy[str]:
                      crafted.map(lambda s: base + s))
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None)
 @given(data=st.data(), base=bases)
 def test_an_accepted_back_link_is_a_page_of_this_console_for_a_browser(

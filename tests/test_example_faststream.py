@@ -19,7 +19,7 @@ from examples import relay_postgres_kafka
 from outbox import Inbox, Outbox, create_engine
 from transports.kafka import embedded_kafka
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]  # two processes, ~20 s
 
 ROOT = Path(__file__).resolve().parents[1]
 

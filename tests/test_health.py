@@ -57,6 +57,7 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+@pytest.mark.slow
 def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
     own_postgres: LocalPostgres, kafka: str, tmp_path: Path
 ) -> None:
@@ -95,10 +96,12 @@ def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
     assert relay.returncode == 0, (tmp_path / "a.log").read_text()
 
 
+# A group per test (also the Kafka group): librdkafka's mock cluster keeps a closed consumer in
+# its group until its session times out (45 s), and a new member of that group waits so long.
 INBOX_APP = """
 from outbox import Inbox, create_engine
 
-inbox = Inbox(create_engine({db!r}), group="health")
+inbox = Inbox(create_engine({db!r}), group="health-{topic}")
 
 
 @inbox.handler({topic!r})
@@ -109,7 +112,7 @@ def handle(session, message):
 ASYNC_INBOX_APP = """
 from outbox import Inbox, create_async_engine
 
-inbox = Inbox(create_async_engine({db!r}), group="health")
+inbox = Inbox(create_async_engine({db!r}), group="health-{topic}")
 
 
 @inbox.handler({topic!r})
@@ -118,6 +121,7 @@ async def handle(session, message):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", INBOX_KINDS)  # async: its readiness ping runs on the inbox's loop
 def test_a_consumer_is_ready_once_it_holds_a_partition(
     postgres_db: str, kafka: str, topic: str, tmp_path: Path, kind: str

@@ -34,6 +34,8 @@ from outbox.ops import serve_health
 from outbox.ops._http import BoundedServer
 from outbox.testing._postgres import free_port
 
+pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
+
 TIMEOUT = 1.0  # the tests' request deadline: short, so waiting it out is cheap
 
 

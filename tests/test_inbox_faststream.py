@@ -282,6 +282,7 @@ async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(
     assert now["peak"] == 1
 
 
+@pytest.mark.slow
 async def test_several_subscribers_split_the_partitions_and_run_in_parallel(
         pg: sa.Engine, kafka: str, topic: str) -> None:
     """The way to parallelism FastStream leaves: one consumer per ``subscribe`` call, a partition each.

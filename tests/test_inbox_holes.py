@@ -178,6 +178,7 @@ def test_discard_refuses_to_skip_past_earlier_parked_messages(engine: sa.Engine)
 
 # 3. An outage under a handler counted as attempts and parked; a dead connection crashed the worker.
 
+@pytest.mark.slow
 def test_an_outage_inside_the_handler_is_not_an_attempt(engine: sa.Engine) -> None:
     inbox = make_inbox(engine)
     outage = DatabaseOutage(inbox.engine, only="INSERT INTO effects")
@@ -232,6 +233,7 @@ def test_a_connection_killed_under_the_handler_is_waited_out(postgres_db: str) -
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_run_waits_out_a_database_outage_and_resumes(sqlite_db: str) -> None:
     engine = create_engine(sqlite_db)
     inbox = make_inbox(engine, gap_timeout=0.2, concurrency=2, batch_size=5)

@@ -26,6 +26,8 @@ from tests.inbox_support import business
 from tests.test_inbox_crash import assert_exactly_once_in_order, effect_count, produce_keys
 from transports.testing import BrokerProcess
 
+pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
+
 WORKER = Path(__file__).with_name("inbox_worker.py")
 FREEZE = float(os.environ.get("REJOIN_FREEZE_SECONDS", "15"))
 """Seconds the broker is frozen: the shortest freeze that left the join unanswered in trials.

@@ -7,9 +7,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.slow  # builds a wheel with pip: 5-30 s
 def test_the_wheel_ships_py_typed_and_the_license(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q",
                     "-w", str(tmp_path)], check=True, capture_output=True, timeout=600)

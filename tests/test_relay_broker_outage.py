@@ -18,7 +18,8 @@ from outbox import Outbox, Relay, create_engine
 from transports.kafka import KafkaTransport
 from transports.testing import BrokerProcess
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("timing")]
 
 
 def wait_for(condition, timeout: float, what: str) -> float:

@@ -29,7 +29,7 @@ from outbox import Outbox, Relay, create_engine
 from transports.kafka import KafkaTransport
 from transports.testing import FaultyTransport, read_topic
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]  # faketime relays and a broker each: ~10 s a test
 
 # Reads "key delay" lines from stdin, publishes one message per line, answers "ok".
 PUBLISHER = """

@@ -20,6 +20,8 @@ from outbox import Outbox, Relay, create_engine
 from outbox.relay._metrics import relay_metrics
 from outbox.testing import LocalMariaDB, LocalPostgres
 
+pytestmark = pytest.mark.slow  # each test stops and starts a server of its own: 5-10 s
+
 
 def assert_one_outage(relay: Relay, caplog: pytest.LogCaptureFixture, worker: str) -> None:
     """One outage counted, and one log line each way: not one per poll or lease period."""

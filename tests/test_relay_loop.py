@@ -131,6 +131,8 @@ def test_metrics_count_and_serve(outbox: Outbox) -> None:
     assert 'outbox_relay_published_total{topic="metered"} 4.0' in body
 
 
+@pytest.mark.slow  # 5.5 s of sleeps by design
+@pytest.mark.xdist_group("timing")  # a 1 s lease TTL: one timing test at a time (docs/testing.md)
 def test_a_slow_backlog_query_never_delays_lease_renewal(outbox: Outbox, monkeypatch) -> None:
     """The backlog gauges' GROUP BY runs on its own thread, not on the lease thread."""
     import outbox.relay._relay as relay_module

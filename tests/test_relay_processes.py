@@ -26,7 +26,7 @@ from outbox._sharding import shard_for_key
 from outbox._wire import MESSAGE_ID
 from transports.testing import read_topic
 
-pytestmark = [pytest.mark.kafka]
+pytestmark = pytest.mark.kafka
 
 FAULTY_RELAY = """
 import sys, logging, tenacity
@@ -82,6 +82,7 @@ def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int)
     return at
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, kafka: str,
                                                    topic: str, tmp_path: Path) -> None:
@@ -103,7 +104,9 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
     assert sorted(on_topic.values()) == sorted(str(r.message_id) for r in published)
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.xdist_group("timing")  # a wall-clock bound (the TTL): one at a time (docs/testing.md)
 def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
     pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:

@@ -169,9 +169,14 @@ def test_a_root_declared_shared_that_is_not_deletes_nothing(cluster, tmp_path):
 def test_executors_without_the_package_are_named(cluster, tmp_path):
     """PYSPARK_PYTHON pointing at a bare interpreter: one sentence naming it, before any work."""
     bare = "/usr/bin/python3"
-    if subprocess.run([bare, "-c", "import outbox"], capture_output=True).returncode == 0 or \
-            not Path(bare).exists():
+    # What the bare interpreter lacks, in the environment the cluster's executors inherit: with a
+    # source checkout on PYTHONPATH (a dev run) it finds the package but not its dependencies.
+    probe = subprocess.run([bare, "-c", "import outbox"], capture_output=True, text=True, env=cluster.env(),
+                           cwd=tmp_path)  # not the checkout's root, which "-c" would put on sys.path
+    if probe.returncode == 0 or not Path(bare).exists():
         pytest.fail(f"{bare} must exist and lack the package for this test")  # pragma: no cover
+    lacking = probe.stderr.strip().splitlines()[-1]  # "ModuleNotFoundError: No module named 'outbox'"
+    assert lacking.startswith("ModuleNotFoundError: No module named "), probe.stderr
     url = seeded_pair(tmp_path)
 
     failed = outbox_spark(cluster, "audit", "--outbox-db", url, "--out", str(tmp_path / "a"),
@@ -179,6 +184,6 @@ def test_executors_without_the_package_are_named(cluster, tmp_path):
 
     assert failed.returncode == 2, failed.stdout + failed.stderr[-3000:]
     assert f"the executors' Python {bare}" in failed.stderr.replace("python3.11", "python3")
-    assert "lacks the outbox environment (ModuleNotFoundError: No module named 'outbox')" in failed.stderr
+    assert f"lacks the outbox environment ({lacking})" in failed.stderr
     assert "Traceback" not in failed.stderr and not (tmp_path / "a").exists()
     assert sys.executable != bare

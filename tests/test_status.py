@@ -117,6 +117,7 @@ def inbox(engine: sa.Engine) -> Inbox:
     return box
 
 
+@pytest.mark.slow
 def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url: str) -> None:
     def broken(session, message):  # type: ignore[no-untyped-def]
         raise ValueError(f"cannot bill {message.key}#{message.seq}")
@@ -157,6 +158,7 @@ def test_a_held_gap_is_stuck_once_older_than_stuck_after(inbox: Inbox, db_url: s
     assert code == STUCK and doc["stuck"][0].startswith("group billing: a gap held for ")
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.kafka
 def test_a_stopped_relays_shards_show_expired_then_reowned(

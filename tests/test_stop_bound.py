@@ -27,6 +27,8 @@ from outbox.inbox import StopRequested
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
 from transports import Record, SendResult
 
+pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
+
 HANG = 30.0
 """How long a "blocking" broker call lasts here: far past any stop bound."""
 STOP_TIMEOUT = 1.0

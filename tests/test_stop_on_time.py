@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ from tests.inbox_support import business, effects, order_violations
 from tests.test_inbox_crash import effect_count, produce_keys
 from transports.testing import BrokerProcess
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow,
+              pytest.mark.xdist_group("timing")]  # wall-clock bounds: one at a time (docs/testing.md)
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = STOP_TIMEOUT + 5.0
@@ -83,7 +85,8 @@ def start_busy_worker(kind: str, server: LocalPostgres, broker: BrokerProcess, t
     """A worker of ``kind`` started against ``broker`` and ``server``, and seen at work."""
     engine = create_engine(server.url)
     topic, group = f"t-{uuid.uuid4().hex[:10]}", f"stop-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # PYTHONFAULTHANDLER: a worker found late gets SIGABRT, which writes every thread's stack to its log
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     try:
         if kind == "relay":
             outbox = Outbox(engine)
@@ -148,6 +151,9 @@ def test_every_worker_stops_within_its_bound_with_broker_and_database_gone(
                     took.append((kind, broker_fault, database_fault, time.monotonic() - signalled))
                 except subprocess.TimeoutExpired:
                     took.append((kind, broker_fault, database_fault, None))
+                    process.send_signal(signal.SIGABRT)  # where it hangs, into the log (see env above)
+                    with suppress(subprocess.TimeoutExpired):
+                        process.wait(10)
             finally:
                 if process.poll() is None:
                     process.kill()

@@ -42,6 +42,7 @@ def running(relay: Relay) -> Iterator[None]:
         assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_a_head_retried_past_the_threshold_alerts_once_and_the_gauge_follows(outbox: Outbox) -> None:
     ids = publish(outbox, "orders", ["a", "a", "b"])
     alerts: list[Alert] = []

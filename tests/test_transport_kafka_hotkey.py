@@ -26,6 +26,9 @@ from transports.kafka import KafkaTransport
 from transports.testing import BrokerProcess, behind_undelivered, read_topic
 
 pytestmark = pytest.mark.kafka
+# The tests with wall-clock bounds join the "timing" group, which runs one test at a time
+# (docs/testing.md); the order campaigns assert no time and run on any worker.
+TIMING = pytest.mark.xdist_group("timing")
 
 RETRIABLE = [KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.NOT_LEADER_FOR_PARTITION,
              KafkaError.REQUEST_TIMED_OUT, KafkaError.LEADER_NOT_AVAILABLE]
@@ -91,6 +94,7 @@ def transport_for(bootstrap: str, delivery_timeout: float = 10, **settings: obje
                           **{"batch.num.messages": 20, "linger.ms": 1, **settings})
 
 
+@TIMING
 def test_a_hot_key_costs_no_round_trip_per_record(topic: str) -> None:
     """With 50 ms per round trip, 200 records of one key take well under 200 round trips."""
     with MockCluster(rtt_ms=50) as slow:
@@ -136,6 +140,7 @@ def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_produc
     transport.close()
 
 
+@pytest.mark.slow
 def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
     """Every partition's leader moves to another broker before each batch of a hot key.
 
@@ -192,6 +197,7 @@ def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluste
     transport.close(timeout=1)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,
                        max_size=4),
@@ -221,6 +227,7 @@ def test_any_schedule_of_produce_errors_keeps_every_key_in_order(
 
 
 @pytest.mark.slow
+@TIMING
 def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(topic: str) -> None:
     """SIGSTOP the broker while a hot key's pipeline is in flight, several times.
 

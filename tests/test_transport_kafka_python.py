@@ -68,6 +68,7 @@ def test_acks_all_is_accepted(kafka: str, topic: str, acks: str | int) -> None:
         producer.close(5)
 
 
+@pytest.mark.slow
 @pytest.mark.kafka
 def test_a_flush_timeout_is_a_retry_per_record_not_an_error_of_the_batch(tmp_path, topic: str) -> None:
     """A broker that stops answering: each unacknowledged record comes back RETRY.

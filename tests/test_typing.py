@@ -26,11 +26,13 @@ def mypy(path: Path) -> subprocess.CompletedProcess[str]:
          str(path)], cwd=HERE.parent, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a mypy run: 5-30 s
 def test_typed_usage_passes_mypy_strict():
     result = mypy(HERE / "typed_usage.py")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow  # a mypy run: 5-30 s
 def test_mypy_sees_the_decorated_signature(tmp_path):
     snippet = tmp_path / "wrong.py"
     snippet.write_text(
@@ -86,6 +88,7 @@ def test_begin_refuses_the_wrong_engine_kind():
         pass
 
 
+@pytest.mark.slow  # a mypy run: 5-30 s
 def test_the_first_examples_pass_mypy_strict(tmp_path):
     """README's and getting-started's first example are what a newcomer copies: typed, they type-check.
 
