@@ -50,7 +50,7 @@ def test_counts_out_of_range_are_refused_by_name(field: str, value: Any) -> None
 
 @pytest.mark.parametrize("group", ["", "   ", "x" * 256, None, 7])
 def test_a_group_must_be_named(group: Any) -> None:
-    with pytest.raises(ConfigurationError, match="^group must be a non-empty str"):
+    with pytest.raises(ConfigurationError, match=r"^group must be a non-empty str"):
         InboxSettings.of(group=group)
 
 
@@ -66,13 +66,13 @@ def test_policies_are_named_values_and_timedeltas_are_seconds() -> None:
                                 gap_timeout=timedelta(minutes=2), dedup_window=timedelta(days=1))
     assert settings.foreign_records is ForeignRecords.ACCEPT and settings.start is StartPolicy.FIRST_SEEN
     assert (settings.gap_timeout, settings.dedup_window) == (120.0, 86_400.0)
-    with pytest.raises(ConfigurationError, match="^start must be one of"):
+    with pytest.raises(ConfigurationError, match=r"^start must be one of"):
         InboxSettings.of(group="g", start="whenever")
 
 
 def test_the_inbox_refuses_before_it_connects_and_keeps_its_settings() -> None:
     engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")  # never reached
-    with pytest.raises(ConfigurationError, match="^gap_timeout must be positive seconds"):
+    with pytest.raises(ConfigurationError, match=r"^gap_timeout must be positive seconds"):
         Inbox(engine, group="g", gap_timeout=math.nan)
     inbox = Inbox(sa.create_engine("sqlite://"), group="g", batch_size=50, dedup_window=timedelta(hours=1))
     assert (inbox.settings.batch_size, inbox.settings.dedup_window) == (50, 3600.0)
