@@ -42,6 +42,7 @@ from .inbox import (
     RetryLater,
     SkipMessage,
     StartPolicy,
+    UnknownEvents,
 )
 from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 
@@ -86,6 +87,7 @@ __all__ = [
     "SkipMessage",
     "StartPolicy",
     "TransportError",
+    "UnknownEvents",
     "UnserializablePayloadError",
     "WebhookAlertSink",
     "create_async_engine",
