@@ -191,7 +191,8 @@ def test_an_unknown_type_parks_its_key_by_name_and_replay_applies_it_once_handle
     assert parked[("a", 1)].reason == Reason.UNKNOWN_EVENT
     assert "OrderCreated" in (parked[("a", 1)].error or "")
     assert parked[("a", 2)].reason == Reason.KEY_PARKED
-    assert parked[("b", 1)].reason == Reason.UNKNOWN_EVENT and "no event type" in (parked[("b", 1)].error or "")
+    assert parked[("b", 1)].reason == Reason.UNKNOWN_EVENT
+    assert "no event type" in (parked[("b", 1)].error or "")
     inbox.handler(TOPIC, OrderCreated)(typed(inbox, lambda s, e, m: apply_effect(s, m)))
     inbox.replay(TOPIC, "a")
     assert applied(engine, "a") == [("a", 1), ("a", 2)]
