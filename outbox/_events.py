@@ -134,6 +134,11 @@ def event_type_of(model: type[pydantic.BaseModel]) -> str:
     return known
 
 
+def known_event_type(kind: type) -> str | None:
+    """The event type of ``kind`` if it is a model class seen before, else None: one dict lookup."""
+    return _TYPES.get(kind)
+
+
 def _checked(name: object) -> str:
     try:
         return checked_event_type(name)[0]

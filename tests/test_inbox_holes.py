@@ -24,7 +24,7 @@ from outbox import (
     create_engine,
 )
 from outbox.inbox._delivery import decode
-from outbox.inbox._typed import TopicHandler, TopicHandlers
+from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     INBOX_KINDS,
     TOPIC,
@@ -156,7 +156,7 @@ def test_discard_refuses_to_skip_past_earlier_parked_messages(engine: sa.Engine)
             raise RuntimeError(f"broken {message.seq}")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandlers.only(TOPIC, TopicHandler(for_inbox(inbox, handler)))
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     for seq in (1, 2, 3):
         assert inbox.handle(record(TOPIC, "k", seq)) is Disposition.PARKED
     _, two, _ = inbox.parked(TOPIC, "k")
@@ -202,7 +202,7 @@ def test_a_refused_connection_is_an_outage_for_the_inbox_and_a_failure_for_a_han
     def handler(session, message):  # type: ignore[no-untyped-def]
         raise ConnectionRefusedError(111, "the payment API refused")
 
-    inbox._handlers[TOPIC] = TopicHandlers.only(TOPIC, TopicHandler(for_inbox(inbox, handler)))
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
     [parked] = inbox.parked()
     assert parked.attempts == 3 and "payment API" in parked.error
@@ -221,7 +221,7 @@ def test_a_connection_killed_under_the_handler_is_waited_out(postgres_db: str) -
                 session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
             apply_effect(session, message)
 
-        inbox._handlers[TOPIC] = TopicHandlers.only(TOPIC, TopicHandler(for_inbox(inbox, handler)))
+        inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
         deliveries = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in "abc"]
         from tests.inbox_support import settle_all
 
@@ -307,7 +307,7 @@ def test_start_at_first_seen_applies_a_key_met_mid_stream_and_records_where(engi
             raise RuntimeError("the first attempt fails: the retry must start the key the same way")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandlers.only(TOPIC, TopicHandler(for_inbox(inbox, handler)))
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, "late", 5)) is Disposition.APPLIED
     assert inbox.handle(record(TOPIC, "late", 7)) is Disposition.HELD  # later gaps are gaps
     assert inbox.handle(record(TOPIC, "late", 6)) is Disposition.APPLIED
@@ -348,7 +348,7 @@ def test_keys_waiting_for_a_retry_do_not_hold_up_the_others(sqlite_db: str) -> N
             raise RetryLater(30, "downstream busy")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandlers.only(TOPIC, TopicHandler(for_inbox(inbox, handler)))
+    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
     records = [record(TOPIC, "stuck-1", 1), record(TOPIC, "stuck-2", 1)]
     records += [record(TOPIC, "stuck-hot", seq) for seq in range(1, 1501)]  # a hot stuck key
     records += [record(TOPIC, f"k{n}", 1) for n in range(100)]

@@ -4,15 +4,19 @@ policy, per-key order across types, versioned events; SQLite and PostgreSQL, syn
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pydantic
 import pytest
 import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport, drain
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import outbox
-from outbox import Disposition, Inbox, Message
+from outbox import Disposition, Inbox, Message, Outbox, Relay
 from outbox.inbox import Reason
 from tests.inbox_support import (
     INBOX_KINDS,
@@ -327,3 +331,57 @@ def test_an_upcaster_must_go_between_versions_the_model_has() -> None:
         outbox.upcaster(PaidV3, from_version=3)
     with pytest.raises(outbox.ConfigurationError, match="from_version"):
         outbox.upcaster(PaidV1, from_version=1)  # an unregistered model is version 1
+
+
+# -- the input domain: any model instance publishes and arrives equal, or is refused by name -----
+
+class Reading(pydantic.BaseModel):
+    name: str
+    value: float
+    values: list[float]
+    tags: dict[str, str]
+    note: str | None = None
+
+
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
+ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=ANY_TEXT, value=ANY_FLOAT, values=st.lists(ANY_FLOAT, max_size=3),
+       tags=st.dictionaries(ANY_TEXT, ANY_TEXT, max_size=2), note=st.none() | ANY_TEXT)
+def test_any_model_instance_arrives_equal_or_is_refused_at_publish_by_name(
+        typed_pipeline: tuple[Outbox, Relay, Inbox, list[Any]], name: str, value: float,
+        values: list[float], tags: dict[str, str], note: str | None) -> None:
+    ob, relay, inbox, got = typed_pipeline
+    sent = Reading.model_construct(name=name, value=value, values=values, tags=tags, note=note)
+    try:
+        with ob.begin() as session:
+            ob.publish(session, TOPIC, sent, key="k")
+    except outbox.MessageValidationError as exc:
+        assert type(exc) is not outbox.MessageValidationError  # a named subclass says what
+        assert any(not math.isfinite(f) for f in [value, *values]) or _has_surrogate(
+            [name, note, *tags, *tags.values()])
+        return
+    relay.transport.sent.clear()
+    drain(relay)
+    [rec] = relay.transport.sent
+    assert inbox.handle(rec) is Disposition.APPLIED
+    arrived = got.pop()
+    assert arrived == sent and type(arrived) is Reading
+
+
+def _has_surrogate(texts: list[str | None]) -> bool:
+    return any(t is not None and any(0xD800 <= ord(c) <= 0xDFFF for c in t) for t in texts)
+
+
+@pytest.fixture
+def typed_pipeline(sqlite_db: str) -> Iterator[tuple[Outbox, Relay, Inbox, list[Any]]]:
+    engine = sa.create_engine(sqlite_db)
+    ob = Outbox(engine)
+    ob.create_tables()
+    inbox = Inbox(engine, group="g")
+    got: list[Any] = []
+    inbox.handler(TOPIC, Reading)(lambda session, event: got.append(event))
+    yield ob, Relay(ob, ScriptedTransport(), worker_id="w"), inbox, got
+    engine.dispose()

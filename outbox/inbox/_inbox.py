@@ -49,6 +49,7 @@ from ._settle import Settler
 from ._signals import Disposition
 from ._store import store_for
 from ._transaction import TransactionStep
+from ._typed import HandlerRegistry
 
 log = safe_logger("outbox.inbox")
 
@@ -169,7 +170,7 @@ class Inbox:
         self.start = start
         self.alert = alert
         self.metrics = InboxMetrics(group)
-        self._handlers: dict[str, TopicHandlers] = {}
+        self._handlers = HandlerRegistry()
         self._stop = threading.Event()
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         # The pipeline's stages, each handed what it needs: one store owns every statement.

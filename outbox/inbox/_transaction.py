@@ -75,6 +75,7 @@ from transports._logsafe import safe_logger
 from .._envelope import utcnow
 from .._tables import InboxOutcome
 from ._calls import Error, HandlerCalls, Redo, TopicHandlers
+from ._calls import TopicHandler as TopicHandler  # where tests import it from
 from ._conflicts import Verdict, describe, describe_held, judge, judge_held
 from ._delivery import Delivery, KeyId, OrderedDelivery, lane_of
 from ._kinds import Reason, StartPolicy

@@ -127,3 +127,13 @@ class TopicHandlers:
                             f"topic {self.topic!r} has no handler for {kind} (typed handlers: "
                             f"{sorted(self.typed)[:10]}) and no untyped handler")
         return handler
+
+
+class HandlerRegistry(dict[str, TopicHandlers]):
+    """Topic -> its handlers. Setting a lone ``TopicHandler`` makes it the topic's only handler:
+    how tests (and earlier code) swap a topic's handler, ``inbox._handlers[t] = TopicHandler(fn)``."""
+
+    def __setitem__(self, topic: str, value: TopicHandlers | TopicHandler) -> None:
+        if isinstance(value, TopicHandler):
+            value = TopicHandlers.only(topic, value)
+        super().__setitem__(topic, value)
