@@ -93,9 +93,11 @@ class AsyncOutbox(OutboxBase):
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
         content_type: str | None = None,
+        event_type: str | None = None,
     ) -> uuid.UUID:
         """``Outbox.publish`` for an ``AsyncSession``: nothing committed, same guarantees."""
-        return await publish_in(self, session, topic, payload, key, headers, delay, content_type)
+        return await publish_in(self, session, topic, payload, key, headers, delay, content_type,
+                                event_type)
 
     @asynccontextmanager
     async def begin(self) -> AsyncIterator[AsyncSession]:

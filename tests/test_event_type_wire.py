@@ -170,3 +170,28 @@ def test_the_previous_version_upgrades_to_event_types_and_keeps_its_rows(db_url:
     inbox.handle(record(T, "k", 2))  # the held seq 3, stored before the upgrade, follows
     assert seen == [2, 3]
     engine.dispose()
+
+
+def test_an_async_outbox_stores_a_models_type_and_an_explicit_one(sqlite_db: str) -> None:
+    import asyncio
+
+    from outbox import AsyncOutbox, create_async_engine
+
+    async def publish() -> None:
+        engine = create_async_engine(sqlite_db.replace("sqlite://", "sqlite+aiosqlite://"))
+        ob = AsyncOutbox(engine)
+        await ob.create_tables()
+        async with ob.begin() as session:
+            await ob.publish(session, T, OrderShipped(order_id="1"), key="1")
+            await ob.publish(session, T, b"raw", key="1", event_type="legacy.Raw")
+            with pytest.raises(InvalidEventTypeError):
+                await ob.publish(session, T, OrderShipped(order_id="1"), event_type="x")
+        await engine.dispose()
+
+    asyncio.run(publish())
+    engine = create_engine(sqlite_db)
+    with engine.connect() as conn:
+        m = Outbox(engine).tables.messages
+        assert list(conn.scalars(sa.select(m.c.event_type).order_by(m.c.id))) == [
+            "shop.OrderShipped.v3", "legacy.Raw"]
+    engine.dispose()
