@@ -347,7 +347,7 @@ ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12
 ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=ANY_TEXT, value=ANY_FLOAT, values=st.lists(ANY_FLOAT, max_size=3),
        tags=st.dictionaries(ANY_TEXT, ANY_TEXT, max_size=2), note=st.none() | ANY_TEXT)
 def test_any_model_instance_arrives_equal_or_is_refused_at_publish_by_name(
@@ -384,4 +384,20 @@ def typed_pipeline(sqlite_db: str) -> Iterator[tuple[Outbox, Relay, Inbox, list[
     got: list[Any] = []
     inbox.handler(TOPIC, Reading)(lambda session, event: got.append(event))
     yield ob, Relay(ob, ScriptedTransport(), worker_id="w"), inbox, got
+    engine.dispose()
+
+
+def test_the_test_harness_sends_models_with_their_type_to_typed_handlers(sqlite_db: str) -> None:
+    from outbox.testing import OutboxTestHarness
+
+    engine = sa.create_engine(sqlite_db)
+    inbox = make_inbox(engine, "sync")
+    got: list[Any] = []
+    inbox.handler(TOPIC, OrderCreated)(lambda s, e: got.append(e))
+    inbox.handler(TOPIC, OrderPaid)(lambda s, e: got.append(e))
+    with OutboxTestHarness(inbox=inbox, partitions=1) as h:
+        h.send(TOPIC, OrderCreated(order_id="a"), key="a")
+        h.send(TOPIC, {"order_id": "a", "amount": 3}, key="a", event_type="OrderPaid")
+        assert h.deliver() == [Disposition.APPLIED] * 2
+    assert got == [OrderCreated(order_id="a"), OrderPaid(order_id="a", amount=3)]
     engine.dispose()
