@@ -99,7 +99,8 @@ class TopicHandlers:
         """Register ``handler``; refuse a second untyped one, or a type two handlers would take."""
         if handler.reader is None:
             if self.untyped is not None:
-                raise ConfigurationError(f"topic {self.topic!r} already has an untyped handler")
+                raise ConfigurationError(f"topic {self.topic!r} already has a handler: one untyped "
+                                         "handler per topic (a typed one takes one event type)")
             self.untyped = handler
             return
         taken = [t for t in handler.reader.accepts if t in self.typed]
