@@ -1,5 +1,9 @@
 """Calling a topic's handler inside an inbox transaction, and catching what it raised.
 
+Which handler is the message's: its event type's, else the topic's untyped one
+(``_typed.TopicHandlers``); a batch goes to a batch handler in runs of
+consecutive messages of one handler, so a key's order holds across types.
+
 A call runs either bare (the first pass over a batch: savepoints cost two
 round trips per message) or in its own SAVEPOINT (the redo after a failure,
 retries, replays), so a failure rolls back only that call's writes. A failure
