@@ -1,7 +1,9 @@
 """An orders service: FastAPI, SQLAlchemy's AsyncSession and the outbox decorator.
 
-Placing an order writes the order row and its ``order.created`` event in one
-transaction; paying it writes the state change and ``order.paid``. A relay
+Placing an order writes the order row and its ``OrderCreated`` event in one
+transaction; paying it writes the state change and ``OrderPaid``. Each event is a
+pydantic model (examples/order_events.py): the outbox sends its event type with it,
+and consumers choose a handler by it. A relay
 process (see relay_postgres_kafka.py) publishes the events to Kafka.
 
     OUTBOX_DB=sqlite+aiosqlite:///orders.db uvicorn examples.fastapi_orders:app
@@ -16,6 +18,7 @@ import pydantic
 import sqlalchemy as sa
 from fastapi import FastAPI, HTTPException
 
+from examples.order_events import OrderCreated, OrderPaid
 from outbox import AsyncOutbox, create_async_engine
 
 DATABASE_URL = os.environ.get("OUTBOX_DB", "sqlite+aiosqlite:///orders.db")
@@ -36,21 +39,14 @@ class NewOrder(pydantic.BaseModel):
     total_cents: int = pydantic.Field(gt=0)
 
 
-class OrderEvent(pydantic.BaseModel):
-    order_id: int
-    event: str
-    customer: str
-    total_cents: int
-
-
 @outbox.transactional
 async def place_order(order: NewOrder, *, session) -> int:
     result = await session.execute(
         orders.insert().values(customer=order.customer, total_cents=order.total_cents,
                                state="created").returning(orders.c.id))
     order_id = result.scalar_one()
-    await outbox.publish(session, "orders", OrderEvent(
-        order_id=order_id, event="created", **order.model_dump()), key=order_id)
+    await outbox.publish(session, "orders", OrderCreated(order_id=order_id, **order.model_dump()),
+                         key=order_id)
     return order_id
 
 
@@ -63,9 +59,8 @@ async def pay_order(order_id: int, *, session) -> None:
     if row.state != "created":
         raise HTTPException(409, f"order {order_id} is {row.state}, not created")
     await session.execute(orders.update().where(orders.c.id == order_id).values(state="paid"))
-    await outbox.publish(session, "orders", OrderEvent(
-        order_id=order_id, event="paid", customer=row.customer, total_cents=row.total_cents),
-        key=order_id)
+    await outbox.publish(session, "orders", OrderPaid(order_id=order_id, total_cents=row.total_cents),
+                         key=order_id)
 
 
 @asynccontextmanager

@@ -2,7 +2,9 @@
 
 It consumes the ``orders`` events that examples/fastapi_orders.py publishes
 (through a relay) into an ``invoices`` table of the same database, with an
-async inbox: ``order.created`` opens an invoice, ``order.paid`` marks it paid.
+async inbox and one typed handler per event (examples/order_events.py):
+``OrderCreated`` opens an invoice, ``OrderPaid`` marks it paid; any other event
+type on the topic parks its order until a handler for it is deployed.
 A duplicate is dropped, a ``paid`` that overtook its ``created`` waits for it,
 and an event that fails three times parks its order (only its order). One
 command runs it:
@@ -22,13 +24,13 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import pydantic
 import sqlalchemy as sa
 from faststream import FastStream
 from faststream.confluent import KafkaBroker
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from outbox import Inbox, Message, WebhookAlertSink, create_async_engine
+from examples.order_events import OrderCreated, OrderPaid
+from outbox import Inbox, WebhookAlertSink, create_async_engine
 from outbox.faststream import subscribe, sweeping
 
 DATABASE_URL = os.environ.get("OUTBOX_INBOX_DB", "sqlite+aiosqlite:///orders.db")
@@ -44,32 +46,24 @@ invoices = sa.Table(
 )
 
 
-class OrderEvent(pydantic.BaseModel):
-    """What examples/fastapi_orders.py publishes on ``orders``."""
-
-    order_id: int
-    event: str
-    customer: str
-    total_cents: int
-
-
 # The inbox's own engine: asyncpg connections belong to the event loop that opened them, and the
 # inbox runs its transactions on a loop of its own, not FastStream's.
 inbox = Inbox(create_async_engine(DATABASE_URL), group="billing",
               alert=WebhookAlertSink(url) if (url := os.environ.get("OUTBOX_ALERT_WEBHOOK")) else None)
 
 
-@inbox.handler("orders")
-async def bill(session: AsyncSession, message: Message) -> None:
-    order = message.parse(OrderEvent)
-    if order.event == "created":
-        await session.execute(invoices.insert().values(
-            order_id=order.order_id, customer=order.customer, amount_cents=order.total_cents, state="open"))
-    elif order.event == "paid":
-        paid = await session.execute(invoices.update().where(invoices.c.order_id == order.order_id)
-                                     .values(state="paid"))
-        if paid.rowcount != 1:  # cannot happen in seq order; fail (and park) loudly if it ever does
-            raise LookupError(f"order {order.order_id} paid before it was created")
+@inbox.handler("orders", OrderCreated)
+async def open_invoice(session: AsyncSession, order: OrderCreated) -> None:
+    await session.execute(invoices.insert().values(
+        order_id=order.order_id, customer=order.customer, amount_cents=order.total_cents, state="open"))
+
+
+@inbox.handler("orders", OrderPaid)
+async def mark_paid(session: AsyncSession, order: OrderPaid) -> None:
+    paid = await session.execute(invoices.update().where(invoices.c.order_id == order.order_id)
+                                 .values(state="paid"))
+    if paid.rowcount != 1:  # cannot happen in seq order; fail (and park) loudly if it ever does
+        raise LookupError(f"order {order.order_id} paid before it was created")
 
 
 # FastStream would create a missing topic with the broker's defaults; the topic belongs to the

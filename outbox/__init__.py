@@ -10,6 +10,7 @@ from ._errors import (
     ConfigurationError,
     InvalidContentTypeError,
     InvalidDelayError,
+    InvalidEventTypeError,
     InvalidHeadersError,
     InvalidKeyError,
     InvalidTopicError,
@@ -23,6 +24,7 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
+from ._events import event, event_type_of, upcaster
 from ._gc import tune_gc_for_batches
 from ._outbox import Outbox
 from ._tables import OutboxTables
@@ -40,6 +42,7 @@ from .inbox import (
     RetryLater,
     SkipMessage,
     StartPolicy,
+    UnknownEvents,
 )
 from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 
@@ -59,6 +62,7 @@ __all__ = [
     "Inbox",
     "InvalidContentTypeError",
     "InvalidDelayError",
+    "InvalidEventTypeError",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
@@ -83,15 +87,19 @@ __all__ = [
     "SkipMessage",
     "StartPolicy",
     "TransportError",
+    "UnknownEvents",
     "UnserializablePayloadError",
     "WebhookAlertSink",
     "create_async_engine",
     "create_engine",
+    "event",
+    "event_type_of",
     "message_to_record",
     "new_message_id",
     "record_to_message",
     "relay_metrics",
     "tune_gc_for_batches",
+    "upcaster",
 ]
 
 

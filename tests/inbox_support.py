@@ -44,12 +44,12 @@ _insert_effect = effects.insert()
 
 def record(topic: str, key: str | None, seq: int | None, *, payload: bytes = b'{"n":1}',
            message_id: uuid.UUID | None = None, incarnation: str | None = None,
-           created_at: datetime | None = None) -> Record:
+           created_at: datetime | None = None, event_type: str | None = None) -> Record:
     """An outbox record as the relay would produce it (without ``incarnation``: as an older one did)."""
     return to_record(
         message_id=message_id or uuid.uuid4(), topic=topic, key=key, seq=seq, payload=payload,
         content_type="application/json", headers=None, created_at=created_at or datetime.now(UTC),
-        incarnation=incarnation,
+        incarnation=incarnation, event_type=event_type,
     )
 
 

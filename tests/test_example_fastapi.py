@@ -25,7 +25,7 @@ def service(db_url, monkeypatch):
 def events(engine) -> list[tuple]:
     with engine.connect() as conn:
         return conn.execute(sa.text(
-            "SELECT key, seq, payload FROM outbox_messages ORDER BY id")).all()
+            "SELECT key, seq, payload, event_type FROM outbox_messages ORDER BY id")).all()
 
 
 def test_orders_and_events_commit_together(service):
@@ -33,8 +33,9 @@ def test_orders_and_events_commit_together(service):
     order_id = client.post("/orders", json={"customer": "ada", "total_cents": 990}).json()["order_id"]
     assert client.post(f"/orders/{order_id}/pay").status_code == 204
     rows = events(engine)
-    assert [(key, seq) for key, seq, _ in rows] == [(str(order_id), 1), (str(order_id), 2)]
-    assert b'"event":"paid"' in rows[1][2]
+    assert [(key, seq) for key, seq, _, _ in rows] == [(str(order_id), 1), (str(order_id), 2)]
+    assert [event_type for *_, event_type in rows] == ["orders.OrderCreated", "orders.OrderPaid"]
+    assert b'"total_cents":990' in rows[1][2]
 
     assert client.post(f"/orders/{order_id}/pay").status_code == 409   # already paid
     assert client.post("/orders/999/pay").status_code == 404

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
 from examples import relay_postgres_kafka
+from examples.order_events import OrderPaid
 from outbox import Inbox, Outbox, create_engine
 from transports.kafka import embedded_kafka
 
@@ -68,8 +69,7 @@ def test_the_billing_service_bills_every_order_once(postgres_db: str,
             # An order billing never saw the creation of: paid fails three times and parks the order.
             outbox = Outbox(create_engine(postgres_db))
             with Session(outbox.engine) as session, session.begin():
-                outbox.publish(session, "orders", {"order_id": 999, "event": "paid", "customer": "eve",
-                                                   "total_cents": 5}, key=999)
+                outbox.publish(session, "orders", OrderPaid(order_id=999, total_cents=5), key=999)
             assert relay.run_once().published == 1
             inbox = Inbox(outbox.engine, group="billing")
             wait_until(lambda: len(inbox.parked("orders", "999")) == 1, service, "order 999 parked")

@@ -16,7 +16,7 @@ from .._stopping import StopRequested
 from .._tables import InboxOutcome
 from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedReplay
 from ._inbox import Inbox
-from ._kinds import ForeignRecords, Reason, StartPolicy
+from ._kinds import ForeignRecords, Reason, StartPolicy, UnknownEvents
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
@@ -35,4 +35,5 @@ __all__ = [
     "SkipMessage",
     "StartPolicy",
     "StopRequested",
+    "UnknownEvents",
 ]

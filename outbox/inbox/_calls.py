@@ -1,5 +1,9 @@
 """Calling a topic's handler inside an inbox transaction, and catching what it raised.
 
+Which handler is the message's: its event type's, else the topic's untyped one
+(``_typed.TopicHandlers``); a batch goes to a batch handler in runs of
+consecutive messages of one handler, so a key's order holds across types.
+
 A call runs either bare (the first pass over a batch: savepoints cost two
 round trips per message) or in its own SAVEPOINT (the redo after a failure,
 retries, replays), so a failure rolls back only that call's writes. A failure
@@ -23,8 +27,7 @@ from __future__ import annotations
 import inspect
 import time
 import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -36,17 +39,12 @@ from ._metrics import InboxMetrics
 from ._outage import Outage, is_handler_outage
 from ._sessions import async_view, await_result
 from ._signals import ParkMessage
+from ._typed import TopicHandler, TopicHandlers
+
+__all__ = ["Error", "HandlerCalls", "Redo", "TopicHandler", "TopicHandlers"]
 
 Error = tuple[BaseException, str]
 """An exception and its formatted traceback."""
-
-
-@dataclass(frozen=True, slots=True)
-class TopicHandler:
-    """A registered handler: ``fn(session, message)``, or ``fn(session, messages)`` when ``batch``."""
-
-    fn: Callable[[Any, Any], Any]
-    batch: bool = False
 
 
 class Redo(Exception):
@@ -64,7 +62,7 @@ class Redo(Exception):
 class HandlerCalls:
     """Runs the registered handlers; safe from several threads (each call has its own session)."""
 
-    def __init__(self, handlers: Mapping[str, TopicHandler], metrics: InboxMetrics, group: str) -> None:
+    def __init__(self, handlers: Mapping[str, TopicHandlers], metrics: InboxMetrics, group: str) -> None:
         self.handlers = handlers
         self.metrics = metrics
         self.group = group
@@ -78,16 +76,36 @@ class HandlerCalls:
         for d in fresh:
             by_topic.setdefault(d.message.topic, []).append(d)
         for topic, group in by_topic.items():
-            handler = self.handlers.get(topic)
-            if handler is not None and handler.batch and len(group) > 1:
-                error = self._call(session, topic, group, savepoint=False)
-                if error is not None:
-                    raise Redo(None, error)  # which message failed is found by the redo
-                continue
-            for d in group:
-                error = self._call(session, topic, [d], savepoint=False)
-                if error is not None:
-                    raise Redo(d, error)
+            for handler, run in self._runs(topic, group):
+                if handler is not None and handler.batch and len(run) > 1:
+                    error = self._call(session, topic, run, savepoint=False)
+                    if error is not None:
+                        raise Redo(None, error)  # which message failed is found by the redo
+                    continue
+                for d in run:
+                    error = self._call(session, topic, [d], savepoint=False)
+                    if error is not None:
+                        raise Redo(d, error)
+
+    def _runs(self, topic: str,
+              group: list[Delivery]) -> Iterator[tuple[TopicHandler | None, list[Delivery]]]:
+        """``group`` cut into runs of consecutive deliveries that go to one handler.
+
+        Consecutive, not gathered: a batch handler of OrderPaid must not run a
+        key's OrderPaid before another handler ran the same key's earlier OrderCreated.
+        """
+        handlers = self.handlers.get(topic)
+        run: list[Delivery] = []
+        current: TopicHandler | None = None
+        for d in group:
+            handler = None if handlers is None else handlers.find(d.message)
+            if run and handler is not current:
+                yield current, run
+                run = []
+            current = handler
+            run.append(d)
+        if run:
+            yield current, run
 
     def one(self, session: Session, d: Delivery) -> Error | None:
         """Run the topic's handler for ``d`` alone in a SAVEPOINT; the error and traceback if it raised.
@@ -98,13 +116,13 @@ class HandlerCalls:
 
     def _call(self, session: Session, topic: str, deliveries: list[Delivery], *,
               savepoint: bool) -> Error | None:
-        handler = self.handlers.get(topic)
+        handlers = self.handlers.get(topic)
         started = time.perf_counter()
         nested = session.begin_nested() if savepoint else None
         try:
-            if handler is None:
+            if handlers is None:
                 raise ParkMessage(f"no handler registered for topic {topic!r}")
-            self._run(handler, session, topic, deliveries)
+            self._run(handlers.choose(deliveries[0].message), session, topic, deliveries)
             session.flush()
             if nested is not None:
                 nested.commit()
@@ -131,23 +149,23 @@ class HandlerCalls:
             messages: list[Message] = [d.message for d in deliveries]
             with process_batch_span(topic, [m.headers for m in messages], group=self.group,
                                     count=len(messages)):
-                _invoke(handler, session, messages)
+                _invoke(handler, session, handler.arguments(messages))
             return
         for d in deliveries:
             m = d.message
             with process_span(topic, m.headers, message_id=str(m.message_id), key=m.key,
                               group=self.group, partition=d.partition, offset=d.offset):
-                _invoke(handler, session, m)
+                _invoke(handler, session, handler.arguments([m]))
 
 
-def _invoke(handler: TopicHandler, session: Session, arg: Any) -> None:
-    """``fn(session, arg)``; on an async inbox ``await fn(async_session, arg)``.
+def _invoke(handler: TopicHandler, session: Session, args: tuple[Any, ...]) -> None:
+    """``fn(session, *args)``; on an async inbox ``await fn(async_session, *args)``.
 
     A result of the wrong kind is the handler's failure, never a silent success:
     an un-awaited coroutine would record the message as applied without its writes.
     """
     view = async_view(session)
-    result = handler.fn(session if view is None else view, arg)
+    result = handler.fn(session if view is None else view, *args)
     if view is None and inspect.isawaitable(result):
         if inspect.iscoroutine(result):
             result.close()

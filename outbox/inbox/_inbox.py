@@ -15,8 +15,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
+import pydantic
 import tenacity
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -29,16 +30,17 @@ from .. import _schema
 from .._alerts import AlertSink, LoggingAlertSink
 from .._envelope import Message
 from .._errors import ConfigurationError
+from .._events import EventReader
 from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
 from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._alerting import Alerter
-from ._calls import TopicHandler
+from ._calls import TopicHandler, TopicHandlers
 from ._delivery import Delivery, decode, delivery
 from ._gaps import GapSweeper
-from ._kinds import ForeignRecords, StartPolicy
+from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 from ._metrics import InboxMetrics
 from ._outage import OutageLog, is_outage
 from ._runner import Runner
@@ -48,12 +50,14 @@ from ._settle import Settler
 from ._signals import Disposition
 from ._store import store_for
 from ._transaction import TransactionStep
+from ._typed import HandlerRegistry
 
 log = safe_logger("outbox.inbox")
 
 H = TypeVar("H", bound=Callable[[Session, Message], Any] | Callable[[AsyncSession, Message], Awaitable[Any]])
 B = TypeVar("B", bound=Callable[[Session, list[Message]], Any]
             | Callable[[AsyncSession, list[Message]], Awaitable[Any]])
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Inbox:
@@ -105,6 +109,7 @@ class Inbox:
         foreign_records: ForeignRecords | Literal["park", "accept"] = ForeignRecords.PARK,
         start: StartPolicy | Literal["strict", "first_seen"] = StartPolicy.STRICT,
         dedup_window: timedelta | float | None = None,
+        unknown_event: UnknownEvents | Literal["park", "skip"] = UnknownEvents.PARK,
         tables: OutboxTables | None = None,
         prefix: str = "",
         schema: str | None = None,
@@ -113,7 +118,8 @@ class Inbox:
             group=group, max_attempts=max_attempts, concurrency=concurrency, batch_size=batch_size,
             gap_timeout=gap_timeout, gap_alert_after=gap_alert_after, retry_backoff=retry_backoff,
             retry_backoff_max=retry_backoff_max, foreign_records=foreign_records, start=start,
-            dedup_window=dedup_window)
+            dedup_window=dedup_window, unknown_event=unknown_event)
+        self.unknown_event = settings.unknown_event
         alert = LoggingAlertSink() if alert is None else alert
         if not callable(alert):
             raise ConfigurationError(f"alert must be an AlertSink (a callable), got {alert!r}")
@@ -134,7 +140,7 @@ class Inbox:
         self.start = settings.start
         self.alert = alert
         self.metrics = InboxMetrics(group)
-        self._handlers: dict[str, TopicHandler] = {}
+        self._handlers = HandlerRegistry()
         self._stop = threading.Event()
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         # The pipeline's stages, each handed what it needs: one store owns every statement.
@@ -155,18 +161,43 @@ class Inbox:
 
     # -- handlers -------------------------------------------------------------
 
-    def handler(self, topic: str) -> Callable[[H], H]:
-        """Register ``fn(session, message)`` for ``topic``; one handler per topic.
+    @overload
+    def handler(self, topic: str) -> Callable[[H], H]: ...
+
+    @overload
+    def handler(self, topic: str, event: type[pydantic.BaseModel]) -> Callable[[F], F]: ...
+
+    def handler(self, topic: str,
+                event: type[pydantic.BaseModel] | None = None) -> Callable[[Any], Any]:
+        """Register ``fn(session, message)`` for ``topic``: the untyped handler, one per topic.
 
         The handler runs inside the inbox's transaction: write through
         ``session``, never commit or roll back. On an inbox built on an
         ``AsyncEngine``, ``fn`` is an ``async def`` function given an
         ``AsyncSession``. Raise to fail (it is retried,
         then parked) or raise ``RetryLater`` / ``SkipMessage`` / ``ParkMessage``.
-        """
-        return self._register(topic, batch=False)
 
-    def batch_handler(self, topic: str) -> Callable[[B], B]:
+        With ``event`` (a pydantic model class), a typed handler: called for
+        the messages of ``topic`` whose event type is the model's
+        (``outbox.event``: its type, aliases, and older versions it has
+        upcasters from), as ``fn(session, event)`` with the payload validated
+        into the model, or ``fn(session, event, message)`` when it takes a
+        third argument. A topic has one handler per event type; its untyped
+        handler, if any, takes every other message. A message none takes, or
+        whose payload does not validate, follows ``unknown_event``. Messages of
+        one key are handled one at a time in seq order, whichever handler each gets.
+        """
+        return self._register(topic, batch=False, event=event)
+
+    @overload
+    def batch_handler(self, topic: str) -> Callable[[B], B]: ...
+
+    @overload
+    def batch_handler(self, topic: str,
+                      event: type[pydantic.BaseModel]) -> Callable[[F], F]: ...
+
+    def batch_handler(self, topic: str,
+                      event: type[pydantic.BaseModel] | None = None) -> Callable[[Any], Any]:
         """Register ``fn(session, messages)`` for ``topic``: many messages per call, for throughput.
 
         ``messages`` may hold several consecutive messages of one key, always
@@ -176,21 +207,34 @@ class Inbox:
         inbox rolls back and calls ``fn`` once per message, each in a
         SAVEPOINT, so only the failing message is retried and parked, and
         attempts count only those calls.
-        """
-        return self._register(topic, batch=True)
 
-    def _register(self, topic: str, *, batch: bool) -> Callable[[Any], Any]:
+        With ``event``, typed as in ``handler``: ``fn(session, events)`` or
+        ``fn(session, events, messages)``. A call holds consecutive messages
+        of its type only: a key's messages of other types between them go to
+        their handlers in seq order, so a batch is cut there.
+        """
+        return self._register(topic, batch=True, event=event)
+
+    def _register(self, topic: str, *, batch: bool,
+                  event: type[pydantic.BaseModel] | None = None) -> Callable[[Any], Any]:
         validate_topic(topic)
+        reader = None if event is None else EventReader(event)
+        many = "events" if batch else "event"
 
         def register(fn: Any) -> Any:
             if not callable(fn):
                 raise ConfigurationError(f"handler for {topic!r} must be callable, got {fn!r}")
+            with_message = False
             try:
-                inspect.signature(fn).bind(None, None)
+                if reader is not None and _takes(fn, 3):
+                    with_message = True
+                else:
+                    inspect.signature(fn).bind(None, None)
             except TypeError:
                 raise ConfigurationError(
                     f"handler {getattr(fn, '__qualname__', fn)!r} must take "
-                    f"(session, {'messages' if batch else 'message'})"
+                    + (f"(session, {'messages' if batch else 'message'})" if reader is None else
+                       f"(session, {many}) or (session, {many}, {'messages' if batch else 'message'})")
                 ) from None
             if self._sessions.is_async != _is_async(fn):
                 raise ConfigurationError(
@@ -199,9 +243,10 @@ class Inbox:
                        if self._sessions.is_async else
                        "a plain function: an async def handler needs an Inbox built on an "
                        "AsyncEngine or async_sessionmaker"))
-            if topic in self._handlers:
-                raise ConfigurationError(f"topic {topic!r} already has a handler")
-            self._handlers[topic] = TopicHandler(fn, batch=batch)
+            handlers = self._handlers.get(topic) or TopicHandlers(topic, self.unknown_event)
+            handlers.add(TopicHandler(fn, batch=batch, reader=reader, with_message=with_message,
+                                      unknown=self.unknown_event))
+            self._handlers[topic] = handlers
             return fn
 
         return register
@@ -359,6 +404,15 @@ class Inbox:
     def is_async(self) -> bool:
         """Built on an ``AsyncEngine``: handlers are ``async def`` and given an ``AsyncSession``."""
         return self._sessions.is_async
+
+
+def _takes(fn: Any, count: int) -> bool:
+    """Whether ``fn`` can be called with ``count`` positional arguments."""
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except TypeError:
+        return False
+    return True
 
 
 def _is_async(fn: object) -> bool:

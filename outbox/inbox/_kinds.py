@@ -32,12 +32,18 @@ class Reason(enum.StrEnum):
     """A new id at or below its key's last seq from the same producer incarnation (or
     one unknown): two messages claim one seq; its key is parked. Replay starts the key
     again at this message; discard it if it is not to be applied."""
+    UNKNOWN_EVENT = "unknown_event"
+    """Its topic has typed handlers, none for its event type, and no untyped one
+    (``unknown_event="park"``); its key is parked. Deploy a handler, then replay."""
+    INVALID_EVENT = "invalid_event"
+    """Its payload does not validate against the model of its event type's handler (or an
+    upcaster failed); the error holds the validation error. Its key is parked."""
 
     @property
     def parks_key(self) -> bool:
         """Whether parking a keyed message for this reason stops its key."""
         return self in (Reason.FAILED, Reason.GAP, Reason.UNDECODABLE, Reason.NEW_INCARNATION,
-                        Reason.SEQ_CONFLICT)
+                        Reason.SEQ_CONFLICT, Reason.UNKNOWN_EVENT, Reason.INVALID_EVENT)
 
     @property
     def restarts_on_replay(self) -> bool:
@@ -74,3 +80,16 @@ class ForeignRecords(enum.StrEnum):
     """Park it alone with reason ``foreign`` (one alert per topic): it never runs a handler."""
     ACCEPT = "accept"
     """Hand it to the handler as a ``Message`` without seq or incarnation; it is never ordered."""
+
+
+class UnknownEvents(enum.StrEnum):
+    """What a typed inbox does with a message it cannot hand to a typed handler
+    (``Inbox(unknown_event=…)``): its event type has no handler on its topic and the
+    topic has no untyped handler, or its payload does not validate against the model."""
+
+    PARK = "park"
+    """Park it (and its key) with reason ``unknown_event`` or ``invalid_event``: nothing of
+    the key applies past it until a handler is deployed and the key replayed, or it is discarded."""
+    SKIP = "skip"
+    """Record it as skipped (``inbox_messages.outcome='skipped'``, the note says why) and go
+    on with its key: for topics that carry events this consumer does not care about."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .._errors import ConfigurationError
-from ._kinds import ForeignRecords, StartPolicy
+from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 
 MAX_ATTEMPTS = 100
 MAX_CONCURRENCY = 1024
@@ -46,6 +46,8 @@ class InboxSettings:
     """Where a key first met past seq 1 starts (``_conflicts``)."""
     dedup_window: float | None = None
     """Seconds after which this group's dedup records may be pruned; None: never."""
+    unknown_event: UnknownEvents = UnknownEvents.PARK
+    """What a typed topic's message of no handled type, or not valid for its model, becomes."""
 
     @classmethod
     def of(cls, *, group: str, max_attempts: int = 3, concurrency: int = 8, batch_size: int = 1,
@@ -53,13 +55,19 @@ class InboxSettings:
            retry_backoff: float = 0.1, retry_backoff_max: float = 5.0,
            foreign_records: ForeignRecords | str = ForeignRecords.PARK,
            start: StartPolicy | str = StartPolicy.STRICT,
-           dedup_window: timedelta | float | None = None) -> InboxSettings:
+           dedup_window: timedelta | float | None = None,
+           unknown_event: UnknownEvents | str = UnknownEvents.PARK) -> InboxSettings:
         """Settings from what a user passes (``timedelta`` or seconds, enum or its value)."""
         try:
             foreign = ForeignRecords(foreign_records)
         except ValueError:
             raise ConfigurationError(f"foreign_records must be 'park' or 'accept', "
                                      f"got {foreign_records!r}") from None
+        try:
+            unknown = UnknownEvents(unknown_event)
+        except ValueError:
+            raise ConfigurationError(f"unknown_event must be one of {[p.value for p in UnknownEvents]}, "
+                                     f"got {unknown_event!r}") from None
         try:
             policy = StartPolicy(start)
         except ValueError:
@@ -70,7 +78,8 @@ class InboxSettings:
                    gap_alert_after=None if gap_alert_after is None else _as_seconds(gap_alert_after),
                    retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
                    foreign_records=foreign, start=policy,
-                   dedup_window=None if dedup_window is None else _as_seconds(dedup_window))
+                   dedup_window=None if dedup_window is None else _as_seconds(dedup_window),
+                   unknown_event=unknown)
 
     def __post_init__(self) -> None:
         group = self.group
@@ -91,6 +100,8 @@ class InboxSettings:
         if not isinstance(self.foreign_records, ForeignRecords):
             raise ConfigurationError(
                 f"foreign_records must be a ForeignRecords, got {self.foreign_records!r}")
+        if not isinstance(self.unknown_event, UnknownEvents):
+            raise ConfigurationError(f"unknown_event must be an UnknownEvents, got {self.unknown_event!r}")
         if not isinstance(self.start, StartPolicy):
             raise ConfigurationError(f"start must be a StartPolicy, got {self.start!r}")
         if self.dedup_window is not None:

@@ -74,7 +74,8 @@ from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from .._tables import InboxOutcome
-from ._calls import Error, HandlerCalls, Redo, TopicHandler
+from ._calls import Error, HandlerCalls, Redo, TopicHandlers
+from ._calls import TopicHandler as TopicHandler  # where tests import it from
 from ._conflicts import Verdict, describe, describe_held, judge, judge_held
 from ._delivery import Delivery, KeyId, OrderedDelivery, lane_of
 from ._kinds import Reason, StartPolicy
@@ -83,6 +84,7 @@ from ._runs import Lanes
 from ._sessions import Sessions
 from ._signals import Disposition, SkipMessage
 from ._store import InboxStore, KeyState
+from ._typed import EventNotHandled
 
 
 @dataclass(slots=True)
@@ -125,7 +127,7 @@ class TransactionStep:
     """Runs inbox transactions; safe to call from several threads (each call has its own session)."""
 
     def __init__(self, sessions: Sessions, store: InboxStore,
-                 handlers: Mapping[str, TopicHandler], metrics: InboxMetrics,
+                 handlers: Mapping[str, TopicHandlers], metrics: InboxMetrics,
                  start: StartPolicy = StartPolicy.STRICT, dedup_window: float | None = None) -> None:
         self.sessions = sessions
         self.store = store
@@ -213,7 +215,8 @@ class TransactionStep:
             if (state is not None and isinstance(d, OrderedDelivery) and d.seq <= state.last_seq
                     and self.store.is_recorded(session, d.message.message_id)):
                 return Disposition.DUPLICATE, None  # applied meanwhile by another consumer
-            reason = Reason.KEY_PARKED if state is not None and state.parked else Reason.FAILED
+            reason = (Reason.KEY_PARKED if state is not None and state.parked
+                      else error.reason if isinstance(error, EventNotHandled) else Reason.FAILED)
             if reason is Reason.KEY_PARKED:
                 key_parked = self.store.park(session, d, reason)
             else:

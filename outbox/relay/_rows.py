@@ -32,7 +32,12 @@ from transports import Record
 from transports._errors import InvalidTopicError, validate_topic
 
 from .._errors import MessageValidationError
-from .._validation import MAX_KEY_LENGTH, RESERVED_HEADER_PREFIX, validate_content_type
+from .._validation import (
+    MAX_KEY_LENGTH,
+    RESERVED_HEADER_PREFIX,
+    checked_event_type,
+    validate_content_type,
+)
 from .._wire import CONTENT_TYPE, MAX_SEQ, to_record
 from ._sql import ROW_COLUMNS
 
@@ -50,7 +55,7 @@ class UnsendableRow(ValueError):
 class RowEncoder:
     """Encodes fetched rows (``_sql.ROW_COLUMNS`` order) into records; one per relay thread."""
 
-    __slots__ = ("_check_ids", "_content_types", "_incarnation", "_topics")
+    __slots__ = ("_check_ids", "_content_types", "_event_types", "_incarnation", "_topics")
 
     def __init__(self, incarnation: str | None = None, *, check_ids: bool = False) -> None:
         self._incarnation = incarnation
@@ -62,6 +67,7 @@ class RowEncoder:
         # runs once per value.
         self._topics: set[str] = set()
         self._content_types: set[str] = set()
+        self._event_types: set[str] = set()
 
     def records(self, rows: Sequence[Any]) -> tuple[list[Record], Sequence[Any], list[tuple[Any, str]]]:
         """Records of ``rows``, the rows they are of, and the unsendable rows with their reason.
@@ -91,7 +97,7 @@ class RowEncoder:
     def _record(self, row: Any) -> Record:
         """The row's record; raises ``UnsendableRow``, or what encoding raised, if it cannot be one."""
         (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
-         available_at, _) = row
+         available_at, _, event_type) = row
         if self._check_ids and (type(message_id) is not str or not _UUID_TEXT.fullmatch(message_id)):
             raise UnsendableRow(f"message id {_short(message_id)} is not a UUID: the inbox "
                                 "could not read the envelope")
@@ -108,12 +114,20 @@ class RowEncoder:
             raise UnsendableRow(f"payload is {type(payload).__name__}, not bytes")
         if content_type not in self._content_types:
             _remember(self._content_types, content_type, validate_content_type)
+        if event_type is not None and event_type not in self._event_types:
+            _remember(self._event_types, event_type, _event_type)
         return to_record(
             message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
             content_type=content_type,
             headers=None if headers in _NO_HEADERS else user_headers(headers),
             created_at=created_at, available_at=available_at, incarnation=self._incarnation,
+            event_type=event_type,
         )
+
+
+def _event_type(value: object) -> str:
+    """A row's event type as the inbox will decode it (raw SQL may have written any text)."""
+    return checked_event_type(value)[0]
 
 
 def _remember(seen: set[str], value: object, validate: Callable[[object], str]) -> None:

@@ -21,12 +21,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import pydantic
 import tenacity
 
 from transports._errors import ConfigurationError
 from transports.memory import DEFAULT_PARTITIONS, InMemoryBroker, InMemorySource, InMemoryTransport
 
 from .._envelope import Message, new_message_id, serialize_payload, utcnow
+from .._events import event_type_of
 from .._outbox import Outbox
 from .._wire import record_to_message, to_record
 from ..inbox import Disposition, Inbox
@@ -120,20 +122,24 @@ class OutboxTestHarness:
         return messages if key is None else [m for m in messages if m.key == key]
 
     def send(self, topic: str, payload: object, *, key: str | int | uuid.UUID | None = None,
-             headers: Mapping[str, str] | None = None) -> Message:
+             headers: Mapping[str, str] | None = None, event_type: str | None = None) -> Message:
         """Put an event on the broker as another service's outbox would; returns it.
 
         For a service that only consumes: its inbox then receives it at
-        ``deliver()``. A keyed event gets the key's next seq (1, 2, 3 …).
+        ``deliver()``. A keyed event gets the key's next seq (1, 2, 3 …). A
+        pydantic model is sent with its event type, as ``publish()`` sends it
+        (typed handlers are chosen by it); ``event_type`` gives one to another payload.
         """
         body, content_type = serialize_payload(payload)
+        if event_type is None and isinstance(payload, pydantic.BaseModel):
+            event_type = event_type_of(type(payload))
         text_key = None if key is None else str(key)
         seq = None
         if text_key is not None:
             seq = self._seqs[(topic, text_key)] = self._seqs.get((topic, text_key), 0) + 1
         record = to_record(message_id=new_message_id(), topic=topic, key=text_key, seq=seq, payload=body,
                            content_type=content_type, headers=dict(headers or {}), created_at=utcnow(),
-                           incarnation=self._incarnation)
+                           incarnation=self._incarnation, event_type=event_type)
         return record_to_message(self.broker.append(record))
 
     # -- consuming ------------------------------------------------------------------
