@@ -8,18 +8,20 @@ whole attribute domains.
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import drain, publish, rows
+from _relay_helpers import drain, publish, rows, start_cli_relay
 from cloudevents.v1.http import CloudEvent
 from cloudevents.v1.kafka import KafkaMessage, from_binary, to_binary
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox import CloudEvents, ConfigurationError, Disposition, Inbox, Outbox, Relay
+from outbox import CloudEvents, ConfigurationError, Disposition, Inbox, Outbox, Relay, create_engine
 from outbox._cloudevents import (
     MAX_SOURCE_BYTES,
     MAX_TYPE_BYTES,
@@ -94,6 +96,22 @@ def test_without_the_option_no_ce_header_is_sent_and_a_chosen_source_is(outbox: 
     event = from_binary(sdk_message(second))
     assert event["source"] == "https://shop.example/orders"
     assert event["team"] == "billing"  # other ce_* headers of the user are extensions
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_the_relay_command_sends_cloudevents_from_the_chosen_source(sqlite_db: str, kafka: str, topic: str,
+                                                                   tmp_path: Path) -> None:
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    publish(outbox, topic, ["a"])
+    relay = start_cli_relay(sqlite_db, kafka, tmp_path / "relay.log", "--cloudevents-source", "urn:shop")
+    try:
+        records = read_topic(kafka, topic, expected=1)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(30) == 0, (tmp_path / "relay.log").read_text()
+    assert [from_binary(sdk_message(r))["source"] for r in records] == ["urn:shop"]
 
 
 @pytest.mark.parametrize("source", ["", "has space", "é", "x" * (MAX_SOURCE_BYTES + 1), 7])
