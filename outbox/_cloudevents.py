@@ -50,8 +50,11 @@ RELAY_ATTRIBUTES = frozenset({CE_SPECVERSION, CE_ID, CE_SOURCE, CE_TYPE, CE_TIME
 """The ``ce_*`` headers the relay sets: a user header of one of these names is replaced, not sent twice."""
 
 MAX_SOURCE_BYTES = 255
-MAX_TYPE_BYTES = 255
-"""The widest ``ce_source`` and ``ce_type`` the record size budget counts (UTF-8 bytes)."""
+MAX_TYPE_BYTES = 4 * 255
+"""The widest ``ce_source`` and ``ce_type`` the record size budget counts (UTF-8 bytes).
+
+``ce_type`` is the event type (at most 255 characters, the ``event_type`` column: 4 bytes
+each at most in UTF-8) or the topic (at most 249 ASCII characters)."""
 
 # A URI-reference as a header value: visible ASCII, no space (RFC 3986 characters, unchecked further).
 _SOURCE = re.compile(r"[\x21-\x7e]{1,255}")
