@@ -11,6 +11,7 @@ from ._errors import (
     ConfigurationError,
     InvalidContentTypeError,
     InvalidDelayError,
+    InvalidEventTypeError,
     InvalidHeadersError,
     InvalidKeyError,
     InvalidTopicError,
@@ -24,6 +25,7 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
+from ._events import event, event_type_of, upcaster
 from ._gc import tune_gc_for_batches
 from ._outbox import Outbox
 from ._tables import OutboxTables
@@ -61,6 +63,7 @@ __all__ = [
     "Inbox",
     "InvalidContentTypeError",
     "InvalidDelayError",
+    "InvalidEventTypeError",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
@@ -89,11 +92,14 @@ __all__ = [
     "WebhookAlertSink",
     "create_async_engine",
     "create_engine",
+    "event",
+    "event_type_of",
     "message_to_record",
     "new_message_id",
     "record_to_message",
     "relay_metrics",
     "tune_gc_for_batches",
+    "upcaster",
 ]
 
 

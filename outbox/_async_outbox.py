@@ -30,11 +30,12 @@ async def publish_in(
     headers: Mapping[str, str] | None,
     delay: timedelta | float | None,
     content_type: str | None,
+    event_type: str | None = None,
 ) -> uuid.UUID:
     """Add one event to ``session``'s transaction (the statements of ``Outbox.publish``, awaited)."""
     stored = outbox._stored or outbox._accept(
         await session.run_sync(lambda sync: _schema.read(sync.connection(), outbox.tables)))
-    params = outbox._message(stored, topic, payload, key, headers, delay, content_type)
+    params = outbox._message(stored, topic, payload, key, headers, delay, content_type, event_type)
     sql = outbox._sql
     if params["key"] is None:
         await session.execute(sql.unkeyed, params)

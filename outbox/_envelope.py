@@ -202,6 +202,9 @@ class Message(pydantic.BaseModel):
     is None for unkeyed messages. ``incarnation`` names the outbox database
     that sent it (its ``outbox_meta`` identity): seqs count within one
     incarnation; None on envelopes of releases before it existed.
+    ``event_type`` names what the payload is (``publish()`` of a pydantic model
+    stores its registered name, ``outbox.event``); None when the producer gave
+    none, and on envelopes of releases before typed events.
     """
 
     model_config = pydantic.ConfigDict(frozen=True)
@@ -216,6 +219,7 @@ class Message(pydantic.BaseModel):
     created_at: datetime
     available_at: datetime
     incarnation: str | None = None
+    event_type: str | None = None
 
     def json(self) -> Any:  # type: ignore[override]
         """The payload decoded as JSON."""

@@ -25,6 +25,7 @@ __all__ = [
     "ConfigurationError",
     "InvalidContentTypeError",
     "InvalidDelayError",
+    "InvalidEventTypeError",
     "InvalidHeadersError",
     "InvalidKeyError",
     "InvalidTopicError",
@@ -75,6 +76,11 @@ class RecordTooLargeError(PayloadTooLargeError):
     The limit is stored with the tables and agreed with the relay's producer, so
     a record refused here is one the relay could never have sent.
     """
+
+
+class InvalidEventTypeError(MessageValidationError):
+    """The event type is not 1-255 characters of text without control characters, or
+    contradicts the registered type of the model published."""
 
 
 class InvalidDelayError(MessageValidationError):

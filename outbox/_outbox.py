@@ -90,6 +90,7 @@ class Outbox(OutboxBase):
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
         content_type: str | None = None,
+        event_type: str | None = None,
     ) -> uuid.UUID:
         """Add one event to ``session``'s transaction and return its message id.
 
@@ -101,13 +102,16 @@ class Outbox(OutboxBase):
         the same ``topic`` and ``key`` get seq 1, 2, 3 … in commit order;
         concurrent writers of one key wait for each other's commit.
         ``content_type`` labels a bytes or str payload (say ``application/avro``);
-        other payloads are always JSON.
+        other payloads are always JSON. A pydantic model is sent with its event
+        type (``outbox.event``; its class's name unless registered), which typed
+        handlers are chosen by; ``event_type`` gives one to a dict, str or bytes
+        payload (docs/producer.md, "Typed events").
         """
         if isinstance(session, AsyncSession):
             raise ConfigurationError(
                 "publish() got an AsyncSession; use AsyncOutbox, or await publish_async()")
         stored = self._stored or self._accept(_schema.read(session.connection(), self.tables))
-        params = self._message(stored, topic, payload, key, headers, delay, content_type)
+        params = self._message(stored, topic, payload, key, headers, delay, content_type, event_type)
         if params["key"] is None:
             session.execute(self._sql.unkeyed, params)
         elif self._sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
@@ -221,9 +225,11 @@ class Outbox(OutboxBase):
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
         content_type: str | None = None,
+        event_type: str | None = None,
     ) -> uuid.UUID:
         """``publish()`` for an ``AsyncSession``; same guarantees (``AsyncOutbox.publish``)."""
-        return await publish_in(self, session, topic, payload, key, headers, delay, content_type)
+        return await publish_in(self, session, topic, payload, key, headers, delay, content_type,
+                                event_type)
 
     def begin_async(self) -> AbstractAsyncContextManager[AsyncSession]:
         """``begin()`` for an ``AsyncEngine``: ``async with outbox.begin_async() as session:``."""

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import pydantic
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import sessionmaker
@@ -21,15 +22,18 @@ from ._errors import (
     ConfigurationError,
     InvalidContentTypeError,
     InvalidDelayError,
+    InvalidEventTypeError,
     PayloadTooLargeError,
     RecordTooLargeError,
 )
+from ._events import event_type_of
 from ._schema import StoredSchema
 from ._sharding import shard_for_key
 from ._statements import PublishStatements
 from ._tables import OutboxTables
 from ._tracing import with_current_context
 from ._validation import (
+    checked_event_type,
     checked_headers,
     checked_key,
     shown,
@@ -37,7 +41,7 @@ from ._validation import (
     validate_identifier,
     validate_topic,
 )
-from ._wire import envelope_size, header_size
+from ._wire import envelope_size, event_type_size, header_size
 
 DEFAULT_MAX_PAYLOAD_BYTES = None
 """No cap on the payload alone: the record limit stored with the tables governs."""
@@ -102,9 +106,11 @@ class OutboxBase:
         headers: Mapping[str, str] | None,
         delay: timedelta | float | None,
         content_type: str | None,
+        event_type: str | None = None,
     ) -> dict[str, Any]:
         """The statement parameters of one message: its checked row and its shard."""
-        params = self._row(topic, payload, key, headers, delay, content_type, stored.max_record_bytes)
+        params = self._row(topic, payload, key, headers, delay, content_type, stored.max_record_bytes,
+                           event_type)
         params["shard"] = shard_for_key(params["key"], stored.shard_count)
         return params
 
@@ -117,6 +123,7 @@ class OutboxBase:
         delay: timedelta | float | None,
         declared_type: str | None,
         max_record_bytes: int,
+        event_type: str | None = None,
     ) -> dict[str, Any]:
         """The row to insert, once every part of the message passed the input contract.
 
@@ -135,6 +142,7 @@ class OutboxBase:
                     f"{type(payload).__name__} payload is always sent as {content_type}"
                 )
             content_type = declared_type
+        event_type, event_type_bytes = _event_type(payload, event_type)
         if self.max_payload_bytes is not None and len(body) > self.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"payload for topic {topic!r} is {len(body)} bytes, "
@@ -144,7 +152,7 @@ class OutboxBase:
         if row_headers is not user_headers:  # a trace context was added: count it too
             header_sizes = header_sizes + [(len(name), len(value)) for name, value in row_headers.items()
                                            if name not in user_headers]
-        size = len(body) + key_size + envelope_size(content_type)
+        size = len(body) + key_size + envelope_size(content_type) + event_type_size(event_type_bytes)
         for name_size, value_size in header_sizes:
             size += header_size(name_size, value_size)
         if size > max_record_bytes:
@@ -163,6 +171,7 @@ class OutboxBase:
             "headers": row_headers,
             "created_at": now,
             "available_at": now + _as_delay(delay),
+            "event_type": event_type,
         }
 
     def _accept(self, stored: StoredSchema) -> StoredSchema:
@@ -170,6 +179,29 @@ class OutboxBase:
         _schema.check_same_max_record_bytes(self.requested_max_record_bytes, stored.max_record_bytes)
         self._stored = stored
         return stored
+
+
+_UNTYPED = frozenset({dict, list, tuple, bytes, str})
+
+
+def _event_type(payload: object, given: str | None) -> tuple[str | None, int]:
+    """The message's event type and its UTF-8 size: a model's registered type, or ``given``.
+
+    ``given`` labels a payload of another kind (a dict, bytes); given with a
+    model, it must be the model's own type: two names for one event is a bug.
+    """
+    kind = type(payload)
+    registered = (None if kind in _UNTYPED or not isinstance(payload, pydantic.BaseModel)
+                  else event_type_of(type(payload)))
+    if given is None:
+        return (None, 0) if registered is None else checked_event_type(registered)
+    text, size = checked_event_type(given)
+    if registered is not None and text != registered:
+        raise InvalidEventTypeError(
+            f"event_type={shown(text)} contradicts the registered type {registered!r} of the "
+            f"{kind.__name__} published: leave event_type out for a model, or register the "
+            f"name with @outbox.event")
+    return text, size
 
 
 def _as_delay(delay: timedelta | float | None) -> timedelta:

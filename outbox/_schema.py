@@ -89,6 +89,12 @@ def add_incarnation(conn: Connection, tables: OutboxTables) -> None:
         add_column(attribute, "incarnation")(conn, tables)
 
 
+def add_event_type(conn: Connection, tables: OutboxTables) -> None:
+    """The upgrade step of typed events: the event type of outbox rows, held and parked messages."""
+    for attribute in ("messages", "inbox_held", "inbox_parked"):
+        add_column(attribute, "event_type")(conn, tables)
+
+
 # (what it does, the step). Append only; never reorder or remove a released entry.
 UPGRADES: list[tuple[str, Step]] = [
     ("outbox_meta: the schema version and the shard count", create_table("meta")),
@@ -96,6 +102,8 @@ UPGRADES: list[tuple[str, Step]] = [
      add_column("inbox_keys", "started_at_seq")),
     ("incarnation: this database's identity in outbox_meta, and the producer incarnation "
      "of each inbox key, held and parked message", add_incarnation),
+    ("event_type: the event type of each outbox row, held and parked inbox message",
+     add_event_type),
 ]
 SCHEMA_VERSION = 1 + len(UPGRADES)
 

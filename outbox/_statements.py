@@ -26,7 +26,7 @@ SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
 
 _MESSAGE_PARAMS = (
     "message_id", "topic", "key", "shard", "payload", "content_type", "headers",
-    "created_at", "available_at",
+    "created_at", "available_at", "event_type",
 )
 
 

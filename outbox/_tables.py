@@ -157,6 +157,8 @@ def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[A
         Column("kafka_offset", BigInteger),
         # The producer database's incarnation from the envelope; NULL when it carried none.
         Column("incarnation", String(36)),
+        # The envelope's event type (``outbox-event-type``): typed handlers are chosen by it.
+        Column("event_type", Name(255)),
     ]
 
 
@@ -194,6 +196,9 @@ class OutboxTables:
             Column("published_at", UTCDateTime),
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),
+            # What the payload is (a pydantic model's registered name, ``outbox.event``), sent
+            # as the ``outbox-event-type`` header; NULL for an untyped message.
+            Column("event_type", Name(255)),
             CheckConstraint(
                 "status IN ({})".format(", ".join(f"'{status}'" for status in OutboxStatus)),
                 name=f"ck_{p}outbox_status",

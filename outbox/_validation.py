@@ -19,6 +19,7 @@ from transports._errors import validate_topic as validate_topic
 from ._errors import (
     ConfigurationError,
     InvalidContentTypeError,
+    InvalidEventTypeError,
     InvalidHeadersError,
     InvalidKeyError,
     MessageValidationError,
@@ -101,6 +102,42 @@ def utf8_size(text: str, error: type[MessageValidationError], what: str) -> int:
     except UnicodeEncodeError as exc:
         raise error(f"{what} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at "
                     f"index {exc.start} has no UTF-8 form: {shown(text)}") from None
+
+
+MAX_EVENT_TYPE_LENGTH = 255  # the ``event_type`` column (``Name(255)``)
+# No control characters (C0, DEL, C1): a type is a name shown in logs, consoles and headers.
+_EVENT_TYPE_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_VALID_EVENT_TYPES: dict[str, int] = {}
+
+
+def checked_event_type(event_type: object) -> tuple[str, int]:
+    """The event type and its size in UTF-8 bytes, or ``InvalidEventTypeError`` saying why.
+
+    1-255 characters of Unicode text without control characters or lone
+    surrogates, so the ``event_type`` column, the ``outbox-event-type`` header
+    and every consumer hold it unchanged. A service has a handful of types:
+    those seen are looked up, not checked again (a bounded cache).
+    """
+    if type(event_type) is str:
+        known = _VALID_EVENT_TYPES.get(event_type)
+        if known is not None:
+            return event_type, known
+    if not isinstance(event_type, str):
+        raise InvalidEventTypeError(
+            f"event_type must be a str, got {type(event_type).__name__}: {shown(event_type)}")
+    if not 0 < len(event_type) <= MAX_EVENT_TYPE_LENGTH:
+        raise InvalidEventTypeError(
+            f"event_type must be 1-{MAX_EVENT_TYPE_LENGTH} characters, got {len(event_type)}: "
+            f"{shown(event_type)}")
+    if (bad := _EVENT_TYPE_FORBIDDEN.search(event_type)) is not None:
+        raise InvalidEventTypeError(
+            f"event_type must not contain control characters ({bad.group()!r} at index "
+            f"{bad.start()}): {shown(event_type)}")
+    size = utf8_size(event_type, InvalidEventTypeError, "event_type")
+    text = str.__str__(event_type)
+    if len(_VALID_EVENT_TYPES) < 1024:
+        _VALID_EVENT_TYPES[text] = size
+    return text, size
 
 
 def validate_content_type(content_type: object) -> str:

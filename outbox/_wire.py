@@ -4,8 +4,9 @@ Record value = the payload bytes; record key = the sharding key in UTF-8;
 headers carry the envelope (``outbox-message-id``, ``outbox-seq``,
 ``content-type``, ``outbox-created-at``, ``outbox-available-at`` when delayed,
 ``outbox-incarnation``: the identity of the outbox database that sent it, since
-the third release) followed by the user's headers, which is where W3C ``traceparent`` and
-``tracestate`` travel.
+the third release; ``outbox-event-type`` when the message has an event type, the
+registered name of the model published, since typed events) followed by the
+user's headers, which is where W3C ``traceparent`` and ``tracestate`` travel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transports import Record
 from ._cloudevents import widest_attributes
 from ._envelope import Message
 from ._errors import OutboxError
-from ._validation import MAX_KEY_LENGTH, validate_content_type
+from ._validation import MAX_KEY_LENGTH, checked_event_type, validate_content_type
 
 MESSAGE_ID = "outbox-message-id"
 SEQ = "outbox-seq"
@@ -26,7 +27,9 @@ CONTENT_TYPE = "content-type"
 CREATED_AT = "outbox-created-at"
 AVAILABLE_AT = "outbox-available-at"
 INCARNATION = "outbox-incarnation"
-ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT, INCARNATION})
+EVENT_TYPE = "outbox-event-type"
+ENVELOPE_HEADERS = frozenset({MESSAGE_ID, SEQ, CONTENT_TYPE, CREATED_AT, AVAILABLE_AT, INCARNATION,
+                              EVENT_TYPE})
 MAX_SEQ = 2**63 - 1  # a BIGINT column
 
 # -- record size, counted as librdkafka counts it for ``message.max.bytes`` ---------------
@@ -80,6 +83,12 @@ def envelope_size(content_type: str) -> int:
     return _ENVELOPE_SIZES[len(content_type)]
 
 
+def event_type_size(event_type_bytes: int) -> int:
+    """What the ``outbox-event-type`` header adds to a record, for a type of that many UTF-8
+    bytes (0: no type, no header). Like ``content-type``, it is known at publish()."""
+    return header_size(len(EVENT_TYPE), event_type_bytes) if event_type_bytes else 0
+
+
 # By the content type's length (1-100 characters): publish() looks it up, it does not count.
 _ENVELOPE_SIZES = [RECORD_OVERHEAD + ENVELOPE_BUDGET + header_size(len(CONTENT_TYPE), length)
                    for length in range(101)]
@@ -101,11 +110,13 @@ def to_record(
     created_at: datetime,
     available_at: datetime | None = None,
     incarnation: str | None = None,
+    event_type: str | None = None,
 ) -> Record:
     """Build the broker record; the relay calls this per row, so it stays lean.
 
     ``message_id`` may come as its canonical text (the relay fetches it so).
-    ``incarnation`` is the sending database's (``StoredSchema.incarnation``).
+    ``incarnation`` is the sending database's (``StoredSchema.incarnation``);
+    ``event_type`` the row's (None: no ``outbox-event-type`` header).
     """
     wire = [
         (MESSAGE_ID, str(message_id).encode()),
@@ -118,6 +129,8 @@ def to_record(
         wire.append((AVAILABLE_AT, available_at.isoformat().encode()))
     if incarnation:
         wire.append((INCARNATION, incarnation.encode()))
+    if event_type is not None:
+        wire.append((EVENT_TYPE, event_type.encode()))
     if headers:
         wire.extend((name, value.encode()) for name, value in headers.items())
     return Record(
@@ -154,10 +167,11 @@ def record_to_message(record: Record) -> Message:
             created_at=created_at,
             available_at=_instant(envelope[AVAILABLE_AT]) if AVAILABLE_AT in envelope else created_at,
             incarnation=str(uuid.UUID(envelope[INCARNATION])) if INCARNATION in envelope else None,
+            event_type=checked_event_type(envelope[EVENT_TYPE])[0] if EVENT_TYPE in envelope else None,
         )
     except ForeignRecordError:
         raise
-    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+    except (KeyError, ValueError, UnicodeDecodeError) as exc:  # InvalidEventTypeError is a ValueError
         raise ForeignRecordError(f"record has a broken outbox envelope: {exc!r}") from exc
 
 

@@ -38,8 +38,9 @@ def rows(draw: st.DrawFn) -> tuple[Any, ...]:
     topic = draw(st.sampled_from(["orders", "a.b_c-1", "t" * 249, "t" * 250, ".", ""]) | ANY_TEXT)
     content_type = draw(st.sampled_from(["application/json", "text/csv; charset=utf-8"]) | ANY_TEXT)
     payload = draw(st.binary(max_size=8) | st.sampled_from(["text", 5, None]))
+    event_type = draw(st.none() | st.sampled_from(["OrderPaid", "t" * 255, "t" * 256, "", 5]) | ANY_TEXT)
     return (1, str(uuid.uuid4()), topic, key, seq, 0, payload, content_type, draw(HEADERS), NOW,
-            NOW, 0)
+            NOW, 0, event_type)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -71,13 +72,14 @@ def test_any_row_becomes_an_intact_record_or_fails_alone_with_a_storable_reason(
         assert (message.topic, message.key, message.payload, message.content_type, message.headers) \
             == (row[2], row[3], row[6], row[7], user)
         assert message.seq == row[4] and message.created_at == NOW
+        assert message.event_type == row[12]
 
 
 def test_a_message_id_that_is_no_uuid_fails_its_row_where_the_database_stores_text() -> None:
     """MySQL/MariaDB keep the id as CHAR(32), dashed by the fetch whatever it holds."""
     row = (1, "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz", "orders", "k", 1, 0, b"{}", "application/json",
-           None, NOW, NOW, 0)
-    good = (2, str(uuid.uuid4()), "orders", "j", 1, 0, b"{}", "application/json", None, NOW, NOW, 0)
+           None, NOW, NOW, 0, None)
+    good = (2, str(uuid.uuid4()), "orders", "j", 1, 0, b"{}", "application/json", None, NOW, NOW, 0, None)
     records, sent, unsendable = RowEncoder(check_ids=True).records([row, good])
     assert [r[0] for r in sent] == [2] and len(records) == 1
     assert [(r[0], "is not a UUID" in reason) for r, reason in unsendable] == [(1, True)]

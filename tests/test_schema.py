@@ -94,7 +94,8 @@ PUBLIC_API = [
     "Alert", "AlertKind", "AlertSink", "AsyncOutbox", "BatchResult", "CommitRefusedError",
     "ConfigurationError",
     "DiscardRefusedError", "Disposition", "ForeignRecordError", "ForeignRecords",
-    "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidHeadersError",
+    "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidEventTypeError",
+    "InvalidHeadersError",
     "InvalidKeyError", "InvalidTopicError",
     "LoggingAlertSink", "Message", "MessageValidationError", "NonStandardJsonError", "NotParkedError",
     "Outbox",
@@ -102,8 +103,8 @@ PUBLIC_API = [
     "PayloadTooLargeError", "RecordTooLargeError", "Relay", "RelayMetrics", "RetriableTransportError",
     "RetryLater", "SchemaError", "SkipMessage", "StartPolicy", "TransportError", "UnserializablePayloadError",
     "WebhookAlertSink",
-    "create_async_engine", "create_engine", "message_to_record", "new_message_id",
-    "record_to_message", "relay_metrics", "tune_gc_for_batches",
+    "create_async_engine", "create_engine", "event", "event_type_of", "message_to_record",
+    "new_message_id", "record_to_message", "relay_metrics", "tune_gc_for_batches", "upcaster",
 ]
 
 

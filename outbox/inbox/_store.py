@@ -383,7 +383,7 @@ class InboxStore(abc.ABC):
             "key": msg.key, "seq": msg.seq, "payload": msg.payload,
             "content_type": msg.content_type, "headers": msg.headers,
             "created_at": msg.created_at, "kafka_partition": d.partition,
-            "kafka_offset": d.offset, "incarnation": msg.incarnation,
+            "kafka_offset": d.offset, "incarnation": msg.incarnation, "event_type": msg.event_type,
         }
 
 
@@ -424,6 +424,7 @@ def delivery_from_row(row: Row[Any], *, origin: Origin = Origin.PARKED) -> Deliv
         message_id=row.message_id, topic=row.topic, key=row.key, seq=row.seq,
         payload=row.payload, content_type=row.content_type, headers=row.headers or {},
         created_at=row.created_at, available_at=row.created_at, incarnation=row.incarnation,
+        event_type=row.event_type,
     )
     received = getattr(row, "received_at", None) or utcnow()
     return delivery(message, row.kafka_partition, row.kafka_offset, received, origin=origin)

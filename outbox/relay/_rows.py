@@ -33,7 +33,12 @@ from transports._errors import InvalidTopicError, validate_topic
 
 from .._cloudevents import RELAY_ATTRIBUTES, CloudEvents, cloudevent_headers
 from .._errors import MessageValidationError
-from .._validation import MAX_KEY_LENGTH, RESERVED_HEADER_PREFIX, validate_content_type
+from .._validation import (
+    MAX_KEY_LENGTH,
+    RESERVED_HEADER_PREFIX,
+    checked_event_type,
+    validate_content_type,
+)
 from .._wire import CONTENT_TYPE, MAX_SEQ, to_record
 from ._sql import ROW_COLUMNS
 
@@ -54,7 +59,8 @@ class UnsendableRow(ValueError):
 class RowEncoder:
     """Encodes fetched rows (``_sql.ROW_COLUMNS`` order) into records; one per relay thread."""
 
-    __slots__ = ("_check_ids", "_cloudevents_source", "_content_types", "_incarnation", "_topics")
+    __slots__ = ("_check_ids", "_cloudevents_source", "_content_types", "_event_types", "_incarnation",
+                 "_topics")
 
     def __init__(self, incarnation: str | None = None, *, check_ids: bool = False,
                  cloudevents: CloudEvents | None = None) -> None:
@@ -69,6 +75,7 @@ class RowEncoder:
         # runs once per value.
         self._topics: set[str] = set()
         self._content_types: set[str] = set()
+        self._event_types: set[str] = set()
 
     def records(self, rows: Sequence[Any]) -> tuple[list[Record], Sequence[Any], list[tuple[Any, str]]]:
         """Records of ``rows``, the rows they are of, and the unsendable rows with their reason.
@@ -98,7 +105,7 @@ class RowEncoder:
     def _record(self, row: Any) -> Record:
         """The row's record; raises ``UnsendableRow``, or what encoding raised, if it cannot be one."""
         (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
-         available_at, _) = row
+         available_at, _, event_type) = row
         if self._check_ids and (type(message_id) is not str or not _UUID_TEXT.fullmatch(message_id)):
             raise UnsendableRow(f"message id {_short(message_id)} is not a UUID: the inbox "
                                 "could not read the envelope")
@@ -115,11 +122,14 @@ class RowEncoder:
             raise UnsendableRow(f"payload is {type(payload).__name__}, not bytes")
         if content_type not in self._content_types:
             _remember(self._content_types, content_type, validate_content_type)
+        if event_type is not None and event_type not in self._event_types:
+            _remember(self._event_types, event_type, _event_type)
         record = to_record(
             message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
             content_type=content_type,
             headers=None if headers in _NO_HEADERS else user_headers(headers),
             created_at=created_at, available_at=available_at, incarnation=self._incarnation,
+            event_type=event_type,
         )
         if self._cloudevents_source is not None:
             self._add_cloudevent(record, row)
@@ -139,6 +149,11 @@ class RowEncoder:
             record.headers = [(name, value) for name, value in record.headers
                               if name.lower() not in RELAY_ATTRIBUTES]
         record.headers.extend(attributes)
+
+
+def _event_type(value: object) -> str:
+    """A row's event type as the inbox will decode it (raw SQL may have written any text)."""
+    return checked_event_type(value)[0]
 
 
 def _remember(seen: set[str], value: object, validate: Callable[[object], str]) -> None:

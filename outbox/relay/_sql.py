@@ -45,7 +45,7 @@ from .._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",
-    "created_at", "available_at", "attempts",
+    "created_at", "available_at", "attempts", "event_type",
 )
 
 
