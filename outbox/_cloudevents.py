@@ -35,7 +35,7 @@ from typing import Any
 
 from ._envelope import BYTES, Message, utcnow
 from ._errors import ConfigurationError
-from ._validation import MAX_KEY_LENGTH, validate_content_type
+from ._validation import MAX_KEY_LENGTH, checked_event_type, validate_content_type
 
 SPECVERSION = "1.0"
 CE_SPECVERSION = "ce_specversion"
@@ -176,6 +176,10 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
                 f"ce_time {found[CE_TIME][:40]!r} is not an RFC 3339 timestamp") from None
         if created_at.tzinfo is None:
             raise CloudEventRecordError(f"ce_time {found[CE_TIME][:40]!r} has no UTC offset")
+    try:  # stored as the message's event type (a 255-character column): what publish() accepts
+        event_type = checked_event_type(found[CE_TYPE])[0]
+    except ValueError as exc:
+        raise CloudEventRecordError(f"ce_type: {exc}") from None
     content_type = found.get("content-type", BYTES)
     try:
         content_type = validate_content_type(content_type)
@@ -187,10 +191,8 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
         "payload": value if value is not None else b"",
         "content_type": content_type,
         "headers": {name: text for name, text in found.items() if name != "content-type"},
-        "created_at": created_at, "available_at": created_at,
+        "created_at": created_at, "available_at": created_at, "event_type": event_type,
     }
-    if "event_type" in Message.model_fields:
-        fields["event_type"] = found[CE_TYPE]
     return Message.model_construct(**fields)
 
 

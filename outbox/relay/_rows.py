@@ -45,8 +45,6 @@ from ._sql import ROW_COLUMNS
 _NO_HEADERS = frozenset({None, "{}", "null"})
 _UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _TOPIC, _KEY = ROW_COLUMNS.index("topic"), ROW_COLUMNS.index("key")
-# The event type column (issue 29), read by position when the fetch selects it.
-_EVENT_TYPE = ROW_COLUMNS.index("event_type") if "event_type" in ROW_COLUMNS else None
 _ID, _SEQ, _CREATED_AT = (ROW_COLUMNS.index(name) for name in ("message_id", "seq", "created_at"))
 _MAX_REASON = 500
 _MAX_SEEN = 10_000
@@ -132,12 +130,11 @@ class RowEncoder:
             event_type=event_type,
         )
         if self._cloudevents_source is not None:
-            self._add_cloudevent(record, row)
+            self._add_cloudevent(record, row, event_type)
         return record
 
-    def _add_cloudevent(self, record: Record, row: Any) -> None:
+    def _add_cloudevent(self, record: Record, row: Any, event_type: str | None) -> None:
         """Add the ``ce_*`` attributes; a user header of the same name gives way to them."""
-        event_type = row[_EVENT_TYPE] if _EVENT_TYPE is not None else None
         try:
             attributes = cloudevent_headers(
                 source=self._cloudevents_source or "", message_id=row[_ID], topic=row[_TOPIC],
