@@ -66,7 +66,7 @@ def test_audit_reports_exactly_the_seeded_faults(spark, scenario, two_databases,
     assert set(duplicates.consumer_group) == {"billing"}
     reordered = pd.read_parquet(out / "out_of_order")
     assert reordered.to_dict("records") == [{
-        "consumer_group": "billing", "topic": "orders", "key": "k7", "seq": 11,
+        "consumer_group": "billing", "topic": "orders", "key": "k7", "seq": 11, "event_type": None,
         "processed_after_seq": 13, "message_id": str(sc.ids[sc.out_of_order]),
         "processed_at": reordered.processed_at[0],
     }]
