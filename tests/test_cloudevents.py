@@ -265,3 +265,31 @@ def test_created_at_budget_covers_the_widest_time() -> None:
     value = dict(cloudevent_headers(source="s", message_id=uuid.uuid4(), topic="t", event_type=None,
                                     created_at=widest, seq=None, incarnation=None))["ce_time"]
     assert len(value) <= 32
+
+
+@pytest.mark.kafka
+def test_sdk_events_on_the_broker_reach_a_running_inbox_once(engine: sa.Engine, kafka: str,
+                                                             topic: str) -> None:
+    """Written by the SDK to the Kafka-protocol broker, the same event twice and another: the
+    running inbox applies two, the repeat a duplicate by (source, id)."""
+    from tests.test_inbox_kafka import produce, running, wait_for
+
+    box = Inbox(engine, group="ce-run", retry_backoff=0.001, retry_backoff_max=0.01)
+    box.create_tables()
+    seen: list = []
+    box.handler(topic)(lambda session, message: seen.append((message.event_type, message.json())))
+    paid = CloudEvent({"type": "com.example.OrderPaid", "source": "urn:shop", "id": "e-1",
+                       "partitionkey": "order-1", "datacontenttype": "application/json"}, {"total": 5})
+    shipped = CloudEvent({"type": "com.example.OrderShipped", "source": "urn:shop", "id": "e-2",
+                          "partitionkey": "order-1", "datacontenttype": "application/json"}, {"box": 1})
+    produce(kafka, [record_of(to_binary(e), topic) for e in (paid, paid, shipped)])
+    m = box.tables.inbox_messages
+    with running(box, kafka, topic):
+        wait_for(lambda: len(seen) == 2 and _deliveries(engine, m) == 3, what="two events applied")
+    assert sorted(seen) == [("com.example.OrderPaid", {"total": 5}),
+                            ("com.example.OrderShipped", {"box": 1})]
+
+
+def _deliveries(engine: sa.Engine, m: sa.Table) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.select(sa.func.coalesce(sa.func.sum(m.c.deliveries), 0))) or 0)
