@@ -3,6 +3,7 @@ to Kafka in per-key order, and consume them once with an idempotent inbox."""
 
 from ._alerts import Alert, AlertKind, AlertSink, LoggingAlertSink, WebhookAlertSink
 from ._async_outbox import AsyncOutbox
+from ._cloudevents import CloudEvents
 from ._engine import create_async_engine, create_engine
 from ._envelope import Message, new_message_id
 from ._errors import (
@@ -52,6 +53,7 @@ __all__ = [
     "AlertSink",
     "AsyncOutbox",
     "BatchResult",
+    "CloudEvents",
     "CommitRefusedError",
     "ConfigurationError",
     "DiscardRefusedError",

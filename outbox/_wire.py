@@ -16,6 +16,7 @@ from datetime import datetime
 
 from transports import Record
 
+from ._cloudevents import widest_attributes
 from ._envelope import Message
 from ._errors import OutboxError
 from ._validation import MAX_KEY_LENGTH, checked_event_type, validate_content_type
@@ -66,7 +67,10 @@ INCARNATION_BUDGET = ("outbox-incarnation", 36)  # a UUID's text; the header may
 # BIGINT seq. The content type is added per message, it is known at publish().
 _ENVELOPE_WIDEST = ((MESSAGE_ID, 36), (CREATED_AT, 32), (AVAILABLE_AT, 32), (SEQ, 19),
                     INCARNATION_BUDGET)
-ENVELOPE_BUDGET = sum(header_size(len(name), width) for name, width in _ENVELOPE_WIDEST)
+# A relay in CloudEvents mode (``_cloudevents``) adds the ce_* attributes as well; whether it
+# does is the relay's setting, not known at publish(), so every record is counted with them.
+ENVELOPE_BUDGET = sum(header_size(len(name), width)
+                      for name, width in _ENVELOPE_WIDEST + widest_attributes())
 """Bytes the relay's envelope headers can add to a record, besides ``content-type``."""
 
 

@@ -17,6 +17,7 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from outbox import ConfigurationError, Inbox, Outbox
+from outbox._wire import EVENT_TYPE
 from outbox.console import Operators, create_app
 from outbox.ops import gather
 from tests.console_support import TOKEN, broken_inbox, csrf_of, form_page, park
@@ -336,3 +337,26 @@ def test_unkeyed_parked_messages_are_one_lane_per_topic(outbox: Outbox, engine: 
         "csrf": csrf_of(page.text), "lane": json.dumps([TOPIC, None]), "reason": "fixed"})
     assert done.status_code == 200 and "orders/(unkeyed): applied 3" in done.text
     assert keys_parked(outbox) == set()
+
+
+def test_the_event_type_shows_beside_topic_and_key(outbox: Outbox, engine: sa.Engine) -> None:
+    """On the failed rows, a key's parked messages (from the parked row) and a traced message;
+    an event type is user data: shown as text."""
+    m = outbox.tables.messages
+    with Session(engine) as session, session.begin():
+        failed_id = outbox.publish(session, TOPIC, {"n": 1}, key="k1", event_type="Order<b>Paid</b>")
+    with engine.begin() as conn:
+        conn.execute(sa.update(m).values(status="failed", last_error="refused"))
+    inbox, _ = broken_inbox(engine)
+    inbox.create_tables()
+    parked = record(TOPIC, "bad-1", 1)
+    parked.headers.append((EVENT_TYPE, b"OrderShipped"))
+    inbox.handle(parked)
+    client = client_for(outbox, inboxes=[inbox])
+    auth = ("alice", USERS["alice"])
+    failed = client.get("/failed", auth=auth).text
+    assert '<td class="event-type">Order&lt;b&gt;Paid&lt;/b&gt;</td>' in failed
+    key_page = client.get(f"/parked/key?group=billing&topic={TOPIC}&key=bad-1", auth=auth).text
+    assert '<td colspan="3" class="event-type">OrderShipped</td>' in key_page
+    traced = client.get(f"/trace?id={failed_id}", auth=auth).text
+    assert '· type <span class="event-type">Order&lt;b&gt;Paid&lt;/b&gt;</span>' in traced

@@ -34,6 +34,7 @@ from outbox import (
     RecordTooLargeError,
     UnserializablePayloadError,
 )
+from outbox._cloudevents import MAX_SOURCE_BYTES, MAX_TYPE_BYTES, cloudevent_headers
 from outbox._envelope import BYTES, JSON, TEXT
 from outbox._wire import INCARNATION_BUDGET, envelope_size, header_size, record_size, to_record
 
@@ -145,6 +146,11 @@ def widest_record(row: dict[str, Any]) -> Any:
                        headers=row["headers"], created_at=created,
                        available_at=created + timedelta(days=3650))
     record.headers.append((INCARNATION_BUDGET[0], str(uuid.uuid4()).encode()))
+    # A relay in CloudEvents mode adds the ce_* attributes: source and type at their widest.
+    record.headers.extend(cloudevent_headers(
+        source="s" * MAX_SOURCE_BYTES, message_id=row["message_id"], topic=row["topic"],
+        event_type="t" * MAX_TYPE_BYTES, created_at=created, seq=2**63 - 1,
+        incarnation=str(uuid.uuid4())))
     return record
 
 

@@ -7,9 +7,10 @@ from datetime import timedelta
 
 import pandas as pd
 import pytest
+import sqlalchemy as sa
 from _spark_seed import AS_OF, SLA, build, seed, spark_for_tests
 
-from outbox import ConfigurationError
+from outbox import ConfigurationError, OutboxTables
 from outbox.spark import audit
 from outbox.testing import fresh_database, fresh_mysql_database
 
@@ -65,7 +66,7 @@ def test_audit_reports_exactly_the_seeded_faults(spark, scenario, two_databases,
     assert set(duplicates.consumer_group) == {"billing"}
     reordered = pd.read_parquet(out / "out_of_order")
     assert reordered.to_dict("records") == [{
-        "consumer_group": "billing", "topic": "orders", "key": "k7", "seq": 11,
+        "consumer_group": "billing", "topic": "orders", "key": "k7", "seq": 11, "event_type": None,
         "processed_after_seq": 13, "message_id": str(sc.ids[sc.out_of_order]),
         "processed_at": reordered.processed_at[0],
     }]
@@ -111,7 +112,40 @@ def test_audit_of_clean_data_is_ok(spark, tmp_path):
     assert result.totals["produced"] == 2_000
 
 
+def test_the_audit_of_one_event_type_counts_and_names_only_its_messages(spark, tmp_path):
+    """--event-type: the producer counts, the lost messages and the report are of that type only."""
+    sc = build(n=2_000, keys=50)
+    sc.lost = {"billing": set(), "shipping": set()}
+    sc.deliveries, sc.out_of_order = {}, -1
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    seed(sc, url, url)
+    tables = OutboxTables()
+    m, i = tables.messages, tables.inbox_messages
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.update(m).where(m.c.id % 4 == 0).values(event_type="OrderPaid"))
+        overdue = (m.c.status == "published") & (m.c.published_at < AS_OF - SLA)
+        typed = list(conn.execute(sa.select(m.c.message_id).where(m.c.id % 4 == 0, overdue)
+                                  .limit(3)).scalars())
+        untyped = list(conn.execute(sa.select(m.c.message_id).where(m.c.id % 4 == 1, overdue)
+                                    .limit(2)).scalars())
+        conn.execute(sa.delete(i).where(i.c.consumer_group == "billing",
+                                        i.c.message_id.in_(typed + untyped)))
+    engine.dispose()
+
+    result = audit(url, out_dir=tmp_path / "audit", sla="10m", as_of=AS_OF, spark=spark,
+                   event_type="OrderPaid")
+
+    assert result.totals["produced"] == 500 and result.totals["lost"] == 3
+    assert result.summary["event_type"] == "OrderPaid"
+    lost = pd.read_parquet(result.path("lost"))
+    assert set(lost["event_type"]) == {"OrderPaid"}
+    assert set(lost["message_id"].astype(str)) == {str(x) for x in typed}
+    assert "only messages of event type OrderPaid" in result.path("report.md").read_text()
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
+    ({"event_type": "Order\nPaid"}, "control characters"),
     ({"window": "-3h"}, "invalid window"),
     ({"window": ("2026-01-02", "2026-01-01")}, "empty window"),
     ({"sla": "soon"}, "invalid SLA"),

@@ -36,6 +36,10 @@ def outbox_rows(url: str) -> list[dict]:
 def archived(spark, db_url, tmp_path):
     """A database whose old messages are archived, with the originals remembered."""
     seed(build(n=2_000, keys=40), db_url, db_url)
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:  # some typed messages: a replay keeps each one's type
+        conn.execute(sa.update(messages).where(messages.c.id % 3 == 0).values(event_type="OrderPaid"))
+    engine.dispose()
     originals = {str(r["message_id"]): r for r in outbox_rows(db_url)}
     root = tmp_path / "archive"
     archive(db_url, root, retention="10m", as_of=AS_OF, chunk_rows=500, spark=spark)
@@ -53,6 +57,7 @@ def test_two_keys_come_back_in_original_order_naming_the_original(spark, archive
         for key in keys
     }
     assert all(len(ids) > 10 for ids in expected.values())
+    assert {gone[mid]["event_type"] for ids in expected.values() for mid in ids} == {"OrderPaid", None}
     before = {r["id"] for r in outbox_rows(url)}
 
     result = replay(root, url, topic="orders", keys=keys, batch=7, spark=spark)
@@ -67,8 +72,8 @@ def test_two_keys_come_back_in_original_order_naming_the_original(spark, archive
         for row in mine:
             original = gone[row["headers"][REPLAY_HEADER]]
             assert str(row["message_id"]) != row["headers"][REPLAY_HEADER]
-            assert (row["topic"], row["payload"], row["content_type"], row["status"]) == (
-                "orders", original["payload"], original["content_type"], "pending")
+            assert (row["topic"], row["payload"], row["content_type"], row["status"], row["event_type"]) == (
+                "orders", original["payload"], original["content_type"], "pending", original["event_type"])
             assert {k: v for k, v in row["headers"].items() if k != REPLAY_HEADER} == original["headers"]
 
 

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from outbox import Inbox, Message, Outbox, create_engine
+from outbox._wire import EVENT_TYPE, record_to_message
 from outbox.cli import app
 from outbox.ops import Database, trace_key, trace_message
 from outbox.testing import InMemoryBroker, OutboxTestHarness
@@ -179,8 +180,36 @@ def test_the_command_prints_the_journey_and_json_for_scripts(world: World) -> No
     assert doc["version"] == 1 and doc["query"] == {"topic": TOPIC, "key": "bad-1", "limit": 20}
 
 
+def test_a_key_trace_filters_its_messages_by_event_type(world: World) -> None:
+    """The outbox row's type, else a parked copy's (applied inbox rows keep none); --event-type
+    keeps the key's messages of that type, the key's positions stay the key's."""
+    assert isinstance(world.outbox.engine, sa.Engine)
+    with Session(world.outbox.engine) as session, session.begin():
+        typed = [world.outbox.publish(session, TOPIC, {"n": i}, key="typed-1", event_type=kind)
+                 for i, kind in enumerate(["OrderCreated", "OrderPaid", "OrderCreated"])]
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_key(outbox_db, inbox_dbs, TOPIC, "typed-1", event_type="OrderCreated")
+    assert [(m["seq"], m["event_type"]) for m in doc["messages"]] == [(1, "OrderCreated"),
+                                                                       (3, "OrderCreated")]
+    assert doc["key"]["outbox"]["pending"] == 3 and doc["query"]["event_type"] == "OrderCreated"
+    assert trace_key(outbox_db, inbox_dbs, TOPIC, "typed-1", event_type="Nope")["messages"] == []
+    assert trace_message(outbox_db, inbox_dbs, typed[1])["messages"][0]["event_type"] == "OrderPaid"
+    # Parked behind bad-1's first message, seen from the inbox side alone: the parked row's type.
+    behind = record(TOPIC, "bad-1", 3)
+    behind.headers.append((EVENT_TYPE, b"OrderShipped"))
+    world.billing.handle(behind)
+    only_inbox = [Database("outbox-db", world.billing.engine, world.billing.tables)]
+    [m] = trace_message(None, only_inbox, record_to_message(behind).message_id)["messages"]
+    assert m["event_type"] == "OrderShipped" and m["outbox"] is None
+    shown = _cli("--topic", TOPIC, "--key", "typed-1", "--event-type", "OrderPaid", "--db", world.outbox_url)
+    assert shown.exit_code == 0, shown.output
+    assert "type OrderPaid" in shown.output and "OrderCreated" not in shown.output
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["not-a-uuid"], "is not a UUID"),
+    (["--topic", TOPIC, "--key", "k", "--event-type", "a\nb"], "control characters"),
+    ([str(uuid.uuid4()), "--event-type", "A"], "--event-type filters a key trace"),
     (["--topic", "nope", "--key", "k"], "topic 'nope' is in none"),
     (["--topic", "bad topic", "--key", "k"], "invalid topic"),
     (["--topic", TOPIC], "needs both --topic and --key"),

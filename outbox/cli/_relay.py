@@ -13,6 +13,7 @@ from rich.text import Text
 from transports._logsafe import safe_logger
 
 from .._alerts import LoggingAlertSink, WebhookAlertSink
+from .._cloudevents import CloudEvents
 from .._gc import tune_gc_for_batches
 from .._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
 from .._outbox import Outbox
@@ -73,6 +74,12 @@ def relay(
         None, "--retention", help="Also delete published rows older than this (e.g. 7d), on a thread of "
                                   "its own (docs/operations.md, 'Housekeeping')."),
     retention_every: str = retention_every_option(),
+    cloudevents: bool = typer.Option(
+        False, "--cloudevents", help="Also send the CloudEvents binary-mode ce_* headers "
+                                     "(docs/cloudevents.md)."),
+    cloudevents_source: str | None = typer.Option(
+        None, help="The ce_source of every record (a URI-reference; default outbox://<database "
+                   "incarnation>); implies --cloudevents."),
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -82,6 +89,8 @@ def relay(
 
     configure_logging(log_level)
     settings = parse_kafka_config(kafka_config)
+    cloudevents_mode = (CloudEvents(source=cloudevents_source)
+                        if cloudevents or cloudevents_source is not None else None)
     retention_period = None if retention is None else parse_period(retention, "retention")
     every = every_seconds(retention_every)
     outbox = open_outbox(db, prefix, schema, shards, check=False)
@@ -96,6 +105,7 @@ def relay(
         lease_ttl=lease_ttl, poll_interval=poll_interval,
         alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
         backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,
+        cloudevents=cloudevents_mode or False,
     )
     if metrics_port is not None:
         relay_metrics()  # registered before the first scrape

@@ -124,6 +124,7 @@ def audit_command(
     until: str | None = typer.Option(None, help="Window end, ISO-8601 (default: now)."),
     sla: str = typer.Option("15m", help="A published message not consumed after this is lost."),
     group: str | None = typer.Option(None, help="Audit only this consumer group."),
+    event_type: str | None = typer.Option(None, help="Audit only the messages of this event type."),
     as_of: str | None = typer.Option(None, help="Audit as if it were this ISO-8601 time (default: now)."),
     partitions: int | None = typer.Option(None, help="Read partitions per table = DB connections."),
     master: str | None = MASTER,
@@ -142,7 +143,8 @@ def audit_command(
         span = (since or "1970-01-01T00:00:00Z", until or as_of or datetime.now(UTC).isoformat())
     with _progress(total=False) as step:
         result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group,
-                            as_of=as_of, partitions=partitions, spark=_session(master, log_level),
+                            event_type=event_type, as_of=as_of, partitions=partitions,
+                            spark=_session(master, log_level),
                             prefix=prefix, schema=schema, progress=step,
                             shared_storage=shared_storage)
         step("done")

@@ -41,6 +41,8 @@ def trace(
     key: str | None = typer.Option(None, "--key", help="Trace a key: the key, e.g. an order number "
                                    "(with --topic)."),
     group: list[str] = typer.Option([], "--group", help="Only this consumer group. Repeat for several."),
+    event_type: str | None = typer.Option(None, "--event-type", help="Of a key's waiting messages, show "
+                                          "only those of this event type (with --topic and --key)."),
     limit: int = typer.Option(DEFAULT_LIMIT, "--limit", min=1, max=MAX_LIMIT,
                               help="At most this many of a key's waiting messages."),
     prefix: str = PREFIX,
@@ -57,6 +59,8 @@ def trace(
         raise typer.BadParameter("give a message id, or --topic and --key")
     if by_key and (topic is None or key is None):
         raise typer.BadParameter("a key trace needs both --topic and --key")
+    if event_type is not None and not by_key:
+        raise typer.BadParameter("--event-type filters a key trace: give --topic and --key")
     if db is None and not inbox_db:
         raise typer.BadParameter("give --db (the outbox database), --inbox-db, or both")
     secrets = [s for url in [*([db] if db else []), *inbox_db] for s in database_secrets(url)]
@@ -68,7 +72,8 @@ def trace(
             doc = trace_message(outbox_db, inbox_dbs, message_id, groups=group)
         else:
             assert topic is not None and key is not None
-            doc = trace_key(outbox_db, inbox_dbs, topic, key, groups=group, limit=limit)
+            doc = trace_key(outbox_db, inbox_dbs, topic, key, groups=group, limit=limit,
+                            event_type=event_type)
     except ConfigurationError:
         raise
     except Exception as exc:
@@ -178,11 +183,14 @@ def print_trace(doc: dict[str, Any]) -> None:
             table.add_row(label, escape(text))
         console.print(table)
         if not doc["messages"]:
-            console.print("no message of this key waits anywhere; trace a sent one by its id")
+            of_type = doc["query"].get("event_type")
+            console.print(f"no message of this key{escape(f' and event type {of_type}' if of_type else '')} "
+                          "waits anywhere; trace a sent one by its id")
     for m in doc["messages"]:
         console.print()
+        of_type = f"  type {m['event_type']}" if m.get("event_type") else ""
         console.print(escape(f"message {m['message_id']}  topic {m['topic']}  key {m['key']!r}  "
-                             f"seq {m['seq']}"))
+                             f"seq {m['seq']}{of_type}"))
         table = Table("where", "state", box=None, pad_edge=False)
         table.add_row("outbox", escape(describe_outbox(m["outbox"], now)))
         for g in m["groups"]:

@@ -1,6 +1,8 @@
 """A delivery: one consumed record, decoded as far as it can be, on its way through the inbox.
 
-Decoding never raises. A record without an outbox envelope is *foreign*; one
+Decoding never raises. A record with CloudEvents ``ce_*`` headers and no outbox
+envelope is a CloudEvent from another producer, read as a message
+(``_cloudevents``); any other record without an outbox envelope is *foreign*; one
 whose envelope is fine but whose payload does not match its content type is
 *undecodable*. Both become deliveries that the inbox parks with that reason,
 so a bad record can never stop the consumer.
@@ -24,6 +26,7 @@ from datetime import datetime
 
 from transports import Record
 
+from .._cloudevents import CloudEventRecordError, cloudevent_to_message, is_cloudevent
 from .._envelope import BYTES, Message, utcnow
 from .._wire import MESSAGE_ID, ForeignRecordError, record_to_message
 from ._kinds import Reason
@@ -162,12 +165,18 @@ def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None
         message = record_to_message(record)
     except ForeignRecordError as exc:
         has_envelope = any(name == MESSAGE_ID for name, _ in record.headers or ())
-        if accept_foreign and not has_envelope:
+        if not has_envelope and is_cloudevent(record.headers):
+            read = _cloudevent(record, received_at, origin)
+            if isinstance(read, Delivery):
+                return read
+            message = read
+        elif accept_foreign and not has_envelope:
             return delivery(_foreign_message(record, key=None), record.partition, record.offset,
                             received_at, origin=origin)
-        return delivery(_foreign_message(record, key=_text_key(record)), record.partition,
-                        record.offset, received_at, origin=origin,
-                        unreadable=Unreadable(Reason.FOREIGN, str(exc)))
+        else:
+            return delivery(_foreign_message(record, key=_text_key(record)), record.partition,
+                            record.offset, received_at, origin=origin,
+                            unreadable=Unreadable(Reason.FOREIGN, str(exc)))
     if "json" in message.content_type:
         try:
             json.loads(message.payload)
@@ -177,6 +186,22 @@ def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None
                                                   f"payload is not valid JSON for content type "
                                                   f"{message.content_type!r}: {exc}"))
     return delivery(message, record.partition, record.offset, received_at, origin=origin)
+
+
+def _cloudevent(record: Record, received_at: datetime, origin: Origin) -> Message | Delivery:
+    """A CloudEvent written by another producer: a message, whatever ``foreign_records`` says.
+
+    One that claims CloudEvents but breaks its rules becomes a delivery parked
+    unread as foreign, naming why.
+    """
+    try:
+        message = cloudevent_to_message(topic=record.topic, key=record.key, value=record.value,
+                                        headers=record.headers)
+    except CloudEventRecordError as exc:
+        return delivery(_foreign_message(record, key=_text_key(record)), record.partition,
+                        record.offset, received_at, origin=origin,
+                        unreadable=Unreadable(Reason.FOREIGN, f"broken CloudEvent: {exc}"))
+    return message
 
 
 def _text_key(record: Record) -> str | None:

@@ -37,7 +37,7 @@ from transports._errors import InvalidTopicError, validate_topic
 from .._errors import ConfigurationError, MessageValidationError
 from .._tables import OutboxStatus as Status
 from .._tables import OutboxTables
-from .._validation import checked_key, shown
+from .._validation import checked_event_type, checked_key, shown
 
 VERSION = 1
 DEFAULT_LIMIT = 20
@@ -138,10 +138,11 @@ def _outbox_row(conn: Connection, t: OutboxTables, message_id: uuid.UUID) -> dic
     m = t.messages.c
     row = conn.execute(select(m.topic, m.key, m.seq, m.shard, m.status, m.created_at, m.available_at,
                               m.attempts, m.last_error, m.published_at, m.kafka_partition,
-                              m.kafka_offset).where(m.message_id == message_id)).first()
+                              m.kafka_offset, m.event_type).where(m.message_id == message_id)).first()
     if row is None:
         return None
-    return {"topic": row.topic, "key": row.key, "seq": row.seq, "shard": row.shard, "status": row.status,
+    return {"topic": row.topic, "key": row.key, "seq": row.seq, "event_type": row.event_type,
+            "shard": row.shard, "status": row.status,
             "created_at": _iso(row.created_at), "available_at": _iso(row.available_at),
             "attempts": row.attempts, "last_error": row.last_error, "published_at": _iso(row.published_at),
             "partition": row.kafka_partition, "offset": row.kafka_offset}
@@ -172,23 +173,26 @@ def _in_group(conn: Connection, t: OutboxTables, group: str, message_id: uuid.UU
                 "processed_at": _iso(row.processed_at), "deliveries": row.deliveries, "note": row.note}
     p = t.inbox_parked.c
     row = conn.execute(select(p.topic, p.key, p.seq, p.kafka_partition, p.kafka_offset, p.reason, p.error,
-                              p.attempts, p.first_failure_at, p.last_failure_at)
+                              p.attempts, p.first_failure_at, p.last_failure_at, p.event_type)
                        .where(p.consumer_group == group, p.message_id == message_id)).first()
     if row is not None:
         behind = None
         if row.key is not None and row.reason == "key_parked":
             behind = _first_parked_seq(conn, t, group, row.topic, row.key)
         return {"state": State.PARKED, "topic": row.topic, "key": row.key, "seq": row.seq,
+                "event_type": row.event_type,
                 "partition": row.kafka_partition, "offset": row.kafka_offset, "reason": row.reason,
                 "error": row.error, "attempts": row.attempts, "parked_behind_seq": behind,
                 "first_failure_at": _iso(row.first_failure_at), "last_failure_at": _iso(row.last_failure_at)}
     h = t.inbox_held.c
-    row = conn.execute(select(h.topic, h.key, h.seq, h.kafka_partition, h.kafka_offset, h.received_at)
+    row = conn.execute(select(h.topic, h.key, h.seq, h.kafka_partition, h.kafka_offset, h.received_at,
+                              h.event_type)
                        .where(h.consumer_group == group, h.message_id == message_id)).first()
     if row is not None:
         position = None if row.key is None else _key_row(conn, t, group, row.topic, row.key)
         last = position.last_seq if position is not None else 0
         return {"state": State.HELD, "topic": row.topic, "key": row.key, "seq": row.seq,
+                "event_type": row.event_type,
                 "partition": row.kafka_partition, "offset": row.kafka_offset,
                 "received_at": _iso(row.received_at), "waiting_for_seq": last + 1}
     return {"state": State.NOT_SEEN}
@@ -207,8 +211,10 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
                            **_in_group(o.conn, o.db.tables, group, message_id)})
     known = outbox or next((g for g in groups if g["state"] != State.NOT_SEEN), None)
     topic, key, seq = (known["topic"], known["key"], known["seq"]) if known else (None, None, None)
+    # Applied inbox rows keep no event type: the outbox row's, else a parked or held copy's.
+    event_type = next((x["event_type"] for x in (outbox, *groups) if x and x.get("event_type")), None)
     for g in groups:
-        for name in ("topic", "key", "seq"):
+        for name in ("topic", "key", "seq", "event_type"):
             g.pop(name, None)
         if g["state"] == State.NOT_SEEN and key is not None and topic is not None:
             o = next(x for x in opened if x.db.name == g["database"])
@@ -217,7 +223,8 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
             # start policy skipped it; either way it will not arrive as new.
             g["key_last_seq"] = None if position is None else position.last_seq
     return {"message_id": str(message_id), "found": known is not None, "topic": topic, "key": key,
-            "seq": seq, "outbox_database": outbox_db, "outbox": outbox, "groups": groups}
+            "seq": seq, "event_type": event_type, "outbox_database": outbox_db, "outbox": outbox,
+            "groups": groups}
 
 
 # -- one key ---------------------------------------------------------------------------------
@@ -294,15 +301,23 @@ def trace_message(outbox_db: Database | None, inbox_dbs: Iterable[Database], mes
 
 
 def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: str, key: str, *,
-              groups: Sequence[str] | None = None, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
+              groups: Sequence[str] | None = None, limit: int = DEFAULT_LIMIT,
+              event_type: str | None = None) -> dict[str, Any]:
     """Where a key stands (last seq written, sent, applied per group) and its waiting messages.
 
     Lists at most ``limit`` of the key's messages waiting in the outbox (unsent,
     failed, skipped) and in each group (parked, held), each traced like
-    ``trace_message``. Raises ``ConfigurationError`` for a topic or key that
-    ``publish()`` would refuse, a topic no database knows, or a key none knows.
+    ``trace_message``. ``event_type`` keeps, of those messages, the ones of that
+    event type (the key's positions are the key's, whatever the type). Raises
+    ``ConfigurationError`` for a topic or key that ``publish()`` would refuse, an
+    event type it would refuse, a topic no database knows, or a key none knows.
     """
     topic, key = checked_topic_key(topic, key)
+    if event_type is not None:
+        try:
+            event_type = checked_event_type(event_type)[0]
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
     limit = _limit(limit)
     with _opened(outbox_db, inbox_dbs, groups) as opened:
         outbox_part: dict[str, Any] | None = None
@@ -327,8 +342,13 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
                                      "(" + _where(opened) + ")")
         unique = list(dict.fromkeys(ids))
         messages = [_message(opened, mid) for mid in unique]
+    if event_type is not None:
+        messages = [m for m in messages if m["event_type"] == event_type]
     messages.sort(key=lambda m: (m["seq"] is None, m["seq"] or 0))
-    return {"version": VERSION, "query": {"topic": topic, "key": key, "limit": limit},
+    query: dict[str, Any] = {"topic": topic, "key": key, "limit": limit}
+    if event_type is not None:
+        query["event_type"] = event_type
+    return {"version": VERSION, "query": query,
             "key": {"topic": topic, "key": key, "outbox": outbox_part, "groups": group_parts},
             "messages": messages[:limit], "more": len(messages) > limit}
 

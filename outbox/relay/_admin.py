@@ -39,7 +39,7 @@ def failed_rows(outbox: Outbox, *, topic: str | None = None, limit: int = 1000,
     """
     m = outbox.tables.messages
     query = (select(m.c.id, m.c.message_id, m.c.topic, m.c.key, m.c.seq, m.c.attempts,
-                    m.c.last_error, m.c.created_at)
+                    m.c.last_error, m.c.created_at, m.c.event_type)
              .where(m.c.status != OutboxStatus.PUBLISHED,
                     (m.c.status == OutboxStatus.FAILED) | (m.c.available_at > m.c.created_at),
                     m.c.status == OutboxStatus.FAILED)

@@ -43,6 +43,7 @@ from transports import Outcome, SendResult, Transport
 from transports._logsafe import safe_logger
 
 from .._alerts import Alert, AlertKind, AlertSink, deliver
+from .._cloudevents import CloudEvents
 from .._envelope import utcnow
 from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
 from .._pg_arrays import int_array
@@ -130,6 +131,7 @@ class BatchRunner:
         batch_size: int,
         database_outage: OutageTracker,
         incarnation: str | None = None,
+        cloudevents: CloudEvents | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
         self.database_outage = database_outage
@@ -146,7 +148,7 @@ class BatchRunner:
         self._held: set[tuple[str, str]] = set()
         self._outage_batches = 0  # consecutive batches the broker delivered nothing of
         # This database's identity, in every envelope.
-        self._encoder = RowEncoder(incarnation, check_ids=sql.mysql)
+        self._encoder = RowEncoder(incarnation, check_ids=sql.mysql, cloudevents=cloudevents)
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).

@@ -32,6 +32,7 @@ from transports import Transport
 from transports._logsafe import safe_logger
 
 from .._alerts import Alert, AlertSink, LoggingAlertSink
+from .._cloudevents import CloudEvents
 from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
@@ -63,7 +64,9 @@ class Relay:
     ``run`` and ``run_once`` must be called from one thread; ``stop`` from any.
     The tuning keywords (``batch_size`` … ``key_stuck_after``) build a
     ``RelaySettings``, kept as ``relay.settings``, which checks each of them
-    and names a bad one.
+    and names a bad one. ``cloudevents=True`` (or a ``CloudEvents`` naming the
+    source) adds the CloudEvents binary-mode ``ce_*`` headers to every record
+    (docs/cloudevents.md); the ``outbox-*`` envelope is sent either way.
 
     Construction reads the stored shard count and record limit, so it needs the
     database and raises if it is unreachable, and raises ``ConfigurationError``
@@ -89,6 +92,7 @@ class Relay:
         backlog_metrics: bool = False,
         wheel_tick: float = 0.02,
         key_stuck_after: float = 300.0,
+        cloudevents: CloudEvents | bool = False,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
@@ -139,6 +143,7 @@ class Relay:
             backoff=settings.backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
             batch_size=settings.batch_size, database_outage=self.database_outage,
             incarnation=stored.incarnation,
+            cloudevents=_cloudevents_mode(cloudevents),
         )
         self._wakeup = Wakeup()
         self._stopping = threading.Event()
@@ -347,3 +352,14 @@ class Relay:
         """Release leases held from ``run_once`` calls (``run`` does this itself)."""
         self._batch.close()
         self.leases.release_all()
+
+
+def _cloudevents_mode(setting: CloudEvents | bool) -> CloudEvents | None:
+    """``Relay(cloudevents=...)``: True for the default source, a ``CloudEvents`` for a chosen one."""
+    if setting is True:
+        return CloudEvents()
+    if setting is False or setting is None:
+        return None
+    if isinstance(setting, CloudEvents):
+        return setting
+    raise ConfigurationError(f"cloudevents must be True, False or a CloudEvents, got {setting!r:.80}")

@@ -31,6 +31,7 @@ from typing import Any
 from transports import Record
 from transports._errors import InvalidTopicError, validate_topic
 
+from .._cloudevents import RELAY_ATTRIBUTES, CloudEvents, cloudevent_headers
 from .._errors import MessageValidationError
 from .._validation import (
     MAX_KEY_LENGTH,
@@ -44,6 +45,7 @@ from ._sql import ROW_COLUMNS
 _NO_HEADERS = frozenset({None, "{}", "null"})
 _UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _TOPIC, _KEY = ROW_COLUMNS.index("topic"), ROW_COLUMNS.index("key")
+_ID, _SEQ, _CREATED_AT = (ROW_COLUMNS.index(name) for name in ("message_id", "seq", "created_at"))
 _MAX_REASON = 500
 _MAX_SEEN = 10_000
 
@@ -55,10 +57,14 @@ class UnsendableRow(ValueError):
 class RowEncoder:
     """Encodes fetched rows (``_sql.ROW_COLUMNS`` order) into records; one per relay thread."""
 
-    __slots__ = ("_check_ids", "_content_types", "_event_types", "_incarnation", "_topics")
+    __slots__ = ("_check_ids", "_cloudevents_source", "_content_types", "_event_types", "_incarnation",
+                 "_topics")
 
-    def __init__(self, incarnation: str | None = None, *, check_ids: bool = False) -> None:
+    def __init__(self, incarnation: str | None = None, *, check_ids: bool = False,
+                 cloudevents: CloudEvents | None = None) -> None:
         self._incarnation = incarnation
+        # CloudEvents binary mode: its ce_source, or None when off.
+        self._cloudevents_source = cloudevents.source_for(incarnation) if cloudevents else None
         # MySQL/MariaDB store the message id as 32 characters of CHAR, dashed into its
         # text by the fetch whatever they are: there only, a row can carry an id that
         # is no UUID (PostgreSQL's uuid type and SQLite's read both refuse one).
@@ -116,13 +122,30 @@ class RowEncoder:
             _remember(self._content_types, content_type, validate_content_type)
         if event_type is not None and event_type not in self._event_types:
             _remember(self._event_types, event_type, _event_type)
-        return to_record(
+        record = to_record(
             message_id=message_id, topic=topic, key=key, seq=seq, payload=payload,
             content_type=content_type,
             headers=None if headers in _NO_HEADERS else user_headers(headers),
             created_at=created_at, available_at=available_at, incarnation=self._incarnation,
             event_type=event_type,
         )
+        if self._cloudevents_source is not None:
+            self._add_cloudevent(record, row, event_type)
+        return record
+
+    def _add_cloudevent(self, record: Record, row: Any, event_type: str | None) -> None:
+        """Add the ``ce_*`` attributes; a user header of the same name gives way to them."""
+        try:
+            attributes = cloudevent_headers(
+                source=self._cloudevents_source or "", message_id=row[_ID], topic=row[_TOPIC],
+                event_type=event_type, created_at=row[_CREATED_AT], seq=row[_SEQ],
+                incarnation=self._incarnation)
+        except ValueError as exc:
+            raise UnsendableRow(str(exc)) from None
+        if any(name.lower() in RELAY_ATTRIBUTES for name, _ in record.headers):
+            record.headers = [(name, value) for name, value in record.headers
+                              if name.lower() not in RELAY_ATTRIBUTES]
+        record.headers.extend(attributes)
 
 
 def _event_type(value: object) -> str:

@@ -24,6 +24,7 @@ from pyspark.sql import functions as F
 
 from .._envelope import utcnow
 from .._errors import ConfigurationError, OutboxError
+from .._validation import checked_event_type
 from . import _findings as find
 from ._chart import draw_chart, preload_matplotlib
 from ._report import build_summary, write_report
@@ -33,7 +34,7 @@ from ._storage import local_path, require_shared, uri
 from ._tablemap import check_table, table_for
 from ._window import Window, parse_duration, parse_instant
 
-OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "published_at"]
+OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "published_at", "event_type"]
 
 DETAILS = ("lost", "duplicates", "out_of_order")
 INBOX_TABLES = ("inbox_messages", "inbox_parked", "inbox_held")
@@ -75,6 +76,7 @@ def audit(
     window: Window | timedelta | str | tuple[Any, Any] | None = None,
     sla: timedelta | str | float = "15m",
     group: str | None = None,
+    event_type: str | None = None,
     as_of: datetime | str | None = None,
     spark: SparkSession | SessionFactory | None = None,
     partitions: int | None = None,
@@ -91,7 +93,9 @@ def audit(
     published more than ``sla`` before ``as_of`` and the group neither
     processed, parked nor holds it. ``group`` limits the audit to one consumer
     group; otherwise every group the inbox has seen is audited for every
-    topic it has consumed. ``as_of`` defaults to now.
+    topic it has consumed. ``event_type`` limits it to the messages of that
+    event type (each finding then among them: a message of another type
+    processed in between does not count as out of order). ``as_of`` defaults to now.
 
     Arguments and tables are checked before ``spark`` (a session, or a
     function that builds one) is used. ``out_dir`` is made absolute here; on
@@ -104,6 +108,11 @@ def audit(
     sla_delta = parse_duration(sla, "SLA")
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigurationError(f"group must be a non-empty string, got {group!r}")
+    if event_type is not None:
+        try:
+            event_type = checked_event_type(event_type)[0]
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
     out = local_path(out_dir, "out_dir")
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"out_dir {out} exists and is not a directory")
@@ -127,6 +136,9 @@ def audit(
     session = session_from(spark)
     require_shared(session, out, "out_dir", shared_storage)
     outbox = table(outbox_url, "outbox_messages", OUTBOX_COLUMNS, "created_at", True)
+    if event_type is not None:
+        # Consumer-side rows join the outbox's (find.consumed): filtered here, they follow.
+        outbox = outbox.where(F.col("event_type") == event_type)
     # Consumption of a message happens after its creation, so rows received
     # before the window starts cannot belong to it; there is no upper bound.
     inbox = table(inbox_url, "inbox_messages", find.INBOX, "received_at", False)
@@ -140,13 +152,14 @@ def audit(
     # time is the driver planning and compiling, which then overlaps.
     with _codegen(session, enabled=not small), ThreadPoolExecutor(5, "audit") as pool:
         summary = _run(session, pool, out, outbox, inbox, parked, held, now=now, span=span,
-                       sla=sla_delta, group=group, step=step)
+                       sla=sla_delta, group=group, event_type=event_type, step=step)
     return AuditResult(summary=summary, out_dir=out)
 
 
 def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: DataFrame,
          inbox: DataFrame, parked: DataFrame, held: DataFrame, *, now: datetime, span: Window,
-         sla: timedelta, group: str | None, step: Callable[[str], None]) -> dict[str, Any]:
+         sla: timedelta, group: str | None, event_type: str | None,
+         step: Callable[[str], None]) -> dict[str, Any]:
     """The Spark part of ``audit``: counts, findings, chart and report written into ``out``."""
     step("reading outbox and inbox")
     outbox = outbox.cache()
@@ -181,7 +194,8 @@ def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: Dat
         ["consumer_group", "topic", "key"]).aggregate([]), ["consumer_group", "topic"])
 
     step("drawing the chart")
-    summary = build_summary(as_of=now, window=span, sla=sla, group=group, topics=topics,
+    summary = build_summary(as_of=now, window=span, sla=sla, group=group, event_type=event_type,
+                            topics=topics,
                             groups=groups, found=found, bad_keys=bad_keys)
     draw_chart(out / "chart.png", summary, buckets[0], buckets[1], start, bucket_seconds)
     write_report(out, summary)

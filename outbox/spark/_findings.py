@@ -61,7 +61,7 @@ def topic_counts(outbox: DataFrame) -> DataFrame:
 
 def consumed(inbox: DataFrame, outbox: DataFrame) -> DataFrame:
     """Consumer-side rows of messages in the window, with the outbox's topic, key, seq and times."""
-    produced = outbox.select("message_id", "topic", "key", "seq", "created_at", "published_at")
+    produced = outbox.select("message_id", "topic", "key", "seq", "created_at", "published_at", "event_type")
     return inbox.join(produced, "message_id")
 
 
@@ -109,14 +109,14 @@ def lost(outbox: DataFrame, pairs: DataFrame, seen: DataFrame, as_of: datetime,
     overdue = outbox.where(published & (F.col("published_at") < deadline))
     expected = overdue.join(F.broadcast(pairs), "topic")
     return expected.join(seen, ["consumer_group", "message_id"], "left_anti").select(
-        "consumer_group", "topic", "key", "seq", "message_id", "created_at", "published_at"
+        "consumer_group", "topic", "key", "seq", "event_type", "message_id", "created_at", "published_at"
     )
 
 
 def duplicates(consumed_rows: DataFrame) -> DataFrame:
     """Messages a group received more than once (the inbox counts deliveries)."""
     return consumed_rows.where(F.col("deliveries") > 1).select(
-        "consumer_group", "topic", "key", "seq", "message_id", "deliveries", "processed_at"
+        "consumer_group", "topic", "key", "seq", "event_type", "message_id", "deliveries", "processed_at"
     )
 
 
@@ -135,8 +135,8 @@ def out_of_order(consumed_rows: DataFrame) -> DataFrame:
     return (
         keyed.withColumn("processed_after_seq", F.max("seq").over(by_key))
         .where(F.col("seq") < F.col("processed_after_seq"))
-        .select("consumer_group", "topic", "key", "seq", "processed_after_seq", "message_id",
-                "processed_at")
+        .select("consumer_group", "topic", "key", "seq", "event_type", "processed_after_seq",
+                "message_id", "processed_at")
     )
 
 

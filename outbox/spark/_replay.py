@@ -93,8 +93,10 @@ def replay(
 
     session = session_from(spark)
     require_shared(session, root, "archive_dir", shared_storage)
-    frame = (session.read.option("basePath", uri(table_dir(root, "outbox_messages")))
-             .parquet(*files).select(*COLUMNS))
+    frame = session.read.option("basePath", uri(table_dir(root, "outbox_messages"))).parquet(*files)
+    # Archives written before event types (issue 29) have no such column: their messages had none.
+    event_type = F.col("event_type") if "event_type" in frame.columns else F.lit(None).cast("string")
+    frame = frame.select(*COLUMNS, event_type.alias("event_type"))
     if wanted is not None:
         frame = frame.where(F.col("key").isin(wanted))
     if lower is not None:
@@ -125,11 +127,11 @@ def replay(
 
 def _publish(outbox: Outbox, engine: sa.Engine, topic: str, rows: list[Any],
              result: ArchiveReplayResult) -> None:
-    """One transaction: publish each row again, under its original content type."""
+    """One transaction: publish each row again, under its original content type and event type."""
     with Session(engine) as session, session.begin():
         for row in rows:
             headers = json.loads(row.headers) | {REPLAY_HEADER: row.message_id}
             outbox.publish(session, topic, bytes(row.payload), key=row.key, headers=headers,
-                           content_type=row.content_type)
+                           content_type=row.content_type, event_type=row.event_type)
             result.per_key[row.key] += 1
     result.replayed += len(rows)

@@ -23,7 +23,7 @@ def _quantiles(values: list[float] | None) -> dict[str, float | None]:
 
 def build_summary(
     *, as_of: datetime, window: Window, sla: timedelta, group: str | None,
-    topics: list[dict[str, Any]], groups: list[dict[str, Any]],
+    event_type: str | None = None, topics: list[dict[str, Any]], groups: list[dict[str, Any]],
     found: dict[str, dict[Pair, int]], bad_keys: dict[Pair, int],
 ) -> dict[str, Any]:
     """The JSON summary: per topic, per group and topic, totals, and the verdict.
@@ -60,6 +60,7 @@ def build_summary(
         "window": {"since": window.since.isoformat(), "until": window.until.isoformat()},
         "sla_seconds": sla.total_seconds(),
         "group": group,
+        "event_type": event_type,
         "ok": totals["lost"] == 0 and totals["out_of_order_messages"] == 0,
         "totals": totals,
         "topics": by_topic,
@@ -121,7 +122,8 @@ def render_report(s: dict[str, Any]) -> str:
         f"**{verdict(s)}.**",
         "",
         f"{window_line(s)}; "
-        f"a published message counts as lost after {s['sla_seconds']:g} s without reaching a group.",
+        f"a published message counts as lost after {s['sla_seconds']:g} s without reaching a group"
+        + (f"; only messages of event type {s['event_type']}." if s.get("event_type") else "."),
         "",
         "## Producer side, per topic",
         "",
