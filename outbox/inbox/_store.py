@@ -370,6 +370,12 @@ class InboxStore(abc.ABC):
         p = self.t.inbox_parked
         session.execute(delete(p).where(p.c.id == row_id))
 
+    def unpark_rows(self, session: Session, row_ids: Sequence[int]) -> None:
+        """Delete the ``inbox_parked`` rows ``row_ids`` (a replayed run), one statement."""
+        if row_ids:
+            p = self.t.inbox_parked
+            session.execute(delete(p).where(p.c.id.in_(row_ids)))
+
     def failed_again(self, session: Session, row_id: int, error: str, traceback: str) -> None:
         """A replayed message failed: count the attempt on its row."""
         p = self.t.inbox_parked

@@ -194,9 +194,23 @@ class TransactionStep:
             tx.finish()
         return tx.committed
 
-    def transaction(self, session: Session, states: dict[KeyId, KeyState]) -> _Transaction:
-        """The phases over keys the caller locked, each message in its SAVEPOINT (an operator's replay)."""
-        return _Transaction(self, session, states, _OneByOne(self.calls, {}), Lanes(()))
+    def transaction(self, session: Session, states: dict[KeyId, KeyState],
+                    known: dict[uuid.UUID, Error] | None = None) -> _Transaction:
+        """The phases over keys the caller locked, each message in its SAVEPOINT (an operator's replay).
+
+        ``known`` holds failures a ``batch_transaction`` met already: reused,
+        so a failing handler is not run twice for one replay.
+        """
+        return _Transaction(self, session, states, _OneByOne(self.calls, known or {}), Lanes(()))
+
+    def batch_transaction(self, session: Session, states: dict[KeyId, KeyState]) -> _Transaction:
+        """The phases over keys the caller locked, every handler called bare (an operator's replay of a run).
+
+        A failing handler raises ``Redo`` out of ``run``: the caller rolls the
+        run back (it runs it inside a SAVEPOINT) and redoes it one message at
+        a time, as ``apply`` does.
+        """
+        return _Transaction(self, session, states, _AllAtOnce(self.calls), Lanes(()))
 
     # -- park -------------------------------------------------------------------
 
