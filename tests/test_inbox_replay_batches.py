@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import Disposition, Inbox
+from outbox.inbox._calls import TopicHandler
 from outbox.inbox._delivery import decode
 from outbox.inbox._kinds import Reason
-from outbox.inbox._calls import TopicHandler
 from tests.inbox_support import AlertLog, applied, apply_effect, business, dispose, insert_effect, record
 
 TOPIC = "orders"
@@ -172,3 +172,39 @@ def test_a_batched_replay_ends_exactly_as_the_per_message_replay(
         db_url: str, last_seq: int, rows: list[tuple[int, Reason, bool, bool]], batch: int) -> None:
     rows = sorted(rows, key=lambda r: r[0])  # parked rows are replayed in seq order (then id)
     assert _outcome(db_url, last_seq, rows, batch) == _outcome(db_url, last_seq, rows, 1)
+
+
+# -- a parked key's flood is parked in one statement ---------------------------------------------
+
+def test_a_parked_keys_flood_is_parked_in_one_statement_in_order_and_replays(
+        inbox: Inbox, engine: sa.Engine) -> None:
+    broken = True
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        if broken and (message.key, message.seq) == ("k", 1):
+            raise RuntimeError("not yet")
+        apply_effect(session, message)
+
+    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox.handle(record(TOPIC, "k", 1))
+    parking: list[str] = []
+
+    def statement(conn, cursor, sql, params, context, executemany):  # type: ignore[no-untyped-def]
+        if sql.lstrip().upper().startswith("INSERT") and "inbox_parked" in sql:
+            parking.append(sql)
+
+    sa.event.listen(engine, "before_cursor_execute", statement)
+    flood = [decode(record(TOPIC, "k", seq), accept_foreign=False) for seq in range(2, 302)]
+    other = decode(record(TOPIC, "other", 1), accept_foreign=False)
+    resent = flood[5]  # a copy of one arriving again in the same batch: parked once
+    committed = inbox.step.apply([*flood[:150], other, resent, *flood[150:]])
+    sa.event.remove(engine, "before_cursor_execute", statement)
+    assert len(parking) == 1
+    assert sum(1 for _, disposition in committed.done if disposition is Disposition.PARKED) == 300
+    assert [p.seq for p in inbox.parked(TOPIC, "k")] == list(range(1, 302))
+    assert applied(engine, "other") == [("other", 1)]
+    inbox.step.apply(flood[:10])  # delivered again: already parked, nothing changes
+    assert len(inbox.parked(TOPIC, "k")) == 301
+    broken = False
+    assert inbox.replay(TOPIC, "k").unparked
+    assert applied(engine, "k") == [("k", seq) for seq in range(1, 302)]
