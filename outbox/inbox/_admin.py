@@ -1,9 +1,11 @@
 """Operator actions on parked keys: list, replay in order, discard one message.
 
 These are for a person who fixed the cause of a failure (see
-docs/runbook-parked-keys.md). Each replayed message runs in its own
-transaction, exactly like a live one: dedup row, handler writes and the key's
-``last_seq`` commit together. They may run while consumers are live: every
+docs/runbook-parked-keys.md). A replay takes a key's parked messages
+``replay_batch`` at a time, one transaction per batch, through the live path's
+phases: dedup rows, handler writes and the key's ``last_seq`` commit together,
+and a failure rolls back only its own message (its SAVEPOINT), so the messages
+before it commit. They may run while consumers are live: every
 step locks the key's row first, and a live message of a parked key is parked
 behind the replayed ones, so nothing overtakes.
 
@@ -24,6 +26,7 @@ from sqlalchemy.orm import Session
 from .._envelope import utcnow
 from .._errors import OutboxError
 from .._tables import InboxOutcome
+from ._calls import Error, Redo
 from ._conflicts import rebuilt
 from ._delivery import KeyId, OrderedDelivery
 from ._kinds import Reason
@@ -78,6 +81,9 @@ class ParkedAdmin:
     inbox, on its event loop).
     """
 
+    replay_batch = 500
+    """Parked messages of a key a replay takes per transaction."""
+
     def __init__(self, sessions: Sessions, store: InboxStore, step: TransactionStep) -> None:
         self.sessions = sessions
         self.store = store
@@ -131,19 +137,114 @@ class ParkedAdmin:
         while True:
             with self.sessions() as session, session.begin():
                 states = store.lock_keys(session, [lane]) if lane else {}
-                rows = store.parked(session, topic, key, replayable=True, limit=1)
+                rows = store.parked(session, topic, key, replayable=True, limit=self.replay_batch)
                 if not rows:
-                    if lane:
-                        store.unpark_key(session, lane, last_seq=states[lane].last_seq)
-                    return ParkedReplay(applied, 0, unparked=True)
-                done = self._replay_one(session, states, rows[0], first=not applied)
-                if isinstance(done, str):
-                    return self._stopped(session, topic, key, applied, done)
-                if done is _Replayed.APPLIED:
-                    applied += 1
+                    return self._replayed_all(session, lane, states, applied)
+                batch = _Batch(applied)
+                stopped = self._replay_batch(session, states, rows, batch)
+                applied = batch.applied
+                if stopped is not None:
+                    return self._stopped(session, topic, key, applied, stopped)
+                if not store.parked(session, topic, key, replayable=True, limit=1):
+                    return self._replayed_all(session, lane, states, applied)
+
+    def _replayed_all(self, session: Session, lane: KeyId | None, states: dict[KeyId, KeyState],
+                      applied: int) -> ParkedReplay:
+        if lane:
+            self.store.unpark_key(session, lane, last_seq=states[lane].last_seq)
+        return ParkedReplay(applied, 0, unparked=True)
+
+    def _replay_batch(self, session: Session, states: dict[KeyId, KeyState], rows: list[ParkedRow],
+                      batch: _Batch) -> str | None:
+        """Replay ``rows`` (a key's next parked messages, in order) in the caller's transaction.
+
+        The leading rows that need none of replay's own rules (each the next
+        seq of its key, or the replay's very first message) run as one run
+        through the phases, handlers called bare inside a SAVEPOINT; a run
+        that meets a failure or a recorded id is rolled back and its rows
+        replayed one at a time (``_replay_one``), which applies the rules and
+        stops where the one-message-per-transaction replay would. Returns why
+        the replay stopped, if it did; ``batch.applied`` counts what applied.
+        """
+        known: dict[uuid.UUID, Error] = {}
+        one_by_one = False  # after a run rolled back: the rest of the batch goes one at a time
+        n = 0
+        while n < len(rows):
+            run = [] if one_by_one else self._clean_run(rows[n:], states, first=not batch.applied)
+            if len(run) > 1:
+                redo = self._replay_run(session, states, run)
+                if redo is None:
+                    batch.applied += len(run)
+                    n += len(run)
+                    continue
+                one_by_one = True
+                if redo.delivery is not None:
+                    known[redo.delivery.message.message_id] = redo.error  # not run a second time
+            done = self._replay_one(session, states, rows[n], first=not batch.applied, known=known)
+            if isinstance(done, str):
+                return done
+            if done is _Replayed.APPLIED:
+                batch.applied += 1
+            n += 1
+        return None
+
+    def _clean_run(self, rows: list[ParkedRow], states: dict[KeyId, KeyState], *,
+                   first: bool) -> list[ParkedRow]:
+        """The leading ``rows`` that follow their key's position one seq after another.
+
+        None of them is at or below its key's last seq (replay's restart and
+        recorded rules), nor after a hole (replay's stop), nor unreadable: a
+        run of them is what the live path applies as one run.
+        """
+        run: list[ParkedRow] = []
+        seen: set[uuid.UUID] = set()
+        for row in rows:
+            d = row.delivery
+            if d.unreadable is not None or d.message.message_id in seen:
+                break
+            if isinstance(d, OrderedDelivery):
+                state = states.get(d.lane)
+                if state is None:
+                    break
+                expected = run[-1].delivery.message.seq if run else state.last_seq
+                if not isinstance(expected, int) or d.seq <= state.last_seq:
+                    break
+                if d.seq != expected + 1 and (run or not first):
+                    break
+            elif run and isinstance(run[-1].delivery, OrderedDelivery):
+                break
+            seen.add(d.message.message_id)
+            run.append(row)
+        return run
+
+    def _replay_run(self, session: Session, states: dict[KeyId, KeyState],
+                    run: list[ParkedRow]) -> Redo | None:
+        """Apply ``run`` as one run of the phases, in a SAVEPOINT; the ``Redo`` if it was rolled back.
+
+        A recorded id in the run (claim cut it) or a handler that failed
+        rolls the whole run back: the caller replays it one message at a time.
+        """
+        deliveries = [row.delivery for row in run]
+        before = {lane: (s.last_seq, s.incarnation) for lane, s in states.items()}
+        nested = session.begin_nested()
+        try:
+            tx = self.step.batch_transaction(session, states)
+            fresh = tx.claim([deliveries])
+            if fresh != [deliveries]:
+                raise Redo(None, (LookupError("a replayed id was recorded meanwhile"), ""))
+            tx.advance(tx.run(fresh))
+            tx.finish()
+            self.store.unpark_rows(session, [row.id for row in run])
+        except Redo as redo:
+            nested.rollback()
+            for lane, (last_seq, incarnation) in before.items():
+                states[lane].last_seq, states[lane].incarnation = last_seq, incarnation
+            return redo
+        nested.commit()
+        return None
 
     def _replay_one(self, session: Session, states: dict[KeyId, KeyState], row: ParkedRow, *,
-                    first: bool) -> _Replayed | str:
+                    first: bool, known: dict[uuid.UUID, Error] | None = None) -> _Replayed | str:
         """Replay one parked message through the transaction's phases; why it stopped, if it did.
 
         The rules an operator's replay adds are here: a message at or below
@@ -153,7 +254,7 @@ class ParkedAdmin:
         (``_transaction``).
         """
         store, d = self.store, row.delivery
-        tx = self.step.transaction(session, states)
+        tx = self.step.transaction(session, states, known)
         state = states.get(d.lane) if isinstance(d, OrderedDelivery) else None
         if isinstance(d, OrderedDelivery) and state is not None:
             if d.seq <= state.last_seq:
@@ -227,6 +328,13 @@ class ParkedAdmin:
                  error: str) -> ParkedReplay:
         remaining = len(self.store.parked(session, topic, key, replayable=True))
         return ParkedReplay(applied, remaining, unparked=False, error=error)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What one replay transaction applied so far, counted from the replay's start."""
+
+    applied: int
 
 
 class _Replayed(enum.Enum):

@@ -329,6 +329,23 @@ class InboxStore(abc.ABC):
                 self.park(session, held, Reason.KEY_PARKED)
         return True
 
+    def park_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+        """Store arrivals of parked keys in ``inbox_parked`` (``KEY_PARKED``), one executemany.
+
+        The flood of a parked key is parked at the rate its messages arrive:
+        ``park`` for each would cost a statement per message. The caller holds
+        the keys' locks; none of ``deliveries`` comes from ``inbox_held``
+        (those go through ``park``, which also deletes their held row). A
+        message parked already is left as it is.
+        """
+        if not deliveries:
+            return
+        now = utcnow()
+        rows = [{**self._stored(d), "reason": Reason.KEY_PARKED.value, "error": None, "traceback": None,
+                 "attempts": 0, "first_failure_at": d.attempts.first_failure_at or now,
+                 "last_failure_at": now} for d in deliveries]
+        session.execute(self._insert_new(self.t.inbox_parked), rows)
+
     def parked(self, session: Session, topic: str | None = None, key: str | None = None,
                *, replayable: bool = False, limit: int | None = None) -> list[ParkedRow]:
         """Parked messages of the group (one topic / key), per key in seq order.
@@ -369,6 +386,12 @@ class InboxStore(abc.ABC):
     def unpark(self, session: Session, row_id: int) -> None:
         p = self.t.inbox_parked
         session.execute(delete(p).where(p.c.id == row_id))
+
+    def unpark_rows(self, session: Session, row_ids: Sequence[int]) -> None:
+        """Delete the ``inbox_parked`` rows ``row_ids`` (a replayed run), one statement."""
+        if row_ids:
+            p = self.t.inbox_parked
+            session.execute(delete(p).where(p.c.id.in_(row_ids)))
 
     def failed_again(self, session: Session, row_id: int, error: str, traceback: str) -> None:
         """A replayed message failed: count the attempt on its row."""

@@ -196,9 +196,23 @@ class TransactionStep:
             tx.finish()
         return tx.committed
 
-    def transaction(self, session: Session, states: dict[KeyId, KeyState]) -> _Transaction:
-        """The phases over keys the caller locked, each message in its SAVEPOINT (an operator's replay)."""
-        return _Transaction(self, session, states, _OneByOne(self.calls, {}), Lanes(()))
+    def transaction(self, session: Session, states: dict[KeyId, KeyState],
+                    known: dict[uuid.UUID, Error] | None = None) -> _Transaction:
+        """The phases over keys the caller locked, each message in its SAVEPOINT (an operator's replay).
+
+        ``known`` holds failures a ``batch_transaction`` met already: reused,
+        so a failing handler is not run twice for one replay.
+        """
+        return _Transaction(self, session, states, _OneByOne(self.calls, known or {}), Lanes(()))
+
+    def batch_transaction(self, session: Session, states: dict[KeyId, KeyState]) -> _Transaction:
+        """The phases over keys the caller locked, every handler called bare (an operator's replay of a run).
+
+        A failing handler raises ``Redo`` out of ``run``: the caller rolls the
+        run back (it runs it inside a SAVEPOINT) and redoes it one message at
+        a time, as ``apply`` does.
+        """
+        return _Transaction(self, session, states, _AllAtOnce(self.calls), Lanes(()))
 
     # -- park -------------------------------------------------------------------
 
@@ -284,6 +298,8 @@ class _Transaction:
         self.unhold: dict[uuid.UUID, Delivery] = {}
         self.lost: list[Delivery] = []
         """Claimed this round but not applied: their claims go back in ``advance``."""
+        self.behind_parked: list[OrderedDelivery] = []
+        """Arrivals of parked keys, parked behind them by ``finish`` in one statement."""
 
     def look_up_behind(self, deliveries: list[Delivery]) -> None:
         """Only a recorded id is a duplicate: look up the ids at or below their key's position."""
@@ -373,7 +389,12 @@ class _Transaction:
                 return _Triage.DUPLICATE
             return self._conflict(d, state)
         if state.parked:
-            self._park(d, Reason.KEY_PARKED, "")
+            if d.from_held:
+                self._park(d, Reason.KEY_PARKED, "")
+            else:  # a parked key's flood: written in one statement by finish
+                self.behind_parked.append(d)
+                self.committed.parked.append(Parked(d, Reason.KEY_PARKED, "", False))
+                self.committed.done.append((d, Disposition.PARKED))
             return _Triage.SETTLED
         if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
             self._park(d, Reason.UNDECODABLE, unreadable.detail)
@@ -548,6 +569,7 @@ class _Transaction:
     def finish(self) -> None:
         """Write what the rounds gathered: redeliveries, held rows applied, the keys' new positions."""
         store, session = self.store, self.session
+        store.park_behind(session, self.behind_parked)
         store.count_redelivery(session, (d.message.message_id for d in self.duplicates))
         store.unhold(session, self.unhold)
         store.set_last_seq(session, self.new_seqs, self.incarnations)
