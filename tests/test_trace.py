@@ -8,6 +8,7 @@ outbox's database, one in a database of its own, as a consumer team has.
 from __future__ import annotations
 
 import json
+import unicodedata
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -265,3 +266,43 @@ def test_a_database_named_twice_is_read_once(world: World) -> None:
     [m] = doc["messages"]
     assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
     assert m["outbox"] is not None
+
+
+_HIDDEN_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+
+
+def _printed(doc: dict[str, Any]) -> str:
+    import contextlib
+    import io
+
+    from outbox.cli._trace import print_trace
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_trace(doc)
+    return out.getvalue()
+
+
+def _traced(key: str, group: str, error: str) -> dict[str, Any]:
+    """A key trace's document as ``trace_key`` gives it, with database-held text in every field."""
+    group_part = {"database": "db", "group": group, "state": "parked", "reason": error, "attempts": 2,
+                  "error": error, "last_failure_at": "2026-11-25T10:00:00+00:00", "partition": None}
+    outbox_part = {"status": "failed", "created_at": "2026-11-25T10:00:00+00:00", "attempts": 2,
+                   "last_error": error, "available_at": None, "partition": None}
+    return {"key": {"topic": "orders", "key": key, "outbox": None,
+                    "groups": [{"database": "db", "group": group, "seen": True, "last_applied_seq": 1,
+                                "parked": True, "parked_at": "2026-11-25T10:00:00+00:00",
+                                "parked_reason": error, "parked_messages": 1, "parked_seqs": [2],
+                                "held_seqs": []}]},
+            "messages": [{"message_id": "m", "topic": "orders", "key": key, "seq": 2,
+                          "outbox": outbox_part, "groups": [group_part]}]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(key=st.text(max_size=5), group=st.text(max_size=5), error=st.text(max_size=5))
+def test_text_from_the_databases_cannot_forge_or_hide_a_line_of_the_table(key: str, group: str,
+                                                                          error: str) -> None:
+    """A key, group or error holding newlines, ANSI escapes, bidi overrides, separators or lone
+    surrogates is printed as visible escapes: the table has the lines it has for plain text."""
+    shown = _printed(_traced(key, group, error))
+    assert not any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in shown.replace("\n", ""))
+    assert len(shown.splitlines()) == len(_printed(_traced("k", "g", "e")).splitlines())
