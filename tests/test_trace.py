@@ -306,3 +306,38 @@ def test_text_from_the_databases_cannot_forge_or_hide_a_line_of_the_table(key: s
     shown = _printed(_traced(key, group, error))
     assert not any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in shown.replace("\n", ""))
     assert len(shown.splitlines()) == len(_printed(_traced("k", "g", "e")).splitlines())
+
+
+DOWN = "postgresql+psycopg://ops:pw-s3cr3t-9@127.0.0.1:1/shipping?connect_timeout=2"
+
+
+def test_an_inbox_database_that_is_down_is_one_line_and_the_others_are_traced(world: World) -> None:
+    mid = str(world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", DOWN, "--inbox-db", world.inbox_url)
+    assert shown.exit_code == 0, shown.output
+    down = [line for line in shown.output.splitlines() if "could not be read" in line]
+    assert len(down) == 1 and "127.0.0.1:1/shipping" in down[0], shown.output
+    assert "parked behind seq 1 of its key" in shown.output and "group shipping" in shown.output
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db", DOWN,
+                   "--json")
+    assert as_json.exit_code == 0, as_json.output
+    doc = json.loads(as_json.output)
+    assert [u["database"] for u in doc["unreachable"]] == ["postgresql+psycopg://ops:***@127.0.0.1:1/shipping"
+                                                            "?connect_timeout=2"]
+    assert doc["key"]["outbox"] is not None
+    assert "pw-s3cr3t-9" not in shown.output + as_json.output
+    only_down = _cli(mid, "--inbox-db", DOWN)
+    assert only_down.exit_code == 1 and "pw-s3cr3t-9" not in only_down.output
+
+
+def test_the_console_trace_page_shows_the_databases_it_can_read(world: World) -> None:
+    from starlette.testclient import TestClient
+
+    from outbox.console import create_app
+    down = sa.create_engine(DOWN)
+    client = TestClient(create_app(world.outbox, inbox_databases=[down, world.shipping.engine]),
+                        base_url="http://127.0.0.1")
+    page = client.get("/trace", params={"id": str(world.ids["bad-1"][1])})
+    assert page.status_code == 200, page.text
+    assert "could not be read" in page.text and "group shipping" in page.text
+    assert "pw-s3cr3t-9" not in page.text

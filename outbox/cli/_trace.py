@@ -152,6 +152,9 @@ def describe_outbox(o: dict[str, Any] | None, now: datetime) -> str:
 def print_trace(doc: dict[str, Any]) -> None:
     console = Console(width=160, highlight=False)
     now = utcnow()
+    for u in doc.get("unreachable") or []:
+        console.print(cell(f"{u['database']}: could not be read ({u['error']}); the other databases "
+                           "are shown"))
     key = doc["key"]
     if key is not None:
         console.print(f"key {cell(repr(key['key']))} of topic {cell(key['topic'])}")

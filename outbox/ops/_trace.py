@@ -31,10 +31,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, inspect, select
+from sqlalchemy.exc import SQLAlchemyError
 
 from transports._errors import InvalidTopicError, validate_topic
 
 from .._errors import ConfigurationError, MessageValidationError
+from .._secrets import database_secrets, scrub
 from .._tables import OutboxStatus as Status
 from .._tables import OutboxTables
 from .._validation import checked_key, shown
@@ -286,11 +288,15 @@ def trace_message(outbox_db: Database | None, inbox_dbs: Iterable[Database], mes
     UUID or that no database knows.
     """
     mid = message_id if isinstance(message_id, uuid.UUID) else parse_message_id(message_id)
-    with _opened(outbox_db, inbox_dbs, groups) as opened:
+    databases = _opened(outbox_db, inbox_dbs, groups)
+    with databases as opened:
         message = _message(opened, mid)
+    down = databases.unreachable
     if not message["found"]:
-        raise ConfigurationError(f"message {mid} is in none of the databases (" + _where(opened) + ")")
-    return {"version": VERSION, "query": {"message_id": str(mid)}, "messages": [message], "key": None}
+        raise ConfigurationError(f"message {mid} is in none of the databases ("
+                                 + _where(opened) + _down(down) + ")")
+    return {"version": VERSION, "query": {"message_id": str(mid)}, "messages": [message], "key": None,
+            "unreachable": down}
 
 
 def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: str, key: str, *,
@@ -304,7 +310,8 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
     """
     topic, key = checked_topic_key(topic, key)
     limit = _limit(limit)
-    with _opened(outbox_db, inbox_dbs, groups) as opened:
+    databases = _opened(outbox_db, inbox_dbs, groups)
+    with databases as opened:
         outbox_part: dict[str, Any] | None = None
         ids: list[uuid.UUID] = []
         group_parts: list[dict[str, Any]] = []
@@ -322,15 +329,15 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
         if outbox_part is None and not any(g["seen"] for g in group_parts):
             if not any(_knows_topic(o, topic) for o in opened):
                 raise ConfigurationError(f"topic {shown(topic)} is in none of the databases "
-                                         "(" + _where(opened) + ")")
+                                         "(" + _where(opened) + _down(databases.unreachable) + ")")
             raise ConfigurationError(f"key {shown(key)} of topic {topic!r} is in none of the databases "
-                                     "(" + _where(opened) + ")")
+                                     "(" + _where(opened) + _down(databases.unreachable) + ")")
         unique = list(dict.fromkeys(ids))
         messages = [_message(opened, mid) for mid in unique]
     messages.sort(key=lambda m: (m["seq"] is None, m["seq"] or 0))
     return {"version": VERSION, "query": {"topic": topic, "key": key, "limit": limit},
             "key": {"topic": topic, "key": key, "outbox": outbox_part, "groups": group_parts},
-            "messages": messages[:limit], "more": len(messages) > limit}
+            "messages": messages[:limit], "more": len(messages) > limit, "unreachable": databases.unreachable}
 
 
 def _knows_topic(o: _Open, topic: str) -> bool:
@@ -340,6 +347,16 @@ def _knows_topic(o: _Open, topic: str) -> bool:
         return True
     return any(o.conn.scalar(select(k.key).where(k.consumer_group == g, k.topic == topic).limit(1))
                is not None for g in o.groups)
+
+
+def _unreadable(db: Database, exc: SQLAlchemyError) -> str:
+    """The driver's first line, without the database's credentials."""
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+    return scrub(first[:300], database_secrets(db.engine.url.render_as_string(hide_password=False)))
+
+
+def _down(unreachable: list[dict[str, str]]) -> str:
+    return "".join(f"; {u['database']}: could not be read ({u['error']})" for u in unreachable)
 
 
 def _where(opened: Sequence[_Open]) -> str:
@@ -362,17 +379,28 @@ class _opened:
             raise ConfigurationError("give an outbox database, an inbox database, or both")
         self.groups = list(groups) if groups else None
         self.conns: list[Connection] = []
+        self.unreachable: list[dict[str, str]] = []
+        """``{"database", "error"}`` for each database that could not be read (the rest are traced)."""
 
     def __enter__(self) -> list[_Open]:
         opened = []
+        first_error: SQLAlchemyError | None = None
         try:
             for db, outbox_side in self.plan:
-                conn = db.engine.connect()
-                self.conns.append(conn)
-                opened.append(_open(db, conn, self.groups, outbox_side))
+                try:
+                    conn = db.engine.connect()
+                    self.conns.append(conn)
+                    opened.append(_open(db, conn, self.groups, outbox_side))
+                except SQLAlchemyError as exc:
+                    # One database down must not hide what the others know: one line for it.
+                    first_error = first_error or exc
+                    self.unreachable.append({"database": db.name, "error": _unreadable(db, exc)})
         except BaseException:
             self.__exit__()
             raise
+        if not opened and first_error is not None:
+            self.__exit__()
+            raise first_error
         if not any(o.has_outbox or o.has_inbox for o in opened):
             self.__exit__()
             names = ", ".join(db.name for db, _ in self.plan)
