@@ -341,3 +341,23 @@ def test_the_console_trace_page_shows_the_databases_it_can_read(world: World) ->
     assert page.status_code == 200, page.text
     assert "could not be read" in page.text and "group shipping" in page.text
     assert "pw-s3cr3t-9" not in page.text
+
+
+def test_a_key_trace_traces_only_the_messages_it_shows(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each traced message costs lookups in every database: a key with many waiting messages in
+    many groups traces ``limit`` of them (the first by seq) and only counts the rest."""
+    import outbox.ops._trace as module
+    traced: list[uuid.UUID] = []
+    real = module._message
+
+    def counting(opened, message_id):  # type: ignore[no-untyped-def]
+        traced.append(message_id)
+        return real(opened, message_id)
+
+    first, _ = _publish(world.outbox, "mix-1", 2)  # unsent: the outbox lists seq 1
+    world.billing.handle(record(TOPIC, "mix-1", 2))  # another id at seq 2, held in billing
+    monkeypatch.setattr(module, "_message", counting)
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_key(outbox_db, inbox_dbs, TOPIC, "mix-1", limit=1)
+    assert traced == [first] and doc["more"] is True
+    assert [m["seq"] for m in doc["messages"]] == [1]

@@ -226,7 +226,7 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
 
 
 def _outbox_key(conn: Connection, t: OutboxTables, topic: str, key: str,
-                limit: int) -> tuple[dict[str, Any] | None, list[uuid.UUID]]:
+                limit: int) -> tuple[dict[str, Any] | None, list[tuple[int | None, uuid.UUID]]]:
     keys, m = t.keys.c, t.messages.c
     last_seq = conn.scalar(select(keys.last_seq).where(keys.topic == topic, keys.key == key))
     if last_seq is None:
@@ -249,11 +249,11 @@ def _outbox_key(conn: Connection, t: OutboxTables, topic: str, key: str,
             "pending": sum(r.status == Status.PENDING for r in rows[:limit]),
             "failed": sum(r.status == Status.FAILED for r in rows[:limit]),
             "skipped": sum(r.status == Status.SKIPPED for r in rows[:limit]), "more": len(rows) > limit}
-    return part, [r.message_id for r in rows[:limit]]
+    return part, [(r.seq, r.message_id) for r in rows[:limit]]
 
 
 def _inbox_key(conn: Connection, t: OutboxTables, group: str, topic: str, key: str,
-               limit: int) -> tuple[dict[str, Any] | None, list[uuid.UUID]]:
+               limit: int) -> tuple[dict[str, Any] | None, list[tuple[int | None, uuid.UUID]]]:
     position = _key_row(conn, t, group, topic, key)
     p, h = t.inbox_parked.c, t.inbox_held.c
     parked = conn.execute(select(p.seq, p.message_id).where(
@@ -272,7 +272,7 @@ def _inbox_key(conn: Connection, t: OutboxTables, group: str, topic: str, key: s
             "parked_messages": parked_count, "parked_seqs": [r.seq for r in parked[:limit]],
             "held_seqs": [r.seq for r in held[:limit]], "held_more": len(held) > limit,
             "waiting_for_seq": last + 1 if held else None}
-    return part, [r.message_id for r in parked[:limit]] + [r.message_id for r in held[:limit]]
+    return part, [(r.seq, r.message_id) for r in [*parked[:limit], *held[:limit]]]
 
 
 # -- the documents ----------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
     databases = _opened(outbox_db, inbox_dbs, groups)
     with databases as opened:
         outbox_part: dict[str, Any] | None = None
-        ids: list[uuid.UUID] = []
+        ids: list[tuple[int | None, uuid.UUID]] = []
         group_parts: list[dict[str, Any]] = []
         for o in opened:
             if o.has_outbox and outbox_part is None:
@@ -332,12 +332,14 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
                                          "(" + _where(opened) + _down(databases.unreachable) + ")")
             raise ConfigurationError(f"key {shown(key)} of topic {topic!r} is in none of the databases "
                                      "(" + _where(opened) + _down(databases.unreachable) + ")")
-        unique = list(dict.fromkeys(ids))
-        messages = [_message(opened, mid) for mid in unique]
-    messages.sort(key=lambda m: (m["seq"] is None, m["seq"] or 0))
+        # The key's first ``limit`` waiting messages by seq, traced; the rest only counted (each
+        # trace is a few lookups per database: 500 per group would be thousands of queries).
+        unique = sorted(dict(reversed([(mid, seq) for seq, mid in ids])).items(),
+                        key=lambda x: (x[1] is None, x[1] or 0))
+        messages = [_message(opened, mid) for mid, _ in unique[:limit]]
     return {"version": VERSION, "query": {"topic": topic, "key": key, "limit": limit},
             "key": {"topic": topic, "key": key, "outbox": outbox_part, "groups": group_parts},
-            "messages": messages[:limit], "more": len(messages) > limit, "unreachable": databases.unreachable}
+            "messages": messages, "more": len(unique) > limit, "unreachable": databases.unreachable}
 
 
 def _knows_topic(o: _Open, topic: str) -> bool:
