@@ -26,6 +26,7 @@ from ._auth import Operators
 from ._gate import Gate
 from ._links import link
 from ._refused import Refused
+from ._relays import Heartbeats
 from ._when import when
 
 audit = safe_logger("outbox.console.audit")
@@ -63,6 +64,7 @@ class Context:
     databases: list[Database] = field(default_factory=list)
     """The outbox's database (index 0), then the inbox databases: ``?db=N`` names one (``_groups``)."""
     env: Environment = field(init=False, repr=False)
+    heartbeats: Heartbeats = field(init=False, repr=False)
     _discarders: dict[tuple[int, str], Inbox] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
@@ -71,6 +73,7 @@ class Context:
         self.env = Environment(loader=PackageLoader("outbox.console", "templates"),
                                autoescape=select_autoescape(default=True, default_for_string=True))
         self.env.filters["when"] = when
+        self.heartbeats = Heartbeats(STALE_RELAY_AFTER)
 
     @property
     def engine(self) -> Engine:

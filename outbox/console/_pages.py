@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import text
@@ -68,7 +69,9 @@ def overview(ctx: Context) -> Handler:
         main = ctx.databases[0].name
         own = (doc["inbox"] or {"groups": []})["groups"]
         groups = [{**g, "db": 0, "database": main} for g in own] + groups
-        return ctx.render(request, "overview.html", who=who, doc=doc, topics=_topics(doc),
+        relays = ctx.heartbeats.judge(doc["outbox"]["relays"] if doc["outbox"] else [],
+                                      datetime.fromisoformat(doc["checked_at"]))
+        return ctx.render(request, "overview.html", who=who, doc=doc, topics=_topics(doc), relays=relays,
                           groups=groups, stuck=doc["stuck"] + stuck, unreadable=unread,
                           several=len(ctx.databases) > 1,
                           replayable=[f"{g} ({ctx.databases[i].name})" if len(ctx.databases) > 1 else g
