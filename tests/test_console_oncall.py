@@ -264,3 +264,17 @@ def test_a_heartbeat_that_stands_still_goes_stale_after_the_limit_by_the_console
     assert stale(-539, 61)               # still the same: stopped, whatever its clock says
     clock[0] += 1
     assert not stale(-600, 62)           # it moved: alive again
+
+
+def test_an_age_in_the_future_reads_as_such_not_as_a_negative_number(outbox: Outbox,
+                                                                     engine: sa.Engine) -> None:
+    """A row written by a process whose clock is ahead: its age is negative by the console's."""
+    from tests._relay_helpers import publish
+    publish(outbox, "orders", ["order-1"])
+    messages = outbox.tables.messages
+    with engine.begin() as conn:
+        conn.execute(messages.update().values(created_at=utcnow() + timedelta(minutes=5)))
+    page = client_for(outbox).get("/", auth=AUTH).text
+    backlog = page[page.index('id="backlog"'):page.index("</table>", page.index('id="backlog"'))]
+    assert re.search(r"in </span>(4\.9|5\.0) min", backlog), backlog
+    assert "-" not in re.sub(r"<[^>]+>", "", backlog).replace("oldest pending", "")
