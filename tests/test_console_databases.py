@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,11 @@ def test_an_inbox_database_that_is_down_is_one_line_and_hides_nothing_else(
     assert "127.0.0.1:1/shipping" in page.text and "could not be read" in page.text
     assert "pw-s3cr3t-9" not in page.text
     assert 'href="/parked?group=billing"' in page.text
+
+
+def test_the_navigation_still_counts_the_databases_that_answer(outbox: Outbox, engine: sa.Engine) -> None:
+    billing, _ = broken_inbox(engine)
+    park(billing, "bad-main", range(1, 3))
+    down = sa.create_engine("postgresql+psycopg://ops:pw-s3cr3t-9@127.0.0.1:1/shipping?connect_timeout=2")
+    page = client_for(outbox, inbox_databases=[down]).get("/", auth=AUTH).text
+    assert re.search(r'id="nav-parked">parked<span class="count[^"]*">2</span>', page), page
