@@ -129,3 +129,12 @@ def test_the_navigation_still_counts_the_databases_that_answer(outbox: Outbox, e
     down = sa.create_engine("postgresql+psycopg://ops:pw-s3cr3t-9@127.0.0.1:1/shipping?connect_timeout=2")
     page = client_for(outbox, inbox_databases=[down]).get("/", auth=AUTH).text
     assert re.search(r'id="nav-parked">parked<span class="count[^"]*">2</span>', page), page
+
+
+def test_a_database_given_twice_is_listed_and_counted_once(outbox: Outbox, engine: sa.Engine) -> None:
+    billing, _ = broken_inbox(engine)
+    park(billing, "bad-main", range(1, 3))
+    again = sa.create_engine(engine.url)
+    page = client_for(outbox, inbox_databases=[again, again]).get("/", auth=AUTH).text
+    assert re.search(r'id="nav-parked">parked<span class="count[^"]*">2</span>', page), page
+    assert page.count('href="/parked?group=billing') == 1

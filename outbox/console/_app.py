@@ -68,6 +68,10 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
                                      f"got {type(engine).__name__}")
     outbox_engine = outbox.engine
     assert isinstance(outbox_engine, Engine)
+    # One database named twice (as the outbox's and as an inbox database, or twice as an inbox
+    # database) is one database: listed and counted once, as the trace reads it once.
+    engines = [e for i, e in enumerate(engines)
+               if e.url != outbox_engine.url and all(e.url != x.url for x in engines[:i])]
     databases = [_database(e, outbox) for e in (outbox_engine, *engines)]
     by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
