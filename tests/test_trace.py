@@ -361,3 +361,22 @@ def test_a_key_trace_traces_only_the_messages_it_shows(world: World, monkeypatch
     doc = trace_key(outbox_db, inbox_dbs, TOPIC, "mix-1", limit=1)
     assert traced == [first] and doc["more"] is True
     assert [m["seq"] for m in doc["messages"]] == [1]
+
+
+def test_an_inbox_database_of_an_older_schema_is_one_line_and_the_others_are_traced(world: World) -> None:
+    """A query that fails on one database mid-trace (here a column its schema lacks) leaves that
+    database out with its reason; the outbox and the other groups are still shown."""
+    with world.shipping.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE inbox_messages DROP COLUMN kafka_offset")
+    mid = str(world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", world.inbox_url)
+    assert shown.exit_code == 0, shown.output
+    down = [line for line in shown.output.splitlines() if "could not be read" in line]
+    assert len(down) == 1 and "shipping.db" in down[0] and "kafka_offset" in down[0], shown.output
+    assert "parked behind seq 1 of its key" in shown.output and "group shipping" not in shown.output
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db",
+                   world.inbox_url, "--json")
+    assert as_json.exit_code == 0, as_json.output
+    doc = json.loads(as_json.output)
+    assert [u["error"] for u in doc["unreachable"]] == ["no such column: inbox_messages.kafka_offset"]
+    assert doc["messages"] and all([g["group"] for g in m["groups"]] == ["billing"] for m in doc["messages"])

@@ -104,6 +104,12 @@ class _Open:
     has_outbox: bool
     has_inbox: bool
     groups: list[str]
+    error: str | None = None
+    """Why a query on this database failed mid-trace (an older schema, a lost connection); it is
+    then left out of the rest of the trace and listed in ``unreachable``."""
+
+    def failed(self, exc: SQLAlchemyError) -> None:
+        self.error = _unreadable(self.db, exc)
 
 
 def _open(db: Database, conn: Connection, only: Sequence[str] | None, outbox_side: bool) -> _Open:
@@ -201,12 +207,18 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
     outbox_db: str | None = None
     groups: list[dict[str, Any]] = []
     for o in opened:
-        if o.has_outbox and outbox is None:
-            outbox = _outbox_row(o.conn, o.db.tables, message_id)
-            outbox_db = o.db.name if outbox is not None else None
-        for group in o.groups:
-            groups.append({"database": o.db.name, "group": group,
-                           **_in_group(o.conn, o.db.tables, group, message_id)})
+        if o.error:
+            continue
+        try:
+            row = _outbox_row(o.conn, o.db.tables, message_id) if o.has_outbox and outbox is None else None
+            found = [{"database": o.db.name, "group": group,
+                      **_in_group(o.conn, o.db.tables, group, message_id)} for group in o.groups]
+        except SQLAlchemyError as exc:
+            o.failed(exc)
+            continue
+        if row is not None:
+            outbox, outbox_db = row, o.db.name
+        groups += found
     known = outbox or next((g for g in groups if g["state"] != State.NOT_SEEN), None)
     topic, key, seq = (known["topic"], known["key"], known["seq"]) if known else (None, None, None)
     for g in groups:
@@ -214,7 +226,11 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
             g.pop(name, None)
         if g["state"] == State.NOT_SEEN and key is not None and topic is not None:
             o = next(x for x in opened if x.db.name == g["database"])
-            position = _key_row(o.conn, o.db.tables, g["group"], topic, key)
+            try:
+                position = None if o.error else _key_row(o.conn, o.db.tables, g["group"], topic, key)
+            except SQLAlchemyError as exc:
+                o.failed(exc)
+                position = None
             # Past the seq: the group applied it and retention removed its record, or a
             # start policy skipped it; either way it will not arrive as new.
             g["key_last_seq"] = None if position is None else position.last_seq
@@ -291,7 +307,7 @@ def trace_message(outbox_db: Database | None, inbox_dbs: Iterable[Database], mes
     databases = _opened(outbox_db, inbox_dbs, groups)
     with databases as opened:
         message = _message(opened, mid)
-    down = databases.unreachable
+    down = databases.unreachable + _failed(opened)
     if not message["found"]:
         raise ConfigurationError(f"message {mid} is in none of the databases ("
                                  + _where(opened) + _down(down) + ")")
@@ -316,22 +332,29 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
         ids: list[tuple[int | None, uuid.UUID]] = []
         group_parts: list[dict[str, Any]] = []
         for o in opened:
-            if o.has_outbox and outbox_part is None:
-                outbox_part, found = _outbox_key(o.conn, o.db.tables, topic, key, limit)
-                if outbox_part is not None:
-                    outbox_part["database"] = o.db.name
-                ids += found
-            for group in o.groups:
-                part, found = _inbox_key(o.conn, o.db.tables, group, topic, key, limit)
-                group_parts.append({"database": o.db.name, "group": group, "seen": part is not None,
-                                    **(part or {})})
-                ids += found
+            try:
+                here, here_ids = (_outbox_key(o.conn, o.db.tables, topic, key, limit)
+                                  if o.has_outbox and outbox_part is None else (None, []))
+                here_groups = []
+                for group in o.groups:
+                    part, found = _inbox_key(o.conn, o.db.tables, group, topic, key, limit)
+                    here_groups.append({"database": o.db.name, "group": group, "seen": part is not None,
+                                        **(part or {})})
+                    here_ids += found
+            except SQLAlchemyError as exc:
+                o.failed(exc)
+                continue
+            if here is not None:
+                outbox_part = {**here, "database": o.db.name}
+            group_parts += here_groups
+            ids += here_ids
         if outbox_part is None and not any(g["seen"] for g in group_parts):
-            if not any(_knows_topic(o, topic) for o in opened):
-                raise ConfigurationError(f"topic {shown(topic)} is in none of the databases "
-                                         "(" + _where(opened) + _down(databases.unreachable) + ")")
+            known = any([_knows_topic(o, topic) for o in opened])  # every database asked: all failures named
+            where = _where(opened) + _down(databases.unreachable + _failed(opened))
+            if not known:
+                raise ConfigurationError(f"topic {shown(topic)} is in none of the databases ({where})")
             raise ConfigurationError(f"key {shown(key)} of topic {topic!r} is in none of the databases "
-                                     "(" + _where(opened) + _down(databases.unreachable) + ")")
+                                     f"({where})")
         # The key's first ``limit`` waiting messages by seq, traced; the rest only counted (each
         # trace is a few lookups per database: 500 per group would be thousands of queries).
         unique = sorted(dict(reversed([(mid, seq) for seq, mid in ids])).items(),
@@ -339,10 +362,21 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
         messages = [_message(opened, mid) for mid, _ in unique[:limit]]
     return {"version": VERSION, "query": {"topic": topic, "key": key, "limit": limit},
             "key": {"topic": topic, "key": key, "outbox": outbox_part, "groups": group_parts},
-            "messages": messages, "more": len(unique) > limit, "unreachable": databases.unreachable}
+            "messages": messages, "more": len(unique) > limit,
+            "unreachable": databases.unreachable + _failed(opened)}
 
 
 def _knows_topic(o: _Open, topic: str) -> bool:
+    if o.error:
+        return False
+    try:
+        return _topic_here(o, topic)
+    except SQLAlchemyError as exc:
+        o.failed(exc)
+        return False
+
+
+def _topic_here(o: _Open, topic: str) -> bool:
     t = o.db.tables
     keys, k = t.keys.c, t.inbox_keys.c
     if o.has_outbox and o.conn.scalar(select(keys.key).where(keys.topic == topic).limit(1)) is not None:
@@ -357,6 +391,10 @@ def _unreadable(db: Database, exc: SQLAlchemyError) -> str:
     return scrub(first[:300], database_secrets(db.engine.url.render_as_string(hide_password=False)))
 
 
+def _failed(opened: Sequence[_Open]) -> list[dict[str, str]]:
+    return [{"database": o.db.name, "error": o.error} for o in opened if o.error]
+
+
 def _down(unreachable: list[dict[str, str]]) -> str:
     return "".join(f"; {u['database']}: could not be read ({u['error']})" for u in unreachable)
 
@@ -364,6 +402,8 @@ def _down(unreachable: list[dict[str, str]]) -> str:
 def _where(opened: Sequence[_Open]) -> str:
     parts = []
     for o in opened:
+        if o.error:
+            continue  # named by ``_down``
         held = (["outbox"] if o.has_outbox else []) + [f"group {g!r}" for g in o.groups]
         parts.append(f"{o.db.name}: {', '.join(held) or 'no outbox or inbox tables'}")
     return "; ".join(parts) or "no database given"
