@@ -221,3 +221,60 @@ def test_any_search_text_gets_a_page_never_a_server_error(trace_client: TestClie
     page = trace_client.get("/trace?" + query, auth=AUTH)
     assert page.status_code in (200, 400, 404), page.text
     assert 'id="trace-form"' in page.text
+
+
+def _relay_rows(page: str) -> dict[str, str]:
+    return {name: mark for mark, name in re.findall(r'<tr( class="stale-relay")?><td>(\w+)</td>', page)}
+
+
+def test_stale_means_the_heartbeat_stopped_moving_whatever_the_relays_clock_says(
+        outbox: Outbox, engine: sa.Engine) -> None:
+    """A relay stamps heartbeats with its own clock. One two minutes behind the console's is
+    alive while its heartbeat moves; one ten minutes ahead reads as such, not as "-600 s"."""
+    client = client_for(outbox)
+    relays = outbox.tables.relays
+    with engine.begin() as conn:
+        conn.execute(relays.insert(), [
+            {"worker_id": "behind", "heartbeat_at": utcnow() - timedelta(seconds=120)},
+            {"worker_id": "ahead", "heartbeat_at": utcnow() + timedelta(minutes=10)}])
+    first = client.get("/", auth=AUTH).text
+    assert _relay_rows(first)["behind"]  # at first sight the clocks are all there is
+    assert "relay clock 10.0 min ahead" in first and _relay_rows(first)["ahead"] == ""
+    with engine.begin() as conn:  # the relay renews: still two minutes behind, but it moved
+        conn.execute(relays.update().where(relays.c.worker_id == "behind")
+                     .values(heartbeat_at=utcnow() - timedelta(seconds=100)))
+    assert _relay_rows(client.get("/", auth=AUTH).text) == {"behind": "", "ahead": ""}
+
+
+def test_a_heartbeat_that_stands_still_goes_stale_after_the_limit_by_the_consoles_clock() -> None:
+    from outbox.console._relays import Heartbeats
+    clock = [1000.0]
+    beats = Heartbeats(60, clock=lambda: clock[0])
+    now = utcnow()
+
+    def stale(age: float, later: float) -> bool:
+        [judged] = beats.judge([{"worker_id": "r", "heartbeat_age_s": age, "shards": 1}],
+                               now + timedelta(seconds=later))
+        return bool(judged["stale"])
+
+    assert not stale(-600, 0)            # ten minutes ahead, just seen
+    clock[0] += 59
+    assert not stale(-541, 59)           # the same heartbeat, 59 s later
+    clock[0] += 2
+    assert stale(-539, 61)               # still the same: stopped, whatever its clock says
+    clock[0] += 1
+    assert not stale(-600, 62)           # it moved: alive again
+
+
+def test_an_age_in_the_future_reads_as_such_not_as_a_negative_number(outbox: Outbox,
+                                                                     engine: sa.Engine) -> None:
+    """A row written by a process whose clock is ahead: its age is negative by the console's."""
+    from tests._relay_helpers import publish
+    publish(outbox, "orders", ["order-1"])
+    messages = outbox.tables.messages
+    with engine.begin() as conn:
+        conn.execute(messages.update().values(created_at=utcnow() + timedelta(minutes=5)))
+    page = client_for(outbox).get("/", auth=AUTH).text
+    backlog = page[page.index('id="backlog"'):page.index("</table>", page.index('id="backlog"'))]
+    assert re.search(r"in </span>(4\.9|5\.0) min", backlog), backlog
+    assert "-" not in re.sub(r"<[^>]+>", "", backlog).replace("oldest pending", "")

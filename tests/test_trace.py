@@ -8,6 +8,7 @@ outbox's database, one in a database of its own, as a consumer team has.
 from __future__ import annotations
 
 import json
+import unicodedata
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -294,3 +295,117 @@ def test_a_database_named_twice_is_read_once(world: World) -> None:
     [m] = doc["messages"]
     assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
     assert m["outbox"] is not None
+
+
+_HIDDEN_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+
+
+def _printed(doc: dict[str, Any]) -> str:
+    import contextlib
+    import io
+
+    from outbox.cli._trace import print_trace
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_trace(doc)
+    return out.getvalue()
+
+
+def _traced(key: str, group: str, error: str) -> dict[str, Any]:
+    """A key trace's document as ``trace_key`` gives it, with database-held text in every field."""
+    group_part = {"database": "db", "group": group, "state": "parked", "reason": error, "attempts": 2,
+                  "error": error, "last_failure_at": "2026-11-25T10:00:00+00:00", "partition": None}
+    outbox_part = {"status": "failed", "created_at": "2026-11-25T10:00:00+00:00", "attempts": 2,
+                   "last_error": error, "available_at": None, "partition": None}
+    return {"key": {"topic": "orders", "key": key, "outbox": None,
+                    "groups": [{"database": "db", "group": group, "seen": True, "last_applied_seq": 1,
+                                "parked": True, "parked_at": "2026-11-25T10:00:00+00:00",
+                                "parked_reason": error, "parked_messages": 1, "parked_seqs": [2],
+                                "held_seqs": []}]},
+            "messages": [{"message_id": "m", "topic": "orders", "key": key, "seq": 2,
+                          "outbox": outbox_part, "groups": [group_part]}]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(key=st.text(max_size=5), group=st.text(max_size=5), error=st.text(max_size=5))
+def test_text_from_the_databases_cannot_forge_or_hide_a_line_of_the_table(key: str, group: str,
+                                                                          error: str) -> None:
+    """A key, group or error holding newlines, ANSI escapes, bidi overrides, separators or lone
+    surrogates is printed as visible escapes: the table has the lines it has for plain text."""
+    shown = _printed(_traced(key, group, error))
+    assert not any(unicodedata.category(c) in _HIDDEN_CATEGORIES for c in shown.replace("\n", ""))
+    assert len(shown.splitlines()) == len(_printed(_traced("k", "g", "e")).splitlines())
+
+
+DOWN = "postgresql+psycopg://ops:pw-s3cr3t-9@127.0.0.1:1/shipping?connect_timeout=2"
+
+
+def test_an_inbox_database_that_is_down_is_one_line_and_the_others_are_traced(world: World) -> None:
+    mid = str(world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", DOWN, "--inbox-db", world.inbox_url)
+    assert shown.exit_code == 0, shown.output
+    down = [line for line in shown.output.splitlines() if "could not be read" in line]
+    assert len(down) == 1 and "127.0.0.1:1/shipping" in down[0], shown.output
+    assert "parked behind seq 1 of its key" in shown.output and "group shipping" in shown.output
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db", DOWN,
+                   "--json")
+    assert as_json.exit_code == 0, as_json.output
+    doc = json.loads(as_json.output)
+    assert [u["database"] for u in doc["unreachable"]] == ["postgresql+psycopg://ops:***@127.0.0.1:1/shipping"
+                                                            "?connect_timeout=2"]
+    assert doc["key"]["outbox"] is not None
+    assert "pw-s3cr3t-9" not in shown.output + as_json.output
+    only_down = _cli(mid, "--inbox-db", DOWN)
+    assert only_down.exit_code == 1 and "pw-s3cr3t-9" not in only_down.output
+
+
+def test_the_console_trace_page_shows_the_databases_it_can_read(world: World) -> None:
+    from starlette.testclient import TestClient
+
+    from outbox.console import create_app
+    down = sa.create_engine(DOWN)
+    client = TestClient(create_app(world.outbox, inbox_databases=[down, world.shipping.engine]),
+                        base_url="http://127.0.0.1")
+    page = client.get("/trace", params={"id": str(world.ids["bad-1"][1])})
+    assert page.status_code == 200, page.text
+    assert "could not be read" in page.text and "group shipping" in page.text
+    assert "pw-s3cr3t-9" not in page.text
+
+
+def test_a_key_trace_traces_only_the_messages_it_shows(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each traced message costs lookups in every database: a key with many waiting messages in
+    many groups traces ``limit`` of them (the first by seq) and only counts the rest."""
+    import outbox.ops._trace as module
+    traced: list[uuid.UUID] = []
+    real = module._message
+
+    def counting(opened, message_id):  # type: ignore[no-untyped-def]
+        traced.append(message_id)
+        return real(opened, message_id)
+
+    first, _ = _publish(world.outbox, "mix-1", 2)  # unsent: the outbox lists seq 1
+    world.billing.handle(record(TOPIC, "mix-1", 2))  # another id at seq 2, held in billing
+    monkeypatch.setattr(module, "_message", counting)
+    outbox_db, inbox_dbs = world.dbs()
+    doc = trace_key(outbox_db, inbox_dbs, TOPIC, "mix-1", limit=1)
+    assert traced == [first] and doc["more"] is True
+    assert [m["seq"] for m in doc["messages"]] == [1]
+
+
+def test_an_inbox_database_of_an_older_schema_is_one_line_and_the_others_are_traced(world: World) -> None:
+    """A query that fails on one database mid-trace (here a column its schema lacks) leaves that
+    database out with its reason; the outbox and the other groups are still shown."""
+    with world.shipping.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE inbox_messages DROP COLUMN kafka_offset")
+    mid = str(world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", world.inbox_url)
+    assert shown.exit_code == 0, shown.output
+    down = [line for line in shown.output.splitlines() if "could not be read" in line]
+    assert len(down) == 1 and "shipping.db" in down[0] and "kafka_offset" in down[0], shown.output
+    assert "parked behind seq 1 of its key" in shown.output and "group shipping" not in shown.output
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db",
+                   world.inbox_url, "--json")
+    assert as_json.exit_code == 0, as_json.output
+    doc = json.loads(as_json.output)
+    assert [u["error"] for u in doc["unreachable"]] == ["no such column: inbox_messages.kafka_offset"]
+    assert doc["messages"] and all([g["group"] for g in m["groups"]] == ["billing"] for m in doc["messages"])

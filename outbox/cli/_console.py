@@ -27,8 +27,9 @@ def console(
     schema: str | None = SCHEMA,
     target: list[str] = typer.Option([], "--app", help=APP_HELP + " Repeat for several groups."),
     inbox_db: list[str] = typer.Option(
-        [], "--inbox-db", help="SQLAlchemy URL of a consumer's own inbox database, shown in the trace "
-                               "page and the navigation's counts. Repeat for several."),
+        [], "--inbox-db", help="SQLAlchemy URL of a consumer's own inbox database: its groups are "
+                               "listed, paged and acted on beside --db's (an --app inbox may live "
+                               "there). Repeat for several."),
     host: str = typer.Option("127.0.0.1", envvar="OUTBOX_CONSOLE_HOST",
                              help="Address to bind; the default serves this machine only."),
     port: int = typer.Option(8470, min=1, max=65535, envvar="OUTBOX_CONSOLE_PORT",
@@ -73,10 +74,12 @@ def console(
     inbox_engines = [open_engine(url) for url in inbox_db]
     outbox = open_outbox(db, prefix, schema)
     inboxes = [load_inbox(t) for t in target]
+    known = [outbox.engine.url, *(e.url for e in inbox_engines)]
     for name, inbox in zip(target, inboxes, strict=True):
         # Listing one database and replaying in another would confuse everyone: refuse it now.
-        if inbox.sessions.kw["bind"].url != outbox.engine.url:
-            raise typer.BadParameter(f"{name}'s inbox uses another database than --db", param_hint="--app")
+        if inbox.engine.url not in known:
+            raise typer.BadParameter(f"{name}'s inbox uses another database than --db or any --inbox-db",
+                                     param_hint="--app")
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after,
                      session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines)

@@ -47,6 +47,17 @@ def status(
         raise typer.Exit(STUCK)
 
 
+NO_RELAY = ("outbox: nothing to send, and no relay has run on this database "
+            "(a consumer's database, or a new one)")
+"""The console's overview says the same in the same case (``overview.html``)."""
+
+
+def _never_relayed(out: dict[str, Any]) -> bool:
+    """Nothing waits, nothing retries, no relay heartbeat and no shard owned: no relay ever ran here."""
+    return not (out["backlog"] or out["retrying"] or out["relays"]
+                or any(s["state"] != "unowned" for s in out["shards"]))
+
+
 def _s(value: float | None) -> str:
     return "" if value is None else f"{value:g} s"
 
@@ -64,6 +75,9 @@ def _print(doc: dict[str, Any]) -> None:
     out = doc["outbox"]
     if out is None:
         console.print("outbox: no outbox tables")
+    elif _never_relayed(out):
+        # A consumer's database (or a new one): "0 of 16 shards owned" would read as an outage.
+        console.print(NO_RELAY, highlight=False, markup=False)
     else:
         if out["backlog"]:
             show("backlog", ("topic", "shard", "pending", "failed", "oldest pending"),

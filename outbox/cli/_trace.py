@@ -8,6 +8,7 @@ people, ``--json`` for scripts (the document is ``ops.trace_message``'s or
 from __future__ import annotations
 
 import json
+import unicodedata
 from datetime import datetime
 from typing import Any
 
@@ -156,19 +157,22 @@ def describe_outbox(o: dict[str, Any] | None, now: datetime) -> str:
 def print_trace(doc: dict[str, Any]) -> None:
     console = Console(width=160, highlight=False)
     now = utcnow()
+    for u in doc.get("unreachable") or []:
+        console.print(cell(f"{u['database']}: could not be read ({u['error']}); the other databases "
+                           "are shown"))
     key = doc["key"]
     if key is not None:
-        console.print(f"key {escape(repr(key['key']))} of topic {escape(key['topic'])}")
+        console.print(f"key {cell(repr(key['key']))} of topic {cell(key['topic'])}")
         table = Table("where", "position", title_justify="left", box=None, pad_edge=False)
         o = key["outbox"]
         if o is not None:
-            table.add_row("outbox", escape(
+            table.add_row("outbox", cell(
                 f"last seq written {o['last_seq']}, last sent {o['last_sent_seq'] or '-'}"
                 + (f", first unsent {o['first_unsent_seq']}" if o["first_unsent_seq"] else "")
                 + f"; {o['pending']} pending, {o['failed']} failed, {o['skipped']} skipped"
                 + (" (more)" if o["more"] else "")))
         for g in key["groups"]:
-            label = escape(_group_label(g, key["groups"]))
+            label = cell(_group_label(g, key["groups"]))
             if not g["seen"]:
                 table.add_row(label, "never seen")
                 continue
@@ -180,7 +184,7 @@ def print_trace(doc: dict[str, Any]) -> None:
             if g["held_seqs"]:
                 text += (f"; held seqs {_seqs(g['held_seqs'])}{' …' if g['held_more'] else ''} "
                          f"waiting for seq {g['waiting_for_seq']}")
-            table.add_row(label, escape(text))
+            table.add_row(label, cell(text))
         console.print(table)
         if not doc["messages"]:
             of_type = doc["query"].get("event_type")
@@ -189,15 +193,33 @@ def print_trace(doc: dict[str, Any]) -> None:
     for m in doc["messages"]:
         console.print()
         of_type = f"  type {m['event_type']}" if m.get("event_type") else ""
-        console.print(escape(f"message {m['message_id']}  topic {m['topic']}  key {m['key']!r}  "
-                             f"seq {m['seq']}{of_type}"))
+        console.print(cell(f"message {m['message_id']}  topic {m['topic']}  key {m['key']!r}  "
+                           f"seq {m['seq']}{of_type}"))
         table = Table("where", "state", box=None, pad_edge=False)
-        table.add_row("outbox", escape(describe_outbox(m["outbox"], now)))
+        table.add_row("outbox", cell(describe_outbox(m["outbox"], now)))
         for g in m["groups"]:
-            table.add_row(escape(_group_label(g, m["groups"])), escape(describe_group(g, now)))
+            table.add_row(cell(_group_label(g, m["groups"])), cell(describe_group(g, now)))
         console.print(table)
     if doc.get("more"):
         console.print(f"(more messages wait; showing {len(doc['messages'])}: raise --limit)")
+
+
+def cell(text: str) -> str:
+    """``text`` for a terminal: rich markup escaped, and every character that could move the
+    cursor, recolour or reorder what follows (controls, ANSI escapes, bidi marks, line and
+    paragraph separators, lone surrogates) shown as its escape (``\\x1b``, ``\\u202e``), so a
+    key, group or error from the databases cannot forge or hide a line."""
+    return escape("".join(_visible(c) for c in text))
+
+
+def _visible(c: str) -> str:
+    if unicodedata.category(c) not in _HIDDEN:
+        return c
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+_HIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 
 
 def _group_label(g: dict[str, Any], groups: list[dict[str, Any]]) -> str:

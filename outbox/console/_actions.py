@@ -23,6 +23,7 @@ from ..inbox import DiscardRefusedError, NotParkedError
 from ..relay import retry_failed, skip_failed
 from ._context import Context, audit, base, group_of
 from ._gate import SESSION_COOKIE, client_of
+from ._groups import database_index
 from ._links import console_path, link
 from ._refused import Refused
 
@@ -78,10 +79,13 @@ def replay(ctx: Context) -> Handler:
         form = await _form(request)
         who, reason = ctx.actor(request, form)
         group = group_of(request.query_params)
-        inbox = ctx.inboxes.get(group)
+        index = database_index(request.query_params, ctx.databases)
+        database = ctx.databases[index].name
+        inbox = ctx.inboxes.get((index, group))
         if inbox is None:
             raise Refused(409, f"replay runs group {group}'s handlers: start the console with "
-                               f"--app MODULE:ATTRIBUTE naming that Inbox (or pass it to create_app)")
+                               f"--app MODULE:ATTRIBUTE naming that Inbox on {database} "
+                               f"(or pass it to create_app)")
         lanes = [_lane(v) for v in form.getlist("lane")]
         if not lanes:
             raise Refused(400, "select at least one parked key")
@@ -94,9 +98,9 @@ def replay(ctx: Context) -> Handler:
                 failures += 1
                 lines.append(f"{name}: nothing parked (replayed or discarded meanwhile?)")
                 continue
-            audit.info("replay %s group %s by %s (%s): applied %d, remaining %d, unparked %s, error %s",
-                       name, group, who, reason, result.applied, result.remaining, result.unparked,
-                       result.error)
+            audit.info("replay %s group %s in %s by %s (%s): applied %d, remaining %d, unparked %s, "
+                       "error %s", name, group, database, who, reason, result.applied, result.remaining,
+                       result.unparked, result.error)
             if result.unparked:
                 lines.append(f"{name}: applied {result.applied}, key unparked")
             else:
@@ -105,7 +109,7 @@ def replay(ctx: Context) -> Handler:
                              f"stopped: {result.error}")
         lines.append(f"replayed by {who}: {reason}")
         return _done(ctx, request, form, lines, status=409 if failures else 200,
-                     default=link(base(request), "/parked", group=group))
+                     default=link(base(request), "/parked", group=group, db=index or None))
     return act
 
 
@@ -115,18 +119,21 @@ def discard(ctx: Context) -> Handler:
         form = await _form(request)
         who, reason = ctx.actor(request, form)
         group = group_of(request.query_params)
+        index = database_index(request.query_params, ctx.databases)
+        database = ctx.databases[index].name
         message_id = str(form.get("message_id") or "")
-        inbox = ctx.inbox_for_discard(group)
+        inbox = ctx.inbox_for_discard(index, group)
         try:
             await run_in_threadpool(lambda: inbox.discard(message_id, by=who, reason=reason))
         except (NotParkedError, DiscardRefusedError) as exc:
-            audit.info("discard %s group %s by %s (%s): refused: %s", message_id, group, who, reason, exc)
+            audit.info("discard %s group %s in %s by %s (%s): refused: %s", message_id, group, database,
+                       who, reason, exc)
             raise Refused(409, str(exc)) from None
         except ValueError as exc:
             raise Refused(400, f"not a message id: {message_id!r} ({exc})") from None
-        audit.info("discard %s group %s by %s (%s): done", message_id, group, who, reason)
+        audit.info("discard %s group %s in %s by %s (%s): done", message_id, group, database, who, reason)
         return _done(ctx, request, form, [f"message {message_id} discarded by {who}: {reason}"],
-                     default=link(base(request), "/parked", group=group))
+                     default=link(base(request), "/parked", group=group, db=index or None))
     return act
 
 

@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
 from .._outbox import Outbox
+from .._secrets import database_url
 from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
@@ -49,8 +50,10 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     sign-in ends at logout, after ``session_idle`` seconds without a request,
     or after 12 hours. ``max_body`` bounds every request's body (bytes).
     ``inbox_databases`` are engines of consumers' own databases (inbox tables
-    with the outbox's prefix and schema): the trace page and the navigation's
-    parked and held counts read them beside ``outbox``'s database.
+    with the outbox's prefix and schema): the overview lists their groups, the
+    parked and held pages and their actions work on them (``?db=N``), and the
+    trace page and the navigation's counts read them beside ``outbox``'s
+    database. Each of ``inboxes`` must use one of these databases or ``outbox``'s.
     Mount it with ``Mount("/outbox", app=create_app(...))``; links follow the mount path.
     """
     if not isinstance(outbox, Outbox):
@@ -58,7 +61,19 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     if operators is not None and not isinstance(operators, Operators):
         raise ConfigurationError(f"operators must be outbox.console.Operators, "
                                  f"got {type(operators).__name__}")
-    by_group: dict[str, Inbox] = {}
+    engines = list(inbox_databases)
+    for engine in engines:
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(f"inbox_databases must be sqlalchemy Engines, "
+                                     f"got {type(engine).__name__}")
+    outbox_engine = outbox.engine
+    assert isinstance(outbox_engine, Engine)
+    # One database named twice (as the outbox's and as an inbox database, or twice as an inbox
+    # database) is one database: listed and counted once, as the trace reads it once.
+    engines = [e for i, e in enumerate(engines)
+               if e.url != outbox_engine.url and all(e.url != x.url for x in engines[:i])]
+    databases = [_database(e, outbox) for e in (outbox_engine, *engines)]
+    by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
         if not isinstance(inbox, Inbox):
             raise ConfigurationError(f"inboxes must be outbox.Inbox objects, got {type(inbox).__name__}")
@@ -66,9 +81,10 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
             raise ConfigurationError(f"the inbox of group {inbox.group!r} uses other tables (prefix "
                                      f"{inbox.tables.prefix!r}, schema {inbox.tables.schema!r}) than the "
                                      f"console's outbox ({outbox.tables.prefix!r}, {outbox.tables.schema!r})")
-        if inbox.group in by_group:
-            raise ConfigurationError(f"two inboxes for group {inbox.group!r}")
-        by_group[inbox.group] = inbox
+        index = _index_of(inbox, [outbox_engine, *engines])
+        if (index, inbox.group) in by_group:
+            raise ConfigurationError(f"two inboxes for group {inbox.group!r} in {databases[index].name}")
+        by_group[index, inbox.group] = inbox
     if isinstance(secret, str):
         secret = secret.encode()
     if secret is not None and len(secret) < 16:
@@ -79,18 +95,12 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
         raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
-    engines = list(inbox_databases)
-    for engine in engines:
-        if not isinstance(engine, Engine):
-            raise ConfigurationError(f"inbox_databases must be sqlalchemy Engines, "
-                                     f"got {type(engine).__name__}")
     operators = operators or Operators()
     gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
     ctx = Context(outbox, by_group, operators, gate, read_only, secret or secrets.token_bytes(32),
-                  float(stuck_after), max_body)
-    outbox_db = _database(ctx.engine, outbox)
-    inbox_dbs = [_database(engine, outbox) for engine in engines]
-    counts = Counts([outbox_db, *inbox_dbs])
+                  float(stuck_after), max_body, databases)
+    outbox_db, *inbox_dbs = databases
+    counts = Counts(databases)
 
     def nav(handler: _pages.Handler) -> _pages.Handler:
         return navigated(ctx, counts, handler)
@@ -139,8 +149,18 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
 
 
 def _database(engine: Engine, outbox: Outbox) -> Database:
-    """A database the trace and the counts read, named without its password."""
-    return Database(engine.url.render_as_string(hide_password=True), engine, outbox.tables)
+    """A database the pages read, named without its password or secret query values."""
+    return Database(database_url(engine.url.render_as_string(hide_password=False)), engine, outbox.tables)
+
+
+def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
+    """Which of the console's databases ``inbox`` works in: its replays and discards go there."""
+    bind = inbox.engine
+    for index, engine in enumerate(engines):
+        if bind is engine or bind.url == engine.url:
+            return index
+    raise ConfigurationError(f"the inbox of group {inbox.group!r} uses a database that is not the "
+                             f"console's outbox database nor one of its inbox_databases")
 
 
 def _moved(path: str) -> _pages.Handler:

@@ -20,11 +20,13 @@ from transports._logsafe import safe_logger
 
 from .._outbox import Outbox
 from ..inbox import Inbox
+from ..ops import Database
 from . import _csrf
 from ._auth import Operators
 from ._gate import Gate
 from ._links import link
 from ._refused import Refused
+from ._relays import Heartbeats
 from ._when import when
 
 audit = safe_logger("outbox.console.audit")
@@ -51,15 +53,19 @@ SECURITY_HEADERS = {
 @dataclass
 class Context:
     outbox: Outbox
-    inboxes: Mapping[str, Inbox]
+    inboxes: Mapping[tuple[int, str], Inbox]
+    """The app's inboxes (with handlers: replay runs them) by (database index, group)."""
     operators: Operators
     gate: Gate
     read_only: bool
     secret: bytes = field(repr=False)
     stuck_after: float
     max_body: int
+    databases: list[Database] = field(default_factory=list)
+    """The outbox's database (index 0), then the inbox databases: ``?db=N`` names one (``_groups``)."""
     env: Environment = field(init=False, repr=False)
-    _discarders: dict[str, Inbox] = field(default_factory=dict, init=False)
+    heartbeats: Heartbeats = field(init=False, repr=False)
+    _discarders: dict[tuple[int, str], Inbox] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +73,7 @@ class Context:
         self.env = Environment(loader=PackageLoader("outbox.console", "templates"),
                                autoescape=select_autoescape(default=True, default_for_string=True))
         self.env.filters["when"] = when
+        self.heartbeats = Heartbeats(STALE_RELAY_AFTER)
 
     @property
     def engine(self) -> Engine:
@@ -74,15 +81,16 @@ class Context:
         assert isinstance(engine, Engine)
         return engine
 
-    def inbox_for_discard(self, group: str) -> Inbox:
-        """The group's ``Inbox``: the app's when given, else one without handlers (discard needs none)."""
-        if group in self.inboxes:
-            return self.inboxes[group]
+    def inbox_for_discard(self, index: int, group: str) -> Inbox:
+        """The group's ``Inbox`` in database ``index``: the app's when given, else one without
+        handlers (discard needs none)."""
+        if (index, group) in self.inboxes:
+            return self.inboxes[index, group]
         with self._lock:
-            if group not in self._discarders:
-                self._discarders[group] = Inbox(self.engine, group=group, tables=self.outbox.tables,
-                                                concurrency=1)
-            return self._discarders[group]
+            if (index, group) not in self._discarders:
+                self._discarders[index, group] = Inbox(self.databases[index].engine, group=group,
+                                                       tables=self.outbox.tables, concurrency=1)
+            return self._discarders[index, group]
 
     # -- access ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy import Connection, Select, func, inspect, literal_column, select
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -57,25 +58,34 @@ class Counts:
         """``{"failed": n|None, "parked": n|None, "held": n|None, "capped": {...}}``; None: no such table."""
         totals: dict[str, int | None] = {"failed": None, "parked": None, "held": None}
         for db in self.databases:
-            t = db.tables
-            with db.engine.connect() as conn:
-                present = self._tables(db, conn)
-                m = t.messages.c
-                parts = {
-                    "failed": (t.messages, [m.status != Status.PUBLISHED,
-                                            (m.status == Status.FAILED) | (m.available_at > m.created_at),
-                                            m.status == Status.FAILED]),
-                    "parked": (t.inbox_parked, []),
-                    "held": (t.inbox_held, []),
-                }
-                for name, (table, where) in parts.items():
-                    if table.name not in present:
-                        continue
-                    capped: Select[Any] = (select(literal_column("1")).select_from(table).where(*where)
-                                           .limit(CAP + 1))
-                    n = conn.scalar(select(func.count()).select_from(capped.subquery())) or 0
-                    totals[name] = (totals[name] or 0) + n
+            try:
+                self._add(db, totals)
+            except SQLAlchemyError:  # one database down: the others still count (the overview says which)
+                continue
         return {name: None if n is None else (f"{CAP}+" if n > CAP else str(n)) for name, n in totals.items()}
+
+    def _add(self, db: Database, totals: dict[str, int | None]) -> None:
+        """Add ``db``'s counts to ``totals``, all or none of them."""
+        t = db.tables
+        found: dict[str, int] = {}
+        with db.engine.connect() as conn:
+            present = self._tables(db, conn)
+            m = t.messages.c
+            parts = {
+                "failed": (t.messages, [m.status != Status.PUBLISHED,
+                                        (m.status == Status.FAILED) | (m.available_at > m.created_at),
+                                        m.status == Status.FAILED]),
+                "parked": (t.inbox_parked, []),
+                "held": (t.inbox_held, []),
+            }
+            for name, (table, where) in parts.items():
+                if table.name not in present:
+                    continue
+                capped: Select[Any] = (select(literal_column("1")).select_from(table).where(*where)
+                                       .limit(CAP + 1))
+                found[name] = conn.scalar(select(func.count()).select_from(capped.subquery())) or 0
+        for name, n in found.items():
+            totals[name] = (totals[name] or 0) + n
 
 
 def navigated(ctx: Context, counts: Counts, handler: Handler) -> Handler:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import text
@@ -20,6 +21,7 @@ from ..inbox.admin import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows
 from ._context import Context, group_of, page_size
+from ._groups import database_index, inbox_groups, unreadable
 from ._refused import Refused
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -63,9 +65,34 @@ def overview(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
         doc = await run_in_threadpool(gather, ctx.outbox, stuck_after=ctx.stuck_after)
-        return ctx.render(request, "overview.html", who=who, doc=doc, topics=_topics(doc),
-                          replayable=sorted(ctx.inboxes))
+        groups, stuck, unread = await run_in_threadpool(_other_databases, ctx)
+        main = ctx.databases[0].name
+        own = (doc["inbox"] or {"groups": []})["groups"]
+        groups = [{**g, "db": 0, "database": main} for g in own] + groups
+        relays = ctx.heartbeats.judge(doc["outbox"]["relays"] if doc["outbox"] else [],
+                                      datetime.fromisoformat(doc["checked_at"]))
+        return ctx.render(request, "overview.html", who=who, doc=doc, topics=_topics(doc), relays=relays,
+                          groups=groups, stuck=doc["stuck"] + stuck, unreadable=unread,
+                          several=len(ctx.databases) > 1,
+                          replayable=[f"{g} ({ctx.databases[i].name})" if len(ctx.databases) > 1 else g
+                                      for i, g in sorted(ctx.inboxes)])
     return page
+
+
+def _other_databases(ctx: Context) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """The inbox databases' groups and stuck reasons, and a line for each that could not be read."""
+    groups: list[dict[str, Any]] = []
+    stuck: list[str] = []
+    unread: list[str] = []
+    for index, db in enumerate(ctx.databases[1:], start=1):
+        try:
+            found, why = inbox_groups(index, db, ctx.stuck_after)
+        except Exception as exc:  # one database down must not hide the others (``unreadable``)
+            unread.append(unreadable(db, exc))
+            continue
+        groups += found
+        stuck += why
+    return groups, stuck, unread
 
 
 def failed(ctx: Context) -> Handler:
@@ -85,10 +112,11 @@ def parked(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
         group = group_of(request.query_params)
+        index = database_index(request.query_params, ctx.databases)
         limit, after = page_size(request), _lane_after(request)
 
         def read() -> tuple[list[Any], list[Any]]:
-            with ctx.engine.connect() as conn:
+            with ctx.databases[index].engine.connect() as conn:
                 lanes = parked_lanes(conn, ctx.outbox.tables, group, after=after, limit=limit + 1)
                 unkeyed = parked_unkeyed(conn, ctx.outbox.tables, group) if after is None else []
             return lanes, unkeyed
@@ -96,7 +124,8 @@ def parked(ctx: Context) -> Handler:
         lanes, unkeyed = await run_in_threadpool(read)
         lanes, more = _split(lanes, limit)
         return ctx.render(request, "parked.html", who=who, group=group, lanes=lanes, unkeyed=unkeyed,
-                          limit=limit, can_replay=group in ctx.inboxes, json=json.dumps,
+                          limit=limit, can_replay=(index, group) in ctx.inboxes, json=json.dumps,
+                          **_where(ctx, index),
                           next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
     return page
 
@@ -109,17 +138,19 @@ def parked_key(ctx: Context) -> Handler:
         if not topic:
             raise Refused(400, "name the topic (?topic=...&key=...)")
         key = request.query_params.get("key")  # absent: the topic's unkeyed messages
+        index = database_index(request.query_params, ctx.databases)
         limit, after = page_size(request), _int_after(request)
 
         def read() -> list[Any]:
-            with ctx.engine.connect() as conn:
+            with ctx.databases[index].engine.connect() as conn:
                 return parked_page(conn, ctx.outbox.tables, group, topic, key, after=after,
                                    limit=limit + 1)
 
         rows = await run_in_threadpool(read)
         rows, more = _split(rows, limit)
         return ctx.render(request, "key.html", who=who, group=group, topic=topic, key=key, rows=rows,
-                          limit=limit, can_replay=group in ctx.inboxes, lane=json.dumps([topic, key]),
+                          limit=limit, can_replay=(index, group) in ctx.inboxes,
+                          lane=json.dumps([topic, key]), **_where(ctx, index),
                           next_after=rows[-1].id if more else None, payload=_payload)
     return page
 
@@ -128,15 +159,17 @@ def held(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
         group = group_of(request.query_params)
+        index = database_index(request.query_params, ctx.databases)
         limit, after = page_size(request), _lane_after(request)
 
         def read() -> list[Any]:
-            with ctx.engine.connect() as conn:
+            with ctx.databases[index].engine.connect() as conn:
                 return held_lanes(conn, ctx.outbox.tables, group, after=after, limit=limit + 1)
 
         lanes = await run_in_threadpool(read)
         lanes, more = _split(lanes, limit)
         return ctx.render(request, "held.html", who=who, group=group, lanes=lanes, limit=limit, now=utcnow(),
+                          **_where(ctx, index),
                           next_after=json.dumps([lanes[-1].topic, lanes[-1].key]) if more else None)
     return page
 
@@ -153,6 +186,12 @@ def ping(ctx: Context) -> Handler:
         await run_in_threadpool(select_one)
         return PlainTextResponse("ok")
     return page
+
+
+def _where(ctx: Context, index: int) -> dict[str, Any]:
+    """What a group's page says and links about its database: ``db`` is left out of links for
+    the outbox's own (index 0, the links of earlier releases)."""
+    return {"db": index or None, "database": ctx.databases[index].name if len(ctx.databases) > 1 else None}
 
 
 def _split(rows: list[Any], limit: int) -> tuple[list[Any], bool]:

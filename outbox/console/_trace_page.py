@@ -23,6 +23,11 @@ MAX_INPUT = 1000  # characters of an id, topic or key accepted from the query (a
 
 
 def trace(ctx: Context, outbox_db: Database, inbox_dbs: list[Database]) -> Handler:
+    # A group's parked-messages link names its database (``?db=N``, left out for the outbox's own).
+    db_index: dict[str, int | None] = {}
+    for index, db in enumerate([outbox_db, *inbox_dbs]):
+        db_index.setdefault(db.name, index or None)
+
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
         q = request.query_params
@@ -44,5 +49,6 @@ def trace(ctx: Context, outbox_db: Database, inbox_dbs: list[Database]) -> Handl
                 status = 404 if "in none of the databases" in error else 400
         return ctx.render(request, "trace.html", status=status, who=who, doc=doc, error=error,
                           query={"id": message_id, "topic": topic, "key": key},
-                          searching=bool(message_id or topic or key), several=bool(inbox_dbs))
+                          searching=bool(message_id or topic or key), several=bool(inbox_dbs),
+                          db_index=db_index)
     return page

@@ -31,10 +31,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, inspect, select
+from sqlalchemy.exc import SQLAlchemyError
 
 from transports._errors import InvalidTopicError, validate_topic
 
 from .._errors import ConfigurationError, MessageValidationError
+from .._secrets import database_secrets, scrub
 from .._tables import OutboxStatus as Status
 from .._tables import OutboxTables
 from .._validation import checked_event_type, checked_key, shown
@@ -102,6 +104,12 @@ class _Open:
     has_outbox: bool
     has_inbox: bool
     groups: list[str]
+    error: str | None = None
+    """Why a query on this database failed mid-trace (an older schema, a lost connection); it is
+    then left out of the rest of the trace and listed in ``unreachable``."""
+
+    def failed(self, exc: SQLAlchemyError) -> None:
+        self.error = _unreadable(self.db, exc)
 
 
 def _open(db: Database, conn: Connection, only: Sequence[str] | None, outbox_side: bool) -> _Open:
@@ -203,12 +211,18 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
     outbox_db: str | None = None
     groups: list[dict[str, Any]] = []
     for o in opened:
-        if o.has_outbox and outbox is None:
-            outbox = _outbox_row(o.conn, o.db.tables, message_id)
-            outbox_db = o.db.name if outbox is not None else None
-        for group in o.groups:
-            groups.append({"database": o.db.name, "group": group,
-                           **_in_group(o.conn, o.db.tables, group, message_id)})
+        if o.error:
+            continue
+        try:
+            row = _outbox_row(o.conn, o.db.tables, message_id) if o.has_outbox and outbox is None else None
+            found = [{"database": o.db.name, "group": group,
+                      **_in_group(o.conn, o.db.tables, group, message_id)} for group in o.groups]
+        except SQLAlchemyError as exc:
+            o.failed(exc)
+            continue
+        if row is not None:
+            outbox, outbox_db = row, o.db.name
+        groups += found
     known = outbox or next((g for g in groups if g["state"] != State.NOT_SEEN), None)
     topic, key, seq = (known["topic"], known["key"], known["seq"]) if known else (None, None, None)
     # Applied inbox rows keep no event type: the outbox row's, else a parked or held copy's.
@@ -218,7 +232,11 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
             g.pop(name, None)
         if g["state"] == State.NOT_SEEN and key is not None and topic is not None:
             o = next(x for x in opened if x.db.name == g["database"])
-            position = _key_row(o.conn, o.db.tables, g["group"], topic, key)
+            try:
+                position = None if o.error else _key_row(o.conn, o.db.tables, g["group"], topic, key)
+            except SQLAlchemyError as exc:
+                o.failed(exc)
+                position = None
             # Past the seq: the group applied it and retention removed its record, or a
             # start policy skipped it; either way it will not arrive as new.
             g["key_last_seq"] = None if position is None else position.last_seq
@@ -231,7 +249,7 @@ def _message(opened: Sequence[_Open], message_id: uuid.UUID) -> dict[str, Any]:
 
 
 def _outbox_key(conn: Connection, t: OutboxTables, topic: str, key: str,
-                limit: int) -> tuple[dict[str, Any] | None, list[uuid.UUID]]:
+                limit: int) -> tuple[dict[str, Any] | None, list[tuple[int | None, uuid.UUID]]]:
     keys, m = t.keys.c, t.messages.c
     last_seq = conn.scalar(select(keys.last_seq).where(keys.topic == topic, keys.key == key))
     if last_seq is None:
@@ -254,11 +272,11 @@ def _outbox_key(conn: Connection, t: OutboxTables, topic: str, key: str,
             "pending": sum(r.status == Status.PENDING for r in rows[:limit]),
             "failed": sum(r.status == Status.FAILED for r in rows[:limit]),
             "skipped": sum(r.status == Status.SKIPPED for r in rows[:limit]), "more": len(rows) > limit}
-    return part, [r.message_id for r in rows[:limit]]
+    return part, [(r.seq, r.message_id) for r in rows[:limit]]
 
 
 def _inbox_key(conn: Connection, t: OutboxTables, group: str, topic: str, key: str,
-               limit: int) -> tuple[dict[str, Any] | None, list[uuid.UUID]]:
+               limit: int) -> tuple[dict[str, Any] | None, list[tuple[int | None, uuid.UUID]]]:
     position = _key_row(conn, t, group, topic, key)
     p, h = t.inbox_parked.c, t.inbox_held.c
     parked = conn.execute(select(p.seq, p.message_id).where(
@@ -277,7 +295,7 @@ def _inbox_key(conn: Connection, t: OutboxTables, group: str, topic: str, key: s
             "parked_messages": parked_count, "parked_seqs": [r.seq for r in parked[:limit]],
             "held_seqs": [r.seq for r in held[:limit]], "held_more": len(held) > limit,
             "waiting_for_seq": last + 1 if held else None}
-    return part, [r.message_id for r in parked[:limit]] + [r.message_id for r in held[:limit]]
+    return part, [(r.seq, r.message_id) for r in [*parked[:limit], *held[:limit]]]
 
 
 # -- the documents ----------------------------------------------------------------------------
@@ -293,11 +311,15 @@ def trace_message(outbox_db: Database | None, inbox_dbs: Iterable[Database], mes
     UUID or that no database knows.
     """
     mid = message_id if isinstance(message_id, uuid.UUID) else parse_message_id(message_id)
-    with _opened(outbox_db, inbox_dbs, groups) as opened:
+    databases = _opened(outbox_db, inbox_dbs, groups)
+    with databases as opened:
         message = _message(opened, mid)
+    down = databases.unreachable + _failed(opened)
     if not message["found"]:
-        raise ConfigurationError(f"message {mid} is in none of the databases (" + _where(opened) + ")")
-    return {"version": VERSION, "query": {"message_id": str(mid)}, "messages": [message], "key": None}
+        raise ConfigurationError(f"message {mid} is in none of the databases ("
+                                 + _where(opened) + _down(down) + ")")
+    return {"version": VERSION, "query": {"message_id": str(mid)}, "messages": [message], "key": None,
+            "unreachable": down}
 
 
 def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: str, key: str, *,
@@ -319,41 +341,65 @@ def trace_key(outbox_db: Database | None, inbox_dbs: Iterable[Database], topic: 
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
     limit = _limit(limit)
-    with _opened(outbox_db, inbox_dbs, groups) as opened:
+    databases = _opened(outbox_db, inbox_dbs, groups)
+    with databases as opened:
         outbox_part: dict[str, Any] | None = None
-        ids: list[uuid.UUID] = []
+        ids: list[tuple[int | None, uuid.UUID]] = []
         group_parts: list[dict[str, Any]] = []
         for o in opened:
-            if o.has_outbox and outbox_part is None:
-                outbox_part, found = _outbox_key(o.conn, o.db.tables, topic, key, limit)
-                if outbox_part is not None:
-                    outbox_part["database"] = o.db.name
-                ids += found
-            for group in o.groups:
-                part, found = _inbox_key(o.conn, o.db.tables, group, topic, key, limit)
-                group_parts.append({"database": o.db.name, "group": group, "seen": part is not None,
-                                    **(part or {})})
-                ids += found
+            try:
+                here, here_ids = (_outbox_key(o.conn, o.db.tables, topic, key, limit)
+                                  if o.has_outbox and outbox_part is None else (None, []))
+                here_groups = []
+                for group in o.groups:
+                    part, found = _inbox_key(o.conn, o.db.tables, group, topic, key, limit)
+                    here_groups.append({"database": o.db.name, "group": group, "seen": part is not None,
+                                        **(part or {})})
+                    here_ids += found
+            except SQLAlchemyError as exc:
+                o.failed(exc)
+                continue
+            if here is not None:
+                outbox_part = {**here, "database": o.db.name}
+            group_parts += here_groups
+            ids += here_ids
         if outbox_part is None and not any(g["seen"] for g in group_parts):
-            if not any(_knows_topic(o, topic) for o in opened):
-                raise ConfigurationError(f"topic {shown(topic)} is in none of the databases "
-                                         "(" + _where(opened) + ")")
+            known = any([_knows_topic(o, topic) for o in opened])  # every database asked: all failures named
+            where = _where(opened) + _down(databases.unreachable + _failed(opened))
+            if not known:
+                raise ConfigurationError(f"topic {shown(topic)} is in none of the databases ({where})")
             raise ConfigurationError(f"key {shown(key)} of topic {topic!r} is in none of the databases "
-                                     "(" + _where(opened) + ")")
-        unique = list(dict.fromkeys(ids))
-        messages = [_message(opened, mid) for mid in unique]
+                                     f"({where})")
+        # The key's waiting messages by seq, traced up to ``limit`` and the rest only counted
+        # (each trace is a few lookups per database: 500 per group would be thousands of
+        # queries); with an event type, each is traced to learn its type, then cut.
+        unique = sorted(dict(reversed([(mid, seq) for seq, mid in ids])).items(),
+                        key=lambda x: (x[1] is None, x[1] or 0))
+        wanted = unique if event_type is not None else unique[:limit]
+        messages = [_message(opened, mid) for mid, _ in wanted]
     if event_type is not None:
         messages = [m for m in messages if m["event_type"] == event_type]
-    messages.sort(key=lambda m: (m["seq"] is None, m["seq"] or 0))
+    more = len(messages) > limit if event_type is not None else len(unique) > limit
     query: dict[str, Any] = {"topic": topic, "key": key, "limit": limit}
     if event_type is not None:
         query["event_type"] = event_type
     return {"version": VERSION, "query": query,
             "key": {"topic": topic, "key": key, "outbox": outbox_part, "groups": group_parts},
-            "messages": messages[:limit], "more": len(messages) > limit}
+            "messages": messages[:limit], "more": more,
+            "unreachable": databases.unreachable + _failed(opened)}
 
 
 def _knows_topic(o: _Open, topic: str) -> bool:
+    if o.error:
+        return False
+    try:
+        return _topic_here(o, topic)
+    except SQLAlchemyError as exc:
+        o.failed(exc)
+        return False
+
+
+def _topic_here(o: _Open, topic: str) -> bool:
     t = o.db.tables
     keys, k = t.keys.c, t.inbox_keys.c
     if o.has_outbox and o.conn.scalar(select(keys.key).where(keys.topic == topic).limit(1)) is not None:
@@ -362,9 +408,25 @@ def _knows_topic(o: _Open, topic: str) -> bool:
                is not None for g in o.groups)
 
 
+def _unreadable(db: Database, exc: SQLAlchemyError) -> str:
+    """The driver's first line, without the database's credentials."""
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+    return scrub(first[:300], database_secrets(db.engine.url.render_as_string(hide_password=False)))
+
+
+def _failed(opened: Sequence[_Open]) -> list[dict[str, str]]:
+    return [{"database": o.db.name, "error": o.error} for o in opened if o.error]
+
+
+def _down(unreachable: list[dict[str, str]]) -> str:
+    return "".join(f"; {u['database']}: could not be read ({u['error']})" for u in unreachable)
+
+
 def _where(opened: Sequence[_Open]) -> str:
     parts = []
     for o in opened:
+        if o.error:
+            continue  # named by ``_down``
         held = (["outbox"] if o.has_outbox else []) + [f"group {g!r}" for g in o.groups]
         parts.append(f"{o.db.name}: {', '.join(held) or 'no outbox or inbox tables'}")
     return "; ".join(parts) or "no database given"
@@ -382,17 +444,28 @@ class _opened:
             raise ConfigurationError("give an outbox database, an inbox database, or both")
         self.groups = list(groups) if groups else None
         self.conns: list[Connection] = []
+        self.unreachable: list[dict[str, str]] = []
+        """``{"database", "error"}`` for each database that could not be read (the rest are traced)."""
 
     def __enter__(self) -> list[_Open]:
         opened = []
+        first_error: SQLAlchemyError | None = None
         try:
             for db, outbox_side in self.plan:
-                conn = db.engine.connect()
-                self.conns.append(conn)
-                opened.append(_open(db, conn, self.groups, outbox_side))
+                try:
+                    conn = db.engine.connect()
+                    self.conns.append(conn)
+                    opened.append(_open(db, conn, self.groups, outbox_side))
+                except SQLAlchemyError as exc:
+                    # One database down must not hide what the others know: one line for it.
+                    first_error = first_error or exc
+                    self.unreachable.append({"database": db.name, "error": _unreadable(db, exc)})
         except BaseException:
             self.__exit__()
             raise
+        if not opened and first_error is not None:
+            self.__exit__()
+            raise first_error
         if not any(o.has_outbox or o.has_inbox for o in opened):
             self.__exit__()
             names = ", ".join(db.name for db, _ in self.plan)
