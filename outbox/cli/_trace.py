@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .._age import ago
 from .._envelope import utcnow
 from .._errors import ConfigurationError
 from .._secrets import database_secrets, scrub
@@ -99,20 +100,7 @@ def _when(value: str | None, now: datetime) -> str:
     if value is None:
         return ""
     at = datetime.fromisoformat(value)
-    return f"{at:%Y-%m-%d %H:%M:%S} UTC ({ago(now, at)})"
-
-
-def ago(now: datetime, then: datetime) -> str:
-    """How long ago ``then`` was, in the largest whole unit ("in 5 s" for the future)."""
-    seconds = (now - then).total_seconds()
-    future, seconds = seconds < 0, abs(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            text = f"{int(seconds // size)} {unit}"
-            break
-    else:
-        text = f"{int(seconds)} s"
-    return f"in {text}" if future else f"{text} ago"
+    return f"{at:%Y-%m-%d %H:%M:%S} UTC ({ago((now - at).total_seconds())})"
 
 
 def describe_group(g: dict[str, Any], now: datetime) -> str:

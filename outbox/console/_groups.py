@@ -20,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .._envelope import utcnow
 from .._errors import OutboxError
 from .._secrets import database_secrets, scrub
-from ..inbox._store_pages import stuck_by_group
+from ..inbox.admin import stuck_by_group
 from ..ops import Database
 from ..ops._stuck import _age, stuck_reasons
 from ._refused import Refused

@@ -6,19 +6,8 @@ from datetime import UTC, datetime
 
 from markupsafe import Markup, escape
 
+from .._age import ago
 from .._envelope import utcnow
-
-
-def ago(seconds: float) -> str:
-    """``seconds`` in the largest whole unit: "45 s ago", "3 min ago", "2 h ago", "in 5 s"."""
-    future, seconds = seconds < 0, abs(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            text = f"{int(seconds // size)} {unit}"
-            break
-    else:
-        text = f"{int(seconds)} s"
-    return f"in {text}" if future else f"{text} ago"
 
 
 def when(value: datetime | str | None, now: datetime | None = None) -> Markup:
