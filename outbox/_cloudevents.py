@@ -30,7 +30,7 @@ import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from ._envelope import BYTES, Message, utcnow
@@ -176,6 +176,11 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
                 f"ce_time {found[CE_TIME][:40]!r} is not an RFC 3339 timestamp") from None
         if created_at.tzinfo is None:
             raise CloudEventRecordError(f"ce_time {found[CE_TIME][:40]!r} has no UTC offset")
+        try:  # stored in UTC: an offset can carry year 1 or 9999 out of datetime's range
+            created_at = created_at.astimezone(UTC)
+        except OverflowError:
+            raise CloudEventRecordError(
+                f"ce_time {found[CE_TIME][:40]!r} is out of range once in UTC") from None
     try:  # stored as the message's event type (a 255-character column): what publish() accepts
         event_type = checked_event_type(found[CE_TYPE])[0]
     except ValueError as exc:

@@ -293,3 +293,27 @@ def test_sdk_events_on_the_broker_reach_a_running_inbox_once(engine: sa.Engine, 
 def _deliveries(engine: sa.Engine, m: sa.Table) -> int:
     with engine.connect() as conn:
         return int(conn.scalar(sa.select(sa.func.coalesce(sa.func.sum(m.c.deliveries), 0))) or 0)
+
+
+@pytest.mark.parametrize("moment", [b"9999-12-31T23:00:00-05:00", b"0001-01-01T00:00:00+05:00"])
+def test_a_cloudevent_whose_time_leaves_the_calendar_in_utc_is_parked_not_a_crash(
+        inbox: Inbox, moment: bytes) -> None:
+    """A valid RFC 3339 time whose UTC instant is past year 9999 or before year 1 (stored in UTC)."""
+    inbox.handler("orders")(lambda session, message: pytest.fail("handler called"))
+    headers = {"ce_specversion": b"1.0", "ce_id": b"1", "ce_source": b"s", "ce_type": b"t",
+               "ce_time": moment}
+    record = Record(topic="orders", key=b"k", value=b"{}", headers=list(headers.items()))
+    assert inbox.handle(record) is Disposition.PARKED
+    [parked] = inbox.parked("orders")
+    assert parked.reason == Reason.FOREIGN and "out of range once in UTC" in (parked.error or "")
+
+
+@pytest.mark.parametrize("moment", ["9999-12-31T23:00:00-05:00", "0001-01-01T00:00:00+05:00"])
+def test_an_envelope_whose_time_leaves_the_calendar_in_utc_is_parked_not_a_crash(
+        inbox: Inbox, moment: str) -> None:
+    inbox.handler("orders")(lambda session, message: pytest.fail("handler called"))
+    headers = {"outbox-message-id": str(uuid.uuid4()).encode(), "outbox-created-at": moment.encode()}
+    record = Record(topic="orders", key=b"k", value=b"{}", headers=list(headers.items()))
+    assert inbox.handle(record) is Disposition.PARKED
+    [parked] = inbox.parked("orders")
+    assert parked.reason == Reason.FOREIGN and "out of range once in UTC" in (parked.error or "")
