@@ -82,6 +82,7 @@ def event(name: str | None = None, *, version: int = 1,
         spec = EventSpec(model, _checked(name if name is not None else model.__name__),
                          version, tuple(_checked(a) for a in old_names))
         _checked(spec.event_type)
+        _refuse_a_second_class(model, spec.event_type)
         previous = _SPECS.get(model)
         if previous is not None:
             spec.upcasters.update(previous.upcasters)
@@ -90,6 +91,28 @@ def event(name: str | None = None, *, version: int = 1,
         return model
 
     return register
+
+
+def _refuse_a_second_class(model: type, event_type: str) -> None:
+    """Refuse ``event_type`` when another registered class already sends it.
+
+    Two classes under one name on the wire would have a handler of one read
+    the other's payloads, silently, whenever their fields happen to fit. The
+    same class defined again (a module reloaded, a class made in a function,
+    a module run as ``__main__`` and imported too) has the same qualified name
+    and module, and is not another class.
+    """
+    for other, spec in _SPECS.items():
+        if spec.event_type == event_type and other is not model and not _same_definition(other, model):
+            raise ConfigurationError(
+                f"event type {event_type!r} is already sent by {other.__module__}.{other.__qualname__}:"
+                f" {model.__module__}.{model.__qualname__} needs another name or version (two "
+                "classes under one type would be read as each other)")
+
+
+def _same_definition(a: type, b: type) -> bool:
+    modules = {a.__module__, b.__module__}
+    return a.__qualname__ == b.__qualname__ and (len(modules) == 1 or "__main__" in modules)
 
 
 def upcaster(model: type[pydantic.BaseModel], *, from_version: int) -> Callable[[Upcaster], Upcaster]:

@@ -401,3 +401,25 @@ def test_the_test_harness_sends_models_with_their_type_to_typed_handlers(sqlite_
         assert h.deliver() == [Disposition.APPLIED] * 2
     assert got == [OrderCreated(order_id="a"), OrderPaid(order_id="a", amount=3)]
     engine.dispose()
+
+
+def test_two_classes_cannot_register_one_event_type_but_one_class_defined_again_can() -> None:
+    """A second class under a registered type would be read as the first by its handlers."""
+    @outbox.event("shop.Clash", version=2)
+    class First(pydantic.BaseModel):
+        order_id: str
+
+    with pytest.raises(outbox.ConfigurationError, match=r"'shop.Clash.v2' is already sent by .*First"):
+        @outbox.event("shop.Clash", version=2)
+        class Second(pydantic.BaseModel):
+            amount: int
+
+    assert outbox.event_type_of(First) == "shop.Clash.v2"
+
+    def define() -> type[pydantic.BaseModel]:
+        @outbox.event("shop.Defined")
+        class Again(pydantic.BaseModel):
+            n: int
+        return Again
+
+    assert outbox.event_type_of(define()) == outbox.event_type_of(define()) == "shop.Defined"
