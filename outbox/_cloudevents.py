@@ -157,8 +157,16 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
     found: dict[str, str] = {}
     try:
         for name, raw in headers or ():
-            found[name.lower() if name.lower().startswith(CE_PREFIX) else name] = (
-                raw.decode() if raw is not None else "")
+            attribute = name.lower().startswith(CE_PREFIX) or name == "content-type"
+            name = name.lower() if attribute else name
+            text = raw.decode() if raw is not None else ""
+            if attribute and found.get(name, text) != text:
+                # Which one is the event's? Readers differ (first or last): its id, and so
+                # whether a redelivery is a duplicate, would depend on the reader.
+                raise CloudEventRecordError(
+                    f"CloudEvent has the attribute header {name!r} twice with different values "
+                    f"({found[name][:40]!r} and {text[:40]!r})")
+            found[name] = text
     except UnicodeDecodeError as exc:
         raise CloudEventRecordError(f"a CloudEvents header is not UTF-8 text: {exc}") from None
     version = found.get(CE_SPECVERSION)

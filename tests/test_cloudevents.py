@@ -319,3 +319,30 @@ def test_an_envelope_whose_time_leaves_the_calendar_in_utc_is_parked_not_a_crash
     assert inbox.handle(record) is Disposition.PARKED
     [parked] = inbox.parked("orders")
     assert parked.reason == Reason.FOREIGN and "out of range once in UTC" in (parked.error or "")
+
+
+@pytest.mark.parametrize("twice", [[("ce_id", b"1"), ("ce_id", b"2")], [("ce_id", b"1"), ("CE_ID", b"2")],
+                                   [("ce_source", b"s"), ("ce_source", b"elsewhere")],
+                                   [("ce_type", b"t"), ("ce_type", b"u")],
+                                   [("content-type", b"application/json"), ("content-type", b"text/plain")]])
+def test_a_cloudevent_with_an_attribute_twice_and_two_values_is_parked_naming_it(
+        inbox: Inbox, twice: list[tuple[str, bytes]]) -> None:
+    """Its id (so whether a redelivery is a duplicate) would depend on which one a reader takes."""
+    inbox.handler("orders")(lambda session, message: pytest.fail("handler called"))
+    headers = {"ce_specversion": b"1.0", "ce_id": b"1", "ce_source": b"s", "ce_type": b"t"}
+    names = {name.lower() for name, _ in twice}
+    record = Record(topic="orders", key=b"k", value=b"{}",
+                    headers=[*((n, v) for n, v in headers.items() if n not in names), *twice])
+    assert inbox.handle(record) is Disposition.PARKED
+    [parked] = inbox.parked("orders")
+    assert parked.reason == Reason.FOREIGN and "twice with different values" in (parked.error or "")
+
+
+def test_a_cloudevent_with_an_attribute_repeated_alike_is_read(inbox: Inbox) -> None:
+    seen: list[object] = []
+    inbox.handler("orders")(lambda session, message: seen.append(message.message_id))
+    headers = [("ce_specversion", b"1.0"), ("ce_id", b"1"), ("ce_source", b"s"), ("ce_type", b"t"),
+               ("ce_id", b"1")]
+    assert inbox.handle(Record(topic="orders", key=b"k", value=b"{}", headers=headers)) \
+        is Disposition.APPLIED
+    assert seen == [cloudevent_message_id("s", "1")]
