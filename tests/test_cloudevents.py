@@ -346,3 +346,30 @@ def test_a_cloudevent_with_an_attribute_repeated_alike_is_read(inbox: Inbox) -> 
     assert inbox.handle(Record(topic="orders", key=b"k", value=b"{}", headers=headers)) \
         is Disposition.APPLIED
     assert seen == [cloudevent_message_id("s", "1")]
+
+
+def test_an_async_inbox_reads_sdk_events_into_typed_handlers_once(engine: sa.Engine) -> None:
+    """The CloudEvents path on an Inbox built on an AsyncEngine: typed by ce_type, deduplicated."""
+    import pydantic
+
+    from tests.inbox_support import dispose, for_inbox, inbox_bind
+
+    class Shipped(pydantic.BaseModel):
+        order_id: str
+
+    box = Inbox(inbox_bind(engine, "async"), group="ce-async", retry_backoff=0.001, retry_backoff_max=0.01)
+    box.create_tables()
+    got: list[Shipped] = []
+
+    async def on_shipped(session, event: Shipped) -> None:  # type: ignore[no-untyped-def]
+        got.append(event)
+
+    box.handler("orders", Shipped)(on_shipped)
+    box.handler("orders")(for_inbox(box, lambda session, message: pytest.fail("untyped handler called")))
+    event = CloudEvent({"type": "Shipped", "source": "urn:warehouse", "id": "s-1", "partitionkey": "o-1",
+                        "datacontenttype": "application/json"}, {"order_id": "o-1"})
+    record = record_of(to_binary(event))
+    assert box.handle(record) is Disposition.APPLIED
+    assert box.handle(record) is Disposition.DUPLICATE
+    assert got == [Shipped(order_id="o-1")]
+    dispose(box)
