@@ -193,11 +193,22 @@ class EventReader:
         self.accepts: Mapping[str, tuple[Upcaster, ...]] = chains
 
     def read(self, event_type: str, payload: bytes) -> pydantic.BaseModel:
-        """The validated model; raises ``pydantic.ValidationError`` or what an upcaster raised."""
+        """The validated model; raises ``pydantic.ValidationError``, or ``UpcastError`` when an
+        upcaster raised."""
         chain = self.accepts[event_type]
         if not chain:
             return self.model.model_validate_json(payload)
         data = json.loads(payload)
         for step in chain:
-            data = step(data)
+            try:
+                data = step(data)
+            except Exception as exc:
+                # An upcaster is a function of the payload: what it raises on one payload it
+                # raises on every retry, so the payload is invalid, not the attempt unlucky.
+                raise UpcastError(f"upcaster {getattr(step, '__qualname__', step)!s} raised "
+                                  f"{exc!r}") from exc
         return self.model.model_validate(data)
+
+
+class UpcastError(ValueError):
+    """An upcaster raised on a message's payload: the payload is an invalid event."""
