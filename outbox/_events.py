@@ -82,6 +82,12 @@ def event(name: str | None = None, *, version: int = 1,
         spec = EventSpec(model, _checked(name if name is not None else model.__name__),
                          version, tuple(_checked(a) for a in old_names))
         _checked(spec.event_type)
+        older = [a for a in spec.aliases if a in {versioned(spec.name, v) for v in range(1, version)}]
+        if older:  # an alias is read as is: it would bypass the upcasters of that version
+            raise ConfigurationError(
+                f"alias(es) {older} of {model.__name__} name its own older version(s): an older "
+                "version is read through an upcaster (@outbox.upcaster; one returning its argument "
+                "if the JSON did not change), not as an alias")
         _refuse_a_second_class(model, spec.event_type)
         previous = _SPECS.get(model)
         if previous is not None:

@@ -450,3 +450,11 @@ def test_an_upcaster_that_raises_parks_the_message_as_an_invalid_event_at_once(
     assert p.attempts == 1
     dispose(inbox)
     engine.dispose()
+
+
+def test_an_alias_cannot_name_the_models_own_older_version() -> None:
+    """Read as is, an alias ``name.v2`` would bypass the v2 upcaster: old JSON misread or parked."""
+    with pytest.raises(outbox.ConfigurationError, match=r"\['shop.Ticket.v2'\].*upcaster"):
+        @outbox.event("shop.Ticket", version=3, aliases=("shop.Ticket.v2",))
+        class Ticket(pydantic.BaseModel):
+            seats: int
