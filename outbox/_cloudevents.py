@@ -30,7 +30,7 @@ import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from ._envelope import BYTES, Message, utcnow
@@ -157,8 +157,16 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
     found: dict[str, str] = {}
     try:
         for name, raw in headers or ():
-            found[name.lower() if name.lower().startswith(CE_PREFIX) else name] = (
-                raw.decode() if raw is not None else "")
+            attribute = name.lower().startswith(CE_PREFIX) or name == "content-type"
+            name = name.lower() if attribute else name
+            text = raw.decode() if raw is not None else ""
+            if attribute and found.get(name, text) != text:
+                # Which one is the event's? Readers differ (first or last): its id, and so
+                # whether a redelivery is a duplicate, would depend on the reader.
+                raise CloudEventRecordError(
+                    f"CloudEvent has the attribute header {name!r} twice with different values "
+                    f"({found[name][:40]!r} and {text[:40]!r})")
+            found[name] = text
     except UnicodeDecodeError as exc:
         raise CloudEventRecordError(f"a CloudEvents header is not UTF-8 text: {exc}") from None
     version = found.get(CE_SPECVERSION)
@@ -176,6 +184,11 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
                 f"ce_time {found[CE_TIME][:40]!r} is not an RFC 3339 timestamp") from None
         if created_at.tzinfo is None:
             raise CloudEventRecordError(f"ce_time {found[CE_TIME][:40]!r} has no UTC offset")
+        try:  # stored in UTC: an offset can carry year 1 or 9999 out of datetime's range
+            created_at = created_at.astimezone(UTC)
+        except OverflowError:
+            raise CloudEventRecordError(
+                f"ce_time {found[CE_TIME][:40]!r} is out of range once in UTC") from None
     try:  # stored as the message's event type (a 255-character column): what publish() accepts
         event_type = checked_event_type(found[CE_TYPE])[0]
     except ValueError as exc:

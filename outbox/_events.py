@@ -82,6 +82,13 @@ def event(name: str | None = None, *, version: int = 1,
         spec = EventSpec(model, _checked(name if name is not None else model.__name__),
                          version, tuple(_checked(a) for a in old_names))
         _checked(spec.event_type)
+        older = [a for a in spec.aliases if a in {versioned(spec.name, v) for v in range(1, version)}]
+        if older:  # an alias is read as is: it would bypass the upcasters of that version
+            raise ConfigurationError(
+                f"alias(es) {older} of {model.__name__} name its own older version(s): an older "
+                "version is read through an upcaster (@outbox.upcaster; one returning its argument "
+                "if the JSON did not change), not as an alias")
+        _refuse_a_second_class(model, spec.event_type)
         previous = _SPECS.get(model)
         if previous is not None:
             spec.upcasters.update(previous.upcasters)
@@ -90,6 +97,28 @@ def event(name: str | None = None, *, version: int = 1,
         return model
 
     return register
+
+
+def _refuse_a_second_class(model: type, event_type: str) -> None:
+    """Refuse ``event_type`` when another registered class already sends it.
+
+    Two classes under one name on the wire would have a handler of one read
+    the other's payloads, silently, whenever their fields happen to fit. The
+    same class defined again (a module reloaded, a class made in a function,
+    a module run as ``__main__`` and imported too) has the same qualified name
+    and module, and is not another class.
+    """
+    for other, spec in _SPECS.items():
+        if spec.event_type == event_type and other is not model and not _same_definition(other, model):
+            raise ConfigurationError(
+                f"event type {event_type!r} is already sent by {other.__module__}.{other.__qualname__}:"
+                f" {model.__module__}.{model.__qualname__} needs another name or version (two "
+                "classes under one type would be read as each other)")
+
+
+def _same_definition(a: type, b: type) -> bool:
+    modules = {a.__module__, b.__module__}
+    return a.__qualname__ == b.__qualname__ and (len(modules) == 1 or "__main__" in modules)
 
 
 def upcaster(model: type[pydantic.BaseModel], *, from_version: int) -> Callable[[Upcaster], Upcaster]:
@@ -170,11 +199,22 @@ class EventReader:
         self.accepts: Mapping[str, tuple[Upcaster, ...]] = chains
 
     def read(self, event_type: str, payload: bytes) -> pydantic.BaseModel:
-        """The validated model; raises ``pydantic.ValidationError`` or what an upcaster raised."""
+        """The validated model; raises ``pydantic.ValidationError``, or ``UpcastError`` when an
+        upcaster raised."""
         chain = self.accepts[event_type]
         if not chain:
             return self.model.model_validate_json(payload)
         data = json.loads(payload)
         for step in chain:
-            data = step(data)
+            try:
+                data = step(data)
+            except Exception as exc:
+                # An upcaster is a function of the payload: what it raises on one payload it
+                # raises on every retry, so the payload is invalid, not the attempt unlucky.
+                raise UpcastError(f"upcaster {getattr(step, '__qualname__', step)!s} raised "
+                                  f"{exc!r}") from exc
         return self.model.model_validate(data)
+
+
+class UpcastError(ValueError):
+    """An upcaster raised on a message's payload: the payload is an invalid event."""

@@ -106,16 +106,21 @@ def utf8_size(text: str, error: type[MessageValidationError], what: str) -> int:
 
 MAX_EVENT_TYPE_LENGTH = 255  # the ``event_type`` column (``Name(255)``)
 # No control characters (C0, DEL, C1): a type is a name shown in logs, consoles and headers.
-_EVENT_TYPE_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# No noncharacters (U+FDD0-U+FDEF, U+xFFFE and U+xFFFF of every plane): CloudEvents forbids
+# them in a String attribute, and the type is sent as ``ce_type`` in CloudEvents mode.
+_NONCHARACTERS = "\ufdd0-\ufdef" + "".join(
+    chr(plane << 16 | 0xFFFE) + chr(plane << 16 | 0xFFFF) for plane in range(17))
+_EVENT_TYPE_FORBIDDEN = re.compile(f"[\x00-\x1f\x7f-\x9f{_NONCHARACTERS}]")
 _VALID_EVENT_TYPES: dict[str, int] = {}
 
 
 def checked_event_type(event_type: object) -> tuple[str, int]:
     """The event type and its size in UTF-8 bytes, or ``InvalidEventTypeError`` saying why.
 
-    1-255 characters of Unicode text without control characters or lone
-    surrogates, so the ``event_type`` column, the ``outbox-event-type`` header
-    and every consumer hold it unchanged. A service has a handful of types:
+    1-255 characters of Unicode text without control characters, noncharacters
+    (U+FFFE …, which CloudEvents forbids in ``ce_type``) or lone surrogates, so
+    the ``event_type`` column, the ``outbox-event-type`` header and every
+    consumer hold it unchanged. A service has a handful of types:
     those seen are looked up, not checked again (a bounded cache).
     """
     if type(event_type) is str:
@@ -130,8 +135,9 @@ def checked_event_type(event_type: object) -> tuple[str, int]:
             f"event_type must be 1-{MAX_EVENT_TYPE_LENGTH} characters, got {len(event_type)}: "
             f"{shown(event_type)}")
     if (bad := _EVENT_TYPE_FORBIDDEN.search(event_type)) is not None:
+        kind = "control characters" if ord(bad.group()) <= 0x9F else "Unicode noncharacters"
         raise InvalidEventTypeError(
-            f"event_type must not contain control characters ({bad.group()!r} at index "
+            f"event_type must not contain {kind} ({bad.group()!r} at index "
             f"{bad.start()}): {shown(event_type)}")
     size = utf8_size(event_type, InvalidEventTypeError, "event_type")
     text = str.__str__(event_type)

@@ -12,7 +12,7 @@ user's headers, which is where W3C ``traceparent`` and ``tracestate`` travel.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 
 from transports import Record
 
@@ -198,4 +198,7 @@ def _instant(text: str) -> datetime:
     value = datetime.fromisoformat(text)
     if value.tzinfo is None:
         raise ValueError(f"timestamp {text!r} has no UTC offset")
-    return value
+    try:  # stored in UTC: an offset can carry year 1 or 9999 out of datetime's range
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"timestamp {text!r} is out of range once in UTC") from None

@@ -79,7 +79,9 @@ def test_an_envelope_round_trips_its_event_type_and_a_broken_one_is_foreign() ->
             record_to_message(broken)
 
 
-@pytest.mark.parametrize("bad", ["", "a\x00b", "tab\there", "x" * 256, "\ud800", 7])
+@pytest.mark.parametrize("bad", ["", "a\x00b", "tab\there", "x" * 256, "\ud800", 7,
+                                 # noncharacters: CloudEvents refuses them in ce_type
+                                 "Order\ufffe", "\ufdd0Paid", "x\U0010ffff", "\U0001fffe"])
 def test_publish_refuses_an_event_type_that_no_consumer_could_read_back(sqlite_db: str, bad: object) -> None:
     ob = Outbox(create_engine(sqlite_db))
     ob.create_tables()

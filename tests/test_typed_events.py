@@ -401,3 +401,60 @@ def test_the_test_harness_sends_models_with_their_type_to_typed_handlers(sqlite_
         assert h.deliver() == [Disposition.APPLIED] * 2
     assert got == [OrderCreated(order_id="a"), OrderPaid(order_id="a", amount=3)]
     engine.dispose()
+
+
+def test_two_classes_cannot_register_one_event_type_but_one_class_defined_again_can() -> None:
+    """A second class under a registered type would be read as the first by its handlers."""
+    @outbox.event("shop.Clash", version=2)
+    class First(pydantic.BaseModel):
+        order_id: str
+
+    with pytest.raises(outbox.ConfigurationError, match=r"'shop.Clash.v2' is already sent by .*First"):
+        @outbox.event("shop.Clash", version=2)
+        class Second(pydantic.BaseModel):
+            amount: int
+
+    assert outbox.event_type_of(First) == "shop.Clash.v2"
+
+    def define() -> type[pydantic.BaseModel]:
+        @outbox.event("shop.Defined")
+        class Again(pydantic.BaseModel):
+            n: int
+        return Again
+
+    assert outbox.event_type_of(define()) == outbox.event_type_of(define()) == "shop.Defined"
+
+
+@outbox.event("billing.Credit", version=2)
+class RefundV2(pydantic.BaseModel):
+    order_id: str
+    cents: int
+
+
+@outbox.upcaster(RefundV2, from_version=1)
+def _refund_v1_to_v2(old: Any) -> dict[str, Any]:
+    return {"order_id": old.get("order_id"), "cents": old["amount"] * 100}  # .get: no list has it
+
+
+@pytest.mark.parametrize("payload", [b'["a", 1]', b'{"order_id": "a"}'])
+def test_an_upcaster_that_raises_parks_the_message_as_an_invalid_event_at_once(
+        sqlite_db: str, kind: str, payload: bytes) -> None:
+    """An upcaster is a function of the payload: whatever it raises it raises again, so no retry."""
+    engine = sa.create_engine(sqlite_db)
+    inbox = make_inbox(engine, kind, max_attempts=5)
+    inbox.handler(TOPIC, RefundV2)(typed(inbox, lambda s, e, m: pytest.fail("handler called")))
+    assert inbox.handle(record(TOPIC, "a", 1, payload=payload, event_type="billing.Credit")) \
+        is Disposition.PARKED
+    [p] = inbox.parked()
+    assert p.reason == Reason.INVALID_EVENT and "_refund_v1_to_v2" in (p.error or "")
+    assert p.attempts == 1
+    dispose(inbox)
+    engine.dispose()
+
+
+def test_an_alias_cannot_name_the_models_own_older_version() -> None:
+    """Read as is, an alias ``name.v2`` would bypass the v2 upcaster: old JSON misread or parked."""
+    with pytest.raises(outbox.ConfigurationError, match=r"\['shop.Ticket.v2'\].*upcaster"):
+        @outbox.event("shop.Ticket", version=3, aliases=("shop.Ticket.v2",))
+        class Ticket(pydantic.BaseModel):
+            seats: int
