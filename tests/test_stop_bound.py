@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -24,6 +26,7 @@ from _relay_helpers import ScriptedTransport, publish, wait_for
 from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
 from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
+from outbox.relay._writer import BackgroundWriter
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
 from transports import Record, SendResult
 
@@ -242,6 +245,27 @@ def test_the_subscribers_thread_never_holds_the_process_at_exit() -> None:
     assert asyncio.run(main()) == "done"  # to_thread: asyncio.run would wait for the thread
     assert time.monotonic() - started < MARGIN
     release.set()
+
+
+def test_the_relays_writer_thread_never_holds_the_process_at_exit() -> None:
+    """A batch write stuck in a frozen database's commit must not keep a stopped relay alive.
+
+    ``ThreadPoolExecutor``'s threads are joined at interpreter exit: the relay
+    returned at its stop bound and the process then hung in that join.
+    """
+    writer = BackgroundWriter("test-writer")
+    done = [writer.submit(lambda n=n: n) for n in range(3)]
+    failing = writer.submit(lambda: {}["missing"])
+    assert [f.result(MARGIN) for f in done] == [0, 1, 2]
+    with pytest.raises(KeyError):
+        failing.result(MARGIN)
+    writer.shutdown()
+
+    script = ("import threading; from outbox.relay._writer import BackgroundWriter; "
+              f"BackgroundWriter('stuck').submit(lambda: threading.Event().wait({HANG}))")
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=HANG / 2)
+    assert time.monotonic() - started < 10  # an interpreter start, not the stuck write
 
 
 def _in_thread(run: Callable[[], None]) -> threading.Thread:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypedDict
@@ -54,6 +54,7 @@ from ._metrics import RelayMetrics
 from ._rows import RowEncoder, safe_reason
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 from ._unreadable import find_unreadable
+from ._writer import BackgroundWriter
 
 log = safe_logger("outbox.relay")
 
@@ -142,7 +143,7 @@ class BatchRunner:
         # excluded from the fetch ("busy") and the keys it stops (retried or failed
         # heads) held in memory until that write commits: until then the database
         # does not know they wait, and a wheel timer may already have fired.
-        self._writer: ThreadPoolExecutor | None = None
+        self._writer: BackgroundWriter | None = None
         self._writing: Future[_Written] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
@@ -219,8 +220,8 @@ class BatchRunner:
                           + [row.id for row, _, _ in plan.failed])
             self._held = plan.stopped
             if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="outbox-relay-writer")
-            self._writing = self._writer.submit(self._write, plan)
+                self._writer = BackgroundWriter("outbox-relay-writer")
+            self._writing = self._writer.submit(lambda: self._write(plan))
             outcome = {"published": len(plan.published.ids),
                        "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                        "failed": len(plan.failed), "fenced": 0}

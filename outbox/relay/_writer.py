@@ -1,0 +1,49 @@
+"""``BackgroundWriter``: the relay's one helper thread for writing a batch's outcomes, never joined at exit.
+
+``ThreadPoolExecutor``'s threads are joined when the interpreter exits. A
+write stuck in a commit to a frozen database then held a stopped relay alive
+after ``run`` had given up on it at its stop bound (``outbox._stopping``), until
+the platform killed it. The write it abandons is safe to lose: its rows stay
+pending and are sent again, and the inbox drops the duplicates.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_Job = tuple[Future[Any], Callable[[], Any]]
+
+
+class BackgroundWriter:
+    """Runs submitted calls one after another, in order, on one daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, call))
+        return future
+
+    def shutdown(self) -> None:
+        """End the thread once the calls submitted so far have run, and wait for it."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, call = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
