@@ -11,7 +11,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from outbox._tables import OutboxTables
+from outbox import OutboxTables
 
 
 def outbox_row(status: str, created_at: datetime, *, topic: str = "t") -> dict:

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from outbox import Alert
 from outbox._wire import to_record
+from outbox.testing import OutboxTestHarness, Settled
 from transports import Record
 
 TOPIC = "orders"
@@ -126,9 +127,15 @@ def applied(engine: sa.Engine, key: str | None = None) -> list[tuple[str | None,
         return [(r.key, r.seq) for r in conn.execute(stmt)]
 
 
+def settle(inbox, batch) -> Settled:  # type: ignore[no-untyped-def]
+    """One batch (records, or deliveries from an earlier ``later``) through ``inbox``'s transaction
+    and settle stage, as a worker of ``Inbox.run`` takes it: ``OutboxTestHarness.settle``."""
+    return OutboxTestHarness(inbox=inbox).settle(batch)
+
+
 def settle_all(inbox, deliveries) -> list:  # type: ignore[no-untyped-def]
-    """Run ``deliveries`` through the settle stage until each is done, sleeping out the retry delays
-    (what the runner's timer does); returns every (delivery, disposition) reached."""
+    """Run ``deliveries`` (records) through the settle stage until each is done, sleeping out the
+    retry delays (what the runner's timer does); returns every (delivery, disposition) reached."""
     import time
 
     done: list = []  # type: ignore[type-arg]
@@ -142,7 +149,7 @@ def settle_all(inbox, deliveries) -> list:  # type: ignore[no-untyped-def]
             batches = [[d] for d, _ in pending]
         pending = []
         for batch in batches:
-            settled = inbox.settler.settle(batch)
+            settled = settle(inbox, batch)
             done.extend(settled.done)
             pending.extend(settled.later)
     return done
@@ -238,4 +245,4 @@ def handles(inbox, topic: str, *, batch: bool = False):  # type: ignore[no-untyp
 def dispose(inbox) -> None:  # type: ignore[no-untyped-def]
     """Close the pool of an async inbox's engine on the inbox's loop (a sync one: the test's job)."""
     if inbox.is_async:
-        inbox._sessions.run(inbox.engine.dispose)
+        inbox.run_database(inbox.engine.dispose)

@@ -21,14 +21,22 @@ from cloudevents.v1.kafka import KafkaMessage, from_binary, to_binary
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox import CloudEvents, ConfigurationError, Disposition, Inbox, Outbox, Relay, create_engine
+from outbox import (
+    CloudEvents,
+    ConfigurationError,
+    Disposition,
+    Inbox,
+    Outbox,
+    Relay,
+    create_engine,
+    record_to_message,
+)
 from outbox._cloudevents import (
     MAX_SOURCE_BYTES,
     cloudevent_headers,
     cloudevent_message_id,
     cloudevent_to_message,
 )
-from outbox._wire import record_to_message
 from outbox.inbox import Reason
 from transports import Record
 from transports.kafka import KafkaTransport

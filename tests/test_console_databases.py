@@ -14,8 +14,7 @@ import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
 
-from outbox import Outbox, create_engine
-from outbox._errors import ConfigurationError
+from outbox import ConfigurationError, Outbox, create_engine
 from outbox.console import Operators, create_app
 from tests.console_support import broken_inbox, csrf_of, form_page, park
 from tests.inbox_support import TOPIC, record

@@ -9,8 +9,8 @@ from decimal import Decimal
 import pydantic
 import pytest
 
-from outbox import ForeignRecordError, Message, message_to_record, record_to_message
-from outbox._envelope import BYTES, JSON, TEXT, new_message_id, serialize_payload
+from outbox import ForeignRecordError, Message, message_to_record, new_message_id, record_to_message
+from outbox._envelope import BYTES, JSON, TEXT, serialize_payload
 from transports import Record
 
 

@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from examples import billing_consumer, relay_postgres_kafka
-from outbox import Outbox, create_engine, message_to_record, record_to_message
-from outbox._envelope import new_message_id, serialize_payload, utcnow
+from outbox import Outbox, create_engine, message_to_record, new_message_id, record_to_message
+from outbox._envelope import serialize_payload, utcnow
 from outbox._wire import to_record
 
 

@@ -183,3 +183,37 @@ def test_inbox_run_consumes_an_in_memory_source_and_commits_what_it_finished(
         assert record.partition is not None and record.offset is not None
         assert h.broker.committed("billing", "orders", record.partition) == record.offset + 1
         assert h.deliver() == []  # the group's committed offsets are shared with deliver()
+
+
+def test_settle_runs_one_batch_and_hands_back_what_waits(inbox: Inbox, engine: sa.Engine) -> None:
+    """``settle``: one transaction over the batch (a key's run in seq order, a gap held), and the
+    poison's retry handed back with its attempt, to be settled again; nothing sleeps."""
+    with OutboxTestHarness(inbox=inbox, partitions=1) as h:
+        for event in ("created", "paid", "shipped"):
+            h.send("orders", {"event": event}, key="k")
+        h.send("orders", {"event": "poison"}, key="p")
+        h.send("orders", {"event": "late"}, key="p")
+        k1, k2, k3, p1, p2 = h.broker.records("orders")
+        settled = h.settle([k3, k1, p1, k2, p2])
+        assert [(d.message.key, d.message.seq, disposition) for d, disposition in settled.done] == [
+            ("k", 1, Disposition.APPLIED), ("k", 2, Disposition.APPLIED), ("k", 3, Disposition.APPLIED)]
+        assert [(d.message.key, d.message.seq, d.attempts.count) for d, _ in settled.later] == [
+            ("p", 1, 1), ("p", 2, 0)]  # the failure, then its key behind it (not run, not counted)
+        assert rows(engine) == [(1, "created"), (2, "paid"), (3, "shipped")]
+        again = h.settle([d for d, _ in settled.later])  # max_attempts=2: the second failure parks
+        assert [(d.message.seq, disposition) for d, disposition in again.done] == [(1, Disposition.PARKED)]
+        assert [(d.message.seq, delay) for d, delay in again.later] == [(2, 0.0)]  # parks behind it
+        assert [(d.message.seq, disposition) for d, disposition in
+                h.settle([d for d, _ in again.later]).done] == [(2, Disposition.PARKED)]
+        assert [p.seq for p in inbox.parked()] == [1, 2]
+        h.send("orders", {"event": "first"}, key="gap")
+        second = h.send("orders", {"event": "second"}, key="gap")  # a Message: seq 2, ahead of 1
+        assert [disposition for _, disposition in h.settle([second]).done] == [Disposition.HELD]
+        assert h.broker.committed("billing", "orders", 0) is None  # settle reads and commits nothing
+
+
+def test_settle_refuses_what_is_not_a_record_message_or_delivery(inbox: Inbox) -> None:
+    with OutboxTestHarness(inbox=inbox) as h, pytest.raises(ConfigurationError, match="got dict"):
+        h.settle([cast(Any, {"topic": "orders"})])
+    with OutboxTestHarness() as h, pytest.raises(ConfigurationError, match="with an inbox"):
+        h.settle([])

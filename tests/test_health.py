@@ -26,8 +26,7 @@ from typer.core import TyperGroup, TyperOption
 from outbox import Outbox, create_engine
 from outbox.cli import app
 from outbox.cli._options import COMMAND_LINE_ONLY
-from outbox.testing import LocalPostgres
-from outbox.testing._postgres import free_port
+from outbox.testing import LocalPostgres, free_port
 from tests.inbox_support import INBOX_KINDS, async_url
 
 pytestmark = pytest.mark.postgres

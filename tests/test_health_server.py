@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from outbox import Outbox, create_engine
 from outbox.ops import serve_health
 from outbox.ops._http import BoundedServer
-from outbox.testing._postgres import free_port
+from outbox.testing import free_port
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
 

@@ -15,7 +15,6 @@ import sqlalchemy as sa
 
 from outbox import Disposition, Inbox
 from outbox._envelope import utcnow
-from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     INBOX_KINDS,
     TOPIC,
@@ -121,7 +120,7 @@ def test_poison_parks_its_key_only_and_alerts_once(inbox: Inbox, engine: sa.Engi
                 raise ValueError("cannot bill order K#5")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, flaky))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, flaky))
     for seq in range(1, 11):
         for key in ("K", "x", "y"):
             expected = Disposition.PARKED if key == "K" and seq >= 5 else Disposition.APPLIED
@@ -140,7 +139,7 @@ def test_poison_parks_its_key_only_and_alerts_once(inbox: Inbox, engine: sa.Engi
     assert alert.message_id == str(parked[0].message_id)
     assert "cannot bill order K#5" in alert.error
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, apply_effect))  # the fix is deployed
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, apply_effect))  # the fix is deployed
     result = inbox.replay(TOPIC, "K")
     assert (result.applied, result.remaining, result.unparked) == (6, 0, True)
     assert [s for _, s in applied(engine, "K")] == list(range(1, 11))
@@ -163,7 +162,7 @@ def test_replay_stops_at_the_first_failure_which_stays_parked(inbox: Inbox, engi
             raise RuntimeError(f"broken {message.seq}")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     for seq in range(1, 7):
         inbox.handle(record(TOPIC, "k", seq))
     broken.discard(3)
@@ -186,7 +185,7 @@ def test_discard_skips_one_message_with_a_record_and_the_key_continues(
             raise RuntimeError("poison")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     records = [record(TOPIC, "k", seq) for seq in range(1, 5)]
     for r in records:
         inbox.handle(r)
@@ -210,9 +209,9 @@ def test_discarding_the_only_parked_message_unparks_the_key(inbox: Inbox, engine
     def handler(session, message):  # type: ignore[no-untyped-def]
         raise RuntimeError("down")
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     inbox.handle(record(TOPIC, "k", 1))
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, insert_effect))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, insert_effect))
     inbox.discard(inbox.parked()[0].message_id, by="bob", reason="test data")
     assert inbox.parked() == []
     assert inbox.handle(record(TOPIC, "k", 2)) is Disposition.APPLIED
@@ -248,7 +247,7 @@ def test_a_failed_unkeyed_message_parks_alone_and_replays(inbox: Inbox, engine: 
             raise RuntimeError("unkeyed poison")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, None, None, payload=b'{"n":2}')) is Disposition.PARKED
     assert inbox.handle(record(TOPIC, None, None)) is Disposition.APPLIED  # nothing else blocked
     [alert] = inbox.alert

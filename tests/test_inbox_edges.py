@@ -17,8 +17,6 @@ from outbox import (
     SkipMessage,
     create_engine,
 )
-from outbox.inbox._delivery import decode
-from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     INBOX_KINDS,
     TOPIC,
@@ -33,6 +31,7 @@ from tests.inbox_support import (
     insert_effect,
     insert_effects,
     record,
+    settle,
     settle_all,
 )
 from transports import Record
@@ -146,7 +145,7 @@ def test_retry_later_does_not_count_as_an_attempt(inbox: Inbox, engine: sa.Engin
             raise RetryLater(0.001, "downstream busy")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, busy_then_ok))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, busy_then_ok))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # 4 > max_attempts, no park
     assert len(calls) == 5
 
@@ -157,7 +156,7 @@ def test_skip_message_records_the_skip_and_moves_the_key_on(inbox: Inbox, engine
         if message.seq == 1:
             raise SkipMessage("order already cancelled")
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, skip_first))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, skip_first))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.SKIPPED
     assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.APPLIED
     m = inbox.tables.inbox_messages
@@ -174,7 +173,7 @@ def test_park_message_parks_at_once(inbox: Inbox) -> None:
         calls.append(1)
         raise ParkMessage("amount must be positive")
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, invalid))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, invalid))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
     assert len(calls) == 1
     assert inbox.parked()[0].error == "ParkMessage: amount must be positive"
@@ -189,12 +188,11 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
         if message.key == "bad":
             raise RuntimeError("after writing: the savepoint must undo this write")
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
-    batch = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in ("a", "bad", "c")]
-    result = inbox.step.apply(batch)
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
+    result = settle(inbox, [record(TOPIC, key, 1) for key in ("a", "bad", "c")])
     assert sorted(d.message.key for d, disposition in result.done
                   if disposition is Disposition.APPLIED) == ["a", "c"]
-    assert [f.delivery.message.key for f in result.failed] == ["bad"]
+    assert [(d.message.key, d.attempts.count) for d, _ in result.later] == [("bad", 1)]
     assert sorted(applied(engine)) == [("a", 1), ("c", 1)]
     # Redone with savepoints after the failure; the failed handler is not run a second time.
     assert calls == ["a", "bad", "a", "c"]
@@ -236,14 +234,14 @@ def logged_batch(calls: list[list[str | None]], bad: str | None):  # type: ignor
     return handle
 
 
-def deliveries(*keys: str) -> list:  # type: ignore[type-arg]
-    return [decode(record(TOPIC, key, 1), accept_foreign=False) for key in keys]
+def deliveries(*keys: str) -> list[Record]:
+    return [record(TOPIC, key, 1) for key in keys]
 
 
 def test_a_batch_handler_gets_the_batch_in_one_call(engine: sa.Engine, batch_inbox: MakeInbox) -> None:
     calls: list[list[str | None]] = []
     box = batch_inbox(calls)
-    result = box.step.apply(deliveries("a", "b", "c"))
+    result = settle(box, deliveries("a", "b", "c"))
     assert calls == [["a", "b", "c"]]
     assert [disposition for _, disposition in result.done] == [Disposition.APPLIED] * 3
     assert sorted(applied(engine)) == [("a", 1), ("b", 1), ("c", 1)]
@@ -254,9 +252,9 @@ def test_a_failed_batch_call_is_redone_one_message_per_call(
 ) -> None:
     calls: list[list[str | None]] = []
     box = batch_inbox(calls, bad="bad")
-    result = box.step.apply(deliveries("a", "bad", "c"))
+    result = settle(box, deliveries("a", "bad", "c"))
     assert calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
-    assert [f.delivery.message.key for f in result.failed] == ["bad"]
+    assert [(d.message.key, d.attempts.count) for d, _ in result.later] == [("bad", 1)]
     assert sorted(applied(engine)) == [("a", 1), ("c", 1)]
 
 
@@ -287,9 +285,7 @@ def test_a_batch_handler_must_take_session_and_messages(engine: sa.Engine) -> No
 def test_a_held_successor_is_applied_in_the_same_batch(inbox: Inbox, engine: sa.Engine) -> None:
     assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.HELD
     assert inbox.handle(record(TOPIC, "a", 3)) is Disposition.HELD
-    batch = [decode(record(TOPIC, "a", 1), accept_foreign=False),
-             decode(record(TOPIC, "b", 1), accept_foreign=False)]
-    result = inbox.step.apply(batch)
+    result = settle(inbox, [record(TOPIC, "a", 1), record(TOPIC, "b", 1)])
     assert [(d.message.key, d.message.seq) for d, _ in result.done] == [
         ("a", 1), ("b", 1), ("a", 2), ("a", 3)]
     assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]

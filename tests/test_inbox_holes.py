@@ -23,8 +23,6 @@ from outbox import (
     RetryLater,
     create_engine,
 )
-from outbox.inbox._delivery import decode
-from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     INBOX_KINDS,
     TOPIC,
@@ -38,6 +36,8 @@ from tests.inbox_support import (
     inbox_bind,
     insert_effect,
     record,
+    settle,
+    settle_all,
 )
 from tests.test_inbox_runner import ScriptedSource, at
 from transports import Record
@@ -115,8 +115,7 @@ def test_two_copies_of_an_unkeyed_message_in_one_batch_apply_once(engine: sa.Eng
     inbox = make_inbox(engine)
     sent = record(TOPIC, None, None)
     other = record(TOPIC, None, None)
-    batch = [decode(r, accept_foreign=False) for r in (sent, other, sent)]
-    result = inbox.step.apply(batch)
+    result = settle(inbox, [sent, other, sent])
     assert [disposition for _, disposition in result.done] == [
         Disposition.APPLIED, Disposition.APPLIED, Disposition.DUPLICATE]
     assert len(applied(engine)) == 2
@@ -156,7 +155,7 @@ def test_discard_refuses_to_skip_past_earlier_parked_messages(engine: sa.Engine)
             raise RuntimeError(f"broken {message.seq}")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     for seq in (1, 2, 3):
         assert inbox.handle(record(TOPIC, "k", seq)) is Disposition.PARKED
     _, two, _ = inbox.parked(TOPIC, "k")
@@ -203,7 +202,7 @@ def test_a_refused_connection_is_an_outage_for_the_inbox_and_a_failure_for_a_han
     def handler(session, message):  # type: ignore[no-untyped-def]
         raise ConnectionRefusedError(111, "the payment API refused")
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.PARKED
     [parked] = inbox.parked()
     assert parked.attempts == 3 and "payment API" in parked.error
@@ -222,11 +221,9 @@ def test_a_connection_killed_under_the_handler_is_waited_out(postgres_db: str) -
                 session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
             apply_effect(session, message)
 
-        inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
-        deliveries = [decode(record(TOPIC, key, 1), accept_foreign=False) for key in "abc"]
-        from tests.inbox_support import settle_all
-
-        done = dict((d.message.key, disposition) for d, disposition in settle_all(inbox, deliveries))
+        inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
+        done = dict((d.message.key, disposition) for d, disposition in
+                    settle_all(inbox, [record(TOPIC, key, 1) for key in "abc"]))
         assert done == {"a": Disposition.APPLIED, "b": Disposition.APPLIED, "c": Disposition.APPLIED}
         assert len(killed) == 2 and inbox.parked() == [] and inbox.alert == []
     finally:
@@ -309,7 +306,7 @@ def test_start_at_first_seen_applies_a_key_met_mid_stream_and_records_where(engi
             raise RuntimeError("the first attempt fails: the retry must start the key the same way")
         insert_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     assert inbox.handle(record(TOPIC, "late", 5)) is Disposition.APPLIED
     assert inbox.handle(record(TOPIC, "late", 7)) is Disposition.HELD  # later gaps are gaps
     assert inbox.handle(record(TOPIC, "late", 6)) is Disposition.APPLIED
@@ -350,7 +347,7 @@ def test_keys_waiting_for_a_retry_do_not_hold_up_the_others(sqlite_db: str) -> N
             raise RetryLater(30, "downstream busy")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, handler))
     records = [record(TOPIC, "stuck-1", 1), record(TOPIC, "stuck-2", 1)]
     records += [record(TOPIC, "stuck-hot", seq) for seq in range(1, 1501)]  # a hot stuck key
     records += [record(TOPIC, f"k{n}", 1) for n in range(100)]

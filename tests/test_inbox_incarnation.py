@@ -19,9 +19,7 @@ import sqlalchemy as sa
 from prometheus_client import REGISTRY
 
 from outbox import Disposition, Inbox
-from outbox.inbox._delivery import decode
-from outbox.inbox._transaction import TopicHandler
-from tests.inbox_support import AlertLog, record
+from tests.inbox_support import AlertLog, record, settle
 
 TOPIC = "orders"
 X, Y = str(uuid.uuid4()), str(uuid.uuid4())  # two incarnations of one producer database
@@ -112,7 +110,7 @@ def test_first_seen_starts_the_key_again_at_the_new_incarnation(make, engine, on
         assert inbox.handle(r) is Disposition.APPLIED
     rebuilt = history(inbox, Y, range(1, 6))  # in one batch: seqs 1-3 below the key, 4-5 above
     if one_batch:
-        done = inbox.settler.settle([decode(r, accept_foreign=False) for r in rebuilt]).done
+        done = settle(inbox, rebuilt).done
         assert [disposition for _, disposition in done] == [Disposition.APPLIED] * 5
     else:
         assert [inbox.handle(r) for r in rebuilt] == [Disposition.APPLIED] * 5
@@ -187,7 +185,7 @@ def test_a_restart_whose_first_message_keeps_failing_is_parked_not_dropped(make,
     def fail(session, message):  # type: ignore[no-untyped-def]
         raise RuntimeError("downstream refuses")
 
-    inbox._handlers[TOPIC] = TopicHandler(fail)
+    inbox.handler(TOPIC, replace=True)(fail)
     assert inbox.handle(record(TOPIC, "k", 1, incarnation=Y)) is Disposition.PARKED
     [parked] = inbox.parked()
     assert (parked.seq, parked.reason) == (1, "failed")
@@ -246,7 +244,7 @@ def test_resends_from_before_a_restart_stay_duplicates_in_one_run(make, engine) 
     for r in old:
         inbox.handle(r)
     assert inbox.handle(record(TOPIC, "k", 1, incarnation=Y)) is Disposition.APPLIED  # a restart
-    done = inbox.settler.settle([decode(r, accept_foreign=False) for r in old[1:3]]).done
+    done = settle(inbox, old[1:3]).done
     assert [disposition for _, disposition in done] == [Disposition.DUPLICATE] * 2
     assert {message_id(r) for r in old} <= recorded_ids(inbox) and held_ids(inbox) == set()
     for seq in (2, 3):

@@ -14,7 +14,6 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from outbox import Disposition, Inbox
-from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import (
     INBOX_KINDS,
     AlertLog,
@@ -160,7 +159,7 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(
     # After run() returned, the middleware call still retries instead of abandoning.
     attempts = []
     failing = for_inbox(inbox, lambda session, message: attempts.append(1) or 1 / 0)
-    inbox._handlers[topic] = TopicHandler(failing)
+    inbox.handler(topic, replace=True)(failing)
     assert inbox.handle(record(topic, "after-run", 1)) is Disposition.PARKED
     assert len(attempts) == 3
 
@@ -177,7 +176,7 @@ def test_poison_and_foreign_records_never_stop_the_stream(
         apply_effect(session, message)
 
     inbox = make_inbox(engine, topic, foreign_records="park")
-    inbox._handlers[topic] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(topic, replace=True)(for_inbox(inbox, handler))
     records = [record(topic, key, seq) for seq in range(1, 11) for key in ["K", *map(str, range(30))]]
     produce(kafka, records[:150])
     produce(kafka, [Record(topic=topic, value=b"not ours", key=b"3")])
@@ -223,7 +222,7 @@ def test_offsets_stay_behind_the_lowest_unfinished_record(
         await session.run_sync(apply_effect, message)
 
     inbox = make_inbox(pg_engine, topic, batch_size=1, pool_size=20)
-    inbox._handlers[topic] = TopicHandler(async_handler if inbox.is_async else handler)
+    inbox.handler(topic, replace=True)(async_handler if inbox.is_async else handler)
     produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
                     *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
     with running(inbox, kafka, topic):
@@ -266,7 +265,7 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
         await session.run_sync(apply_effect, message)
 
     inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1, pool_size=20)
-    inbox._handlers[topic] = TopicHandler(async_handler if inbox.is_async else handler)
+    inbox.handler(topic, replace=True)(async_handler if inbox.is_async else handler)
     produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
             partition=0)
     with running(inbox, kafka, topic):
@@ -301,7 +300,7 @@ def test_a_hot_key_runs_in_few_transactions_and_a_failure_inside_keeps_its_order
             failures[message.seq] -= 1
             raise RuntimeError("after writing: rolled back, retried, the key waits")
 
-    inbox._handlers[topic] = TopicHandler(for_inbox(inbox, handler))
+    inbox.handler(topic, replace=True)(for_inbox(inbox, handler))
     commits: list[int] = []
 
     def count_commit(conn) -> None:  # type: ignore[no-untyped-def]

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import Disposition, Inbox
-from outbox.inbox._calls import TopicHandler
+from outbox.inbox import Reason
 from outbox.inbox._delivery import decode
-from outbox.inbox._kinds import Reason
+from outbox.testing import OutboxTestHarness
 from tests.inbox_support import AlertLog, applied, apply_effect, business, dispose, insert_effect, record
 
 TOPIC = "orders"
@@ -52,8 +52,7 @@ def commits(engine: sa.Engine) -> list[None]:
 def park_flood(inbox: Inbox, key: str, count: int) -> None:
     """Park ``key`` at seq 1 (its handler fails), then park seqs 2..count behind it in one transaction."""
     inbox.handle(record(TOPIC, key, 1))
-    inbox.step.apply([decode(record(TOPIC, key, seq), accept_foreign=False)
-                      for seq in range(2, count + 1)])
+    OutboxTestHarness(inbox=inbox).settle([record(TOPIC, key, seq) for seq in range(2, count + 1)])
 
 
 def test_a_replay_of_1000_messages_commits_once_per_batch_in_seq_order(
@@ -65,7 +64,7 @@ def test_a_replay_of_1000_messages_commits_once_per_batch_in_seq_order(
             raise RuntimeError("not yet")
         apply_effect(session, message)  # raises OrderViolation out of order
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox.handler(TOPIC)(handler)
     park_flood(inbox, "k", 1000)
     assert len(inbox.parked(TOPIC, "k")) == 1000
     broken = False
@@ -89,7 +88,7 @@ def test_a_failure_inside_a_batch_stops_there_with_the_messages_before_it_commit
             raise RuntimeError(f"broken {message.seq}")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox.handler(TOPIC)(handler)
     park_flood(inbox, "k", 1000)
     broken.discard(1)
     inbox.admin.replay_batch = 250
@@ -135,7 +134,7 @@ def _outcome(url: str, last_seq: int, rows: list[tuple[int, Reason, bool, bool]]
             raise RuntimeError(f"broken {message.message_id}")
         insert_effect(session, message)
 
-    box._handlers[TOPIC] = TopicHandler(handler)
+    box.handler(TOPIC)(handler)
     store = box.store
     with box._sessions() as session, session.begin():
         store.lock_keys(session, [(TOPIC, "k")])
@@ -185,7 +184,7 @@ def test_a_parked_keys_flood_is_parked_in_one_statement_in_order_and_replays(
             raise RuntimeError("not yet")
         apply_effect(session, message)
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox.handler(TOPIC)(handler)
     inbox.handle(record(TOPIC, "k", 1))
     parking: list[str] = []
 
@@ -194,16 +193,16 @@ def test_a_parked_keys_flood_is_parked_in_one_statement_in_order_and_replays(
             parking.append(sql)
 
     sa.event.listen(engine, "before_cursor_execute", statement)
-    flood = [decode(record(TOPIC, "k", seq), accept_foreign=False) for seq in range(2, 302)]
-    other = decode(record(TOPIC, "other", 1), accept_foreign=False)
+    flood = [record(TOPIC, "k", seq) for seq in range(2, 302)]
+    other = record(TOPIC, "other", 1)
     resent = flood[5]  # a copy of one arriving again in the same batch: parked once
-    committed = inbox.step.apply([*flood[:150], other, resent, *flood[150:]])
+    committed = OutboxTestHarness(inbox=inbox).settle([*flood[:150], other, resent, *flood[150:]])
     sa.event.remove(engine, "before_cursor_execute", statement)
     assert len(parking) == 1
     assert sum(1 for _, disposition in committed.done if disposition is Disposition.PARKED) == 300
     assert [p.seq for p in inbox.parked(TOPIC, "k")] == list(range(1, 302))
     assert applied(engine, "other") == [("other", 1)]
-    inbox.step.apply(flood[:10])  # delivered again: already parked, nothing changes
+    OutboxTestHarness(inbox=inbox).settle(flood[:10])  # delivered again: already parked, nothing changes
     assert len(inbox.parked(TOPIC, "k")) == 301
     broken = False
     assert inbox.replay(TOPIC, "k").unparked

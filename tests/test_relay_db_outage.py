@@ -16,8 +16,7 @@ import pytest
 from _relay_helpers import ScriptedTransport, publish, rows
 from prometheus_client import CollectorRegistry
 
-from outbox import Outbox, Relay, create_engine
-from outbox.relay._metrics import relay_metrics
+from outbox import Outbox, Relay, create_engine, relay_metrics
 from outbox.testing import LocalMariaDB, LocalPostgres
 
 pytestmark = pytest.mark.slow  # each test stops and starts a server of its own: 5-10 s

@@ -12,9 +12,8 @@ import sqlalchemy as sa
 from _relay_helpers import ScriptedTransport, publish, rows
 from prometheus_client import CollectorRegistry
 
-from outbox import Outbox, Relay, create_engine
+from outbox import Outbox, Relay, create_engine, relay_metrics
 from outbox.relay._leases import fair_share
-from outbox.relay._metrics import relay_metrics
 from outbox.relay._sql import RelayStatements
 from outbox.testing import free_port
 

@@ -12,8 +12,7 @@ from _retention_rows import inbox_row, outbox_row, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from outbox import Outbox, create_engine
-from outbox._errors import ConfigurationError
+from outbox import ConfigurationError, Outbox, create_engine
 from outbox.housekeeping import run_retention
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)

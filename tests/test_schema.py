@@ -114,3 +114,21 @@ def test_public_api_is_pinned():
     assert outbox.__all__ == PUBLIC_API
     for name in PUBLIC_API:
         getattr(outbox, name)
+
+
+TESTING_API = [
+    "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "MYSQL_URL_VARIABLE", "POSTGRES_URL_VARIABLE",
+    "InMemoryBroker", "InMemorySource", "InMemoryTransport", "LocalMariaDB", "LocalPostgres",
+    "OutboxTestHarness", "Settled", "Unavailable", "docker_engine_answers", "free_port",
+    "fresh_database", "fresh_mysql_database", "kafka_bootstrap", "local_mariadb", "local_postgres",
+    "local_postgres_server", "mariadb_binaries", "mysql_url", "postgres_bindir", "postgres_url",
+]
+
+
+def test_testing_api_is_pinned():
+    """``outbox.testing`` is public too (docs/testing.md): its names change with this list."""
+    import outbox.testing
+
+    assert outbox.testing.__all__ == TESTING_API
+    for name in TESTING_API:
+        getattr(outbox.testing, name)

@@ -35,7 +35,7 @@ from outbox import Alert, ConfigurationError, WebhookAlertSink
 from outbox._alerts import deliver
 from outbox._secrets import database_secrets
 from outbox.cli import app
-from outbox.testing._postgres import free_port
+from outbox.testing import free_port
 
 secrets = st.builds(lambda middle: f"S3cr3t{middle}Zz9q", st.text(
     st.sampled_from("abcXYZ019@:/?#%&+= -_.~!$'()*,;[]é"), min_size=2, max_size=12))

@@ -20,7 +20,6 @@ import sqlalchemy as sa
 from _relay_helpers import ScriptedTransport, publish, rows, start_cli_relay, wait_for
 
 from outbox import Disposition, Inbox, Outbox, Relay, create_engine
-from outbox.inbox._transaction import TopicHandler
 from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, record
 from transports import Outcome
 
@@ -126,7 +125,7 @@ def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url:
     def broken(session, message):  # type: ignore[no-untyped-def]
         raise ValueError(f"cannot bill {message.key}#{message.seq}")
 
-    inbox._handlers[TOPIC] = TopicHandler(broken)
+    inbox.handler(TOPIC, replace=True)(broken)
     assert inbox.handle(record(TOPIC, "K", 1)) is Disposition.PARKED
     assert inbox.handle(record(TOPIC, "K", 2)) is Disposition.PARKED  # behind it
     assert inbox.handle(record(TOPIC, "D", 1)) is Disposition.PARKED
@@ -142,7 +141,7 @@ def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url:
     code, doc = status_json(db_url, "--group", "shipping")  # another group: nothing of billing's
     assert code == 0 and doc["inbox"]["groups"] == []
 
-    inbox._handlers[TOPIC] = TopicHandler(apply_effect)  # the fix is deployed
+    inbox.handler(TOPIC, replace=True)(apply_effect)  # the fix is deployed
     assert inbox.replay(TOPIC, "K").unparked
     assert status_json(db_url)[0] == STUCK  # D still parked
     inbox.discard(inbox.parked(TOPIC, "D")[0].message_id, by="oncall", reason="test order")

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from outbox import Inbox, Message, Outbox, create_engine
-from outbox._wire import EVENT_TYPE, record_to_message
+from outbox import Inbox, Message, Outbox, create_engine, record_to_message
+from outbox._wire import EVENT_TYPE
 from outbox.cli import app
 from outbox.ops import Database, trace_key, trace_message
 from outbox.testing import InMemoryBroker, OutboxTestHarness

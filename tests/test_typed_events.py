@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import outbox
 from outbox import Disposition, Inbox, Message, Outbox, Relay
 from outbox.inbox import Reason
+from outbox.testing import OutboxTestHarness
 from tests.inbox_support import (
     INBOX_KINDS,
     TOPIC,
@@ -151,9 +152,8 @@ def test_typed_batch_handlers_keep_a_hot_keys_order_across_types(sqlite_db: str,
 
     inbox.batch_handler(TOPIC, OrderCreated)(typed_batch(inbox, on("created")))
     inbox.batch_handler(TOPIC, OrderPaid)(typed_batch(inbox, on("paid")))
-    from outbox.inbox._delivery import decode
     records = [created("k", 1), created("k", 2), paid("k", 3), paid("k", 4), created("k", 5)]
-    settled = inbox.settler.settle([decode(r, accept_foreign=False) for r in records])
+    settled = OutboxTestHarness(inbox=inbox).settle(records)
     assert [d for _, d in settled.done] == [Disposition.APPLIED] * 5
     assert calls == [("created", [1, 2]), ("paid", [3, 4]), ("created", [5])]
     assert applied(engine, "k") == [("k", n) for n in range(1, 6)]

@@ -162,13 +162,14 @@ class Inbox:
     # -- handlers -------------------------------------------------------------
 
     @overload
-    def handler(self, topic: str) -> Callable[[H], H]: ...
+    def handler(self, topic: str, *, replace: bool = False) -> Callable[[H], H]: ...
 
     @overload
-    def handler(self, topic: str, event: type[pydantic.BaseModel]) -> Callable[[F], F]: ...
+    def handler(self, topic: str, event: type[pydantic.BaseModel], *,
+                replace: bool = False) -> Callable[[F], F]: ...
 
-    def handler(self, topic: str,
-                event: type[pydantic.BaseModel] | None = None) -> Callable[[Any], Any]:
+    def handler(self, topic: str, event: type[pydantic.BaseModel] | None = None, *,
+                replace: bool = False) -> Callable[[Any], Any]:
         """Register ``fn(session, message)`` for ``topic``: the untyped handler, one per topic.
 
         The handler runs inside the inbox's transaction: write through
@@ -186,18 +187,24 @@ class Inbox:
         handler, if any, takes every other message. A message none takes, or
         whose payload does not validate, follows ``unknown_event``. Messages of
         one key are handled one at a time in seq order, whichever handler each gets.
+
+        A second handler for the same topic (and event type) is refused, unless
+        ``replace=True``: then ``fn`` takes the place of the one registered,
+        per-message or batch, for the messages that come after (a test
+        "deploying the fix" before a replay; in production, deploy and restart).
+        The topic's other handlers stay. The checks above apply all the same.
         """
-        return self._register(topic, batch=False, event=event)
+        return self._register(topic, batch=False, event=event, replace=replace)
 
     @overload
-    def batch_handler(self, topic: str) -> Callable[[B], B]: ...
+    def batch_handler(self, topic: str, *, replace: bool = False) -> Callable[[B], B]: ...
 
     @overload
-    def batch_handler(self, topic: str,
-                      event: type[pydantic.BaseModel]) -> Callable[[F], F]: ...
+    def batch_handler(self, topic: str, event: type[pydantic.BaseModel], *,
+                      replace: bool = False) -> Callable[[F], F]: ...
 
-    def batch_handler(self, topic: str,
-                      event: type[pydantic.BaseModel] | None = None) -> Callable[[Any], Any]:
+    def batch_handler(self, topic: str, event: type[pydantic.BaseModel] | None = None, *,
+                      replace: bool = False) -> Callable[[Any], Any]:
         """Register ``fn(session, messages)`` for ``topic``: many messages per call, for throughput.
 
         ``messages`` may hold several consecutive messages of one key, always
@@ -212,11 +219,13 @@ class Inbox:
         ``fn(session, events, messages)``. A call holds consecutive messages
         of its type only: a key's messages of other types between them go to
         their handlers in seq order, so a batch is cut there.
-        """
-        return self._register(topic, batch=True, event=event)
 
-    def _register(self, topic: str, *, batch: bool,
-                  event: type[pydantic.BaseModel] | None = None) -> Callable[[Any], Any]:
+        ``replace=True`` as in ``handler``.
+        """
+        return self._register(topic, batch=True, event=event, replace=replace)
+
+    def _register(self, topic: str, *, batch: bool, event: type[pydantic.BaseModel] | None = None,
+                  replace: bool = False) -> Callable[[Any], Any]:
         validate_topic(topic)
         reader = None if event is None else EventReader(event)
         many = "events" if batch else "event"
@@ -243,13 +252,35 @@ class Inbox:
                        if self._sessions.is_async else
                        "a plain function: an async def handler needs an Inbox built on an "
                        "AsyncEngine or async_sessionmaker"))
-            handlers = self._handlers.get(topic) or TopicHandlers(topic, self.unknown_event)
-            handlers.add(TopicHandler(fn, batch=batch, reader=reader, with_message=with_message,
-                                      unknown=self.unknown_event))
+            handler = TopicHandler(fn, batch=batch, reader=reader, with_message=with_message,
+                                   unknown=self.unknown_event)
+            if replace:  # a new set, swapped in at once: a worker sees the old handler or the new
+                handlers = self._without(topic, handler)
+            else:
+                handlers = self._handlers.get(topic) or TopicHandlers(topic, self.unknown_event)
+            handlers.add(handler)
             self._handlers[topic] = handlers
             return fn
 
         return register
+
+    def _without(self, topic: str, new: TopicHandler) -> TopicHandlers:
+        """A copy of ``topic``'s handlers without the one(s) ``new`` would collide with.
+
+        That is the untyped handler for an untyped ``new``; for a typed one, every
+        handler taking one of its event types, under all the types it took.
+        """
+        old = self._handlers.get(topic)
+        kept = TopicHandlers(topic, self.unknown_event)
+        if old is None:
+            return kept
+        if new.reader is None:
+            kept.typed = dict(old.typed)
+            return kept
+        kept.untyped = old.untyped
+        displaced = {id(old.typed[t]) for t in new.reader.accepts if t in old.typed}
+        kept.typed = {t: h for t, h in old.typed.items() if id(h) not in displaced}
+        return kept
 
     @property
     def topics(self) -> list[str]:

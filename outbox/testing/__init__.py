@@ -10,11 +10,15 @@ For a service's own unit tests, without servers: ``OutboxTestHarness`` runs
 the real relay and inbox on ``InMemoryBroker`` (with ``InMemoryTransport``
 and ``InMemorySource``, held to the same conformance suites as the Kafka
 transport and source); see docs/testing.md, "Testing your service without
-servers".
+servers". Its ``settle(batch)`` runs one batch through the inbox's
+transaction and settle stage and returns ``Settled`` (done, and to try again
+later): the finest public step of the inbox, which this project's own inbox
+tests drive too.
 """
 
 from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 
+from ..inbox._settle import Settled
 from ._harness import OutboxTestHarness
 from ._mariadb import LocalMariaDB, fresh_mysql_database, local_mariadb, mariadb_binaries
 from ._postgres import (
@@ -48,6 +52,7 @@ __all__ = [
     "LocalMariaDB",
     "LocalPostgres",
     "OutboxTestHarness",
+    "Settled",
     "Unavailable",
     "docker_engine_answers",
     "free_port",

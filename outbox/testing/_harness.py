@@ -10,20 +10,24 @@ transaction, dedup and ordering.
 
 Everything runs in the calling thread, one step at a time, so a test decides
 what happens when (``relay()``, then ``deliver()``); nothing runs in the
-background. What it cannot show (timeouts, rebalances under load, client
-settings) is for integration tests on a real broker.
+background. ``settle(batch)`` is the finest step: one batch through the
+inbox's transaction and settle stage, as a worker of ``Inbox.run`` takes it,
+with what became of each message and what waits for a retry. What it
+cannot show (timeouts, rebalances under load, client settings) is for
+integration tests on a real broker.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pydantic
 import tenacity
 
+from transports import Record
 from transports._errors import ConfigurationError
 from transports.memory import DEFAULT_PARTITIONS, InMemoryBroker, InMemorySource, InMemoryTransport
 
@@ -32,6 +36,8 @@ from .._events import event_type_of
 from .._outbox import Outbox
 from .._wire import record_to_message, to_record
 from ..inbox import Disposition, Inbox
+from ..inbox._delivery import Delivery, decode, delivery
+from ..inbox._settle import Settled
 from ..relay import Relay
 
 _IDLE_BATCHES = 50
@@ -165,15 +171,51 @@ class OutboxTestHarness:
         inbox.sweep()
         return dispositions
 
+    def settle(self, batch: Iterable[Record | Message | Delivery]) -> Settled:
+        """Run ``batch`` through one inbox transaction and settle each message; never sleeps.
+
+        What a worker of ``Inbox.run`` does with the batch the key scheduler
+        hands it (up to ``batch_size``; here, whatever the test gives): each
+        key's messages applied in seq order in one transaction (a hot key's
+        run, held successors that became next), duplicates dropped, messages
+        ahead of a gap held, a failure's writes rolled back with the rest of
+        its key not run. Returns ``Settled``: ``done`` is each message that
+        reached a ``Disposition``; ``later`` each one to try again after a
+        delay in seconds (a failure below ``max_attempts``, ``RetryLater``, the
+        key's messages behind a failure, a database outage), nothing counted
+        for an outage. Hand those back, as they are, in a later ``settle`` (the
+        failure's attempts go with it); the harness does not wait for them.
+
+        ``batch`` holds broker records (decoded as the inbox decodes them,
+        foreign ones under ``foreign_records``), ``Message``s, or deliveries
+        from an earlier ``later``. Unlike ``deliver()``, nothing is read
+        from the broker or committed to it.
+        """
+        inbox = self._inbox(any_topics=True)
+        deliveries: list[Delivery] = []
+        for item in batch:
+            if isinstance(item, Delivery):
+                deliveries.append(item)
+                continue
+            if isinstance(item, Message):
+                deliveries.append(delivery(item))
+            elif isinstance(item, Record):
+                deliveries.append(decode(item, accept_foreign=inbox.accept_foreign))
+            else:
+                raise ConfigurationError("settle() takes records, messages or deliveries from "
+                                         f"an earlier settle(), got {type(item).__name__}")
+            inbox.metrics.consumed(deliveries[-1].message.topic)
+        return inbox.settler.settle(deliveries)
+
     def source(self) -> InMemorySource:
         """A new source for the inbox's group, for ``inbox.run(source)`` on a thread of the test's own."""
         inbox = self._inbox()
         return InMemorySource(self.broker, group_id=inbox.group, topics=inbox.topics)
 
-    def _inbox(self) -> Inbox:
+    def _inbox(self, *, any_topics: bool = False) -> Inbox:
         if self.inbox is None:
-            raise ConfigurationError("deliver() needs the harness built with an inbox")
-        if not self.inbox.topics:
+            raise ConfigurationError("deliver() and settle() need the harness built with an inbox")
+        if not any_topics and not self.inbox.topics:
             raise ConfigurationError("register at least one @inbox.handler(topic) before deliver()")
         return self.inbox
 
