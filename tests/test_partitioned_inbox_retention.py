@@ -1,0 +1,233 @@
+"""Retention on a PostgreSQL ``inbox_messages`` partitioned by the day inside its message ids:
+a day goes whole only when every record in it is out of the dedup window, whatever its ids say,
+and the dedup promise holds across the drop (docs/operations.md, "Housekeeping")."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from _retention_rows import inbox_row, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY
+
+from outbox import Disposition, Inbox, ParkMessage, create_engine
+from outbox._envelope import new_message_id
+from outbox._tables import OutboxTables
+from outbox.housekeeping import maintain_inbox_partitions, partition_inbox, run_retention
+from outbox.housekeeping._inbox_partitions import _unsettled
+from tests.inbox_support import AlertLog, record
+
+pytestmark = pytest.mark.postgres
+DAY, WINDOW = timedelta(days=1), timedelta(days=3)
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+TOPIC = "orders"
+
+
+def id_at(moment: datetime) -> uuid.UUID:
+    """A UUIDv7 minted at ``moment`` (``publish()`` mints them with the time it runs)."""
+    return uuid.UUID(bytes=int(moment.timestamp() * 1000).to_bytes(6, "big") + new_message_id().bytes[6:])
+
+
+def partitions(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.execute(sa.text(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = 'inbox_messages'::regclass")).scalars())
+
+
+def where(engine: sa.Engine, message_id: uuid.UUID) -> str | None:
+    """The partition that holds ``message_id``'s record (None: no record)."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT tableoid::regclass::text FROM inbox_messages "
+                                    "WHERE message_id = :m"), {"m": message_id}).scalar()
+
+
+@pytest.fixture
+def tables(postgres_db: str) -> Iterator[tuple[sa.Engine, OutboxTables]]:
+    """Empty partitioned inbox tables with days from NOW - 10 days to NOW + 2 days."""
+    engine = create_engine(postgres_db)
+    Inbox(engine, group="setup").create_tables()
+    t = OutboxTables()
+    assert partition_inbox(engine, t, now=NOW - 10 * DAY, ahead_days=12) == 0
+    yield engine, t
+    engine.dispose()
+
+
+# (day of the id and creation time, hours the producer's clock is off, hours until processed,
+#  whether the id is a UUIDv7 at all)
+ROWS = st.lists(st.tuples(st.integers(-12, 1), st.integers(-3, 3), st.sampled_from([0, 1, 30, 70, 100]),
+                          st.booleans() | st.just(True)), max_size=25)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=ROWS)
+def test_a_day_goes_only_when_every_record_in_it_is_out_of_the_window(
+        tables: tuple[sa.Engine, OutboxTables], rows: list[tuple[int, int, int, bool]]) -> None:
+    """Records of messages created on random days (ids minted by a clock hours off the database's),
+    processed at once or days later: exactly the settled ones go, a day is dropped only when it
+    holds nothing else, held and parked rows and the keys' positions stay."""
+    engine, t = tables
+    with engine.begin() as conn:
+        for table in (t.inbox_messages, t.inbox_keys, t.inbox_held, t.inbox_parked):
+            conn.execute(sa.delete(table))
+    maintain_inbox_partitions(engine, t, None, now=NOW - 10 * DAY, ahead_days=12)  # remake dropped days
+    inbox = []
+    for day, skew, lag, timed in rows:
+        created = NOW + day * DAY - timedelta(hours=5)
+        message_id = id_at(created + timedelta(hours=skew)) if timed else uuid.uuid4()
+        inbox.append(inbox_row("g", created + timedelta(hours=lag), created, message_id=message_id))
+    parked = {"consumer_group": "g", "message_id": id_at(NOW - 8 * DAY), "topic": "t", "key": "p",
+              "seq": 1, "payload": b"x", "content_type": "application/json", "headers": {},
+              "created_at": NOW - 8 * DAY, "reason": "failed", "first_failure_at": NOW - 8 * DAY,
+              "last_failure_at": NOW - 8 * DAY}
+    held = {k: parked[k] for k in ("consumer_group", "topic", "payload", "content_type", "headers",
+                                   "created_at")}
+    with engine.begin() as conn:
+        if inbox:
+            conn.execute(sa.insert(t.inbox_messages), inbox)
+        conn.execute(sa.insert(t.inbox_parked), [parked])
+        conn.execute(sa.insert(t.inbox_held), [{**held, "message_id": id_at(NOW - 8 * DAY), "key": "h",
+                                                "seq": 3, "received_at": NOW - 8 * DAY}])
+        conn.execute(sa.insert(t.inbox_keys), [{"consumer_group": "g", "topic": "t", "key": "h",
+                                                "last_seq": 1, "parked": False}])
+    before, days = snapshot(engine, t), partitions(engine)
+    cutoff = NOW - WINDOW
+    with engine.connect() as conn:  # which days hold a record that must stay (asked of the database)
+        holding = {name for name in days if _unsettled(conn, f'"{name}"', cutoff)}
+
+    result = run_retention(engine, tables=t, dedup_window=WINDOW, batch_size=7, now=NOW)
+
+    settled = {r["message_id"] for r in inbox if r["processed_at"] < cutoff and r["created_at"] < cutoff}
+    after = snapshot(engine, t)
+    assert after["inbox"] == {("g", r["message_id"]) for r in inbox} - {("g", m) for m in settled}
+    for unchanged in ("inbox_keys", "held", "parked"):
+        assert after[unchanged] == before[unchanged]
+    report = result.inbox_partitions
+    assert report is not None
+    left = partitions(engine)
+    for name in days - left:  # every dropped day held only settled records, and was old enough
+        assert name in report.dropped and name not in holding
+        assert name.startswith(("inbox_messages_p", "inbox_messages_before"))
+        assert datetime.strptime(name[-8:], "%Y%m%d").replace(tzinfo=UTC) + \
+            (DAY if "_p" in name else timedelta(0)) <= cutoff
+    for name in holding:
+        assert name in left, f"{name} held a record inside the window and was dropped"
+    # Every old enough day whose records were all settled went whole.
+    old_days = {f"inbox_messages_p{NOW + n * DAY:%Y%m%d}" for n in range(-10, 1)
+                if (NOW + n * DAY).replace(hour=0, minute=0) + DAY <= cutoff}
+    assert not ((old_days & days) - holding) & left
+    again = run_retention(engine, tables=t, dedup_window=WINDOW, now=NOW)
+    assert again.total == 0 and not again.inbox_partitions.dropped  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def inbox(postgres_db: str) -> Iterator[Inbox]:
+    engine = create_engine(postgres_db)
+    inbox = Inbox(engine, group="billing", retry_backoff=0, alert=AlertLog(), dedup_window=WINDOW)
+    inbox.create_tables()
+    partition_inbox(engine, inbox.tables, now=datetime.now(UTC) - 10 * DAY, ahead_days=12)
+    applied: list[tuple[str, int]] = []
+    poison: set[uuid.UUID] = set()
+
+    @inbox.handler(TOPIC)
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        if message.message_id in poison:
+            raise ParkMessage("poison")
+        applied.append((message.key, message.seq))
+
+    inbox.applied, inbox.poison = applied, poison  # type: ignore[attr-defined]
+    yield inbox
+    engine.dispose()
+
+
+def expired(inbox: Inbox) -> float:
+    return REGISTRY.get_sample_value("outbox_inbox_seq_conflicts_total", {
+        "group": inbox.group, "topic": TOPIC, "verdict": "expired"}) or 0.0
+
+
+def test_a_day_with_a_record_inside_the_window_stays_and_its_redeliveries_stay_duplicates(
+        inbox: Inbox) -> None:
+    """A message five days old processed now keeps its day (processed inside the window), one two
+    days old keeps its own (created inside it); their redeliveries are duplicates. Once time
+    passes the window, the days go whole, and a redelivery of the old keyed message is an expired
+    duplicate (never applied again, never a conflict) while the key carries on."""
+    engine, now = inbox.engine, datetime.now(UTC)
+    assert isinstance(engine, sa.Engine)
+    old = [record(TOPIC, "k", seq, message_id=id_at(now - 5 * DAY), created_at=now - 5 * DAY)
+           for seq in (1, 2)]
+    recent = record(TOPIC, "k", 3, message_id=id_at(now - 2 * DAY), created_at=now - 2 * DAY)
+    assert [inbox.handle(r) for r in [*old, recent]] == [Disposition.APPLIED] * 3
+    old_day, recent_day = (f"inbox_messages_p{t:%Y%m%d}" for t in (now - 5 * DAY, now - 2 * DAY))
+    assert where(engine, _id(old[0])) == old_day
+
+    result = run_retention(engine, tables=inbox.tables, dedup_window=WINDOW)
+
+    assert result.inbox_partitions is not None
+    assert old_day in result.inbox_partitions.kept and old_day in partitions(engine)
+    assert recent_day in partitions(engine)
+    assert [inbox.handle(r) for r in [*old, recent]] == [Disposition.DUPLICATE] * 3
+
+    later = run_retention(engine, tables=inbox.tables, dedup_window=WINDOW, now=now + 4 * DAY)
+
+    assert later.inbox_partitions is not None and old_day in later.inbox_partitions.dropped
+    assert old_day not in partitions(engine) and where(engine, _id(old[0])) is None
+    before = expired(inbox)
+    assert [inbox.handle(r) for r in old] == [Disposition.DUPLICATE] * 2  # expired redeliveries
+    assert expired(inbox) == before + 2
+    assert inbox.parked() == [] and list(inbox.alert) == []  # type: ignore[call-overload]
+    assert inbox.handle(record(TOPIC, "k", 4, message_id=new_message_id())) is Disposition.APPLIED
+    assert inbox.applied == [("k", 1), ("k", 2), ("k", 3), ("k", 4)]  # type: ignore[attr-defined]
+
+
+def test_held_and_parked_messages_outlive_their_day_and_stay_deduplicated(inbox: Inbox) -> None:
+    """A message held behind a gap and one parked, both of a day retention drops: neither is
+    touched; the held one applies when its gap fills, the parked one replays, their records land
+    in the default partition (their day is gone), and their redeliveries are duplicates."""
+    engine, now = inbox.engine, datetime.now(UTC)
+    assert isinstance(engine, sa.Engine)
+    made = now - 5 * DAY
+    gap, held = (record(TOPIC, "h", seq, message_id=id_at(made), created_at=made) for seq in (1, 2))
+    poisoned = record(TOPIC, "p", 1, message_id=id_at(made), created_at=made)
+    inbox.poison.add(_id(poisoned))  # type: ignore[attr-defined]
+    settled = record(TOPIC, "s", 1, message_id=id_at(made), created_at=made)
+    assert inbox.handle(held) is Disposition.HELD
+    assert inbox.handle(poisoned) is Disposition.PARKED
+    assert inbox.handle(settled) is Disposition.APPLIED
+    day = f"inbox_messages_p{made:%Y%m%d}"
+
+    result = run_retention(engine, tables=inbox.tables, dedup_window=WINDOW, now=now + 4 * DAY)
+
+    assert result.inbox_partitions is not None and day in result.inbox_partitions.dropped
+    inbox.poison.clear()  # type: ignore[attr-defined]
+    assert inbox.handle(gap) is Disposition.APPLIED  # and the held one after it, same transaction
+    assert inbox.replay(TOPIC, "p").applied == 1
+    assert inbox.applied == [("s", 1), ("h", 1), ("h", 2), ("p", 1)]  # type: ignore[attr-defined]
+    for message in (gap, held, poisoned):
+        assert where(engine, _id(message)) == "inbox_messages_default"
+    assert [inbox.handle(r) for r in (gap, held, poisoned)] == [Disposition.DUPLICATE] * 3
+    assert len(inbox.applied) == 4  # type: ignore[attr-defined]
+
+
+def _id(r) -> uuid.UUID:  # type: ignore[no-untyped-def]
+    return uuid.UUID(dict(r.headers)["outbox-message-id"].decode())
+
+
+def test_the_check_under_the_tables_lock_reads_the_brin_index_not_the_day(
+        tables: tuple[sa.Engine, OutboxTables]) -> None:
+    """The check that runs while DETACH holds the table's lock (stalling every consumer) is planned
+    on the day's BRIN index of (processed_at, created_at), whatever the day's size."""
+    engine, _ = tables
+    day = f"inbox_messages_p{NOW - 5 * DAY:%Y%m%d}"
+    with engine.begin() as conn:
+        conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
+        plan = "\n".join(conn.execute(sa.text(
+            f"EXPLAIN SELECT 1 FROM {day} WHERE processed_at >= :c OR created_at >= :c LIMIT 1000"),
+            {"c": NOW}).scalars())
+    assert "Bitmap Index Scan" in plan and "Seq Scan" not in plan, plan
