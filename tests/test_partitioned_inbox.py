@@ -8,20 +8,26 @@ sync inbox: the async one runs the same store statements, proved once in test_in
 
 from __future__ import annotations
 
+import time
 import types
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
 from test_inbox_core import *  # noqa: F403  (collects the same tests here, on the fixtures below)
 
 import tests.inbox_support
-from outbox import Inbox
+from outbox import Inbox, create_engine
 from outbox._envelope import new_message_id
+from outbox._tables import OutboxTables
 from outbox.housekeeping import partition_inbox
 from outbox.housekeeping._partitions import is_partitioned
 from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, dispose, for_inbox
+
+MODEL_EXAMPLES = 10
 
 
 @pytest.fixture
@@ -48,3 +54,47 @@ def inbox(engine: sa.Engine) -> Iterator[Inbox]:
     box.handler(TOPIC)(for_inbox(box, apply_effect))
     yield box
     dispose(box)
+
+
+@pytest.mark.slow
+def test_the_inbox_model_holds_on_partitioned_tables(engine: sa.Engine) -> None:
+    """test_inbox_model's state machine (dedup, order, held gaps, parking, replay, discard, rebuilt
+    producers, concurrent consumers) on partitioned tables, with fewer examples than its own run."""
+    import test_inbox_model  # a module, not its names: its test runs once, in its own file
+
+    Inbox(engine, group="setup").create_tables()
+    partition_inbox(engine, OutboxTables())
+    test_inbox_model.model_effects.create(engine, checkfirst=True)
+    machine = type("Machine", (test_inbox_model.InboxModel,),
+                   {"engine": engine, "bind": engine, "_uuid": _uuid7})
+    run_state_machine_as_test(machine, settings=settings(
+        settings.get_profile("inbox-model"), max_examples=MODEL_EXAMPLES))
+    with engine.connect() as conn:  # the records were in day partitions, not all in a catch-all one
+        assert conn.execute(sa.text("SELECT count(*) FROM inbox_messages "
+                                    "WHERE tableoid::regclass::text LIKE 'inbox_messages_p%'")).scalar()
+
+
+def _uuid7(model) -> uuid.UUID:  # type: ignore[no-untyped-def]
+    """The model's ids as UUIDv7 minted now (its own are random v4), from its seeded random bits."""
+    bits = (int(time.time() * 1000) << 80) | model.ids.getrandbits(80)
+    bits = (bits & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    return uuid.UUID(int=(bits & ~(0x3 << 62)) | (0x2 << 62))  # the RFC 4122 variant
+
+
+def test_retention_keeps_duplicates_inside_the_window_on_partitioned_tables(postgres_db: str) -> None:
+    """test_retention_inbox's proof of the dedup window across retention, on partitioned tables."""
+    import test_retention_inbox
+
+    engine = create_engine(postgres_db)
+    box = Inbox(engine, group=f"g-{uuid.uuid4().hex[:8]}", retry_backoff=0, alert=AlertLog(),
+                dedup_window=test_retention_inbox.WINDOW)
+    box.create_tables()
+    partition_inbox(engine, box.tables)
+    applied: list[tuple[str, int]] = []
+    box.handler(test_retention_inbox.TOPIC)(
+        lambda session, message: applied.append((message.key, message.seq)))
+    box.applied = applied  # type: ignore[attr-defined]
+    try:
+        test_retention_inbox.test_duplicates_inside_the_window_are_still_dropped_after_retention(box)
+    finally:
+        engine.dispose()

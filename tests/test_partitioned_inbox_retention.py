@@ -4,6 +4,8 @@ and the dedup promise holds across the drop (docs/operations.md, "Housekeeping")
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -231,3 +233,48 @@ def test_the_check_under_the_tables_lock_reads_the_brin_index_not_the_day(
             f"EXPLAIN SELECT 1 FROM {day} WHERE processed_at >= :c OR created_at >= :c LIMIT 1000"),
             {"c": NOW}).scalars())
     assert "Bitmap Index Scan" in plan and "Seq Scan" not in plan, plan
+
+
+@pytest.mark.slow
+def test_converting_keeps_every_record_then_the_command_line_retires_settled_days(postgres_db: str) -> None:
+    """``partition_inbox`` moves every record (ids of any kind, a record without a creation time)
+    and the database still refuses a second record of an id; ``outbox housekeeping run
+    --dedup-window`` then drops the settled days (a dry run says so first) and deletes the settled
+    rows elsewhere one by one; ``init-db --partitioned`` on it changes nothing."""
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "outbox", *args, "--db", postgres_db],
+                              capture_output=True, text=True, timeout=120)
+
+    engine = create_engine(postgres_db)
+    Inbox(engine, group="setup").create_tables()
+    t, now = OutboxTables(), datetime.now(UTC)
+    old, recent = now - 10 * DAY, now - DAY
+    rows = [inbox_row("g", old, old, message_id=id_at(old)), inbox_row("G ", old, old, message_id=id_at(old)),
+            inbox_row("g", now, old, message_id=id_at(old)),  # processed late: keeps nothing of its day
+            inbox_row("g", recent, recent, message_id=id_at(recent)),
+            inbox_row("g", old, old), inbox_row("g", old, None), inbox_row("g", recent, None)]
+    with engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages), rows)
+    before = snapshot(engine, t)["inbox"]
+
+    assert partition_inbox(engine, t, now=now - 12 * DAY, ahead_days=14) == len(rows)
+    assert partition_inbox(engine, t) is None
+    assert snapshot(engine, t)["inbox"] == before
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages), [{**rows[0], "processed_at": now}])
+    late_day = f"inbox_messages_p{old:%Y%m%d}"
+
+    dry = cli("housekeeping", "run", "--dedup-window", "3d", "--dry-run")
+    assert dry.returncode == 0 and "would be deleted" in dry.stdout, dry.stdout + dry.stderr
+    assert f"{late_day}: kept, 1 record(s) created or processed inside the dedup window" in dry.stdout
+    assert snapshot(engine, t)["inbox"] == before
+    with engine.begin() as conn:  # the late one is settled too now: its day can go whole
+        conn.execute(sa.update(t.inbox_messages).values(processed_at=old)
+                     .where(t.inbox_messages.c.processed_at == now))
+    done = cli("housekeeping", "run", "--dedup-window", "3d")
+    assert done.returncode == 0 and f"{late_day}: dropped" in done.stdout, done.stdout + done.stderr
+    assert late_day not in partitions(engine)
+    assert snapshot(engine, t)["inbox"] == {("g", rows[3]["message_id"]), ("g", rows[6]["message_id"])}
+    again = cli("init-db", "--partitioned")
+    assert again.returncode == 0 and "inbox_messages is partitioned already" in again.stdout
+    engine.dispose()
