@@ -12,6 +12,7 @@ import time
 import types
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -20,12 +21,12 @@ from hypothesis.stateful import run_state_machine_as_test
 from test_inbox_core import *  # noqa: F403  (collects the same tests here, on the fixtures below)
 
 import tests.inbox_support
-from outbox import Inbox, create_engine
-from outbox._envelope import new_message_id
+from outbox import Disposition, Inbox, create_engine
+from outbox._envelope import new_message_id, utcnow
 from outbox._tables import OutboxTables
 from outbox.housekeeping import partition_inbox
 from outbox.housekeeping._partitions import is_partitioned
-from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, dispose, for_inbox
+from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, dispose, for_inbox, record
 
 MODEL_EXAMPLES = 10
 
@@ -98,3 +99,23 @@ def test_retention_keeps_duplicates_inside_the_window_on_partitioned_tables(post
         test_retention_inbox.test_duplicates_inside_the_window_are_still_dropped_after_retention(box)
     finally:
         engine.dispose()
+
+
+def test_a_copy_of_an_id_with_another_creation_time_is_still_a_duplicate(inbox: Inbox,
+                                                                         engine: sa.Engine) -> None:
+    """What makes a duplicate is the id alone: copies whose envelopes carry other creation times
+    (a CloudEvent without ``time`` is stamped when it is read) meet in one partition, keyed or not,
+    and the database refuses a second record of the id whatever its times."""
+    now = utcnow()
+    for key, seq in ((None, None), ("k", 1)):
+        message_id = new_message_id()
+        first = record(TOPIC, key, seq, message_id=message_id, created_at=now - timedelta(days=6))
+        later = record(TOPIC, key, seq, message_id=message_id, created_at=now + timedelta(days=3))
+        assert inbox.handle(first) is Disposition.APPLIED
+        assert inbox.handle(later) is Disposition.DUPLICATE
+    m = inbox.tables.inbox_messages
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(m).limit(1)).mappings().one()
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        conn.execute(sa.insert(m).values({**row, "created_at": now - timedelta(days=40),
+                                          "processed_at": now}))
