@@ -278,3 +278,49 @@ def test_converting_keeps_every_record_then_the_command_line_retires_settled_day
     again = cli("init-db", "--partitioned")
     assert again.returncode == 0 and "inbox_messages is partitioned already" in again.stdout
     engine.dispose()
+
+
+def test_coming_days_are_made_without_reading_the_default_partition_under_the_lock(
+        tables: tuple[sa.Engine, OutboxTables], postgres_db: str) -> None:
+    """Records of ids that are not UUIDv7 fill the default partition; making a coming day beside
+    it is proved by a validated constraint (PostgreSQL says the default's check "is implied"), not
+    by reading the default while every consumer waits. A day the default already holds a record
+    of is not made, and no constraint is left behind (nor one an earlier pass left) to refuse the
+    next such record."""
+    engine, t = tables
+    start = NOW - 10 * DAY  # the days made by the fixture end at NOW + 2 days
+    later = [inbox_row("g", NOW, NOW, message_id=uuid.UUID(int=id_at(NOW + n * DAY).int | 1))
+             for n in (20, 40)]
+    stray = inbox_row("g", NOW, NOW, message_id=id_at(NOW + 4 * DAY))
+    with engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages), [*later, stray])
+        # A fence an earlier pass could not take down (its lock was not granted in time).
+        conn.execute(sa.text("ALTER TABLE inbox_messages_default ADD CONSTRAINT "
+                             "ck_inbox_messages_not_p20260609 CHECK (message_id < "
+                             f"'{id_at(NOW + 8 * DAY)}') NOT VALID"))
+    assert {where(engine, r["message_id"]) for r in [*later, stray]} == {"inbox_messages_default"}
+    notices: list[str] = []
+    watched = create_engine(postgres_db)
+
+    @sa.event.listens_for(watched, "connect")
+    def debug(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_connection.add_notice_handler(lambda notice: notices.append(notice.message_primary))
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET client_min_messages = debug1")
+        dbapi_connection.commit()  # a SET in a transaction rolled back would be undone
+
+    report = maintain_inbox_partitions(watched, t, None, now=start + 11 * DAY, ahead_days=4)
+    watched.dispose()
+
+    made = [f"inbox_messages_p{NOW + n * DAY:%Y%m%d}" for n in (3, 5)]
+    assert report.created == made and set(made) <= partitions(engine)
+    assert f"inbox_messages_p{NOW + 4 * DAY:%Y%m%d}" in report.kept  # the stray record's day
+    implied = [n for n in notices if "default partition" in n and "implied by existing constraints" in n]
+    assert len(implied) == len(made), notices
+    with engine.connect() as conn:
+        assert not conn.execute(sa.text("SELECT conname FROM pg_constraint "
+                                        "WHERE conrelid = 'inbox_messages_default'::regclass "
+                                        "AND contype = 'c'")).all()
+    with engine.begin() as conn:  # another record of the unmade day still lands in the default
+        conn.execute(sa.insert(t.inbox_messages),
+                     [inbox_row("g", NOW, NOW, message_id=id_at(NOW + 9 * DAY))])

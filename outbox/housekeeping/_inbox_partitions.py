@@ -113,7 +113,7 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
         conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _checked_name(table.name + '_untimed'))} "
                           f"PARTITION OF {name} FOR VALUES FROM ('{first_id_of(UNTIMED_FROM)}') "
                           "TO (MAXVALUE)"))
-        conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _checked_name(table.name + '_default'))} "
+        conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _default_name(table))} "
                           f"PARTITION OF {name} DEFAULT"))
         moved = conn.execute(text(f"INSERT INTO {name} SELECT * FROM {old}")).rowcount
         conn.execute(text(f"DROP TABLE {old}"))
@@ -146,14 +146,21 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
             "WHERE i.inhparent = to_regclass(:t)"), {"t": _qualified(conn, table)}).scalars().all()
     today = _day(now or utcnow())
     days = {_bounds(table, n)[0] for n in names}
+    default = _default_name(table) if _default_name(table) in names else None
+    if default is not None and not dry_run:
+        _drop_fences(engine, table, default)
     for n in range(ahead_days + 1):
         day = today + n * DAY
         if day in days or dry_run:
             continue
         try:
-            with engine.begin() as conn:
-                conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-                report.created.append(_create_day(conn, table, day))
+            if default is not None and day > today:
+                _make_day_beside_default(engine, table, default, day)
+            else:
+                with engine.begin() as conn:
+                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+                    _create_day(conn, table, day)
+            report.created.append(_day_name(table, day))
         except DBAPIError as exc:
             report.kept[_day_name(table, day)] = f"not created yet: {_first_line(exc)}"
     if cutoff is None:
@@ -163,6 +170,66 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
         if upper is not None and upper <= cutoff:
             _retire(engine, table, name, cutoff, report, dry_run)
     return report
+
+
+def _make_day_beside_default(engine: Engine, table: Table, default: str, day: datetime) -> None:
+    """Make a coming day without reading the default partition under the table's lock.
+
+    Making a partition beside a ``DEFAULT`` one makes PostgreSQL check that
+    the default holds no row of the new range, by reading all of it while it
+    holds the parent's ACCESS EXCLUSIVE lock, unless a valid constraint of the
+    default already proves it. Ids that are not UUIDv7 put rows there, so the
+    proof comes first: a ``NOT VALID`` check constraint excluding the day's
+    ids (a brief lock, no read), validated while writers carry on (SHARE
+    UPDATE EXCLUSIVE), then the day made in an instant and the fence dropped.
+    Only for a day still to come: while the fence stands (the validation's
+    read of the default), an id of that day would be refused by the default —
+    only a producer clock a day ahead, or a non-UUIDv7 id falling into that
+    one day of its 9,000-year range, can send one; its transaction then fails
+    once and is retried as a failed attempt.
+    """
+    fence, lo, hi = _fence(table, day), first_id_of(day), first_id_of(day + DAY)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            part = _qualified(conn, table, default)
+            conn.execute(text(f"ALTER TABLE {part} ADD CONSTRAINT {_quote(conn, fence)} "
+                              f"CHECK (message_id < '{lo}' OR message_id >= '{hi}') NOT VALID"))
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            conn.execute(text(f"ALTER TABLE {part} VALIDATE CONSTRAINT {_quote(conn, fence)}"))
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            _create_day(conn, table, day)
+            conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
+    finally:
+        _drop_fences(engine, table, default, only=fence)
+
+
+def _drop_fences(engine: Engine, table: Table, default: str, *, only: str | None = None) -> None:
+    """Drop the fences a pass left on the default partition (its lock was not granted in time)."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            part = _qualified(conn, table, default)
+            like = _fence(table, None).replace("_", r"\_")
+            fences = conn.execute(text(
+                "SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(:p) AND contype = 'c' "
+                "AND conname LIKE :like"), {"p": part, "like": like}).scalars().all()
+            for fence in fences:
+                if only is None or fence == only:
+                    conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
+    except DBAPIError:
+        pass  # the next pass drops it
+
+
+def _fence(table: Table, day: datetime | None) -> str:
+    """The default partition's check constraint that keeps ``day``'s ids out (None: a LIKE of all)."""
+    return _checked_name(f"ck_{table.name}_not_p" + ("%" if day is None else f"{day:%Y%m%d}"))
+
+
+def _default_name(table: Table) -> str:
+    return _checked_name(table.name + "_default")
 
 
 def _retire(engine: Engine, table: Table, name: str, cutoff: datetime, report: PartitionReport,
