@@ -275,6 +275,11 @@ def test_converting_keeps_every_record_then_the_command_line_retires_settled_day
     assert done.returncode == 0 and f"{late_day}: dropped" in done.stdout, done.stdout + done.stderr
     assert late_day not in partitions(engine)
     assert snapshot(engine, t)["inbox"] == {("g", rows[3]["message_id"]), ("g", rows[6]["message_id"])}
+    with engine.begin() as conn:  # as if the last pass with --dedup-window was a day ago
+        conn.execute(sa.text(f"DROP TABLE inbox_messages_p{now + 7 * DAY:%Y%m%d}"))
+    relay_only = cli("housekeeping", "run", "--older-than", "7d")  # a relay's pass makes the inbox's days
+    assert f"inbox_messages_p{now + 7 * DAY:%Y%m%d}" in relay_only.stdout, relay_only.stdout
+    assert f"inbox_messages_p{now + 7 * DAY:%Y%m%d}" in partitions(engine)
     again = cli("init-db", "--partitioned")
     assert again.returncode == 0 and "inbox_messages is partitioned already" in again.stdout
     engine.dispose()
