@@ -329,3 +329,24 @@ def test_coming_days_are_made_without_reading_the_default_partition_under_the_lo
     with engine.begin() as conn:  # another record of the unmade day still lands in the default
         conn.execute(sa.insert(t.inbox_messages),
                      [inbox_row("g", NOW, NOW, message_id=id_at(NOW + 9 * DAY))])
+
+
+def test_one_groups_pass_never_drops_a_day_holding_another_groups_records(
+        tables: tuple[sa.Engine, OutboxTables]) -> None:
+    """A pass limited to one group (``outbox inbox run --retention``) deletes that group's settled
+    records row by row and leaves every other group's, whose window it does not know; the pass
+    over every group then drops the day."""
+    engine, t = tables
+    old = NOW - 6 * DAY
+    mine, theirs = (inbox_row(group, old, old, message_id=id_at(old)) for group in ("g", "other"))
+    with engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages), [mine, theirs])
+    day = f"inbox_messages_p{old:%Y%m%d}"
+
+    result = run_retention(engine, tables=t, dedup_window=WINDOW, group="g", now=NOW)
+
+    assert result.deleted == {"inbox_messages": 1} and day in partitions(engine)
+    assert snapshot(engine, t)["inbox"] == {("other", theirs["message_id"])}
+    result = run_retention(engine, tables=t, dedup_window=WINDOW, now=NOW)
+    assert result.inbox_partitions is not None and day in result.inbox_partitions.dropped
+    assert snapshot(engine, t)["inbox"] == set()
