@@ -80,8 +80,7 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
 
     One transaction holding the table's ACCESS EXCLUSIVE lock while the rows
     are copied: consumers wait for it, nothing is lost, a failure leaves the
-    table as it was. The store's statements do not change, so running inboxes
-    carry on after it.
+    table as it was. The store's statements are the same on both layouts.
     """
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(
