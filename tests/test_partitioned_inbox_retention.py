@@ -350,3 +350,27 @@ def test_one_groups_pass_never_drops_a_day_holding_another_groups_records(
     result = run_retention(engine, tables=t, dedup_window=WINDOW, now=NOW)
     assert result.inbox_partitions is not None and day in result.inbox_partitions.dropped
     assert snapshot(engine, t)["inbox"] == set()
+
+
+def test_an_inbox_converted_while_it_runs_keeps_deduplicating(postgres_db: str) -> None:
+    """An inbox that applied messages (its statements prepared by the driver by then) goes on
+    after its table is converted under it: redeliveries of what it applied before are duplicates,
+    new messages apply, every record is kept."""
+    engine = create_engine(postgres_db)
+    inbox = Inbox(engine, group="billing", retry_backoff=0, alert=AlertLog())
+    inbox.create_tables()
+    applied: list[tuple[str | None, int | None]] = []
+    inbox.handler(TOPIC)(lambda session, message: applied.append((message.key, message.seq)))
+    before = [record(TOPIC, key, seq if key else None, message_id=new_message_id())
+              for seq in (1, 2, 3, 4) for key in ("a", "b", None)]
+    assert {inbox.handle(r) for r in before} == {Disposition.APPLIED}
+
+    assert partition_inbox(engine, inbox.tables) == len(before)
+
+    assert {inbox.handle(r) for r in before} == {Disposition.DUPLICATE}
+    after = [record(TOPIC, key, 5 if key else None, message_id=new_message_id())
+             for key in ("a", "b", None)]
+    assert {inbox.handle(r) for r in after} == {Disposition.APPLIED}
+    assert len(applied) == len(before) + len(after)
+    assert len(snapshot(engine, inbox.tables)["inbox"]) == len(before) + len(after)
+    engine.dispose()
