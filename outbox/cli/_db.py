@@ -11,7 +11,7 @@ from .. import _schema
 from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError
 from .._outbox import Outbox
-from ..housekeeping import partition_outbox
+from ..housekeeping import partition_inbox, partition_outbox
 from . import app
 from ._errors import naming
 from ._options import DB, PREFIX, SCHEMA
@@ -99,8 +99,9 @@ def init_db(
              "copying it, with its relays stopped (see docs/consumer.md, 'Producer restarts')."),
     partitioned: bool = typer.Option(
         False, "--partitioned",
-        help="PostgreSQL: partition outbox_messages by day, so retention drops whole days; converts "
-             "an existing table keeping every row (docs/operations.md, 'Housekeeping')."),
+        help="PostgreSQL: partition outbox_messages and inbox_messages by day, so retention drops "
+             "whole days; converts existing tables keeping every row (docs/operations.md, "
+             "'Housekeeping')."),
 ) -> None:
     """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
     naming(db)
@@ -137,6 +138,9 @@ def init_db(
         moved = partition_outbox(outbox.engine, outbox.tables)
         console.print("outbox_messages is partitioned already" if moved is None
                       else f"[green]partitioned[/green] outbox_messages by day ({moved:,} row(s) moved)")
+        moved = partition_inbox(outbox.engine, outbox.tables)
+        console.print("inbox_messages is partitioned already" if moved is None
+                      else f"[green]partitioned[/green] inbox_messages by day ({moved:,} row(s) moved)")
     stored = outbox.load_schema()
     console.print(f"shard count {stored.shard_count}, schema version {stored.version}, "
                   f"max record bytes {stored.max_record_bytes}")

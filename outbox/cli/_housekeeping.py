@@ -17,7 +17,13 @@ from typing import Any
 import typer
 from sqlalchemy import Engine
 
-from ..housekeeping import DEFAULT_BATCH_SIZE, RetentionResult, parse_period, run_retention
+from ..housekeeping import (
+    DEFAULT_BATCH_SIZE,
+    PartitionReport,
+    RetentionResult,
+    parse_period,
+    run_retention,
+)
 from ..housekeeping._worker import RetentionThread
 from ..inbox import Inbox
 from . import app
@@ -78,17 +84,9 @@ def run(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     elapsed = time.monotonic() - started
-    parts = result.partitions
-    if parts is not None:
-        verb = "would drop" if dry_run else "dropped"
-        for name, rows in parts.dropped.items():
-            size = ("row count not known yet" if rows is None
-                    else f"{'' if dry_run else 'about '}{rows:,} row(s)")
-            typer.echo(f"{name}: {verb} ({size})")
-        for name, why in parts.kept.items():
-            typer.echo(f"{name}: kept, {why}")
-        if parts.created:
-            typer.echo(f"created partition(s) {', '.join(parts.created)}")
+    for parts in (result.partitions, result.inbox_partitions):
+        if parts is not None:
+            _show(parts, dry_run)
     for table, count in result.deleted.items():
         cutoff = f"{result.cutoffs[table]:%Y-%m-%d %H:%M:%S} UTC"
         if dry_run:
@@ -100,6 +98,18 @@ def run(
         raise typer.Exit(128 + stopped_by[0].value)
 
 
+
+def _show(parts: PartitionReport, dry_run: bool) -> None:
+    """What a pass did with one table's partitions: dropped (with their rows), kept (why), made."""
+    verb = "would drop" if dry_run else "dropped"
+    for name, rows in parts.dropped.items():
+        size = ("row count not known yet" if rows is None
+                else f"{'' if dry_run else 'about '}{rows:,} row(s)")
+        typer.echo(f"{name}: {verb} ({size})")
+    for name, why in parts.kept.items():
+        typer.echo(f"{name}: kept, {why}")
+    if parts.created:
+        typer.echo(f"created partition(s) {', '.join(parts.created)}")
 
 
 def retention_every_option() -> Any:

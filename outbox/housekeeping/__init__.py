@@ -3,12 +3,16 @@
 ``run_retention`` deletes published outbox rows and inbox dedup records past
 their retention in short batches, online (docs/operations.md, "Housekeeping").
 ``partition_outbox`` makes ``outbox_messages`` partitioned by day on PostgreSQL,
-after which a retention pass drops whole settled partitions (``maintain_partitions``).
+after which a retention pass drops whole settled partitions (``maintain_partitions``);
+``partition_inbox`` does the same for ``inbox_messages``, by the day inside each message id
+(``maintain_inbox_partitions``), keeping the dedup key the primary key.
 """
 
 from ._durations import parse_period
+from ._inbox_partitions import maintain_inbox_partitions, partition_inbox
 from ._partitions import PartitionReport, maintain_partitions, partition_outbox
 from ._retention import DEFAULT_BATCH_SIZE, RetentionResult, count_settled, run_retention
 
 __all__ = ["DEFAULT_BATCH_SIZE", "PartitionReport", "RetentionResult", "count_settled",
-           "maintain_partitions", "parse_period", "partition_outbox", "run_retention"]
+           "maintain_inbox_partitions", "maintain_partitions", "parse_period", "partition_inbox",
+           "partition_outbox", "run_retention"]

@@ -18,10 +18,9 @@ primary key is ``(id, created_at)`` and ``message_id`` is unique together with
 once by ``publish()``; the relay and the audits find rows by ``id`` (every
 partition's index is probed: a few per day of retention).
 
-Only the outbox table is partitioned: ``inbox_messages``' conflict target
-``(consumer_group, message_id)`` (the inbox's discard and skip) cannot stay a
-unique constraint without the partition key; inbox dedup records keep row
-retention (docs/operations.md).
+``inbox_messages`` is partitioned too, but by the day inside its message ids
+(``_inbox_partitions``): its dedup key ``(consumer_group, message_id)`` must
+stay a unique constraint, and it holds the id but no time of its own.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from .._outage import is_database_outage
 from .._outbox import Outbox
 from .._tables import MYSQL_FAMILY, OutboxTables
 from ._durations import parse_period
+from ._inbox_partitions import maintain_inbox_partitions
 from ._partitions import PartitionReport, is_partitioned, maintain_partitions
 from ._targets import Target, inbox_target, outbox_target
 
@@ -57,6 +58,9 @@ class RetentionResult:
     partitions: PartitionReport | None = None
     """On a partitioned outbox table: the partitions made, dropped (estimated rows, not in
     ``deleted``) and kept (why)."""
+    inbox_partitions: PartitionReport | None = None
+    """The same for a partitioned ``inbox_messages`` (``_inbox_partitions``); days are dropped only
+    by a pass over every group (no ``group``), whose ``dedup_window`` covers all of them."""
 
     @property
     def total(self) -> int:
@@ -102,6 +106,11 @@ def run_retention(
         jobs.append((inbox_target(tables, group), moment - parse_period(dedup_window, "dedup window")))
     engine = worker_engine(engine)
     result = RetentionResult(dry_run=dry_run)
+    inbox = inbox_target(tables)
+    if dedup_window is None and _partitioned(engine, inbox):
+        # Any pass makes the inbox's coming days, so a relay's retention alone keeps them made.
+        result.inbox_partitions = maintain_inbox_partitions(engine, tables, None, now=moment,
+                                                            dry_run=dry_run)
     for target, cutoff in jobs:
         result.cutoffs[target.name] = cutoff
         if stop is not None and stop.is_set():
@@ -109,10 +118,15 @@ def run_retention(
             break
         if target.table is tables.messages and _partitioned(engine, target):
             result.partitions = maintain_partitions(engine, tables, cutoff, now=moment, dry_run=dry_run)
+        if target.table is tables.inbox_messages and _partitioned(engine, target):
+            # One group's pass must not drop a day holding other groups' records (their windows
+            # may be longer): it makes the coming days and deletes its own rows one by one.
+            result.inbox_partitions = maintain_inbox_partitions(
+                engine, tables, cutoff if group is None else None, now=moment, dry_run=dry_run)
         if dry_run:
             # Rows of a partition that would be dropped are reported with it, not as deletions.
-            dropping = (list(result.partitions.dropped)
-                        if result.partitions and target.table is tables.messages else [])
+            report = result.partitions if target.table is tables.messages else result.inbox_partitions
+            dropping = list(report.dropped) if report else []
             result.deleted[target.name] = count_settled(engine, target, cutoff, besides=dropping)
             continue
         result.deleted[target.name] = 0

@@ -1,0 +1,323 @@
+"""Opt-in partitions of ``inbox_messages`` on PostgreSQL, by the time inside each message id.
+
+Why by the message id: PostgreSQL requires the partition key in every unique
+constraint, and the inbox's dedup promise *is* a unique constraint, on
+``(consumer_group, message_id)``. Partitioned by ``message_id`` itself, the
+primary key stays exactly that, the database still refuses a second record of
+an id in any partition, and every statement of the inbox store (its ``ON
+CONFLICT`` claims, its upserts, its lookups) is unchanged. A duplicate is the
+same id, so it always meets its first copy in the same partition.
+
+``publish()`` mints UUIDv7 ids, whose first 48 bits are the Unix time in
+milliseconds, and PostgreSQL orders UUIDs byte by byte: the ids of one UTC day
+are one range, ``[day's first id, next day's first id)``. So the table is
+range-partitioned by ``message_id``, one partition a day (``{table}_pYYYYMMDD``),
+made ``ahead`` days in advance; rows that existed when it was converted, and
+ids whose first bits read as a time before then, live in
+``{table}_beforeYYYYMMDD``. Ids that are not UUIDv7 (a CloudEvent's id, a
+producer's own) read as a random time, almost always after 2200: they go to
+``{table}_untimed`` (ids from 2200 on), the rest to ``{table}_default``. Those
+two are never dropped; retention deletes their settled rows row by row.
+
+Retention is unchanged in what it deletes: a record goes only once its message
+was created *and* processed before the cutoff (``_targets.inbox_target``). A
+day whose ids are all older than the cutoff is dropped only when every row in
+it is such a record; a message processed late (a lagging consumer, a delayed
+message) keeps its day until it too is out of the window. The check runs twice:
+first as a plain read (nothing waits on it), then again inside the transaction
+that DETACHes the partition (nothing can be written to it then), on a BRIN
+index of ``(processed_at, created_at)`` so that it reads only the block ranges
+that could hold a recent row, not the whole day, while it holds the table's
+lock. That transaction waits at most ``LOCK_TIMEOUT`` for the lock; if it is not
+granted, the day waits for the next pass.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import UTC, datetime
+
+from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy.exc import DBAPIError
+
+from .._envelope import utcnow
+from .._errors import ConfigurationError
+from .._tables import OutboxTables
+from ._partitions import (
+    DAY,
+    DEFAULT_AHEAD_DAYS,
+    LOCK_TIMEOUT,
+    PartitionReport,
+    _checked_name,
+    _day,
+    _first_line,
+    _qualified,
+    _quote,
+    is_partitioned,
+)
+
+UNTIMED_FROM = datetime(2200, 1, 1, tzinfo=UTC)
+"""Ids whose first 48 bits read as this time or later go to ``{table}_untimed`` (not UUIDv7, mostly)."""
+MAX_UNSETTLED_SHOWN = 1000
+
+
+def first_id_of(moment: datetime) -> uuid.UUID:
+    """The smallest UUID whose first 48 bits are ``moment`` in Unix milliseconds (a UUIDv7's time)."""
+    millis = int(moment.timestamp() * 1000)
+    return uuid.UUID(bytes=millis.to_bytes(6, "big") + bytes(10))
+
+
+def settled_index_name(tables: OutboxTables) -> str:
+    """The BRIN index of ``(processed_at, created_at)`` that a partitioned inbox table gets."""
+    return _checked_name(f"ix_{tables.prefix}inbox_settled")
+
+
+def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = DEFAULT_AHEAD_DAYS,
+                    now: datetime | None = None) -> int | None:
+    """Make ``inbox_messages`` partitioned by its ids' day, keeping every row; returns the rows
+    moved (None when it was partitioned already).
+
+    One transaction holding the table's ACCESS EXCLUSIVE lock while the rows
+    are copied: consumers wait for it, nothing is lost, a failure leaves the
+    table as it was. The store's statements are the same on both layouts.
+    """
+    if engine.dialect.name != "postgresql":
+        raise ConfigurationError(
+            f"partitioned tables need PostgreSQL; this database is {engine.dialect.name}")
+    table = tables.inbox_messages
+    old_name = _checked_name(f"{table.name}_unpartitioned")
+    day = _day(now or utcnow())
+    with engine.begin() as conn:
+        name = _qualified(conn, table)
+        conn.execute(text(f"LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"))
+        if is_partitioned(conn, table):
+            return None
+        old = _qualified(conn, table, old_name)
+        conn.execute(text(f"ALTER TABLE {name} RENAME TO {_quote(conn, old_name)}"))
+        indexes = conn.execute(text(
+            "SELECT pg_get_indexdef(x.indexrelid) FROM pg_index x WHERE x.indrelid = to_regclass(:t) "
+            "AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = x.indexrelid)"),
+            {"t": old}).scalars().all()
+        primary = conn.execute(text(
+            "SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(:t) AND contype = 'p'"),
+            {"t": old}).scalar() or f"{table.name}_pkey"
+        conn.execute(text(f"CREATE TABLE {name} (LIKE {old} INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+                          "INCLUDING STORAGE) PARTITION BY RANGE (message_id)"))
+        before = _checked_name(f"{table.name}_before{day:%Y%m%d}")
+        conn.execute(text(f"CREATE TABLE {_qualified(conn, table, before)} PARTITION OF {name} "
+                          f"FOR VALUES FROM (MINVALUE) TO ('{first_id_of(day)}')"))
+        for n in range(ahead_days + 1):
+            _create_day(conn, table, day + n * DAY)
+        conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _checked_name(table.name + '_untimed'))} "
+                          f"PARTITION OF {name} FOR VALUES FROM ('{first_id_of(UNTIMED_FROM)}') "
+                          "TO (MAXVALUE)"))
+        conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _default_name(table))} "
+                          f"PARTITION OF {name} DEFAULT"))
+        moved = conn.execute(text(f"INSERT INTO {name} SELECT * FROM {old}")).rowcount
+        conn.execute(text(f"DROP TABLE {old}"))
+        # (consumer_group, message_id) holds the partition key: the dedup key stays the primary key.
+        conn.execute(text(f"ALTER TABLE {name} ADD CONSTRAINT {_quote(conn, primary)} "
+                          "PRIMARY KEY (consumer_group, message_id)"))
+        for definition in indexes:
+            conn.execute(text(re.sub(r" ON \S+ USING ", lambda _: f" ON {name} USING ", definition, count=1)))
+        conn.execute(text(f"CREATE INDEX {_quote(conn, settled_index_name(tables))} ON {name} "
+                          "USING brin (processed_at, created_at)"))
+    return moved
+
+
+def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: datetime | None, *,
+                              ahead_days: int = DEFAULT_AHEAD_DAYS, now: datetime | None = None,
+                              dry_run: bool = False) -> PartitionReport:
+    """Make the coming days' partitions; with a ``cutoff``, drop the days whose ids are all older
+    and whose every row is a record created and processed before it.
+
+    ``cutoff`` is now minus the dedup window of *every* group (the partitions
+    hold all groups' records): a pass limited to one group passes None.
+    """
+    report = PartitionReport()
+    table = tables.inbox_messages
+    with engine.connect() as conn:
+        if not is_partitioned(conn, table):
+            return report
+        names = conn.execute(text(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(:t)"), {"t": _qualified(conn, table)}).scalars().all()
+    today = _day(now or utcnow())
+    days = {_bounds(table, n)[0] for n in names}
+    default = _default_name(table) if _default_name(table) in names else None
+    if default is not None and not dry_run:
+        _drop_fences(engine, table, default)
+    for n in range(ahead_days + 1):
+        day = today + n * DAY
+        if day in days or dry_run:
+            continue
+        try:
+            if default is not None and day > today:
+                _make_day_beside_default(engine, table, default, day)
+            else:
+                with engine.begin() as conn:
+                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+                    _create_day(conn, table, day)
+            report.created.append(_day_name(table, day))
+        except DBAPIError as exc:
+            report.kept[_day_name(table, day)] = f"not created yet: {_first_line(exc)}"
+    if cutoff is None:
+        return report
+    for name in sorted(names):
+        upper = _bounds(table, name)[1]
+        if upper is not None and upper <= cutoff:
+            _retire(engine, table, name, cutoff, report, dry_run)
+    return report
+
+
+def _make_day_beside_default(engine: Engine, table: Table, default: str, day: datetime) -> None:
+    """Make a coming day without reading the default partition under the table's lock.
+
+    Making a partition beside a ``DEFAULT`` one makes PostgreSQL check that
+    the default holds no row of the new range, by reading all of it while it
+    holds the parent's ACCESS EXCLUSIVE lock, unless a valid constraint of the
+    default already proves it. Ids that are not UUIDv7 put rows there, so the
+    proof comes first: a ``NOT VALID`` check constraint excluding the day's
+    ids (a brief lock, no read), validated while writers carry on (SHARE
+    UPDATE EXCLUSIVE), then the day made in an instant and the fence dropped.
+    Only for a day still to come: while the fence stands (the validation's
+    read of the default), an id of that day would be refused by the default —
+    only a producer clock a day ahead, or a non-UUIDv7 id falling into that
+    one day of its 9,000-year range, can send one; its transaction then fails
+    once and is retried as a failed attempt.
+    """
+    fence, lo, hi = _fence(table, day), first_id_of(day), first_id_of(day + DAY)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            part = _qualified(conn, table, default)
+            conn.execute(text(f"ALTER TABLE {part} ADD CONSTRAINT {_quote(conn, fence)} "
+                              f"CHECK (message_id < '{lo}' OR message_id >= '{hi}') NOT VALID"))
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            conn.execute(text(f"ALTER TABLE {part} VALIDATE CONSTRAINT {_quote(conn, fence)}"))
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            _create_day(conn, table, day)
+            conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
+    finally:
+        _drop_fences(engine, table, default, only=fence)
+
+
+def _drop_fences(engine: Engine, table: Table, default: str, *, only: str | None = None) -> None:
+    """Drop the fences a pass left on the default partition (its lock was not granted in time)."""
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            part = _qualified(conn, table, default)
+            like = _fence(table, None).replace("_", r"\_")
+            fences = conn.execute(text(
+                "SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(:p) AND contype = 'c' "
+                "AND conname LIKE :like"), {"p": part, "like": like}).scalars().all()
+            for fence in fences:
+                if only is None or fence == only:
+                    conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
+    except DBAPIError:
+        pass  # the next pass drops it
+
+
+def _fence(table: Table, day: datetime | None) -> str:
+    """The default partition's check constraint that keeps ``day``'s ids out (None: a LIKE of all)."""
+    return _checked_name(f"ck_{table.name}_not_p" + ("%" if day is None else f"{day:%Y%m%d}"))
+
+
+def _default_name(table: Table) -> str:
+    return _checked_name(table.name + "_default")
+
+
+def _retire(engine: Engine, table: Table, name: str, cutoff: datetime, report: PartitionReport,
+            dry_run: bool) -> None:
+    try:
+        _summarize(engine, table, name)
+        with engine.begin() as conn:
+            # A plain read first, which nobody waits on: a day with a record still inside the
+            # window is kept without asking for the table's lock.
+            unsettled = _unsettled(conn, _qualified(conn, table, name), cutoff)
+        if unsettled:
+            report.kept[name] = _inside(unsettled)
+            return
+        with engine.begin() as conn:
+            parent, part = _qualified(conn, table), _qualified(conn, table, name)
+            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            if not dry_run:
+                conn.execute(text(f"ALTER TABLE {parent} DETACH PARTITION {part}"))
+            # Detached inside this transaction, nothing can be written to it: the check holds.
+            unsettled = _unsettled(conn, part, cutoff)
+            if unsettled:
+                report.kept[name] = _inside(unsettled)
+                conn.rollback()
+                return
+            if dry_run:
+                report.dropped[name] = conn.execute(text(f"SELECT count(*) FROM {part}")).scalar_one()
+                return
+            estimate = conn.execute(text("SELECT reltuples::bigint FROM pg_class "
+                                         "WHERE oid = to_regclass(:p)"), {"p": part}).scalar_one()
+            conn.execute(text(f"DROP TABLE {part}"))
+            report.dropped[name] = None if estimate < 0 else int(estimate)
+    except DBAPIError as exc:
+        report.kept[name] = f"not dropped yet: {_first_line(exc)}"
+
+
+def _unsettled(conn: Connection, part: str, cutoff: datetime) -> int:
+    """Up to ``MAX_UNSETTLED_SHOWN`` records of ``part`` that retention must keep: created or
+    processed at or after ``cutoff`` (the negation of ``inbox_target``'s rule).
+
+    Planned on the BRIN index, never as a read of the whole day: a settled day's block ranges
+    all end before the cutoff, so it reads a few index pages and the ranges written since they
+    were summarized — the same whatever the day's size, also while DETACH holds the table's lock.
+    """
+    conn.execute(text("SET LOCAL enable_seqscan = off"))
+    found = conn.execute(text(
+        f"SELECT count(*) FROM (SELECT 1 FROM {part} WHERE processed_at >= :cutoff "
+        f"OR created_at >= :cutoff LIMIT {MAX_UNSETTLED_SHOWN}) o"), {"cutoff": cutoff}).scalar_one()
+    conn.execute(text("SET LOCAL enable_seqscan = on"))
+    return int(found)
+
+
+def _summarize(engine: Engine, table: Table, name: str) -> None:
+    """Summarize the BRIN ranges of ``name`` that were never summarized, outside any lock a writer
+    waits on, so the check under DETACH reads only what changed since. Best effort: without it
+    (another role owns the index) the check is as exact, only slower."""
+    try:
+        with engine.begin() as conn:
+            indexes = conn.execute(text(
+                "SELECT x.indexrelid::regclass::text FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+                "JOIN pg_am a ON a.oid = i.relam WHERE x.indrelid = to_regclass(:p) AND a.amname = 'brin'"),
+                {"p": _qualified(conn, table, name)}).scalars().all()
+            for index in indexes:
+                conn.execute(text("SELECT brin_summarize_new_values(to_regclass(:i))"), {"i": index})
+    except DBAPIError:
+        pass
+
+
+def _inside(count: int) -> str:
+    more = "+" if count == MAX_UNSETTLED_SHOWN else ""
+    return f"{count}{more} record(s) created or processed inside the dedup window"
+
+
+def _create_day(conn: Connection, table: Table, day: datetime) -> str:
+    name = _day_name(table, day)
+    conn.execute(text(f"CREATE TABLE IF NOT EXISTS {_qualified(conn, table, name)} PARTITION OF "
+                      f"{_qualified(conn, table)} FOR VALUES FROM ('{first_id_of(day)}') "
+                      f"TO ('{first_id_of(day + DAY)}')"))
+    return name
+
+
+def _day_name(table: Table, day: datetime) -> str:
+    return _checked_name(f"{table.name}_p{day:%Y%m%d}")
+
+
+def _bounds(table: Table, name: str) -> tuple[datetime | None, datetime | None]:
+    """(first day, end) by ids' time of a partition this module named; (None, None) for the
+    untimed and default ones, which are never dropped."""
+    found = re.fullmatch(re.escape(table.name) + r"_(p|before)(\d{8})", name)
+    if found is None:
+        return None, None
+    day = datetime.strptime(found.group(2), "%Y%m%d").replace(tzinfo=UTC)
+    return (day, day + DAY) if found.group(1) == "p" else (None, day)
