@@ -12,7 +12,7 @@ import time
 import types
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -21,9 +21,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from test_inbox_core import *  # noqa: F403  (collects the same tests here, on the fixtures below)
 
 import tests.inbox_support
-from outbox import Disposition, Inbox, create_engine
-from outbox._envelope import new_message_id, utcnow
-from outbox._tables import OutboxTables
+from outbox import Disposition, Inbox, OutboxTables, create_engine, new_message_id
 from outbox.housekeeping import partition_inbox
 from outbox.housekeeping._partitions import is_partitioned
 from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, dispose, for_inbox, record
@@ -106,7 +104,7 @@ def test_a_copy_of_an_id_with_another_creation_time_is_still_a_duplicate(inbox: 
     """What makes a duplicate is the id alone: copies whose envelopes carry other creation times
     (a CloudEvent without ``time`` is stamped when it is read) meet in one partition, keyed or not,
     and the database refuses a second record of the id whatever its times."""
-    now = utcnow()
+    now = datetime.now(UTC)
     for key, seq in ((None, None), ("k", 1)):
         message_id = new_message_id()
         first = record(TOPIC, key, seq, message_id=message_id, created_at=now - timedelta(days=6))

@@ -17,9 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from outbox import Disposition, Inbox, ParkMessage, create_engine
-from outbox._envelope import new_message_id
-from outbox._tables import OutboxTables
+from outbox import Disposition, Inbox, OutboxTables, ParkMessage, create_engine, new_message_id
 from outbox.housekeeping import maintain_inbox_partitions, partition_inbox, run_retention
 from outbox.housekeeping._inbox_partitions import _unsettled
 from tests.inbox_support import AlertLog, record
