@@ -1,4 +1,4 @@
-"""Outages are not failures: the broker frozen for 60 s, then PostgreSQL down for 10 s, under two relays.
+"""Outages are not failures: the broker frozen for 40 s, then PostgreSQL down for 10 s, under two relays.
 
 The broker (librdkafka's mock cluster) lives in its own process, frozen with
 SIGSTOP so it neither answers nor closes a connection; PostgreSQL is a server
@@ -32,7 +32,7 @@ from transports.testing import BrokerProcess, read_topic
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
-FREEZE, DB_DOWN = 60.0, 10.0
+FREEZE, DB_DOWN = 40.0, 10.0  # the freeze outlasts the relay's 30 s wait for a delivery report
 
 
 def metric(port: int, name: str, **labels: str) -> float:
