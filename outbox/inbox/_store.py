@@ -366,15 +366,24 @@ class InboxStore(abc.ABC):
         stmt = stmt.order_by(p.c.topic, p.c.key, p.c.seq, p.c.id)
         if limit is not None:
             stmt = stmt.limit(limit)
-        return [ParkedRow(r.id, delivery_from_row(r), Reason(r.reason), r.error, r.attempts,
-                          r.first_failure_at, r.last_failure_at) for r in session.execute(stmt)]
+        return [parked_row(r) for r in session.execute(stmt).all()]
+
+    def replay_page(self, session: Session, topic: str, key: str | None,
+                    limit: int) -> list[ParkedRow]:
+        """The first ``limit`` replayable rows of one key (or the topic's unkeyed ones), in replay order.
+
+        What ``parked(…, replayable=True, limit=limit)`` returns. Here the
+        index on (group, topic, key, seq) ends with the row id on SQLite (the
+        rowid) and MySQL (InnoDB's primary key), so the (seq, id) order is the
+        index's; PostgreSQL's override bounds its sort.
+        """
+        return self.parked(session, topic, key, replayable=True, limit=limit)
 
     def parked_by_id(self, session: Session, message_id: uuid.UUID) -> ParkedRow | None:
         p = self.t.inbox_parked
         r = session.execute(select(p).where(p.c.consumer_group == self.group,
                                             p.c.message_id == message_id)).first()
-        return None if r is None else ParkedRow(r.id, delivery_from_row(r), Reason(r.reason), r.error,
-                                                r.attempts, r.first_failure_at, r.last_failure_at)
+        return None if r is None else parked_row(r)
 
     def parked_before(self, session: Session, key: KeyId, seq: int) -> int:
         """How many messages of ``key`` below ``seq`` are parked."""
@@ -441,21 +450,31 @@ def store_for(tables: OutboxTables, group: str, dialect: str) -> InboxStore:
     return SQLiteStore(tables, group)
 
 
-def delivery_from_row(row: Row[Any], *, origin: Origin = Origin.PARKED) -> Delivery:
-    """Rebuild a delivery from an ``inbox_held`` or ``inbox_parked`` row."""
+def delivery_from_row(row: Row[Any], received_at: datetime | None, *,
+                      origin: Origin = Origin.PARKED) -> Delivery:
+    """Rebuild a delivery from an ``inbox_held`` or ``inbox_parked`` row (received now if None).
+
+    ``received_at`` is passed rather than looked up: a row without the
+    column (``inbox_parked``) made the lookup raise and catch, per row.
+    """
     message = Message.model_construct(
         message_id=row.message_id, topic=row.topic, key=row.key, seq=row.seq,
         payload=row.payload, content_type=row.content_type, headers=row.headers or {},
         created_at=row.created_at, available_at=row.created_at, incarnation=row.incarnation,
         event_type=row.event_type,
     )
-    received = getattr(row, "received_at", None) or utcnow()
-    return delivery(message, row.kafka_partition, row.kafka_offset, received, origin=origin)
+    return delivery(message, row.kafka_partition, row.kafka_offset, received_at, origin=origin)
+
+
+def parked_row(row: Row[Any]) -> ParkedRow:
+    """Rebuild an ``inbox_parked`` row: its message taken as received now."""
+    return ParkedRow(row.id, delivery_from_row(row, None), Reason(row.reason), row.error, row.attempts,
+                     row.first_failure_at, row.last_failure_at)
 
 
 def held_from_row(row: Row[Any]) -> OrderedDelivery:
     """Rebuild a delivery from an ``inbox_held`` row: always keyed and numbered (only those are held)."""
-    d = delivery_from_row(row, origin=Origin.HELD)
+    d = delivery_from_row(row, row.received_at, origin=Origin.HELD)
     if not isinstance(d, OrderedDelivery):
         raise AssertionError(f"inbox_held row {row.message_id} has no key or seq")
     return d
