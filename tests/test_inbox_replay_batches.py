@@ -12,16 +12,20 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy.orm import Session
 
-from outbox import Disposition, Inbox
+from outbox import Disposition, Inbox, Message
+from outbox._tables import OutboxTables
 from outbox.inbox._calls import TopicHandler
-from outbox.inbox._delivery import OrderedDelivery, decode
+from outbox.inbox._delivery import OrderedDelivery, decode, delivery
 from outbox.inbox._kinds import Reason
+from outbox.inbox._store import InboxStore, store_for
 from tests.inbox_support import AlertLog, applied, apply_effect, business, dispose, insert_effect, record
 
 TOPIC = "orders"
@@ -258,7 +262,7 @@ def test_a_replay_page_on_postgresql_fetches_about_a_page_of_a_long_key(postgres
         flood = [decode(record(TOPIC, "k", seq), accept_foreign=False) for seq in range(2, 3001)]
         store.park_behind(session, [d for d in flood if isinstance(d, OrderedDelivery)])
     p = box.tables.inbox_parked
-    fetched = sa.text("SELECT coalesce(sum(idx_tup_fetch), 0) + coalesce(sum(seq_tup_read), 0) "
+    fetched = sa.text("SELECT (coalesce(sum(idx_tup_fetch), 0) + coalesce(sum(seq_tup_read), 0))::bigint "
                       "FROM pg_stat_xact_user_tables WHERE relname = :t")
     with box._sessions() as session, session.begin():
         before = session.scalar(fetched, {"t": p.name})
@@ -267,4 +271,45 @@ def test_a_replay_page_on_postgresql_fetches_about_a_page_of_a_long_key(postgres
     assert [r.delivery.message.seq for r in page] == list(range(1, 51))
     assert read <= 3 * 50, f"a page of 50 fetched {read} of the key's 3,000 rows"
     dispose(box)
+    engine.dispose()
+
+
+_text = st.text(st.characters(codec="utf-8", blacklist_characters="\x00"), max_size=8)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(st.tuples(st.binary(max_size=40), st.dictionaries(_text, _text, max_size=3),
+                                   st.one_of(st.none(), _text), st.one_of(st.none(), _text),
+                                   _text.filter(bool)), min_size=1, max_size=5))
+def test_a_parked_keys_flood_is_stored_on_postgresql_as_one_insert_per_message_stores_it(
+        postgres_engine: sa.Engine,
+        messages: list[tuple[bytes, dict[str, str], str | None, str | None, str]]) -> None:
+    """PostgreSQL parks a flood with one array per column; each row must be what an INSERT stores."""
+    tables = OutboxTables()
+    arrays, one_by_one = store_for(tables, "arrays", "postgresql"), store_for(tables, "each", "postgresql")
+    now = datetime.now(UTC)
+    flood = [delivery(Message.model_construct(
+        message_id=uuid.uuid4(), topic=TOPIC, key="k", seq=n + 2, payload=payload, content_type=ctype,
+        headers=headers, created_at=now, available_at=now, incarnation=incarnation, event_type=event),
+        n % 3, n * 7)
+        for n, (payload, headers, incarnation, event, ctype) in enumerate(messages)]
+    ordered = [d for d in flood if isinstance(d, OrderedDelivery)]
+    with Session(postgres_engine) as session, session.begin():
+        session.execute(tables.inbox_parked.delete())
+        arrays.park_behind(session, ordered)
+        InboxStore.park_behind(one_by_one, session, ordered)  # the statement per message
+        arrays.park_behind(session, ordered)  # again: parked already, left as it is
+    p = tables.inbox_parked
+    kept = [c for c in p.c if c.name not in ("id", "consumer_group", "first_failure_at", "last_failure_at")]
+    with postgres_engine.connect() as conn:
+        rows = {g: conn.execute(sa.select(*kept).where(p.c.consumer_group == g).order_by(p.c.seq)).all()
+                for g in ("arrays", "each")}
+    assert rows["arrays"] == rows["each"] and len(rows["arrays"]) == len(messages)
+
+
+@pytest.fixture
+def postgres_engine(postgres_db: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(postgres_db)
+    OutboxTables().metadata.create_all(engine)
+    yield engine
     engine.dispose()

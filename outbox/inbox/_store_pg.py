@@ -11,15 +11,18 @@ empty.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
     ARRAY,
+    JSON,
     BigInteger,
     DateTime,
     Integer,
+    LargeBinary,
     Row,
     Table,
     Text,
@@ -42,7 +45,7 @@ from sqlalchemy.types import TypeEngine
 from .._envelope import utcnow
 from .._pg_arrays import array_params, int_array, rows_of
 from .._tables import InboxOutcome, OutboxTables
-from ._delivery import Delivery, KeyId
+from ._delivery import Delivery, KeyId, OrderedDelivery
 from ._kinds import Reason
 from ._store import KeyState, OnConflictStore, ParkedRow, parked_row
 
@@ -53,6 +56,12 @@ _RANGES: dict[str, TypeEngine[Any]] = {**_KEYS, "first": BigInteger(), "last": B
 _CLAIMS: dict[str, TypeEngine[Any]] = {
     "message_id": Uuid(), **_SEQS, "kafka_partition": Integer(), "kafka_offset": BigInteger(),
     "created_at": DateTime(timezone=True), "received_at": DateTime(timezone=True),
+}
+
+_PARKED_BEHIND: dict[str, TypeEngine[Any]] = {
+    "message_id": Uuid(), **_SEQS, "payload": LargeBinary(), "content_type": Text(), "headers": JSON(),
+    "created_at": DateTime(timezone=True), "kafka_partition": Integer(), "kafka_offset": BigInteger(),
+    "incarnation": Text(), "event_type": Text(), "first_failure_at": DateTime(timezone=True),
 }
 
 
@@ -99,6 +108,12 @@ class PostgresStore(OnConflictStore):
         ).lateral("successor")
         self._successors = select(successor).select_from(ranges.join(successor, true()))
         parked = tables.inbox_parked
+        behind, columns = rows_of(_PARKED_BEHIND), list(_PARKED_BEHIND)
+        self._park_behind = insert(parked).from_select(
+            ["consumer_group", *columns, "reason", "attempts", "last_failure_at"],
+            select(literal(group), *[behind.c[c] for c in columns], literal(Reason.KEY_PARKED.value),
+                   literal(0), bindparam("now", type_=DateTime(timezone=True))),
+        ).on_conflict_do_nothing()
         self._unpark_rows = delete(parked).where(
             parked.c.id == any_(cast(bindparam("ids", type_=Text()), ARRAY(BigInteger))))
 
@@ -146,6 +161,26 @@ class PostgresStore(OnConflictStore):
         session.execute(self._set_last_seq, array_params(_ADVANCES, {
             "topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
             "seq": list(seqs.values()), "incarnation": [incarnations.get(key) for key in seqs]}))
+
+    def park_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+        """One INSERT of one array per column: an executemany sent a statement per message."""
+        if not deliveries:
+            return
+        now = utcnow()
+        messages = [d.message for d in deliveries]
+        session.execute(self._park_behind, {**array_params(_PARKED_BEHIND, {
+            "message_id": [m.message_id for m in messages], "topic": [m.topic for m in messages],
+            "key": [m.key for m in messages], "seq": [m.seq for m in messages],
+            "payload": ["\\x" + m.payload.hex() for m in messages],
+            "content_type": [m.content_type for m in messages],
+            "headers": [json.dumps(m.headers) for m in messages],
+            "created_at": [m.created_at for m in messages],
+            "kafka_partition": [d.partition for d in deliveries],
+            "kafka_offset": [d.offset for d in deliveries],
+            "incarnation": [m.incarnation for m in messages],
+            "event_type": [m.event_type for m in messages],
+            "first_failure_at": [d.attempts.first_failure_at or now for d in deliveries],
+        }), "now": now})
 
     def unpark_rows(self, session: Session, row_ids: Sequence[int]) -> None:
         """One array parameter: the text stays the same whatever the count (an IN list of 500 did not)."""
