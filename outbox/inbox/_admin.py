@@ -329,7 +329,7 @@ class ParkedAdmin:
 
     def _stopped(self, session: Session, topic: str, key: str | None, applied: int,
                  error: str) -> ParkedReplay:
-        remaining = len(self.store.parked(session, topic, key, replayable=True))
+        remaining = self.store.replayable_count(session, topic, key)
         return ParkedReplay(applied, remaining, unparked=False, error=error)
 
 

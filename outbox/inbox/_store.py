@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
+    ColumnElement,
     Insert,
     Row,
     Table,
@@ -355,18 +356,29 @@ class InboxStore(abc.ABC):
         replayable.
         """
         p = self.t.inbox_parked
-        stmt = select(p).where(p.c.consumer_group == self.group)
-        if topic is not None:
-            stmt = stmt.where(p.c.topic == topic)
-        if replayable:
-            stmt = stmt.where(p.c.key.is_(None) if key is None else p.c.key == key,
-                              p.c.reason != Reason.FOREIGN.value)
-        elif key is not None:
-            stmt = stmt.where(p.c.key == key)
+        stmt = select(p).where(*self._parked_filter(topic, key, replayable=replayable))
         stmt = stmt.order_by(p.c.topic, p.c.key, p.c.seq, p.c.id)
         if limit is not None:
             stmt = stmt.limit(limit)
         return [parked_row(r) for r in session.execute(stmt).all()]
+
+    def _parked_filter(self, topic: str | None, key: str | None, *,
+                       replayable: bool) -> list[ColumnElement[bool]]:
+        p = self.t.inbox_parked
+        where = [p.c.consumer_group == self.group]
+        if topic is not None:
+            where.append(p.c.topic == topic)
+        if replayable:
+            where += [p.c.key.is_(None) if key is None else p.c.key == key,
+                      p.c.reason != Reason.FOREIGN.value]
+        elif key is not None:
+            where.append(p.c.key == key)
+        return where
+
+    def replayable_count(self, session: Session, topic: str, key: str | None) -> int:
+        """How many of ``parked(session, topic, key, replayable=True)`` there are, counted by the database."""
+        return session.scalar(select(func.count()).select_from(self.t.inbox_parked).where(
+            *self._parked_filter(topic, key, replayable=True))) or 0
 
     def replay_page(self, session: Session, topic: str, key: str | None,
                     limit: int) -> list[ParkedRow]:
