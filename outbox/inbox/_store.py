@@ -384,10 +384,11 @@ class InboxStore(abc.ABC):
                     limit: int) -> list[ParkedRow]:
         """The first ``limit`` replayable rows of one key (or the topic's unkeyed ones), in replay order.
 
-        What ``parked(…, replayable=True, limit=limit)`` returns. Here the
-        index on (group, topic, key, seq) ends with the row id on SQLite (the
-        rowid) and MySQL (InnoDB's primary key), so the (seq, id) order is the
-        index's; PostgreSQL's override bounds its sort.
+        What ``parked(…, replayable=True, limit=limit)`` returns. On SQLite the
+        index on (group, topic, key, seq) ends with the rowid, which is the id,
+        so the (seq, id) order is the index's. PostgreSQL's override bounds its
+        sort. MySQL/MariaDB keep this query: InnoDB's secondary indexes end
+        with the primary key too, but its plan for a long key was not measured.
         """
         return self.parked(session, topic, key, replayable=True, limit=limit)
 
