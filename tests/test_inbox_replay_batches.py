@@ -12,15 +12,18 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy.orm import Session
 
-from outbox import Disposition, Inbox
+from outbox import Disposition, Inbox, Message, OutboxTables
 from outbox.inbox import Reason
-from outbox.inbox._delivery import decode
+from outbox.inbox._delivery import OrderedDelivery, decode, delivery
+from outbox.inbox._store import InboxStore, store_for
 from outbox.testing import OutboxTestHarness
 from tests.inbox_support import AlertLog, applied, apply_effect, business, dispose, insert_effect, record
 
@@ -207,3 +210,104 @@ def test_a_parked_keys_flood_is_parked_in_one_statement_in_order_and_replays(
     broken = False
     assert inbox.replay(TOPIC, "k").unparked
     assert applied(engine, "k") == [("k", seq) for seq in range(1, 302)]
+
+
+# -- a replay's page reads about a batch of rows, whatever the key holds -----------------------
+
+_page_rows = st.lists(
+    st.tuples(
+        st.sampled_from(["k", "k", "k", "other"]),
+        st.one_of(st.none(), st.integers(1, 6)),  # ties, and keyed messages without a seq
+        st.sampled_from([Reason.FAILED, Reason.KEY_PARKED, Reason.KEY_PARKED, Reason.FOREIGN]),
+    ),
+    max_size=14,
+)
+
+
+@pytest.fixture
+def page_inbox(proof_db_url: str) -> Iterator[Inbox]:
+    engine = sa.create_engine(proof_db_url)
+    box = Inbox(engine, group="g", alert=AlertLog())
+    box.create_tables()
+    yield box
+    dispose(box)
+    engine.dispose()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=_page_rows, limit=st.integers(1, 16))
+def test_a_replay_page_is_the_first_replayable_rows_in_seq_then_id_order(
+        page_inbox: Inbox, rows: list[tuple[str, int | None, Reason]], limit: int) -> None:
+    store = page_inbox.store
+    with page_inbox._sessions() as session, session.begin():
+        session.execute(page_inbox.tables.inbox_parked.delete())
+        for key, seq, reason in rows:
+            store.park(session, decode(record(TOPIC, key, seq), accept_foreign=False), reason)
+    with page_inbox._sessions() as session, session.begin():
+        everything = [r.id for r in store.parked(session, TOPIC, "k", replayable=True)]
+        assert [r.id for r in store.replay_page(session, TOPIC, "k", limit)] == everything[:limit]
+
+
+def test_a_replay_page_on_postgresql_fetches_about_a_page_of_a_long_key(postgres_db: str) -> None:
+    """The (seq, id) order is not the index's there: a page used to fetch and sort every parked row."""
+    engine = sa.create_engine(postgres_db)
+    box = Inbox(engine, group="g", alert=AlertLog())
+    box.create_tables()
+    store = box.store
+    with box._sessions() as session, session.begin():
+        store.lock_keys(session, [(TOPIC, "k")])
+        store.park(session, decode(record(TOPIC, "k", 1), accept_foreign=False), Reason.FAILED)
+        flood = [decode(record(TOPIC, "k", seq), accept_foreign=False) for seq in range(2, 3001)]
+        store.park_behind(session, [d for d in flood if isinstance(d, OrderedDelivery)])
+    p = box.tables.inbox_parked
+    fetched = sa.text("SELECT (coalesce(sum(idx_tup_fetch), 0) + coalesce(sum(seq_tup_read), 0))::bigint "
+                      "FROM pg_stat_xact_user_tables WHERE relname = :t")
+    with box._sessions() as session, session.begin():
+        before = session.scalar(fetched, {"t": p.name})
+        page = box.store.replay_page(session, TOPIC, "k", 50)
+        read = session.scalar(fetched, {"t": p.name}) - before
+    assert [r.delivery.message.seq for r in page] == list(range(1, 51))
+    assert read <= 3 * 50, f"a page of 50 fetched {read} of the key's 3,000 rows"
+    dispose(box)
+    engine.dispose()
+
+
+_text = st.text(st.characters(codec="utf-8", blacklist_characters="\x00"), max_size=8)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(st.tuples(st.binary(max_size=40), st.dictionaries(_text, _text, max_size=3),
+                                   st.one_of(st.none(), _text), st.one_of(st.none(), _text),
+                                   _text.filter(bool)), min_size=1, max_size=5))
+def test_a_parked_keys_flood_is_stored_on_postgresql_as_one_insert_per_message_stores_it(
+        postgres_engine: sa.Engine,
+        messages: list[tuple[bytes, dict[str, str], str | None, str | None, str]]) -> None:
+    """PostgreSQL parks a flood with one array per column; each row must be what an INSERT stores."""
+    tables = OutboxTables()
+    arrays, one_by_one = store_for(tables, "arrays", "postgresql"), store_for(tables, "each", "postgresql")
+    now = datetime.now(UTC)
+    flood = [delivery(Message.model_construct(
+        message_id=uuid.uuid4(), topic=TOPIC, key="k", seq=n + 2, payload=payload, content_type=ctype,
+        headers=headers, created_at=now, available_at=now, incarnation=incarnation, event_type=event),
+        n % 3, n * 7)
+        for n, (payload, headers, incarnation, event, ctype) in enumerate(messages)]
+    ordered = [d for d in flood if isinstance(d, OrderedDelivery)]
+    with Session(postgres_engine) as session, session.begin():
+        session.execute(tables.inbox_parked.delete())
+        arrays.park_behind(session, ordered)
+        InboxStore.park_behind(one_by_one, session, ordered)  # the statement per message
+        arrays.park_behind(session, ordered)  # again: parked already, left as it is
+    p = tables.inbox_parked
+    kept = [c for c in p.c if c.name not in ("id", "consumer_group", "first_failure_at", "last_failure_at")]
+    with postgres_engine.connect() as conn:
+        rows = {g: conn.execute(sa.select(*kept).where(p.c.consumer_group == g).order_by(p.c.seq)).all()
+                for g in ("arrays", "each")}
+    assert rows["arrays"] == rows["each"] and len(rows["arrays"]) == len(messages)
+
+
+@pytest.fixture
+def postgres_engine(postgres_db: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(postgres_db)
+    OutboxTables().metadata.create_all(engine)
+    yield engine
+    engine.dispose()

@@ -137,15 +137,18 @@ class ParkedAdmin:
         while True:
             with self.sessions() as session, session.begin():
                 states = store.lock_keys(session, [lane]) if lane else {}
-                rows = store.parked(session, topic, key, replayable=True, limit=self.replay_batch)
+                # One row more than the batch: whether anything is left after it. Nobody parks
+                # a row of the key while its lock is held, and the batch unparks every row it
+                # replays unless it stops, so the batch's last transaction unparks the key.
+                rows = store.replay_page(session, topic, key, self.replay_batch + 1)
                 if not rows:
                     return self._replayed_all(session, lane, states, applied)
                 batch = _Batch(applied)
-                stopped = self._replay_batch(session, states, rows, batch)
+                stopped = self._replay_batch(session, states, rows[:self.replay_batch], batch)
                 applied = batch.applied
                 if stopped is not None:
                     return self._stopped(session, topic, key, applied, stopped)
-                if not store.parked(session, topic, key, replayable=True, limit=1):
+                if len(rows) <= self.replay_batch:
                     return self._replayed_all(session, lane, states, applied)
 
     def _replayed_all(self, session: Session, lane: KeyId | None, states: dict[KeyId, KeyState],
@@ -326,7 +329,7 @@ class ParkedAdmin:
 
     def _stopped(self, session: Session, topic: str, key: str | None, applied: int,
                  error: str) -> ParkedReplay:
-        remaining = len(self.store.parked(session, topic, key, replayable=True))
+        remaining = self.store.replayable_count(session, topic, key)
         return ParkedReplay(applied, remaining, unparked=False, error=error)
 
 

@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
+    ColumnElement,
     Insert,
     Row,
     Table,
@@ -355,26 +356,47 @@ class InboxStore(abc.ABC):
         replayable.
         """
         p = self.t.inbox_parked
-        stmt = select(p).where(p.c.consumer_group == self.group)
-        if topic is not None:
-            stmt = stmt.where(p.c.topic == topic)
-        if replayable:
-            stmt = stmt.where(p.c.key.is_(None) if key is None else p.c.key == key,
-                              p.c.reason != Reason.FOREIGN.value)
-        elif key is not None:
-            stmt = stmt.where(p.c.key == key)
+        stmt = select(p).where(*self._parked_filter(topic, key, replayable=replayable))
         stmt = stmt.order_by(p.c.topic, p.c.key, p.c.seq, p.c.id)
         if limit is not None:
             stmt = stmt.limit(limit)
-        return [ParkedRow(r.id, delivery_from_row(r), Reason(r.reason), r.error, r.attempts,
-                          r.first_failure_at, r.last_failure_at) for r in session.execute(stmt)]
+        return [parked_row(r) for r in session.execute(stmt).all()]
+
+    def _parked_filter(self, topic: str | None, key: str | None, *,
+                       replayable: bool) -> list[ColumnElement[bool]]:
+        p = self.t.inbox_parked
+        where = [p.c.consumer_group == self.group]
+        if topic is not None:
+            where.append(p.c.topic == topic)
+        if replayable:
+            where += [p.c.key.is_(None) if key is None else p.c.key == key,
+                      p.c.reason != Reason.FOREIGN.value]
+        elif key is not None:
+            where.append(p.c.key == key)
+        return where
+
+    def replayable_count(self, session: Session, topic: str, key: str | None) -> int:
+        """How many of ``parked(session, topic, key, replayable=True)`` there are, counted by the database."""
+        return session.scalar(select(func.count()).select_from(self.t.inbox_parked).where(
+            *self._parked_filter(topic, key, replayable=True))) or 0
+
+    def replay_page(self, session: Session, topic: str, key: str | None,
+                    limit: int) -> list[ParkedRow]:
+        """The first ``limit`` replayable rows of one key (or the topic's unkeyed ones), in replay order.
+
+        What ``parked(…, replayable=True, limit=limit)`` returns. On SQLite the
+        index on (group, topic, key, seq) ends with the rowid, which is the id,
+        so the (seq, id) order is the index's. PostgreSQL's override bounds its
+        sort. MySQL/MariaDB keep this query: InnoDB's secondary indexes end
+        with the primary key too, but its plan for a long key was not measured.
+        """
+        return self.parked(session, topic, key, replayable=True, limit=limit)
 
     def parked_by_id(self, session: Session, message_id: uuid.UUID) -> ParkedRow | None:
         p = self.t.inbox_parked
         r = session.execute(select(p).where(p.c.consumer_group == self.group,
                                             p.c.message_id == message_id)).first()
-        return None if r is None else ParkedRow(r.id, delivery_from_row(r), Reason(r.reason), r.error,
-                                                r.attempts, r.first_failure_at, r.last_failure_at)
+        return None if r is None else parked_row(r)
 
     def parked_before(self, session: Session, key: KeyId, seq: int) -> int:
         """How many messages of ``key`` below ``seq`` are parked."""
@@ -441,21 +463,31 @@ def store_for(tables: OutboxTables, group: str, dialect: str) -> InboxStore:
     return SQLiteStore(tables, group)
 
 
-def delivery_from_row(row: Row[Any], *, origin: Origin = Origin.PARKED) -> Delivery:
-    """Rebuild a delivery from an ``inbox_held`` or ``inbox_parked`` row."""
+def delivery_from_row(row: Row[Any], received_at: datetime | None, *,
+                      origin: Origin = Origin.PARKED) -> Delivery:
+    """Rebuild a delivery from an ``inbox_held`` or ``inbox_parked`` row (received now if None).
+
+    ``received_at`` is passed rather than looked up: a row without the
+    column (``inbox_parked``) made the lookup raise and catch, per row.
+    """
     message = Message.model_construct(
         message_id=row.message_id, topic=row.topic, key=row.key, seq=row.seq,
         payload=row.payload, content_type=row.content_type, headers=row.headers or {},
         created_at=row.created_at, available_at=row.created_at, incarnation=row.incarnation,
         event_type=row.event_type,
     )
-    received = getattr(row, "received_at", None) or utcnow()
-    return delivery(message, row.kafka_partition, row.kafka_offset, received, origin=origin)
+    return delivery(message, row.kafka_partition, row.kafka_offset, received_at, origin=origin)
+
+
+def parked_row(row: Row[Any]) -> ParkedRow:
+    """Rebuild an ``inbox_parked`` row: its message taken as received now."""
+    return ParkedRow(row.id, delivery_from_row(row, None), Reason(row.reason), row.error, row.attempts,
+                     row.first_failure_at, row.last_failure_at)
 
 
 def held_from_row(row: Row[Any]) -> OrderedDelivery:
     """Rebuild a delivery from an ``inbox_held`` row: always keyed and numbered (only those are held)."""
-    d = delivery_from_row(row, origin=Origin.HELD)
+    d = delivery_from_row(row, row.received_at, origin=Origin.HELD)
     if not isinstance(d, OrderedDelivery):
         raise AssertionError(f"inbox_held row {row.message_id} has no key or seq")
     return d
