@@ -131,10 +131,4 @@ class TopicHandlers:
 
 
 class HandlerRegistry(dict[str, TopicHandlers]):
-    """Topic -> its handlers. Setting a lone ``TopicHandler`` makes it the topic's only handler:
-    how tests (and earlier code) swap a topic's handler, ``inbox._handlers[t] = TopicHandler(fn)``."""
-
-    def __setitem__(self, topic: str, value: TopicHandlers | TopicHandler) -> None:
-        if isinstance(value, TopicHandler):
-            value = TopicHandlers.only(topic, value)
-        super().__setitem__(topic, value)
+    """Topic -> its handlers; ``Inbox.handler(..., replace=True)`` is how a handler is swapped."""

@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from outbox import Inbox, create_engine
-from outbox.inbox._calls import TopicHandler
 from outbox.inbox._delivery import decode
 from outbox.inbox._kinds import Reason
 from outbox.testing import local_postgres
@@ -55,8 +54,10 @@ def replay_rate(db: str, messages: int, batch: int, *, batch_handler: bool) -> f
             raise RuntimeError("poison")
         insert_effects(session, messages)
 
-    inbox._handlers[TOPIC] = (TopicHandler(handle_batch, batch=True) if batch_handler
-                              else TopicHandler(handler))
+    if batch_handler:
+        inbox.batch_handler(TOPIC)(handle_batch)
+    else:
+        inbox.handler(TOPIC)(handler)
     key = f"k-{group}"
     inbox.handle(record(TOPIC, key, 1))  # fails, parks the key
     p = inbox.tables.inbox_parked
@@ -93,7 +94,7 @@ def flood_rate(db: str, messages: int, *, batched: bool, batch_size: int = 500) 
     def handler(session, message):  # type: ignore[no-untyped-def]
         raise RuntimeError("poison")
 
-    inbox._handlers[TOPIC] = TopicHandler(handler)
+    inbox.handler(TOPIC)(handler)
     key = f"k-{group}"
     inbox.handle(record(TOPIC, key, 1))  # fails, parks the key
     store = inbox.store
