@@ -88,6 +88,9 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
     table = tables.inbox_messages
     old_name = _checked_name(f"{table.name}_unpartitioned")
     day = _day(now or utcnow())
+    # Every name the passes after it will make must fit too, the longest being a coming day's
+    # fence: a prefix they cannot serve is refused here, before anything changes.
+    _fence(table, day)
     with engine.begin() as conn:
         name = _qualified(conn, table)
         conn.execute(text(f"LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"))
@@ -155,6 +158,11 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
         try:
             if default is not None and day > today:
                 _make_day_beside_default(engine, table, default, day)
+            elif default is not None and _default_holds(engine, table, default, day):
+                report.kept[_day_name(table, day)] = (
+                    "not created: the default partition holds records of this day (no pass made it "
+                    "in time); they stay there, deleted row by row")
+                continue
             else:
                 with engine.begin() as conn:
                     conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
@@ -203,6 +211,21 @@ def _make_day_beside_default(engine: Engine, table: Table, default: str, day: da
             conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
     finally:
         _drop_fences(engine, table, default, only=fence)
+
+
+def _default_holds(engine: Engine, table: Table, default: str, day: datetime) -> bool:
+    """Whether the default partition holds a record of ``day`` (a plain read, which nobody waits on).
+
+    Today's partition cannot be fenced (today's ids go to the default until it exists), so
+    PostgreSQL would read the whole default under the table's lock to make it, every consumer
+    waiting, and refuse when it holds one of today's records. Asked first, such a day is left
+    unmade without asking for the lock.
+    """
+    with engine.connect() as conn:
+        return conn.execute(text(
+            f"SELECT EXISTS (SELECT 1 FROM {_qualified(conn, table, default)} "
+            "WHERE message_id >= :lo AND message_id < :hi)"),
+            {"lo": first_id_of(day), "hi": first_id_of(day + DAY)}).scalar_one()
 
 
 def _drop_fences(engine: Engine, table: Table, default: str, *, only: str | None = None) -> None:

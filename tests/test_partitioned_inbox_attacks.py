@@ -1,0 +1,82 @@
+"""Adversarial cases of the partitioned inbox's upkeep on PostgreSQL (issue 28): table prefixes at
+the edge of the identifier limit, and a day whose partition was never made while the default
+partition took its records (docs/operations.md, "Housekeeping")."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from _retention_rows import inbox_row
+
+from outbox import ConfigurationError, OutboxTables, create_engine, new_message_id
+from outbox.housekeeping import maintain_inbox_partitions, partition_inbox
+
+pytestmark = pytest.mark.postgres
+DAY = timedelta(days=1)
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+
+
+def id_at(moment: datetime) -> uuid.UUID:
+    return uuid.UUID(bytes=int(moment.timestamp() * 1000).to_bytes(6, "big") + new_message_id().bytes[6:])
+
+
+@pytest.fixture
+def engine(postgres_db: str) -> Iterator[sa.Engine]:
+    engine = create_engine(postgres_db)
+    yield engine
+    engine.dispose()
+
+
+def test_every_prefix_the_conversion_accepts_can_be_maintained(engine: sa.Engine) -> None:
+    """Whatever table prefix ``partition_inbox`` accepts, the passes after it can make the coming
+    days (their temporary constraint's name fits too); a prefix they could not serve is refused
+    by the conversion, with the table left as it was."""
+    for length in range(28, 41):
+        t = OutboxTables(prefix="p" * length)
+        t.inbox_messages.create(engine)
+        row = inbox_row("g", NOW, NOW, message_id=id_at(NOW))
+        with engine.begin() as conn:
+            conn.execute(sa.insert(t.inbox_messages), [row])
+        try:
+            partition_inbox(engine, t, now=NOW, ahead_days=1)
+        except ConfigurationError as exc:
+            assert "prefix" in str(exc)
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT relkind FROM pg_class WHERE relname = :n"),
+                                    {"n": t.inbox_messages.name}).scalar() == "r"
+        else:
+            report = maintain_inbox_partitions(engine, t, NOW - 3 * DAY, now=NOW + DAY, ahead_days=2)
+            assert len(report.created) == 2 and not report.kept, (length, report)
+        with engine.connect() as conn:
+            kept = conn.execute(sa.select(t.inbox_messages.c.message_id)).scalars().all()
+        assert kept == [row["message_id"]]
+        t.inbox_messages.drop(engine)
+
+
+def test_a_day_the_default_partition_took_is_not_made_under_the_tables_lock(engine: sa.Engine) -> None:
+    """No pass ran for days: today has no partition, and its records went to the default one. A
+    pass does not ask for the table's lock to make today (PostgreSQL would read the whole default
+    partition while every consumer waits, only to refuse: it holds today's records); it says why
+    today stays unmade, makes the coming days, and today's records stay deduplicated there."""
+    t = OutboxTables()
+    t.inbox_messages.create(engine)
+    partition_inbox(engine, t, now=NOW - 3 * DAY, ahead_days=1)  # days NOW - 3 and NOW - 2 only
+    today = inbox_row("g", NOW, NOW, message_id=id_at(NOW))
+    with engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages),
+                     [today, inbox_row("g", NOW, NOW, message_id=id_at(NOW - DAY))])
+    day = f"inbox_messages_p{NOW:%Y%m%d}"
+    with engine.connect() as reader:  # a consumer's open transaction, as the inbox's are
+        reader.execute(sa.text("SELECT count(*) FROM inbox_messages"))
+        report = maintain_inbox_partitions(engine, t, None, now=NOW, ahead_days=0)
+        reader.rollback()
+    assert "default partition holds" in report.kept[day], report
+    report = maintain_inbox_partitions(engine, t, None, now=NOW, ahead_days=2)
+    assert "default partition holds" in report.kept[day], report
+    assert report.created == [f"inbox_messages_p{NOW + n * DAY:%Y%m%d}" for n in (1, 2)]
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages), [today])
