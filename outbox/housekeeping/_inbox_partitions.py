@@ -222,10 +222,10 @@ def _default_holds(engine: Engine, table: Table, default: str, day: datetime) ->
     unmade without asking for the lock.
     """
     with engine.connect() as conn:
-        return conn.execute(text(
+        return bool(conn.execute(text(
             f"SELECT EXISTS (SELECT 1 FROM {_qualified(conn, table, default)} "
             "WHERE message_id >= :lo AND message_id < :hi)"),
-            {"lo": first_id_of(day), "hi": first_id_of(day + DAY)}).scalar_one()
+            {"lo": first_id_of(day), "hi": first_id_of(day + DAY)}).scalar_one())
 
 
 def _drop_fences(engine: Engine, table: Table, default: str, *, only: str | None = None) -> None:
