@@ -80,3 +80,43 @@ def test_a_day_the_default_partition_took_is_not_made_under_the_tables_lock(engi
     assert report.created == [f"inbox_messages_p{NOW + n * DAY:%Y%m%d}" for n in (1, 2)]
     with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
         conn.execute(sa.insert(t.inbox_messages), [today])
+
+
+def test_a_coming_day_whose_fence_another_pass_took_down_is_not_made_by_reading_the_default(
+        engine: sa.Engine, postgres_db: str) -> None:
+    """Two passes at once (two hosts): one takes down the other's fence (its leftover sweep) after
+    the fence was validated and before the day is made. The day is then not made in that pass:
+    making it without the fence would read the whole default partition under the table's lock."""
+    t = OutboxTables()
+    t.inbox_messages.create(engine)
+    partition_inbox(engine, t, now=NOW, ahead_days=1)
+    with engine.begin() as conn:  # the default holds records (ids that are not UUIDv7, say)
+        conn.execute(sa.insert(t.inbox_messages),
+                     [inbox_row("g", NOW, NOW, message_id=id_at(NOW + 30 * DAY))])
+    other = create_engine(postgres_db)
+    watched = create_engine(postgres_db)
+    validated: list[str] = []
+    late_creates: list[str] = []
+
+    @sa.event.listens_for(watched, "before_cursor_execute")
+    def meddle(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if validated and validated[-1] == "pending" and statement.startswith("SET LOCAL"):
+            validated[-1] = "dropped"
+            with other.begin() as sweep:  # the other pass's sweep of fences it takes for leftovers
+                sweep.execute(sa.text("ALTER TABLE inbox_messages_default DROP CONSTRAINT "
+                                      f"ck_inbox_messages_not_p{NOW + 2 * DAY:%Y%m%d}"))
+        if "VALIDATE CONSTRAINT" in statement:
+            validated.append("pending")
+        if validated and validated[-1] == "dropped" and "PARTITION OF" in statement:
+            late_creates.append(statement)
+
+    report = maintain_inbox_partitions(watched, t, None, now=NOW, ahead_days=2)
+    watched.dispose()
+    other.dispose()
+
+    assert validated == ["dropped"]
+    assert late_creates == [], "the day was made without its fence: the default was read under the lock"
+    day = f"inbox_messages_p{NOW + 2 * DAY:%Y%m%d}"
+    assert day in report.kept, report
+    report = maintain_inbox_partitions(engine, t, None, now=NOW, ahead_days=2)
+    assert report.created == [day]

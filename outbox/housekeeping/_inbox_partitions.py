@@ -157,7 +157,9 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
             continue
         try:
             if default is not None and day > today:
-                _make_day_beside_default(engine, table, default, day)
+                if not _make_day_beside_default(engine, table, default, day):
+                    report.kept[_day_name(table, day)] = "not created yet: another pass took its fence down"
+                    continue
             elif default is not None and _default_holds(engine, table, default, day):
                 report.kept[_day_name(table, day)] = (
                     "not created: the default partition holds records of this day (no pass made it "
@@ -179,7 +181,7 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
     return report
 
 
-def _make_day_beside_default(engine: Engine, table: Table, default: str, day: datetime) -> None:
+def _make_day_beside_default(engine: Engine, table: Table, default: str, day: datetime) -> bool:
     """Make a coming day without reading the default partition under the table's lock.
 
     Making a partition beside a ``DEFAULT`` one makes PostgreSQL check that
@@ -193,7 +195,9 @@ def _make_day_beside_default(engine: Engine, table: Table, default: str, day: da
     read of the default), an id of that day would be refused by the default —
     only a producer clock a day ahead, or a non-UUIDv7 id falling into that
     one day of its 9,000-year range, can send one; its transaction then fails
-    once and is retried as a failed attempt.
+    once and is retried as a failed attempt. False when the fence was gone by
+    the time the day was to be made (another pass took it down): the day waits
+    for the next pass rather than be made by a read of the default under the lock.
     """
     fence, lo, hi = _fence(table, day), first_id_of(day), first_id_of(day + DAY)
     try:
@@ -207,8 +211,18 @@ def _make_day_beside_default(engine: Engine, table: Table, default: str, day: da
             conn.execute(text(f"ALTER TABLE {part} VALIDATE CONSTRAINT {_quote(conn, fence)}"))
         with engine.begin() as conn:
             conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            # The locks the creation takes anyway, first (the table's, the default's, not the other
+            # partitions'): then the fence, if it still stands (a concurrent pass sweeps the fences
+            # it takes for leftovers), stands until the day is made.
+            conn.execute(text(f"LOCK TABLE ONLY {_qualified(conn, table)} IN ACCESS EXCLUSIVE MODE"))
+            conn.execute(text(f"LOCK TABLE ONLY {part} IN ACCESS EXCLUSIVE MODE"))
+            if not conn.execute(text(
+                    "SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(:p) "
+                    "AND conname = :fence AND convalidated)"), {"p": part, "fence": fence}).scalar_one():
+                return False
             _create_day(conn, table, day)
             conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
+        return True
     finally:
         _drop_fences(engine, table, default, only=fence)
 
