@@ -120,3 +120,58 @@ def test_a_coming_day_whose_fence_another_pass_took_down_is_not_made_by_reading_
     assert day in report.kept, report
     report = maintain_inbox_partitions(engine, t, None, now=NOW, ahead_days=2)
     assert report.created == [day]
+
+
+
+@pytest.fixture
+def roles(engine: sa.Engine) -> Iterator[tuple[str, str]]:
+    """The roles production runs with: one owns the tables, the application's is granted them
+    (roles are the server's, so their names are unique and they are dropped after)."""
+    tag = uuid.uuid4().hex[:12]
+    owner, app = f"inbox_owner_{tag}", f"inbox_app_{tag}"
+    with engine.begin() as conn:
+        for role in (owner, app):
+            conn.execute(sa.text(f"CREATE ROLE {role} LOGIN"))
+    yield owner, app
+    with engine.begin() as conn:
+        for role in (app, owner):
+            conn.execute(sa.text(f"DROP OWNED BY {role}"))
+            conn.execute(sa.text(f"DROP ROLE {role}"))
+
+
+def test_the_tables_owner_and_grants_survive_the_conversion(
+        engine: sa.Engine, postgres_db: str, roles: tuple[str, str]) -> None:
+    """Converted by an administrator, the inbox table keeps its owner, whose retention passes
+    still make and drop days, and its grants, so the inbox running as its own role still reads
+    and writes its records (it would otherwise fail every message, "permission denied")."""
+    owner, app = roles
+    t = OutboxTables()
+    t.inbox_messages.create(engine)
+    old = inbox_row("g", NOW - 5 * DAY, NOW - 5 * DAY, message_id=id_at(NOW - 5 * DAY))
+    with engine.begin() as conn:
+        conn.execute(sa.insert(t.inbox_messages), [old])
+        conn.execute(sa.text(f"ALTER TABLE inbox_messages OWNER TO {owner}"))
+        conn.execute(sa.text(f"GRANT CREATE ON SCHEMA public TO {owner}"))  # it made the table
+        conn.execute(sa.text(f"GRANT SELECT, INSERT, UPDATE ON inbox_messages TO {app}"))
+        grants = conn.execute(sa.text(
+            "SELECT relacl::text FROM pg_class WHERE relname = 'inbox_messages'")).scalar()
+
+    partition_inbox(engine, t, now=NOW - 5 * DAY, ahead_days=1)
+
+    with engine.connect() as conn:
+        assert conn.execute(sa.text(
+            "SELECT relacl::text FROM pg_class WHERE relname = 'inbox_messages'")).scalar() == grants
+    as_app, as_owner = (create_engine(sa.make_url(postgres_db).set(username=role)
+                                      .render_as_string(hide_password=False)) for role in (app, owner))
+    try:
+        with as_app.begin() as conn:
+            records = conn.execute(sa.select(t.inbox_messages.c.message_id)).scalars().all()
+            assert records == [old["message_id"]]
+            conn.execute(sa.insert(t.inbox_messages), [inbox_row("g", NOW, NOW, message_id=id_at(NOW))])
+            conn.execute(sa.update(t.inbox_messages).values(deliveries=2))
+        report = maintain_inbox_partitions(as_owner, t, NOW - DAY, now=NOW - 3 * DAY, ahead_days=1)
+    finally:
+        as_app.dispose()
+        as_owner.dispose()
+    assert report.created == [f"inbox_messages_p{NOW - n * DAY:%Y%m%d}" for n in (3, 2)], report
+    assert f"inbox_messages_p{NOW - 5 * DAY:%Y%m%d}" in report.dropped, report
