@@ -175,3 +175,20 @@ def test_the_tables_owner_and_grants_survive_the_conversion(
         as_owner.dispose()
     assert report.created == [f"inbox_messages_p{NOW - n * DAY:%Y%m%d}" for n in (3, 2)], report
     assert f"inbox_messages_p{NOW - 5 * DAY:%Y%m%d}" in report.dropped, report
+
+
+@pytest.mark.parametrize("ahead", [-1, True, 1.5, "7", 400])
+def test_a_bad_count_of_days_ahead_is_refused_before_anything_changes(engine: sa.Engine,
+                                                                      ahead: object) -> None:
+    """A negative count would make no day at all (not even today's: every record to the default
+    partition), a huge one thousands of partitions: both are refused, naming the option."""
+    t = OutboxTables()
+    t.inbox_messages.create(engine)
+    with pytest.raises(ConfigurationError, match="ahead_days"):
+        partition_inbox(engine, t, now=NOW, ahead_days=ahead)  # type: ignore[arg-type]
+    with engine.connect() as conn:
+        kind = conn.execute(sa.text("SELECT relkind FROM pg_class WHERE relname = 'inbox_messages'")).scalar()
+    assert kind == "r"
+    partition_inbox(engine, t, now=NOW, ahead_days=0)
+    with pytest.raises(ConfigurationError, match="ahead_days"):
+        maintain_inbox_partitions(engine, t, None, now=NOW, ahead_days=ahead)  # type: ignore[arg-type]

@@ -60,12 +60,23 @@ from ._partitions import (
 UNTIMED_FROM = datetime(2200, 1, 1, tzinfo=UTC)
 """Ids whose first 48 bits read as this time or later go to ``{table}_untimed`` (not UUIDv7, mostly)."""
 MAX_UNSETTLED_SHOWN = 1000
+MAX_AHEAD_DAYS = 366
+"""Days made ahead at most: a partition a day, and every partition costs each statement's planning."""
 
 
 def first_id_of(moment: datetime) -> uuid.UUID:
     """The smallest UUID whose first 48 bits are ``moment`` in Unix milliseconds (a UUIDv7's time)."""
     millis = int(moment.timestamp() * 1000)
     return uuid.UUID(bytes=millis.to_bytes(6, "big") + bytes(10))
+
+
+def _checked_ahead(ahead_days: int) -> int:
+    """Refuse a count of days ahead that is not an int from 0 to ``MAX_AHEAD_DAYS``: a negative
+    one would make no day at all, not even today's (every record to the default partition)."""
+    if (isinstance(ahead_days, bool) or not isinstance(ahead_days, int)
+            or not 0 <= ahead_days <= MAX_AHEAD_DAYS):
+        raise ConfigurationError(f"ahead_days must be an int from 0 to {MAX_AHEAD_DAYS}, got {ahead_days!r}")
+    return ahead_days
 
 
 def settled_index_name(tables: OutboxTables) -> str:
@@ -85,6 +96,7 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(
             f"partitioned tables need PostgreSQL; this database is {engine.dialect.name}")
+    _checked_ahead(ahead_days)
     table = tables.inbox_messages
     old_name = _checked_name(f"{table.name}_unpartitioned")
     day = _day(now or utcnow())
@@ -166,6 +178,7 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
     ``cutoff`` is now minus the dedup window of *every* group (the partitions
     hold all groups' records): a pass limited to one group passes None.
     """
+    _checked_ahead(ahead_days)
     report = PartitionReport()
     table = tables.inbox_messages
     with engine.connect() as conn:
