@@ -4,6 +4,7 @@ partition took its records (docs/operations.md, "Housekeeping")."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -12,8 +13,9 @@ import pytest
 import sqlalchemy as sa
 from _retention_rows import inbox_row
 
-from outbox import ConfigurationError, OutboxTables, create_engine, new_message_id
+from outbox import ConfigurationError, Disposition, Inbox, OutboxTables, create_engine, new_message_id
 from outbox.housekeeping import maintain_inbox_partitions, partition_inbox
+from tests.inbox_support import AlertLog, record
 
 pytestmark = pytest.mark.postgres
 DAY = timedelta(days=1)
@@ -192,3 +194,40 @@ def test_a_bad_count_of_days_ahead_is_refused_before_anything_changes(engine: sa
     partition_inbox(engine, t, now=NOW, ahead_days=0)
     with pytest.raises(ConfigurationError, match="ahead_days"):
         maintain_inbox_partitions(engine, t, None, now=NOW, ahead_days=ahead)  # type: ignore[arg-type]
+
+
+def test_a_fence_left_by_a_killed_pass_is_waited_out_not_counted_against_the_message(
+        engine: sa.Engine) -> None:
+    """A pass killed while it made a coming day leaves that day's fence on the default partition,
+    and no pass ran since: the day came without its partition, and the fence refuses its ids
+    there. That refusal is the database's state, not the message's fault: the inbox waits it out
+    as an outage (never an attempt, never parked, with one attempt allowed here), and the
+    message applies once the next pass takes the fence down and makes the day."""
+    now = datetime.now(UTC)
+    inbox = Inbox(engine, group="billing", retry_backoff=0, max_attempts=1, alert=AlertLog())
+    inbox.create_tables()
+    partition_inbox(engine, inbox.tables, now=now - 2 * DAY, ahead_days=1)  # days now-2, now-1
+    applied: list[int | None] = []
+    inbox.handler("orders")(lambda session, message: applied.append(message.seq))
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    with engine.begin() as conn:  # the killed pass's fence, for the day that has come since
+        conn.execute(sa.text(f"ALTER TABLE inbox_messages_default ADD CONSTRAINT ck_inbox_messages_not_p"
+                             f"{today:%Y%m%d} CHECK (message_id < '{id_at(today)}' "
+                             f"OR message_id >= '{id_at(today + DAY)}') NOT VALID"))
+    refused = threading.Event()
+    sa.event.listen(engine, "handle_error", lambda context: refused.set())
+    passes: list[object] = []
+
+    def next_pass() -> None:
+        if refused.wait(30):
+            passes.append(maintain_inbox_partitions(engine, inbox.tables, None, ahead_days=1))
+
+    helper = threading.Thread(target=next_pass)
+    helper.start()
+    try:
+        assert inbox.handle(record("orders", "k", 1, message_id=id_at(now))) is Disposition.APPLIED
+    finally:
+        refused.set()
+        helper.join()
+    assert applied == [1] and inbox.parked() == []
+    assert passes and f"inbox_messages_p{now:%Y%m%d}" in passes[0].created  # type: ignore[attr-defined]

@@ -235,8 +235,9 @@ def _make_day_beside_default(engine: Engine, table: Table, default: str, day: da
     Only for a day still to come: while the fence stands (the validation's
     read of the default), an id of that day would be refused by the default —
     only a producer clock a day ahead, or a non-UUIDv7 id falling into that
-    one day of its 9,000-year range, can send one; its transaction then fails
-    once and is retried as a failed attempt. False when the fence was gone by
+    one day of its 9,000-year range, can send one; the inbox waits that out as
+    an outage (``_outage``), never counting it against the message, as it does
+    a fence a killed pass left up until the next pass takes it down. False when the fence was gone by
     the time the day was to be made (another pass took it down): the day waits
     for the next pass rather than be made by a read of the default under the lock.
     """
