@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,12 @@ _OUTAGE_SQLSTATES = ("55P03",)
 # 57014 is a statement timeout or a cancel: a handler's query too slow for its limit is the
 # message's problem (it would time out again), not the database's.
 _NOT_OUTAGE_SQLSTATES = ("57014",)
+# A partitioned inbox's fence (housekeeping._inbox_partitions): a check constraint that keeps a
+# coming day's ids out of the default partition while that day's partition is made. A record it
+# refuses is refused for the database's state, not its own: once a retention pass takes the fence
+# down (a killed pass can leave it up until the next one) the same record goes in.
+_CHECK_VIOLATION = "23514"
+_PARTITION_FENCE = re.compile(r"ck_\w*inbox_messages_not_p\d{8}")
 # MySQL/MariaDB error numbers that mean "try again later". The drivers (PyMySQL, aiomysql,
 # mysqlclient) raise OperationalError for most server errors, a misspelt column (1054)
 # included, so the number decides, not the class. Client side: 2002/2003 cannot connect,
@@ -93,6 +100,8 @@ def _dbapi_outage(error: DBAPIError) -> bool:
     if code is not None:
         return code in _MYSQL_OUTAGE_CODES
     sqlstate = getattr(error.orig, "sqlstate", None)
+    if sqlstate == _CHECK_VIOLATION and _PARTITION_FENCE.fullmatch(_constraint_name(error.orig)):
+        return True
     if sqlstate:
         if sqlstate in _NOT_OUTAGE_SQLSTATES:
             return False
@@ -103,6 +112,16 @@ def _dbapi_outage(error: DBAPIError) -> bool:
         text = str(error.orig).lower()
         return any(word in text for word in _SQLITE_OUTAGES)
     return True  # a driver error without a SQLSTATE: the connection failed
+
+
+def _constraint_name(orig: BaseException | None) -> str:
+    """The constraint a PostgreSQL error names: psycopg's ``diag``, or asyncpg's error behind
+    SQLAlchemy's adapter."""
+    for source in (getattr(orig, "diag", None), getattr(orig, "__cause__", None)):
+        name = getattr(source, "constraint_name", None)
+        if isinstance(name, str):
+            return name
+    return ""
 
 
 def _raw_mysql_outage(error: BaseException) -> bool:

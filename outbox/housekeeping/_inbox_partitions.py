@@ -60,12 +60,23 @@ from ._partitions import (
 UNTIMED_FROM = datetime(2200, 1, 1, tzinfo=UTC)
 """Ids whose first 48 bits read as this time or later go to ``{table}_untimed`` (not UUIDv7, mostly)."""
 MAX_UNSETTLED_SHOWN = 1000
+MAX_AHEAD_DAYS = 366
+"""Days made ahead at most: a partition a day, and every partition costs each statement's planning."""
 
 
 def first_id_of(moment: datetime) -> uuid.UUID:
     """The smallest UUID whose first 48 bits are ``moment`` in Unix milliseconds (a UUIDv7's time)."""
     millis = int(moment.timestamp() * 1000)
     return uuid.UUID(bytes=millis.to_bytes(6, "big") + bytes(10))
+
+
+def _checked_ahead(ahead_days: int) -> int:
+    """Refuse a count of days ahead that is not an int from 0 to ``MAX_AHEAD_DAYS``: a negative
+    one would make no day at all, not even today's (every record to the default partition)."""
+    if (isinstance(ahead_days, bool) or not isinstance(ahead_days, int)
+            or not 0 <= ahead_days <= MAX_AHEAD_DAYS):
+        raise ConfigurationError(f"ahead_days must be an int from 0 to {MAX_AHEAD_DAYS}, got {ahead_days!r}")
+    return ahead_days
 
 
 def settled_index_name(tables: OutboxTables) -> str:
@@ -85,9 +96,13 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(
             f"partitioned tables need PostgreSQL; this database is {engine.dialect.name}")
+    _checked_ahead(ahead_days)
     table = tables.inbox_messages
     old_name = _checked_name(f"{table.name}_unpartitioned")
     day = _day(now or utcnow())
+    # Every name the passes after it will make must fit too, the longest being a coming day's
+    # fence: a prefix they cannot serve is refused here, before anything changes.
+    _fence(table, day)
     with engine.begin() as conn:
         name = _qualified(conn, table)
         conn.execute(text(f"LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"))
@@ -115,6 +130,7 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
         conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _default_name(table))} "
                           f"PARTITION OF {name} DEFAULT"))
         moved = conn.execute(text(f"INSERT INTO {name} SELECT * FROM {old}")).rowcount
+        _keep_access(conn, table, old)
         conn.execute(text(f"DROP TABLE {old}"))
         # (consumer_group, message_id) holds the partition key: the dedup key stays the primary key.
         conn.execute(text(f"ALTER TABLE {name} ADD CONSTRAINT {_quote(conn, primary)} "
@@ -126,6 +142,33 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
     return moved
 
 
+def _keep_access(conn: Connection, table: Table, old: str) -> None:
+    """Give the converted table and its partitions the old table's owner, and the table its grants.
+
+    ``CREATE TABLE … LIKE`` copies neither: converted by an administrator, the
+    table would belong to them, so the owner's retention passes could no longer
+    make or drop a day, and an inbox running as a role granted the old table
+    would fail every message ("permission denied").
+    """
+    quote = conn.dialect.identifier_preparer.quote
+    name = _qualified(conn, table)
+    owner = conn.execute(text("SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = to_regclass(:t)"),
+                         {"t": old}).scalar_one()
+    grants = conn.execute(text(
+        "SELECT a.privilege_type, CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE pg_get_userbyid(a.grantee) END, "
+        "a.is_grantable FROM pg_class c, aclexplode(c.relacl) a "
+        "WHERE c.oid = to_regclass(:t) AND a.grantee <> c.relowner"), {"t": old}).all()
+    parts = conn.execute(text(
+        "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = to_regclass(:t)"),
+        {"t": name}).scalars().all()
+    for relation in [name, *parts]:
+        conn.execute(text(f"ALTER TABLE {relation} OWNER TO {quote(owner)}"))
+    for privilege, grantee, grantable in grants:
+        to = "PUBLIC" if grantee == "PUBLIC" else quote(grantee)
+        conn.execute(text(f"GRANT {privilege} ON TABLE {name} TO {to}"
+                          + (" WITH GRANT OPTION" if grantable else "")))
+
+
 def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: datetime | None, *,
                               ahead_days: int = DEFAULT_AHEAD_DAYS, now: datetime | None = None,
                               dry_run: bool = False) -> PartitionReport:
@@ -135,6 +178,7 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
     ``cutoff`` is now minus the dedup window of *every* group (the partitions
     hold all groups' records): a pass limited to one group passes None.
     """
+    _checked_ahead(ahead_days)
     report = PartitionReport()
     table = tables.inbox_messages
     with engine.connect() as conn:
@@ -154,7 +198,14 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
             continue
         try:
             if default is not None and day > today:
-                _make_day_beside_default(engine, table, default, day)
+                if not _make_day_beside_default(engine, table, default, day):
+                    report.kept[_day_name(table, day)] = "not created yet: another pass took its fence down"
+                    continue
+            elif default is not None and _default_holds(engine, table, default, day):
+                report.kept[_day_name(table, day)] = (
+                    "not created: the default partition holds records of this day (no pass made it "
+                    "in time); they stay there, deleted row by row")
+                continue
             else:
                 with engine.begin() as conn:
                     conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
@@ -171,7 +222,7 @@ def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: date
     return report
 
 
-def _make_day_beside_default(engine: Engine, table: Table, default: str, day: datetime) -> None:
+def _make_day_beside_default(engine: Engine, table: Table, default: str, day: datetime) -> bool:
     """Make a coming day without reading the default partition under the table's lock.
 
     Making a partition beside a ``DEFAULT`` one makes PostgreSQL check that
@@ -184,8 +235,11 @@ def _make_day_beside_default(engine: Engine, table: Table, default: str, day: da
     Only for a day still to come: while the fence stands (the validation's
     read of the default), an id of that day would be refused by the default —
     only a producer clock a day ahead, or a non-UUIDv7 id falling into that
-    one day of its 9,000-year range, can send one; its transaction then fails
-    once and is retried as a failed attempt.
+    one day of its 9,000-year range, can send one; the inbox waits that out as
+    an outage (``_outage``), never counting it against the message, as it does
+    a fence a killed pass left up until the next pass takes it down. False when the fence was gone by
+    the time the day was to be made (another pass took it down): the day waits
+    for the next pass rather than be made by a read of the default under the lock.
     """
     fence, lo, hi = _fence(table, day), first_id_of(day), first_id_of(day + DAY)
     try:
@@ -199,10 +253,35 @@ def _make_day_beside_default(engine: Engine, table: Table, default: str, day: da
             conn.execute(text(f"ALTER TABLE {part} VALIDATE CONSTRAINT {_quote(conn, fence)}"))
         with engine.begin() as conn:
             conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+            # The locks the creation takes anyway, first (the table's, the default's, not the other
+            # partitions'): then the fence, if it still stands (a concurrent pass sweeps the fences
+            # it takes for leftovers), stands until the day is made.
+            conn.execute(text(f"LOCK TABLE ONLY {_qualified(conn, table)} IN ACCESS EXCLUSIVE MODE"))
+            conn.execute(text(f"LOCK TABLE ONLY {part} IN ACCESS EXCLUSIVE MODE"))
+            if not conn.execute(text(
+                    "SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(:p) "
+                    "AND conname = :fence AND convalidated)"), {"p": part, "fence": fence}).scalar_one():
+                return False
             _create_day(conn, table, day)
             conn.execute(text(f"ALTER TABLE {part} DROP CONSTRAINT {_quote(conn, fence)}"))
+        return True
     finally:
         _drop_fences(engine, table, default, only=fence)
+
+
+def _default_holds(engine: Engine, table: Table, default: str, day: datetime) -> bool:
+    """Whether the default partition holds a record of ``day`` (a plain read, which nobody waits on).
+
+    Today's partition cannot be fenced (today's ids go to the default until it exists), so
+    PostgreSQL would read the whole default under the table's lock to make it, every consumer
+    waiting, and refuse when it holds one of today's records. Asked first, such a day is left
+    unmade without asking for the lock.
+    """
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            f"SELECT EXISTS (SELECT 1 FROM {_qualified(conn, table, default)} "
+            "WHERE message_id >= :lo AND message_id < :hi)"),
+            {"lo": first_id_of(day), "hi": first_id_of(day + DAY)}).scalar_one())
 
 
 def _drop_fences(engine: Engine, table: Table, default: str, *, only: str | None = None) -> None:
