@@ -14,7 +14,9 @@ from _spark_seed import AS_OF, build, seed
 from outbox.spark import _classcache as classcache
 from outbox.spark._session import FAST_START
 
-pytestmark = pytest.mark.spark
+# A group of its own: every JVM here is an ``outbox spark`` process, none is the worker's
+# session; one worker keeps the module's warm-up fixture.
+pytestmark = [pytest.mark.spark, pytest.mark.xdist_group("spark-classcache")]
 OUTBOX = str(Path(sys.executable).parent / "outbox")
 
 

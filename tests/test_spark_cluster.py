@@ -27,7 +27,9 @@ from outbox import OutboxTables
 from outbox.spark import REPLAY_HEADER, archive, audit, replay
 from outbox.spark._layout import committed_files
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+# A group of its own: the jobs run on the standalone cluster and in processes of their own, so
+# this file need not wait behind the other Spark tests on the worker that holds their session.
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.xdist_group("spark-cluster")]
 TABLES = OutboxTables()
 JOB_TIMEOUT = 600
 
