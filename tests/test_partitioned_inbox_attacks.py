@@ -11,10 +11,15 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from _retention_rows import inbox_row
+from _retention_rows import inbox_row, outbox_row
 
 from outbox import ConfigurationError, Disposition, Inbox, OutboxTables, create_engine, new_message_id
-from outbox.housekeeping import maintain_inbox_partitions, partition_inbox
+from outbox.housekeeping import (
+    maintain_inbox_partitions,
+    maintain_partitions,
+    partition_inbox,
+    partition_outbox,
+)
 from tests.inbox_support import AlertLog, record
 
 pytestmark = pytest.mark.postgres
@@ -231,3 +236,38 @@ def test_a_fence_left_by_a_killed_pass_is_waited_out_not_counted_against_the_mes
         helper.join()
     assert applied == [1] and inbox.parked() == []
     assert passes and f"inbox_messages_p{now:%Y%m%d}" in passes[0].created  # type: ignore[attr-defined]
+
+
+def test_the_outbox_tables_owner_and_grants_survive_its_conversion(
+        engine: sa.Engine, postgres_db: str, roles: tuple[str, str]) -> None:
+    """The same for ``outbox_messages``: the publishers' role still writes rows (its id sequence
+    moves to the new table and keeps its grants), the owner's passes still make days."""
+    owner, app = roles
+    t = OutboxTables()
+    t.messages.create(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(t.messages), [outbox_row("published", NOW - 5 * DAY)])
+        conn.execute(sa.text(f"ALTER TABLE outbox_messages OWNER TO {owner}"))
+        conn.execute(sa.text(f"GRANT CREATE ON SCHEMA public TO {owner}"))
+        conn.execute(sa.text(f"GRANT SELECT, INSERT, UPDATE ON outbox_messages TO {app}"))
+        conn.execute(sa.text(f"GRANT USAGE ON SEQUENCE outbox_messages_id_seq TO {app}"))
+        grants = conn.execute(sa.text(
+            "SELECT relacl::text FROM pg_class WHERE relname = 'outbox_messages'")).scalar()
+
+    assert partition_outbox(engine, t, now=NOW - 5 * DAY, ahead_days=1) == 1
+
+    with engine.connect() as conn:
+        assert conn.execute(sa.text(
+            "SELECT relacl::text FROM pg_class WHERE relname = 'outbox_messages'")).scalar() == grants
+    as_app, as_owner = (create_engine(sa.make_url(postgres_db).set(username=role)
+                                      .render_as_string(hide_password=False)) for role in (app, owner))
+    try:
+        with as_app.begin() as conn:
+            conn.execute(sa.insert(t.messages), [outbox_row("pending", NOW)])
+            assert len(conn.execute(sa.select(t.messages.c.id)).all()) == 2
+        report = maintain_partitions(as_owner, t, NOW - DAY, now=NOW - 3 * DAY, ahead_days=1)
+    finally:
+        as_app.dispose()
+        as_owner.dispose()
+    assert f"outbox_messages_p{NOW - 3 * DAY:%Y%m%d}" in report.created, report
+    assert f"outbox_messages_p{NOW - 5 * DAY:%Y%m%d}" in report.dropped, report

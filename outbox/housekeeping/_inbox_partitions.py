@@ -55,6 +55,7 @@ from ._partitions import (
     _qualified,
     _quote,
     is_partitioned,
+    keep_access,
 )
 
 UNTIMED_FROM = datetime(2200, 1, 1, tzinfo=UTC)
@@ -130,7 +131,7 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
         conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _default_name(table))} "
                           f"PARTITION OF {name} DEFAULT"))
         moved = conn.execute(text(f"INSERT INTO {name} SELECT * FROM {old}")).rowcount
-        _keep_access(conn, table, old)
+        keep_access(conn, table, old)
         conn.execute(text(f"DROP TABLE {old}"))
         # (consumer_group, message_id) holds the partition key: the dedup key stays the primary key.
         conn.execute(text(f"ALTER TABLE {name} ADD CONSTRAINT {_quote(conn, primary)} "
@@ -140,33 +141,6 @@ def partition_inbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = D
         conn.execute(text(f"CREATE INDEX {_quote(conn, settled_index_name(tables))} ON {name} "
                           "USING brin (processed_at, created_at)"))
     return moved
-
-
-def _keep_access(conn: Connection, table: Table, old: str) -> None:
-    """Give the converted table and its partitions the old table's owner, and the table its grants.
-
-    ``CREATE TABLE … LIKE`` copies neither: converted by an administrator, the
-    table would belong to them, so the owner's retention passes could no longer
-    make or drop a day, and an inbox running as a role granted the old table
-    would fail every message ("permission denied").
-    """
-    quote = conn.dialect.identifier_preparer.quote
-    name = _qualified(conn, table)
-    owner = conn.execute(text("SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = to_regclass(:t)"),
-                         {"t": old}).scalar_one()
-    grants = conn.execute(text(
-        "SELECT a.privilege_type, CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE pg_get_userbyid(a.grantee) END, "
-        "a.is_grantable FROM pg_class c, aclexplode(c.relacl) a "
-        "WHERE c.oid = to_regclass(:t) AND a.grantee <> c.relowner"), {"t": old}).all()
-    parts = conn.execute(text(
-        "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = to_regclass(:t)"),
-        {"t": name}).scalars().all()
-    for relation in [name, *parts]:
-        conn.execute(text(f"ALTER TABLE {relation} OWNER TO {quote(owner)}"))
-    for privilege, grantee, grantable in grants:
-        to = "PUBLIC" if grantee == "PUBLIC" else quote(grantee)
-        conn.execute(text(f"GRANT {privilege} ON TABLE {name} TO {to}"
-                          + (" WITH GRANT OPTION" if grantable else "")))
 
 
 def maintain_inbox_partitions(engine: Engine, tables: OutboxTables, cutoff: datetime | None, *,

@@ -103,6 +103,7 @@ def partition_outbox(engine: Engine, tables: OutboxTables, *, ahead_days: int = 
         conn.execute(text(f"CREATE TABLE {_qualified(conn, table, _checked_name(table.name + '_default'))} "
                           f"PARTITION OF {name} DEFAULT"))
         moved = conn.execute(text(f"INSERT INTO {name} SELECT * FROM {old}")).rowcount
+        keep_access(conn, table, old)  # before the sequence moves: its owner must own the table
         if seq is not None:
             conn.execute(text(f"ALTER SEQUENCE {seq} OWNED BY NONE"))
         conn.execute(text(f"DROP TABLE {old}"))
@@ -245,3 +246,30 @@ def _qualified(conn: Connection, table: Table, name: str | None = None) -> str:
 
 def _first_line(exc: DBAPIError) -> str:
     return str(exc.orig or exc).strip().splitlines()[0]
+
+
+def keep_access(conn: Connection, table: Table, old: str) -> None:
+    """Give the converted table and its partitions the old table's owner, and the table its grants.
+
+    ``CREATE TABLE … LIKE`` copies neither: converted by an administrator, the
+    table would belong to them, so the owner's retention passes could no longer
+    make or drop a day, and a publisher, relay or inbox running as a role
+    granted the old table would fail on every row ("permission denied").
+    """
+    quote = conn.dialect.identifier_preparer.quote
+    name = _qualified(conn, table)
+    owner = conn.execute(text("SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = to_regclass(:t)"),
+                         {"t": old}).scalar_one()
+    grants = conn.execute(text(
+        "SELECT a.privilege_type, CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE pg_get_userbyid(a.grantee) END, "
+        "a.is_grantable FROM pg_class c, aclexplode(c.relacl) a "
+        "WHERE c.oid = to_regclass(:t) AND a.grantee <> c.relowner"), {"t": old}).all()
+    parts = conn.execute(text(
+        "SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = to_regclass(:t)"),
+        {"t": name}).scalars().all()
+    for relation in [name, *parts]:
+        conn.execute(text(f"ALTER TABLE {relation} OWNER TO {quote(owner)}"))
+    for privilege, grantee, grantable in grants:
+        to = "PUBLIC" if grantee == "PUBLIC" else quote(grantee)
+        conn.execute(text(f"GRANT {privilege} ON TABLE {name} TO {to}"
+                          + (" WITH GRANT OPTION" if grantable else "")))
