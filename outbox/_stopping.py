@@ -93,6 +93,33 @@ def run_with_stop_bound(
     return None
 
 
+class StopLatch:
+    """A worker command's SIGTERM/SIGINT from its first line: a stop that comes before the worker
+    exists is kept and handed to it.
+
+    Between the command's start and the worker's ``run()`` (which installs its own
+    handlers) there are connections to make, a module to import, a producer to
+    build; a signal there took Python's default action and killed the process
+    (exit -15) instead of a clean stop (exit 0). Use as ``with stop_signals(latch):``,
+    then ``latch.hand_to(worker.stop)`` once the worker exists; its ``run()``
+    returns at once when the stop came first.
+    """
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self._stop: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        self.asked.set()
+        if self._stop is not None:
+            self._stop()
+
+    def hand_to(self, stop: Callable[[], None]) -> None:
+        self._stop = stop
+        if self.asked.is_set():
+            stop()
+
+
 class RunOnce:
     """A worker's ``run``: one at a time, and a ``stop()`` that came before it is kept.
 

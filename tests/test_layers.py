@@ -54,7 +54,7 @@ def test_console_and_ops_read_the_inbox_through_its_public_admin_api() -> None:
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 104
+PRIVATE_IMPORTS_IN_TESTS = 105
 """Imports of a private module of ``outbox``/``transports`` by the tests (benchmarks aside).
 
 What stays has no public equivalent, because the test's subject is that module: the wire format
@@ -63,7 +63,8 @@ writes them, with any seq and incarnation), key hashing (``_sharding``, ``_parti
 timing wheel, outage classification and backoff (``_outage``, ``inbox._outage``), dialect helpers
 (``_pg_arrays``, ``_mysql``, ``_engine``, ``_statements``, ``_schema``'s version), the inbox's
 runner stages that the model test plays itself (``inbox._delivery``, ``_offsets``, ``_schedule``),
-inbox settings and sessions, relay statements, leases, rows and its writer thread, the inbox's
+inbox settings and sessions, relay statements, leases, rows and its writer thread, the worker
+commands' stop latch, the inbox's
 partition checks, the inbox store's replay page and flood INSERT (compared with the old
 statements), the event registry (emptied for each docs page), housekeeping, Spark, console, CLI
 and ops internals; and ``transports._errors`` in the transports' own tests (``transports`` has no

@@ -24,6 +24,7 @@ import pytest
 from _relay_helpers import ScriptedTransport, publish, wait_for
 
 from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
+from outbox._stopping import StopLatch
 from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
 from outbox.relay._writer import BackgroundWriter
@@ -344,3 +345,17 @@ def test_run_is_refused_while_a_loop_left_behind_at_its_stop_still_runs(sqlite_d
     finally:
         relay.stop()
     engine.dispose()
+
+
+def test_a_stop_before_the_worker_exists_is_handed_to_it() -> None:
+    """``outbox relay`` / ``outbox inbox run`` catch SIGTERM from their first line (``StopLatch``):
+    one that came while they connected or imported the app stops the worker's ``run()`` at once."""
+    early, late = StopLatch(), StopLatch()
+    stopped: list[str] = []
+    early()  # the signal, before the worker exists
+    assert early.asked.is_set() and stopped == []
+    early.hand_to(lambda: stopped.append("early"))
+    late.hand_to(lambda: stopped.append("late"))
+    assert stopped == ["early"]
+    late()
+    assert stopped == ["early", "late"] and late.asked.is_set()

@@ -18,6 +18,7 @@ from rich.markup import escape
 from transports._logsafe import safe_logger
 
 from .._gc import tune_gc_for_batches
+from .._stopping import StopLatch, stop_signals
 from .._terminal import stdout_console
 from ..housekeeping import run_retention
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
@@ -105,27 +106,30 @@ def run(
     configure_logging(log_level)
     from transports.kafka import KafkaSource
 
-    every = every_seconds(retention_every)
-    inbox = load_inbox(target)
-    window = None if retention is None else dedup_retention(inbox, retention)
-    source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
-                         topics=inbox.topics, settings=parse_kafka_config(kafka_config))
-    if metrics_port is not None:
-        from ..ops import inbox_readiness, serve_health
+    latch = StopLatch()
+    with stop_signals(latch):  # from here on a SIGTERM stops, even before inbox.run()
+        every = every_seconds(retention_every)
+        inbox = load_inbox(target)
+        latch.hand_to(inbox.stop)
+        window = None if retention is None else dedup_retention(inbox, retention)
+        source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
+                             topics=inbox.topics, settings=parse_kafka_config(kafka_config))
+        if metrics_port is not None:
+            from ..ops import inbox_readiness, serve_health
 
-        serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database),
-                     host=metrics_host)
-    Console(stderr=True).print(f"inbox [bold]{escape(inbox.group)}[/bold] consuming "
-                               f"{escape(', '.join(inbox.topics))}")
-    tune_gc_for_batches()
-    housekeeper = None if window is None else start_retention(
-        lambda stop: run_retention(inbox.engine, tables=inbox.tables, group=inbox.group,
-                                   dedup_window=window, stop=stop), every)
-    try:
-        inbox.run(source)
-    finally:
-        if housekeeper is not None:
-            housekeeper.stop()
+            serve_health(metrics_port, inbox_readiness(inbox.engine, source, inbox.run_database),
+                         host=metrics_host)
+        Console(stderr=True).print(f"inbox [bold]{escape(inbox.group)}[/bold] consuming "
+                                   f"{escape(', '.join(inbox.topics))}")
+        tune_gc_for_batches()
+        housekeeper = None if window is None else start_retention(
+            lambda stop: run_retention(inbox.engine, tables=inbox.tables, group=inbox.group,
+                                       dedup_window=window, stop=stop), every)
+        try:
+            inbox.run(source)
+        finally:
+            if housekeeper is not None:
+                housekeeper.stop()
 
 
 DB = typer.Option(None, "--db", help="SQLAlchemy database URL of the inbox tables (or --app).")

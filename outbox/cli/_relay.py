@@ -17,7 +17,7 @@ from .._cloudevents import CloudEvents
 from .._gc import tune_gc_for_batches
 from .._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
 from .._outbox import Outbox
-from .._stopping import stop_signals
+from .._stopping import StopLatch, stop_signals
 from .._terminal import stdout_console
 from ..housekeeping import parse_period, run_retention
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
@@ -93,61 +93,62 @@ def relay(
                         if cloudevents or cloudevents_source is not None else None)
     retention_period = None if retention is None else parse_period(retention, "retention")
     every = every_seconds(retention_every)
-    outbox = open_outbox(db, prefix, schema, shards, check=False)
-    if not _wait_for_tables(outbox):
-        return  # stopped before the database ever answered
-    # Refused before the producer exists: it would start connecting, and logging, at once.
-    refuse_smaller_producer(KafkaTransport.max_record_bytes_for(settings), "message.max.bytes",
-                            outbox.load_schema().max_record_bytes)
-    transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
-    worker = Relay(
-        outbox, transport, worker_id=worker_id, batch_size=batch_size,
-        lease_ttl=lease_ttl, poll_interval=poll_interval,
-        alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
-        backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,
-        cloudevents=cloudevents_mode or False,
-    )
-    if metrics_port is not None:
-        relay_metrics()  # registered before the first scrape
-        serve_health(metrics_port, relay_readiness(worker), host=metrics_host)
-    tune_gc_for_batches()
-    housekeeper = None if retention_period is None else start_retention(
-        lambda stop: run_retention(outbox, older_than=retention_period, stop=stop), every)
-    try:
-        worker.run()
-    finally:
-        if housekeeper is not None:
-            housekeeper.stop()
-        transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
+    latch = StopLatch()
+    with stop_signals(latch):
+        outbox = open_outbox(db, prefix, schema, shards, check=False)
+        if not _wait_for_tables(outbox, latch.asked):
+            return  # stopped before the database ever answered
+        # Refused before the producer exists: it would start connecting, and logging, at once.
+        refuse_smaller_producer(KafkaTransport.max_record_bytes_for(settings), "message.max.bytes",
+                                outbox.load_schema().max_record_bytes)
+        transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
+        worker = Relay(
+            outbox, transport, worker_id=worker_id, batch_size=batch_size,
+            lease_ttl=lease_ttl, poll_interval=poll_interval,
+            alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
+            backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,
+            cloudevents=cloudevents_mode or False,
+        )
+        latch.hand_to(worker.stop)
+        if metrics_port is not None:
+            relay_metrics()  # registered before the first scrape
+            serve_health(metrics_port, relay_readiness(worker), host=metrics_host)
+        tune_gc_for_batches()
+        housekeeper = None if retention_period is None else start_retention(
+            lambda stop: run_retention(outbox, older_than=retention_period, stop=stop), every)
+        try:
+            worker.run()
+        finally:
+            if housekeeper is not None:
+                housekeeper.stop()
+            transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
 
 
-def _wait_for_tables(outbox: Outbox) -> bool:
+def _wait_for_tables(outbox: Outbox, stop: threading.Event) -> bool:
     """Check the tables, waiting for a database that does not answer yet; False if stopped first.
 
     The relay's rule, from start-up on: an unreachable database may come back,
     so it is waited out (one line when it starts, one when it ends), as
     ``Relay.run`` and ``outbox inbox run`` do; what can never work (no tables,
-    a wrong prefix or schema) is an error at once. SIGTERM/SIGINT end the wait.
+    a wrong prefix or schema) is an error at once. ``stop`` (SIGTERM/SIGINT) ends the wait.
     """
-    stop = threading.Event()
     database = OutageTracker(
         f"database {database_name()}", log=log, backoff=OutageBackoff(first=0.2),
         wording=OutageWording(down="%s unreachable (%s); waiting for it before starting "
                                    "(check --db if this persists)",
                               up="%s reachable again after %.1f s; starting"),
         detail=lambda exc: hidden(str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]))
-    with stop_signals(stop.set):
-        while not stop.is_set():
-            try:
-                outbox.load_schema()
-            except Exception as exc:
-                if not is_database_outage(exc):
-                    raise
-                stop.wait(database.failed(exc))
-            else:
-                database.answered()
-                return True
-        return False
+    while not stop.is_set():
+        try:
+            outbox.load_schema()
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            stop.wait(database.failed(exc))
+        else:
+            database.answered()
+            return True
+    return False
 
 
 @failed_app.command("list")
