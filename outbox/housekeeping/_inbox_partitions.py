@@ -56,6 +56,7 @@ from ._partitions import (
     _quote,
     is_partitioned,
     keep_access,
+    retire_day,
 )
 
 UNTIMED_FROM = datetime(2200, 1, 1, tzinfo=UTC)
@@ -286,35 +287,12 @@ def _default_name(table: Table) -> str:
 
 def _retire(engine: Engine, table: Table, name: str, cutoff: datetime, report: PartitionReport,
             dry_run: bool) -> None:
-    try:
-        _summarize(engine, table, name)
-        with engine.begin() as conn:
-            # A plain read first, which nobody waits on: a day with a record still inside the
-            # window is kept without asking for the table's lock.
-            unsettled = _unsettled(conn, _qualified(conn, table, name), cutoff)
-        if unsettled:
-            report.kept[name] = _inside(unsettled)
-            return
-        with engine.begin() as conn:
-            parent, part = _qualified(conn, table), _qualified(conn, table, name)
-            conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-            if not dry_run:
-                conn.execute(text(f"ALTER TABLE {parent} DETACH PARTITION {part}"))
-            # Detached inside this transaction, nothing can be written to it: the check holds.
-            unsettled = _unsettled(conn, part, cutoff)
-            if unsettled:
-                report.kept[name] = _inside(unsettled)
-                conn.rollback()
-                return
-            if dry_run:
-                report.dropped[name] = conn.execute(text(f"SELECT count(*) FROM {part}")).scalar_one()
-                return
-            estimate = conn.execute(text("SELECT reltuples::bigint FROM pg_class "
-                                         "WHERE oid = to_regclass(:p)"), {"p": part}).scalar_one()
-            conn.execute(text(f"DROP TABLE {part}"))
-            report.dropped[name] = None if estimate < 0 else int(estimate)
-    except DBAPIError as exc:
-        report.kept[name] = f"not dropped yet: {_first_line(exc)}"
+    def inside_window(conn: Connection, part: str) -> str | None:
+        unsettled = _unsettled(conn, part, cutoff)
+        return _inside(unsettled) if unsettled else None
+
+    _summarize(engine, table, name)
+    retire_day(engine, table, name, report, dry_run, keep=inside_window)
 
 
 def _unsettled(conn: Connection, part: str, cutoff: datetime) -> int:

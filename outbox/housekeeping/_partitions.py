@@ -26,6 +26,7 @@ stay a unique constraint, and it holds the id but no time of its own.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -153,23 +154,37 @@ def maintain_partitions(engine: Engine, tables: OutboxTables, cutoff: datetime, 
 
 
 def _retire(engine: Engine, table: Table, name: str, report: PartitionReport, dry_run: bool) -> None:
+    def unpublished(conn: Connection, part: str) -> str | None:
+        open_rows = _open_rows(conn, part)
+        return f"{open_rows}{'+' if open_rows == 1000 else ''} row(s) not published" if open_rows else None
+
+    retire_day(engine, table, name, report, dry_run, keep=unpublished)
+
+
+def retire_day(engine: Engine, table: Table, name: str, report: PartitionReport, dry_run: bool, *,
+               keep: Callable[[Connection, str], str | None]) -> None:
+    """Detach and drop the day partition ``name`` unless ``keep(conn, partition)`` gives a reason.
+
+    ``keep`` is asked twice: first in a plain read, which no writer waits on (a day that must
+    stay is kept without asking for the table's lock: a queued lock request stalls every
+    writer), then again once the partition is detached in the dropping transaction, when
+    nothing can be written to it any more, so the answer holds. One short transaction under
+    ``LOCK_TIMEOUT``; a lock not granted in time leaves the day to the next pass.
+    """
     try:
         with engine.begin() as conn:
-            # First a plain read, which no writer waits on: a day with an unfinished row is kept
-            # without asking for the table's lock (a queued lock request stalls every publisher).
-            open_rows = _open_rows(conn, _qualified(conn, table, name))
-        if open_rows:
-            report.kept[name] = f"{open_rows}{'+' if open_rows == 1000 else ''} row(s) not published"
+            reason = keep(conn, _qualified(conn, table, name))
+        if reason:
+            report.kept[name] = reason
             return
         with engine.begin() as conn:
             parent, part = _qualified(conn, table), _qualified(conn, table, name)
             conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
             if not dry_run:
                 conn.execute(text(f"ALTER TABLE {parent} DETACH PARTITION {part}"))
-            # Detached inside this transaction, nothing can be written to it: the check holds.
-            open_rows = _open_rows(conn, part)
-            if open_rows:
-                report.kept[name] = f"{open_rows}{'+' if open_rows == 1000 else ''} row(s) not published"
+            reason = keep(conn, part)
+            if reason:
+                report.kept[name] = reason
                 conn.rollback()
                 return
             if dry_run:
