@@ -10,11 +10,13 @@ the violation in its own transaction, so a later replay cannot hide it).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime
+from typing import Any
 
 import sqlalchemy as sa
 
-from outbox import Alert
+from outbox import Alert, Inbox
 from outbox._wire import to_record
 from outbox.testing import OutboxTestHarness, Settled
 from transports import Record
@@ -127,7 +129,7 @@ def applied(engine: sa.Engine, key: str | None = None) -> list[tuple[str | None,
         return [(r.key, r.seq) for r in conn.execute(stmt)]
 
 
-def settle(inbox, batch) -> Settled:  # type: ignore[no-untyped-def]
+def settle(inbox: Inbox, batch: Iterable[Any]) -> Settled:
     """One batch (records, or deliveries from an earlier ``later``) through ``inbox``'s transaction
     and settle stage, as a worker of ``Inbox.run`` takes it: ``OutboxTestHarness.settle``."""
     return OutboxTestHarness(inbox=inbox).settle(batch)

@@ -95,7 +95,7 @@ def rows(inbox: Inbox, engine: sa.Engine, table: str) -> list[int]:
         return sorted(conn.scalars(sa.select(t.c.seq).where(t.c.consumer_group == inbox.group)))
 
 
-def drain(inbox: Inbox, batch: list) -> dict[int, Disposition]:  # type: ignore[type-arg]
+def drain(inbox: Inbox, batch: list[Record]) -> dict[int, Disposition]:
     """Settle ``batch``; hand what comes back to the settle stage again, as one batch in the order
     given (what the scheduler does with a lane's returned deliveries), until all are done."""
     done: dict[int, Disposition] = {}
