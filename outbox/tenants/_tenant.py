@@ -212,7 +212,7 @@ def from_file(path: str | Path) -> TenantSource:
                 if not database:
                     raise ConfigurationError(
                         f"tenant {item.get('name')!r:.70}: environment variable {variable!r:.70} is not set")
-            tenants.append(Tenant(name=item.get("name"), schema=item.get("schema"), database=database))
+            tenants.append(Tenant(name=item.get("name", ""), schema=item.get("schema"), database=database))
         return checked_tenants(tenants)
     return read
 
