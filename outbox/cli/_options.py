@@ -30,7 +30,8 @@ COMMAND_LINE_ONLY = frozenset({"all", "force", "upgrade", "reshard", "new-incarn
 # every other option is namespaced by its command (``OUTBOX_PARKED_TOPIC``), so a
 # variable set for one command never changes what another does.
 SHARED = frozenset({"db", "inbox-db", "prefix", "schema", "bootstrap-servers", "kafka-config", "log-level",
-                    "metrics-port", "metrics-host", "group", "shards", "app"})
+                    "metrics-port", "metrics-host", "group", "shards", "app", "tenants", "tenant-header",
+                    "tenant"})
 # The names 0.1 read these options from (its rule: ``OUTBOX_`` and the bare option
 # name). They still work for one release, with a warning; delete this in the next.
 RENAMED_IN_0_2 = {
@@ -133,6 +134,12 @@ def warn_deprecated(renamed: list[tuple[str, str]]) -> None:
 DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+psycopg://… or sqlite:///app.db")
 PREFIX = typer.Option("", "--prefix", help="Table name prefix.")
 SCHEMA = typer.Option(None, "--schema", help="Database schema of the tables.")
+TENANTS = typer.Option(
+    None, "--tenants", help="Serve many tenants: like:PATTERN (schemas of --db), file:PATH (JSON), "
+                            "query:SQL, or schema names separated by commas (docs/tenants.md).")
+TENANT_HEADER = typer.Option(
+    None, "--tenant-header", help="The record header that names the tenant (docs/tenants.md).")
+TENANT = typer.Option(None, "--tenant", help="Only this tenant (of --tenants).")
 BOOTSTRAP_SERVERS = typer.Option(
     ..., "--bootstrap-servers", envvar=["OUTBOX_BOOTSTRAP_SERVERS", "KAFKA_BOOTSTRAP_SERVERS"],
     help="Kafka brokers, host:port,…")
