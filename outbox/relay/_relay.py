@@ -67,6 +67,9 @@ class Relay:
     and names a bad one. ``cloudevents=True`` (or a ``CloudEvents`` naming the
     source) adds the CloudEvents binary-mode ``ce_*`` headers to every record
     (docs/cloudevents.md); the ``outbox-*`` envelope is sent either way.
+    ``database_outage`` is the tracker its database's outages are told to; the
+    relays of one database in a ``TenantRelay`` share one, so an outage is logged
+    once, not once per tenant.
 
     Construction reads the stored shard count and record limit, so it needs the
     database and raises if it is unreachable, and raises ``ConfigurationError``
@@ -93,6 +96,7 @@ class Relay:
         wheel_tick: float = 0.02,
         key_stuck_after: float = 300.0,
         cloudevents: CloudEvents | bool = False,
+        database_outage: OutageTracker | None = None,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
@@ -132,7 +136,7 @@ class Relay:
                                                                start=time.monotonic())
         # The loop's pause after a failed batch (an outage or not) grows from the poll interval.
         self._failure_backoff = OutageBackoff(first=settings.poll_interval)
-        self.database_outage = OutageTracker(
+        self.database_outage = database_outage or OutageTracker(
             f"relay {worker_id}: database", log=log, wording=RELAY_WORDING, backoff=self._failure_backoff,
             count=self.metrics.outages.labels("database").inc)
         self.broker_outage = OutageTracker(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Engine
@@ -39,42 +40,61 @@ class Wakeup:
 
     def listen(self, engine: Engine, channel: str) -> None:
         """Start the LISTEN thread (PostgreSQL with psycopg only; a no-op elsewhere)."""
-        if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
-            return
-        self._thread = threading.Thread(
-            target=self._listen, args=(engine, channel), name="outbox-relay-listen", daemon=True
-        )
-        self._thread.start()
-
-    def _listen(self, engine: Engine, channel: str) -> None:
-        broken = False
-        while not self._stop.is_set():
-            fairy: Any = None
-            try:
-                fairy = engine.raw_connection()
-                fairy.detach()
-                conn = fairy.dbapi_connection
-                conn.autocommit = True
-                conn.execute(f'LISTEN "{channel}"')  # channel is a validated identifier
-                if broken:
-                    log.warning("LISTEN %s is back", channel)
-                    broken = False
-                self.event.set()  # anything committed before LISTEN is found by this poll
-                while not self._stop.is_set():
-                    for _ in conn.notifies(timeout=0.5):
-                        self.event.set()
-            except Exception as exc:
-                if not broken:
-                    log.warning("LISTEN %s failed (%r); polling, and retrying every second",
-                                channel, exc)
-                    broken = True
-                self._stop.wait(1.0)
-            finally:
-                if fairy is not None:
-                    with contextlib.suppress(Exception):
-                        fairy.close()
+        self._thread = start_listening(engine, [channel], on_notify=lambda _payload: self.event.set(),
+                                       on_connect=self.event.set, stop=self._stop)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+
+
+def can_listen(engine: Engine) -> bool:
+    """Whether ``engine`` delivers notifications: PostgreSQL through psycopg."""
+    return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+
+
+def start_listening(engine: Engine, channels: list[str], *, on_notify: Callable[[str], None],
+                    on_connect: Callable[[], None], stop: threading.Event) -> threading.Thread | None:
+    """One daemon thread LISTENing on ``channels`` over one connection until ``stop``; None if it cannot.
+
+    ``on_notify`` gets each notification's payload; ``on_connect`` runs after
+    every (re)connection, since anything committed before it was not notified.
+    """
+    if not can_listen(engine):
+        return None
+    thread = threading.Thread(target=_listen, args=(engine, channels, on_notify, on_connect, stop),
+                              name="outbox-relay-listen", daemon=True)
+    thread.start()
+    return thread
+
+
+def _listen(engine: Engine, channels: list[str], on_notify: Callable[[str], None],
+            on_connect: Callable[[], None], stop: threading.Event) -> None:
+    broken = False
+    shown = ", ".join(channels)
+    while not stop.is_set():
+        fairy: Any = None
+        try:
+            fairy = engine.raw_connection()
+            fairy.detach()
+            conn = fairy.dbapi_connection
+            conn.autocommit = True
+            for channel in channels:
+                conn.execute(f'LISTEN "{channel}"')  # channel is a validated identifier
+            if broken:
+                log.warning("LISTEN %s is back", shown)
+                broken = False
+            on_connect()
+            while not stop.is_set():
+                for note in conn.notifies(timeout=0.5):
+                    on_notify(note.payload)
+        except Exception as exc:
+            if not broken:
+                log.warning("LISTEN %s failed (%r); polling, and retrying every second", shown, exc)
+                broken = True
+            stop.wait(1.0)
+        finally:
+            if fairy is not None:
+                with contextlib.suppress(Exception):
+                    fairy.close()

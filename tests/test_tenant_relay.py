@@ -1,0 +1,225 @@
+"""``TenantRelay``: one relay process for many tenant schemas and databases (issue 27).
+
+Each test runs a real relay fleet on a real PostgreSQL (several schemas of one
+database, and databases of their own) into the in-memory broker, whose
+records say what was sent: every tenant's rows arrive, in per-key order, with
+the tenant's name in the tenant header and only there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import ConfigurationError, Outbox, create_engine
+from outbox._wire import SEQ
+from outbox.tenants import Tenant, TenantRelay
+from transports import Record
+from transports.memory import InMemoryBroker, InMemoryTransport
+
+from _relay_helpers import wait_for
+
+pytestmark = pytest.mark.postgres
+
+HEADER = "x-tenant"
+ROOMY = 1_000_000 + 256
+"""A producer limit with room for the tenant header above the stored limit (1,000,000)."""
+
+
+@pytest.fixture
+def pg(postgres_db: str) -> Iterator[sa.Engine]:
+    engine = create_engine(postgres_db)
+    yield engine
+    engine.dispose()
+
+
+def make_tenants(engine: sa.Engine, names: list[str], shards: dict[str, int] | None = None) -> dict[str, Outbox]:
+    outboxes = {}
+    with engine.begin() as conn:
+        for name in names:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+    for name in names:
+        outbox = Outbox(engine, schema=name, shards=(shards or {}).get(name, 4))
+        outbox.create_tables()
+        outboxes[name] = outbox
+    return outboxes
+
+
+def publish(outbox: Outbox, topic: str, keys: list[str], **kwargs: Any) -> None:
+    with outbox.begin() as session:
+        for i, key in enumerate(keys):
+            outbox.publish(session, topic, {"i": i, "key": key}, key=key, **kwargs)
+
+
+def header(record: Record, name: str) -> list[bytes]:
+    return [value for n, value in record.headers if n == name]
+
+
+def pending(outbox: Outbox) -> int:
+    m = outbox.tables.messages
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return conn.scalar(sa.select(sa.func.count()).where(m.c.status == "pending")) or 0
+
+
+class Running:
+    """A fleet running on a thread of its own; ``stop`` waits for it."""
+
+    def __init__(self, relay: TenantRelay) -> None:
+        self.relay = relay
+        self.error: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.relay.run(stop_timeout=20)
+        except BaseException as exc:
+            self.error.append(exc)
+
+    def stop(self) -> None:
+        self.relay.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        self.relay.close()
+        assert self.error == []
+
+
+def fleet(tenants: Any, broker: InMemoryBroker, **kwargs: Any) -> TenantRelay:
+    options: dict[str, Any] = dict(tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0, refresh_every=0.5)
+    options.update(kwargs)
+    return TenantRelay(tenants, lambda: InMemoryTransport(broker), **options)
+
+
+def test_every_tenant_is_sent_in_key_order_under_its_own_name(pg: sa.Engine, topic: str) -> None:
+    outboxes = make_tenants(pg, ["acme", "globex", "initech"], shards={"acme": 2, "globex": 8, "initech": 16})
+    for name, outbox in outboxes.items():
+        # The same keys in every tenant: their seqs are the tenant's own, 1, 2, 3 …
+        publish(outbox, topic, ["k1", "k2", "k1", "k3", "k1"] * 20)
+        # A producer that names another tenant in the header is overruled by the relay.
+        publish(outbox, topic, ["k1"], headers={HEADER: "someone-else"})
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(list(outboxes), broker, database=pg))
+    try:
+        wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 20, "every tenant drained")
+    finally:
+        running.stop()
+    records = broker.records(topic)
+    assert len(records) == 3 * 101
+    seqs: dict[tuple[bytes, bytes | None], list[int]] = {}
+    for record in records:
+        (tenant,) = header(record, HEADER)
+        seqs.setdefault((tenant, record.key), []).append(int(header(record, SEQ)[0]))
+    assert {tenant for tenant, _ in seqs} == {b"acme", b"globex", b"initech"}
+    for place, got in seqs.items():
+        assert got == list(range(1, len(got) + 1)), place
+
+
+def test_a_tenant_without_tables_is_reported_once_and_the_others_flow(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    outboxes = make_tenants(pg, ["good"])
+    with pg.begin() as conn:
+        conn.exec_driver_sql('CREATE SCHEMA "empty"')
+    publish(outboxes["good"], topic, ["a", "b"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    running = Running(fleet(["empty", "good"], broker, database=pg))
+    try:
+        wait_for(lambda: pending(outboxes["good"]) == 0, 20, "the good tenant drained")
+        wait_for(lambda: len(broker.records(topic)) == 2, 5, "its records")
+        publish(outboxes["good"], topic, ["c"])
+        wait_for(lambda: len(broker.records(topic)) == 3, 10, "a later record")
+    finally:
+        running.stop()
+    about_empty = [r for r in caplog.records if "tenant empty" in r.getMessage()]
+    assert len(about_empty) == 1, [r.getMessage() for r in about_empty]
+    assert "cannot be served" in about_empty[0].getMessage()
+    assert running.relay.tenants == []  # closed
+
+
+def test_tenants_come_and_go_while_it_runs(pg: sa.Engine, topic: str) -> None:
+    outboxes = make_tenants(pg, ["t1", "t2"])
+    current = ["t1"]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(lambda: list(current), broker, database=pg, refresh_every=0.2))
+    try:
+        publish(outboxes["t1"], topic, ["a"])
+        publish(outboxes["t2"], topic, ["a"])
+        wait_for(lambda: pending(outboxes["t1"]) == 0, 20, "t1 served")
+        assert pending(outboxes["t2"]) == 1  # not a tenant yet
+        current.append("t2")
+        wait_for(lambda: pending(outboxes["t2"]) == 0, 20, "t2 served once listed")
+        current.remove("t1")
+        wait_for(lambda: running.relay.tenants == ["t2"], 20, "t1 dropped")
+        publish(outboxes["t1"], topic, ["b"])
+        publish(outboxes["t2"], topic, ["b"])
+        wait_for(lambda: pending(outboxes["t2"]) == 0, 20, "t2 still served")
+        assert pending(outboxes["t1"]) == 1
+        # t1's leases were given back when it was dropped: nobody holds them now.
+        leases = outboxes["t1"].tables.leases
+        with pg.connect() as conn:
+            assert conn.scalar(sa.select(sa.func.count()).where(leases.c.owner.is_not(None))) == 0
+    finally:
+        running.stop()
+
+
+def test_a_quiet_tenant_is_served_while_another_drains_a_backlog(pg: sa.Engine, topic: str) -> None:
+    outboxes = make_tenants(pg, ["busy", "quiet"])
+    publish(outboxes["busy"], topic, [f"k{i % 500}" for i in range(12_000)])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(["busy", "quiet"], broker, database=pg, batch_size=100))
+    try:
+        wait_for(lambda: len(broker.records(topic)) > 500, 20, "the backlog started draining")
+        publish(outboxes["quiet"], topic, ["q"])
+        wait_for(lambda: pending(outboxes["quiet"]) == 0, 20, "the quiet tenant's message")
+        # Sent while the backlog was still there: it did not wait for the backlog.
+        assert pending(outboxes["busy"]) > 5_000, "the quiet tenant waited for the backlog"
+    finally:
+        running.stop()
+
+
+def test_database_per_tenant_and_one_database_down(
+        pg: sa.Engine, own_postgres: Any, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    shared = make_tenants(pg, ["a1", "a2"])
+    own_url = own_postgres.url
+    own = create_engine(own_url)
+    alone = Outbox(own, shards=4)
+    alone.create_tables()
+    tenants = [Tenant("a1", "a1"), Tenant("a2", "a2"), Tenant("solo", database=own_url)]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    running = Running(fleet(tenants, broker, database=pg))
+    try:
+        publish(alone, topic, ["s"])
+        wait_for(lambda: pending(alone) == 0, 20, "the tenant with its own database served")
+        own.dispose()
+        own_postgres.stop()
+        for round_ in range(5):  # the others keep flowing while it is down
+            publish(shared["a1"], topic, [f"r{round_}"])
+            publish(shared["a2"], topic, [f"r{round_}"])
+            wait_for(lambda: pending(shared["a1"]) == pending(shared["a2"]) == 0, 10, "the others")
+        own_postgres.start()
+        publish(alone, topic, ["s2"])
+        wait_for(lambda: pending(alone) == 0, 30, "served again once its database is back")
+    finally:
+        running.stop()
+        own.dispose()
+    down = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(down) == 1, down
+    assert "***" not in down[0] or own_postgres.url not in down[0]
+
+
+def test_bad_settings_are_refused_by_name(pg: sa.Engine) -> None:
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    with pytest.raises(ConfigurationError, match="callable that makes a transport"):
+        TenantRelay(["a"], InMemoryTransport(broker), database=pg)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="tenant header"):
+        fleet(["a"], broker, database=pg, tenant_header="outbox-seq")
+    with pytest.raises(ConfigurationError, match="workers"):
+        fleet(["a"], broker, database=pg, workers=0)
+    with pytest.raises(ConfigurationError, match="listed twice"):
+        fleet(["a", "a"], broker, database=pg)
