@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -36,6 +37,8 @@ from ._options import (
     PREFIX,
     REASON,
     SCHEMA,
+    TENANT_HEADER,
+    TENANTS,
     configure_logging,
     operator,
     parse_kafka_config,
@@ -80,6 +83,10 @@ def relay(
     cloudevents_source: str | None = typer.Option(
         None, help="The ce_source of every record (a URI-reference; default outbox://<database "
                    "incarnation>); implies --cloudevents."),
+    tenants: str | None = TENANTS,
+    tenant_header: str | None = TENANT_HEADER,
+    workers: int = typer.Option(
+        2, min=1, max=64, help="With --tenants: worker threads, each with a producer of its own."),
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -93,6 +100,17 @@ def relay(
                         if cloudevents or cloudevents_source is not None else None)
     retention_period = None if retention is None else parse_period(retention, "retention")
     every = every_seconds(retention_every)
+    if tenants is not None:
+        if schema is not None:
+            raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
+        _relay_tenants(
+            db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
+            worker_id=worker_id, batch_size=batch_size, lease_ttl=lease_ttl, poll_interval=poll_interval,
+            webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
+            metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every)
+        return
+    elif tenant_header is not None:
+        raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")
     latch = StopLatch()
     with stop_signals(latch):
         outbox = open_outbox(db, prefix, schema, shards, check=False)
@@ -122,6 +140,55 @@ def relay(
             if housekeeper is not None:
                 housekeeper.stop()
             transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
+
+
+TENANT_HEADER_ROOM = 256
+"""Bytes a --tenants relay's producer allows above the default record limit, for the tenant header."""
+
+
+def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict[str, str],
+                   bootstrap_servers: str, *, workers: int, prefix: str, webhook: str | None,
+                   metrics_port: int | None, metrics_host: str, retention: timedelta | None, every: float,
+                   **tuning: Any) -> None:
+    """``outbox relay --tenants``: one ``TenantRelay`` for every tenant of ``spec`` (docs/tenants.md).
+
+    Unless ``message.max.bytes`` is given, the producers allow the default
+    record limit plus room for the tenant header, so tenants whose tables keep
+    the default limit can be served with a header.
+    """
+    from transports.kafka import KafkaTransport
+
+    from .._engine import create_engine
+    from ..ops import serve_health, tenant_relay_readiness
+    from ..relay import relay_metrics
+    from ..tenants import TenantRelay, parse_tenants
+
+    if tenant_header is not None and "message.max.bytes" not in settings:
+        limit = KafkaTransport.max_record_bytes_for(settings) + TENANT_HEADER_ROOM
+        settings = {**settings, "message.max.bytes": str(limit)}
+    latch = StopLatch()
+    with stop_signals(latch):
+        engine = create_engine(db, pool_size=workers + 2, max_overflow=0)
+        def producer() -> KafkaTransport:
+            return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
+        fleet = TenantRelay(
+            parse_tenants(spec, engine), producer, database=engine, workers=workers,
+            tenant_header=tenant_header, prefix=prefix,
+            alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(), **tuning)
+        latch.hand_to(fleet.stop)
+        if metrics_port is not None:
+            relay_metrics()
+            serve_health(metrics_port, tenant_relay_readiness(fleet), host=metrics_host)
+        tune_gc_for_batches()
+        housekeeper = None if retention is None else start_retention(
+            lambda stop: fleet.run_retention(retention, stop=stop), every)
+        try:
+            fleet.run()
+        finally:
+            if housekeeper is not None:
+                housekeeper.stop()
+            fleet.close()
+            engine.dispose()
 
 
 def _wait_for_tables(outbox: Outbox, stop: threading.Event) -> bool:

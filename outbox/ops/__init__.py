@@ -9,11 +9,26 @@ package sits above ``relay`` and ``inbox`` (it reads both) and below ``cli``
 and ``console``, which only present it.
 """
 
-from ._health import DatabaseCheck, Readiness, inbox_readiness, relay_readiness, serve_health
+from ._health import (
+    DatabaseCheck,
+    Readiness,
+    inbox_readiness,
+    relay_readiness,
+    serve_health,
+    tenant_relay_readiness,
+)
 from ._stuck import VERSION, gather
 
-__all__ = ["VERSION", "DatabaseCheck", "Readiness", "gather", "inbox_readiness", "relay_readiness",
-           "serve_health"]
+__all__ = [
+    "VERSION",
+    "DatabaseCheck",
+    "Readiness",
+    "gather",
+    "inbox_readiness",
+    "relay_readiness",
+    "serve_health",
+    "tenant_relay_readiness",
+]
 from ._trace import Database, trace_key, trace_message  # ``outbox trace``, the console's trace page
 
 __all__ += ["Database", "trace_key", "trace_message"]

@@ -32,6 +32,7 @@ from transports._logsafe import safe_logger
 from .._errors import ConfigurationError
 from .._secrets import database_secrets, scrub
 from ..relay import Relay
+from ..tenants import TenantRelay
 from ._http import MAX_CONNECTIONS, MAX_REQUEST, TIMEOUT, BoundedServer
 
 log = safe_logger("outbox.health")
@@ -114,6 +115,11 @@ def relay_readiness(relay: Relay) -> Readiness:
             return f"holds {held} of its {share} shard lease(s)"
         return None
     return ready
+
+
+def tenant_relay_readiness(fleet: TenantRelay) -> Readiness:
+    """Ready: ``fleet`` has read its tenants and none of their databases is known to be down."""
+    return fleet.problem
 
 
 def inbox_readiness(engine: Engine, source: object,
