@@ -288,12 +288,15 @@ class TenantRelay:
     # -- the loop ---------------------------------------------------------------
 
     _listening = False
+    _runs_started = False
 
     def run(self, *, stop_timeout: float = STOP_TIMEOUT) -> None:
         """Publish until ``stop()`` or SIGTERM/SIGINT; then finish the batches in hand, release leases.
 
         Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
         """
+        self._runs_started = True
+
         def start() -> threading.Thread | None:
             return run_with_stop_bound(self._run, stop=self.stop, stopping=self._stopping.is_set,
                                        name="outbox-tenant-relay", what=f"relay {self.worker_id}", log=log,
@@ -537,13 +540,19 @@ class TenantRelay:
         self._stopping.set()
 
     def close(self) -> None:
-        """Release what ``run_once`` calls held, close the transports and the engines it made."""
-        for unit in list(self._units.values()):
-            self._close_unit(unit)
+        """Close the transports and the engines it made; after ``run_once`` calls, release their leases.
+
+        After ``run`` the leases were released by ``run`` itself, or left to
+        expire when a database did not answer within the stop bound: ``close``
+        then touches no database, so a process stopping with one frozen exits.
+        """
+        if not self._runs_started:
+            for unit in list(self._units.values()):
+                self._close_unit(unit)
         for made in self._transports:
             close = getattr(made, "close", None)
             if callable(close):
-                close()
+                close(1.0)  # nothing is outstanding after a batch, unless one was left behind
         for db in self._databases.values():
             if db.owned:
                 db.engine.dispose()
