@@ -1,8 +1,12 @@
 """Many tenants, one fleet: tenants in schemas or databases of their own (docs/tenants.md).
 
 ``_tenant`` says what a tenant is and where a fleet's tenants come from.
+``_labels`` bounds the ``tenant`` label of metrics; ``_metric_views`` binds it.
+``alerts_for_tenant`` (from ``outbox._alerts``) stamps a tenant's alerts.
 """
 
+from .._alerts import TenantAlertSink, alerts_for_tenant
+from ._labels import OTHER_TENANTS, TenantLabels
 from ._tenant import (
     MAX_TENANT_NAME,
     Tenant,
@@ -18,8 +22,12 @@ from ._tenant import (
 
 __all__ = [
     "MAX_TENANT_NAME",
+    "OTHER_TENANTS",
     "Tenant",
+    "TenantAlertSink",
+    "TenantLabels",
     "TenantSource",
+    "alerts_for_tenant",
     "check_tenant_name",
     "checked_tenants",
     "from_file",
