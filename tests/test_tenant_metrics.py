@@ -173,3 +173,16 @@ def test_an_inbox_without_a_tenant_label_adds_its_tenants_up_in_the_group() -> N
     fleet.for_tenant("globex").consumed("orders")
     assert value(registry, "outbox_inbox_parked_keys", group="audit") == 7
     assert value(registry, "outbox_inbox_consumed_total", group="audit", topic="orders") == 1
+
+
+def test_a_fresh_registry_gets_fresh_collectors_even_where_a_dead_one_lived() -> None:
+    """Collectors are cached per registry; a new registry at a dead one's address must not get its."""
+    for _ in range(20):
+        registry = CollectorRegistry()
+        relay_metrics(registry).published.labels("t").inc()
+        tenant_relay_metrics(TenantLabels(), registry).for_tenant("a").published.labels("t").inc()
+        tenant_inbox_metrics("g", TenantLabels(), registry).for_tenant("a").consumed("t")
+        assert value(registry, "outbox_relay_published_total", topic="t") == 1
+        assert value(registry, "outbox_tenant_relay_published_total", tenant="a", topic="t") == 1
+        assert value(registry, "outbox_tenant_inbox_consumed_total", tenant="a", group="g", topic="t") == 1
+        del registry

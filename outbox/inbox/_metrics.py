@@ -17,6 +17,7 @@ leading ``tenant`` label (why the names differ: ``TenantRelayMetrics``).
 from __future__ import annotations
 
 import threading
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +29,9 @@ from ..tenants._tenant import check_tenant_name
 from ._signals import Disposition
 
 _lock = threading.Lock()
-_created: dict[tuple[int, bool], tuple[SimpleNamespace, GaugeShares]] = {}
+# Weak: a registry that is gone must not leave its collectors to a new one that reuses its id().
+_created: weakref.WeakKeyDictionary[CollectorRegistry, dict[bool, tuple[SimpleNamespace, GaugeShares]]] = (
+    weakref.WeakKeyDictionary())
 
 TENANT_PREFIX = "outbox_tenant_inbox_"
 """The tenant families' names start so: ``outbox_inbox_consumed`` is ``outbox_tenant_inbox_consumed``."""
@@ -36,15 +39,16 @@ TENANT_PREFIX = "outbox_tenant_inbox_"
 
 def _collectors(registry: CollectorRegistry = REGISTRY, tenant_label: bool = False
                 ) -> tuple[SimpleNamespace, GaugeShares]:
-    """The process's inbox collectors, created (registered) at the first call only; thread-safe."""
-    found = _created.get((id(registry), tenant_label))
-    if found is None:
-        with _lock:
-            found = _created.get((id(registry), tenant_label))
-            if found is None:
-                found = _created[(id(registry), tenant_label)] = (_create(registry, tenant_label),
-                                                                  GaugeShares())
-    return found
+    """The inbox collectors of ``registry``, created (registered) at the first call only; thread-safe.
+
+    Called when an ``InboxMetrics`` is built, never per record.
+    """
+    with _lock:
+        kinds = _created.setdefault(registry, {})
+        found = kinds.get(tenant_label)
+        if found is None:
+            found = kinds[tenant_label] = (_create(registry, tenant_label), GaugeShares())
+        return found
 
 
 def _create(registry: CollectorRegistry, tenant_label: bool) -> SimpleNamespace:

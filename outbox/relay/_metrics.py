@@ -13,6 +13,7 @@ families carry a leading ``tenant`` label (``outbox_tenant_relay_*``, see
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +54,10 @@ class RelayMetrics:
 
 
 _lock = threading.Lock()
-_by_registry: dict[int, RelayMetrics] = {}
-_families: dict[tuple[int, bool], tuple[dict[str, Any], GaugeShares]] = {}
+# Weak: a registry that is gone must not leave its collectors to a new one that reuses its id().
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, RelayMetrics] = weakref.WeakKeyDictionary()
+_families: weakref.WeakKeyDictionary[CollectorRegistry, dict[bool, tuple[dict[str, Any], GaugeShares]]] = (
+    weakref.WeakKeyDictionary())
 
 TENANT_PREFIX = "outbox_tenant_relay_"
 """The tenant families' names start so: ``outbox_relay_published``: ``outbox_tenant_relay_published``."""
@@ -84,7 +87,8 @@ _SPEC: dict[str, tuple[type, str, str, tuple[str, ...], Combine]] = {
 def _collectors(registry: CollectorRegistry, tenant_label: bool) -> tuple[dict[str, Any], GaugeShares]:
     """The families of ``registry``, plain or with a leading ``tenant`` label; created on first use."""
     with _lock:
-        found = _families.get((id(registry), tenant_label))
+        kinds = _families.setdefault(registry, {})
+        found = kinds.get(tenant_label)
         if found is None:
             found = ({
                 attribute: kind(TENANT_PREFIX + name.removeprefix("outbox_relay_") if tenant_label else name,
@@ -92,7 +96,7 @@ def _collectors(registry: CollectorRegistry, tenant_label: bool) -> tuple[dict[s
                                 ["tenant", *labels] if tenant_label else list(labels), registry=registry)
                 for attribute, (kind, name, text, labels, _) in _SPEC.items()
             }, GaugeShares())
-            _families[(id(registry), tenant_label)] = found
+            kinds[tenant_label] = found
         return found
 
 
@@ -100,9 +104,9 @@ def relay_metrics(registry: CollectorRegistry = REGISTRY) -> RelayMetrics:
     """The process-wide relay collectors of ``registry`` (created on first use)."""
     collectors, _ = _collectors(registry, tenant_label=False)
     with _lock:
-        found = _by_registry.get(id(registry))
+        found = _by_registry.get(registry)
         if found is None:
-            found = _by_registry[id(registry)] = RelayMetrics(**collectors)
+            found = _by_registry[registry] = RelayMetrics(**collectors)
         return found
 
 
