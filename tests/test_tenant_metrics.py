@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from outbox import ConfigurationError, Outbox, Relay, create_engine, relay_metrics
-from outbox.inbox._metrics import InboxMetrics, tenant_inbox_metrics
+from outbox import ConfigurationError, Disposition, Outbox, Relay, create_engine, relay_metrics
+from outbox.inbox import InboxMetrics, tenant_inbox_metrics
 from outbox.relay import tenant_relay_metrics
 from outbox.tenants import OTHER_TENANTS, TenantLabels
 
@@ -133,8 +133,6 @@ def test_a_single_tenant_relay_and_a_fleet_run_side_by_side_in_one_registry(outb
 
 
 def test_inbox_metrics_per_tenant_bind_tenant_then_group_and_share_other() -> None:
-    from outbox.inbox._signals import Disposition
-
     registry = CollectorRegistry()
     fleet = tenant_inbox_metrics("billing", TenantLabels(max_tenants=1), registry)
     plain = InboxMetrics("billing", registry)  # a single-tenant Inbox in the same process and registry
