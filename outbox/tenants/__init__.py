@@ -2,8 +2,12 @@
 
 ``_tenant`` says what a tenant is and where a fleet's tenants come from;
 ``_relay`` is ``TenantRelay``, one relay process for all of them.
+``_labels`` bounds the ``tenant`` label of metrics; ``_metric_views`` binds it.
+``alerts_for_tenant`` (from ``outbox._alerts``) stamps a tenant's alerts.
 """
 
+from .._alerts import TenantAlertSink, alerts_for_tenant
+from ._labels import OTHER_TENANTS, TenantLabels
 from ._relay import TenantRelay
 from ._tenant import (
     MAX_TENANT_NAME,
@@ -20,9 +24,13 @@ from ._tenant import (
 
 __all__ = [
     "MAX_TENANT_NAME",
+    "OTHER_TENANTS",
     "Tenant",
+    "TenantAlertSink",
+    "TenantLabels",
     "TenantRelay",
     "TenantSource",
+    "alerts_for_tenant",
     "check_tenant_name",
     "checked_tenants",
     "from_file",

@@ -45,7 +45,7 @@ from sqlalchemy import Engine
 from transports import Record, SendResult, Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink, LoggingAlertSink, deliver
+from .._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from .._cloudevents import CloudEvents
 from .._engine import create_engine
 from .._errors import ConfigurationError, SchemaError
@@ -55,9 +55,17 @@ from .._secrets import database_url
 from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._wire import header_size
 from ..housekeeping import RetentionResult, run_retention
-from ..relay import BatchResult, Relay, RelayMetrics, RelaySettings, relay_metrics
+from ..relay import (
+    BatchResult,
+    Relay,
+    RelaySettings,
+    TenantRelayMetrics,
+    relay_metrics,
+    tenant_relay_metrics,
+)
 from ..relay._settings import DEFAULT_BACKOFF, default_worker_id
 from ..relay._wakeup import start_listening
+from ._labels import TenantLabels
 from ._tenant import Tenant, TenantsLike, TenantSource, tenant_source
 
 log = safe_logger("outbox.relay")
@@ -94,7 +102,7 @@ class TenantRelay:
         notify_channel: str | None = "outbox",
         worker_id: str | None = None,
         alert: AlertSink | Callable[[Alert], None] | None = None,
-        metrics: RelayMetrics | None = None,
+        metrics: TenantRelayMetrics | None = None,
         batch_size: int = 1000,
         lease_ttl: float = 30.0,
         poll_interval: float = 2.0,
@@ -130,11 +138,17 @@ class TenantRelay:
         self.alert = alert if alert is not None else LoggingAlertSink()
         if not callable(self.alert):
             raise ConfigurationError(f"alert must be an AlertSink or callable, got {self.alert!r:.80}")
-        self.metrics = metrics or relay_metrics()
+        # Per tenant, the label bounded by a policy (TenantLabels: the first 100 tenants by name);
+        # what belongs to the process (the broker, a database's outages) in the plain families.
+        self.metrics = metrics if metrics is not None else tenant_relay_metrics(TenantLabels())
+        if not isinstance(self.metrics, TenantRelayMetrics):
+            raise ConfigurationError(
+                f"metrics must be a TenantRelayMetrics (tenant_relay_metrics(...)), got {metrics!r:.80}")
+        self._process_metrics = relay_metrics(self.metrics.registry)
         self._relay_options: dict[str, Any] = dict(
             batch_size=batch_size, lease_ttl=lease_ttl, poll_interval=poll_interval, backoff=backoff,
             wheel_tick=wheel_tick, key_stuck_after=key_stuck_after, cloudevents=cloudevents,
-            metrics=self.metrics, worker_id=self.worker_id)
+            worker_id=self.worker_id)
         self._outbox_options: dict[str, Any] = dict(prefix=prefix, notify_channel=notify_channel)
         self.notify_channel = notify_channel
         self._default = database
@@ -147,7 +161,7 @@ class TenantRelay:
         self._local = threading.local()
         self.broker_outage = OutageTracker(
             f"relay {self.worker_id}: broker", log=log, wording=RELAY_WORDING,
-            count=self.metrics.outages.labels("broker").inc)
+            count=self._process_metrics.outages.labels("broker").inc)
         self._lock = threading.Condition()
         self._ready: deque[_Unit] = deque()
         self._timers: list[tuple[float, int, _Unit, int]] = []
@@ -229,6 +243,7 @@ class TenantRelay:
             new = [tenant for name, tenant in wanted.items() if name not in self._units]
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
+            self.metrics.forget(unit.tenant.name)
             if unit.state != "running":
                 self._close_unit(unit)  # a running one is closed by its worker
         for tenant in new:
@@ -261,8 +276,9 @@ class TenantRelay:
     def _new_relay(self, unit: _Unit) -> Relay:
         engine = unit.db.engine
         outbox = Outbox(engine, schema=unit.tenant.schema, **self._outbox_options)
-        alert = _TenantAlerts(self.alert, unit.tenant.name)
-        return Relay(outbox, _TenantTransport(self, unit.tenant.name), engine=engine, alert=alert,
+        name = unit.tenant.name
+        return Relay(outbox, _TenantTransport(self, name), engine=engine,
+                     alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
                      database_outage=unit.db.outage, **self._relay_options)
 
     def _database_of(self, tenant: Tenant) -> _Database:
@@ -279,7 +295,7 @@ class TenantRelay:
             db = _Database(engine, owned=not isinstance(database, Engine), outage=OutageTracker(
                 f"relay {self.worker_id}: database {shown}", log=log, wording=RELAY_WORDING,
                 backoff=OutageBackoff(first=self.settings.poll_interval / 4, cap=5.0),
-                count=self.metrics.outages.labels("database").inc))
+                count=self._process_metrics.outages.labels("database").inc))
             self._databases[key] = db
             if not self._stopping.is_set() and self._listening and self.notify_channel is not None:
                 self._listen(db)
@@ -624,16 +640,6 @@ class _TenantTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         """Nothing: the fleet closes its workers' transports."""
-
-
-class _TenantAlerts:
-    """An alert sink that adds the tenant to every alert of its relay (in ``details``)."""
-
-    def __init__(self, sink: AlertSink | Callable[[Alert], None], tenant: str) -> None:
-        self._sink, self._tenant = sink, tenant
-
-    def __call__(self, alert: Alert) -> None:
-        deliver(self._sink, replace(alert, details={**alert.details, "tenant": self._tenant}))
 
 
 def _close_quietly(relay: Relay, unit: _Unit, worker_id: str) -> None:
