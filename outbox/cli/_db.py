@@ -154,9 +154,10 @@ def _init_tenants(db: str, schema: str | None, spec: str, only: str | None,
     for outcome in outcomes:
         name = escape(outcome.tenant.name)
         for line in outcome.value or []:
-            console.print(f"tenant {name}: {line}")
+            console.print(f"tenant {name}: {line}", soft_wrap=True)  # one line each, for grep
         if not outcome.ok:
-            console.print(f"tenant {name}: [red]FAILED[/red] {escape(outcome.problem or '')}")
+            console.print(f"tenant {name}: [red]FAILED[/red] {escape(outcome.problem or '')}",
+                          soft_wrap=True, highlight=False)
     failed = [outcome_status(outcome) for outcome in outcomes if not outcome.ok]
     console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} tenant(s) done"
                   + (f", {len(failed)} failed" if failed else ""))
