@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,76 +30,10 @@ from outbox.cli import app
 from outbox.housekeeping import run_retention_for_tenants, tenant_retention_pass
 from outbox.ops import gather_tenants
 from outbox.tenants import Tenant, TenantDatabases, tenant_source
-from outbox.testing._postgres import fresh_database
 from tests._retention_rows import outbox_row
+from tests.tenant_support import SECRET, Fleet, frozen_port, tenant_fleet  # noqa: F401 (fixtures)
 
 runner = CliRunner()
-SECRET = "tenant-db-s3cret"
-
-
-def closed_port() -> int:
-    """A port nothing listens on: connecting is refused at once."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture
-def frozen() -> Iterator[int]:
-    """A port that accepts TCP connections and never says a word: a frozen database server."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    try:
-        yield int(server.getsockname()[1])
-    finally:
-        server.close()
-
-
-class Fleet:
-    """Tenants ``a``, ``b`` (schemas of the first database), ``second`` (the second database),
-    ``broken`` (a schema without tables) and ``down`` (a database that refuses connections)."""
-
-    def __init__(self, first: str, second: str, tmp_path: Path) -> None:
-        self.first, self.second = first, second
-        self.engine = create_engine(first)
-        self.second_engine = create_engine(second)
-        with self.engine.begin() as conn:
-            for schema in ("t_a", "t_b", "t_broken"):
-                conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-        self.down_url = f"postgresql+psycopg://ops:{SECRET}@127.0.0.1:{closed_port()}/gone"
-        self.spec_file = tmp_path / "tenants.json"
-        self.write([{"name": "a", "schema": "t_a"}, {"name": "b", "schema": "t_b"},
-                    {"name": "broken", "schema": "t_broken"}, {"name": "second", "database": second},
-                    {"name": "down", "database": self.down_url}])
-
-    def write(self, entries: list[dict[str, str]]) -> None:
-        self.spec_file.write_text(json.dumps(entries))
-
-    @property
-    def spec(self) -> str:
-        return f"file:{self.spec_file}"
-
-    def outbox(self, name: str) -> Outbox:
-        if name == "second":
-            return Outbox(self.second_engine)
-        return Outbox(self.engine, schema=f"t_{name}")
-
-    def create(self, *names: str) -> None:
-        for name in names:
-            self.outbox(name).create_tables()
-
-    def dispose(self) -> None:
-        self.engine.dispose()
-        self.second_engine.dispose()
-
-
-@pytest.fixture
-def fleet(postgres_server: str, tmp_path: Path) -> Iterator[Fleet]:
-    with fresh_database(postgres_server) as first, fresh_database(postgres_server) as second:
-        fleet = Fleet(first, second, tmp_path)
-        yield fleet
-        fleet.dispose()
 
 
 def cli(*args: str) -> tuple[int, str]:

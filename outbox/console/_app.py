@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -15,7 +17,7 @@ from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
 from .._outbox import Outbox
-from .._secrets import database_url
+from .._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
@@ -155,9 +157,21 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
         assert isinstance(exc, HTTPException)
         return ctx.render(request, "error.html", status=exc.status_code, message=str(exc.detail))
 
+    handlers: dict[Any, Any] = {Refused: refused, _Redirect: redirect, HTTPException: http_error,
+                                OutboxError: outbox_error}
+    if tenant is not None:
+        secrets_of_db = database_secrets(outbox_engine.url.render_as_string(hide_password=False))
+
+        async def database_error(request: Request, exc: Exception) -> Response:
+            # One tenant's database down, or its schema without tables: its pages say so, by name;
+            # the other tenants' pages are not concerned.
+            text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+            return ctx.render(request, "error.html", status=503, message=scrub(
+                f"tenant {tenant}: its database did not serve this page: "
+                f"{text[0] if text else type(exc).__name__}", secrets_of_db))
+        handlers[DBAPIError] = database_error
     return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body)],
-                     exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: http_error,
-                                         OutboxError: outbox_error})
+                     exception_handlers=handlers)
 
 
 def _database(engine: Engine, outbox: Outbox, tenant: str | None = None) -> Database:
