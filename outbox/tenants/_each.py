@@ -217,7 +217,8 @@ def describe(tenant: Tenant, exc: BaseException, databases: TenantDatabases) -> 
     elif isinstance(exc, ConfigurationError | SchemaError):
         line = first
     elif isinstance(exc, sa.exc.DBAPIError):
-        line = first + (" (run `outbox init-db --tenants SPEC`, or check its schema)" if _missing(first) else "")
+        hint = " (run `outbox init-db --tenants SPEC`, or check its schema)"
+        line = first + (hint if _missing(first) else "")
     else:
         line = f"{type(exc).__name__}: {first}"
     return scrub(line, database_secrets(databases.key(tenant)) if databases.key(tenant) else [])
