@@ -60,6 +60,9 @@ def test_the_root_names_every_tenants_findings_and_each_tenants_pages_are_its_ow
         assert re.search(r'id="tenant-a">.*?<td>ok</td>', page, re.S)
         assert re.search(r'id="tenant-second">.*?<td>ok</td>', page, re.S)
         assert SECRET not in page
+        with fleet.engine.begin() as conn:  # the root's report is reused, not read again per request
+            conn.execute(fleet.outbox("a").tables.messages.insert(), [outbox_row("failed", utcnow())])
+        assert client.get("/", auth=AUTH).text.count("failed outbox row") == 1
 
         (row,) = failed_ids(fleet, "b")
         b_failed = client.get("/t/b/failed", auth=AUTH)

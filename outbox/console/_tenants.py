@@ -39,7 +39,7 @@ from ..tenants import Tenant, TenantDatabases, checked_tenants
 from . import _actions
 from ._app import DEFAULT_SESSION_IDLE, build_app
 from ._auth import Operators
-from ._context import REFRESH_SECONDS, TENANTS_ROOT, Context, _Redirect
+from ._context import TENANTS_ROOT, Context, _Redirect
 from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
 from ._refused import Refused
@@ -130,7 +130,12 @@ class _TenantsRoot:
 
 
 class _Report:
-    """Every tenant's status, read by one thread at a time and reused for ``REPORT_FOR`` seconds."""
+    """Every tenant's status, read by one thread at a time and reused for a while.
+
+    Reused for ``REPORT_FOR`` seconds, or twice as long as the last read took
+    when that is longer (hundreds of tenants): reading them all never becomes
+    the console's whole work, however often its root is loaded.
+    """
 
     def __init__(self, tenants: list[Tenant], databases: TenantDatabases, prefix: str,
                  stuck_after: float, timeout: float) -> None:
@@ -138,24 +143,28 @@ class _Report:
         self._stuck_after, self._timeout = stuck_after, timeout
         self._lock = threading.Lock()
         self._reading: Future[dict[str, Any]] | None = None
-        self._read_at = 0.0
+        self._fresh_until = 0.0
 
     def read(self) -> dict[str, Any]:
         with self._lock:
-            stale = time.monotonic() - self._read_at > min(REPORT_FOR, REFRESH_SECONDS)
-            if self._reading is None or (self._reading.done() and stale):
+            if self._reading is None or (self._reading.done() and time.monotonic() >= self._fresh_until):
                 self._reading = Future()
-                self._read_at = time.monotonic()
                 threading.Thread(target=self._read, args=(self._reading,), name="outbox-console-tenants",
                                  daemon=True).start()
             reading = self._reading
         return reading.result()
 
     def _read(self, answer: Future[dict[str, Any]]) -> None:
+        started = time.monotonic()
         try:
             outcomes = tenant_statuses(self._tenants, self._databases, prefix=self._prefix,
                                        stuck_after=self._stuck_after, timeout=self._timeout)
-            answer.set_result(tenants_document(outcomes, self._stuck_after))
+            doc = tenants_document(outcomes, self._stuck_after)
         except BaseException as exc:
             answer.set_exception(exc)
-
+            return
+        finally:
+            took = time.monotonic() - started
+            with self._lock:
+                self._fresh_until = time.monotonic() + max(REPORT_FOR, 2 * took)
+        answer.set_result(doc)
