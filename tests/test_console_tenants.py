@@ -10,18 +10,27 @@ tenant; and no page or log line shows a database's password.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
 
 import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
+from typer.testing import CliRunner
 
 from outbox._envelope import utcnow
+from outbox.cli import app as cli_app
 from outbox.console import Operators, create_tenants_app
 from outbox.tenants import TenantDatabases, parse_tenants
 from tests._retention_rows import outbox_row
 from tests.console_support import csrf_of
 from tests.tenant_support import SECRET, Fleet, tenant_fleet  # noqa: F401 (fixtures)
+from tests.test_console_cli import free_port, get
 
 USERS = {"alice": "wonderland-rabbit-hole"}
 AUTH = ("alice", USERS["alice"])
@@ -108,3 +117,34 @@ def test_one_throttle_and_one_sign_in_for_every_tenant(fleet: Fleet) -> None:
             assert page.status_code == 200 and "signed in as bob" in page.text, path
     finally:
         databases.dispose()
+
+
+def test_outbox_console_tenants_serves_every_tenant_from_the_command_line(fleet: Fleet) -> None:
+    fleet.create("a", "second")
+    refused = CliRunner().invoke(cli_app, ["console", "--db", fleet.first, "--tenants", fleet.spec,
+                                           "--inbox-db", fleet.second])
+    assert refused.exit_code == 2 and "--inbox-db" in refused.output
+    port = free_port()
+    env = {**os.environ, "OUTBOX_CONSOLE_TOKEN": TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "outbox", "console", "--db", fleet.first,
+                             "--port", str(port), "--tenants", fleet.spec, "--tenant-timeout", "5"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bearer = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "probe"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, page = get(f"http://127.0.0.1:{port}/", bearer)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, "the console did not start"
+                time.sleep(0.2)
+        assert status == 200, page
+        for name, state in (("a", "ok"), ("second", "ok"), ("broken", "unreadable"), ("down", "unreadable")):
+            assert re.search(rf'id="tenant-{name}">.*?<td>(<span class="bad">)?{state}', page, re.S), name
+        status, page = get(f"http://127.0.0.1:{port}/t/second/failed", bearer)
+        assert status == 200 and "tenant <strong>second</strong>" in page
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=30)[0]
+    assert SECRET not in output
