@@ -223,3 +223,19 @@ def test_retention_for_tenants_as_a_library_and_as_a_workers_pass(
     failures = [r.getMessage() for r in caplog.records if "retention of tenant" in r.getMessage()]
     assert len(failures) == 2 and any("tenant broken" in m for m in failures)
     assert any("tenant down" in m for m in failures) and not any(SECRET in m for m in failures)
+
+
+def test_status_and_retention_never_create_a_tenants_missing_database_file(tmp_path: Path) -> None:
+    home = f"sqlite:///{tmp_path / 'home.db'}"
+    Outbox(create_engine(home)).create_tables()
+    missing = tmp_path / "acme.db"
+    spec = tmp_path / "tenants.json"
+    spec.write_text(json.dumps([{"name": "acme", "database": f"sqlite:///{missing}"},
+                                {"name": "home", "database": home}]))
+    status, out = cli("status", "--db", home, "--tenants", f"file:{spec}")
+    assert status == 2
+    assert re.search(r"^PROBLEM: tenant acme: database file .*acme.db does not exist", out, re.M)
+    status, out = cli("housekeeping", "run", "--db", home, "--tenants", f"file:{spec}", "--older-than", "1d")
+    assert status == 2 and "tenant acme: FAILED database file" in out
+    assert "tenant home: outbox_messages" in out
+    assert not missing.exists()

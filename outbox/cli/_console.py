@@ -21,7 +21,7 @@ from . import app
 from ._db import open_engine, open_outbox
 from ._inbox import APP_HELP, load_inbox
 from ._options import DB, LOG_LEVEL, PREFIX, SCHEMA, TENANTS, configure_logging
-from ._tenants import TENANT_TIMEOUT_HELP, tenants_of
+from ._tenants import TENANT_TIMEOUT_HELP, existing_engine, tenants_of
 
 
 @app.command("console")
@@ -85,7 +85,8 @@ def console(
                                      "tenant's console shows its own schema or database",
                                      param_hint="--tenants")
         engine = open_engine(db)
-        web = create_tenants_app(tenants_of(tenants, None, engine, schema), TenantDatabases(engine),
+        databases = TenantDatabases(engine, make=existing_engine)
+        web = create_tenants_app(tenants_of(tenants, None, engine, schema), databases,
                                  prefix=prefix, operators=operators, read_only=read_only,
                                  secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None,
                                  stuck_after=stuck_after, session_idle=session_idle, max_body=max_body,

@@ -33,7 +33,7 @@ from . import app
 from ._db import open_engine, open_outbox
 from ._errors import Typer
 from ._options import DB, PREFIX, SCHEMA, TENANT, TENANTS
-from ._tenants import outcome_status, tenant_only_with_tenants, tenants_of, worst
+from ._tenants import existing_engine, outcome_status, tenant_only_with_tenants, tenants_of, worst
 
 housekeeping_app = Typer(help="Delete published and processed rows past their retention.",
                          no_args_is_help=True, env_namespace="housekeeping")
@@ -129,7 +129,7 @@ def _run_for_tenants(db: str, prefix: str, schema: str | None, spec: str, only: 
                      batch_size: int, dry_run: bool) -> None:
     """``housekeeping run`` in each tenant's place; every line names its tenant."""
     engine = open_engine(db)
-    databases = TenantDatabases(engine)
+    databases = TenantDatabases(engine, make=existing_engine)
     started = time.monotonic()
     try:
         chosen = tenants_of(spec, only, engine, schema)

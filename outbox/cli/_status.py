@@ -23,7 +23,14 @@ from . import app
 from ._db import open_engine, open_outbox
 from ._errors import STUCK
 from ._options import DB, PREFIX, SCHEMA, TENANT, TENANTS
-from ._tenants import TENANT_TIMEOUT_HELP, outcome_status, tenant_only_with_tenants, tenants_of, worst
+from ._tenants import (
+    TENANT_TIMEOUT_HELP,
+    existing_engine,
+    outcome_status,
+    tenant_only_with_tenants,
+    tenants_of,
+    worst,
+)
 
 
 @app.command("status")
@@ -63,7 +70,7 @@ def status(
 def _status_of_tenants(db: str, prefix: str, schema: str | None, spec: str, only: str | None,
                        group: str | None, stuck_after: float, as_json: bool, timeout: float) -> None:
     engine = open_engine(db)
-    databases = TenantDatabases(engine)
+    databases = TenantDatabases(engine, make=existing_engine)
     try:
         outcomes = tenant_statuses(tenants_of(spec, only, engine, schema), databases, prefix=prefix,
                                    group=group, stuck_after=stuck_after, timeout=timeout)

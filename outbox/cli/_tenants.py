@@ -13,6 +13,7 @@ import sqlalchemy as sa
 import typer
 from sqlalchemy import Engine
 
+from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError, SchemaError
 from ..tenants import Tenant, TenantOutcome, check_tenant_name, parse_tenants
 from ._errors import RUNTIME, USAGE
@@ -36,6 +37,15 @@ def tenants_of(spec: str, only: str | None, engine: Engine, schema: str | None) 
     if not tenants:
         raise ConfigurationError(f"--tenants {spec!r:.80} names no tenant now")
     return tenants
+
+
+def existing_engine(url: str) -> Engine:
+    """A tenant's database for a command that must not create one: a missing SQLite file is refused."""
+    missing = missing_sqlite_file(url)
+    if missing is not None:
+        raise ConfigurationError(f"database file {missing} does not exist (create its tables with "
+                                 "`outbox init-db --tenants SPEC`)")
+    return create_engine(url)
 
 
 def tenant_only_with_tenants(spec: str | None, only: str | None) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from sqlalchemy import Engine
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -73,7 +74,7 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
     operators = operators or Operators()
     gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
     key = secret.encode() if isinstance(secret, str) else secret or secrets.token_bytes(32)
-    consoles = {t.name: build_app(Outbox(databases.engine_for(t), prefix=prefix, schema=t.schema),
+    consoles = {t.name: build_app(Outbox(_engine_of(t, databases), prefix=prefix, schema=t.schema),
                                   operators=operators, read_only=read_only, secret=key,
                                   stuck_after=stuck_after, max_body=max_body, gate=gate, tenant=t.name)
                 for t in chosen}
@@ -115,6 +116,13 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
         middleware=[Middleware(BodyLimit, max_bytes=max_body), Middleware(_TenantsRoot)],
         exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: error, OutboxError: error})
     return app
+
+
+def _engine_of(tenant: Tenant, databases: TenantDatabases) -> Engine:
+    try:
+        return databases.engine_for(tenant)
+    except ConfigurationError as exc:  # a URL that cannot be parsed: say whose
+        raise ConfigurationError(f"tenant {tenant.name}: {exc}") from None
 
 
 class _TenantsRoot:
