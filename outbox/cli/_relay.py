@@ -163,6 +163,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from transports.kafka import KafkaTransport
 
     from .._engine import create_engine
+    from ..housekeeping import tenant_retention_pass
     from ..ops import serve_health, tenant_relay_readiness
     from ..relay import relay_metrics, tenant_relay_metrics
     from ..tenants import TenantLabels, TenantRelay, parse_tenants
@@ -186,7 +187,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
             serve_health(metrics_port, tenant_relay_readiness(fleet), host=metrics_host)
         tune_gc_for_batches()
         housekeeper = None if retention is None else start_retention(
-            lambda stop: fleet.run_retention(retention, stop=stop), every)
+            tenant_retention_pass(fleet.source, engine, prefix=prefix, older_than=retention), every)
         try:
             fleet.run()
         finally:

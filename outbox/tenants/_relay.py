@@ -36,7 +36,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 import tenacity
@@ -54,7 +53,6 @@ from .._outbox import Outbox
 from .._secrets import database_url
 from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._wire import header_size
-from ..housekeeping import RetentionResult, run_retention
 from ..relay import (
     BatchResult,
     Relay,
@@ -192,32 +190,6 @@ class TenantRelay:
             return "has not read its tenants yet"
         down = sum(1 for db in self._databases.values() if db.down)
         return f"{down} of its {len(self._databases)} database(s) unreachable" if down else None
-
-    def run_retention(self, older_than: timedelta, *, stop: threading.Event | None = None) -> RetentionResult:
-        """One retention pass over every tenant served (``--retention``), one tenant after the other.
-
-        A tenant that fails (its tables, its database) is logged and skipped;
-        the others are cleaned. The counts are keyed ``tenant:table``.
-        """
-        total = RetentionResult()
-        for unit in list(self._units.values()):
-            relay = unit.relay
-            if relay is None or unit.db.down:
-                continue
-            if stop is not None and stop.is_set():
-                total.stopped = True
-                break
-            try:
-                result = run_retention(relay.outbox, older_than=older_than, stop=stop)
-            except Exception as exc:
-                log.warning("relay %s: retention of tenant %s failed: %s", self.worker_id, unit.tenant.name,
-                            first_line(exc))
-                continue
-            for table, count in result.deleted.items():
-                total.deleted[f"{unit.tenant.name}:{table}"] = count
-                total.cutoffs[f"{unit.tenant.name}:{table}"] = result.cutoffs[table]
-            total.stopped = total.stopped or result.stopped
-        return total
 
     def relay_of(self, name: str) -> Relay | None:
         """The ``Relay`` serving tenant ``name``, if it is served (for its leases, wheel and settings)."""
