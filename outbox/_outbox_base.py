@@ -10,10 +10,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pydantic
-from sqlalchemy import Connection, Engine, Pool
+from sqlalchemy import Connection, CursorResult, Engine, Pool, Result
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -126,14 +126,36 @@ class OutboxBase:
         if sql.notify is not None:
             row[NOTIFY_PAYLOAD] = notify_payload(shard, schema)
         if row["key"] is None:
-            session.execute(sql.unkeyed, row)
+            self._check_routed(session.execute(sql.unkeyed, row), schema)
         elif sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
-            session.execute(sql.keyed, row)
+            self._check_routed(session.execute(sql.keyed, row), schema)
         else:
-            row["seq"] = sql.seq_of(session.execute(sql.bump_seq, row))
+            bumped = session.execute(sql.bump_seq, row)
+            self._check_routed(bumped, schema)
+            row["seq"] = sql.seq_of(bumped)
             session.execute(sql.insert_with_seq, row)
         message_id: uuid.UUID = row["message_id"]
         return message_id
+
+    def _check_routed(self, result: Result[Any], schema: str | None) -> None:
+        """Refuse a row a map of that statement alone sent elsewhere than ``schema``.
+
+        A ``schema_translate_map`` added per statement (a ``do_orm_execute``
+        hook, say) reaches the statement but not the connection ``_write``
+        read the place from: the row went to one tenant's tables, sharded and
+        size-checked by another's settings. The caller's transaction holds it;
+        the error makes the caller roll back, as any error of ``publish()``.
+        """
+        executed = cast(CursorResult[Any], result).context  # Core DML through a Session: a CursorResult
+        translate = executed.execution_options.get("schema_translate_map")
+        own = self.tables.schema
+        went_to = translate.get(own, own) if translate else own
+        if went_to != schema:
+            raise ConfigurationError(
+                f"publish() read the settings of schema {schema!r}, but a schema_translate_map given to "
+                f"this statement alone (a do_orm_execute hook, say) sent the row to {went_to!r}: set "
+                "the map on the engine (engine.execution_options(schema_translate_map=...)), on the "
+                "session's bind or on its connection, and roll this transaction back")
 
     def _settings_at(self, conn: Connection) -> StoredSchema:
         """The stored settings of the tables ``conn`` reaches, read now and kept for that place.

@@ -97,7 +97,7 @@ def make_tables(tenancy: Tenancy) -> Tenancy:
 def tenancy(request, tmp_path_factory) -> Iterator[Tenancy]:
     """A database with tenants a, b, c and the default schema, on SQLite, PostgreSQL and MariaDB.
 
-    Shared by the module's tests (each writes its own topics): making 4 × 9 tables is
+    Shared by the module's tests (each writes its own topics): making 4 sets of 9 tables is
     the slow part.
     """
     if request.param == "sqlite":
@@ -324,6 +324,22 @@ def test_a_session_of_another_kind_of_database_is_refused_by_name(postgres_db, t
     pg.dispose()
 
 
+def test_a_map_of_one_statement_is_refused_not_followed_blindly(tenancy):
+    """A ``do_orm_execute`` hook that maps the statement alone would put a row in tenant b's tables
+    sharded by the default schema's count: ``publish()`` refuses it, naming where to set the map."""
+    outbox, topic, b_schema = Outbox(tenancy.engine), new_topic(), tenancy.schemas["b"]
+
+    def route_to_b(state) -> None:  # type: ignore[no-untyped-def]
+        state.update_execution_options(schema_translate_map={None: b_schema})
+
+    with Session(tenancy.engine) as session:
+        sa.event.listen(session, "do_orm_execute", route_to_b)
+        with pytest.raises(ConfigurationError, match="on the session's bind or on its connection"), \
+                session.begin():
+            outbox.publish(session, topic, {}, key="k1")
+    assert tenancy.rows("b", topic) == [] and tenancy.rows(None, topic) == []
+
+
 @pytest.mark.parametrize("tenancy", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_notify_payload_names_the_schema_the_row_went_to(tenancy):
     """A LISTEN connection hears ``<shard>`` for the default schema, ``<shard>:<schema>`` for a tenant's."""
@@ -365,7 +381,7 @@ def test_notify_payload_reads_back(shard, schema):
     assert parse_notify_payload(notify_payload(shard, schema)) == (shard, schema)
 
 
-@pytest.mark.parametrize("payload", ["", "x", ":a", "1:", "-1", "1.0", "１", " 1", "1 :a"])
+@pytest.mark.parametrize("payload", ["", "x", ":a", "1:", "-1", "1.0", "\uff11", " 1", "1 :a"])
 def test_a_payload_of_another_sender_is_refused(payload):
     with pytest.raises(ValueError, match="not an outbox notification payload"):
         parse_notify_payload(payload)
