@@ -54,12 +54,12 @@ def test_console_and_ops_read_the_inbox_through_its_public_admin_api() -> None:
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 105
+PRIVATE_IMPORTS_IN_TESTS = 108
 """Imports of a private module of ``outbox``/``transports`` by the tests (benchmarks aside).
 
 What stays has no public equivalent, because the test's subject is that module: the wire format
 and envelope (``_wire``, ``_envelope``, ``_cloudevents``: records built byte for byte as the relay
-writes them, with any seq and incarnation), key hashing (``_sharding``, ``_partitioner``), the
+writes them, with any seq and incarnation), key hashing (``_sharding``, ``_partitioner``), the NOTIFY payload (``_notify``), the
 timing wheel, outage classification and backoff (``_outage``, ``inbox._outage``), dialect helpers
 (``_pg_arrays``, ``_mysql``, ``_engine``, ``_statements``, ``_schema``'s version), the inbox's
 runner stages that the model test plays itself (``inbox._delivery``, ``_offsets``, ``_schedule``),
