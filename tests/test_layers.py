@@ -59,8 +59,8 @@ PRIVATE_IMPORTS_IN_TESTS = 108
 
 What stays has no public equivalent, because the test's subject is that module: the wire format
 and envelope (``_wire``, ``_envelope``, ``_cloudevents``: records built byte for byte as the relay
-writes them, with any seq and incarnation), key hashing (``_sharding``, ``_partitioner``), the NOTIFY payload (``_notify``), the
-timing wheel, outage classification and backoff (``_outage``, ``inbox._outage``), dialect helpers
+writes them, with any seq and incarnation), key hashing (``_sharding``, ``_partitioner``), the
+NOTIFY payload (``_notify``), the timing wheel, outage classification and backoff (``_outage``, ``inbox._outage``), dialect helpers
 (``_pg_arrays``, ``_mysql``, ``_engine``, ``_statements``, ``_schema``'s version), the inbox's
 runner stages that the model test plays itself (``inbox._delivery``, ``_offsets``, ``_schedule``),
 inbox settings and sessions, relay statements, leases, rows and its writer thread, the worker
