@@ -21,9 +21,11 @@ class Alerter:
     """
 
     def __init__(self, sink: AlertSink | Callable[[Alert], None], group: str,
-                 metrics: InboxMetrics) -> None:
+                 metrics: InboxMetrics, tenant: str | None = None) -> None:
         self.sink = sink
         self.group = group
+        self.tenant = tenant
+        """The tenant whose place this alerter serves (``_tenants``): named in every alert's details."""
         self.metrics = metrics
         self._foreign_alerted: set[str] = set()
         self._lock = threading.Lock()
@@ -53,4 +55,10 @@ class Alerter:
         d, msg = event.delivery, event.delivery.message
         return Alert(kind=kind, topic=msg.topic, key=msg.key, message_id=str(msg.message_id),
                      error=event.error or event.reason.value, group=self.group,
-                     details={"seq": msg.seq, "partition": d.partition, "offset": d.offset, **details})
+                     details={"seq": msg.seq, "partition": d.partition, "offset": d.offset,
+                              **self.tenant_detail, **details})
+
+    @property
+    def tenant_detail(self) -> dict[str, str]:
+        """``{"tenant": name}`` on a tenant's alerter; nothing on a single-database inbox's."""
+        return {} if self.tenant is None else {"tenant": self.tenant}

@@ -75,7 +75,8 @@ class GapSweeper:
                 error=f"{missing} missing; seq {head.message.seq} held for {held_for:.0f}s",
                 details={"seq": head.message.seq, "missing_from": last_seq + 1, "waiting": waiting,
                          "held_for_s": round(held_for, 1),
-                         "parks_in_s": round(max(0.0, self.gap_timeout - held_for), 1)}))
+                         "parks_in_s": round(max(0.0, self.gap_timeout - held_for), 1),
+                         **self.alerter.tenant_detail}))
             raised += 1
         self._alerted = current  # a gap that filled or parked is forgotten
         return raised
