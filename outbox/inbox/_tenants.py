@@ -16,18 +16,23 @@ run in an inbox of that tenant alone, with the same promises.
 - **Which:** the tenant is named by a record header (``tenant_header``) or by
   ``tenant_of(message)``; ``Delivery.tenant`` carries it, and the scheduler's
   turn includes it, so tenant A's key "k" and tenant B's key "k" are two keys.
-- **Isolation:** each place has a ``Gate``. A tenant whose database does not
-  answer (or whose inbox tables are missing) closes its gate: its deliveries
-  go back to their lanes on a timer without touching the database, and one
-  *probe* at a time tries again after the backoff, so a hanging database ties
-  up at most one worker. Nothing counts as an attempt; the outage is logged
-  once per tenant. The offset tracker holds the commit below its unfinished
-  records (at-least-once; dedup drops the redelivery).
+- **Isolation:** each place has a ``Gate``. A tenant whose database fails
+  (or whose inbox tables are missing) closes its gate: its deliveries go back
+  to their lanes on a timer without touching the database, and one *probe*
+  at a time tries again after the backoff. Nothing counts as an attempt; the
+  outage is logged once per tenant. A database that hangs instead of failing
+  (a frozen host) holds the workers whose transactions it took: when the
+  tenants span several databases, one database's transactions take at most
+  half the workers at a time (``Slots``), so the others' tenants keep the
+  rest. The offset tracker holds the commit below its unfinished records
+  (at-least-once; dedup drops the redelivery).
 - **Unknown tenant:** a message whose header is missing, names no tenant
   served, or whose ``tenant_of`` raised is parked alone in the default
   database with reason ``tenant_unknown`` (one alert per tenant name and
-  process). Before that, the tenant list is read again (at most once a
-  second): a tenant added a moment ago is found. ``replay`` of such a message
+  process). A message naming a tenant is parked so only after a reading of
+  the tenant source that began after the message was received (the source is
+  read again for it, at most once a second; meanwhile, and while the source
+  cannot be read, it waits): a tenant added before its first message is found. ``replay`` of such a message
   (``Inbox.replay(topic, key)`` without ``tenant``) sends it to its tenant once
   the tenant exists: it arrives there as if just received.
 - **Refresh:** the tenant source is read again every ``refresh`` seconds (by
@@ -43,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TypeVar
 
 import sqlalchemy as sa
@@ -53,11 +59,11 @@ from transports._logsafe import safe_logger
 
 from .. import _schema
 from .._alerts import Alert, AlertKind, deliver
-from .._envelope import Message
+from .._envelope import Message, utcnow
 from .._errors import ConfigurationError, OutboxError
 from .._tables import OutboxTables
 from ..tenants import Tenant, TenantSource
-from ._admin import ParkedAdmin, ParkedReplay
+from ._admin import NotParkedError, ParkedAdmin, ParkedReplay
 from ._delivery import Delivery, Origin, delivery
 from ._gaps import GapSweeper
 from ._kinds import Reason
@@ -127,6 +133,35 @@ class Gate:
                 self.checked = False
 
 
+class Slots:
+    """How many transactions each database may run at once: a hung database keeps the rest free.
+
+    Keyed by the engine's pool (tenants in schemas of one database share it).
+    ``take`` never waits: a worker that gets no slot puts its batch off.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._taken: dict[object, int] = {}
+
+    def take(self, pool: object) -> bool:
+        with self._lock:
+            taken = self._taken.get(pool, 0)
+            if taken >= self.limit:
+                return False
+            self._taken[pool] = taken + 1
+            return True
+
+    def give_back(self, pool: object) -> None:
+        with self._lock:
+            left = self._taken[pool] - 1
+            if left:
+                self._taken[pool] = left
+            else:
+                del self._taken[pool]
+
+
 @dataclass(eq=False)
 class Place:
     """Where one tenant's messages are applied: the per-database pipeline of a plain inbox."""
@@ -145,6 +180,8 @@ class Place:
     gaps: GapSweeper
     gate: Gate
     parked_keys: int = 0
+    missing_looks: int = 0
+    """Consecutive looks that found its tables missing: paces the next look like an outage's retries."""
 
     @property
     def name(self) -> str | None:
@@ -177,10 +214,14 @@ class TenantRouter:
         self.tenant_of = tenant_of
         self.refresh_every = refresh
         self._pool_size = pool_size
+        self._workers = pool_size
+        self.slots = Slots(pool_size)
         self._places: dict[str, Place] = {}
         self._engines: dict[str, Engine] = {}
         self._lock = threading.Lock()
         self._read_at = -float("inf")
+        self._read_since = datetime.min.replace(tzinfo=UTC)
+        """When the last successful reading of the source began (wall clock, as ``received_at``)."""
         self._loaded = False
         self._source_log = OutageLog("the tenant source")
         self._missing: set[str] = set()  # places whose tables were reported missing
@@ -200,6 +241,7 @@ class TenantRouter:
             if not force and time.monotonic() - self._read_at < every:
                 return
             self._read_at = time.monotonic()
+            began = utcnow()
             try:
                 tenants = self.source()
             except Exception as exc:
@@ -219,6 +261,10 @@ class TenantRouter:
                 log.info("tenants: %d served (%d added, %d removed)", len(places), len(added), len(gone))
             self._places = places
             self._loaded = True
+            self._read_since = began
+            # One database: nothing to keep free from it. Several: each takes half the workers at most.
+            databases = {id(p.engine.pool) for p in places.values()} | {id(self.default.engine.pool)}
+            self.slots.limit = self._workers if len(databases) == 1 else max(1, self._workers // 2)
 
     def _engine_of(self, tenant: Tenant) -> Engine:
         """The engine of the tenant's database: one per database URL, so one pool per database."""
@@ -251,15 +297,24 @@ class TenantRouter:
                                      f"({len(self._places)} served)")
         return found
 
-    def _serving(self, name: str) -> Place | None:
-        """The place of a message's tenant; the source is read again (rate-limited) when not found."""
+    def _serving(self, name: str, received_at: datetime) -> Place | float | None:
+        """The place of a message's tenant; None: none has it (park it); a delay: ask again then.
+
+        A name not found makes the source be read again (at most every
+        ``LOOKUP_AGAIN`` s); it is "none" only after a reading that began after
+        ``received_at``.
+        """
         found = self._places.get(name) if name else None
-        if found is None and name:
+        if found is not None or not name:
+            return found
+        if self._read_since <= received_at:
             try:
                 self.refresh(at_most_every=LOOKUP_AGAIN)
             except Exception as exc:  # only the first reading raises; the runner did it
                 self._source_log.failed(exc)
             found = self._places.get(name)
+            if found is None and self._read_since <= received_at:
+                return LOOKUP_AGAIN
         return found
 
     # -- which tenant -------------------------------------------------------------
@@ -290,13 +345,24 @@ class TenantRouter:
     def settle(self, batch: list[Delivery]) -> Settled:
         """Settle a batch of one tenant at its place; an unknown tenant's are parked as such."""
         name = batch[0].tenant or NO_TENANT
-        place = self._serving(name)
+        place = self._serving(name, max(d.received_at for d in batch))
+        if isinstance(place, float):
+            return Settled(later=[(d, place) for d in batch])
         if place is None:
             return self._park_unknown(batch)
         return self._at(place, batch, lambda: place.settler.settle(batch))
 
     def _at(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         """Run ``settle`` at ``place`` through its gate: put off while closed, closed by an outage."""
+        pool = place.engine.pool
+        if not self.slots.take(pool):
+            return Settled(later=[(d, BACKOFF.first) for d in batch])
+        try:
+            return self._through_gate(place, batch, settle)
+        finally:
+            self.slots.give_back(pool)
+
+    def _through_gate(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         wait = place.gate.admit()
         if wait is not None:
             return Settled(later=[(d, wait) for d in batch])
@@ -337,8 +403,10 @@ class TenantRouter:
                 log.error("%s: its inbox tables are not usable (%s); its messages wait, the other "
                           "tenants go on. Create them (`outbox init-db`, or Inbox.create_tables(tenant=…))",
                           place.what, str(exc).splitlines()[0][:300])
-            return BACKOFF.cap
+            place.missing_looks += 1
+            return BACKOFF.delay(place.missing_looks)
         place.settler.outages.answered()
+        place.missing_looks = 0
         if place.name in self._missing:
             self._missing.discard(place.name or "")
             log.warning("%s: its inbox tables are there now", place.what)
@@ -448,30 +516,32 @@ class TenantRouter:
     # -- operators ----------------------------------------------------------------
 
     def replay_unknown(self, topic: str, key: str | None) -> ParkedReplay:
-        """Send the key's ``tenant_unknown`` messages to their tenants in seq order; stop at an unknown.
+        """Send the key's ``tenant_unknown`` messages to their tenants, in seq order per tenant.
 
-        Each goes through its tenant's transaction as if it had just arrived
-        (applied, held behind a gap, a duplicate, or parked there when its
-        handler fails: then replay it with ``tenant=``), and only then leaves
-        the default database's ``inbox_parked``.
+        A message whose tenant is still unknown stays, and with it the later
+        ones naming the same tenant (or none). Each other one goes through its
+        tenant's transaction as if it had just arrived (applied, held behind a
+        gap, a duplicate, or parked there when its handler fails: then replay
+        it with ``tenant=``), and only then leaves the default database's
+        ``inbox_parked``.
         """
         self.refresh(force=True)
         default = self.default
         rows = [r for r in default.sessions.run(self._unknown_rows, topic, key)
                 if r.reason is Reason.TENANT_UNKNOWN]
         if not rows:
-            from ._admin import NotParkedError
             name = f"key {key!r}" if key is not None else "unkeyed message"
             raise NotParkedError(f"no {name} of topic {topic!r} is parked as tenant_unknown in "
                                  f"group {default.store.group!r}")
-        moved = 0
+        moved, stuck, error = 0, set[str](), None
         for row in rows:
             name, why = self.name_of(row.delivery.message)
             place = self._places.get(name) if name else None
-            if place is None:
-                reason = why or f"tenant {name!r} is still not among the inbox's tenants"
-                return ParkedReplay(applied=moved, remaining=len(rows) - moved, unparked=False,
-                                    error=reason)
+            if place is None or name in stuck:
+                # Its tenant is still unknown: it stays, and so do the later ones naming the same.
+                stuck.add(name)
+                error = error or why or f"tenant {name!r} is still not among the inbox's tenants"
+                continue
             d = delivery(row.delivery.message, row.delivery.partition, row.delivery.offset,
                          origin=Origin.CALLER)
             d = dataclasses.replace(d, tenant=name)
@@ -483,7 +553,8 @@ class TenantRouter:
             place.settler.alerter.parked(committed.parked)
             default.sessions.run(self._unpark, row.id)
             moved += 1
-        return ParkedReplay(applied=moved, remaining=0, unparked=True)
+        remaining = len(rows) - moved
+        return ParkedReplay(applied=moved, remaining=remaining, unparked=not remaining, error=error)
 
     def _unknown_rows(self, topic: str, key: str | None) -> list[ParkedRow]:
         with self.default.sessions() as session:

@@ -1,0 +1,320 @@
+"""The inbox per tenant: one consumer, each message applied in its tenant's schema or database.
+
+Tenants in schemas of one PostgreSQL database and in databases of their own
+(a second PostgreSQL database, SQLite files): dedup, order, parking and
+replay per tenant; a message of no known tenant parked in the default
+database and replayed to its tenant once it exists; a tenant whose tables are
+missing waits while the others flow (docs/tenants.md, "The inbox per tenant").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Disposition, Inbox, NotParkedError, create_engine
+from outbox._wire import record_to_message
+from outbox.inbox._delivery import delivery, turn_of
+from outbox.inbox._kinds import Reason
+from outbox.inbox._schedule import KeyScheduler
+from outbox.tenants import Tenant
+from outbox.testing import fresh_database
+from tests.inbox_support import AlertLog, apply_effect, business, effects, order_violations, record
+from tests.test_inbox_kafka import committed, produce, running, wait_for
+from transports import Record
+
+TOPIC = "orders"
+HEADER = "x-tenant"
+
+
+def tenant_record(tenant: str | None, key: str | None, seq: int | None, **kwargs: Any) -> Record:
+    """An outbox record as the multi-tenant relay sends it: the tenant in the ``x-tenant`` header."""
+    r = record(TOPIC, key, seq, **kwargs)
+    if tenant is not None:
+        r.headers.append((HEADER, tenant.encode()))
+    return r
+
+
+def in_schema(engine: sa.Engine, schema: str | None) -> sa.Engine:
+    return engine if schema is None else engine.execution_options(schema_translate_map={None: schema})
+
+
+def effects_of(engine: sa.Engine, schema: str | None = None) -> list[tuple[str | None, int | None]]:
+    """(key, seq) of the business rows of one tenant, in the order they were written."""
+    with in_schema(engine, schema).connect() as conn:
+        return [(r.key, r.seq) for r in conn.execute(sa.select(effects.c.key, effects.c.seq)
+                                                     .order_by(effects.c.id))]
+
+
+def dedup_rows(engine: sa.Engine, schema: str | None) -> int:
+    table = sa.table("inbox_messages", schema=schema)
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.select(sa.func.count()).select_from(table)) or 0)
+
+
+class Fleet:
+    """The tenants of one test, served by one Inbox; ``tenants`` may grow while it runs."""
+
+    def __init__(self, default: sa.Engine, tenants: list[Tenant], **options: Any) -> None:
+        self.default = default
+        self.tenants = list(tenants)
+        self.alerts = AlertLog()
+        self.failing: dict[str, int] = {}  # tenant name -> failures left for its key "k"
+        self.inbox = Inbox(default, group="g", tenants=lambda: list(self.tenants), tenant_header=HEADER,
+                           retry_backoff=0.001, retry_backoff_max=0.01, alert=self.alerts,
+                           **{"concurrency": 4, **options})
+        self.inbox.handler(TOPIC)(self.handle)
+        self.inbox.create_tables()
+
+    def handle(self, session: Any, message: Any) -> None:
+        tenant = message.headers.get(HEADER, "")
+        if self.failing.get(tenant, 0) and message.key == "k":
+            self.failing[tenant] -= 1
+            raise RuntimeError(f"handler of tenant {tenant} fails")
+        apply_effect(session, message)
+
+    def add(self, tenant: Tenant, engine: sa.Engine, *, tables: bool = True) -> None:
+        """Serve ``tenant`` (in ``engine``'s database) from the next reading on, with its tables."""
+        self.tenants.append(tenant)
+        if tables:
+            self.inbox.create_tables(tenant=tenant.name)
+            business.create_all(in_schema(engine, tenant.schema))
+
+
+@pytest.fixture
+def schemas(postgres_db: str) -> Iterator[sa.Engine]:
+    """A PostgreSQL database with the tenant schemas t_a, t_b and t_c (empty)."""
+    engine = create_engine(postgres_db)
+    with engine.begin() as conn:
+        for name in ("t_a", "t_b", "t_c"):
+            conn.execute(sa.text(f"CREATE SCHEMA {name}"))
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def fleet(schemas: sa.Engine) -> Fleet:
+    """Tenants a and b in schemas t_a and t_b; the default schema holds only the default's tables."""
+    made = Fleet(schemas, [])
+    made.add(Tenant("a", schema="t_a"), schemas)
+    made.add(Tenant("b", schema="t_b"), schemas)
+    return made
+
+
+# -- routing, dedup and order per tenant -----------------------------------------------------------
+
+def test_each_tenant_applies_its_messages_in_its_schema_with_dedup_and_order_of_its_own(
+        fleet: Fleet, schemas: sa.Engine) -> None:
+    """Same key "k" in two tenants: two keys, each with its own seqs, holds and dedup records.
+
+    Tenant b's seq 2 arrives first and is held (b's k is at 0) while a's seq 1
+    and 2 apply; one message id delivered to both tenants is applied once in
+    each; a redelivery to one tenant is its duplicate. The handler's own
+    ``effects`` table exists only in the tenant schemas: an unrouted write fails.
+    """
+    inbox = fleet.inbox
+    shared = uuid.uuid4()
+    assert inbox.handle(tenant_record("b", "k", 2)) is Disposition.HELD
+    assert inbox.handle(tenant_record("a", "k", 1, message_id=shared)) is Disposition.APPLIED
+    assert inbox.handle(tenant_record("a", "k", 2)) is Disposition.APPLIED
+    assert inbox.handle(tenant_record("b", "k", 1, message_id=shared)) is Disposition.APPLIED
+    assert inbox.handle(tenant_record("a", "k", 1, message_id=shared)) is Disposition.DUPLICATE
+    assert inbox.handle(tenant_record("b", "k", 1, message_id=shared)) is Disposition.DUPLICATE
+
+    assert effects_of(schemas, "t_a") == [("k", 1), ("k", 2)]
+    assert effects_of(schemas, "t_b") == [("k", 1), ("k", 2)]  # seq 2 applied right after seq 1
+    assert (dedup_rows(schemas, "t_a"), dedup_rows(schemas, "t_b"), dedup_rows(schemas, None)) == (2, 2, 0)
+    with schemas.connect() as conn:
+        assert not sa.inspect(conn).has_table("effects")  # nothing of a tenant leaked to the default
+    for schema in ("t_a", "t_b"):
+        with in_schema(schemas, schema).connect() as conn:
+            assert conn.scalar(sa.select(sa.func.count()).select_from(order_violations)) == 0
+
+
+def test_parking_after_max_attempts_and_replay_are_per_tenant(fleet: Fleet, schemas: sa.Engine) -> None:
+    """Tenant a's key k fails 3 times and parks in t_a; b's key k goes on; replay is by tenant."""
+    inbox = fleet.inbox
+    fleet.failing["a"] = 3
+    assert inbox.handle(tenant_record("a", "k", 1)) is Disposition.PARKED
+    assert inbox.handle(tenant_record("a", "k", 2)) is Disposition.PARKED  # behind its parked key
+    assert inbox.handle(tenant_record("b", "k", 1)) is Disposition.APPLIED
+    assert inbox.handle(tenant_record("b", "k", 2)) is Disposition.APPLIED
+
+    parked = inbox.parked(tenant="a")
+    assert [(p.key, p.seq, p.reason, p.attempts) for p in parked] == [
+        ("k", 1, Reason.FAILED, 3), ("k", 2, Reason.KEY_PARKED, 0)]
+    assert inbox.parked(tenant="b") == [] and inbox.parked() == []
+    assert [a.kind for a in fleet.alerts] == ["key_parked"] and fleet.alerts[0].details["tenant"] == "a"
+    with pytest.raises(NotParkedError):
+        inbox.replay(TOPIC, "k", tenant="b")
+
+    result = inbox.replay(TOPIC, "k", tenant="a")
+    assert (result.applied, result.remaining, result.unparked) == (2, 0, True)
+    assert effects_of(schemas, "t_a") == [("k", 1), ("k", 2)]
+    assert effects_of(schemas, "t_b") == [("k", 1), ("k", 2)]
+    assert inbox.parked(tenant="a") == []
+
+
+def test_a_message_of_no_known_tenant_parks_in_the_default_database_and_replays_to_its_tenant(
+        fleet: Fleet, schemas: sa.Engine) -> None:
+    """Unknown or missing tenant: parked alone (reason tenant_unknown), one alert per name, replayable.
+
+    Replay waits for the tenant to exist; once it is served, the key's
+    messages go to it in seq order as if they had just arrived. A headerless
+    message stays until discarded.
+    """
+    inbox = fleet.inbox
+    assert inbox.handle(tenant_record("c", "k", 1)) is Disposition.PARKED
+    assert inbox.handle(tenant_record("c", "k", 2)) is Disposition.PARKED
+    assert inbox.handle(tenant_record(None, "k", 1)) is Disposition.PARKED
+    assert inbox.handle(tenant_record("a", "k", 1)) is Disposition.APPLIED  # the others go on
+
+    parked = inbox.parked()
+    assert sorted((p.seq, p.reason, p.error) for p in parked) == [
+        (1, Reason.TENANT_UNKNOWN, "no 'x-tenant' header"),
+        (1, Reason.TENANT_UNKNOWN, "tenant 'c' is not among the inbox's tenants"),
+        (2, Reason.TENANT_UNKNOWN, "tenant 'c' is not among the inbox's tenants")]
+    assert sorted(str(a.details["tenant"]) for a in fleet.alerts) == ["None", "c"]  # one per name
+    assert all(a.details["reason"] == "tenant_unknown" for a in fleet.alerts)
+
+    early = inbox.replay(TOPIC, "k")  # c is still unknown: nothing moves
+    assert (early.applied, early.unparked) == (0, False) and "not among" in str(early.error)
+
+    fleet.add(Tenant("c", schema="t_c"), schemas)
+    result = inbox.replay(TOPIC, "k")
+    assert (result.applied, result.remaining) == (2, 1) and "no 'x-tenant' header" in str(result.error)
+    assert effects_of(schemas, "t_c") == [("k", 1), ("k", 2)]
+    [left] = inbox.parked()
+    inbox.discard(left.message_id, by="test", reason="no tenant")
+    assert inbox.parked() == []
+
+
+def test_a_tenant_added_before_its_first_message_is_found_without_waiting_for_the_refresh(
+        fleet: Fleet, schemas: sa.Engine) -> None:
+    """The tenant list is read again for a name it lacks: a new tenant's message is not parked.
+
+    The refresh interval is 30 s; the message comes right after an unknown
+    name made the source be read, within the one-second limit: it waits for
+    the next reading instead of being parked.
+    """
+    inbox = fleet.inbox
+    assert inbox.handle(tenant_record("nobody", "k", 1)) is Disposition.PARKED
+    fleet.add(Tenant("c", schema="t_c"), schemas)
+    assert inbox.handle(tenant_record("c", "k", 1)) is Disposition.APPLIED
+    assert effects_of(schemas, "t_c") == [("k", 1)]
+
+
+def test_tenant_options_are_checked_when_the_inbox_is_built(schemas: sa.Engine) -> None:
+    from outbox import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="tenant_header= and tenant_of= need tenants="):
+        Inbox(schemas, group="g", tenant_header=HEADER)
+    with pytest.raises(ConfigurationError, match="needs one of tenant_header="):
+        Inbox(schemas, group="g", tenants=["t_a"])
+    with pytest.raises(ConfigurationError, match="listed twice"):
+        Inbox(schemas, group="g", tenants=["t_a", "t_a"], tenant_header=HEADER)
+    inbox = Inbox(schemas, group="g", tenants=["t_a"], tenant_header=HEADER)
+    with pytest.raises(ConfigurationError, match="no tenant 'zz'"):
+        inbox.parked(tenant="zz")
+    with pytest.raises(ConfigurationError, match="tenant= is for an inbox serving tenants"):
+        Inbox(schemas, group="g").parked(tenant="t_a")
+
+
+# -- the scheduler keeps tenants apart ----------------------------------------------------------
+
+def test_a_batch_never_mixes_tenants_and_each_tenants_key_is_its_own_turn() -> None:
+    """The same key of two tenants is two turns, and one transaction (batch) serves one tenant."""
+    batches: list[list[str | None]] = []
+    done = threading.Event()
+    total = 40
+
+    def work(batch: list[Any]) -> list[Any]:
+        batches.append([d.tenant for d in batch])
+        if sum(map(len, batches)) >= total:
+            done.set()
+        return []
+
+    scheduler = KeyScheduler(work, concurrency=1, batch_size=8, on_crash=lambda exc: None)
+    made = [dataclasses.replace(delivery(record_to_message(record(TOPIC, f"k{n % 4}", n // 4 + 1))),
+                                tenant="ab"[n % 2]) for n in range(total)]
+    assert turn_of(made[0]) != turn_of(dataclasses.replace(made[0], tenant="b"))
+    scheduler.submit(made)
+    scheduler.start()
+    try:
+        assert done.wait(10)
+    finally:
+        scheduler.stop(5)
+    assert all(len(set(b)) == 1 for b in batches), batches
+    assert sum(map(len, batches)) == total
+
+
+# -- through Kafka: two databases, one tenant without tables ---------------------------------------
+
+@pytest.fixture
+def second_database(postgres_server: str) -> Iterator[sa.Engine]:
+    with fresh_database(postgres_server) as url:
+        engine = create_engine(url)
+        yield engine
+        engine.dispose()
+
+
+@pytest.mark.kafka
+def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_tables_waits(
+        kafka: str, topic: str, schemas: sa.Engine, second_database: sa.Engine,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Tenants a (schema t_a), d (a database of its own) and c (schema t_c, no tables yet) share
+    two partitions and their keys. a and d apply everything once, in order, while c waits: its
+    missing tables are logged once, nothing of it parks or counts an attempt, and the commit stays
+    below its first record. Once c's tables exist, c applies everything too and the commit reaches
+    the end."""
+    fleet = Fleet(schemas, [], batch_size=4)
+    fleet.inbox.handler(topic)(fleet.handle)
+    fleet.add(Tenant("a", schema="t_a"), schemas)
+    d_url = second_database.url.render_as_string(hide_password=False)
+    fleet.add(Tenant("d", database=d_url), second_database)
+    fleet.add(Tenant("c", schema="t_c"), schemas, tables=False)
+    keys = [f"k{n}" for n in range(4)]
+    per_key = 5
+
+    def records(tenant: str) -> list[Record]:
+        out = []
+        for seq in range(1, per_key + 1):
+            for key in keys:
+                r = record(topic, key, seq)
+                r.headers.append((HEADER, tenant.encode()))
+                out.append(r)
+        return out
+
+    a, c, d = records("a"), records("c"), records("d")
+    c_first = {}
+    with running(fleet.inbox, kafka, topic):
+        for partition in (0, 1):
+            produce(kafka, [a[0], c[0]], partition)
+            c_first[partition] = 1  # c's first record sits right behind a's first on each partition
+        mixed = [x for trio in zip(a[1:], d, c[1:], strict=False) for x in trio] + d[len(a) - 1:]
+        produce(kafka, mixed, 0)
+        wait_for(lambda: len(effects_of(schemas, "t_a")) == len(a) + 0, what="tenant a applied")
+        wait_for(lambda: len(effects_of(second_database)) == len(d), what="tenant d applied")
+        positions = committed(kafka, fleet.inbox.group, topic)
+        assert positions[0] <= c_first[0] and positions[1] <= c_first[1], positions
+        assert fleet.inbox.parked(tenant="a") == [] and fleet.inbox.parked() == []
+
+        fleet.inbox.create_tables(tenant="c")
+        business.create_all(in_schema(schemas, "t_c"))
+        wait_for(lambda: len(effects_of(schemas, "t_c")) == len(c), what="tenant c applied")
+        wait_for(lambda: sum(committed(kafka, fleet.inbox.group, topic).values()) == 2 + 2 + len(mixed),
+                 what="offsets committed to the end")
+    for engine, schema in ((schemas, "t_a"), (second_database, None), (schemas, "t_c")):
+        rows = effects_of(engine, schema)
+        for key in keys:
+            assert [seq for k, seq in rows if k == key] == list(range(1, per_key + 1))
+    assert fleet.inbox.parked(tenant="c") == [] and fleet.alerts == []
+    missing = [r for r in caplog.records if "tenant c: its inbox tables are not usable" in r.getMessage()]
+    assert len(missing) == 1
+
