@@ -318,3 +318,76 @@ def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_table
     missing = [r for r in caplog.records if "tenant c: its inbox tables are not usable" in r.getMessage()]
     assert len(missing) == 1
 
+
+
+# -- one tenant's database frozen, then stopped, while the other flows -----------------------------
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_tenant_whose_database_hangs_or_stops_holds_up_nothing_else_and_loses_nothing(
+        kafka: str, topic: str, schemas: sa.Engine, own_postgres: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Tenant b's database (a server of its own) is frozen (SIGSTOP), then stopped, while tenant
+    a's messages, interleaved with b's on one partition, keep applying. Meanwhile the commit stays
+    below b's first unfinished record, nothing parks, nothing counts an attempt; the stop is logged
+    once. When b's server is back, b applies everything exactly once, in order, and the commit
+    reaches the end."""
+    fleet = Fleet(schemas, [], concurrency=4)
+    fleet.inbox.handler(topic)(fleet.handle)
+    fleet.add(Tenant("a", schema="t_a"), schemas)
+    b_engine = create_engine(own_postgres.url)
+    fleet.add(Tenant("b", database=own_postgres.url), b_engine)
+    made: dict[str, int] = {"a": 0, "b": 0}
+
+    def batch(size: int) -> list[Record]:
+        """``size`` records for each of a and b, alternating b, a, on keys k0..k3."""
+        out = []
+        for _ in range(size):
+            for tenant in ("b", "a"):
+                made[tenant] += 1
+                n = made[tenant] - 1
+                r = record(topic, f"k{n % 4}", n // 4 + 1)
+                r.headers.append((HEADER, tenant.encode()))
+                out.append(r)
+        return out
+
+    def b_applied() -> int:
+        try:
+            return len(effects_of(b_engine))
+        except sa.exc.OperationalError:
+            return -1
+
+    sent = 0
+    try:
+        with running(fleet.inbox, kafka, topic):
+            first = batch(4)
+            produce(kafka, first, 0)
+            sent += len(first)
+            wait_for(lambda: len(effects_of(schemas, "t_a")) == 4 and b_applied() == 4, what="warm-up")
+            wait_for(lambda: committed(kafka, fleet.inbox.group, topic)[0] == sent, what="warm-up commit")
+
+            for outage in ("freeze", "stop"):
+                getattr(own_postgres, outage)()
+                b_from = sent  # b's first record of this round sits at this offset
+                records = batch(40)
+                produce(kafka, records, 0)
+                sent += len(records)
+                wait_for(lambda: len(effects_of(schemas, "t_a")) == made["a"], timeout=60,
+                         what=f"tenant a applied while b's database is down ({outage})")
+                assert committed(kafka, fleet.inbox.group, topic)[0] <= b_from
+                assert fleet.inbox.parked(tenant="a") == [] and fleet.alerts == []
+                own_postgres.thaw() if outage == "freeze" else own_postgres.start()
+                wait_for(lambda: b_applied() == made["b"], timeout=60, what=f"tenant b after the {outage}")
+                wait_for(lambda end=sent: committed(kafka, fleet.inbox.group, topic)[0] == end, timeout=30,
+                         what="the commit reaches the end")
+    finally:
+        own_postgres.thaw()
+        b_engine.dispose()
+    for engine, schema in ((schemas, "t_a"), (b_engine, None)):
+        rows = effects_of(engine, schema)
+        assert len(rows) == made["a"]
+        for key in ("k0", "k1", "k2", "k3"):
+            assert [seq for k, seq in rows if k == key] == list(range(1, made["a"] // 4 + 1))
+    assert fleet.inbox.parked(tenant="b") == [] and fleet.alerts == []
+    down = [r for r in caplog.records if "the database of tenant b unavailable" in r.getMessage()]
+    assert len(down) == 1, [r.getMessage() for r in down]

@@ -465,11 +465,14 @@ class Inbox:
         A database outage makes it return without doing anything (logged once):
         call it again at your next turn.
         """
-        gaps = self.router or self.gaps
-        try:
-            for d in gaps.ready():
+        if self.router is not None:  # each tenant's, in this thread; outages are the router's
+            for d in self.router.sweep():
                 self._settle_here(d)
-            gaps.park_stale()
+            return
+        try:
+            for d in self.gaps.ready():
+                self._settle_here(d)
+            self.gaps.park_stale()
         except Exception as exc:
             if not is_outage(exc):
                 raise

@@ -47,6 +47,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
@@ -227,6 +228,7 @@ class TenantRouter:
         self._missing: set[str] = set()  # places whose tables were reported missing
         self._alerted: set[str] = set()
         self._sweep_from = 0
+        self._sweeps: dict[object, Future[list[Delivery]]] = {}
 
     # -- the tenants ------------------------------------------------------------
 
@@ -470,31 +472,58 @@ class TenantRouter:
         return (places + places)[start:start + SWEEP_SLICE]
 
     def ready(self) -> list[Delivery]:
-        """Held messages next in their key, of the places whose turn it is; reads the source when due."""
+        """Held messages next in their key that the sweeps finished since the last call found.
+
+        Called by the runner's consumer thread, which must never wait for a
+        tenant's database: each turn hands the places whose turn it is to the
+        sweeper threads, one per database (a database whose last sweep has
+        not returned, a hung one, is skipped), and takes what the finished
+        ones found. Reads the tenant source when due.
+        """
         self.refresh()
         found: list[Delivery] = []
+        by_pool: dict[object, list[Place]] = {}
         for place in self._slice():
+            by_pool.setdefault(place.engine.pool, []).append(place)
+        with self._lock:
+            for pool, task in list(self._sweeps.items()):
+                if task.done():
+                    del self._sweeps[pool]
+                    if task.exception() is None:
+                        found.extend(task.result())
+            for pool, places in by_pool.items():
+                if pool not in self._sweeps:
+                    self._sweeps[pool] = self._in_background(places)
+        return found
+
+    def _in_background(self, places: list[Place]) -> Future[list[Delivery]]:
+        """``sweep(places)`` on a daemon thread of its own: one that hangs never holds up an exit."""
+        task: Future[list[Delivery]] = Future()
+
+        def sweep() -> None:
+            try:
+                task.set_result(self.sweep(places))
+            except BaseException as exc:
+                log.exception("inbox sweep failed")
+                task.set_exception(exc)
+        threading.Thread(target=sweep, name="outbox-inbox-sweep", daemon=True).start()
+        return task
+
+    def park_stale(self) -> int:
+        """Nothing to do here: ``ready``'s sweeps park the stale gaps of their places too."""
+        return 0
+
+    def sweep(self, places: list[Place] | None = None) -> list[Delivery]:
+        """Sweep ``places`` (all, when None) in this thread: held messages ready, gaps to park, counts."""
+        found: list[Delivery] = []
+        for place in self._places.values() if places is None else places:
             if place.gate.open:
                 found.extend(self._sweeping(place, lambda p: [
                     dataclasses.replace(d, tenant=p.name) for d in p.gaps.ready()], []))
-        return found
-
-    def park_stale(self) -> int:
-        parked = 0
-        for place in self._slice_now():
-            if place.gate.open:
-                parked += self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
+                self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
                 place.parked_keys = self._sweeping(place, lambda p: p.admin.parked_key_count(),
                                                    place.parked_keys)
-        return parked
-
-    def _slice_now(self) -> list[Place]:
-        """The slice ``ready`` just swept (``park_stale`` follows it in the same turn)."""
-        places = list(self._places.values())
-        if len(places) <= SWEEP_SLICE:
-            return places
-        start = (self._sweep_from - SWEEP_SLICE) % len(places)
-        return (places + places)[start:start + SWEEP_SLICE]
+        return found
 
     def _sweeping(self, place: Place, fn: Callable[[Place], T], otherwise: T) -> T:
         """``fn(place)``; an outage closes the place's gate and gives ``otherwise``."""
