@@ -80,7 +80,8 @@ log = safe_logger("outbox.inbox")
 REFRESH = 30.0
 """Seconds between two readings of the tenant source (``Inbox(tenant_refresh=…)``)."""
 LOOKUP_AGAIN = 1.0
-"""A name no tenant has makes the source be read again, at most this often, before it parks."""
+"""A name no tenant has makes the source be read again, at most this often (or every refresh,
+when that is shorter), before it parks."""
 SWEEP_SLICE = 50
 """Places swept per sweep turn (one a second): with many tenants, each is swept in its turn."""
 NO_TENANT = ""
@@ -214,6 +215,7 @@ class TenantRouter:
         self.header = header
         self.tenant_of = tenant_of
         self.refresh_every = refresh
+        self.lookup_every = min(LOOKUP_AGAIN, refresh)
         self._pool_size = pool_size
         self._workers = pool_size
         self.slots = Slots(pool_size)
@@ -303,7 +305,7 @@ class TenantRouter:
         """The place of a message's tenant; None: none has it (park it); a delay: ask again then.
 
         A name not found makes the source be read again (at most every
-        ``LOOKUP_AGAIN`` s); it is "none" only after a reading that began after
+        ``lookup_every`` s); it is "none" only after a reading that began after
         ``received_at``.
         """
         found = self._places.get(name) if name else None
@@ -311,12 +313,12 @@ class TenantRouter:
             return found
         if self._read_since <= received_at:
             try:
-                self.refresh(at_most_every=LOOKUP_AGAIN)
+                self.refresh(at_most_every=self.lookup_every)
             except Exception as exc:  # only the first reading raises; the runner did it
                 self._source_log.failed(exc)
             found = self._places.get(name)
             if found is None and self._read_since <= received_at:
-                return LOOKUP_AGAIN
+                return self.lookup_every
         return found
 
     # -- which tenant -------------------------------------------------------------
