@@ -10,6 +10,7 @@ missing waits while the others flow (docs/tenants.md, "The inbox per tenant").
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -489,3 +490,72 @@ def test_model_each_tenants_keys_apply_in_order_once_and_park_on_their_own(
     unknown = {(k, seq) for t, k, seq in order if t == "zz"}
     parked_unknown = {(p.key, p.seq) for k in ("k1", "k2") for p in inbox.parked(TOPIC, f"{run}-{k}")}
     assert parked_unknown == {(f"{run}-{k}", seq) for k, seq in unknown}
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+CLI_APP = """
+import sqlalchemy as sa
+from outbox import Inbox
+from tests.inbox_support import apply_effect
+
+BROKEN = {{"on": True}}
+inbox = Inbox(sa.create_engine({db!r}), group="cli", retry_backoff=0.001)
+
+
+@inbox.handler("orders")
+def handle(session, message):
+    if BROKEN["on"]:
+        raise RuntimeError("bug 7")
+    apply_effect(session, message)
+"""
+
+
+def test_parked_list_replay_and_discard_per_tenant_from_the_command_line(
+        schemas: sa.Engine, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``outbox parked … --tenants SPEC --tenant NAME`` lists, replays and discards in that tenant."""
+    import importlib
+    import sys
+
+    from typer.testing import CliRunner
+
+    from outbox.cli import app
+
+    url = schemas.url.render_as_string(hide_password=False)
+    name = f"tenantcli_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(CLI_APP.format(db=url))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    try:
+        live = Inbox(schemas, group="cli", tenants=["t_a", "t_b"], tenant_header=HEADER, retry_backoff=0.001)
+        live.handler(TOPIC)(module.handle)
+        live.create_tables()
+        for tenant in ("t_a", "t_b"):
+            live.create_tables(tenant=tenant)
+            business.create_all(in_schema(schemas, tenant))
+        for key in ("k", "j"):
+            assert live.handle(tenant_record("t_a", key, 1)) is Disposition.PARKED
+        cli, db = CliRunner(), ["--db", url, "--group", "cli", "--tenants", "t_a,t_b"]
+
+        listed = cli.invoke(app, ["parked", "list", *db, "--tenant", "t_a", "--json"])
+        assert listed.exit_code == 0, listed.output
+        assert sorted(row["key"] for row in json.loads(listed.output)) == ["j", "k"]
+        other = cli.invoke(app, ["parked", "list", *db, "--tenant", "t_b", "--json"])
+        assert other.exit_code == 0 and json.loads(other.output) == []
+        alone = cli.invoke(app, ["parked", "list", "--db", url, "--group", "cli", "--tenant", "t_a"])
+        assert alone.exit_code == 2 and "--tenant needs --tenants" in alone.output
+
+        module.BROKEN["on"] = False
+        replayed = cli.invoke(app, ["parked", "replay", TOPIC, "k", "--app", f"{name}:inbox",
+                                    "--tenants", "t_a,t_b", "--tenant-header", HEADER, "--tenant", "t_a",
+                                    "--by", "alice", "--reason", "fixed"])
+        assert replayed.exit_code == 0, replayed.output
+        assert effects_of(schemas, "t_a") == [("k", 1)] and effects_of(schemas, "t_b") == []
+
+        [left] = live.parked(tenant="t_a")
+        discarded = cli.invoke(app, ["parked", "discard", str(left.message_id), "--by", "alice",
+                                     "--reason", "not wanted", *db, "--tenant", "t_a"])
+        assert discarded.exit_code == 0, discarded.output
+        assert live.parked(tenant="t_a") == []
+    finally:
+        sys.modules.pop(name, None)

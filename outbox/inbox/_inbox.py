@@ -168,9 +168,26 @@ class Inbox:
         self.router: TenantRouter | None = None
         """Set on an inbox serving many tenants (``tenants=``): where each message goes (``_tenants``)."""
         if tenants is not None or tenant_header is not None or tenant_of is not None:
-            self.router = self._router(tenants, tenant_header, tenant_of, tenant_refresh)
+            self.serve_tenants(tenants, tenant_header=tenant_header, tenant_of=tenant_of,
+                               tenant_refresh=tenant_refresh)
 
     # -- tenants ----------------------------------------------------------------
+
+    def serve_tenants(self, tenants: TenantsLike | None, *, tenant_header: str | None = None,
+                      tenant_of: Callable[[Message], str | None] | None = None,
+                      tenant_refresh: timedelta | float = REFRESH) -> None:
+        """Serve many tenants, each in its schema or database: what ``Inbox(tenants=…)`` does.
+
+        For an inbox built elsewhere (``outbox inbox run --tenants``): call it
+        before ``run()``, once. ``tenants`` is a list of ``Tenant`` (or schema
+        names) or a callable returning one (``outbox.tenants``), read again
+        every ``tenant_refresh``; the tenant of a message is its
+        ``tenant_header`` header, or what ``tenant_of(message)`` returns.
+        See docs/tenants.md, "The inbox per tenant".
+        """
+        if self.router is not None:
+            raise ConfigurationError("this Inbox serves tenants already")
+        self.router = self._router(tenants, tenant_header, tenant_of, tenant_refresh)
 
     def _router(self, tenants: TenantsLike | None, header: str | None,
                 tenant_of: Callable[[Message], str | None] | None,
