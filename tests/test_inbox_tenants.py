@@ -9,9 +9,7 @@ missing waits while the others flow (docs/tenants.md, "The inbox per tenant").
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,10 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import Disposition, Inbox, NotParkedError, create_engine
-from outbox._wire import record_to_message
-from outbox.inbox._delivery import delivery, turn_of
-from outbox.inbox._kinds import Reason
-from outbox.inbox._schedule import KeyScheduler
+from outbox.inbox import Reason
 from outbox.tenants import Tenant
 from outbox.testing import fresh_database
 from tests.inbox_support import AlertLog, apply_effect, business, effects, order_violations, record
@@ -229,34 +224,6 @@ def test_tenant_options_are_checked_when_the_inbox_is_built(schemas: sa.Engine) 
         Inbox(schemas, group="g").parked(tenant="t_a")
 
 
-# -- the scheduler keeps tenants apart ----------------------------------------------------------
-
-def test_a_batch_never_mixes_tenants_and_each_tenants_key_is_its_own_turn() -> None:
-    """The same key of two tenants is two turns, and one transaction (batch) serves one tenant."""
-    batches: list[list[str | None]] = []
-    done = threading.Event()
-    total = 40
-
-    def work(batch: list[Any]) -> list[Any]:
-        batches.append([d.tenant for d in batch])
-        if sum(map(len, batches)) >= total:
-            done.set()
-        return []
-
-    scheduler = KeyScheduler(work, concurrency=1, batch_size=8, on_crash=lambda exc: None)
-    made = [dataclasses.replace(delivery(record_to_message(record(TOPIC, f"k{n % 4}", n // 4 + 1))),
-                                tenant="ab"[n % 2]) for n in range(total)]
-    assert turn_of(made[0]) != turn_of(dataclasses.replace(made[0], tenant="b"))
-    scheduler.submit(made)
-    scheduler.start()
-    try:
-        assert done.wait(10)
-    finally:
-        scheduler.stop(5)
-    assert all(len(set(b)) == 1 for b in batches), batches
-    assert sum(map(len, batches)) == total
-
-
 # -- through Kafka: two databases, one tenant without tables ---------------------------------------
 
 @pytest.fixture
@@ -454,7 +421,7 @@ def tenant_traffic(draw: st.DrawFn) -> tuple[list[tuple[str, str, int]], dict[tu
     return order, fails
 
 
-@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(traffic=tenant_traffic())
 def test_model_each_tenants_keys_apply_in_order_once_and_park_on_their_own(
         sqlite_fleet: tuple[Inbox, dict[str, int], dict[str, sa.Engine]],

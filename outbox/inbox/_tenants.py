@@ -286,6 +286,9 @@ class TenantRouter:
 
     @property
     def tenants(self) -> list[Tenant]:
+        """The tenants served, as last read (read now if never read)."""
+        if not self._loaded:
+            self.refresh(force=True)
         return [p.tenant for p in self._places.values() if p.tenant is not None]
 
     def place(self, name: str | None) -> Place:
