@@ -208,6 +208,30 @@ def test_a_tenant_added_before_its_first_message_is_found_without_waiting_for_th
     assert effects_of(schemas, "t_c") == [("k", 1)]
 
 
+def test_a_tenant_removed_takes_no_new_message_and_one_added_back_gets_it_by_replay(
+        schemas: sa.Engine) -> None:
+    """Removed from the source, tenant b's next message parks as tenant_unknown (b's rows stay);
+    listed again, replay sends it there. ``sweep()`` reads the source when due (own consumer loops)."""
+    fleet = Fleet(schemas, [], tenant_refresh=0.05)
+    fleet.add(Tenant("a", schema="t_a"), schemas)
+    fleet.add(Tenant("b", schema="t_b"), schemas)
+    inbox = fleet.inbox
+    assert inbox.handle(tenant_record("b", "k", 1)) is Disposition.APPLIED
+
+    def served() -> set[str]:
+        inbox.sweep()
+        return {t.name for t in inbox.tenants}
+
+    b = fleet.tenants.pop()
+    wait_for(lambda: served() == {"a"}, timeout=10, what="b removed")
+    assert inbox.handle(tenant_record("b", "k", 2)) is Disposition.PARKED
+    assert [(p.seq, p.reason) for p in inbox.parked()] == [(2, Reason.TENANT_UNKNOWN)]
+    fleet.tenants.append(b)
+    wait_for(lambda: served() == {"a", "b"}, timeout=10, what="b back")
+    assert inbox.replay(TOPIC, "k").unparked
+    assert effects_of(schemas, "t_b") == [("k", 1), ("k", 2)] and inbox.parked() == []
+
+
 def test_tenant_options_are_checked_when_the_inbox_is_built(schemas: sa.Engine) -> None:
     from outbox import ConfigurationError
 

@@ -94,6 +94,14 @@ class Inbox:
     A database or broker outage is never a failed attempt: the work waits
     and resumes. Configuration is checked here; registering handlers and
     ``handle`` are safe from several threads.
+
+    ``tenants`` (a list of ``outbox.tenants.Tenant`` or schema names, or a
+    callable returning one, read again every ``tenant_refresh`` seconds) makes
+    one inbox serve many tenants: each message is applied in the schema or
+    database of the tenant its ``tenant_header`` header (or
+    ``tenant_of(message)``) names, with all of the above per tenant; ``bind``
+    is then the default database, where a message of no known tenant is
+    parked (reason ``tenant_unknown``). See ``_tenants`` and docs/tenants.md.
     """
 
     def __init__(

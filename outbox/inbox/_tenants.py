@@ -231,6 +231,7 @@ class TenantRouter:
         self._alerted: set[str] = set()
         self._sweep_from = 0
         self._sweeps: dict[object, Future[list[Delivery]]] = {}
+        self._refreshing = threading.Lock()
 
     # -- the tenants ------------------------------------------------------------
 
@@ -483,9 +484,9 @@ class TenantRouter:
         tenant's database: each turn hands the places whose turn it is to the
         sweeper threads, one per database (a database whose last sweep has
         not returned, a hung one, is skipped), and takes what the finished
-        ones found. Reads the tenant source when due.
+        ones found. Reads the tenant source when due, on a thread of its own.
         """
-        self.refresh()
+        self._refresh_in_background()
         found: list[Delivery] = []
         by_pool: dict[object, list[Place]] = {}
         for place in self._slice():
@@ -500,6 +501,19 @@ class TenantRouter:
                 if pool not in self._sweeps:
                     self._sweeps[pool] = self._in_background(places)
         return found
+
+    def _refresh_in_background(self) -> None:
+        """``refresh()`` when due, on a daemon thread: a source whose database hangs holds up no poll."""
+        if time.monotonic() - self._read_at < self.refresh_every or self._refreshing.locked():
+            return
+
+        def refresh() -> None:
+            with self._refreshing:
+                try:
+                    self.refresh()
+                except Exception:
+                    log.exception("reading the tenant source failed")
+        threading.Thread(target=refresh, name="outbox-inbox-tenants", daemon=True).start()
 
     def _in_background(self, places: list[Place]) -> Future[list[Delivery]]:
         """``sweep(places)`` on a daemon thread of its own: one that hangs never holds up an exit."""
@@ -519,7 +533,12 @@ class TenantRouter:
         return 0
 
     def sweep(self, places: list[Place] | None = None) -> list[Delivery]:
-        """Sweep ``places`` (all, when None) in this thread: held messages ready, gaps to park, counts."""
+        """Sweep ``places`` (all, when None) in this thread: held messages ready, gaps to park, counts.
+
+        Sweeping them all (``Inbox.sweep``) also reads the tenant source when due.
+        """
+        if places is None:
+            self.refresh()
         found: list[Delivery] = []
         for place in self._places.values() if places is None else places:
             if place.gate.open:
