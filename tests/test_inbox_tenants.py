@@ -232,6 +232,28 @@ def test_a_tenant_removed_takes_no_new_message_and_one_added_back_gets_it_by_rep
     assert effects_of(schemas, "t_b") == [("k", 1), ("k", 2)] and inbox.parked() == []
 
 
+@pytest.mark.mysql
+def test_a_tenant_in_a_mariadb_database_beside_postgresql_schemas(fleet: Fleet, mysql_db: str) -> None:
+    """A PostgreSQL fleet with one tenant in a MariaDB database: held, duplicate, parked after
+    max_attempts and replayed there, while a PostgreSQL tenant's same key goes on."""
+    maria = create_engine(mysql_db)
+    try:
+        fleet.add(Tenant("m", database=maria), maria)  # an Engine of its own: its pool, its settings
+        inbox = fleet.inbox
+        fleet.failing["m"] = 3
+        assert inbox.handle(tenant_record("m", "k", 2)) is Disposition.HELD
+        assert inbox.handle(tenant_record("m", "k", 1)) is Disposition.PARKED  # 3 failures: k parks
+        assert inbox.handle(tenant_record("a", "k", 1)) is Disposition.APPLIED
+        assert [(p.seq, p.reason) for p in inbox.parked(tenant="m")] == [
+            (1, Reason.FAILED), (2, Reason.KEY_PARKED)]
+        assert (inbox.replay(TOPIC, "k", tenant="m").applied, effects_of(maria)) == (2, [("k", 1), ("k", 2)])
+        again = tenant_record("m", "k", 3)
+        assert [inbox.handle(again), inbox.handle(again)] == [Disposition.APPLIED, Disposition.DUPLICATE]
+        assert effects_of(fleet.default, "t_a") == [("k", 1)]
+    finally:
+        maria.dispose()
+
+
 def test_tenant_options_are_checked_when_the_inbox_is_built(schemas: sa.Engine) -> None:
     from outbox import ConfigurationError
 
