@@ -22,6 +22,7 @@ from .._stopping import StopLatch, stop_signals
 from .._terminal import stdout_console
 from ..housekeeping import run_retention
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError
+from ..tenants import parse_tenants
 from . import app
 from ._db import existing_database, open_engine
 from ._errors import Typer
@@ -36,6 +37,9 @@ from ._options import (
     PREFIX,
     REASON,
     SCHEMA,
+    TENANT,
+    TENANT_HEADER,
+    TENANTS,
     configure_logging,
     operator,
     parse_kafka_config,
@@ -72,8 +76,13 @@ def load_inbox(target: str) -> Inbox:
 
 
 def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = "",
-           schema: str | None = None) -> Inbox:
-    """The app's ``Inbox`` (``--app``), or one on ``--db``/``--group``/``--prefix``/``--schema``."""
+           schema: str | None = None, *, tenants: str | None = None, tenant_header: str | None = None,
+           tenant: str | None = None) -> Inbox:
+    """The app's ``Inbox`` (``--app``), or one on ``--db``/``--group``/``--prefix``/``--schema``.
+
+    With ``--tenants`` (and ``--tenant-header``) it serves those tenants
+    (``_serving``); ``--tenant`` needs tenants, from there or from the app.
+    """
     if target:
         inbox = load_inbox(target)
         if group and group != inbox.group:
@@ -81,10 +90,36 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
         if (prefix, schema) != ("", None) and (prefix, schema) != (inbox.tables.prefix, inbox.tables.schema):
             raise typer.BadParameter("--prefix/--schema differ from the app's tables; the app's Inbox "
                                      "names its tables, so leave them out with --app")
-        return inbox
-    if not db or not group:
-        raise typer.BadParameter("give --db and --group, or --app MODULE:ATTRIBUTE")
-    return Inbox(open_engine(db), group=group, prefix=prefix, schema=schema)
+    else:
+        if not db or not group:
+            raise typer.BadParameter("give --db and --group, or --app MODULE:ATTRIBUTE")
+        inbox = Inbox(open_engine(db), group=group, prefix=prefix, schema=schema)
+    _serving(inbox, tenants, tenant_header)
+    if tenant is not None and inbox.router is None:
+        raise typer.BadParameter("--tenant needs --tenants (or an app whose Inbox serves tenants)")
+    return inbox
+
+
+def _serving(inbox: Inbox, tenants: str | None, tenant_header: str | None) -> None:
+    """``--tenants SPEC --tenant-header NAME``: make ``inbox`` serve those tenants (docs/tenants.md).
+
+    Without a header (listing and discarding need none), no message names a
+    tenant: replaying one parked as ``tenant_unknown`` then says so.
+    """
+    if tenants is None:
+        if tenant_header is not None and inbox.router is None:
+            raise typer.BadParameter("--tenant-header needs --tenants")
+        return
+    if inbox.router is not None:
+        raise typer.BadParameter("the app's Inbox serves tenants already: leave out --tenants")
+    source = parse_tenants(tenants, inbox.engine)
+    inbox.serve_tenants(source, tenant_header=tenant_header,
+                        tenant_of=None if tenant_header is not None else _named_by_nothing)
+
+
+def _named_by_nothing(message: object) -> None:
+    """No ``--tenant-header``: the tenant of a message cannot be told."""
+    return None
 
 
 @inbox_app.command("run")
@@ -101,8 +136,15 @@ def run(
         None, "--retention", help="Also delete this group's dedup records whose message is older than "
                                   "this (at least the Inbox's dedup_window), on a thread of its own."),
     retention_every: str = retention_every_option(),
+    tenants: str | None = TENANTS,
+    tenant_header: str | None = TENANT_HEADER,
 ) -> None:
-    """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group."""
+    """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group.
+
+    With ``--tenants`` and ``--tenant-header``, one consumer serves every
+    tenant: each message is applied in the schema or database of the tenant
+    its header names (docs/tenants.md).
+    """
     configure_logging(log_level)
     from transports.kafka import KafkaSource
 
@@ -110,6 +152,10 @@ def run(
     with stop_signals(latch):  # from here on a SIGTERM stops, even before inbox.run()
         every = every_seconds(retention_every)
         inbox = load_inbox(target)
+        if tenants is not None and tenant_header is None and inbox.router is None:
+            raise typer.BadParameter("--tenants needs --tenant-header, the header naming each record's "
+                                     "tenant")
+        _serving(inbox, tenants, tenant_header)
         latch.hand_to(inbox.stop)
         window = None if retention is None else dedup_retention(inbox, retention)
         source = KafkaSource(bootstrap_servers=bootstrap_servers, group_id=group or inbox.group,
@@ -143,6 +189,7 @@ def list_parked(
     topic: str | None = typer.Option(None, help="Only this topic."),
     key: str | None = typer.Option(None, help="Only this key."),
     prefix: str = PREFIX, schema: str | None = SCHEMA,
+    tenants: str | None = TENANTS, tenant: str | None = TENANT,
     as_json: bool = json_option(),
     tsv: bool = typer.Option(False, "--tsv", help="One tab-separated line per message and a count line "
                                                  "(0.1's format, for existing scripts)."),
@@ -150,7 +197,8 @@ def list_parked(
     """Show parked messages, per key in seq order, with why they were parked."""
     if as_json and tsv:
         raise typer.BadParameter("give --json or --tsv, not both")
-    parked = _inbox(db, group, target, prefix, schema).parked(topic, key)
+    parked = _inbox(db, group, target, prefix, schema, tenants=tenants, tenant=tenant).parked(
+        topic, key, tenant=tenant)
     if as_json:
         print_json({"message_id": p.message_id, "topic": p.topic, "key": p.key, "seq": p.seq,
                     "reason": p.reason, "attempts": p.attempts, "first_failure_at": p.first_failure_at,
@@ -186,8 +234,14 @@ def replay(
                              "another; a key that fails again stays parked and the others go on."),
     by: str = BY, reason: str = REASON,
     log_level: str = LOG_LEVEL,
+    tenants: str | None = TENANTS, tenant_header: str | None = TENANT_HEADER,
+    tenant: str | None = TENANT,
 ) -> None:
     """Re-run a key's parked messages in seq order with the app's (fixed) handlers.
+
+    ``--tenant``: the key of that tenant. Without it, on an inbox serving
+    tenants, the key's messages parked as ``tenant_unknown`` go to their
+    tenants (which must be served now).
 
     Who and why go to the ``outbox.cli.audit`` log with each key's outcome, as
     the console's replay writes them to ``outbox.console.audit``.
@@ -198,11 +252,11 @@ def replay(
         raise typer.BadParameter("give TOPIC [KEY] to replay one key, or --all")
     if key is not None and all_keys:
         raise typer.BadParameter("give a KEY or --all, not both")
-    inbox = _inbox(None, group, target)
+    inbox = _inbox(None, group, target, tenants=tenants, tenant_header=tenant_header, tenant=tenant)
     console = Console()
     if not all_keys:
         assert topic is not None
-        result = inbox.replay(topic, key)
+        result = inbox.replay(topic, key, tenant=tenant)
         _audit(inbox, f"{topic}/{key if key is not None else '(unkeyed)'}", who, why, result)
         console.print(f"applied {result.applied}, still parked {result.remaining}")
         console.print(f"replayed by {who}: {why}", markup=False)
@@ -213,12 +267,13 @@ def replay(
                       else "[green]no unkeyed message left parked[/green]")
         return
     # Each key is its own replay: one that fails again must not keep the others parked.
-    lanes = sorted({(p.topic, p.key) for p in inbox.parked(topic)}, key=lambda lane: (lane[0], lane[1] or ""))
+    lanes = sorted({(p.topic, p.key) for p in inbox.parked(topic, tenant=tenant)},
+                   key=lambda lane: (lane[0], lane[1] or ""))
     stopped = 0
     for lane_topic, lane_key in lanes:
         name = f"{lane_topic} {lane_key!r}" if lane_key is not None else f"{lane_topic} (unkeyed)"
         try:
-            result = inbox.replay(lane_topic, lane_key)
+            result = inbox.replay(lane_topic, lane_key, tenant=tenant)
             _audit(inbox, name, who, why, result)
         except NotParkedError:
             console.print(f"{escape(name)}: nothing parked any more (replayed or discarded meanwhile)")
@@ -249,11 +304,12 @@ def discard(
     reason: str = typer.Option(..., help="Why (kept with the record)."),
     db: str | None = DB, group: str | None = GROUP, target: str | None = APP,
     prefix: str = PREFIX, schema: str | None = SCHEMA,
+    tenants: str | None = TENANTS, tenant: str | None = TENANT,
 ) -> None:
-    """Skip one parked message for good; its key moves on past it."""
-    inbox = _inbox(db, group, target, prefix, schema)
+    """Skip one parked message for good; its key moves on past it (``--tenant``: in that tenant)."""
+    inbox = _inbox(db, group, target, prefix, schema, tenants=tenants, tenant=tenant)
     try:
-        inbox.discard(message_id, by=by, reason=reason)
+        inbox.discard(message_id, by=by, reason=reason, tenant=tenant)
     except (NotParkedError, DiscardRefusedError):
         raise  # the state of the key forbids it now: exit 1 (see _errors)
     except ValueError as exc:  # a malformed id, an empty --by or --reason

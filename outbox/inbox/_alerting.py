@@ -21,9 +21,11 @@ class Alerter:
     """
 
     def __init__(self, sink: AlertSink | Callable[[Alert], None], group: str,
-                 metrics: InboxMetrics) -> None:
+                 metrics: InboxMetrics, tenant: str | None = None) -> None:
         self.sink = sink
         self.group = group
+        self.tenant = tenant
+        """The tenant whose place this alerter serves (``_tenants``): every alert's ``tenant``."""
         self.metrics = metrics
         self._foreign_alerted: set[str] = set()
         self._lock = threading.Lock()
@@ -52,5 +54,5 @@ class Alerter:
     def _alert(self, kind: str, event: Parked, **details: object) -> Alert:
         d, msg = event.delivery, event.delivery.message
         return Alert(kind=kind, topic=msg.topic, key=msg.key, message_id=str(msg.message_id),
-                     error=event.error or event.reason.value, group=self.group,
+                     error=event.error or event.reason.value, group=self.group, tenant=self.tenant,
                      details={"seq": msg.seq, "partition": d.partition, "offset": d.offset, **details})

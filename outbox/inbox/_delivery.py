@@ -103,6 +103,9 @@ class Delivery:
     unreadable: Unreadable | None = None
     """Set when it must be parked unread."""
     attempts: Attempts = field(default_factory=Attempts)
+    tenant: str | None = None
+    """The tenant it belongs to on an inbox serving many (``_tenants``): the name its header
+    gave ("" when it gave none); None on an inbox of one database."""
 
     @property
     def from_held(self) -> bool:
@@ -151,10 +154,13 @@ def turn_of(d: Delivery) -> Lane:
 
     Wider than ``lane_of``: keyed messages without a seq have no seq order to
     keep, but the scheduler still hands them over one at a time, in the
-    order they were submitted.
+    order they were submitted. On an inbox serving many tenants the tenant
+    is part of it; ``lane_of`` needs no tenant, as one transaction serves one.
     """
     key = d.message.key
-    return (d.message.topic, key) if key is not None else ("", id(d))
+    turn = (d.message.topic, key) if key is not None else ("", id(d))
+    # Tenant A's key "k" and tenant B's key "k" are two keys: each its own order, its own turn.
+    return turn if d.tenant is None else (d.tenant, *turn)
 
 
 def decode(record: Record, *, accept_foreign: bool, received_at: datetime | None = None,

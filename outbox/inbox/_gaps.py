@@ -72,6 +72,7 @@ class GapSweeper:
             deliver(self.alerter.sink, Alert(
                 kind="gap_held", topic=head.message.topic, key=head.message.key,
                 message_id=str(head.message.message_id), group=self.alerter.group,
+                tenant=self.alerter.tenant,
                 error=f"{missing} missing; seq {head.message.seq} held for {held_for:.0f}s",
                 details={"seq": head.message.seq, "missing_from": last_seq + 1, "waiting": waiting,
                          "held_for_s": round(held_for, 1),

@@ -35,20 +35,23 @@ from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
+from ..tenants import Tenant, TenantLabels
+from ..tenants._tenant import TenantsLike, tenant_source
 from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._alerting import Alerter
 from ._calls import TopicHandler, TopicHandlers
 from ._delivery import Delivery, decode, delivery
 from ._gaps import GapSweeper
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
-from ._metrics import InboxMetrics
+from ._metrics import InboxMetrics, tenant_inbox_metrics
 from ._outage import OutageLog, is_outage
-from ._runner import Runner
+from ._runner import Decode, Runner
 from ._sessions import sessions_for
 from ._settings import InboxSettings
 from ._settle import Settler
 from ._signals import Disposition
 from ._store import store_for
+from ._tenants import REFRESH, Gate, Place, TenantRouter, tenant_session_engine, tenant_tables
 from ._transaction import TransactionStep
 from ._typed import HandlerRegistry
 
@@ -91,6 +94,14 @@ class Inbox:
     A database or broker outage is never a failed attempt: the work waits
     and resumes. Configuration is checked here; registering handlers and
     ``handle`` are safe from several threads.
+
+    ``tenants`` (a list of ``outbox.tenants.Tenant`` or schema names, or a
+    callable returning one, read again every ``tenant_refresh`` seconds) makes
+    one inbox serve many tenants: each message is applied in the schema or
+    database of the tenant its ``tenant_header`` header (or
+    ``tenant_of(message)``) names, with all of the above per tenant; ``bind``
+    is then the default database, where a message of no known tenant is
+    parked (reason ``tenant_unknown``). See ``_tenants`` and docs/tenants.md.
     """
 
     def __init__(
@@ -113,6 +124,10 @@ class Inbox:
         tables: OutboxTables | None = None,
         prefix: str = "",
         schema: str | None = None,
+        tenants: TenantsLike | None = None,
+        tenant_header: str | None = None,
+        tenant_of: Callable[[Message], str | None] | None = None,
+        tenant_refresh: timedelta | float = REFRESH,
     ) -> None:
         self.settings = settings = InboxSettings.of(
             group=group, max_attempts=max_attempts, concurrency=concurrency, batch_size=batch_size,
@@ -158,6 +173,88 @@ class Inbox:
         self.gaps = GapSweeper(self._sessions, self.store, self.alerter, self.gap_timeout,
                                settings.gap_alert_after or self.gap_timeout / 2)
         _warn_small_pool(engine, settings.concurrency)
+        self.router: TenantRouter | None = None
+        """Set on an inbox serving many tenants (``tenants=``): where each message goes (``_tenants``)."""
+        if tenants is not None or tenant_header is not None or tenant_of is not None:
+            self.serve_tenants(tenants, tenant_header=tenant_header, tenant_of=tenant_of,
+                               tenant_refresh=tenant_refresh)
+
+    # -- tenants ----------------------------------------------------------------
+
+    def serve_tenants(self, tenants: TenantsLike | None, *, tenant_header: str | None = None,
+                      tenant_of: Callable[[Message], str | None] | None = None,
+                      tenant_refresh: timedelta | float = REFRESH) -> None:
+        """Serve many tenants, each in its schema or database: what ``Inbox(tenants=…)`` does.
+
+        For an inbox built elsewhere (``outbox inbox run --tenants``): call it
+        before ``run()``, once. ``tenants`` is a list of ``Tenant`` (or schema
+        names) or a callable returning one (``outbox.tenants``), read again
+        every ``tenant_refresh``; the tenant of a message is its
+        ``tenant_header`` header, or what ``tenant_of(message)`` returns.
+        See docs/tenants.md, "The inbox per tenant".
+        """
+        if self.router is not None:
+            raise ConfigurationError("this Inbox serves tenants already")
+        self.router = self._router(tenants, tenant_header, tenant_of, tenant_refresh)
+        # The first 100 tenants label the inbox metrics by name, later ones share "_other" (docs/tenants.md).
+        self._tenant_metrics = tenant_inbox_metrics(self.group, TenantLabels())
+
+    def _router(self, tenants: TenantsLike | None, header: str | None,
+                tenant_of: Callable[[Message], str | None] | None,
+                refresh: timedelta | float) -> TenantRouter:
+        if tenants is None:
+            raise ConfigurationError("tenant_header= and tenant_of= need tenants= (docs/tenants.md)")
+        if (header is None) == (tenant_of is None):
+            raise ConfigurationError("an inbox serving tenants needs one of tenant_header= (the header "
+                                     "naming the tenant) or tenant_of= (a function of the message)")
+        if header is not None and (not isinstance(header, str) or not header.strip()
+                                   or not header.isprintable() or len(header) > 200):
+            raise ConfigurationError(f"tenant_header must be a header name, got {header!r:.80}")
+        if tenant_of is not None and not callable(tenant_of):
+            raise ConfigurationError(f"tenant_of must be a function of the message, got {tenant_of!r:.80}")
+        if self.is_async:
+            raise ConfigurationError("tenants= needs an Inbox built on a sync Engine or sessionmaker")
+        seconds = refresh.total_seconds() if isinstance(refresh, timedelta) else refresh
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise ConfigurationError(f"tenant_refresh must be a positive number of seconds, got {refresh!r}")
+        default = Place(None, self.engine, self.tables, self._sessions, self.store, self.step,
+                        self.settler, self.admin, self.gaps, Gate(checked=True))
+        return TenantRouter(tenant_source(tenants), default=default, build=self._place, header=header,
+                            tenant_of=tenant_of, refresh=float(seconds), pool_size=self.concurrency)
+
+    def _place(self, tenant: Tenant, engine: Engine) -> Place:
+        """A tenant's pipeline: a plain inbox's stages on its engine, in its schema (``_tenants``).
+
+        The store names its tables without a schema; the session engine's
+        ``schema_translate_map`` puts them, and the handler's own tables, in the
+        tenant's schema.
+        """
+        settings = self.settings
+        sessions, _ = sessions_for(tenant_session_engine(engine, tenant))
+        store = store_for(OutboxTables(prefix=self.tables.prefix), self.group, engine.dialect.name)
+        metrics = self._tenant_metrics.for_tenant(tenant.name)  # labelled by tenant, bounded
+        step = TransactionStep(sessions, store, self._handlers, metrics, settings.start,
+                               settings.dedup_window)
+        alerter = Alerter(self.alert, self.group, metrics, tenant=tenant.name)
+        settler = Settler(step, alerter, OutageLog(f"the database of tenant {tenant.name}"),
+                          max_attempts=settings.max_attempts, wait=self.settler.wait)
+        gaps = GapSweeper(sessions, store, alerter, self.gap_timeout,
+                          settings.gap_alert_after or self.gap_timeout / 2)
+        return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, store, step, settler,
+                     ParkedAdmin(sessions, store, step), gaps, Gate(checked=False))
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        """The tenants served now (as last read from the source); empty on a single-database inbox."""
+        return [] if self.router is None else self.router.tenants
+
+    def _at(self, tenant: str | None) -> ParkedAdmin:
+        """The parked-key admin of ``tenant`` (None: the inbox's own database)."""
+        if tenant is None:
+            return self.admin
+        if self.router is None:
+            raise ConfigurationError("tenant= is for an inbox serving tenants (Inbox(tenants=…))")
+        return self.router.place(tenant).admin
 
     # -- handlers -------------------------------------------------------------
 
@@ -309,6 +406,8 @@ class Inbox:
         else:
             d = decode(record, accept_foreign=self.accept_foreign)
         self.metrics.consumed(d.message.topic)
+        if self.router is not None:
+            d = self.router.tag(d)
         return self._settle_here(d, cancel)
 
     def _settle_here(self, d: Delivery, cancel: threading.Event | None = None) -> Disposition:
@@ -317,7 +416,7 @@ class Inbox:
             if cancel is not None and cancel.is_set():
                 raise StopRequested(f"stopped before {d.message.topic}/{d.message.key} seq "
                                     f"{d.message.seq} was finished; it is delivered again")
-            settled = self.settler.settle([d])
+            settled = (self.router or self.settler).settle([d])
             for done, disposition in settled.done:
                 if done is d:
                     return disposition
@@ -344,11 +443,19 @@ class Inbox:
         """
         if not self._handlers:
             raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
+        router = self.router
+        read: Decode = functools.partial(decode, accept_foreign=self.accept_foreign)
+        if router is not None:
+            untagged = read
+
+            def read(record: Record, **kw: Any) -> Delivery:
+                return router.tag(untagged(record, **kw))
         self._runs.run(lambda: Runner(
-            source, decode=functools.partial(decode, accept_foreign=self.accept_foreign),
-            settler=self.settler, gaps=self.gaps, metrics=self.metrics, stop=self._stop,
-            concurrency=self.concurrency, batch_size=self.batch_size,
-            parked_keys=self.admin.parked_key_count, install_signal_handlers=install_signal_handlers,
+            source, decode=read, settler=router or self.settler, gaps=router or self.gaps,
+            metrics=self.metrics, stop=self._stop, concurrency=self.concurrency,
+            batch_size=self.batch_size,
+            parked_keys=self.admin.parked_key_count if router is None else router.parked_key_count,
+            install_signal_handlers=install_signal_handlers,
             stop_timeout=stop_timeout, prepare=self._check_schema,
         ).run())
 
@@ -362,6 +469,8 @@ class Inbox:
         while not self._stop.is_set():
             try:
                 self._sessions.run(functools.partial(_schema.check, inbox=True), self.engine, self.tables)
+                if self.router is not None:
+                    self.router.refresh(force=True)  # a source that cannot be read refuses to start
             except Exception as exc:
                 if not is_outage(exc):
                     raise
@@ -384,6 +493,10 @@ class Inbox:
         A database outage makes it return without doing anything (logged once):
         call it again at your next turn.
         """
+        if self.router is not None:  # each tenant's, in this thread; outages are the router's
+            for d in self.router.sweep():
+                self._settle_here(d)
+            return
         try:
             for d in self.gaps.ready():
                 self._settle_here(d)
@@ -395,32 +508,53 @@ class Inbox:
 
     # -- operators ----------------------------------------------------------------
 
-    def parked(self, topic: str | None = None, key: str | None = None) -> list[ParkedMessage]:
-        """Parked messages of this group, per key in seq order."""
-        return self.admin.parked(topic, key)
+    def parked(self, topic: str | None = None, key: str | None = None, *,
+               tenant: str | None = None) -> list[ParkedMessage]:
+        """Parked messages of this group, per key in seq order.
 
-    def replay(self, topic: str, key: str | None) -> ParkedReplay:
+        ``tenant``: of that tenant (an inbox serving tenants); without it, the
+        inbox's own database (there, the messages of no known tenant).
+        """
+        return self._at(tenant).parked(topic, key)
+
+    def replay(self, topic: str, key: str | None, *, tenant: str | None = None) -> ParkedReplay:
         """Re-run a parked key's messages in seq order; unpark it when all succeed.
 
-        ``key=None`` re-runs the topic's parked unkeyed messages.
+        ``key=None`` re-runs the topic's parked unkeyed messages. ``tenant``:
+        the key of that tenant. On an inbox serving tenants, without
+        ``tenant``, the key's messages parked as ``tenant_unknown`` go to their
+        tenants (which must be served now), as if they had just arrived.
         """
-        return self.admin.replay(topic, key)
+        if tenant is None and self.router is not None:
+            return self.router.replay_unknown(topic, key)
+        return self._at(tenant).replay(topic, key)
 
-    def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:
+    def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str,
+                tenant: str | None = None) -> None:
         """Skip one parked message for good, recording who discarded it, when and why.
 
         Raises ``DiscardRefusedError`` while an earlier message of its key is
         parked (replay or discard that one first): nothing may be skipped over.
+        ``tenant``: a message parked in that tenant's place.
         """
-        self.admin.discard(message_id, by=by, reason=reason)
+        self._at(tenant).discard(message_id, by=by, reason=reason)
 
-    def create_tables(self) -> None:
-        """Create the outbox and inbox tables that do not exist yet (see ``Outbox.create_tables``)."""
-        self._sessions.run(self._create_tables)
+    def create_tables(self, *, tenant: str | None = None) -> None:
+        """Create the outbox and inbox tables that do not exist yet (see ``Outbox.create_tables``).
 
-    def _create_tables(self) -> None:
-        with self.engine.begin() as conn:
-            _schema.create(conn, self.tables, None)
+        ``tenant``: in that tenant's schema or database (the schema must exist).
+        """
+        if tenant is None:
+            self._sessions.run(self._create_tables, self.engine, self.tables)
+            return
+        if self.router is None:
+            raise ConfigurationError("tenant= is for an inbox serving tenants (Inbox(tenants=…))")
+        place = self.router.place(tenant)
+        self._create_tables(place.engine, place.tables)
+
+    def _create_tables(self, engine: Engine, tables: OutboxTables) -> None:
+        with engine.begin() as conn:
+            _schema.create(conn, tables, None)
 
     @property
     def engine(self) -> Engine:

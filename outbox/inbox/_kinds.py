@@ -38,6 +38,10 @@ class Reason(enum.StrEnum):
     INVALID_EVENT = "invalid_event"
     """Its payload does not validate against the model of its event type's handler (or an
     upcaster failed); the error holds the validation error. Its key is parked."""
+    TENANT_UNKNOWN = "tenant_unknown"
+    """On an inbox serving many tenants: its tenant header is missing or names no tenant
+    served (or ``tenant_of`` failed on it). Parked alone in the default database, never
+    run; replay sends it to its tenant once that tenant exists (docs/tenants.md)."""
 
     @property
     def parks_key(self) -> bool:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from transports import Record, Source
 from transports._logsafe import safe_logger
@@ -37,12 +38,11 @@ from .._envelope import utcnow
 from .._errors import CommitRefusedError, RetriableTransportError
 from .._stopping import STOP_TIMEOUT, run_with_stop_bound
 from ._delivery import Delivery, Origin
-from ._gaps import GapSweeper
 from ._metrics import InboxMetrics
 from ._offsets import OffsetTracker, TopicPartition
 from ._outage import OutageLog, is_outage
 from ._schedule import KeyScheduler
-from ._settle import Settler
+from ._settle import Settled
 
 log = safe_logger("outbox.inbox")
 
@@ -54,10 +54,24 @@ Decode = Callable[..., Delivery]
 """``decode(record, received_at=…, origin=…)``: a record as a delivery, never raising."""
 
 
+class Settles(Protocol):
+    """The settle stage: ``Settler``, or the ``TenantRouter`` sending each batch to its tenant's."""
+
+    def settle(self, deliveries: list[Delivery]) -> Settled: ...
+
+
+class Sweeps(Protocol):
+    """The gap sweep: ``GapSweeper``, or the ``TenantRouter`` sweeping each tenant's in turn."""
+
+    def ready(self) -> Sequence[Delivery]: ...
+
+    def park_stale(self) -> int: ...
+
+
 class Runner:
     """One ``Inbox.run`` call; not reusable. Returns when ``stop`` is set."""
 
-    def __init__(self, source: Source, *, decode: Decode, settler: Settler, gaps: GapSweeper,
+    def __init__(self, source: Source, *, decode: Decode, settler: Settles, gaps: Sweeps,
                  metrics: InboxMetrics, stop: threading.Event, concurrency: int, batch_size: int,
                  parked_keys: Callable[[], int], install_signal_handlers: bool = True,
                  stop_timeout: float = STOP_TIMEOUT, prepare: Callable[[], None] = lambda: None) -> None:

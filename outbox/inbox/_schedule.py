@@ -153,7 +153,7 @@ class KeyScheduler:
                 return None
             # Leave work for idle peers: a big batch on one thread would serialise it.
             share = -(-len(self._ready) // (self._idle + 1))
-            lanes = [self._ready.popleft() for _ in range(min(self._batch_size, share))]
+            lanes = self._lanes_of_one_tenant(min(self._batch_size, share))
             room = self._batch_size - len(lanes)
             batch: list[Delivery] = []
             for lane in lanes:  # every head, then the runs behind them while there is room
@@ -165,6 +165,25 @@ class KeyScheduler:
             self._running.extend(batch)
             self._queued -= len(batch)
             return lanes, batch
+
+    def _lanes_of_one_tenant(self, count: int) -> list[Hashable]:
+        """Up to ``count`` ready lanes, first come first: the first one's, and more of its tenant.
+
+        A batch is one transaction, in one tenant's database: a batch never
+        mixes tenants, so a tenant whose database hangs holds up its own
+        lanes only. Without tenants (every ``tenant`` None) it is the first
+        ``count`` ready lanes.
+        """
+        first = self._ready.popleft()
+        lanes = [first]
+        if count > 1:
+            tenant = self._lanes[first][0].tenant
+            kept: deque[Hashable] = deque()
+            while self._ready and len(lanes) < count:
+                lane = self._ready.popleft()
+                (lanes if self._lanes[lane][0].tenant == tenant else kept).append(lane)
+            self._ready.extendleft(reversed(kept))
+        return lanes
 
     def _serve(self) -> None:
         while (taken := self._take()) is not None:
