@@ -24,7 +24,7 @@ Tenants come from a ``TenantSource`` called again every ``refresh_every``
 seconds: new ones start being served, removed ones finish their batch,
 release their leases and are dropped. Each record gets the tenant's name in
 the header ``tenant_header`` (when given), replacing any header of that name
-the producer set, so no tenant can send under another's name.
+(in any case) the producer set, so no tenant can send under another's name.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ log = safe_logger("outbox.relay")
 
 _TENANT_BACKOFF = OutageBackoff(first=1.0, cap=60.0)
 """How a tenant that fails for a reason of its own (missing tables) is retried: 1 s doubling to 60 s."""
+
+_RELEASE_WITHIN = 3.0
+"""Seconds a stop or ``close()`` waits for the tenants' leases to be given back, all databases at once."""
 
 
 class TenantRelay:
@@ -315,16 +318,21 @@ class TenantRelay:
             self._clock()
         finally:
             self._stopping.set()
-            with self._lock:
+            with self._lock:  # from here on no worker takes a tenant from the queue
                 self._lock.notify_all()
-            for thread in (*workers, refresher):
-                if thread.ident is not None:
-                    thread.join()
-            for db in self._databases.values():
-                if db.listener is not None:
-                    db.listener.join(5)
-            for unit in list(self._units.values()):
-                self._close_unit(unit)
+                idle = [unit for unit in self._units.values() if unit.state != "running"]
+            # The tenants no worker holds give their leases back at once, before the workers are
+            # waited for: a worker stuck on a frozen database must not keep the others' leases.
+            self._close_units(idle)
+            for worker in workers:
+                if worker.ident is not None:
+                    worker.join()
+            deadline = time.monotonic() + _RELEASE_WITHIN
+            # A tenants source or listener that hangs (its database frozen) does not hold the stop.
+            for thread in (refresher, *(db.listener for db in list(self._databases.values()))):
+                if thread is not None and thread.ident is not None:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+            self._close_units(list(self._units.values()))
             log.info("relay %s stopped; leases released", self.worker_id)
 
     def _refresh_loop(self) -> None:
@@ -422,7 +430,12 @@ class TenantRelay:
         except Exception as exc:
             if is_database_outage(exc):
                 return False, self._database_down(db, exc)
-            return False, self._tenant_failed(unit, exc, "failed")
+            delay = self._tenant_failed(unit, exc, "failed")
+            # Built anew from its stored settings when tried again: tables dropped and made again
+            # have another incarnation and leases of their own, which this Relay would never see
+            # (it would send their rows under the old incarnation, or be fenced for ever).
+            self._drop_relay(unit, quiet=True)
+            return False, delay
         finally:
             if probe:
                 db.probing = False
@@ -518,10 +531,11 @@ class TenantRelay:
             log.warning("relay %s: tenant %s served again", self.worker_id, unit.tenant.name)
         unit.reported, unit.failures = None, 0
 
-    def _drop_relay(self, unit: _Unit) -> None:
+    def _drop_relay(self, unit: _Unit, *, quiet: bool = False) -> None:
+        """Close the tenant's ``Relay`` (its leases given back); ``quiet``: its failure was logged."""
         relay, unit.relay = unit.relay, None
         if relay is not None:
-            _close_quietly(relay, unit, self.worker_id)
+            _close_quietly(relay, unit, self.worker_id, quiet=quiet)
 
     def _close_unit(self, unit: _Unit) -> None:
         with self._lock:
@@ -532,14 +546,47 @@ class TenantRelay:
         else:
             unit.relay = None  # its database is down: its leases expire by their TTL
 
+    def _close_units(self, units: list[_Unit]) -> None:
+        """Close ``units`` (release their leases), each database's on a thread of its own.
+
+        Waits at most ``_RELEASE_WITHIN`` seconds: a frozen database's tenants
+        are left to their lease TTL, and never delay the others' release.
+        """
+        by_database: dict[int, list[_Unit]] = {}
+        for unit in units:
+            if unit.relay is not None:
+                by_database.setdefault(id(unit.db), []).append(unit)
+            else:
+                self._close_unit(unit)  # nothing to release: no database call
+        def close_all(group: list[_Unit]) -> None:
+            for unit in group:
+                self._close_unit(unit)
+        closers = [threading.Thread(target=close_all, args=(group,), name="outbox-relay-release", daemon=True)
+                   for group in by_database.values()]
+        for closer in closers:
+            closer.start()
+        deadline = time.monotonic() + _RELEASE_WITHIN
+        for closer, group in zip(closers, by_database.values(), strict=True):
+            closer.join(max(0.0, deadline - time.monotonic()))
+            if closer.is_alive():
+                log.warning("relay %s: tenants %s did not give their leases back within %gs (their "
+                            "database does not answer); they expire within the lease TTL", self.worker_id,
+                            ", ".join(unit.tenant.name for unit in group), _RELEASE_WITHIN)
+
     def stop(self) -> None:
         """Ask ``run`` to finish the batches in hand and return; safe from any thread or signal."""
         self._stopping.set()
 
     def close(self) -> None:
-        """Release what ``run_once`` calls held, close the transports and the engines it made."""
-        for unit in list(self._units.values()):
-            self._close_unit(unit)
+        """Release what ``run_once`` calls held, close the transports and the engines it made.
+
+        Returns within seconds whatever is down: a tenant still on a worker
+        that ``run`` left behind (a call that does not return), or whose
+        database does not answer, keeps its leases until their TTL.
+        """
+        with self._lock:
+            units = [unit for unit in self._units.values() if unit.state != "running"]
+        self._close_units(units)
         for made in self._transports:
             close = getattr(made, "close", None)
             if callable(close):
@@ -609,8 +656,10 @@ class _TenantTransport:
         header = self._header
         if header is not None:
             value = self._value
-            records = [replace(r, headers=[(n, v) for n, v in r.headers if n != header] + [(header, value)])
-                       for r in records]
+            # In any case: a consumer that looks headers up without case must not find another tenant.
+            folded = header.lower()
+            records = [replace(r, headers=[(n, v) for n, v in r.headers if n.lower() != folded]
+                               + [(header, value)]) for r in records]
         return transport.publish(records)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -627,11 +676,11 @@ class _TenantAlerts:
         deliver(self._sink, replace(alert, details={**alert.details, "tenant": self._tenant}))
 
 
-def _close_quietly(relay: Relay, unit: _Unit, worker_id: str) -> None:
+def _close_quietly(relay: Relay, unit: _Unit, worker_id: str, *, quiet: bool = False) -> None:
     try:
         relay.close()
     except Exception as exc:
-        if not is_database_outage(exc):
+        if not quiet and not is_database_outage(exc):
             log.warning("relay %s: tenant %s: could not release its leases (%s); they expire within "
                         "the lease TTL", worker_id, unit.tenant.name, first_line(exc))
 
