@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ import sqlalchemy as sa
 from _relay_helpers import publish, rows, wait_for
 
 from outbox import Outbox, create_engine
+from outbox._stopping import STOP_TIMEOUT
 from outbox._wire import MESSAGE_ID, SEQ
 from transports import Record
 from transports.testing import read_topic
@@ -56,6 +58,14 @@ def schema_outboxes(engine: sa.Engine, names: Sequence[str]) -> dict[str, Outbox
 
 def pending(outbox: Outbox) -> int:
     return len(rows(outbox, status="pending"))
+
+
+def owned_leases(outbox: Outbox) -> int:
+    t = outbox.tables.leases
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).where(t.c.owner.is_not(None))) or 0
 
 
 def check_topic(records: Sequence[Record], outboxes: dict[str, Outbox]) -> int:
@@ -118,6 +128,8 @@ def test_one_tenant_database_stopped_while_the_others_flow(
         stdout=log.open("a"), stderr=subprocess.STDOUT,
         env={**os.environ, "SOLO_DATABASE_URL": own_postgres.url})
     keys = [f"k{i % 5}" for i in range(20)]
+    frozen = False
+    outage_log = ""
     try:
         for outbox in outboxes.values():
             publish(outbox, topic, keys)
@@ -133,16 +145,34 @@ def test_one_tenant_database_stopped_while_the_others_flow(
         own_postgres.start()
         publish(solo, topic, keys)
         wait_for(lambda: pending(solo) == 0, 60, "the stopped tenant served again")
-    finally:
+        # SIGTERM while its database is frozen (it answers nothing): the process exits within
+        # its stop bound, the other tenants' leases given back.
+        outage_log = log.read_text()
+        own_postgres.freeze()
+        frozen = True
+        for outbox in shared.values():
+            publish(outbox, topic, keys)
+        wait_for(lambda: all(pending(o) == 0 for o in shared.values()), 15, "the others, once frozen")
+        asked = time.monotonic()
         fleet.send_signal(signal.SIGTERM)
-        code = fleet.wait(40)
+        code = fleet.wait(60)
+        took = time.monotonic() - asked
+    finally:
+        if fleet.poll() is None:
+            fleet.send_signal(signal.SIGTERM)
+            code = fleet.wait(60)
+        if frozen:
+            own_postgres.thaw()
         own.dispose()
     text = log.read_text()
     assert code == 0, text[-3000:]
+    print(f"\nstopped {took:.1f} s after SIGTERM with a tenant database frozen")
+    assert took < STOP_TIMEOUT + 5, text[-3000:]
+    assert all(owned_leases(o) == 0 for o in shared.values())
     total = sum(len(rows(o)) for o in outboxes.values())
     check_topic(read_topic(kafka, topic, expected=total, timeout=60), outboxes)
-    down = [line for line in text.splitlines() if " unreachable (" in line]
-    up = [line for line in text.splitlines() if "reachable again" in line]
+    down = [line for line in outage_log.splitlines() if " unreachable (" in line]
+    up = [line for line in outage_log.splitlines() if "reachable again" in line]
     assert len(down) == 1 and len(up) == 1, (down, up)
     assert f":{own_postgres.port}" in down[0]
 
