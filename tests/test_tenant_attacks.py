@@ -178,6 +178,7 @@ def test_a_tenants_source_that_hangs_neither_stops_the_serving_nor_holds_the_sto
 GARBAGE: list[Callable[[], Any]] = [
     lambda: None, lambda: 42, lambda: [42], lambda: ["t1", "t1"], lambda: [{"name": "t1"}],
     lambda: ["bad name!"], lambda: "t1", lambda: [Tenant("x", "t1"), Tenant("y", "t1")],
+    lambda: ["t1", "t2", Tenant("z", database="not a URL :secret@")],
 ]
 
 
@@ -208,7 +209,7 @@ def test_a_tenants_source_that_raises_or_returns_garbage_keeps_the_tenants_it_ha
     finally:
         running.stop()
     messages = [r.getMessage() for r in caplog.records]
-    assert all("cannot read its tenants" in m for m in messages), messages
+    assert all("cannot read its tenants" in m and "secret" not in m for m in messages), messages
     check_order(broker, topic, outboxes)
 
 
@@ -408,3 +409,28 @@ def _largest_payload(outbox: Outbox, topic: str) -> bytes:
             high = middle - 1
     publish(outbox, topic, ["k"], payload=b"x" * low)
     return b"x" * low
+
+
+def test_two_tenants_naming_one_schema_of_one_database_are_refused(
+        pg: sa.Engine, postgres_db: str, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The default database and a tenant's URL of the same database are one database.
+
+    Served twice, one schema's rows would go out under two tenants' names, by two
+    Relays of one worker id that do not fence each other.
+    """
+    outboxes = make_schemas(pg, ["acme", "globex"])
+    publish(outboxes["acme"], topic, ["a"])
+    same_again = [Tenant("acme", "acme"), Tenant("impostor", "acme", database=postgres_db),
+                  Tenant("globex", "globex")]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.ERROR, logger="outbox.relay")
+    relay = fleet(lambda: same_again, broker, database=pg)
+    try:
+        with pytest.raises(ConfigurationError, match="'acme' and 'impostor'"):
+            relay.refresh()
+        assert relay.tenants == []
+        same_again.pop(1)
+        relay.run_once()
+    finally:
+        relay.close()
+    assert [[v for n, v in r.headers if n == HEADER] for r in broker.records(topic)] == [[b"acme"]]

@@ -34,13 +34,14 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import tenacity
-from sqlalchemy import Engine
+from sqlalchemy import Engine, make_url
+from sqlalchemy.exc import ArgumentError
 
 from transports import Record, SendResult, Transport
 from transports._logsafe import safe_logger
@@ -223,6 +224,7 @@ class TenantRelay:
                             self.worker_id, first_line(exc))
                 return
             raise
+        self._refuse_shared_places(wanted.values())
         with self._lock:
             gone = [unit for name, unit in self._units.items()
                     if name not in wanted or wanted[name].place != unit.tenant.place]
@@ -241,6 +243,28 @@ class TenantRelay:
                 unit.db.units[tenant.schema] = unit
         self._start_pending()
         self._refreshed.set()
+
+    def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
+        """Two tenants in one schema of one database, one named by URL and one by the default: refused.
+
+        The source's own check compares what the tenants say; this one what they
+        resolve to. Served twice, a schema's rows would go out under two names,
+        by two Relays of one worker id, which do not fence each other.
+        """
+        places: dict[tuple[str, str | None], str] = {}
+        for tenant in tenants:
+            database = tenant.database if tenant.database is not None else self._default
+            if database is None:
+                continue  # refused by name when it is served
+            try:
+                url = database.url if isinstance(database, Engine) else make_url(database)
+            except ArgumentError:  # not the URL itself: it may hold a password
+                raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
+            place = (url.render_as_string(hide_password=False), tenant.schema)
+            if place in places:
+                raise ConfigurationError(
+                    f"tenants {places[place]!r} and {tenant.name!r} name the same schema of one database")
+            places[place] = tenant.name
 
     def _start_pending(self) -> None:
         """Build the ``Relay`` of every tenant that has none yet: reads its stored settings."""
