@@ -304,7 +304,7 @@ def test_a_tenant_repointed_to_another_schema_is_served_from_there_under_its_nam
 # -- forged inputs --------------------------------------------------------------------------
 
 
-def test_forged_notifications_wake_nobody_and_leave_the_listener_listening(
+def test_forged_notifications_break_nothing_and_a_commit_still_wakes_its_tenant(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     outboxes = make_schemas(pg, ["acme", "globex"])
     broker = InMemoryBroker(max_record_bytes=ROOMY)
@@ -313,18 +313,15 @@ def test_forged_notifications_wake_nobody_and_leave_the_listener_listening(
     running = Running(fleet(["acme", "globex"], broker, database=pg, poll_interval=60, lease_ttl=200))
     try:
         wait_for(lambda: running.relay.tenants == ["acme", "globex"], 10, "both served")
-        time.sleep(0.5)  # the first batches are over: the tenants are idle until a notification
+        wait_for(lambda: all(unit.state == "idle" for unit in running.relay._units.values()), 10,
+                 "the first batches over: the tenants wait for a notification")
         forged = ["0:nonexistent", "garbage", "", ":", "0:", "0:acme:extra", "0:ACME", "\u00e9:\x00",
                   "0:" + "x" * 7000, "0:globex; DROP TABLE x"]
         with pg.connect() as conn:
             for payload in forged:
                 conn.execute(sa.text("SELECT pg_notify('outbox', :p)"), {"p": payload.replace("\x00", "")})
             conn.commit()
-        publish(outboxes["acme"], topic, ["a"])  # the producer's own notification may not name acme
-        assert pending(outboxes["acme"]) == 1
-        with pg.connect() as conn:
-            conn.execute(sa.text("SELECT pg_notify('outbox', '0:acme')"))
-            conn.commit()
+        publish(outboxes["acme"], topic, ["a"])  # the producer's notification names the schema
         wait_for(lambda: pending(outboxes["acme"]) == 0, 5, "woken by its notification")
     finally:
         running.stop()

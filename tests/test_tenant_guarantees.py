@@ -207,7 +207,7 @@ def test_a_failed_row_blocks_only_its_key_in_its_tenant(layout: Layout, topic: s
             assert statuses == [("a", "failed"), ("a", "pending"), ("b", "published")]
         else:
             assert statuses == [("a", "published"), ("a", "published"), ("b", "published")], name
-    assert [(a.kind, a.key, a.details.get("tenant")) for a in alerts] == [("message_failed", "a", victim)]
+    assert [(a.kind, a.key, a.tenant) for a in alerts] == [("message_failed", "a", victim)]
 
 
 def test_a_broker_outage_costs_no_attempt_in_any_tenant(layout: Layout, topic: str) -> None:
