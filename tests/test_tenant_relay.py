@@ -254,3 +254,19 @@ def test_alerts_and_metrics_say_which_tenant(pg: sa.Engine, topic: str) -> None:
                  if s.name == "outbox_tenant_relay_published_total"}
     # Two tenants by name (the bound), the third under the shared label.
     assert published == {"globex": 1.0, "_other": 1.0}
+
+
+def test_a_notification_wakes_its_tenant_alone(pg: sa.Engine, topic: str) -> None:
+    """With polling off in effect (an hour), only NOTIFY can wake a tenant: its schema is in the payload."""
+    outboxes = make_tenants(pg, ["n1", "n2"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(["n1", "n2"], broker, database=pg, poll_interval=3600.0))
+    try:
+        wait_for(lambda: running.relay.tenants == ["n1", "n2"], 20, "both served")
+        for round_ in range(3):
+            publish(outboxes["n2"], topic, [f"k{round_}"])
+            wait_for(lambda: pending(outboxes["n2"]) == 0, 10, "n2 woken by its notification")
+        with pg.begin() as conn:  # another process's notification on the channel wakes nobody
+            conn.exec_driver_sql("SELECT pg_notify('outbox', 'not ours'), pg_notify('outbox', '3:nobody')")
+    finally:
+        running.stop()

@@ -49,6 +49,7 @@ from .._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from .._cloudevents import CloudEvents
 from .._engine import create_engine
 from .._errors import ConfigurationError, SchemaError
+from .._notify import parse_notify_payload
 from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, first_line, is_database_outage
 from .._outbox import Outbox
 from .._secrets import database_url
@@ -511,9 +512,15 @@ class TenantRelay:
                                       on_connect=lambda: self._wake_all(db), stop=self._stopping)
 
     def _notified(self, db: _Database, payload: str) -> None:
-        """A commit in ``db``: the payload is ``shard`` or ``shard:schema``; wake that schema's tenant."""
-        _, colon, schema = payload.partition(":")
-        unit = db.units.get(schema if colon else None)
+        """A commit in ``db``: wake the tenant of the schema the payload names (``outbox._notify``).
+
+        Another process may NOTIFY on the channel: a payload that is not ours wakes nobody.
+        """
+        try:
+            _, schema = parse_notify_payload(payload)
+        except ValueError:
+            return
+        unit = db.units.get(schema)
         if unit is not None:
             self._wake(unit)
 
