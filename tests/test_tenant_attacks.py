@@ -27,7 +27,7 @@ from outbox import ConfigurationError, Outbox, create_engine
 from outbox._wire import INCARNATION, SEQ, header_size
 from outbox.tenants import Tenant, TenantRelay
 from outbox.tenants._tenant import MAX_TENANT_NAME, check_tenant_name
-from transports import Record
+from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 HEADER = "x-tenant"
@@ -431,3 +431,56 @@ def test_two_tenants_naming_one_schema_of_one_database_are_refused(
     finally:
         relay.close()
     assert [[v for n, v in r.headers if n == HEADER] for r in broker.records(topic)] == [[b"acme"]]
+
+
+def test_a_tenant_removed_while_it_waits_for_a_worker_is_never_served_while_it_is_closed(
+        pg: sa.Engine, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant queued behind a busy worker and removed then: its close and a batch never overlap."""
+    outboxes = make_schemas(pg, ["busy", "leaving"])
+    current = ["busy", "leaving"]
+    hold, holding = threading.Event(), threading.Event()
+
+    class Holding(InMemoryTransport):
+        def publish(self, records: Sequence[Record]) -> list[SendResult]:
+            if any(dict(r.headers)[HEADER] == b"busy" for r in records):
+                holding.set()
+                hold.wait(20)
+            return super().publish(records)
+
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = TenantRelay(lambda: [Tenant(n, n) for n in current], lambda: Holding(broker), database=pg,
+                        workers=1, tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0, refresh_every=60)
+    served: list[str] = []
+    overlaps: list[str] = []
+    serve, close_unit = relay._serve, relay._close_unit
+
+    def spying_serve(unit: Any) -> Any:
+        served.append(unit.tenant.name)
+        return serve(unit)
+
+    def spying_close(unit: Any) -> None:
+        if unit.tenant.name == "leaving":
+            before = served.count("leaving")
+            hold.set()  # the worker is free: it takes the next tenant of the queue, if any
+            deadline = time.monotonic() + 1.0
+            while served.count("leaving") == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if unit.state == "running":
+                overlaps.append(unit.tenant.name)
+        close_unit(unit)
+
+    monkeypatch.setattr(relay, "_serve", spying_serve)
+    monkeypatch.setattr(relay, "_close_unit", spying_close)
+    running = Running(relay)
+    try:
+        wait_for(lambda: served.count("leaving") >= 1, 10, "both tenants served once")
+        publish(outboxes["busy"], topic, ["a"])
+        wait_for(holding.is_set, 10, "the worker held on the busy tenant")
+        publish(outboxes["leaving"], topic, ["a"])
+        wait_for(lambda: relay._units["leaving"].state == "queued", 10, "the leaving tenant queued")
+        current.remove("leaving")
+        relay.refresh()
+    finally:
+        hold.set()
+        running.stop()
+    assert overlaps == []

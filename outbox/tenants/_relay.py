@@ -218,12 +218,17 @@ class TenantRelay:
             for unit in gone:
                 del self._units[unit.tenant.name]
                 unit.removed = True
+                if unit.state == "queued":  # out of the queue: no worker starts it while it is closed
+                    self._ready.remove(unit)
+                    unit.state = "idle"
+            # Decided under the lock: a running one is closed by its worker, the others here.
+            closing = [unit for unit in gone if unit.state != "running"]
             new = [tenant for name, tenant in wanted.items() if name not in self._units]
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
             self.metrics.forget(unit.tenant.name)
-            if unit.state != "running":
-                self._close_unit(unit)  # a running one is closed by its worker
+        for unit in closing:
+            self._close_unit(unit)
         for tenant in new:
             unit = _Unit(tenant, self._database_of(tenant))
             with self._lock:
