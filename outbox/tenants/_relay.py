@@ -24,7 +24,7 @@ Tenants come from a ``TenantSource`` called again every ``refresh_every``
 seconds: new ones start being served, removed ones finish their batch,
 release their leases and are dropped. Each record gets the tenant's name in
 the header ``tenant_header`` (when given), replacing any header of that name
-the producer set, so no tenant can send under another's name.
+(in any case) the producer set, so no tenant can send under another's name.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import tenacity
-from sqlalchemy import Engine
+from sqlalchemy import Engine, make_url
+from sqlalchemy.exc import ArgumentError
 
 from transports import Record, SendResult, Transport
 from transports._logsafe import safe_logger
@@ -71,6 +72,9 @@ log = safe_logger("outbox.relay")
 
 _TENANT_BACKOFF = OutageBackoff(first=1.0, cap=60.0)
 """How a tenant that fails for a reason of its own (missing tables) is retried: 1 s doubling to 60 s."""
+
+_RELEASE_WITHIN = 3.0
+"""Seconds a stop or ``close()`` waits for the tenants' leases to be given back, all databases at once."""
 
 
 class TenantRelay:
@@ -207,18 +211,24 @@ class TenantRelay:
                             self.worker_id, first_line(exc))
                 return
             raise
+        self._refuse_shared_places(wanted.values())
         with self._lock:
             gone = [unit for name, unit in self._units.items()
                     if name not in wanted or wanted[name].place != unit.tenant.place]
             for unit in gone:
                 del self._units[unit.tenant.name]
                 unit.removed = True
+                if unit.state == "queued":  # out of the queue: no worker starts it while it is closed
+                    self._ready.remove(unit)
+                    unit.state = "idle"
+            # Decided under the lock: a running one is closed by its worker, the others here.
+            closing = [unit for unit in gone if unit.state != "running"]
             new = [tenant for name, tenant in wanted.items() if name not in self._units]
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
             self.metrics.forget(unit.tenant.name)
-            if unit.state != "running":
-                self._close_unit(unit)  # a running one is closed by its worker
+        for unit in closing:
+            self._close_unit(unit)
         for tenant in new:
             unit = _Unit(tenant, self._database_of(tenant))
             with self._lock:
@@ -226,6 +236,28 @@ class TenantRelay:
                 unit.db.units[tenant.schema] = unit
         self._start_pending()
         self._refreshed.set()
+
+    def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
+        """Two tenants in one schema of one database, one named by URL and one by the default: refused.
+
+        The source's own check compares what the tenants say; this one what they
+        resolve to. Served twice, a schema's rows would go out under two names,
+        by two Relays of one worker id, which do not fence each other.
+        """
+        places: dict[tuple[str, str | None], str] = {}
+        for tenant in tenants:
+            database = tenant.database if tenant.database is not None else self._default
+            if database is None:
+                continue  # refused by name when it is served
+            try:
+                url = database.url if isinstance(database, Engine) else make_url(database)
+            except ArgumentError:  # not the URL itself: it may hold a password
+                raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
+            place = (url.render_as_string(hide_password=False), tenant.schema)
+            if place in places:
+                raise ConfigurationError(
+                    f"tenants {places[place]!r} and {tenant.name!r} name the same schema of one database")
+            places[place] = tenant.name
 
     def _start_pending(self) -> None:
         """Build the ``Relay`` of every tenant that has none yet: reads its stored settings."""
@@ -307,16 +339,21 @@ class TenantRelay:
             self._clock()
         finally:
             self._stopping.set()
-            with self._lock:
+            with self._lock:  # from here on no worker takes a tenant from the queue
                 self._lock.notify_all()
-            for thread in (*workers, refresher):
-                if thread.ident is not None:
-                    thread.join()
-            for db in self._databases.values():
-                if db.listener is not None:
-                    db.listener.join(5)
-            for unit in list(self._units.values()):
-                self._close_unit(unit)
+                idle = [unit for unit in self._units.values() if unit.state != "running"]
+            # The tenants no worker holds give their leases back at once, before the workers are
+            # waited for: a worker stuck on a frozen database must not keep the others' leases.
+            self._close_units(idle)
+            for worker in workers:
+                if worker.ident is not None:
+                    worker.join()
+            deadline = time.monotonic() + _RELEASE_WITHIN
+            # A tenants source or listener that hangs (its database frozen) does not hold the stop.
+            for thread in (refresher, *(db.listener for db in list(self._databases.values()))):
+                if thread is not None and thread.ident is not None:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+            self._close_units(list(self._units.values()))
             log.info("relay %s stopped; leases released", self.worker_id)
 
     def _refresh_loop(self) -> None:
@@ -414,7 +451,12 @@ class TenantRelay:
         except Exception as exc:
             if is_database_outage(exc):
                 return False, self._database_down(db, exc)
-            return False, self._tenant_failed(unit, exc, "failed")
+            delay = self._tenant_failed(unit, exc, "failed")
+            # Built anew from its stored settings when tried again: tables dropped and made again
+            # have another incarnation and leases of their own, which this Relay would never see
+            # (it would send their rows under the old incarnation, or be fenced for ever).
+            self._drop_relay(unit, quiet=True)
+            return False, delay
         finally:
             if probe:
                 db.probing = False
@@ -516,10 +558,11 @@ class TenantRelay:
             log.warning("relay %s: tenant %s served again", self.worker_id, unit.tenant.name)
         unit.reported, unit.failures = None, 0
 
-    def _drop_relay(self, unit: _Unit) -> None:
+    def _drop_relay(self, unit: _Unit, *, quiet: bool = False) -> None:
+        """Close the tenant's ``Relay`` (its leases given back); ``quiet``: its failure was logged."""
         relay, unit.relay = unit.relay, None
         if relay is not None:
-            _close_quietly(relay, unit, self.worker_id)
+            _close_quietly(relay, unit, self.worker_id, quiet=quiet)
 
     def _close_unit(self, unit: _Unit) -> None:
         with self._lock:
@@ -529,6 +572,33 @@ class TenantRelay:
             self._drop_relay(unit)
         else:
             unit.relay = None  # its database is down: its leases expire by their TTL
+
+    def _close_units(self, units: list[_Unit]) -> None:
+        """Close ``units`` (release their leases), each database's on a thread of its own.
+
+        Waits at most ``_RELEASE_WITHIN`` seconds: a frozen database's tenants
+        are left to their lease TTL, and never delay the others' release.
+        """
+        by_database: dict[int, list[_Unit]] = {}
+        for unit in units:
+            if unit.relay is not None:
+                by_database.setdefault(id(unit.db), []).append(unit)
+            else:
+                self._close_unit(unit)  # nothing to release: no database call
+        def close_all(group: list[_Unit]) -> None:
+            for unit in group:
+                self._close_unit(unit)
+        closers = [threading.Thread(target=close_all, args=(group,), name="outbox-relay-release", daemon=True)
+                   for group in by_database.values()]
+        for closer in closers:
+            closer.start()
+        deadline = time.monotonic() + _RELEASE_WITHIN
+        for closer, group in zip(closers, by_database.values(), strict=True):
+            closer.join(max(0.0, deadline - time.monotonic()))
+            if closer.is_alive():
+                log.warning("relay %s: tenants %s did not give their leases back within %gs (their "
+                            "database does not answer); they expire within the lease TTL", self.worker_id,
+                            ", ".join(unit.tenant.name for unit in group), _RELEASE_WITHIN)
 
     def stop(self) -> None:
         """Ask ``run`` to finish the batches in hand and return; safe from any thread or signal."""
@@ -540,10 +610,11 @@ class TenantRelay:
         After ``run`` the leases were released by ``run`` itself, or left to
         expire when a database did not answer within the stop bound: ``close``
         then touches no database, so a process stopping with one frozen exits.
+        After ``run_once`` calls it waits seconds at most for a database that
+        does not answer (its tenants' leases expire by their TTL).
         """
         if not self._runs_started:
-            for unit in list(self._units.values()):
-                self._close_unit(unit)
+            self._close_units(list(self._units.values()))
         for made in self._transports:
             close = getattr(made, "close", None)
             if callable(close):
@@ -613,19 +684,21 @@ class _TenantTransport:
         header = self._header
         if header is not None:
             value = self._value
-            records = [replace(r, headers=[(n, v) for n, v in r.headers if n != header] + [(header, value)])
-                       for r in records]
+            # In any case: a consumer that looks headers up without case must not find another tenant.
+            folded = header.lower()
+            records = [replace(r, headers=[(n, v) for n, v in r.headers if n.lower() != folded]
+                               + [(header, value)]) for r in records]
         return transport.publish(records)
 
     def close(self, timeout: float = 10.0) -> None:
         """Nothing: the fleet closes its workers' transports."""
 
 
-def _close_quietly(relay: Relay, unit: _Unit, worker_id: str) -> None:
+def _close_quietly(relay: Relay, unit: _Unit, worker_id: str, *, quiet: bool = False) -> None:
     try:
         relay.close()
     except Exception as exc:
-        if not is_database_outage(exc):
+        if not quiet and not is_database_outage(exc):
             log.warning("relay %s: tenant %s: could not release its leases (%s); they expire within "
                         "the lease TTL", worker_id, unit.tenant.name, first_line(exc))
 

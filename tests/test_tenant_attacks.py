@@ -1,0 +1,486 @@
+"""Attacks on a ``TenantRelay`` (issue 27): inputs and faults its happy paths do not show.
+
+A tenants source that raises, returns garbage or hangs; tenants added and
+removed by the hundred; a schema dropped under it, a tenant re-pointed to
+another schema; a stop while a tenant's database is frozen; forged
+notifications and forged tenant headers; tenant names at their limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import tenacity
+from _relay_helpers import publish, rows, seqs_by_key, wait_for
+from hypothesis import given
+from hypothesis import strategies as st
+from sqlalchemy.orm import Session
+
+from outbox import ConfigurationError, Outbox, create_engine
+from outbox._wire import INCARNATION, SEQ, header_size
+from outbox.tenants import Tenant, TenantRelay
+from outbox.tenants._tenant import MAX_TENANT_NAME, check_tenant_name
+from transports import Record, SendResult
+from transports.memory import InMemoryBroker, InMemoryTransport
+
+HEADER = "x-tenant"
+ROOMY = 1_000_000 + 256
+FAST = tenacity.wait_fixed(0.05)
+
+
+@pytest.fixture
+def pg(postgres_db: str) -> Iterator[sa.Engine]:
+    engine = create_engine(postgres_db)
+    yield engine
+    engine.dispose()
+
+
+def make_schemas(engine: sa.Engine, names: Sequence[str]) -> dict[str, Outbox]:
+    outboxes = {}
+    for name in names:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+        outbox = Outbox(engine, schema=name, shards=2)
+        outbox.create_tables()
+        outboxes[name] = outbox
+    return outboxes
+
+
+def pending(outbox: Outbox) -> int:
+    return len(rows(outbox, status="pending"))
+
+
+def owned_leases(outbox: Outbox) -> int:
+    t = outbox.tables.leases
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).where(t.c.owner.is_not(None))) or 0
+
+
+class Running:
+    """A fleet on a thread of its own; ``stop`` says how long ``run`` took to return."""
+
+    def __init__(self, relay: TenantRelay, stop_timeout: float = 20) -> None:
+        self.relay = relay
+        self.error: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(stop_timeout,), daemon=True)
+        self.thread.start()
+
+    def _run(self, stop_timeout: float) -> None:
+        try:
+            self.relay.run(stop_timeout=stop_timeout)
+        except BaseException as exc:
+            self.error.append(exc)
+
+    def stop(self, *, close: bool = True) -> float:
+        asked = time.monotonic()
+        self.relay.stop()
+        self.thread.join(60)
+        took = time.monotonic() - asked
+        assert not self.thread.is_alive()
+        if close:
+            self.relay.close()
+        assert self.error == []
+        return took
+
+
+def fleet(tenants: Any, broker: InMemoryBroker, **kwargs: Any) -> TenantRelay:
+    options: dict[str, Any] = dict(tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0,
+                                   refresh_every=0.2, backoff=FAST)
+    options.update(kwargs)
+    return TenantRelay(tenants, lambda: InMemoryTransport(broker), **options)
+
+
+def check_order(broker: InMemoryBroker, topic: str, outboxes: dict[str, Outbox]) -> None:
+    """Per tenant (by its header) per key: seqs 1..n, every stored message once at least."""
+    by_tenant: dict[str, list[Record]] = {}
+    for record in broker.records(topic):
+        (tenant,) = [v.decode() for n, v in record.headers if n.lower() == HEADER]
+        by_tenant.setdefault(tenant, []).append(record)
+    for name, outbox in outboxes.items():
+        expected: dict[bytes, list[int]] = {}
+        for row in rows(outbox):
+            expected.setdefault(row.key.encode(), []).append(row.seq)
+        assert seqs_by_key(by_tenant.get(name, [])) == {k: sorted(v) for k, v in expected.items()}, name
+
+
+# -- stopping while something does not answer ------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_stop_while_a_tenant_database_is_frozen_gives_the_others_leases_back_at_once(
+        pg: sa.Engine, postgres_db: str, own_postgres: Any, topic: str) -> None:
+    fine = make_schemas(pg, ["fine"])["fine"]
+    frozen_engine = create_engine(own_postgres.url)
+    frozen = Outbox(frozen_engine, shards=2)
+    frozen.create_tables()
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet([Tenant("fine", "fine"), Tenant("frozen", database=own_postgres.url)],
+                            broker, database=pg), stop_timeout=2)
+    try:
+        publish(fine, topic, ["a"])
+        publish(frozen, topic, ["b"])
+        wait_for(lambda: pending(fine) == pending(frozen) == 0, 20, "both tenants served")
+        own_postgres.freeze()
+        publish(fine, topic, ["a"])
+        wait_for(lambda: pending(fine) == 0, 10, "the other tenant flows")
+        # A worker is on the frozen tenant's batch, and stays there: its database does not answer.
+        wait_for(lambda: running.relay._units["frozen"].state == "running", 10, "a worker stuck")
+        took = running.stop(close=False)
+        # Returned within its bound, and the tenant that answers gave its leases back: another
+        # fleet takes it over now, not a lease TTL later.
+        assert took < 2 + 1.5
+        assert owned_leases(fine) == 0
+        asked = time.monotonic()
+        running.relay.close()
+        assert time.monotonic() - asked < 4.0
+    finally:
+        own_postgres.thaw()
+        frozen_engine.dispose()
+
+
+def test_a_tenants_source_that_hangs_neither_stops_the_serving_nor_holds_the_stop(
+        pg: sa.Engine, topic: str) -> None:
+    outboxes = make_schemas(pg, ["t1", "t2"])
+    release = threading.Event()
+    calls = 0
+
+    def source() -> list[str]:
+        nonlocal calls
+        calls += 1
+        if calls > 1:  # the second read never returns (a query on a frozen database)
+            release.wait(60)
+        return ["t1", "t2"]
+
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(source, broker, database=pg), stop_timeout=10)
+    try:
+        wait_for(lambda: calls > 1, 10, "the hanging read")
+        publish(outboxes["t1"], topic, ["a"])
+        publish(outboxes["t2"], topic, ["a"])
+        wait_for(lambda: pending(outboxes["t1"]) == pending(outboxes["t2"]) == 0, 10, "served meanwhile")
+        took = running.stop(close=False)
+        assert took < 5, "the stop waited for the tenants source"
+        assert owned_leases(outboxes["t1"]) == owned_leases(outboxes["t2"]) == 0
+        running.relay.close()
+    finally:
+        release.set()
+
+
+GARBAGE: list[Callable[[], Any]] = [
+    lambda: None, lambda: 42, lambda: [42], lambda: ["t1", "t1"], lambda: [{"name": "t1"}],
+    lambda: ["bad name!"], lambda: "t1", lambda: [Tenant("x", "t1"), Tenant("y", "t1")],
+    lambda: ["t1", "t2", Tenant("z", database="not a URL :secret@")],
+]
+
+
+def test_a_tenants_source_that_raises_or_returns_garbage_keeps_the_tenants_it_had(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    outboxes = make_schemas(pg, ["t1", "t2"])
+    answer: list[Callable[[], Any]] = [lambda: ["t1", "t2"]]
+
+    def source() -> Any:
+        return answer[0]()
+
+    def boom() -> Any:
+        raise RuntimeError("the tenants table is being migrated")
+
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.ERROR, logger="outbox.relay")
+    running = Running(fleet(source, broker, database=pg))
+    try:
+        wait_for(lambda: running.relay.tenants == ["t1", "t2"], 10, "both tenants served")
+        for bad in [boom, *GARBAGE]:
+            answer[0] = bad
+            before = len(caplog.records)
+            wait_for(lambda before=before: len(caplog.records) > before, 5, f"the refusal of {bad}")
+            publish(outboxes["t1"], topic, ["a"])
+            publish(outboxes["t2"], topic, ["a"])
+            wait_for(lambda: pending(outboxes["t1"]) == pending(outboxes["t2"]) == 0, 10, "still served")
+            assert running.relay.tenants == ["t1", "t2"]
+    finally:
+        running.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    assert all("cannot read its tenants" in m and "secret" not in m for m in messages), messages
+    check_order(broker, topic, outboxes)
+
+
+# -- tenants changing under it ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_hundreds_of_tenants_added_and_removed_lose_and_reorder_nothing(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    names = [f"c{i:02d}" for i in range(24)]
+    outboxes = make_schemas(pg, names)
+    rng = random.Random(27)
+    current: list[str] = []
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    running = Running(fleet(lambda: list(current), broker, database=pg, refresh_every=0.01, workers=3))
+    changes = 0
+    try:
+        while changes < 240:  # every tenant added and removed five times, as the fleet serves
+            for name in rng.sample(names, 4):
+                if name in current:
+                    current.remove(name)
+                else:
+                    current.append(name)
+                changes += 1
+            publish(outboxes[rng.choice(names)], topic, [f"k{rng.randrange(3)}" for _ in range(5)])
+            time.sleep(0.02)  # a refresh between changes (not a wait for a condition: pacing)
+        current[:] = names
+        wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 60, "every tenant drained")
+        current.clear()
+        wait_for(lambda: running.relay.tenants == [], 20, "every tenant dropped")
+        wait_for(lambda: all(owned_leases(o) == 0 for o in outboxes.values()), 10, "every lease given back")
+        assert all(not db.units for db in running.relay._databases.values())
+    finally:
+        running.stop()
+    assert [r.getMessage() for r in caplog.records] == []
+    check_order(broker, topic, outboxes)
+
+
+def test_a_tenant_whose_schema_is_dropped_is_reported_once_and_served_when_it_is_back(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    outboxes = make_schemas(pg, ["stays", "doomed"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    running = Running(fleet(["stays", "doomed"], broker, database=pg))
+    try:
+        publish(outboxes["doomed"], topic, ["a"])
+        wait_for(lambda: pending(outboxes["doomed"]) == 0, 10, "doomed served")
+        with pg.begin() as conn:
+            conn.exec_driver_sql('DROP SCHEMA "doomed" CASCADE')
+        for round_ in range(5):
+            publish(outboxes["stays"], topic, [f"r{round_}"])
+            wait_for(lambda: pending(outboxes["stays"]) == 0, 10, "the other tenant")
+        reborn = make_schemas(pg, ["doomed"])["doomed"]
+        publish(reborn, topic, ["a", "a"])
+        wait_for(lambda: pending(reborn) == 0, 30, "the tenant served once its tables are back")
+    finally:
+        running.stop()
+    about = [r.getMessage() for r in caplog.records if "tenant doomed" in r.getMessage()]
+    assert len(about) == 2, about
+    assert "failed" in about[0] and "served again" in about[1]
+    # The tables made again are another incarnation, and their rows go out as that one's: sent
+    # under the old one, seq 1 again would look to consumers like a message they already had.
+    reborn_records = [r for r in broker.records(topic) if r.key == b"a"][1:]
+    assert [dict(r.headers)[INCARNATION].decode() for r in reborn_records] == [
+        reborn.load_schema().incarnation] * 2
+    assert [int(dict(r.headers)[SEQ]) for r in reborn_records] == [1, 2]
+
+
+def test_a_tenant_repointed_to_another_schema_is_served_from_there_under_its_name(
+        pg: sa.Engine, topic: str) -> None:
+    outboxes = make_schemas(pg, ["old_home", "new_home"])
+    place = ["old_home"]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(lambda: [Tenant("acme", place[0])], broker, database=pg))
+    try:
+        publish(outboxes["old_home"], topic, ["a"])
+        wait_for(lambda: pending(outboxes["old_home"]) == 0, 10, "served from the old schema")
+        place[0] = "new_home"
+        wait_for(lambda: owned_leases(outboxes["old_home"]) == 0, 10, "the old schema's leases given back")
+        publish(outboxes["new_home"], topic, ["b"])
+        publish(outboxes["old_home"], topic, ["c"])
+        wait_for(lambda: pending(outboxes["new_home"]) == 0, 10, "served from the new schema")
+        assert pending(outboxes["old_home"]) == 1
+        assert running.relay.tenants == ["acme"]
+    finally:
+        running.stop()
+    assert [(r.key, [v for n, v in r.headers if n == HEADER]) for r in broker.records(topic)] == [
+        (b"a", [b"acme"]), (b"b", [b"acme"])]
+
+
+# -- forged inputs --------------------------------------------------------------------------
+
+
+def test_forged_notifications_break_nothing_and_a_commit_still_wakes_its_tenant(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    outboxes = make_schemas(pg, ["acme", "globex"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    # Polls so rare that only a notification can wake a tenant within the test's waits.
+    running = Running(fleet(["acme", "globex"], broker, database=pg, poll_interval=60, lease_ttl=200))
+    try:
+        wait_for(lambda: running.relay.tenants == ["acme", "globex"], 10, "both served")
+        wait_for(lambda: all(unit.state == "idle" for unit in running.relay._units.values()), 10,
+                 "the first batches over: the tenants wait for a notification")
+        forged = ["0:nonexistent", "garbage", "", ":", "0:", "0:acme:extra", "0:ACME", "\u00e9:\x00",
+                  "0:" + "x" * 7000, "0:globex; DROP TABLE x"]
+        with pg.connect() as conn:
+            for payload in forged:
+                conn.execute(sa.text("SELECT pg_notify('outbox', :p)"), {"p": payload.replace("\x00", "")})
+            conn.commit()
+        publish(outboxes["acme"], topic, ["a"])  # the producer's notification names the schema
+        wait_for(lambda: pending(outboxes["acme"]) == 0, 5, "woken by its notification")
+    finally:
+        running.stop()
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_a_tenant_header_set_by_the_producer_in_any_case_is_replaced(pg: sa.Engine, topic: str) -> None:
+    outboxes = make_schemas(pg, ["acme"])
+    publish(outboxes["acme"], topic, ["a", "b", "c"], headers={"X-Tenant": "globex"})
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = fleet(["acme"], broker, database=pg)
+    try:
+        relay.run_once()
+    finally:
+        relay.close()
+    records = broker.records(topic)
+    assert len(records) == 3
+    for record in records:
+        assert [(n, v) for n, v in record.headers if n.lower() == HEADER] == [(HEADER, b"acme")]
+
+
+@given(st.text(max_size=80))
+def test_a_tenant_name_is_accepted_only_when_it_is_safe_everywhere(name: str) -> None:
+    try:
+        checked = check_tenant_name(name)
+    except ConfigurationError as exc:
+        assert "invalid tenant name" in str(exc)
+        return
+    assert checked == name and 1 <= len(name) <= MAX_TENANT_NAME
+    assert name.isascii() and name.isprintable() and name.strip() == name
+    assert not name.startswith((".", "-")) and set(name) <= set(
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def test_a_tenant_name_at_its_limit_rides_on_a_record_at_its_limit(pg: sa.Engine, topic: str) -> None:
+    longest = "T" * MAX_TENANT_NAME
+    outbox = make_schemas(pg, ["s" * 41])["s" * 41]
+    stored_limit = outbox.load_schema().max_record_bytes
+    room = header_size(len(HEADER), MAX_TENANT_NAME)
+    exact = InMemoryBroker(max_record_bytes=stored_limit + room)
+    with pytest.raises(ConfigurationError, match="tenant"):
+        Tenant("T" * (MAX_TENANT_NAME + 1), "s" * 41)
+    with pytest.raises(ConfigurationError, match="tenant schema"):
+        Tenant("x", "s" * 42)
+    # The largest record publish() accepts, of the tenant with the longest name.
+    big = _largest_payload(outbox, topic)
+    # One byte less at the broker than that record and the header need: the tenant is refused at
+    # its start, and nothing of it is sent.
+    tight = fleet([Tenant(longest, "s" * 41)], InMemoryBroker(max_record_bytes=stored_limit + room - 1),
+                  database=pg)
+    try:
+        assert tight.run_once() == {}
+        assert pending(outbox) == 1
+    finally:
+        tight.close()
+    relay = fleet([Tenant(longest, "s" * 41)], exact, database=pg)
+    try:
+        relay.run_once()
+    finally:
+        relay.close()
+    (record,) = exact.records(topic)
+    assert [v for n, v in record.headers if n == HEADER] == [longest.encode()]
+    assert record.value == big
+
+
+def _largest_payload(outbox: Outbox, topic: str) -> bytes:
+    """Publish the largest bytes payload ``publish()`` accepts for key ``k``; return it."""
+    from outbox import MessageValidationError
+
+    low, high = 1, outbox.load_schema().max_record_bytes
+    while low < high:  # the largest size that is accepted
+        middle = (low + high + 1) // 2
+        try:
+            engine = outbox.engine
+            assert isinstance(engine, sa.Engine)
+            with Session(engine) as session:
+                session.begin()
+                outbox.publish(session, topic, b"x" * middle, key="k")
+                session.rollback()
+            low = middle
+        except MessageValidationError:
+            high = middle - 1
+    publish(outbox, topic, ["k"], payload=b"x" * low)
+    return b"x" * low
+
+
+def test_two_tenants_naming_one_schema_of_one_database_are_refused(
+        pg: sa.Engine, postgres_db: str, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The default database and a tenant's URL of the same database are one database.
+
+    Served twice, one schema's rows would go out under two tenants' names, by two
+    Relays of one worker id that do not fence each other.
+    """
+    outboxes = make_schemas(pg, ["acme", "globex"])
+    publish(outboxes["acme"], topic, ["a"])
+    same_again = [Tenant("acme", "acme"), Tenant("impostor", "acme", database=postgres_db),
+                  Tenant("globex", "globex")]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.ERROR, logger="outbox.relay")
+    relay = fleet(lambda: same_again, broker, database=pg)
+    try:
+        with pytest.raises(ConfigurationError, match="'acme' and 'impostor'"):
+            relay.refresh()
+        assert relay.tenants == []
+        same_again.pop(1)
+        relay.run_once()
+    finally:
+        relay.close()
+    assert [[v for n, v in r.headers if n == HEADER] for r in broker.records(topic)] == [[b"acme"]]
+
+
+def test_a_tenant_removed_while_it_waits_for_a_worker_is_never_served_while_it_is_closed(
+        pg: sa.Engine, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant queued behind a busy worker and removed then: its close and a batch never overlap."""
+    outboxes = make_schemas(pg, ["busy", "leaving"])
+    current = ["busy", "leaving"]
+    hold, holding = threading.Event(), threading.Event()
+
+    class Holding(InMemoryTransport):
+        def publish(self, records: Sequence[Record]) -> list[SendResult]:
+            if any(dict(r.headers)[HEADER] == b"busy" for r in records):
+                holding.set()
+                hold.wait(20)
+            return super().publish(records)
+
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = TenantRelay(lambda: [Tenant(n, n) for n in current], lambda: Holding(broker), database=pg,
+                        workers=1, tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0, refresh_every=60)
+    served: list[str] = []
+    overlaps: list[str] = []
+    serve, close_unit = relay._serve, relay._close_unit
+
+    def spying_serve(unit: Any) -> Any:
+        served.append(unit.tenant.name)
+        return serve(unit)
+
+    def spying_close(unit: Any) -> None:
+        if unit.tenant.name == "leaving":
+            before = served.count("leaving")
+            hold.set()  # the worker is free: it takes the next tenant of the queue, if any
+            deadline = time.monotonic() + 1.0
+            while served.count("leaving") == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if unit.state == "running":
+                overlaps.append(unit.tenant.name)
+        close_unit(unit)
+
+    monkeypatch.setattr(relay, "_serve", spying_serve)
+    monkeypatch.setattr(relay, "_close_unit", spying_close)
+    running = Running(relay)
+    try:
+        wait_for(lambda: served.count("leaving") >= 1, 10, "both tenants served once")
+        publish(outboxes["busy"], topic, ["a"])
+        wait_for(holding.is_set, 10, "the worker held on the busy tenant")
+        publish(outboxes["leaving"], topic, ["a"])
+        wait_for(lambda: relay._units["leaving"].state == "queued", 10, "the leaving tenant queued")
+        current.remove("leaving")
+        relay.refresh()
+    finally:
+        hold.set()
+        running.stop()
+    assert overlaps == []
