@@ -25,8 +25,7 @@ from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox._wire import INCARNATION, SEQ, header_size
-from outbox.tenants import Tenant, TenantRelay
-from outbox.tenants._tenant import MAX_TENANT_NAME, check_tenant_name
+from outbox.tenants import MAX_TENANT_NAME, Tenant, TenantRelay, check_tenant_name
 from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 

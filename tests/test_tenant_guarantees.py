@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -28,13 +29,12 @@ import tenacity
 from _relay_helpers import publish, rows, seqs_by_key, wait_for
 
 from outbox import Alert, Outbox, create_engine
-from outbox._envelope import utcnow
-from outbox._wire import MESSAGE_ID
 from outbox.tenants import Tenant, TenantRelay
 from outbox.testing import fresh_database
 from transports import Outcome, Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
+MESSAGE_ID = "outbox-message-id"  # the envelope header (docs/guarantees.md)
 HEADER = "x-tenant"
 ROOMY = 1_000_000 + 256
 """A producer limit with room for the tenant header above the stored limit (1,000,000)."""
@@ -240,7 +240,7 @@ def owners(outbox: Outbox) -> dict[int, str | None]:
     assert isinstance(engine, sa.Engine)
     with engine.connect() as conn:
         return {row.shard: row.owner for row in conn.execute(
-            sa.select(t.c.shard, t.c.owner).where(t.c.expires_at > utcnow()))}
+            sa.select(t.c.shard, t.c.owner).where(t.c.expires_at > datetime.now(UTC)))}
 
 
 def test_two_fleets_split_every_tenants_leases_and_hand_them_over_on_stop(layout: Layout, topic: str) -> None:

@@ -28,10 +28,11 @@ import sqlalchemy as sa
 from _relay_helpers import publish, rows, wait_for
 
 from outbox import Outbox, create_engine
-from outbox._stopping import STOP_TIMEOUT
-from outbox._wire import MESSAGE_ID, SEQ
 from transports import Record
 from transports.testing import read_topic
+
+STOP_TIMEOUT = 10.0  # outbox relay's stop bound (docs/relay.md)
+MESSAGE_ID, SEQ = "outbox-message-id", "outbox-seq"  # the envelope headers
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 

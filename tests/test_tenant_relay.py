@@ -203,6 +203,8 @@ def test_database_per_tenant_and_one_database_down(
             publish(shared["a1"], topic, [f"r{round_}"])
             publish(shared["a2"], topic, [f"r{round_}"])
             wait_for(lambda: pending(shared["a1"]) == pending(shared["a2"]) == 0, 10, "the others")
+        wait_for(lambda: any(db.down for db in running.relay._databases.values()), 10, "solo's database down")
+        assert running.relay.problem() is None  # ready: the other database serves its tenants
         own_postgres.start()
         publish(alone, topic, ["s2"])
         wait_for(lambda: pending(alone) == 0, 30, "served again once its database is back")

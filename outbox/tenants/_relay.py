@@ -186,15 +186,19 @@ class TenantRelay:
             return sorted(name for name, unit in self._units.items() if unit.relay is not None)
 
     def problem(self) -> str | None:
-        """Why this process is not ready (``/readyz``), or None: its tenants read, their databases up.
+        """Why this process is not ready (``/readyz``), or None: its tenants read, a database of them up.
 
-        A tenant of its own failing (missing tables) does not make the process
-        unready: the others are served, and that tenant is logged.
+        One tenant failing on its own (missing tables), or one database of
+        several being down, does not make the process unready: the other
+        tenants are served, and the failure is logged. Every database down does.
         """
         if not self._refreshed.is_set():
             return "has not read its tenants yet"
-        down = sum(1 for db in self._databases.values() if db.down)
-        return f"{down} of its {len(self._databases)} database(s) unreachable" if down else None
+        databases = list(self._databases.values())
+        down = sum(1 for db in databases if db.down)
+        if databases and down == len(databases):
+            return f"all {down} of its databases are unreachable"
+        return None
 
     def relay_of(self, name: str) -> Relay | None:
         """The ``Relay`` serving tenant ``name``, if it is served (for its leases, wheel and settings)."""
@@ -680,7 +684,11 @@ class _TenantTransport:
                 f", less {room} bytes for the tenant header" if room else "")
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]:
-        transport: Transport = self._fleet._local.transport
+        transport: Transport | None = getattr(self._fleet._local, "transport", None)
+        if transport is None:
+            raise ConfigurationError(
+                "a tenant's Relay sends on the TenantRelay's worker threads: call the fleet's run() or "
+                "run_once(), not the tenant's")
         header = self._header
         if header is not None:
             value = self._value

@@ -26,9 +26,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
+from transports._logsafe import safe_logger
+
 from .._errors import ConfigurationError
 from .._secrets import database_url
 from .._validation import validate_identifier
+
+log = safe_logger("outbox.tenants")
 
 MAX_TENANT_NAME = 63
 _NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,{MAX_TENANT_NAME - 1}}}")
@@ -148,10 +152,23 @@ def schemas_like(engine: Engine, pattern: str) -> TenantSource:
     return schemas
 
 
+_skipped: set[str] = set()
+
+
 def _valid_schemas(names: Iterable[str]) -> list[Tenant]:
-    """Schemas whose names are identifiers; another (``"Tenant A"``) cannot hold our tables by name."""
-    return [Tenant(name=name, schema=name) for name in names
-            if isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,40}", name)]
+    """Schemas whose names are identifiers; another (``"Tenant A"``) cannot hold our tables by name.
+
+    A schema left out is logged once per process, so a tenant is never missing unsaid.
+    """
+    tenants = []
+    for name in names:
+        if isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,40}", name):
+            tenants.append(Tenant(name=name, schema=name))
+        elif name not in _skipped and len(_skipped) < 1000:
+            _skipped.add(name)
+            log.warning("schema %r matches the tenants pattern but is not served: a tenant schema's "
+                        "name is letters, digits and '_', at most 41 characters", name)
+    return tenants
 
 
 def from_query(engine: Engine, sql: str) -> TenantSource:
