@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -232,19 +232,27 @@ class TenantRouter:
         self._sweep_from = 0
         self._sweeps: dict[object, Future[list[Delivery]]] = {}
         self._refreshing = threading.Lock()
+        self._reading = threading.Lock()
+        """Held while the source is read: one reading at a time, apart from ``_lock``."""
 
     # -- the tenants ------------------------------------------------------------
 
-    def refresh(self, *, force: bool = False, at_most_every: float | None = None) -> None:
+    def refresh(self, *, force: bool = False, at_most_every: float | None = None,
+                wait: bool = True) -> bool:
         """Read the tenant source again when due; a failure keeps the tenants as they were.
 
         The first reading raises what the source raised (``run`` waits out an
         outage and refuses a bad source); later ones log it once and go on.
+        One reading at a time, and never under the lock the consumer thread
+        takes (``ready``): a source that hangs holds up its readers, not the
+        poll. ``wait=False``: False at once when another reading is under way.
         """
         every = self.refresh_every if at_most_every is None else at_most_every
-        with self._lock:
+        if not self._reading.acquire(blocking=wait):
+            return False
+        try:
             if not force and time.monotonic() - self._read_at < every:
-                return
+                return True
             self._read_at = time.monotonic()
             began = utcnow()
             try:
@@ -253,8 +261,16 @@ class TenantRouter:
                 if not self._loaded:
                     raise
                 self._source_log.failed(exc)
-                return
+                return True
             self._source_log.answered()
+            self._take(tenants, began)
+            return True
+        finally:
+            self._reading.release()
+
+    def _take(self, tenants: Sequence[Tenant], began: datetime) -> None:
+        """Serve ``tenants`` from now on: a place each, kept when its tenant did not change."""
+        with self._lock:
             places: dict[str, Place] = {}
             for tenant in tenants:
                 old = self._places.get(tenant.name)
@@ -316,8 +332,8 @@ class TenantRouter:
         if found is not None or not name:
             return found
         if self._read_since <= received_at:
-            try:
-                self.refresh(at_most_every=self.lookup_every)
+            try:  # a reading under way (maybe hung) is not waited for: the message waits on its lane
+                self.refresh(at_most_every=self.lookup_every, wait=False)
             except Exception as exc:  # only the first reading raises; the runner did it
                 self._source_log.failed(exc)
             found = self._places.get(name)
@@ -328,17 +344,25 @@ class TenantRouter:
     # -- which tenant -------------------------------------------------------------
 
     def name_of(self, message: Message) -> tuple[str, str | None]:
-        """(tenant name or "", why it names none) for ``message``; never raises."""
+        """(tenant name or "", why it names none) for ``message``; never raises.
+
+        Whatever ``tenant_of`` returns or raises (an object whose ``==`` or
+        ``str()`` raises, a ``str`` subclass) is looked at only through
+        ``isinstance`` and ``str``'s own methods: the consumer thread calls this.
+        """
         if self.tenant_of is not None:
             try:
                 named = self.tenant_of(message)
             except Exception as exc:
-                return NO_TENANT, f"tenant_of raised {type(exc).__name__}: {str(exc)[:200]}"
-            if named is None or named == "":
+                return NO_TENANT, f"tenant_of raised {_described(exc)}"
+            if named is None:
                 return NO_TENANT, "tenant_of named no tenant"
             if not isinstance(named, str):
-                return NO_TENANT, f"tenant_of returned a {type(named).__name__}, not a tenant name"
-            return named[:200], None
+                return NO_TENANT, f"tenant_of returned a {type(named).__name__:.80}, not a tenant name"
+            name = str.__getitem__(named, slice(None, 200))  # a plain str, whatever the subclass
+            if not name:
+                return NO_TENANT, "tenant_of named no tenant"
+            return name, None
         value = message.headers.get(self.header or "")
         if not value:
             return NO_TENANT, f"no {self.header!r} header"
@@ -616,6 +640,15 @@ class TenantRouter:
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
             self.default.store.unpark(session, row_id)
+
+
+def _described(exc: BaseException) -> str:
+    """``exc`` as stored and alerted: its type and text, escaped (no NUL, no surrogate), short."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(its text cannot be shown)"
+    return f"{type(exc).__name__:.80}: {repr(text)[1:-1][:200]}"
 
 
 def tenant_tables(tables: OutboxTables, tenant: Tenant) -> OutboxTables:
