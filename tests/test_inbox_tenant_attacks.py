@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from outbox import Disposition, Inbox
+from outbox import ConfigurationError, Disposition, Inbox
 from outbox.inbox._delivery import decode
 from outbox.tenants import Tenant
 from tests.inbox_support import record
@@ -259,3 +259,35 @@ def _with_tenant(name: str, message_id: uuid.UUID | None = None) -> Record:
     r.headers.append((HEADER, name.encode()))
     return r
 
+
+
+# -- a tenant whose tables would be the default database's ----------------------------------------
+
+def test_a_tenant_in_the_default_databases_own_tables_is_refused(tmp_path: Path) -> None:
+    """Unknown tenants park in the default database's ``inbox_parked``. A tenant placed there too
+    (no schema, no database of its own: ``from_query`` rows with NULLs give that) listed the
+    unknown messages as its own parked ones, and ``replay(tenant=…)`` applied another tenant's
+    message in its tables. Such a tenant is refused by name, as the first reading's error
+    (``run()`` and ``handle()`` say it; a later reading keeps the tenants it had)."""
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    for same in (Tenant("acme"), Tenant("acme", database=default),
+                 Tenant("acme", database=f"sqlite:///{tmp_path}/default.db")):
+        inbox = Inbox(default, group="g", tenants=[same], tenant_header=HEADER)
+        inbox.handler(TOPIC)(lambda session, message: None)
+        with pytest.raises(ConfigurationError, match="tenant acme: its inbox tables would be the "
+                                                     "default database's"):
+            assert inbox.tenants
+        with pytest.raises(ConfigurationError, match="tenant acme"):
+            inbox.handle(_with_tenant("initech"))
+    apart = Inbox(default, group="g", tenant_header=HEADER, tenants=[
+        Tenant("acme", schema="acme"), Tenant("globex", database=f"sqlite:///{tmp_path}/globex.db")])
+    assert [t.name for t in apart.tenants] == ["acme", "globex"]
+
+    listed = [Tenant("globex", database=f"sqlite:///{tmp_path}/globex.db")]
+    later = Inbox(default, group="g", tenant_header=HEADER, tenants=lambda: listed)
+    assert [t.name for t in later.tenants] == ["globex"]
+    listed = [*listed, Tenant("acme")]
+    assert later.router is not None
+    later.router.refresh(force=True)
+    assert [t.name for t in later.tenants] == ["globex"]
+    default.dispose()

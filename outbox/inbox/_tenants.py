@@ -257,6 +257,7 @@ class TenantRouter:
             began = utcnow()
             try:
                 tenants = self.source()
+                self._refuse_the_default(tenants)
             except Exception as exc:
                 if not self._loaded:
                     raise
@@ -267,6 +268,25 @@ class TenantRouter:
             return True
         finally:
             self._reading.release()
+
+    def _refuse_the_default(self, tenants: Sequence[Tenant]) -> None:
+        """``ConfigurationError`` for a tenant whose tables would be the default database's.
+
+        There the messages of no known tenant park: that tenant's parked list,
+        replay and discard would take them for its own, and replay would apply
+        another tenant's message in its tables.
+        """
+        default = self.default
+        for tenant in tenants:
+            database = tenant.database
+            same_database = (database is None
+                             or (isinstance(database, Engine) and database.pool is default.engine.pool)
+                             or (isinstance(database, str)
+                                 and _same_url(database, default.engine.url)))
+            if same_database and tenant.schema == default.tables.schema:
+                raise ConfigurationError(
+                    f"tenant {tenant.name}: its inbox tables would be the default database's, where "
+                    "the messages of no known tenant park; give it a schema or a database of its own")
 
     def _take(self, tenants: Sequence[Tenant], began: datetime) -> None:
         """Serve ``tenants`` from now on: a place each, kept when its tenant did not change."""
@@ -334,7 +354,9 @@ class TenantRouter:
         if self._read_since <= received_at:
             try:  # a reading under way (maybe hung) is not waited for: the message waits on its lane
                 self.refresh(at_most_every=self.lookup_every, wait=False)
-            except Exception as exc:  # only the first reading raises; the runner did it
+            except Exception as exc:  # only the first reading raises: a bad source is refused then
+                if not self._loaded and not is_outage(exc):
+                    raise  # the runner read it first; ``handle()`` without ``run()`` gets here
                 self._source_log.failed(exc)
             found = self._places.get(name)
             if found is None and self._read_since <= received_at:
@@ -640,6 +662,14 @@ class TenantRouter:
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
             self.default.store.unpark(session, row_id)
+
+
+def _same_url(url: str, other: sa.URL) -> bool:
+    try:
+        return sa.make_url(url).render_as_string(hide_password=False) == other.render_as_string(
+            hide_password=False)
+    except Exception:  # not a URL: creating its engine says so
+        return False
 
 
 def _described(exc: BaseException) -> str:
