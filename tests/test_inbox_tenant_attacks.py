@@ -291,3 +291,30 @@ def test_a_tenant_in_the_default_databases_own_tables_is_refused(tmp_path: Path)
     later.router.refresh(force=True)
     assert [t.name for t in later.tenants] == ["globex"]
     default.dispose()
+
+
+# -- a tenant that leaves ---------------------------------------------------------------------------
+
+def test_a_tenant_database_no_tenant_is_in_any_more_has_its_pool_closed(tmp_path: Path) -> None:
+    """The engine made for a tenant's database URL kept its pooled connections open after the
+    tenant left the source, for as long as the process ran: on PostgreSQL a ``DROP DATABASE`` of
+    the departed tenant then fails ("is being accessed by other users"). Now the next reading
+    closes them; the tenant coming back gets a fresh engine and is served again."""
+    tenants = Tenants(tmp_path, tenant_header=HEADER, tenant_refresh=0.01)
+    router = tenants.inbox.router
+    assert router is not None
+    url = f"sqlite:///{tmp_path}/gone.db"
+    gone = Tenant("gone", database=url)
+    tenants.listed.append(gone)
+    tenants.inbox.create_tables(tenant="gone")
+    assert tenants.inbox.handle(_with_tenant("gone")) is Disposition.APPLIED
+    pool = router.place("gone").engine.pool
+    assert isinstance(pool, sa.pool.QueuePool) and pool.checkedin() >= 1
+
+    tenants.listed.remove(gone)
+    router.refresh(force=True)
+    assert pool.checkedin() == 0
+    tenants.listed.append(gone)
+    message_id = uuid.uuid4()
+    assert tenants.inbox.handle(_with_tenant("gone", message_id)) is Disposition.APPLIED
+    assert found(sa.create_engine(url), message_id) == ["applied"]

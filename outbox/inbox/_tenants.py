@@ -303,9 +303,15 @@ class TenantRouter:
             self._places = places
             self._loaded = True
             self._read_since = began
+            named = {t.database for t in tenants if isinstance(t.database, str)}
+            released = [self._engines.pop(url) for url in list(self._engines) if url not in named]
             # One database: nothing to keep free from it. Several: each takes half the workers at most.
             databases = {id(p.engine.pool) for p in places.values()} | {id(self.default.engine.pool)}
             self.slots.limit = self._workers if len(databases) == 1 else max(1, self._workers // 2)
+        # A database no tenant is in any more: its pooled connections would stay open for good (and
+        # keep a DROP DATABASE of a tenant that left waiting). Those checked out close when returned.
+        for engine in released:
+            engine.dispose()
 
     def _engine_of(self, tenant: Tenant) -> Engine:
         """The engine of the tenant's database: one per database URL, so one pool per database."""
