@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import ORMExecuteState, Session
 
 from outbox import (
     AsyncOutbox,
@@ -382,7 +382,7 @@ def test_a_map_of_the_insert_alone_is_refused_where_the_seq_takes_two_statements
     outbox, topic, b_schema = Outbox(tenancy.engine), new_topic(), tenancy.schemas["b"]
     messages = outbox.tables.messages
 
-    def route_rows_to_b(state) -> None:  # type: ignore[no-untyped-def]
+    def route_rows_to_b(state: ORMExecuteState) -> None:
         if state.is_insert and state.statement.table is messages:
             state.update_execution_options(schema_translate_map={None: b_schema})
 
