@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from outbox import ConfigurationError, Disposition, Inbox
+from outbox import ConfigurationError, Disposition, Inbox, NotParkedError
 from outbox.inbox._delivery import decode
 from outbox.tenants import Tenant
 from tests.inbox_support import record
@@ -105,8 +105,8 @@ def test_any_tenant_header_reaches_its_tenant_or_parks_as_unknown_in_the_default
 
     A record whose tenant header (the last of that exact name, as the relay
     stamps it) names a served tenant is there (applied, or parked unread when
-    another header is not UTF-8); every other record is parked in the default
-    database as ``tenant_unknown``, nowhere else.
+    a header is not UTF-8); every other record is parked in the default
+    database (as ``tenant_unknown``, or unread as ``foreign``), nowhere else.
     """
     r = record(TOPIC, None, None)
     r.headers.extend(cast(list[tuple[str, bytes]], headers))  # a null header value, as Kafka allows
@@ -118,10 +118,10 @@ def test_any_tenant_header_reaches_its_tenant_or_parks_as_unknown_in_the_default
     tenant = _expected_tenant(headers)
     unreadable = any(not _is_utf8(value) for _, value in r.headers)
     where = by_header.where(message_id)
-    if tenant is None:
-        assert (disposition, where) == (Disposition.PARKED, {None: ["parked:tenant_unknown"]})
-    elif unreadable:
+    if unreadable:  # never applied anywhere: parked for what it is, at its tenant or in the default
         assert (disposition, where) == (Disposition.PARKED, {tenant: ["parked:foreign"]})
+    elif tenant is None:
+        assert (disposition, where) == (Disposition.PARKED, {None: ["parked:tenant_unknown"]})
     else:
         assert (disposition, where) == (Disposition.APPLIED, {tenant: ["applied"]})
 
@@ -318,3 +318,32 @@ def test_a_tenant_database_no_tenant_is_in_any_more_has_its_pool_closed(tmp_path
     message_id = uuid.uuid4()
     assert tenants.inbox.handle(_with_tenant("gone", message_id)) is Disposition.APPLIED
     assert found(sa.create_engine(url), message_id) == ["applied"]
+
+
+# -- unreadable records of no known tenant ----------------------------------------------------------
+
+def test_an_unreadable_record_of_an_unknown_tenant_is_never_applied_by_a_replay(tmp_path: Path) -> None:
+    """A foreign record and one whose JSON payload is broken, naming a tenant not served yet, were
+    parked as ``tenant_unknown``; once the tenant existed, ``replay`` sent them to it as messages
+    and the handler ran on them (a single-database inbox never applies either). They are parked
+    for what they are (``foreign``, ``undecodable``) in the default database instead, and a
+    routing replay has nothing to move."""
+    listed: list[Tenant] = []
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    inbox = Inbox(default, group="g", tenants=lambda: listed, tenant_header=HEADER, tenant_refresh=0.01)
+    applied: list[bytes] = []
+    inbox.handler(TOPIC)(lambda session, message: applied.append(message.payload))
+    inbox.create_tables()
+    broken_json = record(TOPIC, "k", 1, payload=b"not json")
+    foreign = Record(topic=TOPIC, key=b"k", value=b"raw", partition=0, offset=7)
+    for r in (broken_json, foreign):
+        r.headers.append((HEADER, b"initech"))
+        assert inbox.handle(r) is Disposition.PARKED
+    assert sorted(p.reason.value for p in inbox.parked()) == ["foreign", "undecodable"]
+
+    listed.append(Tenant("initech", database=f"sqlite:///{tmp_path}/initech.db"))
+    inbox.create_tables(tenant="initech")
+    with pytest.raises(NotParkedError, match="tenant_unknown"):
+        inbox.replay(TOPIC, "k")
+    assert applied == [] and inbox.parked(tenant="initech") == []
+    default.dispose()

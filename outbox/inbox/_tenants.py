@@ -29,7 +29,8 @@ run in an inbox of that tenant alone, with the same promises.
 - **Unknown tenant:** a message whose header is missing, names no tenant
   served, or whose ``tenant_of`` raised is parked alone in the default
   database with reason ``tenant_unknown`` (one alert per tenant name and
-  process). A message naming a tenant is parked so only after a reading of
+  process); one that cannot be read is parked there for what it is
+  (``foreign``, ``undecodable``), so no replay ever hands it to a handler. A message naming a tenant is parked so only after a reading of
   the tenant source that began after the message was received (the source is
   read again for it, at most once a second; meanwhile, and while the source
   cannot be read, it waits): a tenant added before its first message is found. ``replay`` of such a message
@@ -412,6 +413,26 @@ class TenantRouter:
             return self._park_unknown(batch)
         return self._at(place, batch, lambda: place.settler.settle(batch))
 
+    def _park_unknown(self, batch: list[Delivery]) -> Settled:
+        """Park messages of no known tenant in the default database: unreadable ones for what they are.
+
+        A record that cannot be read (foreign, undecodable) is never to be
+        applied anywhere: parked as ``tenant_unknown``, replay would send it to
+        its tenant as if it were a message and apply it. It is parked as a
+        single-database inbox parks it (``foreign``, ``undecodable``), in the
+        default database; the others as ``tenant_unknown``.
+        """
+        unreadable = [d for d in batch if d.unreadable is not None]
+        readable = [d for d in batch if d.unreadable is None]
+        default = self.default
+        settled = Settled()
+        if unreadable:
+            settled = self._at(default, unreadable, lambda: default.settler.settle(unreadable))
+        if readable:
+            rest = self._at(default, readable, lambda: self._parked_unknown(readable))
+            settled = Settled(done=settled.done + rest.done, later=settled.later + rest.later)
+        return settled
+
     def _at(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         """Run ``settle`` at ``place`` through its gate: put off while closed, closed by an outage."""
         pool = place.engine.pool
@@ -472,12 +493,8 @@ class TenantRouter:
             log.warning("%s: its inbox tables are there now", place.what)
         return None
 
-    def _park_unknown(self, batch: list[Delivery]) -> Settled:
-        """Park messages of no known tenant in the default database, alone, reason ``tenant_unknown``."""
-        default = self.default
-        return self._at(default, batch, lambda: self._parked_unknown(batch))
-
     def _parked_unknown(self, batch: list[Delivery]) -> Settled:
+        """Park readable messages of no known tenant, alone, reason ``tenant_unknown``."""
         default = self.default
         whys = [self._why_unknown(d) for d in batch]
         try:
