@@ -347,3 +347,17 @@ def test_an_unreadable_record_of_an_unknown_tenant_is_never_applied_by_a_replay(
         inbox.replay(TOPIC, "k")
     assert applied == [] and inbox.parked(tenant="initech") == []
     default.dispose()
+
+
+@pytest.mark.postgres
+def test_a_tenant_in_the_default_schema_by_name_is_refused_too(postgres_db: str) -> None:
+    """``--tenants like:%`` or a list holding ``public``: the tenant's schema is named, the default
+    database's tables are not, yet both are PostgreSQL's ``public``: the same tables. Refused as
+    the default database's own once the inbox has connected to it (``run()`` does that first)."""
+    default = sa.create_engine(postgres_db)
+    inbox = Inbox(default, group="g", tenants=["public", "t_x"], tenant_header=HEADER)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    inbox.create_tables()  # connects, as run()'s check of the default database does
+    with pytest.raises(ConfigurationError, match="tenant public: its inbox tables would be the default"):
+        assert inbox.tenants
+    default.dispose()

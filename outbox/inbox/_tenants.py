@@ -30,7 +30,8 @@ run in an inbox of that tenant alone, with the same promises.
   served, or whose ``tenant_of`` raised is parked alone in the default
   database with reason ``tenant_unknown`` (one alert per tenant name and
   process); one that cannot be read is parked there for what it is
-  (``foreign``, ``undecodable``), so no replay ever hands it to a handler. A message naming a tenant is parked so only after a reading of
+  (``foreign``, ``undecodable``), so no replay ever hands it to a handler.
+  A message naming a tenant is parked so only after a reading of
   the tenant source that began after the message was received (the source is
   read again for it, at most once a second; meanwhile, and while the source
   cannot be read, it waits): a tenant added before its first message is found. ``replay`` of such a message
@@ -278,13 +279,18 @@ class TenantRouter:
         another tenant's message in its tables.
         """
         default = self.default
+        # Unqualified tables are in the connection's default schema (PostgreSQL's "public"): known
+        # once the default database was connected to (run() does that first).
+        schemas = {default.tables.schema}
+        if default.tables.schema is None:
+            schemas.add(getattr(default.engine.dialect, "default_schema_name", None))
         for tenant in tenants:
             database = tenant.database
             same_database = (database is None
                              or (isinstance(database, Engine) and database.pool is default.engine.pool)
                              or (isinstance(database, str)
                                  and _same_url(database, default.engine.url)))
-            if same_database and tenant.schema == default.tables.schema:
+            if same_database and tenant.schema in schemas:
                 raise ConfigurationError(
                     f"tenant {tenant.name}: its inbox tables would be the default database's, where "
                     "the messages of no known tenant park; give it a schema or a database of its own")
