@@ -361,3 +361,15 @@ def test_a_tenant_in_the_default_schema_by_name_is_refused_too(postgres_db: str)
     with pytest.raises(ConfigurationError, match="tenant public: its inbox tables would be the default"):
         assert inbox.tenants
     default.dispose()
+
+
+@pytest.mark.parametrize("header", ["outbox-message-id", "outbox-seq", "content-type", "x-tenant ",
+                                    " x-tenant"])
+def test_a_tenant_header_no_record_can_route_by_is_refused_when_the_inbox_is_built(
+        tmp_path: Path, header: str) -> None:
+    """An envelope header is read into the envelope, never into ``message.headers``; a name with
+    a space around it is no header the relay stamps: every record parked as ``tenant_unknown``,
+    silently. Refused by name instead."""
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    with pytest.raises(ConfigurationError, match="tenant_header"):
+        Inbox(default, group="g", tenants=["a"], tenant_header=header)
