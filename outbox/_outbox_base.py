@@ -133,7 +133,7 @@ class OutboxBase:
             bumped = session.execute(sql.bump_seq, row)
             self._check_routed(bumped, schema)
             row["seq"] = sql.seq_of(bumped)
-            session.execute(sql.insert_with_seq, row)
+            self._check_routed(session.execute(sql.insert_with_seq, row), schema)  # each: a hook maps one
         message_id: uuid.UUID = row["message_id"]
         return message_id
 

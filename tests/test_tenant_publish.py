@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import ORMExecuteState, Session
 
 from outbox import (
     AsyncOutbox,
@@ -368,6 +368,26 @@ def test_a_map_of_one_statement_is_refused_not_followed_blindly(tenancy):
 
     with Session(tenancy.engine) as session:
         sa.event.listen(session, "do_orm_execute", route_to_b)
+        with pytest.raises(ConfigurationError, match="on the session's bind or on its connection"), \
+                session.begin():
+            outbox.publish(session, topic, {}, key="k1")
+    assert tenancy.rows("b", topic) == [] and tenancy.rows(None, topic) == []
+
+
+@pytest.mark.parametrize("tenancy", ["sqlite"], indirect=True)
+def test_a_map_of_the_insert_alone_is_refused_where_the_seq_takes_two_statements(tenancy):
+    """SQLite numbers a keyed row in two statements (bump the key's seq, then insert the row):
+    a hook that maps only the row's INSERT put it in tenant b's tables with a seq counted in the
+    default schema's keys (b's seqs then repeat). Only the first statement was checked."""
+    outbox, topic, b_schema = Outbox(tenancy.engine), new_topic(), tenancy.schemas["b"]
+    messages = outbox.tables.messages
+
+    def route_rows_to_b(state: ORMExecuteState) -> None:
+        if state.is_insert and state.statement.table is messages:
+            state.update_execution_options(schema_translate_map={None: b_schema})
+
+    with Session(tenancy.engine) as session:
+        sa.event.listen(session, "do_orm_execute", route_rows_to_b)
         with pytest.raises(ConfigurationError, match="on the session's bind or on its connection"), \
                 session.begin():
             outbox.publish(session, topic, {}, key="k1")

@@ -35,6 +35,7 @@ from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
 from .._validation import validate_topic
+from .._wire import ENVELOPE_HEADERS
 from ..tenants import Tenant, TenantLabels
 from ..tenants._tenant import TenantsLike, tenant_source
 from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
@@ -208,8 +209,12 @@ class Inbox:
             raise ConfigurationError("an inbox serving tenants needs one of tenant_header= (the header "
                                      "naming the tenant) or tenant_of= (a function of the message)")
         if header is not None and (not isinstance(header, str) or not header.strip()
+                                   or header != header.strip()
                                    or not header.isprintable() or len(header) > 200):
             raise ConfigurationError(f"tenant_header must be a header name, got {header!r:.80}")
+        if header in ENVELOPE_HEADERS:  # read into the envelope, never into message.headers
+            raise ConfigurationError(f"tenant_header {header!r} is an outbox envelope header: name "
+                                     "the header that carries the tenant (e.g. 'x-tenant')")
         if tenant_of is not None and not callable(tenant_of):
             raise ConfigurationError(f"tenant_of must be a function of the message, got {tenant_of!r:.80}")
         if self.is_async:

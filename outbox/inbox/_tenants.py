@@ -29,7 +29,9 @@ run in an inbox of that tenant alone, with the same promises.
 - **Unknown tenant:** a message whose header is missing, names no tenant
   served, or whose ``tenant_of`` raised is parked alone in the default
   database with reason ``tenant_unknown`` (one alert per tenant name and
-  process). A message naming a tenant is parked so only after a reading of
+  process); one that cannot be read is parked there for what it is
+  (``foreign``, ``undecodable``), so no replay ever hands it to a handler.
+  A message naming a tenant is parked so only after a reading of
   the tenant source that began after the message was received (the source is
   read again for it, at most once a second; meanwhile, and while the source
   cannot be read, it waits): a tenant added before its first message is found. ``replay`` of such a message
@@ -46,7 +48,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -232,29 +234,70 @@ class TenantRouter:
         self._sweep_from = 0
         self._sweeps: dict[object, Future[list[Delivery]]] = {}
         self._refreshing = threading.Lock()
+        self._reading = threading.Lock()
+        """Held while the source is read: one reading at a time, apart from ``_lock``."""
 
     # -- the tenants ------------------------------------------------------------
 
-    def refresh(self, *, force: bool = False, at_most_every: float | None = None) -> None:
+    def refresh(self, *, force: bool = False, at_most_every: float | None = None,
+                wait: bool = True) -> bool:
         """Read the tenant source again when due; a failure keeps the tenants as they were.
 
         The first reading raises what the source raised (``run`` waits out an
         outage and refuses a bad source); later ones log it once and go on.
+        One reading at a time, and never under the lock the consumer thread
+        takes (``ready``): a source that hangs holds up its readers, not the
+        poll. ``wait=False``: False at once when another reading is under way.
         """
         every = self.refresh_every if at_most_every is None else at_most_every
-        with self._lock:
+        if not self._reading.acquire(blocking=wait):
+            return False
+        try:
             if not force and time.monotonic() - self._read_at < every:
-                return
+                return True
             self._read_at = time.monotonic()
             began = utcnow()
             try:
                 tenants = self.source()
+                self._refuse_the_default(tenants)
             except Exception as exc:
                 if not self._loaded:
                     raise
                 self._source_log.failed(exc)
-                return
+                return True
             self._source_log.answered()
+            self._take(tenants, began)
+            return True
+        finally:
+            self._reading.release()
+
+    def _refuse_the_default(self, tenants: Sequence[Tenant]) -> None:
+        """``ConfigurationError`` for a tenant whose tables would be the default database's.
+
+        There the messages of no known tenant park: that tenant's parked list,
+        replay and discard would take them for its own, and replay would apply
+        another tenant's message in its tables.
+        """
+        default = self.default
+        # Unqualified tables are in the connection's default schema (PostgreSQL's "public"): known
+        # once the default database was connected to (run() does that first).
+        schemas = {default.tables.schema}
+        if default.tables.schema is None:
+            schemas.add(getattr(default.engine.dialect, "default_schema_name", None))
+        for tenant in tenants:
+            database = tenant.database
+            same_database = (database is None
+                             or (isinstance(database, Engine) and database.pool is default.engine.pool)
+                             or (isinstance(database, str)
+                                 and _same_url(database, default.engine.url)))
+            if same_database and tenant.schema in schemas:
+                raise ConfigurationError(
+                    f"tenant {tenant.name}: its inbox tables would be the default database's, where "
+                    "the messages of no known tenant park; give it a schema or a database of its own")
+
+    def _take(self, tenants: Sequence[Tenant], began: datetime) -> None:
+        """Serve ``tenants`` from now on: a place each, kept when its tenant did not change."""
+        with self._lock:
             places: dict[str, Place] = {}
             for tenant in tenants:
                 old = self._places.get(tenant.name)
@@ -267,9 +310,15 @@ class TenantRouter:
             self._places = places
             self._loaded = True
             self._read_since = began
+            named = {t.database for t in tenants if isinstance(t.database, str)}
+            released = [self._engines.pop(url) for url in list(self._engines) if url not in named]
             # One database: nothing to keep free from it. Several: each takes half the workers at most.
             databases = {id(p.engine.pool) for p in places.values()} | {id(self.default.engine.pool)}
             self.slots.limit = self._workers if len(databases) == 1 else max(1, self._workers // 2)
+        # A database no tenant is in any more: its pooled connections would stay open for good (and
+        # keep a DROP DATABASE of a tenant that left waiting). Those checked out close when returned.
+        for engine in released:
+            engine.dispose()
 
     def _engine_of(self, tenant: Tenant) -> Engine:
         """The engine of the tenant's database: one per database URL, so one pool per database."""
@@ -316,9 +365,11 @@ class TenantRouter:
         if found is not None or not name:
             return found
         if self._read_since <= received_at:
-            try:
-                self.refresh(at_most_every=self.lookup_every)
-            except Exception as exc:  # only the first reading raises; the runner did it
+            try:  # a reading under way (maybe hung) is not waited for: the message waits on its lane
+                self.refresh(at_most_every=self.lookup_every, wait=False)
+            except Exception as exc:  # only the first reading raises: a bad source is refused then
+                if not self._loaded and not is_outage(exc):
+                    raise  # the runner read it first; ``handle()`` without ``run()`` gets here
                 self._source_log.failed(exc)
             found = self._places.get(name)
             if found is None and self._read_since <= received_at:
@@ -328,17 +379,25 @@ class TenantRouter:
     # -- which tenant -------------------------------------------------------------
 
     def name_of(self, message: Message) -> tuple[str, str | None]:
-        """(tenant name or "", why it names none) for ``message``; never raises."""
+        """(tenant name or "", why it names none) for ``message``; never raises.
+
+        Whatever ``tenant_of`` returns or raises (an object whose ``==`` or
+        ``str()`` raises, a ``str`` subclass) is looked at only through
+        ``isinstance`` and ``str``'s own methods: the consumer thread calls this.
+        """
         if self.tenant_of is not None:
             try:
                 named = self.tenant_of(message)
             except Exception as exc:
-                return NO_TENANT, f"tenant_of raised {type(exc).__name__}: {str(exc)[:200]}"
-            if named is None or named == "":
+                return NO_TENANT, f"tenant_of raised {_described(exc)}"
+            if named is None:
                 return NO_TENANT, "tenant_of named no tenant"
             if not isinstance(named, str):
-                return NO_TENANT, f"tenant_of returned a {type(named).__name__}, not a tenant name"
-            return named[:200], None
+                return NO_TENANT, f"tenant_of returned a {type(named).__name__:.80}, not a tenant name"
+            name = str.__getitem__(named, slice(None, 200))  # a plain str, whatever the subclass
+            if not name:
+                return NO_TENANT, "tenant_of named no tenant"
+            return name, None
         value = message.headers.get(self.header or "")
         if not value:
             return NO_TENANT, f"no {self.header!r} header"
@@ -359,6 +418,26 @@ class TenantRouter:
         if place is None:
             return self._park_unknown(batch)
         return self._at(place, batch, lambda: place.settler.settle(batch))
+
+    def _park_unknown(self, batch: list[Delivery]) -> Settled:
+        """Park messages of no known tenant in the default database: unreadable ones for what they are.
+
+        A record that cannot be read (foreign, undecodable) is never to be
+        applied anywhere: parked as ``tenant_unknown``, replay would send it to
+        its tenant as if it were a message and apply it. It is parked as a
+        single-database inbox parks it (``foreign``, ``undecodable``), in the
+        default database; the others as ``tenant_unknown``.
+        """
+        unreadable = [d for d in batch if d.unreadable is not None]
+        readable = [d for d in batch if d.unreadable is None]
+        default = self.default
+        settled = Settled()
+        if unreadable:
+            settled = self._at(default, unreadable, lambda: default.settler.settle(unreadable))
+        if readable:
+            rest = self._at(default, readable, lambda: self._parked_unknown(readable))
+            settled = Settled(done=settled.done + rest.done, later=settled.later + rest.later)
+        return settled
 
     def _at(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         """Run ``settle`` at ``place`` through its gate: put off while closed, closed by an outage."""
@@ -420,12 +499,8 @@ class TenantRouter:
             log.warning("%s: its inbox tables are there now", place.what)
         return None
 
-    def _park_unknown(self, batch: list[Delivery]) -> Settled:
-        """Park messages of no known tenant in the default database, alone, reason ``tenant_unknown``."""
-        default = self.default
-        return self._at(default, batch, lambda: self._parked_unknown(batch))
-
     def _parked_unknown(self, batch: list[Delivery]) -> Settled:
+        """Park readable messages of no known tenant, alone, reason ``tenant_unknown``."""
         default = self.default
         whys = [self._why_unknown(d) for d in batch]
         try:
@@ -616,6 +691,23 @@ class TenantRouter:
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
             self.default.store.unpark(session, row_id)
+
+
+def _same_url(url: str, other: sa.URL) -> bool:
+    try:
+        return sa.make_url(url).render_as_string(hide_password=False) == other.render_as_string(
+            hide_password=False)
+    except Exception:  # not a URL: creating its engine says so
+        return False
+
+
+def _described(exc: BaseException) -> str:
+    """``exc`` as stored and alerted: its type and text, escaped (no NUL, no surrogate), short."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(its text cannot be shown)"
+    return f"{type(exc).__name__:.80}: {repr(text)[1:-1][:200]}"
 
 
 def tenant_tables(tables: OutboxTables, tenant: Tenant) -> OutboxTables:

@@ -11,8 +11,9 @@ retention): each tenant's outcome on its own, whatever happened to the others.
   A tenant whose work raises is a failed outcome naming it; a tenant whose
   work does not end within ``timeout`` seconds (a frozen database) is given up
   on, its thread left behind as a daemon, and reported so. Once a database
-  has failed to answer, its remaining tenants are reported unreachable
-  without each waiting out its own connect timeout.
+  has failed to answer (an outage, or ``FROZEN_AFTER`` of its tenants given up
+  on: one alone may be waiting for a lock on its own tables), its remaining
+  tenants are reported unreachable without each waiting out its own timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ T = TypeVar("T")
 DEFAULT_CONCURRENCY = 8
 """Tenants worked on at once; below a pool's default size (5 + 10 overflow), so one database
 serving them all never waits for a connection."""
+
+
+FROZEN_AFTER = 2
+"""Tenants of one database given up on (with no answer from it in between) that make it "frozen"."""
 
 
 class TenantDatabases:
@@ -140,6 +145,7 @@ class _Run(Generic[T]):
         self._left = len(tenants)
         self._started: dict[int, float] = {}
         self._down: dict[str, str] = {}
+        self._unanswered: dict[str, int] = {}  # per database: tenants given up on since its last answer
         self._changed = threading.Condition()
 
     def outcomes(self) -> list[TenantOutcome[T]]:
@@ -183,6 +189,8 @@ class _Run(Generic[T]):
                 if outcome.unreachable:
                     self._down.setdefault(key, f"database {tenant.database_shown or 'default'} "
                                                f"unreachable (found by tenant {tenant.name})")
+                else:
+                    self._unanswered.pop(key, None)  # it answers: a tenant given up on was its own
                 self._settle(index, outcome)
 
     def _one(self, tenant: Tenant) -> TenantOutcome[T]:
@@ -193,10 +201,19 @@ class _Run(Generic[T]):
                                  unreachable=is_database_outage(exc))
 
     def _give_up(self, index: int) -> None:
+        """Report a tenant past its deadline; its database is "frozen" after ``FROZEN_AFTER`` such.
+
+        One tenant alone may be waiting for a lock on its own tables (a
+        migration, ``VACUUM FULL``) while its database serves the others: the
+        rest of its database is given up on only when another of its tenants
+        does not answer either, before any answers.
+        """
         tenant = self._tenants[index]
-        self._down.setdefault(self._databases.key(tenant),
-                              f"database {tenant.database_shown or 'default'} did not answer "
-                              f"(found by tenant {tenant.name})")
+        key = self._databases.key(tenant)
+        self._unanswered[key] = self._unanswered.get(key, 0) + 1
+        if self._unanswered[key] >= FROZEN_AFTER:
+            self._down.setdefault(key, f"database {tenant.database_shown or 'default'} did not answer "
+                                       f"(found by tenant {tenant.name})")
         self._settle(index, TenantOutcome(
             tenant, problem=f"no answer within {self._timeout:g} s (is its database frozen?)",
             unreachable=True))
