@@ -63,8 +63,11 @@ def relay(
     metrics_host: str = METRICS_HOST,
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
     batch_size: int = typer.Option(1000, help="Rows per batch."),
-    lease_ttl: float = typer.Option(10.0, help="Seconds a shard lease lasts without renewal."),
-    poll_interval: float = typer.Option(0.5, help="Seconds between polls when nothing wakes the relay."),
+    lease_ttl: float | None = typer.Option(
+        None, help="Seconds a shard lease lasts without renewal (default 10; 30 with --tenants)."),
+    poll_interval: float | None = typer.Option(
+        None, help="Seconds between polls when nothing wakes the relay (default 0.5; 5 per tenant with "
+                   "--tenants)."),
     shards: int | None = typer.Option(
         None, help="Expected shard count; the database's is used, and another is an error."),
     webhook: str | None = typer.Option(None, help="POST alerts as JSON to this URL (default: log them)."),
@@ -86,7 +89,8 @@ def relay(
     tenants: str | None = TENANTS,
     tenant_header: str | None = TENANT_HEADER,
     workers: int = typer.Option(
-        2, min=1, max=64, help="With --tenants: worker threads, each with a producer of its own."),
+        8, min=1, max=64, help="With --tenants: worker threads, each with a producer of its own and a "
+                               "connection of the pool (docs/tenants.md)."),
     tenant_labels: int = typer.Option(
         100, min=0, help="With --tenants: the first this many tenants label metrics by name, later ones "
                          "share the label _other; 0: no tenant label (docs/tenants.md)."),
@@ -108,7 +112,9 @@ def relay(
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
         _relay_tenants(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
-            worker_id=worker_id, batch_size=batch_size, lease_ttl=lease_ttl, poll_interval=poll_interval,
+            worker_id=worker_id, batch_size=batch_size,
+            lease_ttl=FLEET_LEASE_TTL if lease_ttl is None else lease_ttl,
+            poll_interval=FLEET_POLL_INTERVAL if poll_interval is None else poll_interval,
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
             metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
             tenant_labels=tenant_labels)
@@ -126,7 +132,8 @@ def relay(
         transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         worker = Relay(
             outbox, transport, worker_id=worker_id, batch_size=batch_size,
-            lease_ttl=lease_ttl, poll_interval=poll_interval,
+            lease_ttl=10.0 if lease_ttl is None else lease_ttl,
+            poll_interval=0.5 if poll_interval is None else poll_interval,
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
             backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,
             cloudevents=cloudevents_mode or False,
@@ -145,6 +152,12 @@ def relay(
                 housekeeper.stop()
             transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
 
+
+FLEET_LEASE_TTL = 30.0
+"""A --tenants relay's lease TTL: one process renews every tenant's leases, each in its turn."""
+FLEET_POLL_INTERVAL = 5.0
+"""A --tenants relay polls each tenant this often: notifications wake them (PostgreSQL); a poll of
+500 tenants every 0.5 s would be 1,000 fetches a second of nothing."""
 
 TENANT_HEADER_ROOM = 256
 """Bytes a --tenants relay's producer allows above the default record limit, for the tenant header."""

@@ -29,6 +29,7 @@ the header ``tenant_header`` (when given), replacing any header of that name
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import threading
@@ -72,6 +73,9 @@ log = safe_logger("outbox.relay")
 
 _TENANT_BACKOFF = OutageBackoff(first=1.0, cap=60.0)
 """How a tenant that fails for a reason of its own (missing tables) is retried: 1 s doubling to 60 s."""
+
+_POLL_SHARE = 4
+"""One turn in this many serves a polled tenant when woken tenants wait too."""
 
 _RELEASE_WITHIN = 3.0
 """Seconds a stop or ``close()`` waits for the tenants' leases to be given back, all databases at once."""
@@ -167,6 +171,11 @@ class TenantRelay:
             count=self._process_metrics.outages.labels("broker").inc)
         self._lock = threading.Condition()
         self._ready: deque[_Unit] = deque()
+        """Tenants woken by a notification, a wheel timer or a full batch: served first, in turn."""
+        self._polls: deque[_Unit] = deque()
+        """Tenants whose poll is due (or woken after an outage): every ``_POLL_SHARE``-th turn."""
+        self._turn = 0
+        self._fresh = False
         self._timers: list[tuple[float, int, _Unit, int]] = []
         self._timed: set[_Unit] = set()
         self._order = itertools.count()
@@ -223,7 +232,7 @@ class TenantRelay:
                 del self._units[unit.tenant.name]
                 unit.removed = True
                 if unit.state == "queued":  # out of the queue: no worker starts it while it is closed
-                    self._ready.remove(unit)
+                    (self._polls if unit.polled else self._ready).remove(unit)
                     unit.state = "idle"
             # Decided under the lock: a running one is closed by its worker, the others here.
             closing = [unit for unit in gone if unit.state != "running"]
@@ -370,9 +379,26 @@ class TenantRelay:
             # Tenants that could not start (their database down, tables missing) are tried again sooner.
             deadline = time.monotonic() + self.refresh_every
             while not self._stopping.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+                self._refreeze()
                 if time.monotonic() >= deadline:
                     break
                 self._start_pending()
+
+    def _refreeze(self) -> None:
+        """Freeze again the objects of tenants that served their first batch, if the process froze its heap.
+
+        ``outbox relay`` freezes what is loaded before it runs (``outbox._gc``),
+        but a fleet builds each tenant's relay, tables and statements later,
+        hundreds of thousands of long-lived objects for 500 tenants. Left in
+        sight, every full collection walks them all and stops every thread for
+        a second or more, a quiet tenant's message waiting meanwhile. Frozen
+        once built, they are never walked again. Only done when the process
+        chose to freeze (``gc.get_freeze_count()``): a library does not change
+        an embedding service's collector on its own.
+        """
+        if self._fresh and gc.get_freeze_count():
+            self._fresh = False
+            gc.freeze()
 
     def _clock(self) -> None:
         """Wake tenants whose poll, retry or wheel timer is due, until the stop."""
@@ -383,7 +409,7 @@ class TenantRelay:
                 while self._timers and self._timers[0][0] <= now:
                     _, _, unit, generation = heapq.heappop(self._timers)
                     if generation == unit.generation:
-                        self._wake_locked(unit)
+                        self._wake_locked(unit, poll=True)
                 for unit in list(self._timed):  # the tenants with keys waiting for a retry
                     relay = unit.relay
                     if relay is None or not len(relay.wheel) or unit.removed:
@@ -398,11 +424,11 @@ class TenantRelay:
         self._local.transport = self._transports[index]
         while True:
             with self._lock:
-                while not self._ready and not self._stopping.is_set():
+                while not self._ready and not self._polls and not self._stopping.is_set():
                     self._lock.wait(0.5)
                 if self._stopping.is_set():
                     return
-                unit = self._ready.popleft()
+                unit = self._next_locked()
                 unit.state = "running"
                 unit.again = False
             again, delay = self._serve(unit)
@@ -446,7 +472,9 @@ class TenantRelay:
         try:
             batch = relay.run_once()
             if now >= unit.watch_at:
-                unit.watch_at = now + relay.leases.ttl / 3
+                # A key is stuck after minutes (key_stuck_after): a check per tenant every fifth of
+                # that is on time, and 500 tenants do not query every lease renewal interval.
+                unit.watch_at = now + max(relay.leases.ttl / 3, relay.settings.key_stuck_after / 5)
                 relay.stuck_keys.check(sorted(relay.leases.owned()))
         except SchemaError as exc:  # resharded under it: served anew from the stored count
             self._tenant_failed(unit, exc, "stops")
@@ -465,6 +493,9 @@ class TenantRelay:
             if probe:
                 db.probing = False
         unit.last = batch
+        if not unit.served:
+            unit.served = True
+            self._fresh = True  # its statements exist now: ``_refreeze`` hides them from the collector
         if db.down:
             self._database_back(db)
         self._tenant_ok(unit)
@@ -490,7 +521,7 @@ class TenantRelay:
         with self._lock:
             db.down, db.retry_at = False, 0.0
             for unit in db.units.values():
-                self._wake_locked(unit)
+                self._wake_locked(unit, poll=True)
 
     # -- scheduling --------------------------------------------------------------
 
@@ -498,16 +529,36 @@ class TenantRelay:
         with self._lock:
             self._wake_locked(unit)
 
-    def _wake_locked(self, unit: _Unit) -> None:
+    def _wake_locked(self, unit: _Unit, *, poll: bool = False) -> None:
+        """Queue ``unit``: a poll behind the woken tenants, anything else among them.
+
+        A tenant queued for a poll and then notified moves up to the woken ones.
+        """
         if unit.relay is None or unit.removed:
             return
+        if unit.state == "queued" and unit.polled and not poll:
+            self._polls.remove(unit)
+            unit.state = "idle"
         if unit.state == "idle":
             unit.state = "queued"
+            unit.polled = poll
             unit.generation += 1  # its pending poll timer is moot
-            self._ready.append(unit)
+            (self._polls if poll else self._ready).append(unit)
             self._lock.notify()
         elif unit.state == "running":
             unit.again = True
+
+    def _next_locked(self) -> _Unit:
+        """The next tenant to serve: the woken ones in turn, with every ``_POLL_SHARE``-th turn a poll.
+
+        Polls of idle tenants never delay a notified tenant by more than a turn
+        in ``_POLL_SHARE``, and a busy fleet still polls (and renews the leases
+        of) its idle tenants.
+        """
+        self._turn += 1
+        if self._polls and (not self._ready or self._turn % _POLL_SHARE == 0):
+            return self._polls.popleft()
+        return self._ready.popleft()
 
     def _schedule_locked(self, unit: _Unit, delay: float) -> None:
         unit.generation += 1
@@ -536,7 +587,7 @@ class TenantRelay:
     def _wake_all(self, db: _Database) -> None:
         with self._lock:
             for unit in db.units.values():
-                self._wake_locked(unit)
+                self._wake_locked(unit, poll=True)
 
     # -- failures and the end -------------------------------------------------------
 
@@ -653,6 +704,10 @@ class _Unit:
     relay: Relay | None = None
     state: str = "idle"
     """idle, queued (in the ready queue) or running (on a worker): never two workers at once."""
+    served: bool = False
+    """Has served a batch: its objects (statements, compiled SQL) are built."""
+    polled: bool = False
+    """Queued for a poll (``_polls``) rather than woken (``_ready``)."""
     again: bool = False
     generation: int = 0
     removed: bool = False
