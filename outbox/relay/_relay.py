@@ -46,7 +46,7 @@ from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
 from ._record_limit import check_record_limit
 from ._settings import DEFAULT_BACKOFF, RelaySettings, default_worker_id
-from ._sql import RelayStatements
+from ._sql import statements_for
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
@@ -143,7 +143,7 @@ class Relay:
             f"relay {worker_id}: broker", log=log, wording=RELAY_WORDING,
             count=self.metrics.outages.labels("broker").inc)
         self._batch = BatchRunner(
-            engine, RelayStatements(outbox.tables, engine.dialect.name), transport, self.wheel,
+            engine, statements_for(outbox.tables, engine.dialect.name), transport, self.wheel,
             backoff=settings.backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
             batch_size=settings.batch_size, database_outage=self.database_outage,
             incarnation=stored.incarnation,

@@ -14,6 +14,7 @@ elsewhere (SQLite, in process) it is one executemany.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -59,8 +60,20 @@ class Marks:
     values: dict[str, list[Any]]
 
 
+@functools.lru_cache(maxsize=64)
+def statements_for(tables: OutboxTables, dialect: str) -> RelayStatements:
+    """The statements of ``tables`` on ``dialect``, built once and shared by every relay of them.
+
+    They hold no state of a relay (the fetches built per shard set are the same
+    for all), so the relays of a ``TenantRelay``, whose tenants share one
+    schema-less ``OutboxTables`` under their own ``schema_translate_map``, share
+    one set of statement objects and, per database, one compiled form.
+    """
+    return RelayStatements(tables, dialect)
+
+
 class RelayStatements:
-    """Statements for one ``OutboxTables`` and dialect, built once per relay."""
+    """Statements for one ``OutboxTables`` and dialect (``statements_for`` shares them)."""
 
     def __init__(self, tables: OutboxTables, dialect: str) -> None:
         self.postgres = dialect == "postgresql"
