@@ -162,13 +162,14 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from ..ops import serve_health, tenant_relay_readiness
     from ..relay import relay_metrics
     from ..tenants import TenantRelay, parse_tenants
+    from ..tenants._relay import QUERY_CACHE_SIZE
 
     if tenant_header is not None and "message.max.bytes" not in settings:
         limit = KafkaTransport.max_record_bytes_for(settings) + TENANT_HEADER_ROOM
         settings = {**settings, "message.max.bytes": str(limit)}
     latch = StopLatch()
     with stop_signals(latch):
-        engine = create_engine(db, pool_size=workers + 2, max_overflow=0)
+        engine = create_engine(db, pool_size=workers + 2, max_overflow=0, query_cache_size=QUERY_CACHE_SIZE)
         def producer() -> KafkaTransport:
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         fleet = TenantRelay(
