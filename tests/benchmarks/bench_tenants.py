@@ -61,7 +61,7 @@ PAYLOAD = '{"order":"o-1","status":"paid","total":"19.90","currency":"EUR","line
 SINGLE = "single"
 BACKLOG_TENANT = "t_000"
 BACKLOG_KEYS = 10_000
-RELAY_OPTIONS = ("--batch-size", "1000", "--poll-interval", "5", "--lease-ttl", "10",
+RELAY_OPTIONS = ("--batch-size", "1000", "--poll-interval", "5", "--lease-ttl", "30",
                  "--log-level", "WARNING")
 
 
@@ -220,6 +220,13 @@ class Drain:
     cpu_seconds: float
 
 
+@dataclass
+class Round:
+    single: Drain
+    fleets: dict[int, Drain]
+    """By the fleet's worker count."""
+
+
 def drain(engine: sa.Engine, relay: RelayProcess, schemas: list[str], messages: int, keys: int) -> Drain:
     """Load ``messages`` rows spread over ``schemas`` while ``relay`` runs; time it to the last ack."""
     per_schema, keys_each = messages // len(schemas), keys // len(schemas)
@@ -242,11 +249,13 @@ def drain(engine: sa.Engine, relay: RelayProcess, schemas: list[str], messages: 
 
 
 def run_throughput(url: str, servers: str, engine: sa.Engine, schemas: list[str], messages: int,
-                   keys: int, fleet_spec: str, *, fleet: bool) -> Drain:
+                   keys: int, fleet_spec: str, *, workers: int | None) -> Drain:
+    """The single-schema relay (``workers`` None) or the fleet with ``workers`` workers."""
+    fleet = workers is not None
     served = schemas if fleet else [SINGLE]
     truncate(engine, served)
-    relay = (start_relay(url, servers, "bench-fleet", "--tenants", fleet_spec) if fleet
-             else start_relay(url, servers, "bench-single", "--schema", SINGLE))
+    relay = (start_relay(url, servers, "bench-fleet", "--tenants", fleet_spec, "--workers", str(workers))
+             if fleet else start_relay(url, servers, "bench-single", "--schema", SINGLE))
     try:
         wait_until(lambda: leased(engine, served) == len(served), "the relay's leases")
         time.sleep(1)  # its first polls are over: the drain starts from a settled relay
@@ -299,9 +308,9 @@ class Fairness:
 
 
 def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], backlog: int,
-                 seconds: float, spec: str) -> Fairness:
+                 seconds: float, spec: str, workers: int) -> Fairness:
     truncate(engine, schemas)
-    relay = start_relay(url, servers, "bench-fleet", "--tenants", spec)
+    relay = start_relay(url, servers, "bench-fleet", "--tenants", spec, "--workers", str(workers))
     try:
         wait_until(lambda: leased(engine, [*schemas, "public"]) == len(schemas) + 1, "the fleet's leases")
         time.sleep(1)
@@ -348,10 +357,14 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=500)
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--keys", type=int, default=10_000)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of single / fleet runs, alternating")
+    parser.add_argument("--workers", default="2,8",
+                        help="the fleet's --workers, one fleet run per value in each round; "
+                             "the last value also runs the fairness part")
     parser.add_argument("--backlog", type=int, default=1_000_000)
     parser.add_argument("--quiet-seconds", type=float, default=40.0)
     args = parser.parse_args()
+    args.workers = [int(w) for w in args.workers.split(",")]
     load_before = os.getloadavg()[0]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     schemas = schema_names(args.tenants)
@@ -363,65 +376,84 @@ def main() -> None:
         key_table(engine, max(args.keys, BACKLOG_KEYS))
         print(f"{len(schemas) + 1} schemas made in {time.perf_counter() - started:.0f} s", flush=True)
         spec = tenants_file(tmp, schemas, quiet=False)
-        pairs: list[tuple[Drain, Drain]] = []
+        rounds: list[Round] = []
         for _ in range(args.pairs):
             single = run_throughput(url, servers, engine, schemas, args.messages, args.keys, spec,
-                                    fleet=False)
-            fleet = run_throughput(url, servers, engine, schemas, args.messages, args.keys, spec,
-                                   fleet=True)
-            pairs.append((single, fleet))
-            print(f"single {single.rate:,.0f} msg/s ({single.cpu_seconds:.1f} CPU s), fleet "
-                  f"{fleet.rate:,.0f} msg/s ({fleet.cpu_seconds:.1f} CPU s): {fleet.rate / single.rate:.2f}",
-                  flush=True)
+                                    workers=None)
+            fleets = {}
+            for workers in args.workers:
+                fleets[workers] = run_throughput(url, servers, engine, schemas, args.messages, args.keys,
+                                                 spec, workers=workers)
+            rounds.append(Round(single, fleets))
+            print(f"single {single.rate:,.0f} msg/s ({single.cpu_seconds:.1f} CPU s); " + "; ".join(
+                f"fleet x{w} {f.rate:,.0f} msg/s ({f.cpu_seconds:.1f} CPU s): {f.rate / single.rate:.2f}"
+                for w, f in fleets.items()), flush=True)
         fairness = run_fairness(url, servers, engine, schemas, args.backlog, args.quiet_seconds,
-                                tenants_file(tmp, schemas, quiet=True))
+                                tenants_file(tmp, schemas, quiet=True), args.workers[-1])
         engine.dispose()
-    report(args, pairs, fairness, (load_before, os.getloadavg()[0]), uptime_before)
+    report(args, rounds, fairness, (load_before, os.getloadavg()[0]), uptime_before)
 
 
-def report(args: argparse.Namespace, pairs: list[tuple[Drain, Drain]], fair: Fairness,
+def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
            load: tuple[float, float], uptime: str) -> None:
     def verdict(ok: bool) -> str:
         return "met" if ok else "**not met**"
 
-    ratio = statistics.median(f.rate / s.rate for s, f in pairs)
-    single = statistics.median(s.rate for s, _ in pairs)
-    fleet = statistics.median(f.rate for _, f in pairs)
+    def ratio(workers: int) -> float:
+        return statistics.median(r.fleets[workers].rate / r.single.rate for r in rounds)
+
+    n, most = args.tenants, args.workers[-1]
     alone, busy = p99(fair.alone), p99(fair.busy)
-    last_single, last_fleet = pairs[-1]
-    n = args.tenants
+    last = rounds[-1]
+    header = ["round", "single schema msg/s (CPU s)"] + [
+        f"fleet, --workers {w}: msg/s (CPU s), / single" for w in args.workers]
+    rows: list[list[object]] = [
+        [i + 1, f"{r.single.rate:,.0f} ({r.single.cpu_seconds:.1f})"] + [
+            f"{r.fleets[w].rate:,.0f} ({r.fleets[w].cpu_seconds:.1f}), {r.fleets[w].rate / r.single.rate:.2f}"
+            for w in args.workers] for i, r in enumerate(rounds)]
+    rows.append(["median", f"{statistics.median(r.single.rate for r in rounds):,.0f}"] + [
+        f"{statistics.median(r.fleets[w].rate for r in rounds):,.0f}, **{ratio(w):.2f}**"
+        for w in args.workers])
+    targets = "; ".join(f"`--workers {w}` {ratio(w):.2f} — {verdict(ratio(w) >= 0.8)}" for w in args.workers)
+    memory = [["single schema", f"{last.single.rss_kib / 1024:.0f}", f"{last.single.hwm_kib / 1024:.0f}",
+               max(r.single.connections for r in rounds), "pool 5 (+ 10 overflow) + LISTEN 1"]]
+    for w in args.workers:
+        seen = max(r.fleets[w].connections for r in rounds)
+        if w == most:
+            seen = max(seen, fair.connections)
+        memory.append([f"fleet, {n} schemas, --workers {w}", f"{last.fleets[w].rss_kib / 1024:.0f}",
+                       f"{last.fleets[w].hwm_kib / 1024:.0f}", seen, f"pool {w + 2} + LISTEN 1"])
+    per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
     body = f"""## Many tenants: one relay process for {n} tenant schemas
 
 `python tests/benchmarks/bench_tenants.py` — durable local PostgreSQL (`local_postgres()`
 defaults), embedded Kafka-protocol broker (librdkafka mock cluster) in the benchmark process,
 relays as separate processes through `KafkaTransport`: the fleet is `python -m outbox relay
---tenants file:... ` ({n} schemas of one database, `--workers 2`), the single-schema relay is
-`python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 10`.
+--tenants file:...` ({n} schemas of one database), the single-schema relay is
+`python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 30`.
 Load average before / after: {load[0]:.1f} / {load[1]:.1f} (`{uptime}`; two cores shared with
 other jobs, so absolute figures move; the ratios are from the same run).
 
 **Throughput**, the same total load: {args.messages:,} messages over {args.keys:,} keys, spread
 evenly over the {n} schemas ({args.messages // n:,} rows and {args.keys // n} keys each) for the
 fleet, in one schema for the single relay. Rows loaded in one transaction while the relay runs
-(then a notification per schema); time from that commit to the last `published_at`. The two
-alternate, {len(pairs)} pairs; the ratio is the median of the pairs' ratios.
+(then a notification per schema, `0:<schema>`); time from that commit to the last
+`published_at`. Each round runs the single relay, then the fleet with each worker count;
+{len(rounds)} rounds, the ratios are the medians of the rounds' ratios. CPU s: the relay
+process's user + system CPU during the drain.
 
-{markdown_table(["pair", "single schema msg/s (CPU s)", f"fleet, {n} schemas, msg/s (CPU s)",
-                 "fleet / single"], [
-    [i + 1, f"{s.rate:,.0f} ({s.cpu_seconds:.1f})", f"{f.rate:,.0f} ({f.cpu_seconds:.1f})",
-     f"{f.rate / s.rate:.2f}"] for i, (s, f) in enumerate(pairs)
-] + [["median", f"{single:,.0f}", f"{fleet:,.0f}", f"**{ratio:.2f}**"]])}
+{markdown_table(header, rows)}
 
-Target: fleet ≥ 0.8 of the single-schema relay — {verdict(ratio >= 0.8)}.
+Target: fleet ≥ 0.8 of the single-schema relay — {targets}.
 
-**Fairness**: tenant `{BACKLOG_TENANT}` gets a backlog of {args.backlog:,} rows ({BACKLOG_KEYS:,} keys,
-loaded by one `INSERT ... SELECT generate_series` in {fair.load_seconds:.0f} s) while a quiet
-tenant (the default schema, woken by the producer's notification) commits one message every
-50 ms through `Outbox.publish` for {args.quiet_seconds:.0f} s; latency is its row's `published_at`
-minus the writer's commit time. The same fleet ({n} schemas + the quiet tenant), first without
-the backlog ("alone"), then while the backlog drains: {fair.backlog_at_start:,} rows pending when
-the quiet writer started, {fair.backlog_at_end:,} when it stopped ({fair.drained_per_second:,.0f} rows/s
-drained meanwhile).
+**Fairness** (`--workers {most}`): tenant `{BACKLOG_TENANT}` gets a backlog of {args.backlog:,} rows
+({BACKLOG_KEYS:,} keys, loaded by one `INSERT ... SELECT generate_series` in {fair.load_seconds:.0f} s)
+while a quiet tenant (the default schema, woken by the producer's notification) commits one
+message every 50 ms through `Outbox.publish` for {args.quiet_seconds:.0f} s; latency is its row's
+`published_at` minus the writer's commit time. The same fleet ({n} schemas + the quiet tenant),
+first without the backlog ("alone"), then while the backlog drains: {fair.backlog_at_start:,} rows
+pending when the quiet writer started, {fair.backlog_at_end:,} when it stopped
+({fair.drained_per_second:,.0f} rows/s drained meanwhile).
 
 {markdown_table(["quiet tenant", "messages", "p50 ms", "p99 ms", "max ms"], [
     ["alone", len(fair.alone), f"{statistics.median(fair.alone):.1f}", f"{alone:.1f}",
@@ -430,23 +462,19 @@ drained meanwhile).
      f"{max(fair.busy):.1f}"],
 ])}
 
-Target: p99 next to the backlog ≤ 2 x p99 alone — {busy / alone:.2f}x — {verdict(busy <= 2 * alone)}.
+Target: p99 next to the backlog ≤ 2 x p99 alone — {busy / alone:.2f} x — {verdict(busy <= 2 * alone)}.
 
-**Memory and connections** of the relay process (RSS after the last throughput drain, its peak,
-and the most PostgreSQL connections of its `application_name` seen during the drains):
+**Memory and connections** of the relay process: RSS after the last round's drain, its peak,
+and the most PostgreSQL connections of its `application_name` seen while it drained (sampled
+every 0.1 s), against the bound (the pool, `--workers` + 2, plus one LISTEN connection per
+database, whatever the number of schemas; {n} single-schema relays would hold {n} pools and
+{n} LISTEN connections):
 
-{markdown_table(["relay", "RSS MiB", "peak RSS MiB", "PostgreSQL connections"], [
-    ["single schema", f"{last_single.rss_kib / 1024:.0f}", f"{last_single.hwm_kib / 1024:.0f}",
-     max(s.connections for s, _ in pairs)],
-    [f"fleet, {n} schemas", f"{last_fleet.rss_kib / 1024:.0f}", f"{last_fleet.hwm_kib / 1024:.0f}",
-     max(max(f.connections for _, f in pairs), fair.connections)],
-])}
+{markdown_table(["relay", "RSS MiB", "peak RSS MiB", "PostgreSQL connections seen", "bound"], memory)}
 
-Per tenant: {(last_fleet.rss_kib - last_single.rss_kib) / n:.0f} KiB of RSS above the single relay.
-The fleet's connections are bounded by its pool (`--workers` + 2 = 4) plus one LISTEN
-connection per database: 5, whatever the number of schemas; {n} single-schema relays would
-hold up to {n} x (pool + LISTEN). Idle (its {n + 1} tenants served, no backlog, poll interval 5 s),
-the fleet used {fair.idle_cpu:.0%} of a core and {fair.idle_rss_kib / 1024:.0f} MiB.
+Per tenant: {per_tenant:,.0f} KiB of RSS above the single relay (`--workers {most}`). Idle (its
+{n + 1} tenants served, no backlog, poll interval 5 s), the fleet used {fair.idle_cpu:.0%} of a
+core and {fair.idle_rss_kib / 1024:.0f} MiB.
 """
     write_section("tenants", body)
 
