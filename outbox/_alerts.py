@@ -14,7 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -58,6 +58,13 @@ class Alert:
     group: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     raised_at: datetime = field(default_factory=utcnow)
+    tenant: str | None = None
+    """The tenant whose row or message this is (``None``: a single-tenant relay or inbox).
+
+    Last, so that alerts built positionally keep their meaning; set by
+    ``alerts_for_tenant``. Logs and webhook JSON carry it only when set, so a
+    single-tenant deployment's alerts read exactly as before.
+    """
 
     def __post_init__(self) -> None:
         try:
@@ -66,10 +73,16 @@ class Alert:
             raise ConfigurationError(f"Alert kind must be one of {', '.join(AlertKind)}, "
                                      f"got {self.kind!r}") from None
         object.__setattr__(self, "kind", kind)
+        if self.tenant is not None:
+            from .tenants._tenant import check_tenant_name  # here: outbox.tenants imports this module
+
+            check_tenant_name(self.tenant)
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["raised_at"] = self.raised_at.isoformat()
+        if self.tenant is None:
+            del body["tenant"]
         return body
 
 
@@ -84,10 +97,46 @@ class LoggingAlertSink:
     """The default: one ERROR log line per alert, on logger ``outbox.alerts``."""
 
     def __call__(self, alert: Alert) -> None:
-        log.error(
-            "ALERT %s topic=%s key=%s message_id=%s group=%s: %s",
-            alert.kind, alert.topic, alert.key, alert.message_id, alert.group, alert.error,
-        )
+        if alert.tenant is None:
+            log.error(
+                "ALERT %s topic=%s key=%s message_id=%s group=%s: %s",
+                alert.kind, alert.topic, alert.key, alert.message_id, alert.group, alert.error,
+            )
+        else:
+            log.error(
+                "ALERT %s tenant=%s topic=%s key=%s message_id=%s group=%s: %s",
+                alert.kind, alert.tenant, alert.topic, alert.key, alert.message_id, alert.group, alert.error,
+            )
+
+
+class TenantAlertSink:
+    """Passes every alert on to ``sink`` with ``tenant`` set: the alerts of one tenant's relay or inbox.
+
+    Nothing else changes: the wrapped sink's errors reach the caller as they
+    would without the wrapper (``deliver`` logs them), and a sink that
+    throttles or batches sees the stamped alerts. Build one per tenant, once.
+    """
+
+    __slots__ = ("sink", "tenant")
+
+    def __init__(self, sink: AlertSink | Callable[[Alert], None], tenant: str) -> None:
+        from .tenants._tenant import check_tenant_name
+
+        if not callable(sink):
+            raise ConfigurationError(f"alert sink must be callable, got {type(sink).__name__}")
+        self.sink = sink
+        self.tenant = check_tenant_name(tenant)
+
+    def __call__(self, alert: Alert) -> None:
+        self.sink(replace(alert, tenant=self.tenant))
+
+    def __repr__(self) -> str:
+        return f"TenantAlertSink({self.sink!r}, tenant={self.tenant!r})"
+
+
+def alerts_for_tenant(sink: AlertSink | Callable[[Alert], None], tenant: str) -> AlertSink:
+    """``sink``, stamping ``tenant`` on every alert it receives (``TenantAlertSink``)."""
+    return TenantAlertSink(sink, tenant)
 
 
 class WebhookAlertSink:
@@ -184,4 +233,5 @@ def deliver(sink: AlertSink | Callable[[Alert], None], alert: Alert) -> None:
     try:
         sink(alert)
     except Exception:
-        log.exception("alert sink %r failed for %s on %s/%s", sink, alert.kind, alert.topic, alert.key)
+        log.exception("alert sink %r failed for %s on %s%s/%s", sink, alert.kind,
+                      "" if alert.tenant is None else f"tenant {alert.tenant} ", alert.topic, alert.key)

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
+from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from . import _schema
@@ -32,20 +33,14 @@ async def publish_in(
     content_type: str | None,
     event_type: str | None = None,
 ) -> uuid.UUID:
-    """Add one event to ``session``'s transaction (the statements of ``Outbox.publish``, awaited)."""
-    stored = outbox._stored or outbox._accept(
-        await session.run_sync(lambda sync: _schema.read(sync.connection(), outbox.tables)))
-    params = outbox._message(stored, topic, payload, key, headers, delay, content_type, event_type)
-    sql = outbox._sql
-    if params["key"] is None:
-        await session.execute(sql.unkeyed, params)
-    elif sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
-        await session.execute(sql.keyed, params)
-    else:
-        params["seq"] = sql.seq_of(await session.execute(sql.bump_seq, params))
-        await session.execute(sql.insert_with_seq, params)
-    message_id: uuid.UUID = params["message_id"]
-    return message_id
+    """Add one event to ``session``'s transaction (the statements of ``Outbox.publish``, awaited).
+
+    The input is checked here, in the caller's task; the statements run in
+    ``run_sync``, where ``session``'s connection (and so its
+    ``schema_translate_map``, its tenant) is at hand without a second switch.
+    """
+    row, size = outbox._checked_row(topic, payload, key, headers, delay, content_type, event_type)
+    return await session.run_sync(outbox._write, row, size)
 
 
 class AsyncOutbox(OutboxBase):
@@ -117,14 +112,21 @@ class AsyncOutbox(OutboxBase):
         return wrap_async(fn, self.begin, "this outbox has an AsyncEngine")
 
     async def load_schema(self) -> StoredSchema:
-        """The stored schema version and shard count, read on first call and kept (``Outbox.load_schema``)."""
-        if self._stored is None:
-            async with self.engine.connect() as conn:
-                return self._accept(await conn.run_sync(_schema.read, self.tables))
-        return self._stored
+        """The stored schema version and shard count, read on first call and kept (``Outbox.load_schema``).
+
+        Those of the tables the engine reaches (through its ``schema_translate_map``, if any).
+        """
+        kept = self._kept(self.engine.sync_engine)
+        if kept is not None:
+            return kept
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(self._settings_at)
 
     async def create_tables(self) -> None:
         """``Outbox.create_tables`` on the ``AsyncEngine``."""
         async with self.engine.begin() as conn:
-            self._accept(await conn.run_sync(_schema.create, self.tables, self.requested_shards,
-                                             self.requested_max_record_bytes))
+            await conn.run_sync(self._create)
+
+    def _create(self, conn: Connection) -> None:
+        self._accept(_schema.create(conn, self.tables, self.requested_shards,
+                                    self.requested_max_record_bytes), self._place_of(conn))

@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, DateTime, Integer, text
 from sqlalchemy.types import TypeEngine
 
-from ._tables import OutboxStatus, OutboxTables
+from ._tables import OutboxStatus, OutboxTables, sql_name
 
 MAY_BLOCK = "may_block"
 """The generated column behind MySQL's ``ix_outbox_key_waits``; the relay's probe names it."""
@@ -57,7 +57,8 @@ def missing(conn: Connection, tables: OutboxTables) -> list[str]:
 def create(conn: Connection, tables: OutboxTables) -> None:
     """Make what ``missing`` names (the rest is left as it is)."""
     quote = conn.dialect.identifier_preparer
-    messages, keys = quote.format_table(tables.messages), quote.format_table(tables.keys)
+    messages, keys = sql_name(conn, tables.messages), sql_name(conn, tables.keys)
+    schema = conn.schema_for_object(tables.messages)  # a tenant's connection: the tenant's database
     if not _has_column(conn, tables):
         conn.execute(text(
             f"ALTER TABLE {messages} ADD COLUMN {MAY_BLOCK} TINYINT GENERATED ALWAYS AS "
@@ -66,8 +67,8 @@ def create(conn: Connection, tables: OutboxTables) -> None:
             f"STORED INVISIBLE, ADD INDEX {tables.key_waits_index} (topic, `key`, {MAY_BLOCK}, seq)"))
     if not _has_trigger(conn, tables):
         trigger = quote.quote(tables.seq_trigger_name)
-        if tables.schema:
-            trigger = f"{quote.quote_schema(tables.schema)}.{trigger}"
+        if schema:
+            trigger = f"{quote.quote_schema(schema)}.{trigger}"
         conn.execute(text(
             f"CREATE TRIGGER {trigger} BEFORE INSERT ON {messages} FOR EACH ROW "
             "BEGIN "
@@ -83,7 +84,8 @@ def _has_trigger(conn: Connection, tables: OutboxTables) -> bool:
     return conn.execute(text(
         "SELECT 1 FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = COALESCE(:schema, DATABASE())"
         " AND TRIGGER_NAME = :name AND EVENT_OBJECT_TABLE = :table"),
-        {"schema": tables.schema, "table": tables.messages.name, "name": tables.seq_trigger_name},
+        {"schema": conn.schema_for_object(tables.messages), "table": tables.messages.name,
+         "name": tables.seq_trigger_name},
     ).first() is not None
 
 
@@ -91,7 +93,8 @@ def _has_column(conn: Connection, tables: OutboxTables) -> bool:
     return conn.execute(text(
         "SELECT 1 FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = COALESCE(:schema, DATABASE())"
         " AND TABLE_NAME = :table AND COLUMN_NAME = :column"),
-        {"schema": tables.schema, "table": tables.messages.name, "column": MAY_BLOCK},
+        {"schema": conn.schema_for_object(tables.messages), "table": tables.messages.name,
+         "column": MAY_BLOCK},
     ).first() is not None
 
 

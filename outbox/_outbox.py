@@ -97,8 +97,13 @@ class Outbox(OutboxBase):
         Nothing is committed: the event becomes visible to the relay when, and
         only if, the caller's transaction commits. Input outside the contract
         (docs/producer.md, "Input contract") raises a ``MessageValidationError``
-        subclass naming the field before any row is written; only the first
-        publish of an ``Outbox`` reads the stored settings first. Messages with
+        subclass naming the field before any SQL, but for the record limit, a
+        setting of the tables the row goes to: read on the first publish to
+        each schema or database, and kept. The tables are where the session's
+        connection sends them: a ``schema_translate_map`` (on the engine, the
+        session's bind or the connection) routes them to a tenant's schema, and
+        each tenant's stored shard count and record limit apply to its rows
+        (docs/tenants.md). Messages with
         the same ``topic`` and ``key`` get seq 1, 2, 3 … in commit order;
         concurrent writers of one key wait for each other's commit.
         ``content_type`` labels a bytes or str payload (say ``application/avro``);
@@ -110,17 +115,8 @@ class Outbox(OutboxBase):
         if isinstance(session, AsyncSession):
             raise ConfigurationError(
                 "publish() got an AsyncSession; use AsyncOutbox, or await publish_async()")
-        stored = self._stored or self._accept(_schema.read(session.connection(), self.tables))
-        params = self._message(stored, topic, payload, key, headers, delay, content_type, event_type)
-        if params["key"] is None:
-            session.execute(self._sql.unkeyed, params)
-        elif self._sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
-            session.execute(self._sql.keyed, params)
-        else:
-            params["seq"] = self._sql.seq_of(session.execute(self._sql.bump_seq, params))
-            session.execute(self._sql.insert_with_seq, params)
-        message_id: uuid.UUID = params["message_id"]
-        return message_id
+        return self._write(session, *self._checked_row(topic, payload, key, headers, delay, content_type,
+                                                       event_type))
 
     # -- transactions -------------------------------------------------------
 
@@ -170,19 +166,22 @@ class Outbox(OutboxBase):
     def load_schema(self, bind: Engine | Connection | None = None) -> StoredSchema:
         """The stored schema version and shard count, read on first call and kept.
 
-        Raises ``SchemaError`` when the tables are missing, older than this
-        release or newer, and ``ConfigurationError`` when ``shards`` was given
-        and differs from the stored count. ``bind`` defaults to the engine.
+        Those of the tables ``bind`` reaches (default: the engine): its database,
+        and the schema its ``schema_translate_map`` gives the tables; each such
+        place is read once. Raises ``SchemaError`` when the tables are missing,
+        older than this release or newer, and ``ConfigurationError`` when
+        ``shards`` was given and differs from the stored count.
         """
-        if self._stored is None:
-            if isinstance(bind, Connection):
-                return self._accept(_schema.read(bind, self.tables))
-            engine = bind if bind is not None else self.engine
-            if not isinstance(engine, Engine):
-                raise ConfigurationError("this Outbox has an AsyncEngine; await load_schema_async()")
-            with engine.connect() as conn:
-                return self._accept(_schema.read(conn, self.tables))
-        return self._stored
+        where = bind if bind is not None else self.engine
+        if not isinstance(where, Engine | Connection):
+            raise ConfigurationError("this Outbox has an AsyncEngine; await load_schema_async()")
+        kept = self._kept(where)
+        if kept is not None:
+            return kept
+        if isinstance(where, Connection):
+            return self._settings_at(where)
+        with where.connect() as conn:
+            return self._settings_at(conn)
 
     def create_tables(self) -> None:
         """Create the tables that do not exist yet and record the schema version and shard count.
@@ -197,7 +196,7 @@ class Outbox(OutboxBase):
             raise ConfigurationError("this Outbox has an AsyncEngine; use await create_tables_async()")
         with self.engine.begin() as conn:
             self._accept(_schema.create(conn, self.tables, self.requested_shards,
-                                        self.requested_max_record_bytes))
+                                        self.requested_max_record_bytes), self._place_of(conn))
 
     def upgrade_tables(self) -> tuple[int, int]:
         """Bring the tables of an older release to this one's schema, in place, without losing a row.
@@ -207,7 +206,7 @@ class Outbox(OutboxBase):
         """
         if not isinstance(self.engine, Engine):
             raise ConfigurationError("upgrade_tables() needs a sync Engine")
-        self._stored = None
+        self._forget_settings()
         result = _schema.upgrade(self.engine, self.tables, self.requested_shards,
                                  self.requested_max_record_bytes)
         self.load_schema()
@@ -237,17 +236,16 @@ class Outbox(OutboxBase):
 
     async def load_schema_async(self) -> StoredSchema:
         """``load_schema()`` for an ``AsyncEngine``."""
-        if self._stored is None:
-            self._accept(await self._async_outbox().load_schema())
-        assert self._stored is not None
-        return self._stored
+        outbox = self._async_outbox()
+        kept = self._kept(outbox.engine.sync_engine)
+        return kept if kept is not None else self._accept(
+            await outbox.load_schema(), self._place_of(outbox.engine.sync_engine))
 
     async def create_tables_async(self) -> None:
         """``create_tables()`` for an ``AsyncEngine``."""
         outbox = self._async_outbox()
         await outbox.create_tables()
-        assert outbox._stored is not None
-        self._accept(outbox._stored)
+        self._accept(await outbox.load_schema(), self._place_of(outbox.engine.sync_engine))
 
     def _async_outbox(self) -> AsyncOutbox:
         if self._async is None:

@@ -7,14 +7,15 @@ row is written, and the settings stored with the tables, are here, once.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pydantic
-from sqlalchemy import Engine
+from sqlalchemy import Connection, CursorResult, Engine, Pool, Result
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from . import _schema
 from ._envelope import BYTES, TEXT, new_message_id, serialize_payload, utcnow
@@ -27,10 +28,11 @@ from ._errors import (
     RecordTooLargeError,
 )
 from ._events import event_type_of, known_event_type
+from ._notify import notify_payload
 from ._schema import StoredSchema
 from ._sharding import shard_for_key
-from ._statements import PublishStatements
-from ._tables import OutboxTables
+from ._statements import NOTIFY_PAYLOAD, PublishStatements
+from ._tables import MYSQL_FAMILY, OutboxTables
 from ._tracing import with_current_context
 from ._validation import (
     checked_event_type,
@@ -42,6 +44,11 @@ from ._validation import (
     validate_topic,
 )
 from ._wire import envelope_size, event_type_size, header_size
+
+Place = tuple[Pool, str | None]
+"""Where an outbox's tables are: a database (its engine's pool) and a schema in it (None: the default)."""
+MAX_PLACES = 100_000
+"""Places whose settings an outbox keeps at most (tenant schemas of all databases); then it starts over."""
 
 DEFAULT_MAX_PAYLOAD_BYTES = None
 """No cap on the payload alone: the record limit stored with the tables governs."""
@@ -82,7 +89,7 @@ class OutboxBase:
             raise ConfigurationError("pass either tables= or prefix=/schema=, not both")
         self.tables = tables or OutboxTables(prefix=prefix, schema=schema)
         self.requested_shards = None if shards is None else _schema.check_shard_count(shards)
-        self._stored: StoredSchema | None = None
+        self._places: dict[Place, StoredSchema] = {}  # the stored settings of each place published to
         if max_payload_bytes is not None and (
                 isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int)
                 or max_payload_bytes <= 0):
@@ -97,24 +104,84 @@ class OutboxBase:
         self.notify_channel = notify_channel
         self._sql = PublishStatements(self.tables, self.engine.dialect.name, notify_channel)
 
-    def _message(
-        self,
-        stored: StoredSchema,
-        topic: str,
-        payload: object,
-        key: object,
-        headers: Mapping[str, str] | None,
-        delay: timedelta | float | None,
-        content_type: str | None,
-        event_type: str | None = None,
-    ) -> dict[str, Any]:
-        """The statement parameters of one message: its checked row and its shard."""
-        params = self._row(topic, payload, key, headers, delay, content_type, stored.max_record_bytes,
-                           event_type)
-        params["shard"] = shard_for_key(params["key"], stored.shard_count)
-        return params
+    def _write(self, session: Session, row: dict[str, Any], size: int) -> uuid.UUID:
+        """Insert a checked ``row`` of record size ``size`` in ``session``'s transaction.
 
-    def _row(
+        The tables are where the session's connection sends them: its
+        ``schema_translate_map`` (on the engine, the session's bind or the
+        connection) may route the outbox's schema to a tenant's, and the session
+        may be another engine's, another database's. So the stored settings
+        (shard count, record limit) are those of that place, read on its first
+        publish and kept per place (``_settings_at``); the record limit is
+        checked against them. Runs in ``AsyncSession.run_sync`` for the async
+        outbox: its statements, one greenlet switch, as one ``execute`` costs.
+        """
+        conn = session.connection()
+        schema = conn.schema_for_object(self.tables.messages)
+        stored = self._places.get((conn.engine.pool, schema)) or self._settings_at(conn)
+        if size > stored.max_record_bytes:
+            raise _too_large(row, size, stored.max_record_bytes)
+        shard = row["shard"] = shard_for_key(row["key"], stored.shard_count)
+        sql = self._sql
+        if sql.notify is not None:
+            row[NOTIFY_PAYLOAD] = notify_payload(shard, schema)
+        if row["key"] is None:
+            self._check_routed(session.execute(sql.unkeyed, row), schema)
+        elif sql.keyed is not None:  # PostgreSQL (with NOTIFY) and MySQL: one statement
+            self._check_routed(session.execute(sql.keyed, row), schema)
+        else:
+            bumped = session.execute(sql.bump_seq, row)
+            self._check_routed(bumped, schema)
+            row["seq"] = sql.seq_of(bumped)
+            session.execute(sql.insert_with_seq, row)
+        message_id: uuid.UUID = row["message_id"]
+        return message_id
+
+    def _check_routed(self, result: Result[Any], schema: str | None) -> None:
+        """Refuse a row a map of that statement alone sent elsewhere than ``schema``.
+
+        A ``schema_translate_map`` added per statement (a ``do_orm_execute``
+        hook, say) reaches the statement but not the connection ``_write``
+        read the place from: the row went to one tenant's tables, sharded and
+        size-checked by another's settings. The caller's transaction holds it;
+        the error makes the caller roll back, as any error of ``publish()``.
+        """
+        executed = cast(CursorResult[Any], result).context  # Core DML through a Session: a CursorResult
+        translate = executed.execution_options.get("schema_translate_map")
+        own = self.tables.schema
+        went_to = translate.get(own, own) if translate else own
+        if went_to != schema:
+            raise ConfigurationError(
+                f"publish() read the settings of schema {schema!r}, but a schema_translate_map given to "
+                f"this statement alone (a do_orm_execute hook, say) sent the row to {went_to!r}: set "
+                "the map on the engine (engine.execution_options(schema_translate_map=...)), on the "
+                "session's bind or on its connection, and roll this transaction back")
+
+    def _settings_at(self, conn: Connection) -> StoredSchema:
+        """The stored settings of the tables ``conn`` reaches, read now and kept for that place.
+
+        A place is (database, schema): the engine's pool, one per database
+        (``engine.execution_options(...)`` copies share it), and the outbox's
+        schema translated by ``conn``'s ``schema_translate_map``. A session of
+        another dialect than the outbox's engine would get statements it cannot
+        run: refused here, by name.
+        """
+        dialect = conn.dialect.name
+        if dialect != self._sql.dialect and {dialect, self._sql.dialect} != set(MYSQL_FAMILY):
+            raise ConfigurationError(
+                f"this outbox was made for a {self._sql.dialect} engine and got a session of a "
+                f"{dialect} one: make an outbox per kind of database")
+        return self._accept(_schema.read(conn, self.tables), self._place_of(conn))
+
+    def _place_of(self, bind: Connection | Engine) -> Place:
+        """(pool, schema) of ``bind``: where its statements send the outbox's tables."""
+        if isinstance(bind, Connection):
+            return bind.engine.pool, bind.schema_for_object(self.tables.messages)
+        translate = bind.get_execution_options().get("schema_translate_map") or {}
+        schema = self.tables.schema
+        return bind.pool, translate.get(schema, schema)
+
+    def _checked_row(
         self,
         topic: str,
         payload: object,
@@ -122,13 +189,14 @@ class OutboxBase:
         headers: Mapping[str, str] | None,
         delay: timedelta | float | None,
         declared_type: str | None,
-        max_record_bytes: int,
         event_type: str | None = None,
-    ) -> dict[str, Any]:
-        """The row to insert, once every part of the message passed the input contract.
+    ) -> tuple[dict[str, Any], int]:
+        """The row to insert and its record size, once every part of the message passed the input contract.
 
-        On every publish's path: texts are encoded once, ASCII not at all, and
-        the record size is added up from the lengths found on the way.
+        All but the record limit, which is a setting of the tables the row goes
+        to (``_write`` checks it): so bad input is refused before any SQL. On
+        every publish's path: texts are encoded once, ASCII not at all, and the
+        record size is added up from the lengths found on the way.
         """
         topic = validate_topic(topic)  # ASCII by Kafka's rule: its size is its length
         text_key, key_size = checked_key(key)
@@ -155,12 +223,6 @@ class OutboxBase:
         size = len(body) + key_size + envelope_size(content_type) + event_type_size(event_type_bytes)
         for name_size, value_size in header_sizes:
             size += header_size(name_size, value_size)
-        if size > max_record_bytes:
-            raise RecordTooLargeError(
-                f"the record for topic {topic!r} would be {size} bytes (payload {len(body)} bytes, "
-                f"key {key_size}, {len(header_sizes)} header(s) and the envelope), over "
-                f"max_record_bytes={max_record_bytes}, the limit stored with the tables"
-            )
         now = utcnow()
         return {
             "message_id": new_message_id(),
@@ -172,13 +234,49 @@ class OutboxBase:
             "created_at": now,
             "available_at": now + _as_delay(delay),
             "event_type": event_type,
-        }
+        }, size
 
-    def _accept(self, stored: StoredSchema) -> StoredSchema:
+    def _row(
+        self,
+        topic: str,
+        payload: object,
+        key: object,
+        headers: Mapping[str, str] | None,
+        delay: timedelta | float | None,
+        declared_type: str | None,
+        max_record_bytes: int,
+        event_type: str | None = None,
+    ) -> dict[str, Any]:
+        """``_checked_row``'s row, checked against the record limit ``max_record_bytes`` too."""
+        row, size = self._checked_row(topic, payload, key, headers, delay, declared_type, event_type)
+        if size > max_record_bytes:
+            raise _too_large(row, size, max_record_bytes)
+        return row
+
+    def _accept(self, stored: StoredSchema, place: Place) -> StoredSchema:
+        """Keep ``stored`` as the settings of ``place``, once they agree with the ones asked for."""
         _schema.check_same_shards(self.requested_shards, stored.shard_count)
         _schema.check_same_max_record_bytes(self.requested_max_record_bytes, stored.max_record_bytes)
-        self._stored = stored
+        if len(self._places) >= MAX_PLACES:  # engines made and dropped without end: start again
+            self._places.clear()
+        self._places[place] = stored
         return stored
+
+    def _kept(self, bind: Connection | Engine) -> StoredSchema | None:
+        """The settings kept for ``bind``'s place, or None before its first read."""
+        return self._places.get(self._place_of(bind))
+
+    def _forget_settings(self) -> None:
+        """Read every place's settings again (after an upgrade changed them)."""
+        self._places.clear()
+
+
+def _too_large(row: dict[str, Any], size: int, limit: int) -> RecordTooLargeError:
+    key = row["key"]
+    return RecordTooLargeError(
+        f"the record for topic {row['topic']!r} would be {size} bytes (payload {len(row['payload'])} "
+        f"bytes, key {0 if key is None else len(key.encode())}, {len(row['headers'])} header(s) and "
+        f"the envelope), over max_record_bytes={limit}, the limit stored with the tables")
 
 
 _UNTYPED = frozenset({dict, list, tuple, bytes, str})

@@ -37,7 +37,7 @@ from . import _mysql
 from ._envelope import utcnow
 from ._errors import ConfigurationError, SchemaError
 from ._sharding import shard_for_key
-from ._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
+from ._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables, sql_name
 
 DEFAULT_SHARDS = 16
 MAX_SHARDS = 4096
@@ -66,11 +66,11 @@ def add_column(attribute: str, column: str) -> Step:
     """
     def step(conn: Connection, tables: OutboxTables) -> None:
         table = getattr(tables, attribute)
-        present = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+        schema = conn.schema_for_object(table)  # the inspector ignores a schema_translate_map
+        present = {c["name"] for c in inspect(conn).get_columns(table.name, schema=schema)}
         if column not in present:
             ddl = CreateColumn(table.c[column]).compile(dialect=conn.dialect)
-            name = conn.dialect.identifier_preparer.format_table(table)
-            conn.execute(text(f"ALTER TABLE {name} ADD COLUMN {ddl}"))
+            conn.execute(text(f"ALTER TABLE {sql_name(conn, table)} ADD COLUMN {ddl}"))
     return step
 
 
@@ -163,8 +163,10 @@ def read(conn: Connection, tables: OutboxTables) -> StoredSchema:
     version, values = _look(conn, tables)
     if version is None:
         where = f" with prefix {tables.prefix!r}" if tables.prefix else ""
+        schema = conn.schema_for_object(tables.meta)
+        place = "this database" if schema is None else f"schema {schema!r} of this database"
         raise SchemaError(
-            f"no outbox tables{where} in this database: run `outbox init-db` "
+            f"no outbox tables{where} in {place}: run `outbox init-db` "
             "(or Outbox.create_tables())"
         )
     _check_version(version)
@@ -327,7 +329,7 @@ def check(engine: Engine, tables: OutboxTables, *, inbox: bool = False) -> Store
         if inbox:
             found = inspect(conn)
             for table in (tables.inbox_messages, tables.inbox_keys, tables.inbox_parked, tables.inbox_held):
-                if not found.has_table(table.name, schema=table.schema):
+                if not found.has_table(table.name, schema=conn.schema_for_object(table)):
                     raise SchemaError(f"table {table.name} does not exist in this database: "
                                       "run `outbox init-db` (or Inbox.create_tables())")
         return stored
@@ -345,9 +347,9 @@ def _create_mysql_objects(conn: Connection, tables: OutboxTables) -> None:
 
 def _look(conn: Connection, tables: OutboxTables) -> tuple[int | None, dict[str, str]]:
     """(version, meta rows): version None means no tables (or meta rows not yet written)."""
-    found = inspect(conn)
-    if not found.has_table(tables.meta.name, schema=tables.schema):
-        old = found.has_table(tables.messages.name, schema=tables.schema)
+    found = inspect(conn)  # which, unlike Core statements, ignores a schema_translate_map: translate here
+    if not found.has_table(tables.meta.name, schema=conn.schema_for_object(tables.meta)):
+        old = found.has_table(tables.messages.name, schema=conn.schema_for_object(tables.messages))
         return (1 if old else None), {}
     meta = tables.meta
     values = {name: value for name, value in conn.execute(select(meta.c.name, meta.c.value))}
@@ -363,7 +365,7 @@ def _look(conn: Connection, tables: OutboxTables) -> tuple[int | None, dict[str,
 def _has_rows(conn: Connection, tables: OutboxTables) -> bool:
     found = inspect(conn)
     return any(
-        found.has_table(table.name, schema=table.schema)
+        found.has_table(table.name, schema=conn.schema_for_object(table))
         and conn.scalar(select(1).select_from(table).limit(1)) is not None
         for table in (tables.messages, tables.leases)
     )

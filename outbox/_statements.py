@@ -6,6 +6,13 @@ inserted after it in the same transaction, so within a key id order equals seq
 order too. On PostgreSQL the upsert, the insert and the ``pg_notify`` that wakes
 relays at commit are one statement (one round trip).
 
+The notification's payload, ``"<shard>"`` or ``"<shard>:<schema>"`` (``_notify``), is
+a parameter the caller computes: the schema is the one the connection's
+``schema_translate_map`` sends the row to, which only the caller's connection
+knows. Every statement here is SQLAlchemy Core on the ``OutboxTables``, so the
+translate map routes all of them to the tenant's schema, and their compiled
+form is shared by every tenant (SQLAlchemy renders the schema per execution).
+
 On MySQL and MariaDB the insert alone is the statement: a trigger made with the
 tables bumps the counter for a keyed row that comes without a seq (``_mysql``).
 Elsewhere (SQLite) the upsert returns the seq and the insert follows.
@@ -15,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Executable, Insert, Text, bindparam, cast, func, insert, literal, select
+from sqlalchemy import Executable, Insert, Text, bindparam, func, insert, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
@@ -23,6 +30,9 @@ from ._errors import ConfigurationError
 from ._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
+
+NOTIFY_PAYLOAD = "notify_payload"
+"""The parameter of PostgreSQL's statements that holds the NOTIFY payload (``_notify``)."""
 
 _MESSAGE_PARAMS = (
     "message_id", "topic", "key", "shard", "payload", "content_type", "headers",
@@ -75,8 +85,10 @@ class PublishStatements:
         return int(bumped.scalar_one())
 
     def _with_notify(self, stmt: Insert) -> Executable:
+        """``stmt`` and a ``pg_notify`` per inserted row, one statement: the payload is a parameter."""
         if self.notify is None:
             return stmt
         inserted = stmt.returning(self._messages.c.shard).cte("inserted")
-        return select(func.pg_notify(literal(self.notify), cast(inserted.c.shard, Text)))
+        return select(func.pg_notify(literal(self.notify), bindparam(NOTIFY_PAYLOAD, type_=Text))
+                      ).select_from(inserted)
 

@@ -37,7 +37,7 @@ from sqlalchemy import (
     Uuid,
 )
 from sqlalchemy.dialects import mysql
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import TypeEngine
 
 from ._errors import ConfigurationError
@@ -160,6 +160,19 @@ def _stored_message_columns(*, id_is_primary_key: bool = False) -> list[Column[A
         # The envelope's event type (``outbox-event-type``): typed handlers are chosen by it.
         Column("event_type", Name(255)),
     ]
+
+
+def sql_name(conn: Connection, table: Table) -> str:
+    """``table``'s name for hand-written SQL on ``conn``: quoted, in the schema ``conn`` gives it.
+
+    Core statements follow the connection's ``schema_translate_map`` by
+    themselves; text does not, so text names tables through this (a tenant's
+    connection maps the tables' schema to the tenant's).
+    """
+    quote = conn.dialect.identifier_preparer
+    schema = conn.schema_for_object(table)
+    name = quote.quote(table.name)
+    return name if schema is None else f"{quote.quote_schema(schema)}.{name}"
 
 
 class OutboxTables:

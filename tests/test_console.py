@@ -258,7 +258,7 @@ def test_mounted_in_a_host_app_behind_its_own_guard(outbox: Outbox, engine: sa.E
 def test_the_public_names_are_pinned() -> None:
     import outbox.console
 
-    assert outbox.console.__all__ == ["Operators", "create_app"]
+    assert outbox.console.__all__ == ["Operators", "create_app", "create_tenants_app"]
 
 
 def test_bad_configuration_is_refused_when_built(outbox: Outbox) -> None:

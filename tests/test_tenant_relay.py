@@ -18,7 +18,6 @@ import sqlalchemy as sa
 from _relay_helpers import wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
-from outbox._wire import SEQ
 from outbox.tenants import Tenant, TenantRelay
 from transports import Record
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -26,6 +25,8 @@ from transports.memory import InMemoryBroker, InMemoryTransport
 pytestmark = pytest.mark.postgres
 
 HEADER = "x-tenant"
+SEQ = "outbox-seq"
+"""The envelope's seq header (docs/guarantees.md, the wire format)."""
 ROOMY = 1_000_000 + 256
 """A producer limit with room for the tenant header above the stored limit (1,000,000)."""
 
@@ -223,3 +224,49 @@ def test_bad_settings_are_refused_by_name(pg: sa.Engine) -> None:
         fleet(["a"], broker, database=pg, workers=0)
     with pytest.raises(ConfigurationError, match="listed twice"):
         fleet(["a", "a"], broker, database=pg)
+
+
+def test_alerts_and_metrics_say_which_tenant(pg: sa.Engine, topic: str) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from outbox import Alert
+    from outbox.relay import tenant_relay_metrics
+    from outbox.tenants import TenantLabels
+    from transports import Outcome
+
+    outboxes = make_tenants(pg, ["acme", "globex", "initech"])
+    for outbox in outboxes.values():
+        publish(outbox, topic, ["k"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    alerts: list[Alert] = []
+    registry = CollectorRegistry()
+    relay = TenantRelay(list(outboxes), lambda: InMemoryTransport(broker), database=pg, alert=alerts.append,
+                        tenant_header=HEADER, metrics=tenant_relay_metrics(TenantLabels(2), registry))
+    try:
+        relay.refresh()
+        relay._transports[0].fail(topic=topic, outcome=Outcome.FAILED, error="refused")  # the first sent
+        relay.run_once()
+        relay.run_once()
+    finally:
+        relay.close()
+    assert [(a.kind, a.tenant) for a in alerts] == [("message_failed", "acme")]
+    published = {(s.labels["tenant"]): s.value for metric in registry.collect() for s in metric.samples
+                 if s.name == "outbox_tenant_relay_published_total"}
+    # Two tenants by name (the bound), the third under the shared label.
+    assert published == {"globex": 1.0, "_other": 1.0}
+
+
+def test_a_notification_wakes_its_tenant_alone(pg: sa.Engine, topic: str) -> None:
+    """With polling off in effect (an hour), only NOTIFY can wake a tenant: its schema is in the payload."""
+    outboxes = make_tenants(pg, ["n1", "n2"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(["n1", "n2"], broker, database=pg, poll_interval=3600.0))
+    try:
+        wait_for(lambda: running.relay.tenants == ["n1", "n2"], 20, "both served")
+        for round_ in range(3):
+            publish(outboxes["n2"], topic, [f"k{round_}"])
+            wait_for(lambda: pending(outboxes["n2"]) == 0, 10, "n2 woken by its notification")
+        with pg.begin() as conn:  # another process's notification on the channel wakes nobody
+            conn.exec_driver_sql("SELECT pg_notify('outbox', 'not ours'), pg_notify('outbox', '3:nobody')")
+    finally:
+        running.stop()

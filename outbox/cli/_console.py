@@ -10,14 +10,18 @@ parked keys with their handlers.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import typer
 from rich.console import Console
 
+from ..ops import DEFAULT_TENANT_TIMEOUT
+from ..tenants import TenantDatabases
 from . import app
 from ._db import open_engine, open_outbox
 from ._inbox import APP_HELP, load_inbox
-from ._options import DB, LOG_LEVEL, PREFIX, SCHEMA, configure_logging
+from ._options import DB, LOG_LEVEL, PREFIX, SCHEMA, TENANTS, configure_logging
+from ._tenants import TENANT_TIMEOUT_HELP, existing_engine, tenants_of
 
 
 @app.command("console")
@@ -49,6 +53,9 @@ def console(
         help="Addresses of reverse proxies whose X-Forwarded-For/-Proto are believed "
              "(comma-separated, '*' for any)."),
     log_level: str = LOG_LEVEL,
+    tenants: str | None = TENANTS,
+    tenant_timeout: float = typer.Option(DEFAULT_TENANT_TIMEOUT, "--tenant-timeout", min=0.1,
+                                         help=TENANT_TIMEOUT_HELP),
 ) -> None:
     """Serve the web console: overview, failed rows, parked keys and held gaps, with actions.
 
@@ -56,13 +63,14 @@ def console(
     OUTBOX_CONSOLE_USERS="name:password,..." (basic auth); each at least 16
     characters with 8 different ones. Set OUTBOX_CONSOLE_SECRET to share CSRF
     tokens across several console processes. See docs/security.md.
+    With --tenants, one console over every tenant: / lists them with what is stuck in
+    each, /t/NAME/ is tenant NAME's console (docs/tenants.md).
     """
     configure_logging(log_level)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the extra is installed: ``_serve`` uses it)
 
-        from ..console import Operators, create_app
-        from ..console._serve import BoundedH11, serve_until_stopped
+        from ..console import Operators, create_app, create_tenants_app
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
     operators = Operators.from_env()
@@ -71,6 +79,20 @@ def console(
         # Pages show payloads: on a network address they need an operator even to look.
         raise typer.BadParameter(f"serving on {host} needs OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS "
                                  "(the pages show payloads)", param_hint="--host")
+    if tenants is not None:
+        if target or inbox_db:
+            raise typer.BadParameter("--app and --inbox-db serve one database; with --tenants, each "
+                                     "tenant's console shows its own schema or database",
+                                     param_hint="--tenants")
+        engine = open_engine(db)
+        databases = TenantDatabases(engine, make=existing_engine)
+        web = create_tenants_app(tenants_of(tenants, None, engine, schema), databases,
+                                 prefix=prefix, operators=operators, read_only=read_only,
+                                 secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None,
+                                 stuck_after=stuck_after, session_idle=session_idle, max_body=max_body,
+                                 timeout=tenant_timeout)
+        _serve(web, operators.configured, read_only, local, host, port, log_level, forwarded_allow_ips)
+        return
     inbox_engines = [open_engine(url) for url in inbox_db]
     outbox = open_outbox(db, prefix, schema)
     inboxes = [load_inbox(t) for t in target]
@@ -83,8 +105,17 @@ def console(
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after,
                      session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines)
+    _serve(web, operators.configured, read_only, local, host, port, log_level, forwarded_allow_ips)
+
+
+def _serve(web: Any, configured: bool, read_only: bool, local: bool, host: str, port: int, log_level: str,
+           forwarded_allow_ips: str) -> None:
+    import uvicorn
+
+    from ..console._serve import BoundedH11, serve_until_stopped
+
     err = Console(stderr=True)
-    if not operators.configured and not read_only:
+    if not configured and not read_only:
         err.print("no OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS: the console is read-only")
     if not local:
         err.print(f"[yellow]serving on {host}: put it behind TLS (sign-ins and payloads cross the "

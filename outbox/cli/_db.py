@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sqlalchemy
 import typer
 from rich.console import Console
+from rich.markup import escape
 from sqlalchemy import Engine
 
 from .. import _schema
 from .._engine import create_engine, missing_sqlite_file
 from .._errors import ConfigurationError
 from .._outbox import Outbox
+from .._secrets import database_url
 from ..housekeeping import partition_inbox, partition_outbox
+from ..tenants import TenantDatabases, each_tenant
 from . import app
 from ._errors import naming
-from ._options import DB, PREFIX, SCHEMA
+from ._options import DB, PREFIX, SCHEMA, TENANT, TENANTS
+from ._tenants import outcome_status, tenant_only_with_tenants, tenants_of, worst
 
 
 def open_engine(url: str) -> Engine:
@@ -102,45 +108,100 @@ def init_db(
         help="PostgreSQL: partition outbox_messages and inbox_messages by day, so retention drops "
              "whole days; converts existing tables keeping every row (docs/operations.md, "
              "'Housekeeping')."),
+    tenants: str | None = TENANTS,
+    tenant: str | None = TENANT,
 ) -> None:
-    """Create the outbox and inbox tables (existing tables are left alone), or upgrade them."""
+    """Create the outbox and inbox tables (existing tables are left alone), or upgrade them.
+
+    With --tenants, in every tenant's schema or database: each tenant's outcome on
+    lines of its own; a tenant that fails (its schema missing, its database down)
+    is named and the others carry on; the exit status is then 2 or 1.
+    """
     naming(db)
-    outbox = Outbox(create_engine(db), prefix=prefix, schema=schema, shards=shards,
-                    max_record_bytes=max_record_bytes)
-    if partitioned and outbox.engine.dialect.name != "postgresql":
-        raise ConfigurationError(
-            f"--partitioned needs PostgreSQL; {naming(db)} is {outbox.engine.dialect.name}")
-    if reshard is not None:
-        assert isinstance(outbox.engine, Engine)
-        old = _schema.reshard(outbox.engine, outbox.tables, reshard)
-        Console().print(f"shard count changed from {old} to {reshard}")
+    tenant_only_with_tenants(tenants, tenant)
+    options = _InitOptions(prefix, shards, max_record_bytes, upgrade, reshard, new_incarnation, partitioned)
+    if tenants is None:
+        console = Console()
+        for line in _init_one(create_engine(db), schema, options):
+            console.print(line)
         return
-    if new_incarnation:
-        assert isinstance(outbox.engine, Engine)
-        was, now = _schema.new_incarnation(outbox.engine, outbox.tables)
-        Console().print(f"incarnation changed from {was} to {now}: start the relays again")
-        return
-    assert isinstance(outbox.engine, Engine)
-    existed = _existing_tables(outbox.engine, outbox)
-    if upgrade:
+    _init_tenants(db, schema, tenants, tenant, options)
+
+
+@dataclass(frozen=True)
+class _InitOptions:
+    prefix: str
+    shards: int | None
+    max_record_bytes: int | None
+    upgrade: bool
+    reshard: int | None
+    new_incarnation: bool
+    partitioned: bool
+
+
+def _init_tenants(db: str, schema: str | None, spec: str, only: str | None,
+                  options: _InitOptions) -> None:
+    """``init-db`` in each tenant's place, a few at a time, every tenant reported by name."""
+    engine = create_engine(db)
+    databases = TenantDatabases(engine)
+    try:
+        outcomes = each_tenant(tenants_of(spec, only, engine, schema),
+                               lambda tenant, bind: _init_one(bind, tenant.schema, options),
+                               databases=databases, concurrency=INIT_CONCURRENCY)
+    finally:
+        databases.dispose()
+    console = Console()
+    for outcome in outcomes:
+        name = escape(outcome.tenant.name)
+        for line in outcome.value or []:
+            console.print(f"tenant {name}: {line}", soft_wrap=True)  # one line each, for grep
+        if not outcome.ok:
+            console.print(f"tenant {name}: [red]FAILED[/red] {escape(outcome.problem or '')}",
+                          soft_wrap=True, highlight=False)
+    failed = [outcome_status(outcome) for outcome in outcomes if not outcome.ok]
+    console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} tenant(s) done"
+                  + (f", {len(failed)} failed" if failed else ""))
+    if failed:
+        raise typer.Exit(worst(failed))
+
+
+INIT_CONCURRENCY = 4
+"""Tenants whose tables are made at once: DDL takes locks in the catalog, so only a few."""
+
+
+def _init_one(engine: Engine, schema: str | None, options: _InitOptions) -> list[str]:
+    """``init-db`` on one schema of one database; returns what it did, as lines of console markup."""
+    outbox = Outbox(engine, prefix=options.prefix, schema=schema, shards=options.shards,
+                    max_record_bytes=options.max_record_bytes)
+    if options.partitioned and engine.dialect.name != "postgresql":
+        shown = database_url(engine.url.render_as_string(hide_password=False))
+        raise ConfigurationError(f"--partitioned needs PostgreSQL; {shown} is {engine.dialect.name}")
+    if options.reshard is not None:
+        old = _schema.reshard(engine, outbox.tables, options.reshard)
+        return [f"shard count changed from {old} to {options.reshard}"]
+    if options.new_incarnation:
+        was, now = _schema.new_incarnation(engine, outbox.tables)
+        return [f"incarnation changed from {was} to {now}: start the relays again"]
+    existed = _existing_tables(engine, outbox)
+    lines = []
+    if options.upgrade:
         before, after = outbox.upgrade_tables()
     else:
         outbox.create_tables()
-    console = Console()
-    if upgrade and before == after:
-        console.print(f"schema version {after} is current; nothing to upgrade")
-    elif upgrade and before:
-        console.print(f"[green]upgraded[/green] schema version {before} to {after}")
+    if options.upgrade and before == after:
+        lines.append(f"schema version {after} is current; nothing to upgrade")
+    elif options.upgrade and before:
+        lines.append(f"[green]upgraded[/green] schema version {before} to {after}")
     else:
-        console.print(_created(outbox, existed))
-    if partitioned:
-        assert isinstance(outbox.engine, Engine)
-        moved = partition_outbox(outbox.engine, outbox.tables)
-        console.print("outbox_messages is partitioned already" if moved is None
-                      else f"[green]partitioned[/green] outbox_messages by day ({moved:,} row(s) moved)")
-        moved = partition_inbox(outbox.engine, outbox.tables)
-        console.print("inbox_messages is partitioned already" if moved is None
-                      else f"[green]partitioned[/green] inbox_messages by day ({moved:,} row(s) moved)")
+        lines.append(_created(outbox, existed))
+    if options.partitioned:
+        moved = partition_outbox(engine, outbox.tables)
+        lines.append("outbox_messages is partitioned already" if moved is None
+                     else f"[green]partitioned[/green] outbox_messages by day ({moved:,} row(s) moved)")
+        moved = partition_inbox(engine, outbox.tables)
+        lines.append("inbox_messages is partitioned already" if moved is None
+                     else f"[green]partitioned[/green] inbox_messages by day ({moved:,} row(s) moved)")
     stored = outbox.load_schema()
-    console.print(f"shard count {stored.shard_count}, schema version {stored.version}, "
-                  f"max record bytes {stored.max_record_bytes}")
+    lines.append(f"shard count {stored.shard_count}, schema version {stored.version}, "
+                 f"max record bytes {stored.max_record_bytes}")
+    return lines

@@ -10,7 +10,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -23,13 +24,16 @@ from ..housekeeping import (
     RetentionResult,
     parse_period,
     run_retention,
+    run_retention_for_tenants,
 )
 from ..housekeeping._worker import RetentionThread
 from ..inbox import Inbox
+from ..tenants import TenantDatabases
 from . import app
-from ._db import open_outbox
+from ._db import open_engine, open_outbox
 from ._errors import Typer
-from ._options import DB, PREFIX, SCHEMA
+from ._options import DB, PREFIX, SCHEMA, TENANT, TENANTS
+from ._tenants import existing_engine, outcome_status, tenant_only_with_tenants, tenants_of, worst
 
 housekeeping_app = Typer(help="Delete published and processed rows past their retention.",
                          no_args_is_help=True, env_namespace="housekeeping")
@@ -50,8 +54,15 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
+    tenants: str | None = TENANTS,
+    tenant: str | None = TENANT,
 ) -> None:
-    """Delete settled rows past their retention in short batches; safe to stop and run again."""
+    """Delete settled rows past their retention in short batches; safe to stop and run again.
+
+    With --tenants, in every tenant's schema or database, one after another: a tenant
+    that fails (missing tables, its database down) is named, the others are cleaned,
+    and the exit status is then 2 or 1.
+    """
     if older_than is None and dedup_window is None:
         raise typer.BadParameter("give --older-than (outbox rows), --dedup-window (inbox records) or both")
     if group is not None and dedup_window is None:
@@ -59,6 +70,11 @@ def run(
     for flag, value in (("--older-than", older_than), ("--dedup-window", dedup_window)):
         if value is not None:
             parse_period(value, flag)
+    tenant_only_with_tenants(tenants, tenant)
+    if tenants is not None:
+        _run_for_tenants(db, prefix, schema, tenants, tenant, older_than=older_than,
+                         dedup_window=dedup_window, group=group, batch_size=batch_size, dry_run=dry_run)
+        return
     outbox = open_outbox(db, prefix, schema)
     started = time.monotonic()
     shown = [started]
@@ -69,47 +85,88 @@ def run(
             shown[0] = now
             typer.echo(f"{table}: {deleted:,} deleted ({deleted / max(now - started, 1e-9):,.0f} rows/s)")
 
+    with _stopped_by_signals() as (stop, stopped_by):
+        result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
+                               batch_size=batch_size, dry_run=dry_run, progress=progress, stop=stop)
+    _show_result(result, dry_run, time.monotonic() - started)
+    if result.stopped:
+        typer.echo(f"stopped by {stopped_by[0].name} before it finished; run it again to carry on")
+        raise typer.Exit(128 + stopped_by[0].value)
+
+
+@contextmanager
+def _stopped_by_signals() -> Iterator[tuple[threading.Event, list[signal.Signals]]]:
+    """SIGTERM (a CronJob's pod ending) or Ctrl-C set the event: the open batch commits, the
+    totals are printed."""
     stop, stopped_by = threading.Event(), list[signal.Signals]()
 
     def stop_between_batches(signum: int, _frame: object) -> None:
         stopped_by.append(signal.Signals(signum))
         stop.set()
 
-    # SIGTERM (a CronJob's pod ending) or Ctrl-C: the open batch commits, the totals are printed.
     previous = {sig: signal.signal(sig, stop_between_batches) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
-                               batch_size=batch_size, dry_run=dry_run, progress=progress, stop=stop)
+        yield stop, stopped_by
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    elapsed = time.monotonic() - started
+
+
+def _show_result(result: RetentionResult, dry_run: bool, elapsed: float, who: str = "") -> None:
     for parts in (result.partitions, result.inbox_partitions):
         if parts is not None:
-            _show(parts, dry_run)
+            _show(parts, dry_run, who)
     for table, count in result.deleted.items():
         cutoff = f"{result.cutoffs[table]:%Y-%m-%d %H:%M:%S} UTC"
         if dry_run:
-            typer.echo(f"{table}: {count:,} row(s) before {cutoff} would be deleted (dry run)")
+            typer.echo(f"{who}{table}: {count:,} row(s) before {cutoff} would be deleted (dry run)")
         else:
-            typer.echo(f"{table}: {count:,} row(s) before {cutoff} deleted in {elapsed:.1f} s")
-    if result.stopped:
+            typer.echo(f"{who}{table}: {count:,} row(s) before {cutoff} deleted in {elapsed:.1f} s")
+
+
+def _run_for_tenants(db: str, prefix: str, schema: str | None, spec: str, only: str | None, *,
+                     older_than: str | None, dedup_window: str | None, group: str | None,
+                     batch_size: int, dry_run: bool) -> None:
+    """``housekeeping run`` in each tenant's place; every line names its tenant."""
+    engine = open_engine(db)
+    databases = TenantDatabases(engine, make=existing_engine)
+    started = time.monotonic()
+    try:
+        chosen = tenants_of(spec, only, engine, schema)
+        with _stopped_by_signals() as (stop, stopped_by):
+            outcomes = run_retention_for_tenants(
+                chosen, databases, prefix=prefix, older_than=older_than, dedup_window=dedup_window,
+                group=group, batch_size=batch_size, dry_run=dry_run, stop=stop)
+    finally:
+        databases.dispose()
+    elapsed = time.monotonic() - started
+    for outcome in outcomes:
+        if outcome.value is not None:
+            _show_result(outcome.value, dry_run, elapsed, f"tenant {outcome.tenant.name}: ")
+        else:
+            typer.echo(f"tenant {outcome.tenant.name}: FAILED {outcome.problem}")
+    failed = [outcome_status(outcome) for outcome in outcomes if not outcome.ok]
+    typer.echo(f"{len(outcomes) - len(failed)} of {len(chosen)} tenant(s) cleaned"
+               + (f", {len(failed)} failed" if failed else ""))
+    if stopped_by:
         typer.echo(f"stopped by {stopped_by[0].name} before it finished; run it again to carry on")
         raise typer.Exit(128 + stopped_by[0].value)
+    if failed:
+        raise typer.Exit(worst(failed))
 
 
 
-def _show(parts: PartitionReport, dry_run: bool) -> None:
+def _show(parts: PartitionReport, dry_run: bool, who: str = "") -> None:
     """What a pass did with one table's partitions: dropped (with their rows), kept (why), made."""
     verb = "would drop" if dry_run else "dropped"
     for name, rows in parts.dropped.items():
         size = ("row count not known yet" if rows is None
                 else f"{'' if dry_run else 'about '}{rows:,} row(s)")
-        typer.echo(f"{name}: {verb} ({size})")
+        typer.echo(f"{who}{name}: {verb} ({size})")
     for name, why in parts.kept.items():
-        typer.echo(f"{name}: kept, {why}")
+        typer.echo(f"{who}{name}: kept, {why}")
     if parts.created:
-        typer.echo(f"created partition(s) {', '.join(parts.created)}")
+        typer.echo(f"{who}created partition(s) {', '.join(parts.created)}")
 
 
 def retention_every_option() -> Any:

@@ -87,6 +87,9 @@ def relay(
     tenant_header: str | None = TENANT_HEADER,
     workers: int = typer.Option(
         2, min=1, max=64, help="With --tenants: worker threads, each with a producer of its own."),
+    tenant_labels: int = typer.Option(
+        100, min=0, help="With --tenants: the first this many tenants label metrics by name, later ones "
+                         "share the label _other; 0: no tenant label (docs/tenants.md)."),
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -107,7 +110,8 @@ def relay(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
             worker_id=worker_id, batch_size=batch_size, lease_ttl=lease_ttl, poll_interval=poll_interval,
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
-            metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every)
+            metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
+            tenant_labels=tenant_labels)
         return
     elif tenant_header is not None:
         raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")
@@ -149,7 +153,7 @@ TENANT_HEADER_ROOM = 256
 def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict[str, str],
                    bootstrap_servers: str, *, workers: int, prefix: str, webhook: str | None,
                    metrics_port: int | None, metrics_host: str, retention: timedelta | None, every: float,
-                   **tuning: Any) -> None:
+                   tenant_labels: int, **tuning: Any) -> None:
     """``outbox relay --tenants``: one ``TenantRelay`` for every tenant of ``spec`` (docs/tenants.md).
 
     Unless ``message.max.bytes`` is given, the producers allow the default
@@ -159,9 +163,10 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from transports.kafka import KafkaTransport
 
     from .._engine import create_engine
+    from ..housekeeping import tenant_retention_pass
     from ..ops import serve_health, tenant_relay_readiness
-    from ..relay import relay_metrics
-    from ..tenants import TenantRelay, parse_tenants
+    from ..relay import relay_metrics, tenant_relay_metrics
+    from ..tenants import TenantLabels, TenantRelay, parse_tenants
     from ..tenants._relay import QUERY_CACHE_SIZE
 
     if tenant_header is not None and "message.max.bytes" not in settings:
@@ -175,6 +180,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         fleet = TenantRelay(
             parse_tenants(spec, engine), producer, database=engine, workers=workers,
             tenant_header=tenant_header, prefix=prefix,
+            metrics=tenant_relay_metrics(TenantLabels(tenant_labels) if tenant_labels else None),
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(), **tuning)
         latch.hand_to(fleet.stop)
         if metrics_port is not None:
@@ -182,7 +188,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
             serve_health(metrics_port, tenant_relay_readiness(fleet), host=metrics_host)
         tune_gc_for_batches()
         housekeeper = None if retention is None else start_retention(
-            lambda stop: fleet.run_retention(retention, stop=stop), every)
+            tenant_retention_pass(fleet.source, engine, prefix=prefix, older_than=retention), every)
         try:
             fleet.run()
         finally:

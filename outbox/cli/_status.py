@@ -12,15 +12,25 @@ import json
 from typing import Any
 
 import typer
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from .._terminal import stdout_console
-from ..ops import gather
+from ..ops import DEFAULT_TENANT_TIMEOUT, gather, tenant_statuses, tenants_document
+from ..tenants import TenantDatabases
 from . import app
-from ._db import open_outbox
+from ._db import open_engine, open_outbox
 from ._errors import STUCK
-from ._options import DB, PREFIX, SCHEMA
+from ._options import DB, PREFIX, SCHEMA, TENANT, TENANTS
+from ._tenants import (
+    TENANT_TIMEOUT_HELP,
+    existing_engine,
+    outcome_status,
+    tenant_only_with_tenants,
+    tenants_of,
+    worst,
+)
 
 
 @app.command("status")
@@ -33,11 +43,21 @@ def status(
         300.0, "--stuck-after", min=0,
         help="Seconds after which a retrying head or a held gap counts as stuck."),
     as_json: bool = typer.Option(False, "--json", help="Print the status as one JSON document."),
+    tenants: str | None = TENANTS,
+    tenant: str | None = TENANT,
+    tenant_timeout: float = typer.Option(DEFAULT_TENANT_TIMEOUT, "--tenant-timeout", min=0.1,
+                                         help=TENANT_TIMEOUT_HELP),
 ) -> None:
     """Backlog, failed rows, retrying keys, relays and leases, parked keys and held gaps.
 
     Exits 0 when nothing is stuck and 3 when something is, so it serves as a health check.
+    With --tenants, one report over every tenant; a tenant that cannot be read is reported
+    by name and the exit status is then 2 (its tables) or 1 (its database).
     """
+    tenant_only_with_tenants(tenants, tenant)
+    if tenants is not None:
+        _status_of_tenants(db, prefix, schema, tenants, tenant, group, stuck_after, as_json, tenant_timeout)
+        return
     doc = gather(open_outbox(db, prefix, schema, check=False), group=group, stuck_after=stuck_after)
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
@@ -45,6 +65,48 @@ def status(
         _print(doc)
     if doc["stuck"]:
         raise typer.Exit(STUCK)
+
+
+def _status_of_tenants(db: str, prefix: str, schema: str | None, spec: str, only: str | None,
+                       group: str | None, stuck_after: float, as_json: bool, timeout: float) -> None:
+    engine = open_engine(db)
+    databases = TenantDatabases(engine, make=existing_engine)
+    try:
+        outcomes = tenant_statuses(tenants_of(spec, only, engine, schema), databases, prefix=prefix,
+                                   group=group, stuck_after=stuck_after, timeout=timeout)
+    finally:
+        databases.dispose()
+    report = tenants_document(outcomes, stuck_after)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _print_tenants(report)
+    failed = [outcome_status(outcome) for outcome in outcomes if not outcome.ok]
+    if failed:
+        raise typer.Exit(worst(failed))
+    if report["stuck"]:
+        raise typer.Exit(STUCK)
+
+
+def _print_tenants(report: dict[str, Any]) -> None:
+    """Each tenant's report under its name, then every finding, each naming its tenant."""
+    console = stdout_console()
+    for entry in report["tenants"]:
+        where = ", ".join(part for part in (
+            f"schema {entry['schema']}" if entry["schema"] else "",
+            f"database {entry['database']}" if entry["database"] else "") if part)
+        console.print(f"== tenant {entry['tenant']}" + (f" ({where})" if where else ""),
+                      highlight=False, markup=False)
+        if entry["problem"] is not None:
+            console.print(f"cannot read its status: {entry['problem']}", highlight=False, markup=False)
+        else:
+            _print_parts(entry, console)
+    for verdict, findings in (("PROBLEM", report["problems"]), ("STUCK", report["stuck"])):
+        for finding in findings:
+            console.print(f"{verdict}: tenant {finding['tenant']}: {finding['reason']}",
+                          highlight=False, markup=False)
+    if not report["stuck"] and not report["problems"]:
+        console.print(f"nothing stuck in {len(report['tenants'])} tenant(s)")
 
 
 NO_RELAY = ("outbox: nothing to send, and no relay has run on this database "
@@ -65,7 +127,16 @@ def _s(value: float | None) -> str:
 def _print(doc: dict[str, Any]) -> None:
     """Compact: a table only for what has rows, and one closing verdict."""
     console = stdout_console()
+    _print_parts(doc, console)
+    if doc["stuck"]:
+        for reason in doc["stuck"]:
+            console.print(f"STUCK: {reason}", highlight=False, markup=False)
+    else:
+        console.print("nothing stuck")
 
+
+def _print_parts(doc: dict[str, Any], console: Console) -> None:
+    """The outbox and inbox parts of one database's (or tenant's) status, as tables."""
     def show(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
         table = Table(*columns, title=title, title_justify="left", box=None, pad_edge=False)
         for row in rows:
@@ -105,8 +176,3 @@ def _print(doc: dict[str, Any]) -> None:
                g["held_messages"], _s(g["oldest_held_age_s"])) for g in inbox["groups"]])
     else:
         console.print("inbox: nothing parked or held")
-    if doc["stuck"]:
-        for reason in doc["stuck"]:
-            console.print(f"STUCK: {reason}", highlight=False, markup=False)
-    else:
-        console.print("nothing stuck")

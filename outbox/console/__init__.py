@@ -1,7 +1,7 @@
 """The web console: what is stuck, and the operator actions on it, in a browser.
 
 ``create_app`` builds a Starlette app; ``outbox console`` serves it, or mount
-it in your own ASGI app. Needs the ``console`` extra
+it in your own ASGI app; ``create_tenants_app`` is one console over many tenants. Needs the ``console`` extra
 (``pip install "transactional-outbox[console]"``). See docs/operations.md.
 """
 
@@ -15,5 +15,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ._app import create_app
 from ._auth import Operators
+from ._tenants import create_tenants_app
 
-__all__ = ["Operators", "create_app"]
+__all__ = ["Operators", "create_app", "create_tenants_app"]

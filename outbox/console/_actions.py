@@ -21,7 +21,7 @@ from starlette.responses import Response
 from .._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError
 from ..relay import retry_failed, skip_failed
-from ._context import Context, audit, base, group_of
+from ._context import Context, audit, base, cookie_path, group_of
 from ._gate import SESSION_COOKIE, client_of
 from ._groups import database_index
 from ._links import console_path, link
@@ -64,9 +64,11 @@ def failed_action(ctx: Context, action: str) -> Handler:
         try:
             n = await run_in_threadpool(lambda: change(ctx.outbox, ids, by=who, reason=reason))
         except ConfigurationError as exc:
-            audit.info("%s failed rows %s by %s (%s): refused: %s", action, ids, who, reason, exc)
+            audit.info("%s failed rows %s%s by %s (%s): refused: %s", action, ids, _of_tenant(ctx), who,
+                       reason, exc)
             raise Refused(409, str(exc)) from None
-        audit.info("%s failed rows %s by %s (%s): %d changed", action, ids, who, reason, n)
+        audit.info("%s failed rows %s%s by %s (%s): %d changed", action, ids, _of_tenant(ctx), who,
+                   reason, n)
         verb = "retried (pending again)" if action == "retry" else "skipped (never sent)"
         return _done(ctx, request, form, [f"{n} failed row(s) {verb} by {who}: {reason}"],
                      default=f"{base(request)}/failed")
@@ -137,6 +139,12 @@ def discard(ctx: Context) -> Handler:
     return act
 
 
+def _of_tenant(ctx: Context) -> str:
+    """``of tenant NAME`` in an audit line of a console of many tenants (a database's name says it
+    for the other actions)."""
+    return f" of tenant {ctx.tenant}" if ctx.tenant else ""
+
+
 def _lane(value: Any) -> tuple[str, str | None]:
     try:
         topic, key = json.loads(str(value))
@@ -167,7 +175,7 @@ def login(ctx: Context) -> Handler:
                               back=base(request) + "/")
         ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
         response.set_cookie(SESSION_COOKIE, ctx.gate.sessions.start(name), httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https", path=base(request) + "/")
+                            secure=request.url.scheme == "https", path=cookie_path(request))
         return response
     return page
 
@@ -180,6 +188,6 @@ def logout(ctx: Context) -> Handler:
         ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))
         response = ctx.render(request, "result.html", lines=["signed out"], ok=True,
                               back=base(request) + "/")
-        response.delete_cookie(SESSION_COOKIE, path=base(request) + "/")
+        response.delete_cookie(SESSION_COOKIE, path=cookie_path(request))
         return response
     return act

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -15,7 +17,7 @@ from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
 from .._outbox import Outbox
-from .._secrets import database_url
+from .._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
@@ -56,6 +58,18 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     database. Each of ``inboxes`` must use one of these databases or ``outbox``'s.
     Mount it with ``Mount("/outbox", app=create_app(...))``; links follow the mount path.
     """
+    return build_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only, secret=secret,
+                     stuck_after=stuck_after, session_idle=session_idle, max_body=max_body,
+                     inbox_databases=inbox_databases)
+
+
+def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Operators | None = None,
+              read_only: bool = False, secret: bytes | str | None = None,
+              stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
+              max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = (),
+              gate: Gate | None = None, tenant: str | None = None) -> Starlette:
+    """``create_app``, as one tenant's console among many: ``gate`` (who signed in, the sign-in
+    throttle) shared with the other tenants' consoles, every page and database name saying ``tenant``."""
     if not isinstance(outbox, Outbox):
         raise ConfigurationError(f"create_app needs an outbox.Outbox, got {type(outbox).__name__}")
     if operators is not None and not isinstance(operators, Operators):
@@ -72,7 +86,7 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     # database) is one database: listed and counted once, as the trace reads it once.
     engines = [e for i, e in enumerate(engines)
                if e.url != outbox_engine.url and all(e.url != x.url for x in engines[:i])]
-    databases = [_database(e, outbox) for e in (outbox_engine, *engines)]
+    databases = [_database(e, outbox, tenant) for e in (outbox_engine, *engines)]
     by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
         if not isinstance(inbox, Inbox):
@@ -96,9 +110,9 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
     operators = operators or Operators()
-    gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
-    ctx = Context(outbox, by_group, operators, gate, read_only, secret or secrets.token_bytes(32),
-                  float(stuck_after), max_body, databases)
+    gate = gate or Gate(operators, Sessions(idle=float(session_idle)), Throttle())
+    ctx = Context(outbox, by_group, gate.operators, gate, read_only, secret or secrets.token_bytes(32),
+                  float(stuck_after), max_body, databases, tenant)
     outbox_db, *inbox_dbs = databases
     counts = Counts(databases)
 
@@ -143,14 +157,31 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
         assert isinstance(exc, HTTPException)
         return ctx.render(request, "error.html", status=exc.status_code, message=str(exc.detail))
 
+    handlers: dict[Any, Any] = {Refused: refused, _Redirect: redirect, HTTPException: http_error,
+                                OutboxError: outbox_error}
+    if tenant is not None:
+        secrets_of_db = database_secrets(outbox_engine.url.render_as_string(hide_password=False))
+
+        async def database_error(request: Request, exc: Exception) -> Response:
+            # One tenant's database down, or its schema without tables: its pages say so, by name;
+            # the other tenants' pages are not concerned.
+            text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+            return ctx.render(request, "error.html", status=503, message=scrub(
+                f"tenant {tenant}: its database did not serve this page: "
+                f"{text[0] if text else type(exc).__name__}", secrets_of_db))
+        handlers[DBAPIError] = database_error
     return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body)],
-                     exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: http_error,
-                                         OutboxError: outbox_error})
+                     exception_handlers=handlers)
 
 
-def _database(engine: Engine, outbox: Outbox) -> Database:
-    """A database the pages read, named without its password or secret query values."""
-    return Database(database_url(engine.url.render_as_string(hide_password=False)), engine, outbox.tables)
+def _database(engine: Engine, outbox: Outbox, tenant: str | None = None) -> Database:
+    """A database the pages read, named without its password or secret query values (and with
+    the tenant whose schema it is, in a console of many)."""
+    name = database_url(engine.url.render_as_string(hide_password=False))
+    if tenant is not None:
+        schema = outbox.tables.schema
+        name = f"tenant {tenant}: {name}" + (f" schema {schema}" if schema else "")
+    return Database(name, engine, outbox.tables)
 
 
 def _index_of(inbox: Inbox, engines: list[Engine]) -> int:

@@ -63,6 +63,8 @@ class Context:
     max_body: int
     databases: list[Database] = field(default_factory=list)
     """The outbox's database (index 0), then the inbox databases: ``?db=N`` names one (``_groups``)."""
+    tenant: str | None = None
+    """The tenant this console shows, when it is one of many (``create_tenants_app``): every page says so."""
     env: Environment = field(init=False, repr=False)
     heartbeats: Heartbeats = field(init=False, repr=False)
     _discarders: dict[tuple[int, str], Inbox] = field(default_factory=dict, init=False)
@@ -152,11 +154,12 @@ class Context:
             page_url=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
             refresh=REFRESH_SECONDS if request.cookies.get(REFRESH_COOKIE) != "off" else None,
             refresh_off=request.cookies.get(REFRESH_COOKIE) == "off",
-            session_login=self.operators.token is not None, **values)
+            session_login=self.operators.token is not None, tenant=self.tenant,
+            tenants_root=request.scope.get(TENANTS_ROOT), **values)
         response = HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
         if fresh:
             response.set_cookie(_csrf.COOKIE, cookie, httponly=True, samesite="strict",
-                                secure=request.url.scheme == "https", path=base(request) + "/")
+                                secure=request.url.scheme == "https", path=cookie_path(request))
         return response
 
     def _read_only_because(self) -> str | None:
@@ -183,6 +186,16 @@ class _Redirect(Exception):
 def base(request: Request) -> str:
     """Where the console is mounted ("" at the root): every link and cookie path starts here."""
     return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+TENANTS_ROOT = "outbox.console.tenants_root"
+"""Scope key: where a console of many tenants is mounted, set by it for its tenants' consoles."""
+
+
+def cookie_path(request: Request) -> str:
+    """The path of the console's cookies: under a console of many tenants, all of it, so one
+    sign-in and one form token serve every tenant's pages."""
+    return str(request.scope.get(TENANTS_ROOT, base(request))) + "/"
 
 
 def group_of(values: Mapping[str, Any]) -> str:

@@ -28,7 +28,7 @@ from starlette.responses import RedirectResponse, Response
 
 from .._tables import OutboxStatus as Status
 from ..ops import Database
-from ._context import REFRESH_COOKIE, Context, base
+from ._context import REFRESH_COOKIE, Context, base, cookie_path
 from ._links import console_path
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -108,6 +108,6 @@ def toggle_refresh(ctx: Context) -> Handler:
         back = console_path(request.query_params.get("back", ""), base(request)) or base(request) + "/"
         response = RedirectResponse(back, status_code=303)
         response.set_cookie(REFRESH_COOKIE, to, httponly=True, samesite="strict", max_age=365 * 86400,
-                            secure=request.url.scheme == "https", path=base(request) + "/")
+                            secure=request.url.scheme == "https", path=cookie_path(request))
         return response
     return page

@@ -6,13 +6,28 @@ their retention in short batches, online (docs/operations.md, "Housekeeping").
 after which a retention pass drops whole settled partitions (``maintain_partitions``);
 ``partition_inbox`` does the same for ``inbox_messages``, by the day inside each message id
 (``maintain_inbox_partitions``), keeping the dedup key the primary key.
+``run_retention_for_tenants`` runs retention in many tenants' schemas or databases,
+one tenant's failure named and the others cleaned all the same.
 """
 
 from ._durations import parse_period
 from ._inbox_partitions import maintain_inbox_partitions, partition_inbox
 from ._partitions import PartitionReport, maintain_partitions, partition_outbox
 from ._retention import DEFAULT_BATCH_SIZE, RetentionResult, count_settled, run_retention
+from ._tenants import TenantProgress, run_retention_for_tenants, tenant_retention_pass
 
-__all__ = ["DEFAULT_BATCH_SIZE", "PartitionReport", "RetentionResult", "count_settled",
-           "maintain_inbox_partitions", "maintain_partitions", "parse_period", "partition_inbox",
-           "partition_outbox", "run_retention"]
+__all__ = [
+           "DEFAULT_BATCH_SIZE",
+           "PartitionReport",
+           "RetentionResult",
+           "TenantProgress",
+           "count_settled",
+           "maintain_inbox_partitions",
+           "maintain_partitions",
+           "parse_period",
+           "partition_inbox",
+           "partition_outbox",
+           "run_retention",
+           "run_retention_for_tenants",
+           "tenant_retention_pass",
+]

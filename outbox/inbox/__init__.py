@@ -17,6 +17,7 @@ from .._tables import InboxOutcome
 from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedReplay
 from ._inbox import Inbox
 from ._kinds import ForeignRecords, Reason, StartPolicy, UnknownEvents
+from ._metrics import InboxMetrics, TenantInboxMetrics, tenant_inbox_metrics
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "ForeignRecords",
     "HandlerSignal",
     "Inbox",
+    "InboxMetrics",
     "InboxOutcome",
     "NotParkedError",
     "ParkMessage",
@@ -35,5 +37,7 @@ __all__ = [
     "SkipMessage",
     "StartPolicy",
     "StopRequested",
+    "TenantInboxMetrics",
     "UnknownEvents",
+    "tenant_inbox_metrics",
 ]

@@ -17,7 +17,7 @@ from ._admin import (
     skip_failed,
 )
 from ._batch import BatchResult
-from ._metrics import RelayMetrics, relay_metrics
+from ._metrics import RelayMetrics, TenantRelayMetrics, relay_metrics, tenant_relay_metrics
 from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
 from ._settings import RelaySettings
@@ -27,6 +27,7 @@ __all__ = [
     "Relay",
     "RelayMetrics",
     "RelaySettings",
+    "TenantRelayMetrics",
     "backlog",
     "failed_rows",
     "refuse_smaller_producer",
@@ -35,4 +36,5 @@ __all__ = [
     "retrying_heads",
     "shard_leases",
     "skip_failed",
+    "tenant_relay_metrics",
 ]

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from prometheus_client import Gauge
 from sqlalchemy import Engine
 
 from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._envelope import utcnow
 from .._outbox import Outbox
+from ..tenants._metric_views import GaugeFamily
 from ._admin import RetryingHead, retrying_heads
 
 WATCH_LIMIT = 500
@@ -33,7 +33,7 @@ class StuckKeys:
     """Watches one relay's retrying heads; ``check`` is called from one thread (the watch loop)."""
 
     def __init__(self, outbox: Outbox, engine: Engine, after: float,
-                 alert: AlertSink | Callable[[Alert], None], gauge: Gauge, worker_id: str) -> None:
+                 alert: AlertSink | Callable[[Alert], None], gauge: GaugeFamily, worker_id: str) -> None:
         self.outbox, self.engine, self.after = outbox, engine, after
         self.alert, self.worker_id = alert, worker_id
         self.gauge = gauge.labels(worker_id)

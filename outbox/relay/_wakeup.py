@@ -1,10 +1,11 @@
 """Waking the relay: PostgreSQL notifications, timers and polling all end in one Event.
 
-On PostgreSQL ``publish()`` runs ``pg_notify(channel, shard)`` which the server
-delivers at commit; a dedicated connection here LISTENs and sets the event, so
-the relay reacts in milliseconds instead of a poll interval. If that connection
-breaks, it is reopened every second (one log line when it breaks, one when it
-is back); polling covers the gap.
+On PostgreSQL ``publish()`` runs ``pg_notify(channel, payload)`` which the server
+delivers at commit (the payload names the shard and the schema, ``outbox._notify``:
+a ``TenantRelay`` wakes that schema's tenant alone); a dedicated connection
+here LISTENs and sets the event, so the relay reacts in milliseconds instead
+of a poll interval. If that connection breaks, it is reopened every second
+(one log line when it breaks, one when it is back); polling covers the gap.
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 import tenacity
@@ -45,19 +44,27 @@ from sqlalchemy import Engine
 from transports import Record, SendResult, Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink, LoggingAlertSink, deliver
+from .._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from .._cloudevents import CloudEvents
 from .._engine import create_engine
 from .._errors import ConfigurationError, SchemaError
+from .._notify import parse_notify_payload
 from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, first_line, is_database_outage
 from .._outbox import Outbox
 from .._secrets import database_url
 from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._wire import header_size
-from ..housekeeping import RetentionResult, run_retention
-from ..relay import BatchResult, Relay, RelayMetrics, RelaySettings, relay_metrics
+from ..relay import (
+    BatchResult,
+    Relay,
+    RelaySettings,
+    TenantRelayMetrics,
+    relay_metrics,
+    tenant_relay_metrics,
+)
 from ..relay._settings import DEFAULT_BACKOFF, default_worker_id
 from ..relay._wakeup import start_listening
+from ._labels import TenantLabels
 from ._tenant import Tenant, TenantsLike, TenantSource, tenant_source
 
 log = safe_logger("outbox.relay")
@@ -105,7 +112,7 @@ class TenantRelay:
         notify_channel: str | None = "outbox",
         worker_id: str | None = None,
         alert: AlertSink | Callable[[Alert], None] | None = None,
-        metrics: RelayMetrics | None = None,
+        metrics: TenantRelayMetrics | None = None,
         batch_size: int = 1000,
         lease_ttl: float = 30.0,
         poll_interval: float = 2.0,
@@ -141,11 +148,17 @@ class TenantRelay:
         self.alert = alert if alert is not None else LoggingAlertSink()
         if not callable(self.alert):
             raise ConfigurationError(f"alert must be an AlertSink or callable, got {self.alert!r:.80}")
-        self.metrics = metrics or relay_metrics()
+        # Per tenant, the label bounded by a policy (TenantLabels: the first 100 tenants by name);
+        # what belongs to the process (the broker, a database's outages) in the plain families.
+        self.metrics = metrics if metrics is not None else tenant_relay_metrics(TenantLabels())
+        if not isinstance(self.metrics, TenantRelayMetrics):
+            raise ConfigurationError(
+                f"metrics must be a TenantRelayMetrics (tenant_relay_metrics(...)), got {metrics!r:.80}")
+        self._process_metrics = relay_metrics(self.metrics.registry)
         self._relay_options: dict[str, Any] = dict(
             batch_size=batch_size, lease_ttl=lease_ttl, poll_interval=poll_interval, backoff=backoff,
             wheel_tick=wheel_tick, key_stuck_after=key_stuck_after, cloudevents=cloudevents,
-            metrics=self.metrics, worker_id=self.worker_id)
+            worker_id=self.worker_id)
         self._outbox_options: dict[str, Any] = dict(prefix=prefix, notify_channel=notify_channel)
         self.notify_channel = notify_channel
         self._default = database
@@ -158,7 +171,7 @@ class TenantRelay:
         self._local = threading.local()
         self.broker_outage = OutageTracker(
             f"relay {self.worker_id}: broker", log=log, wording=RELAY_WORDING,
-            count=self.metrics.outages.labels("broker").inc)
+            count=self._process_metrics.outages.labels("broker").inc)
         self._lock = threading.Condition()
         self._ready: deque[_Unit] = deque()
         self._timers: list[tuple[float, int, _Unit, int]] = []
@@ -190,32 +203,6 @@ class TenantRelay:
         down = sum(1 for db in self._databases.values() if db.down)
         return f"{down} of its {len(self._databases)} database(s) unreachable" if down else None
 
-    def run_retention(self, older_than: timedelta, *, stop: threading.Event | None = None) -> RetentionResult:
-        """One retention pass over every tenant served (``--retention``), one tenant after the other.
-
-        A tenant that fails (its tables, its database) is logged and skipped;
-        the others are cleaned. The counts are keyed ``tenant:table``.
-        """
-        total = RetentionResult()
-        for unit in list(self._units.values()):
-            relay = unit.relay
-            if relay is None or unit.db.down:
-                continue
-            if stop is not None and stop.is_set():
-                total.stopped = True
-                break
-            try:
-                result = run_retention(relay.outbox, older_than=older_than, stop=stop)
-            except Exception as exc:
-                log.warning("relay %s: retention of tenant %s failed: %s", self.worker_id, unit.tenant.name,
-                            first_line(exc))
-                continue
-            for table, count in result.deleted.items():
-                total.deleted[f"{unit.tenant.name}:{table}"] = count
-                total.cutoffs[f"{unit.tenant.name}:{table}"] = result.cutoffs[table]
-            total.stopped = total.stopped or result.stopped
-        return total
-
     def relay_of(self, name: str) -> Relay | None:
         """The ``Relay`` serving tenant ``name``, if it is served (for its leases, wheel and settings)."""
         unit = self._units.get(name)
@@ -240,6 +227,7 @@ class TenantRelay:
             new = [tenant for name, tenant in wanted.items() if name not in self._units]
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
+            self.metrics.forget(unit.tenant.name)
             if unit.state != "running":
                 self._close_unit(unit)  # a running one is closed by its worker
         for tenant in new:
@@ -272,8 +260,9 @@ class TenantRelay:
     def _new_relay(self, unit: _Unit) -> Relay:
         engine = unit.db.engine
         outbox = Outbox(engine, schema=unit.tenant.schema, **self._outbox_options)
-        alert = _TenantAlerts(self.alert, unit.tenant.name)
-        return Relay(outbox, _TenantTransport(self, unit.tenant.name), engine=engine, alert=alert,
+        name = unit.tenant.name
+        return Relay(outbox, _TenantTransport(self, name), engine=engine,
+                     alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
                      database_outage=unit.db.outage, **self._relay_options)
 
     def _database_of(self, tenant: Tenant) -> _Database:
@@ -291,7 +280,7 @@ class TenantRelay:
             db = _Database(engine, owned=not isinstance(database, Engine), outage=OutageTracker(
                 f"relay {self.worker_id}: database {shown}", log=log, wording=RELAY_WORDING,
                 backoff=OutageBackoff(first=self.settings.poll_interval / 4, cap=5.0),
-                count=self.metrics.outages.labels("database").inc))
+                count=self._process_metrics.outages.labels("database").inc))
             self._databases[key] = db
             if not self._stopping.is_set() and self._listening and self.notify_channel is not None:
                 self._listen(db)
@@ -300,12 +289,15 @@ class TenantRelay:
     # -- the loop ---------------------------------------------------------------
 
     _listening = False
+    _runs_started = False
 
     def run(self, *, stop_timeout: float = STOP_TIMEOUT) -> None:
         """Publish until ``stop()`` or SIGTERM/SIGINT; then finish the batches in hand, release leases.
 
         Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
         """
+        self._runs_started = True
+
         def start() -> threading.Thread | None:
             return run_with_stop_bound(self._run, stop=self.stop, stopping=self._stopping.is_set,
                                        name="outbox-tenant-relay", what=f"relay {self.worker_id}", log=log,
@@ -495,9 +487,15 @@ class TenantRelay:
                                       on_connect=lambda: self._wake_all(db), stop=self._stopping)
 
     def _notified(self, db: _Database, payload: str) -> None:
-        """A commit in ``db``: the payload is ``shard`` or ``shard:schema``; wake that schema's tenant."""
-        _, colon, schema = payload.partition(":")
-        unit = db.units.get(schema if colon else None)
+        """A commit in ``db``: wake the tenant of the schema the payload names (``outbox._notify``).
+
+        Another process may NOTIFY on the channel: a payload that is not ours wakes nobody.
+        """
+        try:
+            _, schema = parse_notify_payload(payload)
+        except ValueError:
+            return
+        unit = db.units.get(schema)
         if unit is not None:
             self._wake(unit)
 
@@ -549,13 +547,19 @@ class TenantRelay:
         self._stopping.set()
 
     def close(self) -> None:
-        """Release what ``run_once`` calls held, close the transports and the engines it made."""
-        for unit in list(self._units.values()):
-            self._close_unit(unit)
+        """Close the transports and the engines it made; after ``run_once`` calls, release their leases.
+
+        After ``run`` the leases were released by ``run`` itself, or left to
+        expire when a database did not answer within the stop bound: ``close``
+        then touches no database, so a process stopping with one frozen exits.
+        """
+        if not self._runs_started:
+            for unit in list(self._units.values()):
+                self._close_unit(unit)
         for made in self._transports:
             close = getattr(made, "close", None)
             if callable(close):
-                close()
+                close(1.0)  # nothing is outstanding after a batch, unless one was left behind
         for db in self._databases.values():
             if db.owned:
                 db.engine.dispose()
@@ -627,16 +631,6 @@ class _TenantTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         """Nothing: the fleet closes its workers' transports."""
-
-
-class _TenantAlerts:
-    """An alert sink that adds the tenant to every alert of its relay (in ``details``)."""
-
-    def __init__(self, sink: AlertSink | Callable[[Alert], None], tenant: str) -> None:
-        self._sink, self._tenant = sink, tenant
-
-    def __call__(self, alert: Alert) -> None:
-        deliver(self._sink, replace(alert, details={**alert.details, "tenant": self._tenant}))
 
 
 def _close_quietly(relay: Relay, unit: _Unit, worker_id: str) -> None:

@@ -1,0 +1,114 @@
+"""``each_tenant``: every tenant gets exactly one outcome, in order, whatever the others do.
+
+Over every mix of tenants that succeed, fail on their own, or find their database down,
+spread over a few databases and run a few at a time: the outcomes keep the tenants'
+order, a failure names what went wrong for that tenant only, and a tenant skipped
+because its database was found down is so only after an earlier tenant of that database
+found it down. A tenant that hangs is given up on at its deadline and its thread left
+behind, while the others are served.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from outbox import ConfigurationError, create_engine
+from outbox.tenants import Tenant, TenantDatabases, each_tenant
+
+
+@pytest.fixture(scope="module", name="memory")
+def memory_engine() -> Iterator[sa.Engine]:
+    engine = create_engine("sqlite://")
+    yield engine
+    engine.dispose()
+
+
+def fleet(plan: list[tuple[str, int]]) -> list[Tenant]:
+    return [Tenant(f"t{i}", schema=f"s{i}", database=f"sqlite:///db{db}.db")
+            for i, (_, db) in enumerate(plan)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=st.lists(st.tuples(st.sampled_from(["ok", "error", "outage"]), st.integers(0, 2)), max_size=12),
+       concurrency=st.integers(1, 4))
+def test_every_tenant_gets_one_outcome_in_order(memory: sa.Engine, plan: list[tuple[str, int]],
+                                                 concurrency: int) -> None:
+    tenants = fleet(plan)
+    called: list[str] = []
+    lock = threading.Lock()
+
+    def work(tenant: Tenant, bind: sa.Engine) -> str:
+        assert bind is memory
+        with lock:
+            called.append(tenant.name)
+        kind = plan[int(tenant.name[1:])][0]
+        if kind == "error":
+            raise ValueError(f"boom {tenant.name}")
+        if kind == "outage":
+            raise sa.exc.InterfaceError("SELECT 1", {}, Exception(f"gone {tenant.name}"))
+        return tenant.name
+
+    outcomes = each_tenant(tenants, work, databases=TenantDatabases(memory, make=lambda url: memory),
+                           concurrency=concurrency)
+
+    assert [o.tenant for o in outcomes] == tenants
+    assert len(called) == len(set(called))
+    for index, (outcome, (kind, db)) in enumerate(zip(outcomes, plan, strict=True)):
+        name = outcome.tenant.name
+        if name not in called:  # skipped: an earlier tenant of its database found it down
+            assert outcome.unreachable and "unreachable (found by tenant t" in (outcome.problem or "")
+            finder = int((outcome.problem or "").rsplit("tenant t", 1)[1].rstrip(")"))
+            assert finder < index and plan[finder] == ("outage", db)
+        elif kind == "ok":
+            assert outcome.ok and outcome.value == name
+        elif kind == "error":
+            assert outcome.problem == f"ValueError: boom {name}" and not outcome.unreachable
+        else:
+            assert outcome.unreachable and f"cannot reach database sqlite:///db{db}.db: gone {name}" == \
+                outcome.problem
+    if concurrency == 1:  # one at a time: nothing of a database found down runs after it
+        for index, (kind, db) in enumerate(plan):
+            if kind == "outage" and tenants[index].name in called:
+                later = [t.name for t, (_, d) in zip(tenants[index + 1:], plan[index + 1:], strict=True)
+                         if d == db]
+                assert not set(later) & set(called)
+
+
+def test_a_hanging_tenant_is_given_up_on_at_its_deadline(memory: sa.Engine) -> None:
+    release = threading.Event()
+    tenants = [Tenant("ice", database="sqlite:///frozen.db"), Tenant("a", schema="a"),
+               Tenant("ice2", schema="x", database="sqlite:///frozen.db"), Tenant("b", schema="b")]
+
+    def work(tenant: Tenant, bind: sa.Engine) -> str:
+        if tenant.name == "ice":
+            release.wait(30)
+        return tenant.name
+
+    started = time.monotonic()
+    try:
+        outcomes = each_tenant(tenants, work, databases=TenantDatabases(memory, make=lambda url: memory),
+                               timeout=0.3, concurrency=1)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 5
+    assert [o.problem for o in outcomes] == [
+        "no answer within 0.3 s (is its database frozen?)", None,
+        "database sqlite:///frozen.db did not answer (found by tenant ice)", None]
+    assert [o.value for o in outcomes] == [None, "a", None, "b"]
+
+
+def test_bad_arguments_are_refused_by_name(memory: sa.Engine) -> None:
+    databases = TenantDatabases(memory)
+    with pytest.raises(ConfigurationError, match="concurrency"):
+        each_tenant([], lambda t, e: None, databases=databases, concurrency=0)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        each_tenant([], lambda t, e: None, databases=databases, timeout=0)
+    (outcome,) = each_tenant([Tenant("lost")], lambda t, e: None, databases=TenantDatabases(None))
+    assert outcome.problem == "tenant lost names no database and there is no default"
