@@ -4,19 +4,22 @@ All against a durable local PostgreSQL (``local_postgres()`` defaults) and the
 embedded Kafka-protocol broker (librdkafka's mock cluster, in this process; the
 relays are separate processes that reach it over TCP, through ``KafkaTransport``).
 The fleet is the real command, ``python -m outbox relay --tenants file:...``
-(``TenantRelay``, default ``--workers 2``, so a pool of 4 connections and one
-LISTEN connection); the single-schema relay is ``python -m outbox relay --schema``.
-Both run with ``--batch-size 1000 --poll-interval 5``: notifications wake them,
-not polls.
+(``TenantRelay``, with ``--workers`` 2, the default, and 8: a pool of workers + 2
+connections and one LISTEN connection); the single-schema relay is ``python -m
+outbox relay --schema``. Both run with ``--batch-size 1000 --poll-interval 5
+--lease-ttl 30``: notifications wake them, not polls (and with the CLI's 10 s
+TTL, a fleet of 500 tenants renewing every tenant's leases on its workers lost
+them as fast as it took them).
 
 - throughput: ``--messages`` (200,000) rows spread evenly over ``--tenants``
   (500) schemas of one database (20 keys each: 10,000 keys in all) drained by
   one fleet process, against the same rows over the same 10,000 keys in one
-  schema drained by one single-schema relay. The two alternate (``--pairs``,
-  default 3); the rows are loaded in one transaction while the relay runs,
-  which then gets a notification per schema (``shard:schema``); the time is
-  from that commit to the last row's ``published_at`` (taken when the broker's
-  delivery reports are in). Target: fleet / single ≥ 0.8, median of the pairs.
+  schema drained by one single-schema relay. They alternate (``--pairs``
+  rounds, default 3: the single relay, then the fleet at each ``--workers``);
+  the rows are loaded in one transaction while the relay runs, which then gets
+  a notification per schema (``shard:schema``); the time is from that commit
+  to the last row's ``published_at`` (taken when the broker's delivery reports
+  are in). Target: fleet / single ≥ 0.8, median of the rounds' ratios.
 - fairness: one tenant (``t_000``) gets a backlog of ``--backlog`` (1,000,000)
   rows, loaded with one ``INSERT ... SELECT generate_series`` (per-key seq
   1..100 over 10,000 keys, ``outbox_keys`` to match), while a quiet tenant (the
@@ -24,13 +27,14 @@ not polls.
   one message every 50 ms through ``Outbox.publish``; latency is its row's
   ``published_at`` minus the writer's commit time. Measured with the same fleet
   (the 500 schemas plus the quiet tenant) without a backlog ("alone") and while
-  the backlog drains. Target: p99 with the backlog ≤ 2 x p99 alone.
+  the backlog drains, with the last ``--workers`` value. Target: p99 with the
+  backlog ≤ 2 x p99 alone.
 - memory and connections: the relay process's RSS (``VmRSS`` after the drain,
   ``VmHWM`` its peak) and its PostgreSQL connections (``pg_stat_activity``
   rows of its ``application_name``, sampled during the drain; the maximum).
 
     python tests/benchmarks/bench_tenants.py [--tenants N] [--messages N] [--pairs N]
-                                             [--backlog N] [--quiet-seconds S]
+                                             [--workers 2,8] [--backlog N] [--quiet-seconds S]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -135,7 +140,8 @@ def count_pending(engine: sa.Engine, schema: str) -> int:
 def last_published(engine: sa.Engine, schemas: list[str]) -> float:
     parts = " UNION ALL ".join(f'SELECT max(published_at) AS at FROM "{s}".outbox_messages' for s in schemas)
     with engine.connect() as conn:
-        return conn.scalar(sa.text(f"SELECT max(at) FROM ({parts}) AS m")).timestamp()
+        at: datetime = conn.scalar(sa.text(f"SELECT max(at) FROM ({parts}) AS m"))
+    return at.timestamp()
 
 
 def leased(engine: sa.Engine, schemas: list[str]) -> int:
@@ -162,7 +168,7 @@ def wait_until(check: object, what: str, timeout: float = 300) -> None:
 class RelayProcess:
     """A relay in its own process, with its connections counted by ``application_name``."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     app: str
     cpu_start: float = 0.0
     connections: list[int] = field(default_factory=list)
@@ -411,9 +417,9 @@ def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
         [i + 1, f"{r.single.rate:,.0f} ({r.single.cpu_seconds:.1f})"] + [
             f"{r.fleets[w].rate:,.0f} ({r.fleets[w].cpu_seconds:.1f}), {r.fleets[w].rate / r.single.rate:.2f}"
             for w in args.workers] for i, r in enumerate(rounds)]
-    rows.append(["median", f"{statistics.median(r.single.rate for r in rounds):,.0f}"] + [
+    rows.append(["median", f"{statistics.median(r.single.rate for r in rounds):,.0f}", *[
         f"{statistics.median(r.fleets[w].rate for r in rounds):,.0f}, **{ratio(w):.2f}**"
-        for w in args.workers])
+        for w in args.workers]])
     targets = "; ".join(f"`--workers {w}` {ratio(w):.2f} — {verdict(ratio(w) >= 0.8)}" for w in args.workers)
     memory = [["single schema", f"{last.single.rss_kib / 1024:.0f}", f"{last.single.hwm_kib / 1024:.0f}",
                max(r.single.connections for r in rounds), "pool 5 (+ 10 overflow) + LISTEN 1"]]
