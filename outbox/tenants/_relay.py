@@ -29,6 +29,7 @@ the producer set, so no tenant can send under another's name.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import threading
@@ -180,6 +181,8 @@ class TenantRelay:
         self._stopping = threading.Event()
         self._runs = RunOnce(self._stopping, f"relay {self.worker_id}")
         self._refreshed = threading.Event()
+        self._unfrozen: set[_Unit] = set()
+        """Tenants built since the heap was last frozen (``_freeze_new_tenants``)."""
 
     def __repr__(self) -> str:
         return f"TenantRelay(worker_id={self.worker_id!r}, tenants={len(self._units)})"
@@ -255,6 +258,8 @@ class TenantRelay:
                 self._database_back(db)
             self._tenant_ok(unit)
             log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
+            with self._lock:
+                self._unfrozen.add(unit)
             self._wake(unit)
 
     def _new_relay(self, unit: _Unit) -> Relay:
@@ -338,12 +343,35 @@ class TenantRelay:
             except Exception as exc:
                 log.error("relay %s: cannot read its tenants: %s; keeps serving the ones it has",
                           self.worker_id, first_line(exc))
+            self._freeze_new_tenants()
             # Tenants that could not start (their database down, tables missing) are tried again sooner.
             deadline = time.monotonic() + self.refresh_every
             while not self._stopping.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
                     break
                 self._start_pending()
+                self._freeze_new_tenants()
+
+    def _freeze_new_tenants(self) -> None:
+        """Freeze the heap again once the tenants built since have served a batch, if it was frozen.
+
+        ``outbox relay`` freezes what it loaded before ``run`` (``tune_gc_for_batches``),
+        but the tenants' relays, and the statements of their first batch, are built
+        inside ``run``: for 500 tenants some 2.8 million objects that every full
+        collection walked, a 1.5 s pause of every worker, which a quiet tenant's
+        message waited out next to a backlog (docs/benchmarks.md, "Many tenants").
+        A process that never froze its heap is left as it is: a library does not
+        change interpreter-wide settings on its own.
+        """
+        with self._lock:
+            if not self._unfrozen or not gc.get_freeze_count():
+                return
+            if any(unit.relay is not None and not unit.removed and not unit.served
+                   for unit in self._unfrozen):
+                return
+            self._unfrozen.clear()
+        gc.collect()
+        gc.freeze()
 
     def _clock(self) -> None:
         """Wake tenants whose poll, retry or wheel timer is due, until the stop."""
@@ -416,6 +444,7 @@ class TenantRelay:
             probe = db.probing = db.down
         try:
             batch = relay.run_once()
+            unit.served = True
             if now >= unit.watch_at:
                 unit.watch_at = now + relay.leases.ttl / 3
                 relay.stuck_keys.check(sorted(relay.leases.owned()))
@@ -598,6 +627,8 @@ class _Unit:
     retry_at: float = 0.0
     watch_at: float = 0.0
     last: BatchResult = field(default_factory=BatchResult)
+    served: bool = False
+    """It has run a batch: its statements are built (``_freeze_new_tenants``)."""
 
 
 class _TenantTransport:
