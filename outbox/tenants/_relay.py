@@ -176,13 +176,14 @@ class TenantRelay:
         self._polls: deque[_Unit] = deque()
         """Tenants whose poll is due (or woken after an outage): every ``_POLL_SHARE``-th turn."""
         self._turn = 0
-        self._fresh = False
         self._timers: list[tuple[float, int, _Unit, int]] = []
         self._timed: set[_Unit] = set()
         self._order = itertools.count()
         self._stopping = threading.Event()
         self._runs = RunOnce(self._stopping, f"relay {self.worker_id}")
         self._refreshed = threading.Event()
+        self._unfrozen: set[_Unit] = set()
+        """Tenants built since the heap was last frozen (``_freeze_new_tenants``)."""
 
     def __repr__(self) -> str:
         return f"TenantRelay(worker_id={self.worker_id!r}, tenants={len(self._units)})"
@@ -290,6 +291,8 @@ class TenantRelay:
                 self._database_back(db)
             self._tenant_ok(unit)
             log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
+            with self._lock:
+                self._unfrozen.add(unit)
             self._wake(unit)
 
     def _new_relay(self, unit: _Unit) -> Relay:
@@ -387,29 +390,35 @@ class TenantRelay:
             except Exception as exc:
                 log.error("relay %s: cannot read its tenants: %s; keeps serving the ones it has",
                           self.worker_id, first_line(exc))
+            self._freeze_new_tenants()
             # Tenants that could not start (their database down, tables missing) are tried again sooner.
             deadline = time.monotonic() + self.refresh_every
             while not self._stopping.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-                self._refreeze()
                 if time.monotonic() >= deadline:
                     break
                 self._start_pending()
+                self._freeze_new_tenants()
 
-    def _refreeze(self) -> None:
-        """Freeze again the objects of tenants that served their first batch, if the process froze its heap.
+    def _freeze_new_tenants(self) -> None:
+        """Freeze the heap again once the tenants built since have served a batch, if it was frozen.
 
-        ``outbox relay`` freezes what is loaded before it runs (``outbox._gc``),
-        but a fleet builds each tenant's relay, tables and statements later,
-        hundreds of thousands of long-lived objects for 500 tenants. Left in
-        sight, every full collection walks them all and stops every thread for
-        a second or more, a quiet tenant's message waiting meanwhile. Frozen
-        once built, they are never walked again. Only done when the process
-        chose to freeze (``gc.get_freeze_count()``): a library does not change
-        an embedding service's collector on its own.
+        ``outbox relay`` freezes what it loaded before ``run`` (``tune_gc_for_batches``),
+        but the tenants' relays, and the statements of their first batch, are built
+        inside ``run``: for 500 tenants some 2.8 million objects that every full
+        collection walked, a 1.5 s pause of every worker, which a quiet tenant's
+        message waited out next to a backlog (docs/benchmarks.md, "Many tenants").
+        A process that never froze its heap is left as it is: a library does not
+        change interpreter-wide settings on its own.
         """
-        if self._fresh and gc.get_freeze_count():
-            self._fresh = False
-            gc.freeze()
+        with self._lock:
+            if not self._unfrozen or not gc.get_freeze_count():
+                return
+            if any(unit.relay is not None and not unit.removed and not unit.served
+                   for unit in self._unfrozen):
+                return
+            self._unfrozen.clear()
+        gc.collect()
+        gc.freeze()
 
     def _clock(self) -> None:
         """Wake tenants whose poll, retry or wheel timer is due, until the stop."""
@@ -482,6 +491,7 @@ class TenantRelay:
             probe = db.probing = db.down
         try:
             batch = relay.run_once()
+            unit.served = True
             if now >= unit.watch_at:
                 # A key is stuck after minutes (key_stuck_after): a check per tenant every fifth of
                 # that is on time, and 500 tenants do not query every lease renewal interval.
@@ -504,9 +514,6 @@ class TenantRelay:
             if probe:
                 db.probing = False
         unit.last = batch
-        if not unit.served:
-            unit.served = True
-            self._fresh = True  # its statements exist now: ``_refreeze`` hides them from the collector
         if db.down:
             self._database_back(db)
         self._tenant_ok(unit)
@@ -715,8 +722,6 @@ class _Unit:
     relay: Relay | None = None
     state: str = "idle"
     """idle, queued (in the ready queue) or running (on a worker): never two workers at once."""
-    served: bool = False
-    """Has served a batch: its objects (statements, compiled SQL) are built."""
     polled: bool = False
     """Queued for a poll (``_polls``) rather than woken (``_ready``)."""
     again: bool = False
@@ -727,6 +732,8 @@ class _Unit:
     retry_at: float = 0.0
     watch_at: float = 0.0
     last: BatchResult = field(default_factory=BatchResult)
+    served: bool = False
+    """It has run a batch: its statements are built (``_freeze_new_tenants``)."""
 
 
 class _TenantTransport:

@@ -1,0 +1,489 @@
+"""Many tenants, one relay process: throughput, a quiet tenant next to a backlog, memory, connections.
+
+All against a durable local PostgreSQL (``local_postgres()`` defaults) and the
+embedded Kafka-protocol broker (librdkafka's mock cluster, in this process; the
+relays are separate processes that reach it over TCP, through ``KafkaTransport``).
+The fleet is the real command, ``python -m outbox relay --tenants file:...``
+(``TenantRelay``, with ``--workers`` 2, the default, and 8: a pool of workers + 2
+connections and one LISTEN connection); the single-schema relay is ``python -m
+outbox relay --schema``. Both run with ``--batch-size 1000 --poll-interval 5
+--lease-ttl 30``: notifications wake them, not polls (and with the CLI's 10 s
+TTL, a fleet of 500 tenants renewing every tenant's leases on its workers lost
+them as fast as it took them).
+
+- throughput: ``--messages`` (200,000) rows spread evenly over ``--tenants``
+  (500) schemas of one database (20 keys each: 10,000 keys in all) drained by
+  one fleet process, against the same rows over the same 10,000 keys in one
+  schema drained by one single-schema relay. They alternate (``--pairs``
+  rounds, default 3: the single relay, then the fleet at each ``--workers``);
+  the rows are loaded in one transaction while the relay runs, which then gets
+  a notification per schema (``shard:schema``); the time is from that commit
+  to the last row's ``published_at`` (taken when the broker's delivery reports
+  are in). Target: fleet / single ≥ 0.8, median of the rounds' ratios.
+- fairness: one tenant (``t_000``) gets a backlog of ``--backlog`` (1,000,000)
+  rows, loaded with one ``INSERT ... SELECT generate_series`` (per-key seq
+  1..100 over 10,000 keys, ``outbox_keys`` to match), while a quiet tenant (the
+  database's default schema, which the producer's notification wakes) publishes
+  one message every 50 ms through ``Outbox.publish``; latency is its row's
+  ``published_at`` minus the writer's commit time. Measured with the same fleet
+  (the 500 schemas plus the quiet tenant) without a backlog ("alone") and while
+  the backlog drains, with the last ``--workers`` value. Target: p99 with the
+  backlog ≤ 2 x p99 alone.
+- memory and connections: the relay process's RSS (``VmRSS`` after the drain,
+  ``VmHWM`` its peak) and its PostgreSQL connections (``pg_stat_activity``
+  rows of its ``application_name``, sampled during the drain; the maximum).
+
+    python tests/benchmarks/bench_tenants.py [--tenants N] [--messages N] [--pairs N]
+                                             [--workers 2,8] [--backlog N] [--quiet-seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _report import markdown_table, write_section
+
+from outbox import Outbox, create_engine
+from outbox._sharding import shard_for_key
+from outbox.testing import local_postgres
+from transports.kafka import embedded_kafka
+
+PAYLOAD = '{"order":"o-1","status":"paid","total":"19.90","currency":"EUR","lines":[{"sku":"A-1","qty":2}]}'
+SINGLE = "single"
+BACKLOG_TENANT = "t_000"
+BACKLOG_KEYS = 10_000
+RELAY_OPTIONS = ("--batch-size", "1000", "--poll-interval", "5", "--lease-ttl", "30",
+                 "--log-level", "WARNING")
+
+
+def schema_names(count: int) -> list[str]:
+    return [f"t_{i:03d}" for i in range(count)]
+
+
+# -- set-up ---------------------------------------------------------------------------
+
+def create_schemas(engine: sa.Engine, schemas: list[str]) -> None:
+    with engine.begin() as conn:
+        for schema in schemas:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    for schema in schemas:
+        Outbox(engine, schema=schema).create_tables()
+
+
+def key_table(engine: sa.Engine, keys: int, shards: int = 16) -> None:
+    """``bench_keys(k, key, shard)``: key number k's name and its relay shard, as the producer computes it."""
+    rows = [{"k": k, "key": f"key-{k}", "shard": shard_for_key(f"key-{k}", shards)} for k in range(keys)]
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE IF EXISTS bench_keys"))
+        conn.execute(sa.text("CREATE TABLE bench_keys (k int PRIMARY KEY, key text, shard int)"))
+        conn.execute(sa.text("INSERT INTO bench_keys VALUES (:k, :key, :shard)"), rows)
+
+
+def insert_rows(conn: sa.Connection, schema: str | None, topic: str, rows: int, first_key: int,
+                keys: int) -> None:
+    """``rows`` pending rows over ``keys`` keys from ``first_key`` on, round robin, seq 1, 2, ... per key.
+
+    What ``Outbox.publish`` would have written (and ``outbox_keys`` to match),
+    in one statement: row n goes to key ``first_key + n % keys`` with seq
+    ``n / keys + 1``, in id order.
+    """
+    table = f'"{schema}".outbox_messages' if schema else "outbox_messages"
+    keys_table = f'"{schema}".outbox_keys' if schema else "outbox_keys"
+    conn.execute(sa.text(f"""
+        INSERT INTO {table} (message_id, topic, key, seq, shard, payload, content_type, headers,
+                             created_at, available_at, attempts, status)
+        SELECT gen_random_uuid(), :topic, k.key, n / :keys + 1, k.shard, convert_to(:payload, 'UTF8'),
+               'application/json', '{{}}'::json, now(), now(), 0, 'pending'
+        FROM generate_series(0, :rows - 1) AS n JOIN bench_keys k ON k.k = :first + n % :keys
+        ORDER BY n"""), {"topic": topic, "keys": keys, "rows": rows, "first": first_key, "payload": PAYLOAD})
+    conn.execute(sa.text(f"""
+        INSERT INTO {keys_table} (topic, key, last_seq)
+        SELECT :topic, key, (:rows - 1 - (k - :first)) / :keys + 1 FROM bench_keys
+        WHERE k >= :first AND k < :first + least(:keys, :rows)
+        ON CONFLICT (topic, key) DO UPDATE SET last_seq = excluded.last_seq"""),
+        {"topic": topic, "keys": keys, "rows": rows, "first": first_key})
+
+
+def truncate(engine: sa.Engine, schemas: list[str]) -> None:
+    tables = ", ".join(f'"{s}".outbox_messages, "{s}".outbox_keys' for s in schemas)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {tables}"))
+
+
+def any_pending(engine: sa.Engine, schemas: list[str]) -> bool:
+    probes = " OR ".join(f"""EXISTS (SELECT 1 FROM "{s}".outbox_messages WHERE status = 'pending')"""
+                         for s in schemas)
+    with engine.connect() as conn:
+        return bool(conn.scalar(sa.text(f"SELECT {probes}")))
+
+
+def count_pending(engine: sa.Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.text(
+            f"""SELECT count(*) FROM "{schema}".outbox_messages WHERE status = 'pending'""")) or 0)
+
+
+def last_published(engine: sa.Engine, schemas: list[str]) -> float:
+    parts = " UNION ALL ".join(f'SELECT max(published_at) AS at FROM "{s}".outbox_messages' for s in schemas)
+    with engine.connect() as conn:
+        at: datetime = conn.scalar(sa.text(f"SELECT max(at) FROM ({parts}) AS m"))
+    return at.timestamp()
+
+
+def leased(engine: sa.Engine, schemas: list[str]) -> int:
+    """How many of ``schemas`` have all their 16 shards leased (by a live lease)."""
+    parts = " UNION ALL ".join(
+        f"""SELECT (SELECT count(*) FROM "{s}".outbox_leases WHERE owner IS NOT NULL
+                    AND expires_at > now()) = 16 AS ok""" for s in schemas)
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.text(f"SELECT count(*) FILTER (WHERE ok) FROM ({parts}) AS l")) or 0)
+
+
+def wait_until(check: object, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+# -- the relay process ------------------------------------------------------------------
+
+@dataclass
+class RelayProcess:
+    """A relay in its own process, with its connections counted by ``application_name``."""
+
+    proc: subprocess.Popen[bytes]
+    app: str
+    cpu_start: float = 0.0
+    connections: list[int] = field(default_factory=list)
+
+    def status(self, name: str) -> int:
+        """A ``VmRSS``/``VmHWM``-like line of /proc/PID/status, in KiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+        raise RuntimeError(f"no {name} for {self.proc.pid}")
+
+    def cpu(self) -> float:
+        """User + system CPU seconds of the process so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def count_connections(self, engine: sa.Engine) -> int:
+        with engine.connect() as conn:
+            n = int(conn.scalar(sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"),
+                                {"a": self.app}) or 0)
+        self.connections.append(n)
+        return n
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
+
+
+def start_relay(url: str, servers: str, app: str, *selection: str) -> RelayProcess:
+    env = {**os.environ, "PGAPPNAME": app}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers", servers,
+         "--worker-id", app, *RELAY_OPTIONS, *selection],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return RelayProcess(proc, app)
+
+
+def tenants_file(directory: str, schemas: list[str], quiet: bool) -> str:
+    path = Path(directory) / ("fleet-quiet.json" if quiet else "fleet.json")
+    entries: list[object] = list(schemas)
+    if quiet:
+        entries.append({"name": "quiet"})  # the database's default schema
+    path.write_text(json.dumps(entries))
+    return f"file:{path}"
+
+
+# -- throughput -----------------------------------------------------------------------------
+
+@dataclass
+class Drain:
+    rate: float
+    rss_kib: int
+    hwm_kib: int
+    connections: int
+    cpu_seconds: float
+
+
+@dataclass
+class Round:
+    single: Drain
+    fleets: dict[int, Drain]
+    """By the fleet's worker count."""
+
+
+def drain(engine: sa.Engine, relay: RelayProcess, schemas: list[str], messages: int, keys: int) -> Drain:
+    """Load ``messages`` rows spread over ``schemas`` while ``relay`` runs; time it to the last ack."""
+    per_schema, keys_each = messages // len(schemas), keys // len(schemas)
+    with engine.begin() as conn:
+        for i, schema in enumerate(schemas):
+            insert_rows(conn, schema, "bench", per_schema, i * keys_each, keys_each)
+        for schema in schemas:
+            conn.execute(sa.text("ANALYZE " + f'"{schema}".outbox_messages'))
+        for schema in schemas:
+            conn.execute(sa.text("SELECT pg_notify('outbox', :p)"), {"p": f"0:{schema}"})
+    committed = time.time()
+    cpu = relay.cpu()
+    while any_pending(engine, schemas):
+        relay.count_connections(engine)
+        time.sleep(0.1)
+    cpu = relay.cpu() - cpu
+    elapsed = last_published(engine, schemas) - committed
+    return Drain(per_schema * len(schemas) / elapsed, relay.status("VmRSS"), relay.status("VmHWM"),
+                 max(relay.connections), cpu)
+
+
+def run_throughput(url: str, servers: str, engine: sa.Engine, schemas: list[str], messages: int,
+                   keys: int, fleet_spec: str, *, workers: int | None) -> Drain:
+    """The single-schema relay (``workers`` None) or the fleet with ``workers`` workers."""
+    fleet = workers is not None
+    served = schemas if fleet else [SINGLE]
+    truncate(engine, served)
+    relay = (start_relay(url, servers, "bench-fleet", "--tenants", fleet_spec, "--workers", str(workers))
+             if fleet else start_relay(url, servers, "bench-single", "--schema", SINGLE))
+    try:
+        wait_until(lambda: leased(engine, served) == len(served), "the relay's leases")
+        time.sleep(1)  # its first polls are over: the drain starts from a settled relay
+        return drain(engine, relay, served, messages, keys)
+    finally:
+        relay.stop()
+
+
+# -- fairness --------------------------------------------------------------------------------
+
+def quiet_latencies(engine: sa.Engine, seconds: float, interval: float = 0.05) -> list[float]:
+    """Publish one message every ``interval`` s to the default schema; commit → ack in ms."""
+    outbox = Outbox(engine)
+    committed: dict[str, float] = {}
+    start = time.perf_counter()
+    for n in range(int(seconds / interval)):
+        if (delay := start + n * interval - time.perf_counter()) > 0:
+            time.sleep(delay)
+        with outbox.begin() as session:
+            message_id = outbox.publish(session, "quiet", PAYLOAD.encode(), key=f"q-{n % 50}")
+        committed[str(message_id)] = time.time()
+    m = outbox.tables.messages
+
+    def acked() -> bool:
+        with engine.connect() as conn:
+            return not conn.scalar(sa.select(sa.func.count()).where(m.c.status == "pending"))
+    wait_until(acked, "the quiet tenant's last messages", timeout=120)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(m.c.message_id, m.c.published_at).where(m.c.topic == "quiet")).all()
+    with engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE outbox_messages"))
+    return sorted((at.timestamp() - committed[str(mid)]) * 1000 for mid, at in rows if str(mid) in committed)
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+@dataclass
+class Fairness:
+    alone: list[float]
+    busy: list[float]
+    backlog_at_start: int
+    backlog_at_end: int
+    load_seconds: float
+    drained_per_second: float
+    idle_cpu: float
+    idle_rss_kib: int
+    connections: int
+
+
+def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], backlog: int,
+                 seconds: float, spec: str, workers: int) -> Fairness:
+    truncate(engine, schemas)
+    relay = start_relay(url, servers, "bench-fleet", "--tenants", spec, "--workers", str(workers))
+    try:
+        wait_until(lambda: leased(engine, [*schemas, "public"]) == len(schemas) + 1, "the fleet's leases")
+        time.sleep(1)
+        cpu = relay.cpu()
+        relay.count_connections(engine)
+        alone = quiet_latencies(engine, seconds)
+        idle_cpu = (relay.cpu() - cpu) / seconds
+        idle_rss = relay.status("VmRSS")
+        print(f"alone: p99 {p99(alone):.1f} ms over {len(alone)} messages; fleet CPU {idle_cpu:.0%}",
+              flush=True)
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            insert_rows(conn, BACKLOG_TENANT, "backlog", backlog, 0, BACKLOG_KEYS)
+            conn.execute(sa.text(f'ANALYZE "{BACKLOG_TENANT}".outbox_messages'))
+            conn.execute(sa.text("SELECT pg_notify('outbox', :p)"), {"p": f"0:{BACKLOG_TENANT}"})
+        load_seconds = time.perf_counter() - started
+        at_start = count_pending(engine, BACKLOG_TENANT)
+        print(f"backlog of {backlog:,} loaded in {load_seconds:.1f} s; {at_start:,} pending", flush=True)
+        sampler = threading.Event()
+
+        def sample() -> None:
+            while not sampler.wait(0.5):
+                relay.count_connections(engine)
+        sampling = threading.Thread(target=sample, daemon=True)
+        sampling.start()
+        began = time.perf_counter()
+        busy = quiet_latencies(engine, seconds)
+        at_end = count_pending(engine, BACKLOG_TENANT)
+        drained = (at_start - at_end) / (time.perf_counter() - began)
+        sampler.set()
+        sampling.join()
+        print(f"with the backlog: p99 {p99(busy):.1f} ms; backlog {at_start:,} -> {at_end:,} pending",
+              flush=True)
+    finally:
+        relay.stop()
+    return Fairness(alone, busy, at_start, at_end, load_seconds, drained, idle_cpu, idle_rss,
+                    max(relay.connections))
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tenants", type=int, default=500)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--keys", type=int, default=10_000)
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of single / fleet runs, alternating")
+    parser.add_argument("--workers", default="2,8",
+                        help="the fleet's --workers, one fleet run per value in each round; "
+                             "the last value also runs the fairness part")
+    parser.add_argument("--backlog", type=int, default=1_000_000)
+    parser.add_argument("--quiet-seconds", type=float, default=40.0)
+    args = parser.parse_args()
+    args.workers = [int(w) for w in args.workers.split(",")]
+    load_before = os.getloadavg()[0]
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    schemas = schema_names(args.tenants)
+    with local_postgres() as url, embedded_kafka() as servers, tempfile.TemporaryDirectory() as tmp:
+        engine = create_engine(url, connect_args={"application_name": "bench"})
+        started = time.perf_counter()
+        create_schemas(engine, [*schemas, SINGLE])
+        Outbox(engine).create_tables()  # the quiet tenant: the default schema
+        key_table(engine, max(args.keys, BACKLOG_KEYS))
+        print(f"{len(schemas) + 1} schemas made in {time.perf_counter() - started:.0f} s", flush=True)
+        spec = tenants_file(tmp, schemas, quiet=False)
+        rounds: list[Round] = []
+        for _ in range(args.pairs):
+            single = run_throughput(url, servers, engine, schemas, args.messages, args.keys, spec,
+                                    workers=None)
+            fleets = {}
+            for workers in args.workers:
+                fleets[workers] = run_throughput(url, servers, engine, schemas, args.messages, args.keys,
+                                                 spec, workers=workers)
+            rounds.append(Round(single, fleets))
+            print(f"single {single.rate:,.0f} msg/s ({single.cpu_seconds:.1f} CPU s); " + "; ".join(
+                f"fleet x{w} {f.rate:,.0f} msg/s ({f.cpu_seconds:.1f} CPU s): {f.rate / single.rate:.2f}"
+                for w, f in fleets.items()), flush=True)
+        fairness = run_fairness(url, servers, engine, schemas, args.backlog, args.quiet_seconds,
+                                tenants_file(tmp, schemas, quiet=True), args.workers[-1])
+        engine.dispose()
+    report(args, rounds, fairness, (load_before, os.getloadavg()[0]), uptime_before)
+
+
+def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
+           load: tuple[float, float], uptime: str) -> None:
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    def ratio(workers: int) -> float:
+        return statistics.median(r.fleets[workers].rate / r.single.rate for r in rounds)
+
+    n, most = args.tenants, args.workers[-1]
+    alone, busy = p99(fair.alone), p99(fair.busy)
+    last = rounds[-1]
+    header = ["round", "single schema msg/s (CPU s)"] + [
+        f"fleet, --workers {w}: msg/s (CPU s), / single" for w in args.workers]
+    rows: list[list[object]] = [
+        [i + 1, f"{r.single.rate:,.0f} ({r.single.cpu_seconds:.1f})"] + [
+            f"{r.fleets[w].rate:,.0f} ({r.fleets[w].cpu_seconds:.1f}), {r.fleets[w].rate / r.single.rate:.2f}"
+            for w in args.workers] for i, r in enumerate(rounds)]
+    rows.append(["median", f"{statistics.median(r.single.rate for r in rounds):,.0f}", *[
+        f"{statistics.median(r.fleets[w].rate for r in rounds):,.0f}, **{ratio(w):.2f}**"
+        for w in args.workers]])
+    targets = "; ".join(f"`--workers {w}` {ratio(w):.2f} — {verdict(ratio(w) >= 0.8)}" for w in args.workers)
+    memory = [["single schema", f"{last.single.rss_kib / 1024:.0f}", f"{last.single.hwm_kib / 1024:.0f}",
+               max(r.single.connections for r in rounds), "pool 5 (+ 10 overflow) + LISTEN 1"]]
+    for w in args.workers:
+        seen = max(r.fleets[w].connections for r in rounds)
+        if w == most:
+            seen = max(seen, fair.connections)
+        memory.append([f"fleet, {n} schemas, --workers {w}", f"{last.fleets[w].rss_kib / 1024:.0f}",
+                       f"{last.fleets[w].hwm_kib / 1024:.0f}", seen, f"pool {w + 2} + LISTEN 1"])
+    per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
+    body = f"""## Many tenants: one relay process for {n} tenant schemas
+
+`python tests/benchmarks/bench_tenants.py` — durable local PostgreSQL (`local_postgres()`
+defaults), embedded Kafka-protocol broker (librdkafka mock cluster) in the benchmark process,
+relays as separate processes through `KafkaTransport`: the fleet is `python -m outbox relay
+--tenants file:...` ({n} schemas of one database), the single-schema relay is
+`python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 30`.
+Load average before / after: {load[0]:.1f} / {load[1]:.1f} (`{uptime}`; two cores shared with
+other jobs, so absolute figures move; the ratios are from the same run).
+
+**Throughput**, the same total load: {args.messages:,} messages over {args.keys:,} keys, spread
+evenly over the {n} schemas ({args.messages // n:,} rows and {args.keys // n} keys each) for the
+fleet, in one schema for the single relay. Rows loaded in one transaction while the relay runs
+(then a notification per schema, `0:<schema>`); time from that commit to the last
+`published_at`. Each round runs the single relay, then the fleet with each worker count;
+{len(rounds)} rounds, the ratios are the medians of the rounds' ratios. CPU s: the relay
+process's user + system CPU during the drain.
+
+{markdown_table(header, rows)}
+
+Target: fleet ≥ 0.8 of the single-schema relay — {targets}.
+
+**Fairness** (`--workers {most}`): tenant `{BACKLOG_TENANT}` gets a backlog of {args.backlog:,} rows
+({BACKLOG_KEYS:,} keys, loaded by one `INSERT ... SELECT generate_series` in {fair.load_seconds:.0f} s)
+while a quiet tenant (the default schema, woken by the producer's notification) commits one
+message every 50 ms through `Outbox.publish` for {args.quiet_seconds:.0f} s; latency is its row's
+`published_at` minus the writer's commit time. The same fleet ({n} schemas + the quiet tenant),
+first without the backlog ("alone"), then while the backlog drains: {fair.backlog_at_start:,} rows
+pending when the quiet writer started, {fair.backlog_at_end:,} when it stopped
+({fair.drained_per_second:,.0f} rows/s drained meanwhile).
+
+{markdown_table(["quiet tenant", "messages", "p50 ms", "p99 ms", "max ms"], [
+    ["alone", len(fair.alone), f"{statistics.median(fair.alone):.1f}", f"{alone:.1f}",
+     f"{max(fair.alone):.1f}"],
+    ["next to the backlog", len(fair.busy), f"{statistics.median(fair.busy):.1f}", f"{busy:.1f}",
+     f"{max(fair.busy):.1f}"],
+])}
+
+Target: p99 next to the backlog ≤ 2 x p99 alone — {busy / alone:.2f} x — {verdict(busy <= 2 * alone)}.
+
+**Memory and connections** of the relay process: RSS after the last round's drain, its peak,
+and the most PostgreSQL connections of its `application_name` seen while it drained (sampled
+every 0.1 s), against the bound (the pool, `--workers` + 2, plus one LISTEN connection per
+database, whatever the number of schemas; {n} single-schema relays would hold {n} pools and
+{n} LISTEN connections):
+
+{markdown_table(["relay", "RSS MiB", "peak RSS MiB", "PostgreSQL connections seen", "bound"], memory)}
+
+Per tenant: {per_tenant:,.0f} KiB of RSS above the single relay (`--workers {most}`). Idle (its
+{n + 1} tenants served, no backlog, poll interval 5 s), the fleet used {fair.idle_cpu:.0%} of a
+core and {fair.idle_rss_kib / 1024:.0f} MiB.
+"""
+    write_section("tenants", body)
+
+
+if __name__ == "__main__":
+    main()
