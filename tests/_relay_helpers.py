@@ -107,3 +107,28 @@ class ScriptedTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         pass
+
+
+def schema_outboxes(engine: sa.Engine, names: Sequence[str], *, shards: int = 4) -> dict[str, Outbox]:
+    """A schema per name in ``engine``'s database, each with its outbox tables: tenants of a fleet."""
+    outboxes = {}
+    for name in names:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+        outbox = Outbox(engine, schema=name, shards=shards)
+        outbox.create_tables()
+        outboxes[name] = outbox
+    return outboxes
+
+
+def pending(outbox: Outbox) -> int:
+    return len(rows(outbox, status="pending"))
+
+
+def owned_leases(outbox: Outbox) -> int:
+    """Shard leases held by any relay now."""
+    t = outbox.tables.leases
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    with engine.connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).where(t.c.owner.is_not(None))) or 0

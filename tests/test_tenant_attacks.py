@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import tenacity
-from _relay_helpers import publish, rows, seqs_by_key, wait_for
+from _relay_helpers import owned_leases, pending, publish, rows, schema_outboxes, seqs_by_key, wait_for
 from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session
@@ -41,27 +41,6 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-def make_schemas(engine: sa.Engine, names: Sequence[str]) -> dict[str, Outbox]:
-    outboxes = {}
-    for name in names:
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
-        outbox = Outbox(engine, schema=name, shards=2)
-        outbox.create_tables()
-        outboxes[name] = outbox
-    return outboxes
-
-
-def pending(outbox: Outbox) -> int:
-    return len(rows(outbox, status="pending"))
-
-
-def owned_leases(outbox: Outbox) -> int:
-    t = outbox.tables.leases
-    engine = outbox.engine
-    assert isinstance(engine, sa.Engine)
-    with engine.connect() as conn:
-        return conn.scalar(sa.select(sa.func.count()).where(t.c.owner.is_not(None))) or 0
 
 
 class Running:
@@ -117,7 +96,7 @@ def check_order(broker: InMemoryBroker, topic: str, outboxes: dict[str, Outbox])
 @pytest.mark.slow
 def test_a_stop_while_a_tenant_database_is_frozen_gives_the_others_leases_back_at_once(
         pg: sa.Engine, postgres_db: str, own_postgres: Any, topic: str) -> None:
-    fine = make_schemas(pg, ["fine"])["fine"]
+    fine = schema_outboxes(pg, ["fine"], shards=2)["fine"]
     frozen_engine = create_engine(own_postgres.url)
     frozen = Outbox(frozen_engine, shards=2)
     frozen.create_tables()
@@ -148,7 +127,7 @@ def test_a_stop_while_a_tenant_database_is_frozen_gives_the_others_leases_back_a
 
 def test_a_tenants_source_that_hangs_neither_stops_the_serving_nor_holds_the_stop(
         pg: sa.Engine, topic: str) -> None:
-    outboxes = make_schemas(pg, ["t1", "t2"])
+    outboxes = schema_outboxes(pg, ["t1", "t2"], shards=2)
     release = threading.Event()
     calls = 0
 
@@ -183,7 +162,7 @@ GARBAGE: list[Callable[[], Any]] = [
 
 def test_a_tenants_source_that_raises_or_returns_garbage_keeps_the_tenants_it_had(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
-    outboxes = make_schemas(pg, ["t1", "t2"])
+    outboxes = schema_outboxes(pg, ["t1", "t2"], shards=2)
     answer: list[Callable[[], Any]] = [lambda: ["t1", "t2"]]
 
     def source() -> Any:
@@ -219,7 +198,7 @@ def test_a_tenants_source_that_raises_or_returns_garbage_keeps_the_tenants_it_ha
 def test_hundreds_of_tenants_added_and_removed_lose_and_reorder_nothing(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     names = [f"c{i:02d}" for i in range(24)]
-    outboxes = make_schemas(pg, names)
+    outboxes = schema_outboxes(pg, names, shards=2)
     rng = random.Random(27)
     current: list[str] = []
     broker = InMemoryBroker(max_record_bytes=ROOMY)
@@ -250,7 +229,7 @@ def test_hundreds_of_tenants_added_and_removed_lose_and_reorder_nothing(
 
 def test_a_tenant_whose_schema_is_dropped_is_reported_once_and_served_when_it_is_back(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
-    outboxes = make_schemas(pg, ["stays", "doomed"])
+    outboxes = schema_outboxes(pg, ["stays", "doomed"], shards=2)
     broker = InMemoryBroker(max_record_bytes=ROOMY)
     caplog.set_level(logging.WARNING, logger="outbox.relay")
     running = Running(fleet(["stays", "doomed"], broker, database=pg))
@@ -262,7 +241,7 @@ def test_a_tenant_whose_schema_is_dropped_is_reported_once_and_served_when_it_is
         for round_ in range(5):
             publish(outboxes["stays"], topic, [f"r{round_}"])
             wait_for(lambda: pending(outboxes["stays"]) == 0, 10, "the other tenant")
-        reborn = make_schemas(pg, ["doomed"])["doomed"]
+        reborn = schema_outboxes(pg, ["doomed"], shards=2)["doomed"]
         publish(reborn, topic, ["a", "a"])
         wait_for(lambda: pending(reborn) == 0, 30, "the tenant served once its tables are back")
     finally:
@@ -280,7 +259,7 @@ def test_a_tenant_whose_schema_is_dropped_is_reported_once_and_served_when_it_is
 
 def test_a_tenant_repointed_to_another_schema_is_served_from_there_under_its_name(
         pg: sa.Engine, topic: str) -> None:
-    outboxes = make_schemas(pg, ["old_home", "new_home"])
+    outboxes = schema_outboxes(pg, ["old_home", "new_home"], shards=2)
     place = ["old_home"]
     broker = InMemoryBroker(max_record_bytes=ROOMY)
     running = Running(fleet(lambda: [Tenant("acme", place[0])], broker, database=pg))
@@ -305,7 +284,7 @@ def test_a_tenant_repointed_to_another_schema_is_served_from_there_under_its_nam
 
 def test_forged_notifications_break_nothing_and_a_commit_still_wakes_its_tenant(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
-    outboxes = make_schemas(pg, ["acme", "globex"])
+    outboxes = schema_outboxes(pg, ["acme", "globex"], shards=2)
     broker = InMemoryBroker(max_record_bytes=ROOMY)
     caplog.set_level(logging.WARNING, logger="outbox.relay")
     # Polls so rare that only a notification can wake a tenant within the test's waits.
@@ -328,7 +307,7 @@ def test_forged_notifications_break_nothing_and_a_commit_still_wakes_its_tenant(
 
 
 def test_a_tenant_header_set_by_the_producer_in_any_case_is_replaced(pg: sa.Engine, topic: str) -> None:
-    outboxes = make_schemas(pg, ["acme"])
+    outboxes = schema_outboxes(pg, ["acme"], shards=2)
     publish(outboxes["acme"], topic, ["a", "b", "c"], headers={"X-Tenant": "globex"})
     broker = InMemoryBroker(max_record_bytes=ROOMY)
     relay = fleet(["acme"], broker, database=pg)
@@ -357,7 +336,7 @@ def test_a_tenant_name_is_accepted_only_when_it_is_safe_everywhere(name: str) ->
 
 def test_a_tenant_name_at_its_limit_rides_on_a_record_at_its_limit(pg: sa.Engine, topic: str) -> None:
     longest = "T" * MAX_TENANT_NAME
-    outbox = make_schemas(pg, ["s" * 41])["s" * 41]
+    outbox = schema_outboxes(pg, ["s" * 41], shards=2)["s" * 41]
     stored_limit = outbox.load_schema().max_record_bytes
     room = header_size(len(HEADER), MAX_TENANT_NAME)
     exact = InMemoryBroker(max_record_bytes=stored_limit + room)
@@ -414,7 +393,7 @@ def test_two_tenants_naming_one_schema_of_one_database_are_refused(
     Served twice, one schema's rows would go out under two tenants' names, by two
     Relays of one worker id that do not fence each other.
     """
-    outboxes = make_schemas(pg, ["acme", "globex"])
+    outboxes = schema_outboxes(pg, ["acme", "globex"], shards=2)
     publish(outboxes["acme"], topic, ["a"])
     same_again = [Tenant("acme", "acme"), Tenant("impostor", "acme", database=postgres_db),
                   Tenant("globex", "globex")]
@@ -435,7 +414,7 @@ def test_two_tenants_naming_one_schema_of_one_database_are_refused(
 def test_a_tenant_removed_while_it_waits_for_a_worker_is_never_served_while_it_is_closed(
         pg: sa.Engine, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tenant queued behind a busy worker and removed then: its close and a batch never overlap."""
-    outboxes = make_schemas(pg, ["busy", "leaving"])
+    outboxes = schema_outboxes(pg, ["busy", "leaving"], shards=2)
     current = ["busy", "leaving"]
     hold, holding = threading.Event(), threading.Event()
 

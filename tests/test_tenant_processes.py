@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import publish, rows, wait_for
+from _relay_helpers import owned_leases, pending, publish, rows, schema_outboxes, wait_for
 
 from outbox import Outbox, create_engine
 from transports import Record
@@ -46,27 +46,6 @@ def start_fleet(db: str, kafka: str, tenants_file: Path, log: Path, *args: str) 
     return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
-def schema_outboxes(engine: sa.Engine, names: Sequence[str]) -> dict[str, Outbox]:
-    outboxes = {}
-    for name in names:
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
-        outbox = Outbox(engine, schema=name, shards=8)
-        outbox.create_tables()
-        outboxes[name] = outbox
-    return outboxes
-
-
-def pending(outbox: Outbox) -> int:
-    return len(rows(outbox, status="pending"))
-
-
-def owned_leases(outbox: Outbox) -> int:
-    t = outbox.tables.leases
-    engine = outbox.engine
-    assert isinstance(engine, sa.Engine)
-    with engine.connect() as conn:
-        return conn.scalar(sa.select(sa.func.count()).where(t.c.owner.is_not(None))) or 0
 
 
 def check_topic(records: Sequence[Record], outboxes: dict[str, Outbox]) -> int:
@@ -113,7 +92,7 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
 @pytest.mark.slow
 def test_one_tenant_database_stopped_while_the_others_flow(
         pg: sa.Engine, postgres_db: str, own_postgres: Any, kafka: str, topic: str, tmp_path: Path) -> None:
-    shared = schema_outboxes(pg, ["a1", "a2"])
+    shared = schema_outboxes(pg, ["a1", "a2"], shards=8)
     own = create_engine(own_postgres.url)
     solo = Outbox(own, shards=8)
     solo.create_tables()
@@ -182,7 +161,7 @@ def test_one_tenant_database_stopped_while_the_others_flow(
 @pytest.mark.mysql
 def test_a_tenant_fleet_loses_and_reorders_nothing_when_its_processes_are_killed(
         pg: sa.Engine, postgres_db: str, mysql_db: str, kafka: str, topic: str, tmp_path: Path) -> None:
-    shared = schema_outboxes(pg, ["t1", "t2", "t3"])
+    shared = schema_outboxes(pg, ["t1", "t2", "t3"], shards=8)
     maria = create_engine(mysql_db)
     own = Outbox(maria, shards=8)
     own.create_tables()
