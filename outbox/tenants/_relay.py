@@ -65,6 +65,7 @@ from ..relay import (
     relay_metrics,
     tenant_relay_metrics,
 )
+from ..relay._leases import renew_interval
 from ..relay._settings import DEFAULT_BACKOFF, default_worker_id
 from ..relay._wakeup import start_listening
 from ._labels import TenantLabels
@@ -461,7 +462,9 @@ class TenantRelay:
                     if again or unit.again:
                         self._wake_locked(unit)
                     else:
-                        poll = self.settings.poll_interval
+                        # Polled at least every lease renewal interval: an idle tenant's leases are
+                        # renewed by its polls, and must not lapse between them.
+                        poll = min(self.settings.poll_interval, renew_interval(self.settings.lease_ttl))
                         self._schedule_locked(unit, delay if delay is not None else poll)
             if closing:
                 self._close_unit(unit)
