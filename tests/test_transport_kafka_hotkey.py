@@ -124,9 +124,17 @@ def test_retriable_errors_inside_a_pipeline_keep_the_order(cluster: MockCluster,
 def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_producer(
     cluster: MockCluster, topic: str
 ) -> None:
-    """The gap-less stop: the refused record FAILED, the rest RETRY, a new producer, order kept."""
+    """The gap-less stop: the refused record FAILED, the rest RETRY, a new producer, order kept.
+
+    One request in flight: librdkafka's mock cluster checks no sequence numbers
+    (see the leader-move test below), so with five in flight it wrote a request
+    sent after one it refused as retriable, a gap Kafka itself refuses
+    (OUT_OF_ORDER_SEQUENCE_NUMBER). It failed CI about one run in ten that way,
+    on the mock's account; what this test is about, the relay's stop after a
+    refused record, is the same with one request in flight.
+    """
     keys = {"hot": 300}
-    transport = transport_for(cluster.bootstrap)
+    transport = transport_for(cluster.bootstrap, **{"max.in.flight.requests.per.connection": 1})
     transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
     first = transport._producer
     cluster.fail_produce(KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.INVALID_RECORD)
