@@ -455,7 +455,9 @@ class TenantRelay:
             again, delay = self._serve(unit)
             with self._lock:
                 unit.state = "idle"
-                if unit.removed:
+                # Removed, or the fleet stops: its leases go back now, as soon as its batch is done,
+                # not once every worker is (one may be stuck on a frozen database).
+                if unit.removed or self._stopping.is_set():
                     closing = True
                 else:
                     closing = False
