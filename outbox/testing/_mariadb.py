@@ -79,17 +79,19 @@ class LocalMariaDB:
         self._root = Path(tempfile.mkdtemp(prefix="outbox-mariadb-"))
         self._data = self._root / "data"
         self._socket = self._root / "mysqld.sock"
+        # A temp dir of its own: servers bootstrapped at once (one per xdist worker) share no /tmp.
+        self._tmp = self._root / "tmp"
+        self._tmp.mkdir()
         if self._as_user:
             shutil.chown(self._root, "mysql")
+            shutil.chown(self._tmp, "mysql")
         self.port = free_port()
         driver = sync_driver()
         self._admin_url = f"mysql+{driver}://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
         self.url = f"mysql+{driver}://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
         self._process: subprocess.Popen[bytes] | None = None
         try:
-            _run([*self._as_user, str(install), "--no-defaults", f"--datadir={self._data}",
-                  "--auth-root-authentication-method=normal", "--skip-test-db",
-                  "--skip-name-resolve"])
+            self._install(install)
             self.start()
             admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
             with admin.connect() as conn:
@@ -99,13 +101,31 @@ class LocalMariaDB:
             self.remove()
             raise
 
+    def _install(self, install: Path) -> None:
+        """Make the datadir; once more from scratch if the bootstrap fails.
+
+        Three bootstraps started in the same second (one per xdist worker) once
+        failed on ``Unknown table 'mysql.tmp_proxies_priv'``: one worker then had
+        no MariaDB for the whole session, 149 tests in error. A second bootstrap
+        on a clean datadir is the server's set-up, not a test's subject; a
+        second failure is raised.
+        """
+        command = [*self._as_user, str(install), "--no-defaults", f"--datadir={self._data}",
+                   f"--tmpdir={self._tmp}", "--auth-root-authentication-method=normal", "--skip-test-db",
+                   "--skip-name-resolve"]
+        try:
+            _run(command)
+        except RuntimeError:
+            shutil.rmtree(self._data, ignore_errors=True)
+            _run(command)
+
     def start(self) -> None:
         """Start the server on the same datadir and port; return once it accepts connections."""
         log = open(self._root / "log", "ab")  # noqa: SIM115 - the server writes it while it runs
         self._process = subprocess.Popen(
             [*self._as_user, str(self._server), "--no-defaults", f"--datadir={self._data}",
              f"--port={self.port}", "--bind-address=127.0.0.1", f"--socket={self._socket}",
-             f"--pid-file={self._root / 'mariadbd.pid'}", *self._options],
+             f"--pid-file={self._root / 'mariadbd.pid'}", f"--tmpdir={self._tmp}", *self._options],
             stdout=log, stderr=log, cwd="/",
         )
         log.close()
