@@ -89,8 +89,9 @@ def test_fair_share_splits_every_shard_once() -> None:
 
 
 def test_relays_rebalance_and_take_over_expired_leases(outbox: Outbox) -> None:
-    a = Relay(outbox, ScriptedTransport(), worker_id="a", lease_ttl=0.6)
-    b = Relay(outbox, ScriptedTransport(), worker_id="b", lease_ttl=0.6)
+    # 3 s: the steps before the sleep must all fall within one TTL, which 0.6 s did not on a loaded CI.
+    a = Relay(outbox, ScriptedTransport(), worker_id="a", lease_ttl=3.0)
+    b = Relay(outbox, ScriptedTransport(), worker_id="b", lease_ttl=3.0)
     assert len(a.leases.maintain()) == 16
     assert b.leases.maintain() == {}  # nothing free yet
     a.leases.maintain()
@@ -98,7 +99,7 @@ def test_relays_rebalance_and_take_over_expired_leases(outbox: Outbox) -> None:
     a.leases.release_surplus()
     assert len(b.leases.maintain()) == 8 and len(a.leases.owned()) == 8
     epochs = b.leases.owned()
-    time.sleep(0.7)  # a stops renewing: as if killed
+    time.sleep(3.1)  # a stops renewing: as if killed
     taken = b.leases.maintain()
     assert len(taken) == 16
     assert all(taken[s] == e for s, e in epochs.items())  # b's own leases keep their epoch
