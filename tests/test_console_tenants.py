@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -37,7 +38,7 @@ AUTH = ("alice", USERS["alice"])
 TOKEN = "a-console-token-0123456789"
 
 
-def console(fleet: Fleet, **kwargs) -> tuple[TestClient, TenantDatabases]:  # type: ignore[no-untyped-def]
+def console(fleet: Fleet, **kwargs: Any) -> tuple[TestClient, TenantDatabases]:
     databases = TenantDatabases(fleet.engine)
     tenants = parse_tenants(fleet.spec, fleet.engine)()
     app = create_tenants_app(tenants, databases, **{"operators": Operators(users=USERS), **kwargs})

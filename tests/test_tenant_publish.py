@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -82,7 +83,7 @@ class Tenancy:
 def attach_on_connect(engine: sa.Engine, files: dict[str, Path]) -> None:
     """SQLite: every connection attaches each file under its schema name (SQLite's schemas)."""
     @sa.event.listens_for(engine, "connect")
-    def _attach(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _attach(dbapi_connection: Any, _record: Any) -> None:
         for schema, path in files.items():
             dbapi_connection.execute(f"ATTACH DATABASE '{path}' AS {schema}")
 
@@ -363,7 +364,7 @@ def test_a_map_of_one_statement_is_refused_not_followed_blindly(tenancy):
     sharded by the default schema's count: ``publish()`` refuses it, naming where to set the map."""
     outbox, topic, b_schema = Outbox(tenancy.engine), new_topic(), tenancy.schemas["b"]
 
-    def route_to_b(state) -> None:  # type: ignore[no-untyped-def]
+    def route_to_b(state: Any) -> None:
         state.update_execution_options(schema_translate_map={None: b_schema})
 
     with Session(tenancy.engine) as session:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import wait_for
+from _relay_helpers import pending, wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
@@ -61,11 +61,6 @@ def publish(outbox: Outbox, topic: str, keys: list[str], **kwargs: Any) -> None:
 def header(record: Record, name: str) -> list[bytes]:
     return [value for n, value in record.headers if n == name]
 
-
-def pending(outbox: Outbox) -> int:
-    m = outbox.tables.messages
-    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
-        return conn.scalar(sa.select(sa.func.count()).where(m.c.status == "pending")) or 0
 
 
 class Running:
