@@ -12,16 +12,20 @@ one a user could write: another host name for the address, a query parameter,
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import pending, publish, schema_outboxes, wait_for
 
-from outbox import ConfigurationError, Outbox, create_engine
+from outbox import ConfigurationError, Inbox, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
+from tests.inbox_support import record
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 HEADER = "x-tenant"
@@ -148,3 +152,106 @@ def test_two_tenants_in_one_schema_whose_database_was_down_at_the_reading_are_no
         outbox.engine.dispose()  # type: ignore[union-attr]
     names = {v for r in broker.records(topic) for n, v in r.headers if n == HEADER}
     assert len(names) == 1, names
+
+
+# -- break 2: an inbox tenant in the default database's tables ---------------------------------------
+
+
+def _sqlite_spellings(tmp_path: Path) -> dict[str, str]:
+    default = tmp_path / "default.db"
+    os.symlink(default, tmp_path / "link.db")
+    os.link(default, tmp_path / "hard.db")
+    return {"dir/./file": f"sqlite:///{tmp_path}/./default.db",
+            "a symlink": f"sqlite:///{tmp_path}/link.db",
+            "a hard link": f"sqlite:///{tmp_path}/hard.db",
+            "a relative path": f"sqlite:///{os.path.relpath(default)}"}
+
+
+def _with_tenant(name: str) -> Any:
+    r = record(TOPIC, "k", 1, message_id=uuid.uuid4())
+    r.headers.append((HEADER, name.encode()))
+    return r
+
+
+@pytest.mark.parametrize("how", ["dir/./file", "a symlink", "a hard link", "a relative path"])
+def test_an_inbox_tenant_in_the_default_sqlite_database_spelled_otherwise_is_refused(
+        tmp_path: Path, how: str) -> None:
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    with default.begin() as conn:  # the file exists (hard links need it)
+        conn.exec_driver_sql("CREATE TABLE made (x INTEGER)")
+    acme = Tenant("acme", database=_sqlite_spellings(tmp_path)[how])
+    inbox = Inbox(default, group="g", tenants=[acme], tenant_header=HEADER)
+    applied: list[str] = []
+    inbox.handler(TOPIC)(lambda session, message: applied.append(message.headers[HEADER]))
+    inbox.create_tables()
+    with pytest.raises(ConfigurationError, match="tenant acme: its inbox tables would be the default"):
+        inbox.handle(_with_tenant("initech"))
+    with pytest.raises(ConfigurationError, match="tenant acme"):
+        assert inbox.tenants
+    assert applied == []
+    default.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("how", sorted(POSTGRES_SPELLINGS))
+@pytest.mark.parametrize("schema", [None, "public"])
+def test_an_inbox_tenant_in_the_default_postgres_schema_spelled_otherwise_is_refused(
+        postgres_db: str, how: str, schema: str | None) -> None:
+    default = sa.create_engine(postgres_db)
+    inbox = Inbox(default, group="g", tenant_header=HEADER,
+                  tenants=[Tenant("acme", schema=schema, database=respelled(postgres_db, how))])
+    inbox.handler(TOPIC)(lambda session, message: None)
+    with pytest.raises(ConfigurationError, match="tenant acme: its inbox tables would be the default"):
+        assert inbox.tenants
+    default.dispose()
+
+
+def test_an_inbox_tenant_in_its_own_schema_of_the_default_sqlite_database_is_served(tmp_path: Path) -> None:
+    """The refusal is of the default database's own tables, not of the database: an attached
+    schema, or the default database spelled otherwise with a schema attached, is the tenant's."""
+    default = create_engine(f"sqlite:///{tmp_path}/default.db")
+
+    @sa.event.listens_for(default, "connect")
+    def attach(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        dbapi_connection.execute(f"ATTACH DATABASE '{tmp_path / 'acme.db'}' AS acme")
+
+    inbox = Inbox(default, group="g", tenants=[Tenant("acme", schema="acme")], tenant_header=HEADER)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    assert [t.name for t in inbox.tenants] == ["acme"]
+    default.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_two_inbox_tenants_in_one_schema_of_a_database_down_at_the_reading_are_refused_at_first_use(
+        own_postgres: Any, tmp_path: Path) -> None:
+    """Down at the reading, the database could not say who it is: the second tenant's tables are
+    refused when first used (by the workers, or an operator's parked, replay, discard)."""
+    url = own_postgres.url
+    own_postgres.stop()
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    inbox = Inbox(default, group="g", tenant_header=HEADER, tenants=[
+        Tenant("acme", database=url),
+        Tenant("impostor", database=respelled(url, "an added connect_timeout"))])
+    inbox.handler(TOPIC)(lambda session, message: None)
+    inbox.create_tables()
+    assert [t.name for t in inbox.tenants] == ["acme", "impostor"]  # read; their database unasked
+    own_postgres.start()
+    inbox.create_tables(tenant="acme")
+    assert inbox.parked(tenant="acme") == []
+    with pytest.raises(ConfigurationError, match="tenants 'acme' and 'impostor' name the same schema"):
+        inbox.parked(tenant="impostor")
+    default.dispose()
+
+
+def test_two_inbox_tenants_in_one_sqlite_file_are_refused(tmp_path: Path) -> None:
+    """They would share their dedup records: a message id applied for one would be a duplicate
+    for the other (docs/tenants.md: "the same id delivered to two tenants is applied once in each")."""
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    inbox = Inbox(default, group="g", tenant_header=HEADER, tenants=[
+        Tenant("acme", database=f"sqlite:///{tmp_path}/shared.db"),
+        Tenant("globex", database=f"sqlite:///{tmp_path}/./shared.db")])
+    inbox.handler(TOPIC)(lambda session, message: None)
+    with pytest.raises(ConfigurationError, match="tenants 'acme' and 'globex' name the same schema"):
+        assert inbox.tenants
+    default.dispose()

@@ -31,6 +31,11 @@ from .._identity import SchemaIdentity, schema_identity
 from .._outage import is_database_outage
 from ._tenant import Tenant
 
+
+class SharedSchemaError(ConfigurationError):
+    """A tenant's schema is another tenant's, or a reserved one (the inbox's default database's)."""
+
+
 DEFAULT_DATABASE_REFUSAL = (
     "tenant {tenant}: its inbox tables would be the default database's ({schema}), where the messages "
     "of no known tenant park; give it a schema or a database of its own")
@@ -44,9 +49,9 @@ class _Claim:
     """The tenant's name; None for a reservation (``refusal`` says why)."""
     refusal: str = ""
 
-    def refused(self, tenant: str, identity: SchemaIdentity) -> ConfigurationError:
+    def refused(self, tenant: str, identity: SchemaIdentity) -> SharedSchemaError:
         if self.tenant is None:
-            return ConfigurationError(self.refusal.format(tenant=tenant, schema=identity))
+            return SharedSchemaError(self.refusal.format(tenant=tenant, schema=identity))
         return _shared(self.tenant, tenant, identity)
 
 
@@ -87,7 +92,7 @@ class SchemaClaims:
             seen[identity] = _Claim(tenant, tenant.name)
 
     def claim(self, holder: Hashable, tenant: Tenant, engine: Engine) -> None:
-        """Hold ``tenant``'s schema for ``holder`` (what serves it), or ``ConfigurationError`` by name.
+        """Hold ``tenant``'s schema for ``holder`` (what serves it), or ``SharedSchemaError`` by name.
 
         Raises what the database raises when it does not answer (an outage:
         ask again later). Claiming again what ``holder`` holds is a dictionary look-up.
@@ -122,6 +127,6 @@ class SchemaClaims:
             self._of[claim.holder] = identity
 
 
-def _shared(first: str, second: str, identity: SchemaIdentity) -> ConfigurationError:
-    return ConfigurationError(
+def _shared(first: str, second: str, identity: SchemaIdentity) -> SharedSchemaError:
+    return SharedSchemaError(
         f"tenants {first!r} and {second!r} name the same schema of one database ({identity})")
