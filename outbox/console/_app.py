@@ -16,6 +16,8 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
+from .._identity import same_database
+from .._outage import is_database_outage
 from .._outbox import Outbox
 from .._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
@@ -83,9 +85,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     outbox_engine = outbox.engine
     assert isinstance(outbox_engine, Engine)
     # One database named twice (as the outbox's and as an inbox database, or twice as an inbox
-    # database) is one database: listed and counted once, as the trace reads it once.
-    engines = [e for i, e in enumerate(engines)
-               if e.url != outbox_engine.url and all(e.url != x.url for x in engines[:i])]
+    # database, in any spelling) is one database: listed and counted once, as the trace reads it once.
+    engines = _distinct(outbox_engine, engines)
     databases = [_database(e, outbox, tenant) for e in (outbox_engine, *engines)]
     by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
@@ -184,12 +185,41 @@ def _database(engine: Engine, outbox: Outbox, tenant: str | None = None) -> Data
     return Database(name, engine, outbox.tables)
 
 
+def _distinct(first: Engine, others: list[Engine]) -> list[Engine]:
+    """``others`` less the databases named before them (``first`` included), by what their servers say.
+
+    A database that does not answer is kept: its line says it could not be read.
+    """
+    kept: list[Engine] = []
+    for engine in others:
+        if not any(_answers_same(engine, seen) for seen in (first, *kept)):
+            kept.append(engine)
+    return kept
+
+
+def _answers_same(a: Engine, b: Engine) -> bool | None:
+    """Whether ``a`` and ``b`` are one database; None when one of them does not answer."""
+    try:
+        return same_database(a, b)
+    except Exception as exc:
+        if is_database_outage(exc):
+            return None
+        raise
+
+
 def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
     """Which of the console's databases ``inbox`` works in: its replays and discards go there."""
     bind = inbox.engine
-    for index, engine in enumerate(engines):
-        if bind is engine or bind.url == engine.url:
-            return index
+    if isinstance(bind, Engine):  # an async inbox's engine is none of the console's (sync) ones
+        unanswered = False
+        for index, engine in enumerate(engines):
+            same = _answers_same(bind, engine)
+            if same:
+                return index
+            unanswered = unanswered or same is None
+        if unanswered:
+            raise ConfigurationError(f"cannot tell which database the inbox of group {inbox.group!r} "
+                                     "uses: it or one of the console's databases does not answer")
     raise ConfigurationError(f"the inbox of group {inbox.group!r} uses a database that is not the "
                              f"console's outbox database nor one of its inbox_databases")
 
