@@ -138,6 +138,16 @@ def same_database(a: Engine, b: Engine) -> bool:
     return database_identity(a) == database_identity(b)
 
 
+def answers_same(a: Engine, b: Engine) -> bool | None:
+    """``same_database``, or None when one of them does not answer (an outage): not known yet."""
+    try:
+        return same_database(a, b)
+    except Exception as exc:
+        if is_database_outage(exc):
+            return None
+        raise
+
+
 def _spelled(engine: Engine) -> str:
     return engine.url.render_as_string(hide_password=False)
 
@@ -148,8 +158,11 @@ def _facts_of(engine: Engine) -> _Facts:
         found = _facts.get(pool)
     if found is not None:
         return found
-    with engine.connect() as conn:
-        facts = _read(engine, conn)
+    if engine.dialect.name == "sqlite":  # on the driver's connection (``_sqlite_file``)
+        facts = _Facts(_sqlite_file(engine, None), "main", str.lower)
+    else:
+        with engine.connect() as conn:
+            facts = _read(engine, conn)
     with _lock:
         return _facts.setdefault(pool, facts)
 
@@ -160,8 +173,6 @@ def _read(engine: Engine, conn: Connection) -> _Facts:
         return _postgres(engine, conn)
     if name in ("mysql", "mariadb"):
         return _mysql(engine, conn)
-    if name == "sqlite":
-        return _Facts(_sqlite_file(engine, None, conn), "main", str.lower)
     raise ConfigurationError(f"cannot tell which database {_shown(engine)} is: {name} is not supported")
 
 
@@ -196,15 +207,23 @@ def _mysql(engine: Engine, conn: Connection) -> _Facts:
     return _Facts(DatabaseIdentity(dialect, server, default), default, fold)
 
 
-def _sqlite_file(engine: Engine, schema: str | None, conn: Connection | None = None) -> DatabaseIdentity:
-    """The identity of the file holding ``schema`` (``None``: the main database) of a SQLite engine."""
-    if conn is None:
-        with engine.connect() as fresh:
-            return _sqlite_file(engine, schema, fresh)
+def _sqlite_file(engine: Engine, schema: str | None) -> DatabaseIdentity:
+    """The identity of the file holding ``schema`` (``None``: the main database) of a SQLite engine.
+
+    Read on the driver's connection, outside any transaction: ``create_engine``'s
+    SQLite transactions take the write lock at their start, and a question
+    about the file must not wait for a writer.
+    """
+    raw = engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("PRAGMA database_list")
+        rows = cursor.fetchall()
+        cursor.close()
+    finally:
+        raw.close()
     wanted = "main" if schema is None else schema.lower()  # SQLite compares schema names without case
-    files = {str(name).lower(): str(file or "") for _, name, file in
-             conn.exec_driver_sql("PRAGMA database_list").all()}
-    file = files.get(wanted)
+    file = {str(name).lower(): str(file or "") for _, name, file in rows}.get(wanted)
     if not file:
         # In memory or temporary (its engine's own), or not attached (no table of it can be
         # reached: nobody's).

@@ -16,8 +16,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
-from .._identity import same_database
-from .._outage import is_database_outage
+from .._identity import answers_same
 from .._outbox import Outbox
 from .._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
@@ -192,19 +191,9 @@ def _distinct(first: Engine, others: list[Engine]) -> list[Engine]:
     """
     kept: list[Engine] = []
     for engine in others:
-        if not any(_answers_same(engine, seen) for seen in (first, *kept)):
+        if not any(answers_same(engine, seen) for seen in (first, *kept)):
             kept.append(engine)
     return kept
-
-
-def _answers_same(a: Engine, b: Engine) -> bool | None:
-    """Whether ``a`` and ``b`` are one database; None when one of them does not answer."""
-    try:
-        return same_database(a, b)
-    except Exception as exc:
-        if is_database_outage(exc):
-            return None
-        raise
 
 
 def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
@@ -213,7 +202,7 @@ def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
     if isinstance(bind, Engine):  # an async inbox's engine is none of the console's (sync) ones
         unanswered = False
         for index, engine in enumerate(engines):
-            same = _answers_same(bind, engine)
+            same = answers_same(bind, engine)
             if same:
                 return index
             unanswered = unanswered or same is None
