@@ -425,6 +425,8 @@ def test_a_database_named_twice_in_two_spellings_is_read_once(world: World) -> N
     doc = trace_message(outbox_db, [*inbox_dbs, respelled], world.ids["bad-1"][0])
     [m] = doc["messages"]
     assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
+    assert doc["unreachable"] == []  # not read at all (SQLite: read, it waited for the first's lock)
     doc = trace_key(respelled, [outbox_db, *inbox_dbs], TOPIC, "bad-1")
     assert sorted(g["group"] for g in doc["key"]["groups"]) == ["billing", "shipping"]
+    assert doc["unreachable"] == []
     respelled.engine.dispose()
