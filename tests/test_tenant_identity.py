@@ -255,3 +255,54 @@ def test_two_inbox_tenants_in_one_sqlite_file_are_refused(tmp_path: Path) -> Non
     with pytest.raises(ConfigurationError, match="tenants 'acme' and 'globex' name the same schema"):
         assert inbox.tenants
     default.dispose()
+
+
+# -- break 3: schemas_like's pattern ------------------------------------------------------------------
+
+
+def _schemas_sql(engine: sa.Engine, verb: str, names: list[str]) -> None:
+    """CREATE or DROP each schema (a database on MySQL and MariaDB), quoted: kept as spelled."""
+    mysql = engine.dialect.name in ("mysql", "mariadb")
+    quote, kind = ("`", "DATABASE") if mysql else ('"', "SCHEMA")
+    with engine.begin() as conn:
+        for name in names:
+            extra = " IF EXISTS" if verb == "DROP" else ""
+            cascade = " CASCADE" if verb == "DROP" and not mysql else ""
+            conn.execute(sa.text(f"{verb} {kind}{extra} {quote}{name}{quote}{cascade}"))
+
+
+@pytest.mark.parametrize("db", [pytest.param("postgres", marks=pytest.mark.postgres),
+                                pytest.param("mysql", marks=pytest.mark.mysql)])
+def test_schemas_like_takes_percent_alone_for_a_wildcard(request: pytest.FixtureRequest, db: str) -> None:
+    """The docs' own ``tenant_%`` matched ``tenants`` and ``tenantX…`` (``_`` is LIKE's "any one
+    character"): those schemas' rows were sent under tenants nobody listed."""
+    from outbox.tenants import schemas_like
+
+    url = request.getfixturevalue(f"{db}_db")
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    stem = f"t{uuid.uuid4().hex[:6]}"
+    wanted = [f"{stem}_acme", f"{stem}_globex", f"{stem}_"]
+    others = [f"{stem}s", f"{stem}xacme", f"{stem}", f"{stem.upper()}_upper", f"x{stem}_acme", f"{stem}%"]
+    _schemas_sql(engine, "CREATE", wanted + others)
+    try:
+        assert [t.name for t in schemas_like(engine, f"{stem}_%")()] == sorted(wanted)
+        assert [t.name for t in schemas_like(engine, f"{stem}_ac%")()] == [f"{stem}_acme"]
+        assert [t.name for t in schemas_like(engine, f"%{stem}_acme")()] == [f"{stem}_acme", f"x{stem}_acme"]
+        assert [t.name for t in schemas_like(engine, f"{stem}_acme")()] == [f"{stem}_acme"]
+    finally:
+        _schemas_sql(engine, "DROP", wanted + others)
+        engine.dispose()
+
+
+def test_schemas_like_on_sqlite_reads_the_attached_databases(tmp_path: Path) -> None:
+    from outbox.tenants import schemas_like
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'home.db'}")
+
+    @sa.event.listens_for(engine, "connect")
+    def attach(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        for name in ("tenant_acme", "tenants", "tenantx"):
+            dbapi_connection.execute(f"ATTACH DATABASE '{tmp_path / name}.db' AS {name}")
+
+    assert [t.name for t in schemas_like(engine, "tenant_%")()] == ["tenant_acme"]
+    engine.dispose()

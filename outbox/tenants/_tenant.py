@@ -134,22 +134,42 @@ def checked_tenants(tenants: Iterable[Tenant | str]) -> list[Tenant]:
 
 
 def schemas_like(engine: Engine, pattern: str) -> TenantSource:
-    """Every schema of ``engine``'s database whose name matches the SQL ``LIKE`` ``pattern``.
+    """Every schema of ``engine``'s database whose name matches ``pattern``: ``%`` is the one wildcard.
 
-    Each becomes a tenant named after its schema. Schemas appear and disappear
-    with the application's own ``CREATE SCHEMA`` / ``DROP SCHEMA``; a schema
-    that matches but holds no outbox tables is reported by whoever serves it.
+    ``%`` matches any run of characters (none included); every other character
+    matches itself, case included. SQL's ``LIKE`` would also take ``_`` for
+    "any one character", so that ``tenant_%`` matched ``tenants`` and
+    ``tenantX…``: schema names are full of ``_``, and a tenant served by
+    accident sends its rows under its own name. Each schema matched becomes a
+    tenant named after it. Schemas appear and disappear with the application's
+    own ``CREATE SCHEMA`` / ``DROP SCHEMA``; a schema that matches but holds no
+    outbox tables is reported by whoever serves it. On MySQL and MariaDB a
+    schema is a database of the server; on SQLite, a database attached to the
+    engine's connections.
     """
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigurationError("schemas_like needs a LIKE pattern such as 'tenant_%'")
-    query = sa.text("SELECT schema_name FROM information_schema.schemata "
-                    "WHERE schema_name LIKE :pattern ORDER BY schema_name")
+        raise ConfigurationError("schemas_like needs a pattern such as 'tenant_%' ('%' matches any run of "
+                                 "characters, everything else itself)")
+    matches = re.compile(".*".join(re.escape(part) for part in pattern.split("%")), re.DOTALL).fullmatch
 
     def schemas() -> list[Tenant]:
-        with engine.connect() as conn:
-            names = [row[0] for row in conn.execute(query, {"pattern": pattern})]
-        return checked_tenants(_valid_schemas(names))
+        names = [name for name in _schema_names(engine) if isinstance(name, str) and matches(name)]
+        return checked_tenants(_valid_schemas(sorted(names)))
     return schemas
+
+
+def _schema_names(engine: Engine) -> list[str]:
+    """The names of the schemas of ``engine``'s database, as its server spells them."""
+    if engine.dialect.name == "sqlite":  # outside a transaction, which would wait for a writer
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            cursor.execute("PRAGMA database_list")
+            return [row[1] for row in cursor.fetchall() if row[1] not in ("main", "temp")]
+        finally:
+            raw.close()
+    with engine.connect() as conn:
+        return list(conn.scalars(sa.text("SELECT schema_name FROM information_schema.schemata")))
 
 
 _skipped: set[str] = set()
@@ -237,9 +257,9 @@ def from_file(path: str | Path) -> TenantSource:
 def parse_tenants(spec: str, engine: Engine) -> TenantSource:
     """The command line's ``--tenants``: where the tenants of ``engine``'s database (or others) come from.
 
-    ``like:PATTERN`` (schemas matching a LIKE pattern), ``file:PATH`` (a JSON
-    file, see ``from_file``), ``query:SQL`` (``from_query``), or a
-    comma-separated list of schema names.
+    ``like:PATTERN`` (schemas whose name matches PATTERN, ``%`` its one
+    wildcard), ``file:PATH`` (a JSON file, see ``from_file``), ``query:SQL``
+    (``from_query``), or a comma-separated list of schema names.
     """
     kind, _, rest = spec.partition(":")
     if kind == "like" and rest:
