@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import pending, publish, schema_outboxes, wait_for
+from conftest import unavailable
 
 from outbox import ConfigurationError, Inbox, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
+from outbox.testing import LocalMariaDB
 from tests.inbox_support import record
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -109,6 +111,48 @@ def test_two_tenants_in_two_schemas_of_one_database_are_both_served(pg: sa.Engin
         relay.close()
     sent = sorted(v for r in broker.records(topic) for n, v in r.headers if n == HEADER)
     assert sent == [b"acme", b"globex"]
+
+
+@pytest.mark.mysql
+def test_a_mysql_schema_named_through_another_database_is_that_database(mysql_db: str) -> None:
+    """On MySQL and MariaDB a schema is a database of the server: ``/mysql`` with schema ``t_x``
+    and ``/t_x`` without one are one place."""
+    url = sa.make_url(mysql_db)
+    elsewhere = url.set(database="mysql").render_as_string(hide_password=False)
+    both = [Tenant("acme", schema=url.database, database=elsewhere), Tenant("impostor", database=mysql_db)]
+    relay = fleet(both, InMemoryBroker(max_record_bytes=ROOMY))
+    try:
+        with pytest.raises(ConfigurationError, match="'acme' and 'impostor'"):
+            relay.refresh()
+    finally:
+        relay.close()
+
+
+@pytest.fixture
+def folding_mariadb() -> Iterator[LocalMariaDB]:
+    """A MariaDB that keeps and compares database names in lower case (``lower_case_table_names=1``,
+    the setting of Windows and macOS servers, and of many managed ones)."""
+    try:
+        server = LocalMariaDB(options=("--lower-case-table-names=1",))
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.mysql
+def test_two_schema_names_a_folding_server_takes_for_one_are_one_schema(
+        folding_mariadb: LocalMariaDB) -> None:
+    relay = fleet([Tenant("acme", schema="Acme"), Tenant("impostor", schema="acme")],
+                  InMemoryBroker(max_record_bytes=ROOMY), database=folding_mariadb.url)
+    try:
+        with pytest.raises(ConfigurationError, match="'acme' and 'impostor'"):
+            relay.refresh()
+    finally:
+        relay.close()
 
 
 class Running:
