@@ -113,6 +113,34 @@ def test_two_tenants_in_two_schemas_of_one_database_are_both_served(pg: sa.Engin
     assert sent == [b"acme", b"globex"]
 
 
+@pytest.mark.postgres
+def test_the_default_schema_named_and_unnamed_is_one_schema(pg: sa.Engine) -> None:
+    relay = fleet([Tenant("acme"), Tenant("impostor", schema="public")],
+                  InMemoryBroker(max_record_bytes=ROOMY), database=pg)
+    try:
+        with pytest.raises(ConfigurationError, match="'acme' and 'impostor'"):
+            relay.refresh()
+    finally:
+        relay.close()
+
+
+def test_a_sqlite_file_and_the_same_file_attached_as_a_schema_are_one_schema(tmp_path: Path) -> None:
+    home = create_engine(f"sqlite:///{tmp_path / 'home.db'}")
+
+    @sa.event.listens_for(home, "connect")
+    def attach(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        dbapi_connection.execute(f"ATTACH DATABASE '{tmp_path / 'acme.db'}' AS acme")
+
+    relay = fleet([Tenant("acme", schema="acme"), Tenant("impostor", database=f"sqlite:///{tmp_path}/acme.db")],
+                  InMemoryBroker(max_record_bytes=ROOMY), database=home, notify_channel=None)
+    try:
+        with pytest.raises(ConfigurationError, match="'acme' and 'impostor'"):
+            relay.refresh()
+    finally:
+        relay.close()
+        home.dispose()
+
+
 @pytest.mark.mysql
 def test_a_mysql_schema_named_through_another_database_is_that_database(mysql_db: str) -> None:
     """On MySQL and MariaDB a schema is a database of the server: ``/mysql`` with schema ``t_x``
