@@ -71,7 +71,6 @@ class Outbox(OutboxBase):
             self._async = AsyncOutbox(bind if isinstance(bind, async_sessionmaker) else engine,
                                       tables=self.tables, shards=shards, max_payload_bytes=max_payload_bytes,
                                       max_record_bytes=max_record_bytes, notify_channel=notify_channel)
-        self.is_async = self._async is not None
         self._sessions: sessionmaker[Any] | None = None  # an AsyncEngine's are AsyncOutbox's
         if isinstance(bind, sessionmaker):
             self._sessions = bind

@@ -236,23 +236,6 @@ class OutboxBase:
             "event_type": event_type,
         }, size
 
-    def _row(
-        self,
-        topic: str,
-        payload: object,
-        key: object,
-        headers: Mapping[str, str] | None,
-        delay: timedelta | float | None,
-        declared_type: str | None,
-        max_record_bytes: int,
-        event_type: str | None = None,
-    ) -> dict[str, Any]:
-        """``_checked_row``'s row, checked against the record limit ``max_record_bytes`` too."""
-        row, size = self._checked_row(topic, payload, key, headers, delay, declared_type, event_type)
-        if size > max_record_bytes:
-            raise _too_large(row, size, max_record_bytes)
-        return row
-
     def _accept(self, stored: StoredSchema, place: Place) -> StoredSchema:
         """Keep ``stored`` as the settings of ``place``, once they agree with the ones asked for."""
         _schema.check_same_shards(self.requested_shards, stored.shard_count)
