@@ -68,7 +68,7 @@ from .._tables import OutboxTables
 from ..tenants import Tenant, TenantSource
 from ..tenants._schemas import DEFAULT_DATABASE_REFUSAL, SchemaClaims, SharedSchemaError
 from ._admin import NotParkedError, ParkedAdmin, ParkedReplay
-from ._delivery import Delivery, Origin, delivery
+from ._delivery import Delivery, Named, Origin, Unnamed, delivery
 from ._gaps import GapSweeper
 from ._kinds import Reason
 from ._outage import BACKOFF, OutageLog, is_outage
@@ -88,7 +88,7 @@ when that is shorter), before it parks."""
 SWEEP_SLICE = 50
 """Places swept per sweep turn (one a second): with many tenants, each is swept in its turn."""
 NO_TENANT = ""
-"""``Delivery.tenant`` of a message that names none."""
+"""The name ``name_of`` gives a message that names no tenant."""
 _MAX_ALERTED = 10_000
 
 T = TypeVar("T")
@@ -405,14 +405,16 @@ class TenantRouter:
         return value[:200], None
 
     def tag(self, d: Delivery) -> Delivery:
-        """``d`` with its tenant's name."""
-        return dataclasses.replace(d, tenant=self.name_of(d.message)[0])
+        """``d`` with the tenant it names, or why it names none."""
+        name, why = self.name_of(d.message)
+        return dataclasses.replace(d, tenant=Named(name) if why is None else Unnamed(why))
 
     # -- the settle stage ---------------------------------------------------------
 
     def settle(self, batch: list[Delivery]) -> Settled:
         """Settle a batch of one tenant at its place; an unknown tenant's are parked as such."""
-        name = batch[0].tenant or NO_TENANT
+        tenant = batch[0].tenant
+        name = tenant.name if isinstance(tenant, Named) else NO_TENANT
         place = self._serving(name, max(d.received_at for d in batch))
         if isinstance(place, float):
             return Settled(later=[(d, place) for d in batch])
@@ -522,8 +524,11 @@ class TenantRouter:
         return Settled(done=[(d, Disposition.PARKED) for d in batch])
 
     def _why_unknown(self, d: Delivery) -> str:
-        name, why = self.name_of(d.message)
-        return why if why is not None else f"tenant {name!r} is not among the inbox's tenants"
+        """What ``tag`` found: the same answer the routing had (``tenant_of`` is not asked twice)."""
+        tenant = d.tenant
+        if isinstance(tenant, Named):
+            return f"tenant {tenant.name!r} is not among the inbox's tenants"
+        return tenant.why if isinstance(tenant, Unnamed) else "it names no tenant"
 
     def _park_rows(self, batch: list[Delivery], whys: list[str]) -> None:
         store = self.default.store
@@ -533,7 +538,7 @@ class TenantRouter:
 
     def _alert_unknown(self, d: Delivery, why: str) -> None:
         """One alert per tenant name (or per "names none") and process."""
-        name = d.tenant or NO_TENANT
+        name = d.tenant.name if isinstance(d.tenant, Named) else NO_TENANT
         if name in self._alerted or len(self._alerted) >= _MAX_ALERTED:
             return
         self._alerted.add(name)
@@ -623,7 +628,7 @@ class TenantRouter:
         for place in self._places.values() if places is None else places:
             if place.gate.open:
                 found.extend(self._sweeping(place, lambda p: [
-                    dataclasses.replace(d, tenant=p.name) for d in p.gaps.ready()], []))
+                    dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], []))
                 self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
                 place.parked_keys = self._sweeping(place, lambda p: p.admin.parked_key_count(),
                                                    place.parked_keys)
@@ -678,7 +683,7 @@ class TenantRouter:
             self._claim(place)
             d = delivery(row.delivery.message, row.delivery.partition, row.delivery.offset,
                          origin=Origin.CALLER)
-            d = dataclasses.replace(d, tenant=name)
+            d = dataclasses.replace(d, tenant=Named(name))
             committed = place.step.apply([d])
             for failure in committed.failed:
                 _, parked = place.step.park(d, failure.error, failure.traceback)
