@@ -23,8 +23,8 @@ from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
 from ._auth import Operators
+from ._authenticator import Authenticator
 from ._context import Context, _Redirect, base
-from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
 from ._links import link
 from ._nav import Counts, navigated, toggle_refresh
@@ -68,8 +68,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
               read_only: bool = False, secret: bytes | str | None = None,
               stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
               max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = (),
-              gate: Gate | None = None, tenant: str | None = None) -> Starlette:
-    """``create_app``, as one tenant's console among many: ``gate`` (who signed in, the sign-in
+              auth: Authenticator | None = None, tenant: str | None = None) -> Starlette:
+    """``create_app``, as one tenant's console among many: ``auth`` (who signed in, the sign-in
     throttle) shared with the other tenants' consoles, every page and database name saying ``tenant``."""
     if not isinstance(outbox, Outbox):
         raise ConfigurationError(f"create_app needs an outbox.Outbox, got {type(outbox).__name__}")
@@ -110,8 +110,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
     operators = operators or Operators()
-    gate = gate or Gate(operators, Sessions(idle=float(session_idle)), Throttle())
-    ctx = Context(outbox, by_group, gate.operators, gate, read_only, secret or secrets.token_bytes(32),
+    auth = auth or Authenticator(operators, Sessions(idle=float(session_idle)), Throttle())
+    ctx = Context(outbox, by_group, auth.operators, auth, read_only, secret or secrets.token_bytes(32),
                   float(stuck_after), max_body, databases, tenant)
     outbox_db, *inbox_dbs = databases
     counts = Counts(databases)
