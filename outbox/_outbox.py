@@ -167,7 +167,7 @@ class Outbox(OutboxBase):
 
         Those of the tables ``bind`` reaches (default: the engine): its database,
         and the schema its ``schema_translate_map`` gives the tables; each such
-        place is read once. Raises ``SchemaError`` when the tables are missing,
+        destination is read once. Raises ``SchemaError`` when the tables are missing,
         older than this release or newer, and ``ConfigurationError`` when
         ``shards`` was given and differs from the stored count.
         """
@@ -195,7 +195,7 @@ class Outbox(OutboxBase):
             raise ConfigurationError("this Outbox has an AsyncEngine; use await create_tables_async()")
         with self.engine.begin() as conn:
             self._accept(_schema.create(conn, self.tables, self.requested_shards,
-                                        self.requested_max_record_bytes), self._place_of(conn))
+                                        self.requested_max_record_bytes), self._destination_of(conn))
 
     def upgrade_tables(self) -> tuple[int, int]:
         """Bring the tables of an older release to this one's schema, in place, without losing a row.
@@ -238,13 +238,13 @@ class Outbox(OutboxBase):
         outbox = self._async_outbox()
         kept = self._kept(outbox.engine.sync_engine)
         return kept if kept is not None else self._accept(
-            await outbox.load_schema(), self._place_of(outbox.engine.sync_engine))
+            await outbox.load_schema(), self._destination_of(outbox.engine.sync_engine))
 
     async def create_tables_async(self) -> None:
         """``create_tables()`` for an ``AsyncEngine``."""
         outbox = self._async_outbox()
         await outbox.create_tables()
-        self._accept(await outbox.load_schema(), self._place_of(outbox.engine.sync_engine))
+        self._accept(await outbox.load_schema(), self._destination_of(outbox.engine.sync_engine))
 
     def _async_outbox(self) -> AsyncOutbox:
         if self._async is None:

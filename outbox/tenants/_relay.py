@@ -232,7 +232,7 @@ class TenantRelay:
         self._refuse_shared_places(wanted.values())
         with self._lock:
             gone = [unit for name, unit in self._units.items()
-                    if name not in wanted or wanted[name].place != unit.tenant.place]
+                    if name not in wanted or wanted[name].address != unit.tenant.address]
             for unit in gone:
                 del self._units[unit.tenant.name]
                 unit.removed = True
