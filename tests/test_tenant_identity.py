@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import pending, publish, schema_outboxes, wait_for
-from conftest import unavailable
+from conftest import mariadb_of_its_own
 
 from outbox import ConfigurationError, Inbox, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
@@ -49,13 +49,6 @@ def fleet(tenants: Any, broker: InMemoryBroker, **kwargs: Any) -> TenantRelay:
     options: dict[str, Any] = dict(tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0, refresh_every=0.2)
     options.update(kwargs)
     return TenantRelay(tenants, lambda: InMemoryTransport(broker), **options)
-
-
-@pytest.fixture
-def pg(postgres_db: str) -> Iterator[sa.Engine]:
-    engine = create_engine(postgres_db)
-    yield engine
-    engine.dispose()
 
 
 # -- break 1: a relay's two tenants in one schema ---------------------------------------------------
@@ -160,14 +153,7 @@ def test_a_mysql_schema_named_through_another_database_is_that_database(mysql_db
 def folding_mariadb() -> Iterator[LocalMariaDB]:
     """A MariaDB that keeps and compares database names in lower case (``lower_case_table_names=1``,
     the setting of Windows and macOS servers, and of many managed ones)."""
-    try:
-        server = LocalMariaDB(options=("--lower-case-table-names=1",))
-    except FileNotFoundError as exc:
-        unavailable(str(exc))
-    try:
-        yield server
-    finally:
-        server.remove()
+    yield from mariadb_of_its_own(("--lower-case-table-names=1",))
 
 
 @pytest.mark.slow
