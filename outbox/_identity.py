@@ -118,7 +118,7 @@ def schema_identity(engine: Engine, schema: str | None) -> SchemaIdentity:
     facts = _facts_of(engine)
     database = facts.database
     if database.dialect == "sqlite":
-        return SchemaIdentity(_sqlite_file(engine, schema), "")
+        return SchemaIdentity(_sqlite_schema(engine, schema), "")
     name = facts.default_schema if schema is None else facts.fold(schema)
     if database.dialect == "postgresql":
         return SchemaIdentity(database, name)
@@ -234,6 +234,21 @@ def _sqlite_file(engine: Engine, schema: str | None) -> DatabaseIdentity:
     except OSError:  # not made yet (SQLite makes a file on its first write): named by its real path
         return DatabaseIdentity("sqlite", "", os.path.realpath(file))
     return DatabaseIdentity("sqlite", "", f"device {found.st_dev} inode {found.st_ino}")
+
+
+_sqlite_schemas: weakref.WeakKeyDictionary[Pool, dict[str, DatabaseIdentity]] = weakref.WeakKeyDictionary()
+
+
+def _sqlite_schema(engine: Engine, schema: str | None) -> DatabaseIdentity:
+    """``_sqlite_file`` of ``schema``, once per pool: the files attached at connect stay."""
+    name = "main" if schema is None else schema.lower()
+    with _lock:
+        found = _sqlite_schemas.get(engine.pool, {}).get(name)
+    if found is None:
+        found = _sqlite_file(engine, schema)
+        with _lock:
+            found = _sqlite_schemas.setdefault(engine.pool, {}).setdefault(name, found)
+    return found
 
 
 _memories: weakref.WeakKeyDictionary[Pool, dict[str, str]] = weakref.WeakKeyDictionary()
