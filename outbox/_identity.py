@@ -10,7 +10,9 @@ database, the same schema" decision asks the server instead:
   executable by every user unless revoked) and the database's oid. A schema is
   its name as the server holds it (the SQL we send quotes a name only when it
   must, so the name we are given *is* the server's), or the connection's
-  ``current_schema()`` when none is given. A physical standby shares its
+  ``current_schema()`` when none is given. Not its oid: a schema dropped and
+  made again is the same place for our tables, and a name costs no query per
+  tenant. A physical standby shares its
   primary's identifier and oids: the same database, which it is.
 - **MySQL**: ``@@server_uuid`` (kept in the data directory's ``auto.cnf``).
 - **MariaDB** has no server uuid: its own identity is ``@@server_uid`` (a hash
