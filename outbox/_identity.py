@@ -12,8 +12,8 @@ database, the same schema" decision asks the server instead:
   must, so the name we are given *is* the server's), or the connection's
   ``current_schema()`` when none is given. Not its oid: a schema dropped and
   made again is the same place for our tables, and a name costs no query per
-  tenant. A physical standby shares its
-  primary's identifier and oids: the same database, which it is.
+  tenant. A physical standby shares its primary's identifier and oids: the
+  same database, which it is.
 - **MySQL**: ``@@server_uuid`` (kept in the data directory's ``auto.cnf``).
 - **MariaDB** has no server uuid: its own identity is ``@@server_uid`` (a hash
   of the server's MAC address and TCP port that it computes at start and
