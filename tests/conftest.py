@@ -122,17 +122,22 @@ def own_postgres() -> Iterator[LocalPostgres]:
         context.__exit__(None, None, None)
 
 
-@pytest.fixture
-def own_mariadb() -> Iterator[LocalMariaDB]:
-    """A MariaDB server of the test's own, that the test may stop and start (outage tests)."""
+def mariadb_of_its_own(options: tuple[str, ...] = ()) -> Iterator[LocalMariaDB]:
+    """A new MariaDB server (with these server ``options``) for one test, removed after."""
     try:
-        server = LocalMariaDB()
+        server = LocalMariaDB(options=options)
     except FileNotFoundError as exc:
         unavailable(str(exc))
     try:
         yield server
     finally:
         server.remove()
+
+
+@pytest.fixture
+def own_mariadb() -> Iterator[LocalMariaDB]:
+    """A MariaDB server of the test's own, that the test may stop and start (outage tests)."""
+    yield from mariadb_of_its_own()
 
 
 @pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres),
@@ -155,6 +160,14 @@ def postgres_db(postgres_server: str) -> Iterator[str]:
     """A fresh, empty database on the shared server, dropped after the test."""
     with fresh_database(postgres_server) as url:
         yield url
+
+
+@pytest.fixture
+def pg(postgres_db: str) -> Iterator[sa.Engine]:
+    """An engine (``create_engine``'s settings) on a fresh PostgreSQL database, disposed after."""
+    engine = create_engine(postgres_db)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture

@@ -286,3 +286,20 @@ def test_a_client_that_never_finishes_its_request_is_cut_off(
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_app_on_db_spelled_otherwise_is_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One database in two spellings is one (its file says so): not "another database"."""
+    import uvicorn
+
+    listed = f"sqlite:///{tmp_path / 'listed.db'}"
+    Outbox(create_engine(listed)).create_tables()
+    respelled = f"sqlite:///{tmp_path}/./listed.db"
+    (tmp_path / "respelled_app.py").write_text(
+        f"from outbox import Inbox, create_engine\ninbox = Inbox(create_engine({respelled!r}), group='g')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started: list[bool] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: started.append(True))
+    result = CliRunner().invoke(app, ["console", "--db", listed, "--app", "respelled_app:inbox"])
+    assert result.exit_code == 0, result.output
+    assert started == [True]

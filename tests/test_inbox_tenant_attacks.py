@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import ConfigurationError, Disposition, Inbox, NotParkedError
-from outbox.inbox._delivery import decode
+from outbox.inbox._delivery import Named, Unnamed, decode
 from outbox.tenants import Tenant
 from tests.inbox_support import record
 from transports import Record
@@ -184,7 +184,8 @@ def test_whatever_tenant_of_returns_or_raises_the_record_gets_a_place_and_nothin
     r = record(TOPIC, None, None, message_id=message_id)
     tagged = router.tag(decode(r, accept_foreign=False))
     named = str.__str__(returned)[:200] if isinstance(returned, str) else ""
-    assert tagged.tenant == named and type(tagged.tenant) is str
+    assert tagged.tenant == (Named(named) if named else Unnamed(""))
+    assert not isinstance(tagged.tenant, Named) or type(tagged.tenant.name) is str
     served = named in SERVED
     disposition = tenants.inbox.handle(r)
     where = tenants.where(message_id)

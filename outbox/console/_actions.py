@@ -21,8 +21,8 @@ from starlette.responses import Response
 from .._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError
 from ..relay import retry_failed, skip_failed
+from ._authenticator import SESSION_COOKIE, client_of
 from ._context import Context, audit, base, cookie_path, group_of
-from ._gate import SESSION_COOKIE, client_of
 from ._groups import database_index
 from ._links import console_path, link
 from ._refused import Refused
@@ -164,7 +164,7 @@ def login(ctx: Context) -> Handler:
         form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
         name = str(form.get("name") or "").strip()
-        if not ctx.gate.token_sign_in(request, str(form.get("token") or "")):
+        if not ctx.auth.token_sign_in(request, str(form.get("token") or "")):
             return ctx.render(request, "login.html", status=401, error="wrong token",
                               token_login=bool(ctx.operators.token))
         if not name or len(name) > 100:
@@ -173,8 +173,8 @@ def login(ctx: Context) -> Handler:
         audit.info("signed in: %r from %s", name, client_of(request))
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"], ok=True,
                               back=base(request) + "/")
-        ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
-        response.set_cookie(SESSION_COOKIE, ctx.gate.sessions.start(name), httponly=True, samesite="strict",
+        ctx.auth.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
+        response.set_cookie(SESSION_COOKIE, ctx.auth.sessions.start(name), httponly=True, samesite="strict",
                             secure=request.url.scheme == "https", path=cookie_path(request))
         return response
     return page
@@ -185,7 +185,7 @@ def logout(ctx: Context) -> Handler:
         form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
         # Ended on the server: a copy of the cookie taken before is worthless from now on.
-        ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))
+        ctx.auth.sessions.end(request.cookies.get(SESSION_COOKIE))
         response = ctx.render(request, "result.html", lines=["signed out"], ok=True,
                               back=base(request) + "/")
         response.delete_cookie(SESSION_COOKIE, path=cookie_path(request))

@@ -16,14 +16,15 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .._errors import ConfigurationError, OutboxError
+from .._identity import answers_same
 from .._outbox import Outbox
 from .._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
 from ._auth import Operators
+from ._authenticator import Authenticator
 from ._context import Context, _Redirect, base
-from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
 from ._links import link
 from ._nav import Counts, navigated, toggle_refresh
@@ -67,8 +68,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
               read_only: bool = False, secret: bytes | str | None = None,
               stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
               max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = (),
-              gate: Gate | None = None, tenant: str | None = None) -> Starlette:
-    """``create_app``, as one tenant's console among many: ``gate`` (who signed in, the sign-in
+              auth: Authenticator | None = None, tenant: str | None = None) -> Starlette:
+    """``create_app``, as one tenant's console among many: ``auth`` (who signed in, the sign-in
     throttle) shared with the other tenants' consoles, every page and database name saying ``tenant``."""
     if not isinstance(outbox, Outbox):
         raise ConfigurationError(f"create_app needs an outbox.Outbox, got {type(outbox).__name__}")
@@ -83,9 +84,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     outbox_engine = outbox.engine
     assert isinstance(outbox_engine, Engine)
     # One database named twice (as the outbox's and as an inbox database, or twice as an inbox
-    # database) is one database: listed and counted once, as the trace reads it once.
-    engines = [e for i, e in enumerate(engines)
-               if e.url != outbox_engine.url and all(e.url != x.url for x in engines[:i])]
+    # database, in any spelling) is one database: listed and counted once, as the trace reads it once.
+    engines = _distinct(outbox_engine, engines)
     databases = [_database(e, outbox, tenant) for e in (outbox_engine, *engines)]
     by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
@@ -110,8 +110,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
     operators = operators or Operators()
-    gate = gate or Gate(operators, Sessions(idle=float(session_idle)), Throttle())
-    ctx = Context(outbox, by_group, gate.operators, gate, read_only, secret or secrets.token_bytes(32),
+    auth = auth or Authenticator(operators, Sessions(idle=float(session_idle)), Throttle())
+    ctx = Context(outbox, by_group, auth.operators, auth, read_only, secret or secrets.token_bytes(32),
                   float(stuck_after), max_body, databases, tenant)
     outbox_db, *inbox_dbs = databases
     counts = Counts(databases)
@@ -184,12 +184,31 @@ def _database(engine: Engine, outbox: Outbox, tenant: str | None = None) -> Data
     return Database(name, engine, outbox.tables)
 
 
+def _distinct(first: Engine, others: list[Engine]) -> list[Engine]:
+    """``others`` less the databases named before them (``first`` included), by what their servers say.
+
+    A database that does not answer is kept: its line says it could not be read.
+    """
+    kept: list[Engine] = []
+    for engine in others:
+        if not any(answers_same(engine, seen) for seen in (first, *kept)):
+            kept.append(engine)
+    return kept
+
+
 def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
     """Which of the console's databases ``inbox`` works in: its replays and discards go there."""
     bind = inbox.engine
-    for index, engine in enumerate(engines):
-        if bind is engine or bind.url == engine.url:
-            return index
+    if isinstance(bind, Engine):  # an async inbox's engine is none of the console's (sync) ones
+        unanswered = False
+        for index, engine in enumerate(engines):
+            same = answers_same(bind, engine)
+            if same:
+                return index
+            unanswered = unanswered or same is None
+        if unanswered:
+            raise ConfigurationError(f"cannot tell which database the inbox of group {inbox.group!r} "
+                                     "uses: it or one of the console's databases does not answer")
     raise ConfigurationError(f"the inbox of group {inbox.group!r} uses a database that is not the "
                              f"console's outbox database nor one of its inbox_databases")
 

@@ -23,7 +23,7 @@ from ..inbox import Inbox
 from ..ops import Database
 from . import _csrf
 from ._auth import Operators
-from ._gate import Gate
+from ._authenticator import Authenticator
 from ._links import link
 from ._refused import Refused
 from ._relays import Heartbeats
@@ -56,7 +56,7 @@ class Context:
     inboxes: Mapping[tuple[int, str], Inbox]
     """The app's inboxes (with handlers: replay runs them) by (database index, group)."""
     operators: Operators
-    gate: Gate
+    auth: Authenticator
     read_only: bool
     secret: bytes = field(repr=False)
     stuck_after: float
@@ -102,7 +102,7 @@ class Context:
             return None
         if hasattr(request.state, "viewer"):  # checked already for this request (``_nav.navigated``)
             return str(request.state.viewer)
-        who = self.gate.operator(request)
+        who = self.auth.operator(request)
         if who is None:
             raise self._unauthenticated(request)
         return who
@@ -114,7 +114,7 @@ class Context:
         if not self.operators.configured:
             raise Refused(403, "no operator credential is configured, so this console is read-only "
                                "(set OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS)")
-        who = self.gate.operator(request)
+        who = self.auth.operator(request)
         if who is None:
             raise Refused(401, "an action needs an operator credential: sign in first",
                           self._challenge())

@@ -89,7 +89,7 @@ class Counts:
 
 
 def navigated(ctx: Context, counts: Counts, handler: Handler) -> Handler:
-    """``handler`` with the navigation counts read first, for a viewer who passed the gate."""
+    """``handler`` with the navigation counts read first, for a viewer who signed in (or may look without)."""
     async def page(request: Request) -> Response:
         request.state.viewer = ctx.viewer(request)
         try:

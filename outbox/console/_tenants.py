@@ -7,7 +7,7 @@ overview, failed rows, parked keys, held gaps, trace and their actions) is the
 single-database console on that tenant's schema or database, every page and
 audit line naming the tenant.
 
-One ``Gate`` serves them all: a sign-in, a session and the sign-in throttle
+One ``Authenticator`` serves them all: a sign-in, a session and the sign-in throttle
 count once for the whole console, never once per tenant (500 tenants must not
 mean 500 times the guesses), and cookies are set for the whole console. The
 root's report is read by one thread at a time and kept for a few seconds, so
@@ -40,8 +40,8 @@ from ..tenants import Tenant, TenantDatabases, checked_tenants
 from . import _actions
 from ._app import DEFAULT_SESSION_IDLE, build_app
 from ._auth import Operators
+from ._authenticator import Authenticator
 from ._context import TENANTS_ROOT, Context, _Redirect
-from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
 from ._refused import Refused
 from ._sessions import Sessions
@@ -72,15 +72,15 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
     if isinstance(session_idle, bool) or not isinstance(session_idle, int | float) or session_idle <= 0:
         raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
     operators = operators or Operators()
-    gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
+    auth = Authenticator(operators, Sessions(idle=float(session_idle)), Throttle())
     key = secret.encode() if isinstance(secret, str) else secret or secrets.token_bytes(32)
     consoles = {t.name: build_app(Outbox(_engine_of(t, databases), prefix=prefix, schema=t.schema),
                                   operators=operators, read_only=read_only, secret=key,
-                                  stuck_after=stuck_after, max_body=max_body, gate=gate, tenant=t.name)
+                                  stuck_after=stuck_after, max_body=max_body, auth=auth, tenant=t.name)
                 for t in chosen}
     # The root's own context: who may look, the form token, rendering (its outbox is never read).
     ctx = Context(Outbox(databases.engine_for(chosen[0]), prefix=prefix, schema=chosen[0].schema), {},
-                  operators, gate, read_only, key, float(stuck_after), max_body)
+                  operators, auth, read_only, key, float(stuck_after), max_body)
     report = _Report(chosen, databases, prefix, float(stuck_after), timeout)
 
     async def overview(request: Request) -> Response:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from .._alerts import Alert, deliver
+from .._alerts import Alert, AlertKind, deliver
 from .._envelope import utcnow
 from ._alerting import Alerter
 from ._conflicts import Verdict, describe
@@ -70,7 +70,7 @@ class GapSweeper:
             missing = f"seq {last_seq + 1}" + (f" to {head.message.seq - 1}"
                                                if head.message.seq - 1 > last_seq + 1 else "")
             deliver(self.alerter.sink, Alert(
-                kind="gap_held", topic=head.message.topic, key=head.message.key,
+                kind=AlertKind.GAP_HELD, topic=head.message.topic, key=head.message.key,
                 message_id=str(head.message.message_id), group=self.alerter.group,
                 tenant=self.alerter.tenant,
                 error=f"{missing} missing; seq {head.message.seq} held for {held_for:.0f}s",

@@ -66,8 +66,9 @@ from .._envelope import Message, utcnow
 from .._errors import ConfigurationError, OutboxError
 from .._tables import OutboxTables
 from ..tenants import Tenant, TenantSource
+from ..tenants._schemas import DEFAULT_DATABASE_REFUSAL, SchemaClaims, SharedSchemaError
 from ._admin import NotParkedError, ParkedAdmin, ParkedReplay
-from ._delivery import Delivery, Origin, delivery
+from ._delivery import Delivery, Named, Origin, Unnamed, delivery
 from ._gaps import GapSweeper
 from ._kinds import Reason
 from ._outage import BACKOFF, OutageLog, is_outage
@@ -87,7 +88,7 @@ when that is shorter), before it parks."""
 SWEEP_SLICE = 50
 """Places swept per sweep turn (one a second): with many tenants, each is swept in its turn."""
 NO_TENANT = ""
-"""``Delivery.tenant`` of a message that names none."""
+"""The name ``name_of`` gives a message that names no tenant."""
 _MAX_ALERTED = 10_000
 
 T = TypeVar("T")
@@ -223,6 +224,8 @@ class TenantRouter:
         self.slots = Slots(pool_size)
         self._places: dict[str, Place] = {}
         self._engines: dict[str, Engine] = {}
+        self._claims = SchemaClaims()
+        """Whose each schema is, by what its server says: the default database's, or one tenant's."""
         self._lock = threading.Lock()
         self._read_at = -float("inf")
         self._read_since = datetime.min.replace(tzinfo=UTC)
@@ -272,28 +275,19 @@ class TenantRouter:
             self._reading.release()
 
     def _refuse_the_default(self, tenants: Sequence[Tenant]) -> None:
-        """``ConfigurationError`` for a tenant whose tables would be the default database's.
+        """``ConfigurationError`` for a tenant whose tables would be the default database's, or another's.
 
-        There the messages of no known tenant park: that tenant's parked list,
-        replay and discard would take them for its own, and replay would apply
-        another tenant's message in its tables.
+        In the default database's tables the messages of no known tenant park:
+        that tenant's parked list, replay and discard would take them for its
+        own, and replay would apply another tenant's message in its tables. Two
+        tenants in one schema would share their dedup records. Decided by what
+        the servers say (``SchemaClaims``): the default database spelled
+        otherwise is the default database. A tenant whose database does not
+        answer now is asked again before its tables are first used (``_check``).
         """
         default = self.default
-        # Unqualified tables are in the connection's default schema (PostgreSQL's "public"): known
-        # once the default database was connected to (run() does that first).
-        schemas = {default.tables.schema}
-        if default.tables.schema is None:
-            schemas.add(getattr(default.engine.dialect, "default_schema_name", None))
-        for tenant in tenants:
-            database = tenant.database
-            same_database = (database is None
-                             or (isinstance(database, Engine) and database.pool is default.engine.pool)
-                             or (isinstance(database, str)
-                                 and _same_url(database, default.engine.url)))
-            if same_database and tenant.schema in schemas:
-                raise ConfigurationError(
-                    f"tenant {tenant.name}: its inbox tables would be the default database's, where "
-                    "the messages of no known tenant park; give it a schema or a database of its own")
+        self._claims.reserve(default, default.engine, default.tables.schema, DEFAULT_DATABASE_REFUSAL)
+        self._claims.refuse_shared([(tenant, self._engine_of(tenant)) for tenant in tenants])
 
     def _take(self, tenants: Sequence[Tenant], began: datetime) -> None:
         """Serve ``tenants`` from now on: a place each, kept when its tenant did not change."""
@@ -308,6 +302,7 @@ class TenantRouter:
             if self._loaded and (gone or added):
                 log.info("tenants: %d served (%d added, %d removed)", len(places), len(added), len(gone))
             self._places = places
+            self._claims.retain(places.values())
             self._loaded = True
             self._read_since = began
             named = {t.database for t in tenants if isinstance(t.database, str)}
@@ -352,7 +347,13 @@ class TenantRouter:
         if found is None:
             raise ConfigurationError(f"no tenant {name!r:.80} among the inbox's tenants "
                                      f"({len(self._places)} served)")
+        self._claim(found)
         return found
+
+    def _claim(self, place: Place) -> None:
+        """Before a tenant's tables are used: ``ConfigurationError`` when they are another's (``_claims``)."""
+        if place.tenant is not None:
+            self._claims.claim(place, place.tenant, place.engine)
 
     def _serving(self, name: str, received_at: datetime) -> Place | float | None:
         """The place of a message's tenant; None: none has it (park it); a delay: ask again then.
@@ -404,14 +405,16 @@ class TenantRouter:
         return value[:200], None
 
     def tag(self, d: Delivery) -> Delivery:
-        """``d`` with its tenant's name."""
-        return dataclasses.replace(d, tenant=self.name_of(d.message)[0])
+        """``d`` with the tenant it names, or why it names none."""
+        name, why = self.name_of(d.message)
+        return dataclasses.replace(d, tenant=Named(name) if why is None else Unnamed(why))
 
     # -- the settle stage ---------------------------------------------------------
 
     def settle(self, batch: list[Delivery]) -> Settled:
         """Settle a batch of one tenant at its place; an unknown tenant's are parked as such."""
-        name = batch[0].tenant or NO_TENANT
+        tenant = batch[0].tenant
+        name = tenant.name if isinstance(tenant, Named) else NO_TENANT
         place = self._serving(name, max(d.received_at for d in batch))
         if isinstance(place, float):
             return Settled(later=[(d, place) for d in batch])
@@ -478,6 +481,7 @@ class TenantRouter:
     def _check(self, place: Place) -> float | None:
         """None when ``place``'s inbox tables are there; else the seconds before the next look."""
         try:
+            self._claim(place)
             place.sessions.run(functools.partial(_schema.check, inbox=True), place.engine, place.tables)
         except Exception as exc:
             if is_outage(exc):
@@ -485,7 +489,10 @@ class TenantRouter:
             if not isinstance(exc, OutboxError | DBAPIError):
                 raise
             name = place.name or ""
-            if name not in self._missing:
+            if name not in self._missing and isinstance(exc, SharedSchemaError):
+                self._missing.add(name)
+                log.error("%s: not served: %s; its messages wait, the other tenants go on", place.what, exc)
+            elif name not in self._missing:
                 self._missing.add(name)
                 log.error("%s: its inbox tables are not usable (%s); its messages wait, the other "
                           "tenants go on. Create them (`outbox init-db`, or Inbox.create_tables(tenant=…))",
@@ -517,8 +524,11 @@ class TenantRouter:
         return Settled(done=[(d, Disposition.PARKED) for d in batch])
 
     def _why_unknown(self, d: Delivery) -> str:
-        name, why = self.name_of(d.message)
-        return why if why is not None else f"tenant {name!r} is not among the inbox's tenants"
+        """What ``tag`` found: the same answer the routing had (``tenant_of`` is not asked twice)."""
+        tenant = d.tenant
+        if isinstance(tenant, Named):
+            return f"tenant {tenant.name!r} is not among the inbox's tenants"
+        return tenant.why if isinstance(tenant, Unnamed) else "it names no tenant"
 
     def _park_rows(self, batch: list[Delivery], whys: list[str]) -> None:
         store = self.default.store
@@ -528,7 +538,7 @@ class TenantRouter:
 
     def _alert_unknown(self, d: Delivery, why: str) -> None:
         """One alert per tenant name (or per "names none") and process."""
-        name = d.tenant or NO_TENANT
+        name = d.tenant.name if isinstance(d.tenant, Named) else NO_TENANT
         if name in self._alerted or len(self._alerted) >= _MAX_ALERTED:
             return
         self._alerted.add(name)
@@ -618,7 +628,7 @@ class TenantRouter:
         for place in self._places.values() if places is None else places:
             if place.gate.open:
                 found.extend(self._sweeping(place, lambda p: [
-                    dataclasses.replace(d, tenant=p.name) for d in p.gaps.ready()], []))
+                    dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], []))
                 self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
                 place.parked_keys = self._sweeping(place, lambda p: p.admin.parked_key_count(),
                                                    place.parked_keys)
@@ -670,9 +680,10 @@ class TenantRouter:
                 stuck.add(name)
                 error = error or why or f"tenant {name!r} is still not among the inbox's tenants"
                 continue
+            self._claim(place)
             d = delivery(row.delivery.message, row.delivery.partition, row.delivery.offset,
                          origin=Origin.CALLER)
-            d = dataclasses.replace(d, tenant=name)
+            d = dataclasses.replace(d, tenant=Named(name))
             committed = place.step.apply([d])
             for failure in committed.failed:
                 _, parked = place.step.park(d, failure.error, failure.traceback)
@@ -691,14 +702,6 @@ class TenantRouter:
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
             self.default.store.unpark(session, row_id)
-
-
-def _same_url(url: str, other: sa.URL) -> bool:
-    try:
-        return sa.make_url(url).render_as_string(hide_password=False) == other.render_as_string(
-            hide_password=False)
-    except Exception:  # not a URL: creating its engine says so
-        return False
 
 
 def _described(exc: BaseException) -> str:

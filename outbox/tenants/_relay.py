@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import tenacity
-from sqlalchemy import Engine, make_url
+from sqlalchemy import Engine
 from sqlalchemy.exc import ArgumentError
 
 from transports import Record, SendResult, Transport
@@ -69,6 +69,7 @@ from ..relay._leases import renew_interval
 from ..relay._settings import DEFAULT_BACKOFF, default_worker_id
 from ..relay._wakeup import start_listening
 from ._labels import TenantLabels
+from ._schemas import SchemaClaims
 from ._tenant import Tenant, TenantsLike, TenantSource, tenant_source
 
 log = safe_logger("outbox.relay")
@@ -163,6 +164,7 @@ class TenantRelay:
         self._default = database
         self._databases: dict[str, _Database] = {}
         self._units: dict[str, _Unit] = {}
+        self._claims = SchemaClaims()
         self._transports = [transport() for _ in range(workers)]
         for made in self._transports:
             if not callable(getattr(made, "publish", None)):
@@ -230,7 +232,7 @@ class TenantRelay:
         self._refuse_shared_places(wanted.values())
         with self._lock:
             gone = [unit for name, unit in self._units.items()
-                    if name not in wanted or wanted[name].place != unit.tenant.place]
+                    if name not in wanted or wanted[name].address != unit.tenant.address]
             for unit in gone:
                 del self._units[unit.tenant.name]
                 unit.removed = True
@@ -254,26 +256,24 @@ class TenantRelay:
         self._refreshed.set()
 
     def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
-        """Two tenants in one schema of one database, one named by URL and one by the default: refused.
+        """Two tenants in one schema of one database, however their URLs spell it: refused.
 
-        The source's own check compares what the tenants say; this one what they
-        resolve to. Served twice, a schema's rows would go out under two names,
-        by two Relays of one worker id, which do not fence each other.
+        The source's own check compares what the tenants say; this one what their
+        servers say (``SchemaClaims``). Served twice, a schema's rows would go out
+        under two names, by two Relays of one worker id, which do not fence each
+        other. A database down now is asked again before its tenants are served.
         """
-        places: dict[tuple[str, str | None], str] = {}
+        found = []
         for tenant in tenants:
-            database = tenant.database if tenant.database is not None else self._default
-            if database is None:
+            if tenant.database is None and self._default is None:
                 continue  # refused by name when it is served
             try:
-                url = database.url if isinstance(database, Engine) else make_url(database)
+                db = self._database_of(tenant)
             except ArgumentError:  # not the URL itself: it may hold a password
                 raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
-            place = (url.render_as_string(hide_password=False), tenant.schema)
-            if place in places:
-                raise ConfigurationError(
-                    f"tenants {places[place]!r} and {tenant.name!r} name the same schema of one database")
-            places[place] = tenant.name
+            if not db.down:
+                found.append((tenant, db.engine))
+        self._claims.refuse_shared(found)
 
     def _start_pending(self) -> None:
         """Build the ``Relay`` of every tenant that has none yet: reads its stored settings."""
@@ -284,6 +284,7 @@ class TenantRelay:
             if db.down and time.monotonic() < db.retry_at:
                 continue
             try:
+                self._claims.claim(unit, unit.tenant, db.engine)
                 unit.relay = self._new_relay(unit)
             except Exception as exc:
                 self._tenant_failed(unit, exc, "cannot be served")
@@ -646,6 +647,7 @@ class TenantRelay:
         with self._lock:
             if unit.db.units.get(unit.tenant.schema) is unit and unit.removed:
                 del unit.db.units[unit.tenant.schema]
+        self._claims.release(unit)
         if not unit.db.down:
             self._drop_relay(unit)
         else:

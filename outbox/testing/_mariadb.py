@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,11 +67,12 @@ class LocalMariaDB:
     made with ``--auth-root-authentication-method=normal`` and an empty
     password): only processes on this machine reach 127.0.0.1. ``durable``
     keeps InnoDB's flush at every commit (benchmarks); tests turn it off.
+    ``options`` are more server options (``--lower-case-table-names=1``).
     """
 
-    def __init__(self, *, durable: bool = False) -> None:
+    def __init__(self, *, durable: bool = False, options: Sequence[str] = ()) -> None:
         found = mariadb_binaries()
-        self._options = _OPTIONS if durable else (*_OPTIONS, *FAST_OPTIONS)
+        self._options = (*(_OPTIONS if durable else (*_OPTIONS, *FAST_OPTIONS)), *options)
         if found is None:
             raise FileNotFoundError("MariaDB binaries (mariadbd, mariadb-install-db) not found")
         self._server, install = found

@@ -47,7 +47,14 @@ def client_of(request: Request) -> str:
     return f"client {address}"
 
 
-class Gate:
+class Authenticator:
+    """Who a request comes from (``operator``), a ``/login`` token's check, and the sign-in throttle.
+
+    One serves a whole console, a console of many tenants included: a sign-in
+    is valid on every page, and wrong guesses count against the client wherever
+    they were made.
+    """
+
     def __init__(self, operators: Operators, sessions: Sessions, throttle: Throttle) -> None:
         self.operators, self.sessions, self.throttle = operators, sessions, throttle
 
