@@ -21,10 +21,10 @@ from starlette.responses import Response
 from .._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError
 from ..relay import retry_failed, skip_failed
-from ._context import Context, audit, base, cookie_path, group_of
+from ._context import Context, audit, group_of
 from ._gate import SESSION_COOKIE, client_of
 from ._groups import database_index
-from ._links import console_path, link
+from ._links import base, console_path, cookie_path, link
 from ._refused import Refused
 
 Handler = Callable[[Request], Awaitable[Response]]

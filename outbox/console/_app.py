@@ -22,10 +22,11 @@ from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
 from ._auth import Operators
-from ._context import Context, _Redirect, base
+from ._context import Context, _Redirect
+from ._devices import DeviceCookies, Devices
 from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
-from ._links import link
+from ._links import base, link
 from ._nav import Counts, navigated, toggle_refresh
 from ._refused import Refused
 from ._sessions import Sessions
@@ -110,9 +111,10 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
     operators = operators or Operators()
-    gate = gate or Gate(operators, Sessions(idle=float(session_idle)), Throttle())
-    ctx = Context(outbox, by_group, gate.operators, gate, read_only, secret or secrets.token_bytes(32),
-                  float(stuck_after), max_body, databases, tenant)
+    key = secret or secrets.token_bytes(32)
+    gate = gate or Gate(operators, Sessions(idle=float(session_idle)), Throttle(), Devices(key))
+    ctx = Context(outbox, by_group, gate.operators, gate, read_only, key, float(stuck_after), max_body,
+                  databases, tenant)
     outbox_db, *inbox_dbs = databases
     counts = Counts(databases)
 
@@ -170,7 +172,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
                 f"tenant {tenant}: its database did not serve this page: "
                 f"{text[0] if text else type(exc).__name__}", secrets_of_db))
         handlers[DBAPIError] = database_error
-    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body)],
+    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body),
+                                                Middleware(DeviceCookies)],
                      exception_handlers=handlers)
 
 

@@ -24,7 +24,7 @@ from ..ops import Database
 from . import _csrf
 from ._auth import Operators
 from ._gate import Gate
-from ._links import link
+from ._links import TENANTS_ROOT, base, cookie_path, link
 from ._refused import Refused
 from ._relays import Heartbeats
 from ._when import when
@@ -181,21 +181,6 @@ class _Redirect(Exception):
 
     def response(self) -> Response:
         return RedirectResponse(self.location, status_code=303)
-
-
-def base(request: Request) -> str:
-    """Where the console is mounted ("" at the root): every link and cookie path starts here."""
-    return str(request.scope.get("root_path", "")).rstrip("/")
-
-
-TENANTS_ROOT = "outbox.console.tenants_root"
-"""Scope key: where a console of many tenants is mounted, set by it for its tenants' consoles."""
-
-
-def cookie_path(request: Request) -> str:
-    """The path of the console's cookies: under a console of many tenants, all of it, so one
-    sign-in and one form token serve every tenant's pages."""
-    return str(request.scope.get(TENANTS_ROOT, base(request))) + "/"
 
 
 def group_of(values: Mapping[str, Any]) -> str:

@@ -28,8 +28,8 @@ from starlette.responses import RedirectResponse, Response
 
 from .._tables import OutboxStatus as Status
 from ..ops import Database
-from ._context import REFRESH_COOKIE, Context, base, cookie_path
-from ._links import console_path
+from ._context import REFRESH_COOKIE, Context
+from ._links import base, console_path, cookie_path
 
 Handler = Callable[[Request], Awaitable[Response]]
 CAP = 1000

@@ -40,9 +40,11 @@ from ..tenants import Tenant, TenantDatabases, checked_tenants
 from . import _actions
 from ._app import DEFAULT_SESSION_IDLE, build_app
 from ._auth import Operators
-from ._context import TENANTS_ROOT, Context, _Redirect
+from ._context import Context, _Redirect
+from ._devices import DeviceCookies, Devices
 from ._gate import Gate
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
+from ._links import TENANTS_ROOT
 from ._refused import Refused
 from ._sessions import Sessions
 from ._throttle import Throttle
@@ -72,8 +74,8 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
     if isinstance(session_idle, bool) or not isinstance(session_idle, int | float) or session_idle <= 0:
         raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
     operators = operators or Operators()
-    gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
     key = secret.encode() if isinstance(secret, str) else secret or secrets.token_bytes(32)
+    gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle(), Devices(key))
     consoles = {t.name: build_app(Outbox(_engine_of(t, databases), prefix=prefix, schema=t.schema),
                                   operators=operators, read_only=read_only, secret=key,
                                   stuck_after=stuck_after, max_body=max_body, gate=gate, tenant=t.name)
@@ -113,7 +115,8 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
         routes=[Route("/", overview), Route("/login", _actions.login(ctx), methods=["GET", "POST"]),
                 Route("/logout", _actions.logout(ctx), methods=["POST"]),
                 Mount("/t/{tenant}", app=tenant_console)],
-        middleware=[Middleware(BodyLimit, max_bytes=max_body), Middleware(_TenantsRoot)],
+        middleware=[Middleware(BodyLimit, max_bytes=max_body), Middleware(_TenantsRoot),
+                    Middleware(DeviceCookies)],
         exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: error, OutboxError: error})
     return app
 
