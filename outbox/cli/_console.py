@@ -53,6 +53,10 @@ def console(
         "", "--forwarded-allow-ips", envvar="OUTBOX_CONSOLE_FORWARDED_ALLOW_IPS",
         help="Addresses or networks of the reverse proxies whose X-Forwarded-For/-Proto are "
              "believed (comma-separated). Default: none, every client is its TCP peer."),
+    database_timeout: float | None = typer.Option(
+        None, "--database-timeout", min=0.1,
+        help="Seconds a page or an action waits for one database before it says the database "
+             "could not be read (default 10; with --tenants, --tenant-timeout)."),
     log_level: str = LOG_LEVEL,
     tenants: str | None = TENANTS,
     tenant_timeout: float = typer.Option(DEFAULT_TENANT_TIMEOUT, "--tenant-timeout", min=0.1,
@@ -73,6 +77,7 @@ def console(
         import uvicorn  # noqa: F401  (the extra is installed: ``_serve`` uses it)
 
         from ..console import Operators, create_app, create_tenants_app
+        from ..console._reads import DEFAULT_TIMEOUT as DEFAULT_DATABASE_TIMEOUT
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
     operators = Operators.from_env()
@@ -86,6 +91,9 @@ def console(
             raise typer.BadParameter("--app and --inbox-db serve one database; with --tenants, each "
                                      "tenant's console shows its own schema or database",
                                      param_hint="--tenants")
+        if database_timeout is not None:
+            raise typer.BadParameter("with --tenants, --tenant-timeout bounds each tenant's pages",
+                                     param_hint="--database-timeout")
         engine = open_engine(db)
         databases = TenantDatabases(engine, make=existing_engine)
         web = create_tenants_app(tenants_of(tenants, None, engine, schema), databases,
@@ -106,7 +114,8 @@ def console(
                                      param_hint="--app")
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after,
-                     session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines)
+                     session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines,
+                     database_timeout=database_timeout or DEFAULT_DATABASE_TIMEOUT)
     _serve(web, operators.configured, read_only, local, host, port, log_level, proxies)
 
 

@@ -7,9 +7,9 @@ handlers read it from several threads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 from sqlalchemy import Engine
@@ -25,11 +25,13 @@ from . import _csrf
 from ._auth import Operators
 from ._gate import Gate
 from ._links import TENANTS_ROOT, base, cookie_path, link
+from ._reads import DEFAULT_TIMEOUT, Reader
 from ._refused import Refused
 from ._relays import Heartbeats
 from ._when import when
 
 audit = safe_logger("outbox.console.audit")
+T = TypeVar("T")
 
 PAGE = 50
 REFRESH_SECONDS = 30
@@ -65,6 +67,10 @@ class Context:
     """The outbox's database (index 0), then the inbox databases: ``?db=N`` names one (``_groups``)."""
     tenant: str | None = None
     """The tenant this console shows, when it is one of many (``create_tenants_app``): every page says so."""
+    database_timeout: float = DEFAULT_TIMEOUT
+    """Seconds a page or an action waits for one database (``_reads``)."""
+    readers: list[Reader] = field(init=False, repr=False)
+    """How pages reach ``databases`` (same index): off the event loop, within ``database_timeout``."""
     env: Environment = field(init=False, repr=False)
     heartbeats: Heartbeats = field(init=False, repr=False)
     _discarders: dict[tuple[int, str], Inbox] = field(default_factory=dict, init=False)
@@ -76,6 +82,11 @@ class Context:
                                autoescape=select_autoescape(default=True, default_for_string=True))
         self.env.filters["when"] = when
         self.heartbeats = Heartbeats(STALE_RELAY_AFTER)
+        self.readers = [Reader(db, self.database_timeout) for db in self.databases]
+
+    async def read(self, index: int, work: Callable[[], T], *, write: bool = False) -> T:
+        """``work()`` on database ``index``, within the deadline; ``Unreadable`` when it cannot be read."""
+        return await self.readers[index].run(work, write=write)
 
     @property
     def engine(self) -> Engine:

@@ -62,8 +62,9 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
 
     ``tenants`` are read once (restart the console to show new ones);
     ``databases`` gives each tenant's engine (one per database). ``timeout``
-    bounds how long the root page waits for one tenant. Everything else is
-    ``create_app``'s, shared by every tenant's console.
+    bounds how long the root page waits for one tenant, and a tenant's pages
+    for its database (``create_app``'s ``database_timeout``). Everything else
+    is ``create_app``'s, shared by every tenant's console.
     """
     chosen = checked_tenants(tenants)
     if not chosen:
@@ -78,7 +79,8 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
     gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle(), Devices(key))
     consoles = {t.name: build_app(Outbox(_engine_of(t, databases), prefix=prefix, schema=t.schema),
                                   operators=operators, read_only=read_only, secret=key,
-                                  stuck_after=stuck_after, max_body=max_body, gate=gate, tenant=t.name)
+                                  stuck_after=stuck_after, max_body=max_body, database_timeout=timeout,
+                                  gate=gate, tenant=t.name)
                 for t in chosen}
     # The root's own context: who may look, the form token, rendering (its outbox is never read).
     ctx = Context(Outbox(databases.engine_for(chosen[0]), prefix=prefix, schema=chosen[0].schema), {},
