@@ -11,6 +11,10 @@ headers included), and the clock is moved by hand, never waited for.
 from __future__ import annotations
 
 import base64
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -278,3 +282,91 @@ def test_only_the_proxies_named_are_believed(sqlite_outbox_url: str, monkeypatch
     assert refused == ["sign-in refused from client 198.51.100.4: wrong token",
                        "sign-in refused from client 2001:db8::/64: wrong token",
                        "sign-in refused from client 10.0.1.7: wrong token"], refused
+
+
+def test_a_stolen_device_cookie_buys_about_a_hundred_guesses_a_day_whatever_the_pace() -> None:
+    """A known browser escapes the day's budget by design; its own count must not be escaped by
+    pausing: guess until the lock reaches 512 s, then wait an hour (the address counts' ``forget``)."""
+    now = [0.0]
+    throttle = Throttle(clock=lambda: now[0])
+    stolen = Attempt("client 198.51.100.7", "the token", device="a-stolen-device")
+    compared: list[float] = []
+    while now[0] < 3 * DAY:
+        wait = throttle.wait(stolen)
+        if wait > 300:
+            now[0] += 3601.0  # a quiet hour, hoping to start again with 5 free
+            continue
+        now[0] += wait
+        compared.append(now[0])
+        throttle.failed(stolen)
+        now[0] += 0.001
+    most = max(sum(1 for u in compared[i:] if u - t < DAY) for i, t in enumerate(compared))
+    assert most <= 115, most  # 5 free, the doubling up to 15 min (10), then one per 15 min (~95)
+
+
+# -- raw requests to the real server ----------------------------------------------------------
+
+
+def _raw(port: int, request: bytes) -> int:
+    """The status of ``request`` sent as bytes on a connection of its own (0: no answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(request)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    parts = answer.split(b" ", 2)
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def test_raw_requests_over_many_connections_buy_no_more_guesses(
+        sqlite_outbox_url: str, monkeypatch: pytest.MonkeyPatch, clock: Clock) -> None:
+    """Every request from this machine, however it is spelt, counts against 127.0.0.1: with the
+    clock standing still, six wrong credentials are compared in all, then every try is 429."""
+    import uvicorn
+
+    from tests.test_console_cli import free_port
+
+    app = served_app(monkeypatch, sqlite_outbox_url, users=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           proxy_headers=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the console did not start"
+        time.sleep(0.02)
+
+    def auth(name: bytes, password: bytes) -> bytes:
+        return b"Authorization: Basic " + base64.b64encode(name + b":" + password) + b"\r\n"
+
+    wrong, right = b"wrong-guess-of-the-token-00", TOKEN.encode()
+    shapes = [
+        b"GET /refresh HTTP/1.0\r\nAuthorization: Bearer " + wrong + b"\r\n\r\n",           # no Host
+        b"GET /refresh HTTP/1.1\r\nHost: x\r\nAuthorization: bearer " + wrong + b"\r\n"
+        b"X-FORWARDED-FOR: 203.0.113.5\r\nx-forwarded-for: 2001:db8::5\r\nConnection: close\r\n\r\n",
+        b"GET /refresh HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + wrong + b"\r\n"
+        b"Authorization: Bearer " + right + b"\r\nConnection: close\r\n\r\n",               # two of them
+        b"GET /refresh HTTP/1.1\r\nHost: x\r\n" + auth("zoë".encode(), b"p" * 20)
+        + b"Forwarded: for=198.51.100.1\r\nConnection: close\r\n\r\n",
+        b"GET /refresh HTTP/1.1\r\nHost: x\r\n" + auth("zoë".encode("latin-1"), b"p" * 20)
+        + b"X-Real-IP: 198.51.100.2\r\nConnection: close\r\n\r\n",
+        b"GET /refresh HTTP/1.1\r\nHost: x\r\n" + auth(b"alice", b"wrong") + b"Connection: close\r\n\r\n",
+        b"HEAD /refresh HTTP/1.1\r\nHost: x\r\n" + auth(b"bob", b"wrong") + b"Connection: close\r\n\r\n",
+        b"GET /refresh HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: " + b"9" * 60_000 + b"\r\n"
+        b"Authorization: Bearer " + wrong + b"\r\nConnection: close\r\n\r\n",               # too long
+    ]
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda r: _raw(port, r), shapes * 6))
+        compared = [a for a in answers if a not in (429, 431, 400, 413)]
+        assert len(compared) <= 6, answers
+        assert all(a in (303, 401, 429, 431, 400, 413, 200) for a in answers), answers
+        right_one = b"GET /refresh HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + right + b"\r\n\r\n"
+        assert _raw(port, right_one) == 429
+    finally:
+        server.should_exit = True
+        thread.join(20)

@@ -24,7 +24,8 @@ many addresses, forwarding headers or user names they use.
 
 That budget is also a lever: anyone can spend it and lock every unknown
 browser out (a denial of service). A known browser is therefore judged by its
-own count only (the same ``free`` and doubling, per device), so an operator
+own count only (the same ``free`` and doubling, per device, forgotten only a
+day after its last failure), so an operator
 who signed in before keeps signing in while strangers guess; a stolen device
 cookie buys its thief that device's own ~100 guesses a day, nothing more. This
 is OWASP's "Slow Down Online Guessing Attacks with Device Cookies".
@@ -143,7 +144,10 @@ class Throttle:
         self._clock = clock or _monotonic
         self._addresses = _Backoff(free, lock_max, forget, max_tracked)
         self._credentials = _Backoff(free, lock_max, forget, max_tracked)
-        self._devices = _Backoff(free, lock_max, forget, max_tracked)
+        # A known browser escapes the day's budget; its own count must not be escaped by pausing
+        # (an hour's pause would start the doubling again: ~300 a day). Forgotten after a day, it
+        # allows ``free`` + the doubling + one per ``lock_max``: ~110 in any day.
+        self._devices = _Backoff(free, lock_max, max(forget, DAY), max_tracked)
         self._unknown = _Window(daily, DAY)
         self._lock = threading.Lock()
 
