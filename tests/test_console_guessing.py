@@ -25,8 +25,7 @@ from typer.testing import CliRunner
 
 from outbox import Outbox, create_engine
 from outbox.cli import app as cli
-from outbox.console import Operators, create_app
-from outbox.console._throttle import Attempt, Throttle
+from outbox.console import Operators, _throttle, create_app
 from tests.console_support import TOKEN, Clock, csrf_of, moved_clock  # noqa: F401 (fixture)
 
 USERS = {"alice": "wonderland-rabbit-hole", "bob": "builder-of-bridges"}
@@ -239,20 +238,20 @@ def test_guessers_cannot_lock_out_a_browser_that_signed_in_before(
 
 def test_the_throttles_memory_is_bounded_and_a_flood_of_addresses_frees_no_credential() -> None:
     now = [0.0]
-    throttle = Throttle(daily=10**9, max_tracked=500, clock=lambda: now[0])
+    throttle = _throttle.Throttle(daily=10**9, max_tracked=500, clock=lambda: now[0])
     for _ in range(6):
-        throttle.failed(Attempt("client 192.0.2.1", "the token"))
-    assert throttle.wait(Attempt("client 192.0.2.200", "the token")) > 0
+        throttle.failed(_throttle.Attempt("client 192.0.2.1", "the token"))
+    assert throttle.wait(_throttle.Attempt("client 192.0.2.200", "the token")) > 0
     for n in range(20_000):  # a guesser cycling addresses (and user names that are not configured)
-        throttle.failed(Attempt(f"client 10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}", None))
+        throttle.failed(_throttle.Attempt(f"client 10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}", None))
         assert throttle.tracked() <= 500 + 500
-    assert throttle.wait(Attempt("client 192.0.2.201", "the token")) > 0  # still locked
+    assert throttle.wait(_throttle.Attempt("client 192.0.2.201", "the token")) > 0  # still locked
     now[0] += DAY
-    window = Throttle(daily=3, clock=lambda: now[0])
+    window = _throttle.Throttle(daily=3, clock=lambda: now[0])
     for n in range(3):
-        window.failed(Attempt(f"client 203.0.113.{n}", None))
-    assert window.wait(Attempt("client 203.0.113.99", None)) == DAY
-    assert window.wait(Attempt("client 203.0.113.99", None, device="a-known-browser")) == 0
+        window.failed(_throttle.Attempt(f"client 203.0.113.{n}", None))
+    assert window.wait(_throttle.Attempt("client 203.0.113.99", None)) == DAY
+    assert window.wait(_throttle.Attempt("client 203.0.113.99", None, device="a-known-browser")) == 0
 
 
 # -- --forwarded-allow-ips ---------------------------------------------------------------------
@@ -288,8 +287,8 @@ def test_a_stolen_device_cookie_buys_about_a_hundred_guesses_a_day_whatever_the_
     """A known browser escapes the day's budget by design; its own count must not be escaped by
     pausing: guess until the lock reaches 512 s, then wait an hour (the address counts' ``forget``)."""
     now = [0.0]
-    throttle = Throttle(clock=lambda: now[0])
-    stolen = Attempt("client 198.51.100.7", "the token", device="a-stolen-device")
+    throttle = _throttle.Throttle(clock=lambda: now[0])
+    stolen = _throttle.Attempt("client 198.51.100.7", "the token", device="a-stolen-device")
     compared: list[float] = []
     while now[0] < 3 * DAY:
         wait = throttle.wait(stolen)

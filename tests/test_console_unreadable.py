@@ -36,8 +36,7 @@ import sqlalchemy as sa
 from starlette.routing import Route
 
 from outbox import Inbox, Outbox, create_engine
-from outbox.console import Operators, _csrf, create_app
-from outbox.console._serve import BoundedH11
+from outbox.console import Operators, _csrf, _serve, create_app
 from outbox.testing import LocalMariaDB, LocalPostgres
 from tests.console_support import park
 from tests.inbox_support import TOPIC, apply_effect, business
@@ -142,7 +141,7 @@ def served(app: Any) -> Iterator[int]:
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, proxy_headers=False, http=BoundedH11,
+                                           access_log=False, proxy_headers=False, http=_serve.BoundedH11,
                                            lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
