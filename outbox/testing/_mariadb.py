@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -145,10 +146,37 @@ class LocalMariaDB:
         finally:
             engine.dispose()
 
+    def add_login(self, name: str, password: str) -> str:
+        """A user ``name`` with every privilege and ``password``; returns its URL (``url``'s database)."""
+        admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+        with admin.connect() as conn:
+            conn.execute(sa.text("CREATE USER :name@'127.0.0.1' IDENTIFIED BY :pw"),
+                         {"name": name, "pw": password})
+            conn.execute(sa.text("GRANT ALL ON *.* TO :name@'127.0.0.1'"), {"name": name})
+        admin.dispose()
+        url = sa.make_url(self.url).set(username=name, password=password)
+        return url.render_as_string(hide_password=False)
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: connections stay open and nothing answers, as with a hung host or a
+        network partition. ``thaw()`` lets it go on."""
+        os.kill(self._pid(), signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self._pid(), signal.SIGCONT)
+        if self._process is not None:  # runuser stops itself when its child stops: it must go on too,
+            os.kill(self._process.pid, signal.SIGCONT)  # or it never passes on stop()'s SIGTERM
+
+    def _pid(self) -> int:
+        return int((self._root / "mariadbd.pid").read_text().split()[0])
+
     def stop(self) -> None:
         """Shut the server down as an operator would (SIGTERM: a clean shutdown) and wait."""
         if self._process is not None and self._process.poll() is None:
-            self._process.terminate()  # runuser forwards it to mariadbd
+            try:  # to the server itself: runuser, just continued after a freeze, may miss it
+                os.kill(self._pid(), signal.SIGTERM)
+            except (OSError, ValueError):
+                self._process.terminate()  # runuser forwards it to mariadbd
             try:
                 self._process.wait(60)
             except subprocess.TimeoutExpired:

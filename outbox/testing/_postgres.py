@@ -82,6 +82,21 @@ class LocalPostgres:
         _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", mode,
               "-w", "stop"])
 
+    def add_login(self, name: str, password: str) -> str:
+        """A superuser ``name`` who must give ``password`` over TCP (everyone else is trusted);
+        returns its URL. For tests of a password the server refuses."""
+        admin = sa.create_engine(self.url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+        with admin.connect() as conn:
+            role = conn.dialect.identifier_preparer.quote(name)
+            literal = "'" + password.replace("'", "''") + "'"  # DDL takes no bound parameters
+            conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD {literal}")
+        admin.dispose()
+        hba = self._data / "pg_hba.conf"
+        hba.write_text(f"host all {name} 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "reload"])
+        url = sa.make_url(self.url).set(username=name, password=password)
+        return url.render_as_string(hide_password=False)
+
     def freeze(self) -> None:
         """SIGSTOP the server and every process of it: connections stay open and nothing answers,
         as with a hung host or a network partition. ``thaw()`` lets it go on."""
