@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any, Literal, TypeVar, overload
 
 import pydantic
-import tenacity
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
@@ -42,19 +41,17 @@ from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._alerting import Alerter
 from ._calls import TopicHandler, TopicHandlers
 from ._delivery import Delivery, decode, delivery
-from ._gaps import GapSweeper
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 from ._metrics import InboxMetrics, tenant_inbox_metrics
 from ._outage import OutageLog, is_outage
+from ._pipeline import build_pipeline
 from ._runner import Decode, Runner
 from ._sessions import sessions_for
 from ._settings import InboxSettings
-from ._settle import Settler
 from ._signals import Disposition
-from ._store import store_for
 from ._tenants import REFRESH, Gate, Place, TenantRouter, tenant_session_engine, tenant_tables
-from ._transaction import TransactionStep
 from ._typed import HandlerRegistry
+from .storage import InboxStorage, StorageFactory, storage_for
 
 log = safe_logger("outbox.inbox")
 
@@ -103,6 +100,12 @@ class Inbox:
     ``tenant_of(message)``) names, with all of the above per tenant; ``bind``
     is then the default database, where a message of no known tenant is
     parked (reason ``tenant_unknown``). See ``_tenants`` and docs/tenants.md.
+
+    ``storage`` builds the inbox's storage of a group on its tables
+    (``outbox.inbox.storage``: dedup records, key positions, held and parked
+    messages, each a protocol); by default the one of the engine's dialect,
+    chosen once per database. Give one to wrap or replace a store
+    (docs/consumer.md, "Storage").
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class Inbox:
         tenant_header: str | None = None,
         tenant_of: Callable[[Message], str | None] | None = None,
         tenant_refresh: timedelta | float = REFRESH,
+        storage: StorageFactory | None = None,
     ) -> None:
         self.settings = settings = InboxSettings.of(
             group=group, max_attempts=max_attempts, concurrency=concurrency, batch_size=batch_size,
@@ -141,6 +145,9 @@ class Inbox:
             raise ConfigurationError(f"alert must be an AlertSink (a callable), got {alert!r}")
         if tables is not None and (prefix or schema):
             raise ConfigurationError("pass either tables= or prefix=/schema=, not both")
+        if storage is not None and not callable(storage):
+            raise ConfigurationError(f"storage must be a StorageFactory (tables, group -> InboxStorage), "
+                                     f"got {storage!r:.80}")
         self._sessions, self.sessions = sessions_for(bind)
         engine = self._sessions.engine
         if engine.dialect.name not in SUPPORTED_DIALECTS:
@@ -159,20 +166,12 @@ class Inbox:
         self._handlers = HandlerRegistry()
         self._stop = threading.Event()
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
-        # The pipeline's stages, each handed what it needs: one store owns every statement.
-        self.store = store_for(self.tables, group, engine.dialect.name)
-        self.step = TransactionStep(self._sessions, self.store, self._handlers, self.metrics,
-                                    settings.start, settings.dedup_window)
+        self._storage = storage
         self.alerter = Alerter(alert, group, self.metrics)
-        self.settler = Settler(
-            self.step, self.alerter, OutageLog(), max_attempts=settings.max_attempts,
-            wait=tenacity.wait_exponential_jitter(multiplier=settings.retry_backoff,
-                                                 max=settings.retry_backoff_max,
-                                                 jitter=settings.retry_backoff),
-        )
-        self.admin = ParkedAdmin(self._sessions, self.store, self.step)
-        self.gaps = GapSweeper(self._sessions, self.store, self.alerter, self.gap_timeout,
-                               settings.gap_alert_after or self.gap_timeout / 2)
+        own = build_pipeline(self._sessions, self._storage_of(self.tables, engine), self._handlers,
+                             settings, self.alerter, OutageLog())
+        self.storage, self.step, self.settler, self.admin, self.gaps = (
+            own.storage, own.step, own.settler, own.admin, own.gaps)
         _warn_small_pool(engine, settings.concurrency)
         self.router: TenantRouter | None = None
         """Set on an inbox serving many tenants (``tenants=``): where each message goes (``_tenants``)."""
@@ -222,7 +221,7 @@ class Inbox:
         seconds = refresh.total_seconds() if isinstance(refresh, timedelta) else refresh
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
             raise ConfigurationError(f"tenant_refresh must be a positive number of seconds, got {refresh!r}")
-        default = Place(None, self.engine, self.tables, self._sessions, self.store, self.step,
+        default = Place(None, self.engine, self.tables, self._sessions, self.storage, self.step,
                         self.settler, self.admin, self.gaps, Gate(checked=True))
         return TenantRouter(tenant_source(tenants), default=default, build=self._place, header=header,
                             tenant_of=tenant_of, refresh=float(seconds), pool_size=self.concurrency)
@@ -230,23 +229,26 @@ class Inbox:
     def _place(self, tenant: Tenant, engine: Engine) -> Place:
         """A tenant's pipeline: a plain inbox's stages on its engine, in its schema (``_tenants``).
 
-        The store names its tables without a schema; the session engine's
+        The storage names its tables without a schema; the session engine's
         ``schema_translate_map`` puts them, and the handler's own tables, in the
         tenant's schema.
         """
-        settings = self.settings
         sessions, _ = sessions_for(tenant_session_engine(engine, tenant))
-        store = store_for(OutboxTables(prefix=self.tables.prefix), self.group, engine.dialect.name)
         metrics = self._tenant_metrics.for_tenant(tenant.name)  # labelled by tenant, bounded
-        step = TransactionStep(sessions, store, self._handlers, metrics, settings.start,
-                               settings.dedup_window)
-        alerter = Alerter(self.alert, self.group, metrics, tenant=tenant.name)
-        settler = Settler(step, alerter, OutageLog(f"the database of tenant {tenant.name}"),
-                          max_attempts=settings.max_attempts, wait=self.settler.wait)
-        gaps = GapSweeper(sessions, store, alerter, self.gap_timeout,
-                          settings.gap_alert_after or self.gap_timeout / 2)
-        return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, store, step, settler,
-                     ParkedAdmin(sessions, store, step), gaps, Gate(checked=False))
+        p = build_pipeline(sessions, self._storage_of(OutboxTables(prefix=self.tables.prefix), engine),
+                           self._handlers, self.settings,
+                           Alerter(self.alert, self.group, metrics, tenant=tenant.name),
+                           OutageLog(f"the database of tenant {tenant.name}"))
+        return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, p.storage, p.step,
+                     p.settler, p.admin, p.gaps, Gate(checked=False))
+
+    def _storage_of(self, tables: OutboxTables, engine: Engine) -> InboxStorage:
+        """This group's storage on ``tables`` in ``engine``'s database: ``storage=``'s, or its dialect's."""
+        storage = (self._storage or storage_for(engine.dialect.name))(tables, self.group)
+        if not isinstance(storage, InboxStorage) or storage.group != self.group:
+            raise ConfigurationError(f"storage= built {storage!r:.120}, not an InboxStorage of group "
+                                     f"{self.group!r}")
+        return storage
 
     @property
     def tenants(self) -> list[Tenant]:

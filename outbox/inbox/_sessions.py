@@ -1,7 +1,7 @@
 """Where the inbox's transactions run: in the calling thread (sync), or on the inbox's event loop (async).
 
 The inbox has one set of rules, written as synchronous code against a
-``Session``: the transaction step, the store's statements, replay, discard and
+``Session``: the transaction step, the storage's statements, replay, discard and
 the gap sweep. An inbox on an ``AsyncEngine`` runs that same code, unchanged,
 inside SQLAlchemy's greenlet bridge (``greenlet_spawn``) on an event loop
 thread of its own: the sync ``Session`` it gets is the ``sync_session`` of an

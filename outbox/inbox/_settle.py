@@ -35,10 +35,11 @@ from transports._logsafe import safe_logger
 
 from .._outage import delay_before
 from ._alerting import Alerter
+from ._committed import Committed, Failure, Parked
 from ._delivery import Delivery, lane_of
 from ._outage import OutageLog, is_outage
 from ._signals import Disposition, ParkMessage, RetryLater
-from ._transaction import Committed, Failure, Parked, TransactionStep
+from ._transaction import TransactionStep
 
 log = safe_logger("outbox.inbox")
 
@@ -158,3 +159,4 @@ class Settler:
 
     def _backoff(self, attempt: int) -> float:
         return delay_before(self.wait, attempt)
+

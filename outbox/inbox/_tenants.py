@@ -74,8 +74,8 @@ from ._outage import BACKOFF, OutageLog, is_outage
 from ._sessions import Sessions
 from ._settle import Settled, Settler
 from ._signals import Disposition
-from ._store import InboxStore, ParkedRow
 from ._transaction import TransactionStep
+from .storage import InboxStorage, ParkedRow
 
 log = safe_logger("outbox.inbox")
 
@@ -177,7 +177,7 @@ class Place:
     tables: OutboxTables
     """The tenant's tables, qualified with its schema: what the checks look for."""
     sessions: Sessions
-    store: InboxStore
+    store: InboxStorage
     step: TransactionStep
     settler: Settler
     admin: ParkedAdmin
@@ -686,11 +686,11 @@ class TenantRouter:
 
     def _unknown_rows(self, topic: str, key: str | None) -> list[ParkedRow]:
         with self.default.sessions() as session:
-            return self.default.store.parked(session, topic, key)
+            return self.default.store.parked.rows(session, topic, key)
 
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
-            self.default.store.unpark(session, row_id)
+            self.default.store.parked.remove(session, row_id)
 
 
 def _same_url(url: str, other: sa.URL) -> bool:

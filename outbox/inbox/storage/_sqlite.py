@@ -1,9 +1,9 @@
-"""The inbox's per-dialect statements on SQLite: plain SQL with ``ON CONFLICT`` and ``RETURNING``.
+"""The inbox's stores on SQLite: plain SQL with ``ON CONFLICT`` and ``RETURNING``.
 
-Also the reference for the other stores: each statement here is the simplest
-form of what ``_store_pg`` and ``_store_mysql`` do faster on their servers.
+Also the reference for the other dialects: each statement here is the
+simplest form of what ``_pg`` and ``_mysql`` do faster on their servers.
 SQLite needs no row locks (``BEGIN IMMEDIATE`` already serialises writers), so
-``lock_keys`` only reads, creating the keys it does not find.
+``lock`` only reads, creating the keys it does not find.
 """
 
 from __future__ import annotations
@@ -12,26 +12,29 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Row, Table, and_, bindparam, func, or_, select, update
+from sqlalchemy import Row, and_, bindparam, func, or_, select, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from .._envelope import utcnow
-from .._tables import OutboxTables
-from ._delivery import Delivery, KeyId
-from ._store import KeyState, OnConflictStore
+from ..._envelope import utcnow
+from ..._tables import OutboxTables
+from .._delivery import Delivery, KeyId
+from ._dedup import DedupTable
+from ._held import HeldTable
+from ._inserts import SQLITE_INSERTS
+from ._keys import KeysTable, KeyState
+from ._parked import ParkedTable
+from ._storage import InboxStorage
 
 RANGES_PER_STATEMENT = 200
 """Held-row ranges OR-ed in one statement: SQLite limits the depth of an expression."""
 
 
-class SQLiteStore(OnConflictStore):
-    """Statements for one group on SQLite; safe to share between threads."""
-
+class SQLiteKeys(KeysTable):
     def __init__(self, tables: OutboxTables, group: str) -> None:
-        super().__init__(tables, group)
+        super().__init__(tables, group, SQLITE_INSERTS)
         k = tables.inbox_keys
-        self._set_last_seq = (
+        self._advance = (
             update(k)
             .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
                    k.c.key == bindparam("b_key"))
@@ -40,45 +43,47 @@ class SQLiteStore(OnConflictStore):
                                               k.c.incarnation))
         )
 
-    def _insert(self, table: Table) -> sqlite.Insert:
-        return sqlite.insert(table)
-
-    def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
+    def lock(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
         wanted = sorted(set(keys))
         if not wanted:
             return {}
-        states = self._select_keys(session, wanted)
+        states = self._select(session, wanted)
         missing = [key for key in wanted if key not in states]
         if missing:
-            k = self.t.inbox_keys
-            session.execute(
-                self._insert_new(k),
-                [{"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
-                  "parked": False} for t, key in missing],
-            )
-            states |= self._select_keys(session, missing)
+            self._create(session, missing)
+            states |= self._select(session, missing)
         return states
 
-    def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
-                     incarnations: Mapping[KeyId, str] | None = None) -> None:
+    def advance(self, session: Session, seqs: dict[KeyId, int],
+                incarnations: Mapping[KeyId, str] | None = None) -> None:
         if not seqs:
             return
         incarnations = incarnations or {}
-        session.execute(self._set_last_seq, [
+        session.execute(self._advance, [
             {"b_topic": t, "b_key": key, "b_seq": seq, "b_incarnation": incarnations.get((t, key))}
             for (t, key), seq in seqs.items()
         ])
+
+
+class SQLiteDedup(DedupTable):
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, SQLITE_INSERTS)
 
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         if not deliveries:
             return set()
         m = self.t.inbox_messages
         now = utcnow()
-        rows = [self._done_row(d, now) for d in deliveries]
-        stmt = self._insert(m).on_conflict_do_nothing().returning(m.c.message_id)
+        rows = [self.done_row(d, now) for d in deliveries]
+        stmt = sqlite.insert(m).on_conflict_do_nothing().returning(m.c.message_id)
         return set(session.scalars(stmt, rows))
 
-    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
+
+class SQLiteHeld(HeldTable):
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, SQLITE_INSERTS)
+
+    def _rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
         h, wanted = self.t.inbox_held, list(ranges.items())
         rows: list[Row[Any]] = []
         for n in range(0, len(wanted), RANGES_PER_STATEMENT):  # an OR of ranges
@@ -88,3 +93,8 @@ class SQLiteStore(OnConflictStore):
                       for (t, key), (first, last) in wanted[n:n + RANGES_PER_STATEMENT]]))))
         return rows
 
+
+def sqlite_storage(tables: OutboxTables, group: str) -> InboxStorage:
+    """The inbox's storage of ``group`` on SQLite."""
+    return InboxStorage(group, SQLiteDedup(tables, group), SQLiteKeys(tables, group),
+                        SQLiteHeld(tables, group), ParkedTable(tables, group, SQLITE_INSERTS))
