@@ -19,6 +19,7 @@ from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedRe
 from ._inbox import Inbox
 from ._kinds import ForeignRecords, Reason, StartPolicy, UnknownEvents
 from ._metrics import InboxMetrics, TenantInboxMetrics, tenant_inbox_metrics
+from ._parked_actions import KeyReplayed, ParkedActions
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
@@ -29,8 +30,10 @@ __all__ = [
     "Inbox",
     "InboxMetrics",
     "InboxOutcome",
+    "KeyReplayed",
     "NotParkedError",
     "ParkMessage",
+    "ParkedActions",
     "ParkedMessage",
     "ParkedReplay",
     "Reason",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -31,7 +30,7 @@ from .._envelope import Message
 from .._errors import ConfigurationError
 from .._events import EventReader
 from .._statements import SUPPORTED_DIALECTS
-from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
+from .._stopping import STOP_TIMEOUT, RunOnce
 from .._tables import OutboxTables
 from .._validation import validate_topic
 from .._wire import ENVELOPE_HEADERS
@@ -48,6 +47,7 @@ from ._pipeline import build_pipeline
 from ._runner import Decode, Runner
 from ._sessions import sessions_for
 from ._settings import InboxSettings
+from ._settle import settle_alone
 from ._signals import Disposition
 from ._tenants import REFRESH, Gate, Place, TenantRouter, tenant_session_engine, tenant_tables
 from ._typed import HandlerRegistry
@@ -419,19 +419,7 @@ class Inbox:
 
     def _settle_here(self, d: Delivery, cancel: threading.Event | None = None) -> Disposition:
         """Settle ``d`` in this thread, sleeping through retry delays and outages (until ``cancel``)."""
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise StopRequested(f"stopped before {d.message.topic}/{d.message.key} seq "
-                                    f"{d.message.seq} was finished; it is delivered again")
-            settled = (self.router or self.settler).settle([d])
-            for done, disposition in settled.done:
-                if done is d:
-                    return disposition
-            [(_, delay)] = [(later, delay) for later, delay in settled.later if later is d]
-            if cancel is None:
-                time.sleep(delay)
-            else:
-                cancel.wait(delay)
+        return settle_alone((self.router or self.settler).settle, d, cancel)
 
     def run(self, source: Source, *, install_signal_handlers: bool = True,
             stop_timeout: float = STOP_TIMEOUT) -> None:

@@ -72,7 +72,7 @@ from ._gaps import GapSweeper
 from ._kinds import Reason
 from ._outage import BACKOFF, OutageLog, is_outage
 from ._sessions import Sessions
-from ._settle import Settled, Settler
+from ._settle import Settled, Settler, settle_alone
 from ._signals import Disposition
 from ._transaction import TransactionStep
 from .storage import InboxStorage, ParkedRow
@@ -647,11 +647,11 @@ class TenantRouter:
         """Send the key's ``tenant_unknown`` messages to their tenants, in seq order per tenant.
 
         A message whose tenant is still unknown stays, and with it the later
-        ones naming the same tenant (or none). Each other one goes through its
-        tenant's transaction as if it had just arrived (applied, held behind a
-        gap, a duplicate, or parked there when its handler fails: then replay
-        it with ``tenant=``), and only then leaves the default database's
-        ``inbox_parked``.
+        ones naming the same tenant (or none). Each other one is settled in its
+        tenant's place as if it had just arrived (applied, held behind a gap, a
+        duplicate, or — its handler failing ``max_attempts`` times — parked
+        there, alerted: then replay it with ``tenant=``), and only then leaves
+        the default database's ``inbox_parked``.
         """
         self.refresh(force=True)
         default = self.default
@@ -672,13 +672,8 @@ class TenantRouter:
                 continue
             d = delivery(row.delivery.message, row.delivery.partition, row.delivery.offset,
                          origin=Origin.CALLER)
-            d = dataclasses.replace(d, tenant=name)
-            committed = place.step.apply([d])
-            for failure in committed.failed:
-                _, parked = place.step.park(d, failure.error, failure.traceback)
-                if parked is not None:
-                    place.settler.alerter.parked([parked])
-            place.settler.alerter.parked(committed.parked)
+            # The live path's settle stage: apply, retries, park and alerts as for a new arrival.
+            settle_alone(place.settler.settle, dataclasses.replace(d, tenant=name))
             default.sessions.run(self._unpark, row.id)
             moved += 1
         remaining = len(rows) - moved
