@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from transports import Record, Source
+from transports import Record, Source, source_features
 from transports._logsafe import safe_logger
 
 from .. import _schema
@@ -283,6 +283,10 @@ class Inbox(HandlerRegistration, ParkedOperations):
         the source is closed. Database and broker outages do not end it: it
         waits for them, and resumes by itself.
 
+        ``source`` must have Kafka positions (``transports.SourceFeatures.offsets``,
+        both Kafka sources do): offsets are committed up to the lowest one not
+        finished. A source without them is refused; feed ``handle`` instead.
+
         It returns at most ``stop_timeout`` seconds after the stop, whatever is
         down: the consumer loop runs on a thread of its own, and what it has not
         finished by then (a commit or a close that a dead broker never answers,
@@ -291,6 +295,11 @@ class Inbox(HandlerRegistration, ParkedOperations):
         """
         if not self._handlers:
             raise ConfigurationError("register at least one @inbox.handler(topic) before run()")
+        if not source_features(source).offsets:
+            raise ConfigurationError(
+                f"{type(source).__name__} has no offsets (its features): run() commits what is finished "
+                "as Kafka positions; call inbox.handle(record) from the source's own loop and acknowledge "
+                "each record once it returned (docs/transports.md)")
         router = self.router
         read: Decode = functools.partial(decode, accept_foreign=self.accept_foreign)
         if router is not None:
