@@ -37,17 +37,7 @@ from typing import cast
 
 from transports._partitioner import partition_for_key
 
-from ._protocol import (
-    Outcome,
-    Record,
-    SendResult,
-    Source,
-    SourceFeatures,
-    Transport,
-    TransportFeatures,
-    source_features,
-    transport_features,
-)
+from ._protocol import Outcome, Record, SendResult, Source, Transport, source_features, transport_features
 from ._waves import NOT_SENT
 
 INJECTED_NOT_SENT = "injected fault: not sent"
@@ -173,7 +163,7 @@ class FaultyTransport:
         return results  # type: ignore[return-value]
 
     @property
-    def features(self) -> TransportFeatures:
+    def features(self) -> object:
         """The wrapped transport's: the faults it injects keep its contract."""
         return transport_features(self.inner)
 
@@ -241,7 +231,7 @@ class BrokerProcess:
         self.close()
 
 
-def _requires(features: TransportFeatures | SourceFeatures, of: object, *names: str) -> None:
+def _requires(features: object, of: object, *names: str) -> None:
     """Skip the calling test, naming the features ``of`` does not claim (``features``)."""
     import pytest  # only the suites need it, not the helpers beside them
 

@@ -23,16 +23,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy import (
     ARRAY,
     BigInteger,
-    ColumnElement,
-    Connection,
-    Exists,
-    FromClause,
     Integer,
-    Select,
-    Table,
     Text,
     bindparam,
     cast,
@@ -58,7 +53,7 @@ class PostgresRelayStatements(RelayStatements):
 
     pipelines = True
 
-    def _column(self, m: Table, name: str) -> Any:
+    def _column(self, m: sa.Table, name: str) -> Any:
         """The message id comes as its text too, the form the record header carries.
 
         The driver's uuid.UUID and str() of it cost a microsecond and a half per
@@ -69,7 +64,7 @@ class PostgresRelayStatements(RelayStatements):
             return cast(m.c[name], Text).label(name)
         return super()._column(m, name)
 
-    def _fetch_of(self, shards: tuple[int, ...]) -> Select[Any]:
+    def _fetch_of(self, shards: tuple[int, ...]) -> sa.Select[Any]:
         """One index range scan per shard on the pending index, merged in id order.
 
         The scan never walks published rows and stops at ``limit`` (a single scan
@@ -86,7 +81,7 @@ class PostgresRelayStatements(RelayStatements):
         merged = union_all(*parts).subquery("due")
         return select(merged).order_by(merged.c.id).limit(limit)
 
-    def prepare_fetch(self, conn: Connection) -> None:
+    def prepare_fetch(self, conn: sa.Connection) -> None:
         """No JIT, and the session's zone named 'UTC'.
 
         JIT compiling this short query costs more than running it; and with the
@@ -98,7 +93,7 @@ class PostgresRelayStatements(RelayStatements):
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
         return {"now": now, "limit": limit, "busy": int_array(busy)}
 
-    def _mark(self, conn: Connection, owner: str, marks: Marks, set_: dict[str, Any],
+    def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
               per_row: dict[str, Any]) -> int:
         m, leases = self._m, self._leases
         arrays = {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row}
@@ -126,8 +121,8 @@ class MySQLRelayStatements(RelayStatements):
     pipelines = True
     ids_need_checking = True
 
-    def _key_waits(self, tables: OutboxTables, prior: FromClause,
-                   conditions: tuple[ColumnElement[bool], ...]) -> Exists:
+    def _key_waits(self, tables: OutboxTables, prior: sa.FromClause,
+                   conditions: tuple[sa.ColumnElement[bool], ...]) -> sa.Exists:
         """The index's predicate is its generated column there (``_mysql``), which the probe names.
 
         Forced, as the planner prefers ix_outbox_open_key's shorter prefix and
@@ -138,7 +133,7 @@ class MySQLRelayStatements(RelayStatements):
             .with_hint(prior, f"FORCE INDEX ({tables.key_waits_index})")
             .where(literal_column(f"prior.{MAY_BLOCK}") == 1, *conditions))
 
-    def _column(self, m: Table, name: str) -> Any:
+    def _column(self, m: sa.Table, name: str) -> Any:
         """The message id is 32 hex digits there: dashed in the statement, as cheap as a cast."""
         if name == "message_id":
             parts = [func.substr(m.c.message_id, start, length)
@@ -156,7 +151,7 @@ class MySQLRelayStatements(RelayStatements):
         drop = set(busy)
         return [r for r in rows if r[0] not in drop][:limit]  # r[0]: the id (ROW_COLUMNS)
 
-    def _mark(self, conn: Connection, owner: str, marks: Marks, set_: dict[str, Any],
+    def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
               per_row: dict[str, Any]) -> int:
         m, leases = self._m, self._leases
         rows = json_table("rows", {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row},
@@ -176,7 +171,7 @@ class MySQLRelayStatements(RelayStatements):
 class SQLiteRelayStatements(RelayStatements):
     """SQLite, in process: an executemany per bulk update; batches are not pipelined."""
 
-    def _mark(self, conn: Connection, owner: str, marks: Marks, set_: dict[str, Any],
+    def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
               per_row: dict[str, Any]) -> int:
         m, leases = self._m, self._leases
         fenced = exists().where(

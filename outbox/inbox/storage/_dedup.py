@@ -23,9 +23,9 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ..._envelope import utcnow
-from ..._tables import InboxOutcome, OutboxTables
+from ..._tables import InboxOutcome
 from .._delivery import Delivery
-from ._inserts import Inserts
+from ._inserts import GroupStore
 
 
 class DedupRecords(Protocol):
@@ -60,13 +60,8 @@ class DedupRecords(Protocol):
         ...
 
 
-class DedupTable(abc.ABC):
+class DedupTable(GroupStore, abc.ABC):
     """``DedupRecords`` on ``inbox_messages``: what every dialect shares; safe to share between threads."""
-
-    def __init__(self, tables: OutboxTables, group: str, inserts: Inserts) -> None:
-        self.t = tables
-        self.group = group
-        self.inserts = inserts
 
     @abc.abstractmethod
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:

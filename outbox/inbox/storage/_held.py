@@ -23,9 +23,8 @@ from sqlalchemy import Row, and_, delete, func, select
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from ..._tables import OutboxTables
 from .._delivery import Delivery, KeyId, OrderedDelivery
-from ._inserts import Inserts
+from ._inserts import GroupStore
 from ._rows import held_from_row, stored_row
 
 
@@ -71,13 +70,8 @@ class HeldMessages(Protocol):
         ...
 
 
-class HeldTable(abc.ABC):
+class HeldTable(GroupStore, abc.ABC):
     """``HeldMessages`` on ``inbox_held``: what every dialect shares; safe to share between threads."""
-
-    def __init__(self, tables: OutboxTables, group: str, inserts: Inserts) -> None:
-        self.t = tables
-        self.group = group
-        self.inserts = inserts
 
     @abc.abstractmethod
     def _rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:

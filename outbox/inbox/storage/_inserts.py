@@ -14,6 +14,8 @@ from typing import Any, Protocol
 from sqlalchemy import Column, Insert, Table
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
+from ..._tables import OutboxTables
+
 
 class Inserts(Protocol):
     """A dialect's conditional INSERTs; safe to share between threads (it holds no state)."""
@@ -71,3 +73,13 @@ class OnDuplicateKey:
 SQLITE_INSERTS = OnConflict(sqlite.insert)
 POSTGRES_INSERTS = OnConflict(postgresql.insert)
 MYSQL_INSERTS = OnDuplicateKey()
+
+
+class GroupStore:
+    """What every store is built on: the tables, the one group whose rows it reads and writes, and
+    its dialect's ``Inserts``."""
+
+    def __init__(self, tables: OutboxTables, group: str, inserts: Inserts) -> None:
+        self.t = tables
+        self.group = group
+        self.inserts = inserts

@@ -16,14 +16,14 @@ import abc
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
-from sqlalchemy import bindparam, func, select, tuple_, update
+from sqlalchemy import Update, bindparam, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from ..._tables import OutboxTables
 from .._delivery import KeyId
-from ._inserts import Inserts
+from ._inserts import GroupStore, Inserts
 
 
 @dataclass(slots=True)
@@ -80,20 +80,18 @@ class KeyPositions(Protocol):
         ...
 
 
-class KeysTable(abc.ABC):
+class KeysTable(GroupStore, abc.ABC):
     """``KeyPositions`` on ``inbox_keys``: what every dialect shares; safe to share between threads."""
 
     def __init__(self, tables: OutboxTables, group: str, inserts: Inserts) -> None:
-        self.t = tables
-        self.group = group
-        self.inserts = inserts
-        k = tables.inbox_keys
-        self._set_started = (
-            update(k)
-            .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
-                   k.c.key == bindparam("b_key"))
-            .values(started_at_seq=bindparam("b_seq"))
-        )
+        super().__init__(tables, group, inserts)
+        self._set_started = self._key_update(started_at_seq=bindparam("b_seq"))
+
+    def _key_update(self, **values: Any) -> Update:
+        """An UPDATE of one key of the group, named by ``b_topic`` and ``b_key``: one executemany a batch."""
+        k = self.t.inbox_keys
+        return update(k).where(k.c.consumer_group == self.group, k.c.topic == bindparam("b_topic"),
+                               k.c.key == bindparam("b_key")).values(**values)
 
     @abc.abstractmethod
     def lock(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:

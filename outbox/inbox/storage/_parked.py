@@ -22,10 +22,9 @@ from sqlalchemy import ColumnElement, Row, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from ..._envelope import utcnow
-from ..._tables import OutboxTables
 from .._delivery import Delivery, KeyId, OrderedDelivery
 from .._kinds import Reason
-from ._inserts import Inserts
+from ._inserts import GroupStore
 from ._rows import delivery_from_row, stored_row
 
 
@@ -99,13 +98,8 @@ class ParkedMessages(Protocol):
         ...
 
 
-class ParkedTable:
+class ParkedTable(GroupStore):
     """``ParkedMessages`` on ``inbox_parked`` (SQLite, MySQL/MariaDB); safe to share between threads."""
-
-    def __init__(self, tables: OutboxTables, group: str, inserts: Inserts) -> None:
-        self.t = tables
-        self.group = group
-        self.inserts = inserts
 
     def add(self, session: Session, d: Delivery, reason: Reason, at: datetime, *,
             error: str | None = None, traceback: str | None = None, attempts: int = 0) -> None:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Row, and_, bindparam, func, or_, select, update
+from sqlalchemy import Row, and_, bindparam, func, or_, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
@@ -33,15 +33,10 @@ RANGES_PER_STATEMENT = 200
 class SQLiteKeys(KeysTable):
     def __init__(self, tables: OutboxTables, group: str) -> None:
         super().__init__(tables, group, SQLITE_INSERTS)
-        k = tables.inbox_keys
-        self._advance = (
-            update(k)
-            .where(k.c.consumer_group == group, k.c.topic == bindparam("b_topic"),
-                   k.c.key == bindparam("b_key"))
-            .values(last_seq=bindparam("b_seq"),
-                    incarnation=func.coalesce(bindparam("b_incarnation", type_=k.c.incarnation.type),
-                                              k.c.incarnation))
-        )
+        incarnation = tables.inbox_keys.c.incarnation
+        self._advance = self._key_update(
+            last_seq=bindparam("b_seq"),
+            incarnation=func.coalesce(bindparam("b_incarnation", type_=incarnation.type), incarnation))
 
     def lock(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
         wanted = sorted(set(keys))
