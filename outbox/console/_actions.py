@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .._errors import ConfigurationError
-from ..inbox import DiscardRefusedError, NotParkedError
+from ..inbox import DiscardRefusedError, NotParkedError, ParkedActions
 from ..relay import retry_failed, skip_failed
 from ._authenticator import SESSION_COOKIE, client_of
 from ._context import Context, audit, group_of
@@ -96,32 +96,21 @@ def replay(ctx: Context) -> Handler:
         lanes = [_lane(v) for v in form.getlist("lane")]
         if not lanes:
             raise Refused(400, "select at least one parked key")
-
-        def replay_and_record() -> tuple[list[str], int]:
-            lines, failures = [], 0
-            for topic, key in lanes:
-                name = f"{topic}/{key if key is not None else '(unkeyed)'}"
-                try:
-                    result = inbox.replay(topic, key)
-                except NotParkedError:
-                    failures += 1
-                    lines.append(f"{name}: nothing parked (replayed or discarded meanwhile?)")
-                    continue
-                audit.info("replay %s group %s in %s by %s (%s): applied %d, remaining %d, unparked %s, "
-                           "error %s", name, group, database, who, reason, result.applied, result.remaining,
-                           result.unparked, result.error)
-                if result.unparked:
-                    lines.append(f"{name}: applied {result.applied}, key unparked")
-                else:
-                    failures += 1
-                    lines.append(f"{name}: applied {result.applied}, still parked {result.remaining}, "
-                                 f"stopped: {result.error}")
-            return lines, failures
-
-        lines, failures = await _acted(ctx, index, f"replay group {group} in {database} by {who} ({reason})",
-                                       replay_and_record)
+        actions = ParkedActions(inbox, audit=audit, where=database)
+        replayed = await _acted(ctx, index, f"replay group {group} in {database} by {who} ({reason})",
+                                lambda: actions.replay(lanes, by=who, reason=reason))
+        lines = []
+        for done in replayed:
+            if done.result is None:
+                lines.append(f"{done.name}: nothing parked (replayed or discarded meanwhile?)")
+            elif done.result.unparked:
+                lines.append(f"{done.name}: applied {done.result.applied}, key unparked")
+            else:
+                lines.append(f"{done.name}: applied {done.result.applied}, still parked "
+                             f"{done.result.remaining}, stopped: {done.result.error}")
         lines.append(f"replayed by {who}: {reason}")
-        return _done(ctx, request, form, lines, status=409 if failures else 200,
+        failed = not all(done.unparked for done in replayed)
+        return _done(ctx, request, form, lines, status=409 if failed else 200,
                      default=link(base(request), "/parked", group=group, db=index or None))
     return act
 
@@ -135,20 +124,18 @@ def discard(ctx: Context) -> Handler:
         index = database_index(request.query_params, ctx.databases)
         database = ctx.databases[index].name
         message_id = str(form.get("message_id") or "")
-        inbox = ctx.inbox_for_discard(index, group)
-        what = f"discard {message_id} group {group} in {database} by {who} ({reason})"
+        actions = ParkedActions(ctx.inbox_for_discard(index, group), audit=audit, where=database)
 
-        def discard_and_record() -> None:
+        def discarded() -> None:
             try:
-                inbox.discard(message_id, by=who, reason=reason)
+                actions.discard(message_id, by=who, reason=reason)
             except (NotParkedError, DiscardRefusedError) as exc:
-                audit.info("%s: refused: %s", what, exc)
                 raise Refused(409, str(exc)) from None
             except ValueError as exc:
                 raise Refused(400, f"not a message id: {message_id!r} ({exc})") from None
-            audit.info("%s: done", what)
 
-        await _acted(ctx, index, what, discard_and_record)
+        await _acted(ctx, index, f"discard {message_id} group {group} in {database} by {who} ({reason})",
+                     discarded)
         return _done(ctx, request, form, [f"message {message_id} discarded by {who}: {reason}"],
                      default=link(base(request), "/parked", group=group, db=index or None))
     return act

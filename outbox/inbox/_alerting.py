@@ -6,9 +6,9 @@ import threading
 from collections.abc import Callable, Iterable
 
 from .._alerts import Alert, AlertKind, AlertSink, deliver
+from ._committed import Parked
 from ._kinds import Reason
 from ._metrics import InboxMetrics
-from ._transaction import Parked
 
 
 class Alerter:

@@ -73,10 +73,10 @@ from ._gaps import GapSweeper
 from ._kinds import Reason
 from ._outage import BACKOFF, OutageLog, is_outage
 from ._sessions import Sessions
-from ._settle import Settled, Settler
+from ._settle import Settled, Settler, settle_alone
 from ._signals import Disposition
-from ._store import InboxStore, ParkedRow
 from ._transaction import TransactionStep
+from .storage import InboxStorage, ParkedRow
 
 log = safe_logger("outbox.inbox")
 
@@ -178,7 +178,7 @@ class Place:
     tables: OutboxTables
     """The tenant's tables, qualified with its schema: what the checks look for."""
     sessions: Sessions
-    store: InboxStore
+    store: InboxStorage
     step: TransactionStep
     settler: Settler
     admin: ParkedAdmin
@@ -657,11 +657,11 @@ class TenantRouter:
         """Send the key's ``tenant_unknown`` messages to their tenants, in seq order per tenant.
 
         A message whose tenant is still unknown stays, and with it the later
-        ones naming the same tenant (or none). Each other one goes through its
-        tenant's transaction as if it had just arrived (applied, held behind a
-        gap, a duplicate, or parked there when its handler fails: then replay
-        it with ``tenant=``), and only then leaves the default database's
-        ``inbox_parked``.
+        ones naming the same tenant (or none). Each other one is settled in its
+        tenant's place as if it had just arrived (applied, held behind a gap, a
+        duplicate, or — its handler failing ``max_attempts`` times — parked
+        there, alerted: then replay it with ``tenant=``), and only then leaves
+        the default database's ``inbox_parked``.
         """
         self.refresh(force=True)
         default = self.default
@@ -683,13 +683,8 @@ class TenantRouter:
             self._claim(place)
             d = delivery(row.delivery.message, row.delivery.partition, row.delivery.offset,
                          origin=Origin.CALLER)
-            d = dataclasses.replace(d, tenant=Named(name))
-            committed = place.step.apply([d])
-            for failure in committed.failed:
-                _, parked = place.step.park(d, failure.error, failure.traceback)
-                if parked is not None:
-                    place.settler.alerter.parked([parked])
-            place.settler.alerter.parked(committed.parked)
+            # The live path's settle stage: apply, retries, park and alerts as for a new arrival.
+            settle_alone(place.settler.settle, dataclasses.replace(d, tenant=Named(name)))
             default.sessions.run(self._unpark, row.id)
             moved += 1
         remaining = len(rows) - moved
@@ -697,11 +692,11 @@ class TenantRouter:
 
     def _unknown_rows(self, topic: str, key: str | None) -> list[ParkedRow]:
         with self.default.sessions() as session:
-            return self.default.store.parked(session, topic, key)
+            return self.default.store.parked.rows(session, topic, key)
 
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
-            self.default.store.unpark(session, row_id)
+            self.default.store.parked.remove(session, row_id)
 
 
 def _described(exc: BaseException) -> str:

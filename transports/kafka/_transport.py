@@ -48,7 +48,7 @@ from confluent_kafka.admin import ClusterMetadata
 
 from transports._errors import ConfigurationError
 
-from .._protocol import Outcome, Record, SendResult
+from .._protocol import Outcome, Record, SendResult, TransportFeatures
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -131,6 +131,9 @@ class KafkaTransport:
     ``message.timeout.ms`` or ``retries`` is set or ``enable.gapless.guarantee`` is off, in
     which case they go in waves, one round trip per record of a key.
     """
+
+    features = TransportFeatures()
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
 
     def __init__(
         self,

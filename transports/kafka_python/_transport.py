@@ -40,7 +40,7 @@ import kafka.errors as kafka_errors
 from kafka.protocol.metadata import MetadataRequest
 
 from .._errors import ConfigurationError
-from .._protocol import Outcome, Record, SendResult
+from .._protocol import Outcome, Record, SendResult, TransportFeatures
 from .._waves import NO_REPORT, key_partition, publish_in_waves
 from ._logging import route_kafka_logs
 
@@ -105,6 +105,9 @@ class KafkaPythonTransport:
     unauthorised topic makes its records ``FAILED``. ``allow_auto_create_topics``
     is what that request asks for (the broker's own setting still applies).
     """
+
+    features = TransportFeatures()
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
 
     def __init__(self, producer: Any, *, delivery_timeout: float = 30.0,
                  allow_auto_create_topics: bool = True) -> None:
