@@ -119,9 +119,10 @@ def test_public_api_is_pinned():
 TESTING_API = [
     "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "MYSQL_URL_VARIABLE", "POSTGRES_URL_VARIABLE",
     "InMemoryBroker", "InMemorySource", "InMemoryTransport", "LocalMariaDB", "LocalPostgres",
-    "OutboxTestHarness", "Settled", "Unavailable", "docker_engine_answers", "free_port",
+    "OutboxTestHarness", "PortNotBound", "Settled", "Unavailable", "docker_engine_answers", "free_port",
     "fresh_database", "fresh_mysql_database", "kafka_bootstrap", "local_mariadb", "local_postgres",
     "local_postgres_server", "mariadb_binaries", "mysql_url", "postgres_bindir", "postgres_url",
+    "wait_until_bound",
 ]
 
 

@@ -4,7 +4,9 @@
 (environment variable, then testcontainers, then local binaries or librdkafka's
 mock cluster); ``local_postgres()`` runs a throwaway cluster directly, and
 ``local_postgres_server()`` one a test can stop and start again;
-``local_mariadb()`` the same for MariaDB.
+``local_mariadb()`` the same for MariaDB. A server started on a port picked
+beforehand proves it holds that port (``wait_until_bound``) before anything
+talks to it.
 
 For a service's own unit tests, without servers: ``OutboxTestHarness`` runs
 the real relay and inbox on ``InMemoryBroker`` (with ``InMemoryTransport``
@@ -21,10 +23,10 @@ from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 from ..inbox._settle import Settled
 from ._harness import OutboxTestHarness
 from ._mariadb import LocalMariaDB, fresh_mysql_database, local_mariadb, mariadb_binaries
+from ._ports import PortNotBound, free_port, wait_until_bound
 from ._postgres import (
     FAST_SETTINGS,
     LocalPostgres,
-    free_port,
     fresh_database,
     local_postgres,
     local_postgres_server,
@@ -52,6 +54,7 @@ __all__ = [
     "LocalMariaDB",
     "LocalPostgres",
     "OutboxTestHarness",
+    "PortNotBound",
     "Settled",
     "Unavailable",
     "docker_engine_answers",
@@ -66,4 +69,5 @@ __all__ = [
     "mysql_url",
     "postgres_bindir",
     "postgres_url",
+    "wait_until_bound",
 ]

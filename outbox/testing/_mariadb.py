@@ -19,7 +19,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from ._postgres import free_port
+from ._ports import free_port
 
 # Durability off: tests want speed, and a crash of a throwaway server loses nothing.
 # The isolation level (InnoDB's REPEATABLE READ) and the collation (case-insensitive)

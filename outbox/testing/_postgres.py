@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -16,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
+
+from ._ports import free_port
 
 # Durability off: tests want speed, and a crash of a throwaway cluster loses nothing.
 FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
@@ -28,13 +29,6 @@ def postgres_bindir() -> Path | None:
         return Path(initdb).parent
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), reverse=True)
     return Path(found[0]).parent if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class LocalPostgres:
