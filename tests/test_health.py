@@ -58,12 +58,12 @@ def stop(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
-    own_postgres: LocalPostgres, kafka: str, tmp_path: Path
+    own_postgres: LocalPostgres, any_kafka: str, tmp_path: Path
 ) -> None:
     outbox = Outbox(create_engine(own_postgres.url), shards=1)
     outbox.create_tables()
     outbox.engine.dispose()  # type: ignore[union-attr]
-    env = {"OUTBOX_DB": own_postgres.url, "OUTBOX_BOOTSTRAP_SERVERS": kafka,
+    env = {"OUTBOX_DB": own_postgres.url, "OUTBOX_BOOTSTRAP_SERVERS": any_kafka,
            "OUTBOX_RELAY_LEASE_TTL": "2", "OUTBOX_LOG_LEVEL": "WARNING"}
     port, standby_port = free_port(), free_port()
     relay = start(["relay"], {**env, "OUTBOX_METRICS_PORT": str(port), "OUTBOX_RELAY_WORKER_ID": "a"},
@@ -123,19 +123,19 @@ async def handle(session, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", INBOX_KINDS)  # async: its readiness ping runs on the inbox's loop
 def test_a_consumer_is_ready_once_it_holds_a_partition(
-    postgres_db: str, kafka: str, topic: str, tmp_path: Path, kind: str
+    postgres_db: str, any_kafka: str, topic: str, tmp_path: Path, kind: str
 ) -> None:
     Outbox(create_engine(postgres_db)).create_tables()
     from confluent_kafka import Producer
 
-    creates_the_topic = Producer({"bootstrap.servers": kafka})
+    creates_the_topic = Producer({"bootstrap.servers": any_kafka})
     creates_the_topic.produce(topic, b"{}")  # an unknown record parks; readiness is what is tested
     assert creates_the_topic.flush(10) == 0
     app, db = (INBOX_APP, postgres_db) if kind == "sync" else (ASYNC_INBOX_APP, async_url(postgres_db))
     (tmp_path / "healthapp.py").write_text(app.format(db=db, topic=topic))
     port = free_port()
     consumer = start(["inbox", "run", "healthapp:inbox", "--metrics-port", str(port),
-                      "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": kafka},
+                      "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": any_kafka},
                      tmp_path / "inbox.log", cwd=tmp_path)
     try:
         wait_for(lambda: probe(port, "/healthz")[0] == 200, 30, "the consumer's port")

@@ -25,7 +25,7 @@ from transports import Outcome, Record
 from transports.kafka import KafkaTransport
 from transports.testing import BrokerProcess, behind_undelivered, read_topic
 
-pytestmark = pytest.mark.kafka
+pytestmark = pytest.mark.any_kafka
 # The tests with wall-clock bounds join the "timing" group, which runs one test at a time
 # (docs/testing.md); the order campaigns assert no time and run on any worker.
 TIMING = pytest.mark.xdist_group("timing")
