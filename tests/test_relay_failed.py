@@ -73,12 +73,17 @@ def test_too_large_fails_blocks_only_its_key_alerts_once_and_skip_unblocks(
     assert "no failed rows" in cli("failed", "list", "--db", db_url)
 
 
+STRICT = {"allow.auto.create.topics": False, "topic.metadata.propagation.max.ms": 1000}
+"""A producer that creates no topic, and believes the broker's "unknown topic" after 1 s (30 s by
+default: a topic being created answers "unknown" for a moment on Apache Kafka)."""
+
+
 def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
     outbox: Outbox, db_url: str, any_kafka: str, topic: str
 ) -> None:
     publish(outbox, topic, ["k", "k", "k"])
     alerts: list[Alert] = []
-    strict = KafkaTransport(bootstrap_servers=any_kafka, **{"allow.auto.create.topics": False})
+    strict = KafkaTransport(bootstrap_servers=any_kafka, **STRICT)
     relay = Relay(outbox, strict, alert=alerts.append)
     settle(relay)
     relay.close()
@@ -102,7 +107,7 @@ def test_retry_right_after_creating_the_topic_publishes_without_a_second_alert(
 
     publish(outbox, topic, ["k", "k"])
     alerts: list[Alert] = []
-    strict = KafkaTransport(bootstrap_servers=any_kafka, **{"allow.auto.create.topics": False})
+    strict = KafkaTransport(bootstrap_servers=any_kafka, **STRICT)
     relay = Relay(outbox, strict, alert=alerts.append)
     settle(relay)
     assert [r.status for r in rows(outbox)] == ["failed", "pending"] and len(alerts) == 1

@@ -46,6 +46,31 @@ def test_is_a_transport() -> None:
     assert isinstance(KafkaPythonTransport(Stub()), Transport)
 
 
+def undelivered(records: list[Record], results: list) -> list[Record]:
+    return [rec for rec, res in zip(records, results, strict=True) if res.outcome is not Outcome.DELIVERED]
+
+
+def test_a_topic_the_broker_creates_on_first_use_is_not_failed(kafka: str, topic: str) -> None:
+    """Apache Kafka answers the Metadata request that starts a topic's auto-creation with
+    UnknownTopicOrPartition: not a reason to fail the records (the relay would alert and stop
+    their keys); at most a retry while the new partitions get their leaders."""
+    producer = KafkaProducer(bootstrap_servers=kafka.split(","), acks="all")
+    try:
+        transport = KafkaPythonTransport(producer, delivery_timeout=10)
+        records = [Record(topic=topic, value=f"{i}".encode(), key=f"k{i % 3}".encode()) for i in range(9)]
+        first = transport.publish(records)
+        assert Outcome.FAILED not in {r.outcome for r in first}, [r.error for r in first]
+        deadline = time.monotonic() + 30
+        pending = undelivered(records, first)
+        while pending and time.monotonic() < deadline:
+            again = transport.publish(pending)
+            assert Outcome.FAILED not in {r.outcome for r in again}, [r.error for r in again]
+            pending = undelivered(pending, again)
+        assert pending == []
+    finally:
+        producer.close(5)
+
+
 @pytest.mark.any_kafka
 @pytest.mark.parametrize("acks", [1, 0, None], ids=["acks=1", "acks=0", "default acks"])
 def test_settings_that_can_lose_acknowledged_records_are_refused(any_kafka: str, acks: int | None) -> None:
