@@ -14,12 +14,8 @@ from transports.kafka._transport import classify
 from transports.testing import TransportConformance
 
 
+@pytest.mark.kafka
 class TestKafkaTransportConformance(TransportConformance):
-    @pytest.fixture
-    def kafka(self, any_kafka: str) -> str:
-        """The suite's broker (its tests take ``kafka``): librdkafka's mock cluster, for now."""
-        return any_kafka
-
     @pytest.fixture
     def transport(self, kafka: str) -> Iterator[KafkaTransport]:
         transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10)
@@ -27,13 +23,9 @@ class TestKafkaTransportConformance(TransportConformance):
         transport.close()
 
 
+@pytest.mark.kafka
 class TestKafkaTransportInWavesConformance(TransportConformance):
     """A user-set message timeout turns pipelining off: the waves path keeps the contract too."""
-
-    @pytest.fixture
-    def kafka(self, any_kafka: str) -> str:
-        """The suite's broker (its tests take ``kafka``): librdkafka's mock cluster, for now."""
-        return any_kafka
 
     @pytest.fixture
     def transport(self, kafka: str) -> Iterator[KafkaTransport]:
