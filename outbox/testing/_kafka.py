@@ -121,7 +121,7 @@ class _KafkaNodes:
                 return
             except _PortRace as race:
                 if attempt == PORT_ATTEMPTS:
-                    raise KafkaStartError(f"{race} (the {PORT_ATTEMPTS}th time)") from None
+                    raise KafkaStartError(f"{race}, in each of {PORT_ATTEMPTS} starts on new ports") from None
                 for node in self.nodes:
                     node.kill()
                     shutil.rmtree(node.data_dir, ignore_errors=True)
@@ -157,8 +157,8 @@ class _KafkaNodes:
                 if first and node.lost_a_port_race():
                     raise _PortRace(f"Kafka node {node.node_id} found port {node.port} or "
                                     f"{node.controller_port} taken")
-                raise KafkaStartError(f"Kafka node {node.node_id} exited ({node.exit_code()}) "
-                                      f"while starting:\n{node.tail()}")
+                raise KafkaStartError(f"Kafka node {node.node_id} exited ({node.exit_code()}) while "
+                                      f"starting: {node.first_error()}\n{node.tail()}")
             for node in [n for n in pending if n.says_bound()]:
                 node.prove_bound()
                 admin = admins.setdefault(node.node_id, admin_client(node.bootstrap))
@@ -214,8 +214,14 @@ class _KafkaNodes:
                      config=config, timeout=timeout)
 
     def leader(self, topic: str, partition: int, timeout: float = 30.0) -> int:
-        """The node id leading ``topic``'s ``partition``, as the running nodes' metadata says."""
-        return partition_leader(self.live_bootstrap(), topic, partition, timeout)
+        """The node id leading ``topic``'s ``partition``: a node that runs and is not frozen, as the
+        running nodes' metadata says. After the leader was killed, waits (up to ``timeout`` s) until
+        the controller has moved leadership (``broker.session.timeout.ms``, 9 s, for a SIGKILL)."""
+        def serving(node_id: int) -> bool:
+            node = next((n for n in self.nodes if n.node_id == node_id), None)
+            return node is not None and node.running and not node.frozen
+
+        return partition_leader(self.live_bootstrap(), topic, partition, timeout, accept=serving)
 
     def close(self) -> None:
         """Kill every node and delete the directory (data and logs): the broker was a throwaway."""

@@ -7,7 +7,7 @@ one from ``OUTBOX_TEST_KAFKA_BOOTSTRAP``) uses them as ``LocalKafka`` does.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,14 +49,18 @@ def delete_topic(bootstrap: str, name: str, timeout: float = 30.0) -> None:
     admin_client(bootstrap).delete_topics([name], operation_timeout=timeout)[name].result(timeout)
 
 
-def partition_leader(bootstrap: str, topic: str, partition: int, timeout: float = 30.0) -> int:
-    """The broker id leading ``topic``'s ``partition``; waits up to ``timeout`` s for one."""
+def partition_leader(bootstrap: str, topic: str, partition: int, timeout: float = 30.0,
+                     accept: Callable[[int], bool] = lambda broker: True) -> int:
+    """The broker id leading ``topic``'s ``partition``; waits up to ``timeout`` s for one that ``accept``s.
+
+    (Metadata names a killed leader until the controller has fenced it and moved leadership.)
+    """
     deadline = time.monotonic() + timeout
     admin = admin_client(bootstrap)
     while True:
         found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
         known = found.partitions.get(partition) if found is not None else None
-        if known is not None and known.leader >= 0:
+        if known is not None and known.leader >= 0 and accept(known.leader):
             return int(known.leader)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no leader of {topic}[{partition}] within {timeout:.0f} s")

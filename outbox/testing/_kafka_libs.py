@@ -24,16 +24,14 @@ def _checkouts() -> list[Path]:
 
 
 def kafka_libs() -> Path | None:
-    """The folder of the broker's jars, or None when there is none (``FETCH_HINT`` says how to get it).
+    """The folder of the broker's jars, or None when there is none (``missing()`` says why).
 
-    ``OUTBOX_TEST_KAFKA_LIBS`` when set (it must then hold ``kafka_2.13-*.jar``), else the
+    ``OUTBOX_TEST_KAFKA_LIBS`` when set (a folder holding ``kafka_2.13-*.jar``), else the
     complete ``.jvm/kafka/libs`` of the nearest checkout.
     """
     if named := os.environ.get(LIBS_VARIABLE):
         libs = Path(named)
-        if not any(libs.glob("kafka_2.13-*.jar")):
-            raise FileNotFoundError(f"{LIBS_VARIABLE}={named} holds no kafka_2.13-*.jar")
-        return libs
+        return libs if any(libs.glob("kafka_2.13-*.jar")) else None
     for root in _checkouts():
         bundle = root / ".jvm" / "kafka"
         if (bundle / "fetched").is_file():
@@ -61,5 +59,6 @@ def missing() -> str | None:
     if java() is None:
         return "no Java runtime for the local Apache Kafka (Kafka 4 needs 17+: openjdk-17-jre-headless)"
     if kafka_libs() is None:
-        return f"no Apache Kafka jars: {FETCH_HINT}, or set {LIBS_VARIABLE} to a folder of them"
+        where = f"in {LIBS_VARIABLE}={named}" if (named := os.environ.get(LIBS_VARIABLE)) else "found"
+        return f"no Apache Kafka jars {where}: {FETCH_HINT}, or set {LIBS_VARIABLE} to a folder of them"
     return None

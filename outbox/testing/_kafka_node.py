@@ -175,6 +175,14 @@ class KafkaNode:
         for port in (self.port, self.controller_port):
             check_bound(self._process.pid, port, f"Kafka node {self.node_id}")
 
+    def first_error(self) -> str:
+        """The broker's first ERROR line since launch and the line after it (the exception), or ""."""
+        lines = self.log_since_launch().splitlines()
+        for n, line in enumerate(lines):
+            if "] ERROR " in line:
+                return "\n".join(lines[n:n + 2])
+        return ""
+
     def tail(self, lines: int = 30) -> str:
         """The last ``lines`` of the broker's log and of the JVM's own output, for an error message."""
         parts = []

@@ -118,7 +118,7 @@ def kafka_bootstrap(need: BrokerNeed = BrokerNeed.ANY) -> Iterator[str]:
             yield container.get_bootstrap_server()
     elif need is BrokerNeed.REAL:
         if (why := local_kafka_missing()) is not None:
-            raise Unavailable(f"no Apache Kafka: set {KAFKA_BOOTSTRAP_VARIABLE}, start Docker, or {why}")
+            raise Unavailable(f"no Apache Kafka: {why} (or set {KAFKA_BOOTSTRAP_VARIABLE}, or start Docker)")
         with local_kafka() as servers:
             yield servers
     else:
