@@ -173,6 +173,7 @@ def test_a_test_that_needs_apache_kafka_never_gets_the_mock_from_the_variable(
 REAL_BROKER_TEST = "tests/test_local_kafka.py::test_groups_and_transactions_work_on_one_node"
 
 
+@pytest.mark.slow  # a pytest of its own: 3-5 s
 @pytest.mark.parametrize("ci, outcome", [("", "1 skipped"), ("true", "1 error")], ids=["locally", "CI"])
 def test_without_apache_kafka_a_real_broker_test_skips_locally_and_fails_in_ci(
     tmp_path: Path, ci: str, outcome: str

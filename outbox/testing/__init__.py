@@ -25,7 +25,7 @@ from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 from ..inbox._settle import Settled
 from ._harness import OutboxTestHarness
 from ._kafka import KafkaStartError, LocalKafka, local_kafka
-from ._kafka_admin import create_topic, delete_topic
+from ._kafka_admin import alter_topic, create_topic, delete_topic
 from ._kafka_cluster import LocalKafkaCluster
 from ._kafka_libs import LIBS_VARIABLE as KAFKA_LIBS_VARIABLE
 from ._kafka_node import KafkaNode
@@ -71,6 +71,7 @@ __all__ = [
     "PortNotBound",
     "Settled",
     "Unavailable",
+    "alter_topic",
     "create_topic",
     "delete_topic",
     "docker_engine_answers",

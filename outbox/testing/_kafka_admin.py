@@ -1,4 +1,4 @@
-"""Admin calls the local brokers' users need: create and delete a topic, find a partition's leader.
+"""Admin calls the local brokers' users need: create, change and delete a topic, find a leader.
 
 Plain functions of a bootstrap address, so a test on any broker (the session's,
 one from ``OUTBOX_TEST_KAFKA_BOOTSTRAP``) uses them as ``LocalKafka`` does.
@@ -46,7 +46,21 @@ def create_topic(bootstrap: str, name: str, partitions: int = 1, *, replication_
 
 def delete_topic(bootstrap: str, name: str, timeout: float = 30.0) -> None:
     """Delete topic ``name`` on the broker at ``bootstrap``; return once the controller accepted it."""
-    admin_client(bootstrap).delete_topics([name], operation_timeout=timeout)[name].result(timeout)
+    admin = admin_client(bootstrap)  # alive until the answer: a client dropped earlier cancels it
+    admin.delete_topics([name], operation_timeout=timeout)[name].result(timeout)
+
+
+def alter_topic(bootstrap: str, name: str, config: Mapping[str, str], timeout: float = 30.0) -> None:
+    """Set topic settings (``{"min.insync.replicas": "2"}``) on the broker at ``bootstrap``, the
+    others kept (an incremental change); return once the controller accepted it."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    entries = [ConfigEntry(key, str(value), incremental_operation=AlterConfigOpType.SET)
+               for key, value in config.items()]
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name, incremental_configs=entries)
+    admin = admin_client(bootstrap)  # alive until the answer: a client dropped earlier cancels it
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout)
 
 
 def partition_leader(bootstrap: str, topic: str, partition: int, timeout: float = 30.0,
