@@ -26,7 +26,7 @@ from typer.core import TyperGroup, TyperOption
 from outbox import Outbox, create_engine
 from outbox.cli import app
 from outbox.cli._options import COMMAND_LINE_ONLY
-from outbox.testing import LocalPostgres, free_port
+from outbox.testing import LocalPostgres, free_port, wait_until_bound
 from tests.inbox_support import INBOX_KINDS, async_url
 
 pytestmark = pytest.mark.postgres
@@ -70,6 +70,7 @@ def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
                   tmp_path / "a.log")
     standby = None
     try:
+        wait_until_bound(relay.pid, port, "the relay's health server", alive=lambda: relay.poll() is None)
         wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), 30, "the relay to be ready")
         assert probe(port, "/healthz") == (200, "alive\n")
         assert "outbox_relay_shards_owned" in probe(port, "/metrics")[1]
@@ -77,6 +78,8 @@ def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
         # One shard, two relays: the second one's fair share is 0, and a standby is ready.
         standby = start(["relay", "--metrics-port", str(standby_port), "--worker-id", "b"], env,
                         tmp_path / "b.log")
+        wait_until_bound(standby.pid, standby_port, "the standby's health server",
+                         alive=lambda: standby is not None and standby.poll() is None)
         wait_for(lambda: probe(standby_port, "/readyz") == (200, "ready\n"), 30, "the standby to be ready")
 
         own_postgres.stop()
@@ -138,6 +141,8 @@ def test_a_consumer_is_ready_once_it_holds_a_partition(
                       "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": any_kafka},
                      tmp_path / "inbox.log", cwd=tmp_path)
     try:
+        wait_until_bound(consumer.pid, port, "the consumer's health server",
+                         alive=lambda: consumer.poll() is None)
         wait_for(lambda: probe(port, "/healthz")[0] == 200, 30, "the consumer's port")
         wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), 60, "a partition to be assigned")
         assert "outbox_inbox" in probe(port, "/metrics")[1]

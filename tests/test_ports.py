@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import sqlalchemy as sa
+from conftest import unavailable
 
-from outbox.testing import PortNotBound, free_port, wait_until_bound
+from outbox.testing import LocalMariaDB, LocalPostgres, PortNotBound, free_port, wait_until_bound
 
 LISTEN = """
 import socket, sys, time
@@ -64,3 +67,55 @@ def test_a_server_that_ends_or_never_listens_is_refused() -> None:
         wait_until_bound(ended.pid, port, "our server", timeout=30, alive=lambda: ended.poll() is None)
     with pytest.raises(PortNotBound, match="did not listen on port"):
         wait_until_bound(os.getpid(), port, "our server", timeout=0.3)
+
+
+def taken_first(monkeypatch: pytest.MonkeyPatch, module: str) -> socket.socket:
+    """Make ``module``'s first ``free_port()`` a port another process (this one) listens on."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    picks = iter([held.getsockname()[1]])
+    monkeypatch.setattr(f"{module}.free_port", lambda: next(picks, None) or free_port())
+    return held
+
+
+@pytest.mark.postgres
+def test_a_postgres_whose_picked_port_was_taken_starts_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL fails rather than moves when its port is taken; the first start tries a new one."""
+    held = taken_first(monkeypatch, "outbox.testing._postgres")
+    try:
+        try:
+            server = LocalPostgres()
+        except FileNotFoundError as exc:
+            unavailable(str(exc))
+        try:
+            assert server.port != held.getsockname()[1]
+            with sa.create_engine(server.url).connect() as conn:
+                assert conn.execute(sa.text("SHOW port")).scalar() == str(server.port)
+        finally:
+            server.remove()
+    finally:
+        held.close()
+
+
+@pytest.mark.mysql
+def test_a_mariadb_whose_picked_port_was_taken_is_not_mistaken_for_the_holder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The port's holder would have answered our readiness probe; the first start tries a new port."""
+    held = taken_first(monkeypatch, "outbox.testing._mariadb")
+    try:
+        try:
+            server = LocalMariaDB()
+        except FileNotFoundError as exc:
+            unavailable(str(exc))
+        try:
+            assert server.port != held.getsockname()[1]
+            engine = sa.create_engine(server.url, poolclass=sa.NullPool)
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT @@port")).scalar() == server.port
+            engine.dispose()
+        finally:
+            server.remove()
+    finally:
+        held.close()

@@ -23,7 +23,15 @@ _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 
 
 class PortNotBound(RuntimeError):
-    """The server we started does not hold the port it was given (someone else does, or nobody)."""
+    """The server we started does not hold the port it was given (someone else does, or nobody).
+
+    ``taken_by`` holds the processes that hold it instead (empty when nobody does or we may not
+    see who): a first start may then try again on another port.
+    """
+
+    def __init__(self, message: str, taken_by: set[int] | frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.taken_by = frozenset(taken_by)
 
 
 def free_port() -> int:
@@ -125,8 +133,9 @@ def holds_port(pid: int, port: int) -> bool | None:
 def check_bound(pid: int, port: int, what: str) -> None:
     """Raise ``PortNotBound`` unless process ``pid`` (or a child) listens on ``port`` now."""
     if holds_port(pid, port) is False:
+        others = (listeners(port) or set()) - process_tree(pid)
         raise PortNotBound(f"{what} (pid {pid}) does not hold port {port}: it is held by "
-                           f"{_describe(listeners(port) or set())}")
+                           f"{_describe(others)}", taken_by=others)
 
 
 def wait_until_bound(pid: int, port: int, what: str, *, timeout: float = 60.0,
@@ -142,9 +151,10 @@ def wait_until_bound(pid: int, port: int, what: str, *, timeout: float = 60.0,
         mine = holds_port(pid, port)
         if mine is None or mine:
             return
-        others = listeners(port) or set()
-        if others - process_tree(pid):
-            raise PortNotBound(f"{what} (pid {pid}) was given port {port}, which {_describe(others)} holds")
+        others = (listeners(port) or set()) - process_tree(pid)
+        if others:
+            raise PortNotBound(f"{what} (pid {pid}) was given port {port}, which {_describe(others)} holds",
+                               taken_by=others)
         if alive is not None and not alive():
             raise PortNotBound(f"{what} (pid {pid}) ended without listening on port {port}")
         if time.monotonic() > deadline:
