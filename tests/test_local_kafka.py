@@ -125,6 +125,7 @@ def test_a_first_start_that_finds_its_port_taken_starts_again_on_new_ports(
         taker.close()
 
 
+@pytest.mark.slow  # the first group and transaction create their internal topics: ~4 s
 def test_groups_and_transactions_work_on_one_node(kafka: str, topic: str) -> None:
     """The internal topics (consumer offsets, transaction state) have one replica on one node."""
     producer = Producer({"bootstrap.servers": kafka, "transactional.id": f"tx-{topic}", "log_level": 0})
