@@ -79,41 +79,29 @@ def taken_first(monkeypatch: pytest.MonkeyPatch, module: str) -> socket.socket:
     return held
 
 
-@pytest.mark.postgres
-def test_a_postgres_whose_picked_port_was_taken_starts_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PostgreSQL fails rather than moves when its port is taken; the first start tries a new one."""
-    held = taken_first(monkeypatch, "outbox.testing._postgres")
-    try:
-        try:
-            server = LocalPostgres()
-        except FileNotFoundError as exc:
-            unavailable(str(exc))
-        try:
-            assert server.port != held.getsockname()[1]
-            with sa.create_engine(server.url).connect() as conn:
-                assert conn.execute(sa.text("SHOW port")).scalar() == str(server.port)
-        finally:
-            server.remove()
-    finally:
-        held.close()
+SERVERS = {"postgres": ("outbox.testing._postgres", LocalPostgres, "SHOW port"),
+           "mariadb": ("outbox.testing._mariadb", LocalMariaDB, "SELECT @@port")}
 
 
-@pytest.mark.mysql
-def test_a_mariadb_whose_picked_port_was_taken_is_not_mistaken_for_the_holder(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("kind", [pytest.param("postgres", marks=pytest.mark.postgres),
+                                  pytest.param("mariadb", marks=pytest.mark.mysql)])
+def test_a_database_whose_picked_port_was_taken_starts_on_another(
+    monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """The port's holder would have answered our readiness probe; the first start tries a new port."""
-    held = taken_first(monkeypatch, "outbox.testing._mariadb")
+    """PostgreSQL and MariaDB fail rather than move when their port is taken (and MariaDB's
+    readiness probe was answered by whoever held it): the first start tries a new port."""
+    module, server_class, port_query = SERVERS[kind]
+    held = taken_first(monkeypatch, module)
     try:
         try:
-            server = LocalMariaDB()
+            server = server_class()
         except FileNotFoundError as exc:
             unavailable(str(exc))
         try:
             assert server.port != held.getsockname()[1]
             engine = sa.create_engine(server.url, poolclass=sa.NullPool)
             with engine.connect() as conn:
-                assert conn.execute(sa.text("SELECT @@port")).scalar() == server.port
+                assert str(conn.execute(sa.text(port_query)).scalar()) == str(server.port)
             engine.dispose()
         finally:
             server.remove()

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from ._kafka_admin import admin_client, create_topic, partition_leader
 from ._kafka_libs import java, kafka_libs, kafka_version, missing
@@ -223,6 +223,12 @@ class _KafkaNodes:
 
         return partition_leader(self.live_bootstrap(), topic, partition, timeout, accept=serving)
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Kill every node and delete the directory (data and logs): the broker was a throwaway."""
         for node in self.nodes:
@@ -253,12 +259,6 @@ class LocalKafka(_KafkaNodes):
 
     def __repr__(self) -> str:
         return f"LocalKafka({self.version}, {self.nodes[0]!r})"
-
-    def __enter__(self) -> LocalKafka:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def port(self) -> int:

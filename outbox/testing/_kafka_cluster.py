@@ -41,12 +41,6 @@ class LocalKafkaCluster(_KafkaNodes):
     def __repr__(self) -> str:
         return f"LocalKafkaCluster({self.version}, {self.nodes!r})"
 
-    def __enter__(self) -> LocalKafkaCluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def start(self, node_id: int) -> None:
         """Start node ``node_id`` again (same ports, same data); return once it is ready."""
         self._restart(self.node(node_id))
