@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -235,12 +234,3 @@ class KafkaNode:
         if self.frozen and self._process is not None:
             self._process.send_signal(signal.SIGCONT)
         self.frozen = False
-
-    def wait_exit(self, timeout: float) -> int | None:
-        """The JVM's exit code once it ended, or None after ``timeout`` s."""
-        if self._process is None:
-            return None
-        deadline = time.monotonic() + timeout
-        while self._process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self._process.poll()
