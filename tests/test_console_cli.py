@@ -19,14 +19,9 @@ from typer.testing import CliRunner
 
 from outbox import Inbox, Outbox, create_engine
 from outbox.cli import app
+from outbox.testing import free_port, wait_until_bound
 from tests.console_support import TOKEN
 from tests.inbox_support import record
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def outside_addresses() -> list[str]:
@@ -62,6 +57,7 @@ def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str, tm
                "--inbox-db", inbox_db]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        wait_until_bound(proc.pid, port, "the console", alive=lambda: proc.poll() is None)
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -28,10 +28,11 @@ from typer.testing import CliRunner
 from outbox.cli import app as cli_app
 from outbox.console import Operators, create_tenants_app
 from outbox.tenants import TenantDatabases, parse_tenants
+from outbox.testing import free_port, wait_until_bound
 from tests._retention_rows import outbox_row
 from tests.console_support import csrf_of
 from tests.tenant_support import SECRET, Fleet, tenant_fleet  # noqa: F401 (fixtures)
-from tests.test_console_cli import free_port, get
+from tests.test_console_cli import get
 
 USERS = {"alice": "wonderland-rabbit-hole"}
 AUTH = ("alice", USERS["alice"])
@@ -133,6 +134,7 @@ def test_outbox_console_tenants_serves_every_tenant_from_the_command_line(fleet:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     bearer = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "probe"}
     try:
+        wait_until_bound(proc.pid, port, "the console", alive=lambda: proc.poll() is None)
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -170,9 +170,9 @@ def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None: 
     assert nothing.exit_code == 2 and "--db and --group" in nothing.output
 
 
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 @pytest.mark.parametrize("kind", INBOX_KINDS)
-def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka: str, topic: str,
+def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, any_kafka: str, topic: str,
                                           kind: str) -> None:
     module = APP_MODULE if kind == "sync" else ASYNC_APP_MODULE
     db = sqlite_db if kind == "sync" else async_url(sqlite_db)
@@ -184,10 +184,10 @@ def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka:
 
     engine = create_engine(sqlite_db)
     business.create_all(engine)
-    produce(kafka, [record(topic, "k", 1), record(topic, "j", 1)])
+    produce(any_kafka, [record(topic, "k", 1), record(topic, "j", 1)])
     process = subprocess.Popen(
         [sys.executable, "-m", "outbox", "inbox", "run", "service:inbox", "--bootstrap-servers",
-         kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=4000"],
+         any_kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=4000"],
         cwd=tmp_path, env=env,
     )
     try:

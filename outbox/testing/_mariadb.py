@@ -20,7 +20,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from ._postgres import free_port
+from ._ports import PortNotBound, free_port, wait_until_bound
+
+PORT_ATTEMPTS = 3
 
 # Durability off: tests want speed, and a crash of a throwaway server loses nothing.
 # The isolation level (InnoDB's REPEATABLE READ) and the collation (case-insensitive)
@@ -87,14 +89,20 @@ class LocalMariaDB:
         if self._as_user:
             shutil.chown(self._root, "mysql")
             shutil.chown(self._tmp, "mysql")
-        self.port = free_port()
-        driver = sync_driver()
-        self._admin_url = f"mysql+{driver}://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
-        self.url = f"mysql+{driver}://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
         self._process: subprocess.Popen[bytes] | None = None
         try:
             self._install(install)
-            self.start()
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self._use_port(free_port())
+                try:
+                    self.start()
+                    break
+                except PortNotBound as exc:
+                    # Another process took the port after our pick (mariadbd fails, never moves):
+                    # again on a new one; any other failure is raised.
+                    self.stop()
+                    if attempt == PORT_ATTEMPTS or not (exc.taken_by or self._lost_port_race()):
+                        raise
             admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
             with admin.connect() as conn:
                 conn.execute(sa.text("CREATE DATABASE outbox CHARACTER SET utf8mb4"))
@@ -102,6 +110,19 @@ class LocalMariaDB:
         except BaseException:
             self.remove()
             raise
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        driver = sync_driver()
+        self._admin_url = f"mysql+{driver}://root@127.0.0.1:{port}/mysql?charset=utf8mb4"
+        self.url = f"mysql+{driver}://root@127.0.0.1:{port}/outbox?charset=utf8mb4"
+
+    def _lost_port_race(self) -> bool:
+        try:
+            log = (self._root / "log").read_text(errors="replace")
+        except OSError:
+            return False
+        return "Address already in use" in log or "Bind on TCP/IP port" in log
 
     def _install(self, install: Path) -> None:
         """Make the datadir; once more from scratch if the bootstrap fails.
@@ -122,7 +143,12 @@ class LocalMariaDB:
             _run(command)
 
     def start(self) -> None:
-        """Start the server on the same datadir and port; return once it accepts connections."""
+        """Start the server on the same datadir and port; return once it accepts connections.
+
+        Not before it holds the port: a probe of a port that another worker's MariaDB took
+        after our pick would be answered by that server (same root, no password) while ours
+        failed to bind; ``PortNotBound`` (with the log) says so instead.
+        """
         log = open(self._root / "log", "ab")  # noqa: SIM115 - the server writes it while it runs
         self._process = subprocess.Popen(
             [*self._as_user, str(self._server), "--no-defaults", f"--datadir={self._data}",
@@ -132,6 +158,13 @@ class LocalMariaDB:
         )
         log.close()
         deadline = time.monotonic() + 60
+        process = self._process
+        try:
+            wait_until_bound(process.pid, self.port, "mariadbd", timeout=60,
+                             alive=lambda: process.poll() is None)
+        except PortNotBound as exc:
+            tail = (self._root / "log").read_text(errors="replace")[-2000:]
+            raise PortNotBound(f"{exc}:\n{tail}", taken_by=exc.taken_by) from None
         engine = sa.create_engine(self._admin_url, poolclass=sa.NullPool)
         try:
             while True:
