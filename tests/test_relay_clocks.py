@@ -138,13 +138,19 @@ def publish_alternately(outbox: Outbox, url: str, topic: str, skew: str, delays:
     ahead_by = float(skew.removesuffix("s"))
     for i, delay in enumerate(delays):
         publisher = fast if i % 2 == 0 else normal
+        before = datetime.now(UTC)
         publisher.publish("order-1", delay)
+        after = datetime.now(UTC)
         # The fake clock must really be ahead (an ineffective faketime would pass the
-        # test without testing anything): created_at is the publisher's clock.
-        ahead = (rows(outbox)[-1].created_at - datetime.now(UTC)).total_seconds()
+        # test without testing anything): created_at is the publisher's clock, read
+        # between `before` and `after` on the real one (a slow publish under load
+        # must not make the fake clock look late, nor a fast one make it look early).
+        created_at = rows(outbox)[-1].created_at
         if publisher is fast:
+            ahead = (created_at - before).total_seconds()
             assert ahead > ahead_by - 1, f"the faked publisher is only {ahead:.2f} s ahead"
         else:
+            ahead = (created_at - after).total_seconds()
             assert ahead < 0.5, f"the normal publisher is {ahead:.2f} s ahead"
         time.sleep(0.1)  # let the relay fetch between two publishes
     fast.close()
