@@ -34,10 +34,10 @@ from .._events import EventReader
 from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce, StopRequested
 from .._tables import OutboxTables
+from .._tenant import Tenant, TenantsLike, tenant_source
+from .._tenant_labels import TenantLabels
 from .._validation import validate_topic
 from .._wire import ENVELOPE_HEADERS
-from ..tenants import Tenant, TenantLabels
-from ..tenants._tenant import TenantsLike, tenant_source
 from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._alerting import Alerter
 from ._calls import TopicHandler, TopicHandlers

@@ -65,7 +65,7 @@ from .._alerts import Alert, AlertKind, deliver
 from .._envelope import Message, utcnow
 from .._errors import ConfigurationError, OutboxError
 from .._tables import OutboxTables
-from ..tenants import Tenant, TenantSource
+from .._tenant import Tenant, TenantSource
 from ._admin import NotParkedError, ParkedAdmin, ParkedReplay
 from ._delivery import Delivery, Origin, delivery
 from ._gaps import GapSweeper

@@ -56,6 +56,8 @@ from .._outbox import Outbox
 from .._secrets import database_url
 from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
 from .._tables import OutboxTables
+from .._tenant import Tenant, TenantsLike, TenantSource, tenant_source
+from .._tenant_labels import TenantLabels
 from .._wire import header_size
 from ..relay import (
     BatchResult,
@@ -68,8 +70,6 @@ from ..relay import (
 from ..relay._leases import renew_interval
 from ..relay._settings import DEFAULT_BACKOFF, default_worker_id
 from ..relay._wakeup import start_listening
-from ._labels import TenantLabels
-from ._tenant import Tenant, TenantsLike, TenantSource, tenant_source
 
 log = safe_logger("outbox.relay")
 
