@@ -204,14 +204,15 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     ids = publish(outbox, "orders", ["a", "a", "b"])
     transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY]})
     relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(0))  # the wheel fires at once
-    write = relay._batch._write
-    monkeypatch.setattr(relay._batch, "_write", lambda plan: time.sleep(0.5) or write(plan))
-    relay._prepare_batch()
-    relay._run_batch(wait=False)  # a1 retried, b1 delivered; the write is still running
+    step = relay._step
+    write = step._batch._write
+    monkeypatch.setattr(step._batch, "_write", lambda plan: time.sleep(0.5) or write(plan))
+    step.prepare()
+    step.run_batch(wait=False)  # a1 retried, b1 delivered; the write is still running
     time.sleep(0.1)  # past the wheel's tick
-    relay._prepare_batch()
+    step.prepare()
     assert ("orders", "a") not in relay.wheel
-    second = relay._run_batch(wait=False)
+    second = step.run_batch(wait=False)
     # a1 is being written (excluded) and a's retry timer has fired, but the database does not
     # know yet that a waits: a2 must not go out ahead of a1.
     assert second.sent == 0 and second.held == 1

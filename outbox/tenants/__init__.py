@@ -1,12 +1,14 @@
 """Many tenants, one fleet: tenants in schemas or databases of their own (docs/tenants.md).
 
-What a tenant is and where a fleet's tenants come from (``outbox._tenant``),
-the bound on the ``tenant`` label of metrics (``outbox._tenant_labels``) and
-``alerts_for_tenant`` (``outbox._alerts``) live on the shared floor, under the
-relay and the inbox, which use them; this package re-exports them.
-``_relay`` is ``TenantRelay``, one relay process for all the tenants.
-``_each`` runs one piece of work for every tenant (one engine per database,
-each tenant's failure isolated and named), as the operations commands do.
+The public face of the tenant dimension. What a tenant is and where a fleet's
+tenants come from (``outbox._tenant``), the bound on the ``tenant`` label of
+metrics (``outbox._tenant_labels``) and ``alerts_for_tenant`` (``outbox._alerts``)
+live on the shared floor, under the relay and the inbox, which use them; this
+package re-exports them. Its own modules stand above the relay: ``_relay`` is
+``TenantRelay``, one relay process for all the tenants (a scheduler over their
+``RelayStep``s: ``_schedule``, ``_databases``, ``_transport``); ``_each`` runs one
+piece of work for every tenant (one engine per database, each tenant's failure
+isolated and named), as the operations commands do.
 """
 
 from .._alerts import TenantAlertSink, alerts_for_tenant
