@@ -46,13 +46,14 @@ from ._gaps import GapSweeper
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 from ._metrics import InboxMetrics, tenant_inbox_metrics
 from ._outage import OutageLog, is_outage
+from ._places import Place, tenant_session_engine, tenant_tables
 from ._runner import Decode, Runner
 from ._sessions import sessions_for
 from ._settings import InboxSettings
 from ._settle import Settler
 from ._signals import Disposition
 from ._store import store_for
-from ._tenants import REFRESH, Gate, Place, TenantRouter, tenant_session_engine, tenant_tables
+from ._tenants import REFRESH, TenantRouter
 from ._transaction import TransactionStep
 from ._typed import HandlerRegistry
 
@@ -223,7 +224,7 @@ class Inbox:
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
             raise ConfigurationError(f"tenant_refresh must be a positive number of seconds, got {refresh!r}")
         default = Place(None, self.engine, self.tables, self._sessions, self.store, self.step,
-                        self.settler, self.admin, self.gaps, Gate(checked=True))
+                        self.settler, self.admin, self.gaps, checked=True)
         return TenantRouter(tenant_source(tenants), default=default, build=self._place, header=header,
                             tenant_of=tenant_of, refresh=float(seconds), pool_size=self.concurrency)
 
@@ -246,7 +247,7 @@ class Inbox:
         gaps = GapSweeper(sessions, store, alerter, self.gap_timeout,
                           settings.gap_alert_after or self.gap_timeout / 2)
         return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, store, step, settler,
-                     ParkedAdmin(sessions, store, step), gaps, Gate(checked=False))
+                     ParkedAdmin(sessions, store, step), gaps)
 
     @property
     def tenants(self) -> list[Tenant]:
