@@ -242,7 +242,8 @@ def test_alerts_and_metrics_say_which_tenant(pg: sa.Engine, topic: str) -> None:
                         tenant_header=HEADER, metrics=tenant_relay_metrics(TenantLabels(2), registry))
     try:
         relay.refresh()
-        relay._workers.transports[0].fail(topic=topic, outcome=Outcome.FAILED, error="refused")  # the first sent
+        first = relay._workers.transports[0]
+        first.fail(topic=topic, outcome=Outcome.FAILED, error="refused")  # the first sent
         relay.run_once()
         relay.run_once()
     finally:
