@@ -179,6 +179,33 @@ def test_a_quiet_tenant_is_served_while_another_drains_a_backlog(pg: sa.Engine, 
         running.stop()
 
 
+def test_a_worker_sends_the_next_tenants_batch_while_the_last_ones_outcomes_are_written(
+        pg: sa.Engine, topic: str) -> None:
+    """Pipelined as a single relay is. One worker, two tenants: the first tenant's rows are locked by
+    another transaction, so marking them published waits; the worker sends the second tenant's batch
+    meanwhile, instead of waiting for that write."""
+    outboxes = make_tenants(pg, ["first", "second"])
+    publish(outboxes["first"], topic, ["a"])
+    publish(outboxes["second"], topic, ["b"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    locker = pg.connect()
+    locker.begin()
+    locker.exec_driver_sql('SELECT id FROM "first".outbox_messages FOR UPDATE').all()
+    running = Running(fleet(["first", "second"], broker, database=pg, workers=1, refresh_every=60))
+    try:
+        wait_for(lambda: len(broker.records(topic)) == 2, 10,
+                 "the second tenant sent while the first tenant's write waits for its rows' lock")
+        assert pending(outboxes["first"]) == 1  # its write waits still
+    finally:
+        locker.rollback()
+        locker.close()
+    try:
+        wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 20, "both written")
+    finally:
+        running.stop()
+    assert [header(r, HEADER) for r in broker.records(topic)] == [[b"first"], [b"second"]]
+
+
 def test_database_per_tenant_and_one_database_down(
         pg: sa.Engine, own_postgres: Any, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     shared = make_tenants(pg, ["a1", "a2"])

@@ -40,6 +40,7 @@ from ._record_limit import check_record_limit
 from ._settings import RelaySettings
 from ._sql import statements_for
 from ._stuck import StuckKeys
+from ._writer import Writer
 
 log = safe_logger("outbox.relay")
 
@@ -78,14 +79,16 @@ class RelayStep:
     (so it needs the database) and refuses a transport that cannot send
     records as large as the stored limit. ``name`` is how its log lines call
     it (``relay <worker id>``, or with the tenant); ``watch_every`` is how
-    often the stuck keys are looked at. One thread at a time runs its steps;
-    ``maintain_leases`` may run on another (``Leases`` is safe for that).
+    often the stuck keys are looked at; ``writer`` is where pipelined batches'
+    outcomes are written (default: a thread of its own, started on the first).
+    One thread at a time runs its steps; ``maintain_leases`` may run on
+    another (``Leases`` is safe for that).
     """
 
     def __init__(self, outbox: Outbox, transport: Transport, engine: Engine, settings: RelaySettings, *,
                  alert: AlertSink | Callable[[Alert], None], metrics: RelayMetrics, outages: RelayOutages,
                  cloudevents: CloudEvents | None = None, name: str | None = None,
-                 watch_every: float | None = None) -> None:
+                 watch_every: float | None = None, writer: Writer | None = None) -> None:
         self.settings = settings
         self.name = name or f"relay {settings.worker_id}"
         self._metrics = metrics
@@ -102,7 +105,7 @@ class RelayStep:
             engine, statements_for(outbox.tables, engine.dialect.name), transport, self.wheel,
             backoff=settings.backoff, alert=alert, metrics=metrics, worker_id=worker_id,
             batch_size=settings.batch_size, database_outage=outages.database,
-            incarnation=stored.incarnation, cloudevents=cloudevents)
+            incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
         self._watch_due = 0.0

@@ -147,7 +147,8 @@ class TenantRelay:
         self.source = tenant_source(tenants)
         self.workers = workers
         self.refresh_every = float(refresh_every)
-        self.pool_size = pool_size or workers + 2
+        # A worker's fetch and its writer's write of the tenant before may each hold a connection.
+        self.pool_size = pool_size or 2 * workers + 2
         self.alert = alert if alert is not None else LoggingAlertSink()
         if not callable(self.alert):
             raise ConfigurationError(f"alert must be an AlertSink or callable, got {self.alert!r:.80}")
@@ -234,7 +235,7 @@ class TenantRelay:
             self.settings, alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
             outages=RelayOutages(database=unit.db.outage, broker=self.broker_outage),
             cloudevents=self._cloudevents, name=f"relay {self.worker_id}: tenant {name}",
-            watch_every=self._watch_every)
+            watch_every=self._watch_every, writer=self._workers)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -296,12 +297,20 @@ class TenantRelay:
                 self._tenants.freeze_new()
 
     def _clock(self) -> None:
-        """Queue the tenants whose poll, retry or wheel timer is due, until the stop."""
-        added = self._schedule.timer_added
+        """Queue the tenants whose poll, retry or wheel timer is due, until the stop.
+
+        One round a wheel tick at most: 500 tenants' polls come due one by one,
+        and are queued a tick's worth at a time, not each on a wake-up of its own.
+        """
+        added, tick = self._schedule.timer_added, self.settings.wheel_tick
         while not self._stopping.is_set():
             added.clear()  # before looking: a timer added from here on ends the wait below
             due = self._schedule.fire_due()
-            added.wait(1.0 if due is None else min(1.0, max(0.0, due - time.monotonic())))
+            self._stopping.wait(tick)
+            if due is not None:
+                added.wait(min(1.0, max(0.0, due - time.monotonic())))
+            else:
+                added.wait(1.0)
 
     def _work(self, index: int) -> None:
         self._workers.bind(index)
@@ -336,21 +345,27 @@ class TenantRelay:
         results = {}
         for unit in list(self._tenants.units.values()):
             if unit.step is not None:
-                self._serve(unit)
+                self._serve(unit, wait=True)
                 results[unit.tenant.name] = unit.last
         return results
 
-    def _serve(self, unit: Unit) -> _Turn:
-        """One step of ``unit``'s tenant, through its database's gate."""
+    def _serve(self, unit: Unit, *, wait: bool = False) -> _Turn:
+        """One step of ``unit``'s tenant, through its database's gate.
+
+        Pipelined (``wait=False``, the workers') as a single relay is: the
+        batch's outcomes are written on this worker's writer while the worker
+        goes on with the next tenant; the tenant's next step waits for that
+        write before it writes its own (and never fetches those rows again).
+        """
         step, db = unit.step, unit.db
         unit.last = BatchResult()
         if step is None:
             return _Turn()
-        wait = db.gate.admit()
-        if wait is not None:
-            return _Turn(retry=wait)
+        put_off = db.gate.admit()
+        if put_off is not None:
+            return _Turn(retry=put_off)
         try:
-            done = step.run(wait=True, leases=True)
+            done = step.run(wait=wait, leases=True)
             unit.served = True
         except SchemaError as exc:  # resharded under it: served anew from the stored count
             self._tenants.failed(unit, exc, "stops")

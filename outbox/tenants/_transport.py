@@ -1,27 +1,37 @@
-"""What a tenant's step publishes through: the fleet worker's transport, with the tenant's header.
+"""What a tenant's step sends and writes through: the fleet worker's transport and writer.
 
 A producer is used by one thread, so each worker of a fleet has its own
 transport; a tenant's ``RelayStep`` runs on whichever worker took it, and its
 ``TenantTransport`` sends through that worker's (``Workers.local``). Each
 record gets the tenant's name in the header the fleet names, replacing any
 header of that name the producer set, in any case: no tenant sends under
-another's name.
+another's name. Each worker also has one ``BackgroundWriter``, the single
+relay's: a tenant's batch outcomes are written there while the worker goes on
+to the next tenant's batch (``Workers`` is the ``Writer`` its steps take).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
+from typing import TypeVar
 
 from transports import Record, SendResult, Transport
 
 from .._errors import ConfigurationError
 from .._wire import header_size
+from ..relay._writer import BackgroundWriter
+
+T = TypeVar("T")
+
+WRITERS_STOP_WITHIN = 3.0
+"""Seconds ``close`` waits for each worker's writer to finish what it was given (a frozen database)."""
 
 
 class Workers:
-    """The fleet's worker transports, one per worker thread; ``bind(i)`` makes this thread worker ``i``."""
+    """One transport and one writer per worker; ``bind(i)`` makes this thread worker ``i``."""
 
     def __init__(self, transports: Sequence[Transport]) -> None:
         for made in transports:
@@ -29,9 +39,21 @@ class Workers:
                 raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
         self.transports = list(transports)
         self.local = threading.local()
+        self._writers: dict[int, BackgroundWriter] = {}
+        self._lock = threading.Lock()
 
     def bind(self, index: int) -> None:
         self.local.transport = self.transports[index]
+        self.local.index = index
+
+    def submit(self, call: Callable[[], T]) -> Future[T]:
+        """Run ``call`` on this worker's writer, after what it was given before (``relay._writer.Writer``)."""
+        index: int = self.local.index
+        writer = self._writers.get(index)
+        if writer is None:
+            with self._lock:
+                writer = self._writers.setdefault(index, BackgroundWriter(f"outbox-relay-writer-{index}"))
+        return writer.submit(call)
 
     def current(self) -> Transport:
         transport: Transport | None = getattr(self.local, "transport", None)
@@ -42,6 +64,11 @@ class Workers:
         return transport
 
     def close(self) -> None:
+        """The writers finish what they were given (seconds at most), then the transports close."""
+        with self._lock:
+            writers, self._writers = list(self._writers.values()), {}
+        for writer in writers:
+            writer.shutdown(WRITERS_STOP_WITHIN)
         for made in self.transports:
             close = getattr(made, "close", None)
             if callable(close):
