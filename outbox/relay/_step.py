@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from transports import Transport
 from transports._logsafe import safe_logger
@@ -156,9 +156,17 @@ class RelayStep:
             return BatchResult()
         return self._batch.run(owned, wait=wait)
 
-    def maintain_leases(self) -> dict[int, int]:
-        """Renew, take and count this relay's shard leases; the database answered."""
-        owned = self.leases.maintain()
+    @property
+    def needs_leases(self) -> bool:
+        """It has never maintained its leases (its first step takes them)."""
+        return self._leases_due == 0.0
+
+    def maintain_leases(self, conn: Connection | None = None) -> dict[int, int]:
+        """Renew, take and count this relay's shard leases; the database answered.
+
+        ``conn``: the heartbeat and renewals in the caller's transaction (``Leases.maintain``).
+        """
+        owned = self.leases.maintain(conn)
         self._outages.database.answered()
         self._leases_due = time.monotonic() + renew_interval(self.leases.ttl)
         self._metrics.shards_owned.labels(self.settings.worker_id).set(len(owned))

@@ -1,10 +1,11 @@
-"""The databases of a fleet: one engine, one outage gate and one listener per database.
+"""The databases of a fleet: one engine, one outage gate, one lease renewal and one listener each.
 
 However many tenant schemas a database holds, the fleet keeps one pool for it
 (``pool_size`` connections), one ``OutageGate`` (its outage is logged once for
-all its tenants, and while it is down one step at a time probes it) and, on
-PostgreSQL, one LISTEN connection whose notifications (``shard:schema``) wake
-the tenant of the schema they name.
+all its tenants, and while it is down one step at a time probes it), one
+thread renewing all its tenants' leases (``_renewal``) and, on PostgreSQL, one
+LISTEN connection whose notifications (``shard:schema``) wake the tenant of
+the schema they name.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .._secrets import database_url
 from .._tenant import Tenant
 from ..relay import RelayMetrics, RelayOutages
 from ..relay._wakeup import start_listening
+from ._renewal import LeaseRenewal
 from ._schedule import Schedule
 from ._units import FleetDatabase
 
@@ -31,13 +33,13 @@ MAX_PROBE_PAUSE = 5.0
 class FleetDatabases:
     """The fleet's databases by URL (or ``Engine``); tenants naming none are in ``default``'s.
 
-    ``listen`` starts a database's listener once the fleet runs (``listening``);
-    a database met later starts its own then.
+    ``start`` starts every database's lease renewal and listener once the fleet
+    runs (``started``); a database met later starts its own then.
     """
 
     def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
-                 metrics: RelayMetrics, poll_interval: float, notify_channel: str | None,
-                 schedule: Schedule, stopping: threading.Event) -> None:
+                 metrics: RelayMetrics, poll_interval: float, renew_every: float,
+                 notify_channel: str | None, schedule: Schedule, stopping: threading.Event) -> None:
         self.default = default
         self._pool_size = pool_size
         self._worker_id = worker_id
@@ -47,7 +49,9 @@ class FleetDatabases:
         self._schedule = schedule
         self._stopping = stopping
         self._by_key: dict[str, FleetDatabase] = {}
-        self.listening = False
+        self._renewal = LeaseRenewal(every=renew_every, schedule=schedule, stopping=stopping,
+                                     worker_id=worker_id, answered=self.answered)
+        self.started = False
 
     def values(self) -> list[FleetDatabase]:
         return list(self._by_key.values())
@@ -69,15 +73,19 @@ class FleetDatabases:
             db = FleetDatabase(engine, owned=not isinstance(database, Engine), outage=tracker,
                                gate=OutageGate(tracker))
             self._by_key[key] = db
-            if self.listening and not self._stopping.is_set():
-                self._listen(db)
+            if self.started and not self._stopping.is_set():
+                self._start(db)
         return db
 
-    def listen(self) -> None:
-        """From now on every database's notifications wake its tenants (PostgreSQL)."""
-        self.listening = True
+    def start(self) -> None:
+        """From now on every database's tenants' leases are renewed, and its notifications wake them."""
+        self.started = True
         for db in self.values():
-            self._listen(db)
+            self._start(db)
+
+    def _start(self, db: FleetDatabase) -> None:
+        self._renewal.start(db)
+        self._listen(db)
 
     def _listen(self, db: FleetDatabase) -> None:
         if db.listener is not None or self._channel is None:
@@ -119,7 +127,8 @@ class FleetDatabases:
         return None
 
     def threads(self) -> list[threading.Thread]:
-        return [db.listener for db in self.values() if db.listener is not None]
+        """The databases' listeners and lease renewals (joined, within a bound, at the stop)."""
+        return [thread for db in self.values() for thread in (db.listener, db.renewer) if thread is not None]
 
     def dispose(self) -> None:
         """Close the pools of the engines the fleet made."""

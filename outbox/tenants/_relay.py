@@ -172,17 +172,16 @@ class TenantRelay:
         self._stopping = self._runs.stopping
         self._databases = FleetDatabases(
             database, pool_size=self.pool_size, worker_id=self.worker_id, metrics=process_metrics,
-            poll_interval=settings.poll_interval, notify_channel=notify_channel, schedule=self._schedule,
-            stopping=self._stopping)
+            poll_interval=settings.poll_interval, renew_every=renew_interval(settings.lease_ttl),
+            notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping)
         self._tenants = FleetTenants(self.source, databases=self._databases, schedule=self._schedule,
                                      make_step=self._new_step, metrics=self.metrics,
                                      worker_id=self.worker_id, default=database)
         # A key is stuck after minutes (key_stuck_after): a check per tenant every fifth of that is
         # on time, and 500 tenants do not query every lease renewal interval.
         self._watch_every = max(renew_interval(settings.lease_ttl), settings.key_stuck_after / 5)
-        # Polled at least every lease renewal interval: an idle tenant's leases are renewed by its
-        # polls, and must not lapse between them.
-        self._poll_every = min(settings.poll_interval, renew_interval(settings.lease_ttl))
+        # The leases are renewed per database (``_renewal``), not by the polls.
+        self._poll_every = settings.poll_interval
         self._refreshed = threading.Event()
 
     def __repr__(self) -> str:
@@ -254,7 +253,7 @@ class TenantRelay:
                                     daemon=True) for i in range(self.workers)]
         refresher = threading.Thread(target=self._refresh_loop, name="outbox-relay-tenants", daemon=True)
         try:
-            self._databases.listen()
+            self._databases.start()
             refresher.start()
             for worker in workers:
                 worker.start()
@@ -365,7 +364,11 @@ class TenantRelay:
         if put_off is not None:
             return _Turn(retry=put_off)
         try:
-            done = step.run(wait=wait, leases=True)
+            failure, unit.lease_failure = unit.lease_failure, None
+            if failure is not None:
+                raise failure  # its leases could not be renewed: as if its step had failed so
+            # Its first leases are its step's; then its database's renewal keeps them (``run``).
+            done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases)
             unit.served = True
         except SchemaError as exc:  # resharded under it: served anew from the stored count
             self._tenants.failed(unit, exc, "stops")

@@ -53,6 +53,8 @@ class Unit:
     last: BatchResult = field(default_factory=BatchResult)
     served: bool = False
     """It has run a step: its statements are built (the fleet freezes the heap after)."""
+    lease_failure: Exception | None = None
+    """Why its leases could not be renewed (``_renewal``): its next turn fails with it."""
 
 
 @dataclass(eq=False)
@@ -69,6 +71,8 @@ class FleetDatabase:
     units: dict[str | None, Unit] = field(default_factory=dict)
     """Its tenants by schema, for the notifications."""
     listener: threading.Thread | None = None
+    renewer: threading.Thread | None = None
+    """Renews its tenants' leases (``_renewal``)."""
 
     @property
     def down(self) -> bool:
