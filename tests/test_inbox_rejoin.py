@@ -49,7 +49,7 @@ def consumer(db: str, bootstrap: str, topic: str, group: str, log: Path) -> subp
     return process
 
 
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 @pytest.mark.slow
 @pytest.mark.parametrize("rounds", [["join", "join", "steady", "join"]])
 def test_a_broker_freeze_during_the_join_or_consumption_never_stalls_the_consumer(
@@ -140,8 +140,8 @@ def test_the_watch_starts_at_the_first_poll_and_not_without_statistics() -> None
         quiet.close()
 
 
-@pytest.mark.kafka
-def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silence(kafka: str) -> None:
+@pytest.mark.any_kafka
+def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silence(any_kafka: str) -> None:
     """A user's ``statistics.interval.ms`` longer than ``rejoin_after``: no report yet is no evidence.
 
     Joined and consuming, it got no statistics within ``rejoin_after`` because none were due;
@@ -150,8 +150,8 @@ def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silen
     from transports.kafka import KafkaSource
 
     topic = f"t-{uuid.uuid4().hex[:10]}"
-    produce_keys(kafka, topic, 1, 1)
-    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
+    produce_keys(any_kafka, topic, 1, 1)
+    source = KafkaSource(bootstrap_servers=any_kafka, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
                          settings={"statistics.interval.ms": 3_600_000}, rejoin_after=0.5)
     try:
         got: list[object] = []

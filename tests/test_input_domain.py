@@ -43,7 +43,7 @@ from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 from tests.test_spark_text import HAZARDS, NULL_LIKE, generic_path, read_in_python, readers_choice
 from transports.kafka import KafkaSource, KafkaTransport
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+pytestmark = [pytest.mark.any_kafka, pytest.mark.slow]
 
 LIMIT = 4096
 NAN, INF = float("nan"), float("inf")
@@ -179,7 +179,7 @@ def run(proof_db_url: str) -> Iterator[Run]:
     run.engine.dispose()
 
 
-def test_what_publish_accepts_arrives_intact(run: Run, kafka: str) -> None:
+def test_what_publish_accepts_arrives_intact(run: Run, any_kafka: str) -> None:
     examples = max(500, settings.default.max_examples)
 
     topics = st.one_of(
@@ -201,14 +201,14 @@ def test_what_publish_accepts_arrives_intact(run: Run, kafka: str) -> None:
     assert len(run.refused) >= 3, run.refused
     assert run.edges.get(0) and run.refused.get("RecordTooLargeError"), (run.edges, run.refused)
 
-    relay_all(run, kafka)
-    consume_all(run, kafka)
+    relay_all(run, any_kafka)
+    consume_all(run, any_kafka)
     read_back(run)
 
 
-def relay_all(run: Run, kafka: str) -> None:
+def relay_all(run: Run, any_kafka: str) -> None:
     """A real relay sends every accepted row; none may fail."""
-    transport = KafkaTransport({"bootstrap.servers": kafka, "message.max.bytes": LIMIT})
+    transport = KafkaTransport({"bootstrap.servers": any_kafka, "message.max.bytes": LIMIT})
     relay = Relay(run.outbox, transport, alert=lambda alert: None, poll_interval=0.05)
     thread = threading.Thread(target=relay.run, name="relay-under-test")
     thread.start()
@@ -230,7 +230,7 @@ def relay_all(run: Run, kafka: str) -> None:
     assert not failed, f"rows publish() accepted were not sent: {failed[:5]}"
 
 
-def consume_all(run: Run, kafka: str) -> None:
+def consume_all(run: Run, any_kafka: str) -> None:
     """An inbox hands every message to its handler, byte for byte."""
     seen: dict[uuid.UUID, Any] = {}
     inbox = Inbox(run.engine, group=f"{run.prefix}group-NA", alert=lambda alert: None)
@@ -238,7 +238,7 @@ def consume_all(run: Run, kafka: str) -> None:
     topics = sorted({sent.topic for sent in run.sent.values()})
     for topic in topics:
         inbox.handler(topic)(lambda session, message: seen.__setitem__(message.message_id, message))
-    source = KafkaSource(bootstrap_servers=kafka, group_id=inbox.group, topics=topics,
+    source = KafkaSource(bootstrap_servers=any_kafka, group_id=inbox.group, topics=topics,
                          **TEST_CONSUMER_SETTINGS)
     errors: list[BaseException] = []
 

@@ -19,7 +19,7 @@ from transports.kafka import KafkaTransport
 from transports.testing import BrokerProcess
 
 # wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("timing")]
+pytestmark = [pytest.mark.any_kafka, pytest.mark.slow, pytest.mark.xdist_group("timing")]
 
 
 def wait_for(condition, timeout: float, what: str) -> float:

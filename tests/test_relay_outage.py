@@ -30,7 +30,7 @@ from outbox._wire import MESSAGE_ID
 from outbox.testing import LocalPostgres, free_port
 from transports.testing import BrokerProcess, read_topic
 
-pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.any_kafka, pytest.mark.slow]
 
 FREEZE, DB_DOWN = 40.0, 10.0  # the freeze outlasts the relay's 30 s wait for a delivery report
 

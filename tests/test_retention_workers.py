@@ -59,9 +59,9 @@ def test_a_database_outage_is_logged_once_and_the_pass_runs_again_once_it_answer
     assert lines[1].startswith("retention: the database reachable again after ")
 
 
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 def test_a_relay_with_retention_deletes_old_published_rows_and_keeps_the_rest(
-        tmp_path, kafka: str) -> None:
+        tmp_path, any_kafka: str) -> None:
     url = f"sqlite:///{tmp_path / 'app.db'}"
     outbox = Outbox(create_engine(url))
     outbox.create_tables()
@@ -70,7 +70,7 @@ def test_a_relay_with_retention_deletes_old_published_rows_and_keeps_the_rest(
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         conn.execute(sa.insert(outbox.tables.messages),
                      [outbox_row("published", old) for _ in range(50)] + [failed])
-    relay = start_cli_relay(url, kafka, tmp_path / "relay.log", "--retention", "7d",
+    relay = start_cli_relay(url, any_kafka, tmp_path / "relay.log", "--retention", "7d",
                             "--retention-every", "1s")
     try:
         wait_for(lambda: len(rows(outbox)) == 1, 60, "the relay's retention pass")

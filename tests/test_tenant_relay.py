@@ -351,19 +351,46 @@ def test_alerts_and_metrics_say_which_tenant(pg: sa.Engine, topic: str) -> None:
 
 
 def test_a_notification_wakes_its_tenant_alone(pg: sa.Engine, topic: str) -> None:
-    """With polling off in effect (an hour), only NOTIFY can wake a tenant: its schema is in the payload."""
+    """Only NOTIFY can serve a row within seconds here: polls come every 3600 s and lease renewals
+    every 200 s (``lease_ttl`` / 3), so each wait below is for a notification, and for its schema's
+    tenant alone. A row written without one waits; a notification from elsewhere on the channel, or
+    naming no tenant's schema, wakes nobody; one naming its schema wakes it.
+    """
     outboxes = make_tenants(pg, ["n1", "n2"])
+    quiet_n1 = Outbox(pg, schema="n1", notify_channel=None)  # writes without a notification
     broker = InMemoryBroker(max_record_bytes=ROOMY)
-    running = Running(fleet(["n1", "n2"], broker, database=pg, poll_interval=3600.0))
+    running = Running(fleet(["n1", "n2"], broker, database=pg, poll_interval=3600.0, lease_ttl=600.0))
+
+    def notified_n2(round_: str) -> None:
+        publish(outboxes["n2"], topic, [round_])
+        wait_for(lambda: pending(outboxes["n2"]) == 0, 10, f"n2 woken by its notification ({round_})")
+
+    def listening() -> bool:  # the fleet's LISTEN connection, as the server shows it
+        with pg.connect() as conn:
+            return bool(conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND starts_with(query, 'LISTEN ')").scalar())
+
     try:
         wait_for(lambda: running.relay.tenants == ["n1", "n2"], 20, "both served")
-        for round_ in range(3):
-            publish(outboxes["n2"], topic, [f"k{round_}"])
-            wait_for(lambda: pending(outboxes["n2"]) == 0, 10, "n2 woken by its notification")
-        with pg.begin() as conn:  # another process's notification on the channel wakes nobody
-            conn.exec_driver_sql("SELECT pg_notify('outbox', 'not ours'), pg_notify('outbox', '3:nobody')")
+        wait_for(listening, 20, "the fleet listening")
+        notified_n2("listening")  # after the wake-up of every tenant that follows a LISTEN
+        publish(quiet_n1, topic, ["unannounced"])
+        for round_ in ("r1", "r2"):  # the second round: n1, had it been woken, would be served by then
+            notified_n2(round_)
+        assert pending(outboxes["n1"]) == 1, "n2's notification woke n1 too"
+        with pg.begin() as conn:  # another process's, and one naming no tenant's schema
+            conn.exec_driver_sql("SELECT pg_notify('outbox', 'not ours'), pg_notify('outbox', '3:nobody'), "
+                                 "pg_notify('outbox', '3'), pg_notify('outbox', '3:')")
+        for round_ in ("r3", "r4"):
+            notified_n2(round_)
+        assert pending(outboxes["n1"]) == 1, "a notification naming no tenant of n1 woke it"
+        with pg.begin() as conn:
+            conn.exec_driver_sql("SELECT pg_notify('outbox', '0:n1')")
+        wait_for(lambda: pending(outboxes["n1"]) == 0, 10, "n1 woken by a notification naming its schema")
     finally:
         running.stop()
+    assert sorted(header(r, HEADER)[0] for r in broker.records(topic)).count(b"n1") == 1
 
 
 def test_a_frozen_heap_is_frozen_again_once_the_new_tenants_have_run(pg: sa.Engine) -> None:

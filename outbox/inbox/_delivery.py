@@ -12,7 +12,9 @@ The types say what differs. An ``OrderedDelivery`` (keyed and numbered) has a
 (unkeyed, unnumbered or foreign) has neither. ``origin`` says where a delivery
 came from (polled, held, parked, handed in) and ``unreadable`` why it is parked
 unread; both are fixed when it is built. Only ``attempts`` changes in flight.
-``lane_of`` is the one queue a delivery keeps its order in.
+On an inbox serving many tenants, ``tenant`` says which one the record names
+(``Named``) or that it names none (``Unnamed``); on an inbox of one database it
+is None. ``lane_of`` is the one queue a delivery keeps its order in.
 """
 
 from __future__ import annotations
@@ -68,6 +70,29 @@ class Unreadable:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class Named:
+    """The tenant a record names, on an inbox serving many (served or not: the router decides)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unnamed:
+    """A record that names no tenant, on an inbox serving many: it parks in the default database.
+
+    ``why`` says how (no header, ``tenant_of`` returned nothing or raised). It
+    does not count in equality: to the scheduler every unnamed record is of one
+    tenant, the default database's, so a key's unnamed records keep one order.
+    """
+
+    why: str = field(compare=False)
+
+
+TenantOf = Named | Unnamed
+"""Which tenant a delivery is for on an inbox serving many (``Delivery.tenant``)."""
+
+
 @dataclass(slots=True)
 class Attempts:
     """Failed handler attempts of one delivery so far (``RetryLater`` and outages do not count).
@@ -103,9 +128,8 @@ class Delivery:
     unreadable: Unreadable | None = None
     """Set when it must be parked unread."""
     attempts: Attempts = field(default_factory=Attempts)
-    tenant: str | None = None
-    """The tenant it belongs to on an inbox serving many (``_tenants``): the name its header
-    gave ("" when it gave none); None on an inbox of one database."""
+    tenant: TenantOf | None = None
+    """The tenant it is for on an inbox serving many (``_tenants``); None on an inbox of one database."""
 
     @property
     def from_held(self) -> bool:

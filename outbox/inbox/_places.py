@@ -26,8 +26,8 @@ from ._gaps import GapSweeper
 from ._outage import BACKOFF
 from ._sessions import Sessions
 from ._settle import Settler
-from ._store import InboxStore
 from ._transaction import TransactionStep
+from .storage import InboxStorage
 
 
 class Slots:
@@ -70,7 +70,7 @@ class Place:
     tables: OutboxTables
     """The tenant's tables, qualified with its schema: what the checks look for."""
     sessions: Sessions
-    store: InboxStore
+    store: InboxStorage
     step: TransactionStep
     settler: Settler
     admin: ParkedAdmin

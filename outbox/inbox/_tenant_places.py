@@ -21,6 +21,7 @@ from transports._logsafe import safe_logger
 
 from .._envelope import utcnow
 from .._errors import ConfigurationError
+from .._schema_claims import DEFAULT_DATABASE_REFUSAL, SchemaClaims
 from .._tenant import Tenant, TenantSource
 from ._outage import OutageLog, is_outage
 from ._places import BuildPlace, Place, Slots
@@ -54,6 +55,8 @@ class TenantPlaces:
         self.slots = Slots(pool_size)
         self._places: dict[str, Place] = {}
         self._engines: dict[str, Engine] = {}
+        self._claims = SchemaClaims()
+        """Whose each schema is, by what its server says: the default database's, or one tenant's."""
         self._lock = threading.Lock()
         self._read_at = -float("inf")
         self._read_since = datetime.min.replace(tzinfo=UTC)
@@ -97,28 +100,19 @@ class TenantPlaces:
             self._reading.release()
 
     def _refuse_the_default(self, tenants: Sequence[Tenant]) -> None:
-        """``ConfigurationError`` for a tenant whose tables would be the default database's.
+        """``ConfigurationError`` for a tenant whose tables would be the default database's, or another's.
 
-        There the messages of no known tenant park: that tenant's parked list,
-        replay and discard would take them for its own, and replay would apply
-        another tenant's message in its tables.
+        In the default database's tables the messages of no known tenant park:
+        that tenant's parked list, replay and discard would take them for its
+        own, and replay would apply another tenant's message in its tables. Two
+        tenants in one schema would share their dedup records. Decided by what
+        the servers say (``SchemaClaims``): the default database spelled
+        otherwise is the default database. A tenant whose database does not
+        answer now is asked again before its tables are first used (``claim``).
         """
         default = self.default
-        # Unqualified tables are in the connection's default schema (PostgreSQL's "public"): known
-        # once the default database was connected to (run() does that first).
-        schemas = {default.tables.schema}
-        if default.tables.schema is None:
-            schemas.add(getattr(default.engine.dialect, "default_schema_name", None))
-        for tenant in tenants:
-            database = tenant.database
-            same_database = (database is None
-                             or (isinstance(database, Engine) and database.pool is default.engine.pool)
-                             or (isinstance(database, str)
-                                 and _same_url(database, default.engine.url)))
-            if same_database and tenant.schema in schemas:
-                raise ConfigurationError(
-                    f"tenant {tenant.name}: its inbox tables would be the default database's, where "
-                    "the messages of no known tenant park; give it a schema or a database of its own")
+        self._claims.reserve(default, default.engine, default.tables.schema, DEFAULT_DATABASE_REFUSAL)
+        self._claims.refuse_shared([(tenant, self._engine_of(tenant)) for tenant in tenants])
 
     def _take(self, tenants: Sequence[Tenant], began: datetime) -> None:
         """Serve ``tenants`` from now on: a place each, kept when its tenant did not change."""
@@ -133,6 +127,7 @@ class TenantPlaces:
             if self._loaded and (gone or added):
                 log.info("tenants: %d served (%d added, %d removed)", len(places), len(added), len(gone))
             self._places = places
+            self._claims.retain(places.values())
             self._loaded = True
             self._read_since = began
             named = {t.database for t in tenants if isinstance(t.database, str)}
@@ -177,7 +172,13 @@ class TenantPlaces:
         if found is None:
             raise ConfigurationError(f"no tenant {name!r:.80} among the inbox's tenants "
                                      f"({len(self._places)} served)")
+        self.claim(found)
         return found
+
+    def claim(self, place: Place) -> None:
+        """Before a tenant's tables are used: ``ConfigurationError`` when they are another's (``_claims``)."""
+        if place.tenant is not None:
+            self._claims.claim(place, place.tenant, place.engine)
 
     def get(self, name: str) -> Place | None:
         """Tenant ``name``'s place as last read, or None (the source is not read again)."""
@@ -212,12 +213,3 @@ class TenantPlaces:
             if found is None and self._read_since <= received_at:
                 return self.lookup_every
         return found
-
-
-def _same_url(url: str, other: sa.URL) -> bool:
-    try:
-        return sa.make_url(url).render_as_string(hide_password=False) == other.render_as_string(
-            hide_password=False)
-    except Exception:  # not a URL: creating its engine says so
-        return False
-

@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 
 from transports._logsafe import safe_logger
 
-from ._delivery import Delivery
+from ._delivery import Delivery, Named
 from ._outage import BACKOFF, is_outage
 from ._places import Place
 from ._tenant_places import TenantPlaces
@@ -117,7 +117,7 @@ class TenantSweeps:
         for place in self.places.all() if places is None else places:
             if not place.gate.down:
                 found.extend(self._sweeping(place, lambda p: [
-                    dataclasses.replace(d, tenant=p.name) for d in p.gaps.ready()], []))
+                    dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], []))
                 self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
                 place.parked_keys = self._sweeping(place, lambda p: p.admin.parked_key_count(),
                                                    place.parked_keys)

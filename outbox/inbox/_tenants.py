@@ -62,23 +62,24 @@ from .. import _schema
 from .._alerts import Alert, AlertKind, deliver
 from .._envelope import Message
 from .._errors import OutboxError
+from .._schema_claims import SharedSchemaError
 from .._tenant import Tenant, TenantSource
 from ._admin import NotParkedError, ParkedReplay
-from ._delivery import Delivery, Origin, delivery
+from ._delivery import Delivery, Named, Origin, Unnamed, delivery
 from ._kinds import Reason
 from ._outage import BACKOFF, is_outage
 from ._places import BuildPlace, Place
-from ._settle import Settled
+from ._settle import Settled, settle_alone
 from ._signals import Disposition
-from ._store import ParkedRow
 from ._tenant_places import REFRESH as REFRESH
 from ._tenant_places import TenantPlaces
 from ._tenant_sweep import TenantSweeps
+from .storage import ParkedRow
 
 log = safe_logger("outbox.inbox")
 
 NO_TENANT = ""
-"""``Delivery.tenant`` of a message that names none."""
+"""The name ``name_of`` gives a message that names no tenant."""
 _MAX_ALERTED = 10_000
 
 
@@ -147,14 +148,16 @@ class TenantRouter:
         return value[:200], None
 
     def tag(self, d: Delivery) -> Delivery:
-        """``d`` with its tenant's name."""
-        return dataclasses.replace(d, tenant=self.name_of(d.message)[0])
+        """``d`` with the tenant it names, or why it names none."""
+        name, why = self.name_of(d.message)
+        return dataclasses.replace(d, tenant=Named(name) if why is None else Unnamed(why))
 
     # -- the settle stage ---------------------------------------------------------
 
     def settle(self, batch: list[Delivery]) -> Settled:
         """Settle a batch of one tenant at its place; an unknown tenant's are parked as such."""
-        name = batch[0].tenant or NO_TENANT
+        tenant = batch[0].tenant
+        name = tenant.name if isinstance(tenant, Named) else NO_TENANT
         place = self.places.serving(name, max(d.received_at for d in batch))
         if isinstance(place, float):
             return Settled(later=[(d, place) for d in batch])
@@ -234,6 +237,7 @@ class TenantRouter:
     def _check(self, place: Place) -> float | None:
         """None when ``place``'s inbox tables are there; else the seconds before the next look."""
         try:
+            self.places.claim(place)
             place.sessions.run(functools.partial(_schema.check, inbox=True), place.engine, place.tables)
         except Exception as exc:
             if is_outage(exc):
@@ -241,7 +245,10 @@ class TenantRouter:
             if not isinstance(exc, OutboxError | DBAPIError):
                 raise
             name = place.name or ""
-            if name not in self._missing:
+            if name not in self._missing and isinstance(exc, SharedSchemaError):
+                self._missing.add(name)
+                log.error("%s: not served: %s; its messages wait, the other tenants go on", place.what, exc)
+            elif name not in self._missing:
                 self._missing.add(name)
                 log.error("%s: its inbox tables are not usable (%s); its messages wait, the other "
                           "tenants go on. Create them (`outbox init-db`, or Inbox.create_tables(tenant=…))",
@@ -274,8 +281,11 @@ class TenantRouter:
         return Settled(done=[(d, Disposition.PARKED) for d in batch])
 
     def _why_unknown(self, d: Delivery) -> str:
-        name, why = self.name_of(d.message)
-        return why if why is not None else f"tenant {name!r} is not among the inbox's tenants"
+        """What ``tag`` found: the same answer the routing had (``tenant_of`` is not asked twice)."""
+        tenant = d.tenant
+        if isinstance(tenant, Named):
+            return f"tenant {tenant.name!r} is not among the inbox's tenants"
+        return tenant.why if isinstance(tenant, Unnamed) else "it names no tenant"
 
     def _park_rows(self, batch: list[Delivery], whys: list[str]) -> None:
         store = self.default.store
@@ -285,7 +295,7 @@ class TenantRouter:
 
     def _alert_unknown(self, d: Delivery, why: str) -> None:
         """One alert per tenant name (or per "names none") and process."""
-        name = d.tenant or NO_TENANT
+        name = d.tenant.name if isinstance(d.tenant, Named) else NO_TENANT
         if name in self._alerted or len(self._alerted) >= _MAX_ALERTED:
             return
         self._alerted.add(name)
@@ -323,11 +333,11 @@ class TenantRouter:
         """Send the key's ``tenant_unknown`` messages to their tenants, in seq order per tenant.
 
         A message whose tenant is still unknown stays, and with it the later
-        ones naming the same tenant (or none). Each other one goes through its
-        tenant's transaction as if it had just arrived (applied, held behind a
-        gap, a duplicate, or parked there when its handler fails: then replay
-        it with ``tenant=``), and only then leaves the default database's
-        ``inbox_parked``.
+        ones naming the same tenant (or none). Each other one is settled in its
+        tenant's place as if it had just arrived (applied, held behind a gap, a
+        duplicate, or — its handler failing ``max_attempts`` times — parked
+        there, alerted: then replay it with ``tenant=``), and only then leaves
+        the default database's ``inbox_parked``.
         """
         self.refresh(force=True)
         default = self.default
@@ -346,15 +356,11 @@ class TenantRouter:
                 stuck.add(name)
                 error = error or why or f"tenant {name!r} is still not among the inbox's tenants"
                 continue
+            self.places.claim(place)
             d = delivery(row.delivery.message, row.delivery.partition, row.delivery.offset,
                          origin=Origin.CALLER)
-            d = dataclasses.replace(d, tenant=name)
-            committed = place.step.apply([d])
-            for failure in committed.failed:
-                _, parked = place.step.park(d, failure.error, failure.traceback)
-                if parked is not None:
-                    place.settler.alerter.parked([parked])
-            place.settler.alerter.parked(committed.parked)
+            # The live path's settle stage: apply, retries, park and alerts as for a new arrival.
+            settle_alone(place.settler.settle, dataclasses.replace(d, tenant=Named(name)))
             default.sessions.run(self._unpark, row.id)
             moved += 1
         remaining = len(rows) - moved
@@ -362,11 +368,11 @@ class TenantRouter:
 
     def _unknown_rows(self, topic: str, key: str | None) -> list[ParkedRow]:
         with self.default.sessions() as session:
-            return self.default.store.parked(session, topic, key)
+            return self.default.store.parked.rows(session, topic, key)
 
     def _unpark(self, row_id: int) -> None:
         with self.default.sessions() as session, session.begin():
-            self.default.store.unpark(session, row_id)
+            self.default.store.parked.remove(session, row_id)
 
 
 def _described(exc: BaseException) -> str:

@@ -16,12 +16,13 @@ A batch whose every record is to be retried because the broker did not answer
 against a message): its rows get an error and a short, capped next attempt
 time but keep their attempt count.
 
-Pipelined batches (``run(wait=False)``, PostgreSQL and MySQL, used by
-``Relay.run``) write one batch's outcomes on a helper thread while the next
-batch is fetched and sent; the rows being written are excluded from that fetch
-(on PostgreSQL in the statement, on MySQL after it: the fetch asks for that many
-more rows and drops them) and the keys it stopped (retried or failed heads) are
-held in memory until the write commits.
+Pipelined batches (``run(wait=False)``, on the dialects whose statements say
+``pipelines``: PostgreSQL and MySQL, used by ``Relay.run``) write one batch's
+outcomes on a helper thread while the next batch is fetched and sent; the rows
+being written are excluded from that fetch (``RelayStatements.fetch_params`` and
+``without_busy``: on PostgreSQL in the statement, on MySQL after it) and the
+keys it stopped (retried or failed heads) are held in memory until the write
+commits.
 
 Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
 (with their metrics and alerts) may run on the one helper thread.
@@ -46,7 +47,6 @@ from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._cloudevents import CloudEvents
 from .._envelope import utcnow
 from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
-from .._pg_arrays import int_array
 from .._tracing import INSTALLED as TRACING_INSTALLED
 from .._tracing import start_send
 from .._wheel import TimingWheel
@@ -152,30 +152,22 @@ class BatchRunner:
         self._held: set[tuple[str, str]] = set()
         self._outage_batches = 0  # consecutive batches the broker delivered nothing of
         # This database's identity, in every envelope.
-        self._encoder = RowEncoder(incarnation, check_ids=sql.mysql, cloudevents=cloudevents)
+        self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).
 
-        With ``wait=False`` (PostgreSQL and MySQL) the outcomes are written in the
+        With ``wait=False`` (where ``sql.pipelines``) the outcomes are written in the
         background while the next batch runs; the counts returned are then what
         is being written, and ``finish`` waits for it.
         """
         started = time.perf_counter()
-        # MySQL: the rows being written are dropped after the fetch, which asks for as
-        # many more (a NOT IN over JSON_TABLE made the fetch slower than the write).
-        drop = set(self._busy) if self._busy and self.sql.mysql else None
+        sql, busy = self.sql, self._busy  # busy: the rows a background write is marking
         with self.engine.connect() as conn:
-            if self.sql.postgres:
-                # JIT compiling this short query costs more than running it; and with the
-                # session zone named 'UTC' psycopg returns datetime.UTC datetimes, which
-                # format and compare several times faster than ZoneInfo('Etc/UTC') ones.
-                conn.exec_driver_sql("SET LOCAL jit = off; SET LOCAL TIME ZONE 'UTC'")
-            params: dict[str, Any] = {"now": utcnow(), "limit": self.batch_size + len(drop or ())}
-            if self.sql.postgres:  # only its statement names the busy ids
-                params["busy"] = int_array(self._busy)
+            sql.prepare_fetch(conn)
+            params = sql.fetch_params(utcnow(), self.batch_size, busy)
             try:
-                rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
+                rows: Sequence[Any] = conn.execute(sql.fetch(owned), params).all()
                 unreadable = None
             except Exception as exc:
                 if is_database_outage(exc):
@@ -184,8 +176,8 @@ class BatchRunner:
             conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
-        if drop:
-            rows = [r for r in rows if r[_ID] not in drop][:self.batch_size]
+        if busy:
+            rows = sql.without_busy(rows, busy, self.batch_size)
         self.database_outage.answered()
         if not rows:
             self.finish()
@@ -216,7 +208,7 @@ class BatchRunner:
                 self.database_outage.failed(exc)
             else:
                 log.exception("relay %s could not record a batch's outcomes", self.worker_id)
-        if wait or not (self.sql.postgres or self.sql.mysql):
+        if wait or not sql.pipelines:
             outcome = self._write(plan)
         else:
             self._busy = (plan.published.ids + plan.retried.ids + plan.postponed.ids

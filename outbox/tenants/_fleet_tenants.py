@@ -17,18 +17,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from sqlalchemy import Engine, make_url
+from sqlalchemy import Engine
 from sqlalchemy.exc import ArgumentError
 
 from transports._logsafe import safe_logger
 
 from .._errors import ConfigurationError, SchemaError
 from .._outage import OutageBackoff, first_line, is_database_outage
+from .._schema_claims import SchemaClaims
 from .._tenant import Tenant, TenantSource
 from ..relay import RelayStep, TenantRelayMetrics
 from ._databases import FleetDatabases
 from ._schedule import Schedule
-from ._units import Unit, UnitState
+from ._turn_state import TurnState
+from ._units import Unit
 
 log = safe_logger("outbox.relay")
 
@@ -53,6 +55,8 @@ class FleetTenants:
         self.worker_id = worker_id
         self._default = default
         self.units: dict[str, Unit] = {}
+        self._claims = SchemaClaims()
+        """Which tenant serves each schema, by what its server says (``outbox._schema_claims``)."""
         self._unfrozen: set[Unit] = set()
         """Tenants built since the heap was last frozen (``freeze_new``)."""
 
@@ -74,13 +78,13 @@ class FleetTenants:
         self._refuse_shared_places(wanted.values())
         with self._schedule.lock:
             gone = [unit for name, unit in self.units.items()
-                    if name not in wanted or wanted[name].place != unit.tenant.place]
+                    if name not in wanted or wanted[name].address != unit.tenant.address]
             for unit in gone:
                 del self.units[unit.tenant.name]
                 unit.removed = True
                 self._schedule.unqueue_locked(unit)  # no worker starts it while it is closed
             # Decided under the lock: a running one is closed by its worker, the others here.
-            closing = [unit for unit in gone if unit.state is not UnitState.RUNNING]
+            closing = [unit for unit in gone if unit.state is not TurnState.RUNNING]
             new = [tenant for name, tenant in wanted.items() if name not in self.units]
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
@@ -95,26 +99,24 @@ class FleetTenants:
         self.start_pending()
 
     def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
-        """Two tenants in one schema of one database, one named by URL and one by the default: refused.
+        """Two tenants in one schema of one database, however their URLs spell it: refused.
 
-        The source's own check compares what the tenants say; this one what they
-        resolve to. Served twice, a schema's rows would go out under two names,
-        by two Relays of one worker id, which do not fence each other.
+        The source's own check compares what the tenants say; this one what their
+        servers say (``SchemaClaims``). Served twice, a schema's rows would go out
+        under two names, by two steps of one worker id, which do not fence each
+        other. A database down now is asked again before its tenants are served.
         """
-        places: dict[tuple[str, str | None], str] = {}
+        found = []
         for tenant in tenants:
-            database = tenant.database if tenant.database is not None else self._default
-            if database is None:
+            if tenant.database is None and self._default is None:
                 continue  # refused by name when it is served
             try:
-                url = database.url if isinstance(database, Engine) else make_url(database)
+                db = self._databases.of(tenant)
             except ArgumentError:  # not the URL itself: it may hold a password
                 raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
-            place = (url.render_as_string(hide_password=False), tenant.schema)
-            if place in places:
-                raise ConfigurationError(
-                    f"tenants {places[place]!r} and {tenant.name!r} name the same schema of one database")
-            places[place] = tenant.name
+            if not db.down:
+                found.append((tenant, db.engine))
+        self._claims.refuse_shared(found)
 
     def start_pending(self) -> None:
         """Build the step of every tenant that has none yet: reads its stored settings."""
@@ -125,6 +127,7 @@ class FleetTenants:
             if db.gate.admit() is not None:
                 continue  # its database is down: one caller at a time probes it
             try:
+                self._claims.claim(unit, unit.tenant, db.engine)
                 unit.step = self._make_step(unit)
             except Exception as exc:
                 self.failed(unit, exc, "cannot be served")
@@ -193,6 +196,7 @@ class FleetTenants:
         with self._schedule.lock:
             if unit.db.units.get(unit.tenant.schema) is unit and unit.removed:
                 del unit.db.units[unit.tenant.schema]
+        self._claims.release(unit)
         if not unit.db.gate.down:
             self.drop_step(unit)
         else:

@@ -70,7 +70,8 @@ from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
 from ._schedule import Schedule
 from ._transport import TenantTransport, Workers, checked_header
-from ._units import Unit, UnitState
+from ._turn_state import TurnState
+from ._units import Unit
 
 log = safe_logger("outbox.relay")
 
@@ -264,7 +265,7 @@ class TenantRelay:
             with self._schedule.lock:  # from here on no worker takes a tenant from the queue
                 self._schedule.lock.notify_all()
                 idle = [unit for unit in self._tenants.units.values()
-                        if unit.state is not UnitState.RUNNING]
+                        if unit.state is not TurnState.RUNNING]
             # The tenants no worker holds give their leases back at once, before the workers are
             # waited for: a worker stuck on a frozen database must not keep the others' leases.
             self._tenants.close_all(idle)
@@ -316,7 +317,7 @@ class TenantRelay:
         while (unit := self._schedule.take(self._stopping)) is not None:
             turn = self._serve(unit)
             with self._schedule.lock:
-                unit.state = UnitState.IDLE
+                unit.state = TurnState.IDLE
                 # Removed, or the fleet stops: its leases go back now, as soon as its step is done,
                 # not once every worker is (one may be stuck on a frozen database).
                 closing = unit.removed or self._stopping.is_set()

@@ -13,7 +13,7 @@ timers, under one lock its workers wait on:
   failure, or the moment its wheel lets a key go again (``Step.due``). A
   tenant has one pending timer at a time; a newer one makes the older moot.
 
-A unit is run by at most one worker at a time (``UnitState``).
+A unit is run by at most one worker at a time (``TurnState``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import threading
 import time
 from collections import deque
 
-from ._units import Unit, UnitState
+from ._turn_state import TurnState
+from ._units import Unit
 
 POLL_SHARE = 4
 """One turn in this many serves a polled tenant when woken tenants wait too."""
@@ -57,23 +58,23 @@ class Schedule:
         """
         if unit.step is None or unit.removed:
             return
-        if unit.state is UnitState.QUEUED and unit.polled and not poll:
+        if unit.state is TurnState.QUEUED and unit.polled and not poll:
             self._polls.remove(unit)
-            unit.state = UnitState.IDLE
-        if unit.state is UnitState.IDLE:
-            unit.state = UnitState.QUEUED
+            unit.state = TurnState.IDLE
+        if unit.state is TurnState.IDLE:
+            unit.state = TurnState.QUEUED
             unit.polled = poll
             unit.generation += 1  # its pending timer is moot
             (self._polls if poll else self._ready).append(unit)
             self.lock.notify()
-        elif unit.state is UnitState.RUNNING:
+        elif unit.state is TurnState.RUNNING:
             unit.again = True
 
     def unqueue_locked(self, unit: Unit) -> None:
         """Take a queued ``unit`` out of its queue: no worker starts it (it is being closed)."""
-        if unit.state is UnitState.QUEUED:
+        if unit.state is TurnState.QUEUED:
             (self._polls if unit.polled else self._ready).remove(unit)
-            unit.state = UnitState.IDLE
+            unit.state = TurnState.IDLE
 
     def take(self, stopping: threading.Event) -> Unit | None:
         """The next unit to serve, now running; waits for one. None once ``stopping`` is set.
@@ -91,7 +92,7 @@ class Schedule:
                 unit = self._polls.popleft()
             else:
                 unit = self._ready.popleft()
-            unit.state = UnitState.RUNNING
+            unit.state = TurnState.RUNNING
             unit.again = False
             return unit
 

@@ -10,24 +10,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from sqlalchemy import Engine
 
 from .._outage import OutageGate, OutageTracker
 from .._tenant import Tenant
 from ..relay import BatchResult, RelayStep
-
-
-class UnitState(StrEnum):
-    """Where a tenant is in the schedule; a worker takes only a queued one, so never two at once."""
-
-    IDLE = "idle"
-    """In no queue: waiting for a timer or a notification."""
-    QUEUED = "queued"
-    """In a queue, to be taken by the next free worker."""
-    RUNNING = "running"
-    """On a worker, one step at a time."""
+from ._turn_state import TurnState
 
 
 @dataclass(eq=False)
@@ -38,7 +27,7 @@ class Unit:
     db: FleetDatabase
     step: RelayStep | None = None
     """None until its stored settings were read (or after its failure dropped it)."""
-    state: UnitState = UnitState.IDLE
+    state: TurnState = TurnState.IDLE
     polled: bool = False
     """Queued for a poll rather than woken."""
     again: bool = False

@@ -1,18 +1,27 @@
 """Where tests find their database and broker: variable, Docker, then local.
 
-The order is the same for both: an address from an environment variable;
+The order is the same for each: an address from an environment variable;
 testcontainers when a Docker engine answers; else something local (PostgreSQL
-binaries, MariaDB's, librdkafka's mock cluster). Never a hand-written fake.
+binaries, MariaDB's; for Kafka the local Apache Kafka from the fetched jars,
+then librdkafka's mock cluster). Never a hand-written fake.
+
+A Kafka test says what it needs (``BrokerNeed``): a test whose promise rests on
+the broker's behaviour needs Apache Kafka itself and never gets the mock; a
+test that only needs the Kafka protocol gets the mock, which starts in
+milliseconds inside the process, rather than a JVM.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from ._kafka import local_kafka
+from ._kafka_libs import missing as local_kafka_missing
 from ._mariadb import local_mariadb, mariadb_binaries, sync_driver
 from ._postgres import FAST_SETTINGS, local_postgres, postgres_bindir
 
@@ -78,18 +87,61 @@ def mysql_url() -> Iterator[str]:
         )
 
 
+class BrokerNeed(enum.Enum):
+    """What a Kafka test needs of its broker."""
+
+    REAL = "real"
+    """Apache Kafka itself: the test proves something that rests on the broker's behaviour
+    (order under errors, idempotence, fencing, transactions, groups, failover). Never the mock."""
+    ANY = "any"
+    """Any Kafka protocol: librdkafka's mock cluster will do, and is the fast choice."""
+
+
 @contextmanager
-def kafka_bootstrap() -> Iterator[str]:
-    """Yield bootstrap servers of a Kafka-protocol broker to test against."""
+def kafka_bootstrap(need: BrokerNeed = BrokerNeed.ANY) -> Iterator[str]:
+    """Yield bootstrap servers of a Kafka broker to test against.
+
+    ``OUTBOX_TEST_KAFKA_BOOTSTRAP`` when set (a real broker: the mock is refused for
+    ``BrokerNeed.REAL``), else a testcontainers Kafka when a Docker engine answers, else
+    for ``REAL`` a local Apache Kafka from the fetched jars (``LocalKafka``) and for
+    ``ANY`` librdkafka's mock cluster in this process. Raises ``Unavailable`` (one line
+    saying how to get one) when ``REAL`` finds no broker.
+    """
     if servers := os.environ.get(KAFKA_BOOTSTRAP_VARIABLE):
+        if need is BrokerNeed.REAL:
+            _refuse_the_mock(servers)
         yield servers
     elif docker_engine_answers():
         from testcontainers.kafka import KafkaContainer
 
         with KafkaContainer() as container:
             yield container.get_bootstrap_server()
+    elif need is BrokerNeed.REAL:
+        if (why := local_kafka_missing()) is not None:
+            raise Unavailable(f"no Apache Kafka: {why} (or set {KAFKA_BOOTSTRAP_VARIABLE}, or start Docker)")
+        with local_kafka() as servers:
+            yield servers
     else:
         from transports.kafka import embedded_kafka
 
         with embedded_kafka() as servers:
             yield servers
+
+
+def _refuse_the_mock(servers: str) -> None:
+    """A test that needs Apache Kafka must not run on librdkafka's mock cluster under the variable.
+
+    Asked of the broker itself: the mock names its cluster ``mockCluster…``. A broker that does
+    not answer is left to the test (it may be starting).
+    """
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        admin = AdminClient({"bootstrap.servers": servers, "log_level": 0})
+        cluster = admin.list_topics(timeout=10).cluster_id
+    except KafkaException:
+        return
+    if cluster and cluster.startswith("mockCluster"):
+        raise Unavailable(f"{KAFKA_BOOTSTRAP_VARIABLE}={servers} is librdkafka's mock cluster, "
+                          "and this test needs Apache Kafka")

@@ -36,7 +36,7 @@ from transports._errors import (
     TransportError,
     validate_topic,
 )
-from transports._protocol import Record, RevokeCallback
+from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
 from ._logging import ClientErrors, LibrdkafkaLog
@@ -70,6 +70,9 @@ class KafkaSource:
     rather than silently skipping what was published before it joined.
     Not thread-safe: poll, commit and close from one thread (the inbox does).
     """
+
+    features = SourceFeatures()
+    """Both: Kafka offsets and committed positions that outlive the consumer."""
 
     def __init__(
         self,

@@ -48,7 +48,8 @@ from confluent_kafka.admin import ClusterMetadata
 
 from transports._errors import ConfigurationError
 
-from .._protocol import Outcome, Record, SendResult
+from .._protocol import Outcome, Record, SendResult, TransportFeatures
+from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -69,6 +70,9 @@ PERMANENT_ERRORS = frozenset({
     KafkaError.POLICY_VIOLATION,
     KafkaError._INVALID_ARG,
 })
+
+# A topic's metadata errors that may mean "not created yet" (transports._unknown_topics).
+UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
 
 # Errors meaning the broker did not answer at all (frozen, down, unreachable).
 UNREACHABLE_ERRORS = frozenset({
@@ -132,6 +136,9 @@ class KafkaTransport:
     which case they go in waves, one round trip per record of a key.
     """
 
+    features = TransportFeatures()
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
+
     def __init__(
         self,
         settings: Mapping[str, Any] | None = None,
@@ -166,6 +173,8 @@ class KafkaTransport:
         self._delivery_timeout = delivery_timeout
         self._metadata_refresh = metadata_refresh
         self._partitions: dict[str, tuple[float, int]] = {}
+        propagation = int(config.get("topic.metadata.propagation.max.ms", PROPAGATION_SECONDS * 1000))
+        self._unknown = UnknownTopics(min(delivery_timeout, propagation / 1000))
         self._log = LibrdkafkaLog()
         self._errors = ClientErrors("producer")
         self._producer = self._new_producer()
@@ -315,11 +324,28 @@ class KafkaTransport:
         return result_of(count) if isinstance(count, KafkaError) else count
 
     def _lookup_partitions(self, topic: str) -> int | KafkaError:
-        """Partition counts are cached for ``metadata_refresh`` s; errors never are."""
-        now = time.monotonic()
+        """Partition counts are cached for ``metadata_refresh`` s; errors never are.
+
+        A topic the broker calls unknown is asked about again for up to
+        ``topic.metadata.propagation.max.ms`` (at most ``delivery_timeout``) before it is
+        believed: it may be being created (``transports._unknown_topics``).
+        """
         cached = self._partitions.get(topic)
-        if cached is not None and now - cached[0] < self._metadata_refresh:
+        if cached is not None and time.monotonic() - cached[0] < self._metadata_refresh:
             return cached[1]
+        while True:
+            found = self._ask_partitions(topic)
+            if not (isinstance(found, KafkaError) and found.code() in UNKNOWN_TOPIC_ERRORS):
+                self._unknown.known(topic)
+                return found
+            left = self._unknown.wait_left(topic)
+            if left <= 0:
+                return found
+            time.sleep(min(0.1, left))
+
+    def _ask_partitions(self, topic: str) -> int | KafkaError:
+        """One metadata request for ``topic``: its partition count (now cached), or the error."""
+        now = time.monotonic()
         try:
             metadata: ClusterMetadata = self._producer.list_topics(
                 topic, timeout=min(10.0, self._delivery_timeout))

@@ -40,7 +40,8 @@ import kafka.errors as kafka_errors
 from kafka.protocol.metadata import MetadataRequest
 
 from .._errors import ConfigurationError
-from .._protocol import Outcome, Record, SendResult
+from .._protocol import Outcome, Record, SendResult, TransportFeatures
+from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import NO_REPORT, key_partition, publish_in_waves
 from ._logging import route_kafka_logs
 
@@ -103,8 +104,13 @@ class KafkaPythonTransport:
     ``UnknownTopicOrPartition`` and waits ``max_block_ms`` for a topic that will
     never appear, which would retry the record forever. An unknown, invalid or
     unauthorised topic makes its records ``FAILED``. ``allow_auto_create_topics``
-    is what that request asks for (the broker's own setting still applies).
+    is what that request asks for (the broker's own setting still applies); when it asks,
+    "unknown" is believed only after up to 30 s of asking again, since Apache Kafka answers
+    the request that starts a topic's creation that way (``transports._unknown_topics``).
     """
+
+    features = TransportFeatures()
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
 
     def __init__(self, producer: Any, *, delivery_timeout: float = 30.0,
                  allow_auto_create_topics: bool = True) -> None:
@@ -127,6 +133,9 @@ class KafkaPythonTransport:
         self._auto_create = bool(allow_auto_create_topics)
         max_block = getattr(producer, "config", {}).get("max_block_ms", 60_000) / 1000
         self._probe_timeout = min(delivery_timeout, max_block)
+        # An "unknown topic" is believed after this long (transports._unknown_topics), within
+        # the probe's own bound so that the probe ends with the broker's answer.
+        self._unknown = UnknownTopics(min(PROPAGATION_SECONDS, self._probe_timeout * 0.8))
 
     def __repr__(self) -> str:
         return f"KafkaPythonTransport({type(self._producer).__name__})"
@@ -200,11 +209,18 @@ class KafkaPythonTransport:
                 client.wakeup()
                 answered.wait(max(0.0, deadline - time.monotonic()))
                 if future.succeeded():
-                    for error_code, name, *_ in future.value.topics:
-                        error = kafka_errors.for_code(error_code)
-                        if name == topic and issubclass(error, PERMANENT_TOPIC_ERRORS):
-                            return SendResult(Outcome.FAILED, error=f"{error.__name__}: topic {topic!r}")
-                    return None  # known, or being created: partitions_for waits for it
+                    error = _refusal(topic, future.value.topics)
+                    if error is None:
+                        self._unknown.known(topic)
+                        return None  # known, or being created: partitions_for waits for it
+                    # "Unknown" may mean "being created" by this very request (auto-creation
+                    # asked; transports._unknown_topics): ask again for a while.
+                    unknown = issubclass(error, kafka_errors.UnknownTopicOrPartitionError)
+                    left = self._unknown.wait_left(topic) if unknown and self._auto_create else 0.0
+                    if left <= 0:
+                        return SendResult(Outcome.FAILED, error=f"{error.__name__}: topic {topic!r}")
+                    time.sleep(min(0.1, left))
+                    continue
             if time.monotonic() >= deadline:
                 return SendResult(Outcome.RETRY, unreachable=True, error=(
                     f"no metadata answer for topic {topic!r} in {self._probe_timeout:g} s"))
@@ -212,6 +228,15 @@ class KafkaPythonTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         self._producer.flush(timeout)
+
+
+def _refusal(topic: str, answered: Any) -> type[Exception] | None:
+    """The error a Metadata answer gives ``topic`` that no send can overcome, if any."""
+    for error_code, name, *_ in answered:
+        error: type[Exception] = kafka_errors.for_code(error_code)
+        if name == topic and issubclass(error, PERMANENT_TOPIC_ERRORS):
+            return error
+    return None
 
 
 def _outcome(future: Any) -> SendResult:
