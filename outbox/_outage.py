@@ -286,11 +286,18 @@ class OutageTracker:
                 self._count()
         return self.backoff.delay(failures)
 
-    def answered(self) -> None:
-        """Record that the dependency worked; logs only the change from down to up."""
+    def answered(self, started: float | None = None) -> None:
+        """Record that the dependency worked; logs only the change from down to up.
+
+        ``started`` (``time.monotonic()``): when the work that worked began. Work
+        that began before the outage was told says nothing of now (a long
+        transaction that committed just before the server went away): ignored.
+        """
         if self._since is None:  # the common case: no lock, no log
             return
         with self._lock:
+            if self._since is None or (started is not None and started < self._since):
+                return
             since, self._since, self._failures = self._since, None, 0
         if since is not None:
             self._log.warning(self._wording.up, self.what, time.monotonic() - since)
@@ -318,6 +325,7 @@ class OutageGate:
         self._least = least
         self._lock = threading.Lock()
         self._closed = closed
+        self._closed_at = 0.0
         self._retry_at = 0.0
         self._probe: int | None = None
         """The thread probing now, if any."""
@@ -350,17 +358,23 @@ class OutageGate:
         """Closed for ``delay`` seconds at least (or longer, as an earlier close asked); the seconds left."""
         with self._lock:
             now = time.monotonic()
-            self._closed, self._probe = True, None
+            self._closed, self._probe, self._closed_at = True, None, now
             self._retry_at = max(self._retry_at, now + delay)
             return max(0.0, self._retry_at - now)
 
-    def answered(self) -> bool:
-        """The dependency answered: open. True when this opened it (who put work off may resume now)."""
+    def answered(self, started: float | None = None) -> bool:
+        """The dependency answered: open. True when this opened it (who put work off may resume now).
+
+        ``started``: as ``OutageTracker.answered``'s; work that began before the
+        gate was last closed opens nothing.
+        """
         if self.tracker is not None:
-            self.tracker.answered()
+            self.tracker.answered(started)
         if not self._closed:
             return False
         with self._lock:
+            if started is not None and started < self._closed_at:
+                return False
             opened, self._closed, self._probe, self._retry_at = self._closed, False, None, 0.0
             return opened
 

@@ -165,3 +165,21 @@ def test_a_close_never_brings_the_next_probe_forward() -> None:
     assert gate.close(0.1) == pytest.approx(5.0, abs=0.1)  # a late, shorter failure: still 5 s
     with pytest.raises(ConfigurationError, match="tracker"):
         gate.failed("down")
+
+
+def test_work_that_began_before_the_outage_was_told_does_not_end_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long transaction that committed just before the server went away answered nothing about now:
+    the outage another thread met meanwhile is not logged as over (and then again as begun)."""
+    clock = [10.0]
+    monkeypatch.setattr("outbox._outage.time.monotonic", lambda: clock[0])
+    tracker = OutageTracker("db", log=logging.getLogger("test.outage"))
+    gate = OutageGate(tracker)
+    began = clock[0]  # a round of work starts
+    clock[0] += 1.0
+    gate.failed(OSError("terminating connection"))  # another thread meets the outage
+    clock[0] += 0.1
+    assert gate.answered(began) is False  # the round, begun before, ends well
+    assert gate.down and tracker.down
+    clock[0] += 1.0
+    assert gate.answered(clock[0] - 0.5) is True  # work begun after the outage was told
+    assert not gate.down and not tracker.down

@@ -216,7 +216,7 @@ class BatchRunner:
             self._held = plan.stopped
             if self._writer is None:
                 self._writer = self._own_writer = BackgroundWriter("outbox-relay-writer")
-            self._writing = self._writer.submit(lambda: self._write(plan))
+            self._writing = self._writer.submit(lambda: self._write_behind(plan))
             outcome = {"published": len(plan.published.ids),
                        "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                        "failed": len(plan.failed), "fenced": 0}
@@ -305,6 +305,21 @@ class BatchRunner:
                 self.wheel.schedule(wheel_key, mono + delay)
         return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error,
                      broker_unreachable=outage and not failed)
+
+    def _write_behind(self, plan: _Plan) -> _Written:
+        """``_write`` on the writer: a database outage is told when it happens, not when it is waited for.
+
+        The next batch may wait for this write only after the outage is over
+        (its fetch fails first): told then, it would read as a second outage
+        just after the first ended. Its rows stay pending and are sent again.
+        """
+        try:
+            return self._write(plan)
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            self.database_outage.failed(exc)
+            return {"published": 0, "retried": 0, "failed": 0, "fenced": 0}
 
     def _write(self, plan: _Plan) -> _Written:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""

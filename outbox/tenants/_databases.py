@@ -113,9 +113,9 @@ class FleetDatabases:
             for unit in db.units.values():
                 self._schedule.wake_locked(unit, poll=True)
 
-    def answered(self, db: FleetDatabase) -> None:
-        """``db`` answered: its gate opens, and if it was closed its tenants are polled now."""
-        if db.gate.answered():
+    def answered(self, db: FleetDatabase, started: float | None = None) -> None:
+        """``db`` answered (work ``started`` then): its gate opens; if it was closed, its tenants wake."""
+        if db.gate.answered(started):
             self.wake_all(db)
 
     def problem(self) -> str | None:

@@ -126,6 +126,7 @@ class FleetTenants:
             db = unit.db
             if db.gate.admit() is not None:
                 continue  # its database is down: one caller at a time probes it
+            started = time.monotonic()
             try:
                 self._claims.claim(unit, unit.tenant, db.engine)
                 unit.step = self._make_step(unit)
@@ -134,7 +135,7 @@ class FleetTenants:
                 continue
             finally:
                 db.gate.probed()
-            self._databases.answered(db)
+            self._databases.answered(db, started)
             self.ok(unit)
             log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
             with self._schedule.lock:

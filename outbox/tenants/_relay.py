@@ -37,7 +37,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import tenacity
 from sqlalchemy import Engine
@@ -68,24 +67,12 @@ from ..relay._leases import renew_interval
 from ..relay._settings import DEFAULT_BACKOFF, cloudevents_mode, default_worker_id
 from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
-from ._schedule import Schedule
+from ._schedule import Schedule, Turn
 from ._transport import TenantTransport, Workers, checked_header
 from ._turn_state import TurnState
 from ._units import Unit
 
 log = safe_logger("outbox.relay")
-
-@dataclass(frozen=True, slots=True)
-class _Turn:
-    """What a tenant's turn on a worker says about its next one."""
-
-    again: bool = False
-    """More may be waiting: back in the queue at once."""
-    retry: float | None = None
-    """Seconds until it is tried again (its failure, or its database is down)."""
-    due: float | None = None
-    """When its wheel lets a key go again (``Step.due``)."""
-
 
 class TenantRelay:
     """Publishes many tenants' outbox rows from one process; see the module doc.
@@ -322,20 +309,9 @@ class TenantRelay:
                 # not once every worker is (one may be stuck on a frozen database).
                 closing = unit.removed or self._stopping.is_set()
                 if not closing:
-                    self._next_turn_locked(unit, turn)
+                    self._schedule.next_turn_locked(unit, turn, self._poll_every)
             if closing:
                 self._tenants.close(unit)
-
-    def _next_turn_locked(self, unit: Unit, turn: _Turn) -> None:
-        """Queue ``unit`` again now (more may be waiting), at its retry, its wheel's timer or its poll."""
-        if turn.again or unit.again:
-            self._schedule.wake_locked(unit)
-        elif turn.retry is not None:
-            self._schedule.later_locked(unit, turn.retry)
-        elif turn.due is not None and turn.due - time.monotonic() < self._poll_every:
-            self._schedule.later_locked(unit, max(0.0, turn.due - time.monotonic()), poll=False)
-        else:
-            self._schedule.later_locked(unit, self._poll_every)
 
     def run_once(self) -> dict[str, BatchResult]:
         """One step for every tenant served, one after the other, on this thread (tests, embedding)."""
@@ -349,7 +325,7 @@ class TenantRelay:
                 results[unit.tenant.name] = unit.last
         return results
 
-    def _serve(self, unit: Unit, *, wait: bool = False) -> _Turn:
+    def _serve(self, unit: Unit, *, wait: bool = False) -> Turn:
         """One step of ``unit``'s tenant, through its database's gate.
 
         Pipelined (``wait=False``, the workers') as a single relay is: the
@@ -360,10 +336,11 @@ class TenantRelay:
         step, db = unit.step, unit.db
         unit.last = BatchResult()
         if step is None:
-            return _Turn()
+            return Turn()
         put_off = db.gate.admit()
         if put_off is not None:
-            return _Turn(retry=put_off)
+            return Turn(retry=put_off)
+        started = time.monotonic()
         try:
             failure, unit.lease_failure = unit.lease_failure, None
             if failure is not None:
@@ -374,22 +351,23 @@ class TenantRelay:
         except SchemaError as exc:  # resharded under it: served anew from the stored count
             self._tenants.failed(unit, exc, "stops")
             self._tenants.drop_step(unit)
-            return _Turn()
+            return Turn()
         except Exception as exc:
             if is_database_outage(exc):
-                return _Turn(retry=db.gate.failed(exc))
+                return Turn(retry=db.gate.failed(exc))
             delay = self._tenants.failed(unit, exc, "failed")
             # Built anew from its stored settings when tried again: tables dropped and made again
             # have another incarnation and leases of their own, which this step would never see
             # (it would send their rows under the old incarnation, or be fenced for ever).
             self._tenants.drop_step(unit, quiet=True)
-            return _Turn(retry=delay)
+            return Turn(retry=delay)
         finally:
             db.gate.probed()
         unit.last = done.batch
-        self._databases.answered(db)
+        # Not when the step itself met an outage (its pipelined write of the batch before) and went on.
+        self._databases.answered(db, started)
         self._tenants.ok(unit)
-        return _Turn(again=done.again, due=done.due)
+        return Turn(again=done.again, due=done.due)
 
     # -- failures and the end -------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from sqlalchemy import Connection, Engine
@@ -42,7 +43,7 @@ class LeaseRenewal:
     """Renews the leases of each database's tenants every ``every`` seconds, a thread per database."""
 
     def __init__(self, *, every: float, schedule: Schedule, stopping: threading.Event, worker_id: str,
-                 answered: Callable[[FleetDatabase], None]) -> None:
+                 answered: Callable[[FleetDatabase, float], None]) -> None:
         self.every = every
         self._schedule = schedule
         self._stopping = stopping
@@ -61,6 +62,7 @@ class LeaseRenewal:
         while not self._stopping.wait(self.every):
             if db.gate.down:
                 continue  # its tenants' steps probe it; their leases expire if it stays down
+            started = time.monotonic()
             try:
                 self.renew(db, engine)
             except Exception as exc:
@@ -69,7 +71,8 @@ class LeaseRenewal:
                 else:
                     log.exception("relay %s: could not renew its tenants' leases", self._worker_id)
             else:
-                self._answered(db)
+                # A round that began before an outage another thread met says nothing of now.
+                self._answered(db, started)
 
     def renew(self, db: FleetDatabase, engine: Engine) -> None:
         """One round over ``db``'s tenants; raises a database outage, hands each tenant its own failure."""

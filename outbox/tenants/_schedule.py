@@ -23,12 +23,25 @@ import itertools
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from ._turn_state import TurnState
 from ._units import Unit
 
 POLL_SHARE = 4
 """One turn in this many serves a polled tenant when woken tenants wait too."""
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What a tenant's turn on a worker says about its next one."""
+
+    again: bool = False
+    """More may be waiting: back in the queue at once."""
+    retry: float | None = None
+    """Seconds until it is tried again (its failure, or its database is down)."""
+    due: float | None = None
+    """When its wheel lets a key go again (``Step.due``)."""
 
 
 class Schedule:
@@ -95,6 +108,17 @@ class Schedule:
             unit.state = TurnState.RUNNING
             unit.again = False
             return unit
+
+    def next_turn_locked(self, unit: Unit, turn: Turn, poll_every: float) -> None:
+        """Queue ``unit`` after its turn: now (more may be waiting), at its retry, wheel timer or poll."""
+        if turn.again or unit.again:
+            self.wake_locked(unit)
+        elif turn.retry is not None:
+            self.later_locked(unit, turn.retry)
+        elif turn.due is not None and turn.due - time.monotonic() < poll_every:
+            self.later_locked(unit, max(0.0, turn.due - time.monotonic()), poll=False)
+        else:
+            self.later_locked(unit, poll_every)
 
     # -- timers -------------------------------------------------------------------------
 
