@@ -230,9 +230,9 @@ def test_a_tenant_source_that_hangs_holds_up_neither_the_poll_nor_a_worker(tmp_p
         time.sleep(0.02)  # the refresh is due
         router.ready()  # starts the background reading, which hangs
         deadline = time.monotonic() + 5
-        while not router._reading.locked() and time.monotonic() < deadline:
+        while not router.places._reading.locked() and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert router._reading.locked(), "the background reading did not start"
+        assert router.places._reading.locked(), "the background reading did not start"
 
         done: dict[str, Any] = {}
         polled = threading.Thread(target=lambda: done.update(ready=router.ready()), daemon=True)

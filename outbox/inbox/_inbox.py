@@ -28,9 +28,9 @@ from .._errors import ConfigurationError
 from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce
 from .._tables import OutboxTables
+from .._tenant import Tenant, TenantsLike, tenant_source
+from .._tenant_labels import TenantLabels
 from .._wire import ENVELOPE_HEADERS
-from ..tenants import Tenant, TenantLabels
-from ..tenants._tenant import TenantsLike, tenant_source
 from ._alerting import Alerter
 from ._delivery import Delivery, decode, delivery
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
@@ -38,13 +38,14 @@ from ._metrics import InboxMetrics, tenant_inbox_metrics
 from ._operations import ParkedOperations
 from ._outage import OutageLog, is_outage
 from ._pipeline import build_pipeline
+from ._places import Place, tenant_session_engine, tenant_tables
 from ._registration import HandlerRegistration
 from ._runner import Decode, Runner
 from ._sessions import sessions_for, warn_small_pool
 from ._settings import InboxSettings
 from ._settle import settle_alone
 from ._signals import Disposition
-from ._tenants import REFRESH, Gate, Place, TenantRouter, tenant_session_engine, tenant_tables
+from ._tenants import REFRESH, TenantRouter
 from ._typed import HandlerRegistry
 from .storage import InboxStorage, StorageFactory, storage_for
 
@@ -211,7 +212,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
             raise ConfigurationError(f"tenant_refresh must be a positive number of seconds, got {refresh!r}")
         default = Place(None, self.engine, self.tables, self._sessions, self.storage, self.step,
-                        self.settler, self.admin, self.gaps, Gate(checked=True))
+                        self.settler, self.admin, self.gaps, checked=True)
         return TenantRouter(tenant_source(tenants), default=default, build=self._place, header=header,
                             tenant_of=tenant_of, refresh=float(seconds), pool_size=self.concurrency)
 
@@ -229,7 +230,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
                            Alerter(self.alert, self.group, metrics, tenant=tenant.name),
                            OutageLog(f"the database of tenant {tenant.name}"))
         return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, p.storage, p.step,
-                     p.settler, p.admin, p.gaps, Gate(checked=False))
+                     p.settler, p.admin, p.gaps)
 
     def _storage_of(self, tables: OutboxTables, engine: Engine) -> InboxStorage:
         """This group's storage on ``tables`` in ``engine``'s database: ``storage=``'s, or its dialect's."""

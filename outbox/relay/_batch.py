@@ -54,7 +54,7 @@ from ._metrics import RelayMetrics
 from ._rows import RowEncoder, safe_reason
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 from ._unreadable import find_unreadable
-from ._writer import BackgroundWriter
+from ._writer import BackgroundWriter, Writer
 
 log = safe_logger("outbox.relay")
 
@@ -133,6 +133,7 @@ class BatchRunner:
         database_outage: OutageTracker,
         incarnation: str | None = None,
         cloudevents: CloudEvents | None = None,
+        writer: Writer | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
         self.database_outage = database_outage
@@ -143,7 +144,9 @@ class BatchRunner:
         # excluded from the fetch ("busy") and the keys it stops (retried or failed
         # heads) held in memory until that write commits: until then the database
         # does not know they wait, and a wheel timer may already have fired.
-        self._writer: BackgroundWriter | None = None
+        # ``writer``: where the writes run (a fleet's worker's writer); else a thread of its own.
+        self._writer: Writer | None = writer
+        self._own_writer: BackgroundWriter | None = None
         self._writing: Future[_Written] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
@@ -212,8 +215,8 @@ class BatchRunner:
                           + [row.id for row, _, _ in plan.failed])
             self._held = plan.stopped
             if self._writer is None:
-                self._writer = BackgroundWriter("outbox-relay-writer")
-            self._writing = self._writer.submit(lambda: self._write(plan))
+                self._writer = self._own_writer = BackgroundWriter("outbox-relay-writer")
+            self._writing = self._writer.submit(lambda: self._write_behind(plan))
             outcome = {"published": len(plan.published.ids),
                        "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                        "failed": len(plan.failed), "fenced": 0}
@@ -234,9 +237,9 @@ class BatchRunner:
 
     def close(self) -> None:
         self.finish()
-        if self._writer is not None:
-            self._writer.shutdown()
-            self._writer = None
+        if self._own_writer is not None:
+            self._own_writer.shutdown()
+            self._own_writer = self._writer = None
 
     def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int],
               unsendable: list[tuple[Any, str]]) -> _Plan:
@@ -302,6 +305,21 @@ class BatchRunner:
                 self.wheel.schedule(wheel_key, mono + delay)
         return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error,
                      broker_unreachable=outage and not failed)
+
+    def _write_behind(self, plan: _Plan) -> _Written:
+        """``_write`` on the writer: a database outage is told when it happens, not when it is waited for.
+
+        The next batch may wait for this write only after the outage is over
+        (its fetch fails first): told then, it would read as a second outage
+        just after the first ended. Its rows stay pending and are sent again.
+        """
+        try:
+            return self._write(plan)
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            self.database_outage.failed(exc)
+            return {"published": 0, "retried": 0, "failed": 0, "fenced": 0}
 
     def _write(self, plan: _Plan) -> _Written:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from .._errors import ConfigurationError
-from .._identity import SchemaIdentity, schema_identity
-from .._outage import is_database_outage
+from ._errors import ConfigurationError
+from ._identity import SchemaIdentity, schema_identity
+from ._outage import is_database_outage
 from ._tenant import Tenant
 
 

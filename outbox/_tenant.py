@@ -12,6 +12,9 @@ usual forms into one: a list, a callable, ``schemas_like(...)`` (the schemas
 of a database whose name matches a pattern), ``from_query(...)`` (a query of
 the application's own tenant table) and ``from_file(...)`` (a JSON file).
 ``parse_tenants`` reads the command line's ``--tenants`` spelling of each.
+
+On the shared floor: the relay, the inbox, alerts and metrics check and name
+tenants with it; ``outbox.tenants`` re-exports it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from sqlalchemy import Engine
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
-from .._secrets import database_url
-from .._validation import validate_identifier
+from ._errors import ConfigurationError
+from ._secrets import database_url
+from ._validation import validate_identifier
 
 log = safe_logger("outbox.tenants")
 
