@@ -3,15 +3,18 @@ and ``outbox failed list|retry|skip`` / ``outbox stats`` from the command line."
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import publish, rows, seqs_by_key
 from typer.testing import CliRunner
 
-from outbox import Alert, Outbox, Relay
+from outbox import Alert, Outbox, Relay, create_engine
 from outbox.cli import app
+from outbox.testing import create_topic
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
@@ -154,3 +157,79 @@ def test_unknown_topic_fails_through_kafka_python_ng(
     producer.close(5)
     assert [r.status for r in rows(outbox)] == ["published"] * 3
     assert seqs_by_key(read_topic(any_kafka, topic, expected=3)) == {b"k": [1, 2]}
+
+
+def _transport_of(client: str, kafka: str) -> Any:
+    if client == "kafka_python":
+        from kafka import KafkaProducer
+
+        from transports.kafka_python import KafkaPythonTransport
+
+        return KafkaPythonTransport(KafkaProducer(bootstrap_servers=kafka.split(","), acks="all",
+                                                  linger_ms=5))
+    return KafkaTransport(bootstrap_servers=kafka)
+
+
+@pytest.mark.parametrize("client", ["kafka", "kafka_python"])
+def test_a_record_the_broker_refuses_for_size_fails_alone_and_the_other_key_flows(
+    sqlite_db: str, kafka: str, topic: str, client: str
+) -> None:
+    """Apache Kafka refuses a whole request when a record in it is over the topic's ``max.message.bytes``.
+
+    Two keys share the topic's one partition, so their records travel in the same requests
+    (pipelined: all twenty in one; in waves: a:5 with b:5). The broker answers the request
+    "message too large" for every record in it; only a:5 is too large on its own. The
+    transport sends the refused records again one per request: a:5 alone is refused and fails,
+    everything of b and a:1-4 is delivered, a:6-10 wait behind the failed row.
+    (Before: every record of the refused request came back failed, b's first one included.)
+    """
+    create_topic(kafka, topic, 1, config={"max.message.bytes": "4096"})
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    publish(outbox, topic, ["a", "b"] * 4)
+    big = publish(outbox, topic, ["a"], payload=os.urandom(8000))[0]  # incompressible: > 4096 after lz4
+    publish(outbox, topic, ["b"] + ["a", "b"] * 5)
+    alerts: list[Alert] = []
+    relay = Relay(outbox, _transport_of(client, kafka), alert=alerts.append)
+    settle(relay)
+    relay.close()
+    statuses = {(r.key, r.seq): r.status for r in rows(outbox)}
+    assert statuses == {**{("a", n): "published" for n in range(1, 5)}, ("a", 5): "failed",
+                        **{("a", n): "pending" for n in range(6, 11)},
+                        **{("b", n): "published" for n in range(1, 11)}}, statuses
+    assert "large" in rows(outbox, message_id=big)[0].last_error.lower()  # "too large", "TooLarge"
+    assert [(a.kind, a.message_id) for a in alerts] == [("message_failed", str(big))]
+    assert seqs_by_key(read_topic(kafka, topic, expected=14)) == {
+        b"a": [1, 2, 3, 4], b"b": list(range(1, 11))}
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("client", ["kafka", "kafka_python"])
+def test_a_keyless_row_on_a_compacted_topic_stops_no_key(
+    sqlite_db: str, kafka: str, topic: str, client: str
+) -> None:
+    """A compacted topic takes no record without a key: Apache Kafka refuses the whole request
+    (INVALID_RECORD) that holds one. The keyless row alone is refused; both keys flow.
+
+    Through KafkaTransport the row fails (INVALID_RECORD is permanent). kafka-python-ng 2.2
+    knows no error code 87 and reports ``UnknownError``, which may pass later: the row is
+    retried, alone, and no key waits for it.
+    """
+    create_topic(kafka, topic, 1, config={"cleanup.policy": "compact"})
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    publish(outbox, topic, ["a", "b"] * 3)
+    keyless = publish(outbox, topic, [None])[0]
+    publish(outbox, topic, ["a", "b"] * 3)
+    alerts: list[Alert] = []
+    relay = Relay(outbox, _transport_of(client, kafka), alert=alerts.append)
+    settle(relay)
+    relay.close()
+    statuses = {(r.key, r.seq): r.status for r in rows(outbox)}
+    assert statuses == {**{(k, n): "published" for k in "ab" for n in range(1, 7)},
+                        (None, None): "failed" if client == "kafka" else "pending"}, statuses
+    assert rows(outbox, message_id=keyless)[0].last_error
+    assert [a.message_id for a in alerts] == ([str(keyless)] if client == "kafka" else [])
+    assert seqs_by_key(read_topic(kafka, topic, expected=12)) == {b"a": list(range(1, 7)),
+                                                                  b"b": list(range(1, 7))}
+    outbox.engine.dispose()  # type: ignore[union-attr]
