@@ -4,17 +4,20 @@ and ``outbox failed list|retry|skip`` / ``outbox stats`` from the command line."
 from __future__ import annotations
 
 import os
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import publish, rows, seqs_by_key
+from _relay_helpers import publish, rows, seqs_by_key, wait_for
 from typer.testing import CliRunner
 
 from outbox import Alert, Outbox, Relay, create_engine
 from outbox.cli import app
-from outbox.testing import create_topic
+from outbox.testing import LocalKafka, create_topic, delete_topic
+from tests.conftest import unavailable
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
@@ -233,3 +236,94 @@ def test_a_keyless_row_on_a_compacted_topic_stops_no_key(
     assert seqs_by_key(read_topic(kafka, topic, expected=12)) == {b"a": list(range(1, 7)),
                                                                   b"b": list(range(1, 7))}
     outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+@pytest.mark.slow  # a broker of its own: topics are created by hand only
+def test_a_topic_deleted_under_the_relay_fails_only_its_keys_and_flows_again_once_created(
+    tmp_path: Path, topic: str
+) -> None:
+    """Apache Kafka without auto-creation: one of two topics is deleted under a running relay.
+
+    A writer publishes to both topics throughout, ten keys each. The deleted topic's keys fail
+    at their head (one alert per key, records in flight included: "unknown partition", the
+    pipeline behind them held); the other topic's keys are never held, every row published
+    and in order. The operator creates the topic again and runs ``outbox failed retry --all``:
+    the relay sends each key from its failed head, in order, without a second alert (the
+    transport forgets the topic's partition count when it is refused as unknown: before, a
+    retry within the 30 s cache failed again on librdkafka's "no such topic").
+    """
+    try:
+        broker = LocalKafka({"auto.create.topics.enable": "false"})
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    db = f"sqlite:///{tmp_path / 'outbox.db'}"
+    doomed, other = f"{topic}-doomed", f"{topic}-other"
+    with broker:
+        create_topic(broker.bootstrap, doomed, 2)
+        create_topic(broker.bootstrap, other, 2)
+        outbox = Outbox(create_engine(db))
+        outbox.create_tables()
+        alerts: list[Alert] = []
+        # "Unknown" believed after 2 s (librdkafka's and the transport's wait for a topic being
+        # created: 30 s by default, which a deleted topic's first batch waits out too).
+        transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=10,
+                                   **{"topic.metadata.propagation.max.ms": 2000})
+        relay = Relay(outbox, transport, alert=alerts.append, poll_interval=0.05, batch_size=200)
+        running = threading.Thread(target=relay.run, name="relay-under-test")
+        writing = threading.Event()
+        writing.set()
+
+        def write() -> None:
+            while writing.is_set():
+                with outbox._sessions() as session, session.begin():
+                    for t in (doomed, other):
+                        for k in range(10):
+                            outbox.publish(session, t, {"k": k}, key=f"k{k}")
+                time.sleep(0.02)
+
+        writer = threading.Thread(target=write, name="writer")
+        running.start()
+        writer.start()
+        try:
+            wait_for(lambda: len(rows(outbox, topic=doomed, status="published")) >= 200, 30, "a flow")
+            delete_topic(broker.bootstrap, doomed)
+            written = len(rows(outbox, topic=other))
+            wait_for(lambda: len({r.key for r in rows(outbox, topic=doomed, status="failed")}) == 10,
+                     60, "every key of the deleted topic failed at its head")
+            # The other topic flows on: what was written by the deletion, and more, gets published.
+            wait_for(lambda: len(rows(outbox, topic=other, status="published")) >= written + 20,
+                     60, "the other topic's rows written after the deletion")
+            create_topic(broker.bootstrap, doomed, 2)
+            assert "pending again" in cli("failed", "retry", "--all", "--db", db, *WHO)
+            time.sleep(1)
+        finally:
+            writing.clear()
+            writer.join(30)
+        try:
+            wait_for(lambda: not rows(outbox, status="pending") and not rows(outbox, status="failed"),
+                     60, "every row published after the retry")
+        finally:
+            relay.stop()
+            running.join(30)
+        assert not running.is_alive()
+        stored = rows(outbox)
+        assert {r.status for r in stored} == {"published"}
+        failed_ids = {a.message_id for a in alerts}
+        assert {a.kind for a in alerts} == {"message_failed"} and len(alerts) == 10, alerts
+        assert all(r.topic == doomed for r in stored if str(r.message_id) in failed_ids)
+        # The other topic: everything, once each at first, in seq order.
+        others = [r for r in stored if r.topic == other]
+        assert seqs_by_key(read_topic(broker.bootstrap, other, expected=len(others), settle=1.0)) == {
+            f"k{k}".encode(): list(range(1, len(others) // 10 + 1)) for k in range(10)}
+        # The topic created again holds each key from (at most) its failed head to its last row,
+        # in order: what was written before the deletion went with the old topic.
+        heads = {r.key: r.seq for r in stored if str(r.message_id) in failed_ids}
+        last = {f"k{k}": max(r.seq for r in stored if r.topic == doomed and r.key == f"k{k}")
+                for k in range(10)}
+        again = seqs_by_key(read_topic(broker.bootstrap, doomed,
+                                       expected=sum(last[k] - heads[k] + 1 for k in heads), settle=1.0))
+        for key, seqs in again.items():
+            k = key.decode()
+            assert seqs == list(range(seqs[0], last[k] + 1)) and seqs[0] <= heads[k], (k, seqs[:5], heads[k])
+        outbox.engine.dispose()  # type: ignore[union-attr]
+

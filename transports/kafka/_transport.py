@@ -93,6 +93,9 @@ ONE_PER_REQUEST = {"batch.num.messages": 1, "linger.ms": 0}
 # A topic's metadata errors that may mean "not created yet" (transports._unknown_topics).
 UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
 
+# A record's errors saying its topic (or partition) is gone: deleted, or fewer partitions now.
+TOPIC_GONE_ERRORS = UNKNOWN_TOPIC_ERRORS | {KafkaError._UNKNOWN_PARTITION}
+
 # Errors meaning the broker did not answer at all (frozen, down, unreachable).
 UNREACHABLE_ERRORS = frozenset({
     KafkaError._MSG_TIMED_OUT,
@@ -329,6 +332,7 @@ class KafkaTransport:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")
             except KafkaException as exc:
                 results[i] = result_of(exc.args[0])
+                self._forget_if_gone(record.topic, exc.args[0])
             except (TypeError, ValueError) as exc:
                 # The client refused the record's own values (text it cannot encode, a
                 # header of the wrong type): that record fails, not the batch.
@@ -345,6 +349,8 @@ class KafkaTransport:
                           if error is None else result_of(error))
             if error is not None and error.code() in REFUSED_WHOLE:
                 refused.append(i)
+            if error is not None:
+                self._forget_if_gone(records[i].topic, error)
         return sorted(refused)
 
     def _wait(self, timeout: float) -> None:
@@ -423,6 +429,14 @@ class KafkaTransport:
             if left <= 0:
                 return found
             time.sleep(min(0.1, left))
+
+    def _forget_if_gone(self, topic: str, error: KafkaError) -> None:
+        """A record refused because its topic is unknown: the cached partition count no longer
+        holds. The next batch asks the broker again, which also renews librdkafka's own view of
+        the topic: a deleted topic created again is then written at once, not after the cache
+        (and librdkafka's "no such topic") ran out, which failed a row retried in between again."""
+        if error.code() in TOPIC_GONE_ERRORS:
+            self._partitions.pop(topic, None)
 
     def _ask_partitions(self, topic: str) -> int | KafkaError:
         """One metadata request for ``topic``: its partition count (now cached), or the error."""
