@@ -96,8 +96,13 @@ UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._
 # A record's errors saying its topic (or partition) is gone: deleted, or fewer partitions now.
 TOPIC_GONE_ERRORS = UNKNOWN_TOPIC_ERRORS | {KafkaError._UNKNOWN_PARTITION}
 
-# Errors meaning the broker did not answer at all (frozen, down, unreachable).
+# Errors meaning the broker did not answer at all (frozen, down, unreachable), or answered that
+# the cluster cannot take writes now: too few in-sync replicas for acks=all (followers down). An
+# outage, never the record's fault (DESIGN §9). librdkafka retries those itself; pipelined, the
+# record then has no report within delivery_timeout, in waves its retries may run out.
 UNREACHABLE_ERRORS = frozenset({
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
     KafkaError._MSG_TIMED_OUT,
     KafkaError._TIMED_OUT,
     KafkaError._TRANSPORT,

@@ -87,8 +87,12 @@ SAFE_ACKS = frozenset({"all", "-1"})
 BATCH_ESTIMATE_MARGIN = 61
 
 
-# Errors meaning the broker did not answer at all (down, unreachable, frozen).
+# Errors meaning the broker did not answer at all (down, unreachable, frozen), or answered that
+# the cluster cannot take writes now (too few in-sync replicas for acks=all): an outage, never the
+# record's fault. (kafka-python-ng retries none of them by default: retries=0.)
 UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.NotEnoughReplicasError,
+    kafka_errors.NotEnoughReplicasAfterAppendError,
     kafka_errors.KafkaTimeoutError,
     kafka_errors.NoBrokersAvailable,
     kafka_errors.KafkaConnectionError,
