@@ -25,6 +25,11 @@ shared its request, other keys' too. When more than one record of a wave came
 back with such a refusal (``REFUSED_WHOLE``), each is sent again alone, and
 gets its own answer (``transports._refusals``): only the record at fault fails.
 
+A record the broker answers NOT_LEADER or LEADER_NOT_AVAILABLE (a new topic's
+first moments on Apache Kafka, a leader change) is sent again inside its wave
+until ``delivery_timeout``: kafka-python-ng retries nothing by default, and one
+record per key makes that safe.
+
 A wave whose acknowledgements do not all arrive within ``delivery_timeout``
 is not an error of the batch: its unacknowledged records come back as
 ``RETRY`` (the relay backs off and counts the attempt); records still queued
@@ -70,6 +75,14 @@ REFUSED_WHOLE: tuple[type[Exception], ...] = (
     kafka_errors.RecordListTooLargeError,
     kafka_errors.UnknownError,
 )
+
+# Answers of a partition whose leader is moving (or, for a new topic, not yet in place): sent
+# again inside the wave after LEADER_BACKOFF seconds, within delivery_timeout.
+LEADER_MOVING: tuple[type[Exception], ...] = (
+    kafka_errors.NotLeaderForPartitionError,
+    kafka_errors.LeaderNotAvailableError,
+)
+LEADER_BACKOFF = 0.1  # kafka-python-ng's own retry_backoff_ms
 
 # Topic errors in a metadata answer that no resend can fix.
 PERMANENT_TOPIC_ERRORS: tuple[type[Exception], ...] = (
@@ -194,13 +207,41 @@ class KafkaPythonTransport:
                 futures.append((i, partition, self._send(record, partition)))
             except kafka_errors.KafkaError as exc:
                 results[i] = result_of(exc)
-        self._flush(self._delivery_timeout)
-        for i, _, future in futures:
-            results[i] = _outcome(future)
+        futures = self._settle(records, futures, results)
         refused = [(i, partition) for i, partition, future in futures
                    if future.is_done and future.failed() and isinstance(future.exception, REFUSED_WHOLE)]
         if len(refused) > 1:  # one alone in its request: the refusal is its own
             self._send_alone(records, refused, results)
+
+    def _settle(self, records: Sequence[Record], futures: list[tuple[int, int | None, Any]],
+                results: list[SendResult | None]) -> list[tuple[int, int | None, Any]]:
+        """Wait for the wave's answers; send again, within ``delivery_timeout``, what a moving
+        leader refused (``LEADER_MOVING``); return the last send of each record.
+
+        kafka-python-ng retries nothing by default (``retries=0``), and Apache Kafka answers a
+        new topic's first records NOT_LEADER for a moment, as it does during a leader change.
+        Inside a wave (one record per key) sending again cannot reorder a key.
+        """
+        deadline = time.monotonic() + self._delivery_timeout
+        latest = {i: (partition, future) for i, partition, future in futures}
+        waiting = futures
+        while True:
+            self._flush(max(0.0, deadline - time.monotonic()))
+            moving = [(i, partition) for i, partition, future in waiting
+                      if future.is_done and future.failed() and isinstance(future.exception, LEADER_MOVING)]
+            if not moving or time.monotonic() + LEADER_BACKOFF >= deadline:
+                break
+            time.sleep(LEADER_BACKOFF)  # the client refreshes its metadata meanwhile
+            waiting = []
+            for i, partition in moving:
+                try:
+                    waiting.append((i, partition, self._send(records[i], partition)))
+                except kafka_errors.KafkaError:
+                    continue  # its first answer stands
+                latest[i] = (partition, waiting[-1][2])
+        for i, (_, future) in latest.items():
+            results[i] = _outcome(future)
+        return [(i, partition, future) for i, (partition, future) in latest.items()]
 
     def _send_alone(self, records: Sequence[Record], refused: list[tuple[int, int | None]],
                     results: list[SendResult | None]) -> None:
