@@ -21,7 +21,7 @@ from tests.conftest import unavailable
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
-pytestmark = pytest.mark.any_kafka
+pytestmark = pytest.mark.kafka
 WHO = ["--by", "alice", "--reason", "the fix is deployed"]  # every operator action says who and why
 runner = CliRunner()
 
@@ -44,7 +44,7 @@ def settle(relay: Relay, rounds: int = 4) -> None:
 
 
 def test_too_large_fails_blocks_only_its_key_alerts_once_and_skip_unblocks(
-    outbox: Outbox, db_url: str, any_kafka: str, topic: str
+    outbox: Outbox, db_url: str, kafka: str, topic: str
 ) -> None:
     # Over librdkafka's default message.max.bytes (1,000,000): publish() refuses such a payload
     # now, so the row is made as an older release (or raw SQL) would have left it.
@@ -56,7 +56,7 @@ def test_too_large_fails_blocks_only_its_key_alerts_once_and_skip_unblocks(
         conn.execute(sa.update(m).where(m.c.message_id == big).values(payload=b"x" * 1_040_000))
     publish(outbox, topic, ["a", "b"])
     alerts: list[Alert] = []
-    relay = Relay(outbox, KafkaTransport(bootstrap_servers=any_kafka), alert=alerts.append)
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), alert=alerts.append)
     settle(relay)
     assert [(r.key, r.status) for r in rows(outbox)] == [
         ("a", "published"), ("a", "failed"), ("a", "pending"), ("b", "published")
@@ -74,7 +74,7 @@ def test_too_large_fails_blocks_only_its_key_alerts_once_and_skip_unblocks(
     relay.close()
     assert [r.status for r in rows(outbox)] == ["published", "skipped", "published", "published"]
     assert len(alerts) == 1
-    records = read_topic(any_kafka, topic, expected=3)
+    records = read_topic(kafka, topic, expected=3)
     assert seqs_by_key(records) == {b"a": [1, 3], b"b": [1]}
     assert "no failed rows" in cli("failed", "list", "--db", db_url)
 
@@ -85,11 +85,11 @@ default: a topic being created answers "unknown" for a moment on Apache Kafka)."
 
 
 def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
-    outbox: Outbox, db_url: str, any_kafka: str, topic: str
+    outbox: Outbox, db_url: str, kafka: str, topic: str
 ) -> None:
     publish(outbox, topic, ["k", "k", "k"])
     alerts: list[Alert] = []
-    strict = KafkaTransport(bootstrap_servers=any_kafka, **STRICT)
+    strict = KafkaTransport(bootstrap_servers=kafka, **STRICT)
     relay = Relay(outbox, strict, alert=alerts.append)
     settle(relay)
     relay.close()
@@ -98,34 +98,30 @@ def test_unknown_topic_fails_and_retry_sends_the_key_in_order(
     # The operator creates the topic (here: a relay whose producer may auto-create it) and retries.
     assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url, *WHO)
     assert "[retried by alice at " in rows(outbox)[0].last_error  # who and why, kept with the row
-    fixed = Relay(outbox, KafkaTransport(bootstrap_servers=any_kafka))
+    fixed = Relay(outbox, KafkaTransport(bootstrap_servers=kafka))
     settle(fixed)
     fixed.close()
     assert [r.status for r in rows(outbox)] == ["published"] * 3
-    assert seqs_by_key(read_topic(any_kafka, topic, expected=3)) == {b"k": [1, 2, 3]}
+    assert seqs_by_key(read_topic(kafka, topic, expected=3)) == {b"k": [1, 2, 3]}
 
 
 def test_retry_right_after_creating_the_topic_publishes_without_a_second_alert(
-    outbox: Outbox, db_url: str, any_kafka: str, topic: str
+    outbox: Outbox, db_url: str, kafka: str, topic: str
 ) -> None:
     """The same relay and transport: an unknown-topic error must not be remembered past the fix."""
-    from confluent_kafka import Producer
-
     publish(outbox, topic, ["k", "k"])
     alerts: list[Alert] = []
-    strict = KafkaTransport(bootstrap_servers=any_kafka, **STRICT)
+    strict = KafkaTransport(bootstrap_servers=kafka, **STRICT)
     relay = Relay(outbox, strict, alert=alerts.append)
     settle(relay)
     assert [r.status for r in rows(outbox)] == ["failed", "pending"] and len(alerts) == 1
-    # The operator creates the topic (here: a metadata request that may auto-create it).
-    creator = Producer({"bootstrap.servers": any_kafka})
-    assert creator.list_topics(topic, timeout=10).topics[topic].error is None
+    create_topic(kafka, topic, 4)  # the operator's fix
     assert "1 row(s) pending again" in cli("failed", "retry", "--all", "--db", db_url, *WHO)
     settle(relay)
     relay.close()
     assert [r.status for r in rows(outbox)] == ["published"] * 2
     assert len(alerts) == 1
-    assert seqs_by_key(read_topic(any_kafka, topic, expected=2)) == {b"k": [1, 2]}
+    assert seqs_by_key(read_topic(kafka, topic, expected=2)) == {b"k": [1, 2]}
 
 
 def test_retry_and_skip_need_ids_or_all(db_url: str, outbox: Outbox) -> None:
@@ -134,7 +130,7 @@ def test_retry_and_skip_need_ids_or_all(db_url: str, outbox: Outbox) -> None:
 
 
 def test_unknown_topic_fails_through_kafka_python_ng(
-    outbox: Outbox, db_url: str, any_kafka: str, topic: str
+    outbox: Outbox, db_url: str, kafka: str, topic: str
 ) -> None:
     """kafka-python-ng only logs UnknownTopicOrPartition and waits max_block_ms (60 s)."""
     from kafka import KafkaProducer
@@ -143,7 +139,7 @@ def test_unknown_topic_fails_through_kafka_python_ng(
 
     publish(outbox, topic, ["k", "k", None])
     alerts: list[Alert] = []
-    producer = KafkaProducer(bootstrap_servers=any_kafka.split(","), acks="all")  # max_block_ms 60 s
+    producer = KafkaProducer(bootstrap_servers=kafka.split(","), acks="all")  # max_block_ms 60 s
     strict = KafkaPythonTransport(producer, allow_auto_create_topics=False)
     relay = Relay(outbox, strict, alert=alerts.append)
     started = time.monotonic()
@@ -159,7 +155,7 @@ def test_unknown_topic_fails_through_kafka_python_ng(
     fixed.close()
     producer.close(5)
     assert [r.status for r in rows(outbox)] == ["published"] * 3
-    assert seqs_by_key(read_topic(any_kafka, topic, expected=3)) == {b"k": [1, 2]}
+    assert seqs_by_key(read_topic(kafka, topic, expected=3)) == {b"k": [1, 2]}
 
 
 def _transport_of(client: str, kafka: str) -> Any:

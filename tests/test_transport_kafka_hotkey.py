@@ -23,10 +23,10 @@ from confluent_kafka import KafkaError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox.testing import alter_topic, create_topic
+from outbox.testing import LocalKafka, alter_topic, create_topic
 from transports import Outcome, Record
 from transports.kafka import KafkaTransport
-from transports.testing import BrokerProcess, behind_undelivered, read_topic
+from transports.testing import behind_undelivered, read_topic
 
 MOCK = pytest.mark.any_kafka  # librdkafka's mock cluster, made by the test itself
 # The tests with wall-clock bounds join the "timing" group, which runs one test at a time
@@ -271,56 +271,64 @@ def test_any_schedule_of_produce_errors_keeps_every_key_in_order(
         transport.close()
 
 
-@MOCK
 @pytest.mark.slow
 @TIMING
-def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(topic: str) -> None:
-    """SIGSTOP the broker while a hot key's pipeline is in flight, several times.
+def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(
+    topic: str, own_kafka: LocalKafka
+) -> None:
+    """SIGSTOP Apache Kafka's JVM while a hot key's pipeline is in flight, several times.
 
     Each publish returns within its delivery timeout (what is queued or in flight
     is purged and comes back RETRY, not counted as an attempt); a new producer
-    sends the key again from its first undelivered record.
+    sends the key again from its first undelivered record. The freezes start a
+    moment into the publish after rounds 3, 10 and 17 (the broker answers a round in
+    milliseconds: a freeze on a clock would miss the stream).
     """
     keys = {"hot": 4000, "second": 400, **{f"k{i}": 3 for i in range(20)}}
-    with BrokerProcess(rtt_ms=20) as broker:
-        transport = transport_for(broker.bootstrap, delivery_timeout=1.5, **{"batch.num.messages": 50})
-        renewed = 0
-        stalls: list[float] = []
-        unreachable = 0
-        stop = threading.Event()
+    broker = own_kafka
+    transport = transport_for(broker.bootstrap, delivery_timeout=1.5, **{"batch.num.messages": 50})
+    renewed = 0
+    stalls: list[float] = []
+    unreachable = 0
+    rounds = 0
+    freezes: list[threading.Thread] = []
 
-        def freezer() -> None:
-            for _ in range(3):  # a new producer needs about a second to connect after a thaw
-                if stop.wait(1.5):
-                    return
-                broker.freeze()
-                time.sleep(2.0)
-                broker.thaw()
+    def freeze_for_two_seconds() -> None:
+        time.sleep(0.01)  # the next publish is on its way
+        broker.freeze()
+        time.sleep(2.0)
+        broker.thaw()
 
-        original = transport.publish
+    def between() -> None:
+        nonlocal rounds
+        rounds += 1
+        if rounds in (3, 10, 17):
+            freezes.append(threading.Thread(target=freeze_for_two_seconds))
+            freezes[-1].start()
 
-        def timed(records):  # type: ignore[no-untyped-def]
-            nonlocal unreachable, renewed
-            producer = transport._producer
-            started = time.monotonic()
-            results = original(records)
-            stalls.append(time.monotonic() - started)
-            unreachable += sum(1 for r in results if r.outcome is Outcome.RETRY and r.unreachable)
-            renewed += transport._producer is not producer or transport._fatal is not None
-            return results
+    original = transport.publish
 
-        thread = threading.Thread(target=freezer)
-        thread.start()
-        try:
-            pending = stream(topic, keys)
-            transport.publish = timed  # type: ignore[method-assign]
-            relay_until_done(transport, pending, batch=100, rounds=400)
-        finally:
-            stop.set()
+    def timed(records):  # type: ignore[no-untyped-def]
+        nonlocal unreachable, renewed
+        producer = transport._producer
+        started = time.monotonic()
+        results = original(records)
+        stalls.append(time.monotonic() - started)
+        unreachable += sum(1 for r in results if r.outcome is Outcome.RETRY and r.unreachable)
+        renewed += transport._producer is not producer or transport._fatal is not None
+        return results
+
+    try:
+        pending = stream(topic, keys)
+        transport.publish = timed  # type: ignore[method-assign]
+        relay_until_done(transport, pending, batch=100, rounds=400, between=between)
+    finally:
+        for thread in freezes:
             thread.join()
-            if broker.frozen:
-                broker.thaw()
-        check_topic(broker.bootstrap, topic, keys)
-        transport.close()
-    assert unreachable > 0 and renewed > 0, "no publish met a frozen broker"
+        if broker.frozen:
+            broker.thaw()
+    check_topic(broker.bootstrap, topic, keys)
+    transport.close()
+    assert len(freezes) == 3
+    assert unreachable > 0 and renewed >= 3, f"publishes that met a frozen broker: {renewed}"
     assert max(stalls) < 1.5 + 2.0, f"a publish took {max(stalls):.1f} s"
