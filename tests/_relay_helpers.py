@@ -47,8 +47,8 @@ def rows(outbox: Outbox, **where: Any) -> list[Any]:
         return list(conn.execute(query))
 
 
-def start_cli_relay(db: str, any_kafka: str, log: Path, *args: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", any_kafka,
+def start_cli_relay(db: str, kafka: str, log: Path, *args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
                "--log-level", "WARNING", *args]
     return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
 

@@ -152,10 +152,9 @@ def pg_async(postgres_db: str) -> Iterator[tuple[Inbox, sa.Engine]]:
     engine.dispose()
 
 
-@pytest.mark.any_kafka
 @pytest.mark.postgres
 def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_time(
-    pg_async, any_kafka: str, topic: str  # type: ignore[no-untyped-def]
+    pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
 ) -> None:
     """Key-ordered concurrency, async: the workers' transactions interleave at the handlers' awaits."""
     from tests.test_inbox_kafka import produce, running, wait_for
@@ -173,8 +172,8 @@ def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_
         running_now[message.key] -= 1
         await _insert(session, message)
 
-    produce(any_kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)], partition=0)
-    with running(inbox, any_kafka, topic):
+    produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)], partition=0)
+    with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(engine)) == 200, what="200 applied")
     assert peak["per_key"] == 1
     assert peak["all"] >= 8, f"only {peak['all']} handlers ever ran at once on 16 workers"
@@ -182,10 +181,9 @@ def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_
         assert [s for _, s in applied(engine, f"k{k}")] == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.any_kafka
 @pytest.mark.postgres
 def test_an_async_handler_waiting_holds_back_only_its_key_and_the_offset(
-    pg_async, any_kafka: str, topic: str  # type: ignore[no-untyped-def]
+    pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
 ) -> None:
     from tests.test_inbox_kafka import committed, produce, running, wait_for
 
@@ -200,12 +198,12 @@ def test_an_async_handler_waiting_holds_back_only_its_key_and_the_offset(
             await asyncio.wait_for(release.wait(), 30)
         await _insert(session, message)
 
-    produce(any_kafka, [record(topic, "a", 1), record(topic, "slow", 1),
+    produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
                     *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
-    with running(inbox, any_kafka, topic):
+    with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(engine)) == 21, what="everything but the slow key applied")
         time.sleep(1.2)  # more than two commit intervals
-        assert committed(any_kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
+        assert committed(kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
         loop[0].call_soon_threadsafe(release.set)
-        wait_for(lambda: committed(any_kafka, inbox.group, topic)[0] == 22, what="commit after release")
+        wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
     assert len(applied(engine)) == 22

@@ -29,7 +29,7 @@ from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 from transports import Record
 from transports.kafka import KafkaSource
 
-pytestmark = pytest.mark.any_kafka
+pytestmark = pytest.mark.kafka
 
 
 def produce(servers: str, records: list[Record], partition: int | None = None) -> None:
@@ -118,34 +118,34 @@ def count(engine: sa.Engine, table: sa.Table, *where) -> int:  # type: ignore[no
 
 
 def test_duplicates_on_the_wire_are_applied_once(
-    engine: sa.Engine, any_kafka: str, topic: str, make_inbox: MakeInbox
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     records = [record(topic, f"k{k}", seq) for seq in range(1, 11) for k in range(20)]
-    produce(any_kafka, records)
-    produce(any_kafka, records)  # the same records again: a producer retry, a relay replay
+    produce(kafka, records)
+    produce(kafka, records)  # the same records again: a producer retry, a relay replay
     inbox = make_inbox(engine, topic)
     m = inbox.tables.inbox_messages
-    with running(inbox, any_kafka, topic):
+    with running(inbox, kafka, topic):
         wait_for(lambda: count(engine, m, m.c.deliveries == 2) == 200, what="200 redeliveries seen")
     effects = applied(engine)
     assert len(effects) == 200 and len(set(effects)) == 200
     for k in range(20):
         assert [seq for _, seq in applied(engine, f"k{k}")] == list(range(1, 11))
-    assert sum(committed(any_kafka, inbox.group, topic).values()) == 400
+    assert sum(committed(kafka, inbox.group, topic).values()) == 400
 
 
 def test_out_of_order_on_the_wire_is_applied_in_seq_order(
-    engine: sa.Engine, any_kafka: str, topic: str, make_inbox: MakeInbox
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     inbox = make_inbox(engine, topic, gap_timeout=1.0)
     h = inbox.tables.inbox_held
-    with running(inbox, any_kafka, topic):
-        produce(any_kafka, [record(topic, "a", 1), record(topic, "gap", 1)], partition=0)
-        produce(any_kafka, [record(topic, "a", 3), record(topic, "gap", 3)], partition=1)
+    with running(inbox, kafka, topic):
+        produce(kafka, [record(topic, "a", 1), record(topic, "gap", 1)], partition=0)
+        produce(kafka, [record(topic, "a", 3), record(topic, "gap", 3)], partition=1)
         wait_for(lambda: count(engine, h, h.c.key == "a") == 1 and len(applied(engine, "a")) == 1,
                  what="a:1 applied and a:3 held")
         assert applied(engine, "a") == [("a", 1)]
-        produce(any_kafka, [record(topic, "a", 2)], partition=2)
+        produce(kafka, [record(topic, "a", 2)], partition=2)
         wait_for(lambda: len(applied(engine, "a")) == 3, what="a:2 and a:3 applied")
         wait_for(lambda: bool(inbox.parked(topic, "gap")), what="the unfilled gap parked")
     assert applied(engine, "a") == [("a", 1), ("a", 2), ("a", 3)]
@@ -154,7 +154,7 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(
     # "gap" was held past gap_alert_after before it parked; "a" may have been too, briefly.
     assert [(a.kind, a.key) for a in inbox.alert if a.kind != "gap_held"] == [("key_parked", "gap")]
     assert "gap" in {a.key for a in inbox.alert if a.kind == "gap_held"}
-    assert sum(committed(any_kafka, inbox.group, topic).values()) == 5
+    assert sum(committed(kafka, inbox.group, topic).values()) == 5
 
     # After run() returned, the middleware call still retries instead of abandoning.
     attempts = []
@@ -165,7 +165,7 @@ def test_out_of_order_on_the_wire_is_applied_in_seq_order(
 
 
 def test_poison_and_foreign_records_never_stop_the_stream(
-    engine: sa.Engine, any_kafka: str, topic: str, make_inbox: MakeInbox
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     attempts: list[int] = []
 
@@ -178,13 +178,13 @@ def test_poison_and_foreign_records_never_stop_the_stream(
     inbox = make_inbox(engine, topic, foreign_records="park")
     inbox.handler(topic, replace=True)(for_inbox(inbox, handler))
     records = [record(topic, key, seq) for seq in range(1, 11) for key in ["K", *map(str, range(30))]]
-    produce(any_kafka, records[:150])
-    produce(any_kafka, [Record(topic=topic, value=b"not ours", key=b"3")])
-    produce(any_kafka, records[150:])
-    with running(inbox, any_kafka, topic):
+    produce(kafka, records[:150])
+    produce(kafka, [Record(topic=topic, value=b"not ours", key=b"3")])
+    produce(kafka, records[150:])
+    with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(engine)) == 300 + 4 and len(inbox.parked()) == 7,
                  what="all other keys applied, K parked from seq 5")
-        wait_for(lambda: sum(committed(any_kafka, inbox.group, topic).values()) == 311,
+        wait_for(lambda: sum(committed(kafka, inbox.group, topic).values()) == 311,
                  what="offsets committed past parked and foreign records")
     assert len(attempts) == 3
     assert [s for _, s in applied(engine, "K")] == [1, 2, 3, 4]
@@ -207,7 +207,7 @@ def pg_engine(postgres_db: str) -> Iterator[sa.Engine]:
 
 @pytest.mark.postgres
 def test_offsets_stay_behind_the_lowest_unfinished_record(
-    pg_engine: sa.Engine, any_kafka: str, topic: str, make_inbox: MakeInbox
+    pg_engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     release = threading.Event()
 
@@ -223,20 +223,20 @@ def test_offsets_stay_behind_the_lowest_unfinished_record(
 
     inbox = make_inbox(pg_engine, topic, batch_size=1, pool_size=20)
     inbox.handler(topic, replace=True)(async_handler if inbox.is_async else handler)
-    produce(any_kafka, [record(topic, "a", 1), record(topic, "slow", 1),
+    produce(kafka, [record(topic, "a", 1), record(topic, "slow", 1),
                     *[record(topic, f"k{i}", 1) for i in range(20)]], partition=0)
-    with running(inbox, any_kafka, topic):
+    with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(pg_engine)) == 21, what="everything but the slow key applied")
         time.sleep(1.2)  # more than two commit intervals
-        assert committed(any_kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
+        assert committed(kafka, inbox.group, topic)[0] == 1  # stuck at the slow record's offset
         release.set()
-        wait_for(lambda: committed(any_kafka, inbox.group, topic)[0] == 22, what="commit after release")
+        wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
     assert len(applied(pg_engine)) == 22
 
 
 @pytest.mark.postgres
 def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
-    pg_engine: sa.Engine, any_kafka: str, topic: str, make_inbox: MakeInbox
+    pg_engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     lock = threading.Lock()
     running_now: dict[str, int] = {}
@@ -266,9 +266,9 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
 
     inbox = make_inbox(pg_engine, topic, concurrency=16, batch_size=1, pool_size=20)
     inbox.handler(topic, replace=True)(async_handler if inbox.is_async else handler)
-    produce(any_kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
+    produce(kafka, [record(topic, f"k{k}", seq) for seq in range(1, 6) for k in range(40)],
             partition=0)
-    with running(inbox, any_kafka, topic):
+    with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(pg_engine)) == 200, what="200 applied")
     assert peak["per_key"] == 1
     assert peak["all"] >= 8, f"only {peak['all']} handlers ever ran at once on 16 workers"
@@ -285,12 +285,12 @@ def test_handle_reports_dispositions_for_embedding(
 
 
 def test_a_hot_key_runs_in_few_transactions_and_a_failure_inside_keeps_its_order(
-    engine: sa.Engine, any_kafka: str, topic: str, make_inbox: MakeInbox
+    engine: sa.Engine, kafka: str, topic: str, make_inbox: MakeInbox
 ) -> None:
     """One key, 600 records (and 200 of them twice): runs of up to batch_size per transaction;
     seq 250 fails twice mid-run, and the rest of the key waits behind it, in order."""
     records = [record(topic, "hot", seq) for seq in range(1, 601)]
-    produce(any_kafka, records + records[100:300])
+    produce(kafka, records + records[100:300])
     inbox = make_inbox(engine, topic, batch_size=50)
     failures = {250: 2}
 
@@ -307,9 +307,9 @@ def test_a_hot_key_runs_in_few_transactions_and_a_failure_inside_keeps_its_order
         commits.append(1)
 
     sa.event.listen(inbox.engine, "commit", count_commit)
-    with running(inbox, any_kafka, topic):
+    with running(inbox, kafka, topic):
         wait_for(lambda: len(applied(engine, "hot")) == 600
-                 and sum(committed(any_kafka, inbox.group, topic).values()) == 800, what="all applied")
+                 and sum(committed(kafka, inbox.group, topic).values()) == 800, what="all applied")
     sa.event.remove(inbox.engine, "commit", count_commit)
     assert [seq for _, seq in applied(engine, "hot")] == list(range(1, 601))
     assert failures == {250: 0}

@@ -24,7 +24,7 @@ from tests.conftest import unavailable
 from tests.inbox_support import INBOX_KINDS, async_url, business
 from tests.test_inbox_crash import assert_exactly_once_in_order, effect_count, produce_keys
 
-pytestmark = [pytest.mark.any_kafka, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ DOWNTIME = 10.0
 
 @pytest.mark.parametrize("kind", INBOX_KINDS)  # async: asyncpg's errors are outages too
 def test_postgres_stopped_for_ten_seconds_under_a_running_consumer(
-    any_kafka: str, topic: str, tmp_path: Path, kind: str
+    kafka: str, topic: str, tmp_path: Path, kind: str
 ) -> None:
     if postgres_bindir() is None:
         unavailable("the fault campaign stops its own PostgreSQL: it needs the local server binaries")
@@ -75,11 +75,11 @@ def test_postgres_stopped_for_ten_seconds_under_a_running_consumer(
         business.create_all(engine)
         app, db = (APP, server.url) if kind == "sync" else (ASYNC_APP, async_url(server.url))
         (tmp_path / "service.py").write_text(app.format(db=db, group=group, topic=topic))
-        produce_keys(any_kafka, topic, keys, per_key)
+        produce_keys(kafka, topic, keys, per_key)
         log = tmp_path / "consumer.log"
         process = subprocess.Popen(
             [sys.executable, "-m", "outbox", "inbox", "run", "service:inbox", "--bootstrap-servers",
-             any_kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=6000"],
+             kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=6000"],
             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=log.open("wb"),
         )
         try:

@@ -284,9 +284,8 @@ def second_database(postgres_server: str) -> Iterator[sa.Engine]:
         engine.dispose()
 
 
-@pytest.mark.any_kafka
 def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_tables_waits(
-        any_kafka: str, topic: str, schemas: sa.Engine, second_database: sa.Engine,
+        kafka: str, topic: str, schemas: sa.Engine, second_database: sa.Engine,
         caplog: pytest.LogCaptureFixture) -> None:
     """Tenants a (schema t_a), d (a database of its own) and c (schema t_c, no tables yet) share
     two partitions and their keys. a and d apply everything once, in order, while c waits: its
@@ -313,22 +312,22 @@ def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_table
 
     a, c, d = records("a"), records("c"), records("d")
     c_first = {}
-    with running(fleet.inbox, any_kafka, topic):
+    with running(fleet.inbox, kafka, topic):
         for partition in (0, 1):
-            produce(any_kafka, [a[0], c[0]], partition)
+            produce(kafka, [a[0], c[0]], partition)
             c_first[partition] = 1  # c's first record sits right behind a's first on each partition
         mixed = [x for trio in zip(a[1:], d, c[1:], strict=False) for x in trio] + d[len(a) - 1:]
-        produce(any_kafka, mixed, 0)
+        produce(kafka, mixed, 0)
         wait_for(lambda: len(effects_of(schemas, "t_a")) == len(a) + 0, what="tenant a applied")
         wait_for(lambda: len(effects_of(second_database)) == len(d), what="tenant d applied")
-        positions = committed(any_kafka, fleet.inbox.group, topic)
+        positions = committed(kafka, fleet.inbox.group, topic)
         assert positions[0] <= c_first[0] and positions[1] <= c_first[1], positions
         assert fleet.inbox.parked(tenant="a") == [] and fleet.inbox.parked() == []
 
         fleet.inbox.create_tables(tenant="c")
         business.create_all(in_schema(schemas, "t_c"))
         wait_for(lambda: len(effects_of(schemas, "t_c")) == len(c), what="tenant c applied")
-        wait_for(lambda: sum(committed(any_kafka, fleet.inbox.group, topic).values()) == 2 + 2 + len(mixed),
+        wait_for(lambda: sum(committed(kafka, fleet.inbox.group, topic).values()) == 2 + 2 + len(mixed),
                  what="offsets committed to the end")
     for engine, schema in ((schemas, "t_a"), (second_database, None), (schemas, "t_c")):
         rows = effects_of(engine, schema)
@@ -343,9 +342,8 @@ def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_table
 # -- one tenant's database frozen, then stopped, while the other flows -----------------------------
 
 @pytest.mark.slow
-@pytest.mark.any_kafka
 def test_a_tenant_whose_database_hangs_or_stops_holds_up_nothing_else_and_loses_nothing(
-        any_kafka: str, topic: str, schemas: sa.Engine, own_postgres: Any,
+        kafka: str, topic: str, schemas: sa.Engine, own_postgres: Any,
         caplog: pytest.LogCaptureFixture) -> None:
     """Tenant b's database (a server of its own) is frozen (SIGSTOP), then stopped, while tenant
     a's messages, interleaved with b's on one partition, keep applying. Meanwhile the commit stays
@@ -379,26 +377,26 @@ def test_a_tenant_whose_database_hangs_or_stops_holds_up_nothing_else_and_loses_
 
     sent = 0
     try:
-        with running(fleet.inbox, any_kafka, topic):
+        with running(fleet.inbox, kafka, topic):
             first = batch(4)
-            produce(any_kafka, first, 0)
+            produce(kafka, first, 0)
             sent += len(first)
             wait_for(lambda: len(effects_of(schemas, "t_a")) == 4 and b_applied() == 4, what="warm-up")
-            wait_for(lambda: committed(any_kafka, fleet.inbox.group, topic)[0] == sent, what="warm-up commit")
+            wait_for(lambda: committed(kafka, fleet.inbox.group, topic)[0] == sent, what="warm-up commit")
 
             for outage in ("freeze", "stop"):
                 getattr(own_postgres, outage)()
                 b_from = sent  # b's first record of this round sits at this offset
                 records = batch(40)
-                produce(any_kafka, records, 0)
+                produce(kafka, records, 0)
                 sent += len(records)
                 wait_for(lambda: len(effects_of(schemas, "t_a")) == made["a"], timeout=60,
                          what=f"tenant a applied while b's database is down ({outage})")
-                assert committed(any_kafka, fleet.inbox.group, topic)[0] <= b_from
+                assert committed(kafka, fleet.inbox.group, topic)[0] <= b_from
                 assert fleet.inbox.parked(tenant="a") == [] and fleet.alerts == []
                 own_postgres.thaw() if outage == "freeze" else own_postgres.start()
                 wait_for(lambda: b_applied() == made["b"], timeout=60, what=f"tenant b after the {outage}")
-                wait_for(lambda end=sent: committed(any_kafka, fleet.inbox.group, topic)[0] == end,
+                wait_for(lambda end=sent: committed(kafka, fleet.inbox.group, topic)[0] == end,
                          timeout=30, what="the commit reaches the end")
     finally:
         own_postgres.thaw()

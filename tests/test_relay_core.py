@@ -26,19 +26,19 @@ def db_url(proof_db_url: str) -> str:
     return proof_db_url
 
 
-@pytest.mark.any_kafka
-def test_every_row_reaches_its_key_partition_in_seq_order(outbox: Outbox, any_kafka: str, topic: str) -> None:
+@pytest.mark.kafka
+def test_every_row_reaches_its_key_partition_in_seq_order(outbox: Outbox, kafka: str, topic: str) -> None:
     keys = [f"k{i % 13}" for i in range(400)] + [None] * 20
     publish(outbox, topic, keys)
-    relay = Relay(outbox, KafkaTransport(bootstrap_servers=any_kafka), batch_size=97)
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), batch_size=97)
     drain(relay)
     relay.close()
     stored = rows(outbox)
     assert {r.status for r in stored} == {"published"}
     assert all(r.kafka_partition is not None and r.kafka_offset is not None for r in stored)
-    records = read_topic(any_kafka, topic, expected=len(keys))
+    records = read_topic(kafka, topic, expected=len(keys))
     assert len(records) == len(keys)
-    partitions = partition_count(any_kafka, topic)
+    partitions = partition_count(kafka, topic)
     expected = {f"k{k}".encode(): list(range(1, keys.count(f"k{k}") + 1)) for k in range(13)}
     assert seqs_by_key(records) == expected
     for record in records:

@@ -25,7 +25,7 @@ from outbox._sharding import shard_for_key
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
-pytestmark = pytest.mark.any_kafka
+pytestmark = pytest.mark.kafka
 
 ALL = frozenset({"sqlite", "postgresql", "mysql"})
 LOOSE = frozenset({"sqlite"})
@@ -143,7 +143,7 @@ def wait_for_or_none(condition: Any, timeout: float) -> Any:
 
 
 def test_bad_rows_fail_alone_while_every_other_key_flows(
-    outbox: Outbox, any_kafka: str, topic: str, caplog: pytest.LogCaptureFixture
+    outbox: Outbox, kafka: str, topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     dialect = "mysql" if outbox.engine.dialect.name == "mariadb" else outbox.engine.dialect.name
     cases = [bad for bad in CASES if dialect in bad.dialects]
@@ -160,7 +160,7 @@ def test_bad_rows_fail_alone_while_every_other_key_flows(
     behind = publish(outbox, topic, ["victim"])[0]
 
     alerts: list[Alert] = []
-    relay = Relay(outbox, KafkaTransport(bootstrap_servers=any_kafka), alert=alerts.append,
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), alert=alerts.append,
                   batch_size=25, poll_interval=0.05)
     caplog.set_level(logging.WARNING, logger="outbox")
     runner = threading.Thread(target=relay.run, name="relay-under-test")
@@ -184,7 +184,7 @@ def test_bad_rows_fail_alone_while_every_other_key_flows(
     assert sorted(a.details["id"] for a in alerts) == sorted(bad_ids)
     assert {a.kind for a in alerts} == {"message_failed"}
     assert [r.status for r in rows(outbox, message_id=behind)] == ["pending"]  # its key waits
-    records = read_topic(any_kafka, topic, expected=len(good_keys))
+    records = read_topic(kafka, topic, expected=len(good_keys))
     expected = {f"g{k}".encode(): list(range(1, 6)) for k in range(40)}
     assert seqs_by_key(records) == expected
     assert not [r for r in caplog.records if r.name.startswith("outbox.relay")

@@ -26,7 +26,7 @@ from outbox._sharding import shard_for_key
 from outbox._wire import MESSAGE_ID
 from transports.testing import read_topic
 
-pytestmark = pytest.mark.any_kafka
+pytestmark = pytest.mark.kafka
 
 FAULTY_RELAY = """
 import sys, logging, tenacity
@@ -72,9 +72,9 @@ def leases(outbox: Outbox) -> list:
         return list(conn.execute(sa.select(t).order_by(t.c.shard)))
 
 
-def positions_match_topic(outbox: Outbox, any_kafka: str, topic: str, expected: int) -> dict:
+def positions_match_topic(outbox: Outbox, kafka: str, topic: str, expected: int) -> dict:
     """Every published row's partition/offset holds that row's message on the topic."""
-    records = read_topic(any_kafka, topic, expected=expected, timeout=30)
+    records = read_topic(kafka, topic, expected=expected, timeout=30)
     at = {(r.partition, r.offset): dict(r.headers)[MESSAGE_ID].decode() for r in records}
     published = rows(outbox, status="published")
     for row in published:
@@ -84,11 +84,11 @@ def positions_match_topic(outbox: Outbox, any_kafka: str, topic: str, expected: 
 
 @pytest.mark.slow
 @pytest.mark.postgres
-def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, any_kafka: str,
+def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_db: str, kafka: str,
                                                    topic: str, tmp_path: Path) -> None:
     keys = [f"k{i % 200}" for i in range(12_000)]
     publish(pg_outbox, topic, keys)
-    relay = start_cli_relay(postgres_db, any_kafka, tmp_path / "relay.log", "--batch-size", "200",
+    relay = start_cli_relay(postgres_db, kafka, tmp_path / "relay.log", "--batch-size", "200",
                             "--worker-id", "terminated")
     wait_for(lambda: len(rows(pg_outbox, status="published")) >= 1000, 30, "a busy relay")
     relay.send_signal(signal.SIGTERM)
@@ -100,7 +100,7 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
         assert conn.scalar(sa.select(sa.func.count()).select_from(pg_outbox.tables.relays)) == 0
     # Nothing in flight was lost: every record on the topic belongs to a published row,
     # and every published row points at its own record (no double marks).
-    on_topic = positions_match_topic(pg_outbox, any_kafka, topic, expected=len(published))
+    on_topic = positions_match_topic(pg_outbox, kafka, topic, expected=len(published))
     assert sorted(on_topic.values()) == sorted(str(r.message_id) for r in published)
 
 
@@ -108,12 +108,12 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
 @pytest.mark.postgres
 @pytest.mark.xdist_group("timing")  # a wall-clock bound (the TTL): one at a time (docs/testing.md)
 def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
-    pg_outbox: Outbox, postgres_db: str, any_kafka: str, topic: str, tmp_path: Path
+    pg_outbox: Outbox, postgres_db: str, kafka: str, topic: str, tmp_path: Path
 ) -> None:
     ttl = 3.0
     args = ["--lease-ttl", str(ttl), "--poll-interval", "0.1"]
-    first = start_cli_relay(postgres_db, any_kafka, tmp_path / "a.log", "--worker-id", "a", *args)
-    second = start_cli_relay(postgres_db, any_kafka, tmp_path / "b.log", "--worker-id", "b", *args)
+    first = start_cli_relay(postgres_db, kafka, tmp_path / "a.log", "--worker-id", "a", *args)
+    second = start_cli_relay(postgres_db, kafka, tmp_path / "b.log", "--worker-id", "b", *args)
     try:
         wait_for(lambda: sorted(str(lease.owner) for lease in leases(pg_outbox)) == ["a"] * 8 + ["b"] * 8, 20,
                  "a fair split of 16 shards")
@@ -154,7 +154,7 @@ def test_a_killed_relays_shards_move_to_the_other_within_the_ttl(
     pytest.param("postgres", "kafka", 5_000, 3, marks=pytest.mark.postgres, id="kafka-hot-keys"),
     pytest.param("mysql", "kafka", 50_000, 1_000, marks=pytest.mark.mysql, id="mysql-kafka"),
 ], indirect=["server_db_url"])
-def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, server_db_url: str, any_kafka: str,
+def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, server_db_url: str, kafka: str,
                                                     topic: str, tmp_path: Path, client: str,
                                                     total: int, key_count: int) -> None:
     pg_outbox, postgres_db = server_outbox, server_db_url
@@ -165,7 +165,7 @@ def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, serve
 
     def start(n: int) -> subprocess.Popen:
         worker = f"relay-{n}-{uuid.uuid4().hex[:4]}"
-        return subprocess.Popen([sys.executable, str(script), postgres_db, any_kafka, worker, client],
+        return subprocess.Popen([sys.executable, str(script), postgres_db, kafka, worker, client],
                                 stdout=log, stderr=subprocess.STDOUT)
 
     relays = [start(n) for n in range(3)]
@@ -209,7 +209,7 @@ def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, serve
     assert kills >= 2
     stored = rows(pg_outbox)
     assert len(stored) == total and {r.status for r in stored} == {"published"}
-    records = read_topic(any_kafka, topic, expected=total, timeout=90, settle=2.0)
+    records = read_topic(kafka, topic, expected=total, timeout=90, settle=2.0)
     ids = {dict(r.headers)[MESSAGE_ID].decode() for r in records}
     assert ids == {str(r.message_id) for r in stored}, "messages missing from the topic"
     expected = {}

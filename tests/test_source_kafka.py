@@ -54,14 +54,13 @@ def poll_until(source: KafkaSource, count: int, timeout: float = 30.0) -> list: 
     return records
 
 
-@pytest.mark.any_kafka
-def test_polls_records_and_commits_exactly_the_given_positions(any_kafka: str, topic: str) -> None:
-    producer = Producer({"bootstrap.servers": any_kafka})
+def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic: str) -> None:
+    producer = Producer({"bootstrap.servers": kafka})
     for i in range(10):
         producer.produce(topic, f"v{i}".encode(), b"k", partition=1, headers=[("h", b"x")])
     producer.flush(10)
     revoked: list[list[tuple[str, int]]] = []
-    source = KafkaSource(bootstrap_servers=any_kafka, group_id=f"g-{topic}", topics=[topic], **FAST)
+    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{topic}", topics=[topic], **FAST)
     source.on_revoke(revoked.append)
     records = poll_until(source, 10)
     assert [r.value for r in records] == [f"v{i}".encode() for i in range(10)]
@@ -72,7 +71,7 @@ def test_polls_records_and_commits_exactly_the_given_positions(any_kafka: str, t
     source.close()
     assert revoked and (topic, 1) in revoked[0]  # leaving the group revokes first
 
-    probe = Consumer({"bootstrap.servers": any_kafka, "group.id": f"g-{topic}"})
+    probe = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}"})
     try:
         [position] = probe.committed([TopicPartition(topic, 1)], timeout=10)
         assert position.offset == 4
@@ -80,7 +79,6 @@ def test_polls_records_and_commits_exactly_the_given_positions(any_kafka: str, t
         probe.close()
 
 
-@pytest.mark.any_kafka
 @pytest.mark.slow
 class TestKafkaSourceConformance(SourceConformance):
     """The suite ``transports.memory.InMemorySource`` passes too: the double is held to the real one."""
@@ -88,11 +86,11 @@ class TestKafkaSourceConformance(SourceConformance):
     quiet_seconds = 0.5
 
     @pytest.fixture
-    def make_source(self, any_kafka: str) -> Iterator[Callable[[str, Sequence[str]], Source]]:
+    def make_source(self, kafka: str) -> Iterator[Callable[[str, Sequence[str]], Source]]:
         made: list[KafkaSource] = []
 
         def make(group: str, topics: Sequence[str]) -> Source:
-            made.append(KafkaSource(bootstrap_servers=any_kafka, group_id=group, topics=topics, **FAST))
+            made.append(KafkaSource(bootstrap_servers=kafka, group_id=group, topics=topics, **FAST))
             return made[-1]
 
         yield make
@@ -100,9 +98,9 @@ class TestKafkaSourceConformance(SourceConformance):
             source.close()
 
     @pytest.fixture
-    def produce(self, any_kafka: str) -> Callable[[Sequence[Record]], None]:
+    def produce(self, kafka: str) -> Callable[[Sequence[Record]], None]:
         def produce(records: Sequence[Record]) -> None:
-            producer = Producer({"bootstrap.servers": any_kafka, "log_level": 3})
+            producer = Producer({"bootstrap.servers": kafka, "log_level": 3})
             for record in records:
                 assert record.partition is not None
                 producer.produce(record.topic, record.value, record.key, partition=record.partition,

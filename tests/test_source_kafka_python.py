@@ -25,8 +25,7 @@ def test_settings_are_checked_when_the_source_is_built() -> None:
         KafkaPythonSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=[])
 
 
-@pytest.mark.any_kafka
-def test_the_inbox_runs_on_kafka_python(sqlite_db: str, any_kafka: str, topic: str) -> None:
+def test_the_inbox_runs_on_kafka_python(sqlite_db: str, kafka: str, topic: str) -> None:
     from outbox import create_engine
 
     engine = create_engine(sqlite_db)
@@ -35,16 +34,16 @@ def test_the_inbox_runs_on_kafka_python(sqlite_db: str, any_kafka: str, topic: s
     business.create_all(engine)
     inbox.handler(topic)(apply_effect)
     records = [record(topic, f"k{k}", seq) for seq in (1, 2, 3) for k in range(10)]
-    produce(any_kafka, records)
-    produce(any_kafka, records)  # duplicates on the wire
-    source = KafkaPythonSource(bootstrap_servers=any_kafka.split(","), group_id=inbox.group,
+    produce(kafka, records)
+    produce(kafka, records)  # duplicates on the wire
+    source = KafkaPythonSource(bootstrap_servers=kafka.split(","), group_id=inbox.group,
                                topics=[topic], **FAST)
     assert isinstance(source, Source)
     thread = threading.Thread(target=inbox.run, args=(source,),
                               kwargs={"install_signal_handlers": False})
     thread.start()
     try:
-        wait_for(lambda: sum(committed(any_kafka, inbox.group, topic).values()) == 60,
+        wait_for(lambda: sum(committed(kafka, inbox.group, topic).values()) == 60,
                  what="all 60 records committed")
     finally:
         inbox.stop()

@@ -34,14 +34,14 @@ from transports.testing import read_topic
 STOP_TIMEOUT = 10.0  # outbox relay's stop bound (docs/relay.md)
 MESSAGE_ID, SEQ = "outbox-message-id", "outbox-seq"  # the envelope headers
 
-pytestmark = [pytest.mark.any_kafka, pytest.mark.postgres]
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 
 HEADER = "x-tenant"
 
 
-def start_fleet(db: str, any_kafka: str, tenants_file: Path, log: Path,
+def start_fleet(db: str, kafka: str, tenants_file: Path, log: Path,
                 *args: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", any_kafka,
+    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
                "--tenants", f"file:{tenants_file}", "--tenant-header", HEADER, "--log-level", "INFO",
                "--poll-interval", "0.2", *args]
     return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
@@ -92,7 +92,7 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
 
 @pytest.mark.slow
 def test_one_tenant_database_stopped_while_the_others_flow(
-        pg: sa.Engine, postgres_db: str, own_postgres: Any, any_kafka: str, topic: str,
+        pg: sa.Engine, postgres_db: str, own_postgres: Any, kafka: str, topic: str,
         tmp_path: Path) -> None:
     shared = schema_outboxes(pg, ["a1", "a2"], shards=8)
     own = create_engine(own_postgres.url)
@@ -104,7 +104,7 @@ def test_one_tenant_database_stopped_while_the_others_flow(
         ["a1", "a2", {"name": "solo", "database_env": "SOLO_DATABASE_URL"}]))
     log = tmp_path / "fleet.log"
     fleet = subprocess.Popen(
-        [sys.executable, "-m", "outbox", "relay", "--db", postgres_db, "--bootstrap-servers", any_kafka,
+        [sys.executable, "-m", "outbox", "relay", "--db", postgres_db, "--bootstrap-servers", kafka,
          "--tenants", f"file:{tenants_file}", "--tenant-header", HEADER, "--log-level", "INFO",
          "--poll-interval", "0.2", "--lease-ttl", "3"],
         stdout=log.open("a"), stderr=subprocess.STDOUT,
@@ -152,7 +152,7 @@ def test_one_tenant_database_stopped_while_the_others_flow(
     assert took < STOP_TIMEOUT + 5, text[-3000:]
     assert all(owned_leases(o) == 0 for o in shared.values())
     total = sum(len(rows(o)) for o in outboxes.values())
-    check_topic(read_topic(any_kafka, topic, expected=total, timeout=60), outboxes)
+    check_topic(read_topic(kafka, topic, expected=total, timeout=60), outboxes)
     down = [line for line in outage_log.splitlines() if " unreachable (" in line]
     up = [line for line in outage_log.splitlines() if "reachable again" in line]
     assert len(down) == 1 and len(up) == 1, (down, up)
@@ -162,7 +162,7 @@ def test_one_tenant_database_stopped_while_the_others_flow(
 @pytest.mark.slow
 @pytest.mark.mysql
 def test_a_tenant_fleet_loses_and_reorders_nothing_when_its_processes_are_killed(
-        pg: sa.Engine, postgres_db: str, mysql_db: str, any_kafka: str, topic: str, tmp_path: Path) -> None:
+        pg: sa.Engine, postgres_db: str, mysql_db: str, kafka: str, topic: str, tmp_path: Path) -> None:
     shared = schema_outboxes(pg, ["t1", "t2", "t3"], shards=8)
     maria = create_engine(mysql_db)
     own = Outbox(maria, shards=8)
@@ -176,7 +176,7 @@ def test_a_tenant_fleet_loses_and_reorders_nothing_when_its_processes_are_killed
 
     def start(n: int) -> subprocess.Popen[bytes]:
         names[n] = f"fleet-{n}-{uuid.uuid4().hex[:4]}"
-        return start_fleet(postgres_db, any_kafka, tenants_file, log, "--workers", "2", "--lease-ttl", "2",
+        return start_fleet(postgres_db, kafka, tenants_file, log, "--workers", "2", "--lease-ttl", "2",
                            "--worker-id", names[n], "--batch-size", "200")
 
     fleets = [start(n) for n in range(3)]
@@ -230,7 +230,7 @@ def test_a_tenant_fleet_loses_and_reorders_nothing_when_its_processes_are_killed
             process.wait(40)
         maria.dispose()
     total = sum(len(rows(o)) for o in outboxes.values())
-    records = read_topic(any_kafka, topic, expected=total, timeout=90, settle=2.0)
+    records = read_topic(kafka, topic, expected=total, timeout=90, settle=2.0)
     redelivered = check_topic(records, outboxes)
     print(f"\n{total} messages of {len(outboxes)} tenants, {len(records)} records, {redelivered} "
           f"redelivered, {kills} fleet processes killed while they held leases")

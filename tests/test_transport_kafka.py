@@ -104,10 +104,9 @@ def test_a_topic_the_broker_creates_on_first_use_gets_every_record(kafka: str, t
     assert [(r.outcome, r.error) for r in results] == [(Outcome.DELIVERED, None)] * len(records)
 
 
-@pytest.mark.any_kafka
-def test_unknown_topic_fails_when_auto_create_is_off(any_kafka: str, topic: str) -> None:
+def test_unknown_topic_fails_when_auto_create_is_off(kafka: str, topic: str) -> None:
     # Unknown is believed after 0.5 s (a topic being created answers "unknown" for a moment).
-    transport = KafkaTransport(bootstrap_servers=any_kafka, delivery_timeout=5, **{
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5, **{
         "allow.auto.create.topics": False, "topic.metadata.propagation.max.ms": 500})
     results = transport.publish([Record(topic=topic, value=b"v", key=b"k"),
                                  Record(topic=topic, value=b"w", key=b"k")])

@@ -44,8 +44,9 @@ class SendResult:
     offset: int | None = None
     error: str | None = None
     unreachable: bool = False
-    """For ``RETRY``: the broker did not answer (timeout, connection down), as opposed to
-    answering with an error about this record. A batch the broker delivered nothing of
+    """For ``RETRY``: the broker did not answer (timeout, connection down) or answered that the
+    cluster cannot take writes now (too few in-sync replicas), as opposed to answering with an
+    error about this record. A batch the broker delivered nothing of
     whose retries are all unreachable is an outage: the relay does not count an attempt."""
 
 

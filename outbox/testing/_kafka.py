@@ -46,6 +46,13 @@ TEST_SETTINGS: Mapping[str, str] = {
     # The tests' consumers use sessions of a few seconds (a dead member is noticed sooner); the
     # broker's floor is 6 s by default.
     "group.min.session.timeout.ms": "1000",
+    # The same for KIP-848 consumer groups (group.protocol=consumer), whose session and
+    # heartbeat the broker sets: 45 s and 5 s by default, and a new member waits for a
+    # heartbeat to get its partitions.
+    "group.consumer.session.timeout.ms": "6000",
+    "group.consumer.min.session.timeout.ms": "1000",
+    "group.consumer.heartbeat.interval.ms": "500",
+    "group.consumer.min.heartbeat.interval.ms": "500",
     # Internal topics created on first use: 4 partitions instead of 50 start faster on one host.
     "offsets.topic.num.partitions": "4",
     "transaction.state.log.num.partitions": "4",
@@ -272,6 +279,11 @@ class LocalKafka(_KafkaNodes):
     @property
     def log_path(self) -> Path:
         return self.nodes[0].log_path
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the broker is stopped by ``freeze()`` and not yet thawed."""
+        return self.nodes[0].frozen
 
     def start(self) -> None:
         """Start the broker again after ``stop()`` or ``kill()``; return once it is ready."""

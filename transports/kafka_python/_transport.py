@@ -19,6 +19,17 @@ records of one partition, but never two records of one key here: a key's next
 record is only sent after the previous one was acknowledged (the waves), so
 those settings are left to the producer's owner.
 
+The broker refuses a *request* (a partition's batch), not a record: a record
+over the topic's ``max.message.bytes`` fails every record of the wave that
+shared its request, other keys' too. When more than one record of a wave came
+back with such a refusal (``REFUSED_WHOLE``), each is sent again alone, and
+gets its own answer (``transports._refusals``): only the record at fault fails.
+
+A record the broker answers NOT_LEADER or LEADER_NOT_AVAILABLE (a new topic's
+first moments on Apache Kafka, a leader change) is sent again inside its wave
+until ``delivery_timeout``: kafka-python-ng retries nothing by default, and one
+record per key makes that safe.
+
 A wave whose acknowledgements do not all arrive within ``delivery_timeout``
 is not an error of the batch: its unacknowledged records come back as
 ``RETRY`` (the relay backs off and counts the attempt); records still queued
@@ -41,12 +52,14 @@ from kafka.protocol.metadata import MetadataRequest
 
 from .._errors import ConfigurationError
 from .._protocol import Outcome, Record, SendResult, TransportFeatures
+from .._refusals import NOT_SENT_ALONE
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import NO_REPORT, key_partition, publish_in_waves
 from ._logging import route_kafka_logs
 
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
     kafka_errors.TopicAuthorizationFailedError,
     kafka_errors.ClusterAuthorizationFailedError,
     kafka_errors.InvalidTopicError,
@@ -54,6 +67,22 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.PolicyViolationError,
 )
 
+# Refusals the broker gives a whole request for what one record in it is (transports._refusals).
+# UnknownError: kafka-python-ng 2.2 knows no INVALID_RECORD (87, a keyless record on a compacted
+# topic) and reports it so; sent alone, the record at fault is the only one that gets it again.
+REFUSED_WHOLE: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.UnknownError,
+)
+
+# Answers of a partition whose leader is moving (or, for a new topic, not yet in place): sent
+# again inside the wave after LEADER_BACKOFF seconds, within delivery_timeout.
+LEADER_MOVING: tuple[type[Exception], ...] = (
+    kafka_errors.NotLeaderForPartitionError,
+    kafka_errors.LeaderNotAvailableError,
+)
+LEADER_BACKOFF = 0.1  # kafka-python-ng's own retry_backoff_ms
 
 # Topic errors in a metadata answer that no resend can fix.
 PERMANENT_TOPIC_ERRORS: tuple[type[Exception], ...] = (
@@ -71,8 +100,12 @@ SAFE_ACKS = frozenset({"all", "-1"})
 BATCH_ESTIMATE_MARGIN = 61
 
 
-# Errors meaning the broker did not answer at all (down, unreachable, frozen).
+# Errors meaning the broker did not answer at all (down, unreachable, frozen), or answered that
+# the cluster cannot take writes now (too few in-sync replicas for acks=all): an outage, never the
+# record's fault. (kafka-python-ng retries none of them by default: retries=0.)
 UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.NotEnoughReplicasError,
+    kafka_errors.NotEnoughReplicasAfterAppendError,
     kafka_errors.KafkaTimeoutError,
     kafka_errors.NoBrokersAvailable,
     kafka_errors.KafkaConnectionError,
@@ -171,17 +204,72 @@ class KafkaPythonTransport:
                 if isinstance(partition, SendResult):
                     results[i] = partition
                     continue
-                futures.append((i, self._producer.send(
-                    record.topic, value=record.value, key=record.key,
-                    headers=list(record.headers), partition=partition)))
+                futures.append((i, partition, self._send(record, partition)))
             except kafka_errors.KafkaError as exc:
                 results[i] = result_of(exc)
-        # A timeout is no error of the batch: records without an acknowledgement come back
-        # as RETRY below.
-        with contextlib.suppress(kafka_errors.KafkaTimeoutError):
-            self._producer.flush(self._delivery_timeout)
-        for i, future in futures:
+        futures = self._settle(records, futures, results)
+        refused = [(i, partition) for i, partition, future in futures
+                   if future.is_done and future.failed() and isinstance(future.exception, REFUSED_WHOLE)]
+        if len(refused) > 1:  # one alone in its request: the refusal is its own
+            self._send_alone(records, refused, results)
+
+    def _settle(self, records: Sequence[Record], futures: list[tuple[int, int | None, Any]],
+                results: list[SendResult | None]) -> list[tuple[int, int | None, Any]]:
+        """Wait for the wave's answers; send again, within ``delivery_timeout``, what a moving
+        leader refused (``LEADER_MOVING``); return the last send of each record.
+
+        kafka-python-ng retries nothing by default (``retries=0``), and Apache Kafka answers a
+        new topic's first records NOT_LEADER for a moment, as it does during a leader change.
+        Inside a wave (one record per key) sending again cannot reorder a key.
+        """
+        deadline = time.monotonic() + self._delivery_timeout
+        latest = {i: (partition, future) for i, partition, future in futures}
+        waiting = futures
+        while True:
+            self._flush(max(0.0, deadline - time.monotonic()))
+            moving = [(i, partition) for i, partition, future in waiting
+                      if future.is_done and future.failed() and isinstance(future.exception, LEADER_MOVING)]
+            if not moving or time.monotonic() + LEADER_BACKOFF >= deadline:
+                break
+            time.sleep(LEADER_BACKOFF)  # the client refreshes its metadata meanwhile
+            waiting = []
+            for i, partition in moving:
+                try:
+                    waiting.append((i, partition, self._send(records[i], partition)))
+                except kafka_errors.KafkaError:
+                    continue  # its first answer stands
+                latest[i] = (partition, waiting[-1][2])
+        for i, (_, future) in latest.items():
             results[i] = _outcome(future)
+        return [(i, partition, future) for i, (partition, future) in latest.items()]
+
+    def _send_alone(self, records: Sequence[Record], refused: list[tuple[int, int | None]],
+                    results: list[SendResult | None]) -> None:
+        """Send each record a request refused whole again in a request of its own (within one more
+        ``delivery_timeout``): its answer is then its own. One not sent again in time is RETRY."""
+        deadline = time.monotonic() + self._delivery_timeout
+        for i, partition in refused:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE)
+                continue
+            try:
+                future = self._send(records[i], partition)
+            except kafka_errors.KafkaError as exc:
+                results[i] = result_of(exc)
+                continue
+            self._flush(left)
+            results[i] = _outcome(future)
+
+    def _send(self, record: Record, partition: int | None) -> Any:
+        return self._producer.send(record.topic, value=record.value, key=record.key,
+                                   headers=list(record.headers), partition=partition)
+
+    def _flush(self, timeout: float) -> None:
+        # A timeout is no error of the batch: records without an acknowledgement come back
+        # as RETRY (``_outcome``).
+        with contextlib.suppress(kafka_errors.KafkaTimeoutError):
+            self._producer.flush(timeout)
 
     def _partition_count(self, topic: str) -> int | SendResult:
         try:
