@@ -58,6 +58,19 @@ _STALE_COMMIT = {
     KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
     KafkaError.UNKNOWN_MEMBER_ID, KafkaError._NO_OFFSET, KafkaError._STATE,
 }
+# A commit that did not reach a coordinator able to store it *now*: the broker or the group
+# coordinator is down, moving, or cannot replicate the offsets (``min.insync.replicas`` not met).
+# Retried unchanged, it succeeds once the cluster is back (Kafka's Java consumer retries these
+# too). librdkafka raises a synchronous commit's error as a bare code, whose ``retriable()`` is
+# always False, so the codes decide: without them a coordinator lost for longer than the session
+# timeout (_WAIT_COORD) ended the inbox.
+_UNAVAILABLE_COMMIT = {
+    KafkaError._WAIT_COORD, KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE, KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION, KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND, KafkaError.UNKNOWN_TOPIC_OR_PART,
+}
 
 
 class KafkaSource:
@@ -158,6 +171,9 @@ class KafkaSource:
 
         Raises ``CommitRefusedError`` when the group refused it (a rebalance
         moved on): nothing was committed, and the caller must not record it.
+        Raises ``RetriableTransportError`` when no coordinator could store it now
+        (the broker or coordinator down or moving, its offsets not replicated):
+        an outage, to try again as it is. Anything else is ``TransportError``.
         """
         if not offsets:
             return
@@ -168,7 +184,7 @@ class KafkaSource:
             error = exc.args[0]
             if error.code() in _STALE_COMMIT:
                 raise CommitRefusedError(f"offset commit refused: {error.str()}") from None
-            if error.retriable():
+            if error.retriable() or error.code() in _UNAVAILABLE_COMMIT:
                 raise RetriableTransportError(f"offset commit failed: {error.str()}") from None
             raise TransportError(f"offset commit failed: {error.str()}") from None
 
