@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outbox import Inbox, RetriableTransportError, TransportError, create_engine
 from outbox.testing import LocalKafka
@@ -83,10 +83,59 @@ def test_a_commit_to_a_killed_broker_is_an_outage_on_apache_kafka(own_kafka: Loc
             got += source.poll(10, 0.5)
         source.commit({("t", got[0].partition): 1})
         own_kafka.kill()
-        with pytest.raises(RetriableTransportError, match="coordinator|Waiting|transport|timed out"):
+        with pytest.raises(RetriableTransportError, match=r"coordinator|Waiting|transport|timed out"):
             source.commit({("t", got[0].partition): 3})
     finally:
         threading.Thread(target=source.close, daemon=True).start()  # its close waits for the dead broker
+
+
+def test_a_coordinator_out_of_reach_past_a_session_timeout_makes_the_source_unavailable() -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], session_timeout_ms=1000)
+    source._consumer.close()
+    assert source.session_timeout == 1.0
+    source._statistics('{"cgrp": {"state": "up", "join_state": "steady"}}')
+    assert source.unavailable() is None
+    source._statistics('{"cgrp": {"state": "query-coord", "join_state": "init"}}')
+    assert source.unavailable() is None  # a coordinator moving: a failover, not yet an outage
+    time.sleep(0.6)
+    source._statistics('{"cgrp": {"state": "wait-broker-transport", "join_state": "init"}}')
+    assert source.unavailable() is None  # still within the session timeout, from the first report
+    time.sleep(0.5)
+    assert source.unavailable() == "group coordinator out of reach for 1s, state wait-broker-transport"
+    source._statistics('{"cgrp": {"state": "up", "join_state": "wait-join"}}')
+    assert source.unavailable() is None
+
+
+class Unavailable(ScriptedSource):
+    """A source that says why the broker cannot serve it while ``why`` is set, as ``KafkaSource`` does."""
+
+    why: str | None = None
+
+    def unavailable(self) -> str | None:
+        return self.why
+
+
+def test_an_idle_consumer_whose_coordinator_is_gone_logs_the_outage_once_each_way(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = _inbox(sqlite_db)
+    source = Unavailable([])
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        source.why = "group coordinator out of reach for 45s, state query-coord"
+        time.sleep(1.0)  # many polls, nothing to commit
+        source.why = None
+        time.sleep(0.5)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("the broker unavailable (group coordinator out of reach for 45s"), lines
+    assert lines[1].startswith("the broker available again after"), lines
 
 
 def _inbox(sqlite_db: str) -> Inbox:

@@ -16,8 +16,9 @@ Outages never end the loop: a database that does not answer makes the
 deliveries wait (the settle stage), the sweep and the offset commit are tried
 again at their next turn, and a broker that does not answer is polled again
 after a capped backoff. A broker outage is logged once when it begins (a poll
-or an offset commit fails for want of a broker or coordinator) and once when
-it ends (after a commit failed, only a commit that succeeds ends it).
+or an offset commit fails for want of a broker or coordinator, or the source
+says it cannot reach its group's coordinator: ``KafkaSource.unavailable``) and
+once when it ends (after a commit failed, only a commit that succeeds ends it).
 
 The loop runs on a thread of its own (``outbox._stopping``): the caller's
 thread only waits, so SIGTERM is seen at once even while librdkafka sits in
@@ -104,6 +105,8 @@ class Runner:
         # A commit failed for want of a coordinator: the broker counts as down until one succeeds.
         # An empty poll proves nothing then (librdkafka returns one whether or not anything answers).
         self._commits_failing = False
+        # What the source says keeps the broker from serving it (``KafkaSource.unavailable``), if it can.
+        self._unavailable: Callable[[], str | None] = getattr(source, "unavailable", lambda: None)
 
     def run(self) -> threading.Thread | None:
         """Consume until ``stop`` is set (or SIGTERM/SIGINT); back at most ``stop_timeout`` s after it.
@@ -169,7 +172,10 @@ class Runner:
         except RetriableTransportError as exc:
             self._poll_again_at = time.monotonic() + self.broker.failed(exc)
             return []
-        if not self._commits_failing:
+        problem = self._unavailable()
+        if problem is not None:
+            self.broker.failed(problem)
+        elif not self._commits_failing:
             self.broker.answered()
         return records
 

@@ -44,6 +44,8 @@ from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 log = safe_logger("transports.kafka")
 
+DEFAULT_SESSION_TIMEOUT_MS = 45_000
+"""librdkafka's ``session.timeout.ms`` when the settings leave it out."""
 REJOIN_AFTER = 60.0
 """Seconds out of the group (join not steady) before a consumer whose broker answers is replaced."""
 STATISTICS_INTERVAL_MS = 2000
@@ -126,6 +128,10 @@ class KafkaSource:
         self._watching = int(config["statistics.interval.ms"]) > 0
         self._unjoined_since: float | None = None
         self._last_report: float | None = None  # when librdkafka last reported the group state
+        # Since when the statistics say the group's coordinator is out of reach (``unavailable``).
+        self._coordinator_lost_since: float | None = None
+        self._coordinator_state = "unknown"
+        self.session_timeout = int(config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS)) / 1000
         self._polled = False
         self._next_probe = 0.0
         self._consumer = self._subscribed()
@@ -214,16 +220,39 @@ class KafkaSource:
                 f"rejoined {self.rejoins} time(s), a new consumer after {self.rejoin_after:g}s "
                 "once the broker answers")
 
+    def unavailable(self) -> str | None:
+        """Why the broker cannot serve this consumer now, or None: its group's coordinator has been
+        out of reach for longer than a session timeout. Safe to call from any thread.
+
+        ``Inbox.run`` logs it once as a broker outage, and once when it ends. It shows what
+        an offset commit would meet (a commit waits that long for a coordinator, then fails
+        with ``_WAIT_COORD``) when there is nothing to commit: a consumer whose coordinator's
+        node died, or that no node can replace (no quorum), says so even while idle. A
+        coordinator that moves within the session timeout is a failover, not an outage.
+        """
+        since = self._coordinator_lost_since
+        if since is None:
+            return None
+        out = time.monotonic() - since
+        if out < self.session_timeout:
+            return None
+        return f"group coordinator out of reach for {out:.0f}s, state {self._coordinator_state}"
+
     # -- the rejoin watch (module doc) ------------------------------------------
 
     def _statistics(self, text: str) -> None:
-        """librdkafka's statistics (served inside ``consume``): the group's join state."""
+        """librdkafka's statistics (served inside ``consume``): the coordinator's and the group's state."""
         try:
             group = json.loads(text).get("cgrp") or {}
         except ValueError:
             return
-        state = str(group.get("join_state", "")) if group.get("state") == "up" else \
-            f"coordinator {group.get('state', 'unknown')}"
+        coordinator = str(group.get("state", "unknown"))
+        self._coordinator_state = coordinator
+        if coordinator == "up":
+            self._coordinator_lost_since = None
+        elif self._coordinator_lost_since is None:
+            self._coordinator_lost_since = time.monotonic()
+        state = str(group.get("join_state", "")) if coordinator == "up" else f"coordinator {coordinator}"
         self._join_state = state
         if not self._watching:
             return
