@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -58,6 +58,56 @@ def test_a_commit_without_a_coordinator_is_an_outage(code: int) -> None:
     assert not KafkaError(code).retriable()  # what made them end the inbox
     with pytest.raises(RetriableTransportError, match="offset commit failed"):
         _source_failing_with(code).commit({("t", 0): 1})
+
+
+class _UnansweredCommits:
+    """A consumer whose commit waits until ``answer`` is set, as librdkafka's does for a coordinator
+    it knows but cannot reach (librdkafka #3740)."""
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+        self.calls = 0
+
+    def commit(self, **kwargs: object) -> None:
+        self.calls += 1
+        self.answer.wait()
+
+
+def _raised_within(seconds: float, call: Callable[[], object]) -> BaseException | None:
+    """What ``call`` raised (None if it returned), failing the test if it is still running."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds:g} s"
+    return outcome[0]
+
+
+def test_a_commit_without_an_answer_is_an_outage_after_the_commit_timeout() -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], session_timeout_ms=1000)
+    source._consumer.close()
+    unanswered = _UnansweredCommits()
+    source._consumer = unanswered  # type: ignore[assignment]
+    assert source.commit_timeout == 1.0  # the session timeout
+    source.commit_timeout = 0.2
+    raised = _raised_within(5, lambda: source.commit({("t", 0): 1}))
+    assert isinstance(raised, RetriableTransportError) and "no answer within 0.2s" in str(raised), raised
+    # One commit in flight at a time: the next is refused at once while the first still waits.
+    raised = _raised_within(1, lambda: source.commit({("t", 0): 2}))
+    assert isinstance(raised, RetriableTransportError) and "earlier commit still waits" in str(raised)
+    assert unanswered.calls == 1
+    unanswered.answer.set()  # the coordinator is back: the first commit lands, the next goes through
+    time.sleep(0.1)
+    assert _raised_within(5, lambda: source.commit({("t", 0): 2})) is None
+    assert unanswered.calls == 2
 
 
 def test_a_commit_the_broker_can_never_take_is_still_an_error() -> None:

@@ -2,7 +2,8 @@
 
 Offsets are never committed behind the inbox's back: auto-commit and the
 automatic offset store are off, and ``commit`` commits exactly the positions
-it is given, synchronously. The rebalance callbacks are wired to
+it is given, synchronously, waiting for an answer at most a session timeout
+(``_commit``: librdkafka alone may wait for as long as the coordinator is gone). The rebalance callbacks are wired to
 ``on_revoke``, so the inbox can finish in-flight work and commit before the
 partitions go. librdkafka errors are translated here and nowhere else.
 
@@ -29,16 +30,11 @@ from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from transports._errors import (
-    CommitRefusedError,
-    ConfigurationError,
-    RetriableTransportError,
-    TransportError,
-    validate_topic,
-)
+from transports._errors import ConfigurationError, TransportError, validate_topic
 from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
+from ._commit import BoundedCommits
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
@@ -55,24 +51,6 @@ _PROBE_EVERY = 5.0
 
 # Owned by the inbox: a user value would break "commit only what is finished".
 _FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
-# A commit refused because the group moved on: nothing committed; the next owner replays.
-_STALE_COMMIT = {
-    KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
-    KafkaError.UNKNOWN_MEMBER_ID, KafkaError._NO_OFFSET, KafkaError._STATE,
-}
-# A commit that did not reach a coordinator able to store it *now*: the broker or the group
-# coordinator is down, moving, or cannot replicate the offsets (``min.insync.replicas`` not met).
-# Retried unchanged, it succeeds once the cluster is back (Kafka's Java consumer retries these
-# too). librdkafka raises a synchronous commit's error as a bare code, whose ``retriable()`` is
-# always False, so the codes decide: without them a coordinator lost for longer than the session
-# timeout (_WAIT_COORD) ended the inbox.
-_UNAVAILABLE_COMMIT = {
-    KafkaError._WAIT_COORD, KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._TIMED_OUT_QUEUE,
-    KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE, KafkaError.COORDINATOR_NOT_AVAILABLE,
-    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.REQUEST_TIMED_OUT,
-    KafkaError.NETWORK_EXCEPTION, KafkaError.NOT_ENOUGH_REPLICAS,
-    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND, KafkaError.UNKNOWN_TOPIC_OR_PART,
-}
 
 
 class KafkaSource:
@@ -132,6 +110,8 @@ class KafkaSource:
         self._coordinator_lost_since: float | None = None
         self._coordinator_state = "unknown"
         self.session_timeout = int(config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS)) / 1000
+        # A commit waits as long as librdkafka waits for an unknown coordinator: a session timeout.
+        self._commits = BoundedCommits(self.session_timeout)
         self._polled = False
         self._next_probe = 0.0
         self._consumer = self._subscribed()
@@ -178,27 +158,31 @@ class KafkaSource:
         Raises ``CommitRefusedError`` when the group refused it (a rebalance
         moved on): nothing was committed, and the caller must not record it.
         Raises ``RetriableTransportError`` when no coordinator could store it now
-        (the broker or coordinator down or moving, its offsets not replicated):
-        an outage, to try again as it is. Anything else is ``TransportError``.
+        (the broker or coordinator down or moving, its offsets not replicated), or
+        none answered within ``commit_timeout`` seconds (a session timeout; the commit
+        may still land later: ``_commit``): an outage, to try again as it is.
+        Anything else is ``TransportError``.
         """
         if not offsets:
             return
         positions = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        try:
-            self._consumer.commit(offsets=positions, asynchronous=False)
-        except KafkaException as exc:
-            error = exc.args[0]
-            if error.code() in _STALE_COMMIT:
-                raise CommitRefusedError(f"offset commit refused: {error.str()}") from None
-            if error.retriable() or error.code() in _UNAVAILABLE_COMMIT:
-                raise RetriableTransportError(f"offset commit failed: {error.str()}") from None
-            raise TransportError(f"offset commit failed: {error.str()}") from None
+        self._commits.commit(self._consumer, positions)
+
+    @property
+    def commit_timeout(self) -> float:
+        """Seconds ``commit`` waits for an answer: the session timeout unless set."""
+        return self._commits.timeout
+
+    @commit_timeout.setter
+    def commit_timeout(self, seconds: float) -> None:
+        self._commits.timeout = seconds
 
     def on_revoke(self, callback: RevokeCallback) -> None:
         self._revoke_callbacks.append(callback)
 
     def close(self) -> None:
-        """Leave the group (partitions go to the others at once) and close."""
+        """Leave the group (partitions go to the others at once) and close (after a pending commit)."""
+        self._commits.wait()
         self._consumer.close()
 
     def assigned(self) -> frozenset[tuple[str, int]]:
@@ -301,8 +285,9 @@ class KafkaSource:
         self._join_state = "init"
         self._unjoined_since, self._last_report = time.monotonic(), None
         # Its close may wait for the request that never came back: never on this thread.
-        threading.Thread(target=_close_quietly, args=(old,), name="outbox-consumer-retired",
+        threading.Thread(target=_close_quietly, args=(old, self._commits), name="outbox-consumer-retired",
                          daemon=True).start()
+        self._commits = BoundedCommits(self._commits.timeout)  # the new consumer's
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if consumer is not self._consumer:
@@ -327,8 +312,9 @@ class KafkaSource:
         return f"KafkaSource({redacted(self.config)!r})"
 
 
-def _close_quietly(consumer: Consumer) -> None:
+def _close_quietly(consumer: Consumer, commits: BoundedCommits) -> None:
     try:
+        commits.wait()
         consumer.close()
     except (KafkaException, RuntimeError) as exc:
         log.info("the replaced consumer closed with %s", exc)
