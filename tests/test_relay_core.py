@@ -278,14 +278,19 @@ PURGED = SendResult(Outcome.RETRY, error="Local: Purged in flight", unreachable=
     (PURGED, True, [0, 0, 0]),  # no answer for anything: the broker is down, nothing counted
     # The gap-less stop: the refused record fails (its attempt), the purged rest is not counted.
     (SendResult(Outcome.FAILED, error="Broker: Invalid record"), False, [1, 0, 0]),
-    # The broker answered one with a retriable error: that batch counts, as it always did.
-    (SendResult(Outcome.RETRY, error="Broker: Not enough in-sync replicas"), False, [1, 1, 1]),
+    # The broker answered one with a retriable error: that one counts; the unanswered rest do not.
+    (SendResult(Outcome.RETRY, error="Broker: Not enough in-sync replicas"), False, [1, 0, 0]),
+    # A node died under the batch: what it led got no answer, the rest was delivered. The
+    # unanswered rows waited for an outage and count nothing (they counted one before).
+    (SendResult(Outcome.DELIVERED, 0, 0), False, [1, 0, 0]),
 ])
 def test_only_a_batch_without_any_answer_is_a_broker_outage(
     outbox: Outbox, first: SendResult, down: bool, attempts: list[int]
 ) -> None:
     """After a refused record, the gap-less stop purges the rest unanswered: the record is FAILED,
-    the others wait without an attempt counted, and no broker outage is reported (or logged)."""
+    the others wait without an attempt counted, and no broker outage is reported (or logged).
+    A record without an answer never counts an attempt, whatever became of the batch's others;
+    only a batch of which nothing was delivered and nothing answered is the broker down."""
     publish(outbox, "orders", ["a", "b", "c"])
     relay = Relay(outbox, AnsweringThen(first, PURGED), backoff=FAST)
     batch = relay.run_once()

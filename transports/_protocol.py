@@ -155,7 +155,10 @@ class Source(Protocol):
 
     A source may also offer ``assigned() -> frozenset[tuple[str, int]]``, the
     partitions it holds now (both Kafka sources do); a worker's ``/readyz``
-    reports "no partitions assigned" from it, and skips that check without it.
+    reports "no partitions assigned" from it, and skips that check without it. It may
+    offer ``unavailable() -> str | None``, why the broker cannot serve it now (the Kafka
+    source: its group's coordinator out of reach for longer than a session timeout),
+    which ``Inbox.run`` logs once as a broker outage, and once when it ends.
     """
 
     def poll(self, max_records: int, timeout: float) -> list[Record]: ...

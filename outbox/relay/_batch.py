@@ -11,10 +11,14 @@ The rules that keep per-key order live here:
   attempt count, error and next attempt time (retry) or ``failed`` status,
   and the key's later rows stay pending, untouched.
 
-A batch whose every record is to be retried because the broker did not answer
-(``SendResult.unreachable``) is a broker outage (DESIGN §9: never counted
-against a message): its rows get an error and a short, capped next attempt
-time but keep their attempt count.
+A record to be retried because the broker did not answer about it
+(``SendResult.unreachable``: no report in time, the connection down) waited for
+an outage, whole or partial (DESIGN §9: never counted against a message): its
+row gets an error and a short, capped next attempt time but keeps its attempt
+count, whatever became of the batch's other records. (A node that dies under a
+batch leaves the records it led unanswered while the others are delivered.) A
+batch whose every retry is unreachable and of which nothing was delivered is
+the broker being down, which the relay logs.
 
 Pipelined batches (``run(wait=False)``, on the dialects whose statements say
 ``pipelines``: PostgreSQL and MySQL, used by ``Relay.run``) write one batch's
@@ -100,7 +104,7 @@ class _Plan:
     published_topics: dict[str, int]
     retried: Marks
     postponed: Marks
-    """Rows to retry without counting an attempt: the broker delivered nothing (an outage)."""
+    """Rows to retry without counting an attempt: the broker did not answer about them (an outage)."""
     failed: list[tuple[Any, int, str]]
     stopped: set[tuple[str, str]]
     """Keys whose head was retried or failed: they wait until the write commits."""
@@ -112,7 +116,8 @@ class _Plan:
 
 
 BROKER_OUTAGE_BACKOFF = OutageBackoff(first=0.2)
-"""When rows are sent again while the broker delivers nothing: 0.2 s, doubling, at most 5 s."""
+"""When rows the broker did not answer about are sent again: 0.2 s, doubling per batch that left
+records unanswered, at most 5 s."""
 
 
 class BatchRunner:
@@ -150,7 +155,7 @@ class BatchRunner:
         self._writing: Future[_Written] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
-        self._outage_batches = 0  # consecutive batches the broker delivered nothing of
+        self._outage_batches = 0  # consecutive batches with records the broker did not answer about
         # This database's identity, in every envelope.
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
@@ -248,13 +253,16 @@ class BatchRunner:
         ``unsendable`` rows were not sent: they fail, and their keys wait like a failed head's.
         """
         retried, postponed = empty_marks(), empty_marks()
-        # Nothing delivered and every retry for want of an answer: the broker is down, an
-        # outage, not these records' fault. A retriable error the broker returned still counts.
+        # A record retried for want of an answer waited for an outage, not for its own fault:
+        # postponed, no attempt counted, even when others of the batch were delivered. A
+        # retriable error the broker returned still counts. Nothing delivered and every retry
+        # unanswered: the broker is down (logged by the relay).
         retries = [res for res in results if res.outcome is not Outcome.FAILED]
         outage = bool(retries) and all(
             res.outcome is Outcome.RETRY and res.unreachable for res in retries)
+        unanswered = any(res.outcome is Outcome.RETRY and res.unreachable for res in retries)
         outage_delay = BROKER_OUTAGE_BACKOFF.delay(self._outage_batches + 1)
-        if outage:
+        if unanswered:
             self._outage_batches += 1
         elif results:
             self._outage_batches = 0
@@ -292,12 +300,12 @@ class BatchRunner:
                 failed.append((row, epoch, res.error or "failed"))
             else:
                 error = error or res.error
-                delay = outage_delay if outage else self._delay(_attempts(row) + 1)
+                delay = outage_delay if res.unreachable else self._delay(_attempts(row) + 1)
                 # From the later of the two clocks: a publisher ahead of this relay by more
                 # than the delay would otherwise get available_at <= created_at, which the
                 # fetch reads as "due, never pushed back" (no backoff, key not held).
                 base = max(now, row[_CREATED])
-                add_mark(postponed if outage else retried, row.id, row.shard, epoch,
+                add_mark(postponed if res.unreachable else retried, row.id, row.shard, epoch,
                          available_at=base + timedelta(seconds=delay), last_error=res.error)
                 self.metrics.retried.labels(row.topic).inc()
                 # The wheel holds the key back and wakes the relay; the row is the truth.

@@ -242,10 +242,12 @@ class _KafkaNodes:
             node.kill()
         shutil.rmtree(self._root, ignore_errors=True)
 
-    def _restart(self, node: KafkaNode) -> None:
-        """Start a stopped or killed node again on its ports and data; wait until it is ready."""
-        node.launch()
-        self._wait_ready([node])
+    def _restart(self, *nodes: KafkaNode) -> None:
+        """Start stopped or killed nodes again on their ports and data, side by side; wait until
+        each is ready."""
+        for node in nodes:
+            node.launch()
+        self._wait_ready(list(nodes))
 
 
 class LocalKafka(_KafkaNodes):

@@ -41,9 +41,10 @@ class LocalKafkaCluster(_KafkaNodes):
     def __repr__(self) -> str:
         return f"LocalKafkaCluster({self.version}, {self.nodes!r})"
 
-    def start(self, node_id: int) -> None:
-        """Start node ``node_id`` again (same ports, same data); return once it is ready."""
-        self._restart(self.node(node_id))
+    def start(self, *node_ids: int) -> None:
+        """Start nodes ``node_ids`` again (same ports, same data), side by side; return once each is
+        ready (several at once start in about the time of one)."""
+        self._restart(*(self.node(node_id) for node_id in node_ids))
 
     def stop(self, node_id: int, timeout: float = STOP_TIMEOUT) -> None:
         self.node(node_id).stop(timeout)
