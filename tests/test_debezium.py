@@ -21,13 +21,21 @@ from contextlib import contextmanager
 
 import pytest
 import sqlalchemy as sa
+from _relay_helpers import drain
 from confluent_kafka import Producer
 
-from outbox import Inbox, Message
-from outbox.testing import DebeziumOutbox, LocalKafkaConnect, create_topic, delete_topic
+from outbox import Inbox, Message, Outbox, Relay
+from outbox.testing import (
+    ConnectRest,
+    DebeziumOutbox,
+    LocalKafkaConnect,
+    create_topic,
+    debezium_over_our_outbox,
+    delete_topic,
+)
 from tests.inbox_support import AlertLog, business, effects
 from tests.inbox_worker import TEST_CONSUMER_SETTINGS
-from transports.kafka import KafkaSource
+from transports.kafka import KafkaSource, KafkaTransport
 from transports.testing import read_topic
 
 pytestmark = pytest.mark.kafka
@@ -245,3 +253,62 @@ def _recreated(kafka: str, topic: str) -> bool:
     except Exception:  # still being deleted: the controller refuses the name for a moment
         return False
     return True
+
+
+def test_the_routers_tombstones_reach_the_handler_and_its_heartbeats_park_as_foreign(
+        kafka_connect: ConnectRest, debezium_db: str, kafka: str, kind: str) -> None:
+    """``route.tombstone.on.empty.payload``: a row without a payload is a tombstone with its id and
+    key. Heartbeats sent to the events' own topic (``topic.heartbeat.prefix`` and ``topic.prefix``
+    named so) have no ``id``: parked as foreign, one alert, and the stream goes on."""
+    topic = DebeziumOutbox.topic(kind)
+    create_topic(kafka, topic, 1)
+    settings = {"transforms.outbox.route.tombstone.on.empty.payload": "true", "heartbeat.interval.ms": "300",
+                "topic.heartbeat.prefix": "outbox.event", "topic.prefix": kind}
+    with DebeziumOutbox(kafka_connect, debezium_db, kafka, settings=settings) as debezium:
+        with debezium.engine.begin() as conn:
+            first = debezium.insert(conn, kind, "k", {"n": 1})
+            gone = debezium.insert(conn, kind, "k", None, type="OrderDeleted")
+            last = debezium.insert(conn, kind, "k", {"n": 2})
+        inbox, _ = debezium_inbox(debezium_db)
+        seen: list[Message] = []
+        inbox.handler(topic)(lambda session, message: seen.append(message))
+        with consuming(inbox, kafka, [topic]):
+            wait_for(lambda: len(seen) == 3, "the three events")
+            wait_for(lambda: len(inbox.parked(topic)) >= 2, "heartbeats parked")
+        assert [m.message_id for m in seen] == [first, gone, last]
+        assert (seen[1].payload, seen[1].content_type, seen[1].key, seen[1].event_type) == (
+            b"", "application/octet-stream", "k", "OrderDeleted")
+        assert all(p.reason.value == "foreign" and "no 'id' header" in (p.error or "")
+                   for p in inbox.parked(topic))
+        assert [a.kind for a in inbox.alert] == ["foreign_record"]
+
+
+def test_our_envelope_through_debeziums_router_is_read_as_ours_and_deduplicated_against_our_relay(
+        kafka_connect: ConnectRest, debezium_db: str, kafka: str) -> None:
+    """The move from our relay to Debezium: Debezium's router sends our outbox table with our
+    envelope (``debezium_over_our_outbox``) while our relay still runs; the inbox reads both
+    copies as ours, by seq, and applies each message once."""
+    topic = f"orders-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka, topic, 4)
+    engine = sa.create_engine(debezium_db, pool_size=5)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    settings = debezium_over_our_outbox()
+    with DebeziumOutbox(kafka_connect, debezium_db, kafka, table="outbox_messages", probe=False,
+                        settings=settings):
+        for n in range(1, 6):
+            with outbox._sessions() as session, session.begin():
+                for key in ("k1", "k2", "k3"):
+                    outbox.publish(session, topic, {"n": n}, key=key, headers={"traceparent": "x"})
+        assert len(read_topic(kafka, topic, expected=15, timeout=120)) == 15  # Debezium's copies
+        relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka))
+        drain(relay)  # and ours, the same ids
+        relay.close()
+        assert len(read_topic(kafka, topic, expected=30, timeout=60)) == 30
+        inbox, inbox_engine = debezium_inbox(debezium_db)
+        inbox.handler(topic)(apply_in_order)
+        with consuming(inbox, kafka, [topic]):
+            wait_for(lambda: sum(map(len, applied(inbox_engine).values())) == 15, "15 messages applied")
+            wait_for(lambda: redeliveries(inbox_engine, inbox.group) == 15, "the other 15 dropped")
+        assert applied(inbox_engine) == {key: [1, 2, 3, 4, 5] for key in ("k1", "k2", "k3")}
+        assert not inbox.parked()

@@ -343,3 +343,52 @@ def test_debezium_is_a_name_for_its_envelope(sqlite_db: str) -> None:
                                           content_type="application/json")
     mine = ForeignEnvelope(id_header="event_id")
     assert Inbox(sa.create_engine(sqlite_db), group="g", foreign_records=mine).foreign is mine
+
+
+# -- what else reaches an inbox topic ------------------------------------------------------------
+
+def test_a_debezium_heartbeat_on_an_inbox_topic_parks_as_foreign_and_stops_nothing(
+        debezium: Inbox, engine: sa.Engine) -> None:
+    """A heartbeat (``heartbeat.interval.ms``) has a Struct key and value and no ``id``."""
+    for offset in range(3):
+        beat = Record(topic=TOPIC, key=b"Struct{serverName=dbz}", value=f"Struct{{ts_ms={offset}}}".encode(),
+                      headers=[], partition=0, offset=offset, timestamp_ms=1_700_000_000_000 + offset)
+        assert debezium.handle(beat) is Disposition.PARKED
+    assert debezium.handle(event("k", 1)) is Disposition.APPLIED
+    assert [p.reason for p in debezium.parked()] == [Reason.FOREIGN] * 3
+    assert [a.kind for a in debezium.alert] == ["foreign_record"]
+
+
+def test_a_header_without_a_value_is_an_empty_id(debezium: Inbox) -> None:
+    r = event("k", 1)
+    r.headers = [(n, None if n == "id" else v) for n, v in r.headers]  # type: ignore[misc]
+    assert debezium.handle(r) is Disposition.PARKED
+    assert "empty" in (debezium.parked()[0].error or "")
+
+
+# -- our own envelope: its headers by name, in any case ------------------------------------------
+
+def test_our_envelope_headers_are_known_in_any_case(engine: sa.Engine) -> None:
+    box = make_inbox(engine)
+    seen: list[Message] = []
+    box.handler(TOPIC)(lambda session, message: seen.append(message))
+    r = record(TOPIC, "k", 1)
+    r.headers = [(n.upper() if n.startswith("outbox-") else n.title(), v) for n, v in r.headers]
+    assert box.handle(r) is Disposition.APPLIED
+    assert (seen[0].seq, seen[0].key, seen[0].content_type) == (1, "k", "application/json")
+    assert box.handle(record(TOPIC, "k", 2)) is Disposition.APPLIED  # the key went on from seq 1
+
+
+@pytest.mark.parametrize("twice", ["outbox-seq", "OUTBOX-MESSAGE-ID", "Content-Type"])
+def test_an_envelope_header_twice_with_two_values_is_a_broken_envelope(engine: sa.Engine, twice: str) -> None:
+    box = make_inbox(engine)
+    box.handler(TOPIC)(lambda session, message: None)
+    r = record(TOPIC, "k", 1)
+    r.headers.append((twice, b"7" if "seq" in twice else str(uuid.uuid4()).encode()
+                      if "id" in twice.lower() else b"text/plain"))
+    assert box.handle(r) is Disposition.PARKED
+    [parked] = box.parked()
+    assert parked.reason is Reason.FOREIGN and "twice with different values" in (parked.error or "")
+    same = record(TOPIC, "j", 1)
+    same.headers.append(("OUTBOX-SEQ", b"1"))  # repeated alike: read
+    assert box.handle(same) is Disposition.APPLIED

@@ -30,7 +30,7 @@ from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 from ..inbox._settle import Settled
 from ._connect import LIBS_VARIABLE as DEBEZIUM_LIBS_VARIABLE
 from ._connect import ConnectorFailed, ConnectRest, ConnectStartError, LocalKafkaConnect
-from ._debezium import DebeziumOutbox, debezium_outbox_config, debezium_outbox_table
+from ._debezium import DebeziumOutbox, debezium_outbox_config, debezium_outbox_table, debezium_over_our_outbox
 from ._harness import OutboxTestHarness
 from ._kafka import KafkaStartError, LocalKafka, local_kafka
 from ._kafka_admin import alter_topic, create_topic, delete_topic
@@ -97,6 +97,7 @@ __all__ = [
     "create_topic",
     "debezium_outbox_config",
     "debezium_outbox_table",
+    "debezium_over_our_outbox",
     "delete_topic",
     "docker_engine_answers",
     "free_port",

@@ -84,6 +84,35 @@ def debezium_outbox_config(postgres_url: str, *, table: str = "public.outboxeven
     return config
 
 
+def debezium_over_our_outbox(table: str = "public.outbox_messages") -> dict[str, str]:
+    """Connector settings that send *our* outbox table through Debezium's router, with our envelope.
+
+    For a service moving from our relay to Debezium (docs/comparison.md, "Migration"): each
+    ``outbox_messages`` row becomes the record our relay would send — topic = the ``topic``
+    column, key = ``key``, value = the ``payload`` bytes (``ByteArrayConverter``), and the
+    envelope headers from the columns: ``outbox-message-id``, ``outbox-seq``, ``content-type``,
+    ``outbox-created-at`` (Debezium writes a ``timestamptz`` as ISO 8601 text) and
+    ``outbox-event-type``. A NULL column is a header without a value, which the inbox reads as
+    absent. Not carried: the user's ``headers`` (one JSON column, not headers) and the
+    incarnation (it lives in ``outbox_meta``): the inbox reads such records as envelopes of a
+    release before incarnations. Our relay's UPDATEs of the rows are skipped by the router
+    (``table.op.invalid.behavior``, a warning each).
+    """
+    placement = ",".join(f"{column}:header:{header}" for column, header in (
+        ("message_id", "outbox-message-id"), ("seq", "outbox-seq"), ("content_type", "content-type"),
+        ("created_at", "outbox-created-at"), ("event_type", "outbox-event-type")))
+    return {
+        "table.include.list": table,
+        "value.converter": "org.apache.kafka.connect.converters.ByteArrayConverter",
+        "transforms.outbox.table.field.event.id": "message_id",
+        "transforms.outbox.table.field.event.key": "key",
+        "transforms.outbox.table.field.event.payload": "payload",
+        "transforms.outbox.route.by.field": "topic",
+        "transforms.outbox.route.topic.replacement": "${routedByValue}",
+        "transforms.outbox.table.fields.additional.placement": placement,
+    }
+
+
 class DebeziumOutbox:
     """Debezium's outbox event router running on ``connect`` over a Debezium-layout table; a context manager.
 
@@ -93,11 +122,14 @@ class DebeziumOutbox:
     writes to (the probe is read back from it). ``settings`` are connector
     settings on top of ``debezium_outbox_config``'s. Raises ``ConnectorFailed``
     when the connector does not run or the probe does not arrive within ``timeout``.
+    ``probe=False`` creates no table and sends no probe (ready when RUNNING): for a
+    connector over another table, ours for one (``debezium_over_our_outbox()``).
     """
 
     def __init__(self, connect: ConnectRest, postgres_url: str, bootstrap: str, *,
                  table: str = "outboxevent", schema: str = "public", name: str | None = None,
-                 settings: Mapping[str, str] | None = None, timeout: float = RUNNING_TIMEOUT) -> None:
+                 settings: Mapping[str, str] | None = None, timeout: float = RUNNING_TIMEOUT,
+                 probe: bool = True) -> None:
         tag = uuid.uuid4().hex[:10]
         self.connect = connect
         self.bootstrap = bootstrap
@@ -112,7 +144,8 @@ class DebeziumOutbox:
                 if level != "logical":
                     raise ValueError(f"Debezium reads PostgreSQL's log through logical decoding: this "
                                      f"server has wal_level={level}, and needs wal_level=logical (a restart)")
-                self.table.create(conn, checkfirst=True)
+                if probe:  # a table of Debezium's layout; without the probe it may be any table
+                    self.table.create(conn, checkfirst=True)
         except BaseException:
             self.engine.dispose()
             raise
@@ -122,7 +155,8 @@ class DebeziumOutbox:
         try:
             connect.put_connector(self.name, self.config)
             connect.wait_running(self.name, timeout)
-            self._probe(timeout)
+            if probe:
+                self._probe(timeout)
         except BaseException:
             self.close()
             raise
@@ -143,10 +177,12 @@ class DebeziumOutbox:
 
     def insert(self, conn: sa.Connection, aggregatetype: str, aggregateid: str, payload: Any, *,
                type: str = "Event", event_id: uuid.UUID | None = None) -> uuid.UUID:
-        """Insert one outbox row in the caller's transaction (``payload`` as JSON); its event id."""
+        """Insert one outbox row in the caller's transaction (``payload`` as JSON; None: SQL NULL,
+        what the router's ``route.tombstone.on.empty.payload`` turns into a tombstone); its event id."""
         event_id = event_id or uuid.uuid4()
         conn.execute(self.table.insert().values(id=event_id, aggregatetype=aggregatetype,
-                                                aggregateid=aggregateid, type=type, payload=payload))
+                                                aggregateid=aggregateid, type=type,
+                                                payload=sa.null() if payload is None else payload))
         return event_id
 
     def _probe(self, timeout: float) -> None:
