@@ -16,6 +16,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import pytest
 import sqlalchemy as sa
@@ -26,8 +27,11 @@ from outbox import Outbox, create_engine
 from outbox.testing import (
     KAFKA_BOOTSTRAP_VARIABLE,
     BrokerNeed,
+    ConnectRest,
+    DebeziumOutbox,
     LocalKafka,
     LocalKafkaCluster,
+    LocalKafkaConnect,
     LocalMariaDB,
     LocalPostgres,
     Unavailable,
@@ -36,11 +40,14 @@ from outbox.testing import (
     fresh_mysql_database,
     kafka_bootstrap,
     local_postgres_server,
+    logical_postgres_url,
     mysql_url,
     postgres_url,
 )
+from outbox.testing import kafka_connect as connect_worker
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+T = TypeVar("T")
 
 # Property tests: CI runs a fixed set of examples (derandomized, so a red run is repeatable from its
 # log); `HYPOTHESIS_PROFILE=release` is the longer run before a release (docs/testing.md).
@@ -53,7 +60,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "d
 
 SERVER_FIXTURES = {"postgres_server": "postgres", "own_postgres": "postgres", "mysql_server": "mysql",
                    "own_mariadb": "mysql", "kafka": "kafka", "own_kafka": "kafka", "kafka_cluster": "kafka",
-                   "any_kafka": "any_kafka", "java_home": "spark"}
+                   "any_kafka": "any_kafka", "java_home": "spark", "logical_postgres": "debezium",
+                   "kafka_connect": "debezium", "own_connect": "debezium"}
 """The fixtures (of this file) that start a server, and the marker a test using one (even through
 another fixture) gets, so that ``-m "not postgres and not mysql and not kafka and not any_kafka and
 not spark"`` runs exactly the tests that need none (docs/testing.md, the tiers). A test class that
@@ -78,8 +86,9 @@ def _server_markers(item: pytest.Item) -> set[str]:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses a server's fixture gets its marker; every Spark test is ``slow`` and joins
-    the ``spark`` group; every test on the three-node Kafka cluster is ``slow`` and joins the
-    ``kafka-cluster`` group (three JVMs: one such test at a time).
+    the ``spark`` group; every Debezium test is ``slow`` and joins the ``debezium`` group (one
+    Kafka Connect JVM per worker that runs them: one worker); every test on the three-node Kafka
+    cluster is ``slow`` and joins the ``kafka-cluster`` group (three JVMs: one such test at a time).
 
     Slow: a Spark test needs a JVM, whose start alone takes tens of seconds here; the fast
     tier (``-m "not slow"``) starts none. The group: under ``pytest -n N`` each worker is a
@@ -94,6 +103,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(getattr(pytest.mark, server))
         if item.get_closest_marker("spark"):
             _slow_in_group(item, "spark")
+        if item.get_closest_marker("debezium"):
+            _slow_in_group(item, "debezium")
         if "kafka_cluster" in getattr(item, "fixturenames", ()):
             _slow_in_group(item, "kafka-cluster")
 
@@ -111,8 +122,8 @@ def unavailable(what: str) -> None:
     pytest.skip(what)
 
 
-def _resolved(resolve: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
-    """The URL ``resolve()`` yields, or skip (locally) / fail (in CI) when it is unavailable."""
+def _resolved(resolve: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
+    """What ``resolve()`` yields (a URL, a worker), or skip (locally) / fail (in CI) without it."""
     try:
         context = resolve()
         url = context.__enter__()
@@ -272,6 +283,55 @@ def own_kafka() -> Iterator[LocalKafka]:
         yield broker
     finally:
         broker.close()
+
+
+@pytest.fixture(scope="session")
+def logical_postgres() -> Iterator[str]:
+    """URL of a PostgreSQL with ``wal_level=logical`` (what Debezium reads), shared by the session.
+
+    ``OUTBOX_TEST_LOGICAL_POSTGRES_URL``, testcontainers, then a local server
+    (``outbox.testing.logical_postgres_url``); skips locally and fails with ``CI=true`` without one.
+    """
+    yield from _resolved(logical_postgres_url)
+
+
+@pytest.fixture(scope="session")
+def kafka_connect(kafka: str) -> Iterator[ConnectRest]:
+    """A Kafka Connect worker with Debezium writing to the session's Apache Kafka (one per xdist worker).
+
+    ``OUTBOX_TEST_KAFKA_CONNECT_URL``, Debezium's image on Docker, else a ``LocalKafkaConnect``
+    from the jars ``scripts/setup`` fetches; skips locally and fails with ``CI=true`` without one.
+    """
+    yield from _resolved(lambda: connect_worker(kafka))
+
+
+@pytest.fixture
+def own_connect(kafka: str) -> Iterator[LocalKafkaConnect]:
+    """A Kafka Connect worker of the test's own, to stop, kill and start again. Its source offsets
+    reach the offsets file only on a clean stop: a kill loses them, and Debezium sends again."""
+    try:
+        connect = LocalKafkaConnect(kafka, settings={"offset.flush.interval.ms": "3600000"})
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield connect
+    finally:
+        connect.close()
+
+
+@pytest.fixture
+def debezium_db(logical_postgres: str) -> Iterator[str]:
+    """A database of the test's own on the logical-decoding PostgreSQL: its slots, its outbox table."""
+    with fresh_database(logical_postgres) as url:
+        yield url
+
+
+@pytest.fixture
+def debezium(kafka_connect: ConnectRest, debezium_db: str, kafka: str) -> Iterator[DebeziumOutbox]:
+    """Debezium's outbox event router on the session's worker, over a Debezium-layout table of the
+    test's database; ready (its probe row went through), removed with its slot after the test."""
+    with DebeziumOutbox(kafka_connect, debezium_db, kafka) as outbox:
+        yield outbox
 
 
 @pytest.fixture

@@ -107,6 +107,42 @@ def test_without_the_option_no_ce_header_is_sent_and_a_chosen_source_is(outbox: 
 
 
 @pytest.mark.any_kafka
+@pytest.mark.parametrize(("name", "key"), [
+    ("ce_datacontenttype", "a"), ("CE_DataContentType", "a"), ("Ce_Id", "a"), ("CE_PARTITIONKEY", None)])
+def test_a_user_header_named_like_an_attribute_the_relay_sets_gives_way_in_any_case(
+        outbox: Outbox, any_kafka: str, topic: str, name: str, key: str | None) -> None:
+    """The SDK reads ``ce_datacontenttype`` as the ``datacontenttype`` the relay sends as
+    ``content-type``, and ``ce_partitionkey`` as the key's attribute: a user header of either
+    name (in any case) made it read our JSON record as ``text/plain``."""
+    [message_id] = publish(outbox, topic, [key], payload={"total": 12},
+                           headers={name: "text/plain", "ce_team": "billing"})
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=any_kafka), cloudevents=True)
+    drain(relay)
+    relay.close()
+    [record] = read_topic(any_kafka, topic, expected=1)
+    event = from_binary(sdk_message(record))
+    assert event["datacontenttype"] == "application/json"
+    assert event["id"] == str(message_id)
+    assert event.get("partitionkey") == (key.encode() if key else None)
+    assert event.get_data() == {"total": 12} and event["team"] == "billing"
+    assert not any(n.lower() == name.lower() and n != name.lower() for n, _ in record.headers)
+    assert [n.lower() for n, _ in record.headers].count(name.lower()) == (1 if name == "Ce_Id" else 0)
+
+
+def test_the_inbox_reads_ce_datacontenttype_and_content_type_in_any_case_as_one_attribute() -> None:
+    """A CloudEvent from another producer: ``Content-Type`` is the content type, so is a lone
+    ``ce_datacontenttype``; both with two values is a broken event (readers differ)."""
+    base = [("ce_specversion", b"1.0"), ("ce_id", b"1"), ("ce_source", b"s"), ("ce_type", b"t")]
+    for headers in ([("Content-Type", b"application/json")], [("ce_datacontenttype", b"application/json")],
+                    [("CONTENT-TYPE", b"application/json"), ("CE_DATACONTENTTYPE", b"application/json")]):
+        message = cloudevent_to_message(topic="t", key=None, value=b"{}", headers=[*base, *headers])
+        assert message.content_type == "application/json", headers
+    clash = [("content-type", b"application/json"), ("ce_datacontenttype", b"text/plain")]
+    with pytest.raises(ValueError, match="twice with different values"):
+        cloudevent_to_message(topic="t", key=None, value=b"{}", headers=[*base, *clash])
+
+
+@pytest.mark.any_kafka
 @pytest.mark.slow
 def test_the_relay_command_sends_cloudevents_from_the_chosen_source(sqlite_db: str, any_kafka: str,
                                                                    topic: str, tmp_path: Path) -> None:

@@ -143,7 +143,7 @@ def _outcome(url: str, last_seq: int, rows: list[tuple[int, Reason, bool, bool]]
         storage.keys.lock(session, [(TOPIC, "k")])
         storage.keys.advance(session, {(TOPIC, "k"): last_seq})
         for n, (seq, reason, recorded, _) in enumerate(rows):
-            d = decode(record(TOPIC, "k", seq, message_id=uuid.UUID(int=n + 1)), accept_foreign=False)
+            d = decode(record(TOPIC, "k", seq, message_id=uuid.UUID(int=n + 1)))
             storage.park(session, d, reason)
             if recorded:
                 storage.dedup.claim(session, [d])
@@ -242,7 +242,7 @@ def test_a_replay_page_is_the_first_replayable_rows_in_seq_then_id_order(
     with page_inbox._sessions() as session, session.begin():
         session.execute(page_inbox.tables.inbox_parked.delete())
         for key, seq, reason in rows:
-            storage.park(session, decode(record(TOPIC, key, seq), accept_foreign=False), reason)
+            storage.park(session, decode(record(TOPIC, key, seq)), reason)
     with page_inbox._sessions() as session, session.begin():
         everything = [r.id for r in storage.parked.rows(session, TOPIC, "k", replayable=True)]
         assert [r.id for r in storage.parked.replay_page(session, TOPIC, "k", limit)] == everything[:limit]
@@ -256,8 +256,8 @@ def test_a_replay_page_on_postgresql_fetches_about_a_page_of_a_long_key(postgres
     storage = box.storage
     with box._sessions() as session, session.begin():
         storage.keys.lock(session, [(TOPIC, "k")])
-        storage.park(session, decode(record(TOPIC, "k", 1), accept_foreign=False), Reason.FAILED)
-        flood = [decode(record(TOPIC, "k", seq), accept_foreign=False) for seq in range(2, 3001)]
+        storage.park(session, decode(record(TOPIC, "k", 1)), Reason.FAILED)
+        flood = [decode(record(TOPIC, "k", seq)) for seq in range(2, 3001)]
         storage.park_behind(session, [d for d in flood if isinstance(d, OrderedDelivery)])
     p = box.tables.inbox_parked
     fetched = sa.text("SELECT (coalesce(sum(idx_tup_fetch), 0) + coalesce(sum(seq_tup_read), 0))::bigint "

@@ -113,7 +113,7 @@ def test_any_tenant_header_reaches_its_tenant_or_parks_as_unknown_in_the_default
     if other is not None:
         r.headers.append(("other", other))
     r.offset = next(_offsets)  # a record parked unread is known by its position: one each
-    message_id = decode(r, accept_foreign=False).message.message_id
+    message_id = decode(r).message.message_id
     disposition = by_header.inbox.handle(r)
     tenant = _expected_tenant(headers)
     unreadable = any(not _is_utf8(value) for _, value in r.headers)
@@ -182,7 +182,7 @@ def test_whatever_tenant_of_returns_or_raises_the_record_gets_a_place_and_nothin
     router.tenant_of = tenant_of
     message_id = uuid.uuid4()
     r = record(TOPIC, None, None, message_id=message_id)
-    tagged = router.tag(decode(r, accept_foreign=False))
+    tagged = router.tag(decode(r))
     named = str.__str__(returned)[:200] if isinstance(returned, str) else ""
     assert tagged.tenant == (Named(named) if named else Unnamed(""))
     assert not isinstance(tagged.tenant, Named) or type(tagged.tenant.name) is str
@@ -240,7 +240,7 @@ def test_a_tenant_source_that_hangs_holds_up_neither_the_poll_nor_a_worker(tmp_p
         polled.join(2)
         assert "ready" in done, "ready() waited for the hung tenant source"
 
-        unknown = decode(_with_tenant("initech"), accept_foreign=False)
+        unknown = decode(_with_tenant("initech"))
         worker = threading.Thread(target=lambda: done.update(
             settled=router.settle([router.tag(unknown)])), daemon=True)
         worker.start()

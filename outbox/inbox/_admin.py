@@ -28,7 +28,7 @@ from .._errors import OutboxError
 from .._tables import InboxOutcome
 from ._calls import Error, Redo
 from ._conflicts import rebuilt
-from ._delivery import KeyId, OrderedDelivery
+from ._delivery import KeyedDelivery, KeyId, OrderedDelivery
 from ._kinds import Reason
 from ._sessions import Sessions
 from ._transaction import TransactionStep
@@ -106,7 +106,8 @@ class ParkedAdmin:
             return self.storage.keys.parked_count(session)
 
     def replay(self, topic: str, key: str | None) -> ParkedReplay:
-        """Re-run the key's parked messages in seq order; unpark it when none is left.
+        """Re-run the key's parked messages in seq order (a key without seqs: in the order they
+        arrived); unpark it when none is left.
 
         Stops at the first message that fails again (it stays parked, with its
         attempts and error updated) or at a hole in the seqs after the first
@@ -308,7 +309,7 @@ class ParkedAdmin:
             if row is None:
                 raise NotParkedError(f"message {mid} is not parked in group {storage.group!r}")
             d = row.delivery
-            lane = d.lane if isinstance(d, OrderedDelivery) else None
+            lane = d.lane if isinstance(d, KeyedDelivery) else None
             state = storage.keys.lock(session, [lane])[lane] if lane else None
             if isinstance(d, OrderedDelivery) and state is not None:
                 earlier = storage.parked.count_before(session, d.lane, d.seq)

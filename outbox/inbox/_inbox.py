@@ -25,6 +25,7 @@ from .. import _schema
 from .._alerts import AlertSink, LoggingAlertSink
 from .._envelope import Message
 from .._errors import ConfigurationError
+from .._foreign import ForeignEnvelope
 from .._statements import SUPPORTED_DIALECTS
 from .._stopping import STOP_TIMEOUT, RunOnce
 from .._tables import OutboxTables
@@ -111,7 +112,8 @@ class Inbox(HandlerRegistration, ParkedOperations):
         gap_alert_after: timedelta | float | None = None,
         retry_backoff: float = 0.1,
         retry_backoff_max: float = 5.0,
-        foreign_records: ForeignRecords | Literal["park", "accept"] = ForeignRecords.PARK,
+        foreign_records: ForeignRecords | ForeignEnvelope | Literal["park", "accept", "debezium"] = (
+            ForeignRecords.PARK),
         start: StartPolicy | Literal["strict", "first_seen"] = StartPolicy.STRICT,
         dedup_window: timedelta | float | None = None,
         unknown_event: UnknownEvents | Literal["park", "skip"] = UnknownEvents.PARK,
@@ -149,7 +151,8 @@ class Inbox(HandlerRegistration, ParkedOperations):
         self.concurrency = settings.concurrency
         self.batch_size = settings.batch_size
         self.gap_timeout = settings.gap_timeout
-        self.accept_foreign = settings.foreign_records is ForeignRecords.ACCEPT
+        self.foreign = settings.foreign_records
+        """What a record without the outbox envelope becomes (``foreign_records``, resolved)."""
         self.start = settings.start
         self.alert = alert
         self.metrics = InboxMetrics(group)
@@ -265,7 +268,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
         if isinstance(record, Message):
             d = delivery(record, partition, offset)
         else:
-            d = decode(record, accept_foreign=self.accept_foreign)
+            d = decode(record, foreign=self.foreign)
         self.metrics.consumed(d.message.topic)
         if self.router is not None:
             d = self.router.tag(d)
@@ -302,7 +305,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
                 "as Kafka positions; call inbox.handle(record) from the source's own loop and acknowledge "
                 "each record once it returned (docs/transports.md)")
         router = self.router
-        read: Decode = functools.partial(decode, accept_foreign=self.accept_foreign)
+        read: Decode = functools.partial(decode, foreign=self.foreign)
         if router is not None:
             untagged = read
 

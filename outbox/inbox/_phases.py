@@ -43,7 +43,7 @@ from .._tables import InboxOutcome
 from ._calls import Handlers
 from ._committed import Committed, Failure, Parked
 from ._conflicts import Verdict, describe, describe_held, judge, judge_held
-from ._delivery import Delivery, KeyId, OrderedDelivery, lane_of
+from ._delivery import Delivery, KeyedDelivery, KeyId, OrderedDelivery, lane_of
 from ._kinds import Reason, StartPolicy
 from ._runs import Lanes
 from ._signals import Disposition, SkipMessage
@@ -81,7 +81,7 @@ class Transaction:
         self.unhold: dict[uuid.UUID, Delivery] = {}
         self.lost: list[Delivery] = []
         """Claimed this round but not applied: their claims go back in ``advance``."""
-        self.behind_parked: list[OrderedDelivery] = []
+        self.behind_parked: list[KeyedDelivery] = []
         """Arrivals of parked keys, parked behind them by ``finish`` in one statement."""
 
     def look_up_behind(self, deliveries: list[Delivery]) -> None:
@@ -116,17 +116,16 @@ class Transaction:
         """Settle a lane's head deliveries that need no handler; return the key's run.
 
         The run is the next message of the key and those that follow it in
-        seq order without a gap. It stops before anything else, which the next
-        round settles against the state the run leaves.
+        seq order without a gap (a key without seqs: in arrival order). It
+        stops before anything else, which the next round settles against the
+        state the run leaves.
         """
         run: list[Delivery] = []
         while queue:
             d = queue[0]
             if run:
-                last = run[-1]
-                follows = (isinstance(d, OrderedDelivery) and isinstance(last, OrderedDelivery)
-                           and d.seq == last.seq + 1)
-                if not follows or d.unreadable is not None or d.message.message_id in self.seen:
+                if (not _follows(d, run[-1]) or d.unreadable is not None
+                        or d.message.message_id in self.seen):
                     break
                 queue.popleft()
                 self.seen.add(d.message.message_id)
@@ -155,11 +154,13 @@ class Transaction:
         if unreadable is not None and unreadable.reason is Reason.FOREIGN:
             self._park(d, Reason.FOREIGN, unreadable.detail)
             return _Triage.SETTLED
-        if not isinstance(d, OrderedDelivery):
+        if not isinstance(d, KeyedDelivery):
             if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
                 self._park(d, Reason.UNDECODABLE, unreadable.detail)
                 return _Triage.SETTLED
             return _Triage.RUN
+        if not isinstance(d, OrderedDelivery):
+            return self._triage_unnumbered(d)
         state = self.states[d.lane]
         seq = d.seq
         if self.start is StartPolicy.FIRST_SEEN and state.untouched and seq > 1:
@@ -172,12 +173,7 @@ class Transaction:
                 return _Triage.DUPLICATE
             return self._conflict(d, state)
         if state.parked:
-            if d.from_held:
-                self._park(d, Reason.KEY_PARKED, "")
-            else:  # a parked key's flood: written in one statement by finish
-                self.behind_parked.append(d)
-                self.committed.parked.append(Parked(d, Reason.KEY_PARKED, "", False))
-                self.committed.done.append((d, Disposition.PARKED))
+            self._park_behind(d)
             return _Triage.SETTLED
         if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
             self._park(d, Reason.UNDECODABLE, unreadable.detail)
@@ -190,6 +186,31 @@ class Transaction:
             self.committed.done.append((d, Disposition.HELD))
             return _Triage.SETTLED
         return _Triage.RUN
+
+    def _triage_unnumbered(self, d: KeyedDelivery) -> _Triage:
+        """A keyed message without a seq: behind its parked key, parked as undecodable, or run.
+
+        Its key's position does not move (there is none to move): only its
+        parked flag counts. A redelivery is found by its id when it is claimed.
+        """
+        state = self.states[d.lane]
+        if state.parked:
+            self._park_behind(d)
+            return _Triage.SETTLED
+        if d.unreadable is not None and d.unreadable.reason is Reason.UNDECODABLE:
+            self._park(d, Reason.UNDECODABLE, d.unreadable.detail)
+            state.parked = True
+            return _Triage.SETTLED
+        return _Triage.RUN
+
+    def _park_behind(self, d: KeyedDelivery) -> None:
+        """Park ``d`` behind its parked key (``KEY_PARKED``)."""
+        if d.from_held:
+            self._park(d, Reason.KEY_PARKED, "")
+        else:  # a parked key's flood: written in one statement by finish
+            self.behind_parked.append(d)
+            self.committed.parked.append(Parked(d, Reason.KEY_PARKED, "", False))
+            self.committed.done.append((d, Disposition.PARKED))
 
     def _held_conflict(self, d: OrderedDelivery, holder: OrderedDelivery, state: KeyState) -> _Triage:
         """Settle ``d``, ahead of a gap, whose seq another held message claims already.
@@ -361,6 +382,15 @@ class Transaction:
         storage.keys.set_started(session, {lane: seq for lane, seq in self.starts.items()
                                            if lane in self.new_seqs})
         self.committed.done.extend((d, Disposition.DUPLICATE) for d in self.duplicates)
+
+
+def _follows(d: Delivery, last: Delivery) -> bool:
+    """Whether ``d`` continues the run that ends with ``last``: the next seq of its key, or the
+    next arrival of a key without seqs."""
+    if isinstance(d, OrderedDelivery) or isinstance(last, OrderedDelivery):
+        return (isinstance(d, OrderedDelivery) and isinstance(last, OrderedDelivery)
+                and d.seq == last.seq + 1)
+    return isinstance(d, KeyedDelivery) and isinstance(last, KeyedDelivery)
 
 
 class _Triage(enum.Enum):

@@ -44,7 +44,7 @@ from transports._logsafe import safe_logger
 from ._calls import AllAtOnce, Error, HandlerCalls, Handlers, OneByOne, Redo, TopicHandlers
 from ._committed import Committed, Parked
 from ._conflicts import Verdict
-from ._delivery import Delivery, KeyId, OrderedDelivery
+from ._delivery import Delivery, KeyedDelivery, KeyId, OrderedDelivery
 from ._kinds import Reason, StartPolicy
 from ._metrics import InboxMetrics
 from ._phases import Transaction
@@ -164,7 +164,7 @@ class TransactionStep:
         text = f"{type(error).__name__}: {error}"
         with self.sessions() as session, session.begin():
             state = (self.storage.keys.lock(session, [d.lane])[d.lane]
-                     if isinstance(d, OrderedDelivery) else None)
+                     if isinstance(d, KeyedDelivery) else None)
             if (state is not None and isinstance(d, OrderedDelivery) and d.seq <= state.last_seq
                     and self.storage.dedup.is_recorded(session, d.message.message_id)):
                 return Disposition.DUPLICATE, None  # applied meanwhile by another consumer

@@ -26,9 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
+from ._jvm import HOST
 from ._kafka_admin import admin_client, create_topic, partition_leader
 from ._kafka_libs import java, kafka_libs, kafka_version, missing
-from ._kafka_node import HOST, STOP_TIMEOUT, KafkaNode
+from ._kafka_node import STOP_TIMEOUT, KafkaNode
 from ._ports import free_port
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Where the local Apache Kafka's jars and a Java runtime are.
+"""Where the local Apache Kafka's jars (and the other JVM bundles') and a Java runtime are.
 
 ``scripts/setup`` fetches the broker's jars from Maven Central into
 ``.jvm/kafka/libs`` of this checkout (``scripts/jvm/kafka/pom.xml``; the file
@@ -29,11 +29,21 @@ def kafka_libs() -> Path | None:
     ``OUTBOX_TEST_KAFKA_LIBS`` when set (a folder holding ``kafka_2.13-*.jar``), else the
     complete ``.jvm/kafka/libs`` of the nearest checkout.
     """
-    if named := os.environ.get(LIBS_VARIABLE):
+    return bundle_libs("kafka", LIBS_VARIABLE, "kafka_2.13-*.jar")
+
+
+def bundle_libs(name: str, variable: str, marker: str) -> Path | None:
+    """The jars of bundle ``name`` (``scripts/jvm/NAME``), or None when they are not there.
+
+    The folder named by the environment variable ``variable`` when it is set and holds a
+    jar matching ``marker``; else the complete ``.jvm/NAME/libs`` of the nearest checkout
+    (``.jvm/NAME/fetched`` marks a complete copy).
+    """
+    if named := os.environ.get(variable):
         libs = Path(named)
-        return libs if any(libs.glob("kafka_2.13-*.jar")) else None
+        return libs if any(libs.glob(marker)) else None
     for root in _checkouts():
-        bundle = root / ".jvm" / "kafka"
+        bundle = root / ".jvm" / name
         if (bundle / "fetched").is_file():
             return bundle / "libs"
     return None

@@ -5,63 +5,22 @@ A node owns its directory (``server.properties``, the log4j2 configuration,
 127.0.0.1 (clients and controllers) and its JVM. ``_kafka`` composes one or
 three of them into ``LocalKafka`` and ``LocalKafkaCluster``.
 
-The JVM is this process's child, started in a session of its own (a Ctrl-C in
-the terminal reaches the tests, which stop it, not the broker directly). Every
-running JVM is killed at interpreter exit (``atexit``); started from the main
-thread it is also killed by the kernel when this process dies
-(``setpriv --pdeathsig``), so a test process that is killed leaks no broker.
+The JVM's launcher, options and clean-up are ``_jvm``'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import shutil
 import signal
 import subprocess
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from ._jvm import HOST, JVM_OPTIONS, LOG4J2, ended, launcher, started
 from ._ports import check_bound
 
-HOST = "127.0.0.1"
 STOP_TIMEOUT = 30.0
 """How long ``stop()`` waits for a clean shutdown (SIGTERM) before it kills the JVM."""
-
-# Kafka's own launcher (kafka-run-class.sh) uses G1 with these; the heap is the caller's.
-JVM_OPTIONS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:InitiatingHeapOccupancyPercent=35",
-               "-XX:+ExplicitGCInvokesConcurrent", "-XX:+ExitOnOutOfMemoryError", "-XX:-UsePerfData",
-               "-Djava.awt.headless=true")
-
-_LOG4J2 = """\
-status = warn
-appender.file.type = File
-appender.file.name = file
-appender.file.fileName = {log}
-appender.file.layout.type = PatternLayout
-appender.file.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = INFO
-rootLogger.appenderRef.file.ref = file
-"""
-
-_running: set[subprocess.Popen[bytes]] = set()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for process in list(_running):
-        with contextlib.suppress(OSError):
-            process.kill()
-
-
-def _launcher() -> list[str]:
-    """``setpriv --pdeathsig KILL`` where it works: the kernel kills the JVM when its parent *thread*
-    ends, so only from the main thread (a JVM started by a worker thread must outlive that thread)."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return []
-    return [setpriv, "--pdeathsig", "KILL"]
 
 
 class KafkaNode:
@@ -88,7 +47,7 @@ class KafkaNode:
         self._log_start = 0
         self.frozen = False
         directory.mkdir(parents=True)
-        (directory / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
+        (directory / "log4j2.properties").write_text(LOG4J2.format(log=self.log_path))
 
     def __repr__(self) -> str:
         state = "frozen" if self.frozen else "running" if self.running else "stopped"
@@ -138,13 +97,13 @@ class KafkaNode:
         if self.running:
             raise RuntimeError(f"Kafka node {self.node_id} is already running")
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        command = [*_launcher(), self._java, f"-Xmx{self._heap}", "-Xms64m", *JVM_OPTIONS,
+        command = [*launcher(), self._java, f"-Xmx{self._heap}", "-Xms64m", *JVM_OPTIONS,
                    *self._java_command("kafka.Kafka", str(self.directory / "server.properties"))[1:]]
         with open(self.directory / "stdout.log", "ab") as out:
             self._process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, cwd=self.directory,
                                              start_new_session=True)
-        _running.add(self._process)
+        started(self._process)
         self.frozen = False
 
     # -- what the owner reads while it waits -----------------------------------------------------
@@ -209,7 +168,7 @@ class KafkaNode:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
-        _running.discard(self._process)
+        ended(self._process)
 
     def kill(self) -> None:
         """SIGKILL: the process is gone at once, nothing flushed, nobody told (a crashed host)."""
@@ -218,7 +177,7 @@ class KafkaNode:
         if self._process.poll() is None:
             self._process.kill()
         self._process.wait()
-        _running.discard(self._process)
+        ended(self._process)
         self.frozen = False
 
     def freeze(self) -> None:

@@ -23,6 +23,11 @@ PORT_ATTEMPTS = 3
 # Durability off: tests want speed, and a crash of a throwaway cluster loses nothing.
 FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
+LOGICAL_SETTINGS = {**FAST_SETTINGS, "wal_level": "logical", "max_replication_slots": "20",
+                    "max_wal_senders": "20"}
+"""A server Debezium can read: logical decoding on (``wal_level=logical``), room for a slot per
+connector. The local server's ``postgres`` superuser may create slots and publications."""
+
 
 def postgres_bindir() -> Path | None:
     """The directory holding initdb/pg_ctl: PATH first, then Debian's layout."""

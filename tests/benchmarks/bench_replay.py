@@ -68,7 +68,7 @@ def replay_rate(db: str, messages: int, batch: int, *, batch_handler: bool) -> f
         for start in range(2, messages + 1, 10_000):
             rows = []
             for seq in range(start, min(start + 10_000, messages + 1)):
-                d = decode(record(TOPIC, key, seq), accept_foreign=False)
+                d = decode(record(TOPIC, key, seq))
                 rows.append({**stored_row(d, group), "reason": Reason.KEY_PARKED.value, "error": None,
                              "traceback": None, "attempts": 0,
                              "first_failure_at": d.received_at, "last_failure_at": d.received_at})
@@ -108,7 +108,7 @@ def flood_rate(db: str, messages: int, *, batched: bool, batch_size: int = 500) 
     inbox.handler(TOPIC)(handler)
     key = f"k-{group}"
     inbox.handle(record(TOPIC, key, 1))  # fails, parks the key
-    flood = [decode(record(TOPIC, key, seq), accept_foreign=False) for seq in range(2, messages + 2)]
+    flood = [decode(record(TOPIC, key, seq)) for seq in range(2, messages + 2)]
     started = time.perf_counter()
     for n in range(0, messages, batch_size):
         inbox.step.apply(flood[n:n + batch_size])

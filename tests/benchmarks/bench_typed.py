@@ -86,7 +86,7 @@ def consume_round(inbox: Inbox, batch: list[Any], per_transaction: int = 100) ->
 
     started = time.perf_counter()
     for at in range(0, len(batch), per_transaction):
-        settled = inbox.settler.settle([decode(r, accept_foreign=False)
+        settled = inbox.settler.settle([decode(r)
                                         for r in batch[at:at + per_transaction]])
         assert not settled.later, "a benchmark message failed"
     return (time.perf_counter() - started) / len(batch) * 1e6

@@ -22,7 +22,7 @@ from sqlalchemy import ColumnElement, Row, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from ..._envelope import utcnow
-from .._delivery import Delivery, KeyId, OrderedDelivery
+from .._delivery import Delivery, KeyedDelivery, KeyId
 from .._kinds import Reason
 from ._inserts import GroupStore
 from ._rows import delivery_from_row, stored_row
@@ -55,7 +55,7 @@ class ParkedMessages(Protocol):
         """Store ``d`` (``InboxStorage.park``'s insert: call that); one parked already stays as it is."""
         ...
 
-    def add_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+    def add_behind(self, session: Session, deliveries: Sequence[KeyedDelivery]) -> None:
         """Store arrivals of parked keys (``KEY_PARKED``) in one statement (``InboxStorage.park_behind``)."""
         ...
 
@@ -108,7 +108,7 @@ class ParkedTable(GroupStore):
                "last_failure_at": at}
         session.execute(self.inserts.new(self.t.inbox_parked).values(row))
 
-    def add_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+    def add_behind(self, session: Session, deliveries: Sequence[KeyedDelivery]) -> None:
         """One executemany: ``add`` for each would cost a statement per message."""
         if not deliveries:
             return

@@ -43,7 +43,7 @@ from sqlalchemy.types import TypeEngine
 from ..._envelope import utcnow
 from ..._pg_arrays import array_params, int_array, rows_of
 from ..._tables import InboxOutcome, OutboxTables
-from .._delivery import Delivery, KeyId, OrderedDelivery
+from .._delivery import Delivery, KeyedDelivery, KeyId
 from .._kinds import Reason
 from ._dedup import DedupTable
 from ._held import HeldTable
@@ -185,7 +185,7 @@ class PostgresParked(ParkedTable):
         self._remove_run = delete(parked).where(
             parked.c.id == any_(cast(bindparam("ids", type_=Text()), ARRAY(BigInteger))))
 
-    def add_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+    def add_behind(self, session: Session, deliveries: Sequence[KeyedDelivery]) -> None:
         """One INSERT of one array per column: an executemany sent a statement per message."""
         if not deliveries:
             return

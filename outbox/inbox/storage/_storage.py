@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from ..._envelope import utcnow
 from ..._tables import OutboxTables
-from .._delivery import Delivery, OrderedDelivery
+from .._delivery import Delivery, KeyedDelivery
 from .._kinds import Reason
 from ._dedup import DedupRecords
 from ._held import HeldMessages
@@ -42,7 +42,7 @@ class InboxStorage:
              traceback: str | None = None, attempts: int = 0) -> bool:
         """Store ``d`` in ``inbox_parked``; True when this also parked its key.
 
-        A keyed, ordered message parked for a reason that stops its key
+        A keyed message parked for a reason that stops its key
         (``Reason.parks_key``) marks the key parked and moves the key's held
         messages behind it (reason ``KEY_PARKED``). The caller holds the key's
         lock. A second park of the same message is a no-op.
@@ -51,7 +51,7 @@ class InboxStorage:
         self.parked.add(session, d, reason, now, error=error, traceback=traceback, attempts=attempts)
         if d.from_held:
             self.held.remove(session, [d.message.message_id])
-        if not (reason.parks_key and isinstance(d, OrderedDelivery)):
+        if not (reason.parks_key and isinstance(d, KeyedDelivery)):
             return False
         key = d.lane
         self.keys.mark_parked(
@@ -62,7 +62,7 @@ class InboxStorage:
                 self.park(session, held, Reason.KEY_PARKED)
         return True
 
-    def park_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+    def park_behind(self, session: Session, deliveries: Sequence[KeyedDelivery]) -> None:
         """Park arrivals of parked keys (``KEY_PARKED``) in one statement.
 
         The flood of a parked key is parked at the rate its messages arrive:
