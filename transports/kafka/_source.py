@@ -3,7 +3,8 @@
 Offsets are never committed behind the inbox's back: auto-commit and the
 automatic offset store are off, and ``commit`` commits exactly the positions
 it is given, synchronously, waiting for an answer at most a session timeout
-(``_commit``: librdkafka alone may wait for as long as the coordinator is gone). The rebalance callbacks are wired to
+(``_commit``: librdkafka alone may wait for as long as the coordinator is gone).
+The rebalance callbacks are wired to
 ``on_revoke``, so the inbox can finish in-flight work and commit before the
 partitions go. librdkafka errors are translated here and nowhere else.
 
