@@ -126,15 +126,18 @@ def test_a_restarted_relay_honours_attempts_and_next_attempt_time(outbox: Outbox
 
 def test_a_retry_backs_off_even_when_the_publisher_clock_ran_ahead(outbox: Outbox) -> None:
     """Next attempt from max(relay now, created_at): else a fast publisher's row is "due" at once."""
+    before = datetime.now(UTC)
     ids = publish(outbox, "orders", [None, "k"])
     m = outbox.tables.messages
-    ahead = timedelta(seconds=5)  # the publisher's clock, 5 s ahead of the relay's
+    # The publisher's clock, a minute ahead of the relay's: far more than the test lasts
+    # on a loaded machine, so the rows stay "in the future" for the relay throughout.
+    ahead = timedelta(seconds=60)
     stored = rows(outbox)
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         for row in stored:
             conn.execute(m.update().where(m.c.id == row.id).values(
                 created_at=row.created_at + ahead, available_at=row.available_at + ahead))
-    assert all(r.created_at > datetime.now(UTC) + timedelta(seconds=4) for r in rows(outbox))
+    assert all(r.created_at > before + timedelta(seconds=59) for r in rows(outbox))
     transport = ScriptedTransport({str(i): [Outcome.RETRY] for i in ids})
     relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(2))
     assert relay.run_once().retried == 2

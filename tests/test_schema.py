@@ -117,13 +117,17 @@ def test_public_api_is_pinned():
 
 
 TESTING_API = [
-    "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "KAFKA_LIBS_VARIABLE", "MYSQL_URL_VARIABLE",
-    "POSTGRES_URL_VARIABLE", "BrokerNeed", "InMemoryBroker", "InMemorySource", "InMemoryTransport",
-    "KafkaNode", "KafkaStartError", "LocalKafka", "LocalKafkaCluster", "LocalMariaDB", "LocalPostgres",
-    "OutboxTestHarness", "PortNotBound", "Settled", "Unavailable", "alter_topic", "create_topic",
+    "DEBEZIUM_LIBS_VARIABLE", "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "KAFKA_CONNECT_URL_VARIABLE",
+    "KAFKA_LIBS_VARIABLE", "LOGICAL_POSTGRES_URL_VARIABLE", "LOGICAL_SETTINGS", "MYSQL_URL_VARIABLE",
+    "POSTGRES_URL_VARIABLE", "BrokerNeed", "ConnectRest", "ConnectStartError", "ConnectorFailed",
+    "DebeziumOutbox", "InMemoryBroker", "InMemorySource", "InMemoryTransport", "KafkaNode",
+    "KafkaStartError", "LocalKafka", "LocalKafkaCluster", "LocalKafkaConnect", "LocalMariaDB",
+    "LocalPostgres", "OutboxTestHarness", "PortNotBound", "Settled", "Unavailable", "alter_topic",
+    "create_topic", "debezium_outbox_config", "debezium_outbox_table", "debezium_over_our_outbox",
     "delete_topic", "docker_engine_answers", "free_port", "fresh_database", "fresh_mysql_database",
-    "kafka_bootstrap", "local_kafka", "local_mariadb", "local_postgres", "local_postgres_server",
-    "mariadb_binaries", "mysql_url", "postgres_bindir", "postgres_url", "wait_until_bound",
+    "kafka_bootstrap", "kafka_connect", "local_kafka", "local_mariadb", "local_postgres",
+    "local_postgres_server", "logical_postgres_url", "mariadb_binaries", "mysql_url", "postgres_bindir",
+    "postgres_url", "wait_until_bound",
 ]
 
 

@@ -119,11 +119,13 @@ def _foreign_policy(value: object) -> ForeignRecords | ForeignEnvelope:
         return value
     if value == DEBEZIUM and isinstance(value, str):
         return ForeignEnvelope.debezium()
-    try:
-        return ForeignRecords(value)  # type: ignore[arg-type]  # a str or the enum; anything else fails
-    except ValueError:
-        raise ConfigurationError(f"foreign_records must be 'park', 'accept', {DEBEZIUM!r} or a "
-                                 f"ForeignEnvelope, got {value!r:.80}") from None
+    if isinstance(value, str):  # a str or the enum (a str too); anything else fails below
+        try:
+            return ForeignRecords(value)
+        except ValueError:
+            pass
+    raise ConfigurationError(f"foreign_records must be 'park', 'accept', {DEBEZIUM!r} or a "
+                             f"ForeignEnvelope, got {value!r:.80}")
 
 
 def _as_seconds(value: timedelta | float) -> float:
