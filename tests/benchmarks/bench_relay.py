@@ -23,6 +23,8 @@ relays are separate processes that reach it over TCP).
 
     python tests/benchmarks/bench_relay.py [--messages N] [--keys N] [--pairs N]
     python tests/benchmarks/bench_relay.py --hot-keys [--hot-messages N] [--pairs N]
+
+Throughput and latency on a single-node Apache Kafka beside this mock: ``bench_relay_brokers.py``.
 """
 
 from __future__ import annotations
