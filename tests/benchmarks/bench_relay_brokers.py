@@ -22,10 +22,11 @@ import os
 import statistics
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _report import markdown_table, write_section
@@ -41,19 +42,35 @@ RATE = 1000  # msg/s the latency writers commit
 
 # -- brokers and the machine's load -----------------------------------------------------
 
+@dataclass(frozen=True)
+class Broker:
+    """A running broker: its bootstrap servers, its name in the report, the process it runs in."""
+
+    servers: str
+    name: str
+    pid: int
+
+
 @contextmanager
-def broker(kind: str) -> Iterator[tuple[str, str]]:
-    """Bootstrap servers and name of a broker: ``mock``, librdkafka's mock cluster in this
-    process; ``real``, a single-node Apache Kafka (``LocalKafka``, which proves it bound its
-    ports) with the topics made first, 4 partitions each, as the mock makes them."""
+def broker(kind: str) -> Iterator[Broker]:
+    """``mock``: librdkafka's mock cluster in this process; ``real``: a single-node Apache Kafka
+    (``LocalKafka``, which proves it bound its ports) with the topics made first, 4 partitions
+    each, as the mock makes them."""
     if kind == "mock":
         with embedded_kafka() as servers:
-            yield servers, "mock (librdkafka)"
+            yield Broker(servers, "mock (librdkafka)", os.getpid())
         return
     with LocalKafka() as kafka:
         for topic in TOPICS:
             create_topic(kafka.bootstrap, topic, 4)
-        yield kafka.bootstrap, f"Apache Kafka {kafka.version}"
+        assert kafka.pid is not None
+        yield Broker(kafka.bootstrap, f"Apache Kafka {kafka.version}", kafka.pid)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU a process has used so far, from ``/proc/PID/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -68,9 +85,15 @@ class Load:
 
 
 class LoadDuring:
-    """Samples ``os.getloadavg()`` every second on a thread while the ``with`` block runs."""
+    """Samples ``os.getloadavg()`` every second on a thread while the ``with`` block runs, and
+    counts the CPU the broker's process used meanwhile (for the mock, the benchmark process:
+    the broker's threads, and the benchmark's own look at the table every 50 ms)."""
+
+    def __init__(self, broker_pid: int) -> None:
+        self._pid = broker_pid
 
     def __enter__(self) -> LoadDuring:
+        self._cpu = cpu_seconds(self._pid)
         self.samples = [os.getloadavg()[0]]
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -85,6 +108,7 @@ class LoadDuring:
         self._done.set()
         self._thread.join()
         self.samples.append(os.getloadavg()[0])
+        self.broker_cpu = cpu_seconds(self._pid) - self._cpu
 
     @property
     def load(self) -> Load:
@@ -101,6 +125,7 @@ class Throughput:
     relay: float
     baseline_load: Load
     relay_load: Load
+    relay_broker_cpu: float  # the broker's CPU seconds while the relay drained the rows
 
     @property
     def ratio(self) -> float:
@@ -139,26 +164,27 @@ def compare_brokers(kinds: list[str], messages: int, keys: int, rounds: int,
     results = Results({}, {kind: [] for kind in kinds}, {kind: [] for kind in kinds})
     with ExitStack() as stack:
         url = stack.enter_context(local_postgres())
-        servers = {}
-        for kind in kinds:
-            servers[kind], results.names[kind] = stack.enter_context(broker(kind))
+        brokers = {kind: stack.enter_context(broker(kind)) for kind in kinds}
+        results.names = {kind: b.name for kind, b in brokers.items()}
         engine = create_engine(url)
         outbox = Outbox(engine)
         outbox.create_tables()
         fill(outbox, messages, keys)
         print("filled", flush=True)
         for n, kind in alternating(kinds, rounds):
-            with LoadDuring() as during_baseline:
-                base = run_baseline(url, servers[kind], engine)
-            with LoadDuring() as during_relay:
-                one = run_relays(url, servers[kind], engine, 1, messages)
-            run = Throughput(base, one, during_baseline.load, during_relay.load)
+            with LoadDuring(brokers[kind].pid) as during_baseline:
+                base = run_baseline(url, brokers[kind].servers, engine)
+            with LoadDuring(brokers[kind].pid) as during_relay:
+                one = run_relays(url, brokers[kind].servers, engine, 1, messages)
+            run = Throughput(base, one, during_baseline.load, during_relay.load, during_relay.broker_cpu)
             results.throughput[kind].append(run)
             print(f"round {n + 1} {kind}: baseline {base:,.0f} msg/s (load {run.baseline_load}), "
-                  f"relay {one:,.0f} msg/s (load {run.relay_load}), {run.ratio:.2f}", flush=True)
+                  f"relay {one:,.0f} msg/s (load {run.relay_load}), {run.ratio:.2f}, broker CPU "
+                  f"{run.relay_broker_cpu:.1f} s", flush=True)
         for n, kind in alternating(kinds, rounds):
-            with LoadDuring() as during:
-                p50, p99, achieved = run_latency(url, servers[kind], rate=RATE, seconds=latency_seconds)
+            with LoadDuring(brokers[kind].pid) as during:
+                p50, p99, achieved = run_latency(url, brokers[kind].servers, rate=RATE,
+                                                 seconds=latency_seconds)
             results.latency[kind].append(Latency(p50, p99, achieved, during.load))
             print(f"round {n + 1} {kind}: latency p50 {p50:.1f} ms p99 {p99:.1f} ms at {achieved:.0f} "
                   f"msg/s (load {during.load})", flush=True)
@@ -176,10 +202,10 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
-def throughput_rows(results: Results) -> list[list[object]]:
+def throughput_rows(results: Results, messages: int) -> list[list[object]]:
     rounds = len(next(iter(results.throughput.values())))
     return [[n + 1, results.names[kind], f"{t.baseline:,.0f}", str(t.baseline_load), f"{t.relay:,.0f}",
-             str(t.relay_load), f"{t.ratio:.2f}"]
+             str(t.relay_load), f"{t.ratio:.2f}", f"{t.relay_broker_cpu / messages * 1e6:.1f}"]
             for n in range(rounds) for kind, runs in results.throughput.items() for t in [runs[n]]]
 
 
@@ -207,17 +233,18 @@ def between_brokers(results: Results) -> str:
     if set(results.throughput) != {"mock", "real"}:
         return ""
 
-    def ratio(values: list[float]) -> str:
+    def ratio(measure: Callable[[Any], float], runs: dict[str, list[Any]]) -> str:
+        values = [measure(r) / measure(m) for r, m in zip(runs["real"], runs["mock"], strict=True)]
         return f"**{median(values):.2f}** ({', '.join(f'{v:.2f}' for v in values)})"
 
-    real, mock = results.throughput["real"], results.throughput["mock"]
-    real_latency, mock_latency = results.latency["real"], results.latency["mock"]
+    throughput, latency = results.throughput, results.latency
     rows: list[list[object]] = [
-        ["baseline msg/s", ratio([r.baseline / m.baseline for r, m in zip(real, mock, strict=True)])],
-        ["relay msg/s", ratio([r.relay / m.relay for r, m in zip(real, mock, strict=True)])],
-        ["relay / baseline", ratio([r.ratio / m.ratio for r, m in zip(real, mock, strict=True)])],
-        ["latency p50", ratio([r.p50 / m.p50 for r, m in zip(real_latency, mock_latency, strict=True)])],
-        ["latency p99", ratio([r.p99 / m.p99 for r, m in zip(real_latency, mock_latency, strict=True)])],
+        ["baseline msg/s", ratio(lambda t: t.baseline, throughput)],
+        ["relay msg/s", ratio(lambda t: t.relay, throughput)],
+        ["relay / baseline", ratio(lambda t: t.ratio, throughput)],
+        ["broker CPU per message", ratio(lambda t: t.relay_broker_cpu, throughput)],
+        ["latency p50", ratio(lambda x: x.p50, latency)],
+        ["latency p99", ratio(lambda x: x.p99, latency)],
     ]
     return f"""
 {results.names["real"]} / mock, round by round (median, then each round):
@@ -242,16 +269,18 @@ baseline, then the relay, on one broker, then on the other; the order switches e
 Load: the machine's 1-minute load average while the run lasted, mean (≤ highest), from samples
 each second — other jobs share the two cores, so the ratios within a round are the fair figures.
 
-**Throughput**, every round:
+**Throughput**, every round; the last column is the CPU the broker's process used while the
+relay drained the rows, per message (for the mock, the benchmark process that hosts it):
 
-{markdown_table(["round", "broker", "baseline msg/s", "load", "relay msg/s", "load", "relay / baseline"],
-                throughput_rows(results))}
+{markdown_table(["round", "broker", "baseline msg/s", "load", "relay msg/s", "load", "relay / baseline",
+                 "broker CPU µs/msg"], throughput_rows(results, args.messages))}
 
 **Latency**, commit → broker acknowledgement (`published_at` minus the writer's commit time),
-writers committing {RATE:,} msg/s for {args.latency_seconds:g} s, one message per transaction,
-the relay woken by LISTEN/NOTIFY (poll interval 5 s), every round:
+two writer threads asked to commit {RATE:,} msg/s for {args.latency_seconds:g} s, one message per
+transaction ("msg/s made": what they managed, on a loaded machine fewer), the relay woken by
+LISTEN/NOTIFY (poll interval 5 s), every round:
 
-{markdown_table(["round", "broker", "p50 ms", "p99 ms", "msg/s achieved", "load"], latency_rows(results))}
+{markdown_table(["round", "broker", "p50 ms", "p99 ms", "msg/s made", "load"], latency_rows(results))}
 
 **Medians**, with the targets the relay section publishes on the mock (relay / baseline ≥ 0.85,
 p50 ≤ 20 ms, p99 ≤ 100 ms) judged on each broker (relay / baseline: the median of the rounds'
