@@ -125,7 +125,8 @@ class Throughput:
     relay: float
     baseline_load: Load
     relay_load: Load
-    relay_broker_cpu: float  # the broker's CPU seconds while the relay drained the rows
+    baseline_broker_cpu: float  # the broker's CPU seconds while the baseline drained the rows
+    relay_broker_cpu: float  # the same while the relay did
 
     @property
     def ratio(self) -> float:
@@ -176,11 +177,12 @@ def compare_brokers(kinds: list[str], messages: int, keys: int, rounds: int,
                 base = run_baseline(url, brokers[kind].servers, engine)
             with LoadDuring(brokers[kind].pid) as during_relay:
                 one = run_relays(url, brokers[kind].servers, engine, 1, messages)
-            run = Throughput(base, one, during_baseline.load, during_relay.load, during_relay.broker_cpu)
+            run = Throughput(base, one, during_baseline.load, during_relay.load, during_baseline.broker_cpu,
+                             during_relay.broker_cpu)
             results.throughput[kind].append(run)
             print(f"round {n + 1} {kind}: baseline {base:,.0f} msg/s (load {run.baseline_load}), "
                   f"relay {one:,.0f} msg/s (load {run.relay_load}), {run.ratio:.2f}, broker CPU "
-                  f"{run.relay_broker_cpu:.1f} s", flush=True)
+                  f"{run.baseline_broker_cpu:.2f} / {run.relay_broker_cpu:.2f} s", flush=True)
         for n, kind in alternating(kinds, rounds):
             with LoadDuring(brokers[kind].pid) as during:
                 p50, p99, achieved = run_latency(url, brokers[kind].servers, rate=RATE,
@@ -205,7 +207,8 @@ def verdict(ok: bool) -> str:
 def throughput_rows(results: Results, messages: int) -> list[list[object]]:
     rounds = len(next(iter(results.throughput.values())))
     return [[n + 1, results.names[kind], f"{t.baseline:,.0f}", str(t.baseline_load), f"{t.relay:,.0f}",
-             str(t.relay_load), f"{t.ratio:.2f}", f"{t.relay_broker_cpu / messages * 1e6:.1f}"]
+             str(t.relay_load), f"{t.ratio:.2f}",
+             f"{t.baseline_broker_cpu / messages * 1e6:.1f} / {t.relay_broker_cpu / messages * 1e6:.1f}"]
             for n in range(rounds) for kind, runs in results.throughput.items() for t in [runs[n]]]
 
 
@@ -234,7 +237,10 @@ def between_brokers(results: Results) -> str:
         return ""
 
     def ratio(measure: Callable[[Any], float], runs: dict[str, list[Any]]) -> str:
-        values = [measure(r) / measure(m) for r, m in zip(runs["real"], runs["mock"], strict=True)]
+        pairs = list(zip(runs["real"], runs["mock"], strict=True))
+        if any(measure(m) == 0 for _, m in pairs):
+            return "— (the mock's below what `/proc` resolves)"
+        values = [measure(r) / measure(m) for r, m in pairs]
         return f"**{median(values):.2f}** ({', '.join(f'{v:.2f}' for v in values)})"
 
     throughput, latency = results.throughput, results.latency
@@ -242,7 +248,8 @@ def between_brokers(results: Results) -> str:
         ["baseline msg/s", ratio(lambda t: t.baseline, throughput)],
         ["relay msg/s", ratio(lambda t: t.relay, throughput)],
         ["relay / baseline", ratio(lambda t: t.ratio, throughput)],
-        ["broker CPU per message", ratio(lambda t: t.relay_broker_cpu, throughput)],
+        ["broker CPU per message, baseline", ratio(lambda t: t.baseline_broker_cpu, throughput)],
+        ["broker CPU per message, relay", ratio(lambda t: t.relay_broker_cpu, throughput)],
         ["latency p50", ratio(lambda x: x.p50, latency)],
         ["latency p99", ratio(lambda x: x.p99, latency)],
     ]
@@ -270,10 +277,11 @@ Load: the machine's 1-minute load average while the run lasted, mean (≤ highes
 each second — other jobs share the two cores, so the ratios within a round are the fair figures.
 
 **Throughput**, every round; the last column is the CPU the broker's process used while the
-relay drained the rows, per message (for the mock, the benchmark process that hosts it):
+baseline, then the relay, drained the rows, per message (for the mock, the benchmark process
+that hosts it; `/proc` counts in hundredths of a second):
 
 {markdown_table(["round", "broker", "baseline msg/s", "load", "relay msg/s", "load", "relay / baseline",
-                 "broker CPU µs/msg"], throughput_rows(results, args.messages))}
+                 "broker CPU µs/msg, baseline / relay"], throughput_rows(results, args.messages))}
 
 **Latency**, commit → broker acknowledgement (`published_at` minus the writer's commit time),
 two writer threads asked to commit {RATE:,} msg/s for {args.latency_seconds:g} s, one message per
