@@ -23,6 +23,8 @@ relays are separate processes that reach it over TCP).
 
     python tests/benchmarks/bench_relay.py [--messages N] [--keys N] [--pairs N]
     python tests/benchmarks/bench_relay.py --hot-keys [--hot-messages N] [--pairs N]
+
+Throughput and latency on a single-node Apache Kafka beside this mock: ``bench_relay_brokers.py``.
 """
 
 from __future__ import annotations
@@ -204,10 +206,12 @@ def run_latency(url: str, servers: str, rate: int, seconds: float) -> tuple[floa
                     committed[str(message_id)] = time.time()
 
         threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+        started = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        writing = time.perf_counter() - started
         while pending(engine):
             time.sleep(0.1)
     finally:
@@ -216,7 +220,8 @@ def run_latency(url: str, servers: str, rate: int, seconds: float) -> tuple[floa
         acked = conn.execute(sa.text("SELECT message_id, published_at FROM outbox_messages")).all()
     latencies = sorted((at.timestamp() - committed[str(mid)]) * 1000 for mid, at in acked)
     q = statistics.quantiles(latencies, n=100)
-    achieved = len(latencies) / seconds
+    # What the writers made, not what they were asked for: on a loaded machine they fall behind.
+    achieved = len(latencies) / writing
     engine.dispose()
     return q[49], q[98], achieved
 
