@@ -165,6 +165,45 @@ def test_tenants_come_and_go_while_it_runs(pg: sa.Engine, topic: str) -> None:
         running.stop()
 
 
+def test_a_tenant_removed_mid_step_is_served_until_that_step_ends(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``tenants`` names what may still send: a tenant removed while a worker runs its step is
+    listed until that step ends and it is closed, so "no longer listed" means "sends nothing"."""
+    outboxes = make_tenants(pg, ["t1", "t2"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    sending, release = threading.Event(), threading.Event()
+
+    class Holding(InMemoryTransport):
+        def publish(self, records: Sequence[Record]) -> list[SendResult]:
+            if any(header(record, HEADER) == [b"t1"] for record in records):
+                sending.set()
+                release.wait(30)
+            return super().publish(records)
+
+    current = ["t1", "t2"]
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    relay = TenantRelay(lambda: list(current), lambda: Holding(broker), tenant_header=HEADER,
+                        poll_interval=0.1, lease_ttl=5.0, refresh_every=0.2, database=pg)
+    running = Running(relay)
+    try:
+        publish(outboxes["t1"], topic, ["a"])
+        assert sending.wait(20), "t1's step never sent"
+        current.remove("t1")
+        wait_for(lambda: any("tenant t1 removed" in r.getMessage() for r in caplog.records), 20,
+                 "t1's removal read")
+        assert relay.tenants == ["t1", "t2"]  # its step still runs: it may still send
+        release.set()
+        wait_for(lambda: relay.tenants == ["t2"], 20, "t1 closed once its step ended")
+        publish(outboxes["t1"], topic, ["b"])
+        publish(outboxes["t2"], topic, ["b"])
+        wait_for(lambda: pending(outboxes["t2"]) == 0, 20, "t2 still served")
+        assert pending(outboxes["t1"]) == 1
+        assert [header(r, HEADER) for r in broker.records(topic)].count([b"t1"]) == 1
+    finally:
+        release.set()
+        running.stop()
+
+
 def test_a_quiet_tenant_is_served_while_another_drains_a_backlog(pg: sa.Engine, topic: str) -> None:
     outboxes = make_tenants(pg, ["busy", "quiet"])
     publish(outboxes["busy"], topic, [f"k{i % 500}" for i in range(4_000)])

@@ -59,11 +59,18 @@ class FleetTenants:
         """Which tenant serves each schema, by what its server says (``outbox._schema_claims``)."""
         self._unfrozen: set[Unit] = set()
         """Tenants built since the heap was last frozen (``freeze_new``)."""
+        self._retiring: set[Unit] = set()
+        """Removed while a worker ran their step: still served until that step ends and they close."""
 
     def served(self) -> list[str]:
-        """The names of the tenants served now (those whose tables were read)."""
+        """The names of the tenants served now (those whose tables were read).
+
+        A tenant removed while its step runs is served until that step ends:
+        once its name is gone from here, nothing of it is sent any more.
+        """
         with self._schedule.lock:
-            return sorted(name for name, unit in self.units.items() if unit.step is not None)
+            units = [*self.units.values(), *self._retiring]
+            return sorted({unit.tenant.name for unit in units if unit.step is not None})
 
     def refresh(self) -> None:
         """Read the tenants again: start serving new ones, drop removed ones."""
@@ -85,6 +92,7 @@ class FleetTenants:
                 self._schedule.unqueue_locked(unit)  # no worker starts it while it is closed
             # Decided under the lock: a running one is closed by its worker, the others here.
             closing = [unit for unit in gone if unit.state is not TurnState.RUNNING]
+            self._retiring.update(unit for unit in gone if unit.state is TurnState.RUNNING)
             new = [tenant for name, tenant in wanted.items() if name not in self.units]
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
@@ -202,6 +210,8 @@ class FleetTenants:
             self.drop_step(unit)
         else:
             unit.step = None  # its database is down: its leases expire by their TTL
+        with self._schedule.lock:
+            self._retiring.discard(unit)
 
     def close_all(self, units: list[Unit]) -> None:
         """Close ``units`` (release their leases), each database's on a thread of its own.
