@@ -6,16 +6,18 @@ Run: ``.venv/bin/python tests/benchmarks/bench_flood.py [--pairs 2] [--rate 500]
 One throwaway PostgreSQL cluster with durable defaults (fsync, synchronous_commit
 on), librdkafka's mock cluster in this process, and a real ``Inbox.run``
 consumer (batch handler inserting one business row per message,
-``batch_size=500``, ``concurrency=2``). Each run has a database and a topic of
-its own. It first parks one key (its seq 1 fails, ``max_attempts=1``), then
-sends ``--rate`` messages a second of 1,000 ordinary keys for ``--seconds``;
-in a flood run the parked key receives ``--flood`` messages on the same topic
-over the same seconds, each parked behind it. The latency of an ordinary
-message is from its ``produce()`` call (the time travels in its payload) to
-the commit of the transaction that applied it, measured in this process. Runs
-alternate (no flood, flood, no flood, …) because the machine is shared: the
-ratio of p99s is taken within each pair. A last pair sends a bigger flood in
-the same seconds, to find where one key's lane stops keeping up.
+``batch_size=500``, ``concurrency=2``), the process's collector tuned as
+``outbox inbox run`` tunes it (``tune_gc_for_batches``; ``--default-gc``: not).
+Each run has a database and a topic of its own. It first parks one key (its
+seq 1 fails, ``max_attempts=1``), then sends ``--rate`` messages a second of
+1,000 ordinary keys for ``--seconds``; in a flood run the parked key receives
+``--flood`` messages on the same topic over the same seconds, each parked
+behind it. The latency of an ordinary message is from its ``produce()`` call
+(the time travels in its payload) to the commit of the transaction that
+applied it, measured in this process. Runs alternate (no flood, flood, no
+flood, …) because the machine is shared: the ratio of p99s is taken within
+each pair. A last pair sends a bigger flood in the same seconds, to find where
+one key's lane stops keeping up.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from sqlalchemy.orm import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from outbox import Inbox, Message, create_engine
+from outbox import Inbox, Message, create_engine, tune_gc_for_batches
 from outbox.testing import fresh_database, local_postgres
 from tests.benchmarks._report import markdown_table, write_section
 from tests.inbox_support import AlertLog, business, dispose, insert_effects, record
@@ -225,7 +227,12 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=100_000, help="parked key's messages per flood run")
     parser.add_argument("--fast-flood", type=int, default=300_000,
                         help="one more pair with a flood this big in the same seconds (0: none)")
+    parser.add_argument("--default-gc", action="store_true",
+                        help="leave CPython's collector as it comes, instead of tuning it as "
+                             "`outbox inbox run` does (tune_gc_for_batches)")
     args = parser.parse_args()
+    if not args.default_gc:
+        tune_gc_for_batches()  # what `outbox inbox run` does before it consumes
     pairs: list[tuple[Run, Run]] = []
     floods = [args.flood] * args.pairs + ([args.fast_flood] if args.fast_flood else [])
     with local_postgres() as server, embedded_kafka() as servers:
@@ -274,8 +281,10 @@ def main() -> None:
         "## Other keys beside a parked key's flood",
         f"`tests/benchmarks/bench_flood.py` (run: `python tests/benchmarks/bench_flood.py "
         f"--pairs {args.pairs} --rate {args.rate} --seconds {args.seconds:g} --flood {args.flood} "
-        f"--fast-flood {args.fast_flood}`): a real `Inbox.run` consumer (batch handler, "
-        f"batch_size=500, concurrency=2) on PostgreSQL 15 with durable defaults, librdkafka's "
+        f"--fast-flood {args.fast_flood}{' --default-gc' if args.default_gc else ''}`): a real "
+        f"`Inbox.run` consumer (batch handler, batch_size=500, concurrency=2, "
+        f"{'CPython collector as it comes' if args.default_gc else 'collector as `outbox inbox run` sets it'}"
+        f") on PostgreSQL 15 with durable defaults, librdkafka's "
         f"mock cluster and the paced producers in the same process, each run on a database and a "
         f"topic of its own. One key is parked (its seq 1 failed); "
         f"{KEYS:,} ordinary keys receive {args.rate:,} messages a second for "
