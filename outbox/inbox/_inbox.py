@@ -48,7 +48,7 @@ from ._metrics import InboxMetrics, tenant_inbox_metrics
 from ._outage import OutageLog, is_outage
 from ._runner import Decode, Runner
 from ._sessions import sessions_for
-from ._settings import InboxSettings
+from ._settings import DEFAULT_BATCH_SIZE, InboxSettings
 from ._settle import Settler
 from ._signals import Disposition
 from ._store import store_for
@@ -113,7 +113,7 @@ class Inbox:
         max_attempts: int = 3,
         alert: AlertSink | Callable[..., None] | None = None,
         concurrency: int = 8,
-        batch_size: int = 1,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         gap_timeout: timedelta | float = 60.0,
         gap_alert_after: timedelta | float | None = None,
         retry_backoff: float = 0.1,
