@@ -26,6 +26,7 @@ from ._errors import (
     UnserializablePayloadError,
 )
 from ._events import event, event_type_of, upcaster
+from ._foreign import ForeignEnvelope
 from ._gc import tune_gc_for_batches
 from ._outbox import Outbox
 from ._tables import OutboxTables
@@ -58,6 +59,7 @@ __all__ = [
     "ConfigurationError",
     "DiscardRefusedError",
     "Disposition",
+    "ForeignEnvelope",
     "ForeignRecordError",
     "ForeignRecords",
     "HandlerSignal",

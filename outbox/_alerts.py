@@ -25,6 +25,7 @@ from transports._logsafe import safe_logger
 from ._envelope import utcnow
 from ._errors import ConfigurationError, OutboxError
 from ._secrets import MASK, webhook_url
+from ._tenant import check_tenant_name
 
 log = safe_logger("outbox.alerts")
 
@@ -74,8 +75,6 @@ class Alert:
                                      f"got {self.kind!r}") from None
         object.__setattr__(self, "kind", kind)
         if self.tenant is not None:
-            from .tenants._tenant import check_tenant_name  # here: outbox.tenants imports this module
-
             check_tenant_name(self.tenant)
 
     def to_json(self) -> dict[str, Any]:
@@ -120,8 +119,6 @@ class TenantAlertSink:
     __slots__ = ("sink", "tenant")
 
     def __init__(self, sink: AlertSink | Callable[[Alert], None], tenant: str) -> None:
-        from .tenants._tenant import check_tenant_name
-
         if not callable(sink):
             raise ConfigurationError(f"alert sink must be callable, got {type(sink).__name__}")
         self.sink = sink

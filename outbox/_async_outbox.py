@@ -129,4 +129,4 @@ class AsyncOutbox(OutboxBase):
 
     def _create(self, conn: Connection) -> None:
         self._accept(_schema.create(conn, self.tables, self.requested_shards,
-                                    self.requested_max_record_bytes), self._place_of(conn))
+                                    self.requested_max_record_bytes), self._destination_of(conn))

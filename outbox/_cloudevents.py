@@ -46,8 +46,14 @@ CE_TIME = "ce_time"
 CE_SEQ = "ce_outboxseq"
 CE_INCARNATION = "ce_outboxincarnation"
 CE_PREFIX = "ce_"
-RELAY_ATTRIBUTES = frozenset({CE_SPECVERSION, CE_ID, CE_SOURCE, CE_TYPE, CE_TIME, CE_SEQ, CE_INCARNATION})
-"""The ``ce_*`` headers the relay sets: a user header of one of these names is replaced, not sent twice."""
+CE_DATACONTENTTYPE = "ce_datacontenttype"
+CE_PARTITIONKEY = "ce_partitionkey"
+RELAY_ATTRIBUTES = frozenset({CE_SPECVERSION, CE_ID, CE_SOURCE, CE_TYPE, CE_TIME, CE_SEQ, CE_INCARNATION,
+                              CE_DATACONTENTTYPE, CE_PARTITIONKEY})
+"""The attributes the relay sets, as ``ce_*`` header names (compared in lower case): a user header
+of one of these names is not sent, so no record carries an attribute twice. ``datacontenttype``
+travels as ``content-type`` and ``partitionkey`` as the record key (the Kafka binding's mapping):
+an SDK reads a ``ce_datacontenttype`` or ``ce_partitionkey`` header as that attribute too."""
 
 MAX_SOURCE_BYTES = 255
 MAX_TYPE_BYTES = 4 * 255
@@ -55,6 +61,8 @@ MAX_TYPE_BYTES = 4 * 255
 
 ``ce_type`` is the event type (at most 255 characters, the ``event_type`` column: 4 bytes
 each at most in UTF-8) or the topic (at most 249 ASCII characters)."""
+
+_CONTENT_TYPE = "content-type"  # datacontenttype's header in the Kafka binding (``_wire.CONTENT_TYPE``)
 
 # A URI-reference as a header value: visible ASCII, no space (RFC 3986 characters, unchecked further).
 _SOURCE = re.compile(r"[\x21-\x7e]{1,255}")
@@ -157,8 +165,10 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
     found: dict[str, str] = {}
     try:
         for name, raw in headers or ():
-            attribute = name.lower().startswith(CE_PREFIX) or name == "content-type"
-            name = name.lower() if attribute else name
+            lowered = name.lower()
+            attribute = lowered.startswith(CE_PREFIX) or lowered == _CONTENT_TYPE
+            # datacontenttype is the content-type header; a ce_ header of its name is that attribute too.
+            name = (_CONTENT_TYPE if lowered == CE_DATACONTENTTYPE else lowered) if attribute else name
             text = raw.decode() if raw is not None else ""
             if attribute and found.get(name, text) != text:
                 # Which one is the event's? Readers differ (first or last): its id, and so
@@ -193,7 +203,7 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
         event_type = checked_event_type(found[CE_TYPE])[0]
     except ValueError as exc:
         raise CloudEventRecordError(f"ce_type: {exc}") from None
-    content_type = found.get("content-type", BYTES)
+    content_type = found.get(_CONTENT_TYPE, BYTES)
     try:
         content_type = validate_content_type(content_type)
     except ValueError as exc:
@@ -203,7 +213,7 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
         "topic": topic, "key": _key(key), "seq": None,
         "payload": value if value is not None else b"",
         "content_type": content_type,
-        "headers": {name: text for name, text in found.items() if name != "content-type"},
+        "headers": {name: text for name, text in found.items() if name != _CONTENT_TYPE},
         "created_at": created_at, "available_at": created_at, "event_type": event_type,
     }
     return Message.model_construct(**fields)

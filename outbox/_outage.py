@@ -12,6 +12,9 @@ One module for every worker, relay and inbox alike:
   once.
 - ``OutageTracker`` says so once per change of state (down, then back up, with how
   long it was gone) and counts it, instead of a line per failed attempt.
+- ``OutageGate`` keeps callers off a dependency that is down: one of them at a
+  time probes it once its backoff has passed, the others put their work off
+  (the inbox's tenants, the fleet's databases, a retention thread).
 
 An outage never counts as an attempt, never parks, never alerts and never ends
 a worker; the waits are ``Event`` waits, so a stop (SIGTERM) ends them at once.
@@ -283,11 +286,102 @@ class OutageTracker:
                 self._count()
         return self.backoff.delay(failures)
 
-    def answered(self) -> None:
-        """Record that the dependency worked; logs only the change from down to up."""
+    def answered(self, started: float | None = None) -> None:
+        """Record that the dependency worked; logs only the change from down to up.
+
+        ``started`` (``time.monotonic()``): when the work that worked began. Work
+        that began before the outage was told says nothing of now (a long
+        transaction that committed just before the server went away): ignored.
+        """
         if self._since is None:  # the common case: no lock, no log
             return
         with self._lock:
+            if self._since is None or (started is not None and started < self._since):
+                return
             since, self._since, self._failures = self._since, None, 0
         if since is not None:
             self._log.warning(self._wording.up, self.what, time.monotonic() - since)
+
+
+# -- gating ------------------------------------------------------------------
+
+class OutageGate:
+    """A dependency that may be down, probed by one caller at a time while it is.
+
+    Open while the dependency answers. ``failed`` (an outage, told to the
+    ``tracker``: logged once, paced by its backoff) or ``close`` (a delay of
+    the caller's choosing: tables found missing) closes it until a retry time.
+    While it is closed, ``admit`` lets one caller through as the *probe* once
+    that time has come and tells every other how long to put its work off (at
+    least ``least`` seconds), instead of letting it wait on a database that
+    may hang. ``answered`` opens it again. A probe that ends without a verdict
+    calls ``probed`` so that the next caller may probe. Safe to call from
+    several threads.
+    """
+
+    def __init__(self, tracker: OutageTracker | None = None, *, closed: bool = False,
+                 least: float = 0.2) -> None:
+        self.tracker = tracker
+        self._least = least
+        self._lock = threading.Lock()
+        self._closed = closed
+        self._closed_at = 0.0
+        self._retry_at = 0.0
+        self._probe: int | None = None
+        """The thread probing now, if any."""
+
+    @property
+    def down(self) -> bool:
+        """Closed: from a failure (or ``close``) until an answer."""
+        return self._closed
+
+    def admit(self) -> float | None:
+        """None: go ahead (as the probe, when closed); else the seconds to put the work off."""
+        if not self._closed:  # the common case: no lock
+            return None
+        with self._lock:
+            if not self._closed:
+                return None
+            now = time.monotonic()
+            if self._probe is not None or now < self._retry_at:
+                return max(self._least, self._retry_at - now)
+            self._probe = threading.get_ident()
+            return None
+
+    def failed(self, error: BaseException | str) -> float:
+        """An outage: told to the tracker; closed for its backoff. The seconds until the next probe."""
+        if self.tracker is None:
+            raise ConfigurationError("OutageGate.failed needs a tracker: use close(delay)")
+        return self.close(self.tracker.failed(error))
+
+    def close(self, delay: float) -> float:
+        """Closed for ``delay`` seconds at least (or longer, as an earlier close asked); the seconds left."""
+        with self._lock:
+            now = time.monotonic()
+            self._closed, self._probe, self._closed_at = True, None, now
+            self._retry_at = max(self._retry_at, now + delay)
+            return max(0.0, self._retry_at - now)
+
+    def answered(self, started: float | None = None) -> bool:
+        """The dependency answered: open. True when this opened it (who put work off may resume now).
+
+        ``started``: as ``OutageTracker.answered``'s; work that began before the
+        gate was last closed opens nothing.
+        """
+        if self.tracker is not None:
+            self.tracker.answered(started)
+        if not self._closed:
+            return False
+        with self._lock:
+            if started is not None and started < self._closed_at:
+                return False
+            opened, self._closed, self._probe, self._retry_at = self._closed, False, None, 0.0
+            return opened
+
+    def probed(self) -> None:
+        """The calling thread's probe ended without a verdict: the next caller may probe. Else nothing."""
+        if self._probe is None:
+            return
+        with self._lock:
+            if self._probe == threading.get_ident():
+                self._probe = None

@@ -71,7 +71,6 @@ class Outbox(OutboxBase):
             self._async = AsyncOutbox(bind if isinstance(bind, async_sessionmaker) else engine,
                                       tables=self.tables, shards=shards, max_payload_bytes=max_payload_bytes,
                                       max_record_bytes=max_record_bytes, notify_channel=notify_channel)
-        self.is_async = self._async is not None
         self._sessions: sessionmaker[Any] | None = None  # an AsyncEngine's are AsyncOutbox's
         if isinstance(bind, sessionmaker):
             self._sessions = bind
@@ -168,7 +167,7 @@ class Outbox(OutboxBase):
 
         Those of the tables ``bind`` reaches (default: the engine): its database,
         and the schema its ``schema_translate_map`` gives the tables; each such
-        place is read once. Raises ``SchemaError`` when the tables are missing,
+        destination is read once. Raises ``SchemaError`` when the tables are missing,
         older than this release or newer, and ``ConfigurationError`` when
         ``shards`` was given and differs from the stored count.
         """
@@ -196,7 +195,7 @@ class Outbox(OutboxBase):
             raise ConfigurationError("this Outbox has an AsyncEngine; use await create_tables_async()")
         with self.engine.begin() as conn:
             self._accept(_schema.create(conn, self.tables, self.requested_shards,
-                                        self.requested_max_record_bytes), self._place_of(conn))
+                                        self.requested_max_record_bytes), self._destination_of(conn))
 
     def upgrade_tables(self) -> tuple[int, int]:
         """Bring the tables of an older release to this one's schema, in place, without losing a row.
@@ -239,13 +238,13 @@ class Outbox(OutboxBase):
         outbox = self._async_outbox()
         kept = self._kept(outbox.engine.sync_engine)
         return kept if kept is not None else self._accept(
-            await outbox.load_schema(), self._place_of(outbox.engine.sync_engine))
+            await outbox.load_schema(), self._destination_of(outbox.engine.sync_engine))
 
     async def create_tables_async(self) -> None:
         """``create_tables()`` for an ``AsyncEngine``."""
         outbox = self._async_outbox()
         await outbox.create_tables()
-        self._accept(await outbox.load_schema(), self._place_of(outbox.engine.sync_engine))
+        self._accept(await outbox.load_schema(), self._destination_of(outbox.engine.sync_engine))
 
     def _async_outbox(self) -> AsyncOutbox:
         if self._async is None:

@@ -45,10 +45,14 @@ from ._validation import (
 )
 from ._wire import envelope_size, event_type_size, header_size
 
-Place = tuple[Pool, str | None]
-"""Where an outbox's tables are: a database (its engine's pool) and a schema in it (None: the default)."""
-MAX_PLACES = 100_000
-"""Places whose settings an outbox keeps at most (tenant schemas of all databases); then it starts over."""
+Destination = tuple[Pool, str | None]
+"""Where a publish's row goes: a database (its engine's pool) and a schema in it (None: the default).
+
+Keyed by the pool, not by what the server says (``_identity``): two engines on
+one database each read its settings once, which costs a read and mixes nothing."""
+MAX_DESTINATIONS = 100_000
+"""Destinations whose settings an outbox keeps at most (tenant schemas of all databases); then it
+starts over."""
 
 DEFAULT_MAX_PAYLOAD_BYTES = None
 """No cap on the payload alone: the record limit stored with the tables governs."""
@@ -89,7 +93,7 @@ class OutboxBase:
             raise ConfigurationError("pass either tables= or prefix=/schema=, not both")
         self.tables = tables or OutboxTables(prefix=prefix, schema=schema)
         self.requested_shards = None if shards is None else _schema.check_shard_count(shards)
-        self._places: dict[Place, StoredSchema] = {}  # the stored settings of each place published to
+        self._destinations: dict[Destination, StoredSchema] = {}  # the settings of each one published to
         if max_payload_bytes is not None and (
                 isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int)
                 or max_payload_bytes <= 0):
@@ -111,14 +115,14 @@ class OutboxBase:
         ``schema_translate_map`` (on the engine, the session's bind or the
         connection) may route the outbox's schema to a tenant's, and the session
         may be another engine's, another database's. So the stored settings
-        (shard count, record limit) are those of that place, read on its first
-        publish and kept per place (``_settings_at``); the record limit is
+        (shard count, record limit) are those of that destination, read on its
+        first publish and kept per destination (``_settings_at``); the record limit is
         checked against them. Runs in ``AsyncSession.run_sync`` for the async
         outbox: its statements, one greenlet switch, as one ``execute`` costs.
         """
         conn = session.connection()
         schema = conn.schema_for_object(self.tables.messages)
-        stored = self._places.get((conn.engine.pool, schema)) or self._settings_at(conn)
+        stored = self._destinations.get((conn.engine.pool, schema)) or self._settings_at(conn)
         if size > stored.max_record_bytes:
             raise _too_large(row, size, stored.max_record_bytes)
         shard = row["shard"] = shard_for_key(row["key"], stored.shard_count)
@@ -142,7 +146,7 @@ class OutboxBase:
 
         A ``schema_translate_map`` added per statement (a ``do_orm_execute``
         hook, say) reaches the statement but not the connection ``_write``
-        read the place from: the row went to one tenant's tables, sharded and
+        read the destination from: the row went to one tenant's tables, sharded and
         size-checked by another's settings. The caller's transaction holds it;
         the error makes the caller roll back, as any error of ``publish()``.
         """
@@ -158,9 +162,9 @@ class OutboxBase:
                 "session's bind or on its connection, and roll this transaction back")
 
     def _settings_at(self, conn: Connection) -> StoredSchema:
-        """The stored settings of the tables ``conn`` reaches, read now and kept for that place.
+        """The stored settings of the tables ``conn`` reaches, read now and kept for that destination.
 
-        A place is (database, schema): the engine's pool, one per database
+        A destination is (database, schema): the engine's pool, one per database
         (``engine.execution_options(...)`` copies share it), and the outbox's
         schema translated by ``conn``'s ``schema_translate_map``. A session of
         another dialect than the outbox's engine would get statements it cannot
@@ -171,9 +175,9 @@ class OutboxBase:
             raise ConfigurationError(
                 f"this outbox was made for a {self._sql.dialect} engine and got a session of a "
                 f"{dialect} one: make an outbox per kind of database")
-        return self._accept(_schema.read(conn, self.tables), self._place_of(conn))
+        return self._accept(_schema.read(conn, self.tables), self._destination_of(conn))
 
-    def _place_of(self, bind: Connection | Engine) -> Place:
+    def _destination_of(self, bind: Connection | Engine) -> Destination:
         """(pool, schema) of ``bind``: where its statements send the outbox's tables."""
         if isinstance(bind, Connection):
             return bind.engine.pool, bind.schema_for_object(self.tables.messages)
@@ -236,39 +240,22 @@ class OutboxBase:
             "event_type": event_type,
         }, size
 
-    def _row(
-        self,
-        topic: str,
-        payload: object,
-        key: object,
-        headers: Mapping[str, str] | None,
-        delay: timedelta | float | None,
-        declared_type: str | None,
-        max_record_bytes: int,
-        event_type: str | None = None,
-    ) -> dict[str, Any]:
-        """``_checked_row``'s row, checked against the record limit ``max_record_bytes`` too."""
-        row, size = self._checked_row(topic, payload, key, headers, delay, declared_type, event_type)
-        if size > max_record_bytes:
-            raise _too_large(row, size, max_record_bytes)
-        return row
-
-    def _accept(self, stored: StoredSchema, place: Place) -> StoredSchema:
-        """Keep ``stored`` as the settings of ``place``, once they agree with the ones asked for."""
+    def _accept(self, stored: StoredSchema, destination: Destination) -> StoredSchema:
+        """Keep ``stored`` as the settings of ``destination``, once they agree with the ones asked for."""
         _schema.check_same_shards(self.requested_shards, stored.shard_count)
         _schema.check_same_max_record_bytes(self.requested_max_record_bytes, stored.max_record_bytes)
-        if len(self._places) >= MAX_PLACES:  # engines made and dropped without end: start again
-            self._places.clear()
-        self._places[place] = stored
+        if len(self._destinations) >= MAX_DESTINATIONS:  # engines made and dropped without end: start again
+            self._destinations.clear()
+        self._destinations[destination] = stored
         return stored
 
     def _kept(self, bind: Connection | Engine) -> StoredSchema | None:
-        """The settings kept for ``bind``'s place, or None before its first read."""
-        return self._places.get(self._place_of(bind))
+        """The settings kept for ``bind``'s destination, or None before its first read."""
+        return self._destinations.get(self._destination_of(bind))
 
     def _forget_settings(self) -> None:
-        """Read every place's settings again (after an upgrade changed them)."""
-        self._places.clear()
+        """Read every destination's settings again (after an upgrade changed them)."""
+        self._destinations.clear()
 
 
 def _too_large(row: dict[str, Any], size: int, limit: int) -> RecordTooLargeError:

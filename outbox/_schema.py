@@ -18,7 +18,7 @@ Each step runs in its own transaction together with its version bump, and each
 is idempotent (it looks before it creates), so an interrupted upgrade resumes
 where it stopped, and tables already altered by hand or by Alembic are only
 stamped. Adding a column or a table is one more entry, made with
-``add_column`` / ``create_table`` / ``create_index`` below.
+``add_column`` / ``create_table`` below.
 """
 
 from __future__ import annotations
@@ -71,14 +71,6 @@ def add_column(attribute: str, column: str) -> Step:
         if column not in present:
             ddl = CreateColumn(table.c[column]).compile(dialect=conn.dialect)
             conn.execute(text(f"ALTER TABLE {sql_name(conn, table)} ADD COLUMN {ddl}"))
-    return step
-
-
-def create_index(attribute: str, name: str) -> Step:
-    """A step creating the index ``name`` (declared in ``_tables``) on a table, unless it exists."""
-    def step(conn: Connection, tables: OutboxTables) -> None:
-        (index,) = [i for i in getattr(tables, attribute).indexes if i.name == name]
-        index.create(conn, checkfirst=True)
     return step
 
 

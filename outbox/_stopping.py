@@ -156,19 +156,54 @@ class RunOnce:
             self._running.release()
 
 
+class BoundRun:
+    """A worker's ``run`` and ``stop``: its loop on a thread of its own, returning on time after a stop.
+
+    ``run(body)`` runs ``body`` through ``run_with_stop_bound`` (SIGTERM and
+    SIGINT stop it; it returns at most ``stop_timeout`` seconds after the
+    stop), one run at a time with a stop asked before it kept (``RunOnce``).
+    ``stop()`` sets ``stopping`` and calls ``wake`` (to end the loop's wait
+    at once); safe from any thread or signal handler.
+    """
+
+    def __init__(self, what: str, *, thread: str, log: logging.Logger,
+                 wake: Callable[[], None] | None = None) -> None:
+        self.stopping = threading.Event()
+        self._what, self._thread, self._log, self._wake = what, thread, log, wake
+        self._runs = RunOnce(self.stopping, what)
+
+    def run(self, body: Callable[[], None], *, stop_timeout: float = STOP_TIMEOUT) -> None:
+        self._runs.run(lambda: run_with_stop_bound(
+            body, stop=self.stop, stopping=self.stopping.is_set, name=self._thread, what=self._what,
+            log=self._log, stop_timeout=stop_timeout))
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self._wake is not None:
+            self._wake()
+
+
 @contextlib.contextmanager
-def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
+def stop_signals(stop: Callable[[], None], *, seen: list[signal.Signals] | None = None) -> Iterator[None]:
     """While the block runs, SIGTERM and SIGINT call ``stop`` instead of their handlers; then put back.
 
     The one place a worker or a command installs its signal handlers. Python
     runs signal handlers on the main thread only, so elsewhere this does nothing.
+    ``seen``, when given, gets each signal that came, in order (a command that
+    says which one stopped it, and exits 128 + its number).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if seen is not None:
+            seen.append(signal.Signals(signum))
+        stop()
+
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:
-        signal.signal(sig, lambda *_: stop())
+        signal.signal(sig, on_signal)
     try:
         yield
     finally:

@@ -164,10 +164,6 @@ def validate_content_type(content_type: object) -> str:
 _VALID_CONTENT_TYPES: set[str] = set()
 
 
-def validate_headers(headers: Mapping[str, Any] | None) -> dict[str, str]:
-    return checked_headers(headers)[0]
-
-
 def checked_headers(headers: Mapping[str, Any] | None) -> tuple[dict[str, str], list[tuple[int, int]]]:
     """The headers as a new dict and each one's (name, value) size in UTF-8 bytes, or ``InvalidHeadersError``.
 

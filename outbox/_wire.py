@@ -146,13 +146,28 @@ def message_to_record(message: Message) -> Record:
 
 
 def record_to_message(record: Record) -> Message:
-    """Decode a consumed record; raises ``ForeignRecordError`` naming what is missing."""
+    """Decode a consumed record; raises ``ForeignRecordError`` naming what is missing.
+
+    Envelope headers are known by their name in any case (``Outbox-Seq`` is
+    ``outbox-seq``); one that comes twice with two values makes the envelope
+    broken, as which one counts would depend on the reader. An envelope header
+    without a value (Kafka's null) is one that is not there: Debezium's outbox
+    router, sending our table's columns as headers, sends a NULL ``seq`` or
+    ``event_type`` so.
+    """
     envelope: dict[str, str] = {}
     user: dict[str, str] = {}
     try:
         for name, raw in record.headers or ():
-            value = raw.decode() if raw is not None else ""
-            (envelope if name in ENVELOPE_HEADERS else user)[name] = value
+            lowered = name if name in ENVELOPE_HEADERS else name.lower()
+            if lowered not in ENVELOPE_HEADERS:
+                user[name] = raw.decode() if raw is not None else ""
+                continue
+            if raw is None:
+                continue
+            value = raw.decode()
+            if envelope.setdefault(lowered, value) != value:
+                raise ValueError(f"header {lowered!r} twice with different values")
         if MESSAGE_ID not in envelope:
             raise ForeignRecordError(f"record has no {MESSAGE_ID!r} header: not an outbox message")
         created_at = _instant(envelope[CREATED_AT])

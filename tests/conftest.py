@@ -1,8 +1,10 @@
-"""The test bed every test uses: real PostgreSQL and MariaDB/MySQL, SQLite files, a real Kafka protocol.
+"""The test bed every test uses: real PostgreSQL and MariaDB/MySQL, SQLite files, Apache Kafka.
 
 Resolution order (see ``outbox.testing``): environment variable, testcontainers
-when a Docker engine answers, local binaries / librdkafka's mock cluster.
-With ``CI=true`` a missing PostgreSQL, MariaDB or Java fails the run instead of skipping.
+when a Docker engine answers, local binaries (the local Apache Kafka for a test
+that needs a real broker, librdkafka's mock cluster for one that needs only the
+protocol). With ``CI=true`` a missing PostgreSQL, MariaDB, Java or Apache Kafka
+fails the run instead of skipping.
 Session fixtures belong to one process: under pytest-xdist every worker starts its own
 servers (temp directories, free ports), so workers share nothing but the machine.
 """
@@ -14,6 +16,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import pytest
 import sqlalchemy as sa
@@ -23,6 +26,12 @@ from hypothesis import settings
 from outbox import Outbox, create_engine
 from outbox.testing import (
     KAFKA_BOOTSTRAP_VARIABLE,
+    BrokerNeed,
+    ConnectRest,
+    DebeziumOutbox,
+    LocalKafka,
+    LocalKafkaCluster,
+    LocalKafkaConnect,
     LocalMariaDB,
     LocalPostgres,
     Unavailable,
@@ -31,11 +40,14 @@ from outbox.testing import (
     fresh_mysql_database,
     kafka_bootstrap,
     local_postgres_server,
+    logical_postgres_url,
     mysql_url,
     postgres_url,
 )
+from outbox.testing import kafka_connect as connect_worker
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+T = TypeVar("T")
 
 # Property tests: CI runs a fixed set of examples (derandomized, so a red run is repeatable from its
 # log); `HYPOTHESIS_PROFILE=release` is the longer run before a release (docs/testing.md).
@@ -47,16 +59,36 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "d
 
 
 SERVER_FIXTURES = {"postgres_server": "postgres", "own_postgres": "postgres", "mysql_server": "mysql",
-                   "own_mariadb": "mysql", "kafka": "kafka", "java_home": "spark"}
-"""The fixtures that start a server, and the marker a test using one (even through another
-fixture) gets, so that ``-m "not postgres and not mysql and not kafka and not spark"`` runs
-exactly the tests that need none (docs/testing.md, the tiers)."""
+                   "own_mariadb": "mysql", "kafka": "kafka", "own_kafka": "kafka", "kafka_cluster": "kafka",
+                   "any_kafka": "any_kafka", "java_home": "spark", "logical_postgres": "debezium",
+                   "kafka_connect": "debezium", "own_connect": "debezium"}
+"""The fixtures (of this file) that start a server, and the marker a test using one (even through
+another fixture) gets, so that ``-m "not postgres and not mysql and not kafka and not any_kafka and
+not spark"`` runs exactly the tests that need none (docs/testing.md, the tiers). A test class that
+overrides one of these names with a fixture of its own (the in-memory transport's ``kafka``) does
+not get the marker."""
+
+
+def _server_markers(item: pytest.Item) -> set[str]:
+    """The markers of the server fixtures of this file that ``item`` uses, directly or not."""
+    # name2fixturedefs holds each name's definitions, the one in effect last: a fixture of this
+    # file and not a test's own override of the name.
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    markers = set()
+    for name in getattr(item, "fixturenames", ()):  # the closure: fixtures of fixtures too
+        server = SERVER_FIXTURES.get(name)
+        found = definitions.get(name)
+        if server is not None and found and found[-1].func.__module__ == __name__:
+            markers.add(server)
+    return markers
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses a server's fixture gets its marker; every Spark test is ``slow`` and joins
-    the ``spark`` group.
+    the ``spark`` group; every Debezium test is ``slow`` and joins the ``debezium`` group (one
+    Kafka Connect JVM per worker that runs them: one worker); every test on the three-node Kafka
+    cluster is ``slow`` and joins the ``kafka-cluster`` group (three JVMs: one such test at a time).
 
     Slow: a Spark test needs a JVM, whose start alone takes tens of seconds here; the fast
     tier (``-m "not slow"``) starts none. The group: under ``pytest -n N`` each worker is a
@@ -66,14 +98,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     before pytest-xdist reads the groups: ``tryfirst``.)
     """
     for item in items:
-        for fixture in getattr(item, "fixturenames", ()):  # the closure: fixtures of fixtures too
-            server = SERVER_FIXTURES.get(fixture)
-            if server is not None and not item.get_closest_marker(server):
+        for server in _server_markers(item):
+            if not item.get_closest_marker(server):
                 item.add_marker(getattr(pytest.mark, server))
         if item.get_closest_marker("spark"):
-            item.add_marker(pytest.mark.slow)
-            if not item.get_closest_marker("xdist_group"):
-                item.add_marker(pytest.mark.xdist_group("spark"))
+            _slow_in_group(item, "spark")
+        if item.get_closest_marker("debezium"):
+            _slow_in_group(item, "debezium")
+        if "kafka_cluster" in getattr(item, "fixturenames", ()):
+            _slow_in_group(item, "kafka-cluster")
+
+
+def _slow_in_group(item: pytest.Item, group: str) -> None:
+    item.add_marker(pytest.mark.slow)
+    if not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def unavailable(what: str) -> None:
@@ -83,8 +122,8 @@ def unavailable(what: str) -> None:
     pytest.skip(what)
 
 
-def _resolved(resolve: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
-    """The URL ``resolve()`` yields, or skip (locally) / fail (in CI) when it is unavailable."""
+def _resolved(resolve: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
+    """What ``resolve()`` yields (a URL, a worker), or skip (locally) / fail (in CI) without it."""
     try:
         context = resolve()
         url = context.__enter__()
@@ -122,17 +161,22 @@ def own_postgres() -> Iterator[LocalPostgres]:
         context.__exit__(None, None, None)
 
 
-@pytest.fixture
-def own_mariadb() -> Iterator[LocalMariaDB]:
-    """A MariaDB server of the test's own, that the test may stop and start (outage tests)."""
+def mariadb_of_its_own(options: tuple[str, ...] = ()) -> Iterator[LocalMariaDB]:
+    """A new MariaDB server (with these server ``options``) for one test, removed after."""
     try:
-        server = LocalMariaDB()
+        server = LocalMariaDB(options=options)
     except FileNotFoundError as exc:
         unavailable(str(exc))
     try:
         yield server
     finally:
         server.remove()
+
+
+@pytest.fixture
+def own_mariadb() -> Iterator[LocalMariaDB]:
+    """A MariaDB server of the test's own, that the test may stop and start (outage tests)."""
+    yield from mariadb_of_its_own()
 
 
 @pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres),
@@ -155,6 +199,14 @@ def postgres_db(postgres_server: str) -> Iterator[str]:
     """A fresh, empty database on the shared server, dropped after the test."""
     with fresh_database(postgres_server) as url:
         yield url
+
+
+@pytest.fixture
+def pg(postgres_db: str) -> Iterator[sa.Engine]:
+    """An engine (``create_engine``'s settings) on a fresh PostgreSQL database, disposed after."""
+    engine = create_engine(postgres_db)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture
@@ -209,10 +261,103 @@ def outbox(engine: sa.Engine) -> Outbox:
 
 @pytest.fixture(scope="session")
 def kafka() -> Iterator[str]:
+    """Bootstrap servers of Apache Kafka itself, shared by the session (by one xdist worker's tests).
+
+    For a test whose promise rests on the broker's behaviour. Resolved as
+    ``outbox.testing.kafka_bootstrap(BrokerNeed.REAL)`` does: ``OUTBOX_TEST_KAFKA_BOOTSTRAP``,
+    testcontainers, then a single-node ``LocalKafka`` from the jars ``scripts/setup`` fetches
+    (started once per worker, on first use). Never the mock: without a broker the test skips
+    (naming ``scripts/setup``), and fails with ``CI=true``.
+    """
+    yield from _resolved(lambda: kafka_bootstrap(BrokerNeed.REAL))
+
+
+@pytest.fixture
+def own_kafka() -> Iterator[LocalKafka]:
+    """A single-node Apache Kafka of the test's own, to stop, kill, freeze and start again."""
+    try:
+        broker = LocalKafka()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield broker
+    finally:
+        broker.close()
+
+
+@pytest.fixture(scope="session")
+def logical_postgres() -> Iterator[str]:
+    """URL of a PostgreSQL with ``wal_level=logical`` (what Debezium reads), shared by the session.
+
+    ``OUTBOX_TEST_LOGICAL_POSTGRES_URL``, testcontainers, then a local server
+    (``outbox.testing.logical_postgres_url``); skips locally and fails with ``CI=true`` without one.
+    """
+    yield from _resolved(logical_postgres_url)
+
+
+@pytest.fixture(scope="session")
+def kafka_connect(kafka: str) -> Iterator[ConnectRest]:
+    """A Kafka Connect worker with Debezium writing to the session's Apache Kafka (one per xdist worker).
+
+    ``OUTBOX_TEST_KAFKA_CONNECT_URL``, Debezium's image on Docker, else a ``LocalKafkaConnect``
+    from the jars ``scripts/setup`` fetches; skips locally and fails with ``CI=true`` without one.
+    """
+    yield from _resolved(lambda: connect_worker(kafka))
+
+
+@pytest.fixture
+def own_connect(kafka: str) -> Iterator[LocalKafkaConnect]:
+    """A Kafka Connect worker of the test's own, to stop, kill and start again. Its source offsets
+    reach the offsets file only on a clean stop: a kill loses them, and Debezium sends again."""
+    try:
+        connect = LocalKafkaConnect(kafka, settings={"offset.flush.interval.ms": "3600000"})
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield connect
+    finally:
+        connect.close()
+
+
+@pytest.fixture
+def debezium_db(logical_postgres: str) -> Iterator[str]:
+    """A database of the test's own on the logical-decoding PostgreSQL: its slots, its outbox table."""
+    with fresh_database(logical_postgres) as url:
+        yield url
+
+
+@pytest.fixture
+def debezium(kafka_connect: ConnectRest, debezium_db: str, kafka: str) -> Iterator[DebeziumOutbox]:
+    """Debezium's outbox event router on the session's worker, over a Debezium-layout table of the
+    test's database; ready (its probe row went through), removed with its slot after the test."""
+    with DebeziumOutbox(kafka_connect, debezium_db, kafka) as outbox:
+        yield outbox
+
+
+@pytest.fixture
+def kafka_cluster() -> Iterator[LocalKafkaCluster]:
+    """Three Apache Kafka nodes of the test's own (replication factor 3, ``min.insync.replicas`` 2).
+
+    The test is ``slow`` and in the ``kafka-cluster`` group (added above). For other settings,
+    build ``LocalKafkaCluster(...)`` in the test instead.
+    """
+    try:
+        cluster = LocalKafkaCluster()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def any_kafka() -> Iterator[str]:
     """Bootstrap servers of a Kafka-protocol broker shared by the session (by one xdist worker's tests).
 
-    Resolved as ``outbox.testing.kafka_bootstrap`` does; its last resort, librdkafka's mock
-    cluster, is made here through ``MockCluster`` so that a new consumer group forms at once:
+    For a test that proves nothing about the broker: librdkafka's mock cluster (in this process,
+    ready in milliseconds) unless ``OUTBOX_TEST_KAFKA_BOOTSTRAP`` or a Docker engine gives a broker.
+    The mock is made here through ``MockCluster`` so that a new consumer group forms at once:
     the 3 s initial rebalance delay cost every test with a consumer 3 s.
     """
     if os.environ.get(KAFKA_BOOTSTRAP_VARIABLE) or docker_engine_answers():

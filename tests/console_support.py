@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 
+import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
 
@@ -44,3 +46,29 @@ def form_page(client: TestClient, path: str, **kwargs) -> str:  # type: ignore[n
     page = client.get(path, **kwargs)
     assert page.status_code == 200, page.text
     return csrf_of(page.text)
+
+
+class Clock:
+    """``time.monotonic`` (and ``time.time``) for the throttle, the sessions and the device
+    cookies, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture(name="clock")
+def moved_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    for name in ("outbox.console._sessions", "outbox.console._throttle", "outbox.console._devices"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a console before issue 24: its tests must fail in their bodies
+            continue
+        monkeypatch.setattr(module, "time", fake)
+    return fake

@@ -21,10 +21,15 @@ from outbox import Inbox, create_engine
 from tests.inbox_support import apply_effect, apply_effects, for_inbox, inbox_bind
 from transports.kafka import KafkaSource
 
-# Shortest session the mock cluster accepts: a killed consumer's partitions
-# move on after this long instead of the 45 s default.
+# A short session: a killed consumer's partitions move on after this long instead of the 45 s
+# default (the test brokers accept sessions down to 1 s: outbox.testing's TEST_SETTINGS).
 TEST_CONSUMER_SETTINGS = {"fetch_max_wait_ms": 10, "session_timeout_ms": 4000,
                           "heartbeat_interval_ms": 500}
+KIP_848_SETTINGS = {"fetch_max_wait_ms": 10, "group.protocol": "consumer"}
+"""The consumer group protocol of KIP-848 (Kafka 4): the broker assigns, and the session and
+heartbeat are the broker's settings (the test brokers': 6 s and 0.5 s), not the consumer's."""
+
+GROUP_PROTOCOLS = {"classic": TEST_CONSUMER_SETTINGS, "consumer": KIP_848_SETTINGS}
 
 
 def main() -> None:
@@ -41,6 +46,8 @@ def main() -> None:
                         help="KafkaSource's rejoin_after (seconds out of the group before a new consumer)")
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="build the Inbox on an AsyncEngine, with an async def handler")
+    parser.add_argument("--group-protocol", choices=sorted(GROUP_PROTOCOLS), default="classic",
+                        help="the consumer group protocol: classic, or KIP-848's consumer")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="worker %(process)d %(name)s: %(message)s")
     for name in ("outbox.inbox", "transports.kafka"):  # assignments, revocations
@@ -55,7 +62,7 @@ def main() -> None:
         inbox.handler(args.topic)(for_inbox(inbox, apply_effect))
     rejoin = {} if args.rejoin_after is None else {"rejoin_after": args.rejoin_after}
     source = KafkaSource(bootstrap_servers=args.servers, group_id=args.group,
-                         topics=[args.topic], **rejoin, **TEST_CONSUMER_SETTINGS)
+                         topics=[args.topic], **rejoin, **GROUP_PROTOCOLS[args.group_protocol])
     print("ready", flush=True)
     inbox.run(source)
     print("stopped", flush=True)

@@ -20,7 +20,8 @@ from outbox.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 # os.environ["X"], os.environ.get("X"), env.get("X"), and NAME_ENV/NAME_VARIABLE = "X" constants
-READS = re.compile(r"""(?:environ|env)(?:\.get|\.setdefault)?[(\[]\s*["']([A-Z][A-Z0-9_]+)["']"""
+# (a container's with_env("X", …) is not the process environment: \b keeps it out)
+READS = re.compile(r"""\b(?:environ|env)(?:\.get|\.setdefault)?[(\[]\s*["']([A-Z][A-Z0-9_]+)["']"""
                    r"""|[A-Z_]*(?:_ENV|_VARIABLE)\s*=\s*["']([A-Z][A-Z0-9_]+)["']""")
 NOT_PROCESS_ENVIRONMENT = {"PATH_INFO"}  # a WSGI request's environ, not the process's
 

@@ -19,14 +19,9 @@ from typer.testing import CliRunner
 
 from outbox import Inbox, Outbox, create_engine
 from outbox.cli import app
+from outbox.testing import free_port, wait_until_bound
 from tests.console_support import TOKEN
 from tests.inbox_support import record
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def outside_addresses() -> list[str]:
@@ -62,6 +57,7 @@ def test_outbox_console_serves_on_localhost_until_interrupted(sqlite_db: str, tm
                "--inbox-db", inbox_db]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        wait_until_bound(proc.pid, port, "the console", alive=lambda: proc.poll() is None)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -286,3 +282,20 @@ def test_a_client_that_never_finishes_its_request_is_cut_off(
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_an_app_on_db_spelled_otherwise_is_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One database in two spellings is one (its file says so): not "another database"."""
+    import uvicorn
+
+    listed = f"sqlite:///{tmp_path / 'listed.db'}"
+    Outbox(create_engine(listed)).create_tables()
+    respelled = f"sqlite:///{tmp_path}/./listed.db"
+    (tmp_path / "respelled_app.py").write_text(
+        f"from outbox import Inbox, create_engine\ninbox = Inbox(create_engine({respelled!r}), group='g')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started: list[bool] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: started.append(True))
+    result = CliRunner().invoke(app, ["console", "--db", listed, "--app", "respelled_app:inbox"])
+    assert result.exit_code == 0, result.output
+    assert started == [True]

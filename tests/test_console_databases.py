@@ -137,3 +137,30 @@ def test_a_database_given_twice_is_listed_and_counted_once(outbox: Outbox, engin
     page = client_for(outbox, inbox_databases=[again, again]).get("/", auth=AUTH).text
     assert re.search(r'id="nav-parked">parked<span class="count[^"]*">2</span>', page), page
     assert page.count('href="/parked?group=billing') == 1
+
+
+def respelled(engine: sa.Engine) -> sa.Engine:
+    """Another engine on ``engine``'s database, through another spelling of its URL."""
+    url = engine.url
+    if url.get_backend_name() == "sqlite":
+        folder, _, file = str(url.database).rpartition("/")
+        return create_engine(url.set(database=f"{folder}/./{file}").render_as_string(hide_password=False))
+    return create_engine(url.set(host="localhost").render_as_string(hide_password=False))
+
+
+def test_a_database_given_in_two_spellings_is_one_database(outbox: Outbox, engine: sa.Engine) -> None:
+    """Named by what its server says: listed and counted once, and an inbox on either spelling
+    lists, replays and discards there (not refused as "another database")."""
+    billing, broken = broken_inbox(respelled(engine))
+    park(billing, "bad-main", range(1, 3))
+    again = respelled(engine)
+    page = client_for(outbox, inbox_databases=[again, respelled(engine)]).get("/", auth=AUTH).text
+    assert re.search(r'id="nav-parked">parked<span class="count[^"]*">2</span>', page), page
+    assert page.count('href="/parked?group=billing') == 1
+    client = client_for(outbox, inbox_databases=[again], inboxes=[billing])
+    csrf = form_page(client, "/parked?group=billing", auth=AUTH)
+    broken["on"] = False
+    done = client.post("/parked/replay?group=billing", auth=AUTH, data={
+        "csrf": csrf, "lane": json.dumps([TOPIC, "bad-main"]), "reason": "fixed"})
+    assert done.status_code == 200 and "key unparked" in done.text, done.text
+    assert parked_keys(engine, "billing") == set()

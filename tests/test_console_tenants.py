@@ -28,10 +28,11 @@ from typer.testing import CliRunner
 from outbox.cli import app as cli_app
 from outbox.console import Operators, create_tenants_app
 from outbox.tenants import TenantDatabases, parse_tenants
+from outbox.testing import free_port, wait_until_bound
 from tests._retention_rows import outbox_row
 from tests.console_support import csrf_of
 from tests.tenant_support import SECRET, Fleet, tenant_fleet  # noqa: F401 (fixtures)
-from tests.test_console_cli import free_port, get
+from tests.test_console_cli import get
 
 USERS = {"alice": "wonderland-rabbit-hole"}
 AUTH = ("alice", USERS["alice"])
@@ -82,7 +83,7 @@ def test_the_root_names_every_tenants_findings_and_each_tenants_pages_are_its_ow
         assert f'value="{row}"' not in client.get("/t/a/failed", auth=AUTH).text
         assert client.get("/t/nobody/", auth=AUTH).status_code == 404
         down = client.get("/t/down/", auth=AUTH)
-        assert down.status_code == 503 and "tenant down: its database did not serve" in down.text
+        assert down.status_code == 503 and "tenant down: " in down.text and "could not be read" in down.text
         assert SECRET not in down.text
         assert client.get("/t/second/", auth=AUTH).status_code == 200
 
@@ -133,6 +134,7 @@ def test_outbox_console_tenants_serves_every_tenant_from_the_command_line(fleet:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     bearer = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "probe"}
     try:
+        wait_until_bound(proc.pid, port, "the console", alive=lambda: proc.poll() is None)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -150,3 +152,51 @@ def test_outbox_console_tenants_serves_every_tenant_from_the_command_line(fleet:
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=30)[0]
     assert SECRET not in output
+
+
+def test_every_route_of_a_tenant_that_cannot_be_read_is_its_503_page(fleet: Fleet) -> None:
+    """Issue 38 for the console of many tenants: each route of a tenant's console (the routes of
+    ``create_app``, read from an app, so a new route is asked too) about a tenant whose schema has
+    no tables or whose database refuses connections: its 503 page, or what the route does without a
+    database; never a 500, and the other tenants' pages are served meanwhile."""
+    import json
+    import uuid
+
+    from outbox import Outbox, create_engine
+    from outbox.console import _csrf, create_app
+    from tests.test_console_unreadable import READS
+
+    fleet.create("a")  # "broken" keeps its schema without tables
+    key = b"a-tenant-console-secret-0123"
+    client, databases = console(fleet, secret=key)
+    client.cookies.set(_csrf.COOKIE, "a-form-cookie")
+    routes = create_app(Outbox(create_engine("sqlite://"))).routes
+    problems = []
+    try:
+        for tenant in ("broken", "down"):
+            for route in routes:
+                reads = READS[route.path]  # a new route: say in READS what it reads
+                path = f"/t/{tenant}" + route.path.replace("{group}", "g")
+                query = {"group": "g", "topic": "orders", "key": "k", "id": str(uuid.uuid4()), "to": "on"}
+                for method in sorted((getattr(route, "methods", None) or {"GET"}) - {"HEAD"}):
+                    form = {"csrf": _csrf.form_token(key, "a-form-cookie"), "reason": "walk",
+                            "message_id": query["id"], "lane": json.dumps(["orders", "k"]), "name": "x",
+                            "token": "x"} if method == "POST" else None
+                    answer = client.request(method, path, params=query, data=form, auth=AUTH,
+                                            follow_redirects=False)
+                    said = f"{method} {path} of tenant {tenant}: {answer.status_code}"
+                    touches = reads in ("outbox", "db", "every") or (reads == "outbox-connection"
+                                                                       and tenant == "down")
+                    refused_first = (answer.status_code == 409  # replay: no --app inbox, no read
+                                     and "start the console with --app" in answer.text)
+                    if answer.status_code >= 500 and answer.status_code != 503:
+                        problems.append(f"{said}: {answer.text[-300:]}")
+                    elif touches and not refused_first and (
+                            answer.status_code != 503 or f"tenant {tenant}: " not in answer.text
+                            or not re.search("could not be read|no outbox or inbox tables", answer.text)):
+                        problems.append(f"{said}, not its 503 page: {answer.text[-300:]}")
+                    assert SECRET not in answer.text
+                assert client.get("/t/a/", auth=AUTH).status_code == 200
+    finally:
+        databases.dispose()
+    assert not problems, "\n".join(problems)

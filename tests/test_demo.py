@@ -23,7 +23,7 @@ def readme_command(name: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 def test_readme_demo_command(tmp_path):
     command = readme_command("scripts/demo")
     result = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,

@@ -39,7 +39,7 @@ def _first_line_with(lines: queue.Queue[str], pattern: str, deadline: float) -> 
     raise AssertionError(f"no line matching {pattern!r} in {seen!r} ")
 
 
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 def test_dev_broker_carries_a_record_and_stops_cleanly_on_sigterm():
     process = subprocess.Popen([sys.executable, "-m", "outbox", "dev-broker"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

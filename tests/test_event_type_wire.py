@@ -118,10 +118,14 @@ def test_the_event_type_header_counts_toward_the_record_limit(sqlite_db: str) ->
 
 
 def _fits(ob: Outbox, session: sa.orm.Session, payload: bytes, event_type: str | None) -> bool:
+    """Whether ``publish()`` takes ``payload``: published in a savepoint, then rolled back."""
+    savepoint = session.begin_nested()
     try:
-        ob._row(T, payload, "k", None, None, None, 4096, event_type)
+        ob.publish(session, T, payload, key="k", event_type=event_type)
     except RecordTooLargeError:
         return False
+    finally:
+        savepoint.rollback()
     return True
 
 

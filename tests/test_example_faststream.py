@@ -20,7 +20,7 @@ from examples.order_events import OrderPaid
 from outbox import Inbox, Outbox, create_engine
 from transports.kafka import embedded_kafka
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]  # two processes, ~20 s
+pytestmark = [pytest.mark.any_kafka, pytest.mark.postgres, pytest.mark.slow]  # two processes, ~20 s
 
 ROOT = Path(__file__).resolve().parents[1]
 

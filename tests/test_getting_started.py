@@ -69,7 +69,7 @@ class Process:
 
 
 @pytest.mark.slow
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 def test_a_newcomer_reaches_a_working_relay_and_consumer(tmp_path):
     step2, step4 = re.findall(r"^```python\n(.*?)^```", PAGE, re.S | re.M)[:2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}

@@ -26,7 +26,7 @@ from typer.core import TyperGroup, TyperOption
 from outbox import Outbox, create_engine
 from outbox.cli import app
 from outbox.cli._options import COMMAND_LINE_ONLY
-from outbox.testing import LocalPostgres, free_port
+from outbox.testing import LocalPostgres, free_port, wait_until_bound
 from tests.inbox_support import INBOX_KINDS, async_url
 
 pytestmark = pytest.mark.postgres
@@ -58,18 +58,19 @@ def stop(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
-    own_postgres: LocalPostgres, kafka: str, tmp_path: Path
+    own_postgres: LocalPostgres, any_kafka: str, tmp_path: Path
 ) -> None:
     outbox = Outbox(create_engine(own_postgres.url), shards=1)
     outbox.create_tables()
     outbox.engine.dispose()  # type: ignore[union-attr]
-    env = {"OUTBOX_DB": own_postgres.url, "OUTBOX_BOOTSTRAP_SERVERS": kafka,
+    env = {"OUTBOX_DB": own_postgres.url, "OUTBOX_BOOTSTRAP_SERVERS": any_kafka,
            "OUTBOX_RELAY_LEASE_TTL": "2", "OUTBOX_LOG_LEVEL": "WARNING"}
     port, standby_port = free_port(), free_port()
     relay = start(["relay"], {**env, "OUTBOX_METRICS_PORT": str(port), "OUTBOX_RELAY_WORKER_ID": "a"},
                   tmp_path / "a.log")
     standby = None
     try:
+        wait_until_bound(relay.pid, port, "the relay's health server", alive=lambda: relay.poll() is None)
         wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), 30, "the relay to be ready")
         assert probe(port, "/healthz") == (200, "alive\n")
         assert "outbox_relay_shards_owned" in probe(port, "/metrics")[1]
@@ -77,6 +78,8 @@ def test_relay_readyz_follows_its_database_and_leases_while_healthz_stays_up(
         # One shard, two relays: the second one's fair share is 0, and a standby is ready.
         standby = start(["relay", "--metrics-port", str(standby_port), "--worker-id", "b"], env,
                         tmp_path / "b.log")
+        wait_until_bound(standby.pid, standby_port, "the standby's health server",
+                         alive=lambda: standby is not None and standby.poll() is None)
         wait_for(lambda: probe(standby_port, "/readyz") == (200, "ready\n"), 30, "the standby to be ready")
 
         own_postgres.stop()
@@ -123,21 +126,23 @@ async def handle(session, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", INBOX_KINDS)  # async: its readiness ping runs on the inbox's loop
 def test_a_consumer_is_ready_once_it_holds_a_partition(
-    postgres_db: str, kafka: str, topic: str, tmp_path: Path, kind: str
+    postgres_db: str, any_kafka: str, topic: str, tmp_path: Path, kind: str
 ) -> None:
     Outbox(create_engine(postgres_db)).create_tables()
     from confluent_kafka import Producer
 
-    creates_the_topic = Producer({"bootstrap.servers": kafka})
+    creates_the_topic = Producer({"bootstrap.servers": any_kafka})
     creates_the_topic.produce(topic, b"{}")  # an unknown record parks; readiness is what is tested
     assert creates_the_topic.flush(10) == 0
     app, db = (INBOX_APP, postgres_db) if kind == "sync" else (ASYNC_INBOX_APP, async_url(postgres_db))
     (tmp_path / "healthapp.py").write_text(app.format(db=db, topic=topic))
     port = free_port()
     consumer = start(["inbox", "run", "healthapp:inbox", "--metrics-port", str(port),
-                      "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": kafka},
+                      "-X", "fetch.wait.max.ms=10"], {"OUTBOX_BOOTSTRAP_SERVERS": any_kafka},
                      tmp_path / "inbox.log", cwd=tmp_path)
     try:
+        wait_until_bound(consumer.pid, port, "the consumer's health server",
+                         alive=lambda: consumer.poll() is None)
         wait_for(lambda: probe(port, "/healthz")[0] == 200, 30, "the consumer's port")
         wait_for(lambda: probe(port, "/readyz") == (200, "ready\n"), 60, "a partition to be assigned")
         assert "outbox_inbox" in probe(port, "/metrics")[1]

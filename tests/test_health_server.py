@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from outbox import Outbox, create_engine
 from outbox.ops import serve_health
 from outbox.ops._http import BoundedServer
-from outbox.testing import free_port
+from outbox.testing import free_port, wait_until_bound
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
 
@@ -199,8 +199,8 @@ def test_the_relay_listens_on_outbox_metrics_host(tmp_path: Path) -> None:
              "OUTBOX_METRICS_HOST": "127.0.0.1", "OUTBOX_LOG_LEVEL": "ERROR"},
         stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: not refused("127.0.0.1", port) or relay.poll() is not None, 30,
-                 "the relay's port")
+        wait_until_bound(relay.pid, port, "the relay's health server", timeout=30,
+                         alive=lambda: relay.poll() is None)
         assert relay.poll() is None, log.read_text()
         assert healthz(port) == 200
         assert refused(non_loopback_address(), port)

@@ -152,7 +152,6 @@ def pg_async(postgres_db: str) -> Iterator[tuple[Inbox, sa.Engine]]:
     engine.dispose()
 
 
-@pytest.mark.kafka
 @pytest.mark.postgres
 def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_time(
     pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]
@@ -182,7 +181,6 @@ def test_async_handlers_of_different_keys_of_one_partition_overlap_one_key_at_a_
         assert [s for _, s in applied(engine, f"k{k}")] == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.kafka
 @pytest.mark.postgres
 def test_an_async_handler_waiting_holds_back_only_its_key_and_the_offset(
     pg_async, kafka: str, topic: str  # type: ignore[no-untyped-def]

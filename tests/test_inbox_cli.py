@@ -108,6 +108,28 @@ def test_list_replay_and_discard_from_the_command_line(app_module, sqlite_db: st
     assert again.exit_code == 1 and "not parked" in again.output
 
 
+def test_every_parked_action_from_the_command_line_is_one_audit_line_refused_ones_too(  # type: ignore[no-untyped-def]
+        app_module, sqlite_db: str, caplog) -> None:
+    """The command line records what the console records (one ``ParkedActions`` service): a replay
+    of a key with nothing parked, a refused discard and a done one, each naming who and why."""
+    inbox, cli = app_module.inbox, CliRunner()
+    for seq in (1, 2, 3):
+        inbox.handle(record("orders", "k", seq))  # parks at seq 2, seq 3 behind it
+    poison, behind = (p.message_id for p in inbox.parked())
+    target = f"{app_module.__name__}:inbox"
+    where = ["--db", sqlite_db, "--group", "cli"]
+    with caplog.at_level(logging.INFO, logger="outbox.cli.audit"):
+        assert cli.invoke(app, ["parked", "replay", "orders", "K", "--app", target, *WHO]).exit_code == 1
+        refused = cli.invoke(app, ["parked", "discard", str(behind), "--by", "bob", "--reason", "x", *where])
+        assert refused.exit_code == 1
+        done = cli.invoke(app, ["parked", "discard", str(poison), "--by", "bob", "--reason", "dup", *where])
+        assert done.exit_code == 0, done.output
+    lines = [r.getMessage() for r in caplog.records if r.name == "outbox.cli.audit"]
+    assert lines[0] == "replay orders/K group cli by alice (the fix is deployed): nothing parked"
+    assert lines[1].startswith(f"discard {behind} group cli by bob (x): refused: message {behind} is seq 3")
+    assert lines[2:] == [f"discard {poison} group cli by bob (dup): done"]
+
+
 def test_replay_all_unparks_each_fixed_key_and_leaves_a_still_broken_one(app_module) -> None:  # type: ignore[no-untyped-def]
     inbox, cli = app_module.inbox, CliRunner()
     engine = inbox.sessions.kw["bind"]
@@ -148,9 +170,9 @@ def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None: 
     assert nothing.exit_code == 2 and "--db and --group" in nothing.output
 
 
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 @pytest.mark.parametrize("kind", INBOX_KINDS)
-def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka: str, topic: str,
+def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, any_kafka: str, topic: str,
                                           kind: str) -> None:
     module = APP_MODULE if kind == "sync" else ASYNC_APP_MODULE
     db = sqlite_db if kind == "sync" else async_url(sqlite_db)
@@ -162,10 +184,10 @@ def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, kafka:
 
     engine = create_engine(sqlite_db)
     business.create_all(engine)
-    produce(kafka, [record(topic, "k", 1), record(topic, "j", 1)])
+    produce(any_kafka, [record(topic, "k", 1), record(topic, "j", 1)])
     process = subprocess.Popen(
         [sys.executable, "-m", "outbox", "inbox", "run", "service:inbox", "--bootstrap-servers",
-         kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=4000"],
+         any_kafka, "-X", "fetch_max_wait_ms=10", "-X", "session_timeout_ms=4000"],
         cwd=tmp_path, env=env,
     )
     try:

@@ -1,7 +1,7 @@
 """Consumer processes that die or leave mid-stream: every effect still lands exactly once, in order.
 
 The consumers are real processes (``tests/inbox_worker.py``) on the session's
-broker and a PostgreSQL or MariaDB/MySQL database; the handler inserts one business row per
+Apache Kafka and a PostgreSQL or MariaDB/MySQL database; the handler inserts one business row per
 message under a unique (topic, key, seq) constraint and fails on any seq that
 is not the key's previous + 1, so both a doubled effect and a reordering
 would show up as an error, a parked message or a missing row.
@@ -41,18 +41,19 @@ def pg(server_db_url: str) -> Iterator[sa.Engine]:
 
 
 def start_worker(db: str, kafka: str, topic: str, group: str, log: Path | None = None,
-                 *, batch_handler: bool = False, kind: str = "sync") -> subprocess.Popen[bytes]:
+                 *, batch_handler: bool = False, kind: str = "sync",
+                 group_protocol: str = "classic") -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), db, kafka, topic, group, "--concurrency", "4",
          "--batch-size", "20", *(["--batch-handler"] if batch_handler else []),
-         *(["--async"] if kind == "async" else [])],
+         *(["--async"] if kind == "async" else []), "--group-protocol", group_protocol],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stderr=None if log is None else log.open("wb"),
     )
 
 
 def produce_keys(kafka: str, topic: str, keys: int, per_key: int) -> None:
-    """Seq 1 of every key, then seq 2 of every key …; small payloads (the mock broker keeps 5 MiB)."""
+    """Seq 1 of every key, then seq 2 of every key …; small payloads."""
     produce(kafka, [record(topic, f"key-{k}", seq, payload=b"{}")
                     for seq in range(1, per_key + 1) for k in range(keys)])
 
@@ -154,14 +155,20 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
     assert redelivered > 0, "no crash caused a redelivery: the test did not exercise replay"
 
 
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
 def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
-    pg: sa.Engine, server_db_url: str, kafka: str, topic: str, tmp_path: Path
+    pg: sa.Engine, server_db_url: str, kafka: str, topic: str, tmp_path: Path, group_protocol: str
 ) -> None:
+    """Two consumers share the stream; one leaves (SIGTERM) mid-stream: the other takes its
+    partitions and every effect lands once, in key order. Under both of Apache Kafka's group
+    protocols: classic (the consumers assign, eagerly) and KIP-848's ``consumer`` (the broker
+    assigns, incrementally)."""
     keys, per_key, group = 1000, 20, f"rebalance-{topic}"
     produce_keys(kafka, topic, keys, per_key)
-    first = start_worker(server_db_url, kafka, topic, group)
+    first = start_worker(server_db_url, kafka, topic, group, group_protocol=group_protocol)
     second_log = tmp_path / "second.log"
-    second = start_worker(server_db_url, kafka, topic, group, log=second_log)
+    second = start_worker(server_db_url, kafka, topic, group, log=second_log,
+                          group_protocol=group_protocol)
     try:
         deadline = time.monotonic() + 60
         while f"assigned [({topic!r}, " not in second_log.read_text():

@@ -1,6 +1,6 @@
-"""The inbox in front of a FastStream subscriber (``outbox.faststream``), on the session's Kafka-protocol
-broker (librdkafka's mock cluster, never FastStream's in-memory ``TestKafkaBroker``) and PostgreSQL,
-through both FastStream Kafka brokers: ``faststream.confluent`` and ``faststream.kafka`` (aiokafka).
+"""The inbox in front of a FastStream subscriber (``outbox.faststream``), on the session's Apache Kafka
+(never FastStream's in-memory ``TestKafkaBroker``) and PostgreSQL, through both FastStream Kafka
+brokers: ``faststream.confluent`` and ``faststream.kafka`` (aiokafka).
 
 Each promise is checked in the business table: duplicates applied once, a key's disorder applied in
 seq order, a poison key parked alone and replayed, an unfinished record never committed.
@@ -200,7 +200,8 @@ def test_a_record_cut_short_by_a_crash_is_not_committed_and_comes_again(
     Inbox(pg, group="unused").create_tables()
     produce(kafka, [record(topic, "a", 1), record(topic, "a", 2)], partition=0)
     group = f"g-{topic}"
-    first = start_worker(postgres_db, kafka, topic, group, kind, "--broker", broker_kind, "--block-seq", "2")
+    first = start_worker(postgres_db, kafka, topic, group, kind, "--broker", broker_kind,
+                         "--block-seq", "2")
     try:
         expect_line(first, b"blocked")  # a:2's handler hangs before its transaction commits
         # Longer than the clients' auto-commit interval (5 s): a consumer that committed on receipt
@@ -286,11 +287,12 @@ async def test_a_subscriber_handles_one_record_at_a_time_whatever_the_keys(
 
 @pytest.mark.slow
 async def test_several_subscribers_split_the_partitions_and_run_in_parallel(
-        pg: sa.Engine, kafka: str, topic: str) -> None:
+        broker_kind: str, pg: sa.Engine, kafka: str, topic: str) -> None:
     """The way to parallelism FastStream leaves: one consumer per ``subscribe`` call, a partition each.
 
-    Confluent only: aiokafka's SyncGroup for several members gets ``InvalidRequestError`` from
-    librdkafka's mock cluster, so its group never forms there (a real broker is another matter).
+    Both brokers on Apache Kafka. (On librdkafka's mock cluster, where this ran before, aiokafka's
+    SyncGroup for several members got ``InvalidRequestError`` and its group never formed: it ran
+    through the confluent broker only.)
     """
     handler, now = overlap_counting(0.05)
 
@@ -298,7 +300,7 @@ async def test_several_subscribers_split_the_partitions_and_run_in_parallel(
     inbox = Inbox(create_engine(pg.url, pool_size=8), group=f"g-{topic}", alert=AlertLog())
     inbox.create_tables()
     inbox.handler(topic)(handler)
-    broker = new_broker("confluent", kafka)
+    broker = new_broker(broker_kind, kafka)
     for _ in range(4):
         subscribe(broker, inbox, **TEST_SUBSCRIBER_SETTINGS)
     await broker.start()

@@ -334,7 +334,7 @@ def test_the_scheduler_hands_out_runs_bounded_by_the_batch_size() -> None:
 
     scheduler = KeyScheduler(work, concurrency=1, batch_size=4, on_crash=lambda exc: None)
     # The scheduler is internal (the subject here): it takes the inbox's decoded deliveries.
-    scheduler.submit([decode(r, accept_foreign=False) for r in run_of("a", 1, 10) + run_of("b", 1, 1)])
+    scheduler.submit([decode(r) for r in run_of("a", 1, 10) + run_of("b", 1, 1)])
     scheduler.start()
     try:
         assert finished.wait(10), batches

@@ -232,7 +232,7 @@ class InboxModel(RuleBasedStateMachine):
         records = self.logs[partition][self.position[partition]:self.position[partition] + count]
         self.position[partition] += len(records)
         for r in records:
-            d = decode(r, accept_foreign=False, origin=Origin.POLLED)
+            d = decode(r, origin=Origin.POLLED)
             self.queue.append(d)
             if d.position is not None:
                 self.tracker.received([d.position])

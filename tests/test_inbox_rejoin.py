@@ -1,13 +1,19 @@
 """A consumer whose group join was cut short by a broker freeze rejoins by itself (``KafkaSource``).
 
-The broker (librdkafka's mock cluster in a process of its own) is frozen with
-SIGSTOP for ``FREEZE`` seconds under a running consumer process, in rounds:
-right after the consumer subscribed, so its JoinGroup request is in flight
-when the broker stops (librdkafka would wait ``max.poll.interval.ms`` + 3 s
-for the answer, consuming nothing), and during steady consumption. Every
-round, consumption must resume within ``RESUME`` seconds of SIGCONT and every
-message must be applied exactly once, in key order. Without the rejoin watch
-the join rounds stall for five minutes (checked: they fail at ``RESUME``).
+The broker is frozen with SIGSTOP for ``FREEZE`` seconds under a running
+consumer process, in rounds: right after the consumer subscribed, so its
+JoinGroup request is in flight when the broker stops, and during steady
+consumption. Every round, consumption must resume within ``RESUME`` seconds of
+SIGCONT and every message must be applied exactly once, in key order.
+
+Two brokers. Apache Kafka (a ``LocalKafka`` of the test's own, its JVM frozen):
+the promise as users meet it; Kafka answers the pending JoinGroup once thawed,
+so the consumer resumes without the rejoin watch too (checked: it passes with
+the watch off). librdkafka's mock cluster in a process of its own: the thawed
+mock never answers that JoinGroup, and librdkafka would wait
+``max.poll.interval.ms`` + 3 s for it, consuming nothing — a lost answer, as a
+half-open connection gives. That is the rejoin watch's proof: without it the
+join rounds stall for five minutes (checked: they fail at ``RESUME``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,51 +57,61 @@ def consumer(db: str, bootstrap: str, topic: str, group: str, log: Path) -> subp
     return process
 
 
-@pytest.mark.kafka
+@pytest.fixture(params=[pytest.param("kafka", marks=pytest.mark.kafka),
+                        pytest.param("mock", marks=pytest.mark.any_kafka)])
+def freezable(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A broker to freeze: Apache Kafka (``own_kafka``), then the mock in a process of its own."""
+    if request.param == "kafka":
+        yield request.getfixturevalue("own_kafka")
+        return
+    with BrokerProcess() as broker:
+        yield broker
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rounds", [["join", "join", "steady", "join"]])
 def test_a_broker_freeze_during_the_join_or_consumption_never_stalls_the_consumer(
-    tmp_path: Path, rounds: list[str]
+    tmp_path: Path, rounds: list[str], freezable: Any
 ) -> None:
-    with BrokerProcess() as broker:
-        for n, when in enumerate(rounds):
-            db = f"sqlite:///{tmp_path / f'round-{n}.db'}"
-            engine = create_engine(db)
-            group = f"rejoin-{uuid.uuid4().hex[:8]}"
-            Inbox(engine, group=group).create_tables()
-            business.create_all(engine)
-            topic = f"t-{uuid.uuid4().hex[:10]}"
-            produce_keys(broker.bootstrap, topic, KEYS, PER_KEY)
-            log = tmp_path / f"round-{n}.log"
-            process = consumer(db, broker.bootstrap, topic, group, log)
-            try:
-                if when == "join":
-                    time.sleep(0.3)  # subscribed, first poll: the JoinGroup goes out now
-                else:
-                    deadline = time.monotonic() + 60
-                    while effect_count(engine) < KEYS:
-                        assert time.monotonic() < deadline, f"round {n}: never consumed\n{log.read_text()}"
-                        time.sleep(0.02)
-                before = effect_count(engine)
-                broker.freeze()
-                time.sleep(FREEZE)
-                broker.thaw()
-                thawed = time.monotonic()
-                while effect_count(engine) < KEYS * PER_KEY:
-                    assert process.poll() is None, f"round {n}: the consumer exited\n{log.read_text()}"
-                    assert time.monotonic() - thawed < RESUME, (
-                        f"round {n} ({when}): {effect_count(engine)} of {KEYS * PER_KEY} applied "
-                        f"{RESUME}s after SIGCONT ({before} before the freeze)\n{log.read_text()}")
-                    time.sleep(0.1)
-            finally:
-                if broker.frozen:
-                    broker.thaw()
-                process.terminate()
-                process.wait(30)
-            assert_exactly_once_in_order(engine, group, KEYS, PER_KEY)
-            engine.dispose()
+    broker = freezable
+    for n, when in enumerate(rounds):
+        db = f"sqlite:///{tmp_path / f'round-{n}.db'}"
+        engine = create_engine(db)
+        group = f"rejoin-{uuid.uuid4().hex[:8]}"
+        Inbox(engine, group=group).create_tables()
+        business.create_all(engine)
+        topic = f"t-{uuid.uuid4().hex[:10]}"
+        produce_keys(broker.bootstrap, topic, KEYS, PER_KEY)
+        log = tmp_path / f"round-{n}.log"
+        process = consumer(db, broker.bootstrap, topic, group, log)
+        try:
             if when == "join":
-                assert before < KEYS * PER_KEY, f"round {n}: all consumed before the freeze"
+                time.sleep(0.3)  # subscribed, first poll: the JoinGroup goes out now
+            else:
+                deadline = time.monotonic() + 60
+                while effect_count(engine) < KEYS:
+                    assert time.monotonic() < deadline, f"round {n}: never consumed\n{log.read_text()}"
+                    time.sleep(0.02)
+            before = effect_count(engine)
+            broker.freeze()
+            time.sleep(FREEZE)
+            broker.thaw()
+            thawed = time.monotonic()
+            while effect_count(engine) < KEYS * PER_KEY:
+                assert process.poll() is None, f"round {n}: the consumer exited\n{log.read_text()}"
+                assert time.monotonic() - thawed < RESUME, (
+                    f"round {n} ({when}): {effect_count(engine)} of {KEYS * PER_KEY} applied "
+                    f"{RESUME}s after SIGCONT ({before} before the freeze)\n{log.read_text()}")
+                time.sleep(0.1)
+        finally:
+            if broker.frozen:
+                broker.thaw()
+            process.terminate()
+            process.wait(30)
+        assert_exactly_once_in_order(engine, group, KEYS, PER_KEY)
+        engine.dispose()
+        if when == "join":
+            assert before < KEYS * PER_KEY, f"round {n}: all consumed before the freeze"
 
 
 def test_readyz_says_why_a_consumer_has_no_partitions(sqlite_db: str) -> None:
@@ -140,7 +158,6 @@ def test_the_watch_starts_at_the_first_poll_and_not_without_statistics() -> None
         quiet.close()
 
 
-@pytest.mark.kafka
 def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silence(kafka: str) -> None:
     """A user's ``statistics.interval.ms`` longer than ``rejoin_after``: no report yet is no evidence.
 

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from outbox import Disposition, Inbox, Message, OutboxTables
 from outbox.inbox import Reason
 from outbox.inbox._delivery import OrderedDelivery, decode, delivery
-from outbox.inbox._store import InboxStore, store_for
+from outbox.inbox.storage import ParkedTable, postgres_storage
 from outbox.testing import OutboxTestHarness
 from tests.inbox_support import AlertLog, applied, apply_effect, business, dispose, insert_effect, record
 
@@ -138,15 +138,15 @@ def _outcome(url: str, last_seq: int, rows: list[tuple[int, Reason, bool, bool]]
         insert_effect(session, message)
 
     box.handler(TOPIC)(handler)
-    store = box.store
+    storage = box.storage
     with box._sessions() as session, session.begin():
-        store.lock_keys(session, [(TOPIC, "k")])
-        store.set_last_seq(session, {(TOPIC, "k"): last_seq})
+        storage.keys.lock(session, [(TOPIC, "k")])
+        storage.keys.advance(session, {(TOPIC, "k"): last_seq})
         for n, (seq, reason, recorded, _) in enumerate(rows):
-            d = decode(record(TOPIC, "k", seq, message_id=uuid.UUID(int=n + 1)), accept_foreign=False)
-            store.park(session, d, reason)
+            d = decode(record(TOPIC, "k", seq, message_id=uuid.UUID(int=n + 1)))
+            storage.park(session, d, reason)
             if recorded:
-                store.claim(session, [d])
+                storage.dedup.claim(session, [d])
     box.admin.replay_batch = batch
     result = box.replay(TOPIC, "k")
     with engine.connect() as conn:
@@ -238,14 +238,14 @@ def page_inbox(proof_db_url: str) -> Iterator[Inbox]:
 @given(rows=_page_rows, limit=st.integers(1, 16))
 def test_a_replay_page_is_the_first_replayable_rows_in_seq_then_id_order(
         page_inbox: Inbox, rows: list[tuple[str, int | None, Reason]], limit: int) -> None:
-    store = page_inbox.store
+    storage = page_inbox.storage
     with page_inbox._sessions() as session, session.begin():
         session.execute(page_inbox.tables.inbox_parked.delete())
         for key, seq, reason in rows:
-            store.park(session, decode(record(TOPIC, key, seq), accept_foreign=False), reason)
+            storage.park(session, decode(record(TOPIC, key, seq)), reason)
     with page_inbox._sessions() as session, session.begin():
-        everything = [r.id for r in store.parked(session, TOPIC, "k", replayable=True)]
-        assert [r.id for r in store.replay_page(session, TOPIC, "k", limit)] == everything[:limit]
+        everything = [r.id for r in storage.parked.rows(session, TOPIC, "k", replayable=True)]
+        assert [r.id for r in storage.parked.replay_page(session, TOPIC, "k", limit)] == everything[:limit]
 
 
 def test_a_replay_page_on_postgresql_fetches_about_a_page_of_a_long_key(postgres_db: str) -> None:
@@ -253,18 +253,18 @@ def test_a_replay_page_on_postgresql_fetches_about_a_page_of_a_long_key(postgres
     engine = sa.create_engine(postgres_db)
     box = Inbox(engine, group="g", alert=AlertLog())
     box.create_tables()
-    store = box.store
+    storage = box.storage
     with box._sessions() as session, session.begin():
-        store.lock_keys(session, [(TOPIC, "k")])
-        store.park(session, decode(record(TOPIC, "k", 1), accept_foreign=False), Reason.FAILED)
-        flood = [decode(record(TOPIC, "k", seq), accept_foreign=False) for seq in range(2, 3001)]
-        store.park_behind(session, [d for d in flood if isinstance(d, OrderedDelivery)])
+        storage.keys.lock(session, [(TOPIC, "k")])
+        storage.park(session, decode(record(TOPIC, "k", 1)), Reason.FAILED)
+        flood = [decode(record(TOPIC, "k", seq)) for seq in range(2, 3001)]
+        storage.park_behind(session, [d for d in flood if isinstance(d, OrderedDelivery)])
     p = box.tables.inbox_parked
     fetched = sa.text("SELECT (coalesce(sum(idx_tup_fetch), 0) + coalesce(sum(seq_tup_read), 0))::bigint "
                       "FROM pg_stat_xact_user_tables WHERE relname = :t")
     with box._sessions() as session, session.begin():
         before = session.scalar(fetched, {"t": p.name})
-        page = box.store.replay_page(session, TOPIC, "k", 50)
+        page = box.storage.parked.replay_page(session, TOPIC, "k", 50)
         read = session.scalar(fetched, {"t": p.name}) - before
     assert [r.delivery.message.seq for r in page] == list(range(1, 51))
     assert read <= 3 * 50, f"a page of 50 fetched {read} of the key's 3,000 rows"
@@ -284,7 +284,7 @@ def test_a_parked_keys_flood_is_stored_on_postgresql_as_one_insert_per_message_s
         messages: list[tuple[bytes, dict[str, str], str | None, str | None, str]]) -> None:
     """PostgreSQL parks a flood with one array per column; each row must be what an INSERT stores."""
     tables = OutboxTables()
-    arrays, one_by_one = store_for(tables, "arrays", "postgresql"), store_for(tables, "each", "postgresql")
+    arrays, one_by_one = postgres_storage(tables, "arrays"), postgres_storage(tables, "each")
     now = datetime.now(UTC)
     flood = [delivery(Message.model_construct(
         message_id=uuid.uuid4(), topic=TOPIC, key="k", seq=n + 2, payload=payload, content_type=ctype,
@@ -295,7 +295,7 @@ def test_a_parked_keys_flood_is_stored_on_postgresql_as_one_insert_per_message_s
     with Session(postgres_engine) as session, session.begin():
         session.execute(tables.inbox_parked.delete())
         arrays.park_behind(session, ordered)
-        InboxStore.park_behind(one_by_one, session, ordered)  # the statement per message
+        ParkedTable.add_behind(one_by_one.parked, session, ordered)  # the executemany of SQLite, MySQL
         arrays.park_behind(session, ordered)  # again: parked already, left as it is
     p = tables.inbox_parked
     kept = [c for c in p.c if c.name not in ("id", "consumer_group", "first_failure_at", "last_failure_at")]

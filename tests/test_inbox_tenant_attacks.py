@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import ConfigurationError, Disposition, Inbox, NotParkedError
-from outbox.inbox._delivery import decode
+from outbox.inbox._delivery import Named, Unnamed, decode
 from outbox.tenants import Tenant
 from tests.inbox_support import record
 from transports import Record
@@ -113,7 +113,7 @@ def test_any_tenant_header_reaches_its_tenant_or_parks_as_unknown_in_the_default
     if other is not None:
         r.headers.append(("other", other))
     r.offset = next(_offsets)  # a record parked unread is known by its position: one each
-    message_id = decode(r, accept_foreign=False).message.message_id
+    message_id = decode(r).message.message_id
     disposition = by_header.inbox.handle(r)
     tenant = _expected_tenant(headers)
     unreadable = any(not _is_utf8(value) for _, value in r.headers)
@@ -182,9 +182,10 @@ def test_whatever_tenant_of_returns_or_raises_the_record_gets_a_place_and_nothin
     router.tenant_of = tenant_of
     message_id = uuid.uuid4()
     r = record(TOPIC, None, None, message_id=message_id)
-    tagged = router.tag(decode(r, accept_foreign=False))
+    tagged = router.tag(decode(r))
     named = str.__str__(returned)[:200] if isinstance(returned, str) else ""
-    assert tagged.tenant == named and type(tagged.tenant) is str
+    assert tagged.tenant == (Named(named) if named else Unnamed(""))
+    assert not isinstance(tagged.tenant, Named) or type(tagged.tenant.name) is str
     served = named in SERVED
     disposition = tenants.inbox.handle(r)
     where = tenants.where(message_id)
@@ -229,9 +230,9 @@ def test_a_tenant_source_that_hangs_holds_up_neither_the_poll_nor_a_worker(tmp_p
         time.sleep(0.02)  # the refresh is due
         router.ready()  # starts the background reading, which hangs
         deadline = time.monotonic() + 5
-        while not router._reading.locked() and time.monotonic() < deadline:
+        while not router.places._reading.locked() and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert router._reading.locked(), "the background reading did not start"
+        assert router.places._reading.locked(), "the background reading did not start"
 
         done: dict[str, Any] = {}
         polled = threading.Thread(target=lambda: done.update(ready=router.ready()), daemon=True)
@@ -239,7 +240,7 @@ def test_a_tenant_source_that_hangs_holds_up_neither_the_poll_nor_a_worker(tmp_p
         polled.join(2)
         assert "ready" in done, "ready() waited for the hung tenant source"
 
-        unknown = decode(_with_tenant("initech"), accept_foreign=False)
+        unknown = decode(_with_tenant("initech"))
         worker = threading.Thread(target=lambda: done.update(
             settled=router.settle([router.tag(unknown)])), daemon=True)
         worker.start()
@@ -373,3 +374,40 @@ def test_a_tenant_header_no_record_can_route_by_is_refused_when_the_inbox_is_bui
     default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
     with pytest.raises(ConfigurationError, match="tenant_header"):
         Inbox(default, group="g", tenants=["a"], tenant_header=header)
+
+
+def test_a_message_replayed_to_its_tenant_is_settled_as_a_new_arrival_retries_and_alert_included(
+        tmp_path: Path) -> None:
+    """Parked as ``tenant_unknown``, then replayed once its tenant exists, a message whose handler
+    fails takes the live path's settle stage in the tenant: ``max_attempts`` attempts, then parked
+    there with its key and one ``key_parked`` alert labelled with the tenant. It used to be parked
+    at its first failure, no attempt counted (a hand-made apply → park → alert beside the settle
+    stage's)."""
+    listed: list[Tenant] = []
+    alerts: list[Any] = []
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    inbox = Inbox(default, group="g", tenants=lambda: listed, tenant_header=HEADER, tenant_refresh=0.01,
+                  max_attempts=3, retry_backoff=0.001, retry_backoff_max=0.01, alert=alerts.append)
+    calls: list[int | None] = []
+
+    def handler(session: Any, message: Any) -> None:
+        calls.append(message.seq)
+        raise RuntimeError("the fix is not deployed yet")
+
+    inbox.handler(TOPIC)(handler)
+    inbox.create_tables()
+    r = record(TOPIC, "k", 1)
+    r.headers.append((HEADER, b"initech"))
+    assert inbox.handle(r) is Disposition.PARKED
+    alerts.clear()
+
+    listed.append(Tenant("initech", database=f"sqlite:///{tmp_path}/initech.db"))
+    inbox.create_tables(tenant="initech")
+    moved = inbox.replay(TOPIC, "k")
+    assert (moved.applied, moved.remaining, moved.unparked) == (1, 0, True)  # it left the default
+    assert calls == [1, 1, 1]
+    [parked] = inbox.parked(tenant="initech")
+    assert (parked.seq, parked.reason.value, parked.attempts) == (1, "failed", 3)
+    assert [(a.kind, a.tenant) for a in alerts] == [("key_parked", "initech")]
+    assert inbox.parked() == []
+    default.dispose()

@@ -284,7 +284,6 @@ def second_database(postgres_server: str) -> Iterator[sa.Engine]:
         engine.dispose()
 
 
-@pytest.mark.kafka
 def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_tables_waits(
         kafka: str, topic: str, schemas: sa.Engine, second_database: sa.Engine,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -343,7 +342,6 @@ def test_one_consumer_serves_tenants_in_two_databases_and_a_tenant_without_table
 # -- one tenant's database frozen, then stopped, while the other flows -----------------------------
 
 @pytest.mark.slow
-@pytest.mark.kafka
 def test_a_tenant_whose_database_hangs_or_stops_holds_up_nothing_else_and_loses_nothing(
         kafka: str, topic: str, schemas: sa.Engine, own_postgres: Any,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -398,8 +396,8 @@ def test_a_tenant_whose_database_hangs_or_stops_holds_up_nothing_else_and_loses_
                 assert fleet.inbox.parked(tenant="a") == [] and fleet.alerts == []
                 own_postgres.thaw() if outage == "freeze" else own_postgres.start()
                 wait_for(lambda: b_applied() == made["b"], timeout=60, what=f"tenant b after the {outage}")
-                wait_for(lambda end=sent: committed(kafka, fleet.inbox.group, topic)[0] == end, timeout=30,
-                         what="the commit reaches the end")
+                wait_for(lambda end=sent: committed(kafka, fleet.inbox.group, topic)[0] == end,
+                         timeout=30, what="the commit reaches the end")
     finally:
         own_postgres.thaw()
         b_engine.dispose()

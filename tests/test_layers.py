@@ -65,10 +65,9 @@ NOTIFY payload (``_notify``), the timing wheel, outage classification and backof
 ``_schema``'s version), the inbox's runner stages that the model test plays itself
 (``inbox._delivery``, ``_offsets``, ``_schedule``), inbox settings and sessions, relay statements,
 leases, rows and its writer thread, the worker commands' stop latch, the inbox's partition checks,
-the inbox store's replay page and flood INSERT (compared with the old statements), the event
-registry (emptied for each docs page), housekeeping, Spark, console, CLI and ops internals; and
+the event registry (emptied for each docs page), housekeeping, Spark, console, CLI and ops internals; and
 ``transports._errors`` in the transports' own tests (``transports`` has no public error module, and
-importing them from ``outbox`` would invert the layering there).
+importing them from ``outbox`` would invert the layering there); a database's identity (``_identity``).
 Lower it when one goes; raise it only for a test whose subject is a private module.
 """
 

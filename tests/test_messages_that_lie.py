@@ -72,7 +72,7 @@ def test_redirected_demo_output_keeps_the_chart_path_on_one_line(tmp_path):
     assert any(str(chart) in line for line in out.splitlines()), out
 
 
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 def test_the_relay_does_not_warn_about_the_gapless_guarantee_it_needs(caplog):
     from transports import Record
     from transports.kafka import KafkaTransport, embedded_kafka

@@ -19,6 +19,7 @@ from outbox import ConfigurationError
 from outbox._outage import (
     RELAY_WORDING,
     OutageBackoff,
+    OutageGate,
     OutageTracker,
     delay_before,
 )
@@ -117,3 +118,68 @@ def test_the_inbox_waits_from_a_jittered_fifth_of_a_second_up_to_five(
     assert [r.getMessage() for r in caplog.records] == [
         "the database unavailable (OSError: refused); waiting for it, nothing counts as a failed "
         "attempt meanwhile"]
+
+
+# -- the gate: a dependency that is down, probed by one caller at a time -----------------------
+
+
+def test_a_closed_gate_lets_one_probe_through_at_a_time_and_puts_the_others_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("outbox._outage.time.monotonic", lambda: clock[0])
+    tracker = OutageTracker("db", log=logging.getLogger("test.outage"), backoff=OutageBackoff(first=2.0))
+    gate = OutageGate(tracker, least=0.2)
+    assert gate.admit() is None and not gate.down  # open: everyone goes
+    assert gate.failed(OSError("refused")) == 2.0
+    assert gate.down and tracker.down
+    assert gate.admit() == 2.0  # not before the backoff
+    clock[0] += 1.9
+    assert gate.admit() == pytest.approx(0.2)  # never less than least
+    clock[0] += 0.2
+    assert gate.admit() is None  # the probe
+    assert gate.admit() == 0.2  # the others wait while it probes
+    assert gate.failed(OSError("refused")) == 4.0  # its second failure: the backoff doubles
+    clock[0] += 4.0
+    assert gate.admit() is None
+    assert gate.answered() is True  # it opened the gate: who waited may go now
+    assert not gate.down and not tracker.down and gate.admit() is None
+    assert gate.answered() is False
+
+
+def test_a_probe_that_ends_without_a_verdict_hands_the_probe_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = OutageGate(closed=True)  # e.g. tables not checked yet: the first caller probes
+    assert gate.admit() is None
+    seen: list[float | None] = []
+    other = threading.Thread(target=lambda: (seen.append(gate.admit()), gate.probed()))
+    other.start()
+    other.join()
+    assert seen[0] is not None, "a second probe went through"
+    assert gate.admit() is not None  # another thread's probed() does not end this one's probe
+    gate.probed()
+    assert gate.admit() is None  # this thread's did
+
+
+def test_a_close_never_brings_the_next_probe_forward() -> None:
+    gate = OutageGate()
+    assert gate.close(5.0) == pytest.approx(5.0, abs=0.1)
+    assert gate.close(0.1) == pytest.approx(5.0, abs=0.1)  # a late, shorter failure: still 5 s
+    with pytest.raises(ConfigurationError, match="tracker"):
+        gate.failed("down")
+
+
+def test_work_that_began_before_the_outage_was_told_does_not_end_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long transaction that committed just before the server went away answered nothing about now:
+    the outage another thread met meanwhile is not logged as over (and then again as begun)."""
+    clock = [10.0]
+    monkeypatch.setattr("outbox._outage.time.monotonic", lambda: clock[0])
+    tracker = OutageTracker("db", log=logging.getLogger("test.outage"))
+    gate = OutageGate(tracker)
+    began = clock[0]  # a round of work starts
+    clock[0] += 1.0
+    gate.failed(OSError("terminating connection"))  # another thread meets the outage
+    clock[0] += 0.1
+    assert gate.answered(began) is False  # the round, begun before, ends well
+    assert gate.down and tracker.down
+    clock[0] += 1.0
+    assert gate.answered(clock[0] - 0.5) is True  # work begun after the outage was told
+    assert not gate.down and not tracker.down

@@ -1,25 +1,31 @@
-"""A broker outage is never counted against a message (DESIGN §9).
+"""A broker outage is never counted against a message (DESIGN §9), on Apache Kafka.
 
-The broker (librdkafka's mock cluster in a child process) is frozen with
-SIGSTOP under a running relay: every send times out. The rows must keep their
-attempt count (it drives the backoff, up to 30 s) and go out promptly once the
-broker is thawed, not after a backoff grown during the outage.
+The broker (a ``LocalKafka`` of the test's own) is frozen with SIGSTOP under a
+running relay: every send times out. The rows must keep their attempt count (it
+drives the backoff, up to 30 s) and go out promptly once the broker is thawed,
+not after a backoff grown during the outage. On three nodes, two stopped: the
+survivor refuses every write for too few in-sync replicas, which is an outage
+too.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
-from _relay_helpers import publish, rows
+from _relay_helpers import publish, rows, seqs_by_key
+from _relay_helpers import wait_for as wait_until
 
 from outbox import Outbox, Relay, create_engine
+from outbox.testing import LocalKafka, LocalKafkaCluster
 from transports.kafka import KafkaTransport
-from transports.testing import BrokerProcess
+from transports.testing import read_topic
 
-# wall-clock bounds: the "timing" group runs one test at a time (docs/testing.md)
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("timing")]
+pytestmark = pytest.mark.slow
 
 
 def wait_for(condition, timeout: float, what: str) -> float:
@@ -30,38 +36,126 @@ def wait_for(condition, timeout: float, what: str) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one test at a time (docs/testing.md)
 def test_a_frozen_broker_counts_no_attempt_and_publishes_promptly_after(
-    sqlite_db: str, topic: str
+    sqlite_db: str, topic: str, own_kafka: LocalKafka
 ) -> None:
     outbox = Outbox(create_engine(sqlite_db))
     outbox.create_tables()
-    with BrokerProcess() as broker:
-        transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=2.0)
-        relay = Relay(outbox, transport, poll_interval=0.05)
-        thread = threading.Thread(target=relay.run, daemon=True)
-        thread.start()
+    broker = own_kafka
+    transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=2.0)
+    relay = Relay(outbox, transport, poll_interval=0.05)
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        publish(outbox, topic, ["k1", "k2", None])
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "the warm-up rows")
+        broker.freeze()
         try:
-            publish(outbox, topic, ["k1", "k2", None])
-            wait_for(lambda: not rows(outbox, status="pending"), 30, "the warm-up rows")
-            broker.freeze()
-            try:
-                publish(outbox, topic, ["k1", "k1", "k2", "k3", None, None])
-                # Several delivery timeouts: each would have been an attempt.
-                wait_for(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) >= 4,
-                         20, "the relay to try the rows against the frozen broker")
-                time.sleep(8)
-                frozen = rows(outbox, status="pending")
-            finally:
-                broker.thaw()
-            assert len(frozen) == 6 and any(r.last_error for r in frozen)
-            assert [r.attempts for r in frozen] == [0] * 6, [(r.attempts, r.last_error) for r in frozen]
-            took = wait_for(lambda: not rows(outbox, status="pending"), 30, "publishing after the thaw")
+            publish(outbox, topic, ["k1", "k1", "k2", "k3", None, None])
+            # Several delivery timeouts: each would have been an attempt.
+            wait_for(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) >= 4,
+                     20, "the relay to try the rows against the frozen broker")
+            time.sleep(8)
+            frozen = rows(outbox, status="pending")
         finally:
-            relay.stop()
-            thread.join(30)
-        transport.close()
+            broker.thaw()
+        assert len(frozen) == 6 and any(r.last_error for r in frozen)
+        assert [r.attempts for r in frozen] == [0] * 6, [(r.attempts, r.last_error) for r in frozen]
+        took = wait_for(lambda: not rows(outbox, status="pending"), 30, "publishing after the thaw")
+    finally:
+        relay.stop()
+        thread.join(30)
+    transport.close()
     assert not thread.is_alive()
     assert took < 8, f"{took:.1f} s after the thaw"
     # Published once each: the one attempt that succeeded.
     assert [r.attempts for r in rows(outbox)] == [1] * 9
     outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("client", ["kafka", "kafka_python"])
+def test_min_insync_replicas_not_met_is_an_outage_and_the_relay_resumes_in_order(
+    kafka_cluster: LocalKafkaCluster, topic: str, tmp_path: Path, client: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three Apache Kafka nodes, replication factor 3, ``min.insync.replicas`` 2: two stopped.
+
+    The topic has one partition, and the two stopped are its followers (so no leadership
+    moves: kafka-python-ng would count the relay an attempt for a NOT_LEADER answer, a
+    retriable error the broker returned, as it should). The leader, alone in sync, answers the relay's
+    ``acks=all`` producer NOT_ENOUGH_REPLICAS: the cluster cannot take a write, no record is
+    at fault. A writer goes on publishing. The relay must treat it as an outage: no row fails,
+    none gets an attempt counted, one "broker unreachable" line; and once the two nodes are
+    back, everything is published, each key in seq order on the wire, nothing lost.
+    (kafka-python-ng answers each record NotEnoughReplicasError at once, retries=0: it counted
+    an attempt per batch before the transport took it for an outage.)
+    """
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    cluster = kafka_cluster
+    cluster.create_topic(topic, 1)
+    outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'outbox.db'}"))
+    outbox.create_tables()
+    relay = Relay(outbox, _transport(client, cluster.bootstrap), poll_interval=0.05)
+    running = threading.Thread(target=relay.run, daemon=True)
+    writing = threading.Event()
+    writing.set()
+
+    def write() -> None:
+        while writing.is_set():
+            publish(outbox, topic, [f"k{k}" for k in range(10)])
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=write)
+    running.start()
+    writer.start()
+    leader = cluster.leader(topic, 0)
+    followers = [node.node_id for node in cluster.nodes if node.node_id != leader]
+    try:
+        wait_until(lambda: len(rows(outbox, status="published")) >= 100, 60, "the relay at work")
+        for node in followers:
+            cluster.stop(node)
+        # Long enough for several batches to meet the refusal (5 s delivery timeouts).
+        wait_until(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) >= 10, 60,
+                   "the relay to meet the refusal")
+        time.sleep(12)
+        during = rows(outbox)
+        for node in followers:
+            cluster.start(node)
+    finally:
+        writing.clear()
+        writer.join(30)
+    try:
+        wait_until(lambda: not rows(outbox, status="pending"), 120, "everything published after the restart")
+    finally:
+        relay.stop()
+        running.join(30)
+    assert not running.is_alive()
+    # librdkafka retries NOT_ENOUGH_REPLICAS itself: the transport purges what has no report
+    # after its delivery timeout. kafka-python-ng passes the broker's answer on.
+    errors = {r.last_error for r in during if r.status == "pending" and r.last_error}
+    assert errors and all(("NotEnoughReplicas" if client == "kafka_python" else "Purged") in e
+                          for e in errors), errors
+    assert {r.status for r in during} <= {"published", "pending"}
+    assert [r.attempts for r in during if r.status == "pending"] == [0] * sum(
+        1 for r in during if r.status == "pending"), {(r.attempts, r.last_error) for r in during}
+    stored = rows(outbox)
+    assert {r.status for r in stored} == {"published"} and {r.attempts for r in stored} == {1}
+    records = read_topic(cluster.bootstrap, topic, expected=len(stored), timeout=60, settle=1.0)
+    assert seqs_by_key(records) == {f"k{k}".encode(): list(range(1, len(stored) // 10 + 1))
+                                    for k in range(10)}
+    lines = [r.getMessage() for r in caplog.records if r.name == "outbox.relay"]
+    assert sum("broker unreachable" in line for line in lines) == 1, lines
+    assert sum("broker reachable again" in line for line in lines) == 1, lines
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+def _transport(client: str, bootstrap: str) -> Any:
+    if client == "kafka_python":
+        from kafka import KafkaProducer
+
+        from transports.kafka_python import KafkaPythonTransport
+
+        producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all", linger_ms=5)
+        return KafkaPythonTransport(producer, delivery_timeout=5)
+    return KafkaTransport(bootstrap_servers=bootstrap, delivery_timeout=5.0)

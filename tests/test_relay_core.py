@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import sqlalchemy as sa
 import tenacity
 from _relay_helpers import ScriptedTransport, drain, publish, rows, seqs_by_key
 
@@ -204,14 +206,15 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     ids = publish(outbox, "orders", ["a", "a", "b"])
     transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY]})
     relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(0))  # the wheel fires at once
-    write = relay._batch._write
-    monkeypatch.setattr(relay._batch, "_write", lambda plan: time.sleep(0.5) or write(plan))
-    relay._prepare_batch()
-    relay._run_batch(wait=False)  # a1 retried, b1 delivered; the write is still running
+    step = relay._step
+    write = step._batch._write
+    monkeypatch.setattr(step._batch, "_write", lambda plan: time.sleep(0.5) or write(plan))
+    step.prepare()
+    step.run_batch(wait=False)  # a1 retried, b1 delivered; the write is still running
     time.sleep(0.1)  # past the wheel's tick
-    relay._prepare_batch()
+    step.prepare()
     assert ("orders", "a") not in relay.wheel
-    second = relay._run_batch(wait=False)
+    second = step.run_batch(wait=False)
     # a1 is being written (excluded) and a's retry timer has fired, but the database does not
     # know yet that a waits: a2 must not go out ahead of a1.
     assert second.sent == 0 and second.held == 1
@@ -221,6 +224,35 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     assert [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent] == [
         (b"b", b"1"), (b"a", b"1"), (b"a", b"2")
     ]
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+def test_a_pipelined_write_that_meets_an_outage_tells_it_then(server_db_url: str, monkeypatch) -> None:
+    """Not when the next batch waits for the write: after the outage, its fetch would answer first,
+    and the old write's error would read as a second outage just after the first ended."""
+    outbox = Outbox(create_engine(server_db_url))
+    outbox.create_tables()
+    publish(outbox, "orders", ["a"])
+    relay = Relay(outbox, ScriptedTransport())
+    step = relay._step
+    written = threading.Event()
+
+    def lost(plan: object) -> None:
+        try:
+            raise sa.exc.OperationalError("UPDATE", {}, ConnectionResetError("server closed the connection"))
+        finally:
+            written.set()
+    monkeypatch.setattr(step._batch, "_write", lost)
+    step.run(wait=False)  # sent; its outcomes are written behind, and that write meets an outage
+    assert written.wait(10)
+    deadline = time.monotonic() + 5
+    while not relay.outages.database.down and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert relay.outages.database.down, "the outage waits to be told until the next batch"
+    monkeypatch.undo()
+    drain(relay)  # the database answers: the row goes again, and is marked
+    relay.close()
+    assert not relay.outages.database.down
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
@@ -246,14 +278,19 @@ PURGED = SendResult(Outcome.RETRY, error="Local: Purged in flight", unreachable=
     (PURGED, True, [0, 0, 0]),  # no answer for anything: the broker is down, nothing counted
     # The gap-less stop: the refused record fails (its attempt), the purged rest is not counted.
     (SendResult(Outcome.FAILED, error="Broker: Invalid record"), False, [1, 0, 0]),
-    # The broker answered one with a retriable error: that batch counts, as it always did.
-    (SendResult(Outcome.RETRY, error="Broker: Not enough in-sync replicas"), False, [1, 1, 1]),
+    # The broker answered one with a retriable error: that one counts; the unanswered rest do not.
+    (SendResult(Outcome.RETRY, error="Broker: Not enough in-sync replicas"), False, [1, 0, 0]),
+    # A node died under the batch: what it led got no answer, the rest was delivered. The
+    # unanswered rows waited for an outage and count nothing (they counted one before).
+    (SendResult(Outcome.DELIVERED, 0, 0), False, [1, 0, 0]),
 ])
 def test_only_a_batch_without_any_answer_is_a_broker_outage(
     outbox: Outbox, first: SendResult, down: bool, attempts: list[int]
 ) -> None:
     """After a refused record, the gap-less stop purges the rest unanswered: the record is FAILED,
-    the others wait without an attempt counted, and no broker outage is reported (or logged)."""
+    the others wait without an attempt counted, and no broker outage is reported (or logged).
+    A record without an answer never counts an attempt, whatever became of the batch's others;
+    only a batch of which nothing was delivered and nothing answered is the broker down."""
     publish(outbox, "orders", ["a", "b", "c"])
     relay = Relay(outbox, AnsweringThen(first, PURGED), backoff=FAST)
     batch = relay.run_once()

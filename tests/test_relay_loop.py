@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine, relay_metrics
 from outbox.relay._leases import fair_share
-from outbox.relay._sql import RelayStatements
+from outbox.relay._sql import statements_for
 from outbox.testing import free_port
 
 
@@ -178,7 +178,7 @@ def test_the_mysql_probe_reads_only_the_rows_that_may_block_a_key(mysql_db: str)
         flags = conn.execute(sa.text(f"SELECT seq, may_block FROM {m.name} ORDER BY seq")).all()
         assert [tuple(r) for r in flags] == [(1, 0), (2, 0), (3, 1)]
         assert "may_block" not in list(conn.execute(sa.text(f"SELECT * FROM {m.name}")).keys())
-        fetch = RelayStatements(outbox.tables, conn.dialect.name).fetch(range(16))
+        fetch = statements_for(outbox.tables, conn.dialect.name).fetch(range(16))
         sent: list[tuple[str, object]] = []
         sa.event.listen(conn, "before_cursor_execute", lambda *a: sent.append((a[2], a[3])))
         assert len(conn.execute(fetch, {"now": datetime.now(UTC), "limit": 100}).all()) == 1  # seq 2

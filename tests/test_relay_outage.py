@@ -1,7 +1,7 @@
 """Outages are not failures: the broker frozen for 40 s, then PostgreSQL down for 10 s, under two relays.
 
-The broker (librdkafka's mock cluster) lives in its own process, frozen with
-SIGSTOP so it neither answers nor closes a connection; PostgreSQL is a server
+The broker (Apache Kafka, a ``LocalKafka`` of the test's own) is frozen with
+SIGSTOP of its JVM so it neither answers nor closes a connection; PostgreSQL is a server
 of this test's own, stopped with ``pg_ctl stop -m fast`` and started again on
 the same data and port. A writer publishes throughout. The relays (``outbox
 relay`` processes with the product's defaults) must stay up, lose nothing,
@@ -27,8 +27,8 @@ from _relay_helpers import publish, rows, seqs_by_key
 
 from outbox import Outbox, create_engine
 from outbox._wire import MESSAGE_ID
-from outbox.testing import LocalPostgres, free_port
-from transports.testing import BrokerProcess, read_topic
+from outbox.testing import LocalKafka, LocalPostgres, free_port
+from transports.testing import read_topic
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
@@ -64,86 +64,86 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 
 def test_relays_ride_out_a_frozen_broker_and_a_stopped_database(
-    own_postgres: LocalPostgres, topic: str, tmp_path: Path
+    own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, tmp_path: Path
 ) -> None:
     url = own_postgres.url
     outbox = Outbox(create_engine(url))
     outbox.create_tables()
-    with BrokerProcess() as broker:
-        ports = [free_port(), free_port()]
-        logs = [tmp_path / "relay-a.log", tmp_path / "relay-b.log"]
-        relays = [
-            subprocess.Popen(
-                [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers",
-                 broker.bootstrap, "--worker-id", worker, "--metrics-port", str(port),
-                 "--log-level", "INFO"],
-                stdout=log.open("w"), stderr=subprocess.STDOUT)
-            for worker, port, log in zip("ab", ports, logs, strict=True)
-        ]
-        writing = threading.Event()
-        writing.set()
-        write_errors = []
+    broker = own_kafka
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / "relay-a.log", tmp_path / "relay-b.log"]
+    relays = [
+        subprocess.Popen(
+            [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers",
+             broker.bootstrap, "--worker-id", worker, "--metrics-port", str(port),
+             "--log-level", "INFO"],
+            stdout=log.open("w"), stderr=subprocess.STDOUT)
+        for worker, port, log in zip("ab", ports, logs, strict=True)
+    ]
+    writing = threading.Event()
+    writing.set()
+    write_errors = []
 
-        def write() -> None:
-            rng = random.Random(5)
-            while writing.is_set():
-                try:
-                    publish(outbox, topic, sorted(f"key-{rng.randrange(100)}" for _ in range(5)))
-                except Exception as exc:  # the database is down: this transaction did not commit
-                    write_errors.append(exc)
-                    time.sleep(0.5)
-                time.sleep(0.05)
+    def write() -> None:
+        rng = random.Random(5)
+        while writing.is_set():
+            try:
+                publish(outbox, topic, sorted(f"key-{rng.randrange(100)}" for _ in range(5)))
+            except Exception as exc:  # the database is down: this transaction did not commit
+                write_errors.append(exc)
+                time.sleep(0.5)
+            time.sleep(0.05)
 
-        writer = threading.Thread(target=write)
-        writer.start()
-        try:
-            wait_for(lambda: len(rows(outbox, status="published")) >= 300, 60, "relays at work")
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        wait_for(lambda: len(rows(outbox, status="published")) >= 300, 60, "relays at work")
 
-            broker.freeze()
-            time.sleep(FREEZE)
-            broker.thaw()
-            frozen_backlog = len(rows(outbox, status="pending"))
-            wait_for(lambda: len(rows(outbox, status="pending")) < frozen_backlog / 2, 90,
-                     "the relays to resume after the broker came back")
+        broker.freeze()
+        time.sleep(FREEZE)
+        broker.thaw()
+        frozen_backlog = len(rows(outbox, status="pending"))
+        wait_for(lambda: len(rows(outbox, status="pending")) < frozen_backlog / 2, 90,
+                 "the relays to resume after the broker came back")
 
-            own_postgres.stop()
-            time.sleep(DB_DOWN)
-            own_postgres.start()
-            time.sleep(5)
-        finally:
-            writing.clear()
-            writer.join(60)
-        assert write_errors, "the writer should have met the stopped database"
-        try:
-            wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published")
-            # A relay that owns no shards queries only to renew its leases (every TTL/3): it
-            # sees the database back by itself, but maybe after the others drained the backlog.
-            wait_for(lambda: all(log.read_text().count("database reachable again")
-                                 == log.read_text().count("database unreachable") for log in logs),
-                     60, "each relay to see the database back")
-            assert all(relay.poll() is None for relay in relays), "a relay ended during an outage"
-            retried = sum(metric(port, "outbox_relay_retried_total") for port in ports)
-            broker_outages = [metric(port, "outbox_relay_outages_total", dependency="broker")
-                              for port in ports]
-            database_outages = [metric(port, "outbox_relay_outages_total", dependency="database")
-                                for port in ports]
-        finally:
-            for relay in relays:
-                relay.send_signal(signal.SIGTERM)
-            codes = [stopped(relay) for relay in relays]
-        texts = [log.read_text() for log in logs]
-        assert codes == [0, 0], texts
+        own_postgres.stop()
+        time.sleep(DB_DOWN)
+        own_postgres.start()
+        time.sleep(5)
+    finally:
+        writing.clear()
+        writer.join(60)
+    assert write_errors, "the writer should have met the stopped database"
+    try:
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published")
+        # A relay that owns no shards queries only to renew its leases (every TTL/3): it
+        # sees the database back by itself, but maybe after the others drained the backlog.
+        wait_for(lambda: all(log.read_text().count("database reachable again")
+                             == log.read_text().count("database unreachable") for log in logs),
+                 60, "each relay to see the database back")
+        assert all(relay.poll() is None for relay in relays), "a relay ended during an outage"
+        retried = sum(metric(port, "outbox_relay_retried_total") for port in ports)
+        broker_outages = [metric(port, "outbox_relay_outages_total", dependency="broker")
+                          for port in ports]
+        database_outages = [metric(port, "outbox_relay_outages_total", dependency="database")
+                            for port in ports]
+    finally:
+        for relay in relays:
+            relay.send_signal(signal.SIGTERM)
+        codes = [stopped(relay) for relay in relays]
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts
 
-        # Nothing lost, nothing failed, order kept on the wire.
-        stored = rows(outbox)
-        assert {r.status for r in stored} == {"published"}
-        records = read_topic(broker.bootstrap, topic, expected=len(stored), timeout=90, settle=2.0)
-        assert {dict(r.headers)[MESSAGE_ID].decode() for r in records} == {
-            str(r.message_id) for r in stored}
-        expected: dict[bytes, list[int]] = {}
-        for row in stored:
-            expected.setdefault(row.key.encode(), []).append(row.seq)
-        assert seqs_by_key(records) == {k: sorted(v) for k, v in expected.items()}
+    # Nothing lost, nothing failed, order kept on the wire.
+    stored = rows(outbox)
+    assert {r.status for r in stored} == {"published"}
+    records = read_topic(broker.bootstrap, topic, expected=len(stored), timeout=90, settle=2.0)
+    assert {dict(r.headers)[MESSAGE_ID].decode() for r in records} == {
+        str(r.message_id) for r in stored}
+    expected: dict[bytes, list[int]] = {}
+    for row in stored:
+        expected.setdefault(row.key.encode(), []).append(row.seq)
+    assert seqs_by_key(records) == {k: sorted(v) for k, v in expected.items()}
 
     # Visible: the retry counter moved and each outage was counted and logged once per change.
     assert retried > 0

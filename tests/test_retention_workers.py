@@ -3,6 +3,7 @@ and ``outbox relay --retention`` deleting old rows while it relays."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -35,9 +36,32 @@ def test_the_thread_runs_passes_outlives_a_failed_one_and_stops_between_batches(
     assert calls[-1].is_set()  # the pass under way is told to stop between two batches
 
 
-@pytest.mark.kafka
+def test_a_database_outage_is_logged_once_and_the_pass_runs_again_once_it_answers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Not a whole interval later (an hour here), and not a warning per failed pass."""
+    calls: list[float] = []
+
+    def run_pass(stop: threading.Event) -> RetentionResult:
+        calls.append(time.monotonic())
+        if len(calls) <= 3:
+            raise sa.exc.OperationalError("DELETE", {}, ConnectionRefusedError("connection refused"))
+        return RetentionResult(deleted={"outbox_messages": 1})
+
+    caplog.set_level(logging.WARNING, logger="outbox.housekeeping")
+    thread = RetentionThread(run_pass, every=3600).start()
+    try:
+        wait_for(lambda: thread.passes >= 1, 30, "the pass after the outage")
+    finally:
+        thread.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("retention: the database unreachable (OperationalError")
+    assert lines[1].startswith("retention: the database reachable again after ")
+
+
+@pytest.mark.any_kafka
 def test_a_relay_with_retention_deletes_old_published_rows_and_keeps_the_rest(
-        tmp_path, kafka: str) -> None:
+        tmp_path, any_kafka: str) -> None:
     url = f"sqlite:///{tmp_path / 'app.db'}"
     outbox = Outbox(create_engine(url))
     outbox.create_tables()
@@ -46,7 +70,7 @@ def test_a_relay_with_retention_deletes_old_published_rows_and_keeps_the_rest(
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         conn.execute(sa.insert(outbox.tables.messages),
                      [outbox_row("published", old) for _ in range(50)] + [failed])
-    relay = start_cli_relay(url, kafka, tmp_path / "relay.log", "--retention", "7d",
+    relay = start_cli_relay(url, any_kafka, tmp_path / "relay.log", "--retention", "7d",
                             "--retention-every", "1s")
     try:
         wait_for(lambda: len(rows(outbox)) == 1, 60, "the relay's retention pass")

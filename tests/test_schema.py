@@ -93,7 +93,7 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 PUBLIC_API = [
     "Alert", "AlertKind", "AlertSink", "AsyncOutbox", "BatchResult", "CloudEvents", "CommitRefusedError",
     "ConfigurationError",
-    "DiscardRefusedError", "Disposition", "ForeignRecordError", "ForeignRecords",
+    "DiscardRefusedError", "Disposition", "ForeignEnvelope", "ForeignRecordError", "ForeignRecords",
     "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidEventTypeError",
     "InvalidHeadersError",
     "InvalidKeyError", "InvalidTopicError",
@@ -117,11 +117,13 @@ def test_public_api_is_pinned():
 
 
 TESTING_API = [
-    "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "MYSQL_URL_VARIABLE", "POSTGRES_URL_VARIABLE",
-    "InMemoryBroker", "InMemorySource", "InMemoryTransport", "LocalMariaDB", "LocalPostgres",
-    "OutboxTestHarness", "Settled", "Unavailable", "docker_engine_answers", "free_port",
-    "fresh_database", "fresh_mysql_database", "kafka_bootstrap", "local_mariadb", "local_postgres",
-    "local_postgres_server", "mariadb_binaries", "mysql_url", "postgres_bindir", "postgres_url",
+    "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "KAFKA_LIBS_VARIABLE", "MYSQL_URL_VARIABLE",
+    "POSTGRES_URL_VARIABLE", "BrokerNeed", "InMemoryBroker", "InMemorySource", "InMemoryTransport",
+    "KafkaNode", "KafkaStartError", "LocalKafka", "LocalKafkaCluster", "LocalMariaDB", "LocalPostgres",
+    "OutboxTestHarness", "PortNotBound", "Settled", "Unavailable", "alter_topic", "create_topic",
+    "delete_topic", "docker_engine_answers", "free_port", "fresh_database", "fresh_mysql_database",
+    "kafka_bootstrap", "local_kafka", "local_mariadb", "local_postgres", "local_postgres_server",
+    "mariadb_binaries", "mysql_url", "postgres_bindir", "postgres_url", "wait_until_bound",
 ]
 
 

@@ -54,7 +54,6 @@ def poll_until(source: KafkaSource, count: int, timeout: float = 30.0) -> list: 
     return records
 
 
-@pytest.mark.kafka
 def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic: str) -> None:
     producer = Producer({"bootstrap.servers": kafka})
     for i in range(10):
@@ -80,7 +79,6 @@ def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic
         probe.close()
 
 
-@pytest.mark.kafka
 @pytest.mark.slow
 class TestKafkaSourceConformance(SourceConformance):
     """The suite ``transports.memory.InMemorySource`` passes too: the double is held to the real one."""

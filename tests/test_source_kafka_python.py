@@ -25,7 +25,6 @@ def test_settings_are_checked_when_the_source_is_built() -> None:
         KafkaPythonSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=[])
 
 
-@pytest.mark.kafka
 def test_the_inbox_runs_on_kafka_python(sqlite_db: str, kafka: str, topic: str) -> None:
     from outbox import create_engine
 

@@ -163,16 +163,16 @@ def test_a_held_gap_is_stuck_once_older_than_stuck_after(inbox: Inbox, db_url: s
 
 @pytest.mark.slow
 @pytest.mark.postgres
-@pytest.mark.kafka
+@pytest.mark.any_kafka
 def test_a_stopped_relays_shards_show_expired_then_reowned(
-    postgres_db: str, kafka: str, topic: str, tmp_path: Path
+    postgres_db: str, any_kafka: str, topic: str, tmp_path: Path
 ) -> None:
     """Relay a is killed and b paused, so the moment between a's leases expiring and b taking
     them over (at most TTL/3, usually less) can be seen; b resumed owns all 16 shards."""
     outbox = Outbox(create_engine(postgres_db))
     outbox.create_tables()
     log = tmp_path / "relays.log"
-    relays = {w: start_cli_relay(postgres_db, kafka, log, "--worker-id", w, "--lease-ttl", "2")
+    relays = {w: start_cli_relay(postgres_db, any_kafka, log, "--worker-id", w, "--lease-ttl", "2")
               for w in ("a", "b")}
     try:
         def split() -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ from tests.inbox_support import business, effects, order_violations
 from tests.test_inbox_crash import effect_count, produce_keys
 from transports.testing import BrokerProcess
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow,
+pytestmark = [pytest.mark.any_kafka, pytest.mark.postgres, pytest.mark.slow,
               pytest.mark.xdist_group("timing")]  # wall-clock bounds: one at a time (docs/testing.md)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -111,7 +111,7 @@ def test_a_stop_while_a_tenant_database_is_frozen_gives_the_others_leases_back_a
         publish(fine, topic, ["a"])
         wait_for(lambda: pending(fine) == 0, 10, "the other tenant flows")
         # A worker is on the frozen tenant's batch, and stays there: its database does not answer.
-        wait_for(lambda: running.relay._units["frozen"].state == "running", 10, "a worker stuck")
+        wait_for(lambda: running.relay._tenants.units["frozen"].state == "running", 10, "a worker stuck")
         took = running.stop(close=False)
         # Returned within its bound, and the tenant that answers gave its leases back: another
         # fleet takes it over now, not a lease TTL later.
@@ -291,7 +291,7 @@ def test_forged_notifications_break_nothing_and_a_commit_still_wakes_its_tenant(
     running = Running(fleet(["acme", "globex"], broker, database=pg, poll_interval=60, lease_ttl=200))
     try:
         wait_for(lambda: running.relay.tenants == ["acme", "globex"], 10, "both served")
-        wait_for(lambda: all(unit.state == "idle" for unit in running.relay._units.values()), 10,
+        wait_for(lambda: all(unit.state == "idle" for unit in running.relay._tenants.units.values()), 10,
                  "the first batches over: the tenants wait for a notification")
         forged = ["0:nonexistent", "garbage", "", ":", "0:", "0:acme:extra", "0:ACME", "\u00e9:\x00",
                   "0:" + "x" * 7000, "0:globex; DROP TABLE x"]
@@ -430,7 +430,7 @@ def test_a_tenant_removed_while_it_waits_for_a_worker_is_never_served_while_it_i
                         workers=1, tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0, refresh_every=60)
     served: list[str] = []
     overlaps: list[str] = []
-    serve, close_unit = relay._serve, relay._close_unit
+    serve, close_unit = relay._serve, relay._tenants.close
 
     def spying_serve(unit: Any) -> Any:
         served.append(unit.tenant.name)
@@ -448,14 +448,14 @@ def test_a_tenant_removed_while_it_waits_for_a_worker_is_never_served_while_it_i
         close_unit(unit)
 
     monkeypatch.setattr(relay, "_serve", spying_serve)
-    monkeypatch.setattr(relay, "_close_unit", spying_close)
+    monkeypatch.setattr(relay._tenants, "close", spying_close)
     running = Running(relay)
     try:
         wait_for(lambda: served.count("leaving") >= 1, 10, "both tenants served once")
         publish(outboxes["busy"], topic, ["a"])
         wait_for(holding.is_set, 10, "the worker held on the busy tenant")
         publish(outboxes["leaving"], topic, ["a"])
-        wait_for(lambda: relay._units["leaving"].state == "queued", 10, "the leaving tenant queued")
+        wait_for(lambda: relay._tenants.units["leaving"].state == "queued", 10, "the leaving tenant queued")
         current.remove("leaving")
         relay.refresh()
     finally:

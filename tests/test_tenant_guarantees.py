@@ -283,7 +283,7 @@ def test_a_fleet_killed_between_send_and_mark_loses_and_reorders_nothing(layout:
     broker = InMemoryBroker(max_record_bytes=ROOMY)
     dead = Fleet(layout, broker, make=CrashAfterSend, worker_id="dead", lease_ttl=1.0, batch_size=15)
     dead.relay.refresh()
-    dead.relay._local.transport = dead.transports[0]  # this thread is the dead fleet's worker
+    dead.relay._workers.bind(0)  # this thread is the dead fleet's worker
     for name in layout.outboxes:  # each tenant's first batch is sent, never marked, its leases kept
         relay = dead.relay.relay_of(name)
         assert relay is not None

@@ -39,7 +39,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 HEADER = "x-tenant"
 
 
-def start_fleet(db: str, kafka: str, tenants_file: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
+def start_fleet(db: str, kafka: str, tenants_file: Path, log: Path,
+                *args: str) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
                "--tenants", f"file:{tenants_file}", "--tenant-header", HEADER, "--log-level", "INFO",
                "--poll-interval", "0.2", *args]
@@ -91,7 +92,8 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
 
 @pytest.mark.slow
 def test_one_tenant_database_stopped_while_the_others_flow(
-        pg: sa.Engine, postgres_db: str, own_postgres: Any, kafka: str, topic: str, tmp_path: Path) -> None:
+        pg: sa.Engine, postgres_db: str, own_postgres: Any, kafka: str, topic: str,
+        tmp_path: Path) -> None:
     shared = schema_outboxes(pg, ["a1", "a2"], shards=8)
     own = create_engine(own_postgres.url)
     solo = Outbox(own, shards=8)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from _relay_helpers import pending, wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
-from transports import Record
+from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 pytestmark = pytest.mark.postgres
@@ -179,6 +180,100 @@ def test_a_quiet_tenant_is_served_while_another_drains_a_backlog(pg: sa.Engine, 
         running.stop()
 
 
+def test_a_worker_sends_the_next_tenants_batch_while_the_last_ones_outcomes_are_written(
+        pg: sa.Engine, topic: str) -> None:
+    """Pipelined as a single relay is. One worker, two tenants: the first tenant's rows are locked by
+    another transaction, so marking them published waits; the worker sends the second tenant's batch
+    meanwhile, instead of waiting for that write."""
+    outboxes = make_tenants(pg, ["first", "second"])
+    publish(outboxes["first"], topic, ["a"])
+    publish(outboxes["second"], topic, ["b"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    locker = pg.connect()
+    locker.begin()
+    locker.exec_driver_sql('SELECT id FROM "first".outbox_messages FOR UPDATE').all()
+    running = Running(fleet(["first", "second"], broker, database=pg, workers=1, refresh_every=60))
+    try:
+        wait_for(lambda: len(broker.records(topic)) == 2, 10,
+                 "the second tenant sent while the first tenant's write waits for its rows' lock")
+        assert pending(outboxes["first"]) == 1  # its write waits still
+    finally:
+        locker.rollback()
+        locker.close()
+    try:
+        wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 20, "both written")
+    finally:
+        running.stop()
+    assert [header(r, HEADER) for r in broker.records(topic)] == [[b"first"], [b"second"]]
+
+
+def live_leases(outbox: Outbox) -> int:
+    """Shard leases held now and not expired (the database's clock)."""
+    t = outbox.tables.leases
+    with pg_engine(outbox).connect() as conn:
+        return conn.scalar(sa.select(sa.func.count()).where(
+            t.c.owner.is_not(None), t.c.expires_at > sa.func.now())) or 0
+
+
+def pg_engine(outbox: Outbox) -> sa.Engine:
+    assert isinstance(outbox.engine, sa.Engine)
+    return outbox.engine
+
+
+def test_a_worker_held_by_the_broker_lets_no_tenants_leases_lapse(pg: sa.Engine, topic: str) -> None:
+    """The leases are renewed per database, not by the tenants' batches: the one worker hangs in a
+    send for twice the lease TTL, and every tenant keeps every lease meanwhile."""
+    outboxes = make_tenants(pg, ["hung", "idle"], shards={"hung": 2, "idle": 2})
+    held, release = threading.Event(), threading.Event()
+
+    class Hanging(InMemoryTransport):
+        def publish(self, records: Sequence[Record]) -> list[SendResult]:
+            held.set()
+            release.wait(20)
+            return super().publish(records)
+
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(TenantRelay(["hung", "idle"], lambda: Hanging(broker), database=pg, workers=1,
+                                  tenant_header=HEADER, poll_interval=0.1, lease_ttl=1.5,
+                                  refresh_every=60))
+    try:
+        wait_for(lambda: all(live_leases(o) == 2 for o in outboxes.values()), 10, "the first leases")
+        publish(outboxes["hung"], topic, ["a"])
+        wait_for(held.is_set, 10, "the worker in a send that hangs")
+        deadline = time.monotonic() + 3.0  # twice the TTL
+        while time.monotonic() < deadline:
+            assert {name: live_leases(o) for name, o in outboxes.items()} == {"hung": 2, "idle": 2}
+            time.sleep(0.1)
+    finally:
+        release.set()
+        running.stop()
+
+
+def test_the_leases_of_a_databases_tenants_are_renewed_in_a_few_transactions(pg: sa.Engine) -> None:
+    """40 idle tenants of one database, renewed every 0.5 s: two commits a round (32 tenants a
+    transaction), not one per tenant. Polls are rare here, and a poll's fetch commits nothing."""
+    names = [f"r{i:02d}" for i in range(40)]
+    make_tenants(pg, names, shards={name: 1 for name in names})
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    committed: list[float] = []
+
+    def count(_conn: sa.Connection) -> None:
+        committed.append(time.monotonic())
+    sa.event.listen(pg, "commit", count)
+    running = Running(fleet(names, broker, database=pg, poll_interval=60, lease_ttl=1.5, refresh_every=60))
+    try:
+        wait_for(lambda: running.relay.tenants == names, 20, "every tenant served")
+        time.sleep(2.0)  # their first leases taken, their first batches over
+        started = time.monotonic()
+        time.sleep(5.0)
+        ended = time.monotonic()
+    finally:
+        running.stop()
+        sa.event.remove(pg, "commit", count)
+    per_round = len([t for t in committed if started <= t < ended]) / ((ended - started) / 0.5)
+    assert per_round <= 4, per_round  # 2 a round; one per tenant would be 40
+
+
 def test_database_per_tenant_and_one_database_down(
         pg: sa.Engine, own_postgres: Any, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     shared = make_tenants(pg, ["a1", "a2"])
@@ -242,7 +337,8 @@ def test_alerts_and_metrics_say_which_tenant(pg: sa.Engine, topic: str) -> None:
                         tenant_header=HEADER, metrics=tenant_relay_metrics(TenantLabels(2), registry))
     try:
         relay.refresh()
-        relay._transports[0].fail(topic=topic, outcome=Outcome.FAILED, error="refused")  # the first sent
+        first = relay._workers.transports[0]
+        first.fail(topic=topic, outcome=Outcome.FAILED, error="refused")  # the first sent
         relay.run_once()
         relay.run_once()
     finally:
@@ -255,19 +351,46 @@ def test_alerts_and_metrics_say_which_tenant(pg: sa.Engine, topic: str) -> None:
 
 
 def test_a_notification_wakes_its_tenant_alone(pg: sa.Engine, topic: str) -> None:
-    """With polling off in effect (an hour), only NOTIFY can wake a tenant: its schema is in the payload."""
+    """Only NOTIFY can serve a row within seconds here: polls come every 3600 s and lease renewals
+    every 200 s (``lease_ttl`` / 3), so each wait below is for a notification, and for its schema's
+    tenant alone. A row written without one waits; a notification from elsewhere on the channel, or
+    naming no tenant's schema, wakes nobody; one naming its schema wakes it.
+    """
     outboxes = make_tenants(pg, ["n1", "n2"])
+    quiet_n1 = Outbox(pg, schema="n1", notify_channel=None)  # writes without a notification
     broker = InMemoryBroker(max_record_bytes=ROOMY)
-    running = Running(fleet(["n1", "n2"], broker, database=pg, poll_interval=3600.0))
+    running = Running(fleet(["n1", "n2"], broker, database=pg, poll_interval=3600.0, lease_ttl=600.0))
+
+    def notified_n2(round_: str) -> None:
+        publish(outboxes["n2"], topic, [round_])
+        wait_for(lambda: pending(outboxes["n2"]) == 0, 10, f"n2 woken by its notification ({round_})")
+
+    def listening() -> bool:  # the fleet's LISTEN connection, as the server shows it
+        with pg.connect() as conn:
+            return bool(conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND starts_with(query, 'LISTEN ')").scalar())
+
     try:
         wait_for(lambda: running.relay.tenants == ["n1", "n2"], 20, "both served")
-        for round_ in range(3):
-            publish(outboxes["n2"], topic, [f"k{round_}"])
-            wait_for(lambda: pending(outboxes["n2"]) == 0, 10, "n2 woken by its notification")
-        with pg.begin() as conn:  # another process's notification on the channel wakes nobody
-            conn.exec_driver_sql("SELECT pg_notify('outbox', 'not ours'), pg_notify('outbox', '3:nobody')")
+        wait_for(listening, 20, "the fleet listening")
+        notified_n2("listening")  # after the wake-up of every tenant that follows a LISTEN
+        publish(quiet_n1, topic, ["unannounced"])
+        for round_ in ("r1", "r2"):  # the second round: n1, had it been woken, would be served by then
+            notified_n2(round_)
+        assert pending(outboxes["n1"]) == 1, "n2's notification woke n1 too"
+        with pg.begin() as conn:  # another process's, and one naming no tenant's schema
+            conn.exec_driver_sql("SELECT pg_notify('outbox', 'not ours'), pg_notify('outbox', '3:nobody'), "
+                                 "pg_notify('outbox', '3'), pg_notify('outbox', '3:')")
+        for round_ in ("r3", "r4"):
+            notified_n2(round_)
+        assert pending(outboxes["n1"]) == 1, "a notification naming no tenant of n1 woke it"
+        with pg.begin() as conn:
+            conn.exec_driver_sql("SELECT pg_notify('outbox', '0:n1')")
+        wait_for(lambda: pending(outboxes["n1"]) == 0, 10, "n1 woken by a notification naming its schema")
     finally:
         running.stop()
+    assert sorted(header(r, HEADER)[0] for r in broker.records(topic)).count(b"n1") == 1
 
 
 def test_a_frozen_heap_is_frozen_again_once_the_new_tenants_have_run(pg: sa.Engine) -> None:

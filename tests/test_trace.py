@@ -409,3 +409,24 @@ def test_an_inbox_database_of_an_older_schema_is_one_line_and_the_others_are_tra
     doc = json.loads(as_json.output)
     assert [u["error"] for u in doc["unreachable"]] == ["no such column: inbox_messages.kafka_offset"]
     assert doc["messages"] and all([g["group"] for g in m["groups"]] == ["billing"] for m in doc["messages"])
+
+
+def test_a_database_named_twice_in_two_spellings_is_read_once(world: World) -> None:
+    """Two URLs of one database (``dir/./file``, ``localhost``): its server says it is one."""
+    outbox_db, inbox_dbs = world.dbs()
+    url = world.outbox.engine.url
+    if url.get_backend_name() == "sqlite":
+        folder, _, file = str(url.database).rpartition("/")
+        again = url.set(database=f"{folder}/./{file}")
+    else:
+        again = url.set(host="localhost")
+    respelled = Database("outbox-db-again", create_engine(again.render_as_string(hide_password=False)),
+                         world.outbox.tables)
+    doc = trace_message(outbox_db, [*inbox_dbs, respelled], world.ids["bad-1"][0])
+    [m] = doc["messages"]
+    assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
+    assert doc["unreachable"] == []  # not read at all (SQLite: read, it waited for the first's lock)
+    doc = trace_key(respelled, [outbox_db, *inbox_dbs], TOPIC, "bad-1")
+    assert sorted(g["group"] for g in doc["key"]["groups"]) == ["billing", "shipping"]
+    assert doc["unreachable"] == []
+    respelled.engine.dispose()

@@ -28,7 +28,7 @@ from transports.testing import read_topic
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "otel_worker.py")
 
-pytestmark = pytest.mark.kafka
+pytestmark = pytest.mark.any_kafka
 
 
 def spans(path: Path) -> list[dict]:
@@ -39,13 +39,13 @@ def traceparent(record) -> str | None:  # type: ignore[no-untyped-def]
     return next((v.decode() for n, v in record.headers if n == "traceparent"), None)
 
 
-def relay_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, traced: bool) -> list:
+def relay_until(db: str, any_kafka: str, topic: str, n: int, tmp_path: Path, *, traced: bool) -> list:
     command = [sys.executable, WORKER, str(tmp_path / "relay.jsonl")] if traced else [sys.executable, "-m"]
-    relay = subprocess.Popen([*command, "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
+    relay = subprocess.Popen([*command, "outbox", "relay", "--db", db, "--bootstrap-servers", any_kafka,
                               "--log-level", "WARNING"], cwd=ROOT, stdout=(tmp_path / "relay.log").open("w"),
                              stderr=subprocess.STDOUT)
     try:
-        records = read_topic(kafka, topic, expected=n, timeout=60)
+        records = read_topic(any_kafka, topic, expected=n, timeout=60)
     finally:
         relay.send_signal(signal.SIGTERM)
         relay.wait(30)
@@ -55,13 +55,13 @@ def relay_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, trac
 
 @pytest.mark.slow
 def test_the_record_carries_the_relays_send_span_whose_parent_is_the_request(
-    kafka: str, topic: str, tmp_path: Path
+    any_kafka: str, topic: str, tmp_path: Path
 ) -> None:
     db = f"sqlite:///{tmp_path / 'shop.db'}"
     Outbox(create_engine(db)).create_tables()
     subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic,
                     "order-1", "3"], cwd=ROOT, check=True)
-    records = relay_until(db, kafka, topic, 3, tmp_path, traced=True)
+    records = relay_until(db, any_kafka, topic, 3, tmp_path, traced=True)
 
     requests = {s["span_id"]: s for s in spans(tmp_path / "shop.jsonl") if s["name"] == "POST /orders"}
     sends = {s["span_id"]: s for s in spans(tmp_path / "relay.jsonl") if s["name"] == f"send {topic}"}
@@ -85,13 +85,13 @@ def test_the_record_carries_the_relays_send_span_whose_parent_is_the_request(
 
 @pytest.mark.slow
 def test_without_an_sdk_the_relay_passes_the_stored_context_through(
-    kafka: str, topic: str, tmp_path: Path
+    any_kafka: str, topic: str, tmp_path: Path
 ) -> None:
     db = f"sqlite:///{tmp_path / 'shop.db'}"
     Outbox(create_engine(db)).create_tables()
     subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic, "k", "1"],
                    cwd=ROOT, check=True)
-    [record] = relay_until(db, kafka, topic, 1, tmp_path, traced=False)
+    [record] = relay_until(db, any_kafka, topic, 1, tmp_path, traced=False)
     [request] = spans(tmp_path / "shop.jsonl")
     assert traceparent(record).split("-")[1:3] == [request["trace_id"], request["span_id"]]
 
@@ -131,7 +131,7 @@ def billing_group(topic: str) -> str:
     return f"billing-{topic}"
 
 
-def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batch: bool,
+def inbox_until(db: str, any_kafka: str, topic: str, n: int, tmp_path: Path, *, batch: bool,
                 asynchronous: bool) -> None:
     """Run ``outbox inbox run app:inbox`` with the SDK recording until ``n`` messages are processed."""
     name = f"app_{uuid.uuid4().hex[:8]}"
@@ -144,7 +144,7 @@ def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batc
     inbox = Inbox(engine, group=billing_group(topic))
     log = tmp_path / "inbox.log"
     consumer = subprocess.Popen([sys.executable, WORKER, str(tmp_path / "inbox.jsonl"), "outbox", "inbox",
-                                 "run", f"{name}:inbox", "--bootstrap-servers", kafka,
+                                 "run", f"{name}:inbox", "--bootstrap-servers", any_kafka,
                                  "--log-level", "WARNING"], cwd=tmp_path, stdout=log.open("w"),
                                 stderr=subprocess.STDOUT)
     try:
@@ -168,14 +168,14 @@ def inbox_until(db: str, kafka: str, topic: str, n: int, tmp_path: Path, *, batc
 @pytest.mark.parametrize(("batch", "asynchronous"), [(False, False), (True, False), (False, True)],
                          ids=["handler", "batch_handler", "async_handler"])
 def test_one_trace_from_the_request_through_the_relay_to_the_inbox_handler(
-    kafka: str, topic: str, tmp_path: Path, batch: bool, asynchronous: bool
+    any_kafka: str, topic: str, tmp_path: Path, batch: bool, asynchronous: bool
 ) -> None:
     db = f"sqlite:///{tmp_path / 'shop.db'}"
     Outbox(create_engine(db)).create_tables()
     subprocess.run([sys.executable, WORKER, str(tmp_path / "shop.jsonl"), "publish", db, topic,
                     "order-1", "3"], cwd=ROOT, check=True)
-    records = relay_until(db, kafka, topic, 3, tmp_path, traced=True)
-    inbox_until(db, kafka, topic, 3, tmp_path, batch=batch, asynchronous=asynchronous)
+    records = relay_until(db, any_kafka, topic, 3, tmp_path, traced=True)
+    inbox_until(db, any_kafka, topic, 3, tmp_path, batch=batch, asynchronous=asynchronous)
 
     requests = {s["span_id"]: s for s in spans(tmp_path / "shop.jsonl") if s["name"] == "POST /orders"}
     sends = {s["span_id"]: s for s in spans(tmp_path / "relay.jsonl") if s["name"] == f"send {topic}"}

@@ -91,10 +91,23 @@ def test_error_translation(code: int, outcome: Outcome) -> None:
     assert classify(KafkaError(code)) is outcome
 
 
-@pytest.mark.kafka
+def test_a_topic_the_broker_creates_on_first_use_gets_every_record(kafka: str, topic: str) -> None:
+    """Apache Kafka answers the metadata request that starts a topic's auto-creation with
+    UNKNOWN_TOPIC_OR_PARTITION (the creation goes to the controller; the topic exists a moment
+    later), and so does a broker a new topic has not reached yet: that is not "unknown for good".
+    librdkafka's mock cluster creates the topic inside the request, so only a real broker shows it.
+    """
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10)
+    records = [Record(topic=topic, value=f"{i}".encode(), key=f"k{i % 3}".encode()) for i in range(9)]
+    results = transport.publish(records)
+    transport.close()
+    assert [(r.outcome, r.error) for r in results] == [(Outcome.DELIVERED, None)] * len(records)
+
+
 def test_unknown_topic_fails_when_auto_create_is_off(kafka: str, topic: str) -> None:
-    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5,
-                               **{"allow.auto.create.topics": False})
+    # Unknown is believed after 0.5 s (a topic being created answers "unknown" for a moment).
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5, **{
+        "allow.auto.create.topics": False, "topic.metadata.propagation.max.ms": 500})
     results = transport.publish([Record(topic=topic, value=b"v", key=b"k"),
                                  Record(topic=topic, value=b"w", key=b"k")])
     assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY]

@@ -1,6 +1,7 @@
 """A hot key on KafkaTransport: pipelined, and never written behind an undelivered record.
 
-The broker is librdkafka's mock cluster with scripted ProduceResponse errors
+The broker is Apache Kafka refusing a record for its own reason (over the
+topic's ``max.message.bytes``), or librdkafka's mock cluster with scripted ProduceResponse errors
 (``_mock_faults``) or, for freezes, hosted in a process of its own
 (``BrokerProcess``). Each test drives the transport the way the relay does:
 publish a key's pending records, keep the delivered prefix, send the rest
@@ -10,6 +11,7 @@ in its key was written before it, and that nothing is missing.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -21,11 +23,12 @@ from confluent_kafka import KafkaError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from outbox.testing import LocalKafka, alter_topic, create_topic
 from transports import Outcome, Record
 from transports.kafka import KafkaTransport
-from transports.testing import BrokerProcess, behind_undelivered, read_topic
+from transports.testing import behind_undelivered, read_topic
 
-pytestmark = pytest.mark.kafka
+MOCK = pytest.mark.any_kafka  # librdkafka's mock cluster, made by the test itself
 # The tests with wall-clock bounds join the "timing" group, which runs one test at a time
 # (docs/testing.md); the order campaigns assert no time and run on any worker.
 TIMING = pytest.mark.xdist_group("timing")
@@ -94,6 +97,7 @@ def transport_for(bootstrap: str, delivery_timeout: float = 10, **settings: obje
                           **{"batch.num.messages": 20, "linger.ms": 1, **settings})
 
 
+@MOCK
 @TIMING
 def test_a_hot_key_costs_no_round_trip_per_record(topic: str) -> None:
     """With 50 ms per round trip, 200 records of one key take well under 200 round trips."""
@@ -109,6 +113,7 @@ def test_a_hot_key_costs_no_round_trip_per_record(topic: str) -> None:
     assert took < 2.5, f"{took:.1f} s: one round trip per record would be 10 s"
 
 
+@MOCK
 def test_retriable_errors_inside_a_pipeline_keep_the_order(cluster: MockCluster, topic: str) -> None:
     keys = {"hot": 400, "warm": 40, "cold": 3}
     transport = transport_for(cluster.bootstrap)
@@ -122,32 +127,60 @@ def test_retriable_errors_inside_a_pipeline_keep_the_order(cluster: MockCluster,
 
 
 def test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_producer(
-    cluster: MockCluster, topic: str
+    kafka: str, topic: str
 ) -> None:
-    """The gap-less stop: the refused record FAILED, the rest RETRY, a new producer, order kept.
+    """Apache Kafka refuses a record in the middle of a hot key's pipeline: nothing behind it is written.
 
-    One request in flight: librdkafka's mock cluster checks no sequence numbers
-    (see the leader-move test below), so with five in flight it wrote a request
-    sent after one it refused as retriable, a gap Kafka itself refuses
-    (OUT_OF_ORDER_SEQUENCE_NUMBER). It failed CI about one run in ten that way,
-    on the mock's account; what this test is about, the relay's stop after a
-    refused record, is the same with one request in flight.
+    The record is over the topic's ``max.message.bytes`` (not over the producer's own limit,
+    so it is sent): the broker refuses its request (MESSAGE_TOO_LARGE: every record of the
+    request, 20 here) while later requests of the key and of a second key on the same
+    partition are in flight (5 per connection), and answers those
+    OUT_OF_ORDER_SEQUENCE_NUMBER: librdkafka's gap-less guarantee stops the producer. The
+    transport sends the refused request's records again one per request: the big record
+    alone comes back FAILED, the records before it delivered; then it sends what the
+    refusal held back on a new producer. So, in one publish: the key's records before the
+    big one delivered, the big one FAILED, everything after it RETRY, and every record of
+    the second key delivered. The operator then raises the topic's limit and the relay
+    sends the rest: every record once in the key's order, none written behind a gap.
+
+    (librdkafka's mock cluster, where this test ran before, checks no sequence numbers for
+    a producer without a transactional id and wrote a later request behind a refused one:
+    it ran with one request in flight, which proved nothing about pipelining. Before the
+    transport sent refused records again alone, the key's first record of the refused
+    request failed instead of the big one.)
     """
-    keys = {"hot": 300}
-    transport = transport_for(cluster.bootstrap, **{"max.in.flight.requests.per.connection": 1})
-    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+    create_topic(kafka, topic, 1, config={"max.message.bytes": "4096"})
+    big = 150
+    records = stream(topic, {"hot": 300, "other": 300})
+    records["hot"][big].value += b":" + os.urandom(8000)  # incompressible: over 4096 bytes after lz4
+    transport = transport_for(kafka, delivery_timeout=30, **{"max.in.flight.requests.per.connection": 5})
+    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])  # metadata and producer id
     first = transport._producer
-    cluster.fail_produce(KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.INVALID_RECORD)
-    history = relay_until_done(transport, stream(topic, keys))
-    outcomes = history[0]
-    stop = next(i for i, o in enumerate(outcomes) if o is not Outcome.DELIVERED)
-    assert outcomes[stop] is Outcome.FAILED
-    assert set(outcomes[stop + 1:]) == {Outcome.RETRY}
+
+    fixed: list[float] = []
+
+    def raise_the_limit() -> None:  # after the first round: the operator's fix
+        if not fixed:
+            fixed.append(time.monotonic())
+            alter_topic(kafka, topic, {"max.message.bytes": "1048588"})
+
+    started = time.monotonic()
+    history = relay_until_done(transport, records, between=raise_the_limit)
+    # The fatal stop ends the wait: the records queued behind it get no report of their own,
+    # and waiting for them held the first round to delivery_timeout (30 s).
+    assert fixed[0] - started < 15, f"the first round took {fixed[0] - started:.1f} s"
+    hot, other = history[0][:300], history[0][300:]
+    assert hot[:big] == [Outcome.DELIVERED] * big and hot[big] is Outcome.FAILED, hot[big - 5:big + 2]
+    assert set(hot[big + 1:]) == {Outcome.RETRY}
+    assert other == [Outcome.DELIVERED] * 300, "the second key must not wait behind the big record"
+    written = check_topic(kafka, topic, {"hot": 300, "other": 300, "x": 1})
+    for key in (b"hot", b"other"):
+        assert [seq_of(r) for r in written if r.key == key] == list(range(300)), "a record written twice"
     assert transport._producer is not first, "the producer must be recreated after the gap-less stop"
-    check_topic(cluster.bootstrap, topic, {**keys, "x": 1})
     transport.close()
 
 
+@MOCK
 @pytest.mark.slow
 def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
     """Every partition's leader moves to another broker before each batch of a hot key.
@@ -195,16 +228,20 @@ def test_leader_moves_under_a_hot_key_keep_the_order(topic: str) -> None:
     assert len(history) <= 40, "the hot key must move a batch per round, not a record"
 
 
+@MOCK
 def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluster, topic: str) -> None:
+    """(POLICY_VIOLATION: a refusal the transport takes as the request's own, not one it sorts out
+    by sending the records again alone, as it does MESSAGE_TOO_LARGE and INVALID_RECORD.)"""
     transport = transport_for(cluster.bootstrap)
     transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
-    cluster.fail_produce(KafkaError.INVALID_RECORD)
+    cluster.fail_produce(KafkaError.POLICY_VIOLATION)
     results = transport.publish(stream(topic, {"k": 3})["k"])
     assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY, Outcome.RETRY]
     assert transport._fatal is not None
     transport.close(timeout=1)
 
 
+@MOCK
 @pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,
@@ -236,53 +273,62 @@ def test_any_schedule_of_produce_errors_keeps_every_key_in_order(
 
 @pytest.mark.slow
 @TIMING
-def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(topic: str) -> None:
-    """SIGSTOP the broker while a hot key's pipeline is in flight, several times.
+def test_broker_freezes_under_a_hot_key_lose_nothing_and_keep_the_order(
+    topic: str, own_kafka: LocalKafka
+) -> None:
+    """SIGSTOP Apache Kafka's JVM while a hot key's pipeline is in flight, several times.
 
     Each publish returns within its delivery timeout (what is queued or in flight
     is purged and comes back RETRY, not counted as an attempt); a new producer
-    sends the key again from its first undelivered record.
+    sends the key again from its first undelivered record. The freezes start a
+    moment into the publish after rounds 3, 10 and 17 (the broker answers a round in
+    milliseconds: a freeze on a clock would miss the stream).
     """
     keys = {"hot": 4000, "second": 400, **{f"k{i}": 3 for i in range(20)}}
-    with BrokerProcess(rtt_ms=20) as broker:
-        transport = transport_for(broker.bootstrap, delivery_timeout=1.5, **{"batch.num.messages": 50})
-        renewed = 0
-        stalls: list[float] = []
-        unreachable = 0
-        stop = threading.Event()
+    broker = own_kafka
+    transport = transport_for(broker.bootstrap, delivery_timeout=1.5, **{"batch.num.messages": 50})
+    renewed = 0
+    stalls: list[float] = []
+    unreachable = 0
+    rounds = 0
+    freezes: list[threading.Thread] = []
 
-        def freezer() -> None:
-            for _ in range(3):  # a new producer needs about a second to connect after a thaw
-                if stop.wait(1.5):
-                    return
-                broker.freeze()
-                time.sleep(2.0)
-                broker.thaw()
+    def freeze_for_two_seconds() -> None:
+        time.sleep(0.01)  # the next publish is on its way
+        broker.freeze()
+        time.sleep(2.0)
+        broker.thaw()
 
-        original = transport.publish
+    def between() -> None:
+        nonlocal rounds
+        rounds += 1
+        if rounds in (3, 10, 17):
+            freezes.append(threading.Thread(target=freeze_for_two_seconds))
+            freezes[-1].start()
 
-        def timed(records):  # type: ignore[no-untyped-def]
-            nonlocal unreachable, renewed
-            producer = transport._producer
-            started = time.monotonic()
-            results = original(records)
-            stalls.append(time.monotonic() - started)
-            unreachable += sum(1 for r in results if r.outcome is Outcome.RETRY and r.unreachable)
-            renewed += transport._producer is not producer or transport._fatal is not None
-            return results
+    original = transport.publish
 
-        thread = threading.Thread(target=freezer)
-        thread.start()
-        try:
-            pending = stream(topic, keys)
-            transport.publish = timed  # type: ignore[method-assign]
-            relay_until_done(transport, pending, batch=100, rounds=400)
-        finally:
-            stop.set()
+    def timed(records):  # type: ignore[no-untyped-def]
+        nonlocal unreachable, renewed
+        producer = transport._producer
+        started = time.monotonic()
+        results = original(records)
+        stalls.append(time.monotonic() - started)
+        unreachable += sum(1 for r in results if r.outcome is Outcome.RETRY and r.unreachable)
+        renewed += transport._producer is not producer or transport._fatal is not None
+        return results
+
+    try:
+        pending = stream(topic, keys)
+        transport.publish = timed  # type: ignore[method-assign]
+        relay_until_done(transport, pending, batch=100, rounds=400, between=between)
+    finally:
+        for thread in freezes:
             thread.join()
-            if broker.frozen:
-                broker.thaw()
-        check_topic(broker.bootstrap, topic, keys)
-        transport.close()
-    assert unreachable > 0 and renewed > 0, "no publish met a frozen broker"
+        if broker.frozen:
+            broker.thaw()
+    check_topic(broker.bootstrap, topic, keys)
+    transport.close()
+    assert len(freezes) == 3
+    assert unreachable > 0 and renewed >= 3, f"publishes that met a frozen broker: {renewed}"
     assert max(stalls) < 1.5 + 2.0, f"a publish took {max(stalls):.1f} s"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports import Outcome, Record, Source, Transport
+from transports import Outcome, Record, Source, SourceFeatures, Transport, TransportFeatures, source_features
 from transports._errors import CommitRefusedError, ConfigurationError
 from transports._partitioner import partition_for_key
 from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
@@ -163,3 +163,57 @@ def test_bad_arguments_are_named() -> None:
     source.poll(1, 0)
     with pytest.raises(ValueError, match="outside"):
         source.commit({("t", 0): 5})
+
+
+# -- the suites test what is claimed, and say what they skip ----------------------------------------
+
+class _NoSizeLimit(InMemoryTransport):
+    features = TransportFeatures(rejects_oversized=False)
+
+
+class _NoOffsets(InMemorySource):
+    features = SourceFeatures(offsets=False)
+
+
+def test_a_test_of_a_feature_not_claimed_is_skipped_naming_it_not_passed() -> None:
+    """Three oversized-record tests returned (passed) when a suite's flag said so; they skip now."""
+    broker = InMemoryBroker(partitions=4)
+    suite = TestInMemoryTransportConformance()
+    for test in (suite.test_oversized_record_fails_and_stops_only_its_key,
+                 suite.test_a_key_stopped_on_one_topic_flows_on_another,
+                 suite.test_a_hot_key_stops_at_its_failed_record):
+        with pytest.raises(pytest.skip.Exception, match="_NoSizeLimit does not claim rejects_oversized"):
+            test(_NoSizeLimit(broker), broker, "orders")  # type: ignore[arg-type]
+
+
+def test_a_feature_claimed_and_not_kept_fails_its_tests() -> None:
+    broker = InMemoryBroker(partitions=4, max_record_bytes=10_000_000)  # takes the "oversized" record
+    suite = TestInMemoryTransportConformance()
+    with pytest.raises(AssertionError):
+        suite.test_oversized_record_fails_and_stops_only_its_key(
+            InMemoryTransport(broker), broker, "orders")  # type: ignore[arg-type]
+
+
+def test_a_source_without_offsets_is_skipped_by_its_suite_and_refused_by_inbox_run() -> None:
+    from outbox import ConfigurationError as OutboxConfigurationError
+    from outbox import Inbox, create_engine
+
+    broker = InMemoryBroker(partitions=2)
+    made: list[Source] = []
+
+    def make(group: str, topics: Sequence[str]) -> Source:
+        made.append(_NoOffsets(broker, group_id=group, topics=topics))
+        return made[-1]
+
+    with pytest.raises(pytest.skip.Exception, match="_NoOffsets does not claim offsets"):
+        SourceConformance().test_delivers_as_written_and_only_committed_positions_survive_a_restart(
+            make, lambda records: None, "orders")
+    assert source_features(InMemorySource(broker, group_id="g", topics=["t"])) == SourceFeatures()
+
+    inbox = Inbox(create_engine("sqlite://"), group="g")
+    inbox.handler("orders")(lambda session, message: None)
+    inbox.stop()  # run() would return at once: only the refusal can fail it
+    with pytest.raises(OutboxConfigurationError, match=r"_NoOffsets has no offsets.*inbox\.handle"):
+        inbox.run(made[0])
+    for source in made:
+        source.close()

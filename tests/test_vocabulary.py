@@ -46,6 +46,7 @@ def test_an_unknown_alert_kind_is_refused_with_the_known_ones(text: str) -> None
 @pytest.mark.parametrize("policy", [ForeignRecords.ACCEPT, "accept"])
 def test_foreign_records_takes_the_enum_or_its_old_string(sqlite_db: str, policy: str) -> None:
     box = Inbox(sa.create_engine(sqlite_db), group="g", foreign_records=policy)
-    assert box.accept_foreign is True
-    with pytest.raises(ConfigurationError, match="foreign_records must be 'park' or 'accept'"):
+    assert box.foreign is ForeignRecords.ACCEPT
+    with pytest.raises(ConfigurationError,
+                       match="foreign_records must be 'park', 'accept', 'debezium' or a ForeignEnvelope"):
         Inbox(sa.create_engine(sqlite_db), group="g", foreign_records="drop")

@@ -83,6 +83,28 @@ def test_past_deadline_fires_with_the_next_tick() -> None:
     assert wheel.advance(21.0) == ["late"]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_next_due_is_when_advance_fires_the_earliest_timer(seed: int) -> None:
+    """What a scheduler sleeps until: nothing fires just before it, the earliest fires at it."""
+    rng = random.Random(seed)
+    tick = rng.choice([0.02, 0.05, 1.0])
+    now = rng.uniform(0, 1e6)
+    wheel: TimingWheel[int] = TimingWheel(tick=tick, slots=rng.choice([8, 512]), start=now)
+    assert wheel.next_due() is None
+    deadlines = {i: now + rng.uniform(-5, 50) * tick for i in range(rng.randint(1, 30))}
+    for item, deadline in deadlines.items():
+        wheel.schedule(item, deadline)
+    while len(wheel):
+        due = wheel.next_due()
+        assert due is not None
+        assert wheel.advance(due - tick * 1e-3) == []
+        fired = wheel.advance(due)
+        assert fired, "nothing fired at next_due"
+        assert fired[0] == min((d, i) for i, d in deadlines.items() if i in fired)[1]
+        assert all(due >= deadlines[item] for item in fired)  # never early
+    assert wheel.next_due() is None
+
+
 @pytest.mark.parametrize("kwargs", [{"tick": 0}, {"tick": -1}, {"slots": 0}, {"slots": 2.5}])
 def test_bad_settings_are_rejected(kwargs: dict) -> None:
     with pytest.raises(ConfigurationError):

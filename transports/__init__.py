@@ -5,6 +5,18 @@ The protocols here use primitive types only; ``transports.kafka`` (needs the
 implement them.
 """
 
-from ._protocol import Outcome, Record, RevokeCallback, SendResult, Source, Transport
+from ._protocol import (
+    Outcome,
+    Record,
+    RevokeCallback,
+    SendResult,
+    Source,
+    SourceFeatures,
+    Transport,
+    TransportFeatures,
+    source_features,
+    transport_features,
+)
 
-__all__ = ["Outcome", "Record", "RevokeCallback", "SendResult", "Source", "Transport"]
+__all__ = ["Outcome", "Record", "RevokeCallback", "SendResult", "Source", "SourceFeatures", "Transport",
+           "TransportFeatures", "source_features", "transport_features"]

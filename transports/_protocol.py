@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(slots=True)
@@ -44,9 +44,66 @@ class SendResult:
     offset: int | None = None
     error: str | None = None
     unreachable: bool = False
-    """For ``RETRY``: the broker did not answer (timeout, connection down), as opposed to
-    answering with an error about this record. A batch the broker delivered nothing of
+    """For ``RETRY``: the broker did not answer (timeout, connection down) or answered that the
+    cluster cannot take writes now (too few in-sync replicas), as opposed to answering with an
+    error about this record. A batch the broker delivered nothing of
     whose retries are all unreachable is an outage: the relay does not count an attempt."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportFeatures:
+    """What a transport promises beyond ``publish``'s signature, as Watermill's ``Features`` say it.
+
+    A transport declares them as its ``features`` attribute; one that declares
+    none is taken to promise them all (the Kafka transports' contract, which
+    ``Transport`` was written for: ``transport_features``).
+    ``transports.testing.TransportConformance`` runs the tests of what is
+    claimed and skips, naming the feature, what is not.
+    """
+
+    ordered_per_key: bool = True
+    """The records of one (topic, key) are written in the order given, to one partition (Kafka's
+    Java default partitioner), and nothing of a key is written behind its record that was not
+    delivered. The relay's per-key order rests on it."""
+    offsets: bool = True
+    """A delivered record's ``SendResult`` names the partition and offset the broker gave it."""
+    persistent: bool = True
+    """A record reported delivered is held by the broker: another client reads it back."""
+    rejects_oversized: bool = True
+    """A record over the size limit (``max_record_bytes``) comes back ``FAILED``, never cut or split."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFeatures:
+    """What a source promises beyond its methods' signatures; declared as its ``features`` attribute.
+
+    A source that declares none is taken to promise them all (both Kafka
+    sources do: ``source_features``). ``transports.testing.SourceConformance``
+    runs the tests of what is claimed and skips, naming the feature, what is not.
+    """
+
+    offsets: bool = True
+    """Each record carries its ``partition`` and ``offset``; each partition is delivered in offset
+    order; ``commit`` takes, per (topic, partition), the offset of the next record to read
+    ("everything before it is finished"). ``Inbox.run`` rests on it: its offset tracker commits up
+    to the lowest offset not yet finished. A source without it (a queue that acknowledges each
+    message) feeds ``Inbox.handle`` from a loop of its own, acknowledging a record once ``handle``
+    returned; ``Inbox.run`` refuses it rather than never commit."""
+    persistent: bool = True
+    """Committed positions outlive the source: a new source of the same group resumes after them,
+    and what was not committed is delivered again."""
+
+
+def transport_features(transport: object) -> TransportFeatures:
+    """The features ``transport`` declares (``features``), or all of them when it declares none."""
+    declared: Any = getattr(transport, "features", None)
+    return declared if isinstance(declared, TransportFeatures) else TransportFeatures()
+
+
+def source_features(source: object) -> SourceFeatures:
+    """The features ``source`` declares (``features``), or all of them when it declares none."""
+    declared: Any = getattr(source, "features", None)
+    return declared if isinstance(declared, SourceFeatures) else SourceFeatures()
 
 
 @runtime_checkable
@@ -68,6 +125,10 @@ class Transport(Protocol):
     ``max_record_setting: str``, the client setting that decides it. A relay
     refuses to start on a transport that cannot send every record the outbox
     accepts (both Kafka transports offer them).
+
+    It says what it promises beyond these signatures with a ``features``
+    attribute (``TransportFeatures``: ordered per key, offsets, persistent,
+    rejects oversized); without one, it is taken to promise all of them.
     """
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]: ...
@@ -82,14 +143,22 @@ RevokeCallback = Callable[[Sequence[tuple[str, int]]], None]
 class Source(Protocol):
     """Delivers records from subscribed topics and commits consumed positions.
 
-    ``commit`` takes, per (topic, partition), the offset of the next record to
-    read, so committing means "everything before this is finished".
+    The positions are Kafka's, and the protocol says so: records carry a
+    partition and an offset, and ``commit`` takes, per (topic, partition), the
+    offset of the next record to read, so committing means "everything before
+    this is finished". A source declares what it promises with a ``features``
+    attribute (``SourceFeatures``: ``offsets``, ``persistent``); one without
+    ``offsets`` declares it has no such positions and is fed to
+    ``Inbox.handle`` by its own loop instead of ``Inbox.run`` (docs/transports.md).
     ``on_revoke`` is called from inside ``poll`` before partitions are taken
     away, so in-flight work can be finished or abandoned first.
 
     A source may also offer ``assigned() -> frozenset[tuple[str, int]]``, the
     partitions it holds now (both Kafka sources do); a worker's ``/readyz``
-    reports "no partitions assigned" from it, and skips that check without it.
+    reports "no partitions assigned" from it, and skips that check without it. It may
+    offer ``unavailable() -> str | None``, why the broker cannot serve it now (the Kafka
+    source: its group's coordinator out of reach for longer than a session timeout),
+    which ``Inbox.run`` logs once as a broker outage, and once when it ends.
     """
 
     def poll(self, max_records: int, timeout: float) -> list[Record]: ...

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from ._errors import CommitRefusedError, ConfigurationError, InvalidTopicError, validate_topic
 from ._logsafe import safe_logger
 from ._partitioner import partition_for_key
-from ._protocol import Outcome, Record, RevokeCallback, SendResult
+from ._protocol import Outcome, Record, RevokeCallback, SendResult, SourceFeatures, TransportFeatures
 from ._waves import NOT_SENT
 
 log = safe_logger("transports.memory")
@@ -259,6 +259,9 @@ class InMemoryTransport:
     as the Kafka transports do.
     """
 
+    features = TransportFeatures()
+    """All of them, as the Kafka transports: the broker keeps what was delivered as long as it lives."""
+
     max_record_setting = "InMemoryBroker(max_record_bytes=...)"
 
     def __init__(self, broker: InMemoryBroker | None = None) -> None:
@@ -343,6 +346,9 @@ class InMemorySource:
     raises ``CommitRefusedError`` for a partition this source no longer holds
     (nothing is stored, as on Kafka). ``close`` revokes and leaves.
     """
+
+    features = SourceFeatures()
+    """Both, as the Kafka sources: offsets, and committed positions the broker keeps while it lives."""
 
     def __init__(self, broker: InMemoryBroker, *, group_id: str, topics: Sequence[str]) -> None:
         if not isinstance(group_id, str) or not group_id:

@@ -10,6 +10,12 @@ transport of this package passes it; a third-party transport should too.
 (fixtures ``make_source``, ``produce`` and ``topic``); ``KafkaSource`` and
 ``transports.memory.InMemorySource`` pass it.
 
+Both suites test what the transport or source claims, as Watermill's
+``Features`` switch its pub/sub tests: each reads the ``features`` the
+transport declares (``TransportFeatures``, ``SourceFeatures``; none declared:
+all claimed), and a test of a feature not claimed is skipped, saying which.
+A claimed feature that does not hold fails its tests.
+
 ``FaultyTransport`` wraps a real transport and fails a share of sends in the two
 ways real brokers do (never sent; sent but the acknowledgement lost), while
 keeping the per-key contract, so relay tests can prove ordering and no loss.
@@ -31,7 +37,7 @@ from typing import cast
 
 from transports._partitioner import partition_for_key
 
-from ._protocol import Outcome, Record, SendResult, Source, Transport
+from ._protocol import Outcome, Record, SendResult, Source, Transport, source_features, transport_features
 from ._waves import NOT_SENT
 
 INJECTED_NOT_SENT = "injected fault: not sent"
@@ -156,6 +162,11 @@ class FaultyTransport:
             results[i] = result
         return results  # type: ignore[return-value]
 
+    @property
+    def features(self) -> object:
+        """The wrapped transport's: the faults it injects keep its contract."""
+        return transport_features(self.inner)
+
     def close(self, timeout: float = 10.0) -> None:
         self.inner.close(timeout)
 
@@ -220,11 +231,22 @@ class BrokerProcess:
         self.close()
 
 
-class TransportConformance:
-    """The ``Transport`` contract as tests; subclass and provide ``transport`` and ``topic``."""
+def _requires(features: object, of: object, *names: str) -> None:
+    """Skip the calling test, naming the features ``of`` does not claim (``features``)."""
+    import pytest  # only the suites need it, not the helpers beside them
 
-    #: Set False for transports that cannot see a record over the client's size limit.
-    rejects_oversized = True
+    missing = [name for name in names if not getattr(features, name)]
+    if missing:
+        pytest.skip(f"{type(of).__name__} does not claim {', '.join(missing)} (its features)")
+
+
+class TransportConformance:
+    """The ``Transport`` contract as tests; subclass and provide ``transport`` and ``topic``.
+
+    Each test of a feature runs only when the transport claims it
+    (``TransportFeatures``), and is skipped with the feature's name otherwise.
+    """
+
     oversized_value = b"x" * 1_100_000
 
     def read_back(self, kafka: str, topic: str, *, expected: int, settle: float = 0.0) -> list[Record]:
@@ -251,6 +273,7 @@ class TransportConformance:
     def test_results_in_input_order_with_partition_and_offset(
         self, transport: Transport, kafka: str, topic: str
     ) -> None:
+        _requires(transport_features(transport), transport, "offsets", "persistent")
         records = self._records(topic, ["a", "b", None, "a", "c", None, "b"])
         results = transport.publish(records)
         assert [r.outcome for r in results] == [Outcome.DELIVERED] * len(records)
@@ -263,6 +286,7 @@ class TransportConformance:
     def test_same_key_goes_to_java_partition_in_order(
         self, transport: Transport, kafka: str, topic: str
     ) -> None:
+        _requires(transport_features(transport), transport, "ordered_per_key", "offsets")
         keys = [f"k{i % 7}" for i in range(70)]
         results = transport.publish(self._records(topic, keys))
         assert all(r.outcome is Outcome.DELIVERED for r in results)
@@ -282,8 +306,8 @@ class TransportConformance:
     def test_oversized_record_fails_and_stops_only_its_key(
         self, transport: Transport, kafka: str, topic: str
     ) -> None:
-        if not self.rejects_oversized:
-            return
+        _requires(transport_features(transport), transport, "rejects_oversized", "ordered_per_key",
+                  "persistent")
         records = self._records(topic, ["k", "k", "k", "other", "other"])
         records[1].value = self.oversized_value
         results = transport.publish(records)
@@ -298,8 +322,8 @@ class TransportConformance:
         self, transport: Transport, kafka: str, topic: str
     ) -> None:
         """Per-key order is per (topic, key): the same key bytes elsewhere are not held."""
-        if not self.rejects_oversized:
-            return
+        _requires(transport_features(transport), transport, "rejects_oversized", "ordered_per_key",
+                  "persistent")
         other = f"{topic}-other"
         records = [*self._records(topic, ["k", "k"]), *self._records(other, ["k", "k"], tag="o")]
         records[0].value = self.oversized_value
@@ -311,6 +335,7 @@ class TransportConformance:
 
     def test_a_hot_key_is_delivered_in_order(self, transport: Transport, kafka: str, topic: str) -> None:
         """Many records of one key in one batch, among other keys: all delivered, in order."""
+        _requires(transport_features(transport), transport, "ordered_per_key", "offsets", "persistent")
         keys = ["hot" if i % 4 else f"k{i}" for i in range(400)]
         records = self._records(topic, keys)
         results = transport.publish(records)
@@ -322,8 +347,8 @@ class TransportConformance:
 
     def test_a_hot_key_stops_at_its_failed_record(self, transport: Transport, kafka: str, topic: str) -> None:
         """Nothing of a key is written behind its failed record, however many follow it."""
-        if not self.rejects_oversized:
-            return
+        _requires(transport_features(transport), transport, "rejects_oversized", "ordered_per_key",
+                  "persistent")
         records = self._records(topic, ["hot"] * 30 + ["other"] * 3)
         records[7].value = self.oversized_value
         results = transport.publish(records)
@@ -346,7 +371,9 @@ class SourceConformance:
     inbox relies on: each partition in offset order with what was written; a
     new group starts at the earliest record; only committed positions survive
     a restart (the rest is delivered again, from the first uncommitted
-    offset); closing revokes the held partitions first.
+    offset); closing revokes the held partitions first. It needs both
+    ``SourceFeatures`` (offsets, persistent): a source that claims fewer is
+    skipped, saying which, and feeds ``Inbox.handle`` instead of ``Inbox.run``.
     """
 
     #: How long a poll must come back empty to show nothing more is coming.
@@ -377,6 +404,7 @@ class SourceConformance:
         produce(written)
         group = f"g-{topic}"
         first = make_source(group, [topic])  # a new group: from the earliest record
+        _requires(source_features(first), first, "offsets", "persistent")
         revoked: list[tuple[str, int]] = []
         first.on_revoke(revoked.extend)
         records = self._poll_until(first, len(written))

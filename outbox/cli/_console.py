@@ -9,12 +9,15 @@ parked keys with their handlers.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any
 
 import typer
 from rich.console import Console
+from sqlalchemy import Engine
 
+from .._identity import same_database
 from ..ops import DEFAULT_TENANT_TIMEOUT
 from ..tenants import TenantDatabases
 from . import app
@@ -49,9 +52,13 @@ def console(
         1024 * 1024, "--max-body", min=1024, envvar="OUTBOX_CONSOLE_MAX_BODY",
         help="Largest request body accepted, in bytes (checked before anything is parsed)."),
     forwarded_allow_ips: str = typer.Option(
-        "127.0.0.1", "--forwarded-allow-ips", envvar="OUTBOX_CONSOLE_FORWARDED_ALLOW_IPS",
-        help="Addresses of reverse proxies whose X-Forwarded-For/-Proto are believed "
-             "(comma-separated, '*' for any)."),
+        "", "--forwarded-allow-ips", envvar="OUTBOX_CONSOLE_FORWARDED_ALLOW_IPS",
+        help="Addresses or networks of the reverse proxies whose X-Forwarded-For/-Proto are "
+             "believed (comma-separated). Default: none, every client is its TCP peer."),
+    database_timeout: float | None = typer.Option(
+        None, "--database-timeout", min=0.1,
+        help="Seconds a page or an action waits for one database before it says the database "
+             "could not be read (default 10; with --tenants, --tenant-timeout)."),
     log_level: str = LOG_LEVEL,
     tenants: str | None = TENANTS,
     tenant_timeout: float = typer.Option(DEFAULT_TENANT_TIMEOUT, "--tenant-timeout", min=0.1,
@@ -67,10 +74,12 @@ def console(
     each, /t/NAME/ is tenant NAME's console (docs/tenants.md).
     """
     configure_logging(log_level)
+    proxies = trusted_proxies(forwarded_allow_ips)
     try:
         import uvicorn  # noqa: F401  (the extra is installed: ``_serve`` uses it)
 
         from ..console import Operators, create_app, create_tenants_app
+        from ..console._reads import DEFAULT_TIMEOUT as DEFAULT_DATABASE_TIMEOUT
     except ImportError as exc:
         raise typer.BadParameter(f"{exc} (pip install 'transactional-outbox[console]')") from None
     operators = Operators.from_env()
@@ -84,6 +93,9 @@ def console(
             raise typer.BadParameter("--app and --inbox-db serve one database; with --tenants, each "
                                      "tenant's console shows its own schema or database",
                                      param_hint="--tenants")
+        if database_timeout is not None:
+            raise typer.BadParameter("with --tenants, --tenant-timeout bounds each tenant's pages",
+                                     param_hint="--database-timeout")
         engine = open_engine(db)
         databases = TenantDatabases(engine, make=existing_engine)
         web = create_tenants_app(tenants_of(tenants, None, engine, schema), databases,
@@ -91,25 +103,44 @@ def console(
                                  secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None,
                                  stuck_after=stuck_after, session_idle=session_idle, max_body=max_body,
                                  timeout=tenant_timeout)
-        _serve(web, operators.configured, read_only, local, host, port, log_level, forwarded_allow_ips)
+        _serve(web, operators.configured, read_only, local, host, port, log_level, proxies)
         return
     inbox_engines = [open_engine(url) for url in inbox_db]
     outbox = open_outbox(db, prefix, schema)
     inboxes = [load_inbox(t) for t in target]
-    known = [outbox.engine.url, *(e.url for e in inbox_engines)]
+    known = [e for e in (outbox.engine, *inbox_engines) if isinstance(e, Engine)]
     for name, inbox in zip(target, inboxes, strict=True):
         # Listing one database and replaying in another would confuse everyone: refuse it now.
-        if inbox.engine.url not in known:
+        # One database in two spellings is one: its server says so (a server down says so here).
+        if not isinstance(inbox.engine, Engine) or not any(same_database(inbox.engine, e) for e in known):
             raise typer.BadParameter(f"{name}'s inbox uses another database than --db or any --inbox-db",
                                      param_hint="--app")
     web = create_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only,
                      secret=os.environ.get("OUTBOX_CONSOLE_SECRET") or None, stuck_after=stuck_after,
-                     session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines)
-    _serve(web, operators.configured, read_only, local, host, port, log_level, forwarded_allow_ips)
+                     session_idle=session_idle, max_body=max_body, inbox_databases=inbox_engines,
+                     database_timeout=database_timeout or DEFAULT_DATABASE_TIMEOUT)
+    _serve(web, operators.configured, read_only, local, host, port, log_level, proxies)
+
+
+def trusted_proxies(value: str) -> list[str]:
+    """``--forwarded-allow-ips`` as a list of addresses and networks; refuses anything else.
+
+    uvicorn quietly keeps a misspelt entry as a literal that no peer ever matches, and ``*``
+    would believe the first ``X-Forwarded-For`` entry, which a client writes itself.
+    """
+    proxies = [item.strip() for item in value.split(",") if item.strip()]
+    for item in proxies:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise typer.BadParameter(f"{item!r} is not an IP address or network (name each proxy by "
+                                     "its address, e.g. 10.0.0.5 or 10.0.0.0/24)",
+                                     param_hint="--forwarded-allow-ips") from None
+    return proxies
 
 
 def _serve(web: Any, configured: bool, read_only: bool, local: bool, host: str, port: int, log_level: str,
-           forwarded_allow_ips: str) -> None:
+           proxies: list[str]) -> None:
     import uvicorn
 
     from ..console._serve import BoundedH11, serve_until_stopped
@@ -120,9 +151,10 @@ def _serve(web: Any, configured: bool, read_only: bool, local: bool, host: str, 
     if not local:
         err.print(f"[yellow]serving on {host}: put it behind TLS (sign-ins and payloads cross the "
                   "network)[/yellow]")
-    # No access log: URLs name groups and keys; proxy headers only from the proxies named.
+    # No access log: URLs name groups and keys. Forwarded headers only from the proxies named: with
+    # none, uvicorn would believe 127.0.0.1's (its default), i.e. every user of this machine's.
     config = uvicorn.Config(web, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            proxy_headers=True, forwarded_allow_ips=forwarded_allow_ips, http=BoundedH11)
+                            proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None, http=BoundedH11)
     server = uvicorn.Server(config)
     err.print(f"outbox console on http://{host}:{port}/ (Ctrl-C stops it)")
     serve_until_stopped(server)

@@ -18,6 +18,7 @@ from typing import Any
 import typer
 from sqlalchemy import Engine
 
+from .._stopping import stop_signals
 from ..housekeeping import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DUTY,
@@ -107,17 +108,8 @@ def _stopped_by_signals() -> Iterator[tuple[threading.Event, list[signal.Signals
     """SIGTERM (a CronJob's pod ending) or Ctrl-C set the event: the open batch commits, the
     totals are printed."""
     stop, stopped_by = threading.Event(), list[signal.Signals]()
-
-    def stop_between_batches(signum: int, _frame: object) -> None:
-        stopped_by.append(signal.Signals(signum))
-        stop.set()
-
-    previous = {sig: signal.signal(sig, stop_between_batches) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with stop_signals(stop.set, seen=stopped_by):  # the one place that installs signal handlers
         yield stop, stopped_by
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _show_result(result: RetentionResult, dry_run: bool, elapsed: float, who: str = "") -> None:

@@ -21,7 +21,7 @@ from .._gc import tune_gc_for_batches
 from .._stopping import StopLatch, stop_signals
 from .._terminal import stdout_console
 from ..housekeeping import run_retention
-from ..inbox import DiscardRefusedError, Inbox, NotParkedError
+from ..inbox import DiscardRefusedError, Inbox, NotParkedError, ParkedActions
 from ..tenants import parse_tenants
 from . import app
 from ._db import existing_database, open_engine
@@ -197,8 +197,8 @@ def list_parked(
     """Show parked messages, per key in seq order, with why they were parked."""
     if as_json and tsv:
         raise typer.BadParameter("give --json or --tsv, not both")
-    parked = _inbox(db, group, target, prefix, schema, tenants=tenants, tenant=tenant).parked(
-        topic, key, tenant=tenant)
+    inbox = _inbox(db, group, target, prefix, schema, tenants=tenants, tenant=tenant)
+    parked = ParkedActions(inbox, audit=audit, tenant=tenant).parked(topic, key)
     if as_json:
         print_json({"message_id": p.message_id, "topic": p.topic, "key": p.key, "seq": p.seq,
                     "reason": p.reason, "attempts": p.attempts, "first_failure_at": p.first_failure_at,
@@ -243,8 +243,8 @@ def replay(
     tenants, the key's messages parked as ``tenant_unknown`` go to their
     tenants (which must be served now).
 
-    Who and why go to the ``outbox.cli.audit`` log with each key's outcome, as
-    the console's replay writes them to ``outbox.console.audit``.
+    Who and why go to the ``outbox.cli.audit`` log with each key's outcome
+    (``ParkedActions``, which the console's replay uses too).
     """
     configure_logging(log_level)
     who, why = operator(by, reason)
@@ -253,11 +253,11 @@ def replay(
     if key is not None and all_keys:
         raise typer.BadParameter("give a KEY or --all, not both")
     inbox = _inbox(None, group, target, tenants=tenants, tenant_header=tenant_header, tenant=tenant)
+    actions = ParkedActions(inbox, audit=audit, tenant=tenant)
     console = Console()
     if not all_keys:
         assert topic is not None
-        result = inbox.replay(topic, key, tenant=tenant)
-        _audit(inbox, f"{topic}/{key if key is not None else '(unkeyed)'}", who, why, result)
+        result = actions.replay_key(topic, key, by=who, reason=why)
         console.print(f"applied {result.applied}, still parked {result.remaining}")
         console.print(f"replayed by {who}: {why}", markup=False)
         if not result.unparked:
@@ -267,33 +267,22 @@ def replay(
                       else "[green]no unkeyed message left parked[/green]")
         return
     # Each key is its own replay: one that fails again must not keep the others parked.
-    lanes = sorted({(p.topic, p.key) for p in inbox.parked(topic, tenant=tenant)},
-                   key=lambda lane: (lane[0], lane[1] or ""))
+    replayed = actions.replay(actions.lanes(topic), by=who, reason=why)
     stopped = 0
-    for lane_topic, lane_key in lanes:
-        name = f"{lane_topic} {lane_key!r}" if lane_key is not None else f"{lane_topic} (unkeyed)"
-        try:
-            result = inbox.replay(lane_topic, lane_key, tenant=tenant)
-            _audit(inbox, name, who, why, result)
-        except NotParkedError:
-            console.print(f"{escape(name)}: nothing parked any more (replayed or discarded meanwhile)")
-            continue
-        if result.unparked:
-            console.print(f"{escape(name)}: applied {result.applied}, [green]unparked[/green]")
+    for done in replayed:
+        name = escape(done.name)
+        if done.result is None:
+            console.print(f"{name}: nothing parked any more (replayed or discarded meanwhile)")
+        elif done.result.unparked:
+            console.print(f"{name}: applied {done.result.applied}, [green]unparked[/green]")
         else:
             stopped += 1
-            console.print(f"{escape(name)}: applied {result.applied}, still parked {result.remaining}: "
-                          f"[red]{escape(str(result.error))}[/red]")
-    console.print(f"{len(lanes) - stopped} of {len(lanes)} key(s) unparked")
+            console.print(f"{name}: applied {done.result.applied}, still parked {done.result.remaining}: "
+                          f"[red]{escape(str(done.result.error))}[/red]")
+    console.print(f"{len(replayed) - stopped} of {len(replayed)} key(s) unparked")
     console.print(f"replayed by {who}: {why}", markup=False)
     if stopped:
         raise typer.Exit(1)
-
-
-def _audit(inbox: Inbox, name: str, who: str, why: str, result: Any) -> None:
-    """One audit line per replayed key, the console's format: who, why and what happened."""
-    audit.info("replay %s group %s by %s (%s): applied %d, remaining %d, unparked %s, error %s",
-               name, inbox.group, who, why, result.applied, result.remaining, result.unparked, result.error)
 
 
 @parked_app.command("discard")
@@ -309,7 +298,7 @@ def discard(
     """Skip one parked message for good; its key moves on past it (``--tenant``: in that tenant)."""
     inbox = _inbox(db, group, target, prefix, schema, tenants=tenants, tenant=tenant)
     try:
-        inbox.discard(message_id, by=by, reason=reason, tenant=tenant)
+        ParkedActions(inbox, audit=audit, tenant=tenant).discard(message_id, by=by, reason=reason)
     except (NotParkedError, DiscardRefusedError):
         raise  # the state of the key forbids it now: exit 1 (see _errors)
     except ValueError as exc:  # a malformed id, an empty --by or --reason

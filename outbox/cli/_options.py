@@ -135,8 +135,9 @@ DB = typer.Option(..., "--db", help="SQLAlchemy database URL, e.g. postgresql+ps
 PREFIX = typer.Option("", "--prefix", help="Table name prefix.")
 SCHEMA = typer.Option(None, "--schema", help="Database schema of the tables.")
 TENANTS = typer.Option(
-    None, "--tenants", help="Serve many tenants: like:PATTERN (schemas of --db), file:PATH (JSON), "
-                            "query:SQL, or schema names separated by commas (docs/tenants.md).")
+    None, "--tenants", help="Serve many tenants: like:PATTERN (schemas of --db; % is the one wildcard), "
+                            "file:PATH (JSON), query:SQL, or schema names separated by commas "
+                            "(docs/tenants.md).")
 TENANT_HEADER = typer.Option(
     None, "--tenant-header", help="The record header that names the tenant (docs/tenants.md).")
 TENANT = typer.Option(None, "--tenant", help="Only this tenant (of --tenants).")

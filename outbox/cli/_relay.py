@@ -186,7 +186,8 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         settings = {**settings, "message.max.bytes": str(limit)}
     latch = StopLatch()
     with stop_signals(latch):
-        engine = create_engine(db, pool_size=workers + 2, max_overflow=0)
+        # A worker's fetch and its writer's write may each hold a connection (TenantRelay's default).
+        engine = create_engine(db, pool_size=2 * workers + 2, max_overflow=0)
         def producer() -> KafkaTransport:
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         fleet = TenantRelay(

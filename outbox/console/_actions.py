@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .._errors import ConfigurationError
-from ..inbox import DiscardRefusedError, NotParkedError
+from ..inbox import DiscardRefusedError, NotParkedError, ParkedActions
 from ..relay import retry_failed, skip_failed
-from ._context import Context, audit, base, cookie_path, group_of
-from ._gate import SESSION_COOKIE, client_of
+from ._authenticator import SESSION_COOKIE, client_of
+from ._context import Context, audit, group_of
 from ._groups import database_index
-from ._links import console_path, link
+from ._links import base, console_path, cookie_path, link
+from ._reads import Unreadable
 from ._refused import Refused
 
 Handler = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 MAX_FORM_ITEMS = 1000
 
 
@@ -61,14 +62,18 @@ def failed_action(ctx: Context, action: str) -> Handler:
         ids = [str(i) for i in form.getlist("message_id")]
         if not ids:
             raise Refused(400, "select at least one failed row")
-        try:
-            n = await run_in_threadpool(lambda: change(ctx.outbox, ids, by=who, reason=reason))
-        except ConfigurationError as exc:
-            audit.info("%s failed rows %s%s by %s (%s): refused: %s", action, ids, _of_tenant(ctx), who,
-                       reason, exc)
-            raise Refused(409, str(exc)) from None
-        audit.info("%s failed rows %s%s by %s (%s): %d changed", action, ids, _of_tenant(ctx), who,
-                   reason, n)
+        what = f"{action} failed rows {ids}{_of_tenant(ctx)} by {who} ({reason})"
+
+        def act_and_record() -> int:
+            try:
+                n = change(ctx.outbox, ids, by=who, reason=reason)
+            except ConfigurationError as exc:
+                audit.info("%s: refused: %s", what, exc)
+                raise Refused(409, str(exc)) from None
+            audit.info("%s: %d changed", what, n)
+            return n
+
+        n = await _acted(ctx, 0, what, act_and_record)
         verb = "retried (pending again)" if action == "retry" else "skipped (never sent)"
         return _done(ctx, request, form, [f"{n} failed row(s) {verb} by {who}: {reason}"],
                      default=f"{base(request)}/failed")
@@ -91,26 +96,21 @@ def replay(ctx: Context) -> Handler:
         lanes = [_lane(v) for v in form.getlist("lane")]
         if not lanes:
             raise Refused(400, "select at least one parked key")
-        lines, failures = [], 0
-        for topic, key in lanes:
-            name = f"{topic}/{key if key is not None else '(unkeyed)'}"
-            try:
-                result = await run_in_threadpool(inbox.replay, topic, key)
-            except NotParkedError:
-                failures += 1
-                lines.append(f"{name}: nothing parked (replayed or discarded meanwhile?)")
-                continue
-            audit.info("replay %s group %s in %s by %s (%s): applied %d, remaining %d, unparked %s, "
-                       "error %s", name, group, database, who, reason, result.applied, result.remaining,
-                       result.unparked, result.error)
-            if result.unparked:
-                lines.append(f"{name}: applied {result.applied}, key unparked")
+        actions = ParkedActions(inbox, audit=audit, where=database)
+        replayed = await _acted(ctx, index, f"replay group {group} in {database} by {who} ({reason})",
+                                lambda: actions.replay(lanes, by=who, reason=reason))
+        lines = []
+        for done in replayed:
+            if done.result is None:
+                lines.append(f"{done.name}: nothing parked (replayed or discarded meanwhile?)")
+            elif done.result.unparked:
+                lines.append(f"{done.name}: applied {done.result.applied}, key unparked")
             else:
-                failures += 1
-                lines.append(f"{name}: applied {result.applied}, still parked {result.remaining}, "
-                             f"stopped: {result.error}")
+                lines.append(f"{done.name}: applied {done.result.applied}, still parked "
+                             f"{done.result.remaining}, stopped: {done.result.error}")
         lines.append(f"replayed by {who}: {reason}")
-        return _done(ctx, request, form, lines, status=409 if failures else 200,
+        failed = not all(done.unparked for done in replayed)
+        return _done(ctx, request, form, lines, status=409 if failed else 200,
                      default=link(base(request), "/parked", group=group, db=index or None))
     return act
 
@@ -124,19 +124,35 @@ def discard(ctx: Context) -> Handler:
         index = database_index(request.query_params, ctx.databases)
         database = ctx.databases[index].name
         message_id = str(form.get("message_id") or "")
-        inbox = ctx.inbox_for_discard(index, group)
-        try:
-            await run_in_threadpool(lambda: inbox.discard(message_id, by=who, reason=reason))
-        except (NotParkedError, DiscardRefusedError) as exc:
-            audit.info("discard %s group %s in %s by %s (%s): refused: %s", message_id, group, database,
-                       who, reason, exc)
-            raise Refused(409, str(exc)) from None
-        except ValueError as exc:
-            raise Refused(400, f"not a message id: {message_id!r} ({exc})") from None
-        audit.info("discard %s group %s in %s by %s (%s): done", message_id, group, database, who, reason)
+        actions = ParkedActions(ctx.inbox_for_discard(index, group), audit=audit, where=database)
+
+        def discarded() -> None:
+            try:
+                actions.discard(message_id, by=who, reason=reason)
+            except (NotParkedError, DiscardRefusedError) as exc:
+                raise Refused(409, str(exc)) from None
+            except ValueError as exc:
+                raise Refused(400, f"not a message id: {message_id!r} ({exc})") from None
+
+        await _acted(ctx, index, f"discard {message_id} group {group} in {database} by {who} ({reason})",
+                     discarded)
         return _done(ctx, request, form, [f"message {message_id} discarded by {who}: {reason}"],
                      default=link(base(request), "/parked", group=group, db=index or None))
     return act
+
+
+async def _acted(ctx: Context, index: int, what: str, act: Callable[[], T]) -> T:
+    """``act()`` (which writes its own audit line) on database ``index``; a database that cannot be
+    read is an audit line too, and the 503 page. Past the deadline the action goes on: its own
+    audit line says how it ended."""
+    try:
+        return await ctx.read(index, act, write=True)
+    except Unreadable as exc:
+        if exc.late:
+            audit.info("%s: no answer yet, it goes on (a line will say how it ended): %s", what, exc)
+        else:
+            audit.info("%s: not done: %s", what, exc)
+        raise
 
 
 def _of_tenant(ctx: Context) -> str:
@@ -164,7 +180,7 @@ def login(ctx: Context) -> Handler:
         form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
         name = str(form.get("name") or "").strip()
-        if not ctx.gate.token_sign_in(request, str(form.get("token") or "")):
+        if not ctx.auth.token_sign_in(request, str(form.get("token") or "")):
             return ctx.render(request, "login.html", status=401, error="wrong token",
                               token_login=bool(ctx.operators.token))
         if not name or len(name) > 100:
@@ -173,8 +189,8 @@ def login(ctx: Context) -> Handler:
         audit.info("signed in: %r from %s", name, client_of(request))
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"], ok=True,
                               back=base(request) + "/")
-        ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
-        response.set_cookie(SESSION_COOKIE, ctx.gate.sessions.start(name), httponly=True, samesite="strict",
+        ctx.auth.sessions.end(request.cookies.get(SESSION_COOKIE))  # a new sign-in replaces the old
+        response.set_cookie(SESSION_COOKIE, ctx.auth.sessions.start(name), httponly=True, samesite="strict",
                             secure=request.url.scheme == "https", path=cookie_path(request))
         return response
     return page
@@ -185,7 +201,7 @@ def logout(ctx: Context) -> Handler:
         form = await _form(request, max_fields=10)
         ctx.check_csrf(request, form)
         # Ended on the server: a copy of the cookie taken before is worthless from now on.
-        ctx.gate.sessions.end(request.cookies.get(SESSION_COOKIE))
+        ctx.auth.sessions.end(request.cookies.get(SESSION_COOKIE))
         response = ctx.render(request, "result.html", lines=["signed out"], ok=True,
                               back=base(request) + "/")
         response.delete_cookie(SESSION_COOKIE, path=cookie_path(request))

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -15,18 +15,21 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from .._errors import ConfigurationError, OutboxError
+from .._errors import ConfigurationError, OutboxError, SchemaError
+from .._identity import answers_same
 from .._outbox import Outbox
 from .._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
 from ..ops import Database
 from . import _actions, _pages
 from ._auth import Operators
-from ._context import Context, _Redirect, base
-from ._gate import Gate
+from ._authenticator import Authenticator
+from ._context import Context, _Redirect
+from ._devices import DeviceCookies, Devices
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
-from ._links import link
+from ._links import base, link
 from ._nav import Counts, navigated, toggle_refresh
+from ._reads import DEFAULT_TIMEOUT, Unreadable, reason_of
 from ._refused import Refused
 from ._sessions import Sessions
 from ._throttle import Throttle
@@ -38,7 +41,8 @@ DEFAULT_SESSION_IDLE = 1800.0
 def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Operators | None = None,
                read_only: bool = False, secret: bytes | str | None = None,
                stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
-               max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = ()) -> Starlette:
+               max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = (),
+               database_timeout: float = DEFAULT_TIMEOUT) -> Starlette:
     """The web console for ``outbox``'s database: overview, failed rows, parked keys, held gaps.
 
     ``inboxes`` are your ``Inbox`` objects with their handlers registered: a
@@ -56,19 +60,24 @@ def create_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Oper
     parked and held pages and their actions work on them (``?db=N``), and the
     trace page and the navigation's counts read them beside ``outbox``'s
     database. Each of ``inboxes`` must use one of these databases or ``outbox``'s.
+    ``database_timeout`` bounds how long a page or an action waits for one
+    database (seconds): a database that is down, refuses the password, lacks
+    the tables or does not answer in time is a 503 page naming it, or one line
+    on the overview and the trace page, never an error of the console.
     Mount it with ``Mount("/outbox", app=create_app(...))``; links follow the mount path.
     """
     return build_app(outbox, inboxes=inboxes, operators=operators, read_only=read_only, secret=secret,
                      stuck_after=stuck_after, session_idle=session_idle, max_body=max_body,
-                     inbox_databases=inbox_databases)
+                     inbox_databases=inbox_databases, database_timeout=database_timeout)
 
 
 def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Operators | None = None,
               read_only: bool = False, secret: bytes | str | None = None,
               stuck_after: float = 300.0, session_idle: float = DEFAULT_SESSION_IDLE,
               max_body: int = DEFAULT_MAX_BODY, inbox_databases: Iterable[Engine] = (),
-              gate: Gate | None = None, tenant: str | None = None) -> Starlette:
-    """``create_app``, as one tenant's console among many: ``gate`` (who signed in, the sign-in
+              database_timeout: float = DEFAULT_TIMEOUT, auth: Authenticator | None = None,
+              tenant: str | None = None) -> Starlette:
+    """``create_app``, as one tenant's console among many: ``auth`` (who signed in, the sign-in
     throttle) shared with the other tenants' consoles, every page and database name saying ``tenant``."""
     if not isinstance(outbox, Outbox):
         raise ConfigurationError(f"create_app needs an outbox.Outbox, got {type(outbox).__name__}")
@@ -83,9 +92,8 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     outbox_engine = outbox.engine
     assert isinstance(outbox_engine, Engine)
     # One database named twice (as the outbox's and as an inbox database, or twice as an inbox
-    # database) is one database: listed and counted once, as the trace reads it once.
-    engines = [e for i, e in enumerate(engines)
-               if e.url != outbox_engine.url and all(e.url != x.url for x in engines[:i])]
+    # database, in any spelling) is one database: listed and counted once, as the trace reads it once.
+    engines = _distinct(outbox_engine, engines)
     databases = [_database(e, outbox, tenant) for e in (outbox_engine, *engines)]
     by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
@@ -109,12 +117,16 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
         raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
     if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
         raise ConfigurationError(f"max_body must be a whole number of bytes, at least 1024, got {max_body!r}")
+    if isinstance(database_timeout, bool) or not isinstance(database_timeout, int | float) \
+            or not database_timeout > 0:
+        raise ConfigurationError(f"database_timeout must be positive seconds, got {database_timeout!r}")
     operators = operators or Operators()
-    gate = gate or Gate(operators, Sessions(idle=float(session_idle)), Throttle())
-    ctx = Context(outbox, by_group, gate.operators, gate, read_only, secret or secrets.token_bytes(32),
-                  float(stuck_after), max_body, databases, tenant)
+    key = secret or secrets.token_bytes(32)
+    auth = auth or Authenticator(operators, Sessions(idle=float(session_idle)), Throttle(), Devices(key))
+    ctx = Context(outbox, by_group, auth.operators, auth, read_only, key, float(stuck_after), max_body,
+                  databases, tenant, float(database_timeout))
     outbox_db, *inbox_dbs = databases
-    counts = Counts(databases)
+    counts = Counts()
 
     def nav(handler: _pages.Handler) -> _pages.Handler:
         return navigated(ctx, counts, handler)
@@ -150,27 +162,29 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
         return exc.response()
 
     async def outbox_error(request: Request, exc: Exception) -> Response:
-        # Missing tables, a schema mismatch: the library's errors name the problem and the fix.
+        # A library error no page expected: its message names the problem and the fix.
         return ctx.render(request, "error.html", status=500, message=str(exc))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return ctx.render(request, "error.html", status=exc.status_code, message=str(exc.detail))
 
-    handlers: dict[Any, Any] = {Refused: refused, _Redirect: redirect, HTTPException: http_error,
-                                OutboxError: outbox_error}
-    if tenant is not None:
-        secrets_of_db = database_secrets(outbox_engine.url.render_as_string(hide_password=False))
+    async def unreadable(request: Request, exc: Exception) -> Response:
+        # A database down, frozen, refusing the password or without the tables: a page of its own,
+        # naming it (``_reads``); the connection stays open for the next request.
+        if not isinstance(exc, Unreadable):  # reached without a reader: which database is not known
+            exc = Unreadable(databases[0].name if len(databases) == 1 else "a database of this console",
+                             scrub(reason_of(databases[0], exc), every_secret))
+        return ctx.render(request, "error.html", status=503, message=str(exc))
 
-        async def database_error(request: Request, exc: Exception) -> Response:
-            # One tenant's database down, or its schema without tables: its pages say so, by name;
-            # the other tenants' pages are not concerned.
-            text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-            return ctx.render(request, "error.html", status=503, message=scrub(
-                f"tenant {tenant}: its database did not serve this page: "
-                f"{text[0] if text else type(exc).__name__}", secrets_of_db))
-        handlers[DBAPIError] = database_error
-    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body)],
+    every_secret = sorted({x for db in databases
+                           for x in database_secrets(db.engine.url.render_as_string(hide_password=False))},
+                          key=len, reverse=True)
+    handlers: dict[Any, Any] = {Refused: refused, _Redirect: redirect, HTTPException: http_error,
+                                OutboxError: outbox_error, Unreadable: unreadable,
+                                SQLAlchemyError: unreadable, SchemaError: unreadable}
+    return Starlette(routes=routes, middleware=[Middleware(BodyLimit, max_bytes=max_body),
+                                                Middleware(DeviceCookies)],
                      exception_handlers=handlers)
 
 
@@ -184,12 +198,44 @@ def _database(engine: Engine, outbox: Outbox, tenant: str | None = None) -> Data
     return Database(name, engine, outbox.tables)
 
 
+def _distinct(first: Engine, others: list[Engine]) -> list[Engine]:
+    """``others`` less the databases named before them (``first`` included), by what their servers say.
+
+    A database that does not answer, or refuses to (a wrong password, no right to ask), is kept:
+    its line says it could not be read.
+    """
+    kept: list[Engine] = []
+    for engine in others:
+        if not any(_same(engine, seen) for seen in (first, *kept)):
+            kept.append(engine)
+    return kept
+
+
+def _same(a: Engine, b: Engine) -> bool | None:
+    """``answers_same``, and None too when a database refuses to say (a wrong password, no right to ask):
+    unreadable all the same, which its page says."""
+    try:
+        return answers_same(a, b)
+    except Exception:
+        return None
+
+
 def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
     """Which of the console's databases ``inbox`` works in: its replays and discards go there."""
     bind = inbox.engine
-    for index, engine in enumerate(engines):
-        if bind is engine or bind.url == engine.url:
-            return index
+    if isinstance(bind, Engine):  # an async inbox's engine is none of the console's (sync) ones
+        for index, engine in enumerate(engines):
+            if bind.pool is engine.pool or bind.url == engine.url:
+                return index  # no need to ask a server what its URL already says
+        unanswered = False
+        for index, engine in enumerate(engines):
+            same = _same(bind, engine)
+            if same:
+                return index
+            unanswered = unanswered or same is None
+        if unanswered:
+            raise ConfigurationError(f"cannot tell which database the inbox of group {inbox.group!r} "
+                                     "uses: it or one of the console's databases does not answer")
     raise ConfigurationError(f"the inbox of group {inbox.group!r} uses a database that is not the "
                              f"console's outbox database nor one of its inbox_databases")
 

@@ -7,9 +7,9 @@ handlers read it from several threads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 from sqlalchemy import Engine
@@ -23,13 +23,15 @@ from ..inbox import Inbox
 from ..ops import Database
 from . import _csrf
 from ._auth import Operators
-from ._gate import Gate
-from ._links import link
+from ._authenticator import Authenticator
+from ._links import TENANTS_ROOT, base, cookie_path, link
+from ._reads import DEFAULT_TIMEOUT, Reader
 from ._refused import Refused
 from ._relays import Heartbeats
 from ._when import when
 
 audit = safe_logger("outbox.console.audit")
+T = TypeVar("T")
 
 PAGE = 50
 REFRESH_SECONDS = 30
@@ -56,7 +58,7 @@ class Context:
     inboxes: Mapping[tuple[int, str], Inbox]
     """The app's inboxes (with handlers: replay runs them) by (database index, group)."""
     operators: Operators
-    gate: Gate
+    auth: Authenticator
     read_only: bool
     secret: bytes = field(repr=False)
     stuck_after: float
@@ -65,6 +67,10 @@ class Context:
     """The outbox's database (index 0), then the inbox databases: ``?db=N`` names one (``_groups``)."""
     tenant: str | None = None
     """The tenant this console shows, when it is one of many (``create_tenants_app``): every page says so."""
+    database_timeout: float = DEFAULT_TIMEOUT
+    """Seconds a page or an action waits for one database (``_reads``)."""
+    readers: list[Reader] = field(init=False, repr=False)
+    """How pages reach ``databases`` (same index): off the event loop, within ``database_timeout``."""
     env: Environment = field(init=False, repr=False)
     heartbeats: Heartbeats = field(init=False, repr=False)
     _discarders: dict[tuple[int, str], Inbox] = field(default_factory=dict, init=False)
@@ -76,6 +82,11 @@ class Context:
                                autoescape=select_autoescape(default=True, default_for_string=True))
         self.env.filters["when"] = when
         self.heartbeats = Heartbeats(STALE_RELAY_AFTER)
+        self.readers = [Reader(db, self.database_timeout) for db in self.databases]
+
+    async def read(self, index: int, work: Callable[[], T], *, write: bool = False) -> T:
+        """``work()`` on database ``index``, within the deadline; ``Unreadable`` when it cannot be read."""
+        return await self.readers[index].run(work, write=write)
 
     @property
     def engine(self) -> Engine:
@@ -102,7 +113,7 @@ class Context:
             return None
         if hasattr(request.state, "viewer"):  # checked already for this request (``_nav.navigated``)
             return str(request.state.viewer)
-        who = self.gate.operator(request)
+        who = self.auth.operator(request)
         if who is None:
             raise self._unauthenticated(request)
         return who
@@ -114,7 +125,7 @@ class Context:
         if not self.operators.configured:
             raise Refused(403, "no operator credential is configured, so this console is read-only "
                                "(set OUTBOX_CONSOLE_TOKEN or OUTBOX_CONSOLE_USERS)")
-        who = self.gate.operator(request)
+        who = self.auth.operator(request)
         if who is None:
             raise Refused(401, "an action needs an operator credential: sign in first",
                           self._challenge())
@@ -181,21 +192,6 @@ class _Redirect(Exception):
 
     def response(self) -> Response:
         return RedirectResponse(self.location, status_code=303)
-
-
-def base(request: Request) -> str:
-    """Where the console is mounted ("" at the root): every link and cookie path starts here."""
-    return str(request.scope.get("root_path", "")).rstrip("/")
-
-
-TENANTS_ROOT = "outbox.console.tenants_root"
-"""Scope key: where a console of many tenants is mounted, set by it for its tenants' consoles."""
-
-
-def cookie_path(request: Request) -> str:
-    """The path of the console's cookies: under a console of many tenants, all of it, so one
-    sign-in and one form token serve every tenant's pages."""
-    return str(request.scope.get(TENANTS_ROOT, base(request))) + "/"
 
 
 def group_of(values: Mapping[str, Any]) -> str:

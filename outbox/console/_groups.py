@@ -15,11 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import inspect
-from sqlalchemy.exc import SQLAlchemyError
 
 from .._envelope import utcnow
-from .._errors import OutboxError
-from .._secrets import database_secrets, scrub
+from .._errors import SchemaError
 from ..inbox.admin import stuck_by_group
 from ..ops import Database
 from ..ops._stuck import _age, stuck_reasons
@@ -36,12 +34,17 @@ def database_index(values: Mapping[str, Any], databases: list[Database]) -> int:
 
 
 def inbox_groups(index: int, db: Database, stuck_after: float) -> tuple[list[dict[str, Any]], list[str]]:
-    """The groups of one inbox database as the overview lists them, and why they are stuck."""
+    """The groups of one inbox database as the overview lists them, and why they are stuck.
+
+    Raises ``SchemaError`` when it has no inbox tables: it was given as an inbox database.
+    """
     t = db.tables
     with db.engine.connect() as conn:
         found = inspect(conn)
         if not all(found.has_table(x.name, schema=t.schema) for x in (t.inbox_parked, t.inbox_held)):
-            return [], []
+            where = f"prefix {t.prefix!r}" + (f", schema {t.schema!r}" if t.schema else "")
+            raise SchemaError(f"no inbox tables ({where}): check the console's --prefix/--schema, or "
+                              f"run `outbox init-db` on it")
         now = utcnow()
         groups = [{"db": index, "database": db.name, "group": g.group, "parked_keys": g.parked_keys,
                    "parked_messages": g.parked_messages,
@@ -50,13 +53,3 @@ def inbox_groups(index: int, db: Database, stuck_after: float) -> tuple[list[dic
                   for g in stuck_by_group(conn, t)]
     reasons = stuck_reasons({"stuck_after_s": stuck_after, "outbox": None, "inbox": {"groups": groups}})
     return groups, [f"{db.name}: {r}" for r in reasons]
-
-
-def unreadable(db: Database, exc: Exception) -> str:
-    """One line for a database the overview could not read, without its credentials."""
-    if not isinstance(exc, SQLAlchemyError | OutboxError | OSError):
-        raise exc
-    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
-    secrets = database_secrets(db.engine.url.render_as_string(hide_password=False))
-    return f"{db.name}: could not be read ({scrub(first[:300], secrets)})"
-

@@ -24,8 +24,25 @@ from __future__ import annotations
 import string
 from urllib.parse import quote, urlencode
 
+from starlette.requests import Request
+
 _DOT_SEGMENTS = {".", ".."}
 _PATH_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-._~/")
+
+
+TENANTS_ROOT = "outbox.console.tenants_root"
+"""Scope key: where a console of many tenants is mounted, set by it for its tenants' consoles."""
+
+
+def base(request: Request) -> str:
+    """Where the console is mounted ("" at the root): every link and cookie path starts here."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+def cookie_path(request: Request) -> str:
+    """The path of the console's cookies: under a console of many tenants, all of it, so one
+    sign-in and one form token serve every tenant's pages."""
+    return str(request.scope.get(TENANTS_ROOT, base(request))) + "/"
 
 
 def link(base: str, path: str, **params: object) -> str:

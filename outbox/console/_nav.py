@@ -2,8 +2,9 @@
 
 ``navigated`` wraps a page handler: it checks the viewer first (a stranger is
 refused before any count is read, so a count never reaches a sign-in or 401
-page and an anonymous request costs no query), then reads the counts in the
-thread pool and leaves them on ``request.state`` for ``Context.render``. Each
+page and an anonymous request costs no query), then reads each database's
+counts within its deadline (``_reads``) and leaves them on ``request.state``
+for ``Context.render``. Each
 count is bounded: it counts at most ``CAP`` rows through an index (failed rows
 through ``ix_outbox_key_waits``; parked and held rows through their tables'
 primary keys) and shows ``1000+`` beyond, so the navigation costs the same
@@ -16,56 +17,57 @@ turns it off or on with ``/refresh``, remembered in a cookie.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, Select, func, inspect, literal_column, select
-from sqlalchemy.exc import SQLAlchemyError
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from .._tables import OutboxStatus as Status
 from ..ops import Database
-from ._context import REFRESH_COOKIE, Context, base, cookie_path
-from ._links import console_path
+from ._context import REFRESH_COOKIE, Context
+from ._links import base, console_path, cookie_path
 
 Handler = Callable[[Request], Awaitable[Response]]
 CAP = 1000
 
 
-
-
 class Counts:
     """Counts over the console's databases; which tables each holds is looked up once."""
 
-    def __init__(self, databases: list[Database]) -> None:
-        self.databases = databases
+    def __init__(self) -> None:
         self._present: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
     def _tables(self, db: Database, conn: Connection) -> set[str]:
+        # Looked up outside the lock: a database that hangs must not hold up the others' counts.
         with self._lock:
-            if db.name not in self._present:
-                t = db.tables
-                found = inspect(conn)
-                self._present[db.name] = {x.name for x in (t.messages, t.inbox_parked, t.inbox_held)
-                                          if found.has_table(x.name, schema=t.schema)}
-            return self._present[db.name]
+            known = self._present.get(db.name)
+        if known is None:
+            t = db.tables
+            found = inspect(conn)
+            known = {x.name for x in (t.messages, t.inbox_parked, t.inbox_held)
+                     if found.has_table(x.name, schema=t.schema)}
+            with self._lock:
+                self._present[db.name] = known
+        return known
 
-    def read(self) -> dict[str, Any]:
-        """``{"failed": n|None, "parked": n|None, "held": n|None, "capped": {...}}``; None: no such table."""
+    @staticmethod
+    def shown(parts: list[dict[str, int]]) -> dict[str, str | None]:
+        """The navigation's counts from each readable database's: ``None`` where no database has the
+        table, ``1000+`` past ``CAP``."""
         totals: dict[str, int | None] = {"failed": None, "parked": None, "held": None}
-        for db in self.databases:
-            try:
-                self._add(db, totals)
-            except SQLAlchemyError:  # one database down: the others still count (the overview says which)
-                continue
+        for found in parts:
+            for name, n in found.items():
+                totals[name] = (totals[name] or 0) + n
         return {name: None if n is None else (f"{CAP}+" if n > CAP else str(n)) for name, n in totals.items()}
 
-    def _add(self, db: Database, totals: dict[str, int | None]) -> None:
-        """Add ``db``'s counts to ``totals``, all or none of them."""
+    def of(self, db: Database) -> dict[str, int]:
+        """``db``'s counts, by name, of the tables it has."""
         t = db.tables
         found: dict[str, int] = {}
         with db.engine.connect() as conn:
@@ -84,18 +86,22 @@ class Counts:
                 capped: Select[Any] = (select(literal_column("1")).select_from(table).where(*where)
                                        .limit(CAP + 1))
                 found[name] = conn.scalar(select(func.count()).select_from(capped.subquery())) or 0
-        for name, n in found.items():
-            totals[name] = (totals[name] or 0) + n
+        return found
 
 
 def navigated(ctx: Context, counts: Counts, handler: Handler) -> Handler:
-    """``handler`` with the navigation counts read first, for a viewer who passed the gate."""
+    """``handler`` with the navigation counts read first, for a viewer who signed in (or may look without).
+
+    Each database is counted within its deadline, all at once; one that cannot be read is left
+    out (the page says what is wrong itself), and one still busy with an overdue read is not even
+    asked, so a frozen database costs the navigation nothing.
+    """
     async def page(request: Request) -> Response:
         request.state.viewer = ctx.viewer(request)
-        try:
-            request.state.nav = await run_in_threadpool(counts.read)
-        except Exception:  # a count must never cost the page: the page says what is wrong itself
-            request.state.nav = None
+        asked = [ctx.read(index, partial(counts.of, db))
+                 for index, db in enumerate(ctx.databases) if ctx.readers[index].answering]
+        found = await asyncio.gather(*asked, return_exceptions=True)
+        request.state.nav = counts.shown([f for f in found if isinstance(f, dict)])
         return await handler(request)
     return page
 

@@ -6,13 +6,14 @@ so a page costs the same however large the table behind it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from sqlalchemy import text
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -21,7 +22,8 @@ from ..inbox.admin import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows
 from ._context import Context, group_of, page_size
-from ._groups import database_index, inbox_groups, unreadable
+from ._groups import database_index, inbox_groups
+from ._reads import Unreadable
 from ._refused import Refused
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -64,35 +66,42 @@ def _topics(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def overview(ctx: Context) -> Handler:
     async def page(request: Request) -> Response:
         who = ctx.viewer(request)
-        doc = await run_in_threadpool(gather, ctx.outbox, stuck_after=ctx.stuck_after)
-        groups, stuck, unread = await run_in_threadpool(_other_databases, ctx)
-        main = ctx.databases[0].name
+        # Every database at once, each within its deadline: one that cannot be read is one line.
+        main, *others = await asyncio.gather(
+            ctx.read(0, lambda: gather(ctx.outbox, stuck_after=ctx.stuck_after)),
+            *(ctx.read(index, partial(inbox_groups, index, db, ctx.stuck_after))
+              for index, db in enumerate(ctx.databases[1:], start=1)),
+            return_exceptions=True)
+        readings = [main, *others]
+        for reading in readings:
+            if isinstance(reading, BaseException) and not isinstance(reading, Unreadable):
+                raise reading
+        unread = [str(r) for r in readings if isinstance(r, Unreadable)]
+        if len(unread) == len(readings):
+            raise readings[0]  # nothing to show: the page of its own (503)
+        groups: list[dict[str, Any]] = []
+        stuck: list[str] = []
+        for found in others:
+            if not isinstance(found, BaseException):
+                groups += found[0]
+                stuck += found[1]
+        doc = main if isinstance(main, dict) else _nothing_read(ctx)
         own = (doc["inbox"] or {"groups": []})["groups"]
-        groups = [{**g, "db": 0, "database": main} for g in own] + groups
+        groups = [{**g, "db": 0, "database": ctx.databases[0].name} for g in own] + groups
         relays = ctx.heartbeats.judge(doc["outbox"]["relays"] if doc["outbox"] else [],
                                       datetime.fromisoformat(doc["checked_at"]))
         return ctx.render(request, "overview.html", who=who, doc=doc, topics=_topics(doc), relays=relays,
                           groups=groups, stuck=doc["stuck"] + stuck, unreadable=unread,
-                          several=len(ctx.databases) > 1,
+                          main_read=isinstance(main, dict), several=len(ctx.databases) > 1,
                           replayable=[f"{g} ({ctx.databases[i].name})" if len(ctx.databases) > 1 else g
                                       for i, g in sorted(ctx.inboxes)])
     return page
 
 
-def _other_databases(ctx: Context) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """The inbox databases' groups and stuck reasons, and a line for each that could not be read."""
-    groups: list[dict[str, Any]] = []
-    stuck: list[str] = []
-    unread: list[str] = []
-    for index, db in enumerate(ctx.databases[1:], start=1):
-        try:
-            found, why = inbox_groups(index, db, ctx.stuck_after)
-        except Exception as exc:  # one database down must not hide the others (``unreadable``)
-            unread.append(unreadable(db, exc))
-            continue
-        groups += found
-        stuck += why
-    return groups, stuck, unread
+def _nothing_read(ctx: Context) -> dict[str, Any]:
+    """The overview's document for an outbox database that could not be read."""
+    return {"outbox": None, "inbox": None, "stuck": [], "checked_at": utcnow().isoformat(),
+            "stuck_after_s": ctx.stuck_after}
 
 
 def failed(ctx: Context) -> Handler:
@@ -100,8 +109,8 @@ def failed(ctx: Context) -> Handler:
         who = ctx.viewer(request)
         limit = page_size(request)
         topic = request.query_params.get("topic") or None
-        rows = await run_in_threadpool(failed_rows, ctx.outbox, topic=topic, limit=limit + 1,
-                                       after=_int_after(request))
+        after = _int_after(request)
+        rows = await ctx.read(0, lambda: failed_rows(ctx.outbox, topic=topic, limit=limit + 1, after=after))
         rows, more = _split(rows, limit)
         return ctx.render(request, "failed.html", who=who, rows=rows, topic=topic, limit=limit,
                           next_after=rows[-1].id if more else None)
@@ -121,7 +130,7 @@ def parked(ctx: Context) -> Handler:
                 unkeyed = parked_unkeyed(conn, ctx.outbox.tables, group) if after is None else []
             return lanes, unkeyed
 
-        lanes, unkeyed = await run_in_threadpool(read)
+        lanes, unkeyed = await ctx.read(index, read)
         lanes, more = _split(lanes, limit)
         return ctx.render(request, "parked.html", who=who, group=group, lanes=lanes, unkeyed=unkeyed,
                           limit=limit, can_replay=(index, group) in ctx.inboxes, json=json.dumps,
@@ -146,7 +155,7 @@ def parked_key(ctx: Context) -> Handler:
                 return parked_page(conn, ctx.outbox.tables, group, topic, key, after=after,
                                    limit=limit + 1)
 
-        rows = await run_in_threadpool(read)
+        rows = await ctx.read(index, read)
         rows, more = _split(rows, limit)
         return ctx.render(request, "key.html", who=who, group=group, topic=topic, key=key, rows=rows,
                           limit=limit, can_replay=(index, group) in ctx.inboxes,
@@ -166,7 +175,7 @@ def held(ctx: Context) -> Handler:
             with ctx.databases[index].engine.connect() as conn:
                 return held_lanes(conn, ctx.outbox.tables, group, after=after, limit=limit + 1)
 
-        lanes = await run_in_threadpool(read)
+        lanes = await ctx.read(index, read)
         lanes, more = _split(lanes, limit)
         return ctx.render(request, "held.html", who=who, group=group, lanes=lanes, limit=limit, now=utcnow(),
                           **_where(ctx, index),
@@ -183,7 +192,7 @@ def ping(ctx: Context) -> Handler:
             with ctx.engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
 
-        await run_in_threadpool(select_one)
+        await ctx.read(0, select_one)
         return PlainTextResponse("ok")
     return page
 

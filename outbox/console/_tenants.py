@@ -7,7 +7,7 @@ overview, failed rows, parked keys, held gaps, trace and their actions) is the
 single-database console on that tenant's schema or database, every page and
 audit line naming the tenant.
 
-One ``Gate`` serves them all: a sign-in, a session and the sign-in throttle
+One ``Authenticator`` serves them all: a sign-in, a session and the sign-in throttle
 count once for the whole console, never once per tenant (500 tenants must not
 mean 500 times the guesses), and cookies are set for the whole console. The
 root's report is read by one thread at a time and kept for a few seconds, so
@@ -40,9 +40,11 @@ from ..tenants import Tenant, TenantDatabases, checked_tenants
 from . import _actions
 from ._app import DEFAULT_SESSION_IDLE, build_app
 from ._auth import Operators
-from ._context import TENANTS_ROOT, Context, _Redirect
-from ._gate import Gate
+from ._authenticator import Authenticator
+from ._context import Context, _Redirect
+from ._devices import DeviceCookies, Devices
 from ._limits import DEFAULT_MAX_BODY, BodyLimit
+from ._links import TENANTS_ROOT
 from ._refused import Refused
 from ._sessions import Sessions
 from ._throttle import Throttle
@@ -60,8 +62,9 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
 
     ``tenants`` are read once (restart the console to show new ones);
     ``databases`` gives each tenant's engine (one per database). ``timeout``
-    bounds how long the root page waits for one tenant. Everything else is
-    ``create_app``'s, shared by every tenant's console.
+    bounds how long the root page waits for one tenant, and a tenant's pages
+    for its database (``create_app``'s ``database_timeout``). Everything else
+    is ``create_app``'s, shared by every tenant's console.
     """
     chosen = checked_tenants(tenants)
     if not chosen:
@@ -72,15 +75,16 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
     if isinstance(session_idle, bool) or not isinstance(session_idle, int | float) or session_idle <= 0:
         raise ConfigurationError(f"session_idle must be positive seconds, got {session_idle!r}")
     operators = operators or Operators()
-    gate = Gate(operators, Sessions(idle=float(session_idle)), Throttle())
     key = secret.encode() if isinstance(secret, str) else secret or secrets.token_bytes(32)
+    auth = Authenticator(operators, Sessions(idle=float(session_idle)), Throttle(), Devices(key))
     consoles = {t.name: build_app(Outbox(_engine_of(t, databases), prefix=prefix, schema=t.schema),
                                   operators=operators, read_only=read_only, secret=key,
-                                  stuck_after=stuck_after, max_body=max_body, gate=gate, tenant=t.name)
+                                  stuck_after=stuck_after, max_body=max_body, database_timeout=timeout,
+                                  auth=auth, tenant=t.name)
                 for t in chosen}
     # The root's own context: who may look, the form token, rendering (its outbox is never read).
     ctx = Context(Outbox(databases.engine_for(chosen[0]), prefix=prefix, schema=chosen[0].schema), {},
-                  operators, gate, read_only, key, float(stuck_after), max_body)
+                  operators, auth, read_only, key, float(stuck_after), max_body)
     report = _Report(chosen, databases, prefix, float(stuck_after), timeout)
 
     async def overview(request: Request) -> Response:
@@ -113,7 +117,8 @@ def create_tenants_app(tenants: Iterable[Tenant], databases: TenantDatabases, *,
         routes=[Route("/", overview), Route("/login", _actions.login(ctx), methods=["GET", "POST"]),
                 Route("/logout", _actions.logout(ctx), methods=["POST"]),
                 Mount("/t/{tenant}", app=tenant_console)],
-        middleware=[Middleware(BodyLimit, max_bytes=max_body), Middleware(_TenantsRoot)],
+        middleware=[Middleware(BodyLimit, max_bytes=max_body), Middleware(_TenantsRoot),
+                    Middleware(DeviceCookies)],
         exception_handlers={Refused: refused, _Redirect: redirect, HTTPException: error, OutboxError: error})
     return app
 

@@ -35,8 +35,9 @@ def serve_console(workdir: Path, *, host: str = "127.0.0.1", port: int = 8470,
         token = secrets.token_urlsafe(18)
         operators = Operators(token=token)
         console.print(f"console token for this run: [bold]{token}[/] (sign in with any name)")
+    # No proxy in front: every client is its TCP peer (uvicorn would believe 127.0.0.1's X-Forwarded-For).
     server = uvicorn.Server(uvicorn.Config(demo_console(workdir, operators), host=host, port=port,
-                                           log_level="warning", http=BoundedH11))
+                                           log_level="warning", http=BoundedH11, proxy_headers=False))
     console.print(f"outbox console: http://{host}:{port}/orders/ and http://{host}:{port}/billing/ "
                   "(Ctrl-C stops it)")
     serve_until_stopped(server)

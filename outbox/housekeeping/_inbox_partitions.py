@@ -4,7 +4,7 @@ Why by the message id: PostgreSQL requires the partition key in every unique
 constraint, and the inbox's dedup promise *is* a unique constraint, on
 ``(consumer_group, message_id)``. Partitioned by ``message_id`` itself, the
 primary key stays exactly that, the database still refuses a second record of
-an id in any partition, and every statement of the inbox store (its ``ON
+an id in any partition, and every statement of the inbox's dedup records (its ``ON
 CONFLICT`` claims, its upserts, its lookups) is unchanged. A duplicate is the
 same id, so it always meets its first copy in the same partition.
 

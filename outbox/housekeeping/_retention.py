@@ -30,7 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError
-from .._outage import is_database_outage
+from .._outage import OutageBackoff, is_database_outage
 from .._outbox import Outbox
 from .._pg_arrays import array_params, rows_of
 from .._tables import MYSQL_FAMILY, OutboxTables
@@ -46,6 +46,8 @@ DEFAULT_DUTY = 0.5
 """The share of a pass's time spent deleting: after a batch that took t seconds it rests
 t * (1 - duty) / duty, so the relay and the inbox beside it keep the rest of the database's CPU
 and WAL (docs/operations.md, "Housekeeping")."""
+BATCH_RETRY = OutageBackoff(first=0.05)
+"""A batch rolled back by a deadlock or a lost connection runs again after 0.05 s, 0.1 s, 0.2 s …"""
 
 Progress = Callable[[str, int], None]
 """Called after each batch with the table's name and the rows deleted from it so far."""
@@ -199,7 +201,7 @@ def _batches(engine: Engine, target: Target, cutoff: datetime, size: int) -> Ite
                 # check) or a lost connection: the batch rolled back whole, so it is run again.
                 if not is_database_outage(exc) or attempt == BATCH_ATTEMPTS - 1:
                     raise
-                time.sleep(0.05 * 2 ** attempt)
+                time.sleep(BATCH_RETRY.delay(attempt + 1))
         if not picked:
             return
         yield gone

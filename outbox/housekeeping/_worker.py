@@ -1,9 +1,12 @@
 """Retention inside a running relay or inbox: a pass every few minutes on a thread of its own.
 
 The worker's own threads never run a retention statement, so its hot path
-only shares the database with it. A pass that fails (the database is away,
-anything else) is logged and tried again at the next interval; it never ends
-the worker. ``stop`` ends a pass between two batches.
+only shares the database with it. A pass that fails is logged and tried again
+at the next interval; it never ends the worker. A database outage is not a
+failure: it is logged once when it starts and once when it ends
+(``outbox._outage``), and the pass runs again as soon as the database answers
+(capped backoff), not a whole interval later. ``stop`` ends a pass between
+two batches.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Callable
 
 from transports._logsafe import safe_logger
 
-from .._outage import is_database_outage
+from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
 from ._retention import RetentionResult
 
 log = safe_logger("outbox.housekeeping")
@@ -28,6 +31,8 @@ class RetentionThread:
         self._run_pass = run_pass
         self.every = every
         self._stop = threading.Event()
+        self._database = OutageTracker("retention: the database", log=log, wording=RELAY_WORDING,
+                                       backoff=OutageBackoff(first=1.0))
         self.passes = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -48,11 +53,11 @@ class RetentionThread:
                 result = self._run_pass(self._stop)
             except Exception as exc:
                 if is_database_outage(exc):
-                    log.warning("retention pass stopped by a database outage; next pass in %.0f s",
-                                self.every)
-                else:
-                    log.exception("retention pass failed; next pass in %.0f s", self.every)
+                    self._stop.wait(min(self.every, self._database.failed(exc)))
+                    continue
+                log.exception("retention pass failed; next pass in %.0f s", self.every)
             else:
+                self._database.answered()
                 self.passes += 1
                 if result.total:
                     log.info("retention deleted %s in %.1f s", _counts(result), time.monotonic() - started)

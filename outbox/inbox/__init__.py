@@ -2,13 +2,14 @@
 
 One pipeline, one module per stage: decode into typed deliveries
 (``_delivery``) → schedule by key (``_schedule``) → one transaction in rounds
-of phases: triage, claim, run, advance, successors (``_transaction``, the only
+of phases: triage, claim, run, advance, successors (``_transaction``, ``_phases``: the only
 stage with a session, and **where a delivery becomes applied or parked**) →
 settle: done, retry later or park (``_settle``) → commit offsets
 (``_offsets``, driven by ``_runner``). An operator's replay (``_admin``) runs
-through the same phases. ``_store`` owns every inbox statement and the one way
-to park, with one subclass per dialect (``_store_sqlite``, ``_store_pg``,
-``_store_mysql``). The public names are re-exported by ``outbox``; tools that
+through the same phases. ``storage`` owns every inbox statement and the one way
+to park: a store per concern (dedup records, key positions, held and parked
+messages), each a protocol with one class per dialect, injectable with
+``Inbox(storage=…)``. The public names are re-exported by ``outbox``; tools that
 read what waits (``outbox status``, the console) use ``outbox.inbox.admin``.
 """
 
@@ -18,6 +19,7 @@ from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedRe
 from ._inbox import Inbox
 from ._kinds import ForeignRecords, Reason, StartPolicy, UnknownEvents
 from ._metrics import InboxMetrics, TenantInboxMetrics, tenant_inbox_metrics
+from ._parked_actions import KeyReplayed, ParkedActions
 from ._signals import Disposition, HandlerSignal, ParkMessage, RetryLater, SkipMessage
 
 __all__ = [
@@ -28,8 +30,10 @@ __all__ = [
     "Inbox",
     "InboxMetrics",
     "InboxOutcome",
+    "KeyReplayed",
     "NotParkedError",
     "ParkMessage",
+    "ParkedActions",
     "ParkedMessage",
     "ParkedReplay",
     "Reason",

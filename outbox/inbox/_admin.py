@@ -28,11 +28,11 @@ from .._errors import OutboxError
 from .._tables import InboxOutcome
 from ._calls import Error, Redo
 from ._conflicts import rebuilt
-from ._delivery import KeyId, OrderedDelivery
+from ._delivery import KeyedDelivery, KeyId, OrderedDelivery
 from ._kinds import Reason
 from ._sessions import Sessions
-from ._store import InboxStore, KeyState, ParkedRow
 from ._transaction import TransactionStep
+from .storage import InboxStorage, KeyState, ParkedRow
 
 
 class NotParkedError(OutboxError, LookupError):
@@ -84,9 +84,9 @@ class ParkedAdmin:
     replay_batch = 500
     """Parked messages of a key a replay takes per transaction."""
 
-    def __init__(self, sessions: Sessions, store: InboxStore, step: TransactionStep) -> None:
+    def __init__(self, sessions: Sessions, storage: InboxStorage, step: TransactionStep) -> None:
         self.sessions = sessions
-        self.store = store
+        self.storage = storage
         self.step = step
 
     def parked(self, topic: str | None = None, key: str | None = None) -> list[ParkedMessage]:
@@ -95,7 +95,7 @@ class ParkedAdmin:
 
     def _parked(self, topic: str | None, key: str | None) -> list[ParkedMessage]:
         with self.sessions() as session:
-            rows = self.store.parked(session, topic, key)
+            rows = self.storage.parked.rows(session, topic, key)
         return [_listed(r) for r in rows]
 
     def parked_key_count(self) -> int:
@@ -103,10 +103,11 @@ class ParkedAdmin:
 
     def _parked_key_count(self) -> int:
         with self.sessions() as session:
-            return self.store.parked_key_count(session)
+            return self.storage.keys.parked_count(session)
 
     def replay(self, topic: str, key: str | None) -> ParkedReplay:
-        """Re-run the key's parked messages in seq order; unpark it when none is left.
+        """Re-run the key's parked messages in seq order (a key without seqs: in the order they
+        arrived); unpark it when none is left.
 
         Stops at the first message that fails again (it stays parked, with its
         attempts and error updated) or at a hole in the seqs after the first
@@ -126,21 +127,21 @@ class ParkedAdmin:
 
     def _replay(self, topic: str, key: str | None) -> ParkedReplay:
         lane = (topic, key) if key is not None else None
-        store = self.store
+        storage = self.storage
         with self.sessions() as session:
-            state = store.key_states(session, [lane]).get(lane) if lane else None
-            if not (state and state.parked) and not store.parked(session, topic, key, replayable=True,
-                                                                  limit=1):
+            state = storage.keys.states(session, [lane]).get(lane) if lane else None
+            if not (state and state.parked) and not storage.parked.rows(session, topic, key, replayable=True,
+                                                                         limit=1):
                 name = f"key {key!r}" if key is not None else "unkeyed message"
-                raise NotParkedError(f"no {name} of topic {topic!r} is parked in group {store.group!r}")
+                raise NotParkedError(f"no {name} of topic {topic!r} is parked in group {storage.group!r}")
         applied = 0
         while True:
             with self.sessions() as session, session.begin():
-                states = store.lock_keys(session, [lane]) if lane else {}
+                states = storage.keys.lock(session, [lane]) if lane else {}
                 # One row more than the batch: whether anything is left after it. Nobody parks
                 # a row of the key while its lock is held, and the batch unparks every row it
                 # replays unless it stops, so the batch's last transaction unparks the key.
-                rows = store.replay_page(session, topic, key, self.replay_batch + 1)
+                rows = storage.parked.replay_page(session, topic, key, self.replay_batch + 1)
                 if not rows:
                     return self._replayed_all(session, lane, states, applied)
                 batch = _Batch(applied)
@@ -154,7 +155,7 @@ class ParkedAdmin:
     def _replayed_all(self, session: Session, lane: KeyId | None, states: dict[KeyId, KeyState],
                       applied: int) -> ParkedReplay:
         if lane:
-            self.store.unpark_key(session, lane, last_seq=states[lane].last_seq)
+            self.storage.keys.unpark(session, lane, last_seq=states[lane].last_seq)
         return ParkedReplay(applied, 0, unparked=True)
 
     def _replay_batch(self, session: Session, states: dict[KeyId, KeyState], rows: list[ParkedRow],
@@ -237,7 +238,7 @@ class ParkedAdmin:
                 raise Redo(None, (LookupError("a replayed id was recorded meanwhile"), ""))
             tx.advance(tx.run(fresh))
             tx.finish()
-            self.store.unpark_rows(session, [row.id for row in run])
+            self.storage.parked.remove_run(session, [row.id for row in run])
         except Redo as redo:
             nested.rollback()
             for lane, (last_seq, incarnation) in before.items():
@@ -256,13 +257,13 @@ class ParkedAdmin:
         stops the replay. Claim, handler and advance are the live path's
         (``_transaction``).
         """
-        store, d = self.store, row.delivery
+        storage, d = self.storage, row.delivery
         tx = self.step.transaction(session, states, known)
         state = states.get(d.lane) if isinstance(d, OrderedDelivery) else None
         if isinstance(d, OrderedDelivery) and state is not None:
             if d.seq <= state.last_seq:
-                if store.is_recorded(session, d.message.message_id):
-                    store.unpark(session, row.id)  # applied meanwhile: nothing to redo
+                if storage.dedup.is_recorded(session, d.message.message_id):
+                    storage.parked.remove(session, row.id)  # applied meanwhile: nothing to redo
                     return _Replayed.ALREADY
                 if not (row.reason.restarts_on_replay
                         or rebuilt(state.incarnation, d.message.incarnation)):
@@ -275,16 +276,16 @@ class ParkedAdmin:
                 return f"{Reason.GAP}: seq {state.last_seq + 1} to {d.seq - 1} missing"
         fresh = tx.claim([[d]])
         if not fresh:
-            store.unpark(session, row.id)  # its id was processed already
+            storage.parked.remove(session, row.id)  # its id was processed already
             return _Replayed.ALREADY
         tx.advance(tx.run(fresh))
         tx.finish()
         if not tx.committed.failed:
-            store.unpark(session, row.id)
+            storage.parked.remove(session, row.id)
             return _Replayed.APPLIED
         failure = tx.committed.failed[0]
         error = f"{type(failure.error).__name__}: {failure.error}"
-        store.failed_again(session, row.id, error, failure.traceback)
+        storage.parked.failed_again(session, row.id, error, failure.traceback)
         return error
 
     def discard(self, message_id: uuid.UUID | str, *, by: str, reason: str) -> None:
@@ -302,34 +303,34 @@ class ParkedAdmin:
         self.sessions.run(self._discard, mid, by, reason)
 
     def _discard(self, mid: uuid.UUID, by: str, reason: str) -> None:
-        store = self.store
+        storage = self.storage
         with self.sessions() as session, session.begin():
-            row = store.parked_by_id(session, mid)
+            row = storage.parked.by_id(session, mid)
             if row is None:
-                raise NotParkedError(f"message {mid} is not parked in group {store.group!r}")
+                raise NotParkedError(f"message {mid} is not parked in group {storage.group!r}")
             d = row.delivery
-            lane = d.lane if isinstance(d, OrderedDelivery) else None
-            state = store.lock_keys(session, [lane])[lane] if lane else None
+            lane = d.lane if isinstance(d, KeyedDelivery) else None
+            state = storage.keys.lock(session, [lane])[lane] if lane else None
             if isinstance(d, OrderedDelivery) and state is not None:
-                earlier = store.parked_before(session, d.lane, d.seq)
+                earlier = storage.parked.count_before(session, d.lane, d.seq)
                 if earlier:
                     raise DiscardRefusedError(
                         f"message {mid} is seq {d.seq} of {d.lane[0]}/{d.lane[1]}, and {earlier} "
                         f"earlier message(s) of that key are parked: replay or discard them first, "
                         f"or the key would move past them")
             note = f"discarded by {by.strip()} at {utcnow().isoformat()}: {reason.strip()}"
-            store.mark(session, d, InboxOutcome.DISCARDED, note)
-            store.unpark(session, row.id)
+            storage.dedup.mark(session, d, InboxOutcome.DISCARDED, note)
+            storage.parked.remove(session, row.id)
             if lane and state is not None:
                 last_seq = max(state.last_seq, d.message.seq or 0)
-                if not store.parked(session, *lane, replayable=True, limit=1):
-                    store.unpark_key(session, lane, last_seq=last_seq)
+                if not storage.parked.rows(session, *lane, replayable=True, limit=1):
+                    storage.keys.unpark(session, lane, last_seq=last_seq)
                 else:
-                    store.set_last_seq(session, {lane: last_seq})
+                    storage.keys.advance(session, {lane: last_seq})
 
     def _stopped(self, session: Session, topic: str, key: str | None, applied: int,
                  error: str) -> ParkedReplay:
-        remaining = self.store.replayable_count(session, topic, key)
+        remaining = self.storage.parked.replayable_count(session, topic, key)
         return ParkedReplay(applied, remaining, unparked=False, error=error)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from .._alerts import Alert, AlertSink, deliver
+from .._alerts import Alert, AlertKind, AlertSink, deliver
+from ._committed import Parked
 from ._kinds import Reason
 from ._metrics import InboxMetrics
-from ._transaction import Parked
 
 
 class Alerter:
@@ -46,12 +46,12 @@ class Alerter:
                 if d.message.topic in self._foreign_alerted:
                     return None
                 self._foreign_alerted.add(d.message.topic)
-            return self._alert("foreign_record", event)
+            return self._alert(AlertKind.FOREIGN_RECORD, event)
         if event.key_parked:
-            return self._alert("key_parked", event, reason=reason.value)
-        return self._alert("message_parked", event, reason=reason.value)
+            return self._alert(AlertKind.KEY_PARKED, event, reason=reason.value)
+        return self._alert(AlertKind.MESSAGE_PARKED, event, reason=reason.value)
 
-    def _alert(self, kind: str, event: Parked, **details: object) -> Alert:
+    def _alert(self, kind: AlertKind, event: Parked, **details: object) -> Alert:
         d, msg = event.delivery, event.delivery.message
         return Alert(kind=kind, topic=msg.topic, key=msg.key, message_id=str(msg.message_id),
                      error=event.error or event.reason.value, group=self.group, tenant=self.tenant,

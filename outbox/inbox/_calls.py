@@ -5,8 +5,9 @@ Which handler is the message's: its event type's, else the topic's untyped one
 consecutive messages of one handler, so a key's order holds across types.
 
 A call runs either bare (the first pass over a batch: savepoints cost two
-round trips per message) or in its own SAVEPOINT (the redo after a failure,
-retries, replays), so a failure rolls back only that call's writes. A failure
+round trips per message, ``AllAtOnce``) or in its own SAVEPOINT (the redo
+after a failure, retries, replays: ``OneByOne``), so a failure rolls back
+only that call's writes. A failure
 comes back as an ``Error`` for the settle stage; a database outage under the
 handler is raised as ``Outage``: the whole transaction is lost, and it is
 nobody's attempt.
@@ -27,8 +28,9 @@ from __future__ import annotations
 import inspect
 import time
 import traceback
+import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
@@ -41,7 +43,9 @@ from ._sessions import async_view, await_result
 from ._signals import ParkMessage
 from ._typed import TopicHandler, TopicHandlers
 
-__all__ = ["Error", "HandlerCalls", "Redo", "TopicHandler", "TopicHandlers"]
+__all__ = [
+    "AllAtOnce", "Error", "HandlerCalls", "Handlers", "OneByOne", "Redo", "TopicHandler", "TopicHandlers",
+]
 
 Error = tuple[BaseException, str]
 """An exception and its formatted traceback."""
@@ -156,6 +160,44 @@ class HandlerCalls:
             with process_span(topic, m.headers, message_id=str(m.message_id), key=m.key,
                               group=self.group, partition=d.partition, offset=d.offset):
                 _invoke(handler, session, handler.arguments([m]))
+
+
+class Handlers(Protocol):
+    """How the run phase calls the handlers: all at once, or each message in its SAVEPOINT."""
+
+    def call(self, session: Session, fresh: list[Delivery]) -> None:
+        """Before the run phase walks ``fresh``: the calls that need no SAVEPOINT."""
+
+    def error(self, session: Session, d: Delivery) -> Error | None:
+        """What ``d``'s handler raised, calling it now if it was not called yet."""
+
+
+class AllAtOnce:
+    """The first pass over a batch: every handler called bare, ``Redo`` on the first failure."""
+
+    def __init__(self, calls: HandlerCalls) -> None:
+        self.calls = calls
+
+    def call(self, session: Session, fresh: list[Delivery]) -> None:
+        self.calls.unguarded(session, fresh)
+
+    def error(self, session: Session, d: Delivery) -> Error | None:
+        return None  # a failure raised Redo in call()
+
+
+class OneByOne:
+    """The redo, retries and replays: each handler in its own SAVEPOINT; a failure rolls back only it."""
+
+    def __init__(self, calls: HandlerCalls, known: dict[uuid.UUID, Error]) -> None:
+        self.calls = calls
+        self.known = known
+        """Failures met by the first pass: reused, not run again."""
+
+    def call(self, session: Session, fresh: list[Delivery]) -> None:
+        pass
+
+    def error(self, session: Session, d: Delivery) -> Error | None:
+        return self.known.get(d.message.message_id) or self.calls.one(session, d)
 
 
 def _invoke(handler: TopicHandler, session: Session, args: tuple[Any, ...]) -> None:

@@ -34,7 +34,7 @@ from datetime import datetime
 
 from ._delivery import OrderedDelivery
 from ._kinds import Reason, StartPolicy
-from ._store import KeyState
+from .storage import KeyState
 
 
 class Verdict(enum.StrEnum):

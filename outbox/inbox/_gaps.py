@@ -17,15 +17,15 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from .._alerts import Alert, deliver
+from .._alerts import Alert, AlertKind, deliver
 from .._envelope import utcnow
 from ._alerting import Alerter
+from ._committed import Parked
 from ._conflicts import Verdict, describe
 from ._delivery import Delivery, KeyId, OrderedDelivery
 from ._kinds import Reason
 from ._sessions import Sessions
-from ._store import InboxStore, KeyState
-from ._transaction import Parked
+from .storage import InboxStorage, KeyState
 
 
 class GapSweeper:
@@ -36,10 +36,10 @@ class GapSweeper:
     calling thread.
     """
 
-    def __init__(self, sessions: Sessions, store: InboxStore, alerter: Alerter,
+    def __init__(self, sessions: Sessions, storage: InboxStorage, alerter: Alerter,
                  gap_timeout: float, alert_after: float) -> None:
         self.sessions = sessions
-        self.store = store
+        self.storage = storage
         self.alerter = alerter
         self.gap_timeout = gap_timeout
         self.alert_after = alert_after
@@ -51,7 +51,7 @@ class GapSweeper:
 
     def _ready(self, limit: int) -> list[OrderedDelivery]:
         with self.sessions() as session:
-            return self.store.ready_held(session, limit)
+            return self.storage.held.ready(session, limit)
 
     def warn_held(self) -> int:
         """One ``gap_held`` alert per gap held longer than ``alert_after`` (not yet parked); how many new."""
@@ -70,7 +70,7 @@ class GapSweeper:
             missing = f"seq {last_seq + 1}" + (f" to {head.message.seq - 1}"
                                                if head.message.seq - 1 > last_seq + 1 else "")
             deliver(self.alerter.sink, Alert(
-                kind="gap_held", topic=head.message.topic, key=head.message.key,
+                kind=AlertKind.GAP_HELD, topic=head.message.topic, key=head.message.key,
                 message_id=str(head.message.message_id), group=self.alerter.group,
                 tenant=self.alerter.tenant,
                 error=f"{missing} missing; seq {head.message.seq} held for {held_for:.0f}s",
@@ -85,10 +85,10 @@ class GapSweeper:
                                                 list[tuple[KeyId, Delivery, int]]]:
         """Key states and first held messages of the gaps held since before ``before``."""
         with self.sessions() as session:
-            keys = self.store.stale_gaps(session, before)
-            states = self.store.key_states(session, keys)
+            keys = self.storage.held.stale(session, before)
+            states = self.storage.keys.states(session, keys)
             return states, [(key, held[0], len(held)) for key in keys
-                            if (held := self.store.held_of(session, key))]
+                            if (held := self.storage.held.of_key(session, key))]
 
     def park_stale(self) -> int:
         """Warn about gaps held past ``alert_after``; park keys whose gap outlived ``gap_timeout``."""
@@ -104,25 +104,25 @@ class GapSweeper:
 
     def _stale(self, cutoff: datetime) -> list[KeyId]:
         with self.sessions() as session:
-            return self.store.stale_gaps(session, cutoff)
+            return self.storage.held.stale(session, cutoff)
 
     def _park_gap(self, key: KeyId, cutoff: datetime) -> Parked | None:
         """Park ``key`` if its gap is still there, in one transaction; what was parked."""
         with self.sessions() as session, session.begin():
-            state = self.store.lock_keys(session, [key])[key]
-            held = self.store.held_of(session, key)
+            state = self.storage.keys.lock(session, [key])[key]
+            held = self.storage.held.of_key(session, key)
             # A held copy of a seq applied meanwhile (it came again on another path) is a
             # duplicate; a held message with another id at such a seq is a conflict.
             stale = [d for d in held if d.seq <= state.last_seq]
-            recorded = self.store.known(session, stale)
-            self.store.unhold(session, (d.message.message_id for d in stale
-                                        if d.message.message_id in recorded))
+            recorded = self.storage.dedup.known(session, stale)
+            self.storage.held.remove(session, (d.message.message_id for d in stale
+                                               if d.message.message_id in recorded))
             conflicting = [d for d in stale if d.message.message_id not in recorded]
             if conflicting:
                 head = conflicting[0]
                 reason = Reason.KEY_PARKED if state.parked else Reason.SEQ_CONFLICT
                 error = describe(Verdict.SEQ_CONFLICT, head, state)
-                return Parked(head, reason, error, self.store.park(session, head, reason, error=error))
+                return Parked(head, reason, error, self.storage.park(session, head, reason, error=error))
             held = held[len(stale):]
             if state.parked or not held or held[0].received_at >= cutoff:
                 return None  # settled meanwhile
@@ -134,5 +134,5 @@ class GapSweeper:
             missing = f"seq {expected}" + (f" to {last_missing}" if last_missing > expected else "")
             error = (f"{missing} did not arrive within {self.gap_timeout:g}s "
                      f"(seq {head.message.seq} waiting since {head.received_at.isoformat()})")
-            key_parked = self.store.park(session, head, Reason.GAP, error=error)
+            key_parked = self.storage.park(session, head, Reason.GAP, error=error)
         return Parked(head, Reason.GAP, error, key_parked)

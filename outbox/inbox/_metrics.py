@@ -23,9 +23,9 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from ..tenants._labels import TenantLabels
-from ..tenants._metric_views import GaugeShares
-from ..tenants._tenant import check_tenant_name
+from .._metric_views import GaugeShares
+from .._tenant import check_tenant_name
+from .._tenant_labels import TenantLabels
 from ._signals import Disposition
 
 _lock = threading.Lock()

@@ -16,7 +16,10 @@ of the partitions this consumer keeps are not touched.
 Outages never end the loop: a database that does not answer makes the
 deliveries wait (the settle stage), the sweep and the offset commit are tried
 again at their next turn, and a broker that does not answer is polled again
-after a capped backoff.
+after a capped backoff. A broker outage is logged once when it begins (a poll
+or an offset commit fails for want of a broker or coordinator, or the source
+says it cannot reach its group's coordinator: ``KafkaSource.unavailable``) and
+once when it ends (after a commit failed, only a commit that succeeds ends it).
 
 The loop runs on a thread of its own (``outbox._stopping``): the caller's
 thread only waits, so SIGTERM is seen at once even while librdkafka sits in
@@ -100,16 +103,26 @@ class Runner:
         self._sweeping: set[object] = set()
         self._sweep_lock = threading.Lock()
         self._poll_again_at = 0.0
+        # A commit failed for want of a coordinator: the broker counts as down until one succeeds.
+        # An empty poll proves nothing then (librdkafka returns one whether or not anything answers).
+        self._commits_failing = False
+        # What the source says keeps the broker from serving it (``KafkaSource.unavailable``), if it can.
+        self._unavailable: Callable[[], str | None] = getattr(source, "unavailable", lambda: None)
 
     def run(self) -> threading.Thread | None:
         """Consume until ``stop`` is set (or SIGTERM/SIGINT); back at most ``stop_timeout`` s after it.
 
         Returns the loop's thread when it was left behind still running.
         """
-        return run_with_stop_bound(self._consume, stop=self.stop.set, stopping=self.stop.is_set,
-                            name="outbox-inbox-consumer", what="the inbox consumer", log=log,
-                            stop_timeout=self.stop_timeout,
-                            install_signal_handlers=self.install_signal_handlers)
+        behind = run_with_stop_bound(self._consume, stop=self.stop.set, stopping=self.stop.is_set,
+                                     name="outbox-inbox-consumer", what="the inbox consumer", log=log,
+                                     stop_timeout=self.stop_timeout,
+                                     install_signal_handlers=self.install_signal_handlers)
+        if self.crash is not None:
+            # The loop failed and its clean-up (a commit, a close a dead broker never answers) was
+            # left behind: the failure is still this run's, never a clean stop (exit 0).
+            raise self.crash
+        return behind
 
     def _consume(self) -> None:
         self.prepare()
@@ -135,10 +148,19 @@ class Runner:
                 if now >= next_commit:
                     self._commit()
                     next_commit = now + COMMIT_INTERVAL
+        except BaseException as exc:
+            # Kept before the clean-up below, which may never return: run() raises it either way.
+            log.error("the inbox consumer failed: %s; stopping", exc)
+            self.crash = self.crash or exc
+            raise
         finally:
             self.stop.set()
-            # Half the stop budget for running transactions; the rest for the commit and the close.
-            self.scheduler.stop(min(REVOKE_TIMEOUT, self.stop_timeout / 2))
+            # Half the stop budget for running transactions and a sweep under way; the rest for the
+            # commit and the close.
+            budget = min(REVOKE_TIMEOUT, self.stop_timeout / 2)
+            deadline = time.monotonic() + budget
+            self.scheduler.stop(budget)
+            sweeper.join(max(0.0, deadline - time.monotonic()))
             try:
                 self._commit()
             finally:
@@ -155,7 +177,11 @@ class Runner:
         except RetriableTransportError as exc:
             self._poll_again_at = time.monotonic() + self.broker.failed(exc)
             return []
-        self.broker.answered()
+        problem = self._unavailable()
+        if problem is not None:
+            self.broker.failed(problem)
+        elif not self._commits_failing:
+            self.broker.answered()
         return records
 
     def _receive(self, records: list[Record]) -> None:
@@ -198,10 +224,14 @@ class Runner:
                 # Not committed: keep the old position, the next commit (or owner) tries again.
                 log.warning("offset commit refused (%s); the positions stay uncommitted", exc)
             except RetriableTransportError as exc:
+                self._commits_failing = True
                 self.broker.failed(exc)
             else:
+                self._commits_failing = False
                 self.broker.answered()
                 self.tracker.committed(offsets)
+        elif only is None:
+            self._commits_failing = False  # nothing left to commit (revoked meanwhile): polls tell again
         for (topic, partition), lag in self.tracker.lag().items():
             self.metrics.commit_lag(topic, partition, lag)
 

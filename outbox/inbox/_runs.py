@@ -2,7 +2,8 @@
 
 The scheduler hands a transaction up to ``batch_size`` deliveries, several of
 one key when that key is busy. ``Lanes`` sorts them into a queue per key, in
-seq order (an unkeyed delivery is a lane of its own). The transaction step
+seq order, or in arrival order for a key's unnumbered messages (an unkeyed
+delivery is a lane of its own). The transaction step
 walks each queue from its head and takes, as the key's *run*, the messages
 that follow one another without a gap: they are claimed in one statement,
 handled one by one and advance the key once. Whatever breaks a run (a gap, a
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from ._delivery import Delivery, KeyId, Lane, OrderedDelivery, lane_of
+from ._delivery import Delivery, KeyedDelivery, KeyId, Lane, OrderedDelivery, lane_of
 
 
 def _seq(d: Delivery) -> int:
@@ -38,9 +39,9 @@ class Lanes:
                         for lane, queue in queues.items()}
 
     def keys(self) -> list[KeyId]:
-        """The ordered keys among the lanes, to lock."""
+        """The keys among the lanes, to lock (a key without seqs too: its parked flag counts)."""
         return [queue[0].lane for queue in self._queues.values()
-                if queue and isinstance(queue[0], OrderedDelivery)]
+                if queue and isinstance(queue[0], KeyedDelivery)]
 
     def __bool__(self) -> bool:
         return any(self._queues.values())

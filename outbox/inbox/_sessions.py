@@ -1,7 +1,7 @@
 """Where the inbox's transactions run: in the calling thread (sync), or on the inbox's event loop (async).
 
 The inbox has one set of rules, written as synchronous code against a
-``Session``: the transaction step, the store's statements, replay, discard and
+``Session``: the transaction step, the storage's statements, replay, discard and
 the gap sweep. An inbox on an ``AsyncEngine`` runs that same code, unchanged,
 inside SQLAlchemy's greenlet bridge (``greenlet_spawn``) on an event loop
 thread of its own: the sync ``Session`` it gets is the ``sync_session`` of an
@@ -41,7 +41,11 @@ try:
 except ImportError:  # SQLAlchemy 2.0 names it await_only
     from sqlalchemy.util import await_only as await_
 
+from transports._logsafe import safe_logger
+
 from .._errors import ConfigurationError
+
+log = safe_logger("outbox.inbox")
 
 T = TypeVar("T")
 
@@ -172,3 +176,13 @@ def sessions_for(bind: object) -> tuple[Sessions, sessionmaker[Session] | async_
         return AsyncSessions(bind), bind
     raise ConfigurationError(f"Inbox needs an Engine or AsyncEngine, or a sessionmaker or "
                              f"async_sessionmaker bound to one, got {bind!r}")
+
+
+def warn_small_pool(engine: Engine, concurrency: int) -> None:
+    """Warn when ``concurrency`` workers would wait for connections of ``engine``'s pool."""
+    size = getattr(engine.pool, "size", None)
+    overflow = getattr(engine.pool, "_max_overflow", 0)
+    if callable(size) and concurrency > size() + max(overflow, 0):
+        log.warning("concurrency=%d exceeds the engine's pool (%d + %d overflow): workers will "
+                    "wait for connections; create the engine with pool_size=%d",
+                    concurrency, size(), overflow, concurrency)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .._errors import ConfigurationError
+from .._foreign import ForeignEnvelope
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 
 MAX_ATTEMPTS = 100
@@ -43,8 +44,9 @@ class InboxSettings:
     """The first retry's delay and the jitter, in seconds (exponential, tenacity's)."""
     retry_backoff_max: float = 5.0
     """The longest retry delay, in seconds."""
-    foreign_records: ForeignRecords = ForeignRecords.PARK
-    """What a record without the outbox envelope becomes."""
+    foreign_records: ForeignRecords | ForeignEnvelope = ForeignRecords.PARK
+    """What a record without the outbox envelope becomes: parked, handed over unkeyed, or read by
+    the event id header a ``ForeignEnvelope`` names (``"debezium"``: ``ForeignEnvelope.debezium()``)."""
     start: StartPolicy = StartPolicy.STRICT
     """Where a key first met past seq 1 starts (``_conflicts``)."""
     dedup_window: float | None = None
@@ -57,16 +59,12 @@ class InboxSettings:
            batch_size: int = DEFAULT_BATCH_SIZE, gap_timeout: timedelta | float = 60.0,
            gap_alert_after: timedelta | float | None = None,
            retry_backoff: float = 0.1, retry_backoff_max: float = 5.0,
-           foreign_records: ForeignRecords | str = ForeignRecords.PARK,
+           foreign_records: ForeignRecords | ForeignEnvelope | str = ForeignRecords.PARK,
            start: StartPolicy | str = StartPolicy.STRICT,
            dedup_window: timedelta | float | None = None,
            unknown_event: UnknownEvents | str = UnknownEvents.PARK) -> InboxSettings:
         """Settings from what a user passes (``timedelta`` or seconds, enum or its value)."""
-        try:
-            foreign = ForeignRecords(foreign_records)
-        except ValueError:
-            raise ConfigurationError(f"foreign_records must be 'park' or 'accept', "
-                                     f"got {foreign_records!r}") from None
+        foreign = _foreign_policy(foreign_records)
         try:
             unknown = UnknownEvents(unknown_event)
         except ValueError:
@@ -101,9 +99,9 @@ class InboxSettings:
         self._set("gap_alert_after", alert)
         for name in ("retry_backoff", "retry_backoff_max"):
             self._set(name, _seconds(name, getattr(self, name), "non-negative seconds", lambda s: s >= 0))
-        if not isinstance(self.foreign_records, ForeignRecords):
-            raise ConfigurationError(
-                f"foreign_records must be a ForeignRecords, got {self.foreign_records!r}")
+        if not isinstance(self.foreign_records, ForeignRecords | ForeignEnvelope):
+            raise ConfigurationError(f"foreign_records must be a ForeignRecords or a ForeignEnvelope, "
+                                     f"got {self.foreign_records!r:.80}")
         if not isinstance(self.unknown_event, UnknownEvents):
             raise ConfigurationError(f"unknown_event must be an UnknownEvents, got {self.unknown_event!r}")
         if not isinstance(self.start, StartPolicy):
@@ -114,6 +112,22 @@ class InboxSettings:
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
+
+
+DEBEZIUM = "debezium"
+"""``foreign_records="debezium"``: ``ForeignEnvelope.debezium()``, Debezium's outbox event router."""
+
+
+def _foreign_policy(value: object) -> ForeignRecords | ForeignEnvelope:
+    if isinstance(value, ForeignEnvelope):
+        return value
+    if value == DEBEZIUM and isinstance(value, str):
+        return ForeignEnvelope.debezium()
+    try:
+        return ForeignRecords(value)  # type: ignore[arg-type]  # a str or the enum; anything else fails
+    except ValueError:
+        raise ConfigurationError(f"foreign_records must be 'park', 'accept', {DEBEZIUM!r} or a "
+                                 f"ForeignEnvelope, got {value!r:.80}") from None
 
 
 def _as_seconds(value: timedelta | float) -> float:

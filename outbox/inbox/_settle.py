@@ -24,8 +24,10 @@ worker thread; ``Inbox.handle`` sleeps in its caller's thread.
 
 from __future__ import annotations
 
+import threading
+import time
 import traceback
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import tenacity
@@ -34,11 +36,13 @@ from sqlalchemy.exc import DBAPIError
 from transports._logsafe import safe_logger
 
 from .._outage import delay_before
+from .._stopping import StopRequested
 from ._alerting import Alerter
+from ._committed import Committed, Failure, Parked
 from ._delivery import Delivery, lane_of
 from ._outage import OutageLog, is_outage
 from ._signals import Disposition, ParkMessage, RetryLater
-from ._transaction import Committed, Failure, Parked, TransactionStep
+from ._transaction import TransactionStep
 
 log = safe_logger("outbox.inbox")
 
@@ -158,3 +162,27 @@ class Settler:
 
     def _backoff(self, attempt: int) -> float:
         return delay_before(self.wait, attempt)
+
+
+def settle_alone(settle: Callable[[list[Delivery]], Settled], d: Delivery,
+                 cancel: threading.Event | None = None) -> Disposition:
+    """Settle ``d`` to the end in this thread: ``settle([d])`` again after each delay it asks for.
+
+    What ``Inbox.handle`` does with a record, and a routing replay with a
+    message it sends to its tenant: retries, ``RetryLater`` and outages are
+    waited out here. ``cancel``, when set, ends the waiting with
+    ``StopRequested``: ``d`` is then not finished.
+    """
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise StopRequested(f"stopped before {d.message.topic}/{d.message.key} seq "
+                                f"{d.message.seq} was finished; it is delivered again")
+        settled = settle([d])
+        for done, disposition in settled.done:
+            if done is d:
+                return disposition
+        [(_, delay)] = [(later, delay) for later, delay in settled.later if later is d]
+        if cancel is None:
+            time.sleep(delay)
+        else:
+            cancel.wait(delay)

@@ -1,45 +1,18 @@
-"""One inbox transaction, as rounds of phases: triage, claim, run, advance, successors.
-
-**This is where a delivery becomes applied or parked.** Every decision on a
-delivery that reaches a transaction is taken here: in one of the phases of
-``_Transaction`` below, or in ``TransactionStep.park`` for a message whose
-attempts are spent (the settle stage decides *when*, this module *how*). The
-one other place that parks is the gap sweeper (``_gaps``: a gap that outlived
-``gap_timeout``). An operator's replay (``_admin``) runs parked messages
-through these same phases; a discard records one as discarded. The SQL behind
-each decision is ``_store``'s, whose ``park`` is the one way into
-``inbox_parked``.
+"""One inbox transaction: the step every stage that writes a delivery's outcome goes through.
 
 ``TransactionStep`` has three entry points, each one transaction: ``apply`` a
-batch, ``park`` a message whose attempts are spent, and ``transaction`` for an
+batch, ``park`` a message whose attempts are spent (the settle stage decides
+*when*, this module *how*), and ``transaction`` / ``batch_transaction`` for an
 operator's replay. Everything before it (decode, schedule) and after it
-(settle, commit offsets) works on its plain results.
+(settle, commit offsets) works on its plain results (``_committed``). The
+phases inside the transaction — triage, claim, run, advance, successors —
+are ``_phases``; the one other place that parks is the gap sweeper
+(``_gaps``: a gap that outlived ``gap_timeout``). An operator's replay
+(``_admin``) runs parked messages through these same phases; a discard
+records one as discarded.
 
-A batch holds a *run* per key: its consecutive messages in seq order (see
-``_runs``), so a busy key pays one lock, one claim, one advance and one commit
-for the whole run, and the handler once per message. One round:
-
-1. **triage** walks each key's queue: what needs no handler is settled here
-   (a second copy, a recorded id: duplicate; a gap: held; a foreign,
-   undecodable or conflicting message, or one of a parked key: parked); what
-   is next in its key starts the key's run;
-2. **claim** inserts the runs' dedup rows in one statement; a recorded id
-   ends its run (a duplicate), the rest of the key waits for the next round;
-3. **run** calls the handlers (``_AllAtOnce`` or ``_OneByOne``, below): a
-   message whose handler returned is *applied* (or skipped); one that failed
-   comes back in ``Committed.failed`` and the rest of its key is not run
-   (``Committed.blocked``);
-4. **advance** moves each key to its last applied seq and gives back the
-   claims of what did not apply;
-5. **successors** fetches the held messages that are next now: they join the
-   next round, so a held message is applied in the same transaction, right
-   after its predecessor.
-
-Rounds repeat until no lane holds anything; **finish** then writes what the
-rounds gathered (redelivery counts, held rows to delete, the keys' new
-``last_seq``) and the transaction commits. The dedup rows, the keys' new
-``last_seq`` and the handlers' writes commit together: that is what makes
-effects inside the inbox database happen once.
+The dedup rows, the keys' new ``last_seq`` and the handlers' writes commit
+together: that is what makes effects inside the inbox database happen once.
 
 A batch first runs without savepoints (they cost two round trips per message),
 and so does a lone message at its first try. When a handler fails, the batch
@@ -61,80 +34,41 @@ rules here are the same for both.
 
 from __future__ import annotations
 
-import enum
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Protocol
 
 from sqlalchemy.orm import Session
 
 from transports._logsafe import safe_logger
 
-from .._envelope import utcnow
-from .._tables import InboxOutcome
-from ._calls import Error, HandlerCalls, Redo, TopicHandlers
-from ._calls import TopicHandler as TopicHandler  # where tests import it from
-from ._conflicts import Verdict, describe, describe_held, judge, judge_held
-from ._delivery import Delivery, KeyId, OrderedDelivery, lane_of
+from ._calls import AllAtOnce, Error, HandlerCalls, Handlers, OneByOne, Redo, TopicHandlers
+from ._committed import Committed, Parked
+from ._conflicts import Verdict
+from ._delivery import Delivery, KeyedDelivery, KeyId, OrderedDelivery
 from ._kinds import Reason, StartPolicy
 from ._metrics import InboxMetrics
+from ._phases import Transaction
 from ._runs import Lanes
 from ._sessions import Sessions
-from ._signals import Disposition, SkipMessage
-from ._store import InboxStore, KeyState
+from ._signals import Disposition
 from ._typed import EventNotHandled
-
-
-@dataclass(slots=True)
-class Failure:
-    delivery: Delivery
-    error: BaseException
-    traceback: str
-
-
-@dataclass(frozen=True, slots=True)
-class Parked:
-    """A message this transaction parked, for the alerts and metrics raised after commit."""
-
-    delivery: Delivery
-    reason: Reason
-    error: str
-    key_parked: bool
-
-
-@dataclass(slots=True)
-class Committed:
-    """What one committed inbox transaction did with its deliveries."""
-
-    done: list[tuple[Delivery, Disposition]] = field(default_factory=list)
-    failed: list[Failure] = field(default_factory=list)
-    parked: list[Parked] = field(default_factory=list)
-    blocked: list[Delivery] = field(default_factory=list)
-    """Later messages of a failed message's key: not run, they wait for it, in seq order."""
-    conflicts: list[tuple[OrderedDelivery, Verdict]] = field(default_factory=list)
-    """New ids met at or below their key's last seq, and what became of each (``_conflicts``)."""
-
+from .storage import InboxStorage, KeyState
 
 log = safe_logger("outbox.inbox")
-
-HELD_RUN = 100
-"""Held messages of a key fetched at most per round, when the key catches up to them."""
 
 
 class TransactionStep:
     """Runs inbox transactions; safe to call from several threads (each call has its own session)."""
 
-    def __init__(self, sessions: Sessions, store: InboxStore,
+    def __init__(self, sessions: Sessions, storage: InboxStorage,
                  handlers: Mapping[str, TopicHandlers], metrics: InboxMetrics,
                  start: StartPolicy = StartPolicy.STRICT, dedup_window: float | None = None) -> None:
         self.sessions = sessions
-        self.store = store
+        self.storage = storage
         self.handlers = handlers
         self.metrics = metrics
-        self.calls = HandlerCalls(handlers, metrics, store.group)
+        self.calls = HandlerCalls(handlers, metrics, storage.group)
         self.start = start
         self.dedup_window = dedup_window
         """Seconds after which this group's dedup records may be pruned; None: never."""
@@ -159,13 +93,13 @@ class TransactionStep:
         # rather than a transaction rolled back and redone. A first try goes bare like a batch.
         if len(deliveries) > 1 or deliveries[0].attempts.count == 0:
             try:
-                return self._transaction(deliveries, _AllAtOnce(self.calls))
+                return self._transaction(deliveries, AllAtOnce(self.calls))
             except Redo as redo:
                 if redo.delivery is not None:
                     known[redo.delivery.message.message_id] = redo.error
-        return self._transaction(deliveries, _OneByOne(self.calls, known))
+        return self._transaction(deliveries, OneByOne(self.calls, known))
 
-    def _transaction(self, deliveries: list[Delivery], handlers: _Handlers) -> Committed:
+    def _transaction(self, deliveries: list[Delivery], handlers: Handlers) -> Committed:
         committed = self.sessions.run(self._commit, deliveries, handlers)
         for (topic, disposition), count in Counter(
                 (d.message.topic, disposition) for d, disposition in committed.done).items():
@@ -182,18 +116,18 @@ class TransactionStep:
             msg = d.message
             if verdict is Verdict.RESTART:
                 log.warning("group %r: key %r of topic %r starts again at seq %s of producer "
-                            "incarnation %s (start policy first_seen)", self.store.group, msg.key,
+                            "incarnation %s (start policy first_seen)", self.storage.group, msg.key,
                             msg.topic, msg.seq, msg.incarnation)
             elif verdict is Verdict.EXPIRED:
                 log.warning("group %r: message %s (%r/%r seq %s, created %s) is older than the dedup "
                             "window and its record was pruned: taken for a redelivery, not applied",
-                            self.store.group, msg.message_id, msg.topic, msg.key, msg.seq,
+                            self.storage.group, msg.message_id, msg.topic, msg.key, msg.seq,
                             msg.created_at.isoformat())
 
-    def _commit(self, deliveries: list[Delivery], handlers: _Handlers) -> Committed:
+    def _commit(self, deliveries: list[Delivery], handlers: Handlers) -> Committed:
         with self.sessions() as session, session.begin():
             lanes = Lanes(deliveries)
-            tx = _Transaction(self, session, self.store.lock_keys(session, lanes.keys()),
+            tx = self._phases(session, self.storage.keys.lock(session, lanes.keys()),
                               handlers, lanes)  # every key of the batch locked, one statement
             tx.look_up_behind(deliveries)
             while lanes:
@@ -202,22 +136,27 @@ class TransactionStep:
         return tx.committed
 
     def transaction(self, session: Session, states: dict[KeyId, KeyState],
-                    known: dict[uuid.UUID, Error] | None = None) -> _Transaction:
+                    known: dict[uuid.UUID, Error] | None = None) -> Transaction:
         """The phases over keys the caller locked, each message in its SAVEPOINT (an operator's replay).
 
         ``known`` holds failures a ``batch_transaction`` met already: reused,
         so a failing handler is not run twice for one replay.
         """
-        return _Transaction(self, session, states, _OneByOne(self.calls, known or {}), Lanes(()))
+        return self._phases(session, states, OneByOne(self.calls, known or {}), Lanes(()))
 
-    def batch_transaction(self, session: Session, states: dict[KeyId, KeyState]) -> _Transaction:
+    def batch_transaction(self, session: Session, states: dict[KeyId, KeyState]) -> Transaction:
         """The phases over keys the caller locked, every handler called bare (an operator's replay of a run).
 
         A failing handler raises ``Redo`` out of ``run``: the caller rolls the
         run back (it runs it inside a SAVEPOINT) and redoes it one message at
         a time, as ``apply`` does.
         """
-        return _Transaction(self, session, states, _AllAtOnce(self.calls), Lanes(()))
+        return self._phases(session, states, AllAtOnce(self.calls), Lanes(()))
+
+    def _phases(self, session: Session, states: dict[KeyId, KeyState], handlers: Handlers,
+                lanes: Lanes) -> Transaction:
+        return Transaction(self.storage, session, states, handlers, lanes, start=self.start,
+                           dedup_window=self.dedup_window)
 
     # -- park -------------------------------------------------------------------
 
@@ -229,388 +168,16 @@ class TransactionStep:
                     trace: str) -> tuple[Disposition, Parked | None]:
         text = f"{type(error).__name__}: {error}"
         with self.sessions() as session, session.begin():
-            state = (self.store.lock_keys(session, [d.lane])[d.lane]
-                     if isinstance(d, OrderedDelivery) else None)
+            state = (self.storage.keys.lock(session, [d.lane])[d.lane]
+                     if isinstance(d, KeyedDelivery) else None)
             if (state is not None and isinstance(d, OrderedDelivery) and d.seq <= state.last_seq
-                    and self.store.is_recorded(session, d.message.message_id)):
+                    and self.storage.dedup.is_recorded(session, d.message.message_id)):
                 return Disposition.DUPLICATE, None  # applied meanwhile by another consumer
             reason = (Reason.KEY_PARKED if state is not None and state.parked
                       else error.reason if isinstance(error, EventNotHandled) else Reason.FAILED)
             if reason is Reason.KEY_PARKED:
-                key_parked = self.store.park(session, d, reason)
+                key_parked = self.storage.park(session, d, reason)
             else:
-                key_parked = self.store.park(session, d, reason, error=text, traceback=trace,
-                                             attempts=d.attempts.count)
+                key_parked = self.storage.park(session, d, reason, error=text, traceback=trace,
+                                               attempts=d.attempts.count)
         return Disposition.PARKED, Parked(d, reason, text, key_parked)
-
-
-class _Handlers(Protocol):
-    """How the run phase calls the handlers: all at once, or each message in its SAVEPOINT."""
-
-    def call(self, session: Session, fresh: list[Delivery]) -> None:
-        """Before the run phase walks ``fresh``: the calls that need no SAVEPOINT."""
-
-    def error(self, session: Session, d: Delivery) -> Error | None:
-        """What ``d``'s handler raised, calling it now if it was not called yet."""
-
-
-class _AllAtOnce:
-    """The first pass over a batch: every handler called bare, ``Redo`` on the first failure."""
-
-    def __init__(self, calls: HandlerCalls) -> None:
-        self.calls = calls
-
-    def call(self, session: Session, fresh: list[Delivery]) -> None:
-        self.calls.unguarded(session, fresh)
-
-    def error(self, session: Session, d: Delivery) -> Error | None:
-        return None  # a failure raised Redo in call()
-
-
-class _OneByOne:
-    """The redo, retries and replays: each handler in its own SAVEPOINT; a failure rolls back only it."""
-
-    def __init__(self, calls: HandlerCalls, known: dict[uuid.UUID, Error]) -> None:
-        self.calls = calls
-        self.known = known
-        """Failures met by the first pass: reused, not run again."""
-
-    def call(self, session: Session, fresh: list[Delivery]) -> None:
-        pass
-
-    def error(self, session: Session, d: Delivery) -> Error | None:
-        return self.known.get(d.message.message_id) or self.calls.one(session, d)
-
-
-class _Transaction:
-    """The phases of one transaction over keys its caller locked; for one thread, one session."""
-
-    def __init__(self, step: TransactionStep, session: Session, states: dict[KeyId, KeyState],
-                 handlers: _Handlers, lanes: Lanes) -> None:
-        self.step = step
-        self.store = step.store
-        self.session = session
-        self.states = states
-        self.handlers = handlers
-        self.lanes = lanes
-        self.committed = Committed()
-        self.dedup = _Recorded(step.store)
-        self.new_seqs: dict[KeyId, int] = {}
-        self.incarnations: dict[KeyId, str] = {}  # keys whose applied message changed their incarnation
-        self.starts: dict[KeyId, int] = {}
-        self.seen: set[uuid.UUID] = set()
-        self.duplicates: list[Delivery] = []
-        self.unhold: dict[uuid.UUID, Delivery] = {}
-        self.lost: list[Delivery] = []
-        """Claimed this round but not applied: their claims go back in ``advance``."""
-        self.behind_parked: list[OrderedDelivery] = []
-        """Arrivals of parked keys, parked behind them by ``finish`` in one statement."""
-
-    def look_up_behind(self, deliveries: list[Delivery]) -> None:
-        """Only a recorded id is a duplicate: look up the ids at or below their key's position."""
-        self.dedup.look_up(self.session, [d for d in deliveries if isinstance(d, OrderedDelivery)
-                                          and d.seq <= self.states[d.lane].last_seq])
-
-    def round(self) -> None:
-        """One pass over every lane: triage, claim, run, advance, successors."""
-        runs, behind = self.triage()
-        fresh = self.claim(runs)
-        if behind:  # met at or below its key's position only after a run: look them up now
-            self.dedup.look_up(self.session, behind)
-            self.seen.difference_update(d.message.message_id for d in behind)
-            self.lanes.push_front(behind)  # the next round settles each as duplicate or conflict
-        applied = self.advance(self.run(fresh))
-        self.successors(applied)
-
-    # -- triage -----------------------------------------------------------------
-
-    def triage(self) -> tuple[list[list[Delivery]], list[Delivery]]:
-        """Settle each lane's head deliveries that need no handler; the keys' runs, and what is behind."""
-        runs: list[list[Delivery]] = []
-        behind: list[Delivery] = []
-        for queue in self.lanes.queues():
-            run = self._walk(queue, behind)
-            if run:
-                runs.append(run)
-        return runs, behind
-
-    def _walk(self, queue: deque[Delivery], behind: list[Delivery]) -> list[Delivery]:
-        """Settle a lane's head deliveries that need no handler; return the key's run.
-
-        The run is the next message of the key and those that follow it in
-        seq order without a gap. It stops before anything else, which the next
-        round settles against the state the run leaves.
-        """
-        run: list[Delivery] = []
-        while queue:
-            d = queue[0]
-            if run:
-                last = run[-1]
-                follows = (isinstance(d, OrderedDelivery) and isinstance(last, OrderedDelivery)
-                           and d.seq == last.seq + 1)
-                if not follows or d.unreadable is not None or d.message.message_id in self.seen:
-                    break
-                queue.popleft()
-                self.seen.add(d.message.message_id)
-                run.append(d)
-                continue
-            queue.popleft()
-            # Two copies of one message (a resend, a lost ack): only the first may run.
-            if d.message.message_id in self.seen:
-                self._duplicate(d)
-                continue
-            verdict = self._triage(d)
-            if verdict is _Triage.DUPLICATE:
-                self._duplicate(d)
-                continue
-            self.seen.add(d.message.message_id)
-            if verdict is _Triage.RUN:
-                run.append(d)
-            elif verdict is _Triage.BEHIND:
-                behind.append(d)
-                break  # the rest of the key waits until this one is settled
-        return run
-
-    def _triage(self, d: Delivery) -> _Triage:
-        """Settle what needs neither a claim nor a handler; what to do with ``d`` otherwise."""
-        unreadable = d.unreadable
-        if unreadable is not None and unreadable.reason is Reason.FOREIGN:
-            self._park(d, Reason.FOREIGN, unreadable.detail)
-            return _Triage.SETTLED
-        if not isinstance(d, OrderedDelivery):
-            if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
-                self._park(d, Reason.UNDECODABLE, unreadable.detail)
-                return _Triage.SETTLED
-            return _Triage.RUN
-        state = self.states[d.lane]
-        seq = d.seq
-        if self.step.start is StartPolicy.FIRST_SEEN and state.untouched and seq > 1:
-            state.last_seq, state.started_at_seq = seq - 1, seq
-            self.starts[d.lane] = seq
-        if seq <= state.last_seq:
-            if not self.dedup.looked_up(d.message.message_id):
-                return _Triage.BEHIND
-            if self.dedup.recorded(d.message.message_id):
-                return _Triage.DUPLICATE
-            return self._conflict(d, state)
-        if state.parked:
-            if d.from_held:
-                self._park(d, Reason.KEY_PARKED, "")
-            else:  # a parked key's flood: written in one statement by finish
-                self.behind_parked.append(d)
-                self.committed.parked.append(Parked(d, Reason.KEY_PARKED, "", False))
-                self.committed.done.append((d, Disposition.PARKED))
-            return _Triage.SETTLED
-        if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
-            self._park(d, Reason.UNDECODABLE, unreadable.detail)
-            state.parked = True
-            return _Triage.SETTLED
-        if seq > state.last_seq + 1:
-            holder = None if d.from_held else self.store.hold(self.session, d)
-            if holder is not None:
-                return self._held_conflict(d, holder, state)
-            self.committed.done.append((d, Disposition.HELD))
-            return _Triage.SETTLED
-        return _Triage.RUN
-
-    def _held_conflict(self, d: OrderedDelivery, holder: OrderedDelivery, state: KeyState) -> _Triage:
-        """Settle ``d``, ahead of a gap, whose seq another held message claims already.
-
-        A recorded id is a duplicate whatever its seq (a key that restarted
-        below it holds resends of what it applied before): if either of the
-        two is recorded, it is the duplicate and the other is held. Otherwise
-        the key can hold one message per seq, and which of the two follows the
-        gap is not for the inbox to guess: ``d`` parks with its key (the held
-        one behind it), under either start policy, as a conflict below the
-        key's position would (``_conflicts.judge_held``).
-        """
-        recorded = self.store.known(self.session, [d, holder])
-        if d.message.message_id in recorded:
-            return _Triage.DUPLICATE  # a resend of a message applied before its key restarted
-        if holder.message.message_id in recorded:
-            # The held one is such a resend: it goes (counted as a redelivery), ``d`` takes its place.
-            self.store.unhold(self.session, [holder.message.message_id])
-            self.store.count_redelivery(self.session, [holder.message.message_id])
-            if self.store.hold(self.session, d) is None:
-                self.committed.done.append((d, Disposition.HELD))
-                return _Triage.SETTLED
-        verdict = judge_held(d, holder)
-        self.committed.conflicts.append((d, verdict))
-        self._park(d, verdict.reason or Reason.SEQ_CONFLICT, describe_held(verdict, d, holder, state))
-        state.parked = True
-        return _Triage.SETTLED
-
-    def _conflict(self, d: OrderedDelivery, state: KeyState) -> _Triage:
-        """Settle a new id at or below its key's last seq by its verdict (``_conflicts``)."""
-        window = self.step.dedup_window
-        expired_before = utcnow() - timedelta(seconds=window) if window is not None else None
-        verdict = judge(d, state, self.step.start, expired_before)
-        self.committed.conflicts.append((d, verdict))
-        if verdict is Verdict.EXPIRED:
-            return _Triage.DUPLICATE
-        if verdict is Verdict.RESTART:
-            # Recorded like a first_seen start once its first message applies (set_started),
-            # which also records the new incarnation (set_last_seq).
-            self.restart(d)
-            return _Triage.RUN
-        reason = verdict.reason
-        if reason is None:
-            raise AssertionError(f"verdict {verdict} parks nothing")  # EXPIRED, RESTART: above
-        self._park(d, reason, describe(verdict, d, state))
-        if reason.parks_key:
-            state.parked = True
-        return _Triage.SETTLED
-
-    def restart(self, d: OrderedDelivery) -> None:
-        """Start ``d``'s key again at ``d``'s seq (a rebuilt producer, an operator's replay)."""
-        state = self.states[d.lane]
-        state.last_seq, state.started_at_seq = d.seq - 1, d.seq
-        self.starts[d.lane] = d.seq
-
-    def _park(self, d: Delivery, reason: Reason, error: str) -> None:
-        key_parked = self.store.park(self.session, d, reason, error=error or None)
-        self.committed.parked.append(Parked(d, reason, error, key_parked))
-        self.committed.done.append((d, Disposition.PARKED))
-
-    def _duplicate(self, d: Delivery) -> None:
-        self.duplicates.append(d)
-        if d.from_held:
-            self.unhold[d.message.message_id] = d
-
-    # -- claim ------------------------------------------------------------------
-
-    def claim(self, runs: list[list[Delivery]]) -> list[list[Delivery]]:
-        """Insert the runs' dedup rows, one statement; the runs cut before their first recorded id."""
-        candidates = [d for run in runs for d in run]
-        claimed = self.store.claim(self.session, candidates)
-        if len(claimed) == len(candidates):
-            return runs  # every id new: the common case
-        fresh: list[list[Delivery]] = []
-        for run in runs:
-            # A recorded id ends the run: what follows it waits for the next round, against
-            # the key's real state (it is held there, as the key did not advance).
-            cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
-            if cut < len(run):
-                self._duplicate(run[cut])
-                # What follows goes back to be walked again, its claims given back; an id in it
-                # that was recorded before (its key restarted below it) is a duplicate too, and
-                # keeps its record.
-                rest = [d for d in run[cut + 1:] if d.message.message_id in claimed]
-                for d in run[cut + 1:]:
-                    if d.message.message_id not in claimed:
-                        self._duplicate(d)
-                self.lost.extend(rest)
-                self.seen.difference_update(d.message.message_id for d in rest)
-                self.lanes.push_front(rest)
-            if cut:
-                fresh.append(run[:cut])
-        return fresh
-
-    # -- run --------------------------------------------------------------------
-
-    def run(self, fresh: list[list[Delivery]]) -> list[list[Delivery]]:
-        """Call the handlers of the claimed runs; each run's messages that applied (or were skipped)."""
-        self.handlers.call(self.session, [d for run in fresh for d in run])
-        return [self._run(run) for run in fresh]
-
-    def _run(self, run: list[Delivery]) -> list[Delivery]:
-        for n, d in enumerate(run):
-            error = self.handlers.error(self.session, d)
-            if error is not None and not isinstance(error[0], SkipMessage):
-                # Nothing after a failure may apply: the rest of the key waits for it.
-                self.committed.failed.append(Failure(d, *error))
-                self.lost.extend(run[n:])
-                self.committed.blocked.extend(run[n + 1:] + self.lanes.stop(d))
-                return run[:n]
-            if error is not None:
-                self.store.mark(self.session, d, InboxOutcome.SKIPPED, str(error[0]) or "skipped by handler")
-            self.committed.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
-            if d.from_held:
-                self.unhold[d.message.message_id] = d
-        return run
-
-    # -- advance ----------------------------------------------------------------
-
-    def advance(self, applied: list[list[Delivery]]) -> dict[KeyId, tuple[int, int]]:
-        """Move each key to its last applied seq; give back the claims of what did not apply.
-
-        Returns each advanced key's (first, last) seq applied in this transaction.
-        """
-        ranges: dict[KeyId, tuple[int, int]] = {}
-        for run in applied:
-            first, last = (run[0], run[-1]) if run else (None, None)
-            if not (isinstance(first, OrderedDelivery) and isinstance(last, OrderedDelivery)):
-                continue
-            lane, state = first.lane, self.states[first.lane]
-            state.last_seq = self.new_seqs[lane] = last.seq
-            incarnation = last.message.incarnation
-            if incarnation is not None and incarnation != state.incarnation:
-                state.incarnation = self.incarnations[lane] = incarnation
-            ranges[lane] = (ranges[lane][0] if lane in ranges else first.seq, last.seq)
-        self.store.unclaim(self.session, (d.message.message_id for d in self.lost))
-        self.lost = []
-        return ranges
-
-    # -- successors -------------------------------------------------------------
-
-    def successors(self, applied: dict[KeyId, tuple[int, int]]) -> None:
-        """Held copies of what was applied go; the held ones that are next join the next round."""
-        blocked = {lane_of(f.delivery) for f in self.committed.failed}
-        expected = {lane: last + 1 for lane, (_, last) in applied.items()}
-        for d in self.store.successors(self.session, {
-                lane: (first, last if lane in blocked else last + HELD_RUN)
-                for lane, (first, last) in applied.items()}):
-            if d.message.message_id in self.unhold:
-                continue  # the held row this transaction applied
-            if d.seq <= self.states[d.lane].last_seq:
-                self.lanes.push_front([d])  # a duplicate only if its id is recorded: the next round
-            elif d.seq == expected[d.lane]:
-                self.lanes.push_front([d])
-                expected[d.lane] += 1
-            # else: behind another gap; it stays held
-
-    # -- finish -----------------------------------------------------------------
-
-    def finish(self) -> None:
-        """Write what the rounds gathered: redeliveries, held rows applied, the keys' new positions."""
-        store, session = self.store, self.session
-        store.park_behind(session, self.behind_parked)
-        store.count_redelivery(session, (d.message.message_id for d in self.duplicates))
-        store.unhold(session, self.unhold)
-        store.set_last_seq(session, self.new_seqs, self.incarnations)
-        # A key starts where its first message applied; if that one failed, its retry starts it.
-        store.set_started(session, {lane: seq for lane, seq in self.starts.items()
-                                    if lane in self.new_seqs})
-        self.committed.done.extend((d, Disposition.DUPLICATE) for d in self.duplicates)
-
-
-class _Triage(enum.Enum):
-    RUN = "run"
-    """Next in its key (or unkeyed): claim it and run its handler."""
-    DUPLICATE = "duplicate"
-    """At or below its key's last seq with a recorded id (or expired): applied already."""
-    BEHIND = "behind"
-    """At or below its key's last seq, its id not looked up yet: settled in the next round."""
-    SETTLED = "settled"
-    """Held or parked without a claim."""
-
-
-class _Recorded:
-    """Which message ids of one transaction the group recorded already, looked up a batch at a time."""
-
-    def __init__(self, store: InboxStore) -> None:
-        self._store = store
-        self._asked: set[uuid.UUID] = set()
-        self._found: set[uuid.UUID] = set()
-
-    def look_up(self, session: Session, deliveries: list[Delivery]) -> None:
-        """One statement for all of ``deliveries`` (none when it is empty: the steady state)."""
-        if deliveries:
-            self._asked.update(d.message.message_id for d in deliveries)
-            self._found |= self._store.known(session, deliveries)
-
-    def looked_up(self, message_id: uuid.UUID) -> bool:
-        return message_id in self._asked
-
-    def recorded(self, message_id: uuid.UUID) -> bool:
-        return message_id in self._found

@@ -7,7 +7,7 @@ an index, and a per-group summary. Changing anything (replay, discard) goes
 through ``Inbox.replay`` and ``Inbox.discard``, never through here.
 """
 
-from ._store_pages import (
+from .storage._pages import (
     GroupBacklog,
     HeldLane,
     ParkedLane,

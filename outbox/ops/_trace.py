@@ -36,6 +36,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from transports._errors import InvalidTopicError, validate_topic
 
 from .._errors import ConfigurationError, MessageValidationError
+from .._identity import schema_identity
 from .._secrets import database_secrets, scrub
 from .._tables import OutboxStatus as Status
 from .._tables import OutboxTables
@@ -110,6 +111,12 @@ class _Open:
 
     def failed(self, exc: SQLAlchemyError) -> None:
         self.error = _unreadable(self.db, exc)
+
+
+def _same_tables(a: Database, b: Database) -> bool:
+    """One set of tables: one prefix, in one schema of one database as its server says (both answered)."""
+    return a.tables.prefix == b.tables.prefix and (
+        schema_identity(a.engine, a.tables.schema) == schema_identity(b.engine, b.tables.schema))
 
 
 def _open(db: Database, conn: Connection, only: Sequence[str] | None, outbox_side: bool) -> _Open:
@@ -437,9 +444,12 @@ class _opened:
 
     def __init__(self, outbox_db: Database | None, inbox_dbs: Iterable[Database],
                  groups: Sequence[str] | None) -> None:
+        # One database named twice (as outbox and as inbox database, in any spelling) is read once:
+        # the same engine or URL here, and what the servers say once they answered (``__enter__``).
         plan = ([(outbox_db, True)] if outbox_db else []) + [(db, False) for db in inbox_dbs]
-        # One database named twice (its URL as outbox and as inbox database) is read once.
-        self.plan = list({db.name: (db, outbox_side) for db, outbox_side in reversed(plan)}.values())[::-1]
+        spelled = {(db.engine.url.render_as_string(hide_password=False), db.tables.schema, db.tables.prefix):
+                   (db, outbox_side) for db, outbox_side in reversed(plan)}
+        self.plan = list(spelled.values())[::-1]
         if not self.plan:
             raise ConfigurationError("give an outbox database, an inbox database, or both")
         self.groups = list(groups) if groups else None
@@ -448,13 +458,15 @@ class _opened:
         """``{"database", "error"}`` for each database that could not be read (the rest are traced)."""
 
     def __enter__(self) -> list[_Open]:
-        opened = []
+        opened: list[_Open] = []
         first_error: SQLAlchemyError | None = None
         try:
             for db, outbox_side in self.plan:
                 try:
                     conn = db.engine.connect()
                     self.conns.append(conn)
+                    if any(_same_tables(db, earlier.db) for earlier in opened):
+                        continue  # another spelling of a database read already
                     opened.append(_open(db, conn, self.groups, outbox_side))
                 except SQLAlchemyError as exc:
                     # One database down must not hide what the others know: one line for it.

@@ -1,7 +1,9 @@
 """The relay: publishes committed outbox rows to a ``Transport`` in per-key order.
 
-Private modules behind the names ``outbox`` exports: ``_relay`` (the worker
-loop, signals, leases' life cycle), ``_batch`` (one fetch → send → mark cycle),
+Private modules behind the names ``outbox`` exports: ``_step`` (``RelayStep``:
+one relay's leases, wheel, batch runner and stuck-key watch, one step at a
+time, no thread), ``_relay`` (``Relay``: the loop around one step, its lease
+thread, signals and stop), ``_batch`` (one fetch → send → mark cycle),
 ``_sql`` (every relay statement), ``_leases`` (shard ownership with fencing),
 ``_wakeup`` (LISTEN/poll), ``_record_limit`` (the producer's
 record size against the stored limit), ``_metrics`` and ``_admin`` (the `failed`/`stats`/`status`
@@ -21,12 +23,16 @@ from ._metrics import RelayMetrics, TenantRelayMetrics, relay_metrics, tenant_re
 from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
 from ._settings import RelaySettings
+from ._step import RelayOutages, RelayStep, Step
 
 __all__ = [
     "BatchResult",
     "Relay",
     "RelayMetrics",
+    "RelayOutages",
     "RelaySettings",
+    "RelayStep",
+    "Step",
     "TenantRelayMetrics",
     "backlog",
     "failed_rows",

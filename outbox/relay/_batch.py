@@ -11,17 +11,22 @@ The rules that keep per-key order live here:
   attempt count, error and next attempt time (retry) or ``failed`` status,
   and the key's later rows stay pending, untouched.
 
-A batch whose every record is to be retried because the broker did not answer
-(``SendResult.unreachable``) is a broker outage (DESIGN §9: never counted
-against a message): its rows get an error and a short, capped next attempt
-time but keep their attempt count.
+A record to be retried because the broker did not answer about it
+(``SendResult.unreachable``: no report in time, the connection down) waited for
+an outage, whole or partial (DESIGN §9: never counted against a message): its
+row gets an error and a short, capped next attempt time but keeps its attempt
+count, whatever became of the batch's other records. (A node that dies under a
+batch leaves the records it led unanswered while the others are delivered.) A
+batch whose every retry is unreachable and of which nothing was delivered is
+the broker being down, which the relay logs.
 
-Pipelined batches (``run(wait=False)``, PostgreSQL and MySQL, used by
-``Relay.run``) write one batch's outcomes on a helper thread while the next
-batch is fetched and sent; the rows being written are excluded from that fetch
-(on PostgreSQL in the statement, on MySQL after it: the fetch asks for that many
-more rows and drops them) and the keys it stopped (retried or failed heads) are
-held in memory until the write commits.
+Pipelined batches (``run(wait=False)``, on the dialects whose statements say
+``pipelines``: PostgreSQL and MySQL, used by ``Relay.run``) write one batch's
+outcomes on a helper thread while the next batch is fetched and sent; the rows
+being written are excluded from that fetch (``RelayStatements.fetch_params`` and
+``without_busy``: on PostgreSQL in the statement, on MySQL after it) and the
+keys it stopped (retried or failed heads) are held in memory until the write
+commits.
 
 Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
 (with their metrics and alerts) may run on the one helper thread.
@@ -46,7 +51,6 @@ from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._cloudevents import CloudEvents
 from .._envelope import utcnow
 from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
-from .._pg_arrays import int_array
 from .._tracing import INSTALLED as TRACING_INSTALLED
 from .._tracing import start_send
 from .._wheel import TimingWheel
@@ -54,7 +58,7 @@ from ._metrics import RelayMetrics
 from ._rows import RowEncoder, safe_reason
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 from ._unreadable import find_unreadable
-from ._writer import BackgroundWriter
+from ._writer import BackgroundWriter, Writer
 
 log = safe_logger("outbox.relay")
 
@@ -100,7 +104,7 @@ class _Plan:
     published_topics: dict[str, int]
     retried: Marks
     postponed: Marks
-    """Rows to retry without counting an attempt: the broker delivered nothing (an outage)."""
+    """Rows to retry without counting an attempt: the broker did not answer about them (an outage)."""
     failed: list[tuple[Any, int, str]]
     stopped: set[tuple[str, str]]
     """Keys whose head was retried or failed: they wait until the write commits."""
@@ -112,7 +116,8 @@ class _Plan:
 
 
 BROKER_OUTAGE_BACKOFF = OutageBackoff(first=0.2)
-"""When rows are sent again while the broker delivers nothing: 0.2 s, doubling, at most 5 s."""
+"""When rows the broker did not answer about are sent again: 0.2 s, doubling per batch that left
+records unanswered, at most 5 s."""
 
 
 class BatchRunner:
@@ -133,6 +138,7 @@ class BatchRunner:
         database_outage: OutageTracker,
         incarnation: str | None = None,
         cloudevents: CloudEvents | None = None,
+        writer: Writer | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
         self.database_outage = database_outage
@@ -143,36 +149,30 @@ class BatchRunner:
         # excluded from the fetch ("busy") and the keys it stops (retried or failed
         # heads) held in memory until that write commits: until then the database
         # does not know they wait, and a wheel timer may already have fired.
-        self._writer: BackgroundWriter | None = None
+        # ``writer``: where the writes run (a fleet's worker's writer); else a thread of its own.
+        self._writer: Writer | None = writer
+        self._own_writer: BackgroundWriter | None = None
         self._writing: Future[_Written] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
-        self._outage_batches = 0  # consecutive batches the broker delivered nothing of
+        self._outage_batches = 0  # consecutive batches with records the broker did not answer about
         # This database's identity, in every envelope.
-        self._encoder = RowEncoder(incarnation, check_ids=sql.mysql, cloudevents=cloudevents)
+        self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
     def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).
 
-        With ``wait=False`` (PostgreSQL and MySQL) the outcomes are written in the
+        With ``wait=False`` (where ``sql.pipelines``) the outcomes are written in the
         background while the next batch runs; the counts returned are then what
         is being written, and ``finish`` waits for it.
         """
         started = time.perf_counter()
-        # MySQL: the rows being written are dropped after the fetch, which asks for as
-        # many more (a NOT IN over JSON_TABLE made the fetch slower than the write).
-        drop = set(self._busy) if self._busy and self.sql.mysql else None
+        sql, busy = self.sql, self._busy  # busy: the rows a background write is marking
         with self.engine.connect() as conn:
-            if self.sql.postgres:
-                # JIT compiling this short query costs more than running it; and with the
-                # session zone named 'UTC' psycopg returns datetime.UTC datetimes, which
-                # format and compare several times faster than ZoneInfo('Etc/UTC') ones.
-                conn.exec_driver_sql("SET LOCAL jit = off; SET LOCAL TIME ZONE 'UTC'")
-            params: dict[str, Any] = {"now": utcnow(), "limit": self.batch_size + len(drop or ())}
-            if self.sql.postgres:  # only its statement names the busy ids
-                params["busy"] = int_array(self._busy)
+            sql.prepare_fetch(conn)
+            params = sql.fetch_params(utcnow(), self.batch_size, busy)
             try:
-                rows: Sequence[Any] = conn.execute(self.sql.fetch(owned), params).all()
+                rows: Sequence[Any] = conn.execute(sql.fetch(owned), params).all()
                 unreadable = None
             except Exception as exc:
                 if is_database_outage(exc):
@@ -181,8 +181,8 @@ class BatchRunner:
             conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
-        if drop:
-            rows = [r for r in rows if r[_ID] not in drop][:self.batch_size]
+        if busy:
+            rows = sql.without_busy(rows, busy, self.batch_size)
         self.database_outage.answered()
         if not rows:
             self.finish()
@@ -213,15 +213,15 @@ class BatchRunner:
                 self.database_outage.failed(exc)
             else:
                 log.exception("relay %s could not record a batch's outcomes", self.worker_id)
-        if wait or not (self.sql.postgres or self.sql.mysql):
+        if wait or not sql.pipelines:
             outcome = self._write(plan)
         else:
             self._busy = (plan.published.ids + plan.retried.ids + plan.postponed.ids
                           + [row.id for row, _, _ in plan.failed])
             self._held = plan.stopped
             if self._writer is None:
-                self._writer = BackgroundWriter("outbox-relay-writer")
-            self._writing = self._writer.submit(lambda: self._write(plan))
+                self._writer = self._own_writer = BackgroundWriter("outbox-relay-writer")
+            self._writing = self._writer.submit(lambda: self._write_behind(plan))
             outcome = {"published": len(plan.published.ids),
                        "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                        "failed": len(plan.failed), "fenced": 0}
@@ -242,9 +242,9 @@ class BatchRunner:
 
     def close(self) -> None:
         self.finish()
-        if self._writer is not None:
-            self._writer.shutdown()
-            self._writer = None
+        if self._own_writer is not None:
+            self._own_writer.shutdown()
+            self._own_writer = self._writer = None
 
     def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int],
               unsendable: list[tuple[Any, str]]) -> _Plan:
@@ -253,13 +253,16 @@ class BatchRunner:
         ``unsendable`` rows were not sent: they fail, and their keys wait like a failed head's.
         """
         retried, postponed = empty_marks(), empty_marks()
-        # Nothing delivered and every retry for want of an answer: the broker is down, an
-        # outage, not these records' fault. A retriable error the broker returned still counts.
+        # A record retried for want of an answer waited for an outage, not for its own fault:
+        # postponed, no attempt counted, even when others of the batch were delivered. A
+        # retriable error the broker returned still counts. Nothing delivered and every retry
+        # unanswered: the broker is down (logged by the relay).
         retries = [res for res in results if res.outcome is not Outcome.FAILED]
         outage = bool(retries) and all(
             res.outcome is Outcome.RETRY and res.unreachable for res in retries)
+        unanswered = any(res.outcome is Outcome.RETRY and res.unreachable for res in retries)
         outage_delay = BROKER_OUTAGE_BACKOFF.delay(self._outage_batches + 1)
-        if outage:
+        if unanswered:
             self._outage_batches += 1
         elif results:
             self._outage_batches = 0
@@ -297,12 +300,12 @@ class BatchRunner:
                 failed.append((row, epoch, res.error or "failed"))
             else:
                 error = error or res.error
-                delay = outage_delay if outage else self._delay(_attempts(row) + 1)
+                delay = outage_delay if res.unreachable else self._delay(_attempts(row) + 1)
                 # From the later of the two clocks: a publisher ahead of this relay by more
                 # than the delay would otherwise get available_at <= created_at, which the
                 # fetch reads as "due, never pushed back" (no backoff, key not held).
                 base = max(now, row[_CREATED])
-                add_mark(postponed if outage else retried, row.id, row.shard, epoch,
+                add_mark(postponed if res.unreachable else retried, row.id, row.shard, epoch,
                          available_at=base + timedelta(seconds=delay), last_error=res.error)
                 self.metrics.retried.labels(row.topic).inc()
                 # The wheel holds the key back and wakes the relay; the row is the truth.
@@ -310,6 +313,21 @@ class BatchRunner:
                 self.wheel.schedule(wheel_key, mono + delay)
         return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error,
                      broker_unreachable=outage and not failed)
+
+    def _write_behind(self, plan: _Plan) -> _Written:
+        """``_write`` on the writer: a database outage is told when it happens, not when it is waited for.
+
+        The next batch may wait for this write only after the outage is over
+        (its fetch fails first): told then, it would read as a second outage
+        just after the first ended. Its rows stay pending and are sent again.
+        """
+        try:
+            return self._write(plan)
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            self.database_outage.failed(exc)
+            return {"published": 0, "retried": 0, "failed": 0, "fenced": 0}
 
     def _write(self, plan: _Plan) -> _Written:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""

@@ -54,6 +54,8 @@ class Leases:
         self._share: int | None = None  # None until the first maintain() counted the live relays
         self._lock = threading.Lock()
         self._prepared = False
+        self._released = False
+        """``release_all`` ran: a shared renewal (``maintain(conn)``) leaves it alone."""
 
     def owned(self) -> dict[int, int]:
         """A snapshot: shard -> epoch held right now."""
@@ -96,35 +98,28 @@ class Leases:
             conn.execute(self._upsert(t, "shard", {}), rows)
         self._prepared = True
 
-    def maintain(self) -> dict[int, int]:
-        """Heartbeat, renew, and take free shards up to the fair share; returns what is held."""
+    def maintain(self, conn: Connection | None = None) -> dict[int, int]:
+        """Heartbeat, renew, and take free shards up to the fair share; returns what is held.
+
+        ``conn``: heartbeat and renew inside the caller's transaction (a fleet
+        renews all the tenants of one database in one), on a connection whose
+        schema is this relay's; taking shards is a transaction of its own. A
+        shared renewal never brings back a relay that gave its leases back
+        (its heartbeat would make the others leave it a share for a TTL).
+        """
         with self._lock:
+            if conn is not None and self._released:
+                return {}
+            self._released = False
             if not self._prepared:
                 self._prepare()
             now = utcnow()
             expires = now + timedelta(seconds=self.ttl)
-            relays = self._tables.relays
-            with self._engine.begin() as conn:
-                conn.execute(self._upsert(relays, "worker_id", {"heartbeat_at": now}),
-                             {"worker_id": self.worker_id, "heartbeat_at": now})
-                conn.execute(delete(relays).where(  # long dead (killed): forget them
-                    relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
-                live = list(conn.scalars(select(relays.c.worker_id).where(
-                    relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
-                meta = self._tables.meta
-                stored = conn.scalar(select(meta.c.value).where(meta.c.name == "shard_count"))
-                if stored is not None and int(stored) != self.shards:
-                    # Resharded under a running relay (the guard was passed, or a relay
-                    # started meanwhile): serving the old split could give one key two
-                    # shards, so stop serving anything and say why.
-                    self._owned, self._surplus = {}, 0
-                    raise SchemaError(
-                        f"the stored shard count changed from {self.shards} to {int(stored)} "
-                        f"while relay {self.worker_id} ran (outbox init-db --reshard): it "
-                        "stops; restart it to serve the new split")
-                # Only leases this object took: a namesake's leases from an earlier
-                # process expire and are taken afresh, with a new epoch.
-                renewed = self._renew(conn, expires) if self._owned else []
+            if conn is None:
+                with self._engine.begin() as own:
+                    live, renewed = self._heartbeat(own, now, expires)
+            else:
+                live, renewed = self._heartbeat(conn, now, expires)
             held = {s: e for s, e in renewed if self._owned.get(s) == e}
             lost = set(self._owned) - set(held)
             if lost:
@@ -136,6 +131,31 @@ class Leases:
             self._share = share
             self._surplus = max(0, len(held) - share)
             return dict(held)
+
+    def _heartbeat(self, conn: Connection, now: datetime, expires: datetime
+                   ) -> tuple[list[str], list[tuple[int, int]]]:
+        """This relay's heartbeat; the live relays, and the leases it renewed (shard, epoch)."""
+        relays = self._tables.relays
+        conn.execute(self._upsert(relays, "worker_id", {"heartbeat_at": now}),
+                     {"worker_id": self.worker_id, "heartbeat_at": now})
+        conn.execute(delete(relays).where(  # long dead (killed): forget them
+            relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
+        live = list(conn.scalars(select(relays.c.worker_id).where(
+            relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
+        meta = self._tables.meta
+        stored = conn.scalar(select(meta.c.value).where(meta.c.name == "shard_count"))
+        if stored is not None and int(stored) != self.shards:
+            # Resharded under a running relay (the guard was passed, or a relay
+            # started meanwhile): serving the old split could give one key two
+            # shards, so stop serving anything and say why.
+            self._owned, self._surplus = {}, 0
+            raise SchemaError(
+                f"the stored shard count changed from {self.shards} to {int(stored)} "
+                f"while relay {self.worker_id} ran (outbox init-db --reshard): it "
+                "stops; restart it to serve the new split")
+        # Only leases this object took: a namesake's leases from an earlier
+        # process expire and are taken afresh, with a new epoch.
+        return live, (self._renew(conn, expires) if self._owned else [])
 
     def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
         leases = self._tables.leases
@@ -190,6 +210,7 @@ class Leases:
     def release_all(self) -> None:
         """Give back every shard and leave the membership table (clean shutdown)."""
         with self._lock:
+            self._released = True
             self._release(sorted(self._owned))
             relays = self._tables.relays
             with self._engine.begin() as conn:

@@ -19,8 +19,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ..tenants._labels import TenantLabels
-from ..tenants._metric_views import (
+from .._metric_views import (
     Combine,
     CounterFamily,
     GaugeFamily,
@@ -30,7 +29,8 @@ from ..tenants._metric_views import (
     TenantGauge,
     TenantHistogram,
 )
-from ..tenants._tenant import check_tenant_name
+from .._tenant import check_tenant_name
+from .._tenant_labels import TenantLabels
 
 
 @dataclass(frozen=True, slots=True)

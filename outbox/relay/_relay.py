@@ -1,9 +1,11 @@
 """``Relay``: moves committed outbox rows to the broker, per key in seq order.
 
-This module is the relay's life cycle: configuration checked at construction,
-the loop (wake on NOTIFY, wheel timers or the poll interval; go again at once
-after a full batch), the lease thread, and a graceful stop. What happens inside
-one batch, and why it keeps per-key order, is in ``_batch``.
+A relay is one ``RelayStep`` (``_step``: its leases, wheel, batch runner and
+stuck-key watch, one step at a time) and this loop around it: configuration
+checked at construction, a step whenever NOTIFY, the wheel's next timer or the
+poll interval says so (again at once after a full batch), the lease thread,
+and a graceful stop. What happens inside one batch, and why it keeps per-key
+order, is in ``_batch``.
 
 A database or broker outage is not a failure: the loop waits it out with
 capped backoff and ``outbox._outage`` logs it once when it starts and once when it
@@ -36,21 +38,21 @@ from .._cloudevents import CloudEvents
 from .._engine import worker_engine
 from .._envelope import utcnow
 from .._errors import ConfigurationError, SchemaError
-from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
+from .._outage import OutageBackoff, is_database_outage
 from .._outbox import Outbox
-from .._stopping import STOP_TIMEOUT, RunOnce, run_with_stop_bound
+from .._stopping import STOP_TIMEOUT, BoundRun
 from .._wheel import TimingWheel
 from ._admin import backlog
-from ._batch import BatchResult, BatchRunner
+from ._batch import BatchResult
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
-from ._record_limit import check_record_limit
-from ._settings import DEFAULT_BACKOFF, RelaySettings, default_worker_id
-from ._sql import statements_for
+from ._settings import DEFAULT_BACKOFF, RelaySettings, cloudevents_mode, default_worker_id
+from ._step import RelayOutages, RelayStep
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
 log = safe_logger("outbox.relay")
+
 
 class Relay:
     """Publishes an ``Outbox``'s rows through a ``Transport``; see the module doc.
@@ -60,16 +62,13 @@ class Relay:
     suffix). ``backoff`` is a tenacity wait strategy giving the delay before
     attempt n+1; retriable errors are retried without limit, so a head still
     retrying after ``key_stuck_after`` seconds raises one ``key_stuck`` alert
-    and counts in ``outbox_relay_stuck_keys`` (``_stuck``; checked by ``run``).
-    ``run`` and ``run_once`` must be called from one thread; ``stop`` from any.
-    The tuning keywords (``batch_size`` … ``key_stuck_after``) build a
-    ``RelaySettings``, kept as ``relay.settings``, which checks each of them
-    and names a bad one. ``cloudevents=True`` (or a ``CloudEvents`` naming the
-    source) adds the CloudEvents binary-mode ``ce_*`` headers to every record
+    and counts in ``outbox_relay_stuck_keys`` (``_stuck``; checked every lease
+    renewal interval). ``run`` and ``run_once`` must be called from one thread;
+    ``stop`` from any. The tuning keywords (``batch_size`` … ``key_stuck_after``)
+    build a ``RelaySettings``, kept as ``relay.settings``, which checks each of
+    them and names a bad one. ``cloudevents=True`` (or a ``CloudEvents`` naming
+    the source) adds the CloudEvents binary-mode ``ce_*`` headers to every record
     (docs/cloudevents.md); the ``outbox-*`` envelope is sent either way.
-    ``database_outage`` is the tracker its database's outages are told to; the
-    relays of one database in a ``TenantRelay`` share one, so an outage is logged
-    once, not once per tenant.
 
     Construction reads the stored shard count and record limit, so it needs the
     database and raises if it is unreachable, and raises ``ConfigurationError``
@@ -96,7 +95,6 @@ class Relay:
         wheel_tick: float = 0.02,
         key_stuck_after: float = 300.0,
         cloudevents: CloudEvents | bool = False,
-        database_outage: OutageTracker | None = None,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
@@ -105,60 +103,50 @@ class Relay:
         bound = engine if engine is not None else outbox.engine
         if not isinstance(bound, Engine):
             raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
-        engine = worker_engine(bound)
-        settings = RelaySettings(
+        self.settings = settings = RelaySettings(
             batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
             poll_interval=poll_interval, backoff=backoff, backlog_metrics=backlog_metrics,
             wheel_tick=wheel_tick, key_stuck_after=key_stuck_after)
-        worker_id = settings.worker_id
-        alert = alert if alert is not None else LoggingAlertSink()
-        if not callable(alert):
-            raise ConfigurationError(f"alert must be an AlertSink or callable, got {alert!r}")
-
-        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.alert = alert if alert is not None else LoggingAlertSink()
+        if not callable(self.alert):
+            raise ConfigurationError(f"alert must be an AlertSink or callable, got {self.alert!r}")
         self.outbox = outbox
         self.transport = transport
-        self.engine = engine
-        self.batch_size = settings.batch_size
-        self.worker_id = worker_id
-        self.alert = alert
-        self.poll_interval = settings.poll_interval
-        self.backoff = settings.backoff
+        self.engine = worker_engine(bound)
         self.metrics = metrics or relay_metrics()
-        self.backlog_metrics = settings.backlog_metrics
-        self._backlog_topics: set[str] = set()
-        self.stuck_keys = StuckKeys(outbox, engine, settings.key_stuck_after, alert,
-                                    self.metrics.stuck_keys, worker_id)
-        stored = outbox.load_schema(engine)  # shard count, record limit, incarnation: with the tables
-        check_record_limit(transport, stored.max_record_bytes)
-        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, settings.lease_ttl)
-        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=settings.wheel_tick,
-                                                               start=time.monotonic())
-        # The loop's pause after a failed batch (an outage or not) grows from the poll interval.
+        # The loop's pause after a failed step (an outage or not) grows from the poll interval.
         self._failure_backoff = OutageBackoff(first=settings.poll_interval)
-        self.database_outage = database_outage or OutageTracker(
-            f"relay {worker_id}: database", log=log, wording=RELAY_WORDING, backoff=self._failure_backoff,
-            count=self.metrics.outages.labels("database").inc)
-        self.broker_outage = OutageTracker(
-            f"relay {worker_id}: broker", log=log, wording=RELAY_WORDING,
-            count=self.metrics.outages.labels("broker").inc)
-        self._batch = BatchRunner(
-            engine, statements_for(outbox.tables, engine.dialect.name), transport, self.wheel,
-            backoff=settings.backoff, alert=alert, metrics=self.metrics, worker_id=worker_id,
-            batch_size=settings.batch_size, database_outage=self.database_outage,
-            incarnation=stored.incarnation,
-            cloudevents=_cloudevents_mode(cloudevents),
-        )
+        self.outages = RelayOutages(
+            database=RelayOutages.tracker(f"relay {self.worker_id}: database", "database", self.metrics,
+                                          self._failure_backoff),
+            broker=RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker", self.metrics))
+        self._step = RelayStep(outbox, transport, self.engine, settings, alert=self.alert,
+                               metrics=self.metrics, outages=self.outages,
+                               cloudevents=cloudevents_mode(cloudevents))
+        self._backlog_topics: set[str] = set()
         self._wakeup = Wakeup()
-        self._stopping = threading.Event()
-        self._runs = RunOnce(self._stopping, f"relay {self.worker_id}")
-        self._lease_thread: threading.Thread | None = None
-        self._watch_thread: threading.Thread | None = None
-        self._next_lease_check = 0.0
+        self._runs = BoundRun(f"relay {self.worker_id}", thread="outbox-relay-loop", log=log,
+                              wake=self._wakeup.set)
+        self._stopping = self._runs.stopping
         self._fatal: Exception | None = None
 
     def __repr__(self) -> str:
         return f"Relay(worker_id={self.worker_id!r}, transport={self.transport!r})"
+
+    @property
+    def leases(self) -> Leases:
+        """Its shard leases (``Leases``): which shards it holds now, its fair share."""
+        return self._step.leases
+
+    @property
+    def wheel(self) -> TimingWheel[tuple[str, str]]:
+        """The keys waiting for their next attempt; read it from the thread that runs it."""
+        return self._step.wheel
+
+    @property
+    def stuck_keys(self) -> StuckKeys:
+        return self._step.stuck_keys
 
     # -- one batch ------------------------------------------------------------
 
@@ -168,23 +156,7 @@ class Relay:
         Without ``run`` (tests, embedding) the leases are maintained here, at
         most every TTL/3.
         """
-        self._prepare_batch()
-        return self._run_batch(wait=True)
-
-    def _prepare_batch(self) -> None:
-        if self._lease_thread is None and time.monotonic() >= self._next_lease_check:
-            self._maintain_leases()
-        if self.leases.surplus:
-            self._batch.finish()  # never give a shard back under a write in flight
-            self.leases.release_surplus()
-        self.wheel.advance(time.monotonic())
-
-    def _run_batch(self, *, wait: bool) -> BatchResult:
-        owned = self.leases.owned()
-        if not owned:
-            self._batch.finish()
-            return BatchResult()
-        return self._batch.run(owned, wait=wait)
+        return self._step.run_once()
 
     # -- the loop ---------------------------------------------------------------
 
@@ -193,24 +165,22 @@ class Relay:
 
         Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
         """
-        def start() -> threading.Thread | None:
-            self._fatal = None
-            return run_with_stop_bound(self._run, stop=self.stop, stopping=self._stopping.is_set,
-                                       name="outbox-relay-loop", what=f"relay {self.worker_id}", log=log,
-                                       stop_timeout=stop_timeout)
-        self._runs.run(start)
+        self._fatal = None
+        self._runs.run(self._run, stop_timeout=stop_timeout)
 
     def _run(self) -> None:
+        threads: list[threading.Thread] = []
         try:
             if not self._first_leases():
                 return  # stopped while waiting for the database
-            self._lease_thread = threading.Thread(target=self._lease_loop,
-                                                  name="outbox-relay-leases", daemon=True)
-            self._lease_thread.start()
-            # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
-            self._watch_thread = threading.Thread(target=self._watch_loop,
-                                                  name="outbox-relay-watch", daemon=True)
-            self._watch_thread.start()
+            threads.append(threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
+                                            daemon=True))
+            if self.settings.backlog_metrics:
+                # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
+                threads.append(threading.Thread(target=self._backlog_loop, name="outbox-relay-watch",
+                                                daemon=True))
+            for thread in threads:
+                thread.start()
             if self.outbox.notify_channel:
                 self._wakeup.listen(self.engine, self.outbox.notify_channel)
             log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
@@ -220,24 +190,10 @@ class Relay:
         finally:
             self._stopping.set()
             self._wakeup.close()
-            for thread in (self._lease_thread, self._watch_thread):
-                if thread is not None:
-                    thread.join(10)
-            self._lease_thread = self._watch_thread = None
-            try:
-                self._batch.close()  # the last batch's marks, before its leases go
-            except Exception:
-                log.exception("relay %s could not record its last batch", self.worker_id)
-            try:
-                self.leases.release_all()
+            for thread in threads:
+                thread.join(10)
+            if self._step.release():
                 log.info("relay %s stopped; leases released", self.worker_id)
-            except Exception as exc:
-                # The database is unreachable: the leases expire by themselves within the TTL.
-                if not is_database_outage(exc):
-                    log.exception("relay %s stopped; could not release its leases", self.worker_id)
-                    return
-                log.warning("relay %s stopped; could not release its leases (%s): they expire "
-                            "within the lease TTL", self.worker_id, type(exc).__name__)
 
     def _first_leases(self) -> bool:
         """Take the first leases, waiting out a database outage; False if stopped meanwhile.
@@ -247,53 +203,45 @@ class Relay:
         """
         while not self._stopping.is_set():
             try:
-                self._maintain_leases()
+                self._step.maintain_leases()
                 return True
             except Exception as exc:
                 if not is_database_outage(exc):
                     raise
-                self._stopping.wait(self.database_outage.failed(exc))
+                self._stopping.wait(self.outages.database.failed(exc))
         return False
 
     def _loop(self) -> None:
         poll_due = 0.0
+        due: float | None = None
         again = True
         failures = 0
         while not self._stopping.is_set():
             mono = time.monotonic()
-            if again or mono >= poll_due or self.wheel.advance(mono):
-                poll_due = mono + self.poll_interval
+            if again or mono >= poll_due or (due is not None and mono >= due):
+                poll_due = mono + self.settings.poll_interval
                 try:
                     # Pipelined: this batch's outcomes are written while the next one runs.
-                    self._prepare_batch()
-                    batch = self._run_batch(wait=False)
+                    step = self._step.run(wait=False, leases=False)
                 except Exception as exc:
-                    self._report(exc, "batch failed")
+                    self._step.report(exc, "batch failed")
                     failures += 1
                     self._stopping.wait(self._failure_backoff.delay(failures))
                     again = True
                     continue
                 failures = 0
-                # The database is marked up by the queries that reached it (the fetch, the
-                # lease maintenance), never here: a relay owning no shards ran none.
-                if batch.published:
-                    self.broker_outage.answered()
-                elif batch.broker_unreachable:
-                    self.broker_outage.failed(batch.error or "no delivery report")
-                # A full batch means more may be waiting, unless all of it waits in the
-                # wheel: then fetching again at once would only spin.
-                again = batch.fetched == self.batch_size and batch.sent > 0
+                due, again = step.due, step.again
                 if again:
                     continue
-            wait = self.wheel.tick if len(self.wheel) else max(0.0, poll_due - time.monotonic())
-            again = self._wakeup.wait(wait)
+            wake_at = poll_due if due is None else min(poll_due, due)
+            again = self._wakeup.wait(max(0.0, wake_at - time.monotonic()))
 
     def _lease_loop(self) -> None:
         interval = renew_interval(self.leases.ttl)
         while not self._stopping.wait(interval):
             try:
                 before = set(self.leases.owned())
-                after = self._maintain_leases()
+                after = self._step.maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
             except SchemaError as exc:
@@ -302,32 +250,16 @@ class Relay:
                 self.stop()
                 return
             except Exception as exc:
-                self._report(exc, "could not maintain its leases")
+                self._step.report(exc, "could not maintain its leases")
 
-    def _watch_loop(self) -> None:
-        """Every lease renewal interval: keys stuck behind a retrying head; the backlog gauges if asked."""
+    def _backlog_loop(self) -> None:
+        """Every lease renewal interval: the backlog gauges."""
         interval = renew_interval(self.leases.ttl)
         while not self._stopping.wait(interval):
             try:
-                self.stuck_keys.check(sorted(self.leases.owned()))
-                if self.backlog_metrics:
-                    self.refresh_backlog_metrics()
+                self.refresh_backlog_metrics()
             except Exception as exc:
-                self._report(exc, "could not watch its keys and backlog")
-
-    def _report(self, error: Exception, what: str) -> None:
-        """A database outage is logged once per state change; anything else is a bug: traceback."""
-        if is_database_outage(error):
-            self.database_outage.failed(error)
-        else:
-            log.exception("relay %s %s", self.worker_id, what)
-
-    def _maintain_leases(self) -> dict[int, int]:
-        owned = self.leases.maintain()
-        self.database_outage.answered()
-        self._next_lease_check = time.monotonic() + renew_interval(self.leases.ttl)
-        self.metrics.shards_owned.labels(self.worker_id).set(len(owned))
-        return owned
+                self._step.report(exc, "could not watch its backlog")
 
     def refresh_backlog_metrics(self) -> None:
         """Set the pending-by-topic and oldest-pending-age gauges (one GROUP BY query)."""
@@ -349,21 +281,8 @@ class Relay:
         Asked before ``run`` (a thread that starts it while the application already stops), ``run``
         returns at once.
         """
-        self._stopping.set()
-        self._wakeup.set()
+        self._runs.stop()
 
     def close(self) -> None:
         """Release leases held from ``run_once`` calls (``run`` does this itself)."""
-        self._batch.close()
-        self.leases.release_all()
-
-
-def _cloudevents_mode(setting: CloudEvents | bool) -> CloudEvents | None:
-    """``Relay(cloudevents=...)``: True for the default source, a ``CloudEvents`` for a chosen one."""
-    if setting is True:
-        return CloudEvents()
-    if setting is False or setting is None:
-        return None
-    if isinstance(setting, CloudEvents):
-        return setting
-    raise ConfigurationError(f"cloudevents must be True, False or a CloudEvents, got {setting!r:.80}")
+        self._step.close()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import tenacity
 
+from .._cloudevents import CloudEvents
 from .._errors import ConfigurationError
 
 DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
@@ -67,3 +68,14 @@ class RelaySettings:
         if not isinstance(self.worker_id, str) or len(self.worker_id) > 200:
             raise ConfigurationError(
                 f"worker_id must be a str of at most 200 characters: {self.worker_id!r}")
+
+
+def cloudevents_mode(setting: CloudEvents | bool) -> CloudEvents | None:
+    """``cloudevents=``: True for the default source, a ``CloudEvents`` for a chosen one, False for none."""
+    if setting is True:
+        return CloudEvents()
+    if setting is False or setting is None:
+        return None
+    if isinstance(setting, CloudEvents):
+        return setting
+    raise ConfigurationError(f"cloudevents must be True, False or a CloudEvents, got {setting!r:.80}")

@@ -21,8 +21,8 @@ from sqlalchemy import Engine
 
 from .._alerts import Alert, AlertKind, AlertSink, deliver
 from .._envelope import utcnow
+from .._metric_views import GaugeFamily
 from .._outbox import Outbox
-from ..tenants._metric_views import GaugeFamily
 from ._admin import RetryingHead, retrying_heads
 
 WATCH_LIMIT = 500

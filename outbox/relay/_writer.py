@@ -1,4 +1,4 @@
-"""``BackgroundWriter``: the relay's one helper thread for writing a batch's outcomes, never joined at exit.
+"""``BackgroundWriter``: a relay's helper thread for writing a batch's outcomes, never joined at exit.
 
 ``ThreadPoolExecutor``'s threads are joined when the interpreter exits. A
 write stuck in a commit to a frozen database then held a stopped relay alive
@@ -13,11 +13,17 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
 _Job = tuple[Future[Any], Callable[[], Any]]
+
+
+class Writer(Protocol):
+    """Where a pipelined batch's outcome write runs: calls run in the order submitted."""
+
+    def submit(self, call: Callable[[], T]) -> Future[T]: ...
 
 
 class BackgroundWriter:
@@ -33,10 +39,10 @@ class BackgroundWriter:
         self._jobs.put((future, call))
         return future
 
-    def shutdown(self) -> None:
-        """End the thread once the calls submitted so far have run, and wait for it."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """End the thread once the calls submitted so far have run; wait for it (``timeout`` s at most)."""
         self._jobs.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:

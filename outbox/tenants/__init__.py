@@ -1,18 +1,18 @@
 """Many tenants, one fleet: tenants in schemas or databases of their own (docs/tenants.md).
 
-``_tenant`` says what a tenant is and where a fleet's tenants come from;
-``_relay`` is ``TenantRelay``, one relay process for all of them.
-``_labels`` bounds the ``tenant`` label of metrics; ``_metric_views`` binds it.
-``alerts_for_tenant`` (from ``outbox._alerts``) stamps a tenant's alerts.
-``_each`` runs one piece of work for every tenant (one engine per database,
-each tenant's failure isolated and named), as the operations commands do.
+The public face of the tenant dimension. What a tenant is and where a fleet's
+tenants come from (``outbox._tenant``), the bound on the ``tenant`` label of
+metrics (``outbox._tenant_labels``) and ``alerts_for_tenant`` (``outbox._alerts``)
+live on the shared floor, under the relay and the inbox, which use them; this
+package re-exports them. Its own modules stand above the relay: ``_relay`` is
+``TenantRelay``, one relay process for all the tenants (a scheduler over their
+``RelayStep``s: ``_schedule``, ``_databases``, ``_transport``); ``_each`` runs one
+piece of work for every tenant (one engine per database, each tenant's failure
+isolated and named), as the operations commands do.
 """
 
 from .._alerts import TenantAlertSink, alerts_for_tenant
-from ._each import DEFAULT_CONCURRENCY, TenantDatabases, TenantOutcome, each_tenant
-from ._labels import OTHER_TENANTS, TenantLabels
-from ._relay import TenantRelay
-from ._tenant import (
+from .._tenant import (
     MAX_TENANT_NAME,
     Tenant,
     TenantSource,
@@ -24,6 +24,9 @@ from ._tenant import (
     schemas_like,
     tenant_source,
 )
+from .._tenant_labels import OTHER_TENANTS, TenantLabels
+from ._each import DEFAULT_CONCURRENCY, TenantDatabases, TenantOutcome, each_tenant
+from ._relay import TenantRelay
 
 __all__ = [
     "DEFAULT_CONCURRENCY",

@@ -32,7 +32,7 @@ from .._engine import create_engine
 from .._errors import ConfigurationError, SchemaError
 from .._outage import is_database_outage
 from .._secrets import database_secrets, scrub
-from ._tenant import Tenant
+from .._tenant import Tenant
 
 T = TypeVar("T")
 

@@ -200,7 +200,7 @@ class OutboxTestHarness:
             if isinstance(item, Message):
                 deliveries.append(delivery(item))
             elif isinstance(item, Record):
-                deliveries.append(decode(item, accept_foreign=inbox.accept_foreign))
+                deliveries.append(decode(item, foreign=inbox.foreign))
             else:
                 raise ConfigurationError("settle() takes records, messages or deliveries from "
                                          f"an earlier settle(), got {type(item).__name__}")

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
 
-from ._postgres import free_port
+from ._ports import PortNotBound, free_port, wait_until_bound
+
+PORT_ATTEMPTS = 3
 
 # Durability off: tests want speed, and a crash of a throwaway server loses nothing.
 # The isolation level (InnoDB's REPEATABLE READ) and the collation (case-insensitive)
@@ -67,11 +70,12 @@ class LocalMariaDB:
     made with ``--auth-root-authentication-method=normal`` and an empty
     password): only processes on this machine reach 127.0.0.1. ``durable``
     keeps InnoDB's flush at every commit (benchmarks); tests turn it off.
+    ``options`` are more server options (``--lower-case-table-names=1``).
     """
 
-    def __init__(self, *, durable: bool = False) -> None:
+    def __init__(self, *, durable: bool = False, options: Sequence[str] = ()) -> None:
         found = mariadb_binaries()
-        self._options = _OPTIONS if durable else (*_OPTIONS, *FAST_OPTIONS)
+        self._options = (*(_OPTIONS if durable else (*_OPTIONS, *FAST_OPTIONS)), *options)
         if found is None:
             raise FileNotFoundError("MariaDB binaries (mariadbd, mariadb-install-db) not found")
         self._server, install = found
@@ -85,14 +89,20 @@ class LocalMariaDB:
         if self._as_user:
             shutil.chown(self._root, "mysql")
             shutil.chown(self._tmp, "mysql")
-        self.port = free_port()
-        driver = sync_driver()
-        self._admin_url = f"mysql+{driver}://root@127.0.0.1:{self.port}/mysql?charset=utf8mb4"
-        self.url = f"mysql+{driver}://root@127.0.0.1:{self.port}/outbox?charset=utf8mb4"
         self._process: subprocess.Popen[bytes] | None = None
         try:
             self._install(install)
-            self.start()
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self._use_port(free_port())
+                try:
+                    self.start()
+                    break
+                except PortNotBound as exc:
+                    # Another process took the port after our pick (mariadbd fails, never moves):
+                    # again on a new one; any other failure is raised.
+                    self.stop()
+                    if attempt == PORT_ATTEMPTS or not (exc.taken_by or self._lost_port_race()):
+                        raise
             admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
             with admin.connect() as conn:
                 conn.execute(sa.text("CREATE DATABASE outbox CHARACTER SET utf8mb4"))
@@ -100,6 +110,19 @@ class LocalMariaDB:
         except BaseException:
             self.remove()
             raise
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        driver = sync_driver()
+        self._admin_url = f"mysql+{driver}://root@127.0.0.1:{port}/mysql?charset=utf8mb4"
+        self.url = f"mysql+{driver}://root@127.0.0.1:{port}/outbox?charset=utf8mb4"
+
+    def _lost_port_race(self) -> bool:
+        try:
+            log = (self._root / "log").read_text(errors="replace")
+        except OSError:
+            return False
+        return "Address already in use" in log or "Bind on TCP/IP port" in log
 
     def _install(self, install: Path) -> None:
         """Make the datadir; once more from scratch if the bootstrap fails.
@@ -120,7 +143,12 @@ class LocalMariaDB:
             _run(command)
 
     def start(self) -> None:
-        """Start the server on the same datadir and port; return once it accepts connections."""
+        """Start the server on the same datadir and port; return once it accepts connections.
+
+        Not before it holds the port: a probe of a port that another worker's MariaDB took
+        after our pick would be answered by that server (same root, no password) while ours
+        failed to bind; ``PortNotBound`` (with the log) says so instead.
+        """
         log = open(self._root / "log", "ab")  # noqa: SIM115 - the server writes it while it runs
         self._process = subprocess.Popen(
             [*self._as_user, str(self._server), "--no-defaults", f"--datadir={self._data}",
@@ -130,6 +158,13 @@ class LocalMariaDB:
         )
         log.close()
         deadline = time.monotonic() + 60
+        process = self._process
+        try:
+            wait_until_bound(process.pid, self.port, "mariadbd", timeout=60,
+                             alive=lambda: process.poll() is None)
+        except PortNotBound as exc:
+            tail = (self._root / "log").read_text(errors="replace")[-2000:]
+            raise PortNotBound(f"{exc}:\n{tail}", taken_by=exc.taken_by) from None
         engine = sa.create_engine(self._admin_url, poolclass=sa.NullPool)
         try:
             while True:
@@ -144,10 +179,37 @@ class LocalMariaDB:
         finally:
             engine.dispose()
 
+    def add_login(self, name: str, password: str) -> str:
+        """A user ``name`` with every privilege and ``password``; returns its URL (``url``'s database)."""
+        admin = sa.create_engine(self._admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+        with admin.connect() as conn:
+            conn.execute(sa.text("CREATE USER :name@'127.0.0.1' IDENTIFIED BY :pw"),
+                         {"name": name, "pw": password})
+            conn.execute(sa.text("GRANT ALL ON *.* TO :name@'127.0.0.1'"), {"name": name})
+        admin.dispose()
+        url = sa.make_url(self.url).set(username=name, password=password)
+        return url.render_as_string(hide_password=False)
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: connections stay open and nothing answers, as with a hung host or a
+        network partition. ``thaw()`` lets it go on."""
+        os.kill(self._pid(), signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self._pid(), signal.SIGCONT)
+        if self._process is not None:  # runuser stops itself when its child stops: it must go on too,
+            os.kill(self._process.pid, signal.SIGCONT)  # or it never passes on stop()'s SIGTERM
+
+    def _pid(self) -> int:
+        return int((self._root / "mariadbd.pid").read_text().split()[0])
+
     def stop(self) -> None:
         """Shut the server down as an operator would (SIGTERM: a clean shutdown) and wait."""
         if self._process is not None and self._process.poll() is None:
-            self._process.terminate()  # runuser forwards it to mariadbd
+            try:  # to the server itself: runuser, just continued after a freeze, may miss it
+                os.kill(self._pid(), signal.SIGTERM)
+            except (OSError, ValueError):
+                self._process.terminate()  # runuser forwards it to mariadbd
             try:
                 self._process.wait(60)
             except subprocess.TimeoutExpired:

@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -17,8 +16,17 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from ._ports import check_bound, free_port
+
+PORT_ATTEMPTS = 3
+
 # Durability off: tests want speed, and a crash of a throwaway cluster loses nothing.
 FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+LOGICAL_SETTINGS = {**FAST_SETTINGS, "wal_level": "logical", "max_replication_slots": "20",
+                    "max_wal_senders": "20"}
+"""A server Debezium can read: logical decoding on (``wal_level=logical``), room for a slot per
+connector. The local server's ``postgres`` superuser may create slots and publications."""
 
 
 def postgres_bindir() -> Path | None:
@@ -28,13 +36,6 @@ def postgres_bindir() -> Path | None:
         return Path(initdb).parent
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), reverse=True)
     return Path(found[0]).parent if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class LocalPostgres:
@@ -56,31 +57,77 @@ class LocalPostgres:
         self._data = self._root / "data"
         if self._as_user:
             shutil.chown(self._root, "postgres")
-        self.port = free_port()
-        options = {
-            "listen_addresses": "127.0.0.1",
-            "port": str(self.port),
-            "unix_socket_directories": str(self._root),
-            "max_connections": "200",
-            **(settings or {}),
-        }
-        self._options = " ".join(f"-c {k}={v}" for k, v in options.items())
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self._settings = dict(settings or {})
         try:
             _run([*self._as_user, str(bindir / "initdb"), "-D", str(self._data), "-U", "postgres",
                   "-A", "trust", "-E", "UTF8", "--no-sync"])
-            self.start()
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self._use_port(free_port())
+                try:
+                    self.start()
+                    break
+                except RuntimeError:
+                    # PostgreSQL fails (it never moves) when another process took the port after
+                    # our pick: then again on a new one; any other failure is raised.
+                    if attempt == PORT_ATTEMPTS or not self._lost_port_race():
+                        raise
         except BaseException:
             shutil.rmtree(self._root, ignore_errors=True)
             raise
 
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        options = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(port),
+            "unix_socket_directories": str(self._root),
+            "max_connections": "200",
+            **self._settings,
+        }
+        self._options = " ".join(f"-c {k}={v}" for k, v in options.items())
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+
+    def _lost_port_race(self) -> bool:
+        try:
+            return "Address already in use" in (self._root / "log").read_text(errors="replace")
+        except OSError:
+            return False
+
     def start(self) -> None:
-        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-l",
-              str(self._root / "log"), "-o", self._options, "-w", "-t", "60", "start"])
+        """Start the server on its data directory and port; return once it holds the port.
+
+        A port another process holds makes it fail, with the server's log in the error.
+        """
+        log = self._root / "log"
+        start = log.stat().st_size if log.exists() else 0
+        try:
+            _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-l",
+                  str(log), "-o", self._options, "-w", "-t", "60", "start"])
+        except RuntimeError as exc:
+            with open(log, "rb") as text:
+                text.seek(start)
+                tail = text.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"{exc}\nits log:\n{tail}") from None
+        check_bound(self._pids()[0], self.port, "PostgreSQL")
 
     def stop(self, mode: str = "fast") -> None:
         _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", mode,
               "-w", "stop"])
+
+    def add_login(self, name: str, password: str) -> str:
+        """A superuser ``name`` who must give ``password`` over TCP (everyone else is trusted);
+        returns its URL. For tests of a password the server refuses."""
+        admin = sa.create_engine(self.url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+        with admin.connect() as conn:
+            role = conn.dialect.identifier_preparer.quote(name)
+            literal = "'" + password.replace("'", "''") + "'"  # DDL takes no bound parameters
+            conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD {literal}")
+        admin.dispose()
+        hba = self._data / "pg_hba.conf"
+        hba.write_text(f"host all {name} 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        _run([*self._as_user, str(self._bindir / "pg_ctl"), "-D", str(self._data), "reload"])
+        url = sa.make_url(self.url).set(username=name, password=password)
+        return url.render_as_string(hide_password=False)
 
     def freeze(self) -> None:
         """SIGSTOP the server and every process of it: connections stay open and nothing answers,

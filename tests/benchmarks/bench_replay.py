@@ -17,6 +17,7 @@ messages batched at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from outbox import Inbox, create_engine
 from outbox.inbox._delivery import decode
 from outbox.inbox._kinds import Reason
+from outbox.inbox.storage import InboxStorage, ParkedMessages, storage_for
+from outbox.inbox.storage._rows import stored_row
 from outbox.testing import local_postgres
 from tests.benchmarks._report import markdown_table, write_section
 from tests.inbox_support import AlertLog, business, dispose, insert_effect, insert_effects, record
@@ -65,8 +68,8 @@ def replay_rate(db: str, messages: int, batch: int, *, batch_handler: bool) -> f
         for start in range(2, messages + 1, 10_000):
             rows = []
             for seq in range(start, min(start + 10_000, messages + 1)):
-                d = decode(record(TOPIC, key, seq), accept_foreign=False)
-                rows.append({**inbox.store._stored(d), "reason": Reason.KEY_PARKED.value, "error": None,
+                d = decode(record(TOPIC, key, seq))
+                rows.append({**stored_row(d, group), "reason": Reason.KEY_PARKED.value, "error": None,
                              "traceback": None, "attempts": 0,
                              "first_failure_at": d.received_at, "last_failure_at": d.received_at})
             conn.execute(p.insert(), rows)
@@ -84,11 +87,19 @@ def replay_rate(db: str, messages: int, batch: int, *, batch_handler: bool) -> f
 def flood_rate(db: str, messages: int, *, batched: bool, batch_size: int = 500) -> float:
     """Arrivals of a parked key parked by the inbox's transactions, ``batch_size`` a transaction: msg/s.
 
-    Un-batched is the path before: ``store.park`` for each arrival (an INSERT each).
+    Un-batched is the path before: ``storage.park`` for each arrival (an INSERT each), through a
+    storage given to the inbox whose ``park_behind`` does that.
     """
     engine = create_engine(db, pool_size=4)
     group = f"f-{uuid.uuid4().hex[:8]}"
-    inbox = Inbox(engine, group=group, max_attempts=1, alert=AlertLog())
+    dialect = storage_for(engine.dialect.name)
+
+    def one_by_one(tables, group):  # type: ignore[no-untyped-def]
+        own = dialect(tables, group)
+        return dataclasses.replace(own, parked=_OneByOne(own, own.parked))
+
+    inbox = Inbox(engine, group=group, max_attempts=1, alert=AlertLog(),
+                  storage=None if batched else one_by_one)
     inbox.create_tables()
 
     def handler(session, message):  # type: ignore[no-untyped-def]
@@ -97,13 +108,7 @@ def flood_rate(db: str, messages: int, *, batched: bool, batch_size: int = 500) 
     inbox.handler(TOPIC)(handler)
     key = f"k-{group}"
     inbox.handle(record(TOPIC, key, 1))  # fails, parks the key
-    store = inbox.store
-    if not batched:
-        def one_by_one(session, deliveries):  # type: ignore[no-untyped-def]
-            for d in deliveries:
-                store.park(session, d, Reason.KEY_PARKED)
-        store.park_behind = one_by_one  # type: ignore[method-assign]
-    flood = [decode(record(TOPIC, key, seq), accept_foreign=False) for seq in range(2, messages + 2)]
+    flood = [decode(record(TOPIC, key, seq)) for seq in range(2, messages + 2)]
     started = time.perf_counter()
     for n in range(0, messages, batch_size):
         inbox.step.apply(flood[n:n + batch_size])
@@ -112,6 +117,20 @@ def flood_rate(db: str, messages: int, *, batched: bool, batch_size: int = 500) 
     dispose(inbox)
     engine.dispose()
     return messages / elapsed
+
+
+class _OneByOne:
+    """Parked messages whose ``add_behind`` parks each arrival alone: the statement per message."""
+
+    def __init__(self, storage: InboxStorage, parked: ParkedMessages) -> None:
+        self._storage, self._parked = storage, parked
+
+    def add_behind(self, session, deliveries):  # type: ignore[no-untyped-def]
+        for d in deliveries:
+            self._storage.park(session, d, Reason.KEY_PARKED)
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self._parked, name)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ All against a durable local PostgreSQL (``local_postgres()`` defaults) and the
 embedded Kafka-protocol broker (librdkafka's mock cluster, in this process; the
 relays are separate processes that reach it over TCP, through ``KafkaTransport``).
 The fleet is the real command, ``python -m outbox relay --tenants file:...``
-(``TenantRelay``, with ``--workers`` 2, the default, and 8: a pool of workers + 2
+(``TenantRelay``, with ``--workers`` 2, the default, and 8: a pool of 2 x workers + 2
 connections and one LISTEN connection); the single-schema relay is ``python -m
 outbox relay --schema``. Both run with ``--batch-size 1000 --poll-interval 5
 --lease-ttl 30``: notifications wake them, not polls (and with the CLI's 10 s
@@ -428,7 +428,7 @@ def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
         if w == most:
             seen = max(seen, fair.connections)
         memory.append([f"fleet, {n} schemas, --workers {w}", f"{last.fleets[w].rss_kib / 1024:.0f}",
-                       f"{last.fleets[w].hwm_kib / 1024:.0f}", seen, f"pool {w + 2} + LISTEN 1"])
+                       f"{last.fleets[w].hwm_kib / 1024:.0f}", seen, f"pool {2 * w + 2} + LISTEN 1"])
     per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
     body = f"""## Many tenants: one relay process for {n} tenant schemas
 

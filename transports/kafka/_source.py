@@ -2,7 +2,9 @@
 
 Offsets are never committed behind the inbox's back: auto-commit and the
 automatic offset store are off, and ``commit`` commits exactly the positions
-it is given, synchronously. The rebalance callbacks are wired to
+it is given, synchronously, waiting for an answer at most a session timeout
+(``_commit``: librdkafka alone may wait for as long as the coordinator is gone).
+The rebalance callbacks are wired to
 ``on_revoke``, so the inbox can finish in-flight work and commit before the
 partitions go. librdkafka errors are translated here and nowhere else.
 
@@ -29,21 +31,18 @@ from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from transports._errors import (
-    CommitRefusedError,
-    ConfigurationError,
-    RetriableTransportError,
-    TransportError,
-    validate_topic,
-)
-from transports._protocol import Record, RevokeCallback
+from transports._errors import ConfigurationError, TransportError, validate_topic
+from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
+from ._commit import BoundedCommits
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
 log = safe_logger("transports.kafka")
 
+DEFAULT_SESSION_TIMEOUT_MS = 45_000
+"""librdkafka's ``session.timeout.ms`` when the settings leave it out."""
 REJOIN_AFTER = 60.0
 """Seconds out of the group (join not steady) before a consumer whose broker answers is replaced."""
 STATISTICS_INTERVAL_MS = 2000
@@ -53,11 +52,6 @@ _PROBE_EVERY = 5.0
 
 # Owned by the inbox: a user value would break "commit only what is finished".
 _FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
-# A commit refused because the group moved on: nothing committed; the next owner replays.
-_STALE_COMMIT = {
-    KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
-    KafkaError.UNKNOWN_MEMBER_ID, KafkaError._NO_OFFSET, KafkaError._STATE,
-}
 
 
 class KafkaSource:
@@ -70,6 +64,9 @@ class KafkaSource:
     rather than silently skipping what was published before it joined.
     Not thread-safe: poll, commit and close from one thread (the inbox does).
     """
+
+    features = SourceFeatures()
+    """Both: Kafka offsets and committed positions that outlive the consumer."""
 
     def __init__(
         self,
@@ -110,6 +107,12 @@ class KafkaSource:
         self._watching = int(config["statistics.interval.ms"]) > 0
         self._unjoined_since: float | None = None
         self._last_report: float | None = None  # when librdkafka last reported the group state
+        # Since when the statistics say the group's coordinator is out of reach (``unavailable``).
+        self._coordinator_lost_since: float | None = None
+        self._coordinator_state = "unknown"
+        self.session_timeout = int(config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS)) / 1000
+        # A commit waits as long as librdkafka waits for an unknown coordinator: a session timeout.
+        self._commits = BoundedCommits(self.session_timeout)
         self._polled = False
         self._next_probe = 0.0
         self._consumer = self._subscribed()
@@ -166,25 +169,32 @@ class KafkaSource:
 
         Raises ``CommitRefusedError`` when the group refused it (a rebalance
         moved on): nothing was committed, and the caller must not record it.
+        Raises ``RetriableTransportError`` when no coordinator could store it now
+        (the broker or coordinator down or moving, its offsets not replicated), or
+        none answered within ``commit_timeout`` seconds (a session timeout; the commit
+        may still land later: ``_commit``): an outage, to try again as it is.
+        Anything else is ``TransportError``.
         """
         if not offsets:
             return
         positions = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        try:
-            self._consumer.commit(offsets=positions, asynchronous=False)
-        except KafkaException as exc:
-            error = exc.args[0]
-            if error.code() in _STALE_COMMIT:
-                raise CommitRefusedError(f"offset commit refused: {error.str()}") from None
-            if error.retriable():
-                raise RetriableTransportError(f"offset commit failed: {error.str()}") from None
-            raise TransportError(f"offset commit failed: {error.str()}") from None
+        self._commits.commit(self._consumer, positions)
+
+    @property
+    def commit_timeout(self) -> float:
+        """Seconds ``commit`` waits for an answer: the session timeout unless set."""
+        return self._commits.timeout
+
+    @commit_timeout.setter
+    def commit_timeout(self, seconds: float) -> None:
+        self._commits.timeout = seconds
 
     def on_revoke(self, callback: RevokeCallback) -> None:
         self._revoke_callbacks.append(callback)
 
     def close(self) -> None:
-        """Leave the group (partitions go to the others at once) and close."""
+        """Leave the group (partitions go to the others at once) and close (after a pending commit)."""
+        self._commits.wait()
         self._consumer.close()
 
     def assigned(self) -> frozenset[tuple[str, int]]:
@@ -206,16 +216,39 @@ class KafkaSource:
                 f"rejoined {self.rejoins} time(s), a new consumer after {self.rejoin_after:g}s "
                 "once the broker answers")
 
+    def unavailable(self) -> str | None:
+        """Why the broker cannot serve this consumer now, or None: its group's coordinator has been
+        out of reach for longer than a session timeout. Safe to call from any thread.
+
+        ``Inbox.run`` logs it once as a broker outage, and once when it ends. It shows what
+        an offset commit would meet (a commit waits that long for a coordinator, then fails
+        with ``_WAIT_COORD``) when there is nothing to commit: a consumer whose coordinator's
+        node died, or that no node can replace (no quorum), says so even while idle. A
+        coordinator that moves within the session timeout is a failover, not an outage.
+        """
+        since = self._coordinator_lost_since
+        if since is None:
+            return None
+        out = time.monotonic() - since
+        if out < self.session_timeout:
+            return None
+        return f"group coordinator out of reach for {out:.0f}s, state {self._coordinator_state}"
+
     # -- the rejoin watch (module doc) ------------------------------------------
 
     def _statistics(self, text: str) -> None:
-        """librdkafka's statistics (served inside ``consume``): the group's join state."""
+        """librdkafka's statistics (served inside ``consume``): the coordinator's and the group's state."""
         try:
             group = json.loads(text).get("cgrp") or {}
         except ValueError:
             return
-        state = str(group.get("join_state", "")) if group.get("state") == "up" else \
-            f"coordinator {group.get('state', 'unknown')}"
+        coordinator = str(group.get("state", "unknown"))
+        self._coordinator_state = coordinator
+        if coordinator == "up":
+            self._coordinator_lost_since = None
+        elif self._coordinator_lost_since is None:
+            self._coordinator_lost_since = time.monotonic()
+        state = str(group.get("join_state", "")) if coordinator == "up" else f"coordinator {coordinator}"
         self._join_state = state
         if not self._watching:
             return
@@ -264,8 +297,9 @@ class KafkaSource:
         self._join_state = "init"
         self._unjoined_since, self._last_report = time.monotonic(), None
         # Its close may wait for the request that never came back: never on this thread.
-        threading.Thread(target=_close_quietly, args=(old,), name="outbox-consumer-retired",
+        threading.Thread(target=_close_quietly, args=(old, self._commits), name="outbox-consumer-retired",
                          daemon=True).start()
+        self._commits = BoundedCommits(self._commits.timeout)  # the new consumer's
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if consumer is not self._consumer:
@@ -290,8 +324,9 @@ class KafkaSource:
         return f"KafkaSource({redacted(self.config)!r})"
 
 
-def _close_quietly(consumer: Consumer) -> None:
+def _close_quietly(consumer: Consumer, commits: BoundedCommits) -> None:
     try:
+        commits.wait()
         consumer.close()
     except (KafkaException, RuntimeError) as exc:
         log.info("the replaced consumer closed with %s", exc)

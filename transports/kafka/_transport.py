@@ -18,6 +18,13 @@ librdkafka's idempotent producer, so a hot key costs no round trip per record:
   past a record it did not write: it is dropped first. A purged in-flight
   request may still land later, but only behind everything it followed.
 
+The broker refuses a *request* (a partition's batch), not a record: a record
+over the topic's ``max.message.bytes`` fails every record of its request, other
+keys' too. When more than one record came back with such a refusal
+(``REFUSED_WHOLE``), they are sent again one per request, where each gets its own
+answer, and what the refusal held back is sent again after them
+(``transports._refusals``): only the record at fault fails.
+
 Results then go through ``hold_behind_undelivered``: after a key's first
 record that was not delivered, the later ones come back ``RETRY``.
 
@@ -48,7 +55,9 @@ from confluent_kafka.admin import ClusterMetadata
 
 from transports._errors import ConfigurationError
 
-from .._protocol import Outcome, Record, SendResult
+from .._protocol import Outcome, Record, SendResult, TransportFeatures
+from .._refusals import resendable, settled
+from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -70,8 +79,30 @@ PERMANENT_ERRORS = frozenset({
     KafkaError._INVALID_ARG,
 })
 
-# Errors meaning the broker did not answer at all (frozen, down, unreachable).
+# Refusals the broker gives a whole request for what one record in it is (transports._refusals).
+REFUSED_WHOLE = frozenset({
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.INVALID_MSG_SIZE,
+    KafkaError.INVALID_RECORD,
+})
+
+# A producer whose every request holds one record: a refusal it meets is that record's own.
+ONE_PER_REQUEST = {"batch.num.messages": 1, "linger.ms": 0}
+
+# A topic's metadata errors that may mean "not created yet" (transports._unknown_topics).
+UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
+
+# A record's errors saying its topic (or partition) is gone: deleted, or fewer partitions now.
+TOPIC_GONE_ERRORS = UNKNOWN_TOPIC_ERRORS | {KafkaError._UNKNOWN_PARTITION}
+
+# Errors meaning the broker did not answer at all (frozen, down, unreachable), or answered that
+# the cluster cannot take writes now: too few in-sync replicas for acks=all (followers down). An
+# outage, never the record's fault (DESIGN §9). librdkafka retries those itself; pipelined, the
+# record then has no report within delivery_timeout, in waves its retries may run out.
 UNREACHABLE_ERRORS = frozenset({
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
     KafkaError._MSG_TIMED_OUT,
     KafkaError._TIMED_OUT,
     KafkaError._TRANSPORT,
@@ -81,6 +112,9 @@ UNREACHABLE_ERRORS = frozenset({
     KafkaError._PURGE_QUEUE,
     KafkaError._PURGE_INFLIGHT,
 })
+
+FATAL_CHECK = 0.2  # seconds between looks at a fatal error while waiting for delivery reports
+ABANDON_WAIT = 2.0  # seconds to serve the reports of purged and refused records
 
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 
@@ -132,6 +166,9 @@ class KafkaTransport:
     which case they go in waves, one round trip per record of a key.
     """
 
+    features = TransportFeatures()
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
+
     def __init__(
         self,
         settings: Mapping[str, Any] | None = None,
@@ -166,6 +203,8 @@ class KafkaTransport:
         self._delivery_timeout = delivery_timeout
         self._metadata_refresh = metadata_refresh
         self._partitions: dict[str, tuple[float, int]] = {}
+        propagation = int(config.get("topic.metadata.propagation.max.ms", PROPAGATION_SECONDS * 1000))
+        self._unknown = UnknownTopics(min(delivery_timeout, propagation / 1000))
         self._log = LibrdkafkaLog()
         self._errors = ClientErrors("producer")
         self._producer = self._new_producer()
@@ -209,15 +248,54 @@ class KafkaTransport:
         if self._fatal is not None:
             self._rebuild()
         if not self._pipelined:
-            return publish_in_waves(records, partial(self._send_wave, records))
+            return publish_in_waves(records, partial(self._send_wave_isolating, records))
         results: list[SendResult | None] = [None] * len(records)
-        self._send_wave(records, list(range(len(records))), results)
+        self._send_pipelined(records, results)
         return hold_behind_undelivered(records, results)
 
+    def _send_pipelined(self, records: Sequence[Record], results: list[SendResult | None]) -> None:
+        """Send every record at once; then sort out requests the broker refused whole.
+
+        When more than one record came back refused whole (``REFUSED_WHOLE``), those go
+        again one per request (``_isolate``), then what is still to send after them
+        (``resendable``: the rest of their keys, records behind them in their
+        partitions) goes again, and so on while each round settles something. The
+        rounds after the first share one more ``delivery_timeout``.
+        """
+        refused = self._send_wave(records, list(range(len(records))), results)
+        deadline = time.monotonic() + self._delivery_timeout
+        while len(refused) > 1:  # one alone in its request: the refusal is its own
+            before = settled(results)
+            self._isolate(records, refused, results, deadline)
+            again = resendable(records, results)
+            if settled(results) == before or not again or time.monotonic() >= deadline:
+                return
+            refused = self._send_wave(records, again, results, max(0.1, deadline - time.monotonic()))
+
+    def _send_wave_isolating(self, records: Sequence[Record], indexes: list[int],
+                             results: list[SendResult | None]) -> None:
+        """A wave (one record per key), its records refused whole sent again one per request."""
+        refused = self._send_wave(records, indexes, results)
+        if len(refused) > 1:
+            self._isolate(records, refused, results, time.monotonic() + self._delivery_timeout)
+
+    def _isolate(self, records: Sequence[Record], refused: list[int], results: list[SendResult | None],
+                 deadline: float) -> None:
+        """Send the ``refused`` records again, in order, on a producer of one record per request:
+        each refusal is then the record's own. A new producer of the transport's settings after."""
+        self._rebuild(ONE_PER_REQUEST)
+        try:
+            self._send_wave(records, refused, results, max(0.1, deadline - time.monotonic()))
+        finally:
+            self._rebuild()
+
     def _send_wave(
-        self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None]
-    ) -> None:
-        """Produce the records at ``indexes``, then wait (bounded) for all delivery reports.
+        self, records: Sequence[Record], indexes: list[int], results: list[SendResult | None],
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Produce the records at ``indexes``, then wait (up to ``timeout``, by default
+        ``delivery_timeout``) for all delivery reports; return the indexes the broker
+        refused whole (``REFUSED_WHOLE``).
 
         A key whose record could not even be queued (queue full, refused locally)
         gets none of its later records queued: they would be written behind it.
@@ -229,6 +307,8 @@ class KafkaTransport:
         lookup = self._partition_count
         outstanding = 0
         stopped: set[tuple[str, bytes | None]] = set()
+        for i in indexes:
+            results[i] = None  # sent again: an earlier round's answer no longer holds
         for i in indexes:
             record = records[i]
             if (record.topic, record.key) in stopped:
@@ -257,6 +337,7 @@ class KafkaTransport:
                 results[i] = SendResult(Outcome.RETRY, error="producer queue full")
             except KafkaException as exc:
                 results[i] = result_of(exc.args[0])
+                self._forget_if_gone(record.topic, exc.args[0])
             except (TypeError, ValueError) as exc:
                 # The client refused the record's own values (text it cannot encode, a
                 # header of the wrong type): that record fails, not the batch.
@@ -264,36 +345,56 @@ class KafkaTransport:
             if results[i] is not None and record.key is not None:
                 stopped.add((record.topic, record.key))
         if outstanding:
-            self._wait(self._delivery_timeout)
+            self._wait(self._delivery_timeout if timeout is None else timeout)
         if any(error is None for error, _ in reports.values()):
             self._errors.cleared()
+        refused = []
         for i, (error, message) in reports.items():
             results[i] = (SendResult(Outcome.DELIVERED, message.partition(), message.offset())
                           if error is None else result_of(error))
+            if error is not None and error.code() in REFUSED_WHOLE:
+                refused.append(i)
+            if error is not None:
+                self._forget_if_gone(records[i].topic, error)
+        return sorted(refused)
 
     def _wait(self, timeout: float) -> None:
         """Serve delivery reports until none is outstanding or ``timeout`` passed.
 
         What is left then is purged (its reports say so) and the producer is
         marked for recreation: it must not go on sending behind records it
-        dropped. A fatal error ends the wait the same way.
+        dropped. A fatal error ends the wait the same way, once the reports that came
+        with it were served: librdkafka reports it through ``error_cb`` and sends nothing
+        after it, so the records queued behind it would otherwise hold the wait to
+        ``timeout``.
         """
+        deadline = time.monotonic() + timeout
+        left = len(self._producer)
         try:
-            left = self._producer.flush(timeout)
+            while left:
+                before = left
+                left = self._producer.flush(min(FATAL_CHECK, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline or (self._fatal is not None and left == before):
+                    break
         except (KafkaException, SystemError) as exc:
             self._fatal = fatal_error(exc)
-            left = 1
         if left or self._fatal is not None:
             self._abandon()
 
     def _abandon(self) -> None:
-        """Purge everything outstanding, serve the reports left, recreate on next publish."""
+        """Purge everything outstanding, serve the reports left, recreate on next publish.
+
+        Every record then gets a report: the purged ones say so, the ones a fatal error
+        refused say why. The latter may still be on their way: librdkafka raises the
+        fatal error before it queues the reports of the request that caused it, and a
+        raise stops serving. So serve until none is outstanding (``ABANDON_WAIT`` at most).
+        """
         with suppress(KafkaException, SystemError):
             self._producer.purge(in_queue=True, in_flight=True)
-        for _ in range(3):  # each raise stops serving; the reports behind it are still queued
+        deadline = time.monotonic() + ABANDON_WAIT
+        while len(self._producer) and time.monotonic() < deadline:
             try:
-                self._producer.poll(0)
-                break
+                self._producer.poll(0.05)
             except (KafkaException, SystemError) as exc:
                 self._fatal = self._fatal or fatal_error(exc)
         if self._fatal is None:
@@ -315,11 +416,36 @@ class KafkaTransport:
         return result_of(count) if isinstance(count, KafkaError) else count
 
     def _lookup_partitions(self, topic: str) -> int | KafkaError:
-        """Partition counts are cached for ``metadata_refresh`` s; errors never are."""
-        now = time.monotonic()
+        """Partition counts are cached for ``metadata_refresh`` s; errors never are.
+
+        A topic the broker calls unknown is asked about again for up to
+        ``topic.metadata.propagation.max.ms`` (at most ``delivery_timeout``) before it is
+        believed: it may be being created (``transports._unknown_topics``).
+        """
         cached = self._partitions.get(topic)
-        if cached is not None and now - cached[0] < self._metadata_refresh:
+        if cached is not None and time.monotonic() - cached[0] < self._metadata_refresh:
             return cached[1]
+        while True:
+            found = self._ask_partitions(topic)
+            if not (isinstance(found, KafkaError) and found.code() in UNKNOWN_TOPIC_ERRORS):
+                self._unknown.known(topic)
+                return found
+            left = self._unknown.wait_left(topic)
+            if left <= 0:
+                return found
+            time.sleep(min(0.1, left))
+
+    def _forget_if_gone(self, topic: str, error: KafkaError) -> None:
+        """A record refused because its topic is unknown: the cached partition count no longer
+        holds. The next batch asks the broker again, which also renews librdkafka's own view of
+        the topic: a deleted topic created again is then written at once, not after the cache
+        (and librdkafka's "no such topic") ran out, which failed a row retried in between again."""
+        if error.code() in TOPIC_GONE_ERRORS:
+            self._partitions.pop(topic, None)
+
+    def _ask_partitions(self, topic: str) -> int | KafkaError:
+        """One metadata request for ``topic``: its partition count (now cached), or the error."""
+        now = time.monotonic()
         try:
             metadata: ClusterMetadata = self._producer.list_topics(
                 topic, timeout=min(10.0, self._delivery_timeout))
@@ -350,15 +476,17 @@ class KafkaTransport:
         if error.fatal():
             self._fatal = error
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, settings: Mapping[str, Any] | None = None) -> None:
+        """A new producer (with ``settings`` over the transport's): the old one is finished."""
         with suppress(KafkaException, SystemError):  # the fatal error that brought us here, again
             self._producer.flush(0)
-        self._producer = self._new_producer()
+        self._producer = self._new_producer(settings)
         self._fatal = None
 
-    def _new_producer(self) -> Producer:
+    def _new_producer(self, settings: Mapping[str, Any] | None = None) -> Producer:
         """librdkafka's log lines go to Python logging (``_logging``), not raw to stderr."""
-        return Producer({**self._config, "error_cb": self._on_error, "logger": self._log})
+        return Producer({**self._config, **(settings or {}), "error_cb": self._on_error,
+                         "logger": self._log})
 
     def close(self, timeout: float = 10.0) -> None:
         """Wait up to ``timeout`` seconds for queued records, then drop the producer.

@@ -23,7 +23,7 @@ from .._errors import (
     validate_topic,
 )
 from .._logsafe import safe_logger
-from .._protocol import Record, RevokeCallback
+from .._protocol import Record, RevokeCallback, SourceFeatures
 from ._logging import route_kafka_logs
 
 log = safe_logger("transports.kafka_python")
@@ -36,6 +36,9 @@ class KafkaPythonSource:
     ``sasl_plain_password`` …). ``enable_auto_commit`` must stay off.
     Not thread-safe: poll, commit and close from one thread.
     """
+
+    features = SourceFeatures()
+    """Both: Kafka offsets and committed positions that outlive the consumer."""
 
     def __init__(self, *, bootstrap_servers: str | Sequence[str], group_id: str,
                  topics: Sequence[str], **settings: Any) -> None:

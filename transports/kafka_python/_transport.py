@@ -19,6 +19,17 @@ records of one partition, but never two records of one key here: a key's next
 record is only sent after the previous one was acknowledged (the waves), so
 those settings are left to the producer's owner.
 
+The broker refuses a *request* (a partition's batch), not a record: a record
+over the topic's ``max.message.bytes`` fails every record of the wave that
+shared its request, other keys' too. When more than one record of a wave came
+back with such a refusal (``REFUSED_WHOLE``), each is sent again alone, and
+gets its own answer (``transports._refusals``): only the record at fault fails.
+
+A record the broker answers NOT_LEADER or LEADER_NOT_AVAILABLE (a new topic's
+first moments on Apache Kafka, a leader change) is sent again inside its wave
+until ``delivery_timeout``: kafka-python-ng retries nothing by default, and one
+record per key makes that safe.
+
 A wave whose acknowledgements do not all arrive within ``delivery_timeout``
 is not an error of the batch: its unacknowledged records come back as
 ``RETRY`` (the relay backs off and counts the attempt); records still queued
@@ -40,12 +51,15 @@ import kafka.errors as kafka_errors
 from kafka.protocol.metadata import MetadataRequest
 
 from .._errors import ConfigurationError
-from .._protocol import Outcome, Record, SendResult
+from .._protocol import Outcome, Record, SendResult, TransportFeatures
+from .._refusals import NOT_SENT_ALONE
+from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import NO_REPORT, key_partition, publish_in_waves
 from ._logging import route_kafka_logs
 
 PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
     kafka_errors.TopicAuthorizationFailedError,
     kafka_errors.ClusterAuthorizationFailedError,
     kafka_errors.InvalidTopicError,
@@ -53,6 +67,22 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
     kafka_errors.PolicyViolationError,
 )
 
+# Refusals the broker gives a whole request for what one record in it is (transports._refusals).
+# UnknownError: kafka-python-ng 2.2 knows no INVALID_RECORD (87, a keyless record on a compacted
+# topic) and reports it so; sent alone, the record at fault is the only one that gets it again.
+REFUSED_WHOLE: tuple[type[Exception], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.UnknownError,
+)
+
+# Answers of a partition whose leader is moving (or, for a new topic, not yet in place): sent
+# again inside the wave after LEADER_BACKOFF seconds, within delivery_timeout.
+LEADER_MOVING: tuple[type[Exception], ...] = (
+    kafka_errors.NotLeaderForPartitionError,
+    kafka_errors.LeaderNotAvailableError,
+)
+LEADER_BACKOFF = 0.1  # kafka-python-ng's own retry_backoff_ms
 
 # Topic errors in a metadata answer that no resend can fix.
 PERMANENT_TOPIC_ERRORS: tuple[type[Exception], ...] = (
@@ -70,8 +100,12 @@ SAFE_ACKS = frozenset({"all", "-1"})
 BATCH_ESTIMATE_MARGIN = 61
 
 
-# Errors meaning the broker did not answer at all (down, unreachable, frozen).
+# Errors meaning the broker did not answer at all (down, unreachable, frozen), or answered that
+# the cluster cannot take writes now (too few in-sync replicas for acks=all): an outage, never the
+# record's fault. (kafka-python-ng retries none of them by default: retries=0.)
 UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (
+    kafka_errors.NotEnoughReplicasError,
+    kafka_errors.NotEnoughReplicasAfterAppendError,
     kafka_errors.KafkaTimeoutError,
     kafka_errors.NoBrokersAvailable,
     kafka_errors.KafkaConnectionError,
@@ -103,8 +137,13 @@ class KafkaPythonTransport:
     ``UnknownTopicOrPartition`` and waits ``max_block_ms`` for a topic that will
     never appear, which would retry the record forever. An unknown, invalid or
     unauthorised topic makes its records ``FAILED``. ``allow_auto_create_topics``
-    is what that request asks for (the broker's own setting still applies).
+    is what that request asks for (the broker's own setting still applies); when it asks,
+    "unknown" is believed only after up to 30 s of asking again, since Apache Kafka answers
+    the request that starts a topic's creation that way (``transports._unknown_topics``).
     """
+
+    features = TransportFeatures()
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
 
     def __init__(self, producer: Any, *, delivery_timeout: float = 30.0,
                  allow_auto_create_topics: bool = True) -> None:
@@ -127,6 +166,9 @@ class KafkaPythonTransport:
         self._auto_create = bool(allow_auto_create_topics)
         max_block = getattr(producer, "config", {}).get("max_block_ms", 60_000) / 1000
         self._probe_timeout = min(delivery_timeout, max_block)
+        # An "unknown topic" is believed after this long (transports._unknown_topics), within
+        # the probe's own bound so that the probe ends with the broker's answer.
+        self._unknown = UnknownTopics(min(PROPAGATION_SECONDS, self._probe_timeout * 0.8))
 
     def __repr__(self) -> str:
         return f"KafkaPythonTransport({type(self._producer).__name__})"
@@ -162,17 +204,72 @@ class KafkaPythonTransport:
                 if isinstance(partition, SendResult):
                     results[i] = partition
                     continue
-                futures.append((i, self._producer.send(
-                    record.topic, value=record.value, key=record.key,
-                    headers=list(record.headers), partition=partition)))
+                futures.append((i, partition, self._send(record, partition)))
             except kafka_errors.KafkaError as exc:
                 results[i] = result_of(exc)
-        # A timeout is no error of the batch: records without an acknowledgement come back
-        # as RETRY below.
-        with contextlib.suppress(kafka_errors.KafkaTimeoutError):
-            self._producer.flush(self._delivery_timeout)
-        for i, future in futures:
+        futures = self._settle(records, futures, results)
+        refused = [(i, partition) for i, partition, future in futures
+                   if future.is_done and future.failed() and isinstance(future.exception, REFUSED_WHOLE)]
+        if len(refused) > 1:  # one alone in its request: the refusal is its own
+            self._send_alone(records, refused, results)
+
+    def _settle(self, records: Sequence[Record], futures: list[tuple[int, int | None, Any]],
+                results: list[SendResult | None]) -> list[tuple[int, int | None, Any]]:
+        """Wait for the wave's answers; send again, within ``delivery_timeout``, what a moving
+        leader refused (``LEADER_MOVING``); return the last send of each record.
+
+        kafka-python-ng retries nothing by default (``retries=0``), and Apache Kafka answers a
+        new topic's first records NOT_LEADER for a moment, as it does during a leader change.
+        Inside a wave (one record per key) sending again cannot reorder a key.
+        """
+        deadline = time.monotonic() + self._delivery_timeout
+        latest = {i: (partition, future) for i, partition, future in futures}
+        waiting = futures
+        while True:
+            self._flush(max(0.0, deadline - time.monotonic()))
+            moving = [(i, partition) for i, partition, future in waiting
+                      if future.is_done and future.failed() and isinstance(future.exception, LEADER_MOVING)]
+            if not moving or time.monotonic() + LEADER_BACKOFF >= deadline:
+                break
+            time.sleep(LEADER_BACKOFF)  # the client refreshes its metadata meanwhile
+            waiting = []
+            for i, partition in moving:
+                try:
+                    waiting.append((i, partition, self._send(records[i], partition)))
+                except kafka_errors.KafkaError:
+                    continue  # its first answer stands
+                latest[i] = (partition, waiting[-1][2])
+        for i, (_, future) in latest.items():
             results[i] = _outcome(future)
+        return [(i, partition, future) for i, (partition, future) in latest.items()]
+
+    def _send_alone(self, records: Sequence[Record], refused: list[tuple[int, int | None]],
+                    results: list[SendResult | None]) -> None:
+        """Send each record a request refused whole again in a request of its own (within one more
+        ``delivery_timeout``): its answer is then its own. One not sent again in time is RETRY."""
+        deadline = time.monotonic() + self._delivery_timeout
+        for i, partition in refused:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE)
+                continue
+            try:
+                future = self._send(records[i], partition)
+            except kafka_errors.KafkaError as exc:
+                results[i] = result_of(exc)
+                continue
+            self._flush(left)
+            results[i] = _outcome(future)
+
+    def _send(self, record: Record, partition: int | None) -> Any:
+        return self._producer.send(record.topic, value=record.value, key=record.key,
+                                   headers=list(record.headers), partition=partition)
+
+    def _flush(self, timeout: float) -> None:
+        # A timeout is no error of the batch: records without an acknowledgement come back
+        # as RETRY (``_outcome``).
+        with contextlib.suppress(kafka_errors.KafkaTimeoutError):
+            self._producer.flush(timeout)
 
     def _partition_count(self, topic: str) -> int | SendResult:
         try:
@@ -200,11 +297,18 @@ class KafkaPythonTransport:
                 client.wakeup()
                 answered.wait(max(0.0, deadline - time.monotonic()))
                 if future.succeeded():
-                    for error_code, name, *_ in future.value.topics:
-                        error = kafka_errors.for_code(error_code)
-                        if name == topic and issubclass(error, PERMANENT_TOPIC_ERRORS):
-                            return SendResult(Outcome.FAILED, error=f"{error.__name__}: topic {topic!r}")
-                    return None  # known, or being created: partitions_for waits for it
+                    error = _refusal(topic, future.value.topics)
+                    if error is None:
+                        self._unknown.known(topic)
+                        return None  # known, or being created: partitions_for waits for it
+                    # "Unknown" may mean "being created" by this very request (auto-creation
+                    # asked; transports._unknown_topics): ask again for a while.
+                    unknown = issubclass(error, kafka_errors.UnknownTopicOrPartitionError)
+                    left = self._unknown.wait_left(topic) if unknown and self._auto_create else 0.0
+                    if left <= 0:
+                        return SendResult(Outcome.FAILED, error=f"{error.__name__}: topic {topic!r}")
+                    time.sleep(min(0.1, left))
+                    continue
             if time.monotonic() >= deadline:
                 return SendResult(Outcome.RETRY, unreachable=True, error=(
                     f"no metadata answer for topic {topic!r} in {self._probe_timeout:g} s"))
@@ -212,6 +316,15 @@ class KafkaPythonTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         self._producer.flush(timeout)
+
+
+def _refusal(topic: str, answered: Any) -> type[Exception] | None:
+    """The error a Metadata answer gives ``topic`` that no send can overcome, if any."""
+    for error_code, name, *_ in answered:
+        error: type[Exception] = kafka_errors.for_code(error_code)
+        if name == topic and issubclass(error, PERMANENT_TOPIC_ERRORS):
+            return error
+    return None
 
 
 def _outcome(future: Any) -> SendResult:

@@ -16,7 +16,8 @@ maximum. ``forget`` takes a tenant that left out of the combined values.
 
 Cost: a view's ``labels`` is the collector's own ``labels`` with one more
 value; a gauge ``set`` adds a lock and a sum over the tenants sharing that
-one series. Nothing is done per message.
+one series. Nothing is done per message. On the shared floor, under the relay's
+and the inbox's metrics, which build their views from it.
 """
 
 from __future__ import annotations

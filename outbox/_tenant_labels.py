@@ -11,6 +11,8 @@ up there; its gauges are combined with the other tenants' there, see
 ``_metric_views``). A ``label`` function maps a tenant to a coarser label of
 the user's choosing (a tier, a region, a hash bucket) before the bound
 applies. No tenant label at all is the policy ``None`` where a policy is taken.
+On the shared floor, under the relay's and the inbox's metrics; ``outbox.tenants``
+re-exports it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from .._errors import ConfigurationError
+from ._errors import ConfigurationError
 from ._tenant import check_tenant_name
 
 OTHER_TENANTS = "_other"

@@ -1,8 +1,7 @@
-"""The inbox's store on MySQL and MariaDB, which have neither ``ON CONFLICT`` nor ``RETURNING``.
+"""The inbox's stores on MySQL and MariaDB, which have neither ``ON CONFLICT`` nor ``RETURNING``.
 
 "Insert unless present" is ``INSERT … ON DUPLICATE KEY UPDATE`` with a no-op
-assignment, not ``INSERT IGNORE``, which would also turn a too-long value or a
-NULL into a warning and store something else. Dedup rows go in one multi-row
+assignment (``_inserts.OnDuplicateKey``). Dedup rows go in one multi-row
 ``INSERT`` (InnoDB undoes just that statement when it meets a duplicate key) and,
 only when that meets a duplicate key, row by row, each in its own savepoint: so the
 caller learns which ids were new without ``RETURNING``. Every executemany here is an ``INSERT``, which the
@@ -28,11 +27,9 @@ from typing import Any, cast
 from sqlalchemy import (
     BigInteger,
     DateTime,
-    Insert,
     Integer,
     Row,
     String,
-    Table,
     and_,
     bindparam,
     func,
@@ -41,15 +38,19 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .._envelope import utcnow
-from .._mysql import json_rows, json_table
-from .._tables import InboxOutcome, OutboxTables, name_collation
-from ._delivery import Delivery, KeyId
-from ._store import InboxStore, KeyState
+from ..._envelope import utcnow
+from ..._mysql import json_rows, json_table
+from ..._tables import InboxOutcome, OutboxTables, name_collation
+from .._delivery import Delivery, KeyId
+from ._dedup import DedupTable
+from ._held import HeldTable
+from ._inserts import MYSQL_INSERTS
+from ._keys import KeysTable, KeyState
+from ._parked import ParkedTable
+from ._storage import InboxStorage
 
 ER_DUP_ENTRY = 1062
 
@@ -73,24 +74,11 @@ def _keys_table(session: Session, param: str, **seqs: BigInteger | String) -> An
         "key": f"VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation}"})
 
 
-class MySQLStore(InboxStore):
-    """Statements for one group; every method runs in the caller's transaction."""
-
-    inserts_count_exactly = False
-    """``ON DUPLICATE KEY UPDATE`` counts a kept row as found (the driver's FOUND_ROWS flag)."""
-
+class MySQLKeys(KeysTable):
     def __init__(self, tables: OutboxTables, group: str) -> None:
-        super().__init__(tables, group)
-        m = tables.inbox_messages
-        # The batch's dedup rows from one JSON parameter (``_mysql.json_table``), not a
-        # multi-row INSERT, whose values the driver quotes one by one in Python.
-        claims = json_table("rows", _CLAIMS)
-        self._claim = insert(m).from_select(
-            ["consumer_group", *_CLAIMS, "processed_at", "deliveries", "outcome"],
-            select(literal(group), *claims.c, bindparam("now", type_=m.c.processed_at.type),
-                   literal(1), literal(InboxOutcome.PROCESSED.value)))
+        super().__init__(tables, group, MYSQL_INSERTS)
 
-    def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
+    def lock(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
         wanted = sorted(set(keys))
         if not wanted:
             return {}
@@ -98,9 +86,7 @@ class MySQLStore(InboxStore):
         if len(found) < len(wanted):
             have = {(topic, key) for topic, key, *_ in found}
             missing = [key for key in wanted if key not in have]
-            session.execute(self._insert_new(self.t.inbox_keys), [
-                {"consumer_group": self.group, "topic": t, "key": key, "last_seq": 0,
-                 "parked": False} for t, key in missing])
+            self._create(session, missing)
             found += self._lock_existing(session, missing)
         # Unpacked: a Row's attribute access costs more than the rest of the loop.
         return {(topic, key): KeyState(last_seq, parked, started, incarnation)
@@ -120,19 +106,36 @@ class MySQLStore(InboxStore):
         rows = session.execute(stmt, {"keys": json.dumps(keys)}).all()
         return cast(list[tuple[str, str, int, bool, int | None, str | None]], rows)
 
-    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
-        h = self.t.inbox_held
-        wanted = _keys_table(session, "ranges", first_seq=BigInteger(), last_seq=BigInteger())
-        stmt = select(h).select_from(wanted.join(h, and_(
-            h.c.consumer_group == self.group, h.c.topic == wanted.c.topic, h.c.key == wanted.c.key,
-            h.c.seq >= wanted.c.first_seq, h.c.seq <= wanted.c.last_seq)))
-        params = json.dumps([[t, key, first, last] for (t, key), (first, last) in ranges.items()])
-        return list(session.execute(stmt, {"ranges": params}).all())
+    def advance(self, session: Session, seqs: dict[KeyId, int],
+                incarnations: Mapping[KeyId, str] | None = None) -> None:
+        """Advance keys whose rows exist and are locked (lock ran first): one joined UPDATE.
 
-    def _insert_new(self, table: Table) -> Insert:
-        """An INSERT that leaves a row with the same unique key as it is."""
-        ins = mysql.insert(table)  # every unique key of the inbox tables holds consumer_group
-        return ins.on_duplicate_key_update(consumer_group=ins.inserted.consumer_group)
+        A key in ``incarnations`` records that producer incarnation; a JSON null keeps the key's.
+        """
+        if not seqs:
+            return
+        incarnations = incarnations or {}
+        k = self.t.inbox_keys
+        wanted = _keys_table(session, "seqs", last_seq=BigInteger(), incarnation=String())
+        stmt = (update(k)
+                .where(k.c.consumer_group == self.group, k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)
+                .values(last_seq=wanted.c.last_seq,
+                        incarnation=func.coalesce(wanted.c.incarnation, k.c.incarnation)))
+        session.execute(stmt, {"seqs": json.dumps([[t, key, seq, incarnations.get((t, key))]
+                                                   for (t, key), seq in seqs.items()])})
+
+
+class MySQLDedup(DedupTable):
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, MYSQL_INSERTS)
+        m = tables.inbox_messages
+        # The batch's dedup rows from one JSON parameter (``_mysql.json_table``), not a
+        # multi-row INSERT, whose values the driver quotes one by one in Python.
+        claims = json_table("rows", _CLAIMS)
+        self._claim = insert(m).from_select(
+            ["consumer_group", *_CLAIMS, "processed_at", "deliveries", "outcome"],
+            select(literal(group), *claims.c, bindparam("now", type_=m.c.processed_at.type),
+                   literal(1), literal(InboxOutcome.PROCESSED.value)))
 
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         if not deliveries:
@@ -154,34 +157,32 @@ class MySQLStore(InboxStore):
         for d in deliveries:
             try:
                 with session.begin_nested():
-                    session.execute(insert(m), self._done_row(d, now))
+                    session.execute(insert(m), self.done_row(d, now))
                 new.add(d.message.message_id)
             except IntegrityError as exc:
                 if not _duplicate_key(exc):
                     raise
         return new
 
-    def _record_done(self, session: Session, row: dict[str, Any], changes: dict[str, Any]) -> None:
-        m = self.t.inbox_messages
-        session.execute(mysql.insert(m).values(row).on_duplicate_key_update(changes))
 
-    def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
-                     incarnations: Mapping[KeyId, str] | None = None) -> None:
-        """Advance keys whose rows exist and are locked (lock_keys ran first): one joined UPDATE.
+class MySQLHeld(HeldTable):
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, MYSQL_INSERTS)
 
-        A key in ``incarnations`` records that producer incarnation; a JSON null keeps the key's.
-        """
-        if not seqs:
-            return
-        incarnations = incarnations or {}
-        k = self.t.inbox_keys
-        wanted = _keys_table(session, "seqs", last_seq=BigInteger(), incarnation=String())
-        stmt = (update(k)
-                .where(k.c.consumer_group == self.group, k.c.topic == wanted.c.topic, k.c.key == wanted.c.key)
-                .values(last_seq=wanted.c.last_seq,
-                        incarnation=func.coalesce(wanted.c.incarnation, k.c.incarnation)))
-        session.execute(stmt, {"seqs": json.dumps([[t, key, seq, incarnations.get((t, key))]
-                                                   for (t, key), seq in seqs.items()])})
+    def _rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
+        h = self.t.inbox_held
+        wanted = _keys_table(session, "ranges", first_seq=BigInteger(), last_seq=BigInteger())
+        stmt = select(h).select_from(wanted.join(h, and_(
+            h.c.consumer_group == self.group, h.c.topic == wanted.c.topic, h.c.key == wanted.c.key,
+            h.c.seq >= wanted.c.first_seq, h.c.seq <= wanted.c.last_seq)))
+        params = json.dumps([[t, key, first, last] for (t, key), (first, last) in ranges.items()])
+        return list(session.execute(stmt, {"ranges": params}).all())
+
+
+def mysql_storage(tables: OutboxTables, group: str) -> InboxStorage:
+    """The inbox's storage of ``group`` on MySQL or MariaDB."""
+    return InboxStorage(group, MySQLDedup(tables, group), MySQLKeys(tables, group),
+                        MySQLHeld(tables, group), ParkedTable(tables, group, MYSQL_INSERTS))
 
 
 def _duplicate_key(error: IntegrityError) -> bool:

@@ -1,9 +1,9 @@
 """``Tenant`` and where a fleet's tenants come from: a list, a query, a callable, a file.
 
-A tenant is a name and the place its tables live: a schema of a database, or
-a database of its own (or both). The name is what people read: it labels log
+A tenant is a name and where its tables live: a schema of a database, or a
+database of its own (or both). The name is what people read: it labels log
 lines, alerts, metrics and the tenant header the relay stamps on every record,
-so it is short printable ASCII. The place is checked like any table name.
+so it is short printable ASCII. The schema is checked like any table name.
 
 A ``TenantSource`` is anything called with no argument that returns the
 current tenants; a relay or an inbox calls it again every refresh, which is
@@ -12,6 +12,9 @@ usual forms into one: a list, a callable, ``schemas_like(...)`` (the schemas
 of a database whose name matches a pattern), ``from_query(...)`` (a query of
 the application's own tenant table) and ``from_file(...)`` (a JSON file).
 ``parse_tenants`` reads the command line's ``--tenants`` spelling of each.
+
+On the shared floor: the relay, the inbox, alerts and metrics check and name
+tenants with it; ``outbox.tenants`` re-exports it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from sqlalchemy import Engine
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
-from .._secrets import database_url
-from .._validation import validate_identifier
+from ._errors import ConfigurationError
+from ._secrets import database_url
+from ._validation import validate_identifier
 
 log = safe_logger("outbox.tenants")
 
@@ -58,7 +61,9 @@ class Tenant:
     ``database`` is a URL or an ``Engine`` (``None``: the fleet's default
     database); ``schema`` is the schema holding the tenant's outbox and inbox
     tables in it (``None``: the database's default, as with ``--schema``
-    unset). Two tenants must differ in name and in place.
+    unset). Two tenants must differ in name and in where their tables are:
+    two addresses spelled alike are refused here, two that their servers say
+    are one schema by whoever serves them (``_schemas``).
     """
 
     name: str
@@ -86,8 +91,13 @@ class Tenant:
         return database_url(str(url) if not isinstance(url, str) else url)
 
     @property
-    def place(self) -> tuple[str | None, str | None]:
-        """(database URL, schema): what two tenants may not share."""
+    def address(self) -> tuple[str | None, str | None]:
+        """(database URL as written, schema): where the tenant says its tables are.
+
+        Spelled alike, two addresses are one; spelled otherwise they may still be
+        one (``localhost`` and ``127.0.0.1``): what decides is what the server
+        says (``SchemaClaims``).
+        """
         db = self.database
         return (None if db is None else db if isinstance(db, str) else db.url.render_as_string(), self.schema)
 
@@ -114,42 +124,62 @@ def tenant_source(tenants: TenantsLike) -> TenantSource:
 
 
 def checked_tenants(tenants: Iterable[Tenant | str]) -> list[Tenant]:
-    """``tenants`` as ``Tenant``s, refusing a duplicate name or place by name."""
+    """``tenants`` as ``Tenant``s, refusing a duplicate name or address by name."""
     out: list[Tenant] = []
     names: set[str] = set()
-    places: dict[tuple[str | None, str | None], str] = {}
+    addresses: dict[tuple[str | None, str | None], str] = {}
     for item in tenants:
         tenant = Tenant(name=item, schema=item) if isinstance(item, str) else item
         if not isinstance(tenant, Tenant):
             raise ConfigurationError(f"a tenant must be a Tenant or a schema name, got {type(item).__name__}")
         if tenant.name in names:
             raise ConfigurationError(f"tenant {tenant.name!r} is listed twice")
-        if tenant.place in places:
-            raise ConfigurationError(
-                f"tenants {places[tenant.place]!r} and {tenant.name!r} name the same schema of one database")
+        if tenant.address in addresses:
+            raise ConfigurationError(f"tenants {addresses[tenant.address]!r} and {tenant.name!r} name the "
+                                     "same schema of one database")
         names.add(tenant.name)
-        places[tenant.place] = tenant.name
+        addresses[tenant.address] = tenant.name
         out.append(tenant)
     return out
 
 
 def schemas_like(engine: Engine, pattern: str) -> TenantSource:
-    """Every schema of ``engine``'s database whose name matches the SQL ``LIKE`` ``pattern``.
+    """Every schema of ``engine``'s database whose name matches ``pattern``: ``%`` is the one wildcard.
 
-    Each becomes a tenant named after its schema. Schemas appear and disappear
-    with the application's own ``CREATE SCHEMA`` / ``DROP SCHEMA``; a schema
-    that matches but holds no outbox tables is reported by whoever serves it.
+    ``%`` matches any run of characters (none included); every other character
+    matches itself, case included. SQL's ``LIKE`` would also take ``_`` for
+    "any one character", so that ``tenant_%`` matched ``tenants`` and
+    ``tenantX…``: schema names are full of ``_``, and a tenant served by
+    accident sends its rows under its own name. Each schema matched becomes a
+    tenant named after it. Schemas appear and disappear with the application's
+    own ``CREATE SCHEMA`` / ``DROP SCHEMA``; a schema that matches but holds no
+    outbox tables is reported by whoever serves it. On MySQL and MariaDB a
+    schema is a database of the server; on SQLite, a database attached to the
+    engine's connections.
     """
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigurationError("schemas_like needs a LIKE pattern such as 'tenant_%'")
-    query = sa.text("SELECT schema_name FROM information_schema.schemata "
-                    "WHERE schema_name LIKE :pattern ORDER BY schema_name")
+        raise ConfigurationError("schemas_like needs a pattern such as 'tenant_%' ('%' matches any run of "
+                                 "characters, everything else itself)")
+    matches = re.compile(".*".join(re.escape(part) for part in pattern.split("%")), re.DOTALL).fullmatch
 
     def schemas() -> list[Tenant]:
-        with engine.connect() as conn:
-            names = [row[0] for row in conn.execute(query, {"pattern": pattern})]
-        return checked_tenants(_valid_schemas(names))
+        names = [name for name in _schema_names(engine) if isinstance(name, str) and matches(name)]
+        return checked_tenants(_valid_schemas(sorted(names)))
     return schemas
+
+
+def _schema_names(engine: Engine) -> list[str]:
+    """The names of the schemas of ``engine``'s database, as its server spells them."""
+    if engine.dialect.name == "sqlite":  # outside a transaction, which would wait for a writer
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            cursor.execute("PRAGMA database_list")
+            return [row[1] for row in cursor.fetchall() if row[1] not in ("main", "temp")]
+        finally:
+            raw.close()
+    with engine.connect() as conn:
+        return list(conn.scalars(sa.text("SELECT schema_name FROM information_schema.schemata")))
 
 
 _skipped: set[str] = set()
@@ -237,9 +267,9 @@ def from_file(path: str | Path) -> TenantSource:
 def parse_tenants(spec: str, engine: Engine) -> TenantSource:
     """The command line's ``--tenants``: where the tenants of ``engine``'s database (or others) come from.
 
-    ``like:PATTERN`` (schemas matching a LIKE pattern), ``file:PATH`` (a JSON
-    file, see ``from_file``), ``query:SQL`` (``from_query``), or a
-    comma-separated list of schema names.
+    ``like:PATTERN`` (schemas whose name matches PATTERN, ``%`` its one
+    wildcard), ``file:PATH`` (a JSON file, see ``from_file``), ``query:SQL``
+    (``from_query``), or a comma-separated list of schema names.
     """
     kind, _, rest = spec.partition(":")
     if kind == "like" and rest:

@@ -1,4 +1,4 @@
-"""The inbox's store on PostgreSQL: per-batch statements with a constant text and a stable plan.
+"""The inbox's stores on PostgreSQL: per-batch statements with a constant text and a stable plan.
 
 Each statement takes one array per column (``_pg_arrays``), so its text does
 not change with the batch size: psycopg caches it and prepares it after a few
@@ -24,7 +24,6 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     Row,
-    Table,
     Text,
     Uuid,
     any_,
@@ -37,17 +36,21 @@ from sqlalchemy import (
     select,
     true,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
-from .._envelope import utcnow
-from .._pg_arrays import array_params, int_array, rows_of
-from .._tables import InboxOutcome, OutboxTables
-from ._delivery import Delivery, KeyId, OrderedDelivery
-from ._kinds import Reason
-from ._store import KeyState, OnConflictStore, ParkedRow, parked_row
+from ..._envelope import utcnow
+from ..._pg_arrays import array_params, int_array, rows_of
+from ..._tables import InboxOutcome, OutboxTables
+from .._delivery import Delivery, KeyedDelivery, KeyId
+from .._kinds import Reason
+from ._dedup import DedupTable
+from ._held import HeldTable
+from ._inserts import POSTGRES_INSERTS
+from ._keys import KeysTable, KeyState
+from ._parked import ParkedRow, ParkedTable, parked_row
+from ._storage import InboxStorage
 
 _KEYS: dict[str, TypeEngine[Any]] = {"topic": Text(), "key": Text()}
 _SEQS: dict[str, TypeEngine[Any]] = {**_KEYS, "seq": BigInteger()}
@@ -65,78 +68,71 @@ _PARKED_BEHIND: dict[str, TypeEngine[Any]] = {
 }
 
 
-class PostgresStore(OnConflictStore):
-    """Statements for one group, built once; every method runs in the caller's transaction."""
+class PostgresKeys(KeysTable):
+    """Locking a batch's keys is one round trip when every key exists (the steady state), three when not."""
 
     def __init__(self, tables: OutboxTables, group: str) -> None:
-        super().__init__(tables, group)
-        k, m, h = tables.inbox_keys, tables.inbox_messages, tables.inbox_held
-        keys, advances, claims = rows_of(_KEYS), rows_of(_ADVANCES), rows_of(_CLAIMS)
-        ranges = rows_of(_RANGES)
+        super().__init__(tables, group, POSTGRES_INSERTS)
+        k = tables.inbox_keys
+        keys, advances = rows_of(_KEYS), rows_of(_ADVANCES)
         locked = (
             select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq, k.c.incarnation)
             .where(k.c.consumer_group == group, k.c.topic == keys.c.topic, k.c.key == keys.c.key)
             .with_for_update()
             .lateral("locked")
         )
-        self._lock_keys = select(locked).select_from(keys.join(locked, true()))
+        self._lock = select(locked).select_from(keys.join(locked, true()))
         self._create_keys = insert(k).from_select(
             ["consumer_group", "topic", "key", "last_seq", "parked"],
             select(literal(group), keys.c.topic, keys.c.key, literal(0, BigInteger), false()),
         ).on_conflict_do_nothing()
-        claimed = list(_CLAIMS)
+        # The rows exist and are locked (lock ran first): the upsert only updates.
+        upsert = insert(k).from_select(
+            ["consumer_group", "topic", "key", "last_seq", "parked", "incarnation"],
+            select(literal(group), advances.c.topic, advances.c.key, advances.c.seq, false(),
+                   advances.c.incarnation),
+        )
+        self._advance = upsert.on_conflict_do_update(
+            index_elements=[k.c.consumer_group, k.c.topic, k.c.key],
+            set_={"last_seq": upsert.excluded.last_seq,
+                  "incarnation": func.coalesce(upsert.excluded.incarnation, k.c.incarnation)},
+        )
+
+    def lock(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
+        wanted = sorted(set(keys))
+        if not wanted:
+            return {}
+        rows = list(session.execute(self._lock, _key_params(wanted)).all())
+        if len(rows) < len(wanted):
+            found = {(r.topic, r.key) for r in rows}
+            missing = [key for key in wanted if key not in found]
+            session.execute(self._create_keys, _key_params(missing))
+            rows.extend(session.execute(self._lock, _key_params(missing)).all())
+        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
+                for r in rows}
+
+    def advance(self, session: Session, seqs: dict[KeyId, int],
+                incarnations: Mapping[KeyId, str] | None = None) -> None:
+        if not seqs:
+            return
+        incarnations = incarnations or {}
+        session.execute(self._advance, array_params(_ADVANCES, {
+            "topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
+            "seq": list(seqs.values()), "incarnation": [incarnations.get(key) for key in seqs]}))
+
+
+class PostgresDedup(DedupTable):
+    """``claim`` is one INSERT of one array per column, ``RETURNING`` the ids that were new."""
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, POSTGRES_INSERTS)
+        m, claims, claimed = tables.inbox_messages, rows_of(_CLAIMS), list(_CLAIMS)
         self._claim = insert(m).from_select(
             ["consumer_group", *claimed, "processed_at", "deliveries", "outcome"],
             select(literal(group), *[claims.c[c] for c in claimed],
                    bindparam("now", type_=DateTime(timezone=True)), literal(1),
                    literal(InboxOutcome.PROCESSED.value)),
         ).on_conflict_do_nothing().returning(m.c.message_id)
-        # The rows exist and are locked (lock_keys ran first): the upsert only updates.
-        upsert = insert(k).from_select(
-            ["consumer_group", "topic", "key", "last_seq", "parked", "incarnation"],
-            select(literal(group), advances.c.topic, advances.c.key, advances.c.seq, false(),
-                   advances.c.incarnation),
-        )
-        self._set_last_seq = upsert.on_conflict_do_update(
-            index_elements=[k.c.consumer_group, k.c.topic, k.c.key],
-            set_={"last_seq": upsert.excluded.last_seq,
-                  "incarnation": func.coalesce(upsert.excluded.incarnation, k.c.incarnation)},
-        )
-        successor = select(h).where(
-            h.c.consumer_group == group, h.c.topic == ranges.c.topic, h.c.key == ranges.c.key,
-            h.c.seq >= ranges.c["first"], h.c.seq <= ranges.c["last"],
-        ).lateral("successor")
-        self._successors = select(successor).select_from(ranges.join(successor, true()))
-        parked = tables.inbox_parked
-        behind, columns = rows_of(_PARKED_BEHIND), list(_PARKED_BEHIND)
-        self._park_behind = insert(parked).from_select(
-            ["consumer_group", *columns, "reason", "attempts", "last_failure_at"],
-            select(literal(group), *[behind.c[c] for c in columns], literal(Reason.KEY_PARKED.value),
-                   literal(0), bindparam("now", type_=DateTime(timezone=True))),
-        ).on_conflict_do_nothing()
-        self._unpark_rows = delete(parked).where(
-            parked.c.id == any_(cast(bindparam("ids", type_=Text()), ARRAY(BigInteger))))
-
-    def _insert(self, table: Table) -> postgresql.Insert:
-        return insert(table)
-
-    def lock_keys(self, session: Session, keys: Iterable[KeyId]) -> dict[KeyId, KeyState]:
-        """Lock and read ``keys``, creating missing ones.
-
-        One round trip when every key exists (the steady state), three when
-        some are new.
-        """
-        wanted = sorted(set(keys))
-        if not wanted:
-            return {}
-        rows = list(session.execute(self._lock_keys, _key_params(wanted)).all())
-        if len(rows) < len(wanted):
-            found = {(r.topic, r.key) for r in rows}
-            missing = [key for key in wanted if key not in found]
-            session.execute(self._create_keys, _key_params(missing))
-            rows.extend(session.execute(self._lock_keys, _key_params(missing)).all())
-        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
-                for r in rows}
 
     def claim(self, session: Session, deliveries: Sequence[Delivery]) -> set[uuid.UUID]:
         if not deliveries:
@@ -153,22 +149,49 @@ class PostgresStore(OnConflictStore):
         })
         return set(session.scalars(self._claim, {**params, "now": utcnow()}))
 
-    def set_last_seq(self, session: Session, seqs: dict[KeyId, int],
-                     incarnations: Mapping[KeyId, str] | None = None) -> None:
-        if not seqs:
-            return
-        incarnations = incarnations or {}
-        session.execute(self._set_last_seq, array_params(_ADVANCES, {
-            "topic": [t for t, _ in seqs], "key": [key for _, key in seqs],
-            "seq": list(seqs.values()), "incarnation": [incarnations.get(key) for key in seqs]}))
 
-    def park_behind(self, session: Session, deliveries: Sequence[OrderedDelivery]) -> None:
+class PostgresHeld(HeldTable):
+    """A batch's successors through one LATERAL probe of the held index per key."""
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, POSTGRES_INSERTS)
+        h, ranges = tables.inbox_held, rows_of(_RANGES)
+        successor = select(h).where(
+            h.c.consumer_group == group, h.c.topic == ranges.c.topic, h.c.key == ranges.c.key,
+            h.c.seq >= ranges.c["first"], h.c.seq <= ranges.c["last"],
+        ).lateral("successor")
+        self._successors = select(successor).select_from(ranges.join(successor, true()))
+
+    def _rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
+        params = array_params(_RANGES, {
+            "topic": [t for t, _ in ranges], "key": [key for _, key in ranges],
+            "first": [first for first, _ in ranges.values()],
+            "last": [last for _, last in ranges.values()]})
+        return session.execute(self._successors, params).all()
+
+
+class PostgresParked(ParkedTable):
+    """A parked key's flood, a replayed run's delete and a replay's page, each bounded on PostgreSQL."""
+
+    def __init__(self, tables: OutboxTables, group: str) -> None:
+        super().__init__(tables, group, POSTGRES_INSERTS)
+        parked = tables.inbox_parked
+        behind, columns = rows_of(_PARKED_BEHIND), list(_PARKED_BEHIND)
+        self._add_behind = insert(parked).from_select(
+            ["consumer_group", *columns, "reason", "attempts", "last_failure_at"],
+            select(literal(group), *[behind.c[c] for c in columns], literal(Reason.KEY_PARKED.value),
+                   literal(0), bindparam("now", type_=DateTime(timezone=True))),
+        ).on_conflict_do_nothing()
+        self._remove_run = delete(parked).where(
+            parked.c.id == any_(cast(bindparam("ids", type_=Text()), ARRAY(BigInteger))))
+
+    def add_behind(self, session: Session, deliveries: Sequence[KeyedDelivery]) -> None:
         """One INSERT of one array per column: an executemany sent a statement per message."""
         if not deliveries:
             return
         now = utcnow()
         messages = [d.message for d in deliveries]
-        session.execute(self._park_behind, {**array_params(_PARKED_BEHIND, {
+        session.execute(self._add_behind, {**array_params(_PARKED_BEHIND, {
             "message_id": [m.message_id for m in messages], "topic": [m.topic for m in messages],
             "key": [m.key for m in messages], "seq": [m.seq for m in messages],
             "payload": ["\\x" + m.payload.hex() for m in messages],
@@ -182,13 +205,12 @@ class PostgresStore(OnConflictStore):
             "first_failure_at": [d.attempts.first_failure_at or now for d in deliveries],
         }), "now": now})
 
-    def unpark_rows(self, session: Session, row_ids: Sequence[int]) -> None:
+    def remove_run(self, session: Session, row_ids: Sequence[int]) -> None:
         """One array parameter: the text stays the same whatever the count (an IN list of 500 did not)."""
         if row_ids:
-            session.execute(self._unpark_rows, {"ids": int_array(row_ids)})
+            session.execute(self._remove_run, {"ids": int_array(row_ids)})
 
-    def replay_page(self, session: Session, topic: str, key: str | None,
-                    limit: int) -> list[ParkedRow]:
+    def replay_page(self, session: Session, topic: str, key: str | None, limit: int) -> list[ParkedRow]:
         """The first ``limit`` replayable rows of one key, in (seq, id) order, sorting about ``limit`` rows.
 
         PostgreSQL's index on (group, topic, key, seq) gives the seq order but
@@ -200,25 +222,23 @@ class PostgresStore(OnConflictStore):
         one, sorted last) among them falls back to the whole sort.
         """
         if key is None:
-            return self.parked(session, topic, key, replayable=True, limit=limit)
+            return self.rows(session, topic, key, replayable=True, limit=limit)
         p = self.t.inbox_parked
         mine = (p.c.consumer_group == self.group, p.c.topic == topic, p.c.key == key,
                 p.c.reason != Reason.FOREIGN.value)
         seqs = session.scalars(select(p.c.seq).where(*mine).order_by(p.c.seq).limit(limit)).all()
         if len(seqs) < limit or seqs[-1] is None:
-            return self.parked(session, topic, key, replayable=True, limit=limit)
+            return self.rows(session, topic, key, replayable=True, limit=limit)
         rows = session.execute(select(p).where(*mine, p.c.seq <= seqs[-1])
                                .order_by(p.c.seq, p.c.id).limit(limit)).all()
         return [parked_row(r) for r in rows]
 
-    def _held_rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
-        params = array_params(_RANGES, {
-            "topic": [t for t, _ in ranges], "key": [key for _, key in ranges],
-            "first": [first for first, _ in ranges.values()],
-            "last": [last for _, last in ranges.values()]})
-        return session.execute(self._successors, params).all()
+
+def postgres_storage(tables: OutboxTables, group: str) -> InboxStorage:
+    """The inbox's storage of ``group`` on PostgreSQL."""
+    return InboxStorage(group, PostgresDedup(tables, group), PostgresKeys(tables, group),
+                        PostgresHeld(tables, group), PostgresParked(tables, group))
 
 
 def _key_params(keys: Sequence[KeyId]) -> dict[str, Any]:
     return array_params(_KEYS, {"topic": [t for t, _ in keys], "key": [key for _, key in keys]})
-

@@ -1,6 +1,6 @@
-"""The store's read-only listings for operators: a page at a time (the web console), and a summary.
+"""The storage's read-only listings for operators: a page at a time (the web console), and a summary.
 
-Part of the store (its SQL on the inbox tables), split out by role and
+Part of the storage (its SQL on the inbox tables), split out by role and
 published as ``outbox.inbox.admin``: these run outside any consumer
 transaction, on a plain connection. Every listing is keyset-paged on an
 index, so a page costs the same with ten parked keys or ten thousand;
@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, func, select, tuple_
 
-from .._tables import OutboxTables
-from ._delivery import KeyId
+from ..._tables import OutboxTables
+from .._delivery import KeyId
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,112 @@
+"""Where one tenant's messages are applied: a ``Place``, the per-database pipeline of a plain inbox.
+
+A place is the very same stages a single-database inbox has (sessions,
+store, transaction step, settle stage, parked-key admin, gap sweeper), built
+on the tenant's engine, with an ``OutageGate`` in front: while the tenant's
+database is down (or its inbox tables are missing) its deliveries are put off
+on a timer and one probe at a time tries again. ``Slots`` bound how many
+transactions one database runs at once, so a database that hangs keeps the
+other databases' tenants served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from .._outage import OutageGate
+from .._tables import OutboxTables
+from .._tenant import Tenant
+from ._admin import ParkedAdmin
+from ._gaps import GapSweeper
+from ._outage import BACKOFF
+from ._sessions import Sessions
+from ._settle import Settler
+from ._transaction import TransactionStep
+from .storage import InboxStorage
+
+
+class Slots:
+    """How many transactions each database may run at once: a hung database keeps the rest free.
+
+    Keyed by the engine's pool (tenants in schemas of one database share it).
+    ``take`` never waits: a worker that gets no slot puts its batch off.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._taken: dict[object, int] = {}
+
+    def take(self, pool: object) -> bool:
+        with self._lock:
+            taken = self._taken.get(pool, 0)
+            if taken >= self.limit:
+                return False
+            self._taken[pool] = taken + 1
+            return True
+
+    def give_back(self, pool: object) -> None:
+        with self._lock:
+            left = self._taken[pool] - 1
+            if left:
+                self._taken[pool] = left
+            else:
+                del self._taken[pool]
+
+
+@dataclass(eq=False)
+class Place:
+    """Where one tenant's messages are applied: the per-database pipeline of a plain inbox."""
+
+    tenant: Tenant | None
+    """None: the inbox's default database (unknown tenants park there)."""
+    engine: Engine
+    """The database's engine without the schema translation: schema checks, ``create_tables``."""
+    tables: OutboxTables
+    """The tenant's tables, qualified with its schema: what the checks look for."""
+    sessions: Sessions
+    store: InboxStorage
+    step: TransactionStep
+    settler: Settler
+    admin: ParkedAdmin
+    gaps: GapSweeper
+    checked: bool = False
+    """Its inbox tables were found (checked once, and again after a failure)."""
+    parked_keys: int = 0
+    missing_looks: int = 0
+    """Consecutive looks that found its tables missing: paces the next look like an outage's retries."""
+    gate: OutageGate = dataclasses.field(init=False)
+    """Closed from an outage (or its tables missing, or not checked yet) until a probe answers:
+    its deliveries are put off meanwhile, without touching its database."""
+
+    def __post_init__(self) -> None:
+        self.gate = OutageGate(self.settler.outages, closed=not self.checked, least=BACKOFF.first)
+
+    @property
+    def name(self) -> str | None:
+        return None if self.tenant is None else self.tenant.name
+
+    @property
+    def what(self) -> str:
+        return "the default database" if self.tenant is None else f"tenant {self.tenant.name}"
+
+
+BuildPlace = Callable[[Tenant, Engine], Place]
+"""Builds a tenant's place on its database's engine (``Inbox._place``)."""
+
+def tenant_tables(tables: OutboxTables, tenant: Tenant) -> OutboxTables:
+    """The inbox's tables as they are named in ``tenant``'s schema (for checks and creation)."""
+    return OutboxTables(prefix=tables.prefix, schema=tenant.schema)
+
+
+def tenant_session_engine(engine: Engine, tenant: Tenant) -> Engine:
+    """``engine`` with ``tenant``'s schema for every unqualified table (the pool is shared)."""
+    if tenant.schema is None:
+        return engine
+    return engine.execution_options(schema_translate_map={None: tenant.schema})
+

@@ -1,0 +1,225 @@
+"""The relay's SQL every dialect shares: the due-rows query, the fenced bulk updates' shape, the marks.
+
+One fetch and at most three bulk updates per batch. Every update is fenced:
+it touches a row only while the row is still pending and the row's shard
+lease still names this relay with the epoch it fetched under. A relay that
+lost a lease (paused, partitioned, too slow) therefore changes nothing; what
+it sent becomes a duplicate, which at-least-once allows.
+
+``RelayStatements`` builds the statements of one ``OutboxTables``; what a
+dialect spells its own way — the probe of an earlier row that holds a key
+back, how the message id is read, the fetch over several shards, the bulk
+update, what runs before a fetch — is one subclass per dialect in ``_sql``,
+chosen once by ``_sql.statements_for``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    DateTime,
+    Exists,
+    FromClause,
+    Integer,
+    Select,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    exists,
+    or_,
+    select,
+)
+
+from .._tables import OutboxStatus, OutboxTables
+
+ROW_COLUMNS = (
+    "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",
+    "created_at", "available_at", "attempts", "event_type",
+)
+
+
+@dataclass(slots=True)
+class Marks:
+    """Per-row values of one bulk update, as parallel lists (ids[i] goes with epochs[i] …)."""
+
+    ids: list[int]
+    shards: list[int]
+    epochs: list[int]
+    values: dict[str, list[Any]]
+
+
+class RelayStatements(abc.ABC):
+    """Statements for one ``OutboxTables`` on one dialect (``_sql.statements_for`` shares them)."""
+
+    pipelines = False
+    """A batch's outcomes may be written on a helper thread while the next batch is fetched and
+    sent (``BatchRunner.run(wait=False)``): the fetch then leaves out the rows being written."""
+    ids_need_checking = False
+    """A fetched message id may be text that is no UUID (MySQL/MariaDB's CHAR(32)): the encoder
+    checks each (``_rows.RowEncoder``)."""
+
+    def __init__(self, tables: OutboxTables) -> None:
+        m, leases = tables.messages, tables.leases
+        self._m, self._leases = m, leases
+        now = bindparam("now", type_=m.c.available_at.type)
+        prior = m.alias("prior")
+        # An earlier row of the key that must go first and cannot go now: the key waits.
+        blocks_now = or_(prior.c.status == OutboxStatus.FAILED,
+                         and_(prior.c.status == OutboxStatus.PENDING, prior.c.available_at > now))
+        same_key_before = (prior.c.topic == m.c.topic, prior.c.key == m.c.key, prior.c.seq < m.c.seq)
+        key_waits = self._key_waits(tables, prior, (*same_key_before, blocks_now))
+        # Due: asked for no delay and never pushed back (both timestamps were written by
+        # one host in one statement, so no clock is compared with another), or the time
+        # has come. A row that is not due therefore has available_at > created_at and is
+        # in ix_outbox_key_waits, where key_waits finds it: whatever the clocks of
+        # publishers and relays, a row is fetched only together with (or after) every
+        # earlier unpublished row of its key. See "Clocks" in docs/relay.md.
+        due = or_(m.c.available_at <= m.c.created_at, m.c.available_at <= now)
+        columns = [self._column(m, name) for name in ROW_COLUMNS]
+        self._columns = columns
+        self._due = select(*columns).where(
+            m.c.status == OutboxStatus.PENDING, due, or_(m.c.key.is_(None), ~key_waits),
+        )
+        self._fetch_by_shards: dict[tuple[int, ...], Select[Any]] = {}
+
+    def _key_waits(self, tables: OutboxTables, prior: FromClause,
+                   conditions: tuple[ColumnElement[bool], ...]) -> Exists:
+        """An earlier row of the key meets ``conditions``: the probe of ix_outbox_key_waits.
+
+        Its first two conditions repeat the index's predicate (only failed,
+        delayed or retried rows), so the probe reads that tiny index.
+        """
+        return exists().where(
+            prior.c.status != OutboxStatus.PUBLISHED,
+            or_(prior.c.status == OutboxStatus.FAILED, prior.c.available_at > prior.c.created_at),
+            *conditions)
+
+    def _column(self, m: Table, name: str) -> Any:
+        """How the fetch reads column ``name``.
+
+        Headers come as JSON text and are decoded only when not empty (most
+        are): decoding "{}" 5,000 times a batch is measurable.
+        """
+        return cast(m.c[name], Text).label(name) if name == "headers" else m.c[name]
+
+    # -- the fetch ----------------------------------------------------------
+
+    def fetch(self, shards: Iterable[int]) -> Select[Any]:
+        """Due rows of ``shards`` in id order; its parameters are ``fetch_params``'."""
+        key = tuple(sorted(shards))
+        found = self._fetch_by_shards.get(key)
+        if found is not None:
+            return found
+        found = self._fetch_of(key)
+        if len(self._fetch_by_shards) > 64:
+            self._fetch_by_shards.clear()
+        self._fetch_by_shards[key] = found
+        return found
+
+    def _fetch_of(self, shards: tuple[int, ...]) -> Select[Any]:
+        """One filtered scan of the pending rows of ``shards``, in id order."""
+        m, limit = self._m, bindparam("limit", type_=Integer())
+        return self._due.where(m.c.shard.in_(shards)).order_by(m.c.id).limit(limit)
+
+    def prepare_fetch(self, conn: Connection) -> None:
+        """What runs on the fetch's connection before the fetch (nothing but on PostgreSQL)."""
+        return None
+
+    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
+        """``fetch``'s parameters: rows due at ``now``, ``limit`` of them, none of ``busy``.
+
+        ``busy`` holds the ids whose outcome is being written (empty unless
+        ``pipelines``); a dialect whose statement cannot leave them out asks
+        for more rows and drops them after (``without_busy``).
+        """
+        return {"now": now, "limit": limit}
+
+    def without_busy(self, rows: Sequence[Any], busy: Sequence[int], limit: int) -> Sequence[Any]:
+        """The fetched ``rows`` that are not ``busy``, ``limit`` at most (the statement left them out)."""
+        return rows
+
+    # -- rows the fetch cannot read (``_unreadable``) ---------------------------
+
+    def due_ids(self, shards: Iterable[int]) -> Select[Any]:
+        """The ids and shards of what ``fetch`` returns (same params): integers always read."""
+        due = self.fetch(shards).subquery("due_rows")
+        return select(due.c.id, due.c.shard).order_by(due.c.id)
+
+    def row(self) -> Select[Any]:
+        """One row by ``id``, with ``fetch``'s columns."""
+        return select(*self._columns).where(self._m.c.id == bindparam("id"))
+
+    def row_field(self, name: str) -> Select[Any]:
+        """One column of one row by ``id``, as text where the fetch reads it so."""
+        column = self._columns[ROW_COLUMNS.index(name)]
+        return select(column).where(self._m.c.id == bindparam("id"))
+
+    # -- bulk, fenced updates ----------------------------------------------
+
+    def mark(self, conn: Connection, owner: str, marks: Marks, set_: dict[str, Any],
+             *, per_row: dict[str, Any]) -> int:
+        """Apply ``set_`` (constants) and ``per_row`` (column -> type) to the fenced rows.
+
+        Returns how many rows changed; rows whose lease moved on are left alone.
+        """
+        if not marks.ids:
+            return 0
+        return self._mark(conn, owner, marks, set_, per_row)
+
+    @abc.abstractmethod
+    def _mark(self, conn: Connection, owner: str, marks: Marks, set_: dict[str, Any],
+              per_row: dict[str, Any]) -> int:
+        """``mark`` of at least one row, in one statement (or one executemany)."""
+
+    def published(self, conn: Connection, owner: str, marks: Marks, now: datetime) -> int:
+        m = self._m
+        return self.mark(
+            conn, owner, marks,
+            {"status": OutboxStatus.PUBLISHED, "published_at": now, "attempts": m.c.attempts + 1},
+            per_row={"kafka_partition": Integer(), "kafka_offset": BigInteger()},
+        )
+
+    def retried(self, conn: Connection, owner: str, marks: Marks) -> int:
+        m = self._m
+        return self.mark(
+            conn, owner, marks, {"attempts": m.c.attempts + 1},
+            per_row={"available_at": DateTime(timezone=True), "last_error": Text()},
+        )
+
+    def postponed(self, conn: Connection, owner: str, marks: Marks) -> int:
+        """Like ``retried`` without counting an attempt: the broker was unreachable (an outage)."""
+        return self.mark(
+            conn, owner, marks, {},
+            per_row={"available_at": DateTime(timezone=True), "last_error": Text()},
+        )
+
+    def failed(self, conn: Connection, owner: str, marks: Marks) -> int:
+        m = self._m
+        return self.mark(
+            conn, owner, marks, {"status": OutboxStatus.FAILED, "attempts": m.c.attempts + 1},
+            per_row={"last_error": Text()},
+        )
+
+
+def empty_marks() -> Marks:
+    return Marks([], [], [], {})
+
+
+def add_mark(marks: Marks, row_id: int, shard: int, epoch: int, **values: Any) -> None:
+    marks.ids.append(row_id)
+    marks.shards.append(shard)
+    marks.epochs.append(epoch)
+    for name, value in values.items():
+        marks.values.setdefault(name, []).append(value)
+
+

@@ -1,0 +1,225 @@
+"""``RelayStep``: one relay's state, and one step of work over it on the caller's thread.
+
+A relay is a step and a loop around it. The step owns what one relay holds:
+its shard leases, the timing wheel of its keys waiting for a retry, the batch
+runner (fetch, send, mark) and the watch of its stuck keys. ``run`` is one
+step: the leases renewed when due (unless the loop has a lease thread),
+surplus shards given back between batches, the wheel advanced, one batch, the
+broker's answer told to the broker's outage tracker, the stuck keys looked at
+when due. It returns what a loop needs (``Step``): whether more may be waiting
+at once, and when the wheel next fires. The step starts no thread (a
+pipelined batch's outcomes aside, written on the batch runner's writer).
+
+Two loops drive steps: ``Relay`` (one step; its loop, lease and backlog
+threads, NOTIFY) and ``TenantRelay`` (a step per tenant, scheduled on a few
+workers). Both hand their steps the outage trackers they report to
+(``RelayOutages``): one database outage is logged once, whatever the number of
+steps over that database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine
+
+from transports import Transport
+from transports._logsafe import safe_logger
+
+from .._alerts import Alert, AlertSink
+from .._cloudevents import CloudEvents
+from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
+from .._outbox import Outbox
+from .._wheel import TimingWheel
+from ._batch import BatchResult, BatchRunner
+from ._leases import Leases, renew_interval
+from ._metrics import RelayMetrics
+from ._record_limit import check_record_limit
+from ._settings import RelaySettings
+from ._sql import statements_for
+from ._stuck import StuckKeys
+from ._writer import Writer
+
+log = safe_logger("outbox.relay")
+
+
+@dataclass(frozen=True)
+class RelayOutages:
+    """The trackers a relay's steps tell when the database or the broker stops or starts answering."""
+
+    database: OutageTracker
+    broker: OutageTracker
+
+    @staticmethod
+    def tracker(what: str, dependency: str, metrics: RelayMetrics,
+                backoff: OutageBackoff | None = None) -> OutageTracker:
+        """A tracker in the relay's wording, counted in ``outbox_relay_outages{dependency}``."""
+        return OutageTracker(what, log=log, wording=RELAY_WORDING, backoff=backoff or OutageBackoff(),
+                             count=metrics.outages.labels(dependency).inc)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one step did, and what the loop around it needs to know."""
+
+    batch: BatchResult
+    again: bool
+    """A full batch that sent something: more may be waiting, step again at once. A full batch
+    that all waits in the wheel is not: fetching it again at once would only spin."""
+    due: float | None
+    """When (``time.monotonic()``) the wheel next lets a key go again; None when nothing waits."""
+
+
+class RelayStep:
+    """One relay's leases, wheel, batch runner and stuck-key watch; ``run`` does one step.
+
+    Construction reads the stored shard count, record limit and incarnation
+    (so it needs the database) and refuses a transport that cannot send
+    records as large as the stored limit. ``name`` is how its log lines call
+    it (``relay <worker id>``, or with the tenant); ``watch_every`` is how
+    often the stuck keys are looked at; ``writer`` is where pipelined batches'
+    outcomes are written (default: a thread of its own, started on the first).
+    One thread at a time runs its steps; ``maintain_leases`` may run on
+    another (``Leases`` is safe for that).
+    """
+
+    def __init__(self, outbox: Outbox, transport: Transport, engine: Engine, settings: RelaySettings, *,
+                 alert: AlertSink | Callable[[Alert], None], metrics: RelayMetrics, outages: RelayOutages,
+                 cloudevents: CloudEvents | None = None, name: str | None = None,
+                 watch_every: float | None = None, writer: Writer | None = None) -> None:
+        self.settings = settings
+        self.name = name or f"relay {settings.worker_id}"
+        self._metrics = metrics
+        self._outages = outages
+        worker_id = settings.worker_id
+        self.stuck_keys = StuckKeys(outbox, engine, settings.key_stuck_after, alert, metrics.stuck_keys,
+                                    worker_id)
+        stored = outbox.load_schema(engine)  # shard count, record limit, incarnation: with the tables
+        check_record_limit(transport, stored.max_record_bytes)
+        self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, settings.lease_ttl)
+        self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=settings.wheel_tick,
+                                                               start=time.monotonic())
+        self._batch = BatchRunner(
+            engine, statements_for(outbox.tables, engine.dialect.name), transport, self.wheel,
+            backoff=settings.backoff, alert=alert, metrics=metrics, worker_id=worker_id,
+            batch_size=settings.batch_size, database_outage=outages.database,
+            incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
+        self._leases_due = 0.0
+        self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
+        self._watch_due = 0.0
+
+    def __repr__(self) -> str:
+        return f"RelayStep({self.name!r})"
+
+    # -- one step -----------------------------------------------------------------
+
+    def run(self, *, wait: bool = True, leases: bool = True) -> Step:
+        """One step: prepare, one batch, and what the loop needs; raises what the batch raised.
+
+        ``wait=False`` pipelines: this batch's outcomes are written while the
+        next step runs (PostgreSQL, MySQL). ``leases=False``: a lease thread
+        renews them, so a batch that blocks on the broker cannot let them lapse.
+        """
+        now = time.monotonic()
+        self.prepare(leases=leases)
+        batch = self.run_batch(wait=wait)
+        # The database is marked up by the queries that reached it (the fetch, the lease
+        # maintenance), never here: a step owning no shards ran none.
+        if batch.published:
+            self._outages.broker.answered()
+        elif batch.broker_unreachable:
+            self._outages.broker.failed(batch.error or "no delivery report")
+        self._watch(now)
+        return Step(batch, again=batch.fetched == self.settings.batch_size and batch.sent > 0,
+                    due=self.wheel.next_due())
+
+    def run_once(self) -> BatchResult:
+        """Fetch, send and mark one batch, its leases maintained when due; what the batch did."""
+        return self.run(wait=True, leases=True).batch
+
+    def prepare(self, *, leases: bool = True) -> None:
+        """Before a batch: leases renewed when due (``leases``), surplus shards given back, wheel advanced."""
+        if leases and time.monotonic() >= self._leases_due:
+            self.maintain_leases()
+        if self.leases.surplus:
+            self._batch.finish()  # never give a shard back under a write in flight
+            self.leases.release_surplus()
+        self.wheel.advance(time.monotonic())
+
+    def run_batch(self, *, wait: bool) -> BatchResult:
+        """One batch over the shards held now (none held: the last write finished, nothing fetched)."""
+        owned = self.leases.owned()
+        if not owned:
+            self._batch.finish()
+            return BatchResult()
+        return self._batch.run(owned, wait=wait)
+
+    @property
+    def needs_leases(self) -> bool:
+        """It has never maintained its leases (its first step takes them)."""
+        return self._leases_due == 0.0
+
+    def maintain_leases(self, conn: Connection | None = None) -> dict[int, int]:
+        """Renew, take and count this relay's shard leases; the database answered.
+
+        ``conn``: the heartbeat and renewals in the caller's transaction (``Leases.maintain``).
+        """
+        owned = self.leases.maintain(conn)
+        self._outages.database.answered()
+        self._leases_due = time.monotonic() + renew_interval(self.leases.ttl)
+        self._metrics.shards_owned.labels(self.settings.worker_id).set(len(owned))
+        return owned
+
+    def _watch(self, now: float) -> None:
+        """Keys stuck behind a retrying head (``_stuck``), every ``watch_every`` seconds."""
+        if now < self._watch_due:
+            return
+        self._watch_due = now + self._watch_every
+        try:
+            self.stuck_keys.check(sorted(self.leases.owned()))
+        except Exception as exc:
+            self.report(exc, "could not watch its keys")
+
+    def report(self, error: Exception, what: str) -> None:
+        """A database outage is told to its tracker (logged once per change); anything else: a traceback."""
+        if is_database_outage(error):
+            self._outages.database.failed(error)
+        else:
+            log.exception("%s %s", self.name, what)
+
+    # -- the end --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the last batch's marks, then give the leases back; raises what the database raised."""
+        self._batch.close()
+        self.leases.release_all()
+
+    def release(self, *, quiet: bool = False) -> bool:
+        """``close`` that no outage fails; True when the leases were given back.
+
+        A database that does not answer leaves the leases to expire within
+        their TTL (a warning, unless its outage was logged already); anything
+        else is logged with its traceback. ``quiet``: the failure behind the
+        release was logged already.
+        """
+        try:
+            self._batch.close()  # the last batch's marks, before its leases go
+        except Exception:
+            if not quiet:
+                log.exception("%s could not record its last batch", self.name)
+        try:
+            self.leases.release_all()
+        except Exception as exc:
+            if quiet:
+                return False
+            if is_database_outage(exc):
+                if self._outages.database.down:
+                    return False
+                log.warning("%s could not release its leases (%s): they expire within the lease TTL",
+                            self.name, type(exc).__name__)
+            else:
+                log.exception("%s could not release its leases", self.name)
+            return False
+        return True

@@ -1,0 +1,138 @@
+"""The databases of a fleet: one engine, one outage gate, one lease renewal and one listener each.
+
+However many tenant schemas a database holds, the fleet keeps one pool for it
+(``pool_size`` connections), one ``OutageGate`` (its outage is logged once for
+all its tenants, and while it is down one step at a time probes it), one
+thread renewing all its tenants' leases (``_renewal``) and, on PostgreSQL, one
+LISTEN connection whose notifications (``shard:schema``) wake the tenant of
+the schema they name.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy import Engine
+
+from .._engine import create_engine
+from .._errors import ConfigurationError
+from .._notify import parse_notify_payload
+from .._outage import OutageBackoff, OutageGate
+from .._secrets import database_url
+from .._tenant import Tenant
+from ..relay import RelayMetrics, RelayOutages
+from ..relay._wakeup import start_listening
+from ._renewal import LeaseRenewal
+from ._schedule import Schedule
+from ._units import FleetDatabase
+
+MAX_PROBE_PAUSE = 5.0
+"""Seconds between two probes of a database that is down, at most."""
+
+
+class FleetDatabases:
+    """The fleet's databases by URL (or ``Engine``); tenants naming none are in ``default``'s.
+
+    ``start`` starts every database's lease renewal and listener once the fleet
+    runs (``started``); a database met later starts its own then.
+    """
+
+    def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
+                 metrics: RelayMetrics, poll_interval: float, renew_every: float,
+                 notify_channel: str | None, schedule: Schedule, stopping: threading.Event) -> None:
+        self.default = default
+        self._pool_size = pool_size
+        self._worker_id = worker_id
+        self._metrics = metrics
+        self._probe_pause = OutageBackoff(first=poll_interval / 4, cap=MAX_PROBE_PAUSE)
+        self._channel = notify_channel
+        self._schedule = schedule
+        self._stopping = stopping
+        self._by_key: dict[str, FleetDatabase] = {}
+        self._renewal = LeaseRenewal(every=renew_every, schedule=schedule, stopping=stopping,
+                                     worker_id=worker_id, answered=self.answered)
+        self.started = False
+
+    def values(self) -> list[FleetDatabase]:
+        return list(self._by_key.values())
+
+    def of(self, tenant: Tenant) -> FleetDatabase:
+        """The database ``tenant`` lives in, made on first use."""
+        database = tenant.database if tenant.database is not None else self.default
+        if database is None:
+            raise ConfigurationError(
+                f"tenant {tenant.name} names no database and the TenantRelay has no default database")
+        key = database if isinstance(database, str) else f"engine:{id(database)}"
+        db = self._by_key.get(key)
+        if db is None:
+            engine = (database if isinstance(database, Engine)
+                      else create_engine(database, pool_size=self._pool_size, max_overflow=0))
+            shown = database_url(database if isinstance(database, str) else str(database.url))
+            tracker = RelayOutages.tracker(f"relay {self._worker_id}: database {shown}", "database",
+                                           self._metrics, self._probe_pause)
+            db = FleetDatabase(engine, owned=not isinstance(database, Engine), outage=tracker,
+                               gate=OutageGate(tracker))
+            self._by_key[key] = db
+            if self.started and not self._stopping.is_set():
+                self._start(db)
+        return db
+
+    def start(self) -> None:
+        """From now on every database's tenants' leases are renewed, and its notifications wake them."""
+        self.started = True
+        for db in self.values():
+            self._start(db)
+
+    def _start(self, db: FleetDatabase) -> None:
+        self._renewal.start(db)
+        self._listen(db)
+
+    def _listen(self, db: FleetDatabase) -> None:
+        if db.listener is not None or self._channel is None:
+            return
+        db.listener = start_listening(db.engine, [self._channel],
+                                      on_notify=lambda payload: self._notified(db, payload),
+                                      on_connect=lambda: self.wake_all(db), stop=self._stopping)
+
+    def _notified(self, db: FleetDatabase, payload: str) -> None:
+        """A commit in ``db``: wake the tenant of the schema the payload names (``outbox._notify``).
+
+        Another process may NOTIFY on the channel: a payload that is not ours wakes nobody.
+        """
+        try:
+            _, schema = parse_notify_payload(payload)
+        except ValueError:
+            return
+        unit = db.units.get(schema)
+        if unit is not None:
+            self._schedule.wake(unit)
+
+    def wake_all(self, db: FleetDatabase) -> None:
+        """Poll every tenant of ``db`` (its listener (re)connected, or it answers again)."""
+        with self._schedule.lock:
+            for unit in db.units.values():
+                self._schedule.wake_locked(unit, poll=True)
+
+    def answered(self, db: FleetDatabase, started: float | None = None) -> None:
+        """``db`` answered (work ``started`` then): its gate opens; if it was closed, its tenants wake."""
+        if db.gate.answered(started):
+            self.wake_all(db)
+
+    def problem(self) -> str | None:
+        """Every database down: the process is not ready. One of several down: it is."""
+        databases = self.values()
+        down = sum(1 for db in databases if db.gate.down)
+        if databases and down == len(databases):
+            return f"all {down} of its databases are unreachable"
+        return None
+
+    def threads(self) -> list[threading.Thread]:
+        """The databases' listeners and lease renewals (joined, within a bound, at the stop)."""
+        return [thread for db in self.values() for thread in (db.listener, db.renewer) if thread is not None]
+
+    def dispose(self) -> None:
+        """Close the pools of the engines the fleet made."""
+        for db in self.values():
+            if db.owned:
+                db.engine.dispose()
+

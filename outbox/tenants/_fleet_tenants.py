@@ -1,0 +1,232 @@
+"""The tenants a fleet serves, as ``Unit``s: added and removed, their steps built, failed, closed.
+
+``FleetTenants`` follows the tenant source: a new tenant gets a unit in its
+database (``_databases``) and, once its stored settings are read, a
+``RelayStep`` (built by the fleet); a removed one finishes its step and gives
+its leases back. A tenant that fails for a reason of its own (tables missing,
+dropped, resharded) is logged once per distinct error and tried again with
+backoff, its step built anew from its stored settings; a database outage is
+told to its database's gate instead, once for all its tenants. Its lock is the
+schedule's (``_schedule``), which guards every unit's state.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import ArgumentError
+
+from transports._logsafe import safe_logger
+
+from .._errors import ConfigurationError, SchemaError
+from .._outage import OutageBackoff, first_line, is_database_outage
+from .._schema_claims import SchemaClaims
+from .._tenant import Tenant, TenantSource
+from ..relay import RelayStep, TenantRelayMetrics
+from ._databases import FleetDatabases
+from ._schedule import Schedule
+from ._turn_state import TurnState
+from ._units import Unit
+
+log = safe_logger("outbox.relay")
+
+_TENANT_BACKOFF = OutageBackoff(first=1.0, cap=60.0)
+"""How a tenant that fails for a reason of its own (missing tables) is retried: 1 s doubling to 60 s."""
+
+RELEASE_WITHIN = 3.0
+"""Seconds a stop or ``close()`` waits for the tenants' leases to be given back, all databases at once."""
+
+
+class FleetTenants:
+    """The fleet's units by tenant name; ``make_step`` builds a tenant's ``RelayStep``. Thread-safe."""
+
+    def __init__(self, source: TenantSource, *, databases: FleetDatabases, schedule: Schedule,
+                 make_step: Callable[[Unit], RelayStep], metrics: TenantRelayMetrics, worker_id: str,
+                 default: str | Engine | None) -> None:
+        self.source = source
+        self._databases = databases
+        self._schedule = schedule
+        self._make_step = make_step
+        self._metrics = metrics
+        self.worker_id = worker_id
+        self._default = default
+        self.units: dict[str, Unit] = {}
+        self._claims = SchemaClaims()
+        """Which tenant serves each schema, by what its server says (``outbox._schema_claims``)."""
+        self._unfrozen: set[Unit] = set()
+        """Tenants built since the heap was last frozen (``freeze_new``)."""
+
+    def served(self) -> list[str]:
+        """The names of the tenants served now (those whose tables were read)."""
+        with self._schedule.lock:
+            return sorted(name for name, unit in self.units.items() if unit.step is not None)
+
+    def refresh(self) -> None:
+        """Read the tenants again: start serving new ones, drop removed ones."""
+        try:
+            wanted = {tenant.name: tenant for tenant in self.source()}
+        except Exception as exc:
+            if is_database_outage(exc):
+                log.warning("relay %s: cannot read its tenants (%s); keeps serving the ones it has",
+                            self.worker_id, first_line(exc))
+                return
+            raise
+        self._refuse_shared_places(wanted.values())
+        with self._schedule.lock:
+            gone = [unit for name, unit in self.units.items()
+                    if name not in wanted or wanted[name].address != unit.tenant.address]
+            for unit in gone:
+                del self.units[unit.tenant.name]
+                unit.removed = True
+                self._schedule.unqueue_locked(unit)  # no worker starts it while it is closed
+            # Decided under the lock: a running one is closed by its worker, the others here.
+            closing = [unit for unit in gone if unit.state is not TurnState.RUNNING]
+            new = [tenant for name, tenant in wanted.items() if name not in self.units]
+        for unit in gone:
+            log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
+            self._metrics.forget(unit.tenant.name)
+        for unit in closing:
+            self.close(unit)
+        for tenant in new:
+            unit = Unit(tenant, self._databases.of(tenant))
+            with self._schedule.lock:
+                self.units[tenant.name] = unit
+                unit.db.units[tenant.schema] = unit
+        self.start_pending()
+
+    def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
+        """Two tenants in one schema of one database, however their URLs spell it: refused.
+
+        The source's own check compares what the tenants say; this one what their
+        servers say (``SchemaClaims``). Served twice, a schema's rows would go out
+        under two names, by two steps of one worker id, which do not fence each
+        other. A database down now is asked again before its tenants are served.
+        """
+        found = []
+        for tenant in tenants:
+            if tenant.database is None and self._default is None:
+                continue  # refused by name when it is served
+            try:
+                db = self._databases.of(tenant)
+            except ArgumentError:  # not the URL itself: it may hold a password
+                raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
+            if not db.down:
+                found.append((tenant, db.engine))
+        self._claims.refuse_shared(found)
+
+    def start_pending(self) -> None:
+        """Build the step of every tenant that has none yet: reads its stored settings."""
+        for unit in list(self.units.values()):
+            if unit.step is not None or unit.removed or time.monotonic() < unit.retry_at:
+                continue
+            db = unit.db
+            if db.gate.admit() is not None:
+                continue  # its database is down: one caller at a time probes it
+            started = time.monotonic()
+            try:
+                self._claims.claim(unit, unit.tenant, db.engine)
+                unit.step = self._make_step(unit)
+            except Exception as exc:
+                self.failed(unit, exc, "cannot be served")
+                continue
+            finally:
+                db.gate.probed()
+            self._databases.answered(db, started)
+            self.ok(unit)
+            log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
+            with self._schedule.lock:
+                self._unfrozen.add(unit)
+            self._schedule.wake(unit)
+
+
+    def freeze_new(self) -> None:
+        """Freeze the heap again once the tenants built since have served a step, if it was frozen.
+
+        ``outbox relay`` freezes what it loaded before ``run`` (``tune_gc_for_batches``),
+        but the tenants' steps, and the statements of their first batch, are built
+        inside ``run``: for 500 tenants some 2.8 million objects that every full
+        collection walked, a 1.5 s pause of every worker, which a quiet tenant's
+        message waited out next to a backlog (docs/benchmarks.md, "Many tenants").
+        A process that never froze its heap is left as it is: a library does not
+        change interpreter-wide settings on its own.
+        """
+        with self._schedule.lock:
+            if not self._unfrozen or not gc.get_freeze_count():
+                return
+            if any(unit.step is not None and not unit.removed and not unit.served
+                   for unit in self._unfrozen):
+                return
+            self._unfrozen.clear()
+        gc.collect()
+        gc.freeze()
+
+
+    def failed(self, unit: Unit, exc: Exception, what: str) -> float:
+        """Log a tenant's own failure once per distinct error; the seconds before it is tried again."""
+        if is_database_outage(exc):
+            delay = unit.db.gate.failed(exc)
+            unit.retry_at = time.monotonic() + delay
+            return delay
+        unit.failures += 1
+        text = first_line(exc)
+        if unit.reported != text:
+            unit.reported = text
+            known = isinstance(exc, SchemaError | ConfigurationError)
+            log.error("relay %s: tenant %s %s: %s; the other tenants go on, it is tried again with backoff",
+                      self.worker_id, unit.tenant.name, what, text, exc_info=None if known else exc)
+        delay = _TENANT_BACKOFF.delay(unit.failures)
+        unit.retry_at = time.monotonic() + delay
+        return delay
+
+    def ok(self, unit: Unit) -> None:
+        if unit.reported is not None:
+            log.warning("relay %s: tenant %s served again", self.worker_id, unit.tenant.name)
+        unit.reported, unit.failures = None, 0
+
+    def drop_step(self, unit: Unit, *, quiet: bool = False) -> None:
+        """Give the tenant's step up (its leases given back); ``quiet``: its failure was logged."""
+        step, unit.step = unit.step, None
+        if step is not None:
+            step.release(quiet=quiet)
+
+    def close(self, unit: Unit) -> None:
+        with self._schedule.lock:
+            if unit.db.units.get(unit.tenant.schema) is unit and unit.removed:
+                del unit.db.units[unit.tenant.schema]
+        self._claims.release(unit)
+        if not unit.db.gate.down:
+            self.drop_step(unit)
+        else:
+            unit.step = None  # its database is down: its leases expire by their TTL
+
+    def close_all(self, units: list[Unit]) -> None:
+        """Close ``units`` (release their leases), each database's on a thread of its own.
+
+        Waits at most ``RELEASE_WITHIN`` seconds: a frozen database's tenants
+        are left to their lease TTL, and never delay the others' release.
+        """
+        by_database: dict[int, list[Unit]] = {}
+        for unit in units:
+            if unit.step is not None:
+                by_database.setdefault(id(unit.db), []).append(unit)
+            else:
+                self.close(unit)  # nothing to release: no database call
+
+        def close_all(group: list[Unit]) -> None:
+            for unit in group:
+                self.close(unit)
+        closers = [threading.Thread(target=close_all, args=(group,), name="outbox-relay-release", daemon=True)
+                   for group in by_database.values()]
+        for closer in closers:
+            closer.start()
+        deadline = time.monotonic() + RELEASE_WITHIN
+        for closer, group in zip(closers, by_database.values(), strict=True):
+            closer.join(max(0.0, deadline - time.monotonic()))
+            if closer.is_alive():
+                log.warning("relay %s: tenants %s did not give their leases back within %gs (their "
+                            "database does not answer); they expire within the lease TTL", self.worker_id,
+                            ", ".join(unit.tenant.name for unit in group), RELEASE_WITHIN)

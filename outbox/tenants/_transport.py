@@ -1,0 +1,125 @@
+"""What a tenant's step sends and writes through: the fleet worker's transport and writer.
+
+A producer is used by one thread, so each worker of a fleet has its own
+transport; a tenant's ``RelayStep`` runs on whichever worker took it, and its
+``TenantTransport`` sends through that worker's (``Workers.local``). Each
+record gets the tenant's name in the header the fleet names, replacing any
+header of that name the producer set, in any case: no tenant sends under
+another's name. Each worker also has one ``BackgroundWriter``, the single
+relay's: a tenant's batch outcomes are written there while the worker goes on
+to the next tenant's batch (``Workers`` is the ``Writer`` its steps take).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import TypeVar
+
+from transports import Record, SendResult, Transport
+
+from .._errors import ConfigurationError
+from .._wire import header_size
+from ..relay._writer import BackgroundWriter
+
+T = TypeVar("T")
+
+WRITERS_STOP_WITHIN = 3.0
+"""Seconds ``close`` waits for each worker's writer to finish what it was given (a frozen database)."""
+
+
+class Workers:
+    """One transport and one writer per worker; ``bind(i)`` makes this thread worker ``i``."""
+
+    def __init__(self, transports: Sequence[Transport]) -> None:
+        for made in transports:
+            if not callable(getattr(made, "publish", None)):
+                raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
+        self.transports = list(transports)
+        self.local = threading.local()
+        self._writers: dict[int, BackgroundWriter] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, index: int) -> None:
+        self.local.transport = self.transports[index]
+        self.local.index = index
+
+    def submit(self, call: Callable[[], T]) -> Future[T]:
+        """Run ``call`` on this worker's writer, after what it was given before (``relay._writer.Writer``)."""
+        index: int = self.local.index
+        writer = self._writers.get(index)
+        if writer is None:
+            with self._lock:
+                writer = self._writers.setdefault(index, BackgroundWriter(f"outbox-relay-writer-{index}"))
+        return writer.submit(call)
+
+    def current(self) -> Transport:
+        transport: Transport | None = getattr(self.local, "transport", None)
+        if transport is None:
+            raise ConfigurationError(
+                "a tenant's step sends on the TenantRelay's worker threads: call the fleet's run() or "
+                "run_once(), not the tenant's")
+        return transport
+
+    def close(self) -> None:
+        """The writers finish what they were given (seconds at most), then the transports close."""
+        with self._lock:
+            writers, self._writers = list(self._writers.values()), {}
+        for writer in writers:
+            writer.shutdown(WRITERS_STOP_WITHIN)
+        for made in self.transports:
+            close = getattr(made, "close", None)
+            if callable(close):
+                close(1.0)  # nothing is outstanding after a batch, unless one was left behind
+
+
+class TenantTransport:
+    """A tenant's transport: the current worker's, with the tenant header put on every record.
+
+    ``max_record_bytes`` is the producers' limit less the header's size, so a
+    tenant whose stored record limit leaves no room for it is refused at start.
+    """
+
+    def __init__(self, workers: Workers, header: str | None, name: str) -> None:
+        self._workers = workers
+        self._header = header
+        self._value = name.encode("ascii")
+        limits = [getattr(t, "max_record_bytes", None) for t in workers.transports]
+        known = [limit for limit in limits if isinstance(limit, int)]
+        if known and len(known) == len(limits):
+            room = header_size(len(header), len(self._value)) if header else 0
+            self.max_record_bytes = min(known) - room
+            self.max_record_setting = getattr(workers.transports[0], "max_record_setting",
+                                              "its maximum record size") + (
+                f", less {room} bytes for the tenant header" if room else "")
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        transport = self._workers.current()
+        header = self._header
+        if header is not None:
+            value = self._value
+            # In any case: a consumer that looks headers up without case must not find another tenant.
+            folded = header.lower()
+            records = [replace(r, headers=[(n, v) for n, v in r.headers if n.lower() != folded]
+                               + [(header, value)]) for r in records]
+        return transport.publish(records)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Nothing: the fleet closes its workers' transports."""
+
+
+_HEADER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def checked_header(name: str | None) -> str | None:
+    """A tenant header name: 1 to 64 of ``A-Z a-z 0-9 - _ .``, not one the envelope uses."""
+    if name is None:
+        return None
+    if (not isinstance(name, str) or not 1 <= len(name) <= 64 or not set(name) <= _HEADER_CHARS
+            or name.lower().startswith(("outbox-", "ce_", "traceparent", "tracestate"))):
+        raise ConfigurationError(
+            f"invalid tenant header {name!r:.80}: use 1 to 64 of letters, digits, '-', '_' or '.', "
+            "not an outbox-*, ce_* or trace header")
+    return name

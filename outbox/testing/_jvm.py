@@ -1,0 +1,65 @@
+"""What every JVM the test helpers start shares: its options, its launcher, and its end.
+
+A broker node (``_kafka_node``) and a Kafka Connect worker (``_connect``) are
+this process's children, started in a session of their own (a Ctrl-C in the
+terminal reaches the tests, which stop them, not the JVMs directly). Every
+running JVM is killed at interpreter exit (``atexit``); started from the main
+thread it is also killed by the kernel when this process dies (``setpriv
+--pdeathsig``), so a test process that is killed leaks no JVM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import subprocess
+import threading
+
+HOST = "127.0.0.1"
+
+# Kafka's own launcher (kafka-run-class.sh) uses G1 with these; the heap is the caller's.
+JVM_OPTIONS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:InitiatingHeapOccupancyPercent=35",
+               "-XX:+ExplicitGCInvokesConcurrent", "-XX:+ExitOnOutOfMemoryError", "-XX:-UsePerfData",
+               "-Djava.awt.headless=true")
+
+LOG4J2 = """\
+status = warn
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {log}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = file
+"""
+"""A log4j2 configuration writing everything of INFO and above to one file (``{log}``)."""
+
+_running: set[subprocess.Popen[bytes]] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for process in list(_running):
+        with contextlib.suppress(OSError):
+            process.kill()
+
+
+def launcher() -> list[str]:
+    """``setpriv --pdeathsig KILL`` where it works: the kernel kills the JVM when its parent *thread*
+    ends, so only from the main thread (a JVM started by a worker thread must outlive that thread)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "KILL"]
+
+
+def started(process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    """Remember ``process`` to kill at interpreter exit; returns it."""
+    _running.add(process)
+    return process
+
+
+def ended(process: subprocess.Popen[bytes]) -> None:
+    """``process`` was stopped or killed: nothing to kill at exit."""
+    _running.discard(process)

@@ -1,0 +1,270 @@
+"""The inbox and a broker that is gone: found by the failover campaign on three Apache Kafka nodes.
+
+With two of three nodes killed (``tests/test_failover_campaign.py``) the group
+coordinator was gone, the inbox's synchronous offset commit waited for it for
+a session timeout and failed with librdkafka's ``_WAIT_COORD``, a bare error
+code whose ``retriable()`` is False: ``KafkaSource`` raised a plain
+``TransportError``, the consumer loop ended, its clean-up then hung in a close
+the dead broker never answered, and ``outbox inbox run`` exited 0 without a
+word of why. Each of the three is proved here on its own: the commit error is
+an outage (on a real broker, and for every code librdkafka gives for one), a
+loop that fails is never a clean stop even when its clean-up hangs, and a
+commit outage is logged once each way (empty polls between failing commits
+said "available again" every half second).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from outbox import Inbox, RetriableTransportError, TransportError, create_engine
+from outbox.testing import LocalKafka
+from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, record
+from tests.test_inbox_runner import ScriptedSource, at
+from transports.kafka import KafkaSource
+
+
+class _FailingCommits:
+    """A stand-in for a confluent-kafka consumer whose ``commit`` raises ``error`` (as librdkafka
+    raises a synchronous commit's error: a bare code, ``retriable()`` False)."""
+
+    def __init__(self, error: KafkaError) -> None:
+        self.error = error
+
+    def commit(self, **kwargs: object) -> None:
+        raise KafkaException(self.error)
+
+
+def _source_failing_with(code: int) -> KafkaSource:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    source._consumer.close()
+    source._consumer = _FailingCommits(KafkaError(code))  # type: ignore[assignment]
+    return source
+
+
+@pytest.mark.parametrize("code", [
+    KafkaError._WAIT_COORD, KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN,
+    KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.REQUEST_TIMED_OUT, KafkaError.NETWORK_EXCEPTION,
+    KafkaError.NOT_ENOUGH_REPLICAS,
+], ids=lambda code: KafkaError(code).name())
+def test_a_commit_without_a_coordinator_is_an_outage(code: int) -> None:
+    assert not KafkaError(code).retriable()  # what made them end the inbox
+    with pytest.raises(RetriableTransportError, match="offset commit failed"):
+        _source_failing_with(code).commit({("t", 0): 1})
+
+
+class _UnansweredCommits:
+    """A consumer whose commit waits until ``answer`` is set, as librdkafka's does for a coordinator
+    it knows but cannot reach (librdkafka #3740)."""
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+        self.calls = 0
+
+    def commit(self, **kwargs: object) -> None:
+        self.calls += 1
+        self.answer.wait()
+
+
+def _raised_within(seconds: float, call: Callable[[], object]) -> BaseException | None:
+    """What ``call`` raised (None if it returned), failing the test if it is still running."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds:g} s"
+    return outcome[0]
+
+
+def test_a_commit_without_an_answer_is_an_outage_after_the_commit_timeout() -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], session_timeout_ms=1000)
+    source._consumer.close()
+    unanswered = _UnansweredCommits()
+    source._consumer = unanswered  # type: ignore[assignment]
+    assert source.commit_timeout == 1.0  # the session timeout
+    source.commit_timeout = 0.2
+    raised = _raised_within(5, lambda: source.commit({("t", 0): 1}))
+    assert isinstance(raised, RetriableTransportError) and "no answer within 0.2s" in str(raised), raised
+    # One commit in flight at a time: the next is refused at once while the first still waits.
+    raised = _raised_within(1, lambda: source.commit({("t", 0): 2}))
+    assert isinstance(raised, RetriableTransportError) and "earlier commit still waits" in str(raised)
+    assert unanswered.calls == 1
+    unanswered.answer.set()  # the coordinator is back: the first commit lands, the next goes through
+    time.sleep(0.1)
+    assert _raised_within(5, lambda: source.commit({("t", 0): 2})) is None
+    assert unanswered.calls == 2
+
+
+def test_a_commit_the_broker_can_never_take_is_still_an_error() -> None:
+    with pytest.raises(TransportError) as raised:
+        _source_failing_with(KafkaError.GROUP_AUTHORIZATION_FAILED).commit({("t", 0): 1})
+    assert not isinstance(raised.value, RetriableTransportError)
+
+
+@pytest.mark.kafka
+def test_a_commit_to_a_killed_broker_is_an_outage_on_apache_kafka(own_kafka: LocalKafka) -> None:
+    """The real thing: the coordinator killed, a commit waits out the session and says _WAIT_COORD."""
+    producer = Producer({"bootstrap.servers": own_kafka.bootstrap, "log_level": 0})
+    for n in range(3):
+        producer.produce("t", b"%d" % n, b"k")
+    assert producer.flush(30) == 0
+    source = KafkaSource(bootstrap_servers=own_kafka.bootstrap, group_id="g", topics=["t"],
+                         session_timeout_ms=2000, heartbeat_interval_ms=500)
+    try:
+        got = []
+        deadline = time.monotonic() + 60
+        while len(got) < 3:
+            assert time.monotonic() < deadline, "the records never came"
+            got += source.poll(10, 0.5)
+        source.commit({("t", got[0].partition): 1})
+        own_kafka.kill()
+        with pytest.raises(RetriableTransportError, match=r"coordinator|Waiting|transport|timed out"):
+            source.commit({("t", got[0].partition): 3})
+    finally:
+        threading.Thread(target=source.close, daemon=True).start()  # its close waits for the dead broker
+
+
+def test_a_coordinator_out_of_reach_past_a_session_timeout_makes_the_source_unavailable() -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], session_timeout_ms=1000)
+    source._consumer.close()
+    assert source.session_timeout == 1.0
+    source._statistics('{"cgrp": {"state": "up", "join_state": "steady"}}')
+    assert source.unavailable() is None
+    source._statistics('{"cgrp": {"state": "query-coord", "join_state": "init"}}')
+    assert source.unavailable() is None  # a coordinator moving: a failover, not yet an outage
+    time.sleep(0.6)
+    source._statistics('{"cgrp": {"state": "wait-broker-transport", "join_state": "init"}}')
+    assert source.unavailable() is None  # still within the session timeout, from the first report
+    time.sleep(0.5)
+    assert source.unavailable() == "group coordinator out of reach for 1s, state wait-broker-transport"
+    source._statistics('{"cgrp": {"state": "up", "join_state": "wait-join"}}')
+    assert source.unavailable() is None
+
+
+class Unavailable(ScriptedSource):
+    """A source that says why the broker cannot serve it while ``why`` is set, as ``KafkaSource`` does."""
+
+    why: str | None = None
+
+    def unavailable(self) -> str | None:
+        return self.why
+
+
+def test_an_idle_consumer_whose_coordinator_is_gone_logs_the_outage_once_each_way(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = _inbox(sqlite_db)
+    source = Unavailable([])
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        source.why = "group coordinator out of reach for 45s, state query-coord"
+        time.sleep(1.0)  # many polls, nothing to commit
+        source.why = None
+        time.sleep(0.5)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("the broker unavailable (group coordinator out of reach for 45s"), lines
+    assert lines[1].startswith("the broker available again after"), lines
+
+
+def _inbox(sqlite_db: str) -> Inbox:
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="outage", retry_backoff=0.001, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    inbox.handler(TOPIC)(apply_effect)
+    return inbox
+
+
+class CommitsFailing(ScriptedSource):
+    """Commits fail (``error``) while ``down``; polls return nothing meanwhile, as librdkafka's do."""
+
+    def __init__(self, records: list, error: Exception) -> None:  # type: ignore[type-arg]
+        super().__init__(records)
+        self.down = False
+        self.error = error
+        self.failed = 0
+        self.close_forever = threading.Event()
+        self.hang_on_close = False
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        if self.down:
+            self.failed += 1
+            time.sleep(0.05)
+            raise self.error
+        super().commit(offsets)
+
+    def close(self) -> None:
+        if self.hang_on_close:
+            self.close_forever.wait()  # a close the dead broker never answers
+        super().close()
+
+
+def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = _inbox(sqlite_db)
+    source = CommitsFailing([at(record(TOPIC, "a", 1), 0, 0)],
+                            RetriableTransportError("offset commit failed: Local: Waiting for coordinator"))
+    source.down = True
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while source.failed < 5:  # a few commit intervals, many empty polls between them
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        source.down = False
+        while not source.commits:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
+        "the broker unavailable", "the broker available again"], lines
+    assert source.commits == [{(TOPIC, 0): 1}]
+
+
+def test_a_consumer_loop_that_fails_is_not_a_clean_stop_even_when_its_close_hangs(sqlite_db: str) -> None:
+    inbox = _inbox(sqlite_db)
+    source = CommitsFailing([at(record(TOPIC, "a", 1), 0, 0)], TransportError("offset commit failed: nope"))
+    source.down = source.hang_on_close = True
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            inbox.run(source, install_signal_handlers=False, stop_timeout=1.0)  # type: ignore[arg-type]
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    source.close_forever.set()
+    assert not thread.is_alive(), "run() did not return"
+    assert len(failure) == 1 and isinstance(failure[0], TransportError), failure
