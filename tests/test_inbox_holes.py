@@ -385,6 +385,7 @@ def test_kafka_source_reports_a_commit_refused_by_a_rebalance() -> None:
     from confluent_kafka import KafkaError, KafkaException
 
     from transports.kafka import KafkaSource
+    from transports.kafka._commit import BoundedCommits
 
     class Refusing:
         def commit(self, **_: object) -> None:
@@ -392,6 +393,7 @@ def test_kafka_source_reports_a_commit_refused_by_a_rebalance() -> None:
 
     source = object.__new__(KafkaSource)
     source._consumer = Refusing()  # type: ignore[assignment]
+    source._commits = BoundedCommits(5.0)  # what __init__ gives it: the commit runs through it
     with pytest.raises(CommitRefusedError, match="refused"):
         source.commit({(TOPIC, 0): 5})
 
