@@ -7,8 +7,10 @@ next attempt), which a broker's rebalance timing cannot give.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
@@ -105,21 +107,33 @@ def test_a_sweep_that_hangs_holds_up_no_poll(sqlite_db: str) -> None:
     """The gap sweep queries the database every second; on the polling thread, a slow or frozen
     database held up every key's records (and, frozen, the poll itself). It has a thread of its own."""
     from outbox import create_engine
+    from outbox.inbox.storage import storage_for
+
+    sweeping, release = threading.Event(), threading.Event()
+
+    class HangingHeld:
+        """The held store, whose sweep query (``ready``) hangs until released."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def ready(self, session: Any, limit: int) -> Any:
+            sweeping.set()
+            release.wait(30)
+            return self.inner.ready(session, limit)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    def hanging_sweep(tables: Any, group: str) -> Any:
+        own = storage_for("sqlite")(tables, group)
+        return dataclasses.replace(own, held=HangingHeld(own.held))
 
     engine = create_engine(sqlite_db)
-    inbox = Inbox(engine, group="sweep", alert=AlertLog())
+    inbox = Inbox(engine, group="sweep", alert=AlertLog(), storage=hanging_sweep)
     inbox.create_tables()
     business.create_all(engine)
     inbox.handler(TOPIC)(apply_effect)
-    sweeping, release = threading.Event(), threading.Event()
-    ready = inbox.gaps.ready
-
-    def hangs():  # type: ignore[no-untyped-def]
-        sweeping.set()
-        release.wait(30)
-        return ready()
-
-    inbox.gaps.ready = hangs  # type: ignore[method-assign]
     records = [at(record(TOPIC, "a", seq), 0, seq - 1) for seq in (1, 2, 3)]
 
     class AfterTheSweepStarted(ScriptedSource):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -129,35 +131,50 @@ def old_published(outbox: Outbox, rows: int) -> None:
                      [outbox_row("published", NOW - timedelta(days=30)) for _ in range(rows)])
 
 
-def test_a_pass_rests_between_batches_for_the_share_of_time_it_does_not_work(
-        filled: Outbox, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextmanager
+def timed_transactions(takes: float) -> Iterator[list[list[float]]]:
+    """The [begin, commit] times of every transaction any engine runs meanwhile, and [begin] of one
+    that was not committed (a read); each made to take at least ``takes`` seconds (a batch that takes
+    a noticeable while)."""
+    spans: list[list[float]] = []
+
+    def began(conn: sa.Connection) -> None:
+        spans.append([time.monotonic()])
+        time.sleep(takes)
+
+    def committed(conn: sa.Connection) -> None:
+        spans[-1].append(time.monotonic())
+
+    sa.event.listen(sa.Engine, "begin", began)
+    sa.event.listen(sa.Engine, "commit", committed)
+    try:
+        yield spans
+    finally:
+        sa.event.remove(sa.Engine, "begin", began)
+        sa.event.remove(sa.Engine, "commit", committed)
+
+
+def test_a_pass_rests_between_batches_for_the_share_of_time_it_does_not_work(filled: Outbox) -> None:
     """A pass deletes ``duty`` of the time and rests the remainder between batches, so that the
     relay and the inbox beside it keep the rest of the database; ``duty=1`` never rests."""
-    import outbox.housekeeping._retention as retention
-
     duty = 0.25
-
     old_published(filled, 12)
-    batches: list[tuple[float, float]] = []
-    one_batch = retention._one_batch
-
-    def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
-        started = time.monotonic()
-        time.sleep(0.02)  # a batch that takes a noticeable while
-        try:
-            return one_batch(*args, **kwargs)
-        finally:
-            batches.append((started, time.monotonic()))
-
-    monkeypatch.setattr(retention, "_one_batch", timed)
-    result = run_retention(filled, older_than="7d", batch_size=4, now=NOW, duty=duty)
+    with timed_transactions(0.02) as spans:
+        result = run_retention(filled, older_than="7d", batch_size=4, now=NOW, duty=duty)
+    batches = [span for span in spans if len(span) == 2]
     assert result.deleted == {"outbox_messages": 12} and len(batches) == 4  # the 4th finds nothing
     for (start, end), (following, _) in itertools.pairwise(batches):
         rested, worked = following - end, end - start
         assert rested >= worked * (1 - duty) / duty * 0.99, (rested, worked)
-    started = time.monotonic()
-    assert retention._rest(3600.0, 1.0, None)  # an hour's batch, and no rest at all
-    assert time.monotonic() - started < 1
+
+    old_published(filled, 8)
+    with timed_transactions(0.5) as spans:
+        run_retention(filled, older_than="7d", batch_size=4, now=NOW, duty=1.0)
+    batches = [span for span in spans if len(span) == 2]
+    assert len(batches) == 3
+    for (start, end), (following, _) in itertools.pairwise(batches):
+        rested, worked = following - end, end - start
+        assert rested < worked / 2, (rested, worked)  # no rest: a rest as long as the work at duty 0.5
 
 
 def test_a_stop_ends_a_rest_at_once(filled: Outbox) -> None:
