@@ -201,6 +201,41 @@ def test_a_batch_commits_the_others_when_one_handler_fails(inbox: Inbox, engine:
         assert sorted(conn.scalars(sa.select(m.c.key))) == ["a", "c"]  # no dedup row for "bad"
 
 
+def test_a_lone_message_tries_first_without_a_savepoint_and_retries_in_one(inbox: Inbox,
+                                                                          engine: sa.Engine) -> None:
+    """A SAVEPOINT costs two round trips of a one-message transaction's seven: a lone first try goes
+    bare, as a batch does; its failure is redone without running the handler again. A lone retry,
+    likely to fail again, goes straight to its SAVEPOINT."""
+    calls: list[int] = []
+
+    def fails_once(session, message):  # type: ignore[no-untyped-def]
+        calls.append(message.seq)
+        apply_effect(session, message)
+        if message.seq == 2 and calls.count(2) == 1:
+            raise RuntimeError("once")
+
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, fails_once))
+    savepoints: list[str] = []
+
+    def statement(conn, cursor, text, *rest):  # type: ignore[no-untyped-def]
+        if text.lstrip().upper().startswith("SAVEPOINT"):
+            savepoints.append(text)
+
+    sa.event.listen(sa.Engine, "before_cursor_execute", statement)
+    try:
+        assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+        assert savepoints == []
+        first = settle(inbox, [record(TOPIC, "a", 2)])
+        [(failed, _)] = first.later
+        assert failed.attempts.count == 1 and calls == [1, 2] and savepoints == []
+        retried = settle(inbox, [failed])
+        assert [disposition for _, disposition in retried.done] == [Disposition.APPLIED]
+        assert calls == [1, 2, 2] and len(savepoints) == 1
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", statement)
+    assert applied(engine) == [("a", 1), ("a", 2)]
+
+
 MakeInbox = Callable[..., Inbox]
 
 

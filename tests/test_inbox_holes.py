@@ -385,17 +385,20 @@ def test_kafka_source_reports_a_commit_refused_by_a_rebalance() -> None:
     from confluent_kafka import KafkaError, KafkaException
 
     from transports.kafka import KafkaSource
-    from transports.kafka._commit import BoundedCommits
 
     class Refusing:
         def commit(self, **_: object) -> None:
             raise KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS))
 
-    source = object.__new__(KafkaSource)
-    source._consumer = Refusing()  # type: ignore[assignment]
-    source._commits = BoundedCommits(5.0)  # what __init__ gives it: commits wait at most this long
-    with pytest.raises(CommitRefusedError, match="refused"):
-        source.commit({(TOPIC, 0): 5})
+    # A port nothing listens on: the consumer is built (it connects lazily) but answers nothing.
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=[TOPIC])
+    real, source._consumer = source._consumer, Refusing()  # type: ignore[assignment]
+    try:
+        with pytest.raises(CommitRefusedError, match="refused"):
+            source.commit({(TOPIC, 0): 5})
+    finally:
+        source._consumer = real
+        source.close()
 
 
 def _wrapped(kind: type[sa.exc.DBAPIError], orig: BaseException) -> sa.exc.DBAPIError:

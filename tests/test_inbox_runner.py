@@ -7,8 +7,10 @@ next attempt), which a broker's rebalance timing cannot give.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Any
 
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
@@ -99,3 +101,61 @@ def test_revoke_abandons_a_waiting_retry_and_still_commits_its_batch_mates(sqlit
     lag = REGISTRY.get_sample_value("outbox_inbox_commit_lag",
                                     {"group": "runner", "topic": TOPIC, "partition": "1"})
     assert lag == 0  # both records of partition 1 committed
+
+
+def test_a_sweep_that_hangs_holds_up_no_poll(sqlite_db: str) -> None:
+    """The gap sweep queries the database every second; on the polling thread, a slow or frozen
+    database held up every key's records (and, frozen, the poll itself). It has a thread of its own."""
+    from outbox import create_engine
+    from outbox.inbox.storage import storage_for
+
+    sweeping, release = threading.Event(), threading.Event()
+
+    class HangingHeld:
+        """The held store, whose sweep query (``ready``) hangs until released."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def ready(self, session: Any, limit: int) -> Any:
+            sweeping.set()
+            release.wait(30)
+            return self.inner.ready(session, limit)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    def hanging_sweep(tables: Any, group: str) -> Any:
+        own = storage_for("sqlite")(tables, group)
+        return dataclasses.replace(own, held=HangingHeld(own.held))
+
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="sweep", alert=AlertLog(), storage=hanging_sweep)
+    inbox.create_tables()
+    business.create_all(engine)
+    inbox.handler(TOPIC)(apply_effect)
+    records = [at(record(TOPIC, "a", seq), 0, seq - 1) for seq in (1, 2, 3)]
+
+    class AfterTheSweepStarted(ScriptedSource):
+        def poll(self, max_records: int, timeout: float) -> list[Record]:
+            if not sweeping.is_set():
+                time.sleep(0.01)
+                return []
+            return super().poll(max_records, timeout)
+
+    source = AfterTheSweepStarted(records)
+    thread = threading.Thread(target=inbox.run, args=(source,),
+                              kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(c.get((TOPIC, 0)) == 3 for c in source.commits):
+            assert time.monotonic() < deadline, f"not applied and committed while the sweep hung: " \
+                                                f"{applied(engine)}, {source.commits}"
+            time.sleep(0.01)
+        assert applied(engine) == [("a", 1), ("a", 2), ("a", 3)]
+    finally:
+        release.set()
+        inbox.stop()
+        thread.join(10)
+    assert not thread.is_alive()

@@ -76,3 +76,27 @@ def test_the_inbox_refuses_before_it_connects_and_keeps_its_settings() -> None:
         Inbox(engine, group="g", gap_timeout=math.nan)
     inbox = Inbox(sa.create_engine("sqlite://"), group="g", batch_size=50, dedup_window=timedelta(hours=1))
     assert (inbox.settings.batch_size, inbox.settings.dedup_window) == (50, 3600.0)
+
+
+def test_the_defaults_a_newcomer_reads_are_the_defaults_the_inbox_has() -> None:
+    """``concurrency`` and ``batch_size`` as ``Inbox(engine, group=...)`` gives them are what
+    getting-started, consumer.md's settings table and ``outbox inbox run --help`` say."""
+    import inspect
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from outbox.cli import app
+
+    parameters = inspect.signature(Inbox).parameters
+    concurrency, batch_size = parameters["concurrency"].default, parameters["batch_size"].default
+    inbox = Inbox(sa.create_engine("sqlite://"), group="g")
+    assert (inbox.concurrency, inbox.batch_size) == (concurrency, batch_size)
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    started = " ".join((docs / "getting-started.md").read_text().split())
+    assert f"on {concurrency} keys at once (`concurrency`) and applies up to {batch_size} messages" in started
+    consumer = (docs / "consumer.md").read_text()
+    assert f"| `batch_size` | {batch_size} |" in consumer and f"| `concurrency` | {concurrency} |" in consumer
+    shown = CliRunner().invoke(app, ["inbox", "run", "--help"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert f"{concurrency} and {batch_size} unless it sets them" in " ".join(shown.output.split())

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -109,11 +114,91 @@ def test_a_dry_run_counts_and_deletes_nothing(filled: Outbox) -> None:
     ({"older_than": 0}, "retention"), ({"dedup_window": "soon"}, "dedup window"),
     ({"older_than": "7d", "batch_size": 0}, "batch_size"),
     ({"older_than": "7d", "batch_size": True}, "batch_size"),
+    ({"older_than": "7d", "duty": 0}, "duty"), ({"older_than": "7d", "duty": 1.5}, "duty"),
+    ({"older_than": "7d", "duty": True}, "duty"), ({"older_than": "7d", "duty": float("nan")}, "duty"),
 ])
 def test_bad_settings_are_refused_before_any_sql(kwargs, named: str) -> None:
     engine = create_engine("sqlite://")  # no tables: a refusal must come before the first statement
     with pytest.raises(ConfigurationError, match=named):
         run_retention(Outbox(engine), **kwargs)
+
+
+def old_published(outbox: Outbox, rows: int) -> None:
+    """Only ``rows`` published rows 30 days old in the outbox table."""
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        conn.execute(sa.delete(outbox.tables.messages))
+        conn.execute(sa.insert(outbox.tables.messages),
+                     [outbox_row("published", NOW - timedelta(days=30)) for _ in range(rows)])
+
+
+@contextmanager
+def timed_transactions(takes: float) -> Iterator[list[list[float]]]:
+    """The [begin, commit] times of every transaction any engine runs meanwhile, and [begin] of one
+    that was not committed (a read); each made to take at least ``takes`` seconds (a batch that takes
+    a noticeable while)."""
+    spans: list[list[float]] = []
+
+    def began(conn: sa.Connection) -> None:
+        spans.append([time.monotonic()])
+        time.sleep(takes)
+
+    def committed(conn: sa.Connection) -> None:
+        spans[-1].append(time.monotonic())
+
+    sa.event.listen(sa.Engine, "begin", began)
+    sa.event.listen(sa.Engine, "commit", committed)
+    try:
+        yield spans
+    finally:
+        sa.event.remove(sa.Engine, "begin", began)
+        sa.event.remove(sa.Engine, "commit", committed)
+
+
+def test_a_pass_rests_between_batches_for_the_share_of_time_it_does_not_work(filled: Outbox) -> None:
+    """A pass deletes ``duty`` of the time and rests the remainder between batches, so that the
+    relay and the inbox beside it keep the rest of the database; ``duty=1`` never rests."""
+    duty = 0.25
+    old_published(filled, 12)
+    with timed_transactions(0.02) as spans:
+        result = run_retention(filled, older_than="7d", batch_size=4, now=NOW, duty=duty)
+    batches = [span for span in spans if len(span) == 2]
+    assert result.deleted == {"outbox_messages": 12} and len(batches) == 4  # the 4th finds nothing
+    for (start, end), (following, _) in itertools.pairwise(batches):
+        rested, worked = following - end, end - start
+        assert rested >= worked * (1 - duty) / duty * 0.99, (rested, worked)
+
+    old_published(filled, 8)
+    with timed_transactions(0.5) as spans:
+        run_retention(filled, older_than="7d", batch_size=4, now=NOW, duty=1.0)
+    batches = [span for span in spans if len(span) == 2]
+    assert len(batches) == 3
+    for (start, end), (following, _) in itertools.pairwise(batches):
+        rested, worked = following - end, end - start
+        assert rested < worked / 2, (rested, worked)  # no rest: a rest as long as the work at duty 0.5
+
+
+def test_a_stop_ends_a_rest_at_once(filled: Outbox) -> None:
+    old_published(filled, 4)
+    stop = threading.Event()
+    timer = threading.Timer(0.3, stop.set)
+    timer.start()
+    started = time.monotonic()
+    result = run_retention(filled, older_than="7d", batch_size=2, now=NOW, duty=1e-9, stop=stop)
+    assert result.stopped and result.deleted == {"outbox_messages": 2}
+    assert time.monotonic() - started < 10  # the rest after the first batch would be years
+
+
+def test_a_batch_deletes_at_most_batch_size_rows(filled: Outbox) -> None:
+    """A batch is one short transaction of at most ``batch_size`` rows, whatever the database
+    plans: on PostgreSQL a ``DELETE … WHERE id IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)``
+    planned as a rescanned semi-join deleted every settled row in one statement (each rescan
+    skips the rows the statement deleted already and picks n more)."""
+    old_published(filled, 12)
+    seen: list[int] = []
+    result = run_retention(filled, older_than="7d", batch_size=4, now=NOW, duty=1.0,
+                           progress=lambda table, deleted: seen.append(deleted))
+    assert result.deleted == {"outbox_messages": 12}
+    assert seen == [4, 8, 12]
 
 
 PERIODS = st.one_of(

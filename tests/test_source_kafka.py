@@ -54,6 +54,67 @@ def poll_until(source: KafkaSource, count: int, timeout: float = 30.0) -> list: 
     return records
 
 
+class _Fetched:
+    """A consumed message as confluent-kafka hands it over (the parts ``poll`` reads)."""
+
+    def __init__(self, topic: str, partition: int, offset: int) -> None:
+        self._at = (topic, partition, offset)
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return self._at[0]
+
+    def partition(self) -> int:
+        return self._at[1]
+
+    def offset(self) -> int:
+        return self._at[2]
+
+    def value(self) -> bytes:
+        return b"v"
+
+    def key(self) -> bytes:
+        return b"k"
+
+    def headers(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return 0, 0
+
+
+def test_a_record_whose_partition_is_revoked_before_the_poll_returns_is_dropped() -> None:
+    """``poll`` takes the first record and what is queued behind it in two calls; a rebalance in the
+    second revokes a partition the first call's record came from. The revoke callback committed
+    and forgot that partition, so the record is not the consumer's any more: handed over, it would
+    be tracked again and its offset committed by a consumer that no longer owns it. librdkafka
+    drops such records within one call, never across two."""
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    revoked: list[list[tuple[str, int]]] = []
+    source.on_revoke(revoked.append)
+
+    class RebalancingBetweenCalls:
+        """The second call serves a revoke of partition 0, as librdkafka serves rebalance callbacks."""
+
+        def consume(self, num_messages: int, timeout: float) -> list[_Fetched]:
+            if num_messages == 1:
+                return [_Fetched("t", 0, 7)]
+            source._revoked(self, [TopicPartition("t", 0)])  # type: ignore[arg-type]
+            return [_Fetched("t", 1, 3)]
+
+    real, source._consumer = source._consumer, RebalancingBetweenCalls()  # type: ignore[assignment]
+    source._assignment = frozenset({("t", 0), ("t", 1)})
+    try:
+        records = source.poll(500, 0.1)
+    finally:
+        source._consumer = real
+        source.close()
+    assert revoked == [[("t", 0)]]
+    assert [(r.partition, r.offset) for r in records] == [(1, 3)]
+
+
 def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic: str) -> None:
     producer = Producer({"bootstrap.servers": kafka})
     for i in range(10):

@@ -426,3 +426,22 @@ class SourceConformance:
         again = self._poll_until(second, 4)
         assert sorted((r.partition, r.offset, r.value) for r in again) == [
             (0, 3, b"a3"), (0, 4, b"a4"), (1, 0, b"b0"), (1, 1, b"b1")]
+
+    def test_a_poll_hands_over_what_is_there_without_waiting_to_fill(
+        self, make_source: SourceFactory, produce: Produce, topic: str
+    ) -> None:
+        """``poll(max_records, timeout)`` waits up to ``timeout`` for the first record only: a poll
+        that waited to fill ``max_records`` would hold every record of a slow stream ``timeout``
+        seconds, most of a consumer's send-to-commit latency."""
+        produce(self._written(topic, 0, ["a0"]))
+        source = make_source(f"g-{topic}", [topic])
+        try:
+            self._poll_until(source, 1)  # joined, and caught up
+            produce(self._written(topic, 0, ["a1"]))
+            started = time.monotonic()
+            records = source.poll(1000, 10.0)
+            waited = time.monotonic() - started
+            assert [r.value for r in records] == [b"a1"]
+            assert waited < 5.0, f"the poll waited {waited:.1f} s for more than the one record there"
+        finally:
+            source.close()

@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from .._stopping import stop_signals
 from ..housekeeping import (
     DEFAULT_BATCH_SIZE,
+    DEFAULT_DUTY,
     PartitionReport,
     RetentionResult,
     parse_period,
@@ -53,6 +54,9 @@ def run(
     group: str | None = typer.Option(None, "--group", help="Only this consumer group's dedup records."),
     batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, "--batch-size", help="Rows per delete transaction."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
+    duty: float = typer.Option(DEFAULT_DUTY, "--duty", help=(
+        "Share of the time spent deleting (above 0, at most 1); it rests between batches for the "
+        "rest, leaving the database to the relay and the inbox. 1: no rest.")),
     prefix: str = PREFIX,
     schema: str | None = SCHEMA,
     tenants: str | None = TENANTS,
@@ -66,6 +70,8 @@ def run(
     """
     if older_than is None and dedup_window is None:
         raise typer.BadParameter("give --older-than (outbox rows), --dedup-window (inbox records) or both")
+    if not 0 < duty <= 1:
+        raise typer.BadParameter(f"--duty must be above 0 and at most 1, got {duty:g}")
     if group is not None and dedup_window is None:
         raise typer.BadParameter("--group limits the inbox records: give --dedup-window too")
     for flag, value in (("--older-than", older_than), ("--dedup-window", dedup_window)):
@@ -74,7 +80,8 @@ def run(
     tenant_only_with_tenants(tenants, tenant)
     if tenants is not None:
         _run_for_tenants(db, prefix, schema, tenants, tenant, older_than=older_than,
-                         dedup_window=dedup_window, group=group, batch_size=batch_size, dry_run=dry_run)
+                         dedup_window=dedup_window, group=group, batch_size=batch_size, dry_run=dry_run,
+                         duty=duty)
         return
     outbox = open_outbox(db, prefix, schema)
     started = time.monotonic()
@@ -88,7 +95,8 @@ def run(
 
     with _stopped_by_signals() as (stop, stopped_by):
         result = run_retention(outbox, older_than=older_than, dedup_window=dedup_window, group=group,
-                               batch_size=batch_size, dry_run=dry_run, progress=progress, stop=stop)
+                               batch_size=batch_size, dry_run=dry_run, progress=progress, stop=stop,
+                               duty=duty)
     _show_result(result, dry_run, time.monotonic() - started)
     if result.stopped:
         typer.echo(f"stopped by {stopped_by[0].name} before it finished; run it again to carry on")
@@ -118,7 +126,7 @@ def _show_result(result: RetentionResult, dry_run: bool, elapsed: float, who: st
 
 def _run_for_tenants(db: str, prefix: str, schema: str | None, spec: str, only: str | None, *,
                      older_than: str | None, dedup_window: str | None, group: str | None,
-                     batch_size: int, dry_run: bool) -> None:
+                     batch_size: int, dry_run: bool, duty: float) -> None:
     """``housekeeping run`` in each tenant's place; every line names its tenant."""
     engine = open_engine(db)
     databases = TenantDatabases(engine, make=existing_engine)
@@ -128,7 +136,7 @@ def _run_for_tenants(db: str, prefix: str, schema: str | None, spec: str, only: 
         with _stopped_by_signals() as (stop, stopped_by):
             outcomes = run_retention_for_tenants(
                 chosen, databases, prefix=prefix, older_than=older_than, dedup_window=dedup_window,
-                group=group, batch_size=batch_size, dry_run=dry_run, stop=stop)
+                group=group, batch_size=batch_size, dry_run=dry_run, stop=stop, duty=duty)
     finally:
         databases.dispose()
     elapsed = time.monotonic() - started

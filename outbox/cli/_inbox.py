@@ -141,6 +141,10 @@ def run(
 ) -> None:
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group.
 
+    How many keys run at once and how many messages one transaction carries
+    are the app's Inbox(concurrency=..., batch_size=...): 8 and 100 unless it
+    sets them (docs/consumer.md, "Choosing the settings").
+
     With ``--tenants`` and ``--tenant-header``, one consumer serves every
     tenant: each message is applied in the schema or database of the tenant
     its header names (docs/tenants.md).

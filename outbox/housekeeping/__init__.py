@@ -13,11 +13,12 @@ one tenant's failure named and the others cleaned all the same.
 from ._durations import parse_period
 from ._inbox_partitions import maintain_inbox_partitions, partition_inbox
 from ._partitions import PartitionReport, maintain_partitions, partition_outbox
-from ._retention import DEFAULT_BATCH_SIZE, RetentionResult, count_settled, run_retention
+from ._retention import DEFAULT_BATCH_SIZE, DEFAULT_DUTY, RetentionResult, count_settled, run_retention
 from ._tenants import TenantProgress, run_retention_for_tenants, tenant_retention_pass
 
 __all__ = [
            "DEFAULT_BATCH_SIZE",
+           "DEFAULT_DUTY",
            "PartitionReport",
            "RetentionResult",
            "TenantProgress",

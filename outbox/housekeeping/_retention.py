@@ -32,6 +32,7 @@ from .._envelope import utcnow
 from .._errors import ConfigurationError
 from .._outage import OutageBackoff, is_database_outage
 from .._outbox import Outbox
+from .._pg_arrays import array_params, rows_of
 from .._tables import MYSQL_FAMILY, OutboxTables
 from ._durations import parse_period
 from ._inbox_partitions import maintain_inbox_partitions
@@ -41,6 +42,10 @@ from ._targets import Target, inbox_target, outbox_target
 DEFAULT_BATCH_SIZE = 5000
 MAX_BATCH_SIZE = 100_000
 BATCH_ATTEMPTS = 5
+DEFAULT_DUTY = 0.5
+"""The share of a pass's time spent deleting: after a batch that took t seconds it rests
+t * (1 - duty) / duty, so the relay and the inbox beside it keep the rest of the database's CPU
+and WAL (docs/operations.md, "Housekeeping")."""
 BATCH_RETRY = OutageBackoff(first=0.05)
 """A batch rolled back by a deadlock or a lost connection runs again after 0.05 s, 0.1 s, 0.2 s …"""
 
@@ -81,6 +86,7 @@ def run_retention(
     progress: Progress | None = None,
     stop: threading.Event | None = None,
     now: datetime | None = None,
+    duty: float = DEFAULT_DUTY,
 ) -> RetentionResult:
     """Delete published outbox rows created more than ``older_than`` ago, and inbox dedup
     records whose message is older than ``dedup_window``; returns what was deleted.
@@ -92,7 +98,10 @@ def run_retention(
     from several processes at once, and to kill at any point. ``bind`` is an
     ``Outbox`` (its engine and tables) or an engine with ``tables``.
     ``group`` limits the inbox records to one consumer group's. ``stop`` ends
-    the run between batches.
+    the run between batches. ``duty`` (0 < duty <= 1) is the share of the time the pass
+    deletes; it rests between batches for the remainder, so that it never takes more than that
+    share of the database from the relay and the inbox beside it (1: no rest, for a database
+    nothing else uses).
     """
     engine, tables = _bound(bind, tables)
     if older_than is None and dedup_window is None:
@@ -100,6 +109,8 @@ def run_retention(
     if (isinstance(batch_size, bool) or not isinstance(batch_size, int)
             or not 1 <= batch_size <= MAX_BATCH_SIZE):
         raise ConfigurationError(f"batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {batch_size!r}")
+    if isinstance(duty, bool) or not isinstance(duty, int | float) or not 0 < duty <= 1:
+        raise ConfigurationError(f"duty must be a share of the time above 0 and at most 1, got {duty!r}")
     moment = now or utcnow()
     jobs: list[tuple[Target, datetime]] = []
     if older_than is not None:
@@ -132,6 +143,7 @@ def run_retention(
             result.deleted[target.name] = count_settled(engine, target, cutoff, besides=dropping)
             continue
         result.deleted[target.name] = 0
+        working = time.monotonic()
         for done in _batches(engine, target, cutoff, batch_size):
             result.deleted[target.name] += done
             if progress is not None:
@@ -139,7 +151,21 @@ def run_retention(
             if stop is not None and stop.is_set():
                 result.stopped = True
                 return result
+            if not _rest(time.monotonic() - working, duty, stop):
+                result.stopped = True
+                return result
+            working = time.monotonic()
     return result
+
+
+def _rest(worked: float, duty: float, stop: threading.Event | None) -> bool:
+    """Rest after ``worked`` seconds of deleting so that deleting is ``duty`` of the time; False
+    when ``stop`` was set meanwhile."""
+    rest = worked * (1 - duty) / duty
+    if stop is None:
+        time.sleep(rest)
+        return True
+    return not stop.wait(rest)
 
 
 def _partitioned(engine: Engine, target: Target) -> bool:
@@ -211,27 +237,34 @@ def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
 
 def _one_statement(engine: Engine, target: Target, cutoff: datetime, size: int,
                    after: Sequence[Any] | None) -> tuple[int, tuple[Any, ...] | None, int]:
-    """PostgreSQL: the pick and the delete as one statement, which reports the count and last key.
+    """PostgreSQL: pick the batch's keys, then delete those rows through their primary key.
 
-    ``DELETE … WHERE key IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED) RETURNING key``: one round
-    trip a batch and no key list sent back and forth. The last key is the database's greatest,
-    by its own collation, which the next batch compares with.
+    The pick is its own statement so that a batch is exactly what it picked. As one
+    ``DELETE … WHERE key IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)`` the database was
+    free to plan the pick as the inner side of a semi-join: rescanned, it skipped the rows the
+    statement had deleted already and picked n more, so one "batch" deleted every settled
+    row in one transaction; planned as a hash join instead, each batch read the whole table.
+    The delete takes the keys as one array per column (``_pg_arrays``): a constant text,
+    and a plan that probes the primary key once per row.
     """
     pick = (select(*target.key).where(*target.settled(cutoff)).order_by(*target.key).limit(size)
             .with_for_update(skip_locked=True))
     if after is not None:
         pick = pick.where(_key(target) > _values(target, after))
-    picked = pick.scalar_subquery() if len(target.key) == 1 else pick
-    gone = (delete(target.table).where(_key(target).in_(picked), *target.settled(cutoff))
-            .returning(*target.key).cte("gone"))
-    gone_key = [gone.c[c.name] for c in target.key]
-    last = (select(*gone_key, func.count().over()).select_from(gone)
-            .order_by(*[c.desc() for c in gone_key]).limit(1))
+    columns = {c.name: c.type for c in target.key}
+    picked = rows_of(columns, name="picked")
     with engine.begin() as conn:
-        row = conn.execute(last).first()
-    if row is None:
-        return 0, None, 0
-    return row[-1], tuple(row[:-1]), row[-1]
+        rows = conn.execute(pick).all()
+        if not rows:
+            return 0, None, 0
+        # The picked range bounds the index scan: a merge join over the whole key order
+        # would walk every row deleted by the batches before (dead until vacuumed).
+        gone = delete(target.table).where(
+            *[c == picked.c[c.name] for c in target.key], *target.settled(cutoff),
+            _key(target) >= _values(target, rows[0]), _key(target) <= _values(target, rows[-1]))
+        deleted = conn.execute(gone, array_params(columns, {
+            c.name: [row[n] for row in rows] for n, c in enumerate(target.key)})).rowcount
+    return len(rows), tuple(rows[-1]), deleted
 
 
 def _key(target: Target) -> Any:

@@ -24,7 +24,7 @@ from .._errors import ConfigurationError
 from .._outbox import Outbox
 from ..tenants import Tenant, TenantDatabases, TenantOutcome, TenantSource, each_tenant
 from ._durations import parse_period
-from ._retention import DEFAULT_BATCH_SIZE, RetentionResult, run_retention
+from ._retention import DEFAULT_BATCH_SIZE, DEFAULT_DUTY, RetentionResult, run_retention
 
 log = safe_logger("outbox.housekeeping")
 
@@ -46,6 +46,7 @@ def run_retention_for_tenants(
     stop: threading.Event | None = None,
     now: datetime | None = None,
     concurrency: int = 1,
+    duty: float = DEFAULT_DUTY,
 ) -> list[TenantOutcome[RetentionResult]]:
     """``run_retention`` in each tenant's schema or database; one outcome per tenant, in order.
 
@@ -72,7 +73,7 @@ def run_retention_for_tenants(
         report = None if progress is None else (lambda table, n: progress(tenant, table, n))
         return run_retention(Outbox(engine, prefix=prefix, schema=tenant.schema), older_than=older_than,
                              dedup_window=dedup_window, group=group, batch_size=batch_size,
-                             dry_run=dry_run, progress=report, stop=stop, now=moment)
+                             dry_run=dry_run, progress=report, stop=stop, now=moment, duty=duty)
 
     done: list[TenantOutcome[RetentionResult]] = []
     for outcome in each_tenant(tenants, clean, databases=databases, concurrency=concurrency):

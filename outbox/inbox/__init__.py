@@ -3,7 +3,8 @@
 One pipeline, one module per stage: decode into typed deliveries
 (``_delivery``) → schedule by key (``_schedule``) → one transaction in rounds
 of phases: triage, claim, run, advance, successors (``_transaction``, ``_phases``: the only
-stage with a session, and **where a delivery becomes applied or parked**) →
+stage with a session, and **where a delivery becomes applied or parked**; what the rounds
+decide is kept by ``_ledger`` and written once at the end) →
 settle: done, retry later or park (``_settle``) → commit offsets
 (``_offsets``, driven by ``_runner``). An operator's replay (``_admin``) runs
 through the same phases. ``storage`` owns every inbox statement and the one way

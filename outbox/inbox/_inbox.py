@@ -31,7 +31,6 @@ from .._stopping import STOP_TIMEOUT, RunOnce
 from .._tables import OutboxTables
 from .._tenant import Tenant, TenantsLike, tenant_source
 from .._tenant_labels import TenantLabels
-from .._wire import ENVELOPE_HEADERS
 from ._alerting import Alerter
 from ._delivery import Delivery, decode, delivery
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
@@ -43,9 +42,10 @@ from ._places import Place, tenant_session_engine, tenant_tables
 from ._registration import HandlerRegistration
 from ._runner import Decode, Runner
 from ._sessions import sessions_for, warn_small_pool
-from ._settings import InboxSettings
+from ._settings import DEFAULT_BATCH_SIZE, InboxSettings
 from ._settle import settle_alone
 from ._signals import Disposition
+from ._tenant_options import checked_refresh
 from ._tenants import REFRESH, TenantRouter
 from ._typed import HandlerRegistry
 from .storage import InboxStorage, StorageFactory, storage_for
@@ -70,9 +70,11 @@ class Inbox(HandlerRegistration, ParkedOperations):
     functions given an ``AsyncSession``, awaited on the inbox's own event loop
     inside the same transaction, under the same rules (``_sessions``).
     ``concurrency`` worker threads handle different keys in
-    parallel; ``batch_size`` > 1 lets one transaction carry up to that many
-    messages, of several keys or a run of one busy key's consecutive
-    messages, which is what high throughput (and a hot key) needs.
+    parallel; one transaction carries up to ``batch_size`` messages (100
+    unless given), of several keys or a run of one busy key's consecutive
+    messages, so a message costs a share of a commit, not a commit of its
+    own; a transaction takes what is ready and never waits to fill
+    (docs/consumer.md, "Choosing the settings").
     ``start`` is where a key first met past seq 1 starts (``StartPolicy``),
     and what a rebuilt producer (a new incarnation counting its seqs again)
     does to its keys. ``dedup_window`` is how long this group's dedup records
@@ -107,7 +109,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
         max_attempts: int = 3,
         alert: AlertSink | Callable[..., None] | None = None,
         concurrency: int = 8,
-        batch_size: int = 1,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         gap_timeout: timedelta | float = 60.0,
         gap_alert_after: timedelta | float | None = None,
         retry_backoff: float = 0.1,
@@ -197,27 +199,11 @@ class Inbox(HandlerRegistration, ParkedOperations):
                 refresh: timedelta | float) -> TenantRouter:
         if tenants is None:
             raise ConfigurationError("tenant_header= and tenant_of= need tenants= (docs/tenants.md)")
-        if (header is None) == (tenant_of is None):
-            raise ConfigurationError("an inbox serving tenants needs one of tenant_header= (the header "
-                                     "naming the tenant) or tenant_of= (a function of the message)")
-        if header is not None and (not isinstance(header, str) or not header.strip()
-                                   or header != header.strip()
-                                   or not header.isprintable() or len(header) > 200):
-            raise ConfigurationError(f"tenant_header must be a header name, got {header!r:.80}")
-        if header in ENVELOPE_HEADERS:  # read into the envelope, never into message.headers
-            raise ConfigurationError(f"tenant_header {header!r} is an outbox envelope header: name "
-                                     "the header that carries the tenant (e.g. 'x-tenant')")
-        if tenant_of is not None and not callable(tenant_of):
-            raise ConfigurationError(f"tenant_of must be a function of the message, got {tenant_of!r:.80}")
-        if self.is_async:
-            raise ConfigurationError("tenants= needs an Inbox built on a sync Engine or sessionmaker")
-        seconds = refresh.total_seconds() if isinstance(refresh, timedelta) else refresh
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
-            raise ConfigurationError(f"tenant_refresh must be a positive number of seconds, got {refresh!r}")
+        seconds = checked_refresh(header, tenant_of, refresh, is_async=self.is_async)
         default = Place(None, self.engine, self.tables, self._sessions, self.storage, self.step,
                         self.settler, self.admin, self.gaps, checked=True)
         return TenantRouter(tenant_source(tenants), default=default, build=self._place, header=header,
-                            tenant_of=tenant_of, refresh=float(seconds), pool_size=self.concurrency)
+                            tenant_of=tenant_of, refresh=seconds, pool_size=self.concurrency)
 
     def _place(self, tenant: Tenant, engine: Engine) -> Place:
         """A tenant's pipeline: a plain inbox's stages on its engine, in its schema (``_tenants``).

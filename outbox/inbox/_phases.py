@@ -21,8 +21,9 @@ the handler once per message. One round:
    next round, so a held message is applied in the same transaction, right
    after its predecessor.
 
-Rounds repeat until no lane holds anything; **finish** then writes what the
-rounds gathered (redelivery counts, held rows to delete, the keys' new
+Every decision lands in the transaction's ``_ledger.Ledger``; rounds repeat
+until no lane holds anything, and **finish** then has the ledger write what
+the rounds gathered (redelivery counts, held rows to delete, the keys' new
 ``last_seq``). The SQL behind each decision is the storage's
 (``storage.InboxStorage``), whose ``park`` is the one way into
 ``inbox_parked``. ``_transaction.TransactionStep`` opens the transaction,
@@ -41,13 +42,15 @@ from sqlalchemy.orm import Session
 from .._envelope import utcnow
 from .._tables import InboxOutcome
 from ._calls import Handlers
-from ._committed import Committed, Failure, Parked
+from ._committed import Committed, Failure
 from ._conflicts import Verdict, describe, describe_held, judge, judge_held
 from ._delivery import Delivery, KeyedDelivery, KeyId, OrderedDelivery, lane_of
 from ._kinds import Reason, StartPolicy
+from ._ledger import Ledger
+from ._recorded import RecordedIds
 from ._runs import Lanes
 from ._signals import Disposition, SkipMessage
-from .storage import DedupRecords, InboxStorage, KeyState
+from .storage import InboxStorage, KeyState
 
 HELD_RUN = 100
 """Held messages of a key fetched at most per round, when the key catches up to them."""
@@ -71,18 +74,16 @@ class Transaction:
         self.states = states
         self.handlers = handlers
         self.lanes = lanes
-        self.committed = Committed()
-        self.dedup = _Recorded(storage.dedup)
-        self.new_seqs: dict[KeyId, int] = {}
-        self.incarnations: dict[KeyId, str] = {}  # keys whose applied message changed their incarnation
-        self.starts: dict[KeyId, int] = {}
+        self.ledger = Ledger(storage, session)
+        self.dedup = RecordedIds(storage.dedup)
         self.seen: set[uuid.UUID] = set()
-        self.duplicates: list[Delivery] = []
-        self.unhold: dict[uuid.UUID, Delivery] = {}
         self.lost: list[Delivery] = []
         """Claimed this round but not applied: their claims go back in ``advance``."""
-        self.behind_parked: list[KeyedDelivery] = []
-        """Arrivals of parked keys, parked behind them by ``finish`` in one statement."""
+
+    @property
+    def committed(self) -> Committed:
+        """What the transaction did, for the settle stage (the ledger's)."""
+        return self.ledger.committed
 
     def look_up_behind(self, deliveries: list[Delivery]) -> None:
         """Only a recorded id is a duplicate: look up the ids at or below their key's position."""
@@ -134,11 +135,11 @@ class Transaction:
             queue.popleft()
             # Two copies of one message (a resend, a lost ack): only the first may run.
             if d.message.message_id in self.seen:
-                self._duplicate(d)
+                self.ledger.duplicate(d)
                 continue
             verdict = self._triage(d)
             if verdict is _Triage.DUPLICATE:
-                self._duplicate(d)
+                self.ledger.duplicate(d)
                 continue
             self.seen.add(d.message.message_id)
             if verdict is _Triage.RUN:
@@ -152,11 +153,11 @@ class Transaction:
         """Settle what needs neither a claim nor a handler; what to do with ``d`` otherwise."""
         unreadable = d.unreadable
         if unreadable is not None and unreadable.reason is Reason.FOREIGN:
-            self._park(d, Reason.FOREIGN, unreadable.detail)
+            self.ledger.park(d, Reason.FOREIGN, unreadable.detail)
             return _Triage.SETTLED
         if not isinstance(d, KeyedDelivery):
             if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
-                self._park(d, Reason.UNDECODABLE, unreadable.detail)
+                self.ledger.park(d, Reason.UNDECODABLE, unreadable.detail)
                 return _Triage.SETTLED
             return _Triage.RUN
         if not isinstance(d, OrderedDelivery):
@@ -165,7 +166,7 @@ class Transaction:
         seq = d.seq
         if self.start is StartPolicy.FIRST_SEEN and state.untouched and seq > 1:
             state.last_seq, state.started_at_seq = seq - 1, seq
-            self.starts[d.lane] = seq
+            self.ledger.started(d.lane, seq)
         if seq <= state.last_seq:
             if not self.dedup.looked_up(d.message.message_id):
                 return _Triage.BEHIND
@@ -173,17 +174,17 @@ class Transaction:
                 return _Triage.DUPLICATE
             return self._conflict(d, state)
         if state.parked:
-            self._park_behind(d)
+            self.ledger.park_behind(d)
             return _Triage.SETTLED
         if unreadable is not None and unreadable.reason is Reason.UNDECODABLE:
-            self._park(d, Reason.UNDECODABLE, unreadable.detail)
+            self.ledger.park(d, Reason.UNDECODABLE, unreadable.detail)
             state.parked = True
             return _Triage.SETTLED
         if seq > state.last_seq + 1:
             holder = None if d.from_held else self.storage.held.hold(self.session, d)
             if holder is not None:
                 return self._held_conflict(d, holder, state)
-            self.committed.done.append((d, Disposition.HELD))
+            self.ledger.held(d)
             return _Triage.SETTLED
         return _Triage.RUN
 
@@ -195,22 +196,13 @@ class Transaction:
         """
         state = self.states[d.lane]
         if state.parked:
-            self._park_behind(d)
+            self.ledger.park_behind(d)
             return _Triage.SETTLED
         if d.unreadable is not None and d.unreadable.reason is Reason.UNDECODABLE:
-            self._park(d, Reason.UNDECODABLE, d.unreadable.detail)
+            self.ledger.park(d, Reason.UNDECODABLE, d.unreadable.detail)
             state.parked = True
             return _Triage.SETTLED
         return _Triage.RUN
-
-    def _park_behind(self, d: KeyedDelivery) -> None:
-        """Park ``d`` behind its parked key (``KEY_PARKED``)."""
-        if d.from_held:
-            self._park(d, Reason.KEY_PARKED, "")
-        else:  # a parked key's flood: written in one statement by finish
-            self.behind_parked.append(d)
-            self.committed.parked.append(Parked(d, Reason.KEY_PARKED, "", False))
-            self.committed.done.append((d, Disposition.PARKED))
 
     def _held_conflict(self, d: OrderedDelivery, holder: OrderedDelivery, state: KeyState) -> _Triage:
         """Settle ``d``, ahead of a gap, whose seq another held message claims already.
@@ -231,11 +223,11 @@ class Transaction:
             self.storage.held.remove(self.session, [holder.message.message_id])
             self.storage.dedup.count_redelivery(self.session, [holder.message.message_id])
             if self.storage.held.hold(self.session, d) is None:
-                self.committed.done.append((d, Disposition.HELD))
+                self.ledger.held(d)
                 return _Triage.SETTLED
         verdict = judge_held(d, holder)
-        self.committed.conflicts.append((d, verdict))
-        self._park(d, verdict.reason or Reason.SEQ_CONFLICT, describe_held(verdict, d, holder, state))
+        self.ledger.conflict(d, verdict)
+        self.ledger.park(d, verdict.reason or Reason.SEQ_CONFLICT, describe_held(verdict, d, holder, state))
         state.parked = True
         return _Triage.SETTLED
 
@@ -244,7 +236,7 @@ class Transaction:
         window = self.dedup_window
         expired_before = utcnow() - timedelta(seconds=window) if window is not None else None
         verdict = judge(d, state, self.start, expired_before)
-        self.committed.conflicts.append((d, verdict))
+        self.ledger.conflict(d, verdict)
         if verdict is Verdict.EXPIRED:
             return _Triage.DUPLICATE
         if verdict is Verdict.RESTART:
@@ -255,7 +247,7 @@ class Transaction:
         reason = verdict.reason
         if reason is None:
             raise AssertionError(f"verdict {verdict} parks nothing")  # EXPIRED, RESTART: above
-        self._park(d, reason, describe(verdict, d, state))
+        self.ledger.park(d, reason, describe(verdict, d, state))
         if reason.parks_key:
             state.parked = True
         return _Triage.SETTLED
@@ -264,17 +256,7 @@ class Transaction:
         """Start ``d``'s key again at ``d``'s seq (a rebuilt producer, an operator's replay)."""
         state = self.states[d.lane]
         state.last_seq, state.started_at_seq = d.seq - 1, d.seq
-        self.starts[d.lane] = d.seq
-
-    def _park(self, d: Delivery, reason: Reason, error: str) -> None:
-        key_parked = self.storage.park(self.session, d, reason, error=error or None)
-        self.committed.parked.append(Parked(d, reason, error, key_parked))
-        self.committed.done.append((d, Disposition.PARKED))
-
-    def _duplicate(self, d: Delivery) -> None:
-        self.duplicates.append(d)
-        if d.from_held:
-            self.unhold[d.message.message_id] = d
+        self.ledger.started(d.lane, d.seq)
 
     # -- claim ------------------------------------------------------------------
 
@@ -290,14 +272,14 @@ class Transaction:
             # the key's real state (it is held there, as the key did not advance).
             cut = next((n for n, d in enumerate(run) if d.message.message_id not in claimed), len(run))
             if cut < len(run):
-                self._duplicate(run[cut])
+                self.ledger.duplicate(run[cut])
                 # What follows goes back to be walked again, its claims given back; an id in it
                 # that was recorded before (its key restarted below it) is a duplicate too, and
                 # keeps its record.
                 rest = [d for d in run[cut + 1:] if d.message.message_id in claimed]
                 for d in run[cut + 1:]:
                     if d.message.message_id not in claimed:
-                        self._duplicate(d)
+                        self.ledger.duplicate(d)
                 self.lost.extend(rest)
                 self.seen.difference_update(d.message.message_id for d in rest)
                 self.lanes.push_front(rest)
@@ -317,16 +299,13 @@ class Transaction:
             error = self.handlers.error(self.session, d)
             if error is not None and not isinstance(error[0], SkipMessage):
                 # Nothing after a failure may apply: the rest of the key waits for it.
-                self.committed.failed.append(Failure(d, *error))
+                self.ledger.failed(Failure(d, *error), run[n + 1:] + self.lanes.stop(d))
                 self.lost.extend(run[n:])
-                self.committed.blocked.extend(run[n + 1:] + self.lanes.stop(d))
                 return run[:n]
             if error is not None:
                 self.storage.dedup.mark(self.session, d, InboxOutcome.SKIPPED,
                                         str(error[0]) or "skipped by handler")
-            self.committed.done.append((d, Disposition.SKIPPED if error else Disposition.APPLIED))
-            if d.from_held:
-                self.unhold[d.message.message_id] = d
+            self.ledger.applied(d, Disposition.SKIPPED if error else Disposition.APPLIED)
         return run
 
     # -- advance ----------------------------------------------------------------
@@ -342,10 +321,12 @@ class Transaction:
             if not (isinstance(first, OrderedDelivery) and isinstance(last, OrderedDelivery)):
                 continue
             lane, state = first.lane, self.states[first.lane]
-            state.last_seq = self.new_seqs[lane] = last.seq
             incarnation = last.message.incarnation
-            if incarnation is not None and incarnation != state.incarnation:
-                state.incarnation = self.incarnations[lane] = incarnation
+            changed = incarnation if incarnation is not None and incarnation != state.incarnation else None
+            state.last_seq = last.seq
+            if changed is not None:
+                state.incarnation = changed
+            self.ledger.advanced(lane, last.seq, changed)
             ranges[lane] = (ranges[lane][0] if lane in ranges else first.seq, last.seq)
         self.storage.dedup.unclaim(self.session, (d.message.message_id for d in self.lost))
         self.lost = []
@@ -360,7 +341,7 @@ class Transaction:
         for d in self.storage.held.successors(self.session, {
                 lane: (first, last if lane in blocked else last + HELD_RUN)
                 for lane, (first, last) in applied.items()}):
-            if d.message.message_id in self.unhold:
+            if self.ledger.settled_held(d.message.message_id):
                 continue  # the held row this transaction applied
             if d.seq <= self.states[d.lane].last_seq:
                 self.lanes.push_front([d])  # a duplicate only if its id is recorded: the next round
@@ -373,15 +354,7 @@ class Transaction:
 
     def finish(self) -> None:
         """Write what the rounds gathered: redeliveries, held rows applied, the keys' new positions."""
-        storage, session = self.storage, self.session
-        storage.park_behind(session, self.behind_parked)
-        storage.dedup.count_redelivery(session, (d.message.message_id for d in self.duplicates))
-        storage.held.remove(session, self.unhold)
-        storage.keys.advance(session, self.new_seqs, self.incarnations)
-        # A key starts where its first message applied; if that one failed, its retry starts it.
-        storage.keys.set_started(session, {lane: seq for lane, seq in self.starts.items()
-                                           if lane in self.new_seqs})
-        self.committed.done.extend((d, Disposition.DUPLICATE) for d in self.duplicates)
+        self.ledger.write()
 
 
 def _follows(d: Delivery, last: Delivery) -> bool:
@@ -402,24 +375,3 @@ class _Triage(enum.Enum):
     """At or below its key's last seq, its id not looked up yet: settled in the next round."""
     SETTLED = "settled"
     """Held or parked without a claim."""
-
-
-class _Recorded:
-    """Which message ids of one transaction the group recorded already, looked up a batch at a time."""
-
-    def __init__(self, dedup: DedupRecords) -> None:
-        self._dedup = dedup
-        self._asked: set[uuid.UUID] = set()
-        self._found: set[uuid.UUID] = set()
-
-    def look_up(self, session: Session, deliveries: list[Delivery]) -> None:
-        """One statement for all of ``deliveries`` (none when it is empty: the steady state)."""
-        if deliveries:
-            self._asked.update(d.message.message_id for d in deliveries)
-            self._found |= self._dedup.known(session, deliveries)
-
-    def looked_up(self, message_id: uuid.UUID) -> bool:
-        return message_id in self._asked
-
-    def recorded(self, message_id: uuid.UUID) -> bool:
-        return message_id in self._found

@@ -1,8 +1,9 @@
 """The consumer loop behind ``Inbox.run``: poll, schedule by key, settle, commit what is finished.
 
-One thread (the caller's) polls the source, hands deliveries to the key
-scheduler, sweeps held messages and commits offsets; the scheduler's workers
-run each batch through the settle stage. An offset is committed only after
+One thread polls the source, hands deliveries to the key scheduler and
+commits offsets; the scheduler's workers run each batch through the settle
+stage; a thread of its own sweeps held messages, so that its queries never
+hold up the poll. An offset is committed only after
 the database transaction of its record and of every earlier record of the
 partition committed.
 
@@ -130,7 +131,10 @@ class Runner:
             return
         self.source.on_revoke(self._on_revoke)
         self.scheduler.start()
-        next_commit = next_sweep = time.monotonic()
+        sweeper = threading.Thread(target=self._sweep_until_stopped, name="outbox-inbox-sweep",
+                                   daemon=True)
+        sweeper.start()
+        next_commit = time.monotonic()
         try:
             while not self.stop.is_set() and self.crash is None:
                 room = self.max_in_flight - self.scheduler.runnable()
@@ -144,9 +148,6 @@ class Runner:
                 if now >= next_commit:
                     self._commit()
                     next_commit = now + COMMIT_INTERVAL
-                if now >= next_sweep:
-                    self._sweep()
-                    next_sweep = time.monotonic() + SWEEP_INTERVAL
         except BaseException as exc:
             # Kept before the clean-up below, which may never return: run() raises it either way.
             log.error("the inbox consumer failed: %s; stopping", exc)
@@ -154,8 +155,12 @@ class Runner:
             raise
         finally:
             self.stop.set()
-            # Half the stop budget for running transactions; the rest for the commit and the close.
-            self.scheduler.stop(min(REVOKE_TIMEOUT, self.stop_timeout / 2))
+            # Half the stop budget for running transactions and a sweep under way; the rest for the
+            # commit and the close.
+            budget = min(REVOKE_TIMEOUT, self.stop_timeout / 2)
+            deadline = time.monotonic() + budget
+            self.scheduler.stop(budget)
+            sweeper.join(max(0.0, deadline - time.monotonic()))
             try:
                 self._commit()
             finally:
@@ -246,6 +251,13 @@ class Runner:
         finally:
             self.tracker.forget(gone)
             self.revoked -= gone
+
+    def _sweep_until_stopped(self) -> None:
+        """The sweep's own thread: its queries never hold up the poll (a slow or frozen database
+        would otherwise delay every key's records, and keep the consumer from polling at all)."""
+        while not self.stop.is_set() and self.crash is None:
+            self._sweep()
+            self.stop.wait(SWEEP_INTERVAL)
 
     def _sweep(self) -> None:
         """Apply held messages whose gap filled, park gaps that never fill; outages wait a turn."""

@@ -19,6 +19,9 @@ from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 MAX_ATTEMPTS = 100
 MAX_CONCURRENCY = 1024
 MAX_BATCH_SIZE = 10_000
+DEFAULT_BATCH_SIZE = 100
+"""Messages per transaction unless told: a per-message handler's run of one key, or many keys'
+heads, share one lock, claim, advance and commit (docs/consumer.md, "Choosing the settings")."""
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,8 @@ class InboxSettings:
     """Handler attempts before a message parks with its key (1 to 100)."""
     concurrency: int = 8
     """Keys worked on at once (1 to 1024)."""
-    batch_size: int = 1
-    """Messages per transaction (1 to 10,000)."""
+    batch_size: int = DEFAULT_BATCH_SIZE
+    """Messages per transaction at most (1 to 10,000); a batch takes what is ready, it never waits to fill."""
     gap_timeout: float = 60.0
     """Seconds a held message waits for its predecessor before its key parks (reason ``gap``)."""
     gap_alert_after: float | None = None
@@ -52,8 +55,9 @@ class InboxSettings:
     """What a typed topic's message of no handled type, or not valid for its model, becomes."""
 
     @classmethod
-    def of(cls, *, group: str, max_attempts: int = 3, concurrency: int = 8, batch_size: int = 1,
-           gap_timeout: timedelta | float = 60.0, gap_alert_after: timedelta | float | None = None,
+    def of(cls, *, group: str, max_attempts: int = 3, concurrency: int = 8,
+           batch_size: int = DEFAULT_BATCH_SIZE, gap_timeout: timedelta | float = 60.0,
+           gap_alert_after: timedelta | float | None = None,
            retry_backoff: float = 0.1, retry_backoff_max: float = 5.0,
            foreign_records: ForeignRecords | ForeignEnvelope | str = ForeignRecords.PARK,
            start: StartPolicy | str = StartPolicy.STRICT,

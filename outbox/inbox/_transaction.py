@@ -14,13 +14,14 @@ records one as discarded.
 The dedup rows, the keys' new ``last_seq`` and the handlers' writes commit
 together: that is what makes effects inside the inbox database happen once.
 
-A batch first runs without savepoints (they cost two round trips per message).
-When a handler fails, the batch is redone with each message in its own
-SAVEPOINT, so the failure rolls back only its own writes: the messages before
-it in its key commit, the key advances to the one before it. A batch handler
-gets all of a batch's messages of its topic in one call, each key's in seq
-order; when that call fails, the redo calls it once per message, each in its
-SAVEPOINT, to find the message that fails.
+A batch first runs without savepoints (they cost two round trips per message),
+and so does a lone message at its first try. When a handler fails, the batch
+is redone with each message in its own SAVEPOINT, so the failure rolls back
+only its own writes: the messages before it in its key commit, the key
+advances to the one before it. A batch handler gets all of a batch's messages
+of its topic in one call, each key's in seq order; when that call fails, the
+redo calls it once per message, each in its SAVEPOINT, to find the message
+that fails.
 
 Failures are not retried here: they come back in ``Committed.failed`` for the
 settle stage. A database outage under a handler aborts the whole transaction
@@ -78,15 +79,19 @@ class TransactionStep:
         """Handle ``deliveries`` (any number per key) in one transaction and commit.
 
         A batch first runs without savepoints (they cost two round trips per
-        message); if a handler fails, that transaction is rolled back and the
-        batch redone with a SAVEPOINT per message, reusing the failure instead
-        of running the failed handler again (a failed batch-handler call has
-        no single culprit: the redo calls it once per message to find it).
+        message), as does a lone message at its first try (a lone retry goes
+        straight to its SAVEPOINT: it is likely to fail again); if a handler
+        fails, that transaction is rolled back and the batch redone with a
+        SAVEPOINT per message, reusing the failure instead of running the
+        failed handler again (a failed batch-handler call has no single
+        culprit: the redo calls it once per message to find it).
         Either way the others commit. Raises what the database raised when the
         transaction itself failed (``Outage`` among them).
         """
         known: dict[uuid.UUID, Error] = {}
-        if len(deliveries) > 1:
+        # A lone message that failed before is likely to fail again: straight to its SAVEPOINT
+        # rather than a transaction rolled back and redone. A first try goes bare like a batch.
+        if len(deliveries) > 1 or deliveries[0].attempts.count == 0:
             try:
                 return self._transaction(deliveries, AllAtOnce(self.calls))
             except Redo as redo:

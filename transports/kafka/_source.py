@@ -115,6 +115,8 @@ class KafkaSource:
         self._commits = BoundedCommits(self.session_timeout)
         self._polled = False
         self._next_probe = 0.0
+        # The partitions revoked during a poll's second call (``poll``); None outside it.
+        self._revoked_meanwhile: set[tuple[str, int]] | None = None
         self._consumer = self._subscribed()
 
     def _subscribed(self) -> Consumer:
@@ -131,10 +133,32 @@ class KafkaSource:
         return consumer
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
-        """Up to ``max_records`` records; rebalance callbacks run inside this call."""
+        """Up to ``max_records`` records, waiting up to ``timeout`` seconds for the first.
+
+        librdkafka's ``consume(n, timeout)`` waits until it has ``n`` messages or
+        the timeout passed: at 500 records a second, a poll of up to 500 held
+        the first one 100 ms, most of a consumer's send-to-commit latency. So
+        one call waits for the first message, and a second takes what is
+        queued behind it without waiting (what Kafka's own consumer does).
+        Rebalance callbacks run inside this call. A record of the first call
+        whose partition the second call's rebalance revoked is dropped: within
+        one call librdkafka drops such records itself, but the first call's are
+        handed over already, and the revoke callback has committed and
+        forgotten the partition they would come back to.
+        """
         self._watch_group()
+        messages = self._consumer.consume(1, timeout)
+        if messages and max_records > 1:
+            self._revoked_meanwhile = set()
+            try:
+                behind = self._consumer.consume(max_records - 1, 0)
+            finally:
+                gone, self._revoked_meanwhile = self._revoked_meanwhile, None
+            if gone:
+                messages = [m for m in messages if (m.topic(), m.partition()) not in gone]
+            messages.extend(behind)
         records = []
-        for msg in self._consumer.consume(max(1, max_records), timeout):
+        for msg in messages:
             error = msg.error()
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
@@ -303,6 +327,8 @@ class KafkaSource:
             return  # a replaced consumer, closing: what it held was given up before
         gone = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment - set(gone)
+        if self._revoked_meanwhile is not None:
+            self._revoked_meanwhile.update(gone)
         for callback in self._revoke_callbacks:
             try:
                 callback(gone)
