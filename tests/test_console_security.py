@@ -327,3 +327,31 @@ def test_a_client_gone_before_its_body_ended_is_no_error(sqlite_outbox: Outbox) 
              "client": ("203.0.113.7", 5000), "server": ("127.0.0.1", 8470)}
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
     assert sent and sent[0]["status"] == 400
+
+
+@pytest.mark.parametrize("path", ["/parked?group=g&db=" + "1" * 5000,
+                                  "/parked?group=g&after=" + "[" * 5000,
+                                  "/held?group=g&after=" + "[" * 5000,
+                                  "/parked/replay?group=g"])
+def test_a_query_or_form_field_too_long_or_too_deep_to_parse_is_a_400(sqlite_outbox: Outbox,
+                                                                        path: str) -> None:
+    """Attack 38: ``db=`` of 5000 digits passed ``isdigit`` and then broke ``int()`` (Python's limit
+    of 4300 digits), and an ``after=`` or a form's ``lane`` nested 5000 lists deep broke
+    ``json.loads`` (``RecursionError``): a 500 with a traceback per request (from anyone, on a
+    console without credentials)."""
+    from outbox import Inbox
+    from outbox.console import _csrf
+
+    inbox = Inbox(sqlite_outbox.engine, group="g")
+    inbox.handler("orders")(lambda session, message: None)
+    secret = b"the-console-secret-of-this-test"
+    app = create_app(sqlite_outbox, operators=Operators(users=USERS), inboxes=[inbox], secret=secret)
+    client = TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False)
+    alice = basic("alice", USERS["alice"])
+    if path.startswith("/parked/replay"):
+        client.cookies.set(_csrf.COOKIE, "a-form-cookie")
+        page = client.post(path, headers=alice, data={"csrf": _csrf.form_token(secret, "a-form-cookie"),
+                                                      "reason": "attack", "lane": "[" * 5000})
+    else:
+        page = client.get(path, headers=alice)
+    assert page.status_code == 400, page.text[-500:]

@@ -164,7 +164,7 @@ def _of_tenant(ctx: Context) -> str:
 def _lane(value: Any) -> tuple[str, str | None]:
     try:
         topic, key = json.loads(str(value))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: lists nested ~1000 deep
         raise Refused(400, f"not a parked key: {value!r}") from None
     if not isinstance(topic, str) or not (key is None or isinstance(key, str)):
         raise Refused(400, f"not a parked key: {value!r}")
