@@ -355,3 +355,21 @@ def test_a_query_or_form_field_too_long_or_too_deep_to_parse_is_a_400(sqlite_out
     else:
         page = client.get(path, headers=alice)
     assert page.status_code == 400, page.text[-500:]
+
+
+@pytest.mark.parametrize("path", ["/login", "/logout", "/failed/retry"])
+def test_a_form_token_that_is_not_ascii_is_refused_not_an_error(sqlite_outbox: Outbox, path: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Attack 38: ``hmac.compare_digest`` of two ``str`` raises TypeError when one is not ASCII, so
+    ``csrf=é`` on ``/login`` — checked before any credential, by anyone — was a 500 and an ERROR
+    traceback per request, outside the sign-in throttle."""
+    client = TestClient(create_app(sqlite_outbox, operators=Operators(token=TOKEN)),
+                        base_url="http://127.0.0.1", raise_server_exceptions=False)
+    form_page(client, "/login")  # the form cookie
+    bearer = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "mallory"}
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    for sent in (b"%C3%A9", b"%E2%98%83", b"%FF%FE"):  # é, a snowman, bytes that are no UTF-8
+        page = client.post(path, headers={**form, **(bearer if path == "/failed/retry" else {})},
+                           content=b"csrf=" + sent + b"&name=mallory&token=x&reason=attack")
+        assert page.status_code == 403 and "CSRF token is missing or wrong" in page.text, page.text[-300:]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
