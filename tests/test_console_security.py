@@ -373,3 +373,14 @@ def test_a_form_token_that_is_not_ascii_is_refused_not_an_error(sqlite_outbox: O
                            content=b"csrf=" + sent + b"&name=mallory&token=x&reason=attack")
         assert page.status_code == 403 and "CSRF token is missing or wrong" in page.text, page.text[-300:]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_sign_in_name_with_control_characters_is_refused_at_sign_in(sqlite_outbox: Outbox) -> None:
+    """Attack 38: ``/login`` took any name of 1 to 100 characters, NUL and line breaks too; every
+    action records the name in the database, and PostgreSQL refuses NUL in text: an operator
+    signed in as ``al\\x00ice`` had every action refused, long after the sign-in that caused it."""
+    client = browser(create_app(sqlite_outbox, operators=Operators(token=TOKEN)))
+    for name in ("al\x00ice", "alice\nbob", "\x1b[31malice"):
+        page = sign_in(client, TOKEN, name)
+        assert page.status_code == 400 and "give your name" in page.text, (name, page.status_code)
+    assert sign_in(client, TOKEN, "Zoë Ünal 名前").status_code == 200
