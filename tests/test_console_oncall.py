@@ -127,6 +127,19 @@ def test_navigation_counts_failed_parked_and_held_in_every_database(
     assert (nav_count(page, "failed"), nav_count(page, "parked"), nav_count(page, "held")) == ("0", "3", "2")
 
 
+def test_navigation_counts_come_back_with_the_tables_of_a_database_that_had_none(tmp_path: Path) -> None:
+    """Attack 38: the tables a database holds were looked up once and kept, also when it held none
+    (an empty database, one of the faults a console survives): after ``outbox init-db`` its pages
+    came back but the navigation never counted its failed, parked or held rows again until a restart."""
+    engine = create_engine(f"sqlite:///{tmp_path}/orders.db")
+    sa.create_engine(f"sqlite:///{tmp_path}/orders.db").connect().close()  # the file, no tables
+    client = client_for(Outbox(engine))
+    assert client.get("/failed", auth=AUTH).status_code == 503  # no tables: its page of its own
+    Outbox(engine).create_tables()
+    page = client.get("/failed", auth=AUTH).text
+    assert (nav_count(page, "failed"), nav_count(page, "parked"), nav_count(page, "held")) == ("0", "0", "0")
+
+
 def test_pages_refresh_unless_they_hold_action_forms_and_the_toggle_is_remembered(
         outbox: Outbox, engine: sa.Engine) -> None:
     inbox, _ = broken_inbox(engine)

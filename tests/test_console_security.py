@@ -327,3 +327,60 @@ def test_a_client_gone_before_its_body_ended_is_no_error(sqlite_outbox: Outbox) 
              "client": ("203.0.113.7", 5000), "server": ("127.0.0.1", 8470)}
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
     assert sent and sent[0]["status"] == 400
+
+
+@pytest.mark.parametrize("path", ["/parked?group=g&db=" + "1" * 5000,
+                                  "/parked?group=g&after=" + "[" * 5000,
+                                  "/held?group=g&after=" + "[" * 5000,
+                                  "/parked/replay?group=g"])
+def test_a_query_or_form_field_too_long_or_too_deep_to_parse_is_a_400(sqlite_outbox: Outbox,
+                                                                        path: str) -> None:
+    """Attack 38: ``db=`` of 5000 digits passed ``isdigit`` and then broke ``int()`` (Python's limit
+    of 4300 digits), and an ``after=`` or a form's ``lane`` nested 5000 lists deep broke
+    ``json.loads`` (``RecursionError``): a 500 with a traceback per request (from anyone, on a
+    console without credentials)."""
+    from outbox import Inbox
+    from outbox.console import _csrf
+
+    inbox = Inbox(sqlite_outbox.engine, group="g")
+    inbox.handler("orders")(lambda session, message: None)
+    secret = b"the-console-secret-of-this-test"
+    app = create_app(sqlite_outbox, operators=Operators(users=USERS), inboxes=[inbox], secret=secret)
+    client = TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False)
+    alice = basic("alice", USERS["alice"])
+    if path.startswith("/parked/replay"):
+        client.cookies.set(_csrf.COOKIE, "a-form-cookie")
+        page = client.post(path, headers=alice, data={"csrf": _csrf.form_token(secret, "a-form-cookie"),
+                                                      "reason": "attack", "lane": "[" * 5000})
+    else:
+        page = client.get(path, headers=alice)
+    assert page.status_code == 400, page.text[-500:]
+
+
+@pytest.mark.parametrize("path", ["/login", "/logout", "/failed/retry"])
+def test_a_form_token_that_is_not_ascii_is_refused_not_an_error(sqlite_outbox: Outbox, path: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Attack 38: ``hmac.compare_digest`` of two ``str`` raises TypeError when one is not ASCII, so
+    ``csrf=é`` on ``/login`` — checked before any credential, by anyone — was a 500 and an ERROR
+    traceback per request, outside the sign-in throttle."""
+    client = TestClient(create_app(sqlite_outbox, operators=Operators(token=TOKEN)),
+                        base_url="http://127.0.0.1", raise_server_exceptions=False)
+    form_page(client, "/login")  # the form cookie
+    bearer = {"Authorization": f"Bearer {TOKEN}", "X-Outbox-Operator": "mallory"}
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    for sent in (b"%C3%A9", b"%E2%98%83", b"%FF%FE"):  # é, a snowman, bytes that are no UTF-8
+        page = client.post(path, headers={**form, **(bearer if path == "/failed/retry" else {})},
+                           content=b"csrf=" + sent + b"&name=mallory&token=x&reason=attack")
+        assert page.status_code == 403 and "CSRF token is missing or wrong" in page.text, page.text[-300:]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_sign_in_name_with_control_characters_is_refused_at_sign_in(sqlite_outbox: Outbox) -> None:
+    """Attack 38: ``/login`` took any name of 1 to 100 characters, NUL and line breaks too; every
+    action records the name in the database, and PostgreSQL refuses NUL in text: an operator
+    signed in as ``al\\x00ice`` had every action refused, long after the sign-in that caused it."""
+    client = browser(create_app(sqlite_outbox, operators=Operators(token=TOKEN)))
+    for name in ("al\x00ice", "alice\nbob", "\x1b[31malice"):
+        page = sign_in(client, TOKEN, name)
+        assert page.status_code == 400 and "give your name" in page.text, (name, page.status_code)
+    assert sign_in(client, TOKEN, "Zoë Ünal 名前").status_code == 200

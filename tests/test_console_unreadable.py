@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from starlette.routing import Route
+from starlette.testclient import TestClient
 
 from outbox import Inbox, Outbox, create_engine
 from outbox.console import Operators, _csrf, _serve, create_app
@@ -375,3 +376,26 @@ def test_outbox_console_gives_every_page_a_database_deadline(
         (line,) = result.stderr.splitlines()
         assert result.returncode == 2 and line.startswith("error:") and "--database-timeout" in line, line
         assert why in line, line
+
+
+def test_a_value_the_database_refuses_is_a_400_not_the_database_unreadable(
+        postgres_db: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Attack 38: a NUL in a query field (``?group=%00``, a topic, a key, a page's ``after``) reached
+    PostgreSQL, which refuses NUL in text (a ``DataError``): the reader took it for a database that
+    cannot be read, a 503 saying so about a healthy database, the client's fault shown as an outage."""
+    caplog.set_level(logging.INFO)
+    engine = create_engine(postgres_db)
+    Outbox(engine).create_tables()
+    client = TestClient(create_app(Outbox(engine), database_timeout=TIMEOUT), base_url="http://127.0.0.1",
+                        raise_server_exceptions=False)
+    try:
+        for path in ["/parked?group=a%00b", "/held?group=%00", "/failed?topic=%00",
+                     "/parked/key?group=g&topic=t&key=%00",
+                     "/parked?group=g&after=%5B%22%5Cu0000%22,%22k%22%5D"]:  # ["\u0000","k"]
+            page = client.get(path)
+            assert page.status_code == 400 and "could not be read" not in page.text, (path, page.text[-300:])
+            assert "refused a value of this request" in page.text and "NUL" in page.text, page.text[-300:]
+            assert client.get("/failed").status_code == 200  # the database is fine, and so are its pages
+    finally:
+        engine.dispose()
+    no_traceback_nor_password(caplog)

@@ -164,7 +164,7 @@ def _of_tenant(ctx: Context) -> str:
 def _lane(value: Any) -> tuple[str, str | None]:
     try:
         topic, key = json.loads(str(value))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: lists nested ~1000 deep
         raise Refused(400, f"not a parked key: {value!r}") from None
     if not isinstance(topic, str) or not (key is None or isinstance(key, str)):
         raise Refused(400, f"not a parked key: {value!r}")
@@ -183,9 +183,10 @@ def login(ctx: Context) -> Handler:
         if not ctx.auth.token_sign_in(request, str(form.get("token") or "")):
             return ctx.render(request, "login.html", status=401, error="wrong token",
                               token_login=bool(ctx.operators.token))
-        if not name or len(name) > 100:
+        if not name or len(name) > 100 or not name.isprintable():  # NUL: PostgreSQL would refuse each action
             return ctx.render(request, "login.html", status=400, token_login=True,
-                              error="give your name (1 to 100 characters): actions are recorded with it")
+                              error="give your name (1 to 100 printable characters): actions are recorded "
+                                    "with it")
         audit.info("signed in: %r from %s", name, client_of(request))
         response = ctx.render(request, "result.html", lines=[f"signed in as {name}"], ok=True,
                               back=base(request) + "/")

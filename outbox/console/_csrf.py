@@ -33,4 +33,5 @@ def valid(secret: bytes, cookie: str | None, sent: str | None) -> bool:
     """True when ``sent`` is the form token of ``cookie``; compared in constant time."""
     if not cookie or not sent:
         return False
-    return hmac.compare_digest(form_token(secret, cookie), sent)
+    # As bytes: ``compare_digest`` of two ``str`` raises TypeError when one is not ASCII.
+    return hmac.compare_digest(form_token(secret, cookie).encode(), sent.encode("utf-8", "surrogatepass"))

@@ -27,7 +27,8 @@ from ._refused import Refused
 def database_index(values: Mapping[str, Any], databases: list[Database]) -> int:
     """The ``db`` query field as an index into ``databases``; 0 when absent."""
     raw = str(values.get("db") or "0")
-    if not raw.isascii() or not raw.isdigit() or int(raw) >= len(databases):
+    # Bounded before ``int()``, which refuses more than 4300 digits with a ValueError (a 500).
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 9 or int(raw) >= len(databases):
         raise Refused(400, f"db must name one of this console's databases (0 to {len(databases) - 1}), "
                            f"as the overview's links give it")
     return int(raw)

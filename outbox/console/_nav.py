@@ -37,7 +37,7 @@ CAP = 1000
 
 
 class Counts:
-    """Counts over the console's databases; which tables each holds is looked up once."""
+    """Counts over the console's databases; which tables each holds is looked up once it holds any."""
 
     def __init__(self) -> None:
         self._present: dict[str, set[str]] = {}
@@ -52,8 +52,9 @@ class Counts:
             found = inspect(conn)
             known = {x.name for x in (t.messages, t.inbox_parked, t.inbox_held)
                      if found.has_table(x.name, schema=t.schema)}
-            with self._lock:
-                self._present[db.name] = known
+            if known:  # none yet (an empty database): asked again, so counts come with `init-db`
+                with self._lock:
+                    self._present[db.name] = known
         return known
 
     @staticmethod

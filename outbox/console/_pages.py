@@ -35,7 +35,7 @@ def _lane_after(request: Request) -> tuple[str, str] | None:
         return None
     try:
         topic, key = json.loads(raw)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: lists nested ~1000 deep
         raise Refused(400, "after must be a [topic, key] pair, as the next-page link gives it") from None
     return str(topic), str(key)
 

@@ -10,7 +10,8 @@ console's 503 page of its own, naming the database and the driver's first line
 without the database's credentials (``_app``), or one line on a page that
 shows several databases (the overview, the trace, the navigation's counts).
 Never a 500, never a traceback, and the connection stays open for the next
-request.
+request. A value the database answers it refuses (a ``DataError``: PostgreSQL
+takes no NUL in a name a URL gave) is the request's fault, not an outage: a 400.
 
 A frozen server (SIGSTOP, a hung host, a partition) answers no socket, and no
 driver bounds a read on PostgreSQL; the thread in it stays until it answers.
@@ -30,11 +31,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, SQLAlchemyError
 
 from .._errors import SchemaError
 from .._secrets import database_secrets, scrub
 from ..ops import Database
+from ._refused import Refused
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -81,8 +83,9 @@ class Reader:
     async def run(self, work: Callable[[], T], *, write: bool = False) -> T:
         """``work()`` on a thread, its result within ``timeout``, or ``Unreadable``.
 
-        Errors of ``UNREADABLE`` kinds become ``Unreadable``; any other error is ``work``'s own
-        (a refusal, a bad id) and is raised as it is.
+        Errors of ``UNREADABLE`` kinds become ``Unreadable``, but for a ``DataError``: the database
+        answered and refused a value of the request (PostgreSQL a NUL in a name), a 400 ``Refused``.
+        Any other error is ``work``'s own (a refusal, a bad id) and is raised as it is.
         """
         with self._lock:
             if not write and self._overdue:
@@ -101,6 +104,9 @@ class Reader:
                     call.overdue = not write
                     self._overdue += call.overdue
             raise Unreadable(self.db.name, f"did not answer within {self.timeout:g} s", late=True) from None
+        except DataError as exc:
+            raise Refused(400, f"{self.db.name} refused a value of this request "
+                               f"({reason_of(self.db, exc)})") from None
         except UNREADABLE as exc:
             raise Unreadable(self.db.name, reason_of(self.db, exc)) from None
 
