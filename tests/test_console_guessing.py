@@ -236,6 +236,40 @@ def test_guessers_cannot_lock_out_a_browser_that_signed_in_before(
     assert login(operator, TOKEN) == 429  # its cookie too old: a stranger again
 
 
+@pytest.mark.parametrize("changed", ["token", "password"])
+def test_a_browser_known_for_an_old_token_or_password_is_a_stranger_after_the_change(
+        sqlite_outbox: Outbox, clock: Clock, changed: str) -> None:
+    """A device cookie proves the credential as it is now: an operator who left with a cookie
+    (the secret kept, as ``OUTBOX_CONSOLE_SECRET`` keeps it across restarts) is judged as a
+    stranger once the token or their password was changed, not exempted from the day's budget."""
+    secret = b"s" * 32
+    old, new = Operators(token=TOKEN, users=USERS), Operators(
+        token=TOKEN if changed == "password" else TOKEN[::-1] + "-new",
+        users={**USERS, "alice": "another-rabbit-hole" if changed == "password" else USERS["alice"]})
+    before = from_here(create_app(sqlite_outbox, operators=old, secret=secret))
+    if changed == "token":
+        assert login(before, TOKEN) == 200
+    else:
+        assert before.get("/refresh", headers=basic("alice", USERS["alice"]),
+                          follow_redirects=False).status_code == 303
+    device = before.cookies["outbox_console_device"]
+    for operators, known in ((old, True), (new, False)):  # the same secret: only the credential differs
+        app = create_app(sqlite_outbox, operators=operators, secret=secret)
+        for n in range(150):  # the day's budget spent by guessers from many addresses
+            stranger = from_here(app, f"198.51.100.{n}")
+            login(stranger, f"guess-{n:04d}-of-the-token")
+            stranger.get("/refresh", headers=basic(f"user-{n}", "guess-of-a-pass"), follow_redirects=False)
+            clock.now += 30
+        leaver = from_here(app, "192.0.2.9")
+        leaver.cookies.set("outbox_console_device", device)
+        if changed == "token":
+            answer = login(leaver, "a-guess-at-the-new-token")
+        else:
+            answer = leaver.get("/refresh", headers=basic("alice", "a-guess-at-her-new-password"),
+                                follow_redirects=False).status_code
+        assert answer == (401 if known else 429), (operators, answer)
+
+
 def test_the_throttles_memory_is_bounded_and_a_flood_of_addresses_frees_no_credential() -> None:
     now = [0.0]
     throttle = _throttle.Throttle(daily=10**9, max_tracked=500, clock=lambda: now[0])

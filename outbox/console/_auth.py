@@ -116,6 +116,15 @@ class Operators:
     def configured(self) -> bool:
         return bool(self.token or self.users or self.guard)
 
+    def version(self, name: str | None = None) -> str:
+        """Which value the token (``name`` None) or user ``name``'s password has now, as a digest.
+
+        A device cookie binds it (``_devices``): changing a token or a password
+        forgets every browser that signed in with the old one.
+        """
+        secret = self._token_digest if name is None else self._user_digests.get(name)
+        return hashlib.sha256(b"outbox.console.version\0" + (secret or b"")).hexdigest()
+
     def token_matches(self, sent: str) -> bool:
         """``sent`` is the token; constant time whatever ``sent``'s length or content."""
         expected = self._token_digest

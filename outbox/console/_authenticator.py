@@ -96,12 +96,12 @@ class Authenticator:
             except (binascii.Error, UnicodeDecodeError):
                 name, password = "", ""
             if self.check(request, user(name) if name in ops.users else None,
-                          lambda: ops.password_matches(name, password)):
+                          lambda: ops.password_matches(name, password), ops.version(name)):
                 return name
             audit.info("basic-auth refused for user %r from %s", name[:100], client_of(request))
             return None
         if ops.token and scheme.lower() == "bearer":
-            if not self.check(request, TOKEN, lambda: ops.token_matches(value)):
+            if not self.check(request, TOKEN, lambda: ops.token_matches(value), ops.version()):
                 audit.info("bearer token refused from %s", client_of(request))
                 return None
             return request.headers.get("x-outbox-operator", "").strip() or None
@@ -111,27 +111,30 @@ class Authenticator:
 
     def token_sign_in(self, request: Request, sent: str) -> bool:
         """``sent`` (a ``/login`` form's token) is the token; raises ``Refused(429)`` while locked out."""
-        if self.check(request, TOKEN, lambda: self.operators.token_matches(sent)):
+        if self.check(request, TOKEN, lambda: self.operators.token_matches(sent), self.operators.version()):
             return True
         audit.info("sign-in refused from %s: wrong token", client_of(request))
         return False
 
-    def check(self, request: Request, credential: str | None, matches: Callable[[], bool]) -> bool:
+    def check(self, request: Request, credential: str | None, matches: Callable[[], bool],
+              version: str) -> bool:
         """Compare a credential (``matches``) unless its attempt is locked out; count the outcome.
 
         ``credential`` names what is tried (``TOKEN``, ``user(name)``), ``None`` for a user name
         that is not configured (it is compared all the same, so it costs the same time).
+        ``version`` is its value's digest (``Operators.version``): a device cookie proves the
+        credential as it is now, so a browser known for an old token or password is a stranger.
         """
-        device = None if credential is None else self.devices.known(request.cookies.get(DEVICE_COOKIE),
-                                                                     credential)
+        proven = None if credential is None else f"{credential}\0{version}"
+        device = None if proven is None else self.devices.known(request.cookies.get(DEVICE_COOKIE), proven)
         attempt = Attempt(client_of(request), credential, device)
         wait = self.throttle.wait(attempt)
         if wait > 0:
             raise Refused(429, f"too many wrong credentials: try again in {math.ceil(wait)} s",
                           {"Retry-After": str(math.ceil(wait))})
-        if not matches() or credential is None:
+        if not matches() or proven is None:
             self.throttle.failed(attempt)
             return False
         self.throttle.succeeded(attempt)
-        remember(request, self.devices, credential)
+        remember(request, self.devices, proven)
         return True

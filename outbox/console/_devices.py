@@ -6,9 +6,10 @@ issued)``. Presented again with the same credential within ``lifetime``, it
 makes that browser *known*: the sign-in throttle then judges it by its own
 count instead of the budget every stranger shares (``_throttle``), so guessers
 cannot lock out an operator who signed in before. It grants nothing by itself —
-the credential is still compared — and names no credential (the HMAC binds it):
-a cookie earned with alice's password does not make a browser known for bob's,
-nor for the token. Only the console's secret can make one (the CSRF tokens
+the credential is still compared — and names no credential (the HMAC binds it,
+with a digest of its value: ``Operators.version``): a cookie earned with alice's
+password does not make a browser known for bob's, nor for the token, nor for
+alice's next password once hers is changed. Only the console's secret can make one (the CSRF tokens
 sign ``"csrf:"`` messages, never ``"device:"`` ones); changing the secret
 (``OUTBOX_CONSOLE_SECRET``, or a restart when it is random) forgets every
 browser.
