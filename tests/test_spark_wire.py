@@ -15,8 +15,8 @@ import pytest
 import sqlalchemy as sa
 from _relay_helpers import drain, publish, rows
 from _spark_seed import spark_for_tests
-from conftest import unavailable
 from confluent_kafka import Producer
+from conftest import unavailable
 
 from outbox import ConfigurationError, Outbox, Relay
 from outbox._wire import to_record
@@ -50,8 +50,9 @@ def _record(row, *, spelled: bool = False, incarnation: str | None = None, messa
     return {"key": record.key, "value": record.value, "headers": headers}
 
 
-def test_the_wire_audit_finds_what_is_missing_duplicated_reordered_and_foreign(spark, kafka, tmp_path):
-    url = f"sqlite:///{tmp_path / 'producer.db'}"
+def seed_topics(kafka: str, url: str) -> dict:
+    """An outbox with two topics: ``clean`` sent by a real relay, ``faulty`` written by hand with
+    every fault the wire audit names, and an aborted transaction it must not count."""
     outbox = Outbox(sa.create_engine(url))
     outbox.create_tables()
     ours = outbox.load_schema().incarnation
@@ -94,34 +95,43 @@ def test_the_wire_audit_finds_what_is_missing_duplicated_reordered_and_foreign(s
         aborted.produce(faulty, partition=0, **record)
     assert aborted.flush(30) == 0
     aborted.abort_transaction(30)
+    return {"clean": clean, "faulty": faulty, "sent": len(sent), "a1": a1, "b2": b2, "c1": c1}
 
-    out = tmp_path / "audit"
-    result = audit(url, out_dir=out, spark=spark, wire=Wire(kafka))
 
-    missing = pd.read_parquet(out / "wire_missing")
+def assert_findings(result, seeded: dict) -> None:
+    """Exactly the seeded faults, in the Parquet datasets and the summary."""
+    a1, b2, c1 = seeded["a1"], seeded["b2"], seeded["c1"]
+    missing = pd.read_parquet(result.path("wire_missing"))
     assert list(missing.message_id) == [str(c1.message_id)]  # d is pending: not yet due
-    duplicates = pd.read_parquet(out / "wire_duplicates")
+    duplicates = pd.read_parquet(result.path("wire_duplicates"))
     assert [(r.message_id, r.key, r.seq, r.copies) for r in duplicates.itertuples()] == [
         (str(a1.message_id), "a", 1, 2)]
-    reordered = pd.read_parquet(out / "wire_out_of_order")
+    reordered = pd.read_parquet(result.path("wire_out_of_order"))
     assert [(r.message_id, r.key, r.seq, r.after_seq) for r in reordered.itertuples()] == [
         (str(b2.message_id), "b", 2, 3)]
-    foreign = pd.read_parquet(out / "wire_foreign")
+    foreign = pd.read_parquet(result.path("wire_foreign"))
     assert sorted(foreign.reason) == ["broken_envelope", "no_envelope", "other_outbox", "unknown_message"]
 
     w = result.summary["wire"]
-    assert w["topics"][clean] == {"records": 10, "missing": 0, "duplicated_messages": 0,
-                                  "extra_copies": 0, "out_of_order_messages": 0,
-                                  "out_of_order_keys": 0, "foreign": 0}
-    assert w["topics"][faulty] == {"records": len(sent), "missing": 1, "duplicated_messages": 1,
-                                   "extra_copies": 1, "out_of_order_messages": 1,
-                                   "out_of_order_keys": 1, "foreign": 4}
+    assert w["topics"][seeded["clean"]] == {
+        "records": 10, "missing": 0, "duplicated_messages": 0, "extra_copies": 0,
+        "out_of_order_messages": 0, "out_of_order_keys": 0, "foreign": 0}
+    assert w["topics"][seeded["faulty"]] == {
+        "records": seeded["sent"], "missing": 1, "duplicated_messages": 1, "extra_copies": 1,
+        "out_of_order_messages": 1, "out_of_order_keys": 1, "foreign": 4}
     assert result.ok is False and result.totals["wire_missing"] == 1
     assert "on the wire 1 missing, 1 out of order, 1 duplicated" in result.path("report.md").read_text()
 
-    # The relay's topic alone passes, even when a duplicate would fail it (exactly-once).
+
+def test_the_wire_audit_finds_what_is_missing_duplicated_reordered_and_foreign(spark, kafka, tmp_path):
+    url = f"sqlite:///{tmp_path / 'producer.db'}"
+    seeded = seed_topics(kafka, url)
+
+    assert_findings(audit(url, out_dir=tmp_path / "audit", spark=spark, wire=Wire(kafka)), seeded)
+
+    # The relay's topic alone passes, even where a duplicate would fail it (exactly-once).
     only_clean = audit(url, out_dir=tmp_path / "clean", spark=spark,
-                       wire=Wire(kafka, topics=(clean,), exactly_once=True))
+                       wire=Wire(kafka, topics=(seeded["clean"],), exactly_once=True))
     assert only_clean.ok and only_clean.summary["wire"]["totals"]["records"] == 10
 
 

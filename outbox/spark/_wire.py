@@ -149,7 +149,8 @@ def decoded(raw: DataFrame) -> DataFrame:
     ids = F.array_distinct(F.transform(_header_values(envelope.MESSAGE_ID), canonical_uuid))
     first = {name: F.try_element_at(_header_values(name), F.lit(1))
              for name in (envelope.SEQ, envelope.INCARNATION, envelope.CREATED_AT, envelope.EVENT_TYPE)}
-    sole = F.when((F.size(ids) == 1) & F.try_element_at(ids, F.lit(1)).isNotNull(), F.try_element_at(ids, F.lit(1)))
+    only = F.try_element_at(ids, F.lit(1))
+    sole = F.when((F.size(ids) == 1) & only.isNotNull(), only)
     return raw.select(
         "topic", "partition", "offset", "timestamp",
         F.decode("key", "UTF-8").alias("key"),
