@@ -55,7 +55,8 @@ class AuditOutputError(OutboxError, RuntimeError):
 
 @dataclass(frozen=True)
 class AuditResult:
-    """What the audit found; ``ok`` is False when any message is lost or out of order."""
+    """What the audit found; ``ok`` is False when any message is lost or out of order (or, with a
+    ``Wire``, missing or out of order on the topic, or duplicated there under ``exactly_once``)."""
 
     summary: dict[str, Any]
     out_dir: Path
