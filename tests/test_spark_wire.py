@@ -24,6 +24,7 @@ from outbox.spark import Wire, audit
 from outbox.spark import _session as session_module
 from outbox.spark._report import wire_summary
 from outbox.spark._session import KAFKA_SOURCE_HINT, kafka_source_jars, require_kafka_source
+from outbox.spark._wire import WireUnreachableError
 from transports.kafka import KafkaTransport
 
 pytestmark = pytest.mark.spark
@@ -150,9 +151,18 @@ def test_a_spark_without_the_kafka_source_is_told_what_to_run(spark, monkeypatch
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"bootstrap": ""}, "wire bootstrap"),
+    ({"bootstrap": "kafka-1:9092,kafka-2"}, "must be host:port.*got 'kafka-2'"),
     ({"bootstrap": "b:9092", "topics": ("bad topic",)}, "invalid topic"),
     ({"bootstrap": "b:9092", "options": {"isolation.level": "read_uncommitted"}}, "set by the audit"),
 ])
 def test_bad_wire_settings_are_refused_before_spark(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         Wire(**kwargs)
+
+
+def test_a_cluster_nobody_answers_at_is_named_in_seconds_before_spark_reads(tmp_path):
+    """Spark's Kafka source would retry for minutes (about three here) before a JVM stack trace."""
+    url = f"sqlite:///{tmp_path / 'producer.db'}"
+    Outbox(sa.create_engine(url)).create_tables()
+    with pytest.raises(WireUnreachableError, match=r"no Kafka broker answers at 127\.0\.0\.1:1 "):
+        audit(url, out_dir=tmp_path / "audit", wire=Wire("127.0.0.1:1"))

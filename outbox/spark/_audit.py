@@ -25,18 +25,17 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from .._envelope import utcnow
-from .._errors import ConfigurationError, OutboxError, SchemaError
-from .._schema import read as read_schema
-from .._tables import OutboxTables
+from .._errors import ConfigurationError, OutboxError
 from .._validation import checked_event_type
 from . import _findings as find
 from . import _wire as wire_audit
+from . import _wire_findings as wire_find
 from ._chart import draw_chart, preload_matplotlib
 from ._report import build_summary, wire_summary, write_report
 from ._session import SessionFactory, session_from
 from ._source import estimate_rows, portable_url, read_table
 from ._storage import local_path, require_shared, uri
-from ._tablemap import check_table, connect, table_for
+from ._tablemap import check_table, table_for
 from ._window import Window, parse_duration, parse_instant
 from ._wire import Wire
 
@@ -134,7 +133,10 @@ def audit(
     step("checking tables")
     for url, name in ((outbox_url, "outbox_messages"), *((inbox_url, n) for n in INBOX_TABLES)):
         check_table(portable_url(url), table_for(name, prefix, schema))
-    incarnation = _incarnation(portable_url(outbox_url), prefix, schema) if wire else None
+    incarnation = None
+    if wire is not None:
+        incarnation = wire_audit.incarnation(portable_url(outbox_url), prefix, schema)
+        wire_audit.check_reachable(wire.bootstrap)
 
     def table(url: str, name: str, columns: list[str], time_column: str, upper: bool) -> DataFrame:
         return read_table(
@@ -237,7 +239,7 @@ def _audit_wire(session: SparkSession, pool: ThreadPoolExecutor, out: Path, wire
         return wire_summary([], {}, {}, {}, exactly_once=wire.exactly_once)
     records = wire_audit.read_wire(session, wire.bootstrap, audited, wire.options).cache()
     rows = outbox.where(F.col("topic").isin(audited))
-    details = wire_audit.findings(records, rows, span=span, incarnation=incarnation,
+    details = wire_find.findings(records, rows, span=span, incarnation=incarnation,
                                   event_type=event_type)
     read = pool.submit(_collect, records.groupBy("topic").count())
     order = {"wire_foreign": ["topic", "partition", "offset"]}
@@ -251,18 +253,6 @@ def _audit_wire(session: SparkSession, pool: ThreadPoolExecutor, out: Path, wire
     found["wire_extra_copies"] = {r["topic"]: r["copies_sum"] - r["count_all"] for r in copies.to_pylist()}
     bad_keys = _count_by(tables["wire_out_of_order"].group_by(["topic", "key"]).aggregate([]), "topic")
     return wire_summary(audited, counts, found, bad_keys, exactly_once=wire.exactly_once)
-
-
-def _incarnation(url: str, prefix: str, schema: str | None) -> str | None:
-    """The outbox database's identity (its envelopes' ``outbox-incarnation``), None if it records none."""
-    engine = connect(url)
-    try:
-        with engine.connect() as conn:
-            return read_schema(conn, OutboxTables(prefix=prefix, schema=schema)).incarnation or None
-    except SchemaError:
-        return None  # tables made without outbox_meta: foreign records are told apart by id alone
-    finally:
-        engine.dispose()
 
 
 def _collect(frame: DataFrame) -> list[dict[str, Any]]:

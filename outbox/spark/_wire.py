@@ -1,66 +1,41 @@
-"""The wire audit: what the topic itself holds, read through Spark's Kafka source, against the outbox.
+"""The wire audit's reading side: which topics, how to reach them, and their records decoded.
 
-The outbox table says what was written and what the relay believes it sent;
-the topic says what every consumer will read. Reading it read_committed (as a
-consumer of the exactly-once mode must), from the earliest to the latest
-offset, the audit reports per topic and key:
-
-- ``wire_missing``: published rows whose message is not on the topic. Only
-  published rows are due: a pending row is not yet sent, a failed one never
-  will be (each has its own count). In exactly-once mode a row can be on the
-  topic and still pending (the mark follows Kafka's commit); that is no finding.
-- ``wire_duplicates``: messages of this outbox on the topic more than once
-  (same message id): what at-least-once delivery allows and exactly-once forbids.
-- ``wire_out_of_order``: messages of this outbox whose first copy follows, in
-  its partition, the first copy of a later seq of its key. A re-sent copy is a
-  duplicate, not a reordering, so only first copies are compared.
-- ``wire_foreign``: records on the topic this outbox never wrote: no envelope,
-  a broken one, another outbox's (its incarnation), or an id this outbox does
-  not hold.
-
-A message is known by its id, a UUID in any spelling; envelope headers by
-their names in any case (as the inbox reads them, ``outbox._wire``).
-Records of ours are matched to the audited outbox rows by (topic, message id);
-other records count as foreign when the ``outbox-created-at`` they carry, or
-lacking an envelope the record's timestamp, lies in the audit's window.
+``Wire`` says what the audit reads besides the tables; ``read_wire`` reads every
+committed record of the topics through Spark's Kafka source (read_committed,
+earliest to latest offset) and decodes the envelope in Spark: the message id
+as a UUID in any spelling, the envelope's headers by their names in any case
+(as the inbox reads them, ``outbox._wire``). What the records are checked for
+is ``_wire_findings``.
 """
 
 from __future__ import annotations
 
-import enum
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pyspark.errors import AnalysisException
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from .. import _wire as envelope
-from .._errors import ConfigurationError
-from .._tables import OutboxStatus
+from .._errors import ConfigurationError, OutboxError, SchemaError
+from .._schema import read as read_schema
+from .._tables import OutboxTables
 from .._validation import validate_topic
 from ._session import KAFKA_SOURCE_HINT, require_kafka_source
-from ._window import Window as Span
+from ._tablemap import connect
 
-DETAILS = ("wire_missing", "wire_duplicates", "wire_out_of_order", "wire_foreign")
 READ_COMMITTED = "read_committed"
 # Options the audit sets itself: another value would make it check something else.
 FIXED_OPTIONS = frozenset({"bootstrap.servers", "isolation.level", "group.id", "enable.auto.commit",
                            "key.deserializer", "value.deserializer", "auto.offset.reset"})
 UUID_TEXT = "^[0-9a-f]{32}$"
+CONNECT_TIMEOUT = 5.0  # seconds per bootstrap address; Spark's own read would wait minutes
 
 
-class Foreign(enum.StrEnum):
-    """Why a record on the topic is not one this outbox wrote."""
-
-    NO_ENVELOPE = "no_envelope"
-    """It has no ``outbox-message-id`` header: another producer's record."""
-    BROKEN_ENVELOPE = "broken_envelope"
-    """Its message id is not a UUID, or it carries two different ones."""
-    OTHER_OUTBOX = "other_outbox"
-    """Its ``outbox-incarnation`` names another outbox database."""
-    UNKNOWN_MESSAGE = "unknown_message"
-    """Its id is not among this outbox's rows of the window (deleted, or never written)."""
+class WireUnreachableError(OutboxError, ConnectionError):
+    """No bootstrap address of the wire audit accepts a connection."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +65,48 @@ class Wire:
             raise ConfigurationError(f"wire topic: {exc}") from None
         object.__setattr__(self, "topics", topics)
         object.__setattr__(self, "options", checked_options(self.options))
+        addresses(self.bootstrap)
+
+
+def addresses(bootstrap: str) -> list[tuple[str, int]]:
+    """The (host, port) pairs of ``host:port[,host:port]`` (``[::1]:9092`` and ``SSL://`` prefixes too)."""
+    found = []
+    for entry in bootstrap.split(","):
+        text = entry.strip().rpartition("://")[2]
+        host, colon, port = text.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigurationError(f"wire bootstrap must be host:port[,host:port], got {entry.strip()!r}")
+        found.append((host.strip("[]"), int(port)))
+    return found
+
+
+def check_reachable(bootstrap: str) -> None:
+    """Raise ``WireUnreachableError`` unless some bootstrap address accepts a TCP connection.
+
+    Spark's Kafka source would retry for minutes before failing with a JVM stack
+    trace; this answers in seconds, naming the addresses, before Spark starts.
+    """
+    refused = []
+    for host, port in addresses(bootstrap):
+        try:
+            socket.create_connection((host, port), timeout=CONNECT_TIMEOUT).close()
+            return
+        except OSError as exc:
+            refused.append(f"{host}:{port} ({exc.strerror or type(exc).__name__})")
+    raise WireUnreachableError(f"no Kafka broker answers at {', '.join(refused)}: "
+                               "check --wire-bootstrap, or run the audit when the cluster is up")
+
+
+def incarnation(url: str, prefix: str, schema: str | None) -> str | None:
+    """The outbox database's identity (its envelopes' ``outbox-incarnation``), None if it records none."""
+    engine = connect(url)
+    try:
+        with engine.connect() as conn:
+            return read_schema(conn, OutboxTables(prefix=prefix, schema=schema)).incarnation or None
+    except SchemaError:
+        return None  # tables made without outbox_meta: foreign records are told apart by id alone
+    finally:
+        engine.dispose()
 
 
 def checked_options(options: Mapping[str, str] | None) -> dict[str, str]:
@@ -161,77 +178,3 @@ def decoded(raw: DataFrame) -> DataFrame:
         first[envelope.CREATED_AT].try_cast("timestamp").alias("created_at"),
         first[envelope.EVENT_TYPE].alias("event_type"),
     )
-
-
-def findings(wire: DataFrame, outbox: DataFrame, *, span: Span, incarnation: str | None,
-             event_type: str | None) -> dict[str, DataFrame]:
-    """The four wire findings, each a DataFrame with a ``topic`` column (see the module docstring).
-
-    ``outbox`` holds the audited rows (``message_id, topic, key, seq, status,
-    created_at, published_at, event_type``) of the topics ``wire`` was read from.
-    """
-    if event_type is not None:
-        wire = wire.where(F.col("event_type") == event_type)
-    rows = outbox.select(
-        "topic", canonical_uuid(F.col("message_id").cast("string")).alias("message_id"), "key", "seq",
-        "status", "event_type", "created_at", "published_at")
-    ours = wire.where(F.col("message_id").isNotNull()).select(
-        "topic", "message_id", "partition", "offset").join(
-        rows.select("topic", "message_id", "key", "seq", "event_type"), ["topic", "message_id"])
-    return {
-        "wire_missing": _missing(rows, ours),
-        "wire_duplicates": _duplicates(ours),
-        "wire_out_of_order": _out_of_order(ours),
-        "wire_foreign": _foreign(wire, rows, span, incarnation),
-    }
-
-
-def _missing(rows: DataFrame, ours: DataFrame) -> DataFrame:
-    published = rows.where(F.col("status") == OutboxStatus.PUBLISHED.value)
-    return published.join(ours.select("topic", "message_id").distinct(), ["topic", "message_id"],
-                          "left_anti").select("topic", "key", "seq", "event_type", "message_id",
-                                              "created_at", "published_at")
-
-
-def _duplicates(ours: DataFrame) -> DataFrame:
-    copies = F.array_sort(F.collect_list(F.struct("partition", "offset")))
-    return (ours.groupBy("topic", "message_id", "key", "seq", "event_type")
-            .agg(F.count(F.lit(1)).alias("copies"), copies.alias("at"))
-            .where(F.col("copies") > 1)
-            .select("topic", "key", "seq", "event_type", "message_id", "copies",
-                    F.transform("at", lambda p: F.concat_ws(
-                        ":", p["partition"].cast("string"), p["offset"].cast("string"))).alias("offsets")))
-
-
-def _out_of_order(ours: DataFrame) -> DataFrame:
-    first_copy = Window.partitionBy("topic", "message_id").orderBy("partition", "offset")
-    firsts = (ours.where(F.col("key").isNotNull() & F.col("seq").isNotNull())
-              .withColumn("copy", F.row_number().over(first_copy)).where(F.col("copy") == 1))
-    before = (Window.partitionBy("topic", "partition", "key").orderBy("offset")
-              .rowsBetween(Window.unboundedPreceding, -1))
-    return (firsts.withColumn("after_seq", F.max("seq").over(before))
-            .where(F.col("seq") < F.col("after_seq"))
-            .select("topic", "key", "seq", "event_type", "after_seq", "message_id", "partition", "offset"))
-
-
-def _foreign(wire: DataFrame, rows: DataFrame, span: Span, incarnation: str | None) -> DataFrame:
-    unknown = wire.join(rows.select("topic", "message_id"), ["topic", "message_id"], "left_anti")
-    when = F.coalesce(F.col("created_at"), F.col("timestamp"))
-    in_window = (when >= F.lit(span.since)) & (when < F.lit(span.until))
-    other = F.col("incarnation").isNotNull() & (F.col("incarnation") != F.lit(incarnation)) \
-        if incarnation else F.lit(False)
-    reason = (F.when(~F.col("has_id"), Foreign.NO_ENVELOPE.value)
-              .when(F.col("message_id").isNull(), Foreign.BROKEN_ENVELOPE.value)
-              .when(other, Foreign.OTHER_OUTBOX.value)
-              .otherwise(Foreign.UNKNOWN_MESSAGE.value))
-    return unknown.where(in_window).select(
-        "topic", "key", "seq", "event_type", "message_id", reason.alias("reason"), "partition", "offset",
-        "timestamp")
-
-
-def counts(wire: DataFrame, rows: DataFrame) -> DataFrame:
-    """Per topic: records read (in any window) and the outbox's published rows among the audited."""
-    read = wire.groupBy("topic").agg(F.count(F.lit(1)).alias("records"))
-    published = rows.where(F.col("status") == OutboxStatus.PUBLISHED.value).groupBy("topic").agg(
-        F.count(F.lit(1)).alias("published"))
-    return read.join(published, "topic", "full").fillna(0)
