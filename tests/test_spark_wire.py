@@ -14,15 +14,15 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import drain, publish, rows
-from _spark_seed import spark_for_tests
+from _spark_seed import AS_OF, SLA, spark_for_tests
 from confluent_kafka import Producer
 from conftest import unavailable
 
 from outbox import ConfigurationError, Outbox, Relay
 from outbox._wire import to_record
-from outbox.spark import Wire, audit
+from outbox.spark import Window, Wire, audit
 from outbox.spark import _session as session_module
-from outbox.spark._report import wire_summary
+from outbox.spark._report import build_summary, wire_summary
 from outbox.spark._session import KAFKA_SOURCE_HINT, kafka_source_jars, require_kafka_source
 from outbox.spark._wire import WireUnreachableError
 from transports.kafka import KafkaTransport
@@ -130,16 +130,21 @@ def test_the_wire_audit_finds_what_is_missing_duplicated_reordered_and_foreign(s
 
     assert_findings(audit(url, out_dir=tmp_path / "audit", spark=spark, wire=Wire(kafka)), seeded)
 
-    # The relay's topic alone passes, even where a duplicate would fail it (exactly-once).
-    only_clean = audit(url, out_dir=tmp_path / "clean", spark=spark,
-                       wire=Wire(kafka, topics=(seeded["clean"],), exactly_once=True))
-    assert only_clean.ok and only_clean.summary["wire"]["totals"]["records"] == 10
-
 
 def test_exactly_once_fails_on_a_duplicate_at_least_once_counts_it():
     found = {"wire_duplicates": {"t": 1}, "wire_extra_copies": {"t": 1}}
-    assert wire_summary(["t"], {"t": 3}, found, {}, exactly_once=False)["ok"] is True
-    assert wire_summary(["t"], {"t": 3}, found, {}, exactly_once=True)["ok"] is False
+    clean = wire_summary(["t"], {"t": 3}, {}, {}, exactly_once=True)
+    at_least_once = wire_summary(["t"], {"t": 3}, found, {}, exactly_once=False)
+    exactly_once = wire_summary(["t"], {"t": 3}, found, {}, exactly_once=True)
+    assert (clean["ok"], at_least_once["ok"], exactly_once["ok"]) == (True, True, False)
+
+    def verdict(wire):
+        return build_summary(as_of=AS_OF, window=Window.parse(None, now=AS_OF), sla=SLA, group=None,
+                             topics=[], groups=[], found={"lost": {}, "duplicates": {}, "out_of_order": {}},
+                             bad_keys={}, wire=wire)
+
+    assert verdict(at_least_once)["ok"] and verdict(at_least_once)["totals"]["wire_duplicated_messages"] == 1
+    assert not verdict(exactly_once)["ok"]
 
 
 def test_a_spark_without_the_kafka_source_is_told_what_to_run(spark, monkeypatch):
