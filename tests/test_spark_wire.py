@@ -7,6 +7,7 @@ a real relay's topic is the clean case.
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 
@@ -17,10 +18,12 @@ from _relay_helpers import drain, publish, rows
 from _spark_seed import AS_OF, SLA, spark_for_tests
 from confluent_kafka import Producer
 from conftest import unavailable
+from typer.testing import CliRunner
 
 from outbox import ConfigurationError, Outbox, Relay
 from outbox._wire import to_record
-from outbox.spark import Window, Wire, audit
+from outbox.cli import app
+from outbox.spark import AuditResult, Window, Wire, audit
 from outbox.spark import _session as session_module
 from outbox.spark._report import build_summary, wire_summary
 from outbox.spark._session import KAFKA_SOURCE_HINT, kafka_source_jars, require_kafka_source
@@ -81,6 +84,7 @@ def seed_topics(kafka: str, url: str) -> dict:
             _record(b1, incarnation=ours), _record(b3, incarnation=ours), _record(b2, incarnation=ours),
             _record(a1, incarnation=ours),  # a1 again: a duplicate, not a reordering
             {"key": b"z", "value": b"not ours", "headers": [("source", b"billing")]},
+            {"key": None, "value": b"not ours either"},  # no header at all
             {"key": b"z", "value": b"", "headers": [("outbox-message-id", b"not-a-uuid")]},
             _record(a1, incarnation=ours, message_id=uuid.uuid4()),  # an id this outbox never wrote
             _record(a1, incarnation=str(uuid.uuid4()), message_id=uuid.uuid4())]  # another outbox's
@@ -111,7 +115,8 @@ def assert_findings(result, seeded: dict) -> None:
     assert [(r.message_id, r.key, r.seq, r.after_seq) for r in reordered.itertuples()] == [
         (str(b2.message_id), "b", 2, 3)]
     foreign = pd.read_parquet(result.path("wire_foreign"))
-    assert sorted(foreign.reason) == ["broken_envelope", "no_envelope", "other_outbox", "unknown_message"]
+    assert sorted(foreign.reason) == ["broken_envelope", "no_envelope", "no_envelope", "other_outbox",
+                                      "unknown_message"]
 
     w = result.summary["wire"]
     assert w["topics"][seeded["clean"]] == {
@@ -119,7 +124,7 @@ def assert_findings(result, seeded: dict) -> None:
         "out_of_order_messages": 0, "out_of_order_keys": 0, "foreign": 0}
     assert w["topics"][seeded["faulty"]] == {
         "records": seeded["sent"], "missing": 1, "duplicated_messages": 1, "extra_copies": 1,
-        "out_of_order_messages": 1, "out_of_order_keys": 1, "foreign": 4}
+        "out_of_order_messages": 1, "out_of_order_keys": 1, "foreign": 5}
     assert result.ok is False and result.totals["wire_missing"] == 1
     assert "on the wire 1 missing, 1 out of order, 1 duplicated" in result.path("report.md").read_text()
 
@@ -128,7 +133,14 @@ def test_the_wire_audit_finds_what_is_missing_duplicated_reordered_and_foreign(s
     url = f"sqlite:///{tmp_path / 'producer.db'}"
     seeded = seed_topics(kafka, url)
 
-    assert_findings(audit(url, out_dir=tmp_path / "audit", spark=spark, wire=Wire(kafka)), seeded)
+    # Through the command, which picks up the shared session: its options reach the audit.
+    out = tmp_path / "audit"
+    command = CliRunner().invoke(app, ["spark", "audit", "--outbox-db", url, "--out", str(out),
+                                       "--wire-bootstrap", kafka])
+    assert command.exit_code == 1, command.output
+    assert "## On the wire, per topic (read_committed)" in command.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert_findings(AuditResult(summary=summary, out_dir=out), seeded)
 
 
 def test_exactly_once_fails_on_a_duplicate_at_least_once_counts_it():

@@ -161,8 +161,12 @@ def _header_values(name: str) -> Column:
 
 
 def decoded(raw: DataFrame) -> DataFrame:
-    """Kafka source rows as ``topic, partition, offset, timestamp, key, message_id, broken,
-    seq, incarnation, created_at, event_type`` (envelope fields null where absent)."""
+    """Kafka source rows as ``topic, partition, offset, timestamp, key, message_id, has_id,
+    seq, incarnation, created_at, event_type`` (envelope fields null where absent).
+
+    ``message_id`` is null and ``has_id`` true for a broken id: not a UUID, or two different
+    ones. A record without any header has a null ``headers`` array, hence the coalesce.
+    """
     ids = F.array_distinct(F.transform(_header_values(envelope.MESSAGE_ID), canonical_uuid))
     first = {name: F.try_element_at(_header_values(name), F.lit(1))
              for name in (envelope.SEQ, envelope.INCARNATION, envelope.CREATED_AT, envelope.EVENT_TYPE)}
@@ -172,7 +176,7 @@ def decoded(raw: DataFrame) -> DataFrame:
         "topic", "partition", "offset", "timestamp",
         F.decode("key", "UTF-8").alias("key"),
         sole.alias("message_id"),
-        (F.size(ids) > 0).alias("has_id"),
+        F.coalesce(F.size(ids) > 0, F.lit(False)).alias("has_id"),
         first[envelope.SEQ].try_cast("long").alias("seq"),
         canonical_uuid(first[envelope.INCARNATION]).alias("incarnation"),
         first[envelope.CREATED_AT].try_cast("timestamp").alias("created_at"),
