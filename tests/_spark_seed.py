@@ -206,10 +206,14 @@ def _pg(value: Any) -> Any:
 
 
 def spark_for_tests():
-    """One lean local session for the whole test run (UI off, few shuffle partitions)."""
+    """One lean local session for the whole test run (UI off, few shuffle partitions).
+
+    With Spark's Kafka source when scripts/setup fetched it: whichever test module starts
+    the shared session first decides its class path, and the wire audit's tests need it.
+    """
     from outbox.spark import spark_session
 
-    spark = spark_session("local[2]", config={
+    spark = spark_session("local[2]", kafka_source=True, config={
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "4",
         "spark.default.parallelism": "2",

@@ -91,6 +91,11 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
      "invalid database URL"),
     (["replay", "--archive-dir", "{tmp}", "--db", "sqlite:///{tmp}/empty.db", "--topic", "orders"],
      "table outbox_messages does not exist"),
+    (["audit", "--outbox-db", "sqlite:///{tmp}/empty.db", "--wire-topic", "orders"],
+     "--wire-topic, --wire-option and --wire-exactly-once need --wire-bootstrap"),
+    (["audit", "--outbox-db", "sqlite:///{tmp}/empty.db", "--wire-bootstrap", "127.0.0.1:1",
+      "--wire-option", "kafka.isolation.level=read_uncommitted"],
+     "wire option 'isolation.level' is set by the audit"),
 ])
 def test_bad_urls_and_missing_tables_are_named_before_spark_starts(tmp_path, args, message):
     """SPARK_HOME points nowhere: a command that started Spark would fail differently."""

@@ -103,15 +103,35 @@ def _progress(total: bool) -> Iterator[Callable[..., None]]:
             raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
 
 
-def _session(master: str | None, log_level: str) -> Callable[[], Any]:
+def _session(master: str | None, log_level: str, *, kafka_source: bool = False) -> Callable[[], Any]:
     """Build the session only when the job asks for it, after its arguments and tables are checked.
 
     No web UI: the command's process, and with it the UI, ends with the job;
     starting it costs about a second. Nor the ``outbox_table`` data source,
     which the jobs do not read through (registering it costs two).
+    ``kafka_source`` adds Spark's Kafka source for the wire audit.
     """
     return lambda: _jobs().spark_session(master, log_level=log_level, data_source=False,
-                                         config={"spark.ui.enabled": "false"})
+                                         config={"spark.ui.enabled": "false"},
+                                         kafka_source=kafka_source)
+
+
+def _wire(jobs: Any, bootstrap: str | None, topics: list[str] | None, options: list[str] | None,
+          exactly_once: bool) -> Any:
+    """The ``Wire`` the --wire-* options describe, None without --wire-bootstrap."""
+    if bootstrap is None:
+        if topics or options or exactly_once:
+            raise ConfigurationError("--wire-topic, --wire-option and --wire-exactly-once need "
+                                     "--wire-bootstrap (the Kafka cluster to read)")
+        return None
+    settings: dict[str, str] = {}
+    for option in options or []:
+        name, equals, value = option.partition("=")
+        if not equals or not name.strip():
+            raise ConfigurationError(f"--wire-option takes NAME=VALUE, got {option.split('=')[0]!r}")
+        settings[name.strip()] = value
+    return jobs.Wire(bootstrap, topics=tuple(topics or ()), options=settings,
+                     exactly_once=exactly_once)
 
 
 @spark_app.command("audit")
@@ -132,8 +152,21 @@ def audit_command(
     schema: str | None = SCHEMA,
     shared_storage: bool = SHARED,
     log_level: str = LOG_LEVEL,
+    wire_bootstrap: str | None = typer.Option(
+        None, help="Also read the topics themselves (read_committed) from this Kafka cluster, "
+                   "host:port[,host:port]: missing, duplicated, reordered, foreign records."),
+    wire_topic: list[str] | None = typer.Option(
+        None, help="Topic to read with --wire-bootstrap (repeat for more; default: every topic "
+                   "of the audited outbox rows)."),
+    wire_option: list[str] | None = typer.Option(
+        None, help="Kafka consumer setting for the wire read, NAME=VALUE (security.protocol, "
+                   "sasl.jaas.config …; repeat for more)."),
+    wire_exactly_once: bool = typer.Option(
+        False, "--wire-exactly-once", help="A duplicate on the wire fails the audit (the relay "
+                                           "runs --exactly-once)."),
 ) -> None:
-    """Compare outbox and inbox; exit 1 when any message is lost or out of order."""
+    """Compare outbox and inbox (and the topics, with --wire-bootstrap); exit 1 when any
+    message is lost or out of order."""
     jobs = _jobs()
     if window is not None and (since or until):
         console.print("[red]error:[/red] give either --window or --since/--until")
@@ -142,11 +175,12 @@ def audit_command(
     if since or until:
         span = (since or "1970-01-01T00:00:00Z", until or as_of or datetime.now(UTC).isoformat())
     with _progress(total=False) as step:
+        wire = _wire(jobs, wire_bootstrap, wire_topic, wire_option, wire_exactly_once)
         result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group,
                             event_type=event_type, as_of=as_of, partitions=partitions,
-                            spark=_session(master, log_level),
+                            spark=_session(master, log_level, kafka_source=wire is not None),
                             prefix=prefix, schema=schema, progress=step,
-                            shared_storage=shared_storage)
+                            shared_storage=shared_storage, wire=wire)
         step("done")
     print(result.path("report.md").read_text())
     if not result.ok:

@@ -21,6 +21,7 @@ from ._replay import REPLAY_HEADER, ArchiveReplayResult, replay
 from ._session import spark_session
 from ._source import read_table
 from ._window import Window
+from ._wire import Wire
 
 ReplayResult = ArchiveReplayResult
 """The name of earlier releases for ``ArchiveReplayResult``, kept for one release.
@@ -36,6 +37,7 @@ __all__ = [
     "AuditResult",
     "ReplayResult",
     "Window",
+    "Wire",
     "archive",
     "audit",
     "read_table",

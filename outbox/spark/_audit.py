@@ -4,7 +4,9 @@ Reads the outbox (producer database) and the inbox tables (consumer database,
 which may be a different one), compares them in Spark and writes, into
 ``out_dir``: ``summary.json``, ``report.md``, ``chart.png`` and one Parquet
 dataset per finding (``lost/``, ``duplicates/``, ``out_of_order/``) listing
-every message concerned.
+every message concerned. Given a ``Wire``, it also reads the topics themselves
+(``_wire``) and adds ``wire_missing/``, ``wire_duplicates/``,
+``wire_out_of_order/`` and ``wire_foreign/``.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from .._envelope import utcnow
 from .._errors import ConfigurationError, OutboxError
 from .._validation import checked_event_type
 from . import _findings as find
+from . import _wire as wire_audit
+from . import _wire_findings as wire_find
 from ._chart import draw_chart, preload_matplotlib
-from ._report import build_summary, write_report
+from ._report import build_summary, wire_summary, write_report
 from ._session import SessionFactory, session_from
 from ._source import estimate_rows, portable_url, read_table
 from ._storage import local_path, require_shared, uri
 from ._tablemap import check_table, table_for
 from ._window import Window, parse_duration, parse_instant
+from ._wire import Wire
 
 OUTBOX_COLUMNS = ["message_id", "topic", "key", "seq", "status", "created_at", "published_at", "event_type"]
 
@@ -49,7 +54,8 @@ class AuditOutputError(OutboxError, RuntimeError):
 
 @dataclass(frozen=True)
 class AuditResult:
-    """What the audit found; ``ok`` is False when any message is lost or out of order."""
+    """What the audit found; ``ok`` is False when any message is lost or out of order (or, with a
+    ``Wire``, missing or out of order on the topic, or duplicated there under ``exactly_once``)."""
 
     summary: dict[str, Any]
     out_dir: Path
@@ -84,6 +90,7 @@ def audit(
     schema: str | None = None,
     progress: Callable[[str], None] | None = None,
     shared_storage: bool = False,
+    wire: Wire | None = None,
 ) -> AuditResult:
     """Audit the messages created in ``window`` against what each consumer group did.
 
@@ -101,6 +108,10 @@ def audit(
     function that builds one) is used. ``out_dir`` is made absolute here; on
     a master other than ``local`` it must be storage every node mounts at
     that path, which ``shared_storage=True`` declares (refused otherwise).
+
+    ``wire`` (a ``Wire``) also reads the topics themselves, read_committed, and
+    reports what is missing, duplicated, out of order or foreign there
+    (``_wire``); a default session then gets Spark's Kafka source on its class path.
     """
     step = progress or (lambda _message: None)
     now = utcnow() if as_of is None else parse_instant(as_of, "as_of")
@@ -116,10 +127,16 @@ def audit(
     out = local_path(out_dir, "out_dir")
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"out_dir {out} exists and is not a directory")
+    if wire is not None and not isinstance(wire, Wire):
+        raise ConfigurationError(f"wire must be a Wire, got {type(wire).__name__}")
     inbox_url = inbox_url or outbox_url
     step("checking tables")
     for url, name in ((outbox_url, "outbox_messages"), *((inbox_url, n) for n in INBOX_TABLES)):
         check_table(portable_url(url), table_for(name, prefix, schema))
+    incarnation = None
+    if wire is not None:
+        incarnation = wire_audit.incarnation(portable_url(outbox_url), prefix, schema)
+        wire_audit.check_reachable(wire.bootstrap)
 
     def table(url: str, name: str, columns: list[str], time_column: str, upper: bool) -> DataFrame:
         return read_table(
@@ -133,7 +150,7 @@ def audit(
     small = estimate_rows(portable_url(outbox_url), table_for("outbox_messages", prefix, schema)) \
         <= SMALL_INPUT
     step("starting Spark")
-    session = session_from(spark)
+    session = session_from(spark, kafka_source=wire is not None)
     require_shared(session, out, "out_dir", shared_storage)
     outbox = table(outbox_url, "outbox_messages", OUTBOX_COLUMNS, "created_at", True)
     if event_type is not None:
@@ -152,14 +169,16 @@ def audit(
     # time is the driver planning and compiling, which then overlaps.
     with _codegen(session, enabled=not small), ThreadPoolExecutor(5, "audit") as pool:
         summary = _run(session, pool, out, outbox, inbox, parked, held, now=now, span=span,
-                       sla=sla_delta, group=group, event_type=event_type, step=step)
+                       sla=sla_delta, group=group, event_type=event_type, step=step,
+                       wire=wire, incarnation=incarnation)
     return AuditResult(summary=summary, out_dir=out)
 
 
 def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: DataFrame,
          inbox: DataFrame, parked: DataFrame, held: DataFrame, *, now: datetime, span: Window,
          sla: timedelta, group: str | None, event_type: str | None,
-         step: Callable[[str], None]) -> dict[str, Any]:
+         step: Callable[[str], None], wire: Wire | None = None,
+         incarnation: str | None = None) -> dict[str, Any]:
     """The Spark part of ``audit``: counts, findings, chart and report written into ``out``."""
     step("reading outbox and inbox")
     outbox = outbox.cache()
@@ -193,10 +212,16 @@ def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: Dat
     bad_keys = _count(tables["out_of_order"].group_by(
         ["consumer_group", "topic", "key"]).aggregate([]), ["consumer_group", "topic"])
 
+    wire_found = None
+    if wire is not None:
+        # After the outbox's first job: every row it saw published is on the topic by now.
+        wire_found = _audit_wire(session, pool, out, wire, outbox, span=span, event_type=event_type,
+                                 incarnation=incarnation, topics=[t["topic"] for t in topics], step=step)
+
     step("drawing the chart")
     summary = build_summary(as_of=now, window=span, sla=sla, group=group, event_type=event_type,
                             topics=topics,
-                            groups=groups, found=found, bad_keys=bad_keys)
+                            groups=groups, found=found, bad_keys=bad_keys, wire=wire_found)
     draw_chart(out / "chart.png", summary, buckets[0], buckets[1], start, bucket_seconds)
     write_report(out, summary)
     for frame in (outbox, joined):
@@ -204,15 +229,42 @@ def _run(session: SparkSession, pool: ThreadPoolExecutor, out: Path, outbox: Dat
     return summary
 
 
+def _audit_wire(session: SparkSession, pool: ThreadPoolExecutor, out: Path, wire: Wire,
+                outbox: DataFrame, *, span: Window, event_type: str | None, incarnation: str | None,
+                topics: list[str], step: Callable[[str], None]) -> dict[str, Any]:
+    """Read the topics read_committed, write the wire findings, and return their summary."""
+    step("reading the topics")
+    audited = list(wire.topics) or sorted(topics)
+    if not audited:
+        return wire_summary([], {}, {}, {}, exactly_once=wire.exactly_once)
+    records = wire_audit.read_wire(session, wire.bootstrap, audited, wire.options).cache()
+    rows = outbox.where(F.col("topic").isin(audited))
+    details = wire_find.findings(records, rows, span=span, incarnation=incarnation,
+                                  event_type=event_type)
+    read = pool.submit(_collect, records.groupBy("topic").count())
+    order = {"wire_foreign": ["topic", "partition", "offset"]}
+    written = {name: pool.submit(_write, frame, out / name, order.get(name, ["topic", "key", "seq"]))
+               for name, frame in details.items()}
+    tables = {name: job.result() for name, job in written.items()}
+    counts = {row["topic"]: int(row["count"]) for row in read.result()}
+    records.unpersist()
+    found = {name: _count_by(table, "topic") for name, table in tables.items()}
+    copies = tables["wire_duplicates"].group_by(["topic"]).aggregate([("copies", "sum"), ([], "count_all")])
+    found["wire_extra_copies"] = {r["topic"]: r["copies_sum"] - r["count_all"] for r in copies.to_pylist()}
+    bad_keys = _count_by(tables["wire_out_of_order"].group_by(["topic", "key"]).aggregate([]), "topic")
+    return wire_summary(audited, counts, found, bad_keys, exactly_once=wire.exactly_once)
+
+
 def _collect(frame: DataFrame) -> list[dict[str, Any]]:
     return [row.asDict() for row in frame.collect()]
 
 
-def _write(frame: DataFrame, path: Path) -> pa.Table:
+def _write(frame: DataFrame, path: Path,
+           order: list[str] | None = None) -> pa.Table:
     """One finding as one sorted Parquet file, read back as the driver sees it."""
     # repartition, not coalesce, so the join above stays parallel.
-    frame.repartition(1).sortWithinPartitions("consumer_group", "topic", "key", "seq").write.mode(
-        "overwrite").parquet(uri(path))
+    frame.repartition(1).sortWithinPartitions(*(order or ["consumer_group", "topic", "key", "seq"])) \
+        .write.mode("overwrite").parquet(uri(path))
     return _read_back(path)
 
 
@@ -237,6 +289,11 @@ def _read_back(path: Path) -> pa.Table:
             "out_dir is not on storage shared by driver and executors"
         )
     return pq.read_table(parts)
+
+
+def _count_by(table: pa.Table, column: str) -> dict[str, int]:
+    counts = table.group_by([column]).aggregate([([], "count_all")]).to_pylist()
+    return {r[column]: r["count_all"] for r in counts}
 
 
 def _count(table: pa.Table, by: list[str]) -> dict[tuple[str, str], int]:

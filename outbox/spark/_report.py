@@ -14,6 +14,10 @@ Pair = tuple[str, str]
 GROUP_FIELDS = ("consumed", "discarded", "parked", "held", "lost", "duplicated_messages",
                 "extra_deliveries", "out_of_order_messages", "out_of_order_keys")
 TOPIC_FIELDS = ("produced", "published", "pending", "failed")
+# What the wire audit counts per topic, and the finding (Parquet dataset) each count comes from.
+WIRE_FIELDS = {"missing": "wire_missing", "duplicated_messages": "wire_duplicates",
+               "extra_copies": "wire_extra_copies", "out_of_order_messages": "wire_out_of_order",
+               "foreign": "wire_foreign"}
 
 
 def _quantiles(values: list[float] | None) -> dict[str, float | None]:
@@ -25,11 +29,14 @@ def build_summary(
     *, as_of: datetime, window: Window, sla: timedelta, group: str | None,
     event_type: str | None = None, topics: list[dict[str, Any]], groups: list[dict[str, Any]],
     found: dict[str, dict[Pair, int]], bad_keys: dict[Pair, int],
+    wire: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON summary: per topic, per group and topic, totals, and the verdict.
 
     ``groups`` has one row per (group, topic) the consumer side knows
     (``_findings.group_counts``); ``found`` counts each finding per pair.
+    ``wire`` is ``wire_summary``'s, when the audit read the topics: its totals
+    join the others as ``wire_*`` and its verdict joins ``ok``.
     """
     by_topic: dict[str, dict[str, Any]] = {
         t["topic"]: {**{f: int(t[f] or 0) for f in TOPIC_FIELDS},
@@ -55,17 +62,42 @@ def build_summary(
     totals: dict[str, int] = {f: sum(t[f] for t in by_topic.values()) for f in TOPIC_FIELDS}
     for f in GROUP_FIELDS:
         totals[f] = sum(int(row[f]) for topics_of in by_group.values() for row in topics_of.values())
-    return {
+    ok = totals["lost"] == 0 and totals["out_of_order_messages"] == 0
+    summary: dict[str, Any] = {
         "as_of": as_of.isoformat(),
         "window": {"since": window.since.isoformat(), "until": window.until.isoformat()},
         "sla_seconds": sla.total_seconds(),
         "group": group,
         "event_type": event_type,
-        "ok": totals["lost"] == 0 and totals["out_of_order_messages"] == 0,
+        "ok": ok,
         "totals": totals,
         "topics": by_topic,
         "groups": by_group,
     }
+    if wire is not None:
+        totals.update({f"wire_{name}": count for name, count in wire["totals"].items()})
+        summary["ok"] = ok and wire["ok"]
+        summary["wire"] = wire
+    return summary
+
+
+def wire_summary(topics: list[str], records: dict[str, int], found: dict[str, dict[str, int]],
+                 bad_keys: dict[str, int], *, exactly_once: bool) -> dict[str, Any]:
+    """The wire audit's part of the summary: per topic read, its counts; totals; its verdict.
+
+    Missing and out-of-order messages fail it; duplicates only with ``exactly_once``
+    (at-least-once delivery allows them); foreign records never (not this outbox's doing).
+    """
+    by_topic = {topic: {"records": records.get(topic, 0),
+                        **{name: found.get(finding, {}).get(topic, 0)
+                           for name, finding in WIRE_FIELDS.items()},
+                        "out_of_order_keys": bad_keys.get(topic, 0)}
+                for topic in sorted(topics)}
+    fields = ["records", *WIRE_FIELDS, "out_of_order_keys"]
+    totals = {f: sum(row[f] for row in by_topic.values()) for f in fields}
+    ok = totals["missing"] == 0 and totals["out_of_order_messages"] == 0 \
+        and not (exactly_once and totals["duplicated_messages"])
+    return {"exactly_once": exactly_once, "ok": ok, "totals": totals, "topics": by_topic}
 
 
 def write_report(out: Path, summary: dict[str, Any]) -> None:
@@ -99,6 +131,10 @@ def verdict(s: dict[str, Any]) -> str:
     if not s["ok"]:
         head = (f"PROBLEM: {t['lost']:,} lost, {t['out_of_order_messages']:,} out of order "
                 f"(in {t['out_of_order_keys']:,} keys)")
+        if "wire" in s:
+            head += (f"; on the wire {t['wire_missing']:,} missing, "
+                     f"{t['wire_out_of_order_messages']:,} out of order, "
+                     f"{t['wire_duplicated_messages']:,} duplicated")
     elif attention:
         head = "NEEDS ATTENTION: nothing lost, nothing out of order, but"
         return f"{head} {', '.join(attention)}"
@@ -156,4 +192,33 @@ def render_report(s: dict[str, Any]) -> str:
         "not lost.",
         "",
     ]
+    if "wire" in s:
+        lines += render_wire(s["wire"])
     return "\n".join(lines)
+
+
+def render_wire(w: dict[str, Any]) -> list[str]:
+    """The report's section on what the topics hold (read_committed)."""
+    duplicates = ("a duplicate fails the audit (exactly-once)" if w["exactly_once"]
+                  else "duplicates are counted, not failed (at-least-once allows them)")
+    lines = [
+        "## On the wire, per topic (read_committed)",
+        "",
+        f"Published rows missing from the topic and reordered messages fail the audit; {duplicates}.",
+        "",
+        "| topic | records read | missing | duplicated (extra copies) | out of order (keys) | foreign |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in w["topics"].items():
+        lines.append(f"| {name} | {row['records']:,} | {row['missing']:,} "
+                     f"| {row['duplicated_messages']:,} ({row['extra_copies']:,}) "
+                     f"| {row['out_of_order_messages']:,} ({row['out_of_order_keys']:,}) "
+                     f"| {row['foreign']:,} |")
+    lines += [
+        "",
+        "Each is listed in `wire_missing/`, `wire_duplicates/`, `wire_out_of_order/` and "
+        "`wire_foreign/` (with the reason: no envelope, broken envelope, another outbox's, "
+        "an id this outbox does not hold).",
+        "",
+    ]
+    return lines

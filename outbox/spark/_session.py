@@ -11,6 +11,12 @@ tiny task on a non-local master, so a node without the package is named in
 one sentence rather than by an executor's ``No module named …``; and Spark's
 logging stays at ``log_level`` (WARN) from the start, with the JVM's start-up
 notices filtered out of a locally launched driver's stderr (see ``_noise``).
+
+Spark's Kafka source (the wire audit reads the topic through it) is not part of
+PySpark: ``kafka_source=True`` adds the jars ``scripts/setup`` fetched (or
+``OUTBOX_SPARK_KAFKA_JARS``) to a session this module starts. A cluster brings
+them itself (``--packages``, ``spark.jars``); ``require_kafka_source`` names
+what to do when they are missing.
 """
 
 from __future__ import annotations
@@ -43,6 +49,15 @@ DRIVER_JAVA_OPTIONS_ENV = "OUTBOX_SPARK_DRIVER_JAVA_OPTIONS"
 # runs several seconds faster, a 1,000,000-row one no slower). A driver given
 # its own options, or OUTBOX_SPARK_DRIVER_JAVA_OPTIONS (may be empty), keeps them.
 FAST_START = "-XX:TieredStopAtLevel=1"
+KAFKA_SOURCE_JARS_ENV = "OUTBOX_SPARK_KAFKA_JARS"
+KAFKA_SOURCE_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
+KAFKA_SOURCE_MARKER = "spark-sql-kafka-0-10_*.jar"
+KAFKA_SOURCE_HINT = (
+    "Spark's Kafka source is not on this Spark's class path: run scripts/setup (it fetches "
+    "spark-sql-kafka-0-10 into .jvm/spark-kafka), set OUTBOX_SPARK_KAFKA_JARS to a folder of its "
+    "jars, or start Spark with --packages org.apache.spark:spark-sql-kafka-0-10_2.13:VERSION "
+    '(docs/spark.md, "The wire audit")'
+)
 
 
 def spark_session(
@@ -52,6 +67,7 @@ def spark_session(
     config: Mapping[str, str] | None = None,
     log_level: str = "WARN",
     data_source: bool = True,
+    kafka_source: bool = False,
 ) -> SparkSession:
     """Return the active session, or build one, with the outbox data source registered.
 
@@ -63,6 +79,8 @@ def spark_session(
     ``data_source=False`` leaves ``spark.read.format("outbox_table")`` out: the
     jobs do not read through it, and registering it makes Spark start a Python
     process to look for other data sources (about two seconds).
+    ``kafka_source=True`` puts Spark's Kafka source on a new session's class
+    path (``kafka_source_jars``); an existing session keeps the class path it has.
     Raises ``ConfigurationError`` when the executors cannot import this package.
     """
     # Python's names too: one OUTBOX_LOG_LEVEL serves the workers and the Spark jobs.
@@ -89,6 +107,8 @@ def spark_session(
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         if chosen is not None:
             settings["spark.master"] = chosen
+        if kafka_source and not _under_spark_submit():
+            settings = _with_kafka_source(settings)
         spark = _build(app_name, settings, level)
     if data_source:
         spark.dataSource.register(TableSource)
@@ -96,13 +116,51 @@ def spark_session(
     return spark
 
 
-def session_from(spark: SparkSession | SessionFactory | None) -> SparkSession:
-    """The session a job runs in: the one given, one built by the given function, or the default."""
+def session_from(spark: SparkSession | SessionFactory | None, *,
+                 kafka_source: bool = False) -> SparkSession:
+    """The session a job runs in: the one given, one built by the given function, or the default.
+
+    ``kafka_source`` is passed on to the default (``spark_session``); a given
+    session or function decides its class path itself.
+    """
     if spark is None:
-        return spark_session()
+        return spark_session(kafka_source=kafka_source)
     if isinstance(spark, SparkSession):
         return spark
     return spark()
+
+
+def kafka_source_jars() -> list[str]:
+    """The jars of Spark's Kafka source on this machine, or none.
+
+    The folder ``OUTBOX_SPARK_KAFKA_JARS`` names, else ``.jvm/spark-kafka/libs``
+    of the nearest checkout (``scripts/jvm/fetch spark-kafka``).
+    """
+    from ..testing._kafka_libs import bundle_libs  # the same lookup as the broker's jars
+
+    libs = bundle_libs("spark-kafka", KAFKA_SOURCE_JARS_ENV, KAFKA_SOURCE_MARKER)
+    return sorted(str(jar) for jar in libs.glob("*.jar")) if libs is not None else []
+
+
+def _with_kafka_source(settings: Mapping[str, str]) -> dict[str, str]:
+    """``settings`` with the Kafka source's jars added to ``spark.jars``, unless packages bring it."""
+    if "spark.jars.packages" in settings:
+        return dict(settings)
+    given = [jar for jar in settings.get("spark.jars", "").split(",") if jar]
+    jars = given + [jar for jar in kafka_source_jars() if jar not in given]
+    return {**settings, "spark.jars": ",".join(jars)} if jars else dict(settings)
+
+
+def require_kafka_source(spark: SparkSession) -> None:
+    """Raise ``ConfigurationError`` (one line: what to run) unless Spark can load its Kafka source."""
+    assert spark.sparkContext._jvm is not None
+    jvm = spark.sparkContext._jvm
+    try:
+        # The class loader Spark's data source lookup uses: spark.jars land in it.
+        loader = jvm.org.apache.spark.util.Utils.getContextOrSparkClassLoader()
+        jvm.java.lang.Class.forName(KAFKA_SOURCE_CLASS, False, loader)
+    except Py4JError:
+        raise ConfigurationError(KAFKA_SOURCE_HINT) from None
 
 
 def _build(app_name: str, settings: Mapping[str, str], level: str) -> SparkSession:
