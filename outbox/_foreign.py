@@ -28,6 +28,7 @@ one counts (so would the event's identity).
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -75,14 +76,18 @@ def record_identity(record: Record) -> uuid.UUID:
     return uuid.uuid5(RECORD_NAMESPACE, digest.hexdigest())
 
 
+# A UUID's spellings, in any case: 8-4-4-4-12 hex digits, in braces, as a URN, or 32 digits.
+# Not uuid.UUID's parser alone: it drops hyphens, braces and "urn:"/"uuid:" wherever they
+# are, so "----" + 32 digits, another event's id, would be read as that UUID.
+_CANONICAL = rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_UUID_SPELLING = re.compile(rb"(?i)" + _CANONICAL + rb"|\{" + _CANONICAL + rb"\}|urn:uuid:" + _CANONICAL
+                            + rb"|[0-9a-f]{32}")
+
+
 def event_id(raw: bytes) -> uuid.UUID:
     """The message id of a foreign event id: the UUID it spells, else a UUID5 of its bytes."""
-    try:
-        text = raw.decode("ascii")
-        if len(text) in (32, 36, 38, 45):  # the spellings uuid.UUID reads; anything else is no UUID
-            return uuid.UUID(text)
-    except (UnicodeDecodeError, ValueError):
-        pass
+    if _UUID_SPELLING.fullmatch(raw):
+        return uuid.UUID(raw.decode("ascii").lower())  # the shape is checked: the parser reads it right
     return uuid.uuid5(EVENT_ID_NAMESPACE, raw.hex())
 
 

@@ -144,7 +144,8 @@ def test_a_uuid_id_is_the_message_id_whatever_its_spelling(debezium: Inbox) -> N
     first = event("k", 1, str(event_id))
     first.topic = "other"
     assert debezium.handle(first) is Disposition.APPLIED
-    for spelling in (str(event_id).upper(), "{" + str(event_id) + "}", event_id.hex, event_id.urn):
+    for spelling in (str(event_id).upper(), "{" + str(event_id) + "}", event_id.hex, event_id.urn,
+                     event_id.urn.upper()):
         again = event("k", 1, spelling)
         again.topic = "other"
         assert debezium.handle(again) is Disposition.DUPLICATE, spelling
@@ -163,6 +164,24 @@ def test_an_id_that_is_no_uuid_identifies_its_event_by_its_bytes(debezium: Inbox
     assert debezium.handle(event("k", 3, odd_id.upper() if odd_id.upper() != odd_id else odd_id + b"?",
                                  offset=4)) is Disposition.APPLIED  # not a UUID: case is its identity
     assert applied(engine) == [("k", 1), ("k", 2), ("k", 3)]
+
+
+@pytest.mark.parametrize("odd_id", [
+    "----12345678123456781234567812345678",  # hyphens where no UUID has them
+    "1234-5678-1234-5678-1234567812345678",
+    "urn:12345678123456781234567812345678",  # urn: without uuid:, no hyphens
+    "{{12345678123456781234567812345678}}",  # braces twice
+], ids=["leading-hyphens", "odd-hyphens", "urn-no-uuid", "double-braces"])
+def test_an_id_spelled_like_no_uuid_is_not_taken_for_the_uuid_its_hex_digits_make(
+        debezium: Inbox, engine: sa.Engine, odd_id: str) -> None:
+    """Python's ``uuid.UUID`` drops every hyphen, brace and ``urn:``/``uuid:`` anywhere: these
+    ids, none of them a UUID's spelling, were read as 12345678-1234-5678-1234-567812345678, so
+    a second producer's event so named was a DUPLICATE of the first and never applied."""
+    the_uuid = "12345678-1234-5678-1234-567812345678"
+    assert debezium.handle(event("k", 1, the_uuid, offset=1)) is Disposition.APPLIED
+    assert debezium.handle(event("k", 2, odd_id, offset=2)) is Disposition.APPLIED
+    assert debezium.handle(event("k", 2, odd_id, offset=3)) is Disposition.DUPLICATE
+    assert applied(engine) == [("k", 1), ("k", 2)]
 
 
 @pytest.mark.parametrize("name", ["id", "ID", "Id", "iD"])
