@@ -19,8 +19,8 @@ A record without the outbox envelope carries no id of ours. Two ways give it one
   are two records equal in all of those, timestamps to the millisecond: they
   are one message (docs/consumer.md, "Foreign records").
 
-Header names are matched in any case (``ID`` is ``id``): a header is known by
-its name, not its spelling. A header the envelope reads that a record carries
+Header names are matched in any ASCII case (``ID`` is ``id``, ``_validation.folded``):
+a header is known by its name, not its spelling. A header the envelope reads that a record carries
 twice with two values makes the record unreadable, as readers differ on which
 one counts (so would the event's identity).
 """
@@ -38,7 +38,7 @@ from transports import Record
 
 from ._envelope import BYTES, JSON, Message, utcnow
 from ._errors import ConfigurationError
-from ._validation import MAX_KEY_LENGTH, checked_event_type, validate_content_type
+from ._validation import MAX_KEY_LENGTH, checked_event_type, folded, validate_content_type
 from ._wire import CONTENT_TYPE, ENVELOPE_HEADERS, ForeignRecordError
 
 # Both fixed forever: a redelivery must get the id its first delivery got.
@@ -115,7 +115,7 @@ class ForeignEnvelope:
         _header_name("id_header", self.id_header)
         if self.type_header is not None:
             _header_name("type_header", self.type_header)
-            if self.type_header.lower() == self.id_header.lower():
+            if folded(self.type_header) == folded(self.id_header):
                 raise ConfigurationError(f"id_header and type_header are one header "
                                          f"({self.id_header!r}): name two")
         try:
@@ -140,7 +140,7 @@ def _header_name(field: str, name: object) -> None:
             or len(name) > _HEADER_NAME_MAX):
         raise ConfigurationError(f"ForeignEnvelope {field} must be a header name (1-{_HEADER_NAME_MAX} "
                                  f"printable characters), got {name!r:.80}")
-    if name.lower() in ENVELOPE_HEADERS:
+    if folded(name) in ENVELOPE_HEADERS:
         raise ConfigurationError(f"ForeignEnvelope {field} {name!r} is an outbox envelope header: "
                                  "records that carry it are read as ours")
 
@@ -153,11 +153,12 @@ def read_foreign(record: Record, envelope: ForeignEnvelope) -> Message:
     payload of type ``application/octet-stream``: whatever the envelope says the
     payload is, there is none.
     """
-    id_name, type_name = envelope.id_header.lower(), (envelope.type_header or "").lower()
+    id_name = folded(envelope.id_header)
+    type_name = folded(envelope.type_header) if envelope.type_header is not None else None
     found: dict[str, bytes] = {}
     headers: dict[str, str] = {}
     for name, raw in record.headers or ():
-        lowered = name.lower()
+        lowered = folded(name)
         value = raw if raw is not None else b""
         if lowered in (id_name, type_name, CONTENT_TYPE):
             if found.get(lowered, value) != value:

@@ -193,6 +193,31 @@ def test_the_id_header_is_known_in_any_case(debezium: Inbox, engine: sa.Engine, 
     assert debezium.handle(again) is Disposition.DUPLICATE
 
 
+def test_a_header_name_is_matched_in_any_ascii_case_not_unicode_folded(engine: sa.Engine) -> None:
+    """``KIND`` is ``kind``; the Kelvin sign's ``\u212aind`` only looks like it (``str.lower``
+    makes it ``kind``): it was read as the type header, so a look-alike header chose the typed
+    handler, and beside a real ``kind`` of another value it parked the event as carrying the
+    type twice."""
+    box = make_inbox(engine, foreign_records=ForeignEnvelope(id_header="id", type_header="kind"))
+    seen: list[str | None] = []
+    box.handler(TOPIC)(lambda session, message: seen.append(message.event_type))
+    assert box.handle(event("k", 1, "e-1", headers=[("KIND", b"OrderCreated")])) is Disposition.APPLIED
+    assert box.handle(event("k", 2, "e-2", headers=[("\u212aind", b"Forged")])) is Disposition.APPLIED
+    assert box.handle(event("k", 3, "e-3", headers=[("kind", b"OrderPaid"), ("\u212aind", b"Forged")])
+                      ) is Disposition.APPLIED
+    assert seen == ["OrderCreated", None, "OrderPaid"]
+    assert not box.parked()
+
+
+def test_an_envelope_without_a_type_header_reads_headers_named_empty_as_any_other(engine: sa.Engine) -> None:
+    """Without ``type_header`` the type's name was "": two headers of the empty name (Kafka
+    allows it) with two values parked the event as carrying the type header twice."""
+    box = make_inbox(engine, foreign_records=ForeignEnvelope(id_header="id"))
+    box.handler(TOPIC)(apply_numbered)
+    assert box.handle(event("k", 1, "e-1", headers=[("", b"a"), ("", b"b")])) is Disposition.APPLIED
+    assert applied(engine) == [("k", 1)] and not box.parked()
+
+
 @pytest.mark.parametrize(("headers", "why"), [
     ([("__debezium.context.connectorName", b"postgresql")], "no 'id' header"),
     ([("id", b"")], "'id' header is empty"),
