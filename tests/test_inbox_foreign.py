@@ -365,6 +365,30 @@ def test_a_parked_key_without_seqs_can_have_one_event_discarded(debezium: Inbox,
     assert debezium.handle(event("k", 1, str(poison.message_id))) is Disposition.DUPLICATE
 
 
+def test_a_parked_key_without_seqs_is_listed_page_after_page(debezium: Inbox, engine: sa.Engine) -> None:
+    """The console's parked-key page went on from the last row's (seq, id): with no seq,
+    ``(NULL, id) > (NULL, after)`` is no row, so the second page of a Debezium key was empty
+    and the events parked behind the first 50 could not be seen."""
+    from outbox.inbox.admin import parked_page
+
+    def handler(session, message: Message) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("billing is down")
+
+    debezium.handler(TOPIC, replace=True)(for_inbox(debezium, handler))
+    for n in range(1, 6):
+        assert debezium.handle(event("k", n, offset=n)) is Disposition.PARKED
+    seen: list[int] = []
+    after = None
+    with engine.connect() as conn:
+        for _ in range(5):
+            rows = parked_page(conn, debezium.tables, "g", TOPIC, "k", after=after, limit=2)
+            if not rows:
+                break
+            seen += [json.loads(r.payload)["n"] for r in rows]
+            after = rows[-1].id
+    assert seen == [1, 2, 3, 4, 5]
+
+
 # -- configuration -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "message"), [
