@@ -36,6 +36,7 @@ from typing import Any
 
 from transports import Record
 
+from ._cloudevents import CE_SPECVERSION
 from ._envelope import BYTES, JSON, Message, utcnow
 from ._errors import ConfigurationError
 from ._validation import MAX_KEY_LENGTH, checked_event_type, folded, validate_content_type
@@ -143,6 +144,9 @@ def _header_name(field: str, name: object) -> None:
     if folded(name) in ENVELOPE_HEADERS:
         raise ConfigurationError(f"ForeignEnvelope {field} {name!r} is an outbox envelope header: "
                                  "records that carry it are read as ours")
+    if folded(name) == CE_SPECVERSION:
+        raise ConfigurationError(f"ForeignEnvelope {field} {name!r} is CloudEvents' specversion: "
+                                 "records that carry it are read as CloudEvents, never by this envelope")
 
 
 def read_foreign(record: Record, envelope: ForeignEnvelope) -> Message:

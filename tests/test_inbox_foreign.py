@@ -397,6 +397,8 @@ def test_a_parked_key_without_seqs_is_listed_page_after_page(debezium: Inbox, en
     ({"id_header": "a\nb"}, "id_header must be a header name"),
     ({"id_header": "h" * 201}, "id_header must be a header name"),
     ({"id_header": "Outbox-Message-Id"}, "outbox envelope header"),
+    ({"id_header": "CE_SpecVersion"}, "read as CloudEvents"),  # the envelope would never read one
+    ({"type_header": "ce_specversion"}, "read as CloudEvents"),
     ({"type_header": "ID"}, "one header"),
     ({"content_type": "no spaces allowed at the end "}, "content_type"),
 ])
