@@ -164,14 +164,16 @@ def read_foreign(record: Record, envelope: ForeignEnvelope) -> Message:
     for name, raw in record.headers or ():
         lowered = folded(name)
         value = raw if raw is not None else b""
-        if lowered in (id_name, type_name, CONTENT_TYPE):
+        # A type or content-type without a value (Kafka's null) is not there, as in our envelope:
+        # the router sends a NULL column so. An id without one is an empty id (no event to read).
+        if lowered in (id_name, type_name, CONTENT_TYPE) and (raw is not None or lowered == id_name):
             if found.get(lowered, value) != value:
                 raise ForeignRecordError(
                     f"record has the header {name!r} twice with different values: which one is the "
                     f"event's depends on the reader ({envelope.describe()})")
             found[lowered] = value
-            if lowered == CONTENT_TYPE:
-                continue
+        if lowered == CONTENT_TYPE:
+            continue
         headers[name] = value.decode("utf-8", "replace")
     raw_id = found.get(id_name)
     if raw_id is None:

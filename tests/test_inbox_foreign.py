@@ -436,6 +436,21 @@ def test_a_header_without_a_value_is_an_empty_id(debezium: Inbox) -> None:
     assert "empty" in (debezium.parked()[0].error or "")
 
 
+def test_a_type_or_content_type_header_without_a_value_is_one_that_is_not_there(engine: sa.Engine) -> None:
+    """The router sends a NULL column placed as a header as a header without a value (what
+    ``_wire`` already reads as absent for our envelope): a NULL ``type`` parked the event as
+    foreign ("no event type"), a NULL ``content-type`` as a bad content type."""
+    box = make_inbox(engine, foreign_records="debezium")
+    seen: list[tuple[str | None, str]] = []
+    box.handler(TOPIC)(lambda session, message: seen.append((message.event_type, message.content_type)))
+    for n, null in enumerate(["type", "content-type", "Type"], start=1):
+        r = event("k", n, headers=[(null, None)])  # type: ignore[list-item]
+        assert box.handle(r) is Disposition.APPLIED, box.parked()
+    twice = event("k", 4, headers=[("type", None), ("type", b"OrderPaid")])  # type: ignore[list-item]
+    assert box.handle(twice) is Disposition.APPLIED
+    assert seen == [(None, "application/json")] * 3 + [("OrderPaid", "application/json")]
+
+
 # -- our own envelope: its headers by name, in any case ------------------------------------------
 
 def test_our_envelope_headers_are_known_in_any_case(engine: sa.Engine) -> None:
