@@ -169,12 +169,13 @@ _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 def folded(name: str) -> str:
-    """A header name as it is matched: in ASCII lower case (``ID`` is ``id``).
+    """A header name as it is matched: in ASCII lower case (``ID`` is ``id``), as HTTP field names are.
 
-    Not ``str.lower``: it makes the Kelvin sign ``\u212a`` a ``k``, so another
-    header that only looks like ``kind`` or ``ce_partitionkey`` would be read as it.
+    Not ``str.lower`` on every name: it makes the Kelvin sign ``\u212a`` a ``k``, so
+    another header that only looks like ``kind`` or ``ce_partitionkey`` would be read
+    as it. On an ASCII name the two agree, and ``lower`` is several times faster.
     """
-    return name.translate(_ASCII_LOWER)
+    return name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
 
 
 def checked_headers(headers: Mapping[str, Any] | None) -> tuple[dict[str, str], list[tuple[int, int]]]:
