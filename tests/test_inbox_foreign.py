@@ -389,6 +389,33 @@ def test_a_parked_key_without_seqs_is_listed_page_after_page(debezium: Inbox, en
     assert seen == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("batch", [500, 2])
+def test_a_key_of_ours_and_of_another_producer_replays_in_the_order_it_arrived(
+        debezium: Inbox, engine: sa.Engine, batch: int) -> None:
+    """Our seq'd messages and Debezium's events on one key string of one topic (a service
+    moving from one relay to the other). Replay sorted by (seq, id), and the databases place a
+    NULL seq apart: SQLite and MySQL replayed every Debezium event before our failed head
+    (the events parked behind it), PostgreSQL every one after our last message."""
+    broken = {"on": True}
+
+    def handler(session, message: Message) -> None:  # type: ignore[no-untyped-def]
+        if broken["on"]:
+            raise RuntimeError("billing is down")
+        session.execute(effects.insert().values(topic=message.topic, key=message.key,
+                                                seq=message.json()["n"], message_id=message.message_id))
+
+    debezium.handler(TOPIC, replace=True)(for_inbox(debezium, handler))
+    arrivals = [record(TOPIC, "k", 1, payload=b'{"n": 1}'), event("k", 2),
+                record(TOPIC, "k", 2, payload=b'{"n": 3}'), event("k", 4), event("k", 5),
+                record(TOPIC, "k", 3, payload=b'{"n": 6}'), event("k", 7)]
+    for r in arrivals:
+        assert debezium.handle(r) is Disposition.PARKED
+    broken["on"] = False
+    debezium.admin.replay_batch = batch
+    assert debezium.replay(TOPIC, "k").unparked
+    assert applied(engine, "k") == [("k", n) for n in range(1, 8)]
+
+
 # -- configuration -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "message"), [

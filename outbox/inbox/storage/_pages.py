@@ -91,8 +91,9 @@ def parked_page(conn: Connection, tables: OutboxTables, group: str, topic: str, 
     by its ``inbox_parked.id`` and the page goes on from that row's (seq, id).
     A keyed message without a seq (a CloudEvent, a Debezium event) sorts after
     the seqs, in id order (arrival): compared as it is, a NULL seq matched no row
-    after it, and a Debezium key's second page was empty. Unkeyed messages go in
-    id order.
+    after it, and a Debezium key's second page was empty. (A key with both
+    lists ours first; its replay interleaves them by arrival, ``_merged_page``.)
+    Unkeyed messages go in id order.
     """
     p = tables.inbox_parked
     query = select(p).where(p.c.consumer_group == group, p.c.topic == topic).limit(limit)
