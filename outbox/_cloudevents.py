@@ -35,7 +35,7 @@ from typing import Any
 
 from ._envelope import BYTES, Message, utcnow
 from ._errors import ConfigurationError
-from ._validation import MAX_KEY_LENGTH, checked_event_type, validate_content_type
+from ._validation import MAX_KEY_LENGTH, checked_event_type, folded, validate_content_type
 
 SPECVERSION = "1.0"
 CE_SPECVERSION = "ce_specversion"
@@ -50,10 +50,11 @@ CE_DATACONTENTTYPE = "ce_datacontenttype"
 CE_PARTITIONKEY = "ce_partitionkey"
 RELAY_ATTRIBUTES = frozenset({CE_SPECVERSION, CE_ID, CE_SOURCE, CE_TYPE, CE_TIME, CE_SEQ, CE_INCARNATION,
                               CE_DATACONTENTTYPE, CE_PARTITIONKEY})
-"""The attributes the relay sets, as ``ce_*`` header names (compared in lower case): a user header
-of one of these names is not sent, so no record carries an attribute twice. ``datacontenttype``
-travels as ``content-type`` and ``partitionkey`` as the record key (the Kafka binding's mapping):
-an SDK reads a ``ce_datacontenttype`` or ``ce_partitionkey`` header as that attribute too."""
+"""The attributes the relay sets, as ``ce_*`` header names (compared in ASCII lower case,
+``folded``): a user header of one of these names is not sent, so no record carries an attribute
+twice. ``datacontenttype`` travels as ``content-type`` and ``partitionkey`` as the record key
+(the Kafka binding's mapping): an SDK reads a ``ce_datacontenttype`` or ``ce_partitionkey``
+header as that attribute too."""
 
 MAX_SOURCE_BYTES = 255
 MAX_TYPE_BYTES = 4 * 255
@@ -143,7 +144,7 @@ def cloudevent_headers(
 
 def is_cloudevent(headers: Iterable[tuple[str, bytes | None]] | None) -> bool:
     """Whether a record's headers claim CloudEvents binary mode (a ``ce_specversion`` header)."""
-    return any(name.lower() == CE_SPECVERSION for name, _ in headers or ())
+    return any(folded(name) == CE_SPECVERSION for name, _ in headers or ())
 
 
 def cloudevent_message_id(source: str, event_id: str) -> uuid.UUID:
@@ -165,7 +166,7 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
     found: dict[str, str] = {}
     try:
         for name, raw in headers or ():
-            lowered = name.lower()
+            lowered = folded(name)
             attribute = lowered.startswith(CE_PREFIX) or lowered == _CONTENT_TYPE
             # datacontenttype is the content-type header; a ce_ header of its name is that attribute too.
             name = (_CONTENT_TYPE if lowered == CE_DATACONTENTTYPE else lowered) if attribute else name

@@ -19,8 +19,8 @@ A record without the outbox envelope carries no id of ours. Two ways give it one
   are two records equal in all of those, timestamps to the millisecond: they
   are one message (docs/consumer.md, "Foreign records").
 
-Header names are matched in any case (``ID`` is ``id``): a header is known by
-its name, not its spelling. A header the envelope reads that a record carries
+Header names are matched in any ASCII case (``ID`` is ``id``, ``_validation.folded``):
+a header is known by its name, not its spelling. A header the envelope reads that a record carries
 twice with two values makes the record unreadable, as readers differ on which
 one counts (so would the event's identity).
 """
@@ -28,6 +28,7 @@ one counts (so would the event's identity).
 from __future__ import annotations
 
 import hashlib
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,9 +36,10 @@ from typing import Any
 
 from transports import Record
 
+from ._cloudevents import CE_SPECVERSION
 from ._envelope import BYTES, JSON, Message, utcnow
 from ._errors import ConfigurationError
-from ._validation import MAX_KEY_LENGTH, checked_event_type, validate_content_type
+from ._validation import MAX_KEY_LENGTH, checked_event_type, folded, validate_content_type
 from ._wire import CONTENT_TYPE, ENVELOPE_HEADERS, ForeignRecordError
 
 # Both fixed forever: a redelivery must get the id its first delivery got.
@@ -75,14 +77,18 @@ def record_identity(record: Record) -> uuid.UUID:
     return uuid.uuid5(RECORD_NAMESPACE, digest.hexdigest())
 
 
+# A UUID's spellings, in any case: 8-4-4-4-12 hex digits, in braces, as a URN, or 32 digits.
+# Not uuid.UUID's parser alone: it drops hyphens, braces and "urn:"/"uuid:" wherever they
+# are, so "----" + 32 digits, another event's id, would be read as that UUID.
+_CANONICAL = rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_UUID_SPELLING = re.compile(rb"(?i)" + _CANONICAL + rb"|\{" + _CANONICAL + rb"\}|urn:uuid:" + _CANONICAL
+                            + rb"|[0-9a-f]{32}")
+
+
 def event_id(raw: bytes) -> uuid.UUID:
     """The message id of a foreign event id: the UUID it spells, else a UUID5 of its bytes."""
-    try:
-        text = raw.decode("ascii")
-        if len(text) in (32, 36, 38, 45):  # the spellings uuid.UUID reads; anything else is no UUID
-            return uuid.UUID(text)
-    except (UnicodeDecodeError, ValueError):
-        pass
+    if _UUID_SPELLING.fullmatch(raw):
+        return uuid.UUID(raw.decode("ascii").lower())  # the shape is checked: the parser reads it right
     return uuid.uuid5(EVENT_ID_NAMESPACE, raw.hex())
 
 
@@ -110,7 +116,7 @@ class ForeignEnvelope:
         _header_name("id_header", self.id_header)
         if self.type_header is not None:
             _header_name("type_header", self.type_header)
-            if self.type_header.lower() == self.id_header.lower():
+            if folded(self.type_header) == folded(self.id_header):
                 raise ConfigurationError(f"id_header and type_header are one header "
                                          f"({self.id_header!r}): name two")
         try:
@@ -135,9 +141,12 @@ def _header_name(field: str, name: object) -> None:
             or len(name) > _HEADER_NAME_MAX):
         raise ConfigurationError(f"ForeignEnvelope {field} must be a header name (1-{_HEADER_NAME_MAX} "
                                  f"printable characters), got {name!r:.80}")
-    if name.lower() in ENVELOPE_HEADERS:
+    if folded(name) in ENVELOPE_HEADERS:
         raise ConfigurationError(f"ForeignEnvelope {field} {name!r} is an outbox envelope header: "
                                  "records that carry it are read as ours")
+    if folded(name) == CE_SPECVERSION:
+        raise ConfigurationError(f"ForeignEnvelope {field} {name!r} is CloudEvents' specversion: "
+                                 "records that carry it are read as CloudEvents, never by this envelope")
 
 
 def read_foreign(record: Record, envelope: ForeignEnvelope) -> Message:
@@ -148,20 +157,23 @@ def read_foreign(record: Record, envelope: ForeignEnvelope) -> Message:
     payload of type ``application/octet-stream``: whatever the envelope says the
     payload is, there is none.
     """
-    id_name, type_name = envelope.id_header.lower(), (envelope.type_header or "").lower()
+    id_name = folded(envelope.id_header)
+    type_name = folded(envelope.type_header) if envelope.type_header is not None else None
     found: dict[str, bytes] = {}
     headers: dict[str, str] = {}
     for name, raw in record.headers or ():
-        lowered = name.lower()
+        lowered = folded(name)
         value = raw if raw is not None else b""
-        if lowered in (id_name, type_name, CONTENT_TYPE):
+        # A type or content-type without a value (Kafka's null) is not there, as in our envelope:
+        # the router sends a NULL column so. An id without one is an empty id (no event to read).
+        if lowered in (id_name, type_name, CONTENT_TYPE) and (raw is not None or lowered == id_name):
             if found.get(lowered, value) != value:
                 raise ForeignRecordError(
                     f"record has the header {name!r} twice with different values: which one is the "
                     f"event's depends on the reader ({envelope.describe()})")
             found[lowered] = value
-            if lowered == CONTENT_TYPE:
-                continue
+        if lowered == CONTENT_TYPE:
+            continue
         headers[name] = value.decode("utf-8", "replace")
     raw_id = found.get(id_name)
     if raw_id is None:

@@ -8,6 +8,7 @@ anything commits, instead of the relay finding a poison row later.
 from __future__ import annotations
 
 import re
+import string
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -162,6 +163,19 @@ def validate_content_type(content_type: object) -> str:
 
 
 _VALID_CONTENT_TYPES: set[str] = set()
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def folded(name: str) -> str:
+    """A header name as it is matched: in ASCII lower case (``ID`` is ``id``), as HTTP field names are.
+
+    Not ``str.lower`` on every name: it makes the Kelvin sign ``\u212a`` a ``k``, so
+    another header that only looks like ``kind`` or ``ce_partitionkey`` would be read
+    as it. On an ASCII name the two agree, and ``lower`` is several times faster.
+    """
+    return name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
 
 
 def checked_headers(headers: Mapping[str, Any] | None) -> tuple[dict[str, str], list[tuple[int, int]]]:

@@ -143,6 +143,29 @@ def test_the_inbox_reads_ce_datacontenttype_and_content_type_in_any_case_as_one_
 
 
 @pytest.mark.any_kafka
+def test_a_user_header_that_only_looks_like_an_attribute_is_sent(outbox: Outbox, any_kafka: str,
+                                                                 topic: str) -> None:
+    """``ce_partition\u212aey`` (the Kelvin sign, which ``str.lower`` makes ``k``) is no
+    ``ce_partitionkey``: the relay dropped it as one, a user header lost."""
+    look_alike = "ce_partition\u212aey"
+    publish(outbox, topic, ["a"], payload={"total": 12}, headers={look_alike: "mine"})
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=any_kafka), cloudevents=True)
+    drain(relay)
+    relay.close()
+    [record] = read_topic(any_kafka, topic, expected=1)
+    assert (look_alike, b"mine") in record.headers
+
+
+def test_the_inbox_reads_an_extension_that_only_looks_like_another_as_its_own() -> None:
+    """``ce_\u212aind`` and ``ce_kind`` are two extensions: read as one (``str.lower``), their
+    two values parked the event as carrying an attribute twice."""
+    headers = [("ce_specversion", b"1.0"), ("ce_id", b"1"), ("ce_source", b"s"), ("ce_type", b"t"),
+               ("ce_kind", b"a"), ("ce_\u212aind", b"b")]
+    message = cloudevent_to_message(topic="t", key=None, value=b"{}", headers=headers)
+    assert (message.headers["ce_kind"], message.headers["ce_\u212aind"]) == ("a", "b")
+
+
+@pytest.mark.any_kafka
 @pytest.mark.slow
 def test_the_relay_command_sends_cloudevents_from_the_chosen_source(sqlite_db: str, any_kafka: str,
                                                                    topic: str, tmp_path: Path) -> None:

@@ -144,7 +144,8 @@ def test_a_uuid_id_is_the_message_id_whatever_its_spelling(debezium: Inbox) -> N
     first = event("k", 1, str(event_id))
     first.topic = "other"
     assert debezium.handle(first) is Disposition.APPLIED
-    for spelling in (str(event_id).upper(), "{" + str(event_id) + "}", event_id.hex, event_id.urn):
+    for spelling in (str(event_id).upper(), "{" + str(event_id) + "}", event_id.hex, event_id.urn,
+                     event_id.urn.upper()):
         again = event("k", 1, spelling)
         again.topic = "other"
         assert debezium.handle(again) is Disposition.DUPLICATE, spelling
@@ -165,6 +166,24 @@ def test_an_id_that_is_no_uuid_identifies_its_event_by_its_bytes(debezium: Inbox
     assert applied(engine) == [("k", 1), ("k", 2), ("k", 3)]
 
 
+@pytest.mark.parametrize("odd_id", [
+    "----12345678123456781234567812345678",  # hyphens where no UUID has them
+    "1234-5678-1234-5678-1234567812345678",
+    "urn:12345678123456781234567812345678",  # urn: without uuid:, no hyphens
+    "{{12345678123456781234567812345678}}",  # braces twice
+], ids=["leading-hyphens", "odd-hyphens", "urn-no-uuid", "double-braces"])
+def test_an_id_spelled_like_no_uuid_is_not_taken_for_the_uuid_its_hex_digits_make(
+        debezium: Inbox, engine: sa.Engine, odd_id: str) -> None:
+    """Python's ``uuid.UUID`` drops every hyphen, brace and ``urn:``/``uuid:`` anywhere: these
+    ids, none of them a UUID's spelling, were read as 12345678-1234-5678-1234-567812345678, so
+    a second producer's event so named was a DUPLICATE of the first and never applied."""
+    the_uuid = "12345678-1234-5678-1234-567812345678"
+    assert debezium.handle(event("k", 1, the_uuid, offset=1)) is Disposition.APPLIED
+    assert debezium.handle(event("k", 2, odd_id, offset=2)) is Disposition.APPLIED
+    assert debezium.handle(event("k", 2, odd_id, offset=3)) is Disposition.DUPLICATE
+    assert applied(engine) == [("k", 1), ("k", 2)]
+
+
 @pytest.mark.parametrize("name", ["id", "ID", "Id", "iD"])
 def test_the_id_header_is_known_in_any_case(debezium: Inbox, engine: sa.Engine, name: str) -> None:
     r = event("k", 1, "e-1")
@@ -172,6 +191,31 @@ def test_the_id_header_is_known_in_any_case(debezium: Inbox, engine: sa.Engine, 
     assert debezium.handle(r) is Disposition.APPLIED
     again = event("k", 1, "e-1", offset=2)
     assert debezium.handle(again) is Disposition.DUPLICATE
+
+
+def test_a_header_name_is_matched_in_any_ascii_case_not_unicode_folded(engine: sa.Engine) -> None:
+    """``KIND`` is ``kind``; the Kelvin sign's ``\u212aind`` only looks like it (``str.lower``
+    makes it ``kind``): it was read as the type header, so a look-alike header chose the typed
+    handler, and beside a real ``kind`` of another value it parked the event as carrying the
+    type twice."""
+    box = make_inbox(engine, foreign_records=ForeignEnvelope(id_header="id", type_header="kind"))
+    seen: list[str | None] = []
+    box.handler(TOPIC)(lambda session, message: seen.append(message.event_type))
+    assert box.handle(event("k", 1, "e-1", headers=[("KIND", b"OrderCreated")])) is Disposition.APPLIED
+    assert box.handle(event("k", 2, "e-2", headers=[("\u212aind", b"Forged")])) is Disposition.APPLIED
+    assert box.handle(event("k", 3, "e-3", headers=[("kind", b"OrderPaid"), ("\u212aind", b"Forged")])
+                      ) is Disposition.APPLIED
+    assert seen == ["OrderCreated", None, "OrderPaid"]
+    assert not box.parked()
+
+
+def test_an_envelope_without_a_type_header_reads_headers_named_empty_as_any_other(engine: sa.Engine) -> None:
+    """Without ``type_header`` the type's name was "": two headers of the empty name (Kafka
+    allows it) with two values parked the event as carrying the type header twice."""
+    box = make_inbox(engine, foreign_records=ForeignEnvelope(id_header="id"))
+    box.handler(TOPIC)(apply_numbered)
+    assert box.handle(event("k", 1, "e-1", headers=[("", b"a"), ("", b"b")])) is Disposition.APPLIED
+    assert applied(engine) == [("k", 1)] and not box.parked()
 
 
 @pytest.mark.parametrize(("headers", "why"), [
@@ -321,6 +365,57 @@ def test_a_parked_key_without_seqs_can_have_one_event_discarded(debezium: Inbox,
     assert debezium.handle(event("k", 1, str(poison.message_id))) is Disposition.DUPLICATE
 
 
+def test_a_parked_key_without_seqs_is_listed_page_after_page(debezium: Inbox, engine: sa.Engine) -> None:
+    """The console's parked-key page went on from the last row's (seq, id): with no seq,
+    ``(NULL, id) > (NULL, after)`` is no row, so the second page of a Debezium key was empty
+    and the events parked behind the first 50 could not be seen."""
+    from outbox.inbox.admin import parked_page
+
+    def handler(session, message: Message) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("billing is down")
+
+    debezium.handler(TOPIC, replace=True)(for_inbox(debezium, handler))
+    for n in range(1, 6):
+        assert debezium.handle(event("k", n, offset=n)) is Disposition.PARKED
+    seen: list[int] = []
+    after = None
+    with engine.connect() as conn:
+        for _ in range(5):
+            rows = parked_page(conn, debezium.tables, "g", TOPIC, "k", after=after, limit=2)
+            if not rows:
+                break
+            seen += [json.loads(r.payload)["n"] for r in rows]
+            after = rows[-1].id
+    assert seen == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("batch", [500, 2])
+def test_a_key_of_ours_and_of_another_producer_replays_in_the_order_it_arrived(
+        debezium: Inbox, engine: sa.Engine, batch: int) -> None:
+    """Our seq'd messages and Debezium's events on one key string of one topic (a service
+    moving from one relay to the other). Replay sorted by (seq, id), and the databases place a
+    NULL seq apart: SQLite and MySQL replayed every Debezium event before our failed head
+    (the events parked behind it), PostgreSQL every one after our last message."""
+    broken = {"on": True}
+
+    def handler(session, message: Message) -> None:  # type: ignore[no-untyped-def]
+        if broken["on"]:
+            raise RuntimeError("billing is down")
+        session.execute(effects.insert().values(topic=message.topic, key=message.key,
+                                                seq=message.json()["n"], message_id=message.message_id))
+
+    debezium.handler(TOPIC, replace=True)(for_inbox(debezium, handler))
+    arrivals = [record(TOPIC, "k", 1, payload=b'{"n": 1}'), event("k", 2),
+                record(TOPIC, "k", 2, payload=b'{"n": 3}'), event("k", 4), event("k", 5),
+                record(TOPIC, "k", 3, payload=b'{"n": 6}'), event("k", 7)]
+    for r in arrivals:
+        assert debezium.handle(r) is Disposition.PARKED
+    broken["on"] = False
+    debezium.admin.replay_batch = batch
+    assert debezium.replay(TOPIC, "k").unparked
+    assert applied(engine, "k") == [("k", n) for n in range(1, 8)]
+
+
 # -- configuration -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -329,6 +424,8 @@ def test_a_parked_key_without_seqs_can_have_one_event_discarded(debezium: Inbox,
     ({"id_header": "a\nb"}, "id_header must be a header name"),
     ({"id_header": "h" * 201}, "id_header must be a header name"),
     ({"id_header": "Outbox-Message-Id"}, "outbox envelope header"),
+    ({"id_header": "CE_SpecVersion"}, "read as CloudEvents"),  # the envelope would never read one
+    ({"type_header": "ce_specversion"}, "read as CloudEvents"),
     ({"type_header": "ID"}, "one header"),
     ({"content_type": "no spaces allowed at the end "}, "content_type"),
 ])
@@ -364,6 +461,21 @@ def test_a_header_without_a_value_is_an_empty_id(debezium: Inbox) -> None:
     r.headers = [(n, None if n == "id" else v) for n, v in r.headers]  # type: ignore[misc]
     assert debezium.handle(r) is Disposition.PARKED
     assert "empty" in (debezium.parked()[0].error or "")
+
+
+def test_a_type_or_content_type_header_without_a_value_is_one_that_is_not_there(engine: sa.Engine) -> None:
+    """The router sends a NULL column placed as a header as a header without a value (what
+    ``_wire`` already reads as absent for our envelope): a NULL ``type`` parked the event as
+    foreign ("no event type"), a NULL ``content-type`` as a bad content type."""
+    box = make_inbox(engine, foreign_records="debezium")
+    seen: list[tuple[str | None, str]] = []
+    box.handler(TOPIC)(lambda session, message: seen.append((message.event_type, message.content_type)))
+    for n, null in enumerate(["type", "content-type", "Type"], start=1):
+        r = event("k", n, headers=[(null, None)])  # type: ignore[list-item]
+        assert box.handle(r) is Disposition.APPLIED, box.parked()
+    twice = event("k", 4, headers=[("type", None), ("type", b"OrderPaid")])  # type: ignore[list-item]
+    assert box.handle(twice) is Disposition.APPLIED
+    assert seen == [(None, "application/json")] * 3 + [("OrderPaid", "application/json")]
 
 
 # -- our own envelope: its headers by name, in any case ------------------------------------------

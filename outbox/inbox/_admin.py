@@ -107,7 +107,8 @@ class ParkedAdmin:
 
     def replay(self, topic: str, key: str | None) -> ParkedReplay:
         """Re-run the key's parked messages in seq order (a key without seqs: in the order they
-        arrived); unpark it when none is left.
+        arrived; a key with both, ours and another producer's: in the order they arrived, ours
+        in seq order among them); unpark it when none is left.
 
         Stops at the first message that fails again (it stays parked, with its
         attempts and error updated) or at a hole in the seqs after the first

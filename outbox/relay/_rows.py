@@ -37,6 +37,7 @@ from .._validation import (
     MAX_KEY_LENGTH,
     RESERVED_HEADER_PREFIX,
     checked_event_type,
+    folded,
     validate_content_type,
 )
 from .._wire import CONTENT_TYPE, MAX_SEQ, to_record
@@ -142,9 +143,9 @@ class RowEncoder:
                 incarnation=self._incarnation)
         except ValueError as exc:
             raise UnsendableRow(str(exc)) from None
-        if any(name.lower() in RELAY_ATTRIBUTES for name, _ in record.headers):
+        if any(folded(name) in RELAY_ATTRIBUTES for name, _ in record.headers):
             record.headers = [(name, value) for name, value in record.headers
-                              if name.lower() not in RELAY_ATTRIBUTES]
+                              if folded(name) not in RELAY_ATTRIBUTES]
         record.headers.extend(attributes)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, func, select, tuple_
 
 from ..._tables import OutboxTables
+from ..._wire import MAX_SEQ
 from .._delivery import KeyId
 
 
@@ -86,9 +87,13 @@ def parked_page(conn: Connection, tables: OutboxTables, group: str, topic: str, 
                 after: int | None = None, limit: int = 50) -> list[Row[Any]]:
     """One key's parked rows (all columns, traceback included) in replay order, from row ``after`` on.
 
-    Replay order is seq order; a key's seqs are distinct, so ``after`` names the
-    last row of the previous page by its ``inbox_parked.id`` and the page goes on
-    from that row's seq. Unkeyed messages go in id order.
+    Replay order is seq order; ``after`` names the last row of the previous page
+    by its ``inbox_parked.id`` and the page goes on from that row's (seq, id).
+    A keyed message without a seq (a CloudEvent, a Debezium event) sorts after
+    the seqs, in id order (arrival): compared as it is, a NULL seq matched no row
+    after it, and a Debezium key's second page was empty. (A key with both
+    lists ours first; its replay interleaves them by arrival, ``_merged_page``.)
+    Unkeyed messages go in id order.
     """
     p = tables.inbox_parked
     query = select(p).where(p.c.consumer_group == group, p.c.topic == topic).limit(limit)
@@ -97,10 +102,11 @@ def parked_page(conn: Connection, tables: OutboxTables, group: str, topic: str, 
         if after is not None:
             query = query.where(p.c.id > after)
         return list(conn.execute(query))
-    query = query.where(p.c.key == key).order_by(p.c.seq, p.c.id)
+    place = func.coalesce(p.c.seq, MAX_SEQ)  # no seq: after every seq, the same on every database
+    query = query.where(p.c.key == key).order_by(place, p.c.id)
     if after is not None:
-        seq = select(p.c.seq).where(p.c.id == after).scalar_subquery()
-        query = query.where(tuple_(p.c.seq, p.c.id) > tuple_(seq, after))
+        seq = select(place).where(p.c.id == after).scalar_subquery()
+        query = query.where(tuple_(place, p.c.id) > tuple_(seq, after))
     return list(conn.execute(query))
 
 

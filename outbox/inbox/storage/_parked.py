@@ -144,6 +144,13 @@ class ParkedTable(GroupStore):
             *self._filter(topic, key, replayable=True))) or 0
 
     def replay_page(self, session: Session, topic: str, key: str | None, limit: int) -> list[ParkedRow]:
+        """The first ``limit`` replayable rows of one key, in replay order: seq order, or, on a key
+        whose rows have seqs and rows have none, arrival order (``_merged_page``)."""
+        if key is not None and self._mixed(session, topic, key):
+            return self._merged_page(session, topic, key, limit)
+        return self._seq_page(session, topic, key, limit)
+
+    def _seq_page(self, session: Session, topic: str, key: str | None, limit: int) -> list[ParkedRow]:
         """What ``rows(…, replayable=True, limit=limit)`` returns.
 
         On SQLite the index on (group, topic, key, seq) ends with the rowid,
@@ -152,6 +159,38 @@ class ParkedTable(GroupStore):
         too, but its plan for a long key was not measured.
         """
         return self.rows(session, topic, key, replayable=True, limit=limit)
+
+    def _mixed(self, session: Session, topic: str, key: str) -> bool:
+        """Whether the key's replayable rows have seqs (ours) and rows have none (a Debezium event,
+        a CloudEvent): one key string written by two producers.
+
+        The first seq in each direction of the key's index: every database puts
+        NULLs at one end (PostgreSQL last, SQLite and MySQL first), so on a mixed
+        key exactly one of the two is NULL. Two index probes of a row each.
+        """
+        p = self.t.inbox_parked
+        where = self._filter(topic, key, replayable=True)
+        ends = [session.execute(select(p.c.seq).where(*where).order_by(order).limit(1)).first()
+                for order in (p.c.seq.asc(), p.c.seq.desc())]
+        return None not in ends and sum(end[0] is None for end in ends if end is not None) == 1
+
+    def _merged_page(self, session: Session, topic: str, key: str, limit: int) -> list[ParkedRow]:
+        """A mixed key's first ``limit`` rows in arrival (id) order, each seq'd place taken by the
+        key's seq'd rows in seq order.
+
+        Sorted by (seq, id) instead, the databases put the rows without a seq
+        apart (SQLite and MySQL before every seq, PostgreSQL after): an event
+        parked behind our failed head replayed before it. In id order alone,
+        a seq parked for a gap would go before the missing one that came later.
+        """
+        p = self.t.inbox_parked
+        where = self._filter(topic, key, replayable=True)
+        arrived = [parked_row(r) for r in session.execute(select(p).where(*where).order_by(p.c.id)
+                                                          .limit(limit)).all()]
+        places = sum(1 for row in arrived if row.delivery.message.seq is not None)
+        numbered = iter([parked_row(r) for r in session.execute(
+            select(p).where(*where, p.c.seq.is_not(None)).order_by(p.c.seq, p.c.id).limit(places)).all()])
+        return [next(numbered) if row.delivery.message.seq is not None else row for row in arrived]
 
     def by_id(self, session: Session, message_id: uuid.UUID) -> ParkedRow | None:
         p = self.t.inbox_parked

@@ -210,7 +210,7 @@ class PostgresParked(ParkedTable):
         if row_ids:
             session.execute(self._remove_run, {"ids": int_array(row_ids)})
 
-    def replay_page(self, session: Session, topic: str, key: str | None, limit: int) -> list[ParkedRow]:
+    def _seq_page(self, session: Session, topic: str, key: str | None, limit: int) -> list[ParkedRow]:
         """The first ``limit`` replayable rows of one key, in (seq, id) order, sorting about ``limit`` rows.
 
         PostgreSQL's index on (group, topic, key, seq) gives the seq order but
