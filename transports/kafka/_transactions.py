@@ -1,0 +1,280 @@
+"""Kafka transactions for the relay's exactly-once mode: a producer per transactional id, and
+the read-back of the last committed record of a key.
+
+``KafkaTransactionalProducer`` is confluent-kafka's transactional producer,
+one per ``transactional.id``. Making one calls ``init_transactions``, which
+fences every older producer of the id: the broker aborts (or, if its commit
+was under way, completes) the older one's open transaction before it answers,
+and refuses anything the older one writes afterwards (``PRODUCER_FENCED``).
+``send`` is one transaction: the records are produced (each key to the
+partition Kafka's Java client picks), then ``commit_transaction``. Its outcome
+is one of four (``TransactionOutcome``): committed; aborted (nothing of it will
+ever be read committed), with the record the broker refused for good named
+``FAILED``; fenced; or unknown (the commit was asked for and not answered: the
+caller makes a new producer of the id, which settles the transaction, and reads
+back what it carried).
+
+``last_committed`` reads the last committed record of a key on a (compacted)
+topic: the end of the key's partition as written when it is called (read
+uncommitted, so an open transaction of another producer cannot hide a record
+behind it), then backwards in growing windows with a read_committed consumer
+until a record of the key turns up or the partition's start is reached.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from typing import Any
+
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+
+from .._errors import RetriableTransportError, TransportError
+from .._partitioner import partition_for_key
+from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
+from .._waves import key_partition
+from ._logging import ClientErrors, LibrdkafkaLog
+
+# librdkafka's producer settings a transactional producer must not carry: the gap-less
+# guarantee is the idempotent producer's (a transaction aborts whole instead), and a record
+# timeout of 0 ("never") is refused next to transaction.timeout.ms.
+NOT_TRANSACTIONAL = frozenset({"enable.gapless.guarantee", "message.timeout.ms"})
+
+# Settings a consumer shares with the producer: how to reach and authenticate to the cluster.
+CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl.", "client.id",
+                       "socket.", "broker.address.", "enable.ssl.", "enable.sasl.", "oauthbearer")
+
+FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
+                           KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED})
+
+WINDOW = 64  # records read back at first when looking for a key's last committed record
+
+
+def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of ``config`` that say how to reach the cluster (for a consumer or admin client)."""
+    return {k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)}
+
+
+class KafkaTransactionalProducer:
+    """One ``transactional.id``'s producer; each ``send`` one transaction (module doc).
+
+    ``results_of`` turns a record's librdkafka error into its ``SendResult``
+    (the transport's classification: refused for good, retriable, unreachable).
+    Not safe for several threads.
+    """
+
+    def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
+                 partitions: Callable[[str], int | SendResult],
+                 results_of: Callable[[KafkaError], SendResult]) -> None:
+        self.transactional_id = transactional_id
+        self._timeout = timeout
+        self._partitions = partitions
+        self._result_of = results_of
+        self._errors = ClientErrors(f"transactional producer {transactional_id}")
+        settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
+        ms = int(timeout * 1000)
+        settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
+                         "transaction.timeout.ms": max(60_000, 2 * ms),
+                         "error_cb": self._errors, "logger": LibrdkafkaLog()})
+        self._producer = Producer(settings)
+        try:
+            self._producer.init_transactions(timeout)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            self._producer.flush(0)
+            if error.fatal():
+                raise TransportError(
+                    f"cannot start transactions as {transactional_id!r}: {error.str()}") from None
+            raise RetriableTransportError(
+                f"no answer to init_transactions as {transactional_id!r}: {error.str()}") from None
+
+    def __repr__(self) -> str:
+        return f"KafkaTransactionalProducer({self.transactional_id!r})"
+
+    def send(self, records: Sequence[Record]) -> TransactionResult:
+        """Write ``records`` in one transaction; its outcome and one result per record."""
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+        except KafkaException as exc:
+            return self._ended(exc.args[0], len(records))
+        reports: dict[int, tuple[KafkaError | None, Any]] = {}
+        refused: dict[int, SendResult] = {}
+        counts: dict[str, int | SendResult] = {}
+        for i, record in enumerate(records):
+            partition = key_partition(record, counts, self._partitions)
+            if isinstance(partition, SendResult):
+                refused[i] = partition
+                break
+            headers: Any = record.headers
+
+            def report(error: KafkaError | None, message: Any, i: int = i) -> None:
+                reports[i] = (error, message)  # only stored: read once the transaction ended
+
+            try:
+                try:
+                    producer.produce(record.topic, record.value, record.key,
+                                     -1 if partition is None else partition, on_delivery=report,
+                                     headers=headers)
+                except BufferError:
+                    producer.poll(0.5)
+                    producer.produce(record.topic, record.value, record.key,
+                                     -1 if partition is None else partition, on_delivery=report,
+                                     headers=headers)
+            except BufferError:
+                refused[i] = SendResult(Outcome.RETRY, error="producer queue full")
+            except KafkaException as exc:
+                refused[i] = self._result_of(exc.args[0])
+            except (TypeError, ValueError) as exc:
+                refused[i] = SendResult(Outcome.FAILED, error=f"producer refused the record: {exc}")
+            if refused:
+                break
+        if refused:  # not all of it could even be produced: the transaction cannot commit
+            return self._abort(len(records), reports, refused, None)
+        return self._commit(len(records), reports)
+
+    def _commit(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]]) -> TransactionResult:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                self._producer.commit_transaction(max(0.1, deadline - time.monotonic()))
+                break
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.txn_requires_abort():
+                    return self._abort(count, reports, {}, error)
+                if error.fatal() or not error.retriable() or time.monotonic() >= deadline:
+                    return self._ended(error, count)
+        self._errors.cleared()
+        results: list[SendResult] = []
+        for i in range(count):
+            failure, message = reports.get(i, (None, None))
+            if message is None or failure is not None:  # cannot be after a commit; say so if it is
+                return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, "no delivery report"),
+                                         "committed without a delivery report")
+            results.append(SendResult(Outcome.DELIVERED, message.partition(), message.offset()))
+        return TransactionResult(TransactionOutcome.COMMITTED, results)
+
+    def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
+               refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:
+        """Abort; each record's result: its own refusal, or a retry (it went down with the transaction)."""
+        try:
+            self._producer.abort_transaction(self._timeout)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.fatal():
+                return self._ended(error, count)
+            # Not aborted in time: it can never commit either; a new producer of the id aborts it.
+            return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, error.str(), True),
+                                     error.str())
+        results: list[SendResult] = []
+        reason = cause.str() if cause is not None else "aborted with its transaction"
+        unreachable = cause is not None and self._result_of(cause).unreachable
+        for i in range(count):
+            result = refused.get(i)
+            if result is None and i in reports and reports[i][0] is not None:
+                result = self._result_of(reports[i][0])  # type: ignore[arg-type]
+            if result is None or result.outcome is Outcome.DELIVERED:
+                result = SendResult(Outcome.RETRY, error=reason, unreachable=unreachable)
+            results.append(result)
+        return TransactionResult(TransactionOutcome.ABORTED, results, reason)
+
+    def _ended(self, error: KafkaError, count: int) -> TransactionResult:
+        """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
+        fenced = error.code() in FENCED_ERRORS
+        outcome = TransactionOutcome.FENCED if fenced else TransactionOutcome.UNKNOWN
+        return TransactionResult(outcome, _retry(count, error.str(), not fenced), error.str())
+
+    def close(self) -> None:
+        """Drop the producer; an open transaction is aborted by the next producer of the id (or times out)."""
+        with suppress(KafkaException, SystemError):
+            self._producer.flush(0)
+
+
+def _retry(count: int, error: str, unreachable: bool = False) -> list[SendResult]:
+    return [SendResult(Outcome.RETRY, error=error, unreachable=unreachable)] * count
+
+
+def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:
+    """Create ``topic`` with log compaction unless it exists; the cluster's default replication."""
+    admin = AdminClient({**connection_settings(config), "log_level": 0})
+    try:
+        found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+    except KafkaException as exc:
+        raise RetriableTransportError(f"cannot look up topic {topic!r}: {exc.args[0].str()}") from None
+    if found is not None and found.error is None and found.partitions:
+        return
+    new = NewTopic(topic, num_partitions=partitions, replication_factor=-1,
+                   config={"cleanup.policy": "compact", "segment.ms": "3600000",
+                           "min.compaction.lag.ms": "0"})
+    try:
+        admin.create_topics([new], operation_timeout=timeout)[topic].result(timeout)
+    except KafkaException as exc:
+        error: KafkaError = exc.args[0]
+        if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise RetriableTransportError(f"cannot create topic {topic!r}: {error.str()}") from None
+
+
+def last_committed(config: Mapping[str, Any], topic: str, key: bytes, timeout: float) -> bytes | None:
+    """The last committed record of ``key`` on ``topic``, or None (module doc)."""
+    deadline = time.monotonic() + timeout
+    settings = connection_settings(config)
+    admin = AdminClient({**settings, "log_level": 0})
+    try:
+        info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+        if info is None or info.error is not None or not info.partitions:
+            raise RetriableTransportError(f"topic {topic!r} not found")
+        tp = TopicPartition(topic, partition_for_key(key, len(info.partitions)))
+        latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+        # Read uncommitted: the end as written, an open transaction's records included.
+        uncommitted = IsolationLevel.READ_UNCOMMITTED
+        end = admin.list_offsets({tp: latest}, isolation_level=uncommitted,
+                                 request_timeout=timeout)[tp].result(timeout).offset
+        start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
+                                   request_timeout=timeout)[tp].result(timeout).offset
+    except KafkaException as exc:
+        raise RetriableTransportError(f"cannot read {topic!r}: {exc.args[0].str()}") from None
+    consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "enable.partition.eof": True,
+                         "fetch.wait.max.ms": 10, "log_level": 0})
+    try:
+        window = WINDOW
+        while end > start:
+            low = max(start, end - window)
+            found = _last_of(consumer, tp, key, low, end, deadline)
+            if found is not None:
+                return found
+            end, window = low, window * 4
+        return None
+    finally:
+        consumer.close()
+
+
+def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: int,
+             deadline: float) -> bytes | None:
+    """The last committed record of ``key`` at offsets ``low`` to ``end`` (excluded), or None."""
+    consumer.assign([TopicPartition(tp.topic, tp.partition, low)])
+    last: bytes | None = None
+    while True:
+        if time.monotonic() >= deadline:
+            raise RetriableTransportError(
+                f"could not read {tp.topic}[{tp.partition}] to offset {end} in time")
+        message = consumer.poll(0.2)
+        if message is None:
+            continue
+        error = message.error()
+        offset = message.offset() or 0
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF and offset >= end:
+                return last
+            if error.code() == KafkaError._PARTITION_EOF:
+                continue  # an open transaction ahead holds the committed end back: wait for it
+            raise RetriableTransportError(f"cannot read {tp.topic}: {error.str()}")
+        if offset >= end:
+            return last
+        if message.key() == key:
+            last = message.value()
+        if offset == end - 1:
+            return last
