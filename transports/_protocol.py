@@ -173,7 +173,8 @@ class TransactionalProducer(Protocol):
 
     Made by ``Transactions.transactional``, which fences every older producer
     of the id (Kafka's ``init_transactions``). Per-key order holds inside a
-    transaction as in ``Transport.publish``. Not safe for several threads.
+    transaction as in ``Transport.publish``; a record naming its ``partition``
+    goes there (modulo the topic's partition count). Not safe for several threads.
     """
 
     def send(self, records: Sequence[Record]) -> TransactionResult: ...
@@ -196,8 +197,9 @@ class Transactions(Protocol):
         """Create ``topic`` (log compaction, the cluster's replication) unless it exists."""
         ...
 
-    def last_committed(self, topic: str, key: bytes, timeout: float) -> bytes | None:
-        """The value of the last committed record of ``key`` on ``topic`` (read_committed), or None.
+    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
+        """The value of the last committed record of ``key`` in ``topic``'s ``partition`` (read_committed),
+        or None (a ``partition`` beyond the topic's count wraps around, as a ``Record``'s does).
 
         Reads up to everything written before the call, waiting (``timeout``) for open
         transactions ahead of it to end; raises ``RetriableTransportError`` if it cannot."""

@@ -16,10 +16,12 @@ docs/guarantees.md "Exactly once on the wire"):
   writes afterwards refused), then reads the shard's last committed progress
   record and marks the rows it names published, without sending them;
 - the shard's rows of a batch and one progress record (key: the
-  transactional id; value: the ids of the rows committed and not yet known to
-  be marked) are one transaction. Rows are marked published after the commit;
-  until their mark is known to have committed they are named in every later
-  progress record of the shard and never sent again;
+  transactional id; partition: the shard's, modulo the topic's count, so no
+  other shard's open transaction holds its read back; value: the ids of the
+  rows committed and not yet known to be marked) are one transaction. Rows
+  are marked published after the commit; until their mark is known to have
+  committed they are named in every later progress record of the shard and
+  never sent again;
 - a record the broker refuses for good aborts its transaction: the shard's
   batch is sent again without it (and without its key's later rows), so it
   alone fails; a transaction that cannot commit for want of the broker is
@@ -151,7 +153,13 @@ class ExactlyOnce:
         tid = self.transactional_id(shard)
         if state.producer is None:
             state.producer = self._transactions.transactional(tid, self._timeout)
-            value = self._transactions.last_committed(self.progress_topic, tid.encode(), self._timeout)
+            try:
+                value = self._transactions.last_committed(self.progress_topic, shard, tid.encode(),
+                                                          self._timeout)
+            except BaseException:
+                state.producer.close()  # fenced and read again next time
+                state.producer = None
+                raise
             with self._lock:
                 state.unmarked |= set(_ids_of(value))
         with self._lock:
@@ -245,7 +253,7 @@ class ExactlyOnce:
             carried = sorted(state.unmarked | set(sent_ids))
         progress = Record(self.progress_topic, json.dumps(
             {"ids": carried, "relay": self._worker_id, "epoch": state.epoch}).encode(),
-            key=self.transactional_id(shard).encode())
+            key=self.transactional_id(shard).encode(), partition=shard)
         answer = state.producer.send([*(records[i] for i in todo), progress])
         own = dict(zip(todo, answer.results[:-1], strict=True))
         if answer.outcome is TransactionOutcome.COMMITTED:

@@ -14,11 +14,14 @@ ever be read committed), with the record the broker refused for good named
 caller makes a new producer of the id, which settles the transaction, and reads
 back what it carried).
 
-``last_committed`` reads the last committed record of a key on a (compacted)
-topic: the end of the key's partition as written when it is called (read
-uncommitted, so an open transaction of another producer cannot hide a record
-behind it), then backwards in growing windows with a read_committed consumer
-until a record of the key turns up or the partition's start is reached.
+``last_committed`` reads the last committed record of a key in a partition of
+a (compacted) topic: up to the partition's end as written when it is called
+(read uncommitted, so an open transaction of another producer cannot hide a
+record behind it: the read waits for it to end), backwards in growing windows
+with a read_committed consumer, until a record of the key turns up or the
+partition's start is reached. The relay gives each shard a partition of its own,
+so the only open transaction there is the earlier owner's, which making the
+new producer of its id ended.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from .._errors import RetriableTransportError, TransportError
-from .._partitioner import partition_for_key
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
 from ._logging import ClientErrors, LibrdkafkaLog
@@ -104,7 +106,8 @@ class KafkaTransactionalProducer:
         refused: dict[int, SendResult] = {}
         counts: dict[str, int | SendResult] = {}
         for i, record in enumerate(records):
-            partition = key_partition(record, counts, self._partitions)
+            partition = (key_partition(record, counts, self._partitions) if record.partition is None
+                         else self._chosen(record, counts))
             if isinstance(partition, SendResult):
                 refused[i] = partition
                 break
@@ -134,6 +137,13 @@ class KafkaTransactionalProducer:
         if refused:  # not all of it could even be produced: the transaction cannot commit
             return self._abort(len(records), reports, refused, None)
         return self._commit(len(records), reports)
+
+    def _chosen(self, record: Record, counts: dict[str, int | SendResult]) -> int | SendResult:
+        """The partition a record names, modulo its topic's partition count."""
+        count = counts.get(record.topic)
+        if count is None:
+            count = counts[record.topic] = self._partitions(record.topic)
+        return count if isinstance(count, SendResult) else (record.partition or 0) % count
 
     def _commit(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]]) -> TransactionResult:
         deadline = time.monotonic() + self._timeout
@@ -209,15 +219,25 @@ def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: in
     new = NewTopic(topic, num_partitions=partitions, replication_factor=-1,
                    config={"cleanup.policy": "compact", "segment.ms": "3600000",
                            "min.compaction.lag.ms": "0"})
+    deadline = time.monotonic() + timeout
     try:
         admin.create_topics([new], operation_timeout=timeout)[topic].result(timeout)
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
             raise RetriableTransportError(f"cannot create topic {topic!r}: {error.str()}") from None
+    while time.monotonic() < deadline:  # created: usable once every partition has a leader
+        with suppress(KafkaException):
+            found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+            if (found is not None and found.error is None and found.partitions
+                    and all(p.leader >= 0 for p in found.partitions.values())):
+                return
+        time.sleep(0.1)
+    raise RetriableTransportError(f"topic {topic!r} has no leader for every partition yet")
 
 
-def last_committed(config: Mapping[str, Any], topic: str, key: bytes, timeout: float) -> bytes | None:
+def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: bytes,
+                   timeout: float) -> bytes | None:
     """The last committed record of ``key`` on ``topic``, or None (module doc)."""
     deadline = time.monotonic() + timeout
     settings = connection_settings(config)
@@ -226,7 +246,7 @@ def last_committed(config: Mapping[str, Any], topic: str, key: bytes, timeout: f
         info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
         if info is None or info.error is not None or not info.partitions:
             raise RetriableTransportError(f"topic {topic!r} not found")
-        tp = TopicPartition(topic, partition_for_key(key, len(info.partitions)))
+        tp = TopicPartition(topic, partition % len(info.partitions))
         latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
         # Read uncommitted: the end as written, an open transaction's records included.
         uncommitted = IsolationLevel.READ_UNCOMMITTED

@@ -485,8 +485,8 @@ class KafkaTransport:
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
         ensure_compacted_topic(self._config, topic, partitions, timeout)
 
-    def last_committed(self, topic: str, key: bytes, timeout: float) -> bytes | None:
-        return last_committed(self._config, topic, key, timeout)
+    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
+        return last_committed(self._config, topic, partition, key, timeout)
 
     # -- lifecycle ----------------------------------------------------------
 

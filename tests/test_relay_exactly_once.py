@@ -1,0 +1,164 @@
+"""Exactly once on the wire, proved on Apache Kafka: crashes, zombies and poison rows in a transaction.
+
+Each proof runs in both modes where it can: exactly-once must put every
+message on the topic once (read_committed), and at-least-once, in the same
+scenario, shows the duplicate the mode removes (so the test can fail).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import tenacity
+from _relay_helpers import drain, publish, rows, seqs_by_key, wait_for
+
+from outbox import ConfigurationError, Outbox, Relay, create_engine
+from outbox._wire import MESSAGE_ID
+from outbox.relay._batch import BatchRunner
+from outbox.testing import create_topic
+from transports import Record
+from transports.kafka import KafkaTransport
+from transports.kafka._transactions import KafkaTransactionalProducer
+from transports.testing import read_topic
+
+pytestmark = pytest.mark.kafka
+
+MODES = [pytest.param(True, id="exactly-once"), pytest.param(False, id="at-least-once")]
+
+
+@pytest.fixture
+def outbox(sqlite_db: str) -> Iterator[Outbox]:
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=4)  # a producer (and its fencing) per shard: few shards, quick tests
+    ob.create_tables()
+    yield ob
+    engine.dispose()
+
+
+@pytest.fixture
+def progress_topic(topic: str) -> str:
+    return f"{topic}-progress"  # the session's broker is shared: one progress topic per test
+
+
+def copies(records: list[Record]) -> Counter[bytes]:
+    """How often each message id is on the topic."""
+    return Counter(dict(r.headers)[MESSAGE_ID] for r in records)
+
+
+def relay(outbox: Outbox, kafka: str, exactly_once: bool, progress_topic: str, **kwargs: Any) -> Relay:
+    return Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=exactly_once,
+                 progress_topic=progress_topic, **kwargs)
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_relay_killed_between_the_commit_and_the_mark_is_not_sent_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [f"k{i % 5}" for i in range(60)]
+    publish(outbox, topic, keys)
+    first = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="first")
+
+    def die(self: BatchRunner, plan: Any) -> Any:
+        raise Killed  # after the broker took the batch, before the database heard of it
+
+    monkeypatch.setattr(BatchRunner, "_write", die)
+    with pytest.raises(Killed):
+        first.run_once()
+    monkeypatch.undo()
+    assert len(rows(outbox, status="pending")) == len(keys)  # nothing marked
+    # The next owner takes the shards once the dead relay's leases expired.
+    second = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="second")
+    drain(second, timeout=30)
+    second.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    if exactly_once:
+        assert twice == {}
+        assert len(on_wire) == len(keys)
+    else:
+        assert len(twice) == len(keys)  # the proof can fail: at least once sends the batch again
+    assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 13)) for k in sorted(set(keys))}
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_zombie_relay_resumed_after_a_take_over_puts_nothing_on_the_wire(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay frozen with a batch in flight (produced, not yet committed or acknowledged) past its
+    lease; another takes the shards and sends everything; the frozen one resumes."""
+    keys = [f"k{i % 4}" for i in range(40)]
+    publish(outbox, topic, keys)
+    frozen, thaw = threading.Event(), threading.Event()
+
+    def freeze(original: Any) -> Any:
+        def frozen_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "zombie":
+                frozen.set()
+                thaw.wait(60)
+            return original(self, *args, **kwargs)
+        return frozen_call
+
+    # The records are produced; the zombie freezes before the commit (exactly-once) or before it
+    # waits for the acknowledgements (at-least-once: librdkafka sends them meanwhile).
+    monkeypatch.setattr(KafkaTransactionalProducer, "_commit", freeze(KafkaTransactionalProducer._commit))
+    monkeypatch.setattr(KafkaTransport, "_wait", freeze(KafkaTransport._wait))
+    zombie = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="zombie")
+    outcome: list[Any] = []
+    worker = threading.Thread(target=lambda: outcome.append(zombie.run_once()), name="zombie")
+    worker.start()
+    assert frozen.wait(30)
+    taker = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="taker")
+    drain(taker, timeout=30)  # waits for the zombie's leases to expire, then sends everything
+    thaw.set()
+    worker.join(60)
+    taker.close()
+    (batch,) = outcome
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    if exactly_once:
+        assert batch.published == 0 and batch.fenced == 0  # it marked nothing, claimed nothing
+        assert twice == {}
+        assert len(on_wire) == len(keys)
+    else:
+        assert len(twice) == len(keys)  # the zombie's batch reached the topic: the proof can fail
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+def test_a_record_kafka_refuses_fails_alone_and_the_rest_of_its_transaction_is_published(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> None:
+    """The topic takes 2,000 bytes at most: the 5,000-byte row aborts its transaction, the batch
+    goes again without it, it fails, its key's later row waits, every other row is published."""
+    create_topic(kafka, topic, 3, config={"max.message.bytes": "2000"})
+    keys = [f"k{i % 6}" for i in range(30)]
+    publish(outbox, topic, keys[:15])
+    publish(outbox, topic, ["poison"], payload={"big": "x" * 5000})
+    publish(outbox, topic, ["poison", *keys[15:]])
+    alerts: list[Any] = []
+    worker = relay(outbox, kafka, True, progress_topic, alert=alerts.append,
+                   backoff=tenacity.wait_fixed(0.2))
+    wait_for(lambda: (worker.run_once(), len(rows(outbox, status="published")) == 30)[1], 30,
+             "the other rows published")
+    worker.close()
+    (failed,) = rows(outbox, status="failed")
+    assert failed.key == "poison" and "too large" in (failed.last_error or "").lower()
+    assert [r.key for r in rows(outbox, status="pending")] == ["poison"]  # behind it, untouched
+    assert len(alerts) == 1
+    on_wire = read_topic(kafka, topic, expected=30, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 30 and max(copies(on_wire).values()) == 1
+    assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 6)) for k in sorted(set(keys))}
+
+
+def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox) -> None:
+    from transports.memory import InMemoryBroker, InMemoryTransport
+
+    with pytest.raises(ConfigurationError, match="exactly_once needs a transport with Kafka transactions"):
+        Relay(outbox, InMemoryTransport(InMemoryBroker()), exactly_once=True)
