@@ -7,6 +7,8 @@ scenario, shows the duplicate the mode removes (so the test can fail).
 
 from __future__ import annotations
 
+import base64
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -135,12 +137,13 @@ def test_a_zombie_relay_resumed_after_a_take_over_puts_nothing_on_the_wire(
 
 def test_a_record_kafka_refuses_fails_alone_and_the_rest_of_its_transaction_is_published(
         outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> None:
-    """The topic takes 2,000 bytes at most: the 5,000-byte row aborts its transaction, the batch
-    goes again without it, it fails, its key's later row waits, every other row is published."""
+    """The topic takes 2,000 bytes at most: the 8,000-byte row (random: compression cannot save it)
+    aborts its transaction, the batch goes again without it, it fails, its key's later row waits,
+    every other row is published. Its request's other records were refused with it."""
     create_topic(kafka, topic, 3, config={"max.message.bytes": "2000"})
     keys = [f"k{i % 6}" for i in range(30)]
     publish(outbox, topic, keys[:15])
-    publish(outbox, topic, ["poison"], payload={"big": "x" * 5000})
+    publish(outbox, topic, ["poison"], payload={"big": base64.b64encode(os.urandom(6000)).decode()})
     publish(outbox, topic, ["poison", *keys[15:]])
     alerts: list[Any] = []
     worker = relay(outbox, kafka, True, progress_topic, alert=alerts.append,

@@ -51,6 +51,8 @@ CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl."
 FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
                            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED})
 
+FLUSH_STEP = 0.2  # seconds between looks at the reports while a transaction's records are sent
+
 WINDOW = 64  # records read back at first when looking for a key's last committed record
 
 
@@ -146,7 +148,19 @@ class KafkaTransactionalProducer:
         return count if isinstance(count, SendResult) else (record.partition or 0) % count
 
     def _commit(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]]) -> TransactionResult:
+        """Wait for the records' reports; abort at the first error (it dooms the transaction), else commit."""
         deadline = time.monotonic() + self._timeout
+        try:
+            while len(self._producer) and time.monotonic() < deadline:
+                self._producer.flush(min(FLUSH_STEP, max(0.0, deadline - time.monotonic())))
+                if any(error is not None for error, _ in list(reports.values())):
+                    break
+        except KafkaException as exc:
+            return self._ended(exc.args[0], count)
+        failures = [error for error, _ in list(reports.values()) if error is not None]
+        if failures or len(self._producer):
+            cause = failures[0] if failures else KafkaError(KafkaError._TIMED_OUT, "no report in time")
+            return self._abort(count, reports, {}, cause)
         while True:
             try:
                 self._producer.commit_transaction(max(0.1, deadline - time.monotonic()))
@@ -169,9 +183,26 @@ class KafkaTransactionalProducer:
 
     def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
                refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:
-        """Abort; each record's result: its own refusal, or a retry (it went down with the transaction)."""
+        """Abort; each record's result: its own refusal, or a retry (it went down with the transaction).
+
+        The records still queued or in flight are purged first and their reports
+        served: librdkafka aborts only once every record has its report.
+        """
+        producer = self._producer
+        deadline = time.monotonic() + self._timeout
         try:
-            self._producer.abort_transaction(self._timeout)
+            with suppress(KafkaException):
+                producer.purge(in_queue=True, in_flight=True)
+            while len(producer) and time.monotonic() < deadline:
+                producer.poll(0.05)
+            while True:
+                try:
+                    producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+                    break
+                except KafkaException as exc:
+                    if not exc.args[0].retriable() or time.monotonic() >= deadline:
+                        raise
+                    producer.poll(0.05)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal():
