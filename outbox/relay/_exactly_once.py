@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ DEFAULT_PROGRESS_TOPIC = "outbox-progress"
 
 EXACTLY_ONCE_TIMEOUT = 30.0
 """Seconds each broker call of the mode may take (a commit, fencing a shard, reading its progress)."""
+
+FENCING_THREADS = 8
+"""Shards taken over at once: their producers made and their progress read in parallel."""
 
 ROUNDS = 8
 """Transactions one shard's batch may take when records are refused (each round fails at least one)."""
@@ -126,42 +130,65 @@ class ExactlyOnce:
         """
         for shard in set(self._owned) - set(owned):
             self._drop(shard)
-        ready: dict[int, int] = {}
-        for shard, epoch in sorted(owned.items()):
+        for shard, epoch in owned.items():
             state = self._owned.get(shard)
             if state is not None and state.epoch != epoch:
                 self._drop(shard)
                 state = None
             if state is None:
-                state = self._owned[shard] = _Shard(epoch)
-            if state.fenced:
+                self._owned[shard] = _Shard(epoch)
+        try:
+            self._fence([s for s in sorted(owned) if self._owned[s].producer is None
+                         and not self._owned[s].fenced])
+        except RetriableTransportError as exc:
+            return {}, str(exc)  # the broker does not answer: no shard is ready
+        ready: dict[int, int] = {}
+        for shard, epoch in sorted(owned.items()):
+            state = self._owned[shard]
+            if state.fenced or state.producer is None:
                 continue
             if not state.recovered:
-                try:
-                    self._recover(shard, state)
-                except RetriableTransportError as exc:
-                    log.debug("shard %d not ready: %s", shard, exc)
-                    return ready, str(exc)  # the broker does not answer: the other shards neither
+                self._recover(shard, state)
             ready[shard] = epoch
         return ready, None
 
-    def _recover(self, shard: int, state: _Shard) -> None:
-        """Fence the earlier owners, read the shard's committed progress, mark what it names."""
+    def _fence(self, shards: list[int]) -> None:
+        """New producers for ``shards``, each fencing the shard's earlier owners, and their progress
+        read; at once (a take-over of many shards costs about what one costs)."""
+        if not shards:
+            return
         if not self._topic_ready:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
-        tid = self.transactional_id(shard)
-        if state.producer is None:
-            state.producer = self._transactions.transactional(tid, self._timeout)
+        with ThreadPoolExecutor(min(len(shards), FENCING_THREADS), "outbox-relay-fence") as pool:
+            made = list(zip(shards, [pool.submit(self._fence_one, shard) for shard in shards], strict=True))
+        failure: RetriableTransportError | None = None
+        for shard, future in made:
             try:
-                value = self._transactions.last_committed(self.progress_topic, shard, tid.encode(),
-                                                          self._timeout)
-            except BaseException:
-                state.producer.close()  # fenced and read again next time
-                state.producer = None
-                raise
+                producer, ids = future.result()
+            except RetriableTransportError as exc:
+                failure = failure or exc
+                continue
+            state = self._owned[shard]
+            state.producer, state.recovered = producer, False
             with self._lock:
-                state.unmarked |= set(_ids_of(value))
+                state.unmarked |= set(ids)
+        if failure is not None:
+            raise failure
+
+    def _fence_one(self, shard: int) -> tuple[TransactionalProducer, list[int]]:
+        """A producer of the shard's id (every earlier one fenced), and the rows its progress names."""
+        tid = self.transactional_id(shard)
+        producer = self._transactions.transactional(tid, self._timeout)
+        try:
+            value = self._transactions.last_committed(self.progress_topic, shard, tid.encode(), self._timeout)
+        except BaseException:
+            producer.close()  # fenced and read again next time
+            raise
+        return producer, _ids_of(value)
+
+    def _recover(self, shard: int, state: _Shard) -> None:
+        """Mark the rows the shard's committed progress names published (a database error raises)."""
         with self._lock:
             named = sorted(state.unmarked)
         if named:
