@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 import tenacity
 from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, wait_for
 
@@ -50,6 +51,12 @@ def outbox(sqlite_db: str) -> Iterator[Outbox]:
 @pytest.fixture
 def progress_topic(topic: str) -> str:
     return f"{topic}-progress"  # the session's broker is shared: one progress topic per test
+
+
+def leases(outbox: Outbox) -> list[Any]:
+    t = outbox.tables.leases
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return list(conn.execute(sa.select(t)))
 
 
 def copies(records: list[Record]) -> Counter[bytes]:
@@ -190,22 +197,34 @@ def test_a_sigkill_campaign_puts_every_message_on_the_wire_once_in_key_order(
     log = tmp_path / "relays.log"
 
     def start(n: int) -> subprocess.Popen[bytes]:
-        return start_cli_relay(postgres_db, kafka, log, "--worker-id", f"relay-{n}-{uuid.uuid4().hex[:4]}",
+        worker = workers[n] = f"relay-{n}-{uuid.uuid4().hex[:4]}"
+        return start_cli_relay(postgres_db, kafka, log, "--worker-id", worker,
                                "--lease-ttl", "2", "--batch-size", "200", *mode)
 
+    workers = ["", ""]
     relays = [start(0), start(1)]
     rng = random.Random(7)
     done = threading.Event()
     kills = 0
 
     def killer() -> None:
+        """Each relay is SIGKILLed 1.5 to 2.5 s after it took its first shard (a relay process
+        takes seconds to start on a loaded machine: killed on a wall clock, it would often die
+        before it sent anything), and started again."""
         nonlocal kills
-        while not done.wait(rng.uniform(1.5, 2.5)):
-            n = rng.randrange(2)
-            relays[n].send_signal(signal.SIGKILL)
-            relays[n].wait()
-            relays[n] = start(n)
-            kills += 1
+        serving: dict[str, float] = {}
+        lifetime = [rng.uniform(1.5, 2.5), rng.uniform(1.5, 2.5)]
+        while not done.wait(0.1):
+            owners = {lease.owner for lease in leases(outbox)}
+            for n in range(2):
+                if workers[n] in owners:
+                    since = serving.setdefault(workers[n], time.monotonic())
+                    if time.monotonic() - since >= lifetime[n]:
+                        relays[n].send_signal(signal.SIGKILL)
+                        relays[n].wait()
+                        relays[n] = start(n)
+                        lifetime[n] = rng.uniform(1.5, 2.5)
+                        kills += 1
 
     killing = threading.Thread(target=killer)
     killing.start()
