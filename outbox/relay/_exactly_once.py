@@ -31,7 +31,9 @@ docs/guarantees.md "Exactly once on the wire"):
   of the progress, as on a take-over.
 
 Only the relay's worker thread calls ``prepare``, ``send`` and ``close``;
-``marked`` may run on the writer thread (the set of unmarked rows has a lock).
+``send`` runs the shards' transactions on threads of its own, one per shard at
+a time; ``marked`` may run on the writer thread (the sets of unmarked rows have
+a lock).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class ExactlyOnce:
         self._owned: dict[int, _Shard] = {}
         self._lock = threading.Lock()
         self._topic_ready = False
+        self._pool: ThreadPoolExecutor | None = None
 
     def transactional_id(self, shard: int) -> str:
         return f"outbox-{self._incarnation}-{shard}"
@@ -160,7 +163,8 @@ class ExactlyOnce:
         if not self._topic_ready:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
-        with ThreadPoolExecutor(min(len(shards), FENCING_THREADS), "outbox-relay-fence") as pool:
+        threads = min(len(shards), FENCING_THREADS)
+        with ThreadPoolExecutor(threads, f"outbox-relay-fence-{self._worker_id}") as pool:
             made = list(zip(shards, [pool.submit(self._fence_one, shard) for shard in shards], strict=True))
         failure: RetriableTransportError | None = None
         for shard, future in made:
@@ -215,10 +219,19 @@ class ExactlyOnce:
         by_shard: dict[int, list[int]] = {}
         for i, (_, shard) in enumerate(rows):
             by_shard.setdefault(shard, []).append(i)
-        for shard, indexes in by_shard.items():
-            state = self._owned.get(shard)
-            if state is not None and state.recovered and not state.fenced:
-                self._send_shard(shard, state, records, {i: rows[i][0] for i in indexes}, results)
+        sending = [(shard, state, {i: rows[i][0] for i in indexes}) for shard, indexes in by_shard.items()
+                   if (state := self._owned.get(shard)) is not None and state.recovered and not state.fenced]
+        if len(sending) == 1:
+            self._send_shard(*sending[0][:2], records, sending[0][2], results)
+        elif sending:
+            # Each shard's transaction on a thread of its own: their commits overlap instead of
+            # costing one round trip after the other (each shard writes its own results).
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(min(self._shards, FENCING_THREADS * 2),
+                                                f"outbox-relay-txn-{self._worker_id}")
+            for future in [self._pool.submit(self._send_shard, shard, state, records, ids, results)
+                           for shard, state, ids in sending]:
+                future.result()
         # Not sent: its shard is not ready or fenced, or its key waits behind a refused record.
         return [r if r is not None else SendResult(Outcome.RETRY, error="not sent", unreachable=True)
                 for r in results]
@@ -316,6 +329,9 @@ class ExactlyOnce:
                 state.unmarked -= gone
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
         for shard in list(self._owned):
             self._drop(shard)
 
