@@ -104,6 +104,32 @@ def test_a_relay_killed_between_the_commit_and_the_mark_is_not_sent_again(
 
 
 @pytest.mark.parametrize("exactly_once", MODES)
+def test_a_mark_the_database_refused_after_the_commit_is_made_later_without_sending_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same relay lives on: the rows its transaction committed stay in its memory as sent."""
+    keys = [f"k{i % 3}" for i in range(30)]
+    publish(outbox, topic, keys)
+    worker = relay(outbox, kafka, exactly_once, progress_topic)
+
+    def refused(plan: Any) -> Any:
+        raise sa.exc.OperationalError("UPDATE outbox_messages", None, Exception("database is locked"))
+
+    monkeypatch.setattr(worker._step._batch, "_write", refused)
+    with pytest.raises(sa.exc.OperationalError):
+        worker.run_once()
+    monkeypatch.undo()
+    drain(worker, timeout=30)
+    worker.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    if exactly_once:
+        assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1
+    else:
+        assert len(on_wire) == 2 * len(keys)  # sent again: the proof can fail
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
 def test_a_zombie_relay_resumed_after_a_take_over_puts_nothing_on_the_wire(
         outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
