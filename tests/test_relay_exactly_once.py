@@ -24,6 +24,8 @@ import pytest
 import sqlalchemy as sa
 import tenacity
 from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.testing import create_topic
@@ -288,4 +290,54 @@ def test_a_sigkill_campaign_puts_every_message_on_the_wire_once_in_key_order(
     else:
         assert duplicates > 0  # what exactly-once removes: the campaign can fail
         assert seqs_by_key(on_wire) == {k: sorted(v) for k, v in expected.items()}
+    engine.dispose()
+
+
+CRASH_POINTS = ("fetched", "produced", "committed", "marked")
+"""Where a relay dies in a batch: after the fetch (nothing sent), after the records and the
+progress were produced (transaction open), after the commit (nothing marked), after the mark."""
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schedule=st.lists(st.sampled_from(CRASH_POINTS), min_size=1, max_size=3))
+def test_no_schedule_of_crashes_between_the_steps_duplicates_or_loses_a_message(
+        sqlite_db: str, kafka: str, schedule: list[str]) -> None:
+    """Relays die one after another, each in its first batch at the drawn step (an in-process
+    fault hook: the relay is abandoned as a killed process leaves it); the last one drains.
+    Read committed: every message once, in seq order per key."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    engine = create_engine(sqlite_db.replace("test.db", f"{topic}.db"))
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    keys = [f"k{i % 5}" for i in range(40)]
+    publish(outbox, topic, keys)
+
+    def die(*args: Any, **kwargs: Any) -> Any:
+        raise Killed
+
+    for n, point in enumerate(schedule):
+        worker = relay(outbox, kafka, True, f"{topic}-progress", lease_ttl=1.0, batch_size=15,
+                       worker_id=f"crash-{n}")
+        with pytest.MonkeyPatch.context() as patch:
+            if point == "fetched":
+                patch.setattr(worker._step._batch.exactly_once, "send", die)
+            elif point == "produced":
+                patch.setattr(KafkaTransactionalProducer, "_commit", die)
+            elif point == "committed":
+                patch.setattr(worker._step._batch, "_write", die)
+            try:
+                wait_for(lambda w=worker: w.leases.owned() or (w.run_once() and False), 20, "its shards")
+                worker.run_once()
+            except Killed:
+                pass
+    last = relay(outbox, kafka, True, f"{topic}-progress", lease_ttl=1.0, worker_id="last")
+    drain(last, timeout=60)
+    last.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1, schedule
+    in_wire_order: dict[bytes, list[int]] = {}
+    for record in on_wire:
+        in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
+    assert in_wire_order == {k.encode(): list(range(1, 9)) for k in sorted(set(keys))}
     engine.dispose()
