@@ -200,11 +200,21 @@ def test_a_record_kafka_refuses_fails_alone_and_the_rest_of_its_transaction_is_p
     assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 6)) for k in sorted(set(keys))}
 
 
-def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox) -> None:
+def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox, kafka: str) -> None:
+    from kafka import KafkaProducer
+
+    from transports.kafka_python import KafkaPythonTransport
     from transports.memory import InMemoryBroker, InMemoryTransport
 
-    with pytest.raises(ConfigurationError, match="exactly_once needs a transport with Kafka transactions"):
-        Relay(outbox, InMemoryTransport(InMemoryBroker()), exactly_once=True)
+    producer = KafkaProducer(bootstrap_servers=kafka, acks="all")
+    try:
+        for transport in (KafkaPythonTransport(producer), InMemoryTransport(InMemoryBroker())):
+            with pytest.raises(ConfigurationError,
+                               match=f"exactly_once needs a transport with Kafka transactions .*"
+                                     f"{type(transport).__name__} has none"):
+                Relay(outbox, transport, exactly_once=True)
+    finally:
+        producer.close(1)
 
 
 @pytest.mark.slow
