@@ -60,8 +60,9 @@ from .._refusals import resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import ClientErrors, LibrdkafkaLog
+from ._read_back import ensure_compacted_topic, last_committed
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
-from ._transactions import KafkaTransactionalProducer, ensure_compacted_topic, last_committed
+from ._transactions import KafkaTransactionalProducer
 
 # Errors that cannot succeed by sending the same record again.
 PERMANENT_ERRORS = frozenset({
