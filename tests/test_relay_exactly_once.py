@@ -351,3 +351,62 @@ def test_no_schedule_of_crashes_between_the_steps_duplicates_or_loses_a_message(
         in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
     assert in_wire_order == {k.encode(): list(range(1, 9)) for k in sorted(set(keys))}
     engine.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """`outbox relay --exactly-once` SIGSTOPped while batches flow, past its lease; a second
+    relay takes its shards; the first is resumed (SIGCONT). Read committed: every message once,
+    in seq order per key. (The in-process zombie test above pins the batch in flight; here the
+    freeze lands wherever the process is.)"""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    log = tmp_path / "relays.log"
+    args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic)
+    first = start_cli_relay(postgres_db, kafka, log, "--worker-id", "frozen", *args)
+    second = None
+    written = 0
+    done = threading.Event()
+
+    def write() -> None:
+        nonlocal written
+        writer = random.Random(2)
+        while not done.is_set() and written < 2000:
+            publish(outbox, topic, sorted(f"key-{writer.randrange(20)}" for _ in range(20)), payload=b"x")
+            written += 20
+            time.sleep(0.05)
+
+    writing = threading.Thread(target=write)
+    writing.start()
+    try:
+        wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
+        first.send_signal(signal.SIGSTOP)
+        second = start_cli_relay(postgres_db, kafka, log, "--worker-id", "taker", *args)
+        wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
+        time.sleep(2)
+        first.send_signal(signal.SIGCONT)
+        writing.join(120)
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", 0.5)
+    finally:
+        done.set()
+        first.send_signal(signal.SIGCONT)
+        for process in (first, second):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+        for process in (first, second):
+            if process is not None:
+                process.wait(30)
+    stored = rows(outbox)
+    assert len(stored) == written == 2000
+    on_wire = read_topic(kafka, topic, expected=written, timeout=90, settle=2.0, isolation="read_committed")
+    assert len(on_wire) == written and max(copies(on_wire).values()) == 1
+    in_wire_order: dict[bytes, list[int]] = {}
+    for record in on_wire:
+        in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
+    assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in in_wire_order.values())
+    print("\n" + "".join(line for line in log.read_text().splitlines(keepends=True)
+                         if "fenced" in line or "lost shard" in line))
+    engine.dispose()
