@@ -46,6 +46,41 @@ def test_secrets_do_not_show_in_repr() -> None:
         source.close()
 
 
+def test_the_source_reads_committed_and_says_so_at_start_when_told_otherwise(
+        caplog: pytest.LogCaptureFixture) -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    source.close()
+    assert source.config["isolation.level"] == "read_committed"
+    assert not [r for r in caplog.records if "isolation.level" in r.getMessage()]
+    other = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                        isolation_level="read_uncommitted")
+    other.close()
+    (warning,) = [r for r in caplog.records if "isolation.level=read_uncommitted" in r.getMessage()]
+    assert warning.levelname == "WARNING" and "aborted Kafka transactions" in warning.getMessage()
+
+
+@pytest.mark.kafka
+def test_records_of_an_aborted_transaction_never_reach_the_source(kafka: str, topic: str) -> None:
+    """Apache Kafka itself (the mock cluster ignores read_committed): an exactly-once relay's
+    aborted batch is invisible to the inbox. (Read uncommitted, the source gets both.)"""
+    producer = Producer({"bootstrap.servers": kafka, "transactional.id": f"{topic}-tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(topic, b"aborted", b"k", partition=0)
+    producer.flush(10)
+    producer.abort_transaction(30)
+    producer.begin_transaction()
+    producer.produce(topic, b"committed", b"k", partition=0)
+    producer.commit_transaction(30)
+    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{topic}", topics=[topic], **FAST)
+    try:
+        records = poll_until(source, 1)
+        records += source.poll(100, 1.0)  # anything behind it
+    finally:
+        source.close()
+    assert [r.value for r in records] == [b"committed"]
+
+
 def poll_until(source: KafkaSource, count: int, timeout: float = 30.0) -> list:  # type: ignore[type-arg]
     records: list = []  # type: ignore[type-arg]
     deadline = time.monotonic() + timeout

@@ -12,11 +12,16 @@ from ._protocol import (
     SendResult,
     Source,
     SourceFeatures,
+    TransactionalProducer,
+    TransactionOutcome,
+    TransactionResult,
+    Transactions,
     Transport,
     TransportFeatures,
     source_features,
     transport_features,
 )
 
-__all__ = ["Outcome", "Record", "RevokeCallback", "SendResult", "Source", "SourceFeatures", "Transport",
-           "TransportFeatures", "source_features", "transport_features"]
+__all__ = ["Outcome", "Record", "RevokeCallback", "SendResult", "Source", "SourceFeatures",
+           "TransactionOutcome", "TransactionResult", "TransactionalProducer", "Transactions",
+           "Transport", "TransportFeatures", "source_features", "transport_features"]

@@ -71,6 +71,11 @@ class TransportFeatures:
     """A record reported delivered is held by the broker: another client reads it back."""
     rejects_oversized: bool = True
     """A record over the size limit (``max_record_bytes``) comes back ``FAILED``, never cut or split."""
+    transactions: bool = False
+    """It offers ``transactional(transactional_id)`` (``Transactions``): records written in one
+    broker transaction, all read by a read_committed consumer or none, and a newer producer of the
+    same id fencing every older one. The relay's exactly-once mode needs it. Never assumed: a
+    transport that declares no features does not promise it (it needs those methods too)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,71 @@ class Transport(Protocol):
     def publish(self, records: Sequence[Record]) -> list[SendResult]: ...
 
     def close(self, timeout: float = 10.0) -> None: ...
+
+
+class TransactionOutcome(enum.Enum):
+    """What became of one broker transaction (``TransactionalProducer.send``)."""
+
+    COMMITTED = "committed"
+    """Every record is on the topic, readable by a read_committed consumer; results are ``DELIVERED``."""
+    ABORTED = "aborted"
+    """None of it will ever be read committed; each record's result says why (``FAILED`` for the
+    record the broker refused for good, ``RETRY`` for the others)."""
+    FENCED = "fenced"
+    """A newer producer of the same transactional id took over: this one is finished, nothing of
+    its open transaction will be read committed."""
+    UNKNOWN = "unknown"
+    """The commit was asked for and its answer is not known (timeout, broker gone): the
+    producer is finished; a new one of the same id (which settles the transaction) and the
+    progress the transaction carried tell whether it committed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionResult:
+    """One transaction's outcome, and one result per record given, in order."""
+
+    outcome: TransactionOutcome
+    results: list[SendResult]
+    error: str | None = None
+
+
+@runtime_checkable
+class TransactionalProducer(Protocol):
+    """One ``transactional.id``'s producer: each ``send`` is one broker transaction.
+
+    Made by ``Transactions.transactional``, which fences every older producer
+    of the id (Kafka's ``init_transactions``). Per-key order holds inside a
+    transaction as in ``Transport.publish``; a record naming its ``partition``
+    goes there (modulo the topic's partition count). Not safe for several threads.
+    """
+
+    def send(self, records: Sequence[Record]) -> TransactionResult: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Transactions(Protocol):
+    """What a transport with ``TransportFeatures.transactions`` offers besides ``publish``."""
+
+    def transactional(self, transactional_id: str, timeout: float, *,
+                      one_per_request: bool = False) -> TransactionalProducer:
+        """A producer of ``transactional_id``, every older one fenced; raises
+        ``RetriableTransportError`` when the broker does not answer within ``timeout``.
+        ``one_per_request``: each broker request holds one record, so a refusal is its own."""
+        ...
+
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
+        """Create ``topic`` (log compaction, the cluster's replication) unless it exists."""
+        ...
+
+    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
+        """The value of the last committed record of ``key`` in ``topic``'s ``partition`` (read_committed),
+        or None (a ``partition`` beyond the topic's count wraps around, as a ``Record``'s does).
+
+        Reads up to everything written before the call, waiting (``timeout``) for open
+        transactions ahead of it to end; raises ``RetriableTransportError`` if it cannot."""
+        ...
 
 
 RevokeCallback = Callable[[Sequence[tuple[str, int]]], None]

@@ -45,11 +45,13 @@ INJECTED_LOST_ACK = "injected fault: sent, acknowledgement lost"
 
 
 def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30.0,
-               settle: float = 0.0) -> list[Record]:
+               settle: float = 0.0, isolation: str = "read_committed") -> list[Record]:
     """Read ``topic`` from the beginning until ``expected`` records arrived or ``timeout`` passed.
 
     With ``settle`` it goes on reading until nothing arrived for that long
-    (to count duplicates beyond ``expected``).
+    (to count duplicates beyond ``expected``). ``isolation``: ``read_committed`` (librdkafka's
+    default, said here: records of aborted or open transactions are never read) or
+    ``read_uncommitted``.
 
     Records come back in partition order (offset order within each partition),
     with partition and offset set.
@@ -64,6 +66,7 @@ def read_topic(bootstrap: str, topic: str, *, expected: int, timeout: float = 30
         "auto.offset.reset": "earliest",
         "enable.auto.commit": False,
         "fetch.wait.max.ms": 10,
+        "isolation.level": isolation,
         "log_level": 3,
     })
     consumer.subscribe([topic])

@@ -22,6 +22,7 @@ from .._stopping import StopLatch, stop_signals
 from .._terminal import stdout_console
 from ..housekeeping import parse_period, run_retention
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
+from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
@@ -86,6 +87,12 @@ def relay(
     cloudevents_source: str | None = typer.Option(
         None, help="The ce_source of every record (a URI-reference; default outbox://<database "
                    "incarnation>); implies --cloudevents."),
+    exactly_once: bool = typer.Option(
+        False, "--exactly-once", help="Each shard's batch one Kafka transaction: no crash or zombie relay "
+                                      "sends a record twice to read_committed consumers (docs/relay.md)."),
+    progress_topic: str = typer.Option(
+        DEFAULT_PROGRESS_TOPIC, help="With --exactly-once: the compacted topic of the shards' progress "
+                                     "records (created if missing)."),
     tenants: str | None = TENANTS,
     tenant_header: str | None = TENANT_HEADER,
     workers: int = typer.Option(
@@ -110,6 +117,9 @@ def relay(
     if tenants is not None:
         if schema is not None:
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
+        if exactly_once:
+            raise typer.BadParameter("--exactly-once serves one outbox per process for now; run a relay "
+                                     "per tenant schema (--schema) instead", param_hint="--exactly-once")
         _relay_tenants(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
             worker_id=worker_id, batch_size=batch_size,
@@ -136,7 +146,7 @@ def relay(
             poll_interval=0.5 if poll_interval is None else poll_interval,
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
             backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,
-            cloudevents=cloudevents_mode or False,
+            cloudevents=cloudevents_mode or False, exactly_once=exactly_once, progress_topic=progress_topic,
         )
         latch.hand_to(worker.stop)
         if metrics_port is not None:

@@ -54,6 +54,7 @@ from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_ou
 from .._tracing import INSTALLED as TRACING_INSTALLED
 from .._tracing import start_send
 from .._wheel import TimingWheel
+from ._exactly_once import ExactlyOnce
 from ._metrics import RelayMetrics
 from ._rows import RowEncoder, safe_reason
 from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
@@ -139,8 +140,11 @@ class BatchRunner:
         incarnation: str | None = None,
         cloudevents: CloudEvents | None = None,
         writer: Writer | None = None,
+        exactly_once: ExactlyOnce | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
+        # Exactly-once mode: a transaction per shard instead of ``transport.publish`` (``_exactly_once``).
+        self.exactly_once = exactly_once
         self.database_outage = database_outage
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
         self.worker_id, self.batch_size = worker_id, batch_size
@@ -167,6 +171,12 @@ class BatchRunner:
         is being written, and ``finish`` waits for it.
         """
         started = time.perf_counter()
+        if self.exactly_once is not None:
+            # Shards taken since the last batch: earlier owners fenced, committed rows marked.
+            owned, error = self.exactly_once.prepare(owned)
+            if not owned:
+                self.finish()
+                return BatchResult(error=error, broker_unreachable=error is not None)
         sql, busy = self.sql, self._busy  # busy: the rows a background write is marking
         with self.engine.connect() as conn:
             sql.prepare_fetch(conn)
@@ -199,7 +209,12 @@ class BatchRunner:
         traced = None
         if TRACING_INSTALLED and records:  # a send span per traced record, when an SDK records
             records, traced = start_send(records, lambda i: str(sendable[i][1]))
-        results = self.transport.publish(records) if records else []
+        if not records:
+            results: list[SendResult] = []
+        elif self.exactly_once is not None:
+            results = self.exactly_once.send(records, [(r[_ID], r[_SHARD]) for r in sendable])
+        else:
+            results = self.transport.publish(records)
         if traced is not None:
             traced.finish(results)
         if len(results) != len(records):
@@ -240,8 +255,20 @@ class BatchRunner:
         finally:
             self._busy, self._held = [], set()
 
+    def mark_committed(self, shard: int, epoch: int, ids: list[int]) -> None:
+        """Mark rows a committed transaction carried published (exactly-once take-over), fenced."""
+        n = len(ids)
+        unknown: list[Any] = [None] * n  # their partitions and offsets are the broker's to say
+        marks = Marks(ids, [shard] * n, [epoch] * n, {"kafka_partition": unknown, "kafka_offset": unknown})
+        with self.engine.begin() as conn:
+            self.sql.published(conn, self.worker_id, marks, utcnow())
+
     def close(self) -> None:
-        self.finish()
+        try:
+            self.finish()
+        finally:
+            if self.exactly_once is not None:
+                self.exactly_once.close()
         if self._own_writer is not None:
             self._own_writer.shutdown()
             self._own_writer = self._writer = None
@@ -337,6 +364,8 @@ class BatchRunner:
             self.sql.retried(conn, self.worker_id, plan.retried)
             self.sql.postponed(conn, self.worker_id, plan.postponed)
             newly_failed = self._mark_failed(conn, failed)
+        if self.exactly_once is not None:
+            self.exactly_once.marked(published.ids)  # no later progress record needs to name them
         for topic, n in plan.published_topics.items():
             self.metrics.published.labels(topic).inc(n)
         self._alert_failed(newly_failed)

@@ -44,6 +44,7 @@ from .._stopping import STOP_TIMEOUT, BoundRun
 from .._wheel import TimingWheel
 from ._admin import backlog
 from ._batch import BatchResult
+from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
 from ._settings import DEFAULT_BACKOFF, RelaySettings, cloudevents_mode, default_worker_id
@@ -69,6 +70,10 @@ class Relay:
     them and names a bad one. ``cloudevents=True`` (or a ``CloudEvents`` naming
     the source) adds the CloudEvents binary-mode ``ce_*`` headers to every record
     (docs/cloudevents.md); the ``outbox-*`` envelope is sent either way.
+    ``exactly_once=True`` makes each shard's batch one Kafka transaction with a
+    progress record on ``progress_topic`` (``_exactly_once``; docs/relay.md,
+    "Exactly once on the wire"): it needs a transport with transactions
+    (``KafkaTransport``), and read_committed consumers.
 
     Construction reads the stored shard count and record limit, so it needs the
     database and raises if it is unreachable, and raises ``ConfigurationError``
@@ -95,6 +100,8 @@ class Relay:
         wheel_tick: float = 0.02,
         key_stuck_after: float = 300.0,
         cloudevents: CloudEvents | bool = False,
+        exactly_once: bool = False,
+        progress_topic: str = DEFAULT_PROGRESS_TOPIC,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an Outbox, got {type(outbox).__name__}")
@@ -106,7 +113,8 @@ class Relay:
         self.settings = settings = RelaySettings(
             batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
             poll_interval=poll_interval, backoff=backoff, backlog_metrics=backlog_metrics,
-            wheel_tick=wheel_tick, key_stuck_after=key_stuck_after)
+            wheel_tick=wheel_tick, key_stuck_after=key_stuck_after, exactly_once=exactly_once,
+            progress_topic=progress_topic)
         self.worker_id = settings.worker_id
         self.alert = alert if alert is not None else LoggingAlertSink()
         if not callable(self.alert):

@@ -11,6 +11,8 @@ import tenacity
 
 from .._cloudevents import CloudEvents
 from .._errors import ConfigurationError
+from .._validation import validate_topic
+from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 
 DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)
 """Delay before a row's attempt n+1: 0.2 s doubling to 30 s, plus up to 0.2 s of jitter."""
@@ -54,6 +56,11 @@ class RelaySettings:
     """Resolution, in seconds, of the timers of rows waiting for a retry."""
     key_stuck_after: float = 300.0
     """Seconds a key's head may keep being retried before one ``key_stuck`` alert."""
+    exactly_once: bool = False
+    """Each shard's batch one Kafka transaction with its progress record (``_exactly_once``): no
+    crash or zombie relay puts a record on the wire twice for read_committed consumers."""
+    progress_topic: str = DEFAULT_PROGRESS_TOPIC
+    """Exactly-once mode: the compacted topic of the shards' progress records (created if missing)."""
 
     def __post_init__(self) -> None:
         size = self.batch_size
@@ -61,6 +68,9 @@ class RelaySettings:
             raise ConfigurationError(f"batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {size!r}")
         for name in ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after"):
             object.__setattr__(self, name, _positive_seconds(name, getattr(self, name)))
+        if not isinstance(self.exactly_once, bool):
+            raise ConfigurationError(f"exactly_once must be True or False, got {self.exactly_once!r}")
+        validate_topic(self.progress_topic)
         if not callable(self.backoff):
             raise ConfigurationError(f"backoff must be a tenacity wait strategy, got {self.backoff!r}")
         if self.worker_id == "":

@@ -34,6 +34,7 @@ from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_o
 from .._outbox import Outbox
 from .._wheel import TimingWheel
 from ._batch import BatchResult, BatchRunner
+from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics
 from ._record_limit import check_record_limit
@@ -101,11 +102,16 @@ class RelayStep:
         self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, settings.lease_ttl)
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=settings.wheel_tick,
                                                                start=time.monotonic())
-        self._batch = BatchRunner(
+        self._batch: BatchRunner = BatchRunner(
             engine, statements_for(outbox.tables, engine.dialect.name), transport, self.wheel,
             backoff=settings.backoff, alert=alert, metrics=metrics, worker_id=worker_id,
             batch_size=settings.batch_size, database_outage=outages.database,
             incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
+        if settings.exactly_once:
+            self._batch.exactly_once = ExactlyOnce(
+                transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
+                progress_topic=settings.progress_topic, mark=self._batch.mark_committed,
+                timeout=EXACTLY_ONCE_TIMEOUT)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
         self._watch_due = 0.0

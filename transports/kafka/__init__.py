@@ -9,6 +9,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ._embedded import embedded_kafka
 from ._source import KafkaSource
+from ._transactions import KafkaTransactionalProducer
 from ._transport import KafkaTransport
 
-__all__ = ["KafkaSource", "KafkaTransport", "embedded_kafka"]
+__all__ = ["KafkaSource", "KafkaTransactionalProducer", "KafkaTransport", "embedded_kafka"]

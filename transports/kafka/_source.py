@@ -62,6 +62,9 @@ class KafkaSource:
     a bad one raises ``ConfigurationError`` here. ``auto_offset_reset``
     defaults to ``"earliest"``: a new group starts with the oldest record
     rather than silently skipping what was published before it joined.
+    ``isolation_level`` is ``read_committed`` unless set otherwise (librdkafka's
+    default, made explicit): records of open or aborted Kafka transactions are
+    never read; another level is logged as a warning at start.
     Not thread-safe: poll, commit and close from one thread (the inbox does).
     """
 
@@ -92,7 +95,13 @@ class KafkaSource:
         if isinstance(rejoin_after, bool) or not isinstance(rejoin_after, int | float) or rejoin_after <= 0:
             raise ConfigurationError(f"rejoin_after must be positive seconds, got {rejoin_after!r}")
         config = {"auto.offset.reset": "earliest", "statistics.interval.ms": STATISTICS_INTERVAL_MS,
-                  **config, **_FORCED}
+                  "isolation.level": "read_committed", **config, **_FORCED}
+        if str(config["isolation.level"]).lower() != "read_committed":
+            # Said once, at start: an exactly-once relay's aborted records are read as if sent.
+            log.warning("consumer of group %s reads with isolation.level=%s: records of aborted Kafka "
+                        "transactions (an exactly-once relay's retried batches) reach the inbox, "
+                        "which drops them as duplicates only if their copy was committed too",
+                        group_id, config["isolation.level"])
         check_with_librdkafka(config, "consumer")
         self.config = config
         self.rejoin_after = float(rejoin_after)

@@ -60,7 +60,9 @@ from .._refusals import resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import ClientErrors, LibrdkafkaLog
+from ._read_back import ensure_compacted_topic, last_committed
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
+from ._transactions import KafkaTransactionalProducer
 
 # Errors that cannot succeed by sending the same record again.
 PERMANENT_ERRORS = frozenset({
@@ -166,8 +168,9 @@ class KafkaTransport:
     which case they go in waves, one round trip per record of a key.
     """
 
-    features = TransportFeatures()
-    """All of them: per-key order, offsets, records the broker keeps, oversized records refused."""
+    features = TransportFeatures(transactions=True)
+    """All of them: per-key order, offsets, records the broker keeps, oversized records refused,
+    and Kafka transactions (``transactional``: the relay's exactly-once mode)."""
 
     def __init__(
         self,
@@ -467,6 +470,24 @@ class KafkaTransport:
             return KafkaError(KafkaError.LEADER_NOT_AVAILABLE, f"topic {topic!r} has no partitions yet")
         self._partitions[topic] = (now, len(info.partitions))
         return len(info.partitions)
+
+    # -- transactions (``transports.Transactions``) ------------------------------------
+
+    def transactional(self, transactional_id: str, timeout: float, *,
+                      one_per_request: bool = False) -> KafkaTransactionalProducer:
+        """A transactional producer of this transport's settings; every older one of the id fenced.
+
+        ``one_per_request``: each request holds one record, so a refusal is that record's own.
+        """
+        settings = {**self._config, **(ONE_PER_REQUEST if one_per_request else {})}
+        return KafkaTransactionalProducer(settings, transactional_id, timeout=timeout,
+                                          partitions=self._partition_count, results_of=result_of)
+
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
+        ensure_compacted_topic(self._config, topic, partitions, timeout)
+
+    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
+        return last_committed(self._config, topic, partition, key, timeout)
 
     # -- lifecycle ----------------------------------------------------------
 

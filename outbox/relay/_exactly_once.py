@@ -1,0 +1,347 @@
+"""Exactly once on the wire: each shard's batch is one Kafka transaction with its progress record.
+
+The relay's at-least-once send (``Transport.publish``, then mark the rows) sends a
+batch again when the relay dies between the broker's acknowledgement and the
+mark, or when a relay that lost its lease still has a batch in flight. In this
+mode "sent" is Kafka's decision, made by a transaction commit (DESIGN §11,
+docs/guarantees.md "Exactly once on the wire"):
+
+- each shard has a transactional producer of its own, ``transactional.id`` =
+  ``outbox-{incarnation}-{shard}`` (the incarnation names the outbox's tables:
+  one per database, schema or prefix), so the shard lease and Kafka's producer
+  fence agree;
+- a relay that takes a shard (a new lease epoch) first makes that producer,
+  which fences every earlier owner (``init_transactions``: an open transaction
+  of the old owner is aborted, a commit under way completed, and anything it
+  writes afterwards refused), then reads the shard's last committed progress
+  record and marks the rows it names published, without sending them;
+- the shard's rows of a batch and one progress record (key: the
+  transactional id; partition: the shard's, modulo the topic's count, so no
+  other shard's open transaction holds its read back; value: the ids of the
+  rows committed and not yet known to be marked) are one transaction. Rows
+  are marked published after the commit; until their mark is known to have
+  committed they are named in every later progress record of the shard and
+  never sent again;
+- a record the broker refuses for good aborts its transaction: the shard's
+  batch is sent again without it (and without its key's later rows), so it
+  alone fails; a transaction that cannot commit for want of the broker is
+  aborted and its rows retried as in an outage; a producer fenced by a newer
+  owner sends nothing more for that lease (its rows are not marked); a commit
+  whose answer never came is settled by a new producer of the id and the read
+  of the progress, as on a take-over.
+
+Only the relay's worker thread calls ``prepare``, ``send`` and ``close``;
+``send`` runs the shards' transactions on threads of its own, one per shard at
+a time; ``marked`` may run on the writer thread (the sets of unmarked rows have
+a lock).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from transports import (
+    Outcome,
+    Record,
+    SendResult,
+    TransactionalProducer,
+    TransactionOutcome,
+    Transactions,
+    Transport,
+    transport_features,
+)
+from transports._errors import RetriableTransportError, TransportError
+from transports._logsafe import safe_logger
+
+from .._errors import ConfigurationError
+from .._validation import validate_topic
+
+log = safe_logger("outbox.relay")
+
+DEFAULT_PROGRESS_TOPIC = "outbox-progress"
+"""The compacted topic of the shards' progress records, created by the relay if missing."""
+
+EXACTLY_ONCE_TIMEOUT = 30.0
+"""Seconds each broker call of the mode may take (a commit, fencing a shard, reading its progress)."""
+
+FENCING_THREADS = 8
+"""Shards taken over at once: their producers made and their progress read in parallel."""
+
+ROUNDS = 8
+"""Transactions one shard's batch may take when records are refused (each round fails at least one)."""
+
+
+def exactly_once_transport(transport: Transport) -> Transactions:
+    """``transport`` if it offers transactions (``TransportFeatures.transactions``); else one clear error."""
+    if not transport_features(transport).transactions or not isinstance(transport, Transactions):
+        raise ConfigurationError(
+            f"exactly_once needs a transport with Kafka transactions (transports.kafka.KafkaTransport); "
+            f"{type(transport).__name__} has none")
+    return transport
+
+
+@dataclass
+class _Shard:
+    """One owned shard's producer for one lease epoch, and its rows committed but not known marked."""
+
+    epoch: int
+    producer: TransactionalProducer | None = None
+    recovered: bool = False
+    fenced: bool = False
+    unmarked: set[int] = field(default_factory=set)
+
+
+class ExactlyOnce:
+    """A relay's transactional sending, a producer per owned shard (module doc).
+
+    ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
+    transaction of its own; ``timeout`` bounds each broker call (the transport's
+    delivery timeout).
+    """
+
+    def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
+                 progress_topic: str, mark: Callable[[int, int, list[int]], None], timeout: float) -> None:
+        self._transactions = exactly_once_transport(transport)
+        if not incarnation:
+            raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
+                                     "to upgrade the tables")
+        self.progress_topic = validate_topic(progress_topic)
+        self._incarnation, self._worker_id, self._shards = incarnation, worker_id, shards
+        self._mark, self._timeout = mark, timeout
+        self._owned: dict[int, _Shard] = {}
+        self._lock = threading.Lock()
+        self._topic_ready = False
+        self._pool: ThreadPoolExecutor | None = None
+
+    def transactional_id(self, shard: int) -> str:
+        return f"outbox-{self._incarnation}-{shard}"
+
+    # -- before a batch: fence and recover the shards taken ----------------------------
+
+    def prepare(self, owned: dict[int, int]) -> tuple[dict[int, int], str | None]:
+        """The shards of ``owned`` ready to send, and the broker's error if some could not be made so.
+
+        A shard taken (or taken again: a new epoch) gets its producer, which fences
+        every earlier owner, then the rows its last committed progress names are
+        marked published. A shard whose producer was fenced under this epoch sends
+        nothing more until the lease is taken afresh. A database error is raised.
+        """
+        for shard in set(self._owned) - set(owned):
+            self._drop(shard)
+        for shard, epoch in owned.items():
+            state = self._owned.get(shard)
+            if state is not None and state.epoch != epoch:
+                self._drop(shard)
+                state = None
+            if state is None:
+                self._owned[shard] = _Shard(epoch)
+        try:
+            self._fence([s for s in sorted(owned) if self._owned[s].producer is None
+                         and not self._owned[s].fenced])
+        except RetriableTransportError as exc:
+            return {}, str(exc)  # the broker does not answer: no shard is ready
+        ready: dict[int, int] = {}
+        for shard, epoch in sorted(owned.items()):
+            state = self._owned[shard]
+            if state.fenced or state.producer is None:
+                continue
+            if not state.recovered:
+                self._recover(shard, state)
+            ready[shard] = epoch
+        return ready, None
+
+    def _fence(self, shards: list[int]) -> None:
+        """New producers for ``shards``, each fencing the shard's earlier owners, and their progress
+        read; at once (a take-over of many shards costs about what one costs)."""
+        if not shards:
+            return
+        if not self._topic_ready:
+            self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
+            self._topic_ready = True
+        threads = min(len(shards), FENCING_THREADS)
+        with ThreadPoolExecutor(threads, f"outbox-relay-fence-{self._worker_id}") as pool:
+            made = list(zip(shards, [pool.submit(self._fence_one, shard) for shard in shards], strict=True))
+        failure: RetriableTransportError | None = None
+        for shard, future in made:
+            try:
+                producer, ids = future.result()
+            except RetriableTransportError as exc:
+                failure = failure or exc
+                continue
+            state = self._owned[shard]
+            state.producer, state.recovered = producer, False
+            with self._lock:
+                state.unmarked |= set(ids)
+        if failure is not None:
+            raise failure
+
+    def _fence_one(self, shard: int) -> tuple[TransactionalProducer, list[int]]:
+        """A producer of the shard's id (every earlier one fenced), and the rows its progress names."""
+        tid = self.transactional_id(shard)
+        producer = self._transactions.transactional(tid, self._timeout)
+        try:
+            value = self._transactions.last_committed(self.progress_topic, shard, tid.encode(), self._timeout)
+        except BaseException:
+            producer.close()  # fenced and read again next time
+            raise
+        return producer, _ids_of(value)
+
+    def _recover(self, shard: int, state: _Shard) -> None:
+        """Mark the rows the shard's committed progress names published (a database error raises)."""
+        with self._lock:
+            named = sorted(state.unmarked)
+        if named:
+            self._mark(shard, state.epoch, named)  # a database outage raises: recovered later
+            log.info("shard %d: %d rows a transaction had committed marked published, not sent again",
+                     shard, len(named))
+            self.marked(named)
+        state.recovered = True
+
+    def _drop(self, shard: int) -> None:
+        state = self._owned.pop(shard, None)
+        if state is not None and state.producer is not None:
+            state.producer.close()
+
+    # -- one batch ---------------------------------------------------------------------
+
+    def send(self, records: Sequence[Record], rows: Sequence[tuple[int, int]]) -> list[SendResult]:
+        """Send ``records`` (``rows``: each one's row id and shard) in a transaction per shard.
+
+        Records of rows a committed transaction carried come back delivered without
+        being sent (their mark had not committed yet).
+        """
+        results: list[SendResult | None] = [None] * len(records)
+        by_shard: dict[int, list[int]] = {}
+        for i, (_, shard) in enumerate(rows):
+            by_shard.setdefault(shard, []).append(i)
+        sending = [(shard, state, {i: rows[i][0] for i in indexes}) for shard, indexes in by_shard.items()
+                   if (state := self._owned.get(shard)) is not None and state.recovered and not state.fenced]
+        if len(sending) == 1:
+            self._send_shard(*sending[0][:2], records, sending[0][2], results)
+        elif sending:
+            # Each shard's transaction on a thread of its own: their commits overlap instead of
+            # costing one round trip after the other (each shard writes its own results).
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(min(self._shards, FENCING_THREADS * 2),
+                                                f"outbox-relay-txn-{self._worker_id}")
+            for future in [self._pool.submit(self._send_shard, shard, state, records, ids, results)
+                           for shard, state, ids in sending]:
+                future.result()
+        # Not sent: its shard is not ready or fenced, or its key waits behind a refused record.
+        return [r if r is not None else SendResult(Outcome.RETRY, error="not sent", unreachable=True)
+                for r in results]
+
+    def _send_shard(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
+                    results: list[SendResult | None]) -> None:
+        """The shard's records in transactions until committed or given up (module doc)."""
+        with self._lock:
+            for i, row_id in ids.items():
+                if row_id in state.unmarked:
+                    results[i] = SendResult(Outcome.DELIVERED)  # committed before: never sent again
+        todo = [i for i in ids if results[i] is None]
+        stopped: set[tuple[str, bytes | None]] = set()
+        isolating = False
+        for _ in range(ROUNDS):
+            todo = [i for i in todo if results[i] is None and (
+                records[i].key is None or (records[i].topic, records[i].key) not in stopped)]
+            if not todo or state.producer is None or state.fenced:
+                break
+            refused = self._transaction(shard, state, records, ids, todo, results)
+            if not refused:
+                break
+            if len(refused) > 1 and not isolating:
+                # The broker refuses a whole request for one record in it: again, one per request.
+                isolating = True
+                self._new_producer(shard, state, one_per_request=True)
+                continue
+            for i, result in refused.items():
+                results[i] = result
+                stopped.add((records[i].topic, records[i].key))
+            if isolating:
+                isolating = False
+                self._new_producer(shard, state)
+        if isolating and state.producer is not None:
+            self._new_producer(shard, state)
+
+    def _new_producer(self, shard: int, state: _Shard, *, one_per_request: bool = False) -> None:
+        """Replace the shard's producer by a new one of its id (it fences the old, aborting nothing open)."""
+        if state.producer is not None:
+            state.producer.close()
+            state.producer = None
+        try:
+            state.producer = self._transactions.transactional(
+                self.transactional_id(shard), self._timeout, one_per_request=one_per_request)
+        except RetriableTransportError as exc:
+            log.warning("relay %s: no producer for shard %d: %s", self._worker_id, shard, exc)
+            state.recovered = False  # made again, with the progress read, before the next send
+
+    def _transaction(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
+                     todo: list[int], results: list[SendResult | None]) -> dict[int, SendResult]:
+        """One transaction of ``todo``'s records and the progress; the records refused for good.
+
+        Committed: their results are set. Aborted by refusals: nothing set, the refused
+        returned. Otherwise (outage, fenced, unknown): every result set to a retry.
+        """
+        assert state.producer is not None
+        sent_ids = [ids[i] for i in todo]
+        with self._lock:
+            carried = sorted(state.unmarked | set(sent_ids))
+        progress = Record(self.progress_topic, json.dumps(
+            {"ids": carried, "relay": self._worker_id, "epoch": state.epoch}).encode(),
+            key=self.transactional_id(shard).encode(), partition=shard)
+        answer = state.producer.send([*(records[i] for i in todo), progress])
+        own = dict(zip(todo, answer.results[:-1], strict=True))
+        if answer.outcome is TransactionOutcome.COMMITTED:
+            with self._lock:
+                state.unmarked |= set(sent_ids)
+            for i, res in own.items():
+                results[i] = res
+            return {}
+        refused = {i: res for i, res in own.items() if res.outcome is Outcome.FAILED}
+        if answer.outcome is TransactionOutcome.ABORTED and refused:
+            return refused
+        if answer.outcome is TransactionOutcome.FENCED:
+            state.fenced = True
+            log.warning("relay %s was fenced on shard %d (another relay took it): it gives up its batch, "
+                        "marks nothing of it", self._worker_id, shard)
+        elif answer.outcome is TransactionOutcome.UNKNOWN:
+            # Settled by the next producer of the id, and the progress read after it.
+            state.producer.close()
+            state.producer, state.recovered = None, False
+        elif answer.results[-1].outcome is Outcome.FAILED:
+            log.error("relay %s: the progress topic %s refused shard %d's progress record: %s",
+                      self._worker_id, self.progress_topic, shard, answer.results[-1].error)
+        for i, res in own.items():
+            results[i] = res if res.outcome is Outcome.RETRY else SendResult(
+                Outcome.RETRY, error=answer.error, unreachable=True)
+        return {}
+
+    def marked(self, ids: Iterable[int]) -> None:
+        """These rows' published mark committed: no later progress record needs to name them."""
+        gone = set(ids)
+        with self._lock:
+            for state in self._owned.values():
+                state.unmarked -= gone
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        for shard in list(self._owned):
+            self._drop(shard)
+
+
+def _ids_of(value: bytes | None) -> list[int]:
+    """The row ids a progress record names (none when there is none)."""
+    if value is None:
+        return []
+    try:
+        parsed: Any = json.loads(value)
+        return [int(i) for i in parsed["ids"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransportError(f"unreadable progress record: {exc}") from None

@@ -1,0 +1,412 @@
+"""Exactly once on the wire, proved on Apache Kafka: crashes, zombies and poison rows in a transaction.
+
+Each proof runs in both modes where it can: exactly-once must put every
+message on the topic once (read_committed), and at-least-once, in the same
+scenario, shows the duplicate the mode removes (so the test can fail).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import tenacity
+from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from outbox import ConfigurationError, Outbox, Relay, create_engine
+from outbox.testing import create_topic
+from transports import Record
+from transports.kafka import KafkaTransactionalProducer, KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = pytest.mark.kafka
+
+MESSAGE_ID, SEQ = "outbox-message-id", "outbox-seq"  # the envelope's headers, as other consumers read them
+
+MODES = [pytest.param(True, id="exactly-once"), pytest.param(False, id="at-least-once")]
+
+
+@pytest.fixture
+def outbox(sqlite_db: str) -> Iterator[Outbox]:
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=4)  # a producer (and its fencing) per shard: few shards, quick tests
+    ob.create_tables()
+    yield ob
+    engine.dispose()
+
+
+@pytest.fixture
+def progress_topic(topic: str) -> str:
+    return f"{topic}-progress"  # the session's broker is shared: one progress topic per test
+
+
+def leases(outbox: Outbox) -> list[Any]:
+    t = outbox.tables.leases
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        return list(conn.execute(sa.select(t)))
+
+
+def copies(records: list[Record]) -> Counter[bytes]:
+    """How often each message id is on the topic."""
+    return Counter(dict(r.headers)[MESSAGE_ID] for r in records)
+
+
+def relay(outbox: Outbox, kafka: str, exactly_once: bool, progress_topic: str, **kwargs: Any) -> Relay:
+    return Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=exactly_once,
+                 progress_topic=progress_topic, **kwargs)
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_relay_killed_between_the_commit_and_the_mark_is_not_sent_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [f"k{i % 5}" for i in range(60)]
+    publish(outbox, topic, keys)
+    first = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="first")
+
+    def die(plan: Any) -> Any:
+        raise Killed  # after the broker took the batch, before the database heard of it
+
+    monkeypatch.setattr(first._step._batch, "_write", die)
+    with pytest.raises(Killed):
+        first.run_once()
+    monkeypatch.undo()
+    assert len(rows(outbox, status="pending")) == len(keys)  # nothing marked
+    # The next owner takes the shards once the dead relay's leases expired.
+    second = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="second")
+    drain(second, timeout=30)
+    second.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    if exactly_once:
+        assert twice == {}
+        assert len(on_wire) == len(keys)
+    else:
+        assert len(twice) == len(keys)  # the proof can fail: at least once sends the batch again
+    assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 13)) for k in sorted(set(keys))}
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_mark_the_database_refused_after_the_commit_is_made_later_without_sending_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same relay lives on: the rows its transaction committed stay in its memory as sent."""
+    keys = [f"k{i % 3}" for i in range(30)]
+    publish(outbox, topic, keys)
+    worker = relay(outbox, kafka, exactly_once, progress_topic)
+
+    def refused(plan: Any) -> Any:
+        raise sa.exc.OperationalError("UPDATE outbox_messages", None, Exception("database is locked"))
+
+    monkeypatch.setattr(worker._step._batch, "_write", refused)
+    with pytest.raises(sa.exc.OperationalError):
+        worker.run_once()
+    monkeypatch.undo()
+    drain(worker, timeout=30)
+    worker.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    if exactly_once:
+        assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1
+    else:
+        assert len(on_wire) == 2 * len(keys)  # sent again: the proof can fail
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_zombie_relay_resumed_after_a_take_over_puts_nothing_on_the_wire(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay frozen with a batch in flight (produced, not yet committed or acknowledged) past its
+    lease; another takes the shards and sends everything; the frozen one resumes."""
+    keys = [f"k{i % 4}" for i in range(40)]
+    publish(outbox, topic, keys)
+    frozen, thaw = threading.Event(), threading.Event()
+
+    def freeze(original: Any) -> Any:
+        def frozen_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if "zombie" in threading.current_thread().name:  # its loop, or its shards' threads
+                frozen.set()
+                thaw.wait(60)
+            return original(self, *args, **kwargs)
+        return frozen_call
+
+    # The records are produced; the zombie freezes before the commit (exactly-once) or before it
+    # waits for the acknowledgements (at-least-once: librdkafka sends them meanwhile).
+    monkeypatch.setattr(KafkaTransactionalProducer, "_commit", freeze(KafkaTransactionalProducer._commit))
+    monkeypatch.setattr(KafkaTransport, "_wait", freeze(KafkaTransport._wait))
+    zombie = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="zombie")
+    outcome: list[Any] = []
+    worker = threading.Thread(target=lambda: outcome.append(zombie.run_once()), name="zombie")
+    worker.start()
+    assert frozen.wait(90)  # its first batch: the progress topic made, its shards fenced (slow under load)
+    taker = relay(outbox, kafka, exactly_once, progress_topic, lease_ttl=1.0, worker_id="taker")
+    drain(taker, timeout=90)  # waits for the zombie's leases to expire, then sends everything
+    thaw.set()
+    worker.join(60)
+    taker.close()
+    (batch,) = outcome
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    if exactly_once:
+        assert batch.published == 0 and batch.fenced == 0  # it marked nothing, claimed nothing
+        assert twice == {}
+        assert len(on_wire) == len(keys)
+    else:
+        assert len(twice) == len(keys)  # the zombie's batch reached the topic: the proof can fail
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+def test_a_record_kafka_refuses_fails_alone_and_the_rest_of_its_transaction_is_published(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> None:
+    """The topic takes 2,000 bytes at most: the 8,000-byte row (random: compression cannot save it)
+    aborts its transaction, the batch goes again without it, it fails, its key's later row waits,
+    every other row is published. Its request's other records were refused with it."""
+    create_topic(kafka, topic, 3, config={"max.message.bytes": "2000"})
+    keys = [f"k{i % 6}" for i in range(30)]
+    publish(outbox, topic, keys[:15])
+    publish(outbox, topic, ["poison"], payload={"big": base64.b64encode(os.urandom(6000)).decode()})
+    publish(outbox, topic, ["poison", *keys[15:]])
+    alerts: list[Any] = []
+    worker = relay(outbox, kafka, True, progress_topic, alert=alerts.append,
+                   backoff=tenacity.wait_fixed(0.2))
+    wait_for(lambda: (worker.run_once(), len(rows(outbox, status="published")) == 30)[1], 30,
+             "the other rows published")
+    worker.close()
+    (failed,) = rows(outbox, status="failed")
+    assert failed.key == "poison" and "too large" in (failed.last_error or "").lower()
+    assert [r.key for r in rows(outbox, status="pending")] == ["poison"]  # behind it, untouched
+    assert len(alerts) == 1
+    on_wire = read_topic(kafka, topic, expected=30, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 30 and max(copies(on_wire).values()) == 1
+    assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 6)) for k in sorted(set(keys))}
+
+
+def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox, kafka: str) -> None:
+    from kafka import KafkaProducer
+
+    from transports.kafka_python import KafkaPythonTransport
+    from transports.memory import InMemoryBroker, InMemoryTransport
+
+    producer = KafkaProducer(bootstrap_servers=kafka, acks="all")
+    try:
+        for transport in (KafkaPythonTransport(producer), InMemoryTransport(InMemoryBroker())):
+            with pytest.raises(ConfigurationError,
+                               match=f"exactly_once needs a transport with Kafka transactions .*"
+                                     f"{type(transport).__name__} has none"):
+                Relay(outbox, transport, exactly_once=True)
+    finally:
+        producer.close(1)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_sigkill_campaign_puts_every_message_on_the_wire_once_in_key_order(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path,
+        exactly_once: bool) -> None:
+    """Two relay processes, one of them SIGKILLed every ~2 s (and started again) while 3,000
+    messages of 40 keys are written; read back read_committed. Exactly-once: every message once,
+    in seq order per key. At-least-once, same campaign: the duplicates the mode removes."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=8)
+    outbox.create_tables()
+    total, key_count = 3000, 40
+    mode = ["--exactly-once", "--progress-topic", progress_topic] if exactly_once else []
+    log = tmp_path / "relays.log"
+
+    def start(n: int) -> subprocess.Popen[bytes]:
+        worker = workers[n] = f"relay-{n}-{uuid.uuid4().hex[:4]}"
+        return start_cli_relay(postgres_db, kafka, log, "--worker-id", worker,
+                               "--lease-ttl", "2", "--batch-size", "200", *mode)
+
+    workers = ["", ""]
+    relays = [start(0), start(1)]
+    rng = random.Random(7)
+    done = threading.Event()
+    kills = 0
+
+    def killer() -> None:
+        """Each relay is SIGKILLed 1.5 to 2.5 s after it took its first shard (a relay process
+        takes seconds to start on a loaded machine: killed on a wall clock, it would often die
+        before it sent anything), and started again."""
+        nonlocal kills
+        serving: dict[str, float] = {}
+        lifetime = [rng.uniform(1.5, 2.5), rng.uniform(1.5, 2.5)]
+        while not done.wait(0.1):
+            owners = {lease.owner for lease in leases(outbox)}
+            for n in range(2):
+                if workers[n] in owners:
+                    since = serving.setdefault(workers[n], time.monotonic())
+                    if time.monotonic() - since >= lifetime[n]:
+                        relays[n].send_signal(signal.SIGKILL)
+                        relays[n].wait()
+                        relays[n] = start(n)
+                        lifetime[n] = rng.uniform(1.5, 2.5)
+                        kills += 1
+
+    killing = threading.Thread(target=killer)
+    killing.start()
+    try:
+        writer = random.Random(1)
+        for _ in range(total // 25):
+            keys = sorted(f"key-{writer.randrange(key_count)}" for _ in range(25))
+            publish(outbox, topic, keys, payload=b"x")
+            time.sleep(0.1)  # written over ~12 s: kills land while batches flow
+        wait_for(lambda: not rows(outbox, status="pending"), 240, "every row published", 0.5)
+    finally:
+        done.set()
+        killing.join()
+        for process in relays:
+            process.send_signal(signal.SIGTERM)
+        for process in relays:
+            process.wait(30)
+    assert kills >= 4
+    stored = rows(outbox)
+    assert len(stored) == total and {r.status for r in stored} == {"published"}
+    on_wire = read_topic(kafka, topic, expected=total, timeout=90, settle=2.0, isolation="read_committed")
+    counted = copies(on_wire)
+    assert set(counted) == {str(r.message_id).encode() for r in stored}, "messages missing from the topic"
+    duplicates = len(on_wire) - total
+    print(f"\n{'exactly-once' if exactly_once else 'at-least-once'}: {total} messages, {len(on_wire)} "
+          f"records read committed, {duplicates} duplicates, {kills} relays killed")
+    expected: dict[bytes, list[int]] = {}
+    for row in stored:
+        expected.setdefault(row.key.encode(), []).append(row.seq)
+    if exactly_once:
+        assert duplicates == 0
+        in_wire_order: dict[bytes, list[int]] = {}
+        for record in on_wire:  # (partition, offset) order; a key has one partition
+            in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
+        assert in_wire_order == {k: sorted(v) for k, v in expected.items()}
+    else:
+        assert duplicates > 0  # what exactly-once removes: the campaign can fail
+        assert seqs_by_key(on_wire) == {k: sorted(v) for k, v in expected.items()}
+    engine.dispose()
+
+
+CRASH_POINTS = ("fetched", "produced", "committed", "marked")
+"""Where a relay dies in a batch: after the fetch (nothing sent), after the records and the
+progress were produced (transaction open), after the commit (nothing marked), after the mark."""
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schedule=st.lists(st.sampled_from(CRASH_POINTS), min_size=1, max_size=3))
+def test_no_schedule_of_crashes_between_the_steps_duplicates_or_loses_a_message(
+        sqlite_db: str, kafka: str, schedule: list[str]) -> None:
+    """Relays die one after another, each in its first batch at the drawn step (an in-process
+    fault hook: the relay is abandoned as a killed process leaves it); the last one drains.
+    Read committed: every message once, in seq order per key."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    engine = create_engine(sqlite_db.replace("test.db", f"{topic}.db"))
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    keys = [f"k{i % 5}" for i in range(40)]
+    publish(outbox, topic, keys)
+
+    def die(*args: Any, **kwargs: Any) -> Any:
+        raise Killed
+
+    for n, point in enumerate(schedule):
+        worker = relay(outbox, kafka, True, f"{topic}-progress", lease_ttl=1.0, batch_size=15,
+                       worker_id=f"crash-{n}")
+        with pytest.MonkeyPatch.context() as patch:
+            if point == "fetched":
+                patch.setattr(worker._step._batch.exactly_once, "send", die)
+            elif point == "produced":
+                patch.setattr(KafkaTransactionalProducer, "_commit", die)
+            elif point == "committed":
+                patch.setattr(worker._step._batch, "_write", die)
+            try:
+                wait_for(lambda w=worker: w.leases.owned() or (w.run_once() and False), 20, "its shards")
+                worker.run_once()
+            except Killed:
+                pass
+    last = relay(outbox, kafka, True, f"{topic}-progress", lease_ttl=1.0, worker_id="last")
+    drain(last, timeout=60)
+    last.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1, schedule
+    in_wire_order: dict[bytes, list[int]] = {}
+    for record in on_wire:
+        in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
+    assert in_wire_order == {k.encode(): list(range(1, 9)) for k in sorted(set(keys))}
+    engine.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """`outbox relay --exactly-once` SIGSTOPped while batches flow, past its lease; a second
+    relay takes its shards; the first is resumed (SIGCONT). Read committed: every message once,
+    in seq order per key. (The in-process zombie test above pins the batch in flight; here the
+    freeze lands wherever the process is.)"""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    log = tmp_path / "relays.log"
+    args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic)
+    first = start_cli_relay(postgres_db, kafka, log, "--worker-id", "frozen", *args)
+    second = None
+    written = 0
+    done = threading.Event()
+
+    def write() -> None:
+        nonlocal written
+        writer = random.Random(2)
+        while not done.is_set() and written < 2000:
+            publish(outbox, topic, sorted(f"key-{writer.randrange(20)}" for _ in range(20)), payload=b"x")
+            written += 20
+            time.sleep(0.05)
+
+    writing = threading.Thread(target=write)
+    writing.start()
+    try:
+        wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
+        first.send_signal(signal.SIGSTOP)
+        second = start_cli_relay(postgres_db, kafka, log, "--worker-id", "taker", *args)
+        wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
+        time.sleep(2)
+        first.send_signal(signal.SIGCONT)
+        writing.join(120)
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", 0.5)
+    finally:
+        done.set()
+        first.send_signal(signal.SIGCONT)
+        for process in (first, second):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+        for process in (first, second):
+            if process is not None:
+                process.wait(30)
+    stored = rows(outbox)
+    assert len(stored) == written == 2000
+    on_wire = read_topic(kafka, topic, expected=written, timeout=90, settle=2.0, isolation="read_committed")
+    assert len(on_wire) == written and max(copies(on_wire).values()) == 1
+    in_wire_order: dict[bytes, list[int]] = {}
+    for record in on_wire:
+        in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
+    assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in in_wire_order.values())
+    print("\n" + "".join(line for line in log.read_text().splitlines(keepends=True)
+                         if "fenced" in line or "lost shard" in line))
+    engine.dispose()

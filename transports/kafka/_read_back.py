@@ -1,0 +1,128 @@
+"""The read-back side of Kafka transactions: a compacted topic made if missing, and the last
+committed record of a key in a partition.
+
+``last_committed`` reads the last committed record of a key in a partition of
+a (compacted) topic: up to the partition's end as written when it is called
+(read uncommitted, so an open transaction of another producer cannot hide a
+record behind it: the read waits for it to end), backwards in growing windows
+with a read_committed consumer, until a record of the key turns up or the
+partition's start is reached. The relay gives each shard a partition of its own,
+so the only open transaction there is the earlier owner's, which making the
+new producer of its id ended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from contextlib import suppress
+from typing import Any
+
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+
+from .._errors import RetriableTransportError
+
+# Settings a consumer shares with the producer: how to reach and authenticate to the cluster.
+CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl.", "client.id",
+                       "socket.", "broker.address.", "enable.ssl.", "enable.sasl.", "oauthbearer")
+
+WINDOW = 64  # records read back at first when looking for a key's last committed record
+
+
+def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of ``config`` that say how to reach the cluster (for a consumer or admin client)."""
+    return {k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)}
+
+
+def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:
+    """Create ``topic`` with log compaction unless it exists; the cluster's default replication."""
+    admin = AdminClient({**connection_settings(config), "log_level": 0})
+    try:
+        found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+    except KafkaException as exc:
+        raise RetriableTransportError(f"cannot look up topic {topic!r}: {exc.args[0].str()}") from None
+    if found is not None and found.error is None and found.partitions:
+        return
+    new = NewTopic(topic, num_partitions=partitions, replication_factor=-1,
+                   config={"cleanup.policy": "compact", "segment.ms": "3600000",
+                           "min.compaction.lag.ms": "0"})
+    deadline = time.monotonic() + timeout
+    try:
+        admin.create_topics([new], operation_timeout=timeout)[topic].result(timeout)
+    except KafkaException as exc:
+        error: KafkaError = exc.args[0]
+        if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise RetriableTransportError(f"cannot create topic {topic!r}: {error.str()}") from None
+    while time.monotonic() < deadline:  # created: usable once every partition has a leader
+        with suppress(KafkaException):
+            found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+            if (found is not None and found.error is None and found.partitions
+                    and all(p.leader >= 0 for p in found.partitions.values())):
+                return
+        time.sleep(0.1)
+    raise RetriableTransportError(f"topic {topic!r} has no leader for every partition yet")
+
+
+def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: bytes,
+                   timeout: float) -> bytes | None:
+    """The last committed record of ``key`` on ``topic``, or None (module doc)."""
+    deadline = time.monotonic() + timeout
+    settings = connection_settings(config)
+    admin = AdminClient({**settings, "log_level": 0})
+    try:
+        info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+        if info is None or info.error is not None or not info.partitions:
+            raise RetriableTransportError(f"topic {topic!r} not found")
+        tp = TopicPartition(topic, partition % len(info.partitions))
+        latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+        # Read uncommitted: the end as written, an open transaction's records included.
+        uncommitted = IsolationLevel.READ_UNCOMMITTED
+        end = admin.list_offsets({tp: latest}, isolation_level=uncommitted,
+                                 request_timeout=timeout)[tp].result(timeout).offset
+        start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
+                                   request_timeout=timeout)[tp].result(timeout).offset
+    except KafkaException as exc:
+        raise RetriableTransportError(f"cannot read {topic!r}: {exc.args[0].str()}") from None
+    consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "enable.partition.eof": True,
+                         "fetch.wait.max.ms": 10, "log_level": 0})
+    try:
+        window = WINDOW
+        while end > start:
+            low = max(start, end - window)
+            found = _last_of(consumer, tp, key, low, end, deadline)
+            if found is not None:
+                return found
+            end, window = low, window * 4
+        return None
+    finally:
+        consumer.close()
+
+
+def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: int,
+             deadline: float) -> bytes | None:
+    """The last committed record of ``key`` at offsets ``low`` to ``end`` (excluded), or None."""
+    consumer.assign([TopicPartition(tp.topic, tp.partition, low)])
+    last: bytes | None = None
+    while True:
+        if time.monotonic() >= deadline:
+            raise RetriableTransportError(
+                f"could not read {tp.topic}[{tp.partition}] to offset {end} in time")
+        message = consumer.poll(0.2)
+        if message is None:
+            continue
+        error = message.error()
+        offset = message.offset() or 0
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF and offset >= end:
+                return last
+            if error.code() == KafkaError._PARTITION_EOF:
+                continue  # an open transaction ahead holds the committed end back: wait for it
+            raise RetriableTransportError(f"cannot read {tp.topic}: {error.str()}")
+        if offset >= end:
+            return last
+        if message.key() == key:
+            last = message.value()
+        if offset == end - 1:
+            return last

@@ -1,0 +1,218 @@
+"""Kafka transactions for the relay's exactly-once mode: a producer per transactional id.
+
+``KafkaTransactionalProducer`` is confluent-kafka's transactional producer,
+one per ``transactional.id``. Making one calls ``init_transactions``, which
+fences every older producer of the id: the broker aborts (or, if its commit
+was under way, completes) the older one's open transaction before it answers,
+and refuses anything the older one writes afterwards (``PRODUCER_FENCED``).
+``send`` is one transaction: the records are produced (each key to the
+partition Kafka's Java client picks), then ``commit_transaction``. Its outcome
+is one of four (``TransactionOutcome``): committed; aborted (nothing of it will
+ever be read committed), with the record the broker refused for good named
+``FAILED``; fenced; or unknown (the commit was asked for and not answered: the
+caller makes a new producer of the id, which settles the transaction, and reads
+back what it carried).
+
+Reading back the last committed record of a key (a shard's progress) is ``_read_back``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from .._errors import RetriableTransportError, TransportError
+from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
+from .._waves import key_partition
+from ._logging import ClientErrors, LibrdkafkaLog
+
+# librdkafka's producer settings a transactional producer must not carry: the gap-less
+# guarantee is the idempotent producer's (a transaction aborts whole instead), and a record
+# timeout of 0 ("never") is refused next to transaction.timeout.ms.
+NOT_TRANSACTIONAL = frozenset({"enable.gapless.guarantee", "message.timeout.ms"})
+
+FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
+                           KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED})
+
+FLUSH_STEP = 0.2  # seconds between looks at the reports while a transaction's records are sent
+
+
+class KafkaTransactionalProducer:
+    """One ``transactional.id``'s producer; each ``send`` one transaction (module doc).
+
+    ``results_of`` turns a record's librdkafka error into its ``SendResult``
+    (the transport's classification: refused for good, retriable, unreachable).
+    Not safe for several threads.
+    """
+
+    def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
+                 partitions: Callable[[str], int | SendResult],
+                 results_of: Callable[[KafkaError], SendResult]) -> None:
+        self.transactional_id = transactional_id
+        self._timeout = timeout
+        self._partitions = partitions
+        self._result_of = results_of
+        self._errors = ClientErrors(f"transactional producer {transactional_id}")
+        settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
+        ms = int(timeout * 1000)
+        settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
+                         "transaction.timeout.ms": max(60_000, 2 * ms),
+                         "error_cb": self._errors, "logger": LibrdkafkaLog()})
+        self._producer = Producer(settings)
+        try:
+            self._producer.init_transactions(timeout)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            self._producer.flush(0)
+            if error.fatal():
+                raise TransportError(
+                    f"cannot start transactions as {transactional_id!r}: {error.str()}") from None
+            raise RetriableTransportError(
+                f"no answer to init_transactions as {transactional_id!r}: {error.str()}") from None
+
+    def __repr__(self) -> str:
+        return f"KafkaTransactionalProducer({self.transactional_id!r})"
+
+    def send(self, records: Sequence[Record]) -> TransactionResult:
+        """Write ``records`` in one transaction; its outcome and one result per record."""
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+        except KafkaException as exc:
+            return self._ended(exc.args[0], len(records))
+        reports: dict[int, tuple[KafkaError | None, Any]] = {}
+        refused: dict[int, SendResult] = {}
+        counts: dict[str, int | SendResult] = {}
+        for i, record in enumerate(records):
+            partition = (key_partition(record, counts, self._partitions) if record.partition is None
+                         else self._chosen(record, counts))
+            if isinstance(partition, SendResult):
+                refused[i] = partition
+                break
+            headers: Any = record.headers
+
+            def report(error: KafkaError | None, message: Any, i: int = i) -> None:
+                reports[i] = (error, message)  # only stored: read once the transaction ended
+
+            try:
+                try:
+                    producer.produce(record.topic, record.value, record.key,
+                                     -1 if partition is None else partition, on_delivery=report,
+                                     headers=headers)
+                except BufferError:
+                    producer.poll(0.5)
+                    producer.produce(record.topic, record.value, record.key,
+                                     -1 if partition is None else partition, on_delivery=report,
+                                     headers=headers)
+            except BufferError:
+                refused[i] = SendResult(Outcome.RETRY, error="producer queue full")
+            except KafkaException as exc:
+                refused[i] = self._result_of(exc.args[0])
+            except (TypeError, ValueError) as exc:
+                refused[i] = SendResult(Outcome.FAILED, error=f"producer refused the record: {exc}")
+            if refused:
+                break
+        if refused:  # not all of it could even be produced: the transaction cannot commit
+            return self._abort(len(records), reports, refused, None)
+        return self._commit(len(records), reports)
+
+    def _chosen(self, record: Record, counts: dict[str, int | SendResult]) -> int | SendResult:
+        """The partition a record names, modulo its topic's partition count."""
+        count = counts.get(record.topic)
+        if count is None:
+            count = counts[record.topic] = self._partitions(record.topic)
+        return count if isinstance(count, SendResult) else (record.partition or 0) % count
+
+    def _commit(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]]) -> TransactionResult:
+        """Wait for the records' reports; abort at the first error (it dooms the transaction), else commit."""
+        deadline = time.monotonic() + self._timeout
+        try:
+            while len(self._producer) and time.monotonic() < deadline:
+                self._producer.flush(min(FLUSH_STEP, max(0.0, deadline - time.monotonic())))
+                if any(error is not None for error, _ in list(reports.values())):
+                    break
+        except KafkaException as exc:
+            return self._ended(exc.args[0], count)
+        failures = [error for error, _ in list(reports.values()) if error is not None]
+        if failures or len(self._producer):
+            cause = failures[0] if failures else KafkaError(KafkaError._TIMED_OUT, "no report in time")
+            return self._abort(count, reports, {}, cause)
+        while True:
+            try:
+                self._producer.commit_transaction(max(0.1, deadline - time.monotonic()))
+                break
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.txn_requires_abort():
+                    return self._abort(count, reports, {}, error)
+                if error.fatal() or not error.retriable() or time.monotonic() >= deadline:
+                    return self._ended(error, count)
+        self._errors.cleared()
+        results: list[SendResult] = []
+        for i in range(count):
+            failure, message = reports.get(i, (None, None))
+            if message is None or failure is not None:  # cannot be after a commit; say so if it is
+                return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, "no delivery report"),
+                                         "committed without a delivery report")
+            results.append(SendResult(Outcome.DELIVERED, message.partition(), message.offset()))
+        return TransactionResult(TransactionOutcome.COMMITTED, results)
+
+    def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
+               refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:
+        """Abort; each record's result: its own refusal, or a retry (it went down with the transaction).
+
+        The records still queued or in flight are purged first and their reports
+        served: librdkafka aborts only once every record has its report.
+        """
+        producer = self._producer
+        deadline = time.monotonic() + self._timeout
+        try:
+            with suppress(KafkaException):
+                producer.purge(in_queue=True, in_flight=True)
+            while len(producer) and time.monotonic() < deadline:
+                producer.poll(0.05)
+            while True:
+                try:
+                    producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+                    break
+                except KafkaException as exc:
+                    if not exc.args[0].retriable() or time.monotonic() >= deadline:
+                        raise
+                    producer.poll(0.05)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.fatal():
+                return self._ended(error, count)
+            # Not aborted in time: it can never commit either; a new producer of the id aborts it.
+            return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, error.str(), True),
+                                     error.str())
+        results: list[SendResult] = []
+        reason = cause.str() if cause is not None else "aborted with its transaction"
+        unreachable = cause is not None and self._result_of(cause).unreachable
+        for i in range(count):
+            result = refused.get(i)
+            if result is None and i in reports and reports[i][0] is not None:
+                result = self._result_of(reports[i][0])  # type: ignore[arg-type]
+            if result is None or result.outcome is Outcome.DELIVERED:
+                result = SendResult(Outcome.RETRY, error=reason, unreachable=unreachable)
+            results.append(result)
+        return TransactionResult(TransactionOutcome.ABORTED, results, reason)
+
+    def _ended(self, error: KafkaError, count: int) -> TransactionResult:
+        """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
+        fenced = error.code() in FENCED_ERRORS
+        outcome = TransactionOutcome.FENCED if fenced else TransactionOutcome.UNKNOWN
+        return TransactionResult(outcome, _retry(count, error.str(), not fenced), error.str())
+
+    def close(self) -> None:
+        """Drop the producer; an open transaction is aborted by the next producer of the id (or times out)."""
+        with suppress(KafkaException, SystemError):
+            self._producer.flush(0)
+
+
+def _retry(count: int, error: str, unreachable: bool = False) -> list[SendResult]:
+    return [SendResult(Outcome.RETRY, error=error, unreachable=unreachable)] * count
