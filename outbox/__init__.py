@@ -1,12 +1,11 @@
 """transactional-outbox: publish events in the business transaction, relay them
 to Kafka in per-key order, and consume them once with an idempotent inbox."""
 
-from ._alerts import Alert, AlertKind, AlertSink, LoggingAlertSink, WebhookAlertSink
-from ._async_outbox import AsyncOutbox
-from ._cloudevents import CloudEvents
-from ._engine import create_async_engine, create_engine
-from ._envelope import Message, new_message_id
-from ._errors import (
+from .core._alerts import Alert, AlertKind, AlertSink, LoggingAlertSink, WebhookAlertSink
+from .core._cloudevents import CloudEvents
+from .core._engine import create_async_engine, create_engine
+from .core._envelope import Message, new_message_id
+from .core._errors import (
     CommitRefusedError,
     ConfigurationError,
     InvalidContentTypeError,
@@ -25,12 +24,11 @@ from ._errors import (
     TransportError,
     UnserializablePayloadError,
 )
-from ._events import event, event_type_of, upcaster
-from ._foreign import ForeignEnvelope
-from ._gc import tune_gc_for_batches
-from ._outbox import Outbox
-from ._tables import OutboxTables
-from ._wire import ForeignRecordError, message_to_record, record_to_message
+from .core._events import event, event_type_of, upcaster
+from .core._foreign import ForeignEnvelope
+from .core._gc import tune_gc_for_batches
+from .core._tables import OutboxTables
+from .core._wire import ForeignRecordError, message_to_record, record_to_message
 from .inbox import (
     DiscardRefusedError,
     Disposition,
@@ -46,6 +44,7 @@ from .inbox import (
     StartPolicy,
     UnknownEvents,
 )
+from .producer import AsyncOutbox, Outbox
 from .relay import BatchResult, Relay, RelayMetrics, relay_metrics
 
 __all__ = [

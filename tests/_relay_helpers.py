@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox import Outbox, Relay
-from outbox._wire import SEQ
+from outbox.core._wire import SEQ
 from transports import Outcome, Record, SendResult
 
 

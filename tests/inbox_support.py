@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox import Alert, Inbox
-from outbox._wire import to_record
+from outbox.core._wire import to_record
 from outbox.testing import OutboxTestHarness, Settled
 from transports import Record
 

@@ -22,9 +22,9 @@ from outbox import (
     UnserializablePayloadError,
     _validation,
 )
-from outbox._envelope import BYTES
-from outbox._validation import validate_content_type
-from outbox._wire import envelope_size
+from outbox.core._envelope import BYTES
+from outbox.core._validation import validate_content_type
+from outbox.core._wire import envelope_size
 
 OK = {"topic": "orders", "payload": {"ok": True}, "key": "k"}
 
@@ -105,7 +105,7 @@ def db_url(proof_db_url: str) -> str:
 
 
 def test_unsupported_database_is_refused_at_construction():
-    from outbox._statements import PublishStatements
+    from outbox.producer._statements import PublishStatements
 
     with pytest.raises(ConfigurationError, match="unsupported database dialect 'oracle'"):
         PublishStatements(OutboxTables(), "oracle", None)

@@ -31,7 +31,7 @@ from outbox import (
     create_engine,
     record_to_message,
 )
-from outbox._cloudevents import (
+from outbox.core._cloudevents import (
     MAX_SOURCE_BYTES,
     cloudevent_headers,
     cloudevent_message_id,

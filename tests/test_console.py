@@ -17,8 +17,8 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from outbox import ConfigurationError, Inbox, Outbox
-from outbox._wire import EVENT_TYPE
 from outbox.console import Operators, create_app
+from outbox.core._wire import EVENT_TYPE
 from outbox.ops import gather
 from tests.console_support import TOKEN, broken_inbox, csrf_of, form_page, park
 from tests.inbox_support import TOPIC, applied, record

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from outbox import Inbox, Outbox, create_engine
-from outbox._envelope import utcnow
 from outbox.console import Operators, create_app
+from outbox.core._envelope import utcnow
 from tests.console_support import broken_inbox, csrf_of, park
 from tests.inbox_support import TOPIC, record
 

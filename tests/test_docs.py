@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import outbox._events
+import outbox.core._events
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -32,8 +32,8 @@ def test_python_blocks_run(doc, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)
     # Each page runs as a fresh service would: event classes registered by other tests in this
     # worker (examples.order_events sends "orders.OrderPaid" too) are not the page's.
-    monkeypatch.setattr(outbox._events, "_SPECS", {})
-    monkeypatch.setattr(outbox._events, "_TYPES", {})
+    monkeypatch.setattr(outbox.core._events, "_SPECS", {})
+    monkeypatch.setattr(outbox.core._events, "_TYPES", {})
     namespace: dict = {"__name__": f"docs.{doc.stem}"}
     for number, match in enumerate(BLOCK.finditer(doc.read_text()), 1):
         code = compile(match.group(1), f"{doc.name} block {number}", "exec")

@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from outbox import create_async_engine, create_engine
-from outbox._engine import _WORKER, CONNECT_TIMEOUT, _fast_datetimes, _keep_levels, worker_engine
-from outbox._outage import is_database_outage
+from outbox.core._engine import _WORKER, CONNECT_TIMEOUT, _fast_datetimes, _keep_levels, worker_engine
+from outbox.core._outage import is_database_outage
 from outbox.inbox._sessions import sessions_for
 from tests.inbox_support import async_url
 

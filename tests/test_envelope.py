@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from outbox import ForeignRecordError, Message, message_to_record, new_message_id, record_to_message
-from outbox._envelope import BYTES, JSON, TEXT, serialize_payload
+from outbox.core._envelope import BYTES, JSON, TEXT, serialize_payload
 from transports import Record
 
 

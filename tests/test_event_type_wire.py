@@ -25,9 +25,9 @@ from outbox import (
     create_engine,
     record_to_message,
 )
-from outbox._schema import SCHEMA_VERSION
-from outbox._wire import EVENT_TYPE, record_size, to_record
 from outbox.cli import app
+from outbox.core._schema import SCHEMA_VERSION
+from outbox.core._wire import EVENT_TYPE, record_size, to_record
 from tests.inbox_support import record
 
 T = "orders"

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 
 from examples import billing_consumer, relay_postgres_kafka
 from outbox import Outbox, create_engine, message_to_record, new_message_id, record_to_message
-from outbox._envelope import serialize_payload, utcnow
-from outbox._wire import to_record
+from outbox.core._envelope import serialize_payload, utcnow
+from outbox.core._wire import to_record
 
 
 def test_relay_example_keeps_the_sasl_password_out_of_reprs():

@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import ConfigurationError, create_engine
-from outbox._identity import database_identity, same_database, schema_identity
+from outbox.core._identity import database_identity, same_database, schema_identity
 
 
 def engines(*urls: str | sa.URL) -> list[sa.Engine]:

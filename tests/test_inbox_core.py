@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Disposition, Inbox
-from outbox._envelope import utcnow
+from outbox.core._envelope import utcnow
 from tests.inbox_support import (
     INBOX_KINDS,
     TOPIC,

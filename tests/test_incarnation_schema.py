@@ -12,9 +12,9 @@ from _relay_helpers import ScriptedTransport, drain
 from typer.testing import CliRunner
 
 from outbox import ForeignRecordError, Inbox, Outbox, Relay, SchemaError, create_engine, record_to_message
-from outbox._schema import SCHEMA_VERSION
-from outbox._wire import INCARNATION, to_record
 from outbox.cli import app
+from outbox.core._schema import SCHEMA_VERSION
+from outbox.core._wire import INCARNATION, to_record
 from tests.inbox_support import record
 
 T = "orders"

@@ -121,7 +121,7 @@ def test_a_meta_row_edited_to_garbage_stops_publish_with_the_row_named(tmp_path,
     """Taken on trust, a negative limit refuses every message by size, and an incarnation
     that is no UUID reaches every envelope, which every consumer then refuses as broken."""
     from outbox import SchemaError, create_engine
-    from outbox._schema import new_incarnation, read
+    from outbox.core._schema import new_incarnation, read
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
     Outbox(create_engine(url)).create_tables()

@@ -34,9 +34,9 @@ from outbox import (
     RecordTooLargeError,
     UnserializablePayloadError,
 )
-from outbox._cloudevents import MAX_SOURCE_BYTES, MAX_TYPE_BYTES, cloudevent_headers
-from outbox._envelope import BYTES, JSON, TEXT
-from outbox._wire import INCARNATION_BUDGET, envelope_size, header_size, record_size, to_record
+from outbox.core._cloudevents import MAX_SOURCE_BYTES, MAX_TYPE_BYTES, cloudevent_headers
+from outbox.core._envelope import BYTES, JSON, TEXT
+from outbox.core._wire import INCARNATION_BUDGET, envelope_size, header_size, record_size, to_record
 
 LIMIT = 4096  # the smallest stored limit: records around it are cheap to make
 
@@ -332,7 +332,7 @@ def test_json_payloads_are_standard_json_read_back_as_sent_or_refused(sqlite_onl
 @settings(max_examples=100, deadline=None)
 @given(value=st.floats(allow_nan=True, allow_infinity=True))
 def test_a_model_float_is_sent_as_the_number_or_refused(value):
-    from outbox._envelope import serialize_payload
+    from outbox.core._envelope import serialize_payload
 
     if math.isfinite(value):
         body, _ = serialize_payload(Reading(celsius=value))
@@ -458,7 +458,7 @@ class Loose(pydantic.BaseModel):
     {"reading": Inner(x=-math.inf), "note": None}, [None, Inner(x=math.nan)],
 ], ids=["nested model", "computed field", "extra field", "model in a dict", "model in a list"])
 def test_a_nan_a_model_would_write_as_null_is_refused_wherever_the_model_sits(payload):
-    from outbox._envelope import serialize_payload
+    from outbox.core._envelope import serialize_payload
 
     with pytest.raises(NonStandardJsonError, match="JSON null"):
         serialize_payload(payload)

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox import Inbox, MessageValidationError, Outbox, Relay, create_engine
-from outbox._wire import envelope_size, header_size
+from outbox.core._wire import envelope_size, header_size
 from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 from tests.test_spark_text import HAZARDS, NULL_LIKE, generic_path, read_in_python, readers_choice
 from transports.kafka import KafkaSource, KafkaTransport

@@ -1,4 +1,4 @@
-"""The two things MySQL and MariaDB get beyond the tables (``outbox/_mysql.py``).
+"""The two things MySQL and MariaDB get beyond the tables (``outbox/core/_mysql.py``).
 
 The seq trigger makes ``publish()`` one statement; the invisible ``may_block``
 column holds the predicate of the partial index those servers lack. Both are
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, SchemaError, create_engine
-from outbox._mysql import json_rows
+from outbox.core._mysql import json_rows
 
 pytestmark = pytest.mark.mysql
 

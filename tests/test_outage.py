@@ -1,4 +1,4 @@
-"""The one outage module relay and inbox share (``outbox._outage``): pacing and telling.
+"""The one outage module relay and inbox share (``outbox.core._outage``): pacing and telling.
 
 No server: what is proved here is arithmetic and bookkeeping. That a real
 outage is waited out is proved by the relay and inbox outage campaigns.
@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox import ConfigurationError
-from outbox._outage import (
+from outbox.core._outage import (
     RELAY_WORDING,
     OutageBackoff,
     OutageGate,
@@ -126,7 +126,7 @@ def test_the_inbox_waits_from_a_jittered_fifth_of_a_second_up_to_five(
 def test_a_closed_gate_lets_one_probe_through_at_a_time_and_puts_the_others_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr("outbox._outage.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("outbox.core._outage.time.monotonic", lambda: clock[0])
     tracker = OutageTracker("db", log=logging.getLogger("test.outage"), backoff=OutageBackoff(first=2.0))
     gate = OutageGate(tracker, least=0.2)
     assert gate.admit() is None and not gate.down  # open: everyone goes
@@ -171,7 +171,7 @@ def test_work_that_began_before_the_outage_was_told_does_not_end_it(monkeypatch:
     """A long transaction that committed just before the server went away answered nothing about now:
     the outage another thread met meanwhile is not logged as over (and then again as begun)."""
     clock = [10.0]
-    monkeypatch.setattr("outbox._outage.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("outbox.core._outage.time.monotonic", lambda: clock[0])
     tracker = OutageTracker("db", log=logging.getLogger("test.outage"))
     gate = OutageGate(tracker)
     began = clock[0]  # a round of work starts

@@ -1,7 +1,7 @@
 """What MySQL/MariaDB errors count as an outage, provoked on a real server.
 
 The drivers raise OperationalError for a misspelt column as for a lost
-connection, so the error number decides (``outbox._outage``): a lock wait
+connection, so the error number decides (``outbox.core._outage``): a lock wait
 timeout, a deadlock and a killed connection are waited out; a programming or
 integrity error is the work's own failure and counts.
 """
@@ -13,7 +13,7 @@ import threading
 import pytest
 import sqlalchemy as sa
 
-from outbox._outage import is_database_outage
+from outbox.core._outage import is_database_outage
 
 pytestmark = pytest.mark.mysql
 

@@ -18,7 +18,7 @@ def test_the_wheel_ships_py_typed_and_the_license(tmp_path):
                     "-w", str(tmp_path)], check=True, capture_output=True, timeout=600)
     (wheel,) = tmp_path.glob("transactional_outbox-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"outbox/py.typed", "transports/py.typed", "outbox/_schema.py"} <= names
+    assert {"outbox/py.typed", "transports/py.typed", "outbox/core/_schema.py"} <= names
     assert {"outbox/console/templates/base.html", "outbox/console/templates/key.html"} <= names
     (license_file,) = [n for n in names if n.endswith("/LICENSE")]
     assert "Apache License" in zipfile.ZipFile(wheel).read(license_file).decode()

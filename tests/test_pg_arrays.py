@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import create_engine
-from outbox._pg_arrays import array_params, rows_of
+from outbox.core._pg_arrays import array_params, rows_of
 
 pytestmark = pytest.mark.postgres
 

@@ -12,7 +12,7 @@ import tenacity
 from _relay_helpers import ScriptedTransport, drain, publish, rows, seqs_by_key
 
 from outbox import Alert, ConfigurationError, Outbox, Relay, create_engine
-from outbox._sharding import partition_for_key
+from outbox.core._sharding import partition_for_key
 from transports import Outcome, SendResult
 from transports.kafka import KafkaTransport
 from transports.testing import partition_count, read_topic

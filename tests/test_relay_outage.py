@@ -26,7 +26,7 @@ import pytest
 from _relay_helpers import publish, rows, seqs_by_key
 
 from outbox import Outbox, create_engine
-from outbox._wire import MESSAGE_ID
+from outbox.core._wire import MESSAGE_ID
 from outbox.testing import LocalKafka, LocalPostgres, free_port
 from transports.testing import read_topic
 

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from _relay_helpers import publish, rows, seqs_by_key, wait_for
 
 from outbox import Alert, Outbox, Relay
-from outbox._sharding import shard_for_key
+from outbox.core._sharding import shard_for_key
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 

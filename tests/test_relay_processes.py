@@ -22,8 +22,8 @@ import sqlalchemy as sa
 from _relay_helpers import publish, rows, seqs_by_key, start_cli_relay, wait_for
 
 from outbox import Outbox, create_engine
-from outbox._sharding import shard_for_key
-from outbox._wire import MESSAGE_ID
+from outbox.core._sharding import shard_for_key
+from outbox.core._wire import MESSAGE_ID
 from transports.testing import read_topic
 
 pytestmark = pytest.mark.kafka

@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from outbox import Alert, ConfigurationError, WebhookAlertSink
-from outbox._alerts import deliver
-from outbox._secrets import database_secrets
 from outbox.cli import app
+from outbox.core._alerts import deliver
+from outbox.core._secrets import database_secrets
 from outbox.testing import free_port
 
 secrets = st.builds(lambda middle: f"S3cr3t{middle}Zz9q", st.text(

@@ -18,9 +18,9 @@ from _relay_helpers import ScriptedTransport, drain, publish, rows
 from typer.testing import CliRunner
 
 from outbox import ConfigurationError, Outbox, OutboxTables, Relay, SchemaError, create_engine
-from outbox._schema import SCHEMA_VERSION
-from outbox._sharding import shard_for_key
 from outbox.cli import app
+from outbox.core._schema import SCHEMA_VERSION
+from outbox.core._sharding import shard_for_key
 
 KEYS = [f"key-{i}" for i in range(40)]
 

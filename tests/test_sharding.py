@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox._sharding import shard_for_key
+from outbox.core._sharding import shard_for_key
 from transports._partitioner import murmur2, partition_for_key
 
 # From Kafka's UtilsTest.testMurmur2.

@@ -21,8 +21,8 @@ from conftest import unavailable
 from typer.testing import CliRunner
 
 from outbox import ConfigurationError, Outbox, Relay
-from outbox._wire import to_record
 from outbox.cli import app
+from outbox.core._wire import to_record
 from outbox.spark import AuditResult, Window, Wire, audit
 from outbox.spark import _session as session_module
 from outbox.spark._report import build_summary, wire_summary

@@ -24,7 +24,7 @@ import pytest
 from _relay_helpers import ScriptedTransport, publish, wait_for
 
 from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
-from outbox._stopping import StopLatch
+from outbox.core._stopping import StopLatch
 from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
 from outbox.relay._writer import BackgroundWriter

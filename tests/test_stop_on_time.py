@@ -29,7 +29,7 @@ import pytest
 from _relay_helpers import publish, rows
 
 from outbox import Inbox, Outbox, create_engine
-from outbox._stopping import STOP_TIMEOUT
+from outbox.core._stopping import STOP_TIMEOUT
 from outbox.testing import LocalPostgres
 from tests.inbox_support import business, effects, order_violations
 from tests.test_inbox_crash import effect_count, produce_keys

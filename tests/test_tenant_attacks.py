@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Outbox, create_engine
-from outbox._wire import INCARNATION, SEQ, header_size
+from outbox.core._wire import INCARNATION, SEQ, header_size
 from outbox.tenants import MAX_TENANT_NAME, Tenant, TenantRelay, check_tenant_name
 from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport

@@ -35,8 +35,8 @@ from outbox import (
     create_async_engine,
     create_engine,
 )
-from outbox._notify import notify_payload, parse_notify_payload
-from outbox._sharding import shard_for_key
+from outbox.core._notify import notify_payload, parse_notify_payload
+from outbox.core._sharding import shard_for_key
 from outbox.testing import fresh_database, fresh_mysql_database
 
 # tenant -> (shard count, record limit) its tables were made with; None: the default schema.
@@ -232,7 +232,7 @@ def test_an_old_tenant_schema_upgrades_through_a_translate_map(tenancy):
     """
     from _schema_v01 import OutboxTables as TablesV01
 
-    from outbox._schema import SCHEMA_VERSION
+    from outbox.core._schema import SCHEMA_VERSION
 
     old, topic = TablesV01(schema=tenancy.schemas["e"]), new_topic()
     old.metadata.create_all(tenancy.engine)

@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from outbox import Inbox, Message, Outbox, create_engine, record_to_message
-from outbox._wire import EVENT_TYPE
 from outbox.cli import app
+from outbox.core._wire import EVENT_TYPE
 from outbox.ops import Database, trace_key, trace_message
 from outbox.testing import InMemoryBroker, OutboxTestHarness
 from tests.inbox_support import record

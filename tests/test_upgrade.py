@@ -19,9 +19,9 @@ from inbox_support import record
 from typer.testing import CliRunner
 
 from outbox import Disposition, Inbox, Outbox, OutboxTables, Relay, SchemaError, create_engine
-from outbox._schema import SCHEMA_VERSION
-from outbox._sharding import shard_for_key
 from outbox.cli import app
+from outbox.core._schema import SCHEMA_VERSION
+from outbox.core._sharding import shard_for_key
 from outbox.relay import retry_failed
 
 T, GROUP = "orders", "billing"

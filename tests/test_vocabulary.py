@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox import Alert, AlertKind, ConfigurationError, ForeignRecords, Inbox
-from outbox._tables import InboxOutcome, OutboxStatus
+from outbox.core._tables import InboxOutcome, OutboxStatus
 from outbox.inbox import InboxOutcome as PublicInboxOutcome
 from outbox.spark._findings import Seen
 

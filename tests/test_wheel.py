@@ -7,7 +7,7 @@ import random
 import pytest
 
 from outbox import ConfigurationError
-from outbox._wheel import TimingWheel
+from outbox.core._wheel import TimingWheel
 
 
 def test_many_timers_in_one_tick_fire_in_deadline_order() -> None:

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from sqlalchemy import Engine
 
-from .._identity import same_database
+from ..core._identity import same_database
 from ..ops import DEFAULT_TENANT_TIMEOUT
 from ..tenants import TenantDatabases
 from . import app

@@ -10,12 +10,12 @@ from rich.console import Console
 from rich.markup import escape
 from sqlalchemy import Engine
 
-from .. import _schema
-from .._engine import create_engine, missing_sqlite_file
-from .._errors import ConfigurationError
-from .._outbox import Outbox
-from .._secrets import database_url
+from ..core import _schema
+from ..core._engine import create_engine, missing_sqlite_file
+from ..core._errors import ConfigurationError
+from ..core._secrets import database_url
 from ..housekeeping import partition_inbox, partition_outbox
+from ..producer import Outbox
 from ..tenants import TenantDatabases, each_tenant
 from . import app
 from ._errors import naming

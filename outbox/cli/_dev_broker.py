@@ -13,7 +13,7 @@ import threading
 
 import typer
 
-from .._stopping import stop_signals
+from ..core._stopping import stop_signals
 from . import app
 
 

@@ -27,9 +27,9 @@ from typing import Any, ParamSpec, TypeVar, cast
 import sqlalchemy as sa
 import typer
 
-from .._errors import ConfigurationError, OutboxError, SchemaError
-from .._outage import is_database_outage
-from .._secrets import database_secrets, database_url, scrub
+from ..core._errors import ConfigurationError, OutboxError, SchemaError
+from ..core._outage import is_database_outage
+from ..core._secrets import database_secrets, database_url, scrub
 from ._options import from_environment, warn_deprecated
 
 USAGE, RUNTIME = 2, 1

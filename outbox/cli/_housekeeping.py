@@ -18,7 +18,7 @@ from typing import Any
 import typer
 from sqlalchemy import Engine
 
-from .._stopping import stop_signals
+from ..core._stopping import stop_signals
 from ..housekeeping import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DUTY,

@@ -17,9 +17,9 @@ from rich.markup import escape
 
 from transports._logsafe import safe_logger
 
-from .._gc import tune_gc_for_batches
-from .._stopping import StopLatch, stop_signals
-from .._terminal import stdout_console
+from ..core._gc import tune_gc_for_batches
+from ..core._stopping import StopLatch, stop_signals
+from ..core._terminal import stdout_console
 from ..housekeeping import run_retention
 from ..inbox import DiscardRefusedError, Inbox, NotParkedError, ParkedActions
 from ..tenants import parse_tenants

@@ -18,7 +18,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from .._terminal import stdout_console
+from ..core._terminal import stdout_console
 
 
 def json_option() -> Any:

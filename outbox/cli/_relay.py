@@ -13,14 +13,14 @@ from rich.text import Text
 
 from transports._logsafe import safe_logger
 
-from .._alerts import LoggingAlertSink, WebhookAlertSink
-from .._cloudevents import CloudEvents
-from .._gc import tune_gc_for_batches
-from .._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
-from .._outbox import Outbox
-from .._stopping import StopLatch, stop_signals
-from .._terminal import stdout_console
+from ..core._alerts import LoggingAlertSink, WebhookAlertSink
+from ..core._cloudevents import CloudEvents
+from ..core._gc import tune_gc_for_batches
+from ..core._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
+from ..core._stopping import StopLatch, stop_signals
+from ..core._terminal import stdout_console
 from ..housekeeping import parse_period, run_retention
+from ..producer import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from . import app
@@ -185,7 +185,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     """
     from transports.kafka import KafkaTransport
 
-    from .._engine import create_engine
+    from ..core._engine import create_engine
     from ..housekeeping import tenant_retention_pass
     from ..ops import serve_health, tenant_relay_readiness
     from ..relay import relay_metrics, tenant_relay_metrics

@@ -28,7 +28,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from .._errors import ConfigurationError, OutboxError
+from ..core._errors import ConfigurationError, OutboxError
 from . import app
 from ._errors import Typer
 from ._options import PREFIX, SCHEMA

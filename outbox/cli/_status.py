@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._terminal import stdout_console
+from ..core._terminal import stdout_console
 from ..ops import DEFAULT_TENANT_TIMEOUT, gather, tenant_statuses, tenants_document
 from ..tenants import TenantDatabases
 from . import app

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 import typer
 from sqlalchemy import Engine
 
-from .._engine import create_engine, missing_sqlite_file
-from .._errors import ConfigurationError, SchemaError
+from ..core._engine import create_engine, missing_sqlite_file
+from ..core._errors import ConfigurationError, SchemaError
 from ..tenants import Tenant, TenantOutcome, check_tenant_name, parse_tenants
 from ._errors import RUNTIME, USAGE
 

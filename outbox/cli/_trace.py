@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .._age import ago
-from .._envelope import utcnow
-from .._errors import ConfigurationError
-from .._secrets import database_secrets, scrub
-from .._tables import OutboxTables
+from ..core._age import ago
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError
+from ..core._secrets import database_secrets, scrub
+from ..core._tables import OutboxTables
 from ..ops import Database, trace_key, trace_message
 from ..ops._trace import DEFAULT_LIMIT, MAX_LIMIT
 from . import app

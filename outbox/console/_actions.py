@@ -17,7 +17,7 @@ from starlette.datastructures import FormData
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from ..inbox import DiscardRefusedError, NotParkedError, ParkedActions
 from ..relay import retry_failed, skip_failed
 from ._authenticator import SESSION_COOKIE, client_of

@@ -15,12 +15,12 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from .._errors import ConfigurationError, OutboxError, SchemaError
-from .._identity import answers_same
-from .._outbox import Outbox
-from .._secrets import database_secrets, database_url, scrub
+from ..core._errors import ConfigurationError, OutboxError, SchemaError
+from ..core._identity import answers_same
+from ..core._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
 from ..ops import Database
+from ..producer import Outbox
 from . import _actions, _pages
 from ._auth import Operators
 from ._authenticator import Authenticator

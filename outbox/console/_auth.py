@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 Guard = Callable[[Request], "str | None"]
 MIN_LENGTH = 16

@@ -18,9 +18,9 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from transports._logsafe import safe_logger
 
-from .._outbox import Outbox
 from ..inbox import Inbox
 from ..ops import Database
+from ..producer import Outbox
 from . import _csrf
 from ._auth import Operators
 from ._authenticator import Authenticator

@@ -16,8 +16,8 @@ from typing import Any
 
 from sqlalchemy import inspect
 
-from .._envelope import utcnow
-from .._errors import SchemaError
+from ..core._envelope import utcnow
+from ..core._errors import SchemaError
 from ..inbox.admin import stuck_by_group
 from ..ops import Database
 from ..ops._stuck import _age, stuck_reasons

@@ -27,7 +27,7 @@ from sqlalchemy import Connection, Select, func, inspect, literal_column, select
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from .._tables import OutboxStatus as Status
+from ..core._tables import OutboxStatus as Status
 from ..ops import Database
 from ._context import REFRESH_COOKIE, Context
 from ._links import base, console_path, cookie_path

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from .._envelope import utcnow
+from ..core._envelope import utcnow
 from ..inbox.admin import held_lanes, parked_lanes, parked_page, parked_unkeyed
 from ..ops import gather
 from ..relay import failed_rows

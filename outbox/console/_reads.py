@@ -33,8 +33,8 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy.exc import DataError, SQLAlchemyError
 
-from .._errors import SchemaError
-from .._secrets import database_secrets, scrub
+from ..core._errors import SchemaError
+from ..core._secrets import database_secrets, scrub
 from ..ops import Database
 from ._refused import Refused
 

@@ -17,7 +17,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .._stopping import stop_signals
+from ..core._stopping import stop_signals
 
 REQUEST_TIMEOUT = 10.0
 """Seconds a client has to send a whole request (line, headers and body) once it may send one."""

@@ -33,9 +33,9 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.types import Receive, Scope, Send
 
-from .._errors import ConfigurationError, OutboxError
-from .._outbox import Outbox
+from ..core._errors import ConfigurationError, OutboxError
 from ..ops import DEFAULT_TENANT_TIMEOUT, tenant_statuses, tenants_document
+from ..producer import Outbox
 from ..tenants import Tenant, TenantDatabases, checked_tenants
 from . import _actions
 from ._app import DEFAULT_SESSION_IDLE, build_app

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from ..ops import Database, trace_key, trace_message
 from ._context import Context
 from ._reads import Unreadable, within

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 from markupsafe import Markup, escape
 
-from .._age import ago
-from .._envelope import utcnow
+from ..core._age import ago
+from ..core._envelope import utcnow
 
 
 def when(value: datetime | str | None, now: datetime | None = None) -> Markup:

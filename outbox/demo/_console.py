@@ -49,9 +49,9 @@ def demo_console(workdir: Path, operators: Operators) -> Starlette:
     from starlette.responses import RedirectResponse
     from starlette.routing import Mount, Route
 
-    from .._engine import create_engine
-    from .._outbox import Outbox
     from ..console import create_app
+    from ..core._engine import create_engine
+    from ..producer import Outbox
     from .billing import build_inbox
 
     orders = Outbox(create_engine(f"sqlite:///{workdir / 'orders.db'}"))

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import OutboxTables
-from .._terminal import stdout_console
+from ..core._terminal import stdout_console
 from ._orders import EVENTS, TOPIC, OrdersService
 from ._summary import Summary, read_back
 from .billing import build_inbox, faults, invoices

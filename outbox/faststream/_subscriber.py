@@ -35,7 +35,7 @@ from typing import Any
 
 from faststream import AckPolicy, Context
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from ..inbox import Inbox
 from ._records import commit_through, record_of
 from ._threads import in_daemon_thread

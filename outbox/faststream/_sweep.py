@@ -9,7 +9,7 @@ from contextlib import AbstractAsyncContextManager
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from ..inbox import Inbox
 from ._threads import in_daemon_thread
 

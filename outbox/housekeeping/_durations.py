@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 _PART = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d|w)")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

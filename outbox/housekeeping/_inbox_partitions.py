@@ -41,9 +41,9 @@ from datetime import UTC, datetime
 from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.exc import DBAPIError
 
-from .._envelope import utcnow
-from .._errors import ConfigurationError
-from .._tables import OutboxTables
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError
+from ..core._tables import OutboxTables
 from ._partitions import (
     DAY,
     DEFAULT_AHEAD_DAYS,

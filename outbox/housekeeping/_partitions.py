@@ -33,9 +33,9 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.exc import DBAPIError
 
-from .._envelope import utcnow
-from .._errors import ConfigurationError
-from .._tables import MAX_IDENTIFIER_LENGTH, OutboxStatus, OutboxTables
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError
+from ..core._tables import MAX_IDENTIFIER_LENGTH, OutboxStatus, OutboxTables
 
 DAY = timedelta(days=1)
 DEFAULT_AHEAD_DAYS = 7

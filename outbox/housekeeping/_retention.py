@@ -27,13 +27,13 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, literal, literal_column, select, tuple_
 from sqlalchemy.exc import DBAPIError
 
-from .._engine import worker_engine
-from .._envelope import utcnow
-from .._errors import ConfigurationError
-from .._outage import OutageBackoff, is_database_outage
-from .._outbox import Outbox
-from .._pg_arrays import array_params, rows_of
-from .._tables import MYSQL_FAMILY, OutboxTables
+from ..core._engine import worker_engine
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError
+from ..core._outage import OutageBackoff, is_database_outage
+from ..core._pg_arrays import array_params, rows_of
+from ..core._tables import MYSQL_FAMILY, OutboxTables
+from ..producer import Outbox
 from ._durations import parse_period
 from ._inbox_partitions import maintain_inbox_partitions
 from ._partitions import PartitionReport, is_partitioned, maintain_partitions

@@ -25,8 +25,8 @@ from datetime import datetime
 
 from sqlalchemy import Column, ColumnElement, Table, or_
 
-from .._tables import OutboxStatus as Status
-from .._tables import OutboxTables
+from ..core._tables import OutboxStatus as Status
+from ..core._tables import OutboxTables
 
 
 @dataclass(frozen=True)

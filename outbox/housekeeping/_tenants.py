@@ -20,8 +20,8 @@ from sqlalchemy import Engine
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
-from .._outbox import Outbox
+from ..core._errors import ConfigurationError
+from ..producer import Outbox
 from ..tenants import Tenant, TenantDatabases, TenantOutcome, TenantSource, each_tenant
 from ._durations import parse_period
 from ._retention import DEFAULT_BATCH_SIZE, DEFAULT_DUTY, RetentionResult, run_retention

@@ -4,7 +4,7 @@ The worker's own threads never run a retention statement, so its hot path
 only shares the database with it. A pass that fails is logged and tried again
 at the next interval; it never ends the worker. A database outage is not a
 failure: it is logged once when it starts and once when it ends
-(``outbox._outage``), and the pass runs again as soon as the database answers
+(``outbox.core._outage``), and the pass runs again as soon as the database answers
 (capped backoff), not a whole interval later. ``stop`` ends a pass between
 two batches.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from transports._logsafe import safe_logger
 
-from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
+from ..core._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
 from ._retention import RetentionResult
 
 log = safe_logger("outbox.housekeeping")

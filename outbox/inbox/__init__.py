@@ -14,8 +14,8 @@ messages), each a protocol with one class per dialect, injectable with
 read what waits (``outbox status``, the console) use ``outbox.inbox.admin``.
 """
 
-from .._stopping import StopRequested
-from .._tables import InboxOutcome
+from ..core._stopping import StopRequested
+from ..core._tables import InboxOutcome
 from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedReplay
 from ._inbox import Inbox
 from ._kinds import ForeignRecords, Reason, StartPolicy, UnknownEvents

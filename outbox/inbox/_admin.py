@@ -23,9 +23,9 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from .._envelope import utcnow
-from .._errors import OutboxError
-from .._tables import InboxOutcome
+from ..core._envelope import utcnow
+from ..core._errors import OutboxError
+from ..core._tables import InboxOutcome
 from ._calls import Error, Redo
 from ._conflicts import rebuilt
 from ._delivery import KeyedDelivery, KeyId, OrderedDelivery

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from .._alerts import Alert, AlertKind, AlertSink, deliver
+from ..core._alerts import Alert, AlertKind, AlertSink, deliver
 from ._committed import Parked
 from ._kinds import Reason
 from ._metrics import InboxMetrics

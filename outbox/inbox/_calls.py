@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
-from .._envelope import Message
-from .._tracing import process_batch_span, process_span
+from ..core._envelope import Message
+from ..core._tracing import process_batch_span, process_span
 from ._delivery import Delivery
 from ._metrics import InboxMetrics
 from ._outage import Outage, is_handler_outage

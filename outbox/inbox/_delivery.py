@@ -34,10 +34,10 @@ from datetime import datetime
 
 from transports import Record
 
-from .._cloudevents import CloudEventRecordError, cloudevent_to_message, is_cloudevent
-from .._envelope import BYTES, Message, utcnow
-from .._foreign import ForeignEnvelope, read_foreign, record_identity, record_time
-from .._wire import MESSAGE_ID, ForeignRecordError, record_to_message
+from ..core._cloudevents import CloudEventRecordError, cloudevent_to_message, is_cloudevent
+from ..core._envelope import BYTES, Message, utcnow
+from ..core._foreign import ForeignEnvelope, read_foreign, record_identity, record_time
+from ..core._wire import MESSAGE_ID, ForeignRecordError, record_to_message
 from ._kinds import ForeignRecords, Reason
 
 ForeignPolicy = ForeignRecords | ForeignEnvelope

@@ -17,8 +17,8 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from .._alerts import Alert, AlertKind, deliver
-from .._envelope import utcnow
+from ..core._alerts import Alert, AlertKind, deliver
+from ..core._envelope import utcnow
 from ._alerting import Alerter
 from ._committed import Parked
 from ._conflicts import Verdict, describe

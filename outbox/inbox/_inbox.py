@@ -21,16 +21,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from transports import Record, Source, source_features
 from transports._logsafe import safe_logger
 
-from .. import _schema
-from .._alerts import AlertSink, LoggingAlertSink
-from .._envelope import Message
-from .._errors import ConfigurationError
-from .._foreign import ForeignEnvelope
-from .._statements import SUPPORTED_DIALECTS
-from .._stopping import STOP_TIMEOUT, RunOnce
-from .._tables import OutboxTables
-from .._tenant import Tenant, TenantsLike, tenant_source
-from .._tenant_labels import TenantLabels
+from ..core import _schema
+from ..core._alerts import AlertSink, LoggingAlertSink
+from ..core._envelope import Message
+from ..core._errors import ConfigurationError
+from ..core._foreign import ForeignEnvelope
+from ..core._stopping import STOP_TIMEOUT, RunOnce
+from ..core._tables import OutboxTables
+from ..core._tenant import Tenant, TenantsLike, tenant_source
+from ..core._tenant_labels import TenantLabels
+from ..producer._statements import SUPPORTED_DIALECTS
 from ._alerting import Alerter
 from ._delivery import Delivery, decode, delivery
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents

@@ -23,9 +23,9 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from .._metric_views import GaugeShares
-from .._tenant import check_tenant_name
-from .._tenant_labels import TenantLabels
+from ..core._metric_views import GaugeShares
+from ..core._tenant import check_tenant_name
+from ..core._tenant_labels import TenantLabels
 from ._signals import Disposition
 
 _lock = threading.Lock()

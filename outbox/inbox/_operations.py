@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from ._admin import ParkedAdmin, ParkedMessage, ParkedReplay
 from ._tenants import TenantRouter
 

@@ -1,19 +1,19 @@
-"""The inbox's settings of the shared outage rules (``outbox._outage``): its logger and its pacing.
+"""The inbox's settings of the shared outage rules (``outbox.core._outage``): its logger and its pacing.
 
 An outage never counts as a handler attempt, never parks, never alerts and
 never ends the consumer: the work waits with capped, jittered backoff and is
 tried again as it is. What counts as one (``is_outage``, ``is_handler_outage``)
-and how it is logged and paced live in ``outbox._outage``, shared with the relay.
+and how it is logged and paced live in ``outbox.core._outage``, shared with the relay.
 """
 
 from __future__ import annotations
 
 from transports._logsafe import safe_logger
 
-from .._outage import INBOX_WORDING, OutageBackoff, OutageTracker
-from .._outage import Outage as Outage
-from .._outage import is_handler_outage as is_handler_outage
-from .._outage import is_outage as is_outage
+from ..core._outage import INBOX_WORDING, OutageBackoff, OutageTracker
+from ..core._outage import Outage as Outage
+from ..core._outage import is_handler_outage as is_handler_outage
+from ..core._outage import is_outage as is_outage
 
 log = safe_logger("outbox.inbox")
 

@@ -39,8 +39,8 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
-from .._envelope import utcnow
-from .._tables import InboxOutcome
+from ..core._envelope import utcnow
+from ..core._tables import InboxOutcome
 from ._calls import Handlers
 from ._committed import Committed, Failure
 from ._conflicts import Verdict, describe, describe_held, judge, judge_held

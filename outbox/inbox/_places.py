@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from .._outage import OutageGate
-from .._tables import OutboxTables
-from .._tenant import Tenant
+from ..core._outage import OutageGate
+from ..core._tables import OutboxTables
+from ..core._tenant import Tenant
 from ._admin import ParkedAdmin
 from ._gaps import GapSweeper
 from ._outage import BACKOFF

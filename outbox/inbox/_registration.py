@@ -16,10 +16,10 @@ import pydantic
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from .._envelope import Message
-from .._errors import ConfigurationError
-from .._events import EventReader
-from .._validation import validate_topic
+from ..core._envelope import Message
+from ..core._errors import ConfigurationError
+from ..core._events import EventReader
+from ..core._validation import validate_topic
 from ._calls import TopicHandler, TopicHandlers
 from ._kinds import UnknownEvents
 from ._sessions import Sessions

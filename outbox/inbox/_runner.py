@@ -21,7 +21,7 @@ or an offset commit fails for want of a broker or coordinator, or the source
 says it cannot reach its group's coordinator: ``KafkaSource.unavailable``) and
 once when it ends (after a commit failed, only a commit that succeeds ends it).
 
-The loop runs on a thread of its own (``outbox._stopping``): the caller's
+The loop runs on a thread of its own (``outbox.core._stopping``): the caller's
 thread only waits, so SIGTERM is seen at once even while librdkafka sits in
 an offset commit or a close that a dead broker never answers, and ``run``
 returns at most ``stop_timeout`` seconds after the stop.
@@ -38,9 +38,9 @@ from typing import Protocol
 from transports import Record, Source
 from transports._logsafe import safe_logger
 
-from .._envelope import utcnow
-from .._errors import CommitRefusedError, RetriableTransportError
-from .._stopping import STOP_TIMEOUT, run_with_stop_bound
+from ..core._envelope import utcnow
+from ..core._errors import CommitRefusedError, RetriableTransportError
+from ..core._stopping import STOP_TIMEOUT, run_with_stop_bound
 from ._delivery import Delivery, Origin
 from ._metrics import InboxMetrics
 from ._offsets import OffsetTracker, TopicPartition

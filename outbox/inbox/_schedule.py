@@ -28,7 +28,7 @@ from collections.abc import Callable, Hashable
 
 from transports._logsafe import safe_logger
 
-from .._wheel import TimingWheel
+from ..core._wheel import TimingWheel
 from ._delivery import Delivery, turn_of
 
 log = safe_logger("outbox.inbox")

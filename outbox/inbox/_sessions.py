@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import Pool
 from sqlalchemy.util import greenlet_spawn
 
-from .._engine import worker_engine
+from ..core._engine import worker_engine
 
 try:
     from sqlalchemy.util import await_
@@ -43,7 +43,7 @@ except ImportError:  # SQLAlchemy 2.0 names it await_only
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 log = safe_logger("outbox.inbox")
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from .._errors import ConfigurationError
-from .._foreign import ForeignEnvelope
+from ..core._errors import ConfigurationError
+from ..core._foreign import ForeignEnvelope
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 
 MAX_ATTEMPTS = 100

@@ -35,8 +35,8 @@ from sqlalchemy.exc import DBAPIError
 
 from transports._logsafe import safe_logger
 
-from .._outage import delay_before
-from .._stopping import StopRequested
+from ..core._outage import delay_before
+from ..core._stopping import StopRequested
 from ._alerting import Alerter
 from ._committed import Committed, Failure, Parked
 from ._delivery import Delivery, lane_of

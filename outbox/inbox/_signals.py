@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from .._errors import OutboxError
+from ..core._errors import OutboxError
 
 
 class HandlerSignal(OutboxError):

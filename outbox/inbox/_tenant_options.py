@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 
-from .._envelope import Message
-from .._errors import ConfigurationError
-from .._wire import ENVELOPE_HEADERS
+from ..core._envelope import Message
+from ..core._errors import ConfigurationError
+from ..core._wire import ENVELOPE_HEADERS
 
 
 def checked_refresh(header: str | None, tenant_of: Callable[[Message], str | None] | None,

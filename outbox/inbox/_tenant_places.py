@@ -19,10 +19,10 @@ from sqlalchemy import Engine
 
 from transports._logsafe import safe_logger
 
-from .._envelope import utcnow
-from .._errors import ConfigurationError
-from .._schema_claims import DEFAULT_DATABASE_REFUSAL, SchemaClaims
-from .._tenant import Tenant, TenantSource
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError
+from ..core._schema_claims import DEFAULT_DATABASE_REFUSAL, SchemaClaims
+from ..core._tenant import Tenant, TenantSource
 from ._outage import OutageLog, is_outage
 from ._places import BuildPlace, Place, Slots
 

@@ -58,12 +58,12 @@ from sqlalchemy.exc import DBAPIError
 
 from transports._logsafe import safe_logger
 
-from .. import _schema
-from .._alerts import Alert, AlertKind, deliver
-from .._envelope import Message
-from .._errors import OutboxError
-from .._schema_claims import SharedSchemaError
-from .._tenant import Tenant, TenantSource
+from ..core import _schema
+from ..core._alerts import Alert, AlertKind, deliver
+from ..core._envelope import Message
+from ..core._errors import OutboxError
+from ..core._schema_claims import SharedSchemaError
+from ..core._tenant import Tenant, TenantSource
 from ._admin import NotParkedError, ParkedReplay
 from ._delivery import Delivery, Named, Origin, Unnamed, delivery
 from ._kinds import Reason

@@ -22,9 +22,9 @@ from typing import Any
 
 import pydantic
 
-from .._envelope import Message
-from .._errors import ConfigurationError
-from .._events import EventReader
+from ..core._envelope import Message
+from ..core._errors import ConfigurationError
+from ..core._events import EventReader
 from ._kinds import Reason, UnknownEvents
 from ._signals import ParkMessage, SkipMessage
 

@@ -29,8 +29,8 @@ from sqlalchemy import Engine, text
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
-from .._secrets import database_secrets, scrub
+from ..core._errors import ConfigurationError
+from ..core._secrets import database_secrets, scrub
 from ..relay import Relay
 from ..tenants import TenantRelay
 from ._http import MAX_CONNECTIONS, MAX_REQUEST, TIMEOUT, BoundedServer

@@ -33,7 +33,7 @@ from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 log = safe_logger("outbox.health")
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from sqlalchemy import Engine, inspect
 
-from .._envelope import utcnow
-from .._errors import SchemaError
-from .._outbox import Outbox
+from ..core._envelope import utcnow
+from ..core._errors import SchemaError
 from ..inbox.admin import stuck_by_group
+from ..producer import Outbox
 from ..relay import backlog, retrying_heads, shard_leases
 
 VERSION = 1

@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .._envelope import utcnow
-from .._outbox import Outbox
+from ..core._envelope import utcnow
+from ..producer import Outbox
 from ..tenants import DEFAULT_CONCURRENCY, Tenant, TenantDatabases, TenantOutcome, each_tenant
 from ._stuck import VERSION, gather
 

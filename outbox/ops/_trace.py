@@ -35,12 +35,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from transports._errors import InvalidTopicError, validate_topic
 
-from .._errors import ConfigurationError, MessageValidationError
-from .._identity import schema_identity
-from .._secrets import database_secrets, scrub
-from .._tables import OutboxStatus as Status
-from .._tables import OutboxTables
-from .._validation import checked_event_type, checked_key, shown
+from ..core._errors import ConfigurationError, MessageValidationError
+from ..core._identity import schema_identity
+from ..core._secrets import database_secrets, scrub
+from ..core._tables import OutboxStatus as Status
+from ..core._tables import OutboxTables
+from ..core._validation import checked_event_type, checked_key, shown
 
 VERSION = 1
 DEFAULT_LIMIT = 20

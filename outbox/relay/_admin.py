@@ -16,10 +16,10 @@ from typing import Any
 
 from sqlalchemy import Engine, case, func, select, update
 
-from .._envelope import utcnow
-from .._errors import ConfigurationError
-from .._outbox import Outbox
-from .._tables import OutboxStatus
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError
+from ..core._tables import OutboxStatus
+from ..producer import Outbox
 
 
 def _engine(outbox: Outbox) -> Engine:

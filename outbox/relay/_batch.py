@@ -47,13 +47,13 @@ from sqlalchemy import Connection, Engine
 from transports import Outcome, SendResult, Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertKind, AlertSink, deliver
-from .._cloudevents import CloudEvents
-from .._envelope import utcnow
-from .._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
-from .._tracing import INSTALLED as TRACING_INSTALLED
-from .._tracing import start_send
-from .._wheel import TimingWheel
+from ..core._alerts import Alert, AlertKind, AlertSink, deliver
+from ..core._cloudevents import CloudEvents
+from ..core._envelope import utcnow
+from ..core._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
+from ..core._tracing import INSTALLED as TRACING_INSTALLED
+from ..core._tracing import start_send
+from ..core._wheel import TimingWheel
 from ._exactly_once import ExactlyOnce
 from ._metrics import RelayMetrics
 from ._rows import RowEncoder, safe_reason

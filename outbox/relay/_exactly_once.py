@@ -58,8 +58,8 @@ from transports import (
 from transports._errors import RetriableTransportError, TransportError
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError
-from .._validation import validate_topic
+from ..core._errors import ConfigurationError
+from ..core._validation import validate_topic
 
 log = safe_logger("outbox.relay")
 

@@ -25,9 +25,9 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from transports._logsafe import safe_logger
 
-from .._envelope import utcnow
-from .._errors import SchemaError
-from .._tables import MYSQL_FAMILY, OutboxTables
+from ..core._envelope import utcnow
+from ..core._errors import SchemaError
+from ..core._tables import MYSQL_FAMILY, OutboxTables
 
 log = safe_logger("outbox.relay.leases")
 

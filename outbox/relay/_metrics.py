@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .._metric_views import (
+from ..core._metric_views import (
     Combine,
     CounterFamily,
     GaugeFamily,
@@ -29,8 +29,8 @@ from .._metric_views import (
     TenantGauge,
     TenantHistogram,
 )
-from .._tenant import check_tenant_name
-from .._tenant_labels import TenantLabels
+from ..core._tenant import check_tenant_name
+from ..core._tenant_labels import TenantLabels
 
 
 @dataclass(frozen=True, slots=True)

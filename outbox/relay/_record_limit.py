@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transports import Transport
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 
 def check_record_limit(transport: Transport, max_record_bytes: int) -> None:

@@ -8,14 +8,14 @@ and a graceful stop. What happens inside one batch, and why it keeps per-key
 order, is in ``_batch``.
 
 A database or broker outage is not a failure: the loop waits it out with
-capped backoff and ``outbox._outage`` logs it once when it starts and once when it
+capped backoff and ``outbox.core._outage`` logs it once when it starts and once when it
 ends. The backlog gauges have a thread of their own, so their GROUP BY never
 delays lease renewal.
 
 ``run`` loops until ``stop`` (or SIGTERM/SIGINT): it finishes the batch in hand
 (the transport bounds the wait for delivery reports), marks it, releases its
 leases and returns, so a process running it exits 0. The loop runs on a thread
-of its own (``outbox._stopping``), so ``run`` returns at most ``stop_timeout``
+of its own (``outbox.core._stopping``), so ``run`` returns at most ``stop_timeout``
 seconds after the stop even when the broker and the database are both gone:
 what the loop has not finished by then is left behind (rows sent but not
 marked are sent again, leases expire within their TTL).
@@ -33,15 +33,15 @@ from sqlalchemy import Engine
 from transports import Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink, LoggingAlertSink
-from .._cloudevents import CloudEvents
-from .._engine import worker_engine
-from .._envelope import utcnow
-from .._errors import ConfigurationError, SchemaError
-from .._outage import OutageBackoff, is_database_outage
-from .._outbox import Outbox
-from .._stopping import STOP_TIMEOUT, BoundRun
-from .._wheel import TimingWheel
+from ..core._alerts import Alert, AlertSink, LoggingAlertSink
+from ..core._cloudevents import CloudEvents
+from ..core._engine import worker_engine
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError, SchemaError
+from ..core._outage import OutageBackoff, is_database_outage
+from ..core._stopping import STOP_TIMEOUT, BoundRun
+from ..core._wheel import TimingWheel
+from ..producer import Outbox
 from ._admin import backlog
 from ._batch import BatchResult
 from ._exactly_once import DEFAULT_PROGRESS_TOPIC

@@ -31,16 +31,16 @@ from typing import Any
 from transports import Record
 from transports._errors import InvalidTopicError, validate_topic
 
-from .._cloudevents import RELAY_ATTRIBUTES, CloudEvents, cloudevent_headers
-from .._errors import MessageValidationError
-from .._validation import (
+from ..core._cloudevents import RELAY_ATTRIBUTES, CloudEvents, cloudevent_headers
+from ..core._errors import MessageValidationError
+from ..core._validation import (
     MAX_KEY_LENGTH,
     RESERVED_HEADER_PREFIX,
     checked_event_type,
     folded,
     validate_content_type,
 )
-from .._wire import CONTENT_TYPE, MAX_SEQ, to_record
+from ..core._wire import CONTENT_TYPE, MAX_SEQ, to_record
 from ._sql import ROW_COLUMNS
 
 _NO_HEADERS = frozenset({None, "{}", "null"})

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import tenacity
 
-from .._cloudevents import CloudEvents
-from .._errors import ConfigurationError
-from .._validation import validate_topic
+from ..core._cloudevents import CloudEvents
+from ..core._errors import ConfigurationError
+from ..core._validation import validate_topic
 from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 
 DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitter=0.2)

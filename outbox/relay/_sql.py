@@ -39,10 +39,10 @@ from sqlalchemy import (
     update,
 )
 
-from .._errors import ConfigurationError
-from .._mysql import MAY_BLOCK, json_rows, json_table
-from .._pg_arrays import array_params, int_array, rows_of
-from .._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
+from ..core._errors import ConfigurationError
+from ..core._mysql import MAY_BLOCK, json_rows, json_table
+from ..core._pg_arrays import array_params, int_array, rows_of
+from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 from ._sql_shared import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 __all__ = ["ROW_COLUMNS", "Marks", "RelayStatements", "add_mark", "empty_marks", "statements_for"]

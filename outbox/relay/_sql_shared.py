@@ -40,7 +40,7 @@ from sqlalchemy import (
     select,
 )
 
-from .._tables import OutboxStatus, OutboxTables
+from ..core._tables import OutboxStatus, OutboxTables
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",

@@ -28,11 +28,11 @@ from sqlalchemy import Connection, Engine
 from transports import Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink
-from .._cloudevents import CloudEvents
-from .._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
-from .._outbox import Outbox
-from .._wheel import TimingWheel
+from ..core._alerts import Alert, AlertSink
+from ..core._cloudevents import CloudEvents
+from ..core._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
+from ..core._wheel import TimingWheel
+from ..producer import Outbox
 from ._batch import BatchResult, BatchRunner
 from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce
 from ._leases import Leases, renew_interval

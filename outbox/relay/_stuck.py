@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy import Engine
 
-from .._alerts import Alert, AlertKind, AlertSink, deliver
-from .._envelope import utcnow
-from .._metric_views import GaugeFamily
-from .._outbox import Outbox
+from ..core._alerts import Alert, AlertKind, AlertSink, deliver
+from ..core._envelope import utcnow
+from ..core._metric_views import GaugeFamily
+from ..producer import Outbox
 from ._admin import RetryingHead, retrying_heads
 
 WATCH_LIMIT = 500

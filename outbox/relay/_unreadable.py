@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from .._outage import is_database_outage
+from ..core._outage import is_database_outage
 from ._sql import RelayStatements
 
 

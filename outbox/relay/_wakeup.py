@@ -1,7 +1,7 @@
 """Waking the relay: PostgreSQL notifications, timers and polling all end in one Event.
 
 On PostgreSQL ``publish()`` runs ``pg_notify(channel, payload)`` which the server
-delivers at commit (the payload names the shard and the schema, ``outbox._notify``:
+delivers at commit (the payload names the shard and the schema, ``outbox.core._notify``:
 a ``TenantRelay`` wakes that schema's tenant alone); a dedicated connection
 here LISTENs and sets the event, so the relay reacts in milliseconds instead
 of a poll interval. If that connection breaks, it is reopened every second

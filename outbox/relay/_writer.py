@@ -2,7 +2,7 @@
 
 ``ThreadPoolExecutor``'s threads are joined when the interpreter exits. A
 write stuck in a commit to a frozen database then held a stopped relay alive
-after ``run`` had given up on it at its stop bound (``outbox._stopping``), until
+after ``run`` had given up on it at its stop bound (``outbox.core._stopping``), until
 the platform killed it. The write it abandons is safe to lose: its rows stay
 pending and are sent again, and the inbox drops the duplicates.
 """

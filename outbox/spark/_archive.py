@@ -24,8 +24,8 @@ from pathlib import Path
 import sqlalchemy as sa
 from pyspark.sql import SparkSession
 
-from .._envelope import utcnow
-from .._errors import ConfigurationError, OutboxError
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError, OutboxError
 from ._chunks import Chunk, eligible, read_manifest, run_chunk, settle
 from ._layout import remove_debris, unfinished_manifests
 from ._session import SessionFactory, session_from

@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from .._envelope import utcnow
-from .._errors import ConfigurationError, OutboxError
-from .._validation import checked_event_type
+from ..core._envelope import utcnow
+from ..core._errors import ConfigurationError, OutboxError
+from ..core._validation import checked_event_type
 from . import _findings as find
 from . import _wire as wire_audit
 from . import _wire_findings as wire_find

@@ -39,8 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import sqlalchemy as sa
 
-from .._errors import OutboxError
-from .._tables import OutboxStatus
+from ..core._errors import OutboxError
+from ..core._tables import OutboxStatus
 from ._layout import manifest_dir, table_dir, write_atomically
 from ._source import range_filter
 from ._tablemap import arrow_schema, connect, table_for, to_batch

@@ -17,7 +17,7 @@ from datetime import datetime
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from .._tables import InboxOutcome, OutboxStatus
+from ..core._tables import InboxOutcome, OutboxStatus
 
 QUANTILES = [0.5, 0.95, 0.99]
 

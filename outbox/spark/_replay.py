@@ -21,9 +21,9 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy.orm import Session
 
-from .._errors import ConfigurationError
-from .._outbox import Outbox
-from .._validation import normalize_key, validate_topic
+from ..core._errors import ConfigurationError
+from ..core._validation import normalize_key, validate_topic
+from ..producer import Outbox
 from ._layout import committed_files, table_dir
 from ._session import SessionFactory, session_from
 from ._storage import local_path, require_shared, uri

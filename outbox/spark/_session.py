@@ -32,7 +32,7 @@ from pyspark.errors import PySparkException
 from pyspark.java_gateway import launch_gateway
 from pyspark.sql import SparkSession
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from . import _classcache as classcache
 from ._noise import LEVELS, forward_filtered
 from ._source import TableSource

@@ -23,7 +23,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 from . import _pgcopy as pgcopy
 from ._tablemap import arrow_schema, check_table, connect, table_for, to_batch
 

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
-from .._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 SHARED_FLAG = "--shared-storage"
 

@@ -15,10 +15,10 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from .._engine import create_engine, missing_sqlite_file
-from .._errors import ConfigurationError
-from .._secrets import database_url
-from .._tables import OutboxTables, UTCDateTime
+from ..core._engine import create_engine, missing_sqlite_file
+from ..core._errors import ConfigurationError
+from ..core._secrets import database_url
+from ..core._tables import OutboxTables, UTCDateTime
 
 TABLE_NAMES = (
     "outbox_messages", "outbox_keys", "inbox_messages", "inbox_keys", "inbox_parked", "inbox_held",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from .._errors import ConfigurationError
-from .._tables import OutboxStatus
+from ..core._errors import ConfigurationError
+from ..core._tables import OutboxStatus
 from . import _classcache as classcache
 from ._session import DRIVER_JAVA_OPTIONS_ENV, FAST_START
 

@@ -4,7 +4,7 @@
 committed record of the topics through Spark's Kafka source (read_committed,
 earliest to latest offset) and decodes the envelope in Spark: the message id
 as a UUID in any spelling, the envelope's headers by their names in any case
-(as the inbox reads them, ``outbox._wire``). What the records are checked for
+(as the inbox reads them, ``outbox.core._wire``). What the records are checked for
 is ``_wire_findings``.
 """
 
@@ -18,11 +18,11 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from .. import _wire as envelope
-from .._errors import ConfigurationError, OutboxError, SchemaError
-from .._schema import read as read_schema
-from .._tables import OutboxTables
-from .._validation import validate_topic
+from ..core import _wire as envelope
+from ..core._errors import ConfigurationError, OutboxError, SchemaError
+from ..core._schema import read as read_schema
+from ..core._tables import OutboxTables
+from ..core._validation import validate_topic
 from ._session import KAFKA_SOURCE_HINT, require_kafka_source
 from ._tablemap import connect
 

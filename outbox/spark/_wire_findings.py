@@ -28,7 +28,7 @@ import enum
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from .._tables import OutboxStatus
+from ..core._tables import OutboxStatus
 from ._window import Window as Span
 from ._wire import canonical_uuid
 

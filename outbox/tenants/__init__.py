@@ -1,8 +1,8 @@
 """Many tenants, one fleet: tenants in schemas or databases of their own (docs/tenants.md).
 
 The public face of the tenant dimension. What a tenant is and where a fleet's
-tenants come from (``outbox._tenant``), the bound on the ``tenant`` label of
-metrics (``outbox._tenant_labels``) and ``alerts_for_tenant`` (``outbox._alerts``)
+tenants come from (``outbox.core._tenant``), the bound on the ``tenant`` label of
+metrics (``outbox.core._tenant_labels``) and ``alerts_for_tenant`` (``outbox.core._alerts``)
 live on the shared floor, under the relay and the inbox, which use them; this
 package re-exports them. Its own modules stand above the relay: ``_relay`` is
 ``TenantRelay``, one relay process for all the tenants (a scheduler over their
@@ -11,8 +11,8 @@ piece of work for every tenant (one engine per database, each tenant's failure
 isolated and named), as the operations commands do.
 """
 
-from .._alerts import TenantAlertSink, alerts_for_tenant
-from .._tenant import (
+from ..core._alerts import TenantAlertSink, alerts_for_tenant
+from ..core._tenant import (
     MAX_TENANT_NAME,
     Tenant,
     TenantSource,
@@ -24,7 +24,7 @@ from .._tenant import (
     schemas_like,
     tenant_source,
 )
-from .._tenant_labels import OTHER_TENANTS, TenantLabels
+from ..core._tenant_labels import OTHER_TENANTS, TenantLabels
 from ._each import DEFAULT_CONCURRENCY, TenantDatabases, TenantOutcome, each_tenant
 from ._relay import TenantRelay
 

@@ -14,12 +14,12 @@ import threading
 
 from sqlalchemy import Engine
 
-from .._engine import create_engine
-from .._errors import ConfigurationError
-from .._notify import parse_notify_payload
-from .._outage import OutageBackoff, OutageGate
-from .._secrets import database_url
-from .._tenant import Tenant
+from ..core._engine import create_engine
+from ..core._errors import ConfigurationError
+from ..core._notify import parse_notify_payload
+from ..core._outage import OutageBackoff, OutageGate
+from ..core._secrets import database_url
+from ..core._tenant import Tenant
 from ..relay import RelayMetrics, RelayOutages
 from ..relay._wakeup import start_listening
 from ._renewal import LeaseRenewal
@@ -95,7 +95,7 @@ class FleetDatabases:
                                       on_connect=lambda: self.wake_all(db), stop=self._stopping)
 
     def _notified(self, db: FleetDatabase, payload: str) -> None:
-        """A commit in ``db``: wake the tenant of the schema the payload names (``outbox._notify``).
+        """A commit in ``db``: wake the tenant of the schema the payload names (``outbox.core._notify``).
 
         Another process may NOTIFY on the channel: a payload that is not ours wakes nobody.
         """

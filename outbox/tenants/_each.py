@@ -28,11 +28,11 @@ from typing import Generic, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
-from .._engine import create_engine
-from .._errors import ConfigurationError, SchemaError
-from .._outage import is_database_outage
-from .._secrets import database_secrets, scrub
-from .._tenant import Tenant
+from ..core._engine import create_engine
+from ..core._errors import ConfigurationError, SchemaError
+from ..core._outage import is_database_outage
+from ..core._secrets import database_secrets, scrub
+from ..core._tenant import Tenant
 
 T = TypeVar("T")
 

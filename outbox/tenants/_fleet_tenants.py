@@ -22,10 +22,10 @@ from sqlalchemy.exc import ArgumentError
 
 from transports._logsafe import safe_logger
 
-from .._errors import ConfigurationError, SchemaError
-from .._outage import OutageBackoff, first_line, is_database_outage
-from .._schema_claims import SchemaClaims
-from .._tenant import Tenant, TenantSource
+from ..core._errors import ConfigurationError, SchemaError
+from ..core._outage import OutageBackoff, first_line, is_database_outage
+from ..core._schema_claims import SchemaClaims
+from ..core._tenant import Tenant, TenantSource
 from ..relay import RelayStep, TenantRelayMetrics
 from ._databases import FleetDatabases
 from ._schedule import Schedule
@@ -56,7 +56,7 @@ class FleetTenants:
         self._default = default
         self.units: dict[str, Unit] = {}
         self._claims = SchemaClaims()
-        """Which tenant serves each schema, by what its server says (``outbox._schema_claims``)."""
+        """Which tenant serves each schema, by what its server says (``outbox.core._schema_claims``)."""
         self._unfrozen: set[Unit] = set()
         """Tenants built since the heap was last frozen (``freeze_new``)."""
         self._retiring: set[Unit] = set()

@@ -44,16 +44,16 @@ from sqlalchemy import Engine
 from transports import Transport
 from transports._logsafe import safe_logger
 
-from .._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
-from .._cloudevents import CloudEvents
-from .._engine import worker_engine
-from .._errors import ConfigurationError, SchemaError
-from .._outage import first_line, is_database_outage
-from .._outbox import Outbox
-from .._stopping import STOP_TIMEOUT, BoundRun
-from .._tables import OutboxTables
-from .._tenant import TenantsLike, TenantSource, tenant_source
-from .._tenant_labels import TenantLabels
+from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
+from ..core._cloudevents import CloudEvents
+from ..core._engine import worker_engine
+from ..core._errors import ConfigurationError, SchemaError
+from ..core._outage import first_line, is_database_outage
+from ..core._stopping import STOP_TIMEOUT, BoundRun
+from ..core._tables import OutboxTables
+from ..core._tenant import TenantsLike, TenantSource, tenant_source
+from ..core._tenant_labels import TenantLabels
+from ..producer import Outbox
 from ..relay import (
     BatchResult,
     RelayOutages,

@@ -28,8 +28,8 @@ from sqlalchemy import Connection, Engine
 
 from transports._logsafe import safe_logger
 
-from .._engine import worker_engine
-from .._outage import is_database_outage
+from ..core._engine import worker_engine
+from ..core._outage import is_database_outage
 from ._schedule import Schedule
 from ._units import FleetDatabase, Unit
 

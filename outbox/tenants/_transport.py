@@ -20,8 +20,8 @@ from typing import TypeVar
 
 from transports import Record, SendResult, Transport
 
-from .._errors import ConfigurationError
-from .._wire import header_size
+from ..core._errors import ConfigurationError
+from ..core._wire import header_size
 from ..relay._writer import BackgroundWriter
 
 T = TypeVar("T")

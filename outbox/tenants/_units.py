@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from .._outage import OutageGate, OutageTracker
-from .._tenant import Tenant
+from ..core._outage import OutageGate, OutageTracker
+from ..core._tenant import Tenant
 from ..relay import BatchResult, RelayStep
 from ._turn_state import TurnState
 

@@ -31,13 +31,13 @@ from transports import Record
 from transports._errors import ConfigurationError
 from transports.memory import DEFAULT_PARTITIONS, InMemoryBroker, InMemorySource, InMemoryTransport
 
-from .._envelope import Message, new_message_id, serialize_payload, utcnow
-from .._events import event_type_of
-from .._outbox import Outbox
-from .._wire import record_to_message, to_record
+from ..core._envelope import Message, new_message_id, serialize_payload, utcnow
+from ..core._events import event_type_of
+from ..core._wire import record_to_message, to_record
 from ..inbox import Disposition, Inbox
 from ..inbox._delivery import Delivery, decode, delivery
 from ..inbox._settle import Settled
+from ..producer import Outbox
 from ..relay import Relay
 
 _IDLE_BATCHES = 50

@@ -42,7 +42,7 @@ from bench_inbox import inbox_rate
 from bench_publish import measure, quantile
 
 from outbox import Inbox, Outbox, create_engine
-from outbox._sharding import shard_for_key
+from outbox.core._sharding import shard_for_key
 from outbox.testing import local_mariadb, local_postgres
 from outbox.testing._mariadb import sync_driver
 from tests.inbox_support import business
@@ -70,7 +70,7 @@ run has one, its pair 0.53), not explained yet; the median of four pairs absorbs
 *What changed in the library*, each step measured on its own (py-spy and cProfile):
 *Publish (1.85 to ~1.5).* One statement instead of two: a `BEFORE INSERT` trigger bumps the
 key's counter for a keyed row that comes without a seq, holding the counter's row lock to
-commit as the upsert did (`outbox/_mysql.py`; seq order under 8 concurrent writers and
+commit as the upsert did (`outbox/core/_mysql.py`; seq order under 8 concurrent writers and
 "the later BEGIN that commits first gets seq 1" pass on MariaDB). In an interleaved run the
 two-statement publish was 1.77 to 1.82 and the trigger 1.51 to 1.54 of the same baseline.
 *Relay (0.41 to ~0.85).* (1) The "does an earlier row block my key" probe read every earlier row
@@ -87,7 +87,7 @@ by value in Python, a fifth of a batch: both now pass the batch as one JSON para
 (3) The workers ran at READ COMMITTED through SQLAlchemy's `isolation_level` execution option,
 which sends a `SET` at every checkout and another at every checkin: two of the eight round trips
 of a batch (8% of the worker threads' samples). A connection is now switched once, when a worker
-takes it, and back only when the application's engine does (`outbox/_engine.py`). Its upper
+takes it, and back only when the application's engine does (`outbox/core/_engine.py`). Its upper
 bound, measured first: with the server itself at READ COMMITTED and no switching, four
 alternating pairs of inbox runs gave 13,000 to 15,000 msg/s against 12,100 to 13,700 (noisy,
 ~10%). What is left is spread thin: decoding envelopes (pydantic's

@@ -61,7 +61,7 @@ from _race import (
 from _report import markdown_table, write_section
 
 from outbox import Outbox, create_engine
-from outbox._sharding import shard_for_key
+from outbox.core._sharding import shard_for_key
 from outbox.testing import (
     DebeziumOutbox,
     LocalKafka,

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import markdown_table, write_section
 
 from outbox import Outbox, create_engine
-from outbox._sharding import shard_for_key
+from outbox.core._sharding import shard_for_key
 from outbox.testing import local_postgres
 from transports.kafka import embedded_kafka
 
@@ -389,7 +389,7 @@ What two cores allow: one relay process keeps about one core busy with its Pytho
 work per row (decoding the row, building the record, the delivery callback, the
 outcome bookkeeping); its bulk update and commit run on a helper thread, overlapped
 with the next batch. The `outbox relay` command raises CPython's garbage-collector
-thresholds once the relay is built (`outbox/_gc.py`): with the defaults, collections
+thresholds once the relay is built (`outbox/core/_gc.py`): with the defaults, collections
 over the thousands of objects a batch keeps alive took a third of the relay's CPU.
 A second process uses the second core, until the two cores —
 shared by the relays, PostgreSQL (fetch, fenced update, a WAL flush per batch) and the

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import markdown_table, write_section
 
 from outbox import Outbox, create_engine
-from outbox._sharding import shard_for_key
+from outbox.core._sharding import shard_for_key
 from outbox.testing import local_postgres
 from transports.kafka import embedded_kafka
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import markdown_table, write_section
 
 from outbox import Inbox, Outbox, create_engine
-from outbox._wire import to_record
+from outbox.core._wire import to_record
 
 
 class OrderPaid(pydantic.BaseModel):

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ..._envelope import utcnow
-from ..._tables import InboxOutcome
+from ...core._envelope import utcnow
+from ...core._tables import InboxOutcome
 from .._delivery import Delivery
 from ._inserts import GroupStore
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..._errors import ConfigurationError
-from ..._tables import MYSQL_FAMILY
+from ...core._errors import ConfigurationError
+from ...core._tables import MYSQL_FAMILY
 from ._mysql import mysql_storage
 from ._pg import postgres_storage
 from ._sqlite import sqlite_storage

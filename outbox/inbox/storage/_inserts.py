@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from sqlalchemy import Column, Insert, Table
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from ..._tables import OutboxTables
+from ...core._tables import OutboxTables
 
 
 class Inserts(Protocol):

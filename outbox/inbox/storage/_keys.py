@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from sqlalchemy import Update, bindparam, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from ..._tables import OutboxTables
+from ...core._tables import OutboxTables
 from .._delivery import KeyId
 from ._inserts import GroupStore, Inserts
 

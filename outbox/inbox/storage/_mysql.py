@@ -41,9 +41,9 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..._envelope import utcnow
-from ..._mysql import json_rows, json_table
-from ..._tables import InboxOutcome, OutboxTables, name_collation
+from ...core._envelope import utcnow
+from ...core._mysql import json_rows, json_table
+from ...core._tables import InboxOutcome, OutboxTables, name_collation
 from .._delivery import Delivery, KeyId
 from ._dedup import DedupTable
 from ._held import HeldTable

@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, func, select, tuple_
 
-from ..._tables import OutboxTables
-from ..._wire import MAX_SEQ
+from ...core._tables import OutboxTables
+from ...core._wire import MAX_SEQ
 from .._delivery import KeyId
 
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from sqlalchemy import ColumnElement, Row, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from ..._envelope import utcnow
+from ...core._envelope import utcnow
 from .._delivery import Delivery, KeyedDelivery, KeyId
 from .._kinds import Reason
 from ._inserts import GroupStore

@@ -40,9 +40,9 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
-from ..._envelope import utcnow
-from ..._pg_arrays import array_params, int_array, rows_of
-from ..._tables import InboxOutcome, OutboxTables
+from ...core._envelope import utcnow
+from ...core._pg_arrays import array_params, int_array, rows_of
+from ...core._tables import InboxOutcome, OutboxTables
 from .._delivery import Delivery, KeyedDelivery, KeyId
 from .._kinds import Reason
 from ._dedup import DedupTable

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from ..._envelope import Message
+from ...core._envelope import Message
 from .._delivery import Delivery, OrderedDelivery, Origin, delivery
 
 

@@ -16,8 +16,8 @@ from sqlalchemy import Row, and_, bindparam, func, or_, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from ..._envelope import utcnow
-from ..._tables import OutboxTables
+from ...core._envelope import utcnow
+from ...core._tables import OutboxTables
 from .._delivery import Delivery, KeyId
 from ._dedup import DedupTable
 from ._held import HeldTable

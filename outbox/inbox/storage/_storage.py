@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from ..._envelope import utcnow
-from ..._tables import OutboxTables
+from ...core._envelope import utcnow
+from ...core._tables import OutboxTables
 from .._delivery import Delivery, KeyedDelivery
 from .._kinds import Reason
 from ._dedup import DedupRecords

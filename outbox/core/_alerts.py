@@ -151,7 +151,7 @@ class WebhookAlertSink:
 
     A webhook URL is often a secret as a whole (Slack's key is its path, others
     take a ``?token=``), so logs, ``repr`` and errors show only its scheme, host
-    and port (``outbox._secrets.webhook_url``); a failed POST raises
+    and port (``outbox.core._secrets.webhook_url``); a failed POST raises
     ``WebhookDeliveryError`` with the status or the reason and nothing of the
     URL's rest.
     """

@@ -131,7 +131,7 @@ def _raw_mysql_outage(error: BaseException) -> bool:
     """A MySQL driver's own error that SQLAlchemy let through unwrapped.
 
     A checked-out connection's isolation level (the relay's and inbox's READ
-    COMMITTED, and back, ``outbox._engine._keep_levels``) is set outside
+    COMMITTED, and back, ``outbox.core._engine._keep_levels``) is set outside
     SQLAlchemy's error wrapping, so a pooled connection the server dropped
     surfaces there as the driver's bare error.
     """

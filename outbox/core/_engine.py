@@ -159,7 +159,7 @@ def _keep_levels(connection: Connection) -> None:
     Runs for every connection of the root engine and of its copies (they share
     its events). Only a change of hands between a worker and the application
     costs a statement. The level is set outside SQLAlchemy's error wrapping, so
-    a dead connection raises the driver's own error (``outbox._outage`` counts
+    a dead connection raises the driver's own error (``outbox.core._outage`` counts
     it as an outage); the connection is invalidated first, so the pool does not
     hand it out again.
     """

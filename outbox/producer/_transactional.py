@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from ._errors import ConfigurationError
+from ..core._errors import ConfigurationError
 
 _Call = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 

@@ -26,8 +26,8 @@ from sqlalchemy import Executable, Insert, Text, bindparam, func, insert, litera
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
-from ._errors import ConfigurationError
-from ._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
+from ..core._errors import ConfigurationError
+from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
 

@@ -5,7 +5,7 @@ Two tenants whose URLs spell one database in two ways (``localhost`` and
 one schema in it share their tables: a relay would send that schema's rows
 under whichever tenant took the leases first, an inbox would apply a message
 id once for both. ``SchemaClaims`` compares the schemas' identities
-(``outbox._identity``) instead:
+(``outbox.core._identity``) instead:
 
 - ``refuse_shared`` checks a whole reading of the tenant source at once, as
   the duplicate names are checked: the reading is refused, by name. A tenant

@@ -12,13 +12,13 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import _schema
+from ..core import _schema
+from ..core._errors import ConfigurationError
+from ..core._schema import DEFAULT_SHARDS as DEFAULT_SHARDS
+from ..core._schema import StoredSchema
+from ..core._tables import OutboxTables
 from ._async_outbox import AsyncOutbox, publish_in
-from ._errors import ConfigurationError
 from ._outbox_base import DEFAULT_MAX_PAYLOAD_BYTES, MAX_DELAY, OutboxBase, engine_of
-from ._schema import DEFAULT_SHARDS as DEFAULT_SHARDS
-from ._schema import StoredSchema
-from ._tables import OutboxTables
 from ._transactional import wrap_async, wrap_sync
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "DEFAULT_SHARDS", "MAX_DELAY", "Outbox"]

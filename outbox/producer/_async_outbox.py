@@ -11,11 +11,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from . import _schema
-from ._errors import ConfigurationError
+from ..core import _schema
+from ..core._errors import ConfigurationError
+from ..core._schema import StoredSchema
+from ..core._tables import OutboxTables
 from ._outbox_base import DEFAULT_MAX_PAYLOAD_BYTES, OutboxBase, engine_of
-from ._schema import StoredSchema
-from ._tables import OutboxTables
 from ._transactional import wrap_async
 
 P = ParamSpec("P")

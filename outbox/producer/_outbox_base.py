@@ -17,9 +17,9 @@ from sqlalchemy import Connection, CursorResult, Engine, Pool, Result
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import _schema
-from ._envelope import BYTES, TEXT, new_message_id, serialize_payload, utcnow
-from ._errors import (
+from ..core import _schema
+from ..core._envelope import BYTES, TEXT, new_message_id, serialize_payload, utcnow
+from ..core._errors import (
     ConfigurationError,
     InvalidContentTypeError,
     InvalidDelayError,
@@ -27,14 +27,13 @@ from ._errors import (
     PayloadTooLargeError,
     RecordTooLargeError,
 )
-from ._events import event_type_of, known_event_type
-from ._notify import notify_payload
-from ._schema import StoredSchema
-from ._sharding import shard_for_key
-from ._statements import NOTIFY_PAYLOAD, PublishStatements
-from ._tables import MYSQL_FAMILY, OutboxTables
-from ._tracing import with_current_context
-from ._validation import (
+from ..core._events import event_type_of, known_event_type
+from ..core._notify import notify_payload
+from ..core._schema import StoredSchema
+from ..core._sharding import shard_for_key
+from ..core._tables import MYSQL_FAMILY, OutboxTables
+from ..core._tracing import with_current_context
+from ..core._validation import (
     checked_event_type,
     checked_headers,
     checked_key,
@@ -43,7 +42,8 @@ from ._validation import (
     validate_identifier,
     validate_topic,
 )
-from ._wire import envelope_size, event_type_size, header_size
+from ..core._wire import envelope_size, event_type_size, header_size
+from ._statements import NOTIFY_PAYLOAD, PublishStatements
 
 Destination = tuple[Pool, str | None]
 """Where a publish's row goes: a database (its engine's pool) and a schema in it (None: the default).
