@@ -46,6 +46,9 @@ from ._validation import validate_identifier
 MYSQL_FAMILY = ("mysql", "mariadb")
 """SQLAlchemy's dialect names for MySQL and MariaDB (``mariadb://`` URLs name the second)."""
 
+SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
+"""The databases the producer, the relay and the inbox run on (SQLAlchemy's dialect names)."""
+
 # The shortest identifier limit among the supported databases: PostgreSQL's 63 bytes
 # (MySQL's is 64). A longer name is truncated by PostgreSQL and refused by MySQL.
 MAX_IDENTIFIER_LENGTH = 63

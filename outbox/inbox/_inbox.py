@@ -27,10 +27,9 @@ from ..core._envelope import Message
 from ..core._errors import ConfigurationError
 from ..core._foreign import ForeignEnvelope
 from ..core._stopping import STOP_TIMEOUT, RunOnce
-from ..core._tables import OutboxTables
+from ..core._tables import SUPPORTED_DIALECTS, OutboxTables
 from ..core._tenant import Tenant, TenantsLike, tenant_source
 from ..core._tenant_labels import TenantLabels
-from ..producer._statements import SUPPORTED_DIALECTS
 from ._alerting import Alerter
 from ._delivery import Delivery, decode, delivery
 from ._kinds import ForeignRecords, StartPolicy, UnknownEvents

@@ -27,9 +27,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
 from ..core._errors import ConfigurationError
-from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
-
-SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
+from ..core._tables import MYSQL_FAMILY, SUPPORTED_DIALECTS, OutboxStatus, OutboxTables
 
 NOTIFY_PAYLOAD = "notify_payload"
 """The parameter of PostgreSQL's statements that holds the NOTIFY payload (``_notify``)."""
