@@ -22,8 +22,9 @@ from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError
 from ..core._secrets import database_secrets, scrub
 from ..core._tables import OutboxTables
+from ..inbox import Reason
 from ..ops import Database, trace_key, trace_message
-from ..ops._trace import DEFAULT_LIMIT, MAX_LIMIT
+from ..ops._trace import DEFAULT_LIMIT, MAX_LIMIT, State
 from . import app
 from ._db import open_engine
 from ._errors import naming
@@ -107,19 +108,19 @@ def describe_group(g: dict[str, Any], now: datetime) -> str:
     """One consumer group's state of a message, as a sentence."""
     state = g["state"]
     where = "" if g.get("partition") is None else f" from partition {g['partition']} offset {g['offset']}"
-    if state == "applied":
+    if state == State.APPLIED:
         return f"applied {_when(g['processed_at'], now)}{where}, {g['deliveries']} delivery(ies)"
-    if state == "discarded":
+    if state == State.DISCARDED:
         return f"discarded {_when(g['processed_at'], now)}{where}: {g['note'] or ''}"
-    if state == "parked":
-        if g["reason"] == "key_parked" and not g["attempts"]:
+    if state == State.PARKED:
+        if g["reason"] == Reason.KEY_PARKED and not g["attempts"]:
             cause = (f"parked behind seq {g['parked_behind_seq']} of its key" if g["parked_behind_seq"]
                      else "parked behind its key")
             return f"{cause} (never ran), since {_when(g['first_failure_at'], now)}"
         error = (g["error"] or "").strip().splitlines()
         return (f"parked ({g['reason']}) after {g['attempts']} attempt(s), last "
                 f"{_when(g['last_failure_at'], now)}" + (f": {error[-1][:120]}" if error else ""))
-    if state == "held":
+    if state == State.HELD:
         return f"held since {_when(g['received_at'], now)}, waiting for seq {g['waiting_for_seq']}{where}"
     past = g.get("key_last_seq")
     return "never seen" + (f" (the group's key is at seq {past})" if past else "")

@@ -24,6 +24,7 @@ messages still waiting anywhere; trace a sent message by its id.
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,17 +39,22 @@ from transports._errors import InvalidTopicError, validate_topic
 from ..core._errors import ConfigurationError, MessageValidationError
 from ..core._identity import schema_identity
 from ..core._secrets import database_secrets, scrub
+from ..core._tables import InboxOutcome, OutboxTables
 from ..core._tables import OutboxStatus as Status
-from ..core._tables import OutboxTables
 from ..core._validation import checked_event_type, checked_key, shown
+from ..inbox import Reason
 
 VERSION = 1
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 500
 
 
-class State:
-    """A message's state in one consumer group (the ``state`` of a group entry)."""
+class State(enum.StrEnum):
+    """A message's state in one consumer group (the ``state`` of a group entry).
+
+    A ``StrEnum``: a member is its value, so the JSON document and the templates
+    read the same strings as before.
+    """
 
     APPLIED = "applied"
     DISCARDED = "discarded"
@@ -182,7 +188,7 @@ def _in_group(conn: Connection, t: OutboxTables, group: str, message_id: uuid.UU
                               i.processed_at, i.deliveries, i.outcome, i.note)
                        .where(i.consumer_group == group, i.message_id == message_id)).first()
     if row is not None:
-        return {"state": State.DISCARDED if row.outcome == "discarded" else State.APPLIED,
+        return {"state": State.DISCARDED if row.outcome == InboxOutcome.DISCARDED else State.APPLIED,
                 "topic": row.topic, "key": row.key, "seq": row.seq, "partition": row.kafka_partition,
                 "offset": row.kafka_offset, "received_at": _iso(row.received_at),
                 "processed_at": _iso(row.processed_at), "deliveries": row.deliveries, "note": row.note}
@@ -192,7 +198,7 @@ def _in_group(conn: Connection, t: OutboxTables, group: str, message_id: uuid.UU
                        .where(p.consumer_group == group, p.message_id == message_id)).first()
     if row is not None:
         behind = None
-        if row.key is not None and row.reason == "key_parked":
+        if row.key is not None and row.reason == Reason.KEY_PARKED:
             behind = _first_parked_seq(conn, t, group, row.topic, row.key)
         return {"state": State.PARKED, "topic": row.topic, "key": row.key, "seq": row.seq,
                 "event_type": row.event_type,
