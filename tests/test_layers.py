@@ -52,6 +52,54 @@ def test_console_and_ops_read_the_inbox_through_its_public_admin_api() -> None:
     assert private == []
 
 
+FLOORS = {
+    "core": set(),
+    "producer": {"core"},
+    "inbox": {"core"},
+    "relay": {"core", "producer"},
+    "faststream": {"core", "inbox"},
+    "tenants": {"core", "producer", "inbox", "relay"},
+}
+"""Which packages of ``outbox`` each lower package may import: the shared floor (``core``) none,
+the producer and the inbox side by side on it, the relay on the producer (it is configured by an
+``Outbox``), and the fleet on those. ``outbox`` itself (the public face) is above them all."""
+
+
+def _outbox_packages_imported(root, path) -> set[str]:
+    """The packages of ``outbox`` (or ``outbox`` itself) that one file imports, lazily or not."""
+    import ast
+
+    package = ["outbox", *path.relative_to(root).parts[:-1]]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            named = node.module.split(".") if node.module else []
+            module = package[: len(package) - node.level + 1] + named if node.level else named
+            targets = [module] if len(module) > 1 else [[*module, a.name] for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name.split(".") for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target[0] == "outbox":
+                found.add(target[1] if len(target) > 1 and (root / target[1]).is_dir() else "outbox")
+    return found
+
+
+@pytest.mark.parametrize("floor", sorted(FLOORS))
+def test_the_lower_packages_import_only_the_floors_below_them(floor: str) -> None:
+    """``outbox/core`` imports no package above it, producer and inbox only ``core``, and so on up."""
+    import pathlib
+
+    import outbox
+
+    root = pathlib.Path(outbox.__file__).parent
+    upward = [f"{path.relative_to(root)} imports {'outbox' if name == 'outbox' else 'outbox.' + name}"
+              for path in sorted((root / floor).rglob("*.py"))
+              for name in sorted(_outbox_packages_imported(root, path) - {floor} - FLOORS[floor])]
+    assert upward == []
+
+
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
 PRIVATE_IMPORTS_IN_TESTS = 110
