@@ -20,8 +20,8 @@ from outbox import (
     OutboxTables,
     PayloadTooLargeError,
     UnserializablePayloadError,
-    _validation,
 )
+from outbox.core import _validation
 from outbox.core._envelope import BYTES
 from outbox.core._validation import validate_content_type
 from outbox.core._wire import envelope_size

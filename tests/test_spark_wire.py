@@ -23,11 +23,10 @@ from typer.testing import CliRunner
 from outbox import ConfigurationError, Outbox, Relay
 from outbox.cli import app
 from outbox.core._wire import to_record
-from outbox.spark import AuditResult, Window, Wire, audit
+from outbox.spark import AuditResult, Window, Wire, WireUnreachableError, audit
 from outbox.spark import _session as session_module
 from outbox.spark._report import build_summary, wire_summary
 from outbox.spark._session import KAFKA_SOURCE_HINT, kafka_source_jars, require_kafka_source
-from outbox.spark._wire import WireUnreachableError
 from transports.kafka import KafkaTransport
 
 pytestmark = pytest.mark.spark

@@ -21,7 +21,7 @@ from ._replay import REPLAY_HEADER, ArchiveReplayResult, replay
 from ._session import spark_session
 from ._source import read_table
 from ._window import Window
-from ._wire import Wire
+from ._wire import Wire, WireUnreachableError
 
 ReplayResult = ArchiveReplayResult
 """The name of earlier releases for ``ArchiveReplayResult``, kept for one release.
@@ -38,6 +38,7 @@ __all__ = [
     "ReplayResult",
     "Window",
     "Wire",
+    "WireUnreachableError",
     "archive",
     "audit",
     "read_table",
