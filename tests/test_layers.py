@@ -113,8 +113,8 @@ NOTIFY payload (``_notify``), the timing wheel, outage classification and backof
 ``_schema``'s version), the inbox's runner stages that the model test plays itself
 (``inbox._delivery``, ``_offsets``, ``_schedule``), inbox settings and sessions, relay statements,
 leases, rows and its writer thread, the Spark session's Kafka-source jar lookup and the audit
-summary's wire verdict (``spark._session``, ``spark._report``: tested apart from a Spark run), the worker commands'
-stop latch, the inbox's partition checks,
+summary's wire verdict (``spark._session``, ``spark._report``: tested apart from a Spark run),
+the worker commands' stop latch, the inbox's partition checks,
 the event registry (emptied for each docs page), housekeeping, Spark, console, CLI and ops internals; and
 ``transports._errors`` in the transports' own tests (``transports`` has no public error module, and
 importing them from ``outbox`` would invert the layering there); a database's identity (``_identity``).
