@@ -9,7 +9,8 @@ The rules that keep per-key order live here:
   was not delivered;
 - a key stops at its first row that was not delivered: that row gets its
   attempt count, error and next attempt time (retry) or ``failed`` status,
-  and the key's later rows stay pending, untouched.
+  and the key's later rows stay pending, untouched (decided in ``_outcomes``,
+  written here).
 
 A record to be retried because the broker did not answer about it
 (``SendResult.unreachable``: no report in time, the connection down) waited for
@@ -38,34 +39,31 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any, TypedDict
 
 import tenacity
 from sqlalchemy import Connection, Engine
 
-from transports import Outcome, SendResult, Transport
+from transports import SendResult, Transport
 from transports._logsafe import safe_logger
 
 from ..core._alerts import Alert, AlertKind, AlertSink, deliver
 from ..core._cloudevents import CloudEvents
 from ..core._envelope import utcnow
-from ..core._outage import OutageBackoff, OutageTracker, delay_before, is_database_outage
+from ..core._outage import OutageTracker, is_database_outage
 from ..core._tracing import INSTALLED as TRACING_INSTALLED
 from ..core._tracing import start_send
 from ..core._wheel import TimingWheel
 from ._exactly_once import ExactlyOnce
 from ._metrics import RelayMetrics
+from ._outcomes import ROW_ID, ROW_KEY, ROW_SHARD, ROW_TOPIC, Plan, Planner
 from ._rows import RowEncoder, safe_reason
-from ._sql import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
+from ._sql import Marks, RelayStatements
 from ._unreadable import find_unreadable
 from ._writer import BackgroundWriter, Writer
 
 log = safe_logger("outbox.relay")
 
-# Positions in a fetched row (``_sql.ROW_COLUMNS``).
-_ID, _TOPIC, _KEY, _SHARD, _CREATED = (
-    ROW_COLUMNS.index(name) for name in ("id", "topic", "key", "shard", "created_at"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,31 +92,6 @@ class _Written(TypedDict):
     retried: int
     failed: int
     fenced: int
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A batch's decided outcomes, ready to be written."""
-
-    now: datetime
-    published: Marks
-    published_topics: dict[str, int]
-    retried: Marks
-    postponed: Marks
-    """Rows to retry without counting an attempt: the broker did not answer about them (an outage)."""
-    failed: list[tuple[Any, int, str]]
-    stopped: set[tuple[str, str]]
-    """Keys whose head was retried or failed: they wait until the write commits."""
-    error: str | None
-    """The first retriable error."""
-    broker_unreachable: bool
-    """An outage with no record refused: not the gap-less stop after a refused record, whose
-    followers come back purged without an answer from a broker that is up."""
-
-
-BROKER_OUTAGE_BACKOFF = OutageBackoff(first=0.2)
-"""When rows the broker did not answer about are sent again: 0.2 s, doubling per batch that left
-records unanswered, at most 5 s."""
 
 
 class BatchRunner:
@@ -159,7 +132,7 @@ class BatchRunner:
         self._writing: Future[_Written] | None = None
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
-        self._outage_batches = 0  # consecutive batches with records the broker did not answer about
+        self._planner = Planner(wheel, metrics, backoff)
         # This database's identity, in every envelope.
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
@@ -202,7 +175,8 @@ class BatchRunner:
         # than building its record.
         sendable = rows if not (len(wheel) or held) else [
             r for r in rows
-            if r[_KEY] is None or ((r[_TOPIC], r[_KEY]) not in wheel and (r[_TOPIC], r[_KEY]) not in held)
+            if r[ROW_KEY] is None
+            or ((r[ROW_TOPIC], r[ROW_KEY]) not in wheel and (r[ROW_TOPIC], r[ROW_KEY]) not in held)
         ]
         # Each row is encoded on its own: one that can never be a record fails alone (``_rows``).
         records, sendable, unsendable = self._encoder.records(sendable)
@@ -212,14 +186,14 @@ class BatchRunner:
         if not records:
             results: list[SendResult] = []
         elif self.exactly_once is not None:
-            results = self.exactly_once.send(records, [(r[_ID], r[_SHARD]) for r in sendable])
+            results = self.exactly_once.send(records, [(r[ROW_ID], r[ROW_SHARD]) for r in sendable])
         else:
             results = self.transport.publish(records)
         if traced is not None:
             traced.finish(results)
         if len(results) != len(records):
             raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
-        plan = self._plan(sendable, results, owned, unsendable)
+        plan = self._planner.plan(sendable, results, owned, unsendable)
         try:
             self.finish()  # at most one write in flight, and in batch order
         except Exception as exc:
@@ -273,75 +247,7 @@ class BatchRunner:
             self._own_writer.shutdown()
             self._own_writer = self._writer = None
 
-    def _plan(self, rows: Sequence[Any], results: list[SendResult], owned: dict[int, int],
-              unsendable: list[tuple[Any, str]]) -> _Plan:
-        """Decide every row's outcome (and schedule retries in the wheel); no SQL.
-
-        ``unsendable`` rows were not sent: they fail, and their keys wait like a failed head's.
-        """
-        retried, postponed = empty_marks(), empty_marks()
-        # A record retried for want of an answer waited for an outage, not for its own fault:
-        # postponed, no attempt counted, even when others of the batch were delivered. A
-        # retriable error the broker returned still counts. Nothing delivered and every retry
-        # unanswered: the broker is down (logged by the relay).
-        retries = [res for res in results if res.outcome is not Outcome.FAILED]
-        outage = bool(retries) and all(
-            res.outcome is Outcome.RETRY and res.unreachable for res in retries)
-        unanswered = any(res.outcome is Outcome.RETRY and res.unreachable for res in retries)
-        outage_delay = BROKER_OUTAGE_BACKOFF.delay(self._outage_batches + 1)
-        if unanswered:
-            self._outage_batches += 1
-        elif results:
-            self._outage_batches = 0
-        ids: list[int] = []
-        shards: list[int] = []
-        epochs: list[int] = []
-        partitions: list[int | None] = []
-        offsets: list[int | None] = []
-        published = Marks(ids, shards, epochs, {"kafka_partition": partitions, "kafka_offset": offsets})
-        failed: list[tuple[Any, int, str]] = [(row, owned[row[_SHARD]], error) for row, error in unsendable]
-        published_topics: dict[str, int] = {}
-        stopped: set[tuple[str, str]] = {
-            (row[_TOPIC], row[_KEY]) for row, _ in unsendable if row[_KEY] is not None}
-        error: str | None = None
-        now, mono = utcnow(), time.monotonic()
-        delivered = Outcome.DELIVERED
-        for row, res in zip(rows, results, strict=True):
-            key = (row[_TOPIC], row[_KEY]) if row[_KEY] is not None else None
-            if key is not None and stopped and key in stopped:
-                continue
-            shard = row[_SHARD]
-            epoch = owned[shard]
-            if res.outcome is delivered:
-                ids.append(row[_ID])
-                shards.append(shard)
-                epochs.append(epoch)
-                partitions.append(res.partition)
-                offsets.append(res.offset)
-                topic = row[_TOPIC]
-                published_topics[topic] = published_topics.get(topic, 0) + 1
-                continue
-            if key is not None:
-                stopped.add(key)
-            if res.outcome is Outcome.FAILED:
-                failed.append((row, epoch, res.error or "failed"))
-            else:
-                error = error or res.error
-                delay = outage_delay if res.unreachable else self._delay(_attempts(row) + 1)
-                # From the later of the two clocks: a publisher ahead of this relay by more
-                # than the delay would otherwise get available_at <= created_at, which the
-                # fetch reads as "due, never pushed back" (no backoff, key not held).
-                base = max(now, row[_CREATED])
-                add_mark(postponed if res.unreachable else retried, row.id, row.shard, epoch,
-                         available_at=base + timedelta(seconds=delay), last_error=res.error)
-                self.metrics.retried.labels(row.topic).inc()
-                # The wheel holds the key back and wakes the relay; the row is the truth.
-                wheel_key = key if key is not None else (row.topic, str(row.message_id))
-                self.wheel.schedule(wheel_key, mono + delay)
-        return _Plan(now, published, published_topics, retried, postponed, failed, stopped, error,
-                     broker_unreachable=outage and not failed)
-
-    def _write_behind(self, plan: _Plan) -> _Written:
+    def _write_behind(self, plan: Plan) -> _Written:
         """``_write`` on the writer: a database outage is told when it happens, not when it is waited for.
 
         The next batch may wait for this write only after the outage is over
@@ -356,7 +262,7 @@ class BatchRunner:
             self.database_outage.failed(exc)
             return {"published": 0, "retried": 0, "failed": 0, "fenced": 0}
 
-    def _write(self, plan: _Plan) -> _Written:
+    def _write(self, plan: Plan) -> _Written:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
         published, failed = plan.published, plan.failed
         with self.engine.begin() as conn:
@@ -414,11 +320,3 @@ class BatchRunner:
                 changed.append((row, error))
         return changed
 
-    def _delay(self, attempt: int) -> float:
-        return delay_before(self.backoff, attempt)
-
-
-def _attempts(row: Any) -> int:
-    """The row's attempt count; a hand-written row may hold anything there (SQLite)."""
-    attempts = row.attempts
-    return attempts if type(attempts) is int and attempts >= 0 else 0
