@@ -35,7 +35,7 @@ from typing import Any
 
 from ._envelope import BYTES, Message, utcnow
 from ._errors import ConfigurationError
-from ._validation import MAX_KEY_LENGTH, checked_event_type, folded, validate_content_type
+from ._validation import checked_event_type, folded, record_key, validate_content_type
 
 SPECVERSION = "1.0"
 CE_SPECVERSION = "ce_specversion"
@@ -221,13 +221,4 @@ def cloudevent_to_message(*, topic: str, key: bytes | None, value: bytes | None,
 
 
 def _key(raw: bytes | None) -> str | None:
-    if raw is None:
-        return None
-    try:
-        key = raw.decode()
-    except UnicodeDecodeError:
-        raise CloudEventRecordError("CloudEvent's record key is not UTF-8 text") from None
-    if not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
-        raise CloudEventRecordError(f"CloudEvent's key must be 1-{MAX_KEY_LENGTH} characters without NUL, "
-                                    f"got {key[:40]!r}")
-    return key
+    return record_key(raw, lambda why: CloudEventRecordError("CloudEvent's " + why))

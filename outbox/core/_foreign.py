@@ -39,7 +39,7 @@ from transports import Record
 from ._cloudevents import CE_SPECVERSION
 from ._envelope import BYTES, JSON, Message, utcnow
 from ._errors import ConfigurationError
-from ._validation import MAX_KEY_LENGTH, checked_event_type, folded, validate_content_type
+from ._validation import checked_event_type, folded, record_key, validate_content_type
 from ._wire import CONTENT_TYPE, ENVELOPE_HEADERS, ForeignRecordError
 
 # Both fixed forever: a redelivery must get the id its first delivery got.
@@ -203,16 +203,7 @@ def record_time(record: Record) -> datetime:
 
 
 def _key(raw: bytes | None) -> str | None:
-    if raw is None:
-        return None
-    try:
-        key = raw.decode()
-    except UnicodeDecodeError:
-        raise ForeignRecordError("record key is not UTF-8 text") from None
-    if not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
-        raise ForeignRecordError(f"record key must be 1-{MAX_KEY_LENGTH} characters without NUL, "
-                                 f"got {len(key)} characters: {key[:40]!r}")
-    return key
+    return record_key(raw, lambda why: ForeignRecordError("" + why))
 
 
 def _content_type(raw: bytes | None, envelope: ForeignEnvelope, tombstone: bool) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import string
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # Topic names are checked where transports check them too (the lowest layer).
@@ -223,3 +223,20 @@ def validate_identifier(value: str, what: str, *, allow_empty: bool = False) -> 
             "(not starting with a digit, at most 41 characters)"
         )
     return value
+
+
+def record_key(raw: bytes | None, refused: Callable[[str], Exception]) -> str | None:
+    """A received record's key as a message key: ``None`` stays ``None``; anything else must be
+    1-``MAX_KEY_LENGTH`` characters of UTF-8 without NUL, as ``publish()`` demands, or
+    ``refused(why)`` is raised (the reader's own error: a CloudEvent's, a foreign record's)."""
+    if raw is None:
+        return None
+    try:
+        key = raw.decode()
+    except UnicodeDecodeError:
+        raise refused("record key is not UTF-8 text") from None
+    if not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
+        raise refused(f"record key must be 1-{MAX_KEY_LENGTH} characters without NUL, "
+                      f"got {len(key)} characters: {key[:40]!r}")
+    return key
+
