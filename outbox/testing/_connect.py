@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -33,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from ._jvm import HOST, JVM_OPTIONS, LOG4J2, ended, launcher, started
+from ._jvm import HOST, JVM_OPTIONS, LOG4J2, kill, launcher, started, terminate
 from ._kafka_libs import bundle_libs, java
 from ._ports import PortNotBound, check_bound, free_port
 
@@ -325,22 +324,13 @@ class LocalKafkaConnect(ConnectRest):
         if not self.running:
             return
         assert self._process is not None
-        self._process.send_signal(signal.SIGTERM)
-        try:
-            self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        ended(self._process)
+        terminate(self._process, timeout)
 
     def kill(self) -> None:
         """SIGKILL: gone at once; the source offsets not flushed yet are lost, so their records come again."""
         if self._process is None:
             return
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
-        ended(self._process)
+        kill(self._process)
 
     def close(self) -> None:
         """Kill the worker and delete its directory (offsets and logs): it was a throwaway."""

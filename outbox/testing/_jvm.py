@@ -63,3 +63,22 @@ def started(process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
 def ended(process: subprocess.Popen[bytes]) -> None:
     """``process`` was stopped or killed: nothing to kill at exit."""
     _running.discard(process)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM (the JVM's controlled shutdown), SIGKILL if it has not ended after ``timeout`` s."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    ended(process)
+
+
+def kill(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL unless it has ended already; waited for, so no zombie is left."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    ended(process)

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from ._jvm import HOST, JVM_OPTIONS, LOG4J2, ended, launcher, started
+from ._jvm import HOST, JVM_OPTIONS, LOG4J2, kill, launcher, started, terminate
 from ._ports import check_bound
 
 STOP_TIMEOUT = 30.0
@@ -162,22 +162,13 @@ class KafkaNode:
             return
         assert self._process is not None
         self.thaw()
-        self._process.terminate()
-        try:
-            self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        ended(self._process)
+        terminate(self._process, timeout)
 
     def kill(self) -> None:
         """SIGKILL: the process is gone at once, nothing flushed, nobody told (a crashed host)."""
         if self._process is None:
             return
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
-        ended(self._process)
+        kill(self._process)
         self.frozen = False
 
     def freeze(self) -> None:
