@@ -131,6 +131,9 @@ class FleetTenants:
         for unit in list(self.units.values()):
             if unit.step is not None or unit.removed or time.monotonic() < unit.retry_at:
                 continue
+            with self._schedule.lock:  # removed and added again: its old unit ends its last step first
+                if any(old.tenant.name == unit.tenant.name for old in self._retiring):
+                    continue
             db = unit.db
             if db.gate.admit() is not None:
                 continue  # its database is down: one caller at a time probes it
