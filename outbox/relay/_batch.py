@@ -255,13 +255,15 @@ class BatchRunner:
         finally:
             self._busy, self._held = [], set()
 
-    def mark_committed(self, shard: int, epoch: int, ids: list[int]) -> None:
-        """Mark rows a committed transaction carried published (exactly-once take-over), fenced."""
+    def mark_committed(self, shard: int, epoch: int, ids: list[int]) -> bool:
+        """Mark rows a committed transaction carried published (exactly-once take-over), fenced;
+        whether the lease still held (some of the rows may have been marked before: no count tells)."""
         n = len(ids)
         unknown: list[Any] = [None] * n  # their partitions and offsets are the broker's to say
         marks = Marks(ids, [shard] * n, [epoch] * n, {"kafka_partition": unknown, "kafka_offset": unknown})
         with self.engine.begin() as conn:
             self.sql.published(conn, self.worker_id, marks, utcnow())
+            return self.sql.holds(conn, self.worker_id, shard, epoch)
 
     def close(self) -> None:
         try:
@@ -364,8 +366,11 @@ class BatchRunner:
             self.sql.retried(conn, self.worker_id, plan.retried)
             self.sql.postponed(conn, self.worker_id, plan.postponed)
             newly_failed = self._mark_failed(conn, failed)
-        if self.exactly_once is not None:
-            self.exactly_once.marked(published.ids)  # no later progress record needs to name them
+        if self.exactly_once is not None and marked == len(published.ids):
+            # No later progress record needs to name them. A mark fenced (a lease lost) leaves
+            # its rows pending: they stay "committed" in memory, so a batch the worker runs on
+            # the lost lease before its renewal noticed never sends them again.
+            self.exactly_once.marked(published.ids)
         for topic, n in plan.published_topics.items():
             self.metrics.published.labels(topic).inc(n)
         self._alert_failed(newly_failed)

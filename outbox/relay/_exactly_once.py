@@ -100,12 +100,12 @@ class ExactlyOnce:
     """A relay's transactional sending, a producer per owned shard (module doc).
 
     ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
-    transaction of its own; ``timeout`` bounds each broker call (the transport's
-    delivery timeout).
+    transaction of its own, and says whether the lease still held; ``timeout`` bounds
+    each broker call (the transport's delivery timeout).
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
-                 progress_topic: str, mark: Callable[[int, int, list[int]], None], timeout: float) -> None:
+                 progress_topic: str, mark: Callable[[int, int, list[int]], bool], timeout: float) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
             raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
@@ -195,8 +195,9 @@ class ExactlyOnce:
         """Mark the rows the shard's committed progress names published (a database error raises)."""
         with self._lock:
             named = sorted(state.unmarked)
-        if named:
-            self._mark(shard, state.epoch, named)  # a database outage raises: recovered later
+        # A database outage raises: recovered later. A lease lost meanwhile leaves them named:
+        # a batch run on it before the renewal noticed must not send them again.
+        if named and self._mark(shard, state.epoch, named):
             log.info("shard %d: %d rows a transaction had committed marked published, not sent again",
                      shard, len(named))
             self.marked(named)

@@ -1,0 +1,130 @@
+"""Exactly once on the wire, attacked: schedules and inputs the mode's first proofs did not try.
+
+Each test runs on Apache Kafka and reads the topic back read_committed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _relay_helpers import drain, publish, rows, wait_for
+
+from outbox import Outbox, Relay, create_engine
+from transports import Record
+from transports.kafka import KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = pytest.mark.kafka
+
+MESSAGE_ID = "outbox-message-id"
+
+
+@pytest.fixture
+def outbox(sqlite_db: str) -> Iterator[Outbox]:
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=2)
+    ob.create_tables()
+    yield ob
+    engine.dispose()
+
+
+@pytest.fixture
+def progress_topic(topic: str) -> str:
+    return f"{topic}-progress"
+
+
+def relay(outbox: Outbox, kafka: str, progress_topic: str, **kwargs: Any) -> Relay:
+    return Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                 progress_topic=progress_topic, lease_ttl=1.0, **kwargs)
+
+
+def copies(records: list[Record]) -> Counter[bytes]:
+    return Counter(dict(r.headers)[MESSAGE_ID] for r in records)
+
+
+def test_a_relay_whose_mark_was_fenced_never_sends_those_rows_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay commits a batch, then stalls past its lease before the mark; another relay takes
+    the shards in the database (it has not made their producers yet). The stalled relay's mark is
+    fenced, and its worker's next batch runs on the leases it still believes it holds (``Relay.run``
+    renews them on another thread): the rows its transaction carried are pending again. Its Kafka
+    producer is not fenced yet, so whatever it sends commits. It must not send them again."""
+    keys = [f"k{i % 3}" for i in range(12)]
+    publish(outbox, topic, keys)
+    stalled = relay(outbox, kafka, progress_topic, worker_id="stalled")
+    taker = relay(outbox, kafka, progress_topic, worker_id="taker")
+    batch = stalled._step._batch
+    real_write = batch._write
+
+    def stall_then_write(plan: Any) -> Any:
+        # Frozen past the lease: the taker takes every shard in the database meanwhile.
+        wait_for(lambda: len(taker._step.maintain_leases()) == 2, 30, "the taker holding the shards",
+                 interval=0.2)
+        return real_write(plan)
+
+    monkeypatch.setattr(batch, "_write", stall_then_write)
+    first = stalled.run_once()
+    monkeypatch.undo()
+    assert first.published == 0 and first.fenced == len(keys)  # committed on Kafka, mark fenced
+    # The stalled relay's worker goes on before its lease thread noticed (Relay.run's worker).
+    stalled._step.run(wait=True, leases=False)
+    drain(taker, timeout=60)  # fences the stalled relay, marks what the progress names
+    taker.close()
+    stalled.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    assert twice == {}
+    assert len(on_wire) == len(keys)
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+def test_a_take_over_whose_recovery_mark_was_fenced_never_sends_those_rows_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay dies after its commit, before its mark. The next owner reads the progress and marks
+    the rows it names, but stalls past its lease before that mark: a third relay takes the shards in
+    the database meanwhile, and the mark is fenced. The stalled relay's batch then runs on the lease
+    it believes it holds: the rows are still pending, and were on the wire already."""
+    keys = [f"k{i % 3}" for i in range(12)]
+    publish(outbox, topic, keys)
+    dead = relay(outbox, kafka, progress_topic, worker_id="dead")
+
+    def die(plan: Any) -> Any:
+        raise Killed
+
+    monkeypatch.setattr(dead._step._batch, "_write", die)
+    with pytest.raises(Killed):
+        dead.run_once()
+    monkeypatch.undo()
+    stalled = relay(outbox, kafka, progress_topic, worker_id="stalled")
+    third = relay(outbox, kafka, progress_topic, worker_id="third")
+    eo = stalled._step._batch.exactly_once
+    assert eo is not None
+    real_mark = eo._mark
+
+    def stall_then_mark(*args: Any) -> Any:
+        wait_for(lambda: len(third._step.maintain_leases()) == 2, 30, "the third relay holding the shards",
+                 interval=0.2)
+        return real_mark(*args)
+
+    monkeypatch.setattr(eo, "_mark", stall_then_mark)
+    wait_for(lambda: len(stalled._step.maintain_leases()) == 2, 30, "the dead relay's leases taken",
+             interval=0.2)
+    stalled._step.run(wait=True, leases=False)
+    monkeypatch.undo()
+    drain(third, timeout=60)
+    third.close()
+    stalled.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    assert twice == {}
+    assert len(on_wire) == len(keys)
+    assert {r.status for r in rows(outbox)} == {"published"}
