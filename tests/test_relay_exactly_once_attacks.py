@@ -5,14 +5,18 @@ Each test runs on Apache Kafka and reads the topic back read_committed.
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from _relay_helpers import drain, publish, rows, wait_for
 
-from outbox import Outbox, Relay, create_engine
+from outbox import ConfigurationError, Outbox, Relay, create_engine
 from transports import Record
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -128,3 +132,54 @@ def test_a_take_over_whose_recovery_mark_was_fenced_never_sends_those_rows_again
     assert twice == {}
     assert len(on_wire) == len(keys)
     assert {r.status for r in rows(outbox)} == {"published"}
+
+
+
+@pytest.mark.postgres
+def test_a_batch_size_whose_progress_record_could_outgrow_the_limit_is_refused_and_the_largest_is_sent(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The progress record names every row of the shard's transaction, and while a batch's mark is
+    written (pipelined) the next record names that batch's rows too. A hot key puts the whole batch
+    in one shard; long ids (a database that has used many: 19 digits here) make the record grow
+    with the batch, not with the records. Over the producer's limit, every transaction of the shard
+    aborted, forever: nothing was ever published (seen with batch_size=5,000 and 100 kB; here 8 kB).
+    Now such a batch_size is refused at start, and the largest one allowed goes through, pipelined."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=1, max_record_bytes=8192)
+    outbox.create_tables()
+    m = outbox.tables.messages
+    with engine.begin() as conn:  # ids have reached 19 digits
+        conn.execute(sa.text(f"SELECT setval(pg_get_serial_sequence('{m.name}', 'id'), {10**18})"))
+
+    def transport() -> KafkaTransport:
+        return KafkaTransport({"message.max.bytes": 8192}, bootstrap_servers=kafka)
+
+    with pytest.raises(ConfigurationError, match=r"batch_size=5000.*use batch_size (\d+) at most") as refused:
+        Relay(outbox, transport(), exactly_once=True, progress_topic=progress_topic, batch_size=5_000,
+              worker_id="w")
+    most = int(re.search(r"use batch_size (\d+) at most", str(refused.value)).group(1))  # type: ignore[union-attr]
+    assert 150 < most < 200  # 8 kB over two batches of 21-byte ids
+    n = 2 * most + 10
+    publish(outbox, topic, ["hot"] * n)
+    worker = Relay(outbox, transport(), exactly_once=True, progress_topic=progress_topic, batch_size=most,
+                   worker_id="w")
+    batch = worker._step._batch
+    real_write = batch._write
+
+    def slow_write(plan: Any) -> Any:
+        time.sleep(1.0)  # the next batch is sent (its progress built) while this one is marked
+        return real_write(plan)
+
+    monkeypatch.setattr(batch, "_write", slow_write)
+    wait_for(lambda: (worker._step.run(wait=False), not rows(outbox, status="pending"))[1], 60,
+             "every row published", interval=0.0)
+    worker.close()
+    on_wire = read_topic(kafka, topic, expected=n, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == n and max(copies(on_wire).values()) == 1
+    assert {r.attempts for r in rows(outbox)} == {1}  # each sent in one transaction, none aborted
+    # Nor waited as if the broker were down (a refused progress record can end its transaction so).
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "outbox.relay" and r.levelno >= logging.WARNING]
+    assert warned == []
+    engine.dispose()

@@ -72,8 +72,35 @@ EXACTLY_ONCE_TIMEOUT = 30.0
 FENCING_THREADS = 8
 """Shards taken over at once: their producers made and their progress read in parallel."""
 
+ID_BYTES = 21
+"""The most a row id takes in a progress record: a BIGINT's 19 digits and JSON's ", "."""
+
+PROGRESS_BYTES = 1_000_000
+"""The largest progress record counted on: about what a topic made with the cluster's defaults takes."""
+
+PROGRESS_OVERHEAD = 1024
+"""A progress record's bytes besides its ids and relay name: key, epoch, JSON, Kafka's per-record share."""
+
 ROUNDS = 8
 """Transactions one shard's batch may take when records are refused (each round fails at least one)."""
+
+
+def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -> None:
+    """Refuse a ``batch_size`` whose progress record could outgrow what the producer sends.
+
+    A shard's progress record names its rows committed and not known marked: with
+    a hot key the whole batch is one shard's, and while a batch's mark is written
+    (pipelined) the next batch's record names both. A record the producer or the
+    topic refuses aborts every transaction of the shard: nothing of it would ever
+    be published.
+    """
+    limit = min(getattr(transport, "max_record_bytes", PROGRESS_BYTES), PROGRESS_BYTES)
+    most = (limit - PROGRESS_OVERHEAD - len(worker_id.encode())) // (2 * ID_BYTES)
+    if batch_size > most:
+        raise ConfigurationError(
+            f"exactly_once with batch_size={batch_size}: a shard's progress record names up to two "
+            f"batches of row ids ({ID_BYTES} bytes each), more than the {limit} bytes a record may take "
+            f"here; use batch_size {max(most, 0)} at most")
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
