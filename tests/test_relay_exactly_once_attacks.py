@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import drain, publish, rows, wait_for
+from _relay_helpers import drain, publish, rows, start_cli_relay, wait_for
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
+from outbox.testing import LocalKafka
 from transports import Record
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -183,3 +187,38 @@ def test_a_batch_size_whose_progress_record_could_outgrow_the_limit_is_refused_a
               if r.name == "outbox.relay" and r.levelno >= logging.WARNING]
     assert warned == []
     engine.dispose()
+
+
+def test_sigterm_while_transactions_wait_on_a_frozen_broker_exits_on_time(
+        sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """The batch's shards commit on threads of their own; the broker freezes under them. SIGTERM:
+    ``run()`` returns within its 10 s ``stop_timeout`` whatever is down, and so must the process."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    keys = [f"k{i % 16}" for i in range(160)]  # every shard in each batch
+    publish(outbox, topic, keys)
+    log = tmp_path / "relay.log"
+    process = start_cli_relay(sqlite_db, own_kafka.bootstrap, log, "--exactly-once", "--progress-topic",
+                              progress_topic, "--lease-ttl", "2", "--batch-size", "40")
+    try:
+        wait_for(lambda: not rows(outbox, status="pending"), 90, "the first rows published", interval=0.2)
+        own_kafka.freeze()
+        publish(outbox, topic, keys)
+        # The relay's next poll fetches them; its shards' transactions wait on the frozen broker
+        # (nothing outside the process tells when: any moment of the wait is as good).
+        time.sleep(2.0)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        own_kafka.thaw()
+        engine.dispose()
+    assert code is not None and took < 15, f"exit {code} after {took:.1f} s: {log.read_text()[-2000:]}"

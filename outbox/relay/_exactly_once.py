@@ -41,8 +41,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from transports import (
@@ -60,6 +60,7 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
+from ._writer import DaemonPool
 
 log = safe_logger("outbox.relay")
 
@@ -70,7 +71,8 @@ EXACTLY_ONCE_TIMEOUT = 30.0
 """Seconds each broker call of the mode may take (a commit, fencing a shard, reading its progress)."""
 
 FENCING_THREADS = 8
-"""Shards taken over at once: their producers made and their progress read in parallel."""
+"""Half the relay's threads for its shards (``_threads``): shards taken over are fenced and their
+progress read on them in parallel, a batch's shards' transactions run on them."""
 
 ID_BYTES = 21
 """The most a row id takes in a progress record: a BIGINT's 19 digits and JSON's ", "."""
@@ -143,7 +145,9 @@ class ExactlyOnce:
         self._owned: dict[int, _Shard] = {}
         self._lock = threading.Lock()
         self._topic_ready = False
-        self._pool: ThreadPoolExecutor | None = None
+        # Daemon threads (``_writer``): a transaction stuck on a frozen broker must not hold a
+        # stopped relay's process alive after ``run`` gave up on it at its stop bound.
+        self._pool: DaemonPool | None = None
 
     def transactional_id(self, shard: int) -> str:
         return f"outbox-{self._incarnation}-{shard}"
@@ -190,9 +194,8 @@ class ExactlyOnce:
         if not self._topic_ready:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
-        threads = min(len(shards), FENCING_THREADS)
-        with ThreadPoolExecutor(threads, f"outbox-relay-fence-{self._worker_id}") as pool:
-            made = list(zip(shards, [pool.submit(self._fence_one, shard) for shard in shards], strict=True))
+        pool = self._threads()
+        made = [(shard, pool.submit(partial(self._fence_one, shard))) for shard in shards]
         failure: RetriableTransportError | None = None
         for shard, future in made:
             try:
@@ -254,10 +257,8 @@ class ExactlyOnce:
         elif sending:
             # Each shard's transaction on a thread of its own: their commits overlap instead of
             # costing one round trip after the other (each shard writes its own results).
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(min(self._shards, FENCING_THREADS * 2),
-                                                f"outbox-relay-txn-{self._worker_id}")
-            for future in [self._pool.submit(self._send_shard, shard, state, records, ids, results)
+            pool = self._threads()
+            for future in [pool.submit(partial(self._send_shard, shard, state, records, ids, results))
                            for shard, state, ids in sending]:
                 future.result()
         # Not sent: its shard is not ready or fenced, or its key waits behind a refused record.
@@ -295,6 +296,13 @@ class ExactlyOnce:
                 self._new_producer(shard, state)
         if isolating and state.producer is not None:
             self._new_producer(shard, state)
+
+    def _threads(self) -> DaemonPool:
+        """The relay's threads for its shards' fences and transactions (made on first use)."""
+        if self._pool is None:
+            self._pool = DaemonPool(f"outbox-relay-txn-{self._worker_id}",
+                                    min(self._shards, FENCING_THREADS * 2))
+        return self._pool
 
     def _new_producer(self, shard: int, state: _Shard, *, one_per_request: bool = False) -> None:
         """Replace the shard's producer by a new one of its id (it fences the old, aborting nothing open)."""
@@ -358,7 +366,7 @@ class ExactlyOnce:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(timeout=0)
             self._pool = None
         for shard in list(self._owned):
             self._drop(shard)
