@@ -9,6 +9,7 @@ import logging
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import drain, publish, rows, start_cli_relay, wait_for
+from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, wait_for
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.testing import LocalKafka
@@ -222,3 +223,64 @@ def test_sigterm_while_transactions_wait_on_a_frozen_broker_exits_on_time(
         own_kafka.thaw()
         engine.dispose()
     assert code is not None and took < 15, f"exit {code} after {took:.1f} s: {log.read_text()[-2000:]}"
+
+
+@pytest.mark.slow
+def test_a_broker_killed_mid_transaction_and_a_relay_killed_while_it_is_down_lose_and_repeat_nothing(
+        sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """Messages flow through ``outbox relay --exactly-once``; the broker is SIGKILLed under its
+    transactions, the relay is SIGKILLed while the broker is down (commits of unknown fate, marks not
+    made), the broker comes back and a second relay takes over; then the broker is killed once more
+    under the second relay, which lives on. Read committed: every message once, in seq order per key,
+    and no attempt counted for the outages (each row published at its first attempt)."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    keys = [f"k{i % 24}" for i in range(1_200)]
+    done = threading.Event()
+
+    def publisher() -> None:
+        for i in range(0, len(keys), 40):
+            publish(outbox, topic, keys[i:i + 40])
+            time.sleep(0.1)
+        done.set()
+
+    log = tmp_path / "relay.log"
+    args = ("--exactly-once", "--progress-topic", progress_topic, "--lease-ttl", "2", "--batch-size", "60")
+    first = start_cli_relay(sqlite_db, own_kafka.bootstrap, log, "--worker-id", "first", *args)
+    second = None
+    writer = threading.Thread(target=publisher, name="publisher")
+    writer.start()
+    try:
+        wait_for(lambda: len(rows(outbox, status="published")) >= 150, 90, "the first rows published",
+                 interval=0.1)
+        own_kafka.kill()
+        wait_for(lambda: len(rows(outbox, status="pending")) >= 40, 30, "rows waiting for the broker")
+        first.kill()
+        first.wait()
+        own_kafka.start()
+        second = start_cli_relay(sqlite_db, own_kafka.bootstrap, log, "--worker-id", "second", *args)
+        published = len(rows(outbox, status="published"))
+        wait_for(lambda: len(rows(outbox, status="published")) >= published + 150, 90,
+                 "the second relay publishing", interval=0.1)
+        own_kafka.kill()
+        wait_for(lambda: len(rows(outbox, status="pending")) >= 40, 30, "rows waiting for the broker")
+        own_kafka.start()
+        assert done.wait(60)
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", interval=0.2)
+    finally:
+        done.wait(60)
+        writer.join(10)
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(30)
+        engine.dispose()
+    on_wire = read_topic(own_kafka.bootstrap, topic, expected=len(keys), settle=2.0,
+                         isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    assert twice == {}
+    assert len(on_wire) == len(keys)
+    assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 51)) for k in sorted(set(keys))}
+    counted = Counter(r.attempts for r in rows(outbox))
+    assert counted == {1: len(keys)}, f"attempts: {counted}"
