@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, wait_for
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.testing import LocalKafka
@@ -284,3 +285,23 @@ def test_a_broker_killed_mid_transaction_and_a_relay_killed_while_it_is_down_los
     assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 51)) for k in sorted(set(keys))}
     counted = Counter(r.attempts for r in rows(outbox))
     assert counted == {1: len(keys)}, f"attempts: {counted}"
+
+
+def test_the_progress_topic_the_relay_makes_is_compacted_with_a_partition_per_shard(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str) -> None:
+    """Kafka's default ``auto.create.topics.enable=true``: looking the missing progress topic up made
+    the broker create it with its own defaults (cleanup.policy=delete, 4 partitions on the test
+    broker), and the relay, finding it, never made the compacted one with a partition per shard."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=6)
+    outbox.create_tables()
+    publish(outbox, topic, ["a", "b"])
+    worker = relay(outbox, kafka, progress_topic)
+    drain(worker, timeout=60)
+    worker.close()
+    engine.dispose()
+    admin = AdminClient({"bootstrap.servers": kafka})
+    resource = ConfigResource("topic", progress_topic)
+    config = admin.describe_configs([resource])[resource].result(30)
+    partitions = admin.list_topics(progress_topic, timeout=30).topics[progress_topic].partitions
+    assert (config["cleanup.policy"].value, len(partitions)) == ("compact", 6)
