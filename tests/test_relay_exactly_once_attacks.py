@@ -22,7 +22,7 @@ from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, w
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
-from outbox.testing import LocalKafka
+from outbox.testing import LocalKafka, create_topic
 from transports import Record
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -305,3 +305,21 @@ def test_the_progress_topic_the_relay_makes_is_compacted_with_a_partition_per_sh
     config = admin.describe_configs([resource])[resource].result(30)
     partitions = admin.list_topics(progress_topic, timeout=30).topics[progress_topic].partitions
     assert (config["cleanup.policy"].value, len(partitions)) == ("compact", 6)
+
+
+def test_an_unkeyed_row_a_compacted_topic_refuses_fails_alone(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> None:
+    """A compacted topic refuses a record without a key (the broker's own validation, at the
+    request, not librdkafka's): it aborts its transaction; it alone fails, everything else once."""
+    create_topic(kafka, topic, 3, config={"cleanup.policy": "compact"})
+    keys: list[str | None] = [f"k{i % 4}" for i in range(20)]
+    keys[7] = None
+    publish(outbox, topic, keys)
+    alerts: list[Any] = []
+    worker = relay(outbox, kafka, progress_topic, alert=alerts.append)
+    drain(worker, timeout=60)
+    worker.close()
+    (failed,) = rows(outbox, status="failed")
+    assert failed.key is None and len(alerts) == 1
+    on_wire = read_topic(kafka, topic, expected=19, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 19 and max(copies(on_wire).values()) == 1
