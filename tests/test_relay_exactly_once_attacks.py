@@ -51,6 +51,15 @@ def relay(outbox: Outbox, kafka: str, progress_topic: str, **kwargs: Any) -> Rel
                  progress_topic=progress_topic, lease_ttl=1.0, **kwargs)
 
 
+def assert_once_each(outbox: Outbox, kafka: str, topic: str, n: int) -> None:
+    """Every row published, and each of its ``n`` messages on the topic once (read committed)."""
+    on_wire = read_topic(kafka, topic, expected=n, settle=1.5, isolation="read_committed")
+    twice = {mid: count for mid, count in copies(on_wire).items() if count > 1}
+    assert twice == {}
+    assert len(on_wire) == n
+    assert {r.status for r in rows(outbox)} == {"published"}
+
+
 def copies(records: list[Record]) -> Counter[bytes]:
     return Counter(dict(r.headers)[MESSAGE_ID] for r in records)
 
@@ -85,11 +94,7 @@ def test_a_relay_whose_mark_was_fenced_never_sends_those_rows_again(
     drain(taker, timeout=60)  # fences the stalled relay, marks what the progress names
     taker.close()
     stalled.close()
-    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
-    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
-    assert twice == {}
-    assert len(on_wire) == len(keys)
-    assert {r.status for r in rows(outbox)} == {"published"}
+    assert_once_each(outbox, kafka, topic, len(keys))
 
 
 class Killed(BaseException):
@@ -133,11 +138,7 @@ def test_a_take_over_whose_recovery_mark_was_fenced_never_sends_those_rows_again
     drain(third, timeout=60)
     third.close()
     stalled.close()
-    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
-    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
-    assert twice == {}
-    assert len(on_wire) == len(keys)
-    assert {r.status for r in rows(outbox)} == {"published"}
+    assert_once_each(outbox, kafka, topic, len(keys))
 
 
 
