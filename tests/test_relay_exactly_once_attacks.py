@@ -33,8 +33,9 @@ MESSAGE_ID = "outbox-message-id"
 
 
 @pytest.fixture
-def outbox(sqlite_db: str) -> Iterator[Outbox]:
-    engine = create_engine(sqlite_db)
+def outbox(proof_db_url: str) -> Iterator[Outbox]:
+    """On SQLite, PostgreSQL and MySQL/MariaDB (the lease fence of a mark is each one's SQL)."""
+    engine = create_engine(proof_db_url)
     ob = Outbox(engine, shards=2)
     ob.create_tables()
     yield ob
