@@ -22,7 +22,7 @@ from _relay_helpers import drain, publish, rows, seqs_by_key, start_cli_relay, w
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
-from outbox.testing import LocalKafka, create_topic
+from outbox.testing import LocalKafka, LocalPostgres, create_topic
 from transports import Record
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -325,3 +325,48 @@ def test_an_unkeyed_row_a_compacted_topic_refuses_fails_alone(
     assert failed.key is None and len(alerts) == 1
     on_wire = read_topic(kafka, topic, expected=19, settle=1.0, isolation="read_committed")
     assert len(on_wire) == 19 and max(copies(on_wire).values()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_relay_killed_while_its_database_is_down_after_commits_is_taken_over_without_repeats(
+        own_postgres: LocalPostgres, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """Batches flow through ``outbox relay --exactly-once``; PostgreSQL stops under them (commits whose
+    marks never came, kept only in the relay's memory); the relay is SIGKILLed before the database
+    returns; another relay takes over from the progress records. Every message once, in seq order
+    per key, each row published at its first attempt."""
+    url = own_postgres.url
+    engine = create_engine(url)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    keys = [f"k{i % 12}" for i in range(600)]
+    publish(outbox, topic, keys[:300])
+    log = tmp_path / "relay.log"
+    args = ("--exactly-once", "--progress-topic", progress_topic, "--lease-ttl", "2", "--batch-size", "20")
+    first = start_cli_relay(url, kafka, log, "--worker-id", "first", *args)
+    second = None
+    try:
+        wait_for(lambda: len(rows(outbox, status="published")) >= 60, 90, "the first rows published",
+                 interval=0.05)
+        own_postgres.stop("immediate")  # under the flow: a batch committed, its mark cut off
+        engine.dispose()
+        time.sleep(1.0)  # the relay goes on against the stopped database (no outside sign to wait on)
+        first.kill()
+        first.wait()
+        own_postgres.start()
+        publish(outbox, topic, keys[300:])
+        second = start_cli_relay(url, kafka, log, "--worker-id", "second", *args)
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", interval=0.2)
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(30)
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=2.0, isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    assert twice == {}
+    assert len(on_wire) == len(keys)
+    assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 51)) for k in sorted(set(keys))}
+    counted = Counter(r.attempts for r in rows(outbox))
+    engine.dispose()
+    assert counted == {1: len(keys)}, f"attempts: {counted}"
