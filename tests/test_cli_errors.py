@@ -343,3 +343,12 @@ def test_exactly_once_over_tenants_is_refused_in_one_line(tmp_path: Path) -> Non
     result = outbox_cli("relay", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--bootstrap-servers",
                         "127.0.0.1:9", "--tenants", "a,b", "--exactly-once", cwd=tmp_path)
     assert_one_sentence(result, 2, "--exactly-once", "--schema")
+
+
+def test_exactly_once_with_a_batch_its_progress_record_could_not_carry_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    assert outbox_cli("init-db", "--db", db, cwd=tmp_path).returncode == 0
+    result = outbox_cli("relay", "--db", db, "--bootstrap-servers", "127.0.0.1:9", "--exactly-once",
+                        "--batch-size", "50000", cwd=tmp_path)
+    assert_one_sentence(result, 2, "batch_size=50000", "use batch_size 23")

@@ -229,13 +229,15 @@ class BatchRunner:
         finally:
             self._busy, self._held = [], set()
 
-    def mark_committed(self, shard: int, epoch: int, ids: list[int]) -> None:
-        """Mark rows a committed transaction carried published (exactly-once take-over), fenced."""
+    def mark_committed(self, shard: int, epoch: int, ids: list[int]) -> bool:
+        """Mark rows a committed transaction carried published (exactly-once take-over), fenced;
+        whether the lease still held (some of the rows may have been marked before: no count tells)."""
         n = len(ids)
         unknown: list[Any] = [None] * n  # their partitions and offsets are the broker's to say
         marks = Marks(ids, [shard] * n, [epoch] * n, {"kafka_partition": unknown, "kafka_offset": unknown})
         with self.engine.begin() as conn:
             self.sql.published(conn, self.worker_id, marks, utcnow())
+            return self.sql.holds(conn, self.worker_id, shard, epoch)
 
     def close(self) -> None:
         try:
@@ -265,13 +267,19 @@ class BatchRunner:
     def _write(self, plan: Plan) -> _Written:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
         published, failed = plan.published, plan.failed
+        known = published.ids  # rows known marked (exactly-once)
         with self.engine.begin() as conn:
             marked = self.sql.published(conn, self.worker_id, published, plan.now)
             self.sql.retried(conn, self.worker_id, plan.retried)
             self.sql.postponed(conn, self.worker_id, plan.postponed)
             newly_failed = self._mark_failed(conn, failed)
+            if self.exactly_once is not None and marked < len(published.ids):
+                known = self._marked_under_held_leases(conn, published)
         if self.exactly_once is not None:
-            self.exactly_once.marked(published.ids)  # no later progress record needs to name them
+            # No later progress record needs to name them. A mark fenced (a lease lost) leaves
+            # its rows pending: they stay "committed" in memory, so a batch the worker runs on
+            # the lost lease before its renewal noticed never sends them again.
+            self.exactly_once.marked(known)
         for topic, n in plan.published_topics.items():
             self.metrics.published.labels(topic).inc(n)
         self._alert_failed(newly_failed)
@@ -282,6 +290,13 @@ class BatchRunner:
         return {"published": marked, "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                 "failed": len(newly_failed),
                 "fenced": fenced}
+
+    def _marked_under_held_leases(self, conn: Connection, published: Marks) -> list[int]:
+        """The rows of ``published`` whose shard's lease this relay still holds (their mark committed)."""
+        held = {(shard, epoch) for shard, epoch in set(zip(published.shards, published.epochs, strict=True))
+                if self.sql.holds(conn, self.worker_id, shard, epoch)}
+        return [row_id for row_id, shard, epoch in zip(published.ids, published.shards, published.epochs,
+                                                         strict=True) if (shard, epoch) in held]
 
     def _fail_unreadable(self, owned: dict[int, int], params: dict[str, Any], error: Exception,
                          started: float) -> BatchResult:

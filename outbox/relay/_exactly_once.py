@@ -41,8 +41,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from transports import (
@@ -60,6 +60,7 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
+from ._writer import DaemonPool
 
 log = safe_logger("outbox.relay")
 
@@ -70,10 +71,38 @@ EXACTLY_ONCE_TIMEOUT = 30.0
 """Seconds each broker call of the mode may take (a commit, fencing a shard, reading its progress)."""
 
 FENCING_THREADS = 8
-"""Shards taken over at once: their producers made and their progress read in parallel."""
+"""Half the relay's threads for its shards (``_threads``): shards taken over are fenced and their
+progress read on them in parallel, a batch's shards' transactions run on them."""
+
+ID_BYTES = 21
+"""The most a row id takes in a progress record: a BIGINT's 19 digits and JSON's ", "."""
+
+PROGRESS_BYTES = 1_000_000
+"""The largest progress record counted on: about what a topic made with the cluster's defaults takes."""
+
+PROGRESS_OVERHEAD = 1024
+"""A progress record's bytes besides its ids and relay name: key, epoch, JSON, Kafka's per-record share."""
 
 ROUNDS = 8
 """Transactions one shard's batch may take when records are refused (each round fails at least one)."""
+
+
+def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -> None:
+    """Refuse a ``batch_size`` whose progress record could outgrow what the producer sends.
+
+    A shard's progress record names its rows committed and not known marked: with
+    a hot key the whole batch is one shard's, and while a batch's mark is written
+    (pipelined) the next batch's record names both. A record the producer or the
+    topic refuses aborts every transaction of the shard: nothing of it would ever
+    be published.
+    """
+    limit = min(getattr(transport, "max_record_bytes", PROGRESS_BYTES), PROGRESS_BYTES)
+    most = (limit - PROGRESS_OVERHEAD - len(worker_id.encode())) // (2 * ID_BYTES)
+    if batch_size > most:
+        raise ConfigurationError(
+            f"exactly_once with batch_size={batch_size}: a shard's progress record names up to two "
+            f"batches of row ids ({ID_BYTES} bytes each), more than the {limit} bytes a record may take "
+            f"here; use batch_size {max(most, 0)} at most")
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
@@ -100,12 +129,12 @@ class ExactlyOnce:
     """A relay's transactional sending, a producer per owned shard (module doc).
 
     ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
-    transaction of its own; ``timeout`` bounds each broker call (the transport's
-    delivery timeout).
+    transaction of its own, and says whether the lease still held; ``timeout`` bounds
+    each broker call (the transport's delivery timeout).
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
-                 progress_topic: str, mark: Callable[[int, int, list[int]], None], timeout: float) -> None:
+                 progress_topic: str, mark: Callable[[int, int, list[int]], bool], timeout: float) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
             raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
@@ -116,7 +145,9 @@ class ExactlyOnce:
         self._owned: dict[int, _Shard] = {}
         self._lock = threading.Lock()
         self._topic_ready = False
-        self._pool: ThreadPoolExecutor | None = None
+        # Daemon threads (``_writer``): a transaction stuck on a frozen broker must not hold a
+        # stopped relay's process alive after ``run`` gave up on it at its stop bound.
+        self._pool: DaemonPool | None = None
 
     def transactional_id(self, shard: int) -> str:
         return f"outbox-{self._incarnation}-{shard}"
@@ -163,9 +194,8 @@ class ExactlyOnce:
         if not self._topic_ready:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
-        threads = min(len(shards), FENCING_THREADS)
-        with ThreadPoolExecutor(threads, f"outbox-relay-fence-{self._worker_id}") as pool:
-            made = list(zip(shards, [pool.submit(self._fence_one, shard) for shard in shards], strict=True))
+        pool = self._threads()
+        made = [(shard, pool.submit(partial(self._fence_one, shard))) for shard in shards]
         failure: RetriableTransportError | None = None
         for shard, future in made:
             try:
@@ -195,8 +225,9 @@ class ExactlyOnce:
         """Mark the rows the shard's committed progress names published (a database error raises)."""
         with self._lock:
             named = sorted(state.unmarked)
-        if named:
-            self._mark(shard, state.epoch, named)  # a database outage raises: recovered later
+        # A database outage raises: recovered later. A lease lost meanwhile leaves them named:
+        # a batch run on it before the renewal noticed must not send them again.
+        if named and self._mark(shard, state.epoch, named):
             log.info("shard %d: %d rows a transaction had committed marked published, not sent again",
                      shard, len(named))
             self.marked(named)
@@ -226,10 +257,8 @@ class ExactlyOnce:
         elif sending:
             # Each shard's transaction on a thread of its own: their commits overlap instead of
             # costing one round trip after the other (each shard writes its own results).
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(min(self._shards, FENCING_THREADS * 2),
-                                                f"outbox-relay-txn-{self._worker_id}")
-            for future in [self._pool.submit(self._send_shard, shard, state, records, ids, results)
+            pool = self._threads()
+            for future in [pool.submit(partial(self._send_shard, shard, state, records, ids, results))
                            for shard, state, ids in sending]:
                 future.result()
         # Not sent: its shard is not ready or fenced, or its key waits behind a refused record.
@@ -267,6 +296,13 @@ class ExactlyOnce:
                 self._new_producer(shard, state)
         if isolating and state.producer is not None:
             self._new_producer(shard, state)
+
+    def _threads(self) -> DaemonPool:
+        """The relay's threads for its shards' fences and transactions (made on first use)."""
+        if self._pool is None:
+            self._pool = DaemonPool(f"outbox-relay-txn-{self._worker_id}",
+                                    min(self._shards, FENCING_THREADS * 2))
+        return self._pool
 
     def _new_producer(self, shard: int, state: _Shard, *, one_per_request: bool = False) -> None:
         """Replace the shard's producer by a new one of its id (it fences the old, aborting nothing open)."""
@@ -330,7 +366,7 @@ class ExactlyOnce:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(timeout=0)
             self._pool = None
         for shard in list(self._owned):
             self._drop(shard)

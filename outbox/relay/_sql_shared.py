@@ -189,6 +189,14 @@ class RelayStatements(abc.ABC):
             per_row={"kafka_partition": Integer(), "kafka_offset": BigInteger()},
         )
 
+    def holds(self, conn: Connection, owner: str, shard: int, epoch: int) -> bool:
+        """``owner`` still holds ``shard``'s lease of ``epoch``. Asked after a mark, in its
+        transaction: epochs only grow, so a lease held then was held when the mark ran."""
+        leases = self._leases
+        found = conn.execute(select(leases.c.epoch).where(
+            leases.c.shard == shard, leases.c.owner == owner)).scalar()
+        return found == epoch
+
     def retried(self, conn: Connection, owner: str, marks: Marks) -> int:
         m = self._m
         return self.mark(

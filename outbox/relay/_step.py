@@ -34,7 +34,7 @@ from ..core._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_datab
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
 from ._batch import BatchResult, BatchRunner
-from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce
+from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce, check_progress_fits
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics
 from ._record_limit import check_record_limit
@@ -112,6 +112,7 @@ class RelayStep:
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
                 progress_topic=settings.progress_topic, mark=self._batch.mark_committed,
                 timeout=EXACTLY_ONCE_TIMEOUT)
+            check_progress_fits(transport, settings.batch_size, worker_id)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
         self._watch_due = 0.0

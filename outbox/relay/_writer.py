@@ -1,4 +1,5 @@
-"""``BackgroundWriter``: a relay's helper thread for writing a batch's outcomes, never joined at exit.
+"""``BackgroundWriter``: a relay's helper thread for writing a batch's outcomes, never joined at exit;
+``DaemonPool``, several such threads (exactly-once mode's shard transactions).
 
 ``ThreadPoolExecutor``'s threads are joined when the interpreter exits. A
 write stuck in a commit to a frozen database then held a stopped relay alive
@@ -26,13 +27,15 @@ class Writer(Protocol):
     def submit(self, call: Callable[[], T]) -> Future[T]: ...
 
 
-class BackgroundWriter:
-    """Runs submitted calls one after another, in order, on one daemon thread."""
+class DaemonPool:
+    """Runs submitted calls on ``threads`` daemon threads (in the order submitted when one)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._work, name=name if threads == 1 else f"{name}-{i}",
+                                          daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -40,9 +43,11 @@ class BackgroundWriter:
         return future
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """End the thread once the calls submitted so far have run; wait for it (``timeout`` s at most)."""
-        self._jobs.put(None)
-        self._thread.join(timeout)
+        """End the threads once the calls submitted so far have run; wait for them (``timeout`` s at most)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -53,3 +58,10 @@ class BackgroundWriter:
                 future.set_result(call())
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
+
+
+class BackgroundWriter(DaemonPool):
+    """Runs submitted calls one after another, in order, on one daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, 1)

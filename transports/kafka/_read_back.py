@@ -27,6 +27,11 @@ from .._errors import RetriableTransportError
 CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl.", "client.id",
                        "socket.", "broker.address.", "enable.ssl.", "enable.sasl.", "oauthbearer")
 
+# An admin client is a producer to librdkafka: looking a missing topic up would make the broker
+# create it (auto.create.topics.enable, Kafka's default) with its defaults, not compacted, its
+# partitions not one per shard, and the relay would then find it there and never make its own.
+ADMIN = {"log_level": 0, "allow.auto.create.topics": False}
+
 WINDOW = 64  # records read back at first when looking for a key's last committed record
 
 
@@ -37,7 +42,7 @@ def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:
     """Create ``topic`` with log compaction unless it exists; the cluster's default replication."""
-    admin = AdminClient({**connection_settings(config), "log_level": 0})
+    admin = AdminClient({**connection_settings(config), **ADMIN})
     try:
         found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
     except KafkaException as exc:
@@ -69,7 +74,7 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
     """The last committed record of ``key`` on ``topic``, or None (module doc)."""
     deadline = time.monotonic() + timeout
     settings = connection_settings(config)
-    admin = AdminClient({**settings, "log_level": 0})
+    admin = AdminClient({**settings, **ADMIN})
     try:
         info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
         if info is None or info.error is not None or not info.partitions:
