@@ -34,14 +34,20 @@ Only the relay's worker thread calls ``prepare``, ``send`` and ``close``;
 ``send`` runs the shards' transactions on threads of its own, one per shard at
 a time; ``marked`` may run on the writer thread (the sets of unmarked rows have
 a lock).
+
+A tenant fleet's steps share one thread pool (``Sharing``), and a shard's
+producer idle for ``idle_after`` seconds is closed ("parked"): its next batch
+makes one of the same id again and reads the progress again (``_unpark``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +66,7 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
+from ._sharing import Sharing
 
 log = safe_logger("outbox.relay")
 
@@ -93,6 +100,8 @@ class _Shard:
     producer: TransactionalProducer | None = None
     recovered: bool = False
     fenced: bool = False
+    parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
+    used: float = 0.0
     unmarked: set[int] = field(default_factory=set)
 
 
@@ -105,7 +114,8 @@ class ExactlyOnce:
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
-                 progress_topic: str, mark: Callable[[int, int, list[int]], None], timeout: float) -> None:
+                 progress_topic: str, mark: Callable[[int, int, list[int]], None], timeout: float,
+                 sharing: Sharing | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
             raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
@@ -116,7 +126,13 @@ class ExactlyOnce:
         self._owned: dict[int, _Shard] = {}
         self._lock = threading.Lock()
         self._topic_ready = False
-        self._pool: ThreadPoolExecutor | None = None
+        self._sharing = sharing
+        self._pool: Executor | None = sharing.pool if sharing is not None else None
+
+    @property
+    def producers(self) -> int:
+        """The shard producers open now."""
+        return sum(1 for state in self._owned.values() if state.producer is not None)
 
     def transactional_id(self, shard: int) -> str:
         return f"outbox-{self._incarnation}-{shard}"
@@ -140,20 +156,31 @@ class ExactlyOnce:
                 state = None
             if state is None:
                 self._owned[shard] = _Shard(epoch)
+        self._park_idle()
         try:
             self._fence([s for s in sorted(owned) if self._owned[s].producer is None
-                         and not self._owned[s].fenced])
+                         and not self._owned[s].fenced and not self._owned[s].parked])
         except RetriableTransportError as exc:
             return {}, str(exc)  # the broker does not answer: no shard is ready
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
             state = self._owned[shard]
-            if state.fenced or state.producer is None:
+            if state.fenced or (state.producer is None and not state.parked):
                 continue
             if not state.recovered:
                 self._recover(shard, state)
             ready[shard] = epoch
         return ready, None
+
+    def _park_idle(self) -> None:
+        """Close the producers of shards that sent nothing for ``Sharing.idle_after`` seconds."""
+        if self._sharing is None:
+            return
+        idle_since = time.monotonic() - self._sharing.idle_after
+        for state in self._owned.values():
+            if state.producer is not None and state.recovered and state.used < idle_since:
+                state.producer.close()
+                state.producer, state.parked = None, True
 
     def _fence(self, shards: list[int]) -> None:
         """New producers for ``shards``, each fencing the shard's earlier owners, and their progress
@@ -163,9 +190,9 @@ class ExactlyOnce:
         if not self._topic_ready:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
-        threads = min(len(shards), FENCING_THREADS)
-        with ThreadPoolExecutor(threads, f"outbox-relay-fence-{self._worker_id}") as pool:
-            made = list(zip(shards, [pool.submit(self._fence_one, shard) for shard in shards], strict=True))
+        with (nullcontext(self._sharing.pool) if self._sharing is not None else ThreadPoolExecutor(
+                min(len(shards), FENCING_THREADS), f"outbox-relay-fence-{self._worker_id}")) as pool:
+            made = list(zip(shards, [pool.submit(self._fence_one, s) for s in shards], strict=True))
         failure: RetriableTransportError | None = None
         for shard, future in made:
             try:
@@ -174,7 +201,7 @@ class ExactlyOnce:
                 failure = failure or exc
                 continue
             state = self._owned[shard]
-            state.producer, state.recovered = producer, False
+            state.producer, state.recovered, state.used = producer, False, time.monotonic()
             with self._lock:
                 state.unmarked |= set(ids)
         if failure is not None:
@@ -239,6 +266,9 @@ class ExactlyOnce:
     def _send_shard(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
                     results: list[SendResult | None]) -> None:
         """The shard's records in transactions until committed or given up (module doc)."""
+        state.used = time.monotonic()
+        if state.parked and not self._unpark(shard, state):
+            return  # no producer now: retried, its progress read again first
         with self._lock:
             for i, row_id in ids.items():
                 if row_id in state.unmarked:
@@ -267,6 +297,20 @@ class ExactlyOnce:
                 self._new_producer(shard, state)
         if isolating and state.producer is not None:
             self._new_producer(shard, state)
+
+    def _unpark(self, shard: int, state: _Shard) -> bool:
+        """A producer of the parked shard's id again, and its progress read again after it: had
+        this relay lost the lease meanwhile, the new owner's committed rows are named there."""
+        state.parked = False
+        try:
+            state.producer, ids = self._fence_one(shard)
+        except RetriableTransportError as exc:
+            log.warning("relay %s: no producer for shard %d: %s", self._worker_id, shard, exc)
+            state.recovered = False
+            return False
+        with self._lock:
+            state.unmarked |= set(ids)
+        return True
 
     def _new_producer(self, shard: int, state: _Shard, *, one_per_request: bool = False) -> None:
         """Replace the shard's producer by a new one of its id (it fences the old, aborting nothing open)."""
@@ -329,7 +373,7 @@ class ExactlyOnce:
                 state.unmarked -= gone
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._sharing is None:  # a fleet's pool is the fleet's to shut
             self._pool.shutdown(wait=False)
             self._pool = None
         for shard in list(self._owned):
