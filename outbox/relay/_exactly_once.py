@@ -115,7 +115,7 @@ class ExactlyOnce:
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
                  progress_topic: str, mark: Callable[[int, int, list[int]], None], timeout: float,
-                 sharing: Sharing | None = None) -> None:
+                 sharing: Sharing | None = None, name: str | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
             raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
@@ -127,6 +127,7 @@ class ExactlyOnce:
         self._lock = threading.Lock()
         self._topic_ready = False
         self._sharing = sharing
+        self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: Executor | None = sharing.pool if sharing is not None else None
 
     @property
@@ -224,8 +225,8 @@ class ExactlyOnce:
             named = sorted(state.unmarked)
         if named:
             self._mark(shard, state.epoch, named)  # a database outage raises: recovered later
-            log.info("shard %d: %d rows a transaction had committed marked published, not sent again",
-                     shard, len(named))
+            log.info("%s, shard %d: %d rows a transaction had committed marked published, not sent again",
+                     self.name, shard, len(named))
             self.marked(named)
         state.recovered = True
 
@@ -305,7 +306,7 @@ class ExactlyOnce:
         try:
             state.producer, ids = self._fence_one(shard)
         except RetriableTransportError as exc:
-            log.warning("relay %s: no producer for shard %d: %s", self._worker_id, shard, exc)
+            log.warning("%s: no producer for shard %d: %s", self.name, shard, exc)
             state.recovered = False
             return False
         with self._lock:
@@ -321,7 +322,7 @@ class ExactlyOnce:
             state.producer = self._transactions.transactional(
                 self.transactional_id(shard), self._timeout, one_per_request=one_per_request)
         except RetriableTransportError as exc:
-            log.warning("relay %s: no producer for shard %d: %s", self._worker_id, shard, exc)
+            log.warning("%s: no producer for shard %d: %s", self.name, shard, exc)
             state.recovered = False  # made again, with the progress read, before the next send
 
     def _transaction(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
@@ -351,15 +352,15 @@ class ExactlyOnce:
             return refused
         if answer.outcome is TransactionOutcome.FENCED:
             state.fenced = True
-            log.warning("relay %s was fenced on shard %d (another relay took it): it gives up its batch, "
-                        "marks nothing of it", self._worker_id, shard)
+            log.warning("%s was fenced on shard %d (another relay took it): it gives up its batch, "
+                        "marks nothing of it", self.name, shard)
         elif answer.outcome is TransactionOutcome.UNKNOWN:
             # Settled by the next producer of the id, and the progress read after it.
             state.producer.close()
             state.producer, state.recovered = None, False
         elif answer.results[-1].outcome is Outcome.FAILED:
-            log.error("relay %s: the progress topic %s refused shard %d's progress record: %s",
-                      self._worker_id, self.progress_topic, shard, answer.results[-1].error)
+            log.error("%s: the progress topic %s refused shard %d's progress record: %s",
+                      self.name, self.progress_topic, shard, answer.results[-1].error)
         for i, res in own.items():
             results[i] = res if res.outcome is Outcome.RETRY else SendResult(
                 Outcome.RETRY, error=answer.error, unreachable=True)

@@ -117,7 +117,7 @@ class RelayStep:
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
                 progress_topic=topic, mark=self._batch.mark_committed, timeout=EXACTLY_ONCE_TIMEOUT,
-                sharing=sharing)
+                sharing=sharing, name=self.name)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
         self._watch_due = 0.0
