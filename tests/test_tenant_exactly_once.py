@@ -215,9 +215,13 @@ def test_the_fleet_s_exactly_once_mode_needs_transports_with_transactions(
     broker = InMemoryBroker()
     with pytest.raises(ConfigurationError, match="exactly_once needs a transport with Kafka transactions"):
         TenantRelay(tenants(outboxes), lambda: InMemoryTransport(broker), exactly_once=True)
+    kafka_transport = lambda: KafkaTransport(bootstrap_servers="127.0.0.1:9")  # noqa: E731 (never reached)
     with pytest.raises(ConfigurationError, match="idle_producers_after"):
-        TenantRelay(tenants(outboxes), lambda: InMemoryTransport(broker), exactly_once=True,
-                    idle_producers_after=0)
+        TenantRelay(tenants(outboxes), kafka_transport, exactly_once=True, idle_producers_after=0)
+    # Each tenant's progress topic adds -<incarnation>: a base without room for it is refused now,
+    # not tenant by tenant once they start.
+    with pytest.raises(ConfigurationError, match=r"progress_topic 'ppp.*has 240 characters.*at most 212"):
+        TenantRelay(tenants(outboxes), kafka_transport, exactly_once=True, progress_topic="p" * 240)
 
 
 def test_another_tenant_s_open_transaction_does_not_hold_a_take_over(

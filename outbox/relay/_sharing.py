@@ -15,15 +15,33 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from ..core._errors import ConfigurationError
+from ..core._validation import validate_topic
+
+MAX_TOPIC_LENGTH = 249
+
+
+INCARNATION_SUFFIX = 37
+"""Characters a tenant's progress topic adds to the fleet's: ``-`` and the 36 of a UUID."""
+
 
 @dataclass(frozen=True)
 class Sharing:
-    """A fleet's steps' one pool (shard transactions, take-overs), and seconds a producer may idle."""
+    """A fleet's steps' one pool (shard transactions, take-overs), seconds a producer may idle, and
+    the ``progress_topic`` each outbox's own is named after (checked here: refused before any starts)."""
 
     pool: Executor
     idle_after: float
+    progress_topic: str
 
-    @staticmethod
-    def progress_topic(base: str, incarnation: str) -> str:
+    def __post_init__(self) -> None:
+        validate_topic(self.progress_topic)
+        if len(self.progress_topic) > MAX_TOPIC_LENGTH - INCARNATION_SUFFIX:
+            raise ConfigurationError(
+                f"progress_topic {self.progress_topic!r:.80} has {len(self.progress_topic)} characters: each "
+                f"tenant's adds -<incarnation> ({INCARNATION_SUFFIX}), so a fleet's has at most "
+                f"{MAX_TOPIC_LENGTH - INCARNATION_SUFFIX}")
+
+    def topic_for(self, incarnation: str) -> str:
         """Each outbox's own: no other's open transaction holds back its take-over's read_committed read."""
-        return f"{base}-{incarnation}"
+        return f"{self.progress_topic}-{incarnation}"

@@ -113,7 +113,7 @@ class RelayStep:
             incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
         if settings.exactly_once:
             topic = settings.progress_topic if sharing is None or not stored.incarnation else (
-                Sharing.progress_topic(settings.progress_topic, stored.incarnation))
+                sharing.topic_for(stored.incarnation))
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
                 progress_topic=topic, mark=self._batch.mark_committed, timeout=EXACTLY_ONCE_TIMEOUT,

@@ -158,7 +158,8 @@ class TenantRelay:
         self._tables = OutboxTables(prefix=prefix)
         self.notify_channel = notify_channel
         self._default = database
-        self._workers = Workers([transport() for _ in range(workers)], exactly_once and idle_producers_after)
+        self._workers = Workers([transport() for _ in range(workers)], exactly_once and idle_producers_after,
+                                progress_topic)
         self.broker_outage = RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker",
                                                   process_metrics)
         self._schedule = Schedule()

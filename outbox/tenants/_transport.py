@@ -51,11 +51,13 @@ WRITERS_STOP_WITHIN = 3.0
 class Workers:
     """One transport and one writer per worker; ``bind(i)`` makes this thread worker ``i``.
 
-    ``idle_producers_after`` (seconds; False: not exactly-once): the ``Sharing``
-    of every tenant's step, its pool ``FENCING_THREADS`` threads per worker.
+    ``idle_producers_after`` (seconds; False: not exactly-once) and
+    ``progress_topic``: the ``Sharing`` of every tenant's step, its pool
+    ``FENCING_THREADS`` threads per worker.
     """
 
-    def __init__(self, transports: Sequence[Transport], idle_producers_after: float | bool = False) -> None:
+    def __init__(self, transports: Sequence[Transport], idle_producers_after: float | bool = False,
+                 progress_topic: str = "") -> None:
         for made in transports:
             if not callable(getattr(made, "publish", None)):
                 raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
@@ -65,11 +67,16 @@ class Workers:
         self._lock = threading.Lock()
         self.sharing: Sharing | None = None
         if idle_producers_after is not False:
-            idle = _positive_seconds("idle_producers_after", idle_producers_after)
-            for made in transports:
-                exactly_once_transport(made)  # one clear error for a transport without transactions
-            pool = ThreadPoolExecutor(len(transports) * FENCING_THREADS, "outbox-relay-txn")
-            self.sharing = Sharing(pool, idle)
+            try:
+                idle = _positive_seconds("idle_producers_after", idle_producers_after)
+                for made in transports:
+                    exactly_once_transport(made)  # one clear error for a transport without transactions
+                # Its threads start with its first task (a take-over or a batch of several shards).
+                pool = ThreadPoolExecutor(len(transports) * FENCING_THREADS, "outbox-relay-txn")
+                self.sharing = Sharing(pool, idle, progress_topic)
+            except ConfigurationError:
+                self.close()  # the transports made for nothing
+                raise
 
     def bind(self, index: int) -> None:
         self.local.transport = self.transports[index]
