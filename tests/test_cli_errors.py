@@ -339,10 +339,11 @@ def test_spark_warm_up_with_archives_turned_off_says_so(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_exactly_once_over_tenants_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_exactly_once_over_tenants_with_a_bad_progress_topic_is_refused_in_one_line(tmp_path: Path) -> None:
     result = outbox_cli("relay", "--db", f"sqlite:///{tmp_path / 'x.db'}", "--bootstrap-servers",
-                        "127.0.0.1:9", "--tenants", "a,b", "--exactly-once", cwd=tmp_path)
-    assert_one_sentence(result, 2, "--exactly-once", "--schema")
+                        "127.0.0.1:9", "--tenants", "a,b", "--exactly-once", "--progress-topic", "no good",
+                        cwd=tmp_path)
+    assert_one_sentence(result, 1, "no good")
 
 
 def test_exactly_once_with_a_batch_its_progress_record_could_not_carry_is_refused_in_one_line(

@@ -219,13 +219,15 @@ def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox, kafka:
 
 @pytest.mark.slow
 @pytest.mark.postgres
-@pytest.mark.parametrize("exactly_once", MODES)
 def test_a_sigkill_campaign_puts_every_message_on_the_wire_once_in_key_order(
-        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path,
-        exactly_once: bool) -> None:
+        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
     """Two relay processes, one of them SIGKILLed every ~2 s (and started again) while 3,000
-    messages of 40 keys are written; read back read_committed. Exactly-once: every message once,
-    in seq order per key. At-least-once, same campaign: the duplicates the mode removes."""
+    messages of 40 keys are written; read back read_committed: every message once, in seq order
+    per key. (The same campaign in at-least-once mode puts duplicates on the wire only when a kill
+    lands between an acknowledgement and its mark, which a timed kill does not always do: 0 in 53
+    kills once, 17 in 5 another time. That the mode is what removes them is proved where the kill
+    is placed there, in both modes: the tests above and the crash schedule below.)"""
+    exactly_once = True
     engine = create_engine(postgres_db)
     outbox = Outbox(engine, shards=8)
     outbox.create_tables()
@@ -291,15 +293,11 @@ def test_a_sigkill_campaign_puts_every_message_on_the_wire_once_in_key_order(
     expected: dict[bytes, list[int]] = {}
     for row in stored:
         expected.setdefault(row.key.encode(), []).append(row.seq)
-    if exactly_once:
-        assert duplicates == 0
-        in_wire_order: dict[bytes, list[int]] = {}
-        for record in on_wire:  # (partition, offset) order; a key has one partition
-            in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
-        assert in_wire_order == {k: sorted(v) for k, v in expected.items()}
-    else:
-        assert duplicates > 0  # what exactly-once removes: the campaign can fail
-        assert seqs_by_key(on_wire) == {k: sorted(v) for k, v in expected.items()}
+    assert duplicates == 0
+    in_wire_order: dict[bytes, list[int]] = {}
+    for record in on_wire:  # (partition, offset) order; a key has one partition
+        in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
+    assert in_wire_order == {k: sorted(v) for k, v in expected.items()}
     engine.dispose()
 
 

@@ -117,9 +117,6 @@ def relay(
     if tenants is not None:
         if schema is not None:
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
-        if exactly_once:
-            raise typer.BadParameter("--exactly-once serves one outbox per process for now; run a relay "
-                                     "per tenant schema (--schema) instead", param_hint="--exactly-once")
         _relay_tenants(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
             worker_id=worker_id, batch_size=batch_size,
@@ -127,7 +124,7 @@ def relay(
             poll_interval=FLEET_POLL_INTERVAL if poll_interval is None else poll_interval,
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
             metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
-            tenant_labels=tenant_labels)
+            tenant_labels=tenant_labels, exactly_once=exactly_once, progress_topic=progress_topic)
         return
     elif tenant_header is not None:
         raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")

@@ -34,12 +34,17 @@ Only the relay's worker thread calls ``prepare``, ``send`` and ``close``;
 ``send`` runs the shards' transactions on threads of its own, one per shard at
 a time; ``marked`` may run on the writer thread (the sets of unmarked rows have
 a lock).
+
+A tenant fleet's steps share one thread pool (``Sharing``), and a shard's
+producer idle for ``idle_after`` seconds is closed ("parked"): its next batch
+makes one of the same id again and reads the progress again (``_unpark``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -60,6 +65,7 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
+from ._sharing import Sharing
 from ._writer import DaemonPool
 
 log = safe_logger("outbox.relay")
@@ -122,6 +128,8 @@ class _Shard:
     producer: TransactionalProducer | None = None
     recovered: bool = False
     fenced: bool = False
+    parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
+    used: float = 0.0
     unmarked: set[int] = field(default_factory=set)
 
 
@@ -134,7 +142,8 @@ class ExactlyOnce:
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
-                 progress_topic: str, mark: Callable[[int, int, list[int]], bool], timeout: float) -> None:
+                 progress_topic: str, mark: Callable[[int, int, list[int]], bool], timeout: float,
+                 sharing: Sharing | None = None, name: str | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
             raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
@@ -147,7 +156,14 @@ class ExactlyOnce:
         self._topic_ready = False
         # Daemon threads (``_writer``): a transaction stuck on a frozen broker must not hold a
         # stopped relay's process alive after ``run`` gave up on it at its stop bound.
-        self._pool: DaemonPool | None = None
+        self._sharing = sharing
+        self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
+        self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
+
+    @property
+    def producers(self) -> int:
+        """The shard producers open now."""
+        return sum(1 for state in self._owned.values() if state.producer is not None)
 
     def transactional_id(self, shard: int) -> str:
         return f"outbox-{self._incarnation}-{shard}"
@@ -171,20 +187,31 @@ class ExactlyOnce:
                 state = None
             if state is None:
                 self._owned[shard] = _Shard(epoch)
+        self._park_idle()
         try:
             self._fence([s for s in sorted(owned) if self._owned[s].producer is None
-                         and not self._owned[s].fenced])
+                         and not self._owned[s].fenced and not self._owned[s].parked])
         except RetriableTransportError as exc:
             return {}, str(exc)  # the broker does not answer: no shard is ready
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
             state = self._owned[shard]
-            if state.fenced or state.producer is None:
+            if state.fenced or (state.producer is None and not state.parked):
                 continue
             if not state.recovered:
                 self._recover(shard, state)
             ready[shard] = epoch
         return ready, None
+
+    def _park_idle(self) -> None:
+        """Close the producers of shards that sent nothing for ``Sharing.idle_after`` seconds."""
+        if self._sharing is None:
+            return
+        idle_since = time.monotonic() - self._sharing.idle_after
+        for state in self._owned.values():
+            if state.producer is not None and state.recovered and state.used < idle_since:
+                state.producer.close()
+                state.producer, state.parked = None, True
 
     def _fence(self, shards: list[int]) -> None:
         """New producers for ``shards``, each fencing the shard's earlier owners, and their progress
@@ -204,7 +231,7 @@ class ExactlyOnce:
                 failure = failure or exc
                 continue
             state = self._owned[shard]
-            state.producer, state.recovered = producer, False
+            state.producer, state.recovered, state.used = producer, False, time.monotonic()
             with self._lock:
                 state.unmarked |= set(ids)
         if failure is not None:
@@ -228,8 +255,8 @@ class ExactlyOnce:
         # A database outage raises: recovered later. A lease lost meanwhile leaves them named:
         # a batch run on it before the renewal noticed must not send them again.
         if named and self._mark(shard, state.epoch, named):
-            log.info("shard %d: %d rows a transaction had committed marked published, not sent again",
-                     shard, len(named))
+            log.info("%s, shard %d: %d rows a transaction had committed marked published, not sent again",
+                     self.name, shard, len(named))
             self.marked(named)
         state.recovered = True
 
@@ -268,6 +295,9 @@ class ExactlyOnce:
     def _send_shard(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
                     results: list[SendResult | None]) -> None:
         """The shard's records in transactions until committed or given up (module doc)."""
+        state.used = time.monotonic()
+        if state.parked and not self._unpark(shard, state):
+            return  # no producer now: retried, its progress read again first
         with self._lock:
             for i, row_id in ids.items():
                 if row_id in state.unmarked:
@@ -304,6 +334,20 @@ class ExactlyOnce:
                                     min(self._shards, FENCING_THREADS * 2))
         return self._pool
 
+    def _unpark(self, shard: int, state: _Shard) -> bool:
+        """A producer of the parked shard's id again, and its progress read again after it: had
+        this relay lost the lease meanwhile, the new owner's committed rows are named there."""
+        state.parked = False
+        try:
+            state.producer, ids = self._fence_one(shard)
+        except RetriableTransportError as exc:
+            log.warning("%s: no producer for shard %d: %s", self.name, shard, exc)
+            state.recovered = False
+            return False
+        with self._lock:
+            state.unmarked |= set(ids)
+        return True
+
     def _new_producer(self, shard: int, state: _Shard, *, one_per_request: bool = False) -> None:
         """Replace the shard's producer by a new one of its id (it fences the old, aborting nothing open)."""
         if state.producer is not None:
@@ -313,7 +357,7 @@ class ExactlyOnce:
             state.producer = self._transactions.transactional(
                 self.transactional_id(shard), self._timeout, one_per_request=one_per_request)
         except RetriableTransportError as exc:
-            log.warning("relay %s: no producer for shard %d: %s", self._worker_id, shard, exc)
+            log.warning("%s: no producer for shard %d: %s", self.name, shard, exc)
             state.recovered = False  # made again, with the progress read, before the next send
 
     def _transaction(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
@@ -343,15 +387,15 @@ class ExactlyOnce:
             return refused
         if answer.outcome is TransactionOutcome.FENCED:
             state.fenced = True
-            log.warning("relay %s was fenced on shard %d (another relay took it): it gives up its batch, "
-                        "marks nothing of it", self._worker_id, shard)
+            log.warning("%s was fenced on shard %d (another relay took it): it gives up its batch, "
+                        "marks nothing of it", self.name, shard)
         elif answer.outcome is TransactionOutcome.UNKNOWN:
             # Settled by the next producer of the id, and the progress read after it.
             state.producer.close()
             state.producer, state.recovered = None, False
         elif answer.results[-1].outcome is Outcome.FAILED:
-            log.error("relay %s: the progress topic %s refused shard %d's progress record: %s",
-                      self._worker_id, self.progress_topic, shard, answer.results[-1].error)
+            log.error("%s: the progress topic %s refused shard %d's progress record: %s",
+                      self.name, self.progress_topic, shard, answer.results[-1].error)
         for i, res in own.items():
             results[i] = res if res.outcome is Outcome.RETRY else SendResult(
                 Outcome.RETRY, error=answer.error, unreachable=True)
@@ -365,7 +409,7 @@ class ExactlyOnce:
                 state.unmarked -= gone
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._sharing is None:  # a fleet's pool is the fleet's to shut
             self._pool.shutdown(timeout=0)
             self._pool = None
         for shard in list(self._owned):

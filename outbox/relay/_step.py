@@ -39,6 +39,7 @@ from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics
 from ._record_limit import check_record_limit
 from ._settings import RelaySettings
+from ._sharing import Sharing
 from ._sql import statements_for
 from ._stuck import StuckKeys
 from ._writer import Writer
@@ -83,13 +84,16 @@ class RelayStep:
     often the stuck keys are looked at; ``writer`` is where pipelined batches'
     outcomes are written (default: a thread of its own, started on the first).
     One thread at a time runs its steps; ``maintain_leases`` may run on
-    another (``Leases`` is safe for that).
+    another (``Leases`` is safe for that). ``sharing``: in exactly-once mode,
+    what a fleet's steps share (``_exactly_once.Sharing``): one pool, idle
+    producers closed, a progress topic per outbox.
     """
 
     def __init__(self, outbox: Outbox, transport: Transport, engine: Engine, settings: RelaySettings, *,
                  alert: AlertSink | Callable[[Alert], None], metrics: RelayMetrics, outages: RelayOutages,
                  cloudevents: CloudEvents | None = None, name: str | None = None,
-                 watch_every: float | None = None, writer: Writer | None = None) -> None:
+                 watch_every: float | None = None, writer: Writer | None = None,
+                 sharing: Sharing | None = None) -> None:
         self.settings = settings
         self.name = name or f"relay {settings.worker_id}"
         self._metrics = metrics
@@ -108,10 +112,12 @@ class RelayStep:
             batch_size=settings.batch_size, database_outage=outages.database,
             incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
         if settings.exactly_once:
+            topic = settings.progress_topic if sharing is None or not stored.incarnation else (
+                sharing.topic_for(stored.incarnation))
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
-                progress_topic=settings.progress_topic, mark=self._batch.mark_committed,
-                timeout=EXACTLY_ONCE_TIMEOUT)
+                progress_topic=topic, mark=self._batch.mark_committed, timeout=EXACTLY_ONCE_TIMEOUT,
+                sharing=sharing, name=self.name)
             check_progress_fits(transport, settings.batch_size, worker_id)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)

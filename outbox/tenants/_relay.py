@@ -63,6 +63,7 @@ from ..relay import (
     relay_metrics,
     tenant_relay_metrics,
 )
+from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._leases import renew_interval
 from ..relay._settings import DEFAULT_BACKOFF, cloudevents_mode, default_worker_id
 from ._databases import FleetDatabases
@@ -73,6 +74,9 @@ from ._turn_state import TurnState
 from ._units import Unit
 
 log = safe_logger("outbox.relay")
+
+IDLE_PRODUCERS_AFTER = 30.0
+"""Exactly-once mode: seconds a tenant's shard producer may send nothing before it is closed."""
 
 class TenantRelay:
     """Publishes many tenants' outbox rows from one process; see the module doc.
@@ -86,7 +90,7 @@ class TenantRelay:
     ``poll_interval`` is how often each tenant is polled when no notification
     came (PostgreSQL notifies; elsewhere it is the latency), and ``lease_ttl``
     is longer than a single relay's because one process renews every tenant's
-    leases.
+    leases. ``exactly_once``: as ``Relay``'s, per tenant (docs/tenants.md).
     """
 
     def __init__(
@@ -111,6 +115,9 @@ class TenantRelay:
         wheel_tick: float = 0.02,
         key_stuck_after: float = 300.0,
         cloudevents: CloudEvents | bool = False,
+        exactly_once: bool = False,
+        progress_topic: str = DEFAULT_PROGRESS_TOPIC,
+        idle_producers_after: float = IDLE_PRODUCERS_AFTER,
     ) -> None:
         if not callable(transport) or callable(getattr(transport, "publish", None)):
             raise ConfigurationError(
@@ -129,7 +136,7 @@ class TenantRelay:
         self.settings = settings = RelaySettings(
             batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
             poll_interval=poll_interval, backoff=backoff, wheel_tick=wheel_tick,
-            key_stuck_after=key_stuck_after)
+            key_stuck_after=key_stuck_after, exactly_once=exactly_once, progress_topic=progress_topic)
         self.worker_id = settings.worker_id
         self.tenant_header = checked_header(tenant_header)
         self.source = tenant_source(tenants)
@@ -151,7 +158,8 @@ class TenantRelay:
         self._tables = OutboxTables(prefix=prefix)
         self.notify_channel = notify_channel
         self._default = database
-        self._workers = Workers([transport() for _ in range(workers)])
+        self._workers = Workers([transport() for _ in range(workers)], exactly_once and idle_producers_after,
+                                progress_topic)
         self.broker_outage = RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker",
                                                   process_metrics)
         self._schedule = Schedule()
@@ -222,7 +230,7 @@ class TenantRelay:
             self.settings, alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
             outages=RelayOutages(database=unit.db.outage, broker=self.broker_outage),
             cloudevents=self._cloudevents, name=f"relay {self.worker_id}: tenant {name}",
-            watch_every=self._watch_every, writer=self._workers)
+            watch_every=self._watch_every, writer=self._workers, sharing=self._workers.sharing)
 
     # -- the loop ---------------------------------------------------------------
 

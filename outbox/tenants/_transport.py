@@ -8,6 +8,12 @@ header of that name the producer set, in any case: no tenant sends under
 another's name. Each worker also has one ``BackgroundWriter``, the single
 relay's: a tenant's batch outcomes are written there while the worker goes on
 to the next tenant's batch (``Workers`` is the ``Writer`` its steps take).
+
+In exactly-once mode a tenant's shard transactions go through
+``TenantTransport.transactional``: its producers stamp the tenant header as
+``publish`` does (the records of a transaction are the same records), and the
+workers' one ``Sharing`` (a thread pool, idle producers closed) serves every
+tenant's ``ExactlyOnce`` (``relay._sharing``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,23 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import TypeVar
 
-from transports import Record, SendResult, Transport
+from transports import (
+    Record,
+    SendResult,
+    TransactionalProducer,
+    TransactionResult,
+    Transactions,
+    Transport,
+    TransportFeatures,
+    transport_features,
+)
 
 from ..core._errors import ConfigurationError
 from ..core._wire import header_size
-from ..relay._writer import BackgroundWriter
+from ..relay._exactly_once import FENCING_THREADS, exactly_once_transport
+from ..relay._settings import _positive_seconds
+from ..relay._sharing import Sharing
+from ..relay._writer import BackgroundWriter, DaemonPool
 
 T = TypeVar("T")
 
@@ -31,9 +49,15 @@ WRITERS_STOP_WITHIN = 3.0
 
 
 class Workers:
-    """One transport and one writer per worker; ``bind(i)`` makes this thread worker ``i``."""
+    """One transport and one writer per worker; ``bind(i)`` makes this thread worker ``i``.
 
-    def __init__(self, transports: Sequence[Transport]) -> None:
+    ``idle_producers_after`` (seconds; False: not exactly-once) and
+    ``progress_topic``: the ``Sharing`` of every tenant's step, its pool
+    ``FENCING_THREADS`` threads per worker.
+    """
+
+    def __init__(self, transports: Sequence[Transport], idle_producers_after: float | bool = False,
+                 progress_topic: str = "") -> None:
         for made in transports:
             if not callable(getattr(made, "publish", None)):
                 raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
@@ -41,6 +65,19 @@ class Workers:
         self.local = threading.local()
         self._writers: dict[int, BackgroundWriter] = {}
         self._lock = threading.Lock()
+        self.sharing: Sharing | None = None
+        if idle_producers_after is not False:
+            try:
+                idle = _positive_seconds("idle_producers_after", idle_producers_after)
+                for made in transports:
+                    exactly_once_transport(made)  # one clear error for a transport without transactions
+                # Daemon threads: a transaction stuck on a frozen broker must not hold a stopped
+                # fleet's process alive after ``run`` gave up on it at its stop bound.
+                pool = DaemonPool("outbox-relay-txn", len(transports) * FENCING_THREADS)
+                self.sharing = Sharing(pool, idle, progress_topic)
+            except ConfigurationError:
+                self.close()  # the transports made for nothing
+                raise
 
     def bind(self, index: int) -> None:
         self.local.transport = self.transports[index]
@@ -69,6 +106,8 @@ class Workers:
             writers, self._writers = list(self._writers.values()), {}
         for writer in writers:
             writer.shutdown(WRITERS_STOP_WITHIN)
+        if self.sharing is not None:
+            self.sharing.pool.shutdown(timeout=0)  # the steps closed their producers
         for made in self.transports:
             close = getattr(made, "close", None)
             if callable(close):
@@ -95,19 +134,57 @@ class TenantTransport:
                                               "its maximum record size") + (
                 f", less {room} bytes for the tenant header" if room else "")
 
-    def publish(self, records: Sequence[Record]) -> list[SendResult]:
-        transport = self._workers.current()
+    @property
+    def features(self) -> TransportFeatures:
+        """What its workers' transports promise (transactions included: ``transactional``)."""
+        return transport_features(self._workers.transports[0])
+
+    def stamped(self, records: Sequence[Record]) -> Sequence[Record]:
+        """``records`` with the tenant header, any header of its name (in any case) replaced."""
         header = self._header
-        if header is not None:
-            value = self._value
-            # In any case: a consumer that looks headers up without case must not find another tenant.
-            folded = header.lower()
-            records = [replace(r, headers=[(n, v) for n, v in r.headers if n.lower() != folded]
-                               + [(header, value)]) for r in records]
-        return transport.publish(records)
+        if header is None:
+            return records
+        value = self._value
+        # In any case: a consumer that looks headers up without case must not find another tenant.
+        folded = header.lower()
+        return [replace(r, headers=[(n, v) for n, v in r.headers if n.lower() != folded]
+                        + [(header, value)]) for r in records]
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        return self._workers.current().publish(self.stamped(records))
+
+    # -- exactly-once mode (``transports.Transactions``): any worker's transport makes the clients
+
+    def transactional(self, transactional_id: str, timeout: float, *,
+                      one_per_request: bool = False) -> TransactionalProducer:
+        """A producer of ``transactional_id`` whose every transaction carries the tenant header."""
+        return _StampedProducer(self._transactions().transactional(
+            transactional_id, timeout, one_per_request=one_per_request), self)
+
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
+        self._transactions().ensure_compacted_topic(topic, partitions, timeout)
+
+    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
+        return self._transactions().last_committed(topic, partition, key, timeout)
+
+    def _transactions(self) -> Transactions:
+        return exactly_once_transport(self._workers.transports[0])
 
     def close(self, timeout: float = 10.0) -> None:
         """Nothing: the fleet closes its workers' transports."""
+
+
+class _StampedProducer:
+    """A tenant's transactional producer: the tenant header on every record it sends."""
+
+    def __init__(self, inner: TransactionalProducer, tenant: TenantTransport) -> None:
+        self._inner, self._tenant = inner, tenant
+
+    def send(self, records: Sequence[Record]) -> TransactionResult:
+        return self._inner.send(self._tenant.stamped(records))
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 _HEADER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")

@@ -1,0 +1,303 @@
+"""A tenant fleet in exactly-once mode, proved on Apache Kafka: each tenant the single relay's promise.
+
+Three tenants, each an outbox of its own (a SQLite database each), served by
+one ``TenantRelay``. Each proof reads the topic read_committed, checks the
+tenant header of every record against the tenant that wrote its message, and
+where it can runs at-least-once too, where the same scenario shows the
+duplicate the mode removes (so the test can fail).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import publish, rows, schema_outboxes, wait_for
+
+from outbox import ConfigurationError, Outbox, create_engine
+from outbox.tenants import Tenant, TenantRelay
+from transports import Record
+from transports.kafka import KafkaTransport
+from transports.memory import InMemoryBroker, InMemoryTransport
+from transports.testing import read_topic
+
+pytestmark = pytest.mark.kafka
+
+NAMES = ("acme", "globex", "initech")
+HEADER = "x-tenant"
+MESSAGE_ID = "outbox-message-id"
+MODES = [pytest.param(True, id="exactly-once"), pytest.param(False, id="at-least-once")]
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+@pytest.fixture
+def outboxes(tmp_path: Path) -> Iterator[dict[str, Outbox]]:
+    made = {}
+    for name in NAMES:
+        ob = Outbox(create_engine(f"sqlite:///{tmp_path / name}.db"), shards=4)
+        ob.create_tables()
+        made[name] = ob
+    yield made
+    for ob in made.values():
+        ob.engine.dispose()  # type: ignore[union-attr]
+
+
+def tenants(outboxes: dict[str, Outbox], names: Sequence[str] = NAMES) -> list[Tenant]:
+    return [Tenant(name, database=str(outboxes[name].engine.url)) for name in names]  # type: ignore[union-attr]
+
+
+def fleet(tenant_list: Any, kafka: str, exactly_once: bool, progress_topic: str,
+          **kwargs: Any) -> TenantRelay:
+    options: dict[str, Any] = dict(tenant_header=HEADER, lease_ttl=1.0, poll_interval=0.1, workers=1)
+    options.update(kwargs)
+    # Room for the tenant header above the stored record limit (as `outbox relay --tenants` makes).
+    settings = {"message.max.bytes": "1001000"}
+    return TenantRelay(tenant_list, lambda: KafkaTransport(settings, bootstrap_servers=kafka),
+                       exactly_once=exactly_once, progress_topic=progress_topic, **options)
+
+
+def publish_all(outboxes: dict[str, Outbox], topic: str, n: int) -> dict[str, str]:
+    """``n`` messages per tenant over 5 keys; message id -> the tenant that wrote it."""
+    writer = {}
+    for name, ob in outboxes.items():
+        for mid in publish(ob, topic, [f"{name}-k{i % 5}" for i in range(n)]):
+            writer[str(mid)] = name
+    return writer
+
+
+def drain(relay: TenantRelay, outboxes: dict[str, Outbox], timeout: float = 30.0) -> None:
+    def done() -> bool:
+        relay.run_once()
+        return not any(rows(ob, status="pending") for ob in outboxes.values())
+    wait_for(done, timeout, "every tenant's rows published")
+
+
+def check_headers(on_wire: list[Record], writer: dict[str, str]) -> Counter[str]:
+    """Every record carries its writer's tenant header, once; how often each message is on the wire."""
+    seen: Counter[str] = Counter()
+    for record in on_wire:
+        headers = [(n, v) for n, v in record.headers if n.lower() == HEADER]
+        mid = dict(record.headers)[MESSAGE_ID].decode()
+        assert headers == [(HEADER, writer[mid].encode())], (mid, record.headers)
+        seen[mid] += 1
+    return seen
+
+
+def killed(step: Any) -> bool:
+    """One step; True when it died at its mark (False: it sent nothing yet, e.g. a progress topic
+    just made whose leader the broker had not settled: an outage, waited out)."""
+    try:
+        step.run_once()
+    except Killed:
+        return True
+    return False
+
+
+def producers(relay: TenantRelay) -> int:
+    """The shard producers the fleet's tenants hold open now."""
+    count = 0
+    for name in relay.tenants:
+        step = relay.relay_of(name)
+        eo = step._batch.exactly_once if step is not None else None
+        count += eo.producers if eo is not None else 0
+    return count
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_fleet_killed_between_the_commit_and_the_mark_sends_no_tenant_s_message_twice(
+        outboxes: dict[str, Outbox], kafka: str, topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = publish_all(outboxes, topic, 20)
+    progress = f"{topic}-progress"
+    first = fleet(tenants(outboxes), kafka, exactly_once, progress, worker_id="first")
+    first.refresh()
+    first._workers.bind(0)  # its steps run here, as on its worker 0
+
+    def die(plan: Any) -> Any:
+        raise Killed  # after the broker took the batch, before the database heard of it
+
+    for name in NAMES:
+        step = first.relay_of(name)
+        assert step is not None
+        monkeypatch.setattr(step._batch, "_write", die)
+        wait_for(lambda step=step: killed(step), 30, f"{name}'s batch sent")
+    monkeypatch.undo()
+    assert all(len(rows(ob, status="pending")) == 20 for ob in outboxes.values())  # nothing marked
+    # The next fleet takes every tenant's shards once the dead one's leases expired.
+    second = fleet(tenants(outboxes), kafka, exactly_once, progress, worker_id="second")
+    try:
+        drain(second, outboxes)
+    finally:
+        second.close()
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.0, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert set(seen) == set(writer)
+    twice = {mid for mid, n in seen.items() if n > 1}
+    if exactly_once:
+        assert twice == set()
+    else:
+        assert twice == set(writer)  # the proof can fail: at least once sends every batch again
+
+
+@pytest.mark.parametrize("exactly_once", MODES)
+def test_a_tenant_removed_after_its_commit_and_added_again_sends_nothing_twice(
+        outboxes: dict[str, Outbox], kafka: str, topic: str, exactly_once: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its step (and the memory of what it committed) is gone; the new one reads its progress."""
+    writer = publish_all(outboxes, topic, 10)
+    current = list(NAMES)
+    relay = fleet(lambda: tenants(outboxes, current), kafka, exactly_once, f"{topic}-progress")
+    try:
+        relay.refresh()
+        step = relay.relay_of("globex")
+        assert step is not None
+
+        writes: list[Any] = []
+
+        def refused(plan: Any) -> Any:
+            writes.append(plan)
+            raise RuntimeError("the mark was lost")  # not an outage: its database gate stays open
+
+        monkeypatch.setattr(step._batch, "_write", refused)
+        wait_for(lambda: relay.run_once() and writes, 30, "globex's batch on the wire, its mark refused")
+        monkeypatch.undo()
+        assert len(rows(outboxes["globex"], status="pending")) == 10
+        current.remove("globex")
+        relay.refresh()
+        assert relay.tenants == ["acme", "initech"] and relay.relay_of("globex") is None
+        current.append("globex")
+        relay.refresh()
+        drain(relay, outboxes)
+    finally:
+        relay.close()
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.0, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    twice = {writer[mid] for mid, n in seen.items() if n > 1}
+    assert set(seen) == set(writer)
+    assert twice == (set() if exactly_once else {"globex"})
+
+
+def test_idle_shard_producers_are_closed_and_made_again_with_their_progress(
+        outboxes: dict[str, Outbox], kafka: str, topic: str) -> None:
+    writer = publish_all(outboxes, topic, 10)
+    relay = fleet(tenants(outboxes), kafka, True, f"{topic}-progress", idle_producers_after=0.3)
+    try:
+        drain(relay, outboxes)
+        assert 0 < producers(relay) <= len(NAMES) * 4  # a producer per taken shard, no more
+        time.sleep(0.4)  # longer than idle_producers_after: a condition of time itself
+        relay.run_once()
+        assert producers(relay) == 0
+        # One key of one tenant has work again: one producer, of its shard.
+        for mid in publish(outboxes["initech"], topic, ["initech-k1"] * 3):
+            writer[str(mid)] = "initech"
+        drain(relay, outboxes)
+        assert producers(relay) == 1
+    finally:
+        relay.close()
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.0, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert set(seen) == set(writer) and max(seen.values()) == 1
+
+
+def test_the_fleet_s_exactly_once_mode_needs_transports_with_transactions(
+        outboxes: dict[str, Outbox]) -> None:
+    broker = InMemoryBroker()
+    with pytest.raises(ConfigurationError, match="exactly_once needs a transport with Kafka transactions"):
+        TenantRelay(tenants(outboxes), lambda: InMemoryTransport(broker), exactly_once=True)
+    kafka_transport = lambda: KafkaTransport(bootstrap_servers="127.0.0.1:9")  # noqa: E731 (never reached)
+    with pytest.raises(ConfigurationError, match="idle_producers_after"):
+        TenantRelay(tenants(outboxes), kafka_transport, exactly_once=True, idle_producers_after=0)
+    # Each tenant's progress topic adds -<incarnation>: a base without room for it is refused now,
+    # not tenant by tenant once they start.
+    with pytest.raises(ConfigurationError, match=r"progress_topic 'ppp.*has 240 characters.*at most 212"):
+        TenantRelay(tenants(outboxes), kafka_transport, exactly_once=True, progress_topic="p" * 240)
+
+
+def test_another_tenant_s_open_transaction_does_not_hold_a_take_over(
+        outboxes: dict[str, Outbox], kafka: str, topic: str) -> None:
+    """Each outbox's progress is on a topic of its own: a transaction left open on acme's (its
+    relay frozen mid-commit) does not make globex's take-over wait for the broker to time it out."""
+    from confluent_kafka import Producer
+
+    progress = f"{topic}-progress"
+    probe = fleet(tenants(outboxes, ["acme"]), kafka, True, progress)
+    probe.refresh()  # builds acme's step (its progress topic named), takes nothing
+    acme_step = probe.relay_of("acme")
+    assert acme_step is not None and acme_step._batch.exactly_once is not None
+    acme_topic = acme_step._batch.exactly_once.progress_topic
+    probe.close()
+    KafkaTransport(bootstrap_servers=kafka).ensure_compacted_topic(acme_topic, 4, 30)
+    frozen = Producer({"bootstrap.servers": kafka, "transactional.id": f"frozen-{topic}",
+                       "transaction.timeout.ms": 120_000})
+    frozen.init_transactions(30)
+    frozen.begin_transaction()
+    for shard in range(4):  # the partition of every shard, left open
+        frozen.produce(acme_topic, b"{}", b"frozen", partition=shard)
+    assert frozen.flush(30) == 0
+    writer = {str(mid): "globex" for mid in publish(outboxes["globex"], topic, ["g1", "g2", "g3", "g4"] * 3)}
+    relay = fleet(tenants(outboxes, ["globex"]), kafka, True, progress)
+    try:
+        started = time.monotonic()
+        drain(relay, {"globex": outboxes["globex"]}, timeout=15)
+        assert time.monotonic() - started < 15
+    finally:
+        relay.close()
+        frozen.abort_transaction(30)
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=0.5, isolation="read_committed")
+    assert check_headers(on_wire, writer) == Counter(dict.fromkeys(writer, 1))
+
+
+def start_cli_fleet(db: str, kafka: str, tmp_path: Path, topic: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "outbox", "relay", "--db", db, "--bootstrap-servers", kafka,
+               "--tenants", ",".join(NAMES), "--tenant-header", HEADER, "--exactly-once",
+               "--progress-topic", f"{topic}-progress", "--lease-ttl", "2", "--poll-interval", "0.2",
+               "--workers", "2", "--batch-size", "20", "--log-level", "INFO"]
+    return subprocess.Popen(command, stdout=(tmp_path / "fleet.log").open("a"), stderr=subprocess.STDOUT)
+
+
+def published_count(outboxes: dict[str, Outbox]) -> int | None:
+    """Rows published in every tenant; None while a relay process holds a database's lock."""
+    try:
+        return sum(len(rows(ob, status="published")) for ob in outboxes.values())
+    except sa.exc.OperationalError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_sigkilled_cli_fleet_in_exactly_once_mode_sends_every_message_once(
+        postgres_db: str, kafka: str, topic: str, tmp_path: Path) -> None:
+    """`outbox relay --tenants --exactly-once` over three schemas, SIGKILLed four times while
+    batches flow (the process is what the test's own fleets are not)."""
+    engine = create_engine(postgres_db)
+    outboxes = schema_outboxes(engine, NAMES)
+    writer = publish_all(outboxes, topic, 300)
+    fleet_process = start_cli_fleet(postgres_db, kafka, tmp_path, topic)
+    try:
+        for _ in range(4):
+            before = published_count(outboxes) or 0
+            wait_for(lambda before=before: (published_count(outboxes) or 0) > before, 60, "batches flowing")
+            fleet_process.kill()  # batches committed and not marked, transactions open
+            fleet_process.wait(10)
+            fleet_process = start_cli_fleet(postgres_db, kafka, tmp_path, topic)
+        wait_for(lambda: published_count(outboxes) == len(writer), 120, "every message published")
+    finally:
+        fleet_process.send_signal(signal.SIGTERM)
+        assert fleet_process.wait(30) == 0, (tmp_path / "fleet.log").read_text()[-3000:]
+        engine.dispose()
+    on_wire = read_topic(kafka, topic, expected=len(writer), timeout=60, settle=2.0,
+                         isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert set(seen) == set(writer)
+    assert max(seen.values()) == 1, {mid: n for mid, n in seen.items() if n > 1}
