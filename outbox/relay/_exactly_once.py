@@ -42,13 +42,11 @@ makes one of the same id again and reads the progress again (``_unpark``).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from transports import (
     Outcome,
@@ -60,11 +58,12 @@ from transports import (
     Transport,
     transport_features,
 )
-from transports._errors import RetriableTransportError, TransportError
+from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
+from ._progress import ids_of, progress_value
 from ._sharing import Sharing
 from ._writer import DaemonPool
 
@@ -80,35 +79,8 @@ FENCING_THREADS = 8
 """Half the relay's threads for its shards (``_threads``): shards taken over are fenced and their
 progress read on them in parallel, a batch's shards' transactions run on them."""
 
-ID_BYTES = 21
-"""The most a row id takes in a progress record: a BIGINT's 19 digits and JSON's ", "."""
-
-PROGRESS_BYTES = 1_000_000
-"""The largest progress record counted on: about what a topic made with the cluster's defaults takes."""
-
-PROGRESS_OVERHEAD = 1024
-"""A progress record's bytes besides its ids and relay name: key, epoch, JSON, Kafka's per-record share."""
-
 ROUNDS = 8
 """Transactions one shard's batch may take when records are refused (each round fails at least one)."""
-
-
-def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -> None:
-    """Refuse a ``batch_size`` whose progress record could outgrow what the producer sends.
-
-    A shard's progress record names its rows committed and not known marked: with
-    a hot key the whole batch is one shard's, and while a batch's mark is written
-    (pipelined) the next batch's record names both. A record the producer or the
-    topic refuses aborts every transaction of the shard: nothing of it would ever
-    be published.
-    """
-    limit = min(getattr(transport, "max_record_bytes", PROGRESS_BYTES), PROGRESS_BYTES)
-    most = (limit - PROGRESS_OVERHEAD - len(worker_id.encode())) // (2 * ID_BYTES)
-    if batch_size > most:
-        raise ConfigurationError(
-            f"exactly_once with batch_size={batch_size}: a shard's progress record names up to two "
-            f"batches of row ids ({ID_BYTES} bytes each), more than the {limit} bytes a record may take "
-            f"here; use batch_size {max(most, 0)} at most")
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
@@ -246,7 +218,7 @@ class ExactlyOnce:
         except BaseException:
             producer.close()  # fenced and read again next time
             raise
-        return producer, _ids_of(value)
+        return producer, ids_of(value)
 
     def _recover(self, shard: int, state: _Shard) -> None:
         """Mark the rows the shard's committed progress names published (a database error raises)."""
@@ -371,9 +343,8 @@ class ExactlyOnce:
         sent_ids = [ids[i] for i in todo]
         with self._lock:
             carried = sorted(state.unmarked | set(sent_ids))
-        progress = Record(self.progress_topic, json.dumps(
-            {"ids": carried, "relay": self._worker_id, "epoch": state.epoch}).encode(),
-            key=self.transactional_id(shard).encode(), partition=shard)
+        progress = Record(self.progress_topic, progress_value(carried, self._worker_id, state.epoch),
+                          key=self.transactional_id(shard).encode(), partition=shard)
         answer = state.producer.send([*(records[i] for i in todo), progress])
         own = dict(zip(todo, answer.results[:-1], strict=True))
         if answer.outcome is TransactionOutcome.COMMITTED:
@@ -414,14 +385,3 @@ class ExactlyOnce:
             self._pool = None
         for shard in list(self._owned):
             self._drop(shard)
-
-
-def _ids_of(value: bytes | None) -> list[int]:
-    """The row ids a progress record names (none when there is none)."""
-    if value is None:
-        return []
-    try:
-        parsed: Any = json.loads(value)
-        return [int(i) for i in parsed["ids"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TransportError(f"unreadable progress record: {exc}") from None

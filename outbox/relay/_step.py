@@ -34,9 +34,10 @@ from ..core._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_datab
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
 from ._batch import BatchResult, BatchRunner
-from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce, check_progress_fits
+from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics
+from ._progress import check_progress_fits
 from ._record_limit import check_record_limit
 from ._settings import RelaySettings
 from ._sharing import Sharing

@@ -1,0 +1,62 @@
+"""The progress record of exactly-once mode: what it names, how it is read, and how big it may grow.
+
+One record per shard transaction (``_exactly_once``): the ids of the shard's rows
+committed and not known to be marked, the relay that wrote it and its lease epoch,
+as JSON. A take-over reads the last committed one and marks those rows without
+sending them again. The record grows with ``batch_size`` (ids, not record bytes):
+``check_progress_fits`` refuses a batch size whose record the producer or the topic
+could refuse, since a refused progress record aborts every transaction of its shard.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from transports import Transport
+from transports._errors import TransportError
+
+from ..core._errors import ConfigurationError
+
+ID_BYTES = 21
+"""The most a row id takes in a progress record: a BIGINT's 19 digits and JSON's ", "."""
+
+PROGRESS_BYTES = 1_000_000
+"""The largest progress record counted on: about what a topic made with the cluster's defaults takes."""
+
+PROGRESS_OVERHEAD = 1024
+"""A progress record's bytes besides its ids and relay name: key, epoch, JSON, Kafka's per-record share."""
+
+
+def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -> None:
+    """Refuse a ``batch_size`` whose progress record could outgrow what the producer sends.
+
+    A shard's progress record names its rows committed and not known marked: with
+    a hot key the whole batch is one shard's, and while a batch's mark is written
+    (pipelined) the next batch's record names both. A record the producer or the
+    topic refuses aborts every transaction of the shard: nothing of it would ever
+    be published.
+    """
+    limit = min(getattr(transport, "max_record_bytes", PROGRESS_BYTES), PROGRESS_BYTES)
+    most = (limit - PROGRESS_OVERHEAD - len(worker_id.encode())) // (2 * ID_BYTES)
+    if batch_size > most:
+        raise ConfigurationError(
+            f"exactly_once with batch_size={batch_size}: a shard's progress record names up to two "
+            f"batches of row ids ({ID_BYTES} bytes each), more than the {limit} bytes a record may take "
+            f"here; use batch_size {max(most, 0)} at most")
+
+
+def progress_value(ids: list[int], relay: str, epoch: int) -> bytes:
+    """A progress record's value: the row ids it names, who wrote it, under which lease epoch."""
+    return json.dumps({"ids": ids, "relay": relay, "epoch": epoch}).encode()
+
+
+def ids_of(value: bytes | None) -> list[int]:
+    """The row ids a progress record names (none when there is none)."""
+    if value is None:
+        return []
+    try:
+        parsed: Any = json.loads(value)
+        return [int(i) for i in parsed["ids"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransportError(f"unreadable progress record: {exc}") from None
