@@ -79,8 +79,11 @@ def spark_session(
     ``data_source=False`` leaves ``spark.read.format("outbox_table")`` out: the
     jobs do not read through it, and registering it makes Spark start a Python
     process to look for other data sources (about two seconds).
-    ``kafka_source=True`` puts Spark's Kafka source on a new session's class
-    path (``kafka_source_jars``); an existing session keeps the class path it has.
+    Spark's Kafka source goes on a new session's class path whenever this
+    machine has its jars (``kafka_source_jars``), whether or not this caller
+    says it needs it (``kafka_source=True``): a process's first job makes the
+    session its later wire audit runs in. An existing session keeps its class
+    path (``require_kafka_source`` names what to do then).
     Raises ``ConfigurationError`` when the executors cannot import this package.
     """
     # Python's names too: one OUTBOX_LOG_LEVEL serves the workers and the Spark jobs.
@@ -107,7 +110,9 @@ def spark_session(
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         if chosen is not None:
             settings["spark.master"] = chosen
-        if kafka_source and not _under_spark_submit():
+        if not _under_spark_submit():
+            # Always when this machine has the jars: the first job of a process makes its session,
+            # and a wire audit later in the same process must find the source on its class path.
             settings = _with_kafka_source(settings)
         spark = _build(app_name, settings, level)
     if data_source:
