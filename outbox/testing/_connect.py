@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
+from . import _jvm as jvm
 from ._jvm import HOST, JVM_OPTIONS, LOG4J2, kill, launcher, started, terminate
 from ._kafka_libs import bundle_libs, java
 from ._ports import PortNotBound, check_bound, free_port
@@ -340,30 +341,13 @@ class LocalKafkaConnect(ConnectRest):
     # -- what a test or an error message reads --------------------------------------------------
 
     def log_since_launch(self) -> str:
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(self._log_start)
-                return log.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return jvm.log_since(self.log_path, self._log_start)
 
     def first_error(self) -> str:
-        lines = self.log_since_launch().splitlines()
-        for n, line in enumerate(lines):
-            if "] ERROR " in line:
-                return "\n".join(lines[n:n + 2])
-        return ""
+        return jvm.first_error(self.log_since_launch())
 
     def tail(self, lines: int = 30) -> str:
-        parts = []
-        for path in (self.log_path, self.directory / "stdout.log"):
-            try:
-                text = path.read_text(errors="replace").splitlines()[-lines:]
-            except FileNotFoundError:
-                continue
-            if text:
-                parts.append(f"--- {path} ---\n" + "\n".join(text))
-        return "\n".join(parts) or "(no output)"
+        return jvm.tail((self.log_path, self.directory / "stdout.log"), lines)
 
     def _exit_code(self) -> int | None:
         return None if self._process is None else self._process.poll()

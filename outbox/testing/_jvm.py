@@ -15,6 +15,8 @@ import contextlib
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterable
+from pathlib import Path
 
 HOST = "127.0.0.1"
 
@@ -82,3 +84,35 @@ def kill(process: subprocess.Popen[bytes]) -> None:
         process.kill()
     process.wait()
     ended(process)
+
+
+# -- what a JVM's logs say, for its owner and for error messages ----------------------------------
+
+def log_since(path: Path, start: int) -> str:
+    """The log at ``path`` from byte ``start`` on (what the JVM wrote since its last launch)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(start)
+            return log.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def first_error(text: str) -> str:
+    """A log4j log's first ERROR line and the line after it (the exception), or ""."""
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        if "] ERROR " in line:
+            return "\n".join(lines[n:n + 2])
+    return ""
+
+
+def tail(paths: Iterable[Path], lines: int) -> str:
+    """The last ``lines`` of each of ``paths`` that exists, each under its name; "(no output)" if none."""
+    parts = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            if text:
+                parts.append(f"--- {path} ---\n" + "\n".join(text))
+    return "\n".join(parts) or "(no output)"

@@ -10,12 +10,12 @@ The JVM's launcher, options and clean-up are ``_jvm``'s.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from . import _jvm as jvm
 from ._jvm import HOST, JVM_OPTIONS, LOG4J2, kill, launcher, started, terminate
 from ._ports import check_bound
 
@@ -110,12 +110,7 @@ class KafkaNode:
 
     def log_since_launch(self) -> str:
         """The broker's log lines written since the last ``launch()``."""
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(self._log_start)
-                return log.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return jvm.log_since(self.log_path, self._log_start)
 
     def says_bound(self) -> bool:
         """Whether the broker's own log (since launch) says it listens on both of its ports."""
@@ -135,21 +130,11 @@ class KafkaNode:
 
     def first_error(self) -> str:
         """The broker's first ERROR line since launch and the line after it (the exception), or ""."""
-        lines = self.log_since_launch().splitlines()
-        for n, line in enumerate(lines):
-            if "] ERROR " in line:
-                return "\n".join(lines[n:n + 2])
-        return ""
+        return jvm.first_error(self.log_since_launch())
 
     def tail(self, lines: int = 30) -> str:
         """The last ``lines`` of the broker's log and of the JVM's own output, for an error message."""
-        parts = []
-        for path in (self.log_path, self.directory / "stdout.log"):
-            with contextlib.suppress(FileNotFoundError):
-                text = path.read_text(errors="replace").splitlines()[-lines:]
-                if text:
-                    parts.append(f"--- {path} ---\n" + "\n".join(text))
-        return "\n".join(parts) or "(no output)"
+        return jvm.tail((self.log_path, self.directory / "stdout.log"), lines)
 
     def exit_code(self) -> int | None:
         return None if self._process is None else self._process.poll()
