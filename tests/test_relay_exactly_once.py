@@ -384,7 +384,9 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
         first.send_signal(signal.SIGSTOP)
         second = start_cli_relay(postgres_db, kafka, log, "--worker-id", "taker", *args)
         wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
-        time.sleep(2)
+        # The zombie resumes once the new owner has committed and marked rows of its own.
+        taken_at = len(rows(outbox, status="published"))
+        wait_for(lambda: len(rows(outbox, status="published")) >= taken_at + 20, 120, "the taker publishing")
         first.send_signal(signal.SIGCONT)
         writing.join(120)
         wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", 0.5)
