@@ -213,7 +213,7 @@ def spark_for_tests():
     """
     from outbox.spark import spark_session
 
-    spark = spark_session("local[2]", kafka_source=True, config={
+    spark = spark_session("local[2]", config={
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "4",
         "spark.default.parallelism": "2",

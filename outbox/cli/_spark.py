@@ -103,17 +103,15 @@ def _progress(total: bool) -> Iterator[Callable[..., None]]:
             raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
 
 
-def _session(master: str | None, log_level: str, *, kafka_source: bool = False) -> Callable[[], Any]:
+def _session(master: str | None, log_level: str) -> Callable[[], Any]:
     """Build the session only when the job asks for it, after its arguments and tables are checked.
 
     No web UI: the command's process, and with it the UI, ends with the job;
     starting it costs about a second. Nor the ``outbox_table`` data source,
     which the jobs do not read through (registering it costs two).
-    ``kafka_source`` adds Spark's Kafka source for the wire audit.
     """
     return lambda: _jobs().spark_session(master, log_level=log_level, data_source=False,
-                                         config={"spark.ui.enabled": "false"},
-                                         kafka_source=kafka_source)
+                                         config={"spark.ui.enabled": "false"})
 
 
 def _wire(jobs: Any, bootstrap: str | None, topics: list[str] | None, options: list[str] | None,
@@ -178,7 +176,7 @@ def audit_command(
         wire = _wire(jobs, wire_bootstrap, wire_topic, wire_option, wire_exactly_once)
         result = jobs.audit(outbox_db, inbox_db, out_dir=out, window=span, sla=sla, group=group,
                             event_type=event_type, as_of=as_of, partitions=partitions,
-                            spark=_session(master, log_level, kafka_source=wire is not None),
+                            spark=_session(master, log_level),
                             prefix=prefix, schema=schema, progress=step,
                             shared_storage=shared_storage, wire=wire)
         step("done")

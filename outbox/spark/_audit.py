@@ -150,7 +150,7 @@ def audit(
     small = estimate_rows(portable_url(outbox_url), table_for("outbox_messages", prefix, schema)) \
         <= SMALL_INPUT
     step("starting Spark")
-    session = session_from(spark, kafka_source=wire is not None)
+    session = session_from(spark)
     require_shared(session, out, "out_dir", shared_storage)
     outbox = table(outbox_url, "outbox_messages", OUTBOX_COLUMNS, "created_at", True)
     if event_type is not None:

@@ -13,8 +13,8 @@ logging stays at ``log_level`` (WARN) from the start, with the JVM's start-up
 notices filtered out of a locally launched driver's stderr (see ``_noise``).
 
 Spark's Kafka source (the wire audit reads the topic through it) is not part of
-PySpark: ``kafka_source=True`` adds the jars ``scripts/setup`` fetched (or
-``OUTBOX_SPARK_KAFKA_JARS``) to a session this module starts. A cluster brings
+PySpark: a session this module starts gets the jars ``scripts/setup`` fetched (or
+``OUTBOX_SPARK_KAFKA_JARS``) whenever this machine has them. A cluster brings
 them itself (``--packages``, ``spark.jars``); ``require_kafka_source`` names
 what to do when they are missing.
 """
@@ -67,7 +67,6 @@ def spark_session(
     config: Mapping[str, str] | None = None,
     log_level: str = "WARN",
     data_source: bool = True,
-    kafka_source: bool = False,
 ) -> SparkSession:
     """Return the active session, or build one, with the outbox data source registered.
 
@@ -80,9 +79,8 @@ def spark_session(
     jobs do not read through it, and registering it makes Spark start a Python
     process to look for other data sources (about two seconds).
     Spark's Kafka source goes on a new session's class path whenever this
-    machine has its jars (``kafka_source_jars``), whether or not this caller
-    says it needs it (``kafka_source=True``): a process's first job makes the
-    session its later wire audit runs in. An existing session keeps its class
+    machine has its jars (``kafka_source_jars``), whatever the job: a
+    process's first job makes the session its later wire audit runs in. An existing session keeps its class
     path (``require_kafka_source`` names what to do then).
     Raises ``ConfigurationError`` when the executors cannot import this package.
     """
@@ -121,15 +119,13 @@ def spark_session(
     return spark
 
 
-def session_from(spark: SparkSession | SessionFactory | None, *,
-                 kafka_source: bool = False) -> SparkSession:
+def session_from(spark: SparkSession | SessionFactory | None) -> SparkSession:
     """The session a job runs in: the one given, one built by the given function, or the default.
 
-    ``kafka_source`` is passed on to the default (``spark_session``); a given
-    session or function decides its class path itself.
+    A given session or function decides its class path itself.
     """
     if spark is None:
-        return spark_session(kafka_source=kafka_source)
+        return spark_session()
     if isinstance(spark, SparkSession):
         return spark
     return spark()
