@@ -153,6 +153,7 @@ def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: 
                 held.at(offset)  # an open transaction ahead holds the committed end back: wait for it
                 continue
             raise RetriableTransportError(f"cannot read {tp.topic}: {error.str()}")
+        held.moved()
         if offset >= end:
             return last
         if message.key() == key:
@@ -176,6 +177,10 @@ class _Held:
     def at(self, offset: int) -> None:
         """The read reached the last stable offset ``offset``, below the end it reads to."""
         self._offset, self._since = offset, time.monotonic()
+
+    def moved(self) -> None:
+        """A record came: the read is not held."""
+        self._offset = None
 
     def still(self) -> None:
         """Nothing new came; look at the transaction holding the read once it held it ``HELD_FOR`` s."""
