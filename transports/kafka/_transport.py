@@ -92,6 +92,15 @@ REFUSED_WHOLE = frozenset({
 # A producer whose every request holds one record: a refusal it meets is that record's own.
 ONE_PER_REQUEST = {"batch.num.messages": 1, "linger.ms": 0}
 
+# The producer that sends refused records again alone (``_isolate``) also keeps one request in
+# flight: it is a new producer id, and Apache Kafka checks no sequence number of a producer id
+# with no state on the partition yet (``ProducerAppendInfo.checkSequence``: "accept writes with
+# any sequence number"). With several requests in flight, a first one refused for a passing
+# reason (NOT_ENOUGH_REPLICAS) and a second one accepted would write the second first, and
+# librdkafka, seeing the later request acknowledged, reports the earlier one delivered
+# ("R2 succeeded, so R1 was in fact persisted"): a record lost behind its successor.
+ISOLATING = {**ONE_PER_REQUEST, "max.in.flight.requests.per.connection": 1}
+
 # A topic's metadata errors that may mean "not created yet" (transports._unknown_topics).
 UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
 
@@ -285,8 +294,9 @@ class KafkaTransport:
     def _isolate(self, records: Sequence[Record], refused: list[int], results: list[SendResult | None],
                  deadline: float) -> None:
         """Send the ``refused`` records again, in order, on a producer of one record per request:
-        each refusal is then the record's own. A new producer of the transport's settings after."""
-        self._rebuild(ONE_PER_REQUEST)
+        each refusal is then the record's own, and each is acknowledged before the next goes
+        (``ISOLATING``). A new producer of the transport's settings after."""
+        self._rebuild(ISOLATING)
         try:
             self._send_wave(records, refused, results, max(0.1, deadline - time.monotonic()))
         finally:
