@@ -242,26 +242,34 @@ def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluste
 
 
 @MOCK
-def test_records_refused_whole_are_sent_again_one_at_a_time(topic: str) -> None:
-    """A request refused whole, then its first record refused alone for a passing reason: order holds.
+@pytest.mark.parametrize(("alone", "first_round"), [
+    (KafkaError.NOT_ENOUGH_REPLICAS, [Outcome.DELIVERED] * 20),  # passing: retried, then the rest
+    (KafkaError.POLICY_VIOLATION, [Outcome.FAILED] + [Outcome.RETRY] * 19),  # its own: the key stops
+], ids=["retried", "refused"])
+def test_records_refused_whole_are_sent_again_one_at_a_time(
+    topic: str, alone: int, first_round: list[Outcome]
+) -> None:
+    """A request refused whole, then its first record refused again alone: nothing of the key gets ahead.
 
     The request of the key's 20 records is refused MESSAGE_TOO_LARGE, so the transport sends
-    them again one per request on a new producer (``_isolate``); that producer's first request
-    (hot:0) is refused NOT_ENOUGH_REPLICAS and retried. The broker checks no sequence number of
-    a producer id with nothing written to the partition yet (Apache Kafka neither:
-    ``ProducerAppendInfo.checkSequence`` takes a new producer id's first batch at any
-    sequence), so with hot:1's request in flight behind hot:0's, hot:1 was written first and
-    librdkafka, seeing it acknowledged, reported hot:0 delivered: it was never written (CI,
-    2026-11-28). The isolating producer now keeps one request in flight.
+    them again one per request on a new producer (``_isolate``), whose first request (hot:0)
+    is refused again: NOT_ENOUGH_REPLICAS, retried by librdkafka, or POLICY_VIOLATION, hot:0's
+    own. The broker checks no sequence number of a producer id with nothing written to the
+    partition yet (Apache Kafka neither: ``ProducerAppendInfo.checkSequence`` takes a new
+    producer id's first batch at any sequence), so a request of hot:1 on its way behind hot:0's
+    was written first: CI of 2026-11-28 (retried: hot:1 at offset 0, and hot:0, which librdkafka
+    reported delivered on seeing hot:1 acknowledged, never written). The refused records now go
+    one at a time, each once the one before has its report, a key's stopping at its first
+    record not delivered. Then the rounds go on until every record is written: in order, once.
     """
     with MockCluster() as cluster:
         # One request for the 20 records (linger), and nothing of the key behind it in flight.
         transport = transport_for(cluster.bootstrap, **{"linger.ms": 200})
-        cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.NOT_ENOUGH_REPLICAS)
-        results = transport.publish(stream(topic, {"hot": 20})["hot"])
-        assert [r.outcome for r in results] == [Outcome.DELIVERED] * 20
+        cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE, alone)
+        history = relay_until_done(transport, stream(topic, {"hot": 20}))
+        assert history[0] == first_round
         written = check_topic(cluster.bootstrap, topic, {"hot": 20})
-        assert [seq_of(r) for r in written] == list(range(20))
+        assert [seq_of(r) for r in written] == list(range(20)), "a record written twice"
         transport.close()
 
 
