@@ -92,7 +92,6 @@ REFUSED_WHOLE = frozenset({
 # A producer whose every request holds one record: a refusal it meets is that record's own.
 ONE_PER_REQUEST = {"batch.num.messages": 1, "linger.ms": 0}
 
-
 # A topic's metadata errors that may mean "not created yet" (transports._unknown_topics).
 UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
 
