@@ -32,6 +32,8 @@ CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl."
 # partitions not one per shard, and the relay would then find it there and never make its own.
 ADMIN = {"log_level": 0, "allow.auto.create.topics": False}
 
+LEADERLESS = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
+
 WINDOW = 64  # records read back at first when looking for a key's last committed record
 
 
@@ -115,20 +117,7 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
     deadline = time.monotonic() + timeout
     settings = connection_settings(config)
     admin = AdminClient({**settings, **ADMIN})
-    try:
-        info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
-        if info is None or info.error is not None or not info.partitions:
-            raise RetriableTransportError(f"topic {topic!r} not found")
-        tp = TopicPartition(topic, partition % len(info.partitions))
-        latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
-        # Read uncommitted: the end as written, an open transaction's records included.
-        uncommitted = IsolationLevel.READ_UNCOMMITTED
-        end = admin.list_offsets({tp: latest}, isolation_level=uncommitted,
-                                 request_timeout=timeout)[tp].result(timeout).offset
-        start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
-                                   request_timeout=timeout)[tp].result(timeout).offset
-    except KafkaException as exc:
-        raise RetriableTransportError(f"cannot read {topic!r}: {exc.args[0].str()}") from None
+    tp, start, end = _bounds(admin, topic, partition, deadline)
     consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
                          "isolation.level": "read_committed", "enable.partition.eof": True,
                          "fetch.wait.max.ms": 10, "log_level": 0})
@@ -143,6 +132,35 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
         return None
     finally:
         consumer.close()
+
+
+def _bounds(admin: AdminClient, topic: str, partition: int,
+            deadline: float) -> tuple[TopicPartition, int, int]:
+    """The partition of ``topic`` that ``partition`` names, its first offset and its end as written.
+
+    A partition without a leader yet (a topic just made, a leader moving) is asked again until
+    ``deadline``: a take-over must not wait a whole retry for it.
+    """
+    while True:
+        timeout = max(0.1, deadline - time.monotonic())
+        try:
+            info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+            if info is None or info.error is not None or not info.partitions:
+                raise RetriableTransportError(f"topic {topic!r} not found")
+            tp = TopicPartition(topic, partition % len(info.partitions))
+            latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+            # Read uncommitted: the end as written, an open transaction's records included.
+            uncommitted = IsolationLevel.READ_UNCOMMITTED
+            end = admin.list_offsets({tp: latest}, isolation_level=uncommitted,
+                                     request_timeout=timeout)[tp].result(timeout).offset
+            start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
+                                       request_timeout=timeout)[tp].result(timeout).offset
+            return tp, start, end
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.code() not in LEADERLESS or time.monotonic() + 0.1 >= deadline:
+                raise RetriableTransportError(f"cannot read {topic!r}: {error.str()}") from None
+        time.sleep(0.1)
 
 
 def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: int,
