@@ -52,9 +52,10 @@ def progress_topic(topic: str) -> str:
     return f"{topic}-progress"
 
 
-def relay(outbox: Outbox, transport: KafkaTransport, progress_topic: str, worker_id: str) -> Relay:
+def relay(outbox: Outbox, transport: KafkaTransport, progress_topic: str, worker_id: str,
+          **kwargs: Any) -> Relay:
     return Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, lease_ttl=1.0,
-                 worker_id=worker_id)
+                 worker_id=worker_id, **kwargs)
 
 
 def copies(records: list[Record]) -> Counter[bytes]:
@@ -99,7 +100,9 @@ def zombie_and_taker(outbox: Outbox, kafka: str, topic: str, progress_topic: str
     worker = threading.Thread(target=lambda: outcome.append(zombie.run_once()), name="zombie")
     worker.start()
     assert frozen.wait(STALL), "the zombie never reached the point it freezes at"
-    taker = relay(outbox, KafkaTransport(bootstrap_servers=kafka), progress_topic, "taker")
+    # Batches of 5: the taker's last progress record names only its last batch's rows, so reading
+    # it cannot tell the zombie that the rows of the earlier ones were published.
+    taker = relay(outbox, KafkaTransport(bootstrap_servers=kafka), progress_topic, "taker", batch_size=5)
     drain(taker, timeout=STALL)  # the zombie's lease expires (1 s), the taker takes the shard
     assert len(rows(outbox, status="published")) == published
     thaw.set()
@@ -154,24 +157,34 @@ def test_a_relay_that_lost_its_lease_before_isolating_a_refused_record_makes_no_
     assert_flows_once(outbox, kafka, topic, taker, published)
 
 
+@pytest.mark.parametrize("frozen_at", [
+    pytest.param("one-per-request", id="making-the-isolating-producer"),
+    pytest.param("after-isolating", id="making-the-producer-after-isolating"),
+])
 def test_a_relay_that_lost_its_lease_while_making_a_producer_sends_nothing_and_the_owner_recovers(
         outbox: Outbox, kafka: str, topic: str, progress_topic: str, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """The zombie still held its lease when it decided to isolate the refused record, and freezes
-    between that and the broker's answer to its new producer, past its lease. Its producer, made
-    once the taker holds the shard, fences the taker's (nothing can prevent that): the zombie must
-    then send nothing (the rows it holds were published by the taker), and the taker must make its
+        caplog: pytest.LogCaptureFixture, frozen_at: str) -> None:
+    """The zombie still held its lease when it decided to make a producer during its batch, and
+    freezes between that and the broker's answer, past its lease: the producer that sends one record
+    per request to find the refused one, or the ordinary one made again once it was found (the next
+    transaction would commit the rest of the batch). Its producer, made once the taker holds the
+    shard, fences the taker's (nothing can prevent that): the zombie must then send nothing (the
+    rows it holds were published by the taker, in batches of 5), and the taker must make its
     producer again (fencing the zombie's) and go on, not stall for its lease."""
     published = with_poison(outbox, kafka, topic)
     frozen, thaw = threading.Event(), threading.Event()
+    isolated: list[bool] = []
 
-    def freeze_before_isolating(one_per_request: bool) -> None:
-        if one_per_request and not frozen.is_set():
+    def freeze(one_per_request: bool) -> None:
+        if one_per_request:
+            isolated.append(True)
+        due = one_per_request if frozen_at == "one-per-request" else (isolated and not one_per_request)
+        if due and not frozen.is_set():
             frozen.set()
             thaw.wait(STALL)
 
     transport = KafkaTransport(bootstrap_servers=kafka)
-    hooked(transport, monkeypatch, before_make=freeze_before_isolating)
+    hooked(transport, monkeypatch, before_make=freeze)
     zombie = relay(outbox, transport, progress_topic, "zombie")
     caplog.set_level(logging.WARNING, logger="outbox.relay")
     taker = zombie_and_taker(outbox, kafka, topic, progress_topic, published, zombie, frozen, thaw)
