@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -301,3 +302,67 @@ def test_a_sigkilled_cli_fleet_in_exactly_once_mode_sends_every_message_once(
     seen = check_headers(on_wire, writer)
     assert set(seen) == set(writer)
     assert max(seen.values()) == 1, {mid: n for mid, n in seen.items() if n > 1}
+
+
+def test_a_fleet_that_lost_a_tenant_s_lease_while_making_an_idle_producer_again_sends_nothing_twice(
+        kafka: str, topic: str, tmp_path: Path) -> None:
+    """A fleet's shard producer closed for idleness is made again when the shard has work: the
+    fleet fetched the rows, then freezes between confirming its lease and the broker's answer to the
+    new producer, past its lease. Another fleet takes the tenant and publishes the rows in batches
+    of 5 (its last progress record names only the last 5). The frozen fleet's producer, made once
+    the taker holds the shard, fences the taker's: it must send nothing, and the taker must make its
+    producer again and go on."""
+    outbox = Outbox(create_engine(f"sqlite:///{tmp_path / 'acme'}.db"), shards=1)
+    outbox.create_tables()
+    armed, frozen, thaw = threading.Event(), threading.Event(), threading.Event()
+    settings = {"message.max.bytes": "1001000"}
+
+    def transport() -> KafkaTransport:
+        made = KafkaTransport(settings, bootstrap_servers=kafka)
+        real = made.transactional
+
+        def transactional(tid: str, timeout: float, *, one_per_request: bool = False) -> Any:
+            if armed.is_set() and not frozen.is_set():
+                frozen.set()
+                thaw.wait(90)
+            return real(tid, timeout, one_per_request=one_per_request)
+
+        made.transactional = transactional  # type: ignore[method-assign]
+        return made
+
+    acme = {"acme": outbox}
+    progress = f"{topic}-progress"
+    writer = {str(mid): "acme" for mid in publish(outbox, topic, [f"acme-k{i % 5}" for i in range(10)])}
+    zombie = TenantRelay(tenants(acme, ["acme"]), transport, exactly_once=True, progress_topic=progress,
+                         worker_id="zombie", idle_producers_after=0.3, tenant_header=HEADER, lease_ttl=1.0,
+                         poll_interval=0.1, workers=1)
+    drain(zombie, acme, timeout=60)
+    time.sleep(0.4)  # longer than idle_producers_after: a condition of time itself
+    zombie.run_once()
+    assert producers(zombie) == 0  # parked
+    writer |= {str(mid): "acme" for mid in publish(outbox, topic, [f"acme-k{i % 5}" for i in range(20)])}
+    armed.set()
+    worker = threading.Thread(target=zombie.run_once, name="zombie")
+    worker.start()
+    taker = None
+    try:
+        assert frozen.wait(90), "the zombie never made its idle producer again"
+        taker = fleet(tenants(acme, ["acme"]), kafka, True, progress, worker_id="taker", batch_size=5)
+        drain(taker, acme, timeout=90)  # the zombie's lease expires (1 s), the taker takes the shard
+    finally:
+        thaw.set()
+        worker.join(90)
+    assert not worker.is_alive()
+    zombie.close()
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.5, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert {mid for mid, n in seen.items() if n > 1} == set()  # the frozen fleet sent nothing again
+    writer |= {str(mid): "acme" for mid in publish(outbox, topic, [f"acme-k{i % 5}" for i in range(10)])}
+    try:
+        drain(taker, acme, timeout=30)  # fenced by the zombie's producer: made again, not stalled
+    finally:
+        taker.close()
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.5, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert set(seen) == set(writer) and max(seen.values()) == 1
+    outbox.engine.dispose()  # type: ignore[union-attr]

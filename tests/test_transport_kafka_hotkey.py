@@ -242,12 +242,39 @@ def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluste
 
 
 @MOCK
+@pytest.mark.parametrize(("alone", "first_round"), [
+    (KafkaError.NOT_ENOUGH_REPLICAS, [Outcome.DELIVERED] * 20),  # passing: retried, then the rest
+    (KafkaError.POLICY_VIOLATION, [Outcome.FAILED] + [Outcome.RETRY] * 19),  # its own: the key stops
+], ids=["retried", "refused"])
+def test_records_refused_whole_are_sent_again_one_at_a_time(
+    topic: str, alone: int, first_round: list[Outcome]
+) -> None:
+    """A request refused whole, then its first record refused again alone: nothing of the key gets ahead.
+
+    The request of the key's 20 records is refused MESSAGE_TOO_LARGE, so the transport sends
+    them again one per request on a new producer (``_isolate``), whose first request (hot:0)
+    is refused again: NOT_ENOUGH_REPLICAS, retried by librdkafka, or POLICY_VIOLATION, hot:0's
+    own. The broker checks no sequence number of a producer id with nothing written to the
+    partition yet (Apache Kafka neither: ``ProducerAppendInfo.checkSequence`` takes a new
+    producer id's first batch at any sequence), so a request of hot:1 on its way behind hot:0's
+    was written first: CI of 2026-11-28 (retried: hot:1 at offset 0, and hot:0, which librdkafka
+    reported delivered on seeing hot:1 acknowledged, never written). The refused records now go
+    one at a time, each once the one before has its report, a key's stopping at its first
+    record not delivered. Then the rounds go on until every record is written: in order, once.
+    """
+    with MockCluster() as cluster:
+        # One request for the 20 records (linger), and nothing of the key behind it in flight.
+        transport = transport_for(cluster.bootstrap, **{"linger.ms": 200})
+        cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE, alone)
+        history = relay_until_done(transport, stream(topic, {"hot": 20}))
+        assert history[0] == first_round
+        written = check_topic(cluster.bootstrap, topic, {"hot": 20})
+        assert [seq_of(r) for r in written] == list(range(20)), "a record written twice"
+        transport.close()
+
+
+@MOCK
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "KNOWN OPEN: failed in both CI runs of 2026-11-28 (a key's record written behind an undelivered "
-    "one under scripted produce errors on librdkafka's mock cluster, which checks no sequence numbers; "
-    "the order is proved on Apache Kafka by the pipelined tests). Not told apart yet: a mock artefact "
-    "or a regression of the merged transport changes; reported in the session note."))
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,
                        max_size=4),
@@ -257,12 +284,23 @@ def test_any_schedule_of_produce_errors_keeps_every_key_in_order(
 ) -> None:
     """Errors pushed before each round, hot and spread keys together: order holds, nothing is lost.
 
+    What this proves is the transport's own sorting out: which records it sends again, on
+    which producer, what it holds back and reports, round after round. It runs with one request
+    in flight, as only then does the mock cluster keep order under a refusal: it checks no
+    sequence number of a producer without a transactional id, so a request in flight behind a
+    refused one is written (on Apache Kafka it is refused OUT_OF_ORDER_SEQUENCE_NUMBER), and
+    librdkafka, seeing the later one acknowledged, reports the refused one delivered. With 5 in
+    flight, Hypothesis found such schedules at once (``faults=[[87, 44, 87, 10, 44], [],
+    [87, 44, 87, 10, 44]], hot=588, spread=17``: hot:401 written behind hot:400's request
+    refused INVALID_RECORD). Order with requests in flight behind a refusal is proved on Apache
+    Kafka (``test_a_permanent_error_inside_a_pipeline_stops_the_key_and_renews_the_producer``).
+
     A cluster per example: errors an example pushed but did not use stay out of the next.
     """
     topic = f"t-{uuid.uuid4().hex[:10]}"
     keys = {"hot": hot, "second": hot // 3, **{f"k{i}": 2 for i in range(spread)}}
     with MockCluster() as cluster:
-        transport = transport_for(cluster.bootstrap)
+        transport = transport_for(cluster.bootstrap, **{"max.in.flight.requests.per.connection": 1})
         schedule = iter(faults)
 
         def next_faults() -> None:

@@ -26,9 +26,14 @@ docs/guarantees.md "Exactly once on the wire"):
   batch is sent again without it (and without its key's later rows), so it
   alone fails; a transaction that cannot commit for want of the broker is
   aborted and its rows retried as in an outage; a producer fenced by a newer
-  owner sends nothing more for that lease (its rows are not marked); a commit
+  one gives up its batch (its rows are not marked); a commit
   whose answer never came is settled by a new producer of the id and the read
-  of the progress, as on a take-over.
+  of the progress, as on a take-over;
+- no producer of a shard is made unless the lease, confirmed in the database
+  around it, is still this relay's at its epoch, and the progress is read
+  again after each (``_shard_producer``): a relay that lost its lease without
+  knowing it yet fences no new owner, and sends nothing the new owner
+  committed. A rightful owner fenced anyway makes its producer again.
 
 Only the relay's worker thread calls ``prepare``, ``send`` and ``close``;
 ``send`` runs the shards' transactions on threads of its own, one per shard at
@@ -37,7 +42,7 @@ a lock).
 
 A tenant fleet's steps share one thread pool (``Sharing``), and a shard's
 producer idle for ``idle_after`` seconds is closed ("parked"): its next batch
-makes one of the same id again and reads the progress again (``_unpark``).
+makes one of the same id again and reads the progress again (``ProducerMaker.make``).
 """
 
 from __future__ import annotations
@@ -45,14 +50,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 
 from transports import (
     Outcome,
     Record,
     SendResult,
-    TransactionalProducer,
     TransactionOutcome,
     Transactions,
     Transport,
@@ -63,7 +66,8 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
-from ._progress import ids_of, progress_value
+from ._progress import progress_value
+from ._shard_producer import ProducerMaker, ShardState
 from ._sharing import Sharing
 from ._writer import DaemonPool
 
@@ -92,29 +96,18 @@ def exactly_once_transport(transport: Transport) -> Transactions:
     return transport
 
 
-@dataclass
-class _Shard:
-    """One owned shard's producer for one lease epoch, and its rows committed but not known marked."""
-
-    epoch: int
-    producer: TransactionalProducer | None = None
-    recovered: bool = False
-    fenced: bool = False
-    parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
-    used: float = 0.0
-    unmarked: set[int] = field(default_factory=set)
-
-
 class ExactlyOnce:
     """A relay's transactional sending, a producer per owned shard (module doc).
 
     ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
-    transaction of its own, and says whether the lease still held; ``timeout`` bounds
-    each broker call (the transport's delivery timeout).
+    transaction of its own, and says whether the lease still held; ``confirm(shard,
+    epoch)`` renews one lease and says whether it held (``Leases.confirm``);
+    ``timeout`` bounds each broker call (the transport's delivery timeout).
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
-                 progress_topic: str, mark: Callable[[int, int, list[int]], bool], timeout: float,
+                 progress_topic: str, mark: Callable[[int, int, list[int]], bool],
+                 confirm: Callable[[int, int], bool], timeout: float,
                  sharing: Sharing | None = None, name: str | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
@@ -123,7 +116,7 @@ class ExactlyOnce:
         self.progress_topic = validate_topic(progress_topic)
         self._incarnation, self._worker_id, self._shards = incarnation, worker_id, shards
         self._mark, self._timeout = mark, timeout
-        self._owned: dict[int, _Shard] = {}
+        self._owned: dict[int, ShardState] = {}
         self._lock = threading.Lock()
         self._topic_ready = False
         # Daemon threads (``_writer``): a transaction stuck on a frozen broker must not hold a
@@ -131,6 +124,9 @@ class ExactlyOnce:
         self._sharing = sharing
         self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
+        self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
+                                    timeout=timeout, transactional_id=self.transactional_id, lock=self._lock,
+                                    name=self.name)
 
     @property
     def producers(self) -> int:
@@ -147,8 +143,8 @@ class ExactlyOnce:
 
         A shard taken (or taken again: a new epoch) gets its producer, which fences
         every earlier owner, then the rows its last committed progress names are
-        marked published. A shard whose producer was fenced under this epoch sends
-        nothing more until the lease is taken afresh. A database error is raised.
+        marked published. A shard whose lease this relay turned out to have lost
+        sends nothing more until the lease is taken afresh. A database error is raised.
         """
         for shard in set(self._owned) - set(owned):
             self._drop(shard)
@@ -158,17 +154,17 @@ class ExactlyOnce:
                 self._drop(shard)
                 state = None
             if state is None:
-                self._owned[shard] = _Shard(epoch)
+                self._owned[shard] = ShardState(epoch)
         self._park_idle()
         try:
             self._fence([s for s in sorted(owned) if self._owned[s].producer is None
-                         and not self._owned[s].fenced and not self._owned[s].parked])
+                         and not self._owned[s].lost and not self._owned[s].parked])
         except RetriableTransportError as exc:
             return {}, str(exc)  # the broker does not answer: no shard is ready
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
             state = self._owned[shard]
-            if state.fenced or (state.producer is None and not state.parked):
+            if state.lost or (state.producer is None and not state.parked):
                 continue
             if not state.recovered:
                 self._recover(shard, state)
@@ -185,42 +181,33 @@ class ExactlyOnce:
                 state.producer.close()
                 state.producer, state.parked = None, True
 
-    def _fence(self, shards: list[int]) -> None:
-        """New producers for ``shards``, each fencing the shard's earlier owners, and their progress
-        read; at once (a take-over of many shards costs about what one costs)."""
-        if not shards:
-            return
+    def check_topic(self) -> None:
+        """Make the progress topic unless it exists; raise ``ConfigurationError`` if it exists and is
+        not compacted, ``RetriableTransportError`` if the broker does not answer."""
         if not self._topic_ready:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
+
+    def _fence(self, shards: list[int]) -> None:
+        """New producers for ``shards`` (each fencing the shard's earlier owners, made only under a
+        confirmed lease) and their progress read; at once (many shards cost about what one costs)."""
+        if not shards:
+            return
+        self.check_topic()
         pool = self._threads()
-        made = [(shard, pool.submit(partial(self._fence_one, shard))) for shard in shards]
-        failure: RetriableTransportError | None = None
-        for shard, future in made:
+        for shard in shards:
+            self._owned[shard].recovered = False
+        made = [pool.submit(partial(self._maker.make, shard, self._owned[shard])) for shard in shards]
+        failures: list[Exception] = []
+        for future in made:  # every shard's answer waited for before one error is raised
             try:
-                producer, ids = future.result()
-            except RetriableTransportError as exc:
-                failure = failure or exc
-                continue
-            state = self._owned[shard]
-            state.producer, state.recovered, state.used = producer, False, time.monotonic()
-            with self._lock:
-                state.unmarked |= set(ids)
-        if failure is not None:
-            raise failure
+                future.result()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:  # the database's first (the step reports it), else the broker's
+            raise next((e for e in failures if not isinstance(e, RetriableTransportError)), failures[0])
 
-    def _fence_one(self, shard: int) -> tuple[TransactionalProducer, list[int]]:
-        """A producer of the shard's id (every earlier one fenced), and the rows its progress names."""
-        tid = self.transactional_id(shard)
-        producer = self._transactions.transactional(tid, self._timeout)
-        try:
-            value = self._transactions.last_committed(self.progress_topic, shard, tid.encode(), self._timeout)
-        except BaseException:
-            producer.close()  # fenced and read again next time
-            raise
-        return producer, ids_of(value)
-
-    def _recover(self, shard: int, state: _Shard) -> None:
+    def _recover(self, shard: int, state: ShardState) -> None:
         """Mark the rows the shard's committed progress names published (a database error raises)."""
         with self._lock:
             named = sorted(state.unmarked)
@@ -250,7 +237,7 @@ class ExactlyOnce:
         for i, (_, shard) in enumerate(rows):
             by_shard.setdefault(shard, []).append(i)
         sending = [(shard, state, {i: rows[i][0] for i in indexes}) for shard, indexes in by_shard.items()
-                   if (state := self._owned.get(shard)) is not None and state.recovered and not state.fenced]
+                   if (state := self._owned.get(shard)) is not None and state.recovered and not state.lost]
         if len(sending) == 1:
             self._send_shard(*sending[0][:2], records, sending[0][2], results)
         elif sending:
@@ -260,27 +247,29 @@ class ExactlyOnce:
             for future in [pool.submit(partial(self._send_shard, shard, state, records, ids, results))
                            for shard, state, ids in sending]:
                 future.result()
-        # Not sent: its shard is not ready or fenced, or its key waits behind a refused record.
+        # Not sent: its shard is not ready or lost, or its key waits behind a refused record.
         return [r if r is not None else SendResult(Outcome.RETRY, error="not sent", unreachable=True)
                 for r in results]
 
-    def _send_shard(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
+    def _send_shard(self, shard: int, state: ShardState, records: Sequence[Record], ids: dict[int, int],
                     results: list[SendResult | None]) -> None:
         """The shard's records in transactions until committed or given up (module doc)."""
         state.used = time.monotonic()
-        if state.parked and not self._unpark(shard, state):
-            return  # no producer now: retried, its progress read again first
-        with self._lock:
-            for i, row_id in ids.items():
-                if row_id in state.unmarked:
-                    results[i] = SendResult(Outcome.DELIVERED)  # committed before: never sent again
-        todo = [i for i in ids if results[i] is None]
+        if state.parked:
+            state.parked = False
+            if not self._maker.remake(shard, state):
+                return  # no producer now: retried, its progress read again first
+        todo = list(ids)
         stopped: set[tuple[str, bytes | None]] = set()
         isolating = False
         for _ in range(ROUNDS):
+            with self._lock:  # named by the progress (read again with every producer made): never sent again
+                for i in todo:
+                    if results[i] is None and ids[i] in state.unmarked:
+                        results[i] = SendResult(Outcome.DELIVERED)
             todo = [i for i in todo if results[i] is None and (
                 records[i].key is None or (records[i].topic, records[i].key) not in stopped)]
-            if not todo or state.producer is None or state.fenced:
+            if not todo or state.producer is None or state.lost:
                 break
             refused = self._transaction(shard, state, records, ids, todo, results)
             if not refused:
@@ -288,16 +277,16 @@ class ExactlyOnce:
             if len(refused) > 1 and not isolating:
                 # The broker refuses a whole request for one record in it: again, one per request.
                 isolating = True
-                self._new_producer(shard, state, one_per_request=True)
+                self._maker.remake(shard, state, one_per_request=True)
                 continue
             for i, result in refused.items():
                 results[i] = result
                 stopped.add((records[i].topic, records[i].key))
             if isolating:
                 isolating = False
-                self._new_producer(shard, state)
+                self._maker.remake(shard, state)
         if isolating and state.producer is not None:
-            self._new_producer(shard, state)
+            self._maker.remake(shard, state)
 
     def _threads(self) -> DaemonPool:
         """The relay's threads for its shards' fences and transactions (made on first use)."""
@@ -306,33 +295,7 @@ class ExactlyOnce:
                                     min(self._shards, FENCING_THREADS * 2))
         return self._pool
 
-    def _unpark(self, shard: int, state: _Shard) -> bool:
-        """A producer of the parked shard's id again, and its progress read again after it: had
-        this relay lost the lease meanwhile, the new owner's committed rows are named there."""
-        state.parked = False
-        try:
-            state.producer, ids = self._fence_one(shard)
-        except RetriableTransportError as exc:
-            log.warning("%s: no producer for shard %d: %s", self.name, shard, exc)
-            state.recovered = False
-            return False
-        with self._lock:
-            state.unmarked |= set(ids)
-        return True
-
-    def _new_producer(self, shard: int, state: _Shard, *, one_per_request: bool = False) -> None:
-        """Replace the shard's producer by a new one of its id (it fences the old, aborting nothing open)."""
-        if state.producer is not None:
-            state.producer.close()
-            state.producer = None
-        try:
-            state.producer = self._transactions.transactional(
-                self.transactional_id(shard), self._timeout, one_per_request=one_per_request)
-        except RetriableTransportError as exc:
-            log.warning("%s: no producer for shard %d: %s", self.name, shard, exc)
-            state.recovered = False  # made again, with the progress read, before the next send
-
-    def _transaction(self, shard: int, state: _Shard, records: Sequence[Record], ids: dict[int, int],
+    def _transaction(self, shard: int, state: ShardState, records: Sequence[Record], ids: dict[int, int],
                      todo: list[int], results: list[SendResult | None]) -> dict[int, SendResult]:
         """One transaction of ``todo``'s records and the progress; the records refused for good.
 
@@ -356,12 +319,14 @@ class ExactlyOnce:
         refused = {i: res for i, res in own.items() if res.outcome is Outcome.FAILED}
         if answer.outcome is TransactionOutcome.ABORTED and refused:
             return refused
-        if answer.outcome is TransactionOutcome.FENCED:
-            state.fenced = True
-            log.warning("%s was fenced on shard %d (another relay took it): it gives up its batch, "
-                        "marks nothing of it", self.name, shard)
-        elif answer.outcome is TransactionOutcome.UNKNOWN:
-            # Settled by the next producer of the id, and the progress read after it.
+        if answer.outcome in (TransactionOutcome.FENCED, TransactionOutcome.UNKNOWN):
+            # Fenced: by a new owner (this relay lost the lease), or by a relay that lost it and
+            # made a producer anyway (``_shard_producer``). Unknown: settled by the next producer of
+            # the id. Either way the next batch makes one, if the lease still holds, and reads the
+            # progress: a rightful owner fences the other back, a relay that lost it sends nothing.
+            if answer.outcome is TransactionOutcome.FENCED:
+                log.warning("%s's producer of shard %d was fenced: it gives up its batch, marks nothing "
+                            "of it, and makes one again only if its lease still holds", self.name, shard)
             state.producer.close()
             state.producer, state.recovered = None, False
         elif answer.results[-1].outcome is Outcome.FAILED:

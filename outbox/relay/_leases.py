@@ -196,6 +196,22 @@ class Leases:
             log.info("relay %s took shards %s", self.worker_id, sorted(taken))
         return taken
 
+    def confirm(self, shard: int, epoch: int) -> bool:
+        """Renew this relay's lease of ``shard`` at ``epoch`` alone, now; whether it still held it.
+
+        Exactly-once mode asks it around making a shard's producer (``_shard_producer``):
+        renewed, no other relay can take the shard for a TTL, and since epochs only
+        grow, none took it since this relay did. Safe from any thread.
+        """
+        leases = self._tables.leases
+        expires = utcnow() + timedelta(seconds=self.ttl)
+        with self._engine.begin() as conn:
+            # MySQL's rowcount counts matched rows here (SQLAlchemy asks for found rows).
+            renewed = conn.execute(update(leases).where(
+                leases.c.shard == shard, leases.c.owner == self.worker_id, leases.c.epoch == epoch,
+            ).values(expires_at=expires)).rowcount
+        return renewed == 1
+
     def release_surplus(self) -> None:
         """Give back shards above the fair share; call only between batches."""
         if self._surplus <= 0:  # the common case, without waiting for the lease thread

@@ -181,6 +181,7 @@ class Relay:
         try:
             if not self._first_leases():
                 return  # stopped while waiting for the database
+            self._step.check_progress_topic()  # a progress topic not compacted refused before any send
             threads.append(threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
                                             daemon=True))
             if self.settings.backlog_metrics:
@@ -231,6 +232,9 @@ class Relay:
                 try:
                     # Pipelined: this batch's outcomes are written while the next one runs.
                     step = self._step.run(wait=False, leases=False)
+                except ConfigurationError as exc:  # a progress topic found not compacted: not an outage
+                    self._fatal = exc
+                    return
                 except Exception as exc:
                     self._step.report(exc, "batch failed")
                     failures += 1

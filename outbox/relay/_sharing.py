@@ -7,7 +7,7 @@ buffers) and 500 pools. With ``Sharing`` every step's shard transactions and
 take-overs run on the fleet's one pool, and a shard's producer that sent
 nothing for ``idle_after`` seconds is closed: its next batch makes one of the
 same id again (``init_transactions``, fencing nothing alive) and reads the
-shard's progress again before it sends (``ExactlyOnce._unpark``).
+shard's progress again before it sends (``ProducerMaker.make``).
 """
 
 from __future__ import annotations

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine
 
 from transports import Transport
+from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._alerts import Alert, AlertSink
@@ -117,7 +119,8 @@ class RelayStep:
                 sharing.topic_for(stored.incarnation))
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
-                progress_topic=topic, mark=self._batch.mark_committed, timeout=EXACTLY_ONCE_TIMEOUT,
+                progress_topic=topic, mark=self._batch.mark_committed, confirm=self.leases.confirm,
+                timeout=EXACTLY_ONCE_TIMEOUT,
                 sharing=sharing, name=self.name)
             check_progress_fits(transport, settings.batch_size, worker_id)
         self._leases_due = 0.0
@@ -161,6 +164,13 @@ class RelayStep:
             self._batch.finish()  # never give a shard back under a write in flight
             self.leases.release_surplus()
         self.wheel.advance(time.monotonic())
+
+    def check_progress_topic(self) -> None:
+        """Exactly-once mode: its progress topic made, or ``ConfigurationError`` if found not
+        compacted; a broker that does not answer leaves the check to the first take-over's."""
+        if self._batch.exactly_once is not None:
+            with suppress(RetriableTransportError):
+                self._batch.exactly_once.check_topic()
 
     def run_batch(self, *, wait: bool) -> BatchResult:
         """One batch over the shards held now (none held: the last write finished, nothing fetched)."""

@@ -1,5 +1,5 @@
-"""The read-back side of Kafka transactions: a compacted topic made if missing, and the last
-committed record of a key in a partition.
+"""The read-back side of Kafka transactions: a compacted topic made if missing (and refused if
+found not compacted), and the last committed record of a key in a partition.
 
 ``last_committed`` reads the last committed record of a key in a partition of
 a (compacted) topic: up to the partition's end as written when it is called
@@ -31,9 +31,9 @@ from contextlib import suppress
 from typing import Any
 
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from .._errors import RetriableTransportError
+from .._errors import ConfigurationError, RetriableTransportError
 from ._transactions import TOPICS_HEADER
 
 log = logging.getLogger("transports.kafka")
@@ -46,6 +46,8 @@ CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl."
 # create it (auto.create.topics.enable, Kafka's default) with its defaults, not compacted, its
 # partitions not one per shard, and the relay would then find it there and never make its own.
 ADMIN = {"log_level": 0, "allow.auto.create.topics": False}
+
+LEADERLESS = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
 
 WINDOW = 64  # records read back at first when looking for a key's last committed record
 
@@ -62,13 +64,18 @@ def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:
-    """Create ``topic`` with log compaction unless it exists; the cluster's default replication."""
+    """Create ``topic`` with log compaction unless it exists; the cluster's default replication.
+
+    A topic found existing whose records the broker may delete (``refuse_uncompacted``)
+    is refused with ``ConfigurationError``.
+    """
     admin = AdminClient({**connection_settings(config), **ADMIN})
     try:
         found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
     except KafkaException as exc:
         raise RetriableTransportError(f"cannot look up topic {topic!r}: {exc.args[0].str()}") from None
     if found is not None and found.error is None and found.partitions:
+        refuse_uncompacted(admin, config, topic, timeout)
         return
     new = NewTopic(topic, num_partitions=partitions, replication_factor=-1,
                    config={"cleanup.policy": "compact", "segment.ms": "3600000",
@@ -80,6 +87,7 @@ def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: in
         error: KafkaError = exc.args[0]
         if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
             raise RetriableTransportError(f"cannot create topic {topic!r}: {error.str()}") from None
+        refuse_uncompacted(admin, config, topic, timeout)  # made meanwhile by someone else
     while time.monotonic() < deadline:  # created: usable once every partition has a leader
         with suppress(KafkaException):
             found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
@@ -88,6 +96,40 @@ def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: in
                 return
         time.sleep(0.1)
     raise RetriableTransportError(f"topic {topic!r} has no leader for every partition yet")
+
+
+def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str, timeout: float) -> None:
+    """Raise ``ConfigurationError`` unless ``topic`` keeps each key's last record for good.
+
+    The relay's progress record of a shard is the only account of rows a
+    transaction committed whose mark did not: a broker that deletes it (after
+    ``retention.ms``, or past ``retention.bytes``) while the shard is idle makes
+    the next take-over send those rows again. Compaction keeps it; ``delete``
+    beside it must keep everything (both retentions -1).
+    """
+    resource = ConfigResource("topic", topic)
+    try:
+        found = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
+    except KafkaException as exc:
+        error: KafkaError = exc.args[0]
+        if error.retriable() or error.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+            raise RetriableTransportError(
+                f"cannot read topic {topic!r}'s configuration: {error.str()}") from None
+        raise ConfigurationError(f"cannot read progress topic {topic!r}'s configuration ({error.str()}): "
+                                 "the relay needs DescribeConfigs on it") from None
+    policy = found["cleanup.policy"].value if "cleanup.policy" in found else "delete"
+    policies = {p.strip() for p in policy.split(",")}
+    retention = {name: found[name].value for name in ("retention.ms", "retention.bytes") if name in found}
+    finite = {name: value for name, value in retention.items() if value != "-1"}
+    if "compact" in policies and ("delete" not in policies or not finite):
+        return
+    why = "".join(f", {name}={value}" for name, value in finite.items()) if "compact" in policies else ""
+    servers = config.get("bootstrap.servers", "<broker>")
+    raise ConfigurationError(
+        f"progress topic {topic!r} has cleanup.policy={policy}{why}: the broker may delete a shard's "
+        f"progress record, and a take-over would then send its committed rows again. Make it compacted: "
+        f"kafka-configs.sh --bootstrap-server {servers} --alter --entity-type topics --entity-name {topic} "
+        f"--add-config cleanup.policy=compact")
 
 
 def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: bytes,
@@ -100,20 +142,7 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
     deadline = time.monotonic() + timeout
     settings = connection_settings(config)
     admin = AdminClient({**settings, **ADMIN})
-    try:
-        info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
-        if info is None or info.error is not None or not info.partitions:
-            raise RetriableTransportError(f"topic {topic!r} not found")
-        tp = TopicPartition(topic, partition % len(info.partitions))
-        latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
-        # Read uncommitted: the end as written, an open transaction's records included.
-        uncommitted = IsolationLevel.READ_UNCOMMITTED
-        end = admin.list_offsets({tp: latest}, isolation_level=uncommitted,
-                                 request_timeout=timeout)[tp].result(timeout).offset
-        start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
-                                   request_timeout=timeout)[tp].result(timeout).offset
-    except KafkaException as exc:
-        raise RetriableTransportError(f"cannot read {topic!r}: {exc.args[0].str()}") from None
+    tp, start, end = _bounds(admin, topic, partition, deadline)
     consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
                          "isolation.level": "read_committed", "enable.partition.eof": True,
                          "fetch.wait.max.ms": 10, "log_level": 0})
@@ -129,6 +158,35 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
         return None
     finally:
         consumer.close()
+
+
+def _bounds(admin: AdminClient, topic: str, partition: int,
+            deadline: float) -> tuple[TopicPartition, int, int]:
+    """The partition of ``topic`` that ``partition`` names, its first offset and its end as written.
+
+    A partition without a leader yet (a topic just made, a leader moving) is asked again until
+    ``deadline``: a take-over must not wait a whole retry for it.
+    """
+    while True:
+        timeout = max(0.1, deadline - time.monotonic())
+        try:
+            info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+            if info is None or info.error is not None or not info.partitions:
+                raise RetriableTransportError(f"topic {topic!r} not found")
+            tp = TopicPartition(topic, partition % len(info.partitions))
+            latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+            # Read uncommitted: the end as written, an open transaction's records included.
+            uncommitted = IsolationLevel.READ_UNCOMMITTED
+            end = admin.list_offsets({tp: latest}, isolation_level=uncommitted,
+                                     request_timeout=timeout)[tp].result(timeout).offset
+            start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
+                                       request_timeout=timeout)[tp].result(timeout).offset
+            return tp, start, end
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.code() not in LEADERLESS or time.monotonic() + 0.1 >= deadline:
+                raise RetriableTransportError(f"cannot read {topic!r}: {error.str()}") from None
+        time.sleep(0.1)
 
 
 def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: int,

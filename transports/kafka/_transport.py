@@ -57,7 +57,7 @@ from confluent_kafka.admin import ClusterMetadata
 from transports._errors import ConfigurationError
 
 from .._protocol import Outcome, Record, SendResult, TransportFeatures
-from .._refusals import resendable, settled
+from .._refusals import NOT_SENT_ALONE, resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._logging import ClientErrors, LibrdkafkaLog
@@ -288,11 +288,35 @@ class KafkaTransport:
 
     def _isolate(self, records: Sequence[Record], refused: list[int], results: list[SendResult | None],
                  deadline: float) -> None:
-        """Send the ``refused`` records again, in order, on a producer of one record per request:
-        each refusal is then the record's own. A new producer of the transport's settings after."""
+        """Send the ``refused`` records again, in order, one at a time, each in a request of its own:
+        each refusal is then the record's own. A new producer of the transport's settings after.
+
+        One at a time: a record is produced only once the one before has its report, and a
+        key's records stop at its first one not delivered. The producer is a new producer id,
+        and Apache Kafka checks no sequence number of a producer id with nothing written to the
+        partition yet (``ProducerAppendInfo.checkSequence``: "accept writes with any sequence
+        number"). Had the next record been on its way when the first was refused (for its own
+        fault, or for a passing reason such as NOT_ENOUGH_REPLICAS), the broker would have
+        written it ahead of it; and librdkafka, seeing the later one acknowledged, reports the
+        earlier one delivered ("R2 succeeded, so R1 was in fact persisted"). One request in
+        flight is not enough: librdkafka sent a queued request right after the gap-less stop of
+        the one before (seen on the mock cluster with ``max.in.flight.requests.per.connection=1``).
+        """
+        stopped: set[tuple[str, bytes]] = set()
         self._rebuild(ONE_PER_REQUEST)
         try:
-            self._send_wave(records, refused, results, max(0.1, deadline - time.monotonic()))
+            for i in refused:
+                record = records[i]
+                key = None if record.key is None else (record.topic, record.key)
+                if key in stopped or time.monotonic() >= deadline:
+                    results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE)
+                    continue
+                if self._fatal is not None:  # a refusal stopped it (the gap-less guarantee)
+                    self._rebuild(ONE_PER_REQUEST)
+                self._send_wave(records, [i], results, max(0.1, deadline - time.monotonic()))
+                answer = results[i]
+                if key is not None and (answer is None or answer.outcome is not Outcome.DELIVERED):
+                    stopped.add(key)
         finally:
             self._rebuild()
 

@@ -1,0 +1,129 @@
+"""A shard's transactional producer in exactly-once mode, made only while this relay's lease holds.
+
+Making a producer of a shard's ``transactional.id`` (``init_transactions``)
+fences every other producer of the id: the rightful owner's too, when this
+relay lost the lease without knowing it yet (its lease thread has not noticed,
+or it stalled). A relay makes one on a take-over, after a commit whose answer
+never came, to isolate a refused record one per request, and when an idle
+producer of a fleet is needed again. Each goes through ``ProducerMaker.make``,
+which confirms the lease at its epoch in the database (``Leases.confirm``, a
+renewal of that one lease) before and after making it, and reads the shard's
+progress between the two:
+
+- before: a relay that lost the lease makes no producer, so fences nobody;
+- after: a relay that stalled for longer than a TTL between the first
+  confirmation and the broker's answer may have fenced a new owner meanwhile.
+  The second confirmation fails: its producer is closed unused, it sends
+  nothing. Once the second succeeds, no other relay took the shard since this
+  one did (epochs only grow), and any later owner takes it after this producer
+  was made, so its own producer fences this one, and its take-over's read of
+  the progress finds whatever this one committed;
+- the read: rows committed under the id and not known to be marked (by an
+  earlier owner, or by a relay that made its producer in the window above)
+  are named in the progress, and are not sent again.
+
+A rightful owner fenced anyway (by a relay whose producer was made in that
+window) learns it from its next transaction (``TransactionOutcome.FENCED``): its
+producer is dropped and the next batch makes one again through ``make``. The
+confirmation tells the two apart: the owner's succeeds, its new producer fences
+the other back and the progress read marks what the other committed; the other
+relay's fails, and it sends nothing more under that lease. The owner's shard
+waits one batch, not the rest of its lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transports import TransactionalProducer, Transactions
+from transports._errors import RetriableTransportError
+from transports._logsafe import safe_logger
+
+from ..core._outage import is_database_outage
+from ._progress import ids_of
+
+log = safe_logger("outbox.relay")
+
+
+@dataclass
+class ShardState:
+    """One owned shard's producer for one lease epoch, and its rows committed but not known marked."""
+
+    epoch: int
+    producer: TransactionalProducer | None = None
+    recovered: bool = False  # the rows its progress named at the take-over marked (``_recover``)
+    lost: bool = False  # the lease of this epoch is another relay's: nothing more is sent under it
+    parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
+    used: float = 0.0
+    unmarked: set[int] = field(default_factory=set)
+
+
+class ProducerMaker:
+    """Makes shards' producers under a confirmed lease, their progress read (module doc).
+
+    ``confirm(shard, epoch)`` renews that lease and says whether it held;
+    ``lock`` guards every ``ShardState.unmarked``.
+    """
+
+    def __init__(self, transactions: Transactions, *, confirm: Callable[[int, int], bool],
+                 progress_topic: str, timeout: float, transactional_id: Callable[[int], str],
+                 lock: threading.Lock, name: str) -> None:
+        self._transactions, self._confirm = transactions, confirm
+        self._progress_topic, self._timeout = progress_topic, timeout
+        self._transactional_id, self._lock, self._name = transactional_id, lock, name
+
+    def make(self, shard: int, state: ShardState, *, one_per_request: bool = False) -> bool:
+        """Replace the shard's producer by a new one of its id, the progress read; whether one was made.
+
+        None made when the lease is another's (``state.lost``). Raises
+        ``RetriableTransportError`` when the broker, and what the database
+        raises when the database did not answer (``state.producer`` is then None).
+        ``one_per_request``: each broker request holds one record.
+        """
+        if state.producer is not None:
+            state.producer.close()
+            state.producer = None
+        if not self._confirmed(shard, state):
+            return False
+        tid = self._transactional_id(shard)
+        producer = self._transactions.transactional(tid, self._timeout, one_per_request=one_per_request)
+        try:
+            ids = ids_of(self._transactions.last_committed(self._progress_topic, shard, tid.encode(),
+                                                           self._timeout))
+            held = self._confirmed(shard, state)
+        except BaseException:
+            producer.close()  # made again, and the progress read again, next time
+            raise
+        if not held:
+            producer.close()
+            return False
+        with self._lock:
+            state.unmarked |= set(ids)
+        state.producer, state.used = producer, time.monotonic()
+        return True
+
+    def remake(self, shard: int, state: ShardState, *, one_per_request: bool = False) -> bool:
+        """``make`` during a batch: an outage leaves the shard without a producer (the next batch
+        makes one again, the progress read, before it sends), logged once here for the broker."""
+        try:
+            return self.make(shard, state, one_per_request=one_per_request)
+        except Exception as exc:
+            if not isinstance(exc, RetriableTransportError) and not is_database_outage(exc):
+                raise
+            state.recovered = False
+            if isinstance(exc, RetriableTransportError):
+                log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
+            return False
+
+    def _confirmed(self, shard: int, state: ShardState) -> bool:
+        """The lease of ``state.epoch`` renewed; when it is another relay's, the shard is ``lost``."""
+        if self._confirm(shard, state.epoch):
+            return True
+        state.lost = True
+        log.warning("%s no longer holds shard %d's lease of epoch %d: it makes no producer of the shard "
+                    "(which would fence the new owner's) and sends nothing more of it",
+                    self._name, shard, state.epoch)
+        return False
