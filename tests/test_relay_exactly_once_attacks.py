@@ -229,10 +229,6 @@ def test_sigterm_while_transactions_wait_on_a_frozen_broker_exits_on_time(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "KNOWN OPEN (issue 36, docs/relay.md limits): after the broker's restart a take-over's read of the "
-    "progress can stall ('could not read <progress>[n] to offset k in time'): the second relay "
-    "published nothing for 90 s in 2 runs of 6. Not fixed yet; reported in the session note."))
 def test_a_broker_killed_mid_transaction_and_a_relay_killed_while_it_is_down_lose_and_repeat_nothing(
         sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str, tmp_path: Path) -> None:
     """Messages flow through ``outbox relay --exactly-once``; the broker is SIGKILLed under its

@@ -9,12 +9,24 @@ with a read_committed consumer, until a record of the key turns up or the
 partition's start is reached. The relay gives each shard a partition of its own,
 so the only open transaction there is the earlier owner's, which making the
 new producer of its id ended.
+
+Unless the broker left it open: a broker that cannot find a partition's leader
+when it writes a transaction's markers takes the partition for deleted and drops
+them (Apache Kafka 4.x, seen when a restarted single broker's old registration is
+fenced, which briefly leaves every partition without a leader). Nothing of that
+transaction is decided on its partitions, the last stable offset stays at its
+first record for good, and a read_committed read can never pass it. When the read
+is held there and the record there is the key's own (its id's producer was made
+anew: no transaction of the id can still be under way), ``settle`` is given the
+topics that transaction wrote (``TOPICS_HEADER``); the new producer aborts it
+everywhere (``KafkaTransactionalProducer.end_left_open``) and the read goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -22,6 +34,9 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from .._errors import ConfigurationError, RetriableTransportError
+from ._transactions import TOPICS_HEADER
+
+log = logging.getLogger("transports.kafka")
 
 # Settings a consumer shares with the producer: how to reach and authenticate to the cluster.
 CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl.", "client.id",
@@ -35,6 +50,12 @@ ADMIN = {"log_level": 0, "allow.auto.create.topics": False}
 LEADERLESS = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
 
 WINDOW = 64  # records read back at first when looking for a key's last committed record
+
+HELD_FOR = 2.0
+"""Seconds a read waits at an open transaction before it looks whose it is (one left open is ended)."""
+
+Settle = Callable[[Sequence[str]], None]
+"""Ends, with the key's own producer, a transaction of the key left open on the topics given."""
 
 
 def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,8 +133,12 @@ def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str
 
 
 def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: bytes,
-                   timeout: float) -> bytes | None:
-    """The last committed record of ``key`` on ``topic``, or None (module doc)."""
+                   timeout: float, settle: Settle | None = None) -> bytes | None:
+    """The last committed record of ``key`` on ``topic``, or None (module doc).
+
+    ``settle``: how a transaction of ``key`` left open is ended; without it such a
+    transaction makes the read fail (``RetriableTransportError``) instead of waiting it out.
+    """
     deadline = time.monotonic() + timeout
     settings = connection_settings(config)
     admin = AdminClient({**settings, **ADMIN})
@@ -121,11 +146,12 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
     consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
                          "isolation.level": "read_committed", "enable.partition.eof": True,
                          "fetch.wait.max.ms": 10, "log_level": 0})
+    held = _Held(settings, tp, key, settle, deadline)
     try:
         window = WINDOW
         while end > start:
             low = max(start, end - window)
-            found = _last_of(consumer, tp, key, low, end, deadline)
+            found = _last_of(consumer, tp, key, low, end, held)
             if found is not None:
                 return found
             end, window = low, window * 4
@@ -164,16 +190,17 @@ def _bounds(admin: AdminClient, topic: str, partition: int,
 
 
 def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: int,
-             deadline: float) -> bytes | None:
+             held: _Held) -> bytes | None:
     """The last committed record of ``key`` at offsets ``low`` to ``end`` (excluded), or None."""
     consumer.assign([TopicPartition(tp.topic, tp.partition, low)])
     last: bytes | None = None
     while True:
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= held.deadline:
             raise RetriableTransportError(
                 f"could not read {tp.topic}[{tp.partition}] to offset {end} in time")
         message = consumer.poll(0.2)
         if message is None:
+            held.still()
             continue
         error = message.error()
         offset = message.offset() or 0
@@ -181,11 +208,73 @@ def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: 
             if error.code() == KafkaError._PARTITION_EOF and offset >= end:
                 return last
             if error.code() == KafkaError._PARTITION_EOF:
-                continue  # an open transaction ahead holds the committed end back: wait for it
+                held.at(offset)  # an open transaction ahead holds the committed end back: wait for it
+                continue
             raise RetriableTransportError(f"cannot read {tp.topic}: {error.str()}")
+        held.moved()
         if offset >= end:
             return last
         if message.key() == key:
             last = message.value()
         if offset == end - 1:
             return last
+
+
+class _Held:
+    """A read held at an open transaction: after ``HELD_FOR`` s, a transaction of the key itself is
+    ended with ``settle`` (module doc); any other is waited for until the deadline."""
+
+    def __init__(self, settings: Mapping[str, Any], tp: TopicPartition, key: bytes,
+                 settle: Settle | None, deadline: float) -> None:
+        self._settings, self._tp, self._key, self._settle = settings, tp, key, settle
+        self.deadline = deadline
+        self._offset: int | None = None
+        self._since = 0.0
+        self._looked: set[int] = set()
+
+    def at(self, offset: int) -> None:
+        """The read reached the last stable offset ``offset``, below the end it reads to."""
+        self._offset, self._since = offset, time.monotonic()
+
+    def moved(self) -> None:
+        """A record came: the read is not held."""
+        self._offset = None
+
+    def still(self) -> None:
+        """Nothing new came; look at the transaction holding the read once it held it ``HELD_FOR`` s."""
+        offset = self._offset
+        if offset is None or offset in self._looked or time.monotonic() - self._since < HELD_FOR:
+            return
+        self._looked.add(offset)
+        first = _record_at(self._settings, self._tp, offset, self.deadline)
+        if first is None or first.key() != self._key:
+            return  # another id's transaction (a shared topic): it ends by its commit, abort or timeout
+        where = f"{self._tp.topic}[{self._tp.partition}] at offset {offset}"
+        topics = dict(first.headers() or []).get(TOPICS_HEADER)
+        if self._settle is None or topics is None:
+            raise RetriableTransportError(
+                f"a transaction of this id is left open on {where} though its producer was fenced (the "
+                f"broker dropped its markers); it holds every read_committed reader there. End it: "
+                f"kafka-transactions.sh --bootstrap-server <broker> find-hanging --broker-id <leader>, "
+                f"then abort --topic {self._tp.topic} --partition {self._tp.partition} "
+                f"--start-offset {offset}")
+        names = [t for t in topics.decode().split(",") if t]
+        log.warning("a transaction of %s was left open by the broker on %s (its markers dropped): "
+                    "aborted on every partition of %s", self._key.decode(errors="replace"), where,
+                    ", ".join(names))
+        self._settle(names)
+
+
+def _record_at(settings: Mapping[str, Any], tp: TopicPartition, offset: int, deadline: float) -> Any:
+    """The record at ``offset`` read uncommitted (an open transaction's first), or None if none came."""
+    consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_uncommitted", "log_level": 0})
+    try:
+        consumer.assign([TopicPartition(tp.topic, tp.partition, offset)])
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is not None and message.error() is None and (message.offset() or 0) >= offset:
+                return message if message.offset() == offset else None
+        return None
+    finally:
+        consumer.close()

@@ -13,6 +13,13 @@ ever be read committed), with the record the broker refused for good named
 caller makes a new producer of the id, which settles the transaction, and reads
 back what it carried).
 
+The last record of each transaction names the transaction's topics (header
+``TOPICS_HEADER``): should the broker leave the transaction open after its producer
+is fenced (it drops the commit or abort markers of partitions whose leader it does not
+know, e.g. while a restarted broker's old registration is fenced), a later producer of
+the id ends it on every partition of those topics (``end_left_open``), since its
+markers are the only ones that can still end it.
+
 Reading back the last committed record of a key (a shard's progress) is ``_read_back``'s.
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
+from dataclasses import replace
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -39,6 +47,9 @@ FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, Kafka
                            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED})
 
 FLUSH_STEP = 0.2  # seconds between looks at the reports while a transaction's records are sent
+
+TOPICS_HEADER = "outbox-txn-topics"
+"""Header of a transaction's last record: the topics the transaction writes, comma-separated."""
 
 
 class KafkaTransactionalProducer:
@@ -78,8 +89,11 @@ class KafkaTransactionalProducer:
         return f"KafkaTransactionalProducer({self.transactional_id!r})"
 
     def send(self, records: Sequence[Record]) -> TransactionResult:
-        """Write ``records`` in one transaction; its outcome and one result per record."""
+        """Write ``records`` in one transaction; its outcome and one result per record.
+
+        The last record carries ``TOPICS_HEADER`` (module doc)."""
         producer = self._producer
+        records = with_topics(records)
         try:
             producer.begin_transaction()
         except KafkaException as exc:
@@ -202,6 +216,46 @@ class KafkaTransactionalProducer:
             results.append(result)
         return TransactionResult(TransactionOutcome.ABORTED, results, reason)
 
+    def end_left_open(self, topics: Sequence[str], also: tuple[str, int]) -> None:
+        """Abort, with this producer's epoch, what an earlier producer of the id left open on every
+        partition of ``topics`` and on partition ``also``.
+
+        A transactional record of the same producer id joins the transaction open on its
+        partition, and the abort marker then ends both there: an empty record (the id as key)
+        goes to each partition, is delivered, and the transaction is aborted. Nothing of it is
+        ever read committed. Raises ``RetriableTransportError`` if the broker does not take it
+        within the producer's timeout.
+        """
+        producer, key = self._producer, self.transactional_id.encode()
+        targets = [also]
+        for topic in sorted(set(topics) - {also[0]}):  # the id's own partition there: ``also``
+            count = self._partitions(topic)
+            if isinstance(count, SendResult):
+                raise RetriableTransportError(f"cannot end the transaction left open on {topic!r}: "
+                                              f"{count.error}")
+            targets += [(topic, p) for p in range(count) if (topic, p) != also]
+        failures: list[KafkaError] = []
+
+        def report(error: KafkaError | None, _message: Any) -> None:
+            if error is not None:
+                failures.append(error)
+
+        deadline = time.monotonic() + self._timeout
+        try:
+            producer.begin_transaction()
+            for topic, partition in targets:
+                producer.produce(topic, b"", key, partition, on_delivery=report)
+            while len(producer) and time.monotonic() < deadline:
+                producer.flush(min(FLUSH_STEP, max(0.0, deadline - time.monotonic())))
+            if failures or len(producer):
+                cause = failures[0].str() if failures else "no delivery report in time"
+                raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} "
+                                              f"left open: {cause}")
+            producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+        except KafkaException as exc:
+            raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} left "
+                                          f"open: {exc.args[0].str()}") from None
+
     def _ended(self, error: KafkaError, count: int) -> TransactionResult:
         """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
         fenced = error.code() in FENCED_ERRORS
@@ -212,6 +266,16 @@ class KafkaTransactionalProducer:
         """Drop the producer; an open transaction is aborted by the next producer of the id (or times out)."""
         with suppress(KafkaException, SystemError):
             self._producer.flush(0)
+
+
+def with_topics(records: Sequence[Record]) -> Sequence[Record]:
+    """``records``, the last one carrying ``TOPICS_HEADER``: the topics of all of them."""
+    if not records:
+        return records
+    topics = ",".join(sorted({r.topic for r in records})).encode()
+    last = records[-1]
+    headers = [(n, v) for n, v in last.headers if n != TOPICS_HEADER] + [(TOPICS_HEADER, topics)]
+    return [*records[:-1], replace(last, headers=headers)]
 
 
 def _retry(count: int, error: str, unreachable: bool = False) -> list[SendResult]:

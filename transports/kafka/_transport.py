@@ -45,6 +45,7 @@ owns a transport.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from functools import partial
@@ -212,6 +213,9 @@ class KafkaTransport:
         self._errors = ClientErrors("producer")
         self._producer = self._new_producer()
         self._fatal: KafkaError | None = None
+        # Transactional producers made, by id, for as long as their owner keeps them (``last_committed``).
+        self._made: weakref.WeakValueDictionary[str, KafkaTransactionalProducer] = (
+            weakref.WeakValueDictionary())
 
     def __repr__(self) -> str:
         return f"KafkaTransport({redacted(self._config)!r})"
@@ -504,14 +508,26 @@ class KafkaTransport:
         ``one_per_request``: each request holds one record, so a refusal is that record's own.
         """
         settings = {**self._config, **(ONE_PER_REQUEST if one_per_request else {})}
-        return KafkaTransactionalProducer(settings, transactional_id, timeout=timeout,
-                                          partitions=self._partition_count, results_of=result_of)
+        producer = KafkaTransactionalProducer(settings, transactional_id, timeout=timeout,
+                                              partitions=self._partition_count, results_of=result_of)
+        self._made[transactional_id] = producer  # the newest of the id: it ends what is left open
+        return producer
 
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
         ensure_compacted_topic(self._config, topic, partitions, timeout)
 
     def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
-        return last_committed(self._config, topic, partition, key, timeout)
+        """``_read_back.last_committed``; a transaction of ``key`` the broker left open is ended by the
+        newest producer this transport made whose transactional id ``key`` is, if there is one."""
+        producer = self._made.get(key.decode(errors="replace"))
+        settle = None if producer is None else (
+            lambda topics: producer.end_left_open(topics, (topic, self._partition_of(topic, partition))))
+        return last_committed(self._config, topic, partition, key, timeout, settle)
+
+    def _partition_of(self, topic: str, partition: int) -> int:
+        """``partition`` modulo ``topic``'s partition count, as a ``Record``'s."""
+        count = self._partition_count(topic)
+        return partition % count if isinstance(count, int) else partition
 
     # -- lifecycle ----------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""A transaction the broker leaves open: Apache Kafka drops a transaction's markers for a partition
+whose leader it cannot find (it takes the partition for deleted), so the partition's last stable
+offset stays at that transaction's first record for good and no read_committed reader passes it.
+
+That is what stalled an exactly-once relay's take-over after a single broker's SIGKILL and restart
+(issue 36): the restarted broker's transaction coordinator sent the markers of a transaction caught
+mid-commit while its old registration was being fenced, every partition briefly without a leader.
+Here the same drop is made on purpose: the partition's only replica is killed, the transaction is
+committed meanwhile, and the replica comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import IsolationLevel, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+
+from outbox.testing import LocalKafkaCluster
+from tests.conftest import unavailable
+from transports import Record, TransactionOutcome
+from transports.kafka import KafkaTransport
+from transports.kafka._transactions import TOPICS_HEADER
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
+
+TXN_PARTITIONS = 4  # transaction.state.log.num.partitions of the test brokers
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalKafkaCluster]:
+    try:
+        nodes = LocalKafkaCluster()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
+def coordinator_partition(transactional_id: str) -> int:
+    """The ``__transaction_state`` partition of a transactional id (Java's ``String.hashCode``)."""
+    h = 0
+    for ch in transactional_id:
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    signed = h - (1 << 32) if h >= 1 << 31 else h
+    return (0 if signed == -(1 << 31) else abs(signed)) % TXN_PARTITIONS
+
+
+def stable_and_end(admin: AdminClient, topic: str) -> tuple[int, int]:
+    """The partition's last stable offset and high watermark."""
+    tp = TopicPartition(topic, 0)
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    return tuple(admin.list_offsets({tp: latest}, isolation_level=level, request_timeout=10)[tp]  # type: ignore[return-value]
+                 .result(10).offset
+                 for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED))
+
+
+def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if value := condition():
+                return value
+        except Exception:  # a node is coming or going: ask again
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its_id(
+        cluster: LocalKafkaCluster) -> None:
+    """Without ``end_left_open`` the read waits at the left-open record until its timeout
+    ('could not read … in time') and every read_committed reader of the partition with it."""
+    tid, topic = "outbox-left-open-0", "left-open-progress"
+    old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+                    "transaction.timeout.ms": 60_000, "log_level": 0})
+    old.init_transactions(60)
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    new = NewTopic(topic, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]],
+                   config={"cleanup.policy": "compact"})
+    admin.create_topics([new])[topic].result(30)
+    cluster.leader(topic, 0)
+    headers = [(TOPICS_HEADER, topic.encode())]
+    old.begin_transaction()
+    old.produce(topic, b"committed", tid.encode(), 0, headers=headers)
+    old.commit_transaction(30)
+    old.begin_transaction()
+    old.produce(topic, b"left open", tid.encode(), 0, headers=headers)
+    assert old.flush(30) == 0
+
+    cluster.kill(victim)  # the partition's only replica: fenced after its session, leader -1
+    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
+               "the partition without a leader")
+    old.commit_transaction(30)  # decided; its marker for the leaderless partition is dropped
+    time.sleep(1.0)
+    cluster.start(victim)
+    cluster.leader(topic, 0)
+    stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
+    assert stable < end, "the broker wrote the marker: nothing was left open"
+
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 30)
+        started = time.monotonic()
+        value = transport.last_committed(topic, 0, tid.encode(), 30)
+        took = time.monotonic() - started
+        # Aborted, as nothing of it was decided anywhere; the read ends at the committed record.
+        assert value == b"committed"
+        assert took < 15, f"the take-over read took {took:.1f} s"
+        stable, end = stable_and_end(admin, topic)
+        assert stable == end, "the partition is open to read_committed readers again"
+        sent = producer.send([Record(topic, b"next", key=tid.encode(), partition=0)])
+        assert sent.outcome is TransactionOutcome.COMMITTED
+        assert transport.last_committed(topic, 0, tid.encode(), 30) == b"next"
+        producer.close()
+    finally:
+        transport.close()
