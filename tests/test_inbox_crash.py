@@ -102,9 +102,11 @@ def campaign(server: str, kind: str, batch_handler: bool, keys: int, per_key: in
 # is then a run of one key, so a kill lands inside runs), and the database. The first three
 # are paired so that every pair of their choices is killed at least once (four campaigns
 # instead of eight: one campaign is about a minute); MySQL/MariaDB adds its store.
-# The stream only has to outlast the ten kills: each kill comes within 0.8 s of the restarted
+# The stream only has to outlast the kills (KILLS): each kill comes within 0.8 s of the restarted
 # consumer's first effect and before 15 % of what is left is applied, so every kill lands
 # mid-stream whatever its length; what follows the last kill is a plain drain.
+KILLS = 6
+"""Kills per campaign: five campaigns, thirty kills in all, each at a random point of its stream."""
 CAMPAIGNS = [
     campaign("postgres", "sync", False, 1000, 20, "handler"),
     campaign("postgres", "async", True, 1000, 20, "batch_handler"),
@@ -116,7 +118,7 @@ CAMPAIGNS = [
 
 @pytest.mark.parametrize(("server_db_url", "kind", "batch_handler", "keys", "per_key"), CAMPAIGNS,
                          indirect=["server_db_url"])
-def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
+def test_exactly_once_effects_when_the_consumer_is_killed_again_and_again(
     pg: sa.Engine, server_db_url: str, kafka: str, topic: str, batch_handler: bool, keys: int,
     per_key: int, kind: str
 ) -> None:
@@ -126,7 +128,7 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
     worker = start_worker(server_db_url, kafka, topic, group, batch_handler=batch_handler, kind=kind)
     killed_at: list[int] = []
     try:
-        for _ in range(10):
+        for _ in range(KILLS):
             resumed = wait_for_count(pg, effect_count(pg), 90, [worker])  # it consumes again
             # Kill after a random time, but before a fast consumer (an async batch handler on
             # asyncpg) runs out of stream: never past a random share of what is left.
@@ -146,7 +148,7 @@ def test_exactly_once_effects_when_the_consumer_is_killed_ten_times(
     finally:
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0
-    assert len(killed_at) == 10 and max(killed_at) < keys * per_key, killed_at  # all mid-stream
+    assert len(killed_at) == KILLS and max(killed_at) < keys * per_key, killed_at  # all mid-stream
     assert_exactly_once_in_order(pg, group, keys, per_key)
     m = Inbox(pg, group=group).tables.inbox_messages
     with pg.connect() as conn:
