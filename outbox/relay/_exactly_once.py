@@ -70,7 +70,7 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
-from ._progress import progress_value
+from ._progress import progress_value, topics_fitting
 from ._shard_producer import ProducerMaker, ShardState, await_one, settle_take_overs
 from ._sharing import Sharing
 from ._writer import DaemonPool
@@ -278,7 +278,8 @@ class ExactlyOnce:
         todo = list(ids)
         stopped: set[tuple[str, bytes | None]] = set()
         isolating = False
-        for _ in range(ROUNDS):
+        rounds = 0
+        while rounds < ROUNDS:
             with self._lock:  # named by the progress (read again with every producer made): never sent again
                 for i in todo:
                     if results[i] is None and ids[i] in state.unmarked:
@@ -287,9 +288,17 @@ class ExactlyOnce:
                 records[i].key is None or (records[i].topic, records[i].key) not in stopped)]
             if not todo or state.producer is None or state.lost:
                 break
-            refused = self._transaction(shard, state, records, ids, todo, results)
+            # The topics this transaction's progress header may name (``_progress``): rows of the
+            # others wait for the shard's next transaction, all of a topic's together.
+            topics = topics_fitting((records[i].topic for i in todo), self.progress_topic)
+            now = [i for i in todo if records[i].topic in topics]
+            refused = self._transaction(shard, state, records, ids, now, results)
             if not refused:
+                if len(now) < len(todo) and all(
+                        (r := results[i]) is not None and r.outcome is Outcome.DELIVERED for i in now):
+                    continue  # committed: the next topics' rows in the next transaction
                 break
+            rounds += 1
             if len(refused) > 1 and not isolating:
                 # The broker refuses a whole request for one record in it: again, one per request.
                 isolating = True
