@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import publish, rows, wait_for
+from _relay_helpers import drain_pipelined, publish, rows, wait_for
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.relay._progress import TOPICS_BYTES, TOPICS_HEADER_BYTES
@@ -119,16 +117,7 @@ def test_a_progress_record_with_its_topics_header_at_its_most_fits_the_limit_and
             publish(outbox, name, ["hot"])
     worker = Relay(outbox, transport(), exactly_once=True, progress_topic=progress_topic, batch_size=most,
                    worker_id="w")
-    batch = worker._step._batch
-    real_write = batch._write
-
-    def slow_write(plan: Any) -> Any:
-        time.sleep(1.0)  # the next batch is sent (its progress built) while this one is marked
-        return real_write(plan)
-
-    monkeypatch.setattr(batch, "_write", slow_write)
-    wait_for(lambda: (worker._step.run(wait=False), not rows(outbox, status="pending"))[1], 90,
-             "every row published", interval=0.0)
+    drain_pipelined(worker, monkeypatch, timeout=90)
     worker.close()
     assert {r.attempts for r in rows(outbox)} == {1}  # each sent in one transaction, none aborted
     assert_once_in_order(kafka, topics, per_topic)
