@@ -33,7 +33,11 @@ docs/guarantees.md "Exactly once on the wire"):
   around it, is still this relay's at its epoch, and the progress is read
   again after each (``_shard_producer``): a relay that lost its lease without
   knowing it yet fences no new owner, and sends nothing the new owner
-  committed. A rightful owner fenced anyway makes its producer again.
+  committed. A rightful owner fenced anyway makes its producer again;
+- each take-over runs on a thread of its own and holds only its shard
+  (``prepare``): one waiting at another producer's open transaction on its
+  progress partition, or for ``init_transactions``, leaves the others sending,
+  and is tried again at later batches until it succeeds.
 
 Only the relay's worker thread calls ``prepare``, ``send`` and ``close``;
 ``send`` runs the shards' transactions on threads of its own, one per shard at
@@ -66,8 +70,8 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
-from ._progress import progress_value
-from ._shard_producer import ProducerMaker, ShardState
+from ._progress import progress_value, topics_fitting
+from ._shard_producer import ProducerMaker, ShardState, await_one, settle_take_overs
 from ._sharing import Sharing
 from ._writer import DaemonPool
 
@@ -143,7 +147,12 @@ class ExactlyOnce:
 
         A shard taken (or taken again: a new epoch) gets its producer, which fences
         every earlier owner, then the rows its last committed progress names are
-        marked published. A shard whose lease this relay turned out to have lost
+        marked published. Each take-over runs on a thread of its own and holds only
+        its shard: one that waits (its progress read held at another producer's open
+        transaction, a broker slow to answer ``init_transactions``) leaves the
+        others sending, and one that failed is tried again at the next batch (its
+        first failure logged). A batch with no shard ready waits for one
+        (``await_one``). A shard whose lease this relay turned out to have lost
         sends nothing more until the lease is taken afresh. A database error is raised.
         """
         for shard in set(self._owned) - set(owned):
@@ -157,19 +166,28 @@ class ExactlyOnce:
                 self._owned[shard] = ShardState(epoch)
         self._park_idle()
         try:
-            self._fence([s for s in sorted(owned) if self._owned[s].producer is None
-                         and not self._owned[s].lost and not self._owned[s].parked])
+            self._take_over([s for s in sorted(owned) if self._owned[s].producer is None
+                             and self._owned[s].taking is None and not self._owned[s].lost
+                             and not self._owned[s].parked])
         except RetriableTransportError as exc:
-            return {}, str(exc)  # the broker does not answer: no shard is ready
+            return {}, str(exc)  # the progress topic cannot be looked up: no shard is taken
+        if not any(self._sendable(s) for s in self._owned.values()):
+            await_one([s.taking for s in self._owned.values() if s.taking is not None], self._timeout)
+        error = settle_take_overs(self._owned, self.name)
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
             state = self._owned[shard]
-            if state.lost or (state.producer is None and not state.parked):
+            if not self._sendable(state):
                 continue
             if not state.recovered:
                 self._recover(shard, state)
             ready[shard] = epoch
-        return ready, None
+        return ready, error
+
+    @staticmethod
+    def _sendable(state: ShardState) -> bool:
+        """Its take-over is done (or its producer parked) and the lease is still this relay's."""
+        return state.taking is None and not state.lost and (state.producer is not None or state.parked)
 
     def _park_idle(self) -> None:
         """Close the producers of shards that sent nothing for ``Sharing.idle_after`` seconds."""
@@ -188,24 +206,18 @@ class ExactlyOnce:
             self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
             self._topic_ready = True
 
-    def _fence(self, shards: list[int]) -> None:
-        """New producers for ``shards`` (each fencing the shard's earlier owners, made only under a
-        confirmed lease) and their progress read; at once (many shards cost about what one costs)."""
+    def _take_over(self, shards: list[int]) -> None:
+        """Start making ``shards``' producers (each fencing the shard's earlier owners, made only under
+        a confirmed lease) and reading their progress, each on a thread of the pool: at once (many
+        shards cost about what one costs), and none waits for another (``prepare``)."""
         if not shards:
             return
         self.check_topic()
         pool = self._threads()
         for shard in shards:
-            self._owned[shard].recovered = False
-        made = [pool.submit(partial(self._maker.make, shard, self._owned[shard])) for shard in shards]
-        failures: list[Exception] = []
-        for future in made:  # every shard's answer waited for before one error is raised
-            try:
-                future.result()
-            except Exception as exc:
-                failures.append(exc)
-        if failures:  # the database's first (the step reports it), else the broker's
-            raise next((e for e in failures if not isinstance(e, RetriableTransportError)), failures[0])
+            state = self._owned[shard]
+            state.recovered = False
+            state.taking = pool.submit(partial(self._maker.make, shard, state))
 
     def _recover(self, shard: int, state: ShardState) -> None:
         """Mark the rows the shard's committed progress names published (a database error raises)."""
@@ -221,8 +233,12 @@ class ExactlyOnce:
 
     def _drop(self, shard: int) -> None:
         state = self._owned.pop(shard, None)
-        if state is not None and state.producer is not None:
-            state.producer.close()
+        if state is None:
+            return
+        if state.taking is not None:  # the producer its take-over makes is closed once made
+            state.taking.add_done_callback(lambda _: state.close())
+        else:
+            state.close()
 
     # -- one batch ---------------------------------------------------------------------
 
@@ -262,7 +278,8 @@ class ExactlyOnce:
         todo = list(ids)
         stopped: set[tuple[str, bytes | None]] = set()
         isolating = False
-        for _ in range(ROUNDS):
+        rounds = 0
+        while rounds < ROUNDS:
             with self._lock:  # named by the progress (read again with every producer made): never sent again
                 for i in todo:
                     if results[i] is None and ids[i] in state.unmarked:
@@ -271,9 +288,17 @@ class ExactlyOnce:
                 records[i].key is None or (records[i].topic, records[i].key) not in stopped)]
             if not todo or state.producer is None or state.lost:
                 break
-            refused = self._transaction(shard, state, records, ids, todo, results)
+            # The topics this transaction's progress header may name (``_progress``): rows of the
+            # others wait for the shard's next transaction, all of a topic's together.
+            topics = topics_fitting((records[i].topic for i in todo), self.progress_topic)
+            now = [i for i in todo if records[i].topic in topics]
+            refused = self._transaction(shard, state, records, ids, now, results)
             if not refused:
+                if len(now) < len(todo) and all(
+                        (r := results[i]) is not None and r.outcome is Outcome.DELIVERED for i in now):
+                    continue  # committed: the next topics' rows in the next transaction
                 break
+            rounds += 1
             if len(refused) > 1 and not isolating:
                 # The broker refuses a whole request for one record in it: again, one per request.
                 isolating = True

@@ -6,11 +6,19 @@ as JSON. A take-over reads the last committed one and marks those rows without
 sending them again. The record grows with ``batch_size`` (ids, not record bytes):
 ``check_progress_fits`` refuses a batch size whose record the producer or the topic
 could refuse, since a refused progress record aborts every transaction of its shard.
+
+The record also carries the header naming the topics its transaction writes
+(``transports.kafka``'s ``TOPICS_HEADER``: how a take-over ends a transaction
+the broker left open). A row's topic is its own, so a batch of one shard could
+name any number of them: the names a transaction writes are kept within
+``TOPICS_BYTES`` (``topics_fitting``; rows of the other topics go in the shard's
+next transaction), and the size check counts that much.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from transports import Transport
@@ -28,6 +36,29 @@ PROGRESS_OVERHEAD = 1024
 """A progress record's bytes besides its ids and relay name: key, epoch, JSON, Kafka's per-record share."""
 
 
+TOPICS_BYTES = 2048
+"""The most the topics header's value (the names a transaction writes, comma-separated, the progress
+topic's among them) may take: at least eight of Kafka's longest names (249 characters)."""
+
+TOPICS_HEADER_BYTES = len("outbox-txn-topics") + TOPICS_BYTES + 2 * 5
+"""What the topics header may add to a progress record: its name, its value, two varint lengths."""
+
+
+def topics_fitting(topics: Iterable[str], progress_topic: str) -> set[str]:
+    """The topics, first come first taken, whose names fit ``TOPICS_BYTES`` beside the progress topic's.
+
+    Every topic fits alone (a name takes 249 bytes at most), so each transaction
+    of a shard takes at least one more topic's rows than none; a topic left out
+    keeps all its rows for the next transaction, so each key's order holds.
+    """
+    chosen, size = {progress_topic}, len(progress_topic)
+    for topic in topics:
+        if topic not in chosen and size + 1 + len(topic) <= TOPICS_BYTES:
+            chosen.add(topic)
+            size += 1 + len(topic)
+    return chosen
+
+
 def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -> None:
     """Refuse a ``batch_size`` whose progress record could outgrow what the producer sends.
 
@@ -35,15 +66,15 @@ def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -
     a hot key the whole batch is one shard's, and while a batch's mark is written
     (pipelined) the next batch's record names both. A record the producer or the
     topic refuses aborts every transaction of the shard: nothing of it would ever
-    be published.
+    be published. Its topics header counts at its most (``TOPICS_HEADER_BYTES``).
     """
     limit = min(getattr(transport, "max_record_bytes", PROGRESS_BYTES), PROGRESS_BYTES)
-    most = (limit - PROGRESS_OVERHEAD - len(worker_id.encode())) // (2 * ID_BYTES)
+    most = (limit - PROGRESS_OVERHEAD - TOPICS_HEADER_BYTES - len(worker_id.encode())) // (2 * ID_BYTES)
     if batch_size > most:
         raise ConfigurationError(
             f"exactly_once with batch_size={batch_size}: a shard's progress record names up to two "
-            f"batches of row ids ({ID_BYTES} bytes each), more than the {limit} bytes a record may take "
-            f"here; use batch_size {max(most, 0)} at most")
+            f"batches of row ids ({ID_BYTES} bytes each) and up to {TOPICS_BYTES} bytes of topic names, "
+            f"more than the {limit} bytes a record may take here; use batch_size {max(most, 0)} at most")
 
 
 def progress_value(ids: list[int], relay: str, epoch: int) -> bytes:

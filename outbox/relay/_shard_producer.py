@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from transports import TransactionalProducer, Transactions
@@ -46,6 +47,10 @@ from ..core._outage import is_database_outage
 from ._progress import ids_of
 
 log = safe_logger("outbox.relay")
+
+TAKE_OVER_GRACE = 1.0
+"""Seconds a batch with no shard ready waits for the other take-overs once one of them made its shard
+ready (take-overs started together end about together: the first batch sends most shards)."""
 
 
 @dataclass
@@ -59,6 +64,14 @@ class ShardState:
     parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
     used: float = 0.0
     unmarked: set[int] = field(default_factory=set)
+    taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
+    stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
+
+    def close(self) -> None:
+        """Close its producer, if any (a shard dropped: its take-over's producer once made)."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
 
 
 class ProducerMaker:
@@ -127,3 +140,48 @@ class ProducerMaker:
                     "(which would fence the new owner's) and sends nothing more of it",
                     self._name, shard, state.epoch)
         return False
+
+
+def await_one(taking: list[Future[bool]], timeout: float) -> None:
+    """Wait until one of the take-overs ``taking`` made its shard ready (then ``TAKE_OVER_GRACE``
+    more for the others) or all ended, ``timeout`` seconds at most (a batch with no shard ready)."""
+    deadline = time.monotonic() + timeout
+    pending = set(taking)
+    while pending and time.monotonic() < deadline:
+        done, pending = wait(pending, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
+        if any(f.exception() is None and f.result() for f in done):
+            wait(pending, timeout=TAKE_OVER_GRACE)
+            return
+
+
+def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
+    """Settle the shards' take-overs that ended; the broker's error if one failed for want of it.
+
+    A take-over holds only its shard: one the broker failed (a progress read held
+    at another producer's open transaction, ``init_transactions`` timed out) is
+    logged once per shard, until one of it succeeds, and tried again at the next
+    batch while the other shards send. The database's first failure is raised once
+    every ended take-over is settled (the step reports it).
+    """
+    error: str | None = None
+    raised: Exception | None = None
+    for shard, state in sorted(owned.items()):
+        if state.taking is None or not state.taking.done():
+            continue
+        failure, state.taking = state.taking.exception(), None
+        if failure is None:
+            if state.stuck is not None:
+                log.info("%s took shard %d over after all; it sends again", name, shard)
+            state.stuck = None
+        elif isinstance(failure, RetriableTransportError):
+            if state.stuck is None:
+                log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards "
+                            "send on, and the take-over is tried again at each batch", name, shard, failure)
+            state.stuck = error = str(failure)
+        elif isinstance(failure, Exception):
+            raised = raised or failure
+        else:
+            raise failure
+    if raised is not None:
+        raise raised
+    return error
