@@ -221,6 +221,13 @@ class CommitsFailing(ScriptedSource):
         super().close()
 
 
+def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The inbox logged one broker outage: one line when it began, one when it ended."""
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
+        "the broker unavailable", "the broker available again"], lines
+
+
 def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     sqlite_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -244,9 +251,7 @@ def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     finally:
         inbox.stop()
         thread.join(30)
-    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
-    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
-        "the broker unavailable", "the broker available again"], lines
+    assert_one_outage_logged(caplog)
     assert source.commits == [{(TOPIC, 0): 1}]
 
 
@@ -296,9 +301,7 @@ def test_a_commit_outage_that_ends_in_a_revoke_is_not_taken_for_its_end(
     finally:
         inbox.stop()
         thread.join(30)
-    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
-    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
-        "the broker unavailable", "the broker available again"], lines
+    assert_one_outage_logged(caplog)
 
 
 def test_a_kafka_source_answers_only_while_its_coordinator_is_up() -> None:
