@@ -84,6 +84,9 @@ class Outage:
     """Per process: (outage-began lines, outage-ended lines) logged from the kill to the recovery."""
     waited: float = 0.0
     """Seconds the two nodes were down."""
+    said: dict[str, list[str]] = field(default_factory=dict)
+    """Per process whose lines are not one each way: those lines, as logged (the timestamps tell
+    a flapping tracker from two outages)."""
 
 
 @dataclass
@@ -298,6 +301,8 @@ class Campaign:
                        "every relay and inbox to say the broker is back")
             self._progress()
             outage.lines = {w.name: self._lines(w, logs[w.name]) for w in self.workers}
+            outage.said = {w.name: self._said(w, logs[w.name]) for w in self.workers
+                           if outage.lines[w.name] != (1, 1)}
         self._step("lose two of three nodes", fault)
         self.outages.append(outage)
 
@@ -399,6 +404,11 @@ class Campaign:
         down, up = (RELAY_DOWN, RELAY_UP) if worker.name.startswith("relay") else (INBOX_DOWN, INBOX_UP)
         text = worker.text(since)
         return text.count(down), text.count(up)
+
+    def _said(self, worker: Worker, since: int) -> list[str]:
+        """``worker``'s outage lines (both ways) since byte ``since``, as logged."""
+        down, up = (RELAY_DOWN, RELAY_UP) if worker.name.startswith("relay") else (INBOX_DOWN, INBOX_UP)
+        return [line[:300] for line in worker.text(since).splitlines() if down in line or up in line]
 
     def _find_the_busiest_partition(self) -> None:
         """The hottest key's partition, as the relay recorded it (the writers pick hot keys evenly)."""

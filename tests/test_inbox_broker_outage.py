@@ -221,6 +221,13 @@ class CommitsFailing(ScriptedSource):
         super().close()
 
 
+def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The inbox logged one broker outage: one line when it began, one when it ended."""
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
+        "the broker unavailable", "the broker available again"], lines
+
+
 def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     sqlite_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -244,10 +251,71 @@ def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     finally:
         inbox.stop()
         thread.join(30)
-    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
-    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
-        "the broker unavailable", "the broker available again"], lines
+    assert_one_outage_logged(caplog)
     assert source.commits == [{(TOPIC, 0): 1}]
+
+
+class CoordinatorGone(CommitsFailing):
+    """Commits fail while ``down``; ``unavailable`` and ``answering`` say what ``KafkaSource``'s would:
+    None within a session timeout of the coordinator's loss, and whether it is up."""
+
+    why: str | None = None
+    up = True
+
+    def unavailable(self) -> str | None:
+        return self.why
+
+    def answering(self) -> bool:
+        return self.up
+
+
+def test_a_commit_outage_that_ends_in_a_revoke_is_not_taken_for_its_end(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failover campaign with two of three nodes killed (its inboxes logged (2, 2)): commits
+    failed, then the group let the partitions go (nothing left to commit), while the source's
+    ``unavailable`` still gave the lost coordinator its grace; the poll took that None for an
+    answer ("available again") and logged a second outage a moment later."""
+    inbox = _inbox(sqlite_db)
+    source = CoordinatorGone([at(record(TOPIC, "a", 1), 0, 0)],
+                             RetriableTransportError("offset commit failed: no answer within 10s"))
+    source.down, source.up = True, False
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while source.failed < 2:  # the commit outage, logged
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        source.revoke = [(TOPIC, 0)]  # the session expired: the group took the partition away
+        while source.revoke is not None:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        time.sleep(1.5)  # commit intervals with nothing to commit, many polls within the grace
+        source.why = "group coordinator out of reach for 10s, state wait-broker-transport"
+        time.sleep(0.5)
+        source.why, source.up, source.down = None, True, False  # the nodes are back
+        time.sleep(0.5)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert_one_outage_logged(caplog)
+
+
+def test_a_kafka_source_answers_only_while_its_coordinator_is_up() -> None:
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    source._consumer.close()
+    assert not source.answering()  # no report yet
+    source._statistics('{"cgrp": {"state": "up", "join_state": "steady"}}')
+    assert source.answering()
+    source._statistics('{"cgrp": {"state": "wait-broker-transport", "join_state": "init"}}')
+    assert not source.answering() and source.unavailable() is None  # within the grace: neither
+    quiet = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                        settings={"statistics.interval.ms": 0})
+    quiet._consumer.close()
+    assert quiet.answering()  # no statistics: nothing to tell, as before
 
 
 def test_a_consumer_loop_that_fails_is_not_a_clean_stop_even_when_its_close_hangs(sqlite_db: str) -> None:

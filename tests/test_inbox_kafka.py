@@ -33,7 +33,10 @@ pytestmark = pytest.mark.kafka
 
 
 def produce(servers: str, records: list[Record], partition: int | None = None) -> None:
-    producer = Producer({"bootstrap.servers": servers, "linger.ms": 5})
+    # Idempotent: without it librdkafka pipelines its produce requests and a retried one lands
+    # behind those sent after it, a key's records out of order on the topic (gap alerts in tests
+    # that promise none, and whose subject is the inbox, not this producer).
+    producer = Producer({"bootstrap.servers": servers, "linger.ms": 5, "enable.idempotence": True})
     for r in records:
         extra = {} if partition is None else {"partition": partition}
         producer.produce(r.topic, r.value, r.key, headers=r.headers, **extra)

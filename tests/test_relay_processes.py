@@ -90,7 +90,12 @@ def test_sigterm_drains_marks_releases_and_exits_0(pg_outbox: Outbox, postgres_d
     publish(pg_outbox, topic, keys)
     relay = start_cli_relay(postgres_db, kafka, tmp_path / "relay.log", "--batch-size", "200",
                             "--worker-id", "terminated")
-    wait_for(lambda: len(rows(pg_outbox, status="published")) >= 1000, 30, "a busy relay")
+    try:
+        wait_for(lambda: len(rows(pg_outbox, status="published")) >= 1000, 30, "a busy relay")
+    except AssertionError:
+        relay.kill()  # not left running into the tests after this one (a loaded CI run did)
+        relay.wait(30)
+        raise
     relay.send_signal(signal.SIGTERM)
     assert relay.wait(30) == 0, (tmp_path / "relay.log").read_text()
     published = rows(pg_outbox, status="published")
@@ -197,7 +202,23 @@ def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, serve
             t.start()
         for t in threads:
             t.join()
-        wait_for(lambda: not rows(pg_outbox, status="pending"), 240, "every row published", 0.5)
+        # Slow (a loaded machine) or stuck (a relay that stopped publishing)? A timeout says which.
+        trail: list[tuple[float, int]] = []
+
+        def drained() -> bool:
+            left = len(rows(pg_outbox, status="pending"))
+            if not trail or left < trail[-1][1]:
+                trail.append((time.monotonic(), left))
+            return left == 0
+
+        try:
+            wait_for(drained, 240, "every row published", 0.5)
+        except AssertionError as exc:
+            (first, pending), (last, left) = trail[0], trail[-1]
+            raise AssertionError(f"{exc}: {pending} pending when the writers were done, {left} left; "
+                                 f"the last row published {time.monotonic() - last:.0f}s ago, "
+                                 f"{(pending - left) / max(last - first, 1e-3):.0f} rows/s until then; "
+                                 f"{kills} relays killed") from None
     finally:
         done.set()
         killing.join()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from _relay_helpers import ScriptedTransport, publish, wait_for
@@ -41,16 +41,47 @@ MARGIN = 1.5
 
 
 class Hang:
-    """A call into a dead broker: returns only after ``HANG`` seconds, whatever signal comes."""
+    """A call into a dead broker: returns only after ``HANG`` seconds, whatever signal comes.
+
+    Or once the test is over (``no_thread_outlives_its_test`` releases it), so that a
+    worker loop a test left behind in it ends within that test.
+    """
+
+    made: ClassVar[list[Hang]] = []
 
     def __init__(self) -> None:
         self.entered = threading.Event()
+        self.released = threading.Event()
+        Hang.made.append(self)
 
     def __call__(self) -> None:
         self.entered.set()
         deadline = time.monotonic() + HANG
-        while time.monotonic() < deadline:  # like C code: a signal handler may run, nothing returns
-            time.sleep(0.05)
+        while time.monotonic() < deadline and not self.released.is_set():
+            time.sleep(0.05)  # like C code: a signal handler may run, nothing returns
+
+
+@pytest.fixture(autouse=True)
+def no_thread_outlives_its_test() -> Iterator[None]:
+    """Every thread a test started ends before the next test starts.
+
+    These tests leave worker loops behind on purpose, inside a ``Hang`` that
+    lasts ``HANG`` seconds: a relay loop then came back from its hanging publish
+    and logged "batch failed" on ``outbox.relay`` half a minute later, into
+    whatever test this xdist worker ran by then (a tenant fleet test, whose
+    assertion of no relay error failed on it under load). So the hangs are
+    released at the end of the test and its threads waited for here.
+    """
+    before = set(threading.enumerate())
+    Hang.made.clear()
+    yield
+    for hang in Hang.made:
+        hang.released.set()
+    deadline = time.monotonic() + HANG
+    left = [t for t in threading.enumerate() if t not in before]
+    for thread in left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert [t.name for t in left if t.is_alive()] == [], "threads the test left running"
 
 
 class DeadBrokerSource:

@@ -108,6 +108,9 @@ class Runner:
         self._commits_failing = False
         # What the source says keeps the broker from serving it (``KafkaSource.unavailable``), if it can.
         self._unavailable: Callable[[], str | None] = getattr(source, "unavailable", lambda: None)
+        # Whether the source sees its broker answer now (``KafkaSource.answering``), if it can tell:
+        # what ends an outage when no commit can (nothing left to commit once the group let go).
+        self._answering: Callable[[], bool] = getattr(source, "answering", lambda: True)
 
     def run(self) -> threading.Thread | None:
         """Consume until ``stop`` is set (or SIGTERM/SIGINT); back at most ``stop_timeout`` s after it.
@@ -180,7 +183,11 @@ class Runner:
         problem = self._unavailable()
         if problem is not None:
             self.broker.failed(problem)
-        elif not self._commits_failing:
+        elif not self._commits_failing and (not self.broker.down or self._answering()):
+            # Once down, "not unavailable yet" is no answer: ``unavailable`` gives a coordinator
+            # a session timeout of grace before it calls it gone, so right after a commit outage
+            # ended in a revoke it says None while the coordinator is still gone (the failover
+            # campaign's inboxes logged one outage of two nodes as two, each way).
             self.broker.answered()
         return records
 

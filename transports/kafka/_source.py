@@ -256,6 +256,15 @@ class KafkaSource:
             return None
         return f"group coordinator out of reach for {out:.0f}s, state {self._coordinator_state}"
 
+    def answering(self) -> bool:
+        """True when librdkafka's latest statistics say the group's coordinator is up (or when
+        statistics are off: nothing to tell). Safe to call from any thread.
+
+        What ends an outage ``Inbox.run`` logged: ``unavailable`` saying None is no
+        answer, since it gives a lost coordinator a session timeout of grace first.
+        """
+        return not self._watching or self._coordinator_state == "up"
+
     # -- the rejoin watch (module doc) ------------------------------------------
 
     def _statistics(self, text: str) -> None:
