@@ -43,7 +43,8 @@ def made(admin: AdminClient, topic: str, partitions: int, **config: str) -> None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         found = admin.list_topics(topic, timeout=5).topics.get(topic)
-        if found is not None and found.error is None and all(p.leader >= 0 for p in found.partitions.values()):
+        if found is not None and found.error is None and all(
+                p.leader >= 0 for p in found.partitions.values()):
             return
         time.sleep(0.1)
     raise AssertionError(f"topic {topic} has no leaders")
