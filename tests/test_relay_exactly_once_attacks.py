@@ -361,3 +361,38 @@ def test_a_relay_killed_while_its_database_is_down_after_commits_is_taken_over_w
     counted = Counter(r.attempts for r in rows(outbox))
     engine.dispose()
     assert counted == {1: len(keys)}, f"attempts: {counted}"
+
+
+def test_a_row_addressed_to_the_progress_topic_cannot_forge_a_shards_progress(
+        tmp_path: Path, kafka: str, topic: str, progress_topic: str) -> None:
+    """A row's topic is the application's: one naming the progress topic must not be written there.
+    Here the forged record names the ids the next rows of shard ``s`` will take; a take-over of
+    shard ``s`` reads it as that shard's last committed progress."""
+    from outbox.core._sharding import shard_for_key
+    engine = create_engine(f"sqlite:///{tmp_path}/forge.db")
+    ob = Outbox(engine, shards=2)
+    ob.create_tables()
+    incarnation = ob.load_schema(engine).incarnation
+    tids = [f"outbox-{incarnation}-{s}" for s in range(2)]
+    # The forged row goes in the other shard's transaction, after shard s's last progress record.
+    victim = next((s for s in range(2) if shard_for_key(tids[s], 2) != s), None)
+    if victim is None:
+        pytest.skip("both ids fall in their own shard with this incarnation")  # 1 in 4
+    create_topic(kafka, topic, 2)
+    create_topic(kafka, progress_topic, 1, config={"cleanup.policy": "compact"})
+    publish(ob, progress_topic, [tids[victim]], payload={"ids": list(range(2, 60))})
+    alerts: list[Any] = []
+    first = relay(ob, kafka, progress_topic, worker_id="first", alert=alerts.append)
+    drain(first, timeout=60)
+    first.close()
+    (forged,) = rows(ob, status="failed")
+    assert forged.topic == progress_topic and len(alerts) == 1
+    keys = [k for k in (f"k{i}" for i in range(200)) if shard_for_key(k, 2) == victim][:10]
+    publish(ob, topic, keys)
+    second = relay(ob, kafka, progress_topic, worker_id="second")
+    drain(second, timeout=60)
+    second.close()
+    on_wire = read_topic(kafka, topic, expected=10, settle=1.5, isolation="read_committed")
+    assert {r.status for r in rows(ob) if r.topic == topic} == {"published"}
+    engine.dispose()
+    assert len(on_wire) == 10, f"{10 - len(on_wire)} committed rows marked published, never sent"
