@@ -23,6 +23,7 @@ from tests.conftest import unavailable
 from transports import Record, TransactionOutcome
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import TOPICS_HEADER
+from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
 
@@ -120,6 +121,64 @@ def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its
         sent = producer.send([Record(topic, b"next", key=tid.encode(), partition=0)])
         assert sent.outcome is TransactionOutcome.COMMITTED
         assert transport.last_committed(topic, 0, tid.encode(), 30) == b"next"
+        producer.close()
+    finally:
+        transport.close()
+
+
+def test_a_relay_that_dies_while_ending_a_left_open_transaction_leaves_nothing_readable(
+        cluster: LocalKafkaCluster) -> None:
+    """Attack (issue 36): the producer ending the left-open transaction wrote its empty records and
+    died before its abort. The next producer of the id must end both (its init aborts the dead one's
+    transaction, whose records joined the left-open one), and no read_committed reader ever sees an
+    empty record or the left-open one."""
+    tid, topic = "outbox-left-open-1", "left-open-dies"
+    old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+                    "transaction.timeout.ms": 60_000, "log_level": 0})
+    old.init_transactions(60)
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    new = NewTopic(topic, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]],
+                   config={"cleanup.policy": "compact"})
+    admin.create_topics([new])[topic].result(30)
+    cluster.leader(topic, 0)
+    headers = [(TOPICS_HEADER, topic.encode())]
+    old.begin_transaction()
+    old.produce(topic, b"committed", tid.encode(), 0, headers=headers)
+    old.commit_transaction(30)
+    old.begin_transaction()
+    old.produce(topic, b"left open", tid.encode(), 0, headers=headers)
+    assert old.flush(30) == 0
+    cluster.kill(victim)
+    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
+               "the partition without a leader")
+    old.commit_transaction(30)
+    time.sleep(1.0)
+    cluster.start(victim)
+    cluster.leader(topic, 0)
+    stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
+    assert stable < end, "the broker wrote the marker: nothing was left open"
+
+    # end_left_open's first half, then the process is gone: no abort.
+    dying = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+                      "transaction.timeout.ms": 60_000, "log_level": 0})
+    dying.init_transactions(30)
+    dying.begin_transaction()
+    dying.produce(topic, b"", tid.encode(), 0)
+    assert dying.flush(30) == 0
+    del dying
+
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 30)
+        assert transport.last_committed(topic, 0, tid.encode(), 30) == b"committed"
+        wait_until(lambda: (lambda s: s[0] == s[1])(stable_and_end(admin, topic)), 15,
+                   "the partition open to read_committed readers again")
+        seen = read_topic(cluster.bootstrap, topic, expected=1, settle=1.0, isolation="read_committed")
+        assert [r.value for r in seen] == [b"committed"]
         producer.close()
     finally:
         transport.close()
