@@ -185,7 +185,8 @@ class ExactlyOnce:
         return ready, error
 
     def is_progress_topic(self, topic: str) -> bool:
-        """Whether ``topic`` is this relay's progress topic, or (in a fleet) any outbox's.
+        """Whether ``topic`` is this relay's progress topic, or (in a fleet) any outbox's or the name they
+        are made from.
 
         A row is never sent there: keyed by a shard's transactional id, it would be that
         shard's last committed progress, and its take-over would mark the rows it names
@@ -193,7 +194,8 @@ class ExactlyOnce:
         """
         if topic == self.progress_topic:
             return True
-        return self._sharing is not None and topic.startswith(f"{self._sharing.progress_topic}-")
+        base = self._sharing.progress_topic if self._sharing is not None else None
+        return base is not None and (topic == base or topic.startswith(f"{base}-"))
 
     @staticmethod
     def _sendable(state: ShardState) -> bool:
