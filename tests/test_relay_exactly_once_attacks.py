@@ -399,3 +399,29 @@ def test_a_row_addressed_to_the_progress_topic_cannot_forge_a_shards_progress(
     assert {r.status for r in rows(ob) if r.topic == topic} == {"published"}
     engine.dispose()
     assert len(on_wire) == 10, f"{10 - len(on_wire)} committed rows marked published, never sent"
+
+
+def test_a_rightful_owner_fenced_by_a_stray_producer_counts_no_attempt(
+        tmp_path: Path, kafka: str, topic: str, progress_topic: str) -> None:
+    """A producer of a shard's id made elsewhere (a take-over thread of an earlier epoch, a relay on a
+    skewed clock: ``_shard_producer``) fences the owner's; its next transaction is refused, and the
+    rows go again once it made its producer anew. That is nothing the rows did: no attempt counted."""
+    engine = create_engine(f"sqlite:///{tmp_path}/fenced.db")
+    ob = Outbox(engine, shards=1)
+    ob.create_tables()
+    incarnation = ob.load_schema(engine).incarnation
+    create_topic(kafka, topic, 1)
+    publish(ob, topic, ["k"])
+    worker = relay(ob, kafka, progress_topic, worker_id="owner")
+    drain(worker, timeout=60)  # taken over, its producer made
+    stray = KafkaTransport(bootstrap_servers=kafka)
+    stray_producer = stray.transactional(f"outbox-{incarnation}-0", 30)  # fences the owner's
+    publish(ob, topic, ["k"] * 5)
+    drain(worker, timeout=60)
+    worker.close()
+    stray_producer.close()
+    stray.close()
+    on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 6
+    assert [r.attempts for r in rows(ob)] == [1] * 6
+    engine.dispose()

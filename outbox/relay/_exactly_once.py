@@ -375,9 +375,11 @@ class ExactlyOnce:
         elif answer.results[-1].outcome is Outcome.FAILED:
             log.error("%s: the progress topic %s refused shard %d's progress record: %s",
                       self.name, self.progress_topic, shard, answer.results[-1].error)
+        # Fenced is nothing the rows did (another producer of the id was made): no attempt counted.
+        fenced = answer.outcome is TransactionOutcome.FENCED
         for i, res in own.items():
-            results[i] = res if res.outcome is Outcome.RETRY else SendResult(
-                Outcome.RETRY, error=answer.error, unreachable=True)
+            results[i] = res if res.outcome is Outcome.RETRY and not fenced else SendResult(
+                Outcome.RETRY, error=answer.error or res.error, unreachable=True)
         return {}
 
     def marked(self, ids: Iterable[int]) -> None:
