@@ -361,3 +361,67 @@ def test_a_relay_killed_while_its_database_is_down_after_commits_is_taken_over_w
     counted = Counter(r.attempts for r in rows(outbox))
     engine.dispose()
     assert counted == {1: len(keys)}, f"attempts: {counted}"
+
+
+def test_a_row_addressed_to_the_progress_topic_cannot_forge_a_shards_progress(
+        tmp_path: Path, kafka: str, topic: str, progress_topic: str) -> None:
+    """A row's topic is the application's: one naming the progress topic must not be written there.
+    Here the forged record names the ids the next rows of shard ``s`` will take; a take-over of
+    shard ``s`` reads it as that shard's last committed progress."""
+    from outbox.core._sharding import shard_for_key
+    # The forged row must go in the other shard's transaction, after shard s's last progress record:
+    # an outbox whose incarnation puts one id in the other shard (3 in 4 do).
+    for attempt in range(40):
+        engine = create_engine(f"sqlite:///{tmp_path}/forge{attempt}.db")
+        ob = Outbox(engine, shards=2)
+        ob.create_tables()
+        tids = [f"outbox-{ob.load_schema(engine).incarnation}-{s}" for s in range(2)]
+        victim = next((s for s in range(2) if shard_for_key(tids[s], 2) != s), None)
+        if victim is not None:
+            break
+        engine.dispose()
+    assert victim is not None
+    create_topic(kafka, topic, 2)
+    create_topic(kafka, progress_topic, 1, config={"cleanup.policy": "compact"})
+    publish(ob, progress_topic, [tids[victim]], payload={"ids": list(range(2, 60))})
+    alerts: list[Any] = []
+    first = relay(ob, kafka, progress_topic, worker_id="first", alert=alerts.append)
+    drain(first, timeout=60)
+    first.close()
+    (forged,) = rows(ob, status="failed")
+    assert forged.topic == progress_topic and len(alerts) == 1
+    keys = [k for k in (f"k{i}" for i in range(200)) if shard_for_key(k, 2) == victim][:10]
+    publish(ob, topic, keys)
+    second = relay(ob, kafka, progress_topic, worker_id="second")
+    drain(second, timeout=60)
+    second.close()
+    on_wire = read_topic(kafka, topic, expected=10, settle=1.5, isolation="read_committed")
+    assert {r.status for r in rows(ob) if r.topic == topic} == {"published"}
+    engine.dispose()
+    assert len(on_wire) == 10, f"{10 - len(on_wire)} committed rows marked published, never sent"
+
+
+def test_a_rightful_owner_fenced_by_a_stray_producer_counts_no_attempt(
+        tmp_path: Path, kafka: str, topic: str, progress_topic: str) -> None:
+    """A producer of a shard's id made elsewhere (a take-over thread of an earlier epoch, a relay on a
+    skewed clock: ``_shard_producer``) fences the owner's; its next transaction is refused, and the
+    rows go again once it made its producer anew. That is nothing the rows did: no attempt counted."""
+    engine = create_engine(f"sqlite:///{tmp_path}/fenced.db")
+    ob = Outbox(engine, shards=1)
+    ob.create_tables()
+    incarnation = ob.load_schema(engine).incarnation
+    create_topic(kafka, topic, 1)
+    publish(ob, topic, ["k"])
+    worker = relay(ob, kafka, progress_topic, worker_id="owner")
+    drain(worker, timeout=60)  # taken over, its producer made
+    stray = KafkaTransport(bootstrap_servers=kafka)
+    stray_producer = stray.transactional(f"outbox-{incarnation}-0", 30)  # fences the owner's
+    publish(ob, topic, ["k"] * 5)
+    drain(worker, timeout=60)
+    worker.close()
+    stray_producer.close()
+    stray.close()
+    on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 6
+    assert [r.attempts for r in rows(ob)] == [1] * 6
+    engine.dispose()

@@ -21,8 +21,10 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 from outbox.testing import LocalKafkaCluster
 from tests.conftest import unavailable
 from transports import Record, TransactionOutcome
+from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import TOPICS_HEADER
+from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
 
@@ -71,11 +73,9 @@ def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its_id(
-        cluster: LocalKafkaCluster) -> None:
-    """Without ``end_left_open`` the read waits at the left-open record until its timeout
-    ('could not read … in time') and every read_committed reader of the partition with it."""
-    tid, topic = "outbox-left-open-0", "left-open-progress"
+def leave_open(cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminClient:
+    """``topic`` (one partition, compacted) with a committed record of key ``tid`` and, after it, a
+    transaction of ``tid`` the broker left open (its only replica killed while it committed)."""
     old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
                     "transaction.timeout.ms": 60_000, "log_level": 0})
     old.init_transactions(60)
@@ -105,6 +105,15 @@ def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its
     cluster.leader(topic, 0)
     stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
     assert stable < end, "the broker wrote the marker: nothing was left open"
+    return admin
+
+
+def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its_id(
+        cluster: LocalKafkaCluster) -> None:
+    """Without ``end_left_open`` the read waits at the left-open record until its timeout
+    ('could not read … in time') and every read_committed reader of the partition with it."""
+    tid, topic = "outbox-left-open-0", "left-open-progress"
+    admin = leave_open(cluster, tid, topic)
 
     transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
     try:
@@ -123,3 +132,69 @@ def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its
         producer.close()
     finally:
         transport.close()
+
+
+def test_a_relay_that_dies_while_ending_a_left_open_transaction_leaves_nothing_readable(
+        cluster: LocalKafkaCluster) -> None:
+    """Attack (issue 36): the producer ending the left-open transaction wrote its empty records and
+    died before its abort. The next producer of the id must end both (its init aborts the dead one's
+    transaction, whose records joined the left-open one), and no read_committed reader ever sees an
+    empty record or the left-open one."""
+    tid, topic = "outbox-left-open-1", "left-open-dies"
+    admin = leave_open(cluster, tid, topic)
+
+    # end_left_open's first half, then the process is gone: no abort.
+    dying = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+                      "transaction.timeout.ms": 60_000, "log_level": 0})
+    dying.init_transactions(30)
+    dying.begin_transaction()
+    dying.produce(topic, b"", tid.encode(), 0)
+    assert dying.flush(30) == 0
+    del dying
+
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 30)
+        assert transport.last_committed(topic, 0, tid.encode(), 30) == b"committed"
+        wait_until(lambda: (lambda s: s[0] == s[1])(stable_and_end(admin, topic)), 15,
+                   "the partition open to read_committed readers again")
+        seen = read_topic(cluster.bootstrap, topic, expected=1, settle=1.0, isolation="read_committed")
+        assert [r.value for r in seen] == [b"committed"]
+        producer.close()
+    finally:
+        transport.close()
+
+
+def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it(
+        cluster: LocalKafkaCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """Attack (issue 36): two relays both decide to end a transaction of the id. The live owner (the
+    newest producer) ended the left-open one and has a transaction of its own open; the relay that
+    made its producer earlier (lease skew) is held at that open record of its own id and tries to
+    end it. Its producer is fenced: nothing of it is written, its read fails (retried), and the
+    live owner's transaction commits."""
+    tid, topic = "outbox-left-open-2", "left-open-two-relays"
+    admin = leave_open(cluster, tid, topic)
+    skewed, owner = (KafkaTransport(bootstrap_servers=cluster.bootstrap) for _ in range(2))
+    try:
+        fenced = skewed.transactional(tid, 10)  # kept: the transport holds its producers weakly
+        live = owner.transactional(tid, 30)  # fences the skewed relay's producer
+        assert owner.last_committed(topic, 0, tid.encode(), 30) == b"committed"
+        raw = live._producer
+        raw.begin_transaction()
+        raw.produce(topic, b"live", tid.encode(), 0, headers=[(TOPICS_HEADER, topic.encode())])
+        assert raw.flush(30) == 0
+        caplog.clear()
+        with pytest.raises(RetriableTransportError, match="cannot end the transaction"):
+            skewed.last_committed(topic, 0, tid.encode(), 8)
+        assert any("was left open by the broker" in r.getMessage() for r in caplog.records)
+        raw.commit_transaction(30)  # raises if the skewed relay aborted it
+        assert owner.last_committed(topic, 0, tid.encode(), 30) == b"live"
+        seen = read_topic(cluster.bootstrap, topic, expected=2, settle=1.0, isolation="read_committed")
+        assert [r.value for r in seen] == [b"committed", b"live"]
+        stable, end = stable_and_end(admin, topic)
+        assert stable == end
+        live.close()
+        fenced.close()
+    finally:
+        skewed.close()
+        owner.close()

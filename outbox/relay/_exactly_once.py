@@ -184,6 +184,19 @@ class ExactlyOnce:
             ready[shard] = epoch
         return ready, error
 
+    def is_progress_topic(self, topic: str) -> bool:
+        """Whether ``topic`` is this relay's progress topic, or (in a fleet) any outbox's or the name they
+        are made from.
+
+        A row is never sent there: keyed by a shard's transactional id, it would be that
+        shard's last committed progress, and its take-over would mark the rows it names
+        published without sending them.
+        """
+        if topic == self.progress_topic:
+            return True
+        base = self._sharing.progress_topic if self._sharing is not None else None
+        return base is not None and (topic == base or topic.startswith(f"{base}-"))
+
     @staticmethod
     def _sendable(state: ShardState) -> bool:
         """Its take-over is done (or its producer parked) and the lease is still this relay's."""
@@ -251,6 +264,11 @@ class ExactlyOnce:
         results: list[SendResult | None] = [None] * len(records)
         by_shard: dict[int, list[int]] = {}
         for i, (_, shard) in enumerate(rows):
+            if self.is_progress_topic(records[i].topic):
+                results[i] = SendResult(Outcome.FAILED, error=(
+                    f"topic {records[i].topic!r} is the exactly-once relay's progress topic: a row "
+                    f"there could pass for a shard's progress and make a take-over skip rows"))
+                continue
             by_shard.setdefault(shard, []).append(i)
         sending = [(shard, state, {i: rows[i][0] for i in indexes}) for shard, indexes in by_shard.items()
                    if (state := self._owned.get(shard)) is not None and state.recovered and not state.lost]
@@ -357,9 +375,11 @@ class ExactlyOnce:
         elif answer.results[-1].outcome is Outcome.FAILED:
             log.error("%s: the progress topic %s refused shard %d's progress record: %s",
                       self.name, self.progress_topic, shard, answer.results[-1].error)
+        # Fenced is nothing the rows did (another producer of the id was made): no attempt counted.
+        fenced = answer.outcome is TransactionOutcome.FENCED
         for i, res in own.items():
-            results[i] = res if res.outcome is Outcome.RETRY else SendResult(
-                Outcome.RETRY, error=answer.error, unreachable=True)
+            results[i] = res if res.outcome is Outcome.RETRY and not fenced else SendResult(
+                Outcome.RETRY, error=answer.error or res.error, unreachable=True)
         return {}
 
     def marked(self, ids: Iterable[int]) -> None:

@@ -34,18 +34,10 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from .._errors import ConfigurationError, RetriableTransportError
+from ._admin import ADMIN, connection_settings
 from ._transactions import TOPICS_HEADER
 
 log = logging.getLogger("transports.kafka")
-
-# Settings a consumer shares with the producer: how to reach and authenticate to the cluster.
-CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl.", "client.id",
-                       "socket.", "broker.address.", "enable.ssl.", "enable.sasl.", "oauthbearer")
-
-# An admin client is a producer to librdkafka: looking a missing topic up would make the broker
-# create it (auto.create.topics.enable, Kafka's default) with its defaults, not compacted, its
-# partitions not one per shard, and the relay would then find it there and never make its own.
-ADMIN = {"log_level": 0, "allow.auto.create.topics": False}
 
 LEADERLESS = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
 
@@ -56,11 +48,6 @@ HELD_FOR = 2.0
 
 Settle = Callable[[Sequence[str]], None]
 """Ends, with the key's own producer, a transaction of the key left open on the topics given."""
-
-
-def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings of ``config`` that say how to reach the cluster (for a consumer or admin client)."""
-    return {k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)}
 
 
 def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:

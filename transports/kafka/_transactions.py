@@ -36,6 +36,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from .._errors import RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
+from ._admin import existing_topics
 from ._logging import ClientErrors, LibrdkafkaLog
 
 # librdkafka's producer settings a transactional producer must not carry: the gap-less
@@ -67,6 +68,7 @@ class KafkaTransactionalProducer:
         self._timeout = timeout
         self._partitions = partitions
         self._result_of = results_of
+        self._config = config
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
@@ -223,12 +225,16 @@ class KafkaTransactionalProducer:
         A transactional record of the same producer id joins the transaction open on its
         partition, and the abort marker then ends both there: an empty record (the id as key)
         goes to each partition, is delivered, and the transaction is aborted. Nothing of it is
-        ever read committed. Raises ``RetriableTransportError`` if the broker does not take it
-        within the producer's timeout.
+        ever read committed. A topic of ``topics`` that no longer exists is left out (deleted since the
+        transaction wrote it, it holds nothing open). Raises ``RetriableTransportError`` if the broker
+        does not take it within the producer's timeout.
         """
         producer, key = self._producer, self.transactional_id.encode()
+        deadline = time.monotonic() + self._timeout
         targets = [also]
-        for topic in sorted(set(topics) - {also[0]}):  # the id's own partition there: ``also``
+        # A topic deleted since the transaction was written holds nothing open; asking the producer
+        # for it would fail at every take-over ('Unknown topic') or make it anew (auto-creation).
+        for topic in existing_topics(self._config, sorted(set(topics) - {also[0]}), deadline):
             count = self._partitions(topic)
             if isinstance(count, SendResult):
                 raise RetriableTransportError(f"cannot end the transaction left open on {topic!r}: "
@@ -240,7 +246,6 @@ class KafkaTransactionalProducer:
             if error is not None:
                 failures.append(error)
 
-        deadline = time.monotonic() + self._timeout
         try:
             producer.begin_transaction()
             for topic, partition in targets:
