@@ -51,7 +51,9 @@ def test_every_row_reaches_its_key_partition_in_seq_order(outbox: Outbox, kafka:
 def test_a_retried_head_holds_its_key_while_other_keys_flow(outbox: Outbox) -> None:
     ids = publish(outbox, "orders", ["a", "a", "a", "b", "b"])
     transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY, Outcome.RETRY]})
-    relay = Relay(outbox, transport, backoff=FAST)
+    # 3 s: the second run_once below must come before the head is due again; at 0.3 s a loaded
+    # machine (PostgreSQL, CI at load 10) let the head fall due first and the test failed.
+    relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(3.0))
     first = relay.run_once()
     assert (first.published, first.retried) == (2, 1)
     head = rows(outbox, message_id=ids[0])[0]
