@@ -373,3 +373,9 @@ def any_kafka() -> Iterator[str]:
 def topic() -> str:
     """A topic name no other test uses (the broker is shared by the session)."""
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def progress_topic(topic: str) -> str:
+    """The exactly-once relay's progress topic for ``topic``: one per test, as the broker is shared."""
+    return f"{topic}-progress"

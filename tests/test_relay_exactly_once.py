@@ -49,11 +49,6 @@ def outbox(sqlite_db: str) -> Iterator[Outbox]:
     engine.dispose()
 
 
-@pytest.fixture
-def progress_topic(topic: str) -> str:
-    return f"{topic}-progress"  # the session's broker is shared: one progress topic per test
-
-
 def leases(outbox: Outbox) -> list[Any]:
     t = outbox.tables.leases
     with outbox.engine.connect() as conn:  # type: ignore[union-attr]

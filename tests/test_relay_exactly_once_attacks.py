@@ -42,11 +42,6 @@ def outbox(proof_db_url: str) -> Iterator[Outbox]:
     engine.dispose()
 
 
-@pytest.fixture
-def progress_topic(topic: str) -> str:
-    return f"{topic}-progress"
-
-
 def relay(outbox: Outbox, kafka: str, progress_topic: str, **kwargs: Any) -> Relay:
     return Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
                  progress_topic=progress_topic, lease_ttl=1.0, **kwargs)

@@ -47,11 +47,6 @@ def outbox(sqlite_db: str) -> Iterator[Outbox]:
     engine.dispose()
 
 
-@pytest.fixture
-def progress_topic(topic: str) -> str:
-    return f"{topic}-progress"
-
-
 def relay(outbox: Outbox, transport: KafkaTransport, progress_topic: str, worker_id: str,
           **kwargs: Any) -> Relay:
     return Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, lease_ttl=1.0,
