@@ -99,8 +99,10 @@ def leave_open(cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminClient:
     live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
     wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
                "the partition without a leader")
-    old.commit_transaction(30)  # decided; its marker for the leaderless partition is dropped
-    time.sleep(1.0)
+    old.commit_transaction(30)  # decided; its marker for the leaderless partition is dropped:
+    node = next(n for n in cluster.nodes if n.node_id == coordinator)
+    wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
+               "the coordinator dropping the marker")
     cluster.start(victim)
     cluster.leader(topic, 0)
     stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
