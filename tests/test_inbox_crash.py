@@ -105,8 +105,8 @@ def campaign(server: str, kind: str, batch_handler: bool, keys: int, per_key: in
 # The stream only has to outlast the kills (KILLS): each kill comes within 0.8 s of the restarted
 # consumer's first effect and before 15 % of what is left is applied, so every kill lands
 # mid-stream whatever its length; what follows the last kill is a plain drain.
-KILLS = 6
-"""Kills per campaign: five campaigns, thirty kills in all, each at a random point of its stream."""
+KILLS = 5
+"""Kills per campaign: five campaigns, twenty-five kills in all, each at a random point of its stream."""
 CAMPAIGNS = [
     campaign("postgres", "sync", False, 1000, 20, "handler"),
     campaign("postgres", "async", True, 1000, 20, "batch_handler"),

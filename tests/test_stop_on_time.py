@@ -63,7 +63,6 @@ def handle(session, message):
 ROUNDS = [  # (worker, broker fault, database fault)
     ("inbox", "kill", "stop"),
     ("inbox", "freeze", "freeze"),
-    ("inbox", "kill", "freeze"),
     ("relay", "kill", "stop"),
     ("relay", "freeze", "freeze"),
     ("faststream", "up", "stop"),
