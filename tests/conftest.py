@@ -25,6 +25,7 @@ from hypothesis import settings
 
 from outbox import Outbox, create_engine
 from outbox.testing import (
+    JVM_OPTIONS_ENV,
     KAFKA_BOOTSTRAP_VARIABLE,
     BrokerNeed,
     ConnectRest,
@@ -48,6 +49,11 @@ from outbox.testing import kafka_connect as connect_worker
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 T = TypeVar("T")
+
+# The suite's brokers and Connect workers live seconds to minutes: C1 only (no optimising
+# compiler) starts a broker on 1.7 s of CPU instead of 3.0 and serves the tests' load on less
+# (docs/testing.md). Benchmarks do not load this file: their JVMs run as in production.
+os.environ.setdefault(JVM_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
 
 # Property tests: CI runs a fixed set of examples (derandomized, so a red run is repeatable from its
 # log); `HYPOTHESIS_PROFILE=release` is the longer run before a release (docs/testing.md).

@@ -95,26 +95,16 @@ def audit(root: Path, cache: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def baseline(scene) -> tuple[str, list[Path]]:
-    """An audit's report on a machine with no archive, and what it left in the cache directory."""
-    cache = scene / "empty-cache"
-    cache.mkdir()
-    return audit(scene, cache), list(cache.iterdir())
-
-
-@pytest.fixture(scope="module")
 def warmed(scene) -> tuple[Path, subprocess.CompletedProcess[str]]:
     cache = scene / "cache"
     return cache, run(scene, cache, "warm-up")
 
 
-def test_an_audit_without_an_archive_writes_none(baseline):
-    report, left = baseline
-    assert "PROBLEM:" in report and left == []
-
-
 @pytest.mark.slow
-def test_warm_up_writes_one_archive_that_the_next_audit_maps(scene, baseline, warmed):
+def test_warm_up_writes_an_archive_the_next_audit_maps_and_a_damaged_one_is_discarded(scene, warmed):
+    """One JVM audit with the archive mapped, one with it damaged: the second starts without it
+    (discarded, nothing written in its place) and is the reference the first must equal, so
+    the module pays for no third audit of its own."""
     cache, done = warmed
     assert done.returncode == 0, done.stderr[-3000:]
     [archive] = cache.iterdir()
@@ -125,17 +115,12 @@ def test_warm_up_writes_one_archive_that_the_next_audit_maps(scene, baseline, wa
 
     long_ago = time.time() - 86400
     os.utime(archive, (long_ago, long_ago))
-    assert audit(scene, cache) == baseline[0]
+    mapped = audit(scene, cache)
     assert archive.stat().st_mtime > long_ago + 3600  # mapped: java_options marked it in use
     assert list(cache.iterdir()) == [archive]
 
-
-@pytest.mark.slow
-def test_a_damaged_archive_is_discarded_and_the_audit_goes_on(scene, baseline, warmed):
-    cache, done = warmed
-    assert done.returncode == 0, done.stderr[-3000:]
-    [archive] = cache.iterdir()
     archive.chmod(0o644)  # the JVM writes it read-only
     os.truncate(archive, archive.stat().st_size // 2)
-    assert audit(scene, cache) == baseline[0]
+    without = audit(scene, cache)
     assert list(cache.iterdir()) == []  # discarded; nothing new written either
+    assert "PROBLEM:" in without and mapped == without

@@ -32,6 +32,7 @@ from ._connect import LIBS_VARIABLE as DEBEZIUM_LIBS_VARIABLE
 from ._connect import ConnectorFailed, ConnectRest, ConnectStartError, LocalKafkaConnect
 from ._debezium import DebeziumOutbox, debezium_outbox_config, debezium_outbox_table, debezium_over_our_outbox
 from ._harness import OutboxTestHarness
+from ._jvm import JVM_OPTIONS_ENV
 from ._kafka import KafkaStartError, LocalKafka, local_kafka
 from ._kafka_admin import alter_topic, create_topic, delete_topic
 from ._kafka_cluster import LocalKafkaCluster
@@ -67,6 +68,7 @@ from ._resolve import (
 __all__ = [
     "DEBEZIUM_LIBS_VARIABLE",
     "FAST_SETTINGS",
+    "JVM_OPTIONS_ENV",
     "KAFKA_BOOTSTRAP_VARIABLE",
     "KAFKA_CONNECT_URL_VARIABLE",
     "KAFKA_LIBS_VARIABLE",

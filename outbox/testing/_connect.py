@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from . import _jvm as jvm
-from ._jvm import HOST, JVM_OPTIONS, LOG4J2, kill, launcher, started, terminate
+from ._jvm import HOST, LOG4J2, jvm_options, kill, launcher, started, terminate
 from ._kafka_libs import bundle_libs, java
 from ._ports import PortNotBound, check_bound, free_port
 
@@ -245,7 +245,7 @@ class LocalKafkaConnect(ConnectRest):
         if self.running:
             raise RuntimeError("this Kafka Connect worker is already running")
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        command = [*launcher(), self._java, f"-Xmx{self._heap}", "-Xms64m", *JVM_OPTIONS,
+        command = [*launcher(), self._java, f"-Xmx{self._heap}", "-Xms64m", *jvm_options(),
                    f"-Dlog4j2.configurationFile={self.directory / 'log4j2.properties'}",
                    "-cp", f"{self._libs}/*", "org.apache.kafka.connect.cli.ConnectStandalone",
                    str(self.directory / "worker.properties")]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
+import shlex
 import shutil
 import subprocess
 import threading
@@ -24,6 +26,16 @@ HOST = "127.0.0.1"
 JVM_OPTIONS = ("-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:InitiatingHeapOccupancyPercent=35",
                "-XX:+ExplicitGCInvokesConcurrent", "-XX:+ExitOnOutOfMemoryError", "-XX:-UsePerfData",
                "-Djava.awt.headless=true")
+JVM_OPTIONS_ENV = "OUTBOX_TEST_JVM_OPTIONS"
+"""More options for every JVM these helpers start (a broker node, a Connect worker), e.g.
+``-XX:TieredStopAtLevel=1``: the test suite sets that one (tests/conftest.py), since its
+brokers live seconds to minutes and the optimising compiler's warm-up is most of their CPU;
+benchmarks leave it unset and race JVMs as they run in production."""
+
+
+def jvm_options() -> tuple[str, ...]:
+    """``JVM_OPTIONS`` and then those of ``OUTBOX_TEST_JVM_OPTIONS`` (split as a shell would)."""
+    return (*JVM_OPTIONS, *shlex.split(os.environ.get(JVM_OPTIONS_ENV, "")))
 
 LOG4J2 = """\
 status = warn

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import _jvm as jvm
-from ._jvm import HOST, JVM_OPTIONS, LOG4J2, kill, launcher, started, terminate
+from ._jvm import HOST, LOG4J2, jvm_options, kill, launcher, started, terminate
 from ._ports import check_bound
 
 STOP_TIMEOUT = 30.0
@@ -97,7 +97,7 @@ class KafkaNode:
         if self.running:
             raise RuntimeError(f"Kafka node {self.node_id} is already running")
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        command = [*launcher(), self._java, f"-Xmx{self._heap}", "-Xms64m", *JVM_OPTIONS,
+        command = [*launcher(), self._java, f"-Xmx{self._heap}", "-Xms64m", *jvm_options(),
                    *self._java_command("kafka.Kafka", str(self.directory / "server.properties"))[1:]]
         with open(self.directory / "stdout.log", "ab") as out:
             self._process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
