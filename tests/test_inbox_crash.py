@@ -195,3 +195,47 @@ def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
     revokes = [line for line in second_log.read_text().splitlines() if "revoked [" in line]
     assert revokes and f"({topic!r}, " in revokes[-1], revokes
     assert_exactly_once_in_order(pg, group, keys, per_key)
+
+
+@pytest.mark.parametrize("server_db_url", ["postgres"], indirect=True)  # the database plays no part
+def test_a_revocation_under_kip_848_never_waits_on_its_own_commit(
+    pg: sa.Engine, server_db_url: str, kafka: str, topic: str, tmp_path: Path
+) -> None:
+    """KIP-848's protocol: a consumer frozen past the broker's session (6 s) is fenced and its
+    partitions go to the other; thawed, it rejoins and the broker takes partitions back from the
+    other. librdkafka serves no synchronous commit made inside a revoke callback until the
+    callback returns: the inbox's commit of the revoked partitions' work waited its 45 s timeout
+    and stalled the consumer ("offset commit failed: no answer within 45s"), and a SIGTERM in one
+    never finished. Both workers' logs must show neither; the other drains the stream after the
+    second leaves. (Without the fix, 3 of 4 runs of this scenario showed one or the other.)"""
+    keys, per_key, group = 1000, 20, f"kip848-{topic}"
+    produce_keys(kafka, topic, keys, per_key)
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    first = start_worker(server_db_url, kafka, topic, group, log=logs[0], group_protocol="consumer")
+    second = start_worker(server_db_url, kafka, topic, group, log=logs[1], group_protocol="consumer")
+    try:
+        deadline = time.monotonic() + 60
+        while f"assigned [({topic!r}, " not in logs[1].read_text():
+            assert time.monotonic() < deadline, "the second consumer never got partitions"
+            time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)
+        time.sleep(9)  # past the broker's 6 s session (outbox.testing's TEST_SETTINGS): fenced
+        first.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while logs[0].read_text().count("assigned [") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second.send_signal(signal.SIGTERM)  # while the broker moves partitions back
+        assert second.wait(60) == 0
+        deadline = time.monotonic() + 40  # less than the 45 s a stalled commit waited
+        while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
+            assert first.poll() is None, f"worker exited with {first.returncode}"
+            time.sleep(0.2)
+    finally:
+        for w in (first, second):
+            if w.poll() is None:
+                w.send_signal(signal.SIGCONT)
+                w.send_signal(signal.SIGTERM)
+                w.wait(60)
+    text = "\n".join(log.read_text() for log in logs)
+    assert "no answer within" not in text and "did not finish" not in text, text[-6000:]
+    assert_exactly_once_in_order(pg, group, keys, per_key)

@@ -122,6 +122,10 @@ class KafkaSource:
         self.session_timeout = int(config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS)) / 1000
         # A commit waits as long as librdkafka waits for an unknown coordinator: a session timeout.
         self._commits = BoundedCommits(self.session_timeout)
+        # KIP-848's protocol: librdkafka serves no synchronous commit while a revoke callback runs
+        # (it answers once the callback returned, which waits for the commit): see ``commit``.
+        self._broker_assigns = str(config.get("group.protocol", "classic")).lower() == "consumer"
+        self._revoking = False
         self._polled = False
         self._next_probe = 0.0
         # The partitions revoked during a poll's second call (``poll``); None outside it.
@@ -200,6 +204,14 @@ class KafkaSource:
         if not offsets:
             return
         positions = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+        if self._revoking and self._broker_assigns:
+            # Under KIP-848 librdkafka holds a synchronous commit made inside a revoke callback
+            # until the callback returns: the consumer stalled the commit timeout (45 s) at each
+            # revocation with work to commit, and a stop in one never finished. Sent without
+            # waiting, it goes out once the callback returned; if the group refuses it, the next
+            # owner receives those records again and the inbox drops them as duplicates.
+            self._consumer.commit(offsets=positions, asynchronous=True)
+            return
         self._commits.commit(self._consumer, positions)
 
     @property
@@ -347,11 +359,15 @@ class KafkaSource:
         self._assignment = self._assignment - set(gone)
         if self._revoked_meanwhile is not None:
             self._revoked_meanwhile.update(gone)
-        for callback in self._revoke_callbacks:
-            try:
-                callback(gone)
-            except Exception:  # librdkafka would swallow it; say so instead
-                log.exception("revoke callback failed for %s", gone)
+        self._revoking = True
+        try:
+            for callback in self._revoke_callbacks:
+                try:
+                    callback(gone)
+                except Exception:  # librdkafka would swallow it; say so instead
+                    log.exception("revoke callback failed for %s", gone)
+        finally:
+            self._revoking = False
 
     def __repr__(self) -> str:
         return f"KafkaSource({redacted(self.config)!r})"
