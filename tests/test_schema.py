@@ -117,7 +117,7 @@ def test_public_api_is_pinned():
 
 
 TESTING_API = [
-    "DEBEZIUM_LIBS_VARIABLE", "FAST_SETTINGS", "KAFKA_BOOTSTRAP_VARIABLE", "KAFKA_CONNECT_URL_VARIABLE",
+    "DEBEZIUM_LIBS_VARIABLE", "FAST_SETTINGS", "JVM_OPTIONS_ENV", "KAFKA_BOOTSTRAP_VARIABLE", "KAFKA_CONNECT_URL_VARIABLE",
     "KAFKA_LIBS_VARIABLE", "LOGICAL_POSTGRES_URL_VARIABLE", "LOGICAL_SETTINGS", "MYSQL_URL_VARIABLE",
     "POSTGRES_URL_VARIABLE", "BrokerNeed", "ConnectRest", "ConnectStartError", "ConnectorFailed",
     "DebeziumOutbox", "InMemoryBroker", "InMemorySource", "InMemoryTransport", "KafkaNode",
