@@ -157,6 +157,15 @@ def test_exactly_once_effects_when_the_consumer_is_killed_again_and_again(
     assert redelivered > 0, "no crash caused a redelivery: the test did not exercise replay"
 
 
+def drain(pg: sa.Engine, total: int, worker: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait up to ``timeout`` s for ``total`` effects while ``worker``, the one left, keeps running
+    (the callers assert the count afterwards, with what else they know)."""
+    deadline = time.monotonic() + timeout
+    while effect_count(pg) < total and time.monotonic() < deadline:
+        assert worker.poll() is None, f"worker exited with {worker.returncode}"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
 def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
     pg: sa.Engine, server_db_url: str, kafka: str, topic: str, tmp_path: Path, group_protocol: str
@@ -180,10 +189,7 @@ def test_rebalance_when_one_of_two_consumers_leaves_mid_stream(
         stopped_at = wait_for_count(pg, effect_count(pg) + 500, 90, [first, second])
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
-        deadline = time.monotonic() + 120
-        while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
-            assert first.poll() is None, f"worker exited with {first.returncode}"
-            time.sleep(0.2)
+        drain(pg, keys * per_key, first, 120)
     finally:
         for w in (first, second):
             if w.poll() is None:
@@ -226,10 +232,7 @@ def test_a_revocation_under_kip_848_never_waits_on_its_own_commit(
             time.sleep(0.01)
         second.send_signal(signal.SIGTERM)  # while the broker moves partitions back
         assert second.wait(60) == 0
-        deadline = time.monotonic() + 40  # less than the 45 s a stalled commit waited
-        while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
-            assert first.poll() is None, f"worker exited with {first.returncode}"
-            time.sleep(0.2)
+        drain(pg, keys * per_key, first, 40)  # less than the 45 s a stalled commit waited
     finally:
         for w in (first, second):
             if w.poll() is None:
