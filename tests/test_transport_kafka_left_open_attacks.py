@@ -18,7 +18,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.testing import LocalKafka
-from tests.conftest import unavailable
+from tests.conftest import own_local_kafka
 from transports.kafka import KafkaTransport
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -27,14 +27,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 @pytest.fixture
 def strict_kafka() -> Iterator[LocalKafka]:
     """A broker that does not create topics on a lookup, as production clusters are usually set."""
-    try:
-        broker = LocalKafka({"auto.create.topics.enable": "false"})
-    except FileNotFoundError as exc:
-        unavailable(str(exc))
-    try:
-        yield broker
-    finally:
-        broker.close()
+    yield from own_local_kafka({"auto.create.topics.enable": "false"})
 
 
 def made(admin: AdminClient, topic: str, partitions: int, **config: str) -> None:
