@@ -7,6 +7,7 @@ from .core._engine import create_async_engine, create_engine
 from .core._envelope import Message, new_message_id
 from .core._errors import (
     CommitRefusedError,
+    CommitUnconfirmedError,
     ConfigurationError,
     InvalidContentTypeError,
     InvalidDelayError,
@@ -55,6 +56,7 @@ __all__ = [
     "BatchResult",
     "CloudEvents",
     "CommitRefusedError",
+    "CommitUnconfirmedError",
     "ConfigurationError",
     "DiscardRefusedError",
     "Disposition",

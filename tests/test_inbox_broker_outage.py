@@ -23,10 +23,11 @@ from collections.abc import Callable, Mapping
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outbox import Inbox, RetriableTransportError, TransportError, create_engine
+from outbox import CommitUnconfirmedError, Inbox, RetriableTransportError, TransportError, create_engine
 from outbox.testing import LocalKafka
 from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, record
 from tests.test_inbox_runner import ScriptedSource, at
+from transports import Record
 from transports.kafka import KafkaSource
 
 
@@ -253,6 +254,65 @@ def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
         thread.join(30)
     assert_one_outage_logged(caplog)
     assert source.commits == [{(TOPIC, 0): 1}]
+
+
+class RevokedDuringOutage(CommitsFailing):
+    """Commits fail while ``down``, except the one inside a revoke callback: sent without waiting, as
+    ``KafkaSource`` does under KIP-848, it raises ``CommitUnconfirmedError`` even while down."""
+
+    def __init__(self, records: list, error: Exception) -> None:  # type: ignore[type-arg]
+        super().__init__(records, error)
+        self.revoking = False
+        self.unconfirmed: list[dict[tuple[str, int], int]] = []
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        self.revoking = True  # the callbacks run inside poll, before the records are taken
+        try:
+            return super().poll(max_records, timeout)
+        finally:
+            self.revoking = False
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        if self.revoking and offsets:
+            self.unconfirmed.append(dict(offsets))
+            raise CommitUnconfirmedError("offset commit sent; answered after the revoke callback")
+        super().commit(offsets)
+
+
+def test_a_revocation_in_a_broker_outage_does_not_end_the_outage(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an attack on the KIP-848 revoke commit: an unawaited commit was taken for the broker's
+    answer, so a revocation (or a lost assignment) in the middle of an outage logged "the broker
+    available again" while it went on, and the next poll logged it beginning a second time."""
+    inbox = _inbox(sqlite_db)
+    source = RevokedDuringOutage([at(record(TOPIC, "a", 1), 0, 0), at(record(TOPIC, "b", 1), 1, 0)],
+                                 RetriableTransportError("offset commit failed: Local: Waiting for "
+                                                         "coordinator"))
+    source.down = True
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while source.failed < 3:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        source.revoke = [(TOPIC, 0)]
+        while not source.unconfirmed or source.failed < 6:  # the revocation, then the outage goes on
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        source.down = False
+        while not source.commits:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert_one_outage_logged(caplog)
+    assert source.unconfirmed == [{(TOPIC, 0): 1}]
+    assert source.commits == [{(TOPIC, 1): 1}]
 
 
 class CoordinatorGone(CommitsFailing):

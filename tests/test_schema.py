@@ -92,6 +92,7 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 
 PUBLIC_API = [
     "Alert", "AlertKind", "AlertSink", "AsyncOutbox", "BatchResult", "CloudEvents", "CommitRefusedError",
+    "CommitUnconfirmedError",
     "ConfigurationError",
     "DiscardRefusedError", "Disposition", "ForeignEnvelope", "ForeignRecordError", "ForeignRecords",
     "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidEventTypeError",
@@ -117,7 +118,8 @@ def test_public_api_is_pinned():
 
 
 TESTING_API = [
-    "DEBEZIUM_LIBS_VARIABLE", "FAST_SETTINGS", "JVM_OPTIONS_ENV", "KAFKA_BOOTSTRAP_VARIABLE", "KAFKA_CONNECT_URL_VARIABLE",
+    "DEBEZIUM_LIBS_VARIABLE", "FAST_SETTINGS", "JVM_OPTIONS_ENV", "KAFKA_BOOTSTRAP_VARIABLE",
+    "KAFKA_CONNECT_URL_VARIABLE",
     "KAFKA_LIBS_VARIABLE", "LOGICAL_POSTGRES_URL_VARIABLE", "LOGICAL_SETTINGS", "MYSQL_URL_VARIABLE",
     "POSTGRES_URL_VARIABLE", "BrokerNeed", "ConnectRest", "ConnectStartError", "ConnectorFailed",
     "DebeziumOutbox", "InMemoryBroker", "InMemorySource", "InMemoryTransport", "KafkaNode",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from outbox import ConfigurationError
+from outbox import CommitUnconfirmedError, ConfigurationError
 from transports import Record, Source
 from transports.kafka import KafkaSource
 from transports.testing import SourceConformance
@@ -148,6 +149,57 @@ def test_a_record_whose_partition_is_revoked_before_the_poll_returns_is_dropped(
         source.close()
     assert revoked == [[("t", 0)]]
     assert [(r.partition, r.offset) for r in records] == [(1, 3)]
+
+
+class _SendsWithoutWaiting:
+    """Stands in for librdkafka's consumer inside a revoke callback: takes the commit, answers later.
+
+    (The real consumer's close would wait out its session timeout for a commit no broker answers.)
+    """
+
+    def __init__(self) -> None:
+        self.sent: list[list[tuple[str, int, int]]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        assert asynchronous, "a synchronous commit inside a KIP-848 revoke callback stalls"
+        self.sent.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
+
+
+def test_a_commit_inside_a_kip_848_revocation_is_sent_unconfirmed_and_a_refusal_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Under KIP-848 the revoke callback's commit is sent without waiting, and ``commit`` says so
+    (``CommitUnconfirmedError``): returning as if it were stored made the inbox take it for the
+    broker's answer, ending an outage under way in the log (test_inbox_broker_outage.py). Its refusal
+    arrives later, through librdkafka's commit report: without a line there, a
+    refused revocation commit left no trace at all. A report about other positions (a commit
+    that raised its own error) says nothing, and the report is taken once."""
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                         settings={"group.protocol": "consumer"})
+    raised: list[BaseException] = []
+
+    def commit_at_revocation(gone: Sequence[tuple[str, int]]) -> None:
+        try:
+            source.commit({("t", 0): 7})
+        except CommitUnconfirmedError as exc:
+            raised.append(exc)
+
+    source.on_revoke(commit_at_revocation)
+    stub = _SendsWithoutWaiting()
+    real, source._consumer = source._consumer, stub  # type: ignore[assignment]
+    try:
+        source._revoked(stub, [TopicPartition("t", 0)])  # type: ignore[arg-type]
+        assert len(raised) == 1 and stub.sent == [[("t", 0, 7)]]
+        refused = KafkaError(KafkaError.UNKNOWN_MEMBER_ID)
+        with caplog.at_level(logging.WARNING, logger="transports.kafka"):
+            source._reported(refused, [TopicPartition("t", 0, 3)])  # not the unawaited one
+            assert not caplog.records
+            source._reported(refused, [TopicPartition("t", 0, 7)])
+            source._reported(refused, [TopicPartition("t", 0, 7)])  # reported once only
+        [line] = [r.getMessage() for r in caplog.records]
+        assert "not stored" in line and "('t', 0)" in line
+    finally:
+        source._consumer = real
+        source.close()
 
 
 def test_polls_records_and_commits_exactly_the_given_positions(kafka: str, topic: str) -> None:

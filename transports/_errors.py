@@ -45,6 +45,18 @@ class CommitRefusedError(TransportError):
     """
 
 
+class CommitUnconfirmedError(TransportError):
+    """An offset commit was sent, but where it was made its answer cannot be awaited.
+
+    Neither a success nor a failure: the Kafka source raises it for the commit
+    inside a revoke callback under KIP-848's group protocol, which librdkafka
+    answers only after the callback returned (``KafkaSource.commit``). The caller
+    records nothing as committed and takes it for no answer from the broker, so an
+    outage under way goes on being one. It is a ``TransportError`` so that code
+    which knows only the base treats it as "not committed", the safe reading.
+    """
+
+
 def shown(value: object, limit: int = 40) -> str:
     """``repr(value)`` cut to about ``limit`` characters: an error message never echoes a huge value."""
     text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from transports._errors import (
     CommitRefusedError,
+    CommitUnconfirmedError,
     ConfigurationError,
     InvalidTopicError,
     MessageValidationError,
@@ -22,6 +23,7 @@ from transports._errors import (
 
 __all__ = [
     "CommitRefusedError",
+    "CommitUnconfirmedError",
     "ConfigurationError",
     "InvalidContentTypeError",
     "InvalidDelayError",

@@ -39,7 +39,7 @@ from transports import Record, Source
 from transports._logsafe import safe_logger
 
 from ..core._envelope import utcnow
-from ..core._errors import CommitRefusedError, RetriableTransportError
+from ..core._errors import CommitRefusedError, CommitUnconfirmedError, RetriableTransportError
 from ..core._stopping import STOP_TIMEOUT, run_with_stop_bound
 from ._delivery import Delivery, Origin
 from ._metrics import InboxMetrics
@@ -230,6 +230,8 @@ class Runner:
             except CommitRefusedError as exc:
                 # Not committed: keep the old position, the next commit (or owner) tries again.
                 log.warning("offset commit refused (%s); the positions stay uncommitted", exc)
+            except CommitUnconfirmedError:
+                pass  # sent, answer later (the source logs a refusal): no news of the broker either way
             except RetriableTransportError as exc:
                 self._commits_failing = True
                 self.broker.failed(exc)

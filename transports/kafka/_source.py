@@ -31,11 +31,11 @@ from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from transports._errors import ConfigurationError, TransportError, validate_topic
+from transports._errors import CommitUnconfirmedError, ConfigurationError, TransportError, validate_topic
 from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
-from ._commit import BoundedCommits
+from ._commit import BoundedCommits, translated
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 
@@ -126,6 +126,8 @@ class KafkaSource:
         # (it answers once the callback returned, which waits for the commit): see ``commit``.
         self._broker_assigns = str(config.get("group.protocol", "classic")).lower() == "consumer"
         self._revoking = False
+        # The positions of commits sent without waiting (above), until librdkafka reports them.
+        self._unconfirmed: dict[tuple[str, int], int] = {}
         self._polled = False
         self._next_probe = 0.0
         # The partitions revoked during a poll's second call (``poll``); None outside it.
@@ -140,7 +142,7 @@ class KafkaSource:
                 self._statistics(text)
 
         consumer = Consumer({**self.config, "logger": self._log, "error_cb": self._errors,
-                             "stats_cb": statistics})
+                             "stats_cb": statistics, "on_commit": self._reported})
         consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
                            on_lost=self._revoked)
         return consumer
@@ -199,6 +201,9 @@ class KafkaSource:
         (the broker or coordinator down or moving, its offsets not replicated), or
         none answered within ``commit_timeout`` seconds (a session timeout; the commit
         may still land later: ``_commit``): an outage, to try again as it is.
+        Raises ``CommitUnconfirmedError`` when the commit was sent but cannot be
+        waited for (inside a revoke callback under KIP-848): its answer comes
+        later, and only a refusal is logged (``_reported``).
         Anything else is ``TransportError``.
         """
         if not offsets:
@@ -210,8 +215,13 @@ class KafkaSource:
             # revocation with work to commit, and a stop in one never finished. Sent without
             # waiting, it goes out once the callback returned; if the group refuses it, the next
             # owner receives those records again and the inbox drops them as duplicates.
-            self._consumer.commit(offsets=positions, asynchronous=True)
-            return
+            try:
+                self._consumer.commit(offsets=positions, asynchronous=True)
+            except KafkaException as exc:
+                raise translated(exc.args[0]) from None
+            self._unconfirmed.update(offsets)
+            raise CommitUnconfirmedError("offset commit sent; librdkafka answers it after the revoke "
+                                         "callback")
         self._commits.commit(self._consumer, positions)
 
     @property
@@ -343,6 +353,23 @@ class KafkaSource:
         threading.Thread(target=_close_quietly, args=(old, self._commits), name="outbox-consumer-retired",
                          daemon=True).start()
         self._commits = BoundedCommits(self._commits.timeout)  # the new consumer's
+
+    def _reported(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """librdkafka's answer to a commit (served inside a poll): log a refused unawaited one.
+
+        Synchronous commits raise their own errors (``commit``); this speaks only for
+        the positions a commit sent without waiting, which would otherwise fail in silence.
+        """
+        mine = [tp for tp in partitions if self._unconfirmed.get((tp.topic, tp.partition)) == tp.offset]
+        for tp in mine:
+            del self._unconfirmed[(tp.topic, tp.partition)]
+        failed = [tp for tp in mine if error is not None or tp.error is not None]
+        if failed:
+            reason = error if error is not None else failed[0].error
+            log.warning("offset commit at revocation not stored (%s) for %s: the next owner receives "
+                        "those records again and drops them as duplicates",
+                        reason.str() if reason is not None else "unknown",
+                        sorted((tp.topic, tp.partition) for tp in failed))
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if consumer is not self._consumer:
