@@ -35,6 +35,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     Uuid,
+    literal_column,
 )
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Dialect
@@ -66,6 +67,40 @@ class OutboxStatus(StrEnum):
     SKIPPED = "skipped"
     """A failed row an operator chose not to send (``outbox failed skip``)."""
 
+
+
+class StatusText(TypeDecorator[str]):
+    """``outbox_messages.status``: a ``VARCHAR(9)`` whose comparisons with an ``OutboxStatus``
+    are constants in the SQL text, never bound parameters.
+
+    The partial indexes (``ix_outbox_pending``, ``ix_outbox_open_key``,
+    ``ix_outbox_key_waits``) serve a query only when the planner can prove the
+    query's ``status`` terms imply the index's predicate, and PostgreSQL proves
+    that from constants only. psycopg prepares a statement on the server once a
+    connection has run it 5 times, and from then on PostgreSQL may switch to the
+    statement's generic plan, made without the parameters' values: with
+    ``status = $1`` that plan cannot use a partial index and walks the primary key
+    through every published row, for every fetch, until the next ANALYZE
+    replans it (issue 37: 7x slower relay rounds, PostgreSQL's CPU tenfold; see
+    docs/operations.md, "The fetch's plan"). With ``status = 'pending'`` the
+    generic plan is the custom one. ``SET status = …`` stays a parameter.
+    """
+
+    impl = String(9)
+    cache_ok = True
+
+    class comparator_factory(TypeDecorator.Comparator[str]):  # the name SQLAlchemy looks up
+        def operate(self, op: Any, *other: Any, **kwargs: Any) -> Any:
+            return super().operate(op, *(_as_constant(o) for o in other), **kwargs)
+
+
+def _as_constant(operand: Any) -> Any:
+    """An ``OutboxStatus`` (or a list of them, for IN) as SQL text; anything else as it is."""
+    if isinstance(operand, OutboxStatus):
+        return literal_column(f"'{operand.value}'", String(9))
+    if isinstance(operand, list | tuple) and operand and all(isinstance(o, OutboxStatus) for o in operand):
+        return [_as_constant(o) for o in operand]
+    return operand
 
 
 class InboxOutcome(StrEnum):
@@ -208,7 +243,7 @@ class OutboxTables:
             Column("available_at", UTCDateTime, nullable=False),
             Column("attempts", Integer, nullable=False, default=0),
             Column("last_error", _LongText),
-            Column("status", String(9), nullable=False, default=OutboxStatus.PENDING),
+            Column("status", StatusText(), nullable=False, default=OutboxStatus.PENDING),
             Column("published_at", UTCDateTime),
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),

@@ -1,0 +1,150 @@
+"""The relay's fetch and mark-published keep their plans when PostgreSQL's statistics are stale.
+
+An outbox is ANALYZEd (by autovacuum) mostly while nothing is pending: after a burst was sent,
+after retention purged the published rows. PostgreSQL then believes its partial indexes of
+unpublished rows empty until the next ANALYZE, however much is committed meanwhile; and a
+statement that psycopg prepared on the server (the sixth run on a connection) may be run with
+its generic plan, made without the parameters' values. Issue 37: with the plans that belief
+gave, each fetch read the whole backlog (a million buffers for 5,000 rows) and the relay sent
+3-8x slower, PostgreSQL's CPU tenfold.
+
+These tests count the buffers each statement touches (``EXPLAIN (ANALYZE, BUFFERS)``), never
+wall time: rows visited are what the plan decides.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from psycopg import sql as psql
+
+from outbox import Outbox
+from outbox.core._tables import OutboxStatus
+from outbox.relay._sql import statements_for
+from outbox.relay._sql_shared import Marks
+
+pytestmark = pytest.mark.postgres
+
+BACKLOG = 20_000
+LIMIT = 1_000
+SHARDS = range(16)
+BUFFERS_PER_ROW = 8
+"""A bounded fetch or mark touches a few pages per row (about 3 seen); a plan that reads the
+whole backlog touches hundreds."""
+
+
+def _insert(conn: sa.Connection, n: int, status: str) -> None:
+    conn.execute(sa.text(
+        "INSERT INTO outbox_messages (message_id, topic, key, seq, shard, payload, content_type, headers, "
+        "created_at, available_at, attempts, status) SELECT gen_random_uuid(), 'orders', 'k' || (g % 2000), "
+        "g, g % 16, convert_to(repeat('x', 200), 'UTF8'), 'application/json', '{}', now(), now(), 0, "
+        ":status FROM generate_series(1, :n) g"), {"n": n, "status": status})
+
+
+def _after_published(conn: sa.Connection) -> None:
+    """A burst sent: every row published, then ANALYZEd (autovacuum's threshold was crossed)."""
+    _insert(conn, BACKLOG, "published")
+
+
+def _after_purge(conn: sa.Connection) -> None:
+    """Retention deleted every published row, then autovacuum ANALYZEd the table."""
+    _insert(conn, BACKLOG, "published")
+    conn.execute(sa.text("ANALYZE outbox_messages"))
+    conn.execute(sa.text("DELETE FROM outbox_messages WHERE status = 'published'"))
+
+
+@pytest.fixture(params=[_after_published, _after_purge], ids=["after-published", "after-purge"])
+def stale(request: pytest.FixtureRequest, pg: sa.Engine) -> Iterator[Outbox]:
+    """An outbox ANALYZEd with nothing pending, then a backlog of ``BACKLOG`` pending rows."""
+    outbox = Outbox(pg)
+    outbox.create_tables()
+    with pg.begin() as conn:
+        request.param(conn)
+    with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("ANALYZE outbox_messages"))
+    with pg.begin() as conn:
+        _insert(conn, BACKLOG, "pending")
+        leases = outbox.tables.leases
+        conn.execute(sa.delete(leases))
+        conn.execute(sa.insert(leases), [{"shard": s, "owner": "w", "epoch": 1,
+                                          "expires_at": datetime(2999, 1, 1, tzinfo=UTC)} for s in SHARDS])
+    yield outbox
+
+
+def _sent(conn: sa.Connection, run: Any) -> tuple[str, dict[str, Any]]:
+    """The statement and driver parameters ``run(conn)`` sent last."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def capture(*args: Any) -> None:
+        sent.append((args[2], args[3]))
+
+    sa.event.listen(conn, "before_cursor_execute", capture)
+    try:
+        run(conn)
+    finally:
+        sa.event.remove(conn, "before_cursor_execute", capture)
+    return sent[-1]
+
+
+def _buffers(conn: sa.Connection, statement: str, params: dict[str, Any], *,
+             generic: bool) -> tuple[int, int]:
+    """Shared buffers the statement touched and rows it returned or updated, in its custom plan
+    (the values planned in) or its generic one (``PREPARE``, as psycopg's sixth run may get)."""
+    if not generic:
+        explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+        plan = conn.exec_driver_sql(explain + statement, params).scalar_one()
+    else:
+        names: list[str] = []
+
+        def numbered(match: re.Match[str]) -> str:
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        conn.exec_driver_sql("PREPARE relay_statement AS " + re.sub(r"%\((\w+)\)s", numbered, statement))
+        raw = conn.connection.driver_connection
+        args = ", ".join(psql.Literal(params[n]).as_string(raw) for n in names)
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        plan = conn.exec_driver_sql(
+            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE relay_statement({args})").scalar_one()
+        conn.exec_driver_sql("DEALLOCATE relay_statement")
+    top = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+    if top["Node Type"] == "ModifyTable":  # what finding the rows cost, not writing their new versions
+        top = top["Plans"][0]
+    return top["Shared Hit Blocks"] + top["Shared Read Blocks"], top["Actual Rows"]
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(stale: Outbox, generic: bool) -> None:
+    sql = statements_for(stale.tables, "postgresql")
+    with stale.engine.connect() as conn:  # type: ignore[union-attr]
+        sql.prepare_fetch(conn)
+        statement, params = _sent(conn, lambda c: c.execute(
+            sql.fetch(SHARDS), sql.fetch_params(datetime.now(UTC), LIMIT, [])).all())
+        buffers, rows = _buffers(conn, statement, params, generic=generic)
+        conn.rollback()
+    assert rows == LIMIT
+    assert buffers <= BUFFERS_PER_ROW * LIMIT, f"{buffers} buffers for {rows} rows"
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_marking_a_batch_published_reads_its_rows_not_the_backlog_on_stale_statistics(
+        stale: Outbox, generic: bool) -> None:
+    sql, m = statements_for(stale.tables, "postgresql"), stale.tables.messages
+    with stale.engine.connect() as conn:  # type: ignore[union-attr]
+        batch = conn.execute(sa.select(m.c.id, m.c.shard).where(m.c.status == OutboxStatus.PENDING)
+                             .order_by(m.c.id).limit(LIMIT)).all()
+        marks = Marks([r.id for r in batch], [r.shard for r in batch], [1] * LIMIT,
+                      {"kafka_partition": [0] * LIMIT, "kafka_offset": list(range(LIMIT))})
+        statement, params = _sent(conn, lambda c: sql.published(c, "w", marks, datetime.now(UTC)))
+        conn.rollback()
+        buffers, rows = _buffers(conn, statement, params, generic=generic)
+        conn.rollback()
+    assert rows == LIMIT  # every row found pending under a held lease: the fence let them through
+    assert buffers <= BUFFERS_PER_ROW * LIMIT, f"{buffers} buffers for {rows} rows"
