@@ -17,23 +17,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport
 from psycopg import sql as psql
 
-from outbox import Outbox
-from outbox.core._tables import OutboxStatus
-from outbox.relay._sql import statements_for
-from outbox.relay._sql_shared import Marks
+from outbox import Outbox, Relay
 
 pytestmark = pytest.mark.postgres
 
 BACKLOG = 20_000
 LIMIT = 1_000
-SHARDS = range(16)
 BUFFERS_PER_ROW = 8
 """A bounded fetch or mark touches a few pages per row (about 3 seen); a plan that reads the
 whole backlog touches hundreds."""
@@ -70,26 +66,40 @@ def stale(request: pytest.FixtureRequest, pg: sa.Engine) -> Iterator[Outbox]:
         conn.execute(sa.text("ANALYZE outbox_messages"))
     with pg.begin() as conn:
         _insert(conn, BACKLOG, "pending")
-        leases = outbox.tables.leases
-        conn.execute(sa.delete(leases))
-        conn.execute(sa.insert(leases), [{"shard": s, "owner": "w", "epoch": 1,
-                                          "expires_at": datetime(2999, 1, 1, tzinfo=UTC)} for s in SHARDS])
     yield outbox
 
 
-def _sent(conn: sa.Connection, run: Any) -> tuple[str, dict[str, Any]]:
-    """The statement and driver parameters ``run(conn)`` sent last."""
+@pytest.fixture
+def batch(stale: Outbox) -> list[tuple[str, dict[str, Any]]]:
+    """Every statement one relay batch of ``LIMIT`` rows sent, with its parameters, in order."""
     sent: list[tuple[str, dict[str, Any]]] = []
 
     def capture(*args: Any) -> None:
         sent.append((args[2], args[3]))
 
-    sa.event.listen(conn, "before_cursor_execute", capture)
+    engine = stale.engine
+    assert isinstance(engine, sa.Engine)
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    relay = Relay(stale, ScriptedTransport(), worker_id="w", batch_size=LIMIT)
     try:
-        run(conn)
+        assert relay.run_once().published == LIMIT
     finally:
-        sa.event.remove(conn, "before_cursor_execute", capture)
-    return sent[-1]
+        relay.close()
+        sa.event.remove(engine, "before_cursor_execute", capture)
+    return sent
+
+
+def _fetch(sent: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], str, dict[str, Any]]:
+    """The relay's fetch, with the settings it ran in its transaction before it."""
+    at = next(i for i, (statement, _) in enumerate(sent) if statement.startswith("SELECT due.id"))
+    settings = [statement for statement, _ in sent[:at] if statement.startswith("SET LOCAL")][-1:]
+    return settings, *sent[at]
+
+
+def _mark(sent: list[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+    """The relay's mark-published UPDATE."""
+    return next((statement, params) for statement, params in sent if "published_at" in statement
+                and statement.startswith("UPDATE outbox_messages SET attempts"))
 
 
 def _buffers(conn: sa.Connection, statement: str, params: dict[str, Any], *,
@@ -121,12 +131,12 @@ def _buffers(conn: sa.Connection, statement: str, params: dict[str, Any], *,
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
-def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(stale: Outbox, generic: bool) -> None:
-    sql = statements_for(stale.tables, "postgresql")
+def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(
+        stale: Outbox, batch: list[tuple[str, dict[str, Any]]], generic: bool) -> None:
+    settings, statement, params = _fetch(batch)
     with stale.engine.connect() as conn:  # type: ignore[union-attr]
-        sql.prepare_fetch(conn)
-        statement, params = _sent(conn, lambda c: c.execute(
-            sql.fetch(SHARDS), sql.fetch_params(datetime.now(UTC), LIMIT, [])).all())
+        for setting in settings:  # what the relay runs before its fetch, in the fetch's transaction
+            conn.exec_driver_sql(setting)
         buffers, rows = _buffers(conn, statement, params, generic=generic)
         conn.rollback()
     assert rows == LIMIT
@@ -135,15 +145,14 @@ def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(stale: Outb
 
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_marking_a_batch_published_reads_its_rows_not_the_backlog_on_stale_statistics(
-        stale: Outbox, generic: bool) -> None:
-    sql, m = statements_for(stale.tables, "postgresql"), stale.tables.messages
+        stale: Outbox, batch: list[tuple[str, dict[str, Any]]], generic: bool) -> None:
+    statement, params = _mark(batch)
     with stale.engine.connect() as conn:  # type: ignore[union-attr]
-        batch = conn.execute(sa.select(m.c.id, m.c.shard).where(m.c.status == OutboxStatus.PENDING)
-                             .order_by(m.c.id).limit(LIMIT)).all()
-        marks = Marks([r.id for r in batch], [r.shard for r in batch], [1] * LIMIT,
-                      {"kafka_partition": [0] * LIMIT, "kafka_offset": list(range(LIMIT))})
-        statement, params = _sent(conn, lambda c: sql.published(c, "w", marks, datetime.now(UTC)))
-        conn.rollback()
+        # As it was when the relay marked it, in this transaction only: the batch pending (the
+        # seeded rows have no published_at), the leases the relay gave back when it closed held.
+        conn.execute(sa.text("UPDATE outbox_messages SET status = 'pending', published_at = NULL "
+                             "WHERE published_at IS NOT NULL"))
+        conn.execute(sa.text("UPDATE outbox_leases SET owner = 'w'"))
         buffers, rows = _buffers(conn, statement, params, generic=generic)
         conn.rollback()
     assert rows == LIMIT  # every row found pending under a held lease: the fence let them through
