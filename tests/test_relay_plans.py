@@ -1,8 +1,9 @@
 """The relay's fetch and mark-published keep their plans when PostgreSQL's statistics are stale.
 
 An outbox is ANALYZEd (by autovacuum) mostly while nothing is pending: after a burst was sent,
-after retention purged the published rows. PostgreSQL then believes its partial indexes of
-unpublished rows empty until the next ANALYZE, however much is committed meanwhile; and a
+after retention purged the published rows. Its statistics then say no row is pending (status
+'published' 100%, the partial indexes empty) until the next ANALYZE, however much is committed
+meanwhile, and PostgreSQL plans on them; and a
 statement that psycopg prepared on the server (the sixth run on a connection) may be run with
 its generic plan, made without the parameters' values. Issue 37: with the plans that belief
 gave, each fetch read the whole backlog (a million buffers for 5,000 rows) and the relay sent

@@ -85,11 +85,12 @@ class PostgresRelayStatements(RelayStatements):
         """No sort, no JIT, and the session's zone named 'UTC'.
 
         No sort: the fetch's only sort-free plan is the one it is written for,
-        ix_outbox_pending read in (shard, id) order and stopped at ``limit``. The
-        planner believes a partial index as big as it was at the table's last
-        ANALYZE; one ANALYZEd while nothing was pending (a quiet hour, a purge,
-        the end of a burst) is "empty" to it however much arrives after, and it
-        would rather read all of ix_outbox_open_key and sort: every fetch then
+        ix_outbox_pending read in (shard, id) order and stopped at ``limit``. A
+        table ANALYZEd while nothing was pending (a quiet hour, a purge, the end
+        of a burst) has statistics saying no row is pending ('published' 100%,
+        the partial indexes empty) until the next ANALYZE, however much arrives
+        after; on them the planner would rather read all of ix_outbox_open_key
+        and sort (estimated: one row) — every fetch then
         reads the whole backlog (issue 37: 1M buffers a fetch, relay rounds 3-8x
         slower). JIT compiling this short query costs more than running it; and
         with the zone named 'UTC' psycopg returns datetime.UTC datetimes, which
@@ -109,8 +110,8 @@ class PostgresRelayStatements(RelayStatements):
         # and then finds each row by primary key (a fence on m.shard made it scan
         # every pending row of the owned shards). "Still pending" is spelled so that
         # it implies no partial index's predicate: with ``status = 'pending'`` a
-        # planner that believes ix_outbox_pending empty (ANALYZEd when nothing was
-        # pending, see prepare_fetch) hashes the whole backlog read through it.
+        # planner whose statistics say nothing is pending (ANALYZEd when nothing
+        # was, see prepare_fetch) hashes the whole backlog read through it.
         fenced = exists().where(
             leases.c.shard == rows.c.shard, leases.c.owner == owner, leases.c.epoch == rows.c.epoch
         )
