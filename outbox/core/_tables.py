@@ -41,6 +41,8 @@ from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.types import TypeEngine
 
 from ._errors import ConfigurationError
+from ._status import OutboxStatus as OutboxStatus  # re-exported: the package imports it from here
+from ._status import StatusText
 from ._validation import validate_identifier
 
 MYSQL_FAMILY = ("mysql", "mariadb")
@@ -52,20 +54,6 @@ SUPPORTED_DIALECTS = ("postgresql", "sqlite", *MYSQL_FAMILY)
 # The shortest identifier limit among the supported databases: PostgreSQL's 63 bytes
 # (MySQL's is 64). A longer name is truncated by PostgreSQL and refused by MySQL.
 MAX_IDENTIFIER_LENGTH = 63
-
-
-class OutboxStatus(StrEnum):
-    """Where an outbox row is; a ``str`` enum, so the stored values are these strings."""
-
-    PENDING = "pending"
-    """Committed, not yet acknowledged by the broker (maybe waiting for a delay or retry)."""
-    PUBLISHED = "published"
-    """Acknowledged by the broker; ``kafka_partition``/``kafka_offset`` say where."""
-    FAILED = "failed"
-    """Can never be sent as it is; blocks its key until an operator retries or skips it."""
-    SKIPPED = "skipped"
-    """A failed row an operator chose not to send (``outbox failed skip``)."""
-
 
 
 class InboxOutcome(StrEnum):
@@ -208,7 +196,7 @@ class OutboxTables:
             Column("available_at", UTCDateTime, nullable=False),
             Column("attempts", Integer, nullable=False, default=0),
             Column("last_error", _LongText),
-            Column("status", String(9), nullable=False, default=OutboxStatus.PENDING),
+            Column("status", StatusText(), nullable=False, default=OutboxStatus.PENDING),
             Column("published_at", UTCDateTime),
             Column("kafka_partition", Integer),
             Column("kafka_offset", BigInteger),

@@ -27,6 +27,12 @@ Kafka Connect's STOPPED state, so no walsender decodes the other side's WAL).
 
     python tests/benchmarks/bench_debezium.py [--messages 100000] [--keys 10000] [--rounds 3]
         [--rate 1000] [--seconds 20]
+
+``--only-ours`` runs our relay's throughput rounds alone (no Connect, no latency runs, no report
+written): for studying our side, as for issue 37. ``--analyze`` ANALYZEs the outbox after each
+throughput round, when every row is published: what autovacuum does at a moment of its own
+choosing, which made 2 of 6 rounds of ours 3-8x slower before the relay's statements were made
+to keep their plans on such statistics (docs/benchmarks.md, "What the race says").
 """
 
 from __future__ import annotations
@@ -336,6 +342,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--only-ours", action="store_true",
+                        help="our relay's throughput rounds only: no Debezium, no latency runs, no report")
+    parser.add_argument("--analyze", action="store_true",
+                        help="ANALYZE outbox_messages after each throughput round (all rows published)")
     parser.add_argument("--writer", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.writer:
@@ -351,21 +361,33 @@ def main() -> None:
         engine = create_engine(server.url, pool_size=10)
         offsets = EndOffsets(broker.bootstrap)
         ours = Ours(server.url, broker.bootstrap, engine, messages)
-        dbz = Debezium(server.url, broker.bootstrap, engine, messages)
-        print(f"ready: {broker!r}, {dbz.connect!r}", flush=True)
         runs: list[tuple[str, Side, Callable[[], int]]] = [
             ("throughput: our relay, defaults", ours, lambda: ours.start()),
-            ("throughput: Debezium, defaults", dbz, lambda: dbz.start()),
             ("throughput: our relay, --batch-size 5000", ours, lambda: ours.start(*OURS_TUNED)),
-            ("throughput: Debezium, tuned", dbz, lambda: dbz.start(tuned=True)),
         ]
+        if not args.only_ours:
+            dbz = Debezium(server.url, broker.bootstrap, engine, messages)
+            print(f"ready: {broker!r}, {dbz.connect!r}", flush=True)
+            runs.insert(1, ("throughput: Debezium, defaults", dbz, lambda: dbz.start()))
+            runs.append(("throughput: Debezium, tuned", dbz, lambda: dbz.start(tuned=True)))
         for n in range(args.rounds):
             for name, side, start in runs:
+                reads = index_reads(engine)
                 w = throughput(side, start, server, engine, offsets, broker.bootstrap, args.messages)
                 results.setdefault(name, []).append(w)
                 print(f"round {n + 1} {name}: {w.rate:,.0f} msg/s, {w.per_100k(w.side_cpu):.1f} s CPU/100k, "
                       f"pg {w.per_100k(w.pg_cpu):.1f} s/100k, WAL {w.wal / w.messages:.0f} B/msg, "
                       f"{w.extra['order']}, load {w.load[0]:.1f}/{w.load[1]:.1f}", flush=True)
+                if side is ours:
+                    read = {index: count - reads.get(index, 0)
+                            for index, count in index_reads(engine).items()}
+                    print(f"  index entries read: {read}", flush=True)
+                if args.analyze:
+                    with engine.begin() as conn:
+                        conn.execute(sa.text("ANALYZE outbox_messages"))
+        if args.only_ours:
+            engine.dispose()
+            return
         lat_runs: list[tuple[str, Side, Callable[[], int]]] = [
             ("latency: our relay, defaults", ours, lambda: ours.start()),
             ("latency: Debezium, defaults", dbz, lambda: dbz.start()),
@@ -388,6 +410,14 @@ def main() -> None:
         broker.close()
         server.remove()
     report(args, results, load_before, os.getloadavg(), producer_settings(connect_log))
+
+
+def index_reads(engine: sa.Engine) -> dict[str, int]:
+    """Index entries read so far per index of outbox_messages (``idx_tup_read``): which index each
+    round's statements walked, and how far."""
+    with engine.connect() as conn:
+        return {r.indexrelname: r.idx_tup_read for r in conn.execute(sa.text(
+            "SELECT indexrelname, idx_tup_read FROM pg_stat_user_indexes WHERE relname = 'outbox_messages'"))}
 
 
 def producer_settings(log: str) -> str:

@@ -1,0 +1,160 @@
+"""The relay's fetch and mark-published keep their plans when PostgreSQL's statistics are stale.
+
+An outbox is ANALYZEd (by autovacuum) mostly while nothing is pending: after a burst was sent,
+after retention purged the published rows. Its statistics then say no row is pending (status
+'published' 100%, the partial indexes empty) until the next ANALYZE, however much is committed
+meanwhile, and PostgreSQL plans on them; and a
+statement that psycopg prepared on the server (the sixth run on a connection) may be run with
+its generic plan, made without the parameters' values. Issue 37: with the plans that belief
+gave, each fetch read the whole backlog (a million buffers for 5,000 rows) and the relay sent
+3-8x slower, PostgreSQL's CPU tenfold.
+
+These tests count the buffers each statement touches (``EXPLAIN (ANALYZE, BUFFERS)``), never
+wall time: rows visited are what the plan decides.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport
+from psycopg import sql as psql
+
+from outbox import Outbox, Relay
+
+pytestmark = pytest.mark.postgres
+
+BACKLOG = 20_000
+LIMIT = 1_000
+BUFFERS_PER_ROW = 8
+"""A bounded fetch or mark touches a few pages per row (about 3 seen); a plan that reads the
+whole backlog touches hundreds."""
+
+
+def _insert(conn: sa.Connection, n: int, status: str) -> None:
+    conn.execute(sa.text(
+        "INSERT INTO outbox_messages (message_id, topic, key, seq, shard, payload, content_type, headers, "
+        "created_at, available_at, attempts, status) SELECT gen_random_uuid(), 'orders', 'k' || (g % 2000), "
+        "g, g % 16, convert_to(repeat('x', 200), 'UTF8'), 'application/json', '{}', now(), now(), 0, "
+        ":status FROM generate_series(1, :n) g"), {"n": n, "status": status})
+
+
+def _after_published(conn: sa.Connection) -> None:
+    """A burst sent: every row published, then ANALYZEd (autovacuum's threshold was crossed)."""
+    _insert(conn, BACKLOG, "published")
+
+
+def _after_purge(conn: sa.Connection) -> None:
+    """Retention deleted every published row, then autovacuum ANALYZEd the table."""
+    _insert(conn, BACKLOG, "published")
+    conn.execute(sa.text("ANALYZE outbox_messages"))
+    conn.execute(sa.text("DELETE FROM outbox_messages WHERE status = 'published'"))
+
+
+@pytest.fixture(params=[_after_published, _after_purge], ids=["after-published", "after-purge"])
+def stale(request: pytest.FixtureRequest, pg: sa.Engine) -> Iterator[Outbox]:
+    """An outbox ANALYZEd with nothing pending, then a backlog of ``BACKLOG`` pending rows."""
+    outbox = Outbox(pg)
+    outbox.create_tables()
+    with pg.begin() as conn:
+        request.param(conn)
+    with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("ANALYZE outbox_messages"))
+    with pg.begin() as conn:
+        _insert(conn, BACKLOG, "pending")
+    yield outbox
+
+
+@pytest.fixture
+def batch(stale: Outbox) -> list[tuple[str, dict[str, Any]]]:
+    """Every statement one relay batch of ``LIMIT`` rows sent, with its parameters, in order."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def capture(*args: Any) -> None:
+        sent.append((args[2], args[3]))
+
+    engine = stale.engine
+    assert isinstance(engine, sa.Engine)
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    relay = Relay(stale, ScriptedTransport(), worker_id="w", batch_size=LIMIT)
+    try:
+        assert relay.run_once().published == LIMIT
+    finally:
+        relay.close()
+        sa.event.remove(engine, "before_cursor_execute", capture)
+    return sent
+
+
+def _fetch(sent: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], str, dict[str, Any]]:
+    """The relay's fetch, with the settings it ran in its transaction before it."""
+    at = next(i for i, (statement, _) in enumerate(sent) if statement.startswith("SELECT due.id"))
+    settings = [statement for statement, _ in sent[:at] if statement.startswith("SET LOCAL")][-1:]
+    return settings, *sent[at]
+
+
+def _mark(sent: list[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+    """The relay's mark-published UPDATE."""
+    return next((statement, params) for statement, params in sent if "published_at" in statement
+                and statement.startswith("UPDATE outbox_messages SET attempts"))
+
+
+def _buffers(conn: sa.Connection, statement: str, params: dict[str, Any], *,
+             generic: bool) -> tuple[int, int]:
+    """Shared buffers the statement touched and rows it returned or updated, in its custom plan
+    (the values planned in) or its generic one (``PREPARE``, as psycopg's sixth run may get)."""
+    if not generic:
+        explain = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+        plan = conn.exec_driver_sql(explain + statement, params).scalar_one()
+    else:
+        names: list[str] = []
+
+        def numbered(match: re.Match[str]) -> str:
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        conn.exec_driver_sql("PREPARE relay_statement AS " + re.sub(r"%\((\w+)\)s", numbered, statement))
+        raw = conn.connection.driver_connection
+        args = ", ".join(psql.Literal(params[n]).as_string(raw) for n in names)
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        plan = conn.exec_driver_sql(
+            f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE relay_statement({args})").scalar_one()
+        conn.exec_driver_sql("DEALLOCATE relay_statement")
+    top = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+    if top["Node Type"] == "ModifyTable":  # what finding the rows cost, not writing their new versions
+        top = top["Plans"][0]
+    return top["Shared Hit Blocks"] + top["Shared Read Blocks"], top["Actual Rows"]
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(
+        stale: Outbox, batch: list[tuple[str, dict[str, Any]]], generic: bool) -> None:
+    settings, statement, params = _fetch(batch)
+    with stale.engine.connect() as conn:  # type: ignore[union-attr]
+        for setting in settings:  # what the relay runs before its fetch, in the fetch's transaction
+            conn.exec_driver_sql(setting)
+        buffers, rows = _buffers(conn, statement, params, generic=generic)
+        conn.rollback()
+    assert rows == LIMIT
+    assert buffers <= BUFFERS_PER_ROW * LIMIT, f"{buffers} buffers for {rows} rows"
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_marking_a_batch_published_reads_its_rows_not_the_backlog_on_stale_statistics(
+        stale: Outbox, batch: list[tuple[str, dict[str, Any]]], generic: bool) -> None:
+    statement, params = _mark(batch)
+    with stale.engine.connect() as conn:  # type: ignore[union-attr]
+        # As it was when the relay marked it, in this transaction only: the batch pending (the
+        # seeded rows have no published_at), the leases the relay gave back when it closed held.
+        conn.execute(sa.text("UPDATE outbox_messages SET status = 'pending', published_at = NULL "
+                             "WHERE published_at IS NOT NULL"))
+        conn.execute(sa.text("UPDATE outbox_leases SET owner = 'w'"))
+        buffers, rows = _buffers(conn, statement, params, generic=generic)
+        conn.rollback()
+    assert rows == LIMIT  # every row found pending under a held lease: the fence let them through
+    assert buffers <= BUFFERS_PER_ROW * LIMIT, f"{buffers} buffers for {rows} rows"
