@@ -208,15 +208,20 @@ class RelayStep:
         (``TenantRelay``'s idle tenants) polls by then: no notification comes
         when a delayed row comes due (``publish(delay=...)``, or a retry another
         relay wrote before this one took the shard; the wheel knows only its own
-        retries), nor when the stuck-key check is due. One query on the small
+        retries), nor when the stuck-key check is due, nor for an exactly-once
+        take-over to be tried again (``ExactlyOnce.waiting``). One query on the small
         index of delayed rows (those not yet due at its last fetch); a database
         outage is raised.
         """
         within = max(0.0, self._watch_due - time.monotonic())
+        exactly_once = self._batch.exactly_once
+        if exactly_once is not None and exactly_once.waiting:  # a take-over is tried again at the next batch
+            within = min(within, self.settings.poll_interval)
         owned = self.leases.owned()
         if owned:
+            params = {"since": self._fetched_at, "shards": sorted(owned)}
             with self._engine.connect() as conn:
-                at = conn.scalar(self._sql.next_delayed(owned), {"since": self._fetched_at})
+                at = conn.scalar(self._sql.next_delayed(), params)
             if at is not None:  # compared with this host's clock, as the fetch's "due" is
                 within = min(within, max(0.0, (at - utcnow()).total_seconds()))
         return within
