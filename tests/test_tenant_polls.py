@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import pending, wait_for
+from _relay_helpers import Running, pending, wait_for
 
 from outbox import Outbox, create_engine
 from outbox.relay import RelayStep
@@ -52,29 +52,6 @@ class Fetches:
         with self._lock:
             at = self.at[name]
             return len(at) >= 2 and at[-1] - at[-2] >= gap
-
-
-class Running:
-    """A fleet running on a thread of its own; ``stop`` waits for it."""
-
-    def __init__(self, relay: TenantRelay) -> None:
-        self.relay = relay
-        self.error: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.relay.run(stop_timeout=20)
-        except BaseException as exc:
-            self.error.append(exc)
-
-    def stop(self) -> None:
-        self.relay.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-        self.relay.close()
-        assert self.error == []
 
 
 @pytest.fixture
