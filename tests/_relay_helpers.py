@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,7 @@ import sqlalchemy as sa
 
 from outbox import Outbox, Relay
 from outbox.core._wire import SEQ
+from outbox.tenants import TenantRelay
 from transports import Outcome, Record, SendResult
 
 
@@ -148,3 +150,30 @@ def owned_leases(outbox: Outbox) -> int:
     assert isinstance(engine, sa.Engine)
     with engine.connect() as conn:
         return conn.scalar(sa.select(sa.func.count()).where(t.c.owner.is_not(None))) or 0
+
+
+class Running:
+    """A tenant fleet on a thread of its own; ``stop`` says how long ``run`` took to return."""
+
+    def __init__(self, relay: TenantRelay, stop_timeout: float = 20) -> None:
+        self.relay = relay
+        self.error: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(stop_timeout,), daemon=True)
+        self.thread.start()
+
+    def _run(self, stop_timeout: float) -> None:
+        try:
+            self.relay.run(stop_timeout=stop_timeout)
+        except BaseException as exc:
+            self.error.append(exc)
+
+    def stop(self, *, close: bool = True) -> float:
+        asked = time.monotonic()
+        self.relay.stop()
+        self.thread.join(60)
+        took = time.monotonic() - asked
+        assert not self.thread.is_alive()
+        if close:
+            self.relay.close()
+        assert self.error == []
+        return took

@@ -18,7 +18,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import tenacity
-from _relay_helpers import owned_leases, pending, publish, rows, schema_outboxes, seqs_by_key, wait_for
+from _relay_helpers import (
+    Running,
+    owned_leases,
+    pending,
+    publish,
+    rows,
+    schema_outboxes,
+    seqs_by_key,
+    wait_for,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session
@@ -41,33 +50,6 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-
-
-class Running:
-    """A fleet on a thread of its own; ``stop`` says how long ``run`` took to return."""
-
-    def __init__(self, relay: TenantRelay, stop_timeout: float = 20) -> None:
-        self.relay = relay
-        self.error: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, args=(stop_timeout,), daemon=True)
-        self.thread.start()
-
-    def _run(self, stop_timeout: float) -> None:
-        try:
-            self.relay.run(stop_timeout=stop_timeout)
-        except BaseException as exc:
-            self.error.append(exc)
-
-    def stop(self, *, close: bool = True) -> float:
-        asked = time.monotonic()
-        self.relay.stop()
-        self.thread.join(60)
-        took = time.monotonic() - asked
-        assert not self.thread.is_alive()
-        if close:
-            self.relay.close()
-        assert self.error == []
-        return took
 
 
 def fleet(tenants: Any, broker: InMemoryBroker, **kwargs: Any) -> TenantRelay:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import pending, wait_for
+from _relay_helpers import Running, pending, wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
@@ -62,29 +62,6 @@ def publish(outbox: Outbox, topic: str, keys: list[str], **kwargs: Any) -> None:
 def header(record: Record, name: str) -> list[bytes]:
     return [value for n, value in record.headers if n == name]
 
-
-
-class Running:
-    """A fleet running on a thread of its own; ``stop`` waits for it."""
-
-    def __init__(self, relay: TenantRelay) -> None:
-        self.relay = relay
-        self.error: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.relay.run(stop_timeout=20)
-        except BaseException as exc:
-            self.error.append(exc)
-
-    def stop(self) -> None:
-        self.relay.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-        self.relay.close()
-        assert self.error == []
 
 
 def fleet(tenants: Any, broker: InMemoryBroker, **kwargs: Any) -> TenantRelay:

@@ -197,6 +197,13 @@ class ExactlyOnce:
         base = self._sharing.progress_topic if self._sharing is not None else None
         return base is not None and (topic == base or topic.startswith(f"{base}-"))
 
+    @property
+    def waiting(self) -> bool:
+        """A shard held waits for the next batch: its take-over under way or to be tried again, or rows
+        committed to Kafka not known marked. A loop that polls rarely runs that batch soon anyway."""
+        return any(not state.lost and (not self._sendable(state) or state.unmarked)
+                   for state in self._owned.values())
+
     @staticmethod
     def _sendable(state: ShardState) -> bool:
         """Its take-over is done (or its producer parked) and the lease is still this relay's."""

@@ -36,6 +36,7 @@ from sqlalchemy import (
     bindparam,
     cast,
     exists,
+    func,
     or_,
     select,
 )
@@ -91,6 +92,11 @@ class RelayStatements(abc.ABC):
             m.c.status == OutboxStatus.PENDING, due, or_(m.c.key.is_(None), ~key_waits),
         )
         self._fetch_by_shards: dict[tuple[int, ...], Select[Any]] = {}
+        self._next_delayed = select(func.min(m.c.available_at)).where(
+            m.c.status != OutboxStatus.PUBLISHED,
+            or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
+            m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)),
+            m.c.available_at > bindparam("since", type_=m.c.available_at.type))
 
     def _key_waits(self, tables: OutboxTables, prior: FromClause,
                    conditions: tuple[ColumnElement[bool], ...]) -> Exists:
@@ -147,6 +153,18 @@ class RelayStatements(abc.ABC):
     def without_busy(self, rows: Sequence[Any], busy: Sequence[int], limit: int) -> Sequence[Any]:
         """The fetched ``rows`` that are not ``busy``, ``limit`` at most (the statement left them out)."""
         return rows
+
+    def next_delayed(self) -> Select[Any]:
+        """The earliest ``available_at`` after ``since`` of the delayed or retried pending rows of ``shards``.
+
+        Its parameters are ``since`` (a datetime) and ``shards`` (a list); it
+        is NULL when there is no such row. What a relay that polls rarely must wake for
+        (``RelayStep.poll_within``): no notification comes when such a row comes
+        due. A row due by ``since`` and still pending waits for an earlier row of
+        its key, which no poll changes. Its condition repeats ix_outbox_key_waits'
+        predicate, so it reads that tiny index.
+        """
+        return self._next_delayed
 
     # -- rows the fetch cannot read (``_unreadable``) ---------------------------
 

@@ -32,6 +32,7 @@ from transports._logsafe import safe_logger
 
 from ..core._alerts import Alert, AlertSink
 from ..core._cloudevents import CloudEvents
+from ..core._envelope import utcnow
 from ..core._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
@@ -109,8 +110,10 @@ class RelayStep:
         self.leases = Leases(engine, outbox.tables, stored.shard_count, worker_id, settings.lease_ttl)
         self.wheel: TimingWheel[tuple[str, str]] = TimingWheel(tick=settings.wheel_tick,
                                                                start=time.monotonic())
+        self._engine = engine
+        self._sql = statements_for(outbox.tables, engine.dialect.name)
         self._batch: BatchRunner = BatchRunner(
-            engine, statements_for(outbox.tables, engine.dialect.name), transport, self.wheel,
+            engine, self._sql, transport, self.wheel,
             backoff=settings.backoff, alert=alert, metrics=metrics, worker_id=worker_id,
             batch_size=settings.batch_size, database_outage=outages.database,
             incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
@@ -126,6 +129,7 @@ class RelayStep:
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
         self._watch_due = 0.0
+        self._fetched_at = utcnow()
 
     def __repr__(self) -> str:
         return f"RelayStep({self.name!r})"
@@ -141,6 +145,7 @@ class RelayStep:
         """
         now = time.monotonic()
         self.prepare(leases=leases)
+        self._fetched_at = utcnow()  # what its fetch counts as due now is due by this
         batch = self.run_batch(wait=wait)
         # The database is marked up by the queries that reached it (the fetch, the lease
         # maintenance), never here: a step owning no shards ran none.
@@ -195,6 +200,31 @@ class RelayStep:
         self._leases_due = time.monotonic() + renew_interval(self.leases.ttl)
         self._metrics.shards_owned.labels(self.settings.worker_id).set(len(owned))
         return owned
+
+    def poll_within(self) -> float:
+        """Seconds by which this step must run again, though nothing wakes it.
+
+        A loop that polls rarely while notifications wake its steps
+        (``TenantRelay``'s idle tenants) polls by then: no notification comes
+        when a delayed row comes due (``publish(delay=...)``, or a retry another
+        relay wrote before this one took the shard; the wheel knows only its own
+        retries), nor when the stuck-key check is due, nor for an exactly-once
+        take-over to be tried again (``ExactlyOnce.waiting``). One query on the small
+        index of delayed rows (those not yet due at its last fetch); a database
+        outage is raised.
+        """
+        within = max(0.0, self._watch_due - time.monotonic())
+        exactly_once = self._batch.exactly_once
+        if exactly_once is not None and exactly_once.waiting:  # a take-over is tried again at the next batch
+            within = min(within, self.settings.poll_interval)
+        owned = self.leases.owned()
+        if owned:
+            params = {"since": self._fetched_at, "shards": sorted(owned)}
+            with self._engine.connect() as conn:
+                at = conn.scalar(self._sql.next_delayed(), params)
+            if at is not None:  # compared with this host's clock, as the fetch's "due" is
+                within = min(within, max(0.0, (at - utcnow()).total_seconds()))
+        return within
 
     def _watch(self, now: float) -> None:
         """Keys stuck behind a retrying head (``_stuck``), every ``watch_every`` seconds."""

@@ -56,22 +56,30 @@ def can_listen(engine: Engine) -> bool:
 
 
 def start_listening(engine: Engine, channels: list[str], *, on_notify: Callable[[str], None],
-                    on_connect: Callable[[], None], stop: threading.Event) -> threading.Thread | None:
+                    on_connect: Callable[[], None], stop: threading.Event,
+                    on_lost: Callable[[], None] | None = None) -> threading.Thread | None:
     """One daemon thread LISTENing on ``channels`` over one connection until ``stop``; None if it cannot.
 
     ``on_notify`` gets each notification's payload; ``on_connect`` runs after
     every (re)connection, since anything committed before it was not notified.
+    ``on_lost`` runs when the connection breaks (or cannot be made), once until
+    it is back: from then on nothing is notified until ``on_connect``.
     """
     if not can_listen(engine):
         return None
-    thread = threading.Thread(target=_listen, args=(engine, channels, on_notify, on_connect, stop),
+    thread = threading.Thread(target=_listen, args=(engine, channels, on_notify, on_connect, stop,
+                                                    on_lost or _nothing),
                               name="outbox-relay-listen", daemon=True)
     thread.start()
     return thread
 
 
+def _nothing() -> None:
+    return None
+
+
 def _listen(engine: Engine, channels: list[str], on_notify: Callable[[str], None],
-            on_connect: Callable[[], None], stop: threading.Event) -> None:
+            on_connect: Callable[[], None], stop: threading.Event, on_lost: Callable[[], None]) -> None:
     broken = False
     shown = ", ".join(channels)
     while not stop.is_set():
@@ -94,6 +102,7 @@ def _listen(engine: Engine, channels: list[str], on_notify: Callable[[str], None
             if not broken:
                 log.warning("LISTEN %s failed (%r); polling, and retrying every second", shown, exc)
                 broken = True
+                on_lost()
             stop.wait(1.0)
         finally:
             if fairy is not None:

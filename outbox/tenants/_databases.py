@@ -5,7 +5,8 @@ However many tenant schemas a database holds, the fleet keeps one pool for it
 all its tenants, and while it is down one step at a time probes it), one
 thread renewing all its tenants' leases (``_renewal``) and, on PostgreSQL, one
 LISTEN connection whose notifications (``shard:schema``) wake the tenant of
-the schema they name.
+the schema they name; while it is up, its idle tenants are polled rarely
+(``_idle_polls``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,19 @@ class FleetDatabases:
             return
         db.listener = start_listening(db.engine, [self._channel],
                                       on_notify=lambda payload: self._notified(db, payload),
-                                      on_connect=lambda: self.wake_all(db), stop=self._stopping)
+                                      on_connect=lambda: self._listening(db, True),
+                                      on_lost=lambda: self._listening(db, False), stop=self._stopping)
+
+    def _listening(self, db: FleetDatabase, up: bool) -> None:
+        """``db``'s LISTEN connection is (back) up, or lost: every tenant of it is polled now.
+
+        Up: a commit while it was down was notified to nobody. Lost: a
+        notification may have been lost with it, and from now until it is back
+        the tenants' polls come every ``poll_interval`` (``_idle_polls``), not rarely.
+        """
+        with self._schedule.lock:
+            db.listening = up
+        self.wake_all(db)
 
     def _notified(self, db: FleetDatabase, payload: str) -> None:
         """A commit in ``db``: wake the tenant of the schema the payload names (``outbox.core._notify``).

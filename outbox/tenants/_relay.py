@@ -68,6 +68,7 @@ from ..relay._leases import renew_interval
 from ..relay._settings import DEFAULT_BACKOFF, cloudevents_mode, default_worker_id
 from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
+from ._idle_polls import IdlePolls
 from ._schedule import Schedule, Turn
 from ._transport import TenantTransport, Workers, checked_header
 from ._turn_state import TurnState
@@ -88,7 +89,8 @@ class TenantRelay:
     ``Engine``) of tenants that do not name their own. The tuning keywords are
     ``Relay``'s, per tenant, kept as one ``RelaySettings`` (``settings``);
     ``poll_interval`` is how often each tenant is polled when no notification
-    came (PostgreSQL notifies; elsewhere it is the latency), and ``lease_ttl``
+    can come (PostgreSQL notifies; elsewhere it is the latency; where it
+    notifies, an idle tenant's polls back off to one a minute, ``_idle_polls``), and ``lease_ttl``
     is longer than a single relay's because one process renews every tenant's
     leases. ``exactly_once``: as ``Relay``'s, per tenant (docs/tenants.md).
     """
@@ -176,8 +178,9 @@ class TenantRelay:
         # A key is stuck after minutes (key_stuck_after): a check per tenant every fifth of that is
         # on time, and 500 tenants do not query every lease renewal interval.
         self._watch_every = max(renew_interval(settings.lease_ttl), settings.key_stuck_after / 5)
-        # The leases are renewed per database (``_renewal``), not by the polls.
-        self._poll_every = settings.poll_interval
+        # The leases are renewed per database (``_renewal``), not by the polls: idle tenants' polls
+        # back off while notifications can wake them (``_idle_polls``).
+        self._polls = IdlePolls(settings.poll_interval)
         self._refreshed = threading.Event()
 
     def __repr__(self) -> str:
@@ -317,7 +320,7 @@ class TenantRelay:
                 # not once every worker is (one may be stuck on a frozen database).
                 closing = unit.removed or self._stopping.is_set()
                 if not closing:
-                    self._schedule.next_turn_locked(unit, turn, self._poll_every)
+                    self._schedule.next_turn_locked(unit, turn, self._polls.every)
             if closing:
                 self._tenants.close(unit)
 
@@ -356,6 +359,9 @@ class TenantRelay:
             # Its first leases are its step's; then its database's renewal keeps them (``run``).
             done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases)
             unit.served = True
+            poll_in = self._polls.after_turn(unit, worked=done.batch.fetched > 0, notified=db.listening)
+            if poll_in > self._polls.every:  # rarely, but by its next delayed row and stuck-key check
+                poll_in = min(poll_in, step.poll_within())
         except SchemaError as exc:  # resharded under it: served anew from the stored count
             self._tenants.failed(unit, exc, "stops")
             self._tenants.drop_step(unit)
@@ -375,7 +381,7 @@ class TenantRelay:
         # Not when the step itself met an outage (its pipelined write of the batch before) and went on.
         self._databases.answered(db, started)
         self._tenants.ok(unit)
-        return Turn(again=done.again, due=done.due)
+        return Turn(again=done.again, due=done.due, poll_in=poll_in)
 
     # -- failures and the end -------------------------------------------------------
 

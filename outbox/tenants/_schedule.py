@@ -9,7 +9,8 @@ timers, under one lock its workers wait on:
   ``POLL_SHARE``-th turn when woken tenants wait too, so 500 idle tenants'
   polls never queue ahead of a notified one, and a busy fleet still polls (and
   renews the leases of) its idle tenants;
-- **timers** put a tenant in a queue later: its next poll, its retry after a
+- **timers** put a tenant in a queue later: its next poll (rare for an idle
+  tenant while notifications can wake it: ``_idle_polls``), its retry after a
   failure, or the moment its wheel lets a key go again (``Step.due``). A
   tenant has one pending timer at a time; a newer one makes the older moot.
 
@@ -42,6 +43,8 @@ class Turn:
     """Seconds until it is tried again (its failure, or its database is down)."""
     due: float | None = None
     """When its wheel lets a key go again (``Step.due``)."""
+    poll_in: float | None = None
+    """Seconds until its next poll (``_idle_polls``); None: the poll interval."""
 
 
 class Schedule:
@@ -110,15 +113,19 @@ class Schedule:
             return unit
 
     def next_turn_locked(self, unit: Unit, turn: Turn, poll_every: float) -> None:
-        """Queue ``unit`` after its turn: now (more may be waiting), at its retry, wheel timer or poll."""
+        """Queue ``unit`` after its turn: now (more may be waiting), at its retry, wheel timer or poll.
+
+        Its poll comes ``turn.poll_in`` seconds later (``poll_every`` when the turn does not say).
+        """
+        poll_in = turn.poll_in if turn.poll_in is not None else poll_every
         if turn.again or unit.again:
             self.wake_locked(unit)
         elif turn.retry is not None:
             self.later_locked(unit, turn.retry)
-        elif turn.due is not None and turn.due - time.monotonic() < poll_every:
+        elif turn.due is not None and turn.due - time.monotonic() < poll_in:
             self.later_locked(unit, max(0.0, turn.due - time.monotonic()), poll=False)
         else:
-            self.later_locked(unit, poll_every)
+            self.later_locked(unit, poll_in)
 
     # -- timers -------------------------------------------------------------------------
 

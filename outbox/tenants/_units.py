@@ -44,6 +44,8 @@ class Unit:
     """It has run a step: its statements are built (the fleet freezes the heap after)."""
     lease_failure: Exception | None = None
     """Why its leases could not be renewed (``_renewal``): its next turn fails with it."""
+    idle_turns: int = 0
+    """Its turns in a row that fetched nothing: its polls back off with them (``_idle_polls``)."""
 
 
 @dataclass(eq=False)
@@ -60,6 +62,8 @@ class FleetDatabase:
     units: dict[str | None, Unit] = field(default_factory=dict)
     """Its tenants by schema, for the notifications."""
     listener: threading.Thread | None = None
+    listening: bool = False
+    """Its LISTEN connection is up: a commit's notification wakes its tenant, whose polls may be rare."""
     renewer: threading.Thread | None = None
     """Renews its tenants' leases (``_renewal``)."""
 

@@ -35,6 +35,7 @@ them as fast as it took them).
 
     python tests/benchmarks/bench_tenants.py [--tenants N] [--messages N] [--pairs N]
                                              [--workers 2,8] [--backlog N] [--quiet-seconds S]
+                                             [--only-fairness] [--settle S] [--idle-seconds S]
 """
 
 from __future__ import annotations
@@ -314,18 +315,24 @@ class Fairness:
 
 
 def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], backlog: int,
-                 seconds: float, spec: str, workers: int) -> Fairness:
+                 seconds: float, spec: str, workers: int, settle: float = 1.0,
+                 idle_seconds: float = 0.0) -> Fairness:
     truncate(engine, schemas)
     relay = start_relay(url, servers, "bench-fleet", "--tenants", spec, "--workers", str(workers))
     try:
         wait_until(lambda: leased(engine, [*schemas, "public"]) == len(schemas) + 1, "the fleet's leases")
-        time.sleep(1)
+        time.sleep(settle)
+        if idle_seconds:  # nothing sent at all: what the idle tenants alone cost
+            cpu = relay.cpu()
+            time.sleep(idle_seconds)
+            print(f"idle, nothing sent for {idle_seconds:.0f} s: fleet CPU "
+                  f"{(relay.cpu() - cpu) / idle_seconds:.1%}", flush=True)
         cpu = relay.cpu()
         relay.count_connections(engine)
         alone = quiet_latencies(engine, seconds)
         idle_cpu = (relay.cpu() - cpu) / seconds
         idle_rss = relay.status("VmRSS")
-        print(f"alone: p99 {p99(alone):.1f} ms over {len(alone)} messages; fleet CPU {idle_cpu:.0%}",
+        print(f"alone: p99 {p99(alone):.1f} ms over {len(alone)} messages; fleet CPU {idle_cpu:.1%}",
               flush=True)
         started = time.perf_counter()
         with engine.begin() as conn:
@@ -369,6 +376,14 @@ def main() -> None:
                              "the last value also runs the fairness part")
     parser.add_argument("--backlog", type=int, default=1_000_000)
     parser.add_argument("--quiet-seconds", type=float, default=40.0)
+    parser.add_argument("--only-fairness", action="store_true",
+                        help="run the fairness part alone (idle CPU, the quiet tenant's latencies) and "
+                             "print it, without the throughput rounds and without writing the report")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="seconds the fleet runs with nothing sent once it holds every lease, before the "
+                             "quiet tenant starts (idle polls back off: a longer wait shows them settled)")
+    parser.add_argument("--idle-seconds", type=float, default=0.0,
+                        help="after --settle, seconds with nothing sent at all whose fleet CPU is printed")
     args = parser.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
     load_before = os.getloadavg()[0]
@@ -383,7 +398,7 @@ def main() -> None:
         print(f"{len(schemas) + 1} schemas made in {time.perf_counter() - started:.0f} s", flush=True)
         spec = tenants_file(tmp, schemas, quiet=False)
         rounds: list[Round] = []
-        for _ in range(args.pairs):
+        for _ in range(0 if args.only_fairness else args.pairs):
             single = run_throughput(url, servers, engine, schemas, args.messages, args.keys, spec,
                                     workers=None)
             fleets = {}
@@ -395,8 +410,15 @@ def main() -> None:
                 f"fleet x{w} {f.rate:,.0f} msg/s ({f.cpu_seconds:.1f} CPU s): {f.rate / single.rate:.2f}"
                 for w, f in fleets.items()), flush=True)
         fairness = run_fairness(url, servers, engine, schemas, args.backlog, args.quiet_seconds,
-                                tenants_file(tmp, schemas, quiet=True), args.workers[-1])
+                                tenants_file(tmp, schemas, quiet=True), args.workers[-1], args.settle,
+                                args.idle_seconds)
         engine.dispose()
+    if args.only_fairness:
+        print(f"fairness, --workers {args.workers[-1]}: fleet CPU with the quiet tenant alone "
+              f"{fairness.idle_cpu:.1%}; quiet p99 alone {p99(fairness.alone):.1f} ms, next to the backlog "
+              f"{p99(fairness.busy):.1f} ms ({p99(fairness.busy) / p99(fairness.alone):.2f} x); load average "
+              f"before / after {load_before:.2f} / {os.getloadavg()[0]:.2f}", flush=True)
+        return
     report(args, rounds, fairness, (load_before, os.getloadavg()[0]), uptime_before)
 
 

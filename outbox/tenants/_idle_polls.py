@@ -1,0 +1,52 @@
+"""How soon an idle tenant is polled again: rarely while notifications can wake it, else every interval.
+
+A poll of a tenant that has nothing to send is a fetch; 500 tenants polled
+every 5 s were 100 fetches a second and about a third of a core with nothing
+sent (docs/benchmarks.md, "Many tenants"). The leases are renewed per database
+(``_renewal``), so a poll protects only what no notification announces:
+
+- a row whose delay comes due (``publish(delay=...)``, a retry written by a
+  relay that died): the tenant's step says when (``RelayStep.poll_within``),
+  and it is polled by then, whatever its backoff;
+- its stuck-key check, due every ``key_stuck_after / 5``: the same;
+- a notification lost while the LISTEN connection was down: every tenant of
+  the database is polled when it breaks and again when it is back
+  (``_databases``), and every ``poll_interval`` while it is down;
+- a row written without a notification (a writer with ``notify_channel=None``,
+  raw SQL): found by the next poll, at most ``MAX_IDLE_POLL`` seconds later.
+
+So while its database's listener is connected, a tenant's polls back off,
+doubling from ``poll_interval`` up to ``MAX_IDLE_POLL`` with each turn that
+fetched nothing, and start again from ``poll_interval`` once it had work.
+Where no notification can come (MySQL, MariaDB, SQLite, ``notify_channel=None``,
+the listener down), every tenant is polled every ``poll_interval`` as before.
+"""
+
+from __future__ import annotations
+
+from ._units import Unit
+
+MAX_IDLE_POLL = 60.0
+"""Seconds between two polls of an idle tenant at most, while notifications can wake it: the worst
+extra latency of a row written without a notification (never below ``poll_interval``)."""
+
+
+class IdlePolls:
+    """When a tenant is polled next; its count of idle turns is its own (``Unit.idle_turns``)."""
+
+    def __init__(self, every: float, cap: float = MAX_IDLE_POLL) -> None:
+        self.every = every
+        self.cap = max(every, cap)
+
+    def after_turn(self, unit: Unit, *, worked: bool, notified: bool) -> float:
+        """Seconds until ``unit``'s next poll after a turn that ``worked`` (fetched rows) or not.
+
+        ``notified``: its database's notifications reach the fleet now. Longer
+        than ``every`` only when they do: the caller then asks the tenant's step
+        how long it may wait (``RelayStep.poll_within``).
+        """
+        if worked or not notified:
+            unit.idle_turns = 0
+            return self.every
+        unit.idle_turns = min(unit.idle_turns + 1, 32)
+        return min(self.cap, self.every * (1 << unit.idle_turns))

@@ -1,0 +1,184 @@
+"""An idle tenant's polls back off while notifications can wake it, and keep every promise a poll kept.
+
+Fetches are counted (every ``RelayStep.run_batch`` of each tenant), not waited
+for: an idle tenant of a PostgreSQL database whose LISTEN connection is up is
+polled rarely; where no notification can come (MariaDB, no channel) it is polled
+every ``poll_interval`` as before. What a poll protects still holds with the
+polls rare: a delayed row goes out when it comes due, and a row whose
+notification was lost is found once the LISTEN connection breaks and is back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import Running, pending, wait_for
+
+from outbox import Outbox, create_engine
+from outbox.relay import RelayStep
+from outbox.tenants import Tenant, TenantRelay
+from transports.memory import InMemoryBroker, InMemoryTransport
+
+ROOMY = 1_000_000 + 256
+"""A producer limit with room for the tenant header above the stored limit (1,000,000)."""
+
+
+class Fetches:
+    """The moments (``time.monotonic()``) of each tenant's fetches, by tenant name."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.at: dict[str, list[float]] = defaultdict(list)
+        self._lock = threading.Lock()
+        original = RelayStep.run_batch
+
+        def counting(step: RelayStep, *, wait: bool) -> Any:
+            with self._lock:
+                self.at[step.name.rsplit("tenant ", 1)[1]].append(time.monotonic())
+            return original(step, wait=wait)
+        monkeypatch.setattr(RelayStep, "run_batch", counting)
+
+    def between(self, name: str, start: float, end: float) -> int:
+        with self._lock:
+            return sum(1 for at in self.at[name] if start <= at < end)
+
+    def backed_off(self, name: str, gap: float) -> bool:
+        """The tenant's last two fetches are ``gap`` seconds apart or more."""
+        with self._lock:
+            at = self.at[name]
+            return len(at) >= 2 and at[-1] - at[-2] >= gap
+
+
+@pytest.fixture
+def running() -> Iterator[list[Running]]:
+    fleets: list[Running] = []
+    yield fleets
+    for fleet in fleets:
+        fleet.stop()
+
+
+def start(fleets: list[Running], tenants: list[Any], database: Any, **kwargs: Any) -> Running:
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    options: dict[str, Any] = dict(tenant_header="x-tenant", poll_interval=0.1, lease_ttl=3.0,
+                                   refresh_every=60.0, database=database)
+    options.update(kwargs)
+    fleet = Running(TenantRelay(tenants, lambda: InMemoryTransport(broker), **options))
+    fleets.append(fleet)
+    names = sorted(t.name if isinstance(t, Tenant) else t for t in tenants)
+    wait_for(lambda: fleet.relay.tenants == names, 30, "every tenant served")
+    return fleet
+
+
+def schema_outbox(engine: sa.Engine, name: str, **kwargs: Any) -> Outbox:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+    outbox = Outbox(engine, schema=name, shards=4, **kwargs)
+    outbox.create_tables()
+    return outbox
+
+
+def listening(engine: sa.Engine) -> bool:
+    """The fleet's LISTEN connection, as the server shows it."""
+    with engine.connect() as conn:
+        return bool(conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND starts_with(query, 'LISTEN ')").scalar())
+
+
+def publish(outbox: Outbox, key: str, **kwargs: Any) -> None:
+    with outbox.begin() as session:
+        outbox.publish(session, "polls", {"key": key}, key=key, **kwargs)
+
+
+@pytest.mark.postgres
+def test_an_idle_tenant_is_polled_rarely_while_notifications_can_wake_it(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """Polled every 0.1 s, an idle tenant would be fetched ~30 times in 3 s; backing off, once or twice."""
+    fetches = Fetches(monkeypatch)
+    schema_outbox(pg, "idle")
+    start(running, ["idle"], pg)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.at["idle"], 20, "its first poll")
+    time.sleep(3.0)  # its polls back off meanwhile: 0.2, 0.4, 0.8, 1.6 s apart
+    began = time.monotonic()
+    time.sleep(3.0)  # the window counted: no condition to wait for, only fetches to count
+    polled = fetches.between("idle", began, time.monotonic())
+    assert polled <= 3, f"an idle tenant was fetched {polled} times in 3 s (poll_interval 0.1 s)"
+
+
+@pytest.mark.parametrize("where", [pytest.param("mariadb", marks=pytest.mark.mysql),
+                                   pytest.param("no channel", marks=pytest.mark.postgres)])
+def test_where_no_notification_can_come_every_tenant_is_polled_every_interval(
+        where: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MariaDB has no LISTEN, and a fleet without a channel listens to nothing: a poll is the latency."""
+    fetches = Fetches(monkeypatch)
+    if where == "mariadb":
+        engine = create_engine(request.getfixturevalue("mysql_db"))
+        Outbox(engine, shards=4).create_tables()
+        tenants: list[Any] = [Tenant("plain")]
+        options: dict[str, Any] = {}
+    else:
+        engine = create_engine(request.getfixturevalue("postgres_db"))
+        schema_outbox(engine, "plain")
+        tenants, options = ["plain"], {"notify_channel": None}
+    request.addfinalizer(engine.dispose)
+    running = request.getfixturevalue("running")  # after the database: the fleet stops before it is dropped
+    outbox = Outbox(engine, schema=None if where == "mariadb" else "plain", notify_channel=None)
+    start(running, tenants, engine, **options)
+    wait_for(lambda: fetches.at["plain"], 20, "its first poll")
+    time.sleep(3.0)  # long enough for the polls to have backed off to 1.6 s, were they to
+    began = time.monotonic()
+    time.sleep(3.0)  # the window counted
+    polled = fetches.between("plain", began, time.monotonic())
+    assert polled >= 10, f"polled {polled} times in 3 s with poll_interval 0.1 s and no notification"
+    publish(outbox, "late")  # and a row is found by the next poll
+    wait_for(lambda: pending(outbox) == 0, 5, "the row found by a poll")
+
+
+@pytest.mark.postgres
+def test_a_delayed_row_goes_out_when_due_though_polls_are_rare(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """Its notification comes at the commit, before it is due; nothing announces that it came due.
+
+    The tenant's polls have backed off to 8 s and more; the row, due 1 s after its commit, is sent
+    within a few seconds: the poll after the notified turn is set by the row's ``available_at``.
+    """
+    fetches = Fetches(monkeypatch)
+    outbox = schema_outbox(pg, "later")
+    start(running, ["later"], pg, poll_interval=0.25)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off("later", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    committed = time.monotonic()
+    publish(outbox, "soon", delay=1.0)
+    wait_for(lambda: pending(outbox) == 0, 6, "the delayed row sent once due")
+    assert time.monotonic() - committed >= 1.0 - 0.1  # not before its delay (our clocks agree here)
+
+
+@pytest.mark.postgres
+def test_a_row_whose_notification_was_lost_is_found_when_the_listener_breaks_and_is_back(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """A row written without a notification stands for one lost with the LISTEN connection.
+
+    The polls have backed off to 8 s and more; the server ends the fleet's LISTEN connection; the
+    fleet polls its tenants when it notices and again when it listens again, so the row goes out
+    within seconds, not at the next backed-off poll.
+    """
+    fetches = Fetches(monkeypatch)
+    schema_outbox(pg, "lost")
+    unannounced = Outbox(pg, schema="lost", shards=4, notify_channel=None)
+    start(running, ["lost"], pg, poll_interval=0.25)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off("lost", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    publish(unannounced, "lost")
+    with pg.connect() as conn:
+        ended = conn.exec_driver_sql(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND starts_with(query, 'LISTEN ')").scalar()
+    assert ended == 1
+    wait_for(lambda: pending(unannounced) == 0, 5, "the row found after the listener broke")
+    wait_for(lambda: listening(pg), 20, "the fleet listening again")
