@@ -133,6 +133,8 @@ class BatchRunner:
         self._busy: list[int] = []
         self._held: set[tuple[str, str]] = set()
         self._planner = Planner(wheel, metrics, backoff)
+        # The last fetch was full: more rows are due than a batch takes (``RelayStatements.fetch``).
+        self._backlog = False
         # This database's identity, in every envelope.
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
@@ -155,7 +157,7 @@ class BatchRunner:
             sql.prepare_fetch(conn)
             params = sql.fetch_params(utcnow(), self.batch_size, busy)
             try:
-                rows: Sequence[Any] = conn.execute(sql.fetch(owned), params).all()
+                rows: Sequence[Any] = conn.execute(sql.fetch(owned, backlog=self._backlog), params).all()
                 unreadable = None
             except Exception as exc:
                 if is_database_outage(exc):
@@ -164,6 +166,7 @@ class BatchRunner:
             conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
+        self._backlog = len(rows) >= params["limit"]
         if busy:
             rows = sql.without_busy(rows, busy, self.batch_size)
         self.database_outage.answered()
