@@ -232,6 +232,55 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
+def test_a_batch_is_sent_while_the_previous_batch_is_written(server_db_url: str, monkeypatch) -> None:
+    """Two writes may be unfinished at once: the next batch is fetched and sent while the previous
+    batch's mark has not committed (it waited for it, and a message committed meanwhile waited too),
+    the keys either write stops stay held, and a third batch waits for the oldest write."""
+    outbox = Outbox(create_engine(server_db_url))
+    outbox.create_tables()
+    ids = publish(outbox, "orders", ["a", "b"])
+    transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY]})
+    relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(0))  # the wheel fires at once
+    step = relay._step
+    write = step._batch._write
+    gate = threading.Event()
+    monkeypatch.setattr(step._batch, "_write", lambda plan: (gate.wait(20), write(plan))[1])
+
+    def batch_in_thread() -> tuple[threading.Thread, list]:
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(step.run_batch(wait=False)), daemon=True)
+        thread.start()
+        return thread, out
+
+    try:
+        step.prepare()
+        step.run_batch(wait=False)  # a1 retried, b1 delivered; their write waits at the gate
+        publish(outbox, "orders", ["c", "a"])
+        time.sleep(0.1)  # past the wheel's tick
+        step.prepare()
+        second, out = batch_in_thread()
+        second.join(10)
+        assert not second.is_alive(), "the batch waited for the previous batch's write"
+        # a1 is being written (excluded), a2 is held behind it although a's timer fired.
+        assert (out[0].sent, out[0].held) == (1, 1)
+        assert [r.key for r in transport.sent] == [b"b", b"c"]
+        publish(outbox, "orders", ["d"])
+        third, _ = batch_in_thread()
+        third.join(0.5)
+        assert third.is_alive(), "a third batch went on with two writes unfinished"
+    finally:
+        gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    drain(relay)
+    relay.close()
+    sent = [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent]
+    assert sent[:3] == [(b"b", b"1"), (b"c", b"1"), (b"d", b"1")]
+    assert sorted(sent[3:]) == [(b"a", b"1"), (b"a", b"2")] and sent[3] == (b"a", b"1")
+    assert {r.status for r in rows(outbox)} == {"published"}
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
 def test_a_pipelined_write_that_meets_an_outage_tells_it_then(server_db_url: str, monkeypatch) -> None:
     """Not when the next batch waits for the write: after the outage, its fetch would answer first,
     and the old write's error would read as a second outage just after the first ended."""
