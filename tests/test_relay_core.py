@@ -281,6 +281,58 @@ def test_a_batch_is_sent_while_the_previous_batch_is_written(server_db_url: str,
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
+class OneShardTransactions:
+    """Exactly-once mode's ``ExactlyOnce`` as the batch runner sees it, every record delivered."""
+
+    def __init__(self, transport: ScriptedTransport) -> None:
+        self.transport = transport
+
+    def prepare(self, owned: dict[int, int]) -> tuple[dict[int, int], None]:
+        return owned, None
+
+    def send(self, records: list, rows: list) -> list[SendResult]:
+        return self.transport.publish(records)
+
+    def marked(self, ids: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.postgres
+def test_exactly_once_keeps_one_write_in_flight(postgres_db: str, monkeypatch) -> None:
+    """A shard's progress record names the rows committed and not known marked, and its size was
+    checked for two batches: in exactly-once mode a batch still waits for the previous write."""
+    outbox = Outbox(create_engine(postgres_db))
+    outbox.create_tables()
+    publish(outbox, "orders", ["a"])
+    transport = ScriptedTransport()
+    relay = Relay(outbox, transport)
+    step = relay._step
+    monkeypatch.setattr(step._batch, "exactly_once", OneShardTransactions(transport))
+    write = step._batch._write
+    gate = threading.Event()
+    monkeypatch.setattr(step._batch, "_write", lambda plan: (gate.wait(20), write(plan))[1])
+    try:
+        step.prepare()
+        step.run_batch(wait=False)  # a1 sent; its write waits at the gate
+        publish(outbox, "orders", ["b"])
+        second = threading.Thread(target=lambda: step.run_batch(wait=False), daemon=True)
+        second.start()
+        second.join(0.5)
+        assert second.is_alive(), "an exactly-once batch went on with the previous write unfinished"
+    finally:
+        gate.set()
+    second.join(10)
+    assert not second.is_alive()
+    monkeypatch.undo()
+    relay.close()
+    assert [r.key for r in transport.sent] == [b"a", b"b"]
+    assert {r.status for r in rows(outbox)} == {"published"}
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
 def test_a_pipelined_write_that_meets_an_outage_tells_it_then(server_db_url: str, monkeypatch) -> None:
     """Not when the next batch waits for the write: after the outage, its fetch would answer first,
     and the old write's error would read as a second outage just after the first ended."""

@@ -70,7 +70,9 @@ WRITES_IN_FLIGHT = 2
 """Pipelined batches whose outcome writes may be unfinished at once. With one, the next batch
 waited for the previous one's write after every third batch at 1,000 msg/s (a mark's commit
 took 10-17 ms at load 5-10, as long as a whole batch): a message committed meanwhile waited
-too (bench_relay_latency.py). Beyond this many, a batch waits for the oldest write."""
+too (bench_relay_latency.py). Beyond this many, a batch waits for the oldest write.
+Exactly-once mode keeps one: a shard's progress record names every row committed and not known
+marked, and ``_progress.check_progress_fits`` sized the batch for two batches' ids."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +217,8 @@ class BatchRunner:
             raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
         plan = self._planner.plan(sendable, results, owned, unsendable)
         pipelined = not wait and sql.pipelines
-        self._settle(keep=WRITES_IN_FLIGHT - 1 if pipelined else 0)  # written in batch order
+        in_flight = WRITES_IN_FLIGHT if self.exactly_once is None else 1
+        self._settle(keep=in_flight - 1 if pipelined else 0)  # written in batch order
         if not pipelined:
             outcome = self._write(plan)
         else:
