@@ -232,6 +232,34 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
+def gated_writes(step: object, monkeypatch) -> threading.Event:
+    """Every outcome write of ``step``'s batches waits until the returned event is set."""
+    batch = step._batch  # type: ignore[attr-defined]
+    write, gate = batch._write, threading.Event()
+    monkeypatch.setattr(batch, "_write", lambda plan: (gate.wait(20), write(plan))[1])
+    return gate
+
+
+def batch_in_thread(step: object) -> tuple[threading.Thread, list]:
+    """A pipelined batch of ``step`` on a thread of its own; the list gets its result."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(step.run_batch(wait=False)),  # type: ignore[attr-defined]
+                              daemon=True)
+    thread.start()
+    return thread, out
+
+
+def held_until_opened(thread: threading.Thread, gate: threading.Event, why: str) -> None:
+    """``thread`` still runs while ``gate`` is shut (else fails with ``why``), and ends once it opens."""
+    try:
+        thread.join(0.5)
+        assert thread.is_alive(), why
+    finally:
+        gate.set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_a_batch_is_sent_while_the_previous_batch_is_written(server_db_url: str, monkeypatch) -> None:
     """Two writes may be unfinished at once: the next batch is fetched and sent while the previous
     batch's mark has not committed (it waited for it, and a message committed meanwhile waited too),
@@ -242,36 +270,24 @@ def test_a_batch_is_sent_while_the_previous_batch_is_written(server_db_url: str,
     transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY]})
     relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(0))  # the wheel fires at once
     step = relay._step
-    write = step._batch._write
-    gate = threading.Event()
-    monkeypatch.setattr(step._batch, "_write", lambda plan: (gate.wait(20), write(plan))[1])
-
-    def batch_in_thread() -> tuple[threading.Thread, list]:
-        out: list = []
-        thread = threading.Thread(target=lambda: out.append(step.run_batch(wait=False)), daemon=True)
-        thread.start()
-        return thread, out
-
+    gate = gated_writes(step, monkeypatch)
     try:
         step.prepare()
         step.run_batch(wait=False)  # a1 retried, b1 delivered; their write waits at the gate
         publish(outbox, "orders", ["c", "a"])
         time.sleep(0.1)  # past the wheel's tick
         step.prepare()
-        second, out = batch_in_thread()
+        second, out = batch_in_thread(step)
         second.join(10)
         assert not second.is_alive(), "the batch waited for the previous batch's write"
         # a1 is being written (excluded), a2 is held behind it although a's timer fired.
         assert (out[0].sent, out[0].held) == (1, 1)
         assert [r.key for r in transport.sent] == [b"b", b"c"]
         publish(outbox, "orders", ["d"])
-        third, _ = batch_in_thread()
-        third.join(0.5)
-        assert third.is_alive(), "a third batch went on with two writes unfinished"
+        third, _ = batch_in_thread(step)
+        held_until_opened(third, gate, "a third batch went on with two writes unfinished")
     finally:
         gate.set()
-    third.join(10)
-    assert not third.is_alive()
     drain(relay)
     relay.close()
     sent = [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent]
@@ -311,21 +327,15 @@ def test_exactly_once_keeps_one_write_in_flight(postgres_db: str, monkeypatch) -
     relay = Relay(outbox, transport)
     step = relay._step
     monkeypatch.setattr(step._batch, "exactly_once", OneShardTransactions(transport))
-    write = step._batch._write
-    gate = threading.Event()
-    monkeypatch.setattr(step._batch, "_write", lambda plan: (gate.wait(20), write(plan))[1])
+    gate = gated_writes(step, monkeypatch)
     try:
         step.prepare()
         step.run_batch(wait=False)  # a1 sent; its write waits at the gate
         publish(outbox, "orders", ["b"])
-        second = threading.Thread(target=lambda: step.run_batch(wait=False), daemon=True)
-        second.start()
-        second.join(0.5)
-        assert second.is_alive(), "an exactly-once batch went on with the previous write unfinished"
+        second, _ = batch_in_thread(step)
+        held_until_opened(second, gate, "an exactly-once batch went on with the previous write unfinished")
     finally:
         gate.set()
-    second.join(10)
-    assert not second.is_alive()
     monkeypatch.undo()
     relay.close()
     assert [r.key for r in transport.sent] == [b"a", b"b"]
