@@ -10,7 +10,10 @@ message's commit → broker append time (``LogAppendTime``) is cut into:
 - **commit → notify**: the first NOTIFY the relay received after the commit;
 - **→ fetch start**: the start of the fetch that returned the row (the relay was busy with
   the batch before, or sleeping);
-- **fetch**: the fetch statement (connection checkout, ``SET LOCAL``, the query, rollback);
+- **fetch**: the fetch statement, sent to its rows back. Its snapshot is taken after it was
+  planned, so a row committed while a fetch is planned is in it: such a row counts its
+  commit → fetch end here (its notify and wait show as 0), which is why a slow plan costs
+  less latency than its length;
 - **→ produce**: the row's encoding and what else came between fetch and ``publish``;
 - **produce → append**: ``publish`` called → the broker's append time (linger, request, acks);
 - **append → report**: → librdkafka's delivery report served to the relay;
