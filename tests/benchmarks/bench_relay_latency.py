@@ -18,7 +18,7 @@ message's commit → broker append time (``LogAppendTime``) is cut into:
 - **produce → append**: ``publish`` called → the broker's append time (linger, request, acks);
 - **append → report**: → librdkafka's delivery report served to the relay;
 - and, beside the span, the marking write: when it starts after the report, how long it takes,
-  and how long the next batch waited for it (``finish``).
+  and how long the next batch waited for it (``finish``); and the process's GC pauses.
 
     python tests/benchmarks/bench_relay_latency.py [--rate 1000] [--seconds 20] [--rounds 2]
         [--partitioned] [-X linger.ms=0 ...] [--poll-interval 0.5]
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gc
 import json
 import os
 import statistics
@@ -68,6 +69,8 @@ class Timeline:
         self.served: dict[int, float] = {}
         self.writes: list[tuple[float, float, list[str]]] = []
         self.finish_waits: list[float] = []
+        self.gc_pauses: list[float] = []
+        self.gc_generations: list[int] = []
         self.lock = threading.Lock()
 
 
@@ -98,6 +101,16 @@ WRAPPED: list[bool] = []
 
 
 def wrap_classes() -> None:
+    collecting: list[float] = []
+
+    def collector(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting.append(time.perf_counter())
+        elif collecting:
+            CURRENT.gc_pauses.append(time.perf_counter() - collecting.pop())
+            CURRENT.gc_generations.append(info["generation"])
+    gc.callbacks.append(collector)
+
     listen = _wakeup.start_listening
 
     def start_listening(engine: sa.Engine, channels: list[str], *, on_notify: Callable[[str], None],
@@ -249,7 +262,11 @@ def breakdown(t: Timeline, committed: dict[str, float], appended: dict[str, floa
             "fetches": len(t.fetches), "notifies": len(t.notifies),
             "finish_wait_ms": (1000 * statistics.mean(t.finish_waits) if t.finish_waits else 0.0,
                                len(t.finish_waits)),
-            "messages": len(spans["total"])}
+            "messages": len(spans["total"]),
+            "gc": (len(t.gc_pauses), 1000 * sum(t.gc_pauses), 1000 * max(t.gc_pauses, default=0.0)),
+            "gc_by_generation": {g: (t.gc_generations.count(g), 1000 * max(
+                p for p, h in zip(t.gc_pauses, t.gc_generations, strict=True) if h == g))
+                for g in sorted(set(t.gc_generations))}}
 
 
 def main() -> None:
@@ -260,9 +277,12 @@ def main() -> None:
     parser.add_argument("--poll-interval", type=float, default=0.5)
     parser.add_argument("--partitioned", action="store_true", help="outbox_messages partitioned by day")
     parser.add_argument("-X", action="append", default=[], help="KEY=VALUE librdkafka setting")
+    parser.add_argument("--gc-young", type=int, help="the collector's young threshold instead of the relay's")
     args = parser.parse_args()
     settings = dict(x.split("=", 1) for x in args.X)
     tune_gc_for_batches()
+    if args.gc_young:
+        gc.set_threshold(args.gc_young, *gc.get_threshold()[1:])
     server = LocalPostgres(DURABLE)
     kafka = LocalKafka()
     try:
@@ -280,7 +300,9 @@ def main() -> None:
                   f"{r['messages']} messages, {r['batches']} batches (mean {r['batch_size_mean']:.1f} rows), "
                   f"{r['fetches']} fetches, {r['notifies']} notifies, next batch waited for the mark "
                   f"{r['finish_wait_ms'][0]:.2f} ms x{r['finish_wait_ms'][1]}, "
+                  f"{r['gc'][0]} GC pauses ({r['gc'][1]:.1f} ms in all, longest {r['gc'][2]:.2f} ms), "
                   f"load {r['load'][0]:.1f} -> {r['load_after'][0]:.1f}", flush=True)
+            print(f"  GC (generation: pauses, longest ms): {r['gc_by_generation']}", flush=True)
             for name, (mean, p50, p99) in r["spans"].items():
                 print(f"  {name:18s} mean {mean:7.2f}  p50 {p50:7.2f}  p99 {p99:7.2f} ms", flush=True)
         engine.dispose()
