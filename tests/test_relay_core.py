@@ -232,6 +232,117 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     outbox.engine.dispose()  # type: ignore[union-attr]
 
 
+def gated_writes(step: object, monkeypatch) -> threading.Event:
+    """Every outcome write of ``step``'s batches waits until the returned event is set."""
+    batch = step._batch  # type: ignore[attr-defined]
+    write, gate = batch._write, threading.Event()
+    monkeypatch.setattr(batch, "_write", lambda plan: (gate.wait(20), write(plan))[1])
+    return gate
+
+
+def batch_in_thread(step: object) -> tuple[threading.Thread, list]:
+    """A pipelined batch of ``step`` on a thread of its own; the list gets its result."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(step.run_batch(wait=False)),  # type: ignore[attr-defined]
+                              daemon=True)
+    thread.start()
+    return thread, out
+
+
+def held_until_opened(thread: threading.Thread, gate: threading.Event, why: str) -> None:
+    """``thread`` still runs while ``gate`` is shut (else fails with ``why``), and ends once it opens."""
+    try:
+        thread.join(0.5)
+        assert thread.is_alive(), why
+    finally:
+        gate.set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_a_batch_is_sent_while_the_previous_batch_is_written(server_db_url: str, monkeypatch) -> None:
+    """Two writes may be unfinished at once: the next batch is fetched and sent while the previous
+    batch's mark has not committed (it waited for it, and a message committed meanwhile waited too),
+    the keys either write stops stay held, and a third batch waits for the oldest write."""
+    outbox = Outbox(create_engine(server_db_url))
+    outbox.create_tables()
+    ids = publish(outbox, "orders", ["a", "b"])
+    transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY]})
+    relay = Relay(outbox, transport, backoff=tenacity.wait_fixed(0))  # the wheel fires at once
+    step = relay._step
+    gate = gated_writes(step, monkeypatch)
+    try:
+        step.prepare()
+        step.run_batch(wait=False)  # a1 retried, b1 delivered; their write waits at the gate
+        publish(outbox, "orders", ["c", "a"])
+        time.sleep(0.1)  # past the wheel's tick
+        step.prepare()
+        second, out = batch_in_thread(step)
+        second.join(10)
+        assert not second.is_alive(), "the batch waited for the previous batch's write"
+        # a1 is being written (excluded), a2 is held behind it although a's timer fired.
+        assert (out[0].sent, out[0].held) == (1, 1)
+        assert [r.key for r in transport.sent] == [b"b", b"c"]
+        publish(outbox, "orders", ["d"])
+        third, _ = batch_in_thread(step)
+        held_until_opened(third, gate, "a third batch went on with two writes unfinished")
+    finally:
+        gate.set()
+    drain(relay)
+    relay.close()
+    sent = [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent]
+    assert sent[:3] == [(b"b", b"1"), (b"c", b"1"), (b"d", b"1")]
+    assert sorted(sent[3:]) == [(b"a", b"1"), (b"a", b"2")] and sent[3] == (b"a", b"1")
+    assert {r.status for r in rows(outbox)} == {"published"}
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+class OneShardTransactions:
+    """Exactly-once mode's ``ExactlyOnce`` as the batch runner sees it, every record delivered."""
+
+    def __init__(self, transport: ScriptedTransport) -> None:
+        self.transport = transport
+
+    def prepare(self, owned: dict[int, int]) -> tuple[dict[int, int], None]:
+        return owned, None
+
+    def send(self, records: list, rows: list) -> list[SendResult]:
+        return self.transport.publish(records)
+
+    def marked(self, ids: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.postgres
+def test_exactly_once_keeps_one_write_in_flight(postgres_db: str, monkeypatch) -> None:
+    """A shard's progress record names the rows committed and not known marked, and its size was
+    checked for two batches: in exactly-once mode a batch still waits for the previous write."""
+    outbox = Outbox(create_engine(postgres_db))
+    outbox.create_tables()
+    publish(outbox, "orders", ["a"])
+    transport = ScriptedTransport()
+    relay = Relay(outbox, transport)
+    step = relay._step
+    monkeypatch.setattr(step._batch, "exactly_once", OneShardTransactions(transport))
+    gate = gated_writes(step, monkeypatch)
+    try:
+        step.prepare()
+        step.run_batch(wait=False)  # a1 sent; its write waits at the gate
+        publish(outbox, "orders", ["b"])
+        second, _ = batch_in_thread(step)
+        held_until_opened(second, gate, "an exactly-once batch went on with the previous write unfinished")
+    finally:
+        gate.set()
+    monkeypatch.undo()
+    relay.close()
+    assert [r.key for r in transport.sent] == [b"a", b"b"]
+    assert {r.status for r in rows(outbox)} == {"published"}
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
 def test_a_pipelined_write_that_meets_an_outage_tells_it_then(server_db_url: str, monkeypatch) -> None:
     """Not when the next batch waits for the write: after the outage, its fetch would answer first,
     and the old write's error would read as a second outage just after the first ended."""

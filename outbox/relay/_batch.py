@@ -22,11 +22,12 @@ batch whose every retry is unreachable and of which nothing was delivered is
 the broker being down, which the relay logs.
 
 Pipelined batches (``run(wait=False)``, on the dialects whose statements say
-``pipelines``: PostgreSQL and MySQL, used by ``Relay.run``) write one batch's
-outcomes on a helper thread while the next batch is fetched and sent; the rows
-being written are excluded from that fetch (``RelayStatements.fetch_params`` and
+``pipelines``: PostgreSQL and MySQL, used by ``Relay.run``) write their
+outcomes on a helper thread, in batch order, while the next batches are fetched
+and sent (up to ``WRITES_IN_FLIGHT`` writes unfinished at once); the rows being
+written are excluded from those fetches (``RelayStatements.fetch_params`` and
 ``without_busy``: on PostgreSQL in the statement, on MySQL after it) and the
-keys it stopped (retried or failed heads) are held in memory until the write
+keys each write stops (retried or failed heads) are held in memory until it
 commits.
 
 Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
@@ -36,6 +37,7 @@ Only the relay's worker thread calls ``run``, ``finish`` and ``close``; writes
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -64,6 +66,13 @@ from ._writer import BackgroundWriter, Writer
 
 log = safe_logger("outbox.relay")
 
+WRITES_IN_FLIGHT = 2
+"""Pipelined batches whose outcome writes may be unfinished at once. With one, the next batch
+waited for the previous one's write after every third batch at 1,000 msg/s (a mark's commit
+took 10-17 ms at load 5-10, as long as a whole batch): a message committed meanwhile waited
+too (bench_relay_latency.py). Beyond this many, a batch waits for the oldest write.
+Exactly-once mode keeps one: a shard's progress record names every row committed and not known
+marked, and ``_progress.check_progress_fits`` sized the batch for two batches' ids."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +103,16 @@ class _Written(TypedDict):
     fenced: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Writing:
+    """A pipelined batch's outcome write: until it commits, its rows are excluded from the fetch
+    (``busy``) and the keys it stops (retried or failed heads) are held in memory (``held``)."""
+
+    future: Future[_Written]
+    busy: list[int]
+    held: set[tuple[str, str]]
+
+
 class BatchRunner:
     """Runs one relay's batches one after the other (see the module doc); each gives a ``BatchResult``."""
 
@@ -121,18 +140,20 @@ class BatchRunner:
         self.database_outage = database_outage
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
         self.worker_id, self.batch_size = worker_id, batch_size
-        # Pipelining (PostgreSQL, inside Relay.run): the previous batch's outcomes are
-        # written on a helper thread while this batch is fetched and sent. Its rows are
-        # excluded from the fetch ("busy") and the keys it stops (retried or failed
-        # heads) held in memory until that write commits: until then the database
-        # does not know they wait, and a wheel timer may already have fired.
+        # Pipelining (PostgreSQL, inside Relay.run): earlier batches' outcomes are written
+        # on a helper thread while this batch is fetched and sent (up to WRITES_IN_FLIGHT).
+        # Their rows are excluded from the fetch ("busy") and the keys they stop (retried
+        # or failed heads) held in memory until their write commits: until then the
+        # database does not know they wait, and a wheel timer may already have fired.
         # ``writer``: where the writes run (a fleet's worker's writer); else a thread of its own.
         self._writer: Writer | None = writer
         self._own_writer: BackgroundWriter | None = None
-        self._writing: Future[_Written] | None = None
-        self._busy: list[int] = []
-        self._held: set[tuple[str, str]] = set()
+        self._writes: deque[_Writing] = deque()  # oldest first
         self._planner = Planner(wheel, metrics, backoff)
+        # The last fetch was full: more rows are due than a batch takes (``RelayStatements.fetch``).
+        # A relay starts as if it was: after a restart there usually is a backlog, and the
+        # keeping-up form would read up to a batch per shard of it (on PostgreSQL, 16x the rows).
+        self._backlog = True
         # This database's identity, in every envelope.
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
@@ -150,12 +171,14 @@ class BatchRunner:
             if not owned:
                 self.finish()
                 return BatchResult(error=error, broker_unreachable=error is not None)
-        sql, busy = self.sql, self._busy  # busy: the rows a background write is marking
+        self._settle()  # writes that committed: their rows and keys are the database's to tell
+        sql = self.sql
+        busy = [row_id for writing in self._writes for row_id in writing.busy]  # being marked
         with self.engine.connect() as conn:
             sql.prepare_fetch(conn)
             params = sql.fetch_params(utcnow(), self.batch_size, busy)
             try:
-                rows: Sequence[Any] = conn.execute(sql.fetch(owned), params).all()
+                rows: Sequence[Any] = conn.execute(sql.fetch(owned, backlog=self._backlog), params).all()
                 unreadable = None
             except Exception as exc:
                 if is_database_outage(exc):
@@ -164,13 +187,14 @@ class BatchRunner:
             conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
+        self._backlog = len(rows) >= params["limit"]
         if busy:
             rows = sql.without_busy(rows, busy, self.batch_size)
         self.database_outage.answered()
         if not rows:
-            self.finish()
             return BatchResult()
-        wheel, held = self.wheel, self._held
+        wheel = self.wheel
+        held = set().union(*(writing.held for writing in self._writes))
         # Rows are unpacked by position: a Row's attribute access costs more per row
         # than building its record.
         sendable = rows if not (len(wheel) or held) else [
@@ -194,23 +218,18 @@ class BatchRunner:
         if len(results) != len(records):
             raise RuntimeError(f"{self.transport!r} returned {len(results)} results for {len(records)}")
         plan = self._planner.plan(sendable, results, owned, unsendable)
-        try:
-            self.finish()  # at most one write in flight, and in batch order
-        except Exception as exc:
-            # Its rows stay pending and are sent again (duplicates); this batch goes on.
-            if is_database_outage(exc):
-                self.database_outage.failed(exc)
-            else:
-                log.exception("relay %s could not record a batch's outcomes", self.worker_id)
-        if wait or not sql.pipelines:
+        pipelined = not wait and sql.pipelines
+        in_flight = WRITES_IN_FLIGHT if self.exactly_once is None else 1
+        self._settle(keep=in_flight - 1 if pipelined else 0)  # written in batch order
+        if not pipelined:
             outcome = self._write(plan)
         else:
-            self._busy = (plan.published.ids + plan.retried.ids + plan.postponed.ids
-                          + [row.id for row, _, _ in plan.failed])
-            self._held = plan.stopped
+            busy = (plan.published.ids + plan.retried.ids + plan.postponed.ids
+                    + [row.id for row, _, _ in plan.failed])
             if self._writer is None:
                 self._writer = self._own_writer = BackgroundWriter("outbox-relay-writer")
-            self._writing = self._writer.submit(lambda: self._write_behind(plan))
+            self._writes.append(_Writing(self._writer.submit(lambda: self._write_behind(plan)),
+                                         busy, plan.stopped))
             outcome = {"published": len(plan.published.ids),
                        "retried": len(plan.retried.ids) + len(plan.postponed.ids),
                        "failed": len(plan.failed), "fenced": 0}
@@ -221,13 +240,32 @@ class BatchRunner:
                            error=plan.error, broker_unreachable=plan.broker_unreachable, **outcome)
 
     def finish(self) -> None:
-        """Wait for the background write of the previous batch, if any; re-raises its error."""
-        writing, self._writing = self._writing, None
+        """Wait for the background writes of earlier batches, if any; re-raises the first error."""
+        self._collect(keep=0)
+
+    def _collect(self, keep: int | None = None) -> None:
+        """Drop the writes that finished, oldest first; with ``keep``, first wait until at most
+        ``keep`` are unfinished. Re-raises the first error of those dropped."""
+        error: Exception | None = None
+        writes = self._writes
+        while writes and (writes[0].future.done() or (keep is not None and len(writes) > keep)):
+            try:
+                writes.popleft().future.result()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def _settle(self, keep: int | None = None) -> None:
+        """``_collect``, whose error is reported here: the rows of a write that failed stay pending
+        and are sent again (duplicates); the batch goes on."""
         try:
-            if writing is not None:
-                writing.result()
-        finally:
-            self._busy, self._held = [], set()
+            self._collect(keep)
+        except Exception as exc:
+            if is_database_outage(exc):
+                self.database_outage.failed(exc)
+            else:
+                log.exception("relay %s could not record a batch's outcomes", self.worker_id)
 
     def mark_committed(self, shard: int, epoch: int, ids: list[int]) -> bool:
         """Mark rows a committed transaction carried published (exactly-once take-over), fenced;

@@ -91,7 +91,7 @@ class RelayStatements(abc.ABC):
         self._due = select(*columns).where(
             m.c.status == OutboxStatus.PENDING, due, or_(m.c.key.is_(None), ~key_waits),
         )
-        self._fetch_by_shards: dict[tuple[int, ...], Select[Any]] = {}
+        self._fetch_by_shards: dict[tuple[tuple[int, ...], bool], Select[Any]] = {}
         self._next_delayed = select(func.min(m.c.available_at)).where(
             m.c.status != OutboxStatus.PUBLISHED,
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
@@ -120,19 +120,24 @@ class RelayStatements(abc.ABC):
 
     # -- the fetch ----------------------------------------------------------
 
-    def fetch(self, shards: Iterable[int]) -> Select[Any]:
-        """Due rows of ``shards`` in id order; its parameters are ``fetch_params``'."""
-        key = tuple(sorted(shards))
+    def fetch(self, shards: Iterable[int], *, backlog: bool = False) -> Select[Any]:
+        """Due rows of ``shards`` in id order; its parameters are ``fetch_params``'.
+
+        ``backlog``: the last fetch was full, so more rows are due than a batch
+        takes; a dialect may then read them another way (PostgreSQL). Either
+        statement returns the same rows.
+        """
+        key = (tuple(sorted(shards)), backlog)
         found = self._fetch_by_shards.get(key)
         if found is not None:
             return found
-        found = self._fetch_of(key)
+        found = self._fetch_of(key[0], backlog=backlog)
         if len(self._fetch_by_shards) > 64:
             self._fetch_by_shards.clear()
         self._fetch_by_shards[key] = found
         return found
 
-    def _fetch_of(self, shards: tuple[int, ...]) -> Select[Any]:
+    def _fetch_of(self, shards: tuple[int, ...], *, backlog: bool) -> Select[Any]:
         """One filtered scan of the pending rows of ``shards``, in id order."""
         m, limit = self._m, bindparam("limit", type_=Integer())
         return self._due.where(m.c.shard.in_(shards)).order_by(m.c.id).limit(limit)

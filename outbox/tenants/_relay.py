@@ -341,8 +341,11 @@ class TenantRelay:
 
         Pipelined (``wait=False``, the workers') as a single relay is: the
         batch's outcomes are written on this worker's writer while the worker
-        goes on with the next tenant; the tenant's next step waits for that
-        write before it writes its own (and never fetches those rows again).
+        goes on with the next tenant; the tenant's next step never fetches those
+        rows again, and waits for its oldest write before it adds a third
+        (``_batch.WRITES_IN_FLIGHT``). Its two may run on two workers' writers: their
+        rows are disjoint, and the fetch leaves a write's rows out until it and
+        every earlier one finished.
         """
         step, db = unit.step, unit.db
         unit.last = BatchResult()

@@ -1,0 +1,135 @@
+"""The relay's fetch on PostgreSQL: planned at a cost that does not grow with the shards (a relay
+that keeps up), read lazily when a backlog waits, the same rows either way; plain and partitioned."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport, publish
+
+from outbox import Outbox, Relay
+from outbox.core._pg_arrays import int_array
+from outbox.housekeeping import partition_outbox
+from outbox.relay._sql import PostgresRelayStatements, statements_for
+
+pytestmark = pytest.mark.postgres
+
+SHARDS = tuple(range(16))
+
+
+@pytest.fixture(params=["plain", "partitioned"])
+def outbox(pg: sa.Engine, request: pytest.FixtureRequest) -> Outbox:
+    ob = Outbox(pg)
+    ob.create_tables()
+    if request.param == "partitioned":
+        partition_outbox(pg, ob.tables)
+    return ob
+
+
+def plan_nodes(conn: sa.Connection, statement: sa.Select[object], params: dict[str, object]) -> int:
+    """How many nodes PostgreSQL's plan of ``statement`` has (what planning it costs grows with)."""
+    compiled = statement.compile(dialect=conn.dialect)
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    cursor.execute("EXPLAIN (FORMAT JSON) " + str(compiled), compiled.construct_params(params))
+    found = cursor.fetchone()[0]
+    plan = found if isinstance(found, list) else json.loads(found)
+
+    def count(node: dict[str, object]) -> int:
+        return 1 + sum(count(child) for child in node.get("Plans", []))  # type: ignore[arg-type, attr-defined]
+    return count(plan[0]["Plan"])
+
+
+def fetch_params(limit: int, busy: list[int] = []) -> dict[str, object]:  # noqa: B006 (read only)
+    return {"now": datetime.now(UTC), "limit": limit, "busy": int_array(busy)}
+
+
+def test_the_fetch_of_a_relay_that_keeps_up_is_planned_once_whatever_the_shards(outbox: Outbox) -> None:
+    """Every fetch is planned anew (psycopg forgets prepared statements at each rollback): a
+    UNION ALL of a scan per shard made planning 16 shards (x 8 daily partitions) most of a quiet
+    batch's time. The statement for a relay that keeps up has one plan for any number of shards."""
+    publish(outbox, "orders", ["a", "b", None])
+    sql = statements_for(outbox.tables, "postgresql")
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        one = plan_nodes(conn, sql.fetch((3,)), fetch_params(100))
+        sixteen = plan_nodes(conn, sql.fetch(SHARDS), fetch_params(100))
+    assert sixteen == one
+
+
+def test_a_backlog_is_fetched_by_a_merge_that_stops_at_the_limit(outbox: Outbox) -> None:
+    """With more rows due than a batch takes, a statement that reads every shard's rows up to the
+    limit before sorting them reads up to shards x limit rows: the backlog's fetch merges the
+    shards in id order and stops after ``limit`` rows."""
+    publish(outbox, "orders", [f"k{i}" for i in range(400)])
+    sql, m = statements_for(outbox.tables, "postgresql"), outbox.tables.messages
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        conn.exec_driver_sql("ANALYZE")
+        compiled = sql.fetch(SHARDS, backlog=True).compile(dialect=conn.dialect)
+        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + str(compiled),
+                       compiled.construct_params(fetch_params(10)))
+        found = cursor.fetchone()[0]
+    plan = found if isinstance(found, list) else json.loads(found)
+
+    def scanned(node: dict[str, object]) -> int:
+        """Rows the scans of the fetched table (not the key probe's ``prior``) returned."""
+        own = 0
+        if str(node.get("Alias", "")).startswith(m.name) and "Scan" in str(node["Node Type"]):
+            own = int(node["Actual Rows"]) * int(node["Actual Loops"])  # type: ignore[call-overload]
+        return own + sum(scanned(child) for child in node.get("Plans", []))  # type: ignore[arg-type, attr-defined]
+    read = scanned(plan[0]["Plan"])
+    assert 10 <= read <= 10 + len(SHARDS), read
+
+
+def test_both_fetches_return_the_same_rows(outbox: Outbox) -> None:
+    """Whatever the rows' states (published, failed heads, delayed, busy) and the limit, the
+    statement for a relay that keeps up and the backlog's return the same rows in the same order."""
+    rng = random.Random(37)
+    keys = [rng.choice([f"k{i}" for i in range(40)] + [None]) for _ in range(600)]
+    publish(outbox, "orders", keys)
+    publish(outbox, "orders", ["k1", "k2", None], delay=timedelta(hours=1))
+    m = outbox.tables.messages
+    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        ids = [r.id for r in conn.execute(sa.select(m.c.id).order_by(m.c.id))]
+        conn.execute(sa.update(m).where(m.c.id.in_(rng.sample(ids, 200))).values(status="published"))
+        conn.execute(sa.update(m).where(m.c.id.in_(rng.sample(ids, 15)), m.c.status == "pending")
+                     .values(status="failed"))
+        retried = rng.sample(ids, 15)
+        conn.execute(sa.update(m).where(m.c.id.in_(retried), m.c.status == "pending")
+                     .values(available_at=m.c.created_at + sa.text("interval '1 hour'"), attempts=1))
+    sql = statements_for(outbox.tables, "postgresql")
+    assert isinstance(sql, PostgresRelayStatements)
+    compared = 0
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        for shards in (SHARDS, (0, 5, 9), (7,)):
+            for limit in (1, 7, 50, 1000):
+                for busy in ([], rng.sample(ids, 60)):
+                    params = fetch_params(limit, busy)
+                    quiet = [tuple(r) for r in conn.execute(sql.fetch(shards), params)]
+                    backlog = [tuple(r) for r in conn.execute(sql.fetch(shards, backlog=True), params)]
+                    assert quiet == backlog, (shards, limit, len(busy))
+                    compared += len(quiet)
+    assert compared > 500  # the rows compared were not all left out
+
+
+def test_a_full_fetch_makes_the_next_one_read_the_backlog(outbox: Outbox, monkeypatch) -> None:
+    """The runner fetches for a backlog at its start and after a full fetch, and as a relay that
+    keeps up after one that was not full."""
+    seen: list[bool] = []
+    fetch = PostgresRelayStatements.fetch
+
+    def spy(self: PostgresRelayStatements, shards: object, *, backlog: bool = False) -> sa.Select[object]:
+        seen.append(backlog)
+        return fetch(self, shards, backlog=backlog)  # type: ignore[arg-type]
+    monkeypatch.setattr(PostgresRelayStatements, "fetch", spy)
+    publish(outbox, "orders", [f"k{i}" for i in range(7)])
+    relay = Relay(outbox, ScriptedTransport({}), batch_size=3)
+    try:
+        fetched = [relay.run_once().fetched for _ in range(5)]
+    finally:
+        relay.close()
+    assert fetched == [3, 3, 1, 0, 0]
+    assert seen == [True, True, True, False, False]
