@@ -12,7 +12,6 @@ import sqlalchemy as sa
 from _relay_helpers import ScriptedTransport, publish
 
 from outbox import Outbox, Relay
-from outbox.core._pg_arrays import int_array
 from outbox.housekeeping import partition_outbox
 from outbox.relay._sql import PostgresRelayStatements, statements_for
 
@@ -44,7 +43,8 @@ def plan_nodes(conn: sa.Connection, statement: sa.Select[object], params: dict[s
 
 
 def fetch_params(limit: int, busy: list[int] = []) -> dict[str, object]:  # noqa: B006 (read only)
-    return {"now": datetime.now(UTC), "limit": limit, "busy": int_array(busy)}
+    """What the relay passes: ``busy`` as PostgreSQL's array literal (the statement casts it)."""
+    return {"now": datetime.now(UTC), "limit": limit, "busy": "{" + ",".join(map(str, busy)) + "}"}
 
 
 def test_the_fetch_of_a_relay_that_keeps_up_is_planned_once_whatever_the_shards(outbox: Outbox) -> None:
