@@ -397,7 +397,9 @@ def test_a_map_of_the_insert_alone_is_refused_where_the_seq_takes_two_statements
 
 @pytest.mark.parametrize("tenancy", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
 def test_notify_payload_names_the_schema_the_row_went_to(tenancy):
-    """A LISTEN connection hears ``<shard>`` for the default schema, ``<shard>:<schema>`` for a tenant's."""
+    """A LISTEN connection hears ``<shard>:<schema>``, the schema as the server names it: the
+    connection's ``current_schema()`` for a row written without one (not a bare ``<shard>``: a
+    writer naming ``public`` and one relying on ``search_path`` say the same)."""
     import psycopg
 
     assert tenancy.engine.dialect.name == "postgresql"  # NOTIFY is PostgreSQL's
@@ -412,6 +414,8 @@ def test_notify_payload_names_the_schema_the_row_went_to(tenancy):
         (of_b, tenancy.engine.execution_options(schema_translate_map={b_schema: c_schema}), "k5", c_schema),
         (outbox, tenancy.engine, None, None),
     ]
+    with tenancy.engine.connect() as conn:
+        default = conn.exec_driver_sql("SELECT current_schema()").scalar()
     dsn = tenancy.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute("LISTEN outbox")
@@ -424,8 +428,9 @@ def test_notify_payload_names_the_schema_the_row_went_to(tenancy):
             with tenancy.engine.connect() as conn:
                 shard = conn.scalar(sa.select(m.c.shard).where(m.c.topic == topic))
             assert shard is not None, (schema, "the row is not in the schema the payload names")
-            assert note.payload == (str(shard) if schema is None else f"{shard}:{schema}")
-            assert parse_notify_payload(note.payload) == (shard, schema)
+            named = schema if schema is not None else default  # the server's name, never None
+            assert note.payload == f"{shard}:{named}"
+            assert parse_notify_payload(note.payload) == (shard, named)
 
 
 _IDENTIFIERS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,40}", fullmatch=True)

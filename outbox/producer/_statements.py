@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Executable, Insert, Text, bindparam, func, insert, literal, select
+from sqlalchemy import Executable, Insert, Text, bindparam, insert, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 
 from ..core._errors import ConfigurationError
+from ..core._notify import notified
 from ..core._tables import MYSQL_FAMILY, SUPPORTED_DIALECTS, OutboxStatus, OutboxTables
 
 NOTIFY_PAYLOAD = "notify_payload"
@@ -87,6 +88,5 @@ class PublishStatements:
         if self.notify is None:
             return stmt
         inserted = stmt.returning(self._messages.c.shard).cte("inserted")
-        return select(func.pg_notify(literal(self.notify), bindparam(NOTIFY_PAYLOAD, type_=Text))
-                      ).select_from(inserted)
+        return select(notified(self.notify, bindparam(NOTIFY_PAYLOAD, type_=Text))).select_from(inserted)
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, case, func, select, update
+from sqlalchemy import Engine, case, func, literal, select, update
 
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError
+from ..core._notify import notified, notify_payload
 from ..core._tables import OutboxStatus
 from ..producer import Outbox
 
@@ -65,7 +66,22 @@ def _change_failed(outbox: Outbox, message_ids: Sequence[uuid.UUID | str] | None
             ids = _message_ids(message_ids)
             stmt = stmt.where(m.c.message_id.in_(ids))
             _refuse_unknown(conn, outbox, ids, topic)
-        return conn.execute(stmt).rowcount
+        if conn.dialect.name != "postgresql" or outbox.notify_channel is None:
+            return conn.execute(stmt).rowcount
+        shards = list(conn.scalars(stmt.returning(m.c.shard)))
+        _notify(conn, outbox.notify_channel, sorted(set(shards)), conn.schema_for_object(m))
+        return len(shards)
+
+
+def _notify(conn: Any, channel: str, shards: list[int], schema: str | None) -> None:
+    """Wake the relays of ``shards`` when this transaction commits, as ``publish()`` does.
+
+    A row made pending (or a key unblocked by a skip) is work a relay would
+    otherwise find only at its next poll: a fleet's idle tenant polls rarely
+    (up to a minute apart) while notifications can reach it.
+    """
+    for shard in shards:
+        conn.execute(select(notified(channel, literal(notify_payload(shard, schema)))))
 
 
 def _message_ids(message_ids: Sequence[uuid.UUID | str]) -> list[uuid.UUID]:

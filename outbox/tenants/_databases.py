@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from ..core._engine import create_engine
 from ..core._errors import ConfigurationError
@@ -111,14 +112,30 @@ class FleetDatabases:
         """A commit in ``db``: wake the tenant of the schema the payload names (``outbox.core._notify``).
 
         Another process may NOTIFY on the channel: a payload that is not ours wakes nobody.
+        The payload names the schema as the server does (``current_schema()`` for a writer
+        without one), so the tenant without a schema is matched by its own
+        ``current_schema()``, looked up once: the schema it is, not how a writer spelled it.
         """
         try:
             _, schema = parse_notify_payload(payload)
         except ValueError:
             return
         unit = db.units.get(schema)
+        if unit is None and schema is not None and None in db.units and schema == self._default_schema(db):
+            unit = db.units.get(None)
         if unit is not None:
             self._schedule.wake(unit)
+
+    @staticmethod
+    def _default_schema(db: FleetDatabase) -> str | None:
+        """``db``'s ``current_schema()`` (its tenant without a schema); None while it cannot be read."""
+        if db.default_schema is None:
+            try:
+                with db.engine.connect() as conn:
+                    db.default_schema = conn.exec_driver_sql("SELECT current_schema()").scalar()
+            except SQLAlchemyError:  # down: the tenant's polls and the wake-ups of a reconnect cover it
+                return None
+        return db.default_schema
 
     def wake_all(self, db: FleetDatabase) -> None:
         """Poll every tenant of ``db`` (its listener (re)connected, or it answers again)."""

@@ -66,6 +66,8 @@ class FleetDatabase:
     """Its LISTEN connection is up: a commit's notification wakes its tenant, whose polls may be rare."""
     renewer: threading.Thread | None = None
     """Renews its tenants' leases (``_renewal``)."""
+    default_schema: str | None = None
+    """``current_schema()`` of its engine: the schema of its tenant without one, once looked up."""
 
     @property
     def down(self) -> bool:
