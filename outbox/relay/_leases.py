@@ -5,7 +5,10 @@ one TTL) split ``outbox.shards`` evenly, by sorted worker id, so every relay
 computes the same share for everybody. A relay takes free or expired shards up
 to its share (the epoch goes up by one on every take-over), gives back shards
 above its share, and renews what it holds every TTL/3. The epoch is the fencing
-token every "mark published" carries (see ``_sql``).
+token every "mark published" carries (see ``_sql``). A renewal is three
+statements (heartbeat; the live relays with the stored shard count, whose
+change stops the relay; the renewal), the same on every dialect: a fleet runs
+them for each of its tenants (``outbox.tenants._renewal``).
 
 Giving shards back happens between batches (``release_surplus``, called by the
 relay's worker thread), so a shard is never released under a batch in flight;
@@ -17,10 +20,10 @@ threads.
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table, delete, select, update
+from sqlalchemy import Connection, Engine, Integer, Table, delete, literal_column, select, union_all, update
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from transports._logsafe import safe_logger
@@ -54,6 +57,8 @@ class Leases:
         self._share: int | None = None  # None until the first maintain() counted the live relays
         self._lock = threading.Lock()
         self._prepared = False
+        self._forget_at = datetime.min.replace(tzinfo=UTC)
+        """When relays long dead are next forgotten (``_heartbeat``)."""
         self._released = False
         """``release_all`` ran: a shared renewal (``maintain(conn)``) leaves it alone."""
 
@@ -134,28 +139,45 @@ class Leases:
 
     def _heartbeat(self, conn: Connection, now: datetime, expires: datetime
                    ) -> tuple[list[str], list[tuple[int, int]]]:
-        """This relay's heartbeat; the live relays, and the leases it renewed (shard, epoch)."""
+        """This relay's heartbeat; the live relays, and the leases it renewed (shard, epoch).
+
+        Three statements a round (a fleet runs them for every tenant every
+        TTL/3): the heartbeat, one read of the live relays with the stored
+        shard count, the renewal. Relays dead for ten TTLs are forgotten once
+        per TTL, not every round: no share counts them either way.
+        """
         relays = self._tables.relays
         conn.execute(self._upsert(relays, "worker_id", {"heartbeat_at": now}),
                      {"worker_id": self.worker_id, "heartbeat_at": now})
-        conn.execute(delete(relays).where(  # long dead (killed): forget them
-            relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
-        live = list(conn.scalars(select(relays.c.worker_id).where(
-            relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
-        meta = self._tables.meta
-        stored = conn.scalar(select(meta.c.value).where(meta.c.name == "shard_count"))
-        if stored is not None and int(stored) != self.shards:
+        if now >= self._forget_at:  # long dead (killed): forget them
+            conn.execute(delete(relays).where(relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
+            self._forget_at = now + timedelta(seconds=self.ttl)
+        live, stored = self._members(conn, now)
+        if stored is not None and stored != self.shards:
             # Resharded under a running relay (the guard was passed, or a relay
             # started meanwhile): serving the old split could give one key two
             # shards, so stop serving anything and say why.
             self._owned, self._surplus = {}, 0
             raise SchemaError(
-                f"the stored shard count changed from {self.shards} to {int(stored)} "
+                f"the stored shard count changed from {self.shards} to {stored} "
                 f"while relay {self.worker_id} ran (outbox init-db --reshard): it "
                 "stops; restart it to serve the new split")
         # Only leases this object took: a namesake's leases from an earlier
         # process expire and are taken afresh, with a new epoch.
         return live, (self._renew(conn, expires) if self._owned else [])
+
+    def _members(self, conn: Connection, now: datetime) -> tuple[list[str], int | None]:
+        """The live relays (heartbeat within one TTL) and the stored shard count, in one query."""
+        relays, meta = self._tables.relays, self._tables.meta
+        relay, count = literal_column("0", Integer()), literal_column("1", Integer())
+        rows = conn.execute(union_all(
+            select(relay.label("kind"), relays.c.worker_id.label("value")).where(
+                relays.c.heartbeat_at > now - timedelta(seconds=self.ttl)),
+            select(count, meta.c.value).where(meta.c.name == "shard_count"),
+        )).all()
+        live = [value for kind, value in rows if kind == 0]
+        stored = [int(value) for kind, value in rows if kind == 1]
+        return live, (stored[0] if stored else None)
 
     def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
         leases = self._tables.leases
