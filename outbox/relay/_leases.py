@@ -21,9 +21,21 @@ from __future__ import annotations
 
 import threading
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Integer, Table, delete, literal_column, select, union_all, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Integer,
+    Table,
+    bindparam,
+    delete,
+    literal_column,
+    select,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from transports._logsafe import safe_logger
@@ -147,8 +159,7 @@ class Leases:
         per TTL, not every round: no share counts them either way.
         """
         relays = self._tables.relays
-        conn.execute(self._upsert(relays, "worker_id", {"heartbeat_at": now}),
-                     {"worker_id": self.worker_id, "heartbeat_at": now})
+        conn.execute(self._beat, {"worker_id": self.worker_id, "heartbeat_at": now})
         if now >= self._forget_at:  # long dead (killed): forget them
             conn.execute(delete(relays).where(relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
             self._forget_at = now + timedelta(seconds=self.ttl)
@@ -166,28 +177,56 @@ class Leases:
         # process expire and are taken afresh, with a new epoch.
         return live, (self._renew(conn, expires) if self._owned else [])
 
-    def _members(self, conn: Connection, now: datetime) -> tuple[list[str], int | None]:
-        """The live relays (heartbeat within one TTL) and the stored shard count, in one query."""
+    # The statements of every round are built once (with bind parameters), not at every round: a
+    # fleet runs them for each tenant, and building them cost as much as executing them.
+
+    @cached_property
+    def _beat(self) -> Any:
+        """The heartbeat: insert this relay's row, or set its ``heartbeat_at``."""
+        relays = self._tables.relays
+        if self._mysql:
+            ins = mysql.insert(relays)
+            return ins.on_duplicate_key_update(heartbeat_at=ins.inserted.heartbeat_at)
+        module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        pins = module.insert(relays)
+        return pins.on_conflict_do_update(index_elements=[relays.c.worker_id],
+                                          set_={"heartbeat_at": pins.excluded.heartbeat_at})
+
+    @cached_property
+    def _members_query(self) -> Any:
         relays, meta = self._tables.relays, self._tables.meta
         relay, count = literal_column("0", Integer()), literal_column("1", Integer())
-        rows = conn.execute(union_all(
+        return union_all(
             select(relay.label("kind"), relays.c.worker_id.label("value")).where(
-                relays.c.heartbeat_at > now - timedelta(seconds=self.ttl)),
+                relays.c.heartbeat_at > bindparam("live_after")),
             select(count, meta.c.value).where(meta.c.name == "shard_count"),
-        )).all()
+        )
+
+    @cached_property
+    def _renewals(self) -> tuple[Any, Any]:
+        """Renew this relay's leases of the shards it took (RETURNING them), and on MySQL/MariaDB
+        the locking read of what it renewed."""
+        leases = self._tables.leases
+        mine = (leases.c.owner == bindparam("me"), leases.c.shard.in_(bindparam("shards", expanding=True)))
+        renew = update(leases).where(*mine).values(expires_at=bindparam("expires"))
+        if not self._mysql:
+            return renew.returning(leases.c.shard, leases.c.epoch), None
+        return renew, select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
+
+    def _members(self, conn: Connection, now: datetime) -> tuple[list[str], int | None]:
+        """The live relays (heartbeat within one TTL) and the stored shard count, in one query."""
+        rows = conn.execute(self._members_query, {"live_after": now - timedelta(seconds=self.ttl)}).all()
         live = [value for kind, value in rows if kind == 0]
         stored = [int(value) for kind, value in rows if kind == 1]
         return live, (stored[0] if stored else None)
 
     def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
-        leases = self._tables.leases
-        mine = (leases.c.owner == self.worker_id, leases.c.shard.in_(list(self._owned)))
-        renew = update(leases).where(*mine).values(expires_at=expires)
-        if not self._mysql:
-            return [(s, e) for s, e in conn.execute(renew.returning(leases.c.shard, leases.c.epoch))]
-        conn.execute(renew)
-        locked = select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
-        return [(s, e) for s, e in conn.execute(locked)]
+        renew, locked = self._renewals
+        mine = {"me": self.worker_id, "shards": sorted(self._owned)}
+        if locked is None:
+            return [(s, e) for s, e in conn.execute(renew, {**mine, "expires": expires})]
+        conn.execute(renew, {**mine, "expires": expires})
+        return [(s, e) for s, e in conn.execute(locked, mine)]
 
     def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
         leases = self._tables.leases
