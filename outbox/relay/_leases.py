@@ -5,7 +5,10 @@ one TTL) split ``outbox.shards`` evenly, by sorted worker id, so every relay
 computes the same share for everybody. A relay takes free or expired shards up
 to its share (the epoch goes up by one on every take-over), gives back shards
 above its share, and renews what it holds every TTL/3. The epoch is the fencing
-token every "mark published" carries (see ``_sql``).
+token every "mark published" carries (see ``_sql``). A renewal is three
+statements (heartbeat; the live relays with the stored shard count, whose
+change stops the relay; the renewal), the same on every dialect: a fleet runs
+them for each of its tenants (``outbox.tenants._renewal``).
 
 Giving shards back happens between batches (``release_surplus``, called by the
 relay's worker thread), so a shard is never released under a batch in flight;
@@ -17,10 +20,22 @@ threads.
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table, delete, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Integer,
+    Table,
+    bindparam,
+    delete,
+    literal_column,
+    select,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from transports._logsafe import safe_logger
@@ -54,6 +69,8 @@ class Leases:
         self._share: int | None = None  # None until the first maintain() counted the live relays
         self._lock = threading.Lock()
         self._prepared = False
+        self._forget_at = datetime.min.replace(tzinfo=UTC)
+        """When relays long dead are next forgotten (``_heartbeat``)."""
         self._released = False
         """``release_all`` ran: a shared renewal (``maintain(conn)``) leaves it alone."""
 
@@ -134,38 +151,82 @@ class Leases:
 
     def _heartbeat(self, conn: Connection, now: datetime, expires: datetime
                    ) -> tuple[list[str], list[tuple[int, int]]]:
-        """This relay's heartbeat; the live relays, and the leases it renewed (shard, epoch)."""
+        """This relay's heartbeat; the live relays, and the leases it renewed (shard, epoch).
+
+        Three statements a round (a fleet runs them for every tenant every
+        TTL/3): the heartbeat, one read of the live relays with the stored
+        shard count, the renewal. Relays dead for ten TTLs are forgotten once
+        per TTL, not every round: no share counts them either way.
+        """
         relays = self._tables.relays
-        conn.execute(self._upsert(relays, "worker_id", {"heartbeat_at": now}),
-                     {"worker_id": self.worker_id, "heartbeat_at": now})
-        conn.execute(delete(relays).where(  # long dead (killed): forget them
-            relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
-        live = list(conn.scalars(select(relays.c.worker_id).where(
-            relays.c.heartbeat_at > now - timedelta(seconds=self.ttl))))
-        meta = self._tables.meta
-        stored = conn.scalar(select(meta.c.value).where(meta.c.name == "shard_count"))
-        if stored is not None and int(stored) != self.shards:
+        conn.execute(self._beat, {"worker_id": self.worker_id, "heartbeat_at": now})
+        if now >= self._forget_at:  # long dead (killed): forget them
+            conn.execute(delete(relays).where(relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
+            self._forget_at = now + timedelta(seconds=self.ttl)
+        live, stored = self._members(conn, now)
+        if stored is not None and stored != self.shards:
             # Resharded under a running relay (the guard was passed, or a relay
             # started meanwhile): serving the old split could give one key two
             # shards, so stop serving anything and say why.
             self._owned, self._surplus = {}, 0
             raise SchemaError(
-                f"the stored shard count changed from {self.shards} to {int(stored)} "
+                f"the stored shard count changed from {self.shards} to {stored} "
                 f"while relay {self.worker_id} ran (outbox init-db --reshard): it "
                 "stops; restart it to serve the new split")
         # Only leases this object took: a namesake's leases from an earlier
         # process expire and are taken afresh, with a new epoch.
         return live, (self._renew(conn, expires) if self._owned else [])
 
-    def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
+    # The statements of every round are built once (with bind parameters), not at every round: a
+    # fleet runs them for each tenant, and building them cost as much as executing them.
+
+    @cached_property
+    def _beat(self) -> Any:
+        """The heartbeat: insert this relay's row, or set its ``heartbeat_at``."""
+        relays = self._tables.relays
+        if self._mysql:
+            ins = mysql.insert(relays)
+            return ins.on_duplicate_key_update(heartbeat_at=ins.inserted.heartbeat_at)
+        module = postgresql if self._engine.dialect.name == "postgresql" else sqlite
+        pins = module.insert(relays)
+        return pins.on_conflict_do_update(index_elements=[relays.c.worker_id],
+                                          set_={"heartbeat_at": pins.excluded.heartbeat_at})
+
+    @cached_property
+    def _members_query(self) -> Any:
+        relays, meta = self._tables.relays, self._tables.meta
+        relay, count = literal_column("0", Integer()), literal_column("1", Integer())
+        return union_all(
+            select(relay.label("kind"), relays.c.worker_id.label("value")).where(
+                relays.c.heartbeat_at > bindparam("live_after")),
+            select(count, meta.c.value).where(meta.c.name == "shard_count"),
+        )
+
+    @cached_property
+    def _renewals(self) -> tuple[Any, Any]:
+        """Renew this relay's leases of the shards it took (RETURNING them), and on MySQL/MariaDB
+        the locking read of what it renewed."""
         leases = self._tables.leases
-        mine = (leases.c.owner == self.worker_id, leases.c.shard.in_(list(self._owned)))
-        renew = update(leases).where(*mine).values(expires_at=expires)
+        mine = (leases.c.owner == bindparam("me"), leases.c.shard.in_(bindparam("shards", expanding=True)))
+        renew = update(leases).where(*mine).values(expires_at=bindparam("expires"))
         if not self._mysql:
-            return [(s, e) for s, e in conn.execute(renew.returning(leases.c.shard, leases.c.epoch))]
-        conn.execute(renew)
-        locked = select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
-        return [(s, e) for s, e in conn.execute(locked)]
+            return renew.returning(leases.c.shard, leases.c.epoch), None
+        return renew, select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
+
+    def _members(self, conn: Connection, now: datetime) -> tuple[list[str], int | None]:
+        """The live relays (heartbeat within one TTL) and the stored shard count, in one query."""
+        rows = conn.execute(self._members_query, {"live_after": now - timedelta(seconds=self.ttl)}).all()
+        live = [value for kind, value in rows if kind == 0]
+        stored = [int(value) for kind, value in rows if kind == 1]
+        return live, (stored[0] if stored else None)
+
+    def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
+        renew, locked = self._renewals
+        mine = {"me": self.worker_id, "shards": sorted(self._owned)}
+        if locked is None:
+            return [(s, e) for s, e in conn.execute(renew, {**mine, "expires": expires})]
+        conn.execute(renew, {**mine, "expires": expires})
+        return [(s, e) for s, e in conn.execute(locked, mine)]
 
     def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
         leases = self._tables.leases

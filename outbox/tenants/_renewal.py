@@ -5,24 +5,28 @@ blocks on the broker never lets them lapse. A fleet does the same once per
 database, not per tenant: every renewal interval (TTL/3) one thread takes the
 tenants of its database, sorted by schema, ``RENEW_CHUNK`` at a time, and
 renews each one's leases (heartbeat, renew, take up to the fair share) inside
-one transaction, each tenant in a savepoint of it. 500 tenants of one
-database cost 16 commits every interval instead of 500 transactions on the
-workers, and the workers' turns are batches only, so polls no longer need to
-come every renewal interval to keep idle tenants' leases.
+one transaction. 500 tenants of one database cost 16 commits every interval
+instead of 500 transactions on the workers, and the workers' turns are
+batches only, so polls no longer need to come every renewal interval to keep
+idle tenants' leases.
 
-A tenant whose leases cannot be renewed for a reason of its own (its tables
-dropped, the database resharded) has the error handed to its next turn,
-which fails the tenant as if its step had raised it. A database outage is told
+What a round costs is what an idle fleet costs most: three statements a
+tenant (``Leases._heartbeat``), and no savepoint around each. A tenant whose
+leases cannot be renewed for a reason of its own (its tables dropped, the
+database resharded) rolls its chunk back, and the chunk is renewed again
+tenant by tenant, each in a savepoint, so that its failure undoes none of the
+others' renewals. The error is handed to its next turn, which fails the
+tenant as if its step had raised it. A database outage is told
 to the database's gate (logged once); its tenants' steps probe it. A tenant
 that took new shards (or must give some back) is woken.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
@@ -30,6 +34,7 @@ from transports._logsafe import safe_logger
 
 from ..core._engine import worker_engine
 from ..core._outage import is_database_outage
+from ..relay import RelayStep
 from ._schedule import Schedule
 from ._units import FleetDatabase, Unit
 
@@ -81,36 +86,58 @@ class LeaseRenewal:
                            key=lambda unit: unit.tenant.schema or "")
         shared = engine.dialect.name != "sqlite"  # pysqlite's savepoints are not to be trusted
         for start in range(0, len(units), RENEW_CHUNK):
-            with engine.connect() as conn, _transaction(conn, shared):
-                for unit in units[start:start + RENEW_CHUNK]:
-                    self._renew(conn, unit, shared)
+            chunk = [(unit, unit.step) for unit in units[start:start + RENEW_CHUNK]]
+            held = [set(step.leases.owned()) if step is not None else set() for _, step in chunk]
+            with engine.connect() as conn:
+                if not shared:
+                    renewed = [self._alone(conn, unit, step, conn.begin) for unit, step in chunk]
+                elif (together := _together(conn, chunk)) is not None:
+                    renewed = together
+                else:  # one tenant's own failure undid the chunk: again, each tenant in a savepoint
+                    with conn.begin():
+                        renewed = [self._alone(conn, unit, step, conn.begin_nested) for unit, step in chunk]
+            for (unit, step), before, after in zip(chunk, held, renewed, strict=True):
+                if step is not None and after is not None and (set(after) - before or step.leases.surplus):
+                    self._schedule.wake(unit)  # new shards to serve, or surplus to give back
 
-    def _renew(self, conn: Connection, unit: Unit, shared: bool) -> None:
-        step = unit.step
-        if step is None:
-            return
-        schema = unit.tenant.schema
-        conn.execution_options(schema_translate_map={None: schema} if schema is not None else None)
-        before = set(step.leases.owned())
+    def _alone(self, conn: Connection, unit: Unit, step: RelayStep | None,
+               begin: Callable[[], Any]) -> dict[int, int] | None:
+        """``unit``'s leases renewed in a transaction (or savepoint) of their own; None if it failed."""
         try:
-            with conn.begin_nested() if shared else conn.begin():
-                after = step.maintain_leases(conn)
+            with begin():
+                return _maintain(conn, unit, step)
         except Exception as exc:
             if is_database_outage(exc):
                 raise
             unit.lease_failure = exc  # its next turn fails the tenant with it
             self._schedule.wake(unit)
-            return
-        if set(after) - before or step.leases.surplus:
-            self._schedule.wake(unit)  # new shards to serve, or surplus to give back
+            return None
 
 
-@contextlib.contextmanager
-def _transaction(conn: Connection, shared: bool) -> Iterator[None]:
-    """One transaction around the chunk (its tenants in savepoints), or none: each tenant begins its own."""
-    if not shared:
-        yield
-        return
-    with conn.begin():
-        yield
+def _together(conn: Connection, chunk: list[tuple[Unit, RelayStep | None]]
+              ) -> list[dict[int, int] | None] | None:
+    """The chunk's leases renewed in one transaction, without a savepoint each; None if a tenant failed.
+
+    Its statements are the heartbeat, the live relays and the renewal
+    (``Leases._heartbeat``); a savepoint and its release would add two. A
+    tenant's failure rolls the chunk back, to be renewed again tenant by
+    tenant; a database outage is raised.
+    """
+    try:
+        with conn.begin():
+            return [_maintain(conn, unit, step) for unit, step in chunk]
+    except Exception as exc:
+        if is_database_outage(exc):
+            raise
+        return None
+
+
+def _maintain(conn: Connection, unit: Unit, step: RelayStep | None) -> dict[int, int] | None:
+    """``step``'s leases renewed on ``conn``, under its tenant's schema; None without a step."""
+    if step is None:
+        return None
+    schema = unit.tenant.schema
+    conn.execution_options(schema_translate_map={None: schema} if schema is not None else None)
+    return step.maintain_leases(conn)
+
 
