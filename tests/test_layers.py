@@ -102,7 +102,7 @@ def test_the_lower_packages_import_only_the_floors_below_them(floor: str) -> Non
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 123
+PRIVATE_IMPORTS_IN_TESTS = 125
 """Imports of a private module of ``outbox``/``transports`` by the tests (benchmarks aside).
 
 What stays has no public equivalent, because the test's subject is that module: the wire format and
@@ -112,7 +112,8 @@ NOTIFY payload (``_notify``), the timing wheel, outage classification and backof
 ``inbox._outage``), dialect helpers (``_pg_arrays``, ``_mysql``, ``_engine``, ``_statements``,
 ``_schema``'s version), the inbox's runner stages that the model test plays itself
 (``inbox._delivery``, ``_offsets``, ``_schedule``), inbox settings and sessions, relay statements,
-leases, rows and its writer thread, the Spark session's Kafka-source jar lookup and the audit
+leases and the tenant fleet's lease renewal (its statements per round), rows and its writer thread,
+the Spark session's Kafka-source jar lookup and the audit
 summary's wire verdict (``spark._session``, ``spark._report``: tested apart from a Spark run),
 the worker commands' stop latch, the inbox's partition checks,
 the event registry (emptied for each docs page), housekeeping, Spark, console, CLI and ops internals; and

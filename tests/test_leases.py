@@ -4,13 +4,12 @@ forgetting of relays long dead (``outbox.relay._leases``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox, SchemaError, create_engine
-from outbox.core._envelope import utcnow
 from outbox.relay._leases import Leases
 
 
@@ -37,8 +36,9 @@ def relays(outbox: Outbox) -> list[str]:
 def test_live_relays_split_the_shards_and_the_long_dead_are_forgotten(outbox: Outbox) -> None:
     t = outbox.tables.relays
     with engine_of(outbox).begin() as conn:  # a relay killed 11 TTLs ago, one that beat 2 TTLs ago
-        conn.execute(sa.insert(t), [{"worker_id": "dead", "heartbeat_at": utcnow() - timedelta(seconds=330)},
-                                    {"worker_id": "gone", "heartbeat_at": utcnow() - timedelta(seconds=60)}])
+        now = datetime.now(UTC)
+        conn.execute(sa.insert(t), [{"worker_id": "dead", "heartbeat_at": now - timedelta(seconds=330)},
+                                    {"worker_id": "gone", "heartbeat_at": now - timedelta(seconds=60)}])
     first = Leases(engine_of(outbox), outbox.tables, 4, "a", ttl=30)
     assert len(first.maintain()) == 4  # alone among the live: every shard
     assert relays(outbox) == ["a", "gone"]  # the long dead forgotten, the merely dead kept
