@@ -222,6 +222,13 @@ class CommitsFailing(ScriptedSource):
         super().close()
 
 
+def _until(condition: Callable[[], object], thread: threading.Thread, deadline: float) -> None:
+    """Wait for ``condition`` while the inbox's thread runs, failing at ``deadline`` (monotonic)."""
+    while not condition():
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
+
+
 def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
     """The inbox logged one broker outage: one line when it began, one when it ended."""
     lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
@@ -242,13 +249,9 @@ def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while source.failed < 5:  # a few commit intervals, many empty polls between them
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.failed >= 5, thread, deadline)  # a few commit intervals, many empty polls
         source.down = False
-        while not source.commits:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.commits, thread, deadline)
     finally:
         inbox.stop()
         thread.join(30)
@@ -296,17 +299,11 @@ def test_a_revocation_in_a_broker_outage_does_not_end_the_outage(
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while source.failed < 3:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.failed >= 3, thread, deadline)
         source.revoke = [(TOPIC, 0)]
-        while not source.unconfirmed or source.failed < 6:  # the revocation, then the outage goes on
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.unconfirmed and source.failed >= 6, thread, deadline)  # revoked; still down
         source.down = False
-        while not source.commits:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.commits, thread, deadline)
     finally:
         inbox.stop()
         thread.join(30)
@@ -346,13 +343,9 @@ def test_a_commit_outage_that_ends_in_a_revoke_is_not_taken_for_its_end(
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while source.failed < 2:  # the commit outage, logged
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.failed >= 2, thread, deadline)  # the commit outage, logged
         source.revoke = [(TOPIC, 0)]  # the session expired: the group took the partition away
-        while source.revoke is not None:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
+        _until(lambda: source.revoke is None, thread, deadline)
         time.sleep(1.5)  # commit intervals with nothing to commit, many polls within the grace
         source.why = "group coordinator out of reach for 10s, state wait-broker-transport"
         time.sleep(0.5)
