@@ -357,9 +357,10 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     engine = create_engine(postgres_db)
     outbox = Outbox(engine, shards=4)
     outbox.create_tables()
-    log = tmp_path / "relays.log"
-    args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic)
-    first = start_cli_relay(postgres_db, kafka, log, "--worker-id", "frozen", *args)
+    logs = {name: tmp_path / f"{name}.log" for name in ("frozen", "taker")}
+    args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic,
+            "--log-level", "INFO")  # the take-overs and the marks of committed rows too
+    first = start_cli_relay(postgres_db, kafka, logs["frozen"], "--worker-id", "frozen", *args)
     second = None
     written = 0
     done = threading.Event()
@@ -377,7 +378,7 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     try:
         wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
         first.send_signal(signal.SIGSTOP)
-        second = start_cli_relay(postgres_db, kafka, log, "--worker-id", "taker", *args)
+        second = start_cli_relay(postgres_db, kafka, logs["taker"], "--worker-id", "taker", *args)
         wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
         # The zombie resumes once the new owner has committed and marked rows of its own.
         taken_at = len(rows(outbox, status="published"))
@@ -385,6 +386,9 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
         first.send_signal(signal.SIGCONT)
         writing.join(120)
         wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", 0.5)
+    except AssertionError:
+        print(relays_state(outbox, kafka, progress_topic, logs))  # a failure in CI names its cause
+        raise
     finally:
         done.set()
         first.send_signal(signal.SIGCONT)
@@ -402,6 +406,44 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     for record in on_wire:
         in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
     assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in in_wire_order.values())
-    print("\n" + "".join(line for line in log.read_text().splitlines(keepends=True)
+    print("\n" + "".join(line for log in logs.values() for line in log.read_text().splitlines(keepends=True)
                          if "fenced" in line or "lost shard" in line))
     engine.dispose()
+
+
+def relays_state(outbox: Outbox, kafka: str, progress_topic: str, logs: dict[str, Path]) -> str:
+    """What a relay that publishes nothing may be waiting on: the leases, the pending rows per shard,
+    each shard's committed progress, the database sessions in a transaction or waiting for a lock,
+    and each relay's log."""
+    m, t = outbox.tables.messages, outbox.tables.leases
+    lines = ["", "== leases (shard, owner, epoch, expires_at) and the database's now"]
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        lines += [repr(tuple(lease)) for lease in conn.execute(sa.select(t).order_by(t.c.shard))]
+        lines.append(repr(conn.scalar(sa.text("SELECT now()"))))
+        lines.append("== pending rows per shard (count, first id, most attempts, last due, an error)")
+        lines += [repr(tuple(row)) for row in conn.execute(
+            sa.select(m.c.shard, sa.func.count(), sa.func.min(m.c.id), sa.func.max(m.c.attempts),
+                      sa.func.max(m.c.available_at), sa.func.max(m.c.last_error))
+            .where(m.c.status == "pending").group_by(m.c.shard).order_by(m.c.shard))]
+        lines.append("== sessions in a transaction or waiting (pid, state, wait, blocked by, since, query)")
+        lines += [repr(tuple(row)) for row in conn.execute(sa.text(
+            "SELECT pid, state, wait_event_type || ':' || wait_event, pg_blocking_pids(pid), xact_start,"
+            " left(query, 120) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND (xact_start IS NOT NULL OR wait_event_type = 'Lock')"))]
+    incarnation = outbox.load_schema(outbox.engine).incarnation  # type: ignore[arg-type]
+    lines.append("== each shard's last committed progress record")
+    transport = KafkaTransport(bootstrap_servers=kafka)
+    try:
+        for shard in range(outbox.shards):
+            key = f"outbox-{incarnation}-{shard}".encode()
+            try:
+                found: Any = transport.last_committed(progress_topic, shard, key, 10.0)
+            except Exception as exc:  # what the take-over would meet too
+                found = f"unreadable: {exc}"
+            lines.append(f"shard {shard}: {found!r}")
+    finally:
+        transport.close()
+    for name, log in logs.items():
+        lines += [f"== relay {name}'s log", log.read_text() if log.exists() else "(none)"]
+    return "\n".join(lines)
+
