@@ -447,3 +447,67 @@ def relays_state(outbox: Outbox, kafka: str, progress_topic: str, logs: dict[str
         lines += [f"== relay {name}'s log", log.read_text() if log.exists() else "(none)"]
     return "\n".join(lines)
 
+
+def test_a_relay_frozen_inside_its_mark_does_not_hold_the_relay_that_takes_its_shards(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay frozen between its mark's UPDATE and its COMMIT (SIGSTOP, a VM stall) holds the rows'
+    locks, and the relay that takes its shards must mark those very rows (its take-over marks what
+    the frozen one's transaction committed to Kafka): it would wait on them, its leases renewed and
+    nothing published, until the frozen one resumes. The database ends a relay's transaction left
+    idle for a lease TTL (``RelayStatements.end_if_idle``): the frozen one's marks are undone, the
+    taker marks them and goes on."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    keys = [f"k{i % 4}" for i in range(40)]
+    publish(outbox, topic, keys)
+    frozen, thaw, stop = threading.Event(), threading.Event(), threading.Event()
+    zombie = relay(outbox, kafka, True, progress_topic, lease_ttl=1.0, worker_id="zombie")
+    sql = zombie._step._batch.sql
+    real_published = sql.published
+
+    def published_then_freeze(*args: Any, **kwargs: Any) -> Any:
+        marked = real_published(*args, **kwargs)
+        if threading.current_thread().name == "zombie":  # its rows locked, its COMMIT not sent
+            frozen.set()
+            thaw.wait(120)
+        return marked
+
+    monkeypatch.setattr(sql, "published", published_then_freeze)
+    ended: list[BaseException | None] = []
+
+    def run_zombie() -> None:
+        try:
+            zombie.run_once()
+            ended.append(None)
+        except BaseException as exc:  # its connection ended under it
+            ended.append(exc)
+
+    worker = threading.Thread(target=run_zombie, name="zombie", daemon=True)
+    worker.start()
+    taker = relay(outbox, kafka, True, progress_topic, lease_ttl=1.0, worker_id="taker")
+
+    def run_taker() -> None:
+        while not stop.is_set():
+            taker.run_once()
+            time.sleep(0.05)
+
+    taking = threading.Thread(target=run_taker, name="taker", daemon=True)
+    try:
+        assert frozen.wait(90)  # its batch committed to Kafka, its mark's rows locked
+        taking.start()
+        wait_for(lambda: not rows(outbox, status="pending"), 60, "the taker marking every row", 0.2)
+    finally:
+        thaw.set()  # without the bound, the taker waits for this
+        stop.set()
+        worker.join(60)
+        taking.join(60)
+    taker.close()
+    zombie.close()
+    # The database ended its transaction (idle_in_transaction_session_timeout).
+    assert isinstance(ended[0], sa.exc.DBAPIError) and getattr(ended[0].orig, "sqlstate", None) == "25P03"
+    assert {lease.owner for lease in leases(outbox)} == {None}
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1
+    engine.dispose()

@@ -120,6 +120,12 @@ class PostgresRelayStatements(RelayStatements):
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
         return {"now": now, "limit": limit, "busy": int_array(busy)}
 
+    def end_if_idle(self, conn: sa.Connection, seconds: float) -> None:
+        """``idle_in_transaction_session_timeout`` for this transaction alone (``SET LOCAL``): the
+        connection may be the application's too (a shared engine), whose own transactions keep theirs."""
+        ms = max(1, round(seconds * 1000))
+        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+
     def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
               per_row: dict[str, Any]) -> int:
         m, leases = self._m, self._leases
