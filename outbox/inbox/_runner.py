@@ -216,6 +216,8 @@ class Runner:
             return
         if self._revoked_in_poll:
             self._commits_failing = False  # no news of the broker: the next commit tells
+            log.info("an offset commit waited for a rebalance that waited for this consumer's poll (%s): "
+                     "no broker outage; the revoked partitions' positions stay uncommitted", unanswered)
         else:
             self.broker.failed(unanswered)
 
