@@ -348,12 +348,15 @@ def test_no_schedule_of_crashes_between_the_steps_duplicates_or_loses_a_message(
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.parametrize("where", ["anywhere", "inside-a-mark"])
 def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
-        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path, where: str) -> None:
     """`outbox relay --exactly-once` SIGSTOPped while batches flow, past its lease; a second
     relay takes its shards; the first is resumed (SIGCONT). Read committed: every message once,
     in seq order per key. (The in-process zombie test above pins the batch in flight; here the
-    freeze lands wherever the process is.)"""
+    freeze lands wherever the process is, or, ``inside-a-mark``, while its mark's transaction is
+    open with the rows locked: the taker held every lease and published nothing for 120 s until
+    the server ended such a transaction, ``RelayStatements.end_if_idle``.)"""
     engine = create_engine(postgres_db)
     outbox = Outbox(engine, shards=4)
     outbox.create_tables()
@@ -377,7 +380,10 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     writing.start()
     try:
         wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
-        first.send_signal(signal.SIGSTOP)
+        if where == "anywhere":
+            first.send_signal(signal.SIGSTOP)
+        else:
+            wait_for(lambda: freeze_inside_a_mark(first, engine), 120, "a freeze inside a mark", 0.001)
         second = start_cli_relay(postgres_db, kafka, logs["taker"], "--worker-id", "taker", *args)
         wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
         # The zombie resumes once the new owner has committed and marked rows of its own.
@@ -409,6 +415,27 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     print("\n" + "".join(line for log in logs.values() for line in log.read_text().splitlines(keepends=True)
                          if "fenced" in line or "lost shard" in line))
     engine.dispose()
+
+
+MARKING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+           "AND state = 'idle in transaction' AND query LIKE 'UPDATE%outbox_messages%'")
+
+
+def freeze_inside_a_mark(process: subprocess.Popen, engine: sa.Engine) -> bool:
+    """SIGSTOP ``process`` if a mark's transaction is open (its UPDATE run, its COMMIT not sent); whether
+    the freeze landed there (else it is resumed: the COMMIT went out first)."""
+    def marking() -> bool:  # a transaction of its own each: pg_stat_activity is read once per transaction
+        with engine.connect() as conn:
+            return bool(conn.scalar(sa.text(MARKING)))
+
+    if not marking():
+        return False
+    process.send_signal(signal.SIGSTOP)
+    time.sleep(0.3)
+    if marking():
+        return True
+    process.send_signal(signal.SIGCONT)
+    return False
 
 
 def relays_state(outbox: Outbox, kafka: str, progress_topic: str, logs: dict[str, Path]) -> str:
