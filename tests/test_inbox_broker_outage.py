@@ -24,6 +24,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outbox import CommitUnconfirmedError, Inbox, RetriableTransportError, TransportError, create_engine
+from outbox.core._errors import CommitUnansweredError
 from outbox.testing import LocalKafka
 from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, record
 from tests.test_inbox_runner import ScriptedSource, at
@@ -236,12 +237,16 @@ def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
         "the broker unavailable", "the broker available again"], lines
 
 
+@pytest.mark.parametrize("error", [
+    RetriableTransportError("offset commit failed: Local: Waiting for coordinator"),
+    # No poll after it serves a revocation: the broker is gone, as told at the poll after each.
+    CommitUnansweredError("offset commit failed: no answer within 10s (the group coordinator out of reach)"),
+], ids=["refused", "unanswered"])
 def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
-    sqlite_db: str, caplog: pytest.LogCaptureFixture
+    sqlite_db: str, caplog: pytest.LogCaptureFixture, error: Exception
 ) -> None:
     inbox = _inbox(sqlite_db)
-    source = CommitsFailing([at(record(TOPIC, "a", 1), 0, 0)],
-                            RetriableTransportError("offset commit failed: Local: Waiting for coordinator"))
+    source = CommitsFailing([at(record(TOPIC, "a", 1), 0, 0)], error)
     source.down = True
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
     thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
@@ -257,6 +262,65 @@ def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
         thread.join(30)
     assert_one_outage_logged(caplog)
     assert source.commits == [{(TOPIC, 0): 1}]
+
+
+class RebalanceBehindThePoll(ScriptedSource):
+    """librdkafka under the classic protocol, as the failover campaign's logs show it: a rebalance
+    begun while ``rebalancing`` holds each commit until the consumer's next poll serves its revoke,
+    so the commit's bounded wait gives up first (``CommitUnansweredError``); a commit inside that
+    revoke meets the first one still waiting. Once the revoke is served, commits are answered."""
+
+    def __init__(self, records: list) -> None:  # type: ignore[type-arg]
+        super().__init__(records)
+        self.rebalancing = False
+        self.unanswered = 0
+        self.serving = False
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        self.serving = self.revoke is not None
+        try:
+            return super().poll(max_records, timeout)
+        finally:
+            if self.serving:
+                self.serving = self.rebalancing = False  # the rebalance went on once its revoke was served
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        if not self.rebalancing:
+            return super().commit(offsets)
+        self.unanswered += 1
+        if self.serving:
+            raise CommitUnansweredError("offset commit failed: an earlier commit still waits for the group "
+                                        "coordinator")
+        self.revoke = [(TOPIC, 0), (TOPIC, 1)]  # what the rebalance waits for this consumer to serve
+        time.sleep(0.05)
+        raise CommitUnansweredError("offset commit failed: no answer within 10s (the group coordinator out "
+                                    "of reach)")
+
+
+def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failover campaign's inboxes logged "the broker unavailable (... no answer within 10s ...)"
+    and "available again after 0.0s" at each rebalance that began while work was in flight: the
+    commit waited for the revoke that only the next poll serves. The broker never stopped
+    answering: nothing is logged, and the next commit goes through."""
+    inbox = _inbox(sqlite_db)
+    source = RebalanceBehindThePoll([at(record(TOPIC, "a", 1), 0, 0), at(record(TOPIC, "b", 1), 1, 0)])
+    source.rebalancing = True
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        _until(lambda: source.unanswered >= 2 and not source.rebalancing, thread, deadline)
+        source.pending = [at(record(TOPIC, "c", 1), 0, 1)]  # reassigned: the consumer goes on
+        _until(lambda: source.commits, thread, deadline)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()] == []
+    assert source.commits == [{(TOPIC, 0): 2}]
 
 
 class RevokedDuringOutage(CommitsFailing):

@@ -3,6 +3,8 @@ forgetting of relays long dead (``outbox.relay._leases``)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -60,3 +62,60 @@ def test_a_changed_shard_count_stops_a_running_relay(outbox: Outbox) -> None:
     with pytest.raises(SchemaError, match="changed from 4 to 8"):
         leases.maintain()
     assert leases.owned() == {}
+
+
+def test_a_relay_frozen_inside_its_renewal_does_not_hold_the_relay_that_takes_its_shards(
+        postgres_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay frozen between its renewal's UPDATE and its COMMIT (SIGSTOP, a VM stall) holds its lease
+    rows locked: the relay that takes them once they expired would wait on them for as long as it
+    sleeps. PostgreSQL ends a lease transaction left idle for a TTL (``Leases._locking``)."""
+    engine = create_engine(postgres_db)
+    box = Outbox(engine, shards=2)
+    box.create_tables()
+    zombie = Leases(engine, box.tables, 2, "zombie", ttl=1.0)
+    assert zombie.maintain() == {0: 1, 1: 1}
+    frozen, thaw = threading.Event(), threading.Event()
+    real_renew = zombie._renew
+
+    def renew_then_freeze(conn: sa.Connection, expires: datetime) -> list[tuple[int, int]]:
+        renewed = real_renew(conn, expires)
+        frozen.set()  # its lease rows locked, its COMMIT not sent
+        thaw.wait(60)
+        return renewed
+
+    monkeypatch.setattr(zombie, "_renew", renew_then_freeze)
+    ended: list[BaseException | None] = []
+
+    def run_zombie() -> None:
+        try:
+            zombie.maintain()
+            ended.append(None)
+        except BaseException as exc:  # its connection ended under it
+            ended.append(exc)
+
+    worker = threading.Thread(target=run_zombie, daemon=True)
+    worker.start()
+    taker = Leases(engine, box.tables, 2, "taker", ttl=1.0)
+    taken: list[dict[int, int]] = []
+    stop = threading.Event()
+
+    def take() -> None:
+        while not stop.is_set() and len(taken[-1] if taken else {}) < 2:
+            taken.append(taker.maintain())
+            stop.wait(0.2)
+
+    taking = threading.Thread(target=take, daemon=True)
+    try:
+        assert frozen.wait(30)
+        taking.start()
+        deadline = time.monotonic() + 20
+        while not (taken and len(taken[-1]) == 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert taken and taken[-1] == {0: 2, 1: 2}, f"the taker holds {taken[-1] if taken else None}"
+    finally:
+        thaw.set()  # without the bound, the taker waits for this
+        stop.set()
+        worker.join(30)
+        taking.join(30)
+    assert isinstance(ended[0], sa.exc.DBAPIError) and getattr(ended[0].orig, "sqlstate", None) == "25P03"
+    engine.dispose()

@@ -348,18 +348,22 @@ def test_no_schedule_of_crashes_between_the_steps_duplicates_or_loses_a_message(
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.parametrize("where", ["anywhere", "inside-a-mark"])
 def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
-        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+        postgres_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path, where: str) -> None:
     """`outbox relay --exactly-once` SIGSTOPped while batches flow, past its lease; a second
     relay takes its shards; the first is resumed (SIGCONT). Read committed: every message once,
     in seq order per key. (The in-process zombie test above pins the batch in flight; here the
-    freeze lands wherever the process is.)"""
+    freeze lands wherever the process is, or, ``inside-a-mark``, while its mark's transaction is
+    open with the rows locked: the taker held every lease and published nothing for 120 s until
+    the server ended such a transaction, ``RelayStatements.end_if_idle``.)"""
     engine = create_engine(postgres_db)
     outbox = Outbox(engine, shards=4)
     outbox.create_tables()
-    log = tmp_path / "relays.log"
-    args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic)
-    first = start_cli_relay(postgres_db, kafka, log, "--worker-id", "frozen", *args)
+    logs = {name: tmp_path / f"{name}.log" for name in ("frozen", "taker")}
+    args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic,
+            "--log-level", "INFO")  # the take-overs and the marks of committed rows too
+    first = start_cli_relay(postgres_db, kafka, logs["frozen"], "--worker-id", "frozen", *args)
     second = None
     written = 0
     done = threading.Event()
@@ -376,8 +380,11 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     writing.start()
     try:
         wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
-        first.send_signal(signal.SIGSTOP)
-        second = start_cli_relay(postgres_db, kafka, log, "--worker-id", "taker", *args)
+        if where == "anywhere":
+            first.send_signal(signal.SIGSTOP)
+        else:
+            wait_for(lambda: freeze_inside_a_mark(first, engine), 120, "a freeze inside a mark", 0.001)
+        second = start_cli_relay(postgres_db, kafka, logs["taker"], "--worker-id", "taker", *args)
         wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
         # The zombie resumes once the new owner has committed and marked rows of its own.
         taken_at = len(rows(outbox, status="published"))
@@ -385,6 +392,9 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
         first.send_signal(signal.SIGCONT)
         writing.join(120)
         wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published", 0.5)
+    except AssertionError:
+        print(relays_state(outbox, kafka, progress_topic, logs))  # a failure in CI names its cause
+        raise
     finally:
         done.set()
         first.send_signal(signal.SIGCONT)
@@ -402,6 +412,129 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     for record in on_wire:
         in_wire_order.setdefault(record.key or b"", []).append(int(dict(record.headers)[SEQ]))
     assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in in_wire_order.values())
-    print("\n" + "".join(line for line in log.read_text().splitlines(keepends=True)
+    print("\n" + "".join(line for log in logs.values() for line in log.read_text().splitlines(keepends=True)
                          if "fenced" in line or "lost shard" in line))
+    engine.dispose()
+
+
+MARKING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+           "AND state = 'idle in transaction' AND query LIKE 'UPDATE%outbox_messages%'")
+
+
+def freeze_inside_a_mark(process: subprocess.Popen, engine: sa.Engine) -> bool:
+    """SIGSTOP ``process`` if a mark's transaction is open (its UPDATE run, its COMMIT not sent); whether
+    the freeze landed there (else it is resumed: the COMMIT went out first)."""
+    def marking() -> bool:  # a transaction of its own each: pg_stat_activity is read once per transaction
+        with engine.connect() as conn:
+            return bool(conn.scalar(sa.text(MARKING)))
+
+    if not marking():
+        return False
+    process.send_signal(signal.SIGSTOP)
+    time.sleep(0.3)
+    if marking():
+        return True
+    process.send_signal(signal.SIGCONT)
+    return False
+
+
+def relays_state(outbox: Outbox, kafka: str, progress_topic: str, logs: dict[str, Path]) -> str:
+    """What a relay that publishes nothing may be waiting on: the leases, the pending rows per shard,
+    each shard's committed progress, the database sessions in a transaction or waiting for a lock,
+    and each relay's log."""
+    m, t = outbox.tables.messages, outbox.tables.leases
+    lines = ["", "== leases (shard, owner, epoch, expires_at) and the database's now"]
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        lines += [repr(tuple(lease)) for lease in conn.execute(sa.select(t).order_by(t.c.shard))]
+        lines.append(repr(conn.scalar(sa.text("SELECT now()"))))
+        lines.append("== pending rows per shard (count, first id, most attempts, last due, an error)")
+        lines += [repr(tuple(row)) for row in conn.execute(
+            sa.select(m.c.shard, sa.func.count(), sa.func.min(m.c.id), sa.func.max(m.c.attempts),
+                      sa.func.max(m.c.available_at), sa.func.max(m.c.last_error))
+            .where(m.c.status == "pending").group_by(m.c.shard).order_by(m.c.shard))]
+        lines.append("== sessions in a transaction or waiting (pid, state, wait, blocked by, since, query)")
+        lines += [repr(tuple(row)) for row in conn.execute(sa.text(
+            "SELECT pid, state, wait_event_type || ':' || wait_event, pg_blocking_pids(pid), xact_start,"
+            " left(query, 120) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND (xact_start IS NOT NULL OR wait_event_type = 'Lock')"))]
+    incarnation = outbox.load_schema(outbox.engine).incarnation  # type: ignore[arg-type]
+    lines.append("== each shard's last committed progress record")
+    transport = KafkaTransport(bootstrap_servers=kafka)
+    try:
+        for shard in range(outbox.shards):
+            key = f"outbox-{incarnation}-{shard}".encode()
+            try:
+                found: Any = transport.last_committed(progress_topic, shard, key, 10.0)
+            except Exception as exc:  # what the take-over would meet too
+                found = f"unreadable: {exc}"
+            lines.append(f"shard {shard}: {found!r}")
+    finally:
+        transport.close()
+    for name, log in logs.items():
+        lines += [f"== relay {name}'s log", log.read_text() if log.exists() else "(none)"]
+    return "\n".join(lines)
+
+
+def test_a_relay_frozen_inside_its_mark_does_not_hold_the_relay_that_takes_its_shards(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay frozen between its mark's UPDATE and its COMMIT (SIGSTOP, a VM stall) holds the rows'
+    locks, and the relay that takes its shards must mark those very rows (its take-over marks what
+    the frozen one's transaction committed to Kafka): it would wait on them, its leases renewed and
+    nothing published, until the frozen one resumes. The database ends a relay's transaction left
+    idle for a lease TTL (``RelayStatements.end_if_idle``): the frozen one's marks are undone, the
+    taker marks them and goes on."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    keys = [f"k{i % 4}" for i in range(40)]
+    publish(outbox, topic, keys)
+    frozen, thaw, stop = threading.Event(), threading.Event(), threading.Event()
+    zombie = relay(outbox, kafka, True, progress_topic, lease_ttl=1.0, worker_id="zombie")
+    sql = zombie._step._batch.sql
+    real_published = sql.published
+
+    def published_then_freeze(*args: Any, **kwargs: Any) -> Any:
+        marked = real_published(*args, **kwargs)
+        if threading.current_thread().name == "zombie":  # its rows locked, its COMMIT not sent
+            frozen.set()
+            thaw.wait(120)
+        return marked
+
+    monkeypatch.setattr(sql, "published", published_then_freeze)
+    ended: list[BaseException | None] = []
+
+    def run_zombie() -> None:
+        try:
+            zombie.run_once()
+            ended.append(None)
+        except BaseException as exc:  # its connection ended under it
+            ended.append(exc)
+
+    worker = threading.Thread(target=run_zombie, name="zombie", daemon=True)
+    worker.start()
+    taker = relay(outbox, kafka, True, progress_topic, lease_ttl=1.0, worker_id="taker")
+
+    def run_taker() -> None:
+        while not stop.is_set():
+            taker.run_once()
+            time.sleep(0.05)
+
+    taking = threading.Thread(target=run_taker, name="taker", daemon=True)
+    try:
+        assert frozen.wait(90)  # its batch committed to Kafka, its mark's rows locked
+        taking.start()
+        wait_for(lambda: not rows(outbox, status="pending"), 60, "the taker marking every row", 0.2)
+    finally:
+        thaw.set()  # without the bound, the taker waits for this
+        stop.set()
+        worker.join(60)
+        taking.join(60)
+    taker.close()
+    zombie.close()
+    # The database ended its transaction (idle_in_transaction_session_timeout).
+    assert isinstance(ended[0], sa.exc.DBAPIError) and getattr(ended[0].orig, "sqlstate", None) == "25P03"
+    assert {lease.owner for lease in leases(outbox)} == {None}
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
+    assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1
     engine.dispose()

@@ -37,6 +37,17 @@ class RetriableTransportError(TransportError):
     """
 
 
+class CommitUnansweredError(RetriableTransportError):
+    """An offset commit got no answer in time (or an earlier one still waits for its answer).
+
+    Either the group's coordinator is out of reach (an outage), or librdkafka holds
+    the commit behind a rebalance that waits for this consumer's own next poll to
+    serve its revoke: the commit blocks that poll, so nothing moves until the wait
+    gives up. Only what the next poll does tells the two apart (``outbox.inbox``'s
+    runner: a revocation served there was what the commit waited for).
+    """
+
+
 class CommitRefusedError(TransportError):
     """The broker refused an offset commit because the group is rebalancing or moved on.
 

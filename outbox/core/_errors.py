@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from transports._errors import (
     CommitRefusedError,
+    CommitUnansweredError,
     CommitUnconfirmedError,
     ConfigurationError,
     InvalidTopicError,
@@ -23,6 +24,7 @@ from transports._errors import (
 
 __all__ = [
     "CommitRefusedError",
+    "CommitUnansweredError",
     "CommitUnconfirmedError",
     "ConfigurationError",
     "InvalidContentTypeError",

@@ -20,6 +20,12 @@ after a capped backoff. A broker outage is logged once when it begins (a poll
 or an offset commit fails for want of a broker or coordinator, or the source
 says it cannot reach its group's coordinator: ``KafkaSource.unavailable``) and
 once when it ends (after a commit failed, only a commit that succeeds ends it).
+A commit that got no answer in time (``CommitUnansweredError``) is told at the
+next poll, unless that poll served a revocation: librdkafka held the commit
+behind a rebalance waiting for this very poll (the failover campaign's inboxes
+logged each such rebalance as an outage "available again after 0.0s"), so the
+broker was not down, and the revoked partitions' positions stay uncommitted
+(their next owner's redeliveries are dropped as duplicates).
 
 The loop runs on a thread of its own (``outbox.core._stopping``): the caller's
 thread only waits, so SIGTERM is seen at once even while librdkafka sits in
@@ -39,7 +45,12 @@ from transports import Record, Source
 from transports._logsafe import safe_logger
 
 from ..core._envelope import utcnow
-from ..core._errors import CommitRefusedError, CommitUnconfirmedError, RetriableTransportError
+from ..core._errors import (
+    CommitRefusedError,
+    CommitUnansweredError,
+    CommitUnconfirmedError,
+    RetriableTransportError,
+)
 from ..core._stopping import STOP_TIMEOUT, run_with_stop_bound
 from ._delivery import Delivery, Origin
 from ._metrics import InboxMetrics
@@ -106,6 +117,9 @@ class Runner:
         # A commit failed for want of a coordinator: the broker counts as down until one succeeds.
         # An empty poll proves nothing then (librdkafka returns one whether or not anything answers).
         self._commits_failing = False
+        # A commit with no answer in time, told at the next poll unless that poll revoked (module doc).
+        self._unanswered: CommitUnansweredError | None = None
+        self._revoked_in_poll = False
         # What the source says keeps the broker from serving it (``KafkaSource.unavailable``), if it can.
         self._unavailable: Callable[[], str | None] = getattr(source, "unavailable", lambda: None)
         # Whether the source sees its broker answer now (``KafkaSource.answering``), if it can tell:
@@ -175,11 +189,14 @@ class Runner:
         if time.monotonic() < self._poll_again_at:
             self.stop.wait(0.05)
             return []
+        self._revoked_in_poll = False
         try:
             records = self.source.poll(max_records, 0.1)
         except RetriableTransportError as exc:
             self._poll_again_at = time.monotonic() + self.broker.failed(exc)
             return []
+        finally:
+            self._settle_unanswered()
         problem = self._unavailable()
         if problem is not None:
             self.broker.failed(problem)
@@ -190,6 +207,19 @@ class Runner:
             # campaign's inboxes logged one outage of two nodes as two, each way).
             self.broker.answered()
         return records
+
+    def _settle_unanswered(self) -> None:
+        """After a poll: a commit left unanswered is an outage, unless the poll served a revocation
+        (the rebalance the commit waited for, module doc)."""
+        unanswered, self._unanswered = self._unanswered, None
+        if unanswered is None:
+            return
+        if self._revoked_in_poll:
+            self._commits_failing = False  # no news of the broker: the next commit tells
+            log.info("an offset commit waited for a rebalance that waited for this consumer's poll (%s): "
+                     "no broker outage; the revoked partitions' positions stay uncommitted", unanswered)
+        else:
+            self.broker.failed(unanswered)
 
     def _receive(self, records: list[Record]) -> None:
         """Decode a poll's records and hand them to the workers, tracked for the offset commit."""
@@ -232,6 +262,9 @@ class Runner:
                 log.warning("offset commit refused (%s); the positions stay uncommitted", exc)
             except CommitUnconfirmedError:
                 pass  # sent, answer later (the source logs a refusal): no news of the broker either way
+            except CommitUnansweredError as exc:
+                self._commits_failing = True
+                self._unanswered = exc  # the broker gone, or a rebalance behind the next poll: it tells
             except RetriableTransportError as exc:
                 self._commits_failing = True
                 self.broker.failed(exc)
@@ -245,6 +278,7 @@ class Runner:
             self.metrics.commit_lag(topic, partition, lag)
 
     def _on_revoke(self, partitions: Sequence[tuple[str, int]]) -> None:
+        self._revoked_in_poll = True
         gone = set(partitions)
         self.revoked |= gone
         try:

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -133,6 +134,7 @@ class BatchRunner:
         cloudevents: CloudEvents | None = None,
         writer: Writer | None = None,
         exactly_once: ExactlyOnce | None = None,
+        lease_ttl: float | None = None,
     ) -> None:
         self.engine, self.sql, self.transport, self.wheel = engine, sql, transport, wheel
         # Exactly-once mode: a transaction per shard instead of ``transport.publish`` (``_exactly_once``).
@@ -140,6 +142,8 @@ class BatchRunner:
         self.database_outage = database_outage
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
         self.worker_id, self.batch_size = worker_id, batch_size
+        # A mark's transaction left idle this long is ended by the database (``_marking``).
+        self._idle_limit = lease_ttl
         # Pipelining (PostgreSQL, inside Relay.run): earlier batches' outcomes are written
         # on a helper thread while this batch is fetched and sent (up to WRITES_IN_FLIGHT).
         # Their rows are excluded from the fetch ("busy") and the keys they stop (retried
@@ -273,7 +277,7 @@ class BatchRunner:
         n = len(ids)
         unknown: list[Any] = [None] * n  # their partitions and offsets are the broker's to say
         marks = Marks(ids, [shard] * n, [epoch] * n, {"kafka_partition": unknown, "kafka_offset": unknown})
-        with self.engine.begin() as conn:
+        with self._marking() as conn:
             self.sql.published(conn, self.worker_id, marks, utcnow())
             return self.sql.holds(conn, self.worker_id, shard, epoch)
 
@@ -306,7 +310,7 @@ class BatchRunner:
         """Write a batch's outcomes in one transaction; metrics and alerts after commit."""
         published, failed = plan.published, plan.failed
         known = published.ids  # rows known marked (exactly-once)
-        with self.engine.begin() as conn:
+        with self._marking() as conn:
             marked = self.sql.published(conn, self.worker_id, published, plan.now)
             self.sql.retried(conn, self.worker_id, plan.retried)
             self.sql.postponed(conn, self.worker_id, plan.postponed)
@@ -329,6 +333,22 @@ class BatchRunner:
                 "failed": len(newly_failed),
                 "fenced": fenced}
 
+    @contextmanager
+    def _marking(self) -> Iterator[Connection]:
+        """A transaction of marks that the database ends if this relay stalls inside it for a lease TTL.
+
+        Its rows stay locked until it commits, and the relay that takes the shards
+        of a relay frozen there (past its lease) marks the same rows: without the
+        bound it would wait, publishing nothing, for as long as the frozen one
+        sleeps (``RelayStatements.end_if_idle``). Ended, the marks are undone: the
+        rows stay pending, and the new owner marks (exactly-once: the committed
+        progress names them) or sends them.
+        """
+        with self.engine.begin() as conn:
+            if self._idle_limit is not None:
+                self.sql.end_if_idle(conn, self._idle_limit)
+            yield conn
+
     def _marked_under_held_leases(self, conn: Connection, published: Marks) -> list[int]:
         """The rows of ``published`` whose shard's lease this relay still holds (their mark committed)."""
         held = {(shard, epoch) for shard, epoch in set(zip(published.shards, published.epochs, strict=True))
@@ -349,7 +369,7 @@ class BatchRunner:
             raise error  # not a row's fault: the loop reports it
         failed = [(row, owned[row.shard], safe_reason(f"cannot be read: {reason}"))
                   for row, reason in found]
-        with self.engine.begin() as conn:
+        with self._marking() as conn:
             newly_failed = self._mark_failed(conn, failed)
         self._alert_failed(newly_failed)
         self.metrics.batch_duration.observe(time.perf_counter() - started)

@@ -20,6 +20,8 @@ threads.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
@@ -43,6 +45,7 @@ from transports._logsafe import safe_logger
 from ..core._envelope import utcnow
 from ..core._errors import SchemaError
 from ..core._tables import MYSQL_FAMILY, OutboxTables
+from ._sql import RelayStatements, statements_for
 
 log = safe_logger("outbox.relay.leases")
 
@@ -133,7 +136,7 @@ class Leases:
             now = utcnow()
             expires = now + timedelta(seconds=self.ttl)
             if conn is None:
-                with self._engine.begin() as own:
+                with self._locking() as own:
                     live, renewed = self._heartbeat(own, now, expires)
             else:
                 live, renewed = self._heartbeat(conn, now, expires)
@@ -148,6 +151,19 @@ class Leases:
             self._share = share
             self._surplus = max(0, len(held) - share)
             return dict(held)
+
+    @cached_property
+    def _statements(self) -> RelayStatements:
+        return statements_for(self._tables, self._engine.dialect.name)
+
+    @contextmanager
+    def _locking(self) -> Iterator[Connection]:
+        """A transaction of this relay's own that locks lease rows (and its heartbeat row), ended by
+        the database if the relay stalls inside it for a TTL: frozen there (SIGSTOP, a VM stall), it
+        would hold the relay that takes its expired leases (``RelayStatements.end_if_idle``)."""
+        with self._engine.begin() as conn:
+            self._statements.end_if_idle(conn, self.ttl)
+            yield conn
 
     def _heartbeat(self, conn: Connection, now: datetime, expires: datetime
                    ) -> tuple[list[str], list[tuple[int, int]]]:
@@ -231,7 +247,7 @@ class Leases:
     def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
         leases = self._tables.leases
         taken: dict[int, int] = {}
-        with self._engine.begin() as conn:
+        with self._locking() as conn:
             free = list(conn.scalars(
                 select(leases.c.shard)
                 .where((leases.c.owner.is_(None)) | (leases.c.expires_at < now))
@@ -266,7 +282,7 @@ class Leases:
         """
         leases = self._tables.leases
         expires = utcnow() + timedelta(seconds=self.ttl)
-        with self._engine.begin() as conn:
+        with self._locking() as conn:
             # MySQL's rowcount counts matched rows here (SQLAlchemy asks for found rows).
             renewed = conn.execute(update(leases).where(
                 leases.c.shard == shard, leases.c.owner == self.worker_id, leases.c.epoch == epoch,
@@ -296,7 +312,7 @@ class Leases:
     def _release(self, shards: list[int]) -> None:
         leases = self._tables.leases
         now = utcnow()
-        with self._engine.begin() as conn:
+        with self._locking() as conn:
             for shard in shards:
                 conn.execute(
                     update(leases)

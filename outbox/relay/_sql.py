@@ -49,6 +49,12 @@ from ._sql_shared import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_ma
 __all__ = ["ROW_COLUMNS", "Marks", "RelayStatements", "add_mark", "empty_marks", "statements_for"]
 
 
+IDLE_FLOOR = 5.0
+"""The fewest seconds a relay's transaction may sit idle before PostgreSQL ends it (``end_if_idle``):
+a lease TTL may be a fraction of a second, and on a loaded host a thread can wait that long for the
+CPU between two statements."""
+
+
 class PostgresRelayStatements(RelayStatements):
     """PostgreSQL: arrays as parameters, a fetch per shard merged in id order, pipelined batches."""
 
@@ -119,6 +125,13 @@ class PostgresRelayStatements(RelayStatements):
 
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
         return {"now": now, "limit": limit, "busy": int_array(busy)}
+
+    def end_if_idle(self, conn: sa.Connection, seconds: float) -> None:
+        """``idle_in_transaction_session_timeout`` for this transaction alone (``SET LOCAL``): the
+        connection may be the application's too (a shared engine), whose own transactions keep theirs.
+        Never below ``IDLE_FLOOR``: a busy host's scheduler must not end a relay that merely waited."""
+        ms = round(max(seconds, IDLE_FLOOR) * 1000)
+        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
 
     def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
               per_row: dict[str, Any]) -> int:

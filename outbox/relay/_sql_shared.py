@@ -146,6 +146,18 @@ class RelayStatements(abc.ABC):
         """What runs on the fetch's connection before the fetch (nothing but on PostgreSQL)."""
         return None
 
+    def end_if_idle(self, conn: Connection, seconds: float) -> None:
+        """Have the database end this transaction if the relay leaves it idle for ``seconds``.
+
+        A mark's rows stay locked until its COMMIT: a relay frozen between the two
+        (SIGSTOP, a VM or GC stall) past its lease would hold the relay that takes
+        its shards, which marks the same rows (the rows a committed transaction
+        carried, or the rows it sent again). Only PostgreSQL can bound the idle
+        time of one transaction (``idle_in_transaction_session_timeout``); elsewhere
+        nothing is done, and the taker waits until the frozen relay resumes or dies.
+        """
+        return None
+
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
         """``fetch``'s parameters: rows due at ``now``, ``limit`` of them, none of ``busy``.
 

@@ -116,7 +116,8 @@ class RelayStep:
             engine, self._sql, transport, self.wheel,
             backoff=settings.backoff, alert=alert, metrics=metrics, worker_id=worker_id,
             batch_size=settings.batch_size, database_outage=outages.database,
-            incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer)
+            incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer,
+            lease_ttl=settings.lease_ttl)
         if settings.exactly_once:
             topic = settings.progress_topic if sharing is None or not stored.incarnation else (
                 sharing.topic_for(stored.incarnation))

@@ -8,7 +8,8 @@ it retries the request for as long as that lasts (librdkafka issue #3740): the
 failover campaign on three Apache Kafka nodes saw an inbox's consumer loop sit
 in one commit for minutes, polling nothing and saying nothing. So the commit
 runs on a helper thread and the caller waits at most ``timeout`` seconds; a
-commit still waiting then is an outage (``RetriableTransportError``) and stays
+commit still waiting then is ``CommitUnansweredError`` (an outage, unless what it
+waited for was a rebalance behind the caller's next poll: see the error) and stays
 pending on its thread, and the next commit is refused at once until it ends
 (one commit in flight at a time, so a late answer never lands behind a newer
 commit). librdkafka is safe to call from several threads: the consumer goes on
@@ -23,7 +24,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from transports._errors import CommitRefusedError, RetriableTransportError, TransportError
+from transports._errors import (
+    CommitRefusedError,
+    CommitUnansweredError,
+    RetriableTransportError,
+    TransportError,
+)
 
 # A commit refused because the group moved on: nothing committed; the next owner replays.
 STALE_COMMIT = frozenset({
@@ -59,8 +65,8 @@ class BoundedCommits:
         """Commit ``positions`` through ``consumer``; raise as ``KafkaSource.commit`` documents."""
         pending = self._pending
         if pending is not None and pending.is_alive():
-            raise RetriableTransportError("offset commit failed: an earlier commit still waits for the "
-                                          "group coordinator")
+            raise CommitUnansweredError("offset commit failed: an earlier commit still waits for the "
+                                        "group coordinator")
         outcome: list[BaseException | None] = []
 
         def run() -> None:
@@ -75,8 +81,8 @@ class BoundedCommits:
         thread.join(self.timeout)
         if thread.is_alive():
             self._pending = thread
-            raise RetriableTransportError(f"offset commit failed: no answer within {self.timeout:g}s "
-                                          "(the group coordinator out of reach)")
+            raise CommitUnansweredError(f"offset commit failed: no answer within {self.timeout:g}s "
+                                        "(the group coordinator out of reach)")
         error = outcome[0] if outcome else None
         if error is None:
             return
