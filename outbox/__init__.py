@@ -7,6 +7,7 @@ from .core._engine import create_async_engine, create_engine
 from .core._envelope import Message, new_message_id
 from .core._errors import (
     CommitRefusedError,
+    CommitUnansweredError,
     CommitUnconfirmedError,
     ConfigurationError,
     InvalidContentTypeError,
@@ -56,6 +57,7 @@ __all__ = [
     "BatchResult",
     "CloudEvents",
     "CommitRefusedError",
+    "CommitUnansweredError",
     "CommitUnconfirmedError",
     "ConfigurationError",
     "DiscardRefusedError",

@@ -23,8 +23,14 @@ from collections.abc import Callable, Mapping
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outbox import CommitUnconfirmedError, Inbox, RetriableTransportError, TransportError, create_engine
-from outbox.core._errors import CommitUnansweredError
+from outbox import (
+    CommitUnansweredError,
+    CommitUnconfirmedError,
+    Inbox,
+    RetriableTransportError,
+    TransportError,
+    create_engine,
+)
 from outbox.testing import LocalKafka
 from tests.inbox_support import TOPIC, AlertLog, apply_effect, business, record
 from tests.test_inbox_runner import ScriptedSource, at
