@@ -10,10 +10,10 @@ after a failure, retries, replays: ``OneByOne``), so a failure rolls back
 only that call's writes. Either way a ``Budget`` may end the calls early:
 once the transaction is ``batch_budget`` seconds old, no handler starts, and
 what was not called is *deferred* to the next transaction (it is nobody's
-attempt); the first call always runs, so every transaction makes progress. A failure
-comes back as an ``Error`` for the settle stage; a database outage under the
-handler is raised as ``Outage``: the whole transaction is lost, and it is
-nobody's attempt.
+attempt); the first call always runs, so every transaction makes progress.
+A failure comes back as an ``Error`` for the settle stage; a database
+outage under the handler is raised as ``Outage``: the whole transaction is
+lost, and it is nobody's attempt.
 
 On an async inbox (``_sessions``) the call is the one thing that differs: the
 handler is called with the ``AsyncSession`` around the transaction's session
