@@ -391,3 +391,58 @@ def test_an_outage_while_parking_mid_run_keeps_the_failed_message_ahead_of_its_k
         2: Disposition.PARKED, 3: Disposition.PARKED, 4: Disposition.PARKED}
     assert [(p.seq, p.reason) for p in inbox.parked(TOPIC, "a")] == [
         (2, "failed"), (3, "key_parked"), (4, "key_parked")]
+
+
+def slow(pause: float, calls: list[int], fail: dict[int, int] | None = None):  # type: ignore[no-untyped-def]
+    """``failing_at`` that takes ``pause`` seconds per call, as a handler calling a service would."""
+    handle = failing_at(fail or {}, calls)
+
+    def slow_handle(session, message):  # type: ignore[no-untyped-def]
+        time.sleep(pause)
+        handle(session, message)
+    return slow_handle
+
+
+def test_a_slow_run_commits_what_ran_within_the_budget_and_the_rest_follows_at_once(
+    make_inbox: Callable[..., Inbox], engine: sa.Engine
+) -> None:
+    """A transaction starts no handler past ``batch_budget``: a slow handler's batch commits what
+    ran instead of holding its keys for ``batch_size`` calls; the rest comes back at once, in seq
+    order, counting no attempt, and its claims are given back."""
+    inbox = make_inbox(batch_budget=0.1)
+    calls: list[int] = []
+    inbox.handler(TOPIC)(for_inbox(inbox, slow(0.04, calls)))
+    settled = settle(inbox, run_of("a", 1, 10) + run_of("b", 1, 2))
+    ran = seqs(settled.done)
+    assert 1 <= len(ran) < 10 and ran == list(range(1, len(ran) + 1)), ran  # a's run, cut short
+    assert calls == ran  # nothing called twice, nothing called that did not apply
+    assert seqs(settled.later) == [*range(len(ran) + 1, 11), 1, 2]  # the rest of a, then b
+    assert {delay for _, delay in settled.later} == {0.0}
+    assert [d.attempts.count for d, _ in settled.later] == [0] * len(settled.later)
+    assert applied(engine) == [("a", seq) for seq in ran]
+    assert last_seq(inbox, engine, "a") == len(ran)
+    assert rows(inbox, engine, "inbox_messages") == ran  # the deferred ones hold no claim
+    assert drain(inbox, [d for d, _ in settled.later]) == {
+        **dict.fromkeys(range(len(ran) + 1, 11), Disposition.APPLIED), 1: Disposition.APPLIED,
+        2: Disposition.APPLIED}
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 11)]
+    assert applied(engine, "b") == [("b", 1), ("b", 2)]
+    assert sorted(calls) == sorted([*range(1, 11), 1, 2])  # each handler ran once
+
+
+def test_a_failure_in_a_slow_run_is_settled_as_without_a_budget(
+    make_inbox: Callable[..., Inbox], engine: sa.Engine
+) -> None:
+    """The budget changes how many messages a transaction runs, never what a failure at message k
+    does: the ones before k apply once, k is retried with one attempt counted, none after k ran."""
+    inbox = make_inbox(batch_budget=0.5)  # a slow handler, a budget that seq 2 fails within
+    calls: list[int] = []
+    inbox.handler(TOPIC)(for_inbox(inbox, slow(0.04, calls, {2: 1})))
+    settled = settle(inbox, run_of("a", 1, 6))
+    assert seqs(settled.done) == [1]
+    assert seqs(settled.later) == [2, 3, 4, 5, 6]
+    assert [d.attempts.count for d, _ in settled.later] == [1, 0, 0, 0, 0]
+    assert calls == [1, 2, 1]  # the redo reuses 2's failure
+    assert applied(engine, "a") == [("a", 1)]
+    assert drain(inbox, [d for d, _ in settled.later]) == dict.fromkeys(range(2, 7), Disposition.APPLIED)
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 7)]

@@ -159,3 +159,38 @@ def test_a_sweep_that_hangs_holds_up_no_poll(sqlite_db: str) -> None:
         inbox.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_slow_backlog_commits_in_budgets_and_applies_every_message_in_order(sqlite_db: str) -> None:
+    """``batch_budget`` through the whole loop: a key's backlog of a slow handler is applied in
+    several transactions (what did not fit goes back to its lane at once), each message once and
+    in seq order, and the partition's offsets are committed to its end."""
+    from outbox import create_engine
+
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group="runner", concurrency=1, batch_budget=0.05, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    commits: list[int] = []
+    sa.event.listen(engine, "commit", lambda conn: commits.append(1))
+
+    @inbox.handler(TOPIC)
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        time.sleep(0.01)
+        apply_effect(session, message)
+
+    source = ScriptedSource([at(record(TOPIC, "a", seq), 0, seq - 1) for seq in range(1, 31)])
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not any(c.get((TOPIC, 0)) == 30 for c in source.commits):
+            assert time.monotonic() < deadline, f"never committed to the end: {source.commits}"
+            time.sleep(0.01)
+    finally:
+        inbox.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 31)]
+    assert inbox.parked() == []
+    assert len(commits) >= 3  # one batch of 30 without the budget: ~0.3 s in one transaction

@@ -25,7 +25,7 @@ not_numbers = st.one_of(st.just(math.nan), st.just(math.inf), st.just(-math.inf)
 not_positive = st.one_of(not_numbers, st.floats(max_value=0.0, allow_nan=False), st.integers(max_value=0),
                          st.just(timedelta(0)), st.just(timedelta(seconds=-1)))
 
-SECONDS = {"gap_timeout": not_positive, "dedup_window": not_positive,
+SECONDS = {"gap_timeout": not_positive, "dedup_window": not_positive, "batch_budget": not_positive,
            "retry_backoff": st.one_of(not_numbers, st.floats(max_value=-1e-9, allow_nan=False)),
            "retry_backoff_max": st.one_of(not_numbers, st.integers(max_value=-1))}
 INTS = {"max_attempts": 100, "concurrency": 1024, "batch_size": 10_000}

@@ -142,7 +142,7 @@ def run(
     """Consume the inbox's topics until SIGTERM/SIGINT, then commit and leave the group.
 
     How many keys run at once and how many messages one transaction carries
-    are the app's Inbox(concurrency=..., batch_size=...): 8 and 100 unless it
+    are the app's Inbox(concurrency=..., batch_size=...): 8 and 500 unless it
     sets them (docs/consumer.md, "Choosing the settings").
 
     With ``--tenants`` and ``--tenant-header``, one consumer serves every

@@ -7,10 +7,13 @@ consecutive messages of one handler, so a key's order holds across types.
 A call runs either bare (the first pass over a batch: savepoints cost two
 round trips per message, ``AllAtOnce``) or in its own SAVEPOINT (the redo
 after a failure, retries, replays: ``OneByOne``), so a failure rolls back
-only that call's writes. A failure
-comes back as an ``Error`` for the settle stage; a database outage under the
-handler is raised as ``Outage``: the whole transaction is lost, and it is
-nobody's attempt.
+only that call's writes. Either way a ``Budget`` may end the calls early:
+once the transaction is ``batch_budget`` seconds old, no handler starts, and
+what was not called is *deferred* to the next transaction (it is nobody's
+attempt); the first call always runs, so every transaction makes progress.
+A failure comes back as an ``Error`` for the settle stage; a database
+outage under the handler is raised as ``Outage``: the whole transaction is
+lost, and it is nobody's attempt.
 
 On an async inbox (``_sessions``) the call is the one thing that differs: the
 handler is called with the ``AsyncSession`` around the transaction's session
@@ -44,7 +47,8 @@ from ._signals import ParkMessage
 from ._typed import TopicHandler, TopicHandlers
 
 __all__ = [
-    "AllAtOnce", "Error", "HandlerCalls", "Handlers", "OneByOne", "Redo", "TopicHandler", "TopicHandlers",
+    "AllAtOnce", "Budget", "Error", "HandlerCalls", "Handlers", "OneByOne", "Redo", "TopicHandler",
+    "TopicHandlers",
 ]
 
 Error = tuple[BaseException, str]
@@ -63,6 +67,27 @@ class Redo(Exception):
         self.error = error
 
 
+class Budget:
+    """When one transaction stops starting handlers: ``seconds`` after it began, once one ran.
+
+    None: never (an operator's replay runs what it was given). A batch of a
+    slow handler commits what ran instead of holding its transaction, and its
+    keys' locks, for ``batch_size`` calls.
+    """
+
+    def __init__(self, seconds: float | None) -> None:
+        self._ends = None if seconds is None else time.monotonic() + seconds
+        self._called = False
+
+    def called(self) -> None:
+        """A handler ran (or its failure was reused): the transaction made progress."""
+        self._called = True
+
+    def spent(self) -> bool:
+        """Whether no further handler may start in this transaction."""
+        return self._called and self._ends is not None and time.monotonic() >= self._ends
+
+
 class HandlerCalls:
     """Runs the registered handlers; safe from several threads (each call has its own session)."""
 
@@ -71,25 +96,37 @@ class HandlerCalls:
         self.metrics = metrics
         self.group = group
 
-    def unguarded(self, session: Session, fresh: list[Delivery]) -> None:
+    def unguarded(self, session: Session, fresh: list[Delivery], budget: Budget) -> set[uuid.UUID]:
         """Run the handlers without savepoints, a batch handler once per topic; ``Redo`` on a failure.
 
         ``fresh`` holds each key's messages in seq order; a batch handler gets them in that order.
+        Returns the ids of the messages not called because ``budget`` was spent: the tail of
+        each key's run, as calls go in ``fresh``'s order.
         """
         by_topic: dict[str, list[Delivery]] = {}
         for d in fresh:
             by_topic.setdefault(d.message.topic, []).append(d)
+        called: set[uuid.UUID] = set()
         for topic, group in by_topic.items():
             for handler, run in self._runs(topic, group):
+                if budget.spent():
+                    return {d.message.message_id for d in fresh} - called
                 if handler is not None and handler.batch and len(run) > 1:
                     error = self._call(session, topic, run, savepoint=False)
                     if error is not None:
                         raise Redo(None, error)  # which message failed is found by the redo
+                    budget.called()
+                    called.update(d.message.message_id for d in run)
                     continue
                 for d in run:
+                    if budget.spent():
+                        return {d.message.message_id for d in fresh} - called
                     error = self._call(session, topic, [d], savepoint=False)
                     if error is not None:
                         raise Redo(d, error)
+                    budget.called()
+                    called.add(d.message.message_id)
+        return set()
 
     def _runs(self, topic: str,
               group: list[Delivery]) -> Iterator[tuple[TopicHandler | None, list[Delivery]]]:
@@ -168,6 +205,9 @@ class Handlers(Protocol):
     def call(self, session: Session, fresh: list[Delivery]) -> None:
         """Before the run phase walks ``fresh``: the calls that need no SAVEPOINT."""
 
+    def deferred(self, d: Delivery) -> bool:
+        """Whether ``d`` waits for the next transaction: the budget was spent before its call."""
+
     def error(self, session: Session, d: Delivery) -> Error | None:
         """What ``d``'s handler raised, calling it now if it was not called yet."""
 
@@ -175,11 +215,16 @@ class Handlers(Protocol):
 class AllAtOnce:
     """The first pass over a batch: every handler called bare, ``Redo`` on the first failure."""
 
-    def __init__(self, calls: HandlerCalls) -> None:
+    def __init__(self, calls: HandlerCalls, budget: float | None = None) -> None:
         self.calls = calls
+        self.budget = Budget(budget)
+        self.unrun: set[uuid.UUID] = set()
 
     def call(self, session: Session, fresh: list[Delivery]) -> None:
-        self.calls.unguarded(session, fresh)
+        self.unrun |= self.calls.unguarded(session, fresh, self.budget)
+
+    def deferred(self, d: Delivery) -> bool:
+        return d.message.message_id in self.unrun
 
     def error(self, session: Session, d: Delivery) -> Error | None:
         return None  # a failure raised Redo in call()
@@ -188,15 +233,21 @@ class AllAtOnce:
 class OneByOne:
     """The redo, retries and replays: each handler in its own SAVEPOINT; a failure rolls back only it."""
 
-    def __init__(self, calls: HandlerCalls, known: dict[uuid.UUID, Error]) -> None:
+    def __init__(self, calls: HandlerCalls, known: dict[uuid.UUID, Error],
+                 budget: float | None = None) -> None:
         self.calls = calls
         self.known = known
         """Failures met by the first pass: reused, not run again."""
+        self.budget = Budget(budget)
 
     def call(self, session: Session, fresh: list[Delivery]) -> None:
         pass
 
+    def deferred(self, d: Delivery) -> bool:
+        return self.budget.spent()
+
     def error(self, session: Session, d: Delivery) -> Error | None:
+        self.budget.called()
         return self.known.get(d.message.message_id) or self.calls.one(session, d)
 
 

@@ -38,6 +38,9 @@ class Committed:
     parked: list[Parked] = field(default_factory=list)
     blocked: list[Delivery] = field(default_factory=list)
     """Later messages of a failed message's key: not run, they wait for it, in seq order."""
+    deferred: list[Delivery] = field(default_factory=list)
+    """Not run because the transaction's budget was spent: for the next transaction at once, each
+    key's in seq order, no attempt counted (``_calls.Budget``)."""
     conflicts: list[tuple[OrderedDelivery, Verdict]] = field(default_factory=list)
     """New ids met at or below their key's last seq, and what became of each (``_conflicts``)."""
 

@@ -41,7 +41,7 @@ from ._places import Place, tenant_session_engine, tenant_tables
 from ._registration import HandlerRegistration
 from ._runner import Decode, Runner
 from ._sessions import sessions_for, warn_small_pool
-from ._settings import DEFAULT_BATCH_SIZE, InboxSettings
+from ._settings import DEFAULT_BATCH_BUDGET, DEFAULT_BATCH_SIZE, InboxSettings
 from ._settle import settle_alone
 from ._signals import Disposition
 from ._tenant_options import checked_refresh
@@ -69,10 +69,13 @@ class Inbox(HandlerRegistration, ParkedOperations):
     functions given an ``AsyncSession``, awaited on the inbox's own event loop
     inside the same transaction, under the same rules (``_sessions``).
     ``concurrency`` worker threads handle different keys in
-    parallel; one transaction carries up to ``batch_size`` messages (100
+    parallel; one transaction carries up to ``batch_size`` messages (500
     unless given), of several keys or a run of one busy key's consecutive
     messages, so a message costs a share of a commit, not a commit of its
-    own; a transaction takes what is ready and never waits to fill
+    own; a transaction takes what is ready and never waits to fill, and
+    starts no handler after ``batch_budget`` seconds (1 unless given): it
+    commits what ran, the rest follows in the next one, so a slow handler
+    does not hold one transaction for ``batch_size`` calls
     (docs/consumer.md, "Choosing the settings").
     ``start`` is where a key first met past seq 1 starts (``StartPolicy``),
     and what a rebuilt producer (a new incarnation counting its seqs again)
@@ -109,6 +112,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
         alert: AlertSink | Callable[..., None] | None = None,
         concurrency: int = 8,
         batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_budget: timedelta | float = DEFAULT_BATCH_BUDGET,
         gap_timeout: timedelta | float = 60.0,
         gap_alert_after: timedelta | float | None = None,
         retry_backoff: float = 0.1,
@@ -129,9 +133,10 @@ class Inbox(HandlerRegistration, ParkedOperations):
     ) -> None:
         self.settings = settings = InboxSettings.of(
             group=group, max_attempts=max_attempts, concurrency=concurrency, batch_size=batch_size,
-            gap_timeout=gap_timeout, gap_alert_after=gap_alert_after, retry_backoff=retry_backoff,
-            retry_backoff_max=retry_backoff_max, foreign_records=foreign_records, start=start,
-            dedup_window=dedup_window, unknown_event=unknown_event)
+            batch_budget=batch_budget, gap_timeout=gap_timeout, gap_alert_after=gap_alert_after,
+            retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
+            foreign_records=foreign_records, start=start, dedup_window=dedup_window,
+            unknown_event=unknown_event)
         self.unknown_event = settings.unknown_event
         alert = LoggingAlertSink() if alert is None else alert
         if not callable(alert):

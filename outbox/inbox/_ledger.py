@@ -85,6 +85,10 @@ class Ledger:
         self.committed.failed.append(failure)
         self.committed.blocked.extend(blocked)
 
+    def deferred(self, deliveries: list[Delivery]) -> None:
+        """``deliveries`` were not run, the budget being spent: the next transaction takes them."""
+        self.committed.deferred.extend(deliveries)
+
     def advanced(self, lane: KeyId, last_seq: int, incarnation: str | None) -> None:
         """The key applied up to ``last_seq``; ``incarnation`` when its producer's changed."""
         self._new_seqs[lane] = last_seq

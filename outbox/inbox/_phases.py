@@ -14,7 +14,8 @@ the handler once per message. One round:
 3. **run** calls the handlers (``_calls.AllAtOnce`` or ``OneByOne``): a
    message whose handler returned is *applied* (or skipped); one that failed
    comes back in ``Committed.failed`` and the rest of its key is not run
-   (``Committed.blocked``);
+   (``Committed.blocked``); once the transaction's budget is spent, what was
+   not called comes back in ``Committed.deferred`` with the rest of its key;
 4. **advance** moves each key to its last applied seq and gives back the
    claims of what did not apply;
 5. **successors** fetches the held messages that are next now: they join the
@@ -296,6 +297,11 @@ class Transaction:
 
     def _run(self, run: list[Delivery]) -> list[Delivery]:
         for n, d in enumerate(run):
+            if self.handlers.deferred(d):
+                # The budget was spent: the rest of the key goes to the next transaction, unclaimed.
+                self.ledger.deferred(run[n:] + self.lanes.stop(d))
+                self.lost.extend(run[n:])
+                return run[:n]
             error = self.handlers.error(self.session, d)
             if error is not None and not isinstance(error[0], SkipMessage):
                 # Nothing after a failure may apply: the rest of the key waits for it.

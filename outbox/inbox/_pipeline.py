@@ -40,7 +40,7 @@ def build_pipeline(sessions: Sessions, storage: InboxStorage, handlers: Mapping[
                    settings: InboxSettings, alerter: Alerter, outages: OutageLog) -> Pipeline:
     """The stages of the inbox of ``settings`` on ``sessions``, alerting and counting through ``alerter``."""
     step = TransactionStep(sessions, storage, handlers, alerter.metrics, settings.start,
-                           settings.dedup_window)
+                           settings.dedup_window, settings.batch_budget)
     settler = Settler(step, alerter, outages, max_attempts=settings.max_attempts,
                       wait=tenacity.wait_exponential_jitter(multiplier=settings.retry_backoff,
                                                             max=settings.retry_backoff_max,

@@ -19,9 +19,12 @@ from ._kinds import ForeignRecords, StartPolicy, UnknownEvents
 MAX_ATTEMPTS = 100
 MAX_CONCURRENCY = 1024
 MAX_BATCH_SIZE = 10_000
-DEFAULT_BATCH_SIZE = 100
+DEFAULT_BATCH_SIZE = 500
 """Messages per transaction unless told: a per-message handler's run of one key, or many keys'
 heads, share one lock, claim, advance and commit (docs/consumer.md, "Choosing the settings")."""
+DEFAULT_BATCH_BUDGET = 1.0
+"""Seconds after which a transaction starts no more handlers unless told: what bounds a batch of
+a slow handler, whatever ``batch_size`` allows (docs/consumer.md, "Choosing the settings")."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class InboxSettings:
     """Keys worked on at once (1 to 1024)."""
     batch_size: int = DEFAULT_BATCH_SIZE
     """Messages per transaction at most (1 to 10,000); a batch takes what is ready, it never waits to fill."""
+    batch_budget: float = DEFAULT_BATCH_BUDGET
+    """Seconds a transaction starts handlers for: past it, the transaction commits what ran and the
+    rest of its batch follows in the next one (its first handler always runs)."""
     gap_timeout: float = 60.0
     """Seconds a held message waits for its predecessor before its key parks (reason ``gap``)."""
     gap_alert_after: float | None = None
@@ -56,7 +62,8 @@ class InboxSettings:
 
     @classmethod
     def of(cls, *, group: str, max_attempts: int = 3, concurrency: int = 8,
-           batch_size: int = DEFAULT_BATCH_SIZE, gap_timeout: timedelta | float = 60.0,
+           batch_size: int = DEFAULT_BATCH_SIZE,
+           batch_budget: timedelta | float = DEFAULT_BATCH_BUDGET, gap_timeout: timedelta | float = 60.0,
            gap_alert_after: timedelta | float | None = None,
            retry_backoff: float = 0.1, retry_backoff_max: float = 5.0,
            foreign_records: ForeignRecords | ForeignEnvelope | str = ForeignRecords.PARK,
@@ -76,7 +83,8 @@ class InboxSettings:
             raise ConfigurationError(f"start must be one of {[p.value for p in StartPolicy]}, "
                                      f"got {start!r}") from None
         return cls(group=group, max_attempts=max_attempts, concurrency=concurrency,
-                   batch_size=batch_size, gap_timeout=_as_seconds(gap_timeout),
+                   batch_size=batch_size, batch_budget=_as_seconds(batch_budget),
+                   gap_timeout=_as_seconds(gap_timeout),
                    gap_alert_after=None if gap_alert_after is None else _as_seconds(gap_alert_after),
                    retry_backoff=retry_backoff, retry_backoff_max=retry_backoff_max,
                    foreign_records=foreign, start=policy,
@@ -91,6 +99,8 @@ class InboxSettings:
         _int_in("max_attempts", self.max_attempts, MAX_ATTEMPTS)
         _int_in("concurrency", self.concurrency, MAX_CONCURRENCY)
         _int_in("batch_size", self.batch_size, MAX_BATCH_SIZE)
+        self._set("batch_budget", _seconds("batch_budget", self.batch_budget,
+                                           "positive seconds or a timedelta", lambda s: s > 0))
         gap = _seconds("gap_timeout", self.gap_timeout, "positive seconds or a timedelta", lambda s: s > 0)
         self._set("gap_timeout", gap)
         alert = gap / 2 if self.gap_alert_after is None else _seconds(

@@ -11,6 +11,8 @@ worker thread; ``Inbox.handle`` sleeps in its caller's thread.
   alert sink hears of it once.
 - ``RetryLater`` tries again after its delay and counts nothing.
 - ``ParkMessage`` parks at once.
+- What the transaction did not run because its budget was spent
+  (``Committed.deferred``) is tried again at once, counting nothing.
 - The messages of a key that a transaction did not run because one before
   them failed (``Committed.blocked``) wait as long as that one, and go back to
   their key right behind it: they count no attempt.
@@ -126,6 +128,8 @@ class Settler:
                 waits[lane_of(failure.delivery)] = 0.0  # parked first: then they park behind it
         # A key's messages behind its failed one wait as long as it does, and run after it.
         settled.later.extend((d, waits[lane_of(d)]) for d in committed.blocked)
+        # Not run for want of time (the transaction's budget): next, at once, nobody's attempt.
+        settled.later.extend((d, 0.0) for d in committed.deferred)
         return settled, to_park
 
     def after_park(self, d: Delivery, outcome: tuple[Disposition, Parked | None],

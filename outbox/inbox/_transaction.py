@@ -63,7 +63,8 @@ class TransactionStep:
 
     def __init__(self, sessions: Sessions, storage: InboxStorage,
                  handlers: Mapping[str, TopicHandlers], metrics: InboxMetrics,
-                 start: StartPolicy = StartPolicy.STRICT, dedup_window: float | None = None) -> None:
+                 start: StartPolicy = StartPolicy.STRICT, dedup_window: float | None = None,
+                 batch_budget: float | None = None) -> None:
         self.sessions = sessions
         self.storage = storage
         self.handlers = handlers
@@ -72,6 +73,8 @@ class TransactionStep:
         self.start = start
         self.dedup_window = dedup_window
         """Seconds after which this group's dedup records may be pruned; None: never."""
+        self.batch_budget = batch_budget
+        """Seconds an ``apply`` transaction starts handlers for (``_calls.Budget``); None: no end."""
 
     # -- apply ------------------------------------------------------------------
 
@@ -85,7 +88,9 @@ class TransactionStep:
         SAVEPOINT per message, reusing the failure instead of running the
         failed handler again (a failed batch-handler call has no single
         culprit: the redo calls it once per message to find it).
-        Either way the others commit. Raises what the database raised when the
+        Either way the others commit. Past ``batch_budget`` seconds no handler
+        starts: what was not called comes back in ``Committed.deferred``, for
+        the next transaction. Raises what the database raised when the
         transaction itself failed (``Outage`` among them).
         """
         known: dict[uuid.UUID, Error] = {}
@@ -93,11 +98,11 @@ class TransactionStep:
         # rather than a transaction rolled back and redone. A first try goes bare like a batch.
         if len(deliveries) > 1 or deliveries[0].attempts.count == 0:
             try:
-                return self._transaction(deliveries, AllAtOnce(self.calls))
+                return self._transaction(deliveries, AllAtOnce(self.calls, self.batch_budget))
             except Redo as redo:
                 if redo.delivery is not None:
                     known[redo.delivery.message.message_id] = redo.error
-        return self._transaction(deliveries, OneByOne(self.calls, known))
+        return self._transaction(deliveries, OneByOne(self.calls, known, self.batch_budget))
 
     def _transaction(self, deliveries: list[Delivery], handlers: Handlers) -> Committed:
         committed = self.sessions.run(self._commit, deliveries, handlers)

@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from outbox import Inbox, create_async_engine, create_engine
-from outbox.inbox._settings import DEFAULT_BATCH_SIZE
+from outbox.inbox._settings import DEFAULT_BATCH_BUDGET, DEFAULT_BATCH_SIZE
 from outbox.testing import local_postgres
 from tests.benchmarks._report import markdown_table, write_section
 from tests.inbox_support import async_url, business, dispose, effects, insert_effect, insert_effects, record
@@ -48,7 +48,7 @@ from transports.kafka import KafkaSource, embedded_kafka
 
 FAST_FETCH = {"fetch_max_wait_ms": 10, "session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
 OLD_DEFAULTS_MESSAGES = 8_000
-"""Messages of the run with the previous defaults (batch_size=1): a few hundred a second."""
+"""Messages of the run with the first defaults (batch_size=1): a few hundred a second."""
 
 
 def produce(servers: str, topic: str, messages: int, keys: int) -> None:
@@ -314,9 +314,10 @@ def main() -> None:
         "### The defaults against tuned settings",
         f"What a newcomer gets: `Inbox(create_engine(url), group=…)` with a per-message handler "
         f"inserting one row (the engine's own pool; `batch_size={DEFAULT_BATCH_SIZE}`, "
-        f"`concurrency=8`), {args.defaults_messages:,} messages over 1,000 keys already on the "
+        f"`concurrency=8`, `batch_budget={DEFAULT_BATCH_BUDGET:g} s`), {args.defaults_messages:,} "
+        f"messages over 1,000 keys already on the "
         f"broker, against a plain consumer committing once per message ({args.defaults_messages:,} "
-        f"messages), the previous defaults (`batch_size=1`, {OLD_DEFAULTS_MESSAGES:,} messages) "
+        f"messages), the first defaults (`batch_size=1`, {OLD_DEFAULTS_MESSAGES:,} messages) "
         f"and the per-message handler with each setting of `--tuned` (batch_size x concurrency, "
         f"engine pool concurrency + 4), one after the other in each round; load average (1 min) "
         f"at the end of each round.",
