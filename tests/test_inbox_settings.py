@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from outbox import ConfigurationError, Inbox
 from outbox.inbox import ForeignRecords, StartPolicy
-from outbox.inbox._settings import InboxSettings
+from outbox.inbox._settings import InboxSettings, in_flight_limits
 
 not_numbers = st.one_of(st.just(math.nan), st.just(math.inf), st.just(-math.inf), st.booleans(),
                         st.text(max_size=3), st.just([1.0]))
@@ -100,3 +100,11 @@ def test_the_defaults_a_newcomer_reads_are_the_defaults_the_inbox_has() -> None:
     shown = CliRunner().invoke(app, ["inbox", "run", "--help"], terminal_width=200)
     assert shown.exit_code == 0, shown.output
     assert f"{concurrency} and {batch_size} unless it sets them" in " ".join(shown.output.split())
+
+
+def test_the_default_batch_size_holds_no_more_deliveries_in_memory_than_before() -> None:
+    """500 a transaction runs 16,000 deliveries at most but holds no more than 100 a transaction did."""
+    assert in_flight_limits(8, 500) == (16_000, 64_000)
+    assert in_flight_limits(8, 100) == (3_200, 64_000)
+    assert in_flight_limits(1, 1) == (1_000, 20_000)
+    assert in_flight_limits(64, 1_000) == (256_000, 256_000)  # never fewer held than may run

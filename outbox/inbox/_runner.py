@@ -57,6 +57,7 @@ from ._metrics import InboxMetrics
 from ._offsets import OffsetTracker, TopicPartition
 from ._outage import OutageLog, is_outage
 from ._schedule import KeyScheduler
+from ._settings import in_flight_limits
 from ._settle import Settled
 
 log = safe_logger("outbox.inbox")
@@ -67,6 +68,7 @@ REVOKE_TIMEOUT = 30.0
 
 Decode = Callable[..., Delivery]
 """``decode(record, received_at=…, origin=…)``: a record as a delivery, never raising."""
+
 
 
 class Settles(Protocol):
@@ -105,10 +107,7 @@ class Runner:
         self.crash: BaseException | None = None
         self.scheduler = KeyScheduler(self._work, concurrency=concurrency, batch_size=batch_size,
                                       on_crash=self._crashed)
-        self.max_in_flight = max(1000, 4 * concurrency * batch_size)
-        # Deliveries queued behind keys that wait for a retry do not count against
-        # max_in_flight (they would stop the poll for every key); this bounds memory.
-        self.max_buffered = 20 * self.max_in_flight
+        self.max_in_flight, self.max_buffered = in_flight_limits(concurrency, batch_size)
         self.broker = OutageLog("the broker")
         self.database = OutageLog("the database (sweep)")
         self._sweeping: set[object] = set()

@@ -159,3 +159,19 @@ def _seconds(name: str, value: object, wanted: str, ok: Callable[[float], bool])
             or not ok(seconds)):
         raise ConfigurationError(f"{name} must be {wanted}, got {value!r}")
     return float(seconds)
+
+
+MAX_BUFFERED = 64_000
+"""Deliveries held in memory at most, whatever the settings: what ``batch_size=100, concurrency=8``
+allowed before ``batch_size`` became 500 by default (20 x 3,200), so the faster default did not
+raise the memory a consumer may hold five times (320,000 deliveries)."""
+
+
+def in_flight_limits(concurrency: int, batch_size: int) -> tuple[int, int]:
+    """The poll's limits: deliveries that can run, and deliveries held in all.
+
+    Deliveries queued behind keys that wait for a retry do not count against the
+    first (they would stop the poll for every key); the second bounds memory.
+    """
+    runnable = max(1000, 4 * concurrency * batch_size)
+    return runnable, max(runnable, min(20 * runnable, MAX_BUFFERED))
