@@ -195,7 +195,11 @@ class RelayStep:
 
         ``conn``: the heartbeat and renewals in the caller's transaction (``Leases.maintain``).
         """
-        owned = self.leases.maintain(conn)
+        return self.leases_maintained(self.leases.maintain(conn))
+
+    def leases_maintained(self, owned: dict[int, int]) -> dict[int, int]:
+        """Its leases were maintained, holding ``owned`` now (by ``maintain_leases``, or by a renewal of
+        many relays' leases at once, ``_leases_shared``): the database answered, the next renewal due."""
         self._outages.database.answered()
         self._leases_due = time.monotonic() + renew_interval(self.leases.ttl)
         self._metrics.shards_owned.labels(self.settings.worker_id).set(len(owned))
