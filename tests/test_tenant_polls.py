@@ -37,10 +37,10 @@ class Fetches:
         self._lock = threading.Lock()
         original = RelayStep.run_batch
 
-        def counting(step: RelayStep, *, wait: bool) -> Any:
+        def counting(step: RelayStep, *, wait: bool, **kwargs: Any) -> Any:
             with self._lock:
                 self.at[step.name.rsplit("tenant ", 1)[1]].append(time.monotonic())
-            return original(step, wait=wait)
+            return original(step, wait=wait, **kwargs)
         monkeypatch.setattr(RelayStep, "run_batch", counting)
 
     def between(self, name: str, start: float, end: float) -> int:
@@ -109,6 +109,46 @@ def test_an_idle_tenant_is_polled_rarely_while_notifications_can_wake_it(
     time.sleep(3.0)  # the window counted: no condition to wait for, only fetches to count
     polled = fetches.between("idle", began, time.monotonic())
     assert polled <= 3, f"an idle tenant was fetched {polled} times in 3 s (poll_interval 0.1 s)"
+
+
+@pytest.mark.postgres
+def test_an_idle_poll_is_one_transaction_with_its_look_ahead_and_stuck_key_check(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """An idle tenant's poll reads the next delayed row and (when due) its stuck keys in its fetch's
+    transaction: one connection a poll on the workers, not one for the fetch, one for the delayed
+    rows and one for the stuck keys. Its stuck-key check is due every second here, and its polls,
+    backing off from 0.1 s, come by then: the check falls on (nearly) every poll."""
+    fetches = Fetches(monkeypatch)
+    checks: list[float] = []
+    checkouts: list[float] = []
+    original = RelayStep._look_ahead
+
+    def looked(step: RelayStep, conn: sa.Connection, now: float) -> None:
+        due = now >= step._watch_due
+        original(step, conn, now)
+        if due:
+            checks.append(time.monotonic())
+
+    def checkout(*_: Any) -> None:
+        if threading.current_thread().name.startswith("outbox-relay-worker"):
+            checkouts.append(time.monotonic())
+    monkeypatch.setattr(RelayStep, "_look_ahead", looked)
+    sa.event.listen(pg.pool, "checkout", checkout)
+    try:
+        schema_outbox(pg, "quiet")
+        start(running, ["quiet"], pg, poll_interval=0.1, key_stuck_after=1.0)
+        wait_for(lambda: listening(pg), 20, "the fleet listening")
+        wait_for(lambda: fetches.backed_off("quiet", 0.15), 20, "its polls backing off")
+        began = time.monotonic()
+        wait_for(lambda: fetches.between("quiet", began, time.monotonic()) >= 6, 20, "six idle polls")
+        ended = time.monotonic()
+    finally:
+        sa.event.remove(pg.pool, "checkout", checkout)
+    polls = fetches.between("quiet", began, ended)
+    connections = sum(1 for at in checkouts if began <= at < ended)
+    watched = sum(1 for at in checks if began <= at < ended)
+    assert connections <= polls + 1, (connections, polls)  # three a poll before
+    assert watched >= polls - 2, (watched, polls)  # the stuck-key check ran at (nearly) every poll
 
 
 @pytest.mark.parametrize("where", [pytest.param("mariadb", marks=pytest.mark.mysql),
