@@ -10,13 +10,15 @@ instead of 500 transactions on the workers, and the workers' turns are
 batches only, so polls no longer need to come every renewal interval to keep
 idle tenants' leases.
 
-What a round costs is what an idle fleet costs most: three statements a
-tenant (``Leases._heartbeat``), and no savepoint around each. A tenant whose
-leases cannot be renewed for a reason of its own (its tables dropped, the
-database resharded) rolls its chunk back, and the chunk is renewed again
-tenant by tenant, each in a savepoint, so that its failure undoes none of the
-others' renewals. The error is handed to its next turn, which fails the
-tenant as if its step had raised it. A database outage is told
+What a round costs was most of what an idle fleet cost: three statements a
+tenant (``Leases._heartbeat``). On PostgreSQL a chunk is now one statement
+(``relay._leases_shared``); elsewhere its tenants' three statements follow one
+another, with no savepoint around each. A tenant whose leases cannot be
+renewed for a reason of its own (its tables dropped) rolls its chunk back,
+and the chunk is renewed again tenant by tenant, each in a savepoint, so that
+its failure undoes none of the others' renewals. The error (or a changed
+shard count) is handed to its next turn, which fails the tenant as if its
+step had raised it. A database outage is told
 to the database's gate (logged once); its tenants' steps probe it. A tenant
 that took new shards (or must give some back) is woken.
 """
