@@ -201,16 +201,22 @@ class RelayStep:
     def _look_ahead(self, conn: Connection, now: float) -> None:
         """On an empty fetch's connection: the next delayed row (for ``poll_within``), the stuck keys if due.
 
-        A database outage is raised (the fetch's, as it were); a stuck-key check
-        that fails otherwise is reported, as ``_watch`` does.
+        One query answers both when and whether: the next delayed row, and
+        whether any row is being retried; none retried, the stuck-key check has
+        nothing to read and finds no key stuck (its gauge and memory of alerts
+        cleared as a check that found none clears them). A database outage is
+        raised (the fetch's, as it were); a stuck-key check that fails
+        otherwise is reported, as ``_watch`` does.
         """
         shards = sorted(self.leases.owned())
-        self._ahead = conn.scalar(self._sql.next_delayed(), {"since": self._fetched_at, "shards": shards}),
+        params = {"since": self._fetched_at, "shards": shards}
+        at, retried = conn.execute(self._sql.look_ahead(), params).one()
+        self._ahead = (at,)
         if now < self._watch_due:
             return
         self._watch_due = now + self._watch_every
         try:  # the transaction's last statement: a failure leaves only its rollback to do
-            self.stuck_keys.check(shards, conn)
+            self.stuck_keys.check(shards if retried else [], conn)
         except Exception as exc:
             if is_database_outage(exc):
                 raise
