@@ -8,7 +8,9 @@ above its share, and renews what it holds every TTL/3. The epoch is the fencing
 token every "mark published" carries (see ``_sql``). A renewal is three
 statements (heartbeat; the live relays with the stored shard count, whose
 change stops the relay; the renewal), the same on every dialect: a fleet runs
-them for each of its tenants (``outbox.tenants._renewal``).
+them for each of its tenants (``outbox.tenants._renewal``), on PostgreSQL for a
+chunk of tenants in one statement (``_leases_shared``, under each tenant's
+lock: ``shared_round`` / ``settle_round``).
 
 Giving shards back happens between batches (``release_surplus``, called by the
 relay's worker thread), so a shard is never released under a batch in flight;
