@@ -12,19 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import ExitStack
 from datetime import datetime, timedelta
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import Running, owned_leases, schema_outboxes, wait_for
 
-from outbox import Outbox
-from outbox.core._errors import SchemaError
-from outbox.core._tables import OutboxTables
-from outbox.relay._leases import Leases
-from outbox.relay._leases_shared import renew_together
+from outbox import Outbox, SchemaError
 from outbox.tenants import TenantRelay
 from outbox.tenants._renewal import LeaseRenewal
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -137,59 +133,51 @@ def test_one_tenants_failing_renewal_undoes_none_of_the_others_in_its_chunk(
 
 
 def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> None:
-    """Two tenants renewed by one statement (``renew_together``), as the fleet's renewal runs it: each
-    renews only the leases it holds at its epoch (a lease another relay took is lost, not renewed),
-    a relay that gave its leases back is left alone (no heartbeat brings it back), and a changed
-    shard count stops the tenant whose count changed, as ``Leases.maintain`` does."""
-    schema_outboxes(pg, ["a", "b"], shards=2)
-    tables = OutboxTables()
+    """Two tenants' leases renewed by one statement (``LeaseRenewal._in_one_statement``, the fleet's
+    round on PostgreSQL): each renews only the leases it holds at its epoch (a lease another relay
+    took is lost, not renewed), a relay that gave its leases back is left alone (no heartbeat brings
+    it back), and a changed shard count fails the tenant whose count changed at its next turn."""
+    outboxes = schema_outboxes(pg, ["a", "b"], shards=2)
+    relay = fleet(["a", "b"], pg, worker_id="fleet-1", lease_ttl=30)
+    woken: list[Any] = []
+    renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
+                           stopping=threading.Event(), worker_id="fleet-1", answered=lambda *_: None)
+    try:
+        relay.run_once()  # each tenant's first step takes its leases
+        found = {name: relay.relay_of(name) for name in ("a", "b")}
+        steps = {name: step for name, step in found.items() if step is not None}
+        units = {name: SimpleNamespace(tenant=SimpleNamespace(schema=name), step=step, lease_failure=None)
+                 for name, step in steps.items()}
 
-    def leases_of(schema: str) -> Leases:
-        engine = pg.execution_options(schema_translate_map={None: schema})
-        return Leases(engine, tables, 2, "fleet-1", ttl=30)
+        def round_of(*names: str) -> list[dict[int, int] | None]:
+            with pg.connect() as conn:
+                return renewal._in_one_statement(conn, [(cast(Any, units[n]), steps[n]) for n in names])
 
-    def shared_round(*members: tuple[str, Leases]) -> list[dict[int, int] | Exception]:
-        with ExitStack() as locked:
-            rounds = [(schema, leases, locked.enter_context(leases.shared_round()))
-                      for schema, leases in members]
-            present = [(schema, leases, r) for schema, leases, r in rounds if r is not None]
-            with pg.begin() as conn:
-                answers = iter(renew_together(conn, present))
-            out: list[dict[int, int] | Exception] = []
-            for _, leases, r in rounds:
-                if r is None:
-                    out.append({})
-                    continue
-                try:
-                    out.append(leases.settle_round(r, *next(answers)))
-                except Exception as exc:
-                    out.append(exc)
-            return out
+        def heartbeats(schema: str) -> list[str]:
+            with pg.connect() as conn:
+                return list(conn.scalars(sa.text(f'SELECT worker_id FROM "{schema}".outbox_relays')))
 
-    def heartbeats(schema: str) -> list[str]:
+        assert set(steps) == {"a", "b"} and all(len(step.leases.owned()) == 2 for step in steps.values())
+        before = expiries(outboxes["b"])
+        with pg.begin() as conn:  # another relay took a's shard 0 over (as after an expiry): a new epoch
+            conn.exec_driver_sql("UPDATE a.outbox_leases SET owner = 'fleet-2', epoch = epoch + 1 "
+                                 "WHERE shard = 0")
+        held_a, held_b = round_of("a", "b")
+        assert held_a is not None and set(held_a) == {1} and set(steps["a"].leases.owned()) == {1}
+        assert held_b is not None and set(held_b) == {0, 1}
+        assert all(later > earlier for earlier, later in zip(before, expiries(outboxes["b"]), strict=True))
         with pg.connect() as conn:
-            return list(conn.scalars(sa.text(f'SELECT worker_id FROM "{schema}".outbox_relays')))
+            assert conn.scalar(sa.text("SELECT owner FROM a.outbox_leases WHERE shard = 0")) == "fleet-2"
 
-    a, b = leases_of("a"), leases_of("b")
-    assert len(a.maintain()) == 2 and len(b.maintain()) == 2
-    before = expiries(Outbox(pg, schema="b", shards=2))
-    with pg.begin() as conn:  # another relay took a's shard 0 over (as after an expiry): a new epoch
-        conn.exec_driver_sql("UPDATE a.outbox_leases SET owner = 'fleet-2', epoch = epoch + 1 "
-                             "WHERE shard = 0")
-    held_a, held_b = shared_round(("a", a), ("b", b))
-    assert isinstance(held_a, dict) and set(held_a) == {1} and set(a.owned()) == {1}
-    assert isinstance(held_b, dict) and set(held_b) == {0, 1}
-    assert all(later > earlier for earlier, later in zip(before, expiries(Outbox(pg, schema="b", shards=2)),
-                                                         strict=True))
-    with pg.connect() as conn:
-        assert conn.scalar(sa.text("SELECT owner FROM a.outbox_leases WHERE shard = 0")) == "fleet-2"
+        steps["b"].leases.release_all()
+        assert round_of("a", "b")[1] == {}
+        assert heartbeats("b") == [] and heartbeats("a") == ["fleet-1"]
 
-    b.release_all()
-    assert shared_round(("a", a), ("b", b))[1] == {}
-    assert heartbeats("b") == [] and heartbeats("a") == ["fleet-1"]
-
-    with pg.begin() as conn:
-        conn.exec_driver_sql("UPDATE a.outbox_meta SET value = '4' WHERE name = 'shard_count'")
-    stopped = shared_round(("a", a))[0]
-    assert isinstance(stopped, SchemaError) and "changed from 2 to 4" in str(stopped)
-    assert a.owned() == {}
+        with pg.begin() as conn:
+            conn.exec_driver_sql("UPDATE a.outbox_meta SET value = '4' WHERE name = 'shard_count'")
+        assert round_of("a") == [None] and woken == [units["a"]]
+        failure = units["a"].lease_failure
+        assert isinstance(failure, SchemaError) and "changed from 2 to 4" in str(failure)
+        assert steps["a"].leases.owned() == {}
+    finally:
+        relay.close()
