@@ -13,16 +13,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+import tenacity
 from _relay_helpers import Running, pending, wait_for
 
-from outbox import Outbox, create_engine
+from outbox import Alert, Outbox, create_engine
 from outbox.relay import RelayStep
 from outbox.tenants import Tenant, TenantRelay
+from transports import Outcome, Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 ROOMY = 1_000_000 + 256
@@ -37,10 +39,10 @@ class Fetches:
         self._lock = threading.Lock()
         original = RelayStep.run_batch
 
-        def counting(step: RelayStep, *, wait: bool) -> Any:
+        def counting(step: RelayStep, *, wait: bool, **kwargs: Any) -> Any:
             with self._lock:
                 self.at[step.name.rsplit("tenant ", 1)[1]].append(time.monotonic())
-            return original(step, wait=wait)
+            return original(step, wait=wait, **kwargs)
         monkeypatch.setattr(RelayStep, "run_batch", counting)
 
     def between(self, name: str, start: float, end: float) -> int:
@@ -109,6 +111,57 @@ def test_an_idle_tenant_is_polled_rarely_while_notifications_can_wake_it(
     time.sleep(3.0)  # the window counted: no condition to wait for, only fetches to count
     polled = fetches.between("idle", began, time.monotonic())
     assert polled <= 3, f"an idle tenant was fetched {polled} times in 3 s (poll_interval 0.1 s)"
+
+
+@pytest.mark.postgres
+def test_an_idle_poll_is_one_transaction_with_its_look_ahead_and_stuck_key_check(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """An idle tenant's poll reads the next delayed row and (when due) its stuck keys in its fetch's
+    transaction: one connection a poll on the workers, not one for the fetch, one for the delayed
+    rows and one for the stuck keys; and with no row retried, the stuck-key check reads nothing
+    (the look ahead counted the retried rows). Its stuck-key check is due every second here, and
+    its polls, backing off from 0.1 s, come by then: the check falls on (nearly) every poll."""
+    fetches = Fetches(monkeypatch)
+    checks: list[float] = []
+    checkouts: list[float] = []
+    original = RelayStep._look_ahead
+
+    def looked(step: RelayStep, conn: sa.Connection, now: float) -> None:
+        due = now >= step._watch_due
+        original(step, conn, now)
+        if due:
+            checks.append(time.monotonic())
+
+    def checkout(*_: Any) -> None:
+        if threading.current_thread().name.startswith("outbox-relay-worker"):
+            checkouts.append(time.monotonic())
+
+    def statement(*_: Any) -> None:
+        if threading.current_thread().name.startswith("outbox-relay-worker"):
+            statements.append(time.monotonic())
+    statements: list[float] = []
+    monkeypatch.setattr(RelayStep, "_look_ahead", looked)
+    sa.event.listen(pg.pool, "checkout", checkout)
+    sa.event.listen(pg, "before_cursor_execute", statement)
+    try:
+        schema_outbox(pg, "quiet")
+        start(running, ["quiet"], pg, poll_interval=0.1, key_stuck_after=1.0)
+        wait_for(lambda: listening(pg), 20, "the fleet listening")
+        wait_for(lambda: fetches.backed_off("quiet", 0.15), 20, "its polls backing off")
+        began = time.monotonic()
+        wait_for(lambda: fetches.between("quiet", began, time.monotonic()) >= 6, 20, "six idle polls")
+        ended = time.monotonic()
+    finally:
+        sa.event.remove(pg.pool, "checkout", checkout)
+        sa.event.remove(pg, "before_cursor_execute", statement)
+    polls = fetches.between("quiet", began, ended)
+    connections = sum(1 for at in checkouts if began <= at < ended)
+    watched = sum(1 for at in checks if began <= at < ended)
+    sent = sum(1 for at in statements if began <= at < ended)
+    assert connections <= polls + 1, (connections, polls)  # three a poll before
+    assert watched >= polls - 2, (watched, polls)  # the stuck-key check ran at (nearly) every poll
+    # The session settings, the fetch, the look ahead; nothing retried, so no stuck-key query.
+    assert sent <= 3 * (polls + 1), (sent, polls)
 
 
 @pytest.mark.parametrize("where", [pytest.param("mariadb", marks=pytest.mark.mysql),
@@ -182,3 +235,36 @@ def test_a_row_whose_notification_was_lost_is_found_when_the_listener_breaks_and
     assert ended == 1
     wait_for(lambda: pending(unannounced) == 0, 5, "the row found after the listener broke")
     wait_for(lambda: listening(pg), 20, "the fleet listening again")
+
+
+class Refusing:
+    """A broker that answers and refuses every record for now: each send is an attempt counted."""
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        return [SendResult(Outcome.RETRY, error="refused for now") for _ in records]
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+
+@pytest.mark.postgres
+def test_a_key_stuck_on_an_idle_tenant_alerts_within_its_bound_and_a_quiet_one_alerts_nothing(
+        pg: sa.Engine, running: list[Running]) -> None:
+    """A head refused once and retried only 60 s later: from then on its tenant's polls fetch nothing
+    (the row is not due), so only an idle poll's look-ahead sees the key stuck. With
+    ``key_stuck_after`` 1 s the alert comes within a few seconds, naming its tenant; the other
+    tenant, nothing retried, alerts nothing."""
+    stuck = schema_outbox(pg, "stuck")
+    schema_outbox(pg, "calm")
+    alerts: list[Alert] = []
+    fleet = Running(TenantRelay(["calm", "stuck"], lambda: Refusing(), database=pg, poll_interval=0.1,
+                                lease_ttl=3.0, refresh_every=60.0, key_stuck_after=1.0,
+                                backoff=tenacity.wait_fixed(60), alert=alerts.append))
+    running.append(fleet)
+    wait_for(lambda: fleet.relay.tenants == ["calm", "stuck"], 30, "every tenant served")
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    publish(stuck, "k")
+    committed = time.monotonic()
+    wait_for(lambda: any(a.kind == "key_stuck" for a in alerts), 10, "the key_stuck alert")
+    assert time.monotonic() - committed < 1.0 + 3.0  # its threshold, then a check (every second here)
+    assert [(a.kind, a.tenant, a.key) for a in alerts] == [("key_stuck", "stuck", "k")]

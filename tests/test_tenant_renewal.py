@@ -13,14 +13,14 @@ import logging
 import threading
 import time
 from datetime import datetime, timedelta
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import Running, owned_leases, schema_outboxes, wait_for
 
-from outbox import Outbox
-from outbox.relay import RelayStep
+from outbox import Outbox, SchemaError
 from outbox.tenants import TenantRelay
 from outbox.tenants._renewal import LeaseRenewal
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -48,11 +48,11 @@ def failures(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
 
 
-def test_a_renewal_round_costs_a_few_statements_a_tenant(
+def test_a_renewal_round_on_postgresql_is_one_statement_a_chunk(
         pg: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """40 idle tenants holding their leases: a round is the heartbeat, one read of the live relays
-    with the shard count, the renewal (and now and then forgetting dead relays), no savepoints.
-    Before, it was seven a tenant: savepoint, heartbeat, delete, two reads, renewal, release."""
+    """40 idle tenants holding their leases: a round is one statement for each chunk of 32 tenants
+    (``_leases_shared``: every tenant's heartbeat, renewal and read of the live relays), no savepoints.
+    Before, it was three a tenant (heartbeat, read, renewal), and before that seven."""
     names = [f"s{i:02d}" for i in range(40)]
     outboxes = schema_outboxes(pg, names, shards=1)
     inside = threading.local()
@@ -86,39 +86,37 @@ def test_a_renewal_round_costs_a_few_statements_a_tenant(
         running.stop()
         sa.event.remove(pg, "before_cursor_execute", count)
     assert all(tenants == 40 for tenants, _ in steady), steady
-    per_tenant = sum(n for _, n in steady) / (40 * len(steady))
-    assert per_tenant <= 3.5, (per_tenant, steady)  # 3 a round, and forgetting the dead once per TTL
+    assert all(n == 2 for _, n in steady), steady  # 2 chunks; three a tenant would be 120
     assert not [s for s in statements if s.upper().startswith(("SAVEPOINT", "RELEASE"))]
 
 
 def test_one_tenants_failing_renewal_undoes_none_of_the_others_in_its_chunk(
         pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """``b`` (between ``a`` and ``c`` in one chunk) fails its renewal with a database error, as if its
-    tables were gone: that round still renews ``a``'s and ``c``'s leases, and only ``b`` fails."""
+    """``b`` (between ``a`` and ``c`` in one chunk) fails its renewal with a database error, its leases
+    table gone for the round: that round still renews ``a``'s and ``c``'s leases, and only ``b`` fails."""
     outboxes = schema_outboxes(pg, ["a", "b", "c"], shards=2)
     armed = threading.Event()
     seen: dict[str, list[timedelta]] = {}
-    maintain, renew = RelayStep.maintain_leases, LeaseRenewal.renew
-
-    def failing(self: RelayStep, conn: sa.Connection | None = None) -> dict[int, int]:
-        if conn is not None and armed.is_set() and (
-                conn.get_execution_options().get("schema_translate_map") or {}).get(None) == "b":
-            conn.exec_driver_sql("SELECT * FROM no_such_table")  # aborts the transaction on PostgreSQL
-        return maintain(self, conn)
+    renew = LeaseRenewal.renew
 
     def watched(self: LeaseRenewal, db: Any, engine: sa.Engine) -> None:
         if not armed.is_set():
             renew(self, db, engine)
             return
         before = {name: expiries(outboxes[name]) for name in ("a", "c")}
-        renew(self, db, engine)
+        with pg.begin() as conn:
+            conn.exec_driver_sql('ALTER TABLE "b".outbox_leases RENAME TO outbox_leases_away')
+        try:
+            renew(self, db, engine)
+        finally:
+            with pg.begin() as conn:
+                conn.exec_driver_sql('ALTER TABLE "b".outbox_leases_away RENAME TO outbox_leases')
         after = {name: expiries(outboxes[name]) for name in ("a", "c")}
         for name in ("a", "c"):
             seen[name] = [later - earlier for earlier, later in zip(before[name], after[name], strict=True)]
         armed.clear()
 
     caplog.set_level(logging.WARNING, logger="outbox.relay")
-    monkeypatch.setattr(RelayStep, "maintain_leases", failing)
     monkeypatch.setattr(LeaseRenewal, "renew", watched)
     running = Running(fleet(["a", "b", "c"], pg, poll_interval=60, lease_ttl=3.0))
     try:
@@ -128,7 +126,58 @@ def test_one_tenants_failing_renewal_undoes_none_of_the_others_in_its_chunk(
         time.sleep(5)
     finally:
         running.stop()
-    assert all("tenant b " in m for m in failures(caplog)), failures(caplog)
+    assert failures(caplog) and all("tenant b " in m for m in failures(caplog)), failures(caplog)
     assert set(seen) == {"a", "c"}
     for name, moved in seen.items():
         assert len(moved) == 2 and all(m.total_seconds() > 0 for m in moved), (name, moved)
+
+
+def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> None:
+    """Two tenants' leases renewed by one statement (``LeaseRenewal._in_one_statement``, the fleet's
+    round on PostgreSQL): each renews only the leases it holds at its epoch (a lease another relay
+    took is lost, not renewed), a relay that gave its leases back is left alone (no heartbeat brings
+    it back), and a changed shard count fails the tenant whose count changed at its next turn."""
+    outboxes = schema_outboxes(pg, ["a", "b"], shards=2)
+    relay = fleet(["a", "b"], pg, worker_id="fleet-1", lease_ttl=30)
+    woken: list[Any] = []
+    renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
+                           stopping=threading.Event(), worker_id="fleet-1", answered=lambda *_: None)
+    try:
+        relay.run_once()  # each tenant's first step takes its leases
+        found = {name: relay.relay_of(name) for name in ("a", "b")}
+        steps = {name: step for name, step in found.items() if step is not None}
+        units = {name: SimpleNamespace(tenant=SimpleNamespace(schema=name), step=step, lease_failure=None)
+                 for name, step in steps.items()}
+
+        def round_of(*names: str) -> list[dict[int, int] | None]:
+            with pg.connect() as conn:
+                return renewal._in_one_statement(conn, [(cast(Any, units[n]), steps[n]) for n in names])
+
+        def heartbeats(schema: str) -> list[str]:
+            with pg.connect() as conn:
+                return list(conn.scalars(sa.text(f'SELECT worker_id FROM "{schema}".outbox_relays')))
+
+        assert set(steps) == {"a", "b"} and all(len(step.leases.owned()) == 2 for step in steps.values())
+        before = expiries(outboxes["b"])
+        with pg.begin() as conn:  # another relay took a's shard 0 over (as after an expiry): a new epoch
+            conn.exec_driver_sql("UPDATE a.outbox_leases SET owner = 'fleet-2', epoch = epoch + 1 "
+                                 "WHERE shard = 0")
+        held_a, held_b = round_of("a", "b")
+        assert held_a is not None and set(held_a) == {1} and set(steps["a"].leases.owned()) == {1}
+        assert held_b is not None and set(held_b) == {0, 1}
+        assert all(later > earlier for earlier, later in zip(before, expiries(outboxes["b"]), strict=True))
+        with pg.connect() as conn:
+            assert conn.scalar(sa.text("SELECT owner FROM a.outbox_leases WHERE shard = 0")) == "fleet-2"
+
+        steps["b"].leases.release_all()
+        assert round_of("a", "b")[1] == {}
+        assert heartbeats("b") == [] and heartbeats("a") == ["fleet-1"]
+
+        with pg.begin() as conn:
+            conn.exec_driver_sql("UPDATE a.outbox_meta SET value = '4' WHERE name = 'shard_count'")
+        assert round_of("a") == [None] and woken == [units["a"]]
+        failure = units["a"].lease_failure
+        assert isinstance(failure, SchemaError) and "changed from 2 to 4" in str(failure)
+        assert steps["a"].leases.owned() == {}
+    finally:
+        relay.close()

@@ -9,12 +9,12 @@ the row's status and ``last_error``.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, case, func, literal, select, update
+from sqlalchemy import Connection, Engine, case, func, literal, select, update
 
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError
@@ -192,11 +192,12 @@ class RetryingHead:
 
 
 def retrying_heads(outbox: Outbox, *, limit: int = 50, shards: Sequence[int] | None = None,
-                   engine: Engine | None = None) -> list[RetryingHead]:
+                   engine: Engine | None = None, conn: Connection | None = None) -> list[RetryingHead]:
     """Pending rows being retried (attempts > 0, due later), oldest first, one per key.
 
     ``shards`` limits it to those shards (a relay watching its own keys);
-    ``engine`` overrides the outbox's (a relay given its own sync engine).
+    ``engine`` overrides the outbox's (a relay given its own sync engine);
+    ``conn``: read on it, in the caller's transaction (a fleet's idle poll).
 
     The filter repeats the predicate of the ``ix_outbox_key_waits`` partial index
     (failed, delayed or retrying rows: a tiny set), so this stays cheap however
@@ -219,14 +220,23 @@ def retrying_heads(outbox: Outbox, *, limit: int = 50, shards: Sequence[int] | N
              .order_by(m.c.created_at, m.c.id).limit(limit))
     if shards is not None:
         query = query.where(m.c.shard.in_(list(shards)))
+    if conn is not None:
+        return _heads(conn.execute(query))
+    with (engine or _engine(outbox)).connect() as own:
+        return _heads(own.execute(query))
+
+
+def _heads(rows: Iterable[Sequence[Any]]) -> list[RetryingHead]:
+    """The earliest retrying row of each key, oldest first."""
     heads: dict[tuple[str, str | None], RetryingHead] = {}
-    with (engine or _engine(outbox)).connect() as conn:
-        for row in conn.execute(query):
-            head = RetryingHead(*row[:8], waiting=row[8] or 0)
-            lane = (head.topic, head.key if head.key is not None else str(head.message_id))
-            earlier = heads.get(lane)
-            if earlier is None or (head.seq or 0) < (earlier.seq or 0):
-                heads[lane] = head
+    for row in rows:
+        topic, key, seq, message_id, attempts, created_at, available_at, last_error, waiting = row
+        head = RetryingHead(topic, key, seq, message_id, attempts, created_at, available_at, last_error,
+                            waiting=waiting or 0)
+        lane = (head.topic, head.key if head.key is not None else str(head.message_id))
+        earlier = heads.get(lane)
+        if earlier is None or (head.seq or 0) < (earlier.seq or 0):
+            heads[lane] = head
     return sorted(heads.values(), key=lambda h: h.created_at)
 
 

@@ -161,12 +161,15 @@ class BatchRunner:
         # This database's identity, in every envelope.
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
-    def run(self, owned: dict[int, int], *, wait: bool = True) -> BatchResult:
+    def run(self, owned: dict[int, int], *, wait: bool = True,
+            idle: Callable[[Connection], None] | None = None) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch).
 
         With ``wait=False`` (where ``sql.pipelines``) the outcomes are written in the
         background while the next batch runs; the counts returned are then what
-        is being written, and ``finish`` waits for it.
+        is being written, and ``finish`` waits for it. ``idle``: called on the
+        fetch's connection, in its transaction, when the fetch found nothing (a
+        fleet's idle poll looks ahead there, ``RelayStep.run``).
         """
         started = time.perf_counter()
         if self.exactly_once is not None:
@@ -188,6 +191,8 @@ class BatchRunner:
                 if is_database_outage(exc):
                     raise
                 unreadable = exc
+            if idle is not None and unreadable is None and not rows:
+                idle(conn)
             conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)

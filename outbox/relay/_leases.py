@@ -8,7 +8,9 @@ above its share, and renews what it holds every TTL/3. The epoch is the fencing
 token every "mark published" carries (see ``_sql``). A renewal is three
 statements (heartbeat; the live relays with the stored shard count, whose
 change stops the relay; the renewal), the same on every dialect: a fleet runs
-them for each of its tenants (``outbox.tenants._renewal``).
+them for each of its tenants (``outbox.tenants._renewal``), on PostgreSQL for a
+chunk of tenants in one statement (``_leases_shared``, under each tenant's
+lock: ``shared_round`` / ``settle_round``).
 
 Giving shards back happens between batches (``release_surplus``, called by the
 relay's worker thread), so a shard is never released under a batch in flight;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
@@ -57,6 +60,15 @@ def fair_share(shards: int, live: list[str], me: str) -> int:
     return base + (1 if ordered.index(me) < extra else 0)
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseRound:
+    """One renewal round of one relay's leases: its time, the new expiry, the shards it held."""
+
+    now: datetime
+    expires: datetime
+    shards: list[int]
+
+
 class Leases:
     """The shard leases one relay holds, kept in step with the database."""
 
@@ -76,6 +88,10 @@ class Leases:
         """When relays long dead are next forgotten (``_heartbeat``)."""
         self._released = False
         """``release_all`` ran: a shared renewal (``maintain(conn)``) leaves it alone."""
+
+    @property
+    def tables(self) -> OutboxTables:
+        return self._tables
 
     def owned(self) -> dict[int, int]:
         """A snapshot: shard -> epoch held right now."""
@@ -137,20 +153,51 @@ class Leases:
             expires = now + timedelta(seconds=self.ttl)
             if conn is None:
                 with self._locking() as own:
-                    live, renewed = self._heartbeat(own, now, expires)
+                    live, stored, renewed = self._heartbeat(own, now, expires)
             else:
-                live, renewed = self._heartbeat(conn, now, expires)
-            held = {s: e for s, e in renewed if self._owned.get(s) == e}
-            lost = set(self._owned) - set(held)
-            if lost:
-                log.warning("relay %s lost shard leases %s", self.worker_id, sorted(lost))
-            share = fair_share(self.shards, live, self.worker_id)
-            if len(held) < share:
-                held |= self._take(share - len(held), now, expires)
-            self._owned = held
-            self._share = share
-            self._surplus = max(0, len(held) - share)
-            return dict(held)
+                live, stored, renewed = self._heartbeat(conn, now, expires)
+            return self._settle(LeaseRound(now, expires, sorted(self._owned)), live, stored, renewed)
+
+    @contextmanager
+    def shared_round(self) -> Iterator[LeaseRound | None]:
+        """What a renewal of many relays' leases in one statement needs of this one, under its lock.
+
+        None when it gave its leases back (``release_all``): such a renewal
+        leaves it alone, as ``maintain(conn)`` does. Inside the block, the
+        caller runs the statement (``_leases_shared``) and hands its answer to
+        ``settle_round``; the lock keeps a release from slipping in between.
+        """
+        with self._lock:
+            if self._released:
+                yield None
+                return
+            if not self._prepared:
+                self._prepare()
+            now = utcnow()
+            yield LeaseRound(now, now + timedelta(seconds=self.ttl), sorted(self._owned))
+
+    def settle_round(self, round_: LeaseRound, live: list[str], stored: int | None,
+                     renewed: list[tuple[int, int]]) -> dict[int, int]:
+        """Inside ``shared_round``: what a shared renewal answered, taken in; returns what is held."""
+        return self._settle(round_, live, stored, renewed)
+
+    def _settle(self, round_: LeaseRound, live: list[str], stored: int | None,
+                renewed: list[tuple[int, int]]) -> dict[int, int]:
+        """The heartbeat's answer taken in (the caller holds the lock): lost, share, shards taken."""
+        self._check_shards(stored)
+        # Only leases this object took: a namesake's leases from an earlier
+        # process expire and are taken afresh, with a new epoch.
+        held = {s: e for s, e in renewed if self._owned.get(s) == e}
+        lost = set(self._owned) - set(held)
+        if lost:
+            log.warning("relay %s lost shard leases %s", self.worker_id, sorted(lost))
+        share = fair_share(self.shards, live, self.worker_id)
+        if len(held) < share:
+            held |= self._take(share - len(held), round_.now, round_.expires)
+        self._owned = held
+        self._share = share
+        self._surplus = max(0, len(held) - share)
+        return dict(held)
 
     @cached_property
     def _statements(self) -> RelayStatements:
@@ -166,13 +213,14 @@ class Leases:
             yield conn
 
     def _heartbeat(self, conn: Connection, now: datetime, expires: datetime
-                   ) -> tuple[list[str], list[tuple[int, int]]]:
-        """This relay's heartbeat; the live relays, and the leases it renewed (shard, epoch).
+                   ) -> tuple[list[str], int | None, list[tuple[int, int]]]:
+        """This relay's heartbeat; the live relays, the stored shard count, the leases it renewed.
 
-        Three statements a round (a fleet runs them for every tenant every
-        TTL/3): the heartbeat, one read of the live relays with the stored
-        shard count, the renewal. Relays dead for ten TTLs are forgotten once
-        per TTL, not every round: no share counts them either way.
+        Three statements a round: the heartbeat, one read of the live relays
+        with the stored shard count, the renewal (a fleet on PostgreSQL runs
+        them for many tenants in one statement, ``_leases_shared``). Relays
+        dead for ten TTLs are forgotten once per TTL, not every round: no share
+        counts them either way.
         """
         relays = self._tables.relays
         conn.execute(self._beat, {"worker_id": self.worker_id, "heartbeat_at": now})
@@ -180,18 +228,19 @@ class Leases:
             conn.execute(delete(relays).where(relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
             self._forget_at = now + timedelta(seconds=self.ttl)
         live, stored = self._members(conn, now)
+        self._check_shards(stored)  # before the renewal, which it rolls back
+        # Only leases this object took (its renewal names them by owner and shard).
+        return live, stored, (self._renew(conn, expires) if self._owned else [])
+
+    def _check_shards(self, stored: int | None) -> None:
+        """Resharded under a running relay (the guard was passed, or a relay started meanwhile):
+        serving the old split could give one key two shards, so it stops serving anything and says why."""
         if stored is not None and stored != self.shards:
-            # Resharded under a running relay (the guard was passed, or a relay
-            # started meanwhile): serving the old split could give one key two
-            # shards, so stop serving anything and say why.
             self._owned, self._surplus = {}, 0
             raise SchemaError(
                 f"the stored shard count changed from {self.shards} to {stored} "
                 f"while relay {self.worker_id} ran (outbox init-db --reshard): it "
                 "stops; restart it to serve the new split")
-        # Only leases this object took: a namesake's leases from an earlier
-        # process expire and are taken afresh, with a new epoch.
-        return live, (self._renew(conn, expires) if self._owned else [])
 
     # The statements of every round are built once (with bind parameters), not at every round: a
     # fleet runs them for each tenant, and building them cost as much as executing them.

@@ -34,6 +34,7 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     cast,
     exists,
     func,
@@ -97,6 +98,12 @@ class RelayStatements(abc.ABC):
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
             m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)),
             m.c.available_at > bindparam("since", type_=m.c.available_at.type))
+        later = m.c.available_at > bindparam("since", type_=m.c.available_at.type)
+        self._look_ahead = select(func.min(case((later, m.c.available_at))),
+                                  func.count(case((m.c.attempts > 0, 1)))).where(
+            m.c.status != OutboxStatus.PUBLISHED,
+            or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
+            m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)))
 
     def _key_waits(self, tables: OutboxTables, prior: FromClause,
                    conditions: tuple[ColumnElement[bool], ...]) -> Exists:
@@ -182,6 +189,16 @@ class RelayStatements(abc.ABC):
         predicate, so it reads that tiny index.
         """
         return self._next_delayed
+
+    def look_ahead(self) -> Select[Any, int]:
+        """``next_delayed``'s answer, and how many pending rows of ``shards`` are being retried.
+
+        Same parameters and the same tiny index: its rows are the delayed or
+        retried pending rows of ``shards``, the retried ones (``attempts > 0``)
+        a superset of what the stuck-key check (``retrying_heads``) reads. None
+        retried: that check has nothing to find (``RelayStep._look_ahead``).
+        """
+        return self._look_ahead
 
     # -- rows the fetch cannot read (``_unreadable``) ---------------------------
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import Connection, Engine
 
@@ -131,23 +132,32 @@ class RelayStep:
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)
         self._watch_due = 0.0
         self._fetched_at = utcnow()
+        self._ahead: tuple[datetime | None] | None = None
+        """What the last step's empty fetch read ahead for ``poll_within`` (the next delayed row's
+        ``available_at``); None when it did not."""
 
     def __repr__(self) -> str:
         return f"RelayStep({self.name!r})"
 
     # -- one step -----------------------------------------------------------------
 
-    def run(self, *, wait: bool = True, leases: bool = True) -> Step:
+    def run(self, *, wait: bool = True, leases: bool = True, look_ahead: bool = False) -> Step:
         """One step: prepare, one batch, and what the loop needs; raises what the batch raised.
 
         ``wait=False`` pipelines: this batch's outcomes are written while the
         next step runs (PostgreSQL, MySQL). ``leases=False``: a lease thread
         renews them, so a batch that blocks on the broker cannot let them lapse.
+        ``look_ahead``: a fetch that finds nothing also reads, in its own
+        transaction, what ``poll_within`` needs (the next delayed row) and the
+        stuck keys when their check is due: a loop that polls idle steps rarely
+        asks it (``TenantRelay``), and an idle poll is one transaction, not three.
         """
         now = time.monotonic()
         self.prepare(leases=leases)
         self._fetched_at = utcnow()  # what its fetch counts as due now is due by this
-        batch = self.run_batch(wait=wait)
+        self._ahead = None
+        ahead = (lambda conn: self._look_ahead(conn, now)) if look_ahead else None
+        batch = self.run_batch(wait=wait, idle=ahead)
         # The database is marked up by the queries that reached it (the fetch, the lease
         # maintenance), never here: a step owning no shards ran none.
         if batch.published:
@@ -178,13 +188,40 @@ class RelayStep:
             with suppress(RetriableTransportError):
                 self._batch.exactly_once.check_topic()
 
-    def run_batch(self, *, wait: bool) -> BatchResult:
-        """One batch over the shards held now (none held: the last write finished, nothing fetched)."""
+    def run_batch(self, *, wait: bool, idle: Callable[[Connection], None] | None = None) -> BatchResult:
+        """One batch over the shards held now (none held: the last write finished, nothing fetched).
+
+        ``idle``: called on the fetch's connection when it found nothing (``BatchRunner.run``).
+        """
         owned = self.leases.owned()
         if not owned:
             self._batch.finish()
             return BatchResult()
-        return self._batch.run(owned, wait=wait)
+        return self._batch.run(owned, wait=wait, idle=idle)
+
+    def _look_ahead(self, conn: Connection, now: float) -> None:
+        """On an empty fetch's connection: the next delayed row (for ``poll_within``), the stuck keys if due.
+
+        One query answers both when and whether: the next delayed row, and
+        whether any row is being retried; none retried, the stuck-key check has
+        nothing to read and finds no key stuck (its gauge and memory of alerts
+        cleared as a check that found none clears them). A database outage is
+        raised (the fetch's, as it were); a stuck-key check that fails
+        otherwise is reported, as ``_watch`` does.
+        """
+        shards = sorted(self.leases.owned())
+        params = {"since": self._fetched_at, "shards": shards}
+        at, retried = conn.execute(self._sql.look_ahead(), params).one()
+        self._ahead = (at,)
+        if now < self._watch_due:
+            return
+        self._watch_due = now + self._watch_every
+        try:  # the transaction's last statement: a failure leaves only its rollback to do
+            self.stuck_keys.check(shards if retried else [], conn)
+        except Exception as exc:
+            if is_database_outage(exc):
+                raise
+            self.report(exc, "could not watch its keys")
 
     @property
     def needs_leases(self) -> bool:
@@ -196,7 +233,11 @@ class RelayStep:
 
         ``conn``: the heartbeat and renewals in the caller's transaction (``Leases.maintain``).
         """
-        owned = self.leases.maintain(conn)
+        return self.leases_maintained(self.leases.maintain(conn))
+
+    def leases_maintained(self, owned: dict[int, int]) -> dict[int, int]:
+        """Its leases were maintained, holding ``owned`` now (by ``maintain_leases``, or by a renewal of
+        many relays' leases at once, ``_leases_shared``): the database answered, the next renewal due."""
         self._outages.database.answered()
         self._leases_due = time.monotonic() + renew_interval(self.leases.ttl)
         self._metrics.shards_owned.labels(self.settings.worker_id).set(len(owned))
@@ -211,20 +252,24 @@ class RelayStep:
         relay wrote before this one took the shard; the wheel knows only its own
         retries), nor when the stuck-key check is due, nor for an exactly-once
         take-over to be tried again (``ExactlyOnce.waiting``). One query on the small
-        index of delayed rows (those not yet due at its last fetch); a database
-        outage is raised.
+        index of delayed rows (those not yet due at its last fetch), unless its
+        last step read it ahead (``run(look_ahead=True)``); a database outage is raised.
         """
         within = max(0.0, self._watch_due - time.monotonic())
         exactly_once = self._batch.exactly_once
         if exactly_once is not None and exactly_once.waiting:  # a take-over is tried again at the next batch
             within = min(within, self.settings.poll_interval)
         owned = self.leases.owned()
-        if owned:
+        if self._ahead is not None:  # read by this step's empty fetch (``look_ahead``)
+            at = self._ahead[0]
+        elif owned:
             params = {"since": self._fetched_at, "shards": sorted(owned)}
             with self._engine.connect() as conn:
                 at = conn.scalar(self._sql.next_delayed(), params)
-            if at is not None:  # compared with this host's clock, as the fetch's "due" is
-                within = min(within, max(0.0, (at - utcnow()).total_seconds()))
+        else:
+            at = None
+        if at is not None:  # compared with this host's clock, as the fetch's "due" is
+            within = min(within, max(0.0, (at - utcnow()).total_seconds()))
         return within
 
     def _watch(self, now: float) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from ..core._alerts import Alert, AlertKind, AlertSink, deliver
 from ..core._envelope import utcnow
@@ -39,10 +39,13 @@ class StuckKeys:
         self.gauge = gauge.labels(worker_id)
         self._alerted: set[str] = set()  # message ids of heads already alerted on
 
-    def check(self, shards: Sequence[int]) -> list[RetryingHead]:
-        """Alert on heads newly stuck in ``shards``, set the gauge; returns the stuck heads."""
+    def check(self, shards: Sequence[int], conn: Connection | None = None) -> list[RetryingHead]:
+        """Alert on heads newly stuck in ``shards``, set the gauge; returns the stuck heads.
+
+        ``conn``: read on it (a fleet's idle poll, in its fetch's transaction).
+        """
         heads = retrying_heads(self.outbox, limit=WATCH_LIMIT, shards=shards,
-                               engine=self.engine) if shards else []
+                               engine=self.engine, conn=conn) if shards else []
         now = utcnow()
         stuck = [h for h in heads if (now - h.created_at).total_seconds() >= self.after]
         self.gauge.set(len(stuck))

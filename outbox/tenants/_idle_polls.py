@@ -15,6 +15,10 @@ sent (docs/benchmarks.md, "Many tenants"). The leases are renewed per database
 - a row written without a notification (a writer with ``notify_channel=None``,
   raw SQL): found by the next poll, at most ``MAX_IDLE_POLL`` seconds later.
 
+An idle poll is one transaction: the fetch, and when it found nothing the
+look at the delayed rows and (when due) the stuck keys on its connection
+(``RelayStep.run(look_ahead=True)``).
+
 So while its database's listener is connected, a tenant's polls back off,
 doubling from ``poll_interval`` up to ``MAX_IDLE_POLL`` with each turn that
 fetched nothing, and start again from ``poll_interval`` once it had work.

@@ -360,7 +360,9 @@ class TenantRelay:
             if failure is not None:
                 raise failure  # its leases could not be renewed: as if its step had failed so
             # Its first leases are its step's; then its database's renewal keeps them (``run``).
-            done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases)
+            # While notifications can wake it, an empty fetch reads what its backoff needs (poll_within).
+            done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases,
+                            look_ahead=db.listening)
             unit.served = True
             poll_in = self._polls.after_turn(unit, worked=done.batch.fetched > 0, notified=db.listening)
             if poll_in > self._polls.every:  # rarely, but by its next delayed row and stuck-key check

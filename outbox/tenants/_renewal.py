@@ -10,13 +10,15 @@ instead of 500 transactions on the workers, and the workers' turns are
 batches only, so polls no longer need to come every renewal interval to keep
 idle tenants' leases.
 
-What a round costs is what an idle fleet costs most: three statements a
-tenant (``Leases._heartbeat``), and no savepoint around each. A tenant whose
-leases cannot be renewed for a reason of its own (its tables dropped, the
-database resharded) rolls its chunk back, and the chunk is renewed again
-tenant by tenant, each in a savepoint, so that its failure undoes none of the
-others' renewals. The error is handed to its next turn, which fails the
-tenant as if its step had raised it. A database outage is told
+What a round costs was most of what an idle fleet cost: three statements a
+tenant (``Leases._heartbeat``). On PostgreSQL a chunk is now one statement
+(``relay._leases_shared``); elsewhere its tenants' three statements follow one
+another, with no savepoint around each. A tenant whose leases cannot be
+renewed for a reason of its own (its tables dropped) rolls its chunk back,
+and the chunk is renewed again tenant by tenant, each in a savepoint, so that
+its failure undoes none of the others' renewals. The error (or a changed
+shard count) is handed to its next turn, which fails the tenant as if its
+step had raised it. A database outage is told
 to the database's gate (logged once); its tenants' steps probe it. A tenant
 that took new shards (or must give some back) is woken.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -35,6 +38,7 @@ from transports._logsafe import safe_logger
 from ..core._engine import worker_engine
 from ..core._outage import is_database_outage
 from ..relay import RelayStep
+from ..relay._leases_shared import renew_together
 from ._schedule import Schedule
 from ._units import FleetDatabase, Unit
 
@@ -85,13 +89,14 @@ class LeaseRenewal:
             units = sorted((unit for unit in db.units.values() if unit.step is not None and not unit.removed),
                            key=lambda unit: unit.tenant.schema or "")
         shared = engine.dialect.name != "sqlite"  # pysqlite's savepoints are not to be trusted
+        postgres = engine.dialect.name == "postgresql"
         for start in range(0, len(units), RENEW_CHUNK):
             chunk = [(unit, unit.step) for unit in units[start:start + RENEW_CHUNK]]
             held = [set(step.leases.owned()) if step is not None else set() for _, step in chunk]
             with engine.connect() as conn:
                 if not shared:
                     renewed = [self._alone(conn, unit, step, conn.begin) for unit, step in chunk]
-                elif (together := _together(conn, chunk)) is not None:
+                elif (together := self._together(conn, chunk, postgres)) is not None:
                     renewed = together
                 else:  # one tenant's own failure undid the chunk: again, each tenant in a savepoint
                     with conn.begin():
@@ -99,6 +104,57 @@ class LeaseRenewal:
             for (unit, step), before, after in zip(chunk, held, renewed, strict=True):
                 if step is not None and after is not None and (set(after) - before or step.leases.surplus):
                     self._schedule.wake(unit)  # new shards to serve, or surplus to give back
+
+    def _together(self, conn: Connection, chunk: list[tuple[Unit, RelayStep | None]], postgres: bool
+                  ) -> list[dict[int, int] | None] | None:
+        """The chunk's leases renewed in one transaction, without a savepoint each; None if a tenant failed.
+
+        On PostgreSQL one statement renews the chunk (``_leases_shared``);
+        elsewhere each tenant's three follow one another (``Leases._heartbeat``).
+        A savepoint and its release would add two a tenant. A tenant's failure
+        in the statements rolls the chunk back, to be renewed again tenant by
+        tenant; a database outage is raised.
+        """
+        try:
+            if postgres:
+                return self._in_one_statement(conn, chunk)
+            with conn.begin():
+                return [_maintain(conn, unit, step) for unit, step in chunk]
+        except Exception as exc:
+            if is_database_outage(exc):
+                raise
+            return None
+
+    def _in_one_statement(self, conn: Connection, chunk: list[tuple[Unit, RelayStep | None]]
+                          ) -> list[dict[int, int] | None]:
+        """The chunk renewed by one statement, each tenant's ``Leases`` held from the round to its answer.
+
+        What a tenant's answer says (shards lost, taken, a changed shard count)
+        is taken in after the commit; a failure there is its own (its next turn
+        fails it), the others' renewals stand.
+        """
+        steps = [(unit, step) for unit, step in chunk if step is not None]
+        owned: dict[int, dict[int, int] | None] = {}
+        with ExitStack() as locked:
+            rounds = [(unit, step, locked.enter_context(step.leases.shared_round())) for unit, step in steps]
+            members = [(unit.tenant.schema, step.leases, round_) for unit, step, round_ in rounds
+                       if round_ is not None]
+            conn.execution_options(schema_translate_map=None)
+            with conn.begin():
+                answers = iter(renew_together(conn, members))
+            for unit, step, round_ in rounds:
+                if round_ is None:  # it gave its leases back: left alone, as maintain(conn) does
+                    owned[id(unit)] = {}
+                    continue
+                try:
+                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *next(answers)))
+                except Exception as exc:
+                    if is_database_outage(exc):
+                        raise
+                    unit.lease_failure = exc  # its next turn fails the tenant with it
+                    self._schedule.wake(unit)
+                    owned[id(unit)] = None
+        return [owned.get(id(unit)) for unit, _ in chunk]
 
     def _alone(self, conn: Connection, unit: Unit, step: RelayStep | None,
                begin: Callable[[], Any]) -> dict[int, int] | None:
@@ -112,24 +168,6 @@ class LeaseRenewal:
             unit.lease_failure = exc  # its next turn fails the tenant with it
             self._schedule.wake(unit)
             return None
-
-
-def _together(conn: Connection, chunk: list[tuple[Unit, RelayStep | None]]
-              ) -> list[dict[int, int] | None] | None:
-    """The chunk's leases renewed in one transaction, without a savepoint each; None if a tenant failed.
-
-    Its statements are the heartbeat, the live relays and the renewal
-    (``Leases._heartbeat``); a savepoint and its release would add two. A
-    tenant's failure rolls the chunk back, to be renewed again tenant by
-    tenant; a database outage is raised.
-    """
-    try:
-        with conn.begin():
-            return [_maintain(conn, unit, step) for unit, step in chunk]
-    except Exception as exc:
-        if is_database_outage(exc):
-            raise
-        return None
 
 
 def _maintain(conn: Connection, unit: Unit, step: RelayStep | None) -> dict[int, int] | None:
