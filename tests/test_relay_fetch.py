@@ -133,3 +133,23 @@ def test_a_full_fetch_makes_the_next_one_read_the_backlog(outbox: Outbox, monkey
         relay.close()
     assert fetched == [3, 3, 1, 0, 0]
     assert seen == [True, True, True, False, False]
+
+
+def test_a_relay_that_keeps_up_fetches_with_a_statement_prepared_once(outbox: Outbox) -> None:
+    """The fetch's transaction (read only) ends with a commit: psycopg forgets its prepared
+    statements at a rollback, so a fetch ended by one was parsed and planned again every batch.
+    On a relay's one connection, after a dozen small batches the fetch is still prepared."""
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    one = sa.create_engine(engine.url, poolclass=sa.pool.StaticPool)  # every statement on one connection
+    relay = Relay(outbox, ScriptedTransport({}), engine=one, batch_size=100)
+    try:
+        for i in range(12):
+            publish(outbox, "orders", [f"k{i}", None])
+            assert relay.run_once().published == 2
+        with one.connect() as conn:
+            prepared = conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements").scalars().all()
+    finally:
+        relay.close()
+        one.dispose()
+    assert any("ORDER BY due.id" in statement for statement in prepared), prepared

@@ -70,9 +70,13 @@ def stale(request: pytest.FixtureRequest, pg: sa.Engine) -> Iterator[Outbox]:
     yield outbox
 
 
-@pytest.fixture
-def batch(stale: Outbox) -> list[tuple[str, dict[str, Any]]]:
-    """Every statement one relay batch of ``LIMIT`` rows sent, with its parameters, in order."""
+@pytest.fixture(params=["backlog", "keeping-up"])
+def batch(request: pytest.FixtureRequest, stale: Outbox) -> list[tuple[str, dict[str, Any]]]:
+    """Every statement one relay batch of ``LIMIT`` rows sent, with its parameters, in order; its fetch
+    in the form for a backlog (a relay's first, a UNION ALL, ``LIMIT`` rows) or for a relay keeping
+    up (LATERAL, which reads up to its limit in each shard: the limit is ``LIMIT`` / shards). Both
+    are prepared on the server and may get their generic plans: the fetch's transaction ends
+    with a commit, which psycopg keeps its prepared statements through."""
     sent: list[tuple[str, dict[str, Any]]] = []
 
     def capture(*args: Any) -> None:
@@ -81,9 +85,12 @@ def batch(stale: Outbox) -> list[tuple[str, dict[str, Any]]]:
     engine = stale.engine
     assert isinstance(engine, sa.Engine)
     sa.event.listen(engine, "before_cursor_execute", capture)
-    relay = Relay(stale, ScriptedTransport(), worker_id="w", batch_size=LIMIT)
+    backlog = request.param == "backlog"
+    limit = LIMIT if backlog else LIMIT // stale.shards
+    relay = Relay(stale, ScriptedTransport(), worker_id="w", batch_size=limit)
+    relay._step._batch._backlog = backlog
     try:
-        assert relay.run_once().published == LIMIT
+        assert relay.run_once().published == limit
     finally:
         relay.close()
         sa.event.remove(engine, "before_cursor_execute", capture)
@@ -140,8 +147,10 @@ def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(
             conn.exec_driver_sql(setting)
         buffers, rows = _buffers(conn, statement, params, generic=generic)
         conn.rollback()
-    assert rows == LIMIT
-    assert buffers <= BUFFERS_PER_ROW * LIMIT, f"{buffers} buffers for {rows} rows"
+    limit = params["limit"]
+    scans = stale.shards if "LATERAL" in statement else 1  # keeping up: up to ``limit`` rows a shard
+    assert rows == limit
+    assert buffers <= BUFFERS_PER_ROW * limit * scans, f"{buffers} buffers for {rows} rows"
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
@@ -156,5 +165,6 @@ def test_marking_a_batch_published_reads_its_rows_not_the_backlog_on_stale_stati
         conn.execute(sa.text("UPDATE outbox_leases SET owner = 'w'"))
         buffers, rows = _buffers(conn, statement, params, generic=generic)
         conn.rollback()
-    assert rows == LIMIT  # every row found pending under a held lease: the fence let them through
-    assert buffers <= BUFFERS_PER_ROW * LIMIT, f"{buffers} buffers for {rows} rows"
+    limit = _fetch(batch)[2]["limit"]
+    assert rows == limit  # every row found pending under a held lease: the fence let them through
+    assert buffers <= BUFFERS_PER_ROW * limit, f"{buffers} buffers for {rows} rows"

@@ -7,6 +7,7 @@ the transport, which is what is proved here (``Relay``'s keywords build one).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +15,12 @@ import sqlalchemy as sa
 import tenacity
 from hypothesis import given
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
-from outbox import ConfigurationError, Outbox, Relay
+from outbox import ConfigurationError, Outbox, Relay, create_engine
+from outbox.cli import app
 from outbox.relay import RelaySettings
+from outbox.relay._settings import DEFAULT_BATCH_SIZE
 from outbox.testing import InMemoryTransport
 
 SECONDS = ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after")
@@ -53,7 +57,8 @@ def test_worker_id_and_backoff_are_checked_and_the_defaults_hold() -> None:
         RelaySettings(backoff=3)
     assert RelaySettings(worker_id="").worker_id != ""  # empty: the default, as Relay did
     a, b = RelaySettings(), RelaySettings()
-    assert a.worker_id != b.worker_id and a.batch_size == 1000 and a.poll_interval == 0.5
+    assert a.worker_id != b.worker_id and a.poll_interval == 0.5
+    assert a.batch_size == DEFAULT_BATCH_SIZE == 5000
     assert isinstance(a.backoff, tenacity.wait.wait_base)
 
 
@@ -68,3 +73,31 @@ def test_relay_keywords_build_the_settings_and_a_nan_is_refused(tmp_path: Any) -
     for field in SECONDS:
         with pytest.raises(ConfigurationError, match=f"^{field} must be positive seconds, got nan"):
             Relay(outbox, InMemoryTransport(), **{field: math.nan})
+
+
+class _Built(Exception):
+    """Raised by a stand-in for the relay the CLI builds, once it has seen its keywords."""
+
+
+def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One relay serves no one else: a larger batch pays a batch's fixed cost over more rows
+    (docs/relay.md, "The batch size"). A fleet's workers take tenants a batch at a time: 1000."""
+    import outbox.cli._relay as cli
+    import outbox.relay as relay
+
+    seen: list[int] = []
+
+    def built(*args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["batch_size"])
+        raise _Built
+    monkeypatch.setattr(relay, "Relay", built)
+    monkeypatch.setattr(cli, "_relay_tenants", built)
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    Outbox(create_engine(url)).create_tables()
+    base = ["relay", "--db", url, "--bootstrap-servers", "127.0.0.1:1"]
+    tenants = ["--tenants", "a,b"]
+    for extra in ([], ["--batch-size", "700"], tenants, [*tenants, "--batch-size", "700"]):
+        result = CliRunner().invoke(app, [*base, *extra])
+        assert "_Built" in result.output, result.output
+    assert seen == [5000, 700, 1000, 700]

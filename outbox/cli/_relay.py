@@ -23,6 +23,7 @@ from ..housekeeping import parse_period, run_retention
 from ..producer import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
+from ..relay._settings import DEFAULT_BATCH_SIZE
 from . import app
 from ._db import open_outbox
 from ._errors import Typer, database_name, hidden
@@ -63,7 +64,8 @@ def relay(
         None, help="Serve /metrics (Prometheus), /healthz and /readyz on this port."),
     metrics_host: str = METRICS_HOST,
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
-    batch_size: int = typer.Option(1000, help="Rows per batch."),
+    batch_size: int | None = typer.Option(
+        None, help="Rows per batch (default 5000; 1000 with --tenants)."),
     lease_ttl: float | None = typer.Option(
         None, help="Seconds a shard lease lasts without renewal (default 10; 30 with --tenants)."),
     poll_interval: float | None = typer.Option(
@@ -119,7 +121,7 @@ def relay(
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
         _relay_tenants(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
-            worker_id=worker_id, batch_size=batch_size,
+            worker_id=worker_id, batch_size=FLEET_BATCH_SIZE if batch_size is None else batch_size,
             lease_ttl=FLEET_LEASE_TTL if lease_ttl is None else lease_ttl,
             poll_interval=FLEET_POLL_INTERVAL if poll_interval is None else poll_interval,
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
@@ -138,7 +140,8 @@ def relay(
                                 outbox.load_schema().max_record_bytes)
         transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         worker = Relay(
-            outbox, transport, worker_id=worker_id, batch_size=batch_size,
+            outbox, transport, worker_id=worker_id,
+            batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
             lease_ttl=10.0 if lease_ttl is None else lease_ttl,
             poll_interval=0.5 if poll_interval is None else poll_interval,
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
@@ -162,6 +165,9 @@ def relay(
 
 FLEET_LEASE_TTL = 30.0
 """A --tenants relay's lease TTL: one process renews every tenant's leases, each in its turn."""
+FLEET_BATCH_SIZE = 1000
+"""A --tenants relay's batch size: its workers serve tenants a batch at a time, in turns; a
+larger batch would hold a worker longer from the others (one relay: ``DEFAULT_BATCH_SIZE``)."""
 FLEET_POLL_INTERVAL = 5.0
 """A --tenants relay polls each tenant this often: notifications wake them (PostgreSQL); a poll of
 500 tenants every 0.5 s would be 1,000 fetches a second of nothing."""

@@ -193,7 +193,13 @@ class BatchRunner:
                 unreadable = exc
             if idle is not None and unreadable is None and not rows:
                 idle(conn)
-            conn.rollback()
+            # Read only, so a commit ends it as a rollback would; but psycopg forgets its prepared
+            # statements at every rollback, and kept, the fetch is not parsed and planned again
+            # each batch (``RelayStatements.fetch``).
+            if unreadable is None:
+                conn.commit()
+            else:
+                conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
         self._backlog = len(rows) >= params["limit"]

@@ -47,7 +47,7 @@ from ._batch import BatchResult
 from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
-from ._settings import DEFAULT_BACKOFF, RelaySettings, cloudevents_mode, default_worker_id
+from ._settings import DEFAULT_BACKOFF, DEFAULT_BATCH_SIZE, RelaySettings, cloudevents_mode, default_worker_id
 from ._step import RelayOutages, RelayStep
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
@@ -89,7 +89,7 @@ class Relay:
         transport: Transport,
         *,
         engine: Engine | None = None,
-        batch_size: int = 1000,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         worker_id: str | None = None,
         alert: AlertSink | Callable[[Alert], None] | None = None,
         lease_ttl: float = 10.0,

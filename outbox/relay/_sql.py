@@ -79,9 +79,14 @@ class PostgresRelayStatements(RelayStatements):
         being written (pipelined batches); NOT IN (SELECT …) becomes a hashed
         subplan, where "<> ALL(array)" compared every row with every busy id.
 
-        Every fetch is planned anew (psycopg forgets its prepared statements at
-        every rollback, and a generic plan could not match the partial indexes,
-        whose ``status`` is a parameter here). The UNION ALL's plan grows with the
+        The fetch's transaction ends with a commit, not a rollback (it writes
+        nothing), because psycopg forgets its prepared statements at every
+        rollback: kept, a connection's fetch of a shard set is prepared on the
+        server from its fifth run and then neither parsed nor planned again
+        (about 0.4 ms of PostgreSQL CPU per batch of 3 rows), and after five
+        more runs PostgreSQL may run it with its generic plan, which the status
+        constant and ``enable_sort = off`` keep on the pending index
+        (``tests/test_relay_plans.py``, both forms). The UNION ALL's plan grows with the
         shards, and on a partitioned table with shards x partitions: planning it
         took 1.4 ms of a 1.8 ms fetch over 16 shards on a plain table, and 13 to
         40 ms on a table of 8 daily partitions, for 20 due rows. The LATERAL
@@ -133,11 +138,9 @@ class PostgresRelayStatements(RelayStatements):
         ms = round(max(seconds, IDLE_FLOOR) * 1000)
         conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
 
-    def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
-              per_row: dict[str, Any]) -> int:
+    def _build_mark(self, set_: dict[str, Any], per_row: dict[str, Any]) -> Any:
         m, leases = self._m, self._leases
-        arrays = {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row}
-        rows = rows_of(arrays)
+        rows = rows_of(mark_arrays(per_row))
         # The fence names only v's columns, so PostgreSQL checks it per incoming row
         # and then finds each row by primary key (a fence on m.shard made it scan
         # every pending row of the owned shards). "Still pending" is spelled so that
@@ -145,17 +148,26 @@ class PostgresRelayStatements(RelayStatements):
         # planner whose statistics say nothing is pending (ANALYZEd when nothing
         # was, see prepare_fetch) hashes the whole backlog read through it.
         fenced = exists().where(
-            leases.c.shard == rows.c.shard, leases.c.owner == owner, leases.c.epoch == rows.c.epoch
+            leases.c.shard == rows.c.shard, leases.c.owner == bindparam("owner"),
+            leases.c.epoch == rows.c.epoch,
         )
-        stmt = (
+        return (
             update(m)
             .where(m.c.id == rows.c.id, m.c.shard == rows.c.shard,
                    m.c.status.is_not_distinct_from(OutboxStatus.PENDING), fenced)
             .values(**set_, **{name: rows.c[name] for name in per_row})
         )
-        params = array_params(arrays, {"id": marks.ids, "shard": marks.shards,
-                                       "epoch": marks.epochs, **marks.values})
-        return conn.execute(stmt, params).rowcount
+
+    def _mark(self, conn: sa.Connection, marks: Marks, stmt: Any, params: dict[str, Any],
+              per_row: dict[str, Any]) -> int:
+        arrays = array_params(mark_arrays(per_row), {"id": marks.ids, "shard": marks.shards,
+                                                     "epoch": marks.epochs, **marks.values})
+        return conn.execute(stmt, {**params, **arrays}).rowcount
+
+
+def mark_arrays(per_row: dict[str, Any]) -> dict[str, Any]:
+    """The arrays of a PostgreSQL bulk update: the fence's columns, then ``per_row``'s."""
+    return {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row}
 
 
 class MySQLRelayStatements(RelayStatements):
@@ -194,40 +206,45 @@ class MySQLRelayStatements(RelayStatements):
         drop = set(busy)
         return [r for r in rows if r[0] not in drop][:limit]  # r[0]: the id (ROW_COLUMNS)
 
-    def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
-              per_row: dict[str, Any]) -> int:
+    def _build_mark(self, set_: dict[str, Any], per_row: dict[str, Any]) -> Any:
         m, leases = self._m, self._leases
         rows = json_table("rows", {"id": BigInteger(), "shard": Integer(), "epoch": BigInteger(), **per_row},
                           name="v")
         fenced = exists().where(
-            leases.c.shard == rows.c.shard, leases.c.owner == owner, leases.c.epoch == rows.c.epoch
+            leases.c.shard == rows.c.shard, leases.c.owner == bindparam("owner"),
+            leases.c.epoch == rows.c.epoch,
         )
-        stmt = (
+        return (
             update(m)
             .where(m.c.id == rows.c.id, m.c.status == OutboxStatus.PENDING, fenced)
             .values(**set_, **{name: rows.c[name] for name in per_row})
         )
+
+    def _mark(self, conn: sa.Connection, marks: Marks, stmt: Any, params: dict[str, Any],
+              per_row: dict[str, Any]) -> int:
         values = [marks.ids, marks.shards, marks.epochs, *(marks.values[name] for name in per_row)]
-        return conn.execute(stmt, {"rows": json_rows(zip(*values, strict=True))}).rowcount
+        return conn.execute(stmt, {**params, "rows": json_rows(zip(*values, strict=True))}).rowcount
 
 
 class SQLiteRelayStatements(RelayStatements):
     """SQLite, in process: an executemany per bulk update; batches are not pipelined."""
 
-    def _mark(self, conn: sa.Connection, owner: str, marks: Marks, set_: dict[str, Any],
-              per_row: dict[str, Any]) -> int:
+    def _build_mark(self, set_: dict[str, Any], per_row: dict[str, Any]) -> Any:
         m, leases = self._m, self._leases
         fenced = exists().where(
-            leases.c.shard == m.c.shard, leases.c.owner == owner,
+            leases.c.shard == m.c.shard, leases.c.owner == bindparam("owner"),
             leases.c.epoch == bindparam("b_epoch"),
         )
-        stmt = (
+        return (
             update(m)
             .where(m.c.id == bindparam("b_id"), m.c.status == OutboxStatus.PENDING, fenced)
             .values(**set_, **{name: bindparam(f"b_{name}") for name in per_row})
         )
+
+    def _mark(self, conn: sa.Connection, marks: Marks, stmt: Any, params: dict[str, Any],
+              per_row: dict[str, Any]) -> int:
         rows_params = [
-            {"b_id": row_id, "b_epoch": epoch,
+            {**params, "b_id": row_id, "b_epoch": epoch,
              **{f"b_{name}": values[i] for name, values in marks.values.items()}}
             for i, (row_id, epoch) in enumerate(zip(marks.ids, marks.epochs, strict=True))
         ]

@@ -29,7 +29,8 @@ Kafka Connect's STOPPED state, so no walsender decodes the other side's WAL).
         [--rate 1000] [--seconds 20]
 
 ``--only-ours`` runs our relay's throughput rounds alone (no Connect, no latency runs, no report
-written): for studying our side, as for issue 37. ``--analyze`` ANALYZEs the outbox after each
+written), and ``--ours-latency`` its latency runs alone: for studying our side, as for issue 37
+(``--tuned-batch-size`` sets its tuned runs' batch size). ``--analyze`` ANALYZEs the outbox after each
 throughput round, when every row is published: what autovacuum does at a moment of its own
 choosing, which made 2 of 6 rounds of ours 3-8x slower before the relay's statements were made
 to keep their plans on such statistics (docs/benchmarks.md, "What the race says").
@@ -344,6 +345,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--only-ours", action="store_true",
                         help="our relay's throughput rounds only: no Debezium, no latency runs, no report")
+    parser.add_argument("--tuned-batch-size", type=int, default=int(OURS_TUNED[1]),
+                        help="our relay's --batch-size in its tuned throughput runs")
+    parser.add_argument("--ours-latency", action="store_true",
+                        help="our relay's latency runs only: no Debezium, no throughput runs, no report")
     parser.add_argument("--analyze", action="store_true",
                         help="ANALYZE outbox_messages after each throughput round (all rows published)")
     parser.add_argument("--writer", nargs=7, help=argparse.SUPPRESS)
@@ -363,14 +368,15 @@ def main() -> None:
         ours = Ours(server.url, broker.bootstrap, engine, messages)
         runs: list[tuple[str, Side, Callable[[], int]]] = [
             ("throughput: our relay, defaults", ours, lambda: ours.start()),
-            ("throughput: our relay, --batch-size 5000", ours, lambda: ours.start(*OURS_TUNED)),
+            (f"throughput: our relay, --batch-size {args.tuned_batch_size}", ours,
+             lambda: ours.start("--batch-size", str(args.tuned_batch_size))),
         ]
-        if not args.only_ours:
+        if not args.only_ours and not args.ours_latency:
             dbz = Debezium(server.url, broker.bootstrap, engine, messages)
             print(f"ready: {broker!r}, {dbz.connect!r}", flush=True)
             runs.insert(1, ("throughput: Debezium, defaults", dbz, lambda: dbz.start()))
             runs.append(("throughput: Debezium, tuned", dbz, lambda: dbz.start(tuned=True)))
-        for n in range(args.rounds):
+        for n in range(0 if args.ours_latency else args.rounds):
             for name, side, start in runs:
                 reads = index_reads(engine)
                 w = throughput(side, start, server, engine, offsets, broker.bootstrap, args.messages)
@@ -389,10 +395,10 @@ def main() -> None:
             engine.dispose()
             return
         lat_runs: list[tuple[str, Side, Callable[[], int]]] = [
-            ("latency: our relay, defaults", ours, lambda: ours.start()),
-            ("latency: Debezium, defaults", dbz, lambda: dbz.start()),
-            ("latency: Debezium, tuned", dbz, lambda: dbz.start(tuned=True)),
-        ]
+            ("latency: our relay, defaults", ours, lambda: ours.start())]
+        if not args.ours_latency:
+            lat_runs += [("latency: Debezium, defaults", dbz, lambda: dbz.start()),
+                         ("latency: Debezium, tuned", dbz, lambda: dbz.start(tuned=True))]
         for n in range(args.rounds):
             for name, side, start in lat_runs:
                 w = latency(side, start, server, engine, offsets, broker.bootstrap, server.url, args.rate,
@@ -403,6 +409,9 @@ def main() -> None:
                       f"WAL {w.wal / w.messages:.0f} B/msg, rows {w.rows}, "
                       f"load {w.load[0]:.1f}/{w.load[1]:.1f}",
                       flush=True)
+        if args.ours_latency:
+            engine.dispose()
+            return
         connect_log = dbz.connect.log_path.read_text(errors="replace")
         dbz.close()
         engine.dispose()
