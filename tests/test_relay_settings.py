@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.cli import app
 from outbox.relay import RelaySettings
-from outbox.relay._settings import DEFAULT_BATCH_SIZE
 from outbox.testing import InMemoryTransport
 
 SECONDS = ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after")
@@ -58,7 +57,7 @@ def test_worker_id_and_backoff_are_checked_and_the_defaults_hold() -> None:
     assert RelaySettings(worker_id="").worker_id != ""  # empty: the default, as Relay did
     a, b = RelaySettings(), RelaySettings()
     assert a.worker_id != b.worker_id and a.poll_interval == 0.5
-    assert a.batch_size == DEFAULT_BATCH_SIZE == 5000
+    assert a.batch_size == 5000
     assert isinstance(a.backoff, tenacity.wait.wait_base)
 
 
@@ -83,7 +82,6 @@ def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One relay serves no one else: a larger batch pays a batch's fixed cost over more rows
     (docs/relay.md, "The batch size"). A fleet's workers take tenants a batch at a time: 1000."""
-    import outbox.cli._relay as cli
     import outbox.relay as relay
 
     seen: list[int] = []
@@ -92,7 +90,7 @@ def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
         seen.append(kwargs["batch_size"])
         raise _Built
     monkeypatch.setattr(relay, "Relay", built)
-    monkeypatch.setattr(cli, "_relay_tenants", built)
+    monkeypatch.setattr("outbox.cli._relay._relay_tenants", built)
     url = f"sqlite:///{tmp_path / 'o.db'}"
     Outbox(create_engine(url)).create_tables()
     base = ["relay", "--db", url, "--bootstrap-servers", "127.0.0.1:1"]
