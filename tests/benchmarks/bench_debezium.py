@@ -85,7 +85,7 @@ DEBEZIUM_TUNED = {"poll.interval.ms": "10", "max.batch.size": "8192", "max.queue
                   "producer.override.compression.type": "lz4"}
 """Debezium tuned as its docs suggest for throughput and latency: a short poll interval, larger
 batches and queue, and the producer batching as our relay's does (linger 5 ms, lz4)."""
-OURS_TUNED = ("--batch-size", "5000")
+OURS_TUNED = ("--batch-size", "20000")
 
 
 # -- the two sides ----------------------------------------------------------------------------
@@ -484,13 +484,13 @@ def report(args: argparse.Namespace, results: dict[str, list[Window]], before: t
     body = f"""## Our relay against Debezium's outbox event router
 
 `python tests/benchmarks/bench_debezium.py --messages {args.messages} --keys {args.keys}
---rounds {args.rounds} --rate {args.rate} --seconds {args.seconds:g}` — one run: one durable
+--rounds {args.rounds} --rate {args.rate} --seconds {args.seconds:g} --tuned-batch-size {args.tuned_batch_size}` — one run: one durable
 PostgreSQL (fsync, synchronous_commit, full_page_writes on; `wal_level=logical`), one local Apache
 Kafka 4.3.0, the same {args.messages:,} messages (about 200 bytes of JSON each, over {args.keys:,}
 keys). The sides take turns, never at once.
 Ours: the `outbox relay` process. Debezium: Debezium 3.6.1.Final's PostgreSQL connector (pgoutput)
 with the outbox `EventRouter`, on a standalone Kafka Connect 4.3.0 worker (`-Xmx1g`, StringConverter),
-over a Debezium-layout table. "Tuned": ours `--batch-size 5000`; Debezium
+over a Debezium-layout table. "Tuned": ours `--batch-size {args.tuned_batch_size}`; Debezium
 `{", ".join(f"{k}={v}" for k, v in DEBEZIUM_TUNED.items())}`. Connect's producer as logged: {producer}.
 Load average (1, 5, 15 min) before: {before[0]:.1f}, {before[1]:.1f}, {before[2]:.1f}; after: {after[0]:.1f},
 {after[1]:.1f}, {after[2]:.1f} — other jobs shared the two cores.
