@@ -218,7 +218,7 @@ def test_a_default_batch_leaves_a_relay_commit_little_wal_to_flush(own_postgres)
     """A relay's commit flushes every byte of WAL written before its own, retention's included:
     a default batch writes at most 512 kB of it, even when every page it touches is the first
     since a checkpoint (a full image each: the state of rows retained for days). 5,000-row
-    batches wrote about 1.7 MB each beside the relay, and its p99 grew with them."""
+    batches wrote about 1.7 MB each."""
     engine = create_engine(own_postgres.url)
     outbox = Outbox(engine)
     outbox.create_tables()
