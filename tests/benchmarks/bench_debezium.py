@@ -484,7 +484,8 @@ def report(args: argparse.Namespace, results: dict[str, list[Window]], before: t
     body = f"""## Our relay against Debezium's outbox event router
 
 `python tests/benchmarks/bench_debezium.py --messages {args.messages} --keys {args.keys}
---rounds {args.rounds} --rate {args.rate} --seconds {args.seconds:g} --tuned-batch-size {args.tuned_batch_size}` — one run: one durable
+--rounds {args.rounds} --rate {args.rate} --seconds {args.seconds:g}
+--tuned-batch-size {args.tuned_batch_size}` — one run: one durable
 PostgreSQL (fsync, synchronous_commit, full_page_writes on; `wal_level=logical`), one local Apache
 Kafka 4.3.0, the same {args.messages:,} messages (about 200 bytes of JSON each, over {args.keys:,}
 keys). The sides take turns, never at once.
