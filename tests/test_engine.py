@@ -18,7 +18,14 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from outbox import create_async_engine, create_engine
-from outbox.core._engine import _WORKER, CONNECT_TIMEOUT, _fast_datetimes, _keep_levels, worker_engine
+from outbox.core._engine import (
+    _WORKER,
+    CONNECT_TIMEOUT,
+    POOL_SIZE,
+    _fast_datetimes,
+    _keep_levels,
+    worker_engine,
+)
 from outbox.core._outage import is_database_outage
 from outbox.inbox._sessions import sessions_for
 from tests.inbox_support import async_url
@@ -178,3 +185,15 @@ def test_the_fast_decoder_is_only_for_the_two_mysql_drivers_and_yields_to_a_call
     assert given[MYSQL.replace("pymysql", "mysqldb")]["connect_args"] == {"conv": mine, "connect_timeout": 2}
     create_engine(POSTGRES)
     assert given[POSTGRES]["connect_args"] == {"connect_timeout": CONNECT_TIMEOUT}  # nothing else
+
+
+@pytest.mark.parametrize("make", [create_engine, create_async_engine])
+def test_a_server_engine_keeps_a_connection_for_each_of_an_inbox_s_default_workers(make) -> None:  # type: ignore[no-untyped-def]
+    """A pool closes each connection returned past its size: with SQLAlchemy's 5, three of the
+    inbox's 8 default workers connected again after every transaction."""
+    from outbox import Inbox
+
+    workers = Inbox(create_engine("sqlite://"), group="g").concurrency
+    engine = make("postgresql+psycopg://u@127.0.0.1:1/db")
+    assert engine.pool.size() == POOL_SIZE >= workers
+    assert make("postgresql+psycopg://u@127.0.0.1:1/db", pool_size=3).pool.size() == 3

@@ -31,6 +31,11 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     unless the URL or ``connect_args`` says otherwise: a server that accepts
     the TCP connection and never answers (frozen, overloaded) would otherwise
     hold a worker in ``connect`` for good.
+
+    A server's pool keeps ``POOL_SIZE`` connections unless ``pool_size`` says
+    otherwise: SQLAlchemy's 5 is fewer than an inbox's default 8 workers, and a
+    pool closes every connection past its size when it is returned, so three
+    workers would connect again and again.
     """
     parsed = _parsed(url)
     connect_args = kwargs.get("connect_args", {})
@@ -42,6 +47,8 @@ def create_engine(url: str, **kwargs: Any) -> Engine:
     conversions = _fast_datetimes(driver) if "conv" not in connect_args else None
     if conversions is not None:
         kwargs = {**kwargs, "connect_args": {**connect_args, "conv": conversions}}
+    if parsed.get_backend_name() != "sqlite" and "poolclass" not in kwargs:
+        kwargs = {"pool_size": POOL_SIZE, **kwargs}
     engine = sqlalchemy.create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
@@ -64,6 +71,10 @@ def _parsed(url: str) -> sqlalchemy.URL:
             "percent-encode a password that holds @, : or / (urllib.parse.quote(password, safe=''))"
         ) from None
 
+
+POOL_SIZE = 10
+"""Connections a PostgreSQL or MySQL engine keeps (its overflow, 10 more, is SQLAlchemy's): an inbox's
+default 8 workers, its sweep and a relay's few, without closing and opening connections in turn."""
 
 CONNECT_TIMEOUT = 10
 """Seconds a new PostgreSQL or MySQL connection may take, unless the URL or ``connect_args`` set one."""
@@ -211,6 +222,8 @@ def create_async_engine(url: str, **kwargs: Any) -> AsyncEngine:
     timeout = _connect_timeout(parsed.get_dialect().driver, parsed.query, connect_args)
     if timeout:
         kwargs = {**kwargs, "connect_args": {**connect_args, **timeout}}
+    if parsed.get_backend_name() != "sqlite" and "poolclass" not in kwargs:
+        kwargs = {"pool_size": POOL_SIZE, **kwargs}
     engine = _create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine.sync_engine)
