@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -179,17 +180,11 @@ def test_an_idle_consumer_whose_coordinator_is_gone_logs_the_outage_once_each_wa
     inbox = _inbox(sqlite_db)
     source = Unavailable([])
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
+    with _running(inbox, source):
         source.why = "group coordinator out of reach for 45s, state query-coord"
         time.sleep(1.0)  # many polls, nothing to commit
         source.why = None
         time.sleep(0.5)
-    finally:
-        inbox.stop()
-        thread.join(30)
     lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
     assert len(lines) == 2, lines
     assert lines[0].startswith("the broker unavailable (group coordinator out of reach for 45s"), lines
@@ -229,11 +224,25 @@ class CommitsFailing(ScriptedSource):
         super().close()
 
 
-def _until(condition: Callable[[], object], thread: threading.Thread, deadline: float) -> None:
-    """Wait for ``condition`` while the inbox's thread runs, failing at ``deadline`` (monotonic)."""
-    while not condition():
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.05)
+@contextmanager
+def _running(inbox: Inbox, source: object) -> Iterator[Callable[[Callable[[], object]], None]]:
+    """``inbox.run(source)`` on a thread, stopped and joined at the end; yields ``until(condition)``,
+    which waits for ``condition`` while the inbox runs and fails 30 s after the start."""
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    deadline = time.monotonic() + 30
+
+    def until(condition: Callable[[], object]) -> None:
+        while not condition():
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+
+    thread.start()
+    try:
+        yield until
+    finally:
+        inbox.stop()
+        thread.join(30)
 
 
 def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -255,17 +264,10 @@ def test_a_commit_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
     source = CommitsFailing([at(record(TOPIC, "a", 1), 0, 0)], error)
     source.down = True
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        _until(lambda: source.failed >= 5, thread, deadline)  # a few commit intervals, many empty polls
+    with _running(inbox, source) as until:
+        until(lambda: source.failed >= 5)  # a few commit intervals, many empty polls
         source.down = False
-        _until(lambda: source.commits, thread, deadline)
-    finally:
-        inbox.stop()
-        thread.join(30)
+        until(lambda: source.commits)
     assert_one_outage_logged(caplog)
     assert source.commits == [{(TOPIC, 0): 1}]
 
@@ -314,17 +316,10 @@ def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
     source = RebalanceBehindThePoll([at(record(TOPIC, "a", 1), 0, 0), at(record(TOPIC, "b", 1), 1, 0)])
     source.rebalancing = True
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        _until(lambda: source.unanswered >= 2 and not source.rebalancing, thread, deadline)
+    with _running(inbox, source) as until:
+        until(lambda: source.unanswered >= 2 and not source.rebalancing)
         source.pending = [at(record(TOPIC, "c", 1), 0, 1)]  # reassigned: the consumer goes on
-        _until(lambda: source.commits, thread, deadline)
-    finally:
-        inbox.stop()
-        thread.join(30)
+        until(lambda: source.commits)
     assert [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()] == []
     assert source.commits == [{(TOPIC, 0): 2}]
 
@@ -364,19 +359,12 @@ def test_a_revocation_in_a_broker_outage_does_not_end_the_outage(
                                                          "coordinator"))
     source.down = True
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        _until(lambda: source.failed >= 3, thread, deadline)
+    with _running(inbox, source) as until:
+        until(lambda: source.failed >= 3)
         source.revoke = [(TOPIC, 0)]
-        _until(lambda: source.unconfirmed and source.failed >= 6, thread, deadline)  # revoked; still down
+        until(lambda: source.unconfirmed and source.failed >= 6)  # revoked; still down
         source.down = False
-        _until(lambda: source.commits, thread, deadline)
-    finally:
-        inbox.stop()
-        thread.join(30)
+        until(lambda: source.commits)
     assert_one_outage_logged(caplog)
     assert source.unconfirmed == [{(TOPIC, 0): 1}]
     assert source.commits == [{(TOPIC, 1): 1}]
@@ -408,22 +396,15 @@ def test_a_commit_outage_that_ends_in_a_revoke_is_not_taken_for_its_end(
                              RetriableTransportError("offset commit failed: no answer within 10s"))
     source.down, source.up = True, False
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        _until(lambda: source.failed >= 2, thread, deadline)  # the commit outage, logged
+    with _running(inbox, source) as until:
+        until(lambda: source.failed >= 2)  # the commit outage, logged
         source.revoke = [(TOPIC, 0)]  # the session expired: the group took the partition away
-        _until(lambda: source.revoke is None, thread, deadline)
+        until(lambda: source.revoke is None)
         time.sleep(1.5)  # commit intervals with nothing to commit, many polls within the grace
         source.why = "group coordinator out of reach for 10s, state wait-broker-transport"
         time.sleep(0.5)
         source.why, source.up, source.down = None, True, False  # the nodes are back
         time.sleep(0.5)
-    finally:
-        inbox.stop()
-        thread.join(30)
     assert_one_outage_logged(caplog)
 
 
