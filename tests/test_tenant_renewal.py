@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -180,4 +180,51 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
         assert isinstance(failure, SchemaError) and "changed from 2 to 4" in str(failure)
         assert steps["a"].leases.owned() == {}
     finally:
+        relay.close()
+
+
+def one_statement_renewal(worker_id: str) -> tuple[LeaseRenewal, list[Any]]:
+    """A ``LeaseRenewal`` whose rounds the test runs itself (``_in_one_statement``), and whom it woke."""
+    woken: list[Any] = []
+    renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
+                           stopping=threading.Event(), worker_id=worker_id, answered=lambda *_: None)
+    return renewal, woken
+
+
+def unit_of(name: str, step: Any) -> Any:
+    return SimpleNamespace(tenant=SimpleNamespace(schema=name), step=step, lease_failure=None)
+
+
+def test_a_tenant_whose_lock_is_held_long_shortens_no_other_tenants_lease_in_its_chunk(pg: sa.Engine) -> None:
+    """A shared renewal takes its chunk's ``Leases`` locks one after another; ``b``'s is held longer
+    than a TTL (its own renewal waiting on a row lock, a release). ``a``, locked first, must still be
+    renewed for a TTL from when the statement runs: with the round's time taken at ``a``'s lock, its
+    lease was renewed into the past, free for any other relay to take at once."""
+    outboxes = schema_outboxes(pg, ["a", "b"], shards=2)
+    relay = fleet(["a", "b"], pg, worker_id="fleet-1", lease_ttl=2.0)
+    renewal, _ = one_statement_renewal("fleet-1")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_b() -> None:
+        with steps["b"].leases.shared_round():
+            holding.set()
+            release.wait(30)
+
+    try:
+        relay.run_once()  # each tenant's first step takes its leases
+        steps = {name: relay.relay_of(name) for name in ("a", "b")}
+        assert all(step is not None and len(step.leases.owned()) == 2 for step in steps.values())
+        holder = threading.Thread(target=hold_b, daemon=True)
+        holder.start()
+        assert holding.wait(10)
+        threading.Timer(3.0, release.set).start()  # b's lock held 1.5 TTLs
+        with pg.connect() as conn:
+            held = renewal._in_one_statement(conn, [(unit_of(n, steps[n]), steps[n]) for n in ("a", "b")])
+        renewed_at = datetime.now(tz=UTC)
+        holder.join(10)
+        assert held[0] is not None and set(held[0]) == {0, 1}
+        left = [(expiry - renewed_at).total_seconds() for expiry in expiries(outboxes["a"])]
+        assert len(left) == 2 and all(seconds > 1.0 for seconds in left), left  # about a TTL (2 s) left
+    finally:
+        release.set()
         relay.close()
