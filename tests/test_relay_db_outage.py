@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import ScriptedTransport, publish, rows, wait_for
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine, relay_metrics
@@ -134,10 +134,7 @@ def test_a_relay_whose_mark_the_database_ended_for_idleness_recovers_as_from_one
     monkeypatch.setattr(sql, "published", published_then_stall)
     thread = running(relay)
     try:
-        deadline = time.monotonic() + 30
-        while len(rows(outbox, status="published")) < 3:
-            assert time.monotonic() < deadline, "not every row marked after the stall"
-            time.sleep(0.1)
+        wait_for(lambda: len(rows(outbox, status="published")) == 3, 30, "every row marked after the stall")
     finally:
         relay.stop()
         thread.join(20)
