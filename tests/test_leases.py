@@ -10,9 +10,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from _relay_helpers import publish
 
-from outbox import Outbox, SchemaError, create_engine
+from outbox import Outbox, Relay, SchemaError, create_engine
 from outbox.relay._leases import Leases
+from transports.memory import InMemoryBroker, InMemoryTransport
 
 
 @pytest.fixture
@@ -119,3 +121,27 @@ def test_a_relay_frozen_inside_its_renewal_does_not_hold_the_relay_that_takes_it
         taking.join(30)
     assert isinstance(ended[0], sa.exc.DBAPIError) and getattr(ended[0].orig, "sqlstate", None) == "25P03"
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_lease_ttl_past_what_postgresql_bounds_an_idle_transaction_by_still_relays(pg: sa.Engine) -> None:
+    """A relay's lease and mark transactions end themselves when left idle for a lease TTL
+    (``idle_in_transaction_session_timeout``), which PostgreSQL takes up to 2^31-1 ms (~24.8 days). A
+    lease TTL of 30 days worked before that bound existed; with it uncapped, PostgreSQL refused the
+    SET LOCAL of every lease and mark transaction, and such a relay could neither hold a lease nor
+    mark a row. The bound is capped instead."""
+    box = Outbox(pg, shards=2)
+    box.create_tables()
+    month = 30 * 24 * 3600.0
+    leases = Leases(pg, box.tables, 2, "patient", ttl=month)
+    assert leases.maintain() == {0: 1, 1: 1}
+    leases.release_all()
+    publish(box, "orders", ["k"])
+    broker = InMemoryBroker()
+    relay = Relay(box, InMemoryTransport(broker), worker_id="patient-relay", lease_ttl=month)
+    try:
+        batch = relay.run_once()
+    finally:
+        relay.close()
+    assert (batch.fetched, batch.published) == (1, 1), batch
+    assert len(broker.records("orders")) == 1

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import ScriptedTransport, publish, rows, wait_for
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine, relay_metrics
@@ -101,4 +102,45 @@ def test_a_relay_without_shards_counts_one_outage_once(
         thread.join(20)
     assert not thread.is_alive()
     assert_one_outage(idle, caplog, "b-idle")
+    outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+@pytest.mark.postgres
+def test_a_relay_whose_mark_the_database_ended_for_idleness_recovers_as_from_one_outage(
+    postgres_db: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay stalled inside its mark's transaction past its idle bound (a lease TTL, at least 5 s:
+    ``RelayStatements.end_if_idle``) finds it ended by PostgreSQL (25P03, its connection closed) when
+    it resumes. That is one database outage, told once each way and counted once, not a failure with
+    a traceback; its rows stay pending and are sent again (at least once), and every one is marked."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    outbox = Outbox(create_engine(postgres_db), shards=2)
+    outbox.create_tables()
+    publish(outbox, "orders", ["k1", "k2", None])
+    transport = ScriptedTransport()
+    relay = Relay(outbox, transport, worker_id="stalled", poll_interval=0.1, lease_ttl=1.0,
+                  metrics=relay_metrics(CollectorRegistry()))
+    sql = relay._step._batch.sql
+    real_published = sql.published
+    stalled = threading.Event()
+
+    def published_then_stall(conn: Any, owner: str, marks: Any, now: Any) -> int:
+        marked = real_published(conn, owner, marks, now)
+        if marks.ids and not stalled.is_set():  # once: its rows locked, its COMMIT not sent
+            stalled.set()
+            time.sleep(6.5)  # past the 5 s bound
+        return marked
+
+    monkeypatch.setattr(sql, "published", published_then_stall)
+    thread = running(relay)
+    try:
+        wait_for(lambda: len(rows(outbox, status="published")) == 3, 30, "every row marked after the stall")
+    finally:
+        relay.stop()
+        thread.join(20)
+    assert stalled.is_set() and not thread.is_alive()
+    assert len(transport.sent) >= 6  # each row sent again: its first mark was undone
+    assert_one_outage(relay, caplog, "stalled")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
     outbox.engine.dispose()  # type: ignore[union-attr]

@@ -268,3 +268,39 @@ def test_a_key_stuck_on_an_idle_tenant_alerts_within_its_bound_and_a_quiet_one_a
     wait_for(lambda: any(a.kind == "key_stuck" for a in alerts), 10, "the key_stuck alert")
     assert time.monotonic() - committed < 1.0 + 3.0  # its threshold, then a check (every second here)
     assert [(a.kind, a.tenant, a.key) for a in alerts] == [("key_stuck", "stuck", "k")]
+
+
+IDLE_IN_THE_STUCK_KEY_READ = (
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+    "AND state LIKE 'idle in transaction%' AND query LIKE '%AS behind%'")
+"""Sessions left in a transaction after reading the stuck keys (``retrying_heads``' query)."""
+
+
+@pytest.mark.postgres
+def test_an_idle_polls_stuck_key_alert_is_delivered_after_its_transaction_ends(
+        pg: sa.Engine, running: list[Running]) -> None:
+    """An idle poll reads the stuck keys in its fetch's transaction, but an alert sink may take
+    seconds (a webhook POSTs each alert, 5 s timeout, up to 500 a check): delivered inside that
+    transaction, it held the poll's snapshot (vacuum of the outbox), its locks (DDL, and whatever
+    queues behind DDL) and its connection open for as long, and a server's own
+    ``idle_in_transaction_session_timeout`` ended the poll as a database outage. The sink sees no
+    session left in a transaction after the stuck-key read."""
+    stuck = schema_outbox(pg, "stuck")
+    alerts: list[Alert] = []
+    inside: list[int] = []
+
+    def sink(alert: Alert) -> None:
+        with pg.connect() as conn:
+            inside.append(int(conn.scalar(sa.text(IDLE_IN_THE_STUCK_KEY_READ)) or 0))
+        alerts.append(alert)
+
+    fleet = Running(TenantRelay(["stuck"], lambda: Refusing(), database=pg, poll_interval=0.1,
+                                lease_ttl=3.0, refresh_every=60.0, key_stuck_after=1.0,
+                                backoff=tenacity.wait_fixed(60), alert=sink))
+    running.append(fleet)
+    wait_for(lambda: fleet.relay.tenants == ["stuck"], 30, "the tenant served")
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    publish(stuck, "k")
+    wait_for(lambda: any(a.kind == "key_stuck" for a in alerts), 10, "the key_stuck alert")
+    assert [(a.kind, a.key) for a in alerts] == [("key_stuck", "k")]
+    assert inside == [0], "the alert was delivered inside the poll's transaction"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -22,7 +22,7 @@ from _relay_helpers import Running, owned_leases, schema_outboxes, wait_for
 
 from outbox import Outbox, SchemaError
 from outbox.tenants import TenantRelay
-from outbox.tenants._renewal import LeaseRenewal
+from outbox.tenants._renewal import LeaseRenewal, renew_together
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 pytestmark = pytest.mark.postgres
@@ -181,3 +181,112 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
         assert steps["a"].leases.owned() == {}
     finally:
         relay.close()
+
+
+def one_statement_renewal(worker_id: str) -> tuple[LeaseRenewal, list[Any]]:
+    """A ``LeaseRenewal`` whose rounds the test runs itself (``_in_one_statement``), and whom it woke."""
+    woken: list[Any] = []
+    renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
+                           stopping=threading.Event(), worker_id=worker_id, answered=lambda *_: None)
+    return renewal, woken
+
+
+def unit_of(name: str, step: Any) -> Any:
+    return SimpleNamespace(tenant=SimpleNamespace(schema=name), step=step, lease_failure=None)
+
+
+def test_a_tenant_whose_lock_is_held_long_shortens_no_other_tenants_lease_in_its_chunk(pg: sa.Engine) -> None:
+    """A shared renewal takes its chunk's ``Leases`` locks one after another; ``b``'s is held longer
+    than a TTL (its own renewal waiting on a row lock, a release). ``a``, locked first, must still be
+    renewed for a TTL from when the statement runs: with the round's time taken at ``a``'s lock, its
+    lease was renewed into the past, free for any other relay to take at once."""
+    outboxes = schema_outboxes(pg, ["a", "b"], shards=2)
+    relay = fleet(["a", "b"], pg, worker_id="fleet-1", lease_ttl=2.0)
+    renewal, _ = one_statement_renewal("fleet-1")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_b() -> None:
+        with steps["b"].leases.shared_round():
+            holding.set()
+            release.wait(30)
+
+    try:
+        relay.run_once()  # each tenant's first step takes its leases
+        steps = {name: relay.relay_of(name) for name in ("a", "b")}
+        assert all(step is not None and len(step.leases.owned()) == 2 for step in steps.values())
+        holder = threading.Thread(target=hold_b, daemon=True)
+        holder.start()
+        assert holding.wait(10)
+        threading.Timer(3.0, release.set).start()  # b's lock held 1.5 TTLs
+        with pg.connect() as conn:
+            held = renewal._in_one_statement(conn, [(unit_of(n, steps[n]), steps[n]) for n in ("a", "b")])
+        renewed_at = datetime.now(tz=UTC)
+        holder.join(10)
+        assert held[0] is not None and set(held[0]) == {0, 1}
+        left = [(expiry - renewed_at).total_seconds() for expiry in expiries(outboxes["a"])]
+        assert len(left) == 2 and all(seconds > 1.0 for seconds in left), left  # about a TTL (2 s) left
+    finally:
+        release.set()
+        relay.close()
+
+
+def test_a_fleet_frozen_inside_its_shared_renewal_does_not_hold_the_fleet_that_takes_its_leases(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet frozen between its chunk's renewal statement and the COMMIT (SIGSTOP, a VM stall) holds
+    the renewed lease rows locked: another fleet that takes those leases once they expired waits on
+    them (and, in its own renewal thread, holds every tenant of its chunk with it) for as long as the
+    frozen one sleeps. PostgreSQL ends the renewal's transaction left idle for a lease TTL, at least
+    5 s (``_leases_shared``), as it ends a single relay's lease transactions."""
+    schema_outboxes(pg, ["a"], shards=2)
+    relay = fleet(["a"], pg, worker_id="frozen-fleet", lease_ttl=1.0)
+    renewal, _ = one_statement_renewal("frozen-fleet")
+    frozen, thaw = threading.Event(), threading.Event()
+    real = renew_together
+
+    def renew_then_freeze(conn: sa.Connection, members: list[Any]) -> list[Any]:
+        answers = real(conn, members)
+        if threading.current_thread().name == "frozen":  # the chunk's rows locked, its COMMIT not sent
+            frozen.set()
+            thaw.wait(60)
+        return answers
+
+    monkeypatch.setattr("outbox.tenants._renewal.renew_together", renew_then_freeze)
+    ended: list[BaseException | None] = []
+
+    def run_frozen() -> None:
+        try:
+            with pg.connect() as conn:
+                renewal._in_one_statement(conn, [(unit_of("a", step), step)])
+            ended.append(None)
+        except BaseException as exc:  # its connection ended under it
+            ended.append(exc)
+
+    taker = fleet(["a"], pg, worker_id="taker-fleet", lease_ttl=1.0)
+    taken: list[dict[int, int]] = []
+    stop = threading.Event()
+
+    def take() -> None:  # its tenant's steps: each renews its leases and takes up to its share
+        while not stop.is_set() and len(taken[-1] if taken else {}) < 2:
+            taker.run_once()
+            step = taker.relay_of("a")
+            taken.append(step.leases.owned() if step is not None else {})
+            stop.wait(0.2)
+
+    worker = threading.Thread(target=run_frozen, name="frozen", daemon=True)
+    taking = threading.Thread(target=take, daemon=True)
+    try:
+        relay.run_once()  # its first step takes both leases
+        step = relay.relay_of("a")
+        assert step is not None and len(step.leases.owned()) == 2
+        worker.start()
+        assert frozen.wait(30)
+        taking.start()
+        wait_for(lambda: bool(taken) and len(taken[-1]) == 2, 20, "the taker holding both leases")
+    finally:
+        thaw.set()  # without the bound, the taker waits for this
+        stop.set()
+        worker.join(30)
+        taking.join(30)
+        taker.close()
+        relay.close()
+    assert isinstance(ended[0], sa.exc.DBAPIError) and getattr(ended[0].orig, "sqlstate", None) == "25P03"

@@ -68,6 +68,11 @@ class LeaseRound:
     expires: datetime
     shards: list[int]
 
+    def at(self, now: datetime) -> LeaseRound:
+        """This round as of ``now``: a shared renewal takes many relays' locks one after another,
+        and a round begun when the first was taken would renew the last for less than a TTL."""
+        return LeaseRound(now, now + (self.expires - self.now), self.shards)
+
 
 class Leases:
     """The shard leases one relay holds, kept in step with the database."""

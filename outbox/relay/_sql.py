@@ -54,6 +54,16 @@ IDLE_FLOOR = 5.0
 a lease TTL may be a fraction of a second, and on a loaded host a thread can wait that long for the
 CPU between two statements."""
 
+IDLE_CEILING_MS = 2**31 - 1
+"""The most ``idle_in_transaction_session_timeout`` takes (milliseconds, about 24.8 days): PostgreSQL
+refuses a larger value, and a longer lease TTL would otherwise fail every mark and lease transaction."""
+
+
+def idle_timeout_ms(seconds: float) -> int:
+    """``idle_in_transaction_session_timeout`` for a relay whose lease lasts ``seconds``: within
+    ``IDLE_FLOOR`` and ``IDLE_CEILING_MS`` (``PostgresRelayStatements.end_if_idle``)."""
+    return min(round(max(seconds, IDLE_FLOOR) * 1000), IDLE_CEILING_MS)
+
 
 class PostgresRelayStatements(RelayStatements):
     """PostgreSQL: arrays as parameters, a fetch per shard merged in id order, pipelined batches."""
@@ -134,9 +144,9 @@ class PostgresRelayStatements(RelayStatements):
     def end_if_idle(self, conn: sa.Connection, seconds: float) -> None:
         """``idle_in_transaction_session_timeout`` for this transaction alone (``SET LOCAL``): the
         connection may be the application's too (a shared engine), whose own transactions keep theirs.
-        Never below ``IDLE_FLOOR``: a busy host's scheduler must not end a relay that merely waited."""
-        ms = round(max(seconds, IDLE_FLOOR) * 1000)
-        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+        Never below ``IDLE_FLOOR``: a busy host's scheduler must not end a relay that merely waited
+        (``idle_timeout_ms``)."""
+        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {idle_timeout_ms(seconds)}")
 
     def _build_mark(self, set_: dict[str, Any], per_row: dict[str, Any]) -> Any:
         m, leases = self._m, self._leases

@@ -37,6 +37,7 @@ from ..core._envelope import utcnow
 from ..core._outage import RELAY_WORDING, OutageBackoff, OutageTracker, is_database_outage
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
+from ._admin import RetryingHead
 from ._batch import BatchResult, BatchRunner
 from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce
 from ._leases import Leases, renew_interval
@@ -135,6 +136,9 @@ class RelayStep:
         self._ahead: tuple[datetime | None] | None = None
         """What the last step's empty fetch read ahead for ``poll_within`` (the next delayed row's
         ``available_at``); None when it did not."""
+        self._heads: list[RetryingHead] | None = None
+        """The retrying heads this step's empty fetch read (``_look_ahead``), to be judged once its
+        transaction ended; None when it read none."""
 
     def __repr__(self) -> str:
         return f"RelayStep({self.name!r})"
@@ -155,9 +159,11 @@ class RelayStep:
         now = time.monotonic()
         self.prepare(leases=leases)
         self._fetched_at = utcnow()  # what its fetch counts as due now is due by this
-        self._ahead = None
+        self._ahead = self._heads = None
         ahead = (lambda conn: self._look_ahead(conn, now)) if look_ahead else None
         batch = self.run_batch(wait=wait, idle=ahead)
+        if self._heads is not None:  # read in the fetch's transaction, alerted on after it
+            self.stuck_keys.judge(self._heads)
         # The database is marked up by the queries that reached it (the fetch, the lease
         # maintenance), never here: a step owning no shards ran none.
         if batch.published:
@@ -205,9 +211,10 @@ class RelayStep:
         One query answers both when and whether: the next delayed row, and
         whether any row is being retried; none retried, the stuck-key check has
         nothing to read and finds no key stuck (its gauge and memory of alerts
-        cleared as a check that found none clears them). A database outage is
-        raised (the fetch's, as it were); a stuck-key check that fails
-        otherwise is reported, as ``_watch`` does.
+        cleared as a check that found none clears them). The heads read are
+        judged, and alerted on, by ``run`` once the transaction ended
+        (``StuckKeys.judge``). A database outage is raised (the fetch's, as it
+        were); a stuck-key read that fails otherwise is reported, as ``_watch`` does.
         """
         shards = sorted(self.leases.owned())
         params = {"since": self._fetched_at, "shards": shards}
@@ -217,7 +224,7 @@ class RelayStep:
             return
         self._watch_due = now + self._watch_every
         try:  # the transaction's last statement: a failure leaves only its rollback to do
-            self.stuck_keys.check(shards if retried else [], conn)
+            self._heads = self.stuck_keys.read(shards if retried else [], conn)
         except Exception as exc:
             if is_database_outage(exc):
                 raise

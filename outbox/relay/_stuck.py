@@ -39,13 +39,26 @@ class StuckKeys:
         self.gauge = gauge.labels(worker_id)
         self._alerted: set[str] = set()  # message ids of heads already alerted on
 
-    def check(self, shards: Sequence[int], conn: Connection | None = None) -> list[RetryingHead]:
-        """Alert on heads newly stuck in ``shards``, set the gauge; returns the stuck heads.
+    def check(self, shards: Sequence[int]) -> list[RetryingHead]:
+        """Alert on heads newly stuck in ``shards``, set the gauge; returns the stuck heads."""
+        return self.judge(self.read(shards))
+
+    def read(self, shards: Sequence[int], conn: Connection | None = None) -> list[RetryingHead]:
+        """The retrying heads of ``shards`` (none without shards), for ``judge``.
 
         ``conn``: read on it (a fleet's idle poll, in its fetch's transaction).
         """
-        heads = retrying_heads(self.outbox, limit=WATCH_LIMIT, shards=shards,
-                               engine=self.engine, conn=conn) if shards else []
+        return retrying_heads(self.outbox, limit=WATCH_LIMIT, shards=shards,
+                              engine=self.engine, conn=conn) if shards else []
+
+    def judge(self, heads: list[RetryingHead]) -> list[RetryingHead]:
+        """Alert on the heads of ``heads`` newly stuck, set the gauge; returns the stuck heads.
+
+        Outside any transaction: a sink may take seconds an alert (a webhook's
+        POST), and a transaction held open that long would hold its snapshot
+        (the outbox's vacuum), its locks and its connection, and meet a
+        server's ``idle_in_transaction_session_timeout``.
+        """
         now = utcnow()
         stuck = [h for h in heads if (now - h.created_at).total_seconds() >= self.after]
         self.gauge.set(len(stuck))

@@ -36,6 +36,7 @@ from sqlalchemy import Connection, Engine
 from transports._logsafe import safe_logger
 
 from ..core._engine import worker_engine
+from ..core._envelope import utcnow
 from ..core._outage import is_database_outage
 from ..relay import RelayStep
 from ..relay._leases_shared import renew_together
@@ -136,7 +137,13 @@ class LeaseRenewal:
         steps = [(unit, step) for unit, step in chunk if step is not None]
         owned: dict[int, dict[int, int] | None] = {}
         with ExitStack() as locked:
-            rounds = [(unit, step, locked.enter_context(step.leases.shared_round())) for unit, step in steps]
+            entered = [(unit, step, locked.enter_context(step.leases.shared_round())) for unit, step in steps]
+            # Timed once every lock is held: a tenant's lock may be held for long (its own renewal
+            # waiting on a row lock, a release), and the rounds of the tenants before it would begin
+            # that long before their statement, renewing them for that much less than a TTL.
+            now = utcnow()
+            rounds = [(unit, step, None if round_ is None else round_.at(now))
+                      for unit, step, round_ in entered]
             members = [(unit.tenant.schema, step.leases, round_) for unit, step, round_ in rounds
                        if round_ is not None]
             conn.execution_options(schema_translate_map=None)
