@@ -24,6 +24,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outbox import (
+    CommitRefusedError,
     CommitUnansweredError,
     CommitUnconfirmedError,
     Inbox,
@@ -327,6 +328,49 @@ def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
         thread.join(30)
     assert [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()] == []
     assert source.commits == [{(TOPIC, 0): 2}]
+
+
+class UnansweredAtStop(ScriptedSource):
+    """Commits are refused (the group moved on: the positions stay uncommitted, no outage) until
+    ``inbox`` stops; the one it makes at the stop gets no answer."""
+
+    def __init__(self, records: list, inbox: Inbox) -> None:  # type: ignore[type-arg]
+        super().__init__(records)
+        self.inbox = inbox
+        self.refused = 0
+        self.unanswered = 0
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        if not self.inbox.stopping():
+            self.refused += 1
+            raise CommitRefusedError("offset commit refused: Broker: Specified group generation id is "
+                                     "not valid")
+        self.unanswered += 1
+        raise CommitUnansweredError("offset commit failed: no answer within 10s (the group coordinator out "
+                                    "of reach)")
+
+
+def test_a_commit_unanswered_at_the_stop_is_logged(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an attack on the rule above: an unanswered commit is told at the next poll, and the
+    commit made at the stop has none, so it went unsaid, where any other commit failing at the stop
+    says why its positions stay uncommitted (the next owner gets those records again)."""
+    inbox = _inbox(sqlite_db)
+    source = UnansweredAtStop([at(record(TOPIC, "a", 1), 0, 0)], inbox)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        _until(lambda: source.refused, thread, time.monotonic() + 30)  # applied, its position uncommitted
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert source.unanswered == 1
+    lines = [r.getMessage() for r in caplog.records if "no answer within 10s" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
 
 
 class RevokedDuringOutage(CommitsFailing):
