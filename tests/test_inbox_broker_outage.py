@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from outbox import (
     CommitRefusedError,
@@ -328,6 +328,82 @@ def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
         thread.join(30)
     assert [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()] == []
     assert source.commits == [{(TOPIC, 0): 2}]
+
+
+class LostInAnOutage(ScriptedSource):
+    """A frozen coordinator as librdkafka meets it: the first commit gets no answer, and meanwhile
+    the consumer's session runs out, so the next poll serves the loss of its partitions (``on_lost``,
+    through the revoke callbacks, counted by ``lost_assignments`` as ``KafkaSource`` counts it); the
+    statistics still say the coordinator is up (no ``unavailable``, ``answering`` true)."""
+
+    def __init__(self, records: list) -> None:  # type: ignore[type-arg]
+        super().__init__(records)
+        self.down = True
+        self.losses = 0
+        self.unanswered = 0
+
+    def lost_assignments(self) -> int:
+        return self.losses
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        if self.revoke is not None:
+            self.losses += 1
+        return super().poll(max_records, timeout)
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        if not self.down:
+            return super().commit(offsets)
+        self.unanswered += 1
+        if self.unanswered > 1:
+            raise CommitUnansweredError("offset commit failed: an earlier commit still waits for the group "
+                                        "coordinator")
+        self.revoke = [(TOPIC, 0)]  # the session runs out while the commit waits
+        time.sleep(0.05)
+        raise CommitUnansweredError("offset commit failed: no answer within 10s (the group coordinator out "
+                                    "of reach)")
+
+
+def test_a_commit_unanswered_before_the_partitions_are_lost_is_an_outage(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an attack on the rule above: a coordinator that froze leaves the commit unanswered
+    for a session timeout, and the consumer's own session runs out in that time, so the very next
+    poll serves a revocation, the loss of its partitions: taken for the rebalance the commit waited
+    for, the outage was logged at INFO as "no broker outage" and not at all as one."""
+    inbox = _inbox(sqlite_db)
+    source = LostInAnOutage([at(record(TOPIC, "a", 1), 0, 0)])
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        _until(lambda: source.losses and source.unanswered >= 2, thread, deadline)  # the loss served
+        source.down = False
+        source.pending = [at(record(TOPIC, "b", 1), 1, 0)]  # assigned again: the consumer goes on
+        _until(lambda: source.commits, thread, deadline)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert lines and lines[0].startswith("the broker unavailable (offset commit failed"), lines
+    assert_one_outage_logged(caplog)
+    assert source.commits == [{(TOPIC, 1): 1}]
+
+
+def test_kafka_source_counts_a_lost_assignment_apart_from_a_revocation() -> None:
+    """Both go through the revoke callbacks; only a loss counts in ``lost_assignments``."""
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    try:
+        gone: list[object] = []
+        source.on_revoke(gone.append)
+        source._revoked(source._consumer, [TopicPartition("t", 0)])
+        assert source.lost_assignments() == 0
+        source._lost(source._consumer, [TopicPartition("t", 1)])
+        assert source.lost_assignments() == 1
+        assert gone == [[("t", 0)], [("t", 1)]]
+    finally:
+        source._consumer.close()
 
 
 class UnansweredAtStop(ScriptedSource):
