@@ -124,7 +124,7 @@ class Runner:
         self._revoked_in_poll = False
         # What the source says keeps the broker from serving it (``KafkaSource.unavailable``), if it can.
         self._unavailable: Callable[[], str | None] = getattr(source, "unavailable", lambda: None)
-        # How many times the source lost its partitions, no coordinator asking (``KafkaSource.lost_assignments``).
+        # Times the source lost its partitions, no coordinator asking (``KafkaSource.lost_assignments``).
         self._losses: Callable[[], int] = getattr(source, "lost_assignments", lambda: 0)
         # Whether the source sees its broker answer now (``KafkaSource.answering``), if it can tell:
         # what ends an outage when no commit can (nothing left to commit once the group let go).
