@@ -476,3 +476,16 @@ def test_a_redo_that_outlasts_the_budget_still_counts_the_failure_it_reuses(
     assert drain(inbox, [d for d, _ in settled.later]) == {1: Disposition.PARKED}
     assert calls.count(("a", 1)) == 3  # max_attempts calls, each one counted
     assert [(p.seq, p.reason) for p in inbox.parked(TOPIC, "a")] == [(1, "failed")]
+
+
+def test_an_operators_replay_has_no_budget(make_inbox: Callable[..., Inbox], engine: sa.Engine) -> None:
+    """``batch_budget`` bounds the consumer's transactions only: a replay runs every message it was
+    given (nothing takes up what a replay would defer: its caller reads only what applied)."""
+    inbox = make_inbox(batch_budget=0.05)
+    calls: list[int] = []
+    inbox.handler(TOPIC)(for_inbox(inbox, failing_at({1: 100}, calls)))
+    assert drain(inbox, run_of("a", 1, 6)) == dict.fromkeys(range(1, 7), Disposition.PARKED)
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, slow(0.03, calls)))
+    assert inbox.replay(TOPIC, "a").applied == 6
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 7)]
+    assert inbox.parked(TOPIC, "a") == []
