@@ -330,17 +330,13 @@ def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
     assert source.commits == [{(TOPIC, 0): 2}]
 
 
-class LostInAnOutage(ScriptedSource):
-    """A frozen coordinator as librdkafka meets it: the first commit gets no answer, and meanwhile
-    the consumer's session runs out, so the next poll serves the loss of its partitions (``on_lost``,
+class LostInAnOutage(RebalanceBehindThePoll):
+    """A frozen coordinator as librdkafka meets it: the commit gets no answer, and meanwhile the
+    consumer's session runs out, so the next poll serves the loss of its partitions (``on_lost``,
     through the revoke callbacks, counted by ``lost_assignments`` as ``KafkaSource`` counts it); the
     statistics still say the coordinator is up (no ``unavailable``, ``answering`` true)."""
 
-    def __init__(self, records: list) -> None:  # type: ignore[type-arg]
-        super().__init__(records)
-        self.down = True
-        self.losses = 0
-        self.unanswered = 0
+    losses = 0
 
     def lost_assignments(self) -> int:
         return self.losses
@@ -349,18 +345,6 @@ class LostInAnOutage(ScriptedSource):
         if self.revoke is not None:
             self.losses += 1
         return super().poll(max_records, timeout)
-
-    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
-        if not self.down:
-            return super().commit(offsets)
-        self.unanswered += 1
-        if self.unanswered > 1:
-            raise CommitUnansweredError("offset commit failed: an earlier commit still waits for the group "
-                                        "coordinator")
-        self.revoke = [(TOPIC, 0)]  # the session runs out while the commit waits
-        time.sleep(0.05)
-        raise CommitUnansweredError("offset commit failed: no answer within 10s (the group coordinator out "
-                                    "of reach)")
 
 
 def test_a_commit_unanswered_before_the_partitions_are_lost_is_an_outage(
@@ -372,14 +356,15 @@ def test_a_commit_unanswered_before_the_partitions_are_lost_is_an_outage(
     for, the outage was logged at INFO as "no broker outage" and not at all as one."""
     inbox = _inbox(sqlite_db)
     source = LostInAnOutage([at(record(TOPIC, "a", 1), 0, 0)])
+    source.rebalancing = True
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
     thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
                               daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        _until(lambda: source.losses and source.unanswered >= 2, thread, deadline)  # the loss served
-        source.down = False
+        _until(lambda: source.losses and source.unanswered >= 2 and not source.rebalancing, thread,
+               deadline)  # the loss served
         source.pending = [at(record(TOPIC, "b", 1), 1, 0)]  # assigned again: the consumer goes on
         _until(lambda: source.commits, thread, deadline)
     finally:
