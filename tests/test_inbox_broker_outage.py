@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from outbox import (
+    CommitRefusedError,
     CommitUnansweredError,
     CommitUnconfirmedError,
     Inbox,
@@ -322,6 +323,110 @@ def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
         until(lambda: source.commits)
     assert [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()] == []
     assert source.commits == [{(TOPIC, 0): 2}]
+
+
+class LostInAnOutage(RebalanceBehindThePoll):
+    """A frozen coordinator as librdkafka meets it: the commit gets no answer, and meanwhile the
+    consumer's session runs out, so the next poll serves the loss of its partitions (``on_lost``,
+    through the revoke callbacks, counted by ``lost_assignments`` as ``KafkaSource`` counts it); the
+    statistics still say the coordinator is up (no ``unavailable``, ``answering`` true)."""
+
+    losses = 0
+
+    def lost_assignments(self) -> int:
+        return self.losses
+
+    def poll(self, max_records: int, timeout: float) -> list[Record]:
+        if self.revoke is not None:
+            self.losses += 1
+        return super().poll(max_records, timeout)
+
+
+def test_a_commit_unanswered_before_the_partitions_are_lost_is_an_outage(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an attack on the rule above: a coordinator that froze leaves the commit unanswered
+    for a session timeout, and the consumer's own session runs out in that time, so the very next
+    poll serves a revocation, the loss of its partitions: taken for the rebalance the commit waited
+    for, the outage was logged at INFO as "no broker outage" and not at all as one."""
+    inbox = _inbox(sqlite_db)
+    source = LostInAnOutage([at(record(TOPIC, "a", 1), 0, 0)])
+    source.rebalancing = True
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        _until(lambda: source.losses and source.unanswered >= 2 and not source.rebalancing, thread,
+               deadline)  # the loss served
+        source.pending = [at(record(TOPIC, "b", 1), 1, 0)]  # assigned again: the consumer goes on
+        _until(lambda: source.commits, thread, deadline)
+    finally:
+        inbox.stop()
+        thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+    assert lines and lines[0].startswith("the broker unavailable (CommitUnansweredError"), lines
+    assert_one_outage_logged(caplog)
+    assert source.commits == [{(TOPIC, 1): 1}]
+
+
+def test_kafka_source_counts_a_lost_assignment_apart_from_a_revocation() -> None:
+    """Both go through the revoke callbacks; only a loss counts in ``lost_assignments``."""
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    try:
+        gone: list[object] = []
+        source.on_revoke(gone.append)
+        source._revoked(source._consumer, [TopicPartition("t", 0)])
+        assert source.lost_assignments() == 0
+        source._lost(source._consumer, [TopicPartition("t", 1)])
+        assert source.lost_assignments() == 1
+        assert gone == [[("t", 0)], [("t", 1)]]
+    finally:
+        source._consumer.close()
+
+
+class UnansweredAtStop(ScriptedSource):
+    """Commits are refused (the group moved on: the positions stay uncommitted, no outage) until
+    ``inbox`` stops; the one it makes at the stop gets no answer."""
+
+    def __init__(self, records: list, inbox: Inbox) -> None:  # type: ignore[type-arg]
+        super().__init__(records)
+        self.inbox = inbox
+        self.refused = 0
+        self.unanswered = 0
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        if not self.inbox.stopping:
+            self.refused += 1
+            raise CommitRefusedError("offset commit refused: Broker: Specified group generation id is "
+                                     "not valid")
+        self.unanswered += 1
+        raise CommitUnansweredError("offset commit failed: no answer within 10s (the group coordinator out "
+                                    "of reach)")
+
+
+def test_a_commit_unanswered_at_the_stop_is_logged(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an attack on the rule above: an unanswered commit is told at the next poll, and the
+    commit made at the stop has none, so it went unsaid, where any other commit failing at the stop
+    says why its positions stay uncommitted (the next owner gets those records again)."""
+    inbox = _inbox(sqlite_db)
+    source = UnansweredAtStop([at(record(TOPIC, "a", 1), 0, 0)], inbox)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        _until(lambda: source.refused, thread, time.monotonic() + 30)  # applied, its position uncommitted
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert source.unanswered >= 1  # the loop's own last commit may have met the stop too
+    lines = [r.getMessage() for r in caplog.records if "no answer within 10s" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
 
 
 class RevokedDuringOutage(CommitsFailing):

@@ -446,3 +446,46 @@ def test_a_failure_in_a_slow_run_is_settled_as_without_a_budget(
     assert applied(engine, "a") == [("a", 1)]
     assert drain(inbox, [d for d, _ in settled.later]) == dict.fromkeys(range(2, 7), Disposition.APPLIED)
     assert applied(engine, "a") == [("a", seq) for seq in range(1, 7)]
+
+
+def test_a_redo_that_outlasts_the_budget_still_counts_the_failure_it_reuses(
+    make_inbox: Callable[..., Inbox], engine: sa.Engine
+) -> None:
+    """Found by an attack on ``batch_budget``: a failure sends the batch to the redo, one SAVEPOINT
+    per message (slower than the first pass); a redo that ran out of budget on another key's
+    messages deferred the failed one, whose failure it already knew and which costs no call to
+    settle: its attempt was never counted and its failing handler ran once more, for as long as a
+    busy key's runs kept coming ahead of it and outlasting the budget in the redo (never parking).
+    A failing handler runs ``max_attempts`` times, budget or not."""
+    inbox = make_inbox(batch_budget=1.0)  # the first pass well within it, even on a loaded machine
+    calls: list[tuple[str | None, int | None]] = []
+
+    def handle(session, message):  # type: ignore[no-untyped-def]
+        calls.append((message.key, message.seq))
+        if message.key == "b" and calls.count(("b", 1)) == 2:
+            time.sleep(1.2)  # the redo's call of b's message outlasts the budget
+        apply_effect(session, message)
+        if message.key == "a":
+            raise RuntimeError("a fails, always")
+
+    inbox.handler(TOPIC)(for_inbox(inbox, handle))
+    settled = settle(inbox, [delivery("b", 1), delivery("a", 1)])
+    assert [(d.message.key, disposition) for d, disposition in settled.done] == [("b", Disposition.APPLIED)]
+    assert [(d.message.key, d.attempts.count) for d, _ in settled.later] == [("a", 1)]  # its failure counted
+    assert calls == [("b", 1), ("a", 1), ("b", 1)]  # the redo reuses a's failure
+    assert drain(inbox, [d for d, _ in settled.later]) == {1: Disposition.PARKED}
+    assert calls.count(("a", 1)) == 3  # max_attempts calls, each one counted
+    assert [(p.seq, p.reason) for p in inbox.parked(TOPIC, "a")] == [(1, "failed")]
+
+
+def test_an_operators_replay_has_no_budget(make_inbox: Callable[..., Inbox], engine: sa.Engine) -> None:
+    """``batch_budget`` bounds the consumer's transactions only: a replay runs every message it was
+    given (nothing takes up what a replay would defer: its caller reads only what applied)."""
+    inbox = make_inbox(batch_budget=0.05)
+    calls: list[int] = []
+    inbox.handler(TOPIC)(for_inbox(inbox, failing_at({1: 100}, calls)))
+    assert drain(inbox, run_of("a", 1, 6)) == dict.fromkeys(range(1, 7), Disposition.PARKED)
+    inbox.handler(TOPIC, replace=True)(for_inbox(inbox, slow(0.03, calls)))
+    assert inbox.replay(TOPIC, "a").applied == 6
+    assert applied(engine, "a") == [("a", seq) for seq in range(1, 7)]
+    assert inbox.parked(TOPIC, "a") == []

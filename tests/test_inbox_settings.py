@@ -38,6 +38,14 @@ def test_seconds_that_are_out_of_range_are_refused_by_name(data: st.DataObject, 
         InboxSettings.of(group="g", **{field: value})
 
 
+@pytest.mark.parametrize("field", [*sorted(SECONDS), "gap_alert_after"])
+def test_seconds_past_any_float_are_refused_by_name(field: str) -> None:
+    """Found by an attack on ``batch_budget``: an int too large for a float (``10**400``) raised
+    ``OverflowError`` out of ``math.isfinite``, not the error that names the setting."""
+    with pytest.raises(ConfigurationError, match=f"^{field} must be "):
+        InboxSettings.of(group="g", **{field: 10**400})
+
+
 @given(field=st.sampled_from(sorted(INTS)),
        value=st.one_of(st.integers(max_value=0), st.integers(min_value=10_001), st.booleans(),
                        st.floats(), st.text(max_size=2)))

@@ -411,3 +411,51 @@ def test_a_message_replayed_to_its_tenant_is_settled_as_a_new_arrival_retries_an
     assert [(a.kind, a.tenant) for a in alerts] == [("key_parked", "initech")]
     assert inbox.parked() == []
     default.dispose()
+
+
+# -- held messages a transaction takes up, sent back to wait ---------------------------------------
+
+def test_held_messages_a_budget_defers_come_back_to_their_own_tenant(tmp_path: Path) -> None:
+    """Found by an attack on ``batch_budget``: a transaction takes up a key's held messages right
+    after their predecessor, read from ``inbox_held``, which names no tenant; deferred by the budget
+    (or blocked behind a failure) they came back to the scheduler naming none, and their next turn
+    parked them as ``tenant_unknown`` in the default database, with an alert, while they waited,
+    held, in their tenant's. Each is applied once, in its tenant's database, in seq order."""
+    from tests.inbox_support import AlertLog
+
+    acme = sa.create_engine(f"sqlite:///{tmp_path}/acme.db")
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    alerts = AlertLog()
+    inbox = Inbox(default, group="g", tenants=lambda: [Tenant("acme", database=acme)], tenant_header=HEADER,
+                  tenant_refresh=0.01, batch_budget=0.05, alert=alerts)
+    applied: list[int] = []
+
+    @inbox.handler(TOPIC)
+    def slow(session, message):  # type: ignore[no-untyped-def]
+        time.sleep(0.1)  # past the budget: every transaction runs one message
+        applied.append(message.seq)
+
+    inbox.create_tables()
+    inbox.create_tables(tenant="acme")
+    router = inbox.router
+    assert router is not None
+    router.refresh(force=True)
+    ids = {seq: uuid.uuid4() for seq in (1, 2, 3)}
+    records = {seq: record(TOPIC, "k", seq, message_id=ids[seq]) for seq in (1, 2, 3)}
+    for r in records.values():
+        r.headers.append((HEADER, b"acme"))
+    for seq in (2, 3):  # ahead of a gap: held
+        assert router.settle([router.tag(decode(records[seq]))]).done[0][1] is Disposition.HELD
+    batch = [router.tag(decode(records[1]))]
+    for _ in range(10):
+        settled = router.settle(batch)
+        assert [d.tenant for d, _ in settled.later] == [Named("acme")] * len(settled.later)
+        batch = [d for d, _ in settled.later]
+        if not batch:
+            break
+    assert applied == [1, 2, 3]
+    assert {seq: (found(acme, m), found(default, m)) for seq, m in ids.items()} == {
+        seq: (["applied"], []) for seq in ids}
+    assert not alerts
+    for engine in (acme, default):
+        engine.dispose()

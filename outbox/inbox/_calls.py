@@ -244,7 +244,9 @@ class OneByOne:
         pass
 
     def deferred(self, d: Delivery) -> bool:
-        return self.budget.spent()
+        # A failure the first pass met costs no call: settled here, it counts its attempt. Deferred,
+        # its handler would run again uncounted, after a redo (slower than the first pass) ran late.
+        return d.message.message_id not in self.known and self.budget.spent()
 
     def error(self, session: Session, d: Delivery) -> Error | None:
         self.budget.called()

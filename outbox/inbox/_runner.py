@@ -21,7 +21,10 @@ or an offset commit fails for want of a broker or coordinator, or the source
 says it cannot reach its group's coordinator: ``KafkaSource.unavailable``) and
 once when it ends (after a commit failed, only a commit that succeeds ends it).
 A commit that got no answer in time (``CommitUnansweredError``) is told at the
-next poll, unless that poll served a revocation: librdkafka held the commit
+next poll (the one made at the stop, which no poll follows, at once), unless
+that poll served a revocation the group asked for (not a loss of the partitions,
+``KafkaSource.lost_assignments``: a session that ran out unanswered, as the commit
+did): librdkafka held the commit
 behind a rebalance waiting for this very poll (the failover campaign's inboxes
 logged each such rebalance as an outage "available again after 0.0s"), so the
 broker was not down, and the revoked partitions' positions stay uncommitted
@@ -121,6 +124,8 @@ class Runner:
         self._revoked_in_poll = False
         # What the source says keeps the broker from serving it (``KafkaSource.unavailable``), if it can.
         self._unavailable: Callable[[], str | None] = getattr(source, "unavailable", lambda: None)
+        # Times the source lost its partitions, no coordinator asking (``KafkaSource.lost_assignments``).
+        self._losses: Callable[[], int] = getattr(source, "lost_assignments", lambda: 0)
         # Whether the source sees its broker answer now (``KafkaSource.answering``), if it can tell:
         # what ends an outage when no commit can (nothing left to commit once the group let go).
         self._answering: Callable[[], bool] = getattr(source, "answering", lambda: True)
@@ -179,6 +184,7 @@ class Runner:
             sweeper.join(max(0.0, deadline - time.monotonic()))
             try:
                 self._commit()
+                self._settle_unanswered(revoked=False)  # no poll comes after this commit to tell
             finally:
                 self.source.close()
         if self.crash is not None:
@@ -189,13 +195,15 @@ class Runner:
             self.stop.wait(0.05)
             return []
         self._revoked_in_poll = False
+        losses = self._losses()
         try:
             records = self.source.poll(max_records, 0.1)
         except RetriableTransportError as exc:
             self._poll_again_at = time.monotonic() + self.broker.failed(exc)
             return []
         finally:
-            self._settle_unanswered()
+            # A loss is no rebalance: the session ran out with no answer, as the commit did.
+            self._settle_unanswered(self._revoked_in_poll and self._losses() == losses)
         problem = self._unavailable()
         if problem is not None:
             self.broker.failed(problem)
@@ -207,13 +215,13 @@ class Runner:
             self.broker.answered()
         return records
 
-    def _settle_unanswered(self) -> None:
-        """After a poll: a commit left unanswered is an outage, unless the poll served a revocation
-        (the rebalance the commit waited for, module doc)."""
+    def _settle_unanswered(self, revoked: bool) -> None:
+        """After a poll: a commit left unanswered is an outage, unless the poll ``revoked``
+        partitions (the rebalance the commit waited for, module doc)."""
         unanswered, self._unanswered = self._unanswered, None
         if unanswered is None:
             return
-        if self._revoked_in_poll:
+        if revoked:
             self._commits_failing = False  # no news of the broker: the next commit tells
             log.info("an offset commit waited for a rebalance that waited for this consumer's poll (%s): "
                      "no broker outage; the revoked partitions' positions stay uncommitted", unanswered)

@@ -155,10 +155,18 @@ def _int_in(name: str, value: object, maximum: int) -> None:
 def _seconds(name: str, value: object, wanted: str, ok: Callable[[float], bool]) -> float:
     """``value`` as finite float seconds, if ``ok`` accepts it; else the error naming ``name``."""
     seconds = value
-    if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds)
+    if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or not _finite(seconds)
             or not ok(seconds)):
-        raise ConfigurationError(f"{name} must be {wanted}, got {value!r}")
+        raise ConfigurationError(f"{name} must be {wanted}, got {value!r:.80}")
     return float(seconds)
+
+
+def _finite(seconds: float) -> bool:
+    """Whether ``seconds`` is a finite float; an int too large for one (``10**400``) is not."""
+    try:
+        return math.isfinite(seconds)
+    except OverflowError:
+        return False
 
 
 MAX_BUFFERED = 64_000

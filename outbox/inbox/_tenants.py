@@ -163,7 +163,7 @@ class TenantRouter:
             return Settled(later=[(d, place) for d in batch])
         if place is None:
             return self._park_unknown(batch)
-        return self._at(place, batch, lambda: place.settler.settle(batch))
+        return _of_tenant(self._at(place, batch, lambda: place.settler.settle(batch)), tenant)
 
     def _park_unknown(self, batch: list[Delivery]) -> Settled:
         """Park messages of no known tenant in the default database: unreadable ones for what they are.
@@ -383,3 +383,18 @@ def _described(exc: BaseException) -> str:
         text = "(its text cannot be shown)"
     return f"{type(exc).__name__:.80}: {repr(text)[1:-1][:200]}"
 
+
+def _of_tenant(settled: Settled, tenant: Named | Unnamed | None) -> Settled:
+    """``settled`` with ``tenant`` on what comes back without one.
+
+    A transaction takes up a key's held messages right after their predecessor,
+    read from ``inbox_held``, which names no tenant (its rows are the tenant's
+    own): what of them comes back to wait (deferred by ``batch_budget``, blocked
+    behind a failure) would otherwise name none, and be parked as
+    ``tenant_unknown`` in the default database on its next turn.
+    """
+    if all(d.tenant is not None for d, _ in settled.later):
+        return settled
+    settled.later = [(d if d.tenant is not None else dataclasses.replace(d, tenant=tenant), delay)
+                     for d, delay in settled.later]
+    return settled

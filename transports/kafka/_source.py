@@ -132,6 +132,7 @@ class KafkaSource:
         self._next_probe = 0.0
         # The partitions revoked during a poll's second call (``poll``); None outside it.
         self._revoked_meanwhile: set[tuple[str, int]] | None = None
+        self._losses = 0  # ``lost_assignments``
         self._consumer = self._subscribed()
 
     def _subscribed(self) -> Consumer:
@@ -144,7 +145,7 @@ class KafkaSource:
         consumer = Consumer({**self.config, "logger": self._log, "error_cb": self._errors,
                              "stats_cb": statistics, "on_commit": self._reported})
         consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
-                           on_lost=self._revoked)
+                           on_lost=self._lost)
         return consumer
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
@@ -287,6 +288,16 @@ class KafkaSource:
         """
         return not self._watching or self._coordinator_state == "up"
 
+    def lost_assignments(self) -> int:
+        """How many times the consumer lost its partitions rather than giving them up to a rebalance.
+
+        A loss (librdkafka's ``on_lost``) is served like a revocation, through the
+        ``on_revoke`` callbacks, but no coordinator asked for it: its session ran
+        out without an answer (a coordinator gone or frozen), or it did not poll in
+        time. ``Inbox.run`` tells an unanswered commit by it (``CommitUnansweredError``).
+        """
+        return self._losses
+
     # -- the rejoin watch (module doc) ------------------------------------------
 
     def _statistics(self, text: str) -> None:
@@ -378,6 +389,11 @@ class KafkaSource:
         self._assignment = self._assignment | added
         self._errors.cleared()
         log.info("assigned %s", sorted(added))
+
+    def _lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if consumer is self._consumer:
+            self._losses += 1
+        self._revoked(consumer, partitions)
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if consumer is not self._consumer:
