@@ -244,6 +244,7 @@ def _running(inbox: Inbox, source: object) -> Iterator[Callable[[Callable[[], ob
     finally:
         inbox.stop()
         thread.join(30)
+    assert not thread.is_alive(), "run() did not return after stop()"
 
 
 def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -353,18 +354,10 @@ def test_a_commit_unanswered_before_the_partitions_are_lost_is_an_outage(
     source = LostInAnOutage([at(record(TOPIC, "a", 1), 0, 0)])
     source.rebalancing = True
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        _until(lambda: source.losses and source.unanswered >= 2 and not source.rebalancing, thread,
-               deadline)  # the loss served
+    with _running(inbox, source) as until:
+        until(lambda: source.losses and source.unanswered >= 2 and not source.rebalancing)  # the loss served
         source.pending = [at(record(TOPIC, "b", 1), 1, 0)]  # assigned again: the consumer goes on
-        _until(lambda: source.commits, thread, deadline)
-    finally:
-        inbox.stop()
-        thread.join(30)
+        until(lambda: source.commits)
     lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
     assert lines and lines[0].startswith("the broker unavailable (CommitUnansweredError"), lines
     assert_one_outage_logged(caplog)
@@ -415,15 +408,8 @@ def test_a_commit_unanswered_at_the_stop_is_logged(
     inbox = _inbox(sqlite_db)
     source = UnansweredAtStop([at(record(TOPIC, "a", 1), 0, 0)], inbox)
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        _until(lambda: source.refused, thread, time.monotonic() + 30)  # applied, its position uncommitted
-    finally:
-        inbox.stop()
-        thread.join(30)
-    assert not thread.is_alive()
+    with _running(inbox, source) as until:
+        until(lambda: source.refused)  # applied, its position uncommitted
     assert source.unanswered >= 1  # the loop's own last commit may have met the stop too
     lines = [r.getMessage() for r in caplog.records if "no answer within 10s" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]

@@ -25,6 +25,7 @@ from outbox import (
 )
 from tests.inbox_support import (
     INBOX_KINDS,
+    TEST_BUDGET,
     TOPIC,
     AlertLog,
     DatabaseOutage,
@@ -63,7 +64,8 @@ def inbox_kind(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def make_inbox(engine: sa.Engine, **kwargs) -> Inbox:  # type: ignore[no-untyped-def]
     """An Inbox of this run's kind on ``engine``'s database; ``inbox.engine`` is the one it uses."""
-    options = {"retry_backoff": 0.001, "retry_backoff_max": 0.01, "alert": AlertLog()}
+    options = {"retry_backoff": 0.001, "retry_backoff_max": 0.01, "alert": AlertLog(),
+               "batch_budget": TEST_BUDGET}
     box = Inbox(inbox_bind(engine, _kind[0]), group="holes", **{**options, **kwargs})
     _made.append(box)
     box.create_tables()

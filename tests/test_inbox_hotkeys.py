@@ -23,6 +23,7 @@ from outbox.inbox._delivery import Delivery, decode
 from outbox.inbox._schedule import KeyScheduler
 from tests.inbox_support import (
     INBOX_KINDS,
+    TEST_BUDGET,
     TOPIC,
     AlertLog,
     DatabaseOutage,
@@ -53,7 +54,8 @@ def make_inbox(engine: sa.Engine, request: pytest.FixtureRequest) -> Iterator[Ca
 
     def make(**options: object) -> Inbox:
         box = Inbox(inbox_bind(engine, request.param), group="hot",
-                    **{"retry_backoff": 0.001, "retry_backoff_max": 0.01, "alert": AlertLog(), **options})
+                    **{"retry_backoff": 0.001, "retry_backoff_max": 0.01, "alert": AlertLog(),
+                       "batch_budget": TEST_BUDGET, **options})
         made.append(box)
         box.create_tables()
         business.create_all(engine)

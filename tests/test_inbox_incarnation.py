@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from prometheus_client import REGISTRY
 
 from outbox import Disposition, Inbox
-from tests.inbox_support import AlertLog, record, settle
+from tests.inbox_support import TEST_BUDGET, AlertLog, record, settle
 
 TOPIC = "orders"
 X, Y = str(uuid.uuid4()), str(uuid.uuid4())  # two incarnations of one producer database
@@ -45,7 +45,8 @@ def make(engine: sa.Engine) -> Iterator:  # type: ignore[type-arg]
     effects.create(engine, checkfirst=True)
 
     def make_inbox(**kwargs) -> Inbox:  # type: ignore[no-untyped-def]
-        inbox = Inbox(engine, group=group, retry_backoff=0, alert=AlertLog(), **kwargs)
+        inbox = Inbox(engine, group=group, retry_backoff=0, alert=AlertLog(),
+                      **{"batch_budget": TEST_BUDGET, **kwargs})
         inbox.create_tables()
 
         @inbox.handler(TOPIC)

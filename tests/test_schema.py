@@ -93,7 +93,7 @@ def test_init_db_cli_rejects_bad_prefix(tmp_path):
 
 PUBLIC_API = [
     "Alert", "AlertKind", "AlertSink", "AsyncOutbox", "BatchResult", "CloudEvents", "CommitRefusedError",
-    "CommitUnconfirmedError",
+    "CommitUnansweredError", "CommitUnconfirmedError",
     "ConfigurationError",
     "DiscardRefusedError", "Disposition", "ForeignEnvelope", "ForeignRecordError", "ForeignRecords",
     "HandlerSignal", "Inbox", "InvalidContentTypeError", "InvalidDelayError", "InvalidEventTypeError",
