@@ -9,12 +9,13 @@ server.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from datetime import datetime
 
 import pytest
 import sqlalchemy as sa
 from pymysql.constants import FIELD_TYPE
-from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from outbox import create_async_engine, create_engine
@@ -188,7 +189,9 @@ def test_the_fast_decoder_is_only_for_the_two_mysql_drivers_and_yields_to_a_call
 
 
 @pytest.mark.parametrize("make", [create_engine, create_async_engine])
-def test_a_server_engine_keeps_a_connection_for_each_of_an_inbox_s_default_workers(make) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_engine_keeps_a_connection_for_each_of_an_inbox_s_default_workers(
+    make: Callable[..., sa.Engine | AsyncEngine],
+) -> None:
     """A pool closes each connection returned past its size: with SQLAlchemy's 5, three of the
     inbox's 8 default workers connected again after every transaction."""
     from outbox import Inbox

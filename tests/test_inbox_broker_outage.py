@@ -280,7 +280,7 @@ class RebalanceBehindThePoll(ScriptedSource):
     so the commit's bounded wait gives up first (``CommitUnansweredError``); a commit inside that
     revoke meets the first one still waiting. Once the revoke is served, commits are answered."""
 
-    def __init__(self, records: list) -> None:  # type: ignore[type-arg]
+    def __init__(self, records: list[Record]) -> None:
         super().__init__(records)
         self.rebalancing = False
         self.unanswered = 0
@@ -383,7 +383,7 @@ class UnansweredAtStop(ScriptedSource):
     """Commits are refused (the group moved on: the positions stay uncommitted, no outage) until
     ``inbox`` stops; the one it makes at the stop gets no answer."""
 
-    def __init__(self, records: list, inbox: Inbox) -> None:  # type: ignore[type-arg]
+    def __init__(self, records: list[Record], inbox: Inbox) -> None:
         super().__init__(records)
         self.inbox = inbox
         self.refused = 0
