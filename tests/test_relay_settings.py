@@ -22,17 +22,21 @@ from outbox.cli import app
 from outbox.relay import RelaySettings
 from outbox.testing import InMemoryTransport
 
+REFUSED = r" must be positive seconds up to 31536000 \(a year\), got "
 SECONDS = ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after")
 
 not_positive_seconds = st.one_of(
     st.floats(max_value=0.0), st.just(math.nan), st.booleans(), st.integers(max_value=0),
     st.text(max_size=3), st.none(), st.just([1.0]),
+    # Past a year: inf (a lease no dead relay loses), and what timedelta or Event.wait refuse.
+    st.floats(min_value=365 * 24 * 3600.0, exclude_min=True), st.just(10**400),
+    st.integers(min_value=365 * 24 * 3600 + 1),
 )
 
 
 @given(field=st.sampled_from(SECONDS), value=not_positive_seconds)
 def test_seconds_that_are_not_positive_numbers_are_refused_by_name(field: str, value: Any) -> None:
-    with pytest.raises(ConfigurationError, match=f"^{field} must be positive seconds, got "):
+    with pytest.raises(ConfigurationError, match=f"^{field}{REFUSED}"):
         RelaySettings(**{field: value})
 
 
@@ -70,7 +74,7 @@ def test_relay_keywords_build_the_settings_and_a_nan_is_refused(tmp_path: Any) -
                                            backoff=relay.settings.backoff)
     relay.close()
     for field in SECONDS:
-        with pytest.raises(ConfigurationError, match=f"^{field} must be positive seconds, got nan"):
+        with pytest.raises(ConfigurationError, match=f"^{field}{REFUSED}nan"):
             Relay(outbox, InMemoryTransport(), **{field: math.nan})
 
 
@@ -99,3 +103,30 @@ def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
         result = CliRunner().invoke(app, [*base, *extra])
         assert "_Built" in result.output, result.output
     assert seen == [5000, 700, 1000, 700]
+
+
+def test_outbox_relay_exactly_once_fits_its_default_batch_to_a_lowered_record_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly-once's progress record names two batches of row ids and must fit the producer's
+    ``message.max.bytes``: with a lowered limit the default batch is the largest that fits
+    rather than a refusal of a --batch-size nobody gave; one given is still checked as given."""
+    import outbox.relay as relay
+
+    seen: list[int] = []
+
+    def built(*args: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["batch_size"])
+        raise _Built
+    monkeypatch.setattr(relay, "Relay", built)
+    monkeypatch.setattr("outbox.cli._relay._relay_tenants", built)
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    made = CliRunner().invoke(app, ["init-db", "--db", url, "--max-record-bytes", "30000"])
+    assert made.exit_code == 0, made.output
+    base = ["relay", "--db", url, "--bootstrap-servers", "127.0.0.1:1", "--exactly-once"]
+    small = ["--kafka-config", "message.max.bytes=100000"]
+    tiny = ["--kafka-config", "message.max.bytes=40000"]
+    for extra in ([], small, [*small, "--batch-size", "4000"], ["--tenants", "a,b", *tiny]):
+        result = CliRunner().invoke(app, [*base, *extra])
+        assert "_Built" in result.output, result.output
+    # (limit - 1,024 overhead - 2,069 topics header - 200 for the longest relay name) // (2 x 21)
+    assert seen == [5000, 2302, 4000, 873]

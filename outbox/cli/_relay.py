@@ -23,6 +23,7 @@ from ..housekeeping import parse_period, run_retention
 from ..producer import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
+from ..relay._progress import largest_batch
 from ..relay._settings import DEFAULT_BATCH_SIZE
 from . import app
 from ._db import open_outbox
@@ -116,6 +117,12 @@ def relay(
                         if cloudevents or cloudevents_source is not None else None)
     retention_period = None if retention is None else parse_period(retention, "retention")
     every = every_seconds(retention_every)
+    if batch_size is None and exactly_once:
+        # The default is the library's choice: one that fits the progress record under a
+        # lowered message.max.bytes, rather than a refusal of a setting nobody gave.
+        fits = largest_batch(KafkaTransport.max_record_bytes_for(settings))
+        default = FLEET_BATCH_SIZE if tenants is not None else DEFAULT_BATCH_SIZE
+        batch_size = max(1, min(default, fits)) if fits < default else None
     if tenants is not None:
         if schema is not None:
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")

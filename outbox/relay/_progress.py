@@ -69,12 +69,19 @@ def check_progress_fits(transport: Transport, batch_size: int, worker_id: str) -
     be published. Its topics header counts at its most (``TOPICS_HEADER_BYTES``).
     """
     limit = min(getattr(transport, "max_record_bytes", PROGRESS_BYTES), PROGRESS_BYTES)
-    most = (limit - PROGRESS_OVERHEAD - TOPICS_HEADER_BYTES - len(worker_id.encode())) // (2 * ID_BYTES)
+    most = largest_batch(limit, worker_id)
     if batch_size > most:
         raise ConfigurationError(
             f"exactly_once with batch_size={batch_size}: a shard's progress record names up to two "
             f"batches of row ids ({ID_BYTES} bytes each) and up to {TOPICS_BYTES} bytes of topic names, "
             f"more than the {limit} bytes a record may take here; use batch_size {max(most, 0)} at most")
+
+
+def largest_batch(max_record_bytes: int, worker_id: str = "w" * 200) -> int:
+    """The largest ``batch_size`` whose progress record fits ``max_record_bytes`` (at most
+    ``PROGRESS_BYTES``); by default for the longest relay name, when it is not known yet."""
+    limit = min(max_record_bytes, PROGRESS_BYTES)
+    return (limit - PROGRESS_OVERHEAD - TOPICS_HEADER_BYTES - len(worker_id.encode())) // (2 * ID_BYTES)
 
 
 def progress_value(ids: list[int], relay: str, epoch: int) -> bytes:

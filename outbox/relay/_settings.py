@@ -39,9 +39,18 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+MAX_SECONDS = 365 * 24 * 3600.0
+"""The longest interval a relay takes (a year). Past it the waits and lease times stop being
+numbers Python and the database can hold (``Event.wait`` refuses more than ~292 years,
+``timedelta`` ~2.7 million years), and ``inf`` would be a lease no dead relay ever loses: refused
+here by name rather than at the first lease round."""
+
+
 def _positive_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            or not value <= MAX_SECONDS):
+        raise ConfigurationError(f"{name} must be positive seconds up to {MAX_SECONDS:.0f} (a year), "
+                                 f"got {value!r:.80}")
     return float(value)
 
 
