@@ -82,10 +82,9 @@ class _Built(Exception):
     """Raised by a stand-in for the relay the CLI builds, once it has seen its keywords."""
 
 
-def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One relay serves no one else: a larger batch pays a batch's fixed cost over more rows
-    (docs/relay.md, "The batch size"). A fleet's workers take tenants a batch at a time: 1000."""
+def _batch_sizes_built(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batch sizes `outbox relay` builds its relays (or its fleet) with, in order; each build
+    raises ``_Built`` instead of running."""
     import outbox.relay as relay
 
     seen: list[int] = []
@@ -95,6 +94,14 @@ def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
         raise _Built
     monkeypatch.setattr(relay, "Relay", built)
     monkeypatch.setattr("outbox.cli._relay._relay_tenants", built)
+    return seen
+
+
+def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One relay serves no one else: a larger batch pays a batch's fixed cost over more rows
+    (docs/relay.md, "The batch size"). A fleet's workers take tenants a batch at a time: 1000."""
+    seen = _batch_sizes_built(monkeypatch)
     url = f"sqlite:///{tmp_path / 'o.db'}"
     Outbox(create_engine(url)).create_tables()
     base = ["relay", "--db", url, "--bootstrap-servers", "127.0.0.1:1"]
@@ -110,15 +117,7 @@ def test_outbox_relay_exactly_once_fits_its_default_batch_to_a_lowered_record_li
     """Exactly-once's progress record names two batches of row ids and must fit the producer's
     ``message.max.bytes``: with a lowered limit the default batch is the largest that fits
     rather than a refusal of a --batch-size nobody gave; one given is still checked as given."""
-    import outbox.relay as relay
-
-    seen: list[int] = []
-
-    def built(*args: Any, **kwargs: Any) -> None:
-        seen.append(kwargs["batch_size"])
-        raise _Built
-    monkeypatch.setattr(relay, "Relay", built)
-    monkeypatch.setattr("outbox.cli._relay._relay_tenants", built)
+    seen = _batch_sizes_built(monkeypatch)
     url = f"sqlite:///{tmp_path / 'o.db'}"
     made = CliRunner().invoke(app, ["init-db", "--db", url, "--max-record-bytes", "30000"])
     assert made.exit_code == 0, made.output
