@@ -379,6 +379,8 @@ def main() -> None:
     parser.add_argument("--only-fairness", action="store_true",
                         help="run the fairness part alone (idle CPU, the quiet tenant's latencies) and "
                              "print it, without the throughput rounds and without writing the report")
+    parser.add_argument("--fairness-rounds", type=int, default=3,
+                        help="rounds of the fairness part (the issue's target holds in every round)")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds the fleet runs with nothing sent once it holds every lease, before the "
                              "quiet tenant starts (idle polls back off: a longer wait shows them settled)")
@@ -409,20 +411,27 @@ def main() -> None:
             print(f"single {single.rate:,.0f} msg/s ({single.cpu_seconds:.1f} CPU s); " + "; ".join(
                 f"fleet x{w} {f.rate:,.0f} msg/s ({f.cpu_seconds:.1f} CPU s): {f.rate / single.rate:.2f}"
                 for w, f in fleets.items()), flush=True)
-        fairness = run_fairness(url, servers, engine, schemas, args.backlog, args.quiet_seconds,
+        fairness: list[Fairness] = []
+        for n in range(args.fairness_rounds):
+            fair = run_fairness(url, servers, engine, schemas, args.backlog, args.quiet_seconds,
                                 tenants_file(tmp, schemas, quiet=True), args.workers[-1], args.settle,
-                                args.idle_seconds)
+                                args.idle_seconds if n == 0 else 0.0)
+            fairness.append(fair)
+            print(f"fairness round {n + 1}, --workers {args.workers[-1]}: fleet CPU with the quiet tenant "
+                  f"alone {fair.idle_cpu:.1%}; quiet p99 alone {p99(fair.alone):.1f} ms, next to the backlog "
+                  f"{p99(fair.busy):.1f} ms ({p99(fair.busy) / p99(fair.alone):.2f} x); load average "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
         engine.dispose()
     if args.only_fairness:
-        print(f"fairness, --workers {args.workers[-1]}: fleet CPU with the quiet tenant alone "
-              f"{fairness.idle_cpu:.1%}; quiet p99 alone {p99(fairness.alone):.1f} ms, next to the backlog "
-              f"{p99(fairness.busy):.1f} ms ({p99(fairness.busy) / p99(fairness.alone):.2f} x); load average "
-              f"before / after {load_before:.2f} / {os.getloadavg()[0]:.2f}", flush=True)
         return
     report(args, rounds, fairness, (load_before, os.getloadavg()[0]), uptime_before)
 
 
-def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
+WORKER_TARGETS = {2: 0.8, 8: 0.9}
+"""Fleet ÷ single schema the issue asks for, by --workers (0.8 for a count it does not name)."""
+
+
+def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairness],
            load: tuple[float, float], uptime: str) -> None:
     def verdict(ok: bool) -> str:
         return "met" if ok else "**not met**"
@@ -431,7 +440,8 @@ def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
         return statistics.median(r.fleets[workers].rate / r.single.rate for r in rounds)
 
     n, most = args.tenants, args.workers[-1]
-    alone, busy = p99(fair.alone), p99(fair.busy)
+    fair = fairness[-1]
+    ratios = [p99(f.busy) / p99(f.alone) for f in fairness]
     last = rounds[-1]
     header = ["round", "single schema msg/s (CPU s)"] + [
         f"fleet, --workers {w}: msg/s (CPU s), / single" for w in args.workers]
@@ -442,13 +452,14 @@ def report(args: argparse.Namespace, rounds: list[Round], fair: Fairness,
     rows.append(["median", f"{statistics.median(r.single.rate for r in rounds):,.0f}", *[
         f"{statistics.median(r.fleets[w].rate for r in rounds):,.0f}, **{ratio(w):.2f}**"
         for w in args.workers]])
-    targets = "; ".join(f"`--workers {w}` {ratio(w):.2f} — {verdict(ratio(w) >= 0.8)}" for w in args.workers)
+    targets = "; ".join(f"`--workers {w}` {ratio(w):.2f} (≥ {WORKER_TARGETS.get(w, 0.8)}) — "
+                        f"{verdict(ratio(w) >= WORKER_TARGETS.get(w, 0.8))}" for w in args.workers)
     memory = [["single schema", f"{last.single.rss_kib / 1024:.0f}", f"{last.single.hwm_kib / 1024:.0f}",
                max(r.single.connections for r in rounds), "pool 5 (+ 10 overflow) + LISTEN 1"]]
     for w in args.workers:
         seen = max(r.fleets[w].connections for r in rounds)
         if w == most:
-            seen = max(seen, fair.connections)
+            seen = max(seen, *(f.connections for f in fairness))
         memory.append([f"fleet, {n} schemas, --workers {w}", f"{last.fleets[w].rss_kib / 1024:.0f}",
                        f"{last.fleets[w].hwm_kib / 1024:.0f}", seen, f"pool {2 * w + 2} + LISTEN 1"])
     per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
@@ -472,25 +483,26 @@ process's user + system CPU during the drain.
 
 {markdown_table(header, rows)}
 
-Target: fleet ≥ 0.8 of the single-schema relay — {targets}.
+Target: fleet ÷ single schema — {targets}.
 
 **Fairness** (`--workers {most}`): tenant `{BACKLOG_TENANT}` gets a backlog of {args.backlog:,} rows
 ({BACKLOG_KEYS:,} keys, loaded by one `INSERT ... SELECT generate_series` in {fair.load_seconds:.0f} s)
 while a quiet tenant (the default schema, woken by the producer's notification) commits one
 message every 50 ms through `Outbox.publish` for {args.quiet_seconds:.0f} s; latency is its row's
 `published_at` minus the writer's commit time. The same fleet ({n} schemas + the quiet tenant),
-first without the backlog ("alone"), then while the backlog drains: {fair.backlog_at_start:,} rows
-pending when the quiet writer started, {fair.backlog_at_end:,} when it stopped
-({fair.drained_per_second:,.0f} rows/s drained meanwhile).
+first without the backlog ("alone"), then while the backlog drains, in each of {len(fairness)} rounds (a
+fleet started afresh each time); backlog pending when the quiet writer started → when it stopped, and
+the rows drained a second meanwhile, in the last column.
 
-{markdown_table(["quiet tenant", "messages", "p50 ms", "p99 ms", "max ms"], [
-    ["alone", len(fair.alone), f"{statistics.median(fair.alone):.1f}", f"{alone:.1f}",
-     f"{max(fair.alone):.1f}"],
-    ["next to the backlog", len(fair.busy), f"{statistics.median(fair.busy):.1f}", f"{busy:.1f}",
-     f"{max(fair.busy):.1f}"],
-])}
+{markdown_table(["round", "alone: messages, p50 / p99 / max ms", "next to the backlog: p50 / p99 / max ms",
+                 "p99 ratio", "backlog (rows/s)"], [
+    [i + 1, f"{len(f.alone)}, {statistics.median(f.alone):.1f} / {p99(f.alone):.1f} / {max(f.alone):.1f}",
+     f"{statistics.median(f.busy):.1f} / {p99(f.busy):.1f} / {max(f.busy):.1f}",
+     f"{r:.2f} x", f"{f.backlog_at_start:,} → {f.backlog_at_end:,} ({f.drained_per_second:,.0f})"]
+    for i, (f, r) in enumerate(zip(fairness, ratios, strict=True))])}
 
-Target: p99 next to the backlog ≤ 2 x p99 alone — {busy / alone:.2f} x — {verdict(busy <= 2 * alone)}.
+Target: p99 next to the backlog ≤ 2 x p99 alone in every round — {", ".join(f"{r:.2f} x" for r in ratios)}
+— {verdict(all(r <= 2 for r in ratios))}.
 
 **Memory and connections** of the relay process: RSS after the last round's drain, its peak,
 and the most PostgreSQL connections of its `application_name` seen while it drained (sampled
