@@ -286,8 +286,8 @@ class Campaign:
                 self.cluster.kill(node)
             down_at = time.monotonic()
             # Every worker says once that it waits (a relay after its delivery timeout, 30 s).
-            self._wait(lambda: all(self._lines(w, logs[w.name])[0] for w in self.workers),
-                       "every relay and inbox to say the broker is gone")
+            self._wait(lambda: not self._silent(logs, 0), "every relay and inbox to say the broker is gone",
+                       suspects=lambda: self._silent(logs, 0))
             time.sleep(OUTAGE_HOLD)  # an outage that lasts: the workers keep trying meanwhile
             after = self._pending_rows()
             outage.attempts_moved = sorted(i for i, row in after.items()
@@ -297,8 +297,8 @@ class Campaign:
                                           i not in before or row.available_at != before[i].available_at))
             self.cluster.start(*nodes)
             outage.waited = time.monotonic() - down_at
-            self._wait(lambda: all(self._lines(w, logs[w.name])[1] for w in self.workers),
-                       "every relay and inbox to say the broker is back")
+            self._wait(lambda: not self._silent(logs, 1), "every relay and inbox to say the broker is back",
+                       suspects=lambda: self._silent(logs, 1))
             self._progress()
             outage.lines = {w.name: self._lines(w, logs[w.name]) for w in self.workers}
             outage.said = {w.name: self._said(w, logs[w.name]) for w in self.workers
@@ -386,18 +386,33 @@ class Campaign:
                             and self._effects() >= applied + PROGRESS),
                    f"{PROGRESS} more messages published and applied")
 
-    def _wait(self, condition: Callable[[], bool], what: str, timeout: float = STEP_TIMEOUT) -> None:
+    def _wait(self, condition: Callable[[], bool], what: str, timeout: float = STEP_TIMEOUT,
+              suspects: Callable[[], list[Worker]] | None = None) -> None:
+        """Wait for ``condition``; past ``timeout``, fail with each worker's last lines and every
+        thread's stack. ``suspects``: the workers the condition waits for, named first, with their
+        whole stacks (a tail of 2,000 characters holds only the end of the last thread's)."""
         deadline = time.monotonic() + timeout
         while not condition():
             for worker in self.workers:
                 worker.assert_up()
             if time.monotonic() > deadline:
+                named = suspects() if suspects is not None else []
+                before = {worker.name: worker.size() for worker in self.workers}
                 for worker in self.workers:
                     worker.dump_stacks()
                 time.sleep(1)
-                tails = "\n".join(f"--- {w.name} ---\n{w.text()[-2000:]}" for w in self.workers)
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{tails}")
+                tails = "\n".join(
+                    f"--- {w.name}: its last lines ---\n{w.text(max(0, before[w.name] - 3000))[:3000]}"
+                    f"\n--- {w.name}: its stacks ---\n"
+                    + (w.text(before[w.name]) if w in named else w.text(before[w.name])[-1000:])
+                    for w in self.workers)
+                still = f" (still waiting for {', '.join(w.name for w in named)})" if named else ""
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{still}\n{tails}")
             time.sleep(0.2)
+
+    def _silent(self, logs: dict[str, int], which: int) -> list[Worker]:
+        """The workers that logged no outage-began (``which`` 0) or outage-ended (1) line since ``logs``."""
+        return [w for w in self.workers if not self._lines(w, logs[w.name])[which]]
 
     def _lines(self, worker: Worker, since: int) -> tuple[int, int]:
         """(outage-began, outage-ended) lines of ``worker``'s log since byte ``since``."""

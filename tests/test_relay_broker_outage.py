@@ -21,6 +21,7 @@ from _relay_helpers import publish, rows, seqs_by_key
 from _relay_helpers import wait_for as wait_until
 
 from outbox import Outbox, Relay, create_engine
+from outbox.relay._settings import DEFAULT_BATCH_SIZE
 from outbox.testing import LocalKafka, LocalKafkaCluster
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -161,3 +162,66 @@ def _transport(client: str, bootstrap: str) -> Any:
         producer = KafkaProducer(bootstrap_servers=bootstrap.split(","), acks="all", linger_ms=5)
         return KafkaPythonTransport(producer, delivery_timeout=5)
     return KafkaTransport(bootstrap_servers=bootstrap, delivery_timeout=5.0)
+
+
+@pytest.mark.postgres
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one test at a time (docs/testing.md)
+def test_a_broker_killed_under_a_full_default_batch_in_flight_is_one_outage_and_the_relay_resumes(
+    postgres_db: str, topic: str, own_kafka: LocalKafka, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relay of the default batch size (``DEFAULT_BATCH_SIZE``, 5,000 rows) on PostgreSQL (its
+    outcomes written behind the next batch) has a whole batch produced and unacknowledged when
+    its only broker dies (frozen first, so the batch waits in flight; then SIGKILL). The relay
+    says "broker unreachable" once, within its delivery timeout and a margin, counts no attempt
+    on any row while the broker stays away, and, the broker started again, says it is back once
+    and publishes everything, each row with the one attempt that delivered it. (The failover
+    campaign's two-of-three outage waits for this line; a larger batch must not hide it.)"""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    own_kafka.create_topic(topic, 4)
+    # Partition counts cached from the warm-up on: the frozen broker is asked for none.
+    transport = KafkaTransport(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=5.0,
+                               metadata_refresh=600.0)
+    relay = Relay(outbox, transport, poll_interval=0.05)
+    assert relay.settings.batch_size == DEFAULT_BATCH_SIZE == 5000
+    running = threading.Thread(target=relay.run, daemon=True)
+    running.start()
+    try:
+        publish(outbox, topic, [f"k{k}" for k in range(100)])  # the topic's metadata, now cached
+        wait_until(lambda: not rows(outbox, status="pending"), 60, "the warm-up rows")
+        own_kafka.freeze()
+        # One transaction of more than two batches: the relay's next fetch takes a whole batch.
+        publish(outbox, topic, [f"k{k % 100}" for k in range(DEFAULT_BATCH_SIZE * 5 // 2)])
+        queued = transport._producer  # the batch produced, its reports not come
+        wait_until(lambda: len(queued) >= DEFAULT_BATCH_SIZE, 60, "a whole batch in flight")
+        own_kafka.kill()
+        took = wait_for(lambda: _said(caplog, "broker unreachable"), 5.0 + 25, "the outage said")
+        time.sleep(2 * 5.0 + 2)  # an outage that lasts: the same rows tried again, unanswered again
+        during = rows(outbox, status="pending")
+        own_kafka.start()
+        wait_until(lambda: not rows(outbox, status="pending"), 120, "everything published after the restart",
+                   0.5)
+    finally:
+        own_kafka.thaw()  # if it was never killed
+        relay.stop()
+        running.join(30)
+    transport.close()
+    assert not running.is_alive()
+    assert took < 5.0 + 15, f"the outage said {took:.1f} s after the kill"
+    # Each key stops at its first row not delivered: its head pushed back, the rest untouched.
+    assert len(during) == DEFAULT_BATCH_SIZE * 5 // 2
+    assert {r.key for r in during if r.last_error} == {f"k{k}" for k in range(100)}, \
+        "the batch in flight was not pushed back as unanswered"
+    assert {r.attempts for r in during} == {0}, {(r.attempts, r.last_error) for r in during}
+    stored = rows(outbox)
+    assert {r.status for r in stored} == {"published"} and {r.attempts for r in stored} == {1}
+    assert (_said(caplog, "broker unreachable"), _said(caplog, "broker reachable again")) == (1, 1), \
+        [r.getMessage() for r in caplog.records if r.name == "outbox.relay"]
+    engine.dispose()
+
+
+def _said(caplog: pytest.LogCaptureFixture, what: str) -> int:
+    """How many of the relay's log lines say ``what``."""
+    return sum(what in r.getMessage() for r in caplog.records if r.name == "outbox.relay")

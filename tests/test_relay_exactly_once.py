@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -356,14 +357,18 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     in seq order per key. (The in-process zombie test above pins the batch in flight; here the
     freeze lands wherever the process is, or, ``inside-a-mark``, while its mark's transaction is
     open with the rows locked: the taker held every lease and published nothing for 120 s until
-    the server ended such a transaction, ``RelayStatements.end_if_idle``.)"""
+    the server ended such a transaction, ``RelayStatements.end_if_idle``. The relay stops itself
+    there, between the UPDATE and the COMMIT, ``tests/freezing_relay.py``: a SIGSTOP sent from here
+    at random moments hit a mark of a few milliseconds too rarely.)"""
     engine = create_engine(postgres_db)
     outbox = Outbox(engine, shards=4)
     outbox.create_tables()
     logs = {name: tmp_path / f"{name}.log" for name in ("frozen", "taker")}
     args = ("--lease-ttl", "2", "--batch-size", "50", "--exactly-once", "--progress-topic", progress_topic,
             "--log-level", "INFO")  # the take-overs and the marks of committed rows too
-    first = start_cli_relay(postgres_db, kafka, logs["frozen"], "--worker-id", "frozen", *args)
+    first = (start_cli_relay(postgres_db, kafka, logs["frozen"], "--worker-id", "frozen", *args)
+             if where == "anywhere" else start_freezing_relay(  # it stops itself in a mark past 200 rows
+                 postgres_db, kafka, logs["frozen"], 200, "--worker-id", "frozen", *args))
     second = None
     written = 0
     done = threading.Event()
@@ -379,11 +384,11 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
     writing = threading.Thread(target=write)
     writing.start()
     try:
-        wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
         if where == "anywhere":
+            wait_for(lambda: len(rows(outbox, status="published")) >= 200, 120, "the first relay publishing")
             first.send_signal(signal.SIGSTOP)
-        else:
-            wait_for(lambda: freeze_inside_a_mark(first, engine), 120, "a freeze inside a mark", 0.001)
+        else:  # its rows locked by the UPDATE, its COMMIT not sent
+            wait_for(lambda: stopped(first) and marking(engine), 120, "a freeze inside a mark")
         second = start_cli_relay(postgres_db, kafka, logs["taker"], "--worker-id", "taker", *args)
         wait_for(lambda: {lease.owner for lease in leases(outbox)} == {"taker"}, 120, "the take-over")
         # The zombie resumes once the new owner has committed and marked rows of its own.
@@ -420,22 +425,27 @@ def test_a_relay_process_frozen_past_its_lease_and_resumed_sends_nothing_twice(
 MARKING = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
            "AND state = 'idle in transaction' AND query LIKE 'UPDATE%outbox_messages%'")
 
+FREEZING_RELAY = str(Path(__file__).resolve().parent / "freezing_relay.py")
 
-def freeze_inside_a_mark(process: subprocess.Popen, engine: sa.Engine) -> bool:
-    """SIGSTOP ``process`` if a mark's transaction is open (its UPDATE run, its COMMIT not sent); whether
-    the freeze landed there (else it is resumed: the COMMIT went out first)."""
-    def marking() -> bool:  # a transaction of its own each: pg_stat_activity is read once per transaction
-        with engine.connect() as conn:
-            return bool(conn.scalar(sa.text(MARKING)))
 
-    if not marking():
-        return False
-    process.send_signal(signal.SIGSTOP)
-    time.sleep(0.3)
-    if marking():
-        return True
-    process.send_signal(signal.SIGCONT)
-    return False
+def start_freezing_relay(db: str, kafka: str, log: Path, past: int, *args: str) -> subprocess.Popen:
+    """``outbox relay`` that stops itself (SIGSTOP) inside the mark that takes the rows it marked past
+    ``past`` (``tests/freezing_relay.py``): the freeze lands there however short a mark is."""
+    command = [sys.executable, FREEZING_RELAY, str(past), "relay", "--db", db, "--bootstrap-servers",
+               kafka, *args]
+    return subprocess.Popen(command, stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+
+def stopped(process: subprocess.Popen) -> bool:
+    """Whether ``process`` is stopped (SIGSTOP): its state in ``/proc/PID/stat`` is T."""
+    with open(f"/proc/{process.pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0] == "T"
+
+
+def marking(engine: sa.Engine) -> bool:
+    """A mark's transaction is open and idle: its UPDATE run, its COMMIT not sent."""
+    with engine.connect() as conn:  # a transaction of its own: pg_stat_activity is read once per transaction
+        return bool(conn.scalar(sa.text(MARKING)))
 
 
 def relays_state(outbox: Outbox, kafka: str, progress_topic: str, logs: dict[str, Path]) -> str:

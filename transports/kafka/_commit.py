@@ -12,9 +12,15 @@ commit still waiting then is ``CommitUnansweredError`` (an outage, unless what i
 waited for was a rebalance behind the caller's next poll: see the error) and stays
 pending on its thread, and the next commit is refused at once until it ends
 (one commit in flight at a time, so a late answer never lands behind a newer
-commit). librdkafka is safe to call from several threads: the consumer goes on
-polling meanwhile. A commit that lands after it was given up on committed
-positions of finished work; the inbox commits them (or later ones) again.
+commit). A commit that lands after it was given up on committed positions of
+finished work; the inbox commits them (or later ones) again.
+
+While it is pending nothing else may call the consumer: confluent-kafka lets one
+thread at a time into a consumer (its reentrancy gate, ``Handle_serialize_enter``):
+a ``consume`` waits, inside the C call, for the commit to leave, and a commit that
+never ends held the inbox's poll forever, polling nothing and saying nothing (the
+failover campaign's inboxes never said the broker was gone). So the source asks
+``wait_pending`` before it polls (``KafkaSource.poll``) and does not poll while one is.
 """
 
 from __future__ import annotations
@@ -89,6 +95,17 @@ class BoundedCommits:
         if not isinstance(error, KafkaException):
             raise error
         raise translated(error.args[0]) from None
+
+    def wait_pending(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a commit still pending; whether none is now."""
+        pending = self._pending
+        if pending is None:
+            return True
+        pending.join(timeout)
+        if pending.is_alive():
+            return False
+        self._pending = None
+        return True
 
     def wait(self) -> None:
         """Wait for a commit still pending: a consumer must not be closed under one."""

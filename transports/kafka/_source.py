@@ -161,7 +161,15 @@ class KafkaSource:
         one call librdkafka drops such records itself, but the first call's are
         handed over already, and the revoke callback has committed and
         forgotten the partition they would come back to.
+
+        While an offset commit given up on is still pending, the consumer is not
+        called (``_commit``: it would wait inside the C call for the commit, for as long
+        as the commit waits): the poll waits up to a commit timeout for it to end
+        (a commit held by a rebalance ends so, and this poll then serves the revoke),
+        else returns nothing.
         """
+        if not self._commits.wait_pending(self._commits.timeout):
+            return []
         self._watch_group()
         messages = self._consumer.consume(1, timeout)
         if messages and max_records > 1:
