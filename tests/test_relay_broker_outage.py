@@ -21,10 +21,12 @@ from _relay_helpers import publish, rows, seqs_by_key
 from _relay_helpers import wait_for as wait_until
 
 from outbox import Outbox, Relay, create_engine
-from outbox.relay._settings import DEFAULT_BATCH_SIZE
+from outbox.relay import RelaySettings
 from outbox.testing import LocalKafka, LocalKafkaCluster
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
+
+DEFAULT_BATCH_SIZE = RelaySettings().batch_size
 
 pytestmark = pytest.mark.slow
 
