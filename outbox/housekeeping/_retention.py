@@ -44,9 +44,10 @@ from ._targets import Target, inbox_target, outbox_target
 
 DEFAULT_BATCH_SIZE = 1000
 """Rows per delete transaction. A transaction's WAL is what a relay's commit may have to flush
-behind its own: a row deleted costs about 340 bytes of it on PostgreSQL (its lock, its delete and
-its heap page's first image since the last checkpoint), so 1,000 rows are about 340 kB against
-1.7 MB for 5,000, and a batch holds a core a fifth as long. Alone (duty 1) it deletes about a
+behind its own: a published outbox row deleted costs about 290 bytes of it on PostgreSQL (its
+delete and its heap page's first image since the last checkpoint; 340 with the row lock the pick
+took before ``_pg_batches``), so 1,000 rows are about 290 kB against 1.7 MB for 5,000, and a batch
+holds a core a fifth as long. Alone (duty 1) it deletes about a
 third slower, still over ten times the Spark archive's rate (docs/operations.md, "Housekeeping")."""
 MAX_BATCH_SIZE = 100_000
 BATCH_ATTEMPTS = 5
