@@ -32,8 +32,8 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's outbox, not the installed one
-from bench_relay import PAYLOAD, pending, start_relays, stop, wait_leased
-from bench_retention import emptied, partitioned_by_day, seed_old
+from bench_relay import pending, start_relays, stop, wait_leased
+from bench_retention import emptied, partitioned_by_day, seed_old, write_at_rate
 
 from outbox import Outbox, create_engine
 from outbox.testing import local_postgres
@@ -67,7 +67,6 @@ def window(url: str, servers: str, options: argparse.Namespace, args: list[str] 
                 conn.execute(sa.text("CHECKPOINT"))
     relays = start_relays(url, servers, 1, "--poll-interval", "5")
     committed: dict[str, float] = {}
-    lock = threading.Lock()
     retention = None
     try:
         wait_leased(engine, 1)
@@ -96,23 +95,7 @@ def window(url: str, servers: str, options: argparse.Namespace, args: list[str] 
                     words.append(word)
             retention = subprocess.Popen([sys.executable, "-m", "outbox", "housekeeping", "run", "--db", url,
                                           *words], stdout=subprocess.DEVNULL, cwd=TREE, env=env)
-        rate, seconds = options.rate, options.seconds
-
-        def write(w: int) -> None:
-            interval, start = 2 / rate, time.perf_counter()
-            for n in range(int(rate * seconds / 2)):
-                if (delay := start + n * interval - time.perf_counter()) > 0:
-                    time.sleep(delay)
-                with outbox._sessions() as session, session.begin():
-                    message_id = outbox.publish(session, "latency", PAYLOAD, key=f"w{w}-{n % 500}")
-                with lock:
-                    committed[str(message_id)] = time.time()
-
-        writers = [threading.Thread(target=write, args=(w,)) for w in range(2)]
-        for t in writers:
-            t.start()
-        for t in writers:
-            t.join()
+        write_at_rate(outbox, options.rate, options.seconds, committed)
         ran_through = retention is None or retention.poll() is None
         while pending(engine):
             time.sleep(0.1)
