@@ -51,11 +51,14 @@ holds a core a fifth as long. Alone (duty 1) it deletes about a
 third slower, still over ten times the Spark archive's rate (docs/operations.md, "Housekeeping")."""
 MAX_BATCH_SIZE = 100_000
 BATCH_ATTEMPTS = 5
-DEFAULT_DUTY = 0.25
+DEFAULT_DUTY = 0.15
 """The share of a pass's time spent deleting: after a batch that took t seconds it rests
 t * (1 - duty) / duty, so the relay and the inbox beside it keep the rest of the database's CPU
-and WAL (docs/operations.md, "Housekeeping"). A quarter: on a 2-core database a pass then takes
-an eighth of its CPU, and still deletes tens of thousands of rows a second; ``duty=1`` for a
+and WAL (docs/operations.md, "Housekeeping"). 0.15: on PostgreSQL an outbox batch without a row
+lock (``_pg_batches``) deletes a row for 30% less CPU and 16% less WAL, so at 0.15 a pass deletes
+as many rows a second as it did at 0.25 with the lock (median 16,300 against 15,600 beside a
+relay-like probe under other sessions' load; 390,000 rows/s alone on a quiet machine at duty 1),
+and the probe's median p99 was 12.1 ms against 21.5 (14.6 with no pass). ``duty=1`` for a
 clean-up on a database nothing else uses."""
 BATCH_RETRY = OutageBackoff(first=0.05)
 """A batch rolled back by a deadlock or a lost connection runs again after 0.05 s, 0.1 s, 0.2 s …"""
