@@ -19,6 +19,8 @@ from _retention_rows import outbox_row
 
 from outbox import Outbox, create_engine
 from outbox.housekeeping import run_retention
+from outbox.housekeeping._pg_batches import unlocked_statement
+from outbox.housekeeping._targets import outbox_target
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 OLD = NOW - timedelta(days=30)
@@ -134,3 +136,20 @@ def test_two_passes_at_once_delete_every_row_once(own_postgres) -> None:
         left = conn.execute(sa.text("SELECT count(*) FROM outbox_messages")).scalar_one()
     outbox.engine.dispose()
     assert left == 0 and sum(results) == 2000 and len(results) == 2, results
+
+
+def test_the_batch_statement_picks_once_and_deletes_through_the_primary_key(own_postgres) -> None:
+    """The plan behind "a batch is exactly what it picked" on a table of 20,000 settled rows: the
+    pick is an InitPlan (evaluated once: a semi-join's inner side was rescanned and deleted every
+    row in one statement) and the delete is an index scan of the primary key on ``id = ANY``
+    (a hash join read the whole table for each batch); no sequential scan anywhere."""
+    outbox, _ = filled(own_postgres.url, 20_000)
+    with outbox.engine.begin() as conn:
+        conn.execute(sa.text("ANALYZE outbox_messages"))
+        statement = unlocked_statement(outbox_target(outbox.tables), NOW - timedelta(days=7), 1000, None)
+        sql = statement.compile(outbox.engine, compile_kwargs={"literal_binds": True})
+        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + str(sql).replace("%%", "%")).scalars())
+        conn.rollback()
+    outbox.engine.dispose()
+    assert "InitPlan" in plan and "Seq Scan" not in plan and "Hash" not in plan, plan
+    assert "Index Cond: (id = ANY" in plan and "outbox_messages_pkey" in plan, plan

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ARRAY, Engine, any_, cast, delete, func, literal, select, text, tuple_
+from sqlalchemy import ARRAY, Engine, Select, any_, cast, delete, func, literal, select, text, tuple_
 from sqlalchemy.exc import DBAPIError
 
 from ..core._pg_arrays import array_params, rows_of
@@ -58,7 +58,16 @@ def pg_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
 
 def unlocked_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
                    after: Sequence[Any] | None) -> Batch:
-    """One statement: the next ``size`` settled keys after ``after`` as one array, then the delete.
+    """One transaction of ``unlocked_statement``, waiting at most ``UNLOCKED_WAIT`` for a row."""
+    with engine.begin() as conn:
+        conn.execute(text(f"SET LOCAL lock_timeout = '{UNLOCKED_WAIT}'"))
+        found, last, deleted = conn.execute(unlocked_statement(target, cutoff, size, after)).one()
+    return (found, (last,), deleted) if found else (0, None, 0)
+
+
+def unlocked_statement(target: Target, cutoff: datetime, size: int,
+                       after: Sequence[Any] | None) -> Select[Any]:
+    """The next ``size`` settled keys after ``after`` as one array, then the delete of those rows.
 
     The pick is an ``ARRAY(SELECT … LIMIT n)``: an uncorrelated sub-select, which PostgreSQL
     evaluates once, before the delete reads a row (an InitPlan), so a batch is exactly what
@@ -77,11 +86,7 @@ def unlocked_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
     keys = cast(select(picked.c.ids).scalar_subquery(), ARRAY(key.type))
     gone = delete(target.table).where(key == any_(keys), *target.settled(cutoff)).returning(key).cte("gone")
     count = func.cardinality(picked.c.ids)
-    statement = select(count, picked.c.ids[count], select(func.count()).select_from(gone).scalar_subquery())
-    with engine.begin() as conn:
-        conn.execute(text(f"SET LOCAL lock_timeout = '{UNLOCKED_WAIT}'"))
-        found, last, deleted = conn.execute(statement).one()
-    return (found, (last,), deleted) if found else (0, None, 0)
+    return select(count, picked.c.ids[count], select(func.count()).select_from(gone).scalar_subquery())
 
 
 def locked_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
