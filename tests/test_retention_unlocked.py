@@ -19,8 +19,6 @@ from _retention_rows import outbox_row
 
 from outbox import Outbox, create_engine
 from outbox.housekeeping import run_retention
-from outbox.housekeeping._pg_batches import unlocked_statement
-from outbox.housekeeping._targets import outbox_target
 
 NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 OLD = NOW - timedelta(days=30)
@@ -146,10 +144,21 @@ def test_the_batch_statement_picks_once_and_deletes_through_the_primary_key(own_
     outbox, _ = filled(own_postgres.url, 20_000)
     with outbox.engine.begin() as conn:
         conn.execute(sa.text("ANALYZE outbox_messages"))
-        statement = unlocked_statement(outbox_target(outbox.tables), NOW - timedelta(days=7), 1000, None)
-        sql = statement.compile(outbox.engine, compile_kwargs={"literal_binds": True})
-        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + str(sql).replace("%%", "%")).scalars())
-        conn.rollback()
+    plans: list[str] = []
+
+    def explained(conn, cursor, statement, parameters, context, executemany) -> None:
+        # The batch's own statement and parameters, explained on its cursor just before it runs.
+        if statement.lstrip().startswith("WITH") and "DELETE FROM outbox_messages" in statement and not plans:
+            cursor.execute("EXPLAIN " + statement, parameters)
+            plans.append("\n".join(row[0] for row in cursor.fetchall()))
+
+    sa.event.listen(sa.Engine, "before_cursor_execute", explained)
+    try:
+        result = run_retention(outbox, older_than="7d", now=NOW, duty=1.0, batch_size=1000)
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", explained)
     outbox.engine.dispose()
+    assert result.deleted == {"outbox_messages": 20_000} and plans
+    plan = plans[0]
     assert "InitPlan" in plan and "Seq Scan" not in plan and "Hash" not in plan, plan
     assert "Index Cond: (id = ANY" in plan and "outbox_messages_pkey" in plan, plan
