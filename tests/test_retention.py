@@ -177,9 +177,10 @@ def test_a_pass_rests_between_batches_for_the_share_of_time_it_does_not_work(fil
         assert rested < worked / 2, (rested, worked)  # no rest: a rest as long as the work at duty 0.5
 
 
-def test_by_default_a_pass_rests_three_times_as_long_as_it_works(filled: Outbox) -> None:
-    """The default duty is a quarter: beside a relay, half of the time deleting (the default
-    before) raised its p99 by up to 1.57x on the benchmark's 2 cores."""
+def test_by_default_a_pass_rests_more_than_five_times_as_long_as_it_works(filled: Outbox) -> None:
+    """The default duty is 0.15: beside a relay, a quarter of the time deleting (the default
+    before the outbox's batches stopped locking rows) deleted no more rows a second there and
+    raised a relay-like probe's median p99 to 21.5 ms against 12.1 (docs/operations.md)."""
     old_published(filled, 8)
     with timed_transactions(0.02) as spans:
         run_retention(filled, older_than="7d", batch_size=4, now=NOW)
@@ -187,7 +188,7 @@ def test_by_default_a_pass_rests_three_times_as_long_as_it_works(filled: Outbox)
     assert len(batches) == 3
     for (start, end), (following, _) in itertools.pairwise(batches):
         rested, worked = following - end, end - start
-        assert rested >= 3 * worked * 0.99, (rested, worked)
+        assert rested >= 0.85 / 0.15 * worked * 0.99, (rested, worked)
 
 
 def test_a_stop_ends_a_rest_at_once(filled: Outbox) -> None:

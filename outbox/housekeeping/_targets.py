@@ -36,6 +36,11 @@ class Target:
     table: Table
     key: tuple[Column[object], ...]
     settled: Callable[[datetime], list[ColumnElement[bool]]]
+    final: bool
+    """Whether nothing writes or locks a settled row any more, so that a batch may delete without
+    locking its rows first (``_pg_batches``): true of a published outbox row (the relay marks
+    pending rows, an operator's actions select failed ones); an inbox counting a redelivery
+    locks its dedup record."""
 
     @property
     def name(self) -> str:
@@ -44,7 +49,8 @@ class Target:
 
 def outbox_target(tables: OutboxTables) -> Target:
     m = tables.messages
-    return Target(m, (m.c.id,), lambda cutoff: [m.c.status == Status.PUBLISHED, m.c.created_at < cutoff])
+    return Target(m, (m.c.id,), lambda cutoff: [m.c.status == Status.PUBLISHED, m.c.created_at < cutoff],
+                  final=True)
 
 
 def inbox_target(tables: OutboxTables, group: str | None = None) -> Target:
@@ -52,4 +58,5 @@ def inbox_target(tables: OutboxTables, group: str | None = None) -> Target:
     i = tables.inbox_messages
     of_group = [] if group is None else [i.c.consumer_group == group]
     return Target(i, (i.c.consumer_group, i.c.message_id), lambda cutoff: [
-        *of_group, i.c.processed_at < cutoff, or_(i.c.created_at.is_(None), i.c.created_at < cutoff)])
+        *of_group, i.c.processed_at < cutoff, or_(i.c.created_at.is_(None), i.c.created_at < cutoff)],
+        final=False)

@@ -102,6 +102,28 @@ def emptied(engine: sa.Engine) -> None:
         conn.execute(sa.text("TRUNCATE outbox_messages"))
 
 
+def write_at_rate(outbox: Outbox, rate: int, seconds: float, committed: dict[str, float]) -> None:
+    """Two writers committing ``rate`` messages a second between them for ``seconds``, one per
+    transaction; ``committed`` gets each message's id and the time its commit returned."""
+    lock = threading.Lock()
+
+    def write(w: int) -> None:
+        interval, start = 2 / rate, time.perf_counter()
+        for n in range(int(rate * seconds / 2)):
+            if (delay := start + n * interval - time.perf_counter()) > 0:
+                time.sleep(delay)
+            with outbox._sessions() as session, session.begin():
+                message_id = outbox.publish(session, "latency", PAYLOAD, key=f"w{w}-{n % 500}")
+            with lock:
+                committed[str(message_id)] = time.time()
+
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(2)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+
+
 def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty: float,
             fresh: Callable[[sa.Engine], None] = emptied) -> tuple[float, float, float, float]:
     """p50/p99/max commit→ack ms of ``rate`` msg/s, with a retention of ``beside`` rows running (or 0),
@@ -113,7 +135,6 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
         seed_old(engine, beside, pending_rows=0)
     relays = start_relays(url, servers, 1, "--poll-interval", "5")
     committed: dict[str, float] = {}
-    lock = threading.Lock()
     retention = None
     try:
         wait_leased(engine, 1)
@@ -123,21 +144,7 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
                                           "--db", url, "--older-than", "1d", "--duty", str(duty)],
                                          stdout=subprocess.DEVNULL)
 
-        def write(w: int) -> None:
-            interval, start = 2 / rate, time.perf_counter()
-            for n in range(int(rate * seconds / 2)):
-                if (delay := start + n * interval - time.perf_counter()) > 0:
-                    time.sleep(delay)
-                with outbox._sessions() as session, session.begin():
-                    message_id = outbox.publish(session, "latency", PAYLOAD, key=f"w{w}-{n % 500}")
-                with lock:
-                    committed[str(message_id)] = time.time()
-
-        writers = [threading.Thread(target=write, args=(w,)) for w in range(2)]
-        for t in writers:
-            t.start()
-        for t in writers:
-            t.join()
+        write_at_rate(outbox, rate, seconds, committed)
         still_running = retention is not None and retention.poll() is None
         while pending(engine):
             time.sleep(0.1)
