@@ -1,4 +1,4 @@
-"""A fleet's writer threads are shared: a tenant's write never waits behind another tenant's while one is free.
+"""A fleet's writer threads are shared: a tenant's write never waits behind another's while one is free.
 
 With a writer per worker, a quiet tenant's write of one row, handed to the
 writer of a worker that had just served a backlog, waited behind the backlog's
