@@ -2,7 +2,7 @@
 
 With a writer per worker, a quiet tenant's write of one row, handed to the
 writer of a worker that had just served a backlog, waited behind the backlog's
-writes of 1,000 rows (up to 52 ms measured next to a 1,000,000-row backlog),
+writes of 1,000 rows (52 and 89 ms in two traced runs next to a 1,000,000-row backlog),
 and the quiet tenant's next step waited for it (docs/tenants.md, *Pipelined*).
 """
 
