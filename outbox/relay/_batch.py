@@ -149,7 +149,7 @@ class BatchRunner:
         # Their rows are excluded from the fetch ("busy") and the keys they stop (retried
         # or failed heads) held in memory until their write commits: until then the
         # database does not know they wait, and a wheel timer may already have fired.
-        # ``writer``: where the writes run (a fleet's worker's writer); else a thread of its own.
+        # ``writer``: where the writes run (a fleet's shared writers); else a thread of its own.
         self._writer: Writer | None = writer
         self._own_writer: BackgroundWriter | None = None
         self._writes: deque[_Writing] = deque()  # oldest first

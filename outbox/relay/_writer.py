@@ -22,13 +22,14 @@ _Job = tuple[Future[Any], Callable[[], Any]]
 
 
 class Writer(Protocol):
-    """Where a pipelined batch's outcome write runs: calls run in the order submitted."""
+    """Where a pipelined batch's outcome write runs: calls start in the order submitted (on one thread,
+    a relay's own writer, they run in that order; a fleet's writers run several at once)."""
 
     def submit(self, call: Callable[[], T]) -> Future[T]: ...
 
 
 class DaemonPool:
-    """Runs submitted calls on ``threads`` daemon threads (in the order submitted when one)."""
+    """Runs submitted calls on ``threads`` daemon threads: each on the first free, in the order submitted."""
 
     def __init__(self, name: str, threads: int = 1) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()

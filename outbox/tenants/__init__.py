@@ -27,6 +27,7 @@ from ..core._tenant import (
 from ..core._tenant_labels import OTHER_TENANTS, TenantLabels
 from ._each import DEFAULT_CONCURRENCY, TenantDatabases, TenantOutcome, each_tenant
 from ._relay import TenantRelay
+from ._switching import tune_switch_interval
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -48,4 +49,5 @@ __all__ = [
     "parse_tenants",
     "schemas_like",
     "tenant_source",
+    "tune_switch_interval",
 ]

@@ -340,12 +340,12 @@ class TenantRelay:
         """One step of ``unit``'s tenant, through its database's gate.
 
         Pipelined (``wait=False``, the workers') as a single relay is: the
-        batch's outcomes are written on this worker's writer while the worker
-        goes on with the next tenant; the tenant's next step never fetches those
-        rows again, and waits for its oldest write before it adds a third
-        (``_batch.WRITES_IN_FLIGHT``). Its two may run on two workers' writers: their
+        batch's outcomes are written on the workers' first free writer while the
+        worker goes on with the next tenant; the tenant's next step never fetches
+        those rows again, and waits for its oldest write before it adds a third
+        (``_batch.WRITES_IN_FLIGHT``). Its two may run at once on two writers: their
         rows are disjoint, and the fetch leaves a write's rows out until it and
-        every earlier one finished.
+        every earlier one finished (``_transport.Workers``).
         """
         step, db = unit.step, unit.db
         unit.last = BatchResult()

@@ -1,0 +1,33 @@
+"""CPython's thread switch interval, tuned for a process whose threads serve many tenants at once.
+
+In a ``TenantRelay`` the threads of one process share one interpreter lock:
+a worker draining a tenant's backlog spends most of its time in Python
+(decoding a fetch of 1,000 rows, building records, planning and writing their
+outcomes), while a quiet tenant's message passes through many short holds of
+the lock on other threads: the LISTEN thread that hears its commit, the worker
+that takes it, each round trip of its fetch, its producer's delivery report.
+A thread that wants the lock back after I/O waits until the holder gives it up,
+and a thread busy in Python gives it up only once the switch interval has
+passed since the request: CPython's default, 5 ms, at every step of the quiet
+message's way. With a millisecond each such wait is bounded by a millisecond,
+and the backlog pays a switch per millisecond, not per five, only while
+another thread is waiting (docs/tenants.md, *The interpreter lock*).
+"""
+
+from __future__ import annotations
+
+import sys
+
+FLEET_SWITCH_INTERVAL = 0.001
+"""Seconds a thread busy in Python keeps the interpreter lock while another waits for it."""
+
+
+def tune_switch_interval() -> None:
+    """Hand the interpreter lock to a waiting thread after ``FLEET_SWITCH_INTERVAL`` (default 5 ms).
+
+    For a process that runs a ``TenantRelay``: ``outbox relay --tenants``
+    calls it once the fleet is built. It changes an interpreter-wide setting, so a library never
+    calls it on its own; a service embedding ``TenantRelay.run`` may call it
+    as the command does.
+    """
+    sys.setswitchinterval(FLEET_SWITCH_INTERVAL)
