@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 from outbox.cli import _relay as relay_cli
 from outbox.cli import app
 from outbox.tenants import TenantRelay
-from outbox.tenants._switching import FLEET_SWITCH_INTERVAL
 
 
 def test_tune_switch_interval_sets_a_millisecond() -> None:
@@ -42,4 +41,4 @@ def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_p
     finally:
         sys.setswitchinterval(before)
     assert result.exit_code == 0, result.output
-    assert seen == [FLEET_SWITCH_INTERVAL]
+    assert seen == [0.001]  # a millisecond (docs/tenants.md, *The interpreter lock*)
