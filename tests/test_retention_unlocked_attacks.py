@@ -105,3 +105,34 @@ def test_batch_size_edges_delete_exactly_the_settled_rows(postgres_db: str, size
     outbox.engine.dispose()
     assert result.deleted == {"outbox_messages": 8}
     assert left == ["failed", "pending", "pending", "published", "skipped"], left
+
+
+def test_three_passes_with_a_held_row_between_them_count_every_row_once(postgres_db: str) -> None:
+    """Passes at once, one row held throughout (each pass falls back to the locking pick at its
+    batch), small batches so that unlocked and locked batches of different passes interleave:
+    every other row is deleted and counted exactly once; the held row stays."""
+    outbox, ids = filled(create_engine(postgres_db), 600)
+    holder = outbox.engine.connect()
+    holder.begin()
+    holder.execute(sa.text("SELECT id FROM outbox_messages WHERE id = :id FOR UPDATE"), {"id": ids[300]})
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        done = run_retention(outbox, older_than="7d", now=NOW, duty=1.0, batch_size=7).total
+        with lock:
+            results.append(done)
+
+    passes = [threading.Thread(target=run) for _ in range(3)]
+    try:
+        for t in passes:
+            t.start()
+        for t in passes:
+            t.join(60)
+    finally:
+        holder.rollback()
+        holder.close()
+    with outbox.engine.connect() as conn:
+        left = conn.execute(sa.text("SELECT id FROM outbox_messages")).scalars().all()
+    outbox.engine.dispose()
+    assert len(results) == 3 and sum(results) == 599 and left == [ids[300]], (results, left)
