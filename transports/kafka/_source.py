@@ -149,7 +149,8 @@ class KafkaSource:
         return consumer
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
-        """Up to ``max_records`` records, waiting up to ``timeout`` seconds for the first.
+        """Up to ``max_records`` records, waiting up to ``timeout`` seconds for the first (and, while
+        an offset commit given up on is still pending, up to a commit timeout for it first: below).
 
         librdkafka's ``consume(n, timeout)`` waits until it has ``n`` messages or
         the timeout passed: at 500 records a second, a poll of up to 500 held
