@@ -88,6 +88,14 @@ def seed_old(engine: sa.Engine, published: int, pending_rows: int = 10_000) -> N
         conn.execute(sa.text("ANALYZE outbox_messages"))
 
 
+def settle(engine: sa.Engine) -> None:
+    """Vacuum and checkpoint the table, as rows kept for days were long ago: no autovacuum of
+    freshly seeded rows in a window, and every delete changes a page checkpointed since."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("VACUUM (ANALYZE) outbox_messages"))
+        conn.execute(sa.text("CHECKPOINT"))
+
+
 def run_retention_process(url: str) -> tuple[float, int, int]:
     """(seconds, rows deleted, peak RSS in MB) of one ``outbox housekeeping run --duty 1`` (no rest:
     nothing else uses the database)."""
@@ -150,9 +158,7 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
     # Both runs of a pair hold the same old rows, vacuumed and checkpointed as rows kept for days
     # are: the autovacuum of rows seeded a moment ago is the seeding's cost, not retention's.
     seed_old(engine, beside, pending_rows=0)
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(sa.text("VACUUM (ANALYZE) outbox_messages"))
-        conn.execute(sa.text("CHECKPOINT"))
+    settle(engine)
     relays = start_relays(url, servers, 1, "--poll-interval", "5")
     committed: dict[str, float] = {}
     retention = None

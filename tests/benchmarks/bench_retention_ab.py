@@ -33,7 +33,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's outbox, not the installed one
 from bench_relay import pending, start_relays, stop, wait_leased
-from bench_retention import emptied, partitioned_by_day, seed_old, write_at_rate
+from bench_retention import emptied, partitioned_by_day, seed_old, settle, write_at_rate
 
 from outbox import Outbox, create_engine
 from outbox.testing import local_postgres
@@ -60,11 +60,7 @@ def window(url: str, servers: str, options: argparse.Namespace, args: list[str] 
     if args is not None:
         seed_old(engine, options.rows, pending_rows=0)
         if options.settle:
-            # Rows kept for days were vacuumed and checkpointed long ago: no autovacuum of the
-            # fresh rows in the window, and every delete changes a page checkpointed since.
-            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.execute(sa.text("VACUUM (ANALYZE) outbox_messages"))
-                conn.execute(sa.text("CHECKPOINT"))
+            settle(engine)
     relays = start_relays(url, servers, 1, "--poll-interval", "5")
     committed: dict[str, float] = {}
     retention = None
