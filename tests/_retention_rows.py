@@ -6,12 +6,19 @@ instead of publishing and relaying (which could not make a row 20 days old).
 
 from __future__ import annotations
 
+import threading
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 
-from outbox import OutboxTables
+from outbox import Outbox, OutboxTables
+from outbox.housekeeping import run_retention
+
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+"""The passes' ``now`` in the unlocked-batch proofs; ``OLD`` rows are past any of their cutoffs."""
+OLD = NOW - timedelta(days=30)
 
 
 def outbox_row(status: str, created_at: datetime, *, topic: str = "t") -> dict:
@@ -43,3 +50,31 @@ def snapshot(engine: sa.Engine, tables: OutboxTables) -> dict[str, set]:
             "held": set(conn.execute(sa.select(tables.inbox_held.c.message_id)).scalars()),
             "parked": set(conn.execute(sa.select(tables.inbox_parked.c.message_id)).scalars()),
         }
+
+
+def filled(engine: sa.Engine, rows: int, **outbox_options: Any) -> tuple[Outbox, list[int]]:
+    """An outbox on ``engine`` with ``rows`` published ``OLD`` rows, and their ids in order."""
+    outbox = Outbox(engine, **outbox_options)
+    outbox.create_tables()
+    with outbox.engine.begin() as conn:
+        conn.execute(sa.insert(outbox.tables.messages), [outbox_row("published", OLD) for _ in range(rows)])
+        ids = conn.execute(sa.select(outbox.tables.messages.c.id).order_by("id")).scalars().all()
+    return outbox, list(ids)
+
+
+def passes_at_once(outbox: Outbox, passes: int, batch_size: int) -> list[int]:
+    """What each of ``passes`` retention passes run at once (cutoff 7 days before ``NOW``) counted."""
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        done = run_retention(outbox, older_than="7d", now=NOW, duty=1.0, batch_size=batch_size).total
+        with lock:
+            results.append(done)
+
+    threads = [threading.Thread(target=run) for _ in range(passes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results

@@ -12,25 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
-from _retention_rows import outbox_row
+from _retention_rows import NOW, filled, passes_at_once
 
-from outbox import Outbox, create_engine
+from outbox import create_engine
 from outbox.housekeeping import run_retention
-
-NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
-OLD = NOW - timedelta(days=30)
-
-
-def filled(url: str, rows: int) -> tuple[Outbox, list[int]]:
-    outbox = Outbox(create_engine(url))
-    outbox.create_tables()
-    with outbox.engine.begin() as conn:
-        conn.execute(sa.insert(outbox.tables.messages), [outbox_row("published", OLD) for _ in range(rows)])
-        ids = conn.execute(sa.select(outbox.tables.messages.c.id).order_by("id")).scalars().all()
-    return outbox, list(ids)
 
 
 def waiting_on_a_lock(engine: sa.Engine, deadline: float = 30) -> None:
@@ -49,7 +36,7 @@ def test_an_outbox_pass_writes_no_row_lock(own_postgres) -> None:
     """The WAL of a pass over published rows holds deletes and no heap LOCK record: the locking
     pick wrote one per row before the delete wrote again (342 bytes of WAL a row against 286 on
     pages just checkpointed)."""
-    outbox, _ = filled(own_postgres.url, 3000)
+    outbox, _ = filled(create_engine(own_postgres.url), 3000)
     with outbox.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS pg_walinspect"))
         start = conn.execute(sa.text("SELECT pg_current_wal_insert_lsn()")).scalar_one()
@@ -68,7 +55,7 @@ def test_a_row_held_by_another_transaction_is_passed_over_not_waited_for(own_pos
     """A published row locked by someone else's long transaction (an operator's SQL): the
     batch's delete waits ``UNLOCKED_WAIT`` for it, then the batch runs again with the locking pick
     and passes over it; everything else goes, and the next pass takes the row."""
-    outbox, ids = filled(own_postgres.url, 50)
+    outbox, ids = filled(create_engine(own_postgres.url), 50)
     holder = outbox.engine.connect()
     holder.begin()
     holder.execute(sa.text("SELECT id FROM outbox_messages WHERE id = :id FOR UPDATE"), {"id": ids[10]})
@@ -91,7 +78,7 @@ def test_a_row_no_longer_published_when_the_delete_reaches_it_is_kept(own_postgr
     """A batch picked a published row; meanwhile an operator's SQL set it back to pending and
     commits while the delete waits for it: the delete checks the row again as that transaction
     left it and keeps it (no lock before the delete must not mean a stale decision)."""
-    outbox, ids = filled(own_postgres.url, 30)
+    outbox, ids = filled(create_engine(own_postgres.url), 30)
     replay = outbox.engine.connect()
     replay.begin()
     replay.execute(sa.text("UPDATE outbox_messages SET status = 'pending', published_at = NULL "
@@ -116,20 +103,8 @@ def test_a_row_no_longer_published_when_the_delete_reaches_it_is_kept(own_postgr
 def test_two_passes_at_once_delete_every_row_once(own_postgres) -> None:
     """Two passes over the same rows at once: both pick the same keys, and the later delete waits for
     the earlier one's rows and finds them gone. Every row is deleted, and counted once."""
-    outbox, _ = filled(own_postgres.url, 2000)
-    results: list[int] = []
-    lock = threading.Lock()
-
-    def run() -> None:
-        done = run_retention(outbox, older_than="7d", now=NOW, duty=1.0, batch_size=100).total
-        with lock:
-            results.append(done)
-
-    passes = [threading.Thread(target=run) for _ in range(2)]
-    for t in passes:
-        t.start()
-    for t in passes:
-        t.join(60)
+    outbox, _ = filled(create_engine(own_postgres.url), 2000)
+    results = passes_at_once(outbox, 2, batch_size=100)
     with outbox.engine.connect() as conn:
         left = conn.execute(sa.text("SELECT count(*) FROM outbox_messages")).scalar_one()
     outbox.engine.dispose()
@@ -141,7 +116,7 @@ def test_the_batch_statement_picks_once_and_deletes_through_the_primary_key(own_
     pick is an InitPlan (evaluated once: a semi-join's inner side was rescanned and deleted every
     row in one statement) and the delete is an index scan of the primary key on ``id = ANY``
     (a hash join read the whole table for each batch); no sequential scan anywhere."""
-    outbox, _ = filled(own_postgres.url, 20_000)
+    outbox, _ = filled(create_engine(own_postgres.url), 20_000)
     with outbox.engine.begin() as conn:
         conn.execute(sa.text("ANALYZE outbox_messages"))
     plans: list[str] = []

@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
-from _retention_rows import outbox_row
+from _retention_rows import NOW, OLD, filled, outbox_row, passes_at_once
 
-from outbox import Outbox, create_engine
+from outbox import create_engine
 from outbox.housekeeping import run_retention
 
 pytestmark = pytest.mark.postgres
-
-NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
-OLD = NOW - timedelta(days=30)
-
-
-def filled(engine: sa.Engine, rows: int, **outbox_options) -> tuple[Outbox, list[int]]:
-    outbox = Outbox(engine, **outbox_options)
-    outbox.create_tables()
-    with outbox.engine.begin() as conn:
-        conn.execute(sa.insert(outbox.tables.messages), [outbox_row("published", OLD) for _ in range(rows)])
-        ids = conn.execute(sa.select(outbox.tables.messages.c.id).order_by("id")).scalars().all()
-    return outbox, list(ids)
-
 
 def _within(seconds: float, call):
     outcome: list = []
@@ -115,20 +102,8 @@ def test_three_passes_with_a_held_row_between_them_count_every_row_once(postgres
     holder = outbox.engine.connect()
     holder.begin()
     holder.execute(sa.text("SELECT id FROM outbox_messages WHERE id = :id FOR UPDATE"), {"id": ids[300]})
-    results: list[int] = []
-    lock = threading.Lock()
-
-    def run() -> None:
-        done = run_retention(outbox, older_than="7d", now=NOW, duty=1.0, batch_size=7).total
-        with lock:
-            results.append(done)
-
-    passes = [threading.Thread(target=run) for _ in range(3)]
     try:
-        for t in passes:
-            t.start()
-        for t in passes:
-            t.join(60)
+        results = passes_at_once(outbox, 3, batch_size=7)
     finally:
         holder.rollback()
         holder.close()
