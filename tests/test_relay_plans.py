@@ -98,9 +98,10 @@ def batch(request: pytest.FixtureRequest, stale: Outbox) -> list[tuple[str, dict
 
 
 def _fetch(sent: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], str, dict[str, Any]]:
-    """The relay's fetch, with the settings it ran in its transaction before it."""
+    """The relay's fetch, with the statement that set its session up before it (``relay._session``)."""
     at = next(i for i, (statement, _) in enumerate(sent) if statement.startswith("SELECT due.id"))
-    settings = [statement for statement, _ in sent[:at] if statement.startswith("SET LOCAL")][-1:]
+    settings = [statement for statement, _ in sent[:at] if "set_config('enable_sort'" in statement][-1:]
+    assert settings, "no session set up before the fetch"
     return settings, *sent[at]
 
 
@@ -143,7 +144,7 @@ def test_the_fetch_reads_a_batch_not_the_backlog_on_stale_statistics(
         stale: Outbox, batch: list[tuple[str, dict[str, Any]]], generic: bool) -> None:
     settings, statement, params = _fetch(batch)
     with stale.engine.connect() as conn:  # type: ignore[union-attr]
-        for setting in settings:  # what the relay runs before its fetch, in the fetch's transaction
+        for setting in settings:  # what the relay set its session to, in this transaction alone
             conn.exec_driver_sql(setting)
         buffers, rows = _buffers(conn, statement, params, generic=generic)
         conn.rollback()

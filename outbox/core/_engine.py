@@ -156,12 +156,19 @@ def worker_engine(engine: E) -> E:
     sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
     if sync.dialect.name not in ("mysql", "mariadb") or sync.get_execution_options().get(_WORKER):
         return engine
-    root = sync
-    while isinstance(proxied := getattr(root, "_proxied", None), Engine):  # an execution_options() copy
-        root = proxied
+    root = root_engine(sync)
     if not event.contains(root, "engine_connect", _keep_levels):
         event.listen(root, "engine_connect", _keep_levels)
     return engine.execution_options(**{_WORKER: True})
+
+
+def root_engine(engine: Engine) -> Engine:
+    """The engine ``engine`` is an ``execution_options()`` copy of (itself if none): where a
+    listener must be to run for every connection of the pool, the copies' included."""
+    root = engine
+    while isinstance(proxied := getattr(root, "_proxied", None), Engine):
+        root = proxied
+    return root
 
 
 def _keep_levels(connection: Connection) -> None:

@@ -182,7 +182,7 @@ class BatchRunner:
         sql = self.sql
         busy = [row_id for writing in self._writes for row_id in writing.busy]  # being marked
         with self.engine.connect() as conn:
-            sql.prepare_fetch(conn)
+            conn = sql.prepare_fetch(conn)
             params = sql.fetch_params(utcnow(), self.batch_size, busy)
             try:
                 rows: Sequence[Any] = conn.execute(sql.fetch(owned, backlog=self._backlog), params).all()
@@ -195,7 +195,7 @@ class BatchRunner:
                 idle(conn)
             # Read only, so a commit ends it as a rollback would; but psycopg forgets its prepared
             # statements at every rollback, and kept, the fetch is not parsed and planned again
-            # each batch (``RelayStatements.fetch``).
+            # each batch (``RelayStatements.fetch``). In autocommit (PostgreSQL) both are no-ops.
             if unreadable is None:
                 conn.commit()
             else:

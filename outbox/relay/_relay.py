@@ -35,7 +35,6 @@ from transports._logsafe import safe_logger
 
 from ..core._alerts import Alert, AlertSink, LoggingAlertSink
 from ..core._cloudevents import CloudEvents
-from ..core._engine import worker_engine
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import OutageBackoff, is_database_outage
@@ -47,6 +46,7 @@ from ._batch import BatchResult
 from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
+from ._session import relay_engine
 from ._settings import DEFAULT_BACKOFF, DEFAULT_BATCH_SIZE, RelaySettings, cloudevents_mode, default_worker_id
 from ._step import RelayOutages, RelayStep
 from ._stuck import StuckKeys
@@ -121,7 +121,7 @@ class Relay:
             raise ConfigurationError(f"alert must be an AlertSink or callable, got {self.alert!r}")
         self.outbox = outbox
         self.transport = transport
-        self.engine = worker_engine(bound)
+        self.engine = relay_engine(bound)
         self.metrics = metrics or relay_metrics()
         # The loop's pause after a failed step (an outage or not) grows from the poll interval.
         self._failure_backoff = OutageBackoff(first=settings.poll_interval)

@@ -44,6 +44,7 @@ from ..core._errors import ConfigurationError
 from ..core._mysql import MAY_BLOCK, json_rows, json_table
 from ..core._pg_arrays import array_params, int_array, rows_of
 from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
+from ._session import fetch_session
 from ._sql_shared import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 __all__ = ["ROW_COLUMNS", "Marks", "RelayStatements", "add_mark", "empty_marks", "statements_for"]
@@ -121,8 +122,9 @@ class PostgresRelayStatements(RelayStatements):
         merged = union_all(*parts).subquery("due")
         return select(merged).order_by(merged.c.id).limit(limit)
 
-    def prepare_fetch(self, conn: sa.Connection) -> None:
-        """No sort, no JIT, and the session's zone named 'UTC'.
+    def prepare_fetch(self, conn: sa.Connection) -> sa.Connection:
+        """In autocommit, its session with no sort, no JIT, and the zone named 'UTC' (``_session``:
+        set once per connection, so that the fetch is one round trip).
 
         No sort: the fetch's only sort-free plan is the one it is written for,
         ix_outbox_pending read in (shard, id) order and stopped at ``limit``. A
@@ -136,7 +138,7 @@ class PostgresRelayStatements(RelayStatements):
         with the zone named 'UTC' psycopg returns datetime.UTC datetimes, which
         format and compare several times faster than ZoneInfo('Etc/UTC') ones.
         """
-        conn.exec_driver_sql("SET LOCAL enable_sort = off; SET LOCAL jit = off; SET LOCAL TIME ZONE 'UTC'")
+        return fetch_session(conn)
 
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
         return {"now": now, "limit": limit, "busy": int_array(busy)}

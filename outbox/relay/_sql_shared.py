@@ -150,9 +150,9 @@ class RelayStatements(abc.ABC):
         m, limit = self._m, bindparam("limit", type_=Integer())
         return self._due.where(m.c.shard.in_(shards)).order_by(m.c.id).limit(limit)
 
-    def prepare_fetch(self, conn: Connection) -> None:
-        """What runs on the fetch's connection before the fetch (nothing but on PostgreSQL)."""
-        return None
+    def prepare_fetch(self, conn: Connection) -> Connection:
+        """The fetch's connection made ready for it (``conn`` as it is but on PostgreSQL)."""
+        return conn
 
     def end_if_idle(self, conn: Connection, seconds: float) -> None:
         """Have the database end this transaction if the relay leaves it idle for ``seconds``.

@@ -44,6 +44,7 @@ from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics
 from ._progress import check_progress_fits
 from ._record_limit import check_record_limit
+from ._session import relay_engine
 from ._settings import RelaySettings
 from ._sharing import Sharing
 from ._sql import statements_for
@@ -105,6 +106,7 @@ class RelayStep:
         self._metrics = metrics
         self._outages = outages
         worker_id = settings.worker_id
+        engine = relay_engine(engine)
         self.stuck_keys = StuckKeys(outbox, engine, settings.key_stuck_after, alert, metrics.stuck_keys,
                                     worker_id)
         stored = outbox.load_schema(engine)  # shard count, record limit, incarnation: with the tables

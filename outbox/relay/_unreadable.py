@@ -41,7 +41,7 @@ def find_unreadable(engine: Engine, sql: RelayStatements, shards: list[int],
     """The due rows of ``shards`` (``fetch``'s ``params``) that cannot be read, with the error."""
     found = []
     with engine.connect() as conn:
-        sql.prepare_fetch(conn)
+        conn = sql.prepare_fetch(conn)
         due = conn.execute(sql.due_ids(shards), params).all()
         conn.rollback()
     statement = sql.row()

@@ -46,7 +46,6 @@ from transports._logsafe import safe_logger
 
 from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from ..core._cloudevents import CloudEvents
-from ..core._engine import worker_engine
 from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import first_line, is_database_outage
 from ..core._stopping import STOP_TIMEOUT, BoundRun
@@ -65,6 +64,7 @@ from ..relay import (
 )
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._leases import renew_interval
+from ..relay._session import relay_engine
 from ..relay._settings import DEFAULT_BACKOFF, cloudevents_mode, default_worker_id
 from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
@@ -223,13 +223,13 @@ class TenantRelay:
         of statements (SQLAlchemy's compiled cache holds 500), about a megabyte
         and a compile of the fetch per tenant.
         """
-        engine = unit.db.engine
+        engine = relay_engine(unit.db.engine)
         if unit.tenant.schema is not None:
             engine = engine.execution_options(schema_translate_map={None: unit.tenant.schema})
         outbox = Outbox(engine, tables=self._tables, notify_channel=self.notify_channel)
         name = unit.tenant.name
         return RelayStep(
-            outbox, TenantTransport(self._workers, self.tenant_header, name), worker_engine(engine),
+            outbox, TenantTransport(self._workers, self.tenant_header, name), engine,
             self.settings, alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
             outages=RelayOutages(database=unit.db.outage, broker=self.broker_outage),
             cloudevents=self._cloudevents, name=f"relay {self.worker_id}: tenant {name}",

@@ -35,11 +35,11 @@ from sqlalchemy import Connection, Engine
 
 from transports._logsafe import safe_logger
 
-from ..core._engine import worker_engine
 from ..core._envelope import utcnow
 from ..core._outage import is_database_outage
 from ..relay import RelayStep
 from ..relay._leases_shared import renew_together
+from ..relay._session import relay_engine
 from ._schedule import Schedule
 from ._units import FleetDatabase, Unit
 
@@ -68,7 +68,7 @@ class LeaseRenewal:
             db.renewer.start()
 
     def _loop(self, db: FleetDatabase) -> None:
-        engine = worker_engine(db.engine)
+        engine = relay_engine(db.engine)
         while not self._stopping.wait(self.every):
             if db.gate.down:
                 continue  # its tenants' steps probe it; their leases expire if it stays down

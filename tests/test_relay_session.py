@@ -1,0 +1,116 @@
+"""On PostgreSQL the relay's fetch is one round trip, and a session it set up is given back as it was.
+
+The fetch's settings (no sort, no JIT, the zone 'UTC') are set once per connection
+(``outbox.relay._session``), so that the fetch runs alone in autocommit: next to a
+backlog that keeps the database busy, every round trip waits for its CPU (issue 39).
+The application may share the relay's pool; its sessions must come back to it with
+its own values, whatever the relay set.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport, publish, rows
+
+from outbox import Outbox, Relay, create_engine
+
+pytestmark = pytest.mark.postgres
+
+SETTINGS = "SELECT current_setting('TimeZone'), current_setting('enable_sort'), current_setting('jit')"
+
+
+@pytest.fixture
+def one_connection(postgres_db: str) -> Iterator[sa.Engine]:
+    """An engine whose pool holds one connection: the relay and the application share it."""
+    engine = create_engine(postgres_db, pool_size=1, max_overflow=0)
+    yield engine
+    engine.dispose()
+
+
+def _round_trips(engine: sa.Engine, action: Callable[[], object]) -> list[str]:
+    """The messages that wait for the server's answer (a simple Query, or an extended query's Sync)
+    that the pool's one connection sent while ``action`` ran, from libpq's protocol trace. Taken
+    from ``engine`` (the relay's: anything else would have the relay's session given back)."""
+    with engine.connect() as conn:
+        pgconn = conn.connection.driver_connection.pgconn  # type: ignore[union-attr]
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        try:
+            action()
+        finally:
+            pgconn.untrace()
+        trace.seek(0)
+        sent = [line for line in trace.read().splitlines() if re.search(r"\tF\t\d+\t(Query|Sync)\b", line)]
+    return sent
+
+
+def test_a_fetch_is_one_round_trip(one_connection: sa.Engine) -> None:
+    outbox = Outbox(one_connection)
+    outbox.create_tables()
+    relay = Relay(outbox, ScriptedTransport(), worker_id="w")
+    try:
+        relay.run_once()  # leases taken, the session set up
+        relay.run_once()
+        sent = _round_trips(relay.engine, relay.run_once)  # leases not due: the fetch alone
+    finally:
+        relay.close()
+    assert len(sent) == 1, "\n".join(sent)
+
+
+def test_the_application_gets_its_session_back_from_the_relay(one_connection: sa.Engine) -> None:
+    outbox = Outbox(one_connection)
+    outbox.create_tables()
+    with one_connection.connect() as conn:  # the application's own session settings, committed
+        conn.exec_driver_sql("SET TIME ZONE 'America/Argentina/Buenos_Aires'; SET jit = on; "
+                             "SET enable_sort = on")
+        conn.commit()
+        theirs = conn.exec_driver_sql(SETTINGS).one()
+    relay = Relay(outbox, ScriptedTransport(), worker_id="w")
+    try:
+        for _ in range(2):
+            publish(outbox, "t", ["k"])
+            relay.run_once()  # the fetch sets the session up; the mark runs on it too
+            assert not rows(outbox, status="pending")
+            with one_connection.connect() as conn:
+                assert conn.exec_driver_sql(SETTINGS).one() == theirs
+                conn.rollback()  # the settings came back outside this transaction: they stay
+            with one_connection.connect() as conn:
+                assert conn.exec_driver_sql(SETTINGS).one() == theirs
+                assert conn.exec_driver_sql("SELECT now()::text").scalar_one().endswith("-03")
+        relay.run_once()
+        with relay.engine.connect() as conn:  # the relay's own connections keep its settings
+            assert conn.exec_driver_sql(SETTINGS).one() == ("UTC", "off", "off")
+    finally:
+        relay.close()
+
+
+def test_through_a_transaction_mode_pooler_the_relay_sets_nothing_on_a_session(postgres_db: str) -> None:
+    """A session is the pooler's to hand to another client: the settings hold for the fetch's
+    transaction alone (its four round trips)."""
+    engine = create_engine(postgres_db, pool_size=1, max_overflow=0,  # as docs/operations.md says
+                           execution_options={"outbox_transaction_pooled": True})
+    try:
+        outbox = Outbox(engine)
+        outbox.create_tables()
+        with engine.connect() as conn:
+            theirs = conn.exec_driver_sql(SETTINGS).one()
+        relay = Relay(outbox, ScriptedTransport(), worker_id="w")
+        try:
+            publish(outbox, "t", ["k"])
+            relay.run_once()
+            assert not rows(outbox, status="pending")
+            relay.run_once()
+            sent = _round_trips(relay.engine, relay.run_once)
+            with relay.engine.connect() as conn:
+                assert conn.exec_driver_sql(SETTINGS).one() == theirs
+        finally:
+            relay.close()
+    finally:
+        engine.dispose()
+    assert len(sent) == 4, "\n".join(sent)
+    assert any("SET LOCAL enable_sort" in line for line in sent)
