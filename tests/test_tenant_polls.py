@@ -10,10 +10,12 @@ notification was lost is found once the LISTEN connection breaks and is back.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from _relay_helpers import Running, pending, wait_for
 from outbox import Alert, Outbox, create_engine
 from outbox.relay import RelayStep
 from outbox.tenants import Tenant, TenantRelay
+from outbox.tenants._idle_polls import MAX_IDLE_POLL, IdlePolls
 from transports import Outcome, Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -304,3 +307,17 @@ def test_an_idle_polls_stuck_key_alert_is_delivered_after_its_transaction_ends(
     wait_for(lambda: any(a.kind == "key_stuck" for a in alerts), 10, "the key_stuck alert")
     assert [(a.kind, a.key) for a in alerts] == [("key_stuck", "k")]
     assert inside == [0], "the alert was delivered inside the poll's transaction"
+
+
+def test_idle_tenants_started_together_are_polled_apart_and_never_later_than_their_bound() -> None:
+    """500 tenants start at once: with equal delays their polls stayed together, a burst of
+    fetches once a minute. Each delay is cut by up to a quarter at random, never lengthened."""
+    polls = IdlePolls(5.0, rng=random.Random(7))
+    units = [SimpleNamespace(idle_turns=0) for _ in range(500)]
+    for turn in range(1, 7):
+        nominal = min(MAX_IDLE_POLL, 5.0 * (1 << turn))
+        delays = [polls.after_turn(unit, worked=False, notified=True) for unit in units]  # type: ignore[arg-type]
+        assert all(0.75 * nominal <= d <= nominal for d in delays), (turn, min(delays), max(delays))
+        assert max(delays) - min(delays) >= 0.2 * nominal, (turn, min(delays), max(delays))
+    delays = [polls.after_turn(unit, worked=True, notified=True) for unit in units]  # type: ignore[arg-type]
+    assert all(3.75 <= d <= 5.0 for d in delays)  # work done: back to the poll interval, within it

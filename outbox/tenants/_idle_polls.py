@@ -22,11 +22,19 @@ look at the delayed rows and (when due) the stuck keys on its connection
 So while its database's listener is connected, a tenant's polls back off,
 doubling from ``poll_interval`` up to ``MAX_IDLE_POLL`` with each turn that
 fetched nothing, and start again from ``poll_interval`` once it had work.
+
+Each delay is shortened by up to ``JITTER`` of itself, at random: the tenants
+of a fleet start together, and with equal delays their polls stayed together,
+a burst of hundreds of fetches once a minute that whatever else the fleet and
+the database serve then (a quiet tenant's message) waits behind. Only
+shortened, so no bound above is ever passed.
 Where no notification can come (MySQL, MariaDB, SQLite, ``notify_channel=None``,
 the listener down), every tenant is polled every ``poll_interval`` as before.
 """
 
 from __future__ import annotations
+
+import random
 
 from ._units import Unit
 
@@ -34,13 +42,17 @@ MAX_IDLE_POLL = 60.0
 """Seconds between two polls of an idle tenant at most, while notifications can wake it: the worst
 extra latency of a row written without a notification (never below ``poll_interval``)."""
 
+JITTER = 0.25
+"""The most of a delay cut off at random, so that the polls of tenants started together spread out."""
+
 
 class IdlePolls:
     """When a tenant is polled next; its count of idle turns is its own (``Unit.idle_turns``)."""
 
-    def __init__(self, every: float, cap: float = MAX_IDLE_POLL) -> None:
+    def __init__(self, every: float, cap: float = MAX_IDLE_POLL, *, rng: random.Random | None = None) -> None:
         self.every = every
         self.cap = max(every, cap)
+        self._rng = rng or random.Random()
 
     def after_turn(self, unit: Unit, *, worked: bool, notified: bool) -> float:
         """Seconds until ``unit``'s next poll after a turn that ``worked`` (fetched rows) or not.
@@ -51,6 +63,8 @@ class IdlePolls:
         """
         if worked or not notified:
             unit.idle_turns = 0
-            return self.every
-        unit.idle_turns = min(unit.idle_turns + 1, 32)
-        return min(self.cap, self.every * (1 << unit.idle_turns))
+            delay = self.every
+        else:
+            unit.idle_turns = min(unit.idle_turns + 1, 32)
+            delay = min(self.cap, self.every * (1 << unit.idle_turns))
+        return delay * (1.0 - JITTER * self._rng.random())
