@@ -132,8 +132,9 @@ def start_busy_worker(kind: str, server: LocalPostgres, broker: BrokerProcess, t
 def play(kind: str, server: LocalPostgres, stage: threading.Lock, tmp: Path,
          took: list[tuple[str, str, str, float | None]], logs: list[Path]) -> None:
     """The rounds of workers of ``kind``, one after another, on ``server``; ``stage`` is held from
-    a worker's start to its SIGTERM, so that no other round's worker starts, works or meets its
-    faults meanwhile: only the waits after the signals overlap."""
+    a worker's start to its SIGTERM, and while a server starts again, so that nothing but other
+    rounds' waits for their workers' exits runs while a worker starts, works and meets its
+    faults."""
     tmp.mkdir()
     for n, (worker, broker_fault, database_fault) in enumerate(ROUNDS):
         if worker != kind:
@@ -176,10 +177,11 @@ def play(kind: str, server: LocalPostgres, stage: threading.Lock, tmp: Path,
                 if process.poll() is None:
                     process.kill()
                     process.wait()
-                if database_fault == "stop":
-                    server.start()
-                else:
-                    server.thaw()
+                with stage:  # between two rounds' faults, not while one meets them
+                    if database_fault == "stop":
+                        server.start()
+                    else:
+                        server.thaw()
 
 
 def test_every_worker_stops_within_its_bound_with_broker_and_database_gone(
