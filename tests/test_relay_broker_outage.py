@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,36 @@ from _relay_helpers import wait_for as wait_until
 from outbox import Outbox, Relay, create_engine
 from outbox.relay import RelaySettings
 from outbox.testing import LocalKafka, LocalKafkaCluster
+from tests.conftest import own_local_kafka
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
 DEFAULT_BATCH_SIZE = RelaySettings().batch_size
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]  # kafka: own_kafka below overrides the conftest's
+
+
+# One broker for the two tests that freeze it or kill and restart it, not one per test: both
+# are in the timing group, so they run one after the other on one worker, each on a topic of
+# its own; the fixture hands each the broker running and thawed (a failed test may leave it
+# down). Same faults, same broker, one JVM start less. (The cluster's two tests keep a cluster
+# each: a node the first stops and starts is one of the controllers that must shrink the ISR
+# for the second to meet the refusal.)
+
+
+@pytest.fixture(scope="module")
+def module_kafka() -> Iterator[LocalKafka]:
+    yield from own_local_kafka()
+
+
+@pytest.fixture
+def own_kafka(module_kafka: LocalKafka) -> LocalKafka:
+    """The file's single-node Apache Kafka, running and thawed."""
+    if module_kafka.frozen:
+        module_kafka.thaw()
+    if not module_kafka.nodes[0].running:
+        module_kafka.start()
+    return module_kafka
 
 
 def wait_for(condition, timeout: float, what: str) -> float:

@@ -56,6 +56,33 @@ def outbox_spark(cluster: Cluster, *args: str, cwd: Path | None = None, **env: s
     return run(cluster, [str(BIN / "outbox"), "spark", *args, "--master", cluster.master], cwd, **env)
 
 
+class Job:
+    """A job started on the cluster in its own process, to finish while the same job runs on
+    ``local[2]`` in this one (the two over separate copies of the data): the cluster's JVMs
+    start while the local job works instead of after it."""
+
+    def __init__(self, cluster: Cluster, args: list[str], output: Path, cwd: Path | None = None) -> None:
+        self.args, self.out, self.err = args, output.with_suffix(".out"), output.with_suffix(".err")
+        with self.out.open("w") as out, self.err.open("w") as err:  # files: a pipe nobody reads fills
+            self.process = subprocess.Popen(args, cwd=cwd, env=cluster.env(), stdout=out, stderr=err,
+                                            text=True)
+
+    def finished(self) -> subprocess.CompletedProcess:
+        try:
+            self.process.wait(JOB_TIMEOUT)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        return subprocess.CompletedProcess(self.args, self.process.returncode, self.out.read_text(),
+                                           self.err.read_text())
+
+
+def outbox_spark_job(cluster: Cluster, *args: str, output: Path, cwd: Path | None = None) -> Job:
+    """``outbox_spark`` started, not waited for."""
+    return Job(cluster, [str(BIN / "outbox"), "spark", *args, "--master", cluster.master], output, cwd)
+
+
 def rows(url: str, table: sa.Table) -> list[dict]:
     engine = sa.create_engine(url)
     with engine.connect() as conn:
@@ -89,12 +116,16 @@ def test_audit_by_spark_submit_on_the_cluster_equals_local(cluster, spark, tmp_p
     entry = subprocess.run([cluster.python, "-c", "import outbox.spark.__main__ as m; print(m.__file__)"],
                            capture_output=True, text=True, check=True).stdout.strip()
 
-    submitted = run(cluster, [str(BIN / "spark-submit"), "--master", cluster.master,
-                              "--deploy-mode", "client", entry,
-                              "audit", "--outbox-db", producer, "--inbox-db", consumer,
-                              "--out", str(shared), "--shared-storage", "--sla", "10m",
-                              "--as-of", AS_OF.isoformat()])
-    local = audit(producer, consumer, out_dir=tmp_path / "audit-local", sla="10m", as_of=AS_OF, spark=spark)
+    job = Job(cluster, [str(BIN / "spark-submit"), "--master", cluster.master,
+                        "--deploy-mode", "client", entry,
+                        "audit", "--outbox-db", producer, "--inbox-db", consumer,
+                        "--out", str(shared), "--shared-storage", "--sla", "10m",
+                        "--as-of", AS_OF.isoformat()], tmp_path / "submitted")
+    try:
+        local = audit(producer, consumer, out_dir=tmp_path / "audit-local", sla="10m", as_of=AS_OF,
+                      spark=spark)
+    finally:
+        submitted = job.finished()
 
     assert submitted.returncode == 1, submitted.stderr[-3000:]  # the scenario loses messages
     assert submitted.stdout == (shared / "report.md").read_text() + "\n"  # nothing but the report
@@ -110,9 +141,13 @@ def test_archive_and_replay_on_the_cluster_equal_local(cluster, spark, tmp_path)
     """Relative archive dir declared shared: resolved on the driver, same rows as local, replayable."""
     on_cluster, on_local = seeded_pair(tmp_path / "c"), seeded_pair(tmp_path / "l")
 
-    moved = outbox_spark(cluster, "archive", "--db", on_cluster, "--archive-dir", "arch", "--retention", "1d",
-                         "--chunk-rows", "700", "--shared-storage", cwd=tmp_path / "c")
-    result = archive(on_local, tmp_path / "l" / "arch", retention="1d", chunk_rows=700, spark=spark)
+    job = outbox_spark_job(cluster, "archive", "--db", on_cluster, "--archive-dir", "arch", "--retention",
+                           "1d", "--chunk-rows", "700", "--shared-storage", output=tmp_path / "moved",
+                           cwd=tmp_path / "c")
+    try:
+        result = archive(on_local, tmp_path / "l" / "arch", retention="1d", chunk_rows=700, spark=spark)
+    finally:
+        moved = job.finished()
 
     assert moved.returncode == 0, moved.stderr[-3000:]
     count = result.archived["outbox_messages"]
@@ -122,9 +157,12 @@ def test_archive_and_replay_on_the_cluster_equal_local(cluster, spark, tmp_path)
     assert rows(on_cluster, TABLES.messages) == rows(on_local, TABLES.messages)
     assert not list(cluster.work_dir.rglob("*.parquet")), "chunks left in an executor's scratch space"
 
-    replayed = outbox_spark(cluster, "replay", "--archive-dir", "arch", "--db", on_cluster, "--topic",
-                            "orders", "--shared-storage", cwd=tmp_path / "c")
-    again = replay(tmp_path / "l" / "arch", on_local, topic="orders", spark=spark)
+    job = outbox_spark_job(cluster, "replay", "--archive-dir", "arch", "--db", on_cluster, "--topic",
+                           "orders", "--shared-storage", output=tmp_path / "replayed", cwd=tmp_path / "c")
+    try:
+        again = replay(tmp_path / "l" / "arch", on_local, topic="orders", spark=spark)
+    finally:
+        replayed = job.finished()
 
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     assert f"replayed {again.replayed:,} message(s) of orders" in replayed.stdout
