@@ -23,10 +23,11 @@ import sqlalchemy as sa
 import tenacity
 from _relay_helpers import Running, pending, wait_for
 
-from outbox import Alert, Outbox, create_engine
+from outbox import Alert, Outbox, Relay, create_engine
 from outbox.relay import RelayStep
 from outbox.tenants import Tenant, TenantRelay
 from outbox.tenants._idle_polls import MAX_IDLE_POLL, IdlePolls
+from outbox.tenants._shares import LIVE_WINDOW, SHARED_BATCH, BacklogShares
 from transports import Outcome, Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -321,3 +322,41 @@ def test_idle_tenants_started_together_are_polled_apart_and_never_later_than_the
         assert max(delays) - min(delays) >= 0.2 * nominal, (turn, min(delays), max(delays))
     delays = [polls.after_turn(unit, worked=True, notified=True) for unit in units]  # type: ignore[arg-type]
     assert all(3.75 <= d <= 5.0 for d in delays)  # work done: back to the poll interval, within it
+
+
+def test_a_backlog_takes_small_batches_only_while_another_tenant_has_live_traffic() -> None:
+    """``_shares``: a tenant whose last batch was full fetches ``SHARED_BATCH`` rows while some
+    tenant's turn fetched fewer than its batch within ``LIVE_WINDOW``; full batches otherwise."""
+    shares = BacklogShares()
+    backlog, quiet = SimpleNamespace(backlogged=False), SimpleNamespace(backlogged=False)
+    assert shares.limit_for(backlog) is None  # type: ignore[arg-type]
+    shares.after_turn(backlog, fetched=1000, limit=1000)  # type: ignore[arg-type]
+    assert shares.limit_for(backlog) is None  # type: ignore[arg-type]  # no live traffic yet: full batches
+    shares.after_turn(quiet, fetched=1, limit=1000)  # type: ignore[arg-type]
+    assert shares.limit_for(backlog) == SHARED_BATCH  # type: ignore[arg-type]
+    assert shares.limit_for(quiet) is None  # type: ignore[arg-type]  # live traffic keeps its batch
+    shares.after_turn(backlog, fetched=SHARED_BATCH, limit=SHARED_BATCH)  # type: ignore[arg-type]
+    assert shares.limit_for(backlog) == SHARED_BATCH  # type: ignore[arg-type]  # still a backlog
+    shares._live_at -= LIVE_WINDOW  # the live tenant fell quiet a window ago
+    assert shares.limit_for(backlog) is None  # type: ignore[arg-type]
+    shares.after_turn(backlog, fetched=0, limit=1000)  # type: ignore[arg-type]  # drained
+    assert not backlog.backlogged
+    assert BacklogShares(shared_batch=None).limit_for(SimpleNamespace(backlogged=True)) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.postgres
+def test_a_step_with_a_limit_fetches_that_many_and_says_more_are_waiting(pg: sa.Engine) -> None:
+    outbox = Outbox(pg, shards=2)
+    outbox.create_tables()
+    with outbox.begin() as session:
+        for i in range(25):
+            outbox.publish(session, "shares", {"i": i}, key=f"k{i % 5}")
+    relay = Relay(outbox, InMemoryTransport(InMemoryBroker()), worker_id="w", batch_size=1000)
+    try:
+        step = relay._step
+        first = step.run(limit=10)
+        assert (first.batch.fetched, first.again) == (10, True)
+        rest = step.run(limit=100)
+        assert (rest.batch.fetched, rest.again) == (15, False)
+    finally:
+        relay.close()

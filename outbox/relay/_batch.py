@@ -162,8 +162,9 @@ class BatchRunner:
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
     def run(self, owned: dict[int, int], *, wait: bool = True,
-            idle: Callable[[Connection], None] | None = None) -> BatchResult:
-        """One batch over the shards in ``owned`` (shard -> lease epoch).
+            idle: Callable[[Connection], None] | None = None, limit: int | None = None) -> BatchResult:
+        """One batch over the shards in ``owned`` (shard -> lease epoch), of ``limit`` rows at most
+        (default ``batch_size``).
 
         With ``wait=False`` (where ``sql.pipelines``) the outcomes are written in the
         background while the next batch runs; the counts returned are then what
@@ -183,7 +184,7 @@ class BatchRunner:
         busy = [row_id for writing in self._writes for row_id in writing.busy]  # being marked
         with self.engine.connect() as conn:
             conn = sql.prepare_fetch(conn)
-            params = sql.fetch_params(utcnow(), self.batch_size, busy)
+            params = sql.fetch_params(utcnow(), limit or self.batch_size, busy)
             try:
                 rows: Sequence[Any] = conn.execute(sql.fetch(owned, backlog=self._backlog), params).all()
                 unreadable = None
@@ -204,7 +205,7 @@ class BatchRunner:
             return self._fail_unreadable(owned, params, unreadable, started)
         self._backlog = len(rows) >= params["limit"]
         if busy:
-            rows = sql.without_busy(rows, busy, self.batch_size)
+            rows = sql.without_busy(rows, busy, params["limit"])
         self.database_outage.answered()
         if not rows:
             return BatchResult()

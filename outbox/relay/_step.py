@@ -147,7 +147,8 @@ class RelayStep:
 
     # -- one step -----------------------------------------------------------------
 
-    def run(self, *, wait: bool = True, leases: bool = True, look_ahead: bool = False) -> Step:
+    def run(self, *, wait: bool = True, leases: bool = True, look_ahead: bool = False,
+            limit: int | None = None) -> Step:
         """One step: prepare, one batch, and what the loop needs; raises what the batch raised.
 
         ``wait=False`` pipelines: this batch's outcomes are written while the
@@ -157,13 +158,16 @@ class RelayStep:
         transaction, what ``poll_within`` needs (the next delayed row) and the
         stuck keys when their check is due: a loop that polls idle steps rarely
         asks it (``TenantRelay``), and an idle poll is one transaction, not three.
+        ``limit``: fewer rows than the batch size this once (a fleet's share, ``tenants._shares``);
+        ``Step.again`` then says whether that many were there.
         """
         now = time.monotonic()
         self.prepare(leases=leases)
         self._fetched_at = utcnow()  # what its fetch counts as due now is due by this
         self._ahead = self._heads = None
         ahead = (lambda conn: self._look_ahead(conn, now)) if look_ahead else None
-        batch = self.run_batch(wait=wait, idle=ahead)
+        limit = min(limit, self.settings.batch_size) if limit else self.settings.batch_size
+        batch = self.run_batch(wait=wait, idle=ahead, limit=limit)
         if self._heads is not None:  # read in the fetch's transaction, alerted on after it
             self.stuck_keys.judge(self._heads)
         # The database is marked up by the queries that reached it (the fetch, the lease
@@ -173,7 +177,7 @@ class RelayStep:
         elif batch.broker_unreachable:
             self._outages.broker.failed(batch.error or "no delivery report")
         self._watch(now)
-        return Step(batch, again=batch.fetched == self.settings.batch_size and batch.sent > 0,
+        return Step(batch, again=batch.fetched == limit and batch.sent > 0,
                     due=self.wheel.next_due())
 
     def run_once(self) -> BatchResult:
@@ -196,7 +200,8 @@ class RelayStep:
             with suppress(RetriableTransportError):
                 self._batch.exactly_once.check_topic()
 
-    def run_batch(self, *, wait: bool, idle: Callable[[Connection], None] | None = None) -> BatchResult:
+    def run_batch(self, *, wait: bool, idle: Callable[[Connection], None] | None = None,
+                  limit: int | None = None) -> BatchResult:
         """One batch over the shards held now (none held: the last write finished, nothing fetched).
 
         ``idle``: called on the fetch's connection when it found nothing (``BatchRunner.run``).
@@ -205,7 +210,7 @@ class RelayStep:
         if not owned:
             self._batch.finish()
             return BatchResult()
-        return self._batch.run(owned, wait=wait, idle=idle)
+        return self._batch.run(owned, wait=wait, idle=idle, limit=limit)
 
     def _look_ahead(self, conn: Connection, now: float) -> None:
         """On an empty fetch's connection: the next delayed row (for ``poll_within``), the stuck keys if due.

@@ -70,6 +70,7 @@ from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
 from ._idle_polls import IdlePolls
 from ._schedule import Schedule, Turn
+from ._shares import BacklogShares
 from ._transport import TenantTransport, Workers, checked_header
 from ._turn_state import TurnState
 from ._units import Unit
@@ -181,6 +182,8 @@ class TenantRelay:
         # The leases are renewed per database (``_renewal``), not by the polls: idle tenants' polls
         # back off while notifications can wake them (``_idle_polls``).
         self._polls = IdlePolls(settings.poll_interval)
+        # A backlog's batches shrink while another tenant has live traffic (``_shares``).
+        self._shares = BacklogShares()
         self._refreshed = threading.Event()
 
     def __repr__(self) -> str:
@@ -361,8 +364,10 @@ class TenantRelay:
                 raise failure  # its leases could not be renewed: as if its step had failed so
             # Its first leases are its step's; then its database's renewal keeps them (``run``).
             # While notifications can wake it, an empty fetch reads what its backoff needs (poll_within).
+            limit = self._shares.limit_for(unit)
             done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases,
-                            look_ahead=db.listening)
+                            look_ahead=db.listening, limit=limit)
+            self._shares.after_turn(unit, fetched=done.batch.fetched, limit=limit or step.settings.batch_size)
             unit.served = True
             poll_in = self._polls.after_turn(unit, worked=done.batch.fetched > 0, notified=db.listening)
             if poll_in > self._polls.every:  # rarely, but by its next delayed row and stuck-key check
