@@ -8,7 +8,7 @@ records. Neither the lock nor the database nor the broker can be told that one
 of them matters more; what a fleet can choose is how big those parts are. Traced
 next to a 1,000,000-row backlog (docs/benchmarks.md, *Many tenants*), the quiet
 tenant's fetch waited p99 8 ms and its acknowledgement 7 ms, against 1.5 and
-1.2 ms alone; with the backlog's batches at 100 rows its p99 was 1.2x its p99
+1.2 ms alone; with every batch at 100 rows (one round) its p99 was 1.2x its p99
 alone instead of 2.6-4.2x.
 
 So while some tenant has live traffic (a turn that fetched rows, fewer than its
