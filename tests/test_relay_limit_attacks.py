@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from _relay_helpers import ScriptedTransport, publish
 
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._batch import _Writing
+from outbox.tenants._shares import SHARED_BATCH, BacklogShares
 from transports import Record, SendResult
 
 
@@ -51,3 +53,19 @@ def test_on_mysql_a_batch_never_takes_more_rows_than_its_limit_while_writes_are_
         assert done.again  # a full batch: more is waiting
     finally:
         relay.close()
+
+
+def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
+    """A catch-up after an outage: every tenant has a backlog, so all take full batches. The last,
+    partial batch of the first backlog to drain is no tenant's live traffic: it must not cut the
+    other backlogs to ``SHARED_BATCH`` rows for ``LIVE_WINDOW``."""
+    shares = BacklogShares()
+    first, other = SimpleNamespace(backlogged=False), SimpleNamespace(backlogged=False)
+    for unit in (first, other):
+        shares.after_turn(unit, fetched=1000, limit=1000)  # type: ignore[arg-type]
+    assert shares.limit_for(other) is None  # type: ignore[arg-type]
+    shares.after_turn(first, fetched=300, limit=1000)  # type: ignore[arg-type]  # its backlog's tail
+    assert not first.backlogged
+    assert shares.limit_for(other) is None  # type: ignore[arg-type]
+    shares.after_turn(first, fetched=2, limit=1000)  # type: ignore[arg-type]  # then live traffic
+    assert shares.limit_for(other) == SHARED_BATCH  # type: ignore[arg-type]
