@@ -1,4 +1,4 @@
-"""Attacks on a batch's row limit (``BatchRunner.run(limit=)``, a fleet's ``BacklogShares``)."""
+"""Attacks on a batch's row limit (``BatchRunner.run(limit=)``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import pytest
 from _relay_helpers import ScriptedTransport, publish
 
 from outbox import Outbox, Relay, create_engine
-from outbox.relay._batch import _Writing
-from outbox.tenants._shares import SHARED_BATCH, BacklogShares
 from transports import Record, SendResult
 
 
@@ -45,8 +43,10 @@ def test_on_mysql_a_batch_never_takes_more_rows_than_its_limit_while_writes_are_
     relay = Relay(outbox, transport, worker_id="w", batch_size=10)
     try:
         batches = relay._step._batch
-        # A write in flight whose rows the fetch no longer finds (marked published already).
-        batches._writes.append(_Writing(future=write, busy=[10**9 + i for i in range(20)], held=set()))
+        # A write in flight (``_batch._Writing``'s fields) whose rows the fetch no longer finds:
+        # marked published already.
+        batches._writes.append(SimpleNamespace(future=write, busy=[10**9 + i for i in range(20)],  # type: ignore[arg-type]
+                                               held=set()))
         done = relay._step.run(wait=True, leases=True, limit=limit)
         assert transport.batches and transport.batches[0] <= (limit or 10), transport.batches
         assert done.batch.fetched == (limit or 10)
@@ -54,18 +54,3 @@ def test_on_mysql_a_batch_never_takes_more_rows_than_its_limit_while_writes_are_
     finally:
         relay.close()
 
-
-def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
-    """A catch-up after an outage: every tenant has a backlog, so all take full batches. The last,
-    partial batch of the first backlog to drain is no tenant's live traffic: it must not cut the
-    other backlogs to ``SHARED_BATCH`` rows for ``LIVE_WINDOW``."""
-    shares = BacklogShares()
-    first, other = SimpleNamespace(backlogged=False), SimpleNamespace(backlogged=False)
-    for unit in (first, other):
-        shares.after_turn(unit, fetched=1000, limit=1000)  # type: ignore[arg-type]
-    assert shares.limit_for(other) is None  # type: ignore[arg-type]
-    shares.after_turn(first, fetched=300, limit=1000)  # type: ignore[arg-type]  # its backlog's tail
-    assert not first.backlogged
-    assert shares.limit_for(other) is None  # type: ignore[arg-type]
-    shares.after_turn(first, fetched=2, limit=1000)  # type: ignore[arg-type]  # then live traffic
-    assert shares.limit_for(other) == SHARED_BATCH  # type: ignore[arg-type]
