@@ -119,5 +119,6 @@ def _give_back(connection: Connection) -> None:
         # Wrapped as SQLAlchemy wraps a statement's error, so that whoever took the connection
         # (an inbox, a retention pass, the application's ``except DBAPIError``) sees an outage.
         raise DBAPIError.instance(_GIVE_BACK, theirs, exc, connection.dialect.loaded_dbapi.Error,
+                                  hide_parameters=connection.engine.hide_parameters,
                                   connection_invalidated=True, dialect=connection.dialect) from exc
     del pooled.info[_TAKEN]
