@@ -47,7 +47,9 @@ class BacklogShares:
         return None
 
     def after_turn(self, unit: Unit, *, fetched: int, limit: int) -> None:
-        """What ``unit``'s turn fetched, of ``limit`` rows at most."""
-        if 0 < fetched < limit:
+        """What ``unit``'s turn fetched, of ``limit`` rows at most. The partial batch that ends a
+        backlog is not live traffic: in a catch-up, the first backlog to drain would cut all the
+        others to ``shared_batch`` rows for ``LIVE_WINDOW``."""
+        if 0 < fetched < limit and not unit.backlogged:
             self._live_at = time.monotonic()
         unit.backlogged = fetched >= limit
