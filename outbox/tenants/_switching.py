@@ -27,7 +27,7 @@ FLEET_SWITCH_INTERVAL = 0.001
 
 
 def tune_switch_interval() -> None:
-    """Hand the interpreter lock to a waiting thread after ``FLEET_SWITCH_INTERVAL`` (CPython's default: 5 ms).
+    """Hand the interpreter lock to a waiting thread after ``FLEET_SWITCH_INTERVAL`` (CPython: 5 ms).
 
     For a process that runs a ``TenantRelay``: ``outbox relay --tenants``
     calls it once the fleet is built. It changes an interpreter-wide setting, so a library never
