@@ -360,3 +360,19 @@ def test_a_step_with_a_limit_fetches_that_many_and_says_more_are_waiting(pg: sa.
         assert (rest.batch.fetched, rest.again) == (15, False)
     finally:
         relay.close()
+
+
+def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
+    """A catch-up after an outage: every tenant has a backlog, so all take full batches. The last,
+    partial batch of the first backlog to drain is no tenant's live traffic: it must not cut the
+    other backlogs to ``SHARED_BATCH`` rows for ``LIVE_WINDOW``."""
+    shares = BacklogShares()
+    first, other = SimpleNamespace(backlogged=False), SimpleNamespace(backlogged=False)
+    for unit in (first, other):
+        shares.after_turn(unit, fetched=1000, limit=1000)  # type: ignore[arg-type]
+    assert shares.limit_for(other) is None  # type: ignore[arg-type]
+    shares.after_turn(first, fetched=300, limit=1000)  # type: ignore[arg-type]  # its backlog's tail
+    assert not first.backlogged
+    assert shares.limit_for(other) is None  # type: ignore[arg-type]
+    shares.after_turn(first, fetched=2, limit=1000)  # type: ignore[arg-type]  # then live traffic
+    assert shares.limit_for(other) == SHARED_BATCH  # type: ignore[arg-type]

@@ -184,7 +184,8 @@ class BatchRunner:
         busy = [row_id for writing in self._writes for row_id in writing.busy]  # being marked
         with self.engine.connect() as conn:
             conn = sql.prepare_fetch(conn)
-            params = sql.fetch_params(utcnow(), limit or self.batch_size, busy)
+            limit = limit or self.batch_size
+            params = sql.fetch_params(utcnow(), limit, busy)
             try:
                 rows: Sequence[Any] = conn.execute(sql.fetch(owned, backlog=self._backlog), params).all()
                 unreadable = None
@@ -204,8 +205,8 @@ class BatchRunner:
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
         self._backlog = len(rows) >= params["limit"]
-        if busy:
-            rows = sql.without_busy(rows, busy, params["limit"])
+        if busy:  # not params["limit"]: on MySQL that counts the busy rows too
+            rows = sql.without_busy(rows, busy, limit)
         self.database_outage.answered()
         if not rows:
             return BatchResult()

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.exc import DBAPIError
 
 from ..core._engine import root_engine, worker_engine
 
@@ -89,9 +90,10 @@ def _give_back(connection: Connection) -> None:
     """A connection the relay set up, taken by anything else: the session's own values back.
 
     Set in autocommit, outside the taker's transaction (a rollback of theirs
-    would set the relay's values again) and outside SQLAlchemy's error wrapping:
-    a dead connection raises the driver's own error (an outage) and is
-    invalidated first, so the pool does not hand it out again.
+    would set the relay's values again). A dead connection is invalidated first,
+    so the pool does not hand it out again, and its error raised as SQLAlchemy's
+    ``DBAPIError`` with ``connection_invalidated``: the driver's own error is no
+    outage to ``is_database_outage`` nor to an application's ``except``.
     """
     if connection.get_execution_options().get(RELAY):
         return
@@ -112,7 +114,11 @@ def _give_back(connection: Connection) -> None:
                 cursor.close()
         finally:
             dbapi.autocommit = autocommit
-    except Exception:
-        connection.invalidate()
-        raise
+    except Exception as exc:
+        connection.invalidate(exc)
+        # Wrapped as SQLAlchemy wraps a statement's error, so that whoever took the connection
+        # (an inbox, a retention pass, the application's ``except DBAPIError``) sees an outage.
+        raise DBAPIError.instance(_GIVE_BACK, theirs, exc, connection.dialect.loaded_dbapi.Error,
+                                  hide_parameters=connection.engine.hide_parameters,
+                                  connection_invalidated=True, dialect=connection.dialect) from exc
     del pooled.info[_TAKEN]

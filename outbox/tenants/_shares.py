@@ -8,7 +8,7 @@ records. Neither the lock nor the database nor the broker can be told that one
 of them matters more; what a fleet can choose is how big those parts are. Traced
 next to a 1,000,000-row backlog (docs/benchmarks.md, *Many tenants*), the quiet
 tenant's fetch waited p99 8 ms and its acknowledgement 7 ms, against 1.5 and
-1.2 ms alone; with the backlog's batches at 100 rows its p99 was 1.2x its p99
+1.2 ms alone; with every batch at 100 rows (one round) its p99 was 1.2x its p99
 alone instead of 2.6-4.2x.
 
 So while some tenant has live traffic (a turn that fetched rows, fewer than its
@@ -47,7 +47,9 @@ class BacklogShares:
         return None
 
     def after_turn(self, unit: Unit, *, fetched: int, limit: int) -> None:
-        """What ``unit``'s turn fetched, of ``limit`` rows at most."""
-        if 0 < fetched < limit:
+        """What ``unit``'s turn fetched, of ``limit`` rows at most. The partial batch that ends a
+        backlog is not live traffic: in a catch-up, the first backlog to drain would cut all the
+        others to ``shared_batch`` rows for ``LIVE_WINDOW``."""
+        if 0 < fetched < limit and not unit.backlogged:
             self._live_at = time.monotonic()
         unit.backlogged = fetched >= limit

@@ -9,23 +9,25 @@ that takes it, each round trip of its fetch, its producer's delivery report.
 A thread that wants the lock back after I/O waits until the holder gives it up,
 and a thread busy in Python gives it up only once the switch interval has
 passed since the request: CPython's default, 5 ms, at every step of the quiet
-message's way. With 0.2 ms each such wait is bounded by 0.2 ms, and the
-backlog pays a switch per 0.2 ms, not per five, only while another thread is
-waiting (docs/tenants.md, *The interpreter lock*). Measured next to a
-1,000,000-row backlog, the quiet tenant's p99 was 16.5, 16.7 and 14.3 ms at
-1 ms and 12.1, 14.3 and 13.0 ms at 0.2 ms, the rounds alternating.
+message's way. With a millisecond each such wait is bounded by a millisecond,
+and the backlog pays a switch per millisecond, not per five, only while
+another thread is waiting (docs/tenants.md, *The interpreter lock*). Not
+shorter: at 0.2 ms the quiet tenant's p99 next to a 1,000,000-row backlog
+was 12.1-14.3 ms against 14.3-16.7 ms at 1 ms (three rounds each,
+alternating), but eight workers all busy (200,000 rows over 500 tenants)
+sent 0.56-0.94x what one relay did, against 0.93-1.18x at 1 ms.
 """
 
 from __future__ import annotations
 
 import sys
 
-FLEET_SWITCH_INTERVAL = 0.0002
+FLEET_SWITCH_INTERVAL = 0.001
 """Seconds a thread busy in Python keeps the interpreter lock while another waits for it."""
 
 
 def tune_switch_interval() -> None:
-    """Hand the interpreter lock to a waiting thread after ``FLEET_SWITCH_INTERVAL`` (CPython's default: 5 ms).
+    """Hand the interpreter lock to a waiting thread after ``FLEET_SWITCH_INTERVAL`` (CPython: 5 ms).
 
     For a process that runs a ``TenantRelay``: ``outbox relay --tenants``
     calls it once the fleet is built. It changes an interpreter-wide setting, so a library never
