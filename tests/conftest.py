@@ -15,7 +15,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
 import pytest
@@ -156,6 +156,13 @@ def mysql_server() -> Iterator[str]:
 @pytest.fixture
 def own_postgres() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of the test's own, that the test may stop and start (outage tests)."""
+    with postgres_of_its_own() as server:
+        yield server
+
+
+@contextmanager
+def postgres_of_its_own() -> Iterator[LocalPostgres]:
+    """A PostgreSQL server started for the caller alone (``own_postgres``, or a test that needs more)."""
     try:
         context = local_postgres_server()
         server = context.__enter__()

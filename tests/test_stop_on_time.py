@@ -26,9 +26,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import pytest
@@ -36,8 +36,8 @@ from _relay_helpers import publish, rows
 
 from outbox import Inbox, Outbox, create_engine
 from outbox.core._stopping import STOP_TIMEOUT
-from outbox.testing import LocalPostgres, local_postgres_server
-from tests.conftest import unavailable
+from outbox.testing import LocalPostgres
+from tests.conftest import postgres_of_its_own
 from tests.inbox_support import business, effects, order_violations
 from tests.test_inbox_crash import effect_count, produce_keys
 from transports.testing import BrokerProcess
@@ -194,7 +194,7 @@ def test_every_worker_stops_within_its_bound_with_broker_and_database_gone(
     with ExitStack() as servers, ThreadPoolExecutor(len(kinds)) as pool:
         # A database server per kind of worker: while a worker's stop is timed on its server (10-20
         # s), the next round, of another kind, starts on another (module doc).
-        others = [servers.enter_context(_postgres()) for _ in kinds[1:]]
+        others = [servers.enter_context(postgres_of_its_own()) for _ in kinds[1:]]
         playing = [pool.submit(play, kind, server, stage, tmp_path / kind, took, logs)
                    for kind, server in zip(kinds, [own_postgres, *others], strict=True)]
         for done in playing:
@@ -203,17 +203,3 @@ def test_every_worker_stops_within_its_bound_with_broker_and_database_gone(
     assert not late, f"still running after SIGTERM: {late} (all rounds: {took})\n" + "\n".join(
         f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
     print("\nseconds from SIGTERM to exit:", [(k, b, d, round(s or 0, 1)) for k, b, d, s in took])
-
-
-@contextmanager
-def _postgres() -> Iterator[LocalPostgres]:
-    """One more PostgreSQL server of the test's own (as ``own_postgres``)."""
-    try:
-        context = local_postgres_server()
-        server = context.__enter__()
-    except FileNotFoundError as exc:
-        unavailable(str(exc))
-    try:
-        yield server
-    finally:
-        context.__exit__(None, None, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -156,10 +157,17 @@ def worker_engine(engine: E) -> E:
     sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
     if sync.dialect.name not in ("mysql", "mariadb") or sync.get_execution_options().get(_WORKER):
         return engine
+    return marked_copy(engine, sync, _WORKER, _keep_levels)
+
+
+def marked_copy(engine: E, sync: Engine, option: str, on_checkout: Callable[[Connection], None]) -> E:
+    """``engine``'s copy with execution option ``option`` set, and ``on_checkout`` listening on the
+    root of ``sync`` (its sync engine): it then runs for every connection of the pool, the
+    application's included, and can tell the copy's checkouts by the option."""
     root = root_engine(sync)
-    if not event.contains(root, "engine_connect", _keep_levels):
-        event.listen(root, "engine_connect", _keep_levels)
-    return engine.execution_options(**{_WORKER: True})
+    if not event.contains(root, "engine_connect", on_checkout):
+        event.listen(root, "engine_connect", on_checkout)
+    return engine.execution_options(**{option: True})
 
 
 def root_engine(engine: Engine) -> Engine:

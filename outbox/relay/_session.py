@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ..core._engine import root_engine, worker_engine
+from ..core._engine import marked_copy, worker_engine
 
 RELAY = "outbox_relay"
 """The execution option that marks a relay's engine copy: its connections may keep the fetch's session."""
@@ -66,10 +66,7 @@ def relay_engine(engine: Engine) -> Engine:
     engine = worker_engine(engine)
     if engine.dialect.name != "postgresql" or engine.get_execution_options().get(RELAY):
         return engine
-    root = root_engine(engine)
-    if not event.contains(root, "engine_connect", _give_back):
-        event.listen(root, "engine_connect", _give_back)
-    return engine.execution_options(**{RELAY: True})
+    return marked_copy(engine, engine, RELAY, _give_back)
 
 
 def fetch_session(conn: Connection) -> Connection:
