@@ -37,7 +37,9 @@ def _round_trips(engine: sa.Engine, action: Callable[[], object]) -> list[str]:
     that the pool's one connection sent while ``action`` ran, from libpq's protocol trace. Taken
     from ``engine`` (the relay's: anything else would have the relay's session given back)."""
     with engine.connect() as conn:
-        pgconn = conn.connection.driver_connection.pgconn  # type: ignore[union-attr]
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        pgconn = driver.pgconn
     with tempfile.TemporaryFile("w+") as trace:
         pgconn.trace(trace.fileno())
         try:

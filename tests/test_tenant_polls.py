@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -94,6 +94,14 @@ def listening(engine: sa.Engine) -> bool:
         return bool(conn.exec_driver_sql(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
             "AND starts_with(query, 'LISTEN ')").scalar())
+
+
+@dataclass
+class Tenantish:
+    """What the poll and share policies keep of a tenant (a fleet's ``Unit`` without its step)."""
+
+    idle_turns: int = 0
+    backlogged: bool = False
 
 
 def publish(outbox: Outbox, key: str, **kwargs: Any) -> None:
@@ -314,13 +322,13 @@ def test_idle_tenants_started_together_are_polled_apart_and_never_later_than_the
     """500 tenants start at once: with equal delays their polls stayed together, a burst of
     fetches once a minute. Each delay is cut by up to a quarter at random, never lengthened."""
     polls = IdlePolls(5.0, rng=random.Random(7))
-    units = [SimpleNamespace(idle_turns=0) for _ in range(500)]
+    units = [Tenantish() for _ in range(500)]
     for turn in range(1, 7):
         nominal = min(MAX_IDLE_POLL, 5.0 * (1 << turn))
-        delays = [polls.after_turn(unit, worked=False, notified=True) for unit in units]  # type: ignore[arg-type]
+        delays = [polls.after_turn(unit, worked=False, notified=True) for unit in units]
         assert all(0.75 * nominal <= d <= nominal for d in delays), (turn, min(delays), max(delays))
         assert max(delays) - min(delays) >= 0.2 * nominal, (turn, min(delays), max(delays))
-    delays = [polls.after_turn(unit, worked=True, notified=True) for unit in units]  # type: ignore[arg-type]
+    delays = [polls.after_turn(unit, worked=True, notified=True) for unit in units]
     assert all(3.75 <= d <= 5.0 for d in delays)  # work done: back to the poll interval, within it
 
 
@@ -328,20 +336,20 @@ def test_a_backlog_takes_small_batches_only_while_another_tenant_has_live_traffi
     """``_shares``: a tenant whose last batch was full fetches ``SHARED_BATCH`` rows while some
     tenant's turn fetched fewer than its batch within ``LIVE_WINDOW``; full batches otherwise."""
     shares = BacklogShares()
-    backlog, quiet = SimpleNamespace(backlogged=False), SimpleNamespace(backlogged=False)
-    assert shares.limit_for(backlog) is None  # type: ignore[arg-type]
-    shares.after_turn(backlog, fetched=1000, limit=1000)  # type: ignore[arg-type]
-    assert shares.limit_for(backlog) is None  # type: ignore[arg-type]  # no live traffic yet: full batches
-    shares.after_turn(quiet, fetched=1, limit=1000)  # type: ignore[arg-type]
-    assert shares.limit_for(backlog) == SHARED_BATCH  # type: ignore[arg-type]
-    assert shares.limit_for(quiet) is None  # type: ignore[arg-type]  # live traffic keeps its batch
-    shares.after_turn(backlog, fetched=SHARED_BATCH, limit=SHARED_BATCH)  # type: ignore[arg-type]
-    assert shares.limit_for(backlog) == SHARED_BATCH  # type: ignore[arg-type]  # still a backlog
+    backlog, quiet = Tenantish(), Tenantish()
+    assert shares.limit_for(backlog) is None
+    shares.after_turn(backlog, fetched=1000, limit=1000)
+    assert shares.limit_for(backlog) is None  # no live traffic yet: full batches
+    shares.after_turn(quiet, fetched=1, limit=1000)
+    assert shares.limit_for(backlog) == SHARED_BATCH
+    assert shares.limit_for(quiet) is None  # live traffic keeps its batch
+    shares.after_turn(backlog, fetched=SHARED_BATCH, limit=SHARED_BATCH)
+    assert shares.limit_for(backlog) == SHARED_BATCH  # still a backlog
     shares._live_at -= LIVE_WINDOW  # the live tenant fell quiet a window ago
-    assert shares.limit_for(backlog) is None  # type: ignore[arg-type]
-    shares.after_turn(backlog, fetched=0, limit=1000)  # type: ignore[arg-type]  # drained
+    assert shares.limit_for(backlog) is None
+    shares.after_turn(backlog, fetched=0, limit=1000)  # drained
     assert not backlog.backlogged
-    assert BacklogShares(shared_batch=None).limit_for(SimpleNamespace(backlogged=True)) is None  # type: ignore[arg-type]
+    assert BacklogShares(shared_batch=None).limit_for(Tenantish(backlogged=True)) is None
 
 
 @pytest.mark.postgres
@@ -367,12 +375,12 @@ def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
     partial batch of the first backlog to drain is no tenant's live traffic: it must not cut the
     other backlogs to ``SHARED_BATCH`` rows for ``LIVE_WINDOW``."""
     shares = BacklogShares()
-    first, other = SimpleNamespace(backlogged=False), SimpleNamespace(backlogged=False)
+    first, other = Tenantish(), Tenantish()
     for unit in (first, other):
-        shares.after_turn(unit, fetched=1000, limit=1000)  # type: ignore[arg-type]
-    assert shares.limit_for(other) is None  # type: ignore[arg-type]
-    shares.after_turn(first, fetched=300, limit=1000)  # type: ignore[arg-type]  # its backlog's tail
+        shares.after_turn(unit, fetched=1000, limit=1000)
+    assert shares.limit_for(other) is None
+    shares.after_turn(first, fetched=300, limit=1000)  # its backlog's tail
     assert not first.backlogged
-    assert shares.limit_for(other) is None  # type: ignore[arg-type]
-    shares.after_turn(first, fetched=2, limit=1000)  # type: ignore[arg-type]  # then live traffic
-    assert shares.limit_for(other) == SHARED_BATCH  # type: ignore[arg-type]
+    assert shares.limit_for(other) is None
+    shares.after_turn(first, fetched=2, limit=1000)  # then live traffic
+    assert shares.limit_for(other) == SHARED_BATCH

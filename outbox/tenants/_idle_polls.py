@@ -35,8 +35,7 @@ the listener down), every tenant is polled every ``poll_interval`` as before.
 from __future__ import annotations
 
 import random
-
-from ._units import Unit
+from typing import Protocol
 
 MAX_IDLE_POLL = 60.0
 """Seconds between two polls of an idle tenant at most, while notifications can wake it: the worst
@@ -44,6 +43,12 @@ extra latency of a row written without a notification (never below ``poll_interv
 
 JITTER = 0.25
 """The most of a delay cut off at random, so that the polls of tenants started together spread out."""
+
+
+class Idling(Protocol):
+    """What the polls read and write of a tenant (``Unit.idle_turns``)."""
+
+    idle_turns: int
 
 
 class IdlePolls:
@@ -54,7 +59,7 @@ class IdlePolls:
         self.cap = max(every, cap)
         self._rng = rng or random.Random()
 
-    def after_turn(self, unit: Unit, *, worked: bool, notified: bool) -> float:
+    def after_turn(self, unit: Idling, *, worked: bool, notified: bool) -> float:
         """Seconds until ``unit``'s next poll after a turn that ``worked`` (fetched rows) or not.
 
         ``notified``: its database's notifications reach the fleet now. Longer

@@ -22,14 +22,19 @@ backlogs (a catch-up after an outage), or none, runs full batches.
 from __future__ import annotations
 
 import time
-
-from ._units import Unit
+from typing import Protocol
 
 SHARED_BATCH = 100
 """Rows a backlogged tenant's batch takes while another tenant has live traffic."""
 
 LIVE_WINDOW = 1.0
 """Seconds after the last live turn that backlogs keep their small batches."""
+
+
+class Backlogged(Protocol):
+    """What a share reads and writes of a tenant (``Unit.backlogged``)."""
+
+    backlogged: bool
 
 
 class BacklogShares:
@@ -39,14 +44,14 @@ class BacklogShares:
         self.shared_batch = shared_batch
         self._live_at = float("-inf")
 
-    def limit_for(self, unit: Unit) -> int | None:
+    def limit_for(self, unit: Backlogged) -> int | None:
         """``unit``'s next batch: ``shared_batch`` rows while it has a backlog and another tenant
         had live traffic lately; None (its batch size) otherwise."""
         if self.shared_batch and unit.backlogged and time.monotonic() - self._live_at < LIVE_WINDOW:
             return self.shared_batch
         return None
 
-    def after_turn(self, unit: Unit, *, fetched: int, limit: int) -> None:
+    def after_turn(self, unit: Backlogged, *, fetched: int, limit: int) -> None:
         """What ``unit``'s turn fetched, of ``limit`` rows at most. The partial batch that ends a
         backlog is not live traffic: in a catch-up, the first backlog to drain would cut all the
         others to ``shared_batch`` rows for ``LIVE_WINDOW``."""
