@@ -343,9 +343,12 @@ def test_a_commit_held_by_a_rebalance_behind_the_next_poll_is_no_outage(
     with _running(inbox, source) as until:
         until(lambda: source.unanswered >= 2 and not source.rebalancing)
         source.pending = [at(record(TOPIC, "c", 1), 0, 1)]  # reassigned: the consumer goes on
-        until(lambda: source.commits)
+        until(lambda: any(c.get((TOPIC, 0)) == 2 for c in source.commits))  # c applied, committed
     assert [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()] == []
-    assert source.commits == [{(TOPIC, 0): 2}]
+    # Nothing of the revoked positions (b's partition 1 above all). A commit tick while c's
+    # transaction still runs commits c's own offset, where the consumer was reassigned (a loaded
+    # host's transaction can outlast the 0.5 s between ticks): nothing new, and nothing lost.
+    assert source.commits in ([{(TOPIC, 0): 2}], [{(TOPIC, 0): 1}, {(TOPIC, 0): 2}]), source.commits
 
 
 class LostInAnOutage(RebalanceBehindThePoll):

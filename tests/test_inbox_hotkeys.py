@@ -348,6 +348,52 @@ def test_the_scheduler_hands_out_runs_bounded_by_the_batch_size() -> None:
     assert a == list(range(1, 11))  # what came back runs first, in the order it came back
 
 
+def test_a_submission_reaches_an_idle_worker_when_another_waiter_stands_first() -> None:
+    """The scheduler's condition has waiters of other kinds than its workers: its timer thread
+    (waiting for a key's retry timer) and the consumer (waiting for room). ``submit`` woke one
+    waiter per delivery, the first in line: when that was not a worker, it found nothing for
+    itself and waited again, and the delivery sat queued beside idle workers until some other
+    event woke them. Under load the timer thread stood first after a batch; the rebalance test in
+    test_inbox_broker_outage.py saw its last record never run (its offset committed unfinished,
+    then dropped at the stop). Here a thread waiting on the condition for something of its own
+    (as the timer thread waits for a retry timer) stands first in line, deterministically."""
+    handled = threading.Event()
+
+    def work(batch: list[Delivery]) -> list[tuple[Delivery, float]]:
+        handled.set()
+        return []
+
+    scheduler = KeyScheduler(work, concurrency=1, batch_size=1, on_crash=lambda exc: None)
+    cond = scheduler._cond
+    waiters = cond._waiters  # type: ignore[attr-defined]  # CPython wakes them first in, first out
+    done = threading.Event()
+
+    def wait_for_something_else() -> None:
+        with cond:
+            cond.wait_for(done.is_set, 30)
+
+    def until_waiting(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(waiters) < count:
+            assert time.monotonic() < deadline, f"{len(waiters)} threads waiting, not {count}"
+            time.sleep(0.001)
+
+    first = threading.Thread(target=wait_for_something_else, daemon=True)
+    first.start()
+    until_waiting(1)
+    scheduler.start()
+    until_waiting(3)  # that thread, then the worker and the timer thread
+    try:
+        scheduler.submit([decode(delivery("k", 1))])
+        assert handled.wait(3), "the delivery sat queued beside an idle worker"
+    finally:
+        scheduler.stop(5)
+        done.set()
+        with cond:
+            cond.notify_all()
+        first.join(10)
+
+
 def test_a_held_backlog_that_becomes_next_runs_as_one_run_up_to_its_next_gap(
     inbox: Inbox, engine: sa.Engine
 ) -> None:

@@ -84,7 +84,10 @@ class KeyScheduler:
                     if lane in self._waiting:
                         self._blocked += 1
             self._queued += len(deliveries)
-            self._cond.notify(len(deliveries))
+            # Every waiter, never the first n: the timer thread and the consumer wait on this
+            # condition too, for other things; one of them woken in a worker's place waits again
+            # and the deliveries sit queued beside idle workers until something else wakes them.
+            self._cond.notify_all()
 
     def in_flight(self) -> int:
         """Deliveries queued, waiting or running."""
