@@ -15,8 +15,10 @@ Whatever the command changes in the process is put back afterwards: the
 environment, the working directory, ``sys.argv``, ``sys.path`` and its
 importer cache, modules imported from the working directory (an inbox app),
 signal handlers, ``sys.excepthook`` (typer installs its own), loggers and
-``cli._errors``'s module state. A thread it left running, or a garbage
-collector it froze, would outlive the test: that fails the run instead.
+``cli._errors``'s module state; what it left open and unreachable (an engine
+it did not dispose, with its database connections) is collected, as a process's
+exit would close it. A thread it left running, or a garbage collector it froze,
+would outlive the test: that fails the run instead.
 
 Tests that prove something about the process itself (its start, imports,
 signals, exit) keep running it as a subprocess.
@@ -109,9 +111,10 @@ def _as_a_fresh_process(args: list[str], cwd: Path) -> Iterator[None]:
             warnings.showwarning = _print_warning
             yield
     finally:
-        for name in set(sys.modules) - modules:
-            if _under(getattr(sys.modules[name], "__file__", None), cwd):
-                del sys.modules[name]  # an app of the working directory; another test's has the same name
+        for name in set(sys.modules) - modules:  # an app of the working directory (another test's
+            # has the same name), not a module of a package imported before (``outbox``'s lazy imports)
+            if name.partition(".")[0] not in modules and _under(sys.modules[name], cwd):
+                del sys.modules[name]
         for entry in set(sys.path_importer_cache) - importers:
             del sys.path_importer_cache[entry]
         sys.argv, sys.path, sys.excepthook = argv_list, path_list, excepthook
@@ -127,6 +130,7 @@ def _as_a_fresh_process(args: list[str], cwd: Path) -> Iterator[None]:
         _errors._database, _errors._secrets = named
         gc.set_threshold(*threshold)
     assert gc.get_freeze_count() == frozen, "the command froze the garbage collector (tune_gc_for_batches)"
+    gc.collect()  # what the command left open (an engine's pooled connections) closes, as at a process's exit
     _no_thread_left(threads, native_threads)
 
 
@@ -174,5 +178,6 @@ def _native_threads() -> int:
         return 0
 
 
-def _under(file: str | None, directory: Path) -> bool:
+def _under(module: Any, directory: Path) -> bool:
+    file = getattr(module, "__file__", None)
     return file is not None and Path(file).resolve().is_relative_to(directory.resolve())
