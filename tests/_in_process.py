@@ -15,10 +15,10 @@ Whatever the command changes in the process is put back afterwards: the
 environment, the working directory, ``sys.argv``, ``sys.path`` and its
 importer cache, modules imported from the working directory (an inbox app),
 signal handlers, ``sys.excepthook`` (typer installs its own), loggers and
-``cli._errors``'s module state; what it left open and unreachable (an engine
-it did not dispose, with its database connections) is collected, as a process's
-exit would close it. A thread it left running, or a garbage collector it froze,
-would outlive the test: that fails the run instead.
+``cli._errors``'s module state; a database connection it made and left in the
+pool of an engine it did not dispose is closed, as a process's exit would close
+it. A thread it left running, or a garbage collector it froze, would outlive
+the test: that fails the run instead.
 
 Tests that prove something about the process itself (its start, imports,
 signals, exit) keep running it as a subprocess.
@@ -37,12 +37,14 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+import sqlalchemy as sa
 
 from outbox.cli import _errors
 
@@ -97,6 +99,11 @@ def _as_a_fresh_process(args: list[str], cwd: Path) -> Iterator[None]:
     threads, threshold, frozen = set(threading.enumerate()), gc.get_threshold(), gc.get_freeze_count()
     native_threads = _native_threads()
     root = logging.getLogger()
+    opened: list[weakref.ref[Any]] = []  # the database connections the command made
+
+    def made(dbapi_connection: Any, record: Any) -> None:
+        opened.append(weakref.ref(record))
+    sa.event.listen(sa.pool.Pool, "connect", made)
     try:
         root.handlers[:] = []
         root.setLevel(logging.WARNING)
@@ -111,6 +118,10 @@ def _as_a_fresh_process(args: list[str], cwd: Path) -> Iterator[None]:
             warnings.showwarning = _print_warning
             yield
     finally:
+        sa.event.remove(sa.pool.Pool, "connect", made)
+        for record in filter(None, (ref() for ref in opened)):
+            if record.dbapi_connection is not None and not record.in_use:
+                record.close()  # pooled by an engine the command did not dispose: a process's exit closes it
         for name in set(sys.modules) - modules:  # an app of the working directory (another test's
             # has the same name), not a module of a package imported before (``outbox``'s lazy imports)
             if name.partition(".")[0] not in modules and _under(sys.modules[name], cwd):
@@ -130,7 +141,6 @@ def _as_a_fresh_process(args: list[str], cwd: Path) -> Iterator[None]:
         _errors._database, _errors._secrets = named
         gc.set_threshold(*threshold)
     assert gc.get_freeze_count() == frozen, "the command froze the garbage collector (tune_gc_for_batches)"
-    gc.collect()  # what the command left open (an engine's pooled connections) closes, as at a process's exit
     _no_thread_left(threads, native_threads)
 
 
