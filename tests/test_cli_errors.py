@@ -4,6 +4,12 @@ Each case runs ``python -m outbox …`` as an operator would and checks the exit
 status (2 usage and configuration, 1 runtime), that stderr names the problem,
 that it is at most two lines without a traceback, and that a command that only
 reads left no SQLite file behind. The mapping itself is ``outbox/cli/_errors.py``.
+
+Most cases run that entry point in the test's process (``_in_process``: a
+process start is a second and more, the command's failure milliseconds); one
+case of each way a failure leaves the process runs as a process of its own
+(``AS_A_PROCESS``), as do the tests below that need a process's start, signals
+or exit.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from _in_process import outbox_in_process
 
 from outbox import Outbox, create_engine
 from outbox.testing import LocalPostgres
@@ -185,16 +192,37 @@ CASES = [
      ["--host", "OUTBOX_CONSOLE_TOKEN"]),
 ]
 
+# One case of each way a failure leaves ``python -m outbox``, run as that process: click's usage
+# error before any command runs (``main`` reports it), a command's configuration error (its
+# ``reporting`` wrapper exits 2), a database that does not answer (1), a command that configured
+# logging before it failed (the relay). Also run as processes: what gets as far as a worker
+# (``inbox run`` on an app whose tables are missing makes its Kafka consumer and tunes the
+# garbage collector for the process before the inbox finds no tables), and the Spark commands,
+# which never run in a test worker's process (it has a Spark session of its own).
+AS_A_PROCESS = [
+    ["stats"],
+    ["stats", "--db", "sqlite:///{d}/missing.db"],
+    ["stats", "--db", NOWHERE],
+    ["relay", "--db", "notadb://x", "--bootstrap-servers", "127.0.0.1:1"],
+    ["inbox", "run", "emptyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"],
+    ["inbox", "run", "outboxonlyapp:inbox", "--bootstrap-servers", "127.0.0.1:1"],
+]
+assert all(any(args == case[0] for case in CASES) for args in AS_A_PROCESS)
+
 # Commands whose bad input is tested elsewhere in this file (they need more than one command line).
 TESTED_APART = {"spark warm-up": "test_spark_warm_up_with_archives_turned_off_says_so"}
 
 
 @pytest.mark.parametrize("args, status, names", CASES, ids=[" ".join(c[0][:2]) for c in CASES])
 def test_a_bad_command_line_gets_one_clear_sentence(
-    workdir: Path, args: list[str], status: int, names: list[str]
+    workdir: Path, args: list[str], status: int, names: list[str], capfd: pytest.CaptureFixture[str]
 ) -> None:
     before = databases(workdir)
-    result = outbox_cli(*(a.format(d=workdir) for a in args), cwd=workdir)
+    command_line = [a.format(d=workdir) for a in args]
+    if args in AS_A_PROCESS or args[0] == "spark":
+        result = outbox_cli(*command_line, cwd=workdir)
+    else:
+        result = outbox_in_process(capfd, *command_line, cwd=workdir)
     assert_one_sentence(result, status, *names)
     assert databases(workdir) == before, "a failed command created a database file"
 

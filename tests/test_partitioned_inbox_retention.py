@@ -5,13 +5,14 @@ and the dedup promise holds across the drop (docs/operations.md, "Housekeeping")
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from _in_process import outbox_in_process
 from _retention_rows import inbox_row, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -234,14 +235,14 @@ def test_the_check_under_the_tables_lock_reads_the_brin_index_not_the_day(
 
 
 @pytest.mark.slow
-def test_converting_keeps_every_record_then_the_command_line_retires_settled_days(postgres_db: str) -> None:
+def test_converting_keeps_every_record_then_the_command_line_retires_settled_days(
+        postgres_db: str, capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``partition_inbox`` moves every record (ids of any kind, a record without a creation time)
     and the database still refuses a second record of an id; ``outbox housekeeping run
     --dedup-window`` then drops the settled days (a dry run says so first) and deletes the settled
     rows elsewhere one by one; ``init-db --partitioned`` on it changes nothing."""
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "outbox", *args, "--db", postgres_db],
-                              capture_output=True, text=True, timeout=120)
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:  # python -m outbox, in this process
+        return outbox_in_process(capfd, *args, "--db", postgres_db, cwd=tmp_path)
 
     engine = create_engine(postgres_db)
     Inbox(engine, group="setup").create_tables()

@@ -4,12 +4,13 @@ days and keeps the rest, and the retention property holds on them too."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 import test_retention
+from _in_process import outbox_in_process
 from _relay_helpers import ScriptedTransport, drain, publish, rows
 from _retention_rows import outbox_row
 from test_retention import NOW
@@ -113,10 +114,10 @@ def test_retention_drops_a_settled_day_and_keeps_a_day_with_a_pending_row(postgr
 
 
 @pytest.mark.slow
-def test_init_db_partitioned_then_housekeeping_from_the_command_line(postgres_db: str) -> None:
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "outbox", *args, "--db", postgres_db],
-                              capture_output=True, text=True, timeout=120)
+def test_init_db_partitioned_then_housekeeping_from_the_command_line(
+        postgres_db: str, capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:  # python -m outbox, in this process
+        return outbox_in_process(capfd, *args, "--db", postgres_db, cwd=tmp_path)
 
     made = cli("init-db", "--partitioned")
     assert made.returncode == 0 and "partitioned outbox_messages by day (0 row(s) moved)" in made.stdout

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from _in_process import outbox_in_process
 from _retention_rows import inbox_row, outbox_row, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -266,7 +267,8 @@ def test_any_period_is_a_usable_cutoff_or_a_configuration_error(period) -> None:
 
 
 @pytest.mark.slow
-def test_the_command_deletes_with_progress_and_a_dry_run_deletes_nothing(tmp_path) -> None:
+def test_the_command_deletes_with_progress_and_a_dry_run_deletes_nothing(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path / 'app.db'}"
     outbox = Outbox(create_engine(url))
     outbox.create_tables()
@@ -275,9 +277,8 @@ def test_the_command_deletes_with_progress_and_a_dry_run_deletes_nothing(tmp_pat
         conn.execute(sa.insert(outbox.tables.messages),
                      [outbox_row("published", old) for _ in range(30)] + [outbox_row("pending", old)])
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "outbox", "housekeeping", "run", "--db", url, *args],
-                              capture_output=True, text=True, timeout=60)
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:  # python -m outbox, in this process
+        return outbox_in_process(capfd, "housekeeping", "run", "--db", url, *args, cwd=tmp_path)
 
     dry = cli("--older-than", "7d", "--dry-run")
     assert dry.returncode == 0 and "outbox_messages: 30 row(s) before" in dry.stdout

@@ -1,7 +1,10 @@
 """``outbox status``: what it shows of each stuck thing, and its exit status (0 fine, 3 stuck).
 
-Every check runs the command as an operator or a health check would, as a
-process (``python -m outbox status``), on SQLite and PostgreSQL.
+Every check runs the command as an operator or a health check would
+(``python -m outbox status``), on SQLite and PostgreSQL: mostly in the test's
+process (``_in_process``: the same entry point, a second less a run), and as a
+process of its own where what is checked is what an operator or a health check
+sees of the process (the operations page's example, an exit status 3).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _in_process import outbox_in_process
 from _relay_helpers import ScriptedTransport, publish, rows, start_cli_relay, wait_for
 
 from outbox import Disposition, Inbox, Outbox, Relay, create_engine
@@ -26,13 +30,19 @@ from transports import Outcome
 STUCK = 3
 
 
-def status(db: str, *args: str) -> subprocess.CompletedProcess[str]:
+def status(capfd: pytest.CaptureFixture[str], db: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m outbox status --db DB ARGS``, run in this process."""
+    return outbox_in_process(capfd, "status", "--db", db, *args, cwd=Path.cwd())
+
+
+def status_process(db: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m outbox status --db DB ARGS``, run as a process of its own."""
     return subprocess.run([sys.executable, "-m", "outbox", "status", "--db", db, *args],
                           capture_output=True, text=True, timeout=120)
 
 
-def status_json(db: str, *args: str) -> tuple[int, dict[str, Any]]:
-    result = status(db, "--json", *args)
+def status_json(capfd: pytest.CaptureFixture[str], db: str, *args: str) -> tuple[int, dict[str, Any]]:
+    result = status(capfd, db, "--json", *args)
     assert result.returncode in (0, STUCK), result.stderr
     return result.returncode, json.loads(result.stdout)
 
@@ -41,10 +51,11 @@ def table_names(engine: sa.Engine) -> set[str]:
     return set(sa.inspect(engine).get_table_names())
 
 
-def test_an_empty_database_is_nothing_stuck(outbox: Outbox, db_url: str) -> None:
+def test_an_empty_database_is_nothing_stuck(outbox: Outbox, db_url: str,
+                                            capfd: pytest.CaptureFixture[str]) -> None:
     assert isinstance(outbox.engine, sa.Engine)
     before = table_names(outbox.engine)
-    result = status(db_url)
+    result = status(capfd, db_url)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().splitlines()[-1] == "nothing stuck"
     # No relay ever ran and nothing waits: one line, as the console's overview says it, not
@@ -52,7 +63,7 @@ def test_an_empty_database_is_nothing_stuck(outbox: Outbox, db_url: str) -> None
     assert ("outbox: nothing to send, and no relay has run on this database (a consumer's database, "
             "or a new one)") in result.stdout
     assert "shards:" not in result.stdout and "backlog" not in result.stdout
-    code, doc = status_json(db_url)
+    code, doc = status_json(capfd, db_url)
     assert code == 0 and doc["stuck"] == [] and doc["version"] == 1
     assert doc["inbox"] == {"groups": []}
     assert doc["outbox"]["backlog"] == [] and doc["outbox"]["retrying"] == []
@@ -61,19 +72,20 @@ def test_an_empty_database_is_nothing_stuck(outbox: Outbox, db_url: str) -> None
 
 
 @pytest.mark.parametrize("drop", ["inbox", "outbox"])
-def test_outbox_only_and_inbox_only_databases(outbox: Outbox, db_url: str, drop: str) -> None:
+def test_outbox_only_and_inbox_only_databases(outbox: Outbox, db_url: str, drop: str,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
     url = db_url
     gone = outbox.tables.inbox_tables if drop == "inbox" else outbox.tables.outbox_tables
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         for table in gone:
             table.drop(conn)
-    code, doc = status_json(url)
+    code, doc = status_json(capfd, url)
     assert code == 0 and doc[drop] is None and doc["stuck"] == []
-    assert f"{drop}: no {drop} tables" in status(url).stdout
+    assert f"{drop}: no {drop} tables" in status(capfd, url).stdout
 
 
 def test_failed_rows_and_a_retrying_head_show_and_set_the_exit_status(
-    outbox: Outbox, db_url: str, topic: str
+    outbox: Outbox, db_url: str, topic: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     [failed] = publish(outbox, topic, ["f"])
     head, _ = publish(outbox, topic, ["r", "r"])
@@ -83,7 +95,7 @@ def test_failed_rows_and_a_retrying_head_show_and_set_the_exit_status(
         relay.run_once()
     assert [r.status for r in rows(outbox)] == ["failed", "pending", "pending"]
 
-    code, doc = status_json(db_url, "--stuck-after", "0")
+    code, doc = status_json(capfd, db_url, "--stuck-after", "0")
     assert code == STUCK
     [shard_row] = [r for r in doc["outbox"]["backlog"] if r["failed"]]
     assert shard_row["topic"] == topic
@@ -96,16 +108,18 @@ def test_failed_rows_and_a_retrying_head_show_and_set_the_exit_status(
     assert any("retrying for over 0 s" in r for r in doc["stuck"])
     assert sum(s["state"] == "owned" for s in doc["outbox"]["shards"]) == 16  # the relay holds all
 
-    human = status(db_url)  # the head is young under the default --stuck-after: only the failure
+    # The head is young under the default --stuck-after: only the failure. A health check sees
+    # the process's exit status: this run is a process of its own.
+    human = status_process(db_url)
     assert human.returncode == STUCK
     assert "retrying heads" in human.stdout
     assert [line for line in human.stdout.splitlines() if line.startswith("STUCK")] == [
         "STUCK: 1 failed outbox row(s) block their keys (outbox failed list)"]
 
-    subprocess.run([sys.executable, "-m", "outbox", "failed", "skip", "--all", "--db", db_url,
-                    "--by", "test", "--reason", "the test accepts the hole"],
-                   check=True, capture_output=True)
-    code, doc = status_json(db_url)
+    skipped = outbox_in_process(capfd, "failed", "skip", "--all", "--db", db_url, "--by", "test",
+                                "--reason", "the test accepts the hole", cwd=Path.cwd())
+    assert skipped.returncode == 0, skipped.stderr
+    code, doc = status_json(capfd, db_url)
     assert code == 0 and doc["stuck"] == [], doc["stuck"]
     relay.close()
 
@@ -121,7 +135,8 @@ def inbox(engine: sa.Engine) -> Inbox:
 
 
 @pytest.mark.slow
-def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url: str) -> None:
+def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url: str,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
     def broken(session, message):  # type: ignore[no-untyped-def]
         raise ValueError(f"cannot bill {message.key}#{message.seq}")
 
@@ -130,34 +145,35 @@ def test_a_parked_key_is_stuck_until_replayed_or_discarded(inbox: Inbox, db_url:
     assert inbox.handle(record(TOPIC, "K", 2)) is Disposition.PARKED  # behind it
     assert inbox.handle(record(TOPIC, "D", 1)) is Disposition.PARKED
 
-    code, doc = status_json(db_url)
+    code, doc = status_json(capfd, db_url)
     assert code == STUCK
     [group] = doc["inbox"]["groups"]
     assert (group["group"], group["parked_keys"], group["parked_messages"]) == ("billing", 2, 3)
     assert group["oldest_parked_age_s"] >= 0 and group["held_messages"] == 0
     assert doc["stuck"] == ["group billing: 2 parked key(s) (outbox parked list --group billing)"]
-    human = status(db_url)
+    human = status(capfd, db_url)
     assert human.returncode == STUCK and "STUCK: group billing: 2 parked key(s)" in human.stdout
-    code, doc = status_json(db_url, "--group", "shipping")  # another group: nothing of billing's
+    code, doc = status_json(capfd, db_url, "--group", "shipping")  # another group: nothing of billing's
     assert code == 0 and doc["inbox"]["groups"] == []
 
     inbox.handler(TOPIC, replace=True)(apply_effect)  # the fix is deployed
     assert inbox.replay(TOPIC, "K").unparked
-    assert status_json(db_url)[0] == STUCK  # D still parked
+    assert status_json(capfd, db_url)[0] == STUCK  # D still parked
     inbox.discard(inbox.parked(TOPIC, "D")[0].message_id, by="oncall", reason="test order")
-    code, doc = status_json(db_url)
+    code, doc = status_json(capfd, db_url)
     assert code == 0 and doc["stuck"] == [] and doc["inbox"]["groups"] == []
 
 
-def test_a_held_gap_is_stuck_once_older_than_stuck_after(inbox: Inbox, db_url: str) -> None:
+def test_a_held_gap_is_stuck_once_older_than_stuck_after(inbox: Inbox, db_url: str,
+                                                         capfd: pytest.CaptureFixture[str]) -> None:
     assert inbox.handle(record(TOPIC, "g", 1)) is Disposition.APPLIED
     inbox.handle(record(TOPIC, "g", 3))  # seq 2 missing: held
-    code, doc = status_json(db_url)
+    code, doc = status_json(capfd, db_url)
     assert code == 0
     [group] = doc["inbox"]["groups"]
     assert (group["parked_keys"], group["held_messages"]) == (0, 1)
     time.sleep(1.1)
-    code, doc = status_json(db_url, "--stuck-after", "1")
+    code, doc = status_json(capfd, db_url, "--stuck-after", "1")
     assert code == STUCK and doc["stuck"][0].startswith("group billing: a gap held for ")
 
 
@@ -165,7 +181,7 @@ def test_a_held_gap_is_stuck_once_older_than_stuck_after(inbox: Inbox, db_url: s
 @pytest.mark.postgres
 @pytest.mark.any_kafka
 def test_a_stopped_relays_shards_show_expired_then_reowned(
-    postgres_db: str, any_kafka: str, topic: str, tmp_path: Path
+    postgres_db: str, any_kafka: str, topic: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Relay a is killed and b paused, so the moment between a's leases expiring and b taking
     them over (at most TTL/3, usually less) can be seen; b resumed owns all 16 shards."""
@@ -176,7 +192,7 @@ def test_a_stopped_relays_shards_show_expired_then_reowned(
               for w in ("a", "b")}
     try:
         def split() -> dict[str, Any] | None:
-            code, doc = status_json(postgres_db)
+            code, doc = status_json(capfd, postgres_db)
             held = {r["worker_id"]: r["shards"] for r in doc["outbox"]["relays"]}
             return doc if code == 0 and held == {"a": 8, "b": 8} else None
 
@@ -187,19 +203,19 @@ def test_a_stopped_relays_shards_show_expired_then_reowned(
         relays["b"].send_signal(signal.SIGSTOP)
         publish(outbox, topic, [f"k{i}" for i in range(200)])  # a backlog on every shard
         time.sleep(2.5)  # past the TTL
-        code, doc = status_json(postgres_db)
+        code, doc = status_json(capfd, postgres_db)
         assert code == STUCK
         shards = {s["shard"]: s for s in doc["outbox"]["shards"]}
         assert {s for s, lease in shards.items() if lease["owner"] == "a"} == of_a
         assert {shards[s]["state"] for s in of_a} == {"expired"}
         assert any("no live relay lease" in reason for reason in doc["stuck"])
-        human = status(postgres_db)
+        human = status(capfd, postgres_db)
         assert human.returncode == STUCK and "0 of 16 owned, 16 expired" in human.stdout
 
         relays["b"].send_signal(signal.SIGCONT)
 
         def reowned() -> dict[str, Any] | None:
-            code, doc = status_json(postgres_db)
+            code, doc = status_json(capfd, postgres_db)
             owners = {(s["owner"], s["state"]) for s in doc["outbox"]["shards"]}
             return doc if code == 0 and owners == {("b", "owned")} and not doc["outbox"]["backlog"] else None
 
@@ -248,7 +264,7 @@ def test_the_operations_page_shows_real_output(tmp_path: Path, monkeypatch: pyte
 
     inbox.handler(TOPIC)(broken)
     inbox.handle(record(TOPIC, "customer-3", 1))
-    result = status(url)
+    result = status_process(url)  # the page shows what an operator sees
     relay.close()
     engine.dispose()
     text = DOC.read_text()
