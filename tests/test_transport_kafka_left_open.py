@@ -200,3 +200,63 @@ def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it
     finally:
         skewed.close()
         owner.close()
+
+
+class _KilledAtCommit:
+    """A confluent producer whose ``commit_transaction`` first runs ``before`` (everything else its own)."""
+
+    def __init__(self, inner: Producer, before) -> None:  # type: ignore[no-untyped-def]
+        self._inner, self._before = inner, before
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+    def commit_transaction(self, *args):  # type: ignore[no-untyped-def]
+        self._before()
+        return self._inner.commit_transaction(*args)
+
+
+def test_a_commit_the_broker_leaves_open_is_not_reported_committed(cluster: LocalKafkaCluster) -> None:
+    """The coordinator answers a commit once it decided it, and writes the markers after: a commit
+    whose marker it then drops (the partition without a leader) was reported COMMITTED, and the
+    relay marked its rows published, though no read_committed reader ever got them (the next
+    producer of the id aborts it, as does any later aborted transaction of the same producer there).
+    ``COMMITTED`` must mean readable: this one is UNKNOWN (settled by the next producer of the id),
+    and nothing of it is ever read, so its rows are sent again."""
+    tid, topic = "outbox-left-open-3", "left-open-answered"
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    new = NewTopic(topic, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]])
+    admin.create_topics([new])[topic].result(30)
+    cluster.leader(topic, 0)
+    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+
+    def kill_the_only_replica() -> None:
+        cluster.kill(victim)
+        wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
+                   "the partition without a leader")
+
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 10)
+        producer._producer = _KilledAtCommit(producer._producer, kill_the_only_replica)
+        answer = producer.send([Record(topic, b"answered", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.UNKNOWN, answer
+        assert "not ended" in (answer.error or "") or "cannot be read" in (answer.error or "")
+        producer.close()
+        cluster.start(victim)
+        cluster.leader(topic, 0)
+        stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
+        assert stable < end, "the broker wrote the marker: nothing was left open"
+        # The next producer of the id (the relay's, after UNKNOWN) ends it: nothing of it is read.
+        taker = transport.transactional(tid, 30)  # kept: the transport holds its producers weakly
+        assert transport.last_committed(topic, 0, tid.encode(), 30) is None
+        assert read_topic(cluster.bootstrap, topic, expected=1, timeout=5, isolation="read_committed") == []
+        taker.close()
+    finally:
+        transport.close()
