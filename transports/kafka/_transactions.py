@@ -25,10 +25,14 @@ A commit whose markers it then drops (above: a broker killed just after it answe
 restarted) was decided, yet no read_committed reader ever gets its records: they stay undecided
 until a later marker of the same producer id ends them, the next producer's abort or an aborted
 transaction of the same producer on that partition. So ``send`` reports ``COMMITTED`` only once
-every partition it wrote has its last stable offset past its records there (read back after the
-commit, within the producer's timeout); otherwise the outcome is ``UNKNOWN``, settled like a
-commit never answered: the next producer of the id ends the transaction (``end_left_open``, its
-records never read) or finds it committed.
+the partition of its last record (the relay's progress record, on a partition no other producer
+writes) has its last stable offset past that record (read back after the commit, within the
+producer's timeout); otherwise the outcome is ``UNKNOWN``, settled like a commit never answered:
+the next producer of the id ends the transaction (``end_left_open``, its records never read) or
+finds it committed. That partition speaks for the others: a restarted broker drops all of a
+transaction's markers together, its partitions being leaderless at once (a drop on some partitions
+only, on several brokers, is ``docs/relay.md``'s known limit); and the data partitions' last stable
+offsets would also wait for other producers' open transactions there.
 
 Reading back the last committed record of a key (a shard's progress) is ``_read_back``'s.
 """
@@ -195,8 +199,7 @@ class KafkaTransactionalProducer:
                 return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, "no delivery report"),
                                          "committed without a delivery report")
             results.append(SendResult(Outcome.DELIVERED, message.partition(), message.offset()))
-            where = (message.topic(), message.partition())
-            written[where] = max(written.get(where, -1), message.offset())
+            written = {(message.topic(), message.partition()): message.offset()}  # the last record's
         undecided = self._undecided(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST))
         if undecided is not None:
             # The coordinator decided the commit, but the broker has not ended the transaction on
