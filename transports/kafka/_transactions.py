@@ -85,14 +85,16 @@ class KafkaTransactionalProducer:
 
     def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
                  partitions: Callable[[str], int | SendResult],
-                 results_of: Callable[[KafkaError], SendResult]) -> None:
+                 results_of: Callable[[KafkaError], SendResult],
+                 admin: Callable[[], AdminClient] | None = None) -> None:
         self.transactional_id = transactional_id
         self._timeout = timeout
         self._partitions = partitions
         self._result_of = results_of
         self._config = config
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
-        self._admin: AdminClient | None = None  # made at the first commit (``_undecided``)
+        self._admin = admin  # an admin client, for ``_undecided``; None: one of its own, made at need
+        self._own_admin: AdminClient | None = None
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
@@ -216,10 +218,9 @@ class KafkaTransactionalProducer:
         while True:
             why = "its commit marker is not written there (the last stable offset is not past it)"
             try:
-                if self._admin is None:
-                    self._admin = AdminClient({**connection_settings(self._config), **ADMIN})
+                admin = self._admin_client()
                 latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-                asked = self._admin.list_offsets(
+                asked = admin.list_offsets(
                     {TopicPartition(t, p): latest for t, p in waiting},
                     isolation_level=IsolationLevel.READ_COMMITTED,
                     request_timeout=max(0.1, deadline - time.monotonic()))
@@ -237,6 +238,13 @@ class KafkaTransactionalProducer:
                         f"(its records up to offset {offset} are not readable): {why}")
             time.sleep(step)
             step = min(2 * step, FLUSH_STEP)
+
+    def _admin_client(self) -> AdminClient:
+        if self._admin is not None:
+            return self._admin()
+        if self._own_admin is None:
+            self._own_admin = AdminClient({**connection_settings(self._config), **ADMIN})
+        return self._own_admin
 
     def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
                refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:
