@@ -68,6 +68,9 @@ DECIDED_FIRST_STEP = 0.002
 """Seconds before a committed transaction's partitions are asked again whether it ended there (doubling
 up to ``FLUSH_STEP``): the coordinator writes the markers just after it answers the commit."""
 
+ADMIN_RENEWAL = 1.0
+"""Seconds at least between two admin clients a producer has made anew after failed reads."""
+
 DECIDED_AT_LEAST = 1.0
 """Seconds the check that a commit ended everywhere may take, even when the commit used the timeout up."""
 
@@ -86,15 +89,17 @@ class KafkaTransactionalProducer:
     def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
                  partitions: Callable[[str], int | SendResult],
                  results_of: Callable[[KafkaError], SendResult],
-                 admin: Callable[[], AdminClient] | None = None) -> None:
+                 admin: Callable[[AdminClient | None], AdminClient] | None = None) -> None:
         self.transactional_id = transactional_id
         self._timeout = timeout
         self._partitions = partitions
         self._result_of = results_of
         self._config = config
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
-        self._admin = admin  # an admin client, for ``_undecided``; None: one of its own, made at need
+        # An admin client for ``_undecided`` (given the one that failed, a new one); None: its own.
+        self._admin = admin
         self._own_admin: AdminClient | None = None
+        self._admin_renewed = 0.0
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
@@ -215,10 +220,13 @@ class KafkaTransactionalProducer:
         why not."""
         waiting = dict(written)
         step = DECIDED_FIRST_STEP
+        failed: AdminClient | None = None
         while True:
             why = "its commit marker is not written there (the last stable offset is not past it)"
+            admin = None
             try:
-                admin = self._admin_client()
+                admin = self._admin_client(failed)
+                failed = None
                 latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
                 asked = admin.list_offsets(
                     {TopicPartition(t, p): latest for t, p in waiting},
@@ -230,6 +238,7 @@ class KafkaTransactionalProducer:
                         del waiting[(tp.topic, tp.partition)]
             except KafkaException as exc:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
+                failed = admin
             if not waiting:
                 return None
             if time.monotonic() + step >= deadline:
@@ -239,10 +248,16 @@ class KafkaTransactionalProducer:
             time.sleep(step)
             step = min(2 * step, FLUSH_STEP)
 
-    def _admin_client(self) -> AdminClient:
+    def _admin_client(self, failed: AdminClient | None) -> AdminClient:
+        """The admin client to ask; after ``failed`` failed, a new one (at most one a second): a client's
+        metadata from before a broker's restart can fail every request (``FENCED_LEADER_EPOCH``)."""
+        if failed is not None and time.monotonic() - self._admin_renewed >= ADMIN_RENEWAL:
+            self._admin_renewed = time.monotonic()
+        else:
+            failed = None
         if self._admin is not None:
-            return self._admin()
-        if self._own_admin is None:
+            return self._admin(failed)
+        if self._own_admin is None or self._own_admin is failed:
             self._own_admin = AdminClient({**connection_settings(self._config), **ADMIN})
         return self._own_admin
 

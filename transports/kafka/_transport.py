@@ -518,11 +518,12 @@ class KafkaTransport:
         self._made[transactional_id] = producer  # the newest of the id: it ends what is left open
         return producer
 
-    def _shared_admin(self) -> AdminClient:
+    def _shared_admin(self, stale: AdminClient | None = None) -> AdminClient:
         """One admin client for every transactional producer made here (``KafkaTransactionalProducer``
-        reads its commits back with it): a fleet's hundreds of shard producers share its connections."""
+        reads its commits back with it): a fleet's hundreds of shard producers share its connections.
+        ``stale``: a client whose request failed, replaced by a new one if it is still the shared one."""
         with self._admin_lock:
-            if self._admin is None:
+            if self._admin is None or self._admin is stale:
                 self._admin = AdminClient({**connection_settings(self._config), **ADMIN})
             return self._admin
 
