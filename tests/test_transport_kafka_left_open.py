@@ -18,7 +18,7 @@ import pytest
 from confluent_kafka import IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
-from outbox.testing import LocalKafkaCluster
+from outbox.testing import LocalKafka, LocalKafkaCluster
 from tests.conftest import unavailable
 from transports import Record, TransactionOutcome
 from transports._errors import RetriableTransportError
@@ -258,5 +258,37 @@ def test_a_commit_the_broker_leaves_open_is_not_reported_committed(cluster: Loca
         assert transport.last_committed(topic, 0, tid.encode(), 30) is None
         assert read_topic(cluster.bootstrap, topic, expected=1, timeout=5, isolation="read_committed") == []
         taker.close()
+    finally:
+        transport.close()
+
+
+def test_commits_after_the_broker_restarted_are_read_back_committed(own_kafka: LocalKafka) -> None:
+    """The commit check reads the last stable offset with the transport's admin client, which keeps
+    the leader epochs it knew before the broker's restart and does not refresh them: every read fails
+    (FENCED_LEADER_EPOCH) and every commit came back UNKNOWN after the whole timeout, for good. A
+    client whose read failed is made anew: the first commit after the restart is COMMITTED at once."""
+    tid, topic = "outbox-restarted-0", "restarted"
+    admin = AdminClient({"bootstrap.servers": own_kafka.bootstrap, "log_level": 0})
+    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
+    wait_until(lambda: all(p.leader >= 0 for p in admin.list_topics(topic, timeout=5).topics[topic]
+                           .partitions.values()), 30, "the topic's leaders")
+    transport = KafkaTransport(bootstrap_servers=own_kafka.bootstrap)
+    try:
+        def send(value: bytes) -> TransactionOutcome:
+            producer = transport.transactional(tid, 10)
+            try:
+                return producer.send([Record(topic, value, key=b"k", partition=0),
+                                      Record(topic, value, key=tid.encode(), partition=1)]).outcome
+            finally:
+                producer.close()
+
+        assert send(b"before") is TransactionOutcome.COMMITTED
+        own_kafka.kill()
+        own_kafka.start()
+        started = time.monotonic()
+        assert send(b"after") is TransactionOutcome.COMMITTED
+        assert time.monotonic() - started < 8
+        seen = read_topic(own_kafka.bootstrap, topic, expected=4, settle=0.5, isolation="read_committed")
+        assert sorted(r.value for r in seen) == [b"after", b"after", b"before", b"before"]
     finally:
         transport.close()
