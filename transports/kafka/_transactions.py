@@ -199,18 +199,19 @@ class KafkaTransactionalProducer:
                     return self._ended(error, count)
         self._errors.cleared()
         results: list[SendResult] = []
-        written: dict[tuple[str, int], int] = {}
         for i in range(count):
             failure, message = reports.get(i, (None, None))
             if message is None or failure is not None:  # cannot be after a commit; say so if it is
                 return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, "no delivery report"),
                                          "committed without a delivery report")
             results.append(SendResult(Outcome.DELIVERED, message.partition(), message.offset()))
-            written = {(message.topic(), message.partition()): message.offset()}  # the last record's
-        undecided = self._undecided(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST))
+        last = reports[count - 1][1] if count else None  # its partition speaks for all (module doc)
+        check_until = max(deadline, time.monotonic() + DECIDED_AT_LEAST)
+        undecided = None if last is None else self._undecided(
+            {(last.topic(), last.partition()): last.offset()}, check_until)
         if undecided is not None:
-            # The coordinator decided the commit, but the broker has not ended the transaction on
-            # every partition (module doc): its records are not readable, and may never be.
+            # The coordinator decided the commit, but the broker has not ended the transaction
+            # (module doc): its records are not readable, and may never be.
             return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, undecided, True), undecided)
         return TransactionResult(TransactionOutcome.COMMITTED, results)
 
