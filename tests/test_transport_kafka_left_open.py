@@ -244,7 +244,7 @@ def test_a_commit_the_broker_leaves_open_is_not_reported_committed(cluster: Loca
     transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 10)
-        producer._producer = _KilledAtCommit(producer._producer, kill_the_only_replica)
+        producer._producer = _KilledAtCommit(producer._producer, kill_the_only_replica)  # type: ignore[assignment]
         answer = producer.send([Record(topic, b"answered", key=tid.encode(), partition=0)])
         assert answer.outcome is TransactionOutcome.UNKNOWN, answer
         assert "not ended" in (answer.error or "") or "cannot be read" in (answer.error or "")
