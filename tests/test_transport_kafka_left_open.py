@@ -18,7 +18,7 @@ import pytest
 from confluent_kafka import IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
-from outbox.testing import LocalKafkaCluster
+from outbox.testing import LocalKafka, LocalKafkaCluster
 from tests.conftest import unavailable
 from transports import Record, TransactionOutcome
 from transports._errors import RetriableTransportError
@@ -200,3 +200,95 @@ def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it
     finally:
         skewed.close()
         owner.close()
+
+
+class _KilledAtCommit:
+    """A confluent producer whose ``commit_transaction`` first runs ``before`` (everything else its own)."""
+
+    def __init__(self, inner: Producer, before) -> None:  # type: ignore[no-untyped-def]
+        self._inner, self._before = inner, before
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+    def commit_transaction(self, *args):  # type: ignore[no-untyped-def]
+        self._before()
+        return self._inner.commit_transaction(*args)
+
+
+def test_a_commit_the_broker_leaves_open_is_not_reported_committed(cluster: LocalKafkaCluster) -> None:
+    """The coordinator answers a commit once it decided it, and writes the markers after: a commit
+    whose marker it then drops (the partition without a leader) was reported COMMITTED, and the
+    relay marked its rows published, though no read_committed reader ever got them (the next
+    producer of the id aborts it, as does any later aborted transaction of the same producer there).
+    ``COMMITTED`` must mean readable: this one is UNKNOWN (settled by the next producer of the id),
+    and nothing of it is ever read, so its rows are sent again."""
+    tid, topic = "outbox-left-open-3", "left-open-answered"
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    new = NewTopic(topic, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]])
+    admin.create_topics([new])[topic].result(30)
+    cluster.leader(topic, 0)
+    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+
+    def kill_the_only_replica() -> None:
+        cluster.kill(victim)
+        wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
+                   "the partition without a leader")
+
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 10)
+        producer._producer = _KilledAtCommit(producer._producer, kill_the_only_replica)  # type: ignore[assignment]
+        answer = producer.send([Record(topic, b"answered", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.UNKNOWN, answer
+        assert "not ended" in (answer.error or "") or "cannot be read" in (answer.error or "")
+        producer.close()
+        cluster.start(victim)
+        cluster.leader(topic, 0)
+        stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
+        assert stable < end, "the broker wrote the marker: nothing was left open"
+        # The next producer of the id (the relay's, after UNKNOWN) ends it: nothing of it is read.
+        taker = transport.transactional(tid, 30)  # kept: the transport holds its producers weakly
+        assert transport.last_committed(topic, 0, tid.encode(), 30) is None
+        assert read_topic(cluster.bootstrap, topic, expected=1, timeout=5, isolation="read_committed") == []
+        taker.close()
+    finally:
+        transport.close()
+
+
+def test_commits_after_the_broker_restarted_are_read_back_committed(own_kafka: LocalKafka) -> None:
+    """The commit check reads the last stable offset with the transport's admin client, which keeps
+    the leader epochs it knew before the broker's restart and does not refresh them: every read fails
+    (FENCED_LEADER_EPOCH) and every commit came back UNKNOWN after the whole timeout, for good. A
+    client whose read failed is made anew: the first commit after the restart is COMMITTED at once."""
+    tid, topic = "outbox-restarted-0", "restarted"
+    admin = AdminClient({"bootstrap.servers": own_kafka.bootstrap, "log_level": 0})
+    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
+    wait_until(lambda: all(p.leader >= 0 for p in admin.list_topics(topic, timeout=5).topics[topic]
+                           .partitions.values()), 30, "the topic's leaders")
+    transport = KafkaTransport(bootstrap_servers=own_kafka.bootstrap)
+    try:
+        def send(value: bytes) -> TransactionOutcome:
+            producer = transport.transactional(tid, 10)
+            try:
+                return producer.send([Record(topic, value, key=b"k", partition=0),
+                                      Record(topic, value, key=tid.encode(), partition=1)]).outcome
+            finally:
+                producer.close()
+
+        assert send(b"before") is TransactionOutcome.COMMITTED
+        own_kafka.kill()
+        own_kafka.start()
+        started = time.monotonic()
+        assert send(b"after") is TransactionOutcome.COMMITTED
+        assert time.monotonic() - started < 8
+        seen = read_topic(own_kafka.bootstrap, topic, expected=4, settle=0.5, isolation="read_committed")
+        assert sorted(r.value for r in seen) == [b"after", b"after", b"before", b"before"]
+    finally:
+        transport.close()

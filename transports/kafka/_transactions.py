@@ -20,6 +20,20 @@ know, e.g. while a restarted broker's old registration is fenced), a later produ
 the id ends it on every partition of those topics (``end_left_open``), since its
 markers are the only ones that can still end it.
 
+The coordinator answers a commit once it has decided it, and writes the markers after.
+A commit whose markers it then drops (above: a broker killed just after it answered, and
+restarted) was decided, yet no read_committed reader ever gets its records: they stay undecided
+until a later marker of the same producer id ends them, the next producer's abort or an aborted
+transaction of the same producer on that partition. So ``send`` reports ``COMMITTED`` only once
+the partition of its last record (the relay's progress record, on a partition no other producer
+writes) has its last stable offset past that record (read back after the commit, within the
+producer's timeout); otherwise the outcome is ``UNKNOWN``, settled like a commit never answered:
+the next producer of the id ends the transaction (``end_left_open``, its records never read) or
+finds it committed. That partition speaks for the others: a restarted broker drops all of a
+transaction's markers together, its partitions being leaderless at once (a drop on some partitions
+only, on several brokers, is ``docs/relay.md``'s known limit); and the data partitions' last stable
+offsets would also wait for other producers' open transactions there.
+
 Reading back the last committed record of a key (a shard's progress) is ``_read_back``'s.
 """
 
@@ -31,12 +45,13 @@ from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from .._errors import RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
-from ._admin import existing_topics
+from ._admin import ADMIN, connection_settings, existing_topics
 from ._logging import ClientErrors, LibrdkafkaLog
 
 # librdkafka's producer settings a transactional producer must not carry: the gap-less
@@ -48,6 +63,16 @@ FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, Kafka
                            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED})
 
 FLUSH_STEP = 0.2  # seconds between looks at the reports while a transaction's records are sent
+
+DECIDED_FIRST_STEP = 0.002
+"""Seconds before a committed transaction's partitions are asked again whether it ended there (doubling
+up to ``FLUSH_STEP``): the coordinator writes the markers just after it answers the commit."""
+
+ADMIN_RENEWAL = 1.0
+"""Seconds at least between two admin clients a producer has made anew after failed reads."""
+
+DECIDED_AT_LEAST = 1.0
+"""Seconds the check that a commit ended everywhere may take, even when the commit used the timeout up."""
 
 TOPICS_HEADER = "outbox-txn-topics"
 """Header of a transaction's last record: the topics the transaction writes, comma-separated."""
@@ -63,13 +88,18 @@ class KafkaTransactionalProducer:
 
     def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
                  partitions: Callable[[str], int | SendResult],
-                 results_of: Callable[[KafkaError], SendResult]) -> None:
+                 results_of: Callable[[KafkaError], SendResult],
+                 admin: Callable[[AdminClient | None], AdminClient] | None = None) -> None:
         self.transactional_id = transactional_id
         self._timeout = timeout
         self._partitions = partitions
         self._result_of = results_of
         self._config = config
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
+        # An admin client for ``_undecided`` (given the one that failed, a new one); None: its own.
+        self._admin = admin
+        self._own_admin: AdminClient | None = None
+        self._admin_renewed = 0.0
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
@@ -175,7 +205,62 @@ class KafkaTransactionalProducer:
                 return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, "no delivery report"),
                                          "committed without a delivery report")
             results.append(SendResult(Outcome.DELIVERED, message.partition(), message.offset()))
+        last = reports[count - 1][1] if count else None  # its partition speaks for all (module doc)
+        check_until = max(deadline, time.monotonic() + DECIDED_AT_LEAST)
+        undecided = None if last is None else self._undecided(
+            {(last.topic(), last.partition()): last.offset()}, check_until)
+        if undecided is not None:
+            # The coordinator decided the commit, but the broker has not ended the transaction
+            # (module doc): its records are not readable, and may never be.
+            return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, undecided, True), undecided)
         return TransactionResult(TransactionOutcome.COMMITTED, results)
+
+    def _undecided(self, written: dict[tuple[str, int], int], deadline: float) -> str | None:
+        """None once every partition's last stable offset is past the transaction's last record there
+        (its commit marker written: read_committed readers get the records); else, at ``deadline``,
+        why not."""
+        waiting = dict(written)
+        step = DECIDED_FIRST_STEP
+        failed: AdminClient | None = None
+        while True:
+            why = "its commit marker is not written there (the last stable offset is not past it)"
+            admin = None
+            try:
+                admin = self._admin_client(failed)
+                failed = None
+                latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+                asked = admin.list_offsets(
+                    {TopicPartition(t, p): latest for t, p in waiting},
+                    isolation_level=IsolationLevel.READ_COMMITTED,
+                    request_timeout=max(0.1, deadline - time.monotonic()))
+                for tp, future in asked.items():
+                    stable = future.result(max(0.1, deadline - time.monotonic())).offset
+                    if stable > waiting[(tp.topic, tp.partition)]:
+                        del waiting[(tp.topic, tp.partition)]
+            except KafkaException as exc:
+                why = f"its last stable offset cannot be read: {exc.args[0].str()}"
+                failed = admin
+            if not waiting:
+                return None
+            if time.monotonic() + step >= deadline:
+                (topic, partition), offset = min(waiting.items())
+                return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
+                        f"(its records up to offset {offset} are not readable): {why}")
+            time.sleep(step)
+            step = min(2 * step, FLUSH_STEP)
+
+    def _admin_client(self, failed: AdminClient | None) -> AdminClient:
+        """The admin client to ask; after ``failed`` failed, a new one (at most one a second): a client's
+        metadata from before a broker's restart can fail every request (``FENCED_LEADER_EPOCH``)."""
+        if failed is not None and time.monotonic() - self._admin_renewed >= ADMIN_RENEWAL:
+            self._admin_renewed = time.monotonic()
+        else:
+            failed = None
+        if self._admin is not None:
+            return self._admin(failed)
+        if self._own_admin is None or self._own_admin is failed:
+            self._own_admin = AdminClient({**connection_settings(self._config), **ADMIN})
+        return self._own_admin
 
     def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
                refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:

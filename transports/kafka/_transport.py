@@ -44,6 +44,7 @@ owns a transport.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -52,7 +53,7 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import ClusterMetadata
+from confluent_kafka.admin import AdminClient, ClusterMetadata
 
 from transports._errors import ConfigurationError
 
@@ -60,6 +61,7 @@ from .._protocol import Outcome, Record, SendResult, TransportFeatures
 from .._refusals import NOT_SENT_ALONE, resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
+from ._admin import ADMIN, connection_settings
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._read_back import ensure_compacted_topic, last_committed
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -214,6 +216,8 @@ class KafkaTransport:
         self._producer = self._new_producer()
         self._fatal: KafkaError | None = None
         # Transactional producers made, by id, for as long as their owner keeps them (``last_committed``).
+        self._admin: AdminClient | None = None  # the transactional producers' commit check, shared
+        self._admin_lock = threading.Lock()
         self._made: weakref.WeakValueDictionary[str, KafkaTransactionalProducer] = (
             weakref.WeakValueDictionary())
 
@@ -509,9 +513,19 @@ class KafkaTransport:
         """
         settings = {**self._config, **(ONE_PER_REQUEST if one_per_request else {})}
         producer = KafkaTransactionalProducer(settings, transactional_id, timeout=timeout,
-                                              partitions=self._partition_count, results_of=result_of)
+                                              partitions=self._partition_count, results_of=result_of,
+                                              admin=self._shared_admin)
         self._made[transactional_id] = producer  # the newest of the id: it ends what is left open
         return producer
+
+    def _shared_admin(self, stale: AdminClient | None = None) -> AdminClient:
+        """One admin client for every transactional producer made here (``KafkaTransactionalProducer``
+        reads its commits back with it): a fleet's hundreds of shard producers share its connections.
+        ``stale``: a client whose request failed, replaced by a new one if it is still the shared one."""
+        with self._admin_lock:
+            if self._admin is None or self._admin is stale:
+                self._admin = AdminClient({**connection_settings(self._config), **ADMIN})
+            return self._admin
 
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
         ensure_compacted_topic(self._config, topic, partitions, timeout)
