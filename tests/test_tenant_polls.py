@@ -27,7 +27,7 @@ from outbox import Alert, Outbox, Relay, create_engine
 from outbox.relay import RelayStep
 from outbox.tenants import Tenant, TenantRelay
 from outbox.tenants._idle_polls import MAX_IDLE_POLL, IdlePolls
-from outbox.tenants._shares import LIVE_WINDOW, SHARED_BATCH, BacklogShares
+from outbox.tenants._shares import LIVE_WINDOW, SHARED_BATCH, YIELD_AT_MOST, BacklogShares
 from transports import Outcome, Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -384,3 +384,35 @@ def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
     assert shares.limit_for(other) is None
     shares.after_turn(first, fetched=2, limit=1000)  # then live traffic
     assert shares.limit_for(other) == SHARED_BATCH
+
+
+def test_a_backlogs_shared_turn_waits_for_the_live_turns_running() -> None:
+    """``_shares``: while a live tenant's turn runs, a backlog's shared turn does not start; it
+    starts when the live turn ends, or after ``YIELD_AT_MOST`` when live turns go on and on. A
+    backlog's full turn (no live traffic) and a live turn never wait."""
+    shares = BacklogShares()
+    backlog, quiet, other = Tenantish(backlogged=True), Tenantish(), Tenantish()
+    started: list[float] = []
+
+    def backlog_turn() -> None:
+        with shares.turn(backlog, shared=True):
+            started.append(time.monotonic())
+
+    with shares.turn(quiet, shared=False):
+        with shares.turn(other, shared=False):  # a second live turn at once
+            pass
+        waiting = threading.Thread(target=backlog_turn)
+        waiting.start()
+        time.sleep(YIELD_AT_MOST / 4)
+        assert not started  # held while the live turn runs
+        ended = time.monotonic()
+    waiting.join(5)
+    assert started and started[0] - ended < YIELD_AT_MOST / 2, "not let go when the live turn ended"
+
+    with shares.turn(quiet, shared=False):  # a live turn that outlasts the yield
+        began = time.monotonic()
+        with shares.turn(backlog, shared=True):
+            waited = time.monotonic() - began
+        with shares.turn(backlog, shared=False):  # a full batch: no live traffic lately
+            assert time.monotonic() - began - waited < YIELD_AT_MOST / 2
+    assert YIELD_AT_MOST * 0.9 <= waited < 1.0

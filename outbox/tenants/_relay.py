@@ -364,9 +364,11 @@ class TenantRelay:
                 raise failure  # its leases could not be renewed: as if its step had failed so
             # Its first leases are its step's; then its database's renewal keeps them (``run``).
             # While notifications can wake it, an empty fetch reads what its backoff needs (poll_within).
-            limit = min(self._shares.limit_for(unit) or step.settings.batch_size, step.settings.batch_size)
-            done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases,
-                            look_ahead=db.listening, limit=limit)
+            shared = self._shares.limit_for(unit)
+            limit = min(shared or step.settings.batch_size, step.settings.batch_size)
+            with self._shares.turn(unit, shared=shared is not None):
+                done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases,
+                                look_ahead=db.listening, limit=limit)
             self._shares.after_turn(unit, fetched=done.batch.fetched, limit=limit)
             unit.served = True
             poll_in = self._polls.after_turn(unit, worked=done.batch.fetched > 0, notified=db.listening)

@@ -17,11 +17,21 @@ was full) fetches ``SHARED_BATCH`` rows at a time. Its backlog drains more
 slowly while that lasts (about half as fast, measured), and at full batches
 again ``LIVE_WINDOW`` after the last live turn. A fleet whose tenants all have
 backlogs (a catch-up after an outage), or none, runs full batches.
+
+The batch's size bounds how long one part of the backlog's work holds a
+resource; it does not stop the backlog from starting its next part while a live
+turn is under way. So the backlog's shared turn also yields: it starts only once
+no live turn is running (a turn of a tenant without a backlog), waiting
+``YIELD_AT_MOST`` seconds at most, so that live tenants following one another
+cannot hold it off for ever.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 SHARED_BATCH = 100
@@ -29,6 +39,9 @@ SHARED_BATCH = 100
 
 LIVE_WINDOW = 1.0
 """Seconds after the last live turn that backlogs keep their small batches."""
+
+YIELD_AT_MOST = 0.02
+"""Seconds a backlog's shared turn waits at most for the live turns running to end."""
 
 
 class Backlogged(Protocol):
@@ -43,6 +56,29 @@ class BacklogShares:
     def __init__(self, shared_batch: int | None = SHARED_BATCH) -> None:
         self.shared_batch = shared_batch
         self._live_at = float("-inf")
+        self._running = threading.Condition()
+        self._live_running = 0
+
+    @contextmanager
+    def turn(self, unit: Backlogged, *, shared: bool) -> Iterator[None]:
+        """Around ``unit``'s turn (``shared``: its batch takes ``shared_batch`` rows, ``limit_for``):
+        a turn of a tenant without a backlog counts as live while it runs; a backlog's shared
+        turn first waits for the live turns running to end, ``YIELD_AT_MOST`` seconds at most."""
+        if unit.backlogged:
+            if shared:
+                with self._running:
+                    self._running.wait_for(lambda: not self._live_running, YIELD_AT_MOST)
+            yield
+            return
+        with self._running:
+            self._live_running += 1
+        try:
+            yield
+        finally:
+            with self._running:
+                self._live_running -= 1
+                if not self._live_running:
+                    self._running.notify_all()
 
     def limit_for(self, unit: Backlogged) -> int | None:
         """``unit``'s next batch: ``shared_batch`` rows while it has a backlog and another tenant
