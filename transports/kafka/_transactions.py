@@ -51,7 +51,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from .._errors import RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
-from ._admin import ADMIN, connection_settings, existing_topics
+from ._admin import existing_topics
 from ._logging import ClientErrors, LibrdkafkaLog
 
 # librdkafka's producer settings a transactional producer must not carry: the gap-less
@@ -89,16 +89,16 @@ class KafkaTransactionalProducer:
     def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
                  partitions: Callable[[str], int | SendResult],
                  results_of: Callable[[KafkaError], SendResult],
-                 admin: Callable[[AdminClient | None], AdminClient] | None = None) -> None:
+                 admin: Callable[[AdminClient | None], AdminClient]) -> None:
         self.transactional_id = transactional_id
         self._timeout = timeout
         self._partitions = partitions
         self._result_of = results_of
         self._config = config
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
-        # An admin client for ``_undecided`` (given the one that failed, a new one); None: its own.
+        # The admin client ``_undecided`` reads with (its transport's, shared; given the one that
+        # failed, a new one).
         self._admin = admin
-        self._own_admin: AdminClient | None = None
         self._admin_renewed = 0.0
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
@@ -208,18 +208,17 @@ class KafkaTransactionalProducer:
         last = reports[count - 1][1] if count else None  # its partition speaks for all (module doc)
         check_until = max(deadline, time.monotonic() + DECIDED_AT_LEAST)
         undecided = None if last is None else self._undecided(
-            {(last.topic(), last.partition()): last.offset()}, check_until)
+            last.topic(), last.partition(), last.offset(), check_until)
         if undecided is not None:
             # The coordinator decided the commit, but the broker has not ended the transaction
             # (module doc): its records are not readable, and may never be.
             return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, undecided, True), undecided)
         return TransactionResult(TransactionOutcome.COMMITTED, results)
 
-    def _undecided(self, written: dict[tuple[str, int], int], deadline: float) -> str | None:
-        """None once every partition's last stable offset is past the transaction's last record there
+    def _undecided(self, topic: str, partition: int, offset: int, deadline: float) -> str | None:
+        """None once the partition's last stable offset is past the transaction's record at ``offset``
         (its commit marker written: read_committed readers get the records); else, at ``deadline``,
         why not."""
-        waiting = dict(written)
         step = DECIDED_FIRST_STEP
         failed: AdminClient | None = None
         while True:
@@ -229,21 +228,16 @@ class KafkaTransactionalProducer:
                 admin = self._admin_client(failed)
                 failed = None
                 latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-                asked = admin.list_offsets(
-                    {TopicPartition(t, p): latest for t, p in waiting},
+                [future] = admin.list_offsets(
+                    {TopicPartition(topic, partition): latest},
                     isolation_level=IsolationLevel.READ_COMMITTED,
-                    request_timeout=max(0.1, deadline - time.monotonic()))
-                for tp, future in asked.items():
-                    stable = future.result(max(0.1, deadline - time.monotonic())).offset
-                    if stable > waiting[(tp.topic, tp.partition)]:
-                        del waiting[(tp.topic, tp.partition)]
+                    request_timeout=max(0.1, deadline - time.monotonic())).values()
+                if future.result(max(0.1, deadline - time.monotonic())).offset > offset:
+                    return None
             except KafkaException as exc:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                 failed = admin
-            if not waiting:
-                return None
             if time.monotonic() + step >= deadline:
-                (topic, partition), offset = min(waiting.items())
                 return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
                         f"(its records up to offset {offset} are not readable): {why}")
             time.sleep(step)
@@ -256,11 +250,7 @@ class KafkaTransactionalProducer:
             self._admin_renewed = time.monotonic()
         else:
             failed = None
-        if self._admin is not None:
-            return self._admin(failed)
-        if self._own_admin is None or self._own_admin is failed:
-            self._own_admin = AdminClient({**connection_settings(self._config), **ADMIN})
-        return self._own_admin
+        return self._admin(failed)
 
     def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
                refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:
