@@ -12,7 +12,8 @@ committed meanwhile, and the replica comes back.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from confluent_kafka import IsolationLevel, Producer, TopicPartition
@@ -205,21 +206,22 @@ def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it
 class _KilledAtCommit:
     """A confluent producer whose ``commit_transaction`` first runs ``before`` (everything else its own)."""
 
-    def __init__(self, inner: Producer, before) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inner: Producer, before: Callable[[], None]) -> None:
         self._inner, self._before = inner, before
 
     def __len__(self) -> int:
         return len(self._inner)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def commit_transaction(self, *args):  # type: ignore[no-untyped-def]
+    def commit_transaction(self, *args: Any) -> None:
         self._before()
         return self._inner.commit_transaction(*args)
 
 
-def test_a_commit_the_broker_leaves_open_is_not_reported_committed(cluster: LocalKafkaCluster) -> None:
+def test_a_commit_the_broker_leaves_open_is_not_reported_committed(
+        cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator answers a commit once it decided it, and writes the markers after: a commit
     whose marker it then drops (the partition without a leader) was reported COMMITTED, and the
     relay marked its rows published, though no read_committed reader ever got them (the next
@@ -244,7 +246,7 @@ def test_a_commit_the_broker_leaves_open_is_not_reported_committed(cluster: Loca
     transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 10)
-        producer._producer = _KilledAtCommit(producer._producer, kill_the_only_replica)  # type: ignore[assignment]
+        monkeypatch.setattr(producer, "_producer", _KilledAtCommit(producer._producer, kill_the_only_replica))
         answer = producer.send([Record(topic, b"answered", key=tid.encode(), partition=0)])
         assert answer.outcome is TransactionOutcome.UNKNOWN, answer
         assert "not ended" in (answer.error or "") or "cannot be read" in (answer.error or "")
