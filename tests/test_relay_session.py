@@ -12,12 +12,19 @@ from __future__ import annotations
 import re
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import Running, ScriptedTransport, publish, rows, wait_for
+from typer.testing import CliRunner
 
+import outbox.relay
+import outbox.tenants
 from outbox import Outbox, Relay, create_engine
+from outbox.cli import app
+from outbox.tenants import Tenant, TenantRelay
 
 pytestmark = pytest.mark.postgres
 
@@ -116,3 +123,80 @@ def test_through_a_transaction_mode_pooler_the_relay_sets_nothing_on_a_session(p
         engine.dispose()
     assert len(sent) == 4, "\n".join(sent)
     assert any("SET LOCAL enable_sort" in line for line in sent)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_a_fleet_told_its_databases_are_transaction_pooled_sets_nothing_on_a_session(
+        postgres_db: str, pooled: bool) -> None:
+    """``TenantRelay(transaction_pooled=True)`` (``outbox relay --tenants --transaction-pooled``):
+    the engine the fleet makes for a database named by URL is marked, so no connection of its pool
+    keeps the fetch's settings once the fleet has published (unmarked, the fetch's connection does:
+    the case that shows this test can tell)."""
+    engine = create_engine(postgres_db)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql('CREATE SCHEMA "acme"')
+            theirs = tuple(conn.exec_driver_sql(SETTINGS).one())
+        acme = Outbox(engine, schema="acme")
+        acme.create_tables()
+        publish(acme, "t", ["k1", "k2"])
+        fleet = TenantRelay([Tenant("acme", schema="acme", database=postgres_db)],
+                            lambda: ScriptedTransport(), workers=1, poll_interval=0.1,
+                            transaction_pooled=pooled)
+        running = Running(fleet)
+        try:
+            wait_for(lambda: not rows(acme, status="pending"), 30, "the fleet to publish")
+        finally:
+            running.stop(close=False)
+        try:
+            [database] = fleet._databases.values()
+            # Every connection of its pool, as they are: a raw DBAPI connection is handed out without
+            # the checkout event that gives the application its session back (docs/operations.md).
+            held = [database.engine.raw_connection() for _ in range(fleet.pool_size)]
+            try:
+                kept = set()
+                for conn in held:
+                    cursor = conn.cursor()
+                    cursor.execute(SETTINGS)
+                    kept.add(tuple(cursor.fetchone()))
+                    conn.rollback()
+            finally:
+                for conn in held:
+                    conn.close()
+        finally:
+            fleet.close()
+    finally:
+        engine.dispose()
+    if pooled:
+        assert kept == {theirs}
+    else:
+        assert ("UTC", "off", "off") in kept
+
+
+@pytest.mark.parametrize("tenants", [False, True])
+def test_outbox_relay_transaction_pooled_marks_the_relays_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tenants: bool) -> None:
+    """``outbox relay --transaction-pooled`` (with ``--tenants`` too) reaches the relay: its engine is
+    marked, and the fleet is told to mark the engines it makes."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    assert CliRunner().invoke(app, ["init-db", "--db", url]).exit_code == 0
+    seen: dict[str, Any] = {}
+
+    class Stub:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            source = args[0] if not tenants else kwargs["database"]
+            engine = source.engine if isinstance(source, Outbox) else source
+            seen.update(marked=engine.get_execution_options().get("outbox_transaction_pooled"),
+                        told=kwargs.get("transaction_pooled"))
+
+        def stop(self) -> None: ...
+        def run(self) -> None: ...
+        def close(self) -> None: ...
+
+    monkeypatch.setattr(outbox.relay, "Relay", Stub)
+    monkeypatch.setattr(outbox.tenants, "TenantRelay", Stub)
+    args = ["relay", "--db", url, "--bootstrap-servers", "127.0.0.1:9", "--transaction-pooled"]
+    result = CliRunner().invoke(app, [*args, *(["--tenants", "acme"] if tenants else [])])
+    assert seen.get("marked") is True, (result.output, result.exception)
+    if tenants:
+        assert seen["told"] is True

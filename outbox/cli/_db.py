@@ -16,6 +16,7 @@ from ..core._errors import ConfigurationError
 from ..core._secrets import database_url
 from ..housekeeping import partition_inbox, partition_outbox
 from ..producer import Outbox
+from ..relay import TRANSACTION_POOLED
 from ..tenants import TenantDatabases, each_tenant
 from . import app
 from ._errors import naming
@@ -23,15 +24,22 @@ from ._options import DB, PREFIX, SCHEMA, TENANT, TENANTS
 from ._tenants import outcome_status, tenant_only_with_tenants, tenants_of, worst
 
 
-def open_engine(url: str) -> Engine:
+def open_engine(url: str, *, transaction_pooled: bool = False) -> Engine:
     """The engine of a database that must exist already (every command but ``init-db``).
 
     Names the URL for error messages, and refuses a missing SQLite file rather
-    than letting SQLite create an empty one.
+    than letting SQLite create an empty one. ``transaction_pooled``: reached
+    through a pooler in transaction mode (``pooled_options``).
     """
     existing_database(url)
     refuse_async_driver(url)
-    return create_engine(url)
+    return create_engine(url, execution_options=pooled_options(transaction_pooled))
+
+
+def pooled_options(transaction_pooled: bool) -> dict[str, bool]:
+    """An engine's execution options for ``--transaction-pooled``: the relay then sets nothing on a
+    session, which a transaction-mode pooler would hand to another client (``relay._session``)."""
+    return {TRANSACTION_POOLED: True} if transaction_pooled else {}
 
 
 def refuse_async_driver(url: str) -> None:
@@ -58,9 +66,10 @@ def existing_database(url: str) -> None:
 
 
 def open_outbox(db: str, prefix: str = "", schema: str | None = None,
-                shards: int | None = None, *, check: bool = True) -> Outbox:
+                shards: int | None = None, *, check: bool = True, transaction_pooled: bool = False) -> Outbox:
     """An ``Outbox`` on an existing database, its tables checked now unless ``check`` is False."""
-    outbox = Outbox(open_engine(db), prefix=prefix, schema=schema, shards=shards)
+    outbox = Outbox(open_engine(db, transaction_pooled=transaction_pooled), prefix=prefix, schema=schema,
+                    shards=shards)
     if check:
         outbox.load_schema()
     return outbox

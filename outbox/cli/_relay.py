@@ -26,7 +26,7 @@ from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._progress import largest_batch
 from ..relay._settings import DEFAULT_BATCH_SIZE
 from . import app
-from ._db import open_outbox
+from ._db import open_outbox, pooled_options
 from ._errors import Typer, database_name, hidden
 from ._housekeeping import every_seconds, retention_every_option, start_retention
 from ._listing import json_option, print_json, print_table
@@ -104,6 +104,11 @@ def relay(
     tenant_labels: int = typer.Option(
         100, min=0, help="With --tenants: the first this many tenants label metrics by name, later ones "
                          "share the label _other; 0: no tenant label (docs/tenants.md)."),
+    transaction_pooled: bool = typer.Option(
+        False, "--transaction-pooled", help="PostgreSQL is reached through a pooler in transaction mode "
+                                            "(PgBouncer's): set the fetch's settings per transaction, never "
+                                            "on a session the pooler hands to other clients "
+                                            "(docs/operations.md)."),
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -133,13 +138,14 @@ def relay(
             poll_interval=FLEET_POLL_INTERVAL if poll_interval is None else poll_interval,
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
             metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
-            tenant_labels=tenant_labels, exactly_once=exactly_once, progress_topic=progress_topic)
+            tenant_labels=tenant_labels, exactly_once=exactly_once, progress_topic=progress_topic,
+            transaction_pooled=transaction_pooled)
         return
     elif tenant_header is not None:
         raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")
     latch = StopLatch()
     with stop_signals(latch):
-        outbox = open_outbox(db, prefix, schema, shards, check=False)
+        outbox = open_outbox(db, prefix, schema, shards, check=False, transaction_pooled=transaction_pooled)
         if not _wait_for_tables(outbox, latch.asked):
             return  # stopped before the database ever answered
         # Refused before the producer exists: it would start connecting, and logging, at once.
@@ -186,7 +192,7 @@ TENANT_HEADER_ROOM = 256
 def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict[str, str],
                    bootstrap_servers: str, *, workers: int, prefix: str, webhook: str | None,
                    metrics_port: int | None, metrics_host: str, retention: timedelta | None, every: float,
-                   tenant_labels: int, **tuning: Any) -> None:
+                   tenant_labels: int, transaction_pooled: bool, **tuning: Any) -> None:
     """``outbox relay --tenants``: one ``TenantRelay`` for every tenant of ``spec`` (docs/tenants.md).
 
     Unless ``message.max.bytes`` is given, the producers allow the default
@@ -207,14 +213,16 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     latch = StopLatch()
     with stop_signals(latch):
         # A worker's fetch and its writer's write may each hold a connection (TenantRelay's default).
-        engine = create_engine(db, pool_size=2 * workers + 2, max_overflow=0)
+        engine = create_engine(db, pool_size=2 * workers + 2, max_overflow=0,
+                               execution_options=pooled_options(transaction_pooled))
         def producer() -> KafkaTransport:
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         fleet = TenantRelay(
             parse_tenants(spec, engine), producer, database=engine, workers=workers,
             tenant_header=tenant_header, prefix=prefix,
             metrics=tenant_relay_metrics(TenantLabels(tenant_labels) if tenant_labels else None),
-            alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(), **tuning)
+            alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
+            transaction_pooled=transaction_pooled, **tuning)
         latch.hand_to(fleet.stop)
         if metrics_port is not None:
             relay_metrics()

@@ -22,10 +22,12 @@ from ._batch import BatchResult
 from ._metrics import RelayMetrics, TenantRelayMetrics, relay_metrics, tenant_relay_metrics
 from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
+from ._session import TRANSACTION_POOLED
 from ._settings import RelaySettings
 from ._step import RelayOutages, RelayStep, Step
 
 __all__ = [
+    "TRANSACTION_POOLED",
     "BatchResult",
     "Relay",
     "RelayMetrics",

@@ -22,7 +22,7 @@ from ..core._notify import parse_notify_payload
 from ..core._outage import OutageBackoff, OutageGate
 from ..core._secrets import database_url
 from ..core._tenant import Tenant
-from ..relay import RelayMetrics, RelayOutages
+from ..relay import TRANSACTION_POOLED, RelayMetrics, RelayOutages
 from ..relay._wakeup import start_listening
 from ._renewal import LeaseRenewal
 from ._schedule import Schedule
@@ -36,14 +36,19 @@ class FleetDatabases:
     """The fleet's databases by URL (or ``Engine``); tenants naming none are in ``default``'s.
 
     ``start`` starts every database's lease renewal and listener once the fleet
-    runs (``started``); a database met later starts its own then.
+    runs (``started``); a database met later starts its own then. With
+    ``transaction_pooled``, the engines it makes from URLs reach their databases
+    through a pooler in transaction mode (``relay._session``): nothing is set on a
+    session the pooler would hand to another client.
     """
 
     def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
                  metrics: RelayMetrics, poll_interval: float, renew_every: float,
-                 notify_channel: str | None, schedule: Schedule, stopping: threading.Event) -> None:
+                 notify_channel: str | None, schedule: Schedule, stopping: threading.Event,
+                 transaction_pooled: bool = False) -> None:
         self.default = default
         self._pool_size = pool_size
+        self._engine_options = {TRANSACTION_POOLED: True} if transaction_pooled else {}
         self._worker_id = worker_id
         self._metrics = metrics
         self._probe_pause = OutageBackoff(first=poll_interval / 4, cap=MAX_PROBE_PAUSE)
@@ -68,7 +73,8 @@ class FleetDatabases:
         db = self._by_key.get(key)
         if db is None:
             engine = (database if isinstance(database, Engine)
-                      else create_engine(database, pool_size=self._pool_size, max_overflow=0))
+                      else create_engine(database, pool_size=self._pool_size, max_overflow=0,
+                                         execution_options=self._engine_options))
             shown = database_url(database if isinstance(database, str) else str(database.url))
             tracker = RelayOutages.tracker(f"relay {self._worker_id}: database {shown}", "database",
                                            self._metrics, self._probe_pause)

@@ -94,6 +94,10 @@ class TenantRelay:
     notifies, an idle tenant's polls back off to one a minute, ``_idle_polls``), and ``lease_ttl``
     is longer than a single relay's because one process renews every tenant's
     leases. ``exactly_once``: as ``Relay``'s, per tenant (docs/tenants.md).
+    ``transaction_pooled``: the databases named by URL are reached through a pooler
+    in transaction mode (PgBouncer's), so the relay sets its fetch's settings per
+    transaction, never on a session (docs/operations.md); an ``Engine`` given is
+    marked by whoever made it (``execution_options={"outbox_transaction_pooled": True}``).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class TenantRelay:
         exactly_once: bool = False,
         progress_topic: str = DEFAULT_PROGRESS_TOPIC,
         idle_producers_after: float = IDLE_PRODUCERS_AFTER,
+        transaction_pooled: bool = False,
     ) -> None:
         if not callable(transport) or callable(getattr(transport, "publish", None)):
             raise ConfigurationError(
@@ -172,7 +177,8 @@ class TenantRelay:
         self._databases = FleetDatabases(
             database, pool_size=self.pool_size, worker_id=self.worker_id, metrics=process_metrics,
             poll_interval=settings.poll_interval, renew_every=renew_interval(settings.lease_ttl),
-            notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping)
+            notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping,
+            transaction_pooled=transaction_pooled)
         self._tenants = FleetTenants(self.source, databases=self._databases, schedule=self._schedule,
                                      make_step=self._new_step, metrics=self.metrics,
                                      worker_id=self.worker_id, default=database)
