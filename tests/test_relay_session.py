@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _pgbouncer import transaction_pooler
 from _relay_helpers import Running, ScriptedTransport, publish, rows, wait_for
+from conftest import unavailable
 from typer.testing import CliRunner
 
 import outbox.relay
@@ -200,3 +202,57 @@ def test_outbox_relay_transaction_pooled_marks_the_relays_engine(
     assert seen.get("marked") is True, (result.output, result.exception)
     if tenants:
         assert seen["told"] is True
+
+
+@pytest.fixture
+def through_pgbouncer(postgres_db: str) -> Iterator[str]:
+    """``postgres_db`` through a PgBouncer of the test's own in transaction mode, one server connection."""
+    try:
+        context = transaction_pooler(postgres_db)
+        url = context.__enter__()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield url
+    finally:
+        context.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_through_pgbouncer_the_next_client_gets_the_servers_settings_not_the_relays(
+        postgres_db: str, through_pgbouncer: str, marked: bool) -> None:
+    """A real PgBouncer in transaction mode, one server connection for every client: the client
+    after the relay gets the server connection the relay used. With the engine marked
+    (``--transaction-pooled``) it gets the server's own settings; unmarked, the relay's (no sort,
+    no JIT, the zone 'UTC') would reach it: the hazard the mark is for, shown here so that this
+    test can tell."""
+    direct = create_engine(postgres_db, poolclass=sa.NullPool)
+    with direct.connect() as conn:
+        servers = tuple(conn.exec_driver_sql(SETTINGS).one())
+    direct.dispose()
+    no_prepared = {"prepare_threshold": None}  # PgBouncer before 1.21 keeps no prepared statement
+    engine = create_engine(through_pgbouncer, connect_args=no_prepared,
+                           execution_options={"outbox_transaction_pooled": True} if marked else {})
+    other = create_engine(through_pgbouncer, connect_args=no_prepared, poolclass=sa.NullPool)
+    try:
+        outbox = Outbox(engine)
+        outbox.create_tables()
+        relay = Relay(outbox, ScriptedTransport(), worker_id="w")
+        try:
+            publish(outbox, "t", ["k1", "k2"])
+            relay.run_once()
+            relay.run_once()
+            # Before anything of the relay's pool runs again: its next checkout by the application
+            # (``rows``) would give the session back, settings and all.
+            with other.connect() as conn:
+                theirs = tuple(conn.exec_driver_sql(SETTINGS).one())
+            assert not rows(outbox, status="pending")
+        finally:
+            relay.close()
+    finally:
+        other.dispose()
+        engine.dispose()
+    if marked:
+        assert theirs == servers
+    else:  # PgBouncer puts a client's TimeZone back itself, not the others
+        assert theirs[1:] == ("off", "off") and servers[1:] != ("off", "off")
