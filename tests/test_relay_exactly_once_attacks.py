@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from _relay_helpers import drain, drain_pipelined, publish, rows, seqs_by_key, s
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
+from outbox.relay import _step as step_module
 from outbox.testing import LocalKafka, LocalPostgres, create_topic
-from transports import Record
+from tests.test_transport_kafka_left_open import _KilledAtCommit
+from transports import Record, TransactionResult
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
@@ -419,4 +422,110 @@ def test_a_rightful_owner_fenced_by_a_stray_producer_counts_no_attempt(
     on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
     assert len(on_wire) == 6
     assert [r.attempts for r in rows(ob)] == [1] * 6
+    engine.dispose()
+
+
+
+def test_a_broker_that_stops_answering_between_a_commit_and_its_read_back_gets_nothing_twice(
+        sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit is answered (the coordinator decided it), then the broker stops answering (frozen: a
+    hung host; a SIGKILL in the broker-kill campaign) before the relay read the progress partition's
+    last stable offset back. That read's future did not finish within its wait, and concurrent.futures'
+    ``TimeoutError`` (not a ``KafkaException``) escaped the transaction: the batch failed with a
+    traceback, the shard kept its producer, and the next batch sent the committed rows again in a new
+    transaction of that producer (twice on the wire, nothing lost). It is an unknown outcome, settled by
+    a new producer of the id and the progress read: every row once."""
+    monkeypatch.setattr(step_module, "EXACTLY_ONCE_TIMEOUT", 6.0)  # the read back waits this long
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=1)
+    ob.create_tables()
+    keys = [f"k{i % 3}" for i in range(12)]
+    publish(ob, topic, keys)
+    # A lease that outlives the freeze: a lease taken afresh would make a new producer anyway.
+    worker = Relay(ob, KafkaTransport(bootstrap_servers=own_kafka.bootstrap), exactly_once=True,
+                   progress_topic=progress_topic, lease_ttl=60.0, worker_id="w")
+    eo = worker._step._batch.exactly_once
+    assert eo is not None
+    transactions = eo._transactions
+    real = transactions.transactional
+    frozen: list[bool] = []
+
+    def freeze_once() -> None:
+        if not frozen:
+            frozen.append(True)
+            own_kafka.freeze()
+
+    def transactional(*args: Any, **kwargs: Any) -> Any:
+        producer = real(*args, **kwargs)
+        if not frozen:
+            producer._producer = _KilledAtCommit(producer._producer, after=freeze_once)
+        return producer
+
+    monkeypatch.setattr(transactions, "transactional", transactional)
+    try:
+        # Before, it raised TimeoutError: Relay.run logs "batch failed" and runs the next batch,
+        # as drain does.
+        with suppress(TimeoutError):
+            worker.run_once()
+    finally:
+        own_kafka.thaw()
+    assert frozen, "the broker was never frozen"
+    drain(worker, timeout=60)
+    worker.close()
+    on_wire = read_topic(own_kafka.bootstrap, topic, expected=len(keys), settle=1.5,
+                         isolation="read_committed")
+    assert {mid: n for mid, n in copies(on_wire).items() if n > 1} == {}
+    assert len(on_wire) == len(keys)
+    assert {r.status for r in rows(ob)} == {"published"}
+    engine.dispose()
+
+
+def test_a_transaction_that_raises_is_settled_as_unknown_not_sent_again_by_its_producer(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A shard's transaction commits, then ``send`` raises (a transport bug: a read-back's
+    ``TimeoutError`` did). The batch failed and the shard kept its producer: the next batch sent the
+    committed rows again in a new transaction (twice on the wire). Its fate is unknown: the producer is
+    dropped, a new one made and the progress read, which names the rows: every row once, logged."""
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=1)
+    ob.create_tables()
+    keys = [f"k{i % 3}" for i in range(9)]
+    publish(ob, topic, keys)
+    worker = Relay(ob, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                   progress_topic=progress_topic, lease_ttl=60.0, worker_id="w")
+    eo = worker._step._batch.exactly_once
+    assert eo is not None
+    transactions = eo._transactions
+    real = transactions.transactional
+    raised: list[bool] = []
+
+    def transactional(*args: Any, **kwargs: Any) -> Any:
+        producer = real(*args, **kwargs)
+        if not raised:
+            sending = producer.send
+
+            def send_then_raise(records: Any) -> TransactionResult:
+                answer = sending(records)
+                if not raised:
+                    raised.append(True)
+                    raise RuntimeError(f"after {answer.outcome}")
+                return answer
+
+            producer.send = send_then_raise
+        return producer
+
+    monkeypatch.setattr(transactions, "transactional", transactional)
+    # Before, the batch failed: Relay.run logs it and runs the next batch, as drain does.
+    with suppress(RuntimeError):
+        worker.run_once()
+    assert raised
+    drain(worker, timeout=60)
+    worker.close()
+    on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.5, isolation="read_committed")
+    assert {mid: n for mid, n in copies(on_wire).items() if n > 1} == {}
+    assert len(on_wire) == len(keys)
+    assert {r.status for r in rows(ob)} == {"published"}
+    assert any("outcome is unknown" in r.getMessage() for r in caplog.records)
     engine.dispose()

@@ -61,6 +61,7 @@ from transports import (
     Record,
     SendResult,
     TransactionOutcome,
+    TransactionResult,
     Transactions,
     Transport,
     transport_features,
@@ -358,7 +359,16 @@ class ExactlyOnce:
             carried = sorted(state.unmarked | set(sent_ids))
         progress = Record(self.progress_topic, progress_value(carried, self._worker_id, state.epoch),
                           key=self.transactional_id(shard).encode(), partition=shard)
-        answer = state.producer.send([*(records[i] for i in todo), progress])
+        try:
+            answer = state.producer.send([*(records[i] for i in todo), progress])
+        except Exception as exc:
+            # A bug of the transport's, raised after the commit may have been asked for (it was, once:
+            # a read-back's TimeoutError): its fate is unknown. Kept, this producer would send the rows
+            # again in its next transaction, which commits whatever of this one the broker left open.
+            log.exception("%s: shard %d's transaction raised; its outcome is unknown", self.name, shard)
+            answer = TransactionResult(TransactionOutcome.UNKNOWN, [SendResult(
+                Outcome.RETRY, error=f"the transaction raised {exc!r}", unreachable=True)] * (len(todo) + 1),
+                repr(exc))
         own = dict(zip(todo, answer.results[:-1], strict=True))
         if answer.outcome is TransactionOutcome.COMMITTED:
             with self._lock:

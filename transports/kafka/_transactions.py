@@ -237,6 +237,11 @@ class KafkaTransactionalProducer:
             except KafkaException as exc:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                 failed = admin
+            except TimeoutError:
+                # The future did not finish within the wait (a broker gone or frozen right after it
+                # answered the commit): not a KafkaException, and no less unknown.
+                why = "its last stable offset cannot be read: no answer in time"
+                failed = admin
             if time.monotonic() + step >= deadline:
                 return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
                         f"(its records up to offset {offset} are not readable): {why}")
