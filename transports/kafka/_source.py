@@ -130,6 +130,8 @@ class KafkaSource:
         self._unconfirmed: dict[tuple[str, int], int] = {}
         self._polled = False
         self._next_probe = 0.0
+        # Whether the watch said it found the consumer out of its group and the broker silent (once).
+        self._told_silent = False
         # The partitions revoked during a poll's second call (``poll``); None outside it.
         self._revoked_meanwhile: set[tuple[str, int]] | None = None
         self._losses = 0  # ``lost_assignments``
@@ -328,6 +330,7 @@ class KafkaSource:
         now = self._last_report = time.monotonic()
         if state == "steady":
             self._unjoined_since = None
+            self._told_silent = False
         elif self._unjoined_since is None:
             self._unjoined_since = now
 
@@ -354,8 +357,18 @@ class KafkaSource:
         self._next_probe = now + _PROBE_EVERY
         try:
             self._consumer.list_topics(timeout=2.0)
-        except KafkaException:
-            return  # the broker does not answer yet: a new consumer would wait the same way
+        except KafkaException as exc:
+            # The broker does not answer yet: a new consumer would wait the same way. Said once,
+            # so that a consumer stuck out of its group tells which of the two keeps it there: no
+            # answer to this probe (this line, then nothing), or a watch that never got this far.
+            if not self._told_silent:
+                self._told_silent = True
+                log.info("consumer of group %s not joined for %.0fs (join state %s) and the broker does not "
+                         "answer a metadata request (%s): no new consumer until it does, asked every %gs",
+                         self.config.get("group.id"), now - since, self._join_state,
+                         exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else exc,
+                         _PROBE_EVERY)
+            return
         self._rejoin(now - since)
 
     def _rejoin(self, out: float) -> None:
@@ -366,6 +379,7 @@ class KafkaSource:
         if self._assignment:  # give them up properly first: finished work is committed
             self._revoked(self._consumer, [TopicPartition(t, p) for t, p in sorted(self._assignment)])
         self.rejoins += 1
+        self._told_silent = False
         old, self._consumer = self._consumer, self._subscribed()
         self._join_state = "init"
         self._unjoined_since, self._last_report = time.monotonic(), None
