@@ -57,6 +57,25 @@ def consumer(db: str, bootstrap: str, topic: str, group: str, log: Path) -> subp
     return process
 
 
+class BrokerLog:
+    """What the broker logged since the freeze, for a failure's message: whether the thawed broker
+    was fenced, reloaded the group's coordinator, or logged nothing at all. (The mock has no log.)"""
+
+    def __init__(self, broker: Any) -> None:
+        self.path: Path | None = getattr(broker, "log_path", None)
+        self.start = self.path.stat().st_size if self.path is not None and self.path.exists() else 0
+
+    def since_freeze(self, lines: int = 40) -> str:
+        if self.path is None or not self.path.exists():
+            return ""
+        with self.path.open("rb") as f:
+            f.seek(self.start)
+            logged = [line for line in f.read().decode(errors="replace").splitlines()
+                      if line.startswith("[")]  # not the indented config dumps and stack frames
+        return f"\nthe broker's log since the freeze (last {lines} of {len(logged)} lines):\n" + "\n".join(
+            logged[-lines:])
+
+
 ROUNDS = {"kafka": ["join", "steady"], "mock": ["join", "join", "join"]}
 """Apache Kafka answers the pending JoinGroup once thawed: one round of each kind shows the
 promise as users meet it. The mock leaves it unanswered, the race the watch exists for: its
@@ -99,6 +118,7 @@ def test_a_broker_freeze_during_the_join_or_consumption_never_stalls_the_consume
                     assert time.monotonic() < deadline, f"round {n}: never consumed\n{log.read_text()}"
                     time.sleep(0.02)
             before = effect_count(engine)
+            broker_log = BrokerLog(broker)
             broker.freeze()
             time.sleep(FREEZE)
             broker.thaw()
@@ -107,7 +127,8 @@ def test_a_broker_freeze_during_the_join_or_consumption_never_stalls_the_consume
                 assert process.poll() is None, f"round {n}: the consumer exited\n{log.read_text()}"
                 assert time.monotonic() - thawed < RESUME, (
                     f"round {n} ({when}): {effect_count(engine)} of {KEYS * PER_KEY} applied "
-                    f"{RESUME}s after SIGCONT ({before} before the freeze)\n{log.read_text()}")
+                    f"{RESUME}s after SIGCONT ({before} before the freeze)\n{log.read_text()}"
+                    f"{broker_log.since_freeze()}")
                 time.sleep(0.1)
         finally:
             if broker.frozen:
@@ -187,5 +208,32 @@ def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silen
             source.poll(10, 0.1)
         assert source.rejoins == 0
         assert source.group_problem() is None
+    finally:
+        source.close()
+
+
+def test_a_watch_whose_probe_goes_unanswered_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Out of its group past ``rejoin_after`` with no broker answering: one line says the probe went
+    unanswered (the worker log of a stalled consumer then tells a silent broker from a watch that
+    never ran); the probes after it say nothing, and no consumer is replaced."""
+    import logging
+
+    from transports.kafka import KafkaSource
+    from transports.kafka import _source
+
+    caplog.set_level(logging.INFO, logger="transports.kafka")
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], rejoin_after=30)
+    try:
+        source.poll(1, 0.01)
+        source._statistics('{"cgrp": {"state": "query-coord"}}')
+        source._unjoined_since = time.monotonic() - 40  # as if out of the group that long
+        for _ in range(2):
+            source._next_probe = 0.0  # the next probe is due at once
+            source.poll(1, 0.01)
+        said = [r.getMessage() for r in caplog.records if "does not answer a metadata request" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "not joined for 40s (join state coordinator query-coord)" in said[0], said[0]
+        assert f"asked every {_source._PROBE_EVERY:g}s" in said[0], said[0]
+        assert source.rejoins == 0
     finally:
         source.close()
