@@ -14,9 +14,10 @@ never answered, and librdkafka gives up on it only after
 ``max.poll.interval.ms`` + 3 s (five minutes by default), consuming nothing
 meanwhile. So the source watches the group state in librdkafka's statistics:
 when the consumer has been out of the ``steady`` join state for
-``rejoin_after`` seconds and the broker answers a metadata request, it logs
-one line and replaces the consumer with a new one on the same settings,
-which joins afresh. Nothing is lost or doubled: it held no partition (or
+``rejoin_after`` seconds and the broker answers a metadata request (the
+consumer's own, else one of a client made afresh from ``bootstrap.servers``:
+``_bootstrap_answers``), it logs one line and replaces the consumer with a new
+one on the same settings, which joins afresh. Nothing is lost or doubled: it held no partition (or
 gives them up through ``on_revoke`` first), offsets are committed only for
 finished records, and the next assignment starts at the committed offsets.
 """
@@ -358,18 +359,42 @@ class KafkaSource:
         try:
             self._consumer.list_topics(timeout=2.0)
         except KafkaException as exc:
-            # The broker does not answer yet: a new consumer would wait the same way. Said once,
-            # so that a consumer stuck out of its group tells which of the two keeps it there: no
-            # answer to this probe (this line, then nothing), or a watch that never got this far.
-            if not self._told_silent:
-                self._told_silent = True
-                log.info("consumer of group %s not joined for %.0fs (join state %s) and the broker does not "
-                         "answer a metadata request (%s): no new consumer until it does, asked every %gs",
-                         self.config.get("group.id"), now - since, self._join_state,
-                         exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else exc,
-                         _PROBE_EVERY)
-            return
+            if not self._bootstrap_answers():
+                # The broker does not answer yet: a new consumer would wait the same way. Said once,
+                # so that a consumer stuck out of its group tells which of the two keeps it there: no
+                # answer to this probe (this line, then nothing), or a watch that never got this far.
+                if not self._told_silent:
+                    self._told_silent = True
+                    log.info("consumer of group %s not joined for %.0fs (join state %s) and the broker does "
+                             "not answer a metadata request (%s): no new consumer until it does, asked every "
+                             "%gs", self.config.get("group.id"), now - since, self._join_state,
+                             exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else exc,
+                             _PROBE_EVERY)
+                return
         self._rejoin(now - since)
+
+    def _bootstrap_answers(self) -> bool:
+        """Whether ``bootstrap.servers`` answer a metadata request of a client made for the question.
+
+        The consumer's own client can be past asking while the broker answers: librdkafka drops
+        every broker a metadata response leaves out, and a response from a broker that its
+        controller has just fenced (a single node thawed after a freeze longer than its 9 s
+        session, fenced for a few hundred ms) lists none. Its bootstrap entry dropped at start,
+        the client is left with no broker at all: no coordinator query, no metadata request,
+        until it bootstraps again after ``metadata.recovery.rebootstrap.trigger.ms`` (5 minutes).
+        Seen in ``test_inbox_rejoin.py``'s join round (docs/testing.md): stuck in ``query-coord``
+        with every probe of its own unanswered. A new consumer starts from ``bootstrap.servers``,
+        so this one asks them before the watch calls the broker silent.
+        """
+        probe = Consumer({**self.config, "statistics.interval.ms": 0, "logger": self._log,
+                          "error_cb": lambda error: None})  # an outage is the watch's to tell, once
+        try:
+            probe.list_topics(timeout=2.0)
+            return True
+        except KafkaException:
+            return False
+        finally:
+            probe.close()
 
     def _rejoin(self, out: float) -> None:
         log.warning("consumer of group %s not joined for %.0fs (join state %s) although the broker "
