@@ -270,7 +270,7 @@ class _Brokerless:
 
 
 def test_a_consumer_whose_client_lost_every_broker_is_replaced_once_the_bootstrap_servers_answer(
-    kafka: str,
+    kafka: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Out of its group past ``rejoin_after``, its own probe unanswered, the broker answering: replaced.
 
@@ -287,7 +287,7 @@ def test_a_consumer_whose_client_lost_every_broker_is_replaced_once_the_bootstra
     source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
                          rejoin_after=0.5)
     try:
-        source._consumer = _Brokerless(source._consumer)  # type: ignore[assignment]
+        monkeypatch.setattr(source, "_consumer", _Brokerless(source._consumer))
         source.poll(1, 0.01)
         source._statistics('{"cgrp": {"state": "query-coord"}}')
         source._unjoined_since = time.monotonic() - 1  # out of the group past rejoin_after
