@@ -45,8 +45,8 @@ REJOIN_AFTER = 8.0
 RESUME = REJOIN_AFTER + 20.0
 """Seconds after SIGCONT by which consumption must have resumed (a record applied that was not
 at SIGCONT): the watch's next probe (5 s), its 2 s metadata timeout and a join, with room for a
-slow machine. Measured under load (two cores, load average 26-31): the consumer was back in its
-group 0.1-4.1 s after SIGCONT in 30 rounds (docs/testing.md)."""
+slow machine. Measured under load (two cores, load average 12-31): back in its group at most
+8.7 s after SIGCONT, mostly under 2 s (docs/testing.md)."""
 DRAIN = 90.0
 """Seconds after resuming for the rest of the 1,000 records: throughput, which the promise is not
 about. On the loaded machine that took up to 29 s (back in the group 2.4 s after SIGCONT, all
