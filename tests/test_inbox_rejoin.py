@@ -4,7 +4,8 @@ The broker is frozen with SIGSTOP for ``FREEZE`` seconds under a running
 consumer process, in rounds: right after the consumer subscribed, so its
 JoinGroup request is in flight when the broker stops, and during steady
 consumption. Every round, consumption must resume within ``RESUME`` seconds of
-SIGCONT and every message must be applied exactly once, in key order.
+SIGCONT (a record applied that was not at SIGCONT), the rest must follow
+(``DRAIN``), and every message must be applied exactly once, in key order.
 
 Two brokers. Apache Kafka (a ``LocalKafka`` of the test's own, its JVM frozen):
 the promise as users meet it; Kafka answers the pending JoinGroup once thawed,
@@ -42,8 +43,15 @@ FREEZE = float(os.environ.get("REJOIN_FREEZE_SECONDS", "15"))
 ``REJOIN_FREEZE_SECONDS=60`` runs the issue's own 60 s freeze (docs/testing.md)."""
 REJOIN_AFTER = 8.0
 RESUME = REJOIN_AFTER + 20.0
-"""Seconds after SIGCONT by which consumption must have resumed: the watch's next probe (5 s),
-its 2 s metadata timeout and a join, with room for a slow machine."""
+"""Seconds after SIGCONT by which consumption must have resumed (a record applied that was not
+at SIGCONT): the watch's next probe (5 s), its 2 s metadata timeout and a join, with room for a
+slow machine. Measured under load (two cores, load average 12-31): back in its group at most
+8.7 s after SIGCONT, mostly under 2 s (docs/testing.md)."""
+DRAIN = 90.0
+"""Seconds after resuming for the rest of the 1,000 records: throughput, which the promise is not
+about. On the loaded machine that took up to 29 s (back in the group 2.4 s after SIGCONT, all
+applied 31.8 s after it); with every record inside ``RESUME`` the round failed although
+nothing stalled."""
 KEYS, PER_KEY = 100, 10
 
 
@@ -55,6 +63,25 @@ def consumer(db: str, bootstrap: str, topic: str, group: str, log: Path) -> subp
     assert process.stdout is not None
     assert process.stdout.readline().strip() == b"ready", log.read_text()
     return process
+
+
+class BrokerLog:
+    """What the broker logged since the freeze, for a failure's message: whether the thawed broker
+    was fenced, reloaded the group's coordinator, or logged nothing at all. (The mock has no log.)"""
+
+    def __init__(self, broker: Any) -> None:
+        self.path: Path | None = getattr(broker, "log_path", None)
+        self.start = self.path.stat().st_size if self.path is not None and self.path.exists() else 0
+
+    def since_freeze(self, lines: int = 40) -> str:
+        if self.path is None or not self.path.exists():
+            return ""
+        with self.path.open("rb") as f:
+            f.seek(self.start)
+            logged = [line for line in f.read().decode(errors="replace").splitlines()
+                      if line.startswith("[")]  # not the indented config dumps and stack frames
+        return f"\nthe broker's log since the freeze (last {lines} of {len(logged)} lines):\n" + "\n".join(
+            logged[-lines:])
 
 
 ROUNDS = {"kafka": ["join", "steady"], "mock": ["join", "join", "join"]}
@@ -99,15 +126,23 @@ def test_a_broker_freeze_during_the_join_or_consumption_never_stalls_the_consume
                     assert time.monotonic() < deadline, f"round {n}: never consumed\n{log.read_text()}"
                     time.sleep(0.02)
             before = effect_count(engine)
+            broker_log = BrokerLog(broker)
             broker.freeze()
             time.sleep(FREEZE)
             broker.thaw()
             thawed = time.monotonic()
-            while effect_count(engine) < KEYS * PER_KEY:
+            at_thaw, resumed = effect_count(engine), None
+            while (applied := effect_count(engine)) < KEYS * PER_KEY:
                 assert process.poll() is None, f"round {n}: the consumer exited\n{log.read_text()}"
-                assert time.monotonic() - thawed < RESUME, (
-                    f"round {n} ({when}): {effect_count(engine)} of {KEYS * PER_KEY} applied "
-                    f"{RESUME}s after SIGCONT ({before} before the freeze)\n{log.read_text()}")
+                now = time.monotonic()
+                if resumed is None and applied > at_thaw:
+                    resumed = now
+                assert resumed is not None or now - thawed < RESUME, (
+                    f"round {n} ({when}): {applied} of {KEYS * PER_KEY} applied {RESUME}s after SIGCONT, "
+                    f"none since ({before} before the freeze)\n{log.read_text()}{broker_log.since_freeze()}")
+                assert resumed is None or now - resumed < DRAIN, (
+                    f"round {n} ({when}): resumed {resumed - thawed:.1f}s after SIGCONT, but only {applied} "
+                    f"of {KEYS * PER_KEY} applied {DRAIN}s later\n{log.read_text()}")
                 time.sleep(0.1)
         finally:
             if broker.frozen:
@@ -187,5 +222,81 @@ def test_a_consumer_whose_statistics_come_rarely_is_not_replaced_for_their_silen
             source.poll(10, 0.1)
         assert source.rejoins == 0
         assert source.group_problem() is None
+    finally:
+        source.close()
+
+
+def test_a_watch_whose_probe_goes_unanswered_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Out of its group past ``rejoin_after`` with no broker answering: one line says the probe went
+    unanswered (the worker log of a stalled consumer then tells a silent broker from a watch that
+    never ran); the probes after it say nothing, and no consumer is replaced."""
+    import logging
+
+    from transports.kafka import KafkaSource, _source
+
+    caplog.set_level(logging.INFO, logger="transports.kafka")
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], rejoin_after=30)
+    try:
+        source.poll(1, 0.01)
+        source._statistics('{"cgrp": {"state": "query-coord"}}')
+        source._unjoined_since = time.monotonic() - 40  # as if out of the group that long
+        for _ in range(2):
+            source._next_probe = 0.0  # the next probe is due at once
+            source.poll(1, 0.01)
+        said = [m for r in caplog.records if "does not answer a metadata request" in (m := r.getMessage())]
+        assert len(said) == 1, said
+        assert "not joined for 40s (join state coordinator query-coord)" in said[0], said[0]
+        assert f"asked every {_source._PROBE_EVERY:g}s" in said[0], said[0]
+        assert source.rejoins == 0
+    finally:
+        source.close()
+
+
+class _Brokerless:
+    """A consumer whose client has no broker left to ask (``KafkaSource._bootstrap_answers``): its
+    metadata requests fail at once, as librdkafka's do once a fenced broker's metadata response
+    (listing no broker) made it drop its only one; everything else is the real consumer's."""
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer = consumer
+
+    def list_topics(self, *args: Any, **kwargs: Any) -> Any:
+        from confluent_kafka import KafkaError, KafkaException
+
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "no broker left"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+
+def test_a_consumer_whose_client_lost_every_broker_is_replaced_once_the_bootstrap_servers_answer(
+    kafka: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of its group past ``rejoin_after``, its own probe unanswered, the broker answering: replaced.
+
+    The 12:19 stall (docs/testing.md): a broker thawed after 15 s was fenced by its own controller
+    for ~0.2 s, its metadata response in that window listed no broker, and librdkafka dropped the
+    only one it had; the consumer sat in ``query-coord`` with every probe of its own client
+    unanswered, so the watch called the broker silent for as long as librdkafka's 5-minute
+    re-bootstrap. A new consumer, started from ``bootstrap.servers``, joins and consumes.
+    """
+    from transports.kafka import KafkaSource
+
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    produce_keys(kafka, topic, 1, 1)
+    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
+                         rejoin_after=0.5)
+    try:
+        monkeypatch.setattr(source, "_consumer", _Brokerless(source._consumer))
+        source.poll(1, 0.01)
+        source._statistics('{"cgrp": {"state": "query-coord"}}')
+        source._unjoined_since = time.monotonic() - 1  # out of the group past rejoin_after
+        source.poll(1, 0.01)
+        assert source.rejoins == 1, "the watch took the client's silence for the broker's"
+        got: list[object] = []
+        deadline = time.monotonic() + 30
+        while not got:
+            assert time.monotonic() < deadline, "the new consumer never consumed"
+            got += source.poll(10, 0.2)
     finally:
         source.close()

@@ -14,9 +14,10 @@ never answered, and librdkafka gives up on it only after
 ``max.poll.interval.ms`` + 3 s (five minutes by default), consuming nothing
 meanwhile. So the source watches the group state in librdkafka's statistics:
 when the consumer has been out of the ``steady`` join state for
-``rejoin_after`` seconds and the broker answers a metadata request, it logs
-one line and replaces the consumer with a new one on the same settings,
-which joins afresh. Nothing is lost or doubled: it held no partition (or
+``rejoin_after`` seconds and the broker answers a metadata request (the
+consumer's own, else one of a client made afresh from ``bootstrap.servers``:
+``_bootstrap_answers``), it logs one line and replaces the consumer with a new
+one on the same settings, which joins afresh. Nothing is lost or doubled: it held no partition (or
 gives them up through ``on_revoke`` first), offsets are committed only for
 finished records, and the next assignment starts at the committed offsets.
 """
@@ -130,6 +131,8 @@ class KafkaSource:
         self._unconfirmed: dict[tuple[str, int], int] = {}
         self._polled = False
         self._next_probe = 0.0
+        # Whether the watch said it found the consumer out of its group and the broker silent (once).
+        self._told_silent = False
         # The partitions revoked during a poll's second call (``poll``); None outside it.
         self._revoked_meanwhile: set[tuple[str, int]] | None = None
         self._losses = 0  # ``lost_assignments``
@@ -328,6 +331,7 @@ class KafkaSource:
         now = self._last_report = time.monotonic()
         if state == "steady":
             self._unjoined_since = None
+            self._told_silent = False
         elif self._unjoined_since is None:
             self._unjoined_since = now
 
@@ -354,9 +358,43 @@ class KafkaSource:
         self._next_probe = now + _PROBE_EVERY
         try:
             self._consumer.list_topics(timeout=2.0)
-        except KafkaException:
-            return  # the broker does not answer yet: a new consumer would wait the same way
+        except KafkaException as exc:
+            if not self._bootstrap_answers():
+                # The broker does not answer yet: a new consumer would wait the same way. Said once,
+                # so that a consumer stuck out of its group tells which of the two keeps it there: no
+                # answer to this probe (this line, then nothing), or a watch that never got this far.
+                if not self._told_silent:
+                    self._told_silent = True
+                    log.info("consumer of group %s not joined for %.0fs (join state %s) and the broker does "
+                             "not answer a metadata request (%s): no new consumer until it does, asked every "
+                             "%gs", self.config.get("group.id"), now - since, self._join_state,
+                             exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else exc,
+                             _PROBE_EVERY)
+                return
         self._rejoin(now - since)
+
+    def _bootstrap_answers(self) -> bool:
+        """Whether ``bootstrap.servers`` answer a metadata request of a client made for the question.
+
+        The consumer's own client can be past asking while the broker answers: librdkafka drops
+        every broker a metadata response leaves out, and a response from a broker that its
+        controller has just fenced (a single node thawed after a freeze longer than its 9 s
+        session, fenced for a few hundred ms) lists none. Its bootstrap entry dropped at start,
+        the client is left with no broker at all: no coordinator query, no metadata request,
+        until it bootstraps again after ``metadata.recovery.rebootstrap.trigger.ms`` (5 minutes).
+        Seen in ``test_inbox_rejoin.py``'s join round (docs/testing.md): stuck in ``query-coord``
+        with every probe of its own unanswered. A new consumer starts from ``bootstrap.servers``,
+        so this one asks them before the watch calls the broker silent.
+        """
+        probe = Consumer({**self.config, "statistics.interval.ms": 0, "logger": self._log,
+                          "error_cb": lambda error: None})  # an outage is the watch's to tell, once
+        try:
+            probe.list_topics(timeout=2.0)
+            return True
+        except KafkaException:
+            return False
+        finally:
+            probe.close()
 
     def _rejoin(self, out: float) -> None:
         log.warning("consumer of group %s not joined for %.0fs (join state %s) although the broker "
@@ -366,6 +404,7 @@ class KafkaSource:
         if self._assignment:  # give them up properly first: finished work is committed
             self._revoked(self._consumer, [TopicPartition(t, p) for t, p in sorted(self._assignment)])
         self.rejoins += 1
+        self._told_silent = False
         old, self._consumer = self._consumer, self._subscribed()
         self._join_state = "init"
         self._unjoined_since, self._last_report = time.monotonic(), None
