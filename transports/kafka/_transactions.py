@@ -237,6 +237,13 @@ class KafkaTransactionalProducer:
             except KafkaException as exc:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                 failed = admin
+            except TimeoutError:
+                # The future was not done when our wait for it ended. A client whose metadata still
+                # names a killed leader sends there and is answered only at its request timeout, which
+                # our wait (as long) often beats: concurrent.futures' bare TimeoutError, which escaped
+                # ``send`` instead of its UNKNOWN. That client never refreshes: a new one knows better.
+                why = "its last stable offset cannot be read: no answer in time"
+                failed = admin
             if time.monotonic() + step >= deadline:
                 return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
                         f"(its records up to offset {offset} are not readable): {why}")
