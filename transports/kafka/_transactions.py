@@ -238,8 +238,12 @@ class KafkaTransactionalProducer:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                 failed = admin
             except TimeoutError:
-                # The future did not finish within the wait (a broker gone or frozen right after it
-                # answered the commit): not a KafkaException, and no less unknown.
+                # The future was not done when our wait for it ended (concurrent.futures' bare
+                # TimeoutError, not a KafkaException): a broker gone or frozen right after it answered
+                # the commit, or a client whose metadata still names a killed leader, answered only at
+                # its request timeout. It escaped ``send``, and the shard's producer then sent the rows
+                # again in a transaction that committed what this one left open. Unknown, as any
+                # unread offset; that client never refreshes: a new one knows better.
                 why = "its last stable offset cannot be read: no answer in time"
                 failed = admin
             if time.monotonic() + step >= deadline:
