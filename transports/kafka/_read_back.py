@@ -50,6 +50,12 @@ Settle = Callable[[Sequence[str]], None]
 """Ends, with the key's own producer, a transaction of the key left open on the topics given."""
 
 
+NO_ANSWER = "no answer in time"
+"""Why an admin request failed whose future was not done when the wait for it ended: concurrent.futures'
+bare ``TimeoutError``, not a ``KafkaException`` (a client whose metadata still names a killed leader is
+answered only at its request timeout, which a wait as long often beats). Retriable, as any outage."""
+
+
 def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:
     """Create ``topic`` with log compaction unless it exists; the cluster's default replication.
 
@@ -70,6 +76,8 @@ def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: in
     deadline = time.monotonic() + timeout
     try:
         admin.create_topics([new], operation_timeout=timeout)[topic].result(timeout)
+    except TimeoutError:  # concurrent.futures': the future not done in time (see NO_ANSWER)
+        raise RetriableTransportError(f"cannot create topic {topic!r}: {NO_ANSWER}") from None
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
@@ -97,6 +105,8 @@ def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str
     resource = ConfigResource("topic", topic)
     try:
         found = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
+    except TimeoutError:
+        raise RetriableTransportError(f"cannot read topic {topic!r}'s configuration: {NO_ANSWER}") from None
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         if error.retriable() or error.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
@@ -169,6 +179,8 @@ def _bounds(admin: AdminClient, topic: str, partition: int,
             start = admin.list_offsets({tp: earliest}, isolation_level=uncommitted,
                                        request_timeout=timeout)[tp].result(timeout).offset
             return tp, start, end
+        except TimeoutError:
+            raise RetriableTransportError(f"cannot read {topic!r}: {NO_ANSWER}") from None
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.code() not in LEADERLESS or time.monotonic() + 0.1 >= deadline:
