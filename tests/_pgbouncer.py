@@ -25,7 +25,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from outbox.testing import PortNotBound, free_port, wait_until_bound
+from outbox.testing import PortNotBound, Unavailable, free_port, wait_until_bound
 
 ATTEMPTS = 3
 
@@ -45,7 +45,7 @@ def transaction_pooler(database_url: str) -> Iterator[str]:
         return
     binary = pgbouncer_binary()
     if binary is None:
-        raise FileNotFoundError("pgbouncer not found (Debian's pgbouncer package; scripts/setup installs it)")
+        raise Unavailable("pgbouncer not found (Debian's pgbouncer package; scripts/setup installs it)")
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     root = Path(tempfile.mkdtemp(prefix="outbox-pgbouncer-"))
     if as_user:

@@ -128,7 +128,7 @@ def unavailable(what: str) -> None:
     pytest.skip(what)
 
 
-def _resolved(resolve: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
+def resolved(resolve: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
     """What ``resolve()`` yields (a URL, a worker), or skip (locally) / fail (in CI) without it."""
     try:
         context = resolve()
@@ -144,13 +144,13 @@ def _resolved(resolve: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """URL of a PostgreSQL server shared by the session (its default database)."""
-    yield from _resolved(postgres_url)
+    yield from resolved(postgres_url)
 
 
 @pytest.fixture(scope="session")
 def mysql_server() -> Iterator[str]:
     """URL of a MySQL or MariaDB server shared by the session (its ``mysql`` database)."""
-    yield from _resolved(mysql_url)
+    yield from resolved(mysql_url)
 
 
 @pytest.fixture
@@ -282,7 +282,7 @@ def kafka() -> Iterator[str]:
     (started once per worker, on first use). Never the mock: without a broker the test skips
     (naming ``scripts/setup``), and fails with ``CI=true``.
     """
-    yield from _resolved(lambda: kafka_bootstrap(BrokerNeed.REAL))
+    yield from resolved(lambda: kafka_bootstrap(BrokerNeed.REAL))
 
 
 def own_local_kafka(settings: dict[str, str] | None = None) -> Iterator[LocalKafka]:
@@ -311,7 +311,7 @@ def logical_postgres() -> Iterator[str]:
     ``OUTBOX_TEST_LOGICAL_POSTGRES_URL``, testcontainers, then a local server
     (``outbox.testing.logical_postgres_url``); skips locally and fails with ``CI=true`` without one.
     """
-    yield from _resolved(logical_postgres_url)
+    yield from resolved(logical_postgres_url)
 
 
 @pytest.fixture(scope="session")
@@ -321,7 +321,7 @@ def kafka_connect(kafka: str) -> Iterator[ConnectRest]:
     ``OUTBOX_TEST_KAFKA_CONNECT_URL``, Debezium's image on Docker, else a ``LocalKafkaConnect``
     from the jars ``scripts/setup`` fetches; skips locally and fails with ``CI=true`` without one.
     """
-    yield from _resolved(lambda: connect_worker(kafka))
+    yield from resolved(lambda: connect_worker(kafka))
 
 
 @pytest.fixture

@@ -142,16 +142,18 @@ def test_a_slow_backlog_query_never_delays_lease_renewal(outbox: Outbox, monkeyp
 
     def slow_backlog(ob: Outbox):
         calls.append(time.monotonic())
-        time.sleep(2.5)  # a GROUP BY over a huge backlog, longer than the TTL
+        time.sleep(5.0)  # a GROUP BY over a huge backlog, longer than the TTL
         return real_backlog(ob)
 
     monkeypatch.setattr(relay_module, "backlog", slow_backlog)
-    relay = Relay(outbox, ScriptedTransport(), lease_ttl=1.0, backlog_metrics=True, worker_id="w")
+    # A TTL of 2 s: renewals a third of it apart. With 1 s, a lease thread starved ~0.7 s by the
+    # whole suite's load let a lease lapse (seen once), though no query stood in its way.
+    relay = Relay(outbox, ScriptedTransport(), lease_ttl=2.0, backlog_metrics=True, worker_id="w")
     thread = running(relay)
     leases = outbox.tables.leases
     try:
         time.sleep(0.5)
-        deadline = time.monotonic() + 3.5
+        deadline = time.monotonic() + 5.5
         while time.monotonic() < deadline:
             with outbox.engine.connect() as conn:
                 held = list(conn.execute(sa.select(leases.c.owner, leases.c.expires_at)))

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from _in_process import outbox_in_process
 from _pgbouncer import transaction_pooler
 from _relay_helpers import Running, ScriptedTransport, publish, rows, wait_for
-from conftest import unavailable
+from conftest import resolved
 from typer.testing import CliRunner
 
 import outbox.relay
@@ -220,15 +220,7 @@ def test_outbox_relay_transaction_pooled_marks_the_relays_engine(
 @pytest.fixture
 def through_pgbouncer(postgres_db: str) -> Iterator[str]:
     """``postgres_db`` through a PgBouncer of the test's own in transaction mode, one server connection."""
-    try:
-        context = transaction_pooler(postgres_db)
-        url = context.__enter__()
-    except FileNotFoundError as exc:
-        unavailable(str(exc))
-    try:
-        yield url
-    finally:
-        context.__exit__(None, None, None)
+    yield from resolved(lambda: transaction_pooler(postgres_db))
 
 
 @pytest.mark.parametrize("marked", [True, False])
