@@ -276,16 +276,21 @@ def test_a_commit_the_broker_leaves_open_is_not_reported_committed(
         transport.close()
 
 
+def new_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """``topic`` made on one broker, once every partition of it has a leader."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic].result(30)
+    wait_until(lambda: all(p.leader >= 0 for p in admin.list_topics(topic, timeout=5).topics[topic]
+                           .partitions.values()), 30, "the topic's leaders")
+
+
 def test_commits_after_the_broker_restarted_are_read_back_committed(own_kafka: LocalKafka) -> None:
     """The commit check reads the last stable offset with the transport's admin client, which keeps
     the leader epochs it knew before the broker's restart and does not refresh them: every read fails
     (FENCED_LEADER_EPOCH) and every commit came back UNKNOWN after the whole timeout, for good. A
     client whose read failed is made anew: the first commit after the restart is COMMITTED at once."""
     tid, topic = "outbox-restarted-0", "restarted"
-    admin = AdminClient({"bootstrap.servers": own_kafka.bootstrap, "log_level": 0})
-    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
-    wait_until(lambda: all(p.leader >= 0 for p in admin.list_topics(topic, timeout=5).topics[topic]
-                           .partitions.values()), 30, "the topic's leaders")
+    new_topic(own_kafka.bootstrap, topic, 2)
     transport = KafkaTransport(bootstrap_servers=own_kafka.bootstrap)
     try:
         def send(value: bytes) -> TransactionOutcome:
@@ -317,10 +322,7 @@ def test_a_commit_whose_broker_stops_answering_before_its_read_back_is_unknown(
     rows again: twice on the wire). The outcome is UNKNOWN; the next producer of the id finds it
     committed."""
     tid, topic = "outbox-frozen-0", "frozen-after-commit"
-    admin = AdminClient({"bootstrap.servers": own_kafka.bootstrap, "log_level": 0})
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(30)
-    wait_until(lambda: all(p.leader >= 0 for p in admin.list_topics(topic, timeout=5).topics[topic]
-                           .partitions.values()), 30, "the topic's leader")
+    new_topic(own_kafka.bootstrap, topic, 1)
     transport = KafkaTransport(bootstrap_servers=own_kafka.bootstrap)
     try:
         producer = transport.transactional(tid, 5)
