@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from _in_process import outbox_in_process
 from _pgbouncer import transaction_pooler
-from _relay_helpers import Running, ScriptedTransport, publish, rows, wait_for
+from _relay_helpers import Running, ScriptedTransport, owned_leases, publish, rows, wait_for
 from conftest import resolved
 from typer.testing import CliRunner
 
@@ -28,6 +28,7 @@ import outbox.tenants
 import transports.kafka
 from outbox import Outbox, Relay, create_engine
 from outbox.cli import app
+from outbox.cli._db import open_outbox
 from outbox.tenants import Tenant, TenantRelay
 from transports.kafka import KafkaTransport
 
@@ -261,3 +262,52 @@ def test_through_pgbouncer_the_next_client_gets_the_servers_settings_not_the_rel
         assert theirs == servers
     else:  # PgBouncer puts a client's TimeZone back itself, not the others
         assert theirs[1:] == ("off", "off") and servers[1:] != ("off", "off")
+
+
+
+
+@pytest.mark.parametrize("made_by", ["outbox relay", "outbox relay --tenants"])
+def test_through_pgbouncer_an_engine_made_for_transaction_pooling_prepares_nothing(
+        through_pgbouncer: str, made_by: str) -> None:
+    """``--transaction-pooled`` on a psycopg URL: the engines the command makes (a relay's, a fleet's)
+    prepare no statement. psycopg prepares a statement on its fifth run on a connection, naming it
+    ``_pg3_0``, ``_pg3_1``, … per client connection; behind a PgBouncer that keeps no prepared
+    statement (before 1.21, or without ``max_prepared_statements``) another client's statement of
+    that name is already on the server connection the relay's transaction gets ("prepared statement
+    "_pg3_0" already exists"), or its own is not ("does not exist"). Here another client prepared
+    first, on the pooler's one server connection; the relay then fetches and marks many times."""
+    url = sa.make_url(through_pgbouncer).set(drivername="postgresql+psycopg").render_as_string(
+        hide_password=False)
+    bystander = sa.create_engine(url, poolclass=sa.NullPool)  # psycopg's defaults: prepares on run 5
+    with bystander.connect() as conn:
+        for _ in range(6):
+            conn.exec_driver_sql("SELECT 1 WHERE 1 = %(one)s", {"one": 1}).all()
+            conn.commit()
+        prepared = conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements").scalar_one()
+    assert prepared >= 1, "the bystander prepared nothing: this test could not tell"
+    bystander.dispose()
+    app_outbox = open_outbox(url, transaction_pooled=True, check=False)
+    app_outbox.create_tables()
+    if made_by == "outbox relay":
+        relay = Relay(open_outbox(url, transaction_pooled=True), ScriptedTransport())
+        try:
+            for round_ in range(8):
+                publish(app_outbox, "t", [f"k{round_}"])
+                relay.run_once()
+                assert not rows(app_outbox, status="pending")
+        finally:
+            relay.close()
+            relay.outbox.engine.dispose()
+        assert owned_leases(app_outbox) == 0, "the relay could not release its leases"
+    else:
+        fleet = TenantRelay([Tenant("default", database=url)], lambda: ScriptedTransport(), workers=1,
+                            poll_interval=0.05, transaction_pooled=True)
+        running = Running(fleet)
+        try:
+            for round_ in range(8):
+                publish(app_outbox, "t", [f"k{round_}"])
+                wait_for(lambda: not rows(app_outbox, status="pending"), 20, f"round {round_} published")
+        finally:
+            running.stop()
+        assert owned_leases(app_outbox) == 0, "the fleet could not release its leases"
+    app_outbox.engine.dispose()

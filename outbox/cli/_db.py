@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy
 import typer
@@ -16,7 +17,7 @@ from ..core._errors import ConfigurationError
 from ..core._secrets import database_url
 from ..housekeeping import partition_inbox, partition_outbox
 from ..producer import Outbox
-from ..relay import TRANSACTION_POOLED
+from ..relay import transaction_pooled_options
 from ..tenants import TenantDatabases, each_tenant
 from . import app
 from ._errors import naming
@@ -33,13 +34,14 @@ def open_engine(url: str, *, transaction_pooled: bool = False) -> Engine:
     """
     existing_database(url)
     refuse_async_driver(url)
-    return create_engine(url, execution_options=pooled_options(transaction_pooled))
+    return create_engine(url, **pooled_options(url, transaction_pooled))
 
 
-def pooled_options(transaction_pooled: bool) -> dict[str, bool]:
-    """An engine's execution options for ``--transaction-pooled``: the relay then sets nothing on a
-    session, which a transaction-mode pooler would hand to another client (``relay._session``)."""
-    return {TRANSACTION_POOLED: True} if transaction_pooled else {}
+def pooled_options(url: str, transaction_pooled: bool) -> dict[str, Any]:
+    """An engine's keyword arguments for ``--transaction-pooled``: the relay then sets nothing on a
+    session, and psycopg prepares no statement, which a transaction-mode pooler would hand to
+    another client (``relay._session.transaction_pooled_options``)."""
+    return transaction_pooled_options(url) if transaction_pooled else {}
 
 
 def refuse_async_driver(url: str) -> None:

@@ -107,8 +107,8 @@ def relay(
     transaction_pooled: bool = typer.Option(
         False, "--transaction-pooled", help="PostgreSQL is reached through a pooler in transaction mode "
                                             "(PgBouncer's): set the fetch's settings per transaction, never "
-                                            "on a session the pooler hands to other clients "
-                                            "(docs/operations.md)."),
+                                            "on a session the pooler hands to other clients, and prepare "
+                                            "no statement (docs/operations.md)."),
 ) -> None:
     """Publish outbox rows to Kafka until SIGTERM/SIGINT, then drain and exit 0."""
     from transports.kafka import KafkaTransport
@@ -214,7 +214,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     with stop_signals(latch):
         # A worker's fetch and its writer's write may each hold a connection (TenantRelay's default).
         engine = create_engine(db, pool_size=2 * workers + 2, max_overflow=0,
-                               execution_options=pooled_options(transaction_pooled))
+                               **pooled_options(db, transaction_pooled))
         def producer() -> KafkaTransport:
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         fleet = TenantRelay(

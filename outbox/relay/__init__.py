@@ -22,7 +22,7 @@ from ._batch import BatchResult
 from ._metrics import RelayMetrics, TenantRelayMetrics, relay_metrics, tenant_relay_metrics
 from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
-from ._session import TRANSACTION_POOLED
+from ._session import TRANSACTION_POOLED, transaction_pooled_options
 from ._settings import RelaySettings
 from ._step import RelayOutages, RelayStep, Step
 
@@ -45,4 +45,5 @@ __all__ = [
     "shard_leases",
     "skip_failed",
     "tenant_relay_metrics",
+    "transaction_pooled_options",
 ]

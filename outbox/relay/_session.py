@@ -19,14 +19,16 @@ only a change of hands costs a statement.
 Behind a pooler in transaction mode (PgBouncer's) a session is not the
 client's to set: what the relay set would reach whichever client the server
 connection serves next. An engine marked ``TRANSACTION_POOLED`` sets the
-fetch's settings per transaction, as before (four round trips).
+fetch's settings per transaction, as before (four round trips). Nor is a
+prepared statement the client's: ``transaction_pooled_options`` gives the keyword
+arguments of an engine made for such a pooler.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
 from ..core._engine import marked_copy, worker_engine
@@ -37,6 +39,28 @@ RELAY = "outbox_relay"
 TRANSACTION_POOLED = "outbox_transaction_pooled"
 """The execution option that says an engine reaches PostgreSQL through a transaction-mode pooler:
 the relay then sets nothing on a session (``create_engine(url, execution_options={...: True})``)."""
+
+def transaction_pooled_options(url: str) -> dict[str, Any]:
+    """``create_engine`` keyword arguments for ``url``'s database reached through a transaction-mode pooler.
+
+    The mark (``TRANSACTION_POOLED``), and through psycopg no prepared
+    statements: psycopg prepares a statement it has run five times on its
+    connection, and the pooler runs the next transaction on any server
+    connection, where that statement does not exist, or another client's of the
+    same name does ("prepared statement "_pg3_0" does not exist" / "already
+    exists"). PgBouncer keeps prepared statements across server connections only
+    from 1.21 on, and only with ``max_prepared_statements`` set; an application
+    whose pooler does can make its own engine with the mark alone.
+    """
+    options: dict[str, Any] = {"execution_options": {TRANSACTION_POOLED: True}}
+    try:
+        driver = make_url(url).get_dialect().driver
+    except Exception:
+        return options  # not a URL, or an unknown dialect: create_engine names the problem
+    if driver == "psycopg":
+        options["connect_args"] = {"prepare_threshold": None}
+    return options
+
 
 _TAKEN = "outbox.relay_session"
 """Key in a pooled connection's ``info``: the session's own values, saved when the relay set it up."""

@@ -22,7 +22,7 @@ from ..core._notify import parse_notify_payload
 from ..core._outage import OutageBackoff, OutageGate
 from ..core._secrets import database_url
 from ..core._tenant import Tenant
-from ..relay import TRANSACTION_POOLED, RelayMetrics, RelayOutages
+from ..relay import RelayMetrics, RelayOutages, transaction_pooled_options
 from ..relay._wakeup import start_listening
 from ._renewal import LeaseRenewal
 from ._schedule import Schedule
@@ -39,7 +39,7 @@ class FleetDatabases:
     runs (``started``); a database met later starts its own then. With
     ``transaction_pooled``, the engines it makes from URLs reach their databases
     through a pooler in transaction mode (``relay._session``): nothing is set on a
-    session the pooler would hand to another client.
+    session, and nothing prepared, that the pooler would hand to another client.
     """
 
     def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
@@ -48,7 +48,7 @@ class FleetDatabases:
                  transaction_pooled: bool = False) -> None:
         self.default = default
         self._pool_size = pool_size
-        self._engine_options = {TRANSACTION_POOLED: True} if transaction_pooled else {}
+        self._transaction_pooled = transaction_pooled
         self._worker_id = worker_id
         self._metrics = metrics
         self._probe_pause = OutageBackoff(first=poll_interval / 4, cap=MAX_PROBE_PAUSE)
@@ -74,7 +74,8 @@ class FleetDatabases:
         if db is None:
             engine = (database if isinstance(database, Engine)
                       else create_engine(database, pool_size=self._pool_size, max_overflow=0,
-                                         execution_options=self._engine_options))
+                                         **(transaction_pooled_options(database)
+                                            if self._transaction_pooled else {})))
             shown = database_url(database if isinstance(database, str) else str(database.url))
             tracker = RelayOutages.tracker(f"relay {self._worker_id}: database {shown}", "database",
                                            self._metrics, self._probe_pause)

@@ -96,8 +96,9 @@ class TenantRelay:
     leases. ``exactly_once``: as ``Relay``'s, per tenant (docs/tenants.md).
     ``transaction_pooled``: the databases named by URL are reached through a pooler
     in transaction mode (PgBouncer's), so the relay sets its fetch's settings per
-    transaction, never on a session (docs/operations.md); an ``Engine`` given is
-    marked by whoever made it (``execution_options={"outbox_transaction_pooled": True}``).
+    transaction, never on a session, and psycopg prepares no statement
+    (``relay.transaction_pooled_options``, docs/operations.md); an ``Engine`` given is
+    made so by whoever made it.
     """
 
     def __init__(
