@@ -21,7 +21,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from outbox.testing import LocalKafka, LocalKafkaCluster
 from tests.conftest import unavailable
-from transports import Record, TransactionOutcome
+from transports import ReadBack, Record, TransactionOutcome, Uncommitted
 from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import TOPICS_HEADER
@@ -342,16 +342,16 @@ def test_a_commit_whose_broker_stops_answering_before_its_read_back_is_unknown(
         transport.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/relay.md): a take-over aborts what is left open, "
-                   "though the coordinator decided a commit some partitions already show")
 def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent(
         cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator decides a commit and writes its marker on the data partition (its leader alive)
     but drops the progress partition's (its only replica killed meanwhile). The commit is UNKNOWN (the
     progress partition does not read it back), the next producer of the id finds the progress record
-    left open and aborts it on every partition: the take-over reads the earlier progress (none here),
-    and the relay would send the row again, though read_committed readers have it already. On one
-    broker this needs a kill between two partitions' marker appends; on several, one leader's loss."""
+    left open and aborts it on every partition. The take-over read the earlier progress (none here)
+    and nothing more: the relay sent the row again, though read_committed readers had it already. The
+    read-back now also gives that transaction, with which of its records are committed (the data
+    record, read back at the offset its progress record names). On one broker this needs a kill
+    between two partitions' marker appends; on several, one leader's loss."""
     tid, data, progress = "outbox-split-0", "split-data", "split-progress"
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
     coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
@@ -388,7 +388,12 @@ def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent
         assert stable < end, "the broker wrote the progress marker: nothing was left open"
         assert read_topic(cluster.bootstrap, data, expected=1, timeout=10, isolation="read_committed")
         taker = transport.transactional(tid, 30)  # kept: the transport holds its producers weakly
-        assert transport.last_committed(progress, 0, tid.encode(), 30) == named
+        read = transport.read_back(progress, 0, tid.encode(), 30)
+        assert read == ReadBack(None, (Uncommitted(named, (True,)),))  # aborted, its data record committed
+        stable, end = stable_and_end(admin, progress)
+        assert stable == end, "the progress partition is open to read_committed readers again"
+        again = transport.read_back(progress, 0, tid.encode(), 30)  # a take-over that died before it sent
+        assert again == read
         taker.close()
     finally:
         transport.close()

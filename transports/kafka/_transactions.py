@@ -18,7 +18,11 @@ The last record of each transaction names the transaction's topics (header
 is fenced (it drops the commit or abort markers of partitions whose leader it does not
 know, e.g. while a restarted broker's old registration is fenced), a later producer of
 the id ends it on every partition of those topics (``end_left_open``), since its
-markers are the only ones that can still end it.
+markers are the only ones that can still end it. The last record is produced once the others'
+delivery reports came, and names where each went (header ``POSITIONS_HEADER``): when the
+broker split a commit, the markers of some partitions written and the last record's dropped,
+a read-back tells the committed records from the others (``_read_back.read_back``). It costs
+one produce round trip per transaction.
 
 The coordinator answers a commit once it has decided it, and writes the markers after.
 A commit whose markers it then drops (above: a broker killed just after it answered, and
