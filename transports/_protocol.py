@@ -221,10 +221,6 @@ class Transactions(Protocol):
         """Create ``topic`` (log compaction, the cluster's replication) unless it exists."""
         ...
 
-    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
-        """``read_back``'s ``committed``."""
-        ...
-
     def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:
         """The last committed record of ``key`` in ``topic``'s ``partition`` (read_committed), and the
         transactions of ``key`` written after it whose record of the key did not commit, each with
