@@ -87,6 +87,10 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
     keys = [f"k{i % 3}" for i in range(9)]
     publish(outbox, data, keys)
     transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    # Every broker knows the progress topic: one that does not yet answers the relay's look at its
+    # configuration with UNKNOWN_TOPIC_OR_PART, which the relay takes for a refusal.
+    wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
+               "the progress topic's configuration readable")
     real = transport.transactional
     outcomes: list[TransactionOutcome] = []
 

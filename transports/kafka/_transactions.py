@@ -34,9 +34,11 @@ writes) has its last stable offset past that record (read back after the commit,
 producer's timeout); otherwise the outcome is ``UNKNOWN``, settled like a commit never answered:
 the next producer of the id ends the transaction (``end_left_open``, its records never read) or
 finds it committed. That partition speaks for the others: a restarted broker drops all of a
-transaction's markers together, its partitions being leaderless at once (a drop on some partitions
-only, on several brokers, is ``docs/relay.md``'s known limit); and the data partitions' last stable
-offsets would also wait for other producers' open transactions there.
+transaction's markers together, its partitions being leaderless at once (on several brokers a drop
+on some partitions only, the last record's among them, is settled by the read-back, which tells the
+committed records from the others by their positions; a drop that spares the last record's partition
+is ``docs/relay.md``'s remaining limit); and the data partitions' last stable offsets would also
+wait for other producers' open transactions there.
 
 Reading back the last committed record of a key (a shard's progress) is ``_read_back``'s.
 """
