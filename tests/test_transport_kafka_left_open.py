@@ -21,10 +21,10 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from outbox.testing import LocalKafka, LocalKafkaCluster
 from tests.conftest import unavailable
-from transports import Record, TransactionOutcome
+from transports import ReadBack, Record, TransactionOutcome, Uncommitted
 from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
-from transports.kafka._transactions import TOPICS_HEADER
+from transports.kafka._transactions import TOPICS_HEADER, with_positions, with_topics
 from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
@@ -133,6 +133,86 @@ def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its
         assert sent.outcome is TransactionOutcome.COMMITTED
         assert transport.last_committed(topic, 0, tid.encode(), 30) == b"next"
         producer.close()
+    finally:
+        transport.close()
+
+
+def test_a_left_open_transaction_of_an_earlier_release_is_ended_and_read_back_as_naming_nothing(
+        cluster: LocalKafkaCluster) -> None:
+    """A progress record written before the positions header (an earlier release's relay, died
+    mid-commit) is still ended by the take-over's read-back, which gives it without positions: the
+    relay counts nothing of it and sends its rows again, as that release did."""
+    tid, topic = "outbox-left-open-4", "left-open-earlier-release"
+    admin = leave_open(cluster, tid, topic)
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 30)
+        read = transport.read_back(topic, 0, tid.encode(), 30)
+        assert read == ReadBack(b"committed", (Uncommitted(b"left open", None),))
+        stable, end = stable_and_end(admin, topic)
+        assert stable == end, "the partition is open to read_committed readers again"
+        producer.close()
+    finally:
+        transport.close()
+
+
+def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_before_the_id_commits_again(
+        cluster: LocalKafkaCluster) -> None:
+    """The coordinator decides an abort, writes the progress partition's marker and drops the data
+    partition's (its only replica killed meanwhile): the data record stays undecided. The take-over
+    read the earlier progress and sent the row again, and its producer's commit on that partition
+    (the same producer id) ended the old record too, committed: the row twice. The read-back now
+    finds that transaction after the last committed progress, its data read held at its own record,
+    and aborts it there first: nothing of it is readable, and the next commit shows only its own."""
+    tid, data, progress = "outbox-split-1", "split-abort-data", "split-abort-progress"
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    made = admin.create_topics([
+        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]]),
+        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[coordinator]],
+                 config={"cleanup.policy": "compact"})])
+    for future in made.values():
+        future.result(30)
+    cluster.leader(data, 0)
+    cluster.leader(progress, 0)
+    old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+                    "transaction.timeout.ms": 60_000, "log_level": 0})
+    old.init_transactions(60)
+    delivered: list[Any] = []
+    old.begin_transaction()
+    old.produce(data, b"row-1", b"k", 0, on_delivery=lambda _e, m: delivered.append(m))
+    assert old.flush(30) == 0
+    named = b"progress naming row-1"
+    records = with_topics([Record(data, b"row-1", key=b"k"), Record(progress, named, key=tid.encode())])
+    last = with_positions(records, delivered)[-1]
+    old.produce(progress, named, tid.encode(), 0, headers=last.headers)
+    assert old.flush(30) == 0
+    cluster.kill(victim)
+    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    wait_until(lambda: live.list_topics(data, timeout=5).topics[data].partitions[0].leader == -1, 60,
+               "the data partition without a leader")
+    old.abort_transaction(30)
+    node = next(n for n in cluster.nodes if n.node_id == coordinator)
+    wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
+               "the coordinator dropping the data marker")
+    cluster.start(victim)
+    cluster.leader(data, 0)
+    stable, end = wait_until(lambda: stable_and_end(admin, data), 30, "the data partition's offsets")
+    assert stable < end, "the broker wrote the data marker: nothing was left open"
+
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    try:
+        taker = transport.transactional(tid, 30)
+        read = transport.read_back(progress, 0, tid.encode(), 30)
+        assert read == ReadBack(None, (Uncommitted(named, (False,)),))
+        again = taker.send([Record(data, b"row-1 again", key=b"k"),
+                            Record(progress, b"progress naming row-1 again", key=tid.encode(), partition=0)])
+        assert again.outcome is TransactionOutcome.COMMITTED, again
+        seen = read_topic(cluster.bootstrap, data, expected=2, timeout=10, isolation="read_committed")
+        assert [r.value for r in seen] == [b"row-1 again"]
+        taker.close()
     finally:
         transport.close()
 
@@ -342,16 +422,16 @@ def test_a_commit_whose_broker_stops_answering_before_its_read_back_is_unknown(
         transport.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/relay.md): a take-over aborts what is left open, "
-                   "though the coordinator decided a commit some partitions already show")
 def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent(
         cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator decides a commit and writes its marker on the data partition (its leader alive)
     but drops the progress partition's (its only replica killed meanwhile). The commit is UNKNOWN (the
     progress partition does not read it back), the next producer of the id finds the progress record
-    left open and aborts it on every partition: the take-over reads the earlier progress (none here),
-    and the relay would send the row again, though read_committed readers have it already. On one
-    broker this needs a kill between two partitions' marker appends; on several, one leader's loss."""
+    left open and aborts it on every partition. The take-over read the earlier progress (none here)
+    and nothing more: the relay sent the row again, though read_committed readers had it already. The
+    read-back now also gives that transaction, with which of its records are committed (the data
+    record, read back at the offset its progress record names). On one broker this needs a kill
+    between two partitions' marker appends; on several, one leader's loss."""
     tid, data, progress = "outbox-split-0", "split-data", "split-progress"
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
     coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
@@ -388,7 +468,12 @@ def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent
         assert stable < end, "the broker wrote the progress marker: nothing was left open"
         assert read_topic(cluster.bootstrap, data, expected=1, timeout=10, isolation="read_committed")
         taker = transport.transactional(tid, 30)  # kept: the transport holds its producers weakly
-        assert transport.last_committed(progress, 0, tid.encode(), 30) == named
+        read = transport.read_back(progress, 0, tid.encode(), 30)
+        assert read == ReadBack(None, (Uncommitted(named, (True,)),))  # aborted, its data record committed
+        stable, end = stable_and_end(admin, progress)
+        assert stable == end, "the progress partition is open to read_committed readers again"
+        again = transport.read_back(progress, 0, tid.encode(), 30)  # a take-over that died before it sent
+        assert again == read
         taker.close()
     finally:
         transport.close()

@@ -7,6 +7,7 @@ implement them.
 
 from ._protocol import (
     Outcome,
+    ReadBack,
     Record,
     RevokeCallback,
     SendResult,
@@ -18,10 +19,11 @@ from ._protocol import (
     Transactions,
     Transport,
     TransportFeatures,
+    Uncommitted,
     source_features,
     transport_features,
 )
 
-__all__ = ["Outcome", "Record", "RevokeCallback", "SendResult", "Source", "SourceFeatures",
+__all__ = ["Outcome", "ReadBack", "Record", "RevokeCallback", "SendResult", "Source", "SourceFeatures",
            "TransactionOutcome", "TransactionResult", "TransactionalProducer", "Transactions",
-           "Transport", "TransportFeatures", "source_features", "transport_features"]
+           "Transport", "TransportFeatures", "Uncommitted", "source_features", "transport_features"]

@@ -167,6 +167,30 @@ class TransactionResult:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Uncommitted:
+    """A transaction of a key, after the key's last committed record, whose record of the key is not
+    committed (aborted, or left open by the broker and ended by the read: ``Transactions.read_back``).
+
+    ``value``: that record's. ``readable``: one flag per record the transaction wrote before it, in the
+    order given to ``TransactionalProducer.send``: whether a read_committed reader gets it. Some are
+    when the coordinator decided a commit and the broker wrote the markers of only some partitions.
+    None when the transaction did not say where its records went (written by an earlier release).
+    """
+
+    value: bytes
+    readable: tuple[bool, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBack:
+    """What ``Transactions.read_back`` found of a key: its last committed record's value (None if none),
+    and the transactions of the key after it that did not commit that record, oldest first."""
+
+    committed: bytes | None
+    after: tuple[Uncommitted, ...] = ()
+
+
 @runtime_checkable
 class TransactionalProducer(Protocol):
     """One ``transactional.id``'s producer: each ``send`` is one broker transaction.
@@ -197,9 +221,12 @@ class Transactions(Protocol):
         """Create ``topic`` (log compaction, the cluster's replication) unless it exists."""
         ...
 
-    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
-        """The value of the last committed record of ``key`` in ``topic``'s ``partition`` (read_committed),
-        or None (a ``partition`` beyond the topic's count wraps around, as a ``Record``'s does).
+    def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:
+        """The last committed record of ``key`` in ``topic``'s ``partition`` (read_committed), and the
+        transactions of ``key`` written after it whose record of the key did not commit, each with
+        which of its other records are committed (a ``partition`` beyond the topic's count wraps
+        around, as a ``Record``'s does). ``key`` is the transactional id of the producers writing it,
+        whose newest producer was made before the call: no transaction of the id is still under way.
 
         Reads up to everything written before the call, waiting (``timeout``) for open
         transactions ahead of it to end; raises ``RetriableTransportError`` if it cannot."""

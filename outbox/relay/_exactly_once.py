@@ -14,7 +14,9 @@ docs/guarantees.md "Exactly once on the wire"):
   which fences every earlier owner (``init_transactions``: an open transaction
   of the old owner is aborted, a commit under way completed, and anything it
   writes afterwards refused), then reads the shard's last committed progress
-  record and marks the rows it names published, without sending them;
+  record and marks the rows it names published, without sending them, and
+  those of a later transaction the broker split whose records are committed
+  (``_progress.counted``);
 - the shard's rows of a batch and one progress record (key: the
   transactional id; partition: the shard's, modulo the topic's count, so no
   other shard's open transaction holds its read back; value: the ids of the
@@ -357,8 +359,9 @@ class ExactlyOnce:
         sent_ids = [ids[i] for i in todo]
         with self._lock:
             carried = sorted(state.unmarked | set(sent_ids))
-        progress = Record(self.progress_topic, progress_value(carried, self._worker_id, state.epoch),
-                          key=self.transactional_id(shard).encode(), partition=shard)
+        value = progress_value(carried, sent_ids, self._worker_id, state.epoch)
+        progress = Record(self.progress_topic, value, key=self.transactional_id(shard).encode(),
+                          partition=shard)
         try:
             answer = state.producer.send([*(records[i] for i in todo), progress])
         except Exception as exc:

@@ -30,7 +30,8 @@ keeps up fetches a few rows a batch whatever this is; it only counts under a bac
 costs there, each in proportion: a batch's memory (no byte bound: rows x their size, twice
 for rows and records; lower it when records are large), the rows a crash sends again (up to
 three batches: the one in flight and two outcome writes), an exactly-once transaction's size
-and its progress record (two batches' ids, ``_progress.check_progress_fits``). A fleet of
+and its progress record (three batches' ids and the records' positions,
+``_progress.check_progress_fits``). A fleet of
 tenants keeps 1,000 (``TenantRelay``): its workers take tenants in turn, a batch at a time."""
 
 

@@ -44,7 +44,7 @@ from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._outage import is_database_outage
-from ._progress import ids_of
+from ._progress import counted
 
 log = safe_logger("outbox.relay")
 
@@ -104,8 +104,8 @@ class ProducerMaker:
         tid = self._transactional_id(shard)
         producer = self._transactions.transactional(tid, self._timeout, one_per_request=one_per_request)
         try:
-            ids = ids_of(self._transactions.last_committed(self._progress_topic, shard, tid.encode(),
-                                                           self._timeout))
+            ids = counted(self._transactions.read_back(self._progress_topic, shard, tid.encode(),
+                                                       self._timeout))
             held = self._confirmed(shard, state)
         except BaseException:
             producer.close()  # made again, and the progress read again, next time

@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from transports import (
+    ReadBack,
     Record,
     SendResult,
     TransactionalProducer,
@@ -171,8 +172,8 @@ class TenantTransport:
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
         self._transactions().ensure_compacted_topic(topic, partitions, timeout)
 
-    def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
-        return self._transactions().last_committed(topic, partition, key, timeout)
+    def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:
+        return self._transactions().read_back(topic, partition, key, timeout)
 
     def _transactions(self) -> Transactions:
         return exactly_once_transport(self._workers.transports[0])

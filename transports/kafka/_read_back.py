@@ -20,6 +20,16 @@ is held there and the record there is the key's own (its id's producer was made
 anew: no transaction of the id can still be under way), ``settle`` is given the
 topics that transaction wrote (``TOPICS_HEADER``); the new producer aborts it
 everywhere (``KafkaTransactionalProducer.end_left_open``) and the read goes on.
+
+On several brokers the coordinator can write a commit's markers on some partitions and drop
+the others' (their leader lost): the key's record left open, aborted above, while records of
+the same transaction on other partitions are committed, on the wire for read_committed
+readers. ``read_back`` therefore also gives every transaction of the key after its last
+committed record (read uncommitted: aborted, or left open and now ended) with which of its
+records are committed: its last record names the partition and offset of each
+(``POSITIONS_HEADER``), read back read_committed once everything there is decided. A data
+partition held at that very record (its own marker dropped) is ended the same way. Records an
+earlier release wrote name no positions: nothing of them is known committed.
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from .._errors import ConfigurationError, RetriableTransportError
+from .._protocol import ReadBack, Uncommitted
 from ._admin import ADMIN, connection_settings
-from ._transactions import TOPICS_HEADER
+from ._transactions import POSITIONS_HEADER, TOPICS_HEADER, positions_of
 
 log = logging.getLogger("transports.kafka")
 
@@ -48,6 +59,9 @@ HELD_FOR = 2.0
 
 Settle = Callable[[Sequence[str]], None]
 """Ends, with the key's own producer, a transaction of the key left open on the topics given."""
+
+SettleAt = Callable[[str, int], None]
+"""Ends, with the key's own producer, a transaction of the key left open on the one partition given."""
 
 
 NO_ANSWER = "no answer in time"
@@ -136,6 +150,18 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
     ``settle``: how a transaction of ``key`` left open is ended; without it such a
     transaction makes the read fail (``RetriableTransportError``) instead of waiting it out.
     """
+    return read_back(config, topic, partition, key, timeout, settle, after=False).committed
+
+
+def read_back(config: Mapping[str, Any], topic: str, partition: int, key: bytes, timeout: float,
+              settle: Settle | None = None, settle_at: SettleAt | None = None, *,
+              after: bool = True) -> ReadBack:
+    """``last_committed``, and the transactions of ``key`` written after that record whose own record
+    of ``key`` did not commit, each with which of its other records are committed (``_positions``).
+
+    ``settle_at``: how the key's transaction left open on a partition it wrote is ended (its
+    progress record decided, a data partition's marker dropped); without it the read fails there.
+    """
     deadline = time.monotonic() + timeout
     settings = connection_settings(config)
     admin = AdminClient({**settings, **ADMIN})
@@ -144,17 +170,20 @@ def last_committed(config: Mapping[str, Any], topic: str, partition: int, key: b
                          "isolation.level": "read_committed", "enable.partition.eof": True,
                          "fetch.wait.max.ms": 10, "log_level": 0})
     held = _Held(settings, tp, key, settle, deadline)
+    committed: tuple[bytes | None, int] | None = None
     try:
-        window = WINDOW
-        while end > start:
-            low = max(start, end - window)
-            found = _last_of(consumer, tp, key, low, end, held)
-            if found is not None:
-                return found
-            end, window = low, window * 4
-        return None
+        window, top = WINDOW, end
+        while top > start and committed is None:
+            low = max(start, top - window)
+            committed = _last_of(consumer, tp, key, low, top, held)
+            top, window = low, window * 4
     finally:
         consumer.close()
+    since = start if committed is None else committed[1] + 1
+    later = _uncommitted(settings, tp, key, since, end, deadline) if after and since < end else []
+    found = tuple(Uncommitted(value, _positions(settings, headers, settle_at, deadline))
+                  for value, headers in later)
+    return ReadBack(None if committed is None else committed[0], found)
 
 
 def _bounds(admin: AdminClient, topic: str, partition: int,
@@ -189,10 +218,11 @@ def _bounds(admin: AdminClient, topic: str, partition: int,
 
 
 def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: int,
-             held: _Held) -> bytes | None:
-    """The last committed record of ``key`` at offsets ``low`` to ``end`` (excluded), or None."""
+             held: _Held) -> tuple[bytes | None, int] | None:
+    """The last committed record of ``key`` at offsets ``low`` to ``end`` (excluded), with its offset,
+    or None."""
     consumer.assign([TopicPartition(tp.topic, tp.partition, low)])
-    last: bytes | None = None
+    last: tuple[bytes | None, int] | None = None
     while True:
         if time.monotonic() >= held.deadline:
             raise RetriableTransportError(
@@ -214,9 +244,134 @@ def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: 
         if offset >= end:
             return last
         if message.key() == key:
-            last = message.value()
+            last = (message.value(), offset)
         if offset == end - 1:
             return last
+
+
+def _uncommitted(settings: Mapping[str, Any], tp: TopicPartition, key: bytes, since: int, end: int,
+                 deadline: float) -> list[tuple[bytes, list[tuple[str, bytes]]]]:
+    """The records of ``key`` at offsets ``since`` to ``end`` (excluded), read uncommitted: past the
+    key's last committed record, each is a transaction of the key that did not commit it (the read
+    of ``end`` waited until everything before it ended). Their values and headers, oldest first."""
+    consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_uncommitted", "enable.partition.eof": True,
+                         "fetch.wait.max.ms": 10, "log_level": 0})
+    found: list[tuple[bytes, list[tuple[str, bytes]]]] = []
+    try:
+        consumer.assign([TopicPartition(tp.topic, tp.partition, since)])
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is None:
+                continue
+            error, offset = message.error(), message.offset() or 0
+            if error is not None and error.code() != KafkaError._PARTITION_EOF:
+                raise RetriableTransportError(f"cannot read {tp.topic}: {error.str()}")
+            value = message.value()
+            if error is None and offset < end and message.key() == key and value:
+                raw: Any = message.headers() or []
+                headers = [(n, v) for n, v in raw if isinstance(v, bytes)]
+                found.append((value, headers))
+            if offset >= end - 1 and (error is None or offset >= end):
+                return found
+        raise RetriableTransportError(f"could not read {tp.topic}[{tp.partition}] to offset {end} in time")
+    finally:
+        consumer.close()
+
+
+def _positions(settings: Mapping[str, Any], headers: list[tuple[str, bytes]], settle_at: SettleAt | None,
+               deadline: float) -> tuple[bool, ...] | None:
+    """Which of a transaction's records (before its last) a read_committed reader gets, from its last
+    record's ``headers``; None if they do not say where the records went (an earlier release's).
+
+    The transaction's records on one partition share its marker there: the first one's offset is
+    read back read_committed. Read there, it is committed; passed (aborted, or gone: compacted or
+    deleted since), it is not, and its row is sent again. A read held exactly at that offset is held
+    by that very transaction, left open there by the broker: it is ended (``settle_at``), never read.
+    """
+    named = dict(headers)
+    if POSITIONS_HEADER not in named or TOPICS_HEADER not in named:
+        return None
+    try:
+        partitions, places = positions_of(named[TOPICS_HEADER], named[POSITIONS_HEADER])
+    except (ValueError, IndexError, UnicodeDecodeError):
+        log.warning("a progress record's %s header is unreadable: its transaction's records are taken "
+                    "for not committed", POSITIONS_HEADER)
+        return None
+    if not partitions:
+        return ()
+    readable = _committed_at(settings, partitions, settle_at, deadline)
+    return tuple(readable[partitions[p]] for p in places)
+
+
+def _committed_at(settings: Mapping[str, Any], partitions: list[tuple[str, int, int]],
+                  settle_at: SettleAt | None, deadline: float) -> dict[tuple[str, int, int], bool]:
+    """Whether the record at each (topic, partition, offset) is read committed (``_positions``)."""
+    consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "enable.partition.eof": True,
+                         "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10, "log_level": 0})
+    wanted = {(t, p): o for t, p, o in partitions}
+    decided: dict[tuple[str, int], bool] = {}
+    held = _HeldAt(wanted, settle_at)
+    try:
+        consumer.assign([TopicPartition(t, p, o) for (t, p), o in wanted.items()])
+        while len(decided) < len(wanted):
+            if time.monotonic() >= deadline:
+                left = ", ".join(f"{t}[{p}]" for t, p in sorted(set(wanted) - set(decided)))
+                raise RetriableTransportError(f"could not read a transaction's records back in time on "
+                                              f"{left}: open transactions hold read_committed readers there")
+            message = consumer.poll(0.2)
+            held.still(decided)
+            if message is None:
+                continue
+            where = (message.topic(), message.partition())
+            if where not in wanted or where in decided:
+                continue
+            error, offset = message.error(), message.offset() or 0
+            if error is None:
+                decided[where] = offset == wanted[where]  # passed: that record is not committed
+            elif error.code() == KafkaError._PARTITION_EOF:
+                if offset > wanted[where]:
+                    decided[where] = False
+                elif offset == wanted[where]:
+                    held.at(where)
+            elif error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
+                                  KafkaError._UNKNOWN_PARTITION):
+                decided[where] = False  # gone with its topic
+            else:
+                raise RetriableTransportError(f"cannot read {where[0]}: {error.str()}")
+    finally:
+        consumer.close()
+    return {(t, p, o): decided[(t, p)] for t, p, o in partitions}
+
+
+class _HeldAt:
+    """Read-backs held at the very record they read: its partition's last stable offset is that
+    record's, so the transaction open there is the record's own, its producer fenced (the read's
+    caller made a new one of the id), left open by the broker. After ``HELD_FOR`` s it is ended."""
+
+    def __init__(self, wanted: Mapping[tuple[str, int], int], settle_at: SettleAt | None) -> None:
+        self._wanted, self._settle_at = wanted, settle_at
+        self._since: dict[tuple[str, int], float] = {}
+        self._ended: set[tuple[str, int]] = set()
+
+    def at(self, where: tuple[str, int]) -> None:
+        self._since.setdefault(where, time.monotonic())
+
+    def still(self, decided: Mapping[tuple[str, int], bool]) -> None:
+        now = time.monotonic()
+        for where, since in list(self._since.items()):
+            if where in decided or where in self._ended or now - since < HELD_FOR:
+                continue
+            topic, partition = where
+            at = f"{topic}[{partition}] at offset {self._wanted[where]}"
+            if self._settle_at is None:
+                raise RetriableTransportError(f"a transaction of this id is left open on {at} though its "
+                                              f"producer was fenced (the broker dropped its marker)")
+            log.warning("a transaction was left open by the broker on %s (its marker dropped): aborted "
+                        "there", at)
+            self._settle_at(topic, partition)
+            self._ended.add(where)
 
 
 class _Held:

@@ -18,7 +18,11 @@ The last record of each transaction names the transaction's topics (header
 is fenced (it drops the commit or abort markers of partitions whose leader it does not
 know, e.g. while a restarted broker's old registration is fenced), a later producer of
 the id ends it on every partition of those topics (``end_left_open``), since its
-markers are the only ones that can still end it.
+markers are the only ones that can still end it. The last record is produced once the others'
+delivery reports came, and names where each went (header ``POSITIONS_HEADER``): when the
+broker split a commit, the markers of some partitions written and the last record's dropped,
+a read-back tells the committed records from the others (``_read_back.read_back``). It costs
+one produce round trip per transaction.
 
 The coordinator answers a commit once it has decided it, and writes the markers after.
 A commit whose markers it then drops (above: a broker killed just after it answered, and
@@ -30,9 +34,11 @@ writes) has its last stable offset past that record (read back after the commit,
 producer's timeout); otherwise the outcome is ``UNKNOWN``, settled like a commit never answered:
 the next producer of the id ends the transaction (``end_left_open``, its records never read) or
 finds it committed. That partition speaks for the others: a restarted broker drops all of a
-transaction's markers together, its partitions being leaderless at once (a drop on some partitions
-only, on several brokers, is ``docs/relay.md``'s known limit); and the data partitions' last stable
-offsets would also wait for other producers' open transactions there.
+transaction's markers together, its partitions being leaderless at once (on several brokers a drop
+on some partitions only, the last record's among them, is settled by the read-back, which tells the
+committed records from the others by their positions; a drop that spares the last record's partition
+is ``docs/relay.md``'s remaining limit); and the data partitions' last stable offsets would also
+wait for other producers' open transactions there.
 
 Reading back the last committed record of a key (a shard's progress) is ``_read_back``'s.
 """
@@ -40,7 +46,7 @@ Reading back the last committed record of a key (a shard's progress) is ``_read_
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from typing import Any
@@ -76,6 +82,10 @@ DECIDED_AT_LEAST = 1.0
 
 TOPICS_HEADER = "outbox-txn-topics"
 """Header of a transaction's last record: the topics the transaction writes, comma-separated."""
+
+POSITIONS_HEADER = "outbox-txn-positions"
+"""Header of a transaction's last record: the partition and offset of each of its other records
+(``with_positions``), so a read-back can tell which are committed when the broker split it."""
 
 
 class KafkaTransactionalProducer:
@@ -123,17 +133,40 @@ class KafkaTransactionalProducer:
     def send(self, records: Sequence[Record]) -> TransactionResult:
         """Write ``records`` in one transaction; its outcome and one result per record.
 
-        The last record carries ``TOPICS_HEADER`` (module doc)."""
+        The last record carries ``TOPICS_HEADER`` and ``POSITIONS_HEADER`` (module doc): it is
+        produced once the others' delivery reports came."""
         producer = self._producer
         records = with_topics(records)
         try:
             producer.begin_transaction()
         except KafkaException as exc:
             return self._ended(exc.args[0], len(records))
+        deadline = time.monotonic() + self._timeout
         reports: dict[int, tuple[KafkaError | None, Any]] = {}
-        refused: dict[int, SendResult] = {}
         counts: dict[str, int | SendResult] = {}
-        for i, record in enumerate(records):
+        refused = self._produce(records, range(len(records) - 1), reports, counts)
+        if refused:  # not all of it could even be produced: the transaction cannot commit
+            return self._abort(len(records), reports, refused, None)
+        if len(records) > 1:
+            failure = self._delivered(reports, deadline, len(records))
+            if failure is not None:
+                return failure if isinstance(failure, TransactionResult) else self._abort(
+                    len(records), reports, {}, failure)
+            records = with_positions(records, [reports[i][1] for i in range(len(records) - 1)])
+        refused = self._produce(records, [len(records) - 1], reports, counts)
+        if refused:
+            return self._abort(len(records), reports, refused, None)
+        return self._commit(len(records), reports, deadline)
+
+    def _produce(self, records: Sequence[Record], indexes: Iterable[int],
+                 reports: dict[int, tuple[KafkaError | None, Any]],
+                 counts: dict[str, int | SendResult]) -> dict[int, SendResult]:
+        """Produce ``records[i]`` for each of ``indexes`` (their reports go to ``reports``); the first
+        one that could not even be produced, with why."""
+        producer = self._producer
+        refused: dict[int, SendResult] = {}
+        for i in indexes:
+            record = records[i]
             partition = (key_partition(record, counts, self._partitions) if record.partition is None
                          else self._chosen(record, counts))
             if isinstance(partition, SendResult):
@@ -162,20 +195,12 @@ class KafkaTransactionalProducer:
                 refused[i] = SendResult(Outcome.FAILED, error=f"producer refused the record: {exc}")
             if refused:
                 break
-        if refused:  # not all of it could even be produced: the transaction cannot commit
-            return self._abort(len(records), reports, refused, None)
-        return self._commit(len(records), reports)
+        return refused
 
-    def _chosen(self, record: Record, counts: dict[str, int | SendResult]) -> int | SendResult:
-        """The partition a record names, modulo its topic's partition count."""
-        count = counts.get(record.topic)
-        if count is None:
-            count = counts[record.topic] = self._partitions(record.topic)
-        return count if isinstance(count, SendResult) else (record.partition or 0) % count
-
-    def _commit(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]]) -> TransactionResult:
-        """Wait for the records' reports; abort at the first error (it dooms the transaction), else commit."""
-        deadline = time.monotonic() + self._timeout
+    def _delivered(self, reports: dict[int, tuple[KafkaError | None, Any]], deadline: float,
+                   count: int) -> KafkaError | TransactionResult | None:
+        """Wait for every produced record's report; the first error (it dooms the transaction), or the
+        transaction's end if the producer cannot go on, or None once all were delivered."""
         try:
             while len(self._producer) and time.monotonic() < deadline:
                 self._producer.flush(min(FLUSH_STEP, max(0.0, deadline - time.monotonic())))
@@ -185,8 +210,24 @@ class KafkaTransactionalProducer:
             return self._ended(exc.args[0], count)
         failures = [error for error, _ in list(reports.values()) if error is not None]
         if failures or len(self._producer):
-            cause = failures[0] if failures else KafkaError(KafkaError._TIMED_OUT, "no report in time")
-            return self._abort(count, reports, {}, cause)
+            return failures[0] if failures else KafkaError(KafkaError._TIMED_OUT, "no report in time")
+        return None
+
+    def _chosen(self, record: Record, counts: dict[str, int | SendResult]) -> int | SendResult:
+        """The partition a record names, modulo its topic's partition count."""
+        count = counts.get(record.topic)
+        if count is None:
+            count = counts[record.topic] = self._partitions(record.topic)
+        return count if isinstance(count, SendResult) else (record.partition or 0) % count
+
+    def _commit(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
+                deadline: float) -> TransactionResult:
+        """Wait for the records' reports; abort at the first error (it dooms the transaction), else commit."""
+        failure = self._delivered(reports, deadline, count)
+        if isinstance(failure, TransactionResult):
+            return failure
+        if failure is not None:
+            return self._abort(count, reports, {}, failure)
         while True:
             try:
                 self._producer.commit_transaction(max(0.1, deadline - time.monotonic()))
@@ -365,6 +406,47 @@ def with_topics(records: Sequence[Record]) -> Sequence[Record]:
     last = records[-1]
     headers = [(n, v) for n, v in last.headers if n != TOPICS_HEADER] + [(TOPICS_HEADER, topics)]
     return [*records[:-1], replace(last, headers=headers)]
+
+
+def with_positions(records: Sequence[Record], delivered: Sequence[Any]) -> Sequence[Record]:
+    """``records``, the last one carrying ``POSITIONS_HEADER``: where each of the others went.
+
+    ``delivered``: their delivery reports' messages, in order. The value names each partition
+    written, ``topic/partition/offset`` (the topic by its place in ``TOPICS_HEADER``'s sorted list,
+    the offset the transaction's first record there), then, after ``;``, each record's partition
+    by its place in that list: ``0/3/1200,1/0/87;0,0,1``.
+    """
+    topics = {t: i for i, t in enumerate(sorted({r.topic for r in records}))}
+    places: dict[tuple[str, int], int] = {}
+    firsts: list[str] = []
+    order: list[str] = []
+    for message in delivered:
+        where = (message.topic(), message.partition())
+        place = places.get(where)
+        if place is None:  # the first of the partition's in produce order: its lowest offset there
+            place = places[where] = len(firsts)
+            firsts.append(f"{topics[where[0]]}/{where[1]}/{message.offset()}")
+        order.append(str(place))
+    last = records[-1]
+    headers = [(n, v) for n, v in last.headers if n != POSITIONS_HEADER]
+    headers.append((POSITIONS_HEADER, f"{','.join(firsts)};{','.join(order)}".encode()))
+    return [*records[:-1], replace(last, headers=headers)]
+
+
+def positions_of(topics: bytes, positions: bytes) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """A ``POSITIONS_HEADER``'s partitions (topic, partition, the transaction's first offset there),
+    and each record's partition by its place among them (``topics``: the ``TOPICS_HEADER`` beside it).
+    Raises ``ValueError`` if it is not one."""
+    names = sorted(t for t in topics.decode().split(",") if t)
+    firsts, _, order = positions.decode().partition(";")
+    partitions = []
+    for first in filter(None, firsts.split(",")):
+        topic, partition, offset = first.split("/")
+        partitions.append((names[int(topic)], int(partition), int(offset)))
+    places = [int(p) for p in order.split(",") if p]
+    if any(not 0 <= p < len(partitions) for p in places):
+        raise ValueError(f"a record's partition is not among the {len(partitions)} named")
+    return partitions, places
 
 
 def _retry(count: int, error: str, unreachable: bool = False) -> list[SendResult]:

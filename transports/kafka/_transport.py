@@ -57,13 +57,13 @@ from confluent_kafka.admin import AdminClient, ClusterMetadata
 
 from transports._errors import ConfigurationError
 
-from .._protocol import Outcome, Record, SendResult, TransportFeatures
+from .._protocol import Outcome, ReadBack, Record, SendResult, TransportFeatures
 from .._refusals import NOT_SENT_ALONE, resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
 from ._admin import ADMIN, connection_settings
 from ._logging import ClientErrors, LibrdkafkaLog
-from ._read_back import ensure_compacted_topic, last_committed
+from ._read_back import ensure_compacted_topic, last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 from ._transactions import KafkaTransactionalProducer
 
@@ -537,6 +537,18 @@ class KafkaTransport:
         settle = None if producer is None else (
             lambda topics: producer.end_left_open(topics, (topic, self._partition_of(topic, partition))))
         return last_committed(self._config, topic, partition, key, timeout, settle)
+
+    def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:
+        """``_read_back.read_back``; what the broker left open of ``key``'s transactions is ended as in
+        ``last_committed``, each partition by itself where only that one is."""
+        producer = self._made.get(key.decode(errors="replace"))
+        if producer is None:
+            return read_back(self._config, topic, partition, key, timeout)
+        made = producer  # the newest of the id when the read began
+        return read_back(
+            self._config, topic, partition, key, timeout,
+            lambda topics: made.end_left_open(topics, (topic, self._partition_of(topic, partition))),
+            lambda at, number: made.end_left_open((), (at, number)))
 
     def _partition_of(self, topic: str, partition: int) -> int:
         """``partition`` modulo ``topic``'s partition count, as a ``Record``'s."""

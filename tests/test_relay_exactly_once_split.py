@@ -1,0 +1,134 @@
+"""A commit the broker splits, proved through a relay on three Apache Kafka nodes.
+
+The coordinator decides a shard's commit, writes its marker on the data partition (its leader
+alive) and drops the progress partition's (its only replica killed meanwhile). The relay's
+commit check does not read the progress back: UNKNOWN, settled by the next producer of the id.
+That producer's take-over found the progress record left open, aborted it and read the earlier
+one (none): the relay sent every row of the batch again, though read_committed readers had them
+(``docs/relay.md``, "Limits"). Now the take-over reads the data records back at the offsets the
+progress record names and counts the committed ones as sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _relay_helpers import publish, rows, seqs_by_key, wait_for
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from outbox import Outbox, Relay, create_engine
+from outbox.testing import LocalKafkaCluster
+from tests.conftest import unavailable
+from tests.test_transport_kafka_left_open import _KilledAtCommit, coordinator_partition, wait_until
+from transports import TransactionOutcome
+from transports.kafka import KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
+
+MESSAGE_ID = "outbox-message-id"
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalKafkaCluster]:
+    try:
+        nodes = LocalKafkaCluster()
+    except FileNotFoundError as exc:
+        unavailable(str(exc))
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
+def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
+        cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Without the read-back each of the batch's rows is on the wire twice (the take-over sent them
+    again); with it each is there once, every row published, the take-over's count logged."""
+    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", 10.0)
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    tid = f"outbox-{outbox.load_schema(engine).incarnation}-0"  # type: ignore[arg-type]
+    data, progress = "split-relay-rows", "split-relay-progress"
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    made = admin.create_topics([
+        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[coordinator]]),
+        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]],
+                 config={"cleanup.policy": "compact"})])
+    for future in made.values():
+        future.result(30)
+    cluster.leader(data, 0)
+    cluster.leader(progress, 0)
+    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    node = next(n for n in cluster.nodes if n.node_id == coordinator)
+    restarted = threading.Event()
+
+    def kill_the_progress_replica() -> None:
+        cluster.kill(victim)
+        wait_until(lambda: live.list_topics(progress, timeout=5).topics[progress].partitions[0].leader == -1,
+                   60, "the progress partition without a leader")
+
+    def restart_once_the_marker_is_dropped() -> None:
+        wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
+                   "the coordinator dropping the progress marker")
+        cluster.start(victim)
+        restarted.set()
+
+    keys = [f"k{i % 3}" for i in range(9)]
+    publish(outbox, data, keys)
+    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    # Every broker knows the progress topic: one that does not yet answers the relay's look at its
+    # configuration with UNKNOWN_TOPIC_OR_PART, which the relay takes for a refusal.
+    wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
+               "the progress topic's configuration readable")
+    real = transport.transactional
+    outcomes: list[TransactionOutcome] = []
+
+    def transactional(*args: Any, **kwargs: Any) -> Any:
+        producer = real(*args, **kwargs)
+        real_send = producer.send
+        if not outcomes:  # the relay's first producer: its commit is split
+            after = lambda: threading.Thread(target=restart_once_the_marker_is_dropped).start()  # noqa: E731
+            monkeypatch.setattr(producer, "_producer",
+                                _KilledAtCommit(producer._producer, kill_the_progress_replica, after))
+
+        def send(records: Any) -> Any:
+            answer = real_send(records)
+            outcomes.append(answer.outcome)
+            return answer
+
+        producer.send = send  # type: ignore[method-assign]
+        return producer
+
+    monkeypatch.setattr(transport, "transactional", transactional)
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress, worker_id="w")
+    try:
+        wait_for(lambda: (relay.run_once(), bool(outcomes))[1], 120, "the first transaction's answer",
+                 interval=0.0)
+        assert outcomes == [TransactionOutcome.UNKNOWN]
+        assert restarted.wait(60), "the progress replica was not restarted"
+        wait_for(lambda: (relay.run_once(), not rows(outbox, status="pending"))[1], 120,
+                 "every row published", interval=0.0)
+    finally:
+        relay.close()
+    on_wire = read_topic(cluster.bootstrap, data, expected=len(keys), settle=2.0, isolation="read_committed")
+    copies = Counter(dict(r.headers)[MESSAGE_ID] for r in on_wire)
+    assert max(copies.values()) == 1, f"{sum(copies.values()) - len(copies)} rows sent twice"
+    assert len(copies) == len(keys)
+    assert seqs_by_key(on_wire) == {k.encode(): [1, 2, 3] for k in set(keys)}
+    assert {r.status for r in rows(outbox)} == {"published"}
+    assert any("was left open by the broker" in r.getMessage() for r in caplog.records)
+    assert any(f"{len(keys)} rows a transaction had committed marked published" in r.getMessage()
+               for r in caplog.records)
+    engine.dispose()
