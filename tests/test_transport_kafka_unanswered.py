@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox import RetriableTransportError
 from transports.kafka import KafkaTransport
@@ -59,7 +60,7 @@ def test_the_progress_partitions_bounds_unanswered_are_an_outage(transport: Kafk
 
 
 def test_the_progress_topics_configuration_unanswered_is_an_outage(transport: KafkaTransport) -> None:
-    with pytest.raises(RetriableTransportError, match="configuration: no answer in time"):
+    with pytest.raises(RetriableTransportError, match="configuration of topic 'progress': no answer in time"):
         transport.ensure_compacted_topic("progress", 4, 0.2)  # found: its configuration is read
 
 
@@ -68,4 +69,22 @@ def test_the_progress_topics_creation_unanswered_is_an_outage(
     monkeypatch.setattr(Unanswered, "list_topics",
                         lambda self, topic, timeout: SimpleNamespace(topics={}))  # not there yet
     with pytest.raises(RetriableTransportError, match="cannot create topic 'progress': no answer in time"):
+        transport.ensure_compacted_topic("progress", 4, 0.2)
+
+
+def test_a_progress_topic_its_broker_does_not_know_yet_is_an_outage_not_a_refusal(
+        transport: KafkaTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found, or its creation refused as existing (another relay made it a moment before), and the
+    broker asked for its configuration does not know it yet: UNKNOWN_TOPIC_OR_PART is a wait, not
+    the ``ConfigurationError`` ("needs DescribeConfigs") that stops a relay at its start (seen on
+    three nodes right after the topic was made)."""
+    def unknown(self: Unanswered, resources: list[Any], **_: Any) -> dict[Any, Future[Any]]:
+        futures: dict[Any, Future[Any]] = {}
+        for resource in resources:
+            future: Future[Any] = Future()
+            future.set_exception(KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)))
+            futures[resource] = future
+        return futures
+    monkeypatch.setattr(Unanswered, "describe_configs", unknown)
+    with pytest.raises(RetriableTransportError, match="configuration of topic 'progress': Broker: Unknown topic or partition"):
         transport.ensure_compacted_topic("progress", 4, 0.2)

@@ -120,13 +120,16 @@ def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str
     try:
         found = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
     except TimeoutError:
-        raise RetriableTransportError(f"cannot read topic {topic!r}'s configuration: {NO_ANSWER}") from None
+        raise RetriableTransportError(f"cannot read the configuration of topic {topic!r}: {NO_ANSWER}") from None
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
-        if error.retriable() or error.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT):
+        # The topic exists (found, or its creation refused as existing): a broker that does not know
+        # it yet (just made, its metadata not there) says UNKNOWN_TOPIC_OR_PART, as do others' races.
+        if error.retriable() or error.code() in (KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
+                                                 KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise RetriableTransportError(
-                f"cannot read topic {topic!r}'s configuration: {error.str()}") from None
-        raise ConfigurationError(f"cannot read progress topic {topic!r}'s configuration ({error.str()}): "
+                f"cannot read the configuration of topic {topic!r}: {error.str()}") from None
+        raise ConfigurationError(f"cannot read the configuration of progress topic {topic!r} ({error.str()}): "
                                  "the relay needs DescribeConfigs on it") from None
     policy = found["cleanup.policy"].value if "cleanup.policy" in found else "delete"
     policies = {p.strip() for p in policy.split(",")}
