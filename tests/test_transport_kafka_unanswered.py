@@ -86,5 +86,6 @@ def test_a_progress_topic_its_broker_does_not_know_yet_is_an_outage_not_a_refusa
             futures[resource] = future
         return futures
     monkeypatch.setattr(Unanswered, "describe_configs", unknown)
-    with pytest.raises(RetriableTransportError, match="configuration of topic 'progress': Broker: Unknown topic or partition"):
+    with pytest.raises(RetriableTransportError,
+                       match="configuration of topic 'progress': Broker: Unknown topic or partition"):
         transport.ensure_compacted_topic("progress", 4, 0.2)

@@ -120,7 +120,8 @@ def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str
     try:
         found = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
     except TimeoutError:
-        raise RetriableTransportError(f"cannot read the configuration of topic {topic!r}: {NO_ANSWER}") from None
+        raise RetriableTransportError(
+            f"cannot read the configuration of topic {topic!r}: {NO_ANSWER}") from None
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         # The topic exists (found, or its creation refused as existing): a broker that does not know
@@ -129,8 +130,8 @@ def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str
                                                  KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise RetriableTransportError(
                 f"cannot read the configuration of topic {topic!r}: {error.str()}") from None
-        raise ConfigurationError(f"cannot read the configuration of progress topic {topic!r} ({error.str()}): "
-                                 "the relay needs DescribeConfigs on it") from None
+        raise ConfigurationError(f"cannot read the configuration of progress topic {topic!r} "
+                                 f"({error.str()}): the relay needs DescribeConfigs on it") from None
     policy = found["cleanup.policy"].value if "cleanup.policy" in found else "delete"
     policies = {p.strip() for p in policy.split(",")}
     retention = {name: found[name].value for name in ("retention.ms", "retention.bytes") if name in found}
