@@ -291,8 +291,9 @@ def _why_missing(run: Run, kafka: str, source: _Watched, inbox: Inbox, missing: 
     """Where the missing messages are, for the failure's message: which component kept them.
 
     The relay's record of each (status, partition, offset), the broker's view of those
-    partitions (leader, watermarks), the consumer's (assignment, position, group state) and
-    the inbox's tables (recorded, held, parked). Never raises: a diagnosis that fails says so.
+    partitions (leader, watermarks, committed offsets), the consumer's (assignment, group
+    state, librdkafka's fetch state and next offset) and the inbox's tables (recorded, held,
+    parked). Never raises: a diagnosis that fails says so.
     """
     lines: list[str] = []
 
@@ -319,9 +320,9 @@ def _why_missing(run: Run, kafka: str, source: _Watched, inbox: Inbox, missing: 
     say("assigned (all)", lambda: len(source.assigned()))
     say("group (join, coordinator, rejoins, losses)", lambda: (
         source._join_state, source._coordinator_state, source.rejoins, source.lost_assignments()))
-    # In a thread of its own: confluent-kafka lets one call at a time into a consumer, and the
-    # inbox's poll (or an offset commit left waiting) may hold it (transports/kafka/_commit.py).
-    say("consumer's positions", lambda: _within(10, lambda: _offsets(source._consumer.position(places))))
+    # Not Consumer.position(): confluent-kafka lets one call at a time into a consumer, and the
+    # inbox's poll holds it (a forced timeout's position() had no answer in 10 s); librdkafka's
+    # statistics below say the same (next offset) without entering it.
     stats = source.statistics
     say("librdkafka's partitions (fetch state, leader, next offset, high watermark, queued)", lambda: {
         (tp.topic, tp.partition): tuple(part[k] for k in ("fetch_state", "leader", "next_offset", "hi_offset",
@@ -348,27 +349,6 @@ def _why_missing(run: Run, kafka: str, source: _Watched, inbox: Inbox, missing: 
 
 def _offsets(partitions: list[TopicPartition]) -> list[tuple[str, int, int]]:
     return [(tp.topic, tp.partition, tp.offset) for tp in partitions]
-
-
-def _within(seconds: float, find: Any) -> Any:
-    """``find()``, or TimeoutError when it has not returned within ``seconds`` (it is left running)."""
-    found: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            found.append(find())
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if failed:
-        raise failed[0]
-    if not found:
-        raise TimeoutError(f"no answer within {seconds:g}s")
-    return found[0]
 
 
 def read_back(run: Run) -> None:
