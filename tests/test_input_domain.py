@@ -24,6 +24,7 @@ so a red run repeats; ``HYPOTHESIS_PROFILE=release`` for the longer run).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import uuid
@@ -35,6 +36,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import wait_for
+from confluent_kafka import Consumer, TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -243,8 +245,8 @@ def consume_all(run: Run, kafka: str) -> None:
     topics = sorted({sent.topic for sent in run.sent.values()})
     for topic in topics:
         inbox.handler(topic)(lambda session, message: seen.__setitem__(message.message_id, message))
-    source = KafkaSource(bootstrap_servers=kafka, group_id=inbox.group, topics=topics,
-                         **TEST_CONSUMER_SETTINGS)
+    source = _Watched(bootstrap_servers=kafka, group_id=inbox.group, topics=topics,
+                      **TEST_CONSUMER_SETTINGS)
     errors: list[BaseException] = []
 
     def consume() -> None:
@@ -261,7 +263,8 @@ def consume_all(run: Run, kafka: str) -> None:
     except AssertionError as exc:
         missing = Counter(sent.topic for message_id, sent in run.sent.items() if message_id not in seen)
         raise AssertionError(f"{exc}: {sum(missing.values())} of {len(run.sent)} missing, by topic "
-                             f"{dict(missing.most_common(5))!r} of {len(topics)} topics") from None
+                             f"{dict(missing.most_common(5))!r} of {len(topics)} topics\n"
+                             + _why_missing(run, kafka, source, inbox, set(run.sent) - set(seen))) from None
     finally:
         inbox.stop()
         thread.join(60)
@@ -271,6 +274,81 @@ def consume_all(run: Run, kafka: str) -> None:
         message = seen[message_id]
         assert (message.topic, message.key, message.headers) == (sent.topic, sent.key, sent.headers)
         run.check_payload(sent, message.payload, message.content_type)
+
+
+class _Watched(KafkaSource):
+    """A ``KafkaSource`` that keeps librdkafka's latest statistics, for ``_why_missing``."""
+
+    statistics: dict[str, Any] = {}  # replaced, never changed in place
+
+    def _statistics(self, text: str) -> None:
+        with contextlib.suppress(ValueError):
+            self.statistics = json.loads(text)
+        super()._statistics(text)
+
+
+def _why_missing(run: Run, kafka: str, source: _Watched, inbox: Inbox, missing: set[uuid.UUID]) -> str:
+    """Where the missing messages are, for the failure's message: which component kept them.
+
+    The relay's record of each (status, partition, offset), the broker's view of those
+    partitions (leader, watermarks, committed offsets), the consumer's (assignment, group
+    state, librdkafka's fetch state and next offset) and the inbox's tables (recorded, held,
+    parked). Never raises: a diagnosis that fails says so.
+    """
+    lines: list[str] = []
+
+    def say(what: str, find: Any) -> None:
+        try:
+            lines.append(f"{what}: {find()}")
+        except Exception as exc:  # a diagnosis, not the failure
+            lines.append(f"{what}: unknown ({type(exc).__name__}: {exc})")
+
+    m, t = run.outbox.tables.messages, run.outbox.tables
+    ids = sorted(missing)[:20]
+    with run.engine.connect() as conn:
+        stored = conn.execute(sa.select(m.c.message_id, m.c.topic, m.c.status, m.c.kafka_partition,
+                                        m.c.kafka_offset).where(m.c.message_id.in_(ids))).all()
+        say("relayed as", lambda: [(r.topic, r.status, r.kafka_partition, r.kafka_offset) for r in stored])
+        for name, table in (("recorded", t.inbox_messages), ("held", t.inbox_held),
+                            ("parked", t.inbox_parked)):
+            say(f"inbox {name}", lambda table=table: conn.execute(sa.select(table.c.topic, table.c.message_id)
+                                                                  .where(table.c.message_id.in_(ids))).all())
+    places = [TopicPartition(topic, p) for topic, p in
+              sorted({(r.topic, r.kafka_partition) for r in stored if r.kafka_partition is not None})]
+    gone = sorted({r.topic for r in stored})
+    say("assigned (of these topics)", lambda: sorted(tp for tp in source.assigned() if tp[0] in gone))
+    say("assigned (all)", lambda: len(source.assigned()))
+    say("group (join, coordinator, rejoins, losses)", lambda: (
+        source._join_state, source._coordinator_state, source.rejoins, source.lost_assignments()))
+    # Not Consumer.position(): confluent-kafka lets one call at a time into a consumer, and the
+    # inbox's poll holds it (a forced timeout's position() had no answer in 10 s); librdkafka's
+    # statistics below say the same (next offset) without entering it.
+    stats = source.statistics
+    say("librdkafka's partitions (fetch state, leader, next offset, high watermark, queued)", lambda: {
+        (tp.topic, tp.partition): tuple(part[k] for k in ("fetch_state", "leader", "next_offset", "hi_offset",
+                                                          "fetchq_cnt"))
+        for tp in places if (part := stats.get("topics", {}).get(tp.topic, {}).get("partitions", {})
+                             .get(str(tp.partition))) is not None})
+    say("librdkafka's group", lambda: {k: stats.get("cgrp", {}).get(k) for k in (
+        "state", "join_state", "rebalance_cnt", "rebalance_reason", "assignment_size")})
+    say("librdkafka's brokers (state, nodeid)", lambda: [
+        (name, broker.get("state"), broker.get("nodeid")) for name, broker in stats.get("brokers", {}).items()
+    ])
+    probe = Consumer({"bootstrap.servers": kafka, "group.id": inbox.group, "enable.auto.commit": False})
+    try:
+        say("broker's partitions (leader, error)", lambda: {
+            topic: {p.id: (p.leader, p.error) for p in probe.list_topics(topic, timeout=10)
+                    .topics[topic].partitions.values()} for topic in gone})
+        say("watermarks", lambda: {(tp.topic, tp.partition): probe.get_watermark_offsets(tp, timeout=10)
+                                   for tp in places})
+        say("committed", lambda: _offsets(probe.committed(places, timeout=10)))
+    finally:
+        probe.close()
+    return "\n".join(lines)
+
+
+def _offsets(partitions: list[TopicPartition]) -> list[tuple[str, int, int]]:
+    return [(tp.topic, tp.partition, tp.offset) for tp in partitions]
 
 
 def read_back(run: Run) -> None:
