@@ -1,0 +1,115 @@
+"""A consumer that never fetches one of its partitions in a steady group is replaced (``KafkaSource``).
+
+The CI stall this answers (test_input_domain, one partition's records never received while the
+group was steady): librdkafka starts a partition's fetcher only once its committed offset was
+fetched, and a failed OffsetFetch leaves the partition assigned and never started until the next
+rebalance. That failure cannot be ordered from a real broker on demand, so the tests make a
+partition unfetched behind ``KafkaSource``'s back, the way librdkafka would leave it: paused on
+the underlying consumer (``KafkaSource`` itself never pauses), with its records produced after.
+The rejoin watch must see the partition starved (records waiting beyond an unmoving position,
+nothing queued) and replace the consumer, whose successor fetches it. And what is not
+starvation must not be replaced: an application that has not polled its queued records for
+longer than ``rejoin_after``, and a partition with nothing beyond its position.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+
+import pytest
+from confluent_kafka import Producer, TopicPartition
+
+from outbox.testing._kafka_admin import create_topic
+from transports.kafka import KafkaSource
+
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("timing")]  # wall-clock bounds
+
+REJOIN_AFTER = 3.0
+BOUND = 60.0
+"""Seconds for the starved partition's records to arrive: ``rejoin_after``, the answer's
+confirmation (a report ``_PROBE_EVERY`` after it), a rebalance, with room for a loaded machine."""
+
+
+def produce(bootstrap: str, topic: str, partition: int, count: int, size: int = 10) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    for n in range(count):
+        producer.produce(topic, f"p{partition}-{n}".encode().ljust(size, b"."), partition=partition)
+    assert producer.flush(30) == 0
+
+
+def source_of(bootstrap: str, topic: str, rejoin_after: float = REJOIN_AFTER,
+              **settings: object) -> KafkaSource:
+    return KafkaSource(bootstrap_servers=bootstrap, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
+                       rejoin_after=rejoin_after, settings={"statistics.interval.ms": 500, **settings})
+
+
+def receive(source: KafkaSource, got: Counter[int | None], want: Counter[int | None], bound: float) -> None:
+    deadline = time.monotonic() + bound
+    while any(got[p] < n for p, n in want.items()) and time.monotonic() < deadline:
+        for r in source.poll(100, 0.2):
+            got[r.partition] += 1
+
+
+def test_a_partition_the_consumer_never_fetches_is_fetched_by_a_new_consumer(
+    kafka: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="transports.kafka")
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    create_topic(kafka, topic, 2)
+    produce(kafka, topic, 0, 1)
+    source = source_of(kafka, topic)
+    try:
+        got: Counter[int | None] = Counter()
+        receive(source, got, Counter({0: 1}), 60)
+        assert got[0] == 1 and source.assigned() == {(topic, 0), (topic, 1)}, (got, source.assigned())
+        source._consumer.pause([TopicPartition(topic, 1)])  # librdkafka no longer fetches it
+        produce(kafka, topic, 0, 5)
+        produce(kafka, topic, 1, 6)
+        started = time.monotonic()
+        receive(source, got, Counter({0: 6, 1: 6}), BOUND)
+        took = time.monotonic() - started
+        assert got == Counter({0: 6, 1: 6}), f"{dict(got)} after {took:.0f}s, rejoins {source.rejoins}"
+        assert source.rejoins == 1
+        said = [m for r in caplog.records if "has not fetched" in (m := r.getMessage())]
+        assert len(said) == 1, said
+        assert f"{topic}[1]" in said[0] and "position 0, end 6" in said[0], said[0]
+        assert "fetch_state " in said[0], said[0]
+        assert source.config["group.id"] in said[0]
+    finally:
+        source.close()
+
+
+def test_an_application_that_has_not_polled_its_queued_records_and_an_idle_partition_are_not_starved(
+    kafka: str
+) -> None:
+    """Records queued for the application, unpolled for three times ``rejoin_after``; then both
+    partitions at their end, polled for seven times ``rejoin_after`` (long enough for the watch
+    to ask the broker about them and for a report after its answer): no new consumer.
+
+    The queue is kept small (16 KB, records of 4 KB), so while the application does not poll,
+    librdkafka stops fetching with records waiting beyond both positions: only the queued
+    records (``fetchq_cnt``) tell this from starvation."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    create_topic(kafka, topic, 2)
+    produce(kafka, topic, 0, 1)
+    source = source_of(kafka, topic, rejoin_after=2.0, **{"queued.max.messages.kbytes": 16,
+                                                           "max.partition.fetch.bytes": 16384})
+    try:
+        got: Counter[int | None] = Counter()
+        receive(source, got, Counter({0: 1}), 60)
+        assert got[0] == 1
+        produce(kafka, topic, 0, 200, size=4096)
+        produce(kafka, topic, 1, 200, size=4096)
+        got += Counter(r.partition for r in source.poll(1, 2.0))  # its fetches go on meanwhile
+        time.sleep(6.0)  # busy: not polling, records queued
+        receive(source, got, Counter({0: 201, 1: 200}), 60)
+        assert got == Counter({0: 201, 1: 200})
+        end = time.monotonic() + 15.0  # idle: nothing beyond either position, asked about twice
+        while time.monotonic() < end:
+            assert not source.poll(100, 0.2)
+        assert source.rejoins == 0
+    finally:
+        source.close()
