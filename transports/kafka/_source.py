@@ -44,7 +44,9 @@ steady, all of these held:
   The position is the fetch position (``next_offset``, which steps over transaction markers and
   aborted records, unlike ``app_offset``), else the committed offset, else (never committed) the
   first offset under ``auto.offset.reset=earliest``; a partition at its end is idle, not starved,
-  and with no position and another reset policy nothing waits for it.
+  and with no position and another reset policy nothing waits for it. (A partition never started
+  because its committed offset never arrived is so measured from its first offset: if the group
+  had committed its end, that costs one rebalance, after which it is started and idle.)
 
 The end is asked of the broker rather than read from the statistics (``hi_offset``,
 ``ls_offset``): those come with fetch responses, so a partition never fetched has none and one
