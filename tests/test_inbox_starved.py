@@ -14,6 +14,7 @@ longer than ``rejoin_after``, and a partition with nothing beyond its position.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from confluent_kafka import Producer, TopicPartition
 from outbox.testing._kafka_admin import create_topic
 from transports.kafka import KafkaSource
 
-pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("timing")]  # wall-clock bounds
+pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds
 
 REJOIN_AFTER = 3.0
 BOUND = 60.0
@@ -53,6 +54,7 @@ def receive(source: KafkaSource, got: Counter[int | None], want: Counter[int | N
             got[r.partition] += 1
 
 
+@pytest.mark.kafka
 def test_a_partition_the_consumer_never_fetches_is_fetched_by_a_new_consumer(
     kafka: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -82,6 +84,7 @@ def test_a_partition_the_consumer_never_fetches_is_fetched_by_a_new_consumer(
         source.close()
 
 
+@pytest.mark.kafka
 def test_an_application_that_has_not_polled_its_queued_records_and_an_idle_partition_are_not_starved(
     kafka: str
 ) -> None:
@@ -111,5 +114,42 @@ def test_an_application_that_has_not_polled_its_queued_records_and_an_idle_parti
         while time.monotonic() < end:
             assert not source.poll(100, 0.2)
         assert source.rejoins == 0
+    finally:
+        source.close()
+
+
+def _report(partition: dict[str, object]) -> str:
+    """A statistics report of a steady consumer holding t[0], taken now."""
+    unassigned = {"fetchq_cnt": 0, "leader": -1}
+    return json.dumps({"ts": int(time.monotonic() * 1e6), "cgrp": {"state": "up", "join_state": "steady"},
+                       "topics": {"t": {"partitions": {"0": partition, "-1": unassigned}}}})
+
+
+def test_a_partition_whose_broker_does_not_answer_is_an_outage_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never started, records waiting or not: when no broker answers for its offsets, no new consumer
+    (it would wait the same way), and one INFO line says so however often the watch asks. A partition
+    without a leader, or with records queued for the application, is not watched at all. (No broker
+    at all: its reports are fed by hand, as test_inbox_rejoin.py's watch tests do.)"""
+    caplog.set_level(logging.INFO, logger="transports.kafka")
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"], rejoin_after=30)
+    never_started = {"fetch_state": "none", "next_offset": -1001, "committed_offset": 5, "fetchq_cnt": 0,
+                     "leader": 1}
+    try:
+        source._assignment = frozenset({("t", 0)})
+        for waiting in ({**never_started, "leader": -1}, {**never_started, "fetchq_cnt": 3}):
+            source._statistics(_report(waiting))
+            assert not source._still, waiting
+        source._statistics(_report(never_started))
+        for _ in range(2):
+            source._still[("t", 0)].since -= 40  # as if unmoved that long
+            source._statistics(_report(never_started))
+            source._next_partition_probe = 0.0
+            source._watch_partitions(time.monotonic())
+        said = [m for r in caplog.records if "does not answer for their offsets" in (m := r.getMessage())]
+        assert len(said) == 1, said
+        assert "t[0] unmoved for 30s" in said[0] and "an outage, no new consumer" in said[0], said[0]
+        assert source.rejoins == 0 and source._still[("t", 0)].asked is None
     finally:
         source.close()
