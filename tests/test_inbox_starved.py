@@ -153,3 +153,53 @@ def test_a_partition_whose_broker_does_not_answer_is_an_outage_said_once(
         assert source.rejoins == 0 and source._still[("t", 0)].asked is None
     finally:
         source.close()
+
+
+@pytest.mark.kafka
+def test_a_partition_that_just_received_records_when_asked_is_not_replaced_on_that_answer(kafka: str) -> None:
+    """Idle for ``rejoin_after``, then records arrive just before the watch asks: the broker names an
+    end beyond the position in the latest report, which librdkafka took before it fetched them. Only
+    a report taken ``_PROBE_EVERY`` after the answer, still unmoved, is starvation; one that moved
+    ends it. (The source's own consumer is never polled: its reports are fed by hand, taken when fed;
+    the broker's answers are real.)"""
+    from transports.kafka import _source
+
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    create_topic(kafka, topic, 1)
+    produce(kafka, topic, 0, 3)
+    source = KafkaSource(bootstrap_servers=kafka, group_id=f"g-{uuid.uuid4().hex[:8]}", topics=[topic],
+                         rejoin_after=30)
+    tp = (topic, 0)
+    at = {"fetch_state": "active", "next_offset": 0, "committed_offset": 0, "fetchq_cnt": 0, "leader": 1}
+
+    def report(partition: dict[str, object]) -> None:
+        group = {"state": "up", "join_state": "steady"}
+        source._statistics(json.dumps({"ts": int(time.monotonic() * 1e6), "cgrp": group,
+                                       "topics": {topic: {"partitions": {"0": partition}}}}))
+
+    def unmoved_for_long() -> None:
+        report(at)
+        source._still[tp].since -= 40  # unmoved that long, nothing beyond it until just now
+        report(at)
+        source._next_partition_probe = 0.0
+        source._watch_partitions(time.monotonic())
+        assert source._still[tp].asked is not None and source._still[tp].end == 3, "the broker's answer"
+        report(at)  # taken before the answer could show in a fetch
+        source._next_partition_probe = 0.0  # the next probe, no report since (the application busy)
+        source._watch_partitions(time.monotonic())
+        assert source.rejoins == 0, "replaced on the answer alone"
+
+    try:
+        source._assignment = frozenset({tp})
+        unmoved_for_long()
+        report({**at, "next_offset": 3})  # fetched: it moved
+        assert source._still[tp].asked is None
+        source._still.clear()
+        unmoved_for_long()
+        time.sleep(_source._PROBE_EVERY + 0.5)
+        report(at)  # still unmoved, taken after the answer: starved
+        source._next_partition_probe = 0.0
+        source._watch_partitions(time.monotonic())
+        assert source.rejoins == 1
+    finally:
+        source.close()
