@@ -203,3 +203,33 @@ def test_a_partition_that_just_received_records_when_asked_is_not_replaced_on_th
         assert source.rejoins == 1
     finally:
         source.close()
+
+
+@pytest.mark.kafka
+def test_an_open_transaction_is_not_records_waiting(kafka: str) -> None:
+    """``read_committed``: records of a transaction still open cannot be read yet; they are not
+    records waiting. The watch's ListOffsets request goes with the consumer's
+    isolation level, so the end it is told is the last stable offset (here 1, the high watermark 4),
+    and the partition, at it, is idle: polled for seven times ``rejoin_after``, no new consumer."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    create_topic(kafka, topic, 1)
+    produce(kafka, topic, 0, 1)
+    open_transaction = Producer({"bootstrap.servers": kafka, "transactional.id": uuid.uuid4().hex})
+    open_transaction.init_transactions(30)
+    open_transaction.begin_transaction()
+    for n in range(3):
+        open_transaction.produce(topic, f"open-{n}".encode(), partition=0)
+    assert open_transaction.flush(30) == 0
+    source = source_of(kafka, topic, rejoin_after=2.0)
+    try:
+        got: Counter[int | None] = Counter()
+        receive(source, got, Counter({0: 1}), 60)
+        end = time.monotonic() + 15.0
+        while time.monotonic() < end:
+            got += Counter(r.partition for r in source.poll(100, 0.2))
+        assert got == Counter({0: 1}) and source.rejoins == 0, (got, source.rejoins)
+        _, high = source._consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False)
+        assert high == 1, "the last stable offset"
+    finally:
+        source.close()
+        open_transaction.abort_transaction(30)
