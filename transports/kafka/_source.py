@@ -511,6 +511,8 @@ class KafkaSource:
         unknown = {tp: still for tp, still in due.items() if tp in ends and still.position() is None}
         firsts = self._ask(unknown, _EARLIEST) if unknown and self._from_earliest() else {}
         if firsts is None:
+            for still in due.values():
+                still.since = now
             return
         for tp, still in due.items():
             position = still.position()
