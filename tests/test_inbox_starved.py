@@ -71,6 +71,10 @@ def test_a_partition_the_consumer_never_fetches_is_fetched_by_a_new_consumer(
         produce(kafka, topic, 0, 5)
         produce(kafka, topic, 1, 6)
         started = time.monotonic()
+        receive(source, got, Counter({0: 6}), BOUND)
+        # Done with partition 0, as the inbox says it (a new consumer starts at the committed offsets;
+        # uncommitted, partition 0's records would come again, which the inbox drops as duplicates).
+        source.commit({(topic, 0): 6})
         receive(source, got, Counter({0: 6, 1: 6}), BOUND)
         took = time.monotonic() - started
         assert got == Counter({0: 6, 1: 6}), f"{dict(got)} after {took:.0f}s, rejoins {source.rejoins}"
@@ -140,17 +144,17 @@ def test_a_partition_whose_broker_does_not_answer_is_an_outage_said_once(
         source._assignment = frozenset({("t", 0)})
         for waiting in ({**never_started, "leader": -1}, {**never_started, "fetchq_cnt": 3}):
             source._statistics(_report(waiting))
-            assert not source._still, waiting
+            assert not source._starvation.still, waiting
         source._statistics(_report(never_started))
         for _ in range(2):
-            source._still[("t", 0)].since -= 40  # as if unmoved that long
+            source._starvation.still[("t", 0)].since -= 40  # as if unmoved that long
             source._statistics(_report(never_started))
-            source._next_partition_probe = 0.0
+            source._starvation.next_probe = 0.0
             source._watch_partitions(time.monotonic())
         said = [m for r in caplog.records if "does not answer for their offsets" in (m := r.getMessage())]
         assert len(said) == 1, said
         assert "t[0] unmoved for 30s" in said[0] and "an outage, no new consumer" in said[0], said[0]
-        assert source.rejoins == 0 and source._still[("t", 0)].asked is None
+        assert source.rejoins == 0 and source._starvation.still[("t", 0)].asked is None
     finally:
         source.close()
 
@@ -162,7 +166,7 @@ def test_a_partition_that_just_received_records_when_asked_is_not_replaced_on_th
     a report taken ``_PROBE_EVERY`` after the answer, still unmoved, is starvation; one that moved
     ends it. (The source's own consumer is never polled: its reports are fed by hand, taken when fed;
     the broker's answers are real.)"""
-    from transports.kafka import _source
+    from transports.kafka import _starvation
 
     topic = f"t-{uuid.uuid4().hex[:10]}"
     create_topic(kafka, topic, 1)
@@ -179,13 +183,14 @@ def test_a_partition_that_just_received_records_when_asked_is_not_replaced_on_th
 
     def unmoved_for_long() -> None:
         report(at)
-        source._still[tp].since -= 40  # unmoved that long, nothing beyond it until just now
+        source._starvation.still[tp].since -= 40  # unmoved that long, nothing beyond it until just now
         report(at)
-        source._next_partition_probe = 0.0
+        source._starvation.next_probe = 0.0
         source._watch_partitions(time.monotonic())
-        assert source._still[tp].asked is not None and source._still[tp].end == 3, "the broker's answer"
+        still = source._starvation.still[tp]
+        assert still.asked is not None and still.end == 3, "the broker's answer"
         report(at)  # taken before the answer could show in a fetch
-        source._next_partition_probe = 0.0  # the next probe, no report since (the application busy)
+        source._starvation.next_probe = 0.0  # the next probe, no report since (the application busy)
         source._watch_partitions(time.monotonic())
         assert source.rejoins == 0, "replaced on the answer alone"
 
@@ -193,12 +198,12 @@ def test_a_partition_that_just_received_records_when_asked_is_not_replaced_on_th
         source._assignment = frozenset({tp})
         unmoved_for_long()
         report({**at, "next_offset": 3})  # fetched: it moved
-        assert source._still[tp].asked is None
-        source._still.clear()
+        assert source._starvation.still[tp].asked is None
+        source._starvation.still.clear()
         unmoved_for_long()
-        time.sleep(_source._PROBE_EVERY + 0.5)
+        time.sleep(_starvation.PROBE_EVERY + 0.5)
         report(at)  # still unmoved, taken after the answer: starved
-        source._next_partition_probe = 0.0
+        source._starvation.next_probe = 0.0
         source._watch_partitions(time.monotonic())
         assert source.rejoins == 1
     finally:
