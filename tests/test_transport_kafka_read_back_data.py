@@ -1,7 +1,18 @@
-"""A take-over's read-back of a transaction that did not commit its progress record, when the data
-records it names are gone: their topic deleted since, or deleted and made again (empty, fewer
-partitions). What a read_committed reader can get there is nothing of that transaction; the read-back
-must say so, not wait at a partition that no longer has the offset it looks for.
+"""A take-over's read-back of a transaction that did not commit its progress record, at the data
+partitions its progress record names.
+
+Gone: their topic deleted since, or deleted and made again (empty, fewer partitions). What a
+read_committed reader can get there is nothing of that transaction; the read-back must say so, not
+wait at a partition that no longer has the offset it looks for.
+
+Held: another producer (an application's, writing the same data topic) holds a transaction open
+there since before the transaction's record. Nothing tells whether the record is committed until it
+ends: the read-back fails (retriable, naming that partition alone: one the other transaction opened
+after the record does not hold it), the relay's take-over of the shard is tried again at the next
+batch, and once the other transaction ends the answer is the right one, nothing miscounted
+meanwhile. Before the read-back read data partitions, such a transaction held no take-over; now it
+holds one for as long as it stays open (up to its ``transaction.timeout.ms``), only while the
+shard's last transaction did not commit its progress record.
 
 The transaction here is the relay's cut before its commit (the relay killed after producing its
 progress record): the id's next producer aborts it, and the read-back finds its progress record
@@ -19,8 +30,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.test_transport_kafka_left_open import wait_until
 from transports import ReadBack, Record, Uncommitted
+from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import with_positions, with_topics
+from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -126,5 +139,34 @@ def test_a_transaction_whose_data_topic_was_made_again_smaller_reads_back_as_not
     read = transport.read_back(progress, 0, tid.encode(), 20)
     assert read == ReadBack(None, (Uncommitted(value, (False, False)),))
     assert time.monotonic() - started < 10
+    taker.close()
+    del cut
+
+
+def test_a_read_back_held_by_another_producers_open_transaction_waits_for_it_and_miscounts_nothing(
+        kafka: str, transport: KafkaTransport) -> None:
+    tid, data, progress = "outbox-held-0", "held-data", "held-progress"
+    admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
+    make(admin, data, 2)
+    make(admin, progress, 1, **{"cleanup.policy": "compact"})
+    other = Producer({"bootstrap.servers": kafka, "transactional.id": "an-application", "log_level": 0,
+                      "transaction.timeout.ms": 60_000})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(data, b"before", b"a", 0)  # open below the relay's record on partition 0
+    assert other.flush(30) == 0
+    value = b'{"ids": [1, 2], "sent": [1, 2], "relay": "w", "epoch": 1}'
+    cut = cut_before_commit(kafka, tid, progress, [(data, 0), (data, 1)], value)
+    other.produce(data, b"after", b"a", 1)  # open above the relay's record on partition 1
+    assert other.flush(30) == 0
+    taker = transport.transactional(tid, 30)
+    with pytest.raises(RetriableTransportError, match=rf"{data}\[0\]: open transactions") as held:
+        transport.read_back(progress, 0, tid.encode(), 6)
+    assert f"{data}[1]" not in str(held.value)
+    other.commit_transaction(30)
+    read = transport.read_back(progress, 0, tid.encode(), 30)
+    assert read == ReadBack(None, (Uncommitted(value, (False, False)),))
+    seen = read_topic(kafka, data, expected=2, timeout=10, settle=0.5, isolation="read_committed")
+    assert sorted(r.value for r in seen) == [b"after", b"before"]
     taker.close()
     del cut
