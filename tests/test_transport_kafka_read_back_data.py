@@ -52,10 +52,11 @@ def delete(admin: AdminClient, topic: str) -> None:
 
 
 def cut_before_commit(bootstrap: str, tid: str, progress: str, rows: list[tuple[str, int]],
-                      value: bytes) -> Producer:
+                      value: bytes, *, last: bool = True) -> Producer:
     """A transaction of ``tid`` as the relay writes one (its data records, then the progress record
     naming where they went), never committed nor aborted: its producer is dropped, as a relay
-    SIGKILLed between the progress record's produce and the commit."""
+    SIGKILLed between the progress record's produce and the commit (``last``: else before that
+    produce, once the data records' reports came)."""
     producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid, "log_level": 0,
                          "transaction.timeout.ms": 60_000})
     producer.init_transactions(30)
@@ -64,10 +65,12 @@ def cut_before_commit(bootstrap: str, tid: str, progress: str, rows: list[tuple[
     for topic, partition in rows:
         producer.produce(topic, b"row", b"k", partition, on_delivery=lambda e, m: reports.append(m))
     assert producer.flush(30) == 0
+    if not last:
+        return producer
     records = with_topics([*(Record(t, b"row", key=b"k", partition=p) for t, p in rows),
                            Record(progress, value, key=tid.encode(), partition=0)])
-    last = with_positions(records, reports)[-1]
-    producer.produce(progress, last.value, last.key, 0, headers=list(last.headers))
+    record = with_positions(records, reports)[-1]
+    producer.produce(progress, record.value, record.key, 0, headers=list(record.headers))
     assert producer.flush(30) == 0
     return producer  # kept by the caller, never ended: the next producer of the id aborts it
 
@@ -92,6 +95,24 @@ def test_a_transaction_cut_before_its_commit_reads_back_as_committing_nothing(
     taker = transport.transactional(tid, 30)  # fences the cut one: its transaction aborted
     read = transport.read_back(progress, 0, tid.encode(), 30)
     assert read == ReadBack(None, (Uncommitted(value, (False, False)),))
+    taker.close()
+    del cut
+
+
+def test_a_transaction_cut_before_its_progress_record_reads_back_as_nothing_and_is_aborted(
+        kafka: str, transport: KafkaTransport) -> None:
+    tid, data, progress = "outbox-cut-early-0", "cut-early-data", "cut-early-progress"
+    admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
+    make(admin, data, 1)
+    make(admin, progress, 1, **{"cleanup.policy": "compact"})
+    cut = cut_before_commit(kafka, tid, progress, [(data, 0)], b"", last=False)
+    taker = transport.transactional(tid, 30)
+    assert transport.read_back(progress, 0, tid.encode(), 30) == ReadBack(None, ())
+    later = Producer({"bootstrap.servers": kafka, "log_level": 0})
+    later.produce(data, b"later", b"k", 0)
+    assert later.flush(30) == 0
+    seen = read_topic(kafka, data, expected=1, timeout=10, settle=0.5, isolation="read_committed")
+    assert [r.value for r in seen] == [b"later"]  # the cut transaction's row aborted, never readable
     taker.close()
     del cut
 
