@@ -349,14 +349,24 @@ def _committed_at(settings: Mapping[str, Any], partitions: list[tuple[str, int, 
 
 
 def _partition_counts(settings: Mapping[str, Any], topics: Sequence[str], deadline: float) -> dict[str, int]:
-    """How many partitions each of ``topics`` has now; a topic that does not exist is left out."""
+    """How many partitions each of ``topics`` has now; a topic that does not exist is left out (one the
+    cluster lists with another error raises ``RetriableTransportError``: a partition taken for gone
+    counts its record as not committed, and its row is sent again)."""
     admin = AdminClient({**settings, **ADMIN})
     try:
         found = admin.list_topics(timeout=max(0.1, deadline - time.monotonic())).topics
     except KafkaException as exc:
         raise RetriableTransportError(f"cannot list the cluster's topics: {exc.args[0].str()}") from None
-    return {t: len(info.partitions) for t in topics
-            if (info := found.get(t)) is not None and info.error is None and info.partitions}
+    counts: dict[str, int] = {}
+    for topic in topics:
+        info = found.get(topic)
+        if info is None or (info.error is not None and info.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            continue
+        if info.error is not None or not info.partitions:  # there, but not readable now: not taken for gone
+            why = info.error.str() if info.error is not None else "no partitions listed"
+            raise RetriableTransportError(f"cannot look up topic {topic!r}: {why}")
+        counts[topic] = len(info.partitions)
+    return counts
 
 
 class _HeldAt:
