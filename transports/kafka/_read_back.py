@@ -315,10 +315,13 @@ def _committed_at(settings: Mapping[str, Any], partitions: list[tuple[str, int, 
                          "isolation.level": "read_committed", "enable.partition.eof": True,
                          "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10, "log_level": 0})
     wanted = {(t, p): o for t, p, o in partitions}
-    decided: dict[tuple[str, int], bool] = {}
+    # A partition that no longer exists (its topic deleted since, or made again with fewer partitions)
+    # has nothing of the transaction: an assigned read of it never ends, nor fails.
+    counts = _partition_counts(settings, sorted({t for t, _ in wanted}), deadline)
+    decided = {where: False for where in wanted if where[1] >= counts.get(where[0], 0)}
     held = _HeldAt(wanted, settle_at)
     try:
-        consumer.assign([TopicPartition(t, p, o) for (t, p), o in wanted.items()])
+        consumer.assign([TopicPartition(t, p, o) for (t, p), o in wanted.items() if (t, p) not in decided])
         while len(decided) < len(wanted):
             if time.monotonic() >= deadline:
                 left = ", ".join(f"{t}[{p}]" for t, p in sorted(set(wanted) - set(decided)))
@@ -335,10 +338,10 @@ def _committed_at(settings: Mapping[str, Any], partitions: list[tuple[str, int, 
             if error is None:
                 decided[where] = offset == wanted[where]  # passed: that record is not committed
             elif error.code() == KafkaError._PARTITION_EOF:
-                if offset > wanted[where]:
-                    decided[where] = False
-                elif offset == wanted[where]:
+                if offset == wanted[where]:
                     held.at(where)
+                else:  # passed it; or below it, the partition's records gone (its log reset to a lower end)
+                    decided[where] = False
             elif error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
                                   KafkaError._UNKNOWN_PARTITION):
                 decided[where] = False  # gone with its topic
@@ -347,6 +350,27 @@ def _committed_at(settings: Mapping[str, Any], partitions: list[tuple[str, int, 
     finally:
         consumer.close()
     return {(t, p, o): decided[(t, p)] for t, p, o in partitions}
+
+
+def _partition_counts(settings: Mapping[str, Any], topics: Sequence[str], deadline: float) -> dict[str, int]:
+    """How many partitions each of ``topics`` has now; a topic that does not exist is left out (one the
+    cluster lists with another error raises ``RetriableTransportError``: a partition taken for gone
+    counts its record as not committed, and its row is sent again)."""
+    admin = AdminClient({**settings, **ADMIN})
+    try:
+        found = admin.list_topics(timeout=max(0.1, deadline - time.monotonic())).topics
+    except KafkaException as exc:
+        raise RetriableTransportError(f"cannot list the cluster's topics: {exc.args[0].str()}") from None
+    counts: dict[str, int] = {}
+    for topic in topics:
+        info = found.get(topic)
+        if info is None or (info.error is not None and info.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            continue
+        if info.error is not None or not info.partitions:  # there, but not readable now: not taken for gone
+            why = info.error.str() if info.error is not None else "no partitions listed"
+            raise RetriableTransportError(f"cannot look up topic {topic!r}: {why}")
+        counts[topic] = len(info.partitions)
+    return counts
 
 
 class _HeldAt:
