@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 from _relay_helpers import publish, rows, seqs_by_key, wait_for
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, Relay, create_engine
 from outbox.testing import LocalKafkaCluster
 from tests.conftest import unavailable
-from tests.test_transport_kafka_left_open import _KilledAtCommit, coordinator_partition, wait_until
+from tests.test_transport_kafka_left_open import _KilledAtCommit, one_replica_topics, wait_until
 from transports import TransactionOutcome
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -57,18 +57,7 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
     outbox.create_tables()
     tid = f"outbox-{outbox.load_schema(engine).incarnation}-0"  # type: ignore[arg-type]
     data, progress = "split-relay-rows", "split-relay-progress"
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
-    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
-    spared = (coordinator, cluster.active_controller())
-    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
-    made = admin.create_topics([
-        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[coordinator]]),
-        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]],
-                 config={"cleanup.policy": "compact"})])
-    for future in made.values():
-        future.result(30)
-    cluster.leader(data, 0)
-    cluster.leader(progress, 0)
+    _, coordinator, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="progress")
     live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
     node = next(n for n in cluster.nodes if n.node_id == coordinator)
     restarted = threading.Event()
@@ -87,8 +76,9 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
     keys = [f"k{i % 3}" for i in range(9)]
     publish(outbox, data, keys)
     transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
-    # Every broker knows the progress topic: one that does not yet answers the relay's look at its
-    # configuration with UNKNOWN_TOPIC_OR_PART, which the relay takes for a refusal.
+    # Every broker knows the progress topic (one that does not yet answers the relay's look at its
+    # configuration with UNKNOWN_TOPIC_OR_PART, an outage the relay waits out), so that the relay's
+    # first transaction is the one whose commit is split.
     wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
                "the progress topic's configuration readable")
     real = transport.transactional

@@ -53,6 +53,30 @@ def coordinator_partition(transactional_id: str) -> int:
     return (0 if signed == -(1 << 31) else abs(signed)) % TXN_PARTITIONS
 
 
+def one_replica_topics(cluster: LocalKafkaCluster, tid: str, data: str, progress: str, *,
+                       victim_holds: str) -> tuple[AdminClient, int, int]:
+    """A data and a (compacted) progress topic of one partition and one replica each, for a split: one
+    on the node whose ``__transaction_state`` partition coordinates ``tid``, the other (``victim_holds``:
+    "data" or "progress") on a node that is neither it nor the active controller, the victim to kill
+    while the coordinator writes the markers. Both have a leader on return. An admin client, the
+    coordinator's node, the victim's."""
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, cluster.active_controller())
+    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    on = {data: victim if victim_holds == "data" else coordinator,
+          progress: victim if victim_holds == "progress" else coordinator}
+    made = admin.create_topics([
+        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[on[data]]]),
+        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[on[progress]]],
+                 config={"cleanup.policy": "compact"})])
+    for future in made.values():
+        future.result(30)
+    cluster.leader(data, 0)
+    cluster.leader(progress, 0)
+    return admin, coordinator, victim
+
+
 def stable_and_end(admin: AdminClient, topic: str) -> tuple[int, int]:
     """The partition's last stable offset and high watermark."""
     tp = TopicPartition(topic, 0)
@@ -165,18 +189,7 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
     finds that transaction after the last committed progress, its data read held at its own record,
     and aborts it there first: nothing of it is readable, and the next commit shows only its own."""
     tid, data, progress = "outbox-split-1", "split-abort-data", "split-abort-progress"
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
-    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
-    spared = (coordinator, cluster.active_controller())
-    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
-    made = admin.create_topics([
-        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]]),
-        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[coordinator]],
-                 config={"cleanup.policy": "compact"})])
-    for future in made.values():
-        future.result(30)
-    cluster.leader(data, 0)
-    cluster.leader(progress, 0)
+    admin, coordinator, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="data")
     old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
                     "transaction.timeout.ms": 60_000, "log_level": 0})
     old.init_transactions(60)
@@ -433,18 +446,7 @@ def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent
     record, read back at the offset its progress record names). On one broker this needs a kill
     between two partitions' marker appends; on several, one leader's loss."""
     tid, data, progress = "outbox-split-0", "split-data", "split-progress"
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
-    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
-    spared = (coordinator, cluster.active_controller())
-    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
-    made = admin.create_topics([
-        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[coordinator]]),
-        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]],
-                 config={"cleanup.policy": "compact"})])
-    for future in made.values():
-        future.result(30)
-    cluster.leader(data, 0)
-    cluster.leader(progress, 0)
+    admin, _, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="progress")
     live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
 
     def kill_the_progress_replica() -> None:
