@@ -157,13 +157,21 @@ def test_exactly_once_effects_when_the_consumer_is_killed_again_and_again(
     assert redelivered > 0, "no crash caused a redelivery: the test did not exercise replay"
 
 
-def drain(pg: sa.Engine, total: int, worker: subprocess.Popen[bytes], timeout: float) -> None:
+def drain(pg: sa.Engine, total: int, worker: subprocess.Popen[bytes], timeout: float,
+          stalled_after: float | None = None) -> None:
     """Wait up to ``timeout`` s for ``total`` effects while ``worker``, the one left, keeps running
-    (the callers assert the count afterwards, with what else they know)."""
+    (the callers assert the count afterwards, with what else they know). ``stalled_after``: fail as
+    soon as no effect was added for that long (a stall, told apart from a slow, loaded host)."""
     deadline = time.monotonic() + timeout
-    while effect_count(pg) < total and time.monotonic() < deadline:
+    count, moved = effect_count(pg), time.monotonic()
+    while count < total and time.monotonic() < deadline:
         assert worker.poll() is None, f"worker exited with {worker.returncode}"
         time.sleep(0.2)
+        now, before, count = time.monotonic(), count, effect_count(pg)
+        if count > before:
+            moved = now
+        assert stalled_after is None or now - moved < stalled_after, (
+            f"no effect for {now - moved:.0f}s at {count} of {total}: the consumer stalled")
 
 
 @pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
@@ -232,7 +240,8 @@ def test_a_revocation_under_kip_848_never_waits_on_its_own_commit(
             time.sleep(0.01)
         second.send_signal(signal.SIGTERM)  # while the broker moves partitions back
         assert second.wait(60) == 0
-        drain(pg, keys * per_key, first, 40)  # less than the 45 s a stalled commit waited
+        # A stalled commit waited 45 s: no effect for 30 s is that stall, however slow the host.
+        drain(pg, keys * per_key, first, 180, stalled_after=30)
     finally:
         for w in (first, second):
             if w.poll() is None:

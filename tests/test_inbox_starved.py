@@ -23,7 +23,7 @@ from collections import Counter
 import pytest
 from confluent_kafka import Producer, TopicPartition
 
-from outbox.testing._kafka_admin import create_topic
+from outbox.testing import create_topic
 from transports.kafka import KafkaSource
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds

@@ -102,7 +102,11 @@ def test_the_lower_packages_import_only_the_floors_below_them(floor: str) -> Non
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 129
+PRIVATE_IMPORTS_IN_TESTS = 132
+# 129 -> 132: the exactly-once read-back's wire format and count are tested as units
+# (test_transport_kafka_positions.py, test_transport_kafka_read_back_data.py: the positions header a
+# transaction's last record carries; test_relay_progress_counted.py: which rows a take-over counts),
+# since a broker split that exercises each case through the public API takes a three-node cluster.
 # 127 -> 129: test_tenant_polls.py tests the fleet's poll jitter and backlog share (_idle_polls,
 # _shares) as units: through the public API their effect is a timing only a benchmark shows.
 """Imports of a private module of ``outbox``/``transports`` by the tests (benchmarks aside).

@@ -28,7 +28,7 @@ import outbox.tenants
 import transports.kafka
 from outbox import Outbox, Relay, create_engine
 from outbox.cli import app
-from outbox.cli._db import open_outbox
+from outbox.relay import transaction_pooled_options
 from outbox.tenants import Tenant, TenantRelay
 from transports.kafka import KafkaTransport
 
@@ -286,10 +286,11 @@ def test_through_pgbouncer_an_engine_made_for_transaction_pooling_prepares_nothi
         prepared = conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements").scalar_one()
     assert prepared >= 1, "the bystander prepared nothing: this test could not tell"
     bystander.dispose()
-    app_outbox = open_outbox(url, transaction_pooled=True, check=False)
+    pooled = transaction_pooled_options(url)  # what outbox relay --transaction-pooled makes its engine with
+    app_outbox = Outbox(create_engine(url, **pooled))
     app_outbox.create_tables()
     if made_by == "outbox relay":
-        relay = Relay(open_outbox(url, transaction_pooled=True), ScriptedTransport())
+        relay = Relay(Outbox(create_engine(url, **pooled)), ScriptedTransport())
         try:
             for round_ in range(8):
                 publish(app_outbox, "t", [f"k{round_}"])

@@ -28,9 +28,9 @@ import pytest
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from outbox import RetriableTransportError
 from tests.test_transport_kafka_left_open import wait_until
 from transports import ReadBack, Record, Uncommitted
-from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import with_positions, with_topics
 from transports.testing import read_topic
