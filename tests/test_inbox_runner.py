@@ -37,7 +37,13 @@ class ScriptedSource:
             gone, self.revoke = self.revoke, None
             for callback in self.callbacks:
                 callback(gone)
-        out, self.pending = self.pending[:max_records], self.pending[max_records:]
+        # Taken off the list in place, not by assigning its rest: a test thread may extend it
+        # meanwhile (test_inbox_holes' outage test), and a rest sliced before that extend dropped
+        # whatever the extend added. The list is held here so that a test reassigning
+        # ``pending`` loses nothing either.
+        pending = self.pending
+        out = pending[:max_records]
+        del pending[:len(out)]
         if not out:
             time.sleep(min(timeout, 0.01))
         return out
@@ -55,6 +61,33 @@ class ScriptedSource:
 def at(r: Record, partition: int, offset: int) -> Record:
     r.partition, r.offset = partition, offset
     return r
+
+
+def test_scripted_source_keeps_records_added_while_it_polls() -> None:
+    """Records a test adds to ``pending`` while the consumer thread is inside ``poll`` are polled later.
+
+    ``poll`` used to assign the list's rest (``self.pending = self.pending[n:]``): a
+    ``pending.extend`` from the test thread between that slice and the assignment went into the
+    list being replaced, and its records were never polled. test_inbox_holes' outage test lost
+    the records it sent during the outage that way (a stall after the outage, under load). The
+    list here adds a record each time it is sliced, as the test thread's extend would.
+    """
+    added: list[Record] = []
+
+    class ExtendedMeanwhile(list):  # type: ignore[type-arg]
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            got = list.__getitem__(self, index)
+            if isinstance(index, slice) and len(added) < 2:
+                added.append(at(record(TOPIC, f"late{len(added)}", 1), 0, 1 + len(added)))
+                self.append(added[-1])
+            return got
+
+    first = at(record(TOPIC, "a", 1), 0, 0)
+    source = ScriptedSource(ExtendedMeanwhile([first]))
+    polled = source.poll(1, 0)
+    while batch := source.poll(10, 0):
+        polled += batch
+    assert len(added) == 2 and polled == [first, *added]
 
 
 def test_revoke_abandons_a_waiting_retry_and_still_commits_its_batch_mates(sqlite_db: str) -> None:
