@@ -55,7 +55,7 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
-    tid = f"outbox-{outbox.load_schema(engine).incarnation}-0"  # type: ignore[arg-type]
+    tid = f"outbox-{outbox.load_schema().incarnation}-0"
     data, progress = "split-relay-rows", "split-relay-progress"
     _, coordinator, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="progress")
     live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox import RetriableTransportError
@@ -61,7 +61,7 @@ def cut_before_commit(bootstrap: str, tid: str, progress: str, rows: list[tuple[
                          "transaction.timeout.ms": 60_000})
     producer.init_transactions(30)
     producer.begin_transaction()
-    reports: list = []  # type: ignore[type-arg]
+    reports: list[Message] = []
     for topic, partition in rows:
         producer.produce(topic, b"row", b"k", partition, on_delivery=lambda e, m: reports.append(m))
     assert producer.flush(30) == 0
