@@ -97,7 +97,7 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
             outcomes.append(answer.outcome)
             return answer
 
-        producer.send = send  # type: ignore[method-assign]
+        monkeypatch.setattr(producer, "send", send)
         return producer
 
     monkeypatch.setattr(transport, "transactional", transactional)

@@ -74,7 +74,7 @@ def test_a_shard_whose_cut_transaction_named_a_topic_deleted_since_is_taken_over
             outcomes.append(answer.outcome)
             return answer
 
-        producer.send = send  # type: ignore[method-assign]
+        monkeypatch.setattr(producer, "send", send)
         return producer
 
     monkeypatch.setattr(transport, "transactional", transactional)
