@@ -41,6 +41,7 @@ from bench_relay import PAYLOAD, pending, start_relays, stop, wait_leased
 
 from outbox import Outbox, create_engine
 from outbox.housekeeping import DEFAULT_DUTY, partition_outbox, run_retention
+from outbox.housekeeping._retention import DEFAULT_BATCH_SIZE
 from outbox.testing import local_postgres
 from transports.kafka import embedded_kafka
 
@@ -64,7 +65,8 @@ with engine.connect():
     pass
 print("ready", flush=True)
 sys.stdin.readline()
-print(f"deleted {run_retention(engine, older_than='1d', duty=float(sys.argv[2])).total}", flush=True)
+report = run_retention(engine, older_than='1d', duty=float(sys.argv[2]), batch_size=int(sys.argv[3]))
+print(f"deleted {report.total}", flush=True)
 """
 """One retention pass in a process that has started (imported, connected) and waits for a line."""
 
@@ -147,8 +149,8 @@ def write_at_rate(outbox: Outbox, rate: int, seconds: float, committed: dict[str
 
 
 def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty: float,
-            fresh: Callable[[sa.Engine], None] = emptied, *,
-            retain: bool = True) -> tuple[float, float, float, float]:
+            fresh: Callable[[sa.Engine], None] = emptied, *, retain: bool = True,
+            batch_size: int = DEFAULT_BATCH_SIZE) -> tuple[float, float, float, float]:
     """p50/p99/max commit→ack ms of ``rate`` msg/s beside ``beside`` old published rows, with a
     retention pass deleting them (``retain``) or not, and the 1-minute load average at the end;
     ``fresh`` empties the table first."""
@@ -162,6 +164,7 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
     relays = start_relays(url, servers, 1, "--poll-interval", "5")
     committed: dict[str, float] = {}
     retention = None
+    vacuums = autovacuums(engine)
     try:
         wait_leased(engine, 1)
         time.sleep(1)
@@ -169,7 +172,7 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
             # The pass runs in a process started before the window, as a service's scheduler or
             # ``outbox relay --retention`` runs it: starting a command for it (importing the
             # package, about 0.6 s of CPU) is a process start beside the relay, not retention.
-            retention = subprocess.Popen([sys.executable, "-c", RETAINER, url, str(duty)],
+            retention = subprocess.Popen([sys.executable, "-c", RETAINER, url, str(duty), str(batch_size)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert retention.stdin is not None and retention.stdout is not None
             if retention.stdout.readline().strip() != "ready":
@@ -187,6 +190,8 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
             retention.wait()
     if retain and not still_running:
         print("  note: retention ended before the writers did", flush=True)
+    if (ran := autovacuums(engine) - vacuums):
+        print(f"  note: {ran} autovacuum or autoanalyze run(s) of the outbox ended in the window", flush=True)
     with engine.connect() as conn:
         acked = conn.execute(sa.text(
             "SELECT message_id, published_at FROM outbox_messages WHERE topic = 'latency'")).all()
@@ -194,6 +199,15 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
     q = statistics.quantiles(ms, n=100)
     engine.dispose()
     return q[49], q[98], ms[-1], os.getloadavg()[0]
+
+
+def autovacuums(engine: sa.Engine) -> int:
+    """Autovacuum and autoanalyze runs of the outbox (and its partitions) so far: one in a window
+    is the database cleaning up after retention, on its own schedule."""
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.text(
+            "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0) FROM pg_stat_user_tables "
+            "WHERE relname LIKE 'outbox_messages%'")))
 
 
 def partitioned_by_day(engine: sa.Engine) -> None:
@@ -212,28 +226,42 @@ def partitioned_by_day(engine: sa.Engine) -> None:
                              f"FOR VALUES FROM ('{old.isoformat()}') TO ('{(old + DAY).isoformat()}')"))
 
 
+Run = tuple[float, float, float, float]
+"""p50, p99, max ms and the load average at the end of one run (``latency``)."""
+Pair = tuple[Run, Run, Run | None]
+"""Without retention, during it, and (``--null``) a second run without it just after."""
+
+
 def latency_pairs(url: str, servers: str, args: argparse.Namespace, label: str,
-                  fresh: Callable[[sa.Engine], None]) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
-    pairs = []
+                  fresh: Callable[[sa.Engine], None]) -> list[Pair]:
+    """``--pairs`` pairs: without retention, then during it; with ``--null`` a third run without
+    it, whose p99 against the first is what the ratio reads when retention changes nothing."""
+    pairs: list[Pair] = []
     for n in range(args.pairs):
         without = latency(url, servers, args.rate, args.seconds, args.latency_rows, args.duty, fresh,
                           retain=False)
-        during = latency(url, servers, args.rate, args.seconds, args.latency_rows, args.duty, fresh)
-        pairs.append((without, during))
+        during = latency(url, servers, args.rate, args.seconds, args.latency_rows, args.duty, fresh,
+                         batch_size=args.batch_size)
+        again = (latency(url, servers, args.rate, args.seconds, args.latency_rows, args.duty, fresh,
+                         retain=False) if args.null else None)
+        pairs.append((without, during, again))
+        null = f"; again without {again[1]:.1f} ms: {again[1] / without[1]:.2f}x" if again else ""
         print(f"{label} pair {n + 1}: without p50/p99/max {without[0]:.1f}/{without[1]:.1f}/"
               f"{without[2]:.0f} ms (load {without[3]:.1f}), during retention {during[0]:.1f}/"
-              f"{during[1]:.1f}/{during[2]:.0f} ms (load {during[3]:.1f}): {during[1] / without[1]:.2f}x",
-              flush=True)
+              f"{during[1]:.1f}/{during[2]:.0f} ms (load {during[3]:.1f}): {during[1] / without[1]:.2f}x"
+              + null, flush=True)
     return pairs
 
 
-def pairs_table(pairs: list[tuple[tuple[float, ...], tuple[float, ...]]]) -> str:
+def pairs_table(pairs: list[Pair]) -> str:
+    null = any(again for _, _, again in pairs)
     return markdown_table(
         ["pair", "without p50 / p99 / max ms (load)", "during p50 / p99 / max ms (load)",
-         "p99 during / without"],
+         "p99 during / without"] + (["again without: p99 / first without's (null)"] if null else []),
         [[str(i + 1), "{:.1f} / {:.1f} / {:.0f} ({:.1f})".format(*w),
           "{:.1f} / {:.1f} / {:.0f} ({:.1f})".format(*d), f"{d[1] / w[1]:.2f}x"]
-         for i, (w, d) in enumerate(pairs)])
+         + ([f"{a[1]:.1f} ms: {a[1] / w[1]:.2f}x" if a else ""] if null else [])
+         for i, (w, d, a) in enumerate(pairs)])
 
 
 def partition_drop(engine: sa.Engine, rows: int) -> tuple[float, int]:
@@ -274,6 +302,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--duty", type=float, default=DEFAULT_DUTY,
                         help="the retention beside the relay: share of its time spent deleting")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="the retention beside the relay: rows a batch deletes")
+    parser.add_argument("--null", action="store_true",
+                        help="a second run without retention after each pair's run during it: the ratio "
+                             "when retention changes nothing")
+    parser.add_argument("--tables", default="plain,partitioned",
+                        help="with --latency-only: the tables measured, plain and/or partitioned")
     parser.add_argument("--latency-only", action="store_true",
                         help="only the latency pairs, printed; docs/benchmarks.md is not written")
     args = parser.parse_args()
@@ -281,8 +316,10 @@ def main() -> None:
     if args.latency_only:
         with local_postgres() as url, embedded_kafka() as servers:
             Outbox(create_engine(url)).create_tables()
-            latency_pairs(url, servers, args, "plain", emptied)
-            latency_pairs(url, servers, args, "partitioned", partitioned_by_day)
+            if "plain" in args.tables:
+                latency_pairs(url, servers, args, "plain", emptied)
+            if "partitioned" in args.tables:
+                latency_pairs(url, servers, args, "partitioned", partitioned_by_day)
         return
     with local_postgres() as url, embedded_kafka() as servers:
         engine = create_engine(url)
@@ -304,8 +341,8 @@ def main() -> None:
         print(f"partitioned: a day of {dropped:,} rows retired in {drop_seconds:.3f} s", flush=True)
         engine.dispose()
     load = (load_before, os.getloadavg()[0])
-    ratios = [d[1] / w[1] for w, d in pairs]
-    parted_ratios = [d[1] / w[1] for w, d in parted]
+    ratios = [d[1] / w[1] for w, d, _ in pairs]
+    parted_ratios = [d[1] / w[1] for w, d, _ in parted]
     command = (f"python tests/benchmarks/bench_retention.py --rows {args.rows} "
                f"--spark-rows {args.spark_rows} --latency-rows {args.latency_rows} "
                f"--partition-rows {args.partition_rows} --pairs {args.pairs}"

@@ -315,11 +315,14 @@ class Fairness:
     connections: int
     nothing_sent_cpu: float | None = None
     """The fleet's CPU with nothing sent at all (``--idle-seconds``), once every lease is held."""
+    again: list[float] | None = None
+    """``--null``: alone again after the backlog was emptied: its p99 against the first's is the
+    ratio when the backlog changes nothing."""
 
 
 def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], backlog: int,
                  seconds: float, spec: str, workers: int, settle: float = 1.0,
-                 idle_seconds: float = 0.0) -> Fairness:
+                 idle_seconds: float = 0.0, null: bool = False) -> Fairness:
     truncate(engine, schemas)
     relay = start_relay(url, servers, "bench-fleet", "--tenants", spec, "--workers", str(workers))
     try:
@@ -361,10 +364,17 @@ def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], 
         sampling.join()
         print(f"with the backlog: p99 {p99(busy):.1f} ms; backlog {at_start:,} -> {at_end:,} pending",
               flush=True)
+        again = None
+        if null:
+            truncate(engine, [BACKLOG_TENANT])
+            time.sleep(settle)
+            again = quiet_latencies(engine, seconds)
+            print(f"alone again: p99 {p99(again):.1f} ms ({p99(again) / p99(alone):.2f} x the first)",
+                  flush=True)
     finally:
         relay.stop()
     return Fairness(alone, busy, at_start, at_end, load_seconds, drained, idle_cpu, idle_rss,
-                    max(relay.connections), nothing_sent)
+                    max(relay.connections), nothing_sent, again)
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -385,6 +395,9 @@ def main() -> None:
                              "print it, without the throughput rounds and without writing the report")
     parser.add_argument("--fairness-rounds", type=int, default=3,
                         help="rounds of the fairness part (the issue's target holds in every round)")
+    parser.add_argument("--null", action="store_true",
+                        help="after each fairness round's backlog, the quiet tenant alone again: the ratio "
+                             "when the backlog changes nothing")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds the fleet runs with nothing sent once it holds every lease, before the "
                              "quiet tenant starts (idle polls back off: a longer wait shows them settled)")
@@ -419,7 +432,7 @@ def main() -> None:
         for n in range(args.fairness_rounds):
             fair = run_fairness(url, servers, engine, schemas, args.backlog, args.quiet_seconds,
                                 tenants_file(tmp, schemas, quiet=True), args.workers[-1], args.settle,
-                                args.idle_seconds if n == 0 else 0.0)
+                                args.idle_seconds if n == 0 else 0.0, args.null)
             fairness.append(fair)
             print(f"fairness round {n + 1}, --workers {args.workers[-1]}: fleet CPU with the quiet tenant "
                   f"alone {fair.idle_cpu:.1%}; quiet p99 alone {p99(fair.alone):.1f} ms, next to the backlog "
@@ -449,6 +462,7 @@ def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairnes
     idle_text = (f"{idle:.1%} (`--settle {args.settle:g}`, measured over `--idle-seconds "
                  f"{args.idle_seconds:g}`)" if idle is not None else "(not measured: `--idle-seconds 0`)")
     ratios = [p99(f.busy) / p99(f.alone) for f in fairness]
+    nulls = any(f.again for f in fairness)
     last = rounds[-1]
     header = ["round", "single schema msg/s (CPU s)"] + [
         f"fleet, --workers {w}: msg/s (CPU s), / single" for w in args.workers]
@@ -502,10 +516,12 @@ fleet started afresh each time); backlog pending when the quiet writer started �
 the rows drained a second meanwhile, in the last column.
 
 {markdown_table(["round", "alone: messages, p50 / p99 / max ms", "next to the backlog: p50 / p99 / max ms",
-                 "p99 ratio", "backlog (rows/s)"], [
+                 "p99 ratio", "backlog (rows/s)"]
+                + (["alone again: p99 ms, / first alone (null)"] if nulls else []), [
     [i + 1, f"{len(f.alone)}, {statistics.median(f.alone):.1f} / {p99(f.alone):.1f} / {max(f.alone):.1f}",
      f"{statistics.median(f.busy):.1f} / {p99(f.busy):.1f} / {max(f.busy):.1f}",
      f"{r:.2f} x", f"{f.backlog_at_start:,} → {f.backlog_at_end:,} ({f.drained_per_second:,.0f})"]
+    + ([f"{p99(f.again):.1f}, {p99(f.again) / p99(f.alone):.2f} x" if f.again else ""] if nulls else [])
     for i, (f, r) in enumerate(zip(fairness, ratios, strict=True))])}
 
 Target: p99 next to the backlog ≤ 2 x p99 alone in every round — {", ".join(f"{r:.2f} x" for r in ratios)}
