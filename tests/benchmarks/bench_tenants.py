@@ -316,8 +316,9 @@ class Fairness:
     nothing_sent_cpu: float | None = None
     """The fleet's CPU with nothing sent at all (``--idle-seconds``), once every lease is held."""
     again: list[float] | None = None
-    """``--null``: alone again after the backlog was emptied: its p99 against the first's is the
-    ratio when the backlog changes nothing."""
+    """``--null``: alone again after the backlog's rows were deleted mid-drain (``TRUNCATE``), meant
+    as the ratio when the backlog changes nothing; it found the fleet slow after such a delete
+    (docs/benchmarks.md, the fourth sitting)."""
 
 
 def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], backlog: int,
@@ -396,8 +397,8 @@ def main() -> None:
     parser.add_argument("--fairness-rounds", type=int, default=3,
                         help="rounds of the fairness part (the issue's target holds in every round)")
     parser.add_argument("--null", action="store_true",
-                        help="after each fairness round's backlog, the quiet tenant alone again: the ratio "
-                             "when the backlog changes nothing")
+                        help="after each fairness round's backlog, its rows deleted mid-drain, the quiet "
+                             "tenant alone again")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds the fleet runs with nothing sent once it holds every lease, before the "
                              "quiet tenant starts (idle polls back off: a longer wait shows them settled)")
@@ -517,7 +518,7 @@ the rows drained a second meanwhile, in the last column.
 
 {markdown_table(["round", "alone: messages, p50 / p99 / max ms", "next to the backlog: p50 / p99 / max ms",
                  "p99 ratio", "backlog (rows/s)"]
-                + (["alone again: p99 ms, / first alone (null)"] if nulls else []), [
+                + (["alone again, the backlog deleted mid-drain: p99 ms, / first alone"] if nulls else []), [
     [i + 1, f"{len(f.alone)}, {statistics.median(f.alone):.1f} / {p99(f.alone):.1f} / {max(f.alone):.1f}",
      f"{statistics.median(f.busy):.1f} / {p99(f.busy):.1f} / {max(f.busy):.1f}",
      f"{r:.2f} x", f"{f.backlog_at_start:,} → {f.backlog_at_end:,} ({f.drained_per_second:,.0f})"]
