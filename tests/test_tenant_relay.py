@@ -429,3 +429,27 @@ def test_a_frozen_heap_is_frozen_again_once_the_new_tenants_have_run(pg: sa.Engi
             running.stop()
     finally:
         gc.unfreeze()
+
+
+def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The stop's last line names the tenants whose leases were left to their TTL: it said
+    "leases released" whatever happened, right under the line saying a tenant's were not."""
+    outboxes = make_tenants(pg, ["kept", "given"])
+    for outbox in outboxes.values():
+        publish(outbox, topic, ["k"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(["kept", "given"], broker, database=pg))
+    wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 20, "both tenants sent")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with pg.connect() as holder:  # the kept tenant's release waits on its lease table's lock
+        holder.execute(sa.text('LOCK TABLE "kept".outbox_leases IN ACCESS EXCLUSIVE MODE'))
+        running.stop()
+        said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
+        with pg.connect() as conn:
+            still_given = conn.scalar(sa.text(
+                'SELECT count(*) FROM "given".outbox_leases WHERE owner IS NOT NULL'))
+        holder.rollback()
+    assert len(said) == 1 and "leases released" not in said[0], said
+    assert "1 tenants did not give their leases back (kept)" in said[0], said
+    assert still_given == 0, "the other tenant gave its leases back"
