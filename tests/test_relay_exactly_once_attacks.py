@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _kafka_transactions import KilledAtCommit
 from _relay_helpers import drain, drain_pipelined, publish, rows, seqs_by_key, start_cli_relay, wait_for
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.relay import _step as step_module
 from outbox.testing import LocalKafka, LocalPostgres, create_topic
-from tests.test_transport_kafka_left_open import _KilledAtCommit
 from transports import Record, TransactionResult
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -460,7 +460,7 @@ def test_a_broker_that_stops_answering_between_a_commit_and_its_read_back_gets_n
     def transactional(*args: Any, **kwargs: Any) -> Any:
         producer = real(*args, **kwargs)
         if not frozen:
-            producer._producer = _KilledAtCommit(producer._producer, after=freeze_once)
+            producer._producer = KilledAtCommit(producer._producer, after=freeze_once)
         return producer
 
     monkeypatch.setattr(transactions, "transactional", transactional)

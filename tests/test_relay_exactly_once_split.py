@@ -14,17 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _kafka_transactions import KilledAtCommit, one_replica_topics, wait_until
 from _relay_helpers import publish, rows, seqs_by_key, wait_for
 from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, Relay, create_engine
 from outbox.testing import LocalKafkaCluster
-from tests.conftest import unavailable
-from tests.test_transport_kafka_left_open import _KilledAtCommit, one_replica_topics, wait_until
 from transports import TransactionOutcome
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -34,20 +32,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafk
 MESSAGE_ID = "outbox-message-id"
 
 
-@pytest.fixture
-def cluster() -> Iterator[LocalKafkaCluster]:
-    try:
-        nodes = LocalKafkaCluster()
-    except FileNotFoundError as exc:
-        unavailable(str(exc))
-    try:
-        yield nodes
-    finally:
-        nodes.close()
-
-
 def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
-        cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch,
+        kafka_cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """Without the read-back each of the batch's rows is on the wire twice (the take-over sent them
     again); with it each is there once, every row published, the take-over's count logged."""
@@ -57,25 +43,25 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
     outbox.create_tables()
     tid = f"outbox-{outbox.load_schema().incarnation}-0"
     data, progress = "split-relay-rows", "split-relay-progress"
-    _, coordinator, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="progress")
-    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
-    node = next(n for n in cluster.nodes if n.node_id == coordinator)
+    _, coordinator, victim = one_replica_topics(kafka_cluster, tid, data, progress, victim_holds="progress")
+    live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
+    node = next(n for n in kafka_cluster.nodes if n.node_id == coordinator)
     restarted = threading.Event()
 
     def kill_the_progress_replica() -> None:
-        cluster.kill(victim)
+        kafka_cluster.kill(victim)
         wait_until(lambda: live.list_topics(progress, timeout=5).topics[progress].partitions[0].leader == -1,
                    60, "the progress partition without a leader")
 
     def restart_once_the_marker_is_dropped() -> None:
         wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
                    "the coordinator dropping the progress marker")
-        cluster.start(victim)
+        kafka_cluster.start(victim)
         restarted.set()
 
     keys = [f"k{i % 3}" for i in range(9)]
     publish(outbox, data, keys)
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     # Every broker knows the progress topic (one that does not yet answers the relay's look at its
     # configuration with UNKNOWN_TOPIC_OR_PART, an outage the relay waits out), so that the relay's
     # first transaction is the one whose commit is split.
@@ -90,7 +76,7 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
         if not outcomes:  # the relay's first producer: its commit is split
             after = lambda: threading.Thread(target=restart_once_the_marker_is_dropped).start()  # noqa: E731
             monkeypatch.setattr(producer, "_producer",
-                                _KilledAtCommit(producer._producer, kill_the_progress_replica, after))
+                                KilledAtCommit(producer._producer, kill_the_progress_replica, after))
 
         def send(records: Any) -> Any:
             answer = real_send(records)
@@ -112,7 +98,8 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
                  "every row published", interval=0.0)
     finally:
         relay.close()
-    on_wire = read_topic(cluster.bootstrap, data, expected=len(keys), settle=2.0, isolation="read_committed")
+    on_wire = read_topic(kafka_cluster.bootstrap, data, expected=len(keys), settle=2.0,
+                         isolation="read_committed")
     copies = Counter(dict(r.headers)[MESSAGE_ID] for r in on_wire)
     assert max(copies.values()) == 1, f"{sum(copies.values()) - len(copies)} rows sent twice"
     assert len(copies) == len(keys)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import Running, pending, wait_for
+from _relay_helpers import Running, owned_leases, pending, wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
@@ -429,3 +429,27 @@ def test_a_frozen_heap_is_frozen_again_once_the_new_tenants_have_run(pg: sa.Engi
             running.stop()
     finally:
         gc.unfreeze()
+
+
+def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The stop's last line names the tenants whose leases were left to their TTL: it said
+    "leases released" whatever happened, right under the line logging a tenant's failed release."""
+    outboxes = make_tenants(pg, ["kept", "given"])
+    for outbox in outboxes.values():
+        publish(outbox, topic, ["k"])
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    running = Running(fleet(["kept", "given"], broker, database=pg))
+    wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 20, "both tenants sent")
+    with pg.begin() as conn:  # the kept tenant's database refuses to let its leases go
+        conn.execute(sa.text(
+            "CREATE FUNCTION kept.refuse_release() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.owner IS NULL THEN RAISE EXCEPTION 'release refused'; END IF; RETURN NEW; END $$"))
+        conn.execute(sa.text("CREATE TRIGGER refuse_release BEFORE UPDATE ON kept.outbox_leases "
+                             "FOR EACH ROW EXECUTE FUNCTION kept.refuse_release()"))
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    running.stop()
+    said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
+    assert len(said) == 1 and "leases released" not in said[0], said
+    assert "1 tenants did not give their leases back (kept)" in said[0], said
+    assert owned_leases(outboxes["kept"]) > 0 and owned_leases(outboxes["given"]) == 0

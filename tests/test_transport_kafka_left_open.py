@@ -12,15 +12,20 @@ committed meanwhile, and the replica comes back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from confluent_kafka import IsolationLevel, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from _kafka_transactions import (
+    KilledAtCommit,
+    coordinator_partition,
+    one_replica_topics,
+    stable_and_end,
+    wait_until,
+)
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.testing import LocalKafka, LocalKafkaCluster
-from tests.conftest import unavailable
 from transports import ReadBack, Record, TransactionOutcome, Uncommitted
 from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
@@ -29,89 +34,20 @@ from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
 
-TXN_PARTITIONS = 4  # transaction.state.log.num.partitions of the test brokers
-
-
-@pytest.fixture
-def cluster() -> Iterator[LocalKafkaCluster]:
-    try:
-        nodes = LocalKafkaCluster()
-    except FileNotFoundError as exc:
-        unavailable(str(exc))
-    try:
-        yield nodes
-    finally:
-        nodes.close()
-
-
-def coordinator_partition(transactional_id: str) -> int:
-    """The ``__transaction_state`` partition of a transactional id (Java's ``String.hashCode``)."""
-    h = 0
-    for ch in transactional_id:
-        h = (31 * h + ord(ch)) & 0xFFFFFFFF
-    signed = h - (1 << 32) if h >= 1 << 31 else h
-    return (0 if signed == -(1 << 31) else abs(signed)) % TXN_PARTITIONS
-
-
-def one_replica_topics(cluster: LocalKafkaCluster, tid: str, data: str, progress: str, *,
-                       victim_holds: str) -> tuple[AdminClient, int, int]:
-    """A data and a (compacted) progress topic of one partition and one replica each, for a split: one
-    on the node whose ``__transaction_state`` partition coordinates ``tid``, the other (``victim_holds``:
-    "data" or "progress") on a node that is neither it nor the active controller, the victim to kill
-    while the coordinator writes the markers. Both have a leader on return. An admin client, the
-    coordinator's node, the victim's."""
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
-    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
-    spared = (coordinator, cluster.active_controller())
-    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
-    on = {data: victim if victim_holds == "data" else coordinator,
-          progress: victim if victim_holds == "progress" else coordinator}
-    made = admin.create_topics([
-        NewTopic(data, num_partitions=1, replication_factor=-1, replica_assignment=[[on[data]]]),
-        NewTopic(progress, num_partitions=1, replication_factor=-1, replica_assignment=[[on[progress]]],
-                 config={"cleanup.policy": "compact"})])
-    for future in made.values():
-        future.result(30)
-    cluster.leader(data, 0)
-    cluster.leader(progress, 0)
-    return admin, coordinator, victim
-
-
-def stable_and_end(admin: AdminClient, topic: str) -> tuple[int, int]:
-    """The partition's last stable offset and high watermark."""
-    tp = TopicPartition(topic, 0)
-    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-    return tuple(admin.list_offsets({tp: latest}, isolation_level=level, request_timeout=10)[tp]  # type: ignore[return-value]
-                 .result(10).offset
-                 for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED))
-
-
-def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if value := condition():
-                return value
-        except Exception:  # a node is coming or going: ask again
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def leave_open(cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminClient:
+def leave_open(kafka_cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminClient:
     """``topic`` (one partition, compacted) with a committed record of key ``tid`` and, after it, a
     transaction of ``tid`` the broker left open (its only replica killed while it committed)."""
-    old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+    old = Producer({"bootstrap.servers": kafka_cluster.bootstrap, "transactional.id": tid,
                     "transaction.timeout.ms": 60_000, "log_level": 0})
     old.init_transactions(60)
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
-    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
-    spared = (coordinator, cluster.active_controller())
-    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    admin = AdminClient({"bootstrap.servers": kafka_cluster.bootstrap, "log_level": 0})
+    coordinator = kafka_cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, kafka_cluster.active_controller())
+    victim = next(n.node_id for n in kafka_cluster.nodes if n.node_id not in spared)
     new = NewTopic(topic, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]],
                    config={"cleanup.policy": "compact"})
     admin.create_topics([new])[topic].result(30)
-    cluster.leader(topic, 0)
+    kafka_cluster.leader(topic, 0)
     headers = [(TOPICS_HEADER, topic.encode())]
     old.begin_transaction()
     old.produce(topic, b"committed", tid.encode(), 0, headers=headers)
@@ -120,29 +56,29 @@ def leave_open(cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminClient:
     old.produce(topic, b"left open", tid.encode(), 0, headers=headers)
     assert old.flush(30) == 0
 
-    cluster.kill(victim)  # the partition's only replica: fenced after its session, leader -1
-    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    kafka_cluster.kill(victim)  # the partition's only replica: fenced after its session, leader -1
+    live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
     wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
                "the partition without a leader")
     old.commit_transaction(30)  # decided; its marker for the leaderless partition is dropped:
-    node = next(n for n in cluster.nodes if n.node_id == coordinator)
+    node = next(n for n in kafka_cluster.nodes if n.node_id == coordinator)
     wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
                "the coordinator dropping the marker")
-    cluster.start(victim)
-    cluster.leader(topic, 0)
+    kafka_cluster.start(victim)
+    kafka_cluster.leader(topic, 0)
     stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
     assert stable < end, "the broker wrote the marker: nothing was left open"
     return admin
 
 
 def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its_id(
-        cluster: LocalKafkaCluster) -> None:
+        kafka_cluster: LocalKafkaCluster) -> None:
     """Without ``end_left_open`` the read waits at the left-open record until its timeout
     ('could not read … in time') and every read_committed reader of the partition with it."""
     tid, topic = "outbox-left-open-0", "left-open-progress"
-    admin = leave_open(cluster, tid, topic)
+    admin = leave_open(kafka_cluster, tid, topic)
 
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 30)
         started = time.monotonic()
@@ -162,13 +98,13 @@ def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its
 
 
 def test_a_left_open_transaction_of_an_earlier_release_is_ended_and_read_back_as_naming_nothing(
-        cluster: LocalKafkaCluster) -> None:
+        kafka_cluster: LocalKafkaCluster) -> None:
     """A progress record written before the positions header (an earlier release's relay, died
     mid-commit) is still ended by the take-over's read-back, which gives it without positions: the
     relay counts nothing of it and sends its rows again, as that release did."""
     tid, topic = "outbox-left-open-4", "left-open-earlier-release"
-    admin = leave_open(cluster, tid, topic)
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    admin = leave_open(kafka_cluster, tid, topic)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 30)
         read = transport.read_back(topic, 0, tid.encode(), 30)
@@ -181,7 +117,7 @@ def test_a_left_open_transaction_of_an_earlier_release_is_ended_and_read_back_as
 
 
 def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_before_the_id_commits_again(
-        cluster: LocalKafkaCluster) -> None:
+        kafka_cluster: LocalKafkaCluster) -> None:
     """The coordinator decides an abort, writes the progress partition's marker and drops the data
     partition's (its only replica killed meanwhile): the data record stays undecided. The take-over
     read the earlier progress and sent the row again, and its producer's commit on that partition
@@ -189,8 +125,8 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
     finds that transaction after the last committed progress, its data read held at its own record,
     and aborts it there first: nothing of it is readable, and the next commit shows only its own."""
     tid, data, progress = "outbox-split-1", "split-abort-data", "split-abort-progress"
-    admin, coordinator, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="data")
-    old = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+    admin, coordinator, victim = one_replica_topics(kafka_cluster, tid, data, progress, victim_holds="data")
+    old = Producer({"bootstrap.servers": kafka_cluster.bootstrap, "transactional.id": tid,
                     "transaction.timeout.ms": 60_000, "log_level": 0})
     old.init_transactions(60)
     delivered: list[Any] = []
@@ -202,20 +138,20 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
     last = with_positions(records, delivered)[-1]
     old.produce(progress, named, tid.encode(), 0, headers=last.headers)
     assert old.flush(30) == 0
-    cluster.kill(victim)
-    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    kafka_cluster.kill(victim)
+    live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
     wait_until(lambda: live.list_topics(data, timeout=5).topics[data].partitions[0].leader == -1, 60,
                "the data partition without a leader")
     old.abort_transaction(30)
-    node = next(n for n in cluster.nodes if n.node_id == coordinator)
+    node = next(n for n in kafka_cluster.nodes if n.node_id == coordinator)
     wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
                "the coordinator dropping the data marker")
-    cluster.start(victim)
-    cluster.leader(data, 0)
+    kafka_cluster.start(victim)
+    kafka_cluster.leader(data, 0)
     stable, end = wait_until(lambda: stable_and_end(admin, data), 30, "the data partition's offsets")
     assert stable < end, "the broker wrote the data marker: nothing was left open"
 
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     try:
         taker = transport.transactional(tid, 30)
         read = transport.read_back(progress, 0, tid.encode(), 30)
@@ -223,7 +159,7 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
         again = taker.send([Record(data, b"row-1 again", key=b"k"),
                             Record(progress, b"progress naming row-1 again", key=tid.encode(), partition=0)])
         assert again.outcome is TransactionOutcome.COMMITTED, again
-        seen = read_topic(cluster.bootstrap, data, expected=2, timeout=10, isolation="read_committed")
+        seen = read_topic(kafka_cluster.bootstrap, data, expected=2, timeout=10, isolation="read_committed")
         assert [r.value for r in seen] == [b"row-1 again"]
         taker.close()
     finally:
@@ -231,16 +167,16 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
 
 
 def test_a_relay_that_dies_while_ending_a_left_open_transaction_leaves_nothing_readable(
-        cluster: LocalKafkaCluster) -> None:
+        kafka_cluster: LocalKafkaCluster) -> None:
     """Attack (issue 36): the producer ending the left-open transaction wrote its empty records and
     died before its abort. The next producer of the id must end both (its init aborts the dead one's
     transaction, whose records joined the left-open one), and no read_committed reader ever sees an
     empty record or the left-open one."""
     tid, topic = "outbox-left-open-1", "left-open-dies"
-    admin = leave_open(cluster, tid, topic)
+    admin = leave_open(kafka_cluster, tid, topic)
 
     # end_left_open's first half, then the process is gone: no abort.
-    dying = Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": tid,
+    dying = Producer({"bootstrap.servers": kafka_cluster.bootstrap, "transactional.id": tid,
                       "transaction.timeout.ms": 60_000, "log_level": 0})
     dying.init_transactions(30)
     dying.begin_transaction()
@@ -248,13 +184,13 @@ def test_a_relay_that_dies_while_ending_a_left_open_transaction_leaves_nothing_r
     assert dying.flush(30) == 0
     del dying
 
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 30)
         assert transport.last_committed(topic, 0, tid.encode(), 30) == b"committed"
         wait_until(lambda: (lambda s: s[0] == s[1])(stable_and_end(admin, topic)), 15,
                    "the partition open to read_committed readers again")
-        seen = read_topic(cluster.bootstrap, topic, expected=1, settle=1.0, isolation="read_committed")
+        seen = read_topic(kafka_cluster.bootstrap, topic, expected=1, settle=1.0, isolation="read_committed")
         assert [r.value for r in seen] == [b"committed"]
         producer.close()
     finally:
@@ -262,15 +198,15 @@ def test_a_relay_that_dies_while_ending_a_left_open_transaction_leaves_nothing_r
 
 
 def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it(
-        cluster: LocalKafkaCluster, caplog: pytest.LogCaptureFixture) -> None:
+        kafka_cluster: LocalKafkaCluster, caplog: pytest.LogCaptureFixture) -> None:
     """Attack (issue 36): two relays both decide to end a transaction of the id. The live owner (the
     newest producer) ended the left-open one and has a transaction of its own open; the relay that
     made its producer earlier (lease skew) is held at that open record of its own id and tries to
     end it. Its producer is fenced: nothing of it is written, its read fails (retried), and the
     live owner's transaction commits."""
     tid, topic = "outbox-left-open-2", "left-open-two-relays"
-    admin = leave_open(cluster, tid, topic)
-    skewed, owner = (KafkaTransport(bootstrap_servers=cluster.bootstrap) for _ in range(2))
+    admin = leave_open(kafka_cluster, tid, topic)
+    skewed, owner = (KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap) for _ in range(2))
     try:
         fenced = skewed.transactional(tid, 10)  # kept: the transport holds its producers weakly
         live = owner.transactional(tid, 30)  # fences the skewed relay's producer
@@ -285,7 +221,7 @@ def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it
         assert any("was left open by the broker" in r.getMessage() for r in caplog.records)
         raw.commit_transaction(30)  # raises if the skewed relay aborted it
         assert owner.last_committed(topic, 0, tid.encode(), 30) == b"live"
-        seen = read_topic(cluster.bootstrap, topic, expected=2, settle=1.0, isolation="read_committed")
+        seen = read_topic(kafka_cluster.bootstrap, topic, expected=2, settle=1.0, isolation="read_committed")
         assert [r.value for r in seen] == [b"committed", b"live"]
         stable, end = stable_and_end(admin, topic)
         assert stable == end
@@ -296,28 +232,8 @@ def test_a_fenced_relay_held_at_the_live_owners_open_transaction_does_not_end_it
         owner.close()
 
 
-class _KilledAtCommit:
-    """A confluent producer whose ``commit_transaction`` first runs ``before``, and ``after`` once the
-    commit was answered (everything else its own)."""
-
-    def __init__(self, inner: Producer, before: Callable[[], None] = lambda: None,
-                 after: Callable[[], None] = lambda: None) -> None:
-        self._inner, self._before, self._after = inner, before, after
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def commit_transaction(self, *args: Any) -> None:
-        self._before()
-        self._inner.commit_transaction(*args)
-        self._after()
-
-
 def test_a_commit_the_broker_leaves_open_is_not_reported_committed(
-        cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+        kafka_cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator answers a commit once it decided it, and writes the markers after: a commit
     whose marker it then drops (the partition without a leader) was reported COMMITTED, and the
     relay marked its rows published, though no read_committed reader ever got them (the next
@@ -331,38 +247,38 @@ def test_a_commit_the_broker_leaves_open_is_not_reported_committed(
     bare ``TimeoutError`` escaped ``send``. (A fresh client, as without the first commit, is mostly
     told at once that the partition has no leader: the case was hit only now and then.)"""
     tid, topic = "outbox-left-open-3", "left-open-answered"
-    admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
-    coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
-    spared = (coordinator, cluster.active_controller())
-    victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+    admin = AdminClient({"bootstrap.servers": kafka_cluster.bootstrap, "log_level": 0})
+    coordinator = kafka_cluster.leader("__transaction_state", coordinator_partition(tid))
+    spared = (coordinator, kafka_cluster.active_controller())
+    victim = next(n.node_id for n in kafka_cluster.nodes if n.node_id not in spared)
     new = NewTopic(topic, num_partitions=1, replication_factor=-1, replica_assignment=[[victim]])
     admin.create_topics([new])[topic].result(30)
-    cluster.leader(topic, 0)
-    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    kafka_cluster.leader(topic, 0)
+    live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
 
     def kill_the_only_replica() -> None:
-        cluster.kill(victim)
+        kafka_cluster.kill(victim)
         wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
                    "the partition without a leader")
 
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 10)
         first = producer.send([Record(topic, b"first", key=tid.encode(), partition=0)])
         assert first.outcome is TransactionOutcome.COMMITTED, first
-        monkeypatch.setattr(producer, "_producer", _KilledAtCommit(producer._producer, kill_the_only_replica))
+        monkeypatch.setattr(producer, "_producer", KilledAtCommit(producer._producer, kill_the_only_replica))
         answer = producer.send([Record(topic, b"answered", key=tid.encode(), partition=0)])
         assert answer.outcome is TransactionOutcome.UNKNOWN, answer
         assert "not ended" in (answer.error or "") or "cannot be read" in (answer.error or "")
         producer.close()
-        cluster.start(victim)
-        cluster.leader(topic, 0)
+        kafka_cluster.start(victim)
+        kafka_cluster.leader(topic, 0)
         stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
         assert stable < end, "the broker wrote the marker: nothing was left open"
         # The next producer of the id (the relay's, after UNKNOWN) ends it: nothing of it is read.
         taker = transport.transactional(tid, 30)  # kept: the transport holds its producers weakly
         assert transport.last_committed(topic, 0, tid.encode(), 30) == b"first"
-        seen = read_topic(cluster.bootstrap, topic, expected=2, timeout=5, isolation="read_committed")
+        seen = read_topic(kafka_cluster.bootstrap, topic, expected=2, timeout=5, isolation="read_committed")
         assert [r.value for r in seen] == [b"first"]
         taker.close()
     finally:
@@ -419,7 +335,7 @@ def test_a_commit_whose_broker_stops_answering_before_its_read_back_is_unknown(
     transport = KafkaTransport(bootstrap_servers=own_kafka.bootstrap)
     try:
         producer = transport.transactional(tid, 5)
-        frozen = _KilledAtCommit(producer._producer, after=own_kafka.freeze)
+        frozen = KilledAtCommit(producer._producer, after=own_kafka.freeze)
         monkeypatch.setattr(producer, "_producer", frozen)
         try:
             answer = producer.send([Record(topic, b"answered", key=tid.encode(), partition=0)])
@@ -436,7 +352,7 @@ def test_a_commit_whose_broker_stops_answering_before_its_read_back_is_unknown(
 
 
 def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent(
-        cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+        kafka_cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator decides a commit and writes its marker on the data partition (its leader alive)
     but drops the progress partition's (its only replica killed meanwhile). The commit is UNKNOWN (the
     progress partition does not read it back), the next producer of the id finds the progress record
@@ -446,29 +362,29 @@ def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent
     record, read back at the offset its progress record names). On one broker this needs a kill
     between two partitions' marker appends; on several, one leader's loss."""
     tid, data, progress = "outbox-split-0", "split-data", "split-progress"
-    admin, _, victim = one_replica_topics(cluster, tid, data, progress, victim_holds="progress")
-    live = AdminClient({"bootstrap.servers": cluster.live_bootstrap(), "log_level": 0})
+    admin, _, victim = one_replica_topics(kafka_cluster, tid, data, progress, victim_holds="progress")
+    live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
 
     def kill_the_progress_replica() -> None:
-        cluster.kill(victim)
+        kafka_cluster.kill(victim)
         wait_until(lambda: live.list_topics(progress, timeout=5).topics[progress].partitions[0].leader == -1,
                    60, "the progress partition without a leader")
 
-    transport = KafkaTransport(bootstrap_servers=cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
     try:
         producer = transport.transactional(tid, 10)
-        killing = _KilledAtCommit(producer._producer, kill_the_progress_replica)
+        killing = KilledAtCommit(producer._producer, kill_the_progress_replica)
         monkeypatch.setattr(producer, "_producer", killing)
         named = b"progress naming row-1"
         answer = producer.send([Record(data, b"row-1", key=b"k", partition=0),
                                 Record(progress, named, key=tid.encode(), partition=0)])
         assert answer.outcome is TransactionOutcome.UNKNOWN, answer
         producer.close()
-        cluster.start(victim)
-        cluster.leader(progress, 0)
+        kafka_cluster.start(victim)
+        kafka_cluster.leader(progress, 0)
         stable, end = wait_until(lambda: stable_and_end(admin, progress), 30, "the progress offsets")
         assert stable < end, "the broker wrote the progress marker: nothing was left open"
-        assert read_topic(cluster.bootstrap, data, expected=1, timeout=10, isolation="read_committed")
+        assert read_topic(kafka_cluster.bootstrap, data, expected=1, timeout=10, isolation="read_committed")
         taker = transport.transactional(tid, 30)  # kept: the transport holds its producers weakly
         read = transport.read_back(progress, 0, tid.encode(), 30)
         assert read == ReadBack(None, (Uncommitted(named, (True,)),))  # aborted, its data record committed

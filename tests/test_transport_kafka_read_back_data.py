@@ -25,11 +25,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from _kafka_transactions import wait_until
 from confluent_kafka import KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox import RetriableTransportError
-from tests.test_transport_kafka_left_open import wait_until
 from transports import ReadBack, Record, Uncommitted
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import with_positions, with_topics

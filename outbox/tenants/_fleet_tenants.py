@@ -198,31 +198,35 @@ class FleetTenants:
             log.warning("relay %s: tenant %s served again", self.worker_id, unit.tenant.name)
         unit.reported, unit.failures = None, 0
 
-    def drop_step(self, unit: Unit, *, quiet: bool = False) -> None:
-        """Give the tenant's step up (its leases given back); ``quiet``: its failure was logged."""
+    def drop_step(self, unit: Unit, *, quiet: bool = False) -> bool:
+        """Give the tenant's step up; ``quiet``: its failure was logged. True unless it held leases
+        it could not give back (they expire within their TTL)."""
         step, unit.step = unit.step, None
-        if step is not None:
-            step.release(quiet=quiet)
+        return step is None or step.release(quiet=quiet)
 
-    def close(self, unit: Unit) -> None:
+    def close(self, unit: Unit) -> bool:
+        """Close ``unit``: True unless it held leases it did not give back."""
         with self._schedule.lock:
             if unit.db.units.get(unit.tenant.schema) is unit and unit.removed:
                 del unit.db.units[unit.tenant.schema]
         self._claims.release(unit)
         if not unit.db.gate.down:
-            self.drop_step(unit)
+            released = self.drop_step(unit)
         else:
-            unit.step = None  # its database is down: its leases expire by their TTL
+            released, unit.step = unit.step is None, None  # its database is down: leases expire by their TTL
         with self._schedule.lock:
             self._retiring.discard(unit)
+        return released
 
-    def close_all(self, units: list[Unit]) -> None:
-        """Close ``units`` (release their leases), each database's on a thread of its own.
+    def close_all(self, units: list[Unit]) -> list[str]:
+        """Close ``units`` (release their leases), each database's on a thread of its own; the
+        names of the tenants whose leases were not given back (they expire within their TTL).
 
         Waits at most ``RELEASE_WITHIN`` seconds: a frozen database's tenants
         are left to their lease TTL, and never delay the others' release.
         """
         by_database: dict[int, list[Unit]] = {}
+        kept: list[str] = []  # appended to by the closers' threads
         for unit in units:
             if unit.step is not None:
                 by_database.setdefault(id(unit.db), []).append(unit)
@@ -231,7 +235,8 @@ class FleetTenants:
 
         def close_all(group: list[Unit]) -> None:
             for unit in group:
-                self.close(unit)
+                if not self.close(unit):
+                    kept.append(unit.tenant.name)
         closers = [threading.Thread(target=close_all, args=(group,), name="outbox-relay-release", daemon=True)
                    for group in by_database.values()]
         for closer in closers:
@@ -243,3 +248,5 @@ class FleetTenants:
                 log.warning("relay %s: tenants %s did not give their leases back within %gs (their "
                             "database does not answer); they expire within the lease TTL", self.worker_id,
                             ", ".join(unit.tenant.name for unit in group), RELEASE_WITHIN)
+                kept.extend(unit.tenant.name for unit in group)
+        return list(dict.fromkeys(kept))  # a copy: a closer past its time may still append

@@ -276,7 +276,7 @@ class TenantRelay:
                         if unit.state is not TurnState.RUNNING]
             # The tenants no worker holds give their leases back at once, before the workers are
             # waited for: a worker stuck on a frozen database must not keep the others' leases.
-            self._tenants.close_all(idle)
+            kept = self._tenants.close_all(idle)
             for worker in workers:
                 if worker.ident is not None:
                     worker.join()
@@ -285,8 +285,13 @@ class TenantRelay:
             for thread in (refresher, *self._databases.threads()):
                 if thread.ident is not None:
                     thread.join(max(0.0, deadline - time.monotonic()))
-            self._tenants.close_all(list(self._tenants.units.values()))
-            log.info("relay %s stopped; leases released", self.worker_id)
+            kept += self._tenants.close_all(list(self._tenants.units.values()))
+            if kept:
+                log.warning("relay %s stopped; %d tenants did not give their leases back (%s): they "
+                            "expire within the lease TTL", self.worker_id, len(kept), ", ".join(kept[:10])
+                            + (", …" if len(kept) > 10 else ""))
+            else:
+                log.info("relay %s stopped; leases released", self.worker_id)
 
     def _refresh_loop(self) -> None:
         while not self._stopping.is_set():
