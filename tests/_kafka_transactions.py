@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from outbox.testing import LocalKafkaCluster
+
+T = TypeVar("T")
 
 TXN_PARTITIONS = 4  # transaction.state.log.num.partitions of the test brokers
 
@@ -52,13 +54,16 @@ def one_replica_topics(cluster: LocalKafkaCluster, tid: str, data: str, progress
 def stable_and_end(admin: AdminClient, topic: str) -> tuple[int, int]:
     """The partition's last stable offset and high watermark."""
     tp = TopicPartition(topic, 0)
-    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-    return tuple(admin.list_offsets({tp: latest}, isolation_level=level, request_timeout=10)[tp]  # type: ignore[return-value]
-                 .result(10).offset
-                 for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED))
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]  # confluent_kafka leaves it untyped
+
+    def offset(level: IsolationLevel) -> int:
+        answer = admin.list_offsets({tp: latest}, isolation_level=level, request_timeout=10)[tp]
+        return int(answer.result(10).offset)
+    return offset(IsolationLevel.READ_COMMITTED), offset(IsolationLevel.READ_UNCOMMITTED)
 
 
-def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped-def]
+def wait_until(condition: Callable[[], T], timeout: float, what: str) -> T:
+    """``condition()``'s first truthy answer, asked every 0.2 s (an error counts as no answer)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -74,8 +74,8 @@ def test_scripted_source_keeps_records_added_while_it_polls() -> None:
     """
     added: list[Record] = []
 
-    class ExtendedMeanwhile(list):  # type: ignore[type-arg]
-        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+    class ExtendedMeanwhile(list[Record]):
+        def __getitem__(self, index: Any) -> Any:
             got = list.__getitem__(self, index)
             if isinstance(index, slice) and len(added) < 2:
                 added.append(at(record(TOPIC, f"late{len(added)}", 1), 0, 1 + len(added)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _kafka_transactions import KilledAtCommit
 from _relay_helpers import publish, rows, wait_for
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
@@ -26,24 +27,6 @@ from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-class _CutAtCommit:
-    """A confluent producer whose ``commit_transaction`` runs ``cut`` and fails unanswered, the
-    transaction left open (everything else its own)."""
-
-    def __init__(self, inner: Any, cut: Any) -> None:
-        self._inner, self._cut = inner, cut
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def commit_transaction(self, *args: Any) -> None:
-        self._cut()
-        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "cut before the commit"))
 
 
 def test_a_shard_whose_cut_transaction_named_a_topic_deleted_since_is_taken_over_and_flows(
@@ -68,8 +51,10 @@ def test_a_shard_whose_cut_transaction_named_a_topic_deleted_since_is_taken_over
 
         def send(records: Any) -> Any:
             if len(outcomes) == 1:  # the second transaction: cut, its data topic deleted meanwhile
-                monkeypatch.setattr(producer, "_producer",
-                                    _CutAtCommit(producer._producer, lambda: delete(admin, gone)))
+                def cut() -> None:  # the data topic deleted, then the commit fails unanswered, left open
+                    delete(admin, gone)
+                    raise KafkaException(KafkaError(KafkaError._TRANSPORT, "cut before the commit"))
+                monkeypatch.setattr(producer, "_producer", KilledAtCommit(producer._producer, before=cut))
             answer = real_send(records)
             outcomes.append(answer.outcome)
             return answer
