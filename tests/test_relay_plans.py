@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -169,3 +170,55 @@ def test_marking_a_batch_published_reads_its_rows_not_the_backlog_on_stale_stati
     limit = _fetch(batch)[2]["limit"]
     assert rows == limit  # every row found pending under a held lease: the fence let them through
     assert buffers <= BUFFERS_PER_ROW * limit, f"{buffers} buffers for {rows} rows"
+
+
+
+def test_a_fetch_run_on_an_emptied_table_reads_a_batch_after_a_burst(pg: sa.Engine) -> None:
+    """A relay keeping up runs its fetch while the table is empty, every poll and notification
+    of a quiet hour; retention has emptied the table and VACUUM cut it to no page, which PostgreSQL
+    takes for "clearly empty" whatever the statistics say. A plan made then and kept (psycopg
+    prepares a statement at its fifth run, PostgreSQL may keep a generic plan after five more) is
+    one for a table of no rows: each due row's "does an earlier row hold my key back" probe a Seq
+    Scan of the whole table, a fetch growing with the square of a burst until autovacuum next
+    ANALYZEs (seen: 853 ms for one row of 800, the fleet's quiet tenant). Then a burst commits:
+    the same connection's next fetch, run as the relay runs it, must read a batch, not the table
+    once per row. ``auto_explain`` reports the buffers of that very run (a NOTICE to the client)."""
+    outbox = Outbox(pg)
+    outbox.create_tables()
+    with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        _insert(conn, 100, "published")
+        conn.execute(sa.text("DELETE FROM outbox_messages"))
+        conn.execute(sa.text("VACUUM ANALYZE outbox_messages"))  # what autovacuum does after retention
+        assert conn.execute(sa.text(
+            "SELECT relpages, reltuples FROM pg_class WHERE relname = 'outbox_messages'")).one() == (0, 0)
+    limit = LIMIT // outbox.shards  # what a relay keeping up asks of each shard
+    relay = Relay(outbox, ScriptedTransport(), worker_id="w", batch_size=limit)
+    try:
+        assert relay.run_once().published == 0  # takes the leases; its first fetch is the backlog form
+        batch = relay._step._batch
+        owned = list(range(outbox.shards))
+        statement = batch.sql.fetch(owned, backlog=False)
+        notices: list[str] = []
+        with batch.engine.connect() as taken:
+            conn = batch.sql.prepare_fetch(taken)
+            for _ in range(12):  # the relay's idle fetches: past psycopg's five and PostgreSQL's five
+                assert conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [])).all() == []
+            with pg.begin() as writer:  # a burst, committed faster than autovacuum ANALYZEs
+                _insert(writer, BACKLOG, "pending")
+            raw = conn.connection.driver_connection
+            raw.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
+            for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                            "SET auto_explain.log_analyze = on", "SET auto_explain.log_buffers = on",
+                            "SET auto_explain.log_format = json", "SET auto_explain.log_level = notice",
+                            "SET client_min_messages = notice"):
+                conn.exec_driver_sql(setting)
+            rows = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [])).all()
+            conn.invalidate()  # auto_explain stays loaded in that session: not for the pool
+    finally:
+        relay.close()
+    plans = [json.loads(n[n.index("{"):]) for n in notices if "SELECT due.id" in n]
+    assert len(plans) == 1, notices
+    top = plans[0]["Plan"]
+    buffers = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+    assert len(rows) == limit
+    assert buffers <= BUFFERS_PER_ROW * limit * outbox.shards, f"{buffers} buffers for {len(rows)} rows"

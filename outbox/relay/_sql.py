@@ -44,7 +44,7 @@ from ..core._errors import ConfigurationError
 from ..core._mysql import MAY_BLOCK, json_rows, json_table
 from ..core._pg_arrays import array_params, int_array, rows_of
 from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
-from ._session import fetch_session
+from ._session import PLANNED_EACH_RUN, fetch_session
 from ._sql_shared import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 __all__ = ["ROW_COLUMNS", "Marks", "RelayStatements", "add_mark", "empty_marks", "statements_for"]
@@ -92,12 +92,11 @@ class PostgresRelayStatements(RelayStatements):
 
         The fetch's transaction ends with a commit, not a rollback (it writes
         nothing), because psycopg forgets its prepared statements at every
-        rollback: kept, a connection's fetch of a shard set is prepared on the
-        server from its fifth run and then neither parsed nor planned again
-        (about 0.4 ms of PostgreSQL CPU per batch of 3 rows), and after five
-        more runs PostgreSQL may run it with its generic plan, which the status
-        constant and ``enable_sort = off`` keep on the pending index
-        (``tests/test_relay_plans.py``, both forms). The UNION ALL's plan grows with the
+        rollback: kept, a connection's UNION ALL of a shard set is prepared on
+        the server from its fifth run and then not parsed again, and after five
+        more runs PostgreSQL may run it with its generic plan, not planned
+        again either, which the status constant and ``enable_sort = off`` keep
+        on the pending index (``tests/test_relay_plans.py``, both forms). The UNION ALL's plan grows with the
         shards, and on a partitioned table with shards x partitions: planning it
         took 1.4 ms of a 1.8 ms fetch over 16 shards on a plain table, and 13 to
         40 ms on a table of 8 daily partitions, for 20 due rows. The LATERAL
@@ -107,6 +106,22 @@ class PostgresRelayStatements(RelayStatements):
         though, where the UNION ALL's merge stops after ``limit`` rows in all:
         with a backlog (the last fetch full) that is up to shards x ``limit`` rows,
         so a backlog is fetched with the UNION ALL.
+
+        The LATERAL form is never prepared (``PLANNED_EACH_RUN``): it is the
+        one a relay runs while the table is empty, every poll and notification
+        of a quiet hour, and when retention has emptied the table and VACUUM
+        cut it to no page, PostgreSQL takes it for "clearly empty" whatever
+        the statistics say. A plan kept from then is one for a table of no
+        rows, and it stayed in use while a burst filled the table, until
+        autovacuum next ANALYZEd: each due row's key-waits probe a Seq Scan of
+        the whole table, the scan itself on the primary key (863,767 buffers
+        for a fetch of 62 rows from 20,000, ``tests/test_relay_plans.py``; 853
+        ms for one row of 800 in the fleet benchmark). Planned at each run it
+        costs no more on a plain table (0.3 ms, as much as the parse) and about 3 ms of a
+        16-shard fetch on a table of 8 partitions. The UNION ALL runs only
+        after a full fetch, when the table has rows, and keeps its plan: planning it
+        again each run would cost a batch of 1,000 rows 2.4 ms plain, 10.6 ms
+        partitioned.
         """
         m, limit = self._m, bindparam("limit", type_=Integer())
         busy_ids = select(func.unnest(cast(bindparam("busy", type_=Text()), ARRAY(BigInteger))))
@@ -116,7 +131,8 @@ class PostgresRelayStatements(RelayStatements):
                                      ARRAY(Integer))).table_valued("shard").render_derived(name="owned")
             each = self._due.where(m.c.shard == owned.c.shard, busy).order_by(m.c.id).limit(limit)
             due = each.lateral("due")
-            return select(due).select_from(owned.join(due, true())).order_by(due.c.id).limit(limit)
+            return (select(due).select_from(owned.join(due, true())).order_by(due.c.id).limit(limit)
+                    .execution_options(**{PLANNED_EACH_RUN: True}))
         parts = [self._due.where(m.c.shard == shard, busy).order_by(m.c.id).limit(limit)
                  for shard in shards]
         merged = union_all(*parts).subquery("due")
