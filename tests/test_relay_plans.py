@@ -202,7 +202,8 @@ def test_a_fetch_run_on_an_emptied_table_reads_a_batch_after_a_burst(pg: sa.Engi
         with batch.engine.connect() as taken:
             conn = batch.sql.prepare_fetch(taken)
             for _ in range(12):  # the relay's idle fetches: past psycopg's five and PostgreSQL's five
-                assert conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [])).all() == []
+                idle = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, []))
+                assert idle.all() == []
             with pg.begin() as writer:  # a burst, committed faster than autovacuum ANALYZEs
                 _insert(writer, BACKLOG, "pending")
             raw = conn.connection.driver_connection
