@@ -100,7 +100,7 @@ def batch(request: pytest.FixtureRequest, stale: Outbox) -> list[tuple[str, dict
 
 def _fetch(sent: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], str, dict[str, Any]]:
     """The relay's fetch, with the statement that set its session up before it (``relay._session``)."""
-    at = next(i for i, (statement, _) in enumerate(sent) if statement.startswith("SELECT due.id"))
+    at = next(i for i, (statement, _) in enumerate(sent) if statement.startswith("SELECT sized.id"))
     settings = [statement for statement, _ in sent[:at] if "set_config('enable_sort'" in statement][-1:]
     assert settings, "no session set up before the fetch"
     return settings, *sent[at]
@@ -202,7 +202,7 @@ def test_a_fetch_run_on_an_emptied_table_reads_a_batch_after_a_burst(pg: sa.Engi
         with batch.engine.connect() as taken:
             conn = batch.sql.prepare_fetch(taken)
             for _ in range(12):  # the relay's idle fetches: past psycopg's five and PostgreSQL's five
-                idle = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, []))
+                idle = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [], 2**30))
                 assert idle.all() == []
             with pg.begin() as writer:  # a burst, committed faster than autovacuum ANALYZEs
                 _insert(writer, BACKLOG, "pending")
@@ -213,11 +213,11 @@ def test_a_fetch_run_on_an_emptied_table_reads_a_batch_after_a_burst(pg: sa.Engi
                             "SET auto_explain.log_format = json", "SET auto_explain.log_level = notice",
                             "SET client_min_messages = notice"):
                 conn.exec_driver_sql(setting)
-            rows = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [])).all()
+            rows = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [], 2**30)).all()
             conn.invalidate()  # auto_explain stays loaded in that session: not for the pool
     finally:
         relay.close()
-    plans = [json.loads(n[n.index("{"):]) for n in notices if "SELECT due.id" in n]
+    plans = [json.loads(n[n.index("{"):]) for n in notices if "SELECT sized.id" in n]
     assert len(plans) == 1, notices
     top = plans[0]["Plan"]
     buffers = top["Shared Hit Blocks"] + top["Shared Read Blocks"]

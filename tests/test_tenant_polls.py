@@ -338,16 +338,16 @@ def test_a_backlog_takes_small_batches_only_while_another_tenant_has_live_traffi
     shares = BacklogShares()
     backlog, quiet = Tenantish(), Tenantish()
     assert shares.limit_for(backlog) is None
-    shares.after_turn(backlog, fetched=1000, limit=1000)
+    shares.after_turn(backlog, fetched=1000, full=True)
     assert shares.limit_for(backlog) is None  # no live traffic yet: full batches
-    shares.after_turn(quiet, fetched=1, limit=1000)
+    shares.after_turn(quiet, fetched=1, full=False)
     assert shares.limit_for(backlog) == SHARED_BATCH
     assert shares.limit_for(quiet) is None  # live traffic keeps its batch
-    shares.after_turn(backlog, fetched=SHARED_BATCH, limit=SHARED_BATCH)
+    shares.after_turn(backlog, fetched=SHARED_BATCH, full=True)
     assert shares.limit_for(backlog) == SHARED_BATCH  # still a backlog
     shares._live_at -= LIVE_WINDOW  # the live tenant fell quiet a window ago
     assert shares.limit_for(backlog) is None
-    shares.after_turn(backlog, fetched=0, limit=1000)  # drained
+    shares.after_turn(backlog, fetched=0, full=False)  # drained
     assert not backlog.backlogged
     assert BacklogShares(shared_batch=None).limit_for(Tenantish(backlogged=True)) is None
 
@@ -377,12 +377,12 @@ def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
     shares = BacklogShares()
     first, other = Tenantish(), Tenantish()
     for unit in (first, other):
-        shares.after_turn(unit, fetched=1000, limit=1000)
+        shares.after_turn(unit, fetched=1000, full=True)
     assert shares.limit_for(other) is None
-    shares.after_turn(first, fetched=300, limit=1000)  # its backlog's tail
+    shares.after_turn(first, fetched=300, full=False)  # its backlog's tail
     assert not first.backlogged
     assert shares.limit_for(other) is None
-    shares.after_turn(first, fetched=2, limit=1000)  # then live traffic
+    shares.after_turn(first, fetched=2, full=False)  # then live traffic
     assert shares.limit_for(other) == SHARED_BATCH
 
 

@@ -24,7 +24,7 @@ from ..producer import Outbox
 from ..relay import backlog, failed_rows, retry_failed, skip_failed
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._progress import largest_batch
-from ..relay._settings import DEFAULT_BATCH_SIZE
+from ..relay._settings import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_BYTES, MAX_MAX_BATCH_BYTES
 from . import app
 from ._db import open_outbox, pooled_options
 from ._errors import Typer, database_name, hidden
@@ -67,6 +67,9 @@ def relay(
     worker_id: str | None = typer.Option(None, help="Unique name of this relay (default: host-pid-random)."),
     batch_size: int | None = typer.Option(
         None, help="Rows per batch (default 5000; 1000 with --tenants)."),
+    max_batch_bytes: int = typer.Option(
+        DEFAULT_MAX_BATCH_BYTES, min=1, max=MAX_MAX_BATCH_BYTES,
+        help="Bytes of payload and headers per batch, plus one row (default 64 MiB)."),
     lease_ttl: float | None = typer.Option(
         None, help="Seconds a shard lease lasts without renewal (default 10; 30 with --tenants)."),
     poll_interval: float | None = typer.Option(
@@ -134,6 +137,7 @@ def relay(
         _relay_tenants(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
             worker_id=worker_id, batch_size=FLEET_BATCH_SIZE if batch_size is None else batch_size,
+            max_batch_bytes=max_batch_bytes,
             lease_ttl=FLEET_LEASE_TTL if lease_ttl is None else lease_ttl,
             poll_interval=FLEET_POLL_INTERVAL if poll_interval is None else poll_interval,
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
@@ -155,7 +159,7 @@ def relay(
         worker = Relay(
             outbox, transport, worker_id=worker_id,
             batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
-            lease_ttl=10.0 if lease_ttl is None else lease_ttl,
+            max_batch_bytes=max_batch_bytes, lease_ttl=10.0 if lease_ttl is None else lease_ttl,
             poll_interval=0.5 if poll_interval is None else poll_interval,
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
             backlog_metrics=metrics_port is not None, key_stuck_after=key_stuck_after,

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.engine.interfaces import DBAPICursor, ExecutionContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 
@@ -155,9 +156,51 @@ def worker_engine(engine: E) -> E:
     that reuses its own connections pays nothing per transaction.
     """
     sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+    if sync.dialect.driver == "psycopg":
+        root = root_engine(sync)
+        if not event.contains(root, "do_execute", _unprepared):
+            event.listen(root, "do_execute", _unprepared)
     if sync.dialect.name not in ("mysql", "mariadb") or sync.get_execution_options().get(_WORKER):
         return engine
     return marked_copy(engine, sync, _WORKER, _keep_levels)
+
+
+PLANNED_EACH_RUN = "outbox_planned_each_run"
+"""The execution option of a worker's statement that PostgreSQL must plan at every run, for its
+table as it is then: psycopg never prepares it (``_unprepared``).
+
+psycopg prepares a statement it has run five times on a connection, and
+PostgreSQL may then keep a generic plan, made once, until the table's
+statistics next change (autovacuum's ANALYZE). A table with no page whose
+``reltuples`` is 0 (VACUUMed after its rows were deleted, or TRUNCATEd and
+ANALYZEd) is "clearly empty" to the planner whatever its statistics say: a
+plan kept from then is one for a table of no rows, a Seq Scan where an index
+probe belongs, and it stays in use while a burst fills the table. Marked are
+the statements a worker runs again and again on a table that is often empty
+(a relay's keeping-up fetch, its idle polls and marks; an inbox's held
+messages and key locks), each planned for a few rows: what planning costs is
+less than a parse and plan of a small statement, per batch or per poll
+(``tests/test_empty_table_plans.py``, ``tests/test_relay_plans.py``)."""
+
+
+def _unprepared(cursor: DBAPICursor, statement: str, parameters: Any, context: ExecutionContext) -> bool:
+    """Run a statement marked ``PLANNED_EACH_RUN`` unprepared (psycopg's unnamed statement, which
+    PostgreSQL plans with its parameters at every run); anything else as SQLAlchemy would (False).
+
+    psycopg never prepares while its connection's ``prepare_threshold`` is
+    None, whatever it prepared before; the connection is this statement's
+    alone while it runs (sync or async).
+    """
+    if not context.execution_options.get(PLANNED_EACH_RUN):
+        return False
+    raw: Any = context.root_connection.connection.driver_connection
+    threshold = raw.prepare_threshold
+    raw.prepare_threshold = None
+    try:
+        cursor.execute(statement, parameters)
+    finally:
+        raw.prepare_threshold = threshold
+    return True
 
 
 def marked_copy(engine: E, sync: Engine, option: str, on_checkout: Callable[[Connection], None]) -> E:

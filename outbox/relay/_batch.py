@@ -62,6 +62,7 @@ from ._metrics import RelayMetrics
 from ._outcomes import ROW_ID, ROW_KEY, ROW_SHARD, ROW_TOPIC, Plan, Planner
 from ._rows import RowEncoder, safe_reason
 from ._sql import Marks, RelayStatements
+from ._sql_shared import ROW_OCTETS
 from ._unreadable import find_unreadable
 from ._writer import BackgroundWriter, Writer
 
@@ -78,7 +79,7 @@ marked, and ``_progress.check_progress_fits`` sized the batch for two batches' i
 
 @dataclass(frozen=True, slots=True)
 class BatchResult:
-    """What one ``run_once`` did; ``fetched == batch_size`` means more may be waiting."""
+    """What one ``run_once`` did; ``full`` means more may be waiting."""
 
     fetched: int = 0
     sent: int = 0
@@ -93,6 +94,8 @@ class BatchResult:
     """The first error of a row to be retried, if any."""
     broker_unreachable: bool = False
     """Nothing delivered, nothing refused, no answer for any record: the broker is down."""
+    full: bool = False
+    """The fetch stopped at its row or byte limit: more rows may be due (``RelayStatements.fetch``)."""
 
 
 class _Written(TypedDict):
@@ -129,6 +132,7 @@ class BatchRunner:
         metrics: RelayMetrics,
         worker_id: str,
         batch_size: int,
+        max_batch_bytes: int,
         database_outage: OutageTracker,
         incarnation: str | None = None,
         cloudevents: CloudEvents | None = None,
@@ -141,7 +145,7 @@ class BatchRunner:
         self.exactly_once = exactly_once
         self.database_outage = database_outage
         self.backoff, self.alert, self.metrics = backoff, alert, metrics
-        self.worker_id, self.batch_size = worker_id, batch_size
+        self.worker_id, self.batch_size, self.max_batch_bytes = worker_id, batch_size, max_batch_bytes
         # A mark's transaction left idle this long is ended by the database (``_marking``).
         self._idle_limit = lease_ttl
         # Pipelining (PostgreSQL, inside Relay.run): earlier batches' outcomes are written
@@ -185,7 +189,7 @@ class BatchRunner:
         with self.engine.connect() as conn:
             conn = sql.prepare_fetch(conn)
             limit = limit or self.batch_size
-            params = sql.fetch_params(utcnow(), limit, busy)
+            params = sql.fetch_params(utcnow(), limit, busy, self.max_batch_bytes)
             try:
                 rows: Sequence[Any] = conn.execute(sql.fetch(owned, backlog=self._backlog), params).all()
                 unreadable = None
@@ -204,9 +208,15 @@ class BatchRunner:
                 conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
-        self._backlog = len(rows) >= params["limit"]
+        # Full: stopped at its rows, or at its bytes (the running total of the last row reached them).
+        full = len(rows) >= params["limit"] or (bool(rows) and rows[-1][ROW_OCTETS] >= self.max_batch_bytes)
+        self._backlog = full
         if busy:  # not params["limit"]: on MySQL that counts the busy rows too
-            rows = sql.without_busy(rows, busy, limit)
+            kept = sql.without_busy(rows, busy, limit)
+            if full and not kept:  # its bytes all went to rows still being written (MySQL): after them
+                self._settle()
+                return self.run(owned, wait=wait, idle=idle, limit=limit)
+            rows = kept
         self.database_outage.answered()
         if not rows:
             return BatchResult()
@@ -252,7 +262,7 @@ class BatchRunner:
                        "failed": len(plan.failed), "fenced": 0}
         self.metrics.batch_duration.observe(time.perf_counter() - started)
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
-        return BatchResult(fetched=len(rows), sent=len(records),
+        return BatchResult(fetched=len(rows), sent=len(records), full=full,
                            held=len(rows) - len(sendable) - len(unsendable),
                            error=plan.error, broker_unreachable=plan.broker_unreachable, **outcome)
 

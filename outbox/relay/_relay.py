@@ -47,7 +47,14 @@ from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
 from ._session import relay_engine
-from ._settings import DEFAULT_BACKOFF, DEFAULT_BATCH_SIZE, RelaySettings, cloudevents_mode, default_worker_id
+from ._settings import (
+    DEFAULT_BACKOFF,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_BATCH_BYTES,
+    RelaySettings,
+    cloudevents_mode,
+    default_worker_id,
+)
 from ._step import RelayOutages, RelayStep
 from ._stuck import StuckKeys
 from ._wakeup import Wakeup
@@ -90,6 +97,7 @@ class Relay:
         *,
         engine: Engine | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         worker_id: str | None = None,
         alert: AlertSink | Callable[[Alert], None] | None = None,
         lease_ttl: float = 10.0,
@@ -111,7 +119,8 @@ class Relay:
         if not isinstance(bound, Engine):
             raise ConfigurationError("Relay needs a sync Engine: pass engine=create_engine(url)")
         self.settings = settings = RelaySettings(
-            batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
+            batch_size=batch_size, max_batch_bytes=max_batch_bytes,
+            worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
             poll_interval=poll_interval, backoff=backoff, backlog_metrics=backlog_metrics,
             wheel_tick=wheel_tick, key_stuck_after=key_stuck_after, exactly_once=exactly_once,
             progress_topic=progress_topic)

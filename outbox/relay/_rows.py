@@ -104,7 +104,7 @@ class RowEncoder:
     def _record(self, row: Any) -> Record:
         """The row's record; raises ``UnsendableRow``, or what encoding raised, if it cannot be one."""
         (_, message_id, topic, key, seq, _, payload, content_type, headers, created_at,
-         available_at, _, event_type) = row
+         available_at, _, event_type, *_) = row  # then the batch's bytes so far (``ROW_OCTETS``)
         if self._check_ids and (type(message_id) is not str or not _UUID_TEXT.fullmatch(message_id)):
             raise UnsendableRow(f"message id {_short(message_id)} is not a UUID: the inbox "
                                 "could not read the envelope")

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event, make_url
-from sqlalchemy.engine.interfaces import DBAPICursor, ExecutionContext
+from sqlalchemy import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
-from ..core._engine import marked_copy, root_engine, worker_engine
+from ..core._engine import marked_copy, worker_engine
 
 RELAY = "outbox_relay"
 """The execution option that marks a relay's engine copy: its connections may keep the fetch's session."""
@@ -40,11 +39,6 @@ RELAY = "outbox_relay"
 TRANSACTION_POOLED = "outbox_transaction_pooled"
 """The execution option that says an engine reaches PostgreSQL through a transaction-mode pooler:
 the relay then sets nothing on a session (``create_engine(url, execution_options={...: True})``)."""
-
-PLANNED_EACH_RUN = "outbox_planned_each_run"
-"""The execution option of a statement PostgreSQL must plan at each run, for the table as it is then:
-psycopg does not prepare it (``_unprepared``). See ``PostgresRelayStatements._fetch_of``."""
-
 
 def transaction_pooled_options(url: str) -> dict[str, Any]:
     """``create_engine`` keyword arguments for ``url``'s database reached through a transaction-mode pooler.
@@ -96,25 +90,7 @@ def relay_engine(engine: Engine) -> Engine:
     engine = worker_engine(engine)
     if engine.dialect.name != "postgresql" or engine.get_execution_options().get(RELAY):
         return engine
-    root = root_engine(engine)
-    if engine.dialect.driver == "psycopg" and not event.contains(root, "do_execute", _unprepared):
-        event.listen(root, "do_execute", _unprepared)
     return marked_copy(engine, engine, RELAY, _give_back)
-
-
-def _unprepared(cursor: DBAPICursor, statement: str, parameters: Any, context: ExecutionContext) -> bool:
-    """Run a statement marked ``PLANNED_EACH_RUN`` as psycopg's unnamed statement, which PostgreSQL
-    plans with its parameters at every run; anything else as SQLAlchemy would (False).
-
-    psycopg prepares a statement it has run five times on a connection, and
-    PostgreSQL may then run a plan it made once and keeps until the table's
-    statistics change: a plan made while the table had no page at all is one
-    for a table of no rows, and stays in use while a burst fills it.
-    """
-    if not context.execution_options.get(PLANNED_EACH_RUN):
-        return False
-    cursor.execute(statement, parameters, prepare=False)  # type: ignore[call-arg]  # psycopg's keyword
-    return True
 
 
 def fetch_session(conn: Connection) -> Connection:

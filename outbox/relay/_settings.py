@@ -19,6 +19,17 @@ DEFAULT_BACKOFF = tenacity.wait_exponential_jitter(multiplier=0.2, max=30, jitte
 
 MAX_BATCH_SIZE = 100_000
 
+DEFAULT_MAX_BATCH_BYTES = 64 * 2**20
+"""Bytes of payload and headers a batch holds at most, plus one row (``max_batch_bytes``).
+
+A batch's memory was its rows times their size: 5,000 rows of a megabyte are five gigabytes,
+twice (rows, then records). 64 MiB leaves every batch of typical events whole (5,000 rows of
+13 KB) and bounds one of large ones; the first row always comes, whatever its size. The database
+counts the bytes in the fetch itself (``RelayStatements.fetch``), so the rows it leaves out never
+cross the wire."""
+
+MAX_MAX_BATCH_BYTES = 2**40
+
 DEFAULT_BATCH_SIZE = 5000
 """Rows a relay fetches, sends and marks together by default (``batch_size``).
 
@@ -27,8 +38,8 @@ marking write) is paid per batch: draining 100,000 rows took 3.1 s in batches of
 2.4 s in batches of 5,000 (docs/benchmarks.md, the race with Debezium: 32,000 against 41,600
 msg/s, where Debezium's defaults, ``max.batch.size`` 2048, made 20,600-37,700). A relay that
 keeps up fetches a few rows a batch whatever this is; it only counts under a backlog. What it
-costs there, each in proportion: a batch's memory (no byte bound: rows x their size, twice
-for rows and records; lower it when records are large), the rows a crash sends again (up to
+costs there, each in proportion: a batch's memory (rows x their size, twice for rows and
+records, up to ``max_batch_bytes``), the rows a crash sends again (up to
 three batches: the one in flight and two outcome writes), an exactly-once transaction's size
 and its progress record (three batches' ids and the records' positions,
 ``_progress.check_progress_fits``). A fleet of
@@ -66,6 +77,8 @@ class RelaySettings:
 
     batch_size: int = DEFAULT_BATCH_SIZE
     """Rows fetched, sent and marked together (1 to 100,000; ``DEFAULT_BATCH_SIZE``)."""
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    """Bytes of payload and headers a batch takes at most, plus one row (``DEFAULT_MAX_BATCH_BYTES``)."""
     worker_id: str = field(default_factory=default_worker_id)
     """Unique among the relays of one database; at most 200 characters."""
     lease_ttl: float = 10.0
@@ -90,6 +103,10 @@ class RelaySettings:
         size = self.batch_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH_SIZE:
             raise ConfigurationError(f"batch_size must be an int from 1 to {MAX_BATCH_SIZE}, got {size!r}")
+        octets = self.max_batch_bytes
+        if isinstance(octets, bool) or not isinstance(octets, int) or not 1 <= octets <= MAX_MAX_BATCH_BYTES:
+            raise ConfigurationError(
+                f"max_batch_bytes must be an int from 1 to {MAX_MAX_BATCH_BYTES} (2**40), got {octets!r:.80}")
         for name in ("lease_ttl", "poll_interval", "wheel_tick", "key_stuck_after"):
             object.__setattr__(self, name, _positive_seconds(name, getattr(self, name)))
         if not isinstance(self.exactly_once, bool):

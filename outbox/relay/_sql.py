@@ -28,6 +28,7 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Integer,
+    LargeBinary,
     Text,
     bindparam,
     cast,
@@ -44,8 +45,8 @@ from ..core._errors import ConfigurationError
 from ..core._mysql import MAY_BLOCK, json_rows, json_table
 from ..core._pg_arrays import array_params, int_array, rows_of
 from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
-from ._session import PLANNED_EACH_RUN, fetch_session
-from ._sql_shared import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
+from ._session import fetch_session
+from ._sql_shared import EACH_RUN, ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 __all__ = ["ROW_COLUMNS", "Marks", "RelayStatements", "add_mark", "empty_marks", "statements_for"]
 
@@ -132,7 +133,7 @@ class PostgresRelayStatements(RelayStatements):
             each = self._due.where(m.c.shard == owned.c.shard, busy).order_by(m.c.id).limit(limit)
             due = each.lateral("due")
             return (select(due).select_from(owned.join(due, true())).order_by(due.c.id).limit(limit)
-                    .execution_options(**{PLANNED_EACH_RUN: True}))
+                    .execution_options(**EACH_RUN))
         parts = [self._due.where(m.c.shard == shard, busy).order_by(m.c.id).limit(limit)
                  for shard in shards]
         merged = union_all(*parts).subquery("due")
@@ -156,8 +157,8 @@ class PostgresRelayStatements(RelayStatements):
         """
         return fetch_session(conn)
 
-    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
-        return {"now": now, "limit": limit, "busy": int_array(busy)}
+    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int], max_bytes: int) -> dict[str, Any]:
+        return {"now": now, "limit": limit, "busy": int_array(busy), "max_bytes": max_bytes}
 
     def end_if_idle(self, conn: sa.Connection, seconds: float) -> None:
         """``idle_in_transaction_session_timeout`` for this transaction alone (``SET LOCAL``): the
@@ -224,9 +225,10 @@ class MySQLRelayStatements(RelayStatements):
             return func.concat_ws("-", *parts).label("message_id")
         return super()._column(m, name)
 
-    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
-        """As many more rows as are busy: a NOT IN over JSON_TABLE made the fetch slower than the write."""
-        return {"now": now, "limit": limit + len(busy)}
+    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int], max_bytes: int) -> dict[str, Any]:
+        """As many more rows as are busy: a NOT IN over JSON_TABLE made the fetch slower than the write.
+        (Their bytes count too: a batch may come that much under ``max_bytes``.)"""
+        return {"now": now, "limit": limit + len(busy), "max_bytes": max_bytes}
 
     def without_busy(self, rows: Sequence[Any], busy: Sequence[int], limit: int) -> Sequence[Any]:
         if not busy:
@@ -256,6 +258,10 @@ class MySQLRelayStatements(RelayStatements):
 
 class SQLiteRelayStatements(RelayStatements):
     """SQLite, in process: an executemany per bulk update; batches are not pipelined."""
+
+    def _octets(self, column: Any) -> Any:
+        """``length`` counts a text's characters and a blob's bytes (``octet_length`` is 3.43's)."""
+        return func.length(cast(column, LargeBinary))
 
     def _build_mark(self, set_: dict[str, Any], per_row: dict[str, Any]) -> Any:
         m, leases = self._m, self._leases

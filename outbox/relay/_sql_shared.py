@@ -42,12 +42,21 @@ from sqlalchemy import (
     select,
 )
 
+from ..core._engine import PLANNED_EACH_RUN
 from ..core._tables import OutboxStatus, OutboxTables
+
+EACH_RUN = {PLANNED_EACH_RUN: True}
+"""Planned at every run (``core._engine.PLANNED_EACH_RUN``): statements a relay runs again and
+again while its table may be empty (idle polls, trickles of marks)."""
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",
     "created_at", "available_at", "attempts", "event_type",
 )
+
+ROW_OCTETS = len(ROW_COLUMNS)
+"""Where a fetched row carries, after ``ROW_COLUMNS``, the bytes of payload and headers of its
+batch up to and including it (``RelayStatements.fetch``)."""
 
 
 @dataclass(slots=True)
@@ -98,13 +107,14 @@ class RelayStatements(abc.ABC):
             m.c.status != OutboxStatus.PUBLISHED,
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
             m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)),
-            m.c.available_at > bindparam("since", type_=m.c.available_at.type))
+            m.c.available_at > bindparam("since", type_=m.c.available_at.type)).execution_options(**EACH_RUN)
         later = m.c.available_at > bindparam("since", type_=m.c.available_at.type)
         self._look_ahead = select(func.min(case((later, m.c.available_at))),
                                   func.count(case((m.c.attempts > 0, 1)))).where(
             m.c.status != OutboxStatus.PUBLISHED,
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
-            m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)))
+            m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)),
+        ).execution_options(**EACH_RUN)
 
     def _key_waits(self, tables: OutboxTables, prior: FromClause,
                    conditions: tuple[ColumnElement[bool], ...]) -> Exists:
@@ -129,21 +139,48 @@ class RelayStatements(abc.ABC):
     # -- the fetch ----------------------------------------------------------
 
     def fetch(self, shards: Iterable[int], *, backlog: bool = False) -> Select[Any]:
-        """Due rows of ``shards`` in id order; its parameters are ``fetch_params``'.
+        """Due rows of ``shards`` in id order, ``limit`` of them at most and no more bytes than
+        ``max_bytes`` and one row; its parameters are ``fetch_params``'.
 
         ``backlog``: the last fetch was full, so more rows are due than a batch
         takes; a dialect may then read them another way (PostgreSQL). Either
         statement returns the same rows.
+
+        The bytes: a row comes only if the payload and headers of the rows
+        before it hold fewer than ``max_bytes`` (so the first row always
+        comes, however large), and each carries the running total at
+        ``ROW_OCTETS``, so the relay can tell a fetch cut short by its bytes
+        (more are due) from one that found all there was. Without it a batch's
+        memory was its rows times their size: 5,000 rows of a megabyte, five
+        gigabytes, twice (rows and records). The database counts them, in the
+        statement, so what it leaves out never crosses the wire.
         """
         key = (tuple(sorted(shards)), backlog)
         found = self._fetch_by_shards.get(key)
         if found is not None:
             return found
-        found = self._fetch_of(key[0], backlog=backlog)
+        found = self._sized(self._fetch_of(key[0], backlog=backlog))
         if len(self._fetch_by_shards) > 64:
             self._fetch_by_shards.clear()
         self._fetch_by_shards[key] = found
         return found
+
+    def _sized(self, fetch: Select[Any]) -> Select[Any]:
+        """``fetch``'s rows while the bytes before each are under ``max_bytes``, with their running
+        total (``fetch`` says why); a running sum over at most ``limit`` rows in the order they
+        come, so no index or sort changes."""
+        batch = fetch.subquery("batch")
+        own = self._octets(batch.c.payload) + func.coalesce(self._octets(batch.c.headers), 0)
+        upto = func.sum(own).over(order_by=batch.c.id)
+        sized = select(*batch.c, upto.label("octets"), own.label("own")).subquery("sized")
+        before = sized.c.octets - sized.c.own
+        return (select(*(sized.c[name] for name in ROW_COLUMNS), sized.c.octets)
+                .where(before < bindparam("max_bytes", type_=BigInteger())).order_by(sized.c.id)
+                .execution_options(**fetch.get_execution_options()))
+
+    def _octets(self, column: Any) -> Any:
+        """The bytes of a fetched column's value (text in the database's encoding, UTF-8)."""
+        return func.octet_length(column)
 
     def _fetch_of(self, shards: tuple[int, ...], *, backlog: bool) -> Select[Any]:
         """One filtered scan of the pending rows of ``shards``, in id order."""
@@ -166,14 +203,15 @@ class RelayStatements(abc.ABC):
         """
         return None
 
-    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int]) -> dict[str, Any]:
-        """``fetch``'s parameters: rows due at ``now``, ``limit`` of them, none of ``busy``.
+    def fetch_params(self, now: datetime, limit: int, busy: Sequence[int], max_bytes: int) -> dict[str, Any]:
+        """``fetch``'s parameters: rows due at ``now``, ``limit`` of them and ``max_bytes`` (and one
+        row), none of ``busy``.
 
         ``busy`` holds the ids whose outcome is being written (empty unless
         ``pipelines``); a dialect whose statement cannot leave them out asks
         for more rows and drops them after (``without_busy``).
         """
-        return {"now": now, "limit": limit}
+        return {"now": now, "limit": limit, "max_bytes": max_bytes}
 
     def without_busy(self, rows: Sequence[Any], busy: Sequence[int], limit: int) -> Sequence[Any]:
         """The fetched ``rows`` that are not ``busy``, ``limit`` at most (the statement left them out)."""
@@ -246,7 +284,7 @@ class RelayStatements(abc.ABC):
             shape = MARK_KINDS[kind]
             m = self._m
             set_ = {name: _mark_value(m, value) for name, value in shape.set_.items()}
-            found = self._marks[kind] = self._build_mark(set_, shape.per_row)
+            found = self._marks[kind] = self._build_mark(set_, shape.per_row).execution_options(**EACH_RUN)
         return found
 
     @abc.abstractmethod

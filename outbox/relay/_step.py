@@ -119,7 +119,8 @@ class RelayStep:
         self._batch: BatchRunner = BatchRunner(
             engine, self._sql, transport, self.wheel,
             backoff=settings.backoff, alert=alert, metrics=metrics, worker_id=worker_id,
-            batch_size=settings.batch_size, database_outage=outages.database,
+            batch_size=settings.batch_size, max_batch_bytes=settings.max_batch_bytes,
+            database_outage=outages.database,
             incarnation=stored.incarnation, cloudevents=cloudevents, writer=writer,
             lease_ttl=settings.lease_ttl)
         if settings.exactly_once:
@@ -177,7 +178,7 @@ class RelayStep:
         elif batch.broker_unreachable:
             self._outages.broker.failed(batch.error or "no delivery report")
         self._watch(now)
-        return Step(batch, again=batch.fetched == limit and batch.sent > 0,
+        return Step(batch, again=batch.full and batch.sent > 0,
                     due=self.wheel.next_due())
 
     def run_once(self) -> BatchResult:

@@ -65,7 +65,7 @@ from ..relay import (
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._leases import renew_interval
 from ..relay._session import relay_engine
-from ..relay._settings import DEFAULT_BACKOFF, cloudevents_mode, default_worker_id
+from ..relay._settings import DEFAULT_BACKOFF, DEFAULT_MAX_BATCH_BYTES, cloudevents_mode, default_worker_id
 from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
 from ._idle_polls import IdlePolls
@@ -117,6 +117,7 @@ class TenantRelay:
         alert: AlertSink | Callable[[Alert], None] | None = None,
         metrics: TenantRelayMetrics | None = None,
         batch_size: int = 1000,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         lease_ttl: float = 30.0,
         poll_interval: float = 2.0,
         backoff: tenacity.wait.wait_base = DEFAULT_BACKOFF,
@@ -143,7 +144,8 @@ class TenantRelay:
                 f"pool_size must be an int of at least workers + 1 = {workers + 1} (the workers and "
                 f"the lease renewals), got {pool_size!r}")
         self.settings = settings = RelaySettings(
-            batch_size=batch_size, worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
+            batch_size=batch_size, max_batch_bytes=max_batch_bytes,
+            worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
             poll_interval=poll_interval, backoff=backoff, wheel_tick=wheel_tick,
             key_stuck_after=key_stuck_after, exactly_once=exactly_once, progress_topic=progress_topic)
         self.worker_id = settings.worker_id
@@ -381,7 +383,7 @@ class TenantRelay:
             with self._shares.turn(unit, shared=shared is not None):
                 done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases,
                                 look_ahead=db.listening, limit=limit)
-            self._shares.after_turn(unit, fetched=done.batch.fetched, limit=limit)
+            self._shares.after_turn(unit, fetched=done.batch.fetched, full=done.batch.full)
             unit.served = True
             poll_in = self._polls.after_turn(unit, worked=done.batch.fetched > 0, notified=db.listening)
             if poll_in > self._polls.every:  # rarely, but by its next delayed row and stuck-key check

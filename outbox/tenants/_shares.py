@@ -87,10 +87,10 @@ class BacklogShares:
             return self.shared_batch
         return None
 
-    def after_turn(self, unit: Backlogged, *, fetched: int, limit: int) -> None:
-        """What ``unit``'s turn fetched, of ``limit`` rows at most. The partial batch that ends a
-        backlog is not live traffic: in a catch-up, the first backlog to drain would cut all the
-        others to ``shared_batch`` rows for ``LIVE_WINDOW``."""
-        if 0 < fetched < limit and not unit.backlogged:
+    def after_turn(self, unit: Backlogged, *, fetched: int, full: bool) -> None:
+        """What ``unit``'s turn fetched, and whether it stopped at its limit of rows or bytes. The
+        partial batch that ends a backlog is not live traffic: in a catch-up, the first backlog to
+        drain would cut all the others to ``shared_batch`` rows for ``LIVE_WINDOW``."""
+        if fetched and not full and not unit.backlogged:
             self._live_at = time.monotonic()
-        unit.backlogged = fetched >= limit
+        unit.backlogged = full

@@ -83,12 +83,12 @@ def instrument(timeline: Timeline, engine: sa.Engine) -> None:
 
     @sa.event.listens_for(engine, "before_cursor_execute")
     def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if "ORDER BY due.id" in statement:
+        if "ORDER BY sized.id" in statement:
             fetch_started.append(time.time())
 
     @sa.event.listens_for(engine, "after_cursor_execute")
     def after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if "ORDER BY due.id" in statement:
+        if "ORDER BY sized.id" in statement:
             timeline.fetches.append((fetch_started.pop(), time.time()))
 
     if not WRAPPED:

@@ -23,9 +23,12 @@ from sqlalchemy import Row, and_, delete, func, select
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
+from ...core._engine import PLANNED_EACH_RUN
 from .._delivery import Delivery, KeyId, OrderedDelivery
 from ._inserts import GroupStore
 from ._rows import held_from_row, stored_row
+
+EACH_RUN = {PLANNED_EACH_RUN: True}
 
 
 class HeldMessages(Protocol):
@@ -83,9 +86,11 @@ class HeldTable(GroupStore, abc.ABC):
         result = cast(CursorResult[Any], session.execute(self.inserts.new(h).values(row)))
         if result.rowcount == 1 and self.inserts.counts_exactly:
             return None
+        # inbox_held is mostly empty, and VACUUM cuts it to no page: planned at every run
+        # (``PLANNED_EACH_RUN``), as the delete in ``remove`` and PostgreSQL's successors.
         holder = session.execute(select(h).where(
             h.c.consumer_group == self.group, h.c.topic == d.message.topic,
-            h.c.key == d.message.key, h.c.seq == d.message.seq)).one_or_none()
+            h.c.key == d.message.key, h.c.seq == d.message.seq).execution_options(**EACH_RUN)).one_or_none()
         if holder is None or holder.message_id == d.message.message_id:
             return None  # held already (None: its id is held at another seq: one id, one message)
         return held_from_row(holder)
@@ -131,4 +136,5 @@ class HeldTable(GroupStore, abc.ABC):
         ids = list(message_ids)
         if ids:
             h = self.t.inbox_held
-            session.execute(delete(h).where(h.c.consumer_group == self.group, h.c.message_id.in_(ids)))
+            session.execute(delete(h).where(h.c.consumer_group == self.group, h.c.message_id.in_(ids))
+                            .execution_options(**EACH_RUN))

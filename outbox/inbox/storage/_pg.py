@@ -46,7 +46,7 @@ from ...core._tables import InboxOutcome, OutboxTables
 from .._delivery import Delivery, KeyedDelivery, KeyId
 from .._kinds import Reason
 from ._dedup import DedupTable
-from ._held import HeldTable
+from ._held import EACH_RUN, HeldTable
 from ._inserts import POSTGRES_INSERTS
 from ._keys import KeysTable, KeyState
 from ._parked import ParkedRow, ParkedTable, parked_row
@@ -81,7 +81,9 @@ class PostgresKeys(KeysTable):
             .with_for_update()
             .lateral("locked")
         )
-        self._lock = select(locked).select_from(keys.join(locked, true()))
+        # Planned at every run: a plan kept from an empty inbox_keys (new tables ANALYZEd, as
+        # after a migration) locked each key through a Seq Scan until autovacuum's ANALYZE.
+        self._lock = select(locked).select_from(keys.join(locked, true())).execution_options(**EACH_RUN)
         self._create_keys = insert(k).from_select(
             ["consumer_group", "topic", "key", "last_seq", "parked"],
             select(literal(group), keys.c.topic, keys.c.key, literal(0, BigInteger), false()),
@@ -160,7 +162,8 @@ class PostgresHeld(HeldTable):
             h.c.consumer_group == group, h.c.topic == ranges.c.topic, h.c.key == ranges.c.key,
             h.c.seq >= ranges.c["first"], h.c.seq <= ranges.c["last"],
         ).lateral("successor")
-        self._successors = select(successor).select_from(ranges.join(successor, true()))
+        self._successors = (select(successor).select_from(ranges.join(successor, true()))
+                            .execution_options(**EACH_RUN))
 
     def _rows(self, session: Session, ranges: dict[KeyId, tuple[int, int]]) -> Sequence[Row[Any]]:
         params = array_params(_RANGES, {
