@@ -44,7 +44,8 @@ def plan_nodes(conn: sa.Connection, statement: sa.Select[object], params: dict[s
 
 def fetch_params(limit: int, busy: list[int] = []) -> dict[str, object]:  # noqa: B006 (read only)
     """What the relay passes: ``busy`` as PostgreSQL's array literal (the statement casts it)."""
-    return {"now": datetime.now(UTC), "limit": limit, "max_bytes": 2**30, "busy": "{" + ",".join(map(str, busy)) + "}"}
+    return {"now": datetime.now(UTC), "limit": limit, "max_bytes": 2**30,
+            "busy": "{" + ",".join(map(str, busy)) + "}"}
 
 
 def test_the_fetch_of_a_relay_that_keeps_up_is_planned_once_whatever_the_shards(outbox: Outbox) -> None:

@@ -183,7 +183,8 @@ def test_the_mysql_probe_reads_only_the_rows_that_may_block_a_key(mysql_db: str)
         fetch = statements_for(outbox.tables, conn.dialect.name).fetch(range(16))
         sent: list[tuple[str, object]] = []
         sa.event.listen(conn, "before_cursor_execute", lambda *a: sent.append((a[2], a[3])))
-        assert len(conn.execute(fetch, {"now": datetime.now(UTC), "limit": 100, "max_bytes": 2**20}).all()) == 1  # seq 2
+        params = {"now": datetime.now(UTC), "limit": 100, "max_bytes": 2**20}
+        assert len(conn.execute(fetch, params).all()) == 1  # seq 2
         statement, parameters = sent[-1]
         plan = conn.exec_driver_sql("EXPLAIN " + statement, parameters).mappings().all()
     probes = [row for row in plan if row["select_type"] == "DEPENDENT SUBQUERY"]

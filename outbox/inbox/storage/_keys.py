@@ -25,6 +25,10 @@ from ...core._tables import OutboxTables
 from .._delivery import KeyId
 from ._inserts import GroupStore, Inserts
 
+SELECT_AT_ONCE = 500
+"""Keys whose states one statement reads (``KeysTable._select``): a batch's keys in one, a sweep's
+many in several. (SQLite takes 32,766 parameters a statement; 500 keys are 1,001.)"""
+
 
 @dataclass(slots=True)
 class KeyState:
@@ -106,14 +110,21 @@ class KeysTable(GroupStore, abc.ABC):
         return self._select(session, keys) if keys else {}
 
     def _select(self, session: Session, keys: Sequence[KeyId]) -> dict[KeyId, KeyState]:
+        """The states of ``keys``, ``SELECT_AT_ONCE`` keys a statement: a sweep may ask for every key
+        whose gap is held, and one ``(topic, key) IN`` of 10,000 was more than PostgreSQL would parse
+        ("stack depth limit exceeded": every sweep failed, no gap was parked)."""
         k = self.t.inbox_keys
-        stmt = (
-            select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq, k.c.incarnation)
-            .where(k.c.consumer_group == self.group, tuple_(k.c.topic, k.c.key).in_(keys))
-            .order_by(k.c.topic, k.c.key)
-        )
-        return {(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
-                for r in session.execute(stmt)}
+        states = {}
+        for start in range(0, len(keys), SELECT_AT_ONCE):
+            stmt = (
+                select(k.c.topic, k.c.key, k.c.last_seq, k.c.parked, k.c.started_at_seq, k.c.incarnation)
+                .where(k.c.consumer_group == self.group,
+                       tuple_(k.c.topic, k.c.key).in_(keys[start:start + SELECT_AT_ONCE]))
+                .order_by(k.c.topic, k.c.key)
+            )
+            states.update({(r.topic, r.key): KeyState(r.last_seq, r.parked, r.started_at_seq, r.incarnation)
+                           for r in session.execute(stmt)})
+        return states
 
     def _create(self, session: Session, keys: Sequence[KeyId]) -> None:
         """Insert ``keys`` at seq 0, leaving those that exist as they are."""
