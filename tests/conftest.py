@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
+import _xdist_groups
 import pytest
 import sqlalchemy as sa
 from _mock_faults import MockCluster
@@ -113,6 +114,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             _slow_in_group(item, "debezium")
         if "kafka_cluster" in getattr(item, "fixturenames", ()):
             _slow_in_group(item, "kafka-cluster")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.is_registered(_xdist_groups):  # -p _xdist_groups registered it already
+        config.pluginmanager.register(_xdist_groups, "_xdist_groups")
 
 
 def _slow_in_group(item: pytest.Item, group: str) -> None:

@@ -1,0 +1,52 @@
+"""``--dist loadgroup`` keeps a group's tests on one worker (``tests/_xdist_groups.py``).
+
+Under pytest 9 pytest-xdist's own rename of a grouped test (``ID@GROUP``) is lost and every
+test of a group goes to whichever worker is free: this runs a small grouped module on two
+workers with that hook as a plugin and reads from ``-v`` where each test ran.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GROUPED = '''
+import time
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("together")
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_grouped(n):
+    time.sleep(0.2)
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_free(n):
+    time.sleep(0.2)
+'''
+
+
+@pytest.mark.slow
+def test_the_tests_of_a_group_run_on_one_worker(tmp_path: Path) -> None:
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "_xdist_groups", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadgroup", "-v", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED \S+::test_(grouped|free)\[\d\](@together)?", run.stdout)
+    grouped = [(worker, suffix) for worker, name, suffix in ran if name == "grouped"]
+    assert len(grouped) == 6 and len(ran) == 12, run.stdout[-3000:]
+    assert {suffix for _, suffix in grouped} == {"@together"}, grouped
+    assert len({worker for worker, _ in grouped}) == 1, f"the group ran on several workers: {grouped}"
