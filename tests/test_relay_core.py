@@ -205,7 +205,9 @@ def test_delay_backoff_is_capped() -> None:
 
 def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_url: str, monkeypatch) -> None:
     """PostgreSQL excludes the rows being written in the fetch, MySQL after it: either way
-    b1, delivered and being written, is not sent again, and a2 waits behind a1."""
+    b1, delivered and being written, is not sent again, and a2 waits behind a1. The batch that
+    finds nothing to send but what the write holds waits for the write and fetches again (nothing
+    else would wake the relay when it commits): a1 then goes, and a2 behind it."""
     outbox = Outbox(create_engine(server_db_url))
     outbox.create_tables()
     ids = publish(outbox, "orders", ["a", "a", "b"])
@@ -221,9 +223,10 @@ def test_a_pipelined_write_holds_the_keys_it_stops_until_it_commits(server_db_ur
     assert ("orders", "a") not in relay.wheel
     second = step.run_batch(wait=False)
     # a1 is being written (excluded) and a's retry timer has fired, but the database does not
-    # know yet that a waits: a2 must not go out ahead of a1.
-    assert second.sent == 0 and second.held == 1
-    assert [r.key for r in transport.sent] == [b"b"]
+    # know yet that a waits: a2 must not go out ahead of a1. After the write, a1 is due.
+    assert second.sent == 2
+    assert [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent] == [
+        (b"b", b"1"), (b"a", b"1"), (b"a", b"2")]
     drain(relay)
     relay.close()
     assert [(r.key, dict(r.headers)["outbox-seq"]) for r in transport.sent] == [

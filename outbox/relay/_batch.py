@@ -210,16 +210,11 @@ class BatchRunner:
             return self._fail_unreadable(owned, params, unreadable, started)
         # Full: stopped at its rows, or at its bytes (the running total of the last row reached them).
         full = len(rows) >= params["limit"] or (bool(rows) and rows[-1][ROW_OCTETS] >= self.max_batch_bytes)
+        if busy:  # params["limit"] counts the busy rows too on MySQL, which may be marked by now
+            rows = sql.without_busy(rows, busy, limit)
+            full = full or len(rows) >= limit
         self._backlog = full
-        if busy:  # not params["limit"]: on MySQL that counts the busy rows too
-            kept = sql.without_busy(rows, busy, limit)
-            if full and not kept:  # its bytes all went to rows still being written (MySQL): after them
-                self._settle()
-                return self.run(owned, wait=wait, idle=idle, limit=limit)
-            rows = kept
         self.database_outage.answered()
-        if not rows:
-            return BatchResult()
         wheel = self.wheel
         held = set().union(*(writing.held for writing in self._writes))
         # Rows are unpacked by position: a Row's attribute access costs more per row
@@ -229,6 +224,18 @@ class BatchRunner:
             if r[ROW_KEY] is None
             or ((r[ROW_TOPIC], r[ROW_KEY]) not in wheel and (r[ROW_TOPIC], r[ROW_KEY]) not in held)
         ]
+        if (not sendable and self._writes and self.exactly_once is None
+                and (rows or full or any(key not in wheel for key in held))):
+            # Nothing to send for the writes in flight: every row fetched is of a key their writes
+            # stop (a fetch cut by its bytes to them), or was one being written (MySQL reads them
+            # and drops them after: a fetch full of them), or a retried row is left out as being
+            # written though its backoff has ended (the wheel let its key go before the mark
+            # committed). Nothing wakes the relay when a mark commits: wait for the writes, and
+            # fetch again, which then reads which keys wait and which retries are due.
+            self._settle(keep=0)
+            return self.run(owned, wait=wait, idle=idle, limit=limit)
+        if not rows:
+            return BatchResult()
         # Each row is encoded on its own: one that can never be a record fails alone (``_rows``).
         records, sendable, unsendable = self._encoder.records(sendable)
         traced = None

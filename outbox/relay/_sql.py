@@ -225,6 +225,22 @@ class MySQLRelayStatements(RelayStatements):
             return func.concat_ws("-", *parts).label("message_id")
         return super()._column(m, name)
 
+    def _sized(self, fetch: sa.Select[Any]) -> sa.Select[Any]:
+        """The byte cut over the due rows' ids and sizes alone, their columns read after by primary key.
+
+        MySQL materializes a derived table with every column it carries: cut
+        over the whole rows, a fetch of 4 rows of 300 KB out of 300 due copied
+        all 300 payloads (0.6 s against 12 ms for the 4).
+        """
+        m = self._m
+        own = self._octets(m.c.payload) + func.coalesce(self._octets(cast(m.c.headers, Text)), 0)
+        batch = fetch.with_only_columns(m.c.id, own.label("own")).subquery("batch")
+        upto = func.sum(batch.c.own).over(order_by=batch.c.id)
+        sized = select(batch.c.id, upto.label("octets"), batch.c.own).subquery("sized")
+        return (select(*self._columns, sized.c.octets).select_from(sized.join(m, m.c.id == sized.c.id))
+                .where(sized.c.octets - sized.c.own < bindparam("max_bytes", type_=BigInteger()))
+                .order_by(sized.c.id))
+
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int], max_bytes: int) -> dict[str, Any]:
         """As many more rows as are busy: a NOT IN over JSON_TABLE made the fetch slower than the write.
         (Their bytes count too: a batch may come that much under ``max_bytes``.)"""

@@ -75,8 +75,9 @@ class Step:
 
     batch: BatchResult
     again: bool
-    """A full batch that sent something: more may be waiting, step again at once. A full batch
-    that all waits in the wheel is not: fetching it again at once would only spin."""
+    """A full batch that sent or failed something: more may be waiting, step again at once (a
+    failed row is not fetched again). A full batch that all waits in the wheel is not: fetching it
+    again at once would only spin; the loop waits for the wheel (``due``)."""
     due: float | None
     """When (``time.monotonic()``) the wheel next lets a key go again; None when nothing waits."""
 
@@ -178,7 +179,7 @@ class RelayStep:
         elif batch.broker_unreachable:
             self._outages.broker.failed(batch.error or "no delivery report")
         self._watch(now)
-        return Step(batch, again=batch.full and batch.sent > 0,
+        return Step(batch, again=batch.full and (batch.sent > 0 or batch.failed > 0),
                     due=self.wheel.next_due())
 
     def run_once(self) -> BatchResult:
