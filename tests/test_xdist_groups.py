@@ -43,7 +43,9 @@ def test_the_tests_of_a_group_run_on_one_worker(tmp_path: Path) -> None:
         [sys.executable, "-m", "pytest", "-p", "_xdist_groups", "-p", "no:cacheprovider", "-n", "2",
          "--dist", "loadgroup", "-v", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
+        # Only this plugin: PYTEST_ADDOPTS may name plugins of the outer run's own (its -p ...).
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+             "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ran = re.findall(r"\[(gw\d)\] \[ *\d+%\] PASSED \S+::test_(grouped|free)\[\d\](@together)?", run.stdout)
     grouped = [(worker, suffix) for worker, name, suffix in ran if name == "grouped"]
