@@ -183,6 +183,10 @@ less than a parse and plan of a small statement, per batch or per poll
 (``tests/test_empty_table_plans.py``, ``tests/test_relay_plans.py``)."""
 
 
+EACH_RUN = {PLANNED_EACH_RUN: True}
+"""``statement.execution_options(**EACH_RUN)``: the statement is planned at every run."""
+
+
 def _unprepared(cursor: DBAPICursor, statement: str, parameters: Any, context: ExecutionContext) -> bool:
     """Run a statement marked ``PLANNED_EACH_RUN`` unprepared (psycopg's unnamed statement, which
     PostgreSQL plans with its parameters at every run); anything else as SQLAlchemy would (False).

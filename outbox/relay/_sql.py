@@ -41,12 +41,13 @@ from sqlalchemy import (
     update,
 )
 
+from ..core._engine import EACH_RUN
 from ..core._errors import ConfigurationError
 from ..core._mysql import MAY_BLOCK, json_rows, json_table
 from ..core._pg_arrays import array_params, int_array, rows_of
 from ..core._tables import MYSQL_FAMILY, OutboxStatus, OutboxTables
 from ._session import fetch_session
-from ._sql_shared import EACH_RUN, ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
+from ._sql_shared import ROW_COLUMNS, Marks, RelayStatements, add_mark, empty_marks
 
 __all__ = ["ROW_COLUMNS", "Marks", "RelayStatements", "add_mark", "empty_marks", "statements_for"]
 

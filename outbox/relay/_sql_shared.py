@@ -42,12 +42,8 @@ from sqlalchemy import (
     select,
 )
 
-from ..core._engine import PLANNED_EACH_RUN
+from ..core._engine import EACH_RUN
 from ..core._tables import OutboxStatus, OutboxTables
-
-EACH_RUN = {PLANNED_EACH_RUN: True}
-"""Planned at every run (``core._engine.PLANNED_EACH_RUN``): statements a relay runs again and
-again while its table may be empty (idle polls, trickles of marks)."""
 
 ROW_COLUMNS = (
     "id", "message_id", "topic", "key", "seq", "shard", "payload", "content_type", "headers",

@@ -23,12 +23,10 @@ from sqlalchemy import Row, and_, delete, func, select
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from ...core._engine import PLANNED_EACH_RUN
+from ...core._engine import EACH_RUN
 from .._delivery import Delivery, KeyId, OrderedDelivery
 from ._inserts import GroupStore
 from ._rows import held_from_row, stored_row
-
-EACH_RUN = {PLANNED_EACH_RUN: True}
 
 
 class HeldMessages(Protocol):

@@ -40,13 +40,14 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
+from ...core._engine import EACH_RUN
 from ...core._envelope import utcnow
 from ...core._pg_arrays import array_params, int_array, rows_of
 from ...core._tables import InboxOutcome, OutboxTables
 from .._delivery import Delivery, KeyedDelivery, KeyId
 from .._kinds import Reason
 from ._dedup import DedupTable
-from ._held import EACH_RUN, HeldTable
+from ._held import HeldTable
 from ._inserts import POSTGRES_INSERTS
 from ._keys import KeysTable, KeyState
 from ._parked import ParkedRow, ParkedTable, parked_row
