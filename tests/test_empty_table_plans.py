@@ -15,11 +15,11 @@ from another connection, then the next run's buffers read from ``auto_explain`` 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
+from _plans import emptied, explained, explained_plans, insert_outbox_rows
 from _relay_helpers import ScriptedTransport
 from inbox_support import record
 
@@ -34,10 +34,6 @@ BUFFERS_PER_ROW = 8
 """An index probe touches a few pages per row it finds (or per probe that finds none); a plan
 for a table of no rows reads the whole table (hundreds of pages here) each run."""
 
-_EXPLAIN = ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-            "SET auto_explain.log_analyze = on", "SET auto_explain.log_buffers = on",
-            "SET auto_explain.log_format = json", "SET auto_explain.log_level = notice",
-            "SET client_min_messages = notice")
 
 
 @pytest.fixture
@@ -50,67 +46,7 @@ def one_connection(pg: sa.Engine) -> Iterator[sa.Engine]:
     engine.dispose()  # auto_explain stays loaded in that session: closed, not given to anyone
 
 
-def _emptied(pg: sa.Engine, table: str, fill: Callable[[sa.Connection], None], *,
-             truncate: bool = False) -> None:
-    """``table`` filled, emptied and VACUUM ANALYZEd (what autovacuum does after its rows were
-    deleted), or TRUNCATEd and ANALYZEd: no page, reltuples 0, "clearly empty" to the planner."""
-    with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        fill(conn)
-        if truncate:
-            conn.execute(sa.text(f"TRUNCATE {table}"))
-            conn.execute(sa.text(f"ANALYZE {table}"))
-        else:
-            conn.execute(sa.text(f"DELETE FROM {table}"))
-            conn.execute(sa.text(f"VACUUM ANALYZE {table}"))
-        assert conn.execute(sa.text("SELECT relpages, reltuples FROM pg_class WHERE relname = :t"),
-                            {"t": table}).one() == (0, 0)
-
-
-def _explained(engine: sa.Engine) -> list[str]:
-    """``auto_explain`` on ``engine``'s one connection (set in autocommit: a rollback would undo it);
-    the NOTICEs it sends from now on, each the JSON plan of one statement with its buffers."""
-    notices: list[str] = []
-    with engine.connect() as conn:
-        conn.rollback()
-        raw = conn.connection.driver_connection
-        assert raw is not None  # a connection just checked out has one
-        autocommit = raw.autocommit
-        raw.autocommit = True
-        try:
-            with raw.cursor() as cursor:
-                for setting in _EXPLAIN:
-                    cursor.execute(setting)
-        finally:
-            raw.autocommit = autocommit
-        raw.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
-    return notices
-
-
-def _plans(notices: list[str], marker: Callable[[str], bool]) -> list[tuple[int, int]]:
-    """(buffers, rows) of each statement whose text ``marker`` recognises (of an UPDATE: the rows
-    it found)."""
-    found = []
-    for notice in notices:
-        if "{" not in notice:
-            continue
-        plan = json.loads(notice[notice.index("{"):])
-        if marker(plan["Query Text"]):
-            top = plan["Plan"]
-            if top["Node Type"] == "ModifyTable":  # what finding the rows cost, not writing them
-                top = top["Plans"][0]
-            found.append((top["Shared Hit Blocks"] + top["Shared Read Blocks"], top["Actual Rows"]))
-    return found
-
-
 # -- the relay --------------------------------------------------------------------------------
-
-
-def _outbox_rows(conn: sa.Connection, n: int, status: str) -> None:
-    conn.execute(sa.text(
-        "INSERT INTO outbox_messages (message_id, topic, key, seq, shard, payload, content_type, headers, "
-        "created_at, available_at, attempts, status) SELECT gen_random_uuid(), 'orders', 'k' || (g % 2000), "
-        "g, g % 16, convert_to(repeat('x', 200), 'UTF8'), 'application/json', '{}', now(), now(), 0, "
-        ":status FROM generate_series(1, :n) g"), {"n": n, "status": status})
 
 
 @pytest.mark.parametrize("truncate", [False, True], ids=["vacuumed", "truncated"])
@@ -125,7 +61,7 @@ def test_an_idle_look_ahead_run_on_an_emptied_table_reads_its_index_not_the_tabl
     when planned each run)."""
     outbox = Outbox(one_connection)
     outbox.create_tables()
-    _emptied(pg, "outbox_messages", lambda conn: _outbox_rows(conn, 100, "published"),
+    emptied(pg, "outbox_messages", lambda conn: insert_outbox_rows(conn, 100, "published"),
              truncate=truncate)
     relay = Relay(outbox, ScriptedTransport(), worker_id="w", batch_size=62)
     try:
@@ -133,12 +69,12 @@ def test_an_idle_look_ahead_run_on_an_emptied_table_reads_its_index_not_the_tabl
         for _ in range(RUNS):  # a quiet tenant's idle polls
             assert step.run(look_ahead=True).batch.fetched == 0
         with pg.begin() as writer:  # a burst, sent (published) faster than autovacuum ANALYZEs
-            _outbox_rows(writer, BURST, "published")
-        notices = _explained(one_connection)
+            insert_outbox_rows(writer, BURST, "published")
+        notices = explained(one_connection)
         assert step.run(look_ahead=True).batch.fetched == 0
     finally:
         relay.close()
-    plans = _plans(notices, lambda text: text.startswith("SELECT min(CASE"))
+    plans = explained_plans(notices, lambda text: text.startswith("SELECT min(CASE"))
     assert len(plans) == 1, notices
     (buffers, rows), = plans
     assert rows == 1
@@ -161,7 +97,7 @@ def test_a_poll_run_on_an_emptied_table_reads_the_delayed_rows_not_the_table_aft
     try:
         outbox = Outbox(engine)
         outbox.create_tables()
-        _emptied(pg, "outbox_messages", lambda conn: _outbox_rows(conn, 100, "published"))
+        emptied(pg, "outbox_messages", lambda conn: insert_outbox_rows(conn, 100, "published"))
         relay = Relay(outbox, ScriptedTransport(), worker_id="w", batch_size=62)
         try:
             step = relay._step
@@ -169,15 +105,15 @@ def test_a_poll_run_on_an_emptied_table_reads_the_delayed_rows_not_the_table_aft
                 assert step.run().batch.fetched == 0
                 step.poll_within()
             with pg.begin() as writer:  # a burst, sent (published) faster than autovacuum ANALYZEs
-                _outbox_rows(writer, BURST, "published")
+                insert_outbox_rows(writer, BURST, "published")
             assert step.run().batch.fetched == 0
-            notices = _explained(engine)
+            notices = explained(engine)
             step.poll_within()
         finally:
             relay.close()
     finally:
         engine.dispose()
-    plans = _plans(notices, lambda text: text.startswith("SELECT min(outbox_messages.available_at)"))
+    plans = explained_plans(notices, lambda text: text.startswith("SELECT min(outbox_messages.available_at)"))
     assert len(plans) == 1, notices
     (buffers, rows), = plans
     assert rows == 1
@@ -195,7 +131,7 @@ def test_marking_a_batch_after_a_trickle_into_an_emptied_table_reads_its_rows_af
     62 rows of 20,000, 187 when planned each run), until autovacuum next ANALYZEs."""
     outbox = Outbox(one_connection)
     outbox.create_tables()
-    _emptied(pg, "outbox_messages", lambda conn: _outbox_rows(conn, 100, "published"),
+    emptied(pg, "outbox_messages", lambda conn: insert_outbox_rows(conn, 100, "published"),
              truncate=truncate)
     limit = 62
     relay = Relay(outbox, ScriptedTransport(), worker_id="w", batch_size=limit)
@@ -203,15 +139,15 @@ def test_marking_a_batch_after_a_trickle_into_an_emptied_table_reads_its_rows_af
         assert relay.run_once().published == 0  # takes the leases
         for _ in range(RUNS):  # the trickle: a message, a batch of one
             with pg.begin() as writer:
-                _outbox_rows(writer, 1, "pending")
+                insert_outbox_rows(writer, 1, "pending")
             assert relay.run_once().published == 1
         with pg.begin() as writer:
-            _outbox_rows(writer, BURST, "pending")
-        notices = _explained(one_connection)
+            insert_outbox_rows(writer, BURST, "pending")
+        notices = explained(one_connection)
         assert relay.run_once().published == limit
     finally:
         relay.close()
-    plans = _plans(notices, lambda text: text.startswith("UPDATE outbox_messages SET attempts")
+    plans = explained_plans(notices, lambda text: text.startswith("UPDATE outbox_messages SET attempts")
                    and "published_at" in text)
     assert len(plans) == 1, notices
     (buffers, rows), = plans
@@ -282,14 +218,14 @@ def test_an_inbox_run_on_an_emptied_held_table_probes_its_keys_not_the_table_aft
     while a burst of out-of-order messages waits there (seen: 834 buffers for 20,000 held rows,
     where a probe reads 3)."""
     box = _inbox(one_connection)
-    _emptied(pg, "inbox_held", lambda conn: _held_rows(conn, 100), truncate=truncate)
+    emptied(pg, "inbox_held", lambda conn: _held_rows(conn, 100), truncate=truncate)
     for i in range(1, RUNS + 1):
         run(box, i)
     with pg.begin() as writer:  # a burst of messages held behind gaps
         _held_rows(writer, BURST)
-    notices = _explained(one_connection)
+    notices = explained(one_connection)
     run(box, RUNS + 1)
-    plans = _plans(notices, marker)
+    plans = explained_plans(notices, marker)
     assert len(plans) == 1, (what, notices)
     (buffers, rows), = plans
     assert rows <= 1
@@ -306,14 +242,14 @@ def test_an_inbox_run_on_an_emptied_keys_table_locks_its_keys_not_the_table_afte
     batch once keys pour in (seen: a Seq Scan, 189 buffers per key for 20,000 keys, where the
     probe reads 2 to 4)."""
     box = _inbox(one_connection)
-    _emptied(pg, "inbox_keys", lambda conn: _key_rows(conn, 100), truncate=truncate)
+    emptied(pg, "inbox_keys", lambda conn: _key_rows(conn, 100), truncate=truncate)
     for i in range(1, RUNS + 1):
         _in_order(box, i)
     with pg.begin() as writer:
         _key_rows(writer, BURST)
-    notices = _explained(one_connection)
+    notices = explained(one_connection)
     _in_order(box, RUNS + 1)
-    plans = _plans(notices, lambda text: "FROM inbox_keys" in text and "FOR UPDATE" in text)
+    plans = explained_plans(notices, lambda text: "FROM inbox_keys" in text and "FOR UPDATE" in text)
     assert plans, notices
     for buffers, rows in plans:
         assert rows <= 1

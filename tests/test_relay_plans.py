@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _plans import EXPLAIN_SETTINGS, explained_plans, insert_outbox_rows
 from _relay_helpers import ScriptedTransport
 from psycopg import sql as psql
 
@@ -37,22 +38,14 @@ BUFFERS_PER_ROW = 8
 whole backlog touches hundreds."""
 
 
-def _insert(conn: sa.Connection, n: int, status: str) -> None:
-    conn.execute(sa.text(
-        "INSERT INTO outbox_messages (message_id, topic, key, seq, shard, payload, content_type, headers, "
-        "created_at, available_at, attempts, status) SELECT gen_random_uuid(), 'orders', 'k' || (g % 2000), "
-        "g, g % 16, convert_to(repeat('x', 200), 'UTF8'), 'application/json', '{}', now(), now(), 0, "
-        ":status FROM generate_series(1, :n) g"), {"n": n, "status": status})
-
-
 def _after_published(conn: sa.Connection) -> None:
     """A burst sent: every row published, then ANALYZEd (autovacuum's threshold was crossed)."""
-    _insert(conn, BACKLOG, "published")
+    insert_outbox_rows(conn, BACKLOG, "published")
 
 
 def _after_purge(conn: sa.Connection) -> None:
     """Retention deleted every published row, then autovacuum ANALYZEd the table."""
-    _insert(conn, BACKLOG, "published")
+    insert_outbox_rows(conn, BACKLOG, "published")
     conn.execute(sa.text("ANALYZE outbox_messages"))
     conn.execute(sa.text("DELETE FROM outbox_messages WHERE status = 'published'"))
 
@@ -67,7 +60,7 @@ def stale(request: pytest.FixtureRequest, pg: sa.Engine) -> Iterator[Outbox]:
     with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(sa.text("ANALYZE outbox_messages"))
     with pg.begin() as conn:
-        _insert(conn, BACKLOG, "pending")
+        insert_outbox_rows(conn, BACKLOG, "pending")
     yield outbox
 
 
@@ -186,7 +179,7 @@ def test_a_fetch_run_on_an_emptied_table_reads_a_batch_after_a_burst(pg: sa.Engi
     outbox = Outbox(pg)
     outbox.create_tables()
     with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        _insert(conn, 100, "published")
+        insert_outbox_rows(conn, 100, "published")
         conn.execute(sa.text("DELETE FROM outbox_messages"))
         conn.execute(sa.text("VACUUM ANALYZE outbox_messages"))  # what autovacuum does after retention
         assert conn.execute(sa.text(
@@ -205,21 +198,18 @@ def test_a_fetch_run_on_an_emptied_table_reads_a_batch_after_a_burst(pg: sa.Engi
                 idle = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [], 2**30))
                 assert idle.all() == []
             with pg.begin() as writer:  # a burst, committed faster than autovacuum ANALYZEs
-                _insert(writer, BACKLOG, "pending")
+                insert_outbox_rows(writer, BACKLOG, "pending")
             raw = conn.connection.driver_connection
+            assert raw is not None  # a connection just checked out has one
             raw.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
-            for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                            "SET auto_explain.log_analyze = on", "SET auto_explain.log_buffers = on",
-                            "SET auto_explain.log_format = json", "SET auto_explain.log_level = notice",
-                            "SET client_min_messages = notice"):
+            for setting in EXPLAIN_SETTINGS:
                 conn.exec_driver_sql(setting)
             rows = conn.execute(statement, batch.sql.fetch_params(datetime.now(UTC), limit, [], 2**30)).all()
             conn.invalidate()  # auto_explain stays loaded in that session: not for the pool
     finally:
         relay.close()
-    plans = [json.loads(n[n.index("{"):]) for n in notices if "SELECT sized.id" in n]
+    plans = explained_plans(notices, lambda text: text.startswith("SELECT sized.id"))
     assert len(plans) == 1, notices
-    top = plans[0]["Plan"]
-    buffers = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+    (buffers, _), = plans
     assert len(rows) == limit
     assert buffers <= BUFFERS_PER_ROW * limit * outbox.shards, f"{buffers} buffers for {len(rows)} rows"
