@@ -40,18 +40,23 @@ def drain(relay: Relay, *, timeout: float = 20.0) -> None:
     raise AssertionError(f"still pending after {timeout}s: {rows(relay.outbox, status='pending')}")
 
 
-def drain_pipelined(relay: Relay, monkeypatch: Any, *, timeout: float) -> None:
-    """Run pipelined batches until no row is pending, each batch's mark written 1 s late: the next
-    batch is sent (its progress record built) while the previous one is marked, so a shard's
-    progress record names two batches of rows at once (exactly-once mode's largest record)."""
+def slow_writes(relay: Relay, monkeypatch: Any, seconds: float) -> None:
+    """Each of ``relay``'s batch outcome writes starts ``seconds`` late (a slow commit)."""
     batch = relay._step._batch
     real_write = batch._write
 
     def slow_write(plan: Any) -> Any:
-        time.sleep(1.0)
+        time.sleep(seconds)
         return real_write(plan)
 
     monkeypatch.setattr(batch, "_write", slow_write)
+
+
+def drain_pipelined(relay: Relay, monkeypatch: Any, *, timeout: float) -> None:
+    """Run pipelined batches until no row is pending, each batch's mark written 1 s late: the next
+    batch is sent (its progress record built) while the previous one is marked, so a shard's
+    progress record names two batches of rows at once (exactly-once mode's largest record)."""
+    slow_writes(relay, monkeypatch, 1.0)
     wait_for(lambda: (relay._step.run(wait=False), not rows(relay.outbox, status="pending"))[1], timeout,
              "every row published", interval=0.0)
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import ScriptedTransport, publish, rows, wait_for
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.relay import RelaySettings
@@ -38,12 +37,16 @@ class BatchLog(ScriptedTransport):
         return super().publish(records)
 
 
-def large_rows(url: str, count: int) -> Outbox:
-    outbox = Outbox(create_engine(url))
+@pytest.fixture
+def large_rows(proof_db_url: str) -> Iterator[Outbox]:
+    """12 rows of ``ROW`` bytes over 3 keys, on each database."""
+    engine = create_engine(proof_db_url)
+    outbox = Outbox(engine)
     outbox.create_tables()
-    for i in range(count):  # a transaction each: the ids' order is the keys' order
+    for i in range(12):  # a transaction each: the ids' order is the keys' order
         publish(outbox, "files", [f"k{i % 3}"], payload=bytes([i]) * ROW)
-    return outbox
+    yield outbox
+    engine.dispose()
 
 
 def drain(relay: Relay) -> list[int]:
@@ -57,15 +60,13 @@ def drain(relay: Relay) -> list[int]:
 @pytest.mark.parametrize(("budget", "sizes"), [(1_000_000, [4, 4, 4]), (100_000, [1] * 12)],
                          ids=["four-a-batch", "each-row-over-the-budget-alone"])
 def test_a_batch_stops_at_its_bytes_and_keeps_every_key_in_order(
-        proof_db_url: str, budget: int, sizes: list[int]) -> None:
-    outbox = large_rows(proof_db_url, 12)
+        large_rows: Outbox, budget: int, sizes: list[int]) -> None:
     log = BatchLog()
-    relay = Relay(outbox, log, batch_size=100, max_batch_bytes=budget)
+    relay = Relay(large_rows, log, batch_size=100, max_batch_bytes=budget)
     try:
         assert drain(relay) == sizes
     finally:
         relay.close()
-        outbox.engine.dispose()  # type: ignore[union-attr]
     for batch in log.batches:  # the bytes before a batch's last row were under the budget
         assert sum(len(r.value) for r in batch[:-1]) < budget
     sent = [r.value[0] for r in log.sent]
@@ -74,23 +75,19 @@ def test_a_batch_stops_at_its_bytes_and_keeps_every_key_in_order(
         assert [i for i in sent if i % 3 == key] == list(range(key, 12, 3))
 
 
-def test_a_batch_cut_short_by_its_bytes_is_followed_by_a_fetch_at_once(proof_db_url: str) -> None:
+def test_a_batch_cut_short_by_its_bytes_is_followed_by_a_fetch_at_once(large_rows: Outbox) -> None:
     """A fetch that stopped at its bytes returned fewer rows than its batch size, with more due:
     taken for a relay that caught up, it would wait for the poll interval (30 s) before each of
     the next two batches."""
-    outbox = large_rows(proof_db_url, 12)
-    relay = Relay(outbox, BatchLog(), batch_size=100, max_batch_bytes=1_000_000, poll_interval=30)
+    relay = Relay(large_rows, BatchLog(), batch_size=100, max_batch_bytes=1_000_000, poll_interval=30)
     thread = threading.Thread(target=relay.run, daemon=True)
-    started = time.monotonic()
     thread.start()
     try:
-        while len(rows(outbox, status="published")) < 12:
-            assert time.monotonic() - started < 15, "a batch waited for the poll interval"
-            time.sleep(0.05)
+        wait_for(lambda: len(rows(large_rows, status="published")) == 12, 15,
+                 "every batch sent (none after the 30 s poll interval)")
     finally:
         relay.stop()
         thread.join(10)
-        outbox.engine.dispose()  # type: ignore[union-attr]
     assert not thread.is_alive()
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import ScriptedTransport, publish, rows, slow_writes, wait_for
 
 from outbox import Outbox, Relay, create_engine
 from transports import Outcome, Record, SendResult
@@ -29,12 +29,29 @@ class BatchLog(ScriptedTransport):
         return super().publish(records)
 
 
-@pytest.fixture
-def mysql_outbox(mysql_db: str) -> Iterator[Outbox]:
-    outbox = Outbox(create_engine(mysql_db))
+def _outbox(url: str) -> Iterator[Outbox]:
+    engine = create_engine(url)
+    outbox = Outbox(engine)
     outbox.create_tables()
     yield outbox
-    outbox.engine.dispose()  # type: ignore[union-attr]
+    engine.dispose()
+
+
+def _relay_running(relay: Relay) -> threading.Thread:
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _stopped(relay: Relay, thread: threading.Thread) -> None:
+    relay.stop()
+    thread.join(40)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def mysql_outbox(mysql_db: str) -> Iterator[Outbox]:
+    yield from _outbox(mysql_db)
 
 
 def test_mysql_a_fetch_whose_bytes_all_went_to_a_row_being_written_waits_for_the_write(
@@ -91,10 +108,17 @@ def test_mysql_a_fetch_whose_bytes_all_went_to_a_row_being_written_waits_for_the
 
 @pytest.fixture
 def pg_outbox(postgres_db: str) -> Iterator[Outbox]:
-    outbox = Outbox(create_engine(postgres_db))
-    outbox.create_tables()
-    yield outbox
-    outbox.engine.dispose()  # type: ignore[union-attr]
+    yield from _outbox(postgres_db)
+
+
+@pytest.fixture
+def server_outbox(server_db_url: str) -> Iterator[Outbox]:
+    yield from _outbox(server_db_url)
+
+
+@pytest.fixture
+def sqlite_outbox(sqlite_db: str) -> Iterator[Outbox]:
+    yield from _outbox(sqlite_db)
 
 
 def test_postgres_a_fetch_cut_to_rows_of_a_held_key_does_not_stall_the_other_keys(
@@ -112,31 +136,17 @@ def test_postgres_a_fetch_cut_to_rows_of_a_held_key_does_not_stall_the_other_key
     publish(outbox, "t", ["a"], payload=b"y" * 1000)
     publish(outbox, "t", ["b", "b"], payload=b"z" * 10)
     m = outbox.tables.messages
-    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
-        conn.execute(sa.update(m).where(m.c.message_id == a1).values(attempts=20))  # backoff: 30 s
+    with outbox._sessions() as session, session.begin():
+        session.execute(sa.update(m).where(m.c.message_id == a1).values(attempts=20))  # backoff: 30 s
     log = BatchLog({str(a1): [Outcome.RETRY]})
     relay = Relay(outbox, log, batch_size=100, max_batch_bytes=500, poll_interval=30)
-    batch = relay._step._batch
-    real_write = batch._write
-
-    def slow_write(plan: Any) -> Any:  # a mark that takes half a second
-        time.sleep(0.5)
-        return real_write(plan)
-
-    monkeypatch.setattr(batch, "_write", slow_write)
-    thread = threading.Thread(target=relay.run, daemon=True)
-    thread.start()
+    slow_writes(relay, monkeypatch, 0.5)  # a mark that takes half a second
+    thread = _relay_running(relay)
     try:
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and rows(outbox, status="pending", key="b"):
-            time.sleep(0.05)
-        pending_b = [r.seq for r in rows(outbox, status="pending", key="b")]
-        assert pending_b == [], (f"b's rows {pending_b} still pending after 8 s: the relay waits for "
-                                 f"the wheel; batches sent {[[r.key for r in b] for b in log.batches]}")
+        wait_for(lambda: not rows(outbox, status="pending", key="b"), 8,
+                 "b's rows published (not after the wheel's 30 s)")
     finally:
-        relay.stop()
-        thread.join(40)
-    assert not thread.is_alive()
+        _stopped(relay, thread)
 
 
 def _fetch_seconds(outbox: Outbox, batch_size: int, budget: int) -> tuple[int, float]:
@@ -150,7 +160,7 @@ def _fetch_seconds(outbox: Outbox, batch_size: int, budget: int) -> tuple[int, f
     sql = relay._step._batch.sql
     times, got = [], []
     try:
-        with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        with relay._step._batch.engine.connect() as conn:
             conn = sql.prepare_fetch(conn)
             for _ in range(5):
                 params = sql.fetch_params(utcnow(), batch_size, [], budget)
@@ -190,7 +200,7 @@ def test_mysql_a_fetch_cut_by_its_bytes_costs_what_a_fetch_of_the_rows_it_return
 
 @pytest.mark.parametrize("budget", [pytest.param(2**40, id="no-byte-cut")])
 def test_a_retry_due_before_its_pipelined_mark_commits_is_sent_without_waiting_for_the_poll(
-        server_db_url: str, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        server_outbox: Outbox, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not the byte cut's (found while attacking it, with max_batch_bytes=2**40): pipelined, a
     row retried with a backoff (0.05 s) shorter than its mark's write (0.5 s here; a slow commit)
     has its key's wheel timer fire while the mark is in flight. The fetch at that wake-up leaves
@@ -204,32 +214,17 @@ def test_a_retry_due_before_its_pipelined_mark_commits_is_sent_without_waiting_f
     pending for 30 s."""
     import tenacity
 
-    outbox = Outbox(create_engine(server_db_url))
-    outbox.create_tables()
+    outbox = server_outbox
     [a1] = publish(outbox, "t", ["a"], payload=b"x")
     log = BatchLog({str(a1): [Outcome.RETRY]})
     relay = Relay(outbox, log, batch_size=100, max_batch_bytes=budget, poll_interval=30,
                   backoff=tenacity.wait_fixed(0.05))
-    batch = relay._step._batch
-    real_write = batch._write
-
-    def slow_write(plan: Any) -> Any:
-        time.sleep(0.5)
-        return real_write(plan)
-
-    monkeypatch.setattr(batch, "_write", slow_write)
-    thread = threading.Thread(target=relay.run, daemon=True)
-    thread.start()
+    slow_writes(relay, monkeypatch, 0.5)
+    thread = _relay_running(relay)
     try:
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and rows(outbox, status="pending"):
-            time.sleep(0.05)
-        assert not rows(outbox, status="pending"), "a due retry waited for the poll interval"
+        wait_for(lambda: not rows(outbox, status="pending"), 8, "the due retry sent (not after the poll)")
     finally:
-        relay.stop()
-        thread.join(40)
-        outbox.engine.dispose()  # type: ignore[union-attr]
-    assert not thread.is_alive()
+        _stopped(relay, thread)
 
 
 def test_mysql_a_batch_full_by_its_rows_is_full_when_the_busy_rows_were_marked_before_its_fetch(
@@ -279,7 +274,7 @@ def test_mysql_a_batch_full_by_its_rows_is_full_when_the_busy_rows_were_marked_b
 
 
 def test_a_fetch_cut_by_its_bytes_to_an_unsendable_row_does_not_stall_the_rows_behind_it(
-        sqlite_db: str) -> None:
+        sqlite_outbox: Outbox) -> None:
     """The first row always comes, however large: when it is one the relay cannot encode (here
     a hand-written row whose headers are not JSON, 2,000 bytes, over a budget of 1,000), the
     batch is that row alone, failed, nothing sent. ``Step.again`` is ``full and sent > 0``:
@@ -287,31 +282,23 @@ def test_a_fetch_cut_by_its_bytes_to_an_unsendable_row_does_not_stall_the_rows_b
 
     Found: SQLite, the 3 rows behind it still pending after 8 s (with a budget of 1 MB the same
     test passes)."""
-    outbox = Outbox(create_engine(sqlite_db))
-    outbox.create_tables()
+    outbox = sqlite_outbox
     [bad] = publish(outbox, "t", ["a"], payload=b"x")
     publish(outbox, "t", ["b", "c", "d"], payload=b"y")
     m = outbox.tables.messages
-    with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+    with outbox._sessions() as conn, conn.begin():
         conn.execute(sa.update(m).where(m.c.message_id == bad)
                      .values({m.c.headers: sa.cast(sa.literal("not json " * 222, sa.Text), sa.Text)}))
         assert conn.scalar(sa.select(sa.func.count()).where(m.c.headers.cast(sa.Text).like("not json%"))) == 1
 
     def keys_of(status: str) -> list[str]:  # not rows(): the bad row's headers cannot be decoded
-        with outbox.engine.connect() as conn:  # type: ignore[union-attr]
-            return list(conn.scalars(sa.select(m.c.key).where(m.c.status == status).order_by(m.c.id)))
+        with outbox._sessions() as session:
+            return list(session.scalars(sa.select(m.c.key).where(m.c.status == status).order_by(m.c.id)))
 
     relay = Relay(outbox, BatchLog(), batch_size=100, max_batch_bytes=1000, poll_interval=30)
-    thread = threading.Thread(target=relay.run, daemon=True)
-    thread.start()
+    thread = _relay_running(relay)
     try:
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and keys_of("pending"):
-            time.sleep(0.05)
-        left = keys_of("pending")
-        assert left == [], f"{left} still pending after 8 s (failed: {keys_of('failed')})"
+        wait_for(lambda: not keys_of("pending"), 8, "the rows behind the unsendable one published")
     finally:
-        relay.stop()
-        thread.join(40)
-        outbox.engine.dispose()  # type: ignore[union-attr]
-    assert not thread.is_alive()
+        _stopped(relay, thread)
+    assert keys_of("failed") == ["a"]
