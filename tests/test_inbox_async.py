@@ -9,6 +9,8 @@ and a handler of the wrong kind can never pass for an applied message.
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 import time
 from collections.abc import Iterator
 
@@ -207,3 +209,40 @@ def test_an_async_handler_waiting_holds_back_only_its_key_and_the_offset(
         loop[0].call_soon_threadsafe(release.set)
         wait_for(lambda: committed(kafka, inbox.group, topic)[0] == 22, what="commit after release")
     assert len(applied(engine)) == 22
+
+
+def _loop_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in set(threading.enumerate()) - before if t.name == "outbox-inbox-loop"]
+
+
+def test_the_loop_thread_ends_with_its_pool_and_a_disposed_engine_gets_a_new_one(sqlite_db: str) -> None:
+    """An async inbox's loop belongs to its engine's pool: ``engine.dispose()`` replaces the pool,
+    and the old loop's thread ends (it used to run idle until the process exited: one thread per
+    pool ever made, 85 of them in one test worker); the inbox goes on, on a loop of the new pool."""
+    from outbox import create_engine
+
+    engine = create_engine(sqlite_db)
+    business.create_all(engine)
+    engine.dispose()
+    before = set(threading.enumerate())
+    inbox = Inbox(create_async_engine(async_url(sqlite_db)), group="loops", alert=AlertLog())
+    inbox.create_tables()
+    first, = _loop_threads(before)
+
+    @inbox.handler(TOPIC)
+    async def handle(session, message):  # type: ignore[no-untyped-def]
+        await _insert(session, message)
+
+    assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
+    dispose(inbox)
+    gc.collect()
+    first.join(5)
+    assert not first.is_alive(), "the disposed pool's loop thread still runs"
+    assert inbox.handle(record(TOPIC, "a", 2)) is Disposition.APPLIED  # on the new pool's loop
+    second, = _loop_threads(before)
+    assert second is not first
+    dispose(inbox)
+    del inbox, handle
+    gc.collect()
+    second.join(5)
+    assert not second.is_alive(), "a dropped engine's loop thread still runs"

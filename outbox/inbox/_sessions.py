@@ -90,7 +90,7 @@ class AsyncSessions(Sessions):
     """An ``async_sessionmaker``: functions run in a greenlet on its engine's event loop thread.
 
     The loop thread starts on first use, is shared by every ``AsyncSessions``
-    on the same engine, and lives as long as the process (a daemon thread).
+    on the same engine's pool, and ends when that pool is gone (``_stop``).
     ``run`` called from inside a function it runs (replay calls the
     transaction step) runs the nested function in place.
     """
@@ -101,7 +101,6 @@ class AsyncSessions(Sessions):
         self.maker = maker
         self.async_engine: AsyncEngine = maker.kw["bind"]
         self.engine = self.async_engine.sync_engine
-        self._loop: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
 
     def __call__(self) -> Session:
         session = self.maker()
@@ -110,24 +109,24 @@ class AsyncSessions(Sessions):
         return sync
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._loop is None:
-            self._loop = _loop_of(self.engine)
-        loop, thread = self._loop
-        if threading.current_thread() is thread:
+        """Looked up at each call, not kept: ``engine.dispose()`` gives the engine a new pool, whose
+        connections open on a loop of their own, and the old pool's loop ends with it."""
+        if threading.current_thread() in _loop_threads:
             if in_greenlet():
                 return fn(*args)
             raise RuntimeError("an async inbox's blocking call (handle, replay, …) was made on the "
                                "inbox's own event loop: it would wait for itself")
+        loop = _loop_of(self.engine)
         return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), loop).result()
 
 
-_loops: weakref.WeakKeyDictionary[Pool, tuple[asyncio.AbstractEventLoop, threading.Thread]] = (
-    weakref.WeakKeyDictionary())
+_loops: weakref.WeakKeyDictionary[Pool, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
+_loop_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _loops_lock = threading.Lock()
 
 
-def _loop_of(engine: Engine) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-    """The event loop (and its thread) that every async inbox on ``engine``'s pool uses; started once.
+def _loop_of(engine: Engine) -> asyncio.AbstractEventLoop:
+    """The event loop that every async inbox on ``engine``'s pool uses, on a thread of its own; started once.
 
     Keyed by the pool, not the engine: an engine with other execution options
     (the READ COMMITTED worker engine on MySQL) shares its pool, and a pooled
@@ -137,10 +136,28 @@ def _loop_of(engine: Engine) -> tuple[asyncio.AbstractEventLoop, threading.Threa
         found = _loops.get(engine.pool)
         if found is None:
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="outbox-inbox-loop", daemon=True)
+            thread = threading.Thread(target=_serve, args=(loop,), name="outbox-inbox-loop", daemon=True)
+            _loop_threads.add(thread)
             thread.start()
-            found = _loops[engine.pool] = (loop, thread)
+            found = _loops[engine.pool] = loop
+            weakref.finalize(engine.pool, _stop, loop)
         return found
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread: runs ``loop`` until ``_stop``, then closes it."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    """End a pool's loop thread once the pool is gone (``engine.dispose()`` replaces it; an engine
+    dropped takes it along): nothing can use the loop any more, and a process that makes engines
+    as it goes (a tenant's database, each test) otherwise kept one idle thread per pool it ever had."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def async_view(session: Session) -> AsyncSession | None:
