@@ -41,6 +41,7 @@ them as fast as it took them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -60,7 +62,7 @@ from _report import markdown_table, write_section
 
 from outbox import Outbox, create_engine
 from outbox.core._sharding import shard_for_key
-from outbox.testing import local_postgres
+from outbox.testing import LocalKafka, local_postgres
 from transports.kafka import embedded_kafka
 
 PAYLOAD = '{"order":"o-1","status":"paid","total":"19.90","currency":"EUR","lines":[{"sku":"A-1","qty":2}]}'
@@ -402,6 +404,9 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds the fleet runs with nothing sent once it holds every lease, before the "
                              "quiet tenant starts (idle polls back off: a longer wait shows them settled)")
+    parser.add_argument("--broker", choices=("mock", "kafka"), default="mock",
+                        help="the embedded mock cluster (one thread serves every connection, in this "
+                             "process) or an Apache Kafka node (LocalKafka, a JVM of its own)")
     parser.add_argument("--idle-seconds", type=float, default=0.0,
                         help="after --settle, seconds with nothing sent at all whose fleet CPU is printed")
     args = parser.parse_args()
@@ -409,7 +414,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     schemas = schema_names(args.tenants)
-    with local_postgres() as url, embedded_kafka() as servers, tempfile.TemporaryDirectory() as tmp:
+    with local_postgres() as url, broker(args.broker) as servers, tempfile.TemporaryDirectory() as tmp:
         engine = create_engine(url, connect_args={"application_name": "bench"})
         started = time.perf_counter()
         create_schemas(engine, [*schemas, SINGLE])
@@ -443,6 +448,20 @@ def main() -> None:
     if args.only_fairness:
         return
     report(args, rounds, fairness, (load_before, os.getloadavg()[0]), uptime_before)
+
+
+@contextlib.contextmanager
+def broker(kind: str) -> Iterator[str]:
+    """The bootstrap address of the embedded mock cluster or of a local Apache Kafka node."""
+    if kind == "mock":
+        with embedded_kafka() as servers:
+            yield servers
+        return
+    node = LocalKafka()
+    try:
+        yield node.bootstrap
+    finally:
+        node.close()
 
 
 WORKER_TARGETS = {2: 0.8, 8: 0.9}
