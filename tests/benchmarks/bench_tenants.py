@@ -2,7 +2,8 @@
 
 All against a durable local PostgreSQL (``local_postgres()`` defaults) and the
 embedded Kafka-protocol broker (librdkafka's mock cluster, in this process; the
-relays are separate processes that reach it over TCP, through ``KafkaTransport``).
+relays are separate processes that reach it over TCP, through ``KafkaTransport``),
+or with ``--broker kafka`` an Apache Kafka node (``LocalKafka``, one broker).
 The fleet is the real command, ``python -m outbox relay --tenants file:...``
 (``TenantRelay``, with ``--workers`` 2, the default, and 8: a pool of 2 x workers + 2
 connections and one LISTEN connection); the single-schema relay is ``python -m
@@ -464,6 +465,9 @@ def broker(kind: str) -> Iterator[str]:
         node.close()
 
 
+BROKERS = {"mock": "embedded Kafka-protocol broker (librdkafka mock cluster) in the benchmark process",
+           "kafka": "an Apache Kafka node (`LocalKafka`: one KRaft broker, a JVM of its own, acks=all)"}
+
 WORKER_TARGETS = {2: 0.8, 8: 0.9}
 """Fleet ÷ single schema the issue asks for, by --workers (0.8 for a count it does not name)."""
 
@@ -506,8 +510,8 @@ def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairnes
     per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
     body = f"""## Many tenants: one relay process for {n} tenant schemas
 
-`python tests/benchmarks/bench_tenants.py` — durable local PostgreSQL (`local_postgres()`
-defaults), embedded Kafka-protocol broker (librdkafka mock cluster) in the benchmark process,
+`python tests/benchmarks/bench_tenants.py{" --broker kafka" if args.broker == "kafka" else ""}` — durable local PostgreSQL (`local_postgres()`
+defaults), {BROKERS[args.broker]},
 relays as separate processes through `KafkaTransport`: the fleet is `python -m outbox relay
 --tenants file:...` ({n} schemas of one database), the single-schema relay is
 `python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 30`.
