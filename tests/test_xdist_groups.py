@@ -52,3 +52,48 @@ def test_the_tests_of_a_group_run_on_one_worker(tmp_path: Path) -> None:
     assert len(grouped) == 6 and len(ran) == 12, run.stdout[-3000:]
     assert {suffix for _, suffix in grouped} == {"@together"}, grouped
     assert len({worker for worker, _ in grouped}) == 1, f"the group ran on several workers: {grouped}"
+
+
+CRASHING = '''
+import os
+import time
+
+
+def test_first():
+    time.sleep(0.5)
+
+
+def test_crash():
+    time.sleep(0.5)
+    os.abort()  # what a segfault in a C extension does to a worker
+
+
+def test_after():
+    time.sleep(0.5)
+'''
+
+
+def suite_options() -> list[str]:
+    """The options ``scripts/test`` gives pytest after ``-n WORKERS`` (the README's test command)."""
+    line = next(line for line in (ROOT / "scripts" / "test").read_text().splitlines()
+                if line.startswith("exec ") and " pytest " in line)
+    options = re.fullmatch(r'exec \S+ -m pytest -n "\$workers" (.*) "\$@"', line)
+    assert options, line
+    return options.group(1).split()
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_ends_the_run_as_a_failure_instead_of_hanging_it(tmp_path: Path) -> None:
+    """pytest-xdist 3.8 replaces a crashed worker, and under ``--dist loadgroup`` the run then hung
+    with every worker idle (a segfault in the whole suite on 2026-11-30, until CI's limit): run with
+    the suite's own options, a worker's death ends the run, failed, at once."""
+    (tmp_path / "test_crashing.py").write_text(CRASHING)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "_xdist_groups", "-p", "no:cacheprovider", "-n", "1",
+         *suite_options(), "-p", "no:faulthandler", "--rootdir", str(tmp_path), "-c", os.devnull,
+         str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+             "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
+    assert run.returncode != 0, run.stdout[-3000:]
+    assert "test_crash" in run.stdout and "node down" in run.stdout, run.stdout[-3000:]
