@@ -31,10 +31,9 @@ import greenlet
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import Pool
 from sqlalchemy.util import greenlet_spawn
 
-from ..core._engine import worker_engine
+from ..core._engine import root_engine, worker_engine
 
 try:
     from sqlalchemy.util import await_
@@ -90,7 +89,7 @@ class AsyncSessions(Sessions):
     """An ``async_sessionmaker``: functions run in a greenlet on its engine's event loop thread.
 
     The loop thread starts on first use, is shared by every ``AsyncSessions``
-    on the same engine's pool, and ends when that pool is gone (``_stop``).
+    on the same engine, and ends when that engine is gone (``_stop``).
     ``run`` called from inside a function it runs (replay calls the
     transaction step) runs the nested function in place.
     """
@@ -109,38 +108,40 @@ class AsyncSessions(Sessions):
         return sync
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Looked up at each call, not kept: ``engine.dispose()`` gives the engine a new pool, whose
-        connections open on a loop of their own, and the old pool's loop ends with it."""
         if threading.current_thread() in _loop_threads:
             if in_greenlet():
                 return fn(*args)
             raise RuntimeError("an async inbox's blocking call (handle, replay, …) was made on the "
                                "inbox's own event loop: it would wait for itself")
-        loop = _loop_of(self.engine)
-        return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), loop).result()
+        return asyncio.run_coroutine_threadsafe(greenlet_spawn(fn, *args), _loop_of(self.engine)).result()
 
 
-_loops: weakref.WeakKeyDictionary[Pool, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
+_loops: weakref.WeakKeyDictionary[Engine, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
 _loop_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _loops_lock = threading.Lock()
 
 
 def _loop_of(engine: Engine) -> asyncio.AbstractEventLoop:
-    """The event loop that every async inbox on ``engine``'s pool uses, on a thread of its own; started once.
+    """The event loop that every async inbox on ``engine`` uses, on a thread of its own; started once.
 
-    Keyed by the pool, not the engine: an engine with other execution options
-    (the READ COMMITTED worker engine on MySQL) shares its pool, and a pooled
-    asyncio connection works only on the loop that opened it.
+    Keyed by the engine that owns the pool (``root_engine``), not by ``engine``
+    itself: an engine with other execution options (the READ COMMITTED worker
+    engine on MySQL) shares its pool, and a pooled asyncio connection works
+    only on the loop that opened it. Not by the pool either: ``dispose()``
+    gives the engine a new pool, and a transaction that looked up the loop just
+    before would open a connection of the new pool on the old pool's loop.
+    The loop lives as long as that engine (``_stop``).
     """
+    root = root_engine(engine)
     with _loops_lock:
-        found = _loops.get(engine.pool)
+        found = _loops.get(root)
         if found is None:
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=_serve, args=(loop,), name="outbox-inbox-loop", daemon=True)
             _loop_threads.add(thread)
             thread.start()
-            found = _loops[engine.pool] = loop
-            weakref.finalize(engine.pool, _stop, loop)
+            found = _loops[root] = loop
+            weakref.finalize(root, _stop, loop)
         return found
 
 
@@ -153,9 +154,9 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _stop(loop: asyncio.AbstractEventLoop) -> None:
-    """End a pool's loop thread once the pool is gone (``engine.dispose()`` replaces it; an engine
-    dropped takes it along): nothing can use the loop any more, and a process that makes engines
-    as it goes (a tenant's database, each test) otherwise kept one idle thread per pool it ever had."""
+    """End an engine's loop thread once the engine is gone: nothing can use the loop any more, and
+    a process that makes engines as it goes (a tenant's database, each test) otherwise kept one
+    idle thread per engine it ever had."""
     if not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
 
