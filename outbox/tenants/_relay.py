@@ -40,11 +40,13 @@ from collections.abc import Callable
 
 import tenacity
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
 from transports import Transport
 from transports._logsafe import safe_logger
 
 from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
+from ..core import _schema
 from ..core._cloudevents import CloudEvents
 from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import first_line, is_database_outage
@@ -235,9 +237,7 @@ class TenantRelay:
         of statements (SQLAlchemy's compiled cache holds 500), about a megabyte
         and a compile of the fetch per tenant.
         """
-        engine = relay_engine(unit.db.engine)
-        if unit.tenant.schema is not None:
-            engine = engine.execution_options(schema_translate_map={None: unit.tenant.schema})
+        engine = self._engine_of(unit)
         outbox = Outbox(engine, tables=self._tables, notify_channel=self.notify_channel)
         name = unit.tenant.name
         return RelayStep(
@@ -246,6 +246,28 @@ class TenantRelay:
             outages=RelayOutages(database=unit.db.outage, broker=self.broker_outage),
             cloudevents=self._cloudevents, name=f"relay {self.worker_id}: tenant {name}",
             watch_every=self._watch_every, writer=self._workers, sharing=self._workers.sharing)
+
+    def _engine_of(self, unit: Unit) -> Engine:
+        """The relay's engine on the tenant's database, its schema put in by a translate map."""
+        engine = relay_engine(unit.db.engine)
+        if unit.tenant.schema is not None:
+            engine = engine.execution_options(schema_translate_map={None: unit.tenant.schema})
+        return engine
+
+    def _diagnosed(self, unit: Unit, exc: Exception) -> Exception:
+        """A turn's failure as what it is: a statement refused for want of a table (its schema
+        dropped under it) is the ``SchemaError`` the tenant's rebuild then meets, so the failure is
+        logged once, not once as the driver's text and again as the rebuild's."""
+        if not isinstance(exc, DBAPIError) or is_database_outage(exc):
+            return exc
+        try:
+            with self._engine_of(unit).connect() as conn:
+                _schema.read(conn, self._tables)
+        except SchemaError as found:
+            return found
+        except Exception:  # the check failed too: the turn's own error says more
+            return exc
+        return exc
 
     # -- the loop ---------------------------------------------------------------
 
@@ -395,7 +417,7 @@ class TenantRelay:
         except Exception as exc:
             if is_database_outage(exc):
                 return Turn(retry=db.gate.failed(exc))
-            delay = self._tenants.failed(unit, exc, "failed")
+            delay = self._tenants.failed(unit, self._diagnosed(unit, exc), "failed")
             # Built anew from its stored settings when tried again: tables dropped and made again
             # have another incarnation and leases of their own, which this step would never see
             # (it would send their rows under the old incarnation, or be fenced for ever).
