@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from outbox import Disposition, Inbox, create_async_engine
+from outbox import Disposition, Inbox, Message, create_async_engine
 from tests.inbox_support import TOPIC, AlertLog, applied, async_url, business, dispose, effects, record
 
 
@@ -234,7 +234,7 @@ def test_the_loop_thread_outlives_dispose_and_ends_with_its_engine(sqlite_db: st
     thread, = _loop_threads(before)
 
     @inbox.handler(TOPIC)
-    async def handle(session, message):  # type: ignore[no-untyped-def]
+    async def handle(session: AsyncSession, message: Message) -> None:
         await _insert(session, message)
 
     assert inbox.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED
