@@ -298,21 +298,27 @@ def test_a_relay_started_before_its_database_starts_once_it_answers(
     Outbox(engine).create_tables()
     engine.dispose()
     own_postgres.stop()
-    relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", own_postgres.url,
-                              "--bootstrap-servers", "127.0.0.1:1"], cwd=tmp_path, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = tmp_path / "relay.err"
+    with log.open("w") as err:
+        relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--db", own_postgres.url,
+                                  "--bootstrap-servers", "127.0.0.1:1"], cwd=tmp_path, text=True,
+                                 stdout=subprocess.DEVNULL, stderr=err)
     try:
-        time.sleep(3)
-        assert relay.poll() is None, relay.communicate()[1]
-        own_postgres.start()
+        # The database starts only once the relay has met it down: a fixed sleep raced a slow
+        # start under load (the relay had not tried yet, so it never saw the outage).
         deadline = time.monotonic() + 60
+        while "waiting for it" not in log.read_text():
+            assert time.monotonic() < deadline and relay.poll() is None, log.read_text()
+            time.sleep(0.2)
+        own_postgres.start()
         while not owned_shards(own_postgres.url):
-            assert time.monotonic() < deadline and relay.poll() is None, "the relay never started"
+            assert time.monotonic() < deadline + 60 and relay.poll() is None, "the relay never started"
             time.sleep(0.5)
         relay.send_signal(signal.SIGTERM)
-        _, stderr = relay.communicate(timeout=30)
+        relay.wait(timeout=30)
     finally:
         relay.kill()
+    stderr = log.read_text()
     assert relay.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
     assert sum("unreachable" in line and "waiting for it" in line for line in stderr.splitlines()) == 1
