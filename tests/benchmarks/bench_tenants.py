@@ -20,7 +20,11 @@ them as fast as it took them).
   the rows are loaded in one transaction while the relay runs, which then gets
   a notification per schema (``shard:schema``); the time is from that commit
   to the last row's ``published_at`` (taken when the broker's delivery reports
-  are in). Target: fleet / single ≥ 0.8, median of the rounds' ratios.
+  are in). Every run starts from the same database: all tables emptied,
+  vacuumed and checkpointed, autovacuum off (``settle``); the completion probe
+  costs the same for one schema as for 500 (``drained``); one uncounted drain
+  warms the broker up first (``--warm-up``). Target: fleet / single ≥ 0.8
+  (2 workers) and ≥ 0.9 (8 workers) in every round.
 - fairness: one tenant (``t_000``) gets a backlog of ``--backlog`` (1,000,000)
   rows, loaded with one ``INSERT ... SELECT generate_series`` (per-key seq
   1..100 over 10,000 keys, ``outbox_keys`` to match), while a quiet tenant (the
@@ -68,6 +72,9 @@ from transports.kafka import embedded_kafka
 
 PAYLOAD = '{"order":"o-1","status":"paid","total":"19.90","currency":"EUR","lines":[{"sku":"A-1","qty":2}]}'
 SINGLE = "single"
+QUIET_DATABASE = {"autovacuum": "off"}
+"""The benchmark's PostgreSQL: no vacuum but ``settle``'s, between runs (autovacuum's rounds fell
+into random runs, see ``settle``); otherwise ``local_postgres``'s durable defaults."""
 BACKLOG_TENANT = "t_000"
 BACKLOG_KEYS = 10_000
 RELAY_OPTIONS = ("--batch-size", "1000", "--poll-interval", "5", "--lease-ttl", "30",
@@ -128,11 +135,39 @@ def truncate(engine: sa.Engine, schemas: list[str]) -> None:
         conn.execute(sa.text(f"TRUNCATE {tables}"))
 
 
-def any_pending(engine: sa.Engine, schemas: list[str]) -> bool:
-    probes = " OR ".join(f"""EXISTS (SELECT 1 FROM "{s}".outbox_messages WHERE status = 'pending')"""
-                         for s in schemas)
+def settle(engine: sa.Engine) -> None:
+    """Start a drain on a database with nothing of the runs before left to do.
+
+    Every run's tables are emptied before the next (``truncate``), vacuumed (the
+    leases and heartbeats the last relay renewed, the catalog rows the
+    truncations replaced), and a checkpoint writes what was dirtied. With
+    autovacuum on, its launcher's round (one a minute) fell into a random run:
+    in one sitting it vacuumed or analyzed 268 to 462 tables inside one single
+    relay's drain and none in the next, whose rate went from 26,000 to 38,000
+    msg/s for the same rows (``QUIET_DATABASE``).
+    """
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("VACUUM"))
+        conn.execute(sa.text("CHECKPOINT"))
+
+
+def drained(engine: sa.Engine, left: list[str]) -> bool:
+    """Whether no schema of ``left`` has a pending row; the schemas found drained leave ``left``.
+
+    A drained schema gets no row until the drain ends, so each probe asks one
+    small query per schema that drained since the last probe, and one more. A
+    single query over all 500 schemas (``EXISTS ... OR EXISTS ...``) was planned
+    anew at every probe: 125 ms of PostgreSQL's CPU ten times a second, some
+    5 CPU seconds in a 9 s fleet drain against 10 ms for the single relay's one
+    schema: the benchmark's probe was taking the fleet's database time.
+    """
     with engine.connect() as conn:
-        return bool(conn.scalar(sa.text(f"SELECT {probes}")))
+        while left:
+            probe = f"""SELECT EXISTS (SELECT 1 FROM "{left[0]}".outbox_messages WHERE status = 'pending')"""
+            if conn.scalar(sa.text(probe)):
+                return False
+            left.pop(0)
+    return True
 
 
 def count_pending(engine: sa.Engine, schema: str) -> int:
@@ -249,7 +284,8 @@ def drain(engine: sa.Engine, relay: RelayProcess, schemas: list[str], messages: 
             conn.execute(sa.text("SELECT pg_notify('outbox', :p)"), {"p": f"0:{schema}"})
     committed = time.time()
     cpu = relay.cpu()
-    while any_pending(engine, schemas):
+    left = list(schemas)
+    while not drained(engine, left):
         relay.count_connections(engine)
         time.sleep(0.1)
     cpu = relay.cpu() - cpu
@@ -263,7 +299,8 @@ def run_throughput(url: str, servers: str, engine: sa.Engine, schemas: list[str]
     """The single-schema relay (``workers`` None) or the fleet with ``workers`` workers."""
     fleet = workers is not None
     served = schemas if fleet else [SINGLE]
-    truncate(engine, served)
+    truncate(engine, [*schemas, SINGLE])
+    settle(engine)
     relay = (start_relay(url, servers, "bench-fleet", "--tenants", fleet_spec, "--workers", str(workers))
              if fleet else start_relay(url, servers, "bench-single", "--schema", SINGLE))
     try:
@@ -389,6 +426,10 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--keys", type=int, default=10_000)
     parser.add_argument("--pairs", type=int, default=3, help="rounds of single / fleet runs, alternating")
+    parser.add_argument("--warm-up", type=int, default=1, choices=(0, 1),
+                        help="one uncounted single-relay drain first: an Apache Kafka node's JIT compiles "
+                             "its produce path over the first drains (its CPU for the same drain fell from "
+                             "2-3 s to under 1 s), which counted against whichever relay ran first")
     parser.add_argument("--workers", default="2,8",
                         help="the fleet's --workers, one fleet run per value in each round; "
                              "the last value also runs the fairness part")
@@ -415,7 +456,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     schemas = schema_names(args.tenants)
-    with local_postgres() as url, broker(args.broker) as servers, tempfile.TemporaryDirectory() as tmp:
+    with (local_postgres(QUIET_DATABASE) as url, broker(args.broker) as servers,
+          tempfile.TemporaryDirectory() as tmp):
         engine = create_engine(url, connect_args={"application_name": "bench"})
         started = time.perf_counter()
         create_schemas(engine, [*schemas, SINGLE])
@@ -424,6 +466,9 @@ def main() -> None:
         print(f"{len(schemas) + 1} schemas made in {time.perf_counter() - started:.0f} s", flush=True)
         spec = tenants_file(tmp, schemas, quiet=False)
         rounds: list[Round] = []
+        if args.warm_up and not args.only_fairness:
+            warm = run_throughput(url, servers, engine, schemas, args.messages, args.keys, spec, workers=None)
+            print(f"warm-up (not counted): single {warm.rate:,.0f} msg/s", flush=True)
         for _ in range(0 if args.only_fairness else args.pairs):
             single = run_throughput(url, servers, engine, schemas, args.messages, args.keys, spec,
                                     workers=None)
@@ -510,8 +555,9 @@ def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairnes
     per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
     body = f"""## Many tenants: one relay process for {n} tenant schemas
 
-`python tests/benchmarks/bench_tenants.py{" --broker kafka" if args.broker == "kafka" else ""}` — durable local PostgreSQL (`local_postgres()`
-defaults), {BROKERS[args.broker]},
+`python tests/benchmarks/bench_tenants.py{" --broker kafka" if args.broker == "kafka" else ""}` — durable
+local PostgreSQL (`local_postgres()` defaults, autovacuum off: every run starts vacuumed and checkpointed),
+{BROKERS[args.broker]},
 relays as separate processes through `KafkaTransport`: the fleet is `python -m outbox relay
 --tenants file:...` ({n} schemas of one database), the single-schema relay is
 `python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 30`.
