@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,41 @@ def test_outbox_relay_transaction_pooled_marks_the_relays_engine(
 def through_pgbouncer(postgres_db: str) -> Iterator[str]:
     """``postgres_db`` through a PgBouncer of the test's own in transaction mode, one server connection."""
     yield from resolved(lambda: transaction_pooler(postgres_db))
+
+
+def test_through_pgbouncer_a_fleet_finds_its_listen_deaf_and_polls_instead_of_backing_off(
+        postgres_db: str, through_pgbouncer: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Through a transaction-mode PgBouncer a LISTEN succeeds and hears nothing. Believed, it let an
+    idle tenant's polls back off as if a notification would wake it, and a message written after
+    some idle seconds waited for the backed-off poll (up to a minute). The listener's probe finds it
+    deaf: the tenant is polled every poll interval, and the reason is logged once.
+
+    Poll interval 0.1 s, backed off: polls 0.2, 0.4, ... 3.2 s apart (less 25 % jitter at most) end
+    by 6.2 s, the next one 4.8 s or more later; a message written 7 s in waited 2.4 s or more."""
+    engine = create_engine(postgres_db)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql('CREATE SCHEMA "acme"')
+        acme = Outbox(engine, schema="acme")
+        acme.create_tables()
+        fleet = TenantRelay([Tenant("acme", schema="acme", database=through_pgbouncer)],
+                            lambda: ScriptedTransport(), workers=1, poll_interval=0.1,
+                            transaction_pooled=True)
+        started = time.monotonic()
+        running = Running(fleet)
+        try:
+            time.sleep(max(0.0, started + 7 - time.monotonic()))
+            publish(acme, "t", ["k1"])  # straight to PostgreSQL: its notification reaches no one
+            written = time.monotonic()
+            wait_for(lambda: not rows(acme, status="pending"), 20, "the fleet to publish")
+            waited = time.monotonic() - written
+        finally:
+            running.stop()
+    finally:
+        engine.dispose()
+    assert waited < 1.5, f"the message waited {waited:.1f} s for a backed-off poll"
+    deaf = [r.getMessage() for r in caplog.records if "no notification came back" in r.getMessage()]
+    assert len(deaf) == 1, deaf
 
 
 @pytest.mark.parametrize("marked", [True, False])

@@ -6,20 +6,40 @@ a ``TenantRelay`` wakes that schema's tenant alone); a dedicated connection
 here LISTENs and sets the event, so the relay reacts in milliseconds instead
 of a poll interval. If that connection breaks, it is reopened every second
 (one log line when it breaks, one when it is back); polling covers the gap.
+
+A LISTEN that succeeds may still hear nothing: through a connection pooler in
+transaction mode (PgBouncer) it is registered on a server connection that goes
+back to the pool at once, and no notification reaches the client. So each
+connection proves it hears before it counts as connected: it sends a probe on
+the channel from another connection of the engine and waits for its echo
+(``PROBE_WAIT``). A deaf one is counted as lost (polling every poll interval)
+and tried again every ``DEAF_RETRY`` seconds, with one log line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from transports._logsafe import safe_logger
 
 log = safe_logger("outbox.relay")
+
+PROBE_PREFIX = "outbox-probe:"
+"""A probe's payload begins so; no listener takes it for a commit (``outbox.core._notify`` payloads
+begin with a shard number)."""
+
+PROBE_WAIT = 5.0
+"""Seconds a new LISTEN connection waits for its probe's echo before it counts as deaf."""
+
+DEAF_RETRY = 60.0
+"""Seconds between two tries of a LISTEN found deaf (the pooler in front does not change by itself)."""
 
 
 class Wakeup:
@@ -84,6 +104,7 @@ def _listen(engine: Engine, channels: list[str], on_notify: Callable[[str], None
     shown = ", ".join(channels)
     while not stop.is_set():
         fairy: Any = None
+        retry = 1.0
         try:
             fairy = engine.raw_connection()
             fairy.detach()
@@ -91,20 +112,54 @@ def _listen(engine: Engine, channels: list[str], on_notify: Callable[[str], None
             conn.autocommit = True
             for channel in channels:
                 conn.execute(f'LISTEN "{channel}"')  # channel is a validated identifier
+            if not _hears(engine, conn, channels[0], on_notify, stop):
+                if stop.is_set():
+                    return
+                retry = DEAF_RETRY
+                raise DeafListener(f"no notification came back within {PROBE_WAIT:g} s (a connection "
+                                   "pooler in transaction mode between the relay and PostgreSQL?)")
             if broken:
                 log.warning("LISTEN %s is back", shown)
                 broken = False
             on_connect()
             while not stop.is_set():
                 for note in conn.notifies(timeout=0.5):
-                    on_notify(note.payload)
+                    if not note.payload.startswith(PROBE_PREFIX):
+                        on_notify(note.payload)
         except Exception as exc:
             if not broken:
-                log.warning("LISTEN %s failed (%r); polling, and retrying every second", shown, exc)
+                reason = str(exc) if isinstance(exc, DeafListener) else repr(exc)
+                log.warning("LISTEN %s failed (%s); polling, and retrying every %g s", shown, reason,
+                            retry)
                 broken = True
                 on_lost()
-            stop.wait(1.0)
+            stop.wait(retry)
         finally:
             if fairy is not None:
                 with contextlib.suppress(Exception):
                     fairy.close()
+
+
+class DeafListener(Exception):
+    """A LISTEN connection that did not hear its own probe."""
+
+
+def _hears(engine: Engine, conn: Any, channel: str, on_notify: Callable[[str], None],
+           stop: threading.Event) -> bool:
+    """Whether ``conn``, LISTENing on ``channel``, hears a notification sent from another connection.
+
+    Notifications of commits that arrive meanwhile are passed on. Raises what the probe's
+    own connection raised (the database is unreachable: the caller retries).
+    """
+    probe = PROBE_PREFIX + uuid.uuid4().hex
+    with engine.connect() as sender:
+        sender.execute(text("SELECT pg_notify(:channel, :probe)"), {"channel": channel, "probe": probe})
+        sender.commit()
+    deadline = time.monotonic() + PROBE_WAIT
+    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+        for note in conn.notifies(timeout=min(0.5, left)):
+            if note.payload == probe:
+                return True
+            if not note.payload.startswith(PROBE_PREFIX):
+                on_notify(note.payload)
+    return False

@@ -45,8 +45,8 @@ from sqlalchemy.exc import DBAPIError
 from transports import Transport
 from transports._logsafe import safe_logger
 
-from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from ..core import _schema
+from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from ..core._cloudevents import CloudEvents
 from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import first_line, is_database_outage

@@ -5,8 +5,8 @@ index in id order and reads each row to learn whether it is due, so every delaye
 the due ones is read again at every fetch. For each count of rows delayed by a day (inserted
 first, as a service's scheduled messages are older than its live ones), then 100 due rows over
 100 keys, ``VACUUM ANALYZE``, the relay's own statement (16 shards, ``limit`` 1,000, keeping-up
-and backlog forms) run twice on the relay's session (the second timed) and once under ``EXPLAIN (ANALYZE, BUFFERS)``;
-the baseline is the same with no delayed row.
+and backlog forms) run twice on the relay's session (the second timed) and once under
+``EXPLAIN (ANALYZE, BUFFERS)``; the baseline is the same with no delayed row.
 
     python tests/benchmarks/bench_delayed_rows.py [--delayed 0,20000,200000,1000000]
 """
