@@ -359,13 +359,9 @@ def debezium(kafka_connect: ConnectRest, debezium_db: str, kafka: str) -> Iterat
         yield outbox
 
 
-@pytest.fixture
-def kafka_cluster() -> Iterator[LocalKafkaCluster]:
-    """Three Apache Kafka nodes of the test's own (replication factor 3, ``min.insync.replicas`` 2).
-
-    The test is ``slow`` and in the ``kafka-cluster`` group (added above). For other settings,
-    build ``LocalKafkaCluster(...)`` in the test instead.
-    """
+@pytest.fixture(scope="module")
+def _module_kafka_cluster() -> Iterator[LocalKafkaCluster]:
+    """The three nodes ``kafka_cluster`` hands the tests of one module (a start is 9-15 s of three JVMs)."""
     try:
         cluster = LocalKafkaCluster()
     except FileNotFoundError as exc:
@@ -374,6 +370,26 @@ def kafka_cluster() -> Iterator[LocalKafkaCluster]:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def kafka_cluster(_module_kafka_cluster: LocalKafkaCluster) -> LocalKafkaCluster:
+    """Three Apache Kafka nodes (replication factor 3, ``min.insync.replicas`` 2), every one running
+    at the test's start: the module's tests share them, and a node an earlier test left frozen or
+    down (one that failed half-way) is thawed or started again first. A test works on topics and
+    transactional ids of its own and looks up leaders, coordinators and the active controller when
+    it needs them, never assuming which node is which.
+
+    The test is ``slow`` and in the ``kafka-cluster`` group (added above). For other settings,
+    build ``LocalKafkaCluster(...)`` in the test instead.
+    """
+    cluster = _module_kafka_cluster
+    for node in cluster.nodes:
+        node.thaw()
+    down = [node.node_id for node in cluster.nodes if not node.running]
+    if down:
+        cluster.start(*down)
+    return cluster
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,15 @@ from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
 
+DROPPED = "likely deleted already and hence can be skipped"
+"""The coordinator's log line for a transaction marker it drops (the partition without a leader)."""
+
+
+def dropped_since(node: Any, mark: int) -> bool:
+    """Whether ``node`` logged dropping a marker after the first ``mark`` characters of its log since
+    launch (``kafka_cluster``'s nodes serve the whole module: an earlier test's drop must not count)."""
+    return DROPPED in node.log_since_launch()[mark:]
+
 def leave_open(kafka_cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminClient:
     """``topic`` (one partition, compacted) with a committed record of key ``tid`` and, after it, a
     transaction of ``tid`` the broker left open (its only replica killed while it committed)."""
@@ -60,10 +69,10 @@ def leave_open(kafka_cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminC
     live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
     wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[0].leader == -1, 60,
                "the partition without a leader")
-    old.commit_transaction(30)  # decided; its marker for the leaderless partition is dropped:
     node = next(n for n in kafka_cluster.nodes if n.node_id == coordinator)
-    wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
-               "the coordinator dropping the marker")
+    mark = len(node.log_since_launch())
+    old.commit_transaction(30)  # decided; its marker for the leaderless partition is dropped:
+    wait_until(lambda: dropped_since(node, mark), 30, "the coordinator dropping the marker")
     kafka_cluster.start(victim)
     kafka_cluster.leader(topic, 0)
     stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
@@ -142,10 +151,10 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
     live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
     wait_until(lambda: live.list_topics(data, timeout=5).topics[data].partitions[0].leader == -1, 60,
                "the data partition without a leader")
-    old.abort_transaction(30)
     node = next(n for n in kafka_cluster.nodes if n.node_id == coordinator)
-    wait_until(lambda: "likely deleted already and hence can be skipped" in node.log_since_launch(), 30,
-               "the coordinator dropping the data marker")
+    mark = len(node.log_since_launch())
+    old.abort_transaction(30)
+    wait_until(lambda: dropped_since(node, mark), 30, "the coordinator dropping the data marker")
     kafka_cluster.start(victim)
     kafka_cluster.leader(data, 0)
     stable, end = wait_until(lambda: stable_and_end(admin, data), 30, "the data partition's offsets")
