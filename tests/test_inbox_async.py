@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -246,3 +249,41 @@ def test_the_loop_thread_outlives_dispose_and_ends_with_its_engine(sqlite_db: st
     gc.collect()
     thread.join(5)
     assert not thread.is_alive(), "a dropped engine's loop thread still runs"
+
+
+_FORKS = """
+import os, threading
+from outbox import Disposition, Inbox, create_async_engine
+from tests.inbox_support import TOPIC, AlertLog, record
+
+async def handle(session, message):
+    pass
+
+engine = create_async_engine(URL)
+inbox = Inbox(engine, group="forks", alert=AlertLog())
+inbox.create_tables()
+inbox.handler(TOPIC)(handle)
+assert inbox.handle(record(TOPIC, "parent", 1)) is Disposition.APPLIED  # its loop thread runs
+pid = os.fork()
+if pid == 0:
+    engine.sync_engine.dispose(close=False)  # SQLAlchemy's rule for a fork: the parent's connections stay its own
+    done = []
+    child = threading.Thread(target=lambda: done.append(inbox.handle(record(TOPIC, "child", 1))), daemon=True)
+    child.start()
+    child.join(20)
+    print("child:", done[0].name if done else "waits", flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+assert inbox.handle(record(TOPIC, "parent", 2)) is Disposition.APPLIED  # the parent's loop goes on
+print("parent: APPLIED", flush=True)
+"""
+
+
+def test_a_forked_child_runs_the_inbox_on_a_loop_of_its_own(sqlite_db: str) -> None:
+    """``os.fork()`` copies the loop but not its thread: the child's first transaction waited for
+    ever on a loop nothing ran. The child now starts its own; the parent's goes on."""
+    script = f"URL = {async_url(sqlite_db)!r}\n" + _FORKS
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["child: APPLIED", "parent: APPLIED"], (done.stdout, done.stderr[-3000:])

@@ -22,6 +22,7 @@ inbox an engine that no other event loop uses.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -141,8 +142,22 @@ def _loop_of(engine: Engine) -> asyncio.AbstractEventLoop:
             _loop_threads.add(thread)
             thread.start()
             found = _loops[root] = loop
-            weakref.finalize(root, _stop, loop)
+            weakref.finalize(root, _stop, loop, os.getpid())
         return found
+
+
+def _forget_loops() -> None:
+    """In a child made by ``os.fork()``: the parent's loop threads were not copied, only their
+    loops, which nothing runs here; a call waiting on one waited for ever. The child starts loops
+    of its own, on first use (its pooled connections are the parent's: SQLAlchemy's rule for a
+    fork, ``engine.dispose(close=False)`` in the child, still holds)."""
+    global _loops_lock
+    _loops_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _loops.clear()
+    _loop_threads.clear()
+
+
+os.register_at_fork(after_in_child=_forget_loops)
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
@@ -153,11 +168,11 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-def _stop(loop: asyncio.AbstractEventLoop) -> None:
+def _stop(loop: asyncio.AbstractEventLoop, pid: int) -> None:
     """End an engine's loop thread once the engine is gone: nothing can use the loop any more, and
     a process that makes engines as it goes (a tenant's database, each test) otherwise kept one
-    idle thread per engine it ever had."""
-    if not loop.is_closed():
+    idle thread per engine it ever had. Not in a forked child: the loop runs in the parent."""
+    if pid == os.getpid() and not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
 
 
