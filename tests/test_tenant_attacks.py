@@ -244,6 +244,38 @@ def test_a_tenant_whose_schema_is_dropped_is_reported_once_and_served_when_it_is
     assert [int(dict(r.headers)[SEQ]) for r in reborn_records] == [1, 2]
 
 
+
+@pytest.mark.parametrize("table", ["outbox_messages", "outbox_leases"])
+def test_a_tenant_whose_table_is_dropped_is_reported_once_backs_off_and_is_served_when_it_is_back(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture, table: str) -> None:
+    """One table dropped, its schema and ``outbox_meta`` kept: the tenant's rebuild reads its settings
+    fine and builds a step that owns no shard yet, so its first turn runs no statement. Counted as
+    served, that logged "failed" and "served again" about once a second (21 lines in 14 s) and reset
+    the backoff each time; a tenant is served once a turn ran on its tables."""
+    outboxes = schema_outboxes(pg, ["stays", "doomed"], shards=2)
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    running = Running(fleet(["stays", "doomed"], broker, database=pg))
+    try:
+        publish(outboxes["doomed"], topic, ["a"])
+        wait_for(lambda: pending(outboxes["doomed"]) == 0, 10, "doomed served")
+        with pg.begin() as conn:
+            conn.exec_driver_sql(f'DROP TABLE "doomed".{table} CASCADE')
+        doomed = running.relay._tenants.units["doomed"]
+        # Three failures in a row: retried with a growing backoff (1 s, 2 s), never counted served between.
+        wait_for(lambda: doomed.failures >= 3, 30, "three failures in a row")
+        publish(outboxes["stays"], topic, ["b"])
+        wait_for(lambda: pending(outboxes["stays"]) == 0, 10, "the other tenant")
+        outboxes["doomed"].create_tables()  # the missing table made again
+        publish(outboxes["doomed"], topic, ["c"])
+        wait_for(lambda: pending(outboxes["doomed"]) == 0, 60, "the tenant served once its table is back")
+    finally:
+        running.stop()
+    about = [r.getMessage() for r in caplog.records if "tenant doomed" in r.getMessage()]
+    assert len(about) == 2, about
+    assert "failed" in about[0] and f"doomed.{table}" in about[0] and "served again" in about[1]
+
+
 def test_a_tenant_repointed_to_another_schema_is_served_from_there_under_its_name(
         pg: sa.Engine, topic: str) -> None:
     outboxes = schema_outboxes(pg, ["old_home", "new_home"], shards=2)

@@ -147,7 +147,8 @@ class FleetTenants:
             finally:
                 db.gate.probed()
             self._databases.answered(db, started)
-            self.ok(unit)
+            # Not served yet: its stored settings were read, not its tables (a table dropped from a
+            # schema that is kept fails only its first turns); its first turn that ran on them says so.
             log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
             with self._schedule.lock:
                 self._unfrozen.add(unit)

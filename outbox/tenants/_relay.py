@@ -428,7 +428,12 @@ class TenantRelay:
         unit.last = done.batch
         # Not when the step itself met an outage (its pipelined write of the batch before) and went on.
         self._databases.answered(db, started)
-        self._tenants.ok(unit)
+        # Served only if its tables answered: a step owning no shard (just rebuilt, its leases not
+        # taken yet) ran no statement. Taken as served, a tenant with a table dropped (its schema
+        # kept, so its rebuild succeeds) was logged "failed" and "served again" every second, and
+        # its backoff never grew past the first.
+        if step.leases.owned():
+            self._tenants.ok(unit)
         return Turn(again=done.again, due=done.due, poll_in=poll_in)
 
     # -- failures and the end -------------------------------------------------------
