@@ -266,7 +266,8 @@ inbox.handler(TOPIC)(handle)
 assert inbox.handle(record(TOPIC, "parent", 1)) is Disposition.APPLIED  # its loop thread runs
 pid = os.fork()
 if pid == 0:
-    engine.sync_engine.dispose(close=False)  # SQLAlchemy's rule for a fork: the parent's connections stay its own
+    # SQLAlchemy's rule for a fork: the parent's connections stay its own
+    engine.sync_engine.dispose(close=False)
     done = []
     child = threading.Thread(target=lambda: done.append(inbox.handle(record(TOPIC, "child", 1))), daemon=True)
     child.start()
@@ -286,4 +287,5 @@ def test_a_forked_child_runs_the_inbox_on_a_loop_of_its_own(sqlite_db: str) -> N
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["child: APPLIED", "parent: APPLIED"], (done.stdout, done.stderr[-3000:])
+    assert done.stdout.split("\n")[:2] == ["child: APPLIED", "parent: APPLIED"], (
+        done.stdout, done.stderr[-3000:])
