@@ -16,6 +16,7 @@ from kafka import KafkaProducer
 
 from transports import Record
 from transports.kafka_python import KafkaPythonTransport
+from transports.kafka_python._logging import route_kafka_logs
 
 
 def test_refused_connections_are_one_warning_not_an_error_flood(caplog: pytest.LogCaptureFixture) -> None:
@@ -38,3 +39,19 @@ def test_refused_connections_are_one_warning_not_an_error_flood(caplog: pytest.L
                                                                 for r in refused]
     kinds = [re.sub(r"\d+", "#", r.getMessage()) for r in routed]
     assert len(kinds) == len(set(kinds)), "a repeated line was logged twice within a minute"
+
+
+def test_a_new_transport_stops_the_propagation_again_when_something_turned_it_back_on() -> None:
+    """The handler already there, ``propagate`` set back to True (a logging configuration, a test
+    restoring loggers): the next transport routes the records again instead of letting kafka.conn's
+    ERRORs reach the root logger's handlers beside the routed WARNINGs (seen in CI)."""
+    library = logging.getLogger("kafka")
+    route_kafka_logs()
+    library.propagate = True
+    producer = KafkaProducer(bootstrap_servers="127.0.0.1:1", api_version=(2, 5), acks="all")
+    try:
+        KafkaPythonTransport(producer, delivery_timeout=1.0)
+    finally:
+        producer.close(timeout=1)
+    assert library.propagate is False
+    assert sum(type(h).__name__ == "_Reroute" for h in library.handlers) == 1

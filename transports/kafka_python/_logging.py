@@ -45,10 +45,14 @@ class _Reroute(logging.Handler):
 
 
 def route_kafka_logs(every: float = 60.0) -> None:
-    """Send the ``kafka`` logger's records through ``LOGGER`` (see the module doc); idempotent."""
+    """Send the ``kafka`` logger's records through ``LOGGER`` (see the module doc); idempotent.
+
+    Every call stops the propagation again, even when the handler is there already: whatever
+    set ``propagate`` back (a logging configuration, a test restoring loggers) had the library's
+    ERROR flood reach the root logger's handlers beside the routed WARNINGs (seen in CI).
+    """
     library = logging.getLogger("kafka")
     with _lock:
-        if any(isinstance(h, _Reroute) for h in library.handlers):
-            return
-        library.addHandler(_Reroute(every))
+        if not any(isinstance(h, _Reroute) for h in library.handlers):
+            library.addHandler(_Reroute(every))
         library.propagate = False
