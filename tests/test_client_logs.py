@@ -16,7 +16,6 @@ from kafka import KafkaProducer
 
 from transports import Record
 from transports.kafka_python import KafkaPythonTransport
-from transports.kafka_python._logging import route_kafka_logs
 
 
 def test_refused_connections_are_one_warning_not_an_error_flood(caplog: pytest.LogCaptureFixture) -> None:
@@ -46,10 +45,10 @@ def test_a_new_transport_stops_the_propagation_again_when_something_turned_it_ba
     restoring loggers): the next transport routes the records again instead of letting kafka.conn's
     ERRORs reach the root logger's handlers beside the routed WARNINGs (seen in CI)."""
     library = logging.getLogger("kafka")
-    route_kafka_logs()
-    library.propagate = True
     producer = KafkaProducer(bootstrap_servers="127.0.0.1:1", api_version=(2, 5), acks="all")
     try:
+        KafkaPythonTransport(producer, delivery_timeout=1.0)
+        library.propagate = True
         KafkaPythonTransport(producer, delivery_timeout=1.0)
     finally:
         producer.close(timeout=1)
