@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from _in_process import outbox_in_process
+from _relay_helpers import wait_for
 
 from outbox import Outbox, create_engine
 from outbox.testing import LocalPostgres
@@ -306,14 +307,13 @@ def test_a_relay_started_before_its_database_starts_once_it_answers(
     try:
         # The database starts only once the relay has met it down: a fixed sleep raced a slow
         # start under load (the relay had not tried yet, so it never saw the outage).
-        deadline = time.monotonic() + 60
-        while "waiting for it" not in log.read_text():
-            assert time.monotonic() < deadline and relay.poll() is None, log.read_text()
-            time.sleep(0.2)
+        wait_for(lambda: "waiting for it" in log.read_text() or relay.poll() is not None, 60,
+                 "the relay to meet its database down")
+        assert relay.poll() is None, log.read_text()
         own_postgres.start()
-        while not owned_shards(own_postgres.url):
-            assert time.monotonic() < deadline + 60 and relay.poll() is None, "the relay never started"
-            time.sleep(0.5)
+        wait_for(lambda: owned_shards(own_postgres.url) or relay.poll() is not None, 60,
+                 "the relay to take its shards")
+        assert relay.poll() is None, log.read_text()
         relay.send_signal(signal.SIGTERM)
         relay.wait(timeout=30)
     finally:
