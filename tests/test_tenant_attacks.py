@@ -211,13 +211,8 @@ def test_hundreds_of_tenants_added_and_removed_lose_and_reorder_nothing(
 
 def test_a_tenant_whose_schema_is_dropped_is_reported_once_and_served_when_it_is_back(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
-    outboxes = schema_outboxes(pg, ["stays", "doomed"], shards=2)
-    broker = InMemoryBroker(max_record_bytes=ROOMY)
-    caplog.set_level(logging.WARNING, logger="outbox.relay")
-    running = Running(fleet(["stays", "doomed"], broker, database=pg))
+    outboxes, broker, running = _stays_and_doomed(pg, topic, caplog)
     try:
-        publish(outboxes["doomed"], topic, ["a"])
-        wait_for(lambda: pending(outboxes["doomed"]) == 0, 10, "doomed served")
         with pg.begin() as conn:
             conn.exec_driver_sql('DROP SCHEMA "doomed" CASCADE')
         for round_ in range(5):
@@ -252,13 +247,8 @@ def test_a_tenant_whose_table_is_dropped_is_reported_once_backs_off_and_is_serve
     fine and builds a step that owns no shard yet, so its first turn runs no statement. Counted as
     served, that logged "failed" and "served again" about once a second (21 lines in 14 s) and reset
     the backoff each time; a tenant is served once a turn ran on its tables."""
-    outboxes = schema_outboxes(pg, ["stays", "doomed"], shards=2)
-    broker = InMemoryBroker(max_record_bytes=ROOMY)
-    caplog.set_level(logging.WARNING, logger="outbox.relay")
-    running = Running(fleet(["stays", "doomed"], broker, database=pg))
+    outboxes, _, running = _stays_and_doomed(pg, topic, caplog)
     try:
-        publish(outboxes["doomed"], topic, ["a"])
-        wait_for(lambda: pending(outboxes["doomed"]) == 0, 10, "doomed served")
         with pg.begin() as conn:
             conn.exec_driver_sql(f'DROP TABLE "doomed".{table} CASCADE')
         doomed = running.relay._tenants.units["doomed"]
@@ -274,6 +264,22 @@ def test_a_tenant_whose_table_is_dropped_is_reported_once_backs_off_and_is_serve
     about = [r.getMessage() for r in caplog.records if "tenant doomed" in r.getMessage()]
     assert len(about) == 2, about
     assert "failed" in about[0] and f"doomed.{table}" in about[0] and "served again" in about[1]
+
+
+def _stays_and_doomed(pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture
+                      ) -> tuple[dict[str, Outbox], InMemoryBroker, Running]:
+    """A running fleet of tenants ``stays`` and ``doomed``, the latter's first message served."""
+    outboxes = schema_outboxes(pg, ["stays", "doomed"], shards=2)
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    running = Running(fleet(["stays", "doomed"], broker, database=pg))
+    try:
+        publish(outboxes["doomed"], topic, ["a"])
+        wait_for(lambda: pending(outboxes["doomed"]) == 0, 10, "doomed served")
+    except BaseException:
+        running.stop()
+        raise
+    return outboxes, broker, running
 
 
 def test_a_tenant_repointed_to_another_schema_is_served_from_there_under_its_name(
