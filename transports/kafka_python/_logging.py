@@ -48,8 +48,8 @@ def route_kafka_logs(every: float = 60.0) -> None:
     """Send the ``kafka`` logger's records through ``LOGGER`` (see the module doc); idempotent.
 
     Every call stops the propagation again, even when the handler is there already: whatever
-    set ``propagate`` back (a logging configuration, a test restoring loggers) had the library's
-    ERROR flood reach the root logger's handlers beside the routed WARNINGs (seen in CI).
+    set ``propagate`` back (a logging configuration, a test restoring loggers) would let the
+    library's ERROR flood reach the root logger's handlers beside the routed WARNINGs.
     """
     library = logging.getLogger("kafka")
     with _lock:
