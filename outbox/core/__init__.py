@@ -10,8 +10,9 @@ Private modules, re-exported by ``outbox`` where they are public. By role:
   ``_cloudevents``, ``_events`` (typed events), ``_foreign`` (records another
   producer writes), ``_validation`` (checks on every message);
 - running: ``_errors``, ``_alerts``, ``_outage`` (a dependency that is down),
-  ``_stopping`` (threads and signals), ``_wheel`` (the timing wheel),
-  ``_tracing``, ``_gc``, ``_secrets`` (what of a URL may be shown);
+  ``_stopping`` (threads and signals), ``_slots`` (what a hung database may
+  hold), ``_wheel`` (the timing wheel), ``_tracing``, ``_gc``, ``_secrets``
+  (what of a URL may be shown);
 - tenants: ``_tenant``, ``_tenant_labels``, ``_schema_claims``,
   ``_metric_views``;
 - for the commands and the console: ``_age``, ``_terminal``.

@@ -4,15 +4,12 @@ A place is the very same stages a single-database inbox has (sessions,
 store, transaction step, settle stage, parked-key admin, gap sweeper), built
 on the tenant's engine, with an ``OutageGate`` in front: while the tenant's
 database is down (or its inbox tables are missing) its deliveries are put off
-on a timer and one probe at a time tries again. ``Slots`` bound how many
-transactions one database runs at once, so a database that hangs keeps the
-other databases' tenants served.
+on a timer and one probe at a time tries again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,35 +25,6 @@ from ._sessions import Sessions
 from ._settle import Settler
 from ._transaction import TransactionStep
 from .storage import InboxStorage
-
-
-class Slots:
-    """How many transactions each database may run at once: a hung database keeps the rest free.
-
-    Keyed by the engine's pool (tenants in schemas of one database share it).
-    ``take`` never waits: a worker that gets no slot puts its batch off.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._taken: dict[object, int] = {}
-
-    def take(self, pool: object) -> bool:
-        with self._lock:
-            taken = self._taken.get(pool, 0)
-            if taken >= self.limit:
-                return False
-            self._taken[pool] = taken + 1
-            return True
-
-    def give_back(self, pool: object) -> None:
-        with self._lock:
-            left = self._taken[pool] - 1
-            if left:
-                self._taken[pool] = left
-            else:
-                del self._taken[pool]
 
 
 @dataclass(eq=False)

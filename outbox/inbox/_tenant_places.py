@@ -22,9 +22,10 @@ from transports._logsafe import safe_logger
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError
 from ..core._schema_claims import DEFAULT_DATABASE_REFUSAL, SchemaClaims
+from ..core._slots import Slots
 from ..core._tenant import Tenant, TenantSource
 from ._outage import OutageLog, is_outage
-from ._places import BuildPlace, Place, Slots
+from ._places import BuildPlace, Place
 
 log = safe_logger("outbox.inbox")
 
@@ -51,7 +52,6 @@ class TenantPlaces:
         self.refresh_every = refresh
         self.lookup_every = min(LOOKUP_AGAIN, refresh)
         self._pool_size = pool_size
-        self._workers = pool_size
         self.slots = Slots(pool_size)
         self._places: dict[str, Place] = {}
         self._engines: dict[str, Engine] = {}
@@ -132,9 +132,9 @@ class TenantPlaces:
             self._read_since = began
             named = {t.database for t in tenants if isinstance(t.database, str)}
             released = [self._engines.pop(url) for url in list(self._engines) if url not in named]
-            # One database: nothing to keep free from it. Several: each takes half the workers at most.
+            # A database that hangs holds at most its slots' share of the workers (``core._slots``).
             databases = {id(p.engine.pool) for p in places.values()} | {id(self.default.engine.pool)}
-            self.slots.limit = self._workers if len(databases) == 1 else max(1, self._workers // 2)
+            self.slots.span(len(databases))
         # A database no tenant is in any more: its pooled connections would stay open for good (and
         # keep a DROP DATABASE of a tenant that left waiting). Those checked out close when returned.
         for engine in released:

@@ -23,7 +23,7 @@ run in an inbox of that tenant alone, with the same promises.
   outage is logged once per tenant. A database that hangs instead of failing
   (a frozen host) holds the workers whose transactions it took: when the
   tenants span several databases, one database's transactions take at most
-  half the workers at a time (``Slots``), so the others' tenants keep the
+  half the workers at a time (``core._slots.Slots``), so the others' tenants keep the
   rest. The offset tracker holds the commit below its unfinished records
   (at-least-once; dedup drops the redelivery).
 - **Unknown tenant:** a message whose header is missing, names no tenant
@@ -42,7 +42,7 @@ run in an inbox of that tenant alone, with the same promises.
   a tenant added is served from then on.
 
 The roles, a module each: ``_places`` (a ``Place``: one tenant's pipeline and
-its gate; ``Slots``), ``_tenant_places`` (the tenants read from the source, a
+its gate), ``_tenant_places`` (the tenants read from the source, a
 place each), ``_tenant_sweep`` (the sweeps across places) and this one, the
 ``TenantRouter``: which tenant a message names, the settle stage through each
 place's gate, and the parked messages of no known tenant.
