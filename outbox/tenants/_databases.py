@@ -6,7 +6,8 @@ all its tenants, and while it is down one step at a time probes it), one
 thread renewing all its tenants' leases (``_renewal``) and, on PostgreSQL, one
 LISTEN connection whose notifications (``shard:schema``) wake the tenant of
 the schema they name; while it is up, its idle tenants are polled rarely
-(``_idle_polls``).
+(``_idle_polls``). It knows each database's server (``identify``), by which the
+fleet's slots are counted (``_slots``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..core._engine import create_engine
 from ..core._errors import ConfigurationError
+from ..core._identity import database_identity
 from ..core._notify import parse_notify_payload
 from ..core._outage import OutageBackoff, OutageGate
 from ..core._secrets import database_url
@@ -26,6 +28,7 @@ from ..relay import RelayMetrics, RelayOutages, transaction_pooled_options
 from ..relay._wakeup import start_listening
 from ._renewal import LeaseRenewal
 from ._schedule import Schedule
+from ._slots import ServerSlots
 from ._units import FleetDatabase
 
 MAX_PROBE_PAUSE = 5.0
@@ -45,7 +48,7 @@ class FleetDatabases:
     def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
                  metrics: RelayMetrics, poll_interval: float, renew_every: float,
                  notify_channel: str | None, schedule: Schedule, stopping: threading.Event,
-                 transaction_pooled: bool = False) -> None:
+                 slots: ServerSlots, transaction_pooled: bool = False) -> None:
         self.default = default
         self._pool_size = pool_size
         self._transaction_pooled = transaction_pooled
@@ -55,6 +58,7 @@ class FleetDatabases:
         self._channel = notify_channel
         self._schedule = schedule
         self._stopping = stopping
+        self._slots = slots
         self._by_key: dict[str, FleetDatabase] = {}
         self._renewal = LeaseRenewal(every=renew_every, schedule=schedule, stopping=stopping,
                                      worker_id=worker_id, answered=self.answered)
@@ -85,6 +89,22 @@ class FleetDatabases:
             if self.started and not self._stopping.is_set():
                 self._start(db)
         return db
+
+    def identify(self, db: FleetDatabase) -> None:
+        """Learn ``db``'s server, once a tenant of it was claimed (``SchemaClaims`` read it: no query).
+
+        The server, not the database: the databases of one server hang together.
+        """
+        if db.server is None:
+            identity = database_identity(db.engine)
+            db.server = (identity.dialect, identity.server)
+            self.span()
+
+    def span(self) -> None:
+        """Size the slots by the servers the fleet's tenants are on (``_slots``)."""
+        with self._schedule.lock:
+            servers = {db.server for db in self._by_key.values() if db.server is not None and db.units}
+        self._slots.span(len(servers))
 
     def start(self) -> None:
         """From now on every database's tenants' leases are renewed, and its notifications wake them."""

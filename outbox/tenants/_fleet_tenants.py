@@ -99,6 +99,8 @@ class FleetTenants:
             self._metrics.forget(unit.tenant.name)
         for unit in closing:
             self.close(unit)
+        if gone:
+            self._databases.span()  # a server may have no tenant left
         for tenant in new:
             unit = Unit(tenant, self._databases.of(tenant))
             with self._schedule.lock:
@@ -140,6 +142,7 @@ class FleetTenants:
             started = time.monotonic()
             try:
                 self._claims.claim(unit, unit.tenant, db.engine)
+                self._databases.identify(db)
                 unit.step = self._make_step(unit)
             except Exception as exc:
                 self.failed(unit, exc, "cannot be served")

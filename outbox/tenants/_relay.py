@@ -20,7 +20,12 @@ what the tenants share is what made a relay per tenant expensive:
   broken is logged once and retried with backoff; a database that is down
   is logged once (all its tenants share one outage gate), probed by one
   step at a time, and its tenants are woken when it answers. The other
-  tenants go on meanwhile.
+  tenants go on meanwhile;
+- **a server that hangs holds half the threads at most**: it fails nothing,
+  so no gate closes; when the tenants are on several servers, one server's
+  steps take at most half the workers, and its pipelined writes half the
+  writers (``_slots``). A tenant whose server has no slot free waits in its
+  tables, and the worker serves another.
 
 What a step does (leases, the broker's outage, the "again" rule, the
 stuck-key watch, an outage-tolerant release) is the step's, as in a single
@@ -73,6 +78,7 @@ from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
 from ._idle_polls import IdlePolls
 from ._schedule import Schedule, Turn
 from ._shares import BacklogShares
+from ._slots import SLOT_RETRY, ServerSlots
 from ._transport import TenantTransport, Workers, checked_header
 from ._turn_state import TurnState
 from ._units import Unit
@@ -176,6 +182,7 @@ class TenantRelay:
         self.broker_outage = RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker",
                                                   process_metrics)
         self._schedule = Schedule()
+        self._slots = ServerSlots(workers, self._schedule)
         self._runs = BoundRun(f"relay {self.worker_id}", thread="outbox-tenant-relay", log=log,
                               wake=self._schedule.timer_added.set)
         self._stopping = self._runs.stopping
@@ -183,7 +190,7 @@ class TenantRelay:
             database, pool_size=self.pool_size, worker_id=self.worker_id, metrics=process_metrics,
             poll_interval=settings.poll_interval, renew_every=renew_interval(settings.lease_ttl),
             notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping,
-            transaction_pooled=transaction_pooled)
+            slots=self._slots, transaction_pooled=transaction_pooled)
         self._tenants = FleetTenants(self.source, databases=self._databases, schedule=self._schedule,
                                      make_step=self._new_step, metrics=self.metrics,
                                      worker_id=self.worker_id, default=database)
@@ -245,7 +252,8 @@ class TenantRelay:
             self.settings, alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
             outages=RelayOutages(database=unit.db.outage, broker=self.broker_outage),
             cloudevents=self._cloudevents, name=f"relay {self.worker_id}: tenant {name}",
-            watch_every=self._watch_every, writer=self._workers, sharing=self._workers.sharing)
+            watch_every=self._watch_every, writer=self._slots.writer(unit.db, self._workers),
+            sharing=self._workers.sharing)
 
     def _engine_of(self, unit: Unit) -> Engine:
         """The relay's engine on the tenant's database, its schema put in by a translate map."""
@@ -376,6 +384,18 @@ class TenantRelay:
         return results
 
     def _serve(self, unit: Unit, *, wait: bool = False) -> Turn:
+        """One step of ``unit``'s tenant in a slot of its server (``_slots``); put off when none is free."""
+        unit.last = BatchResult()
+        if unit.step is None:
+            return Turn()
+        if not self._slots.take(unit):
+            return Turn(retry=SLOT_RETRY)  # woken sooner, when a slot of its server is given back
+        try:
+            return self._step(unit, wait=wait)
+        finally:
+            self._slots.give_back(unit)
+
+    def _step(self, unit: Unit, *, wait: bool) -> Turn:
         """One step of ``unit``'s tenant, through its database's gate.
 
         Pipelined (``wait=False``, the workers') as a single relay is: the
@@ -387,7 +407,6 @@ class TenantRelay:
         every earlier one finished (``_transport.Workers``).
         """
         step, db = unit.step, unit.db
-        unit.last = BatchResult()
         if step is None:
             return Turn()
         put_off = db.gate.admit()

@@ -9,6 +9,7 @@ units by schema when a notification names one.
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
@@ -70,6 +71,9 @@ class FleetDatabase:
     """Renews its tenants' leases (``_renewal``)."""
     default_schema: str | None = None
     """``current_schema()`` of its engine: the schema of its tenant without one, once looked up."""
+    server: Hashable | None = None
+    """The server it is on, as the server says (``core._identity``), once a tenant of it was claimed:
+    what its slots are counted by (``_slots``)."""
 
     @property
     def down(self) -> bool:

@@ -1,0 +1,69 @@
+"""A fleet's slots per server: a hung server's steps and writes hold half its workers and writers at most.
+
+The fleet on real servers is ``test_tenant_hung``; here the bounds alone, with calls that block
+as a statement on a hung server does.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from outbox.relay._writer import DaemonPool
+from outbox.tenants._schedule import Schedule
+from outbox.tenants._slots import ServerSlots
+from outbox.tenants._turn_state import TurnState
+from outbox.tenants._units import FleetDatabase, Unit
+
+
+def database(server: str) -> FleetDatabase:
+    nothing: Any = None  # no engine, gate or outage: the slots look at the server alone
+    return FleetDatabase(nothing, owned=False, outage=nothing, gate=nothing, server=("postgresql", server))
+
+
+def test_a_hung_servers_writes_hold_half_the_writers_and_the_others_writes_run() -> None:
+    slots = ServerSlots(4, Schedule())
+    slots.span(2)
+    writers = DaemonPool("test-writer", 4)
+    hung, healthy = slots.writer(database("hung"), writers), slots.writer(database("ok"), writers)
+    release = threading.Event()
+    held = threading.Semaphore(0)
+
+    def stuck() -> bool:
+        held.release()
+        return release.wait(30)
+
+    def workers_writes() -> None:  # a worker's tenants' writes: a third one is written on the worker
+        for _ in range(4):
+            hung.submit(stuck)
+
+    worker = threading.Thread(target=workers_writes, daemon=True)
+    try:
+        worker.start()
+        assert all(held.acquire(timeout=5) for _ in range(3))  # two on writers, one on the worker
+        assert not held.acquire(timeout=0.3)
+        assert [healthy.submit(lambda: "written").result(timeout=5) for _ in range(4)] == ["written"] * 4
+    finally:
+        release.set()
+        worker.join(10)
+        writers.shutdown(5)
+    assert not worker.is_alive()
+
+
+def test_a_step_without_a_slot_is_put_off_and_woken_when_one_is_given_back() -> None:
+    schedule = Schedule()
+    slots = ServerSlots(4, schedule)
+    slots.span(2)
+    hung, other = database("hung"), database("ok")
+    step: Any = object()
+    tenant: Any = None
+    units = [Unit(tenant=tenant, db=hung, step=step) for _ in range(3)]
+    assert slots.take(units[0]) and slots.take(units[1])
+    assert slots.take(Unit(tenant=tenant, db=other, step=step))
+    assert not slots.take(units[2])  # the server holds half the workers
+    assert units[2].state is TurnState.IDLE
+    slots.give_back(units[0])
+    assert units[2].state is TurnState.QUEUED  # woken, not left to its timer
+    assert slots.take(units[2])
+    slots.span(1)  # one server: it may take every worker
+    assert slots.take(units[0]) and slots.take(Unit(tenant=tenant, db=hung, step=step))
