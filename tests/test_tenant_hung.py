@@ -20,7 +20,6 @@ import sqlalchemy as sa
 from _relay_helpers import Running, pending, rows, schema_outboxes, wait_for
 
 from outbox import Outbox, create_engine
-from outbox.core._wire import SEQ
 from outbox.tenants import Tenant, TenantRelay
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -29,6 +28,8 @@ pytestmark = pytest.mark.postgres
 HEADER = "x-tenant"
 ROOMY = 1_000_000 + 256
 """A producer limit with room for the tenant header above the stored limit (1,000,000)."""
+SEQ = "outbox-seq"
+"""The envelope's seq header (docs/guarantees.md, the wire format)."""
 KEYS = [f"k{i}" for i in range(10)]
 
 

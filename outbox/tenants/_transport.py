@@ -13,7 +13,8 @@ the writer of a worker that had just served a backlog, waited there behind the
 backlog's writes of 1,000 rows each (52 and 89 ms traced), and its next step waited
 for it. A tenant's two writes in flight may run at once: their rows are
 disjoint, and its fetch leaves a write's rows out until it and every earlier
-one finished (``relay._batch``).
+one finished (``relay._batch``). A tenant's writes reach them through its
+server's slots (``_slots``), so a server that hangs holds half of them at most.
 
 In exactly-once mode a tenant's shard transactions go through
 ``TenantTransport.transactional``: its producers stamp the tenant header as
