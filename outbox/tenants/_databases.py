@@ -91,14 +91,17 @@ class FleetDatabases:
         return db
 
     def identify(self, db: FleetDatabase) -> None:
-        """Learn ``db``'s server, once a tenant of it was claimed (``SchemaClaims`` read it: no query).
+        """Learn ``db``'s server, once a tenant of it was claimed (``SchemaClaims`` read it: no query),
+        and count it in the slots' span.
 
         The server, not the database: the databases of one server hang together.
+        Spanned again even when the server was known: its tenants may all have
+        been removed (it was no longer counted) and this one be back.
         """
         if db.server is None:
             identity = database_identity(db.engine)
             db.server = (identity.dialect, identity.server)
-            self.span()
+        self.span()
 
     def span(self) -> None:
         """Size the slots by the servers the fleet's tenants are on (``_slots``)."""

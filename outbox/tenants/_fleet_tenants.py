@@ -99,8 +99,6 @@ class FleetTenants:
             self._metrics.forget(unit.tenant.name)
         for unit in closing:
             self.close(unit)
-        if gone:
-            self._databases.span()  # a server may have no tenant left
         for tenant in new:
             unit = Unit(tenant, self._databases.of(tenant))
             with self._schedule.lock:
@@ -211,8 +209,11 @@ class FleetTenants:
     def close(self, unit: Unit) -> bool:
         """Close ``unit``: True unless it held leases it did not give back."""
         with self._schedule.lock:
-            if unit.db.units.get(unit.tenant.schema) is unit and unit.removed:
+            left = unit.db.units.get(unit.tenant.schema) is unit and unit.removed
+            if left:
                 del unit.db.units[unit.tenant.schema]
+        if left:  # its server may have no tenant left; one removed mid-step leaves only now
+            self._databases.span()
         self._claims.release(unit)
         if not unit.db.gate.down:
             released = self.drop_step(unit)
