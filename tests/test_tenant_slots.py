@@ -12,6 +12,7 @@ from typing import Any
 
 from outbox.tenants._schedule import Schedule
 from outbox.tenants._slots import ServerSlots
+from outbox.tenants._turn_state import TurnState
 from outbox.tenants._units import FleetDatabase, Unit
 
 
@@ -66,3 +67,36 @@ def test_a_step_without_a_slot_is_put_off_and_woken_when_one_is_given_back() -> 
     assert slots.take(units[2])
     slots.span(1)  # one server: it may take every worker
     assert slots.take(units[0]) and slots.take(Unit(tenant=tenant, db=hung, step=step))
+
+
+def test_a_slot_given_back_wakes_a_tenant_still_waiting_not_one_served_since_or_removed() -> None:
+    """A tenant put off and then served (woken by its timer or a notification while a slot was
+    free), or removed, waits no more: the slot given back wakes the next tenant that does, not
+    the one the wake-up would be lost on (that one waited for its ``SLOT_RETRY`` timer)."""
+    schedule = Schedule()
+    slots = ServerSlots(2, schedule)
+    slots.span(2)  # one slot per server
+    hung = database("hung")
+    step: Any = object()
+    tenant: Any = None
+    a, x, y, gone, z = (Unit(tenant=tenant, db=hung, step=step) for _ in range(5))
+
+    def put_off(unit: Unit) -> None:
+        assert not slots.take(unit)
+        unit.state = TurnState.IDLE  # its worker ends the turn
+
+    assert slots.take(a)
+    put_off(x)
+    put_off(y)
+    slots.give_back(a)
+    assert x.state is TurnState.QUEUED
+    assert slots.take(y)  # woken by its timer before x ran: served, it waits no more
+    put_off(x)
+    slots.give_back(y)
+    assert x.state is TurnState.QUEUED  # not y, served since
+    assert slots.take(x)
+    put_off(gone)
+    put_off(z)
+    gone.removed = True  # removed while it waited
+    slots.give_back(x)
+    assert z.state is TurnState.QUEUED

@@ -62,7 +62,8 @@ class ServerSlots:
         self._schedule = schedule
         self._lock = threading.Lock()
         self._waiting: dict[Hashable, dict[Unit, None]] = {}
-        """The tenants put off for want of a slot, by server, oldest first: woken one per slot given back."""
+        """The tenants put off for want of a slot, by server, oldest first: woken one per slot given back.
+        One served since, or removed, waits no more (a wake-up spent on it would be lost)."""
 
     def span(self, servers: int) -> None:
         """The fleet's tenants are on ``servers`` servers (``Slots.span``)."""
@@ -73,9 +74,15 @@ class ServerSlots:
         """A step slot of ``unit``'s server, or False: then it is woken when one is given back."""
         server = server_of(unit.db)
         with self._lock:
+            waiting = self._waiting.setdefault(server, {})
             if self.steps.take(server):
+                # It waits no more (woken by its timer or a notification): a slot given back
+                # wakes one still waiting, not this one.
+                waiting.pop(unit, None)
+                if not waiting:
+                    del self._waiting[server]
                 return True
-            self._waiting.setdefault(server, {})[unit] = None
+            waiting[unit] = None
             return False
 
     def give_back(self, unit: Unit) -> None:
@@ -84,11 +91,13 @@ class ServerSlots:
         with self._lock:
             self.steps.give_back(server)
             woken, waiting = None, self._waiting.get(server)
-            if waiting:
+            while waiting and woken is None:
                 woken = next(iter(waiting))
                 del waiting[woken]
-                if not waiting:
-                    del self._waiting[server]
+                if woken.removed:  # waking it would wake nobody
+                    woken = None
+            if waiting is not None and not waiting:
+                del self._waiting[server]
         if woken is not None:
             self._schedule.wake(woken)
 
