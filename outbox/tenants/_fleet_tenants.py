@@ -30,7 +30,7 @@ from ..relay import RelayStep, TenantRelayMetrics
 from ._databases import FleetDatabases
 from ._schedule import Schedule
 from ._turn_state import TurnState
-from ._units import Unit
+from ._units import FleetDatabase, Unit
 
 log = safe_logger("outbox.relay")
 
@@ -38,7 +38,12 @@ _TENANT_BACKOFF = OutageBackoff(first=1.0, cap=60.0)
 """How a tenant that fails for a reason of its own (missing tables) is retried: 1 s doubling to 60 s."""
 
 RELEASE_WITHIN = 3.0
-"""Seconds a stop or ``close()`` waits for the tenants' leases to be given back, all databases at once."""
+"""Seconds a stop, ``close()`` or a refresh that removed tenants waits for their leases to be given
+back, all databases at once."""
+
+BUILD_STALLED = 3.0
+"""Seconds ``start_pending`` waits while no tenant's step of any database is done: a hung server's
+builder goes on alone, and the tenants of the others are read and served meanwhile."""
 
 
 class FleetTenants:
@@ -61,6 +66,10 @@ class FleetTenants:
         """Tenants built since the heap was last frozen (``freeze_new``)."""
         self._retiring: set[Unit] = set()
         """Removed while a worker ran their step: still served until that step ends and they close."""
+        self._building: set[FleetDatabase] = set()
+        """Databases whose tenants' steps a builder thread is building (``start_pending``)."""
+        self._built = 0
+        """Steps built or failed so far: ``start_pending`` waits while this moves."""
 
     def served(self) -> list[str]:
         """The names of the tenants served now (those whose tables were read).
@@ -97,8 +106,8 @@ class FleetTenants:
         for unit in gone:
             log.info("relay %s: tenant %s removed", self.worker_id, unit.tenant.name)
             self._metrics.forget(unit.tenant.name)
-        for unit in closing:
-            self.close(unit)
+        # Each database's on a thread, within a bound: a hung server's must not hold the refresh.
+        self.close_all(closing)
         for tenant in new:
             unit = Unit(tenant, self._databases.of(tenant))
             with self._schedule.lock:
@@ -127,33 +136,69 @@ class FleetTenants:
         self._claims.refuse_shared(found)
 
     def start_pending(self) -> None:
-        """Build the step of every tenant that has none yet: reads its stored settings."""
-        for unit in list(self.units.values()):
-            if unit.step is not None or unit.removed or time.monotonic() < unit.retry_at:
-                continue
-            with self._schedule.lock:  # removed and added again: its old unit ends its last step first
-                if any(old.tenant.name == unit.tenant.name for old in self._retiring):
+        """Build the step of every tenant that has none yet: reads its stored settings.
+
+        Each database's tenants on a thread of its own, waited for while any of
+        them gets on: a server that hangs (it fails nothing, so its gate stays
+        open) holds its own builder, whose database gets no other until it is
+        done, and the refresh goes on with the other databases' tenants.
+        """
+        pending: dict[FleetDatabase, list[Unit]] = {}
+        with self._schedule.lock:
+            for unit in self.units.values():
+                if (unit.step is not None or unit.removed or time.monotonic() < unit.retry_at
+                        or unit.db in self._building
+                        # removed and added again: its old unit ends its last step first
+                        or any(old.tenant.name == unit.tenant.name for old in self._retiring)):
                     continue
-            db = unit.db
-            if db.gate.admit() is not None:
-                continue  # its database is down: one caller at a time probes it
-            started = time.monotonic()
-            try:
-                self._claims.claim(unit, unit.tenant, db.engine)
-                self._databases.identify(db)
-                unit.step = self._make_step(unit)
-            except Exception as exc:
-                self.failed(unit, exc, "cannot be served")
-                continue
-            finally:
-                db.gate.probed()
-            self._databases.answered(db, started)
-            # Not served yet: its stored settings were read, not its tables (a table dropped from a
-            # schema that is kept fails only its first turns); its first turn that ran on them says so.
-            log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
+                pending.setdefault(unit.db, []).append(unit)
+            self._building.update(pending)
+            built = self._built
+        builders = [threading.Thread(target=self._build_all, args=(db, units), name="outbox-relay-build",
+                                     daemon=True) for db, units in pending.items()]
+        for builder in builders:
+            builder.start()
+        stalled_at = time.monotonic() + BUILD_STALLED
+        while any(builder.is_alive() for builder in builders) and time.monotonic() < stalled_at:
+            next(builder for builder in builders if builder.is_alive()).join(0.05)
             with self._schedule.lock:
-                self._unfrozen.add(unit)
-            self._schedule.wake(unit)
+                if self._built != built:
+                    built, stalled_at = self._built, time.monotonic() + BUILD_STALLED
+
+    def _build_all(self, db: FleetDatabase, units: list[Unit]) -> None:
+        try:
+            for unit in units:
+                self._build(unit)
+                with self._schedule.lock:
+                    self._built += 1
+        finally:
+            with self._schedule.lock:
+                self._building.discard(db)
+
+    def _build(self, unit: Unit) -> None:
+        """Build ``unit``'s step, unless removed meanwhile; a failure is logged and tried again later."""
+        if unit.removed:
+            return
+        db = unit.db
+        if db.gate.admit() is not None:
+            return  # its database is down: one caller at a time probes it
+        started = time.monotonic()
+        try:
+            self._claims.claim(unit, unit.tenant, db.engine)
+            self._databases.identify(db)
+            unit.step = self._make_step(unit)
+        except Exception as exc:
+            self.failed(unit, exc, "cannot be served")
+            return
+        finally:
+            db.gate.probed()
+        self._databases.answered(db, started)
+        # Not served yet: its stored settings were read, not its tables (a table dropped from a
+        # schema that is kept fails only its first turns); its first turn that ran on them says so.
+        log.info("relay %s: serving tenant %s", self.worker_id, unit.tenant.name)
+        with self._schedule.lock:
+            self._unfrozen.add(unit)
+        self._schedule.wake(unit)
 
 
     def freeze_new(self) -> None:
