@@ -31,7 +31,7 @@ def pg(postgres_db: str) -> Iterator[sa.Engine]:
 
 def limit(relay: TenantRelay) -> int:
     """How many workers one server's steps may hold now."""
-    return relay._slots.steps.limit  # noqa: SLF001 - what the tenants' changes must keep right
+    return relay._slots.steps.limit
 
 
 def test_a_server_whose_tenants_come_back_is_counted_again(pg: sa.Engine, own_postgres: Any) -> None:
