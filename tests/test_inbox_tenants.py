@@ -510,6 +510,82 @@ def test_a_tenant_whose_database_hangs_or_stops_holds_up_nothing_else_and_loses_
     assert len(down) == 1, [r.getMessage() for r in down]
 
 
+# -- a server's databases hang together: the workers a hung one may hold are counted per server ---
+
+def slot_limit(fleet: Fleet) -> int:
+    """How many of the workers one server's transactions may hold now."""
+    assert fleet.inbox.router is not None
+    return fleet.inbox.router.places.slots.limit
+
+
+def test_two_databases_of_one_server_and_one_spelled_two_ways_count_as_one_server(
+        schemas: sa.Engine, second_database: sa.Engine) -> None:
+    """Tenant a in the default database, b in another database of its server, c in the default
+    database reached by another spelling of its URL: three pools, one server. Nothing is kept
+    free from it: its tenants may take every worker (counted by pool, half)."""
+    fleet = Fleet(schemas, [], concurrency=4)
+    fleet.add(Tenant("a", schema="t_a"), schemas)
+    fleet.add(Tenant("b", database=second_database.url.render_as_string(hide_password=False)),
+              second_database)
+    spelled = schemas.url.update_query_dict({"application_name": "spelled-otherwise"})
+    fleet.add(Tenant("c", schema="t_c", database=spelled.render_as_string(hide_password=False)), schemas)
+    assert [t.name for t in fleet.inbox.tenants] == ["a", "b", "c"]
+    assert slot_limit(fleet) == 4
+
+
+@pytest.mark.slow
+def test_a_hung_server_holds_at_most_half_the_workers_however_many_of_its_databases_have_tenants(
+        kafka: str, topic: str, schemas: sa.Engine, own_postgres: Any) -> None:
+    """Tenants b1 and b2 in two databases of one server (of the test's own), which is frozen
+    (SIGSTOP), and tenant a on the shared server: b1's and b2's transactions together hold at
+    most half the four workers (counted per database, each took two: all of them), so a's
+    messages, interleaved with theirs on one partition, keep applying. Thawed, b1 and b2 apply
+    everything too."""
+    fleet = Fleet(schemas, [], concurrency=4)
+    fleet.inbox.handler(topic)(fleet.handle)
+    fleet.add(Tenant("a", schema="t_a"), schemas)
+    with fresh_database(own_postgres.url) as b2_url:
+        engines = {"b1": create_engine(own_postgres.url), "b2": create_engine(b2_url)}
+        fleet.add(Tenant("b1", database=own_postgres.url), engines["b1"])
+        fleet.add(Tenant("b2", database=b2_url), engines["b2"])
+        assert slot_limit(fleet) == 2
+        made = dict.fromkeys(("a", "b1", "b2"), 0)
+
+        def batch(size: int, tenants: tuple[str, ...]) -> list[Record]:
+            """``size`` records for each of ``tenants``, in turn, on keys k0..k3."""
+            out = []
+            for _ in range(size):
+                for tenant in tenants:
+                    n = made[tenant]
+                    made[tenant] += 1
+                    r = record(topic, f"k{n % 4}", n // 4 + 1)
+                    r.headers.append((HEADER, tenant.encode()))
+                    out.append(r)
+            return out
+
+        frozen = False
+        try:
+            with running(fleet.inbox, kafka, topic):
+                produce(kafka, batch(4, ("a", "b1", "b2")), 0)
+                wait_for(lambda: all(len(effects_of(e)) == 4 for e in engines.values())
+                         and len(effects_of(schemas, "t_a")) == 4, what="warm-up")
+                own_postgres.freeze()
+                frozen = True
+                produce(kafka, batch(8, ("b1", "b2")) + batch(8, ("a",)), 0)
+                wait_for(lambda: len(effects_of(schemas, "t_a")) == made["a"], timeout=20,
+                         what="tenant a applied while b1's and b2's server is frozen")
+                own_postgres.thaw()
+                frozen = False
+                wait_for(lambda: all(len(effects_of(e)) == made[t] for t, e in engines.items()),
+                         timeout=60, what="b1 and b2 after the thaw")
+        finally:
+            if frozen:
+                own_postgres.thaw()
+            for engine in engines.values():
+                engine.dispose()
+    assert fleet.inbox.parked(tenant="a") == [] and fleet.alerts == []
+
+
 # -- a model: per-tenant sequences, duplicates, failures, unknown tenants --------------------------
 
 MODEL_TENANTS = ("a", "b")

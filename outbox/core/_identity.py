@@ -112,6 +112,19 @@ def database_identity(engine: Engine) -> DatabaseIdentity:
     return _facts_of(engine).database
 
 
+def known_server(engine: Engine) -> tuple[str, str] | None:
+    """The server of ``engine``'s database (``database_identity``'s dialect and server), if it was
+    read already on this pool; None otherwise. Never a query: a hung server is not asked.
+
+    The server, not the database: the databases of one server hang together, so what bounds a hung
+    server's hold on shared threads counts by it (the inbox's slots; the relay fleet's count by the
+    same pair, read once a tenant was claimed).
+    """
+    with _lock:
+        found = _facts.get(engine.pool)
+    return None if found is None else (found.database.dialect, found.database.server)
+
+
 def schema_identity(engine: Engine, schema: str | None) -> SchemaIdentity:
     """Where tables named in ``schema`` of ``engine``'s database live (``None``: unqualified tables).
 

@@ -7,8 +7,11 @@ driver does. Threads shared by several databases' work (the inbox's workers,
 the relay fleet's workers and writers) are kept from it by a count per
 database: a caller takes a slot before its work touches the database and gives
 it back after; ``take`` never waits, a caller that gets none puts the work off.
-The inbox and the relay fleet each key the slots by what they know a database
-by (the inbox: its engine's pool; the fleet: its server, ``tenants._slots``).
+The inbox and the relay fleet both key the slots by the database's server, as it
+says it is (``_identity``'s dialect and server: the databases of one server
+hang together), or, until it was asked, by what they know the database by (the
+inbox: its engine's pool, ``inbox._tenant_places``; the fleet: its database,
+``tenants._slots``).
 """
 
 from __future__ import annotations

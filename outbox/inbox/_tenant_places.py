@@ -5,13 +5,17 @@ tenant has, at most every ``LOOKUP_AGAIN``); a failure keeps the tenants as
 they were. A tenant keeps its place while it does not change; a database no
 tenant is in any more has its pool closed. One engine per database URL, so
 one pool per database, shared by its tenants' schemas.
+
+The workers a hung database may hold (``slots``) are counted per server
+(``server_of``): two databases of one server, or one database spelled two
+ways, hang together.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
@@ -21,6 +25,7 @@ from transports._logsafe import safe_logger
 
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError
+from ..core._identity import known_server
 from ..core._schema_claims import DEFAULT_DATABASE_REFUSAL, SchemaClaims
 from ..core._slots import Slots
 from ..core._tenant import Tenant, TenantSource
@@ -34,6 +39,17 @@ REFRESH = 30.0
 LOOKUP_AGAIN = 1.0
 """A name no tenant has makes the source be read again, at most this often (or every refresh,
 when that is shorter), before it parks."""
+
+
+def server_of(engine: Engine) -> Hashable:
+    """What the slots of ``engine``'s database are counted by: its server, as it says it is, or its
+    pool until it was asked (no query here: a hung server is never asked on a worker's way in).
+
+    Known from the first reading of the tenants on (``refuse_shared`` asks every database that
+    answers), else from the claim before a tenant's tables are first used.
+    """
+    server = known_server(engine)
+    return engine.pool if server is None else server
 
 
 class TenantPlaces:
@@ -132,13 +148,17 @@ class TenantPlaces:
             self._read_since = began
             named = {t.database for t in tenants if isinstance(t.database, str)}
             released = [self._engines.pop(url) for url in list(self._engines) if url not in named]
-            # A database that hangs holds at most its slots' share of the workers (``core._slots``).
-            databases = {id(p.engine.pool) for p in places.values()} | {id(self.default.engine.pool)}
-            self.slots.span(len(databases))
+            self._span()
         # A database no tenant is in any more: its pooled connections would stay open for good (and
         # keep a DROP DATABASE of a tenant that left waiting). Those checked out close when returned.
         for engine in released:
             engine.dispose()
+
+    def _span(self) -> None:
+        """Size the slots by the servers the tenants and the default database are on: a server
+        that hangs holds at most its slots' share of the workers (``core._slots``)."""
+        engines = {id(p.engine.pool): p.engine for p in [*self._places.values(), self.default]}
+        self.slots.span(len({server_of(engine) for engine in engines.values()}))
 
     def _engine_of(self, tenant: Tenant) -> Engine:
         """The engine of the tenant's database: one per database URL, so one pool per database."""
@@ -178,7 +198,11 @@ class TenantPlaces:
     def claim(self, place: Place) -> None:
         """Before a tenant's tables are used: ``ConfigurationError`` when they are another's (``_claims``)."""
         if place.tenant is not None:
+            was = server_of(place.engine)
             self._claims.claim(place, place.tenant, place.engine)
+            if server_of(place.engine) != was:  # its server is known now: it may share one
+                with self._lock:
+                    self._span()
 
     def get(self, name: str) -> Place | None:
         """Tenant ``name``'s place as last read, or None (the source is not read again)."""

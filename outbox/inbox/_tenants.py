@@ -22,8 +22,9 @@ run in an inbox of that tenant alone, with the same promises.
   at a time tries again after the backoff. Nothing counts as an attempt; the
   outage is logged once per tenant. A database that hangs instead of failing
   (a frozen host) holds the workers whose transactions it took: when the
-  tenants span several databases, one database's transactions take at most
-  half the workers at a time (``core._slots.Slots``), so the others' tenants keep the
+  tenants span several database servers, one server's transactions take at
+  most half the workers at a time (``core._slots.Slots``, counted by what the
+  server says it is: its databases hang together), so the others' tenants keep the
   rest. The offset tracker holds the commit below its unfinished records
   (at-least-once; dedup drops the redelivery).
 - **Unknown tenant:** a message whose header is missing, names no tenant
@@ -72,7 +73,7 @@ from ._places import BuildPlace, Place
 from ._settle import Settled, settle_alone
 from ._signals import Disposition
 from ._tenant_places import REFRESH as REFRESH
-from ._tenant_places import TenantPlaces
+from ._tenant_places import TenantPlaces, server_of
 from ._tenant_sweep import TenantSweeps
 from .storage import ParkedRow
 
@@ -187,14 +188,14 @@ class TenantRouter:
 
     def _at(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         """Run ``settle`` at ``place`` through its gate: put off while closed, closed by an outage."""
-        pool = place.engine.pool
+        server = server_of(place.engine)  # given back by the key it was taken by, known since or not
         slots = self.places.slots
-        if not slots.take(pool):
+        if not slots.take(server):
             return Settled(later=[(d, BACKOFF.first) for d in batch])
         try:
             return self._through_gate(place, batch, settle)
         finally:
-            slots.give_back(pool)
+            slots.give_back(server)
 
     def _through_gate(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         wait = place.gate.admit()
