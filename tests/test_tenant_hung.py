@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,13 +30,6 @@ ROOMY = 1_000_000 + 256
 SEQ = "outbox-seq"
 """The envelope's seq header (docs/guarantees.md, the wire format)."""
 KEYS = [f"k{i}" for i in range(10)]
-
-
-@pytest.fixture
-def pg(postgres_db: str) -> Iterator[sa.Engine]:
-    engine = create_engine(postgres_db)
-    yield engine
-    engine.dispose()
 
 
 def publish(outbox: Outbox, topic: str, count: int) -> None:

@@ -25,13 +25,6 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-def pg(postgres_db: str) -> Iterator[sa.Engine]:
-    engine = create_engine(postgres_db)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
 def hung(own_postgres: Any) -> Iterator[sa.Engine]:
     """The fleet's engine on the server the test freezes, every connection of its pool open (as a busy
     fleet's is): a statement waits on one for good, instead of failing at the connect timeout."""

@@ -8,7 +8,6 @@ every change of the tenants, not only when a server is first met.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,13 +19,6 @@ from outbox.tenants import Tenant, TenantRelay
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def pg(postgres_db: str) -> Iterator[sa.Engine]:
-    engine = create_engine(postgres_db)
-    yield engine
-    engine.dispose()
 
 
 def limit(relay: TenantRelay) -> int:
