@@ -431,6 +431,16 @@ def test_a_frozen_heap_is_frozen_again_once_the_new_tenants_have_run(pg: sa.Engi
         gc.unfreeze()
 
 
+def refuse_release(pg: sa.Engine, schema: str) -> None:
+    """``schema``'s lease table refuses to let a lease go (an UPDATE that clears its owner)."""
+    with pg.begin() as conn:
+        conn.execute(sa.text(
+            f"CREATE FUNCTION {schema}.refuse_release() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.owner IS NULL THEN RAISE EXCEPTION 'release refused'; END IF; RETURN NEW; END $$"))
+        conn.execute(sa.text(f"CREATE TRIGGER refuse_release BEFORE UPDATE ON {schema}.outbox_leases "
+                             f"FOR EACH ROW EXECUTE FUNCTION {schema}.refuse_release()"))
+
+
 def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     """The stop's last line names the tenants whose leases were left to their TTL: it said
@@ -441,15 +451,48 @@ def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
     broker = InMemoryBroker(max_record_bytes=ROOMY)
     running = Running(fleet(["kept", "given"], broker, database=pg))
     wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 20, "both tenants sent")
-    with pg.begin() as conn:  # the kept tenant's database refuses to let its leases go
-        conn.execute(sa.text(
-            "CREATE FUNCTION kept.refuse_release() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "IF NEW.owner IS NULL THEN RAISE EXCEPTION 'release refused'; END IF; RETURN NEW; END $$"))
-        conn.execute(sa.text("CREATE TRIGGER refuse_release BEFORE UPDATE ON kept.outbox_leases "
-                             "FOR EACH ROW EXECUTE FUNCTION kept.refuse_release()"))
+    refuse_release(pg, "kept")
     caplog.set_level(logging.INFO, logger="outbox.relay")
     running.stop()
     said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
     assert len(said) == 1 and "leases released" not in said[0], said
     assert "1 tenants did not give their leases back (kept)" in said[0], said
+    assert owned_leases(outboxes["kept"]) > 0 and owned_leases(outboxes["given"]) == 0
+
+
+def test_a_tenant_mid_step_at_the_stop_whose_release_failed_is_named_too(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant in a step when the stop comes is closed by its worker once the step ends, not by
+    ``run``: its failed release was dropped, and the stop said "leases released" (CI of b1a6040)."""
+    outboxes = make_tenants(pg, ["kept", "given"])
+    hang, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    class Hanging(InMemoryTransport):
+        def publish(self, records: Sequence[Record]) -> list[SendResult]:
+            if hang.is_set():
+                held.set()
+                release.wait(20)
+            return super().publish(records)
+
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = TenantRelay(["kept", "given"], lambda: Hanging(broker), database=pg, workers=2,
+                        tenant_header=HEADER, poll_interval=0.1, lease_ttl=5.0, refresh_every=60)
+    running = Running(relay)
+    wait_for(lambda: all(owned_leases(o) == 4 for o in outboxes.values()), 20, "both tenants' leases")
+    refuse_release(pg, "kept")
+    hang.set()
+    publish(outboxes["kept"], topic, ["k"])
+    wait_for(held.is_set, 10, "the kept tenant's step in a send")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    stopping = threading.Thread(target=running.stop)
+    stopping.start()
+    try:
+        wait_for(relay._stopping.is_set, 10, "the stop begun while the step still sends")
+    finally:
+        release.set()
+    stopping.join(60)
+    assert not stopping.is_alive()
+    said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
+    assert len(said) == 1 and "1 tenants did not give their leases back (kept)" in said[0], said
+    assert pending(outboxes["kept"]) == 0  # the step in hand was finished
     assert owned_leases(outboxes["kept"]) > 0 and owned_leases(outboxes["given"]) == 0

@@ -203,6 +203,9 @@ class TenantRelay:
         # A backlog's batches shrink while another tenant has live traffic (``_shares``).
         self._shares = BacklogShares()
         self._refreshed = threading.Event()
+        # The tenants a worker closed during the stop without giving their leases back: the stop's
+        # last line names them with those closed by ``run`` itself.
+        self._kept_at_stop: list[str] = []
 
     def __repr__(self) -> str:
         return f"TenantRelay(worker_id={self.worker_id!r}, tenants={len(self._tenants.units)})"
@@ -318,6 +321,7 @@ class TenantRelay:
                 if thread.ident is not None:
                     thread.join(max(0.0, deadline - time.monotonic()))
             kept += self._tenants.close_all(list(self._tenants.units.values()))
+            kept = list(dict.fromkeys(kept + self._kept_at_stop))
             if kept:
                 log.warning("relay %s stopped; %d tenants did not give their leases back (%s): they "
                             "expire within the lease TTL", self.worker_id, len(kept), ", ".join(kept[:10])
@@ -368,8 +372,8 @@ class TenantRelay:
                 closing = unit.removed or self._stopping.is_set()
                 if not closing:
                     self._schedule.next_turn_locked(unit, turn, self._polls.every)
-            if closing:
-                self._tenants.close(unit)
+            if closing and not self._tenants.close(unit) and self._stopping.is_set():
+                self._kept_at_stop.append(unit.tenant.name)
 
     def run_once(self) -> dict[str, BatchResult]:
         """One step for every tenant served, one after the other, on this thread (tests, embedding)."""
