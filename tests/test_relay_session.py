@@ -35,6 +35,11 @@ from transports.kafka import KafkaTransport
 
 pytestmark = pytest.mark.postgres
 
+LONG_TTL = 600.0
+"""A lease TTL whose renewal (every third of it) never comes due within a test, however slow the host:
+with the default 10 s, a loaded CI host took the 3.3 s between two steps, and the traced step
+renewed its leases besides fetching (CI of b1a6040)."""
+
 SETTINGS = "SELECT current_setting('TimeZone'), current_setting('enable_sort'), current_setting('jit')"
 
 
@@ -68,7 +73,7 @@ def _round_trips(engine: sa.Engine, action: Callable[[], object]) -> list[str]:
 def test_a_fetch_is_one_round_trip(one_connection: sa.Engine) -> None:
     outbox = Outbox(one_connection)
     outbox.create_tables()
-    relay = Relay(outbox, ScriptedTransport(), worker_id="w")
+    relay = Relay(outbox, ScriptedTransport(), worker_id="w", lease_ttl=LONG_TTL)
     try:
         relay.run_once()  # leases taken, the session set up
         relay.run_once()
@@ -115,7 +120,7 @@ def test_through_a_transaction_mode_pooler_the_relay_sets_nothing_on_a_session(p
         outbox.create_tables()
         with engine.connect() as conn:
             theirs = conn.exec_driver_sql(SETTINGS).one()
-        relay = Relay(outbox, ScriptedTransport(), worker_id="w")
+        relay = Relay(outbox, ScriptedTransport(), worker_id="w", lease_ttl=LONG_TTL)
         try:
             publish(outbox, "t", ["k"])
             relay.run_once()
