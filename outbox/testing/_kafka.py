@@ -98,13 +98,14 @@ class _KafkaNodes:
 
     def __init__(self, count: int, *, replication_factor: int, min_insync_replicas: int,
                  settings: Mapping[str, str] | None, heap: str, libs: Path | None,
-                 start_timeout: float) -> None:
+                 start_timeout: float, relayed_at: int | None = None) -> None:
         jars, runtime = libs or kafka_libs(), java()
         if jars is None or runtime is None:
             raise FileNotFoundError(missing() or "no Apache Kafka jars or no Java runtime")
         self.version = kafka_version(jars)
         self.cluster_id = new_cluster_id()
         self.start_timeout = start_timeout
+        self._relayed_at = relayed_at
         self._root = Path(tempfile.mkdtemp(prefix="outbox-kafka-"))
         self.nodes = [KafkaNode(i, self._root / f"node-{i}", libs=jars, java=runtime, heap=heap)
                       for i in range(1, count + 1)]
@@ -139,7 +140,9 @@ class _KafkaNodes:
         voters = ",".join(f"{node.node_id}@{HOST}:{controller}"
                           for node, (_, controller) in zip(self.nodes, ports, strict=True))
         for node, (port, controller) in zip(self.nodes, ports, strict=True):
-            node.configure(port, controller, {"controller.quorum.voters": voters, **self._properties})
+            relayed = None if self._relayed_at is None else (free_port(), self._relayed_at)
+            node.configure(port, controller, {"controller.quorum.voters": voters, **self._properties},
+                           relayed)
 
     def _format(self) -> None:
         """Format every node's data directory (one JVM each, side by side)."""
@@ -258,14 +261,17 @@ class LocalKafka(_KafkaNodes):
     internal topics (consumer offsets, transaction state) have replication factor 1, so consumer
     groups and transactional producers work. ``settings`` are broker properties on top of
     ``TEST_SETTINGS``. ``stop()`` (SIGTERM), ``kill()`` (SIGKILL), ``freeze()`` (SIGSTOP),
-    ``thaw()`` and ``start()`` (same ports, same data) are the faults a test plays. Raises
+    ``thaw()`` and ``start()`` (same ports, same data) are the faults a test plays.
+    ``relayed_at``: a second client listener whose metadata names that port, where the test's
+    proxy listens (``KafkaNode.configure``; the proxy forwards to ``nodes[0].relayed[0]``). Raises
     ``FileNotFoundError`` (one line: how to get the jars) when Java or the jars are missing.
     """
 
     def __init__(self, settings: Mapping[str, str] | None = None, *, heap: str = "512m",
-                 libs: Path | None = None, start_timeout: float = START_TIMEOUT) -> None:
+                 libs: Path | None = None, start_timeout: float = START_TIMEOUT,
+                 relayed_at: int | None = None) -> None:
         super().__init__(1, replication_factor=1, min_insync_replicas=1, settings=settings, heap=heap,
-                         libs=libs, start_timeout=start_timeout)
+                         libs=libs, start_timeout=start_timeout, relayed_at=relayed_at)
 
     def __repr__(self) -> str:
         return f"LocalKafka({self.version}, {self.nodes[0]!r})"

@@ -40,6 +40,8 @@ class KafkaNode:
         self.log_path = directory / "server.log"
         self.port = 0
         self.controller_port = 0
+        # A second client listener whose metadata names another port (a proxy's), or None.
+        self.relayed: tuple[int, int] | None = None  # (the port it binds, the port it names)
         self._libs = libs
         self._java = java
         self._heap = heap
@@ -66,17 +68,31 @@ class KafkaNode:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def configure(self, port: int, controller_port: int, properties: Mapping[str, str]) -> None:
-        """Write ``server.properties``: this node's listeners and id, then ``properties``."""
-        self.port, self.controller_port = port, controller_port
+    def configure(self, port: int, controller_port: int, properties: Mapping[str, str],
+                  relayed: tuple[int, int] | None = None) -> None:
+        """Write ``server.properties``: this node's listeners and id, then ``properties``.
+
+        ``relayed`` (bound port, named port): a second client listener, RELAYED, bound on the
+        first port, whose metadata names the second. A client that bootstraps through a proxy on
+        the second port then reaches this broker only through that proxy (``tests/_kafka_proxy``),
+        while the tests' own clients keep the direct listener.
+        """
+        self.port, self.controller_port, self.relayed = port, controller_port, relayed
+        listeners = [f"PLAINTEXT://{HOST}:{port}", f"CONTROLLER://{HOST}:{controller_port}"]
+        advertised = [f"PLAINTEXT://{HOST}:{port}"]
+        protocols = ["PLAINTEXT:PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+        if relayed is not None:
+            listeners.append(f"RELAYED://{HOST}:{relayed[0]}")
+            advertised.append(f"RELAYED://{HOST}:{relayed[1]}")
+            protocols.append("RELAYED:PLAINTEXT")
         mine = {
             "process.roles": "broker,controller",
             "node.id": str(self.node_id),
-            "listeners": f"PLAINTEXT://{HOST}:{port},CONTROLLER://{HOST}:{controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{HOST}:{port}",
+            "listeners": ",".join(listeners),
+            "advertised.listeners": ",".join(advertised),
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "listener.security.protocol.map": ",".join(protocols),
             "log.dirs": str(self.data_dir),
             **properties,
         }
@@ -115,8 +131,7 @@ class KafkaNode:
     def says_bound(self) -> bool:
         """Whether the broker's own log (since launch) says it listens on both of its ports."""
         text = self.log_since_launch()
-        return all(f"Awaiting socket connections on {HOST}:{port}." in text
-                   for port in (self.port, self.controller_port))
+        return all(f"Awaiting socket connections on {HOST}:{port}." in text for port in self.bound_ports())
 
     def lost_a_port_race(self) -> bool:
         """Whether this launch ended because a port was taken (another process bound it first)."""
@@ -125,8 +140,12 @@ class KafkaNode:
     def prove_bound(self) -> None:
         """Raise ``PortNotBound`` unless this JVM holds the listening sockets of both its ports."""
         assert self._process is not None
-        for port in (self.port, self.controller_port):
+        for port in self.bound_ports():
             check_bound(self._process.pid, port, f"Kafka node {self.node_id}")
+
+    def bound_ports(self) -> list[int]:
+        """The ports this node binds: clients, controllers, and the relayed listener's if any."""
+        return [self.port, self.controller_port, *([self.relayed[0]] if self.relayed else [])]
 
     def first_error(self) -> str:
         """The broker's first ERROR line since launch and the line after it (the exception), or ""."""
