@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 from outbox.testing import LocalKafka, alter_topic, create_topic
 from transports import Outcome, Record
+from transports._partitioner import partition_for_key
 from transports.kafka import KafkaTransport
-from transports.testing import behind_undelivered, read_topic
+from transports.testing import behind_undelivered, partition_count, read_topic
 
 MOCK = pytest.mark.any_kafka  # librdkafka's mock cluster, made by the test itself
 # The tests with wall-clock bounds join the "timing" group, which runs one test at a time
@@ -75,6 +76,13 @@ def relay_until_done(transport: KafkaTransport, pending: dict[str, list[Record]]
             between()
     raise AssertionError(f"still pending after {rounds} rounds: "
                          f"{ {k: len(v) for k, v in pending.items() if v} }")
+
+
+def same_partition_as(bootstrap: str, topic: str, key: str) -> str:
+    """Another key that goes to ``key``'s partition of ``topic`` (made by the metadata request)."""
+    count = partition_count(bootstrap, topic)
+    return next(other for other in (f"warm{i}" for i in range(1000))
+                if partition_for_key(other.encode(), count) == partition_for_key(key.encode(), count))
 
 
 def check_topic(bootstrap: str, topic: str, keys: dict[str, int]) -> list[Record]:
@@ -261,15 +269,20 @@ def test_records_refused_whole_are_sent_again_one_at_a_time(
     reported delivered on seeing hot:1 acknowledged, never written). The refused records now go
     one at a time, each once the one before has its report, a key's stopping at its first
     record not delivered. Then the rounds go on until every record is written: in order, once.
+
+    The transport's first record to the partition goes alone (``_first_contact``): a record of
+    another key is written there first, so that the faults meet the key's request of 20.
     """
     with MockCluster() as cluster:
         # One request for the 20 records (linger), and nothing of the key behind it in flight.
         transport = transport_for(cluster.bootstrap, **{"linger.ms": 200})
+        warm = same_partition_as(cluster.bootstrap, topic, "hot")
+        assert transport.publish(stream(topic, {warm: 1})[warm])[0].outcome is Outcome.DELIVERED
         cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE, alone)
         history = relay_until_done(transport, stream(topic, {"hot": 20}))
         assert history[0] == first_round
-        written = check_topic(cluster.bootstrap, topic, {"hot": 20})
-        assert [seq_of(r) for r in written] == list(range(20)), "a record written twice"
+        written = check_topic(cluster.bootstrap, topic, {"hot": 20, warm: 1})
+        assert [seq_of(r) for r in written if r.key == b"hot"] == list(range(20)), "a record written twice"
         transport.close()
 
 

@@ -58,6 +58,7 @@ from .._errors import RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
 from ._admin import existing_topics
+from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 
 # librdkafka's producer settings a transactional producer must not carry: the gap-less
@@ -209,6 +210,11 @@ class KafkaTransactionalProducer:
         except KafkaException as exc:
             return self._ended(exc.args[0], count)
         failures = [error for error, _ in list(reports.values()) if error is not None]
+        if not failures and not len(self._producer) and any(
+                unproven(message) for _, message in list(reports.values())):
+            # A delivery librdkafka implied (``_implied``): the commit could seal the transaction
+            # without that record. Aborted, the rows go again in a transaction of their own.
+            failures = [KafkaError(KafkaError._INCONSISTENT, UNPROVEN, retriable=True)]
         if failures or len(self._producer):
             return failures[0] if failures else KafkaError(KafkaError._TIMED_OUT, "no report in time")
         return None

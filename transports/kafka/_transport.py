@@ -12,6 +12,10 @@ librdkafka's idempotent producer, so a hot key costs no round trip per record:
   (INTRODUCTION.md, "Message timeout considerations": 1, 4, 5);
 - ``enable.gapless.guarantee=true``: a record the broker refuses for good fails
   the producer fatally instead of letting the next one through;
+- a partition's first record from a producer goes alone, the rest once it is written
+  (``_first_contact``): the broker checks no sequence number before that;
+- a record reported delivered without an offset is sent again (``_implied``):
+  librdkafka implies such deliveries, and the broker may not have written it;
 - the transport bounds its own wait: records without a report after
   ``delivery_timeout`` are purged (queued and in flight) and the producer is
   recreated, as it is after a fatal error. A producer thus never carries on
@@ -47,7 +51,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Any
@@ -60,8 +64,10 @@ from transports._errors import ConfigurationError
 from .._protocol import Outcome, ReadBack, Record, SendResult, TransportFeatures
 from .._refusals import NOT_SENT_ALONE, resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
-from .._waves import hold_behind_undelivered, key_partition, publish_in_waves
+from .._waves import NO_REPORT, hold_behind_undelivered, key_partition, publish_in_waves
 from ._admin import ADMIN, connection_settings
+from ._first_contact import NOT_FIRST, WrittenPartitions
+from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._read_back import ensure_compacted_topic, last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -214,6 +220,7 @@ class KafkaTransport:
         self._log = LibrdkafkaLog()
         self._errors = ClientErrors("producer")
         self._producer = self._new_producer()
+        self._written = WrittenPartitions()  # the producer's; a new producer starts with none
         self._fatal: KafkaError | None = None
         # Transactional producers made, by id, for as long as their owner keeps them (``last_committed``).
         self._admin: AdminClient | None = None  # the transactional producers' commit check, shared
@@ -273,7 +280,9 @@ class KafkaTransport:
         partitions) goes again, and so on while each round settles something. The
         rounds after the first share one more ``delivery_timeout``.
         """
-        refused = self._send_wave(records, list(range(len(records))), results)
+        first = time.monotonic() + self._delivery_timeout  # the first contacts and the pipeline
+        rest = self._first_contacts(records, range(len(records)), results, first)
+        refused = self._send_wave(records, rest, results, max(0.1, first - time.monotonic()))
         deadline = time.monotonic() + self._delivery_timeout
         while len(refused) > 1:  # one alone in its request: the refusal is its own
             before = settled(results)
@@ -281,7 +290,78 @@ class KafkaTransport:
             again = resendable(records, results)
             if settled(results) == before or not again or time.monotonic() >= deadline:
                 return
+            # On the new producer ``_isolate`` left, whose first requests the broker does not check.
+            again = self._first_contacts(records, again, results, deadline)
             refused = self._send_wave(records, again, results, max(0.1, deadline - time.monotonic()))
+
+    def _first_contacts(self, records: Sequence[Record], indexes: Iterable[int],
+                        results: list[SendResult | None], deadline: float) -> list[int]:
+        """Of the records at ``indexes``, write one keyed record alone to each partition this producer
+        has not written to lately (``_first_contact``), round after round until ``deadline``; the
+        indexes left to pipeline.
+
+        A partition whose record came back ``RETRY`` keeps its other records back as that one
+        was kept (unreachable or not, its error named): sent behind an unwritten first request,
+        they could be written ahead of it. One whose record failed for good is tried with its
+        next record, on a new producer if the refusal stopped this one. A producer stopped with
+        no time left sends nothing more: the rest comes back unreachable, as after a timeout.
+        """
+        pending = list(indexes)
+        counts: dict[str, int | SendResult] = {}
+        where: dict[int, tuple[str, int]] = {}
+        for i in pending:
+            results[i] = None  # sent again: an earlier round's answer no longer holds
+            partition = key_partition(records[i], counts, self._partition_count)
+            if isinstance(partition, int):
+                where[i] = (records[i].topic, partition)
+        while True:
+            now = time.monotonic()
+            stopped = self._stopped_keys(records, results)
+            renew = self._fatal is not None  # a new producer id then: known on no partition yet
+            firsts: dict[tuple[str, int], int] = {}
+            for i in pending:
+                if (i in where and (renew or not self._written.proven(where[i], now))
+                        and (records[i].topic, records[i].key) not in stopped):
+                    firsts.setdefault(where[i], i)
+            if not firsts or (renew and now >= deadline):
+                break
+            if renew:
+                self._rebuild()
+            self._send_wave(records, list(firsts.values()), results, max(0.1, deadline - now))
+            sent = set(firsts.values())
+            held: dict[tuple[str, int], SendResult] = {}  # partition -> its first record's RETRY
+            for place, i in firsts.items():
+                result = results[i] or SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
+                if result.outcome is Outcome.DELIVERED:
+                    self._written.note(place, time.monotonic())
+                elif result.outcome is Outcome.RETRY:
+                    held[place] = result
+            for i in pending:
+                if i not in sent and where.get(i) in held:
+                    first = held[where[i]]
+                    results[i] = SendResult(Outcome.RETRY, error=f"{NOT_FIRST} ({first.error})",
+                                            unreachable=first.unreachable)
+            pending = [i for i in pending if i not in sent and results[i] is None]
+        # A key whose first record was not written sends nothing after it (``hold_behind_undelivered``
+        # reports the rest).
+        stopped = self._stopped_keys(records, results)
+        pending = [i for i in pending if (records[i].topic, records[i].key) not in stopped]
+        if pending and self._fatal is not None:  # what is left needs no first contact (unkeyed)
+            if time.monotonic() < deadline:
+                self._rebuild()
+            else:  # stopped, and no time left for a new one
+                for i in pending:
+                    results[i] = SendResult(Outcome.RETRY, error=NO_REPORT, unreachable=True)
+                return []
+        return pending
+
+    @staticmethod
+    def _stopped_keys(records: Sequence[Record],
+                      results: Sequence[SendResult | None]) -> set[tuple[str, bytes]]:
+        """The keys with a record that has a result other than delivered."""
+        return {(records[i].topic, key) for i, result in enumerate(results)
+                if result is not None and result.outcome is not Outcome.DELIVERED
+                and (key := records[i].key) is not None}
 
     def _send_wave_isolating(self, records: Sequence[Record], indexes: list[int],
                              results: list[SendResult | None]) -> None:
@@ -385,8 +465,12 @@ class KafkaTransport:
             self._errors.cleared()
         refused = []
         for i, (error, message) in reports.items():
-            results[i] = (SendResult(Outcome.DELIVERED, message.partition(), message.offset())
-                          if error is None else result_of(error))
+            if error is not None:
+                results[i] = result_of(error)
+            elif unproven(message):  # not heard from the broker: sent again (``_implied``)
+                results[i] = SendResult(Outcome.RETRY, message.partition(), error=UNPROVEN)
+            else:
+                results[i] = SendResult(Outcome.DELIVERED, message.partition(), message.offset())
             if error is not None and error.code() in REFUSED_WHOLE:
                 refused.append(i)
             if error is not None:
@@ -568,6 +652,7 @@ class KafkaTransport:
         with suppress(KafkaException, SystemError):  # the fatal error that brought us here, again
             self._producer.flush(0)
         self._producer = self._new_producer(settings)
+        self._written.clear()
         self._fatal = None
 
     def _new_producer(self, settings: Mapping[str, Any] | None = None) -> Producer:
