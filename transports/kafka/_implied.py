@@ -12,7 +12,10 @@ reason (the topic just created, a leader moving) and the request behind it is
 taken, the first request's records are reported delivered and are in no log:
 ``tests/test_kafka_implied_delivery.py`` plays it on a real broker, and a clean-clone
 CI run met it on a topic its first send created (a row marked published with no
-offset, its partition one record short).
+offset, its partition one record short). It is a known, open report against the
+client (confluentinc/confluent-kafka-go#921: "data loss when a new producer produce
+messages while the partition preferred leader is being re-elected"; the client log
+there says "implicitly acked by subsequent batch success", as ours does).
 
 The same report without an offset is what a retried request the broker already had
 (DUPLICATE_SEQUENCE_NUMBER) gets; the record was then written. The two cannot be told
