@@ -40,6 +40,8 @@ class HoldingProxy:
         self.upstream: int | None = None
         self._lock = threading.Condition()
         self._armed = False
+        self._armed_for: bytes | None = None  # only a request whose first topic is this one
+        self._skip = 0  # requests (of that topic) to let pass first
         self._misdirected: dict[int, int] = {}  # correlation id -> the partition it named
         self._holding = False
         self._release_at: int | None = None
@@ -53,12 +55,19 @@ class HoldingProxy:
 
     # -- what the test does ---------------------------------------------------------------------
 
-    def arm(self, *, release_at: int | None = None, hold_for: float | None = None) -> None:
-        """Misdirect the next produce request; hold its answer and every answer after it, until
-        ``release_answers()``, or once ``release_at`` answers are held, or ``hold_for`` seconds after
-        its answer came."""
+    def arm(self, *, release_at: int | None = None, hold_for: float | None = None,
+            topic: str | None = None, skip: int = 0) -> None:
+        """Misdirect the next produce request (the next whose first topic is ``topic``, past ``skip``
+        of them); hold its answer and every answer after it, until ``release_answers()``, or once
+        ``release_at`` answers are held, or ``hold_for`` seconds after its answer came."""
         with self._lock:
             self._armed, self._release_at, self._hold_for, self.answers_held = True, release_at, hold_for, 0
+            self._armed_for, self._skip = None if topic is None else topic.encode(), skip
+
+    def disarm(self) -> None:
+        """Misdirect nothing (an ``arm`` whose request never came)."""
+        with self._lock:
+            self._armed = False
 
     def wait(self, what: Callable[[], bool], timeout: float, name: str) -> None:
         deadline = time.monotonic() + timeout
@@ -126,10 +135,13 @@ class HoldingProxy:
         api_key, version, correlation = struct.unpack_from(">hhi", frame, 4)
         if api_key == PRODUCE:
             self.produce_requests += 1
-            if self._armed:
-                self._armed = False
-                frame, self._misdirected[correlation] = _with_partition(
-                    frame, _request_partition_at(frame, version), NOWHERE)
+            at, topic = _request_partition_at(frame, version)
+            if self._armed and self._armed_for in (None, topic):
+                if self._skip:
+                    self._skip -= 1
+                else:
+                    self._armed = False
+                    frame, self._misdirected[correlation] = _with_partition(frame, at, NOWHERE)
         broker.sendall(frame)
 
     def _answer(self, frame: bytes, client: socket.socket) -> None:
@@ -186,8 +198,9 @@ def _uvarint(frame: bytes, at: int) -> tuple[int, int]:
         shift += 7
 
 
-def _request_partition_at(frame: bytes, version: int) -> int:
-    """Where a produce request's first partition index is (request header v2, ProduceRequest v9+)."""
+def _request_partition_at(frame: bytes, version: int) -> tuple[int, bytes]:
+    """Where a produce request's first partition index is (request header v2, ProduceRequest v9+),
+    and its first topic's name."""
     if version < 9 or version > 12:
         raise AssertionError(f"the proxy reads ProduceRequest v9 to v12, not v{version}")
     at = 4 + 8
@@ -201,10 +214,11 @@ def _request_partition_at(frame: bytes, version: int) -> int:
     topics, at = _uvarint(frame, at)
     assert topics >= 2, "a produce request without a topic"
     name, at = _uvarint(frame, at)
+    topic = frame[at:at + name - 1]
     at += name - 1
     partitions, at = _uvarint(frame, at)
     assert partitions >= 2, "a produce request without a partition"
-    return at
+    return at, topic
 
 
 def _answer_partition_at(frame: bytes) -> int:

@@ -10,6 +10,7 @@ what a clean-clone CI run met on a topic its first send created.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,6 +69,8 @@ def log_of(bootstrap: str, topic: str, partition: int = 0) -> list[bytes]:
     try:
         part = TopicPartition(topic, partition, 0)
         end = consumer.get_watermark_offsets(part, timeout=30)[1]
+        if end == 0:
+            return []  # nothing to read, and no position to wait for
         consumer.assign([part])
         values: list[bytes] = []
         deadline = time.monotonic() + 30
@@ -171,3 +174,38 @@ def test_a_transaction_holding_a_record_it_was_not_told_was_written_is_aborted(r
     finally:
         transport.close()
     assert log_of(relayed.direct, topic) == [b"r1", b"r2", b"r3"]
+
+
+
+def test_a_topic_found_only_after_the_first_contacts_gets_none_of_its_records_pipelined(
+        relayed: Relayed) -> None:
+    """A batch over two topics: ``late`` is unknown when the first contacts look up partitions and
+    created while ``first``'s first record is on its way. Looked up again when the batch was
+    pipelined, ``late``'s key went with no first contact: its first request refused, the one behind
+    it was written ahead of it (the log held b2 alone). It now comes back with the lookup's answer,
+    the key's order kept for the next batch's first contact."""
+    first = new_topic(relayed)
+    late = f"implied-late-{uuid.uuid4().hex[:8]}"
+    transport = KafkaTransport({"bootstrap.servers": relayed.through_proxy, **ONE_RECORD_A_REQUEST,
+                                "allow.auto.create.topics": False,
+                                "topic.metadata.propagation.max.ms": 100}, delivery_timeout=15)
+
+    def create_late_topic_while_first_is_held() -> None:
+        relayed.proxy.wait(lambda: relayed.proxy.answers_held >= 1, 10, "the first contact's answer")
+        create_topic(relayed.direct, late, 1)
+        relayed.proxy.arm(topic=late, release_at=2)  # late's first request, had it gone pipelined
+        relayed.proxy.release_answers()
+
+    try:
+        records = [Record(first, b"a1", b"k"), Record(late, b"b1", b"kb"), Record(late, b"b2", b"kb")]
+        relayed.proxy.arm(topic=first)
+        helper = threading.Thread(target=create_late_topic_while_first_is_held)
+        helper.start()
+        results = transport.publish(records)
+        helper.join()
+    finally:
+        transport.close()
+        relayed.proxy.disarm()
+    assert results[0].outcome is Outcome.DELIVERED, results
+    assert [r.outcome for r in results[1:]] != [Outcome.DELIVERED] * 2, results
+    assert log_of(relayed.direct, late) in ([], [b"b1"], [b"b1", b"b2"])  # never b2 ahead of b1

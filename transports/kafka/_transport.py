@@ -314,6 +314,11 @@ class KafkaTransport:
             partition = key_partition(records[i], counts, self._partition_count)
             if isinstance(partition, int):
                 where[i] = (records[i].topic, partition)
+            elif partition is not None:
+                # Its partition not known now: not sent. Left to ``_send_wave``, which asks again, it
+                # would go with no first contact once the topic's partitions are known (a topic being
+                # created, answered at the next look).
+                results[i] = partition
         while True:
             now = time.monotonic()
             stopped = self._stopped_keys(records, results)
