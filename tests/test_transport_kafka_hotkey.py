@@ -249,6 +249,27 @@ def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluste
     transport.close(timeout=1)
 
 
+def test_records_a_refused_request_held_back_go_again_in_the_same_publish(kafka: str, topic: str) -> None:
+    """A keyless record on a compacted topic: the broker refuses its request, and librdkafka tells the
+    culprits (INVALID_RECORD) from the records refused only for sharing their request ("an invalid
+    record in the same batch", retriable). The culprits, sent again alone, fail; the others then go
+    again in the same publish. They came back RETRY instead (an attempt counted, a relay backoff for
+    keys with nothing wrong): each culprit failing alone as it had failed together looked like no
+    progress, and the rounds stopped before what the refusal held back was sent."""
+    create_topic(kafka, topic, 1, config={"cleanup.policy": "compact"})
+    transport = transport_for(kafka)
+    records = [Record(topic, b"a1", b"a"), Record(topic, b"u1", None), Record(topic, b"a2", b"a"),
+               Record(topic, b"u2", None), Record(topic, b"b1", b"b")]
+    try:
+        results = transport.publish(records)
+    finally:
+        transport.close()
+    assert [r.outcome for r in results] == [Outcome.DELIVERED, Outcome.FAILED, Outcome.DELIVERED,
+                                            Outcome.FAILED, Outcome.DELIVERED], results
+    written = read_topic(kafka, topic, expected=3)
+    assert [r.value for r in written] == [b"a1", b"a2", b"b1"]
+
+
 @MOCK
 @pytest.mark.parametrize(("alone", "first_round"), [
     (KafkaError.NOT_ENOUGH_REPLICAS, [Outcome.DELIVERED] * 20),  # passing: retried, then the rest

@@ -285,7 +285,8 @@ class KafkaTransport:
         refused = self._send_wave(records, rest, results, max(0.1, first - time.monotonic()))
         deadline = time.monotonic() + self._delivery_timeout
         while len(refused) > 1:  # one alone in its request: the refusal is its own
-            before = settled(results)
+            # A refused record's failure was its request's, not yet its own: settled once alone.
+            before = settled(results) - len(refused)
             self._isolate(records, refused, results, deadline)
             again = resendable(records, results)
             if settled(results) == before or not again or time.monotonic() >= deadline:
