@@ -25,7 +25,6 @@ from conftest import unavailable
 from outbox.testing import LocalKafka, create_topic
 from transports import Outcome, Record, TransactionOutcome
 from transports.kafka import KafkaTransport
-from transports.kafka._implied import UNPROVEN
 
 pytestmark = pytest.mark.kafka
 
@@ -88,6 +87,9 @@ def new_topic(relayed: Relayed) -> str:
     create_topic(relayed.direct, topic, 1)
     return topic
 
+
+UNPROVEN = "reported delivered without an offset"
+"""What a record librdkafka implied delivered comes back with (``transports/kafka/_implied.py``)."""
 
 ONE_RECORD_A_REQUEST = {"batch.num.messages": 1, "linger.ms": 0}
 """Each record in a request of its own, so the first record's request can be refused alone."""
@@ -155,7 +157,7 @@ def test_a_record_implied_delivered_is_sent_again(relayed: Relayed) -> None:
         # r1 was refused, r2 taken and written first; r1 comes back to be sent again, and r2, behind
         # an undelivered record of its key, too (a duplicate, which consumers drop by message id).
         assert [r.outcome for r in first] == [Outcome.RETRY, Outcome.RETRY], first
-        assert first[0].error == UNPROVEN
+        assert first[0].error is not None and UNPROVEN in first[0].error
         again = transport.publish(records)
         assert [r.outcome for r in again] == [Outcome.DELIVERED, Outcome.DELIVERED], again
     finally:
@@ -175,7 +177,7 @@ def test_a_transaction_holding_a_record_it_was_not_told_was_written_is_aborted(r
         relayed.proxy.arm(release_at=2)
         first = producer.send(records)
         assert first.outcome is TransactionOutcome.ABORTED, first
-        assert first.error == UNPROVEN
+        assert first.error is not None and UNPROVEN in first.error
         assert all(r.outcome is Outcome.RETRY for r in first.results), first
         again = producer.send(records)
         assert again.outcome is TransactionOutcome.COMMITTED, again

@@ -25,9 +25,8 @@ from hypothesis import strategies as st
 
 from outbox.testing import LocalKafka, alter_topic, create_topic
 from transports import Outcome, Record
-from transports._partitioner import partition_for_key
 from transports.kafka import KafkaTransport
-from transports.testing import behind_undelivered, partition_count, read_topic
+from transports.testing import behind_undelivered, partition_count, partition_for_key, read_topic
 
 MOCK = pytest.mark.any_kafka  # librdkafka's mock cluster, made by the test itself
 # The tests with wall-clock bounds join the "timing" group, which runs one test at a time
