@@ -189,29 +189,41 @@ def test_a_coordinator_out_of_reach_past_a_session_timeout_makes_the_source_unav
 
 
 class Unavailable(ScriptedSource):
-    """A source that says why the broker cannot serve it while ``why`` is set, as ``KafkaSource`` does."""
+    """A source that says why the broker cannot serve it while ``why`` is set, as ``KafkaSource`` does;
+    ``asked`` counts the inbox's questions."""
 
     why: str | None = None
+    asked = 0
 
     def unavailable(self) -> str | None:
+        self.asked += 1
         return self.why
 
 
 def test_an_idle_consumer_whose_coordinator_is_gone_logs_the_outage_once_each_way(
     sqlite_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Waited for by what the inbox says and asks, not by the clock: a loaded CI host took more than
+    the second this test slept before the inbox first asked."""
     inbox = _inbox(sqlite_db)
     source = Unavailable([])
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    with _running(inbox, source):
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
+
+    with _running(inbox, source) as until:
         source.why = "group coordinator out of reach for 45s, state query-coord"
-        time.sleep(1.0)  # many polls, nothing to commit
+        until(lambda: len(lines()) >= 1)
+        asked = source.asked
+        until(lambda: source.asked >= asked + 10)  # many polls more, nothing to commit: no new line
         source.why = None
-        time.sleep(0.5)
-    lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
-    assert len(lines) == 2, lines
-    assert lines[0].startswith("the broker unavailable (group coordinator out of reach for 45s"), lines
-    assert lines[1].startswith("the broker available again after"), lines
+        until(lambda: len(lines()) >= 2)
+        asked = source.asked
+        until(lambda: source.asked >= asked + 10)
+    assert len(lines()) == 2, lines()
+    assert lines()[0].startswith("the broker unavailable (group coordinator out of reach for 45s"), lines()
+    assert lines()[1].startswith("the broker available again after"), lines()
 
 
 def _inbox(sqlite_db: str) -> Inbox:
