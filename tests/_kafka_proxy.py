@@ -14,7 +14,7 @@ request and its answer, the first partition's index.
 
 The broker must name the proxy's port in its metadata, or the client would go
 round it after bootstrap: ``LocalKafka(relayed_at=proxy.port)``, then
-``proxy.upstream = kafka.nodes[0].relayed[0]``.
+``proxy.forward_to(kafka.nodes[0].relayed[0])``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ NOWHERE = 99_999
 
 
 class HoldingProxy:
-    """Listens on 127.0.0.1:``port``; each connection is piped to 127.0.0.1:``upstream``."""
+    """Listens on 127.0.0.1:``port``; each connection is piped to the broker's port, once known
+    (``forward_to``: the broker starts after the proxy, whose port it names)."""
 
     def __init__(self) -> None:
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._server.getsockname()[1]
-        self.upstream: int | None = None
+        self._upstream: int | None = None
+        self._upstream_known = threading.Event()
         self._lock = threading.Condition()
         self._armed = False
         self._armed_for: bytes | None = None  # only a request whose first topic is this one
@@ -54,6 +56,11 @@ class HoldingProxy:
         threading.Thread(target=self._accept, name="kafka-proxy", daemon=True).start()
 
     # -- what the test does ---------------------------------------------------------------------
+
+    def forward_to(self, port: int) -> None:
+        """Pipe the connections, those waiting included, to the broker on 127.0.0.1:``port``."""
+        self._upstream = port
+        self._upstream_known.set()
 
     def arm(self, *, release_at: int | None = None, hold_for: float | None = None,
             topic: str | None = None, skip: int = 0) -> None:
@@ -91,6 +98,7 @@ class HoldingProxy:
 
     def close(self) -> None:
         self._closed = True
+        self._upstream_known.set()  # a connection waiting for the broker gives up
         for sock in [self._server, *self._sockets]:
             _shut(sock)
             sock.close()
@@ -103,13 +111,10 @@ class HoldingProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            deadline = time.monotonic() + 30
-            while self.upstream is None and time.monotonic() < deadline and not self._closed:
-                time.sleep(0.05)
             try:
-                if self.upstream is None or self._closed:
+                if not self._upstream_known.wait(30) or self._closed or self._upstream is None:
                     raise OSError("no broker to forward to")
-                broker = socket.create_connection(("127.0.0.1", self.upstream))
+                broker = socket.create_connection(("127.0.0.1", self._upstream))
             except OSError:
                 client.close()
                 continue

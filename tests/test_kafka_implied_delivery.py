@@ -51,7 +51,7 @@ def relayed() -> Iterator[Relayed]:
         proxy.close()
         unavailable(str(exc))
     assert kafka.nodes[0].relayed is not None
-    proxy.upstream = kafka.nodes[0].relayed[0]
+    proxy.forward_to(kafka.nodes[0].relayed[0])
     try:
         yield Relayed(proxy, kafka)
     finally:

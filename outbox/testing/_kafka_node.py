@@ -129,7 +129,7 @@ class KafkaNode:
         return jvm.log_since(self.log_path, self._log_start)
 
     def says_bound(self) -> bool:
-        """Whether the broker's own log (since launch) says it listens on both of its ports."""
+        """Whether the broker's own log (since launch) says it listens on each of its ports."""
         text = self.log_since_launch()
         return all(f"Awaiting socket connections on {HOST}:{port}." in text for port in self.bound_ports())
 
@@ -138,7 +138,7 @@ class KafkaNode:
         return not self.running and "Address already in use" in self.log_since_launch()
 
     def prove_bound(self) -> None:
-        """Raise ``PortNotBound`` unless this JVM holds the listening sockets of both its ports."""
+        """Raise ``PortNotBound`` unless this JVM holds the listening socket of each of its ports."""
         assert self._process is not None
         for port in self.bound_ports():
             check_bound(self._process.pid, port, f"Kafka node {self.node_id}")
