@@ -431,6 +431,34 @@ def test_a_frozen_heap_is_frozen_again_once_the_new_tenants_have_run(pg: sa.Engi
         gc.unfreeze()
 
 
+def test_the_first_run_once_steps_a_tenant_whose_server_is_slow_to_answer(pg: sa.Engine, topic: str) -> None:
+    """``run_once`` waits for every tenant's step, not only ``run``'s few seconds (BUILD_STALLED, 3 s).
+
+    The clean-clone CI of 5bfaad9, on a loaded host: the first ``run_once`` of a
+    fleet returned no tenant at all, its steps still being built, and nothing in
+    ``run_once`` built them later.
+    """
+    outboxes = make_tenants(pg, ["acme"])
+    publish(outboxes["acme"], topic, ["k1"])
+    slowed: list[str] = []
+
+    def slow_builder(conn: sa.Connection) -> None:
+        if threading.current_thread().name == "outbox-relay-build" and not slowed:
+            slowed.append("acme")
+            time.sleep(4.0)  # longer than the refresh of ``run`` waits for a build that gets nowhere
+
+    sa.event.listen(pg, "engine_connect", slow_builder)
+    relay = fleet(list(outboxes), InMemoryBroker(max_record_bytes=ROOMY), database=pg)
+    try:
+        results = relay.run_once()
+    finally:
+        relay.close()
+        sa.event.remove(pg, "engine_connect", slow_builder)
+    assert slowed == ["acme"]
+    assert list(results) == ["acme"]
+    assert results["acme"].published == 1
+
+
 def refuse_release(pg: sa.Engine, schema: str) -> None:
     """``schema``'s lease table refuses to let a lease go (an UPDATE that clears its owner)."""
     with pg.begin() as conn:

@@ -13,6 +13,7 @@ schedule's (``_schedule``), which guards every unit's state.
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -81,8 +82,8 @@ class FleetTenants:
             units = [*self.units.values(), *self._retiring]
             return sorted({unit.tenant.name for unit in units if unit.step is not None})
 
-    def refresh(self) -> None:
-        """Read the tenants again: start serving new ones, drop removed ones."""
+    def refresh(self, *, stalled_after: float | None = BUILD_STALLED) -> None:
+        """Read the tenants again: start serving new ones, drop removed ones (``start_pending``)."""
         try:
             wanted = {tenant.name: tenant for tenant in self.source()}
         except Exception as exc:
@@ -113,7 +114,7 @@ class FleetTenants:
             with self._schedule.lock:
                 self.units[tenant.name] = unit
                 unit.db.units[tenant.schema] = unit
-        self.start_pending()
+        self.start_pending(stalled_after=stalled_after)
 
     def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
         """Two tenants in one schema of one database, however their URLs spell it: refused.
@@ -135,13 +136,16 @@ class FleetTenants:
                 found.append((tenant, db.engine))
         self._claims.refuse_shared(found)
 
-    def start_pending(self) -> None:
+    def start_pending(self, *, stalled_after: float | None = BUILD_STALLED) -> None:
         """Build the step of every tenant that has none yet: reads its stored settings.
 
         Each database's tenants on a thread of its own, waited for while any of
-        them gets on: a server that hangs (it fails nothing, so its gate stays
-        open) holds its own builder, whose database gets no other until it is
-        done, and the refresh goes on with the other databases' tenants.
+        them gets on (``stalled_after`` seconds without a step built): a server
+        that hangs (it fails nothing, so its gate stays open) holds its own
+        builder, whose database gets no other until it is done, and the refresh
+        goes on with the other databases' tenants. ``stalled_after=None`` waits
+        for every builder: ``run_once`` steps every tenant, as a single relay's
+        ``run_once`` steps its one database, however slow its server is.
         """
         pending: dict[FleetDatabase, list[Unit]] = {}
         with self._schedule.lock:
@@ -158,12 +162,13 @@ class FleetTenants:
                                      daemon=True) for db, units in pending.items()]
         for builder in builders:
             builder.start()
-        stalled_at = time.monotonic() + BUILD_STALLED
+        patience = math.inf if stalled_after is None else stalled_after
+        stalled_at = time.monotonic() + patience
         while any(builder.is_alive() for builder in builders) and time.monotonic() < stalled_at:
             next(builder for builder in builders if builder.is_alive()).join(0.05)
             with self._schedule.lock:
                 if self._built != built:
-                    built, stalled_at = self._built, time.monotonic() + BUILD_STALLED
+                    built, stalled_at = self._built, time.monotonic() + patience
 
     def _build_all(self, db: FleetDatabase, units: list[Unit]) -> None:
         try:

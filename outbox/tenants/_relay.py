@@ -376,9 +376,16 @@ class TenantRelay:
                 self._kept_at_stop.append(unit.tenant.name)
 
     def run_once(self) -> dict[str, BatchResult]:
-        """One step for every tenant served, one after the other, on this thread (tests, embedding)."""
+        """One step for every tenant served, one after the other, on this thread (tests, embedding).
+
+        Its first call reads the tenants and waits for every one's step to be
+        built, however slow a server is: a first call that returned before a slow
+        database's tenants were served would step none of them, and nothing here
+        builds them later (``run`` does, within a bound, between its turns).
+        """
         if not self._refreshed.is_set():
-            self.refresh()
+            self._tenants.refresh(stalled_after=None)
+            self._refreshed.set()
         self._workers.bind(0)
         results = {}
         for unit in list(self._tenants.units.values()):
