@@ -331,6 +331,9 @@ def test_bad_settings_are_refused_by_name(pg: sa.Engine) -> None:
         fleet(["a"], broker, database=pg, tenant_header="outbox-seq")
     with pytest.raises(ConfigurationError, match="workers"):
         fleet(["a"], broker, database=pg, workers=0)
+    for producers in (0, 65, True, 2.0):
+        with pytest.raises(ConfigurationError, match="producers must be an int"):
+            fleet(["a"], broker, database=pg, producers=producers)
     with pytest.raises(ConfigurationError, match="listed twice"):
         fleet(["a", "a"], broker, database=pg)
 

@@ -1,4 +1,5 @@
-"""A fleet's writer threads are shared: a tenant's write never waits behind another's while one is free.
+"""A fleet's writer threads and producers are shared: a tenant's write never waits behind another's
+while a writer is free, and a publish held by the broker holds one worker, not every one behind it.
 
 With a writer per worker, a quiet tenant's write of one row, handed to the
 writer of a worker that had just served a backlog, waited behind the backlog's
@@ -9,8 +10,15 @@ and the quiet tenant's next step waited for it (docs/tenants.md, *Pipelined*).
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
-from outbox.tenants._transport import Workers
+import pytest
+
+from outbox import ConfigurationError
+from outbox.tenants._transport import LEND_WAIT, Workers
+from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 
@@ -52,3 +60,98 @@ def test_the_writers_are_as_many_as_the_workers() -> None:
         release.set()
         workers.close()
     assert first.result(timeout=5) and second.result(timeout=5)
+
+
+class Held(InMemoryTransport):
+    """A transport that keeps a publish of key ``held`` waiting for ``release`` (a broker that holds a
+    request); it counts the publishes under way at once."""
+
+    def __init__(self, broker: InMemoryBroker, release: threading.Event) -> None:
+        super().__init__(broker)
+        self.release, self.busy, self.most = release, 0, 0
+        self._count = threading.Lock()
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        with self._count:
+            self.busy += 1
+            self.most = max(self.most, self.busy)
+        try:
+            if any(r.key == b"held" for r in records):
+                self.release.wait(10)
+            return super().publish(records)
+        finally:
+            with self._count:
+                self.busy -= 1
+
+
+def publish_as(workers: Workers, index: int, key: bytes = b"k") -> list[str]:
+    workers.bind(index)
+    with workers.producer() as transport:
+        return [r.outcome.value for r in transport.publish([Record("t", b"v", key)])]
+
+
+def producers(broker: InMemoryBroker, release: threading.Event) -> tuple[list[Held], Callable[[], Held]]:
+    made: list[Held] = []
+
+    def more() -> Held:
+        made.append(Held(broker, release))
+        return made[-1]
+    return made, more
+
+
+def test_eight_workers_publish_through_two_producers_one_publish_at_a_time_each() -> None:
+    broker = InMemoryBroker()
+    made, more = producers(broker, threading.Event())
+    workers = Workers([more(), more()], workers=8, more=more)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            for outcomes in pool.map(lambda i: publish_as(workers, i % 8), range(400)):
+                assert outcomes == ["delivered"]
+        assert len(made) == 2  # no publish waited a second for one: none more was made
+        assert all(t.most == 1 for t in made)  # a producer is never used by two threads at once
+        assert len(broker.records("t")) == 400
+    finally:
+        workers.close()
+
+
+def test_a_held_publish_holds_its_worker_alone_another_producer_is_made_for_the_others() -> None:
+    broker, release = InMemoryBroker(), threading.Event()
+    made, more = producers(broker, release)
+    workers = Workers([more()], workers=3, more=more)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(publish_as, workers, 0, b"held")
+            second = pool.submit(publish_as, workers, 1, b"held")  # waits LEND_WAIT, then has its own
+            wait_until(lambda: len(made) == 2 and all(t.busy for t in made))
+            started = time.monotonic()
+            assert pool.submit(publish_as, workers, 2).result(timeout=5) == ["delivered"]
+            waited = time.monotonic() - started
+            assert LEND_WAIT * 0.9 <= waited < LEND_WAIT + 2, waited  # one more made after LEND_WAIT
+            assert len(made) == 3 and not first.done() and not second.done()
+            # One per worker at most: all three held, a fourth publish waits for one to come back.
+            third = pool.submit(publish_as, workers, 2, b"held")
+            wait_until(lambda: all(t.busy for t in made))
+            fourth = pool.submit(publish_as, workers, 0)
+            time.sleep(LEND_WAIT + 0.5)
+            assert not fourth.done() and len(made) == 3
+            release.set()
+            assert [f.result(timeout=5) for f in (first, second, third, fourth)] == [["delivered"]] * 4
+    finally:
+        release.set()
+        workers.close()
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.01)
+
+
+def test_a_publish_off_the_workers_threads_is_refused() -> None:
+    workers = Workers([InMemoryTransport(InMemoryBroker())])
+    try:
+        with pytest.raises(ConfigurationError, match="worker threads"), workers.producer():
+            pass
+    finally:
+        workers.close()

@@ -102,8 +102,12 @@ def relay(
     tenants: str | None = TENANTS,
     tenant_header: str | None = TENANT_HEADER,
     workers: int = typer.Option(
-        8, min=1, max=64, help="With --tenants: worker threads, each with a producer of its own and a "
-                               "connection of the pool (docs/tenants.md)."),
+        8, min=1, max=64, help="With --tenants: worker threads, each with two connections of the pool "
+                               "(docs/tenants.md)."),
+    producers: int = typer.Option(
+        2, min=1, max=64, help="With --tenants: Kafka producers the workers share, one publish at a "
+                               "time each; more are made, up to one per worker, while the broker holds "
+                               "every one (docs/tenants.md)."),
     tenant_labels: int = typer.Option(
         100, min=0, help="With --tenants: the first this many tenants label metrics by name, later ones "
                          "share the label _other; 0: no tenant label (docs/tenants.md)."),
@@ -135,7 +139,8 @@ def relay(
         if schema is not None:
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
         _relay_tenants(
-            db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, prefix=prefix,
+            db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, producers=producers,
+            prefix=prefix,
             worker_id=worker_id, batch_size=FLEET_BATCH_SIZE if batch_size is None else batch_size,
             max_batch_bytes=max_batch_bytes,
             lease_ttl=FLEET_LEASE_TTL if lease_ttl is None else lease_ttl,
@@ -194,7 +199,7 @@ TENANT_HEADER_ROOM = 256
 
 
 def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict[str, str],
-                   bootstrap_servers: str, *, workers: int, prefix: str, webhook: str | None,
+                   bootstrap_servers: str, *, workers: int, producers: int, prefix: str, webhook: str | None,
                    metrics_port: int | None, metrics_host: str, retention: timedelta | None, every: float,
                    tenant_labels: int, transaction_pooled: bool, **tuning: Any) -> None:
     """``outbox relay --tenants``: one ``TenantRelay`` for every tenant of ``spec`` (docs/tenants.md).
@@ -222,7 +227,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         def producer() -> KafkaTransport:
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         fleet = TenantRelay(
-            parse_tenants(spec, engine), producer, database=engine, workers=workers,
+            parse_tenants(spec, engine), producer, database=engine, workers=workers, producers=producers,
             tenant_header=tenant_header, prefix=prefix,
             metrics=tenant_relay_metrics(TenantLabels(tenant_labels) if tenant_labels else None),
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),

@@ -10,8 +10,8 @@ what the tenants share is what made a relay per tenant expensive:
   the number of schemas in it, plus one LISTEN connection per database that
   wakes the tenant a notification names (its payload is ``shard:schema``)
   (``_databases``);
-- **workers**: ``workers`` threads, each with its own transport (a producer
-  is used by one thread), take the tenants with work from one queue. A tenant
+- **workers**: ``workers`` threads, lent ``producers`` transports a publish
+  at a time (``_transport.Workers``), take the tenants with work from one queue. A tenant
   is run by at most one worker at a time, one step per turn, and goes to the
   back of the queue when it has more: a tenant draining a million rows holds
   one worker, and a quiet tenant's message waits at most for the batches of
@@ -94,7 +94,8 @@ class TenantRelay:
     ``tenants`` is a list (``Tenant``s, or schema names of ``database``), a
     callable returning one, or a ``TenantSource`` (``schemas_like``,
     ``from_query``, ``from_file``). ``transport`` makes a transport: it is
-    called once per worker. ``database`` is the database (a URL or an
+    called ``producers`` times, and again, up to once per worker, when every one
+    is held by a publish the broker keeps waiting. ``database`` is the database (a URL or an
     ``Engine``) of tenants that do not name their own. The tuning keywords are
     ``Relay``'s, per tenant, kept as one ``RelaySettings`` (``settings``);
     ``poll_interval`` is how often each tenant is polled when no notification
@@ -116,6 +117,7 @@ class TenantRelay:
         *,
         database: str | Engine | None = None,
         workers: int = 2,
+        producers: int = 2,
         tenant_header: str | None = None,
         refresh_every: float = 30.0,
         pool_size: int | None = None,
@@ -139,10 +141,12 @@ class TenantRelay:
     ) -> None:
         if not callable(transport) or callable(getattr(transport, "publish", None)):
             raise ConfigurationError(
-                "TenantRelay needs a callable that makes a transport (one per worker thread: a "
-                "producer is used by one thread), e.g. lambda: KafkaTransport(...)")
+                "TenantRelay needs a callable that makes a transport (the workers share a few: a "
+                "producer is lent to one worker at a time), e.g. lambda: KafkaTransport(...)")
         if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64:
             raise ConfigurationError(f"workers must be an int from 1 to 64, got {workers!r}")
+        if isinstance(producers, bool) or not isinstance(producers, int) or not 1 <= producers <= 64:
+            raise ConfigurationError(f"producers must be an int from 1 to 64, got {producers!r}")
         if (isinstance(refresh_every, bool) or not isinstance(refresh_every, int | float)
                 or not refresh_every > 0):
             raise ConfigurationError(f"refresh_every must be positive seconds, got {refresh_every!r}")
@@ -177,8 +181,9 @@ class TenantRelay:
         self._tables = OutboxTables(prefix=prefix)
         self.notify_channel = notify_channel
         self._default = database
-        self._workers = Workers([transport() for _ in range(workers)], exactly_once and idle_producers_after,
-                                progress_topic)
+        self._workers = Workers([transport() for _ in range(min(producers, workers))],
+                                exactly_once and idle_producers_after, progress_topic,
+                                workers=workers, more=transport)
         self.broker_outage = RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker",
                                                   process_metrics)
         self._schedule = Schedule()

@@ -1,8 +1,18 @@
 """What a tenant's step sends and writes through: the fleet worker's transport and writer.
 
-A producer is used by one thread, so each worker of a fleet has its own
-transport; a tenant's ``RelayStep`` runs on whichever worker took it, and its
-``TenantTransport`` sends through that worker's (``Workers.local``). Each
+A fleet's workers share a few transports (``producers``, two by default): a
+worker takes a free one for a publish and gives it back after, as a pool
+lends connections. One more is made, up to one per worker, when a worker has
+waited ``LEND_WAIT`` for one: a publish that is held (a topic whose leader
+moves, waited out up to the delivery timeout) holds one tenant's worker, as
+with a producer each, not every worker behind it. A tenant's ``RelayStep`` runs on whichever worker took it,
+and its ``TenantTransport`` sends through the transport that worker holds for
+that publish (``Workers.producer``). Not one per worker: eight workers with a
+producer each cost the relay 1.2-1.7x the CPU of eight sharing two, for the
+same rows on Apache Kafka (each producer its own librdkafka threads,
+connections and first contacts with every partition), and on a host whose
+cores the broker and the database share, that CPU is the fleet's throughput
+(docs/benchmarks.md, *Eight workers, two producers*). Each
 record gets the tenant's name in the header the fleet names, replacing any
 header of that name the producer set, in any case: no tenant sends under
 another's name. The workers share as many writer threads as there are
@@ -25,9 +35,11 @@ tenant's ``ExactlyOnce`` (``relay._sharing``).
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TypeVar
 
@@ -42,6 +54,7 @@ from transports import (
     TransportFeatures,
     transport_features,
 )
+from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._wire import header_size
@@ -52,12 +65,19 @@ from ..relay._writer import DaemonPool
 
 T = TypeVar("T")
 
+log = safe_logger("outbox.relay")
+
+LEND_WAIT = 1.0
+"""Seconds a worker waits for a lent transport before another is made (up to one per worker): a
+publish of a batch takes milliseconds, so every one being lent that long means publishes are held."""
+
 WRITERS_STOP_WITHIN = 3.0
 """Seconds ``close`` waits for each writer thread to finish what it was given (a frozen database)."""
 
 
 class Workers:
-    """One transport and one writer per worker; ``bind(i)`` makes this thread worker ``i``.
+    """``workers`` threads' transports (lent a publish at a time) and writers; ``bind(i)`` makes
+    this thread worker ``i``.
 
     ``idle_producers_after`` (seconds; False: not exactly-once) and
     ``progress_topic``: the ``Sharing`` of every tenant's step, its pool
@@ -65,11 +85,20 @@ class Workers:
     """
 
     def __init__(self, transports: Sequence[Transport], idle_producers_after: float | bool = False,
-                 progress_topic: str = "") -> None:
+                 progress_topic: str = "", *, workers: int | None = None,
+                 more: Callable[[], Transport] | None = None) -> None:
         for made in transports:
             if not callable(getattr(made, "publish", None)):
                 raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
         self.transports = list(transports)
+        self.workers = workers or len(self.transports)
+        self._more = more  # makes another transport when every one has been lent ``LEND_WAIT``
+        self._making = threading.Lock()
+        # Last in, first out: under a light load one producer serves, its requests fuller and its
+        # partitions already written (``transports.kafka._first_contact``).
+        self._free: queue.LifoQueue[Transport] = queue.LifoQueue()
+        for made in reversed(self.transports):
+            self._free.put(made)
         self.local = threading.local()
         self._writers: DaemonPool | None = None
         self._lock = threading.Lock()
@@ -81,15 +110,25 @@ class Workers:
                     exactly_once_transport(made)  # one clear error for a transport without transactions
                 # Daemon threads: a transaction stuck on a frozen broker must not hold a stopped
                 # fleet's process alive after ``run`` gave up on it at its stop bound.
-                pool = DaemonPool("outbox-relay-txn", len(transports) * FENCING_THREADS)
+                pool = DaemonPool("outbox-relay-txn", self.workers * FENCING_THREADS)
                 self.sharing = Sharing(pool, idle, progress_topic)
             except ConfigurationError:
                 self.close()  # the transports made for nothing
                 raise
 
     def bind(self, index: int) -> None:
-        self.local.transport = self.transports[index]
         self.local.index = index
+
+    def _another(self) -> Transport | None:
+        """A transport more, for a worker that waited ``LEND_WAIT``; None once there is one per worker."""
+        with self._making:  # not the writers' lock: a transport made slowly holds no write back
+            if self._more is None or len(self.transports) >= self.workers:
+                return None
+            made = self._more()
+            self.transports.append(made)
+        log.info("fleet: every producer was lent for %.1f s (publishes held by the broker): "
+                 "made another, %d of at most %d", LEND_WAIT, len(self.transports), self.workers)
+        return made
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
         """Run ``call`` on the first writer free (``relay._writer.Writer``), in the order submitted."""
@@ -97,27 +136,42 @@ class Workers:
         if writers is None:
             with self._lock:
                 if self._writers is None:
-                    self._writers = DaemonPool("outbox-relay-writer", len(self.transports))
+                    self._writers = DaemonPool("outbox-relay-writer", self.workers)
                 writers = self._writers
         return writers.submit(call)
 
-    def current(self) -> Transport:
-        transport: Transport | None = getattr(self.local, "transport", None)
-        if transport is None:
+    @contextmanager
+    def producer(self) -> Iterator[Transport]:
+        """A transport no other worker uses until this one gives it back: a publish's.
+
+        Waits while every one is lent: a publish is bounded by its transport's
+        delivery timeout, and a broker that is down is probed by one step at a
+        time (``RelayOutages``), so the others do not queue here behind it.
+        """
+        if getattr(self.local, "index", None) is None:
             raise ConfigurationError(
                 "a tenant's step sends on the TenantRelay's worker threads: call the fleet's run() or "
                 "run_once(), not the tenant's")
-        return transport
+        try:
+            transport = self._free.get(timeout=LEND_WAIT)
+        except queue.Empty:
+            transport = self._another() or self._free.get()
+        try:
+            yield transport
+        finally:
+            self._free.put(transport)
 
     def close(self) -> None:
         """The writers finish what they were given (seconds at most), then the transports close."""
         with self._lock:
             writers, self._writers = self._writers, None
+        with self._making:
+            made_all, self._more = list(self.transports), None  # none made after this
         if writers is not None:
             writers.shutdown(WRITERS_STOP_WITHIN)
         if self.sharing is not None:
             self.sharing.pool.shutdown(timeout=0)  # the steps closed their producers
-        for made in self.transports:
+        for made in made_all:
             close = getattr(made, "close", None)
             if callable(close):
                 close(1.0)  # nothing is outstanding after a batch, unless one was left behind
@@ -160,7 +214,9 @@ class TenantTransport:
                         + [(header, value)]) for r in records]
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]:
-        return self._workers.current().publish(self.stamped(records))
+        stamped = self.stamped(records)
+        with self._workers.producer() as transport:
+            return transport.publish(stamped)
 
     # -- exactly-once mode (``transports.Transactions``): any worker's transport makes the clients
 
