@@ -155,3 +155,89 @@ def test_a_publish_off_the_workers_threads_is_refused() -> None:
             pass
     finally:
         workers.close()
+
+
+def test_a_transport_factory_that_fails_late_leaves_the_worker_waiting_for_a_lent_one() -> None:
+    """A factory failing when every producer is held (out of threads, a secret store down) is logged;
+    the worker waits for a lent producer, as it would at one per worker: its tenant's publish does not
+    fail with the factory's error, which names nothing of that tenant."""
+    broker, release = InMemoryBroker(), threading.Event()
+    held = Held(broker, release)
+
+    def more() -> Held:
+        raise RuntimeError("cannot make a producer now")
+    workers = Workers([held], workers=2, more=more)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(publish_as, workers, 0, b"held")
+            wait_until(lambda: held.busy == 1)
+            second = pool.submit(publish_as, workers, 1)
+            time.sleep(LEND_WAIT + 0.5)  # past the wait: the factory was called, and failed
+            release.set()
+            assert first.result(timeout=5) == second.result(timeout=5) == ["delivered"]
+        assert held.most == 1
+    finally:
+        release.set()
+        workers.close()
+
+
+def test_close_does_not_wait_for_a_transport_being_made_and_closes_it_once_made() -> None:
+    """A factory that is slow (a producer's settings read from a slow store) does not hold ``close``;
+    what it makes after the close is closed at once, never lent."""
+    broker, release, making, made_late = InMemoryBroker(), threading.Event(), threading.Event(), []
+    go_on = threading.Event()
+    held = Held(broker, release)
+
+    def more() -> Held:
+        making.set()
+        go_on.wait(10)
+        made_late.append(Held(broker, release))
+        return made_late[-1]
+    workers = Workers([held], workers=2, more=more)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(publish_as, workers, 0, b"held")
+            wait_until(lambda: held.busy == 1)
+            second = pool.submit(publish_as, workers, 1)
+            assert making.wait(5)
+            closing = pool.submit(workers.close)
+            closing.result(timeout=2)  # not held by the factory
+            assert held.closed
+            go_on.set()
+            wait_until(lambda: bool(made_late) and made_late[0].closed)
+            assert made_late[0].most == 0  # closed, not lent
+            release.set()
+            first.result(timeout=5)
+            second.exception(timeout=5)  # on a closed fleet: whatever it gets, it returns
+    finally:
+        go_on.set()
+        release.set()
+        workers.close()
+
+
+def test_a_factory_that_returns_a_transport_already_made_is_refused_not_lent_twice(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``lambda: transport`` shares one producer between the workers: it would be used by two threads
+    at once. Refused by name at the start when two are made, and never lent twice when the second
+    comes from a late call."""
+    broker = InMemoryBroker()
+    same = InMemoryTransport(broker)
+    with pytest.raises(ConfigurationError, match="same transport"):
+        Workers([same, same], workers=2, more=lambda: same)
+    release = threading.Event()
+    held = Held(broker, release)
+    workers = Workers([held], workers=2, more=lambda: held)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(publish_as, workers, 0, b"held")
+            wait_until(lambda: held.busy == 1)
+            second = pool.submit(publish_as, workers, 1)
+            time.sleep(LEND_WAIT + 0.5)
+            assert not second.done()  # waits for the one producer, not a second use of it
+            release.set()
+            assert first.result(timeout=5) == second.result(timeout=5) == ["delivered"]
+        assert held.most == 1
+        assert "same transport" in caplog.text
+    finally:
+        release.set()
+        workers.close()
