@@ -108,7 +108,7 @@ def test_eight_workers_publish_through_two_producers_one_publish_at_a_time_each(
             for outcomes in pool.map(lambda i: publish_as(workers, i % 8), range(400)):
                 assert outcomes == ["delivered"]
         assert len(made) == 2  # no publish waited a second for one: none more was made
-        assert all(t.most == 1 for t in made)  # a producer is never used by two threads at once
+        assert all(t.most <= 1 for t in made)  # never by two threads at once (LIFO: the second may go unused)
         assert len(broker.records("t")) == 400
     finally:
         workers.close()
@@ -207,8 +207,8 @@ def test_close_does_not_wait_for_a_transport_being_made_and_closes_it_once_made(
             wait_until(lambda: bool(made_late) and made_late[0].closed)
             assert made_late[0].most == 0  # closed, not lent
             release.set()
-            first.result(timeout=5)
-            second.exception(timeout=5)  # on a closed fleet: whatever it gets, it returns
+            first.exception(timeout=5)  # on a closed fleet: whatever they get, they return
+            second.exception(timeout=5)
     finally:
         go_on.set()
         release.set()
