@@ -57,6 +57,7 @@ from transports import (
 from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
+from ..core._outage import first_line
 from ..core._wire import header_size
 from ..relay._exactly_once import FENCING_THREADS, exactly_once_transport
 from ..relay._settings import _positive_seconds
@@ -70,6 +71,9 @@ log = safe_logger("outbox.relay")
 LEND_WAIT = 1.0
 """Seconds a worker waits for a lent transport before another is made (up to one per worker): a
 publish of a batch takes milliseconds, so every one being lent that long means publishes are held."""
+
+SAME_TRANSPORT = ("transport() returned the same transport twice: it must make a new one each call "
+                  "(a producer is lent to one worker at a time), e.g. lambda: KafkaTransport(...)")
 
 WRITERS_STOP_WITHIN = 3.0
 """Seconds ``close`` waits for each writer thread to finish what it was given (a frozen database)."""
@@ -90,10 +94,13 @@ class Workers:
         for made in transports:
             if not callable(getattr(made, "publish", None)):
                 raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
+        if len({id(made) for made in transports}) < len(transports):
+            raise ConfigurationError(SAME_TRANSPORT)
         self.transports = list(transports)
         self.workers = workers or len(self.transports)
         self._more = more  # makes another transport when every one has been lent ``LEND_WAIT``
-        self._making = threading.Lock()
+        self._making = threading.Lock()  # guards ``transports``, ``_more`` and ``_pending``
+        self._pending = 0  # transports being made now, outside the lock
         # Last in, first out: under a light load one producer serves, its requests fuller and its
         # partitions already written (``transports.kafka._first_contact``).
         self._free: queue.LifoQueue[Transport] = queue.LifoQueue()
@@ -120,15 +127,52 @@ class Workers:
         self.local.index = index
 
     def _another(self) -> Transport | None:
-        """A transport more, for a worker that waited ``LEND_WAIT``; None once there is one per worker."""
-        with self._making:  # not the writers' lock: a transport made slowly holds no write back
-            if self._more is None or len(self.transports) >= self.workers:
+        """A transport more, for a worker that waited ``LEND_WAIT``; None once there is one per worker.
+
+        Made outside the lock: a slow factory holds neither ``close`` nor the
+        other waiters, and what it makes after ``close`` is closed, never lent.
+        None too when the factory fails (logged): the worker then waits for a
+        lent one, as it would with no more to make; the failure names nothing of
+        the tenant whose publish was waiting, so it must not fail that publish.
+        """
+        with self._making:
+            more = self._more
+            if more is None or len(self.transports) + self._pending >= self.workers:
                 return None
-            made = self._more()
-            self.transports.append(made)
-        log.info("fleet: every producer was lent for %.1f s (publishes held by the broker): "
-                 "made another, %d of at most %d", LEND_WAIT, len(self.transports), self.workers)
-        return made
+            self._pending += 1
+        made: object = None
+        try:
+            made = more()
+        except Exception as exc:
+            log.warning("fleet: every producer was lent for %.1f s, and another could not be made (%s); "
+                        "the worker waits for a lent one", LEND_WAIT, first_line(exc))
+        with self._making:
+            self._pending -= 1
+            refused = self._refused(made)
+            if refused is not None:
+                self._more = None  # the factory will not do better next time: no more are made
+            elif made is not None and self._more is not None:
+                self.transports.append(made)  # type: ignore[arg-type]  # checked by ``_refused``
+                log.info("fleet: every producer was lent for %.1f s (publishes held by the broker): "
+                         "made another, %d of at most %d", LEND_WAIT, len(self.transports), self.workers)
+                return made  # type: ignore[return-value]
+        if refused is not None:
+            log.error("fleet: %s; no more are made, the workers wait for the ones they have", refused)
+        elif made is not None:  # closed meanwhile: none is used after close
+            close = getattr(made, "close", None)
+            if callable(close):
+                close(1.0)
+        return None
+
+    def _refused(self, made: object) -> str | None:
+        """Why a transport made late cannot be lent (a misuse of the factory), or None."""
+        if made is None:
+            return None
+        if any(made is known for known in self.transports):
+            return SAME_TRANSPORT
+        if not callable(getattr(made, "publish", None)):
+            return f"transport() returned {made!r:.80}, which has no publish(records)"
+        return None
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
         """Run ``call`` on the first writer free (``relay._writer.Writer``), in the order submitted."""
