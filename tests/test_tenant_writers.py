@@ -241,3 +241,27 @@ def test_a_factory_that_returns_a_transport_already_made_is_refused_not_lent_twi
     finally:
         release.set()
         workers.close()
+
+
+def test_close_leaves_a_held_publish_its_transport_and_closes_it_once_given_back() -> None:
+    """``close`` after a stop that gave up on a held publish (``run``'s bound) closes the free
+    transports at once, and a lent one when its publish gives it back: closed under that publish, it
+    was used by two threads at once (a Kafka producer flushed by one while another polls it, its
+    delivery reports served on the closing thread). A publish after the close is refused by name."""
+    broker, release = InMemoryBroker(), threading.Event()
+    held, spare = Held(broker, release), Held(broker, release)
+    workers = Workers([held, spare], workers=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(publish_as, workers, 0, b"held")
+            wait_until(lambda: held.busy == 1)
+            workers.close()
+            assert spare.closed and not held.closed
+            release.set()
+            assert first.result(timeout=5) == ["delivered"]
+            assert held.closed
+            with pytest.raises(RuntimeError, match=r"closed \(TenantRelay.close"):
+                pool.submit(publish_as, workers, 1).result(timeout=5)
+    finally:
+        release.set()
+        workers.close()
