@@ -202,13 +202,13 @@ def test_close_does_not_wait_for_a_transport_being_made_and_closes_it_once_made(
             assert making.wait(5)
             closing = pool.submit(workers.close)
             closing.result(timeout=2)  # not held by the factory
-            assert held.closed
             go_on.set()
             wait_until(lambda: bool(made_late) and made_late[0].closed)
             assert made_late[0].most == 0  # closed, not lent
             release.set()
             first.exception(timeout=5)  # on a closed fleet: whatever they get, they return
             second.exception(timeout=5)
+            assert held.closed
     finally:
         go_on.set()
         release.set()

@@ -75,6 +75,9 @@ publish of a batch takes milliseconds, so every one being lent that long means p
 SAME_TRANSPORT = ("transport() returned the same transport twice: it must make a new one each call "
                   "(a producer is lent to one worker at a time), e.g. lambda: KafkaTransport(...)")
 
+CLOSED = ("the fleet's transports are closed (TenantRelay.close()): a publish after it is refused, "
+          "call run() or run_once() before close()")
+
 WRITERS_STOP_WITHIN = 3.0
 """Seconds ``close`` waits for each writer thread to finish what it was given (a frozen database)."""
 
@@ -103,7 +106,8 @@ class Workers:
         self._pending = 0  # transports being made now, outside the lock
         # Last in, first out: under a light load one producer serves, its requests fuller and its
         # partitions already written (``transports.kafka._first_contact``).
-        self._free: queue.LifoQueue[Transport] = queue.LifoQueue()
+        self._free: queue.LifoQueue[Transport | None] = queue.LifoQueue()  # None: closed
+        self._closed = False
         for made in reversed(self.transports):
             self._free.put(made)
         self.local = threading.local()
@@ -196,29 +200,61 @@ class Workers:
             raise ConfigurationError(
                 "a tenant's step sends on the TenantRelay's worker threads: call the fleet's run() or "
                 "run_once(), not the tenant's")
+        transport = self._lend()
+        try:
+            yield transport
+        finally:
+            self._give_back(transport)
+
+    def _lend(self) -> Transport:
         try:
             transport = self._free.get(timeout=LEND_WAIT)
         except queue.Empty:
             transport = self._another() or self._free.get()
-        try:
-            yield transport
-        finally:
-            self._free.put(transport)
+        if transport is not None:
+            with self._making:
+                if not self._closed:
+                    return transport
+            self._give_back(transport)  # taken as ``close`` began: closed, not used
+        self._free.put(None)  # for the next one waiting
+        raise RuntimeError(CLOSED)
+
+    def _give_back(self, transport: Transport) -> None:
+        """Free again; or, after ``close``, closed: by the only thread that was using it."""
+        with self._making:
+            if not self._closed:
+                self._free.put(transport)
+                return
+        close = getattr(transport, "close", None)
+        if callable(close):
+            close(1.0)
 
     def close(self) -> None:
-        """The writers finish what they were given (seconds at most), then the transports close."""
+        """The writers finish what they were given (seconds at most), then the transports close.
+
+        The free ones now; one still lent (a publish held past ``run``'s stop
+        bound) when its publish gives it back, on that thread, within its
+        delivery timeout: closed under that publish, a producer was used by two
+        threads at once (flushed here while its worker polls it, the worker's
+        delivery reports served on this thread). None is made or lent after.
+        """
         with self._lock:
             writers, self._writers = self._writers, None
         with self._making:
-            made_all, self._more = list(self.transports), None  # none made after this
+            self._more, self._closed = None, True  # none made, lent or given back to the free after this
         if writers is not None:
             writers.shutdown(WRITERS_STOP_WITHIN)
         if self.sharing is not None:
             self.sharing.pool.shutdown(timeout=0)  # the steps closed their producers
-        for made in made_all:
+        while True:
+            try:
+                made = self._free.get_nowait()
+            except queue.Empty:
+                break
             close = getattr(made, "close", None)
-            if callable(close):
+            if made is not None and callable(close):
                 close(1.0)  # nothing is outstanding after a batch, unless one was left behind
+        self._free.put(None)  # wakes a worker waiting for one: it is refused, and wakes the next
 
 
 class TenantTransport:
