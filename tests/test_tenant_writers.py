@@ -265,3 +265,35 @@ def test_close_leaves_a_held_publish_its_transport_and_closes_it_once_given_back
     finally:
         release.set()
         workers.close()
+
+
+class Sized(Held):
+    """A transport that says how many records it has queued (none): ``len()`` 0, so false."""
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_transport_made_late_is_lent_even_when_it_is_false() -> None:
+    """One more made for a worker that waited is lent to it whatever its truth value: taken as none
+    made (``another() or wait``), it was kept, never lent, and the worker waited behind the held
+    publish it was made to spare it."""
+    broker, release = InMemoryBroker(), threading.Event()
+    held = Held(broker, release)
+    made: list[Sized] = []
+
+    def more() -> Sized:
+        made.append(Sized(broker, release))
+        return made[-1]
+    workers = Workers([held], workers=2, more=more)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(publish_as, workers, 0, b"held")
+            wait_until(lambda: held.busy == 1)
+            assert pool.submit(publish_as, workers, 1).result(timeout=LEND_WAIT + 3) == ["delivered"]
+            assert not first.done() and len(made) == 1
+            release.set()
+            assert first.result(timeout=5) == ["delivered"]
+    finally:
+        release.set()
+        workers.close()
