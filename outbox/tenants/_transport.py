@@ -145,24 +145,26 @@ class Workers:
                 return None
             self._pending += 1
         made: object = None
+        failed = False
         try:
             made = more()
         except Exception as exc:
+            failed = True
             log.warning("fleet: every producer was lent for %.1f s, and another could not be made (%s); "
                         "the worker waits for a lent one", LEND_WAIT, first_line(exc))
         with self._making:
             self._pending -= 1
-            refused = self._refused(made)
+            refused = None if failed else self._refused(made)
             if refused is not None:
                 self._more = None  # the factory will not do better next time: no more are made
-            elif made is not None and self._more is not None:
+            elif not failed and self._more is not None:
                 self.transports.append(made)  # type: ignore[arg-type]  # checked by ``_refused``
                 log.info("fleet: every producer was lent for %.1f s (publishes held by the broker): "
                          "made another, %d of at most %d", LEND_WAIT, len(self.transports), self.workers)
                 return made  # type: ignore[return-value]
         if refused is not None:
             log.error("fleet: %s; no more are made, the workers wait for the ones they have", refused)
-        elif made is not None:  # closed meanwhile: none is used after close
+        elif not failed:  # closed meanwhile: none is used after close
             close = getattr(made, "close", None)
             if callable(close):
                 close(1.0)
@@ -170,8 +172,6 @@ class Workers:
 
     def _refused(self, made: object) -> str | None:
         """Why a transport made late cannot be lent (a misuse of the factory), or None."""
-        if made is None:
-            return None
         if any(made is known for known in self.transports):
             return SAME_TRANSPORT
         if not callable(getattr(made, "publish", None)):
@@ -210,7 +210,8 @@ class Workers:
         try:
             transport = self._free.get(timeout=LEND_WAIT)
         except queue.Empty:
-            transport = self._another() or self._free.get()
+            made = self._another()  # not ``or``: a transport may define __len__, and be 0
+            transport = made if made is not None else self._free.get()
         if transport is not None:
             with self._making:
                 if not self._closed:
