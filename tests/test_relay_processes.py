@@ -230,9 +230,11 @@ def test_order_and_no_loss_under_faults_and_sigkill(server_outbox: Outbox, serve
     assert kills >= 2
     stored = rows(pg_outbox)
     assert len(stored) == total and {r.status for r in stored} == {"published"}
-    records = read_topic(kafka, topic, expected=total, timeout=90, settle=2.0)
+    records = read_topic(kafka, topic, expected=total, timeout=90, whole=True)
     ids = {dict(r.headers)[MESSAGE_ID].decode() for r in records}
-    assert ids == {str(r.message_id) for r in stored}, "messages missing from the topic"
+    assert ids == {str(r.message_id) for r in stored}, (
+        f"messages missing from the topic: {len(records)} records read to each partition's end, "
+        f"{len(ids)} ids of {total}")
     expected = {}
     for row in stored:
         expected.setdefault(row.key.encode(), []).append(row.seq)
