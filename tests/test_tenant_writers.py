@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _relay_helpers import wait_for
 
 from outbox import ConfigurationError
 from outbox.tenants._transport import LEND_WAIT, Workers
@@ -90,11 +91,13 @@ def publish_as(workers: Workers, index: int, key: bytes = b"k") -> list[str]:
         return [r.outcome.value for r in transport.publish([Record("t", b"v", key)])]
 
 
-def producers(broker: InMemoryBroker, release: threading.Event) -> tuple[list[Held], Callable[[], Held]]:
+def producers(broker: InMemoryBroker, release: threading.Event,
+              kind: type[Held] | None = None) -> tuple[list[Held], Callable[[], Held]]:
+    """A transport factory making ``kind`` (``Held``), and the list of what it made."""
     made: list[Held] = []
 
     def more() -> Held:
-        made.append(Held(broker, release))
+        made.append((kind or Held)(broker, release))
         return made[-1]
     return made, more
 
@@ -122,7 +125,7 @@ def test_a_held_publish_holds_its_worker_alone_another_producer_is_made_for_the_
         with ThreadPoolExecutor(4) as pool:
             first = pool.submit(publish_as, workers, 0, b"held")
             second = pool.submit(publish_as, workers, 1, b"held")  # waits LEND_WAIT, then has its own
-            wait_until(lambda: len(made) == 2 and all(t.busy for t in made))
+            wait_for(lambda: len(made) == 2 and all(t.busy for t in made), 10, "the publishes held")
             started = time.monotonic()
             assert pool.submit(publish_as, workers, 2).result(timeout=5) == ["delivered"]
             waited = time.monotonic() - started
@@ -130,7 +133,7 @@ def test_a_held_publish_holds_its_worker_alone_another_producer_is_made_for_the_
             assert len(made) == 3 and not first.done() and not second.done()
             # One per worker at most: all three held, a fourth publish waits for one to come back.
             third = pool.submit(publish_as, workers, 2, b"held")
-            wait_until(lambda: all(t.busy for t in made))
+            wait_for(lambda: all(t.busy for t in made), 10, "the publishes held")
             fourth = pool.submit(publish_as, workers, 0)
             time.sleep(LEND_WAIT + 0.5)
             assert not fourth.done() and len(made) == 3
@@ -139,13 +142,6 @@ def test_a_held_publish_holds_its_worker_alone_another_producer_is_made_for_the_
     finally:
         release.set()
         workers.close()
-
-
-def wait_until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, "not within 10 s"
-        time.sleep(0.01)
 
 
 def test_a_publish_off_the_workers_threads_is_refused() -> None:
@@ -163,16 +159,18 @@ def test_a_transport_factory_that_fails_late_leaves_the_worker_waiting_for_a_len
     fail with the factory's error, which names nothing of that tenant."""
     broker, release = InMemoryBroker(), threading.Event()
     held = Held(broker, release)
+    asked = threading.Event()
 
     def more() -> Held:
+        asked.set()
         raise RuntimeError("cannot make a producer now")
     workers = Workers([held], workers=2, more=more)
     try:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(publish_as, workers, 0, b"held")
-            wait_until(lambda: held.busy == 1)
+            wait_for(lambda: held.busy == 1, 10, "the publishes held")
             second = pool.submit(publish_as, workers, 1)
-            time.sleep(LEND_WAIT + 0.5)  # past the wait: the factory was called, and failed
+            assert asked.wait(LEND_WAIT + 5)  # past the wait: the factory was called, and failed
             release.set()
             assert first.result(timeout=5) == second.result(timeout=5) == ["delivered"]
         assert held.most == 1
@@ -197,13 +195,13 @@ def test_close_does_not_wait_for_a_transport_being_made_and_closes_it_once_made(
     try:
         with ThreadPoolExecutor(3) as pool:
             first = pool.submit(publish_as, workers, 0, b"held")
-            wait_until(lambda: held.busy == 1)
+            wait_for(lambda: held.busy == 1, 10, "the publishes held")
             second = pool.submit(publish_as, workers, 1)
             assert making.wait(5)
             closing = pool.submit(workers.close)
             closing.result(timeout=2)  # not held by the factory
             go_on.set()
-            wait_until(lambda: bool(made_late) and made_late[0].closed)
+            wait_for(lambda: bool(made_late) and made_late[0].closed, 10, "the late transport closed")
             assert made_late[0].most == 0  # closed, not lent
             release.set()
             first.exception(timeout=5)  # on a closed fleet: whatever they get, they return
@@ -230,9 +228,9 @@ def test_a_factory_that_returns_a_transport_already_made_is_refused_not_lent_twi
     try:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(publish_as, workers, 0, b"held")
-            wait_until(lambda: held.busy == 1)
+            wait_for(lambda: held.busy == 1, 10, "the publishes held")
             second = pool.submit(publish_as, workers, 1)
-            time.sleep(LEND_WAIT + 0.5)
+            wait_for(lambda: "same transport" in caplog.text, LEND_WAIT + 5, "the late call refused")
             assert not second.done()  # waits for the one producer, not a second use of it
             release.set()
             assert first.result(timeout=5) == second.result(timeout=5) == ["delivered"]
@@ -254,7 +252,7 @@ def test_close_leaves_a_held_publish_its_transport_and_closes_it_once_given_back
     try:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(publish_as, workers, 0, b"held")
-            wait_until(lambda: held.busy == 1)
+            wait_for(lambda: held.busy == 1, 10, "the publishes held")
             workers.close()
             assert spare.closed and not held.closed
             release.set()
@@ -280,16 +278,12 @@ def test_a_transport_made_late_is_lent_even_when_it_is_false() -> None:
     publish it was made to spare it."""
     broker, release = InMemoryBroker(), threading.Event()
     held = Held(broker, release)
-    made: list[Sized] = []
-
-    def more() -> Sized:
-        made.append(Sized(broker, release))
-        return made[-1]
+    made, more = producers(broker, release, Sized)
     workers = Workers([held], workers=2, more=more)
     try:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(publish_as, workers, 0, b"held")
-            wait_until(lambda: held.busy == 1)
+            wait_for(lambda: held.busy == 1, 10, "the publishes held")
             assert pool.submit(publish_as, workers, 1).result(timeout=LEND_WAIT + 3) == ["delivered"]
             assert not first.done() and len(made) == 1
             release.set()

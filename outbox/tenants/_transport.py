@@ -144,30 +144,28 @@ class Workers:
             if more is None or len(self.transports) + self._pending >= self.workers:
                 return None
             self._pending += 1
-        made: object = None
-        failed = False
         try:
             made = more()
         except Exception as exc:
-            failed = True
+            with self._making:
+                self._pending -= 1
             log.warning("fleet: every producer was lent for %.1f s, and another could not be made (%s); "
                         "the worker waits for a lent one", LEND_WAIT, first_line(exc))
+            return None
         with self._making:
             self._pending -= 1
-            refused = None if failed else self._refused(made)
-            if refused is not None:
-                self._more = None  # the factory will not do better next time: no more are made
-            elif not failed and self._more is not None:
-                self.transports.append(made)  # type: ignore[arg-type]  # checked by ``_refused``
+            refused = self._refused(made)
+            if refused is None and self._more is not None:
+                self.transports.append(made)
                 log.info("fleet: every producer was lent for %.1f s (publishes held by the broker): "
                          "made another, %d of at most %d", LEND_WAIT, len(self.transports), self.workers)
-                return made  # type: ignore[return-value]
+                return made
+            if refused is not None:
+                self._more = None  # the factory will not do better next time: no more are made
         if refused is not None:
             log.error("fleet: %s; no more are made, the workers wait for the ones they have", refused)
-        elif not failed:  # closed meanwhile: none is used after close
-            close = getattr(made, "close", None)
-            if callable(close):
-                close(1.0)
+        else:  # closed meanwhile: none is used after close
+            _close(made)
         return None
 
     def _refused(self, made: object) -> str | None:
@@ -226,9 +224,7 @@ class Workers:
             if not self._closed:
                 self._free.put(transport)
                 return
-        close = getattr(transport, "close", None)
-        if callable(close):
-            close(1.0)
+        _close(transport)
 
     def close(self) -> None:
         """The writers finish what they were given (seconds at most), then the transports close.
@@ -252,10 +248,16 @@ class Workers:
                 made = self._free.get_nowait()
             except queue.Empty:
                 break
-            close = getattr(made, "close", None)
-            if made is not None and callable(close):
-                close(1.0)  # nothing is outstanding after a batch, unless one was left behind
+            if made is not None:
+                _close(made)
         self._free.put(None)  # wakes a worker waiting for one: it is refused, and wakes the next
+
+
+def _close(transport: Transport) -> None:
+    """Close ``transport`` if it can be: nothing is outstanding after a publish, unless one was left."""
+    close = getattr(transport, "close", None)
+    if callable(close):
+        close(1.0)
 
 
 class TenantTransport:
