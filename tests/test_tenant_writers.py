@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from _relay_helpers import wait_for
@@ -144,6 +144,13 @@ def test_a_held_publish_holds_its_worker_alone_another_producer_is_made_for_the_
         workers.close()
 
 
+def held_then_another(pool: ThreadPoolExecutor, workers: Workers, held: Held) -> tuple[Future, Future]:
+    """Worker 0's publish held on ``held`` (the only transport), then worker 1's publish asked for."""
+    first = pool.submit(publish_as, workers, 0, b"held")
+    wait_for(lambda: held.busy == 1, 10, "the first publish held")
+    return first, pool.submit(publish_as, workers, 1)
+
+
 def test_a_publish_off_the_workers_threads_is_refused() -> None:
     workers = Workers([InMemoryTransport(InMemoryBroker())])
     try:
@@ -167,9 +174,7 @@ def test_a_transport_factory_that_fails_late_leaves_the_worker_waiting_for_a_len
     workers = Workers([held], workers=2, more=more)
     try:
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(publish_as, workers, 0, b"held")
-            wait_for(lambda: held.busy == 1, 10, "the publishes held")
-            second = pool.submit(publish_as, workers, 1)
+            first, second = held_then_another(pool, workers, held)
             assert asked.wait(LEND_WAIT + 5)  # past the wait: the factory was called, and failed
             release.set()
             assert first.result(timeout=5) == second.result(timeout=5) == ["delivered"]
@@ -194,9 +199,7 @@ def test_close_does_not_wait_for_a_transport_being_made_and_closes_it_once_made(
     workers = Workers([held], workers=2, more=more)
     try:
         with ThreadPoolExecutor(3) as pool:
-            first = pool.submit(publish_as, workers, 0, b"held")
-            wait_for(lambda: held.busy == 1, 10, "the publishes held")
-            second = pool.submit(publish_as, workers, 1)
+            first, second = held_then_another(pool, workers, held)
             assert making.wait(5)
             closing = pool.submit(workers.close)
             closing.result(timeout=2)  # not held by the factory
@@ -227,9 +230,7 @@ def test_a_factory_that_returns_a_transport_already_made_is_refused_not_lent_twi
     workers = Workers([held], workers=2, more=lambda: held)
     try:
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(publish_as, workers, 0, b"held")
-            wait_for(lambda: held.busy == 1, 10, "the publishes held")
-            second = pool.submit(publish_as, workers, 1)
+            first, second = held_then_another(pool, workers, held)
             wait_for(lambda: "same transport" in caplog.text, LEND_WAIT + 5, "the late call refused")
             assert not second.done()  # waits for the one producer, not a second use of it
             release.set()
