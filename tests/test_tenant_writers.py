@@ -18,6 +18,7 @@ import pytest
 from _relay_helpers import wait_for
 
 from outbox import ConfigurationError
+from outbox.tenants import TenantRelay
 from outbox.tenants._transport import LEND_WAIT, Workers
 from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -292,3 +293,33 @@ def test_a_transport_made_late_is_lent_even_when_it_is_false() -> None:
     finally:
         release.set()
         workers.close()
+
+
+class Closing(InMemoryTransport):
+    """A transport that says whether it was closed."""
+
+    closed = False
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.closed = True
+
+
+def test_transports_made_for_a_fleet_that_is_refused_are_closed() -> None:
+    """A factory that fails on its second call, or a second transport that is no transport, refuses
+    the fleet: the producer already made is closed, not left with its connections and threads."""
+    broker = InMemoryBroker()
+    made: list[Closing] = []
+
+    def second_fails() -> Closing:
+        if made:
+            raise RuntimeError("no second producer")
+        made.append(Closing(broker))
+        return made[-1]
+
+    with pytest.raises(RuntimeError, match="no second producer"):
+        TenantRelay(["a"], second_fails, producers=2, workers=2)
+    assert [t.closed for t in made] == [True]
+    first = Closing(broker)
+    with pytest.raises(ConfigurationError, match="no publish"):
+        Workers([first, object()], workers=2)  # type: ignore[list-item]
+    assert first.closed

@@ -79,7 +79,7 @@ from ._idle_polls import IdlePolls
 from ._schedule import Schedule, Turn
 from ._shares import BacklogShares
 from ._slots import SLOT_RETRY, ServerSlots
-from ._transport import TenantTransport, Workers, checked_header
+from ._transport import TenantTransport, Workers, checked_header, made_by
 from ._turn_state import TurnState
 from ._units import Unit
 
@@ -181,9 +181,6 @@ class TenantRelay:
         self._tables = OutboxTables(prefix=prefix)
         self.notify_channel = notify_channel
         self._default = database
-        self._workers = Workers([transport() for _ in range(min(producers, workers))],
-                                exactly_once and idle_producers_after, progress_topic,
-                                workers=workers, more=transport)
         self.broker_outage = RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker",
                                                   process_metrics)
         self._schedule = Schedule()
@@ -211,6 +208,10 @@ class TenantRelay:
         # The tenants a worker closed during the stop without giving their leases back: the stop's
         # last line names them with those closed by ``run`` itself.
         self._kept_at_stop: list[str] = []
+        # Last: nothing after it raises, so a refused setting leaves no producer open.
+        self._workers = Workers(made_by(transport, min(producers, workers)),
+                                exactly_once and idle_producers_after, progress_topic,
+                                workers=workers, more=transport)
 
     def __repr__(self) -> str:
         return f"TenantRelay(worker_id={self.worker_id!r}, tenants={len(self._tenants.units)})"

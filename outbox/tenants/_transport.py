@@ -94,11 +94,16 @@ class Workers:
     def __init__(self, transports: Sequence[Transport], idle_producers_after: float | bool = False,
                  progress_topic: str = "", *, workers: int | None = None,
                  more: Callable[[], Transport] | None = None) -> None:
-        for made in transports:
-            if not callable(getattr(made, "publish", None)):
-                raise ConfigurationError(f"transport() returned {made!r:.80}, which has no publish(records)")
-        if len({id(made) for made in transports}) < len(transports):
-            raise ConfigurationError(SAME_TRANSPORT)
+        try:
+            for made in transports:
+                if not callable(getattr(made, "publish", None)):
+                    raise ConfigurationError(
+                        f"transport() returned {made!r:.80}, which has no publish(records)")
+            if len({id(made) for made in transports}) < len(transports):
+                raise ConfigurationError(SAME_TRANSPORT)
+        except ConfigurationError:
+            _close_each(transports)  # made for nothing: their connections are not left open
+            raise
         self.transports = list(transports)
         self.workers = workers or len(self.transports)
         self._more = more  # makes another transport when every one has been lent ``LEND_WAIT``
@@ -258,6 +263,24 @@ def _close(transport: Transport) -> None:
     close = getattr(transport, "close", None)
     if callable(close):
         close(1.0)
+
+
+def _close_each(transports: Sequence[Transport]) -> None:
+    """Close each of ``transports`` once (a factory may have returned one twice)."""
+    for made in {id(made): made for made in transports}.values():
+        _close(made)
+
+
+def made_by(factory: Callable[[], Transport], count: int) -> list[Transport]:
+    """``count`` transports from ``factory``; those made are closed if a later call fails."""
+    made: list[Transport] = []
+    try:
+        for _ in range(count):
+            made.append(factory())
+    except BaseException:
+        _close_each(made)
+        raise
+    return made
 
 
 class TenantTransport:
