@@ -462,6 +462,20 @@ def test_the_first_run_once_steps_a_tenant_whose_server_is_slow_to_answer(pg: sa
     assert results["acme"].published == 1
 
 
+def test_run_once_leaves_the_callers_thread_no_worker(pg: sa.Engine, topic: str) -> None:
+    """The caller's thread is worker 0 during ``run_once`` only: after it, a publish from that thread
+    (a tenant's step called by hand) is refused as any thread's outside the workers is."""
+    outboxes = make_tenants(pg, ["acme"])
+    publish(outboxes["acme"], topic, ["k1"])
+    relay = fleet(list(outboxes), InMemoryBroker(max_record_bytes=ROOMY), database=pg)
+    try:
+        assert relay.run_once()["acme"].published == 1
+        with pytest.raises(ConfigurationError, match="worker threads"), relay._workers.producer():
+            pass
+    finally:
+        relay.close()
+
+
 def refuse_release(pg: sa.Engine, schema: str) -> None:
     """``schema``'s lease table refuses to let a lease go (an UPDATE that clears its owner)."""
     with pg.begin() as conn:

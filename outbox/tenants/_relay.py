@@ -392,12 +392,12 @@ class TenantRelay:
         if not self._refreshed.is_set():
             self._tenants.refresh(stalled_after=None)
             self._refreshed.set()
-        self._workers.bind(0)
         results = {}
-        for unit in list(self._tenants.units.values()):
-            if unit.step is not None:
-                self._serve(unit, wait=True)
-                results[unit.tenant.name] = unit.last
+        with self._workers.bound(0):  # the caller's thread is not a worker after: it publishes nothing
+            for unit in list(self._tenants.units.values()):
+                if unit.step is not None:
+                    self._serve(unit, wait=True)
+                    results[unit.tenant.name] = unit.last
         return results
 
     def _serve(self, unit: Unit, *, wait: bool = False) -> Turn:

@@ -135,6 +135,16 @@ class Workers:
     def bind(self, index: int) -> None:
         self.local.index = index
 
+    @contextmanager
+    def bound(self, index: int) -> Iterator[None]:
+        """This thread is worker ``index`` until the block ends (``run_once`` on a caller's thread)."""
+        before = getattr(self.local, "index", None)
+        self.local.index = index
+        try:
+            yield
+        finally:
+            self.local.index = before
+
     def _another(self) -> Transport | None:
         """A transport more, for a worker that waited ``LEND_WAIT``; None once there is one per worker.
 
