@@ -77,7 +77,8 @@ def check_topic(records: Sequence[Record], outboxes: dict[str, Outbox]) -> int:
             continue
         seen[message_id] = this
         got.setdefault(this[:2], []).append(this[2])
-    assert set(seen) == set(tenant_of), "messages missing from the topic"
+    assert set(seen) == set(tenant_of), (
+        f"messages missing from the topic: {len(records)} records read, {len(seen)} ids of {len(tenant_of)}")
     assert got == {place: sorted(seqs) for place, seqs in expected.items()}
     assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in expected.values())
     return len(records) - len(seen)
@@ -152,7 +153,8 @@ def test_one_tenant_database_stopped_while_the_others_flow(
     assert took < STOP_TIMEOUT + 5, text[-3000:]
     assert all(owned_leases(o) == 0 for o in shared.values())
     total = sum(len(rows(o)) for o in outboxes.values())
-    check_topic(read_topic(kafka, topic, expected=total, timeout=60), outboxes)
+    # To each partition's end: a count could be made up by a redelivery before every message was read.
+    check_topic(read_topic(kafka, topic, expected=total, timeout=60, whole=True), outboxes)
     down = [line for line in outage_log.splitlines() if " unreachable (" in line]
     up = [line for line in outage_log.splitlines() if "reachable again" in line]
     assert len(down) == 1 and len(up) == 1, (down, up)
@@ -230,7 +232,9 @@ def test_a_tenant_fleet_loses_and_reorders_nothing_when_its_processes_are_killed
             process.wait(40)
         maria.dispose()
     total = sum(len(rows(o)) for o in outboxes.values())
-    records = read_topic(kafka, topic, expected=total, timeout=90, settle=2.0)
+    # To each partition's end: the kills' redeliveries could make up a count of records before
+    # every message was read (as in test_relay_processes' campaign on CI).
+    records = read_topic(kafka, topic, expected=total, timeout=90, whole=True)
     redelivered = check_topic(records, outboxes)
     print(f"\n{total} messages of {len(outboxes)} tenants, {len(records)} records, {redelivered} "
           f"redelivered, {kills} fleet processes killed while they held leases")
