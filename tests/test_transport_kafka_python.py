@@ -124,6 +124,8 @@ def test_a_flush_timeout_is_a_retry_per_record_not_an_error_of_the_batch(tmp_pat
             time.sleep(0.1)
         relay.close()
         assert {r.status for r in rows(outbox)} == {"published"}
-        values = [r.key for r in read_topic(broker.bootstrap, topic, expected=4, timeout=20)]
+        # To each partition's end: the records that timed out while the broker was frozen may be on
+        # the topic twice, and four records could be read before the last one sent.
+        values = [r.key for r in read_topic(broker.bootstrap, topic, expected=4, timeout=20, whole=True)]
         assert values.count(b"a") >= 2 and values.count(b"b") >= 1  # duplicates allowed
         producer.close(5)
