@@ -63,6 +63,11 @@ def copies(records: list[Record]) -> Counter[bytes]:
     return Counter(dict(r.headers)[MESSAGE_ID] for r in records)
 
 
+def sent_once(outbox: Outbox, topic: str) -> Counter[bytes]:
+    """What ``copies`` of a topic is when each of its rows was sent exactly once."""
+    return Counter(str(r.message_id).encode() for r in rows(outbox) if r.topic == topic)
+
+
 def test_a_relay_whose_mark_was_fenced_never_sends_those_rows_again(
         outbox: Outbox, kafka: str, topic: str, progress_topic: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,6 +403,7 @@ def test_a_row_addressed_to_the_progress_topic_cannot_forge_a_shards_progress(
     assert {r.status for r in rows(ob) if r.topic == topic} == {"published"}
     engine.dispose()
     assert len(on_wire) == 10, f"{10 - len(on_wire)} committed rows marked published, never sent"
+    assert copies(on_wire) == sent_once(ob, topic)  # not a duplicate making up for a loss
 
 
 def test_a_rightful_owner_fenced_by_a_stray_producer_counts_no_attempt(
@@ -422,6 +428,7 @@ def test_a_rightful_owner_fenced_by_a_stray_producer_counts_no_attempt(
     stray.close()
     on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
     assert len(on_wire) == 6
+    assert copies(on_wire) == sent_once(ob, topic)  # each row once: no duplicate hides a loss
     assert [r.attempts for r in rows(ob)] == [1] * 6
     engine.dispose()
 
