@@ -81,9 +81,33 @@ def test_every_tenant_gets_one_outcome_in_order(memory: sa.Engine, plan: list[tu
                 assert not set(later) & set(called)
 
 
-def test_a_hanging_tenant_is_given_up_on_at_its_deadline(memory: sa.Engine) -> None:
+class Deadlines:
+    """``each_tenant``'s clock (``outbox.tenants._each.time``), moved only by a tenant that hangs.
+
+    The deadlines are short (a test waits each out) and were the host's: a loaded CI host that
+    stalls a tenant that answers for 0.2 s would have it reported "no answer", the wrong outcome.
+    Here a hanging tenant moves the clock past its deadline as it starts to hang (as a frozen
+    database does to the wall clock); no other tenant is ever late, however slow the host.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, timeout: float) -> None:
+        from outbox.tenants import _each
+
+        self.now, self.timeout = 1000.0, timeout
+        monkeypatch.setattr(_each, "time", self)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def hang(self) -> None:
+        self.now += self.timeout + 0.001
+
+
+def test_a_hanging_tenant_is_given_up_on_at_its_deadline(memory: sa.Engine,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two tenants of one database past their deadline, none answering between: the database is
     frozen, and its next tenant is reported so without waiting out a deadline of its own."""
+    clock = Deadlines(monkeypatch, 0.3)
     release = threading.Event()
     tenants = [Tenant("ice", database="sqlite:///frozen.db"), Tenant("a", schema="a"),
                Tenant("ice2", schema="x", database="sqlite:///frozen.db"),
@@ -91,6 +115,7 @@ def test_a_hanging_tenant_is_given_up_on_at_its_deadline(memory: sa.Engine) -> N
 
     def work(tenant: Tenant, bind: sa.Engine) -> str:
         if tenant.name.startswith("ice"):
+            clock.hang()
             release.wait(30)
         return tenant.name
 
@@ -109,16 +134,18 @@ def test_a_hanging_tenant_is_given_up_on_at_its_deadline(memory: sa.Engine) -> N
 
 
 def test_one_tenant_waiting_on_a_lock_of_its_own_does_not_condemn_its_databases_other_tenants(
-        memory: sa.Engine) -> None:
+        memory: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """500 schemas in one database, one of them locked (a migration, ``VACUUM FULL``): that tenant
     alone is past its deadline. Its database answered the next tenant, so the later ones are
     read, not reported "did not answer" (one timeout used to mark the whole database frozen)."""
+    clock = Deadlines(monkeypatch, 0.2)
     release = threading.Event()
     tenants = [Tenant("locked", schema="locked"), Tenant("a", schema="a"), Tenant("locked2", schema="l2"),
                Tenant("b", schema="b"), Tenant("c", schema="c")]
 
     def work(tenant: Tenant, bind: sa.Engine) -> str:
         if tenant.name.startswith("locked"):
+            clock.hang()
             release.wait(30)
         return tenant.name
 
