@@ -159,6 +159,35 @@ def test_one_tenant_waiting_on_a_lock_of_its_own_does_not_condemn_its_databases_
     assert [o.problem for o in outcomes] == [late, None, late, None, None]
 
 
+def test_a_tenant_started_after_the_caller_began_waiting_is_still_given_up_on_at_its_deadline(
+        memory: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's thread watches the deadlines of the tenants it has seen start. A worker thread
+    that a loaded host runs late starts its tenant while the caller already waits with no deadline
+    to watch: unannounced, that start went unwatched, and a frozen database held the report until
+    its work ended (here 10 s later, with a value) instead of its 0.3 s deadline."""
+    from outbox.tenants._each import _Run
+
+    serve = _Run._serve
+
+    def late(run: _Run[str]) -> None:
+        time.sleep(0.2)  # the worker thread runs after the caller began to wait
+        serve(run)
+
+    monkeypatch.setattr(_Run, "_serve", late)
+    release = threading.Event()
+
+    def work(tenant: Tenant, bind: sa.Engine) -> str:
+        release.wait(10)
+        return tenant.name
+
+    try:
+        [outcome] = each_tenant([Tenant("ice", schema="ice")], work, databases=TenantDatabases(memory),
+                                timeout=0.3)
+    finally:
+        release.set()
+    assert (outcome.value, outcome.problem) == (None, "no answer within 0.3 s (is its database frozen?)")
+
+
 def test_bad_arguments_are_refused_by_name(memory: sa.Engine) -> None:
     databases = TenantDatabases(memory)
     with pytest.raises(ConfigurationError, match="concurrency"):

@@ -130,7 +130,9 @@ class _Run(Generic[T]):
     """Worker threads take tenants from a queue; the caller's thread watches the deadlines.
 
     A worker stuck past its tenant's deadline is replaced, so a frozen database
-    holds at most the threads that were inside it, never the report.
+    holds at most the threads that were inside it, never the report. A start is
+    announced: the caller, waiting while no tenant it knew of had started, would
+    otherwise never watch the deadline of one that started after it began to wait.
     """
 
     def __init__(self, tenants: Sequence[Tenant], work: Callable[[Tenant, Engine], T],
@@ -182,6 +184,7 @@ class _Run(Generic[T]):
                     self._settle(index, TenantOutcome(tenant, problem=self._down[key], unreachable=True))
                     continue
                 self._started[index] = time.monotonic()
+                self._changed.notify_all()  # a caller waiting with no deadline to watch has one now
             outcome = self._one(tenant)
             with self._changed:
                 if self._started.pop(index, None) is None:
