@@ -386,11 +386,35 @@ def test_the_tail_of_a_drained_backlog_is_no_live_traffic() -> None:
     assert shares.limit_for(other) == SHARED_BATCH
 
 
-def test_a_backlogs_shared_turn_waits_for_the_live_turns_running() -> None:
+class WatchedCondition(threading.Condition):
+    """``BacklogShares``' condition, telling the test when a turn waits on it and for how long at most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float | None] = []
+        self.entered = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        self.entered.set()
+        return super().wait(timeout)
+
+
+def test_a_backlogs_shared_turn_waits_for_the_live_turns_running(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_shares``: while a live tenant's turn runs, a backlog's shared turn does not start; it
     starts when the live turn ends, or after ``YIELD_AT_MOST`` when live turns go on and on. A
-    backlog's full turn (no live traffic) and a live turn never wait."""
+    backlog's full turn (no live traffic) and a live turn never wait.
+
+    The yield is 20 ms: a test thread stalled that long by a loaded host saw the backlog's turn
+    start "while the live turn ran" (it had waited out its yield), and "let go when the live turn
+    ended" was checked against 10 ms of wall time. So where the yield must not run out, it is a
+    minute: only the live turn's end can let the backlog go, and a turn that waited would show by
+    the minute. The turn that outlasts the yield keeps the real one; the waits its condition saw say
+    it asked for no more."""
+    from outbox.tenants import _shares
+
     shares = BacklogShares()
+    condition = shares._running = WatchedCondition()
     backlog, quiet, other = Tenantish(backlogged=True), Tenantish(), Tenantish()
     started: list[float] = []
 
@@ -398,21 +422,38 @@ def test_a_backlogs_shared_turn_waits_for_the_live_turns_running() -> None:
         with shares.turn(backlog, shared=True):
             started.append(time.monotonic())
 
+    monkeypatch.setattr(_shares, "YIELD_AT_MOST", 60.0)
     with shares.turn(quiet, shared=False):
         with shares.turn(other, shared=False):  # a second live turn at once
             pass
-        waiting = threading.Thread(target=backlog_turn)
+        waiting = threading.Thread(target=backlog_turn, daemon=True)
         waiting.start()
-        time.sleep(YIELD_AT_MOST / 4)
+        assert condition.entered.wait(10), "the shared turn did not wait for the live turn"
         assert not started  # held while the live turn runs
         ended = time.monotonic()
-    waiting.join(5)
-    assert started and started[0] - ended < YIELD_AT_MOST / 2, "not let go when the live turn ended"
+    waiting.join(30)
+    assert started and started[0] - ended < 30, "not let go when the live turn ended"
 
-    with shares.turn(quiet, shared=False):  # a live turn that outlasts the yield
+    condition.waits.clear()
+    with shares.turn(quiet, shared=False):  # live traffic running
+        with shares.turn(backlog, shared=False):  # a full batch: no live traffic lately
+            pass
+        with shares.turn(other, shared=False):  # a live turn
+            pass
+    assert condition.waits == [], "a full batch or a live turn waited"
+
+    monkeypatch.setattr(_shares, "YIELD_AT_MOST", YIELD_AT_MOST)
+    waited: list[float] = []
+
+    def outlasted() -> None:
         began = time.monotonic()
         with shares.turn(backlog, shared=True):
-            waited = time.monotonic() - began
-        with shares.turn(backlog, shared=False):  # a full batch: no live traffic lately
-            assert time.monotonic() - began - waited < YIELD_AT_MOST / 2
-    assert YIELD_AT_MOST * 0.9 <= waited < 1.0
+            waited.append(time.monotonic() - began)
+
+    with shares.turn(quiet, shared=False):  # a live turn that outlasts the yield
+        turn = threading.Thread(target=outlasted, daemon=True)
+        turn.start()
+        turn.join(30)
+        assert waited, "the shared turn waited for as long as the live turn ran"
+    assert waited[0] >= YIELD_AT_MOST * 0.9
+    assert condition.waits and all(t is not None and t <= YIELD_AT_MOST for t in condition.waits)
