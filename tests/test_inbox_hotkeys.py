@@ -441,12 +441,45 @@ def test_an_outage_while_parking_mid_run_keeps_the_failed_message_ahead_of_its_k
         (2, "failed"), (3, "key_parked"), (4, "key_parked")]
 
 
-def slow(pause: float, calls: list[int], fail: dict[int, int] | None = None):  # type: ignore[no-untyped-def]
-    """``failing_at`` that takes ``pause`` seconds per call, as a handler calling a service would."""
+class BudgetClock:
+    """The clock of ``batch_budget`` (``outbox.inbox._calls.time``), moved only by what the test's
+    handlers say they took: a loaded host's stall spends none of a transaction's budget.
+
+    With the host's clock, a test whose handler must fail *within* the budget (or whose first pass
+    must fit in it) would fail whenever the host stalled the transaction for the budget's margin."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from outbox.inbox import _calls
+
+        self.now = 1000.0
+        monkeypatch.setattr(_calls, "time", self)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+    def took(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def budget_clock(monkeypatch: pytest.MonkeyPatch) -> BudgetClock:
+    return BudgetClock(monkeypatch)
+
+
+def slow(pause: float, calls: list[int], fail: dict[int, int] | None = None,  # type: ignore[no-untyped-def]
+         clock: BudgetClock | None = None):
+    """``failing_at`` that takes ``pause`` seconds per call, as a handler calling a service would:
+    of the host's time, or only of ``clock``'s."""
     handle = failing_at(fail or {}, calls)
 
     def slow_handle(session, message):  # type: ignore[no-untyped-def]
-        time.sleep(pause)
+        if clock is None:
+            time.sleep(pause)
+        else:
+            clock.took(pause)
         handle(session, message)
     return slow_handle
 
@@ -479,13 +512,13 @@ def test_a_slow_run_commits_what_ran_within_the_budget_and_the_rest_follows_at_o
 
 
 def test_a_failure_in_a_slow_run_is_settled_as_without_a_budget(
-    make_inbox: Callable[..., Inbox], engine: sa.Engine
+    make_inbox: Callable[..., Inbox], engine: sa.Engine, budget_clock: BudgetClock
 ) -> None:
     """The budget changes how many messages a transaction runs, never what a failure at message k
     does: the ones before k apply once, k is retried with one attempt counted, none after k ran."""
     inbox = make_inbox(batch_budget=0.5)  # a slow handler, a budget that seq 2 fails within
     calls: list[int] = []
-    inbox.handler(TOPIC)(for_inbox(inbox, slow(0.04, calls, {2: 1})))
+    inbox.handler(TOPIC)(for_inbox(inbox, slow(0.04, calls, {2: 1}, budget_clock)))
     settled = settle(inbox, run_of("a", 1, 6))
     assert seqs(settled.done) == [1]
     assert seqs(settled.later) == [2, 3, 4, 5, 6]
@@ -497,7 +530,7 @@ def test_a_failure_in_a_slow_run_is_settled_as_without_a_budget(
 
 
 def test_a_redo_that_outlasts_the_budget_still_counts_the_failure_it_reuses(
-    make_inbox: Callable[..., Inbox], engine: sa.Engine
+    make_inbox: Callable[..., Inbox], engine: sa.Engine, budget_clock: BudgetClock
 ) -> None:
     """Found by an attack on ``batch_budget``: a failure sends the batch to the redo, one SAVEPOINT
     per message (slower than the first pass); a redo that ran out of budget on another key's
@@ -505,13 +538,13 @@ def test_a_redo_that_outlasts_the_budget_still_counts_the_failure_it_reuses(
     settle: its attempt was never counted and its failing handler ran once more, for as long as a
     busy key's runs kept coming ahead of it and outlasting the budget in the redo (never parking).
     A failing handler runs ``max_attempts`` times, budget or not."""
-    inbox = make_inbox(batch_budget=1.0)  # the first pass well within it, even on a loaded machine
+    inbox = make_inbox(batch_budget=1.0)  # the first pass within it: the budget's clock stands still
     calls: list[tuple[str | None, int | None]] = []
 
     def handle(session, message):  # type: ignore[no-untyped-def]
         calls.append((message.key, message.seq))
         if message.key == "b" and calls.count(("b", 1)) == 2:
-            time.sleep(1.2)  # the redo's call of b's message outlasts the budget
+            budget_clock.took(1.2)  # the redo's call of b's message outlasts the budget
         apply_effect(session, message)
         if message.key == "a":
             raise RuntimeError("a fails, always")
