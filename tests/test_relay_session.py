@@ -231,14 +231,32 @@ def through_pgbouncer(postgres_db: str) -> Iterator[str]:
 
 
 def test_through_pgbouncer_a_fleet_finds_its_listen_deaf_and_polls_instead_of_backing_off(
-        postgres_db: str, through_pgbouncer: str, caplog: pytest.LogCaptureFixture) -> None:
+        postgres_db: str, through_pgbouncer: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Through a transaction-mode PgBouncer a LISTEN succeeds and hears nothing. Believed, it let an
     idle tenant's polls back off as if a notification would wake it, and a message written after
     some idle seconds waited for the backed-off poll (up to a minute). The listener's probe finds it
     deaf: the tenant is polled every poll interval, and the reason is logged once.
 
-    Poll interval 0.1 s, backed off: polls 0.2, 0.4, ... 3.2 s apart (less 25 % jitter at most) end
-    by 6.2 s, the next one 4.8 s or more later; a message written 7 s in waited 2.4 s or more."""
+    Counted as polls after the probe, not timed as one message: polled every 0.1 s, twenty polls
+    take seconds (a minute allowed: 3 s a fetch); backed off (0.2, 0.4, 0.8 ... s apart, less a
+    quarter at most) the tenth alone would come more than 75 s after the first. (Timed, a message
+    written 7 s in had to go within 1.5 s where a backed-off poll came 2.4 s or more later: a
+    margin a loaded host could eat.)"""
+    from outbox.relay import RelayStep
+
+    polls: list[float] = []
+    original = RelayStep.run_batch
+
+    def counted(step: RelayStep, *, wait: bool, **kwargs: Any) -> Any:
+        polls.append(time.monotonic())
+        return original(step, wait=wait, **kwargs)
+
+    monkeypatch.setattr(RelayStep, "run_batch", counted)
+
+    def deaf() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no notification came back" in r.getMessage()]
+
     engine = create_engine(postgres_db)
     try:
         with engine.begin() as conn:
@@ -248,21 +266,19 @@ def test_through_pgbouncer_a_fleet_finds_its_listen_deaf_and_polls_instead_of_ba
         fleet = TenantRelay([Tenant("acme", schema="acme", database=through_pgbouncer)],
                             lambda: ScriptedTransport(), workers=1, poll_interval=0.1,
                             transaction_pooled=True)
-        started = time.monotonic()
         running = Running(fleet)
         try:
-            time.sleep(max(0.0, started + 7 - time.monotonic()))
+            wait_for(deaf, 30, "the listener's probe to find it deaf")
+            found_deaf = len(polls)
+            wait_for(lambda: len(polls) >= found_deaf + 20, 60,
+                     "twenty polls after the probe (every 0.1 s; backed off, nine at most)")
             publish(acme, "t", ["k1"])  # straight to PostgreSQL: its notification reaches no one
-            written = time.monotonic()
             wait_for(lambda: not rows(acme, status="pending"), 20, "the fleet to publish")
-            waited = time.monotonic() - written
         finally:
             running.stop()
     finally:
         engine.dispose()
-    assert waited < 1.5, f"the message waited {waited:.1f} s for a backed-off poll"
-    deaf = [r.getMessage() for r in caplog.records if "no notification came back" in r.getMessage()]
-    assert len(deaf) == 1, deaf
+    assert len(deaf()) == 1, deaf()
 
 
 @pytest.mark.parametrize("marked", [True, False])
