@@ -165,15 +165,15 @@ def test_a_tenant_started_after_the_caller_began_waiting_is_still_given_up_on_at
     that a loaded host runs late starts its tenant while the caller already waits with no deadline
     to watch: unannounced, that start went unwatched, and a frozen database held the report until
     its work ended (here 10 s later, with a value) instead of its 0.3 s deadline."""
-    from outbox.tenants._each import _Run
+    from outbox.tenants import _each
 
-    serve = _Run._serve
+    serve = _each._Run._serve
 
-    def late(run: _Run[str]) -> None:
+    def late(run: _each._Run[str]) -> None:
         time.sleep(0.2)  # the worker thread runs after the caller began to wait
         serve(run)
 
-    monkeypatch.setattr(_Run, "_serve", late)
+    monkeypatch.setattr(_each._Run, "_serve", late)
     release = threading.Event()
 
     def work(tenant: Tenant, bind: sa.Engine) -> str:
