@@ -121,14 +121,14 @@ def test_a_tenants_source_that_hangs_neither_stops_the_serving_nor_holds_the_sto
         return ["t1", "t2"]
 
     broker = InMemoryBroker(max_record_bytes=ROOMY)
-    running = Running(fleet(source, broker, database=pg), stop_timeout=10)
+    running = Running(fleet(source, broker, database=pg), stop_timeout=30)
     try:
         wait_for(lambda: calls > 1, 10, "the hanging read")
         publish(outboxes["t1"], topic, ["a"])
         publish(outboxes["t2"], topic, ["a"])
         wait_for(lambda: pending(outboxes["t1"]) == pending(outboxes["t2"]) == 0, 10, "served meanwhile")
         took = running.stop(close=False)
-        assert took < 5, "the stop waited for the tenants source"
+        assert took < 15, "the stop waited for the tenants source"  # it hangs 60 s; a slow host is not 15
         assert owned_leases(outboxes["t1"]) == owned_leases(outboxes["t2"]) == 0
         running.relay.close()
     finally:

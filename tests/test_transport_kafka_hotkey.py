@@ -123,7 +123,8 @@ def test_a_hot_key_costs_no_round_trip_per_record(topic: str) -> None:
         took = time.monotonic() - started
         transport.close()
     assert all(r.outcome is Outcome.DELIVERED for r in results)
-    assert took < 2.5, f"{took:.1f} s: one round trip per record would be 10 s"
+    # Half of what one round trip per record takes: a slow host's margin, and still far from it.
+    assert took < 5, f"{took:.1f} s: one round trip per record would be 10 s"
 
 
 @MOCK
