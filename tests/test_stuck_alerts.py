@@ -48,7 +48,9 @@ def test_a_head_retried_past_the_threshold_alerts_once_and_the_gauge_follows(out
     ids = publish(outbox, "orders", ["a", "a", "b"])
     alerts: list[Alert] = []
     registry = CollectorRegistry()
-    transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY] * 30})
+    # 100 retries 0.05 s apart: stuck for 5 s at least, so a loaded host's second between the alert
+    # and the look at the gauge, or in the second below, cannot see the head delivered already.
+    transport = ScriptedTransport({str(ids[0]): [Outcome.RETRY] * 100})
     relay = Relay(outbox, transport, alert=alerts.append, backoff=tenacity.wait_fixed(0.05),
                   lease_ttl=0.6, key_stuck_after=0.5, metrics=relay_metrics(registry), worker_id="w")
     stuck = [a for a in alerts if a.kind == "key_stuck"]
@@ -58,7 +60,7 @@ def test_a_head_retried_past_the_threshold_alerts_once_and_the_gauge_follows(out
         time.sleep(1.0)  # five more checks while still stuck: no second alert
         stuck = [a for a in alerts if a.kind == "key_stuck"]
         assert len(stuck) == 1
-        wait_for(lambda: len(transport.sent) == 3, 30, "the head to be delivered at last")
+        wait_for(lambda: len(transport.sent) == 3, 60, "the head to be delivered at last")
         wait_for(lambda: gauge(registry, "w") == 0, 10, "the gauge to drop")
     alert = stuck[0]
     assert (alert.topic, alert.key, alert.message_id) == ("orders", "a", str(ids[0]))
