@@ -247,7 +247,7 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
     """Each handler stays in (I/O-bound) until eight run at once or 10 s after the first: on a
     loaded host a 20 ms handler could finish before the next began, and a peak of 7 said
     nothing about the inbox (CI). An inbox that runs fewer than eight at once still fails."""
-    lock = threading.Lock()
+    lock = threading.Condition()
     running_now: dict[str, int] = {}
     peak = {"all": 0, "per_key": 0}
     waits_until: list[float] = []
@@ -258,6 +258,7 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
             peak["all"] = max(peak["all"], sum(running_now.values()))
             peak["per_key"] = max(peak["per_key"], running_now[key])
             waits_until[:] = waits_until or [time.monotonic() + 10]
+            lock.notify_all()
             return waits_until[0]
 
     def eight_ran_at_once(until: float) -> bool:
@@ -269,9 +270,8 @@ def test_different_keys_of_one_partition_run_in_parallel_one_key_at_a_time(
 
     def handler(session, message):  # type: ignore[no-untyped-def]
         until = enter(message.key)
-        time.sleep(0.02)
-        while not eight_ran_at_once(until):
-            time.sleep(0.01)
+        with lock:
+            lock.wait_for(lambda: peak["all"] >= 8, timeout=max(0.0, until - time.monotonic()))
         leave(message.key)
         apply_effect(session, message)
 

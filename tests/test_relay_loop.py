@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, publish, rows
+from _relay_helpers import ScriptedTransport, publish, rows, wait_for
 from prometheus_client import CollectorRegistry
 
 from outbox import Outbox, Relay, create_engine, relay_metrics
@@ -46,15 +46,14 @@ def test_run_wakes_on_notify_not_on_the_poll_interval(postgres_db: str) -> None:
     still connecting the listener then made the first latency its start-up. The bound is a sixth
     of the poll interval, which no message can meet but by its notification (each waited at most
     1.0 s before: far below the interval, and within a stall of a loaded host)."""
-    outbox = Outbox(create_engine(postgres_db))
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine)
     outbox.create_tables()
     poll_interval = 60.0
     relay = Relay(outbox, ScriptedTransport(), poll_interval=poll_interval)
     thread = running(relay)
-    deadline = time.monotonic() + 30
-    while not listening(outbox.engine):  # type: ignore[arg-type]
-        assert time.monotonic() < deadline and thread.is_alive(), "the relay never listened"
-        time.sleep(0.05)
+    wait_for(lambda: listening(engine) or not thread.is_alive(), 30, "the relay listening")
+    assert thread.is_alive(), "the relay stopped before it listened"
     latencies = []
     for n in range(1, 6):
         publish(outbox, "orders", [f"k{n}"])
@@ -63,7 +62,7 @@ def test_run_wakes_on_notify_not_on_the_poll_interval(postgres_db: str) -> None:
     thread.join(10)
     assert not thread.is_alive()
     assert max(latencies) < poll_interval / 6, latencies  # each woken, none polled
-    outbox.engine.dispose()  # type: ignore[union-attr]
+    engine.dispose()
 
 
 def test_a_full_batch_is_followed_by_a_fetch_at_once_not_a_poll_wait(proof_db_url: str) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from _relay_helpers import wait_for
@@ -324,6 +325,7 @@ def test_transports_made_for_a_fleet_that_is_refused_are_closed() -> None:
         TenantRelay(["a"], second_fails, producers=2, workers=2)
     assert [t.closed for t in made] == [True]
     first = Closing(broker)
+    no_transport: Any = object()  # what a factory returning the wrong thing gives
     with pytest.raises(ConfigurationError, match="no publish"):
-        Workers([first, object()], workers=2)  # type: ignore[list-item]
+        Workers([first, no_transport], workers=2)
     assert first.closed
