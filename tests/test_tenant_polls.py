@@ -227,6 +227,111 @@ def test_a_delayed_row_goes_out_when_due_though_polls_are_rare(
 
 
 @pytest.mark.postgres
+def test_rows_a_notification_announced_need_no_poll_after_them(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """A tenant whose polls have backed off gets a notified row: its turn sends it, and its polls go
+    on backing off. Reset to the poll interval after every turn with work, a fleet draining 500
+    tenants polled each again every interval while the others drained (``_idle_polls``): here
+    0.1, 0.2, 0.4 and 0.8 s after the send, four fetches in the 1.5 s counted."""
+    fetches = Fetches(monkeypatch)
+    outbox = schema_outbox(pg, "told")
+    start(running, ["told"], pg, poll_interval=0.1)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off("told", 1.2), 30, "its polls 1.6 s apart (the next 3.2 s)")
+    publish(outbox, "told")
+    wait_for(lambda: pending(outbox) == 0, 5, "the notified row sent")
+    began = time.monotonic()
+    time.sleep(1.5)  # the window counted: no condition to wait for, only fetches to count
+    polled = fetches.between("told", began, time.monotonic())
+    assert polled <= 1, f"polled {polled} times in the 1.5 s after a notified row was sent"
+
+
+@pytest.mark.postgres
+def test_a_delayed_row_beside_a_sent_one_goes_out_when_due_though_polls_are_rare(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """One transaction writes a row due now and one due a second later; the turn its notification
+    starts sends the first and reads, on its fetch's connection, when the second comes due: the
+    tenant's next poll is then, not at its backoff (6 s and more here)."""
+    fetches = Fetches(monkeypatch)
+    outbox = schema_outbox(pg, "both")
+    start(running, ["both"], pg, poll_interval=0.25)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off("both", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    committed = time.monotonic()
+    with outbox.begin() as session:
+        outbox.publish(session, "polls", {"key": "now"}, key="now")
+        outbox.publish(session, "polls", {"key": "soon"}, key="soon", delay=1.0)
+    wait_for(lambda: pending(outbox) == 0, 4, "the delayed row sent once due")
+    assert time.monotonic() - committed >= 1.0 - 0.1  # not before its delay (our clocks agree here)
+
+
+@pytest.mark.postgres
+def test_a_write_of_outcomes_that_fails_wakes_its_tenant(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """A pipelined write that raises (not an outage) leaves its rows pending, and only the tenant's
+    next step reports it and sends them again: with its polls backed off to 6 s and more, the
+    failure wakes it, and the rows go out again within seconds."""
+    fetches = Fetches(monkeypatch)
+    outbox = schema_outbox(pg, "fails")
+    start(running, ["fails"], pg, poll_interval=0.25)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off("fails", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    with pg.begin() as conn:  # the first mark to "published" fails, as a constraint would (no outage)
+        conn.exec_driver_sql("CREATE SEQUENCE fails.tries")
+        conn.exec_driver_sql(
+            "CREATE FUNCTION fails.once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF nextval('fails.tries') = 1 THEN RAISE EXCEPTION 'a write that failed'; END IF; "
+            "RETURN NEW; END $$")
+        conn.exec_driver_sql(
+            "CREATE TRIGGER fail_once BEFORE UPDATE ON fails.outbox_messages FOR EACH ROW "
+            "WHEN (NEW.status = 'published') EXECUTE FUNCTION fails.once()")
+
+    def tries() -> int:
+        with pg.connect() as conn:
+            return int(conn.exec_driver_sql(
+                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM fails.tries").scalar() or 0)
+    publish(outbox, "again")
+    wait_for(lambda: tries() >= 1, 5, "the failed write")
+    wait_for(lambda: pending(outbox) == 0, 4, "the row sent again and marked")
+
+
+@pytest.mark.postgres
+def test_a_write_that_fails_every_time_is_tried_again_at_the_poll_interval_not_in_a_loop(
+        pg: sa.Engine, running: list[Running]) -> None:
+    """The wake of a failed write is rate-bound: a write that can never succeed (every mark to
+    "published" refused) sends its row again about once a poll interval, not as fast as the broker
+    answers, which without the bound was hundreds of duplicates in the 2 s counted."""
+    schema_outbox(pg, "never")
+    outbox = Outbox(pg, schema="never", shards=4)
+    with pg.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION never.refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'a write that always fails'; END $$")
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse BEFORE UPDATE ON never.outbox_messages FOR EACH ROW "
+            "WHEN (NEW.status = 'published') EXECUTE FUNCTION never.refuse()")
+    sends: list[float] = []
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+
+    class Counting(InMemoryTransport):
+        def publish(self, records: Sequence[Record]) -> list[SendResult]:
+            sends.append(time.monotonic())
+            return super().publish(records)
+
+    fleet = Running(TenantRelay(["never"], lambda: Counting(broker), database=pg, poll_interval=0.5,
+                                lease_ttl=3.0, refresh_every=60.0))
+    running.append(fleet)
+    wait_for(lambda: fleet.relay.tenants == ["never"], 30, "the tenant served")
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    publish(outbox, "k")
+    wait_for(lambda: len(sends) >= 2, 10, "the row sent again after its failed write")
+    began = time.monotonic()
+    time.sleep(2.0)  # the window counted: no condition to wait for, only sends to count
+    again = sum(1 for at in sends if at >= began)
+    assert 1 <= again <= 6, f"the row was sent {again} times in 2 s (poll_interval 0.5 s)"
+
+
+@pytest.mark.postgres
 def test_a_row_whose_notification_was_lost_is_found_when_the_listener_breaks_and_is_back(
         pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
     """A row written without a notification stands for one lost with the LISTEN connection.
@@ -327,10 +432,10 @@ def test_idle_tenants_started_together_are_polled_apart_and_never_later_than_the
     units = [Tenantish() for _ in range(500)]
     for turn in range(1, 7):
         nominal = min(MAX_IDLE_POLL, 5.0 * (1 << turn))
-        delays = [polls.after_turn(unit, worked=False, notified=True) for unit in units]
+        delays = [polls.after_turn(unit, unannounced=False, notified=True) for unit in units]
         assert all(0.75 * nominal <= d <= nominal for d in delays), (turn, min(delays), max(delays))
         assert max(delays) - min(delays) >= 0.2 * nominal, (turn, min(delays), max(delays))
-    delays = [polls.after_turn(unit, worked=True, notified=True) for unit in units]
+    delays = [polls.after_turn(unit, unannounced=True, notified=True) for unit in units]
     assert all(3.75 <= d <= 5.0 for d in delays)  # work done: back to the poll interval, within it
 
 

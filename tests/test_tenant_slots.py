@@ -24,7 +24,8 @@ def test_a_hung_servers_writes_hold_half_the_writers_and_the_others_writes_run()
     slots = ServerSlots(4, Schedule())
     slots.span(2)
     writers = ThreadPoolExecutor(4)  # the fleet's shared writers
-    hung, healthy = slots.writer(database("hung"), writers), slots.writer(database("ok"), writers)
+    hung, healthy = (slots.writer(database("hung"), writers, failed=lambda: None, every=1.0),
+                     slots.writer(database("ok"), writers, failed=lambda: None, every=1.0))
     release = threading.Event()
     held = threading.Semaphore(0)
 

@@ -173,8 +173,8 @@ class BatchRunner:
         With ``wait=False`` (where ``sql.pipelines``) the outcomes are written in the
         background while the next batch runs; the counts returned are then what
         is being written, and ``finish`` waits for it. ``idle``: called on the
-        fetch's connection, in its transaction, when the fetch found nothing (a
-        fleet's idle poll looks ahead there, ``RelayStep.run``).
+        fetch's connection, in its transaction, when the fetch was not full: it
+        read every row due (a fleet's step looks ahead there, ``RelayStep.run``).
         """
         started = time.perf_counter()
         if self.exactly_once is not None:
@@ -197,7 +197,10 @@ class BatchRunner:
                 if is_database_outage(exc):
                     raise
                 unreadable = exc
-            if idle is not None and unreadable is None and not rows:
+            # Full: stopped at its rows, or at its bytes (the running total of the last row reached them).
+            full = unreadable is None and (
+                len(rows) >= params["limit"] or (bool(rows) and rows[-1][ROW_OCTETS] >= self.max_batch_bytes))
+            if idle is not None and unreadable is None and not full:
                 idle(conn)
             # Read only, so a commit ends it as a rollback would; but psycopg forgets its prepared
             # statements at every rollback, and kept, the fetch is not parsed and planned again
@@ -208,8 +211,6 @@ class BatchRunner:
                 conn.rollback()
         if unreadable is not None:  # outside the fetch's transaction: SQLite's lock is gone
             return self._fail_unreadable(owned, params, unreadable, started)
-        # Full: stopped at its rows, or at its bytes (the running total of the last row reached them).
-        full = len(rows) >= params["limit"] or (bool(rows) and rows[-1][ROW_OCTETS] >= self.max_batch_bytes)
         if busy:  # params["limit"] counts the busy rows too on MySQL, which may be marked by now
             rows = sql.without_busy(rows, busy, limit)
             full = full or len(rows) >= limit
@@ -403,7 +404,8 @@ class BatchRunner:
             newly_failed = self._mark_failed(conn, failed)
         self._alert_failed(newly_failed)
         self.metrics.batch_duration.observe(time.perf_counter() - started)
-        return BatchResult(fetched=len(found), failed=len(newly_failed))
+        # Full: the fetch's readable rows are still due, and the step goes again at once for them.
+        return BatchResult(fetched=len(found), failed=len(newly_failed), full=True)
 
     def _alert_failed(self, newly_failed: list[tuple[Any, str]]) -> None:
         """One alert per row that became failed (after its write committed)."""

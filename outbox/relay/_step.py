@@ -138,10 +138,10 @@ class RelayStep:
         self._watch_due = 0.0
         self._fetched_at = utcnow()
         self._ahead: tuple[datetime | None] | None = None
-        """What the last step's empty fetch read ahead for ``poll_within`` (the next delayed row's
+        """What the last step's fetch, not full, read ahead for ``poll_within`` (the next delayed row's
         ``available_at``); None when it did not."""
         self._heads: list[RetryingHead] | None = None
-        """The retrying heads this step's empty fetch read (``_look_ahead``), to be judged once its
+        """The retrying heads this step's fetch, not full, read (``_look_ahead``), to be judged once its
         transaction ended; None when it read none."""
 
     def __repr__(self) -> str:
@@ -156,10 +156,12 @@ class RelayStep:
         ``wait=False`` pipelines: this batch's outcomes are written while the
         next step runs (PostgreSQL, MySQL). ``leases=False``: a lease thread
         renews them, so a batch that blocks on the broker cannot let them lapse.
-        ``look_ahead``: a fetch that finds nothing also reads, in its own
-        transaction, what ``poll_within`` needs (the next delayed row) and the
-        stuck keys when their check is due: a loop that polls idle steps rarely
-        asks it (``TenantRelay``), and an idle poll is one transaction, not three.
+        ``look_ahead``: a fetch that found every row due (it was not full) also
+        reads, in its own transaction, what ``poll_within`` needs (the next
+        delayed row) and the stuck keys when their check is due: a loop that
+        polls its steps rarely while notifications wake them asks it
+        (``TenantRelay``), and neither an idle poll nor the turn that sent a
+        tenant's last rows needs another transaction to know when to poll next.
         ``limit``: fewer rows than the batch size this once (a fleet's share, ``tenants._shares``);
         ``Step.again`` then says whether that many were there.
         """
@@ -169,9 +171,12 @@ class RelayStep:
         self._ahead = self._heads = None
         ahead = (lambda conn: self._look_ahead(conn, now)) if look_ahead else None
         limit = min(limit, self.settings.batch_size) if limit else self.settings.batch_size
-        batch = self.run_batch(wait=wait, idle=ahead, limit=limit)
-        if self._heads is not None:  # read in the fetch's transaction, alerted on after it
-            self.stuck_keys.judge(self._heads)
+        try:
+            batch = self.run_batch(wait=wait, idle=ahead, limit=limit)
+        finally:  # read in the fetch's transaction, alerted on after it, though the send then raised
+            heads, self._heads = self._heads, None
+            if heads is not None:
+                self.stuck_keys.judge(heads)
         # The database is marked up by the queries that reached it (the fetch, the lease
         # maintenance), never here: a step owning no shards ran none.
         if batch.published:
@@ -206,7 +211,7 @@ class RelayStep:
                   limit: int | None = None) -> BatchResult:
         """One batch over the shards held now (none held: the last write finished, nothing fetched).
 
-        ``idle``: called on the fetch's connection when it found nothing (``BatchRunner.run``).
+        ``idle``: called on the fetch's connection when it was not full (``BatchRunner.run``).
         """
         owned = self.leases.owned()
         if not owned:
@@ -215,7 +220,8 @@ class RelayStep:
         return self._batch.run(owned, wait=wait, idle=idle, limit=limit)
 
     def _look_ahead(self, conn: Connection, now: float) -> None:
-        """On an empty fetch's connection: the next delayed row (for ``poll_within``), the stuck keys if due.
+        """On the connection of a fetch that was not full: the next delayed row (for ``poll_within``),
+        the stuck keys if due.
 
         One query answers both when and whether: the next delayed row, and
         whether any row is being retried; none retried, the stuck-key check has
@@ -227,7 +233,13 @@ class RelayStep:
         """
         shards = sorted(self.leases.owned())
         params = {"since": self._fetched_at, "shards": shards}
-        at, retried = conn.execute(self._sql.look_ahead(), params).one()
+        try:  # it runs before the fetched rows are sent: its failure must not keep them
+            at, retried = conn.execute(self._sql.look_ahead(), params).one()
+        except Exception as exc:
+            if is_database_outage(exc):
+                raise
+            self.report(exc, "could not look ahead")  # ``poll_within`` asks on its own
+            return
         self._ahead = (at,)
         if now < self._watch_due:
             return
@@ -276,7 +288,7 @@ class RelayStep:
         if exactly_once is not None and exactly_once.waiting:  # a take-over is tried again at the next batch
             within = min(within, self.settings.poll_interval)
         owned = self.leases.owned()
-        if self._ahead is not None:  # read by this step's empty fetch (``look_ahead``)
+        if self._ahead is not None:  # read by this step's fetch, not full (``look_ahead``)
             at = self._ahead[0]
         elif owned:
             params = {"since": self._fetched_at, "shards": sorted(owned)}

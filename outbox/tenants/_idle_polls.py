@@ -15,13 +15,23 @@ sent (docs/benchmarks.md, "Many tenants"). The leases are renewed per database
 - a row written without a notification (a writer with ``notify_channel=None``,
   raw SQL): found by the next poll, at most ``MAX_IDLE_POLL`` seconds later.
 
-An idle poll is one transaction: the fetch, and when it found nothing the
-look at the delayed rows and (when due) the stuck keys on its connection
-(``RelayStep.run(look_ahead=True)``).
+A poll is one transaction: the fetch, and when it found every row due (it
+was not full) the look at the delayed rows and (when due) the stuck keys on
+its connection (``RelayStep.run(look_ahead=True)``); a turn that sent a
+tenant's last rows reads the same there.
 
 So while its database's listener is connected, a tenant's polls back off,
-doubling from ``poll_interval`` up to ``MAX_IDLE_POLL`` with each turn that
-fetched nothing, and start again from ``poll_interval`` once it had work.
+doubling from ``poll_interval`` up to ``MAX_IDLE_POLL`` with each turn, and
+start again from ``poll_interval`` only when a poll found rows: those may
+come from a writer that never notifies, whose next rows the next poll serves.
+Rows a notification announced need no poll after them. Reset after every
+turn with work, a fleet draining 500 tenants' rows polled each of them again
+every ``poll_interval`` while the others drained (an empty fetch and a
+look-ahead each), and a tenant sent a message a minute was polled 2, 6, 14
+and 30 s after each (docs/benchmarks.md, *Many tenants: the polls after a notified turn*).
+What a turn with work leaves for later (a retry in its wheel, a write of its
+outcomes that failed) wakes the tenant on its own (``Step.due``,
+``_slots._SlottedWriter``).
 
 Each delay is shortened by up to ``JITTER`` of itself, at random: the tenants
 of a fleet start together, and with equal delays their polls stayed together,
@@ -59,14 +69,14 @@ class IdlePolls:
         self.cap = max(every, cap)
         self._rng = rng or random.Random()
 
-    def after_turn(self, unit: Idling, *, worked: bool, notified: bool) -> float:
-        """Seconds until ``unit``'s next poll after a turn that ``worked`` (fetched rows) or not.
+    def after_turn(self, unit: Idling, *, unannounced: bool, notified: bool) -> float:
+        """Seconds until ``unit``'s next poll after a turn; ``unannounced``: it was a poll and found rows.
 
         ``notified``: its database's notifications reach the fleet now. Longer
         than ``every`` only when they do: the caller then asks the tenant's step
         how long it may wait (``RelayStep.poll_within``).
         """
-        if worked or not notified:
+        if unannounced or not notified:
             unit.idle_turns = 0
             delay = self.every
         else:

@@ -261,7 +261,9 @@ class TenantRelay:
             self.settings, alert=alerts_for_tenant(self.alert, name), metrics=self.metrics.for_tenant(name),
             outages=RelayOutages(database=unit.db.outage, broker=self.broker_outage),
             cloudevents=self._cloudevents, name=f"relay {self.worker_id}: tenant {name}",
-            watch_every=self._watch_every, writer=self._slots.writer(unit.db, self._workers),
+            watch_every=self._watch_every,
+            writer=self._slots.writer(unit.db, self._workers, failed=lambda: self._schedule.wake(unit),
+                                      every=self.settings.poll_interval),
             sharing=self._workers.sharing)
 
     def _engine_of(self, unit: Unit) -> Engine:
@@ -435,7 +437,8 @@ class TenantRelay:
             if failure is not None:
                 raise failure  # its leases could not be renewed: as if its step had failed so
             # Its first leases are its step's; then its database's renewal keeps them (``run``).
-            # While notifications can wake it, an empty fetch reads what its backoff needs (poll_within).
+            # While notifications can wake it, a fetch that was not full reads what its backoff needs
+            # (poll_within).
             shared = self._shares.limit_for(unit)
             limit = min(shared or step.settings.batch_size, step.settings.batch_size)
             with self._shares.turn(unit, shared=shared is not None):
@@ -443,8 +446,13 @@ class TenantRelay:
                                 look_ahead=db.listening, limit=limit)
             self._shares.after_turn(unit, fetched=done.batch.fetched, full=done.batch.full)
             unit.served = True
-            poll_in = self._polls.after_turn(unit, worked=done.batch.fetched > 0, notified=db.listening)
-            if poll_in > self._polls.every:  # rarely, but by its next delayed row and stuck-key check
+            # Rows a notification announced (it woke the tenant) need no poll after them: rows a
+            # poll found may come from a writer that never notifies, which the next poll serves,
+            # and rows held back behind a write in flight wait for no notification either.
+            unannounced = done.batch.fetched > 0 and (unit.polled or done.batch.held > 0)
+            poll_in = self._polls.after_turn(unit, unannounced=unannounced, notified=db.listening)
+            if poll_in > self._polls.every and not done.again:  # rarely, but by its next delayed
+                # row and stuck-key check
                 poll_in = min(poll_in, step.poll_within())
         except SchemaError as exc:  # resharded under it: served anew from the stored count
             self._tenants.failed(unit, exc, "stops")

@@ -31,10 +31,12 @@ once may hold them all.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..core._slots import Slots
 from ..relay._writer import Writer
@@ -101,18 +103,61 @@ class ServerSlots:
         if woken is not None:
             self._schedule.wake(woken)
 
-    def writer(self, db: FleetDatabase, writers: Writer) -> Writer:
-        """Where a tenant of ``db`` writes its pipelined batches: ``writers``, in a slot of its server."""
-        return _SlottedWriter(self.writes, db, writers)
+    def writer(self, db: FleetDatabase, writers: Writer, failed: Callable[[], None], every: float) -> Writer:
+        """Where a tenant of ``db`` writes its pipelined batches: ``writers``, in a slot of its server;
+        ``failed`` is called when a write raised, once in ``every`` seconds at most (its tenant then
+        steps again, ``_SlottedWriter``)."""
+        return _SlottedWriter(self.writes, db, writers, failed, every)
 
 
 class _SlottedWriter:
-    """A tenant's pipelined writes: on the shared writers in a slot of its server, else on the worker."""
+    """A tenant's pipelined writes: on the shared writers in a slot of its server, else on the worker.
 
-    def __init__(self, slots: Slots, db: FleetDatabase, writers: Writer) -> None:
-        self._slots, self._db, self._writers = slots, db, writers
+    A write that raised (an outage is no raise: ``BatchRunner._write_behind``) left its rows
+    pending, and only the tenant's next step reports it and fetches them again; while
+    notifications wake it, that step may be a minute away (``_idle_polls``), so the
+    failure calls ``failed``, which wakes the tenant; once in ``every`` seconds at most, a
+    failure sooner than that calling it when they have passed: a write that fails every time
+    (a grant revoked, a trigger) would otherwise send its rows again and again, as fast as the
+    broker answers. So its rows go again every ``every`` seconds, as a poll would send them.
+    """
+
+    def __init__(self, slots: Slots, db: FleetDatabase, writers: Writer, failed: Callable[[], None],
+                 every: float) -> None:
+        self._slots, self._db, self._writers, self._failed = slots, db, writers, failed
+        self._every = every
+        self._lock = threading.Lock()
+        self._told_at = -math.inf
+        self._later = False  # a call is waiting for its turn
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
+        future = self._submitted(call)
+        future.add_done_callback(self._told)
+        return future
+
+    def _told(self, future: Future[Any]) -> None:
+        if future.cancelled() or future.exception() is None:
+            return
+        with self._lock:
+            if self._later:
+                return
+            wait = self._told_at + self._every - time.monotonic()
+            if wait > 0:
+                self._later = True
+                timer = threading.Timer(wait, self._tell_later)
+                timer.daemon = True  # a stopped fleet's wake is moot
+                timer.start()
+                return
+            self._told_at = time.monotonic()
+        self._failed()
+
+    def _tell_later(self) -> None:
+        with self._lock:
+            self._later = False
+            self._told_at = time.monotonic()
+        self._failed()
+
+    def _submitted(self, call: Callable[[], T]) -> Future[T]:
         server = server_of(self._db)
         if not self._slots.take(server):
             # The worker writes it, in its step's slot: the server's writes hold no more writers.

@@ -46,7 +46,7 @@ class Unit:
     lease_failure: Exception | None = None
     """Why its leases could not be renewed (``_renewal``): its next turn fails with it."""
     idle_turns: int = 0
-    """Its turns in a row that fetched nothing: its polls back off with them (``_idle_polls``)."""
+    """Its turns since a poll last found rows: its polls back off with them (``_idle_polls``)."""
     backlogged: bool = False
     """Its last turn fetched a full batch: more is waiting (``_shares``)."""
 
