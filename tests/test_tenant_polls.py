@@ -53,6 +53,12 @@ class Fetches:
         with self._lock:
             return sum(1 for at in self.at[name] if start <= at < end)
 
+    def in_next(self, name: str, seconds: float) -> int:
+        """The tenant's fetches in the next ``seconds``: no condition to wait for, only fetches to count."""
+        began = time.monotonic()
+        time.sleep(seconds)
+        return self.between(name, began, time.monotonic())
+
     def backed_off(self, name: str, gap: float) -> bool:
         """The tenant's last two fetches are ``gap`` seconds apart or more."""
         with self._lock:
@@ -96,6 +102,14 @@ def listening(engine: sa.Engine) -> bool:
             "AND starts_with(query, 'LISTEN ')").scalar())
 
 
+def backed_off(fleets: list[Running], fetches: Fetches, pg: sa.Engine, name: str, *, poll_interval: float,
+               gap: float, what: str) -> None:
+    """One tenant ``name`` served with notifications, once two of its polls came ``gap`` s apart."""
+    start(fleets, [name], pg, poll_interval=poll_interval)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off(name, gap), 30, what)
+
+
 @dataclass
 class Tenantish:
     """What the poll and share policies keep of a tenant (a fleet's ``Unit`` without its step)."""
@@ -119,9 +133,7 @@ def test_an_idle_tenant_is_polled_rarely_while_notifications_can_wake_it(
     wait_for(lambda: listening(pg), 20, "the fleet listening")
     wait_for(lambda: fetches.at["idle"], 20, "its first poll")
     time.sleep(3.0)  # its polls back off meanwhile: 0.2, 0.4, 0.8, 1.6 s apart
-    began = time.monotonic()
-    time.sleep(3.0)  # the window counted: no condition to wait for, only fetches to count
-    polled = fetches.between("idle", began, time.monotonic())
+    polled = fetches.in_next("idle", 3.0)
     assert polled <= 3, f"an idle tenant was fetched {polled} times in 3 s (poll_interval 0.1 s)"
 
 
@@ -217,9 +229,8 @@ def test_a_delayed_row_goes_out_when_due_though_polls_are_rare(
     """
     fetches = Fetches(monkeypatch)
     outbox = schema_outbox(pg, "later")
-    start(running, ["later"], pg, poll_interval=0.25)
-    wait_for(lambda: listening(pg), 20, "the fleet listening")
-    wait_for(lambda: fetches.backed_off("later", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    backed_off(running, fetches, pg, "later", poll_interval=0.25, gap=3.5,
+               what="its polls 4 s apart (the next 8 s)")
     committed = time.monotonic()
     publish(outbox, "soon", delay=1.0)
     wait_for(lambda: pending(outbox) == 0, 6, "the delayed row sent once due")
@@ -235,14 +246,11 @@ def test_rows_a_notification_announced_need_no_poll_after_them(
     0.1, 0.2, 0.4 and 0.8 s after the send, four fetches in the 1.5 s counted."""
     fetches = Fetches(monkeypatch)
     outbox = schema_outbox(pg, "told")
-    start(running, ["told"], pg, poll_interval=0.1)
-    wait_for(lambda: listening(pg), 20, "the fleet listening")
-    wait_for(lambda: fetches.backed_off("told", 1.2), 30, "its polls 1.6 s apart (the next 3.2 s)")
+    backed_off(running, fetches, pg, "told", poll_interval=0.1, gap=1.2,
+               what="its polls 1.6 s apart (the next 3.2 s)")
     publish(outbox, "told")
     wait_for(lambda: pending(outbox) == 0, 5, "the notified row sent")
-    began = time.monotonic()
-    time.sleep(1.5)  # the window counted: no condition to wait for, only fetches to count
-    polled = fetches.between("told", began, time.monotonic())
+    polled = fetches.in_next("told", 1.5)
     assert polled <= 1, f"polled {polled} times in the 1.5 s after a notified row was sent"
 
 
@@ -254,9 +262,8 @@ def test_a_delayed_row_beside_a_sent_one_goes_out_when_due_though_polls_are_rare
     tenant's next poll is then, not at its backoff (6 s and more here)."""
     fetches = Fetches(monkeypatch)
     outbox = schema_outbox(pg, "both")
-    start(running, ["both"], pg, poll_interval=0.25)
-    wait_for(lambda: listening(pg), 20, "the fleet listening")
-    wait_for(lambda: fetches.backed_off("both", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    backed_off(running, fetches, pg, "both", poll_interval=0.25, gap=3.5,
+               what="its polls 4 s apart (the next 8 s)")
     committed = time.monotonic()
     with outbox.begin() as session:
         outbox.publish(session, "polls", {"key": "now"}, key="now")
@@ -273,9 +280,8 @@ def test_a_write_of_outcomes_that_fails_wakes_its_tenant(
     failure wakes it, and the rows go out again within seconds."""
     fetches = Fetches(monkeypatch)
     outbox = schema_outbox(pg, "fails")
-    start(running, ["fails"], pg, poll_interval=0.25)
-    wait_for(lambda: listening(pg), 20, "the fleet listening")
-    wait_for(lambda: fetches.backed_off("fails", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    backed_off(running, fetches, pg, "fails", poll_interval=0.25, gap=3.5,
+               what="its polls 4 s apart (the next 8 s)")
     with pg.begin() as conn:  # the first mark to "published" fails, as a constraint would (no outage)
         conn.exec_driver_sql("CREATE SEQUENCE fails.tries")
         conn.exec_driver_sql(
@@ -343,9 +349,8 @@ def test_a_row_whose_notification_was_lost_is_found_when_the_listener_breaks_and
     fetches = Fetches(monkeypatch)
     schema_outbox(pg, "lost")
     unannounced = Outbox(pg, schema="lost", shards=4, notify_channel=None)
-    start(running, ["lost"], pg, poll_interval=0.25)
-    wait_for(lambda: listening(pg), 20, "the fleet listening")
-    wait_for(lambda: fetches.backed_off("lost", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    backed_off(running, fetches, pg, "lost", poll_interval=0.25, gap=3.5,
+               what="its polls 4 s apart (the next 8 s)")
     publish(unannounced, "lost")
     with pg.connect() as conn:
         ended = conn.exec_driver_sql(
