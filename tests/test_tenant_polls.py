@@ -255,6 +255,27 @@ def test_rows_a_notification_announced_need_no_poll_after_them(
 
 
 @pytest.mark.postgres
+def test_a_silent_writers_burst_keeps_its_tenant_polled_every_interval_after_it_drained(
+        pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """A writer that never notifies writes 40 rows: a poll finds them, batches of 5 drain them (the
+    turns after the poll are requeued, not polled), and its next row is found a poll interval
+    later, not at the backoff the drain's eight turns would have grown (a minute here)."""
+    fetches = Fetches(monkeypatch)
+    schema_outbox(pg, "silent")
+    silent = Outbox(pg, schema="silent", shards=4, notify_channel=None)
+    start(running, ["silent"], pg, poll_interval=0.25, batch_size=5)
+    wait_for(lambda: listening(pg), 20, "the fleet listening")
+    wait_for(lambda: fetches.backed_off("silent", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    with silent.begin() as session:
+        for i in range(40):
+            silent.publish(session, "polls", {"key": f"k{i}"}, key=f"k{i}")
+    # Its next poll: 6-8 s on, or 12-16 s when the jitter hid the 4 s gap.
+    wait_for(lambda: pending(silent) == 0, 25, "the burst found by a poll and drained")
+    publish(silent, "next")
+    wait_for(lambda: pending(silent) == 0, 3, "the next silent row found a poll interval later")
+
+
+@pytest.mark.postgres
 def test_a_delayed_row_beside_a_sent_one_goes_out_when_due_though_polls_are_rare(
         pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
     """One transaction writes a row due now and one due a second later; the turn its notification

@@ -22,8 +22,10 @@ tenant's last rows reads the same there.
 
 So while its database's listener is connected, a tenant's polls back off,
 doubling from ``poll_interval`` up to ``MAX_IDLE_POLL`` with each turn, and
-start again from ``poll_interval`` only when a poll found rows: those may
-come from a writer that never notifies, whose next rows the next poll serves.
+start again from ``poll_interval`` only when a poll found rows (and stay
+there through the full batches that drain them, until a turn comes back
+empty: ``Unit.unannounced``): those may come from a writer that never
+notifies, whose next rows the next poll serves.
 Rows a notification announced need no poll after them. Reset after every
 turn with work, a fleet draining 500 tenants' rows polled each of them again
 every ``poll_interval`` while the others drained (an empty fetch and a

@@ -449,7 +449,9 @@ class TenantRelay:
             # Rows a notification announced (it woke the tenant) need no poll after them: rows a
             # poll found may come from a writer that never notifies, which the next poll serves,
             # and rows held back behind a write in flight wait for no notification either.
-            unannounced = done.batch.fetched > 0 and (unit.polled or done.batch.held > 0)
+            if done.batch.fetched == 0 or unit.polled:  # kept through the full batches after a poll
+                unit.unannounced = done.batch.fetched > 0
+            unannounced = done.batch.fetched > 0 and (unit.unannounced or done.batch.held > 0)
             poll_in = self._polls.after_turn(unit, unannounced=unannounced, notified=db.listening)
             if poll_in > self._polls.every and not done.again:  # rarely, but by its next delayed
                 # row and stuck-key check

@@ -47,6 +47,9 @@ class Unit:
     """Why its leases could not be renewed (``_renewal``): its next turn fails with it."""
     idle_turns: int = 0
     """Its turns since a poll last found rows: its polls back off with them (``_idle_polls``)."""
+    unannounced: bool = False
+    """A poll found rows (a writer that never notifies), and no turn since came back empty: its
+    next polls come every ``poll_interval`` (``_idle_polls``), through the full batches that drain them."""
     backlogged: bool = False
     """Its last turn fetched a full batch: more is waiting (``_shares``)."""
 
