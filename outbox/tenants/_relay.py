@@ -451,7 +451,7 @@ class TenantRelay:
             # and rows held back behind a write in flight wait for no notification either.
             if done.batch.fetched == 0 or unit.polled:  # kept through the full batches after a poll
                 unit.unannounced = done.batch.fetched > 0
-            unannounced = done.batch.fetched > 0 and (unit.unannounced or done.batch.held > 0)
+            unannounced = unit.unannounced or done.batch.held > 0  # held rows were fetched
             poll_in = self._polls.after_turn(unit, unannounced=unannounced, notified=db.listening)
             if poll_in > self._polls.every and not done.again:  # rarely, but by its next delayed
                 # row and stuck-key check
