@@ -20,8 +20,8 @@ import pytest
 import sqlalchemy as sa
 from _relay_helpers import Running, owned_leases, schema_outboxes, wait_for
 
-from outbox import Outbox, SchemaError
-from outbox.tenants import TenantRelay
+from outbox import Outbox, SchemaError, create_engine
+from outbox.tenants import Tenant, TenantRelay
 from outbox.tenants._renewal import LeaseRenewal, renew_together
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -133,7 +133,7 @@ def test_one_tenants_failing_renewal_undoes_none_of_the_others_in_its_chunk(
 
 
 def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> None:
-    """Two tenants' leases renewed by one statement (``LeaseRenewal._in_one_statement``, the fleet's
+    """Two tenants' leases renewed by one statement (``LeaseRenewal._renew_chunk``, the fleet's
     round on PostgreSQL): each renews only the leases it holds at its epoch (a lease another relay
     took is lost, not renewed), a relay that gave its leases back is left alone (no heartbeat brings
     it back), and a changed shard count fails the tenant whose count changed at its next turn."""
@@ -151,7 +151,7 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
 
         def round_of(*names: str) -> list[dict[int, int] | None]:
             with pg.connect() as conn:
-                return renewal._in_one_statement(conn, [(cast(Any, units[n]), steps[n]) for n in names])
+                return renewal._renew_chunk(conn, [(cast(Any, units[n]), steps[n]) for n in names])
 
         def heartbeats(schema: str) -> list[str]:
             with pg.connect() as conn:
@@ -184,7 +184,7 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
 
 
 def one_statement_renewal(worker_id: str) -> tuple[LeaseRenewal, list[Any]]:
-    """A ``LeaseRenewal`` whose rounds the test runs itself (``_in_one_statement``), and whom it woke."""
+    """A ``LeaseRenewal`` whose rounds the test runs itself (``_renew_chunk``), and whom it woke."""
     woken: list[Any] = []
     renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
                            stopping=threading.Event(), worker_id=worker_id, answered=lambda *_: None)
@@ -219,7 +219,7 @@ def test_a_tenant_whose_lock_is_held_long_shortens_no_other_tenants_lease_in_its
         assert holding.wait(10)
         threading.Timer(3.0, release.set).start()  # b's lock held 1.5 TTLs
         with pg.connect() as conn:
-            held = renewal._in_one_statement(conn, [(unit_of(n, steps[n]), steps[n]) for n in ("a", "b")])
+            held = renewal._renew_chunk(conn, [(unit_of(n, steps[n]), steps[n]) for n in ("a", "b")])
         renewed_at = datetime.now(tz=UTC)
         holder.join(10)
         assert held[0] is not None and set(held[0]) == {0, 1}
@@ -256,7 +256,7 @@ def test_a_fleet_frozen_inside_its_shared_renewal_does_not_hold_the_fleet_that_t
     def run_frozen() -> None:
         try:
             with pg.connect() as conn:
-                renewal._in_one_statement(conn, [(unit_of("a", step), step)])
+                renewal._renew_chunk(conn, [(unit_of("a", step), step)])
             ended.append(None)
         except BaseException as exc:  # its connection ended under it
             ended.append(exc)
@@ -290,3 +290,37 @@ def test_a_fleet_frozen_inside_its_shared_renewal_does_not_hold_the_fleet_that_t
         taker.close()
         relay.close()
     assert isinstance(ended[0], sa.exc.DBAPIError) and getattr(ended[0].orig, "sqlstate", None) == "25P03"
+
+
+@pytest.mark.mysql
+def test_a_lease_renewed_after_its_expiry_leaves_the_take_free_to_run_on_mariadb(mysql_db: str) -> None:
+    """On MariaDB a chunk's heartbeats and renewals share one transaction, and taking free shards up to
+    the share is a transaction of its own. A lease renewed after its expiry (a late round) looks free to
+    the take while the renewal holds its row: taken inside the chunk's transaction, the take's UPDATE
+    waited for that row, held by its own thread, until MariaDB's lock wait timeout (50 s), every tenant
+    of the database unrenewed meanwhile (the clean CI's ``test_two_fleets_split…[databases]`` hung so).
+    Taken after the COMMIT it sees the lease renewed and takes the shard that is free."""
+    engine = create_engine(mysql_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    leases = outbox.tables.leases
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = TenantRelay([Tenant("m", database=mysql_db)], lambda: InMemoryTransport(broker),
+                        tenant_header="x-tenant", refresh_every=60, poll_interval=60, lease_ttl=3.0,
+                        worker_id="fleet-m")
+
+    def owners() -> list[str | None]:
+        with engine.connect() as conn:
+            return list(conn.scalars(sa.select(leases.c.owner).order_by(leases.c.shard)))
+
+    running = Running(relay)
+    try:
+        wait_for(lambda: owners() == ["fleet-m"] * 4, 30, "the fleet holding every lease")
+        with engine.begin() as conn:  # shard 0 past its expiry, about to be renewed; shard 3 lost
+            conn.exec_driver_sql("UPDATE outbox_leases SET expires_at = expires_at - INTERVAL 1 HOUR "
+                                 "WHERE shard = 0")
+            conn.exec_driver_sql("UPDATE outbox_leases SET owner = NULL WHERE shard = 3")
+        wait_for(lambda: owners() == ["fleet-m"] * 4, 10, "shard 3 taken again")  # 50 s, inside it
+    finally:
+        running.stop()
+        engine.dispose()

@@ -74,6 +74,11 @@ class LeaseRound:
         return LeaseRound(now, now + (self.expires - self.now), self.shards)
 
 
+Answer = tuple[list[str], int | None, list[tuple[int, int]]]
+"""What a heartbeat answers (``Leases.heartbeat``): the live relays, the stored shard count, the
+leases renewed."""
+
+
 class Leases:
     """The shard leases one relay holds, kept in step with the database."""
 
@@ -92,7 +97,7 @@ class Leases:
         self._forget_at = datetime.min.replace(tzinfo=UTC)
         """When relays long dead are next forgotten (``_heartbeat``)."""
         self._released = False
-        """``release_all`` ran: a shared renewal (``maintain(conn)``) leaves it alone."""
+        """``release_all`` ran: a shared renewal (``shared_round``) leaves it alone."""
 
     @property
     def tables(self) -> OutboxTables:
@@ -139,38 +144,31 @@ class Leases:
             conn.execute(self._upsert(t, "shard", {}), rows)
         self._prepared = True
 
-    def maintain(self, conn: Connection | None = None) -> dict[int, int]:
+    def maintain(self) -> dict[int, int]:
         """Heartbeat, renew, and take free shards up to the fair share; returns what is held.
 
-        ``conn``: heartbeat and renew inside the caller's transaction (a fleet
-        renews all the tenants of one database in one), on a connection whose
-        schema is this relay's; taking shards is a transaction of its own. A
-        shared renewal never brings back a relay that gave its leases back
-        (its heartbeat would make the others leave it a share for a TTL).
+        Taking shards is a transaction of its own, after the renewal's COMMIT
+        (``_settle``): inside it, the take would wait on the renewal's own row locks.
         """
         with self._lock:
-            if conn is not None and self._released:
-                return {}
             self._released = False
             if not self._prepared:
                 self._prepare()
             now = utcnow()
             expires = now + timedelta(seconds=self.ttl)
-            if conn is None:
-                with self._locking() as own:
-                    live, stored, renewed = self._heartbeat(own, now, expires)
-            else:
-                live, stored, renewed = self._heartbeat(conn, now, expires)
+            with self._locking() as own:
+                live, stored, renewed = self._heartbeat(own, now, expires)
             return self._settle(LeaseRound(now, expires, sorted(self._owned)), live, stored, renewed)
 
     @contextmanager
     def shared_round(self) -> Iterator[LeaseRound | None]:
-        """What a renewal of many relays' leases in one statement needs of this one, under its lock.
+        """What a renewal of many relays' leases in one transaction needs of this one, under its lock.
 
         None when it gave its leases back (``release_all``): such a renewal
-        leaves it alone, as ``maintain(conn)`` does. Inside the block, the
-        caller runs the statement (``_leases_shared``) and hands its answer to
-        ``settle_round``; the lock keeps a release from slipping in between.
+        leaves it alone (its heartbeat would make the others leave it a share
+        for a TTL). Inside the block, the caller renews (``heartbeat``, or one
+        statement for many, ``_leases_shared``), commits, and hands the answer
+        to ``settle_round``; the lock keeps a release from slipping in between.
         """
         with self._lock:
             if self._released:
@@ -181,9 +179,15 @@ class Leases:
             now = utcnow()
             yield LeaseRound(now, now + timedelta(seconds=self.ttl), sorted(self._owned))
 
+    def heartbeat(self, conn: Connection, round_: LeaseRound) -> Answer:
+        """Inside ``shared_round``: this relay's heartbeat and renewal in the caller's transaction on
+        ``conn``, whose schema is this relay's (a fleet's chunk of tenants, ``tenants._renewal``)."""
+        return self._heartbeat(conn, round_.now, round_.expires)
+
     def settle_round(self, round_: LeaseRound, live: list[str], stored: int | None,
                      renewed: list[tuple[int, int]]) -> dict[int, int]:
-        """Inside ``shared_round``: what a shared renewal answered, taken in; returns what is held."""
+        """Inside ``shared_round``, after the renewal's COMMIT: what it answered, taken in (shards
+        taken in a transaction of their own); returns what is held."""
         return self._settle(round_, live, stored, renewed)
 
     def _settle(self, round_: LeaseRound, live: list[str], stored: int | None,
@@ -217,8 +221,7 @@ class Leases:
             self._statements.end_if_idle(conn, self.ttl)
             yield conn
 
-    def _heartbeat(self, conn: Connection, now: datetime, expires: datetime
-                   ) -> tuple[list[str], int | None, list[tuple[int, int]]]:
+    def _heartbeat(self, conn: Connection, now: datetime, expires: datetime) -> Answer:
         """This relay's heartbeat; the live relays, the stored shard count, the leases it renewed.
 
         Three statements a round: the heartbeat, one read of the live relays

@@ -40,14 +40,11 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.sql.compiler import IdentifierPreparer
 
-from ._leases import LeaseRound, Leases
+from ._leases import Answer, LeaseRound, Leases
 from ._sql import idle_timeout_ms
 
 Member = tuple[str | None, Leases, LeaseRound]
 """A tenant's schema (None: the connection's own), its leases, and its round (``Leases.shared_round``)."""
-
-Answer = tuple[list[str], int | None, list[tuple[int, int]]]
-"""What ``Leases._heartbeat`` answers: the live relays, the stored shard count, the leases renewed."""
 
 
 def renew_together(conn: Connection, members: list[Member]) -> list[Answer]:

@@ -256,12 +256,9 @@ class RelayStep:
         """It has never maintained its leases (its first step takes them)."""
         return self._leases_due == 0.0
 
-    def maintain_leases(self, conn: Connection | None = None) -> dict[int, int]:
-        """Renew, take and count this relay's shard leases; the database answered.
-
-        ``conn``: the heartbeat and renewals in the caller's transaction (``Leases.maintain``).
-        """
-        return self.leases_maintained(self.leases.maintain(conn))
+    def maintain_leases(self) -> dict[int, int]:
+        """Renew, take and count this relay's shard leases; the database answered."""
+        return self.leases_maintained(self.leases.maintain())
 
     def leases_maintained(self, owned: dict[int, int]) -> dict[int, int]:
         """Its leases were maintained, holding ``owned`` now (by ``maintain_leases``, or by a renewal of

@@ -4,11 +4,11 @@ A single relay renews its leases on a thread of its own, so that a batch that
 blocks on the broker never lets them lapse. A fleet does the same once per
 database, not per tenant: every renewal interval (TTL/3) one thread takes the
 tenants of its database, sorted by schema, ``RENEW_CHUNK`` at a time, and
-renews each one's leases (heartbeat, renew, take up to the fair share) inside
-one transaction. 500 tenants of one database cost 16 commits every interval
-instead of 500 transactions on the workers, and the workers' turns are
-batches only, so polls no longer need to come every renewal interval to keep
-idle tenants' leases.
+renews each one's leases (heartbeat, renew) inside one transaction; after its
+COMMIT each tenant takes free shards up to its fair share. 500 tenants of one
+database cost 16 commits every interval instead of 500 transactions on the
+workers, and the workers' turns are batches only, so polls no longer need to
+come every renewal interval to keep idle tenants' leases.
 
 What a round costs was most of what an idle fleet cost: three statements a
 tenant (``Leases._heartbeat``). On PostgreSQL a chunk is now one statement
@@ -38,6 +38,7 @@ from transports._logsafe import safe_logger
 from ..core._envelope import utcnow
 from ..core._outage import is_database_outage
 from ..relay import RelayStep
+from ..relay._leases import Answer, LeaseRound
 from ..relay._leases_shared import renew_together
 from ..relay._session import relay_engine
 from ._schedule import Schedule
@@ -89,50 +90,28 @@ class LeaseRenewal:
         with self._schedule.lock:
             units = sorted((unit for unit in db.units.values() if unit.step is not None and not unit.removed),
                            key=lambda unit: unit.tenant.schema or "")
-        shared = engine.dialect.name != "sqlite"  # pysqlite's savepoints are not to be trusted
-        postgres = engine.dialect.name == "postgresql"
         for start in range(0, len(units), RENEW_CHUNK):
             chunk = [(unit, unit.step) for unit in units[start:start + RENEW_CHUNK]]
             held = [set(step.leases.owned()) if step is not None else set() for _, step in chunk]
             with engine.connect() as conn:
-                if not shared:
-                    renewed = [self._alone(conn, unit, step, conn.begin) for unit, step in chunk]
-                elif (together := self._together(conn, chunk, postgres)) is not None:
-                    renewed = together
-                else:  # one tenant's own failure undid the chunk: again, each tenant in a savepoint
-                    with conn.begin():
-                        renewed = [self._alone(conn, unit, step, conn.begin_nested) for unit, step in chunk]
+                renewed = self._renew_chunk(conn, chunk)
             for (unit, step), before, after in zip(chunk, held, renewed, strict=True):
                 if step is not None and after is not None and (set(after) - before or step.leases.surplus):
                     self._schedule.wake(unit)  # new shards to serve, or surplus to give back
 
-    def _together(self, conn: Connection, chunk: list[tuple[Unit, RelayStep | None]], postgres: bool
-                  ) -> list[dict[int, int] | None] | None:
-        """The chunk's leases renewed in one transaction, without a savepoint each; None if a tenant failed.
+    def _renew_chunk(self, conn: Connection, chunk: list[tuple[Unit, RelayStep | None]]
+                     ) -> list[dict[int, int] | None]:
+        """The chunk renewed in one transaction, each tenant's ``Leases`` held from its round to its answer.
 
-        On PostgreSQL one statement renews the chunk (``_leases_shared``);
-        elsewhere each tenant's three follow one another (``Leases._heartbeat``).
-        A savepoint and its release would add two a tenant. A tenant's failure
-        in the statements rolls the chunk back, to be renewed again tenant by
-        tenant; a database outage is raised.
-        """
-        try:
-            if postgres:
-                return self._in_one_statement(conn, chunk)
-            with conn.begin():
-                return [_maintain(conn, unit, step) for unit, step in chunk]
-        except Exception as exc:
-            if is_database_outage(exc):
-                raise
-            return None
-
-    def _in_one_statement(self, conn: Connection, chunk: list[tuple[Unit, RelayStep | None]]
-                          ) -> list[dict[int, int] | None]:
-        """The chunk renewed by one statement, each tenant's ``Leases`` held from the round to its answer.
-
-        What a tenant's answer says (shards lost, taken, a changed shard count)
-        is taken in after the commit; a failure there is its own (its next turn
-        fails it), the others' renewals stand.
+        What a tenant's answer says (shards lost, shards to take, a changed
+        shard count) is taken in after the COMMIT: taking shards is a
+        transaction of its own (``Leases._take``), and inside the chunk's it
+        would wait on the chunk's own row locks. A lease this fleet renews
+        whose committed expiry had passed looks free to the take, whose UPDATE
+        then waits for the chunk's COMMIT, which waits for the take: until the
+        database's lock wait timeout (MariaDB's 50 s, every tenant of the
+        database unrenewed meanwhile). A failure in taking the answer in is the
+        tenant's own (its next turn fails it); the others' renewals stand.
         """
         steps = [(unit, step) for unit, step in chunk if step is not None]
         owned: dict[int, dict[int, int] | None] = {}
@@ -144,17 +123,17 @@ class LeaseRenewal:
             now = utcnow()
             rounds = [(unit, step, None if round_ is None else round_.at(now))
                       for unit, step, round_ in entered]
-            members = [(unit.tenant.schema, step.leases, round_) for unit, step, round_ in rounds
-                       if round_ is not None]
-            conn.execution_options(schema_translate_map=None)
-            with conn.begin():
-                answers = iter(renew_together(conn, members))
+            answers = self._answers(conn, [(unit, step, round_) for unit, step, round_ in rounds
+                                           if round_ is not None])
             for unit, step, round_ in rounds:
-                if round_ is None:  # it gave its leases back: left alone, as maintain(conn) does
+                if round_ is None:  # it gave its leases back: left alone, no heartbeat brings it back
                     owned[id(unit)] = {}
                     continue
                 try:
-                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *next(answers)))
+                    answer = answers[id(unit)]
+                    if isinstance(answer, Exception):
+                        raise answer
+                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *answer))
                 except Exception as exc:
                     if is_database_outage(exc):
                         raise
@@ -163,26 +142,54 @@ class LeaseRenewal:
                     owned[id(unit)] = None
         return [owned.get(id(unit)) for unit, _ in chunk]
 
-    def _alone(self, conn: Connection, unit: Unit, step: RelayStep | None,
-               begin: Callable[[], Any]) -> dict[int, int] | None:
-        """``unit``'s leases renewed in a transaction (or savepoint) of their own; None if it failed."""
-        try:
-            with begin():
-                return _maintain(conn, unit, step)
-        except Exception as exc:
-            if is_database_outage(exc):
-                raise
-            unit.lease_failure = exc  # its next turn fails the tenant with it
-            self._schedule.wake(unit)
-            return None
+    def _answers(self, conn: Connection, members: list[tuple[Unit, RelayStep, LeaseRound]]
+                 ) -> dict[int, Answer | Exception]:
+        """Each member's heartbeat, live relays, shard count and renewal, committed; by ``id`` of its unit.
+
+        On PostgreSQL one statement renews the chunk (``_leases_shared``);
+        on MySQL/MariaDB each tenant's three statements follow one another
+        (``Leases.heartbeat``), with no savepoint around each: a savepoint and
+        its release would add two a tenant. A tenant's failure rolls the chunk
+        back, and the chunk is renewed again tenant by tenant, each in a
+        savepoint, so that its failure (its answer) undoes none of the others'
+        renewals. SQLite renews each tenant in a transaction of its own
+        (pysqlite's savepoints are not to be trusted). A database outage is raised.
+        """
+        dialect = conn.dialect.name
+        if dialect != "sqlite":
+            try:
+                with conn.begin():
+                    if dialect == "postgresql":
+                        conn.execution_options(schema_translate_map=None)
+                        answers = renew_together(conn, [(unit.tenant.schema, step.leases, round_)
+                                                        for unit, step, round_ in members])
+                    else:
+                        answers = [_heartbeat(conn, unit, step, round_) for unit, step, round_ in members]
+                return {id(unit): answer for (unit, _, _), answer in zip(members, answers, strict=True)}
+            except Exception as exc:
+                if is_database_outage(exc):
+                    raise
+        if dialect == "sqlite":
+            return {id(unit): _alone(conn, unit, step, round_, conn.begin) for unit, step, round_ in members}
+        with conn.begin():
+            return {id(unit): _alone(conn, unit, step, round_, conn.begin_nested)
+                    for unit, step, round_ in members}
 
 
-def _maintain(conn: Connection, unit: Unit, step: RelayStep | None) -> dict[int, int] | None:
-    """``step``'s leases renewed on ``conn``, under its tenant's schema; None without a step."""
-    if step is None:
-        return None
+def _alone(conn: Connection, unit: Unit, step: RelayStep, round_: LeaseRound,
+           begin: Callable[[], Any]) -> Answer | Exception:
+    """``unit``'s heartbeat and renewal in a transaction (or savepoint) of their own, or its failure."""
+    try:
+        with begin():
+            return _heartbeat(conn, unit, step, round_)
+    except Exception as exc:
+        if is_database_outage(exc):
+            raise
+        return exc
+
+
+def _heartbeat(conn: Connection, unit: Unit, step: RelayStep, round_: LeaseRound) -> Answer:
+    """``step``'s heartbeat and renewal on ``conn``, under its tenant's schema (``Leases.heartbeat``)."""
     schema = unit.tenant.schema
     conn.execution_options(schema_translate_map={None: schema} if schema is not None else None)
-    return step.maintain_leases(conn)
-
-
+    return step.leases.heartbeat(conn, round_)
