@@ -156,22 +156,21 @@ class LeaseRenewal:
         (pysqlite's savepoints are not to be trusted). A database outage is raised.
         """
         dialect = conn.dialect.name
-        if dialect != "sqlite":
-            try:
-                with conn.begin():
-                    if dialect == "postgresql":
-                        conn.execution_options(schema_translate_map=None)
-                        answers = renew_together(conn, [(unit.tenant.schema, step.leases, round_)
-                                                        for unit, step, round_ in members])
-                    else:
-                        answers = [_heartbeat(conn, unit, step, round_) for unit, step, round_ in members]
-                return {id(unit): answer for (unit, _, _), answer in zip(members, answers, strict=True)}
-            except Exception as exc:
-                if is_database_outage(exc):
-                    raise
         if dialect == "sqlite":
             return {id(unit): _alone(conn, unit, step, round_, conn.begin) for unit, step, round_ in members}
-        with conn.begin():
+        try:
+            with conn.begin():
+                if dialect == "postgresql":
+                    conn.execution_options(schema_translate_map=None)
+                    answers = renew_together(conn, [(unit.tenant.schema, step.leases, round_)
+                                                    for unit, step, round_ in members])
+                else:
+                    answers = [_heartbeat(conn, unit, step, round_) for unit, step, round_ in members]
+            return {id(unit): answer for (unit, _, _), answer in zip(members, answers, strict=True)}
+        except Exception as exc:
+            if is_database_outage(exc):
+                raise
+        with conn.begin():  # a tenant's own failure undid the chunk: again, each tenant in a savepoint
             return {id(unit): _alone(conn, unit, step, round_, conn.begin_nested)
                     for unit, step, round_ in members}
 
