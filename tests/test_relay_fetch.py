@@ -162,3 +162,33 @@ def test_a_relay_keeps_its_backlog_fetch_prepared_and_plans_its_keeping_up_fetch
         one.dispose()
     fetches = [statement for statement in prepared if "ORDER BY sized.id" in statement]
     assert len(fetches) == 1 and "UNION ALL" in fetches[0], prepared
+
+
+@pytest.mark.parametrize("statement", ["look_ahead", "next_delayed"])
+def test_the_delayed_rows_reads_send_one_text_whatever_the_shards(outbox: Outbox, statement: str) -> None:
+    """A fleet's idle poll reads the delayed rows of its tenant's shards on every turn: the shards
+    travel as one array, so the driver parses and the server receives the same text for any shard
+    set (an expanding IN rendered a parameter per shard into the text at every run). And the
+    array selects what the IN did: only the delayed row of the shards asked for."""
+    later = datetime.now(UTC) + timedelta(hours=1)
+    with outbox.begin() as session:
+        outbox.publish(session, "orders", b"{}", key="a", delay=timedelta(hours=1))
+    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        shard = conn.scalar(sa.select(outbox.tables.messages.c.shard))
+    sql = statements_for(outbox.tables, "postgresql")
+    sent: list[str] = []
+    engine: sa.Engine = outbox.engine  # type: ignore[assignment]
+    listener = lambda conn, cursor, text, params, context, many: sent.append(text)  # noqa: E731
+    sa.event.listen(engine, "before_cursor_execute", listener)
+    try:
+        with engine.connect() as conn:
+            since = datetime.now(UTC)
+            answers = [conn.execute(getattr(sql, statement)(), {"since": since, "shards": shards}).first()
+                       for shards in ([shard], list(SHARDS), [s for s in SHARDS if s != shard])]
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", listener)
+    assert len(sent) == 3 and len(set(sent)) == 1, sent
+    found = [answer[0] for answer in answers]
+    assert found[0] is not None and abs((found[0] - later).total_seconds()) < 60
+    assert found[1] == found[0]
+    assert found[2] is None

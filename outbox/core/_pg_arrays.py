@@ -20,7 +20,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ARRAY, DateTime, Integer, Subquery, Text, Uuid, bindparam, cast, func, select
-from sqlalchemy.types import TypeEngine
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 
 def int_array(values: Iterable[int | None]) -> str:
@@ -29,6 +30,17 @@ def int_array(values: Iterable[int | None]) -> str:
     if None in values:
         return "{" + ",".join("NULL" if v is None else str(v) for v in values) + "}"
     return "{" + ",".join(map(str, values)) + "}"
+
+
+class IntList(TypeDecorator[Sequence[int]]):
+    """A parameter given as a list of ints and sent as one integer array literal (``int_array``);
+    the statement casts it to ``integer[]``."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Sequence[int] | None, dialect: Dialect) -> str | None:
+        return None if value is None else int_array(value)
 
 
 def text_array(values: Iterable[str | None]) -> str:

@@ -102,14 +102,14 @@ class RelayStatements(abc.ABC):
         self._next_delayed = select(func.min(m.c.available_at)).where(
             m.c.status != OutboxStatus.PUBLISHED,
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
-            m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)),
+            m.c.status == OutboxStatus.PENDING, self._of_shards(m),
             m.c.available_at > bindparam("since", type_=m.c.available_at.type)).execution_options(**EACH_RUN)
         later = m.c.available_at > bindparam("since", type_=m.c.available_at.type)
         self._look_ahead = select(func.min(case((later, m.c.available_at))),
                                   func.count(case((m.c.attempts > 0, 1)))).where(
             m.c.status != OutboxStatus.PUBLISHED,
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
-            m.c.status == OutboxStatus.PENDING, m.c.shard.in_(bindparam("shards", expanding=True)),
+            m.c.status == OutboxStatus.PENDING, self._of_shards(m),
         ).execution_options(**EACH_RUN)
 
     def _key_waits(self, tables: OutboxTables, prior: FromClause,
@@ -123,6 +123,10 @@ class RelayStatements(abc.ABC):
             prior.c.status != OutboxStatus.PUBLISHED,
             or_(prior.c.status == OutboxStatus.FAILED, prior.c.available_at > prior.c.created_at),
             *conditions)
+
+    def _of_shards(self, m: Table) -> ColumnElement[bool]:
+        """The row is of one of the shards in parameter ``shards`` (a list of ints)."""
+        return m.c.shard.in_(bindparam("shards", expanding=True))
 
     def _column(self, m: Table, name: str) -> Any:
         """How the fetch reads column ``name``.
