@@ -192,3 +192,35 @@ def test_the_delayed_rows_reads_send_one_text_whatever_the_shards(outbox: Outbox
     assert found[0] is not None and abs((found[0] - later).total_seconds()) < 60
     assert found[1] == found[0]
     assert found[2] is None
+
+
+def test_a_polls_probe_says_due_exactly_when_the_fetch_has_a_row(outbox: Outbox) -> None:
+    """An idle poll asks the probe first and fetches only when it says a row is due
+    (``RelayStep.run(probe=True)``): whatever the rows' states (published, failed heads and the
+    keys behind them, delayed, retried) and the shards asked, it says so exactly when the fetch
+    returns a row, and it reads what the look-ahead reads."""
+    rng = random.Random(41)
+    m = outbox.tables.messages
+    sql = statements_for(outbox.tables, "postgresql")
+    subsets = [SHARDS, (0, 5, 9), (7,), (3, 11), (14,)]
+    seen = set()
+    for _ in range(8):
+        publish(outbox, "orders", [rng.choice([f"k{i}" for i in range(12)] + [None]) for _ in range(30)])
+        with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+            pending = [r.id for r in conn.execute(sa.select(m.c.id).where(m.c.status == "pending"))]
+            for status, n in (("published", 25), ("failed", 2)):
+                chosen = rng.sample(pending, min(n, len(pending)))
+                conn.execute(sa.update(m).where(m.c.id.in_(chosen)).values(status=status))
+                pending = [i for i in pending if i not in chosen]
+            conn.execute(sa.update(m).where(m.c.id.in_(rng.sample(pending, min(3, len(pending)))))
+                         .values(available_at=m.c.created_at + sa.text("interval '1 hour'"), attempts=1))
+        with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+            for shards in subsets:
+                now = datetime.now(UTC)
+                params = {"since": now, "now": now, "shards": list(shards)}
+                at, retried, due = conn.execute(sql.probe(), params).one()
+                rows = conn.execute(sql.fetch(shards), fetch_params(1)).all()
+                assert due == bool(rows), (shards, due, rows)
+                assert (at, retried) == tuple(conn.execute(sql.look_ahead(), params).one())
+                seen.add(due)
+    assert seen == {True, False}  # both answers were met

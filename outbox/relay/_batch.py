@@ -274,6 +274,11 @@ class BatchRunner:
                            held=len(rows) - len(sendable) - len(unsendable),
                            error=plan.error, broker_unreachable=plan.broker_unreachable, **outcome)
 
+    @property
+    def writing(self) -> bool:
+        """A write of an earlier batch's outcomes has not been collected yet."""
+        return bool(self._writes)
+
     def finish(self) -> None:
         """Wait for the background writes of earlier batches, if any; re-raises the first error."""
         self._collect(keep=0)

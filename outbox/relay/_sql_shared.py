@@ -111,6 +111,9 @@ class RelayStatements(abc.ABC):
             or_(m.c.status == OutboxStatus.FAILED, m.c.available_at > m.c.created_at),
             m.c.status == OutboxStatus.PENDING, self._of_shards(m),
         ).execution_options(**EACH_RUN)
+        # The look-ahead, and whether any row of the shards is due (the fetch's rows, unread).
+        self._probe = self._look_ahead.add_columns(
+            self._due.where(self._of_shards(m)).correlate(None).exists().label("due"))
 
     def _key_waits(self, tables: OutboxTables, prior: FromClause,
                    conditions: tuple[ColumnElement[bool], ...]) -> Exists:
@@ -238,6 +241,11 @@ class RelayStatements(abc.ABC):
         retried: that check has nothing to find (``RelayStep._look_ahead``).
         """
         return self._look_ahead
+
+    def probe(self) -> Select[Any]:
+        """``look_ahead``'s answer and whether any row of ``shards`` is due now (``now``): a poll
+        that finds none fetches nothing (``RelayStep.run(probe=True)``)."""
+        return self._probe
 
     # -- rows the fetch cannot read (``_unreadable``) ---------------------------
 

@@ -150,7 +150,7 @@ class RelayStep:
     # -- one step -----------------------------------------------------------------
 
     def run(self, *, wait: bool = True, leases: bool = True, look_ahead: bool = False,
-            limit: int | None = None) -> Step:
+            probe: bool = False, limit: int | None = None) -> Step:
         """One step: prepare, one batch, and what the loop needs; raises what the batch raised.
 
         ``wait=False`` pipelines: this batch's outcomes are written while the
@@ -164,6 +164,10 @@ class RelayStep:
         tenant's last rows needs another transaction to know when to poll next.
         ``limit``: fewer rows than the batch size this once (a fleet's share, ``tenants._shares``);
         ``Step.again`` then says whether that many were there.
+        ``probe`` (with ``look_ahead``): the step is a poll, which for a tenant that notifications
+        wake mostly finds nothing: its look-ahead goes first and also asks whether any row is due
+        (``RelayStatements.probe``); none, and there is no fetch, one statement instead of two. Rows
+        due: the batch runs as without it.
         """
         now = time.monotonic()
         self.prepare(leases=leases)
@@ -172,7 +176,10 @@ class RelayStep:
         ahead = (lambda conn: self._look_ahead(conn, now)) if look_ahead else None
         limit = min(limit, self.settings.batch_size) if limit else self.settings.batch_size
         try:
-            batch = self.run_batch(wait=wait, idle=ahead, limit=limit)
+            if probe and look_ahead and self._nothing_due(now):
+                batch = BatchResult()
+            else:
+                batch = self.run_batch(wait=wait, idle=ahead, limit=limit)
         finally:  # read in the fetch's transaction, alerted on after it, though the send then raised
             heads, self._heads = self._heads, None
             if heads is not None:
@@ -219,7 +226,26 @@ class RelayStep:
             return BatchResult()
         return self._batch.run(owned, wait=wait, idle=idle, limit=limit)
 
-    def _look_ahead(self, conn: Connection, now: float) -> None:
+    def _nothing_due(self, now: float) -> bool:
+        """A poll's look-ahead on a connection of its own, which found no row due: nothing to fetch.
+
+        Asked only with nothing in flight: no write of an earlier batch (its rows
+        are pending until it commits, and the batch collects its outcome) and no
+        exactly-once mode (a take-over waiting is tried at the next batch). A
+        look-ahead that failed (reported) says nothing: the batch runs.
+        """
+        if not self.leases.owned() or self._batch.writing or self._batch.exactly_once is not None:
+            return False
+        with self._engine.connect() as conn:
+            conn = self._sql.prepare_fetch(conn)
+            due = self._look_ahead(conn, now, probe=True)
+            conn.commit()  # read only; in autocommit (PostgreSQL) a no-op
+        if due is None:
+            return False
+        self._outages.database.answered()
+        return not due
+
+    def _look_ahead(self, conn: Connection, now: float, *, probe: bool = False) -> bool | None:
         """On the connection of a fetch that was not full: the next delayed row (for ``poll_within``),
         the stuck keys if due.
 
@@ -234,15 +260,18 @@ class RelayStep:
         shards = sorted(self.leases.owned())
         params = {"since": self._fetched_at, "shards": shards}
         try:  # it runs before the fetched rows are sent: its failure must not keep them
-            at, retried = conn.execute(self._sql.look_ahead(), params).one()
+            if probe:
+                at, retried, due = conn.execute(self._sql.probe(), {**params, "now": self._fetched_at}).one()
+            else:
+                (at, retried), due = conn.execute(self._sql.look_ahead(), params).one(), None
         except Exception as exc:
             if is_database_outage(exc):
                 raise
             self.report(exc, "could not look ahead")  # ``poll_within`` asks on its own
-            return
+            return None
         self._ahead = (at,)
         if now < self._watch_due:
-            return
+            return due
         self._watch_due = now + self._watch_every
         try:  # the transaction's last statement: a failure leaves only its rollback to do
             self._heads = self.stuck_keys.read(shards if retried else [], conn)
@@ -250,6 +279,7 @@ class RelayStep:
             if is_database_outage(exc):
                 raise
             self.report(exc, "could not watch its keys")
+        return due
 
     @property
     def needs_leases(self) -> bool:

@@ -443,7 +443,7 @@ class TenantRelay:
             limit = min(shared or step.settings.batch_size, step.settings.batch_size)
             with self._shares.turn(unit, shared=shared is not None):
                 done = step.run(wait=wait, leases=not self._databases.started or step.needs_leases,
-                                look_ahead=db.listening, limit=limit)
+                                look_ahead=db.listening, probe=unit.polled, limit=limit)
             self._shares.after_turn(unit, fetched=done.batch.fetched, full=done.batch.full)
             unit.served = True
             # Rows a notification announced (it woke the tenant) need no poll after them: rows a
