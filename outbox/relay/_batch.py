@@ -166,7 +166,7 @@ class BatchRunner:
         self._encoder = RowEncoder(incarnation, check_ids=sql.ids_need_checking, cloudevents=cloudevents)
 
     def run(self, owned: dict[int, int], *, wait: bool = True,
-            idle: Callable[[Connection], None] | None = None, limit: int | None = None) -> BatchResult:
+            idle: Callable[[Connection], object] | None = None, limit: int | None = None) -> BatchResult:
         """One batch over the shards in ``owned`` (shard -> lease epoch), of ``limit`` rows at most
         (default ``batch_size``).
 

@@ -173,7 +173,8 @@ class RelayStep:
         self.prepare(leases=leases)
         self._fetched_at = utcnow()  # what its fetch counts as due now is due by this
         self._ahead = self._heads = None
-        ahead = (lambda conn: self._look_ahead(conn, now)) if look_ahead else None
+        ahead: Callable[[Connection], object] | None = (
+            (lambda conn: self._look_ahead(conn, now)) if look_ahead else None)
         limit = min(limit, self.settings.batch_size) if limit else self.settings.batch_size
         try:
             if probe and look_ahead and self._nothing_due(now):
@@ -214,7 +215,7 @@ class RelayStep:
             with suppress(RetriableTransportError):
                 self._batch.exactly_once.check_topic()
 
-    def run_batch(self, *, wait: bool, idle: Callable[[Connection], None] | None = None,
+    def run_batch(self, *, wait: bool, idle: Callable[[Connection], object] | None = None,
                   limit: int | None = None) -> BatchResult:
         """One batch over the shards held now (none held: the last write finished, nothing fetched).
 
@@ -258,10 +259,12 @@ class RelayStep:
         were); a stuck-key read that fails otherwise is reported, as ``_watch`` does.
         """
         shards = sorted(self.leases.owned())
-        params = {"since": self._fetched_at, "shards": shards}
+        params: dict[str, object] = {"since": self._fetched_at, "shards": shards}
         try:  # it runs before the fetched rows are sent: its failure must not keep them
             if probe:
-                at, retried, due = conn.execute(self._sql.probe(), {**params, "now": self._fetched_at}).one()
+                params["now"] = self._fetched_at
+                at, retried, found = conn.execute(self._sql.probe(), params).one()
+                due: bool | None = bool(found)
             else:
                 (at, retried), due = conn.execute(self._sql.look_ahead(), params).one(), None
         except Exception as exc:
