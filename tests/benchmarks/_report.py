@@ -13,7 +13,11 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+TREE = Path(__file__).resolve().parents[2]
+"""This benchmark's tree. Its child processes run there: ``python -m outbox`` puts the working
+directory first on ``sys.path``, so a relay started from another checkout ran that checkout's code,
+whatever ``PYTHONPATH`` said (an A/B of a branch against main measured main twice)."""
+DOC = TREE / "docs" / "benchmarks.md"
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from _report import markdown_table, write_section
+from _report import TREE, markdown_table, write_section
 from bench_inbox import baseline as inbox_baseline
 from bench_inbox import inbox_rate
 from bench_publish import measure, quantile
@@ -200,7 +200,7 @@ def relay_pairs(url: str, servers: str, messages: int, keys: int, pairs: int,
             [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers", servers,
              "--batch-size", str(BATCH), "--worker-id", worker, "--log-level", "WARNING",
              "--poll-interval", "0.05"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=TREE)
         try:
             deadline = time.monotonic() + 60
             while True:

@@ -65,7 +65,7 @@ from _race import (
     snapshot,
     window,
 )
-from _report import markdown_table, write_section
+from _report import TREE, markdown_table, write_section
 
 from outbox import Outbox, create_engine
 from outbox.core._sharding import shard_for_key
@@ -116,7 +116,7 @@ class Ours:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "outbox", "relay", "--db", self.url, "--bootstrap-servers", self.bootstrap,
              "--worker-id", "bench", "--log-level", "WARNING", *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=TREE)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with self.engine.connect() as conn:

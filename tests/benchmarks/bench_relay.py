@@ -44,7 +44,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import markdown_table, write_section
+from _report import TREE, markdown_table, write_section
 
 from outbox import Outbox, create_engine
 from outbox.core._sharding import shard_for_key
@@ -138,7 +138,7 @@ def start_relays(url: str, servers: str, count: int, *extra: str) -> list[subpro
     return [subprocess.Popen(
         [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers", servers,
          "--worker-id", f"bench-{i}", "--log-level", "WARNING", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(count)]
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=TREE) for i in range(count)]
 
 
 def stop(relays: list[subprocess.Popen]) -> None:

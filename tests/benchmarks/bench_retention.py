@@ -36,7 +36,7 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's outbox, not the installed one
-from _report import markdown_table, write_section
+from _report import TREE, markdown_table, write_section
 from bench_relay import PAYLOAD, pending, start_relays, stop, wait_leased
 
 from outbox import Outbox, create_engine
@@ -103,7 +103,8 @@ def run_retention_process(url: str) -> tuple[float, int, int]:
     nothing else uses the database)."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", MEASURED, "housekeeping", "run", "--db", url,
-                           "--older-than", "1d", "--duty", "1"], capture_output=True, text=True, check=True)
+                           "--older-than", "1d", "--duty", "1"], capture_output=True, text=True, check=True,
+                          cwd=TREE)
     seconds = time.perf_counter() - started
     deleted = int(done.stdout.strip().splitlines()[-1].split(":")[1].split()[0].replace(",", ""))
     rss = int(done.stderr.strip().splitlines()[-1].split("=")[1]) // 1024
@@ -115,7 +116,7 @@ def run_spark_archive(url: str) -> tuple[float, int]:
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "outbox", "spark", "archive", "--db", url,
                                "--archive-dir", root, "--retention", "1d", "--log-level", "ERROR"],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True, check=True, cwd=TREE)
         seconds = time.perf_counter() - started
     line = next(x for x in done.stdout.splitlines() if x.startswith("outbox_messages:"))
     return seconds, int(line.split("deleted")[1].strip().replace(",", ""))
@@ -173,7 +174,7 @@ def latency(url: str, servers: str, rate: int, seconds: float, beside: int, duty
             # ``outbox relay --retention`` runs it: starting a command for it (importing the
             # package, about 0.6 s of CPU) is a process start beside the relay, not retention.
             retention = subprocess.Popen([sys.executable, "-c", RETAINER, url, str(duty), str(batch_size)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=TREE)
             assert retention.stdin is not None and retention.stdout is not None
             if retention.stdout.readline().strip() != "ready":
                 raise RuntimeError("the retention process did not start")

@@ -63,7 +63,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import markdown_table, write_section
+from _report import TREE, markdown_table, write_section
 
 from outbox import Outbox, create_engine
 from outbox.core._sharding import shard_for_key
@@ -241,7 +241,7 @@ def start_relay(url: str, servers: str, app: str, *selection: str) -> RelayProce
     proc = subprocess.Popen(
         [sys.executable, "-m", "outbox", "relay", "--db", url, "--bootstrap-servers", servers,
          "--worker-id", app, *RELAY_OPTIONS, *selection],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=TREE)
     return RelayProcess(proc, app)
 
 
