@@ -49,16 +49,18 @@ def one_connection(pg: sa.Engine) -> Iterator[sa.Engine]:
 # -- the relay --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("probe", [False, True], ids=["after-fetch", "probe"])
 @pytest.mark.parametrize("truncate", [False, True], ids=["vacuumed", "truncated"])
 def test_an_idle_look_ahead_run_on_an_emptied_table_reads_its_index_not_the_table_after_a_burst(
-        pg: sa.Engine, one_connection: sa.Engine, truncate: bool) -> None:
+        pg: sa.Engine, one_connection: sa.Engine, truncate: bool, probe: bool) -> None:
     """A fleet's idle poll (``RelayStep.run(look_ahead=True)``) reads, on its empty fetch's
     connection, the next delayed row and whether any row is retried (``RelayStatements.look_ahead``):
     every poll of a quiet tenant's hour, in autocommit, so psycopg prepares it. Its condition
     repeats ix_outbox_key_waits' predicate so that it reads that tiny index; a plan kept from the
     emptied table reads the whole table instead, at every idle poll after a burst was sent, until
     autovacuum next ANALYZEs (seen: a Seq Scan, 870 buffers a poll for 20,000 published rows; 35
-    when planned each run)."""
+    when planned each run). The same of a poll's probe (``probe=True``), which asks it before any
+    fetch with whether a row is due: both read indexes only."""
     outbox = Outbox(one_connection)
     outbox.create_tables()
     emptied(pg, "outbox_messages", lambda conn: insert_outbox_rows(conn, 100, "published"),
@@ -67,11 +69,11 @@ def test_an_idle_look_ahead_run_on_an_emptied_table_reads_its_index_not_the_tabl
     try:
         step = relay._step
         for _ in range(RUNS):  # a quiet tenant's idle polls
-            assert step.run(look_ahead=True).batch.fetched == 0
+            assert step.run(look_ahead=True, probe=probe).batch.fetched == 0
         with pg.begin() as writer:  # a burst, sent (published) faster than autovacuum ANALYZEs
             insert_outbox_rows(writer, BURST, "published")
         notices = explained(one_connection)
-        assert step.run(look_ahead=True).batch.fetched == 0
+        assert step.run(look_ahead=True, probe=probe).batch.fetched == 0
     finally:
         relay.close()
     plans = explained_plans(notices, lambda text: text.startswith("SELECT min(CASE"))
