@@ -165,7 +165,8 @@ def test_a_relay_keeps_its_backlog_fetch_prepared_and_plans_its_keeping_up_fetch
 
 
 @pytest.mark.parametrize("statement", ["look_ahead", "next_delayed"])
-def test_the_delayed_rows_reads_send_one_text_whatever_the_shards(outbox: Outbox, statement: str) -> None:
+def test_the_delayed_rows_reads_send_one_text_whatever_the_shards(outbox: Outbox, pg: sa.Engine,
+                                                                   statement: str) -> None:
     """A fleet's idle poll reads the delayed rows of its tenant's shards on every turn: the shards
     travel as one array, so the driver parses and the server receives the same text for any shard
     set (an expanding IN rendered a parameter per shard into the text at every run). And the
@@ -173,20 +174,19 @@ def test_the_delayed_rows_reads_send_one_text_whatever_the_shards(outbox: Outbox
     later = datetime.now(UTC) + timedelta(hours=1)
     with outbox.begin() as session:
         outbox.publish(session, "orders", b"{}", key="a", delay=timedelta(hours=1))
-    with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+    with pg.connect() as conn:  # the outbox's own engine (the fixture's)
         shard = conn.scalar(sa.select(outbox.tables.messages.c.shard))
     sql = statements_for(outbox.tables, "postgresql")
     sent: list[str] = []
-    engine: sa.Engine = outbox.engine  # type: ignore[assignment]
     listener = lambda conn, cursor, text, params, context, many: sent.append(text)  # noqa: E731
-    sa.event.listen(engine, "before_cursor_execute", listener)
+    sa.event.listen(pg, "before_cursor_execute", listener)
     try:
-        with engine.connect() as conn:
+        with pg.connect() as conn:
             since = datetime.now(UTC)
             answers = [conn.execute(getattr(sql, statement)(), {"since": since, "shards": shards}).first()
                        for shards in ([shard], list(SHARDS), [s for s in SHARDS if s != shard])]
     finally:
-        sa.event.remove(engine, "before_cursor_execute", listener)
+        sa.event.remove(pg, "before_cursor_execute", listener)
     assert len(sent) == 3 and len(set(sent)) == 1, sent
     found = [answer[0] for answer in answers]
     assert found[0] is not None and abs((found[0] - later).total_seconds()) < 60
@@ -194,7 +194,7 @@ def test_the_delayed_rows_reads_send_one_text_whatever_the_shards(outbox: Outbox
     assert found[2] is None
 
 
-def test_a_polls_probe_says_due_exactly_when_the_fetch_has_a_row(outbox: Outbox) -> None:
+def test_a_polls_probe_says_due_exactly_when_the_fetch_has_a_row(outbox: Outbox, pg: sa.Engine) -> None:
     """An idle poll asks the probe first and fetches only when it says a row is due
     (``RelayStep.run(probe=True)``): whatever the rows' states (published, failed heads and the
     keys behind them, delayed, retried) and the shards asked, it says so exactly when the fetch
@@ -206,7 +206,7 @@ def test_a_polls_probe_says_due_exactly_when_the_fetch_has_a_row(outbox: Outbox)
     seen = set()
     for _ in range(8):
         publish(outbox, "orders", [rng.choice([f"k{i}" for i in range(12)] + [None]) for _ in range(30)])
-        with outbox.engine.begin() as conn:  # type: ignore[union-attr]
+        with pg.begin() as conn:
             pending = [r.id for r in conn.execute(sa.select(m.c.id).where(m.c.status == "pending"))]
             for status, n in (("published", 25), ("failed", 2)):
                 chosen = rng.sample(pending, min(n, len(pending)))
@@ -214,7 +214,7 @@ def test_a_polls_probe_says_due_exactly_when_the_fetch_has_a_row(outbox: Outbox)
                 pending = [i for i in pending if i not in chosen]
             conn.execute(sa.update(m).where(m.c.id.in_(rng.sample(pending, min(3, len(pending)))))
                          .values(available_at=m.c.created_at + sa.text("interval '1 hour'"), attempts=1))
-        with outbox.engine.connect() as conn:  # type: ignore[union-attr]
+        with pg.connect() as conn:
             for shards in subsets:
                 now = datetime.now(UTC)
                 params = {"since": now, "now": now, "shards": list(shards)}
