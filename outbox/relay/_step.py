@@ -257,6 +257,8 @@ class RelayStep:
         judged, and alerted on, by ``run`` once the transaction ended
         (``StuckKeys.judge``). A database outage is raised (the fetch's, as it
         were); a stuck-key read that fails otherwise is reported, as ``_watch`` does.
+        Returns, with ``probe`` (``RelayStatements.probe``), whether any row is due; None without
+        it, or when the read failed.
         """
         shards = sorted(self.leases.owned())
         params: dict[str, object] = {"since": self._fetched_at, "shards": shards}
