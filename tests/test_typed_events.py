@@ -21,6 +21,7 @@ from outbox.inbox import Reason
 from outbox.testing import OutboxTestHarness
 from tests.inbox_support import (
     INBOX_KINDS,
+    TEST_BUDGET,
     TOPIC,
     AlertLog,
     applied,
@@ -69,8 +70,11 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 def make_inbox(engine: sa.Engine, kind: str, **options: Any) -> Inbox:
+    # TEST_BUDGET: the tests read a whole transaction's outcome through ``handle`` (a held successor
+    # applied right after its predecessor); a loaded CI host's async SQLite transaction outlived the
+    # default 1 s ``batch_budget``, which deferred the successor to the next sweep() (a CI run).
     box = Inbox(inbox_bind(engine, kind), group="billing", retry_backoff=0.001, retry_backoff_max=0.01,
-                alert=AlertLog(), **options)
+                alert=AlertLog(), **{"batch_budget": TEST_BUDGET, **options})
     box.create_tables()
     business.create_all(engine)
     return box
