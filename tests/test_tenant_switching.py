@@ -1,9 +1,12 @@
-"""``outbox relay --tenants`` hands the interpreter lock to a waiting thread within a millisecond.
+"""``outbox relay --tenants`` hands the interpreter lock to a waiting thread within a millisecond,
+and its producers linger until the flush.
 
 A quiet tenant's message passes through many threads of the fleet's process,
 each waiting for the lock a backlog's worker holds: CPython's default switch
 interval (5 ms) was paid at each step (docs/tenants.md, *The interpreter
-lock*).
+lock*). With the lock switching every millisecond a worker's produce loop is
+cut into slices, and at librdkafka's 5 ms linger its batch left in several
+small requests (``FLEET_LINGER_MS``).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from outbox.cli import _relay as relay_cli
 from outbox.cli import app
-from outbox.tenants import TenantRelay
+from outbox.tenants import FLEET_LINGER_MS, TenantRelay, fleet_kafka_settings
 
 
 def test_tune_switch_interval_sets_a_millisecond() -> None:
@@ -43,3 +47,42 @@ def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_p
         sys.setswitchinterval(before)
     assert result.exit_code == 0, result.output
     assert len(seen) == 1 and abs(seen[0] - 0.001) < 1e-9  # 1 ms (docs/tenants.md, *The interpreter lock*)
+
+
+@pytest.mark.parametrize("named", [
+    {"linger.ms": "7"}, {"linger_ms": 7}, {"queue.buffering.max.ms": "7"}])
+def test_a_linger_the_settings_name_under_any_name_is_kept(named: dict[str, object]) -> None:
+    """The property is what counts, not its spelling: a kafka-python-ng keyword or librdkafka's
+    alias set the same linger, and a default added beside it would override it (the later wins)."""
+    settings = {"bootstrap.servers": "h:9", **named}
+    assert fleet_kafka_settings(settings) == settings
+
+
+def test_settings_without_a_linger_get_the_fleets() -> None:
+    given = {"bootstrap.servers": "h:9", "acks": "all"}
+    assert fleet_kafka_settings(given) == {**given, "linger.ms": FLEET_LINGER_MS}
+    assert "linger.ms" not in given  # a copy: the caller's mapping is not changed
+
+
+def _fleet_lingers(tmp_path, monkeypatch, *settings: str) -> list[object]:
+    """The ``linger.ms`` of each producer ``outbox relay --tenants`` built, with ``-X`` ``settings``."""
+    seen: list[object] = []
+    monkeypatch.setattr(TenantRelay, "run", lambda self, **_: seen.extend(
+        made._config["linger.ms"] for made in self._workers.transports))
+    monkeypatch.setattr(relay_cli, "tune_gc_for_batches", lambda: None)
+    spec = tmp_path / "tenants.json"
+    spec.write_text(json.dumps(["acme", "globex"]))
+    before = sys.getswitchinterval()
+    try:
+        result = CliRunner().invoke(app, [
+            "relay", "--db", f"sqlite:///{tmp_path / 'fleet.db'}", "--bootstrap-servers", "127.0.0.1:9",
+            "--tenants", f"file:{spec}", *[arg for pair in settings for arg in ("-X", pair)]])
+    finally:
+        sys.setswitchinterval(before)
+    assert result.exit_code == 0, result.output
+    return seen
+
+
+def test_the_fleet_commands_producers_linger_until_the_flush_unless_told(tmp_path, monkeypatch) -> None:
+    assert _fleet_lingers(tmp_path, monkeypatch) == [FLEET_LINGER_MS, FLEET_LINGER_MS]
+    assert _fleet_lingers(tmp_path, monkeypatch, "linger_ms=7") == ["7", "7"]

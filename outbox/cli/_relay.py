@@ -214,8 +214,9 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from ..housekeeping import tenant_retention_pass
     from ..ops import serve_health, tenant_relay_readiness
     from ..relay import relay_metrics, tenant_relay_metrics
-    from ..tenants import TenantLabels, TenantRelay, parse_tenants, tune_switch_interval
+    from ..tenants import TenantLabels, TenantRelay, fleet_kafka_settings, parse_tenants, tune_switch_interval
 
+    settings = fleet_kafka_settings(settings)
     if tenant_header is not None and "message.max.bytes" not in settings:
         limit = KafkaTransport.max_record_bytes_for(settings) + TENANT_HEADER_ROOM
         settings = {**settings, "message.max.bytes": str(limit)}

@@ -27,10 +27,11 @@ from ..core._tenant import (
 from ..core._tenant_labels import OTHER_TENANTS, TenantLabels
 from ._each import DEFAULT_CONCURRENCY, TenantDatabases, TenantOutcome, each_tenant
 from ._relay import TenantRelay
-from ._switching import tune_switch_interval
+from ._switching import FLEET_LINGER_MS, fleet_kafka_settings, tune_switch_interval
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
+    "FLEET_LINGER_MS",
     "MAX_TENANT_NAME",
     "OTHER_TENANTS",
     "Tenant",
@@ -44,6 +45,7 @@ __all__ = [
     "check_tenant_name",
     "checked_tenants",
     "each_tenant",
+    "fleet_kafka_settings",
     "from_file",
     "from_query",
     "parse_tenants",

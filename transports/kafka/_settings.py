@@ -100,6 +100,18 @@ def librdkafka_config(
 
 _SINGLE_WORD_KEYS = frozenset({"acks", "retries", "debug", "partitioner", "log_level"})
 
+LINGER = ("linger.ms", "queue.buffering.max.ms")
+"""librdkafka's one linger setting under both of its names (the second is an alias)."""
+
+
+def sets_property(settings: Mapping[str, Any], names: tuple[str, ...]) -> bool:
+    """Whether ``settings`` set the librdkafka property ``names`` (all its aliases), by any name.
+
+    A kafka-python-ng keyword counts as the property it stands for (``linger_ms``
+    sets ``linger.ms``): what is compared is the property, not its spelling.
+    """
+    return any(KAFKA_PYTHON_NAMES.get(key, key) in names for key in settings)
+
 
 def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -> None:
     """Let librdkafka reject unknown or invalid keys now, as a ConfigurationError."""
