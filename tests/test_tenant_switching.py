@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from outbox.cli import _relay as relay_cli
 from outbox.cli import app
 from outbox.tenants import FLEET_LINGER_MS, TenantRelay, fleet_kafka_settings
+from outbox.tenants._switching import STICKY_LINGER_MS
 
 
 def test_tune_switch_interval_sets_a_millisecond() -> None:
@@ -50,25 +51,32 @@ def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_p
 
 
 @pytest.mark.parametrize("named", [
-    {"linger.ms": "7"}, {"linger_ms": 7}, {"queue.buffering.max.ms": "7"}])
-def test_a_linger_the_settings_name_under_any_name_is_kept(named: dict[str, object]) -> None:
+    {"linger.ms": "7"}, {"linger_ms": 7}, {"queue.buffering.max.ms": "7"},
+    {"message.timeout.ms": "90"}, {"delivery_timeout_ms": 90}, {"delivery.timeout.ms": "90"}])
+def test_a_linger_or_message_timeout_the_settings_name_under_any_name_is_theirs(
+        named: dict[str, object]) -> None:
     """The property is what counts, not its spelling: a kafka-python-ng keyword or librdkafka's
-    alias set the same linger, and a default added beside it would override it (the later wins)."""
+    alias set the same one, and a default added beside it would override it (the later wins).
+    A message timeout set is kept with the transport's linger: librdkafka refuses one no longer
+    than the linger (90 ms against 100 would fail the fleet at start over a linger nobody set)."""
     settings = {"bootstrap.servers": "h:9", **named}
     assert fleet_kafka_settings(settings) == settings
 
 
-def test_settings_without_a_linger_get_the_fleets() -> None:
+def test_settings_without_a_linger_get_the_fleets_and_unkeyed_records_keep_their_spread() -> None:
     given = {"bootstrap.servers": "h:9", "acks": "all"}
-    assert fleet_kafka_settings(given) == {**given, "linger.ms": FLEET_LINGER_MS}
+    assert fleet_kafka_settings(given) == {
+        **given, "linger.ms": FLEET_LINGER_MS, "sticky.partitioning.linger.ms": STICKY_LINGER_MS}
     assert "linger.ms" not in given  # a copy: the caller's mapping is not changed
+    sticky = {"sticky.partitioning.linger.ms": "50"}
+    assert fleet_kafka_settings(sticky) == {**sticky, "linger.ms": FLEET_LINGER_MS}
 
 
-def _fleet_lingers(tmp_path, monkeypatch, *settings: str) -> list[object]:
-    """The ``linger.ms`` of each producer ``outbox relay --tenants`` built, with ``-X`` ``settings``."""
-    seen: list[object] = []
+def _fleet_producers(tmp_path, monkeypatch, *args: str) -> list[dict[str, object]]:
+    """The librdkafka settings of each producer ``outbox relay --tenants`` built, with ``args``."""
+    seen: list[dict[str, object]] = []
     monkeypatch.setattr(TenantRelay, "run", lambda self, **_: seen.extend(
-        made._config["linger.ms"] for made in self._workers.transports))
+        dict(made._config) for made in self._workers.transports))
     monkeypatch.setattr(relay_cli, "tune_gc_for_batches", lambda: None)
     spec = tmp_path / "tenants.json"
     spec.write_text(json.dumps(["acme", "globex"]))
@@ -76,7 +84,7 @@ def _fleet_lingers(tmp_path, monkeypatch, *settings: str) -> list[object]:
     try:
         result = CliRunner().invoke(app, [
             "relay", "--db", f"sqlite:///{tmp_path / 'fleet.db'}", "--bootstrap-servers", "127.0.0.1:9",
-            "--tenants", f"file:{spec}", *[arg for pair in settings for arg in ("-X", pair)]])
+            "--tenants", f"file:{spec}", *args])
     finally:
         sys.setswitchinterval(before)
     assert result.exit_code == 0, result.output
@@ -84,5 +92,18 @@ def _fleet_lingers(tmp_path, monkeypatch, *settings: str) -> list[object]:
 
 
 def test_the_fleet_commands_producers_linger_until_the_flush_unless_told(tmp_path, monkeypatch) -> None:
-    assert _fleet_lingers(tmp_path, monkeypatch) == [FLEET_LINGER_MS, FLEET_LINGER_MS]
-    assert _fleet_lingers(tmp_path, monkeypatch, "linger_ms=7") == ["7", "7"]
+    lingers = [made["linger.ms"] for made in _fleet_producers(tmp_path, monkeypatch)]
+    assert lingers == [FLEET_LINGER_MS, FLEET_LINGER_MS]
+    told = _fleet_producers(tmp_path, monkeypatch, "-X", "linger_ms=7")
+    assert [made["linger.ms"] for made in told] == ["7", "7"]
+
+
+def test_a_record_limit_set_by_its_kafka_python_name_is_not_raised_for_the_tenant_header(
+        tmp_path, monkeypatch) -> None:
+    """``max_request_size`` is ``message.max.bytes``: the header's room is added only to a limit
+    nobody set, never to the user's, whatever name they gave it."""
+    header = ["--tenant-header", "x-tenant"]
+    default, = {made["message.max.bytes"] for made in _fleet_producers(tmp_path, monkeypatch, *header)}
+    assert int(default) > 1_000_000  # the default limit with room for the header
+    told = _fleet_producers(tmp_path, monkeypatch, *header, "-X", "max_request_size=500000")
+    assert {made["message.max.bytes"] for made in told} == {"500000"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -9,7 +10,7 @@ from confluent_kafka import KafkaError
 
 from outbox import ConfigurationError
 from transports import Outcome, Record, Transport
-from transports.kafka import KafkaTransport
+from transports.kafka import KafkaTransport, embedded_kafka
 from transports.kafka._transport import classify
 from transports.testing import TransportConformance
 
@@ -43,7 +44,31 @@ def test_pipelining_is_on_only_when_librdkafka_cannot_drop_a_record() -> None:
     assert KafkaTransport(bootstrap_servers="127.0.0.1:9")._config["message.timeout.ms"] == 0
     assert not pipelined(delivery_timeout_ms=5000)
     assert not pipelined(retries=3)
+    # librdkafka's aliases are the same properties: a timeout set through one is the user's, kept
+    aliased = KafkaTransport(bootstrap_servers="127.0.0.1:9", **{"delivery.timeout.ms": 5000})
+    assert not aliased._pipelined and "message.timeout.ms" not in aliased._config
+    assert not pipelined(**{"message.send.max.retries": 3})
     assert not pipelined(**{"enable.gapless.guarantee": False})
+
+
+def test_a_full_local_queue_is_sent_at_once_not_after_its_linger() -> None:
+    """A record refused for a full queue waits for the records before it to be sent and answered,
+    then goes: librdkafka sends what waits for its linger at once only within ``flush()``. With
+    ``poll()`` there, nothing left before the linger ran out (a fleet's is 100 ms; a minute here),
+    and every record past the queue's room came back "producer queue full".
+
+    Librdkafka's own client behaviour, nothing of a broker's: the embedded mock cluster serves.
+    """
+    with embedded_kafka() as servers:
+        transport = KafkaTransport({"queue.buffering.max.messages": 4, "linger.ms": 60_000},
+                                   bootstrap_servers=servers, delivery_timeout=30)
+        records = [Record(topic="full-queue", value=b"v", key=f"k{i}".encode()) for i in range(12)]
+        started = time.monotonic()
+        results = transport.publish(records)
+        took = time.monotonic() - started
+        transport.close()
+    assert [(r.outcome, r.error) for r in results] == [(Outcome.DELIVERED, None)] * len(records)
+    assert took < 20  # answered as sent, not after the linger
 
 
 def test_is_a_transport() -> None:

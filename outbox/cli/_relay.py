@@ -209,6 +209,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     the default limit can be served with a header.
     """
     from transports.kafka import KafkaTransport
+    from transports.kafka._settings import sets_property
 
     from ..core._engine import create_engine
     from ..housekeeping import tenant_retention_pass
@@ -217,7 +218,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from ..tenants import TenantLabels, TenantRelay, fleet_kafka_settings, parse_tenants, tune_switch_interval
 
     settings = fleet_kafka_settings(settings)
-    if tenant_header is not None and "message.max.bytes" not in settings:
+    if tenant_header is not None and not sets_property(settings, ("message.max.bytes",)):
         limit = KafkaTransport.max_record_bytes_for(settings) + TENANT_HEADER_ROOM
         settings = {**settings, "message.max.bytes": str(limit)}
     latch = StopLatch()

@@ -103,6 +103,12 @@ _SINGLE_WORD_KEYS = frozenset({"acks", "retries", "debug", "partitioner", "log_l
 LINGER = ("linger.ms", "queue.buffering.max.ms")
 """librdkafka's one linger setting under both of its names (the second is an alias)."""
 
+MESSAGE_TIMEOUT = ("message.timeout.ms", "delivery.timeout.ms")
+"""librdkafka's message timeout under both of its names (the second is an alias)."""
+
+RETRIES = ("retries", "message.send.max.retries")
+"""librdkafka's retry limit under both of its names (the first is an alias)."""
+
 
 def sets_property(settings: Mapping[str, Any], names: tuple[str, ...]) -> bool:
     """Whether ``settings`` set the librdkafka property ``names`` (all its aliases), by any name.

@@ -184,7 +184,7 @@ class KafkaTransactionalProducer:
                                      -1 if partition is None else partition, on_delivery=report,
                                      headers=headers)
                 except BufferError:
-                    producer.poll(0.5)
+                    producer.flush(0.5)  # sends what waits for its linger (KafkaTransport._send_wave)
                     producer.produce(record.topic, record.value, record.key,
                                      -1 if partition is None else partition, on_delivery=report,
                                      headers=headers)

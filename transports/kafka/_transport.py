@@ -70,7 +70,14 @@ from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._read_back import ensure_compacted_topic, last_committed, read_back
-from ._settings import check_with_librdkafka, librdkafka_config, redacted
+from ._settings import (
+    MESSAGE_TIMEOUT,
+    RETRIES,
+    check_with_librdkafka,
+    librdkafka_config,
+    redacted,
+    sets_property,
+)
 from ._transactions import KafkaTransactionalProducer
 
 # Errors that cannot succeed by sending the same record again.
@@ -201,15 +208,18 @@ class KafkaTransport:
             raise ConfigurationError("delivery_timeout and metadata_refresh must be positive seconds")
         # A user-set timeout or retry limit would let librdkafka drop a record and write
         # its successor (the gap-less guarantee does not cover timeouts): waves then.
+        # By the property, not its spelling: ``delivery.timeout.ms`` is librdkafka's alias.
+        timeout_set = sets_property(config, MESSAGE_TIMEOUT)
         self._pipelined = (
-            not {"message.timeout.ms", "retries", "message.send.max.retries"} & config.keys()
+            not timeout_set and not sets_property(config, RETRIES)
             and str(config.get("enable.gapless.guarantee")).lower() in {"true", "1"}
         )
         # Pipelined: librdkafka never times a record out (that would skip it and write
         # its successor); the transport bounds its wait and purges. Waves: a timeout
         # just below delivery_timeout, so every record gets a report.
-        config.setdefault("message.timeout.ms",
-                          0 if self._pipelined else max(1, int(delivery_timeout * 1000) - 500))
+        if not timeout_set:
+            config["message.timeout.ms"] = (0 if self._pipelined
+                                            else max(1, int(delivery_timeout * 1000) - 500))
         check_with_librdkafka(config)
         self._config = config
         self._delivery_timeout = delivery_timeout
@@ -449,8 +459,9 @@ class KafkaTransport:
                     produce(record.topic, record.value, record.key, partition, on_delivery=callback,
                             headers=headers)
                 except BufferError:
-                    # Local queue full: let earlier records drain, then try once more.
-                    self._producer.poll(0.5)
+                    # Local queue full: let earlier records drain, then try once more. flush(), not
+                    # poll(): during a flush librdkafka sends at once what waits for its linger.
+                    self._producer.flush(0.5)
                     produce(record.topic, record.value, record.key, partition, on_delivery=callback,
                             headers=headers)
                 outstanding += 1
