@@ -21,7 +21,6 @@ from typer.testing import CliRunner
 from outbox.cli import _relay as relay_cli
 from outbox.cli import app
 from outbox.tenants import FLEET_LINGER_MS, TenantRelay, fleet_kafka_settings
-from outbox.tenants._switching import STICKY_LINGER_MS
 
 
 def test_tune_switch_interval_sets_a_millisecond() -> None:
@@ -66,7 +65,7 @@ def test_a_linger_or_message_timeout_the_settings_name_under_any_name_is_theirs(
 def test_settings_without_a_linger_get_the_fleets_and_unkeyed_records_keep_their_spread() -> None:
     given = {"bootstrap.servers": "h:9", "acks": "all"}
     assert fleet_kafka_settings(given) == {
-        **given, "linger.ms": FLEET_LINGER_MS, "sticky.partitioning.linger.ms": STICKY_LINGER_MS}
+        **given, "linger.ms": FLEET_LINGER_MS, "sticky.partitioning.linger.ms": 10}  # as at a 5 ms linger
     assert "linger.ms" not in given  # a copy: the caller's mapping is not changed
     sticky = {"sticky.partitioning.linger.ms": "50"}
     assert fleet_kafka_settings(sticky) == {**sticky, "linger.ms": FLEET_LINGER_MS}
