@@ -32,20 +32,26 @@ def test_tune_switch_interval_sets_a_millisecond() -> None:
     assert before == 0.005 and abs(after - 0.001) < 1e-9
 
 
-def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_path, monkeypatch) -> None:
-    seen: list[float] = []
-    monkeypatch.setattr(TenantRelay, "run", lambda self, **_: seen.append(sys.getswitchinterval()))
+def _fleet_command(tmp_path, monkeypatch, instead_of_run, *args: str) -> None:
+    """Run ``outbox relay --tenants`` (two tenants, ``args``) up to its fleet's ``run``, which calls
+    ``instead_of_run(fleet)``; this test run's switch interval and heap are left as they were."""
+    monkeypatch.setattr(TenantRelay, "run", lambda self, **_: instead_of_run(self))
     monkeypatch.setattr(relay_cli, "tune_gc_for_batches", lambda: None)  # not this test run's heap
     spec = tmp_path / "tenants.json"
-    spec.write_text(json.dumps(["acme"]))
+    spec.write_text(json.dumps(["acme", "globex"]))
     before = sys.getswitchinterval()
     try:
         result = CliRunner().invoke(app, [
             "relay", "--db", f"sqlite:///{tmp_path / 'fleet.db'}", "--bootstrap-servers", "127.0.0.1:9",
-            "--tenants", f"file:{spec}"])
+            "--tenants", f"file:{spec}", *args])
     finally:
         sys.setswitchinterval(before)
     assert result.exit_code == 0, result.output
+
+
+def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_path, monkeypatch) -> None:
+    seen: list[float] = []
+    _fleet_command(tmp_path, monkeypatch, lambda _fleet: seen.append(sys.getswitchinterval()))
     assert len(seen) == 1 and abs(seen[0] - 0.001) < 1e-9  # 1 ms (docs/tenants.md, *The interpreter lock*)
 
 
@@ -74,19 +80,8 @@ def test_settings_without_a_linger_get_the_fleets_and_unkeyed_records_keep_their
 def _fleet_producers(tmp_path, monkeypatch, *args: str) -> list[dict[str, object]]:
     """The librdkafka settings of each producer ``outbox relay --tenants`` built, with ``args``."""
     seen: list[dict[str, object]] = []
-    monkeypatch.setattr(TenantRelay, "run", lambda self, **_: seen.extend(
-        dict(made._config) for made in self._workers.transports))
-    monkeypatch.setattr(relay_cli, "tune_gc_for_batches", lambda: None)
-    spec = tmp_path / "tenants.json"
-    spec.write_text(json.dumps(["acme", "globex"]))
-    before = sys.getswitchinterval()
-    try:
-        result = CliRunner().invoke(app, [
-            "relay", "--db", f"sqlite:///{tmp_path / 'fleet.db'}", "--bootstrap-servers", "127.0.0.1:9",
-            "--tenants", f"file:{spec}", *args])
-    finally:
-        sys.setswitchinterval(before)
-    assert result.exit_code == 0, result.output
+    _fleet_command(tmp_path, monkeypatch, lambda fleet: seen.extend(
+        dict(made._config) for made in fleet._workers.transports), *args)
     return seen
 
 

@@ -47,9 +47,9 @@ FLEET_LINGER_MS = 100
 ``flush()``, during which librdkafka sends at once whatever it holds, whatever
 the linger: the linger only decides whether a request leaves *while* the
 records are still being produced. A single relay produces its batch (1,000 rows
-in the benchmark) in a few milliseconds. A fleet's worker produces its 400 beside seven others, the
-lock switching every millisecond, and at 5 ms librdkafka sent its batch in
-several small requests as it came: the two shared producers' threads took
+in the benchmark) in a few milliseconds. A fleet's worker produces its 400
+beside seven others, the lock switching every millisecond, and at 5 ms
+librdkafka sent its batch in several small requests as it came: the two shared producers' threads took
 0.7-1.8 CPU seconds a 200,000-row drain against 0.3 for the single relay.
 With the linger past the produce loop they took 0.4-0.5 s, and the fleet
 drained 15 % faster (docs/benchmarks.md, *A fleet's producers linger until the
@@ -74,8 +74,9 @@ def fleet_kafka_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """
     from transports.kafka._settings import LINGER, MESSAGE_TIMEOUT, sets_property
 
+    fleet = dict(settings)
     if sets_property(settings, LINGER) or sets_property(settings, MESSAGE_TIMEOUT):
-        return dict(settings)
-    sticky = "sticky.partitioning.linger.ms"
-    return {**settings, "linger.ms": FLEET_LINGER_MS,
-            **({} if sets_property(settings, (sticky,)) else {sticky: STICKY_LINGER_MS})}
+        return fleet
+    fleet["linger.ms"] = FLEET_LINGER_MS
+    fleet.setdefault("sticky.partitioning.linger.ms", STICKY_LINGER_MS)  # it has no other name
+    return fleet
