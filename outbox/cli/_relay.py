@@ -218,7 +218,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from ..tenants import TenantLabels, TenantRelay, fleet_kafka_settings, parse_tenants, tune_switch_interval
 
     settings = fleet_kafka_settings(settings)
-    if tenant_header is not None and not sets_property(settings, ("message.max.bytes",)):
+    if tenant_header is not None and not sets_property(settings, "message.max.bytes"):
         limit = KafkaTransport.max_record_bytes_for(settings) + TENANT_HEADER_ROOM
         settings = {**settings, "message.max.bytes": str(limit)}
     latch = StopLatch()

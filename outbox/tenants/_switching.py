@@ -72,10 +72,10 @@ def fleet_kafka_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     settings' own. The sticky partitioning of unkeyed records keeps its 10 ms
     unless the settings name it.
     """
-    from transports.kafka._settings import LINGER, MESSAGE_TIMEOUT, sets_property
+    from transports.kafka._settings import sets_property
 
     fleet = dict(settings)
-    if sets_property(settings, LINGER) or sets_property(settings, MESSAGE_TIMEOUT):
+    if sets_property(settings, "linger.ms") or sets_property(settings, "message.timeout.ms"):
         return fleet
     fleet["linger.ms"] = FLEET_LINGER_MS
     fleet.setdefault("sticky.partitioning.linger.ms", STICKY_LINGER_MS)  # it has no other name

@@ -8,8 +8,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ._embedded import embedded_kafka
+from ._settings import librdkafka_config, property_of
 from ._source import KafkaSource
 from ._transactions import KafkaTransactionalProducer
 from ._transport import KafkaTransport
 
-__all__ = ["KafkaSource", "KafkaTransactionalProducer", "KafkaTransport", "embedded_kafka"]
+__all__ = ["KafkaSource", "KafkaTransactionalProducer", "KafkaTransport", "embedded_kafka",
+           "librdkafka_config", "property_of"]

@@ -75,48 +75,79 @@ def _value(name: str, value: Any) -> Any:
     return value
 
 
+ALIASES: dict[str, str] = {
+    "metadata.broker.list": "bootstrap.servers",
+    "queue.buffering.max.ms": "linger.ms",
+    "message.send.max.retries": "retries",
+    "delivery.timeout.ms": "message.timeout.ms",
+    "request.required.acks": "acks",
+    "compression.codec": "compression.type",
+    "max.in.flight": "max.in.flight.requests.per.connection",
+    "fetch.message.max.bytes": "max.partition.fetch.bytes",
+    "sasl.mechanisms": "sasl.mechanism",
+    "sasl.oauthbearer.client.credentials.client.id": "sasl.oauthbearer.client.id",
+    "sasl.oauthbearer.client.credentials.client.secret": "sasl.oauthbearer.client.secret",
+}
+"""librdkafka's properties that have two names (``_RK_C_ALIAS`` in its ``rdkafka_conf.c``): the
+other name -> the one this package writes and reads. Every name is the property, so a config
+holds one spelling of each and a check of ``"linger.ms"`` sees ``queue.buffering.max.ms`` too.
+Not here: the topic-level ``auto.commit.enable`` (alias ``enable.auto.commit`` at topic scope),
+which the high-level consumer does not read; its global ``enable.auto.commit`` is another
+property. ``test_settings`` checks each pair against the librdkafka installed."""
+
+
+def property_of(key: str) -> str:
+    """The librdkafka property a setting's name sets, in this package's spelling of it.
+
+    A kafka-python-ng keyword stands for its property (``linger_ms``: ``linger.ms``), and so
+    does either name of an aliased one (``queue.buffering.max.ms``: ``linger.ms``).
+    """
+    name = KAFKA_PYTHON_NAMES.get(key, key)
+    return ALIASES.get(name, name)
+
+
 def librdkafka_config(
     settings: Mapping[str, Any] | None = None, /, **kwargs: Any
 ) -> dict[str, Any]:
-    """Translate kafka-python-ng keywords and raw keys into one librdkafka dict.
+    """Translate kafka-python-ng keywords and raw keys into one librdkafka dict, one key per property.
 
     Both ``settings`` and ``kwargs`` may hold kafka-python-ng names or raw
     librdkafka keys; anything else raises ``ConfigurationError`` naming it.
+    Each property is keyed by ``property_of`` its name, so what reads the config
+    finds a setting whatever its spelling, and a default or override written
+    under one name cannot lose to the user's other name for it. A keyword
+    overrides the same property in ``settings``; two names of one property in
+    one of them is an error (which would win is librdkafka's order of setting).
     """
     config: dict[str, Any] = {}
-    for key, value in {**(settings or {}), **kwargs}.items():
-        if key in KAFKA_PYTHON_NAMES:
-            librdkafka_key = KAFKA_PYTHON_NAMES[key]
-        elif "." in key or key in _SINGLE_WORD_KEYS:
-            librdkafka_key = key
-        else:
-            raise ConfigurationError(
-                f"unknown Kafka setting {key!r}: use a kafka-python-ng name "
-                f"(e.g. bootstrap_servers, linger_ms) or a librdkafka key (e.g. 'linger.ms')"
-            )
-        config[librdkafka_key] = _value(librdkafka_key, value)
+    for given in (settings or {}), kwargs:
+        named: dict[str, str] = {}
+        for key, value in given.items():
+            if key not in KAFKA_PYTHON_NAMES and "." not in key and key not in _SINGLE_WORD_KEYS:
+                raise ConfigurationError(
+                    f"unknown Kafka setting {key!r}: use a kafka-python-ng name "
+                    f"(e.g. bootstrap_servers, linger_ms) or a librdkafka key (e.g. 'linger.ms')"
+                )
+            prop = property_of(key)
+            if prop in named:
+                raise ConfigurationError(f"Kafka settings {named[prop]!r} and {key!r} both set "
+                                         f"librdkafka's {prop!r}: give one")
+            named[prop] = key
+            config[prop] = _value(prop, value)
     return config
 
 
 _SINGLE_WORD_KEYS = frozenset({"acks", "retries", "debug", "partitioner", "log_level"})
 
-LINGER = ("linger.ms", "queue.buffering.max.ms")
-"""librdkafka's one linger setting under both of its names (the second is an alias)."""
 
-MESSAGE_TIMEOUT = ("message.timeout.ms", "delivery.timeout.ms")
-"""librdkafka's message timeout under both of its names (the second is an alias)."""
-
-RETRIES = ("retries", "message.send.max.retries")
-"""librdkafka's retry limit under both of its names (the first is an alias)."""
-
-
-def sets_property(settings: Mapping[str, Any], names: tuple[str, ...]) -> bool:
-    """Whether ``settings`` set the librdkafka property ``names`` (all its aliases), by any name.
+def sets_property(settings: Mapping[str, Any], name: str) -> bool:
+    """Whether ``settings`` set the librdkafka property ``name``, under any of its names.
 
     A kafka-python-ng keyword counts as the property it stands for (``linger_ms``
-    sets ``linger.ms``): what is compared is the property, not its spelling.
+    sets ``linger.ms``), and so does librdkafka's alias (``queue.buffering.max.ms``):
+    what is compared is the property, not its spelling.
     """
-    return any(KAFKA_PYTHON_NAMES.get(key, key) in names for key in settings)
+    return any(property_of(key) == property_of(name) for key in settings)
 
 
 def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -> None:

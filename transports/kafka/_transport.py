@@ -70,14 +70,7 @@ from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._read_back import ensure_compacted_topic, last_committed, read_back
-from ._settings import (
-    MESSAGE_TIMEOUT,
-    RETRIES,
-    check_with_librdkafka,
-    librdkafka_config,
-    redacted,
-    sets_property,
-)
+from ._settings import check_with_librdkafka, librdkafka_config, redacted
 from ._transactions import KafkaTransactionalProducer
 
 # Errors that cannot succeed by sending the same record again.
@@ -208,10 +201,11 @@ class KafkaTransport:
             raise ConfigurationError("delivery_timeout and metadata_refresh must be positive seconds")
         # A user-set timeout or retry limit would let librdkafka drop a record and write
         # its successor (the gap-less guarantee does not cover timeouts): waves then.
-        # By the property, not its spelling: ``delivery.timeout.ms`` is librdkafka's alias.
-        timeout_set = sets_property(config, MESSAGE_TIMEOUT)
+        # The config holds each property under one name (``delivery.timeout.ms`` is here as
+        # ``message.timeout.ms``, librdkafka_config): a key is the property.
+        timeout_set = "message.timeout.ms" in config
         self._pipelined = (
-            not timeout_set and not sets_property(config, RETRIES)
+            not timeout_set and "retries" not in config
             and str(config.get("enable.gapless.guarantee")).lower() in {"true", "1"}
         )
         # Pipelined: librdkafka never times a record out (that would skip it and write
