@@ -1,7 +1,7 @@
 """The inbox per tenant under input and faults nobody listed: what a client or a source can throw at it.
 
 SQLite databases, one per tenant, so each example costs milliseconds. Every
-record reaches exactly the tenant its (last) tenant header names, or parks as
+record reaches exactly the tenant its tenant header (in any case) names, or parks as
 ``tenant_unknown`` in the default database; nothing a ``tenant_of`` returns or
 raises escapes into the consumer thread; a tenant source that hangs holds up
 neither the poll nor a worker (docs/tenants.md, "The inbox per tenant").
@@ -88,11 +88,11 @@ _headers = st.lists(st.tuples(_names, st.one_of(st.none(), _values)), max_size=4
 
 
 def _expected_tenant(headers: list[tuple[str, bytes | None]]) -> str | None:
-    """The tenant the record belongs to: the last header of exactly that name, if it names one served."""
-    values = [value for name, value in headers if name == HEADER]
-    if not values or values[-1] is None:
-        return None
-    name = values[-1].decode("utf-8", "replace")
+    """The tenant the record belongs to: its tenant header in any case (the last of each spelling),
+    if every spelling of it names one served tenant."""
+    spelled = {name: value for name, value in headers if name.lower() == HEADER}
+    values = {(value or b"").decode("utf-8", "replace") for value in spelled.values()}
+    name = values.pop() if len(values) == 1 else None
     return name if name in SERVED else None
 
 
@@ -103,8 +103,8 @@ def test_any_tenant_header_reaches_its_tenant_or_parks_as_unknown_in_the_default
         by_header: Tenants, headers: list[tuple[str, bytes | None]], other: bytes | None) -> None:
     """Absent, empty, duplicated, case variants, invalid UTF-8, NUL, long: one place, never another's.
 
-    A record whose tenant header (the last of that exact name, as the relay
-    stamps it) names a served tenant is there (applied, or parked unread when
+    A record whose tenant header (in any case: the last of each spelling, all of
+    them naming one tenant) names a served tenant is there (applied, or parked unread when
     a header is not UTF-8); every other record is parked in the default
     database (as ``tenant_unknown``, or unread as ``foreign``), nowhere else.
     """
@@ -365,7 +365,7 @@ def test_a_tenant_in_the_default_schema_by_name_is_refused_too(postgres_db: str)
 
 
 @pytest.mark.parametrize("header", ["outbox-message-id", "outbox-seq", "content-type", "x-tenant ",
-                                    " x-tenant"])
+                                    " x-tenant", "Outbox-Message-Id", "OUTBOX-SEQ", "Content-Type"])
 def test_a_tenant_header_no_record_can_route_by_is_refused_when_the_inbox_is_built(
         tmp_path: Path, header: str) -> None:
     """An envelope header is read into the envelope, never into ``message.headers``; a name with
@@ -374,6 +374,28 @@ def test_a_tenant_header_no_record_can_route_by_is_refused_when_the_inbox_is_bui
     default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
     with pytest.raises(ConfigurationError, match="tenant_header"):
         Inbox(default, group="g", tenants=["a"], tenant_header=header)
+
+
+@pytest.mark.parametrize("stamped", ["x-tenant", "X-Tenant", "X-TENANT"])
+def test_the_tenant_header_is_its_name_in_any_case(tmp_path: Path, stamped: str) -> None:
+    """A relay stamping ``--tenant-header X-Tenant`` and an inbox reading ``tenant_header="x-tenant"``
+    name one header: its messages reach their tenant, not ``tenant_unknown``. Two spellings of it with
+    two values name no tenant (which one counts would depend on the reader)."""
+    tenants = Tenants(tmp_path, tenant_header="x-Tenant", tenant_refresh=0.01)
+    try:
+        r = record(TOPIC, None, None)
+        r.headers.append((stamped, b"acme"))
+        message_id = decode(r).message.message_id
+        assert tenants.inbox.handle(r) is Disposition.APPLIED
+        assert tenants.where(message_id) == {"acme": ["applied"]}
+        two = record(TOPIC, None, None)
+        two.headers += [(stamped, b"acme"), ("x-tenant" if stamped != "x-tenant" else "X-Tenant", b"globex")]
+        message_id = decode(two).message.message_id
+        assert tenants.inbox.handle(two) is Disposition.PARKED
+        assert tenants.where(message_id) == {None: ["parked:tenant_unknown"]}
+    finally:
+        for engine in [tenants.default, *tenants.engines.values()]:
+            engine.dispose()
 
 
 def test_a_message_replayed_to_its_tenant_is_settled_as_a_new_arrival_retries_and_alert_included(

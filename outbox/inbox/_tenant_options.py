@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from ..core._envelope import Message
 from ..core._errors import ConfigurationError
+from ..core._validation import folded
 from ..core._wire import ENVELOPE_HEADERS
 
 
@@ -30,7 +31,7 @@ def checked_refresh(header: str | None, tenant_of: Callable[[Message], str | Non
                                or header != header.strip()
                                or not header.isprintable() or len(header) > 200):
         raise ConfigurationError(f"tenant_header must be a header name, got {header!r:.80}")
-    if header in ENVELOPE_HEADERS:  # read into the envelope, never into message.headers
+    if header is not None and folded(header) in ENVELOPE_HEADERS:  # in any case: read into the envelope
         raise ConfigurationError(f"tenant_header {header!r} is an outbox envelope header: name "
                                  "the header that carries the tenant (e.g. 'x-tenant')")
     if tenant_of is not None and not callable(tenant_of):

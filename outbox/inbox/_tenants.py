@@ -65,6 +65,7 @@ from ..core._envelope import Message
 from ..core._errors import OutboxError
 from ..core._schema_claims import SharedSchemaError
 from ..core._tenant import Tenant, TenantSource
+from ..core._validation import folded
 from ._admin import NotParkedError, ParkedReplay
 from ._delivery import Delivery, Named, Origin, Unnamed, delivery
 from ._kinds import Reason
@@ -101,6 +102,7 @@ class TenantRouter:
         self.sweeps = TenantSweeps(self.places)
         self.default = default
         self.header = header
+        self._folded = folded(header) if header is not None else None
         self.tenant_of = tenant_of
         self._missing: set[str] = set()  # places whose tables were reported missing
         self._alerted: set[str] = set()
@@ -143,7 +145,13 @@ class TenantRouter:
             if not name:
                 return NO_TENANT, "tenant_of named no tenant"
             return name, None
-        value = message.headers.get(self.header or "")
+        # The header is its name in any case (``X-Tenant`` is ``x-tenant``). The relay replaces
+        # every spelling of it with one, so two spellings with two values came from elsewhere:
+        # which tenant they name depends on the reader, so they name none.
+        values = {v for n, v in message.headers.items() if folded(n) == self._folded}
+        if len(values) > 1:
+            return NO_TENANT, f"the {self.header!r} header spelled twice with different values"
+        value = values.pop() if values else ""
         if not value:
             return NO_TENANT, f"no {self.header!r} header"
         return value[:200], None
