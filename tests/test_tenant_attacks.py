@@ -346,6 +346,19 @@ def test_a_tenant_header_set_by_the_producer_in_any_case_is_replaced(pg: sa.Engi
         assert [(n, v) for n, v in record.headers if n.lower() == HEADER] == [(HEADER, b"acme")]
 
 
+@pytest.mark.parametrize("header", ["content-type", "Content-Type", "OUTBOX-SEQ", "CE_ID", "TraceParent"])
+def test_a_tenant_header_the_envelope_uses_in_any_case_is_refused(tmp_path: Any, header: str) -> None:
+    """The relay replaces every spelling of the tenant header on a record: ``content-type`` would
+    have replaced the envelope's content type with the tenant's name."""
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    engine = create_engine(f"sqlite:///{tmp_path}/fleet.db")
+    try:
+        with pytest.raises(ConfigurationError, match="invalid tenant header"):
+            fleet(["a"], broker, database=engine, tenant_header=header)
+    finally:
+        engine.dispose()
+
+
 @given(st.text(max_size=80))
 def test_a_tenant_name_is_accepted_only_when_it_is_safe_everywhere(name: str) -> None:
     try:

@@ -58,7 +58,8 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._outage import first_line
-from ..core._wire import header_size
+from ..core._validation import folded
+from ..core._wire import CONTENT_TYPE, header_size
 from ..relay._exactly_once import FENCING_THREADS, exactly_once_transport
 from ..relay._settings import _positive_seconds
 from ..relay._sharing import Sharing
@@ -325,8 +326,8 @@ class TenantTransport:
             return records
         value = self._value
         # In any case: a consumer that looks headers up without case must not find another tenant.
-        folded = header.lower()
-        return [replace(r, headers=[(n, v) for n, v in r.headers if n.lower() != folded]
+        name = folded(header)
+        return [replace(r, headers=[(n, v) for n, v in r.headers if folded(n) != name]
                         + [(header, value)]) for r in records]
 
     def publish(self, records: Sequence[Record]) -> list[SendResult]:
@@ -372,12 +373,13 @@ _HEADER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0
 
 
 def checked_header(name: str | None) -> str | None:
-    """A tenant header name: 1 to 64 of ``A-Z a-z 0-9 - _ .``, not one the envelope uses."""
+    """A tenant header name: 1 to 64 of ``A-Z a-z 0-9 - _ .``, not one the envelope uses (in any case)."""
     if name is None:
         return None
     if (not isinstance(name, str) or not 1 <= len(name) <= 64 or not set(name) <= _HEADER_CHARS
-            or name.lower().startswith(("outbox-", "ce_", "traceparent", "tracestate"))):
+            or name.lower().startswith(("outbox-", "ce_", "traceparent", "tracestate"))
+            or name.lower() == CONTENT_TYPE):
         raise ConfigurationError(
             f"invalid tenant header {name!r:.80}: use 1 to 64 of letters, digits, '-', '_' or '.', "
-            "not an outbox-*, ce_* or trace header")
+            "not an outbox-*, content-type, ce_* or trace header")
     return name
