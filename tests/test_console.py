@@ -315,6 +315,24 @@ def test_a_new_console_process_signs_everyone_out_and_inboxes_must_share_the_tab
         create_app(outbox, inboxes=[Inbox(engine, group="g", prefix="x_", concurrency=1)])
 
 
+def test_an_inbox_naming_the_consoles_schema_another_way_uses_the_consoles_tables(
+    outbox: Outbox, engine: sa.Engine
+) -> None:
+    """``schema=None`` and the database's default schema by name (``public``; ``main`` on SQLite) are one
+    schema: the console takes that inbox for its own tables, as the server says, not refuses it."""
+    default = "main" if engine.dialect.name == "sqlite" else "public"
+    create_app(outbox, inboxes=[Inbox(engine, group="g", schema=default, concurrency=1)])
+    own = sa.create_engine(engine.url)  # another pool, as an app's Inbox has
+    try:
+        create_app(outbox, inboxes=[Inbox(own, group="g", schema=default, concurrency=1)])
+    finally:
+        own.dispose()
+    if engine.dialect.name == "sqlite":  # two in-memory databases are spelled alike and are two
+        memory = Outbox(sa.create_engine("sqlite://"))
+        with pytest.raises(ConfigurationError, match="not the console's outbox database"):
+            create_app(memory, inboxes=[Inbox(sa.create_engine("sqlite://"), group="g", concurrency=1)])
+
+
 def test_unkeyed_parked_messages_are_one_lane_per_topic(outbox: Outbox, engine: sa.Engine) -> None:
     inbox = Inbox(engine, group="billing", retry_backoff=0.001, concurrency=1)
     broken = {"on": True}

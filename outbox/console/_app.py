@@ -16,7 +16,8 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from ..core._errors import ConfigurationError, OutboxError, SchemaError
-from ..core._identity import answers_same
+from ..core._identity import answers_same, schema_identity
+from ..core._outage import is_database_outage
 from ..core._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
 from ..ops import Database
@@ -99,11 +100,11 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
     for inbox in inboxes:
         if not isinstance(inbox, Inbox):
             raise ConfigurationError(f"inboxes must be outbox.Inbox objects, got {type(inbox).__name__}")
-        if (inbox.tables.prefix, inbox.tables.schema) != (outbox.tables.prefix, outbox.tables.schema):
+        index = _index_of(inbox, [outbox_engine, *engines])
+        if not _same_tables(inbox, outbox, [outbox_engine, *engines][index]):
             raise ConfigurationError(f"the inbox of group {inbox.group!r} uses other tables (prefix "
                                      f"{inbox.tables.prefix!r}, schema {inbox.tables.schema!r}) than the "
                                      f"console's outbox ({outbox.tables.prefix!r}, {outbox.tables.schema!r})")
-        index = _index_of(inbox, [outbox_engine, *engines])
         if (index, inbox.group) in by_group:
             raise ConfigurationError(f"two inboxes for group {inbox.group!r} in {databases[index].name}")
         by_group[index, inbox.group] = inbox
@@ -225,8 +226,8 @@ def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
     bind = inbox.engine
     if isinstance(bind, Engine):  # an async inbox's engine is none of the console's (sync) ones
         for index, engine in enumerate(engines):
-            if bind.pool is engine.pool or bind.url == engine.url:
-                return index  # no need to ask a server what its URL already says
+            if bind.pool is engine.pool:
+                return index  # one pool: no need to ask (``same_database`` trusts a server's URL alike too)
         unanswered = False
         for index, engine in enumerate(engines):
             same = _same(bind, engine)
@@ -238,6 +239,26 @@ def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
                                      "uses: it or one of the console's databases does not answer")
     raise ConfigurationError(f"the inbox of group {inbox.group!r} uses a database that is not the "
                              f"console's outbox database nor one of its inbox_databases")
+
+
+def _same_tables(inbox: Inbox, outbox: Outbox, engine: Engine) -> bool:
+    """Whether ``inbox`` (working in ``engine``'s database) uses the console's tables: one prefix, in one
+    schema as the server says. ``None`` and ``public`` (``main`` on SQLite) may be one schema; ``None``
+    for two users of two search paths may be two."""
+    if inbox.tables.prefix != outbox.tables.prefix:
+        return False
+    bind = inbox.engine
+    assert isinstance(bind, Engine)  # ``_index_of`` found it among the console's
+    if inbox.tables.schema == outbox.tables.schema and (bind.pool is engine.pool or (
+            engine.dialect.name != "sqlite" and bind.url == engine.url)):
+        return True  # one pool, or one URL to the letter (one user, one search path): nothing to ask
+    try:
+        return schema_identity(bind, inbox.tables.schema) == schema_identity(engine, outbox.tables.schema)
+    except Exception as exc:
+        if not is_database_outage(exc):
+            raise
+        raise ConfigurationError(f"cannot tell which tables the inbox of group {inbox.group!r} uses: "
+                                 "its database does not answer") from None
 
 
 def _moved(path: str) -> _pages.Handler:
