@@ -297,6 +297,22 @@ def test_a_database_named_twice_is_read_once(world: World) -> None:
     assert m["outbox"] is not None
 
 
+def test_two_in_memory_databases_spelled_alike_are_two() -> None:
+    """``sqlite://`` names a new database for each engine: the inbox's is read, not taken for the outbox's."""
+    outbox = Outbox(sa.create_engine("sqlite://"))
+    outbox.create_tables()
+    inbox = Inbox(sa.create_engine("sqlite://"), group="billing", concurrency=1)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    inbox.create_tables()
+    message_id = uuid.uuid4()
+    inbox.handle(record(TOPIC, "k", 1, message_id=message_id))
+    assert isinstance(outbox.engine, sa.Engine) and isinstance(inbox.engine, sa.Engine)
+    doc = trace_message(Database("outbox-db", outbox.engine, outbox.tables),
+                        [Database("inbox-db", inbox.engine, inbox.tables)], message_id)
+    [m] = doc["messages"]
+    assert [(g["group"], g["state"]) for g in m["groups"]] == [("billing", "applied")]
+
+
 _HIDDEN_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 
 

@@ -452,8 +452,10 @@ class _opened:
                  groups: Sequence[str] | None) -> None:
         # One database named twice (as outbox and as inbox database, in any spelling) is read once:
         # the same engine or URL here, and what the servers say once they answered (``__enter__``).
+        # SQLite's URLs are left to its files: two in-memory databases are spelled alike and are two.
         plan = ([(outbox_db, True)] if outbox_db else []) + [(db, False) for db in inbox_dbs]
-        spelled = {(db.engine.url.render_as_string(hide_password=False), db.tables.schema, db.tables.prefix):
+        spelled = {(db.engine.url.render_as_string(hide_password=False) if db.engine.dialect.name != "sqlite"
+                    else db.engine.pool, db.tables.schema, db.tables.prefix):
                    (db, outbox_side) for db, outbox_side in reversed(plan)}
         self.plan = list(spelled.values())[::-1]
         if not self.plan:
