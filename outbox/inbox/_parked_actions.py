@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from logging import Logger
 
@@ -103,6 +104,10 @@ class ParkedActions:
         as refused), ``ValueError`` for a malformed id or an empty ``by`` or
         ``reason`` (not recorded: nothing was asked of the inbox).
         """
+        # The audit line names the message as listed (a UUID in any spelling is one id); a malformed
+        # one is not recorded: Inbox.discard says what is wrong with it.
+        with suppress(ValueError):
+            message_id = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
         try:
             self.inbox.discard(message_id, by=by, reason=reason, tenant=self.tenant)
         except (NotParkedError, DiscardRefusedError) as exc:
