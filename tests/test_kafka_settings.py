@@ -18,7 +18,7 @@ import confluent_kafka
 import pytest
 
 from outbox import ConfigurationError
-from transports.kafka import KafkaTransport, librdkafka_config, property_of
+from transports.kafka import KafkaSource, KafkaTransport, librdkafka_config, property_of
 
 LEGACY_TOPIC_ALIAS = ("enable.auto.commit", "auto.commit.enable")
 """The one alias that is not the property the client reads: the topic-level ``auto.commit.enable``
@@ -26,8 +26,8 @@ of librdkafka's legacy simple consumer. The high-level consumer reads the global
 ``enable.auto.commit``, a property of its own."""
 
 
-def installed_aliases() -> set[tuple[str, str]]:
-    """Every (alias, property) of the librdkafka confluent-kafka loaded, from its own table."""
+def installed_table() -> str:
+    """The property table (CONFIGURATION.md) of the librdkafka confluent-kafka loaded."""
     libs = Path(confluent_kafka.__file__).parent.parent / "confluent_kafka.libs"
     found = sorted(libs.glob("librdkafka*"))
     assert found, f"no librdkafka under {libs}"
@@ -39,8 +39,21 @@ def installed_aliases() -> set[tuple[str, str]]:
         out = libc.fopen(table.name.encode(), b"w")
         librdkafka.rd_kafka_conf_properties_show(out)
         libc.fclose(out)
-        text = table.read()
+        return table.read()
+
+
+def installed_aliases() -> set[tuple[str, str]]:
+    """Every (alias, property) of the librdkafka confluent-kafka loaded, from its own table."""
+    text = installed_table()
     return {(m[1], m[2]) for m in re.finditer(r"^(\S+)\s+\|.*?Alias for `([^`]+)`", text, re.M)}
+
+
+def installed_names() -> tuple[set[str], set[str]]:
+    """The (global, topic-level) property names of the librdkafka confluent-kafka loaded."""
+    everything, topic = installed_table().split("## Topic configuration properties")
+    def names(text: str) -> set[str]:
+        return {m[1] for m in re.finditer(r"^([a-z][\w.]*)\s+\|", text, re.M)}
+    return names(everything), names(topic)
 
 
 def test_each_alias_of_the_installed_librdkafka_is_one_property_with_its_target() -> None:
@@ -93,3 +106,58 @@ def test_brokers_under_librdkafkas_first_name_are_the_transports_bootstrap_serve
     assert transport._config["bootstrap.servers"] == "127.0.0.1:9"
     assert "metadata.broker.list" not in transport._config
     transport.close()
+
+
+def test_a_topic_level_property_under_its_topic_prefix_is_that_property() -> None:
+    """librdkafka takes a topic-level property as ``topic.<name>`` too (``rd_kafka_topic_conf_set``
+    drops the prefix): ``topic.message.timeout.ms`` is the message timeout. Unless the bare name is
+    also a global property of another meaning (``topic.enable.auto.commit`` is the legacy consumer's),
+    and the global ``topic.*`` properties are their own."""
+    global_names, topic_names = installed_names()
+    assert {"message.timeout.ms", "acks", "auto.offset.reset"} <= topic_names  # the table was read
+    same = {name for name in topic_names if name not in global_names or name.startswith("compression.")}
+    assert [n for n in sorted(same) if property_of(f"topic.{n}") != property_of(n)] == []
+    assert [n for n in sorted(topic_names - same) if property_of(f"topic.{n}") != f"topic.{n}"] == []
+    assert [n for n in sorted(global_names) if n.startswith("topic.") and property_of(n) != n] == []
+
+
+@pytest.mark.parametrize("timeout", [
+    {"topic.message.timeout.ms": 5000}, {"topic.delivery.timeout.ms": 5000},
+    {"default.topic.config": {"message.timeout.ms": 5000}},
+    {"default.topic.config": {"topic.delivery.timeout.ms": 5000}},
+])
+def test_a_message_timeout_under_any_name_is_the_users_and_turns_the_transport_to_waves(
+        timeout: dict) -> None:
+    """A user's timeout sat beside the transport's ``message.timeout.ms=0``: under ``topic.`` it lost
+    by dict order, in ``default.topic.config`` (applied last by confluent-kafka) it won while the
+    transport, seeing no timeout, pipelined a key's records, and librdkafka could then drop one and
+    write its successor."""
+    transport = KafkaTransport(timeout, bootstrap_servers="127.0.0.1:9")
+    assert not transport._pipelined and transport._config["message.timeout.ms"] == 5000
+    assert set(transport._config) & {"topic.message.timeout.ms", "default.topic.config"} == set()
+    transport.close()
+
+
+def test_default_topic_config_is_read_as_settings_of_its_mapping() -> None:
+    """Its settings are properties like the others': two names of one are refused, a secret in it is
+    redacted (the transport's repr showed it), and a value that is no mapping is a clear refusal."""
+    nested = {"default.topic.config": {"acks": 1, "linger.ms": 7}}
+    assert librdkafka_config(nested) == {"acks": 1, "linger.ms": 7}
+    with pytest.raises(ConfigurationError, match=r"'message\.timeout\.ms' and 'delivery\.timeout\.ms' \(in "
+                                                 r"'default\.topic\.config'\) both set"):
+        librdkafka_config({"message.timeout.ms": 1, "default.topic.config": {"delivery.timeout.ms": 2}})
+    with pytest.raises(ConfigurationError, match=r"'default\.topic\.config' must be a mapping"):
+        librdkafka_config({"default.topic.config": "acks=all"})
+    transport = KafkaTransport({"default.topic.config": {"sasl.password": "hunter2-secret"}},
+                               bootstrap_servers="127.0.0.1:9")
+    assert "hunter2-secret" not in repr(transport)
+    transport.close()
+
+
+def test_the_sources_defaults_are_written_under_the_users_name_for_them() -> None:
+    """``auto.offset.reset=earliest`` is the source's default; a user's ``topic.auto.offset.reset``
+    sat beside it, and what the source reads (its starvation watch) was not what librdkafka used."""
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"],
+                         settings={"topic.auto.offset.reset": "latest"})
+    assert source.config["auto.offset.reset"] == "latest" and "topic.auto.offset.reset" not in source.config
+    source.close()

@@ -57,7 +57,8 @@ def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_p
 
 @pytest.mark.parametrize("named", [
     {"linger.ms": "7"}, {"linger_ms": 7}, {"queue.buffering.max.ms": "7"},
-    {"message.timeout.ms": "90"}, {"delivery_timeout_ms": 90}, {"delivery.timeout.ms": "90"}])
+    {"message.timeout.ms": "90"}, {"delivery_timeout_ms": 90}, {"delivery.timeout.ms": "90"},
+    {"topic.message.timeout.ms": "90"}, {"default.topic.config": {"message.timeout.ms": "90"}}])
 def test_a_linger_or_message_timeout_the_settings_name_under_any_name_is_theirs(
         named: dict[str, object]) -> None:
     """The property is what counts, not its spelling: a kafka-python-ng keyword or librdkafka's

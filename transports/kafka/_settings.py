@@ -96,14 +96,55 @@ which the high-level consumer does not read; its global ``enable.auto.commit`` i
 property. ``test_settings`` checks each pair against the librdkafka installed."""
 
 
+TOPIC_PREFIX = "topic."
+
+TOPIC_PROPERTIES = frozenset({
+    "request.required.acks", "acks", "request.timeout.ms", "message.timeout.ms", "delivery.timeout.ms",
+    "queuing.strategy", "produce.offset.report", "partitioner", "partitioner_cb", "msg_order_cmp",
+    "compression.codec", "compression.type", "compression.level", "auto.commit.enable",
+    "auto.offset.reset", "offset.store.path", "offset.store.sync.interval.ms",
+    "consume.callback.max.messages",
+})
+"""librdkafka's topic-level properties that a client's config also takes as ``topic.<name>``
+(``rd_kafka_topic_conf_set`` drops the prefix): ``topic.message.timeout.ms`` is
+``message.timeout.ms``. Not here: the topic-level names that are also global properties of
+another meaning (``enable.auto.commit``, ``auto.commit.interval.ms``, ``offset.store.method``,
+``opaque``: with the prefix they are the legacy consumer's, not the global one). The topic-level
+``compression.*`` is here: it overrides the global one, so the two are one setting.
+``test_settings`` checks the set against the librdkafka installed."""
+
+NESTED = "default.topic.config"
+"""confluent-kafka's mapping of settings inside the config (a deprecated way to give topic-level
+ones; it takes any). Each of its settings is applied after the others, whatever the dict order:
+its entries are read as settings of the mapping that holds it."""
+
+
 def property_of(key: str) -> str:
     """The librdkafka property a setting's name sets, in this package's spelling of it.
 
     A kafka-python-ng keyword stands for its property (``linger_ms``: ``linger.ms``), and so
-    does either name of an aliased one (``queue.buffering.max.ms``: ``linger.ms``).
+    does either name of an aliased one (``queue.buffering.max.ms``: ``linger.ms``) and a
+    topic-level property's ``topic.`` name (``topic.delivery.timeout.ms``: ``message.timeout.ms``).
     """
     name = KAFKA_PYTHON_NAMES.get(key, key)
+    if name.startswith(TOPIC_PREFIX) and name[len(TOPIC_PREFIX):] in TOPIC_PROPERTIES:
+        name = name[len(TOPIC_PREFIX):]
     return ALIASES.get(name, name)
+
+
+def _entries(given: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """(name as shown in an error, name, value) of each setting of ``given``, those of its
+    ``default.topic.config`` included (``NESTED``)."""
+    entries = []
+    for key, value in given.items():
+        if key != NESTED:
+            entries.append((repr(key), key, value))
+        elif not isinstance(value, Mapping):
+            raise ConfigurationError(f"Kafka setting {NESTED!r} must be a mapping of settings, "
+                                     f"got a {type(value).__name__}: give its settings as the others")
+        else:
+            entries.extend((f"{inner!r} (in {NESTED!r})", inner, v) for inner, v in value.items())
+    return entries
 
 
 def librdkafka_config(
@@ -118,21 +159,22 @@ def librdkafka_config(
     under one name cannot lose to the user's other name for it. A keyword
     overrides the same property in ``settings``; two names of one property in
     one of them is an error (which would win is librdkafka's order of setting).
+    A ``default.topic.config`` mapping's settings count as its holder's (``NESTED``).
     """
     config: dict[str, Any] = {}
     for given in (settings or {}), kwargs:
         named: dict[str, str] = {}
-        for key, value in given.items():
+        for shown, key, value in _entries(given):
             if key not in KAFKA_PYTHON_NAMES and "." not in key and key not in _SINGLE_WORD_KEYS:
                 raise ConfigurationError(
-                    f"unknown Kafka setting {key!r}: use a kafka-python-ng name "
+                    f"unknown Kafka setting {shown}: use a kafka-python-ng name "
                     f"(e.g. bootstrap_servers, linger_ms) or a librdkafka key (e.g. 'linger.ms')"
                 )
             prop = property_of(key)
             if prop in named:
-                raise ConfigurationError(f"Kafka settings {named[prop]!r} and {key!r} both set "
+                raise ConfigurationError(f"Kafka settings {named[prop]} and {shown} both set "
                                          f"librdkafka's {prop!r}: give one")
-            named[prop] = key
+            named[prop] = shown
             config[prop] = _value(prop, value)
     return config
 
@@ -147,7 +189,7 @@ def sets_property(settings: Mapping[str, Any], name: str) -> bool:
     sets ``linger.ms``), and so does librdkafka's alias (``queue.buffering.max.ms``):
     what is compared is the property, not its spelling.
     """
-    return any(property_of(key) == property_of(name) for key in settings)
+    return any(property_of(key) == property_of(name) for _, key, _ in _entries(settings))
 
 
 def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -> None:
