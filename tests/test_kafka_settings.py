@@ -161,3 +161,15 @@ def test_the_sources_defaults_are_written_under_the_users_name_for_them() -> Non
                          settings={"topic.auto.offset.reset": "latest"})
     assert source.config["auto.offset.reset"] == "latest" and "topic.auto.offset.reset" not in source.config
     source.close()
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"linger_ms": -1}, r"'queue\.buffering\.max\.ms' is librdkafka's name of 'linger\.ms'"),
+    ({"retries": -5}, r"'message\.send\.max\.retries' is librdkafka's name of 'retries'"),
+    ({"compression.type": "foo"}, r"'compression\.codec' is librdkafka's name of 'compression\.type'"),
+])
+def test_a_value_librdkafka_refuses_is_named_by_the_setting_given_too(given: dict, named: str) -> None:
+    """librdkafka names a property by its own name: ``linger_ms=-1`` came back as a range error of
+    ``queue.buffering.max.ms``, a setting nobody gave."""
+    with pytest.raises(ConfigurationError, match=named):
+        KafkaTransport(bootstrap_servers="127.0.0.1:9", **given)

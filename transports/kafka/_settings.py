@@ -8,6 +8,7 @@ keys (``"linger.ms"``) pass through. An unknown name raises
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -204,9 +205,9 @@ def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -
     try:
         instance = (Consumer if client == "consumer" else Producer)(probe)
     except KafkaException as exc:
-        raise ConfigurationError(f"invalid Kafka setting: {_scrub(exc.args[0].str(), config)}") from None
+        raise ConfigurationError(f"invalid Kafka setting: {_explained(exc.args[0].str(), config)}") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigurationError(f"invalid Kafka setting: {_scrub(str(exc), config)}") from None
+        raise ConfigurationError(f"invalid Kafka setting: {_explained(str(exc), config)}") from None
     if client == "consumer":
         instance.close()
 
@@ -225,6 +226,17 @@ def is_secret(key: str) -> bool:
 def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config with secret values replaced, for logs and reprs."""
     return {k: ("***" if is_secret(k) else v) for k, v in config.items()}
+
+
+def _explained(message: str, config: Mapping[str, Any]) -> str:
+    """librdkafka's refusal, scrubbed, on one line, and saying which setting a property it names by
+    its other name is: it says ``queue.buffering.max.ms`` of a ``linger_ms`` or ``linger.ms``."""
+    message = " ".join(_scrub(message, config).split())
+    for name in dict.fromkeys(re.findall(r'"([^"\s]+)"', message)):
+        prop = property_of(name)
+        if prop != name and prop in config:
+            message += f" ({name!r} is librdkafka's name of {prop!r})"
+    return message
 
 
 def _scrub(message: str, config: Mapping[str, Any]) -> str:
