@@ -173,3 +173,10 @@ def test_a_value_librdkafka_refuses_is_named_by_the_setting_given_too(given: dic
     ``queue.buffering.max.ms``, a setting nobody gave."""
     with pytest.raises(ConfigurationError, match=named):
         KafkaTransport(bootstrap_servers="127.0.0.1:9", **given)
+
+
+@pytest.mark.parametrize("settings", [{5: 1}, {b"linger.ms": 1}, {"default.topic.config": {None: 1}}])
+def test_a_name_that_is_no_str_is_refused_as_such(settings: dict) -> None:
+    """It ended in Python's ``TypeError: argument of type 'int' is not iterable``."""
+    with pytest.raises(ConfigurationError, match="name must be a str, got a"):
+        librdkafka_config(settings)

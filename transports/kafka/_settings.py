@@ -145,6 +145,9 @@ def _entries(given: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
                                      f"got a {type(value).__name__}: give its settings as the others")
         else:
             entries.extend((f"{inner!r} (in {NESTED!r})", inner, v) for inner, v in value.items())
+    for _, key, _ in entries:
+        if not isinstance(key, str):
+            raise ConfigurationError(f"a Kafka setting's name must be a str, got a {type(key).__name__}")
     return entries
 
 
