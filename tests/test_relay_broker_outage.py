@@ -267,3 +267,62 @@ def test_a_broker_killed_under_a_full_default_batch_in_flight_is_one_outage_and_
 def _said(caplog: pytest.LogCaptureFixture, what: str) -> int:
     """How many of the relay's log lines say ``what``."""
     return sum(what in r.getMessage() for r in caplog.records if r.name == "outbox.relay")
+
+
+@pytest.mark.xdist_group("timing")  # wall-clock bounds: one test at a time (docs/testing.md)
+@pytest.mark.parametrize("exactly_once", [False, True], ids=["pipelined", "exactly_once"])
+def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
+    sqlite_db: str, topic: str, own_kafka: LocalKafka, caplog: pytest.LogCaptureFixture,
+    exactly_once: bool,
+) -> None:
+    """librdkafka's queue holds 10 records (``queue.buffering.max.messages``); a batch of 32 rows,
+    each the head of its key (two unkeyed), is sent to a frozen broker. The queue stays full: the
+    broker takes nothing. That is the broker's outage, not the rows' fault: no attempt counted
+    (each row ends published with the one attempt that delivered it), the batch back within its
+    delivery timeout (pipelined), everything out within seconds of the thaw, in key order, and
+    no line per row. The queue used to be waited for 0.5 s per record, and a record it still had
+    no room for came back a retry with an attempt counted (22 rows' batch back after 11 s,
+    pipelined; in exactly-once mode that one record's transaction was aborted, and all its
+    rows counted an attempt: 24 of 64 at two attempts)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    outbox = Outbox(create_engine(sqlite_db), shards=1)  # one shard: one transactional producer's queue
+    outbox.create_tables()
+    own_kafka.create_topic(topic, 4)
+    transport = KafkaTransport({"queue.buffering.max.messages": 10}, bootstrap_servers=own_kafka.bootstrap,
+                               delivery_timeout=2.0, metadata_refresh=600.0)
+    modes: dict[str, Any] = {"exactly_once": True, "progress_topic": f"{topic}-progress"} if exactly_once \
+        else {}
+    relay = Relay(outbox, transport, poll_interval=0.05, **modes)
+    running = threading.Thread(target=relay.run, daemon=True)
+    running.start()
+    keys: list[str | None] = [f"k{k}" for k in range(30)]
+    try:
+        publish(outbox, topic, keys)  # every partition written: the frozen batch goes out whole
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "the warm-up rows")
+        own_kafka.freeze()
+        try:
+            publish(outbox, topic, [*keys, None, None])
+            if not exactly_once:  # (a transaction's abort waits for the broker: its rows come back after)
+                took = wait_for(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) == 32,
+                                20, "the frozen batch back")
+                assert took < 2.0 + 2, f"the batch came back {took:.1f} s after it was sent"
+            time.sleep(4)  # several delivery timeouts frozen
+            frozen = rows(outbox, status="pending")
+        finally:
+            own_kafka.thaw()
+        took = wait_for(lambda: not rows(outbox, status="pending"), 30, "publishing after the thaw")
+    finally:
+        relay.stop()
+        running.join(30)
+    transport.close()
+    assert not running.is_alive()
+    assert [r.attempts for r in frozen] == [0] * 32, [(r.attempts, r.last_error) for r in frozen]
+    stored = rows(outbox)
+    assert {r.status for r in stored} == {"published"}
+    assert [r.attempts for r in stored] == [1] * 62, [(r.key, r.attempts, r.last_error) for r in stored]
+    assert took < 8, f"{took:.1f} s after the thaw"
+    records = read_topic(own_kafka.bootstrap, topic, expected=62, timeout=30, settle=1.0)
+    assert seqs_by_key(records) == {f"k{k}".encode(): [1, 2] for k in range(30)}
+    assert _said(caplog, "broker unreachable") <= 1
+    assert len([r for r in caplog.records if r.name == "outbox.relay" and r.levelno >= logging.WARNING]) <= 2
+    outbox.engine.dispose()  # type: ignore[union-attr]

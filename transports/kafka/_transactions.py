@@ -60,6 +60,7 @@ from .._waves import key_partition
 from ._admin import existing_topics
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
+from ._queue_full import produce_waiting
 
 # librdkafka's producer settings a transactional producer must not carry: the gap-less
 # guarantee is the idempotent producer's (a transaction aborts whole instead), and a record
@@ -145,7 +146,7 @@ class KafkaTransactionalProducer:
         deadline = time.monotonic() + self._timeout
         reports: dict[int, tuple[KafkaError | None, Any]] = {}
         counts: dict[str, int | SendResult] = {}
-        refused = self._produce(records, range(len(records) - 1), reports, counts)
+        refused = self._produce(records, range(len(records) - 1), reports, counts, deadline)
         if refused:  # not all of it could even be produced: the transaction cannot commit
             return self._abort(len(records), reports, refused, None)
         if len(records) > 1:
@@ -154,16 +155,16 @@ class KafkaTransactionalProducer:
                 return failure if isinstance(failure, TransactionResult) else self._abort(
                     len(records), reports, {}, failure)
             records = with_positions(records, [reports[i][1] for i in range(len(records) - 1)])
-        refused = self._produce(records, [len(records) - 1], reports, counts)
+        refused = self._produce(records, [len(records) - 1], reports, counts, deadline)
         if refused:
             return self._abort(len(records), reports, refused, None)
         return self._commit(len(records), reports, deadline)
 
     def _produce(self, records: Sequence[Record], indexes: Iterable[int],
                  reports: dict[int, tuple[KafkaError | None, Any]],
-                 counts: dict[str, int | SendResult]) -> dict[int, SendResult]:
-        """Produce ``records[i]`` for each of ``indexes`` (their reports go to ``reports``); the first
-        one that could not even be produced, with why."""
+                 counts: dict[str, int | SendResult], deadline: float) -> dict[int, SendResult]:
+        """Produce ``records[i]`` for each of ``indexes`` (their reports go to ``reports``; room in the
+        queue waited for until ``deadline``); the first one that could not even be produced, with why."""
         producer = self._producer
         refused: dict[int, SendResult] = {}
         for i in indexes:
@@ -179,17 +180,12 @@ class KafkaTransactionalProducer:
                 reports[i] = (error, message)  # only stored: read once the transaction ended
 
             try:
-                try:
-                    producer.produce(record.topic, record.value, record.key,
-                                     -1 if partition is None else partition, on_delivery=report,
-                                     headers=headers)
-                except BufferError:
-                    producer.flush(0.5)  # sends what waits for its linger (KafkaTransport._send_wave)
-                    producer.produce(record.topic, record.value, record.key,
-                                     -1 if partition is None else partition, on_delivery=report,
-                                     headers=headers)
-            except BufferError:
-                refused[i] = SendResult(Outcome.RETRY, error="producer queue full")
+                # Local queue full: wait for room until the transaction's deadline (``_queue_full``).
+                result = produce_waiting(producer, deadline, record.topic, record.value, record.key,
+                                         -1 if partition is None else partition, on_delivery=report,
+                                         headers=headers)
+                if result is not None:
+                    refused[i] = result
             except KafkaException as exc:
                 refused[i] = self._result_of(exc.args[0])
             except (TypeError, ValueError) as exc:
@@ -339,7 +335,10 @@ class KafkaTransactionalProducer:
                                      error.str())
         results: list[SendResult] = []
         reason = cause.str() if cause is not None else "aborted with its transaction"
-        unreachable = cause is not None and self._result_of(cause).unreachable
+        # Aborted for want of the broker (no answer, no room in the queue by the deadline): an
+        # outage for every record of it, none counts an attempt.
+        unreachable = (self._result_of(cause).unreachable if cause is not None else any(
+            r.outcome is Outcome.RETRY and r.unreachable for r in refused.values()))
         for i in range(count):
             result = refused.get(i)
             if result is None and i in reports and reports[i][0] is not None:

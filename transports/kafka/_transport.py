@@ -69,6 +69,7 @@ from ._admin import ADMIN, connection_settings
 from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
+from ._queue_full import produce_waiting
 from ._read_back import ensure_compacted_topic, last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 from ._transactions import KafkaTransactionalProducer
@@ -422,10 +423,11 @@ class KafkaTransport:
         ``delivery_timeout``) for all delivery reports; return the indexes the broker
         refused whole (``REFUSED_WHOLE``).
 
-        A key whose record could not even be queued (queue full, refused locally)
-        gets none of its later records queued: they would be written behind it.
+        A key whose record could not even be queued (no room in the queue by then, refused
+        locally) gets none of its later records queued: they would be written behind it.
         """
-        produce = self._producer.produce
+        budget = self._delivery_timeout if timeout is None else timeout
+        waited = 0.0  # for room in the queue (``_queue_full``): out of the wait for the reports
         report = self._report
         reports: dict[int, tuple[KafkaError | None, Any]] = {}
         counts: dict[str, int | SendResult] = {}  # per wave: metadata looked up once per topic
@@ -449,18 +451,14 @@ class KafkaTransport:
             callback = partial(report, reports, i)
             headers: Any = record.headers  # librdkafka's stubs want a list of str | bytes | None
             try:
-                try:
-                    produce(record.topic, record.value, record.key, partition, on_delivery=callback,
-                            headers=headers)
-                except BufferError:
-                    # Local queue full: let earlier records drain, then try once more. flush(), not
-                    # poll(): during a flush librdkafka sends at once what waits for its linger.
-                    self._producer.flush(0.5)
-                    produce(record.topic, record.value, record.key, partition, on_delivery=callback,
-                            headers=headers)
-                outstanding += 1
-            except BufferError:
-                results[i] = SendResult(Outcome.RETRY, error="producer queue full")
+                # Local queue full: wait for room, out of the wave's time (``_queue_full``).
+                started = time.monotonic()
+                results[i] = produce_waiting(self._producer, started + budget - waited, record.topic,
+                                             record.value, record.key, partition, on_delivery=callback,
+                                             headers=headers)
+                waited += time.monotonic() - started
+                if results[i] is None:
+                    outstanding += 1
             except KafkaException as exc:
                 results[i] = result_of(exc.args[0])
                 self._forget_if_gone(record.topic, exc.args[0])
@@ -471,7 +469,7 @@ class KafkaTransport:
             if results[i] is not None and record.key is not None:
                 stopped.add((record.topic, record.key))
         if outstanding:
-            self._wait(self._delivery_timeout if timeout is None else timeout)
+            self._wait(max(0.0, budget - waited))
         if any(error is None for error, _ in reports.values()):
             self._errors.cleared()
         refused = []
