@@ -305,7 +305,7 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
             if not exactly_once:  # (a transaction's abort waits for the broker: its rows come back after)
                 took = wait_for(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) == 32,
                                 20, "the frozen batch back")
-                assert took < 2.0 + 2, f"the batch came back {took:.1f} s after it was sent"
+                assert took < 2.0 + 4, f"the batch came back {took:.1f} s after it was sent"  # 11-13 s before
             time.sleep(4)  # several delivery timeouts frozen
             frozen = rows(outbox, status="pending")
         finally:
@@ -320,7 +320,7 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
     stored = rows(outbox)
     assert {r.status for r in stored} == {"published"}
     assert [r.attempts for r in stored] == [1] * 62, [(r.key, r.attempts, r.last_error) for r in stored]
-    assert took < 8, f"{took:.1f} s after the thaw"
+    assert took < 15, f"{took:.1f} s after the thaw"
     records = read_topic(own_kafka.bootstrap, topic, expected=62, timeout=30, settle=1.0)
     assert seqs_by_key(records) == {f"k{k}".encode(): [1, 2] for k in range(30)}
     assert _said(caplog, "broker unreachable") <= 1
