@@ -255,6 +255,32 @@ def test_a_transport_stopped_by_a_fatal_error_closes_quietly(cluster: MockCluste
     transport.close(timeout=1)
 
 
+@MOCK
+def test_a_fatal_stop_met_while_waiting_for_room_in_the_queue_finishes_the_producer(
+    cluster: MockCluster, topic: str
+) -> None:
+    """The queue holds two records; the first request is refused (POLICY_VIOLATION: the gap-less
+    stop) while a later record waits for room. confluent-kafka raises that fatal error from the
+    ``flush`` that waits: it ends the producer, it is not the waiting record's error. What was
+    never sent comes back RETRY without an attempt (unreachable), and the next publish goes out
+    on a new producer. (It was taken as the waiting record's own error, the stopped producer
+    kept: every record after it refused ``_FATAL``, an attempt counted, batch after batch.)"""
+    transport = transport_for(cluster.bootstrap, **{"queue.buffering.max.messages": 2})
+    transport.publish([Record(topic=topic, value=b"x:0", key=b"x")])
+    first = transport._producer
+    cluster.fail_produce(KafkaError.POLICY_VIOLATION)
+    records = [Record(topic=topic, value=f"{k}:0".encode(), key=k.encode()) for k in "abcdefgh"]
+    results = transport.publish(records)
+    told = [(r.outcome, r.error, r.unreachable) for r in results]
+    assert Outcome.FAILED in {r.outcome for r in results}, told
+    assert all(r.unreachable for r in results if r.outcome is Outcome.RETRY), told
+    assert transport._producer is not first, "the stopped producer must be recreated"
+    again = transport.publish(records)
+    assert [r.outcome for r in again] == [Outcome.DELIVERED] * len(records), [
+        (r.outcome, r.error) for r in again]
+    transport.close(timeout=1)
+
+
 def test_records_a_refused_request_held_back_go_again_in_the_same_publish(kafka: str, topic: str) -> None:
     """A keyless record on a compacted topic: the broker refuses its request, and librdkafka tells the
     culprits (INVALID_RECORD) from the records refused only for sharing their request ("an invalid

@@ -69,7 +69,7 @@ from ._admin import ADMIN, connection_settings
 from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
-from ._queue_full import produce_waiting
+from ._queue_full import ProducerStopped, fatal_error, produce_waiting
 from ._read_back import ensure_compacted_topic, last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 from ._transactions import KafkaTransactionalProducer
@@ -149,19 +149,6 @@ def classify(error: KafkaError) -> Outcome:
 def result_of(error: KafkaError) -> SendResult:
     """The ``SendResult`` of a record that ``error`` kept from being delivered."""
     return SendResult(classify(error), error=error.str(), unreachable=error.code() in UNREACHABLE_ERRORS)
-
-
-def fatal_error(exc: Exception) -> KafkaError:
-    """The error a fatal stop was raised with, out of ``flush`` or ``poll``.
-
-    confluent-kafka raises librdkafka's fatal error (e.g. the gap-less stop) from
-    the call serving callbacks, and a delivery callback that runs in the same
-    serving pass then ends in ``SystemError`` (it returns with that exception
-    pending); both mean the producer is finished.
-    """
-    if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError):
-        return exc.args[0]
-    return KafkaError(KafkaError._FATAL, f"producer stopped: {exc}")
 
 
 class KafkaTransport:
@@ -434,10 +421,14 @@ class KafkaTransport:
         lookup = self._partition_count
         outstanding = 0
         stopped: set[tuple[str, bytes | None]] = set()
+        finished: SendResult | None = None  # the producer stopped while waiting for room
         for i in indexes:
             results[i] = None  # sent again: an earlier round's answer no longer holds
         for i in indexes:
             record = records[i]
+            if finished is not None:
+                results[i] = finished
+                continue
             if (record.topic, record.key) in stopped:
                 continue  # hold_behind_undelivered gives it its result
             partition = key_partition(record, counts, lookup)
@@ -459,6 +450,12 @@ class KafkaTransport:
                 waited += time.monotonic() - started
                 if results[i] is None:
                     outstanding += 1
+            except ProducerStopped as exc:
+                # Stopped by an earlier record's refusal (the gap-less guarantee), not this one's: it
+                # and the rest of the wave were never sent; the producer is recreated (``_wait``).
+                self._fatal = self._fatal or exc.args[0]
+                finished = results[i] = SendResult(Outcome.RETRY, error=f"not sent: {exc.args[0].str()}",
+                                                   unreachable=True)
             except KafkaException as exc:
                 results[i] = result_of(exc.args[0])
                 self._forget_if_gone(record.topic, exc.args[0])
