@@ -285,7 +285,8 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
     pipelined; in exactly-once mode that one record's transaction was aborted, and all its
     rows counted an attempt: 24 of 64 at two attempts)."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
-    outbox = Outbox(create_engine(sqlite_db), shards=1)  # one shard: one transactional producer's queue
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)  # one shard: one transactional producer's queue
     outbox.create_tables()
     own_kafka.create_topic(topic, 4)
     transport = KafkaTransport({"queue.buffering.max.messages": 10}, bootstrap_servers=own_kafka.bootstrap,
@@ -306,7 +307,7 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
                 took = wait_for(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) == 32,
                                 20, "the frozen batch back")
                 assert took < 2.0 + 4, f"the batch came back {took:.1f} s after it was sent"  # 11-13 s before
-            time.sleep(4)  # several delivery timeouts frozen
+            time.sleep(4)  # the outage itself: frozen for two delivery timeouts, each would be an attempt
             frozen = rows(outbox, status="pending")
         finally:
             own_kafka.thaw()
@@ -325,4 +326,4 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
     assert seqs_by_key(records) == {f"k{k}".encode(): [1, 2] for k in range(30)}
     assert _said(caplog, "broker unreachable") <= 1
     assert len([r for r in caplog.records if r.name == "outbox.relay" and r.levelno >= logging.WARNING]) <= 2
-    outbox.engine.dispose()  # type: ignore[union-attr]
+    engine.dispose()

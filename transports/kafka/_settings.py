@@ -94,7 +94,7 @@ other name -> the one this package writes and reads. Every name is the property,
 holds one spelling of each and a check of ``"linger.ms"`` sees ``queue.buffering.max.ms`` too.
 Not here: the topic-level ``auto.commit.enable`` (alias ``enable.auto.commit`` at topic scope),
 which the high-level consumer does not read; its global ``enable.auto.commit`` is another
-property. ``test_settings`` checks each pair against the librdkafka installed."""
+property. ``tests/test_kafka_settings.py`` checks each pair against the librdkafka installed."""
 
 
 TOPIC_PREFIX = "topic."
@@ -112,7 +112,7 @@ TOPIC_PROPERTIES = frozenset({
 another meaning (``enable.auto.commit``, ``auto.commit.interval.ms``, ``offset.store.method``,
 ``opaque``: with the prefix they are the legacy consumer's, not the global one). The topic-level
 ``compression.*`` is here: it overrides the global one, so the two are one setting.
-``test_settings`` checks the set against the librdkafka installed."""
+``tests/test_kafka_settings.py`` checks the set against the librdkafka installed."""
 
 NESTED = "default.topic.config"
 """confluent-kafka's mapping of settings inside the config (a deprecated way to give topic-level
@@ -193,7 +193,8 @@ def sets_property(settings: Mapping[str, Any], name: str) -> bool:
     sets ``linger.ms``), and so does librdkafka's alias (``queue.buffering.max.ms``):
     what is compared is the property, not its spelling.
     """
-    return any(property_of(key) == property_of(name) for _, key, _ in _entries(settings))
+    wanted = property_of(name)
+    return any(property_of(key) == wanted for _, key, _ in _entries(settings))
 
 
 def check_with_librdkafka(config: Mapping[str, Any], client: str = "producer") -> None:
