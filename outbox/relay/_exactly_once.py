@@ -27,7 +27,10 @@ docs/guarantees.md "Exactly once on the wire"):
 - a record the broker refuses for good aborts its transaction: the shard's
   batch is sent again without it (and without its key's later rows), so it
   alone fails; a transaction that cannot commit for want of the broker is
-  aborted and its rows retried as in an outage; a producer fenced by a newer
+  aborted and its rows retried as in an outage; one given up at its deadline
+  though the broker acknowledged some of its records was too big for the
+  broker's pace, and the shard's next transactions are smaller (``_pace``);
+  a producer fenced by a newer
   one gives up its batch (its rows are not marked); a commit
   whose answer never came is settled by a new producer of the id and the read
   of the progress, as on a take-over;
@@ -92,6 +95,10 @@ progress read on them in parallel, a batch's shards' transactions run on them.""
 
 ROUNDS = 8
 """Transactions one shard's batch may take when records are refused (each round fails at least one)."""
+
+
+PACE_GROWS_BELOW = 4
+"""A shard's capped transactions grow again after a commit within 1/4 of the deadline (``_pace``)."""
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
@@ -298,7 +305,7 @@ class ExactlyOnce:
     def _send_shard(self, shard: int, state: ShardState, records: Sequence[Record], ids: dict[int, int],
                     results: list[SendResult | None]) -> None:
         """The shard's records in transactions until committed or given up (module doc)."""
-        state.used = time.monotonic()
+        state.used = started = time.monotonic()
         if state.parked:
             state.parked = False
             if not self._maker.remake(shard, state):
@@ -319,12 +326,12 @@ class ExactlyOnce:
             # The topics this transaction's progress header may name (``_progress``): rows of the
             # others wait for the shard's next transaction, all of a topic's together.
             topics = topics_fitting((records[i].topic for i in todo), self.progress_topic)
-            now = [i for i in todo if records[i].topic in topics]
+            now = [i for i in todo if records[i].topic in topics][:state.cap]
             refused = self._transaction(shard, state, records, ids, now, results)
             if not refused:
-                if len(now) < len(todo) and all(
+                if len(now) < len(todo) and time.monotonic() - started < self._timeout and all(
                         (r := results[i]) is not None and r.outcome is Outcome.DELIVERED for i in now):
-                    continue  # committed: the next topics' rows in the next transaction
+                    continue  # committed: the next topics' (or the cap's) rows in the next transaction
                 break
             rounds += 1
             if len(refused) > 1 and not isolating:
@@ -362,6 +369,7 @@ class ExactlyOnce:
         value = progress_value(carried, sent_ids, self._worker_id, state.epoch)
         progress = Record(self.progress_topic, value, key=self.transactional_id(shard).encode(),
                           partition=shard)
+        began = time.monotonic()
         try:
             answer = state.producer.send([*(records[i] for i in todo), progress])
         except Exception as exc:
@@ -373,6 +381,7 @@ class ExactlyOnce:
                 Outcome.RETRY, error=f"the transaction raised {exc!r}", unreachable=True)] * (len(todo) + 1),
                 repr(exc))
         own = dict(zip(todo, answer.results[:-1], strict=True))
+        self._pace(shard, state, len(todo), answer, time.monotonic() - began)
         if answer.outcome is TransactionOutcome.COMMITTED:
             with self._lock:
                 state.unmarked |= set(sent_ids)
@@ -401,6 +410,37 @@ class ExactlyOnce:
             results[i] = res if res.outcome is Outcome.RETRY and not fenced else SendResult(
                 Outcome.RETRY, error=answer.error or res.error, unreachable=True)
         return {}
+
+    def _pace(self, shard: int, state: ShardState, count: int, answer: TransactionResult,
+              took: float) -> None:
+        """Size the shard's next transactions to the broker's pace (``ShardState.cap``).
+
+        A transaction given up at its deadline may have failed for its size, not for want of the
+        broker: one throttled by a quota, or a broker that takes its records more slowly than the
+        deadline allows. Sent again as it was it would time out again, forever, counted as an
+        outage and never as an attempt. So each one given up halves the shard's next ones (to
+        half of what the broker acknowledged of it, when it acknowledged some; the batch's other
+        rows go in the transactions after, in order). A commit within a quarter of the deadline
+        doubles the cap if it filled it, and lifts it if it did not; a slower commit keeps it (a
+        cap doubled at every commit grew back into the deadline within the same batch). A broker
+        that answered nothing is an outage: logged as one by the relay, the cap halved silently.
+        """
+        if answer.outcome is TransactionOutcome.COMMITTED:
+            if state.cap is not None and took < self._timeout / PACE_GROWS_BELOW:
+                state.cap = state.cap * 2 if count >= state.cap else None
+            return
+        if answer.outcome is TransactionOutcome.FENCED or not all(
+                r.outcome is Outcome.RETRY and r.unreachable for r in answer.results):
+            return
+        cap = max(1, min(answer.answered or count, count) // 2)
+        if state.cap is not None and cap >= state.cap:
+            return
+        state.cap = cap
+        if answer.answered:
+            log.warning("%s, shard %d: a transaction of %d records was given up after %.0f s with %d of "
+                        "them acknowledged: the broker takes them too slowly; the shard's transactions "
+                        "now carry at most %d records", self.name, shard, count, self._timeout,
+                        answer.answered, cap)
 
     def marked(self, ids: Iterable[int]) -> None:
         """These rows' published mark committed: no later progress record needs to name them."""

@@ -66,6 +66,7 @@ class ShardState:
     unmarked: set[int] = field(default_factory=set)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
     stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
+    cap: int | None = None  # the most records a transaction carries while the broker is slow (``paced``)
 
     def close(self) -> None:
         """Close its producer, if any (a shard dropped: its take-over's producer once made)."""

@@ -34,7 +34,7 @@ from ._debezium import DebeziumOutbox, debezium_outbox_config, debezium_outbox_t
 from ._harness import OutboxTestHarness
 from ._jvm import JVM_OPTIONS_ENV
 from ._kafka import KafkaStartError, LocalKafka, local_kafka
-from ._kafka_admin import alter_topic, create_topic, delete_topic
+from ._kafka_admin import alter_topic, create_topic, delete_topic, set_producer_quota
 from ._kafka_cluster import LocalKafkaCluster
 from ._kafka_libs import LIBS_VARIABLE as KAFKA_LIBS_VARIABLE
 from ._kafka_node import KafkaNode
@@ -116,5 +116,6 @@ __all__ = [
     "mysql_url",
     "postgres_bindir",
     "postgres_url",
+    "set_producer_quota",
     "wait_until_bound",
 ]

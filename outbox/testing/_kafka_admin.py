@@ -79,3 +79,30 @@ def partition_leader(bootstrap: str, topic: str, partition: int, timeout: float 
         if time.monotonic() > deadline:
             raise TimeoutError(f"no leader of {topic}[{partition}] within {timeout:.0f} s")
         time.sleep(0.1)
+
+
+def set_producer_quota(bootstrap: str, client_id: str, bytes_per_second: int | None,
+                       timeout: float = 60.0) -> None:
+    """Throttle the producers of ``client_id`` on the broker at ``bootstrap`` to ``bytes_per_second``
+    (Kafka's ``producer_byte_rate`` client quota; None removes it).
+
+    The broker takes such a producer's requests and holds its connection muted for as long as the
+    bytes put it over the rate: a broker that answers, slowly for what is sent. confluent-kafka's
+    admin client has no client-quota call, so Kafka's own ``kafka-configs`` runs (its class, on the
+    local broker's jars: ``_kafka_libs``).
+    """
+    import subprocess
+
+    from ._kafka_libs import java, kafka_libs, missing
+
+    libs, runtime = kafka_libs(), java()
+    if libs is None or runtime is None:
+        raise RuntimeError(f"cannot set a client quota: {missing()}")
+    change = (["--add-config", f"producer_byte_rate={bytes_per_second}"] if bytes_per_second is not None
+              else ["--delete-config", "producer_byte_rate"])
+    done = subprocess.run([runtime, "-cp", f"{libs}/*", "kafka.admin.ConfigCommand", "--bootstrap-server",
+                           bootstrap, "--alter", *change, "--entity-type", "clients", "--entity-name",
+                           client_id], capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"kafka-configs could not set {client_id!r}'s quota: "
+                           f"{(done.stderr or done.stdout).strip()[-500:]}")

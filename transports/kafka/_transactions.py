@@ -238,8 +238,10 @@ class KafkaTransactionalProducer:
                 error: KafkaError = exc.args[0]
                 if error.txn_requires_abort():
                     return self._abort(count, reports, {}, error)
-                if error.fatal() or not error.retriable() or time.monotonic() >= deadline:
+                if error.fatal() or not error.retriable():
                     return self._ended(error, count)
+                if time.monotonic() >= deadline:  # its records were answered, its commit not in time
+                    return replace(self._ended(error, count), answered=_answered(reports))
         self._errors.cleared()
         results: list[SendResult] = []
         for i in range(count):
@@ -313,6 +315,11 @@ class KafkaTransactionalProducer:
         """
         producer = self._producer
         deadline = time.monotonic() + self._timeout
+        # Aborted for want of the broker (no answer, no room in the queue by the deadline): an
+        # outage for every record of it, none counts an attempt.
+        unreachable = (self._result_of(cause).unreachable if cause is not None else any(
+            r.outcome is Outcome.RETRY and r.unreachable for r in refused.values()))
+        answered = _answered(reports) if unreachable else 0  # before the purge's reports
         try:
             with suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)
@@ -332,13 +339,9 @@ class KafkaTransactionalProducer:
                 return self._ended(error, count)
             # Not aborted in time: it can never commit either; a new producer of the id aborts it.
             return TransactionResult(TransactionOutcome.UNKNOWN, _retry(count, error.str(), True),
-                                     error.str())
+                                     error.str(), answered=answered)
         results: list[SendResult] = []
         reason = cause.str() if cause is not None else "aborted with its transaction"
-        # Aborted for want of the broker (no answer, no room in the queue by the deadline): an
-        # outage for every record of it, none counts an attempt.
-        unreachable = (self._result_of(cause).unreachable if cause is not None else any(
-            r.outcome is Outcome.RETRY and r.unreachable for r in refused.values()))
         for i in range(count):
             result = refused.get(i)
             if result is None and i in reports and reports[i][0] is not None:
@@ -346,7 +349,7 @@ class KafkaTransactionalProducer:
             if result is None or result.outcome is Outcome.DELIVERED:
                 result = SendResult(Outcome.RETRY, error=reason, unreachable=unreachable)
             results.append(result)
-        return TransactionResult(TransactionOutcome.ABORTED, results, reason)
+        return TransactionResult(TransactionOutcome.ABORTED, results, reason, answered=answered)
 
     def end_left_open(self, topics: Sequence[str], also: tuple[str, int]) -> None:
         """Abort, with this producer's epoch, what an earlier producer of the id left open on every
@@ -452,6 +455,11 @@ def positions_of(topics: bytes, positions: bytes) -> tuple[list[tuple[str, int, 
     if any(not 0 <= p < len(partitions) for p in places):
         raise ValueError(f"a record's partition is not among the {len(partitions)} named")
     return partitions, places
+
+
+def _answered(reports: Mapping[int, tuple[KafkaError | None, Any]]) -> int:
+    """How many of a transaction's records the broker acknowledged (``TransactionResult.answered``)."""
+    return sum(1 for error, message in list(reports.values()) if error is None and message is not None)
 
 
 def _retry(count: int, error: str, unreachable: bool = False) -> list[SendResult]:
