@@ -6,6 +6,7 @@ is tests/test_console_browser.py."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 
@@ -199,6 +200,31 @@ def test_failed_rows_page_retry_and_skip_record_who_and_why(outbox: Outbox, engi
     assert [rows[i].status for i in ids] == ["pending", "pending", "skipped", "failed", "failed"]
     assert "[retried by alice at " in rows[ids[0]].last_error and rows[ids[0]].last_error.endswith(": fixed]")
     assert "[skipped by alice at " in rows[ids[2]].last_error and rows[ids[2]].last_error.endswith(": stale]")
+
+
+def test_retry_and_skip_audit_lines_name_the_ids_as_listed(outbox: Outbox, engine: sa.Engine,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """An id typed in another spelling (upper case, braces, no hyphens) is the listed id: the audit line
+    names it as ``outbox failed list`` and the failed page show it, as the parked discard's line does."""
+    m = outbox.tables.messages
+    with Session(engine) as session, session.begin():
+        for i in range(2):
+            outbox.publish(session, TOPIC, {"i": i}, key=f"k{i}")
+    with engine.begin() as conn:
+        conn.execute(sa.update(m).values(status="failed", last_error="boom"))
+        ids = [str(i) for i in conn.execute(sa.select(m.c.message_id).order_by(m.c.id)).scalars()]
+    client = client_for(outbox)
+    auth = ("alice", USERS["alice"])
+    csrf = csrf_of(client.get("/failed", auth=auth).text)
+    caplog.set_level(logging.INFO, logger="outbox.console.audit")
+    retry = client.post("/failed/retry", auth=auth,
+                        data={"csrf": csrf, "message_id": f"{{{ids[0].upper()}}}", "reason": "fixed"})
+    skip = client.post("/failed/skip", auth=auth,
+                       data={"csrf": csrf, "message_id": uuid.UUID(ids[1]).hex.upper(), "reason": "stale"})
+    assert retry.status_code == 200 and skip.status_code == 200
+    logged = [r.getMessage() for r in caplog.records if r.name == "outbox.console.audit"]
+    assert logged == [f"retry failed rows ['{ids[0]}'] by alice (fixed): 1 changed",
+                      f"skip failed rows ['{ids[1]}'] by alice (stale): 1 changed"]
 
 
 def test_parked_keys_and_held_gaps_page_without_repeats(outbox: Outbox, engine: sa.Engine) -> None:
