@@ -18,6 +18,7 @@ from rich.markup import escape
 from transports._logsafe import safe_logger
 
 from ..core._gc import tune_gc_for_batches
+from ..core._identity import schema_identity
 from ..core._stopping import StopLatch, stop_signals
 from ..core._terminal import stdout_console
 from ..housekeeping import run_retention
@@ -87,7 +88,9 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
         inbox = load_inbox(target)
         if group and group != inbox.group:
             raise typer.BadParameter(f"--group {group!r} differs from the app's group {inbox.group!r}")
-        if (prefix, schema) != ("", None) and (prefix, schema) != (inbox.tables.prefix, inbox.tables.schema):
+        # Each option given (an empty --prefix is none) must name the app's tables, as the server says.
+        if (prefix and prefix != inbox.tables.prefix) or (
+                schema is not None and not _same_schema(inbox, schema)):
             raise typer.BadParameter("--prefix/--schema differ from the app's tables; the app's Inbox "
                                      "names its tables, so leave them out with --app")
     else:
@@ -98,6 +101,18 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
     if tenant is not None and inbox.router is None:
         raise typer.BadParameter("--tenant needs --tenants (or an app whose Inbox serves tenants)")
     return inbox
+
+
+def _same_schema(inbox: Inbox, schema: str) -> bool:
+    """Whether ``--schema`` is the schema of the app's tables as the server says (``schema_identity``,
+    as the console compares an inbox's schema with its own), not as spelled: the default schema by
+    name (``public``; ``main`` on SQLite) is an app's ``schema=None``, and SQLite (and MySQL/MariaDB
+    with ``lower_case_table_names`` 1 or 2) take a schema's name in any case. On PostgreSQL ``PUBLIC``
+    stays another schema: a name with capitals is sent quoted, so the server does not fold it."""
+    if schema == inbox.tables.schema:
+        return True
+    return bool(inbox.run_database(lambda: schema_identity(inbox.engine, schema)
+                                   == schema_identity(inbox.engine, inbox.tables.schema)))
 
 
 def _serving(inbox: Inbox, tenants: str | None, tenant_header: str | None) -> None:
