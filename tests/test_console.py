@@ -359,6 +359,22 @@ def test_an_inbox_naming_the_consoles_schema_another_way_uses_the_consoles_table
             create_app(memory, inboxes=[Inbox(sa.create_engine("sqlite://"), group="g", concurrency=1)])
 
 
+def test_an_inbox_whose_prefix_differs_in_case_is_the_consoles_where_the_database_says_so(
+    engine: sa.Engine
+) -> None:
+    """SQLite takes a table name in any case: an inbox of prefix ``OUT_`` uses the tables of a console of
+    ``out_`` there, and is taken for them. On PostgreSQL ``OUT_outbox_messages`` (sent quoted) is another
+    table: refused."""
+    outbox = Outbox(engine, prefix="out_")
+    outbox.create_tables()
+    inbox = Inbox(engine, group="g", prefix="OUT_", concurrency=1)
+    if engine.dialect.name == "sqlite":
+        create_app(outbox, inboxes=[inbox])
+    else:
+        with pytest.raises(ConfigurationError, match="other tables"):
+            create_app(outbox, inboxes=[inbox])
+
+
 def test_unkeyed_parked_messages_are_one_lane_per_topic(outbox: Outbox, engine: sa.Engine) -> None:
     inbox = Inbox(engine, group="billing", retry_backoff=0.001, concurrency=1)
     broken = {"on": True}

@@ -18,7 +18,7 @@ from rich.markup import escape
 from transports._logsafe import safe_logger
 
 from ..core._gc import tune_gc_for_batches
-from ..core._identity import schema_identity
+from ..core._identity import tables_identity
 from ..core._stopping import StopLatch, stop_signals
 from ..core._terminal import stdout_console
 from ..housekeeping import run_retention
@@ -89,8 +89,7 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
         if group and group != inbox.group:
             raise typer.BadParameter(f"--group {group!r} differs from the app's group {inbox.group!r}")
         # Each option given (an empty --prefix is none) must name the app's tables, as the server says.
-        if (prefix and prefix != inbox.tables.prefix) or (
-                schema is not None and not _same_schema(inbox, schema)):
+        if not _apps_tables(inbox, prefix, schema):
             raise typer.BadParameter("--prefix/--schema differ from the app's tables; the app's Inbox "
                                      "names its tables, so leave them out with --app")
     else:
@@ -103,16 +102,19 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
     return inbox
 
 
-def _same_schema(inbox: Inbox, schema: str) -> bool:
-    """Whether ``--schema`` is the schema of the app's tables as the server says (``schema_identity``,
-    as the console compares an inbox's schema with its own), not as spelled: the default schema by
-    name (``public``; ``main`` on SQLite) is an app's ``schema=None``, and SQLite (and MySQL/MariaDB
-    with ``lower_case_table_names`` 1 or 2) take a schema's name in any case. On PostgreSQL ``PUBLIC``
-    stays another schema: a name with capitals is sent quoted, so the server does not fold it."""
-    if schema == inbox.tables.schema:
+def _apps_tables(inbox: Inbox, prefix: str, schema: str | None) -> bool:
+    """Whether ``--prefix``/``--schema`` (the app's where not given) name the app's tables as the server
+    says (``tables_identity``, as the console compares an inbox's tables with its own), not as spelled:
+    the default schema by name (``public``; ``main`` on SQLite) is an app's ``schema=None``, and SQLite
+    (and MySQL/MariaDB with ``lower_case_table_names`` 1 or 2) take a schema's or table's name in any
+    case. On PostgreSQL ``PUBLIC`` and ``OUT_`` stay other names: a name with capitals is sent quoted,
+    so the server does not fold it."""
+    own = inbox.tables
+    given_prefix, given_schema = prefix or own.prefix, own.schema if schema is None else schema
+    if (given_prefix, given_schema) == (own.prefix, own.schema):
         return True
-    return bool(inbox.run_database(lambda: schema_identity(inbox.engine, schema)
-                                   == schema_identity(inbox.engine, inbox.tables.schema)))
+    return bool(inbox.run_database(lambda: tables_identity(inbox.engine, given_schema, given_prefix)
+                                   == tables_identity(inbox.engine, own.schema, own.prefix)))
 
 
 def _serving(inbox: Inbox, tenants: str | None, tenant_header: str | None) -> None:
