@@ -6,6 +6,7 @@ is tests/test_console_browser.py."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 
@@ -201,6 +202,31 @@ def test_failed_rows_page_retry_and_skip_record_who_and_why(outbox: Outbox, engi
     assert "[skipped by alice at " in rows[ids[2]].last_error and rows[ids[2]].last_error.endswith(": stale]")
 
 
+def test_retry_and_skip_audit_lines_name_the_ids_as_listed(outbox: Outbox, engine: sa.Engine,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """An id typed in another spelling (upper case, braces, no hyphens) is the listed id: the audit line
+    names it as ``outbox failed list`` and the failed page show it, as the parked discard's line does."""
+    m = outbox.tables.messages
+    with Session(engine) as session, session.begin():
+        for i in range(2):
+            outbox.publish(session, TOPIC, {"i": i}, key=f"k{i}")
+    with engine.begin() as conn:
+        conn.execute(sa.update(m).values(status="failed", last_error="boom"))
+        ids = [str(i) for i in conn.execute(sa.select(m.c.message_id).order_by(m.c.id)).scalars()]
+    client = client_for(outbox)
+    auth = ("alice", USERS["alice"])
+    csrf = csrf_of(client.get("/failed", auth=auth).text)
+    caplog.set_level(logging.INFO, logger="outbox.console.audit")
+    retry = client.post("/failed/retry", auth=auth,
+                        data={"csrf": csrf, "message_id": f"{{{ids[0].upper()}}}", "reason": "fixed"})
+    skip = client.post("/failed/skip", auth=auth,
+                       data={"csrf": csrf, "message_id": uuid.UUID(ids[1]).hex.upper(), "reason": "stale"})
+    assert retry.status_code == 200 and skip.status_code == 200
+    logged = [r.getMessage() for r in caplog.records if r.name == "outbox.console.audit"]
+    assert logged == [f"retry failed rows ['{ids[0]}'] by alice (fixed): 1 changed",
+                      f"skip failed rows ['{ids[1]}'] by alice (stale): 1 changed"]
+
+
 def test_parked_keys_and_held_gaps_page_without_repeats(outbox: Outbox, engine: sa.Engine) -> None:
     inbox, _ = broken_inbox(engine)
     keys = [f"bad-{i:03d}" for i in range(23)]
@@ -331,6 +357,22 @@ def test_an_inbox_naming_the_consoles_schema_another_way_uses_the_consoles_table
         memory = Outbox(sa.create_engine("sqlite://"))
         with pytest.raises(ConfigurationError, match="not the console's outbox database"):
             create_app(memory, inboxes=[Inbox(sa.create_engine("sqlite://"), group="g", concurrency=1)])
+
+
+def test_an_inbox_whose_prefix_differs_in_case_is_the_consoles_where_the_database_says_so(
+    engine: sa.Engine
+) -> None:
+    """SQLite takes a table name in any case: an inbox of prefix ``OUT_`` uses the tables of a console of
+    ``out_`` there, and is taken for them. On PostgreSQL ``OUT_outbox_messages`` (sent quoted) is another
+    table: refused."""
+    outbox = Outbox(engine, prefix="out_")
+    outbox.create_tables()
+    inbox = Inbox(engine, group="g", prefix="OUT_", concurrency=1)
+    if engine.dialect.name == "sqlite":
+        create_app(outbox, inboxes=[inbox])
+    else:
+        with pytest.raises(ConfigurationError, match="other tables"):
+            create_app(outbox, inboxes=[inbox])
 
 
 def test_unkeyed_parked_messages_are_one_lane_per_topic(outbox: Outbox, engine: sa.Engine) -> None:

@@ -172,6 +172,56 @@ def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None: 
     assert nothing.exit_code == 2 and "--db and --group" in nothing.output
 
 
+def test_schema_given_with_app_is_the_apps_when_the_server_says_so(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--schema`` beside ``--app`` names the app's tables by what the database says, not by spelling:
+    the app's ``schema=None`` is the default schema by name (``public``; ``main`` on SQLite). SQLite takes
+    a schema's name in any case; PostgreSQL's ``PUBLIC`` (sent quoted) is another schema, refused."""
+    name = f"cliapp_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=db_url, topic="orders"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    try:
+        module.inbox.create_tables()
+        cli, target = CliRunner(), f"{name}:inbox"
+        default = "main" if db_url.startswith("sqlite") else "public"
+        same = [default, default.upper()] if db_url.startswith("sqlite") else [default]
+        for schema in same:
+            given = cli.invoke(app, ["parked", "list", "--app", target, "--schema", schema])
+            assert given.exit_code == 0 and "no parked messages" in given.output, (schema, given.output)
+        others = ["other"] if db_url.startswith("sqlite") else ["other", default.upper()]
+        for schema in others:
+            other = cli.invoke(app, ["parked", "list", "--app", target, "--schema", schema])
+            assert other.exit_code == 2, (schema, other.output)
+            assert "differ from the app's tables" in " ".join(other.output.split())
+        prefix = cli.invoke(app, ["parked", "list", "--app", target, "--prefix", "x_"])
+        assert prefix.exit_code == 2 and "differ from the app's tables" in " ".join(prefix.output.split())
+    finally:
+        module.inbox.engine.dispose()
+        sys.modules.pop(name, None)
+
+
+def test_prefix_given_with_app_in_another_case_is_the_apps_where_the_database_says_so(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite takes a table name in any case: ``--prefix OUT_`` names an app's ``out_`` tables there.
+    On PostgreSQL ``OUT_outbox_messages`` (sent quoted) is another table: refused."""
+    name = f"cliapp_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=db_url, topic="orders")
+                                         .replace('group="cli"', 'group="cli", prefix="out_"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    try:
+        module.inbox.create_tables()
+        listed = CliRunner().invoke(app, ["parked", "list", "--app", f"{name}:inbox", "--prefix", "OUT_"])
+        if db_url.startswith("sqlite"):
+            assert listed.exit_code == 0 and "no parked messages" in listed.output, listed.output
+        else:
+            assert listed.exit_code == 2 and "differ from the app's tables" in " ".join(listed.output.split())
+    finally:
+        module.inbox.engine.dispose()
+        sys.modules.pop(name, None)
+
+
 @pytest.mark.any_kafka
 @pytest.mark.parametrize("kind", INBOX_KINDS)
 def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, any_kafka: str, topic: str,

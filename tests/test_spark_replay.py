@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 import sqlalchemy as sa
 from _spark_seed import AS_OF, build, seed, spark_for_tests
+from sqlalchemy.orm import Session
 
-from outbox import ConfigurationError, InvalidTopicError, OutboxTables
+from outbox import ConfigurationError, InvalidTopicError, Outbox, OutboxTables, create_engine
 from outbox.spark import REPLAY_HEADER, archive, replay
 
 pytestmark = pytest.mark.spark
@@ -89,6 +92,28 @@ def test_time_range_selects_by_original_creation(spark, archived):
     assert sorted(r["headers"][REPLAY_HEADER] for r in new) == sorted(
         mid for mid, r in gone.items() if r["topic"] == "payments" and since <= r["created_at"] < until)
     assert len(new) == 20
+
+
+def test_a_users_replay_of_header_in_another_case_is_replaced_not_doubled(spark, sqlite_db, tmp_path):
+    """Header names are one in any case: an archived message that carries its own ``Replay-Of`` comes
+    back with one ``replay-of`` (naming the original), never two headers of one name."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    with Session(engine) as session, session.begin():
+        original = outbox.publish(session, "orders", {"n": 1}, key="k",
+                                  headers={"Replay-Of": "an earlier incident", "n": "1"})
+    old = datetime.now(UTC) - timedelta(hours=1)
+    with engine.begin() as conn:
+        conn.execute(sa.update(messages).values(status="published", created_at=old, published_at=old))
+    engine.dispose()
+    root = tmp_path / "archive"
+    archive(sqlite_db, root, retention="10m", spark=spark)
+
+    assert replay(root, sqlite_db, topic="orders", spark=spark).replayed == 1
+
+    [row] = outbox_rows(sqlite_db)
+    assert row["headers"] == {"n": "1", REPLAY_HEADER: str(original)}
 
 
 def test_bad_replay_arguments_are_named(tmp_path):

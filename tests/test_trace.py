@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from outbox import Inbox, Message, Outbox, create_engine, record_to_message
+from outbox import Inbox, Message, Outbox, OutboxTables, create_engine, record_to_message
 from outbox.cli import app
 from outbox.core._wire import EVENT_TYPE
 from outbox.ops import Database, trace_key, trace_message
@@ -311,6 +311,26 @@ def test_two_in_memory_databases_spelled_alike_are_two() -> None:
                         [Database("inbox-db", inbox.engine, inbox.tables)], message_id)
     [m] = doc["messages"]
     assert [(g["group"], g["state"]) for g in m["groups"]] == [("billing", "applied")]
+
+
+def test_a_prefix_in_another_case_is_one_set_of_tables_where_the_database_says_so(db_url: str) -> None:
+    """SQLite takes a table name in any case: ``out_`` and ``OUT_`` name one set of tables there, read
+    once. On PostgreSQL ``OUT_outbox_messages`` (sent quoted) is another table: read apart, it has none."""
+    engine = create_engine(db_url)
+    outbox = Outbox(engine, prefix="out_")
+    outbox.create_tables()
+    inbox = Inbox(engine, group="billing", prefix="out_", concurrency=1)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    message_id = uuid.uuid4()
+    inbox.handle(record(TOPIC, "k", 1, message_id=message_id))
+    upper = Database("upper", engine, OutboxTables(prefix="OUT_"))
+    doc = trace_message(Database("lower", engine, outbox.tables), [upper], message_id)
+    [m] = doc["messages"]
+    assert [(g["group"], g["state"]) for g in m["groups"]] == [("billing", "applied")]
+    assert doc["unreachable"] == []  # SQLite: read again, it waited for the first read's lock
+    if engine.dialect.name == "sqlite":
+        assert "upper" not in json.dumps(doc)  # not read: the lower-case name's tables, read already
+    engine.dispose()
 
 
 _HIDDEN_CATEGORIES = {"Cc", "Cf", "Cs", "Zl", "Zp"}

@@ -18,6 +18,7 @@ from rich.markup import escape
 from transports._logsafe import safe_logger
 
 from ..core._gc import tune_gc_for_batches
+from ..core._identity import tables_identity
 from ..core._stopping import StopLatch, stop_signals
 from ..core._terminal import stdout_console
 from ..housekeeping import run_retention
@@ -87,7 +88,8 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
         inbox = load_inbox(target)
         if group and group != inbox.group:
             raise typer.BadParameter(f"--group {group!r} differs from the app's group {inbox.group!r}")
-        if (prefix, schema) != ("", None) and (prefix, schema) != (inbox.tables.prefix, inbox.tables.schema):
+        # Each option given (an empty --prefix is none) must name the app's tables, as the server says.
+        if not _apps_tables(inbox, prefix, schema):
             raise typer.BadParameter("--prefix/--schema differ from the app's tables; the app's Inbox "
                                      "names its tables, so leave them out with --app")
     else:
@@ -98,6 +100,21 @@ def _inbox(db: str | None, group: str | None, target: str | None, prefix: str = 
     if tenant is not None and inbox.router is None:
         raise typer.BadParameter("--tenant needs --tenants (or an app whose Inbox serves tenants)")
     return inbox
+
+
+def _apps_tables(inbox: Inbox, prefix: str, schema: str | None) -> bool:
+    """Whether ``--prefix``/``--schema`` (the app's where not given) name the app's tables as the server
+    says (``tables_identity``, as the console compares an inbox's tables with its own), not as spelled:
+    the default schema by name (``public``; ``main`` on SQLite) is an app's ``schema=None``, and SQLite
+    (and MySQL/MariaDB with ``lower_case_table_names`` 1 or 2) take a schema's or table's name in any
+    case. On PostgreSQL ``PUBLIC`` and ``OUT_`` stay other names: a name with capitals is sent quoted,
+    so the server does not fold it."""
+    own = inbox.tables
+    given_prefix, given_schema = prefix or own.prefix, own.schema if schema is None else schema
+    if (given_prefix, given_schema) == (own.prefix, own.schema):
+        return True
+    return bool(inbox.run_database(lambda: tables_identity(inbox.engine, given_schema, given_prefix)
+                                   == tables_identity(inbox.engine, own.schema, own.prefix)))
 
 
 def _serving(inbox: Inbox, tenants: str | None, tenant_header: str | None) -> None:

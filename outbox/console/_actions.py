@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..core._errors import ConfigurationError
+from ..core._validation import listed_message_id
 from ..inbox import DiscardRefusedError, NotParkedError, ParkedActions
 from ..relay import retry_failed, skip_failed
 from ._authenticator import SESSION_COOKIE, client_of
@@ -59,7 +60,9 @@ def failed_action(ctx: Context, action: str) -> Handler:
     async def act(request: Request) -> Response:
         form = await _form(request)
         who, reason = ctx.actor(request, form)
-        ids = [str(i) for i in form.getlist("message_id")]
+        # Named as listed (a UUID in any spelling is one id), in the audit line too: a search of the
+        # log for the id `outbox failed list` shows finds who retried or skipped it and why.
+        ids = [listed_message_id(str(i)) for i in form.getlist("message_id")]
         if not ids:
             raise Refused(400, "select at least one failed row")
         what = f"{action} failed rows {ids}{_of_tenant(ctx)} by {who} ({reason})"
@@ -123,7 +126,8 @@ def discard(ctx: Context) -> Handler:
         group = group_of(request.query_params)
         index = database_index(request.query_params, ctx.databases)
         database = ctx.databases[index].name
-        message_id = str(form.get("message_id") or "")
+        # As listed, as ParkedActions records it: this action's own audit lines (not done) name it so too.
+        message_id = listed_message_id(str(form.get("message_id") or ""))
         actions = ParkedActions(ctx.inbox_for_discard(index, group), audit=audit, where=database)
 
         def discarded() -> None:

@@ -16,7 +16,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from ..core._errors import ConfigurationError, OutboxError, SchemaError
-from ..core._identity import answers_same, schema_identity
+from ..core._identity import answers_same, tables_identity
 from ..core._outage import is_database_outage
 from ..core._secrets import database_secrets, database_url, scrub
 from ..inbox import Inbox
@@ -243,17 +243,18 @@ def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
 
 def _same_tables(inbox: Inbox, outbox: Outbox, engine: Engine) -> bool:
     """Whether ``inbox`` (working in ``engine``'s database) uses the console's tables: one prefix, in one
-    schema as the server says. ``None`` and ``public`` (``main`` on SQLite) may be one schema; ``None``
-    for two users of two search paths may be two."""
-    if inbox.tables.prefix != outbox.tables.prefix:
-        return False
+    schema, as the server says. ``None`` and ``public`` (``main`` on SQLite) may be one schema; ``None``
+    for two users of two search paths may be two; ``out_`` and ``OUT_`` are one prefix on SQLite."""
+    if inbox.tables.prefix.lower() != outbox.tables.prefix.lower():
+        return False  # no server takes them for one (plain ASCII names): nothing to ask
     bind = inbox.engine
     assert isinstance(bind, Engine)  # ``_index_of`` found it among the console's
-    if inbox.tables.schema == outbox.tables.schema and (bind.pool is engine.pool or (
-            engine.dialect.name != "sqlite" and bind.url == engine.url)):
+    if (inbox.tables.schema, inbox.tables.prefix) == (outbox.tables.schema, outbox.tables.prefix) and (
+            bind.pool is engine.pool or (engine.dialect.name != "sqlite" and bind.url == engine.url)):
         return True  # one pool, or one URL to the letter (one user, one search path): nothing to ask
     try:
-        return schema_identity(bind, inbox.tables.schema) == schema_identity(engine, outbox.tables.schema)
+        return (tables_identity(bind, inbox.tables.schema, inbox.tables.prefix)
+                == tables_identity(engine, outbox.tables.schema, outbox.tables.prefix))
     except Exception as exc:
         if not is_database_outage(exc):
             raise

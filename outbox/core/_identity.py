@@ -30,6 +30,10 @@ database, the same schema" decision asks the server instead:
   schema). An in-memory or temporary database is its engine's own: two
   engines never share one (a named shared-cache memory database is not
   recognised across engines).
+- A set of tables is its schema and its table prefix as the server compares
+  table names (``tables_identity``): SQLite in any case, MySQL and MariaDB as
+  their schema names, PostgreSQL as given (a name with capitals is sent
+  quoted, so ``OUT_`` and ``out_`` are two prefixes there).
 
 What a server says is read once per connection pool (one query; PostgreSQL's
 schemas need no more) and kept while the pool lives. A server that does not
@@ -87,6 +91,15 @@ class SchemaIdentity:
 
 
 @dataclass(frozen=True, slots=True)
+class TablesIdentity:
+    """One set of outbox and inbox tables: equal for every spelling of the database, schema and prefix."""
+
+    schema: SchemaIdentity
+    prefix: str
+    """The table prefix as the server compares table names."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Facts:
     """What one connection pool's server said about itself, once."""
 
@@ -94,7 +107,7 @@ class _Facts:
     default_schema: str
     """Where unqualified tables go: PostgreSQL's ``current_schema()``, MySQL's ``DATABASE()``."""
     fold: Callable[[str], str]
-    """A schema name as the server compares it."""
+    """A schema or table name as the server compares it."""
 
 
 _facts: weakref.WeakKeyDictionary[Pool, _Facts] = weakref.WeakKeyDictionary()
@@ -138,6 +151,16 @@ def schema_identity(engine: Engine, schema: str | None) -> SchemaIdentity:
     if database.dialect == "postgresql":
         return SchemaIdentity(database, name)
     return SchemaIdentity(DatabaseIdentity(database.dialect, database.server, name), "")
+
+
+def tables_identity(engine: Engine, schema: str | None, prefix: str) -> TablesIdentity:
+    """Which tables ``prefix`` names in ``schema`` of ``engine``'s database, as its server compares names.
+
+    SQLite takes a table name in any case, as MySQL and MariaDB do with
+    ``lower_case_table_names`` 1 or 2: there ``out_`` and ``OUT_`` name one
+    set of tables. Raises as ``database_identity`` does.
+    """
+    return TablesIdentity(schema_identity(engine, schema), _facts_of(engine).fold(prefix))
 
 
 def same_database(a: Engine, b: Engine) -> bool:

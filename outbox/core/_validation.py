@@ -84,6 +84,22 @@ def key_text(key: str | int | uuid.UUID) -> str:
     return uuid.UUID.__str__(key)
 
 
+def listed_message_id(message_id: uuid.UUID | str) -> str:
+    """A message id as ``outbox failed list`` and ``outbox parked list`` show it, for an audit line.
+
+    A UUID in any spelling ``uuid.UUID`` takes (upper case, braces, ``urn:uuid:``, no
+    hyphens) is one id, named by its canonical text, so a search of the audit log for
+    the listed id finds every action on it. Anything else is kept as given: the action
+    refuses it and says what is wrong with it.
+    """
+    if isinstance(message_id, uuid.UUID):
+        return str(message_id)
+    try:
+        return str(uuid.UUID(str(message_id)))
+    except ValueError:
+        return str(message_id)
+
+
 def exact_str(text: str) -> str:
     """``text`` as a plain ``str``: a subclass's own ``isascii``/``encode`` cannot hide what it holds."""
     return text if type(text) is str else str.__str__(text)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from contextlib import suppress
 from dataclasses import dataclass
 from logging import Logger
 
+from ..core._validation import listed_message_id
 from ._admin import DiscardRefusedError, NotParkedError, ParkedMessage, ParkedReplay
 from ._inbox import Inbox
 
@@ -106,8 +106,7 @@ class ParkedActions:
         """
         # The audit line names the message as listed (a UUID in any spelling is one id); a malformed
         # one is not recorded: Inbox.discard says what is wrong with it.
-        with suppress(ValueError):
-            message_id = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
+        message_id = listed_message_id(message_id)
         try:
             self.inbox.discard(message_id, by=by, reason=reason, tenant=self.tenant)
         except (NotParkedError, DiscardRefusedError) as exc:

@@ -37,7 +37,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from transports._errors import InvalidTopicError, validate_topic
 
 from ..core._errors import ConfigurationError, MessageValidationError
-from ..core._identity import schema_identity
+from ..core._identity import tables_identity
 from ..core._secrets import database_secrets, scrub
 from ..core._tables import InboxOutcome, OutboxTables
 from ..core._tables import OutboxStatus as Status
@@ -120,9 +120,10 @@ class _Open:
 
 
 def _same_tables(a: Database, b: Database) -> bool:
-    """One set of tables: one prefix, in one schema of one database as its server says (both answered)."""
-    return a.tables.prefix == b.tables.prefix and (
-        schema_identity(a.engine, a.tables.schema) == schema_identity(b.engine, b.tables.schema))
+    """One set of tables: one prefix, in one schema of one database, as its server says (both answered):
+    ``out_`` and ``OUT_`` are one prefix on SQLite."""
+    return (tables_identity(a.engine, a.tables.schema, a.tables.prefix)
+            == tables_identity(b.engine, b.tables.schema, b.tables.prefix))
 
 
 def _open(db: Database, conn: Connection, only: Sequence[str] | None, outbox_side: bool) -> _Open:

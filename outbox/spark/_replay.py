@@ -22,7 +22,7 @@ from pyspark.sql import functions as F
 from sqlalchemy.orm import Session
 
 from ..core._errors import ConfigurationError
-from ..core._validation import normalize_key, validate_topic
+from ..core._validation import folded, normalize_key, validate_topic
 from ..producer import Outbox
 from ._layout import committed_files, table_dir
 from ._session import SessionFactory, session_from
@@ -130,7 +130,10 @@ def _publish(outbox: Outbox, engine: sa.Engine, topic: str, rows: list[Any],
     """One transaction: publish each row again, under its original content type and event type."""
     with Session(engine) as session, session.begin():
         for row in rows:
-            headers = json.loads(row.headers) | {REPLAY_HEADER: row.message_id}
+            # Header names are one in any case: a user's own ``Replay-Of`` gives way to ours, not
+            # beside it as a second header of the same name.
+            headers = {name: value for name, value in json.loads(row.headers).items()
+                       if folded(name) != REPLAY_HEADER} | {REPLAY_HEADER: row.message_id}
             outbox.publish(session, topic, bytes(row.payload), key=row.key, headers=headers,
                            content_type=row.content_type, event_type=row.event_type)
             result.per_key[row.key] += 1
