@@ -414,6 +414,39 @@ def test_a_relay_whose_producer_sends_less_than_the_stored_limit_refuses_to_star
         Relay(outbox, KafkaPythonTransport(KafkaProducerSettings()))
 
 
+def test_a_producer_queue_smaller_than_the_stored_limit_refuses_the_relay(tmp_path):
+    """librdkafka never takes a record whose value outgrows its whole queue
+    (``queue.buffering.max.kbytes``): such a row used to be found at its send, failed for good and its
+    key held. A queue set smaller than the stored limit refuses the relay at start, naming it."""
+    from outbox import Relay
+    from transports.kafka import KafkaTransport
+
+    outbox = sqlite_outbox(tmp_path)
+    outbox.create_tables()
+    small = KafkaTransport({"queue.buffering.max.kbytes": 512}, bootstrap_servers="127.0.0.1:9")
+    try:
+        assert (small.max_record_bytes, small.max_record_setting) == (524_288, "queue.buffering.max.kbytes")
+        with pytest.raises(ConfigurationError, match=r"at most 524288 bytes \(queue.buffering.max.kbytes\)"):
+            Relay(outbox, small)
+    finally:
+        small.close(0.1)
+    roomy = KafkaTransport({"queue.buffering.max.kbytes": 977}, bootstrap_servers="127.0.0.1:9")
+    try:  # 1,000,448 bytes of queue: message.max.bytes (1,000,000) decides, and the relay starts
+        assert (roomy.max_record_bytes, roomy.max_record_setting) == (1_000_000, "message.max.bytes")
+        Relay(outbox, roomy).close()
+    finally:
+        roomy.close(0.1)
+    from typer.testing import CliRunner
+
+    from outbox.cli import app
+
+    url = f"sqlite:///{tmp_path / 'limit.db'}"
+    refused = CliRunner().invoke(app, ["relay", "--db", url, "--bootstrap-servers", "127.0.0.1:9",
+                                       "-X", "queue.buffering.max.kbytes=512"])
+    assert refused.exit_code == 2, refused.output
+    assert "at most 524288 bytes (queue.buffering.max.kbytes)" in refused.output
+
+
 def test_init_db_stores_the_limit_and_a_smaller_producer_stops_the_relay_cli(tmp_path):
     from typer.testing import CliRunner
 

@@ -158,7 +158,8 @@ def relay(
         if not _wait_for_tables(outbox, latch.asked):
             return  # stopped before the database ever answered
         # Refused before the producer exists: it would start connecting, and logging, at once.
-        refuse_smaller_producer(KafkaTransport.max_record_bytes_for(settings), "message.max.bytes",
+        refuse_smaller_producer(KafkaTransport.max_record_bytes_for(settings),
+                                KafkaTransport.max_record_setting_for(settings),
                                 outbox.load_schema().max_record_bytes)
         transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
         worker = Relay(

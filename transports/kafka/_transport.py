@@ -129,6 +129,22 @@ FATAL_CHECK = 0.2  # seconds between looks at a fatal error while waiting for de
 ABANDON_WAIT = 2.0  # seconds to serve the reports of purged and refused records
 
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+LIBRDKAFKA_QUEUE_MAX_KBYTES = 1_048_576  # librdkafka's default queue.buffering.max.kbytes
+
+
+def record_limit(config: Mapping[str, Any]) -> tuple[int, str]:
+    """The largest record a producer of ``config`` sends, and the setting that decides it.
+
+    librdkafka refuses a record larger than ``message.max.bytes`` at produce() (counting key,
+    value, headers and a fixed per-record overhead), and never takes one whose value is larger
+    than its whole queue (``queue.buffering.max.kbytes``: produce() says the queue is full, and
+    it stays so for that record, ``_queue_full``). A queue set smaller decides.
+    """
+    message = int(config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
+    queue = int(config.get("queue.buffering.max.kbytes", LIBRDKAFKA_QUEUE_MAX_KBYTES)) * 1024
+    if queue < message:
+        return queue, "queue.buffering.max.kbytes"
+    return message, "message.max.bytes"
 
 DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
@@ -225,12 +241,13 @@ class KafkaTransport:
 
     @property
     def max_record_bytes(self) -> int:
-        """The largest record this producer sends: ``message.max.bytes`` (``max_request_size``).
+        """The largest record this producer sends (``record_limit``)."""
+        return record_limit(self._config)[0]
 
-        librdkafka refuses a larger record at produce(), counting key, value,
-        headers and a fixed per-record overhead.
-        """
-        return int(self._config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
+    @property
+    def max_record_setting(self) -> str:
+        """The setting that decides ``max_record_bytes`` (``record_limit``)."""
+        return record_limit(self._config)[1]
 
     @staticmethod
     def max_record_bytes_for(settings: Mapping[str, Any] | None = None, /, **kwargs: Any) -> int:
@@ -239,10 +256,12 @@ class KafkaTransport:
         For a command that must refuse a setting before a producer starts
         connecting (and logging).
         """
-        config = librdkafka_config(settings, **kwargs)
-        return int(config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
+        return record_limit(librdkafka_config(settings, **kwargs))[0]
 
-    max_record_setting = "message.max.bytes"
+    @staticmethod
+    def max_record_setting_for(settings: Mapping[str, Any] | None = None, /, **kwargs: Any) -> str:
+        """``max_record_setting`` of a transport built with these settings, without building it."""
+        return record_limit(librdkafka_config(settings, **kwargs))[1]
 
     # -- publishing ---------------------------------------------------------
 
