@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import ConfigurationError, create_engine
-from outbox.core._identity import database_identity, same_database, schema_identity
+from outbox.core._identity import database_identity, same_database, schema_identity, tables_identity
 
 
 def engines(*urls: str | sa.URL) -> list[sa.Engine]:
@@ -174,6 +174,28 @@ def test_a_sqlite_schema_is_the_file_attached_under_its_name(tmp_path: Path) -> 
     assert schema_identity(engine, None) != schema_identity(direct, None)
     assert schema_identity(engine, "globex") != schema_identity(create_engine(f"sqlite:///{tmp_path}/g.db"),
                                                                  "globex")
+    engine.dispose()
+
+
+def test_sqlite_folds_only_ascii_letters_in_table_and_schema_names(tmp_path: Path) -> None:
+    """SQLite compares names without case in ASCII only: ``\u212a_t`` (the Kelvin sign) and ``k_t``,
+    ``\u00c9_t`` and ``\u00e9_t`` are two tables to it, though Python's ``str.lower`` makes them one."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'home.db'}")
+
+    @sa.event.listens_for(engine, "connect")
+    def attach(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        dbapi_connection.execute(f"ATTACH DATABASE '{tmp_path / 'kx.db'}' AS kx")
+
+    with engine.begin() as conn:
+        for name in ("k_t", "\u212a_t", "\u00e9_t", "\u00c9_t"):
+            conn.exec_driver_sql(f'CREATE TABLE "{name}" (x INTEGER)')  # four tables: SQLite says so
+        with pytest.raises(sa.exc.OperationalError, match="already exists"):
+            conn.exec_driver_sql('CREATE TABLE "K_T" (x INTEGER)')  # ASCII: one name in any case
+    assert tables_identity(engine, None, "K_") == tables_identity(engine, "MAIN", "k_")
+    assert tables_identity(engine, None, "\u212a_") != tables_identity(engine, None, "k_")
+    assert tables_identity(engine, None, "\u00c9_") != tables_identity(engine, None, "\u00e9_")
+    assert schema_identity(engine, "KX") == schema_identity(engine, "kx")
+    assert schema_identity(engine, "\u212ax") != schema_identity(engine, "kx")  # no such database
     engine.dispose()
 
 

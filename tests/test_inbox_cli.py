@@ -222,6 +222,28 @@ def test_prefix_given_with_app_in_another_case_is_the_apps_where_the_database_sa
         sys.modules.pop(name, None)
 
 
+def test_prefix_given_with_app_that_sqlite_takes_for_another_is_refused(
+        sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite folds only ASCII letters: ``--prefix \u212a_`` (the Kelvin sign, which ``str.lower`` makes
+    ``k``) names other tables than an app's ``k_``; refused, not taken for the app's."""
+    name = f"cliapp_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=sqlite_db, topic="orders")
+                                         .replace('group="cli"', 'group="cli", prefix="k_"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    try:
+        module.inbox.create_tables()
+        cli, target = CliRunner(), f"{name}:inbox"
+        same = cli.invoke(app, ["parked", "list", "--app", target, "--prefix", "K_"])
+        assert same.exit_code == 0 and "no parked messages" in same.output, same.output
+        other = cli.invoke(app, ["parked", "list", "--app", target, "--prefix", "\u212a_"])
+        assert other.exit_code == 2, other.output
+        assert "differ from the app's tables" in " ".join(other.output.split())
+    finally:
+        module.inbox.engine.dispose()
+        sys.modules.pop(name, None)
+
+
 @pytest.mark.any_kafka
 @pytest.mark.parametrize("kind", INBOX_KINDS)
 def test_inbox_run_consumes_until_sigterm(sqlite_db: str, tmp_path: Path, any_kafka: str, topic: str,

@@ -31,7 +31,8 @@ database, the same schema" decision asks the server instead:
   engines never share one (a named shared-cache memory database is not
   recognised across engines).
 - A set of tables is its schema and its table prefix as the server compares
-  table names (``tables_identity``): SQLite in any case, MySQL and MariaDB as
+  table names (``tables_identity``): SQLite in any case of ASCII letters (it
+  folds no other: the Kelvin sign is not ``k`` there), MySQL and MariaDB as
   their schema names, PostgreSQL as given (a name with capitals is sent
   quoted, so ``OUT_`` and ``out_`` are two prefixes there).
 
@@ -58,6 +59,7 @@ from sqlalchemy.pool import Pool
 from ._errors import ConfigurationError
 from ._outage import first_line, is_database_outage
 from ._secrets import database_secrets, database_url, scrub
+from ._validation import folded
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +199,7 @@ def _facts_of(engine: Engine) -> _Facts:
     if found is not None:
         return found
     if engine.dialect.name == "sqlite":  # on the driver's connection (``_sqlite_file``)
-        facts = _Facts(_sqlite_file(engine, None), "main", str.lower)
+        facts = _Facts(_sqlite_file(engine, None), "main", folded)  # ASCII letters only, as SQLite
     else:
         with engine.connect() as conn:
             facts = _read(engine, conn)
@@ -260,8 +262,10 @@ def _sqlite_file(engine: Engine, schema: str | None) -> DatabaseIdentity:
         cursor.close()
     finally:
         raw.close()
-    wanted = "main" if schema is None else schema.lower()  # SQLite compares schema names without case
-    file = {str(name).lower(): str(file or "") for _, name, file in rows}.get(wanted)
+    # SQLite compares names without case in ASCII only (``folded``): not ``str.lower``, which makes the
+    # Kelvin sign a ``k`` and ``\u00c9`` an ``\u00e9``, names SQLite takes for others.
+    wanted = "main" if schema is None else folded(schema)
+    file = {folded(str(name)): str(file or "") for _, name, file in rows}.get(wanted)
     if not file:
         # In memory or temporary (its engine's own), or not attached (no table of it can be
         # reached: nobody's).
@@ -279,7 +283,7 @@ _sqlite_schemas: weakref.WeakKeyDictionary[Pool, dict[str, DatabaseIdentity]] = 
 
 def _sqlite_schema(engine: Engine, schema: str | None) -> DatabaseIdentity:
     """``_sqlite_file`` of ``schema``, once per pool: the files attached at connect stay."""
-    name = "main" if schema is None else schema.lower()
+    name = "main" if schema is None else folded(schema)
     with _lock:
         found = _sqlite_schemas.get(engine.pool, {}).get(name)
     if found is None:
