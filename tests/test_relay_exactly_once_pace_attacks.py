@@ -1,0 +1,591 @@
+"""Attacks on the exactly-once pace (``_exactly_once._pace``, ``ShardState.cap``): one shard's batch
+sent in several capped transactions, and the promises that must still hold.
+
+Most attacks force the cap (``forced_cap``: every shard's transactions carry at most ``CAP`` records,
+``_pace`` kept from moving it), so a batch spans several transactions on the session's broker in
+seconds, with no quota; the ones that need the broker's own slowness run under a
+``producer_byte_rate`` quota on a broker of their own (2 s quota window), as
+tests/test_relay_exactly_once_pace.py does.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import tenacity
+from _relay_helpers import drain, publish, rows, seqs_by_key, wait_for
+
+from outbox import Outbox, Relay, create_engine
+from outbox.relay._exactly_once import ExactlyOnce
+from outbox.testing import LocalKafka, create_topic, set_producer_quota
+from tests.conftest import own_local_kafka
+from transports import Record
+from transports.kafka import KafkaTransactionalProducer, KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = pytest.mark.kafka
+
+MESSAGE_ID = "outbox-message-id"
+CAP = 3
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+def copies(records: list[Record]) -> Counter[bytes]:
+    return Counter(dict(r.headers)[MESSAGE_ID] for r in records)
+
+
+def forced_cap(monkeypatch: pytest.MonkeyPatch, cap: int = CAP) -> list[list[int]]:
+    """Every shard's transactions carry at most ``cap`` records (the pace frozen there); the list of
+    the row counts each transaction carried, in order."""
+    real_send_shard = ExactlyOnce._send_shard
+    real_transaction = ExactlyOnce._transaction
+    carried: list[list[int]] = []
+
+    def send_shard(self: ExactlyOnce, shard: int, state: Any, *args: Any) -> None:
+        state.cap = cap
+        real_send_shard(self, shard, state, *args)
+
+    def transaction(self: ExactlyOnce, shard: int, state: Any, records: Any, ids: Any, todo: list[int],
+                    results: Any) -> Any:
+        carried.append([ids[i] for i in todo])
+        return real_transaction(self, shard, state, records, ids, todo, results)
+
+    monkeypatch.setattr(ExactlyOnce, "_send_shard", send_shard)
+    monkeypatch.setattr(ExactlyOnce, "_transaction", transaction)
+    monkeypatch.setattr(ExactlyOnce, "_pace", lambda *args, **kwargs: None)
+    return carried
+
+
+def relay(outbox: Outbox, kafka: str, progress_topic: str, worker_id: str, **kwargs: Any) -> Relay:
+    return Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                 progress_topic=progress_topic, lease_ttl=1.0, worker_id=worker_id, **kwargs)
+
+
+def assert_once_in_key_order(kafka: str, topic: str | list[str], expected: int,
+                             keys: dict[str, int] | None = None) -> list[Record]:
+    topics = [topic] if isinstance(topic, str) else topic
+    on_wire: list[Record] = []
+    for name in topics:
+        on_wire += read_topic(kafka, name, expected=expected // len(topics), settle=1.5,
+                              isolation="read_committed")
+    twice = {mid: n for mid, n in copies(on_wire).items() if n > 1}
+    assert twice == {}, f"{len(twice)} rows on the wire more than once"
+    assert len(on_wire) == expected
+    if keys is not None:
+        assert seqs_by_key(on_wire) == {k.encode(): list(range(1, n + 1)) for k, n in sorted(keys.items())}
+    return on_wire
+
+
+# -- 1. a relay killed inside a batch that spans several transactions ---------------------------
+
+KILL_POINTS = ("before-3rd", "3rd-open", "after-3rd", "after-last")
+"""Where the relay dies in its first batch of 12 rows (4 transactions of 3): before its 3rd
+transaction is sent (2 committed), with its 3rd produced and not committed (left open), right after
+its 3rd committed, after its last committed (nothing of the batch marked)."""
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_relay_killed_inside_a_capped_batch_leaves_a_progress_the_taker_reads_right(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str, point: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD (each point). A batch of 12 rows of 3 keys in 4 capped transactions; the relay dies
+    at ``point``, a second relay takes the shard over once the lease expired and drains: every row
+    on the wire once (read_committed), seq order per key, every row published, attempts 1."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    create_topic(kafka, topic, 2)
+    keys = [f"k{i % 3}" for i in range(12)]
+    publish(outbox, topic, keys)
+    with pytest.MonkeyPatch.context() as patch:
+        carried = forced_cap(patch)
+        first = relay(outbox, kafka, progress_topic, "first", batch_size=50)
+        real_transaction = ExactlyOnce._transaction  # the counting one
+        calls = 0
+
+        def dying(self: ExactlyOnce, *args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if point == "before-3rd" and calls == 3:
+                raise Killed
+            if point == "3rd-open" and calls == 3:
+                patch.setattr(KafkaTransactionalProducer, "_commit", lambda *a, **k: (_ for _ in ()).throw(Killed))
+            answer = real_transaction(self, *args)
+            if (point == "after-3rd" and calls == 3) or (point == "after-last" and calls == 4):
+                raise Killed
+            return answer
+
+        patch.setattr(ExactlyOnce, "_transaction", dying)
+        with pytest.raises(Killed):
+            wait_for(lambda: (first.run_once(), False)[1] or None, 30, "the kill")
+    assert all(len(c) <= CAP for c in carried), carried
+    assert rows(outbox, status="published") == []  # nothing of the batch marked
+    second = relay(outbox, kafka, progress_topic, "second")
+    drain(second, timeout=60)
+    second.close()
+    assert {r.status for r in rows(outbox)} == {"published"}
+    assert [r.attempts for r in rows(outbox)] == [1] * 12
+    assert_once_in_key_order(kafka, topic, 12, {"k0": 4, "k1": 4, "k2": 4})
+    engine.dispose()
+
+
+# -- 2. a record Kafka refuses for good inside a capped batch -----------------------------------
+
+def test_a_poison_record_in_a_later_capped_transaction_fails_alone_and_its_key_waits(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD. The topic takes 2,000 bytes at most; 8 rows of 4 keys, then a poison row of key k1
+    (8,000 random bytes), then 8 more rows: the poison is in the batch's 3rd transaction of 3 (its
+    request's other records refused with it: the isolating producer, capped too). It alone
+    fails, k1's later rows wait, every other row is published once, in key order."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    create_topic(kafka, topic, 1, config={"max.message.bytes": "2000"})
+    publish(outbox, topic, [f"k{i % 4}" for i in range(8)])
+    publish(outbox, topic, ["k1"], payload={"big": base64.b64encode(os.urandom(6000)).decode()})
+    publish(outbox, topic, [f"k{i % 4}" for i in range(8)])
+    carried = forced_cap(monkeypatch)
+    alerts: list[Any] = []
+    worker = relay(outbox, kafka, progress_topic, "solo", alert=alerts.append, backoff=tenacity.wait_fixed(0.2))
+    wait_for(lambda: (worker.run_once(), len(rows(outbox, status="published")) == 14)[1], 45,
+             "the other rows published")
+    time.sleep(1.0)
+    worker.run_once()
+    worker.close()
+    (failed,) = rows(outbox, status="failed")
+    assert failed.key == "k1" and "too large" in (failed.last_error or "").lower()
+    assert sorted(r.key for r in rows(outbox, status="pending")) == ["k1", "k1"]  # behind it, waiting
+    assert len(rows(outbox, status="published")) == 14
+    assert all(len(c) <= CAP for c in carried), carried
+    assert len(alerts) == 1
+    assert_once_in_key_order(kafka, topic, 14, {"k0": 4, "k1": 2, "k2": 4, "k3": 4})
+    engine.dispose()
+
+
+# -- 3. several shards, several topics whose names split a batch, and the cap -------------------
+
+@pytest.mark.slow
+def test_several_shards_and_long_named_topics_under_a_cap_keep_key_order_once(
+        sqlite_db: str, kafka: str, progress_topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD. 4 shards, 10 topics named 240 characters each (8 fit a transaction's topics header:
+    ``topics_fitting`` splits each shard's batch by topics, the cap of 2 then slices that), 6 keys
+    a topic, 5 rows a key published interleaved: every row once, in seq order per key."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    stem = uuid.uuid4().hex[:10]
+    topics = [f"{stem}-{n}-".ljust(240, "x") for n in range(10)]
+    for name in topics:
+        create_topic(kafka, name, 3)
+    for _ in range(5):
+        for name in topics:
+            publish(outbox, name, [f"{name[:14]}k{j}" for j in range(6)])
+    forced_cap(monkeypatch, 2)
+    worker = relay(outbox, kafka, progress_topic, "multi", batch_size=200)
+    drain(worker, timeout=120)
+    worker.close()
+    assert [r.attempts for r in rows(outbox)] == [1] * 300
+    assert_once_in_key_order(kafka, topics, 300,
+                             {f"{name[:14]}k{j}": 5 for name in topics for j in range(6)})
+    engine.dispose()
+
+
+# -- 4. a second relay fences the first between two of its capped transactions ------------------
+
+def test_a_relay_fenced_between_its_capped_transactions_sends_nothing_twice(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD. The first relay commits its batch's 1st transaction of 3 rows, then stalls; its lease
+    expires, a second relay takes the shard (fencing it, marking the 3 rows its progress names) and
+    drains; the first resumes its batch: its next transaction is fenced, nothing goes twice."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    create_topic(kafka, topic, 2)
+    keys = [f"k{i % 3}" for i in range(12)]
+    publish(outbox, topic, keys)
+    caplog.set_level(logging.INFO, logger="outbox")
+    carried = forced_cap(monkeypatch)
+    real_transaction = ExactlyOnce._transaction
+    stalled, resume = threading.Event(), threading.Event()
+    first = relay(outbox, kafka, progress_topic, "first")
+    mine = first._step._batch.exactly_once
+
+    def stalling(self: ExactlyOnce, *args: Any) -> Any:
+        answer = real_transaction(self, *args)
+        if self is mine and not stalled.is_set():
+            stalled.set()
+            resume.wait(90)
+        return answer
+
+    monkeypatch.setattr(ExactlyOnce, "_transaction", stalling)
+    outcome: list[Any] = []
+    worker = threading.Thread(target=lambda: outcome.append(first.run_once()), daemon=True)
+    worker.start()
+    assert stalled.wait(30)
+    second = relay(outbox, kafka, progress_topic, "second")
+    drain(second, timeout=60)
+    resume.set()
+    worker.join(90)
+    assert not worker.is_alive()
+    assert any("first's producer of shard 0 was fenced" in r.getMessage() for r in caplog.records)
+    assert len(carried[0]) == CAP
+    publish(outbox, topic, keys)
+    drain(second, timeout=30)
+    second.close()
+    first.close()
+    assert {r.status for r in rows(outbox)} == {"published"}
+    assert_once_in_key_order(kafka, topic, 24, {"k0": 8, "k1": 8, "k2": 8})
+    engine.dispose()
+
+
+# -- under a real quota: the broker's own slowness ----------------------------------------------
+
+RATE = 50_000
+"""Bytes a second the broker takes from the relay's producers."""
+TIMEOUT = 2.0
+"""Seconds a transaction may take (``EXACTLY_ONCE_TIMEOUT``, 30 s as shipped)."""
+GIVEN_UP = "the broker takes them too slowly"
+
+
+@pytest.fixture
+def quick_quotas() -> Iterator[LocalKafka]:
+    """A broker of the test's own whose quotas measure the rate over 2 s."""
+    yield from own_local_kafka({"quota.window.num": "2", "quota.window.size.seconds": "1"})
+
+
+def blobs(outbox: Outbox, topic: str, keys: list[str]) -> None:
+    """One row per key, 8 kB of random bytes each (compression cannot shrink them)."""
+    for key in keys:
+        publish(outbox, topic, [key], payload={"blob": base64.b64encode(os.urandom(6000)).decode()})
+
+
+class Running:
+    """A relay on a thread of its own."""
+
+    def __init__(self, relay: Relay, stop_timeout: float = 10.0) -> None:
+        self.relay = relay
+        self.thread = threading.Thread(target=lambda: relay.run(stop_timeout=stop_timeout), daemon=True)
+        self.thread.start()
+
+    def stop(self) -> float:
+        asked = time.monotonic()
+        self.relay.stop()
+        self.thread.join(60)
+        return time.monotonic() - asked
+
+
+def given_up(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if GIVEN_UP in r.getMessage()]
+
+
+def outages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "unreachable (" in r.getMessage()]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("timing")
+@pytest.mark.xfail(strict=False, reason="WEAKNESS (not a broken promise): under a byte-rate quota the broker answers "
+                   "at once and throttles the requests after, so a commit within a quarter of the deadline says "
+                   "nothing of the pace; the cap doubled at it overshoots and the next transaction is given up "
+                   "whole (a full deadline, 30 s as shipped, logged as a broker outage) at every burst")
+def test_under_a_lasting_quota_a_new_burst_gives_no_transaction_up_again(
+        sqlite_db: str, quick_quotas: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BROKE (efficiency, not a promise). The quota never lifts. Burst 1 (24 rows of 8 kB: 192 kB,
+    ~4 s of the rate, twice the 2 s deadline) is drained under the cap its given-up transactions set
+    (8 after it). 2.5 s later (the quota window forgot it), burst 2, the same: the broker is as slow
+    as it was, yet burst 2 gives 2 transactions up again (2 of 2 runs). Seen, run 1: burst 2's first
+    transaction of 8 committed in 0.34 s (< 2/4 s) and doubled the cap to 16; those 16 were given up
+    after 2 s with all acknowledged (the broker throttles after answering), then 8 given up, then
+    4s committed. Run 2: 12 committed in 1.0 s, then 8 and 4 given up (the throttle the 12 earned),
+    and burst 2's last commit, 2 records in 0.35 s (not filling the cap), lifted the cap to None:
+    the next burst starts with a whole-batch transaction again.
+    Each given-up transaction that was a batch's first is also logged as "broker unreachable (no
+    report in time)" and counted in outbox_relay_outages, though the broker acknowledged records.
+    Every row still goes out once in key order (asserted before the failing line)."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", TIMEOUT)
+    client = f"slow-relay-{uuid.uuid4().hex[:8]}"
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    kafka = quick_quotas.bootstrap
+    quick_quotas.create_topic(topic, 2)
+    set_producer_quota(kafka, client, RATE)
+    transport = KafkaTransport(bootstrap_servers=kafka, client_id=client)
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
+    caps: list[Any] = []
+    real_pace = ExactlyOnce._pace
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        caps.append((count, answer.outcome.name, round(took, 2), state.cap))
+
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    running = Running(relay)
+    try:
+        blobs(outbox, topic, [f"k{i % 4}" for i in range(24)])
+        wait_for(lambda: not rows(outbox, status="pending"), 60, "burst 1 published")
+        first = len(given_up(caplog))
+        cap_after_first = relay._step._batch.exactly_once._owned[0].cap
+        paced_first = list(caps)
+        time.sleep(2.5)  # the quota window forgets burst 1
+        blobs(outbox, topic, [f"k{i % 4}" for i in range(24)])
+        wait_for(lambda: not rows(outbox, status="pending"), 60, "burst 2 published")
+        second = len(given_up(caplog)) - first
+    finally:
+        running.stop()
+        transport.close()
+    print(f"burst 1: {first} given up, cap after it {cap_after_first}, transactions {paced_first}")
+    print(f"burst 2: {second} given up, transactions {caps[len(paced_first):]}")
+    print("outages logged:", outages(caplog))
+    assert first >= 1  # the quota slowed the broker enough to prove anything
+    assert_once_in_key_order(kafka, topic, 48, {f"k{i}": 12 for i in range(4)})
+    assert second == 0, (f"burst 2 gave {second} transaction(s) up again: the cap was lifted to "
+                         f"{cap_after_first} by burst 1's last, small commit")
+    engine.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("timing")
+def test_the_quota_lifted_mid_run_lifts_the_cap_and_the_rest_goes_in_few_transactions(
+        sqlite_db: str, quick_quotas: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD. The quota slows 60 rows of 8 kB; once a transaction was given up and some capped ones
+    committed, it is removed: the rest of the rows go out quickly, the cap grows back and lifts,
+    and 60 more rows then go in transactions of the whole batch."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", TIMEOUT)
+    client = f"slow-relay-{uuid.uuid4().hex[:8]}"
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    kafka = quick_quotas.bootstrap
+    quick_quotas.create_topic(topic, 2)
+    blobs(outbox, topic, [f"k{i % 4}" for i in range(60)])
+    set_producer_quota(kafka, client, RATE)
+    transport = KafkaTransport(bootstrap_servers=kafka, client_id=client)
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
+    sizes: list[tuple[int, str, Any]] = []
+    real_pace = ExactlyOnce._pace
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        sizes.append((count, answer.outcome.name, state.cap))
+
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    running = Running(relay)
+    try:
+        wait_for(lambda: given_up(caplog) and any(s[1] == "COMMITTED" for s in sizes), 60, "capped commits")
+        set_producer_quota(kafka, client, None)
+        lifted = len(sizes)
+        began = time.monotonic()
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "the rest published once lifted")
+        rest = time.monotonic() - began
+        cap = relay._step._batch.exactly_once._owned[0].cap
+        blobs(outbox, topic, [f"k{i % 4}" for i in range(60)])
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "60 more published")
+    finally:
+        running.stop()
+        transport.close()
+    print(f"transactions before the lift: {sizes[:lifted]}")
+    print(f"after: {sizes[lifted:]}; rest took {rest:.1f} s; cap after {cap}")
+    assert_once_in_key_order(kafka, topic, 120, {f"k{i}": 30 for i in range(4)})
+    assert cap is None
+    engine.dispose()
+
+
+# -- the tenant fleet, capped, killed before its marks ------------------------------------------
+
+def test_a_capped_fleet_killed_before_its_marks_sends_no_tenant_s_row_twice(
+        tmp_path: Any, kafka: str, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD. Three tenants of 4 shards, 24 rows each over 6 keys, transactions capped at 2 (a
+    shard's batch in several transactions, the shards' in parallel on the fleet's pool); the fleet
+    dies after every transaction committed, before any mark; a second fleet drains: every row once,
+    in key order, attempts 1 (the last progress of each shard named all its transactions' rows)."""
+    from outbox.tenants import Tenant, TenantRelay
+
+    names = ("acme", "globex", "initech")
+    outboxes = {}
+    for name in names:
+        ob = Outbox(create_engine(f"sqlite:///{tmp_path / name}.db"), shards=4)
+        ob.create_tables()
+        outboxes[name] = ob
+        publish(ob, topic, [f"{name}-k{i % 6}" for i in range(24)])
+    carried = forced_cap(monkeypatch, 2)
+    progress = f"{topic}-progress"
+
+    def fleet(worker_id: str) -> TenantRelay:
+        return TenantRelay([Tenant(n, database=str(outboxes[n].engine.url)) for n in names],
+                           lambda: KafkaTransport({"message.max.bytes": "1001000"}, bootstrap_servers=kafka),
+                           exactly_once=True, progress_topic=progress, lease_ttl=1.0, poll_interval=0.1,
+                           workers=1, worker_id=worker_id, batch_size=100)
+
+    first = fleet("first")
+    first.refresh()
+    first._workers.bind(0)
+
+    def die(plan: Any) -> Any:
+        raise Killed
+
+    for name in names:
+        step = first.relay_of(name)
+        assert step is not None
+        monkeypatch.setattr(step._batch, "_write", die)
+
+        def killed(step: Any = step) -> bool:
+            try:
+                step.run_once()
+            except Killed:
+                return True
+            return False
+
+        wait_for(killed, 30, f"{name}'s batch sent")
+    assert all(len(rows(ob, status="pending")) == 24 for ob in outboxes.values())
+    assert max(len(c) for c in carried) == 2 and len(carried) >= 36, carried
+    second = fleet("second")
+    try:
+        wait_for(lambda: (second.run_once(), not any(rows(ob, status="pending") for ob in outboxes.values()))[1],
+                 60, "every tenant's rows published")
+    finally:
+        second.close()
+    for ob in outboxes.values():
+        assert [r.attempts for r in rows(ob)] == [1] * 24
+    assert_once_in_key_order(kafka, topic, 72, {f"{n}-k{j}": 4 for n in names for j in range(6)})
+    for ob in outboxes.values():
+        ob.engine.dispose()  # type: ignore[union-attr]
+
+
+# -- a broker frozen while capped --------------------------------------------------------------
+
+@pytest.fixture
+def own_broker() -> Iterator[LocalKafka]:
+    yield from own_local_kafka()
+
+
+@pytest.mark.slow
+def test_a_broker_frozen_while_capped_then_thawed_publishes_everything_once_with_no_attempt(
+        sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD. A relay (2 s deadline) publishing a stream of rows; the broker is SIGSTOPped for 8 s and
+    thawed. Each transaction given up meanwhile halves the cap silently (nothing acknowledged); after
+    the thaw it grows back. Every row once, in key order, attempts 1; the cap lifts again."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", TIMEOUT)
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    kafka = own_broker.bootstrap
+    own_broker.create_topic(topic, 2)
+    transport = KafkaTransport(bootstrap_servers=kafka)
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
+    sizes: list[tuple[int, str, Any]] = []
+    real_pace = ExactlyOnce._pace
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        sizes.append((count, answer.outcome.name, state.cap))
+
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    running = Running(relay)
+    keys = [f"k{i % 4}" for i in range(200)]
+    try:
+        for n in range(0, 80, 10):
+            publish(outbox, topic, keys[n:n + 10])
+            time.sleep(0.1)
+        own_broker.freeze()
+        try:
+            for n in range(80, 160, 10):
+                publish(outbox, topic, keys[n:n + 10])
+                time.sleep(1.0)
+        finally:
+            own_broker.thaw()
+        thawed = len(sizes)
+        publish(outbox, topic, keys[160:])
+        wait_for(lambda: not rows(outbox, status="pending"), 60, "every row published after the thaw")
+        cap = relay._step._batch.exactly_once._owned[0].cap
+    finally:
+        running.stop()
+        transport.close()
+    print(f"during the freeze: {sizes[:thawed]}")
+    print(f"after: {sizes[thawed:]}; cap {cap}")
+    assert [r.attempts for r in rows(outbox)] == [1] * 200
+    assert_once_in_key_order(kafka, topic, 200, {f"k{i}": 50 for i in range(4)})
+    engine.dispose()
+
+
+# -- a stop while capped -----------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("timing")
+def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
+        sqlite_db: str, quick_quotas: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD (the bound), with a caveat. Deadline 6 s, stop bound 3 s (the shipped ratio: 30 s and 10 s). Under the quota a batch is
+    capped; the stop is asked right after a capped commit. ``run`` returns within its bound; a second
+    relay (quota gone) drains: every row once, in key order, attempts 1. Printed: the transactions
+    the capped batch began after the stop (it does not look at the stop between them)."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", 6.0)
+    client = f"slow-relay-{uuid.uuid4().hex[:8]}"
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    kafka = quick_quotas.bootstrap
+    quick_quotas.create_topic(topic, 2)
+    blobs(outbox, topic, [f"k{i % 4}" for i in range(80)])
+    set_producer_quota(kafka, client, RATE)
+    transport = KafkaTransport(bootstrap_servers=kafka, client_id=client)
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05,
+                  lease_ttl=2.0, worker_id="stopped")
+    began: list[tuple[float, int]] = []
+    commits: list[float] = []
+    real_transaction = ExactlyOnce._transaction
+    real_pace = ExactlyOnce._pace
+
+    def transaction(self: ExactlyOnce, shard: int, state: Any, records: Any, ids: Any, todo: list[int],
+                    results: Any) -> Any:
+        began.append((time.monotonic(), len(todo)))
+        return real_transaction(self, shard, state, records, ids, todo, results)
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        if answer.outcome.name == "COMMITTED" and state.cap is not None:
+            commits.append(time.monotonic())
+
+    monkeypatch.setattr(ExactlyOnce, "_transaction", transaction)
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    running = Running(relay, stop_timeout=3.0)
+    wait_for(lambda: commits, 60, "a capped commit")
+    asked = time.monotonic()
+    took = running.stop()
+    after = [(round(t - asked, 1), n) for t, n in began if t > asked]
+    time.sleep(8)  # whatever the left-behind batch still does
+    later = [(round(t - asked, 1), n) for t, n in began if t > asked]
+    transport.close()
+    left = [r.getMessage() for r in caplog.records if "left" in r.getMessage() or "did not" in r.getMessage()]
+    print(f"run returned {took:.1f} s after the stop; transactions begun after it: {after} "
+          f"(within 8 s more: {later}); {left}")
+    set_producer_quota(kafka, client, None)
+    second = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                   progress_topic=progress_topic, lease_ttl=2.0, worker_id="second")
+    drain(second, timeout=60)
+    second.close()
+    assert took < 3.0 + 2.0
+    assert [r.attempts for r in rows(outbox)] == [1] * 80
+    assert_once_in_key_order(kafka, topic, 80, {f"k{i}": 20 for i in range(4)})
+    engine.dispose()
