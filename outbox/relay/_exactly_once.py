@@ -100,6 +100,10 @@ ROUNDS = 8
 PACE_GROWS_BELOW = 4
 """A shard's capped transactions grow again after a commit within 1/4 of the deadline (``_pace``)."""
 
+PACE_HOLD = 1
+"""Deadlines after a transaction given up with records acknowledged before its shard's cap may grow
+(30 s as shipped: longer than a Kafka quota's window, 11 s by default)."""
+
 
 def exactly_once_transport(transport: Transport) -> Transactions:
     """``transport`` if it offers transactions (``TransportFeatures.transactions``); else one clear error."""
@@ -420,18 +424,27 @@ class ExactlyOnce:
         deadline allows. Sent again as it was it would time out again, forever, counted as an
         outage and never as an attempt. So each one given up halves the shard's next ones (to
         half of what the broker acknowledged of it, when it acknowledged some; the batch's other
-        rows go in the transactions after, in order). A commit within a quarter of the deadline
-        doubles the cap if it filled it, and lifts it if it did not; a slower commit keeps it (a
-        cap doubled at every commit grew back into the deadline within the same batch). A broker
-        that answered nothing is an outage: logged as one by the relay, the cap halved silently.
+        rows go in the transactions after, in order).
+
+        The cap grows back only by doubling at a commit that filled it within a quarter of the
+        deadline, and not for a deadline (``PACE_HOLD``) after a transaction given up with records
+        acknowledged: a broker throttled by a quota answers a request at once and holds back the
+        ones after it, so one quick commit says little about its pace (doubled at once, the cap
+        grew back into the deadline). A small commit leaves it as it is: the next burst of rows
+        starts capped. A broker that answered nothing is an outage (logged as one by the relay):
+        the cap is halved silently and may grow again at once once the broker is back.
         """
+        now = time.monotonic()
         if answer.outcome is TransactionOutcome.COMMITTED:
-            if state.cap is not None and took < self._timeout / PACE_GROWS_BELOW:
-                state.cap = state.cap * 2 if count >= state.cap else None
+            if (state.cap is not None and count >= state.cap and took < self._timeout / PACE_GROWS_BELOW
+                    and now >= state.cap_held_until):
+                state.cap *= 2
             return
         if answer.outcome is TransactionOutcome.FENCED or not all(
                 r.outcome is Outcome.RETRY and r.unreachable for r in answer.results):
             return
+        if answer.answered:
+            state.cap_held_until = now + PACE_HOLD * self._timeout
         cap = max(1, min(answer.answered or count, count) // 2)
         if state.cap is not None and cap >= state.cap:
             return

@@ -66,7 +66,8 @@ class ShardState:
     unmarked: set[int] = field(default_factory=set)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
     stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
-    cap: int | None = None  # the most records a transaction carries while the broker is slow (``paced``)
+    cap: int | None = None  # the most records a transaction carries while the broker is slow (``_pace``)
+    cap_held_until: float = 0.0  # the cap does not grow before then (monotonic; ``_pace``)
 
     def close(self) -> None:
         """Close its producer, if any (a shard dropped: its take-over's producer once made)."""
