@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -165,7 +166,7 @@ def test_a_sqlite_schema_is_the_file_attached_under_its_name(tmp_path: Path) -> 
     engine = create_engine(f"sqlite:///{tmp_path / 'home.db'}")
 
     @sa.event.listens_for(engine, "connect")
-    def attach(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+    def attach(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.execute(f"ATTACH DATABASE '{tmp_path / 'acme.db'}' AS Tenant_Acme")
 
     (direct,) = engines(f"sqlite:///{tmp_path}/./acme.db")
@@ -183,7 +184,7 @@ def test_sqlite_folds_only_ascii_letters_in_table_and_schema_names(tmp_path: Pat
     engine = create_engine(f"sqlite:///{tmp_path / 'home.db'}")
 
     @sa.event.listens_for(engine, "connect")
-    def attach(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+    def attach(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.execute(f"ATTACH DATABASE '{tmp_path / 'kx.db'}' AS kx")
 
     with engine.begin() as conn:

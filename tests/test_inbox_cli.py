@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -172,18 +174,33 @@ def test_bad_targets_and_options_are_named(app_module, sqlite_db: str) -> None: 
     assert nothing.exit_code == 2 and "--db and --group" in nothing.output
 
 
+@contextmanager
+def cli_app(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            prefix: str | None = None) -> Iterator[str]:
+    """An app module of ``APP_MODULE`` on ``db_url`` (its inbox's tables made, of ``prefix``); its
+    ``--app`` target. Disposed and forgotten after."""
+    name = f"cliapp_{uuid.uuid4().hex[:8]}"
+    source = APP_MODULE.format(db=db_url, topic="orders")
+    if prefix is not None:
+        source = source.replace('group="cli"', f'group="cli", prefix="{prefix}"')
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    try:
+        module.inbox.create_tables()
+        yield f"{name}:inbox"
+    finally:
+        module.inbox.engine.dispose()
+        sys.modules.pop(name, None)
+
+
 def test_schema_given_with_app_is_the_apps_when_the_server_says_so(
         db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--schema`` beside ``--app`` names the app's tables by what the database says, not by spelling:
     the app's ``schema=None`` is the default schema by name (``public``; ``main`` on SQLite). SQLite takes
     a schema's name in any case; PostgreSQL's ``PUBLIC`` (sent quoted) is another schema, refused."""
-    name = f"cliapp_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=db_url, topic="orders"))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module(name)
-    try:
-        module.inbox.create_tables()
-        cli, target = CliRunner(), f"{name}:inbox"
+    with cli_app(db_url, tmp_path, monkeypatch) as target:
+        cli = CliRunner()
         default = "main" if db_url.startswith("sqlite") else "public"
         same = [default, default.upper()] if db_url.startswith("sqlite") else [default]
         for schema in same:
@@ -196,52 +213,31 @@ def test_schema_given_with_app_is_the_apps_when_the_server_says_so(
             assert "differ from the app's tables" in " ".join(other.output.split())
         prefix = cli.invoke(app, ["parked", "list", "--app", target, "--prefix", "x_"])
         assert prefix.exit_code == 2 and "differ from the app's tables" in " ".join(prefix.output.split())
-    finally:
-        module.inbox.engine.dispose()
-        sys.modules.pop(name, None)
 
 
 def test_prefix_given_with_app_in_another_case_is_the_apps_where_the_database_says_so(
         db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLite takes a table name in any case: ``--prefix OUT_`` names an app's ``out_`` tables there.
     On PostgreSQL ``OUT_outbox_messages`` (sent quoted) is another table: refused."""
-    name = f"cliapp_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=db_url, topic="orders")
-                                         .replace('group="cli"', 'group="cli", prefix="out_"'))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module(name)
-    try:
-        module.inbox.create_tables()
-        listed = CliRunner().invoke(app, ["parked", "list", "--app", f"{name}:inbox", "--prefix", "OUT_"])
-        if db_url.startswith("sqlite"):
-            assert listed.exit_code == 0 and "no parked messages" in listed.output, listed.output
-        else:
-            assert listed.exit_code == 2 and "differ from the app's tables" in " ".join(listed.output.split())
-    finally:
-        module.inbox.engine.dispose()
-        sys.modules.pop(name, None)
+    with cli_app(db_url, tmp_path, monkeypatch, prefix="out_") as target:
+        listed = CliRunner().invoke(app, ["parked", "list", "--app", target, "--prefix", "OUT_"])
+    if db_url.startswith("sqlite"):
+        assert listed.exit_code == 0 and "no parked messages" in listed.output, listed.output
+    else:
+        assert listed.exit_code == 2 and "differ from the app's tables" in " ".join(listed.output.split())
 
 
 def test_prefix_given_with_app_that_sqlite_takes_for_another_is_refused(
         sqlite_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLite folds only ASCII letters: ``--prefix \u212a_`` (the Kelvin sign, which ``str.lower`` makes
     ``k``) names other tables than an app's ``k_``; refused, not taken for the app's."""
-    name = f"cliapp_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(APP_MODULE.format(db=sqlite_db, topic="orders")
-                                         .replace('group="cli"', 'group="cli", prefix="k_"'))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module(name)
-    try:
-        module.inbox.create_tables()
-        cli, target = CliRunner(), f"{name}:inbox"
+    with cli_app(sqlite_db, tmp_path, monkeypatch, prefix="k_") as target:
+        cli = CliRunner()
         same = cli.invoke(app, ["parked", "list", "--app", target, "--prefix", "K_"])
         assert same.exit_code == 0 and "no parked messages" in same.output, same.output
         other = cli.invoke(app, ["parked", "list", "--app", target, "--prefix", "\u212a_"])
         assert other.exit_code == 2, other.output
         assert "differ from the app's tables" in " ".join(other.output.split())
-    finally:
-        module.inbox.engine.dispose()
-        sys.modules.pop(name, None)
 
 
 @pytest.mark.any_kafka
