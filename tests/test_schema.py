@@ -130,7 +130,7 @@ TESTING_API = [
     "delete_topic", "docker_engine_answers", "free_port", "fresh_database", "fresh_mysql_database",
     "kafka_bootstrap", "kafka_connect", "local_kafka", "local_mariadb", "local_postgres",
     "local_postgres_server", "logical_postgres_url", "mariadb_binaries", "mysql_url", "postgres_bindir",
-    "postgres_url", "wait_until_bound",
+    "postgres_url", "set_producer_quota", "wait_until_bound",
 ]
 
 
