@@ -203,6 +203,49 @@ def test_a_record_kafka_refuses_fails_alone_and_the_rest_of_its_transaction_is_p
     assert seqs_by_key(on_wire) == {k.encode(): list(range(1, 6)) for k in sorted(set(keys))}
 
 
+def test_the_rest_of_a_transaction_aborted_by_one_refused_record_goes_on_a_new_producer(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record refused alone in its request (the only one of its topic) aborts its transaction; the
+    rest is sent again on a new producer of the shard's id, never on the aborted one: a request of
+    that transaction purged in flight could still reach the broker late and, with the old producer's
+    epoch, be appended to its next transaction and commit with it (``_abort``, the pace attacks).
+    The aborted producer was kept here; each abort by a refusal now makes one anew."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)  # one shard: each transaction follows the one before it
+    outbox.create_tables()
+    poisoned = f"{topic}-small"
+    create_topic(kafka, poisoned, 1, config={"max.message.bytes": "2000"})
+    create_topic(kafka, topic, 3)
+    keys = [f"k{i % 6}" for i in range(12)]
+    publish(outbox, topic, keys)
+    publish(outbox, poisoned, ["poison"], payload={"big": base64.b64encode(os.urandom(6000)).decode()})
+    used: list[tuple[Any, bool]] = []  # each transaction's producer (kept alive: compared by identity)
+    worker = relay(outbox, kafka, True, progress_topic)
+    sending = worker._step._batch.exactly_once
+    assert sending is not None
+    real = sending._transaction
+
+    def transaction(shard: int, state: Any, *args: Any) -> Any:
+        producer = state.producer
+        refused = real(shard, state, *args)
+        used.append((producer, bool(refused)))
+        return refused
+
+    monkeypatch.setattr(sending, "_transaction", transaction)
+    wait_for(lambda: (worker.run_once(), len(rows(outbox, status="published")) == 12)[1], 30,
+             "the other rows published")
+    worker.close()
+    assert [r.key for r in rows(outbox, status="failed")] == ["poison"]
+    aborted = [i for i, (_, refused) in enumerate(used) if refused]
+    assert aborted, f"no transaction was aborted by a refusal: {used}"
+    for i in aborted:
+        assert i + 1 < len(used) and used[i + 1][0] is not used[i][0], (
+            f"transaction {i + 1} of {len(used)} ran on the producer whose transaction a refusal aborted")
+    on_wire = read_topic(kafka, topic, expected=12, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 12 and max(copies(on_wire).values()) == 1
+    engine.dispose()
+
+
 def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox, kafka: str) -> None:
     from kafka import KafkaProducer
 

@@ -24,7 +24,6 @@ from _relay_helpers import drain, drain_pipelined, publish, rows, seqs_by_key, s
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
-from outbox.relay import _step as step_module
 from outbox.testing import LocalKafka, LocalPostgres, create_topic
 from transports import Record, TransactionResult
 from transports.kafka import KafkaTransport
@@ -444,15 +443,15 @@ def test_a_broker_that_stops_answering_between_a_commit_and_its_read_back_gets_n
     traceback, the shard kept its producer, and the next batch sent the committed rows again in a new
     transaction of that producer (twice on the wire, nothing lost). It is an unknown outcome, settled by
     a new producer of the id and the progress read: every row once."""
-    monkeypatch.setattr(step_module, "EXACTLY_ONCE_TIMEOUT", 6.0)  # the read back waits this long
     engine = create_engine(sqlite_db)
     ob = Outbox(engine, shards=1)
     ob.create_tables()
     keys = [f"k{i % 3}" for i in range(12)]
     publish(ob, topic, keys)
     # A lease that outlives the freeze: a lease taken afresh would make a new producer anyway.
-    worker = Relay(ob, KafkaTransport(bootstrap_servers=own_kafka.bootstrap), exactly_once=True,
-                   progress_topic=progress_topic, lease_ttl=60.0, worker_id="w")
+    # delivery_timeout: the read back waits this long.
+    worker = Relay(ob, KafkaTransport(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=6.0),
+                   exactly_once=True, progress_topic=progress_topic, lease_ttl=60.0, worker_id="w")
     eo = worker._step._batch.exactly_once
     assert eo is not None
     transactions = eo._transactions

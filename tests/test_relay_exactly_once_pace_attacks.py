@@ -260,7 +260,7 @@ def test_a_relay_fenced_between_its_capped_transactions_sends_nothing_twice(
 RATE = 50_000
 """Bytes a second the broker takes from the relay's producers."""
 TIMEOUT = 2.0
-"""Seconds a transaction may take (``EXACTLY_ONCE_TIMEOUT``, 30 s as shipped)."""
+"""Seconds a transaction may take (the transport's ``delivery_timeout``, 30 s by default)."""
 GIVEN_UP = "the broker takes them too slowly"
 
 
@@ -294,21 +294,22 @@ class Running:
 class Throttled(KafkaTransport):
     """A transport whose producers' ``client.id`` is its own, for a quota on it."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, delivery_timeout: float) -> None:
         self.client_id = f"slow-relay-{uuid.uuid4().hex[:8]}"
-        super().__init__(bootstrap_servers=bootstrap, client_id=self.client_id)
+        super().__init__(bootstrap_servers=bootstrap, client_id=self.client_id,
+                         delivery_timeout=delivery_timeout)
 
 
 def throttled(sqlite_db: str, broker: LocalKafka, topic: str, progress_topic: str, count: int,
-              **relay_settings: Any) -> tuple[Any, Outbox, Throttled, Relay]:
+              timeout: float = TIMEOUT, **relay_settings: Any) -> tuple[Any, Outbox, Throttled, Relay]:
     """One shard's outbox with ``count`` rows of 8 kB over 4 keys, and an exactly-once relay whose
-    producers the broker holds to ``RATE`` bytes a second."""
+    producers the broker holds to ``RATE`` bytes a second (``timeout``: a transaction's deadline)."""
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
     broker.create_topic(topic, 2)
     blobs(outbox, topic, [f"k{i % 4}" for i in range(count)])
-    transport = Throttled(broker.bootstrap)
+    transport = Throttled(broker.bootstrap, timeout)
     set_producer_quota(broker.bootstrap, transport.client_id, RATE)
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05,
                   **relay_settings)
@@ -346,7 +347,6 @@ def test_the_quota_lifted_mid_run_lifts_the_cap_and_the_rest_goes_in_few_transac
     each quick commit that filled it, once a deadline passed since the last one given up: at least
     four times its smallest by the end of 60 more rows)."""
     caplog.set_level(logging.INFO, logger="outbox")
-    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", TIMEOUT)
     engine, outbox, transport, relay = throttled(sqlite_db, quick_quotas, topic, progress_topic, 60)
     kafka, client = quick_quotas.bootstrap, transport.client_id
     sizes = recorded_pace(monkeypatch)
@@ -450,13 +450,12 @@ def test_a_broker_frozen_while_capped_then_thawed_publishes_everything_once_with
     thawed. Each transaction given up meanwhile halves the cap silently (nothing acknowledged); after
     the thaw it grows back. Every row once, in key order, attempts 1; the cap lifts again."""
     caplog.set_level(logging.INFO, logger="outbox")
-    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", TIMEOUT)
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
     kafka = own_broker.bootstrap
     own_broker.create_topic(topic, 2)
-    transport = KafkaTransport(bootstrap_servers=kafka)
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=TIMEOUT)
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
     sizes = recorded_pace(monkeypatch)
     running = Running(relay)
@@ -494,9 +493,10 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
         sqlite_db: str, quick_quotas: LocalKafka, topic: str, progress_topic: str,
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Deadline 6 s, stop bound 3 s (the shipped ratio: 30 s and 10 s). Under the quota a batch is
-    capped; the stop is asked right after a capped commit. ``run`` returns within its bound; a second
-    relay (quota gone) drains: every row once, in key order, attempts 1. Printed: the transactions
-    the capped batch began after the stop (it does not look at the stop between them).
+    capped; the stop is asked right after a capped commit. ``run`` returns within its bound and the
+    capped batch begins no transaction after the stop (it began one 1.8 s after it, and more, before
+    it looked at the stop); a second relay (quota gone) drains: every row once, in key order,
+    attempts 1.
 
     It put 7 rows on the wire twice in 2 of 3 runs: a transaction given up with 23 of its 30 records
     acknowledged had the other 7 purged in flight and aborted; the request, held in a connection
@@ -504,8 +504,7 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
     transaction, committed with it, and the taker sent those rows again. A transaction aborted with
     records purged in flight now ends its producer (a new one bumps the epoch): 3 of 3 runs held."""
     caplog.set_level(logging.INFO, logger="outbox")
-    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", 6.0)
-    engine, outbox, transport, relay = throttled(sqlite_db, quick_quotas, topic, progress_topic, 80,
+    engine, outbox, transport, relay = throttled(sqlite_db, quick_quotas, topic, progress_topic, 80, 6.0,
                                                  lease_ttl=2.0, worker_id="stopped")
     kafka, client = quick_quotas.bootstrap, transport.client_id
     began: list[tuple[float, int]] = []
@@ -544,6 +543,9 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
     drain(second, timeout=60)
     second.close()
     assert took < 3.0 + 2.0
+    # A transaction that passed the look at the stop just before it was asked is recorded a moment
+    # later: 0.5 s of slack, far below one capped transaction under the quota.
+    assert [(t, n) for t, n in later if t >= 0.5] == [], f"transactions begun after the stop: {later}"
     assert [r.attempts for r in rows(outbox)] == [1] * 80
     assert_once_in_key_order(kafka, topic, 80, {f"k{i}": 20 for i in range(4)})
     engine.dispose()

@@ -17,9 +17,9 @@ from transports.kafka import KafkaTransport
 
 
 def step(sharing: Sharing | None, progress_topic: str) -> ExactlyOnce:
-    return ExactlyOnce(KafkaTransport(bootstrap_servers="127.0.0.1:1"), incarnation="inc", worker_id="w",
-                       shards=2, progress_topic=progress_topic, mark=lambda *_: True,
-                       confirm=lambda *_: True, timeout=1.0, sharing=sharing)
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:1", delivery_timeout=1.0)
+    return ExactlyOnce(transport, incarnation="inc", worker_id="w", shards=2, progress_topic=progress_topic,
+                       mark=lambda *_: True, confirm=lambda *_: True, sharing=sharing)
 
 
 def test_a_row_to_the_relays_progress_topic_fails_alone_and_is_not_sent() -> None:

@@ -37,7 +37,6 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
         caplog: pytest.LogCaptureFixture) -> None:
     """Without the read-back each of the batch's rows is on the wire twice (the take-over sent them
     again); with it each is there once, every row published, the take-over's count logged."""
-    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", 10.0)
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
@@ -61,7 +60,7 @@ def test_a_batch_whose_commit_the_broker_split_is_neither_sent_twice_nor_lost(
 
     keys = [f"k{i % 3}" for i in range(9)]
     publish(outbox, data, keys)
-    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
     # Every broker knows the progress topic (one that does not yet answers the relay's look at its
     # configuration with UNKNOWN_TOPIC_OR_PART, an outage the relay waits out), so that the relay's
     # first transaction is the one whose commit is split.

@@ -67,14 +67,13 @@ def test_a_take_over_held_at_a_foreign_open_transaction_holds_only_its_own_shard
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The held read gives up after its timeout (5 s here) and is tried again at later batches,
     logged once; the other shards publish meanwhile; the held shard catches up once in order."""
-    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", 5.0)
     progress_topic = f"{topic}-progress"
     held = 0
     keys = keys_by_shard(2)
     order = [k for _ in range(5) for shard in range(SHARDS) for k in keys[shard]]  # 5 rows a key
     publish(outbox, topic, order)
     held_keys = set(keys[held])
-    transport = KafkaTransport(bootstrap_servers=kafka)
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
     transport.ensure_compacted_topic(progress_topic, SHARDS, 30)
     foreign = open_foreign_transaction(kafka, progress_topic, held)
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")

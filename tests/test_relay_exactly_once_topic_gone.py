@@ -31,7 +31,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 def test_a_shard_whose_cut_transaction_named_a_topic_deleted_since_is_taken_over_and_flows(
         kafka: str, sqlite_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("outbox.relay._step.EXACTLY_ONCE_TIMEOUT", 5.0)
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
@@ -39,7 +38,7 @@ def test_a_shard_whose_cut_transaction_named_a_topic_deleted_since_is_taken_over
     admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
     make(admin, gone, 1)
     make(admin, alive, 1)
-    transport = KafkaTransport(bootstrap_servers=kafka)
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
     real = transport.transactional
     outcomes: list[TransactionOutcome] = []
     made: list[Any] = []

@@ -214,6 +214,13 @@ class TransactionalProducer(Protocol):
 class Transactions(Protocol):
     """What a transport with ``TransportFeatures.transactions`` offers besides ``publish``."""
 
+    @property
+    def transaction_timeout(self) -> float:
+        """Seconds a transaction, and each broker call around one (fencing, reading progress back),
+        may take before it is given up: the user's knob for a broker slower than the default
+        (``KafkaTransport``: its ``delivery_timeout``)."""
+        ...
+
     def transactional(self, transactional_id: str, timeout: float, *,
                       one_per_request: bool = False) -> TransactionalProducer:
         """A producer of ``transactional_id``, every older one fenced; raises

@@ -96,6 +96,10 @@ def relay(
     exactly_once: bool = typer.Option(
         False, "--exactly-once", help="Each shard's batch one Kafka transaction: no crash or zombie relay "
                                       "sends a record twice to read_committed consumers (docs/relay.md)."),
+    delivery_timeout: float = typer.Option(
+        30.0, min=0.1, help="Seconds the relay waits for the broker to take a batch (with --exactly-once: "
+                            "a transaction) before it gives it up and sends it again: raise it for a "
+                            "broker slower than that (docs/relay.md)."),
     progress_topic: str = typer.Option(
         DEFAULT_PROGRESS_TOPIC, help="With --exactly-once: the compacted topic of the shards' progress "
                                      "records (created if missing)."),
@@ -148,7 +152,7 @@ def relay(
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
             metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
             tenant_labels=tenant_labels, exactly_once=exactly_once, progress_topic=progress_topic,
-            transaction_pooled=transaction_pooled)
+            transaction_pooled=transaction_pooled, delivery_timeout=delivery_timeout)
         return
     elif tenant_header is not None:
         raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")
@@ -161,7 +165,8 @@ def relay(
         refuse_smaller_producer(KafkaTransport.max_record_bytes_for(settings),
                                 KafkaTransport.max_record_setting_for(settings),
                                 outbox.load_schema().max_record_bytes)
-        transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
+        transport = KafkaTransport(settings, bootstrap_servers=bootstrap_servers,
+                                   delivery_timeout=delivery_timeout)
         worker = Relay(
             outbox, transport, worker_id=worker_id,
             batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
@@ -202,7 +207,8 @@ TENANT_HEADER_ROOM = 256
 def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict[str, str],
                    bootstrap_servers: str, *, workers: int, producers: int, prefix: str, webhook: str | None,
                    metrics_port: int | None, metrics_host: str, retention: timedelta | None, every: float,
-                   tenant_labels: int, transaction_pooled: bool, **tuning: Any) -> None:
+                   tenant_labels: int, transaction_pooled: bool, delivery_timeout: float,
+                   **tuning: Any) -> None:
     """``outbox relay --tenants``: one ``TenantRelay`` for every tenant of ``spec`` (docs/tenants.md).
 
     Unless ``message.max.bytes`` is given, the producers allow the default
@@ -228,7 +234,8 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         engine = create_engine(db, pool_size=2 * workers + 2, max_overflow=0,
                                **pooled_options(db, transaction_pooled))
         def producer() -> KafkaTransport:
-            return KafkaTransport(settings, bootstrap_servers=bootstrap_servers)
+            return KafkaTransport(settings, bootstrap_servers=bootstrap_servers,
+                                  delivery_timeout=delivery_timeout)
         fleet = TenantRelay(
             parse_tenants(spec, engine), producer, database=engine, workers=workers, producers=producers,
             tenant_header=tenant_header, prefix=prefix,

@@ -25,15 +25,16 @@ docs/guarantees.md "Exactly once on the wire"):
   committed they are named in every later progress record of the shard and
   never sent again;
 - a record the broker refuses for good aborts its transaction: the shard's
-  batch is sent again without it (and without its key's later rows), so it
-  alone fails; a transaction that cannot commit for want of the broker is
-  aborted and its rows retried as in an outage; one given up at its deadline
-  though the broker acknowledged some of its records was too big for the
-  broker's pace, and the shard's next transactions are smaller (``_pace``);
-  a producer fenced by a newer
-  one gives up its batch (its rows are not marked); a commit
-  whose answer never came is settled by a new producer of the id and the read
-  of the progress, as on a take-over;
+  batch is sent again without it (and without its key's later rows), on a new
+  producer of the id (a request of the aborted one, purged in flight, could
+  still land in its next transaction), so it alone fails; a transaction that
+  cannot commit for want of the broker is aborted and its rows retried as in
+  an outage; one given up at its deadline though the broker acknowledged some
+  of its records was too big for the broker's pace, and the shard's next
+  transactions are smaller (``_pace``), begun until the deadline or a stop;
+  a producer fenced by a newer one gives up its batch (its rows are not
+  marked); a commit whose answer never came is settled by a new producer of
+  the id and the read of the progress, as on a take-over;
 - no producer of a shard is made unless the lease, confirmed in the database
   around it, is still this relay's at its epoch, and the progress is read
   again after each (``_shard_producer``): a relay that lost its lease without
@@ -86,9 +87,6 @@ log = safe_logger("outbox.relay")
 DEFAULT_PROGRESS_TOPIC = "outbox-progress"
 """The compacted topic of the shards' progress records, created by the relay if missing."""
 
-EXACTLY_ONCE_TIMEOUT = 30.0
-"""Seconds each broker call of the mode may take (a commit, fencing a shard, reading its progress)."""
-
 FENCING_THREADS = 8
 """Half the relay's threads for its shards (``_threads``): shards taken over are fenced and their
 progress read on them in parallel, a batch's shards' transactions run on them."""
@@ -102,7 +100,8 @@ PACE_GROWS_BELOW = 4
 
 PACE_HOLD = 1
 """Deadlines after a transaction given up with records acknowledged before its shard's cap may grow
-(30 s as shipped: longer than a Kafka quota's window, 11 s by default)."""
+(30 s with ``KafkaTransport``'s default ``delivery_timeout``: longer than a Kafka quota's window,
+11 s by default)."""
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
@@ -119,20 +118,24 @@ class ExactlyOnce:
 
     ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
     transaction of its own, and says whether the lease still held; ``confirm(shard,
-    epoch)`` renews one lease and says whether it held (``Leases.confirm``);
-    ``timeout`` bounds each broker call (the transport's delivery timeout).
+    epoch)`` renews one lease and says whether it held (``Leases.confirm``).
+    Each transaction and each broker call around one (fencing, reading the
+    progress back) is bounded by the transport's ``transaction_timeout``
+    (``KafkaTransport``'s ``delivery_timeout``, 30 s by default).
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
                  progress_topic: str, mark: Callable[[int, int, list[int]], bool],
-                 confirm: Callable[[int, int], bool], timeout: float,
-                 sharing: Sharing | None = None, name: str | None = None) -> None:
+                 confirm: Callable[[int, int], bool],
+                 sharing: Sharing | None = None, name: str | None = None,
+                 stopping: threading.Event | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
         if not incarnation:
             raise ConfigurationError("exactly_once needs the outbox's incarnation: run `outbox init-db` "
                                      "to upgrade the tables")
         self.progress_topic = validate_topic(progress_topic)
         self._incarnation, self._worker_id, self._shards = incarnation, worker_id, shards
+        timeout = self._transactions.transaction_timeout
         self._mark, self._timeout = mark, timeout
         self._owned: dict[int, ShardState] = {}
         self._lock = threading.Lock()
@@ -140,6 +143,7 @@ class ExactlyOnce:
         # Daemon threads (``_writer``): a transaction stuck on a frozen broker must not hold a
         # stopped relay's process alive after ``run`` gave up on it at its stop bound.
         self._sharing = sharing
+        self._stopping = stopping or threading.Event()
         self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
@@ -333,9 +337,12 @@ class ExactlyOnce:
             now = [i for i in todo if records[i].topic in topics][:state.cap]
             refused = self._transaction(shard, state, records, ids, now, results)
             if not refused:
-                if len(now) < len(todo) and time.monotonic() - started < self._timeout and all(
-                        (r := results[i]) is not None and r.outcome is Outcome.DELIVERED for i in now):
-                    continue  # committed: the next topics' (or the cap's) rows in the next transaction
+                if (len(now) < len(todo) and time.monotonic() - started < self._timeout
+                        and not self._stopping.is_set() and all(
+                            (r := results[i]) is not None and r.outcome is Outcome.DELIVERED for i in now)):
+                    # Committed: the next topics' (or the cap's) rows in the next transaction. Not
+                    # once the run is stopping: the rest waits (no attempt) for the next owner.
+                    continue
                 break
             rounds += 1
             if len(refused) > 1 and not isolating:
@@ -346,9 +353,11 @@ class ExactlyOnce:
             for i, result in refused.items():
                 results[i] = result
                 stopped.add((records[i].topic, records[i].key))
-            if isolating:
-                isolating = False
-                self._maker.remake(shard, state)
+            # The rest again on a new producer, isolating or not: a request of the aborted
+            # transaction purged in flight may still reach the broker, late, and with the old
+            # producer's epoch it would join its next transaction and commit with it (``_abort``).
+            isolating = False
+            self._maker.remake(shard, state)
         if isolating and state.producer is not None:
             self._maker.remake(shard, state)
 

@@ -138,14 +138,14 @@ class Relay:
             database=RelayOutages.tracker(f"relay {self.worker_id}: database", "database", self.metrics,
                                           self._failure_backoff),
             broker=RelayOutages.tracker(f"relay {self.worker_id}: broker", "broker", self.metrics))
-        self._step = RelayStep(outbox, transport, self.engine, settings, alert=self.alert,
-                               metrics=self.metrics, outages=self.outages,
-                               cloudevents=cloudevents_mode(cloudevents))
-        self._backlog_topics: set[str] = set()
         self._wakeup = Wakeup()
         self._runs = BoundRun(f"relay {self.worker_id}", thread="outbox-relay-loop", log=log,
                               wake=self._wakeup.set)
         self._stopping = self._runs.stopping
+        self._step = RelayStep(outbox, transport, self.engine, settings, alert=self.alert,
+                               metrics=self.metrics, outages=self.outages,
+                               cloudevents=cloudevents_mode(cloudevents), stopping=self._stopping)
+        self._backlog_topics: set[str] = set()
         self._fatal: Exception | None = None
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ steps over that database.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -39,7 +40,7 @@ from ..core._wheel import TimingWheel
 from ..producer import Outbox
 from ._admin import RetryingHead
 from ._batch import BatchResult, BatchRunner
-from ._exactly_once import EXACTLY_ONCE_TIMEOUT, ExactlyOnce
+from ._exactly_once import ExactlyOnce
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics
 from ._progress import check_progress_fits
@@ -94,14 +95,15 @@ class RelayStep:
     One thread at a time runs its steps; ``maintain_leases`` may run on
     another (``Leases`` is safe for that). ``sharing``: in exactly-once mode,
     what a fleet's steps share (``_exactly_once.Sharing``): one pool, idle
-    producers closed, a progress topic per outbox.
+    producers closed, a progress topic per outbox. ``stopping``: the run's stop,
+    set; a batch cut into several transactions begins no more of them once it is.
     """
 
     def __init__(self, outbox: Outbox, transport: Transport, engine: Engine, settings: RelaySettings, *,
                  alert: AlertSink | Callable[[Alert], None], metrics: RelayMetrics, outages: RelayOutages,
                  cloudevents: CloudEvents | None = None, name: str | None = None,
                  watch_every: float | None = None, writer: Writer | None = None,
-                 sharing: Sharing | None = None) -> None:
+                 sharing: Sharing | None = None, stopping: threading.Event | None = None) -> None:
         self.settings = settings
         self.name = name or f"relay {settings.worker_id}"
         self._metrics = metrics
@@ -130,8 +132,7 @@ class RelayStep:
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
                 progress_topic=topic, mark=self._batch.mark_committed, confirm=self.leases.confirm,
-                timeout=EXACTLY_ONCE_TIMEOUT,
-                sharing=sharing, name=self.name)
+                sharing=sharing, name=self.name, stopping=stopping)
             check_progress_fits(transport, settings.batch_size, worker_id)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)

@@ -264,7 +264,7 @@ class TenantRelay:
             watch_every=self._watch_every,
             writer=self._slots.writer(unit.db, self._workers, failed=lambda: self._schedule.wake(unit),
                                       every=self.settings.poll_interval),
-            sharing=self._workers.sharing)
+            sharing=self._workers.sharing, stopping=self._stopping)
 
     def _engine_of(self, unit: Unit) -> Engine:
         """The relay's engine on the tenant's database, its schema put in by a translate map."""

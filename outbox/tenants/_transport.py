@@ -337,6 +337,10 @@ class TenantTransport:
 
     # -- exactly-once mode (``transports.Transactions``): any worker's transport makes the clients
 
+    @property
+    def transaction_timeout(self) -> float:
+        return self._transactions().transaction_timeout
+
     def transactional(self, transactional_id: str, timeout: float, *,
                       one_per_request: bool = False) -> TransactionalProducer:
         """A producer of ``transactional_id`` whose every transaction carries the tenant header."""

@@ -90,6 +90,18 @@ POSITIONS_HEADER = "outbox-txn-positions"
 (``with_positions``), so a read-back can tell which are committed when the broker split it."""
 
 
+BROKER_MAX_TRANSACTION_MS = 900_000
+"""Apache Kafka's default ``transaction.max.timeout.ms``: a producer asking for more is refused."""
+
+
+def transaction_timeout_ms(ms: int) -> int:
+    """The producers' ``transaction.timeout.ms`` for a relay deadline of ``ms``: twice it (a minute at
+    least), so the coordinator never aborts a transaction the relay still waits for; within the
+    broker's default maximum while that still leaves the deadline, since librdkafka refuses a
+    ``message.timeout.ms`` above it."""
+    return max(ms, 60_000, min(2 * ms, BROKER_MAX_TRANSACTION_MS))
+
+
 class KafkaTransactionalProducer:
     """One ``transactional.id``'s producer; each ``send`` one transaction (module doc).
 
@@ -115,7 +127,7 @@ class KafkaTransactionalProducer:
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
-                         "transaction.timeout.ms": max(60_000, 2 * ms),
+                         "transaction.timeout.ms": transaction_timeout_ms(ms),
                          "error_cb": self._errors, "logger": LibrdkafkaLog()})
         self._producer = Producer(settings)
         try:
@@ -356,7 +368,8 @@ class KafkaTransactionalProducer:
             # next transaction, and committed with it, though its rows were taken for not sent (7
             # rows twice on the wire, tests/test_relay_exactly_once_pace_attacks.py). A new producer
             # of the id (``UNKNOWN``: the caller makes one) bumps the epoch, and the broker refuses it.
-            # (Not when a record was refused for good: the caller sends the rest again without it.)
+            # (Not when a record was refused for good: ``ABORTED`` names it, and the caller sends the
+            # rest again without it, on a new producer as well.)
             return TransactionResult(TransactionOutcome.UNKNOWN, results,
                                      f"{reason}; records purged in flight", answered=answered)
         return TransactionResult(TransactionOutcome.ABORTED, results, reason, answered=answered)

@@ -614,6 +614,11 @@ class KafkaTransport:
 
     # -- transactions (``transports.Transactions``) ------------------------------------
 
+    @property
+    def transaction_timeout(self) -> float:
+        """``delivery_timeout``: one bound on waiting for the broker, whichever mode the relay runs in."""
+        return self._delivery_timeout
+
     def transactional(self, transactional_id: str, timeout: float, *,
                       one_per_request: bool = False) -> KafkaTransactionalProducer:
         """A transactional producer of this transport's settings; every older one of the id fenced.
