@@ -185,3 +185,29 @@ def test_private_imports_in_tests_do_not_grow_back() -> None:
     assert len(found) <= PRIVATE_IMPORTS_IN_TESTS, (
         f"{len(found)} private imports in tests (at most {PRIVATE_IMPORTS_IN_TESTS}); import what is "
         "public from its package (outbox, outbox.inbox, outbox.relay, outbox.testing, transports)")
+
+
+def test_every_retry_a_transport_or_the_relay_makes_says_whether_the_broker_was_unreachable() -> None:
+    """``SendResult(Outcome.RETRY, …)`` without ``unreachable`` counts an attempt by default, and two
+    records never sent came back that way (``NOT_SENT_ALONE``; ``UNPROVEN``): each maker of a retry
+    now decides, in writing, whether it was the record's doing (counted) or the broker's (an outage:
+    no attempt). Results classified from a broker error (``result_of``) decide by the error."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    silent = []
+    for package in ("transports", "outbox"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Call):
+                    continue
+                called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if called != "SendResult":
+                    continue
+                outcome = node.args[0] if node.args else next(
+                    (k.value for k in node.keywords if k.arg == "outcome"), None)
+                decided = any(k.arg == "unreachable" for k in node.keywords)
+                if outcome is not None and ast.unparse(outcome) == "Outcome.RETRY" and not decided:
+                    silent.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert silent == []

@@ -340,6 +340,28 @@ def test_records_refused_whole_are_sent_again_one_at_a_time(
 
 
 @MOCK
+@TIMING
+def test_a_record_whose_turn_to_go_alone_did_not_come_in_time_counts_no_attempt(topic: str) -> None:
+    """Two keys' records in one request, refused whole (MESSAGE_TOO_LARGE); sent again one at a time
+    (``_isolate``), the first meets the broker's NOT_ENOUGH_REPLICAS, retried until the isolation's
+    deadline (1 s) passes. The second, never sent alone, did nothing wrong: an unreachable ``RETRY``,
+    as any record not sent is. It counted an attempt (``NOT_SENT_ALONE`` without ``unreachable``),
+    so a slow broker could fail a row that was never sent."""
+    with MockCluster() as cluster:
+        transport = transport_for(cluster.bootstrap, delivery_timeout=1.0,
+                                  **{"linger.ms": 200, "retry.backoff.ms": 100, "retry.backoff.max.ms": 100})
+        other = same_partition_as(cluster.bootstrap, topic, "first")  # written first: a warm partition
+        records = stream(topic, {other: 2, "first": 1})
+        assert transport.publish(records[other][:1])[0].outcome is Outcome.DELIVERED
+        cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE, *[KafkaError.NOT_ENOUGH_REPLICAS] * 50)
+        results = transport.publish([*records["first"], records[other][1]])
+        transport.close(0)
+    assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY], results
+    assert "not sent again alone in time" in (results[1].error or ""), results
+    assert all(r.unreachable for r in results), results
+
+
+@MOCK
 @pytest.mark.slow
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(faults=st.lists(st.lists(st.sampled_from(RETRIABLE + PERMANENT), max_size=6), min_size=1,

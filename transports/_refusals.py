@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from ._protocol import Outcome, Record, SendResult
 
 NOT_SENT_ALONE = "refused with other records in one request, and not sent again alone in time"
+"""The error of a record another's refusal took down, whose turn to go alone did not come in time:
+nothing it did, so an unreachable ``RETRY`` (no attempt counted), as any record not sent is."""
 
 
 def settled(results: Sequence[SendResult | None]) -> int:

@@ -175,21 +175,22 @@ class FaultyTransport:
         lost_ack: set[int] = set()
         for i, record in enumerate(records):
             if record.key is not None and (record.topic, record.key) in faulted:
-                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT)
+                # Held behind its key's injected fault, which counts: so does this.
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT, unreachable=False)
                 continue
             if self._random.random() < self.rate:
                 self.injected += 1
                 if record.key is not None:
                     faulted.add((record.topic, record.key))
                 if self._random.random() < 0.5:
-                    results[i] = SendResult(Outcome.RETRY, error=INJECTED_NOT_SENT)
+                    results[i] = SendResult(Outcome.RETRY, error=INJECTED_NOT_SENT, unreachable=False)
                     continue
                 lost_ack.add(i)
             to_send.append(i)
         sent = self.inner.publish([records[i] for i in to_send]) if to_send else []
         for i, result in zip(to_send, sent, strict=True):
             if i in lost_ack and result.outcome is Outcome.DELIVERED:
-                result = SendResult(Outcome.RETRY, error=INJECTED_LOST_ACK)
+                result = SendResult(Outcome.RETRY, error=INJECTED_LOST_ACK, unreachable=False)
             results[i] = result
         return results  # type: ignore[return-value]
 

@@ -410,7 +410,7 @@ class KafkaTransport:
                 record = records[i]
                 key = None if record.key is None else (record.topic, record.key)
                 if key in stopped or time.monotonic() >= deadline:
-                    results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE)
+                    results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE, unreachable=True)
                     continue
                 if self._fatal is not None:  # a refusal stopped it (the gap-less guarantee)
                     self._rebuild(ONE_PER_REQUEST)
@@ -493,7 +493,8 @@ class KafkaTransport:
             if error is not None:
                 results[i] = result_of(error)
             elif unproven(message):  # not heard from the broker: sent again (``_implied``)
-                results[i] = SendResult(Outcome.RETRY, message.partition(), error=UNPROVEN)
+                # Its answer never came, as a record without a report: no attempt counted.
+                results[i] = SendResult(Outcome.RETRY, message.partition(), error=UNPROVEN, unreachable=True)
             else:
                 results[i] = SendResult(Outcome.DELIVERED, message.partition(), message.offset())
             if error is not None and error.code() in REFUSED_WHOLE:

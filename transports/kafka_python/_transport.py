@@ -251,7 +251,7 @@ class KafkaPythonTransport:
         for i, partition in refused:
             left = deadline - time.monotonic()
             if left <= 0:
-                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE)
+                results[i] = SendResult(Outcome.RETRY, error=NOT_SENT_ALONE, unreachable=True)
                 continue
             try:
                 future = self._send(records[i], partition)
@@ -277,7 +277,9 @@ class KafkaPythonTransport:
         except kafka_errors.KafkaError as exc:
             return result_of(exc)
         if not partitions:
-            return SendResult(Outcome.RETRY, error=f"no partitions known for topic {topic!r}")
+            # The broker answered, for a topic it has no partitions of yet: the topic's, counted.
+            return SendResult(Outcome.RETRY, error=f"no partitions known for topic {topic!r}",
+                              unreachable=False)
         return len(partitions)
 
     def _topic_error(self, topic: str) -> SendResult | None:
