@@ -121,7 +121,8 @@ class ExactlyOnce:
     epoch)`` renews one lease and says whether it held (``Leases.confirm``).
     Each transaction and each broker call around one (fencing, reading the
     progress back) is bounded by the transport's ``transaction_timeout``
-    (``KafkaTransport``'s ``delivery_timeout``, 30 s by default).
+    (``KafkaTransport``'s ``delivery_timeout``, 30 s by default). ``stopping``:
+    the run's stop; once set, a batch cut into several transactions begins no more.
     """
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
