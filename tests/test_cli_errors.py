@@ -192,6 +192,8 @@ CASES = [
      ["--retention", "dedup_window"]),
     (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "--retention", "0d"], 2,
      ["retention must be positive"]),
+    (["relay", "--db", "sqlite:///{d}/ready.db", "--bootstrap-servers", "x:9", "--delivery-timeout",
+      "inf"], 2, ["--delivery-timeout", "less than or equal to 3600"]),
     (["console", "--db", "sqlite:///{d}/ready.db", "--host", "0.0.0.0"], 2,
      ["--host", "OUTBOX_CONSOLE_TOKEN"]),
 ]

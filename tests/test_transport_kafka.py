@@ -87,6 +87,11 @@ def test_kafka_python_names_and_raw_keys_are_accepted() -> None:
     ({"bootstrap_servers": "h:9", "linger.ms": "soon"}, "Invalid value"),
     ({"linger_ms": 5}, "bootstrap_servers"),
     ({"bootstrap_servers": "h:9", "enable_idempotence": False}, "enable.idempotence"),
+    # The exactly-once deadline too (transaction.timeout.ms is derived from it): an infinite one
+    # passed the check and overflowed when a transactional producer was made.
+    ({"bootstrap_servers": "h:9", "delivery_timeout": float("inf")}, "finite"),
+    ({"bootstrap_servers": "h:9", "delivery_timeout": float("nan")}, "delivery_timeout"),
+    ({"bootstrap_servers": "h:9", "delivery_timeout": 0}, "delivery_timeout"),
 ])
 def test_bad_settings_fail_at_construction(settings: dict, fragment: str) -> None:
     with pytest.raises(ConfigurationError, match=fragment):

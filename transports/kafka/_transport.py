@@ -48,6 +48,7 @@ owns a transport.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -201,8 +202,8 @@ class KafkaTransport:
             raise ConfigurationError(
                 "KafkaTransport keeps per-key order across retries only with enable.idempotence=True"
             )
-        if not delivery_timeout > 0 or not metadata_refresh > 0:
-            raise ConfigurationError("delivery_timeout and metadata_refresh must be positive seconds")
+        if not 0 < delivery_timeout < math.inf or not 0 < metadata_refresh < math.inf:
+            raise ConfigurationError("delivery_timeout and metadata_refresh must be positive, finite seconds")
         # A user-set timeout or retry limit would let librdkafka drop a record and write
         # its successor (the gap-less guarantee does not cover timeouts): waves then.
         # The config holds each property under one name (``delivery.timeout.ms`` is here as

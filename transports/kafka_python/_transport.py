@@ -41,6 +41,7 @@ Not safe to call ``publish`` from several threads at once.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -152,8 +153,9 @@ class KafkaPythonTransport:
             raise ConfigurationError(
                 f"KafkaPythonTransport needs a kafka.KafkaProducer, got {type(producer).__name__}"
             )
-        if not delivery_timeout > 0:
-            raise ConfigurationError(f"delivery_timeout must be positive, got {delivery_timeout!r}")
+        if not 0 < delivery_timeout < math.inf:
+            raise ConfigurationError(
+                f"delivery_timeout must be positive, finite seconds, got {delivery_timeout!r}")
         acks = getattr(producer, "config", {}).get("acks", "all")
         if str(acks) not in SAFE_ACKS:
             raise ConfigurationError(
