@@ -102,7 +102,10 @@ def test_the_lower_packages_import_only_the_floors_below_them(floor: str) -> Non
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 136
+PRIVATE_IMPORTS_IN_TESTS = 138
+# 136 -> 138: the attacks on the exactly-once deadline and remake (test_relay_exactly_once_knob_attacks.py)
+# patch ExactlyOnce, their subject, to time a stop between transactions, and fault the transactional
+# producer's implied-delivery check, which no broker can be made to trigger on purpose.
 # 135 -> 136: the exactly-once pace's attacks (test_relay_exactly_once_pace_attacks.py) force a shard's
 # transaction cap on ExactlyOnce itself, so one batch spans several transactions in seconds without a
 # quota; through the public API that takes a throttled broker and a minute per case.

@@ -97,7 +97,7 @@ def relay(
         False, "--exactly-once", help="Each shard's batch one Kafka transaction: no crash or zombie relay "
                                       "sends a record twice to read_committed consumers (docs/relay.md)."),
     delivery_timeout: float = typer.Option(
-        30.0, min=0.1, max=3600.0,
+        30.0, min=1.0, max=3600.0,
         help="Seconds the relay waits for the broker to take a batch (with --exactly-once: a transaction) "
              "before it gives it up and sends it again: raise it for a broker slower than that "
              "(docs/relay.md)."),

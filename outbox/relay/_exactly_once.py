@@ -320,7 +320,9 @@ class ExactlyOnce:
             if not self._maker.remake(shard, state):
                 return  # no producer now: retried, its progress read again first
         todo = list(ids)
-        stopped: set[tuple[str, bytes | None]] = set()
+        # A key's first record refused for good, by its place: the key's rows after it wait (the
+        # rows before it go on; a batch holds a key's rows in order).
+        stopped: dict[tuple[str, bytes | None], int] = {}
         isolating = False
         rounds = 0
         while rounds < ROUNDS:
@@ -329,7 +331,7 @@ class ExactlyOnce:
                     if results[i] is None and ids[i] in state.unmarked:
                         results[i] = SendResult(Outcome.DELIVERED)
             todo = [i for i in todo if results[i] is None and (
-                records[i].key is None or (records[i].topic, records[i].key) not in stopped)]
+                records[i].key is None or i < stopped.get((records[i].topic, records[i].key), i + 1))]
             if not todo or state.producer is None or state.lost:
                 break
             # The topics this transaction's progress header may name (``_progress``): rows of the
@@ -353,7 +355,8 @@ class ExactlyOnce:
                 continue
             for i, result in refused.items():
                 results[i] = result
-                stopped.add((records[i].topic, records[i].key))
+                key = (records[i].topic, records[i].key)
+                stopped[key] = min(i, stopped.get(key, i))
             # The rest again on a new producer, isolating or not: a request of the aborted
             # transaction purged in flight may still reach the broker, late, and with the old
             # producer's epoch it would join its next transaction and commit with it (``_abort``).

@@ -54,7 +54,7 @@ from typing import Any
 from confluent_kafka import IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from .._errors import RetriableTransportError, TransportError
+from .._errors import ConfigurationError, RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
 from ._admin import existing_topics
@@ -134,7 +134,15 @@ class KafkaTransactionalProducer:
             self._producer.init_transactions(timeout)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
-            self._producer.flush(0)
+            # A fatal error raises again from the next call that serves callbacks: this one's is the
+            # one to tell (it escaped raw, and the relay retried a refused setting forever).
+            with suppress(KafkaException, SystemError):
+                self._producer.flush(0)
+            if error.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:
+                raise ConfigurationError(
+                    f"the broker refuses transaction.timeout.ms={settings['transaction.timeout.ms']} "
+                    f"(twice the delivery_timeout of {timeout:g} s, a minute at least): raise its "
+                    f"transaction.max.timeout.ms (15 minutes by default) or lower delivery_timeout") from None
             if error.fatal():
                 raise TransportError(
                     f"cannot start transactions as {transactional_id!r}: {error.str()}") from None
@@ -328,10 +336,13 @@ class KafkaTransactionalProducer:
         producer = self._producer
         deadline = time.monotonic() + self._timeout
         # Aborted for want of the broker (no answer, no room in the queue by the deadline): an
-        # outage for every record of it, none counts an attempt.
-        unreachable = (self._result_of(cause).unreachable if cause is not None else any(
+        # outage for every record of it, none counts an attempt. So for a delivery librdkafka
+        # implied (``_delivered``): its answer never came, as in at-least-once mode (``UNPROVEN``);
+        # but the broker was not slow, so nothing of it counts as acknowledged (``_pace``).
+        implied = cause is not None and cause.code() == KafkaError._INCONSISTENT
+        unreachable = implied or (self._result_of(cause).unreachable if cause is not None else any(
             r.outcome is Outcome.RETRY and r.unreachable for r in refused.values()))
-        answered = _answered(reports) if unreachable else 0  # before the purge's reports
+        answered = _answered(reports) if unreachable and not implied else 0  # before the purge's reports
         try:
             with suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)

@@ -168,6 +168,11 @@ def result_of(error: KafkaError) -> SendResult:
     return SendResult(classify(error), error=error.str(), unreachable=error.code() in UNREACHABLE_ERRORS)
 
 
+MAX_DELIVERY_TIMEOUT = (2**31 - 1) // 1000
+"""Seconds: librdkafka takes its timeouts as an int of milliseconds (a larger one overflowed, and the
+relay ran on logging a broker it could not reach)."""
+
+
 class KafkaTransport:
     """Publishes outbox batches to Kafka with per-key order and per-record results.
 
@@ -202,8 +207,10 @@ class KafkaTransport:
             raise ConfigurationError(
                 "KafkaTransport keeps per-key order across retries only with enable.idempotence=True"
             )
-        if not 0 < delivery_timeout < math.inf or not 0 < metadata_refresh < math.inf:
-            raise ConfigurationError("delivery_timeout and metadata_refresh must be positive, finite seconds")
+        if not 0 < delivery_timeout <= MAX_DELIVERY_TIMEOUT or not 0 < metadata_refresh < math.inf:
+            raise ConfigurationError(
+                f"delivery_timeout must be positive seconds up to {MAX_DELIVERY_TIMEOUT:g} (librdkafka's "
+                f"milliseconds are an int), and metadata_refresh positive, finite seconds")
         # A user-set timeout or retry limit would let librdkafka drop a record and write
         # its successor (the gap-less guarantee does not cover timeouts): waves then.
         # The config holds each property under one name (``delivery.timeout.ms`` is here as
