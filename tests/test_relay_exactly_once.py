@@ -263,6 +263,23 @@ def test_exactly_once_needs_a_transport_with_transactions(outbox: Outbox, kafka:
         producer.close(1)
 
 
+def test_a_transport_that_claims_transactions_and_lacks_a_member_is_named_what_it_lacks(
+        outbox: Outbox, kafka: str) -> None:
+    """A third-party transport written before ``Transactions.transaction_timeout`` (the deadline,
+    419aaf6) claims transactions and has every other member: refused with what it lacks, not with
+    an AttributeError once a batch runs, nor as a transport with no transactions at all."""
+    class Older:
+        features = KafkaTransport.features
+        _inner = KafkaTransport(bootstrap_servers=kafka)
+        publish, close = _inner.publish, _inner.close
+        transactional, ensure_compacted_topic, read_back = (
+            _inner.transactional, _inner.ensure_compacted_topic, _inner.read_back)
+
+    with pytest.raises(ConfigurationError, match=r"Older claims transactions but lacks what "
+                                                 r"transports\.Transactions asks: transaction_timeout$"):
+        Relay(outbox, Older(), exactly_once=True)
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_a_sigkill_campaign_puts_every_message_on_the_wire_once_in_key_order(

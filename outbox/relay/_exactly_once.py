@@ -105,11 +105,17 @@ PACE_HOLD = 1
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
-    """``transport`` if it offers transactions (``TransportFeatures.transactions``); else one clear error."""
-    if not transport_features(transport).transactions or not isinstance(transport, Transactions):
+    """``transport`` if it offers transactions (``TransportFeatures.transactions``); else one clear error
+    (naming what a transport that claims them lacks of ``Transactions``: a member added since)."""
+    if not transport_features(transport).transactions:
         raise ConfigurationError(
             f"exactly_once needs a transport with Kafka transactions (transports.kafka.KafkaTransport); "
             f"{type(transport).__name__} has none")
+    if not isinstance(transport, Transactions):
+        lacks = sorted(name for name in vars(Transactions) if not name.startswith("_")
+                       and not hasattr(transport, name))
+        raise ConfigurationError(f"{type(transport).__name__} claims transactions but lacks what "
+                                 f"transports.Transactions asks: {', '.join(lacks) or 'its members'}")
     return transport
 
 
