@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import tenacity
-from _relay_helpers import drain, publish, rows, wait_for
+from _relay_helpers import Running, drain, publish, rows, wait_for
 
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._exactly_once import ExactlyOnce
@@ -56,28 +56,6 @@ def sending(relay: Relay) -> ExactlyOnce:
     exactly_once = relay._step._batch.exactly_once
     assert exactly_once is not None
     return exactly_once
-
-
-class Running:
-    """A relay's ``run`` on a thread of its own; what it raised, and how long it took to return."""
-
-    def __init__(self, relay: Relay, stop_timeout: float) -> None:
-        self.relay = relay
-        self.error: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, args=(stop_timeout,), daemon=True)
-        self.thread.start()
-
-    def _run(self, stop_timeout: float) -> None:
-        try:
-            self.relay.run(stop_timeout=stop_timeout)
-        except BaseException as exc:
-            self.error.append(exc)
-
-    def stop(self) -> float:
-        asked = time.monotonic()
-        self.relay.stop()
-        self.thread.join(60)
-        return time.monotonic() - asked
 
 
 def waited(condition: Any, timeout: float) -> bool:
@@ -123,8 +101,7 @@ def test_a_delivery_timeout_beyond_the_brokers_transaction_max_is_a_clear_error_
     waited(lambda: not running.thread.is_alive() or not rows(outbox, status="pending"), 20)
     alive = running.thread.is_alive()
     published = len(rows(outbox, status="published"))
-    running.stop()
-    relay.close()
+    running.stop(clean=False)
     engine.dispose()
     print(f"run still up: {alive}; published {published} of 3; raised {running.error}")
     assert published == 3 or (not alive and running.error), (
@@ -207,12 +184,11 @@ def test_a_stop_with_a_long_deadline_and_the_broker_frozen_returns_within_the_st
         own_broker.freeze()
         publish(outbox, topic, ["k0", "k1"])
         time.sleep(2.0)  # the batch is in its transaction, which waits for the frozen broker
-        took = running.stop()
+        took = running.stop(close=False, clean=False)
     finally:
         own_broker.thaw()
     print(f"run returned {took:.1f} s after the stop")
     engine.dispose()
-    assert not running.thread.is_alive()
     assert took < 3.0 + 2.0, f"run returned {took:.1f} s after the stop (bound 3 s)"
 
 
@@ -231,6 +207,21 @@ def poisoned_outbox(sqlite_db: str, kafka: str, topic: str) -> tuple[sa.Engine, 
 
 
 FOUR_KEYS = {f"k{i}": 4 for i in range(4)}
+
+
+def last_batch_settles_the_poison(relay: Relay, outbox: Outbox, kafka: str, topic: str) -> Any:
+    """One more batch once the wheel's backoff passed (it must send nothing of p), then the state
+    ``poisoned_outbox`` must end in: p's poison row failed, its two later rows pending, every other
+    row published once with one attempt, in key order. The failed row, for the caller's checks."""
+    time.sleep(1.0)  # past the 0.2 s backoff: p's later rows are due again, and must not go
+    relay.run_once()
+    relay.close()
+    (failed,) = rows(outbox, status="failed")
+    assert failed.key == "p"
+    assert sorted(r.key for r in rows(outbox, status="pending")) == ["p", "p"]
+    assert [r.attempts for r in rows(outbox, status="published")] == [1] * 16
+    assert_once_in_key_order(kafka, topic, 16, FOUR_KEYS)
+    return failed
 
 
 def test_a_poison_row_whose_remake_finds_the_lease_lost_sends_nothing_more_and_the_taker_sends_once(
@@ -264,16 +255,10 @@ def test_a_poison_row_whose_remake_finds_the_lease_lost_sends_nothing_more_and_t
                       backoff=tenacity.wait_fixed(0.2))
     wait_for(lambda: (second.run_once(), len(rows(outbox, status="published")) == 16)[1], 45,
              "the other rows published")
-    time.sleep(1.0)
-    second.run_once()
-    second.close()
-    (failed,) = rows(outbox, status="failed")
-    assert failed.key == "p" and "too large" in (failed.last_error or "").lower()
-    assert sorted(r.key for r in rows(outbox, status="pending")) == ["p", "p"]
-    assert [r.attempts for r in rows(outbox, status="published")] == [1] * 16
+    failed = last_batch_settles_the_poison(second, outbox, kafka, topic)
+    assert "too large" in (failed.last_error or "").lower()
     print(f"alerts: {[getattr(a, 'kind', a) for a in alerts]}")
     assert len(alerts) <= 2  # the first relay's failed mark is fenced out: the taker may fail it again
-    assert_once_in_key_order(kafka, topic, 16, FOUR_KEYS)
     engine.dispose()
 
 
@@ -307,21 +292,14 @@ def test_a_poison_row_whose_remake_meets_a_frozen_broker_sends_the_rest_once_aft
                  "the other rows published")
     finally:
         own_broker.thaw()
-    time.sleep(1.0)
-    relay.run_once()
-    relay.close()
+    last_batch_settles_the_poison(relay, outbox, kafka, topic)
     assert froze
-    (failed,) = rows(outbox, status="failed")
-    assert failed.key == "p"
-    assert sorted(r.key for r in rows(outbox, status="pending")) == ["p", "p"]
-    assert [r.attempts for r in rows(outbox, status="published")] == [1] * 16
     assert len(alerts) == 1
-    assert_once_in_key_order(kafka, topic, 16, FOUR_KEYS)
     engine.dispose()
 
 
 def test_many_poison_rows_in_one_batch_beyond_its_rounds_each_fail_alone_and_the_rest_goes_once(
-        sqlite_db: str, kafka: str, topic: str, progress_topic: str) -> None:
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """ATTACK: 6 poison rows of 6 keys in one batch, over 3 partitions (each costs its batch two
     of its 8 rounds: one refused with others, one isolated), then each poison key's later row.
     Promise: each poison row failed alone (6 alerts), its key's later row waits, every other row
@@ -345,7 +323,7 @@ def test_many_poison_rows_in_one_batch_beyond_its_rounds_each_fail_alone_and_the
         transactions.append(len(todo))
         return real(shard, state, records, ids, todo, results)
 
-    sending(relay)._transaction = transaction  # type: ignore[method-assign]
+    monkeypatch.setattr(sending(relay), "_transaction", transaction)
     wait_for(lambda: (relay.run_once(), len(rows(outbox, status="published")) == 24)[1], 60,
              "the other rows published")
     time.sleep(1.0)
@@ -442,15 +420,8 @@ def test_a_stop_during_isolation_rounds_of_a_capped_batch_sends_nothing_twice_an
                       backoff=tenacity.wait_fixed(0.2))
     wait_for(lambda: (second.run_once(), len(rows(outbox, status="published")) == 16)[1], 45,
              "the other rows published")
-    time.sleep(1.0)
-    second.run_once()
-    second.close()
-    (failed,) = rows(outbox, status="failed")
-    assert failed.key == "p"
-    assert sorted(r.key for r in rows(outbox, status="pending")) == ["p", "p"]
-    assert [r.attempts for r in rows(outbox, status="published")] == [1] * 16
+    last_batch_settles_the_poison(second, outbox, kafka, topic)
     assert len(alerts) == 1
-    assert_once_in_key_order(kafka, topic, 16, FOUR_KEYS)
     engine.dispose()
 
 
