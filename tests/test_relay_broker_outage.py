@@ -20,12 +20,14 @@ from typing import Any
 import pytest
 from _relay_helpers import publish, rows, seqs_by_key
 from _relay_helpers import wait_for as wait_until
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox import Outbox, Relay, create_engine
 from outbox.relay import RelaySettings
 from outbox.testing import LocalKafka, LocalKafkaCluster
 from tests.conftest import own_local_kafka
-from transports.kafka import KafkaTransport
+from transports import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
+from transports.kafka import KafkaTransport, _transactions
 from transports.testing import read_topic
 
 DEFAULT_BATCH_SIZE = RelaySettings().batch_size
@@ -327,3 +329,59 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
     assert _said(caplog, "broker unreachable") <= 1
     assert len([r for r in caplog.records if r.name == "outbox.relay" and r.levelno >= logging.WARNING]) <= 2
     engine.dispose()
+
+
+@pytest.mark.xdist_group("timing")  # the broker frozen for seconds: one test at a time (docs/testing.md)
+def test_a_transaction_its_queued_records_outlived_on_a_frozen_broker_is_an_outage(
+    topic: str, own_kafka: LocalKafka, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record waiting for room in a full queue (``produce_waiting``) on a frozen broker may outlive
+    the records ahead of it: they time out (``message.timeout.ms``, the transaction's deadline), the
+    transaction fails, and librdkafka refuses the record for the transaction's state (``_STATE``).
+    Taken for that record's own retriable error, it counted an attempt for each of the transaction's
+    rows (6 rows in the CI of 9b197e0, the test above, under load). The transaction failed for the
+    broker's silence: every result is an outage. Here the record past the queue waits until the ten
+    ahead of it have timed out (under load it did by a moment), and the broker is thawed then, so the
+    abort is answered. Three rounds: the abort ends UNKNOWN about one time in three (the coordinator
+    thawed refuses it as INVALID_TXN_STATE), unreachable whatever the records did."""
+    own_kafka.create_topic(topic, 1)
+    transport = KafkaTransport({"queue.buffering.max.messages": 10}, bootstrap_servers=own_kafka.bootstrap,
+                               delivery_timeout=2.0)
+    waiting = _transactions.produce_waiting
+
+    def outliving(kafka: Any, deadline: float, *args: Any, **kwargs: Any) -> SendResult | None:
+        if len(kafka) >= 10:  # the queue full: wait until the records in it timed out
+            until = time.monotonic() + 15
+            while len(kafka) and time.monotonic() < until:
+                kafka.poll(0.1)  # their reports, stored by the transaction
+            assert not len(kafka), "the queued records never timed out"
+            own_kafka.thaw()  # the transaction failed already; its abort will be answered
+            kafka.list_topics(topic, timeout=10)
+        try:
+            return waiting(kafka, deadline, *args, **kwargs)
+        except KafkaException as exc:
+            refused.append(exc.args[0])
+            raise
+
+    answers: list[TransactionResult] = []
+    for round in range(3):
+        producer = transport.transactional("outbox-test-outlived", 2.0)
+        refused: list[KafkaError] = []
+        try:
+            warm = producer.send([Record(topic, b"warm", key=b"k")])  # metadata and coordinator known
+            assert warm.outcome is TransactionOutcome.COMMITTED, warm
+            with monkeypatch.context() as patch:
+                patch.setattr(_transactions, "produce_waiting", outliving)
+                own_kafka.freeze()
+                try:
+                    answers.append(producer.send([Record(topic, b"%d" % i, key=b"k%d" % i)
+                                                  for i in range(12)]))  # 10 fit in the queue
+                finally:
+                    own_kafka.thaw()
+        finally:
+            producer.close()
+        assert [e.code() for e in refused] == [KafkaError._STATE], (round, refused)  # the case, no other
+    transport.close()
+    for answer in answers:
+        assert answer.outcome is not TransactionOutcome.COMMITTED, answer
+        assert [(r.outcome, r.unreachable) for r in answer.results] == [(Outcome.RETRY, True)] * 12, answer
