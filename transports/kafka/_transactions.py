@@ -395,15 +395,21 @@ class KafkaTransactionalProducer:
             if result is None or result.outcome is Outcome.DELIVERED:
                 result = SendResult(Outcome.RETRY, error=reason, unreachable=unreachable)
             results.append(result)
-        if not refused and any(error is not None and error.code() == KafkaError._PURGE_INFLIGHT
-                               for error, _ in list(reports.values())):
+        if not any(r.outcome is Outcome.FAILED for r in results) and any(
+                error is not None and error.code() == KafkaError._PURGE_INFLIGHT
+                for error, _ in list(reports.values())):
             # A request purged in flight may still reach the broker, late (a connection a quota holds
             # muted), after the abort: with this producer's epoch it was appended to the producer's
             # next transaction, and committed with it, though its rows were taken for not sent (7
             # rows twice on the wire, tests/test_relay_exactly_once_pace_attacks.py). A new producer
             # of the id (``UNKNOWN``: the caller makes one) bumps the epoch, and the broker refuses it.
             # (Not when a record was refused for good: ``ABORTED`` names it, and the caller sends the
-            # rest again without it, on a new producer as well.)
+            # rest again without it, on a new producer as well. Refused for good, whether at produce()
+            # or by its delivery report: ended UNKNOWN, a refusal met on a slow broker, whose requests
+            # are still in flight when it comes, was taken for an outage, and the batch was sent again
+            # whole, forever (tests/test_relay_exactly_once_state_attacks.py). And a record refused at
+            # produce() only for want of room or for the failed state, a retry, leaves the producer
+            # kept by an ``ABORTED``: so it is ``UNKNOWN`` too.)
             return TransactionResult(TransactionOutcome.UNKNOWN, results,
                                      f"{reason}; records purged in flight", answered=answered)
         return TransactionResult(TransactionOutcome.ABORTED, results, reason, answered=answered)
