@@ -36,6 +36,22 @@ from transports.kafka import KafkaTransport, _transactions
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
+def refusals_at_produce(monkeypatch: pytest.MonkeyPatch) -> list[KafkaError]:
+    """The errors ``produce()`` raises in a transaction from now on (``_STATE`` among them), in order."""
+    waiting = _transactions.produce_waiting
+    refused: list[KafkaError] = []
+
+    def recording(kafka: Any, deadline: float, *args: Any, **kwargs: Any) -> SendResult | None:
+        try:
+            return waiting(kafka, deadline, *args, **kwargs)
+        except KafkaException as exc:
+            refused.append(exc.args[0])
+            raise
+
+    monkeypatch.setattr(_transactions, "produce_waiting", recording)
+    return refused
+
+
 def test_a_refusal_for_good_meeting_a_full_queue_fails_the_refused_record_only(
         kafka: str, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The topic takes 2,000 bytes at most; the first of 14 records is 4,000 (random). The queue
@@ -45,21 +61,11 @@ def test_a_refusal_for_good_meeting_a_full_queue_fails_the_refused_record_only(
     create_topic(kafka, topic, 1, config={"max.message.bytes": "2000"})
     transport = KafkaTransport({"queue.buffering.max.messages": 10}, bootstrap_servers=kafka,
                                delivery_timeout=5.0)
-    waiting = _transactions.produce_waiting
-    refused: list[KafkaError] = []
-
-    def recording(kafka_: Any, deadline: float, *args: Any, **kwargs: Any) -> SendResult | None:
-        try:
-            return waiting(kafka_, deadline, *args, **kwargs)
-        except KafkaException as exc:
-            refused.append(exc.args[0])
-            raise
-
     producer = transport.transactional("outbox-test-state-refused", 5.0)
     try:
         warm = producer.send([Record(topic, b"warm", key=b"k")])
         assert warm.outcome is TransactionOutcome.COMMITTED, warm
-        monkeypatch.setattr(_transactions, "produce_waiting", recording)
+        refused = refusals_at_produce(monkeypatch)
         big = base64.b64encode(os.urandom(3000))
         answer = producer.send([Record(topic, big, key=b"big"),
                                 *(Record(topic, b"%d" % i, key=b"k%d" % i) for i in range(1, 14))])
@@ -89,17 +95,7 @@ def test_a_relay_fails_alone_the_record_refused_for_good_when_its_transaction_me
     publish(outbox, topic, [*keys[3:], None, None])
     transport = KafkaTransport({"queue.buffering.max.messages": 10}, bootstrap_servers=kafka,
                                delivery_timeout=5.0)
-    waiting = _transactions.produce_waiting
-    refused: list[KafkaError] = []
-
-    def recording(kafka_: Any, deadline: float, *args: Any, **kwargs: Any) -> SendResult | None:
-        try:
-            return waiting(kafka_, deadline, *args, **kwargs)
-        except KafkaException as exc:
-            refused.append(exc.args[0])
-            raise
-
-    monkeypatch.setattr(_transactions, "produce_waiting", recording)
+    refused = refusals_at_produce(monkeypatch)
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=f"{topic}-progress",
                   backoff=tenacity.wait_fixed(0.2))
     wait_for(lambda: (relay.run_once(), not rows(outbox, status="pending"))[1], 60, "every row settled")
