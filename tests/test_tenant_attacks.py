@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.core._wire import INCARNATION, SEQ, header_size
-from outbox.tenants import MAX_TENANT_NAME, Tenant, TenantRelay, check_tenant_name
+from outbox.tenants import MAX_TENANT_NAME, Tenant, TenantRelay, _renewal, check_tenant_name
 from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -264,6 +264,46 @@ def test_a_tenant_whose_table_is_dropped_is_reported_once_backs_off_and_is_serve
     about = [r.getMessage() for r in caplog.records if "tenant doomed" in r.getMessage()]
     assert len(about) == 2, about
     assert "failed" in about[0] and f"doomed.{table}" in about[0] and "served again" in about[1]
+
+
+def test_a_renewal_that_failed_for_a_dropped_step_does_not_fail_the_step_built_after(
+        pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal round takes the tenant's step, its schema is dropped, the tenant's own turn fails and
+    drops the step, and only then does the round's statement fail: that failure is the dropped
+    step's. Handed to the step built once the tables were made again, it failed that step's first
+    turn, logged as a second failure with the driver's text (the official CI of 29ff8b7)."""
+    outboxes, _, running = _stays_and_doomed(pg, topic, caplog)
+    doomed = running.relay._tenants.units["doomed"]
+    armed, held = threading.Event(), threading.Event()
+    real = _renewal.renew_together
+
+    def drop_mid_round(conn: sa.Connection, members: list[Any]) -> Any:
+        if armed.is_set() and any(schema == "doomed" for schema, _, _ in members):
+            armed.clear()
+            with pg.begin() as other:
+                other.exec_driver_sql('DROP SCHEMA "doomed" CASCADE')
+            deadline = time.monotonic() + 20
+            while doomed.step is not None and time.monotonic() < deadline:
+                time.sleep(0.01)  # the tenant's own turn meets the dropped tables and drops its step
+            if doomed.step is None:
+                held.set()
+        return real(conn, members)
+
+    monkeypatch.setattr(_renewal, "renew_together", drop_mid_round)
+    try:
+        armed.set()
+        wait_for(held.is_set, 20, "a round that began before the tenant's step was dropped")
+        wait_for(lambda: doomed.lease_failure is not None, 10, "the round's failure handed to the tenant")
+        reborn = schema_outboxes(pg, ["doomed"], shards=2)["doomed"]
+        publish(reborn, topic, ["a", "a"])
+        wait_for(lambda: pending(reborn) == 0, 30, "the tenant served once its tables are back")
+        publish(outboxes["stays"], topic, ["s"])
+        wait_for(lambda: pending(outboxes["stays"]) == 0, 10, "the other tenant")
+    finally:
+        running.stop()
+    about = [r.getMessage() for r in caplog.records if "tenant doomed" in r.getMessage()]
+    assert len(about) == 2, about
+    assert "failed: SchemaError" in about[0] and "served again" in about[1]
 
 
 def _stays_and_doomed(pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture

@@ -434,8 +434,8 @@ class TenantRelay:
         started = time.monotonic()
         try:
             failure, unit.lease_failure = unit.lease_failure, None
-            if failure is not None:
-                raise failure  # its leases could not be renewed: as if its step had failed so
+            if failure is not None and failure[0] is step:
+                raise failure[1]  # its leases could not be renewed: as if its step had failed so
             # Its first leases are its step's; then its database's renewal keeps them (``run``).
             # While notifications can wake it, a fetch that was not full reads what its backoff needs
             # (poll_within).

@@ -137,7 +137,7 @@ class LeaseRenewal:
                 except Exception as exc:
                     if is_database_outage(exc):
                         raise
-                    unit.lease_failure = exc  # its next turn fails the tenant with it
+                    unit.lease_failure = (step, exc)  # its step's next turn fails the tenant with it
                     self._schedule.wake(unit)
                     owned[id(unit)] = None
         return [owned.get(id(unit)) for unit, _ in chunk]

@@ -43,8 +43,11 @@ class Unit:
     last: BatchResult = field(default_factory=BatchResult)
     served: bool = False
     """It has run a step: its statements are built (the fleet freezes the heap after)."""
-    lease_failure: Exception | None = None
-    """Why its leases could not be renewed (``_renewal``): its next turn fails with it."""
+    lease_failure: tuple[RelayStep, Exception] | None = None
+    """The step whose leases could not be renewed (``_renewal``), and why: its next turn fails with
+    it. Only that step's: a renewal round that began before a turn dropped the step ends after, and
+    its failure said nothing of the step built on the tables made again (it failed the new step's
+    first turn, and was logged as a second failure)."""
     idle_turns: int = 0
     """Its turns since a poll last found rows: its polls back off with them (``_idle_polls``)."""
     unannounced: bool = False
