@@ -176,7 +176,9 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
         with pg.begin() as conn:
             conn.exec_driver_sql("UPDATE a.outbox_meta SET value = '4' WHERE name = 'shard_count'")
         assert round_of("a") == [None] and woken == [units["a"]]
-        failure = units["a"].lease_failure
+        assert units["a"].lease_failure is not None
+        failed_step, failure = units["a"].lease_failure  # the step it renewed, and why it could not
+        assert failed_step is steps["a"]
         assert isinstance(failure, SchemaError) and "changed from 2 to 4" in str(failure)
         assert steps["a"].leases.owned() == {}
     finally:
