@@ -66,9 +66,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "d
 
 
 SERVER_FIXTURES = {"postgres_server": "postgres", "own_postgres": "postgres", "mysql_server": "mysql",
-                   "own_mariadb": "mysql", "kafka": "kafka", "own_kafka": "kafka", "kafka_cluster": "kafka",
-                   "any_kafka": "any_kafka", "java_home": "spark", "logical_postgres": "debezium",
-                   "kafka_connect": "debezium", "own_connect": "debezium"}
+                   "own_mariadb": "mysql", "kafka": "kafka", "own_kafka": "kafka", "quick_quotas": "kafka",
+                   "kafka_cluster": "kafka", "any_kafka": "any_kafka", "java_home": "spark",
+                   "logical_postgres": "debezium", "kafka_connect": "debezium", "own_connect": "debezium"}
 """The fixtures (of this file) that start a server, and the marker a test using one (even through
 another fixture) gets, so that ``-m "not postgres and not mysql and not kafka and not any_kafka and
 not spark"`` runs exactly the tests that need none (docs/testing.md, the tiers). A test class that
@@ -308,6 +308,13 @@ def own_local_kafka(settings: dict[str, str] | None = None) -> Iterator[LocalKaf
 def own_kafka() -> Iterator[LocalKafka]:
     """A single-node Apache Kafka of the test's own, to stop, kill, freeze and start again."""
     yield from own_local_kafka()
+
+
+@pytest.fixture
+def quick_quotas() -> Iterator[LocalKafka]:
+    """A single-node Apache Kafka of the test's own whose quotas measure the rate over 2 s (1 s
+    windows, 2 of them): a quota set or lifted takes effect within seconds (the exactly-once pace)."""
+    yield from own_local_kafka({"quota.window.num": "2", "quota.window.size.seconds": "1"})
 
 
 @pytest.fixture(scope="session")

@@ -21,14 +21,12 @@ import os
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 from _relay_helpers import publish, rows, seqs_by_key, wait_for
 
 from outbox import Outbox, Relay, create_engine
 from outbox.testing import LocalKafka, set_producer_quota
-from tests.conftest import own_local_kafka
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
@@ -39,12 +37,6 @@ RATE = 50_000
 TIMEOUT = 2.0
 """Seconds a transaction may take (the transport's ``delivery_timeout``, 30 s by default)."""
 ROWS, KEYS = 40, 5
-
-
-@pytest.fixture
-def quick_quotas() -> Iterator[LocalKafka]:
-    """A broker of the test's own whose quotas measure the rate over 2 s."""
-    yield from own_local_kafka({"quota.window.num": "2", "quota.window.size.seconds": "1"})
 
 
 @pytest.mark.slow

@@ -264,12 +264,6 @@ TIMEOUT = 2.0
 GIVEN_UP = "the broker takes them too slowly"
 
 
-@pytest.fixture
-def quick_quotas() -> Iterator[LocalKafka]:
-    """A broker of the test's own whose quotas measure the rate over 2 s."""
-    yield from own_local_kafka({"quota.window.num": "2", "quota.window.size.seconds": "1"})
-
-
 def blobs(outbox: Outbox, topic: str, keys: list[str]) -> None:
     """One row per key, 8 kB of random bytes each (compression cannot shrink them)."""
     for key in keys:
