@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
+import _crash_report
 import _xdist_groups
 import pytest
 import sqlalchemy as sa
@@ -119,6 +120,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(_xdist_groups):  # -p _xdist_groups registered it already
         config.pluginmanager.register(_xdist_groups, "_xdist_groups")
+    if not config.pluginmanager.is_registered(_crash_report):
+        config.pluginmanager.register(_crash_report, "_crash_report")
 
 
 def _slow_in_group(item: pytest.Item, group: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,7 @@ def test_the_tests_of_a_group_run_on_one_worker(tmp_path: Path) -> None:
 
 CRASHING = '''
 import os
+import shutil
 
 
 def test_first():
@@ -95,3 +97,45 @@ def test_a_worker_that_dies_ends_the_run_as_a_failure_instead_of_hanging_it(tmp_
              "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
     assert run.returncode != 0, run.stdout[-3000:]
     assert "test_crash" in run.stdout and "node down" in run.stdout, run.stdout[-3000:]
+
+
+SEGFAULTING = '''
+import ctypes
+import threading
+
+
+def read_address_zero():
+    ctypes.string_at(0)  # what a C extension's bad pointer does to a worker
+
+
+def test_crash():
+    thread = threading.Thread(target=read_address_zero, name="crasher")
+    thread.start()
+    thread.join()
+'''
+
+
+@pytest.mark.slow
+def test_a_worker_killed_by_a_signal_says_which_thread_where_at_the_end_of_the_run(tmp_path: Path) -> None:
+    """CI keeps the end of a run's output; twice a segfault reached us as the tail of one thread's
+    stack, none of them the crashing one (tests/_crash_report.py). With the suite's options, the
+    run ends with the fatal error, the crashing thread's Python stack and, with gdb and a core
+    file, its native stack."""
+    (tmp_path / "test_segfaulting.py").write_text(SEGFAULTING)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "_crash_report", "-p", "no:cacheprovider", "-n", "1",
+         *suite_options(), "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+             "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
+    assert run.returncode != 0, run.stdout[-3000:]
+    end = run.stdout[run.stdout.rindex("worker gw0 died: where"):]
+    assert "Fatal Python error: Segmentation fault" in end, end
+    assert re.search(r"Current thread [^\n]*\n(  File [^\n]*\n)*  File [^\n]*test_segfaulting.py\", line \d+ "
+                     r"in read_address_zero\n", end), end
+    pattern = Path("/proc/sys/kernel/core_pattern").read_text()
+    if shutil.which("gdb") and not pattern.startswith("|"):
+        assert re.search(r"native stack of the crashing thread \(gdb\):\n#0 ", end), end
+    else:
+        assert "no native stack: " in end, end
+    assert not list(tmp_path.glob("core*")), "the core was left behind"
