@@ -109,13 +109,16 @@ def native_stack(where: Path) -> list[str]:
         return [f"no native stack: no core file in {cwd} (its core_pattern or limit kept it)"]
     if gdb is None:
         return [f"no native stack: no gdb to read {cores[0]}"]
+    core = cores[0]
     try:
-        run = subprocess.run([gdb, "-batch", "-nx", "-ex", "bt 16", sys.executable, str(cores[0])],
-                             capture_output=True, text=True, timeout=180)
-        frames = [line[:240] for line in run.stdout.splitlines() if re.match(r"#\d+ ", line)]
-        return ["native stack of the crashing thread (gdb):", *frames] if frames else \
-            ["no native stack: gdb read nothing from the core", *run.stderr.splitlines()[-5:]]
+        run = subprocess.run([gdb, "-batch", "-nx", "-ex", "info inferiors", "-ex", "bt 16", sys.executable,
+                              str(core)], capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
         return ["no native stack: gdb took over 180 s"]
-    finally:
-        cores[0].unlink(missing_ok=True)  # a worker's core is as large as its memory
+    if not re.search(rf"\bprocess {pid}\b", run.stdout):  # a core left by another process (a child)
+        return [f"no native stack: {core} is not the worker's (pid {pid})"]
+    core.unlink(missing_ok=True)  # a worker's core is as large as its memory
+    frames = [line[:240] for line in run.stdout.splitlines() if re.match(r"#\d+ ", line)]
+    if not frames:
+        return ["no native stack: gdb read nothing from the core", *run.stderr.splitlines()[-5:]]
+    return ["native stack of the crashing thread (gdb):", *frames]

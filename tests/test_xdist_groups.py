@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,11 @@ def test_after():
 '''
 
 
+def no_core_files() -> None:
+    """A child's abort leaves no core in the repository (the suite's workers may; _crash_report)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def suite_options() -> list[str]:
     """The options ``scripts/test`` gives pytest after ``-n WORKERS`` (the README's test command)."""
     line = next(line for line in (ROOT / "scripts" / "test").read_text().splitlines()
@@ -92,7 +98,7 @@ def test_a_worker_that_dies_ends_the_run_as_a_failure_instead_of_hanging_it(tmp_
         [sys.executable, "-m", "pytest", "-p", "_xdist_groups", "-p", "no:cacheprovider", "-n", "1",
          *suite_options(), "-p", "no:faulthandler", "--rootdir", str(tmp_path), "-c", os.devnull,
          str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=no_core_files,
         env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
              "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "tests")))})
     assert run.returncode != 0, run.stdout[-3000:]
