@@ -40,6 +40,7 @@ from transports._errors import CommitUnconfirmedError, ConfigurationError, Trans
 from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
+from .._weak import weakly
 from ._commit import BoundedCommits, translated
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
@@ -149,15 +150,18 @@ class KafkaSource:
     def _subscribed(self) -> Consumer:
         generation = self.rejoins
 
-        def statistics(text: str) -> None:
-            if generation == self.rejoins:  # not a replaced consumer's, on its way out
-                self._statistics(text)
-
+        statistics = weakly(self._statistics_of)
+        # Every callback holds the source weakly (``_weak``): a source dropped unclosed is freed at once.
         consumer = Consumer({**self.config, "logger": self._log, "error_cb": self._errors,
-                             "stats_cb": statistics, "on_commit": self._reported})
-        consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked,
-                           on_lost=self._lost)
+                             "stats_cb": lambda text: statistics(generation, text),
+                             "on_commit": weakly(self._reported)})
+        consumer.subscribe(self.topics, on_assign=weakly(self._assigned), on_revoke=weakly(self._revoked),
+                           on_lost=weakly(self._lost))
         return consumer
+
+    def _statistics_of(self, generation: int, text: str) -> None:
+        if generation == self.rejoins:  # not a replaced consumer's, on its way out
+            self._statistics(text)
 
     def poll(self, max_records: int, timeout: float) -> list[Record]:
         """Up to ``max_records`` records, waiting up to ``timeout`` seconds for the first (and, while

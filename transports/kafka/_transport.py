@@ -66,6 +66,7 @@ from .._protocol import Outcome, ReadBack, Record, SendResult, TransportFeatures
 from .._refusals import NOT_SENT_ALONE, resendable, settled
 from .._unknown_topics import PROPAGATION_SECONDS, UnknownTopics
 from .._waves import NO_REPORT, hold_behind_undelivered, key_partition, publish_in_waves
+from .._weak import weakly
 from ._admin import ADMIN, connection_settings
 from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
@@ -695,12 +696,14 @@ class KafkaTransport:
         self._fatal = None
 
     def _new_producer(self, settings: Mapping[str, Any] | None = None) -> Producer:
-        """librdkafka's log lines go to Python logging (``_logging``), not raw to stderr."""
-        return Producer({**self._config, **(settings or {}), "error_cb": self._on_error,
+        """librdkafka's log lines go to Python logging (``_logging``), not raw to stderr; its errors to
+        ``_on_error``, held weakly (``_weak``: a transport dropped unclosed is freed at once)."""
+        return Producer({**self._config, **(settings or {}), "error_cb": weakly(self._on_error),
                          "logger": self._log})
 
     def close(self, timeout: float = 10.0) -> None:
-        """Wait up to ``timeout`` seconds for queued records, then drop the producer.
+        """Wait up to ``timeout`` seconds for queued records. The producer itself is destroyed with the
+        transport (dropped, it goes at once: ``_weak``).
 
         A producer stopped by a fatal error raises it again from ``flush``; its
         records were all reported already, so there is nothing left to wait for.

@@ -1,0 +1,96 @@
+"""A Kafka transport or source dropped without ``close()`` is destroyed at once, never by the cycle
+collector.
+
+confluent-kafka's clients are unsafe to collect in a cycle: the collector clears a client (its
+callbacks, the thread-local key its calls use) before it destroys it, in a collection that runs on
+whichever thread allocates, librdkafka's own included; a collected client then destroys its
+librdkafka handle there (confluent-kafka-python issue 1761, "Segmentation fault on GC runs in
+multithreaded context", open; a destroy from a thread of the handle's own aborts). Our transport and
+source gave their clients bound methods of themselves as callbacks, a cycle, so every one dropped
+unclosed (a test's, an application's that forgot) went that way. The callbacks now hold their owner
+weakly (``transports._weak``): dropping the owner drops its clients, in the dropping thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient
+
+from outbox import Outbox, create_engine
+from outbox.relay import Relay
+from transports import Record
+from transports.kafka import KafkaSource, KafkaTransport, embedded_kafka
+
+CLIENTS = (Producer, Consumer, AdminClient)
+
+
+@pytest.fixture(scope="module")
+def mock() -> Iterator[str]:
+    with embedded_kafka(brokers=1) as bootstrap:
+        yield bootstrap
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """The cycle collector off: what the test drops is freed at once or stays, visibly."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def clients() -> set[int]:
+    return {id(o) for o in gc.get_objects() if isinstance(o, CLIENTS)}
+
+
+def test_a_transport_dropped_unclosed_frees_its_producers_at_once(mock: str, no_collector: None) -> None:
+    before = clients()
+    transport = KafkaTransport(bootstrap_servers=mock, delivery_timeout=10)
+    [result] = transport.publish([Record(topic="lifetime", value=b"v", key=b"k")])
+    assert result.error is None, result
+    transactional = transport.transactional("lifetime-tx", timeout=10)
+    assert clients() - before, "the transport made no client the test can see"
+    del transport, transactional, result
+    left = clients() - before
+    assert not left, f"{len(left)} client(s) of a dropped transport wait for the cycle collector"
+
+
+def test_a_source_dropped_unclosed_frees_its_consumer_at_once(mock: str, no_collector: None) -> None:
+    before = clients()
+    source = KafkaSource(topics=["lifetime"], bootstrap_servers=mock, group_id="lifetime")
+    source.poll(10, 0.5)
+    assert clients() - before, "the source made no client the test can see"
+    del source
+    left = clients() - before
+    assert not left, f"{len(left)} client(s) of a dropped source wait for the cycle collector"
+
+
+@pytest.mark.parametrize("exactly_once", [False, True], ids=["plain", "exactly-once"])
+def test_a_relay_run_stopped_and_dropped_frees_its_transport_at_once(
+        mock: str, no_collector: None, sqlite_db: str, exactly_once: bool) -> None:
+    """The relay's own objects hold the transport too: its batch runner and its exactly-once
+    publisher (with the shard producers' maker) held each other, so a stopped relay's transport,
+    producer and all, waited for the collector."""
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    before = clients()
+    transport = KafkaTransport(bootstrap_servers=mock, delivery_timeout=10)
+    relay = Relay(outbox, transport, worker_id="lifetime", exactly_once=exactly_once)
+    runner = threading.Thread(target=relay.run)
+    runner.start()
+    time.sleep(1)
+    relay.stop()
+    runner.join(30)
+    assert not runner.is_alive()
+    transport.close()
+    del relay, transport, runner
+    left = clients() - before
+    assert not left, f"{len(left)} client(s) of a dropped relay's transport wait for the cycle collector"
