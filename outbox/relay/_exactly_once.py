@@ -74,6 +74,7 @@ from transports import (
 )
 from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
+from transports._weak import weakly
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
@@ -153,9 +154,10 @@ class ExactlyOnce:
         self._stopping = stopping or threading.Event()
         self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
+        # The maker holds this publisher weakly (``transports._weak``): a stopped relay is freed at once.
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
-                                    timeout=timeout, transactional_id=self.transactional_id, lock=self._lock,
-                                    name=self.name)
+                                    timeout=timeout, transactional_id=weakly(self.transactional_id),
+                                    lock=self._lock, name=self.name)
 
     @property
     def producers(self) -> int:

@@ -31,6 +31,7 @@ from sqlalchemy import Connection, Engine
 from transports import Transport
 from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
+from transports._weak import weakly
 
 from ..core._alerts import Alert, AlertSink
 from ..core._cloudevents import CloudEvents
@@ -129,9 +130,10 @@ class RelayStep:
         if settings.exactly_once:
             topic = settings.progress_topic if sharing is None or not stored.incarnation else (
                 sharing.topic_for(stored.incarnation))
+            # It marks through the batch runner, held weakly (they would hold each other: transports._weak).
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
-                progress_topic=topic, mark=self._batch.mark_committed, confirm=self.leases.confirm,
+                progress_topic=topic, mark=weakly(self._batch.mark_committed), confirm=self.leases.confirm,
                 sharing=sharing, name=self.name, stopping=stopping)
             check_progress_fits(transport, settings.batch_size, worker_id)
         self._leases_due = 0.0
