@@ -74,7 +74,6 @@ from transports import (
 )
 from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
-from transports._weak import weakly
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
@@ -103,6 +102,11 @@ PACE_HOLD = 1
 """Deadlines after a transaction given up with records acknowledged before its shard's cap may grow
 (30 s with ``KafkaTransport``'s default ``delivery_timeout``: longer than a Kafka quota's window,
 11 s by default)."""
+
+
+def transactional_id_of(incarnation: str, shard: int) -> str:
+    """The transactional id of a shard's producer: ``outbox-{incarnation}-{shard}`` (module doc)."""
+    return f"outbox-{incarnation}-{shard}"
 
 
 def exactly_once_transport(transport: Transport) -> Transactions:
@@ -154,10 +158,11 @@ class ExactlyOnce:
         self._stopping = stopping or threading.Event()
         self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
-        # The maker holds this publisher weakly (``transports._weak``): a stopped relay is freed at once.
+        # The maker names ids from the incarnation, not through this publisher: it would hold us, a
+        # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
-                                    timeout=timeout, transactional_id=weakly(self.transactional_id),
-                                    lock=self._lock, name=self.name)
+                                    timeout=timeout, lock=self._lock, name=self.name,
+                                    transactional_id=partial(transactional_id_of, incarnation))
 
     @property
     def producers(self) -> int:
@@ -165,7 +170,7 @@ class ExactlyOnce:
         return sum(1 for state in self._owned.values() if state.producer is not None)
 
     def transactional_id(self, shard: int) -> str:
-        return f"outbox-{self._incarnation}-{shard}"
+        return transactional_id_of(self._incarnation, shard)
 
     # -- before a batch: fence and recover the shards taken ----------------------------
 
