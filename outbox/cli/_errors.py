@@ -130,9 +130,7 @@ def explain(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, sa.exc.ArgumentError):
         return f"invalid database URL {_database}: {_first_line(exc)}", USAGE
     if isinstance(exc, ImportError):
-        name = exc.name or "a module"
-        return (f"cannot import {name} for {_database}: {_first_line(exc)} "
-                f"(install the database driver this URL names)"), USAGE
+        return _import_error(exc), USAGE
     if isinstance(exc, sa.exc.DBAPIError):
         reason = _first_line(exc.orig or exc)
         if is_database_outage(exc):
@@ -144,6 +142,19 @@ def explain(exc: BaseException) -> tuple[str, int]:
     if _is_kafka_error(exc):
         return f"Kafka: {_first_line(exc)}", RUNTIME
     return f"{type(exc).__name__}: {_first_line(exc)} (--log-level DEBUG shows the traceback)", RUNTIME
+
+
+def _import_error(exc: ImportError) -> str:
+    """A missing module, by whose it is: ours (a broken installation), an extra's (its message says
+    what to install), else the database driver the URL names (the one import a command makes for
+    its URL). Before, every one was blamed on the database driver."""
+    name = exc.name or "a module"
+    if name.split(".")[0] in {"outbox", "transports"}:
+        return f"cannot import {name}: {_first_line(exc)} (the installation is broken: reinstall it)"
+    if "pip install" in str(exc):
+        return _first_line(exc)
+    return (f"cannot import {name} for {_database}: {_first_line(exc)} "
+            f"(install the database driver this URL names)")
 
 
 def report(exc: BaseException) -> int:
