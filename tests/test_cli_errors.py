@@ -394,14 +394,19 @@ def test_exactly_once_with_a_batch_its_progress_record_could_not_carry_is_refuse
     assert_one_sentence(result, 2, "batch_size=50000", "use batch_size 10")
 
 
-def test_a_missing_module_is_blamed_on_what_is_missing_not_always_the_database_driver() -> None:
+def test_a_missing_module_is_blamed_on_what_is_missing_not_always_the_database_driver(
+        capsys: pytest.CaptureFixture[str]) -> None:
     """A module of our own that cannot be imported (a broken installation: seen when a file moved
     under a running relay) said "install the database driver this URL names"; an extra's missing
     library said the same over the extra's own instructions."""
-    from outbox.cli._errors import explain
+    from outbox.cli import report
 
-    ours, _ = explain(ModuleNotFoundError("No module named 'transports.kafka._weak'",
-                                          name="transports.kafka._weak"))
+    def reported(exc: BaseException) -> tuple[str, int]:
+        status = report(exc)
+        return capsys.readouterr().err, status
+
+    ours, _ = reported(ModuleNotFoundError("No module named 'transports.kafka._weak'",
+                                           name="transports.kafka._weak"))
     assert "installation is broken" in ours and "database driver" not in ours, ours
     try:
         try:
@@ -410,7 +415,7 @@ def test_a_missing_module_is_blamed_on_what_is_missing_not_always_the_database_d
             raise ImportError('transports.kafka needs confluent-kafka: pip install '
                               '"transactional-outbox[kafka]"') from cause
     except ImportError as extra:
-        message, status = explain(extra)
-    assert message.startswith("transports.kafka needs confluent-kafka: pip install") and status == 2, message
-    driver, status = explain(ModuleNotFoundError("No module named 'psycopg'", name="psycopg"))
+        message, status = reported(extra)
+    assert "error: transports.kafka needs confluent-kafka: pip install" in message and status == 2, message
+    driver, status = reported(ModuleNotFoundError("No module named 'psycopg'", name="psycopg"))
     assert "install the database driver this URL names" in driver and status == 2, driver
