@@ -37,16 +37,18 @@ starts inherit the limit, and a crashed JVM is not to fill the disk."""
 _dump: IO[str] | None = None
 
 
-def is_worker(config: pytest.Config) -> bool:
-    """An xdist worker, by what xdist gave it (``workerinput``), not by ``PYTEST_XDIST_WORKER``: a run
-    started by a test inside a worker inherits that variable and is a controller all the same."""
-    return hasattr(config, "workerinput")
+def worker_id(config: pytest.Config) -> str | None:
+    """The xdist worker's id ("gw0"), None in a controller or a run without xdist; by what xdist gave
+    the worker (``workerinput``), not by ``PYTEST_XDIST_WORKER``: a run started by a test inside a
+    worker inherits that variable and is a controller all the same."""
+    workerinput = getattr(config, "workerinput", None)
+    return None if workerinput is None else str(workerinput["workerid"])
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The controller of an xdist run: a directory for its workers' dumps (its own, even when
     it runs inside a worker of another run)."""
-    if not is_worker(config) and getattr(config.option, "numprocesses", None):
+    if worker_id(config) is None and getattr(config.option, "numprocesses", None):
         os.environ[DIRECTORY_VARIABLE] = tempfile.mkdtemp(prefix="outbox-crash-")
 
 
@@ -55,9 +57,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     core when it dies (up to ``CORE_LIMIT``)."""
     global _dump
     directory = os.environ.get(DIRECTORY_VARIABLE)
-    if not is_worker(session.config) or directory is None:
+    worker = worker_id(session.config)
+    if worker is None or directory is None:
         return
-    worker = session.config.workerinput["workerid"]  # type: ignore[attr-defined]
     _dump = open(Path(directory, f"{worker}.txt"), "w")  # noqa: SIM115 (open while the worker lives)
     Path(directory, f"{worker}.where").write_text(f"{os.getpid()}\n{os.getcwd()}\n")
     faulthandler.enable(file=_dump, all_threads=True)
@@ -69,14 +71,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     directory = os.environ.get(DIRECTORY_VARIABLE)
-    if not is_worker(config) and directory and Path(directory).is_dir():
+    if worker_id(config) is None and directory and Path(directory).is_dir():
         shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)  # after the durations; the short summary still comes after
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     directory = os.environ.get(DIRECTORY_VARIABLE)
-    if is_worker(terminalreporter.config) or directory is None or not Path(directory).is_dir():
+    if worker_id(terminalreporter.config) is not None or directory is None or not Path(directory).is_dir():
         return
     for dump in sorted(Path(directory).glob("*.txt")):
         text = dump.read_text(errors="replace")

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
+from _relay_helpers import owned_leases, wait_for
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
@@ -86,7 +86,7 @@ def test_a_relay_run_stopped_and_dropped_frees_its_transport_at_once(
     relay = Relay(outbox, transport, worker_id="lifetime", exactly_once=exactly_once)
     runner = threading.Thread(target=relay.run)
     runner.start()
-    time.sleep(1)
+    wait_for(lambda: owned_leases(outbox) > 0, 30, "the relay to take its shards")  # its loop running
     relay.stop()
     runner.join(30)
     assert not runner.is_alive()
