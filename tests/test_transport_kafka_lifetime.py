@@ -1,5 +1,5 @@
 """A Kafka transport or source dropped without ``close()`` is destroyed at once, never by the cycle
-collector.
+collector; so is one a relay or a tenant fleet made or was given, once that is dropped.
 
 confluent-kafka's clients are unsafe to collect in a cycle: the collector clears a client (its
 callbacks, the thread-local key its calls use) before it destroys it, in a collection that runs on
@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from _relay_helpers import owned_leases, wait_for
@@ -24,6 +25,7 @@ from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, create_engine
 from outbox.relay import Relay
+from outbox.tenants import Tenant, TenantRelay
 from transports import Record
 from transports.kafka import KafkaSource, KafkaTransport, embedded_kafka
 
@@ -94,3 +96,36 @@ def test_a_relay_run_stopped_and_dropped_frees_its_transport_at_once(
     del relay, transport, runner
     left = clients() - before
     assert not left, f"{len(left)} client(s) of a dropped relay's transport wait for the cycle collector"
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "unclosed"])
+@pytest.mark.parametrize("exactly_once", [False, True], ids=["plain", "exactly-once"])
+def test_a_fleet_run_stopped_and_dropped_frees_its_producers_at_once(
+        mock: str, no_collector: None, tmp_path: Path, exactly_once: bool, closed: bool) -> None:
+    """The fleet's registry of tenants held the fleet (through the method that builds a tenant's
+    step) and the fleet holds its transports: the producers its factory made, and exactly once its
+    tenants' shard producers, waited for the collector after the fleet was closed and dropped."""
+    outboxes = [Outbox(create_engine(f"sqlite:///{tmp_path / name}.db"), shards=2) for name in ("a", "b")]
+    for ob in outboxes:
+        ob.create_tables()
+    before = clients()
+    fleet = TenantRelay([Tenant(name, database=str(ob.engine.url))  # type: ignore[union-attr]
+                         for name, ob in zip("ab", outboxes, strict=True)],
+                        lambda: KafkaTransport({"message.max.bytes": "1001000"}, bootstrap_servers=mock,
+                                                       delivery_timeout=10),
+                        tenant_header="tenant", lease_ttl=2.0, poll_interval=0.1, workers=2,
+                        exactly_once=exactly_once, progress_topic="lifetime-progress")
+    runner = threading.Thread(target=fleet.run)
+    runner.start()
+    wait_for(lambda: all(owned_leases(ob) > 0 for ob in outboxes), 30, "the fleet to take its tenants")
+    assert clients() - before, "the fleet made no client the test can see"
+    fleet.stop()
+    runner.join(30)
+    assert not runner.is_alive()
+    if closed:
+        fleet.close()
+    del fleet, runner
+    left = clients() - before
+    for ob in outboxes:
+        ob.engine.dispose()  # type: ignore[union-attr]
+    assert not left, f"{len(left)} client(s) of a closed and dropped fleet wait for the cycle collector"

@@ -9,7 +9,9 @@ thread allocates, one of librdkafka's own included (confluent-kafka-python issue
 on collection in a threaded process; a handle destroyed from its own thread aborts). Through
 ``weakly`` the owner is freed by its reference count, and its clients with it, in the thread that
 drops it (``tests/test_transport_kafka_lifetime.py``). A relay's batch runner and its exactly-once
-publisher hold each other the same way, transport included, and so use it too.
+publisher hold each other the same way, transport included, and so use it too, as does a tenant
+fleet's registry of tenants, which holds the fleet (and so its transports) through the method that
+builds a tenant's step.
 """
 
 from __future__ import annotations

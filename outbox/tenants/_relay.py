@@ -49,6 +49,7 @@ from sqlalchemy.exc import DBAPIError
 
 from transports import Transport
 from transports._logsafe import safe_logger
+from transports._weak import weakly
 
 from ..core import _schema
 from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
@@ -193,8 +194,11 @@ class TenantRelay:
             poll_interval=settings.poll_interval, renew_every=renew_interval(settings.lease_ttl),
             notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping,
             slots=self._slots, transaction_pooled=transaction_pooled)
+        # Weakly: the registry is the fleet's, and the fleet holds the transports; a cycle would leave
+        # them, librdkafka clients and all, to the cycle collector (``transports._weak``). Only the
+        # fleet's own calls (refresh, its threads) reach the registry, so it is alive whenever used.
         self._tenants = FleetTenants(self.source, databases=self._databases, schedule=self._schedule,
-                                     make_step=self._new_step, metrics=self.metrics,
+                                     make_step=weakly(self._new_step), metrics=self.metrics,
                                      worker_id=self.worker_id, default=database)
         # A key is stuck after minutes (key_stuck_after): a check per tenant every fifth of that is
         # on time, and 500 tenants do not query every lease renewal interval.
