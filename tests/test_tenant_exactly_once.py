@@ -217,6 +217,32 @@ def test_idle_shard_producers_are_closed_and_made_again_with_their_progress(
     assert set(seen) == set(writer) and max(seen.values()) == 1
 
 
+def test_the_fleet_holds_at_most_max_shard_producers_and_every_shard_still_sends(
+        outboxes: dict[str, Outbox], kafka: str, topic: str) -> None:
+    """Three tenants of four shards, four slots: twelve shards take turns at the producers (one idle
+    for a second closes while another waits), nothing is sent twice, nothing is left behind. A
+    process holds at most about a thousand confluent-kafka clients (one thread-local key each), so
+    without the slots a fleet of 70 tenants of 16 shards failed to make its producers."""
+    writer = publish_all(outboxes, topic, 20)  # every shard is taken over, with rows or without
+    relay = fleet(tenants(outboxes), kafka, True, f"{topic}-progress", max_shard_producers=4)
+    most = 0
+    try:
+        def done() -> bool:
+            nonlocal most
+            relay.run_once()
+            most = max(most, producers(relay))
+            return not any(rows(ob, status="pending") for ob in outboxes.values())
+        wait_for(done, 90, "every tenant's rows published four producers at a time")
+        assert 0 < most <= 4, most
+    finally:
+        relay.close()
+    slots = relay._workers.sharing.slots  # type: ignore[union-attr]
+    assert slots.open == 0, f"{slots.open} slots not given back by producers all closed"
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.0, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert set(seen) == set(writer) and max(seen.values()) == 1
+
+
 def test_the_fleet_s_exactly_once_mode_needs_transports_with_transactions(
         outboxes: dict[str, Outbox]) -> None:
     broker = InMemoryBroker()
@@ -225,6 +251,10 @@ def test_the_fleet_s_exactly_once_mode_needs_transports_with_transactions(
     kafka_transport = lambda: KafkaTransport(bootstrap_servers="127.0.0.1:9")  # noqa: E731 (never reached)
     with pytest.raises(ConfigurationError, match="idle_producers_after"):
         TenantRelay(tenants(outboxes), kafka_transport, exactly_once=True, idle_producers_after=0)
+    for wrong in (0, True, 2.5, "8"):
+        with pytest.raises(ConfigurationError, match=f"max_shard_producers must be an int of at least 1, "
+                                                     f"got {wrong!r}"):
+            TenantRelay(tenants(outboxes), kafka_transport, exactly_once=True, max_shard_producers=wrong)
     # Each tenant's progress topic adds -<incarnation>: a base without room for it is refused now,
     # not tenant by tenant once they start.
     with pytest.raises(ConfigurationError, match=r"progress_topic 'ppp.*has 240 characters.*at most 212"):

@@ -162,7 +162,8 @@ class ExactlyOnce:
         # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
                                     timeout=timeout, lock=self._lock, name=self.name,
-                                    transactional_id=partial(transactional_id_of, incarnation))
+                                    transactional_id=partial(transactional_id_of, incarnation),
+                                    slots=sharing.slots if sharing is not None else None)
 
     @property
     def producers(self) -> int:
@@ -242,10 +243,11 @@ class ExactlyOnce:
         return state.taking is None and not state.lost and (state.producer is not None or state.parked)
 
     def _park_idle(self) -> None:
-        """Close the producers of shards that sent nothing for ``Sharing.idle_after`` seconds."""
+        """Close the producers of shards that sent nothing for ``Sharing.idle_after`` seconds (less while
+        other shards wait for a slot: ``Sharing.idle_limit``)."""
         if self._sharing is None:
             return
-        idle_since = time.monotonic() - self._sharing.idle_after
+        idle_since = time.monotonic() - self._sharing.idle_limit()
         for state in self._owned.values():
             if state.producer is not None and state.recovered and state.used < idle_since:
                 state.producer.close()

@@ -45,6 +45,7 @@ from transports._logsafe import safe_logger
 
 from ..core._outage import is_database_outage
 from ._progress import counted
+from ._sharing import NoProducerSlot, ProducerSlots
 
 log = safe_logger("outbox.relay")
 
@@ -85,26 +86,39 @@ class ProducerMaker:
 
     def __init__(self, transactions: Transactions, *, confirm: Callable[[int, int], bool],
                  progress_topic: str, timeout: float, transactional_id: Callable[[int], str],
-                 lock: threading.Lock, name: str) -> None:
+                 lock: threading.Lock, name: str, slots: ProducerSlots | None = None) -> None:
         self._transactions, self._confirm = transactions, confirm
         self._progress_topic, self._timeout = progress_topic, timeout
         self._transactional_id, self._lock, self._name = transactional_id, lock, name
+        self._slots = slots  # a fleet's: its shard producers are counted (``_sharing``)
 
     def make(self, shard: int, state: ShardState, *, one_per_request: bool = False) -> bool:
         """Replace the shard's producer by a new one of its id, the progress read; whether one was made.
 
         None made when the lease is another's (``state.lost``). Raises
         ``RetriableTransportError`` when the broker, and what the database
-        raises when the database did not answer (``state.producer`` is then None).
-        ``one_per_request``: each broker request holds one record.
+        raises when the database did not answer (``state.producer`` is then None);
+        ``NoProducerSlot`` when a fleet's slots are all taken, before anything
+        else is asked. ``one_per_request``: each broker request holds one record.
         """
         if state.producer is not None:
             state.producer.close()
             state.producer = None
-        if not self._confirmed(shard, state):
+        slots, tid = self._slots, self._transactional_id(shard)
+        if slots is not None:
+            slots.take()  # a slot of the fleet's, the producer's own once it holds it (``_sharing``)
+        try:
+            made = self._confirmed(shard, state) and self._transactions.transactional(
+                tid, self._timeout, one_per_request=one_per_request)
+        except BaseException:
+            if slots is not None:
+                slots.give_back()
+            raise
+        if not made:
+            if slots is not None:
+                slots.give_back()
             return False
-        tid = self._transactional_id(shard)
-        producer = self._transactions.transactional(tid, self._timeout, one_per_request=one_per_request)
+        producer = slots.held(made) if slots is not None else made
         try:
             ids = counted(self._transactions.read_back(self._progress_topic, shard, tid.encode(),
                                                        self._timeout))
@@ -129,7 +143,7 @@ class ProducerMaker:
             if not isinstance(exc, RetriableTransportError) and not is_database_outage(exc):
                 raise
             state.recovered = False
-            if isinstance(exc, RetriableTransportError):
+            if isinstance(exc, RetriableTransportError) and not isinstance(exc, NoProducerSlot):
                 log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
             return False
 
@@ -171,6 +185,8 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
         if state.taking is None or not state.taking.done():
             continue
         failure, state.taking = state.taking.exception(), None
+        if isinstance(failure, NoProducerSlot):
+            continue  # no broker's fault: logged once for the fleet (``ProducerSlots.take``)
         if failure is None:
             if state.stuck is not None:
                 log.info("%s took shard %d over after all; it sends again", name, shard)

@@ -74,6 +74,7 @@ from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._leases import renew_interval
 from ..relay._session import relay_engine
 from ..relay._settings import DEFAULT_BACKOFF, DEFAULT_MAX_BATCH_BYTES, cloudevents_mode, default_worker_id
+from ..relay._sharing import DEFAULT_MAX_SHARD_PRODUCERS, ProducerSlots
 from ._databases import FleetDatabases
 from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
 from ._idle_polls import IdlePolls
@@ -103,7 +104,9 @@ class TenantRelay:
     can come (PostgreSQL notifies; elsewhere it is the latency; where it
     notifies, an idle tenant's polls back off to one a minute, ``_idle_polls``), and ``lease_ttl``
     is longer than a single relay's because one process renews every tenant's
-    leases. ``exactly_once``: as ``Relay``'s, per tenant (docs/tenants.md).
+    leases. ``exactly_once``: as ``Relay``'s, per tenant (docs/tenants.md); then
+    ``idle_producers_after`` closes a shard producer that sent nothing for that
+    long, and at most ``max_shard_producers`` are open at once (``relay._sharing``).
     ``transaction_pooled``: the databases named by URL are reached through a pooler
     in transaction mode (PgBouncer's), so the relay sets its fetch's settings per
     transaction, never on a session, and psycopg prepares no statement
@@ -138,6 +141,7 @@ class TenantRelay:
         exactly_once: bool = False,
         progress_topic: str = DEFAULT_PROGRESS_TOPIC,
         idle_producers_after: float = IDLE_PRODUCERS_AFTER,
+        max_shard_producers: int = DEFAULT_MAX_SHARD_PRODUCERS,
         transaction_pooled: bool = False,
     ) -> None:
         if not callable(transport) or callable(getattr(transport, "publish", None)):
@@ -213,9 +217,10 @@ class TenantRelay:
         # last line names them with those closed by ``run`` itself.
         self._kept_at_stop: list[str] = []
         # Last: nothing after it raises, so a refused setting leaves no producer open.
+        slots = ProducerSlots(max_shard_producers)  # refused before a producer is made
         self._workers = Workers(made_by(transport, min(producers, workers)),
                                 exactly_once and idle_producers_after, progress_topic,
-                                workers=workers, more=transport)
+                                workers=workers, more=transport, slots=slots)
 
     def __repr__(self) -> str:
         return f"TenantRelay(worker_id={self.worker_id!r}, tenants={len(self._tenants.units)})"

@@ -62,7 +62,7 @@ from ..core._validation import folded
 from ..core._wire import CONTENT_TYPE, header_size
 from ..relay._exactly_once import FENCING_THREADS, exactly_once_transport
 from ..relay._settings import _positive_seconds
-from ..relay._sharing import Sharing
+from ..relay._sharing import ProducerSlots, Sharing
 from ..relay._writer import DaemonPool
 
 T = TypeVar("T")
@@ -94,7 +94,7 @@ class Workers:
 
     def __init__(self, transports: Sequence[Transport], idle_producers_after: float | bool = False,
                  progress_topic: str = "", *, workers: int | None = None,
-                 more: Callable[[], Transport] | None = None) -> None:
+                 more: Callable[[], Transport] | None = None, slots: ProducerSlots | None = None) -> None:
         try:
             for made in transports:
                 if not callable(getattr(made, "publish", None)):
@@ -128,7 +128,8 @@ class Workers:
                 # Daemon threads: a transaction stuck on a frozen broker must not hold a stopped
                 # fleet's process alive after ``run`` gave up on it at its stop bound.
                 pool = DaemonPool("outbox-relay-txn", self.workers * FENCING_THREADS)
-                self.sharing = Sharing(pool, idle, progress_topic)
+                self.sharing = (Sharing(pool, idle, progress_topic) if slots is None
+                                else Sharing(pool, idle, progress_topic, slots))
             except ConfigurationError:
                 self.close()  # the transports made for nothing
                 raise
