@@ -272,7 +272,8 @@ class BatchRunner:
         self.metrics.wheel_size.labels(self.worker_id).set(len(wheel))
         return BatchResult(fetched=len(rows), sent=len(records), full=full,
                            held=len(rows) - len(sendable) - len(unsendable),
-                           error=plan.error, broker_unreachable=plan.broker_unreachable, **outcome)
+                           error=plan.error, broker_unreachable=plan.broker_unreachable and not (
+                               self.exactly_once is not None and self.exactly_once.short_of_slots), **outcome)
 
     @property
     def writing(self) -> bool:

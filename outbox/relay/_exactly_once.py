@@ -158,6 +158,7 @@ class ExactlyOnce:
         self._stopping = stopping or threading.Event()
         self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
+        self.short_of_slots = False  # the last ``send`` left a shard's rows for want of a producer slot
         # The maker names ids from the incarnation, not through this publisher: it would hold us, a
         # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
@@ -244,14 +245,22 @@ class ExactlyOnce:
 
     def _park_idle(self) -> None:
         """Close the producers of shards that sent nothing for ``Sharing.idle_after`` seconds (less while
-        other shards wait for a slot: ``Sharing.idle_limit``)."""
+        other shards wait for a slot: ``Sharing.idle_limit``), and, while shards wait, those kept for a
+        whole turn, busy or not: their shards queue for a slot again, behind the waiting ones, through
+        a take-over (the progress read again), so a shard that always sends cannot starve the others."""
         if self._sharing is None:
             return
-        idle_since = time.monotonic() - self._sharing.idle_limit()
+        now = time.monotonic()
+        idle_since, turn = now - self._sharing.idle_limit(), self._sharing.turn_limit()
         for state in self._owned.values():
-            if state.producer is not None and state.recovered and state.used < idle_since:
+            if state.producer is None or not state.recovered:
+                continue
+            if state.used < idle_since:
                 state.producer.close()
                 state.producer, state.parked = None, True
+            elif turn is not None and state.made < now - turn:
+                state.producer.close()
+                state.producer = None
 
     def check_topic(self) -> None:
         """Make the progress topic unless it exists; raise ``ConfigurationError`` if it exists and is
@@ -322,6 +331,9 @@ class ExactlyOnce:
             for future in [pool.submit(partial(self._send_shard, shard, state, records, ids, results))
                            for shard, state, ids in sending]:
                 future.result()
+        # A parked shard refused a slot when it had rows again waits in the queue for one (through a
+        # take-over): its rows are retried without an attempt, and no broker is down (``_batch``).
+        self.short_of_slots = any(state.slot_refused for _, state, _ in sending)
         # Not sent: its shard is not ready or lost, or its key waits behind a refused record.
         return [r if r is not None else SendResult(Outcome.RETRY, error="not sent", unreachable=True)
                 for r in results]

@@ -64,6 +64,8 @@ class ShardState:
     lost: bool = False  # the lease of this epoch is another relay's: nothing more is sent under it
     parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
     used: float = 0.0
+    made: float = 0.0  # when its producer was made (monotonic): kept no longer than a turn (``_sharing``)
+    slot_refused: bool = False  # its last ``remake`` found no slot free: no broker's fault (``_sharing``)
     unmarked: set[int] = field(default_factory=set)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
     stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
@@ -106,7 +108,7 @@ class ProducerMaker:
             state.producer = None
         slots, tid = self._slots, self._transactional_id(shard)
         if slots is not None:
-            slots.take()  # a slot of the fleet's, the producer's own once it holds it (``_sharing``)
+            slots.take(tid)  # a slot of the fleet's, the producer's own once it holds it (``_sharing``)
         try:
             made = self._confirmed(shard, state) and self._transactions.transactional(
                 tid, self._timeout, one_per_request=one_per_request)
@@ -132,6 +134,7 @@ class ProducerMaker:
         with self._lock:
             state.unmarked |= set(ids)
         state.producer, state.used = producer, time.monotonic()
+        state.made, state.slot_refused = state.used, False
         return True
 
     def remake(self, shard: int, state: ShardState, *, one_per_request: bool = False) -> bool:
@@ -143,7 +146,8 @@ class ProducerMaker:
             if not isinstance(exc, RetriableTransportError) and not is_database_outage(exc):
                 raise
             state.recovered = False
-            if isinstance(exc, RetriableTransportError) and not isinstance(exc, NoProducerSlot):
+            state.slot_refused = isinstance(exc, NoProducerSlot)
+            if isinstance(exc, RetriableTransportError) and not state.slot_refused:
                 log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
             return False
 

@@ -17,9 +17,10 @@ client made in one process fails with "Failed to initialize thread local
 storage" whoever makes it, the fleet's plain producers and an inbox's
 consumer included; each also runs three or four librdkafka threads. So the
 fleet's shard producers count against ``ProducerSlots``: past its limit a
-shard's take-over waits for a slot (tried again at each of its tenant's
-batches), and while shards wait, producers idle for ``PRESSED_IDLE_AFTER``
-seconds are closed to make room.
+shard's take-over waits for a slot in a queue, first come first served (tried
+again at each of its tenant's batches), and while shards wait, producers idle
+for ``PRESSED_IDLE_AFTER`` seconds or kept for ``PRESSED_TURN`` are closed to
+make room: their shards queue again (``ExactlyOnce._park_idle``).
 """
 
 from __future__ import annotations
@@ -50,32 +51,49 @@ DEFAULT_MAX_SHARD_PRODUCERS = 500
 """Shard producers a fleet's process holds open at most: half the clients a process can make, the
 rest left for its other clients (its plain producers, the take-overs' progress readers, an inbox)."""
 
+MOST_SHARD_PRODUCERS = 900
+"""The highest ``max_shard_producers`` taken: a process makes about 1,012 clients, and needs some."""
+
 PRESSED_IDLE_AFTER = 1.0
 """Seconds a shard producer may idle while another shard waits for a slot, before it is closed."""
 
-PRESSED_FOR = 5.0
-"""Seconds after a refused slot during which the slots count as pressed (``ProducerSlots.pressed``)."""
+PRESSED_TURN = 10.0
+"""Seconds a shard producer is kept, busy or not, while another shard waits for a slot: then it is
+closed between two batches, and its shard queues for a slot again (``ExactlyOnce._park_idle``)."""
+
+WAITER_EXPIRY = 60.0
+"""Seconds a shard keeps its place in the queue for a slot without asking again (a shard that stopped
+waiting, its tenant removed or its lease lost, must not hold up the others)."""
 
 
 class NoProducerSlot(RetriableTransportError):
-    """Every slot is taken: the shard's take-over is tried again at its tenant's next batch."""
+    """No slot for this shard now: its take-over is tried again at its tenant's next batch, in turn."""
 
 
 class ProducerSlots:
-    """How many shard producers are open in the fleet, at most ``limit``; thread-safe.
+    """How many shard producers are open in the fleet, at most ``limit``, and the shards waiting for
+    one, first come first served; thread-safe.
 
-    ``take`` a slot before making a producer, and the producer ``held`` gives
-    it back when it is closed, once: closing is the only way a producer ends,
-    so the count cannot drift from the producers open. The first refusal is
-    logged, and the end of the shortage once slots are free again.
+    ``take(who)`` a slot before making a producer, and the producer ``held``
+    gives it back when it is closed, once: closing is the only way a producer
+    ends, so the count cannot drift from the producers open. A shard refused
+    joins the queue (``who``: its transactional id) and is served before any
+    shard that asks later; one that does not ask again within
+    ``WAITER_EXPIRY`` loses its place. While shards wait the slots are
+    ``pressed``: producers are then closed sooner (``Sharing.idle_limit``) and
+    taken turns at (``PRESSED_TURN``). The start and the end of a shortage are
+    logged, once each.
     """
 
     def __init__(self, limit: int) -> None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or not limit >= 1:
-            raise ConfigurationError(f"max_shard_producers must be an int of at least 1, got {limit!r}")
+        if (isinstance(limit, bool) or not isinstance(limit, int)
+                or not 1 <= limit <= MOST_SHARD_PRODUCERS):
+            raise ConfigurationError(
+                f"max_shard_producers must be an int from 1 to {MOST_SHARD_PRODUCERS}, got {limit!r:.40} "
+                f"(a process holds about 1,000 confluent-kafka clients: more processes serve more shards)")
         self.limit = limit
         self._open = 0
-        self._refused_at: float | None = None
+        self._waiting: dict[str, float] = {}  # who -> when it last asked, in the order they came
         self._lock = threading.Lock()
 
     @property
@@ -83,33 +101,43 @@ class ProducerSlots:
         return self._open
 
     def pressed(self) -> bool:
-        """Whether a shard was refused a slot in the last ``PRESSED_FOR`` seconds."""
-        refused = self._refused_at
-        return refused is not None and time.monotonic() - refused < PRESSED_FOR
-
-    def take(self) -> None:
-        """One slot, or ``NoProducerSlot``."""
+        """Whether a shard waits for a slot."""
         with self._lock:
-            if self._open < self.limit:
+            return bool(self._live_waiters())
+
+    def take(self, who: str) -> None:
+        """A slot for ``who``, or ``NoProducerSlot`` (``who`` then waits in the queue)."""
+        with self._lock:
+            waiters = self._live_waiters()
+            free = self.limit - self._open
+            ahead = waiters.index(who) if who in self._waiting else len(waiters)
+            if ahead < free:
                 self._open += 1
-                return
-            first = self._refused_at is None
-            self._refused_at = time.monotonic()
-        if first:
-            log.warning("the fleet holds %d shard producers open, its max_shard_producers: shards taken "
-                        "now wait for one to close (producers idle for %.0f s close while they wait)",
-                        self.limit, PRESSED_IDLE_AFTER)
-        raise NoProducerSlot(f"all {self.limit} shard producer slots are taken (max_shard_producers)")
+                ended = self._waiting.pop(who, None) is not None and not self._waiting
+            else:
+                began, self._waiting[who] = not self._waiting, time.monotonic()
+        if ahead < free:
+            if ended:
+                log.info("the fleet's shard producers: no shard waits for a slot any more (%d of %d open)",
+                         self._open, self.limit)
+            return
+        if began:
+            log.warning("the fleet holds %d shard producers open, its max_shard_producers: the shards taken "
+                        "now wait their turn (while they wait, producers idle for %.0f s or open for %.0f s "
+                        "are closed)", self.limit, PRESSED_IDLE_AFTER, PRESSED_TURN)
+        raise NoProducerSlot(f"all {self.limit} shard producer slots are taken (max_shard_producers): "
+                             f"{len(self._waiting)} shards wait")
+
+    def _live_waiters(self) -> list[str]:
+        """The shards waiting, first come first; those that stopped asking dropped (under the lock)."""
+        stale = time.monotonic() - WAITER_EXPIRY
+        for who in [w for w, asked in self._waiting.items() if asked < stale]:
+            del self._waiting[who]
+        return list(self._waiting)
 
     def give_back(self) -> None:
         with self._lock:
             self._open -= 1
-            ended = self._refused_at is not None and self._open <= self.limit // 2
-            if ended:
-                self._refused_at = None
-        if ended:
-            log.info("the fleet's shard producers are down to %d of %d: no shard waits for a slot",
-                     self._open, self.limit)
 
     def held(self, producer: TransactionalProducer) -> TransactionalProducer:
         """``producer``, which gives its slot back when it is closed."""
@@ -152,6 +180,10 @@ class Sharing:
     def idle_limit(self) -> float:
         """Seconds a shard producer may idle now: ``idle_after``, less while shards wait for a slot."""
         return min(self.idle_after, PRESSED_IDLE_AFTER) if self.slots.pressed() else self.idle_after
+
+    def turn_limit(self) -> float | None:
+        """Seconds a shard producer may be kept at all now: ``PRESSED_TURN`` while shards wait, else None."""
+        return PRESSED_TURN if self.slots.pressed() else None
 
     def __post_init__(self) -> None:
         validate_topic(self.progress_topic)
