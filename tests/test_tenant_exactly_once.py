@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import publish, rows, schema_outboxes, wait_for
+from _relay_helpers import Running, publish, rows, schema_outboxes, wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
@@ -419,18 +419,6 @@ def test_a_fleet_that_lost_a_tenant_s_lease_while_making_an_idle_producer_again_
 SHORTAGE = "shard producers open, its max_shard_producers"
 
 
-def _running(relay: Any) -> threading.Thread:
-    thread = threading.Thread(target=relay.run, daemon=True)
-    thread.start()
-    return thread
-
-
-def _stop(relay: Any, thread: threading.Thread) -> None:
-    relay.stop()
-    thread.join(30)
-    relay.close()
-
-
 def test_a_slot_shortage_under_run_is_never_a_broker_outage_and_every_row_goes_once(
         outboxes: dict[str, Outbox], kafka: str, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     """Promise (2) and the brief's last point: one slot, three tenants of four shards, under ``run``:
@@ -439,7 +427,7 @@ def test_a_slot_shortage_under_run_is_never_a_broker_outage_and_every_row_goes_o
     writer = publish_all(outboxes, topic, 20)
     relay = fleet(tenants(outboxes), kafka, True, f"{topic}-progress", max_shard_producers=1)
     most = 0
-    thread = _running(relay)
+    running = Running(relay)
     started = time.monotonic()
     try:
         def done() -> bool:
@@ -449,7 +437,7 @@ def test_a_slot_shortage_under_run_is_never_a_broker_outage_and_every_row_goes_o
         wait_for(done, 120, "every tenant's rows published one producer at a time")
         took = time.monotonic() - started
     finally:
-        _stop(relay, thread)
+        running.stop()
     slots = relay._workers.sharing.slots  # type: ignore[union-attr]
     lines = [r.getMessage() for r in caplog.records]
     unreachable = [m for m in lines if "unreachable" in m]
@@ -489,7 +477,7 @@ def test_a_tenant_that_keeps_sending_does_not_starve_another_forever(
 
     sender = threading.Thread(target=keep_sending, daemon=True)
     sender.start()
-    thread = _running(relay)
+    running = Running(relay)
     try:
         def acme_holds_all() -> bool:
             step = relay.relay_of("acme")
@@ -506,7 +494,7 @@ def test_a_tenant_that_keeps_sending_does_not_starve_another_forever(
     finally:
         stop.set()
         sender.join(5)
-        _stop(relay, thread)
+        running.stop()
     lines = [r.getMessage() for r in caplog.records]
     print(f"globex rows still pending after 45 s: {pending} of {len(globex)}; acme producers {acme_open};"
           f" 'unreachable' lines: {sum('unreachable' in m for m in lines)}")
@@ -560,7 +548,7 @@ def test_a_parked_shard_refused_a_slot_is_not_logged_as_a_broker_outage(
             time.sleep(0.03)
 
     sender = threading.Thread(target=keep_sending, daemon=True)
-    thread = _running(relay)
+    running = Running(relay)
     try:
         wait_for(lambda: not rows(outboxes["globex"], status="pending"), 60, "globex's first rows")
         sender.start()
@@ -579,7 +567,7 @@ def test_a_parked_shard_refused_a_slot_is_not_logged_as_a_broker_outage(
     finally:
         stop.set()
         sender.join(5)
-        _stop(relay, thread)
+        running.stop()
     lines = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     unreachable = [m for m in lines if "unreachable" in m]
     print(f"globex parked shards {parked}; pending after 15 s {pending}; warnings: {len(lines)}")
