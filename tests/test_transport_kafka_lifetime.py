@@ -105,12 +105,12 @@ def test_a_fleet_run_stopped_and_dropped_frees_its_producers_at_once(
     """The fleet's registry of tenants held the fleet (through the method that builds a tenant's
     step) and the fleet holds its transports: the producers its factory made, and exactly once its
     tenants' shard producers, waited for the collector after the fleet was closed and dropped."""
-    outboxes = [Outbox(create_engine(f"sqlite:///{tmp_path / name}.db"), shards=2) for name in ("a", "b")]
+    engines = {name: create_engine(f"sqlite:///{tmp_path / name}.db") for name in ("a", "b")}
+    outboxes = [Outbox(engine, shards=2) for engine in engines.values()]
     for ob in outboxes:
         ob.create_tables()
     before = clients()
-    fleet = TenantRelay([Tenant(name, database=str(ob.engine.url))  # type: ignore[union-attr]
-                         for name, ob in zip("ab", outboxes, strict=True)],
+    fleet = TenantRelay([Tenant(name, database=str(engine.url)) for name, engine in engines.items()],
                         lambda: KafkaTransport({"message.max.bytes": "1001000"}, bootstrap_servers=mock,
                                                        delivery_timeout=10),
                         tenant_header="tenant", lease_ttl=2.0, poll_interval=0.1, workers=2,
@@ -126,6 +126,6 @@ def test_a_fleet_run_stopped_and_dropped_frees_its_producers_at_once(
         fleet.close()
     del fleet, runner
     left = clients() - before
-    for ob in outboxes:
-        ob.engine.dispose()  # type: ignore[union-attr]
+    for engine in engines.values():
+        engine.dispose()
     assert not left, f"{len(left)} client(s) of a closed and dropped fleet wait for the cycle collector"
