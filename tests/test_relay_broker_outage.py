@@ -11,9 +11,11 @@ too.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +60,28 @@ def own_kafka(module_kafka: LocalKafka) -> LocalKafka:
     return module_kafka
 
 
-def wait_for(condition, timeout: float, what: str) -> float:
+def wait_for(condition, timeout: float, what: str, explain: Callable[[], str] | None = None) -> float:
+    """Seconds until ``condition`` held; past ``timeout`` it fails, saying ``explain()`` too (what a
+    rare failure in CI needs to be understood without a rerun: the rows, where the relay was)."""
     started = time.monotonic()
     while not condition():
-        assert time.monotonic() - started < timeout, f"timed out after {timeout}s waiting for {what}"
+        if time.monotonic() - started >= timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}"
+                                 + (f"\n{explain()}" if explain is not None else ""))
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def state_of(outbox: Outbox) -> str:
+    """The outbox's rows (status, key, attempts, last error) and the relay's threads' stacks, for a
+    failure."""
+    frames = sys._current_frames()
+    stacks = "".join(f"{t.name} at:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threading.enumerate()
+                     if t.name.startswith("outbox") and t.ident in frames)
+    listed = "\n".join(f"  {r.status} {r.key} attempts={r.attempts} last_error={r.last_error!r}"
+                       for r in rows(outbox))
+    return f"rows:\n{listed}\n{stacks}"
 
 
 @pytest.mark.xdist_group("timing")  # wall-clock bounds: one test at a time (docs/testing.md)
@@ -307,13 +325,14 @@ def test_a_queue_kept_full_by_a_frozen_broker_is_an_outage(
             publish(outbox, topic, [*keys, None, None])
             if not exactly_once:  # (a transaction's abort waits for the broker: its rows come back after)
                 took = wait_for(lambda: sum(1 for r in rows(outbox, status="pending") if r.last_error) == 32,
-                                20, "the frozen batch back")
+                                20, "the frozen batch back", lambda: state_of(outbox))
                 assert took < 2.0 + 4, f"the batch came back {took:.1f} s after it was sent"  # 11-13 s before
             time.sleep(4)  # the outage itself: frozen for two delivery timeouts, each would be an attempt
             frozen = rows(outbox, status="pending")
         finally:
             own_kafka.thaw()
-        took = wait_for(lambda: not rows(outbox, status="pending"), 30, "publishing after the thaw")
+        took = wait_for(lambda: not rows(outbox, status="pending"), 30, "publishing after the thaw",
+                        lambda: state_of(outbox))
     finally:
         relay.stop()
         running.join(30)
