@@ -102,3 +102,33 @@ def test_a_record_limit_set_by_its_kafka_python_name_is_not_raised_for_the_tenan
     assert int(default) > 1_000_000  # the default limit with room for the header
     told = _fleet_producers(tmp_path, monkeypatch, *header, "-X", "max_request_size=500000")
     assert {made["message.max.bytes"] for made in told} == {"500000"}
+
+
+def test_the_fleet_command_caps_its_shard_producers_as_asked(tmp_path, monkeypatch) -> None:
+    """``--max-shard-producers`` reaches the fleet (its default is the library's)."""
+    given: list[object] = []
+    made = TenantRelay.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        given.append(kwargs.get("max_shard_producers"))
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(TenantRelay, "__init__", init)
+    _fleet_command(tmp_path, monkeypatch, lambda _fleet: None, "--exactly-once", "--max-shard-producers", "7")
+    _fleet_command(tmp_path, monkeypatch, lambda _fleet: None, "--exactly-once")
+    assert given == [7, None]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--max-shard-producers", "7"], "needs --tenants and --exactly-once"),
+    (["--max-shard-producers", "7", "--exactly-once"], "needs --tenants and --exactly-once"),
+    (["--max-shard-producers", "0", "--exactly-once"], "Invalid value for '--max-shard-producers'"),
+    (["--max-shard-producers", "901", "--exactly-once"], "Invalid value for '--max-shard-producers'"),
+])
+def test_a_shard_producer_cap_the_command_cannot_use_is_refused_in_one_line(tmp_path, args, says) -> None:
+    """Without a fleet in exactly-once mode nothing is capped: refused, not ignored; out of range, the
+    option is named. Before anything connects (the broker here answers nothing)."""
+    result = CliRunner().invoke(app, ["relay", "--db", f"sqlite:///{tmp_path / 'r.db'}",
+                                      "--bootstrap-servers", "127.0.0.1:9", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "--max-shard-producers" in result.output, result.output

@@ -21,7 +21,14 @@ from ..core._stopping import StopLatch, stop_signals
 from ..core._terminal import stdout_console
 from ..housekeeping import parse_period, run_retention
 from ..producer import Outbox
-from ..relay import backlog, failed_rows, retry_failed, skip_failed
+from ..relay import (
+    DEFAULT_MAX_SHARD_PRODUCERS,
+    MOST_SHARD_PRODUCERS,
+    backlog,
+    failed_rows,
+    retry_failed,
+    skip_failed,
+)
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._progress import largest_batch
 from ..relay._settings import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_BYTES, MAX_MAX_BATCH_BYTES
@@ -113,6 +120,10 @@ def relay(
         2, min=1, max=64, help="With --tenants: Kafka producers the workers share, one publish at a "
                                "time each; more are made, up to one per worker, while the broker holds "
                                "every one (docs/tenants.md)."),
+    max_shard_producers: int | None = typer.Option(
+        None, min=1, max=MOST_SHARD_PRODUCERS,
+        help=f"With --tenants --exactly-once: shard producers open at once, at most (default "
+             f"{DEFAULT_MAX_SHARD_PRODUCERS}); a shard beyond them waits its turn (docs/tenants.md)."),
     tenant_labels: int = typer.Option(
         100, min=0, help="With --tenants: the first this many tenants label metrics by name, later ones "
                          "share the label _other; 0: no tenant label (docs/tenants.md)."),
@@ -140,9 +151,14 @@ def relay(
         fits = largest_batch(KafkaTransport.max_record_bytes_for(settings))
         default = FLEET_BATCH_SIZE if tenants is not None else DEFAULT_BATCH_SIZE
         batch_size = max(1, min(default, fits)) if fits < default else None
+    if max_shard_producers is not None and (tenants is None or not exactly_once):
+        # The single relay keeps one producer per shard it owns; only a fleet's are shared and capped.
+        raise typer.BadParameter("caps a tenant fleet's transactional producers: it needs --tenants and "
+                                 "--exactly-once", param_hint="--max-shard-producers")
     if tenants is not None:
         if schema is not None:
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
+        capped = {} if max_shard_producers is None else {"max_shard_producers": max_shard_producers}
         _relay_tenants(
             db, tenants, tenant_header, settings, bootstrap_servers, workers=workers, producers=producers,
             prefix=prefix,
@@ -153,7 +169,7 @@ def relay(
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
             metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
             tenant_labels=tenant_labels, exactly_once=exactly_once, progress_topic=progress_topic,
-            transaction_pooled=transaction_pooled, delivery_timeout=delivery_timeout)
+            transaction_pooled=transaction_pooled, delivery_timeout=delivery_timeout, **capped)
         return
     elif tenant_header is not None:
         raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")

@@ -24,9 +24,12 @@ from ._record_limit import refuse_smaller_producer
 from ._relay import Relay
 from ._session import TRANSACTION_POOLED, transaction_pooled_options
 from ._settings import RelaySettings
+from ._sharing import DEFAULT_MAX_SHARD_PRODUCERS, MOST_SHARD_PRODUCERS
 from ._step import RelayOutages, RelayStep, Step
 
 __all__ = [
+    "DEFAULT_MAX_SHARD_PRODUCERS",
+    "MOST_SHARD_PRODUCERS",
     "TRANSACTION_POOLED",
     "BatchResult",
     "Relay",
