@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
 import _crash_report
+import _loops_left
 import _xdist_groups
 import pytest
 import sqlalchemy as sa
@@ -122,6 +123,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_xdist_groups, "_xdist_groups")
     if not config.pluginmanager.is_registered(_crash_report):
         config.pluginmanager.register(_crash_report, "_crash_report")
+    if not config.pluginmanager.is_registered(_loops_left):
+        config.pluginmanager.register(_loops_left, "_loops_left")
 
 
 def _slow_in_group(item: pytest.Item, group: str) -> None:
