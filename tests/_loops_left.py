@@ -53,11 +53,10 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     result = yield  # the test's fixtures are torn down first
-    started = [t for t in _loops() - item.stash.get(_BEFORE, set()) if t.is_alive()]
     deadline = time.monotonic() + GRACE
-    while started and time.monotonic() < deadline:
-        time.sleep(0.05)
-        started = [t for t in started if t.is_alive()]
+    for thread in _loops() - item.stash.get(_BEFORE, set()):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    started = [t for t in _loops() - item.stash.get(_BEFORE, set()) if t.is_alive()]
     if started:
         raise AssertionError(
             f"{len(started)} worker loop(s) this test started still run {GRACE:g} s after its teardown "
