@@ -505,6 +505,32 @@ def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
     assert owned_leases(outboxes["kept"]) > 0 and owned_leases(outboxes["given"]) == 0
 
 
+def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """Twelve tenants whose lease tables another transaction holds locked when the fleet stops:
+    every line of the stop counts them and names ten; a fleet of 500 named all 500 in one line."""
+    names = [f"t{i:02d}" for i in range(12)]
+    outboxes = make_tenants(pg, names, shards={name: 1 for name in names})
+    running = Running(fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg))
+    wait_for(lambda: all(owned_leases(o) == 1 for o in outboxes.values()), 20, "every tenant's lease")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with pg.connect() as holder:
+        # SHARE: the fleet reads them still, but no release (an UPDATE) gets through.
+        holder.exec_driver_sql("LOCK TABLE " + ", ".join(f'"{n}".outbox_leases' for n in names)
+                               + " IN SHARE MODE")
+        running.stop()
+        holder.rollback()
+    said = [r.getMessage() for r in caplog.records if "did not give their leases back" in r.getMessage()]
+    # The release's line (once for the tenants no worker held, 11 if one was in a step; once for
+    # every tenant after the workers: its closers are still held), then the stop's.
+    assert said and "tenants did not give their leases back within 3s (t0" in said[0], said
+    ten = ", ".join(names[:10])
+    assert f"stopped; 12 tenants did not give their leases back ({ten}, …)" in said[-1], said
+    for line in said:
+        listed = line.split("(", 1)[1].split(")", 1)[0].split(";")[0].split(", ")
+        assert len(listed) == 11 and listed[-1] == "…", line  # ten names, then an ellipsis
+
+
 def test_a_tenant_mid_step_at_the_stop_whose_release_failed_is_named_too(
         pg: sa.Engine, topic: str, caplog: pytest.LogCaptureFixture) -> None:
     """A tenant in a step when the stop comes is closed by its worker once the step ends, not by

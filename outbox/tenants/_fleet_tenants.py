@@ -42,6 +42,16 @@ RELEASE_WITHIN = 3.0
 """Seconds a stop, ``close()`` or a refresh that removed tenants waits for their leases to be given
 back, all databases at once."""
 
+
+NAMED_AT_MOST = 10
+"""Tenants a log line names; a fleet of 500 stopping with its database frozen named all 500 in one line."""
+
+
+def some_names(names: list[str]) -> str:
+    """The first ``NAMED_AT_MOST`` of ``names``, and an ellipsis when there are more."""
+    return ", ".join(names[:NAMED_AT_MOST]) + (", …" if len(names) > NAMED_AT_MOST else "")
+
+
 BUILD_STALLED = 3.0
 """Seconds ``start_pending`` waits while no tenant's step of any database is done: a hung server's
 builder goes on alone, and the tenants of the others are read and served meanwhile."""
@@ -300,8 +310,9 @@ class FleetTenants:
         for closer, group in zip(closers, by_database.values(), strict=True):
             closer.join(max(0.0, deadline - time.monotonic()))
             if closer.is_alive():
-                log.warning("relay %s: tenants %s did not give their leases back within %gs (their "
-                            "database does not answer); they expire within the lease TTL", self.worker_id,
-                            ", ".join(unit.tenant.name for unit in group), RELEASE_WITHIN)
+                log.warning("relay %s: %d tenants did not give their leases back within %gs (%s; their "
+                            "database did not answer in time); they expire within the lease TTL",
+                            self.worker_id, len(group), RELEASE_WITHIN,
+                            some_names([unit.tenant.name for unit in group]))
                 kept.extend(unit.tenant.name for unit in group)
         return list(dict.fromkeys(kept))  # a copy: a closer past its time may still append

@@ -76,7 +76,7 @@ from ..relay._session import relay_engine
 from ..relay._settings import DEFAULT_BACKOFF, DEFAULT_MAX_BATCH_BYTES, cloudevents_mode, default_worker_id
 from ..relay._sharing import DEFAULT_MAX_SHARD_PRODUCERS, ProducerSlots
 from ._databases import FleetDatabases
-from ._fleet_tenants import RELEASE_WITHIN, FleetTenants
+from ._fleet_tenants import RELEASE_WITHIN, FleetTenants, some_names
 from ._idle_polls import IdlePolls
 from ._schedule import Schedule, Turn
 from ._shares import BacklogShares
@@ -341,8 +341,7 @@ class TenantRelay:
             kept = list(dict.fromkeys(kept + self._kept_at_stop))
             if kept:
                 log.warning("relay %s stopped; %d tenants did not give their leases back (%s): they "
-                            "expire within the lease TTL", self.worker_id, len(kept), ", ".join(kept[:10])
-                            + (", …" if len(kept) > 10 else ""))
+                            "expire within the lease TTL", self.worker_id, len(kept), some_names(kept))
             else:
                 log.info("relay %s stopped; leases released", self.worker_id)
 
