@@ -32,12 +32,11 @@ def test_tune_switch_interval_sets_a_millisecond() -> None:
     assert before == 0.005 and abs(after - 0.001) < 1e-9
 
 
-def _fleet_command(tmp_path, monkeypatch, instead_of_run, *args: str, tune_gc=lambda **_: None) -> None:
+def _fleet_command(tmp_path, monkeypatch, instead_of_run, *args: str) -> None:
     """Run ``outbox relay --tenants`` (two tenants, ``args``) up to its fleet's ``run``, which calls
-    ``instead_of_run(fleet)``; this test run's switch interval and heap are left as they were (the
-    command's ``tune_gc_for_batches`` is ``tune_gc``)."""
+    ``instead_of_run(fleet)``; this test run's switch interval and heap are left as they were."""
     monkeypatch.setattr(TenantRelay, "run", lambda self, **_: instead_of_run(self))
-    monkeypatch.setattr(relay_cli, "tune_gc_for_batches", tune_gc)  # not this test run's heap
+    monkeypatch.setattr(relay_cli, "tune_gc_for_batches", lambda: None)  # not this test run's heap
     spec = tmp_path / "tenants.json"
     spec.write_text(json.dumps(["acme", "globex"]))
     before = sys.getswitchinterval()
@@ -48,15 +47,6 @@ def _fleet_command(tmp_path, monkeypatch, instead_of_run, *args: str, tune_gc=la
     finally:
         sys.setswitchinterval(before)
     assert result.exit_code == 0, result.output
-
-
-def test_the_fleet_command_sizes_the_young_generation_for_its_workers_batches(tmp_path, monkeypatch) -> None:
-    """Eight workers of 1,000-row batches: the young generation holds what they keep alive at once
-    (``core._gc``), not the single relay's 10,000 objects, which every collection walked in vain."""
-    asked: list[int] = []
-    _fleet_command(tmp_path, monkeypatch, lambda _fleet: None, "--workers", "8", "--batch-size", "1000",
-                   tune_gc=lambda rows_in_flight=0: asked.append(rows_in_flight))
-    assert asked == [8_000]
 
 
 def test_the_fleet_command_runs_its_tenants_with_the_short_switch_interval(tmp_path, monkeypatch) -> None:

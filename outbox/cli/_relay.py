@@ -263,7 +263,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         if metrics_port is not None:
             relay_metrics()
             serve_health(metrics_port, tenant_relay_readiness(fleet), host=metrics_host)
-        tune_gc_for_batches(rows_in_flight=workers * tuning["batch_size"])  # each worker's batch
+        tune_gc_for_batches()
         tune_switch_interval()  # a quiet tenant's thread gets the lock back from a backlog's in 1 ms, not 5
         housekeeper = None if retention is None else start_retention(
             tenant_retention_pass(fleet.source, engine, prefix=prefix, older_than=retention), every)

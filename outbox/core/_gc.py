@@ -22,30 +22,16 @@ import gc
 WORKER_THRESHOLDS = (10_000, 20, 20)
 """A young collection every 10,000 allocations; a full one about every 4 million."""
 
-OBJECTS_PER_ROW = 12
-"""Container objects a row keeps alive while its batch is sent, with room to spare: with eight
-400-row batches in flight a fleet's young generation held 22,000-31,700 objects (7-10 a row)."""
 
-
-def tune_gc_for_batches(rows_in_flight: int = 0) -> None:
+def tune_gc_for_batches() -> None:
     """Freeze what is loaded so far out of the collector's sight; raise its thresholds.
 
-    For a process that runs one worker, or one tenant fleet: the ``outbox relay``
-    and ``outbox inbox run`` commands call it once their worker is built. A service that embeds
+    For a process that runs one worker: the ``outbox relay`` and ``outbox inbox
+    run`` commands call it once their worker is built. A service that embeds
     ``Relay.run`` or ``Inbox.run`` in a process of its own may call it at the
     same point; it changes interpreter-wide settings, so a library never calls
     it on its own.
-
-    ``rows_in_flight``: the rows the process's batches may hold at once, for a
-    process whose workers run batches side by side (``outbox relay --tenants``:
-    workers x batch size). The young generation then allows ``OBJECTS_PER_ROW``
-    for each. Below what the batches keep alive, every young collection walks
-    all of it and frees next to nothing: an eight-worker fleet made 36-50 of them
-    in a 200,000-row drain, 0.4-0.7 s with the interpreter lock held (every
-    worker stopped), and collected 0-4,010 objects; at a threshold above it,
-    none (docs/benchmarks.md, *The fleet's young collections*).
     """
     gc.collect()
     gc.freeze()  # imports and configuration live as long as the process: never scan them again
-    young, *older = WORKER_THRESHOLDS
-    gc.set_threshold(max(young, rows_in_flight * OBJECTS_PER_ROW), *older)
+    gc.set_threshold(*WORKER_THRESHOLDS)
