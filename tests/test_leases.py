@@ -55,33 +55,6 @@ def test_live_relays_split_the_shards_and_the_long_dead_are_forgotten(outbox: Ou
     assert set(first.owned()).isdisjoint(second.owned())
 
 
-def test_a_release_is_one_statement_for_its_shards_and_gives_back_only_what_it_holds_by_epoch(
-        outbox: Outbox) -> None:
-    """``release_all``: one UPDATE for the shards (a fleet stops 500 tenants' leases within its
-    bound; at one a shard it did not), fenced by owner and epoch: a lease this relay's id holds at
-    another epoch (taken again since, by a relay of the same id) stays where it is."""
-    leases = Leases(engine_of(outbox), outbox.tables, 4, "a", ttl=30)
-    assert leases.maintain() == {0: 1, 1: 1, 2: 1, 3: 1}
-    t = outbox.tables.leases
-    with engine_of(outbox).begin() as conn:
-        conn.execute(sa.update(t).where(t.c.shard == 2).values(epoch=7))
-    statements: list[str] = []
-
-    def count(_conn: object, _cursor: object, statement: str, *_: object) -> None:
-        statements.append(statement)
-
-    sa.event.listen(engine_of(outbox), "before_cursor_execute", count)
-    try:
-        leases.release_all()
-    finally:
-        sa.event.remove(engine_of(outbox), "before_cursor_execute", count)
-    assert len([s for s in statements if s.lstrip().upper().startswith("UPDATE")]) == 1, statements
-    with engine_of(outbox).connect() as conn:
-        held = {shard: owner for shard, owner in conn.execute(sa.select(t.c.shard, t.c.owner))}
-    assert held == {0: None, 1: None, 2: "a", 3: None}
-    assert leases.owned() == {} and relays(outbox) == []
-
-
 def test_a_changed_shard_count_stops_a_running_relay(outbox: Outbox) -> None:
     leases = Leases(engine_of(outbox), outbox.tables, 4, "a", ttl=30)
     assert len(leases.maintain()) == 4

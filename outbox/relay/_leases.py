@@ -38,7 +38,6 @@ from sqlalchemy import (
     delete,
     literal_column,
     select,
-    tuple_,
     union_all,
     update,
 )
@@ -355,42 +354,29 @@ class Leases:
             if self._surplus <= 0:
                 return
             give = sorted(self._owned)[-self._surplus:]
-            with self._locking() as conn:
-                self._release(conn, give)
-            self._released_now(give)
+            self._release(give)
             self._surplus = 0
 
     def release_all(self) -> None:
-        """Give back every shard and leave the membership table (clean shutdown), in one transaction.
-
-        One statement for the shards, not one a shard: a fleet stopping releases
-        every tenant's leases on one thread per database within ``RELEASE_WITHIN``,
-        and at 16 statements a tenant 500 tenants of one database took longer than
-        that (their leases then waited out their TTL before anyone took them).
-        """
+        """Give back every shard and leave the membership table (clean shutdown)."""
         with self._lock:
             self._released = True
-            shards = sorted(self._owned)
+            self._release(sorted(self._owned))
             relays = self._tables.relays
-            with self._locking() as conn:
-                self._release(conn, shards)
+            with self._engine.begin() as conn:
                 conn.execute(delete(relays).where(relays.c.worker_id == self.worker_id))
-            self._released_now(shards)
 
-    def _release(self, conn: Connection, shards: list[int]) -> None:
-        """Give back ``shards`` in ``conn``'s transaction, each at the epoch this relay holds it by."""
-        if not shards:
-            return
+    def _release(self, shards: list[int]) -> None:
         leases = self._tables.leases
-        held = [(shard, self._owned[shard]) for shard in shards]
-        conn.execute(
-            update(leases)
-            .where(leases.c.owner == self.worker_id, tuple_(leases.c.shard, leases.c.epoch).in_(held))
-            .values(owner=None, expires_at=utcnow())
-        )
-
-    def _released_now(self, shards: list[int]) -> None:
-        """``shards`` were given back (committed): no longer this relay's."""
+        now = utcnow()
+        with self._locking() as conn:
+            for shard in shards:
+                conn.execute(
+                    update(leases)
+                    .where(leases.c.shard == shard, leases.c.owner == self.worker_id,
+                           leases.c.epoch == self._owned[shard])
+                    .values(owner=None, expires_at=now)
+                )
         self._owned = {s: e for s, e in self._owned.items() if s not in shards}
         if shards:
             log.info("relay %s released shards %s", self.worker_id, shards)
