@@ -44,7 +44,7 @@ back, all databases at once."""
 
 
 NAMED_AT_MOST = 10
-"""Tenants a log line names; a fleet of 500 stopping with its database frozen named all 500 in one line."""
+"""Tenants a log line names; a stop of 500 tenants whose release outlasted its bound named all 500."""
 
 
 def some_names(names: list[str]) -> str:
@@ -310,9 +310,9 @@ class FleetTenants:
         for closer, group in zip(closers, by_database.values(), strict=True):
             closer.join(max(0.0, deadline - time.monotonic()))
             if closer.is_alive():
+                names = [unit.tenant.name for unit in group]
                 log.warning("relay %s: %d tenants did not give their leases back within %gs (%s; their "
                             "database did not answer in time); they expire within the lease TTL",
-                            self.worker_id, len(group), RELEASE_WITHIN,
-                            some_names([unit.tenant.name for unit in group]))
-                kept.extend(unit.tenant.name for unit in group)
+                            self.worker_id, len(names), RELEASE_WITHIN, some_names(names))
+                kept.extend(names)
         return list(dict.fromkeys(kept))  # a copy: a closer past its time may still append
