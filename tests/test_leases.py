@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import publish
 
 from outbox import Outbox, Relay, SchemaError, create_engine
-from outbox.relay._leases import Leases
+from outbox.relay._leases import RELEASED_AT_ONCE, Leases
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 
@@ -53,6 +54,192 @@ def test_live_relays_split_the_shards_and_the_long_dead_are_forgotten(outbox: Ou
     first.release_surplus()
     assert len(second.maintain()) == 2 and len(first.owned()) == 2
     assert set(first.owned()).isdisjoint(second.owned())
+
+
+def statements_of(engine: sa.Engine, run: Callable[[], object]) -> list[str]:
+    """The statements ``engine`` sent while ``run()`` ran."""
+    sent: list[str] = []
+
+    def record(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        sent.append(statement.lstrip().upper())
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        run()
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+    return sent
+
+
+def held(outbox: Outbox) -> dict[int, tuple[str | None, int]]:
+    """Shard -> (owner, epoch), as stored."""
+    t = outbox.tables.leases
+    with engine_of(outbox).connect() as conn:
+        rows = conn.execute(sa.select(t.c.shard, t.c.owner, t.c.epoch))
+        return {shard: (owner, epoch) for shard, owner, epoch in rows}
+
+
+@pytest.mark.parametrize("shards", [16, 1024])
+def test_a_release_is_a_statement_for_many_shards_not_one_a_shard(proof_db_url: str, shards: int) -> None:
+    """A fleet stopping gives back every tenant's leases within ``RELEASE_WITHIN``: at one UPDATE a
+    shard, 500 tenants of 16 shards on one PostgreSQL took 5.4-6.0 s. One UPDATE for up to
+    ``RELEASED_AT_ONCE`` shards, and the membership row, in one transaction."""
+    engine = create_engine(proof_db_url)
+    box = Outbox(engine, shards=shards)
+    box.create_tables()
+    try:
+        leases = Leases(engine, box.tables, shards, "a", ttl=60)
+        assert len(leases.maintain()) == shards
+        sent = statements_of(engine, leases.release_all)
+        updates = [s for s in sent if s.startswith("UPDATE")]
+        assert len(updates) == -(-shards // RELEASED_AT_ONCE), updates
+        assert [s.split()[0] for s in sent if s.split()[0] in ("UPDATE", "DELETE", "COMMIT")] == [
+            "DELETE", *["UPDATE"] * len(updates)], sent  # the relay's row first: a heartbeat's order
+        assert leases.owned() == {} and relays(box) == []
+        assert all(owner is None for owner, _ in held(box).values())
+    finally:
+        engine.dispose()
+
+
+def test_a_release_gives_back_only_the_shards_it_holds_at_the_epoch_it_holds_them(outbox: Outbox) -> None:
+    """The fence of a release: a shard another relay took once this one's lease expired (a stall)
+    stays the other's, and one this relay's id holds at another epoch (a namesake took it again
+    since) stays where it is."""
+    engine = engine_of(outbox)
+    a = Leases(engine, outbox.tables, 4, "a", ttl=60)
+    assert a.maintain() == {0: 1, 1: 1, 2: 1, 3: 1}
+    t = outbox.tables.leases
+    with engine.begin() as conn:  # a stalled: its leases of 1 and 3 expired, and b takes them
+        conn.execute(sa.update(t).where(t.c.shard.in_([1, 3]))
+                     .values(expires_at=datetime.now(UTC) - timedelta(seconds=5)))
+    b = Leases(engine, outbox.tables, 4, "b", ttl=60)
+    assert b.maintain() == {1: 2, 3: 2}
+    with engine.begin() as conn:  # a namesake of a took 2 again
+        conn.execute(sa.update(t).where(t.c.shard == 2).values(epoch=7))
+    a.release_all()
+    assert held(outbox) == {0: (None, 1), 1: ("b", 2), 2: ("a", 7), 3: ("b", 2)}
+    assert a.owned() == {} and relays(outbox) == ["b"]
+
+
+def two_relays(url: str, *, relays_engine: Callable[[sa.Engine], sa.Engine] = lambda e: e,
+               ) -> tuple[Outbox, Leases, Leases, sa.Engine]:
+    """16 shards split by two relays on engines of their own (two processes; ``relays_engine`` of
+    each engine, ``at_read_committed`` for the relay's level): a holds 0-7, b 8-15. The outbox is on
+    a's engine; b's is returned."""
+    a_engine, b_engine = create_engine(url), create_engine(url)
+    box = Outbox(a_engine, shards=16)
+    box.create_tables()
+    a = Leases(relays_engine(a_engine), box.tables, 16, "a", ttl=60)
+    b = Leases(relays_engine(b_engine), box.tables, 16, "b", ttl=60)
+    assert len(a.maintain()) == 16
+    b.maintain()
+    a.maintain()
+    a.release_surplus()
+    assert sorted(b.maintain()) == list(range(8, 16)) and sorted(a.owned()) == list(range(8))
+    return box, a, b, b_engine
+
+
+def at_read_committed(engine: sa.Engine) -> sa.Engine:
+    """``engine`` at the level a relay runs its transactions at (``relay_engine``)."""
+    return engine.execution_options(isolation_level="READ COMMITTED")
+
+
+def waits_at_most(engine: sa.Engine, seconds: int) -> None:
+    """Every connection ``engine`` opens from now on gives up a row lock wait after ``seconds``."""
+    postgres = engine.dialect.name == "postgresql"
+    setting = (f"SET lock_timeout = '{seconds}s'" if postgres
+               else f"SET SESSION innodb_lock_wait_timeout = {seconds}")
+
+    @sa.event.listens_for(engine, "connect")
+    def bounded(dbapi_connection: Any, _record: object) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(setting)
+        cursor.close()
+        if postgres:
+            dbapi_connection.commit()
+
+    engine.dispose()  # the pooled connections were opened without it
+
+
+def test_a_release_does_not_wait_on_the_lease_rows_another_relay_holds_locked(server_db_url: str) -> None:
+    """Another relay's transaction holds its own lease rows locked (its take, confirm or marks, each
+    row by primary key): a release reads and locks only its own rows, and goes through. On MariaDB
+    a release of 8 shards of 16 by ``shard IN (...)`` alone scanned the whole table (and at
+    REPEATABLE READ locked every row it read); by ``(shard, epoch) IN`` alone too (0ba74e9)."""
+    box, a, _, b_engine = two_relays(server_db_url)
+    a_engine = engine_of(box)
+    waits_at_most(a_engine, 2)
+    t = box.tables.leases
+    try:
+        with b_engine.connect() as blocker, blocker.begin():
+            for shard in range(8, 16):
+                row = sa.select(t.c.owner).where(t.c.shard == shard).with_for_update()
+                assert blocker.execute(row).scalar() == "b"
+            started = time.monotonic()
+            a.release_all()  # a lock wait fails it after 2 s
+            assert time.monotonic() - started < 2
+        assert a.owned() == {} and relays(box) == ["b"]
+        assert {shard: owner for shard, (owner, _) in held(box).items()} == {
+            **{shard: None for shard in range(8)}, **{shard: "b" for shard in range(8, 16)}}
+    finally:
+        a_engine.dispose()
+        b_engine.dispose()
+
+
+@pytest.mark.parametrize("paused", ["release after its DELETE", "heartbeat after forgetting"])
+@pytest.mark.parametrize("level", ["as created", "relay's"])
+def test_a_release_and_another_relays_heartbeat_at_once_do_not_deadlock(
+        server_db_url: str, paused: str, level: str) -> None:
+    """A release is one transaction: the relay's row, then its lease rows, the order of a heartbeat
+    (its row, the relays long dead, the renewal). The other order deadlocked on MariaDB (0ba74e9): a
+    heartbeat forgetting the long dead locks every relay row it reads, the releasing one's too, then
+    waits for its renewal's lease rows, which the release locked before it came to its relay row.
+    Each side is stopped between its statements while the other runs, at the engine's level
+    (REPEATABLE READ on MariaDB) and at the relay's (READ COMMITTED, ``relay_engine``)."""
+    box, a, b, b_engine = two_relays(
+        server_db_url, relays_engine=(lambda e: e) if level == "as created" else at_read_committed)
+    a_engine = engine_of(box)
+    first = a_engine if paused.startswith("release") else b_engine  # stopped after its DELETE
+    stopped, go = threading.Event(), threading.Event()
+
+    def pause(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if statement.lstrip().upper().startswith("DELETE") and not stopped.is_set():
+            stopped.set()
+            go.wait(10)
+
+    sa.event.listen(first, "after_cursor_execute", pause)
+    b._forget_at = datetime.min.replace(tzinfo=UTC)  # its heartbeat forgets the long dead this round
+    outcome: dict[str, BaseException | None] = {}
+
+    def run(name: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+            outcome[name] = None
+        except BaseException as exc:
+            outcome[name] = exc
+
+    one, other = (("release", a.release_all), ("heartbeat", b.maintain))
+    if first is b_engine:
+        one, other = other, one
+    threads = [threading.Thread(target=run, args=one, daemon=True)]
+    threads[0].start()
+    try:
+        assert stopped.wait(10)
+        threads.append(threading.Thread(target=run, args=other, daemon=True))
+        threads[1].start()
+        threads[1].join(1.0)  # into its wait on the paused side's locks, if it has one
+    finally:
+        go.set()
+    for thread in threads:
+        thread.join(30)
+    try:
+        assert outcome == {"release": None, "heartbeat": None}, outcome
+        assert a.owned() == {} and relays(box) == ["b"]
+        assert sorted(b.maintain()) == list(range(16))
+    finally:
+        sa.event.remove(first, "after_cursor_execute", pause)
+        a_engine.dispose()
+        b_engine.dispose()
 
 
 def test_a_changed_shard_count_stops_a_running_relay(outbox: Outbox) -> None:
