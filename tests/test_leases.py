@@ -242,6 +242,52 @@ def test_a_release_and_another_relays_heartbeat_at_once_do_not_deadlock(
         b_engine.dispose()
 
 
+@pytest.mark.parametrize("level", ["as created", "relay's"])
+def test_two_relays_renewing_at_once_do_not_deadlock(server_db_url: str, level: str) -> None:
+    """Two relays' renewals at once, one stopped between its UPDATE and its COMMIT while the other
+    runs: on MariaDB the renewal's locking read of ``shard IN`` (half the table) scanned every row
+    and waited on the other relay's, even at READ COMMITTED, while the other's read waited on its
+    own: a deadlock, and one renewal failed (``Leases._renewals`` forces the primary key)."""
+    box, a, b, b_engine = two_relays(
+        server_db_url, relays_engine=(lambda e: e) if level == "as created" else at_read_committed)
+    a_engine = engine_of(box)
+    stopped, go = threading.Event(), threading.Event()
+
+    def pause(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if statement.lstrip().upper().startswith("UPDATE") and not stopped.is_set():
+            stopped.set()  # a's lease rows renewed, its transaction open
+            go.wait(10)
+
+    sa.event.listen(a_engine, "after_cursor_execute", pause)
+    outcome: dict[str, BaseException | None] = {}
+
+    def renew(name: str, leases: Leases) -> None:
+        try:
+            leases.maintain()
+            outcome[name] = None
+        except BaseException as exc:
+            outcome[name] = exc
+
+    threads = [threading.Thread(target=renew, args=("a", a), daemon=True),
+               threading.Thread(target=renew, args=("b", b), daemon=True)]
+    threads[0].start()
+    try:
+        assert stopped.wait(10)
+        threads[1].start()
+        threads[1].join(1.0)  # into its wait on a's rows, if it has one
+    finally:
+        go.set()
+    for thread in threads:
+        thread.join(30)
+    try:
+        assert outcome == {"a": None, "b": None}, outcome
+        assert sorted(a.owned()) == list(range(8)) and sorted(b.owned()) == list(range(8, 16))
+    finally:
+        sa.event.remove(a_engine, "after_cursor_execute", pause)
+        a_engine.dispose()
+        b_engine.dispose()
+
+
 def test_a_changed_shard_count_stops_a_running_relay(outbox: Outbox) -> None:
     leases = Leases(engine_of(outbox), outbox.tables, 4, "a", ttl=30)
     assert len(leases.maintain()) == 4

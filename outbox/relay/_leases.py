@@ -58,6 +58,10 @@ RELEASED_AT_ONCE = 500
 releases in nine; a ``(shard, epoch) IN`` of 10,000 pairs is more than PostgreSQL parses ("stack
 depth limit exceeded", see ``inbox.storage._keys.SELECT_AT_ONCE``)."""
 
+BY_PRIMARY_KEY = "FORCE INDEX (PRIMARY)"
+"""The hint of a MySQL/MariaDB statement on lease rows named by ``shard IN (...)``: InnoDB locks every
+row it reads, and unforced it reads the whole table when the list names a good part of it."""
+
 
 def fair_share(shards: int, live: list[str], me: str) -> int:
     """Shards ``me`` should hold: the first ``shards % n`` live relays hold one more."""
@@ -284,13 +288,22 @@ class Leases:
     @cached_property
     def _renewals(self) -> tuple[Any, Any]:
         """Renew this relay's leases of the shards it took (RETURNING them), and on MySQL/MariaDB
-        the locking read of what it renewed."""
+        the locking read of what it renewed.
+
+        Both by primary key there (forced): for ``shard IN`` of half the table
+        MariaDB scans all of it, and a locking read that scans waits on every row
+        another transaction holds, even at READ COMMITTED. Two relays' renewals
+        at once then deadlocked (each had updated its rows, each read waited on
+        the other's), and at REPEATABLE READ the UPDATE locked other relays' rows
+        too (``tests/test_leases.py``).
+        """
         leases = self._tables.leases
         mine = (leases.c.owner == bindparam("me"), leases.c.shard.in_(bindparam("shards", expanding=True)))
         renew = update(leases).where(*mine).values(expires_at=bindparam("expires"))
         if not self._mysql:
             return renew.returning(leases.c.shard, leases.c.epoch), None
-        return renew, select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
+        locked = select(leases.c.shard, leases.c.epoch).where(*mine).with_for_update()
+        return renew.with_hint(BY_PRIMARY_KEY), locked.with_hint(leases, BY_PRIMARY_KEY)
 
     def _members(self, conn: Connection, now: datetime) -> tuple[list[str], int | None]:
         """The live relays (heartbeat within one TTL) and the stored shard count, in one query."""
@@ -403,7 +416,7 @@ class Leases:
                    tuple_(leases.c.shard, leases.c.epoch).in_(bindparam("held", expanding=True)))
             .values(owner=None, expires_at=bindparam("now"))
         )
-        return give.with_hint("FORCE INDEX (PRIMARY)") if self._mysql else give
+        return give.with_hint(BY_PRIMARY_KEY) if self._mysql else give
 
     def _give_back(self, conn: Connection, shards: list[int]) -> None:
         """Give back ``shards`` in ``conn``'s transaction (``RELEASED_AT_ONCE`` a statement)."""
