@@ -77,6 +77,8 @@ class FleetTenants:
         """Tenants built since the heap was last frozen (``freeze_new``)."""
         self._retiring: set[Unit] = set()
         """Removed while a worker ran their step: still served until that step ends and they close."""
+        self._closing = threading.Lock()
+        """Taken while ``close_all`` hands units to closers (``Unit.closer``)."""
         self._building: set[FleetDatabase] = set()
         """Databases whose tenants' steps a builder thread is building (``start_pending``)."""
         self._built = 0
@@ -275,44 +277,73 @@ class FleetTenants:
         if left:  # its server may have no tenant left; one removed mid-step leaves only now
             self._databases.span()
         self._claims.release(unit)
+        held = unit.step is not None
         if not unit.db.gate.down:
             released = self.drop_step(unit)
         else:
             released, unit.step = unit.step is None, None  # its database is down: leases expire by their TTL
+        if held:  # closed again (a stop closes every tenant twice), it keeps what the first close found
+            unit.kept = not released
         with self._schedule.lock:
             self._retiring.discard(unit)
         return released
 
     def close_all(self, units: list[Unit]) -> list[str]:
         """Close ``units`` (release their leases), each database's on a thread of its own; the
-        names of the tenants whose leases were not given back (they expire within their TTL).
+        names of the tenants whose leases are not given back when it returns: their release
+        failed (they expire within their TTL), or it still goes on.
 
         Waits at most ``RELEASE_WITHIN`` seconds: a frozen database's tenants
-        are left to their lease TTL, and never delay the others' release.
+        are left to their lease TTL, and never delay the others' release. A
+        tenant an earlier call's closer still releases is waited for (within
+        the bound), not released by a second closer beside the first; one
+        closed already is not waited for.
         """
+        started = time.monotonic()
         by_database: dict[int, list[Unit]] = {}
-        kept: list[str] = []  # appended to by the closers' threads
+        earlier: list[threading.Thread] = []  # closers of an earlier call, on some of these units
+        with self._closing:
+            for unit in units:
+                if unit.closer is not None:
+                    earlier.append(unit.closer)
+                elif unit.step is not None:
+                    by_database.setdefault(id(unit.db), []).append(unit)
+            closers = [threading.Thread(target=self._close_group, args=(group, started),
+                                        name="outbox-relay-release", daemon=True)
+                       for group in by_database.values()]
+            for closer, group in zip(closers, by_database.values(), strict=True):
+                for unit in group:
+                    unit.closer = closer
         for unit in units:
-            if unit.step is not None:
-                by_database.setdefault(id(unit.db), []).append(unit)
-            else:
-                self.close(unit)  # nothing to release: no database call
-
-        def close_all(group: list[Unit]) -> None:
-            for unit in group:
-                if not self.close(unit):
-                    kept.append(unit.tenant.name)
-        closers = [threading.Thread(target=close_all, args=(group,), name="outbox-relay-release", daemon=True)
-                   for group in by_database.values()]
+            if unit.closer is None:
+                self.close(unit)  # nothing to release (or released already): no database call
         for closer in closers:
             closer.start()
-        deadline = time.monotonic() + RELEASE_WITHIN
-        for closer, group in zip(closers, by_database.values(), strict=True):
+        deadline = started + RELEASE_WITHIN
+        for closer in dict.fromkeys([*closers, *earlier]):
             closer.join(max(0.0, deadline - time.monotonic()))
-            if closer.is_alive():
-                names = [unit.tenant.name for unit in group]
-                log.warning("relay %s: %d tenants did not give their leases back within %gs (%s; their "
-                            "database did not answer in time); they expire within the lease TTL",
-                            self.worker_id, len(names), RELEASE_WITHIN, some_names(names))
-                kept.extend(names)
-        return list(dict.fromkeys(kept))  # a copy: a closer past its time may still append
+        going = [unit.tenant.name for unit in units if unit.closer is not None]
+        if going:
+            log.warning("relay %s: %d tenants had not given their leases back after %gs (%s; their "
+                        "database is slow or does not answer); their release goes on, and leases it "
+                        "cannot give back expire within the lease TTL",
+                        self.worker_id, len(going), RELEASE_WITHIN, some_names(going))
+        return [unit.tenant.name for unit in units if unit.kept or unit.closer is not None]
+
+    def _close_group(self, group: list[Unit], started: float) -> None:
+        """A closer: close ``group``'s units (one database's) one after the other. Those it gives
+        back past ``RELEASE_WITHIN`` are logged: the warning of ``close_all`` said they were not."""
+        late = []
+        for unit in group:
+            try:
+                self.close(unit)
+            except Exception:  # a bug: the others of its database are closed still
+                log.exception("relay %s: tenant %s could not be closed", self.worker_id, unit.tenant.name)
+                unit.kept = True
+            finally:
+                unit.closer = None
+            if time.monotonic() - started > RELEASE_WITHIN and not unit.kept:
+                late.append(unit.tenant.name)
+        if late:
+            log.info("relay %s: %d tenants gave their leases back %.1fs after their release began (%s)",
+                     self.worker_id, len(late), time.monotonic() - started, some_names(late))

@@ -328,7 +328,7 @@ class TenantRelay:
                         if unit.state is not TurnState.RUNNING]
             # The tenants no worker holds give their leases back at once, before the workers are
             # waited for: a worker stuck on a frozen database must not keep the others' leases.
-            kept = self._tenants.close_all(idle)
+            self._tenants.close_all(idle)
             for worker in workers:
                 if worker.ident is not None:
                     worker.join()
@@ -337,7 +337,9 @@ class TenantRelay:
             for thread in (refresher, *self._databases.threads()):
                 if thread.ident is not None:
                     thread.join(max(0.0, deadline - time.monotonic()))
-            kept += self._tenants.close_all(list(self._tenants.units.values()))
+            # Every tenant, the idle ones again: what is not given back by now (a release that
+            # failed, or one still going on), not what was not given back within the first wait.
+            kept = self._tenants.close_all(list(dict.fromkeys([*idle, *self._tenants.units.values()])))
             kept = list(dict.fromkeys(kept + self._kept_at_stop))
             if kept:
                 log.warning("relay %s stopped; %d tenants did not give their leases back (%s): they "

@@ -55,6 +55,11 @@ class Unit:
     next polls come every ``poll_interval`` (``_idle_polls``), through the full batches that drain them."""
     backlogged: bool = False
     """Its last turn fetched a full batch: more is waiting (``_shares``)."""
+    kept: bool = False
+    """Its close did not give its leases back (they expire within their TTL): ``FleetTenants.close``."""
+    closer: threading.Thread | None = None
+    """The thread giving its leases back, until it has (``FleetTenants.close_all``): a second call
+    waits for that thread instead of starting another on the same tenants."""
 
 
 @dataclass(eq=False)
