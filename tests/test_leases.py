@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from _relay_helpers import publish
 
 from outbox import Outbox, Relay, SchemaError, create_engine
-from outbox.relay._leases import RELEASED_AT_ONCE, Leases
+from outbox.relay._leases import SHARDS_AT_ONCE, Leases
 from transports.memory import InMemoryBroker, InMemoryTransport
 
 
@@ -83,7 +83,7 @@ def held(outbox: Outbox) -> dict[int, tuple[str | None, int]]:
 def test_a_release_is_a_statement_for_many_shards_not_one_a_shard(proof_db_url: str, shards: int) -> None:
     """A fleet stopping gives back every tenant's leases within ``RELEASE_WITHIN``: at one UPDATE a
     shard, 500 tenants of 16 shards on one PostgreSQL took 5.4-6.0 s. One UPDATE for up to
-    ``RELEASED_AT_ONCE`` shards, and the membership row, in one transaction."""
+    ``SHARDS_AT_ONCE`` shards, and the membership row, in one transaction."""
     engine = create_engine(proof_db_url)
     box = Outbox(engine, shards=shards)
     box.create_tables()
@@ -92,7 +92,7 @@ def test_a_release_is_a_statement_for_many_shards_not_one_a_shard(proof_db_url: 
         assert len(leases.maintain()) == shards
         sent = statements_of(engine, leases.release_all)
         updates = [s for s in sent if s.startswith("UPDATE")]
-        assert len(updates) == -(-shards // RELEASED_AT_ONCE), updates
+        assert len(updates) == -(-shards // SHARDS_AT_ONCE), updates
         assert [s.split()[0] for s in sent if s.split()[0] in ("UPDATE", "DELETE", "COMMIT")] == [
             "DELETE", *["UPDATE"] * len(updates)], sent  # the relay's row first: a heartbeat's order
         assert leases.owned() == {} and relays(box) == []
@@ -122,20 +122,21 @@ def test_a_release_gives_back_only_the_shards_it_holds_at_the_epoch_it_holds_the
 
 
 def two_relays(url: str, *, relays_engine: Callable[[sa.Engine], sa.Engine] = lambda e: e,
-               ) -> tuple[Outbox, Leases, Leases, sa.Engine]:
-    """16 shards split by two relays on engines of their own (two processes; ``relays_engine`` of
-    each engine, ``at_read_committed`` for the relay's level): a holds 0-7, b 8-15. The outbox is on
-    a's engine; b's is returned."""
+               shards: int = 16) -> tuple[Outbox, Leases, Leases, sa.Engine]:
+    """``shards`` split by two relays on engines of their own (two processes; ``relays_engine`` of
+    each engine, ``at_read_committed`` for the relay's level): a holds the first half, b the
+    second. The outbox is on a's engine; b's is returned."""
     a_engine, b_engine = create_engine(url), create_engine(url)
-    box = Outbox(a_engine, shards=16)
+    box = Outbox(a_engine, shards=shards)
     box.create_tables()
-    a = Leases(relays_engine(a_engine), box.tables, 16, "a", ttl=60)
-    b = Leases(relays_engine(b_engine), box.tables, 16, "b", ttl=60)
-    assert len(a.maintain()) == 16
+    a = Leases(relays_engine(a_engine), box.tables, shards, "a", ttl=60)
+    b = Leases(relays_engine(b_engine), box.tables, shards, "b", ttl=60)
+    assert len(a.maintain()) == shards
     b.maintain()
     a.maintain()
     a.release_surplus()
-    assert sorted(b.maintain()) == list(range(8, 16)) and sorted(a.owned()) == list(range(8))
+    half = shards // 2
+    assert sorted(b.maintain()) == list(range(half, shards)) and sorted(a.owned()) == list(range(half))
     return box, a, b, b_engine
 
 
@@ -186,50 +187,71 @@ def test_a_release_does_not_wait_on_the_lease_rows_another_relay_holds_locked(se
         b_engine.dispose()
 
 
+# -- another relay at the same moment: paused mid-transaction, its rows locked ------------------------
+
+def run_to(outcome: dict[str, BaseException | None], name: str,
+           call: Callable[[], object]) -> threading.Thread:
+    """``call()`` on a thread; ``outcome[name]`` is what it raised (None: nothing) once it returns."""
+    def go() -> None:
+        try:
+            call()
+            outcome[name] = None
+        except BaseException as exc:
+            outcome[name] = exc
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
+
+
+def paused_after(engine: sa.Engine, starts: str) -> tuple[threading.Event, Callable[[], None]]:
+    """Pause ``engine``'s next statement starting with ``starts`` after it ran, its transaction open:
+    (set once paused, go on)."""
+    stopped, go = threading.Event(), threading.Event()
+
+    def pause(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if statement.lstrip().upper().startswith(starts) and not stopped.is_set():
+            stopped.set()
+            go.wait(20)
+
+    sa.event.listen(engine, "after_cursor_execute", pause)
+    def unpause() -> None:
+        """Let the paused statement go on; the listener stays (taken out while it runs, the event's
+        own iteration would fail) and pauses nothing more."""
+        go.set()
+    return stopped, unpause
+
+
 @pytest.mark.parametrize("paused", ["release after its DELETE", "heartbeat after forgetting"])
 @pytest.mark.parametrize("level", ["as created", "relay's"])
 def test_a_release_and_another_relays_heartbeat_at_once_do_not_deadlock(
         server_db_url: str, paused: str, level: str) -> None:
     """A release is one transaction: the relay's row, then its lease rows, the order of a heartbeat
     (its row, the relays long dead, the renewal). The other order deadlocked on MariaDB (0ba74e9): a
-    heartbeat forgetting the long dead locks every relay row it reads, the releasing one's too, then
-    waits for its renewal's lease rows, which the release locked before it came to its relay row.
+    heartbeat forgetting the long dead by ``heartbeat_at`` then locked every relay row it read, the
+    releasing one's too, and waited for its renewal's lease rows, which the release locked before
+    it came to its relay row (now it deletes them by primary key, ``Leases._forget``).
     Each side is stopped between its statements while the other runs, at the engine's level
     (REPEATABLE READ on MariaDB) and at the relay's (READ COMMITTED, ``relay_engine``)."""
     box, a, b, b_engine = two_relays(
         server_db_url, relays_engine=(lambda e: e) if level == "as created" else at_read_committed)
     a_engine = engine_of(box)
     first = a_engine if paused.startswith("release") else b_engine  # stopped after its DELETE
-    stopped, go = threading.Event(), threading.Event()
-
-    def pause(_conn: object, _cursor: object, statement: str, *_: object) -> None:
-        if statement.lstrip().upper().startswith("DELETE") and not stopped.is_set():
-            stopped.set()
-            go.wait(10)
-
-    sa.event.listen(first, "after_cursor_execute", pause)
+    stopped, unpause = paused_after(first, "DELETE")
     b._forget_at = datetime.min.replace(tzinfo=UTC)  # its heartbeat forgets the long dead this round
+    with a_engine.begin() as conn:  # one to forget: its DELETE is where the heartbeat stops
+        conn.execute(sa.insert(box.tables.relays).values(
+            worker_id="dead", heartbeat_at=datetime.now(UTC) - timedelta(seconds=700)))
     outcome: dict[str, BaseException | None] = {}
-
-    def run(name: str, call: Callable[[], object]) -> None:
-        try:
-            call()
-            outcome[name] = None
-        except BaseException as exc:
-            outcome[name] = exc
-
     one, other = (("release", a.release_all), ("heartbeat", b.maintain))
     if first is b_engine:
         one, other = other, one
-    threads = [threading.Thread(target=run, args=one, daemon=True)]
-    threads[0].start()
+    threads = [run_to(outcome, *one)]
     try:
         assert stopped.wait(10)
-        threads.append(threading.Thread(target=run, args=other, daemon=True))
-        threads[1].start()
+        threads.append(run_to(outcome, *other))
         threads[1].join(1.0)  # into its wait on the paused side's locks, if it has one
     finally:
-        go.set()
+        unpause()
     for thread in threads:
         thread.join(30)
     try:
@@ -237,7 +259,6 @@ def test_a_release_and_another_relays_heartbeat_at_once_do_not_deadlock(
         assert a.owned() == {} and relays(box) == ["b"]
         assert sorted(b.maintain()) == list(range(16))
     finally:
-        sa.event.remove(first, "after_cursor_execute", pause)
         a_engine.dispose()
         b_engine.dispose()
 
@@ -251,39 +272,21 @@ def test_two_relays_renewing_at_once_do_not_deadlock(server_db_url: str, level: 
     box, a, b, b_engine = two_relays(
         server_db_url, relays_engine=(lambda e: e) if level == "as created" else at_read_committed)
     a_engine = engine_of(box)
-    stopped, go = threading.Event(), threading.Event()
-
-    def pause(_conn: object, _cursor: object, statement: str, *_: object) -> None:
-        if statement.lstrip().upper().startswith("UPDATE") and not stopped.is_set():
-            stopped.set()  # a's lease rows renewed, its transaction open
-            go.wait(10)
-
-    sa.event.listen(a_engine, "after_cursor_execute", pause)
+    stopped, unpause = paused_after(a_engine, "UPDATE")  # a's lease rows renewed, its transaction open
     outcome: dict[str, BaseException | None] = {}
-
-    def renew(name: str, leases: Leases) -> None:
-        try:
-            leases.maintain()
-            outcome[name] = None
-        except BaseException as exc:
-            outcome[name] = exc
-
-    threads = [threading.Thread(target=renew, args=("a", a), daemon=True),
-               threading.Thread(target=renew, args=("b", b), daemon=True)]
-    threads[0].start()
+    threads = [run_to(outcome, "a", a.maintain)]
     try:
         assert stopped.wait(10)
-        threads[1].start()
+        threads.append(run_to(outcome, "b", b.maintain))
         threads[1].join(1.0)  # into its wait on a's rows, if it has one
     finally:
-        go.set()
+        unpause()
     for thread in threads:
         thread.join(30)
     try:
         assert outcome == {"a": None, "b": None}, outcome
         assert sorted(a.owned()) == list(range(8)) and sorted(b.owned()) == list(range(8, 16))
     finally:
-        sa.event.remove(a_engine, "after_cursor_execute", pause)
         a_engine.dispose()
         b_engine.dispose()
 
@@ -378,3 +381,102 @@ def test_a_lease_ttl_past_what_postgresql_bounds_an_idle_transaction_by_still_re
         relay.close()
     assert (batch.fetched, batch.published) == (1, 1), batch
     assert len(broker.records("orders")) == 1
+
+
+@pytest.mark.parametrize("shards", [16, 2048])
+@pytest.mark.parametrize("paused", ["renewal", "release"])
+def test_a_renewal_beside_another_relays_open_renewal_or_release_does_not_wait_on_its_rows(
+        server_db_url: str, shards: int, paused: str) -> None:
+    """a stopped inside its renewal or its release (after its first UPDATE); b renews meanwhile. On
+    MariaDB an IN of 1,000 shards or more became a join that no index hint kept on the primary key:
+    b's locking read scanned and waited on a's rows (and two such renewals deadlocked)."""
+    box, a, b, b_engine = two_relays(server_db_url, relays_engine=at_read_committed, shards=shards)
+    a_engine = engine_of(box)
+    waits_at_most(b_engine, 3)
+    stopped, unpause = paused_after(a_engine, "UPDATE")
+    outcome: dict[str, BaseException | None] = {}
+    try:
+        ta = run_to(outcome, "a", a.maintain if paused == "renewal" else a.release_all)
+        assert stopped.wait(20)
+        started = time.monotonic()
+        tb = run_to(outcome, "b", b.maintain)
+        tb.join(10)
+        took = time.monotonic() - started
+        unpause()
+        ta.join(30)
+        tb.join(30)
+        assert outcome == {"a": None, "b": None}, outcome
+        assert took < 3, took
+        assert len(b.owned()) >= shards // 2
+    finally:
+        unpause()
+        a_engine.dispose()
+        b_engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_release_beside_another_relays_take_of_its_expired_shards_does_not_deadlock(
+        postgres_db: str) -> None:
+    """a stalled past its TTL on shards 2 and 3; b takes them (in shard order) while a, back,
+    releases everything. One UPDATE visits the rows in its plan's order (a small table's heap
+    order: 3 before 2 here), so the release locked 0, 1, 3 and waited on 2 while b, holding 2,
+    waited on 3: a deadlock that rolled back a's whole release, its live shards 0 and 1 too."""
+    a_engine, b_engine = create_engine(postgres_db), create_engine(postgres_db)
+    box = Outbox(a_engine, shards=4)
+    box.create_tables()
+    t = box.tables.leases
+    a = Leases(at_read_committed(a_engine), box.tables, 4, "a", ttl=60)
+    assert a.maintain() == {0: 1, 1: 1, 2: 1, 3: 1}
+    for shard in (3, 2):  # 3's new row version now comes before 2's in the heap
+        with a_engine.begin() as conn:
+            conn.execute(sa.update(t).where(t.c.shard == shard)
+                         .values(expires_at=datetime.now(UTC) - timedelta(seconds=5)))
+    with a_engine.begin() as conn:
+        conn.exec_driver_sql(f"ANALYZE {t.name}")
+    b = Leases(at_read_committed(b_engine), box.tables, 4, "b", ttl=60)
+    stopped, unpause = paused_after(b_engine, "UPDATE")  # b took shard 2, its transaction open
+    outcome: dict[str, BaseException | None] = {}
+    try:
+        tb = run_to(outcome, "take", b.maintain)
+        assert stopped.wait(10)
+        ta = run_to(outcome, "release", a.release_all)
+        ta.join(1.0)
+        unpause()
+        tb.join(20)
+        ta.join(20)
+        assert outcome == {"take": None, "release": None}, outcome
+        assert set(b.owned()) == {2, 3} and a.owned() == {}
+        assert [owner for owner, _ in held(box).values()].count(None) == 2
+    finally:
+        unpause()
+        a_engine.dispose()
+        b_engine.dispose()
+
+
+@pytest.mark.parametrize("paused", ["INSERT", "UPDATE"])
+def test_a_heartbeat_that_forgets_the_dead_does_not_wait_on_the_live_relays_rows(
+        server_db_url: str, paused: str) -> None:
+    """b paused inside its heartbeat, its own relay row locked; a's heartbeat forgets the long dead
+    meanwhile. On MariaDB the DELETE by ``heartbeat_at`` (no index) locked every relay row, waiting
+    on b's, and two heartbeats forgetting at once deadlocked."""
+    box, a, b, b_engine = two_relays(server_db_url, relays_engine=at_read_committed)
+    a_engine = engine_of(box)
+    waits_at_most(a_engine, 3)
+    stopped, unpause = paused_after(b_engine, paused)  # INSERT: its heartbeat; UPDATE: its renewal
+    outcome: dict[str, BaseException | None] = {}
+    try:
+        tb = run_to(outcome, "b", b.maintain)
+        assert stopped.wait(10)
+        a._forget_at = datetime.min.replace(tzinfo=UTC)  # this round forgets
+        started = time.monotonic()
+        ta = run_to(outcome, "a", a.maintain)
+        ta.join(10)
+        took = time.monotonic() - started
+        unpause()
+        tb.join(20)
+        assert outcome == {"a": None, "b": None}, outcome
+        assert took < 3, took
+    finally:
+        unpause()
+        a_engine.dispose()
+        b_engine.dispose()

@@ -53,10 +53,12 @@ from ._sql import RelayStatements, statements_for
 
 log = safe_logger("outbox.relay.leases")
 
-RELEASED_AT_ONCE = 500
-"""Shards one release statement gives back at most (``Leases._give_back``): a relay of 4,096 shards
-releases in nine; a ``(shard, epoch) IN`` of 10,000 pairs is more than PostgreSQL parses ("stack
-depth limit exceeded", see ``inbox.storage._keys.SELECT_AT_ONCE``)."""
+SHARDS_AT_ONCE = 500
+"""Shards one renewal or release statement names at most (``Leases._renew``, ``_give_back``): a relay
+of 4,096 shards releases in nine. A ``(shard, epoch) IN`` of 10,000 pairs is more than PostgreSQL
+parses ("stack depth limit exceeded", see ``inbox.storage._keys.SELECT_AT_ONCE``), and MariaDB turns
+an ``IN`` of 1,000 values or more into a join (``in_predicate_conversion_threshold``) that no index
+hint keeps on the primary key: a locking read then scans and locks every lease row."""
 
 BY_PRIMARY_KEY = "FORCE INDEX (PRIMARY)"
 """The hint of a MySQL/MariaDB statement on lease rows named by ``shard IN (...)``: InnoDB locks every
@@ -240,15 +242,24 @@ class Leases:
         dead for ten TTLs are forgotten once per TTL, not every round: no share
         counts them either way.
         """
-        relays = self._tables.relays
         conn.execute(self._beat, {"worker_id": self.worker_id, "heartbeat_at": now})
         if now >= self._forget_at:  # long dead (killed): forget them
-            conn.execute(delete(relays).where(relays.c.heartbeat_at < now - timedelta(seconds=10 * self.ttl)))
+            self._forget(conn, now - timedelta(seconds=10 * self.ttl))
             self._forget_at = now + timedelta(seconds=self.ttl)
         live, stored = self._members(conn, now)
         self._check_shards(stored)  # before the renewal, which it rolls back
         # Only leases this object took (its renewal names them by owner and shard).
         return live, stored, (self._renew(conn, expires) if self._owned else [])
+
+    def _forget(self, conn: Connection, before: datetime) -> None:
+        """Delete the relays whose last heartbeat is before ``before``: read without a lock, then
+        deleted by primary key, the condition checked again. InnoDB's DELETE by ``heartbeat_at``
+        alone (no index) locked every relay's row, and two relays forgetting at once, each
+        holding its own row from its heartbeat, deadlocked."""
+        relays = self._tables.relays
+        dead = list(conn.scalars(select(relays.c.worker_id).where(relays.c.heartbeat_at < before)))
+        if dead:
+            conn.execute(delete(relays).where(relays.c.worker_id.in_(dead), relays.c.heartbeat_at < before))
 
     def _check_shards(self, stored: int | None) -> None:
         """Resharded under a running relay (the guard was passed, or a relay started meanwhile):
@@ -313,12 +324,18 @@ class Leases:
         return live, (stored[0] if stored else None)
 
     def _renew(self, conn: Connection, expires: datetime) -> list[tuple[int, int]]:
+        """Renew the owned shards, ``SHARDS_AT_ONCE`` a statement; the (shard, epoch) renewed."""
         renew, locked = self._renewals
-        mine = {"me": self.worker_id, "shards": sorted(self._owned)}
-        if locked is None:
-            return [(s, e) for s, e in conn.execute(renew, {**mine, "expires": expires})]
-        conn.execute(renew, {**mine, "expires": expires})
-        return [(s, e) for s, e in conn.execute(locked, mine)]
+        owned = sorted(self._owned)
+        renewed: list[tuple[int, int]] = []
+        for start in range(0, len(owned), SHARDS_AT_ONCE):
+            mine = {"me": self.worker_id, "shards": owned[start:start + SHARDS_AT_ONCE]}
+            if locked is None:
+                renewed += [(s, e) for s, e in conn.execute(renew, {**mine, "expires": expires})]
+                continue
+            conn.execute(renew, {**mine, "expires": expires})
+            renewed += [(s, e) for s, e in conn.execute(locked, mine)]
+        return renewed
 
     def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
         leases = self._tables.leases
@@ -381,7 +398,7 @@ class Leases:
     def release_all(self) -> None:
         """Give back every shard and leave the membership table (clean shutdown), in one transaction.
 
-        A statement for up to ``RELEASED_AT_ONCE`` shards, not one a shard: a fleet
+        A statement for up to ``SHARDS_AT_ONCE`` shards, not one a shard: a fleet
         stopping gives back all its tenants' leases within ``RELEASE_WITHIN``, and at
         a statement a shard 500 tenants of 16 shards on one database did not. The
         membership row goes first: a heartbeat (``_heartbeat``) also takes the
@@ -418,11 +435,31 @@ class Leases:
         )
         return give.with_hint(BY_PRIMARY_KEY) if self._mysql else give
 
+    @cached_property
+    def _lock_in_order(self) -> Any:
+        """PostgreSQL: lock this relay's rows of the shards named, in shard order, before the release.
+
+        Its UPDATE of a few rows may read the table in storage order, and a relay
+        taking shards (``_take``) locks them one by one in shard order: a release
+        of expired leases beside such a take deadlocked, rolling back the whole
+        release. MySQL/MariaDB read the primary key (forced) in its order; SQLite
+        locks the database.
+        """
+        if self._engine.dialect.name != "postgresql":
+            return None
+        leases = self._tables.leases
+        return (select(leases.c.shard)
+                .where(leases.c.shard.in_(bindparam("shards", expanding=True)),
+                       leases.c.owner == bindparam("me"))
+                .order_by(leases.c.shard).with_for_update())
+
     def _give_back(self, conn: Connection, shards: list[int]) -> None:
-        """Give back ``shards`` in ``conn``'s transaction (``RELEASED_AT_ONCE`` a statement)."""
+        """Give back ``shards`` in ``conn``'s transaction (``SHARDS_AT_ONCE`` a statement)."""
         now = utcnow()
-        for start in range(0, len(shards), RELEASED_AT_ONCE):
-            chunk = shards[start:start + RELEASED_AT_ONCE]
+        for start in range(0, len(shards), SHARDS_AT_ONCE):
+            chunk = shards[start:start + SHARDS_AT_ONCE]
+            if self._lock_in_order is not None:
+                conn.execute(self._lock_in_order, {"shards": chunk, "me": self.worker_id})
             conn.execute(self._release_statement, {
                 "shards": chunk, "me": self.worker_id, "now": now,
                 "held": [(shard, self._owned[shard]) for shard in chunk]})

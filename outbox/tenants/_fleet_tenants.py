@@ -79,6 +79,8 @@ class FleetTenants:
         """Removed while a worker ran their step: still served until that step ends and they close."""
         self._closing = threading.Lock()
         """Taken while ``close_all`` hands units to closers (``Unit.closer``)."""
+        self._releasing: set[Unit] = set()
+        """Units a closer is giving back (``close_all``): a refresh's, of tenants removed, too."""
         self._building: set[FleetDatabase] = set()
         """Databases whose tenants' steps a builder thread is building (``start_pending``)."""
         self._built = 0
@@ -302,23 +304,25 @@ class FleetTenants:
         started = time.monotonic()
         by_database: dict[int, list[Unit]] = {}
         earlier: list[threading.Thread] = []  # closers of an earlier call, on some of these units
+        at_once: list[Unit] = []  # nothing to release (or released already): no database call
         with self._closing:
             for unit in units:
                 if unit.closer is not None:
                     earlier.append(unit.closer)
                 elif unit.step is not None:
                     by_database.setdefault(id(unit.db), []).append(unit)
+                else:
+                    at_once.append(unit)
             closers = [threading.Thread(target=self._close_group, args=(group, started),
                                         name="outbox-relay-release", daemon=True)
                        for group in by_database.values()]
             for closer, group in zip(closers, by_database.values(), strict=True):
                 for unit in group:
                     unit.closer = closer
-        for unit in units:
-            if unit.closer is None:
-                self.close(unit)  # nothing to release (or released already): no database call
-        for closer in closers:
-            closer.start()
+                self._releasing.update(group)
+                closer.start()  # under the lock: a call after this one joins only started closers
+        for unit in at_once:
+            self.close(unit)
         deadline = started + RELEASE_WITHIN
         for closer in dict.fromkeys([*closers, *earlier]):
             closer.join(max(0.0, deadline - time.monotonic()))
@@ -329,6 +333,11 @@ class FleetTenants:
                         "cannot give back expire within the lease TTL",
                         self.worker_id, len(going), RELEASE_WITHIN, some_names(going))
         return [unit.tenant.name for unit in units if unit.kept or unit.closer is not None]
+
+    def releasing(self) -> list[Unit]:
+        """The units whose leases a closer is giving back now (``close_all``), removed ones too."""
+        with self._closing:
+            return list(self._releasing)
 
     def _close_group(self, group: list[Unit], started: float) -> None:
         """A closer: close ``group``'s units (one database's) one after the other. Those it gives
@@ -341,7 +350,9 @@ class FleetTenants:
                 log.exception("relay %s: tenant %s could not be closed", self.worker_id, unit.tenant.name)
                 unit.kept = True
             finally:
-                unit.closer = None
+                with self._closing:
+                    unit.closer = None
+                    self._releasing.discard(unit)
             if time.monotonic() - started > RELEASE_WITHIN and not unit.kept:
                 late.append(unit.tenant.name)
         if late:

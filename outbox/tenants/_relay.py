@@ -337,9 +337,11 @@ class TenantRelay:
             for thread in (refresher, *self._databases.threads()):
                 if thread.ident is not None:
                     thread.join(max(0.0, deadline - time.monotonic()))
-            # Every tenant, the idle ones again: what is not given back by now (a release that
-            # failed, or one still going on), not what was not given back within the first wait.
-            kept = self._tenants.close_all(list(dict.fromkeys([*idle, *self._tenants.units.values()])))
+            # Every tenant, the idle ones again, and those a refresh removed whose release goes on:
+            # what is not given back by now (a release that failed, or one still going on), not
+            # what was not given back within the first wait.
+            kept = self._tenants.close_all(list(dict.fromkeys(
+                [*idle, *self._tenants.units.values(), *self._tenants.releasing()])))
             kept = list(dict.fromkeys(kept + self._kept_at_stop))
             if kept:
                 log.warning("relay %s stopped; %d tenants did not give their leases back (%s): they "
