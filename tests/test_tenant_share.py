@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from test_tenant_switching import _fleet_command
 from typer.testing import CliRunner
 
+from outbox import ConfigurationError
 from outbox.cli import app
-from outbox.core._errors import ConfigurationError
 from outbox.tenants import MAX_TENANT_NAME, Tenant, TenantShare, from_file, share_of, shared
 
 NAMES = st.from_regex(rf"[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,{MAX_TENANT_NAME - 1}}}", fullmatch=True)

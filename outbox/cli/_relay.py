@@ -127,7 +127,7 @@ def relay(
         help=f"With --tenants --exactly-once: shard producers open at once, at most (default "
              f"{DEFAULT_MAX_SHARD_PRODUCERS}); a shard beyond them waits its turn (docs/tenants.md)."),
     tenant_share: str | None = typer.Option(
-        None, envvar="OUTBOX_RELAY_TENANT_SHARE", metavar="K/N",
+        None, metavar="K/N",
         help="With --tenants: serve share K (0 to N-1) of N processes' tenants, each tenant in one "
              "process by its name; without it every process serves a part of every tenant's shards "
              "(docs/tenants.md)."),
