@@ -25,7 +25,7 @@ from _relay_helpers import pending, publish, schema_outboxes, wait_for
 from conftest import mariadb_of_its_own
 
 from outbox import ConfigurationError, Inbox, Outbox, create_engine
-from outbox.tenants import Tenant, TenantRelay
+from outbox.tenants import Tenant, TenantRelay, TenantShare, share_of
 from outbox.testing import LocalMariaDB
 from tests.inbox_support import record
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -364,3 +364,79 @@ def test_schemas_like_on_sqlite_reads_the_attached_databases(tmp_path: Path) -> 
 
     assert [t.name for t in schemas_like(engine, "tenant_%")()] == ["tenant_acme"]
     engine.dispose()
+
+
+# -- tenant shares: two processes, each serving a share of one source --------------------------------
+
+@pytest.mark.postgres
+def test_two_names_of_one_schema_in_two_shares_are_refused_by_both_processes(
+        pg: sa.Engine, postgres_db: str, topic: str) -> None:
+    """Each process serves one of them: only if it looks at the whole source does it see the other.
+    Served, every row of the schema went out under the name of whichever process leased it first."""
+    assert share_of("acme", 2) != share_of("globex", 2)
+    outboxes = schema_outboxes(pg, ["acme"], shards=2)
+    publish(outboxes["acme"], topic, [f"k{i}" for i in range(5)])
+    both = [Tenant("acme", "acme", database=postgres_db),
+            Tenant("globex", "acme", database=respelled(postgres_db, "localhost for 127.0.0.1"))]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relays = [fleet(lambda: both, broker, worker_id=f"share-{i}", share=TenantShare(i, 2)) for i in range(2)]
+    try:
+        for relay in relays:
+            with pytest.raises(ConfigurationError, match="'acme' and 'globex' name the same schema"):
+                relay.refresh()
+            assert relay.tenants == []
+        both.pop()
+        for relay in relays:
+            relay.run_once()
+    finally:
+        for relay in relays:
+            relay.close()
+    assert {v for r in broker.records(topic) for n, v in r.headers if n == HEADER} == {b"acme"}
+
+
+@pytest.mark.postgres
+def test_a_tenant_of_this_share_in_the_schema_of_another_shares_is_refused_when_it_claims_it(
+        pg: sa.Engine, postgres_db: str, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading's check skips a database that does not answer at that moment; the schemas of the
+    other shares' tenants are held for them, so the claim before serving refuses it still."""
+    outboxes = schema_outboxes(pg, ["acme"], shards=2)
+    publish(outboxes["acme"], topic, ["k"])
+    mine = share_of("globex", 2)
+    source = [Tenant("acme", "acme", database=postgres_db)]  # another share's
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = fleet(lambda: source, broker, share=TenantShare(mine, 2))
+    try:
+        relay.refresh()
+        assert relay.tenants == []
+        source.append(Tenant("globex", "acme", database=respelled(postgres_db, "localhost for 127.0.0.1")))
+        # Its database did not answer the reading's check (a moment's outage): it is skipped there.
+        monkeypatch.setattr(relay._tenants._claims, "refuse_shared", lambda tenants: None)
+        relay.refresh()
+        relay.run_once()
+        assert relay.tenants == []
+    finally:
+        relay.close()
+    assert broker.records(topic) == []
+
+
+def test_a_share_pools_only_its_own_tenants_databases(tmp_path: Path, topic: str) -> None:
+    """The other shares' databases are asked which schema they are through engines without a pool:
+    the fleet keeps a pool, a listener and a renewal only for its share's."""
+    names = [f"db{i}" for i in range(6)]
+    tenants = [Tenant(name, database=f"sqlite:///{tmp_path / name}.db") for name in names]
+    for tenant in tenants:
+        outbox = Outbox(create_engine(str(tenant.database)), shards=2)
+        outbox.create_tables()
+        publish(outbox, topic, ["k"])
+    share = TenantShare(0, 2)
+    ours = sorted(name for name in names if share.holds(name))
+    assert 0 < len(ours) < len(names)
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = fleet(tenants, broker, share=share)
+    try:
+        relay.run_once()
+        pooled = sorted(Path(str(db.engine.url.database)).stem for db in relay._databases.values())
+    finally:
+        relay.close()
+    assert pooled == ours
+    assert sorted(v.decode() for r in broker.records(topic) for n, v in r.headers if n == HEADER) == ours

@@ -280,5 +280,5 @@ def test_fleet_processes_given_shares_serve_each_tenant_from_one_of_them(
     assert codes == [0, 0], log.read_text()[-3000:]
     assert owners == {name: {f"share-{share_of(name, 2)}"} for name in names}, owners
     text = log.read_text()
-    assert "tenant share 0/2: " in text and "tenant share 1/2: " in text, text[-3000:]
+    assert "share-0: tenant share 0/2: " in text and "share-1: tenant share 1/2: " in text, text[-3000:]
     check_topic(read_topic(kafka, topic, expected=len(names) * len(keys), timeout=60, whole=True), outboxes)

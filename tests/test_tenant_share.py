@@ -69,13 +69,21 @@ def test_a_share_that_is_not_k_of_n_is_refused_naming_it(text: str, says: str) -
 
 
 def test_the_fleet_command_serves_its_share_of_the_tenants(tmp_path, monkeypatch) -> None:
-    served: list[list[str]] = []
+    """The command's fleet reads the whole source and serves the share (``TenantRelay(share=)``)."""
+    given: list[object] = []
     for share in ("0/2", "1/2"):
-        _fleet_command(tmp_path, monkeypatch, lambda fleet: served.append(
-            [tenant.name for tenant in fleet.source()]), "--tenant-share", share)
-    assert served == [["globex"], ["acme"]]  # share_of: globex 0, acme 1
-    _fleet_command(tmp_path, monkeypatch, lambda fleet: served.append([t.name for t in fleet.source()]))
-    assert served[-1] == ["acme", "globex"]  # no share: every tenant
+        _fleet_command(tmp_path, monkeypatch, lambda fleet: given.append(fleet.share),
+                       "--tenant-share", share)
+    _fleet_command(tmp_path, monkeypatch, lambda fleet: given.append(fleet.share))
+    assert given == [TenantShare(0, 2), TenantShare(1, 2), None]
+
+
+def test_a_share_of_a_bool_or_a_list_source_is_taken_as_what_it_is() -> None:
+    """``True`` is an int to Python, not a share number; a plain list is a source like any other."""
+    for index, count in ((True, 2), (0, True), (0.0, 2)):
+        with pytest.raises(ConfigurationError):
+            TenantShare(index, count)  # type: ignore[arg-type]
+    assert [t.name for t in shared(["acme", "globex"], TenantShare(0, 2))()] == ["globex"]
 
 
 @pytest.mark.parametrize("args, says", [

@@ -281,11 +281,9 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         def producer() -> KafkaTransport:
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers,
                                   delivery_timeout=delivery_timeout)
-        source = parse_tenants(spec, engine)
-        if share is not None:
-            source = shared(source, share)
         fleet = TenantRelay(
-            source, producer, database=engine, workers=workers, producers=producers,
+            parse_tenants(spec, engine), producer, share=share, database=engine, workers=workers,
+            producers=producers,
             tenant_header=tenant_header, prefix=prefix,
             metrics=tenant_relay_metrics(TenantLabels(tenant_labels) if tenant_labels else None),
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
@@ -297,7 +295,8 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         tune_gc_for_batches()
         tune_switch_interval()  # a quiet tenant's thread gets the lock back from a backlog's in 1 ms, not 5
         housekeeper = None if retention is None else start_retention(
-            tenant_retention_pass(fleet.source, engine, prefix=prefix, older_than=retention), every)
+            tenant_retention_pass(fleet.source if share is None else shared(fleet.source, share), engine,
+                                  prefix=prefix, older_than=retention), every)
         try:
             fleet.run()
         finally:

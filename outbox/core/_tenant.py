@@ -151,9 +151,9 @@ class TenantShare:
     count: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or not 1 <= self.count <= MAX_SHARES:
+        if type(self.count) is not int or not 1 <= self.count <= MAX_SHARES:  # not a bool either
             raise ConfigurationError(f"tenant share count {self.count!r:.40}: give 1 to {MAX_SHARES}")
-        if not isinstance(self.index, int) or not 0 <= self.index < self.count:
+        if type(self.index) is not int or not 0 <= self.index < self.count:
             raise ConfigurationError(
                 f"tenant share {self.index!r:.40} of {self.count}: give 0 to {self.count - 1}")
 
@@ -181,17 +181,14 @@ def share_of(name: str, count: int) -> int:
     return int.from_bytes(digest, "big") % count
 
 
-def shared(source: TenantSource, share: TenantShare) -> TenantSource:
-    """``source``'s tenants of ``share`` only (``TenantShare``); the others are left to other processes."""
-    seen: list[tuple[int, int]] = []  # the last (held, all) logged
+def shared(tenants: TenantsLike, share: TenantShare) -> TenantSource:
+    """``tenants``' tenants of ``share`` only (``TenantShare``), for what works per tenant beside a
+    shared fleet (its retention). A ``TenantRelay`` takes ``share=`` instead: it reads every tenant
+    of the source, to refuse two names of one schema in two shares."""
+    source = tenant_source(tenants)
 
     def read() -> list[Tenant]:
-        tenants = checked_tenants(source())
-        held = [tenant for tenant in tenants if share.holds(tenant.name)]
-        if seen != [(len(held), len(tenants))]:
-            seen[:] = [(len(held), len(tenants))]
-            log.info("tenant share %s: %d of the source's %d tenants", share, len(held), len(tenants))
-        return held
+        return [tenant for tenant in source() if share.holds(tenant.name)]
     return read
 
 

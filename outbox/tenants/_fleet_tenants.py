@@ -16,17 +16,19 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import NullPool
 
 from transports._logsafe import safe_logger
 
+from ..core._engine import create_engine
 from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import OutageBackoff, first_line, is_database_outage
 from ..core._schema_claims import SchemaClaims
-from ..core._tenant import Tenant, TenantSource
+from ..core._tenant import Tenant, TenantShare, TenantSource
 from ..relay import RelayStep, TenantRelayMetrics
 from ._databases import FleetDatabases
 from ._schedule import Schedule
@@ -62,8 +64,17 @@ class FleetTenants:
 
     def __init__(self, source: TenantSource, *, databases: FleetDatabases, schedule: Schedule,
                  make_step: Callable[[Unit], RelayStep], metrics: TenantRelayMetrics, worker_id: str,
-                 default: str | Engine | None) -> None:
+                 default: str | Engine | None, share: TenantShare | None = None) -> None:
         self.source = source
+        self._share = share
+        """Serve only this share's tenants (``TenantShare``); None: every tenant of the source."""
+        self._elsewhere: dict[str, tuple[Hashable, Tenant]] = {}
+        """By name, the tenants of the source another share serves, with what holds their schema here."""
+        self._lookups: dict[str, Engine] = {}
+        """Connection-less engines (``NullPool``) on the databases of those tenants, by URL: to ask
+        their servers which schema they are, without a pool or listener for them."""
+        self._held_names: frozenset[str] | None = None
+        """The share's tenants last logged (``_of_share``)."""
         self._databases = databases
         self._schedule = schedule
         self._make_step = make_step
@@ -95,14 +106,15 @@ class FleetTenants:
     def refresh(self, *, stalled_after: float | None = BUILD_STALLED) -> None:
         """Read the tenants again: start serving new ones, drop removed ones (``start_pending``)."""
         try:
-            wanted = {tenant.name: tenant for tenant in self.source()}
+            every = {tenant.name: tenant for tenant in self.source()}
         except Exception as exc:
             if is_database_outage(exc):
                 log.warning("relay %s: cannot read its tenants (%s); keeps serving the ones it has",
                             self.worker_id, first_line(exc))
                 return
             raise
-        self._refuse_shared_places(wanted.values())
+        wanted = self._of_share(every)
+        self._refuse_shared_places(every.values(), wanted)
         with self._schedule.lock:
             gone = [unit for name, unit in self.units.items()
                     if name not in wanted or wanted[name].address != unit.tenant.address]
@@ -126,25 +138,85 @@ class FleetTenants:
                 unit.db.units[tenant.schema] = unit
         self.start_pending(stalled_after=stalled_after)
 
-    def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
+    def _of_share(self, every: dict[str, Tenant]) -> dict[str, Tenant]:
+        """The tenants of ``every`` this process serves: its share's (all without one); logged when
+        they change."""
+        if self._share is None:
+            return every
+        wanted = {name: tenant for name, tenant in every.items() if self._share.holds(name)}
+        names = frozenset(wanted)
+        if names != self._held_names:
+            self._held_names = names
+            log.info("relay %s: tenant share %s: %d of the source's %d tenants", self.worker_id,
+                     self._share, len(wanted), len(every))
+        return wanted
+
+    def _refuse_shared_places(self, tenants: Iterable[Tenant], wanted: dict[str, Tenant]) -> None:
         """Two tenants in one schema of one database, however their URLs spell it: refused.
 
         The source's own check compares what the tenants say; this one what their
         servers say (``SchemaClaims``). Served twice, a schema's rows would go out
         under two names, by two steps of one worker id, which do not fence each
         other. A database down now is asked again before its tenants are served.
+
+        With a share, every tenant of the source is asked, not only ``wanted``
+        (the share's): two names of one schema in two shares would be served by
+        two processes, each under its name. The others' databases are asked
+        through connection-less engines, and their schemas held here for them
+        (``_hold_elsewhere``): a tenant of this share whose database answers only
+        later is refused its claim of one of them.
         """
         found = []
         for tenant in tenants:
             if tenant.database is None and self._default is None:
                 continue  # refused by name when it is served
             try:
-                db = self._databases.of(tenant)
+                if tenant.name in wanted:
+                    db = self._databases.of(tenant)
+                    if not db.down:
+                        found.append((tenant, db.engine))
+                else:
+                    found.append((tenant, self._lookup(tenant)))
             except ArgumentError:  # not the URL itself: it may hold a password
                 raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
-            if not db.down:
-                found.append((tenant, db.engine))
         self._claims.refuse_shared(found)
+        if self._share is not None:
+            self._hold_elsewhere([(tenant, engine) for tenant, engine in found if tenant.name not in wanted])
+
+    def _lookup(self, tenant: Tenant) -> Engine:
+        """An engine to ask which schema ``tenant`` (another share's) is in: the fleet's own engine
+        on its database if it has one, else one without a pool, made once per URL."""
+        database = tenant.database if tenant.database is not None else self._default
+        if isinstance(database, Engine):
+            return database
+        assert database is not None  # a tenant of no database is skipped by the caller
+        engine = self._lookups.get(database)
+        if engine is None:
+            engine = self._lookups[database] = create_engine(database, poolclass=NullPool)
+        return engine
+
+    def _hold_elsewhere(self, others: list[tuple[Tenant, Engine]]) -> None:
+        """Hold the schemas of ``others`` (other shares' tenants) for them: a tenant of this share
+        in one of them is refused (``SchemaClaims.claim``), as it would be beside a tenant served
+        here. A database that does not answer is asked again at the next refresh."""
+        names = {tenant.name for tenant, _ in others}
+        for name in [name for name in self._elsewhere if name not in names]:
+            self._claims.release(self._elsewhere.pop(name)[0])
+        for tenant, engine in others:
+            held = self._elsewhere.get(tenant.name)
+            if held is not None and held[1] == tenant:
+                continue
+            if held is not None:  # pointed elsewhere
+                self._claims.release(held[0])
+            holder = ("elsewhere", tenant.name)
+            try:
+                self._claims.claim(holder, tenant, engine)
+            except Exception as exc:
+                if is_database_outage(exc):
+                    self._elsewhere.pop(tenant.name, None)
+                    continue
+                raise
+            self._elsewhere[tenant.name] = (holder, tenant)
 
     def start_pending(self, *, stalled_after: float | None = BUILD_STALLED) -> None:
         """Build the step of every tenant that has none yet: reads its stored settings.

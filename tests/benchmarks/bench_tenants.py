@@ -498,8 +498,8 @@ def main() -> None:
                         help="after --settle, seconds with nothing sent at all whose fleet CPU is printed")
     args = parser.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
-    if any(w % args.shares for w in args.workers):
-        parser.error(f"--shares {args.shares} must divide every --workers count")
+    if args.shares < 1 or any(w % args.shares for w in args.workers):
+        parser.error(f"--shares {args.shares} must be at least 1 and divide every --workers count")
     global FLEET_SHARES
     FLEET_SHARES = args.shares
     load_before = os.getloadavg()[0]
@@ -605,11 +605,13 @@ def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairnes
                        f"{last.fleets[w].hwm_kib / 1024:.0f}", seen,
                        f"pool {2 * w + 2} + LISTEN 1" if args.shares == 1 else
                        f"{args.shares} x (pool {2 * w // args.shares + 2} + LISTEN 1)"])
-    per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
+    # Each of the fleet's processes has an interpreter and its libraries, as the single relay has.
+    per_tenant = (last.fleets[most].rss_kib - args.shares * last.single.rss_kib) / n
     shared = "" if args.shares == 1 else (
         f" Each fleet runs as `--shares {args.shares}`: {args.shares} processes, the workers split evenly "
         f"among them, process i given `--tenant-share i/{args.shares}` (CPU, RSS and connections are the "
-        "processes' sums).")
+        "processes' sums; the peak RSS is the sum of each one's peak, an upper bound; the RSS per "
+        "tenant is above one single relay's per process).")
     command = (" --broker kafka" if args.broker == "kafka" else "") + (
         f" --shares {args.shares}" if args.shares != 1 else "")
     processes_for = "one relay process" if args.shares == 1 else f"{args.shares} relay processes"
