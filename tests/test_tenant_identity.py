@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ from _relay_helpers import pending, publish, schema_outboxes, wait_for
 from conftest import mariadb_of_its_own
 
 from outbox import ConfigurationError, Inbox, Outbox, create_engine
-from outbox.tenants import Tenant, TenantRelay
+from outbox.tenants import Tenant, TenantRelay, TenantShare, share_of
 from outbox.testing import LocalMariaDB
 from tests.inbox_support import record
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -364,3 +366,169 @@ def test_schemas_like_on_sqlite_reads_the_attached_databases(tmp_path: Path) -> 
 
     assert [t.name for t in schemas_like(engine, "tenant_%")()] == ["tenant_acme"]
     engine.dispose()
+
+
+# -- tenant shares: two processes, each serving a share of one source --------------------------------
+
+@pytest.mark.postgres
+def test_two_names_of_one_schema_in_two_shares_are_refused_by_both_processes(
+        pg: sa.Engine, postgres_db: str, topic: str) -> None:
+    """Each process serves one of them: only if it looks at the whole source does it see the other.
+    Served, every row of the schema went out under the name of whichever process leased it first."""
+    assert share_of("acme", 2) != share_of("globex", 2)
+    outboxes = schema_outboxes(pg, ["acme"], shards=2)
+    publish(outboxes["acme"], topic, [f"k{i}" for i in range(5)])
+    both = [Tenant("acme", "acme", database=postgres_db),
+            Tenant("globex", "acme", database=respelled(postgres_db, "localhost for 127.0.0.1"))]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relays = [fleet(lambda: both, broker, worker_id=f"share-{i}", share=TenantShare(i, 2)) for i in range(2)]
+    try:
+        for relay in relays:
+            with pytest.raises(ConfigurationError, match=r"'(acme|globex)' and '(acme|globex)' name"):
+                relay.refresh()
+            assert relay.tenants == []
+        both.pop()
+        for relay in relays:
+            relay.run_once()
+    finally:
+        for relay in relays:
+            relay.close()
+    assert {v for r in broker.records(topic) for n, v in r.headers if n == HEADER} == {b"acme"}
+
+
+@pytest.mark.postgres
+def test_a_tenant_of_this_share_in_the_schema_of_another_shares_is_refused_when_it_claims_it(
+        pg: sa.Engine, postgres_db: str, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading's check skips a database that does not answer at that moment; the schemas of the
+    other shares' tenants are held for them, so the claim before serving refuses it still."""
+    outboxes = schema_outboxes(pg, ["acme"], shards=2)
+    publish(outboxes["acme"], topic, ["k"])
+    mine = share_of("globex", 2)
+    source = [Tenant("acme", "acme", database=postgres_db)]  # another share's
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = fleet(lambda: source, broker, share=TenantShare(mine, 2))
+    try:
+        relay.refresh()
+        assert relay.tenants == []
+        source.append(Tenant("globex", "acme", database=respelled(postgres_db, "localhost for 127.0.0.1")))
+        # Its database did not answer the reading's check (a moment's outage): it is skipped there.
+        monkeypatch.setattr(relay._tenants._claims, "refuse_shared", lambda tenants: None)
+        relay.refresh()
+        relay.run_once()
+        assert relay.tenants == []
+    finally:
+        relay.close()
+    assert broker.records(topic) == []
+
+
+def test_a_share_pools_only_its_own_tenants_databases(tmp_path: Path, topic: str) -> None:
+    """The other shares' databases are asked which schema they are through engines without a pool:
+    the fleet keeps a pool, a listener and a renewal only for its share's."""
+    names = [f"db{i}" for i in range(6)]
+    tenants = [Tenant(name, database=f"sqlite:///{tmp_path / name}.db") for name in names]
+    for tenant in tenants:
+        outbox = Outbox(create_engine(str(tenant.database)), shards=2)
+        outbox.create_tables()
+        publish(outbox, topic, ["k"])
+    share = TenantShare(0, 2)
+    ours = sorted(name for name in names if share.holds(name))
+    assert 0 < len(ours) < len(names)
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relay = fleet(tenants, broker, share=share)
+    try:
+        relay.run_once()
+        pooled = sorted(Path(str(db.engine.url.database)).stem for db in relay._databases.values())
+    finally:
+        relay.close()
+    assert pooled == ours
+    assert sorted(v.decode() for r in broker.records(topic) for n, v in r.headers if n == HEADER) == ours
+
+
+def name_in(share: int, count: int, prefix: str, avoid: frozenset[str] = frozenset()) -> str:
+    """The first ``prefix<i>`` of share ``share`` of ``count``, not in ``avoid``."""
+    i = 0
+    while share_of(f"{prefix}{i}", count) != share or f"{prefix}{i}" in avoid:
+        i += 1
+    return f"{prefix}{i}"
+
+
+@pytest.mark.postgres
+def test_a_tenant_renamed_into_another_share_leaves_its_old_process_which_serves_its_next_tenants(
+        pg: sa.Engine, postgres_db: str, topic: str) -> None:
+    """One edit of the source renames acme (one share) to globex (the other), same schema, and
+    adds a tenant of acme's share. acme's process held globex's schema for the other share while
+    acme's own unit still claimed it: every reading was refused from then on, acme stayed served
+    under its old name beside globex, and the new tenant never was."""
+    a, b = share_of("acme", 2), share_of("globex", 2)
+    assert a != b
+    fresh = name_in(a, 2, "newco")
+    outboxes = schema_outboxes(pg, ["acme", fresh], shards=2)
+    source = [Tenant("acme", "acme", database=postgres_db)]
+    broker = InMemoryBroker(max_record_bytes=ROOMY)
+    relays = {k: fleet(lambda: list(source), broker, worker_id=f"share-{k}", share=TenantShare(k, 2))
+              for k in (a, b)}
+    try:
+        for relay in relays.values():
+            relay.refresh()
+        assert relays[a].tenants == ["acme"]
+        source[:] = [Tenant("globex", "acme", database=postgres_db),
+                     Tenant(fresh, fresh, database=postgres_db)]
+        for _ in range(2):
+            for relay in relays.values():
+                relay.refresh()
+        assert relays[a].tenants == [fresh] and relays[b].tenants == ["globex"]
+        publish(outboxes["acme"], topic, ["k"])
+        for relay in relays.values():
+            relay.run_once()
+    finally:
+        for relay in relays.values():
+            relay.close()
+    assert [v for r in broker.records(topic) for n, v in r.headers if n == HEADER] == [b"globex"]
+
+
+@pytest.mark.postgres
+def test_a_frozen_database_of_another_shares_tenant_holds_this_shares_reading_once(
+        pg: sa.Engine, postgres_db: str) -> None:
+    """A server that takes connections and answers nothing (SIGSTOP): asking it which schema the
+    other share's tenant is costs a connect timeout, then it is left for a while; every reading
+    waited for it, and this share's new tenants were picked up a timeout per frozen database late."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    other = Tenant(name_in(1, 2, "frozen"), "s",
+                   database=f"postgresql+psycopg://u:p@127.0.0.1:{hole.getsockname()[1]}/db")
+    own = name_in(0, 2, "own")
+    schema_outboxes(pg, [own], shards=2)
+    source = [other]
+    relay = fleet(lambda: list(source), InMemoryBroker(max_record_bytes=ROOMY), share=TenantShare(0, 2))
+    try:
+        relay.refresh()  # pays the connect timeout once
+        source.append(Tenant(own, own, database=postgres_db))
+        started = time.monotonic()
+        relay.refresh()
+        took = time.monotonic() - started
+        assert relay.tenants == [own]
+        assert took < 3, took
+    finally:
+        relay.close()
+        hole.close()
+
+
+@pytest.mark.mysql
+@pytest.mark.parametrize("wrong", ["password", "database"])
+def test_another_shares_tenant_whose_database_refuses_this_process_leaves_this_shares_tenants_served(
+        mysql_db: str, tmp_path: Path, wrong: str) -> None:
+    """A wrong password, or a database not made yet (MariaDB's errors 1045 and 1049, no outage to
+    the relay): that tenant is its own share's to refuse. Every process's reading failed."""
+    own = name_in(0, 2, "own")
+    own_url = f"sqlite:///{tmp_path / 'own.db'}"
+    Outbox(create_engine(own_url), shards=2).create_tables()
+    bad = sa.make_url(mysql_db).set(**({"password": "wrong-password"} if wrong == "password" else
+                                       {"database": "not_made_yet"})).render_as_string(hide_password=False)
+    source = [Tenant(name_in(1, 2, "other"), database=bad), Tenant(own, database=own_url)]
+    relay = fleet(lambda: list(source), InMemoryBroker(max_record_bytes=ROOMY), share=TenantShare(0, 2))
+    try:
+        relay.refresh()
+        assert relay.tenants == [own]
+    finally:
+        relay.close()

@@ -238,3 +238,47 @@ def test_a_tenant_fleet_loses_and_reorders_nothing_when_its_processes_are_killed
     redelivered = check_topic(records, outboxes)
     print(f"\n{total} messages of {len(outboxes)} tenants, {len(records)} records, {redelivered} "
           f"redelivered, {kills} fleet processes killed while they held leases")
+
+
+def lease_owners(outbox: Outbox) -> set[str]:
+    t = outbox.tables.leases
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    with engine.connect() as conn:
+        return set(conn.scalars(sa.select(t.c.owner).where(t.c.owner.is_not(None))))
+
+
+def test_fleet_processes_given_shares_serve_each_tenant_from_one_of_them(
+        pg: sa.Engine, postgres_db: str, kafka: str, topic: str, tmp_path: Path) -> None:
+    """Two ``--tenant-share`` processes over eight tenants: each tenant's every shard lease is held by
+    the process of its share (without shares each process would take half of every tenant's
+    shards), and every message reaches the topic in per-key order."""
+    from outbox.tenants import share_of
+
+    names = [f"sh{i}" for i in range(8)]
+    outboxes = schema_outboxes(pg, names, shards=4)
+    tenants_file = tmp_path / "tenants.json"
+    tenants_file.write_text(json.dumps(names))
+    log = tmp_path / "fleet.log"
+    fleets = [start_fleet(postgres_db, kafka, tenants_file, log, "--worker-id", f"share-{index}",
+                          "--tenant-share", f"{index}/2", "--lease-ttl", "3") for index in range(2)]
+    keys = [f"k{i % 3}" for i in range(12)]
+    try:
+        assert {share_of(name, 2) for name in names} == {0, 1}  # both processes have tenants
+        wait_for(lambda: all(owned_leases(o) == 4 for o in outboxes.values()), 60, "every tenant's leases")
+        for outbox in outboxes.values():
+            publish(outbox, topic, keys)
+        wait_for(lambda: all(pending(o) == 0 for o in outboxes.values()), 60, "every tenant served")
+        # A lease TTL and more: a process that also served another share's tenant would have its
+        # part of that tenant's shards by now.
+        time.sleep(4)
+        owners = {name: lease_owners(outbox) for name, outbox in outboxes.items()}
+    finally:
+        for fleet in fleets:
+            fleet.send_signal(signal.SIGTERM)
+        codes = [fleet.wait(60) for fleet in fleets]
+    assert codes == [0, 0], log.read_text()[-3000:]
+    assert owners == {name: {f"share-{share_of(name, 2)}"} for name in names}, owners
+    text = log.read_text()
+    assert "share-0: tenant share 0/2: " in text and "share-1: tenant share 1/2: " in text, text[-3000:]
+    check_topic(read_topic(kafka, topic, expected=len(names) * len(keys), timeout=60, whole=True), outboxes)

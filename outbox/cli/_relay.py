@@ -15,9 +15,11 @@ from transports._logsafe import safe_logger
 
 from ..core._alerts import LoggingAlertSink, WebhookAlertSink
 from ..core._cloudevents import CloudEvents
+from ..core._errors import ConfigurationError
 from ..core._gc import tune_gc_for_batches
 from ..core._outage import OutageBackoff, OutageTracker, OutageWording, is_database_outage
 from ..core._stopping import StopLatch, stop_signals
+from ..core._tenant import TenantShare
 from ..core._terminal import stdout_console
 from ..housekeeping import parse_period, run_retention
 from ..producer import Outbox
@@ -124,6 +126,11 @@ def relay(
         None, min=1, max=MOST_SHARD_PRODUCERS,
         help=f"With --tenants --exactly-once: shard producers open at once, at most (default "
              f"{DEFAULT_MAX_SHARD_PRODUCERS}); a shard beyond them waits its turn (docs/tenants.md)."),
+    tenant_share: str | None = typer.Option(
+        None, metavar="K/N",
+        help="With --tenants: serve share K (0 to N-1) of N processes' tenants, each tenant in one "
+             "process by its name; without it every process serves a part of every tenant's shards "
+             "(docs/tenants.md)."),
     tenant_labels: int = typer.Option(
         100, min=0, help="With --tenants: the first this many tenants label metrics by name, later ones "
                          "share the label _other; 0: no tenant label (docs/tenants.md)."),
@@ -155,6 +162,7 @@ def relay(
         # The single relay keeps one producer per shard it owns; only a fleet's are shared and capped.
         raise typer.BadParameter("caps a tenant fleet's transactional producers: it needs --tenants and "
                                  "--exactly-once", param_hint="--max-shard-producers")
+    share = _tenant_share(tenant_share, tenants)
     if tenants is not None:
         if schema is not None:
             raise typer.BadParameter("--tenants names the schemas; leave --schema out", param_hint="--schema")
@@ -169,7 +177,7 @@ def relay(
             webhook=webhook, key_stuck_after=key_stuck_after, cloudevents=cloudevents_mode or False,
             metrics_port=metrics_port, metrics_host=metrics_host, retention=retention_period, every=every,
             tenant_labels=tenant_labels, exactly_once=exactly_once, progress_topic=progress_topic,
-            transaction_pooled=transaction_pooled, delivery_timeout=delivery_timeout, **capped)
+            transaction_pooled=transaction_pooled, delivery_timeout=delivery_timeout, share=share, **capped)
         return
     elif tenant_header is not None:
         raise typer.BadParameter("a tenant header needs --tenants", param_hint="--tenant-header")
@@ -208,6 +216,19 @@ def relay(
             transport.close(1.0)  # nothing is outstanding after run(), unless a stuck batch was left behind
 
 
+def _tenant_share(text: str | None, tenants: str | None) -> TenantShare | None:
+    """``--tenant-share``'s share, refused without ``--tenants`` or when not K/N."""
+    if text is None:
+        return None
+    if tenants is None:
+        raise typer.BadParameter("shares a tenant fleet among processes: it needs --tenants",
+                                 param_hint="--tenant-share")
+    try:
+        return TenantShare.parse(text)
+    except ConfigurationError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tenant-share") from None
+
+
 FLEET_LEASE_TTL = 30.0
 """A --tenants relay's lease TTL: one process renews every tenant's leases, each in its turn."""
 FLEET_BATCH_SIZE = 1000
@@ -225,7 +246,7 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
                    bootstrap_servers: str, *, workers: int, producers: int, prefix: str, webhook: str | None,
                    metrics_port: int | None, metrics_host: str, retention: timedelta | None, every: float,
                    tenant_labels: int, transaction_pooled: bool, delivery_timeout: float,
-                   **tuning: Any) -> None:
+                   share: TenantShare | None, **tuning: Any) -> None:
     """``outbox relay --tenants``: one ``TenantRelay`` for every tenant of ``spec`` (docs/tenants.md).
 
     Unless ``message.max.bytes`` is given, the producers allow the default
@@ -239,7 +260,14 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
     from ..housekeeping import tenant_retention_pass
     from ..ops import serve_health, tenant_relay_readiness
     from ..relay import relay_metrics, tenant_relay_metrics
-    from ..tenants import TenantLabels, TenantRelay, fleet_kafka_settings, parse_tenants, tune_switch_interval
+    from ..tenants import (
+        TenantLabels,
+        TenantRelay,
+        fleet_kafka_settings,
+        parse_tenants,
+        shared,
+        tune_switch_interval,
+    )
 
     settings = fleet_kafka_settings(settings)
     if tenant_header is not None and not sets_property(settings, "message.max.bytes"):
@@ -254,7 +282,8 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
             return KafkaTransport(settings, bootstrap_servers=bootstrap_servers,
                                   delivery_timeout=delivery_timeout)
         fleet = TenantRelay(
-            parse_tenants(spec, engine), producer, database=engine, workers=workers, producers=producers,
+            parse_tenants(spec, engine), producer, share=share, database=engine, workers=workers,
+            producers=producers,
             tenant_header=tenant_header, prefix=prefix,
             metrics=tenant_relay_metrics(TenantLabels(tenant_labels) if tenant_labels else None),
             alert=WebhookAlertSink(webhook) if webhook else LoggingAlertSink(),
@@ -266,7 +295,8 @@ def _relay_tenants(db: str, spec: str, tenant_header: str | None, settings: dict
         tune_gc_for_batches()
         tune_switch_interval()  # a quiet tenant's thread gets the lock back from a backlog's in 1 ms, not 5
         housekeeper = None if retention is None else start_retention(
-            tenant_retention_pass(fleet.source, engine, prefix=prefix, older_than=retention), every)
+            tenant_retention_pass(fleet.source if share is None else shared(fleet.source, share), engine,
+                                  prefix=prefix, older_than=retention), every)
         try:
             fleet.run()
         finally:

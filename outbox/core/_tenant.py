@@ -19,6 +19,7 @@ tenants with it; ``outbox.tenants`` re-exports it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -121,6 +122,74 @@ def tenant_source(tenants: TenantsLike) -> TenantSource:
         raise ConfigurationError("tenants must be a list of tenants or schema names, not one string")
     fixed = checked_tenants(tenants)
     return lambda: fixed
+
+
+MAX_SHARES = 1024
+"""The most processes a fleet's tenants are shared among (``TenantShare``)."""
+_SHARE = re.compile(r"([0-9]{1,4})/([0-9]{1,4})")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """Share ``index`` of ``count`` (from 0): the tenants one of ``count`` relay processes serves.
+
+    Several ``outbox relay --tenants`` processes given the same tenants and
+    shares 0 to ``count - 1`` serve each tenant from one process: every
+    tenant's shard leases and connections are in one process, where without
+    shares every process takes a part of every tenant's shards (and connects
+    to every tenant's database). A tenant's share is decided by its name alone
+    (``share_of``): the same in every process, on every host and in every
+    release, whatever the order or the other tenants of the source.
+
+    A share is where a tenant is served, not a fence: two processes that both
+    serve one tenant (shares given twice, or processes read different sources
+    for a while) split its shards by their leases, as any two relays do; a
+    tenant of a share no process serves is not served.
+    """
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if type(self.count) is not int or not 1 <= self.count <= MAX_SHARES:  # not a bool either
+            raise ConfigurationError(f"tenant share count {self.count!r:.40}: give 1 to {MAX_SHARES}")
+        if type(self.index) is not int or not 0 <= self.index < self.count:
+            raise ConfigurationError(
+                f"tenant share {self.index!r:.40} of {self.count}: give 0 to {self.count - 1}")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @classmethod
+    def parse(cls, text: str) -> TenantShare:
+        """``K/N`` (the command line's ``--tenant-share``): share K of N, K from 0 to N - 1."""
+        found = _SHARE.fullmatch(text.strip())
+        if found is None:
+            raise ConfigurationError(f"tenant share {text!r:.40}: give K/N, share K (0 to N - 1) of N "
+                                     "processes, e.g. 0/2")
+        return cls(int(found[1]), int(found[2]))
+
+    def holds(self, name: str) -> bool:
+        """Whether the tenant named ``name`` is this share's (``share_of``)."""
+        return share_of(name, self.count) == self.index
+
+
+def share_of(name: str, count: int) -> int:
+    """The share (0 to ``count - 1``) of the tenant named ``name``: its name's BLAKE2b digest modulo
+    ``count``. A stable digest, not ``hash()``: Python salts that in every process."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count
+
+
+def shared(tenants: TenantsLike, share: TenantShare) -> TenantSource:
+    """``tenants``' tenants of ``share`` only (``TenantShare``), for what works per tenant beside a
+    shared fleet (its retention). A ``TenantRelay`` takes ``share=`` instead: it reads every tenant
+    of the source, to refuse two names of one schema in two shares."""
+    source = tenant_source(tenants)
+
+    def read() -> list[Tenant]:
+        return [tenant for tenant in source() if share.holds(tenant.name)]
+    return read
 
 
 def checked_tenants(tenants: Iterable[Tenant | str]) -> list[Tenant]:

@@ -15,6 +15,7 @@ from ..core._alerts import TenantAlertSink, alerts_for_tenant
 from ..core._tenant import (
     MAX_TENANT_NAME,
     Tenant,
+    TenantShare,
     TenantSource,
     check_tenant_name,
     checked_tenants,
@@ -22,6 +23,8 @@ from ..core._tenant import (
     from_query,
     parse_tenants,
     schemas_like,
+    share_of,
+    shared,
     tenant_source,
 )
 from ..core._tenant_labels import OTHER_TENANTS, TenantLabels
@@ -40,6 +43,7 @@ __all__ = [
     "TenantLabels",
     "TenantOutcome",
     "TenantRelay",
+    "TenantShare",
     "TenantSource",
     "alerts_for_tenant",
     "check_tenant_name",
@@ -50,6 +54,8 @@ __all__ = [
     "from_query",
     "parse_tenants",
     "schemas_like",
+    "share_of",
+    "shared",
     "tenant_source",
     "tune_switch_interval",
 ]

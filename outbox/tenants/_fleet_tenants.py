@@ -16,17 +16,20 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import NullPool
 
 from transports._logsafe import safe_logger
 
+from ..core._engine import create_engine
 from ..core._errors import ConfigurationError, SchemaError
+from ..core._identity import schema_identity
 from ..core._outage import OutageBackoff, first_line, is_database_outage
-from ..core._schema_claims import SchemaClaims
-from ..core._tenant import Tenant, TenantSource
+from ..core._schema_claims import SchemaClaims, SharedSchemaError
+from ..core._tenant import Tenant, TenantShare, TenantSource
 from ..relay import RelayStep, TenantRelayMetrics
 from ._databases import FleetDatabases
 from ._schedule import Schedule
@@ -52,6 +55,11 @@ def some_names(names: list[str]) -> str:
     return ", ".join(names[:NAMED_AT_MOST]) + (", …" if len(names) > NAMED_AT_MOST else "")
 
 
+LOOKUP_PAUSE_MIN = 30.0
+LOOKUP_PAUSE_MAX = 600.0
+"""Seconds before another share's database that could not tell its schemas is asked again: from the
+first to the second, doubling (``FleetTenants._identified``)."""
+
 BUILD_STALLED = 3.0
 """Seconds ``start_pending`` waits while no tenant's step of any database is done: a hung server's
 builder goes on alone, and the tenants of the others are read and served meanwhile."""
@@ -62,8 +70,21 @@ class FleetTenants:
 
     def __init__(self, source: TenantSource, *, databases: FleetDatabases, schedule: Schedule,
                  make_step: Callable[[Unit], RelayStep], metrics: TenantRelayMetrics, worker_id: str,
-                 default: str | Engine | None) -> None:
+                 default: str | Engine | None, share: TenantShare | None = None) -> None:
         self.source = source
+        self._share = share
+        """Serve only this share's tenants (``TenantShare``); None: every tenant of the source."""
+        self._elsewhere: dict[str, tuple[Hashable, Tenant]] = {}
+        """By name, the tenants of the source another share serves, with what holds their schema here."""
+        self._every_other: list[Tenant] = []
+        """The other shares' tenants in the last reading."""
+        self._lookup_pauses: dict[str, tuple[float, float]] = {}
+        """By database, until when (monotonic) its schemas are not asked again, and the pause."""
+        self._lookups: dict[str, Engine] = {}
+        """Connection-less engines (``NullPool``) on the databases of those tenants, by URL: to ask
+        their servers which schema they are, without a pool or listener for them."""
+        self._held_names: frozenset[str] | None = None
+        """The share's tenants last logged (``_of_share``)."""
         self._databases = databases
         self._schedule = schedule
         self._make_step = make_step
@@ -99,14 +120,16 @@ class FleetTenants:
     def refresh(self, *, stalled_after: float | None = BUILD_STALLED) -> None:
         """Read the tenants again: start serving new ones, drop removed ones (``start_pending``)."""
         try:
-            wanted = {tenant.name: tenant for tenant in self.source()}
+            every = {tenant.name: tenant for tenant in self.source()}
         except Exception as exc:
             if is_database_outage(exc):
                 log.warning("relay %s: cannot read its tenants (%s); keeps serving the ones it has",
                             self.worker_id, first_line(exc))
                 return
             raise
-        self._refuse_shared_places(wanted.values())
+        wanted = self._of_share(every)
+        self._every_other = [tenant for name, tenant in every.items() if name not in wanted]
+        self._refuse_shared_places(every.values(), wanted)
         with self._schedule.lock:
             gone = [unit for name, unit in self.units.items()
                     if name not in wanted or wanted[name].address != unit.tenant.address]
@@ -130,25 +153,109 @@ class FleetTenants:
                 unit.db.units[tenant.schema] = unit
         self.start_pending(stalled_after=stalled_after)
 
-    def _refuse_shared_places(self, tenants: Iterable[Tenant]) -> None:
+    def _of_share(self, every: dict[str, Tenant]) -> dict[str, Tenant]:
+        """The tenants of ``every`` this process serves: its share's (all without one); logged when
+        they change."""
+        if self._share is None:
+            return every
+        wanted = {name: tenant for name, tenant in every.items() if self._share.holds(name)}
+        names = frozenset(wanted)
+        if names != self._held_names:
+            self._held_names = names
+            log.info("relay %s: tenant share %s: %d of the source's %d tenants", self.worker_id,
+                     self._share, len(wanted), len(every))
+        return wanted
+
+    def _refuse_shared_places(self, tenants: Iterable[Tenant], wanted: dict[str, Tenant]) -> None:
         """Two tenants in one schema of one database, however their URLs spell it: refused.
 
         The source's own check compares what the tenants say; this one what their
         servers say (``SchemaClaims``). Served twice, a schema's rows would go out
         under two names, by two steps of one worker id, which do not fence each
         other. A database down now is asked again before its tenants are served.
+
+        With a share, every tenant of the source is asked, not only ``wanted``
+        (the share's): two names of one schema in two shares would be served by
+        two processes, each under its name. The others' databases are asked
+        through connection-less engines, and their schemas held here for them
+        (``_hold_elsewhere``): a tenant of this share whose database answers only
+        later is refused its claim of one of them.
         """
-        found = []
+        found, elsewhere = [], []
         for tenant in tenants:
             if tenant.database is None and self._default is None:
                 continue  # refused by name when it is served
             try:
-                db = self._databases.of(tenant)
+                if tenant.name in wanted:
+                    db = self._databases.of(tenant)
+                    if not db.down:
+                        found.append((tenant, db.engine))
+                elif (engine := self._identified(tenant)) is not None:
+                    elsewhere.append((tenant, engine))
             except ArgumentError:  # not the URL itself: it may hold a password
                 raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
-            if not db.down:
-                found.append((tenant, db.engine))
-        self._claims.refuse_shared(found)
+        self._claims.refuse_shared(found + elsewhere)
+        if self._share is not None:
+            self._hold_elsewhere(elsewhere)
+
+    def _identified(self, tenant: Tenant) -> Engine | None:
+        """An engine on which ``tenant``'s schema (another share's tenant) is known, asked once; None
+        while it cannot be (its database down, frozen or refusing this process: asked again after
+        a pause that grows to ``LOOKUP_PAUSE_MAX``, so that it holds no refresh for long).
+
+        Whatever the error: the tenant is its own share's to serve or refuse, and an error of
+        its database must not stop this share's reading. The fleet's own engine on its database if
+        it has one, else one without a pool, kept while a tenant of the source is there.
+        """
+        database = tenant.database if tenant.database is not None else self._default
+        if isinstance(database, Engine):
+            engine = database
+        else:
+            assert database is not None  # a tenant of no database is skipped by the caller
+            engine = self._lookups.get(database) or create_engine(database, poolclass=NullPool)
+            self._lookups[database] = engine
+        key = str(database) if not isinstance(database, Engine) else f"engine:{id(database)}"
+        pause = self._lookup_pauses.get(key)
+        if pause is not None and time.monotonic() < pause[0]:
+            return None
+        try:
+            schema_identity(engine, tenant.schema)
+        except Exception as exc:
+            wait = LOOKUP_PAUSE_MIN if pause is None else min(pause[1] * 2, LOOKUP_PAUSE_MAX)
+            self._lookup_pauses[key] = (time.monotonic() + wait, wait)
+            if pause is None:
+                log.info("relay %s: cannot tell which schema tenant %s (another share's) is in: %s; "
+                         "asked again later", self.worker_id, tenant.name, first_line(exc))
+            return None
+        self._lookup_pauses.pop(key, None)
+        return engine
+
+    def _hold_elsewhere(self, others: list[tuple[Tenant, Engine]]) -> None:
+        """Hold the schemas of ``others`` (other shares' tenants) for them: a tenant of this share
+        in one of them is refused (``SchemaClaims.claim``), as it would be beside a tenant served
+        here. A database that does not answer is asked again at the next refresh."""
+        names = {tenant.name for tenant, _ in others}
+        for name in [name for name in self._elsewhere if name not in names]:
+            self._claims.release(self._elsewhere.pop(name)[0])
+        urls = {tenant.database for tenant in self._every_other if isinstance(tenant.database, str)}
+        for url in [url for url in self._lookups if url not in urls]:
+            del self._lookups[url]
+            self._lookup_pauses.pop(url, None)
+        for tenant, engine in others:
+            held = self._elsewhere.get(tenant.name)
+            if held is not None and held[1] == tenant:
+                continue
+            if held is not None:  # pointed elsewhere
+                self._claims.release(held[0])
+            holder = ("elsewhere", tenant.name)
+            try:
+                self._claims.claim(holder, tenant, engine)  # its identity is known: no query
+            except SharedSchemaError:
+                # One of this process's units not in this reading has it still (renamed or moved
+                # to another share while its step runs): held once that unit has closed.
+                self._elsewhere.pop(tenant.name, None)
+                continue
+            self._elsewhere[tenant.name] = (holder, tenant)
 
     def start_pending(self, *, stalled_after: float | None = BUILD_STALLED) -> None:
         """Build the step of every tenant that has none yet: reads its stored settings.

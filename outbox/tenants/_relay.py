@@ -58,7 +58,7 @@ from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import first_line, is_database_outage
 from ..core._stopping import STOP_TIMEOUT, BoundRun
 from ..core._tables import OutboxTables
-from ..core._tenant import TenantsLike, TenantSource, tenant_source
+from ..core._tenant import TenantShare, TenantsLike, TenantSource, tenant_source
 from ..core._tenant_labels import TenantLabels
 from ..producer import Outbox
 from ..relay import (
@@ -111,7 +111,10 @@ class TenantRelay:
     in transaction mode (PgBouncer's), so the relay sets its fetch's settings per
     transaction, never on a session, and psycopg prepares no statement
     (``relay.transaction_pooled_options``, docs/operations.md); an ``Engine`` given is
-    made so by whoever made it.
+    made so by whoever made it. ``share``: serve only the tenants of that
+    ``TenantShare`` of the source, the others being other processes' (every
+    process still reads the whole source, and refuses two tenants in one
+    schema among all of them: ``FleetTenants``).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class TenantRelay:
         idle_producers_after: float = IDLE_PRODUCERS_AFTER,
         max_shard_producers: int = DEFAULT_MAX_SHARD_PRODUCERS,
         transaction_pooled: bool = False,
+        share: TenantShare | None = None,
     ) -> None:
         if not callable(transport) or callable(getattr(transport, "publish", None)):
             raise ConfigurationError(
@@ -201,9 +205,12 @@ class TenantRelay:
         # Weakly: the registry is the fleet's, and the fleet holds the transports; a cycle would leave
         # them, librdkafka clients and all, to the cycle collector (``transports._weak``). Only the
         # fleet's own calls (refresh, its threads) reach the registry, so it is alive whenever used.
+        if share is not None and not isinstance(share, TenantShare):
+            raise ConfigurationError(f"share must be a TenantShare, got {type(share).__name__}")
+        self.share = share
         self._tenants = FleetTenants(self.source, databases=self._databases, schedule=self._schedule,
                                      make_step=weakly(self._new_step), metrics=self.metrics,
-                                     worker_id=self.worker_id, default=database)
+                                     worker_id=self.worker_id, default=database, share=share)
         # A key is stuck after minutes (key_stuck_after): a check per tenant every fifth of that is
         # on time, and 500 tenants do not query every lease renewal interval.
         self._watch_every = max(renew_interval(settings.lease_ttl), settings.key_stuck_after / 5)

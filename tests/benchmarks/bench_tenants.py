@@ -245,6 +245,47 @@ def start_relay(url: str, servers: str, app: str, *selection: str) -> RelayProce
     return RelayProcess(proc, app)
 
 
+@dataclass
+class RelayGroup:
+    """A fleet run as several processes (``--shares``), each serving a share of the tenants
+    (``--tenant-share i/N``); measured as one: CPU, RSS and connections summed."""
+
+    relays: list[RelayProcess]
+    connections: list[int] = field(default_factory=list)
+
+    def status(self, name: str) -> int:
+        return sum(relay.status(name) for relay in self.relays)
+
+    def cpu(self) -> float:
+        return sum(relay.cpu() for relay in self.relays)
+
+    def count_connections(self, engine: sa.Engine) -> int:
+        n = sum(relay.count_connections(engine) for relay in self.relays)
+        self.connections.append(n)
+        return n
+
+    def stop(self) -> None:
+        for relay in self.relays:
+            relay.proc.terminate()
+        for relay in self.relays:
+            relay.proc.wait(120)
+
+
+FLEET_SHARES = 1
+"""Processes a fleet runs as (``--shares``): ``--workers`` split evenly among them."""
+
+
+def start_fleet(url: str, servers: str, spec: str, workers: int) -> RelayProcess | RelayGroup:
+    """``outbox relay --tenants spec``: one process of ``workers`` workers, or ``FLEET_SHARES`` processes
+    of ``workers / FLEET_SHARES`` each, process i serving ``--tenant-share i/FLEET_SHARES``."""
+    if FLEET_SHARES == 1:
+        return start_relay(url, servers, "bench-fleet", "--tenants", spec, "--workers", str(workers))
+    return RelayGroup([
+        start_relay(url, servers, f"bench-fleet-{i}", "--tenants", spec, "--workers",
+                    str(workers // FLEET_SHARES), "--tenant-share", f"{i}/{FLEET_SHARES}")
+        for i in range(FLEET_SHARES)])
+
+
 def tenants_file(directory: str, schemas: list[str], quiet: bool) -> str:
     path = Path(directory) / ("fleet-quiet.json" if quiet else "fleet.json")
     entries: list[object] = list(schemas)
@@ -272,7 +313,8 @@ class Round:
     """By the fleet's worker count."""
 
 
-def drain(engine: sa.Engine, relay: RelayProcess, schemas: list[str], messages: int, keys: int) -> Drain:
+def drain(engine: sa.Engine, relay: RelayProcess | RelayGroup, schemas: list[str], messages: int,
+          keys: int) -> Drain:
     """Load ``messages`` rows spread over ``schemas`` while ``relay`` runs; time it to the last ack."""
     per_schema, keys_each = messages // len(schemas), keys // len(schemas)
     with engine.begin() as conn:
@@ -301,8 +343,8 @@ def run_throughput(url: str, servers: str, engine: sa.Engine, schemas: list[str]
     served = schemas if fleet else [SINGLE]
     truncate(engine, [*schemas, SINGLE])
     settle(engine)
-    relay = (start_relay(url, servers, "bench-fleet", "--tenants", fleet_spec, "--workers", str(workers))
-             if fleet else start_relay(url, servers, "bench-single", "--schema", SINGLE))
+    relay = (start_fleet(url, servers, fleet_spec, workers) if workers is not None
+             else start_relay(url, servers, "bench-single", "--schema", SINGLE))
     try:
         wait_until(lambda: leased(engine, served) == len(served), "the relay's leases")
         time.sleep(1)  # its first polls are over: the drain starts from a settled relay
@@ -365,7 +407,7 @@ def run_fairness(url: str, servers: str, engine: sa.Engine, schemas: list[str], 
                  seconds: float, spec: str, workers: int, settle: float = 1.0,
                  idle_seconds: float = 0.0, null: bool = False) -> Fairness:
     truncate(engine, schemas)
-    relay = start_relay(url, servers, "bench-fleet", "--tenants", spec, "--workers", str(workers))
+    relay = start_fleet(url, servers, spec, workers)
     try:
         wait_until(lambda: leased(engine, [*schemas, "public"]) == len(schemas) + 1, "the fleet's leases")
         time.sleep(settle)
@@ -433,6 +475,9 @@ def main() -> None:
     parser.add_argument("--workers", default="2,8",
                         help="the fleet's --workers, one fleet run per value in each round; "
                              "the last value also runs the fairness part")
+    parser.add_argument("--shares", type=int, default=1,
+                        help="run each fleet as this many processes, --workers split among them, each "
+                             "serving its --tenant-share of the tenants (default 1: one process)")
     parser.add_argument("--backlog", type=int, default=1_000_000)
     parser.add_argument("--quiet-seconds", type=float, default=40.0)
     parser.add_argument("--only-fairness", action="store_true",
@@ -453,6 +498,10 @@ def main() -> None:
                         help="after --settle, seconds with nothing sent at all whose fleet CPU is printed")
     args = parser.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
+    if args.shares < 1 or any(w % args.shares for w in args.workers):
+        parser.error(f"--shares {args.shares} must be at least 1 and divide every --workers count")
+    global FLEET_SHARES
+    FLEET_SHARES = args.shares
     load_before = os.getloadavg()[0]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     schemas = schema_names(args.tenants)
@@ -533,8 +582,9 @@ def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairnes
     ratios = [p99(f.busy) / p99(f.alone) for f in fairness]
     nulls = any(f.again for f in fairness)
     last = rounds[-1]
+    processes = "" if args.shares == 1 else f" in {args.shares} processes"
     header = ["round", "single schema msg/s (CPU s)"] + [
-        f"fleet, --workers {w}: msg/s (CPU s), / single" for w in args.workers]
+        f"fleet, --workers {w}{processes}: msg/s (CPU s), / single" for w in args.workers]
     rows: list[list[object]] = [
         [i + 1, f"{r.single.rate:,.0f} ({r.single.cpu_seconds:.1f})"] + [
             f"{r.fleets[w].rate:,.0f} ({r.fleets[w].cpu_seconds:.1f}), {r.fleets[w].rate / r.single.rate:.2f}"
@@ -550,17 +600,29 @@ def report(args: argparse.Namespace, rounds: list[Round], fairness: list[Fairnes
         seen = max(r.fleets[w].connections for r in rounds)
         if w == most:
             seen = max(seen, *(f.connections for f in fairness))
-        memory.append([f"fleet, {n} schemas, --workers {w}", f"{last.fleets[w].rss_kib / 1024:.0f}",
-                       f"{last.fleets[w].hwm_kib / 1024:.0f}", seen, f"pool {2 * w + 2} + LISTEN 1"])
-    per_tenant = (last.fleets[most].rss_kib - last.single.rss_kib) / n
-    body = f"""## Many tenants: one relay process for {n} tenant schemas
+        memory.append([f"fleet, {n} schemas, --workers {w}{processes}",
+                       f"{last.fleets[w].rss_kib / 1024:.0f}",
+                       f"{last.fleets[w].hwm_kib / 1024:.0f}", seen,
+                       f"pool {2 * w + 2} + LISTEN 1" if args.shares == 1 else
+                       f"{args.shares} x (pool {2 * w // args.shares + 2} + LISTEN 1)"])
+    # Each of the fleet's processes has an interpreter and its libraries, as the single relay has.
+    per_tenant = (last.fleets[most].rss_kib - args.shares * last.single.rss_kib) / n
+    shared = "" if args.shares == 1 else (
+        f" Each fleet runs as `--shares {args.shares}`: {args.shares} processes, the workers split evenly "
+        f"among them, process i given `--tenant-share i/{args.shares}` (CPU, RSS and connections are the "
+        "processes' sums; the peak RSS is the sum of each one's peak, an upper bound; the RSS per "
+        "tenant is above one single relay's per process).")
+    command = (" --broker kafka" if args.broker == "kafka" else "") + (
+        f" --shares {args.shares}" if args.shares != 1 else "")
+    processes_for = "one relay process" if args.shares == 1 else f"{args.shares} relay processes"
+    body = f"""## Many tenants: {processes_for} for {n} tenant schemas
 
-`python tests/benchmarks/bench_tenants.py{" --broker kafka" if args.broker == "kafka" else ""}` — durable
+`python tests/benchmarks/bench_tenants.py{command}` — durable
 local PostgreSQL (`local_postgres()` defaults, autovacuum off: every run starts vacuumed and checkpointed),
 {BROKERS[args.broker]},
 relays as separate processes through `KafkaTransport`: the fleet is `python -m outbox relay
 --tenants file:...` ({n} schemas of one database), the single-schema relay is
-`python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 30`.
+`python -m outbox relay --schema single`; both `--batch-size 1000 --poll-interval 5 --lease-ttl 30`.{shared}
 Load average before / after: {load[0]:.1f} / {load[1]:.1f} (`{uptime}`; two cores shared with
 other jobs, so absolute figures move; the ratios are from the same run).
 
