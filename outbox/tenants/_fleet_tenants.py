@@ -16,7 +16,7 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import ArgumentError
@@ -76,8 +76,6 @@ class FleetTenants:
         """Serve only this share's tenants (``TenantShare``); None: every tenant of the source."""
         self._elsewhere: dict[str, tuple[Hashable, Tenant]] = {}
         """By name, the tenants of the source another share serves, with what holds their schema here."""
-        self._every_other: list[Tenant] = []
-        """The other shares' tenants in the last reading."""
         self._lookup_pauses: dict[str, tuple[float, float]] = {}
         """By database, until when (monotonic) its schemas are not asked again, and the pause."""
         self._lookups: dict[str, Engine] = {}
@@ -99,9 +97,10 @@ class FleetTenants:
         self._retiring: set[Unit] = set()
         """Removed while a worker ran their step: still served until that step ends and they close."""
         self._closing = threading.Lock()
-        """Taken while ``close_all`` hands units to closers (``Unit.closer``)."""
-        self._releasing: set[Unit] = set()
-        """Units a closer is giving back (``close_all``): a refresh's, of tenants removed, too."""
+        """Guards ``_closers``."""
+        self._closers: dict[Unit, threading.Thread] = {}
+        """The units a closer thread is giving back (``close_all``), a refresh's removed ones too, until
+        it has: a second call waits for that thread instead of starting another on them."""
         self._building: set[FleetDatabase] = set()
         """Databases whose tenants' steps a builder thread is building (``start_pending``)."""
         self._built = 0
@@ -128,7 +127,6 @@ class FleetTenants:
                 return
             raise
         wanted = self._of_share(every)
-        self._every_other = [tenant for name, tenant in every.items() if name not in wanted]
         self._refuse_shared_places(every.values(), wanted)
         with self._schedule.lock:
             gone = [unit for name, unit in self.units.items()
@@ -166,7 +164,7 @@ class FleetTenants:
                      self._share, len(wanted), len(every))
         return wanted
 
-    def _refuse_shared_places(self, tenants: Iterable[Tenant], wanted: dict[str, Tenant]) -> None:
+    def _refuse_shared_places(self, tenants: Collection[Tenant], wanted: dict[str, Tenant]) -> None:
         """Two tenants in one schema of one database, however their URLs spell it: refused.
 
         The source's own check compares what the tenants say; this one what their
@@ -196,6 +194,7 @@ class FleetTenants:
                 raise ConfigurationError(f"tenant {tenant.name}: its database is not a URL") from None
         self._claims.refuse_shared(found + elsewhere)
         if self._share is not None:
+            self._forget_lookups(tenant for tenant in tenants if tenant.name not in wanted)
             self._hold_elsewhere(elsewhere)
 
     def _identified(self, tenant: Tenant) -> Engine | None:
@@ -208,13 +207,13 @@ class FleetTenants:
         it has one, else one without a pool, kept while a tenant of the source is there.
         """
         database = tenant.database if tenant.database is not None else self._default
+        assert database is not None  # a tenant of no database is skipped by the caller
         if isinstance(database, Engine):
-            engine = database
+            engine, key = database, f"engine:{id(database)}"
         else:
-            assert database is not None  # a tenant of no database is skipped by the caller
-            engine = self._lookups.get(database) or create_engine(database, poolclass=NullPool)
-            self._lookups[database] = engine
-        key = str(database) if not isinstance(database, Engine) else f"engine:{id(database)}"
+            if database not in self._lookups:
+                self._lookups[database] = create_engine(database, poolclass=NullPool)
+            engine, key = self._lookups[database], database
         pause = self._lookup_pauses.get(key)
         if pause is not None and time.monotonic() < pause[0]:
             return None
@@ -230,6 +229,14 @@ class FleetTenants:
         self._lookup_pauses.pop(key, None)
         return engine
 
+    def _forget_lookups(self, others: Iterable[Tenant]) -> None:
+        """Drop the lookup engines (and pauses) of databases no tenant of ``others`` is in any more:
+        URLs that come and go (rotated credentials) would otherwise pile up."""
+        urls = {tenant.database if tenant.database is not None else self._default for tenant in others}
+        for url in [url for url in self._lookups if url not in urls]:
+            del self._lookups[url]
+            self._lookup_pauses.pop(url, None)
+
     def _hold_elsewhere(self, others: list[tuple[Tenant, Engine]]) -> None:
         """Hold the schemas of ``others`` (other shares' tenants) for them: a tenant of this share
         in one of them is refused (``SchemaClaims.claim``), as it would be beside a tenant served
@@ -237,10 +244,6 @@ class FleetTenants:
         names = {tenant.name for tenant, _ in others}
         for name in [name for name in self._elsewhere if name not in names]:
             self._claims.release(self._elsewhere.pop(name)[0])
-        urls = {tenant.database for tenant in self._every_other if isinstance(tenant.database, str)}
-        for url in [url for url in self._lookups if url not in urls]:
-            del self._lookups[url]
-            self._lookup_pauses.pop(url, None)
         for tenant, engine in others:
             held = self._elsewhere.get(tenant.name)
             if held is not None and held[1] == tenant:
@@ -414,8 +417,8 @@ class FleetTenants:
         at_once: list[Unit] = []  # nothing to release (or released already): no database call
         with self._closing:
             for unit in units:
-                if unit.closer is not None:
-                    earlier.append(unit.closer)
+                if unit in self._closers:
+                    earlier.append(self._closers[unit])
                 elif unit.step is not None:
                     by_database.setdefault(id(unit.db), []).append(unit)
                 else:
@@ -424,27 +427,27 @@ class FleetTenants:
                                         name="outbox-relay-release", daemon=True)
                        for group in by_database.values()]
             for closer, group in zip(closers, by_database.values(), strict=True):
-                for unit in group:
-                    unit.closer = closer
-                self._releasing.update(group)
+                self._closers.update(dict.fromkeys(group, closer))
                 closer.start()  # under the lock: a call after this one joins only started closers
         for unit in at_once:
             self.close(unit)
         deadline = started + RELEASE_WITHIN
         for closer in dict.fromkeys([*closers, *earlier]):
             closer.join(max(0.0, deadline - time.monotonic()))
-        going = [unit.tenant.name for unit in units if unit.closer is not None]
+        with self._closing:
+            going = {unit for unit in units if unit in self._closers}
         if going:
             log.warning("relay %s: %d tenants had not given their leases back after %gs (%s; their "
                         "database is slow or does not answer); their release goes on, and leases it "
                         "cannot give back expire within the lease TTL",
-                        self.worker_id, len(going), RELEASE_WITHIN, some_names(going))
-        return [unit.tenant.name for unit in units if unit.kept or unit.closer is not None]
+                        self.worker_id, len(going), RELEASE_WITHIN,
+                        some_names([unit.tenant.name for unit in units if unit in going]))
+        return [unit.tenant.name for unit in units if unit.kept or unit in going]
 
     def releasing(self) -> list[Unit]:
         """The units whose leases a closer is giving back now (``close_all``), removed ones too."""
         with self._closing:
-            return list(self._releasing)
+            return list(self._closers)
 
     def _close_group(self, group: list[Unit], started: float) -> None:
         """A closer: close ``group``'s units (one database's) one after the other. Those it gives
@@ -458,8 +461,7 @@ class FleetTenants:
                 unit.kept = True
             finally:
                 with self._closing:
-                    unit.closer = None
-                    self._releasing.discard(unit)
+                    del self._closers[unit]
             if time.monotonic() - started > RELEASE_WITHIN and not unit.kept:
                 late.append(unit.tenant.name)
         if late:

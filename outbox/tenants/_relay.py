@@ -164,6 +164,9 @@ class TenantRelay:
             raise ConfigurationError(
                 f"pool_size must be an int of at least workers + 1 = {workers + 1} (the workers and "
                 f"the lease renewals), got {pool_size!r}")
+        if share is not None and not isinstance(share, TenantShare):
+            raise ConfigurationError(f"share must be a TenantShare, got {type(share).__name__}")
+        self.share = share
         self.settings = settings = RelaySettings(
             batch_size=batch_size, max_batch_bytes=max_batch_bytes,
             worker_id=worker_id or default_worker_id(), lease_ttl=lease_ttl,
@@ -205,9 +208,6 @@ class TenantRelay:
         # Weakly: the registry is the fleet's, and the fleet holds the transports; a cycle would leave
         # them, librdkafka clients and all, to the cycle collector (``transports._weak``). Only the
         # fleet's own calls (refresh, its threads) reach the registry, so it is alive whenever used.
-        if share is not None and not isinstance(share, TenantShare):
-            raise ConfigurationError(f"share must be a TenantShare, got {type(share).__name__}")
-        self.share = share
         self._tenants = FleetTenants(self.source, databases=self._databases, schedule=self._schedule,
                                      make_step=weakly(self._new_step), metrics=self.metrics,
                                      worker_id=self.worker_id, default=database, share=share)

@@ -57,9 +57,6 @@ class Unit:
     """Its last turn fetched a full batch: more is waiting (``_shares``)."""
     kept: bool = False
     """Its close did not give its leases back (they expire within their TTL): ``FleetTenants.close``."""
-    closer: threading.Thread | None = None
-    """The thread giving its leases back, until it has (``FleetTenants.close_all``): a second call
-    waits for that thread instead of starting another on the same tenants."""
 
 
 @dataclass(eq=False)
