@@ -189,23 +189,13 @@ def test_a_release_does_not_wait_on_the_lease_rows_another_relay_holds_locked(se
 
 # -- another relay at the same moment: paused mid-transaction, its rows locked ------------------------
 
-def run_to(outcome: dict[str, BaseException | None], name: str,
-           call: Callable[[], object]) -> threading.Thread:
-    """``call()`` on a thread; ``outcome[name]`` is what it raised (None: nothing) once it returns."""
-    def go() -> None:
-        try:
-            call()
-            outcome[name] = None
-        except BaseException as exc:
-            outcome[name] = exc
-    thread = threading.Thread(target=go, daemon=True)
-    thread.start()
-    return thread
-
-
-def paused_after(engine: sa.Engine, starts: str) -> tuple[threading.Event, Callable[[], None]]:
-    """Pause ``engine``'s next statement starting with ``starts`` after it ran, its transaction open:
-    (set once paused, go on)."""
+def beside(engine: sa.Engine, starts: str, paused: tuple[str, Callable[[], object]],
+           then: tuple[str, Callable[[], object]], *, wait: float = 1.0,
+           ) -> tuple[dict[str, BaseException | None], float]:
+    """Run ``paused`` (a name and a call) until ``engine``'s next statement starting with ``starts``
+    has run, its transaction left open; run ``then`` beside it for up to ``wait`` seconds (into any
+    wait on the paused side's locks); then let both end. What each raised (None: nothing), and how
+    long ``then`` ran before the paused side went on."""
     stopped, go = threading.Event(), threading.Event()
 
     def pause(_conn: object, _cursor: object, statement: str, *_: object) -> None:
@@ -213,12 +203,33 @@ def paused_after(engine: sa.Engine, starts: str) -> tuple[threading.Event, Calla
             stopped.set()
             go.wait(20)
 
+    # Left in place: taken out while it runs, the event's own iteration would fail; it pauses once.
     sa.event.listen(engine, "after_cursor_execute", pause)
-    def unpause() -> None:
-        """Let the paused statement go on; the listener stays (taken out while it runs, the event's
-        own iteration would fail) and pauses nothing more."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def run(name: str, call: Callable[[], object]) -> threading.Thread:
+        def go_on() -> None:
+            try:
+                call()
+                outcome[name] = None
+            except BaseException as exc:
+                outcome[name] = exc
+        thread = threading.Thread(target=go_on, daemon=True)
+        thread.start()
+        return thread
+
+    threads = [run(*paused)]
+    try:
+        assert stopped.wait(20)
+        started = time.monotonic()
+        threads.append(run(*then))
+        threads[1].join(wait)
+        took = time.monotonic() - started
+    finally:
         go.set()
-    return stopped, unpause
+    for thread in threads:
+        thread.join(30)
+    return outcome, took
 
 
 @pytest.mark.parametrize("paused", ["release after its DELETE", "heartbeat after forgetting"])
@@ -236,24 +247,14 @@ def test_a_release_and_another_relays_heartbeat_at_once_do_not_deadlock(
         server_db_url, relays_engine=(lambda e: e) if level == "as created" else at_read_committed)
     a_engine = engine_of(box)
     first = a_engine if paused.startswith("release") else b_engine  # stopped after its DELETE
-    stopped, unpause = paused_after(first, "DELETE")
     b._forget_at = datetime.min.replace(tzinfo=UTC)  # its heartbeat forgets the long dead this round
     with a_engine.begin() as conn:  # one to forget: its DELETE is where the heartbeat stops
         conn.execute(sa.insert(box.tables.relays).values(
             worker_id="dead", heartbeat_at=datetime.now(UTC) - timedelta(seconds=700)))
-    outcome: dict[str, BaseException | None] = {}
     one, other = (("release", a.release_all), ("heartbeat", b.maintain))
     if first is b_engine:
         one, other = other, one
-    threads = [run_to(outcome, *one)]
-    try:
-        assert stopped.wait(10)
-        threads.append(run_to(outcome, *other))
-        threads[1].join(1.0)  # into its wait on the paused side's locks, if it has one
-    finally:
-        unpause()
-    for thread in threads:
-        thread.join(30)
+    outcome, _ = beside(first, "DELETE", one, other)
     try:
         assert outcome == {"release": None, "heartbeat": None}, outcome
         assert a.owned() == {} and relays(box) == ["b"]
@@ -272,17 +273,8 @@ def test_two_relays_renewing_at_once_do_not_deadlock(server_db_url: str, level: 
     box, a, b, b_engine = two_relays(
         server_db_url, relays_engine=(lambda e: e) if level == "as created" else at_read_committed)
     a_engine = engine_of(box)
-    stopped, unpause = paused_after(a_engine, "UPDATE")  # a's lease rows renewed, its transaction open
-    outcome: dict[str, BaseException | None] = {}
-    threads = [run_to(outcome, "a", a.maintain)]
-    try:
-        assert stopped.wait(10)
-        threads.append(run_to(outcome, "b", b.maintain))
-        threads[1].join(1.0)  # into its wait on a's rows, if it has one
-    finally:
-        unpause()
-    for thread in threads:
-        thread.join(30)
+    # a's lease rows renewed, its transaction open
+    outcome, _ = beside(a_engine, "UPDATE", ("a", a.maintain), ("b", b.maintain))
     try:
         assert outcome == {"a": None, "b": None}, outcome
         assert sorted(a.owned()) == list(range(8)) and sorted(b.owned()) == list(range(8, 16))
@@ -393,23 +385,13 @@ def test_a_renewal_beside_another_relays_open_renewal_or_release_does_not_wait_o
     box, a, b, b_engine = two_relays(server_db_url, relays_engine=at_read_committed, shards=shards)
     a_engine = engine_of(box)
     waits_at_most(b_engine, 3)
-    stopped, unpause = paused_after(a_engine, "UPDATE")
-    outcome: dict[str, BaseException | None] = {}
     try:
-        ta = run_to(outcome, "a", a.maintain if paused == "renewal" else a.release_all)
-        assert stopped.wait(20)
-        started = time.monotonic()
-        tb = run_to(outcome, "b", b.maintain)
-        tb.join(10)
-        took = time.monotonic() - started
-        unpause()
-        ta.join(30)
-        tb.join(30)
+        inside = a.maintain if paused == "renewal" else a.release_all
+        outcome, took = beside(a_engine, "UPDATE", ("a", inside), ("b", b.maintain), wait=10)
         assert outcome == {"a": None, "b": None}, outcome
         assert took < 3, took
         assert len(b.owned()) >= shards // 2
     finally:
-        unpause()
         a_engine.dispose()
         b_engine.dispose()
 
@@ -434,21 +416,12 @@ def test_a_release_beside_another_relays_take_of_its_expired_shards_does_not_dea
     with a_engine.begin() as conn:
         conn.exec_driver_sql(f"ANALYZE {t.name}")
     b = Leases(at_read_committed(b_engine), box.tables, 4, "b", ttl=60)
-    stopped, unpause = paused_after(b_engine, "UPDATE")  # b took shard 2, its transaction open
-    outcome: dict[str, BaseException | None] = {}
-    try:
-        tb = run_to(outcome, "take", b.maintain)
-        assert stopped.wait(10)
-        ta = run_to(outcome, "release", a.release_all)
-        ta.join(1.0)
-        unpause()
-        tb.join(20)
-        ta.join(20)
+    try:  # b paused once it took shard 2, its transaction open
+        outcome, _ = beside(b_engine, "UPDATE", ("take", b.maintain), ("release", a.release_all))
         assert outcome == {"take": None, "release": None}, outcome
         assert set(b.owned()) == {2, 3} and a.owned() == {}
         assert [owner for owner, _ in held(box).values()].count(None) == 2
     finally:
-        unpause()
         a_engine.dispose()
         b_engine.dispose()
 
@@ -462,21 +435,11 @@ def test_a_heartbeat_that_forgets_the_dead_does_not_wait_on_the_live_relays_rows
     box, a, b, b_engine = two_relays(server_db_url, relays_engine=at_read_committed)
     a_engine = engine_of(box)
     waits_at_most(a_engine, 3)
-    stopped, unpause = paused_after(b_engine, paused)  # INSERT: its heartbeat; UPDATE: its renewal
-    outcome: dict[str, BaseException | None] = {}
-    try:
-        tb = run_to(outcome, "b", b.maintain)
-        assert stopped.wait(10)
-        a._forget_at = datetime.min.replace(tzinfo=UTC)  # this round forgets
-        started = time.monotonic()
-        ta = run_to(outcome, "a", a.maintain)
-        ta.join(10)
-        took = time.monotonic() - started
-        unpause()
-        tb.join(20)
+    a._forget_at = datetime.min.replace(tzinfo=UTC)  # its next round forgets
+    try:  # b paused inside its heartbeat (INSERT) or its renewal (UPDATE)
+        outcome, took = beside(b_engine, paused, ("b", b.maintain), ("a", a.maintain), wait=10)
         assert outcome == {"a": None, "b": None}, outcome
         assert took < 3, took
     finally:
-        unpause()
         a_engine.dispose()
         b_engine.dispose()

@@ -662,21 +662,20 @@ def test_a_close_all_beside_another_joins_only_closers_that_started() -> None:
         unit.step = None
         return True
 
-    tenants = SimpleNamespace(_closing=threading.Lock(), _releasing=set(), worker_id="w", close=close)
+    tenants = SimpleNamespace(_closing=threading.Lock(), _closers={}, worker_id="w", close=close)
     tenants._close_group = lambda group, started: fleet_tenants._close_group(tenants, group, started)
     class StandIn(SimpleNamespace):  # a unit: hashed by identity, as Unit is
         __hash__ = object.__hash__
 
-    held = StandIn(step=object(), db=db, closer=None, kept=False, tenant=SimpleNamespace(name="held"))
-    idle = StandIn(step=None, db=db, closer=None, kept=False, tenant=SimpleNamespace(name="idle"))
+    held = StandIn(step=object(), db=db, kept=False, tenant=SimpleNamespace(name="held"))
+    idle = StandIn(step=None, db=db, kept=False, tenant=SimpleNamespace(name="idle"))
     first = threading.Thread(target=close_all, args=(tenants, [held, idle]), daemon=True)
     first.start()
-    time.sleep(0.1)  # the first call has handed "held" to a closer and closes "idle" itself
-    assert held.closer is not None
+    # The first call has handed "held" to a closer and closes "idle" itself (0.3 s) meanwhile.
+    wait_for(lambda: held in tenants._closers, 5, "held handed to a closer")
     second: list[object] = []
     beside = threading.Thread(target=lambda: second.append(close_all(tenants, [held])), daemon=True)
     beside.start()
-    time.sleep(0.1)
     released.set()
     beside.join(5)
     first.join(5)

@@ -8,6 +8,7 @@ command cannot use is refused in one line before anything connects.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -80,9 +81,10 @@ def test_the_fleet_command_serves_its_share_of_the_tenants(tmp_path, monkeypatch
 
 def test_a_share_of_a_bool_or_a_list_source_is_taken_as_what_it_is() -> None:
     """``True`` is an int to Python, not a share number; a plain list is a source like any other."""
-    for index, count in ((True, 2), (0, True), (0.0, 2)):
+    given: list[tuple[Any, Any]] = [(True, 2), (0, True), (0.0, 2)]  # what untyped callers may pass
+    for index, count in given:
         with pytest.raises(ConfigurationError):
-            TenantShare(index, count)  # type: ignore[arg-type]
+            TenantShare(index, count)
     assert [t.name for t in shared(["acme", "globex"], TenantShare(0, 2))()] == ["globex"]
 
 
