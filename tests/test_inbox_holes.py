@@ -446,3 +446,51 @@ def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
         raise RuntimeError("wrapped by a handler") from error
     except RuntimeError as wrapped:
         assert is_outage(wrapped) is outage  # a handler that wraps an outage still reports one
+
+
+def _missing_schema_cases() -> list:  # type: ignore[type-arg]
+    import sqlite3
+
+    import psycopg
+    import pymysql
+
+    return [
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.UndefinedTable()), True,
+                     id="undefined table"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.UndefinedColumn()), True,
+                     id="undefined column: tables not upgraded"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.InvalidSchemaName()), True,
+                     id="no such schema"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("no such table: inbox_keys")),
+                     True, id="sqlite no such table"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("no such column: seq")),
+                     True, id="sqlite no such column"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError,
+                              pymysql.err.ProgrammingError(1146, "Table 'db.inbox_keys' doesn't exist")),
+                     True, id="mysql no such table"),
+        pytest.param(_wrapped(sa.exc.OperationalError,
+                              pymysql.err.OperationalError(1054, "Unknown column 'event_type'")),
+                     True, id="mysql unknown column"),
+        pytest.param(_wrapped(sa.exc.IntegrityError, psycopg.errors.UniqueViolation()), False,
+                     id="unique violation"),
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.errors.QueryCanceled()), False,
+                     id="statement timeout"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("database is locked")),
+                     False, id="sqlite locked"),
+        pytest.param(_wrapped(sa.exc.OperationalError, pymysql.err.OperationalError(1213, "Deadlock")),
+                     False, id="mysql deadlock"),
+        pytest.param(ValueError("no such table: a handler's own words"), False, id="not a database error"),
+    ]
+
+
+@pytest.mark.parametrize(("error", "missing"), _missing_schema_cases())
+def test_what_says_the_tables_are_missing(error: BaseException, missing: bool) -> None:
+    """A missing table is the setup's failure when the inbox's own statement meets it (the settle
+    stage counts no attempt for it): only the statement's own error is read."""
+    from outbox.core._outage import is_missing_schema
+
+    assert is_missing_schema(error) is missing
+    try:
+        raise RuntimeError("raised while handling it") from error
+    except RuntimeError as wrapped:
+        assert not is_missing_schema(wrapped)
