@@ -168,9 +168,11 @@ def is_missing_schema(error: BaseException) -> bool:
 
     Only ``error`` itself is read, not what it was raised during: a statement
     of the inbox's that failed while a handler's error was being handled is
-    judged by its own error.
+    judged by its own error. A COMMIT's error is never one (SQLAlchemy gives it
+    no statement): a missing table fails the statement that names it, so one
+    met at COMMIT is a deferred trigger's of a handler's write, that work's own.
     """
-    if not isinstance(error, DBAPIError):
+    if not isinstance(error, DBAPIError) or error.statement is None:
         return False
     orig = error.orig
     code = _mysql_error_code(orig)
