@@ -23,6 +23,7 @@ from outbox import (
     RetryLater,
     create_engine,
 )
+from outbox.inbox._outage import is_handler_outage, is_missing_schema, is_outage
 from tests.inbox_support import (
     INBOX_KINDS,
     TEST_BUDGET,
@@ -195,7 +196,6 @@ def test_a_refused_connection_is_an_outage_for_the_inbox_and_a_failure_for_a_han
 ) -> None:
     """asyncpg raises the socket's ConnectionRefusedError when the database is down (waited out, see
     test_inbox_outage.py); the same error from a handler's own HTTP call is the handler's failure."""
-    from outbox.inbox._outage import is_handler_outage, is_outage
 
     refused = ConnectionRefusedError(111, "Connect call failed")
     assert is_outage(refused) and not is_handler_outage(refused)
@@ -439,7 +439,6 @@ def _outage_cases() -> list:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize(("error", "outage"), _outage_cases())
 def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
-    from outbox.inbox._outage import is_outage
 
     assert is_outage(error) is outage
     try:
@@ -487,8 +486,6 @@ def _missing_schema_cases() -> list:  # type: ignore[type-arg]
 def test_what_says_the_tables_are_missing(error: BaseException, missing: bool) -> None:
     """A missing table is the setup's failure when the inbox's own statement meets it (the settle
     stage counts no attempt for it): only the statement's own error is read."""
-    from outbox.core._outage import is_missing_schema
-
     assert is_missing_schema(error) is missing
     try:
         raise RuntimeError("raised while handling it") from error
