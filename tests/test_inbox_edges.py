@@ -127,6 +127,51 @@ def test_bad_json_parks_the_message_and_its_key(inbox: Inbox, engine: sa.Engine)
     assert (alert.kind, alert.key) == ("key_parked", "a")
 
 
+def test_a_record_met_before_the_inbox_tables_exist_counts_no_attempt_and_parks_nothing(
+        engine: sa.Engine, kind: str) -> None:
+    """No inbox tables yet: ``handle`` raises at once, for its caller to deliver the record again
+    (the FastStream subscriber seeks back). The setup failed, not the handler (it never ran): no
+    attempt counts, nothing parks. Counted, the park after the last attempt could find the tables
+    an operator made just after that attempt failed, and park the key for good (a FastStream test
+    on a loaded host did). Here the failed statements are counted: one, not three attempts and
+    the park's."""
+    box = Inbox(inbox_bind(engine, kind), group="g", retry_backoff=0.001, retry_backoff_max=0.01,
+                alert=AlertLog())
+    business.create_all(engine)
+    box.handler(TOPIC)(for_inbox(box, apply_effect))
+    # Connected once first: a fresh async engine knows it is on MariaDB only after its first
+    # connection, and its first inbox statement names MySQL 8's collation (a failure of its own).
+    box.run_database(lambda: box.engine.connect().close())
+    failed: list[str] = []  # every statement of the inbox's that failed (SQLAlchemy's public event)
+    bound = getattr(box.engine, "sync_engine", box.engine)
+    sa.event.listen(bound, "handle_error", lambda context: failed.append(str(context.original_exception)))
+    try:
+        with pytest.raises(sa.exc.DBAPIError):
+            box.handle(record(TOPIC, "a", 1))
+        # Raised at once: not tried again as a handler's failure (three attempts and a park that
+        # failed too, before the fix).
+        assert len(failed) == 1, failed
+        box.create_tables()
+        assert box.handle(record(TOPIC, "a", 1)) is Disposition.APPLIED  # delivered again
+        assert box.handle(record(TOPIC, "a", 2)) is Disposition.APPLIED
+        assert box.parked() == [] and list(box.alert) == []
+        assert applied(engine) == [("a", 1), ("a", 2)]
+    finally:
+        dispose(box)
+
+
+def test_a_handler_meeting_a_missing_table_of_its_own_fails_and_parks_as_any_failure(inbox: Inbox) -> None:
+    """Only the inbox's own tables missing counts no attempt; a handler's missing table is its failure."""
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        session.execute(sa.text("SELECT * FROM no_such_business_table"))
+
+    inbox.handler("other")(for_inbox(inbox, handler))
+    assert inbox.handle(record("other", "a", 1)) is Disposition.PARKED
+    [parked] = inbox.parked()
+    assert (parked.reason, parked.attempts) == ("failed", 3)
+    assert [a.kind for a in inbox.alert] == ["key_parked"]
+
+
 def test_accept_policy_handles_foreign_records_as_unkeyed(engine: sa.Engine) -> None:
     box = Inbox(engine, group="g", foreign_records="accept")
     box.create_tables()

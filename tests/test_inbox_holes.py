@@ -23,6 +23,7 @@ from outbox import (
     RetryLater,
     create_engine,
 )
+from outbox.inbox._outage import is_handler_outage, is_missing_schema, is_outage
 from tests.inbox_support import (
     INBOX_KINDS,
     TEST_BUDGET,
@@ -195,7 +196,6 @@ def test_a_refused_connection_is_an_outage_for_the_inbox_and_a_failure_for_a_han
 ) -> None:
     """asyncpg raises the socket's ConnectionRefusedError when the database is down (waited out, see
     test_inbox_outage.py); the same error from a handler's own HTTP call is the handler's failure."""
-    from outbox.inbox._outage import is_handler_outage, is_outage
 
     refused = ConnectionRefusedError(111, "Connect call failed")
     assert is_outage(refused) and not is_handler_outage(refused)
@@ -439,10 +439,55 @@ def _outage_cases() -> list:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize(("error", "outage"), _outage_cases())
 def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
-    from outbox.inbox._outage import is_outage
 
     assert is_outage(error) is outage
     try:
         raise RuntimeError("wrapped by a handler") from error
     except RuntimeError as wrapped:
         assert is_outage(wrapped) is outage  # a handler that wraps an outage still reports one
+
+
+def _missing_schema_cases() -> list:  # type: ignore[type-arg]
+    import sqlite3
+
+    import psycopg
+    import pymysql
+
+    return [
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.UndefinedTable()), True,
+                     id="undefined table"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.UndefinedColumn()), True,
+                     id="undefined column: tables not upgraded"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError, psycopg.errors.InvalidSchemaName()), True,
+                     id="no such schema"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("no such table: inbox_keys")),
+                     True, id="sqlite no such table"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("no such column: seq")),
+                     True, id="sqlite no such column"),
+        pytest.param(_wrapped(sa.exc.ProgrammingError,
+                              pymysql.err.ProgrammingError(1146, "Table 'db.inbox_keys' doesn't exist")),
+                     True, id="mysql no such table"),
+        pytest.param(_wrapped(sa.exc.OperationalError,
+                              pymysql.err.OperationalError(1054, "Unknown column 'event_type'")),
+                     True, id="mysql unknown column"),
+        pytest.param(_wrapped(sa.exc.IntegrityError, psycopg.errors.UniqueViolation()), False,
+                     id="unique violation"),
+        pytest.param(_wrapped(sa.exc.OperationalError, psycopg.errors.QueryCanceled()), False,
+                     id="statement timeout"),
+        pytest.param(_wrapped(sa.exc.OperationalError, sqlite3.OperationalError("database is locked")),
+                     False, id="sqlite locked"),
+        pytest.param(_wrapped(sa.exc.OperationalError, pymysql.err.OperationalError(1213, "Deadlock")),
+                     False, id="mysql deadlock"),
+        pytest.param(ValueError("no such table: a handler's own words"), False, id="not a database error"),
+    ]
+
+
+@pytest.mark.parametrize(("error", "missing"), _missing_schema_cases())
+def test_what_says_the_tables_are_missing(error: BaseException, missing: bool) -> None:
+    """A missing table is the setup's failure when the inbox's own statement meets it (the settle
+    stage counts no attempt for it): only the statement's own error is read."""
+    assert is_missing_schema(error) is missing
+    try:
+        raise RuntimeError("raised while handling it") from error
+    except RuntimeError as wrapped:
+        assert not is_missing_schema(wrapped)

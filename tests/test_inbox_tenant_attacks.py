@@ -481,3 +481,44 @@ def test_held_messages_a_budget_defers_come_back_to_their_own_tenant(tmp_path: P
     assert not alerts
     for engine in (acme, default):
         engine.dispose()
+
+
+# -- a tenant's tables gone while it is served, and made again ------------------------------------
+
+def test_a_tenants_tables_made_again_just_after_a_transaction_missed_them_count_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """acme's inbox tables are dropped while it is served, and made again right after a
+    transaction missed them: the router finds them there when it checks, and tries the batch
+    again. Nothing counts or parks, and the database's error does not escape into the consumer."""
+    from outbox.core._tables import OutboxTables
+
+    made = Tenants(tmp_path, tenant_header=HEADER)
+    try:
+        def of_acme(key: str) -> Record:
+            r = record(TOPIC, key, 1)
+            r.headers.append((HEADER, b"acme"))
+            return r
+
+        assert made.inbox.handle(of_acme("before")) is Disposition.APPLIED  # acme's tables checked
+        for table in reversed(OutboxTables().inbox_tables):
+            table.drop(made.engines["acme"])
+        step = made.inbox.router.place("acme").step  # type: ignore[union-attr]
+        apply, missed = step.apply, []
+
+        def tables_made_just_after(deliveries):  # type: ignore[no-untyped-def]
+            try:
+                return apply(deliveries)
+            except sa.exc.DBAPIError:
+                missed.append(deliveries)
+                made.inbox.create_tables(tenant="acme")
+                raise
+
+        monkeypatch.setattr(step, "apply", tables_made_just_after)
+        late = of_acme("after")
+        assert made.inbox.handle(late) is Disposition.APPLIED
+        assert len(missed) == 1
+        assert made.where(decode(late).message.message_id) == {"acme": ["applied"]}
+        assert made.inbox.parked(tenant="acme") == []
+    finally:
+        for engine in [made.default, *made.engines.values()]:
+            engine.dispose()

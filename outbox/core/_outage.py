@@ -7,6 +7,11 @@ One module for every worker, relay and inbox alike:
   unchanged, so it is the work's own failure. The inbox adds its own rule on
   top (``Outage``, ``is_outage``, ``is_handler_outage``: a handler's own I/O
   failing is the handler's failure).
+- ``is_missing_schema`` marks one kind of those: a statement naming a table,
+  column or schema that is not there. Neither an outage (it does not go away
+  by itself) nor, when the statement is the worker's own, the work's failure:
+  the tables were not made (or not upgraded) where the worker looks, which
+  the operator fixes.
 - ``OutageBackoff`` paces the retries: capped exponential, tenacity's
   ``wait_exponential``, optionally jittered so that workers do not all knock at
   once.
@@ -147,6 +152,39 @@ def _mysql_error_code(orig: BaseException | None) -> int | None:
         return None
     args = getattr(orig, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
+
+
+# A table, column or schema that is not there: PostgreSQL's undefined_table, undefined_column,
+# invalid_schema_name; MySQL's 1146 no such table, 1054 unknown column, 1049 unknown database
+# (a schema= on MySQL is a database); SQLite's words (its errors carry no code; a schema= there is an
+# attached database).
+_MISSING_SQLSTATES = ("42P01", "42703", "3F000")
+_MYSQL_MISSING_CODES = frozenset({1146, 1054, 1049})
+_SQLITE_MISSING = ("no such table", "no such column", "unknown database")
+
+
+def is_missing_schema(error: BaseException) -> bool:
+    """True when ``error``, a statement's, says a table, column or schema it names is not there.
+
+    Only ``error`` itself is read, not what it was raised during: a statement
+    of the inbox's that failed while a handler's error was being handled is
+    judged by its own error. A COMMIT's error is never one (SQLAlchemy gives it
+    no statement): a missing table fails the statement that names it, so one
+    met at COMMIT is a deferred trigger's of a handler's write, that work's own.
+    """
+    if not isinstance(error, DBAPIError) or error.statement is None:
+        return False
+    orig = error.orig
+    code = _mysql_error_code(orig)
+    if code is not None:
+        return code in _MYSQL_MISSING_CODES
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate:
+        return sqlstate in _MISSING_SQLSTATES
+    if type(orig).__module__.startswith("sqlite3"):
+        text = str(orig).lower()
+        return any(text.startswith(words) for words in _SQLITE_MISSING)
+    return False
 
 
 class Outage(Exception):

@@ -13,6 +13,7 @@ from transports._logsafe import safe_logger
 from ..core._outage import INBOX_WORDING, OutageBackoff, OutageTracker
 from ..core._outage import Outage as Outage
 from ..core._outage import is_handler_outage as is_handler_outage
+from ..core._outage import is_missing_schema as is_missing_schema
 from ..core._outage import is_outage as is_outage
 
 log = safe_logger("outbox.inbox")

@@ -18,6 +18,14 @@ worker thread; ``Inbox.handle`` sleeps in its caller's thread.
   their key right behind it: they count no attempt.
 - A database outage (``is_outage``) counts nothing, parks nothing and alerts
   nothing: the whole batch is tried again after a capped backoff.
+- The inbox's own tables missing (or not upgraded: ``is_missing_schema``, raised
+  by the transaction itself, never a handler's, which comes back as a failure)
+  is the setup's failure, not the message's: it counts nothing and parks
+  nothing, and is raised to the caller: ``Inbox.handle``'s, which delivers the
+  record again (the FastStream subscriber seeks back); the tenant router,
+  which checks the tables and waits; ``Inbox.run``, which refused to start
+  without them and ends when they go. Counted, it would park the key
+  whenever the tables were made between its last attempt and the park.
 - Any other database error of the transaction itself (a deferred constraint
   broken by one handler's writes, failing at COMMIT) belongs to one message:
   the batch is split until it is found, and that message fails like a handler
@@ -37,7 +45,7 @@ from sqlalchemy.exc import DBAPIError
 
 from transports._logsafe import safe_logger
 
-from ..core._outage import delay_before
+from ..core._outage import delay_before, is_missing_schema
 from ..core._stopping import StopRequested
 from ._alerting import Alerter
 from ._committed import Committed, Failure, Parked
@@ -79,6 +87,8 @@ class Settler:
         try:
             committed = self.step.apply(deliveries)
         except Exception as exc:
+            if is_missing_schema(exc):
+                raise  # no inbox tables (yet): the setup's failure, nobody's attempt
             if isinstance(exc, DBAPIError) and not is_outage(exc) and len(deliveries) > 1:
                 settled = Settled()  # one message broke the commit: find it by applying each alone
                 for d in deliveries:

@@ -63,6 +63,7 @@ from ..core import _schema
 from ..core._alerts import Alert, AlertKind, deliver
 from ..core._envelope import Message
 from ..core._errors import OutboxError
+from ..core._outage import is_missing_schema
 from ..core._schema_claims import SharedSchemaError
 from ..core._tenant import Tenant, TenantSource
 from ..core._validation import folded
@@ -226,7 +227,9 @@ class TenantRouter:
             # Not an outage (those settle as "later"): the tables went away under us? Check them.
             delay = self._check(place)
             if delay is None:
-                raise
+                if not is_missing_schema(exc):
+                    raise
+                delay = BACKOFF.first  # missing when it ran, made since: try it again, count nothing
             log.warning("%s: inbox transaction failed (%s); its tables are checked again before "
                         "it is used", place.what, type(exc).__name__)
             return self._unchecked(place, batch, delay)
