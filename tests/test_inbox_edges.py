@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from outbox import (
     ConfigurationError,
@@ -49,8 +51,9 @@ def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def inbox(engine: sa.Engine, kind: str) -> Iterator[Inbox]:
+@contextmanager
+def inbox_on(engine: sa.Engine, kind: str) -> Iterator[Inbox]:
+    """An inbox of ``kind`` on ``engine``, its tables made, ``apply_effect`` handling ``TOPIC``."""
     # TEST_BUDGET: a test reads a whole transaction's outcome (a held successor applied behind its
     # predecessor), which a loaded host's 1 s default batch_budget may cut.
     box = Inbox(inbox_bind(engine, kind), group="g", retry_backoff=0.001, retry_backoff_max=0.01,
@@ -58,8 +61,16 @@ def inbox(engine: sa.Engine, kind: str) -> Iterator[Inbox]:
     box.create_tables()
     business.create_all(engine)
     box.handler(TOPIC)(for_inbox(box, apply_effect))
-    yield box
-    dispose(box)
+    try:
+        yield box
+    finally:
+        dispose(box)
+
+
+@pytest.fixture
+def inbox(engine: sa.Engine, kind: str) -> Iterator[Inbox]:
+    with inbox_on(engine, kind) as box:
+        yield box
 
 
 def test_a_foreign_record_parks_with_its_reason_and_the_next_one_is_handled(
@@ -170,6 +181,79 @@ def test_a_handler_meeting_a_missing_table_of_its_own_fails_and_parks_as_any_fai
     [parked] = inbox.parked()
     assert (parked.reason, parked.attempts) == ("failed", 3)
     assert [a.kind for a in inbox.alert] == ["key_parked"]
+
+
+class _Unmade(DeclarativeBase):
+    pass
+
+
+class NeverMade(_Unmade):
+    """A handler's own model whose table nobody made."""
+    __tablename__ = "never_made"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+def delivered_until_settled(box: Inbox, times: int = 6) -> list[object]:
+    """Deliver one record again each time ``handle`` raises, as its caller would, ``times`` at most:
+    the dispositions and the names of what was raised."""
+    outcomes: list[object] = []
+    for _ in range(times):
+        try:
+            outcomes.append(box.handle(record("other", "a", 1)))
+            break
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    return outcomes
+
+
+def test_a_handlers_model_on_a_missing_table_fails_at_the_flush_and_parks(inbox: Inbox) -> None:
+    """The handler only adds an object: the INSERT on its missing table runs at the flush, within
+    the inbox's transaction, yet it is the handler's failure: three attempts, then parked."""
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        session.add(NeverMade(id=1))
+
+    inbox.handler("other")(for_inbox(inbox, handler))
+    assert delivered_until_settled(inbox)[-1] is Disposition.PARKED
+    [parked] = inbox.parked()
+    assert parked.attempts == 3
+
+
+def test_a_handler_that_swallows_its_missing_table_error_does_not_loop(inbox: Inbox) -> None:
+    """The handler catches its own missing table's error; on PostgreSQL its transaction stays failed
+    and the inbox's next statement fails for it. Not the inbox's tables: it settles, never raises."""
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        with suppress(sa.exc.DBAPIError):
+            session.execute(sa.text("SELECT * FROM no_such_business_table"))
+
+    inbox.handler("other")(for_inbox(inbox, handler))
+    assert delivered_until_settled(inbox)[-1] in (Disposition.PARKED, Disposition.APPLIED)
+
+
+@pytest.mark.postgres
+def test_a_deferred_trigger_meeting_a_missing_table_at_commit_is_the_handlers_and_parks(
+        postgres_db: str, kind: str) -> None:
+    """The handler's INSERT fires a deferred constraint trigger that reads a missing table: the
+    error comes at the inbox's COMMIT, which names no statement, so it is the handler's write's
+    failure and parks (taken for the inbox's tables, the record came again for ever)."""
+    engine = create_engine(postgres_db)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE triggered (id int)")
+        conn.exec_driver_sql("CREATE FUNCTION reads_nothing() RETURNS trigger LANGUAGE plpgsql AS "
+                             "$$ BEGIN PERFORM 1 FROM no_such_table; RETURN NULL; END $$")
+        conn.exec_driver_sql("CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON triggered "
+                             "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION reads_nothing()")
+
+    def handler(session, message):  # type: ignore[no-untyped-def]
+        session.execute(sa.text("INSERT INTO triggered VALUES (1)"))
+
+    try:
+        with inbox_on(engine, kind) as box:
+            box.handler("other")(for_inbox(box, handler))
+            assert delivered_until_settled(box)[-1] is Disposition.PARKED
+            [parked] = box.parked()
+            assert parked.attempts == 3
+    finally:
+        engine.dispose()
 
 
 def test_accept_policy_handles_foreign_records_as_unkeyed(engine: sa.Engine) -> None:

@@ -447,7 +447,7 @@ def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
         assert is_outage(wrapped) is outage  # a handler that wraps an outage still reports one
 
 
-def _missing_schema_cases() -> list:  # type: ignore[type-arg]
+def _missing_schema_cases() -> list[object]:
     import sqlite3
 
     import psycopg

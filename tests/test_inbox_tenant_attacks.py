@@ -502,7 +502,9 @@ def test_a_tenants_tables_made_again_just_after_a_transaction_missed_them_count_
         assert made.inbox.handle(of_acme("before")) is Disposition.APPLIED  # acme's tables checked
         for table in reversed(OutboxTables().inbox_tables):
             table.drop(made.engines["acme"])
-        step = made.inbox.router.place("acme").step  # type: ignore[union-attr]
+        router = made.inbox.router
+        assert router is not None
+        step = router.place("acme").step
         apply, missed = step.apply, []
 
         def tables_made_just_after(deliveries):  # type: ignore[no-untyped-def]
