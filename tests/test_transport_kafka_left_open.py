@@ -11,6 +11,7 @@ committed meanwhile, and the replica comes back.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.testing import LocalKafka, LocalKafkaCluster
-from transports import ReadBack, Record, TransactionOutcome, Uncommitted
+from transports import Outcome, ReadBack, Record, TransactionOutcome, Uncommitted
 from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.kafka._transactions import TOPICS_HEADER, with_positions, with_topics
@@ -78,6 +79,18 @@ def leave_open(kafka_cluster: LocalKafkaCluster, tid: str, topic: str) -> AdminC
     stable, end = wait_until(lambda: stable_and_end(admin, topic), 30, "the partition's offsets")
     assert stable < end, "the broker wrote the marker: nothing was left open"
     return admin
+
+
+def row_1_again_reads_once(bootstrap: str, taker: Any, data: str, progress: str) -> None:
+    """``taker`` (the next producer of the id) commits row-1 again: read_committed readers of ``data``
+    get that one record, nothing of the transaction before it; ``taker`` closed."""
+    tid = taker.transactional_id
+    again = taker.send([Record(data, b"row-1 again", key=b"k", partition=0),
+                        Record(progress, b"progress naming row-1 again", key=tid.encode(), partition=0)])
+    assert again.outcome is TransactionOutcome.COMMITTED, again
+    seen = read_topic(bootstrap, data, expected=2, timeout=10, isolation="read_committed")
+    assert [r.value for r in seen] == [b"row-1 again"]
+    taker.close()
 
 
 def test_a_transaction_the_broker_left_open_is_ended_by_the_next_producer_of_its_id(
@@ -165,12 +178,7 @@ def test_an_aborted_transaction_whose_data_marker_alone_is_dropped_is_ended_befo
         taker = transport.transactional(tid, 30)
         read = transport.read_back(progress, 0, tid.encode(), 30)
         assert read == ReadBack(None, (Uncommitted(named, (False,)),))
-        again = taker.send([Record(data, b"row-1 again", key=b"k"),
-                            Record(progress, b"progress naming row-1 again", key=tid.encode(), partition=0)])
-        assert again.outcome is TransactionOutcome.COMMITTED, again
-        seen = read_topic(kafka_cluster.bootstrap, data, expected=2, timeout=10, isolation="read_committed")
-        assert [r.value for r in seen] == [b"row-1 again"]
-        taker.close()
+        row_1_again_reads_once(kafka_cluster.bootstrap, taker, data, progress)
     finally:
         transport.close()
 
@@ -402,5 +410,79 @@ def test_a_commit_whose_progress_marker_alone_is_dropped_is_not_taken_for_unsent
         again = transport.read_back(progress, 0, tid.encode(), 30)  # a take-over that died before it sent
         assert again == read
         taker.close()
+    finally:
+        transport.close()
+
+
+class AckedThenKilledAtAbort:
+    """A confluent producer whose records in flight are answered before the purge of an abort, and
+    whose ``abort_transaction`` first runs ``before`` (everything else its own)."""
+
+    def __init__(self, inner: Producer, before: Any) -> None:
+        self._inner, self._before = inner, before
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def purge(self, *args: Any, **kwargs: Any) -> None:
+        self._inner.flush(10)  # the data record answered: it is in its partition's log
+        self._inner.purge(*args, **kwargs)
+
+    def abort_transaction(self, *args: Any) -> None:
+        self._before()
+        self._inner.abort_transaction(*args)
+
+
+def test_an_aborted_transaction_that_never_wrote_its_last_record_is_ended_by_the_next_producer(
+        kafka_cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transaction fails before its last record (the relay's progress) is produced: a record is
+    refused, or the broker froze past the deadline. Its abort's marker on a data partition is dropped
+    (the partition's only replica gone meanwhile; on a real cluster, a broker frozen past its session
+    and thawed), so the data record stays open there, and no progress record names its topics for a
+    read-back to find. The next producer of the id committed on that partition, which ended the old
+    record too, committed: the row twice on the wire (seen as 80 rows twice in
+    tests/test_relay_exactly_once_pace_attacks.py under load). The transport now keeps where a
+    transaction that did not commit wrote, and the next producer of the id ends it first."""
+    tid, data, progress = "outbox-unsettled-0", "unsettled-data", "unsettled-progress"
+    refusing = "unsettled-refusing"
+    admin, coordinator, victim = one_replica_topics(kafka_cluster, tid, data, progress, victim_holds="data")
+    admin.create_topics([NewTopic(refusing, num_partitions=1, replication_factor=-1,
+                                  replica_assignment=[[coordinator]],
+                                  config={"max.message.bytes": "256"})])[refusing].result(30)
+    kafka_cluster.leader(refusing, 0)
+    live = AdminClient({"bootstrap.servers": kafka_cluster.live_bootstrap(), "log_level": 0})
+    node = next(n for n in kafka_cluster.nodes if n.node_id == coordinator)
+    mark: list[int] = []
+
+    def kill_the_data_replica() -> None:
+        kafka_cluster.kill(victim)
+        wait_until(lambda: live.list_topics(data, timeout=5).topics[data].partitions[0].leader == -1, 60,
+                   "the data partition without a leader")
+        mark.append(len(node.log_since_launch()))
+
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap)
+    try:
+        producer = transport.transactional(tid, 10)
+        monkeypatch.setattr(producer, "_producer", AckedThenKilledAtAbort(producer._producer,
+                                                                          kill_the_data_replica))
+        answer = producer.send([Record(data, b"row-1", key=b"k", partition=0),
+                                Record(refusing, os.urandom(2000), key=b"big", partition=0),
+                                Record(progress, b"progress", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.ABORTED, answer
+        assert answer.results[1].outcome is Outcome.FAILED, answer  # refused by the broker, for good
+        wait_until(lambda: dropped_since(node, mark[0]), 30, "the coordinator dropping the data marker")
+        producer.close()
+        kafka_cluster.start(victim)
+        kafka_cluster.leader(data, 0)
+        stable, end = wait_until(lambda: stable_and_end(admin, data), 30, "the data partition's offsets")
+        assert stable < end, "the broker wrote the data marker: nothing was left open"
+        assert stable_and_end(admin, progress) == (0, 0), "the progress record was produced"
+
+        taker = transport.transactional(tid, 30)  # the relay's next producer of the shard's id
+        assert transport.read_back(progress, 0, tid.encode(), 30) == ReadBack(None, ())
+        row_1_again_reads_once(kafka_cluster.bootstrap, taker, data, progress)
     finally:
         transport.close()

@@ -48,7 +48,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from confluent_kafka import IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
@@ -104,6 +104,27 @@ def transaction_timeout_ms(ms: int) -> int:
     return max(ms, 60_000, min(2 * ms, BROKER_MAX_TRANSACTION_MS))
 
 
+@dataclass
+class Unsettled:
+    """Where one transactional id's transactions that did not end committed wrote: partitions, and
+    topics whose partition librdkafka chose. Their markers may have been dropped (module doc).
+
+    An aborted or unknown transaction whose last record was never produced names no topics anywhere
+    a read-back finds, yet its records may stay open on their partitions: the coordinator drops the
+    abort markers of a partition whose leader it cannot find (a broker frozen past its session
+    and thawed). The next producer of the id then committed there, which ended them too, committed:
+    rows twice on the wire. So the transport keeps this for each id, and the next producer it makes
+    of the id ends them (``KafkaTransactionalProducer.settle``) before it is used. Held by the
+    transport (strongly): a producer dropped after an unknown outcome is gone, this is not.
+    """
+
+    partitions: set[tuple[str, int]] = field(default_factory=set)
+    topics: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.partitions or self.topics)
+
+
 class KafkaTransactionalProducer:
     """One ``transactional.id``'s producer; each ``send`` one transaction (module doc).
 
@@ -115,8 +136,13 @@ class KafkaTransactionalProducer:
     def __init__(self, config: Mapping[str, Any], transactional_id: str, *, timeout: float,
                  partitions: Callable[[str], int | SendResult],
                  results_of: Callable[[KafkaError], SendResult],
-                 admin: Callable[[AdminClient | None], AdminClient]) -> None:
+                 admin: Callable[[AdminClient | None], AdminClient],
+                 unsettled: Unsettled | None = None) -> None:
         self.transactional_id = transactional_id
+        # Where this id's transactions that did not commit wrote (its transport's, shared by every
+        # producer of the id); this transaction's, added to it unless it commits.
+        self._unsettled = Unsettled() if unsettled is None else unsettled
+        self._touched = Unsettled()
         self._timeout = timeout
         self._partitions = partitions
         self._result_of = results_of
@@ -158,7 +184,19 @@ class KafkaTransactionalProducer:
         """Write ``records`` in one transaction; its outcome and one result per record.
 
         The last record carries ``TOPICS_HEADER`` and ``POSITIONS_HEADER`` (module doc): it is
-        produced once the others' delivery reports came."""
+        produced once the others' delivery reports came. Where a transaction that does not commit
+        wrote is kept (``Unsettled``) for the next producer of the id to end."""
+        self._touched = Unsettled()
+        result: TransactionResult | None = None
+        try:
+            result = self._send(records)
+            return result
+        finally:
+            if result is None or result.outcome is not TransactionOutcome.COMMITTED:
+                self._unsettled.partitions |= self._touched.partitions
+                self._unsettled.topics |= self._touched.topics
+
+    def _send(self, records: Sequence[Record]) -> TransactionResult:
         producer = self._producer
         records = with_topics(records)
         try:
@@ -197,6 +235,10 @@ class KafkaTransactionalProducer:
             if isinstance(partition, SendResult):
                 refused[i] = partition
                 break
+            if partition is None:  # librdkafka's partitioner picks: any partition of the topic
+                self._touched.topics.add(record.topic)
+            else:
+                self._touched.partitions.add((record.topic, partition))
             headers: Any = record.headers
 
             def report(error: KafkaError | None, message: Any, i: int = i) -> None:
@@ -420,26 +462,47 @@ class KafkaTransactionalProducer:
 
     def end_left_open(self, topics: Sequence[str], also: tuple[str, int]) -> None:
         """Abort, with this producer's epoch, what an earlier producer of the id left open on every
-        partition of ``topics`` and on partition ``also``.
+        partition of ``topics`` and on partition ``also`` (``also``'s topic's other partitions
+        left out: the progress topic, named in ``topics`` too, has one per shard).
 
         A transactional record of the same producer id joins the transaction open on its
         partition, and the abort marker then ends both there: an empty record (the id as key)
         goes to each partition, is delivered, and the transaction is aborted. Nothing of it is
-        ever read committed. A topic of ``topics`` that no longer exists is left out (deleted since the
+        ever read committed. A topic that no longer exists is left out (deleted since the
         transaction wrote it, it holds nothing open). Raises ``RetriableTransportError`` if the broker
         does not take it within the producer's timeout.
         """
+        self._end_open(sorted(set(topics) - {also[0]}), [also])
+
+    def settle(self) -> None:
+        """End what this id's transactions that did not commit may have left open (``Unsettled``),
+        before this producer sends anything; ``RetriableTransportError`` if the broker does not take
+        it in time (kept, for the next producer of the id to try)."""
+        if not self._unsettled:
+            return
+        unsettled = self._unsettled
+        self._end_open(sorted(unsettled.topics), sorted(unsettled.partitions))
+        unsettled.partitions.clear()
+        unsettled.topics.clear()
+
+    def _end_open(self, topics: Sequence[str], partitions: Sequence[tuple[str, int]]) -> None:
+        """Abort an empty record's transaction on every partition of ``topics`` and on ``partitions``,
+        those of topics that still exist (``end_left_open``)."""
         producer, key = self._producer, self.transactional_id.encode()
         deadline = time.monotonic() + self._timeout
-        targets = [also]
         # A topic deleted since the transaction was written holds nothing open; asking the producer
         # for it would fail at every take-over ('Unknown topic') or make it anew (auto-creation).
-        for topic in existing_topics(self._config, sorted(set(topics) - {also[0]}), deadline):
+        named = sorted(set(topics) | {topic for topic, _ in partitions})
+        existing = set(existing_topics(self._config, named, deadline))
+        targets = [(topic, p) for topic, p in dict.fromkeys(partitions) if topic in existing]
+        for topic in topics:
+            if topic not in existing:
+                continue
             count = self._partitions(topic)
             if isinstance(count, SendResult):
                 raise RetriableTransportError(f"cannot end the transaction left open on {topic!r}: "
                                               f"{count.error}")
-            targets += [(topic, p) for p in range(count) if (topic, p) != also]
+            targets += [(topic, p) for p in range(count) if (topic, p) not in targets]
         failures: list[KafkaError] = []
 
         def report(error: KafkaError | None, _message: Any) -> None:

@@ -74,7 +74,7 @@ from ._logging import ClientErrors, LibrdkafkaLog
 from ._queue_full import ProducerStopped, fatal_error, produce_waiting
 from ._read_back import ensure_compacted_topic, last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
-from ._transactions import KafkaTransactionalProducer
+from ._transactions import KafkaTransactionalProducer, Unsettled
 
 # Errors that cannot succeed by sending the same record again.
 PERMANENT_ERRORS = frozenset({
@@ -244,6 +244,8 @@ class KafkaTransport:
         self._admin_lock = threading.Lock()
         self._made: weakref.WeakValueDictionary[str, KafkaTransactionalProducer] = (
             weakref.WeakValueDictionary())
+        # Where each id's transactions that did not commit wrote, until a producer of the id ends it.
+        self._unsettled: dict[str, Unsettled] = {}
 
     def __repr__(self) -> str:
         return f"KafkaTransport({redacted(self._config)!r})"
@@ -634,12 +636,20 @@ class KafkaTransport:
         """A transactional producer of this transport's settings; every older one of the id fenced.
 
         ``one_per_request``: each request holds one record, so a refusal is that record's own.
+        Before it is returned, it ends what the id's transactions that did not commit may have left
+        open (``Unsettled``); ``RetriableTransportError`` if the broker does not take that in time.
         """
         settings = {**self._config, **(ONE_PER_REQUEST if one_per_request else {})}
+        unsettled = self._unsettled.setdefault(transactional_id, Unsettled())
         producer = KafkaTransactionalProducer(settings, transactional_id, timeout=timeout,
                                               partitions=self._partition_count, results_of=result_of,
-                                              admin=self._shared_admin)
+                                              admin=self._shared_admin, unsettled=unsettled)
         self._made[transactional_id] = producer  # the newest of the id: it ends what is left open
+        try:
+            producer.settle()
+        except BaseException:
+            producer.close()
+            raise
         return producer
 
     def _shared_admin(self, stale: AdminClient | None = None) -> AdminClient:
