@@ -66,9 +66,12 @@ def _keys_table(session: Session, param: str, **seqs: BigInteger | String) -> An
     """``JSON_TABLE(:param)`` of ``[topic, key, *seqs]`` rows, to join on.
 
     The key columns take the tables' collation (``name_collation``), so the join
-    compares keys exactly as the tables do: ``"A"`` is not ``"a"``.
+    compares keys exactly as the tables do: ``"A"`` is not ``"a"``. Asked of the
+    session's connection, not its engine: an engine that has not connected yet does not
+    know MariaDB from MySQL 8 (an async one's first statement named MySQL 8's collation on
+    MariaDB, error 1273).
     """
-    collation = name_collation(session.get_bind().dialect)
+    collation = name_collation(session.connection().dialect)
     return json_table(param, {"topic": String(), "key": String(), **seqs}, name="wanted", sql_types={
         "topic": f"VARCHAR(249) CHARACTER SET utf8mb4 COLLATE {collation}",
         "key": f"VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {collation}"})
