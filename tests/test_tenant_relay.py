@@ -507,30 +507,53 @@ def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
 
 
 def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
-        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
-    """Twelve tenants whose lease tables another transaction holds locked when the fleet stops:
-    every line of the stop counts them and names ten; a fleet of 500 named all 500 in one line."""
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve tenants whose lease tables another transaction holds locked when the fleet stops, its
+    worker inside a step of one of them: every line of the stop counts them and names ten; a fleet
+    of 500 named all 500 in one line. The worker gives that tenant's leases back itself once its
+    step is done, and its release waited on the lock for as long as it was held: the stop's bound
+    ran out and its last line never came (clean CI, a loaded host whose worker was in a step when
+    the stop came). Now no lease statement waits on a lock longer than the lease TTL (5 s here):
+    the release fails as an outage and the leases are left to their TTL."""
     names = [f"t{i:02d}" for i in range(12)]
     outboxes = make_tenants(pg, names, shards={name: 1 for name in names})
-    running = Running(fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg))
+    relay = fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg, workers=1)
+    running = Running(relay, stop_timeout=30)
     wait_for(lambda: all(owned_leases(o) == 1 for o in outboxes.values()), 20, "every tenant's lease")
+    step = relay.relay_of("t02")
+    assert step is not None
+    real, inside = step.run, threading.Event()
+
+    def until_the_stop(**kwargs: Any) -> Any:
+        """The fleet's one worker, in t02's step, stays there until the stop is asked for."""
+        inside.set()
+        relay._stopping.wait(30)
+        return real(**kwargs)
+
+    monkeypatch.setattr(step, "run", until_the_stop)
+    publish(outboxes["t02"], "orders", ["k"])  # its notification gives t02 a turn
+    assert inside.wait(20), "t02's step"
     caplog.set_level(logging.INFO, logger="outbox.relay")
     with pg.connect() as holder:
         # SHARE: the fleet reads them still, but no release (an UPDATE) gets through.
         holder.exec_driver_sql("LOCK TABLE " + ", ".join(f'"{n}".outbox_leases' for n in names)
                                + " IN SHARE MODE")
         running.stop()
+        # Read while the lock is held: a closer that gives leases back once it is gone says so.
+        said = [r.getMessage() for r in caplog.records if "their leases back" in r.getMessage()]
         holder.rollback()
-    said = [r.getMessage() for r in caplog.records if "their leases back" in r.getMessage()]
-    # The release's line (once for the tenants no worker held, 11 if one was in a step; once for
-    # every tenant after the workers: its closer is still held), then the stop's.
-    assert said and "tenants had not given their leases back after 3s (t0" in said[0], said
+    # The release's line (once for the 11 tenants no worker held; once after the worker, for those
+    # the closer of the 11 still releases), then the stop's.
+    assert said and "11 tenants had not given their leases back after 3s (t00, t01, t03" in said[0], said
     assert "their release goes on" in said[0], said
-    ten = ", ".join(names[:10])
+    ten = ", ".join([name for name in names if name != "t02"][:10])  # the worker's tenant last
     assert f"stopped; 12 tenants did not give their leases back ({ten}, …)" in said[-1], said
     for line in said:
+        # Ten names, then an ellipsis; all of them when ten or fewer (the second wait's line counts
+        # those its closer still holds: its releases end one by one at their lock bound).
+        counted = int(line.split(" tenants ", 1)[0].rsplit(" ", 1)[1])
         listed = line.split("(", 1)[1].split(")", 1)[0].split(";")[0].split(", ")
-        assert len(listed) == 11 and listed[-1] == "…", line  # ten names, then an ellipsis
+        assert len(listed) == min(counted, 11) and (listed[-1] == "…") == (counted > 10), line
 
 
 def slow_release(pg: sa.Engine, schema: str, seconds: float) -> None:
