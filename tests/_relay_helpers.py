@@ -6,7 +6,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,35 +185,3 @@ class Running:
         if clean:
             assert self.error == []
         return took
-
-
-LEASE_BOUND_FLOOR = 5.0
-"""Seconds a lease statement waits on a lock at least before PostgreSQL fails it (``_sql.lease_bounds``:
-the lease TTL, never below the idle bound's floor)."""
-
-
-def behind_a_lock(engine: sa.Engine, tables: str, call: Callable[[], object], what: str) -> None:
-    """``call()`` (a lease statement) run while another transaction holds ``tables`` locked
-    ``IN SHARE MODE`` (reads go on, no UPDATE does): it fails within 20 s, not before the bound, as
-    a lock timeout (55P03, an outage: ``is_database_outage``), not waiting until the lock is gone."""
-    failed: list[Exception] = []
-
-    def attempt() -> None:
-        try:
-            call()
-        except Exception as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=attempt, daemon=True)
-    with engine.connect() as holder:
-        holder.exec_driver_sql(f"LOCK TABLE {tables} IN SHARE MODE")
-        started = time.monotonic()
-        thread.start()
-        thread.join(20)
-        took = time.monotonic() - started
-        holder.rollback()  # without the bound, the attempt waits for this
-    thread.join(20)
-    assert took < 20 and failed, f"the {what} waited {took:.1f}s on the lock"
-    error = failed[0]
-    assert isinstance(error, sa.exc.DBAPIError) and getattr(error.orig, "sqlstate", None) == "55P03", error
-    assert took >= LEASE_BOUND_FLOOR - 0.5, took  # a TTL at least: a short lock wait is no outage

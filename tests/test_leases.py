@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import behind_a_lock, publish
+from _relay_helpers import publish
 
 from outbox import Outbox, Relay, SchemaError, create_engine
 from outbox.relay._leases import SHARDS_AT_ONCE, Leases
@@ -373,22 +373,6 @@ def test_a_lease_ttl_past_what_postgresql_bounds_an_idle_transaction_by_still_re
         relay.close()
     assert (batch.fetched, batch.published) == (1, 1), batch
     assert len(broker.records("orders")) == 1
-
-
-@pytest.mark.postgres
-@pytest.mark.parametrize("what", ["renewal", "release"])
-def test_a_lease_statement_behind_a_locked_lease_table_gives_up_at_its_bound(
-        pg: sa.Engine, what: str) -> None:
-    """Another transaction holds the lease table locked (``LOCK TABLE``, a migration). A renewal or
-    release waited for as long as that transaction lasted, holding its relay (and a fleet's stop:
-    its worker gave a tenant's leases back, clean CI). It now fails after the lease transaction's
-    bound (``_sql.lease_bounds``: a TTL, here its 5-s floor) as a lock timeout, an outage: what it
-    would have renewed had expired by then anyway. (A fleet's renewal: ``test_tenant_renewal``.)"""
-    box = Outbox(pg, shards=2)
-    box.create_tables()
-    leases = Leases(pg, box.tables, 2, "a", ttl=1.0)
-    assert len(leases.maintain()) == 2
-    behind_a_lock(pg, "outbox_leases", leases.maintain if what == "renewal" else leases.release_all, what)
 
 
 @pytest.mark.parametrize("shards", [16, 2048])

@@ -513,8 +513,8 @@ def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
     of 500 named all 500 in one line. The worker gives that tenant's leases back itself once its
     step is done, and its release waited on the lock for as long as it was held: the stop's bound
     ran out and its last line never came (clean CI, a loaded host whose worker was in a step when
-    the stop came). Now no lease statement waits on a lock longer than the lease TTL (5 s here):
-    the release fails as an outage and the leases are left to their TTL."""
+    the stop came). Now the worker's release at the stop is bounded as the others' are
+    (``RELEASE_WITHIN``): it goes on on a closer of its own, the leases left to their TTL."""
     names = [f"t{i:02d}" for i in range(12)]
     outboxes = make_tenants(pg, names, shards={name: 1 for name in names})
     relay = fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg, workers=1)
@@ -549,8 +549,8 @@ def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
     ten = ", ".join([name for name in names if name != "t02"][:10])  # the worker's tenant last
     assert f"stopped; 12 tenants did not give their leases back ({ten}, …)" in said[-1], said
     for line in said:
-        # Ten names, then an ellipsis; all of them when ten or fewer (the second wait's line counts
-        # those its closer still holds: its releases end one by one at their lock bound).
+        # Ten names, then an ellipsis; all of them when ten or fewer (the worker's own release
+        # waited for names one).
         counted = int(line.split(" tenants ", 1)[0].rsplit(" ", 1)[1])
         listed = line.split("(", 1)[1].split(")", 1)[0].split(";")[0].split(", ")
         assert len(listed) == min(counted, 11) and (listed[-1] == "…") == (counted > 10), line

@@ -152,7 +152,7 @@ class Leases:
         epoch = utcnow() - timedelta(days=1)
         rows = [{"shard": s, "owner": None, "epoch": 0, "expires_at": epoch}
                 for s in range(self.shards)]
-        with self._locking() as conn:
+        with self._engine.begin() as conn:
             conn.execute(self._upsert(t, "shard", {}), rows)
         self._prepared = True
 
@@ -228,13 +228,9 @@ class Leases:
     def _locking(self) -> Iterator[Connection]:
         """A transaction of this relay's own that locks lease rows (and its heartbeat row), ended by
         the database if the relay stalls inside it for a TTL: frozen there (SIGSTOP, a VM stall), it
-        would hold the relay that takes its expired leases (``RelayStatements.end_if_idle``). On
-        PostgreSQL none of its statements waits on a lock for longer either: held by another
-        transaction (a ``LOCK TABLE``), the lease table held the relay, and a fleet's stop, for as
-        long as that transaction lasted; past the bound the statement fails as an outage
-        (``RelayStatements.bound_lease_transaction``)."""
+        would hold the relay that takes its expired leases (``RelayStatements.end_if_idle``)."""
         with self._engine.begin() as conn:
-            self._statements.bound_lease_transaction(conn, self.ttl)
+            self._statements.end_if_idle(conn, self.ttl)
             yield conn
 
     def _heartbeat(self, conn: Connection, now: datetime, expires: datetime) -> Answer:

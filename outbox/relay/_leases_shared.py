@@ -13,22 +13,14 @@ tenant's in data-modifying CTEs over its own schema's tables:
 - the renewal of the shards this relay holds, by owner and shard, RETURNING
   what it renewed (the epoch is what fencing checks, as before);
 - one read of the live relays and the stored shard count, tagged with the
-  tenant's place in the chunk.
-
-Before it, one statement sets the transaction's bounds (``_sql.lease_bounds``):
-the renewal holds the chunk's heartbeat and lease rows locked until its
-COMMIT, so a fleet frozen between the two (SIGSTOP, a VM stall) would hold
-another fleet's take of those leases, and its renewal (the same dead relays
-forgotten), for as long as it sleeps; PostgreSQL ends it after a lease TTL
-instead, as it ends a single relay's (``RelayStatements.end_if_idle``). And
-no lock is waited for longer than that: a lease table locked by another
-transaction (``LOCK TABLE``) held the renewal, and with it the lock of every
-tenant of its chunk (``Leases.shared_round``: their releases, a fleet's stop
-too), for as long as that transaction lasted; past the bound the renewal
-fails with 55P03, an outage of the database (``_renewal``). The bounds were
-a ``set_config`` inside the renewal, in its round trip, but a setting the
-statement sets does not bound the locks that statement takes (a relation's
-is taken before it runs).
+  tenant's place in the chunk;
+- and, once, ``set_config`` of this transaction's idle bound: the renewal
+  holds the chunk's heartbeat and lease rows locked until its COMMIT, so a
+  fleet frozen between the two (SIGSTOP, a VM stall) would hold another
+  fleet's take of those leases, and its renewal (the same dead relays
+  forgotten), for as long as it sleeps; PostgreSQL ends it after a lease TTL
+  instead, as it ends a single relay's (``RelayStatements.end_if_idle``), and
+  in the same round trip.
 
 The read sees the snapshot before the heartbeat, which changes nothing: the
 fair share counts this relay whether its own row is seen or not
@@ -49,15 +41,14 @@ from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.sql.compiler import IdentifierPreparer
 
 from ._leases import Answer, LeaseRound, Leases
-from ._sql import lease_bounds
+from ._sql import idle_timeout_ms
 
 Member = tuple[str | None, Leases, LeaseRound]
 """A tenant's schema (None: the connection's own), its leases, and its round (``Leases.shared_round``)."""
 
 
 def renew_together(conn: Connection, members: list[Member]) -> list[Answer]:
-    """The heartbeat, live relays, shard count and renewal of every member, in one statement (after
-    the one that bounds the transaction, ``lease_bounds``).
+    """The heartbeat, live relays, shard count and renewal of every member, in one statement.
 
     Runs in the caller's transaction; raises what the statement raised (one
     member's missing tables fail it for all). All members share the relay's
@@ -74,12 +65,14 @@ def renew_together(conn: Connection, members: list[Member]) -> list[Answer]:
         "me": first.worker_id, "now": now, "expires": members[0][2].expires,
         "live_after": now - timedelta(seconds=first.ttl),
         "forget_before": now - timedelta(seconds=10 * first.ttl),
+        "idle": str(idle_timeout_ms(first.ttl)),
     }
     for i, (_, _, round_) in enumerate(members):
         params[f"shards_{i}"] = round_.shards
     answers: list[Answer] = [([], None, []) for _ in members]
-    conn.exec_driver_sql(lease_bounds(first.ttl))
     for tenant, kind, value, epoch in conn.execute(statement, params):
+        if kind == IDLE_BOUND:
+            continue
         live, _, renewed = answers[tenant]
         if kind == 0:
             live.append(value)
@@ -88,6 +81,10 @@ def renew_together(conn: Connection, members: list[Member]) -> list[Answer]:
         else:
             renewed.append((int(value), int(epoch)))
     return answers
+
+
+IDLE_BOUND = 3
+"""The row kind of the statement's ``set_config`` (kinds 0-2: a live relay, the shard count, a renewal)."""
 
 
 @lru_cache(maxsize=256)
@@ -109,4 +106,6 @@ def _statement(quote: IdentifierPreparer, schemas: tuple[str | None, ...], names
             f"SELECT {i}, 0, worker_id, NULL::bigint FROM {relays} WHERE heartbeat_at > :live_after "
             f"UNION ALL SELECT {i}, 1, value, NULL::bigint FROM {meta} WHERE name = 'shard_count' "
             f"UNION ALL SELECT {i}, 2, shard::text, epoch FROM renew_{i}")
+    reads.append(f"SELECT 0, {IDLE_BOUND}, set_config('idle_in_transaction_session_timeout', :idle, true), "
+                 "NULL::bigint")
     return text("WITH " + ", ".join(ctes) + " " + " UNION ALL ".join(reads))

@@ -68,24 +68,6 @@ def idle_timeout_ms(seconds: float) -> int:
     return min(round(max(seconds, IDLE_FLOOR) * 1000), IDLE_CEILING_MS)
 
 
-def lease_bounds(seconds: float) -> str:
-    """PostgreSQL: the bounds of a lease transaction of a relay whose lease lasts ``seconds``, for
-    that transaction alone (``SET LOCAL``, one round trip): ended if left idle that long
-    (``end_if_idle``), and no lock waited for longer (``lock_timeout``).
-
-    A lease statement that waits on a lock (a ``LOCK TABLE`` of another transaction, a
-    migration's) past a TTL renews or takes nothing worth having (the lease expired meanwhile), and
-    waited for without bound it held its relay for as long as the lock was held: a fleet's worker
-    giving a tenant's leases back at its stop never returned, nor did the stop until its bound, and
-    a fleet's renewal held the lease locks of its whole chunk, every release of those tenants with
-    them. Past the bound PostgreSQL fails the statement with 55P03 (lock not available), which is
-    an outage (``is_database_outage``): waited out, never counted, a stop not held. Within the same
-    floor and ceiling as the idle bound (``idle_timeout_ms``): a loaded host's lock may be held for
-    a moment longer than a short TTL."""
-    ms = idle_timeout_ms(seconds)
-    return f"SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL lock_timeout = {ms}"
-
-
 class PostgresRelayStatements(RelayStatements):
     """PostgreSQL: arrays as parameters, a fetch per shard merged in id order, pipelined batches."""
 
@@ -191,10 +173,6 @@ class PostgresRelayStatements(RelayStatements):
         Never below ``IDLE_FLOOR``: a busy host's scheduler must not end a relay that merely waited
         (``idle_timeout_ms``)."""
         conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {idle_timeout_ms(seconds)}")
-
-    def bound_lease_transaction(self, conn: sa.Connection, seconds: float) -> None:
-        """``end_if_idle``, and no lock waited for longer than that either (``lease_bounds``)."""
-        conn.exec_driver_sql(lease_bounds(seconds))
 
     def _build_mark(self, set_: dict[str, Any], per_row: dict[str, Any]) -> Any:
         m, leases = self._m, self._leases

@@ -206,13 +206,6 @@ class RelayStatements(abc.ABC):
         """
         return None
 
-    def bound_lease_transaction(self, conn: Connection, seconds: float) -> None:
-        """A lease transaction's bounds (``Leases._locking``): ``end_if_idle``, and on PostgreSQL no
-        lock waited for longer than that either (``_sql.lease_bounds``). Elsewhere the
-        database's own lock wait bound holds (InnoDB's ``innodb_lock_wait_timeout``, 50 s by
-        default, whose error 1205 is an outage too); SQLite's is the engine's busy timeout."""
-        self.end_if_idle(conn, seconds)
-
     def fetch_params(self, now: datetime, limit: int, busy: Sequence[int], max_bytes: int) -> dict[str, Any]:
         """``fetch``'s parameters: rows due at ``now``, ``limit`` of them and ``max_bytes`` (and one
         row), none of ``busy``.

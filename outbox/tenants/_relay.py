@@ -399,8 +399,16 @@ class TenantRelay:
                 closing = unit.removed or self._stopping.is_set()
                 if not closing:
                     self._schedule.next_turn_locked(unit, turn, self._polls.every)
-            if closing and not self._tenants.close(unit) and self._stopping.is_set():
-                self._kept_at_stop.append(unit.tenant.name)
+            if closing and self._stopping.is_set():
+                # Within ``RELEASE_WITHIN`` (``close_all``): a release its database holds (frozen, its
+                # lease table locked by another transaction) goes on on a closer of its own, which
+                # the stop's last wait joins within the same bound. Given back here without bound,
+                # it held the worker, and the stop until its own bound, whose last line never came.
+                self._tenants.close_all([unit])
+                if unit.kept:
+                    self._kept_at_stop.append(unit.tenant.name)
+            elif closing:
+                self._tenants.close(unit)
 
     def run_once(self) -> dict[str, BatchResult]:
         """One step for every tenant served, one after the other, on this thread (tests, embedding).

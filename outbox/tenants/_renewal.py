@@ -41,7 +41,6 @@ from ..relay import RelayStep
 from ..relay._leases import Answer, LeaseRound
 from ..relay._leases_shared import renew_together
 from ..relay._session import relay_engine
-from ..relay._sql import lease_bounds
 from ._schedule import Schedule
 from ._units import FleetDatabase, Unit
 
@@ -172,8 +171,6 @@ class LeaseRenewal:
             if is_database_outage(exc):
                 raise
         with conn.begin():  # a tenant's own failure undid the chunk: again, each tenant in a savepoint
-            if dialect == "postgresql":  # bounded as the chunk's statement was (``lease_bounds``)
-                conn.exec_driver_sql(lease_bounds(members[0][1].leases.ttl))
             return {id(unit): _alone(conn, unit, step, round_, conn.begin_nested)
                     for unit, step, round_ in members}
 
