@@ -556,6 +556,43 @@ def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
         assert len(listed) == min(counted, 11) and (listed[-1] == "…") == (counted > 10), line
 
 
+def test_a_stop_of_a_fleet_of_the_default_lease_ttl_whose_lease_tables_are_locked_keeps_its_bound(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, with the fleet's default lease TTL (30 s) and the default stop bound (10 s): the
+    worker inside a tenant's step gives that tenant's leases back once the step is done. A bound on
+    the lease statements' lock waits of a TTL (tried, and reverted) left it 30 s on the lock,
+    three times the stop's bound: the stop said "did not finish within 10s" and never which
+    tenants' leases were left to their TTL. A release at the stop gets nothing by waiting longer
+    than the stop allows: the leases expire within the TTL either way."""
+    names = ["a", "b", "c"]
+    outboxes = make_tenants(pg, names, shards={name: 1 for name in names})
+    relay = fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg, workers=1, lease_ttl=30.0)
+    running = Running(relay, stop_timeout=10.0)  # ``run``'s default
+    wait_for(lambda: all(owned_leases(o) == 1 for o in outboxes.values()), 20, "every tenant's lease")
+    step = relay.relay_of("b")
+    assert step is not None
+    real, inside = step.run, threading.Event()
+
+    def until_the_stop(**kwargs: Any) -> Any:
+        inside.set()
+        relay._stopping.wait(30)
+        return real(**kwargs)
+
+    monkeypatch.setattr(step, "run", until_the_stop)
+    publish(outboxes["b"], "orders", ["k"])
+    assert inside.wait(20), "b's step"
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with pg.connect() as holder:
+        holder.exec_driver_sql("LOCK TABLE " + ", ".join(f'"{n}".outbox_leases' for n in names)
+                               + " IN SHARE MODE")
+        took = running.stop()
+        said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()
+                or "did not finish" in r.getMessage()]
+        holder.rollback()
+    assert took < 10.0, (took, said)
+    assert said and "stopped; 3 tenants did not give their leases back (a, c, b)" in said[-1], said
+
+
 def slow_release(pg: sa.Engine, schema: str, seconds: float) -> None:
     """``schema``'s lease table takes ``seconds`` to let a lease go (an UPDATE that clears its owner)."""
     with pg.begin() as conn:
