@@ -11,6 +11,7 @@ by the lookup (a deleted topic brought back with the broker's defaults).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.testing import LocalKafka
 from tests.conftest import own_local_kafka
+from transports import Record, TransactionOutcome
 from transports.kafka import KafkaTransport
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -83,5 +85,44 @@ def test_a_deleted_topic_named_by_the_header_is_not_made_anew(kafka: str) -> Non
         producer.end_left_open([gone], (progress, 0))
         assert not exists(admin, gone), "ending a left-open transaction made a deleted topic anew"
         producer.close()
+    finally:
+        transport.close()
+
+
+def test_a_topic_made_anew_with_fewer_partitions_does_not_stop_the_next_producer_for_good(
+        strict_kafka: LocalKafka) -> None:
+    """A transaction that did not commit wrote partition 3 of a topic; the topic was then deleted and
+    made anew with one partition. The next producer of the id ends what the old transaction wrote
+    (``settle``): partition 3 no longer exists, and the old records went with the old topic, so there
+    is nothing to end there. Broke before the fix: the empty record to partition 3 was refused
+    ('Unknown partition') at every try, so ``transactional`` raised ``RetriableTransportError`` for
+    good and the shard never sent again."""
+    bootstrap = strict_kafka.bootstrap
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0,
+                         "allow.auto.create.topics": False})
+    made(admin, "progress", 1, **{"cleanup.policy": "compact"})
+    made(admin, "orders", 4)
+    made(admin, "refusing", 1, **{"max.message.bytes": "256"})
+    tid = "outbox-attack-shrunk"
+    transport = KafkaTransport(bootstrap_servers=bootstrap, delivery_timeout=10)
+    try:
+        producer = transport.transactional(tid, 10)
+        answer = producer.send([Record("orders", b"row-1", key=b"k", partition=3),
+                                Record("refusing", os.urandom(2000), key=b"big", partition=0),
+                                Record("progress", b"progress", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.ABORTED, answer
+        producer.close()
+        admin.delete_topics(["orders"])["orders"].result(30)
+        deadline = time.monotonic() + 30
+        while exists(admin, "orders") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        made(admin, "orders", 1)
+        started = time.monotonic()
+        taker = transport.transactional(tid, 10)
+        assert time.monotonic() - started < 10
+        assert taker.send([Record("orders", b"row-2", key=b"k", partition=0),
+                           Record("progress", b"progress", key=tid.encode(), partition=0)]
+                          ).outcome is TransactionOutcome.COMMITTED
+        taker.close()
     finally:
         transport.close()

@@ -28,13 +28,14 @@ def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)}
 
 
-def existing_topics(config: Mapping[str, Any], topics: Sequence[str], deadline: float) -> list[str]:
-    """The ``topics`` that exist now, looked up without making any; ``RetriableTransportError`` if the
-    cluster does not answer by ``deadline`` (``time.monotonic``)."""
+def partition_counts(config: Mapping[str, Any], topics: Sequence[str], deadline: float) -> dict[str, int]:
+    """The partition count of each of ``topics`` that exists now, in their order, looked up without
+    making any and without a cache (a topic made anew may have fewer partitions than it had);
+    ``RetriableTransportError`` if the cluster does not answer by ``deadline`` (``time.monotonic``)."""
     admin = AdminClient({**connection_settings(config), **ADMIN})
     try:
         found = admin.list_topics(timeout=max(0.1, deadline - time.monotonic())).topics
     except KafkaException as exc:
         raise RetriableTransportError(f"cannot list the cluster's topics: {exc.args[0].str()}") from None
-    return [t for t in topics
-            if (info := found.get(t)) is not None and info.error is None and info.partitions]
+    return {t: len(info.partitions) for t in topics
+            if (info := found.get(t)) is not None and info.error is None and info.partitions}

@@ -57,7 +57,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from .._errors import ConfigurationError, RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
-from ._admin import existing_topics
+from ._admin import partition_counts
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._queue_full import produce_waiting
@@ -492,17 +492,14 @@ class KafkaTransactionalProducer:
         deadline = time.monotonic() + self._timeout
         # A topic deleted since the transaction was written holds nothing open; asking the producer
         # for it would fail at every take-over ('Unknown topic') or make it anew (auto-creation).
+        # A partition past its topic's count now went with the topic (deleted and made anew with
+        # fewer): it holds nothing open, and a record to it is refused at every try ('Unknown
+        # partition'), which kept the id's next producer from being made for good.
         named = sorted(set(topics) | {topic for topic, _ in partitions})
-        existing = set(existing_topics(self._config, named, deadline))
-        targets = [(topic, p) for topic, p in dict.fromkeys(partitions) if topic in existing]
-        for topic in topics:
-            if topic not in existing:
-                continue
-            count = self._partitions(topic)
-            if isinstance(count, SendResult):
-                raise RetriableTransportError(f"cannot end the transaction left open on {topic!r}: "
-                                              f"{count.error}")
-            targets += [(topic, p) for p in range(count) if (topic, p) not in targets]
+        existing = partition_counts(self._config, named, deadline)
+        targets = [(topic, p) for topic, p in dict.fromkeys(partitions) if p < existing.get(topic, 0)]
+        for topic in topics:  # every partition it has now (the transport's cached count may be stale)
+            targets += [(topic, p) for p in range(existing.get(topic, 0)) if (topic, p) not in targets]
         failures: list[KafkaError] = []
 
         def report(error: KafkaError | None, _message: Any) -> None:
