@@ -481,9 +481,11 @@ class KafkaTransactionalProducer:
         if not self._unsettled:
             return
         unsettled = self._unsettled
-        self._end_open(sorted(unsettled.topics), sorted(unsettled.partitions))
-        unsettled.partitions.clear()
-        unsettled.topics.clear()
+        topics, partitions = sorted(unsettled.topics), sorted(unsettled.partitions)
+        self._end_open(topics, partitions)
+        # What was ended, not what an older producer of the id still sending added meanwhile.
+        unsettled.topics.difference_update(topics)
+        unsettled.partitions.difference_update(partitions)
 
     def _end_open(self, topics: Sequence[str], partitions: Sequence[tuple[str, int]]) -> None:
         """Abort an empty record's transaction on every partition of ``topics`` and on ``partitions``,
