@@ -7,13 +7,14 @@ from contextlib import contextmanager, suppress
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from outbox import (
     ConfigurationError,
     Disposition,
     Inbox,
     LoggingAlertSink,
+    Message,
     ParkMessage,
     RetryLater,
     SkipMessage,
@@ -227,7 +228,7 @@ def delivered_until_settled(box: Inbox, times: int = 6) -> list[object]:
 def test_a_handlers_model_on_a_missing_table_fails_at_the_flush_and_parks(inbox: Inbox) -> None:
     """The handler only adds an object: the INSERT on its missing table runs at the flush, within
     the inbox's transaction, yet it is the handler's failure: three attempts, then parked."""
-    def handler(session, message):  # type: ignore[no-untyped-def]
+    def handler(session: Session, message: Message) -> None:
         session.add(NeverMade(id=1))
 
     inbox.handler("other")(for_inbox(inbox, handler))
@@ -239,7 +240,7 @@ def test_a_handlers_model_on_a_missing_table_fails_at_the_flush_and_parks(inbox:
 def test_a_handler_that_swallows_its_missing_table_error_does_not_loop(inbox: Inbox) -> None:
     """The handler catches its own missing table's error; on PostgreSQL its transaction stays failed
     and the inbox's next statement fails for it. Not the inbox's tables: it settles, never raises."""
-    def handler(session, message):  # type: ignore[no-untyped-def]
+    def handler(session: Session, message: Message) -> None:
         with suppress(sa.exc.DBAPIError):
             session.execute(sa.text("SELECT * FROM no_such_business_table"))
 
@@ -261,7 +262,7 @@ def test_a_deferred_trigger_meeting_a_missing_table_at_commit_is_the_handlers_an
         conn.exec_driver_sql("CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON triggered "
                              "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION reads_nothing()")
 
-    def handler(session, message):  # type: ignore[no-untyped-def]
+    def handler(session: Session, message: Message) -> None:
         session.execute(sa.text("INSERT INTO triggered VALUES (1)"))
 
     try:

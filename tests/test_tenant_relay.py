@@ -506,6 +506,31 @@ def test_a_stop_whose_release_failed_does_not_say_the_leases_were_released(
     assert owned_leases(outboxes["kept"]) > 0 and owned_leases(outboxes["given"]) == 0
 
 
+def held_in_step_until_the_stop(relay: TenantRelay, outbox: Outbox, name: str,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fleet's (one) worker taken into tenant ``name``'s step, where it stays until the stop is
+    asked for; returns once it is there."""
+    step = relay.relay_of(name)
+    assert step is not None
+    real, inside = step.run, threading.Event()
+
+    def until_the_stop(**kwargs: Any) -> Any:
+        inside.set()
+        relay._stopping.wait(30)
+        return real(**kwargs)
+
+    monkeypatch.setattr(step, "run", until_the_stop)
+    publish(outbox, "orders", ["k"])  # its notification gives the tenant a turn
+    assert inside.wait(20), f"{name}'s step"
+
+
+def lease_tables_locked(holder: sa.Connection, names: list[str]) -> None:
+    """``names``' lease tables locked ``IN SHARE MODE`` in ``holder``'s transaction: the fleet reads
+    them still, but no release (an UPDATE) gets through until it ends."""
+    holder.exec_driver_sql("LOCK TABLE " + ", ".join(f'"{n}".outbox_leases' for n in names)
+                           + " IN SHARE MODE")
+
+
 def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
         pg: sa.Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Twelve tenants whose lease tables another transaction holds locked when the fleet stops, its
@@ -520,24 +545,10 @@ def test_a_stop_whose_database_holds_the_release_names_ten_tenants_not_all(
     relay = fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg, workers=1)
     running = Running(relay, stop_timeout=30)
     wait_for(lambda: all(owned_leases(o) == 1 for o in outboxes.values()), 20, "every tenant's lease")
-    step = relay.relay_of("t02")
-    assert step is not None
-    real, inside = step.run, threading.Event()
-
-    def until_the_stop(**kwargs: Any) -> Any:
-        """The fleet's one worker, in t02's step, stays there until the stop is asked for."""
-        inside.set()
-        relay._stopping.wait(30)
-        return real(**kwargs)
-
-    monkeypatch.setattr(step, "run", until_the_stop)
-    publish(outboxes["t02"], "orders", ["k"])  # its notification gives t02 a turn
-    assert inside.wait(20), "t02's step"
+    held_in_step_until_the_stop(relay, outboxes["t02"], "t02", monkeypatch)
     caplog.set_level(logging.INFO, logger="outbox.relay")
     with pg.connect() as holder:
-        # SHARE: the fleet reads them still, but no release (an UPDATE) gets through.
-        holder.exec_driver_sql("LOCK TABLE " + ", ".join(f'"{n}".outbox_leases' for n in names)
-                               + " IN SHARE MODE")
+        lease_tables_locked(holder, names)
         running.stop()
         # Read while the lock is held: a closer that gives leases back once it is gone says so.
         said = [r.getMessage() for r in caplog.records if "their leases back" in r.getMessage()]
@@ -569,22 +580,10 @@ def test_a_stop_of_a_fleet_of_the_default_lease_ttl_whose_lease_tables_are_locke
     relay = fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg, workers=1, lease_ttl=30.0)
     running = Running(relay, stop_timeout=10.0)  # ``run``'s default
     wait_for(lambda: all(owned_leases(o) == 1 for o in outboxes.values()), 20, "every tenant's lease")
-    step = relay.relay_of("b")
-    assert step is not None
-    real, inside = step.run, threading.Event()
-
-    def until_the_stop(**kwargs: Any) -> Any:
-        inside.set()
-        relay._stopping.wait(30)
-        return real(**kwargs)
-
-    monkeypatch.setattr(step, "run", until_the_stop)
-    publish(outboxes["b"], "orders", ["k"])
-    assert inside.wait(20), "b's step"
+    held_in_step_until_the_stop(relay, outboxes["b"], "b", monkeypatch)
     caplog.set_level(logging.INFO, logger="outbox.relay")
     with pg.connect() as holder:
-        holder.exec_driver_sql("LOCK TABLE " + ", ".join(f'"{n}".outbox_leases' for n in names)
-                               + " IN SHARE MODE")
+        lease_tables_locked(holder, names)
         took = running.stop()
         said = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()
                 or "did not finish" in r.getMessage()]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from _kafka_transactions import wait_until
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.testing import LocalKafka
@@ -113,9 +114,7 @@ def test_a_topic_made_anew_with_fewer_partitions_does_not_stop_the_next_producer
         assert answer.outcome is TransactionOutcome.ABORTED, answer
         producer.close()
         admin.delete_topics(["orders"])["orders"].result(30)
-        deadline = time.monotonic() + 30
-        while exists(admin, "orders") and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: not exists(admin, "orders"), 30, "the topic deleted")
         made(admin, "orders", 1)
         started = time.monotonic()
         taker = transport.transactional(tid, 10)
