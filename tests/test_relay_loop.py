@@ -104,9 +104,10 @@ def test_fair_share_splits_every_shard_once() -> None:
 
 
 def test_relays_rebalance_and_take_over_expired_leases(outbox: Outbox) -> None:
-    # 3 s: the steps before the sleep must all fall within one TTL, which 0.6 s did not on a loaded CI.
-    a = Relay(outbox, ScriptedTransport(), worker_id="a", lease_ttl=3.0)
-    b = Relay(outbox, ScriptedTransport(), worker_id="b", lease_ttl=3.0)
+    # A TTL no step reaches, and a's leases made to lapse by hand: a TTL of 3 s and a sleep past it
+    # failed at a load of 11, when the steps before the sleep took longer than the TTL.
+    a = Relay(outbox, ScriptedTransport(), worker_id="a", lease_ttl=600.0)
+    b = Relay(outbox, ScriptedTransport(), worker_id="b", lease_ttl=600.0)
     assert len(a.leases.maintain()) == 16
     assert b.leases.maintain() == {}  # nothing free yet
     a.leases.maintain()
@@ -114,7 +115,12 @@ def test_relays_rebalance_and_take_over_expired_leases(outbox: Outbox) -> None:
     a.leases.release_surplus()
     assert len(b.leases.maintain()) == 8 and len(a.leases.owned()) == 8
     epochs = b.leases.owned()
-    time.sleep(3.1)  # a stops renewing: as if killed
+    leases, relays = outbox.tables.leases, outbox.tables.relays
+    lapsed = datetime.now(UTC) - timedelta(seconds=1)
+    with outbox.engine.begin() as conn:  # a's last renewal and heartbeat a TTL ago: as if killed
+        conn.execute(leases.update().where(leases.c.owner == "a").values(expires_at=lapsed))
+        conn.execute(relays.update().where(relays.c.worker_id == "a")
+                     .values(heartbeat_at=lapsed - timedelta(seconds=600)))
     taken = b.leases.maintain()
     assert len(taken) == 16
     assert all(taken[s] == e for s, e in epochs.items())  # b's own leases keep their epoch
