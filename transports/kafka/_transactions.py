@@ -81,6 +81,9 @@ up to ``FLUSH_STEP``): the coordinator writes the markers just after it answers 
 ADMIN_RENEWAL = 1.0
 """Seconds at least between two admin clients a producer has made anew after failed reads."""
 
+ABANDON_AT_MOST = 5.0
+"""Seconds a settle that failed gives the abort of what it wrote (``KafkaTransactionalProducer._abandon``)."""
+
 DECIDED_AT_LEAST = 1.0
 """Seconds the check that a commit ended everywhere may take, even when the commit used the timeout up."""
 
@@ -489,7 +492,10 @@ class KafkaTransactionalProducer:
 
     def _end_open(self, topics: Sequence[str], partitions: Sequence[tuple[str, int]]) -> None:
         """Abort an empty record's transaction on every partition of ``topics`` and on ``partitions``,
-        those of topics that still exist (``end_left_open``)."""
+        those of topics that still exist (``end_left_open``).
+
+        One that cannot be ended now (its leader gone) fails it: what the others' empty records
+        joined is aborted all the same (``_abandon``), not held from their read_committed readers."""
         producer, key = self._producer, self.transactional_id.encode()
         deadline = time.monotonic() + self._timeout
         # A topic deleted since the transaction was written holds nothing open; asking the producer
@@ -508,8 +514,10 @@ class KafkaTransactionalProducer:
             if error is not None:
                 failures.append(error)
 
+        begun = aborted = False
         try:
             producer.begin_transaction()
+            begun = True
             for topic, partition in targets:
                 producer.produce(topic, b"", key, partition, on_delivery=report)
             while len(producer) and time.monotonic() < deadline:
@@ -519,9 +527,26 @@ class KafkaTransactionalProducer:
                 raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} "
                                               f"left open: {cause}")
             producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+            aborted = True
         except KafkaException as exc:
             raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} left "
                                           f"open: {exc.args[0].str()}") from None
+        finally:
+            if begun and not aborted:
+                self._abandon()
+
+    def _abandon(self) -> None:
+        """Abort the transaction of a ``_end_open`` that failed: the partitions its empty records reached
+        (joined to what was open there) held every read_committed reader until the next producer of
+        the id fenced this one (a relay's next try) or the transaction timed out (a minute at least:
+        a relay stopped meanwhile). Best effort, ``ABANDON_AT_MOST`` seconds."""
+        producer = self._producer
+        until = time.monotonic() + ABANDON_AT_MOST
+        with suppress(KafkaException, SystemError):
+            producer.purge(in_queue=True, in_flight=True)
+            while len(producer) and time.monotonic() < until:
+                producer.poll(0.05)
+            producer.abort_transaction(max(0.1, until - time.monotonic()))
 
     def _ended(self, error: KafkaError, count: int) -> TransactionResult:
         """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
