@@ -51,9 +51,9 @@ def one_replica_topics(cluster: LocalKafkaCluster, tid: str, data: str, progress
     return admin, coordinator, victim
 
 
-def stable_and_end(admin: AdminClient, topic: str) -> tuple[int, int]:
+def stable_and_end(admin: AdminClient, topic: str, partition: int = 0) -> tuple[int, int]:
     """The partition's last stable offset and high watermark."""
-    tp = TopicPartition(topic, 0)
+    tp = TopicPartition(topic, partition)
     latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]  # confluent_kafka leaves it untyped
 
     def offset(level: IsolationLevel) -> int:

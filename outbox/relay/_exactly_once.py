@@ -435,19 +435,22 @@ class ExactlyOnce:
         refused = {i: res for i, res in own.items() if res.outcome is Outcome.FAILED}
         if answer.outcome is TransactionOutcome.ABORTED and refused:
             return refused
-        if answer.outcome in (TransactionOutcome.FENCED, TransactionOutcome.UNKNOWN):
-            # Fenced: by a new owner (this relay lost the lease), or by a relay that lost it and
-            # made a producer anyway (``_shard_producer``). Unknown: settled by the next producer of
-            # the id. Either way the next batch makes one, if the lease still holds, and reads the
-            # progress: a rightful owner fences the other back, a relay that lost it sends nothing.
-            if answer.outcome is TransactionOutcome.FENCED:
-                log.warning("%s's producer of shard %d was fenced: it gives up its batch, marks nothing "
-                            "of it, and makes one again only if its lease still holds", self.name, shard)
-            state.producer.close()
-            state.producer, state.recovered = None, False
+        # Fenced: by a new owner (this relay lost the lease), or by a relay that lost it and made a
+        # producer anyway (``_shard_producer``). Unknown: settled by the next producer of the id.
+        # Aborted (for want of the broker, or its progress record refused): the broker may have
+        # dropped its abort marker on a data partition (its leader lost then), and this producer's
+        # next commit there would end those records committed too, the rows twice on the wire (a
+        # kept producer did); a new producer of the id ends them first (``Unsettled``). Either way
+        # the next batch makes one, if the lease still holds, and reads the progress: a rightful
+        # owner fences the other back, a relay that lost it sends nothing.
+        if answer.outcome is TransactionOutcome.FENCED:
+            log.warning("%s's producer of shard %d was fenced: it gives up its batch, marks nothing "
+                        "of it, and makes one again only if its lease still holds", self.name, shard)
         elif answer.results[-1].outcome is Outcome.FAILED:
             log.error("%s: the progress topic %s refused shard %d's progress record: %s",
                       self.name, self.progress_topic, shard, answer.results[-1].error)
+        state.producer.close()
+        state.producer, state.recovered = None, False
         # Fenced is nothing the rows did (another producer of the id was made): no attempt counted.
         fenced = answer.outcome is TransactionOutcome.FENCED
         for i, res in own.items():

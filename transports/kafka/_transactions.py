@@ -81,6 +81,9 @@ up to ``FLUSH_STEP``): the coordinator writes the markers just after it answers 
 ADMIN_RENEWAL = 1.0
 """Seconds at least between two admin clients a producer has made anew after failed reads."""
 
+ABANDON_AT_MOST = 5.0
+"""Seconds a settle that failed gives the abort of what it wrote (``KafkaTransactionalProducer._abandon``)."""
+
 DECIDED_AT_LEAST = 1.0
 """Seconds the check that a commit ended everywhere may take, even when the commit used the timeout up."""
 
@@ -357,9 +360,8 @@ class KafkaTransactionalProducer:
             try:
                 admin = self._admin_client(failed)
                 failed = None
-                latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
                 [future] = admin.list_offsets(
-                    {TopicPartition(topic, partition): latest},
+                    {TopicPartition(topic, partition): latest_offset()},
                     isolation_level=IsolationLevel.READ_COMMITTED,
                     request_timeout=max(0.1, deadline - time.monotonic())).values()
                 if future.result(max(0.1, deadline - time.monotonic())).offset > offset:
@@ -489,7 +491,11 @@ class KafkaTransactionalProducer:
 
     def _end_open(self, topics: Sequence[str], partitions: Sequence[tuple[str, int]]) -> None:
         """Abort an empty record's transaction on every partition of ``topics`` and on ``partitions``,
-        those of topics that still exist (``end_left_open``)."""
+        those of topics that still exist (``end_left_open``); ``RetriableTransportError`` unless each
+        partition then reads past its empty record read_committed (``_not_ended``).
+
+        One that cannot be ended now (its leader gone) fails it: what the others' empty records
+        joined is aborted all the same (``_abandon``), not held from their read_committed readers."""
         producer, key = self._producer, self.transactional_id.encode()
         deadline = time.monotonic() + self._timeout
         # A topic deleted since the transaction was written holds nothing open; asking the producer
@@ -503,13 +509,18 @@ class KafkaTransactionalProducer:
         for topic in topics:  # every partition it has now (the transport's cached count may be stale)
             targets += [(topic, p) for p in range(existing.get(topic, 0)) if (topic, p) not in targets]
         failures: list[KafkaError] = []
+        written: dict[tuple[str, int], int] = {}
 
-        def report(error: KafkaError | None, _message: Any) -> None:
+        def report(error: KafkaError | None, message: Any) -> None:
             if error is not None:
                 failures.append(error)
+            elif message.offset() is not None:
+                written[(message.topic(), message.partition())] = message.offset()
 
+        begun = aborted = False
         try:
             producer.begin_transaction()
+            begun = True
             for topic, partition in targets:
                 producer.produce(topic, b"", key, partition, on_delivery=report)
             while len(producer) and time.monotonic() < deadline:
@@ -519,9 +530,66 @@ class KafkaTransactionalProducer:
                 raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} "
                                               f"left open: {cause}")
             producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+            aborted = True
         except KafkaException as exc:
             raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} left "
                                           f"open: {exc.args[0].str()}") from None
+        finally:
+            if begun and not aborted:
+                self._abandon()
+        open_on = self._not_ended(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST))
+        if open_on:
+            raise RetriableTransportError(
+                f"cannot end the transaction {self.transactional_id!r} left open: its abort was answered, "
+                f"but {open_on} does not read past it yet (the broker may have dropped its marker there)")
+
+    def _abandon(self) -> None:
+        """Abort the transaction of a ``_end_open`` that failed: the partitions its empty records reached
+        (joined to what was open there) held every read_committed reader until the next producer of
+        the id fenced this one (a relay's next try) or the transaction timed out (a minute at least:
+        a relay stopped meanwhile). Best effort, ``ABANDON_AT_MOST`` seconds."""
+        producer = self._producer
+        until = time.monotonic() + ABANDON_AT_MOST
+        with suppress(KafkaException, SystemError):
+            producer.purge(in_queue=True, in_flight=True)
+            while len(producer) and time.monotonic() < until:
+                producer.poll(0.05)
+            producer.abort_transaction(max(0.1, until - time.monotonic()))
+
+    def _not_ended(self, written: Mapping[tuple[str, int], int], deadline: float) -> str | None:
+        """None once each partition of ``written`` has its last stable offset past the offset given
+        there (an aborted empty record: its abort marker written); else, at ``deadline``, which do not.
+
+        The coordinator answers an abort once it decided it and writes the markers after, dropping
+        a partition's whose leader it cannot find: forgotten then, the partition's open records were
+        committed by the id's next commit there (as without ``settle``)."""
+        pending = dict(written)
+        step = DECIDED_FIRST_STEP
+        failed: AdminClient | None = None
+        while pending:
+            admin = None
+            try:
+                admin = self._admin_client(failed)
+                failed = None
+                asked = admin.list_offsets({TopicPartition(t, p): latest_offset() for t, p in pending},
+                                           isolation_level=IsolationLevel.READ_COMMITTED,
+                                           request_timeout=max(0.1, deadline - time.monotonic()))
+                for tp, future in asked.items():
+                    where = (tp.topic, tp.partition)
+                    try:
+                        if future.result(max(0.1, deadline - time.monotonic())).offset > pending[where]:
+                            del pending[where]
+                    except KafkaException:  # unread there (no leader, or the client's view is old)
+                        failed = admin
+            except (KafkaException, TimeoutError):  # no answer in time (``_undecided``): a new client
+                failed = admin
+            if not pending:
+                return None
+            if time.monotonic() + step >= deadline:
+                return ", ".join(f"{t}[{p}]" for t, p in sorted(pending))
+            time.sleep(step)
+            step = min(2 * step, FLUSH_STEP)
+        return None
 
     def _ended(self, error: KafkaError, count: int) -> TransactionResult:
         """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
@@ -533,6 +601,11 @@ class KafkaTransactionalProducer:
         """Drop the producer; an open transaction is aborted by the next producer of the id (or times out)."""
         with suppress(KafkaException, SystemError):
             self._producer.flush(0)
+
+
+def latest_offset() -> Any:
+    """``OffsetSpec.latest()``: a partition's end (its last stable offset, read committed)."""
+    return OffsetSpec.latest()  # type: ignore[no-untyped-call]  # confluent_kafka leaves it untyped
 
 
 def with_topics(records: Sequence[Record]) -> Sequence[Record]:

@@ -1,0 +1,294 @@
+"""Attacks on settling a transactional id's transactions that did not commit (``Unsettled``,
+``KafkaTransactionalProducer.settle``), on three Apache Kafka nodes of the module's own.
+
+A transaction that did not end committed may be left open on a data partition: the coordinator
+drops its abort marker there when it finds no leader (the partition's only replica killed here; on
+a real cluster, a broker frozen past its session and fenced on its return). The next producer of the
+id ends it (an empty record of the same producer id, then an abort) before it is used; otherwise a
+commit of the same producer id on that partition would end the old records too, committed. These
+tests look for ways round that: a transaction that does not commit followed by no new producer, a
+settle that fails part-way, a settle whose own abort marker is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from contextlib import suppress
+from typing import Any
+
+import pytest
+from _kafka_transactions import coordinator_partition, stable_and_end, wait_until
+from _relay_helpers import publish, rows, wait_for
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from outbox import Outbox, Relay, create_engine
+from outbox.testing import LocalKafkaCluster
+from transports import Outcome, Record, SendResult, TransactionOutcome
+from transports._errors import RetriableTransportError
+from transports.kafka import KafkaTransport, _transactions
+from transports.testing import read_topic
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]
+
+DROPPED = "likely deleted already and hence can be skipped"
+"""The coordinator's log line for a transaction marker it drops (the partition without a leader)."""
+
+MESSAGE_ID = "outbox-message-id"
+
+
+class Nodes:
+    """Which node coordinates ``tid`` (spared, with the active controller) and which one to kill."""
+
+    def __init__(self, cluster: LocalKafkaCluster, tid: str) -> None:
+        self.cluster = cluster
+        self.coordinator = cluster.leader("__transaction_state", coordinator_partition(tid))
+        spared = (self.coordinator, cluster.active_controller())
+        self.victim = next(n.node_id for n in cluster.nodes if n.node_id not in spared)
+        self.admin = AdminClient({"bootstrap.servers": cluster.bootstrap, "log_level": 0})
+        self._node = next(n for n in cluster.nodes if n.node_id == self.coordinator)
+
+    def topic(self, name: str, *on: int, **config: str) -> None:
+        """``name`` with a partition on each node of ``on`` (one replica each), every one led."""
+        new = NewTopic(name, num_partitions=len(on), replication_factor=-1,
+                       replica_assignment=[[node] for node in on], config=config)
+        self.admin.create_topics([new])[name].result(30)
+        for partition in range(len(on)):
+            self.cluster.leader(name, partition)
+
+    def coordinator_log(self) -> int:
+        """Where the coordinator's log is now (``dropped_since``)."""
+        return len(self._node.log_since_launch())
+
+    def dropped_since(self, mark: int) -> bool:
+        """Whether the coordinator dropped a marker after ``mark`` (``coordinator_log``)."""
+        return DROPPED in self._node.log_since_launch()[mark:]
+
+    def kill_victim(self, topic: str, partition: int = 0) -> None:
+        """Kill the victim and wait until ``topic[partition]`` (its only replica there) has no leader."""
+        self.cluster.kill(self.victim)
+        live = AdminClient({"bootstrap.servers": self.cluster.live_bootstrap(), "log_level": 0})
+        wait_until(lambda: live.list_topics(topic, timeout=5).topics[topic].partitions[partition].leader
+                   == -1, 60, f"{topic}[{partition}] without a leader")
+
+    def restart_victim(self, topic: str, partition: int = 0) -> None:
+        self.cluster.start(self.victim)
+        self.cluster.leader(topic, partition)
+
+
+class KilledAtAbort:
+    """A confluent producer whose ``abort_transaction`` first runs ``before``, once (everything else its
+    own). ``answered_first``: its records in flight are answered before the purge of an abort."""
+
+    def __init__(self, inner: Producer, before: Any, *, answered_first: bool = False) -> None:
+        self._inner, self._before, self._answered_first = inner, before, answered_first
+        self._ran = False
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def purge(self, *args: Any, **kwargs: Any) -> None:
+        if self._answered_first:
+            self._inner.flush(10)  # the data record answered: it is in its partition's log
+        self._inner.purge(*args, **kwargs)
+
+    def abort_transaction(self, *args: Any) -> None:
+        if not self._ran:
+            self._ran = True
+            self._before()
+        self._inner.abort_transaction(*args)
+
+
+def test_a_transaction_aborted_for_want_of_the_broker_is_settled_before_its_shard_commits_again(
+        kafka_cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's transaction ends ABORTED with no record refused for good (a retriable refusal at
+    produce(): here the progress topic's partition count could not be looked up, as when the
+    cluster does not answer a metadata request in time; an implied delivery or an abortable commit
+    end the same way), after its data record was written; its abort marker on the data partition is
+    dropped (the partition's only replica killed). The relay kept that producer (it makes one anew
+    only after UNKNOWN, FENCED or a refusal), so nothing ended the data record: the kept producer's
+    next transaction, the same producer id, committed the row again there, which ended the old
+    record committed too: the row twice on the wire for read_committed readers."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    tid = f"outbox-{outbox.load_schema().incarnation}-0"
+    data, progress = "settle-kept-rows", "settle-kept-progress"
+    nodes = Nodes(kafka_cluster, tid)
+    nodes.topic(data, nodes.victim)
+    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
+    publish(outbox, data, ["k"])
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
+    wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
+               "the progress topic's configuration readable")
+    real = transport.transactional
+    outcomes: list[TransactionOutcome] = []
+    mark: list[int] = []
+
+    def transactional(*args: Any, **kwargs: Any) -> Any:
+        producer = real(*args, **kwargs)
+        real_send, lookup = producer.send, producer._partitions
+
+        def partitions(topic: str) -> int | SendResult:
+            if topic != progress or outcomes:
+                return lookup(topic)
+            # The data record is written (the progress record goes once its report came): its
+            # partition's only replica goes, and the progress partition cannot be looked up now.
+            nodes.kill_victim(data)
+            mark.append(nodes.coordinator_log())
+            return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
+                              unreachable=True)
+
+        def send(records: Any) -> Any:
+            answer = real_send(records)
+            outcomes.append(answer.outcome)
+            return answer
+
+        monkeypatch.setattr(producer, "_partitions", partitions)
+        monkeypatch.setattr(producer, "send", send)
+        return producer
+
+    monkeypatch.setattr(transport, "transactional", transactional)
+    # A lease held all along, as a running relay's lease thread keeps it (run_once renews it only when
+    # it runs): a new epoch would make a new producer anyway.
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress, worker_id="w",
+                  lease_ttl=300)
+    try:
+        wait_for(lambda: (relay.run_once(), bool(outcomes))[1], 120, "the first transaction's answer",
+                 interval=0.0)
+        assert outcomes == [TransactionOutcome.ABORTED]
+        wait_until(lambda: nodes.dropped_since(mark[0]), 30, "the coordinator dropping the data marker")
+        nodes.restart_victim(data)
+        stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        assert stable < end, "the broker wrote the data marker: nothing was left open"
+        wait_for(lambda: (relay.run_once(), not rows(outbox, status="pending"))[1], 120,
+                 "the row published", interval=0.0)
+    finally:
+        relay.close()
+    on_wire = read_topic(kafka_cluster.bootstrap, data, expected=1, settle=2.0, isolation="read_committed")
+    copies = Counter(dict(r.headers)[MESSAGE_ID] for r in on_wire)
+    assert list(copies.values()) == [1], f"read_committed: {sorted(copies.values())} copies of the row"
+    assert {r.status for r in rows(outbox)} == {"published"}
+    engine.dispose()
+
+
+def test_a_settle_that_fails_part_way_holds_no_partition_it_could_end(
+        kafka_cluster: LocalKafkaCluster) -> None:
+    """An aborted transaction wrote two data partitions; one's only replica is down when the next
+    producer of the id is made. Its settle writes its empty record on the other partition, waits in
+    vain for the leaderless one, and ``transactional`` raises (retriable, the unsettled partitions
+    kept: the relay tries again at a later batch). The failed settle's own transaction was left
+    open: the healthy partition it reached (which other shards' transactions and other producers
+    write too) held every read_committed reader at its empty record until the id's next producer
+    fenced it (the relay's next try) or the transaction timed out (a minute at least: a relay
+    stopped meanwhile, or whose shard went to another relay). The settle now aborts what it wrote
+    when it fails. Once the replica is back, everything the id left open is ended, once."""
+    tid = "outbox-settle-part-way-0"
+    data, progress, refusing = "settle-part-way-data", "settle-part-way-progress", "settle-part-way-refusing"
+    nodes = Nodes(kafka_cluster, tid)
+    nodes.topic(data, nodes.victim, nodes.coordinator)
+    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
+    nodes.topic(refusing, nodes.coordinator, **{"max.message.bytes": "256"})
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=5.0)
+    other = Producer({"bootstrap.servers": kafka_cluster.bootstrap, "enable.idempotence": True,
+                      "log_level": 0})
+    try:
+        first = transport.transactional(tid, 5)
+        answer = first.send([Record(data, b"row-0", key=b"a", partition=0),
+                             Record(data, b"row-1", key=b"b", partition=1),
+                             Record(refusing, os.urandom(2000), key=b"big", partition=0),
+                             Record(progress, b"progress", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.ABORTED, answer
+        first.close()
+        nodes.kill_victim(data, 0)
+        started = time.monotonic()
+        with pytest.raises(RetriableTransportError):
+            transport.transactional(tid, 5)
+        failed_after = time.monotonic() - started
+        assert (data, 0) in transport._unsettled[tid].partitions, "the leaderless partition forgotten"
+        # Another producer's record on the partition the settle reached: read_committed readers get it.
+        other.produce(data, b"another shard's row", b"c", 1)
+        assert other.flush(10) == 0
+        wait_until(lambda: (lambda s: s[0] == s[1])(stable_and_end(nodes.admin, data, 1)), 10,
+                   f"{data}[1] open to read_committed readers again after the failed settle "
+                   f"(it failed after {failed_after:.1f} s)")
+        nodes.restart_victim(data, 0)
+        taker = transport.transactional(tid, 10)
+        assert not transport._unsettled[tid], transport._unsettled[tid]
+        again = taker.send([Record(data, b"row-0 again", key=b"a", partition=0),
+                            Record(progress, b"progress again", key=tid.encode(), partition=0)])
+        assert again.outcome is TransactionOutcome.COMMITTED, again
+        taker.close()
+        seen = read_topic(kafka_cluster.bootstrap, data, expected=2, settle=1.0, isolation="read_committed")
+        assert sorted(r.value for r in seen) == [b"another shard's row", b"row-0 again"]
+        # A client made after the restart (the test's own knows no leader of the restarted partition).
+        fresh = AdminClient({"bootstrap.servers": kafka_cluster.bootstrap, "log_level": 0})
+        wait_until(lambda: all((lambda s: s[0] == s[1])(stable_and_end(fresh, data, p)) for p in (0, 1)), 15,
+                   f"both partitions of {data} open to read_committed readers")
+    finally:
+        other.flush(5)
+        transport.close()
+
+
+def test_a_settle_whose_own_abort_marker_is_dropped_keeps_the_partition_to_end(
+        kafka_cluster: LocalKafkaCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transaction aborted after its data record was written, its marker there dropped: left open.
+    The next producer of the id settles it: its empty record joins the open records, and its abort
+    is answered by the coordinator, which then drops that marker too (the data partition's only
+    replica gone again). ``settle`` took the answer for the end and forgot the partition, so the
+    same producer's commit there ended everything open, committed: the old row, the settle's empty
+    record (key the transactional id, no headers: a foreign record to any inbox) and the row sent
+    again, all read_committed."""
+    tid = "outbox-settle-dropped-0"
+    data, progress, refusing = "settle-dropped-data", "settle-dropped-progress", "settle-dropped-refusing"
+    nodes = Nodes(kafka_cluster, tid)
+    nodes.topic(data, nodes.victim)
+    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
+    nodes.topic(refusing, nodes.coordinator, **{"max.message.bytes": "256"})
+    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
+    marks: list[int] = []
+
+    def kill_the_data_replica() -> None:
+        nodes.kill_victim(data)
+        marks.append(nodes.coordinator_log())
+
+    try:
+        # A transaction aborted (a record refused for good), its data marker dropped.
+        first = transport.transactional(tid, 30)
+        monkeypatch.setattr(first, "_producer",
+                            KilledAtAbort(first._producer, kill_the_data_replica, answered_first=True))
+        answer = first.send([Record(data, b"row-1", key=b"k", partition=0),
+                             Record(refusing, os.urandom(2000), key=b"big", partition=0),
+                             Record(progress, b"progress", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.ABORTED, answer
+        wait_until(lambda: nodes.dropped_since(marks[-1]), 30, "the coordinator dropping the data marker")
+        first.close()
+        nodes.restart_victim(data)
+        stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        assert stable < end, "the broker wrote the data marker: nothing was left open"
+
+        # The next producer's settle: its abort marker on the data partition dropped as well.
+        made = _transactions.Producer
+        monkeypatch.setattr(_transactions, "Producer",
+                            lambda settings: KilledAtAbort(made(settings), kill_the_data_replica))
+        with suppress(RetriableTransportError):  # it cannot tell its abort ended the partition there
+            transport.transactional(tid, 30)
+        monkeypatch.setattr(_transactions, "Producer", made)
+        wait_until(lambda: nodes.dropped_since(marks[-1]), 30, "the coordinator dropping the settle's marker")
+        nodes.restart_victim(data)
+
+        taker = transport.transactional(tid, 30)
+        again = taker.send([Record(data, b"row-1 again", key=b"k", partition=0),
+                            Record(progress, b"progress again", key=tid.encode(), partition=0)])
+        assert again.outcome is TransactionOutcome.COMMITTED, again
+        taker.close()
+        seen = read_topic(kafka_cluster.bootstrap, data, expected=1, settle=2.0, isolation="read_committed")
+        assert [r.value for r in seen] == [b"row-1 again"]
+    finally:
+        transport.close()
+
