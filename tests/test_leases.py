@@ -457,6 +457,38 @@ def test_a_relay_of_the_default_lease_ttl_stopped_while_its_lease_table_is_locke
     assert relay.leases.owned() == {} and relays(box) == []
 
 
+@pytest.mark.postgres
+def test_a_run_started_while_the_previous_runs_release_goes_on_says_it_waits_for_it(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A run() started again after a stop whose release outlived its bound (the lease table locked;
+    a half-open connection holds it for the kernel's retransmission timeout, ~15 min) waits for that
+    release before it takes leases: right, but silently. Its "started with shards" line never came,
+    and nothing said why the relay did nothing. It says so once; the run goes on when the release
+    ends. (From the attack on 1fde36c.)"""
+    box = Outbox(pg, shards=4)
+    box.create_tables()
+    broker = InMemoryBroker()
+    relay = Relay(box, InMemoryTransport(broker), poll_interval=0.1)
+    running = Running(relay, stop_timeout=STOP_BOUND)
+    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the relay's leases")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with pg.connect() as holder:
+        holder.exec_driver_sql("LOCK TABLE outbox_leases IN SHARE MODE")
+        wait_for(lambda: waiting_on_a_lock(pg, "UPDATE outbox_leases"), 10, "the renewal behind the lock")
+        running.stop(close=False)
+        again = Running(relay, stop_timeout=STOP_BOUND)
+        said = wait_for(lambda: [r.getMessage() for r in caplog.records
+                                 if "waits for the release of its previous run" in r.getMessage()],
+                        5, "a line saying the new run waits for the release")
+        holder.rollback()
+    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the new run's leases")
+    publish(box, "orders", ["k"])
+    wait_for(lambda: len(broker.records("orders")) == 1, 20, "the new run's delivery")
+    again.stop()
+    assert len(said) == 1, said
+    assert relay.leases.owned() == {} and relays(box) == []
+
+
 @pytest.mark.parametrize("shards", [16, 2048])
 @pytest.mark.parametrize("paused", ["renewal", "release"])
 def test_a_renewal_beside_another_relays_open_renewal_or_release_does_not_wait_on_its_rows(
