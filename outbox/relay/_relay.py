@@ -196,7 +196,10 @@ class Relay:
 
     def _run(self) -> None:
         # The release of a run before that outlived its stop goes on: leases taken before it
-        # ends would be given back by it.
+        # ends would be given back by it. Said once: until it ends, the relay does nothing.
+        if self._closers.going():
+            log.warning("relay %s waits for the release of its previous run's leases (its database "
+                        "is slow or does not answer) before it takes any", self.worker_id)
         while self._closers.going() and not self._stopping.wait(0.1):
             pass
         # Its threads' own end, set with the stop and never cleared: a thread still in a call when
