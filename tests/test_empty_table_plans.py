@@ -91,9 +91,10 @@ def test_a_poll_run_on_an_emptied_table_reads_the_delayed_rows_not_the_table_aft
     every poll not read ahead, on a connection of its own that it gives back without a commit: the
     pool's reset is a ROLLBACK, at which psycopg forgets its prepared statements, so on a default
     engine the statement is planned afresh (35 buffers). An application may make its engine
-    AUTOCOMMIT (``_pg_batches.transaction`` serves such engines): there is then no transaction to
-    roll back, the statement is prepared, and a plan kept from the emptied table reads the whole
-    table at every poll after a burst was sent (seen: a Seq Scan, 870 buffers for 20,000 rows)."""
+    AUTOCOMMIT: there was then no transaction to roll back, the statement was prepared, and a plan
+    kept from the emptied table read the whole table at every poll after a burst was sent (seen: a
+    Seq Scan, 870 buffers for 20,000 rows). (A worker's connection is out of autocommit there now,
+    ``worker_engine``; the statement is planned at every run either way, ``PLANNED_EACH_RUN``.)"""
     engine = create_engine(pg.url.render_as_string(hide_password=False), pool_size=1, max_overflow=0,
                            isolation_level="AUTOCOMMIT")
     try:

@@ -1,5 +1,6 @@
-"""``worker_engine`` (the copy the relay and the inbox run on, at READ COMMITTED on MySQL/MariaDB
-only) and ``create_engine``'s DATETIME decoder for the MySQL drivers.
+"""``worker_engine`` (the copy the relay and the inbox run on: at READ COMMITTED on MySQL/MariaDB,
+in real transactions on an application engine made AUTOCOMMIT) and ``create_engine``'s DATETIME
+decoder for the MySQL drivers.
 
 Most need no server (an engine connects on first use, and they only build engines); the
 ``mysql`` ones pass one pooled connection between a worker and the application on a real
@@ -9,16 +10,21 @@ server.
 from __future__ import annotations
 
 import importlib
+import re
+import sqlite3
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from _relay_helpers import publish
 from pymysql.constants import FIELD_TYPE
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
-from outbox import create_async_engine, create_engine
+from outbox import Outbox, Relay, create_async_engine, create_engine
 from outbox.core._engine import (
     _WORKER,
     CONNECT_TIMEOUT,
@@ -30,6 +36,7 @@ from outbox.core._engine import (
 from outbox.core._outage import is_database_outage
 from outbox.inbox._sessions import sessions_for
 from tests.inbox_support import async_url
+from transports.memory import InMemoryBroker, InMemoryTransport
 
 MYSQL = "mysql+pymysql://app@127.0.0.1:1/shop"
 POSTGRES = "postgresql+psycopg://app@127.0.0.1:1/shop"
@@ -146,10 +153,16 @@ def test_a_connection_that_died_while_switched_is_dropped_not_handed_out_again(m
     engine.dispose()
 
 
-def test_other_databases_keep_their_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sqlite_keeps_its_engine_and_postgresql_workers_share_the_pool_on_a_marked_copy(
+        tmp_path: Path) -> None:
+    """PostgreSQL's copy is marked so that a worker's connection found in autocommit is taken out
+    of it (``_in_transactions``); SQLite's ``BEGIN IMMEDIATE`` runs at any level."""
     sqlite = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
-    postgres = sa.create_engine("postgresql+psycopg://app@127.0.0.1:1/shop")
-    assert worker_engine(sqlite) is sqlite and worker_engine(postgres) is postgres
+    postgres = sa.create_engine(POSTGRES)
+    worker = worker_engine(postgres)
+    assert worker_engine(sqlite) is sqlite
+    assert worker.get_execution_options()[_WORKER] is True and worker.pool is postgres.pool
+    assert worker_engine(worker) is worker
 
 
 @pytest.mark.parametrize("driver", ["mysqldb", "pymysql"])
@@ -200,3 +213,60 @@ def test_a_server_engine_keeps_a_connection_for_each_of_an_inbox_s_default_worke
     engine = make("postgresql+psycopg://u@127.0.0.1:1/db")
     assert engine.pool.size() == POOL_SIZE >= workers
     assert make("postgresql+psycopg://u@127.0.0.1:1/db", pool_size=3).pool.size() == 3
+
+
+def in_autocommit(dbapi: Any) -> bool:
+    """Whether a DBAPI connection of psycopg, PyMySQL/mysqlclient or sqlite3 is in autocommit."""
+    if isinstance(dbapi, sqlite3.Connection):
+        return dbapi.isolation_level is None
+    return bool(dbapi.get_autocommit() if hasattr(dbapi, "get_autocommit") else dbapi.autocommit)
+
+
+@pytest.mark.parametrize("made", ["create_engine", "execution_options"])
+def test_a_relay_on_an_autocommit_application_engine_runs_real_transactions(proof_db_url: str,
+                                                                           made: str) -> None:
+    """The relay on the application's engine, made with ``isolation_level="AUTOCOMMIT"`` (or a copy
+    of one made so). On PostgreSQL ``begin()`` then sent no BEGIN: each statement of a relay's
+    transaction committed alone, its take of a lease before it read the epoch back, its marks
+    before their COMMIT, and its idle bound (``SET LOCAL``) bound nothing (df9d560, from the
+    attack on bf2fb6c). What its lease take and its marks write is seen by another connection only
+    once their transaction commits; and the application's own connections keep autocommit."""
+    autocommit = {"isolation_level": "AUTOCOMMIT"}
+    base = create_engine(proof_db_url, **(autocommit if made == "create_engine" else {}))
+    app = base if made == "create_engine" else base.execution_options(**autocommit)
+    other = sa.create_engine(proof_db_url)  # SQLAlchemy's own: on SQLite a read begins nothing
+    box = Outbox(app, shards=1)
+    box.create_tables()
+    leases, messages = box.tables.leases, box.tables.messages
+    seen: dict[str, list[object]] = {"outbox_leases": [], "outbox_messages": []}
+
+    def beside(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        """Right after each UPDATE of a lease or an outbox row, before its transaction's COMMIT."""
+        # The table updated, not one its fence reads (MySQL: ``UPDATE outbox_messages, JSON_TABLE(…)``).
+        table = next((name for name in seen if re.match(rf"\s*UPDATE\s+[`\"]?{name}\b", statement, re.I)),
+                     None)
+        if table is None:
+            return
+        with other.connect() as conn:
+            seen[table].append(conn.scalar(
+                sa.select(leases.c.owner).where(leases.c.shard == 0) if table == "outbox_leases"
+                else sa.select(messages.c.status)))
+
+    publish(box, "orders", ["k"])
+    sa.event.listen(base, "after_cursor_execute", beside)
+    relay = Relay(box, InMemoryTransport(InMemoryBroker()), worker_id="w")
+    try:
+        assert relay.run_once().published == 1
+    finally:
+        sa.event.remove(base, "after_cursor_execute", beside)
+        relay.close()
+    try:
+        assert seen["outbox_leases"][:1] == [None], seen  # its take, not committed yet
+        assert seen["outbox_messages"] and "published" not in seen["outbox_messages"], seen
+        with other.connect() as conn:
+            assert conn.scalar(sa.select(messages.c.status)) == "published"
+        with app.connect() as conn:  # the application's own connections keep autocommit
+            assert in_autocommit(conn.connection.dbapi_connection)
+    finally:
+        base.dispose()
+        other.dispose()

@@ -3,6 +3,7 @@ forgetting of relays long dead (``outbox.relay._leases``)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import publish
+from _relay_helpers import Running, publish, wait_for
 
 from outbox import Outbox, Relay, SchemaError, create_engine
 from outbox.relay._leases import SHARDS_AT_ONCE, Leases
@@ -373,6 +374,119 @@ def test_a_lease_ttl_past_what_postgresql_bounds_an_idle_transaction_by_still_re
         relay.close()
     assert (batch.fetched, batch.published) == (1, 1), batch
     assert len(broker.records("orders")) == 1
+
+
+@pytest.mark.postgres
+def test_a_take_behind_another_relays_take_still_going_is_no_database_outage(pg: sa.Engine) -> None:
+    """Another relay is taking shards: its take locks them one UPDATE at a time and holds them to its
+    COMMIT (``Leases._take``), 512 round trips for a quarter of 2048 shards, past 5 s on a loaded host.
+    A relay's take of the same free shards waits on those rows: contention, not an outage. A lock
+    bound on the lease statements (``lock_timeout`` of a TTL, 5 s at least: tried in bf2fb6c and
+    reverted) failed that wait as 55P03, a database outage: four relays of 2048 shards and a TTL
+    of 2 s joining and leaving on a loaded host logged "database unreachable (LockNotAvailable)"
+    six times in 75 s. Here the other relay's take is its first UPDATE, held open until this
+    relay's round is done (8 s at most). (From the attack on bf2fb6c, 2e8662f.)"""
+    box = Outbox(pg, shards=4)
+    box.create_tables()
+    leases = Leases(pg, box.tables, 4, "b", ttl=2.0)
+    done, failed = threading.Event(), []
+
+    def round_() -> None:
+        try:
+            leases.maintain()
+        except Exception as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    leases.maintain()
+    leases.release_all()  # its rows made, every shard free
+    t = box.tables.leases
+    with pg.connect() as other:
+        other.execute(sa.update(t).where(t.c.shard == 0).values(
+            owner="a", epoch=t.c.epoch + 1, expires_at=datetime.now(UTC) + timedelta(minutes=1)))
+        thread = threading.Thread(target=round_, daemon=True)
+        thread.start()
+        done.wait(8)
+        other.commit()
+    thread.join(20)
+    assert not failed, failed
+    assert sorted(leases.owned()) == [1, 2, 3]
+
+
+STOP_BOUND = 10.0
+"""``run``'s default ``stop_timeout``."""
+
+
+def waiting_on_a_lock(engine: sa.Engine, statement: str) -> int:
+    """How many sessions of ``engine``'s PostgreSQL wait on a lock in a statement starting ``statement``."""
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE :statement"), {"statement": statement + "%"}) or 0)
+
+
+@pytest.mark.postgres
+def test_a_relay_of_the_default_lease_ttl_stopped_while_its_lease_table_is_locked_keeps_its_stop_bound(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A single relay at its defaults (lease TTL 10 s, stop bound 10 s) stopped while another
+    transaction holds its lease table locked (``LOCK TABLE``, a migration), its lease thread's
+    renewal waiting on the lock and holding the ``Leases`` lock meanwhile. The stop joined that
+    thread for 10 s, then queued its release behind the renewal: it ran into its bound ("did not
+    finish within 10s") and never said the leases were left to expire. The release now runs on a
+    closer waited for ``RELEASE_WITHIN`` (3 s), as a fleet's; its last line names the shards, and
+    the release goes on once the lock is gone. (From the attack on bf2fb6c, 2e8662f.)"""
+    box = Outbox(pg, shards=4)
+    box.create_tables()
+    relay = Relay(box, InMemoryTransport(InMemoryBroker()), poll_interval=0.1)
+    running = Running(relay, stop_timeout=STOP_BOUND)
+    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the relay's leases")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with pg.connect() as holder:
+        holder.exec_driver_sql("LOCK TABLE outbox_leases IN SHARE MODE")
+        wait_for(lambda: waiting_on_a_lock(pg, "UPDATE outbox_leases"), 10, "the renewal behind the lock")
+        took = running.stop(close=False)
+        said = [r.getMessage() for r in caplog.records
+                if "stopped" in r.getMessage() or "did not finish" in r.getMessage()]
+        holder.rollback()
+    relay.close()  # waits for the release that went on
+    assert took < STOP_BOUND, (took, said)
+    last = said[-1] if said else ""
+    assert "stopped; its leases of shards [0, 1, 2, 3] were not given back within 3s" in last, said
+    assert "expire within the lease TTL" in last, said
+    assert relay.leases.owned() == {} and relays(box) == []
+
+
+@pytest.mark.postgres
+def test_a_run_started_while_the_previous_runs_release_goes_on_says_it_waits_for_it(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A run() started again after a stop whose release outlived its bound (the lease table locked;
+    a half-open connection holds it for the kernel's retransmission timeout, ~15 min) waits for that
+    release before it takes leases: right, but silently. Its "started with shards" line never came,
+    and nothing said why the relay did nothing. It says so once; the run goes on when the release
+    ends. (From the attack on 1fde36c.)"""
+    box = Outbox(pg, shards=4)
+    box.create_tables()
+    broker = InMemoryBroker()
+    relay = Relay(box, InMemoryTransport(broker), poll_interval=0.1)
+    running = Running(relay, stop_timeout=STOP_BOUND)
+    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the relay's leases")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with pg.connect() as holder:
+        holder.exec_driver_sql("LOCK TABLE outbox_leases IN SHARE MODE")
+        wait_for(lambda: waiting_on_a_lock(pg, "UPDATE outbox_leases"), 10, "the renewal behind the lock")
+        running.stop(close=False)
+        again = Running(relay, stop_timeout=STOP_BOUND)
+        said = wait_for(lambda: [r.getMessage() for r in caplog.records
+                                 if "waits for the release of its previous run" in r.getMessage()],
+                        5, "a line saying the new run waits for the release")
+        holder.rollback()
+    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the new run's leases")
+    publish(box, "orders", ["k"])
+    wait_for(lambda: len(broker.records("orders")) == 1, 20, "the new run's delivery")
+    again.stop()
+    assert len(said) == 1, said
+    assert relay.leases.owned() == {} and relays(box) == []
 
 
 @pytest.mark.parametrize("shards", [16, 2048])

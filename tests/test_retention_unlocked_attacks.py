@@ -37,7 +37,7 @@ def test_a_held_row_is_passed_over_at_any_isolation_level_of_the_callers_engine(
     turn "waits at most UNLOCKED_WAIT" into "waits for as long as the holder holds". On an
     AUTOCOMMIT engine the batch's ``SET LOCAL lock_timeout`` was a no-op outside a transaction
     block and the pass waited for the held row until its holder let go (seen: still waiting
-    after 20 s without ``_pg_batches.transaction``)."""
+    after 20 s before a worker's engine took its connections out of autocommit, ``worker_engine``)."""
     engine = create_engine(postgres_db, isolation_level=level)
     outbox, ids = filled(create_engine(postgres_db), 50)
     holder = outbox.engine.connect()

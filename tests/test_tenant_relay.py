@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ import sqlalchemy as sa
 from _relay_helpers import Running, owned_leases, pending, wait_for
 
 from outbox import ConfigurationError, Outbox, create_engine
+from outbox.relay._closers import Closers
 from outbox.tenants import Tenant, TenantRelay
 from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -706,36 +706,34 @@ def test_tenants_removed_just_before_the_stop_whose_release_goes_on_are_named_at
 def test_a_close_all_beside_another_joins_only_closers_that_started() -> None:
     """A refresh removing tenants while the stop closes them: the second call waits for the first
     call's closer. The first started its closers only after closing its units that had nothing to
-    release, so the second joined a thread not started yet (RuntimeError) and the stop ended there."""
-    relay = fleet([], InMemoryBroker())
-    fleet_tenants = type(relay._tenants)  # FleetTenants, its methods on a stand-in
-    relay.close()
-    close_all = fleet_tenants.close_all
-    db, released = object(), threading.Event()
+    release, so the second joined a thread not started yet (RuntimeError) and the stop ended there.
+    (``relay._closers``, which a fleet's ``close_all`` and a single relay's stop share.)"""
+    released, second_returned = threading.Event(), threading.Event()
 
-    def close(unit: Any) -> bool:
-        if unit.step is None:
-            time.sleep(0.3)  # the first call's own close of a unit with nothing to release
-        else:
-            released.wait(5)  # the release of a unit with leases, on its closer
-        unit.step = None
-        return True
+    def give_back(_item: str) -> bool:  # "held", on its closer
+        return released.wait(5)
 
-    tenants = SimpleNamespace(_closing=threading.Lock(), _closers={}, worker_id="w", close=close)
-    tenants._close_group = lambda group, started: fleet_tenants._close_group(tenants, group, started)
-    class StandIn(SimpleNamespace):  # a unit: hashed by identity, as Unit is
-        __hash__ = object.__hash__
+    def close_here(_item: str) -> None:  # "idle", nothing to release: the first call closes it itself
+        second_returned.wait(5)
 
-    held = StandIn(step=object(), db=db, kept=False, tenant=SimpleNamespace(name="held"))
-    idle = StandIn(step=None, db=db, kept=False, tenant=SimpleNamespace(name="idle"))
-    first = threading.Thread(target=close_all, args=(tenants, [held, idle]), daemon=True)
+    closers: Closers[str] = Closers(give_back)
+    first = threading.Thread(target=lambda: closers.close_within(
+        ["held", "idle"], group=lambda item: "db" if item == "held" else None, at_once=close_here),
+        daemon=True)
     first.start()
-    # The first call has handed "held" to a closer and closes "idle" itself (0.3 s) meanwhile.
-    wait_for(lambda: held in tenants._closers, 5, "held handed to a closer")
-    second: list[object] = []
-    beside = threading.Thread(target=lambda: second.append(close_all(tenants, [held])), daemon=True)
+    # The first call has handed "held" to a closer and closes "idle" itself meanwhile.
+    wait_for(lambda: "held" in closers.going(), 5, "held handed to a closer")
+    second: list[set[str]] = []
+
+    def beside_it() -> None:
+        try:
+            second.append(closers.close_within(["held"], group=lambda _: "db", at_once=close_here))
+        finally:
+            second_returned.set()
+
+    beside = threading.Thread(target=beside_it, daemon=True)
     beside.start()
     released.set()
     beside.join(5)
     first.join(5)
-    assert second == [[]]
+    assert second == [set()]

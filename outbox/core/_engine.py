@@ -138,14 +138,24 @@ _AT_READ_COMMITTED = "outbox.read_committed"
 
 
 def worker_engine(engine: E) -> E:
-    """The engine a relay or inbox runs its own transactions on: READ COMMITTED on MySQL/MariaDB.
+    """The engine a relay or inbox runs its own transactions on: real transactions, READ COMMITTED
+    on MySQL/MariaDB.
 
     Their SQL was proved at PostgreSQL's READ COMMITTED, where every statement
     sees what committed before it. InnoDB defaults to REPEATABLE READ, whose
     plain ``SELECT`` reads a snapshot taken at the transaction's first read and
     keeps gap locks (more deadlocks between consumers of neighbouring keys).
-    Elsewhere the engine is returned as it is. Publishers need nothing: their
-    seq comes from a locking upsert, correct at any level.
+    Publishers need nothing: their seq comes from a locking upsert, correct at
+    any level.
+
+    On PostgreSQL the engine's level is kept, except AUTOCOMMIT (an application
+    engine made with ``isolation_level="AUTOCOMMIT"``, or a copy of one): there
+    ``begin()`` sends no BEGIN, each statement commits alone, and a ``SET LOCAL``
+    (the relay's idle bound, ``relay._sql``) applies to nothing. A worker's
+    connection found in autocommit is taken out of it for its checkout
+    (``_in_transactions``). SQLite needs nothing (``create_engine``'s ``BEGIN
+    IMMEDIATE`` runs whatever the level), nor MySQL/MariaDB (setting READ
+    COMMITTED takes a connection out of autocommit).
 
     The copy shares the application's pool. SQLAlchemy's ``isolation_level``
     execution option would set the level at every checkout and reset it at
@@ -160,9 +170,13 @@ def worker_engine(engine: E) -> E:
         root = root_engine(sync)
         if not event.contains(root, "do_execute", _unprepared):
             event.listen(root, "do_execute", _unprepared)
-    if sync.dialect.name not in ("mysql", "mariadb") or sync.get_execution_options().get(_WORKER):
+    if sync.get_execution_options().get(_WORKER):
         return engine
-    return marked_copy(engine, sync, _WORKER, _keep_levels)
+    if sync.dialect.name in ("mysql", "mariadb"):
+        return marked_copy(engine, sync, _WORKER, _keep_levels)
+    if sync.dialect.name == "postgresql":
+        return marked_copy(engine, sync, _WORKER, _in_transactions)
+    return engine
 
 
 PLANNED_EACH_RUN = "outbox_planned_each_run"
@@ -256,6 +270,21 @@ def _keep_levels(connection: Connection) -> None:
         connection.invalidate()
         raise
     pooled.info[_AT_READ_COMMITTED] = worker and not theirs
+
+
+def _in_transactions(connection: Connection) -> None:
+    """A worker's PostgreSQL connection checked out in autocommit: at READ COMMITTED for this checkout.
+
+    Runs for every connection of the root engine and of its copies, after the
+    copies' own listeners (an application copy's ``isolation_level`` set just
+    before), so it sees the level the connection really has. SQLAlchemy puts the
+    engine's level back at checkin. psycopg sets both on its connection object,
+    no round trip; a connection not in autocommit costs one attribute read.
+    """
+    if not connection.get_execution_options().get(_WORKER):
+        return
+    if getattr(connection.connection.dbapi_connection, "autocommit", False) is True:
+        connection.execution_options(isolation_level="READ COMMITTED")
 
 
 def missing_sqlite_file(url: str) -> str | None:

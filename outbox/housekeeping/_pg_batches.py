@@ -23,13 +23,11 @@ client) against 2.3 (docs/operations.md, "Housekeeping").
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ARRAY, Engine, Select, any_, cast, delete, func, literal, select, text, tuple_
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from ..core._pg_arrays import array_params, rows_of
@@ -48,7 +46,13 @@ it deleted."""
 
 def pg_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
              after: Sequence[Any] | None) -> Batch:
-    """The next batch of ``target``: unlocked when its settled rows are final, else locked."""
+    """The next batch of ``target``: unlocked when its settled rows are final, else locked.
+
+    ``engine`` is a worker's (``core._engine.worker_engine``): its transactions are real ones also
+    when the application made its engine AUTOCOMMIT, where each statement committed on its own,
+    ``SET LOCAL lock_timeout`` bounded nothing (an unlocked batch waited for a held row for as long
+    as its holder held it) and a locking pick's row locks were gone before its delete.
+    """
     if target.final:
         try:
             return unlocked_batch(engine, target, cutoff, size, after)
@@ -61,7 +65,7 @@ def pg_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
 def unlocked_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
                    after: Sequence[Any] | None) -> Batch:
     """One transaction of ``unlocked_statement``, waiting at most ``UNLOCKED_WAIT`` for a row."""
-    with transaction(engine) as conn:
+    with engine.begin() as conn:
         conn.execute(text(f"SET LOCAL lock_timeout = '{UNLOCKED_WAIT}'"))
         found, last, deleted = conn.execute(unlocked_statement(target, cutoff, size, after)).one()
     return (found, (last,), deleted) if found else (0, None, 0)
@@ -109,7 +113,7 @@ def locked_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
         pick = pick.where(key_of(target) > values_of(target, after))
     columns = {c.name: c.type for c in target.key}
     picked = rows_of(columns, name="picked")
-    with transaction(engine) as conn:
+    with engine.begin() as conn:
         rows = conn.execute(pick).all()
         if not rows:
             return 0, None, 0
@@ -121,23 +125,6 @@ def locked_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
         deleted = conn.execute(gone, array_params(columns, {
             c.name: [row[n] for row in rows] for n, c in enumerate(target.key)})).rowcount
     return len(rows), tuple(rows[-1]), deleted
-
-
-@contextmanager
-def transaction(engine: Engine) -> Iterator[Connection]:
-    """A transaction of its own for one batch, also on an engine the application made AUTOCOMMIT.
-
-    There each statement commits on its own: ``SET LOCAL lock_timeout`` outside a transaction
-    block is ignored (a warning), so an unlocked batch waited for a held row for as long as its
-    holder held it, and a locking pick's row locks were gone before its delete. Such a
-    connection runs the batch at READ COMMITTED (the level this SQL was proved at) and is
-    given back at its own level.
-    """
-    with engine.connect() as conn:
-        if getattr(conn.connection.dbapi_connection, "autocommit", False):
-            conn.execution_options(isolation_level="READ COMMITTED")
-        with conn.begin():
-            yield conn
 
 
 def key_of(target: Target) -> Any:

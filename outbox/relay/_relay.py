@@ -14,11 +14,14 @@ delays lease renewal.
 
 ``run`` loops until ``stop`` (or SIGTERM/SIGINT): it finishes the batch in hand
 (the transport bounds the wait for delivery reports), marks it, releases its
-leases and returns, so a process running it exits 0. The loop runs on a thread
-of its own (``outbox.core._stopping``), so ``run`` returns at most ``stop_timeout``
-seconds after the stop even when the broker and the database are both gone:
-what the loop has not finished by then is left behind (rows sent but not
-marked are sent again, leases expire within their TTL).
+leases and returns, so a process running it exits 0. The release runs on a
+closer of its own, waited for ``RELEASE_WITHIN`` seconds at most (``_closers``,
+as a fleet's): a database that holds it (frozen, the lease table locked) leaves
+the leases to their TTL, and the stop's last line names them. The loop runs on
+a thread of its own (``outbox.core._stopping``), so ``run`` returns at most
+``stop_timeout`` seconds after the stop even when the broker and the database
+are both gone: what the loop has not finished by then is left behind (rows sent
+but not marked are sent again, leases expire within their TTL).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ..core._wheel import TimingWheel
 from ..producer import Outbox
 from ._admin import backlog
 from ._batch import BatchResult
+from ._closers import RELEASE_WITHIN, Closers
 from ._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ._leases import Leases, renew_interval
 from ._metrics import RelayMetrics, relay_metrics
@@ -147,6 +151,11 @@ class Relay:
                                cloudevents=cloudevents_mode(cloudevents), stopping=self._stopping)
         self._backlog_topics: set[str] = set()
         self._fatal: Exception | None = None
+        self._closers: Closers[RelayStep] = Closers(self._give_back, late=self._given_back_late)
+        self._threads: list[threading.Thread] = []
+        """The lease and backlog threads of the last ``run``: its closer waits for them to end."""
+        self._released = False
+        """The last ``run``'s closer gave the leases back."""
 
     def __repr__(self) -> str:
         return f"Relay(worker_id={self.worker_id!r}, transport={self.transport!r})"
@@ -186,17 +195,27 @@ class Relay:
         self._runs.run(self._run, stop_timeout=stop_timeout)
 
     def _run(self) -> None:
-        threads: list[threading.Thread] = []
+        # The release of a run before that outlived its stop goes on: leases taken before it
+        # ends would be given back by it. Said once: until it ends, the relay does nothing.
+        if self._closers.going():
+            log.warning("relay %s waits for the release of its previous run's leases (its database "
+                        "is slow or does not answer) before it takes any", self.worker_id)
+        while self._closers.going() and not self._stopping.wait(0.1):
+            pass
+        # Its threads' own end, set with the stop and never cleared: a thread still in a call when
+        # ``run`` returns (and the stop is cleared for the next run) ends once the call does.
+        ended = threading.Event()
+        threads = self._threads = []
         try:
             if not self._first_leases():
                 return  # stopped while waiting for the database
             self._step.check_progress_topic()  # a progress topic not compacted refused before any send
-            threads.append(threading.Thread(target=self._lease_loop, name="outbox-relay-leases",
-                                            daemon=True))
+            threads.append(threading.Thread(target=self._lease_loop, args=(ended,),
+                                            name="outbox-relay-leases", daemon=True))
             if self.settings.backlog_metrics:
                 # Its own thread: a GROUP BY over a large backlog must never delay lease renewal.
-                threads.append(threading.Thread(target=self._backlog_loop, name="outbox-relay-watch",
-                                                daemon=True))
+                threads.append(threading.Thread(target=self._backlog_loop, args=(ended,),
+                                                name="outbox-relay-watch", daemon=True))
             for thread in threads:
                 thread.start()
             if self.outbox.notify_channel:
@@ -207,11 +226,28 @@ class Relay:
                 raise self._fatal
         finally:
             self._stopping.set()
+            ended.set()
             self._wakeup.close()
-            for thread in threads:
-                thread.join(10)
-            if self._step.release():
+            self._released = False
+            if self._closers.close_within([self._step], group=id, at_once=self._give_back):
+                log.warning("relay %s stopped; its leases of shards %s were not given back within %gs "
+                            "(its database is slow or does not answer): the release goes on, and "
+                            "leases it cannot give back expire within the lease TTL", self.worker_id,
+                            sorted(self.leases.owned()), RELEASE_WITHIN)
+            elif self._released:
                 log.info("relay %s stopped; leases released", self.worker_id)
+
+    def _give_back(self, step: RelayStep) -> bool:
+        """On the closer: once the lease and backlog threads ended (a renewal in hand holds the
+        leases' lock), the last batch marked and the leases given back; whether they were."""
+        for thread in self._threads:
+            thread.join()
+        self._released = step.release()
+        return self._released
+
+    def _given_back_late(self, _steps: list[RelayStep], seconds: float) -> None:
+        """The release a stop said goes on gave the leases back in the end."""
+        log.info("relay %s gave its leases back %.1fs after its release began", self.worker_id, seconds)
 
     def _first_leases(self) -> bool:
         """Take the first leases, waiting out a database outage; False if stopped meanwhile.
@@ -257,9 +293,9 @@ class Relay:
             wake_at = poll_due if due is None else min(poll_due, due)
             again = self._wakeup.wait(max(0.0, wake_at - time.monotonic()))
 
-    def _lease_loop(self) -> None:
+    def _lease_loop(self, ended: threading.Event) -> None:
         interval = renew_interval(self.leases.ttl)
-        while not self._stopping.wait(interval):
+        while not ended.wait(interval):
             try:
                 before = set(self.leases.owned())
                 after = self._step.maintain_leases()
@@ -273,10 +309,10 @@ class Relay:
             except Exception as exc:
                 self._step.report(exc, "could not maintain its leases")
 
-    def _backlog_loop(self) -> None:
+    def _backlog_loop(self, ended: threading.Event) -> None:
         """Every lease renewal interval: the backlog gauges."""
         interval = renew_interval(self.leases.ttl)
-        while not self._stopping.wait(interval):
+        while not ended.wait(interval):
             try:
                 self.refresh_backlog_metrics()
             except Exception as exc:
@@ -305,5 +341,10 @@ class Relay:
         self._runs.stop()
 
     def close(self) -> None:
-        """Release leases held from ``run_once`` calls (``run`` does this itself)."""
-        self._step.close()
+        """Release leases held from ``run_once`` calls (``run`` does this itself); raises what the
+        database raised.
+
+        After a ``run`` whose release outlived its stop, it waits for that release
+        (``RELEASE_WITHIN`` seconds at most) instead of starting another beside it.
+        """
+        self._closers.close_within([self._step], group=lambda _: None, at_once=lambda step: step.close())

@@ -31,6 +31,7 @@ from ..core._outage import OutageBackoff, first_line, is_database_outage
 from ..core._schema_claims import SchemaClaims, SharedSchemaError
 from ..core._tenant import Tenant, TenantShare, TenantSource
 from ..relay import RelayStep, TenantRelayMetrics
+from ..relay._closers import RELEASE_WITHIN, Closers
 from ._databases import FleetDatabases
 from ._schedule import Schedule
 from ._turn_state import TurnState
@@ -40,11 +41,6 @@ log = safe_logger("outbox.relay")
 
 _TENANT_BACKOFF = OutageBackoff(first=1.0, cap=60.0)
 """How a tenant that fails for a reason of its own (missing tables) is retried: 1 s doubling to 60 s."""
-
-RELEASE_WITHIN = 3.0
-"""Seconds a stop, ``close()`` or a refresh that removed tenants waits for their leases to be given
-back, all databases at once."""
-
 
 NAMED_AT_MOST = 10
 """Tenants a log line names; a stop of 500 tenants whose release outlasted its bound named all 500."""
@@ -96,11 +92,8 @@ class FleetTenants:
         """Tenants built since the heap was last frozen (``freeze_new``)."""
         self._retiring: set[Unit] = set()
         """Removed while a worker ran their step: still served until that step ends and they close."""
-        self._closing = threading.Lock()
-        """Guards ``_closers``."""
-        self._closers: dict[Unit, threading.Thread] = {}
-        """The units a closer thread is giving back (``close_all``), a refresh's removed ones too, until
-        it has: a second call waits for that thread instead of starting another on them."""
+        self._closers: Closers[Unit] = Closers(self._close_on_closer, late=self._given_back_late)
+        """The units a closer thread is giving back (``close_all``), a refresh's removed ones too."""
         self._building: set[FleetDatabase] = set()
         """Databases whose tenants' steps a builder thread is building (``start_pending``)."""
         self._built = 0
@@ -401,41 +394,18 @@ class FleetTenants:
         return released
 
     def close_all(self, units: list[Unit]) -> list[str]:
-        """Close ``units`` (release their leases), each database's on a thread of its own; the
+        """Close ``units`` (release their leases), each database's on a closer of its own; the
         names of the tenants whose leases are not given back when it returns: their release
         failed (they expire within their TTL), or it still goes on.
 
-        Waits at most ``RELEASE_WITHIN`` seconds: a frozen database's tenants
-        are left to their lease TTL, and never delay the others' release. A
-        tenant an earlier call's closer still releases is waited for (within
-        the bound), not released by a second closer beside the first; one
-        closed already is not waited for.
+        Waits at most ``RELEASE_WITHIN`` seconds (``relay._closers``): a frozen
+        database's tenants are left to their lease TTL, and never delay the
+        others' release. A tenant an earlier call's closer still releases is
+        waited for (within the bound), not released by a second closer beside
+        the first; one with nothing to release is closed here.
         """
-        started = time.monotonic()
-        by_database: dict[int, list[Unit]] = {}
-        earlier: list[threading.Thread] = []  # closers of an earlier call, on some of these units
-        at_once: list[Unit] = []  # nothing to release (or released already): no database call
-        with self._closing:
-            for unit in units:
-                if unit in self._closers:
-                    earlier.append(self._closers[unit])
-                elif unit.step is not None:
-                    by_database.setdefault(id(unit.db), []).append(unit)
-                else:
-                    at_once.append(unit)
-            closers = [threading.Thread(target=self._close_group, args=(group, started),
-                                        name="outbox-relay-release", daemon=True)
-                       for group in by_database.values()]
-            for closer, group in zip(closers, by_database.values(), strict=True):
-                self._closers.update(dict.fromkeys(group, closer))
-                closer.start()  # under the lock: a call after this one joins only started closers
-        for unit in at_once:
-            self.close(unit)
-        deadline = started + RELEASE_WITHIN
-        for closer in dict.fromkeys([*closers, *earlier]):
-            closer.join(max(0.0, deadline - time.monotonic()))
-        with self._closing:
-            going = {unit for unit in units if unit in self._closers}
+        going = self._closers.close_within(
+            units, group=lambda unit: id(unit.db) if unit.step is not None else None, at_once=self.close)
         if going:
             log.warning("relay %s: %d tenants had not given their leases back after %gs (%s; their "
                         "database is slow or does not answer); their release goes on, and leases it "
@@ -446,24 +416,20 @@ class FleetTenants:
 
     def releasing(self) -> list[Unit]:
         """The units whose leases a closer is giving back now (``close_all``), removed ones too."""
-        with self._closing:
-            return list(self._closers)
+        return self._closers.going()
 
-    def _close_group(self, group: list[Unit], started: float) -> None:
-        """A closer: close ``group``'s units (one database's) one after the other. Those it gives
-        back past ``RELEASE_WITHIN`` are logged: the warning of ``close_all`` said they were not."""
-        late = []
-        for unit in group:
-            try:
-                self.close(unit)
-            except Exception:  # a bug: the others of its database are closed still
-                log.exception("relay %s: tenant %s could not be closed", self.worker_id, unit.tenant.name)
-                unit.kept = True
-            finally:
-                with self._closing:
-                    del self._closers[unit]
-            if time.monotonic() - started > RELEASE_WITHIN and not unit.kept:
-                late.append(unit.tenant.name)
-        if late:
-            log.info("relay %s: %d tenants gave their leases back %.1fs after their release began (%s)",
-                     self.worker_id, len(late), time.monotonic() - started, some_names(late))
+    def _close_on_closer(self, unit: Unit) -> bool:
+        """``close`` on a closer: True unless it kept leases; a bug is logged, the others of its
+        database are closed still."""
+        try:
+            self.close(unit)
+        except Exception:
+            log.exception("relay %s: tenant %s could not be closed", self.worker_id, unit.tenant.name)
+            unit.kept = True
+        return not unit.kept
+
+    def _given_back_late(self, units: list[Unit], seconds: float) -> None:
+        """Tenants a closer gave back past ``RELEASE_WITHIN``: the warning of ``close_all`` said they
+        were not."""
+        log.info("relay %s: %d tenants gave their leases back %.1fs after their release began (%s)",
+                 self.worker_id, len(units), seconds, some_names([unit.tenant.name for unit in units]))

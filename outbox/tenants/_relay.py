@@ -70,13 +70,14 @@ from ..relay import (
     relay_metrics,
     tenant_relay_metrics,
 )
+from ..relay._closers import RELEASE_WITHIN
 from ..relay._exactly_once import DEFAULT_PROGRESS_TOPIC
 from ..relay._leases import renew_interval
 from ..relay._session import relay_engine
 from ..relay._settings import DEFAULT_BACKOFF, DEFAULT_MAX_BATCH_BYTES, cloudevents_mode, default_worker_id
 from ..relay._sharing import DEFAULT_MAX_SHARD_PRODUCERS, ProducerSlots
 from ._databases import FleetDatabases
-from ._fleet_tenants import RELEASE_WITHIN, FleetTenants, some_names
+from ._fleet_tenants import FleetTenants, some_names
 from ._idle_polls import IdlePolls
 from ._schedule import Schedule, Turn
 from ._shares import BacklogShares
