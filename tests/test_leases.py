@@ -426,6 +426,16 @@ def waiting_on_a_lock(engine: sa.Engine, statement: str) -> int:
             "AND query LIKE :statement"), {"statement": statement + "%"}) or 0)
 
 
+def running_on_four_shards(pg: sa.Engine, broker: InMemoryBroker) -> tuple[Outbox, Relay, Running]:
+    """A relay of its defaults (stop bound ``STOP_BOUND``) running on four shards it holds."""
+    box = Outbox(pg, shards=4)
+    box.create_tables()
+    relay = Relay(box, InMemoryTransport(broker), poll_interval=0.1)
+    running = Running(relay, stop_timeout=STOP_BOUND)
+    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the relay's leases")
+    return box, relay, running
+
+
 @pytest.mark.postgres
 def test_a_relay_of_the_default_lease_ttl_stopped_while_its_lease_table_is_locked_keeps_its_stop_bound(
         pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
@@ -436,11 +446,7 @@ def test_a_relay_of_the_default_lease_ttl_stopped_while_its_lease_table_is_locke
     finish within 10s") and never said the leases were left to expire. The release now runs on a
     closer waited for ``RELEASE_WITHIN`` (3 s), as a fleet's; its last line names the shards, and
     the release goes on once the lock is gone. (From the attack on bf2fb6c, 2e8662f.)"""
-    box = Outbox(pg, shards=4)
-    box.create_tables()
-    relay = Relay(box, InMemoryTransport(InMemoryBroker()), poll_interval=0.1)
-    running = Running(relay, stop_timeout=STOP_BOUND)
-    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the relay's leases")
+    box, relay, running = running_on_four_shards(pg, InMemoryBroker())
     caplog.set_level(logging.INFO, logger="outbox.relay")
     with pg.connect() as holder:
         holder.exec_driver_sql("LOCK TABLE outbox_leases IN SHARE MODE")
@@ -465,12 +471,8 @@ def test_a_run_started_while_the_previous_runs_release_goes_on_says_it_waits_for
     release before it takes leases: right, but silently. Its "started with shards" line never came,
     and nothing said why the relay did nothing. It says so once; the run goes on when the release
     ends. (From the attack on 1fde36c.)"""
-    box = Outbox(pg, shards=4)
-    box.create_tables()
     broker = InMemoryBroker()
-    relay = Relay(box, InMemoryTransport(broker), poll_interval=0.1)
-    running = Running(relay, stop_timeout=STOP_BOUND)
-    wait_for(lambda: len(relay.leases.owned()) == 4, 20, "the relay's leases")
+    box, relay, running = running_on_four_shards(pg, broker)
     caplog.set_level(logging.INFO, logger="outbox.relay")
     with pg.connect() as holder:
         holder.exec_driver_sql("LOCK TABLE outbox_leases IN SHARE MODE")
