@@ -24,10 +24,9 @@ from _relay_helpers import publish, rows, wait_for
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox import Outbox, Relay, create_engine
+from outbox import Outbox, Relay, RetriableTransportError, create_engine
 from outbox.testing import LocalKafkaCluster
 from transports import Outcome, Record, SendResult, TransactionOutcome
-from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport, _transactions
 from transports.testing import read_topic
 
