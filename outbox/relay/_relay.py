@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import tenacity
@@ -151,7 +152,19 @@ class Relay:
                                cloudevents=cloudevents_mode(cloudevents), stopping=self._stopping)
         self._backlog_topics: set[str] = set()
         self._fatal: Exception | None = None
-        self._closers: Closers[RelayStep] = Closers(self._give_back, late=self._given_back_late)
+        # Through a weak reference: the relay holding closers that hold it was a cycle, and a relay
+        # dropped after its run kept its transport's clients until the cycle collector ran.
+        me = weakref.ref(self)
+
+        def give_back(step: RelayStep) -> bool:
+            relay = me()
+            return relay is not None and relay._give_back(step)
+
+        def given_back_late(steps: list[RelayStep], seconds: float) -> None:
+            if (relay := me()) is not None:
+                relay._given_back_late(steps, seconds)
+
+        self._closers: Closers[RelayStep] = Closers(give_back, late=given_back_late)
         self._threads: list[threading.Thread] = []
         """The lease and backlog threads of the last ``run``: its closer waits for them to end."""
         self._released = False
