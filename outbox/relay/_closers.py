@@ -49,7 +49,7 @@ class Closers(Generic[T]):
         instead of starting another on them."""
 
     def close_within(self, items: Sequence[T], *, group: Callable[[T], Hashable | None],
-                     at_once: Callable[[T], object]) -> set[T]:
+                     at_once: Callable[[T], object] | None = None) -> set[T]:
         """Close ``items``, waiting at most ``RELEASE_WITHIN`` seconds; the items still being closed.
 
         Items of one ``group(item)`` go to one closer, one after the other (one
@@ -57,7 +57,7 @@ class Closers(Generic[T]):
         closer still gives back is waited for (within the bound), not given back
         by a second closer beside the first. An item whose group is None has
         nothing to give back on a closer: ``at_once`` closes it on the caller's
-        thread, once the closers have started.
+        thread, once the closers have started (the closers' ``close`` when it is None).
         """
         started = time.monotonic()
         groups: dict[Hashable, list[T]] = {}
@@ -78,7 +78,7 @@ class Closers(Generic[T]):
                 self._closers.update(dict.fromkeys(members, closer))
                 closer.start()  # under the lock: a call after this one joins only started closers
         for item in here:
-            at_once(item)
+            (at_once or self._close)(item)
         deadline = started + RELEASE_WITHIN
         for closer in dict.fromkeys([*closers, *earlier]):
             closer.join(max(0.0, deadline - time.monotonic()))

@@ -242,7 +242,7 @@ class Relay:
             ended.set()
             self._wakeup.close()
             self._released = False
-            if self._closers.close_within([self._step], group=id, at_once=self._give_back):
+            if self._closers.close_within([self._step], group=id):  # on a closer (one group: its database)
                 log.warning("relay %s stopped; its leases of shards %s were not given back within %gs "
                             "(its database is slow or does not answer): the release goes on, and "
                             "leases it cannot give back expire within the lease TTL", self.worker_id,
