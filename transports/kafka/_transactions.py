@@ -352,35 +352,57 @@ class KafkaTransactionalProducer:
         """None once the partition's last stable offset is past the transaction's record at ``offset``
         (its commit marker written: read_committed readers get the records); else, at ``deadline``,
         why not."""
+        pending, why = self._stable_past({(topic, partition): offset}, deadline)
+        if not pending:
+            return None
+        why = why or "its commit marker is not written there (the last stable offset is not past it)"
+        return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
+                f"(its records up to offset {offset} are not readable): {why}")
+
+    def _stable_past(self, offsets: Mapping[tuple[str, int], int],
+                     deadline: float) -> tuple[list[tuple[str, int]], str | None]:
+        """Wait until each partition's last stable offset (read committed) is past its offset in
+        ``offsets`` (the transaction there ended), at most until ``deadline``; the partitions still
+        not past it (none: all are), and why, if it is not only that the offset is not past it yet.
+
+        An unread offset is not past it. A client whose request failed is replaced (at most one a
+        second, ``_admin_client``): its metadata from before a broker's restart can fail every
+        request. ``future.result`` raises concurrent.futures' bare ``TimeoutError`` (not a
+        ``KafkaException``) when the broker answers only at its request timeout (gone or frozen right
+        after it answered, or a leader the client still names was killed): it once escaped ``send``,
+        and the shard's producer then sent the rows again in a transaction that committed what this
+        one left open.
+        """
+        pending = dict(offsets)
         step = DECIDED_FIRST_STEP
         failed: AdminClient | None = None
         while True:
-            why = "its commit marker is not written there (the last stable offset is not past it)"
+            why: str | None = None
             admin = None
             try:
                 admin = self._admin_client(failed)
                 failed = None
-                [future] = admin.list_offsets(
-                    {TopicPartition(topic, partition): latest_offset()},
-                    isolation_level=IsolationLevel.READ_COMMITTED,
-                    request_timeout=max(0.1, deadline - time.monotonic())).values()
-                if future.result(max(0.1, deadline - time.monotonic())).offset > offset:
-                    return None
+                asked = admin.list_offsets({TopicPartition(t, p): latest_offset() for t, p in pending},
+                                           isolation_level=IsolationLevel.READ_COMMITTED,
+                                           request_timeout=max(0.1, deadline - time.monotonic()))
+                for tp, future in asked.items():
+                    where = (tp.topic, tp.partition)
+                    try:
+                        if future.result(max(0.1, deadline - time.monotonic())).offset > pending[where]:
+                            del pending[where]
+                    except KafkaException as exc:  # unread there (no leader, or the client's view is old)
+                        why = f"its last stable offset cannot be read: {exc.args[0].str()}"
+                        failed = admin
             except KafkaException as exc:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                 failed = admin
             except TimeoutError:
-                # The future was not done when our wait for it ended (concurrent.futures' bare
-                # TimeoutError, not a KafkaException): a broker gone or frozen right after it answered
-                # the commit, or a client whose metadata still names a killed leader, answered only at
-                # its request timeout. It escaped ``send``, and the shard's producer then sent the rows
-                # again in a transaction that committed what this one left open. Unknown, as any
-                # unread offset; that client never refreshes: a new one knows better.
                 why = "its last stable offset cannot be read: no answer in time"
                 failed = admin
+            if not pending:
+                return [], None
             if time.monotonic() + step >= deadline:
-                return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
-                        f"(its records up to offset {offset} are not readable): {why}")
+                return sorted(pending), why
             time.sleep(step)
             step = min(2 * step, FLUSH_STEP)
 
@@ -563,33 +585,8 @@ class KafkaTransactionalProducer:
         The coordinator answers an abort once it decided it and writes the markers after, dropping
         a partition's whose leader it cannot find: forgotten then, the partition's open records were
         committed by the id's next commit there (as without ``settle``)."""
-        pending = dict(written)
-        step = DECIDED_FIRST_STEP
-        failed: AdminClient | None = None
-        while pending:
-            admin = None
-            try:
-                admin = self._admin_client(failed)
-                failed = None
-                asked = admin.list_offsets({TopicPartition(t, p): latest_offset() for t, p in pending},
-                                           isolation_level=IsolationLevel.READ_COMMITTED,
-                                           request_timeout=max(0.1, deadline - time.monotonic()))
-                for tp, future in asked.items():
-                    where = (tp.topic, tp.partition)
-                    try:
-                        if future.result(max(0.1, deadline - time.monotonic())).offset > pending[where]:
-                            del pending[where]
-                    except KafkaException:  # unread there (no leader, or the client's view is old)
-                        failed = admin
-            except (KafkaException, TimeoutError):  # no answer in time (``_undecided``): a new client
-                failed = admin
-            if not pending:
-                return None
-            if time.monotonic() + step >= deadline:
-                return ", ".join(f"{t}[{p}]" for t, p in sorted(pending))
-            time.sleep(step)
-            step = min(2 * step, FLUSH_STEP)
-        return None
+        pending, _why = self._stable_past(written, deadline)
+        return ", ".join(f"{t}[{p}]" for t, p in pending) or None
 
     def _ended(self, error: KafkaError, count: int) -> TransactionResult:
         """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
