@@ -13,6 +13,7 @@ what is wrong: an unknown command or option, or an argument nothing takes.
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from collections.abc import Iterator
@@ -91,14 +92,22 @@ def _expand(command: str) -> list[str]:
     return [shlex.join(v) for v in variants]
 
 
-def parse_error(command: str) -> str | None:
-    """Why the real CLI would not accept ``command`` (``outbox …``), or None if it would."""
+@functools.cache
+def cli() -> Any:
+    """The real CLI as click sees it, built once: typer rebuilds the whole tree of commands from
+    the app at every ``get_command`` (most of a check's time when each of some 900 parses built
+    it again). Parsing only reads the tree: each parse makes a context and a parser of its own."""
     from outbox.cli import app
 
+    return typer.main.get_command(app)
+
+
+def parse_error(command: str) -> str | None:
+    """Why the real CLI would not accept ``command`` (``outbox …``), or None if it would."""
     complete = command.endswith(COMPLETE)
     words = shlex.split(command, comments=True)
     assert words[0] == "outbox", command
-    current = typer.main.get_command(app)
+    current = cli()
     path, args = ["outbox"], words[1:]
     parent = None
     while True:

@@ -52,7 +52,6 @@ def _commands_of(paths, find):
             yield f"{path.relative_to(ROOT)}:{number}", command
 
 
-@pytest.mark.slow  # an outbox process per command: 5-30 s
 def test_every_outbox_command_the_docs_show_parses():
     """Each `outbox …` line of README and docs/ names real commands and options (nothing runs)."""
     from _doc_commands import doc_commands, parse_error
@@ -91,7 +90,6 @@ def _every_command():
     yield from walk(typer.main.get_command(app), [])
 
 
-@pytest.mark.slow  # an outbox process per option: 5-30 s
 def test_the_checker_accepts_every_real_option_and_rejects_any_other():
     """Over the whole CLI: each option of each command parses; a misspelt one, an unknown
     command and a surplus argument do not — so a passing doc check means something."""

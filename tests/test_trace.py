@@ -11,6 +11,7 @@ import json
 import unicodedata
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from outbox import Inbox, Message, Outbox, OutboxTables, create_engine, record_t
 from outbox.cli import app
 from outbox.core._wire import EVENT_TYPE
 from outbox.ops import Database, trace_key, trace_message
-from outbox.testing import InMemoryBroker, OutboxTestHarness
+from outbox.testing import InMemoryBroker, OutboxTestHarness, fresh_database
 from tests.inbox_support import record
 
 TOPIC = "orders"
@@ -52,12 +53,12 @@ def _publish(outbox: Outbox, key: str, n: int) -> list[uuid.UUID]:
         return [outbox.publish(session, TOPIC, {"n": i}, key=key) for i in range(n)]
 
 
-@pytest.fixture
-def world(db_url: str, tmp_path: Path) -> Iterator[World]:
+@contextmanager
+def built_world(db_url: str, folder: Path) -> Iterator[World]:
     """order-1: sent, applied by both groups; bad-1: billing parked it at seq 1, seq 2 behind it;
     late-1: written, not sent; gap-1 (billing only): seq 3 arrived without 1 and 2, held."""
     engine = create_engine(db_url)
-    inbox_url = f"sqlite:///{tmp_path}/shipping.db"
+    inbox_url = f"sqlite:///{folder}/shipping.db"
     inbox_engine = create_engine(inbox_url)
     outbox = Outbox(engine)
     outbox.create_tables()
@@ -84,18 +85,45 @@ def world(db_url: str, tmp_path: Path) -> Iterator[World]:
     ids["late-1"] = _publish(outbox, "late-1", 1)
     ids["gap-1"] = [uuid.uuid4()]
     billing.handle(record(TOPIC, "gap-1", 3, message_id=ids["gap-1"][0]))
-    yield World(db_url, inbox_url, outbox, billing, shipping, ids)
-    engine.dispose()
-    inbox_engine.dispose()
+    try:
+        yield World(db_url, inbox_url, outbox, billing, shipping, ids)
+    finally:
+        engine.dispose()
+        inbox_engine.dispose()
+
+
+@pytest.fixture
+def world(db_url: str, tmp_path: Path) -> Iterator[World]:
+    """The world (``built_world``) of one test, which may change it: publish, handle, alter a
+    table, listen on its engine."""
+    with built_world(db_url, tmp_path) as built:
+        yield built
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def seen_world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """One world for the module's tests that only read it (traces, the command, the console page),
+    on SQLite and PostgreSQL as ``db_url``: building it runs the relay and two inboxes, about a
+    second a test on PostgreSQL under the suite's load, for 16 tests a database. A test that
+    changes anything takes ``world``."""
+    folder = tmp_path_factory.mktemp("trace-world")
+    if request.param == "sqlite":
+        with built_world(f"sqlite:///{folder}/outbox.db", folder) as built:
+            yield built
+        return
+    with fresh_database(request.getfixturevalue("postgres_server")) as url, \
+            built_world(url, folder) as built:
+        yield built
 
 
 def _groups(message: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {g["group"]: g for g in message["groups"]}
 
 
-def test_a_sent_and_applied_message_shows_where_it_went_and_when_each_group_applied_it(world: World) -> None:
-    outbox_db, inbox_dbs = world.dbs()
-    doc = trace_message(outbox_db, inbox_dbs, world.ids["order-1"][1])
+def test_a_sent_and_applied_message_shows_where_it_went_and_when_each_group_applied_it(
+        seen_world: World) -> None:
+    outbox_db, inbox_dbs = seen_world.dbs()
+    doc = trace_message(outbox_db, inbox_dbs, seen_world.ids["order-1"][1])
     [m] = doc["messages"]
     assert (m["topic"], m["key"], m["seq"]) == (TOPIC, "order-1", 2)
     assert m["outbox"]["status"] == "published" and m["outbox"]["published_at"]
@@ -108,9 +136,9 @@ def test_a_sent_and_applied_message_shows_where_it_went_and_when_each_group_appl
     assert groups["shipping"]["database"] == "shipping-db"
 
 
-def test_a_parked_message_and_the_one_behind_it_say_why(world: World) -> None:
-    outbox_db, inbox_dbs = world.dbs()
-    first, second = world.ids["bad-1"]
+def test_a_parked_message_and_the_one_behind_it_say_why(seen_world: World) -> None:
+    outbox_db, inbox_dbs = seen_world.dbs()
+    first, second = seen_world.ids["bad-1"]
     parked = _groups(trace_message(outbox_db, inbox_dbs, first)["messages"][0])
     assert parked["billing"]["state"] == "parked" and parked["billing"]["reason"] == "failed"
     assert parked["billing"]["attempts"] == 2 and "card declined" in parked["billing"]["error"]
@@ -120,15 +148,15 @@ def test_a_parked_message_and_the_one_behind_it_say_why(world: World) -> None:
     assert behind["parked_behind_seq"] == 1
 
 
-def test_an_unsent_message_is_never_seen_by_the_groups(world: World) -> None:
-    outbox_db, inbox_dbs = world.dbs()
-    [m] = trace_message(outbox_db, inbox_dbs, world.ids["late-1"][0])["messages"]
+def test_an_unsent_message_is_never_seen_by_the_groups(seen_world: World) -> None:
+    outbox_db, inbox_dbs = seen_world.dbs()
+    [m] = trace_message(outbox_db, inbox_dbs, seen_world.ids["late-1"][0])["messages"]
     assert m["outbox"]["status"] == "pending" and m["outbox"]["published_at"] is None
     assert {g["state"] for g in m["groups"]} == {"not_seen"}
 
 
-def test_a_key_shows_its_position_and_what_waits_behind_what(world: World) -> None:
-    outbox_db, inbox_dbs = world.dbs()
+def test_a_key_shows_its_position_and_what_waits_behind_what(seen_world: World) -> None:
+    outbox_db, inbox_dbs = seen_world.dbs()
     doc = trace_key(outbox_db, inbox_dbs, TOPIC, "bad-1")
     key = doc["key"]
     assert key["outbox"]["last_seq"] == 2 and key["outbox"]["last_sent_seq"] == 2
@@ -150,8 +178,8 @@ def test_a_key_shows_its_position_and_what_waits_behind_what(world: World) -> No
     assert late["pending"] == 1
 
 
-def test_unknown_ids_topics_and_keys_are_errors_naming_what_is_missing(world: World) -> None:
-    outbox_db, inbox_dbs = world.dbs()
+def test_unknown_ids_topics_and_keys_are_errors_naming_what_is_missing(seen_world: World) -> None:
+    outbox_db, inbox_dbs = seen_world.dbs()
     from outbox import ConfigurationError
     with pytest.raises(ConfigurationError, match="in none of the databases"):
         trace_message(outbox_db, inbox_dbs, uuid.uuid4())
@@ -168,14 +196,14 @@ def _cli(*args: str) -> Any:
     return runner.invoke(app, ["trace", *args])
 
 
-def test_the_command_prints_the_journey_and_json_for_scripts(world: World) -> None:
-    mid = str(world.ids["bad-1"][1])
-    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", world.inbox_url)
+def test_the_command_prints_the_journey_and_json_for_scripts(seen_world: World) -> None:
+    mid = str(seen_world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", seen_world.outbox_url, "--inbox-db", seen_world.inbox_url)
     assert shown.exit_code == 0, shown.output
     assert "parked behind seq 1 of its key" in shown.output and "attempts 0" not in shown.output
     assert "group shipping" in shown.output and "applied" in shown.output
-    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db",
-                   world.inbox_url, "--json")
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", seen_world.outbox_url, "--inbox-db",
+                   seen_world.inbox_url, "--json")
     assert as_json.exit_code == 0, as_json.output
     doc = json.loads(as_json.output)
     assert doc["version"] == 1 and doc["query"] == {"topic": TOPIC, "key": "bad-1", "limit": 20}
@@ -216,8 +244,9 @@ def test_a_key_trace_filters_its_messages_by_event_type(world: World) -> None:
     (["--topic", TOPIC], "needs both --topic and --key"),
     ([], "give a message id, or --topic and --key"),
 ])
-def test_bad_input_is_one_error_line_and_a_failing_exit(world: World, args: list[str], says: str) -> None:
-    result = runner.invoke(app, ["trace", *args, "--db", world.outbox_url])
+def test_bad_input_is_one_error_line_and_a_failing_exit(seen_world: World, args: list[str],
+                                                        says: str) -> None:
+    result = runner.invoke(app, ["trace", *args, "--db", seen_world.outbox_url])
     assert result.exit_code != 0
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.output
@@ -289,9 +318,9 @@ def test_every_trace_query_is_an_index_lookup(world: World) -> None:
     assert len(plans) > 20 and not scans, scans
 
 
-def test_a_database_named_twice_is_read_once(world: World) -> None:
-    outbox_db, inbox_dbs = world.dbs()
-    doc = trace_message(outbox_db, [*inbox_dbs, outbox_db, *inbox_dbs], world.ids["order-1"][0])
+def test_a_database_named_twice_is_read_once(seen_world: World) -> None:
+    outbox_db, inbox_dbs = seen_world.dbs()
+    doc = trace_message(outbox_db, [*inbox_dbs, outbox_db, *inbox_dbs], seen_world.ids["order-1"][0])
     [m] = doc["messages"]
     assert sorted(g["group"] for g in m["groups"]) == ["billing", "shipping"]
     assert m["outbox"] is not None
@@ -376,14 +405,14 @@ def test_text_from_the_databases_cannot_forge_or_hide_a_line_of_the_table(key: s
 DOWN = "postgresql+psycopg://ops:pw-s3cr3t-9@127.0.0.1:1/shipping?connect_timeout=2"
 
 
-def test_an_inbox_database_that_is_down_is_one_line_and_the_others_are_traced(world: World) -> None:
-    mid = str(world.ids["bad-1"][1])
-    shown = _cli(mid, "--db", world.outbox_url, "--inbox-db", DOWN, "--inbox-db", world.inbox_url)
+def test_an_inbox_database_that_is_down_is_one_line_and_the_others_are_traced(seen_world: World) -> None:
+    mid = str(seen_world.ids["bad-1"][1])
+    shown = _cli(mid, "--db", seen_world.outbox_url, "--inbox-db", DOWN, "--inbox-db", seen_world.inbox_url)
     assert shown.exit_code == 0, shown.output
     down = [line for line in shown.output.splitlines() if "could not be read" in line]
     assert len(down) == 1 and "127.0.0.1:1/shipping" in down[0], shown.output
     assert "parked behind seq 1 of its key" in shown.output and "group shipping" in shown.output
-    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", world.outbox_url, "--inbox-db", DOWN,
+    as_json = _cli("--topic", TOPIC, "--key", "bad-1", "--db", seen_world.outbox_url, "--inbox-db", DOWN,
                    "--json")
     assert as_json.exit_code == 0, as_json.output
     doc = json.loads(as_json.output)
@@ -395,14 +424,14 @@ def test_an_inbox_database_that_is_down_is_one_line_and_the_others_are_traced(wo
     assert only_down.exit_code == 1 and "pw-s3cr3t-9" not in only_down.output
 
 
-def test_the_console_trace_page_shows_the_databases_it_can_read(world: World) -> None:
+def test_the_console_trace_page_shows_the_databases_it_can_read(seen_world: World) -> None:
     from starlette.testclient import TestClient
 
     from outbox.console import create_app
     down = sa.create_engine(DOWN)
-    client = TestClient(create_app(world.outbox, inbox_databases=[down, world.shipping.engine]),
+    client = TestClient(create_app(seen_world.outbox, inbox_databases=[down, seen_world.shipping.engine]),
                         base_url="http://127.0.0.1")
-    page = client.get("/trace", params={"id": str(world.ids["bad-1"][1])})
+    page = client.get("/trace", params={"id": str(seen_world.ids["bad-1"][1])})
     assert page.status_code == 200, page.text
     assert "could not be read" in page.text and "group shipping" in page.text
     assert "pw-s3cr3t-9" not in page.text
