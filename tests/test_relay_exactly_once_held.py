@@ -1,0 +1,136 @@
+"""An exactly-once shard held by another producer's open transaction is no broker outage, on Apache Kafka.
+
+After a transaction of a shard that did not commit, the shard's next producer settles: it aborts an
+empty record on each data partition that transaction wrote and waits until each reads past it
+(read_committed). Another producer's transaction open there since before (another relay's shard on a
+slow broker, an application with long transactions on a shared topic) holds that read for as long as
+it stays open, minutes perhaps. The shard must send nothing meanwhile (its own abort marker may have
+been dropped: committing there would end the old records committed too), but the broker answers
+everything: the relay must not report it down, count attempts, or spin; and it must send the row once
+as soon as the other transaction ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+
+import pytest
+from _kafka_transactions import stable_and_end
+from _relay_helpers import publish, rows, wait_for
+from confluent_kafka import KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from outbox import Outbox, Relay, create_engine
+from outbox.testing import create_topic
+from transports import Record, TransactionOutcome
+from transports.kafka import KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+MESSAGE_ID = "outbox-message-id"
+HELD = "cannot take shard 0 over yet"
+OUTAGE = "broker unreachable ("  # the relay's outage line (``RELAY_WORDING``)
+
+
+@pytest.fixture
+def outbox(sqlite_db: str) -> Iterator[Outbox]:
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=1)  # its one shard held: no shard of the relay can send
+    ob.create_tables()
+    yield ob
+    engine.dispose()
+
+
+@dataclass
+class Held:
+    transport: KafkaTransport
+    other: Producer
+    admin: AdminClient
+
+
+@pytest.fixture
+def held(outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> Iterator[Held]:
+    """The relay's transport, whose last transaction of shard 0 was aborted (a record refused for
+    good) after writing ``topic[0]``; then another producer's transaction left open on ``topic[0]``."""
+    refusing = f"{topic}-refusing"
+    create_topic(kafka, topic, 1)
+    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
+    transport.ensure_compacted_topic(progress_topic, 1, 30)
+    tid = f"outbox-{outbox.load_schema().incarnation}-0"  # the shard's transactional id (docs/relay.md)
+    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
+                      "transaction.timeout.ms": 300_000, "log_level": 0})
+    admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
+    try:
+        first = transport.transactional(tid, 5)
+        answer = first.send([Record(topic, b"an earlier transaction's row", key=b"k", partition=0),
+                             Record(refusing, os.urandom(2000), key=b"big", partition=0),
+                             Record(progress_topic, b"{}", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.ABORTED, answer
+        first.close()
+        other.init_transactions(30)
+        other.begin_transaction()
+        other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
+        assert other.flush(10) == 0
+        yield Held(transport, other, admin)
+    finally:
+        with suppress(KafkaException):  # aborted by the test already
+            other.abort_transaction(10)
+        transport.close()
+
+
+def running(relay: Relay) -> threading.Thread:
+    thread = threading.Thread(target=relay.run, kwargs={"stop_timeout": 60.0}, name="held-relay", daemon=True)
+    thread.start()
+    return thread
+
+
+def stopped_within(relay: Relay, thread: threading.Thread, seconds: float) -> bool:
+    relay.stop()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def test_a_shard_held_by_another_producers_transaction_is_no_outage_and_sends_once_it_ends(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, held: Held,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The relay's only shard is held: its settle fails at each try, held by the other transaction.
+    The relay logs that once (a WARNING naming the partition and why), logs no broker outage, counts
+    no attempt, tries again without spinning, and stops at once when asked; run again, it sends the
+    row once as soon as the other transaction ends (an INFO line says it goes on)."""
+    publish(outbox, topic, ["k"])
+    relay = Relay(outbox, held.transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")
+    caplog.set_level(logging.INFO)
+    _, end = stable_and_end(held.admin, topic)
+    thread = running(relay)
+    # Each settle writes an empty record and its abort marker on the data partition: two of them.
+    wait_for(lambda: stable_and_end(held.admin, topic)[1] >= end + 4, 40, "two settles of the held shard")
+    assert stopped_within(relay, thread, 5), "a relay whose shards are all held did not stop at once"
+    warned = [r for r in caplog.records if HELD in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, [r.getMessage() for r in warned]
+    said = warned[0].getMessage()
+    assert "held by an open transaction" in said and f"{topic}[0]" in said, said
+    assert "another producer's transaction" in said and "its rows wait, the other shards send on" in said
+    assert not [r.getMessage() for r in caplog.records if OUTAGE in r.getMessage()]
+    assert not relay.outages.broker.down
+    assert [(r.status, r.attempts) for r in rows(outbox)] == [("pending", 0)]
+
+    thread = running(relay)  # the shard taken again (a new lease epoch): held again, said again
+    wait_for(lambda: len([r for r in caplog.records if HELD in r.getMessage()]) == 2, 40,
+             "the shard held again")
+    held.other.abort_transaction(30)
+    wait_for(lambda: rows(outbox, status="published"), 40, "the row sent once the other transaction ended")
+    assert stopped_within(relay, thread, 10)
+    assert any("took shard 0 over after all" in r.getMessage() and r.levelno == logging.INFO
+               for r in caplog.records)
+    assert not [r.getMessage() for r in caplog.records if OUTAGE in r.getMessage()]
+    assert [r.attempts for r in rows(outbox)] == [1]
+    on_wire = read_topic(kafka, topic, expected=1, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 1 and MESSAGE_ID in dict(on_wire[0].headers), on_wire
