@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from _kafka_transactions import stable_and_end
@@ -27,8 +28,10 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, Relay, create_engine
+from outbox.relay import _shard_producer
 from outbox.testing import create_topic
 from transports import Record, TransactionOutcome
+from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
@@ -134,3 +137,43 @@ def test_a_shard_held_by_another_producers_transaction_is_no_outage_and_sends_on
     assert [r.attempts for r in rows(outbox)] == [1]
     on_wire = read_topic(kafka, topic, expected=1, settle=1.0, isolation="read_committed")
     assert len(on_wire) == 1 and MESSAGE_ID in dict(on_wire[0].headers), on_wire
+
+
+def test_a_broker_outage_met_while_the_only_shard_is_held_is_said_over_once_the_broker_answers_again(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str, held: Held,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's only shard is held; then the broker stops answering (simulated: the shard's next
+    producer cannot be made, a plain RetriableTransportError), which the relay logs as an outage; then
+    it answers again and the shard is held again, the settle's every request answered. The outage is
+    over: the relay must say so ("broker reachable again") and no longer report the broker down,
+    though nothing can be published until the other transaction ends (minutes, perhaps)."""
+    monkeypatch.setattr(_shard_producer, "HELD_AGAIN", 0.0)  # tried again at each batch: no 5 s waits
+    publish(outbox, topic, ["k"])
+    relay = Relay(outbox, held.transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")
+    caplog.set_level(logging.INFO)
+    transactions = held.transport
+    real = transactions.transactional
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    try:
+        wait_for(lambda: relay.run_once() is not None and said(HELD), 60, "the shard held")
+        assert not relay.outages.broker.down
+
+        def down(*args: Any, **kwargs: Any) -> Any:
+            raise RetriableTransportError("simulated: the broker does not answer")
+
+        monkeypatch.setattr(transactions, "transactional", down)
+        wait_for(lambda: relay.run_once() is not None and relay.outages.broker.down, 60, "the outage told")
+        assert len(said(OUTAGE)) == 1, said(OUTAGE)
+        monkeypatch.setattr(transactions, "transactional", real)
+        helds = len(said(HELD))
+        wait_for(lambda: relay.run_once() is not None and len(said(HELD)) > helds, 60, "the shard held again")
+        for _ in range(2):  # a batch or two more, each settle answered by the broker
+            relay.run_once()
+        assert [(r.status, r.attempts) for r in rows(outbox)] == [("pending", 0)]
+        assert said("reachable again"), "the broker answers every request, yet no end of its outage was told"
+        assert not relay.outages.broker.down
+    finally:
+        relay.close()
