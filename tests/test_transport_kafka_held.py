@@ -39,3 +39,13 @@ def test_a_progress_read_held_says_whose_transaction_it_is_when_it_looked() -> N
     assert "is another producer's" in foreign and "this id's own" not in foreign
     unknown = str(read_held(b"outbox-abc-0", "outbox-progress", 0, 5, 9, foreign=False))
     assert "either another producer's transaction" in unknown and "this id's own" in unknown
+
+
+def test_a_settle_held_on_several_partitions_says_how_to_end_each_ones_hanging_transaction() -> None:
+    """Held below its record on two partitions (another producer's transaction on each, or a hanging
+    one): the relay logs the message once per shard (``_shard_producer.held``), so the commands to
+    end a hanging transaction must name every partition held, not only the first: once the operator
+    ended that one, nothing more is logged while the shard stays held by the other."""
+    message = str(settle_held("outbox-abc-0", {("payments", 2): (7, 19), ("orders", 3): (40, 42)}))
+    assert "abort --topic payments --partition 2 --start-offset 7" in message
+    assert "abort --topic orders --partition 3 --start-offset 40" in message, message
