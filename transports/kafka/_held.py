@@ -55,7 +55,7 @@ def settle_held(transactional_id: str,
             clauses.append(f"{at}, below the empty record the settle aborted at offset {record}: either "
                            f"another producer's transaction has been open there since before offset "
                            f"{record} ({ENDS}), or the broker dropped this id's own abort marker there")
-    hint = f"; {hanging_hint(*foreign[0])}" if foreign else ""
+    hint = "".join(f"; {hanging_hint(*where)}" for where in foreign)  # each partition's: logged once
     return HeldByOpenTransactionError(
         f"the settle of {transactional_id!r} is held by an open transaction (its abort was answered): "
         f"{'; '.join(clauses)}. The id commits nothing there until the partition reads past that record; "
