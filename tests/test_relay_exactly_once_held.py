@@ -27,11 +27,10 @@ from _relay_helpers import publish, rows, wait_for
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from outbox import Outbox, Relay, create_engine
+from outbox import Outbox, Relay, RetriableTransportError, create_engine
 from outbox.relay import _shard_producer
 from outbox.testing import create_topic
 from transports import Record, TransactionOutcome
-from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
