@@ -222,7 +222,7 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
         if isinstance(failure, NoProducerSlot):
             continue  # no broker's fault: logged once for the fleet (``ProducerSlots.take``)
         if failure is None:
-            if state.stuck is not None:
+            if state.stuck is not None and not state.lost:  # lost: the lease is another's (logged)
                 log.info("%s took shard %d over after all; it sends again", name, shard)
             state.stuck, state.held_until = None, 0.0
         elif isinstance(failure, HeldByOpenTransactionError):
