@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _kafka_transactions import stable_and_end
-from _relay_helpers import publish, rows, wait_for
+from _relay_helpers import publish, rows, start_cli_relay, wait_for
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
@@ -176,3 +180,49 @@ def test_a_broker_outage_met_while_the_only_shard_is_held_is_said_over_once_the_
         assert not relay.outages.broker.down
     finally:
         relay.close()
+
+
+def test_sigterm_while_a_relay_processs_only_shard_is_held_exits_at_once_with_0(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """A real ``outbox relay --exactly-once`` process: another producer's transaction is open on the
+    data partition; the shard's transaction is aborted (a row refused for good), and its next producer's
+    settle is held there (``ProducerMaker.remake``). SIGTERM while held: the process exits with 0 within
+    its stop bound (``run(stop_timeout=10)``), having logged the hold once and no broker outage."""
+    refusing = f"{topic}-refusing"
+    create_topic(kafka, topic, 1)
+    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=1)
+    ob.create_tables()
+    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
+                      "transaction.timeout.ms": 300_000, "log_level": 0})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
+    assert other.flush(10) == 0
+    publish(ob, topic, ["k"])
+    publish(ob, refusing, ["big"], payload={"blob": "x" * 2000})
+    log = tmp_path / "relay.log"
+    process = start_cli_relay(sqlite_db, kafka, log, "--exactly-once", "--progress-topic", progress_topic)
+    code, took = None, 0.0
+    try:
+        wait_for(lambda: HELD in log.read_text(), 90, "the shard held", interval=0.2)
+        # Held a while: the take-over tried again (HELD_AGAIN) at least once.
+        admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
+        wait_for(lambda: stable_and_end(admin, topic)[1] >= 6, 60, "a second settle", interval=0.5)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            code = process.wait(30)
+        took = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        with suppress(KafkaException):
+            other.abort_transaction(10)
+        engine.dispose()
+    text = log.read_text()
+    assert code == 0 and took < 12, f"exit {code} after {took:.1f} s: {text[-3000:]}"
+    assert text.count(HELD) == 1, text[-3000:]
+    assert OUTAGE not in text, text[-3000:]
