@@ -226,3 +226,71 @@ def test_sigterm_while_a_relay_processs_only_shard_is_held_exits_at_once_with_0(
     assert code == 0 and took < 12, f"exit {code} after {took:.1f} s: {text[-3000:]}"
     assert text.count(HELD) == 1, text[-3000:]
     assert OUTAGE not in text, text[-3000:]
+
+
+def test_eight_shards_held_at_once_leave_the_other_eight_sending_and_log_once_each(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Sixteen shards; the last transaction of each of shards 0-7 was aborted on ``topic[0]`` before
+    another producer's transaction was left open there: those eight are held at every try. Over
+    about 25 s (five tries each) each is logged once, no broker outage; rows of the other eight,
+    published meanwhile, go within seconds (the held take-overs run on the pool their transactions
+    use); the relay stops at once."""
+    shards, held_shards = 16, range(8)
+    refusing = f"{topic}-refusing"
+    create_topic(kafka, topic, 1)
+    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=shards)
+    ob.create_tables()
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
+    transport.ensure_compacted_topic(progress_topic, shards, 30)
+    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
+                      "transaction.timeout.ms": 300_000, "log_level": 0})
+    incarnation = ob.load_schema().incarnation
+    relay = None
+    try:
+        for shard in held_shards:
+            tid = f"outbox-{incarnation}-{shard}"
+            first = transport.transactional(tid, 5)
+            answer = first.send([Record(topic, b"an earlier transaction's row", key=b"k", partition=0),
+                                 Record(refusing, os.urandom(2000), key=b"big", partition=0),
+                                 Record(progress_topic, b"{}", key=tid.encode(), partition=shard)])
+            assert answer.outcome is TransactionOutcome.ABORTED, answer
+            first.close()
+        other.init_transactions(30)
+        other.begin_transaction()
+        other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
+        assert other.flush(10) == 0
+        publish(ob, topic, [f"k{i}" for i in range(256)])
+        assert {r.shard for r in rows(ob)} == set(range(shards))
+        relay = Relay(ob, transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")
+        caplog.set_level(logging.INFO)
+        thread = running(relay)
+        wait_for(lambda: {r.shard for r in rows(ob, status="published")} == set(range(8, shards)), 90,
+                 "the free shards' rows published")
+        started = time.monotonic()
+        deadline = started + 25
+        waits = []
+        while time.monotonic() < deadline:  # a row per free shard, again and again, while the others are held
+            keys = [f"k{i}" for i in range(256)]
+            before = time.monotonic()
+            publish(ob, topic, keys)
+            wait_for(lambda: not [r for r in rows(ob, status="pending") if r.shard >= 8], 30,
+                     "the free shards' new rows published")
+            waits.append(time.monotonic() - before)
+        assert stopped_within(relay, thread, 5), "the relay did not stop at once"
+        said = [r.getMessage() for r in caplog.records]
+        held_lines = [m for m in said if "cannot take shard" in m]
+        logged = sorted(int(m.split("cannot take shard ")[1].split()[0]) for m in held_lines)
+        assert logged == list(held_shards), held_lines
+        assert not [m for m in said if OUTAGE in m]
+        assert {(r.status, r.attempts) for r in rows(ob) if r.shard < 8} == {("pending", 0)}
+        assert max(waits) < 10, waits
+    finally:
+        if relay is not None:
+            relay.close()
+        with suppress(KafkaException):
+            other.abort_transaction(10)
+        transport.close()
+        engine.dispose()
