@@ -33,7 +33,7 @@ from confluent_kafka.admin import AdminClient
 
 from outbox import Outbox, Relay, RetriableTransportError, create_engine
 from outbox.relay import _shard_producer
-from outbox.testing import create_topic
+from outbox.testing import LocalKafka, create_topic
 from transports import Record, TransactionOutcome
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -314,3 +314,63 @@ def test_forty_shards_held_of_forty_eight_do_not_delay_the_other_eights_rows(
     the change says the other shards send on; their rows should wait no longer than with eight held."""
     waits = held_shards_and_free_ones(sqlite_db, kafka, topic, progress_topic, caplog, 48, 40)
     assert max(waits) < 2.0, sorted(round(w, 2) for w in waits)
+
+
+def test_a_broker_killed_and_started_again_while_the_only_shard_is_held_is_one_outage_told_over(
+        sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The relay's only shard is held (another producer's transaction open on the data partition);
+    the broker is killed (one outage logged), then started again: the shard is held again, every
+    request of its settle answered. The outage must be told over ("broker reachable again") though
+    nothing is published until the other transaction ends."""
+    kafka = own_kafka.bootstrap
+    refusing = f"{topic}-refusing"
+    create_topic(kafka, topic, 1)
+    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
+    engine = create_engine(sqlite_db)
+    ob = Outbox(engine, shards=1)
+    ob.create_tables()
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
+    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
+                      "transaction.timeout.ms": 300_000, "log_level": 0})
+    relay = None
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    try:
+        transport.ensure_compacted_topic(progress_topic, 1, 30)
+        tid = f"outbox-{ob.load_schema().incarnation}-0"
+        first = transport.transactional(tid, 5)
+        answer = first.send([Record(topic, b"an earlier transaction's row", key=b"k", partition=0),
+                             Record(refusing, os.urandom(2000), key=b"big", partition=0),
+                             Record(progress_topic, b"{}", key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.ABORTED, answer
+        first.close()
+        other.init_transactions(30)
+        other.begin_transaction()
+        other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
+        assert other.flush(10) == 0
+        publish(ob, topic, ["k"])
+        relay = Relay(ob, transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")
+        caplog.set_level(logging.INFO)
+        thread = running(relay)
+        wait_for(lambda: said(HELD), 60, "the shard held")
+        own_kafka.kill()
+        wait_for(lambda: said(OUTAGE), 90, "the outage told")
+        own_kafka.start()
+        wait_for(lambda: len(said(HELD)) >= 2, 120, "the shard held again, the broker back")
+        held_again = time.monotonic()
+        wait_for(lambda: time.monotonic() > held_again + 12, 20, "two more tries")  # HELD_AGAIN: 5 s
+        assert stopped_within(relay, thread, 10)
+        assert len(said(OUTAGE)) == 1, said(OUTAGE)
+        assert [(r.status, r.attempts) for r in rows(ob)] == [("pending", 0)]
+        assert said("reachable again"), "the broker answers every request again, its outage not told over"
+        assert not relay.outages.broker.down
+    finally:
+        if relay is not None:
+            relay.close()
+        with suppress(KafkaException):
+            other.abort_transaction(10)
+        transport.close()
+        engine.dispose()
