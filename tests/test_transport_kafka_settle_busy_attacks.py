@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
-from _kafka_transactions import stable_and_end
+from _kafka_transactions import stable_and_end, wait_until
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -138,3 +140,29 @@ def with_other_aborted(other: Producer) -> None:
     with suppress(KafkaException):
         other.abort_transaction(10)
     other.flush(1)
+
+
+def test_a_settle_whose_other_transaction_ends_during_its_wait_goes_on_in_the_same_try(busy: Busy) -> None:
+    """The other producer's transaction is aborted right after the settle's empty record landed on
+    the data partition (the settle then waits for the last stable offset): that same settle sees the
+    offset move past its record and succeeds, no ``HeldByOpenTransactionError``."""
+    _, end = stable_and_end(busy.admin, busy.data)
+    made: list[Any] = []
+    failed: list[Exception] = []
+
+    def settle() -> None:
+        try:
+            made.append(busy.transport.transactional(busy.tid, TIMEOUT))
+        except RetriableTransportError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=settle, daemon=True)
+    thread.start()
+    wait_until(lambda: stable_and_end(busy.admin, busy.data)[1] > end, 30, "the settle's empty record")
+    busy.other.abort_transaction(30)
+    thread.join(30)
+    assert failed == [] and len(made) == 1, failed
+    answer = made[0].send([Record(busy.data, b"row-0 again", key=b"a", partition=0),
+                           Record(busy.progress, b"progress", key=busy.tid.encode(), partition=0)])
+    assert answer.outcome is TransactionOutcome.COMMITTED, answer
+    made[0].close()
