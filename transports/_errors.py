@@ -46,7 +46,14 @@ class HeldByOpenTransactionError(RetriableTransportError):
     cannot be told apart, so nothing is committed there until it reads past; the message names the
     partitions, their last stable offsets and the offsets they must pass. It is no broker outage:
     the broker answers, and the transaction ends when its producer ends it, or at its timeout.
+
+    ``answered``: every request of the wait was answered (False: a read held until its deadline,
+    which a broker gone meanwhile would leave so too).
     """
+
+    def __init__(self, message: str, *, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class CommitUnansweredError(RetriableTransportError):

@@ -72,7 +72,7 @@ from transports import (
     Transport,
     transport_features,
 )
-from transports._errors import RetriableTransportError
+from transports._errors import HeldByOpenTransactionError, RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
@@ -160,6 +160,9 @@ class ExactlyOnce:
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
         # The last ``send`` left a shard's rows for no broker's fault (``ShardState.remake_waits``).
         self.held_back = False
+        # When the latest take-over that ended held by an open transaction (every request answered)
+        # began, until ``answered_held`` takes it (``RelayStep.run``: the broker is up since).
+        self.answered_since: float | None = None
         # The maker names ids from the incarnation, not through this publisher: it would hold us, a
         # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
@@ -214,6 +217,12 @@ class ExactlyOnce:
         if not any(self._sendable(s) for s in self._owned.values()):
             await_one([s.taking for s in self._owned.values() if s.taking is not None], self._timeout,
                       self._stopping)
+        # A take-over held by an open transaction had every request answered: the broker is up since
+        # it began (``RelayStep.run``), though no row of its shard is published.
+        self.answered_since = max((s.taking_since for s in self._owned.values() if s.taking is not None
+                                   and s.taking.done() and isinstance(e := s.taking.exception(),
+                                                                      HeldByOpenTransactionError)
+                                   and e.answered), default=None)
         error = settle_take_overs(self._owned, self.name)
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
@@ -224,6 +233,12 @@ class ExactlyOnce:
                 self._recover(shard, state)
             ready[shard] = epoch
         return ready, error
+
+    def answered_held(self) -> float | None:
+        """When the latest take-over that ended held by an open transaction since the last call began
+        (its every request answered by the broker), or None."""
+        since, self.answered_since = self.answered_since, None
+        return since
 
     def is_progress_topic(self, topic: str) -> bool:
         """Whether ``topic`` is this relay's progress topic, or (in a fleet) any outbox's or the name they
@@ -286,7 +301,7 @@ class ExactlyOnce:
         pool = self._threads()
         for shard in shards:
             state = self._owned[shard]
-            state.recovered = False
+            state.recovered, state.taking_since = False, time.monotonic()
             state.taking = pool.submit(partial(self._maker.make, shard, state))
 
     def _recover(self, shard: int, state: ShardState) -> None:

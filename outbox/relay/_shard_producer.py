@@ -78,6 +78,7 @@ class ShardState:
     # (``_sharing``), or its settle held by an open transaction (``HeldByOpenTransactionError``)
     unmarked: set[int] = field(default_factory=set)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
+    taking_since: float = 0.0  # when its last take-over began (monotonic)
     stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
     held_until: float = 0.0  # held by an open transaction (not 0): its take-over not tried before then
     cap: int | None = None  # the most records a transaction carries while the broker is slow (``_pace``)

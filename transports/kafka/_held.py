@@ -78,4 +78,4 @@ def read_held(key: bytes, topic: str, partition: int, stable: int, end: int, *,
         f"the read of the progress of {key.decode(errors='replace')!r} on {where} is held by an open "
         f"transaction: "
         f"its last stable offset is {stable}, below the end {end} the read must reach; {whose}. The read is "
-        f"tried again; {hanging_hint(topic, partition, stable)}")
+        f"tried again; {hanging_hint(topic, partition, stable)}", answered=foreign)
