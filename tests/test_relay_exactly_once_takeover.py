@@ -65,8 +65,9 @@ def open_foreign_transaction(kafka: str, topic: str, partition: int) -> Producer
 def test_a_take_over_held_at_a_foreign_open_transaction_holds_only_its_own_shard(
         outbox: Outbox, kafka: str, topic: str, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The held read gives up after its timeout (5 s here) and is tried again at later batches,
-    logged once; the other shards publish meanwhile; the held shard catches up once in order."""
+    """The held read gives up (``HeldByOpenTransactionError``, once it found the transaction another
+    producer's) and is tried again at later batches, logged once; the other shards publish
+    meanwhile; the held shard catches up once in order."""
     progress_topic = f"{topic}-progress"
     held = 0
     keys = keys_by_shard(2)
@@ -94,7 +95,7 @@ def test_a_take_over_held_at_a_foreign_open_transaction_holds_only_its_own_shard
     others_n = sum(1 for k in order if k in others)
     caplog.set_level(logging.INFO, logger="outbox.relay")
     started = time.monotonic()
-    # The held shard's read waits for the foreign transaction (30 s a try): the others do not.
+    # The held shard's read is held by the foreign transaction at each try: the others are not.
     wait_for(lambda: (relay.run_once(), published(others) == others_n)[1], 15,
              "the other shards' rows published while one shard's take-over is held", interval=0.0)
     assert time.monotonic() - started < 15

@@ -17,15 +17,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import Running, publish, rows, schema_outboxes, wait_for
+from confluent_kafka import KafkaException, Producer
 
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.tenants import Tenant, TenantRelay
+from outbox.testing import create_topic
 from transports import Record
 from transports.kafka import KafkaTransport
 from transports.memory import InMemoryBroker, InMemoryTransport
@@ -558,3 +561,55 @@ def test_a_parked_shard_refused_a_slot_is_not_logged_as_a_broker_outage(
     lines = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     unreachable = [m for m in lines if "unreachable" in m]
     assert not unreachable, unreachable[:3]
+
+
+def test_a_tenant_shard_held_by_another_producers_transaction_is_no_outage_and_holds_no_slot(
+        outboxes: dict[str, Outbox], kafka: str, topic: str, caplog: pytest.LogCaptureFixture) -> None:
+    """acme's shard sends a transaction aborted by a row refused for good, after another producer's
+    transaction was left open on the data partition: its next producer's settle is held there (made
+    during the batch: ``ProducerMaker.remake``). The fleet logs the hold once, no broker outage; the
+    held shard holds no producer slot; the other tenants send on; once the other transaction ends,
+    acme's row goes, once."""
+    refusing = f"{topic}-refusing"
+    create_topic(kafka, topic, 1)
+    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
+    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{topic}",
+                      "transaction.timeout.ms": 300_000, "log_level": 0})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
+    assert other.flush(10) == 0
+    publish(outboxes["acme"], topic, ["a"])
+    publish(outboxes["acme"], refusing, ["a"], payload={"blob": "x" * 2000})
+    relay = fleet(tenants(outboxes), kafka, True, f"{topic}-progress")
+    caplog.set_level(logging.INFO)
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    try:
+        wait_for(lambda: relay.run_once() is not None and said("cannot take shard"), 60, "acme's shard held")
+        for name in ("globex", "initech"):
+            publish(outboxes[name], topic, [f"{name}-k{i}" for i in range(8)])
+        wait_for(lambda: relay.run_once() is not None and not rows(outboxes["globex"], status="pending")
+                 and not rows(outboxes["initech"], status="pending"), 60, "the other tenants' rows sent")
+        held_shard = next(r.shard for r in rows(outboxes["acme"]) if r.topic == topic)
+        state = exactly_once_of(relay, "acme")._owned[held_shard]
+        assert state.producer is None and state.held_until, vars(state)
+        assert slots_of(relay).open == producers(relay), (slots_of(relay).open, producers(relay))
+        until = time.monotonic() + 12  # two more tries at least (HELD_AGAIN)
+        while time.monotonic() < until:
+            relay.run_once()
+        assert len(said("cannot take shard")) == 1, said("cannot take shard")
+        assert not said("broker unreachable ("), said("broker unreachable (")
+        assert not relay.broker_outage.down
+        acme = [(r.status, r.attempts) for r in rows(outboxes["acme"]) if r.topic == topic]
+        assert acme == [("pending", 0)], acme
+        other.abort_transaction(30)
+        wait_for(lambda: relay.run_once() is not None and not [
+            r for r in rows(outboxes["acme"], status="pending") if r.topic == topic], 60, "acme's row sent")
+        assert said("took shard")
+    finally:
+        relay.close()
+        with suppress(KafkaException):  # aborted by the test already
+            other.abort_transaction(10)

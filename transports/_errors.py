@@ -37,6 +37,25 @@ class RetriableTransportError(TransportError):
     """
 
 
+class HeldByOpenTransactionError(RetriableTransportError):
+    """A partition does not read past a record yet, held by a transaction open there (retriable).
+
+    A partition's last stable offset (what read_committed readers reach) is the first offset of the
+    oldest transaction open on it, whoever's: another producer's long transaction holds it, or one of
+    this transactional id's own whose marker the broker dropped. Without DescribeProducers the two
+    cannot be told apart, so nothing is committed there until it reads past; the message names the
+    partitions, their last stable offsets and the offsets they must pass. It is no broker outage:
+    the broker answers, and the transaction ends when its producer ends it, or at its timeout.
+
+    ``answered``: every request of the wait was answered (False: a read held until its deadline,
+    which a broker gone meanwhile would leave so too).
+    """
+
+    def __init__(self, message: str, *, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
 class CommitUnansweredError(RetriableTransportError):
     """An offset commit got no answer in time (or an earlier one still waits for its answer).
 

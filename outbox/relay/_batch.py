@@ -273,7 +273,7 @@ class BatchRunner:
         return BatchResult(fetched=len(rows), sent=len(records), full=full,
                            held=len(rows) - len(sendable) - len(unsendable),
                            error=plan.error, broker_unreachable=plan.broker_unreachable and not (
-                               self.exactly_once is not None and self.exactly_once.short_of_slots), **outcome)
+                               self.exactly_once is not None and self.exactly_once.held_back), **outcome)
 
     @property
     def writing(self) -> bool:

@@ -72,7 +72,7 @@ from transports import (
     Transport,
     transport_features,
 )
-from transports._errors import RetriableTransportError
+from transports._errors import HeldByOpenTransactionError, RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
@@ -158,7 +158,11 @@ class ExactlyOnce:
         self._stopping = stopping or threading.Event()
         self.name = name or f"relay {worker_id}"  # its log lines' subject (a fleet's names the tenant)
         self._pool: DaemonPool | None = sharing.pool if sharing is not None else None
-        self.short_of_slots = False  # the last ``send`` left a shard's rows for want of a producer slot
+        # The last ``send`` left a shard's rows for no broker's fault (``ShardState.remake_waits``).
+        self.held_back = False
+        # When the latest take-over that ended held by an open transaction (every request answered)
+        # began, until ``answered_held`` takes it (``RelayStep.run``: the broker is up since).
+        self.answered_since: float | None = None
         # The maker names ids from the incarnation, not through this publisher: it would hold us, a
         # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
         self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
@@ -186,8 +190,12 @@ class ExactlyOnce:
         transaction, a broker slow to answer ``init_transactions``) leaves the
         others sending, and one that failed is tried again at the next batch (its
         first failure logged). A batch with no shard ready waits for one
-        (``await_one``). A shard whose lease this relay turned out to have lost
-        sends nothing more until the lease is taken afresh. A database error is raised.
+        (``await_one``), or for the stop. A shard held by an open transaction
+        (``HeldByOpenTransactionError``: its settle, or its progress read) is no
+        broker's failure: its error is not returned, and its take-over is tried again
+        after ``HELD_AGAIN`` s (``settle_take_overs``). A shard whose lease this relay
+        turned out to have lost sends nothing more until the lease is taken afresh.
+        A database error is raised.
         """
         for shard in set(self._owned) - set(owned):
             self._drop(shard)
@@ -199,14 +207,22 @@ class ExactlyOnce:
             if state is None:
                 self._owned[shard] = ShardState(epoch)
         self._park_idle()
+        now = time.monotonic()
         try:
             self._take_over([s for s in sorted(owned) if self._owned[s].producer is None
                              and self._owned[s].taking is None and not self._owned[s].lost
-                             and not self._owned[s].parked])
+                             and not self._owned[s].parked and self._owned[s].held_until <= now])
         except RetriableTransportError as exc:
             return {}, str(exc)  # the progress topic cannot be looked up: no shard is taken
         if not any(self._sendable(s) for s in self._owned.values()):
-            await_one([s.taking for s in self._owned.values() if s.taking is not None], self._timeout)
+            await_one([s.taking for s in self._owned.values() if s.taking is not None], self._timeout,
+                      self._stopping)
+        # A take-over held by an open transaction had every request answered: the broker is up since
+        # it began (``RelayStep.run``), though no row of its shard is published.
+        self.answered_since = max((s.taking_since for s in self._owned.values() if s.taking is not None
+                                   and s.taking.done() and isinstance(e := s.taking.exception(),
+                                                                      HeldByOpenTransactionError)
+                                   and e.answered), default=None)
         error = settle_take_overs(self._owned, self.name)
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
@@ -217,6 +233,12 @@ class ExactlyOnce:
                 self._recover(shard, state)
             ready[shard] = epoch
         return ready, error
+
+    def answered_held(self) -> float | None:
+        """When the latest take-over that ended held by an open transaction since the last call began
+        (its every request answered by the broker), or None."""
+        since, self.answered_since = self.answered_since, None
+        return since
 
     def is_progress_topic(self, topic: str) -> bool:
         """Whether ``topic`` is this relay's progress topic, or (in a fleet) any outbox's or the name they
@@ -279,7 +301,7 @@ class ExactlyOnce:
         pool = self._threads()
         for shard in shards:
             state = self._owned[shard]
-            state.recovered = False
+            state.recovered, state.taking_since = False, time.monotonic()
             state.taking = pool.submit(partial(self._maker.make, shard, state))
 
     def _recover(self, shard: int, state: ShardState) -> None:
@@ -332,8 +354,9 @@ class ExactlyOnce:
                            for shard, state, ids in sending]:
                 future.result()
         # A parked shard refused a slot when it had rows again waits in the queue for one (through a
-        # take-over): its rows are retried without an attempt, and no broker is down (``_batch``).
-        self.short_of_slots = any(state.slot_refused for _, state, _ in sending)
+        # take-over), and one whose new producer's settle is held by an open transaction waits for it:
+        # their rows are retried without an attempt, and no broker is down (``_batch``).
+        self.held_back = any(state.remake_waits for _, state, _ in sending)
         # Not sent: its shard is not ready or lost, or its key waits behind a refused record.
         return [r if r is not None else SendResult(Outcome.RETRY, error="not sent", unreachable=True)
                 for r in results]

@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from transports import TransactionalProducer, Transactions
-from transports._errors import RetriableTransportError
+from transports._errors import HeldByOpenTransactionError, RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._outage import is_database_outage
@@ -52,6 +52,15 @@ log = safe_logger("outbox.relay")
 TAKE_OVER_GRACE = 1.0
 """Seconds a batch with no shard ready waits for the other take-overs once one of them made its shard
 ready (take-overs started together end about together: the first batch sends most shards)."""
+
+HELD_AGAIN = 5.0
+"""Seconds before the take-over of a shard held by an open transaction (``HeldByOpenTransactionError``)
+is tried again: such a transaction ends in minutes, and each try makes a producer and writes an empty
+record on every partition held; tried at every batch, busy shards' batches would try it back to back
+on threads their transactions need."""
+
+STOP_LOOK = 0.1
+"""Seconds between looks at the run's stop while a batch with no shard ready waits (``await_one``)."""
 
 
 @dataclass
@@ -65,10 +74,13 @@ class ShardState:
     parked: bool = False  # its idle producer closed (``Sharing.idle_after``): the next send makes one
     used: float = 0.0
     made: float = 0.0  # when its producer was made (monotonic): kept no longer than a turn (``_sharing``)
-    slot_refused: bool = False  # its last ``remake`` found no slot free: no broker's fault (``_sharing``)
+    remake_waits: bool = False  # its last ``remake`` failed for no broker's fault: no slot free
+    # (``_sharing``), or its settle held by an open transaction (``HeldByOpenTransactionError``)
     unmarked: set[int] = field(default_factory=set)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
+    taking_since: float = 0.0  # when its last take-over began (monotonic)
     stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
+    held_until: float = 0.0  # held by an open transaction (not 0): its take-over not tried before then
     cap: int | None = None  # the most records a transaction carries while the broker is slow (``_pace``)
     cap_held_until: float = 0.0  # the cap does not grow before then (monotonic; ``_pace``)
 
@@ -134,20 +146,23 @@ class ProducerMaker:
         with self._lock:
             state.unmarked |= set(ids)
         state.producer, state.used = producer, time.monotonic()
-        state.made, state.slot_refused = state.used, False
+        state.made, state.remake_waits = state.used, False
         return True
 
     def remake(self, shard: int, state: ShardState, *, one_per_request: bool = False) -> bool:
         """``make`` during a batch: an outage leaves the shard without a producer (the next batch
-        makes one again, the progress read, before it sends), logged once here for the broker."""
+        makes one again, the progress read, before it sends), logged once here for the broker; a
+        shard held by an open transaction waits as its take-over does (``held``)."""
         try:
             return self.make(shard, state, one_per_request=one_per_request)
         except Exception as exc:
             if not isinstance(exc, RetriableTransportError) and not is_database_outage(exc):
                 raise
             state.recovered = False
-            state.slot_refused = isinstance(exc, NoProducerSlot)
-            if isinstance(exc, RetriableTransportError) and not state.slot_refused:
+            state.remake_waits = isinstance(exc, (NoProducerSlot, HeldByOpenTransactionError))
+            if isinstance(exc, HeldByOpenTransactionError):
+                held(state, shard, exc, self._name)
+            elif isinstance(exc, RetriableTransportError) and not state.remake_waits:
                 log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
             return False
 
@@ -162,26 +177,42 @@ class ProducerMaker:
         return False
 
 
-def await_one(taking: list[Future[bool]], timeout: float) -> None:
+def await_one(taking: list[Future[bool]], timeout: float, stopping: threading.Event | None = None) -> None:
     """Wait until one of the take-overs ``taking`` made its shard ready (then ``TAKE_OVER_GRACE``
-    more for the others) or all ended, ``timeout`` seconds at most (a batch with no shard ready)."""
+    more for the others) or all ended, ``timeout`` seconds at most (a batch with no shard ready), or
+    until ``stopping`` is set (a stop is not held for a take-over)."""
     deadline = time.monotonic() + timeout
     pending = set(taking)
-    while pending and time.monotonic() < deadline:
-        done, pending = wait(pending, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
+    while pending and time.monotonic() < deadline and not (stopping is not None and stopping.is_set()):
+        done, pending = wait(pending, timeout=min(STOP_LOOK, deadline - time.monotonic()),
+                             return_when=FIRST_COMPLETED)
         if any(f.exception() is None and f.result() for f in done):
             wait(pending, timeout=TAKE_OVER_GRACE)
             return
 
 
+def held(state: ShardState, shard: int, error: HeldByOpenTransactionError, name: str) -> None:
+    """The shard's producer could not be made, held by an open transaction (``HeldByOpenTransactionError``):
+    its rows wait, tried again in ``HELD_AGAIN`` s; logged once until a take-over succeeds. No broker
+    outage: the broker answers, and the transaction ends by its producer or at its timeout."""
+    if not state.held_until:
+        log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards send on, and "
+                    "the take-over is tried again every %g s until that transaction ends",
+                    name, shard, error, HELD_AGAIN)
+    state.stuck = str(error)
+    state.held_until = time.monotonic() + HELD_AGAIN
+
+
 def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
     """Settle the shards' take-overs that ended; the broker's error if one failed for want of it.
 
-    A take-over holds only its shard: one the broker failed (a progress read held
-    at another producer's open transaction, ``init_transactions`` timed out) is
-    logged once per shard, until one of it succeeds, and tried again at the next
-    batch while the other shards send. The database's first failure is raised once
-    every ended take-over is settled (the step reports it).
+    A take-over holds only its shard: one the broker failed (``init_transactions`` timed
+    out, a progress read that could not be done) is logged once per shard, until one of
+    it succeeds, and tried again at the next batch while the other shards send. One held
+    by an open transaction (its settle, or its progress read: ``HeldByOpenTransactionError``)
+    is no broker's failure: logged once (``held``), tried again after ``HELD_AGAIN`` s, not
+    returned. The database's first failure is raised once every ended take-over is settled
+    (the step reports it).
     """
     error: str | None = None
     raised: Exception | None = None
@@ -192,14 +223,17 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
         if isinstance(failure, NoProducerSlot):
             continue  # no broker's fault: logged once for the fleet (``ProducerSlots.take``)
         if failure is None:
-            if state.stuck is not None:
+            if state.stuck is not None and not state.lost:  # lost: the lease is another's (logged)
                 log.info("%s took shard %d over after all; it sends again", name, shard)
-            state.stuck = None
+            state.stuck, state.held_until = None, 0.0
+        elif isinstance(failure, HeldByOpenTransactionError):
+            held(state, shard, failure, name)
         elif isinstance(failure, RetriableTransportError):
             if state.stuck is None:
                 log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards "
                             "send on, and the take-over is tried again at each batch", name, shard, failure)
             state.stuck = error = str(failure)
+            state.held_until = 0.0
         elif isinstance(failure, Exception):
             raised = raised or failure
         else:

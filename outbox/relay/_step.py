@@ -194,6 +194,9 @@ class RelayStep:
             self._outages.broker.answered()
         elif batch.broker_unreachable:
             self._outages.broker.failed(batch.error or "no delivery report")
+        elif self._batch.exactly_once is not None and (since := self._batch.exactly_once.answered_held()):
+            # Only take-overs held by an open transaction (no row sent): the broker answered each.
+            self._outages.broker.answered(since)
         self._watch(now)
         return Step(batch, again=batch.full and (batch.sent > 0 or batch.failed > 0),
                     due=self.wheel.next_due())

@@ -8,7 +8,9 @@ record behind it: the read waits for it to end), backwards in growing windows
 with a read_committed consumer, until a record of the key turns up or the
 partition's start is reached. The relay gives each shard a partition of its own,
 so the only open transaction there is the earlier owner's, which making the
-new producer of its id ended.
+new producer of its id ended. Another producer's (a progress topic shared, or
+with fewer partitions than shards) that holds the read ``HELD_FOR`` s fails it
+with ``HeldByOpenTransactionError`` (``_held``): the caller tries again later.
 
 Unless the broker left it open: a broker that cannot find a partition's leader
 when it writes a transaction's markers takes the partition for deleted and drops
@@ -46,6 +48,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 from .._errors import ConfigurationError, RetriableTransportError
 from .._protocol import ReadBack, Uncommitted
 from ._admin import ADMIN, connection_settings
+from ._held import HELD_FOR, read_held
 from ._transactions import POSITIONS_HEADER, TOPICS_HEADER, positions_of
 
 log = logging.getLogger("transports.kafka")
@@ -53,9 +56,6 @@ log = logging.getLogger("transports.kafka")
 LEADERLESS = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE})
 
 WINDOW = 64  # records read back at first when looking for a key's last committed record
-
-HELD_FOR = 2.0
-"""Seconds a read waits at an open transaction before it looks whose it is (one left open is ended)."""
 
 Settle = Callable[[Sequence[str]], None]
 """Ends, with the key's own producer, a transaction of the key left open on the topics given."""
@@ -173,7 +173,7 @@ def read_back(config: Mapping[str, Any], topic: str, partition: int, key: bytes,
     consumer = Consumer({**settings, "group.id": "outbox-progress-reader", "enable.auto.commit": False,
                          "isolation.level": "read_committed", "enable.partition.eof": True,
                          "fetch.wait.max.ms": 10, "log_level": 0})
-    held = _Held(settings, tp, key, settle, deadline)
+    held = _Held(settings, tp, key, settle, deadline, end)
     committed: tuple[bytes | None, int] | None = None
     try:
         window, top = WINDOW, end
@@ -229,6 +229,8 @@ def _last_of(consumer: Consumer, tp: TopicPartition, key: bytes, low: int, end: 
     last: tuple[bytes | None, int] | None = None
     while True:
         if time.monotonic() >= held.deadline:
+            if held.offset is not None:  # held at an open transaction until the end: whose, unknown
+                raise read_held(key, tp.topic, tp.partition, held.offset, held.end, foreign=False)
             raise RetriableTransportError(
                 f"could not read {tp.topic}[{tp.partition}] to offset {end} in time")
         message = consumer.poll(0.2)
@@ -404,33 +406,38 @@ class _HeldAt:
 
 class _Held:
     """A read held at an open transaction: after ``HELD_FOR`` s, a transaction of the key itself is
-    ended with ``settle`` (module doc); any other is waited for until the deadline."""
+    ended with ``settle`` (module doc); another producer's fails the read at once
+    (``HeldByOpenTransactionError``): it ends by its commit, abort or timeout, minutes perhaps, and
+    the take-over is tried again rather than hold its thread until the deadline."""
 
     def __init__(self, settings: Mapping[str, Any], tp: TopicPartition, key: bytes,
-                 settle: Settle | None, deadline: float) -> None:
+                 settle: Settle | None, deadline: float, end: int) -> None:
         self._settings, self._tp, self._key, self._settle = settings, tp, key, settle
-        self.deadline = deadline
-        self._offset: int | None = None
+        self.deadline, self.end = deadline, end
+        self.offset: int | None = None
+        """The last stable offset the read is held at, below the end it reads to; None while it moves."""
         self._since = 0.0
         self._looked: set[int] = set()
 
     def at(self, offset: int) -> None:
         """The read reached the last stable offset ``offset``, below the end it reads to."""
-        self._offset, self._since = offset, time.monotonic()
+        self.offset, self._since = offset, time.monotonic()
 
     def moved(self) -> None:
         """A record came: the read is not held."""
-        self._offset = None
+        self.offset = None
 
     def still(self) -> None:
         """Nothing new came; look at the transaction holding the read once it held it ``HELD_FOR`` s."""
-        offset = self._offset
+        offset = self.offset
         if offset is None or offset in self._looked or time.monotonic() - self._since < HELD_FOR:
             return
         self._looked.add(offset)
         first = _record_at(self._settings, self._tp, offset, self.deadline)
-        if first is None or first.key() != self._key:
-            return  # another id's transaction (a shared topic): it ends by its commit, abort or timeout
+        if first is None:
+            return  # not read in time: whose, unknown (the deadline says so)
+        if first.key() != self._key:  # another id's transaction (a shared topic)
+            raise read_held(self._key, self._tp.topic, self._tp.partition, offset, self.end, foreign=True)
         where = f"{self._tp.topic}[{self._tp.partition}] at offset {offset}"
         topics = dict(first.headers() or []).get(TOPICS_HEADER)
         if self._settle is None or topics is None:

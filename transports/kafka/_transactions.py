@@ -58,6 +58,7 @@ from .._errors import ConfigurationError, RetriableTransportError, TransportErro
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
 from .._waves import key_partition
 from ._admin import partition_counts
+from ._held import HELD_FOR, settle_held
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._queue_full import produce_waiting
@@ -359,11 +360,15 @@ class KafkaTransactionalProducer:
         return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
                 f"(its records up to offset {offset} are not readable): {why}")
 
-    def _stable_past(self, offsets: Mapping[tuple[str, int], int],
-                     deadline: float) -> tuple[list[tuple[str, int]], str | None]:
+    def _stable_past(self, offsets: Mapping[tuple[str, int], int], deadline: float, *,
+                     held_for: float | None = None) -> tuple[dict[tuple[str, int], int | None], str | None]:
         """Wait until each partition's last stable offset (read committed) is past its offset in
         ``offsets`` (the transaction there ended), at most until ``deadline``; the partitions still
-        not past it (none: all are), and why, if it is not only that the offset is not past it yet.
+        not past it (none: all are), each with its last stable offset last read (None: never read),
+        and why, if it is not only that the offset is not past it yet.
+
+        ``held_for``: give up sooner, once every partition left was read and none of their last
+        stable offsets moved for that long (held by an open transaction, ``_held``).
 
         An unread offset is not past it. A client whose request failed is replaced (at most one a
         second, ``_admin_client``): its metadata from before a broker's restart can fail every
@@ -374,6 +379,8 @@ class KafkaTransactionalProducer:
         one left open.
         """
         pending = dict(offsets)
+        stable: dict[tuple[str, int], int] = {}
+        moved = time.monotonic()
         step = DECIDED_FIRST_STEP
         failed: AdminClient | None = None
         while True:
@@ -388,11 +395,15 @@ class KafkaTransactionalProducer:
                 for tp, future in asked.items():
                     where = (tp.topic, tp.partition)
                     try:
-                        if future.result(max(0.1, deadline - time.monotonic())).offset > pending[where]:
-                            del pending[where]
+                        offset = future.result(max(0.1, deadline - time.monotonic())).offset
                     except KafkaException as exc:  # unread there (no leader, or the client's view is old)
                         why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                         failed = admin
+                        continue
+                    if offset > pending[where]:
+                        del pending[where]
+                    elif stable.get(where) != offset:
+                        stable[where], moved = offset, time.monotonic()
             except KafkaException as exc:
                 why = f"its last stable offset cannot be read: {exc.args[0].str()}"
                 failed = admin
@@ -400,9 +411,12 @@ class KafkaTransactionalProducer:
                 why = "its last stable offset cannot be read: no answer in time"
                 failed = admin
             if not pending:
-                return [], None
-            if time.monotonic() + step >= deadline:
-                return sorted(pending), why
+                return {}, None
+            now = time.monotonic()
+            held = (held_for is not None and why is None and now - moved >= held_for
+                    and all(where in stable for where in pending))
+            if held or now + step >= deadline:
+                return {where: stable.get(where) for where in sorted(pending)}, why
             time.sleep(step)
             step = min(2 * step, FLUSH_STEP)
 
@@ -494,14 +508,16 @@ class KafkaTransactionalProducer:
         goes to each partition, is delivered, and the transaction is aborted. Nothing of it is
         ever read committed. A topic that no longer exists is left out (deleted since the
         transaction wrote it, it holds nothing open). Raises ``RetriableTransportError`` if the broker
-        does not take it within the producer's timeout.
+        does not take it within the producer's timeout, ``HeldByOpenTransactionError`` (one) if a
+        partition is held by a transaction open there (``_held``).
         """
         self._end_open(sorted(set(topics) - {also[0]}), [also])
 
     def settle(self) -> None:
         """End what this id's transactions that did not commit may have left open (``Unsettled``),
         before this producer sends anything; ``RetriableTransportError`` if the broker does not take
-        it in time (kept, for the next producer of the id to try)."""
+        it in time, ``HeldByOpenTransactionError`` (one) if a partition does not read past it, held by
+        a transaction open there (``_held``): kept either way, for the next producer of the id to try."""
         if not self._unsettled:
             return
         unsettled = self._unsettled
@@ -513,8 +529,9 @@ class KafkaTransactionalProducer:
 
     def _end_open(self, topics: Sequence[str], partitions: Sequence[tuple[str, int]]) -> None:
         """Abort an empty record's transaction on every partition of ``topics`` and on ``partitions``,
-        those of topics that still exist (``end_left_open``); ``RetriableTransportError`` unless each
-        partition then reads past its empty record read_committed (``_not_ended``).
+        those of topics that still exist (``end_left_open``); unless each partition then reads past its
+        empty record read_committed, ``HeldByOpenTransactionError`` if a transaction open there holds it
+        (``_held``), else ``RetriableTransportError``.
 
         One that cannot be ended now (its leader gone) fails it: what the others' empty records
         joined is aborted all the same (``_abandon``), not held from their read_committed readers."""
@@ -559,11 +576,23 @@ class KafkaTransactionalProducer:
         finally:
             if begun and not aborted:
                 self._abandon()
-        open_on = self._not_ended(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST))
-        if open_on:
-            raise RetriableTransportError(
-                f"cannot end the transaction {self.transactional_id!r} left open: its abort was answered, "
-                f"but {open_on} does not read past it yet (the broker may have dropped its marker there)")
+        # The coordinator answers an abort once it decided it and writes the markers after, dropping a
+        # partition's whose leader it cannot find: forgotten then, the partition's open records were
+        # committed by the id's next commit there (as without ``settle``). So each must read past its
+        # empty record. Another producer's transaction open there since before it holds that too (its
+        # last stable offset is the oldest open transaction's, whoever's): after ``HELD_FOR`` s without
+        # a move, given up (``_held``), not waited for until the timeout at every try.
+        open_on, why = self._stable_past(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST),
+                                         held_for=HELD_FOR)
+        if not open_on:
+            return
+        stable = {where: offset for where, offset in open_on.items() if offset is not None}
+        if why is None and len(stable) == len(open_on):
+            raise settle_held(self.transactional_id, {w: (stable[w], written[w]) for w in stable})
+        where = ", ".join(f"{t}[{p}]" for t, p in open_on)
+        raise RetriableTransportError(
+            f"cannot end the transaction {self.transactional_id!r} left open: its abort was answered, but "
+            f"{where} does not read past it yet: {why or 'its last stable offset is not past it'}")
 
     def _abandon(self) -> None:
         """Abort the transaction of a ``_end_open`` that failed: the partitions its empty records reached
@@ -577,16 +606,6 @@ class KafkaTransactionalProducer:
             while len(producer) and time.monotonic() < until:
                 producer.poll(0.05)
             producer.abort_transaction(max(0.1, until - time.monotonic()))
-
-    def _not_ended(self, written: Mapping[tuple[str, int], int], deadline: float) -> str | None:
-        """None once each partition of ``written`` has its last stable offset past the offset given
-        there (an aborted empty record: its abort marker written); else, at ``deadline``, which do not.
-
-        The coordinator answers an abort once it decided it and writes the markers after, dropping
-        a partition's whose leader it cannot find: forgotten then, the partition's open records were
-        committed by the id's next commit there (as without ``settle``)."""
-        pending, _why = self._stable_past(written, deadline)
-        return ", ".join(f"{t}[{p}]" for t, p in pending) or None
 
     def _ended(self, error: KafkaError, count: int) -> TransactionResult:
         """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
