@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from outbox.relay._shard_producer import ShardState, settle_take_overs
+from outbox.relay._shard_producer import ShardState, settle_take_overs, take_turns
 
 
 def test_a_held_shard_whose_lease_was_lost_meanwhile_is_not_said_to_send_again(
@@ -29,3 +29,23 @@ def test_a_held_shard_whose_lease_was_lost_meanwhile_is_not_said_to_send_again(
     assert settle_take_overs({0: state}, "relay w") is None
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "took shard 0 over after all" in m], said
+
+
+def test_held_shards_take_turns_so_that_the_pool_keeps_threads_for_the_busy_ones() -> None:
+    """Forty held shards of forty-eight due again at once (``HELD_AGAIN`` passed): their take-overs
+    each hold a thread of the relay's pool (16) for ``HELD_FOR`` s and more, the pool the busy shards'
+    transactions run on. Started all at once they delayed the eight free shards' rows by up to 5.7 s
+    (an attack's run of forty of forty-eight on Apache Kafka, 2026-12-04). At most ``HELD_AT_ONCE``
+    are under way at a time; shards not held are never held back; the next turns go to the others."""
+    owned = {shard: ShardState(1) for shard in range(48)}
+    for shard in range(40):
+        owned[shard].held_until = 1.0  # held, and due again
+    due = sorted(owned)
+    first = take_turns(due, owned)
+    assert first == [0, 1, 2, 3, *range(40, 48)], first
+    for shard in first:  # under way: a held one's held_until stays set until it ends
+        owned[shard].taking = Future()
+    assert take_turns([s for s in due if owned[s].taking is None], owned) == []
+    owned[2].taking, owned[2].held_until = None, 99.0  # held again: not due before then
+    assert take_turns([s for s in due if owned[s].taking is None and owned[s].held_until <= 1.0],
+                      owned) == [4]

@@ -78,7 +78,7 @@ from transports._logsafe import safe_logger
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
 from ._progress import progress_value, topics_fitting
-from ._shard_producer import ProducerMaker, ShardState, await_one, settle_take_overs
+from ._shard_producer import ProducerMaker, ShardState, await_one, settle_take_overs, take_turns
 from ._sharing import Sharing
 from ._writer import DaemonPool
 
@@ -193,7 +193,8 @@ class ExactlyOnce:
         (``await_one``), or for the stop. A shard held by an open transaction
         (``HeldByOpenTransactionError``: its settle, or its progress read) is no
         broker's failure: its error is not returned, and its take-over is tried again
-        after ``HELD_AGAIN`` s (``settle_take_overs``). A shard whose lease this relay
+        after ``HELD_AGAIN`` s (``settle_take_overs``), ``HELD_AT_ONCE`` of them at a time
+        (``take_turns``): the pool is the busy shards' too. A shard whose lease this relay
         turned out to have lost sends nothing more until the lease is taken afresh.
         A database error is raised.
         """
@@ -209,9 +210,10 @@ class ExactlyOnce:
         self._park_idle()
         now = time.monotonic()
         try:
-            self._take_over([s for s in sorted(owned) if self._owned[s].producer is None
-                             and self._owned[s].taking is None and not self._owned[s].lost
-                             and not self._owned[s].parked and self._owned[s].held_until <= now])
+            self._take_over(take_turns([s for s in sorted(owned) if self._owned[s].producer is None
+                                        and self._owned[s].taking is None and not self._owned[s].lost
+                                        and not self._owned[s].parked and self._owned[s].held_until <= now],
+                                       self._owned))
         except RetriableTransportError as exc:
             return {}, str(exc)  # the progress topic cannot be looked up: no shard is taken
         if not any(self._sendable(s) for s in self._owned.values()):

@@ -59,6 +59,12 @@ is tried again: such a transaction ends in minutes, and each try makes a produce
 record on every partition held; tried at every batch, busy shards' batches would try it back to back
 on threads their transactions need."""
 
+HELD_AT_ONCE = 4
+"""Take-overs of held shards (``HELD_AGAIN``) under way at once: each holds a thread of the relay's
+pool (16 at most) for ``HELD_FOR`` s and more, the pool the busy shards' transactions run on; forty
+held shards of forty-eight tried all at once delayed the free shards' rows by up to 5.7 s. The held
+shards take turns: one tried is not due again for ``HELD_AGAIN`` s, so the next ones are."""
+
 STOP_LOOK = 0.1
 """Seconds between looks at the run's stop while a batch with no shard ready waits (``await_one``)."""
 
@@ -175,6 +181,20 @@ class ProducerMaker:
                     "(which would fence the new owner's) and sends nothing more of it",
                     self._name, shard, state.epoch)
         return False
+
+
+def take_turns(due: list[int], owned: dict[int, ShardState]) -> list[int]:
+    """The shards of ``due`` whose take-overs start now: every one not held, and of the held ones
+    (tried again after ``HELD_AGAIN``) as many as keep ``HELD_AT_ONCE`` of them under way."""
+    room = HELD_AT_ONCE - sum(1 for state in owned.values() if state.taking is not None and state.held_until)
+    turns = []
+    for shard in due:
+        if owned[shard].held_until:
+            if room <= 0:
+                continue
+            room -= 1
+        turns.append(shard)
+    return turns
 
 
 def await_one(taking: list[Future[bool]], timeout: float, stopping: threading.Event | None = None) -> None:
