@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -804,3 +805,50 @@ def test_a_consumer_loop_that_fails_is_not_a_clean_stop_even_when_its_close_hang
     source.close_forever.set()
     assert not thread.is_alive(), "run() did not return"
     assert len(failure) == 1 and isinstance(failure[0], TransportError), failure
+
+
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
+def test_a_kafka_source_without_partitions_answers_once_in_its_group_on_apache_kafka(
+        kafka: str, topic: str, group_protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More consumers than partitions: the one left without any is in its group and served, and an
+    outage it logged (``unavailable``, with nothing to commit) can end only on ``answering``. Under
+    KIP-848 librdkafka 2.16 reports such a member ``up`` with join state ``init`` for as long as it
+    has no partition (seen: a 55 s kill of the single node, the unassigned inbox logged "the broker
+    unavailable" and no "available again" 30 s after the node was back, its reports saying up/init
+    every 2 s), so ``answering`` never says yes for it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    settings: dict[str, object] = {"statistics.interval.ms": 500}
+    if group_protocol == "consumer":
+        settings.update({"group.protocol": "consumer", "fetch.wait.max.ms": 10})
+    else:
+        settings.update({"session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
+    sources = [KafkaSource(bootstrap_servers=kafka, group_id=f"{topic}-g", topics=[topic], settings=settings)
+               for _ in range(2)]
+    states: list[dict[str, Any]] = [{}, {}]
+    for source, state in zip(sources, states, strict=True):
+        told = source._statistics
+
+        def statistics(text: str, told: Callable[[str], None] = told, state: dict[str, Any] = state) -> None:
+            state.update(json.loads(text).get("cgrp") or {})
+            told(text)
+
+        monkeypatch.setattr(source, "_statistics", statistics)
+    try:
+        deadline = time.monotonic() + 60
+        while not (all(s.get("state") == "up" for s in states)
+                   and sorted(s.get("assignment_size", -1) for s in states) == [0, 1]):
+            assert time.monotonic() < deadline, f"the group never settled: {states}"
+            for source in sources:
+                source.poll(10, 0.1)
+        for _ in range(20):  # a few reports more, both served
+            for source in sources:
+                source.poll(10, 0.1)
+        idle = next(source for source, state in zip(sources, states, strict=True)
+                    if state.get("assignment_size") == 0)
+        assert idle.answering(), states
+    finally:
+        for source in sources:
+            source.close()
