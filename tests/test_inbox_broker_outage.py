@@ -852,3 +852,32 @@ def test_a_kafka_source_without_partitions_answers_once_in_its_group_on_apache_k
     finally:
         for source in sources:
             source.close()
+
+
+def test_a_kip_848_consumer_without_partitions_is_not_replaced_by_the_rejoin_watch_on_apache_kafka(
+        kafka: str, topic: str) -> None:
+    """The same report (up, join state ``init``) read by the rejoin watch: it takes the idle member for
+    one never joined and replaces it every ``rejoin_after`` (a WARNING "not joined for 5s (join state
+    init) although the broker answers: replacing it" each time), for as long as it has no partition;
+    with the default 60 s, a new consumer and a warning a minute, forever. Seen: 7 replacements in 40 s."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    settings = {"group.protocol": "consumer", "fetch.wait.max.ms": 10, "statistics.interval.ms": 500}
+    sources = [KafkaSource(bootstrap_servers=kafka, group_id=f"{topic}-g", topics=[topic], rejoin_after=3,
+                           settings=settings) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not any(source._assignment for source in sources):
+            assert time.monotonic() < deadline, "no partition was ever assigned"
+            for source in sources:
+                source.poll(10, 0.1)
+        settled = time.monotonic()
+        while time.monotonic() < settled + 3 * 3 + 2:  # three times rejoin_after, and a report more
+            for source in sources:
+                source.poll(10, 0.1)
+        assert [source.rejoins for source in sources] == [0, 0]
+    finally:
+        for source in sources:
+            source.close()
