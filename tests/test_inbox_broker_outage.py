@@ -881,3 +881,67 @@ def test_a_kip_848_consumer_without_partitions_is_not_replaced_by_the_rejoin_wat
     finally:
         for source in sources:
             source.close()
+
+
+def test_a_report_from_before_the_outage_does_not_end_it_with_a_long_statistics_interval(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """"Fresh" is two statistics intervals, which a user's ``statistics.interval.ms`` may make longer
+    than the outage so far: with reports every 60 s and the default 45 s session, the coordinator's node
+    killed, the commit waits a session timeout and fails, the partitions are lost at about the same time,
+    and whenever no report was made since the kill (one time in four at 60 s, more the longer the
+    interval) the newest one is the up/steady of before the kill, well within 120 s: the next poll ends
+    the outage while the node is still dead, and it begins again a session timeout after the next report
+    (lines (2, 2), the campaign's double logging). Played with reports every 10 s and a 1 s session."""
+    inbox = _inbox(sqlite_db)
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=[TOPIC],
+                         settings={"session.timeout.ms": 1000, "statistics.interval.ms": 10_000})
+    source._consumer.close()
+    a, b = record(TOPIC, "a", 1), record(TOPIC, "a", 2)
+
+    def consuming(c: _Librdkafka) -> bool:
+        if c.polls == 1:
+            c.assign()
+            c.out = [_Message(a, 0)]
+            c.report("up", "steady")  # the last report before the kill
+        return {(TOPIC, 0): 1} in c.commits
+
+    def killed(c: _Librdkafka) -> bool:  # no report: the next one is due 10 s after the last
+        c.down = True
+        if c.polls == 1:
+            c.out = [_Message(b, 1)]
+        return c.failed >= 2
+
+    def lost(c: _Librdkafka) -> bool:  # the session ran out: nothing left to commit
+        if c.polls == 1:
+            c.lose()
+            c.since = time.monotonic()
+        return time.monotonic() - c.since > 1.0
+
+    def next_report(c: _Librdkafka) -> bool:  # the node still dead
+        c.report("wait-broker-transport", "init")
+        if c.source.unavailable() is None:
+            c.polls = 0
+        return c.polls >= 5
+
+    def back(c: _Librdkafka) -> bool:
+        c.down = False
+        if c.polls == 1:
+            c.assign()
+            c.out = [_Message(b, 1)]
+        c.report("up", "steady")
+        return any(commit.get((TOPIC, 0)) == 2 for commit in c.commits)
+
+    librdkafka = _Librdkafka(source, [consuming, killed, lost, next_report, back])
+    monkeypatch.setattr(source, "_consumer", librdkafka)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        assert librdkafka.done.wait(60), f"the script stopped at {librdkafka.steps[0].__name__}"
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert_one_outage_logged(caplog)
