@@ -36,7 +36,13 @@ from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from transports._errors import CommitUnconfirmedError, ConfigurationError, TransportError, validate_topic
+from transports._errors import (
+    CommitUnconfirmedError,
+    ConfigurationError,
+    RetriableTransportError,
+    TransportError,
+    validate_topic,
+)
 from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
@@ -131,6 +137,9 @@ class KafkaSource:
         self._in_group = False
         self._report_made: float | None = None  # ``StarvationWatch.emitted``
         self._report_interval = int(config["statistics.interval.ms"]) / 1000
+        # When a commit last failed for want of a broker (``time.monotonic``): no report made before it
+        # tells that the broker serves this consumer again (``answering``).
+        self._commit_failed_at: float | None = None
         self.session_timeout = int(config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS)) / 1000
         # A commit waits as long as librdkafka waits for an unknown coordinator: a session timeout.
         self._commits = BoundedCommits(self.session_timeout)
@@ -252,7 +261,11 @@ class KafkaSource:
             self._unconfirmed.update(offsets)
             raise CommitUnconfirmedError("offset commit sent; librdkafka answers it after the revoke "
                                          "callback")
-        self._commits.commit(self._consumer, positions)
+        try:
+            self._commits.commit(self._consumer, positions)
+        except RetriableTransportError:
+            self._commit_failed_at = time.monotonic()
+            raise
 
     @property
     def commit_timeout(self) -> float:
@@ -320,13 +333,16 @@ class KafkaSource:
         open; only a join the coordinator completed shows it serves the group. Nor is an old
         report: a report waits in the consumer's queue until a poll serves it, which no poll does
         while an offset commit holds the consumer (the failover campaign's inboxes were served
-        reports 10 to 57 s old, the first ones made before the nodes were killed).
+        reports 10 to 57 s old, the first ones made before the nodes were killed). Nor, whatever its
+        age, a report made before a commit last failed for want of a broker: a user's long
+        ``statistics.interval.ms`` makes two intervals longer than the commit's wait.
         """
         if not self._watching:
             return True
-        made = self._report_made
+        made, failed = self._report_made, self._commit_failed_at
         return (self._in_group and made is not None
-                and time.monotonic() - made <= 2 * self._report_interval)
+                and time.monotonic() - made <= 2 * self._report_interval
+                and (failed is None or made > failed))
 
     def lost_assignments(self) -> int:
         """How many times the consumer lost its partitions rather than giving them up to a rebalance.
