@@ -365,7 +365,6 @@ class KafkaSource:
             return
         coordinator = str(group.get("state", "unknown"))
         self._report_made = self._starvation.emitted(report, time.monotonic())
-        self._in_group = coordinator == "up" and group.get("join_state") == "steady"
         self._coordinator_state = coordinator
         if coordinator == "up":
             self._coordinator_lost_since = None
@@ -373,10 +372,17 @@ class KafkaSource:
             self._coordinator_lost_since = time.monotonic()
         state = str(group.get("join_state", "")) if coordinator == "up" else f"coordinator {coordinator}"
         self._join_state = state
+        # Under KIP-848's protocol librdkafka 2.16 reports a member the broker gave no partition (more
+        # consumers than partitions) as "init" for as long as it has none, where the classic protocol
+        # says "steady": taken for out of the group, it never ended an outage and the rejoin watch
+        # replaced it every ``rejoin_after``. A member not joined yet says "init" too: the watch
+        # cannot tell the two apart there, and leaves both alone.
+        in_group = state == "steady" or (self._broker_assigns and state == "init")
+        self._in_group = in_group
         if not self._watching:
             return
         now = self._last_report = time.monotonic()
-        if state == "steady":
+        if in_group:
             self._unjoined_since = None
             self._told_silent = False
             self._starvation.track(report, now, self._assignment)
