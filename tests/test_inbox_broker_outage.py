@@ -15,12 +15,14 @@ said "available again" every half second).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -570,6 +572,221 @@ def test_a_kafka_source_answers_only_while_its_coordinator_is_up() -> None:
     assert quiet.answering()  # no statistics: nothing to tell, as before
 
 
+def _report(state: str, join: str, made: float | None = None) -> str:
+    """A librdkafka statistics report of the group's coordinator ``state`` and ``join`` state, made at
+    ``made`` (``time.monotonic()``, now unless given; librdkafka's ``ts``, in microseconds)."""
+    made = time.monotonic() if made is None else made
+    return json.dumps({"ts": int(made * 1_000_000), "cgrp": {"state": state, "join_state": join}})
+
+
+def test_a_kafka_source_answers_only_on_a_fresh_report_of_the_consumer_in_its_group() -> None:
+    """What ends a broker outage the inbox logged when nothing is left to commit. The loaded failover
+    campaign's inbox-2 logged one outage of two nodes as two, each way (lines (2, 2)); the campaign's
+    inboxes were served reports 10 to 57 s old (a report waits in the consumer's queue until a poll
+    serves it, and none does while an offset commit holds the consumer), and their coordinator said
+    "up" 10 s before the group was joined again ("wait-join": librdkafka's connection to a node
+    restarted, not yet a group served). "Up" in the newest report served was taken for the answer."""
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=["t"])
+    source._consumer.close()
+    source._statistics(_report("up", "steady"))
+    assert source.answering()
+    killed = time.monotonic()
+    source._statistics(_report("up", "steady", made=killed - 30))  # served 30 s after it was made
+    assert not source.answering()
+    source._statistics(_report("wait-broker-transport", "steady"))
+    assert not source.answering()
+    source._statistics(_report("up", "wait-join"))  # the node back, the group not joined yet
+    assert not source.answering()
+    source._statistics(_report("up", "steady"))
+    assert source.answering()
+
+
+class _Message:
+    """A consumed message as confluent-kafka hands it over, of ``r`` at ``offset``."""
+
+    def __init__(self, r: Record, offset: int) -> None:
+        self.r, self._offset = r, offset
+
+    def error(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def topic(self) -> str:
+        return self.r.topic
+
+    def value(self) -> bytes:
+        return self.r.value
+
+    def key(self) -> bytes | None:
+        return self.r.key
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return list(self.r.headers)
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+
+class _Librdkafka:
+    """The confluent-kafka consumer under a ``KafkaSource``, played by ``steps``: each ``consume``
+    serves what the current step gives (statistics reports, a lost or new assignment: librdkafka
+    serves them inside ``consume``) and hands over its messages; a step returns True once it is
+    done. Commits fail with ``_WAIT_COORD`` while ``down``, as they do with the coordinator gone."""
+
+    def __init__(self, source: KafkaSource, steps: list[Callable[[_Librdkafka], bool]]) -> None:
+        self.source, self.steps = source, steps
+        self.down = False
+        self.out: list[_Message] = []
+        self.polls = 0  # consumes in the current step
+        self.since = 0.0
+        self.commits: list[dict[tuple[str, int], int]] = []
+        self.failed = 0
+        self.done = threading.Event()
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[_Message]:
+        if self.steps and num_messages == 1:
+            self.polls += 1
+            if self.steps[0](self):
+                self.steps.pop(0)
+                self.polls = 0
+        if not self.steps:
+            self.done.set()
+        out, self.out = self.out[:num_messages], self.out[num_messages:]
+        if not out:
+            self.done.wait(0.01)  # librdkafka's wait for a message, cut short: nothing comes
+        return out
+
+    def report(self, state: str, join: str, made: float | None = None) -> None:
+        self.source._statistics(_report(state, join, made))
+
+    def assign(self) -> None:
+        self.source._assigned(self, [TopicPartition(TOPIC, 0)])
+
+    def lose(self) -> None:
+        self.source._lost(self, [TopicPartition(TOPIC, 0)])
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        if self.down:
+            self.failed += 1
+            raise KafkaException(KafkaError(KafkaError._WAIT_COORD))
+        self.commits.append({(tp.topic, tp.partition): tp.offset for tp in offsets})
+
+    def close(self) -> None:
+        pass
+
+
+REPORTS_EVERY = 0.5
+"""The statistics interval of the stand-in's source: a report is fresh for two (1 s)."""
+
+
+def _two_nodes_killed(false_answer: Callable[[_Librdkafka], bool], a: Record, b: Record,
+                      ) -> list[Callable[[_Librdkafka], bool]]:
+    """The failover campaign's two-of-three outage as the inbox's consumer meets it (its logs):
+    commits fail with the coordinator's node killed; the session runs out and the partition is
+    lost (nothing left to commit); ``false_answer`` plays what today's source took for the broker
+    back; the coordinator stays out of reach past a session timeout (``unavailable`` says so);
+    then the nodes are back: the consumer in its group again, its partition, the next commit
+    stored. The broker was gone once."""
+
+    def consuming(c: _Librdkafka) -> bool:
+        if c.polls == 1:
+            c.assign()
+            c.out = [_Message(a, 0)]
+        c.report("up", "steady")
+        return {(TOPIC, 0): 1} in c.commits
+
+    def killed(c: _Librdkafka) -> bool:
+        c.down = True
+        if c.polls == 1:
+            c.out = [_Message(b, 1)]
+        c.report("wait-broker-transport", "steady")
+        return c.failed >= 2
+
+    def lost(c: _Librdkafka) -> bool:
+        if c.polls == 1:
+            c.lose()
+            c.since = time.monotonic()
+        c.report("wait-broker-transport", "wait-unassign-call")
+        return time.monotonic() - c.since > 1.0  # two of the inbox's commit ticks: nothing left to commit
+
+    def out_of_reach(c: _Librdkafka) -> bool:
+        c.report("wait-broker-transport", "init")
+        if c.source.unavailable() is None:
+            c.polls = 0
+        return c.polls >= 5  # polls that asked while it said so
+
+    def back(c: _Librdkafka) -> bool:
+        c.down = False
+        if c.polls == 1:
+            c.assign()
+            c.out = [_Message(b, 1)]  # from the committed position again: dropped as a duplicate
+        c.report("up", "steady")
+        return any(commit.get((TOPIC, 0)) == 2 for commit in c.commits)
+
+    return [consuming, killed, lost, false_answer, out_of_reach, back]
+
+
+def _connected_not_joined(c: _Librdkafka) -> bool:
+    """A node restarted: librdkafka's connection to the coordinator up, the group not joined yet."""
+    c.report("up", "wait-join")
+    return c.polls >= 5
+
+
+def _an_old_report(made: list[float]) -> Callable[[_Librdkafka], bool]:
+    """A report made before the kill served now, the newest its poll serves (it waited in the queue
+    while a commit held the consumer; a poll that hands over a record serves nothing behind it)."""
+
+    def served(c: _Librdkafka) -> bool:
+        if time.monotonic() - made[0] <= 3 * REPORTS_EVERY:  # not old enough yet to tell
+            c.report("wait-broker-transport", "init")
+            return False
+        c.report("up", "steady", made=made[0])
+        return c.polls >= 5
+
+    return served
+
+
+@pytest.mark.parametrize("false_answer", ["connected-not-joined", "an-old-report"])
+def test_a_broker_outage_of_a_kafka_source_is_logged_once_each_way(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, false_answer: str
+) -> None:
+    """The loaded failover campaign's inbox-2 logged the outage of two nodes (1, 2) twice each way,
+    ending the second "after 0.2s", relays and the other inbox once. Its source's ``answering`` said
+    yes on the newest report served saying the coordinator was "up": also a report made before the
+    kill and served long after, and a coordinator connected to but not serving the group yet. The
+    outage ended early, and began again once the coordinator had been out of reach a session
+    timeout. Played here on a real ``KafkaSource``, librdkafka's side scripted: one outage, one
+    line each way."""
+    inbox = _inbox(sqlite_db)
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=[TOPIC],
+                         settings={"session.timeout.ms": 1000,
+                                   "statistics.interval.ms": int(REPORTS_EVERY * 1000)})
+    source._consumer.close()
+    made = [time.monotonic()]  # when the report the old-report step serves was made: before the kill
+    a, b = record(TOPIC, "a", 1), record(TOPIC, "a", 2)
+    steps = _two_nodes_killed(_connected_not_joined if false_answer == "connected-not-joined"
+                              else _an_old_report(made), a, b)
+    librdkafka = _Librdkafka(source, steps)
+    monkeypatch.setattr(source, "_consumer", librdkafka)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        assert librdkafka.done.wait(60), f"the script stopped at {librdkafka.steps[0].__name__}"
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert_one_outage_logged(caplog)
+    assert {(TOPIC, 0): 1} in librdkafka.commits and librdkafka.commits[-1] == {(TOPIC, 0): 2}
+
+
 def test_a_consumer_loop_that_fails_is_not_a_clean_stop_even_when_its_close_hangs(sqlite_db: str) -> None:
     inbox = _inbox(sqlite_db)
     source = CommitsFailing([at(record(TOPIC, "a", 1), 0, 0)], TransportError("offset commit failed: nope"))
@@ -588,3 +805,143 @@ def test_a_consumer_loop_that_fails_is_not_a_clean_stop_even_when_its_close_hang
     source.close_forever.set()
     assert not thread.is_alive(), "run() did not return"
     assert len(failure) == 1 and isinstance(failure[0], TransportError), failure
+
+
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
+def test_a_kafka_source_without_partitions_answers_once_in_its_group_on_apache_kafka(
+        kafka: str, topic: str, group_protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More consumers than partitions: the one left without any is in its group and served, and an
+    outage it logged (``unavailable``, with nothing to commit) can end only on ``answering``. Under
+    KIP-848 librdkafka 2.16 reports such a member ``up`` with join state ``init`` for as long as it
+    has no partition (seen: a 55 s kill of the single node, the unassigned inbox logged "the broker
+    unavailable" and no "available again" 30 s after the node was back, its reports saying up/init
+    every 2 s), so ``answering`` never says yes for it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    settings: dict[str, object] = {"statistics.interval.ms": 500}
+    if group_protocol == "consumer":
+        settings.update({"group.protocol": "consumer", "fetch.wait.max.ms": 10})
+    else:
+        settings.update({"session.timeout.ms": 6000, "heartbeat.interval.ms": 500})
+    sources = [KafkaSource(bootstrap_servers=kafka, group_id=f"{topic}-g", topics=[topic], settings=settings)
+               for _ in range(2)]
+    states: list[dict[str, Any]] = [{}, {}]
+    for source, state in zip(sources, states, strict=True):
+        told = source._statistics
+
+        def statistics(text: str, told: Callable[[str], None] = told, state: dict[str, Any] = state) -> None:
+            state.update(json.loads(text).get("cgrp") or {})
+            told(text)
+
+        monkeypatch.setattr(source, "_statistics", statistics)
+    try:
+        deadline = time.monotonic() + 60
+        while not (all(s.get("state") == "up" for s in states)
+                   and sorted(s.get("assignment_size", -1) for s in states) == [0, 1]):
+            assert time.monotonic() < deadline, f"the group never settled: {states}"
+            for source in sources:
+                source.poll(10, 0.1)
+        for _ in range(20):  # a few reports more, both served
+            for source in sources:
+                source.poll(10, 0.1)
+        idle = next(source for source, state in zip(sources, states, strict=True)
+                    if state.get("assignment_size") == 0)
+        assert idle.answering(), states
+    finally:
+        for source in sources:
+            source.close()
+
+
+def test_a_kip_848_consumer_without_partitions_is_not_replaced_by_the_rejoin_watch_on_apache_kafka(
+        kafka: str, topic: str) -> None:
+    """The same report (up, join state ``init``) read by the rejoin watch: it takes the idle member for
+    one never joined and replaces it every ``rejoin_after`` (a WARNING "not joined for 5s (join state
+    init) although the broker answers: replacing it" each time), for as long as it has no partition;
+    with the default 60 s, a new consumer and a warning a minute, forever. Seen: 7 replacements in 40 s."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    settings = {"group.protocol": "consumer", "fetch.wait.max.ms": 10, "statistics.interval.ms": 500}
+    sources = [KafkaSource(bootstrap_servers=kafka, group_id=f"{topic}-g", topics=[topic], rejoin_after=3,
+                           settings=settings) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not any(source._assignment for source in sources):
+            assert time.monotonic() < deadline, "no partition was ever assigned"
+            for source in sources:
+                source.poll(10, 0.1)
+        settled = time.monotonic()
+        while time.monotonic() < settled + 3 * 3 + 2:  # three times rejoin_after, and a report more
+            for source in sources:
+                source.poll(10, 0.1)
+        assert [source.rejoins for source in sources] == [0, 0]
+    finally:
+        for source in sources:
+            source.close()
+
+
+def test_a_report_from_before_the_outage_does_not_end_it_with_a_long_statistics_interval(
+    sqlite_db: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """"Fresh" is two statistics intervals, which a user's ``statistics.interval.ms`` may make longer
+    than the outage so far: with reports every 60 s and the default 45 s session, the coordinator's node
+    killed, the commit waits a session timeout and fails, the partitions are lost at about the same time,
+    and whenever no report was made since the kill (one time in four at 60 s, more the longer the
+    interval) the newest one is the up/steady of before the kill, well within 120 s: the next poll ends
+    the outage while the node is still dead, and it begins again a session timeout after the next report
+    (lines (2, 2), the campaign's double logging). Played with reports every 10 s and a 1 s session."""
+    inbox = _inbox(sqlite_db)
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9", group_id="g", topics=[TOPIC],
+                         settings={"session.timeout.ms": 1000, "statistics.interval.ms": 10_000})
+    source._consumer.close()
+    a, b = record(TOPIC, "a", 1), record(TOPIC, "a", 2)
+
+    def consuming(c: _Librdkafka) -> bool:
+        if c.polls == 1:
+            c.assign()
+            c.out = [_Message(a, 0)]
+            c.report("up", "steady")  # the last report before the kill
+        return {(TOPIC, 0): 1} in c.commits
+
+    def killed(c: _Librdkafka) -> bool:  # no report: the next one is due 10 s after the last
+        c.down = True
+        if c.polls == 1:
+            c.out = [_Message(b, 1)]
+        return c.failed >= 2
+
+    def lost(c: _Librdkafka) -> bool:  # the session ran out: nothing left to commit
+        if c.polls == 1:
+            c.lose()
+            c.since = time.monotonic()
+        return time.monotonic() - c.since > 1.0
+
+    def next_report(c: _Librdkafka) -> bool:  # the node still dead
+        c.report("wait-broker-transport", "init")
+        if c.source.unavailable() is None:
+            c.polls = 0
+        return c.polls >= 5
+
+    def back(c: _Librdkafka) -> bool:
+        c.down = False
+        if c.polls == 1:
+            c.assign()
+            c.out = [_Message(b, 1)]
+        c.report("up", "steady")
+        return any(commit.get((TOPIC, 0)) == 2 for commit in c.commits)
+
+    librdkafka = _Librdkafka(source, [consuming, killed, lost, next_report, back])
+    monkeypatch.setattr(source, "_consumer", librdkafka)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        assert librdkafka.done.wait(60), f"the script stopped at {librdkafka.steps[0].__name__}"
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert_one_outage_logged(caplog)

@@ -19,7 +19,8 @@ again at their next turn, and a broker that does not answer is polled again
 after a capped backoff. A broker outage is logged once when it begins (a poll
 or an offset commit fails for want of a broker or coordinator, or the source
 says it cannot reach its group's coordinator: ``KafkaSource.unavailable``) and
-once when it ends (after a commit failed, only a commit that succeeds ends it).
+once when it ends: on a commit that succeeds or, with nothing left to commit, on a poll
+after which the source says its broker serves it (``KafkaSource.answering``).
 A commit that got no answer in time (``CommitUnansweredError``) is told at the
 next poll (the one made at the stop, which no poll follows, at once), unless
 that poll served a revocation the group asked for (not a loss of the partitions,
@@ -207,13 +208,22 @@ class Runner:
         problem = self._unavailable()
         if problem is not None:
             self.broker.failed(problem)
-        elif not self._commits_failing and (not self.broker.down or self._answering()):
-            # Once down, "not unavailable yet" is no answer: ``unavailable`` gives a coordinator
-            # a session timeout of grace before it calls it gone, so right after a commit outage
-            # ended in a revoke it says None while the coordinator is still gone (the failover
-            # campaign's inboxes logged one outage of two nodes as two, each way).
+        elif not self._commits_failing and (not self.broker.down or self._back()):
             self.broker.answered()
         return records
+
+    def _back(self) -> bool:
+        """Once a broker outage was logged, whether a poll may end it: only with nothing left to
+        commit (else the next commit tells, as it does after a failed one) and the source saying
+        its broker serves it (``KafkaSource.answering``: a fresh report of the consumer in its group).
+
+        "Not unavailable yet" is no answer: ``unavailable`` gives a coordinator a session timeout
+        of grace before it calls it gone, so right after a commit outage ended in a revoke it says
+        None while the coordinator is still gone. An outage ended early begins again once that
+        grace has run out: the failover campaign's inboxes logged one outage of two nodes as two,
+        each way, the second ending a moment later, when the nodes were back.
+        """
+        return not self.tracker.committable() and self._answering()
 
     def _settle_unanswered(self, revoked: bool) -> None:
         """After a poll: a commit left unanswered is an outage, unless the poll ``revoked``

@@ -36,7 +36,13 @@ from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from transports._errors import CommitUnconfirmedError, ConfigurationError, TransportError, validate_topic
+from transports._errors import (
+    CommitUnconfirmedError,
+    ConfigurationError,
+    RetriableTransportError,
+    TransportError,
+    validate_topic,
+)
 from transports._protocol import Record, RevokeCallback, SourceFeatures
 
 from .._logsafe import safe_logger
@@ -126,6 +132,14 @@ class KafkaSource:
         # Since when the statistics say the group's coordinator is out of reach (``unavailable``).
         self._coordinator_lost_since: float | None = None
         self._coordinator_state = "unknown"
+        # What the newest report says of the group (``answering``): its coordinator up and this consumer
+        # in it (join state ``steady``), and when librdkafka made that report, on ``time.monotonic``'s clock.
+        self._in_group = False
+        self._report_made: float | None = None  # ``StarvationWatch.emitted``
+        self._report_interval = int(config["statistics.interval.ms"]) / 1000
+        # When a commit last failed for want of a broker (``time.monotonic``): no report made before it
+        # tells that the broker serves this consumer again (``answering``).
+        self._commit_failed_at: float | None = None
         self.session_timeout = int(config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS)) / 1000
         # A commit waits as long as librdkafka waits for an unknown coordinator: a session timeout.
         self._commits = BoundedCommits(self.session_timeout)
@@ -247,7 +261,11 @@ class KafkaSource:
             self._unconfirmed.update(offsets)
             raise CommitUnconfirmedError("offset commit sent; librdkafka answers it after the revoke "
                                          "callback")
-        self._commits.commit(self._consumer, positions)
+        try:
+            self._commits.commit(self._consumer, positions)
+        except RetriableTransportError:
+            self._commit_failed_at = time.monotonic()
+            raise
 
     @property
     def commit_timeout(self) -> float:
@@ -304,13 +322,27 @@ class KafkaSource:
         return f"group coordinator out of reach for {out:.0f}s, state {self._coordinator_state}"
 
     def answering(self) -> bool:
-        """True when librdkafka's latest statistics say the group's coordinator is up (or when
-        statistics are off: nothing to tell). Safe to call from any thread.
+        """True when librdkafka's newest statistics, made within the last two statistics intervals,
+        say the group's coordinator is up and this consumer is in its group (join state ``steady``);
+        or when statistics are off (nothing to tell). Safe to call from any thread.
 
-        What ends an outage ``Inbox.run`` logged: ``unavailable`` saying None is no
-        answer, since it gives a lost coordinator a session timeout of grace first.
+        What ends an outage ``Inbox.run`` logged when no commit can: ``unavailable`` saying None
+        is no answer, since it gives a lost coordinator a session timeout of grace first. Nor is
+        a coordinator that is merely "up": that is librdkafka's connection to its node, which a
+        restarted node accepts while the group waits to be joined again, and a frozen one keeps
+        open; only a join the coordinator completed shows it serves the group. Nor is an old
+        report: a report waits in the consumer's queue until a poll serves it, which no poll does
+        while an offset commit holds the consumer (the failover campaign's inboxes were served
+        reports 10 to 57 s old, the first ones made before the nodes were killed). Nor, whatever its
+        age, a report made before a commit last failed for want of a broker: a user's long
+        ``statistics.interval.ms`` makes two intervals longer than the commit's wait.
         """
-        return not self._watching or self._coordinator_state == "up"
+        if not self._watching:
+            return True
+        made, failed = self._report_made, self._commit_failed_at
+        return (self._in_group and made is not None
+                and time.monotonic() - made <= 2 * self._report_interval
+                and (failed is None or made > failed))
 
     def lost_assignments(self) -> int:
         """How many times the consumer lost its partitions rather than giving them up to a rebalance.
@@ -332,6 +364,7 @@ class KafkaSource:
         except (ValueError, AttributeError):
             return
         coordinator = str(group.get("state", "unknown"))
+        self._report_made = self._starvation.emitted(report, time.monotonic())
         self._coordinator_state = coordinator
         if coordinator == "up":
             self._coordinator_lost_since = None
@@ -339,10 +372,17 @@ class KafkaSource:
             self._coordinator_lost_since = time.monotonic()
         state = str(group.get("join_state", "")) if coordinator == "up" else f"coordinator {coordinator}"
         self._join_state = state
+        # Under KIP-848's protocol librdkafka 2.16 reports a member the broker gave no partition (more
+        # consumers than partitions) as "init" for as long as it has none, where the classic protocol
+        # says "steady": taken for out of the group, it never ended an outage and the rejoin watch
+        # replaced it every ``rejoin_after``. A member not joined yet says "init" too: the watch
+        # cannot tell the two apart there, and leaves both alone.
+        in_group = state == "steady" or (self._broker_assigns and state == "init")
+        self._in_group = in_group
         if not self._watching:
             return
         now = self._last_report = time.monotonic()
-        if state == "steady":
+        if in_group:
             self._unjoined_since = None
             self._told_silent = False
             self._starvation.track(report, now, self._assignment)
@@ -439,6 +479,7 @@ class KafkaSource:
         self._told_silent = False
         old, self._consumer = self._consumer, self._subscribed()
         self._join_state = "init"
+        self._in_group = False  # the new consumer is in no group until a report says so
         self._unjoined_since, self._last_report = time.monotonic(), None
         # Its close may wait for the request that never came back: never on this thread.
         threading.Thread(target=_close_quietly, args=(old, self._commits), name="outbox-consumer-retired",

@@ -77,8 +77,9 @@ class StarvationWatch:
         """Out of the group, or a new consumer: nothing is known to be unmoved."""
         self.still.clear()
 
-    def _emitted(self, report: Mapping[str, Any], received: float) -> float:
-        """When librdkafka took ``report``, on ``time.monotonic``'s clock (module doc)."""
+    def emitted(self, report: Mapping[str, Any], received: float) -> float:
+        """When librdkafka took ``report``, on ``time.monotonic``'s clock (module doc); also what
+        ``KafkaSource.answering`` tells an old report by."""
         ts = report.get("ts")
         if isinstance(ts, bool) or not isinstance(ts, int):
             return received
@@ -91,7 +92,7 @@ class StarvationWatch:
     def track(self, report: Mapping[str, Any], received: float, assignment: Set[tuple[str, int]]) -> None:
         """Note, per partition of ``assignment``, since when it is unmoved with nothing queued, from a
         statistics ``report`` of a steady group delivered at ``received`` (module doc)."""
-        emitted = self._emitted(report, received)
+        emitted = self.emitted(report, received)
         seen: dict[tuple[str, int], Mapping[str, Any]] = {}
         topics = report.get("topics")
         for name, topic in (topics.items() if isinstance(topics, Mapping) else ()):
