@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,30 +61,44 @@ class Held:
     admin: AdminClient
 
 
-@pytest.fixture
-def held(outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> Iterator[Held]:
-    """The relay's transport, whose last transaction of shard 0 was aborted (a record refused for
-    good) after writing ``topic[0]``; then another producer's transaction left open on ``topic[0]``."""
+def another_producer(kafka: str) -> Producer:
+    """Another application's transactional producer of the data topic, its transactions long."""
+    return Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
+                     "transaction.timeout.ms": 300_000, "log_level": 0})
+
+
+def abort_then_hold(kafka: str, transport: KafkaTransport, other: Producer, topic: str, progress_topic: str,
+                    incarnation: str, shards: Iterable[int]) -> None:
+    """The last transaction of each shard of ``shards`` aborted (a record refused for good) after
+    writing ``topic[0]``; then ``other``'s transaction left open on ``topic[0]``: those shards are held
+    at their next take-over (``topic`` and its refusing twin are made here)."""
     refusing = f"{topic}-refusing"
     create_topic(kafka, topic, 1)
     create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
-    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
-    transport.ensure_compacted_topic(progress_topic, 1, 30)
-    tid = f"outbox-{outbox.load_schema().incarnation}-0"  # the shard's transactional id (docs/relay.md)
-    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
-                      "transaction.timeout.ms": 300_000, "log_level": 0})
-    admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
-    try:
+    for shard in shards:
+        tid = f"outbox-{incarnation}-{shard}"  # the shard's transactional id (docs/relay.md)
         first = transport.transactional(tid, 5)
         answer = first.send([Record(topic, b"an earlier transaction's row", key=b"k", partition=0),
                              Record(refusing, os.urandom(2000), key=b"big", partition=0),
-                             Record(progress_topic, b"{}", key=tid.encode(), partition=0)])
+                             Record(progress_topic, b"{}", key=tid.encode(), partition=shard)])
         assert answer.outcome is TransactionOutcome.ABORTED, answer
         first.close()
-        other.init_transactions(30)
-        other.begin_transaction()
-        other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
-        assert other.flush(10) == 0
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
+    assert other.flush(10) == 0
+
+
+@pytest.fixture
+def held(outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> Iterator[Held]:
+    """The relay's transport, whose last transaction of shard 0 was aborted after writing
+    ``topic[0]``; then another producer's transaction left open on ``topic[0]`` (``abort_then_hold``)."""
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
+    transport.ensure_compacted_topic(progress_topic, 1, 30)
+    other = another_producer(kafka)
+    admin = AdminClient({"bootstrap.servers": kafka, "log_level": 0})
+    try:
+        abort_then_hold(kafka, transport, other, topic, progress_topic, outbox.load_schema().incarnation, [0])
         yield Held(transport, other, admin)
     finally:
         with suppress(KafkaException):  # aborted by the test already
@@ -236,31 +250,16 @@ def held_shards_and_free_ones(sqlite_db: str, kafka: str, topic: str, progress_t
     each held shard is logged once, no broker outage, the relay stops at once. How long each wave
     of the free shards' rows waited to be published."""
     held_shards = range(held)
-    refusing = f"{topic}-refusing"
-    create_topic(kafka, topic, 1)
-    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
     engine = create_engine(sqlite_db)
     ob = Outbox(engine, shards=shards)
     ob.create_tables()
     transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
     transport.ensure_compacted_topic(progress_topic, shards, 30)
-    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
-                      "transaction.timeout.ms": 300_000, "log_level": 0})
-    incarnation = ob.load_schema().incarnation
+    other = another_producer(kafka)
     relay = None
     try:
-        for shard in held_shards:
-            tid = f"outbox-{incarnation}-{shard}"
-            first = transport.transactional(tid, 5)
-            answer = first.send([Record(topic, b"an earlier transaction's row", key=b"k", partition=0),
-                                 Record(refusing, os.urandom(2000), key=b"big", partition=0),
-                                 Record(progress_topic, b"{}", key=tid.encode(), partition=shard)])
-            assert answer.outcome is TransactionOutcome.ABORTED, answer
-            first.close()
-        other.init_transactions(30)
-        other.begin_transaction()
-        other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
-        assert other.flush(10) == 0
+        abort_then_hold(kafka, transport, other, topic, progress_topic, ob.load_schema().incarnation,
+                        held_shards)
         publish(ob, topic, [f"k{i}" for i in range(16 * shards)])
         assert {r.shard for r in rows(ob)} == set(range(shards))
         relay = Relay(ob, transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")
@@ -313,15 +312,11 @@ def test_a_broker_killed_and_started_again_while_the_only_shard_is_held_is_one_o
     request of its settle answered. The outage must be told over ("broker reachable again") though
     nothing is published until the other transaction ends."""
     kafka = own_kafka.bootstrap
-    refusing = f"{topic}-refusing"
-    create_topic(kafka, topic, 1)
-    create_topic(kafka, refusing, 1, config={"max.message.bytes": "256"})
     engine = create_engine(sqlite_db)
     ob = Outbox(engine, shards=1)
     ob.create_tables()
     transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5.0)
-    other = Producer({"bootstrap.servers": kafka, "transactional.id": f"another-app-{uuid.uuid4().hex}",
-                      "transaction.timeout.ms": 300_000, "log_level": 0})
+    other = another_producer(kafka)
     relay = None
 
     def said(text: str) -> list[str]:
@@ -329,17 +324,7 @@ def test_a_broker_killed_and_started_again_while_the_only_shard_is_held_is_one_o
 
     try:
         transport.ensure_compacted_topic(progress_topic, 1, 30)
-        tid = f"outbox-{ob.load_schema().incarnation}-0"
-        first = transport.transactional(tid, 5)
-        answer = first.send([Record(topic, b"an earlier transaction's row", key=b"k", partition=0),
-                             Record(refusing, os.urandom(2000), key=b"big", partition=0),
-                             Record(progress_topic, b"{}", key=tid.encode(), partition=0)])
-        assert answer.outcome is TransactionOutcome.ABORTED, answer
-        first.close()
-        other.init_transactions(30)
-        other.begin_transaction()
-        other.produce(topic, b"another producer's row, its transaction long", b"c", 0)
-        assert other.flush(10) == 0
+        abort_then_hold(kafka, transport, other, topic, progress_topic, ob.load_schema().incarnation, [0])
         publish(ob, topic, ["k"])
         relay = Relay(ob, transport, exactly_once=True, progress_topic=progress_topic, worker_id="w")
         caplog.set_level(logging.INFO)
