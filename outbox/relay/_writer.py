@@ -53,12 +53,15 @@ class DaemonPool:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, call = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # handed to whoever waits on the future
+                    future.set_exception(exc)
+            # Nothing of the job stays with a thread that waits for the next one: a failed call's
+            # exception holds its frames (a take-over's: the producer and admin client it made), and
+            # the future holding the exception would stay until this thread's next job.
+            del job, future, call
 
 
 class BackgroundWriter(DaemonPool):
