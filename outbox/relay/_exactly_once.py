@@ -98,6 +98,12 @@ ROUNDS = 8
 PACE_GROWS_BELOW = 4
 """A shard's capped transactions grow again after a commit within 1/4 of the deadline (``_pace``)."""
 
+PACE_GIVEN_UP_AT = 0.9
+"""A transaction that did not commit paces its shard only if it took this much of the deadline at least
+(given up at it, ``_pace``): one ended sooner (a refusal, a broker that went away at once) says nothing
+of the broker's pace; taken for slowness, it halved the shard's transactions and was logged as "given
+up after 10 s" though it took milliseconds."""
+
 PACE_HOLD = 1
 """Deadlines after a transaction given up with records acknowledged before its shard's cap may grow
 (30 s with ``KafkaTransport``'s default ``delivery_timeout``: longer than a Kafka quota's window,
@@ -500,7 +506,8 @@ class ExactlyOnce:
         ones after it, so one quick commit says little about its pace (doubled at once, the cap
         grew back into the deadline). A small commit leaves it as it is: the next burst of rows
         starts capped. A broker that answered nothing is an outage (logged as one by the relay):
-        the cap is halved silently and may grow again at once once the broker is back.
+        the cap is halved silently and may grow again at once once the broker is back. One that
+        ended well before its deadline (``PACE_GIVEN_UP_AT``) says nothing of the pace: the cap stays.
         """
         now = time.monotonic()
         if answer.outcome is TransactionOutcome.COMMITTED:
@@ -508,7 +515,7 @@ class ExactlyOnce:
                     and now >= state.cap_held_until):
                 state.cap *= 2
             return
-        if answer.outcome is TransactionOutcome.FENCED or not all(
+        if answer.outcome is TransactionOutcome.FENCED or took < PACE_GIVEN_UP_AT * self._timeout or not all(
                 r.outcome is Outcome.RETRY and r.unreachable for r in answer.results):
             return
         if answer.answered:
@@ -517,11 +524,11 @@ class ExactlyOnce:
         if state.cap is not None and cap >= state.cap:
             return
         state.cap = cap
-        if answer.answered:
+        if answer.answered:  # of its records and its progress record: of the rows' at most ``count``
             log.warning("%s, shard %d: a transaction of %d records was given up after %.0f s with %d of "
                         "them acknowledged: the broker takes them too slowly; the shard's transactions "
-                        "now carry at most %d records", self.name, shard, count, self._timeout,
-                        answer.answered, cap)
+                        "now carry at most %d records", self.name, shard, count, took,
+                        min(answer.answered, count), cap)
 
     def marked(self, ids: Iterable[int]) -> None:
         """These rows' published mark committed: no later progress record needs to name them."""
