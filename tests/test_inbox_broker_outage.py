@@ -303,6 +303,24 @@ def _running(inbox: Inbox, source: object) -> Iterator[Callable[[Callable[[], ob
     assert not thread.is_alive(), "run() did not return after stop()"
 
 
+
+def run_script(inbox: Any, source: Any, librdkafka: Any, monkeypatch: pytest.MonkeyPatch,
+               caplog: pytest.LogCaptureFixture) -> None:
+    """``inbox.run`` on ``source`` whose consumer is ``librdkafka`` (a script) until the script ends;
+    then stopped, and one outage logged each way."""
+    monkeypatch.setattr(source, "_consumer", librdkafka)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
+                              daemon=True)
+    thread.start()
+    try:
+        assert librdkafka.done.wait(60), f"the script stopped at {librdkafka.steps[0].__name__}"
+    finally:
+        inbox.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert_one_outage_logged(caplog)
+
 def assert_one_outage_logged(caplog: pytest.LogCaptureFixture) -> None:
     """The inbox logged one broker outage: one line when it began, one when it ended."""
     lines = [r.getMessage() for r in caplog.records if "the broker" in r.getMessage()]
@@ -772,18 +790,7 @@ def test_a_broker_outage_of_a_kafka_source_is_logged_once_each_way(
     steps = _two_nodes_killed(_connected_not_joined if false_answer == "connected-not-joined"
                               else _an_old_report(made), a, b)
     librdkafka = _Librdkafka(source, steps)
-    monkeypatch.setattr(source, "_consumer", librdkafka)
-    caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        assert librdkafka.done.wait(60), f"the script stopped at {librdkafka.steps[0].__name__}"
-    finally:
-        inbox.stop()
-        thread.join(30)
-    assert not thread.is_alive()
-    assert_one_outage_logged(caplog)
+    run_script(inbox, source, librdkafka, monkeypatch, caplog)
     assert {(TOPIC, 0): 1} in librdkafka.commits and librdkafka.commits[-1] == {(TOPIC, 0): 2}
 
 
@@ -933,15 +940,4 @@ def test_a_report_from_before_the_outage_does_not_end_it_with_a_long_statistics_
         return any(commit.get((TOPIC, 0)) == 2 for commit in c.commits)
 
     librdkafka = _Librdkafka(source, [consuming, killed, lost, next_report, back])
-    monkeypatch.setattr(source, "_consumer", librdkafka)
-    caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    thread = threading.Thread(target=inbox.run, args=(source,), kwargs={"install_signal_handlers": False},
-                              daemon=True)
-    thread.start()
-    try:
-        assert librdkafka.done.wait(60), f"the script stopped at {librdkafka.steps[0].__name__}"
-    finally:
-        inbox.stop()
-        thread.join(30)
-    assert not thread.is_alive()
-    assert_one_outage_logged(caplog)
+    run_script(inbox, source, librdkafka, monkeypatch, caplog)
