@@ -15,7 +15,10 @@ them pile up between collections: the cycle collector freed them, not the relay.
   exception's traceback (``ProducerMaker.make``'s frame), a cycle, with the producer it made;
 - a batch of several shards waited for their transactions ``for future in …``: the future whose
   shard raised (a remake's lease check) stayed in ``send``'s frame, which its exception's
-  traceback holds, with the failed shard's frames and the producer its remake made.
+  traceback holds, with the failed shard's frames and the producer its remake made;
+- and ``KafkaTransactionalProducer.close`` only flushed: the client went with the object's last
+  reference, and anything that kept the object (a traceback, a log record a handler keeps, as
+  pytest's does) kept the client.
 
 Every test runs with the cycle collector off: what is not freed by its reference count stays,
 visibly. A librdkafka client is counted by its main thread (``rdk:main``, one per client).
@@ -35,7 +38,9 @@ from typing import Any
 import pytest
 from _mock_faults import MockCluster
 from _relay_helpers import wait_for
+from confluent_kafka import KafkaError
 
+from outbox import RetriableTransportError
 from outbox.relay._exactly_once import ExactlyOnce
 from transports import Outcome, Record, TransactionOutcome
 from transports.kafka import KafkaTransactionalProducer, KafkaTransport
@@ -127,6 +132,42 @@ def names() -> tuple[str, str, str]:
     """A transactional id, a data topic and a progress topic no other test uses."""
     tag = uuid.uuid4().hex[:8]
     return f"outbox-{tag}-0", f"orders-{tag}", f"progress-{tag}"
+
+
+# -- the transport: ``close`` ends the client, whoever still holds the producer -------------------
+
+@pytest.mark.parametrize("ending", ["committed", "aborted", "settle failed"])
+def test_a_closed_transactional_producer_has_no_client_though_it_is_still_held(
+        cluster: MockCluster, transport: Transport, no_collector: None, ending: str) -> None:
+    """Held here as a traceback, a log record or a cycle would hold it: its client is gone at close."""
+    tid, topic, _ = names()
+    before = clients()
+    producer = transport.transactional(tid, TIMEOUT)
+    assert clients() == before + 1
+    held: object
+    if ending == "committed":
+        assert producer.send([Record(topic, b"v", key=b"k")]).outcome is TransactionOutcome.COMMITTED
+        producer.close()
+        held = producer
+    else:
+        result = producer.send([Record(topic, TOO_LARGE, key=b"k"), Record(topic, b"v", key=b"j")])
+        assert result.outcome is TransactionOutcome.ABORTED, result
+        producer.close()
+        held = producer
+        if ending == "settle failed":
+            # The next producer of the id ends what the aborted one wrote: refused, its settle fails,
+            # and the transport closes it; the exception (its traceback) still holds it.
+            cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE)
+            try:
+                transport.transactional(tid, TIMEOUT)
+            except RetriableTransportError as exc:
+                held = exc
+            else:
+                pytest.fail("the settle did not fail")
+            assert len(alive(transport.made)) == 2  # both held: the aborted one here, the other by `held`
+    assert clients() == before, (f"{ending}: {clients() - before} librdkafka client(s) of closed producers "
+                                 f"still run while the producer is referenced")
+    assert held is not None
 
 
 # -- the relay: what it drops is freed when it drops it --------------------------------------------
@@ -234,6 +275,37 @@ def test_a_batch_whose_shard_raises_frees_the_producer_that_shards_remake_made(
         assert confirmed[0] == 4 and len(transport.made) == taken + 1
         assert transport.made[-1]() is None, "the remake's producer is held by a reference cycle"
         assert clients() == before + 1  # shard 1's producer
+    finally:
+        eo.close()
+    assert clients() == before
+
+
+def test_the_producers_a_shard_drops_after_a_transaction_that_did_not_commit_have_no_client(
+        cluster: MockCluster, transport: Transport, no_collector: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A record refused aborts the shard's transaction; the new producer of its id fails its settle (its
+    empty record refused too) and the shard waits without one. Both dropped producers' clients are gone,
+    though the log record of the failed settle (kept by ``caplog``, as any record-keeping handler would)
+    holds the second; the first, held by nothing, is freed."""
+    _, topic, progress = names()
+    eo = relay(transport, lambda *_: True, progress)
+    before = clients()
+    try:
+        assert eo.prepare({0: 1}) == ({0: 1}, None)
+        assert clients() == before + 1
+        cluster.fail_produce(KafkaError.MSG_SIZE_TOO_LARGE)  # the next producer's settle
+        records = [Record(topic, TOO_LARGE, key=b"k"), Record(topic, b"v", key=b"j")]
+        results = eo.send(records, [(1, 0), (2, 0)])
+        assert [r.outcome for r in results] == [Outcome.FAILED, Outcome.RETRY], results
+        assert "no producer for shard 0" in caplog.text
+        assert eo.producers == 0 and len(transport.made) == 2
+        first, second = transport.made
+        assert first() is None, "the producer of the aborted transaction is held after the relay dropped it"
+        assert clients() == before, (f"{clients() - before} librdkafka client(s) of the producers the shard "
+                                     f"dropped still run")
+        del first, second
+        ready, error = eo.prepare({0: 1})  # its next batch: a producer again, its settle done
+        assert ready == {0: 1} and error is None and clients() == before + 1
     finally:
         eo.close()
     assert clients() == before
