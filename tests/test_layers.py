@@ -102,10 +102,15 @@ def test_the_lower_packages_import_only_the_floors_below_them(floor: str) -> Non
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 144
-# 142 -> 144: how a shard's transactions are sized to the broker's pace (test_relay_exactly_once_pace_units.py,
-# a unit of ``relay._exactly_once._pace`` with a ``ShardState``): through the public API a transaction
-# aborted in milliseconds with its records acknowledged takes a broker that refuses on cue.
+PRIVATE_IMPORTS_IN_TESTS = 145
+# 144 -> 145: what the exactly-once relay's shard states keep of the producers they drop
+# (test_relay_exactly_once_producer_lifetime.py, a unit of ``relay._exactly_once`` on librdkafka's mock
+# cluster): through the public API a take-over failed or dropped at a chosen point takes a database
+# that fails a lease confirmation on cue, with the collector off for a whole relay run.
+# 142 -> 144: how a shard's transactions are sized to the broker's pace
+# (test_relay_exactly_once_pace_units.py, a unit of ``relay._exactly_once._pace`` with a ``ShardState``):
+# through the public API a transaction aborted in milliseconds with its records acknowledged takes a
+# broker that refuses on cue.
 # 141 -> 142: what a relay's pool thread keeps of a failed job (test_relay_daemon_pool.py, a unit of
 # ``relay._writer``): through the public API it is the clients of take-overs failed by a broker's kills,
 # counted in /proc, freed or not by the cycle collector's timing.

@@ -60,6 +60,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from functools import partial
 
 from transports import (
@@ -72,13 +73,20 @@ from transports import (
     Transport,
     transport_features,
 )
-from transports._errors import HeldByOpenTransactionError, RetriableTransportError
+from transports._errors import RetriableTransportError
 from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
 from ._progress import progress_value, topics_fitting
-from ._shard_producer import ProducerMaker, ShardState, await_one, settle_take_overs, take_turns
+from ._shard_producer import (
+    ProducerMaker,
+    ShardState,
+    answered_held,
+    await_one,
+    settle_take_overs,
+    take_turns,
+)
 from ._sharing import Sharing
 from ._writer import DaemonPool
 
@@ -128,6 +136,22 @@ def exactly_once_transport(transport: Transport) -> Transactions:
         raise ConfigurationError(f"{type(transport).__name__} claims transactions but lacks what "
                                  f"transports.Transactions asks: {', '.join(lacks) or 'its members'}")
     return transport
+
+
+def wait_each(futures: list[Future[None]]) -> None:
+    """Wait for each of ``futures`` in turn; the first exception is raised on.
+
+    No name keeps a future that raised: its exception's traceback holds the frames it passes through,
+    so a frame that held the future (``for future in …``, as ``send`` did) held itself through the
+    exception, a cycle, and with it the failed shard's frames (the producer its remake made) until
+    the cycle collector ran."""
+    while futures:
+        futures.pop(0).result()
+
+
+def _close_state(state: ShardState, _: object) -> None:
+    """A dropped shard's take-over ended: the producer it made, if any, is closed (``ExactlyOnce._drop``)."""
+    state.close()
 
 
 class ExactlyOnce:
@@ -227,10 +251,10 @@ class ExactlyOnce:
                       self._stopping)
         # A take-over held by an open transaction had every request answered: the broker is up since
         # it began (``RelayStep.run``), though no row of its shard is published.
-        self.answered_since = max((s.taking_since for s in self._owned.values() if s.taking is not None
-                                   and s.taking.done() and isinstance(e := s.taking.exception(),
-                                                                      HeldByOpenTransactionError)
-                                   and e.answered), default=None)
+        # (Not through a name bound here: this frame would hold a take-over's exception, and that
+        # exception, raised on by ``settle_take_overs``, holds this frame in its traceback: a cycle.)
+        self.answered_since = max((s.taking_since for s in self._owned.values() if answered_held(s)),
+                                  default=None)
         error = settle_take_overs(self._owned, self.name)
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
@@ -328,8 +352,13 @@ class ExactlyOnce:
         state = self._owned.pop(shard, None)
         if state is None:
             return
-        if state.taking is not None:  # the producer its take-over makes is closed once made
-            state.taking.add_done_callback(lambda _: state.close())
+        taking, state.taking = state.taking, None
+        if taking is not None:  # the producer its take-over makes is closed once made
+            # Off the state: a take-over that failed holds the state through its exception's traceback
+            # (the frames of ``ProducerMaker.make``), and the state held the take-over, and the callback
+            # the state, a cycle that kept the failed take-over's producer (a librdkafka client: threads,
+            # connections) until the cycle collector ran. The callback holds the state only until it ran.
+            taking.add_done_callback(partial(_close_state, state))
         else:
             state.close()
 
@@ -358,9 +387,8 @@ class ExactlyOnce:
             # Each shard's transaction on a thread of its own: their commits overlap instead of
             # costing one round trip after the other (each shard writes its own results).
             pool = self._threads()
-            for future in [pool.submit(partial(self._send_shard, shard, state, records, ids, results))
-                           for shard, state, ids in sending]:
-                future.result()
+            wait_each([pool.submit(partial(self._send_shard, shard, state, records, ids, results))
+                       for shard, state, ids in sending])
         # A parked shard refused a slot when it had rows again waits in the queue for one (through a
         # take-over), and one whose new producer's settle is held by an open transaction waits for it:
         # their rows are retried without an attempt, and no broker is down (``_batch``).

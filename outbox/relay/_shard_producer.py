@@ -211,6 +211,16 @@ def await_one(taking: list[Future[bool]], timeout: float, stopping: threading.Ev
             return
 
 
+def answered_held(state: ShardState) -> bool:
+    """Whether the shard's take-over ended held by an open transaction with every request of it answered
+    (``HeldByOpenTransactionError.answered``)."""
+    taking = state.taking
+    if taking is None or not taking.done():
+        return False
+    error = taking.exception()
+    return isinstance(error, HeldByOpenTransactionError) and error.answered
+
+
 def held(state: ShardState, shard: int, error: HeldByOpenTransactionError, name: str) -> None:
     """The shard's producer could not be made, held by an open transaction (``HeldByOpenTransactionError``):
     its rows wait, tried again in ``HELD_AGAIN`` s; logged once until a take-over succeeds. No broker
@@ -235,7 +245,7 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
     (the step reports it).
     """
     error: str | None = None
-    raised: Exception | None = None
+    raised: BaseException | None = None
     for shard, state in sorted(owned.items()):
         if state.taking is None or not state.taking.done():
             continue
@@ -257,7 +267,14 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
         elif isinstance(failure, Exception):
             raised = raised or failure
         else:
-            raise failure
+            raised = failure  # not an error (KeyboardInterrupt, SystemExit): raised at once
+            break
     if raised is not None:
-        raise raised
+        try:
+            raise raised
+        finally:
+            # This frame joins the exception's traceback: holding it here too, it would hold itself (a
+            # cycle), and with it the take-over's frames (the producer it made, a librdkafka client)
+            # until the cycle collector ran, not until the step's report dropped it.
+            raised = failure = None
     return error

@@ -161,6 +161,9 @@ class KafkaTransactionalProducer:
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
                          "transaction.timeout.ms": transaction_timeout_ms(ms),
                          "error_cb": self._errors, "logger": LibrdkafkaLog()})
+        # Whether a transaction of it may be open (begun, its commit or abort not answered), and whether
+        # it met a fatal error (fenced): either way ``close`` leaves its client to its last reference.
+        self._open = self._fatal = self._closed = False
         self._producer = Producer(settings)
         try:
             self._producer.init_transactions(timeout)
@@ -170,6 +173,10 @@ class KafkaTransactionalProducer:
             # one to tell (it escaped raw, and the relay retried a refused setting forever).
             with suppress(KafkaException, SystemError):
                 self._producer.flush(0)
+            # Never returned to anyone: its client goes now, not with the exception's traceback (which
+            # holds this frame, and so this producer, for as long as the exception is kept).
+            self._fatal = error.fatal()
+            self.close()
             if error.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:
                 raise ConfigurationError(
                     f"the broker refuses transaction.timeout.ms={settings['transaction.timeout.ms']} "
@@ -207,6 +214,7 @@ class KafkaTransactionalProducer:
             producer.begin_transaction()
         except KafkaException as exc:
             return self._ended(exc.args[0], len(records))
+        self._open = True
         deadline = time.monotonic() + self._timeout
         reports: dict[int, tuple[KafkaError | None, Any]] = {}
         counts: dict[str, int | SendResult] = {}
@@ -322,6 +330,7 @@ class KafkaTransactionalProducer:
         while True:
             try:
                 self._producer.commit_transaction(max(0.1, deadline - time.monotonic()))
+                self._open = False
                 break
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -454,6 +463,7 @@ class KafkaTransactionalProducer:
             while True:
                 try:
                     producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+                    self._open = False
                     break
                 except KafkaException as exc:
                     if not exc.args[0].retriable() or time.monotonic() >= deadline:
@@ -559,7 +569,7 @@ class KafkaTransactionalProducer:
         begun = aborted = False
         try:
             producer.begin_transaction()
-            begun = True
+            begun = self._open = True
             for topic, partition in targets:
                 producer.produce(topic, b"", key, partition, on_delivery=report)
             while len(producer) and time.monotonic() < deadline:
@@ -569,8 +579,9 @@ class KafkaTransactionalProducer:
                 raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} "
                                               f"left open: {cause}")
             producer.abort_transaction(max(0.1, deadline - time.monotonic()))
-            aborted = True
+            aborted, self._open = True, False
         except KafkaException as exc:
+            self._fatal = self._fatal or exc.args[0].fatal()  # fenced by a newer producer of the id
             raise RetriableTransportError(f"cannot end the transaction {self.transactional_id!r} left "
                                           f"open: {exc.args[0].str()}") from None
         finally:
@@ -606,17 +617,45 @@ class KafkaTransactionalProducer:
             while len(producer) and time.monotonic() < until:
                 producer.poll(0.05)
             producer.abort_transaction(max(0.1, until - time.monotonic()))
+            self._open = False
 
     def _ended(self, error: KafkaError, count: int) -> TransactionResult:
         """The producer cannot go on: fenced by a newer one, or its transaction's fate unknown."""
         fenced = error.code() in FENCED_ERRORS
+        self._fatal = self._fatal or fenced or error.fatal()
         outcome = TransactionOutcome.FENCED if fenced else TransactionOutcome.UNKNOWN
         return TransactionResult(outcome, _retry(count, error.str(), not fenced), error.str())
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called: nothing of it may be used since."""
+        return self._closed
+
     def close(self) -> None:
-        """Drop the producer; an open transaction is aborted by the next producer of the id (or times out)."""
+        """End the producer: its librdkafka client (threads, a connection to every broker, buffers) is
+        destroyed now, not once the last reference to this object goes (a relay drops one after every
+        transaction that did not commit; one kept in a traceback, a log record or a reference cycle
+        kept its client). Whatever is still queued or in flight is purged first: its transaction
+        cannot commit any more. An open transaction is aborted by the next producer of the id (or
+        times out). Nothing of it is used after; a second call does nothing.
+
+        Destroyed only when no transaction of it may be open and it met no fatal error:
+        confluent-kafka's ``Producer.close`` aborts an open transaction first, waiting up to the
+        transaction's timeout (a minute or more) on a broker that does not answer. Such a client
+        (a commit or abort not answered, a producer fenced), and every client of a confluent-kafka
+        release without ``Producer.close``, is destroyed with this object's last reference."""
+        if self._closed:
+            return
+        self._closed = True
+        producer = self._producer
         with suppress(KafkaException, SystemError):
-            self._producer.flush(0)
+            producer.purge(in_queue=True, in_flight=True)
+            producer.flush(0)  # the purged records' reports: nothing left to wait for
+        close = getattr(producer, "close", None)
+        if close is None or self._open or self._fatal:
+            return
+        with suppress(KafkaException, SystemError, RuntimeError):
+            close()
 
 
 def latest_offset() -> Any:

@@ -648,9 +648,15 @@ class KafkaTransport:
         try:
             producer.settle()
         except BaseException:
-            producer.close()
+            producer.close()  # its client destroyed now, though the exception's traceback holds it
             raise
         return producer
+
+    def _newest(self, transactional_id: str) -> KafkaTransactionalProducer | None:
+        """The newest transactional producer made here of the id, unless it is closed (nothing of a
+        closed one is used: its client may be destroyed)."""
+        producer = self._made.get(transactional_id)
+        return None if producer is None or producer.closed else producer
 
     def _shared_admin(self, stale: AdminClient | None = None) -> AdminClient:
         """One admin client for every transactional producer made here (``KafkaTransactionalProducer``
@@ -667,7 +673,7 @@ class KafkaTransport:
     def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
         """``_read_back.last_committed``; a transaction of ``key`` the broker left open is ended by the
         newest producer this transport made whose transactional id ``key`` is, if there is one."""
-        producer = self._made.get(key.decode(errors="replace"))
+        producer = self._newest(key.decode(errors="replace"))
         settle = None if producer is None else (
             lambda topics: producer.end_left_open(topics, (topic, self._partition_of(topic, partition))))
         return last_committed(self._config, topic, partition, key, timeout, settle)
@@ -675,7 +681,7 @@ class KafkaTransport:
     def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:
         """``_read_back.read_back``; what the broker left open of ``key``'s transactions is ended as in
         ``last_committed``, each partition by itself where only that one is."""
-        producer = self._made.get(key.decode(errors="replace"))
+        producer = self._newest(key.decode(errors="replace"))
         if producer is None:
             return read_back(self._config, topic, partition, key, timeout)
         made = producer  # the newest of the id when the read began
