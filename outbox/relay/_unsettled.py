@@ -27,7 +27,6 @@ from datetime import timedelta
 from sqlalchemy import Update, select, update
 
 from ..core._envelope import utcnow
-from ..core._tables import OutboxTables
 from ._leases import Leases
 
 SEPARATOR = ","
@@ -39,8 +38,8 @@ class UnsettledTopics:
     a renewal alone (``confirm``), or with the row's unsettled topics read (``taken``), emptied
     (``settled``) or widened (``widen``), each fenced by the epoch. Safe from any thread."""
 
-    def __init__(self, leases: Leases, tables: OutboxTables) -> None:
-        self._leases, self._table = leases, tables.leases
+    def __init__(self, leases: Leases) -> None:
+        self._leases, self._table = leases, leases.tables.leases
 
     def confirm(self, shard: int, epoch: int) -> bool:
         """``Leases.confirm``: the lease of ``shard`` at ``epoch`` renewed; whether it still held."""
