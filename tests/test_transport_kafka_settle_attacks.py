@@ -79,7 +79,16 @@ class Nodes:
 
 class KilledAtAbort:
     """A confluent producer whose ``abort_transaction`` first runs ``before``, once (everything else its
-    own). ``answered_first``: its records in flight are answered before the purge of an abort."""
+    own). ``answered_first``: a record is produced only once every record produced before it was
+    answered (written to its partition's log).
+
+    Without that, a transaction's data record and the record the broker refuses were produced
+    together, and the refusal could come back before the data record was sent (its leader's
+    connection still being made): librdkafka sends nothing of a transaction that failed, so the data
+    record was never written, the abort's dropped marker left nothing open, and the test did not
+    reach its fault ("the broker wrote the data marker", the CI of ec05b0e). Answering each record
+    before the next one is produced orders the two for certain (a flush before the abort's purge
+    cannot: a record librdkafka holds back once the transaction failed is never answered)."""
 
     def __init__(self, inner: Producer, before: Any, *, answered_first: bool = False) -> None:
         self._inner, self._before, self._answered_first = inner, before, answered_first
@@ -91,10 +100,11 @@ class KilledAtAbort:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def purge(self, *args: Any, **kwargs: Any) -> None:
+    def produce(self, *args: Any, **kwargs: Any) -> None:
         if self._answered_first:
-            self._inner.flush(10)  # the data record answered: it is in its partition's log
-        self._inner.purge(*args, **kwargs)
+            left = self._inner.flush(10)
+            assert left == 0, f"{left} record(s) produced before this one not answered in 10 s"
+        self._inner.produce(*args, **kwargs)
 
     def abort_transaction(self, *args: Any) -> None:
         if not self._ran:
@@ -164,7 +174,7 @@ def test_a_transaction_aborted_for_want_of_the_broker_is_settled_before_its_shar
         wait_until(lambda: nodes.dropped_since(mark[0]), 30, "the coordinator dropping the data marker")
         nodes.restart_victim(data)
         stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
-        assert stable < end, "the broker wrote the data marker: nothing was left open"
+        assert stable < end, f"the broker wrote the data marker: nothing was left open ({stable}, {end})"
         wait_for(lambda: (relay.run_once(), not rows(outbox, status="pending"))[1], 120,
                  "the row published", interval=0.0)
     finally:
@@ -205,11 +215,15 @@ def test_a_settle_that_fails_part_way_holds_no_partition_it_could_end(
         assert answer.outcome is TransactionOutcome.ABORTED, answer
         first.close()
         nodes.kill_victim(data, 0)
+        _, before = wait_until(lambda: stable_and_end(nodes.admin, data, 1), 10, f"{data}[1]'s offsets")
         started = time.monotonic()
         with pytest.raises(RetriableTransportError):
             transport.transactional(tid, 5)
         failed_after = time.monotonic() - started
         assert (data, 0) in transport._unsettled[tid].partitions, "the leaderless partition forgotten"
+        # The fault reached: the failed settle wrote its empty record on the healthy partition.
+        _, after = wait_until(lambda: stable_and_end(nodes.admin, data, 1), 10, f"{data}[1]'s offsets")
+        assert after > before, f"the failed settle wrote nothing on {data}[1] (its end {before}, {after})"
         # Another producer's record on the partition the settle reached: read_committed readers get it.
         other.produce(data, b"another shard's row", b"c", 1)
         assert other.flush(10) == 0
@@ -268,8 +282,10 @@ def test_a_settle_whose_own_abort_marker_is_dropped_keeps_the_partition_to_end(
         wait_until(lambda: nodes.dropped_since(marks[-1]), 30, "the coordinator dropping the data marker")
         first.close()
         nodes.restart_victim(data)
-        stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
-        assert stable < end, "the broker wrote the data marker: nothing was left open"
+        left_open = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        # The fault reached: row-1 at offset 0, left open (an end of 0: it was never written; a last
+        # stable offset of 1 or more: the broker wrote its marker).
+        assert left_open == (0, 1), f"the data partition's last stable offset and end: {left_open}"
 
         # The next producer's settle: its abort marker on the data partition dropped as well.
         made = _transactions.Producer
@@ -280,6 +296,9 @@ def test_a_settle_whose_own_abort_marker_is_dropped_keeps_the_partition_to_end(
         monkeypatch.setattr(_transactions, "Producer", made)
         wait_until(lambda: nodes.dropped_since(marks[-1]), 30, "the coordinator dropping the settle's marker")
         nodes.restart_victim(data)
+        # The fault reached: the settle's empty record joined row-1, and nothing ended the two.
+        settled = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        assert settled == (0, 2), f"the data partition's last stable offset and end: {settled}"
 
         taker = transport.transactional(tid, 30)
         again = taker.send([Record(data, b"row-1 again", key=b"k", partition=0),
