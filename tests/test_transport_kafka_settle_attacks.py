@@ -16,6 +16,7 @@ import os
 import time
 from collections import Counter
 from contextlib import suppress
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -310,3 +311,98 @@ def test_a_settle_whose_own_abort_marker_is_dropped_keeps_the_partition_to_end(
     finally:
         transport.close()
 
+
+
+@pytest.mark.parametrize("ending", ["stopped-while-its-settle-fails", "dead-after-the-abort"])
+def test_a_relay_gone_before_its_settle_leaves_nothing_open_for_the_next_owner_to_commit(
+        kafka_cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch,
+        ending: str) -> None:
+    """A shard's transaction aborts after its data record was written, and its abort marker there is
+    dropped (the data partition's only replica killed). The relay that wrote it then goes before any
+    producer of the id ends that record: stopped (``close``, as on SIGTERM) while its settle fails
+    for want of the partition's leader, or dead right after the abort (its lease expired, as on
+    SIGKILL). Its transport's list of where such transactions wrote went with it. The next owner, of
+    another transport (another process), read nothing that named the partition: the record is not
+    in any committed progress. Its commit there ended the old record committed too: the row twice
+    for read_committed readers. The shard's lease row names the topic now, written before the send,
+    and the take-over ends what is open on each of its partitions first."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    tid = f"outbox-{outbox.load_schema().incarnation}-0"
+    data, progress = f"gone-rows-{ending}", f"gone-progress-{ending}"
+    nodes = Nodes(kafka_cluster, tid)
+    nodes.topic(data, nodes.victim)
+    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
+    publish(outbox, data, ["k"])
+    first = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
+    wait_until(lambda: first.ensure_compacted_topic(progress, 1, 10) or True, 30,
+               "the progress topic's configuration readable")
+    real = first.transactional
+    outcomes: list[TransactionOutcome] = []
+    failed_makes: list[BaseException] = []
+    mark: list[int] = []
+
+    def transactional(*args: Any, **kwargs: Any) -> Any:
+        try:
+            producer = real(*args, **kwargs)
+        except RetriableTransportError as exc:  # the settle of the id's next producer fails
+            failed_makes.append(exc)
+            raise
+        real_send, lookup = producer.send, producer._partitions
+
+        def partitions(topic: str) -> int | SendResult:
+            if topic != progress or outcomes:
+                return lookup(topic)
+            # The data record is written: its partition's only replica goes, and the progress
+            # partition cannot be looked up now (the transaction aborts, no record refused for good).
+            nodes.kill_victim(data)
+            mark.append(nodes.coordinator_log())
+            return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
+                              unreachable=True)
+
+        def send(records: Any) -> Any:
+            answer = real_send(records)
+            outcomes.append(answer.outcome)
+            return answer
+
+        monkeypatch.setattr(producer, "_partitions", partitions)
+        monkeypatch.setattr(producer, "send", send)
+        return producer
+
+    monkeypatch.setattr(first, "transactional", transactional)
+    relay = Relay(outbox, first, exactly_once=True, progress_topic=progress, worker_id="first",
+                  lease_ttl=300)
+    try:
+        wait_for(lambda: (relay.run_once(), bool(outcomes))[1], 120, "the first transaction's answer",
+                 interval=0.0)
+        assert outcomes == [TransactionOutcome.ABORTED]
+        wait_until(lambda: nodes.dropped_since(mark[0]), 30, "the coordinator dropping the data marker")
+        if ending == "stopped-while-its-settle-fails":
+            wait_for(lambda: (relay.run_once(), bool(failed_makes))[1], 120,
+                     "the next producer's settle failing", interval=0.0)
+            assert rows(outbox, status="pending"), "the row was published while its partition was down"
+            relay.close()  # gives its lease back
+        else:  # dead: nothing more runs in it; its heartbeat and lease expire
+            long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+            with engine.begin() as conn:
+                conn.execute(outbox.tables.leases.update().values(expires_at=long_ago))
+                conn.execute(outbox.tables.relays.update().values(heartbeat_at=long_ago))
+        nodes.restart_victim(data)
+        left_open = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        assert left_open[0] < left_open[1], f"nothing was left open: {left_open}"
+        # The next owner: a transport of its own, as another process's.
+        other = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
+        second = Relay(outbox, other, exactly_once=True, progress_topic=progress, worker_id="second",
+                       lease_ttl=300)
+        try:
+            wait_for(lambda: (second.run_once(), not rows(outbox, status="pending"))[1], 120,
+                     "the row published by the next owner", interval=0.0)
+        finally:
+            second.close()
+    finally:
+        relay.close()
+    on_wire = read_topic(kafka_cluster.bootstrap, data, expected=1, settle=2.0, isolation="read_committed")
+    copies = Counter(dict(r.headers)[MESSAGE_ID] for r in on_wire)
+    assert list(copies.values()) == [1], f"read_committed: {sorted(copies.values())} copies of the row"
+    engine.dispose()
