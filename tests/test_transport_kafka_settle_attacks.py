@@ -114,6 +114,74 @@ class KilledAtAbort:
         self._inner.abort_transaction(*args)
 
 
+class AbortedAtTheProgress:
+    """One shard's relay set-up whose first transaction aborts after its data record was written.
+
+    ``data`` gets one partition, on the victim node (its only replica); ``progress`` one on the
+    coordinator's. A row of key ``k`` is published. ``transport`` (of the relay to make) gives out
+    producers whose first progress record cannot be produced: its partition count is not known (a
+    retriable refusal at produce(), as when the cluster does not answer a metadata request in time),
+    once the data record was answered, and the victim is killed then: the transaction aborts with no
+    record refused for good, and the coordinator drops its abort marker on ``data`` (``mark``: where
+    its log was then). ``outcomes``: each transaction's; ``failed_makes``: each producer whose making
+    (its settle) failed for want of the broker."""
+
+    def __init__(self, cluster: LocalKafkaCluster, outbox: Outbox, data: str, progress: str,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+        tid = f"outbox-{outbox.load_schema().incarnation}-0"
+        self.nodes = nodes = Nodes(cluster, tid)
+        nodes.topic(data, nodes.victim)
+        nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
+        publish(outbox, data, ["k"])
+        transport = KafkaTransport(bootstrap_servers=cluster.bootstrap, delivery_timeout=10.0)
+        self.transport = transport
+        wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
+                   "the progress topic's configuration readable")
+        real = transport.transactional
+        self.outcomes: list[TransactionOutcome] = []
+        self.failed_makes: list[BaseException] = []
+        self.mark: list[int] = []
+        outcomes, mark = self.outcomes, self.mark
+
+        def transactional(*args: Any, **kwargs: Any) -> Any:
+            try:
+                producer = real(*args, **kwargs)
+            except RetriableTransportError as exc:  # the settle of the id's next producer failed
+                self.failed_makes.append(exc)
+                raise
+            real_send, lookup = producer.send, producer._partitions
+
+            def partitions(topic: str) -> int | SendResult:
+                if topic != progress or outcomes:
+                    return lookup(topic)
+                # The data record is written (the progress record goes once its report came): its
+                # partition's only replica goes, and the progress partition cannot be looked up now.
+                nodes.kill_victim(data)
+                mark.append(nodes.coordinator_log())
+                return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
+                                  unreachable=True)
+
+            def send(records: Any) -> Any:
+                answer = real_send(records)
+                outcomes.append(answer.outcome)
+                return answer
+
+            monkeypatch.setattr(producer, "_partitions", partitions)
+            monkeypatch.setattr(producer, "send", send)
+            return producer
+
+        monkeypatch.setattr(transport, "transactional", transactional)
+
+    def aborted(self, relay: Relay) -> None:
+        """``relay`` (of ``transport``) runs until its first transaction's answer: aborted, its marker on
+        ``data`` dropped by the coordinator."""
+        wait_for(lambda: (relay.run_once(), bool(self.outcomes))[1], 120, "the first transaction's answer",
+                 interval=0.0)
+        assert self.outcomes == [TransactionOutcome.ABORTED]
+        wait_until(lambda: self.nodes.dropped_since(self.mark[0]), 30,
+                   "the coordinator dropping the data marker")
+
+
 def test_a_transaction_aborted_for_want_of_the_broker_is_settled_before_its_shard_commits_again(
         kafka_cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard's transaction ends ABORTED with no record refused for good (a retriable refusal at
@@ -127,52 +195,15 @@ def test_a_transaction_aborted_for_want_of_the_broker_is_settled_before_its_shar
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
-    tid = f"outbox-{outbox.load_schema().incarnation}-0"
     data, progress = "settle-kept-rows", "settle-kept-progress"
-    nodes = Nodes(kafka_cluster, tid)
-    nodes.topic(data, nodes.victim)
-    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
-    publish(outbox, data, ["k"])
-    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
-    wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
-               "the progress topic's configuration readable")
-    real = transport.transactional
-    outcomes: list[TransactionOutcome] = []
-    mark: list[int] = []
-
-    def transactional(*args: Any, **kwargs: Any) -> Any:
-        producer = real(*args, **kwargs)
-        real_send, lookup = producer.send, producer._partitions
-
-        def partitions(topic: str) -> int | SendResult:
-            if topic != progress or outcomes:
-                return lookup(topic)
-            # The data record is written (the progress record goes once its report came): its
-            # partition's only replica goes, and the progress partition cannot be looked up now.
-            nodes.kill_victim(data)
-            mark.append(nodes.coordinator_log())
-            return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
-                              unreachable=True)
-
-        def send(records: Any) -> Any:
-            answer = real_send(records)
-            outcomes.append(answer.outcome)
-            return answer
-
-        monkeypatch.setattr(producer, "_partitions", partitions)
-        monkeypatch.setattr(producer, "send", send)
-        return producer
-
-    monkeypatch.setattr(transport, "transactional", transactional)
+    fault = AbortedAtTheProgress(kafka_cluster, outbox, data, progress, monkeypatch)
+    nodes, transport = fault.nodes, fault.transport
     # A lease held all along, as a running relay's lease thread keeps it (run_once renews it only when
     # it runs): a new epoch would make a new producer anyway.
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress, worker_id="w",
                   lease_ttl=300)
     try:
-        wait_for(lambda: (relay.run_once(), bool(outcomes))[1], 120, "the first transaction's answer",
-                 interval=0.0)
-        assert outcomes == [TransactionOutcome.ABORTED]
-        wait_until(lambda: nodes.dropped_since(mark[0]), 30, "the coordinator dropping the data marker")
+        fault.aborted(relay)
         nodes.restart_victim(data)
         stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
         assert stable < end, f"the broker wrote the data marker: nothing was left open ({stable}, {end})"
@@ -326,55 +357,13 @@ def test_a_relay_gone_before_its_settle_leaves_nothing_open_for_the_next_owner_t
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
-    tid = f"outbox-{outbox.load_schema().incarnation}-0"
     data, progress = f"gone-rows-{ending}", f"gone-progress-{ending}"
-    nodes = Nodes(kafka_cluster, tid)
-    nodes.topic(data, nodes.victim)
-    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
-    publish(outbox, data, ["k"])
-    first = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
-    wait_until(lambda: first.ensure_compacted_topic(progress, 1, 10) or True, 30,
-               "the progress topic's configuration readable")
-    real = first.transactional
-    outcomes: list[TransactionOutcome] = []
-    failed_makes: list[BaseException] = []
-    mark: list[int] = []
-
-    def transactional(*args: Any, **kwargs: Any) -> Any:
-        try:
-            producer = real(*args, **kwargs)
-        except RetriableTransportError as exc:  # the settle of the id's next producer fails
-            failed_makes.append(exc)
-            raise
-        real_send, lookup = producer.send, producer._partitions
-
-        def partitions(topic: str) -> int | SendResult:
-            if topic != progress or outcomes:
-                return lookup(topic)
-            # The data record is written: its partition's only replica goes, and the progress
-            # partition cannot be looked up now (the transaction aborts, no record refused for good).
-            nodes.kill_victim(data)
-            mark.append(nodes.coordinator_log())
-            return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
-                              unreachable=True)
-
-        def send(records: Any) -> Any:
-            answer = real_send(records)
-            outcomes.append(answer.outcome)
-            return answer
-
-        monkeypatch.setattr(producer, "_partitions", partitions)
-        monkeypatch.setattr(producer, "send", send)
-        return producer
-
-    monkeypatch.setattr(first, "transactional", transactional)
+    fault = AbortedAtTheProgress(kafka_cluster, outbox, data, progress, monkeypatch)
+    nodes, first, failed_makes = fault.nodes, fault.transport, fault.failed_makes
     relay = Relay(outbox, first, exactly_once=True, progress_topic=progress, worker_id="first",
                   lease_ttl=300)
     try:
-        wait_for(lambda: (relay.run_once(), bool(outcomes))[1], 120, "the first transaction's answer",
-                 interval=0.0)
-        assert outcomes == [TransactionOutcome.ABORTED]
-        wait_until(lambda: nodes.dropped_since(mark[0]), 30, "the coordinator dropping the data marker")
+        fault.aborted(relay)
         if ending == "stopped-while-its-settle-fails":
             wait_for(lambda: (relay.run_once(), bool(failed_makes))[1], 120,
                      "the next producer's settle failing", interval=0.0)
