@@ -31,6 +31,7 @@ from outbox.core._wire import EVENT_TYPE, record_size, to_record
 from tests.inbox_support import record
 
 T = "orders"
+BEFORE_EVENT_TYPE = 4  # the schema version the event type's upgrade step starts from
 
 
 class OrderPaid(pydantic.BaseModel):
@@ -152,7 +153,7 @@ def previous_version(url: str) -> None:
         for table in (t.messages, t.inbox_held, t.inbox_parked):
             conn.execute(sa.text(f"ALTER TABLE {table.name} DROP COLUMN event_type"))
         conn.execute(sa.update(t.meta).where(t.meta.c.name == "schema_version")
-                     .values(value=str(SCHEMA_VERSION - 1)))
+                     .values(value=str(BEFORE_EVENT_TYPE)))
     engine.dispose()
 
 
@@ -161,7 +162,7 @@ def test_the_previous_version_upgrades_to_event_types_and_keeps_its_rows(db_url:
     with pytest.raises(SchemaError, match="init-db --upgrade"):
         Outbox(create_engine(db_url)).load_schema()
     out = cli("init-db", "--db", db_url, "--upgrade")
-    assert f"upgraded schema version {SCHEMA_VERSION - 1} to {SCHEMA_VERSION}" in out
+    assert f"upgraded schema version {BEFORE_EVENT_TYPE} to {SCHEMA_VERSION}" in out
     cli("init-db", "--db", db_url, "--upgrade")  # idempotent
     engine = create_engine(db_url)
     ob = Outbox(engine)

@@ -299,7 +299,7 @@ def test_a_relay_frozen_inside_its_renewal_does_not_hold_the_relay_that_takes_it
         postgres_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A relay frozen between its renewal's UPDATE and its COMMIT (SIGSTOP, a VM stall) holds its lease
     rows locked: the relay that takes them once they expired would wait on them for as long as it
-    sleeps. PostgreSQL ends a lease transaction left idle for a TTL (``Leases._locking``)."""
+    sleeps. PostgreSQL ends a lease transaction left idle for a TTL (``Leases.locking``)."""
     engine = create_engine(postgres_db)
     box = Outbox(engine, shards=2)
     box.create_tables()

@@ -615,3 +615,43 @@ def test_a_relay_frozen_inside_its_mark_does_not_hold_the_relay_that_takes_its_s
     on_wire = read_topic(kafka, topic, expected=len(keys), settle=1.0, isolation="read_committed")
     assert len(on_wire) == len(keys) and max(copies(on_wire).values()) == 1
     engine.dispose()
+
+
+def test_a_shard_keeping_to_its_topics_names_them_in_its_lease_row_once_and_a_take_over_empties_it(
+        outbox: Outbox, kafka: str, topic: str, progress_topic: str) -> None:
+    """The lease row names the topics a shard's transactions wrote (``relay._unsettled``), written
+    before the send: once per topic and take-over, no statement more while the shard keeps to them.
+    The next owner's take-over ends what they may hold open and empties the row before it sends."""
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    widened: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE") and "unsettled_topics" in statement:
+            widened.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        first = relay(outbox, kafka, True, progress_topic, batch_size=5, worker_id="first")
+        for _ in range(4):  # four batches of rows of one topic over the four shards
+            publish(outbox, topic, [f"k{i}" for i in range(20)])
+            drain(first, timeout=30)
+        named = {row.shard: row.unsettled_topics for row in leases(outbox)}
+        sends = len(widened)
+        first.close()
+        second = relay(outbox, kafka, True, progress_topic, batch_size=5, worker_id="second")
+        publish(outbox, topic, ["k0"])
+        drain(second, timeout=30)
+        after = {row.shard: row.unsettled_topics for row in leases(outbox)}
+        second.close()
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+    assert set(named.values()) == {topic}  # every shard sent: each names the topic
+    # Per shard: its take-over's emptying (its row named nothing yet) and one widening, however many
+    # transactions it sent.
+    assert sends == 2 * 4, widened
+    # The second relay took the four shards over: each emptied (the topic's partitions settled); the
+    # one shard it sent k0 on names the topic again.
+    assert sorted(v for v in after.values() if v is not None) == [topic]
+    on_wire = read_topic(kafka, topic, expected=81, settle=1.0, isolation="read_committed")
+    assert len(on_wire) == 81 and max(copies(on_wire).values()) == 1

@@ -75,10 +75,10 @@ def hooked(transport: KafkaTransport, monkeypatch: pytest.MonkeyPatch, *,
     (after the relay decided to make it), ``after_send`` sees (and may replace) each transaction's answer."""
     real = transport.transactional
 
-    def transactional(tid: str, timeout: float, *, one_per_request: bool = False) -> Any:
+    def transactional(tid: str, timeout: float, *, one_per_request: bool = False, **kwargs: Any) -> Any:
         if before_make is not None:
             before_make(one_per_request)
-        producer = real(tid, timeout, one_per_request=one_per_request)
+        producer = real(tid, timeout, one_per_request=one_per_request, **kwargs)
         if after_send is not None:
             real_send = producer.send
             producer.send = lambda records: after_send(real_send(records))  # type: ignore[method-assign]

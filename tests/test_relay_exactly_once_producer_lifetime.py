@@ -32,7 +32,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -70,6 +70,24 @@ class RaisesAfterItsCommit:
         self.producer.close()
 
 
+class Confirming:
+    """The relay's shard leases (``ShardLease``) as one ``confirm(shard, epoch)``: each of a take-over's
+    two confirmations and of a remake's is one call of it (nothing is recorded: the row names no topic),
+    a send's widening none."""
+
+    def __init__(self, confirm: Any) -> None:
+        self.confirm = confirm
+
+    def taken(self, shard: int, epoch: int) -> frozenset[str] | None:
+        return frozenset() if self.confirm(shard, epoch) else None
+
+    def settled(self, shard: int, epoch: int) -> bool:
+        return bool(self.confirm(shard, epoch))
+
+    def widen(self, wanted: Mapping[int, tuple[int, Collection[str]]]) -> set[int]:
+        return set(wanted)
+
+
 class Transport(KafkaTransport):
     """The Kafka transport on the mock cluster, which answers no DescribeConfigs: the progress topic is
     made by a record (auto-created). The transactional producers it makes are kept, weakly; while
@@ -80,10 +98,9 @@ class Transport(KafkaTransport):
         self.made: list[weakref.ref[KafkaTransactionalProducer]] = []
         self.raising = False
 
-    def transactional(self, transactional_id: str, timeout: float, *,
-                      one_per_request: bool = False) -> Any:
+    def transactional(self, transactional_id: str, timeout: float, **kwargs: Any) -> Any:
         try:
-            producer = super().transactional(transactional_id, timeout, one_per_request=one_per_request)
+            producer = super().transactional(transactional_id, timeout, **kwargs)
         except BaseException:
             newest = self._made.get(transactional_id)
             if newest is not None:
@@ -192,7 +209,8 @@ def test_a_closed_transactional_producer_has_no_client_though_it_is_still_held(
 def relay(transport: Transport, confirm: Any, progress: str, stopping: threading.Event | None = None,
           ) -> ExactlyOnce:
     return ExactlyOnce(transport, incarnation=progress.removeprefix("progress-"), worker_id="w", shards=1,
-                       progress_topic=progress, mark=lambda *_: True, confirm=confirm, stopping=stopping)
+                       progress_topic=progress, mark=lambda *_: True, lease=Confirming(confirm),
+                       stopping=stopping)
 
 
 def test_a_take_over_whose_lease_check_raises_after_its_producer_was_made_frees_that_producer(
@@ -276,7 +294,7 @@ def test_a_batch_whose_shard_raises_frees_the_producer_that_shards_remake_made(
         return True
 
     eo = ExactlyOnce(transport, incarnation=progress.removeprefix("progress-"), worker_id="w", shards=2,
-                     progress_topic=progress, mark=lambda *_: True, confirm=confirm)
+                     progress_topic=progress, mark=lambda *_: True, lease=Confirming(confirm))
     before = clients()
     try:
         assert eo.prepare({0: 1, 1: 1}) == ({0: 1, 1: 1}, None)
@@ -336,7 +354,7 @@ def test_a_shard_whose_transaction_raised_keeps_no_client_of_the_producer_it_dro
     _, topic, progress = names()
     marked: list[list[int]] = []
     eo = ExactlyOnce(transport, incarnation=progress.removeprefix("progress-"), worker_id="w", shards=1,
-                     progress_topic=progress, confirm=lambda *_: True,
+                     progress_topic=progress, lease=Confirming(lambda *_: True),
                      mark=lambda shard, epoch, ids: marked.append(ids) is None)
     before = clients()
     try:

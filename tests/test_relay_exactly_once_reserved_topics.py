@@ -9,6 +9,8 @@ another's could forge that one's progress.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+
 from outbox.relay._exactly_once import ExactlyOnce
 from outbox.relay._sharing import Sharing
 from outbox.relay._writer import DaemonPool
@@ -16,10 +18,26 @@ from transports import Outcome, Record
 from transports.kafka import KafkaTransport
 
 
+class AnyLease:
+    """Every lease held, nothing recorded (``ShardLease``): these tests send nothing."""
+
+    def confirm(self, shard: int, epoch: int) -> bool:
+        return True
+
+    def taken(self, shard: int, epoch: int) -> frozenset[str] | None:
+        return frozenset()
+
+    def settled(self, shard: int, epoch: int) -> bool:
+        return True
+
+    def widen(self, wanted: Mapping[int, tuple[int, Collection[str]]]) -> set[int]:
+        return set(wanted)
+
+
 def step(sharing: Sharing | None, progress_topic: str) -> ExactlyOnce:
     transport = KafkaTransport(bootstrap_servers="127.0.0.1:1", delivery_timeout=1.0)
     return ExactlyOnce(transport, incarnation="inc", worker_id="w", shards=2, progress_topic=progress_topic,
-                       mark=lambda *_: True, confirm=lambda *_: True, sharing=sharing)
+                       mark=lambda *_: True, lease=AnyLease(), sharing=sharing)
 
 
 def test_a_row_to_the_relays_progress_topic_fails_alone_and_is_not_sent() -> None:

@@ -376,11 +376,11 @@ def test_a_fleet_that_lost_a_tenant_s_lease_while_making_an_idle_producer_again_
         made = KafkaTransport(settings, bootstrap_servers=kafka)
         real = made.transactional
 
-        def transactional(tid: str, timeout: float, *, one_per_request: bool = False) -> Any:
+        def transactional(tid: str, timeout: float, **kwargs: Any) -> Any:
             if armed.is_set() and not frozen.is_set():
                 frozen.set()
                 thaw.wait(90)
-            return real(tid, timeout, one_per_request=one_per_request)
+            return real(tid, timeout, **kwargs)
 
         made.transactional = transactional  # type: ignore[method-assign]
         return made

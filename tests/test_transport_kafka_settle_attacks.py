@@ -16,6 +16,7 @@ import os
 import time
 from collections import Counter
 from contextlib import suppress
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -79,7 +80,16 @@ class Nodes:
 
 class KilledAtAbort:
     """A confluent producer whose ``abort_transaction`` first runs ``before``, once (everything else its
-    own). ``answered_first``: its records in flight are answered before the purge of an abort."""
+    own). ``answered_first``: a record is produced only once every record produced before it was
+    answered (written to its partition's log).
+
+    Without that, a transaction's data record and the record the broker refuses were produced
+    together, and the refusal could come back before the data record was sent (its leader's
+    connection still being made): librdkafka sends nothing of a transaction that failed, so the data
+    record was never written, the abort's dropped marker left nothing open, and the test did not
+    reach its fault ("the broker wrote the data marker", the CI of ec05b0e). Answering each record
+    before the next one is produced orders the two for certain (a flush before the abort's purge
+    cannot: a record librdkafka holds back once the transaction failed is never answered)."""
 
     def __init__(self, inner: Producer, before: Any, *, answered_first: bool = False) -> None:
         self._inner, self._before, self._answered_first = inner, before, answered_first
@@ -91,16 +101,85 @@ class KilledAtAbort:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def purge(self, *args: Any, **kwargs: Any) -> None:
+    def produce(self, *args: Any, **kwargs: Any) -> None:
         if self._answered_first:
-            self._inner.flush(10)  # the data record answered: it is in its partition's log
-        self._inner.purge(*args, **kwargs)
+            left = self._inner.flush(10)
+            assert left == 0, f"{left} record(s) produced before this one not answered in 10 s"
+        self._inner.produce(*args, **kwargs)
 
     def abort_transaction(self, *args: Any) -> None:
         if not self._ran:
             self._ran = True
             self._before()
         self._inner.abort_transaction(*args)
+
+
+class AbortedAtTheProgress:
+    """One shard's relay set-up whose first transaction aborts after its data record was written.
+
+    ``data`` gets one partition, on the victim node (its only replica); ``progress`` one on the
+    coordinator's. A row of key ``k`` is published. ``transport`` (of the relay to make) gives out
+    producers whose first progress record cannot be produced: its partition count is not known (a
+    retriable refusal at produce(), as when the cluster does not answer a metadata request in time),
+    once the data record was answered, and the victim is killed then: the transaction aborts with no
+    record refused for good, and the coordinator drops its abort marker on ``data`` (``mark``: where
+    its log was then). ``outcomes``: each transaction's; ``failed_makes``: each producer whose making
+    (its settle) failed for want of the broker."""
+
+    def __init__(self, cluster: LocalKafkaCluster, outbox: Outbox, data: str, progress: str,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+        tid = f"outbox-{outbox.load_schema().incarnation}-0"
+        self.nodes = nodes = Nodes(cluster, tid)
+        nodes.topic(data, nodes.victim)
+        nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
+        publish(outbox, data, ["k"])
+        transport = KafkaTransport(bootstrap_servers=cluster.bootstrap, delivery_timeout=10.0)
+        self.transport = transport
+        wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
+                   "the progress topic's configuration readable")
+        real = transport.transactional
+        self.outcomes: list[TransactionOutcome] = []
+        self.failed_makes: list[BaseException] = []
+        self.mark: list[int] = []
+        outcomes, mark = self.outcomes, self.mark
+
+        def transactional(*args: Any, **kwargs: Any) -> Any:
+            try:
+                producer = real(*args, **kwargs)
+            except RetriableTransportError as exc:  # the settle of the id's next producer failed
+                self.failed_makes.append(exc)
+                raise
+            real_send, lookup = producer.send, producer._partitions
+
+            def partitions(topic: str) -> int | SendResult:
+                if topic != progress or outcomes:
+                    return lookup(topic)
+                # The data record is written (the progress record goes once its report came): its
+                # partition's only replica goes, and the progress partition cannot be looked up now.
+                nodes.kill_victim(data)
+                mark.append(nodes.coordinator_log())
+                return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
+                                  unreachable=True)
+
+            def send(records: Any) -> Any:
+                answer = real_send(records)
+                outcomes.append(answer.outcome)
+                return answer
+
+            monkeypatch.setattr(producer, "_partitions", partitions)
+            monkeypatch.setattr(producer, "send", send)
+            return producer
+
+        monkeypatch.setattr(transport, "transactional", transactional)
+
+    def aborted(self, relay: Relay) -> None:
+        """``relay`` (of ``transport``) runs until its first transaction's answer: aborted, its marker on
+        ``data`` dropped by the coordinator."""
+        wait_for(lambda: (relay.run_once(), bool(self.outcomes))[1], 120, "the first transaction's answer",
+                 interval=0.0)
+        assert self.outcomes == [TransactionOutcome.ABORTED]
+        wait_until(lambda: self.nodes.dropped_since(self.mark[0]), 30,
+                   "the coordinator dropping the data marker")
 
 
 def test_a_transaction_aborted_for_want_of_the_broker_is_settled_before_its_shard_commits_again(
@@ -116,55 +195,18 @@ def test_a_transaction_aborted_for_want_of_the_broker_is_settled_before_its_shar
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
-    tid = f"outbox-{outbox.load_schema().incarnation}-0"
     data, progress = "settle-kept-rows", "settle-kept-progress"
-    nodes = Nodes(kafka_cluster, tid)
-    nodes.topic(data, nodes.victim)
-    nodes.topic(progress, nodes.coordinator, **{"cleanup.policy": "compact"})
-    publish(outbox, data, ["k"])
-    transport = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
-    wait_until(lambda: transport.ensure_compacted_topic(progress, 1, 10) or True, 30,
-               "the progress topic's configuration readable")
-    real = transport.transactional
-    outcomes: list[TransactionOutcome] = []
-    mark: list[int] = []
-
-    def transactional(*args: Any, **kwargs: Any) -> Any:
-        producer = real(*args, **kwargs)
-        real_send, lookup = producer.send, producer._partitions
-
-        def partitions(topic: str) -> int | SendResult:
-            if topic != progress or outcomes:
-                return lookup(topic)
-            # The data record is written (the progress record goes once its report came): its
-            # partition's only replica goes, and the progress partition cannot be looked up now.
-            nodes.kill_victim(data)
-            mark.append(nodes.coordinator_log())
-            return SendResult(Outcome.RETRY, error="metadata of the progress topic: timed out",
-                              unreachable=True)
-
-        def send(records: Any) -> Any:
-            answer = real_send(records)
-            outcomes.append(answer.outcome)
-            return answer
-
-        monkeypatch.setattr(producer, "_partitions", partitions)
-        monkeypatch.setattr(producer, "send", send)
-        return producer
-
-    monkeypatch.setattr(transport, "transactional", transactional)
+    fault = AbortedAtTheProgress(kafka_cluster, outbox, data, progress, monkeypatch)
+    nodes, transport = fault.nodes, fault.transport
     # A lease held all along, as a running relay's lease thread keeps it (run_once renews it only when
     # it runs): a new epoch would make a new producer anyway.
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress, worker_id="w",
                   lease_ttl=300)
     try:
-        wait_for(lambda: (relay.run_once(), bool(outcomes))[1], 120, "the first transaction's answer",
-                 interval=0.0)
-        assert outcomes == [TransactionOutcome.ABORTED]
-        wait_until(lambda: nodes.dropped_since(mark[0]), 30, "the coordinator dropping the data marker")
+        fault.aborted(relay)
         nodes.restart_victim(data)
         stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
-        assert stable < end, "the broker wrote the data marker: nothing was left open"
+        assert stable < end, f"the broker wrote the data marker: nothing was left open ({stable}, {end})"
         wait_for(lambda: (relay.run_once(), not rows(outbox, status="pending"))[1], 120,
                  "the row published", interval=0.0)
     finally:
@@ -205,11 +247,15 @@ def test_a_settle_that_fails_part_way_holds_no_partition_it_could_end(
         assert answer.outcome is TransactionOutcome.ABORTED, answer
         first.close()
         nodes.kill_victim(data, 0)
+        _, before = wait_until(lambda: stable_and_end(nodes.admin, data, 1), 10, f"{data}[1]'s offsets")
         started = time.monotonic()
         with pytest.raises(RetriableTransportError):
             transport.transactional(tid, 5)
         failed_after = time.monotonic() - started
         assert (data, 0) in transport._unsettled[tid].partitions, "the leaderless partition forgotten"
+        # The fault reached: the failed settle wrote its empty record on the healthy partition.
+        _, after = wait_until(lambda: stable_and_end(nodes.admin, data, 1), 10, f"{data}[1]'s offsets")
+        assert after > before, f"the failed settle wrote nothing on {data}[1] (its end {before}, {after})"
         # Another producer's record on the partition the settle reached: read_committed readers get it.
         other.produce(data, b"another shard's row", b"c", 1)
         assert other.flush(10) == 0
@@ -268,8 +314,10 @@ def test_a_settle_whose_own_abort_marker_is_dropped_keeps_the_partition_to_end(
         wait_until(lambda: nodes.dropped_since(marks[-1]), 30, "the coordinator dropping the data marker")
         first.close()
         nodes.restart_victim(data)
-        stable, end = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
-        assert stable < end, "the broker wrote the data marker: nothing was left open"
+        left_open = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        # The fault reached: row-1 at offset 0, left open (an end of 0: it was never written; a last
+        # stable offset of 1 or more: the broker wrote its marker).
+        assert left_open == (0, 1), f"the data partition's last stable offset and end: {left_open}"
 
         # The next producer's settle: its abort marker on the data partition dropped as well.
         made = _transactions.Producer
@@ -291,3 +339,56 @@ def test_a_settle_whose_own_abort_marker_is_dropped_keeps_the_partition_to_end(
     finally:
         transport.close()
 
+
+
+@pytest.mark.parametrize("ending", ["stopped-while-its-settle-fails", "dead-after-the-abort"])
+def test_a_relay_gone_before_its_settle_leaves_nothing_open_for_the_next_owner_to_commit(
+        kafka_cluster: LocalKafkaCluster, sqlite_db: str, monkeypatch: pytest.MonkeyPatch,
+        ending: str) -> None:
+    """A shard's transaction aborts after its data record was written, and its abort marker there is
+    dropped (the data partition's only replica killed). The relay that wrote it then goes before any
+    producer of the id ends that record: stopped (``close``, as on SIGTERM) while its settle fails
+    for want of the partition's leader, or dead right after the abort (its lease expired, as on
+    SIGKILL). Its transport's list of where such transactions wrote went with it. The next owner, of
+    another transport (another process), read nothing that named the partition: the record is not
+    in any committed progress. Its commit there ended the old record committed too: the row twice
+    for read_committed readers. The shard's lease row names the topic now, written before the send,
+    and the take-over ends what is open on each of its partitions first."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    data, progress = f"gone-rows-{ending}", f"gone-progress-{ending}"
+    fault = AbortedAtTheProgress(kafka_cluster, outbox, data, progress, monkeypatch)
+    nodes, first, failed_makes = fault.nodes, fault.transport, fault.failed_makes
+    relay = Relay(outbox, first, exactly_once=True, progress_topic=progress, worker_id="first",
+                  lease_ttl=300)
+    try:
+        fault.aborted(relay)
+        if ending == "stopped-while-its-settle-fails":
+            wait_for(lambda: (relay.run_once(), bool(failed_makes))[1], 120,
+                     "the next producer's settle failing", interval=0.0)
+            assert rows(outbox, status="pending"), "the row was published while its partition was down"
+            relay.close()  # gives its lease back
+        else:  # dead: nothing more runs in it; its heartbeat and lease expire
+            long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+            with engine.begin() as conn:
+                conn.execute(outbox.tables.leases.update().values(expires_at=long_ago))
+                conn.execute(outbox.tables.relays.update().values(heartbeat_at=long_ago))
+        nodes.restart_victim(data)
+        left_open = wait_until(lambda: stable_and_end(nodes.admin, data, 0), 30, "the data offsets")
+        assert left_open[0] < left_open[1], f"nothing was left open: {left_open}"
+        # The next owner: a transport of its own, as another process's.
+        other = KafkaTransport(bootstrap_servers=kafka_cluster.bootstrap, delivery_timeout=10.0)
+        second = Relay(outbox, other, exactly_once=True, progress_topic=progress, worker_id="second",
+                       lease_ttl=300)
+        try:
+            wait_for(lambda: (second.run_once(), not rows(outbox, status="pending"))[1], 120,
+                     "the row published by the next owner", interval=0.0)
+        finally:
+            second.close()
+    finally:
+        relay.close()
+    on_wire = read_topic(kafka_cluster.bootstrap, data, expected=1, settle=2.0, isolation="read_committed")
+    copies = Counter(dict(r.headers)[MESSAGE_ID] for r in on_wire)
+    assert list(copies.values()) == [1], f"read_committed: {sorted(copies.values())} copies of the row"
+    engine.dispose()

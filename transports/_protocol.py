@@ -8,7 +8,7 @@ only the types here cross it, and broker errors are translated into
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -221,11 +221,15 @@ class Transactions(Protocol):
         (``KafkaTransport``: its ``delivery_timeout``)."""
         ...
 
-    def transactional(self, transactional_id: str, timeout: float, *,
-                      one_per_request: bool = False) -> TransactionalProducer:
+    def transactional(self, transactional_id: str, timeout: float, *, one_per_request: bool = False,
+                      left_open: Collection[str] = ()) -> TransactionalProducer:
         """A producer of ``transactional_id``, every older one fenced; raises
         ``RetriableTransportError`` when the broker does not answer within ``timeout``.
-        ``one_per_request``: each broker request holds one record, so a refusal is its own."""
+        ``one_per_request``: each broker request holds one record, so a refusal is its own.
+        ``left_open``: topics where earlier producers of the id, perhaps in processes gone since, may
+        have left records of transactions that did not commit open; what is open on every partition of
+        them is ended before the producer is returned (``RetriableTransportError`` if it cannot be),
+        so that none of its commits ends such records committed."""
         ...
 
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:

@@ -96,6 +96,8 @@ UPGRADES: list[tuple[str, Step]] = [
      "of each inbox key, held and parked message", add_incarnation),
     ("event_type: the event type of each outbox row, held and parked inbox message",
      add_event_type),
+    ("outbox_leases.unsettled_topics: the topics an exactly-once shard's transactions wrote since "
+     "its last take-over settled them", add_column("leases", "unsettled_topics")),
 ]
 SCHEMA_VERSION = 1 + len(UPGRADES)
 

@@ -244,6 +244,11 @@ class OutboxTables:
             Column("owner", Name(200)),
             Column("epoch", BigInteger, nullable=False, default=0),
             Column("expires_at", UTCDateTime, nullable=False),
+            # Exactly-once mode: the topics the shard's transactions wrote since its last take-over
+            # ended what they may have left open, comma-separated; written before a transaction
+            # sends to a topic not named yet, so it outlives a relay killed at any point
+            # (``relay._unsettled``). NULL: none.
+            Column("unsettled_topics", _LongText),
             schema=s,
         )
         # Settings every process of this database must agree on, and the schema version:

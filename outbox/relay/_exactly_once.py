@@ -81,6 +81,7 @@ from ..core._validation import validate_topic
 from ._progress import progress_value, topics_fitting
 from ._shard_producer import (
     ProducerMaker,
+    ShardLease,
     ShardState,
     answered_held,
     await_one,
@@ -158,8 +159,9 @@ class ExactlyOnce:
     """A relay's transactional sending, a producer per owned shard (module doc).
 
     ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
-    transaction of its own, and says whether the lease still held; ``confirm(shard,
-    epoch)`` renews one lease and says whether it held (``Leases.confirm``).
+    transaction of its own, and says whether the lease still held; ``lease`` renews
+    one lease and says whether it held (``Leases.confirm``), and keeps the topics a
+    shard's transactions wrote in its row, ahead of each send (``_unsettled``).
     Each transaction and each broker call around one (fencing, reading the
     progress back) is bounded by the transport's ``transaction_timeout``
     (``KafkaTransport``'s ``delivery_timeout``, 30 s by default). ``stopping``:
@@ -168,7 +170,7 @@ class ExactlyOnce:
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
                  progress_topic: str, mark: Callable[[int, int, list[int]], bool],
-                 confirm: Callable[[int, int], bool],
+                 lease: ShardLease,
                  sharing: Sharing | None = None, name: str | None = None,
                  stopping: threading.Event | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
@@ -178,7 +180,7 @@ class ExactlyOnce:
         self.progress_topic = validate_topic(progress_topic)
         self._incarnation, self._worker_id, self._shards = incarnation, worker_id, shards
         timeout = self._transactions.transaction_timeout
-        self._mark, self._timeout = mark, timeout
+        self._mark, self._timeout, self._lease = mark, timeout, lease
         self._owned: dict[int, ShardState] = {}
         self._lock = threading.Lock()
         self._topic_ready = False
@@ -195,7 +197,7 @@ class ExactlyOnce:
         self.answered_since: float | None = None
         # The maker names ids from the incarnation, not through this publisher: it would hold us, a
         # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
-        self._maker = ProducerMaker(self._transactions, confirm=confirm, progress_topic=self.progress_topic,
+        self._maker = ProducerMaker(self._transactions, lease=lease, progress_topic=self.progress_topic,
                                     timeout=timeout, lock=self._lock, name=self.name,
                                     transactional_id=partial(transactional_id_of, incarnation),
                                     slots=sharing.slots if sharing is not None else None)
@@ -379,8 +381,9 @@ class ExactlyOnce:
                     f"there could pass for a shard's progress and make a take-over skip rows"))
                 continue
             by_shard.setdefault(shard, []).append(i)
-        sending = [(shard, state, {i: rows[i][0] for i in indexes}) for shard, indexes in by_shard.items()
-                   if (state := self._owned.get(shard)) is not None and state.recovered and not state.lost]
+        sending = self._recorded(records, [
+            (shard, state, {i: rows[i][0] for i in indexes}) for shard, indexes in by_shard.items()
+            if (state := self._owned.get(shard)) is not None and state.recovered and not state.lost])
         if len(sending) == 1:
             self._send_shard(*sending[0][:2], records, sending[0][2], results)
         elif sending:
@@ -396,6 +399,32 @@ class ExactlyOnce:
         # Not sent: its shard is not ready or lost, or its key waits behind a refused record.
         return [r if r is not None else SendResult(Outcome.RETRY, error="not sent", unreachable=True)
                 for r in results]
+
+    def _recorded(self, records: Sequence[Record], sending: list[tuple[int, ShardState, dict[int, int]]]
+                  ) -> list[tuple[int, ShardState, dict[int, int]]]:
+        """The shards of ``sending`` whose lease rows name every topic of their records, once those
+        that did not are given them (``_unsettled``), in one transaction, before anything is sent: a
+        relay killed at any point later has named each topic it may leave records open on. A shard
+        whose lease turned out to be another's is ``lost`` and sends nothing; a database error
+        raises, and nothing is sent. A shard sending to the topics it sent to before costs nothing."""
+        wanted: dict[int, tuple[int, frozenset[str]]] = {}
+        for shard, state, ids in sending:
+            named = state.recorded or frozenset()
+            topics = frozenset(records[i].topic for i in ids)
+            if not topics <= named:
+                wanted[shard] = (state.epoch, named | topics)
+        if not wanted:
+            return sending
+        held = self._lease.widen(wanted)
+        for shard, (epoch, topics) in wanted.items():
+            state = self._owned[shard]
+            if shard in held:
+                state.recorded = topics
+                continue
+            state.lost = True
+            log.warning("%s no longer holds shard %d's lease of epoch %d: it sends nothing more of it",
+                        self.name, shard, epoch)
+        return [entry for entry in sending if entry[0] not in wanted or entry[0] in held]
 
     def _send_shard(self, shard: int, state: ShardState, records: Sequence[Record], ids: dict[int, int],
                     results: list[SendResult | None]) -> None:

@@ -168,7 +168,7 @@ class Leases:
                 self._prepare()
             now = utcnow()
             expires = now + timedelta(seconds=self.ttl)
-            with self._locking() as own:
+            with self.locking() as own:
                 live, stored, renewed = self._heartbeat(own, now, expires)
             return self._settle(LeaseRound(now, expires, sorted(self._owned)), live, stored, renewed)
 
@@ -225,7 +225,7 @@ class Leases:
         return statements_for(self._tables, self._engine.dialect.name)
 
     @contextmanager
-    def _locking(self) -> Iterator[Connection]:
+    def locking(self) -> Iterator[Connection]:
         """A transaction of this relay's own that locks lease rows (and its heartbeat row), ended by
         the database if the relay stalls inside it for a TTL: frozen there (SIGSTOP, a VM stall), it
         would hold the relay that takes its expired leases (``RelayStatements.end_if_idle``)."""
@@ -340,7 +340,7 @@ class Leases:
     def _take(self, wanted: int, now: datetime, expires: datetime) -> dict[int, int]:
         leases = self._tables.leases
         taken: dict[int, int] = {}
-        with self._locking() as conn:
+        with self.locking() as conn:
             free = list(conn.scalars(
                 select(leases.c.shard)
                 .where((leases.c.owner.is_(None)) | (leases.c.expires_at < now))
@@ -375,7 +375,7 @@ class Leases:
         """
         leases = self._tables.leases
         expires = utcnow() + timedelta(seconds=self.ttl)
-        with self._locking() as conn:
+        with self.locking() as conn:
             # MySQL's rowcount counts matched rows here (SQLAlchemy asks for found rows).
             renewed = conn.execute(update(leases).where(
                 leases.c.shard == shard, leases.c.owner == self.worker_id, leases.c.epoch == epoch,
@@ -390,7 +390,7 @@ class Leases:
             if self._surplus <= 0:
                 return
             give = sorted(self._owned)[-self._surplus:]
-            with self._locking() as conn:
+            with self.locking() as conn:
                 self._give_back(conn, give)
             self._given_back(give)
             self._surplus = 0
@@ -409,7 +409,7 @@ class Leases:
             self._released = True
             shards = sorted(self._owned)
             relays = self._tables.relays
-            with self._locking() as conn:
+            with self.locking() as conn:
                 conn.execute(delete(relays).where(relays.c.worker_id == self.worker_id))
                 self._give_back(conn, shards)
             self._given_back(shards)

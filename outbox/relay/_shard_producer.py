@@ -22,6 +22,12 @@ progress between the two:
   earlier owner, or by a relay that made its producer in the window above)
   are named in the progress, and are not sent again.
 
+A take-over (the shard's first producer for its lease epoch) also reads, with the
+first confirmation, the topics the shard's lease row names (``_unsettled``): where
+the id's transactions may have left records open, the process that wrote them
+perhaps gone. The transport's new producer ends what is open on every partition
+of them before it is returned, and the second confirmation empties the row.
+
 A rightful owner fenced anyway (by a relay whose producer was made in that
 window) learns it from its next transaction (``TransactionOutcome.FENCED``): its
 producer is dropped and the next batch makes one again through ``make``. The
@@ -35,9 +41,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transports import TransactionalProducer, Transactions
 from transports._errors import HeldByOpenTransactionError, RetriableTransportError
@@ -69,6 +76,20 @@ STOP_LOOK = 0.1
 """Seconds between looks at the run's stop while a batch with no shard ready waits (``await_one``)."""
 
 
+class ShardLease(Protocol):
+    """A shard's lease as exactly-once mode asks it, each call fenced by the epoch
+    (``_unsettled.UnsettledTopics``): a renewal, alone or with the topics its row names
+    (read at a take-over, emptied once settled, widened ahead of a send)."""
+
+    def confirm(self, shard: int, epoch: int) -> bool: ...
+
+    def taken(self, shard: int, epoch: int) -> frozenset[str] | None: ...
+
+    def settled(self, shard: int, epoch: int) -> bool: ...
+
+    def widen(self, wanted: Mapping[int, tuple[int, Collection[str]]]) -> set[int]: ...
+
+
 @dataclass
 class ShardState:
     """One owned shard's producer for one lease epoch, and its rows committed but not known marked."""
@@ -89,6 +110,9 @@ class ShardState:
     held_until: float = 0.0  # held by an open transaction (not 0): its take-over not tried before then
     cap: int | None = None  # the most records a transaction carries while the broker is slow (``_pace``)
     cap_held_until: float = 0.0  # the cap does not grow before then (monotonic; ``_pace``)
+    # The topics its lease row names (``_unsettled``); None until its take-over ended what they
+    # may have left open and emptied the row.
+    recorded: frozenset[str] | None = None
 
     def close(self) -> None:
         """Close its producer, if any (a shard dropped: its take-over's producer once made)."""
@@ -100,14 +124,14 @@ class ShardState:
 class ProducerMaker:
     """Makes shards' producers under a confirmed lease, their progress read (module doc).
 
-    ``confirm(shard, epoch)`` renews that lease and says whether it held;
-    ``lock`` guards every ``ShardState.unmarked``.
+    ``lease`` renews a shard's lease and says whether it held (with the topics its
+    row names at a take-over); ``lock`` guards every ``ShardState.unmarked``.
     """
 
-    def __init__(self, transactions: Transactions, *, confirm: Callable[[int, int], bool],
+    def __init__(self, transactions: Transactions, *, lease: ShardLease,
                  progress_topic: str, timeout: float, transactional_id: Callable[[int], str],
                  lock: threading.Lock, name: str, slots: ProducerSlots | None = None) -> None:
-        self._transactions, self._confirm = transactions, confirm
+        self._transactions, self._lease = transactions, lease
         self._progress_topic, self._timeout = progress_topic, timeout
         self._transactional_id, self._lock, self._name = transactional_id, lock, name
         self._slots = slots  # a fleet's: its shard producers are counted (``_sharing``)
@@ -120,6 +144,11 @@ class ProducerMaker:
         raises when the database did not answer (``state.producer`` is then None);
         ``NoProducerSlot`` when a fleet's slots are all taken, before anything
         else is asked. ``one_per_request``: each broker request holds one record.
+
+        A take-over (``state.recorded`` None) reads the topics the lease row names with
+        the first confirmation, has the producer end what is open on every partition of
+        them before it is returned, and empties the row with the second (``_unsettled``):
+        a settle that fails leaves the row as it was, for the next try.
         """
         if state.producer is not None:
             state.producer.close()
@@ -127,9 +156,13 @@ class ProducerMaker:
         slots, tid = self._slots, self._transactional_id(shard)
         if slots is not None:
             slots.take(tid)  # a slot of the fleet's, the producer's own once it holds it (``_sharing``)
+        taking_over = state.recorded is None
         try:
-            made = self._confirmed(shard, state) and self._transactions.transactional(
-                tid, self._timeout, one_per_request=one_per_request)
+            # Confirmed before it is made either way: a relay that lost the lease fences nobody.
+            left_open = self._taken(shard, state) if taking_over else (
+                frozenset[str]() if self._confirmed(shard, state) else None)
+            made = left_open is not None and self._transactions.transactional(
+                tid, self._timeout, one_per_request=one_per_request, left_open=sorted(left_open))
         except BaseException:
             if slots is not None:
                 slots.give_back()
@@ -142,13 +175,15 @@ class ProducerMaker:
         try:
             ids = counted(self._transactions.read_back(self._progress_topic, shard, tid.encode(),
                                                        self._timeout))
-            held = self._confirmed(shard, state)
+            held = self._confirmed(shard, state, settled=taking_over)
         except BaseException:
             producer.close()  # made again, and the progress read again, next time
             raise
         if not held:
             producer.close()
             return False
+        if taking_over:
+            state.recorded = frozenset()
         with self._lock:
             state.unmarked |= set(ids)
         state.producer, state.used = producer, time.monotonic()
@@ -172,15 +207,27 @@ class ProducerMaker:
                 log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
             return False
 
-    def _confirmed(self, shard: int, state: ShardState) -> bool:
-        """The lease of ``state.epoch`` renewed; when it is another relay's, the shard is ``lost``."""
-        if self._confirm(shard, state.epoch):
+    def _taken(self, shard: int, state: ShardState) -> frozenset[str] | None:
+        """A take-over's first confirmation: the lease of ``state.epoch`` renewed, and the topics its
+        row names; None (the shard ``lost``) when it is another relay's."""
+        recorded = self._lease.taken(shard, state.epoch)
+        if recorded is None:
+            self._lost(shard, state)
+        return recorded
+
+    def _confirmed(self, shard: int, state: ShardState, *, settled: bool = False) -> bool:
+        """The lease of ``state.epoch`` renewed (``settled``: its row's topics emptied, what they may
+        have left open ended); when it is another relay's, the shard is ``lost``."""
+        if (self._lease.settled if settled else self._lease.confirm)(shard, state.epoch):
             return True
+        self._lost(shard, state)
+        return False
+
+    def _lost(self, shard: int, state: ShardState) -> None:
         state.lost = True
         log.warning("%s no longer holds shard %d's lease of epoch %d: it makes no producer of the shard "
                     "(which would fence the new owner's) and sends nothing more of it",
                     self._name, shard, state.epoch)
-        return False
 
 
 def take_turns(due: list[int], owned: dict[int, ShardState]) -> list[int]:

@@ -51,6 +51,7 @@ from ._settings import RelaySettings
 from ._sharing import Sharing
 from ._sql import statements_for
 from ._stuck import StuckKeys
+from ._unsettled import UnsettledTopics
 from ._writer import Writer
 
 log = safe_logger("outbox.relay")
@@ -133,8 +134,9 @@ class RelayStep:
             # It marks through the batch runner, held weakly (they would hold each other: transports._weak).
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
-                progress_topic=topic, mark=weakly(self._batch.mark_committed), confirm=self.leases.confirm,
-                sharing=sharing, name=self.name, stopping=stopping)
+                progress_topic=topic, mark=weakly(self._batch.mark_committed),
+                lease=UnsettledTopics(self.leases), sharing=sharing, name=self.name,
+                stopping=stopping)
             check_progress_fits(transport, settings.batch_size, worker_id)
         self._leases_due = 0.0
         self._watch_every = watch_every if watch_every is not None else renew_interval(settings.lease_ttl)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
@@ -342,11 +342,11 @@ class TenantTransport:
     def transaction_timeout(self) -> float:
         return self._transactions().transaction_timeout
 
-    def transactional(self, transactional_id: str, timeout: float, *,
-                      one_per_request: bool = False) -> TransactionalProducer:
+    def transactional(self, transactional_id: str, timeout: float, *, one_per_request: bool = False,
+                      left_open: Collection[str] = ()) -> TransactionalProducer:
         """A producer of ``transactional_id`` whose every transaction carries the tenant header."""
         return _StampedProducer(self._transactions().transactional(
-            transactional_id, timeout, one_per_request=one_per_request), self)
+            transactional_id, timeout, one_per_request=one_per_request, left_open=left_open), self)
 
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
         self._transactions().ensure_compacted_topic(topic, partitions, timeout)

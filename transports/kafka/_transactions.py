@@ -119,7 +119,9 @@ class Unsettled:
     and thawed). The next producer of the id then committed there, which ended them too, committed:
     rows twice on the wire. So the transport keeps this for each id, and the next producer it makes
     of the id ends them (``KafkaTransactionalProducer.settle``) before it is used. Held by the
-    transport (strongly): a producer dropped after an unknown outcome is gone, this is not.
+    transport (strongly): a producer dropped after an unknown outcome is gone, this is not. It ends
+    with the process, though: a caller that keeps where the id's transactions wrote beyond it names
+    those topics to ``KafkaTransport.transactional`` (``left_open``), and they are added here.
     """
 
     partitions: set[tuple[str, int]] = field(default_factory=set)

@@ -52,7 +52,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Any
@@ -631,16 +631,21 @@ class KafkaTransport:
         """``delivery_timeout``: one bound on waiting for the broker, whichever mode the relay runs in."""
         return self._delivery_timeout
 
-    def transactional(self, transactional_id: str, timeout: float, *,
-                      one_per_request: bool = False) -> KafkaTransactionalProducer:
+    def transactional(self, transactional_id: str, timeout: float, *, one_per_request: bool = False,
+                      left_open: Collection[str] = ()) -> KafkaTransactionalProducer:
         """A transactional producer of this transport's settings; every older one of the id fenced.
 
         ``one_per_request``: each request holds one record, so a refusal is that record's own.
         Before it is returned, it ends what the id's transactions that did not commit may have left
-        open (``Unsettled``); ``RetriableTransportError`` if the broker does not take that in time.
+        open (``Unsettled``): where this transport's did, and every partition of ``left_open``'s
+        topics (named by the caller: transactions of other processes, gone since, may have written
+        there; kept as this id's until ended); ``RetriableTransportError`` if the broker does not
+        take that in time, ``HeldByOpenTransactionError`` if a partition is held by a transaction
+        open there.
         """
         settings = {**self._config, **(ONE_PER_REQUEST if one_per_request else {})}
         unsettled = self._unsettled.setdefault(transactional_id, Unsettled())
+        unsettled.topics.update(left_open)
         producer = KafkaTransactionalProducer(settings, transactional_id, timeout=timeout,
                                               partitions=self._partition_count, results_of=result_of,
                                               admin=self._shared_admin, unsettled=unsettled)
