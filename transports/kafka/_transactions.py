@@ -175,9 +175,11 @@ class KafkaTransactionalProducer:
             # one to tell (it escaped raw, and the relay retried a refused setting forever).
             with suppress(KafkaException, SystemError):
                 self._producer.flush(0)
-            # Never returned to anyone: its client goes now, not with the exception's traceback (which
-            # holds this frame, and so this producer, for as long as the exception is kept).
-            self._fatal = error.fatal()
+            # Never returned to anyone: closed now. Not destroyed, though: librdkafka may still be
+            # initializing it (a timeout here does not end its init), and confluent-kafka's close would
+            # try an abort that it refuses ("Conflicting init_transactions API call is already in
+            # progress", a warning at every take-over tried during an outage); its last reference ends it.
+            self._open, self._fatal = True, error.fatal()
             self.close()
             if error.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:
                 raise ConfigurationError(
