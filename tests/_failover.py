@@ -374,8 +374,19 @@ class Campaign:
         started = time.monotonic()
         print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
         fault()
+        healed: dict[int, int] = {}
+        self._wait(lambda: bool(healed.update(self._asked_committed()) or healed), "the group's offsets")
         self._wait(self._all_in_sync, "every replica back in the ISR")
         self._progress()
+        # The next fault starts from a pipeline at rest: an inbox whose commit was unanswered during
+        # this fault says so only when the commit gives up, up to 10 s after the fault ended, and
+        # ends that outage later still. A fault that began with an outage still open got no line of
+        # its own from that worker (CI: "timed out … waiting for every relay and inbox to say the
+        # broker is gone (still waiting for inbox-2)"). Offsets committed on every partition after
+        # the fault ended come after any commit it left unanswered (each inbox commits one at a time).
+        self._wait(lambda: self._committed_past(healed), "every partition's offsets committed again")
+        self._wait(lambda: not self._in_outage(), "every relay and inbox to end the outage it logged",
+                   suspects=self._in_outage)
         self.steps.append((name, time.monotonic() - started))
         print(f"{name}: {time.monotonic() - started:.1f} s", flush=True)
 
@@ -413,6 +424,33 @@ class Campaign:
     def _silent(self, logs: dict[str, int], which: int) -> list[Worker]:
         """The workers that logged no outage-began (``which`` 0) or outage-ended (1) line since ``logs``."""
         return [w for w in self.workers if not self._lines(w, logs[w.name])[which]]
+
+    def _in_outage(self) -> list[Worker]:
+        """The workers whose log has an outage that began and did not end."""
+        return [w for w in self.workers if (lines := self._lines(w, 0))[0] > lines[1]]
+
+    def _committed(self) -> dict[int, int]:
+        """The group's committed offset of each partition of the topic (-1: none yet)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        reader = Consumer({"bootstrap.servers": self.cluster.bootstrap, "group.id": self.group,
+                           "log_level": 0})
+        try:
+            found = reader.committed([TopicPartition(self.topic, p) for p in range(PARTITIONS)], timeout=30)
+        finally:
+            reader.close()
+        return {tp.partition: tp.offset for tp in found}
+
+    def _asked_committed(self) -> dict[int, int]:
+        """``_committed``, or nothing while the coordinator does not answer (moving): asked again."""
+        try:
+            return self._committed()
+        except Exception:
+            return {}
+
+    def _committed_past(self, offsets: dict[int, int]) -> bool:
+        now = self._asked_committed()
+        return bool(now) and all(now[p] > offset for p, offset in offsets.items())
 
     def _lines(self, worker: Worker, since: int) -> tuple[int, int]:
         """(outage-began, outage-ended) lines of ``worker``'s log since byte ``since``."""
