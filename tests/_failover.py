@@ -212,6 +212,7 @@ class Campaign:
         self.writers = Writers(self.outbox, topic, seed)
         self.busiest = -1  # the hottest key's partition, once its first row is published
         self.workers: list[Worker] = []
+        self._reader: Any = None  # ``_asked_committed``'s consumer, made on first use
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -235,6 +236,8 @@ class Campaign:
         self.writers.stop()
         for worker in self.workers:
             worker.stop()
+        if self._reader is not None:
+            self._reader.close()
         self.inbox_engine.dispose()
 
     # -- the faults ---------------------------------------------------------------------------
@@ -374,8 +377,7 @@ class Campaign:
         started = time.monotonic()
         print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
         fault()
-        healed: dict[int, int] = {}
-        self._wait(lambda: bool(healed.update(self._asked_committed()) or healed), "the group's offsets")
+        healed = self._offsets_once_answered()
         self._wait(self._all_in_sync, "every replica back in the ISR")
         self._progress()
         # The next fault starts from a pipeline at rest: an inbox whose commit was unanswered during
@@ -429,24 +431,31 @@ class Campaign:
         """The workers whose log has an outage that began and did not end."""
         return [w for w in self.workers if (lines := self._lines(w, 0))[0] > lines[1]]
 
-    def _committed(self) -> dict[int, int]:
-        """The group's committed offset of each partition of the topic (-1: none yet)."""
+    def _asked_committed(self) -> dict[int, int]:
+        """The group's committed offset of each partition of the topic (-1: none yet), or nothing
+        while its coordinator does not answer (moving): asked again. One reader for the campaign
+        (it never joins the group): asked every 0.2 s while a step waits."""
         from confluent_kafka import Consumer, TopicPartition
 
-        reader = Consumer({"bootstrap.servers": self.cluster.bootstrap, "group.id": self.group,
-                           "log_level": 0})
+        if self._reader is None:
+            self._reader = Consumer({"bootstrap.servers": self.cluster.bootstrap, "group.id": self.group,
+                                     "log_level": 0})
         try:
-            found = reader.committed([TopicPartition(self.topic, p) for p in range(PARTITIONS)], timeout=30)
-        finally:
-            reader.close()
-        return {tp.partition: tp.offset for tp in found}
-
-    def _asked_committed(self) -> dict[int, int]:
-        """``_committed``, or nothing while the coordinator does not answer (moving): asked again."""
-        try:
-            return self._committed()
+            found = self._reader.committed([TopicPartition(self.topic, p) for p in range(PARTITIONS)],
+                                           timeout=30)
         except Exception:
             return {}
+        return {tp.partition: tp.offset for tp in found}
+
+    def _offsets_once_answered(self) -> dict[int, int]:
+        """``_asked_committed``, waited for until the coordinator answers."""
+        found: dict[int, int] = {}
+
+        def answered() -> bool:
+            found.update(self._asked_committed())
+            return bool(found)
+        self._wait(answered, "the group's offsets")
+        return found
 
     def _committed_past(self, offsets: dict[int, int]) -> bool:
         now = self._asked_committed()
