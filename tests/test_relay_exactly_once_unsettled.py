@@ -63,3 +63,26 @@ def test_topics_widened_by_one_owner_are_what_the_next_owner_reads_and_only_its_
     assert theirs.widen({0: (taken[0], {"audit"})}) == {0}
     assert theirs.taken(0, taken[0]) == {"audit"}
     assert theirs.taken(1, taken[1]) == {"orders"}  # shard 1 not settled yet: kept
+
+
+def test_a_reshard_keeps_the_topics_a_kept_shards_row_names(outbox: Outbox) -> None:
+    """``reshard`` (all relays stopped, every row settled or skipped) recreated the lease rows: a kept
+    shard's row (the same transactional id: the incarnation and the shard number) lost the topics its
+    transactions may have left open, so the next owner's take-over settled nothing there, and its first
+    commit on such a partition would end those records committed (attack of 2026-12-05)."""
+    from outbox.core._schema import reshard
+
+    first = leases_of(outbox, "a")
+    owned = first.maintain()
+    rows = UnsettledTopics(first)
+    assert rows.widen({0: (owned[0], {"orders"}), 1: (owned[1], {"payments"})}) == {0, 1}
+    first.release_all()  # stopped while its settle failed: the row names the topics
+    assert isinstance(outbox.engine, sa.Engine)
+    assert reshard(outbox.engine, outbox.tables, 4, lease_ttl=0.0) == 2
+    second = Leases(outbox.engine, outbox.tables, 4, "b", ttl=30)
+    taken = second.maintain()
+    assert sorted(taken) == [0, 1, 2, 3]
+    theirs = UnsettledTopics(second)
+    assert theirs.taken(0, taken[0]) == {"orders"}
+    assert theirs.taken(1, taken[1]) == {"payments"}
+    assert theirs.taken(2, taken[2]) == frozenset()

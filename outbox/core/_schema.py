@@ -287,7 +287,10 @@ def reshard(engine: Engine, tables: OutboxTables, shards: int, *, lease_ttl: flo
                 f"relay(s) {', '.join(sorted(beating))} sent a heartbeat in the last {lease_ttl:g} s: "
                 "stop every relay first (SIGTERM, or wait one lease TTL after a kill), then "
                 "change the shard count")
-        conn.execute(delete(leases))  # the relays recreate one row per shard of the new count
+        # A kept shard keeps its row: its transactional id (incarnation, shard number) is the same, and
+        # the row names the topics its transactions may have left open (``relay._unsettled``) for the
+        # next take-over to end. The relays add a row per shard of the new count that has none.
+        conn.execute(delete(leases).where(leases.c.shard >= check_shard_count(shards)))
         _put(conn, tables, "shard_count", check_shard_count(shards))
     return old
 
