@@ -86,3 +86,71 @@ def test_a_reshard_keeps_the_topics_a_kept_shards_row_names(outbox: Outbox) -> N
     assert theirs.taken(0, taken[0]) == {"orders"}
     assert theirs.taken(1, taken[1]) == {"payments"}
     assert theirs.taken(2, taken[2]) == frozenset()
+
+
+def test_a_shard_removed_by_a_reshard_names_its_topics_again_when_a_later_reshard_brings_it_back(
+        outbox: Outbox) -> None:
+    """A shard removed by ``reshard`` (2 -> 1) keeps its transactional id's name: brought back
+    (1 -> 2), its next owner's take-over must still end what its transactions may have left open.
+    Fails now: the removed shard's row, and the topics it named, are deleted with it (known, not
+    fixed: keeping them needs the leases to pass over rows past the shard count)."""
+    from outbox.core._schema import reshard
+
+    first = leases_of(outbox, "a")
+    owned = first.maintain()
+    assert UnsettledTopics(first).widen({1: (owned[1], {"payments"})}) == {1}
+    first.release_all()
+    assert isinstance(outbox.engine, sa.Engine)
+    assert reshard(outbox.engine, outbox.tables, 1, lease_ttl=0.0) == 2
+    assert reshard(outbox.engine, outbox.tables, 2, lease_ttl=0.0) == 1
+    second = leases_of(outbox, "b")
+    taken = second.maintain()
+    assert UnsettledTopics(second).taken(1, taken[1]) == {"payments"}
+
+
+def test_a_widen_racing_a_take_over_is_either_fenced_or_read_by_the_new_owner(proof_db_url: str) -> None:
+    """Angle of the 2026-12-05 attack: the owner's lease lapsed (not taken yet) while it widens its row,
+    and another relay takes the shard at the same moment. Either the widen is fenced (the owner then
+    sends nothing), or the new owner's take-over reads the topic: never a widen that held and a
+    take-over that read a row without it. Repeated, both started together (a barrier)."""
+    import threading
+    from datetime import UTC, datetime
+
+    engine = create_engine(proof_db_url)
+    try:
+        box = Outbox(engine, shards=2)
+        box.create_tables()
+        leases = box.tables.leases
+        first = leases_of(box, "a")
+        assert sorted(first.maintain()) == [0, 1]
+        rows = UnsettledTopics(first)
+        outcomes = set()
+        for _ in range(30):
+            with engine.begin() as conn:
+                conn.execute(sa.update(leases).where(leases.c.shard == 0).values(
+                    owner="a", epoch=100, unsettled_topics=None, expires_at=datetime(2000, 1, 1, tzinfo=UTC)))
+            second = leases_of(box, "b")
+            barrier = threading.Barrier(2)
+            widened: list[set[int]] = []
+            taken: list[dict[int, int]] = []
+
+            def widen(into: list[set[int]] = widened, at: threading.Barrier = barrier) -> None:
+                at.wait()
+                into.append(rows.widen({0: (100, {"orders"})}))
+
+            thread = threading.Thread(target=widen)
+            thread.start()
+            barrier.wait()
+            taken.append(second.maintain())
+            thread.join()
+            took = 0 in taken[0]
+            outcomes.add((widened[0] == {0}, took))
+            if took:
+                named = UnsettledTopics(second).taken(0, taken[0][0])
+                assert named is not None
+                if widened[0] == {0}:
+                    assert "orders" in named
+            second.release_all()
+        assert outcomes  # which interleavings ran (either is sound)
+    finally:
+        engine.dispose()
