@@ -9,11 +9,15 @@ PostgreSQL and MariaDB: each statement is each database's own SQL.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from typer.testing import CliRunner
 
 from outbox import Outbox, create_engine
+from outbox.cli import app
+from outbox.relay import shard_leases
 from outbox.relay._leases import Leases
 from outbox.relay._unsettled import UnsettledTopics
 
@@ -25,6 +29,12 @@ def outbox(proof_db_url: str) -> Iterator[Outbox]:
     box.create_tables()
     yield box
     engine.dispose()
+
+
+def reshard(url: str, shards: int) -> None:
+    """``outbox init-db --reshard``, as an operator runs it (every relay stopped, every row settled)."""
+    result = CliRunner().invoke(app, ["init-db", "--db", url, "--reshard", str(shards)])
+    assert result.exit_code == 0, result.output
 
 
 def leases_of(box: Outbox, worker: str) -> Leases:
@@ -65,20 +75,17 @@ def test_topics_widened_by_one_owner_are_what_the_next_owner_reads_and_only_its_
     assert theirs.taken(1, taken[1]) == {"orders"}  # shard 1 not settled yet: kept
 
 
-def test_a_reshard_keeps_the_topics_a_kept_shards_row_names(outbox: Outbox) -> None:
+def test_a_reshard_keeps_the_topics_a_kept_shards_row_names(outbox: Outbox, proof_db_url: str) -> None:
     """``reshard`` (all relays stopped, every row settled or skipped) recreated the lease rows: a kept
     shard's row (the same transactional id: the incarnation and the shard number) lost the topics its
     transactions may have left open, so the next owner's take-over settled nothing there, and its first
     commit on such a partition would end those records committed (attack of 2026-12-05)."""
-    from outbox.core._schema import reshard
-
     first = leases_of(outbox, "a")
     owned = first.maintain()
     rows = UnsettledTopics(first)
     assert rows.widen({0: (owned[0], {"orders"}), 1: (owned[1], {"payments"})}) == {0, 1}
     first.release_all()  # stopped while its settle failed: the row names the topics
-    assert isinstance(outbox.engine, sa.Engine)
-    assert reshard(outbox.engine, outbox.tables, 4, lease_ttl=0.0) == 2
+    reshard(proof_db_url, 4)
     second = Leases(outbox.engine, outbox.tables, 4, "b", ttl=30)
     taken = second.maintain()
     assert sorted(taken) == [0, 1, 2, 3]
@@ -89,20 +96,27 @@ def test_a_reshard_keeps_the_topics_a_kept_shards_row_names(outbox: Outbox) -> N
 
 
 def test_a_shard_removed_by_a_reshard_names_its_topics_again_when_a_later_reshard_brings_it_back(
-        outbox: Outbox) -> None:
+        outbox: Outbox, proof_db_url: str) -> None:
     """A shard removed by ``reshard`` (2 -> 1) keeps its transactional id's name: brought back
     (1 -> 2), its next owner's take-over must still end what its transactions may have left open.
-    Fails now: the removed shard's row, and the topics it named, are deleted with it (known, not
-    fixed: keeping them needs the leases to pass over rows past the shard count)."""
-    from outbox.core._schema import reshard
-
+    ``reshard`` deleted the removed shard's row, and the topics it named, with it; it keeps it now,
+    and no relay leases it while the count leaves it out."""
     first = leases_of(outbox, "a")
     owned = first.maintain()
     assert UnsettledTopics(first).widen({1: (owned[1], {"payments"})}) == {1}
     first.release_all()
-    assert isinstance(outbox.engine, sa.Engine)
-    assert reshard(outbox.engine, outbox.tables, 1, lease_ttl=0.0) == 2
-    assert reshard(outbox.engine, outbox.tables, 2, lease_ttl=0.0) == 1
+    reshard(proof_db_url, 1)
+    leases = outbox.tables.leases
+    with outbox.engine.begin() as conn:  # shard 0 leased by a relay gone quiet: only shard 1's row is free
+        conn.execute(sa.update(leases).where(leases.c.shard == 0).values(
+            owner="gone", expires_at=datetime.now(UTC) + timedelta(hours=1)))
+    alone = Leases(outbox.engine, outbox.tables, 1, "c", ttl=30)
+    assert alone.maintain() == {}  # shard 1's row is kept, and not leased while the count leaves it out
+    alone.release_all()
+    with outbox.engine.begin() as conn:
+        conn.execute(sa.update(leases).where(leases.c.shard == 0).values(owner=None))
+    assert [lease.shard for lease in shard_leases(outbox, 1)[0]] == [0]
+    reshard(proof_db_url, 2)
     second = leases_of(outbox, "b")
     taken = second.maintain()
     assert UnsettledTopics(second).taken(1, taken[1]) == {"payments"}
@@ -114,7 +128,6 @@ def test_a_widen_racing_a_take_over_is_either_fenced_or_read_by_the_new_owner(pr
     sends nothing), or the new owner's take-over reads the topic: never a widen that held and a
     take-over that read a row without it. Repeated, both started together (a barrier)."""
     import threading
-    from datetime import UTC, datetime
 
     engine = create_engine(proof_db_url)
     try:

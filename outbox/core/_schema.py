@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, inspect, select, text, update
+from sqlalchemy import Connection, Engine, func, inspect, select, text, update
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.schema import CreateColumn
 
@@ -287,10 +287,11 @@ def reshard(engine: Engine, tables: OutboxTables, shards: int, *, lease_ttl: flo
                 f"relay(s) {', '.join(sorted(beating))} sent a heartbeat in the last {lease_ttl:g} s: "
                 "stop every relay first (SIGTERM, or wait one lease TTL after a kill), then "
                 "change the shard count")
-        # A kept shard keeps its row: its transactional id (incarnation, shard number) is the same, and
-        # the row names the topics its transactions may have left open (``relay._unsettled``) for the
-        # next take-over to end. The relays add a row per shard of the new count that has none.
-        conn.execute(delete(leases).where(leases.c.shard >= check_shard_count(shards)))
+        # Every lease row stays: a shard's transactional id (incarnation, shard number) outlives a
+        # reshard, and its row names the topics its transactions may have left open
+        # (``relay._unsettled``) for the next take-over to end; a shard this count removes keeps its
+        # row, unleased (``Leases._take`` takes shards below the count only), for a later count that
+        # brings it back. The relays add a row per shard of the new count that has none.
         _put(conn, tables, "shard_count", check_shard_count(shards))
     return old
 

@@ -266,5 +266,5 @@ def shard_leases(outbox: Outbox, shards: int) -> tuple[list[ShardLease], list[Re
             select(leases.c.shard, leases.c.owner, leases.c.epoch, leases.c.expires_at))}
         beats = [RelayHeartbeat(*r) for r in conn.execute(
             select(relays.c.worker_id, relays.c.heartbeat_at).order_by(relays.c.worker_id))]
-    listed = [rows.pop(s, ShardLease(s, None, 0, None)) for s in range(shards)]
-    return listed + sorted(rows.values(), key=lambda lease: lease.shard), beats
+    # Rows past the count are shards a reshard removed (kept for their transactional ids): no lease.
+    return [rows.get(s, ShardLease(s, None, 0, None)) for s in range(shards)], beats

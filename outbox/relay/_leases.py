@@ -343,7 +343,8 @@ class Leases:
         with self.locking() as conn:
             free = list(conn.scalars(
                 select(leases.c.shard)
-                .where((leases.c.owner.is_(None)) | (leases.c.expires_at < now))
+                .where((leases.c.owner.is_(None)) | (leases.c.expires_at < now),
+                       leases.c.shard < self.shards)  # a removed shard's row stays (``reshard``)
                 .order_by(leases.c.shard)
             ))
             for shard in free[:wanted]:
