@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import pytest
-from _relay_helpers import ScriptedTransport, publish, wait_for
+import sqlalchemy as sa
+from _relay_helpers import ScriptedTransport, publish, rows, wait_for
 
 from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
 from outbox.core._stopping import StopLatch
@@ -29,7 +30,7 @@ from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
 from outbox.relay._writer import BackgroundWriter
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
-from transports import Record, SendResult
+from transports import Outcome, Record, SendResult
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
 
@@ -349,20 +350,39 @@ def test_a_stop_asked_before_run_is_kept_and_the_worker_runs_again_after(sqlite_
     engine.dispose()
 
 
-def test_run_is_refused_while_a_loop_left_behind_at_its_stop_still_runs(sqlite_db: str) -> None:
-    """A second ``run`` would clear the stop the first loop (stuck in a broker call) waits to see:
-    two loops on one relay, the old one resuming once its call returns."""
-    engine = create_engine(sqlite_db)
-    outbox = Outbox(engine)
+class AnsweringLateTransport:
+    """A producer whose flush answers only once the test lets it (``hang.released``), delivered."""
+
+    def __init__(self) -> None:
+        self.hang = Hang()
+
+    def publish(self, records: Sequence[Record]) -> list[SendResult]:
+        self.hang()
+        return [SendResult(Outcome.DELIVERED, 0, offset) for offset, _ in enumerate(records)]
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+
+def left_behind(outbox: Outbox, transport: DeadBrokerTransport | AnsweringLateTransport) -> Relay:
+    """A relay whose ``run`` returned at its stop without its loop, left in ``transport``'s send of k1."""
     outbox.create_tables()
     publish(outbox, "orders", ["k1"])
-    transport = DeadBrokerTransport()
     relay = Relay(outbox, transport, poll_interval=0.05)
     thread = _in_thread(lambda: relay.run(stop_timeout=STOP_TIMEOUT))
     assert transport.hang.entered.wait(10)
     relay.stop()
     thread.join(STOP_TIMEOUT + MARGIN)
     assert not thread.is_alive()
+    return relay
+
+
+def test_run_is_refused_while_a_loop_left_behind_at_its_stop_still_runs(sqlite_db: str) -> None:
+    """A second ``run`` would clear the stop the first loop (stuck in a broker call) waits to see:
+    two loops on one relay, the old one resuming once its call returns."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    relay = left_behind(outbox, DeadBrokerTransport())
     refused: list[ConfigurationError] = []
 
     def again() -> None:
@@ -378,6 +398,29 @@ def test_run_is_refused_while_a_loop_left_behind_at_its_stop_still_runs(sqlite_d
         assert relay._stopping.is_set(), "the stop the first loop waits to see was cleared"
     finally:
         relay.stop()
+    engine.dispose()
+
+
+def test_close_leaves_the_leases_to_a_loop_left_behind_until_its_call_returns(sqlite_db: str) -> None:
+    """``close()`` after a ``run`` that returned without its loop (still in its send) gave the leases
+    back under that loop's batch: when the send came back its marks were fenced, and the row it had
+    delivered stayed pending, to be sent again (an exactly-once producer was closed mid-transaction).
+    The loop gives them back itself, after it marked its batch."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    transport = AnsweringLateTransport()
+    relay = left_behind(outbox, transport)
+    leases = outbox.tables.leases
+
+    def owners() -> set[str | None]:
+        with engine.connect() as conn:
+            return set(conn.scalars(sa.select(leases.c.owner)))
+
+    relay.close()
+    assert owners() == {relay.worker_id}, "close() gave the leases back under the loop's batch"
+    transport.hang.released.set()
+    wait_for(lambda: owners() == {None}, 10, "the loop to give its leases back once its send returned")
+    assert [row.published_at is not None for row in rows(outbox)] == [True]
     engine.dispose()
 
 

@@ -164,6 +164,10 @@ class BoundRun:
     stop), one run at a time with a stop asked before it kept (``RunOnce``).
     ``stop()`` sets ``stopping`` and calls ``wake`` (to end the loop's wait
     at once); safe from any thread or signal handler.
+
+    ``loop_running`` says whether a loop runs: in ``run``, or left behind by
+    it at a stop, still in a broker or database call; a ``close()`` must not
+    close what that loop still uses.
     """
 
     def __init__(self, what: str, *, thread: str, log: logging.Logger,
@@ -171,11 +175,24 @@ class BoundRun:
         self.stopping = threading.Event()
         self._what, self._thread, self._log, self._wake = what, thread, log, wake
         self._runs = RunOnce(self.stopping, what)
+        self._loop = threading.Event()
+        """Set while a loop runs (``loop_running``)."""
+
+    @property
+    def loop_running(self) -> bool:
+        return self._loop.is_set()
 
     def run(self, body: Callable[[], None], *, stop_timeout: float = STOP_TIMEOUT) -> None:
         self._runs.run(lambda: run_with_stop_bound(
-            body, stop=self.stop, stopping=self.stopping.is_set, name=self._thread, what=self._what,
-            log=self._log, stop_timeout=stop_timeout))
+            lambda: self._looping(body), stop=self.stop, stopping=self.stopping.is_set,
+            name=self._thread, what=self._what, log=self._log, stop_timeout=stop_timeout))
+
+    def _looping(self, body: Callable[[], None]) -> None:
+        self._loop.set()
+        try:
+            body()
+        finally:
+            self._loop.clear()
 
     def stop(self) -> None:
         self.stopping.set()

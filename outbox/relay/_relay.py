@@ -359,5 +359,16 @@ class Relay:
 
         After a ``run`` whose release outlived its stop, it waits for that release
         (``RELEASE_WITHIN`` seconds at most) instead of starting another beside it.
+        While a loop of ``run`` still runs (left behind at its stop, in a broker or
+        database call), it touches nothing: that loop's batch still sends with
+        these leases and producers, and closing them under it released the leases
+        before the batch marked its rows (fenced: sent again) and closed an
+        exactly-once producer mid-transaction. The loop gives them back itself
+        when its call returns; if it never does, they expire within the lease TTL.
         """
+        if self._runs.loop_running:  # its own end gives them back (``_run``)
+            log.warning("relay %s: close() leaves its leases to the loop of run(), which still runs "
+                        "(left behind at its stop in a broker or database call, or not stopped): it "
+                        "gives them back when it ends, or they expire within the lease TTL", self.worker_id)
+            return
         self._closers.close_within([self._step], group=lambda _: None, at_once=lambda step: step.close())
