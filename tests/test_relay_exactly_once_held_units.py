@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from outbox import HeldByOpenTransactionError, RetriableTransportError
 from outbox.relay._shard_producer import ShardState, settle_take_overs, take_turns
 
 
@@ -49,3 +50,25 @@ def test_held_shards_take_turns_so_that_the_pool_keeps_threads_for_the_busy_ones
     owned[2].taking, owned[2].held_until = None, 99.0  # held again: not due before then
     assert take_turns([s for s in due if owned[s].taking is None and owned[s].held_until <= 1.0],
                       owned) == [4]
+
+
+def test_a_take_over_that_fails_for_another_cause_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """"cannot take shard N over yet" was logged once until a take-over succeeded: a shard held by an
+    open transaction whose next take-overs failed for want of the broker said nothing of the broker.
+    Once a cause (the failure's class), not once a message (the offsets in it change every time)."""
+    state = ShardState(1)
+
+    def ended(error: Exception) -> None:
+        taking: Future[bool] = Future()
+        taking.set_exception(error)
+        state.taking = taking
+        settle_take_overs({0: state}, "relay w")
+
+    ended(HeldByOpenTransactionError("held at offset 7"))
+    ended(HeldByOpenTransactionError("held at offset 9"))
+    ended(RetriableTransportError("init_transactions timed out"))
+    ended(RetriableTransportError("init_transactions timed out again"))
+    ended(HeldByOpenTransactionError("held at offset 11"))
+    said = [r.getMessage() for r in caplog.records if "cannot take shard 0 over" in r.getMessage()]
+    assert [m.split("(")[1].split(")")[0] for m in said] == [
+        "held at offset 7", "init_transactions timed out", "held at offset 11"], said

@@ -106,7 +106,8 @@ class ShardState:
     unmarked: set[int] = field(default_factory=set)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
     taking_since: float = 0.0  # when its last take-over began (monotonic)
-    stuck: str | None = None  # why its last take-over failed (logged once), until one succeeds
+    stuck: str | None = None  # why its last take-over failed (logged once a cause), until one succeeds
+    stuck_by: type[BaseException] | None = None  # that failure's class: another cause is logged again
     held_until: float = 0.0  # held by an open transaction (not 0): its take-over not tried before then
     cap: int | None = None  # the most records a transaction carries while the broker is slow (``_pace``)
     cap_held_until: float = 0.0  # the cap does not grow before then (monotonic; ``_pace``)
@@ -270,13 +271,13 @@ def answered_held(state: ShardState) -> bool:
 
 def held(state: ShardState, shard: int, error: HeldByOpenTransactionError, name: str) -> None:
     """The shard's producer could not be made, held by an open transaction (``HeldByOpenTransactionError``):
-    its rows wait, tried again in ``HELD_AGAIN`` s; logged once until a take-over succeeds. No broker
+    its rows wait, tried again in ``HELD_AGAIN`` s; logged once a cause until a take-over succeeds. No broker
     outage: the broker answers, and the transaction ends by its producer or at its timeout."""
-    if not state.held_until:
+    if not state.held_until or state.stuck_by is not type(error):
         log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards send on, and "
                     "the take-over is tried again every %g s until that transaction ends",
                     name, shard, error, HELD_AGAIN)
-    state.stuck = str(error)
+    state.stuck, state.stuck_by = str(error), type(error)
     state.held_until = time.monotonic() + HELD_AGAIN
 
 
@@ -284,10 +285,11 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
     """Settle the shards' take-overs that ended; the broker's error if one failed for want of it.
 
     A take-over holds only its shard: one the broker failed (``init_transactions`` timed
-    out, a progress read that could not be done) is logged once per shard, until one of
-    it succeeds, and tried again at the next batch while the other shards send. One held
-    by an open transaction (its settle, or its progress read: ``HeldByOpenTransactionError``)
-    is no broker's failure: logged once (``held``), tried again after ``HELD_AGAIN`` s, not
+    out, a progress read that could not be done) is logged once per shard and cause (the
+    failure's class: its message changes with every offset), until one of it succeeds, and
+    tried again at the next batch while the other shards send. One held by an open
+    transaction (its settle, or its progress read: ``HeldByOpenTransactionError``) is no
+    broker's failure: logged once a cause (``held``), tried again after ``HELD_AGAIN`` s, not
     returned. The database's first failure is raised once every ended take-over is settled
     (the step reports it).
     """
@@ -302,15 +304,15 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
         if failure is None:
             if state.stuck is not None and not state.lost:  # lost: the lease is another's (logged)
                 log.info("%s took shard %d over after all; it sends again", name, shard)
-            state.stuck, state.held_until = None, 0.0
+            state.stuck, state.stuck_by, state.held_until = None, None, 0.0
         elif isinstance(failure, HeldByOpenTransactionError):
             held(state, shard, failure, name)
         elif isinstance(failure, RetriableTransportError):
-            if state.stuck is None:
+            if state.stuck is None or state.stuck_by is not type(failure):  # once a cause, not a message
                 log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards "
                             "send on, and the take-over is tried again at each batch", name, shard, failure)
             state.stuck = error = str(failure)
-            state.held_until = 0.0
+            state.stuck_by, state.held_until = type(failure), 0.0
         elif isinstance(failure, Exception):
             raised = raised or failure
         else:
