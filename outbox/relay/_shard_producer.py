@@ -273,7 +273,7 @@ def held(state: ShardState, shard: int, error: HeldByOpenTransactionError, name:
     """The shard's producer could not be made, held by an open transaction (``HeldByOpenTransactionError``):
     its rows wait, tried again in ``HELD_AGAIN`` s; logged once a cause until a take-over succeeds. No broker
     outage: the broker answers, and the transaction ends by its producer or at its timeout."""
-    if not state.held_until or state.stuck_by is not type(error):
+    if state.stuck_by is not type(error):  # None until one failed, and after one succeeded
         log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards send on, and "
                     "the take-over is tried again every %g s until that transaction ends",
                     name, shard, error, HELD_AGAIN)
@@ -308,7 +308,7 @@ def settle_take_overs(owned: dict[int, ShardState], name: str) -> str | None:
         elif isinstance(failure, HeldByOpenTransactionError):
             held(state, shard, failure, name)
         elif isinstance(failure, RetriableTransportError):
-            if state.stuck is None or state.stuck_by is not type(failure):  # once a cause, not a message
+            if state.stuck_by is not type(failure):  # once a cause, not a message
                 log.warning("%s cannot take shard %d over yet (%s): its rows wait, the other shards "
                             "send on, and the take-over is tried again at each batch", name, shard, failure)
             state.stuck = error = str(failure)
