@@ -550,3 +550,72 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
     assert [r.attempts for r in rows(outbox)] == [1] * 80
     assert_once_in_key_order(kafka, topic, 80, {f"k{i}": 20 for i in range(4)})
     engine.dispose()
+
+
+# -- a broker killed inside a transaction: an outage, not a pace ----------------------------------
+
+@pytest.mark.slow
+def test_a_broker_killed_inside_a_transaction_it_partly_acknowledged_is_an_outage_not_a_slow_broker(
+        sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay (4 s deadline) sends one transaction of 40 rows; the broker acknowledges the 40 records
+    and is SIGKILLed (frozen first: nothing more of it is answered) before the progress record and the
+    commit, and stays away past the deadline. The transaction is given up at its deadline with 40
+    records acknowledged: an outage, not a broker too slow for 40 records. Nothing says "too slowly"
+    and the shard's cap is not held back; started again, the broker gets every row once, in key
+    order, attempt 1.
+
+    Before, it was taken for slowness: "given up after 8 s with 40 of them acknowledged: the broker
+    takes them too slowly; the shard's transactions now carry at most 20 records", the cap held for a
+    deadline (``_exactly_once._pace``). The producer's client now says a connection was lost meanwhile
+    (``ClientErrors.disconnects``), and such a transaction counts nothing acknowledged."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)  # one shard: the batch is one transaction
+    outbox.create_tables()
+    kafka = own_broker.bootstrap
+    own_broker.create_topic(topic, 2)
+    publish(outbox, topic, [f"k{i % 4}" for i in range(40)])
+    acknowledged, killed = threading.Event(), threading.Event()
+    paced: list[tuple[str, float]] = []
+    real_commit = KafkaTransactionalProducer._commit
+    real_pace = ExactlyOnce._pace
+
+    def commit(self: KafkaTransactionalProducer, count: int, reports: Any, deadline: float) -> Any:
+        # Its 40 records' reports came (delivered), its progress record produced: the broker dies now.
+        if count > 1 and not acknowledged.is_set():
+            acknowledged.set()
+            killed.wait(30)
+        return real_commit(self, count, reports, deadline)
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        paced.append((answer.outcome.name, took))
+
+    monkeypatch.setattr(KafkaTransactionalProducer, "_commit", commit)
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=TIMEOUT * 2)
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
+    running = Running(relay)
+    try:
+        assert acknowledged.wait(60), "the transaction's records were never all acknowledged"
+        own_broker.freeze()
+        own_broker.kill()
+        killed.set()
+        wait_for(lambda: paced, 60, "the transaction given up")
+        held = relay._step._batch.exactly_once._owned[0].cap_held_until
+        slow = given_up(caplog)
+        own_broker.start()
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published after the restart")
+    finally:
+        killed.set()
+        own_broker.thaw()  # if it was never killed
+        running.stop()
+        transport.close()
+    outcome, took = paced[0]
+    assert outcome != "COMMITTED" and took >= 0.9 * TIMEOUT * 2, paced
+    assert slow == [], slow
+    assert held == 0.0
+    assert [r.attempts for r in rows(outbox)] == [1] * 40
+    assert_once_in_key_order(kafka, topic, 40, {f"k{i}": 10 for i in range(4)})
+    engine.dispose()

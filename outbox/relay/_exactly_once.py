@@ -563,7 +563,8 @@ class ExactlyOnce:
         ones after it, so one quick commit says little about its pace (doubled at once, the cap
         grew back into the deadline). A small commit leaves it as it is: the next burst of rows
         starts capped. A broker that answered nothing is an outage (logged as one by the relay):
-        the cap is halved silently and may grow again at once once the broker is back. One that
+        the cap is halved silently and may grow again at once once the broker is back; so is one
+        that went away during the transaction (``TransactionResult.answered`` 0: a connection lost). One that
         ended well before its deadline (``PACE_GIVEN_UP_AT``) says nothing of the pace: the cap stays.
         """
         now = time.monotonic()

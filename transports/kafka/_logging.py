@@ -66,6 +66,9 @@ class LibrdkafkaLog:
 
 ERRORS = safe_logger("transports.kafka")
 _NUMBERS = re.compile(r"\d+")
+_DISCONNECTED = frozenset({"_TRANSPORT", "_ALL_BROKERS_DOWN"})
+"""A connection to a broker lost or refused (``ClientErrors.disconnects``): a broker killed or restarted,
+not one that answers slowly (a quota mutes a connection, it does not close it)."""
 _AUTHENTICATION = frozenset({"_AUTHENTICATION", "SASL_AUTHENTICATION_FAILED", "_SSL",
                              "TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED",
                              "CLUSTER_AUTHORIZATION_FAILED"})
@@ -88,8 +91,13 @@ class ClientErrors:
         self.client = client
         self.logger = logger
         self._seen: set[str] = set()
+        self.disconnects = 0
+        """Connections lost or refused so far (``_DISCONNECTED``), logged or not: a transactional
+        producer tells a broker that went away during a transaction from a slow one by it."""
 
     def __call__(self, error: Any) -> None:
+        if error.name() in _DISCONNECTED:
+            self.disconnects += 1
         text = error.str()
         kind = f"{error.name()} {_NUMBERS.sub('#', text)}"
         if kind in self._seen:

@@ -200,11 +200,22 @@ class KafkaTransactionalProducer:
 
         The last record carries ``TOPICS_HEADER`` and ``POSITIONS_HEADER`` (module doc): it is
         produced once the others' delivery reports came. Where a transaction that does not commit
-        wrote is kept (``Unsettled``) for the next producer of the id to end."""
+        wrote is kept (``Unsettled``) for the next producer of the id to end.
+
+        One given up while the client lost or was refused a connection (``ClientErrors.disconnects``)
+        says nothing of the broker's pace (``TransactionResult.answered`` 0): with some records
+        acknowledged before a broker was killed and the rest given up at the deadline, it was taken
+        for a broker too slow for its size, its shard's transactions halved and "too slowly" logged."""
         self._touched = Unsettled()
         result: TransactionResult | None = None
+        with suppress(KafkaException, SystemError):
+            self._producer.poll(0)  # a connection lost before it (closed idle) is not counted in it
+        disconnects = self._errors.disconnects
         try:
             result = self._send(records)
+            if result.answered and self._errors.disconnects != disconnects:
+                # A broker that went away meanwhile (killed, restarted) gave it up, not its pace.
+                result = replace(result, answered=0)
             return result
         finally:
             if result is None or result.outcome is not TransactionOutcome.COMMITTED:
