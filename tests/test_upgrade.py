@@ -233,3 +233,28 @@ def test_upgrade_refuses_a_count_the_unpublished_rows_contradict(sqlite_db):
     assert snapshot(sqlite_db) == before
     code, out = cli("init-db", "--db", sqlite_db, "--upgrade", "--shards", "8")
     assert code == 0 and "shard count 8" in out, out
+
+
+def test_the_lease_rows_a_reshard_to_fewer_shards_keeps_do_not_refuse_the_count_the_rows_were_sharded_with(
+        sqlite_db):
+    """A reshard (8 -> 4) keeps the rows of the shards it removes (for their transactional ids, since
+    1875acf); an ``outbox_meta`` lost after it (dropped by a migration that did not know it) is taken
+    for a 0.1 database, whose count the lease rows tell: they said 8, so --shards 4, the count the
+    pending rows were sharded with, was refused, and 8 was refused by those rows: no count was taken."""
+    code, out = cli("init-db", "--db", sqlite_db, "--shards", "8")
+    assert code == 0, out
+    engine = create_engine(sqlite_db)
+    relay = Relay(Outbox(engine), ScriptedTransport(), worker_id="r")
+    relay.run_once()  # a lease row for each of the 8 shards
+    relay.close()
+    code, out = cli("init-db", "--db", sqlite_db, "--reshard", "4")
+    assert code == 0 and "shard count changed from 8 to 4" in out, out
+    outbox = Outbox(engine)
+    with outbox.begin() as session:
+        for key in ("a", "b", "c", "d", "e"):
+            outbox.publish(session, T, {"v": 1}, key=key)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE outbox_meta"))
+    engine.dispose()
+    code, out = cli("init-db", "--db", sqlite_db, "--upgrade", "--shards", "4")
+    assert code == 0 and "shard count 4" in out, out

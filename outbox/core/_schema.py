@@ -386,7 +386,10 @@ def _shards_in_use(conn: Connection, tables: OutboxTables, requested: int | None
     """The shard count a 0.1 database was run with; refuse one its unpublished rows contradict."""
     leased = conn.execute(select(func.max(tables.leases.c.shard))).scalar()
     count = requested or (leased + 1 if leased is not None else DEFAULT_SHARDS)
-    if leased is not None and count != leased + 1:
+    # Fewer than the lease rows name is no contradiction: a reshard to fewer shards keeps the rows
+    # of the shards it removes (``reshard``), so they only bound the count from above; the
+    # unpublished rows below say whether it is the count they were sharded with.
+    if leased is not None and count > leased + 1:
         raise ConfigurationError(
             f"the relays of this database leased shards up to {leased}, so they ran with "
             f"{leased + 1} shards, not {count}: pass --shards {leased + 1}"
