@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 import pytest
@@ -29,7 +28,6 @@ from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
 from outbox.core._stopping import StopLatch
 from outbox.faststream._threads import in_daemon_thread
 from outbox.inbox import StopRequested
-from outbox.relay import shard_leases
 from outbox.relay._writer import BackgroundWriter
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
 from transports import Outcome, Record, SendResult
@@ -438,31 +436,3 @@ def test_a_stop_before_the_worker_exists_is_handed_to_it() -> None:
     assert stopped == ["early"]
     late()
     assert stopped == ["early", "late"] and late.asked.is_set()
-
-
-def test_the_leases_of_a_loop_left_behind_for_good_expire_within_the_lease_ttl(sqlite_db: str) -> None:
-    """A loop left behind at its stop in a call that does not return holds its leases no longer than
-    the lease TTL (docs/relay.md, the module docs): its relay's lease thread renewed them, and its
-    heartbeat, for as long as the call hung, so no other relay could serve its shards."""
-    engine = create_engine(sqlite_db)
-    outbox = Outbox(engine)
-    outbox.create_tables()
-    publish(outbox, "orders", ["k1"])
-    transport = DeadBrokerTransport()
-    ttl = 0.6
-    relay = Relay(outbox, transport, poll_interval=0.05, lease_ttl=ttl)
-    thread = _in_thread(lambda: relay.run(stop_timeout=STOP_TIMEOUT))
-    assert transport.hang.entered.wait(10)
-    relay.stop()
-    thread.join(STOP_TIMEOUT + MARGIN)
-    assert not thread.is_alive()
-    relay.close()
-
-    def live() -> list[int]:
-        now = datetime.now(UTC)
-        leases, _ = shard_leases(outbox, outbox.shards)
-        return [lease.shard for lease in leases if lease.owner is not None and lease.expires_at is not None
-                and lease.expires_at.replace(tzinfo=lease.expires_at.tzinfo or UTC) > now]
-
-    wait_for(lambda: live() == [], 4 * ttl + MARGIN, "the left-behind loop's leases to expire")
-    engine.dispose()

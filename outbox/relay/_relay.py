@@ -205,18 +205,9 @@ class Relay:
         Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
         """
         self._fatal = None
-        # Its threads' own end, set with the stop and never cleared: a thread still in a call when
-        # ``run`` returns (and the stop is cleared for the next run) ends once the call does.
-        ended = threading.Event()
-        try:
-            self._runs.run(lambda: self._run(ended), stop_timeout=stop_timeout)
-        finally:
-            # Returned at its stop without its loop (left behind in a call): the lease thread stops
-            # too, so the leases expire within the TTL unless the loop's call returns first (it
-            # then gives them back); renewed on, a call that never returns held them for good.
-            ended.set()
+        self._runs.run(self._run, stop_timeout=stop_timeout)
 
-    def _run(self, ended: threading.Event) -> None:
+    def _run(self) -> None:
         # The release of a run before that outlived its stop goes on: leases taken before it
         # ends would be given back by it. Said once: until it ends, the relay does nothing.
         if self._closers.going():
@@ -224,6 +215,9 @@ class Relay:
                         "is slow or does not answer) before it takes any", self.worker_id)
         while self._closers.going() and not self._stopping.wait(0.1):
             pass
+        # Its threads' own end, set with the stop and never cleared: a thread still in a call when
+        # ``run`` returns (and the stop is cleared for the next run) ends once the call does.
+        ended = threading.Event()
         threads = self._threads = []
         try:
             if not self._first_leases():
