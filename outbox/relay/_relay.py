@@ -364,11 +364,13 @@ class Relay:
         these leases and producers, and closing them under it released the leases
         before the batch marked its rows (fenced: sent again) and closed an
         exactly-once producer mid-transaction. The loop gives them back itself
-        when its call returns; if it never does, they expire within the lease TTL.
+        when its call returns; until then its lease thread renews them (its batch's
+        marks must hold), so a call that never returns holds them, and the relay's
+        heartbeat, for as long as the process lives.
         """
         if self._runs.loop_running:  # its own end gives them back (``_run``)
             log.warning("relay %s: close() leaves its leases to the loop of run(), which still runs "
                         "(left behind at its stop in a broker or database call, or not stopped): it "
-                        "gives them back when it ends, or they expire within the lease TTL", self.worker_id)
+                        "gives them back when it ends, and renews them until then", self.worker_id)
             return
         self._closers.close_within([self._step], group=lambda _: None, at_once=lambda step: step.close())
