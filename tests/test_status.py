@@ -302,3 +302,32 @@ def test_status_reads_no_published_row_on_sqlite(tmp_path: Path) -> None:
             assert reads and all("USING INDEX ix_outbox_" in step for step in reads), plan
             assert not any("ix_outbox_pending" in step for step in reads), plan
     engine.dispose()
+
+
+def test_a_long_lived_status_reader_sees_a_reshard_and_takes_no_served_shard_for_an_orphan(
+        sqlite_db: str) -> None:
+    """The console keeps one ``Outbox`` and gathers from it again and again; it read the shard count
+    once (``Outbox.load_schema`` keeps it), and since 1875acf ``shard_leases`` lists the shards below
+    the count it is given only. After a reshard 4 -> 8 the status listed shards 0-3, and the pending
+    rows of shards 4-7, whose leases the relay held, were "pending rows and no live relay lease"."""
+    from typer.testing import CliRunner
+
+    from outbox.cli import app
+    from outbox.ops import gather
+
+    result = CliRunner().invoke(app, ["init-db", "--db", sqlite_db, "--shards", "4"])
+    assert result.exit_code == 0, result.output
+    engine = create_engine(sqlite_db)
+    viewer = Outbox(engine)  # the console's, made at its start
+    assert gather(viewer)["outbox"]["shard_count"] == 4
+    result = CliRunner().invoke(app, ["init-db", "--db", sqlite_db, "--reshard", "8"])
+    assert result.exit_code == 0, result.output
+    relay = Relay(Outbox(engine), ScriptedTransport(), worker_id="r")
+    relay.run_once()  # holds all 8 shards
+    publish(Outbox(engine), "orders", [f"k{i}" for i in range(40)])  # pending, in all 8 shards
+    doc = gather(viewer)
+    assert doc["outbox"]["shard_count"] == 8
+    assert [s["state"] for s in doc["outbox"]["shards"]] == ["owned"] * 8
+    assert doc["stuck"] == []
+    relay.close()
+    engine.dispose()

@@ -19,6 +19,7 @@ from sqlalchemy import Engine, inspect
 
 from ..core._envelope import utcnow
 from ..core._errors import SchemaError
+from ..core._schema import read
 from ..inbox.admin import stuck_by_group
 from ..producer import Outbox
 from ..relay import backlog, retrying_heads, shard_leases
@@ -37,8 +38,7 @@ def _until(now: datetime, then: datetime | None) -> float | None:
 
 def gather(outbox: Outbox, *, group: str | None = None, stuck_after: float = 300.0) -> dict[str, Any]:
     """The status document: ``outbox``/``inbox`` parts (``null`` without their tables) and ``stuck``."""
-    engine = outbox.engine
-    assert isinstance(engine, Engine)
+    engine = _engine(outbox)
     tables = outbox.tables
     with engine.connect() as conn:
         found = inspect(conn)
@@ -66,8 +66,18 @@ def gather(outbox: Outbox, *, group: str | None = None, stuck_after: float = 300
     return doc
 
 
+def _engine(outbox: Outbox) -> Engine:
+    engine = outbox.engine
+    assert isinstance(engine, Engine)
+    return engine
+
+
 def _outbox_part(outbox: Outbox, now: datetime) -> dict[str, Any]:
-    shards = outbox.load_schema().shard_count
+    # Read afresh, not the count the outbox kept (``load_schema``): a reader that lives on (the
+    # console) would list the shards of the count before a reshard, and only those
+    # (``shard_leases``), taking served shards for orphaned ones.
+    with _engine(outbox).connect() as conn:
+        shards = read(conn, outbox.tables).shard_count
     leases, relays = shard_leases(outbox, shards)
     held: dict[str, int] = {}
     for lease in leases:
