@@ -181,3 +181,22 @@ def test_a_running_relay_stops_when_the_stored_shard_count_changes(eight):
         with eight.begin() as conn:
             conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="8"))
         embedded.run_once()
+
+
+def test_reshard_and_new_incarnation_are_refused_together_not_half_done(sqlite_db):
+    """``init-db --reshard 4 --new-incarnation`` (a restored database given a new count too) changed
+    the count, said so, exited 0 and left the incarnation as it was: the relays then sent the copy's
+    seqs under the identity of the database it copied. Each of the two runs alone; with another
+    action (or each other) it is refused before anything changes."""
+    code, out = cli("init-db", "--db", sqlite_db, "--shards", "8")
+    assert code == 0, out
+    engine = create_engine(sqlite_db)
+    before = Outbox(engine).load_schema()
+    for args in (["--reshard", "4", "--new-incarnation"], ["--reshard", "4", "--max-record-bytes", "2000000"],
+                 ["--new-incarnation", "--upgrade"], ["--reshard", "4", "--shards", "4"]):
+        code, out = cli("init-db", "--db", sqlite_db, *args)
+        assert code == 2 and "alone" in out, (args, out)
+        after = Outbox(engine).load_schema()
+        assert (after.shard_count, after.incarnation, after.max_record_bytes) == (
+            before.shard_count, before.incarnation, before.max_record_bytes), args
+    engine.dispose()

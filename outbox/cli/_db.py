@@ -131,6 +131,7 @@ def init_db(
     naming(db)
     tenant_only_with_tenants(tenants, tenant)
     options = _InitOptions(prefix, shards, max_record_bytes, upgrade, reshard, new_incarnation, partitioned)
+    options.check_alone()
     if tenants is None:
         console = Console()
         for line in _init_one(create_engine(db), schema, options):
@@ -148,6 +149,20 @@ class _InitOptions:
     reshard: int | None
     new_incarnation: bool
     partitioned: bool
+
+    def check_alone(self) -> None:
+        """``--reshard`` and ``--new-incarnation`` run alone: the first one given was done and the rest
+        ignored (``--reshard 4 --new-incarnation`` changed the count, exited 0 and kept the identity)."""
+        given = [name for name, asked in (
+            ("--reshard", self.reshard is not None), ("--new-incarnation", self.new_incarnation),
+            ("--shards", self.shards is not None), ("--max-record-bytes", self.max_record_bytes is not None),
+            ("--upgrade", self.upgrade), ("--partitioned", self.partitioned)) if asked]
+        alone = [name for name in given if name in ("--reshard", "--new-incarnation")]
+        if alone and len(given) > 1:
+            others = [name for name in given if name != alone[0]]
+            raise typer.BadParameter(
+                f"runs alone, not with {', '.join(others)}: run each as a command of its own "
+                "(nothing was changed)", param_hint=alone[0])
 
 
 def _init_tenants(db: str, schema: str | None, spec: str, only: str | None,
