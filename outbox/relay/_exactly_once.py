@@ -19,7 +19,8 @@ docs/guarantees.md "Exactly once on the wire"):
   (``_progress.counted``);
 - the shard's rows of a batch and one progress record (key: the
   transactional id; partition: the shard's, modulo the topic's count, so no
-  other shard's open transaction holds its read back; value: the ids of the
+  other shard's open transaction holds its read back while the topic has a
+  partition per shard; value: the ids of the
   rows committed and not yet known to be marked) are one transaction. Rows
   are marked published after the commit; until their mark is known to have
   committed they are named in every later progress record of the shard and
