@@ -79,8 +79,12 @@ def test_retention_deletes_exactly_the_settled_rows_past_the_cutoff(
 
     after = snapshot(engine, t)
     outbox_cut, inbox_cut = NOW - RETENTION, NOW - WINDOW
+    # The row of the greatest id (the last inserted) stays on SQLite and MySQL, whose ids would be
+    # given again once it went (``housekeeping._targets.outbox_target``); PostgreSQL never does.
+    newest = outbox[-1]["message_id"] if outbox and engine.dialect.name != "postgresql" else None
     kept_outbox = {r["message_id"] for r in outbox
-                   if not (r["status"] == "published" and r["created_at"] < outbox_cut)}
+                   if not (r["status"] == "published" and r["created_at"] < outbox_cut)
+                   or r["message_id"] == newest}
     settled_inbox = {(r["consumer_group"], r["message_id"]) for r in inbox
                      if r["processed_at"] < inbox_cut
                      and (r["created_at"] is None or r["created_at"] < inbox_cut)}
@@ -125,11 +129,13 @@ def test_bad_settings_are_refused_before_any_sql(kwargs, named: str) -> None:
 
 
 def old_published(outbox: Outbox, rows: int) -> None:
-    """Only ``rows`` published rows 30 days old in the outbox table."""
+    """Only ``rows`` published rows 30 days old in the outbox table, and a pending row after them:
+    the newest row, which retention keeps anyway on SQLite and MySQL (``outbox_target``)."""
     with outbox.engine.begin() as conn:  # type: ignore[union-attr]
         conn.execute(sa.delete(outbox.tables.messages))
         conn.execute(sa.insert(outbox.tables.messages),
-                     [outbox_row("published", NOW - timedelta(days=30)) for _ in range(rows)])
+                     [*(outbox_row("published", NOW - timedelta(days=30)) for _ in range(rows)),
+                      outbox_row("pending", NOW)])
 
 
 @contextmanager

@@ -103,16 +103,19 @@ def test_a_users_replay_of_header_in_another_case_is_replaced_not_doubled(spark,
     with Session(engine) as session, session.begin():
         original = outbox.publish(session, "orders", {"n": 1}, key="k",
                                   headers={"Replay-Of": "an earlier incident", "n": "1"})
+    with Session(engine) as session, session.begin():  # a newer row: the newest stays (docs/operations.md)
+        outbox.publish(session, "later", {"n": 2}, key="k")
     old = datetime.now(UTC) - timedelta(hours=1)
     with engine.begin() as conn:
-        conn.execute(sa.update(messages).values(status="published", created_at=old, published_at=old))
+        conn.execute(sa.update(messages).where(messages.c.message_id == original)
+                     .values(status="published", created_at=old, published_at=old))
     engine.dispose()
     root = tmp_path / "archive"
     archive(sqlite_db, root, retention="10m", spark=spark)
 
     assert replay(root, sqlite_db, topic="orders", spark=spark).replayed == 1
 
-    [row] = outbox_rows(sqlite_db)
+    [row] = [r for r in outbox_rows(sqlite_db) if r["topic"] == "orders"]
     assert row["headers"] == {"n": "1", REPLAY_HEADER: str(original)}
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, literal, literal_column, select
+from sqlalchemy import ColumnElement, Engine, delete, func, literal, literal_column, select
 from sqlalchemy.exc import DBAPIError
 
 from ..core._engine import worker_engine
@@ -193,6 +193,8 @@ def count_settled(engine: Engine, target: Target, cutoff: datetime, besides: Seq
     """How many rows a run with this cutoff would delete now (reads, locks nothing), leaving out
     the rows of the partitions named in ``besides`` (PostgreSQL: they would be dropped whole)."""
     query = select(func.count()).select_from(target.table).where(*target.settled(cutoff))
+    if target.newest_kept is not None and engine.dialect.name != "postgresql":  # as ``_one_batch``
+        query = query.where(target.newest_kept < select(func.max(target.newest_kept)).scalar_subquery())
     if besides:
         quote = engine.dialect.identifier_preparer.quote
         schema = f"{quote(target.table.schema)}." if target.table.schema else ""
@@ -234,7 +236,11 @@ def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
     if engine.dialect.name == "postgresql":
         return pg_batch(engine, target, cutoff, size, after)
     with engine.begin() as conn:
-        pick = (select(*target.key).where(*target.settled(cutoff))
+        kept: list[ColumnElement[bool]] = []
+        if target.newest_kept is not None:  # read apart: MySQL refuses a DELETE naming its table again
+            newest = conn.execute(select(func.max(target.newest_kept))).scalar()
+            kept = [target.newest_kept < newest] if newest is not None else []
+        pick = (select(*target.key).where(*target.settled(cutoff), *kept)
                 .order_by(*target.key).limit(size))
         if after is not None:
             pick = pick.where(key_of(target) > values_of(target, after))
@@ -245,7 +251,7 @@ def _one_batch(engine: Engine, target: Target, cutoff: datetime, size: int,
             return 0, None, 0
         gone = conn.execute(delete(target.table).where(
             key_of(target).in_([tuple(r) if len(target.key) > 1 else r[0] for r in rows]),
-            *target.settled(cutoff))).rowcount
+            *target.settled(cutoff), *kept)).rowcount
     return len(rows), tuple(rows[-1]), gone
 
 

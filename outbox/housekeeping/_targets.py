@@ -42,15 +42,27 @@ class Target:
     pending rows, an operator's actions select failed ones); an inbox counting a redelivery
     locks its dedup record."""
 
+    newest_kept: Column[object] | None = None
+    """A column whose greatest value's row is never deleted (``outbox_target``), or None."""
+
     @property
     def name(self) -> str:
         return self.table.name
 
 
 def outbox_target(tables: OutboxTables) -> Target:
+    """Published rows past the cutoff, but for the row of the greatest id (``newest_kept``).
+
+    SQLite (whose id column has no AUTOINCREMENT) gives a new row one more than the greatest id
+    left, and MySQL before 8.0 sets its counter so at each restart: deleting the greatest ids gave
+    them again. An exactly-once shard's last progress record names rows by id (``relay._progress``),
+    and a take-over marks the pending rows it names published without sending them: a new row of a
+    reused id was marked and never sent. Kept, the greatest id is never given again. (PostgreSQL's
+    sequences never give an id twice; its batches do not need it, ``_pg_batches``.)
+    """
     m = tables.messages
     return Target(m, (m.c.id,), lambda cutoff: [m.c.status == Status.PUBLISHED, m.c.created_at < cutoff],
-                  final=True)
+                  final=True, newest_kept=m.c.id)
 
 
 def inbox_target(tables: OutboxTables, group: str | None = None) -> Target:
