@@ -619,3 +619,63 @@ def test_a_broker_killed_inside_a_transaction_it_partly_acknowledged_is_an_outag
     assert [r.attempts for r in rows(outbox)] == [1] * 40
     assert_once_in_key_order(kafka, topic, 40, {f"k{i}": 10 for i in range(4)})
     engine.dispose()
+
+
+@pytest.mark.slow
+def test_a_broker_gone_silent_inside_a_transaction_it_partly_acknowledged_is_an_outage_not_a_slow_broker(
+        sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATTACK on the kill test above: the broker acknowledges the transaction's 40 records and then goes
+    silent without closing a connection (SIGSTOPped: a host that crashed, a network partition, a long
+    pause; nothing reaches the client, not even a reset) past the deadline, and comes back. The
+    transaction is given up at its deadline with 40 records acknowledged and no connection lost: it
+    must not be taken for a broker too slow for 40 records either."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)  # one shard: the batch is one transaction
+    outbox.create_tables()
+    kafka = own_broker.bootstrap
+    own_broker.create_topic(topic, 2)
+    publish(outbox, topic, [f"k{i % 4}" for i in range(40)])
+    acknowledged, frozen = threading.Event(), threading.Event()
+    paced: list[tuple[str, float]] = []
+    real_commit = KafkaTransactionalProducer._commit
+    real_pace = ExactlyOnce._pace
+
+    def commit(self: KafkaTransactionalProducer, count: int, reports: Any, deadline: float) -> Any:
+        # Its 40 records' reports came (delivered), its progress record produced: the broker stops now.
+        if count > 1 and not acknowledged.is_set():
+            acknowledged.set()
+            frozen.wait(30)
+        return real_commit(self, count, reports, deadline)
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        paced.append((answer.outcome.name, took))
+
+    monkeypatch.setattr(KafkaTransactionalProducer, "_commit", commit)
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=TIMEOUT * 2)
+    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
+    running = Running(relay)
+    try:
+        assert acknowledged.wait(60), "the transaction's records were never all acknowledged"
+        own_broker.freeze()
+        frozen.set()
+        wait_for(lambda: paced, 60, "the transaction given up")
+        held = relay._step._batch.exactly_once._owned[0].cap_held_until
+        slow = given_up(caplog)
+        own_broker.thaw()
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published after the thaw")
+    finally:
+        frozen.set()
+        own_broker.thaw()
+        running.stop()
+        transport.close()
+    outcome, took = paced[0]
+    assert outcome != "COMMITTED" and took >= 0.9 * TIMEOUT * 2, paced
+    assert slow == [], slow
+    assert held == 0.0
+    assert [r.attempts for r in rows(outbox)] == [1] * 40
+    assert_once_in_key_order(kafka, topic, 40, {f"k{i}": 10 for i in range(4)})
+    engine.dispose()

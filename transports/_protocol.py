@@ -168,7 +168,8 @@ class TransactionResult:
     answered: int = 0
     """Of a transaction given up for want of time (not committed, not fenced): how many of its
     records the broker acknowledged before it was, on connections that held: 0 when one was lost or
-    refused meanwhile (a broker killed is an outage, not a pace). More than none means the broker
+    refused meanwhile (a broker killed is an outage, not a pace), or when the broker went silent,
+    throttling nothing (a host crashed, a network partition). More than none means the broker
     answers, too slowly for a transaction this big: the caller sends smaller ones (``_exactly_once``'s
     pace)."""
 

@@ -85,6 +85,11 @@ ADMIN_RENEWAL = 1.0
 ABANDON_AT_MOST = 5.0
 """Seconds a settle that failed gives the abort of what it wrote (``KafkaTransactionalProducer._abandon``)."""
 
+SILENT_FOR = 0.5
+"""Of a transaction's deadline: a broker that acknowledged none of its records for at least this much
+of it at the end, and throttled none (no quota), went silent (a host crashed, a network partition): it
+was given up for want of the broker, not for a pace (``send``, ``TransactionResult.answered`` 0)."""
+
 DECIDED_AT_LEAST = 1.0
 """Seconds the check that a commit ended everywhere may take, even when the commit used the timeout up."""
 
@@ -154,6 +159,10 @@ class KafkaTransactionalProducer:
         self._result_of = results_of
         self._config = config
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
+        # When the broker last acknowledged a record of it, and how often it said it throttled it (a
+        # quota): ``send`` tells a broker that went silent from a slow one by them.
+        self._heard = 0.0
+        self._throttled = 0
         # The admin client ``_undecided`` reads with (its transport's, shared; given the one that
         # failed, a new one).
         self._admin = admin
@@ -162,7 +171,7 @@ class KafkaTransactionalProducer:
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
                          "transaction.timeout.ms": transaction_timeout_ms(ms),
-                         "error_cb": self._errors, "logger": LibrdkafkaLog()})
+                         "error_cb": self._errors, "throttle_cb": self._throttle, "logger": LibrdkafkaLog()})
         # Whether a transaction of it may be open (begun, its commit or abort not answered), and whether
         # it met a fatal error (fenced): either way ``close`` leaves its client to its last reference.
         self._open = self._fatal = self._closed = False
@@ -195,6 +204,10 @@ class KafkaTransactionalProducer:
     def __repr__(self) -> str:
         return f"KafkaTransactionalProducer({self.transactional_id!r})"
 
+    def _throttle(self, event: Any) -> None:
+        if event.throttle_time > 0:
+            self._throttled += 1
+
     def send(self, records: Sequence[Record]) -> TransactionResult:
         """Write ``records`` in one transaction; its outcome and one result per record.
 
@@ -205,16 +218,22 @@ class KafkaTransactionalProducer:
         One given up while the client lost or was refused a connection (``ClientErrors.disconnects``)
         says nothing of the broker's pace (``TransactionResult.answered`` 0): with some records
         acknowledged before a broker was killed and the rest given up at the deadline, it was taken
-        for a broker too slow for its size, its shard's transactions halved and "too slowly" logged."""
+        for a broker too slow for its size, its shard's transactions halved and "too slowly" logged.
+        So is one whose broker went silent (``SILENT_FOR``: acknowledged nothing in the deadline's
+        second half, and throttled nothing of it) without closing a connection: a host crashed, a
+        network partition, a long pause. A broker a quota holds back says so in its answers
+        (``throttle_cb``); one that is only slow keeps acknowledging until the deadline."""
         self._touched = Unsettled()
         result: TransactionResult | None = None
         with suppress(KafkaException, SystemError):
             self._producer.poll(0)  # a connection lost before it (closed idle) is not counted in it
-        disconnects = self._errors.disconnects
+        disconnects, throttled = self._errors.disconnects, self._throttled
+        self._heard = began = time.monotonic()
         try:
             result = self._send(records)
-            if result.answered and self._errors.disconnects != disconnects:
-                # A broker that went away meanwhile (killed, restarted) gave it up, not its pace.
+            if result.answered and (self._errors.disconnects != disconnects or (
+                    self._throttled == throttled and self._heard - began < (1 - SILENT_FOR) * self._timeout)):
+                # A broker that went away meanwhile (killed, restarted, silent) gave it up, not its pace.
                 result = replace(result, answered=0)
             return result
         finally:
@@ -270,6 +289,8 @@ class KafkaTransactionalProducer:
 
             def report(error: KafkaError | None, message: Any, i: int = i) -> None:
                 reports[i] = (error, message)  # only stored: read once the transaction ended
+                if error is None:
+                    self._heard = time.monotonic()
 
             try:
                 # Local queue full: wait for room until the transaction's deadline (``_queue_full``).
