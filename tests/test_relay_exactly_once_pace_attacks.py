@@ -679,3 +679,36 @@ def test_a_broker_gone_silent_inside_a_transaction_it_partly_acknowledged_is_an_
     assert [r.attempts for r in rows(outbox)] == [1] * 40
     assert_once_in_key_order(kafka, topic, 40, {f"k{i}": 10 for i in range(4)})
     engine.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("timing")
+def test_a_quota_that_acknowledged_a_transaction_s_first_records_then_held_the_rest_is_a_slow_broker(
+        sqlite_db: str, quick_quotas: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the silent broker above: a quota acknowledges the first records of a
+    transaction of 40 rows of 8 kB at once (its rate window was empty) and then mutes the connection
+    until the deadline, acknowledging nothing in its second half, like a broker gone silent. It said
+    it throttled the producer (``throttle_cb``): the first transaction given up is a broker too slow
+    for its size, logged and paced as one, not a silent outage."""
+    caplog.set_level(logging.INFO, logger="outbox")
+    paced: list[tuple[str, float, int]] = []
+    real_pace = ExactlyOnce._pace
+
+    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
+        real_pace(self, shard, state, count, answer, took)
+        paced.append((answer.outcome.name, took, answer.answered))
+
+    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    engine, _, transport, relay = throttled(sqlite_db, quick_quotas, topic, progress_topic, 40)
+    running = Running(relay)
+    try:
+        wait_for(lambda: any(o != "COMMITTED" and t >= 0.9 * TIMEOUT for o, t, _ in paced), 60,
+                 "a transaction given up at its deadline")
+    finally:
+        running.stop()
+        transport.close()
+    first = next(p for p in paced if p[0] != "COMMITTED" and p[1] >= 0.9 * TIMEOUT)
+    assert first[2] > 0, paced
+    assert given_up(caplog), paced
+    engine.dispose()
