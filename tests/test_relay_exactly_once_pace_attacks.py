@@ -555,20 +555,23 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
 # -- a broker killed inside a transaction: an outage, not a pace ----------------------------------
 
 @pytest.mark.slow
-def test_a_broker_killed_inside_a_transaction_it_partly_acknowledged_is_an_outage_not_a_slow_broker(
-        sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str,
+@pytest.mark.parametrize("fault", ["killed", "silent"])
+def test_a_broker_gone_inside_a_transaction_it_partly_acknowledged_is_an_outage_not_a_slow_broker(
+        sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str, fault: str,
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A relay (4 s deadline) sends one transaction of 40 rows; the broker acknowledges the 40 records
-    and is SIGKILLed (frozen first: nothing more of it is answered) before the progress record and the
-    commit, and stays away past the deadline. The transaction is given up at its deadline with 40
-    records acknowledged: an outage, not a broker too slow for 40 records. Nothing says "too slowly"
-    and the shard's cap is not held back; started again, the broker gets every row once, in key
-    order, attempt 1.
+    and, before the progress record and the commit, is SIGKILLed (``killed``: frozen first, so nothing
+    more of it is answered; its connections then refused) or goes silent without closing a connection
+    (``silent``: SIGSTOPped, as a host that crashed, a network partition, a long pause), and stays
+    away past the deadline. The transaction is given up at its deadline with 40 records acknowledged:
+    an outage, not a broker too slow for 40 records. Nothing says "too slowly" and the shard's cap is
+    not held back; back again, the broker gets every row once, in key order, attempt 1.
 
-    Before, it was taken for slowness: "given up after 8 s with 40 of them acknowledged: the broker
-    takes them too slowly; the shard's transactions now carry at most 20 records", the cap held for a
-    deadline (``_exactly_once._pace``). The producer's client now says a connection was lost meanwhile
-    (``ClientErrors.disconnects``), and such a transaction counts nothing acknowledged."""
+    Before, either was taken for slowness: "given up after 8 s with 40 of them acknowledged: the
+    broker takes them too slowly; the shard's transactions now carry at most 20 records", the cap held
+    for a deadline (``_exactly_once._pace``). The producer now counts nothing acknowledged when its
+    client lost a connection meanwhile (``ClientErrors.disconnects``), or when the broker acknowledged
+    nothing in the deadline's second half and throttled nothing (``_transactions.SILENT_FOR``)."""
     caplog.set_level(logging.INFO, logger="outbox")
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=1)  # one shard: the batch is one transaction
@@ -576,16 +579,16 @@ def test_a_broker_killed_inside_a_transaction_it_partly_acknowledged_is_an_outag
     kafka = own_broker.bootstrap
     own_broker.create_topic(topic, 2)
     publish(outbox, topic, [f"k{i % 4}" for i in range(40)])
-    acknowledged, killed = threading.Event(), threading.Event()
+    acknowledged, gone = threading.Event(), threading.Event()
     paced: list[tuple[str, float]] = []
     real_commit = KafkaTransactionalProducer._commit
     real_pace = ExactlyOnce._pace
 
     def commit(self: KafkaTransactionalProducer, count: int, reports: Any, deadline: float) -> Any:
-        # Its 40 records' reports came (delivered), its progress record produced: the broker dies now.
+        # Its 40 records' reports came (delivered), its progress record produced: the broker goes now.
         if count > 1 and not acknowledged.is_set():
             acknowledged.set()
-            killed.wait(30)
+            gone.wait(30)
         return real_commit(self, count, reports, deadline)
 
     def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
@@ -600,76 +603,20 @@ def test_a_broker_killed_inside_a_transaction_it_partly_acknowledged_is_an_outag
     try:
         assert acknowledged.wait(60), "the transaction's records were never all acknowledged"
         own_broker.freeze()
-        own_broker.kill()
-        killed.set()
+        if fault == "killed":
+            own_broker.kill()
+        gone.set()
         wait_for(lambda: paced, 60, "the transaction given up")
         held = relay._step._batch.exactly_once._owned[0].cap_held_until
         slow = given_up(caplog)
-        own_broker.start()
-        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published after the restart")
+        if fault == "killed":
+            own_broker.start()
+        else:
+            own_broker.thaw()
+        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published with the broker back")
     finally:
-        killed.set()
+        gone.set()
         own_broker.thaw()  # if it was never killed
-        running.stop()
-        transport.close()
-    outcome, took = paced[0]
-    assert outcome != "COMMITTED" and took >= 0.9 * TIMEOUT * 2, paced
-    assert slow == [], slow
-    assert held == 0.0
-    assert [r.attempts for r in rows(outbox)] == [1] * 40
-    assert_once_in_key_order(kafka, topic, 40, {f"k{i}": 10 for i in range(4)})
-    engine.dispose()
-
-
-@pytest.mark.slow
-def test_a_broker_gone_silent_inside_a_transaction_it_partly_acknowledged_is_an_outage_not_a_slow_broker(
-        sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str,
-        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ATTACK on the kill test above: the broker acknowledges the transaction's 40 records and then goes
-    silent without closing a connection (SIGSTOPped: a host that crashed, a network partition, a long
-    pause; nothing reaches the client, not even a reset) past the deadline, and comes back. The
-    transaction is given up at its deadline with 40 records acknowledged and no connection lost: it
-    must not be taken for a broker too slow for 40 records either."""
-    caplog.set_level(logging.INFO, logger="outbox")
-    engine = create_engine(sqlite_db)
-    outbox = Outbox(engine, shards=1)  # one shard: the batch is one transaction
-    outbox.create_tables()
-    kafka = own_broker.bootstrap
-    own_broker.create_topic(topic, 2)
-    publish(outbox, topic, [f"k{i % 4}" for i in range(40)])
-    acknowledged, frozen = threading.Event(), threading.Event()
-    paced: list[tuple[str, float]] = []
-    real_commit = KafkaTransactionalProducer._commit
-    real_pace = ExactlyOnce._pace
-
-    def commit(self: KafkaTransactionalProducer, count: int, reports: Any, deadline: float) -> Any:
-        # Its 40 records' reports came (delivered), its progress record produced: the broker stops now.
-        if count > 1 and not acknowledged.is_set():
-            acknowledged.set()
-            frozen.wait(30)
-        return real_commit(self, count, reports, deadline)
-
-    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
-        real_pace(self, shard, state, count, answer, took)
-        paced.append((answer.outcome.name, took))
-
-    monkeypatch.setattr(KafkaTransactionalProducer, "_commit", commit)
-    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
-    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=TIMEOUT * 2)
-    relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
-    running = Running(relay)
-    try:
-        assert acknowledged.wait(60), "the transaction's records were never all acknowledged"
-        own_broker.freeze()
-        frozen.set()
-        wait_for(lambda: paced, 60, "the transaction given up")
-        held = relay._step._batch.exactly_once._owned[0].cap_held_until
-        slow = given_up(caplog)
-        own_broker.thaw()
-        wait_for(lambda: not rows(outbox, status="pending"), 120, "every row published after the thaw")
-    finally:
-        frozen.set()
-        own_broker.thaw()
         running.stop()
         transport.close()
     outcome, took = paced[0]
