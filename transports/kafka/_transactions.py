@@ -136,6 +136,22 @@ class Unsettled:
         return bool(self.partitions or self.topics)
 
 
+class Heard:
+    """When a transactional producer's broker last acknowledged one of its records, and how often it
+    said it throttled the producer (``throttle_cb``: a quota). Apart from the producer, as
+    ``ClientErrors`` is: a callback of its client holding the producer would keep it in a reference
+    cycle with its client (a librdkafka client, its threads and connections, freed only by the cycle
+    collector; tests/test_relay_exactly_once_producer_lifetime.py)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+        self.throttled = 0
+
+    def throttle(self, event: Any) -> None:
+        if event.throttle_time > 0:
+            self.throttled += 1
+
+
 class KafkaTransactionalProducer:
     """One ``transactional.id``'s producer; each ``send`` one transaction (module doc).
 
@@ -161,8 +177,7 @@ class KafkaTransactionalProducer:
         self._errors = ClientErrors(f"transactional producer {transactional_id}")
         # When the broker last acknowledged a record of it, and how often it said it throttled it (a
         # quota): ``send`` tells a broker that went silent from a slow one by them.
-        self._heard = 0.0
-        self._throttled = 0
+        self._heard = Heard()
         # The admin client ``_undecided`` reads with (its transport's, shared; given the one that
         # failed, a new one).
         self._admin = admin
@@ -171,7 +186,8 @@ class KafkaTransactionalProducer:
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
                          "transaction.timeout.ms": transaction_timeout_ms(ms),
-                         "error_cb": self._errors, "throttle_cb": self._throttle, "logger": LibrdkafkaLog()})
+                         "error_cb": self._errors, "throttle_cb": self._heard.throttle,
+                         "logger": LibrdkafkaLog()})
         # Whether a transaction of it may be open (begun, its commit or abort not answered), and whether
         # it met a fatal error (fenced): either way ``close`` leaves its client to its last reference.
         self._open = self._fatal = self._closed = False
@@ -204,10 +220,6 @@ class KafkaTransactionalProducer:
     def __repr__(self) -> str:
         return f"KafkaTransactionalProducer({self.transactional_id!r})"
 
-    def _throttle(self, event: Any) -> None:
-        if event.throttle_time > 0:
-            self._throttled += 1
-
     def send(self, records: Sequence[Record]) -> TransactionResult:
         """Write ``records`` in one transaction; its outcome and one result per record.
 
@@ -227,12 +239,13 @@ class KafkaTransactionalProducer:
         result: TransactionResult | None = None
         with suppress(KafkaException, SystemError):
             self._producer.poll(0)  # a connection lost before it (closed idle) is not counted in it
-        disconnects, throttled = self._errors.disconnects, self._throttled
-        self._heard = began = time.monotonic()
+        heard = self._heard
+        disconnects, throttled = self._errors.disconnects, heard.throttled
+        heard.at = began = time.monotonic()
         try:
             result = self._send(records)
             if result.answered and (self._errors.disconnects != disconnects or (
-                    self._throttled == throttled and self._heard - began < (1 - SILENT_FOR) * self._timeout)):
+                    heard.throttled == throttled and heard.at - began < (1 - SILENT_FOR) * self._timeout)):
                 # A broker that went away meanwhile (killed, restarted, silent) gave it up, not its pace.
                 result = replace(result, answered=0)
             return result
@@ -287,10 +300,11 @@ class KafkaTransactionalProducer:
                 self._touched.partitions.add((record.topic, partition))
             headers: Any = record.headers
 
-            def report(error: KafkaError | None, message: Any, i: int = i) -> None:
+            def report(error: KafkaError | None, message: Any, i: int = i,
+                       heard: Heard = self._heard) -> None:
                 reports[i] = (error, message)  # only stored: read once the transaction ended
                 if error is None:
-                    self._heard = time.monotonic()
+                    heard.at = time.monotonic()
 
             try:
                 # Local queue full: wait for room until the transaction's deadline (``_queue_full``).
