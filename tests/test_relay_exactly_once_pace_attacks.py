@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import sqlalchemy as sa
@@ -310,17 +310,27 @@ def throttled(sqlite_db: str, broker: LocalKafka, topic: str, progress_topic: st
     return engine, outbox, transport, relay
 
 
-def recorded_pace(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, Any]]:
-    """Each transaction's size, outcome and the shard's cap after it, as the real ``_pace`` sees them."""
-    sizes: list[tuple[int, str, Any]] = []
+class Paced(NamedTuple):
+    """One transaction as the real ``_pace`` saw it, and the shard's cap after it."""
+    count: int
+    outcome: str
+    answered: int
+    took: float
+    cap: int | None
+    at: float  # time.monotonic() when it was paced
+
+
+def recorded_pace(monkeypatch: pytest.MonkeyPatch) -> list[Paced]:
+    """Every transaction's ``Paced``, in order, the real ``_pace`` run first."""
+    paced: list[Paced] = []
     real_pace = ExactlyOnce._pace
 
     def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
         real_pace(self, shard, state, count, answer, took)
-        sizes.append((count, answer.outcome.name, state.cap))
+        paced.append(Paced(count, answer.outcome.name, answer.answered, took, state.cap, time.monotonic()))
 
     monkeypatch.setattr(ExactlyOnce, "_pace", pace)
-    return sizes
+    return paced
 
 
 def given_up(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -346,7 +356,8 @@ def test_the_quota_lifted_mid_run_lifts_the_cap_and_the_rest_goes_in_few_transac
     sizes = recorded_pace(monkeypatch)
     running = Running(relay)
     try:
-        wait_for(lambda: given_up(caplog) and any(s[1] == "COMMITTED" for s in sizes), 60, "capped commits")
+        wait_for(lambda: given_up(caplog) and any(s.outcome == "COMMITTED" for s in sizes), 60,
+                 "capped commits")
         set_producer_quota(kafka, client, None)
         lifted = len(sizes)
         began = time.monotonic()
@@ -368,7 +379,7 @@ def test_the_quota_lifted_mid_run_lifts_the_cap_and_the_rest_goes_in_few_transac
     print(f"transactions before the lift: {sizes[:lifted]}")
     print(f"after: {sizes[lifted:]}; rest took {rest:.1f} s; cap after {cap}")
     assert_once_in_key_order(kafka, topic, 120, {f"k{i}": 30 for i in range(4)})
-    smallest = min(s[2] for s in sizes if s[2] is not None)
+    smallest = min(s.cap for s in sizes if s.cap is not None)
     assert cap is not None and cap >= 4 * smallest, f"the cap grew from {smallest} to {cap} only"
     engine.dispose()
 
@@ -509,24 +520,18 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
                                                  lease_ttl=2.0, worker_id="stopped")
     kafka, client = quick_quotas.bootstrap, transport.client_id
     began: list[tuple[float, int]] = []
-    commits: list[float] = []
     real_transaction = ExactlyOnce._transaction
-    real_pace = ExactlyOnce._pace
 
     def transaction(self: ExactlyOnce, shard: int, state: Any, records: Any, ids: Any, todo: list[int],
                     results: Any) -> Any:
         began.append((time.monotonic(), len(todo)))
         return real_transaction(self, shard, state, records, ids, todo, results)
 
-    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
-        real_pace(self, shard, state, count, answer, took)
-        if answer.outcome.name == "COMMITTED" and state.cap is not None:
-            commits.append(time.monotonic())
-
     monkeypatch.setattr(ExactlyOnce, "_transaction", transaction)
-    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    paced = recorded_pace(monkeypatch)
     running = Running(relay, stop_timeout=3.0)
-    wait_for(lambda: commits, 60, "a capped commit")
+    wait_for(lambda: any(p.outcome == "COMMITTED" and p.cap is not None for p in paced), 60,
+             "a capped commit")
     asked = time.monotonic()
     took = running.stop()
     after = [(round(t - asked, 1), n) for t, n in began if t > asked]
@@ -580,9 +585,7 @@ def test_a_broker_gone_inside_a_transaction_it_partly_acknowledged_is_an_outage_
     own_broker.create_topic(topic, 2)
     publish(outbox, topic, [f"k{i % 4}" for i in range(40)])
     acknowledged, gone = threading.Event(), threading.Event()
-    paced: list[tuple[str, float]] = []
     real_commit = KafkaTransactionalProducer._commit
-    real_pace = ExactlyOnce._pace
 
     def commit(self: KafkaTransactionalProducer, count: int, reports: Any, deadline: float) -> Any:
         # Its 40 records' reports came (delivered), its progress record produced: the broker goes now.
@@ -591,12 +594,8 @@ def test_a_broker_gone_inside_a_transaction_it_partly_acknowledged_is_an_outage_
             gone.wait(30)
         return real_commit(self, count, reports, deadline)
 
-    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
-        real_pace(self, shard, state, count, answer, took)
-        paced.append((answer.outcome.name, took))
-
     monkeypatch.setattr(KafkaTransactionalProducer, "_commit", commit)
-    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    paced = recorded_pace(monkeypatch)
     transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=TIMEOUT * 2)
     relay = Relay(outbox, transport, exactly_once=True, progress_topic=progress_topic, poll_interval=0.05)
     running = Running(relay)
@@ -619,8 +618,7 @@ def test_a_broker_gone_inside_a_transaction_it_partly_acknowledged_is_an_outage_
         own_broker.thaw()  # if it was never killed
         running.stop()
         transport.close()
-    outcome, took = paced[0]
-    assert outcome != "COMMITTED" and took >= 0.9 * TIMEOUT * 2, paced
+    assert paced[0].outcome != "COMMITTED" and paced[0].took >= 0.9 * TIMEOUT * 2, paced
     assert slow == [], slow
     assert held == 0.0
     assert [r.attempts for r in rows(outbox)] == [1] * 40
@@ -639,23 +637,16 @@ def test_a_quota_that_acknowledged_a_transaction_s_first_records_then_held_the_r
     it throttled the producer (``throttle_cb``): the first transaction given up is a broker too slow
     for its size, logged and paced as one, not a silent outage."""
     caplog.set_level(logging.INFO, logger="outbox")
-    paced: list[tuple[str, float, int]] = []
-    real_pace = ExactlyOnce._pace
-
-    def pace(self: ExactlyOnce, shard: int, state: Any, count: int, answer: Any, took: float) -> None:
-        real_pace(self, shard, state, count, answer, took)
-        paced.append((answer.outcome.name, took, answer.answered))
-
-    monkeypatch.setattr(ExactlyOnce, "_pace", pace)
+    paced = recorded_pace(monkeypatch)
     engine, _, transport, relay = throttled(sqlite_db, quick_quotas, topic, progress_topic, 40)
     running = Running(relay)
     try:
-        wait_for(lambda: any(o != "COMMITTED" and t >= 0.9 * TIMEOUT for o, t, _ in paced), 60,
+        wait_for(lambda: any(p.outcome != "COMMITTED" and p.took >= 0.9 * TIMEOUT for p in paced), 60,
                  "a transaction given up at its deadline")
     finally:
         running.stop()
         transport.close()
-    first = next(p for p in paced if p[0] != "COMMITTED" and p[1] >= 0.9 * TIMEOUT)
-    assert first[2] > 0, paced
+    first = next(p for p in paced if p.outcome != "COMMITTED" and p.took >= 0.9 * TIMEOUT)
+    assert first.answered > 0, paced
     assert given_up(caplog), paced
     engine.dispose()
