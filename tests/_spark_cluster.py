@@ -15,6 +15,12 @@ by an empty tmpfs: a directory that exists for the driver but is a different,
 executor-only disk for the tasks — what a local path is on a real cluster
 whose executors run on other machines. Everywhere else the worker sees the
 same files as the tests.
+
+Every JVM of the cluster runs with the suite's JVM options (``OUTBOX_TEST_JVM_OPTIONS``, C1
+only: docs/testing.md): the master and the worker through ``SPARK_DAEMON_JAVA_OPTS``, and each
+application's executors, and a ``spark-submit`` driver, through the ``spark-defaults.conf`` of
+a ``SPARK_CONF_DIR`` of the cluster's own that the jobs' environment names. A job lives seconds,
+too short for the optimising compiler to pay back its compile threads' CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from outbox.testing import wait_until_bound
+from outbox.testing import JVM_OPTIONS_ENV, wait_until_bound
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 120.0
@@ -45,10 +51,23 @@ class Cluster:
     work_dir: Path       # the worker's scratch space (executors' working directories)
     python: str          # the interpreter executors run (this test run's)
     private: bool        # whether private_dir really differs for the executors
+    conf_dir: Path       # SPARK_CONF_DIR: spark-defaults.conf with the suite's JVM options
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment for a CLI or spark-submit process that drives this cluster."""
-        return {**os.environ, "PYSPARK_PYTHON": self.python, "SPARK_LOCAL_IP": "127.0.0.1", **extra}
+        return {**os.environ, "PYSPARK_PYTHON": self.python, "SPARK_LOCAL_IP": "127.0.0.1",
+                "SPARK_CONF_DIR": str(self.conf_dir), **extra}
+
+
+def _conf_dir(base: Path) -> Path:
+    """A SPARK_CONF_DIR whose defaults give executors and spark-submit's driver the suite's JVM
+    options. A driver the outbox CLI starts passes its own (``FAST_START``), which win."""
+    conf = base / "conf"
+    conf.mkdir()
+    options = os.environ.get(JVM_OPTIONS_ENV, "").strip()
+    settings = [f"spark.{role}.extraJavaOptions {options}\n" for role in ("executor", "driver") if options]
+    (conf / "spark-defaults.conf").write_text("".join(settings))
+    return conf
 
 
 def private_mounts_work() -> bool:
@@ -99,8 +118,10 @@ def _bound_port(log: Path, service: str, process: subprocess.Popen[bytes], deadl
 def standalone_cluster(base: Path, *, private: bool) -> Iterator[Cluster]:
     """Start a master and one 2-core worker; yield the cluster; stop both (their process groups)."""
     base.mkdir(parents=True, exist_ok=True)
+    conf_dir = _conf_dir(base)
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_NO_DAEMONIZE": "1",
-           "PYSPARK_PYTHON": sys.executable, "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}
+           "PYSPARK_PYTHON": sys.executable, "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
+           "SPARK_DAEMON_JAVA_OPTS": os.environ.get(JVM_OPTIONS_ENV, ""), "SPARK_CONF_DIR": str(conf_dir)}
     class_ = [str(BIN / "spark-class")]
     private_dir, work_dir = base / "driver-only", base / "work"
     private_dir.mkdir()
@@ -132,7 +153,7 @@ def standalone_cluster(base: Path, *, private: bool) -> Iterator[Cluster]:
                 raise RuntimeError(f"no worker registered with the master within {START_TIMEOUT:.0f} s")
             time.sleep(0.5)
         yield Cluster(master=url, private_dir=private_dir, work_dir=work_dir, python=sys.executable,
-                      private=private)
+                      private=private, conf_dir=conf_dir)
     finally:
         running = [p for p in (worker, master) if p is not None]
         for process in running:

@@ -233,8 +233,13 @@ def test_archive_killed_with_sigkill_and_rerun(spark, java_home, sqlite_db, tmp_
     script = tmp_path / "job.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), url=sqlite_db, root=str(root),
                                     retention=f"{RETENTION.total_seconds()}s", as_of=AS_OF.isoformat()))
+    # A killed JVM cannot remove its scratch (blockmgr-*, spark-*, 10 MB a run): the job's JVM
+    # keeps it in the test's directory, not in /tmp, where it outlived the suite.
+    (tmp_path / "jvm-tmp").mkdir()
+    scratch = {**os.environ, "SPARK_SUBMIT_OPTS": " ".join(
+        [os.environ.get("SPARK_SUBMIT_OPTS", ""), f"-Djava.io.tmpdir={tmp_path / 'jvm-tmp'}"]).strip()}
     for more in (5, 15):  # two kills: a fresh run, then a run that is itself recovering
-        job = subprocess.Popen([sys.executable, str(script)], start_new_session=True,
+        job = subprocess.Popen([sys.executable, str(script)], start_new_session=True, env=scratch,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         kill_when(job, root, settled(root) + more)
         remaining = old & set(snapshot(sqlite_db, TABLES.messages))
@@ -244,8 +249,10 @@ def test_archive_killed_with_sigkill_and_rerun(spark, java_home, sqlite_db, tmp_
                         for r in ds.dataset(str(f), format="parquet").to_table().to_pylist()}
         assert old - remaining <= in_committed
 
+    # The rerun recovers what the kills left (committed chunks, debris) before it plans the rest;
+    # the rest, some 7,000 rows, goes in chunks of 2,000: one wave of Spark tasks, not five of 200.
     archive(sqlite_db, root, retention=RETENTION, dedup_window=RETENTION, as_of=AS_OF,
-            chunk_rows=200, spark=spark)
+            chunk_rows=2_000, spark=spark)
 
     assert_archived_exactly_once(sqlite_db, root, before, inbox_before)
 

@@ -119,8 +119,13 @@ def test_warm_up_writes_an_archive_the_next_audit_maps_and_a_damaged_one_is_disc
     assert archive.stat().st_mtime > long_ago + 3600  # mapped: java_options marked it in use
     assert list(cache.iterdir()) == [archive]
 
-    archive.chmod(0o644)  # the JVM writes it read-only
-    os.truncate(archive, archive.stat().st_size // 2)
+    # Damaged: half of it, put in its place. Not truncated in place: the mapped audit's JVM is
+    # still exiting after its command returned, and a mapped file cut short under it kills it
+    # (SIGBUS) before it removes its blockmgr-* and spark-* directories from /tmp.
+    damaged = archive.with_name("damaged.tmp")
+    with archive.open("rb") as whole, damaged.open("wb") as half:
+        half.write(whole.read(archive.stat().st_size // 2))
+    os.replace(damaged, archive)
     without = audit(scene, cache)
     assert list(cache.iterdir()) == []  # discarded; nothing new written either
     assert "PROBLEM:" in without and mapped == without
