@@ -48,6 +48,8 @@ def main() -> None:
                         help="build the Inbox on an AsyncEngine, with an async def handler")
     parser.add_argument("--group-protocol", choices=sorted(GROUP_PROTOCOLS), default="classic",
                         help="the consumer group protocol: classic, or KIP-848's consumer")
+    parser.add_argument("--session-timeout-ms", type=int, default=None,
+                        help="the classic protocol's session.timeout.ms (TEST_CONSUMER_SETTINGS' otherwise)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="worker %(process)d %(name)s: %(message)s")
     for name in ("outbox.inbox", "transports.kafka"):  # assignments, revocations
@@ -61,8 +63,13 @@ def main() -> None:
     else:
         inbox.handler(args.topic)(for_inbox(inbox, apply_effect))
     rejoin = {} if args.rejoin_after is None else {"rejoin_after": args.rejoin_after}
+    settings = dict(GROUP_PROTOCOLS[args.group_protocol])
+    if args.session_timeout_ms is not None:
+        if args.group_protocol != "classic":
+            parser.error("--session-timeout-ms: KIP-848's session is the broker's")
+        settings["session_timeout_ms"] = args.session_timeout_ms
     source = KafkaSource(bootstrap_servers=args.servers, group_id=args.group,
-                         topics=[args.topic], **rejoin, **GROUP_PROTOCOLS[args.group_protocol])
+                         topics=[args.topic], **rejoin, **settings)
     print("ready", flush=True)
     inbox.run(source)
     print("stopped", flush=True)

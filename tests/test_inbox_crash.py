@@ -42,11 +42,13 @@ def pg(server_db_url: str) -> Iterator[sa.Engine]:
 
 def start_worker(db: str, kafka: str, topic: str, group: str, log: Path | None = None,
                  *, batch_handler: bool = False, kind: str = "sync",
-                 group_protocol: str = "classic") -> subprocess.Popen[bytes]:
+                 group_protocol: str = "classic", session_timeout_ms: int | None = None
+                 ) -> subprocess.Popen[bytes]:
+    session = [] if session_timeout_ms is None else ["--session-timeout-ms", str(session_timeout_ms)]
     return subprocess.Popen(
         [sys.executable, str(WORKER), db, kafka, topic, group, "--concurrency", "4",
          "--batch-size", "20", *(["--batch-handler"] if batch_handler else []),
-         *(["--async"] if kind == "async" else []), "--group-protocol", group_protocol],
+         *(["--async"] if kind == "async" else []), "--group-protocol", group_protocol, *session],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stderr=None if log is None else log.open("wb"),
     )
@@ -113,6 +115,14 @@ def campaign(server: str, kind: str, batch_handler: bool, keys: int, per_key: in
 # reach further into each key's chain (the cap on what a kill may wait for keeps them mid-stream).
 KILLS = 5
 """Kills per campaign: five campaigns, twenty-five kills in all, each at a random point of its stream."""
+KILLED_SESSION_MS = 2000
+"""The campaign's consumers' session: the restarted consumer gets its partitions only once the
+killed one's session ran out (the classic protocol's join waits for every member it knows), so each
+kill cost the 4 s of ``inbox_worker``'s default, most of a kill's cycle. What a kill proves does not
+depend on it: the killed consumer is dead and its uncommitted work comes again to the next one
+whatever the session's length, and each kill still waits for that one's first effect. 2 s is four
+of its 0.5 s heartbeats, sent by librdkafka's own thread (not held by the handlers' GIL), and a
+heartbeat missed under load only makes one more rebalance, which the campaign must survive anyway."""
 CAMPAIGNS = [
     campaign("postgres", "sync", False, 500, 10, "handler"),
     campaign("postgres", "async", True, 500, 10, "batch_handler"),
@@ -131,7 +141,8 @@ def test_exactly_once_effects_when_the_consumer_is_killed_again_and_again(
     group = f"crash-{topic}"
     produce_keys(kafka, topic, keys, per_key)
     rng = random.Random(int(time.time()))
-    worker = start_worker(server_db_url, kafka, topic, group, batch_handler=batch_handler, kind=kind)
+    worker = start_worker(server_db_url, kafka, topic, group, batch_handler=batch_handler, kind=kind,
+                          session_timeout_ms=KILLED_SESSION_MS)
     killed_at: list[int] = []
     try:
         for _ in range(KILLS):
@@ -146,7 +157,7 @@ def test_exactly_once_effects_when_the_consumer_is_killed_again_and_again(
             worker.wait()
             killed_at.append(effect_count(pg))
             worker = start_worker(server_db_url, kafka, topic, group, batch_handler=batch_handler,
-                                  kind=kind)
+                                  kind=kind, session_timeout_ms=KILLED_SESSION_MS)
         deadline = time.monotonic() + 240
         while effect_count(pg) < keys * per_key and time.monotonic() < deadline:
             assert worker.poll() is None, f"worker exited with {worker.returncode}"

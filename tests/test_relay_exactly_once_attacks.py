@@ -25,6 +25,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.testing import LocalKafka, LocalPostgres, create_topic
+from tests.conftest import thawed_and_running
 from transports import Record, TransactionResult
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -32,6 +33,17 @@ from transports.testing import read_topic
 pytestmark = pytest.mark.kafka
 
 MESSAGE_ID = "outbox-message-id"
+
+ONE_BROKER = pytest.mark.xdist_group("exactly-once-attacks")
+"""The tests that freeze or kill a broker share the module's (``module_kafka``): one JVM start
+instead of three, and a group of their own so that they run on one worker. Each works on a topic,
+progress topic and outbox (so transactional ids) of its own and leaves the broker running; a
+transaction a killed relay left open is on that test's topics alone."""
+
+
+@pytest.fixture
+def own_kafka(module_kafka: LocalKafka) -> LocalKafka:
+    return thawed_and_running(module_kafka)
 
 
 @pytest.fixture
@@ -187,6 +199,7 @@ def test_a_batch_size_whose_progress_record_could_outgrow_the_limit_is_refused_a
     engine.dispose()
 
 
+@ONE_BROKER
 def test_sigterm_while_transactions_wait_on_a_frozen_broker_exits_on_time(
         sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str, tmp_path: Path) -> None:
     """The batch's shards commit on threads of their own; the broker freezes under them. SIGTERM:
@@ -223,6 +236,7 @@ def test_sigterm_while_transactions_wait_on_a_frozen_broker_exits_on_time(
 
 
 @pytest.mark.slow
+@ONE_BROKER
 def test_a_broker_killed_mid_transaction_and_a_relay_killed_while_it_is_down_lose_and_repeat_nothing(
         sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str, tmp_path: Path) -> None:
     """Messages flow through ``outbox relay --exactly-once``; the broker is SIGKILLed under its
@@ -433,6 +447,7 @@ def test_a_rightful_owner_fenced_by_a_stray_producer_counts_no_attempt(
 
 
 
+@ONE_BROKER
 def test_a_broker_that_stops_answering_between_a_commit_and_its_read_back_gets_nothing_twice(
         sqlite_db: str, own_kafka: LocalKafka, topic: str, progress_topic: str,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -28,7 +27,7 @@ from _relay_helpers import drain, publish, rows, seqs_by_key, wait_for
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._exactly_once import ExactlyOnce
 from outbox.testing import LocalKafka, create_topic, set_producer_quota
-from tests.conftest import own_local_kafka
+from tests.conftest import thawed_and_running
 from transports import Record
 from transports.kafka import KafkaTransactionalProducer, KafkaTransport
 from transports.testing import read_topic
@@ -450,11 +449,18 @@ def test_a_capped_fleet_killed_before_its_marks_sends_no_tenant_s_row_twice(
 # -- a broker frozen while capped --------------------------------------------------------------
 
 @pytest.fixture
-def own_broker() -> Iterator[LocalKafka]:
-    yield from own_local_kafka()
+def own_broker(module_kafka: LocalKafka) -> LocalKafka:
+    """The module's broker (``module_kafka``), shared by the tests that freeze or kill it (``ONE_BROKER``):
+    one JVM start instead of three. Each works on a topic, progress topic and outbox (so transactional
+    ids) of its own and leaves the broker running; the quotas are set on ``quick_quotas``' brokers."""
+    return thawed_and_running(module_kafka)
+
+
+ONE_BROKER = pytest.mark.xdist_group("exactly-once-pace-attacks")
 
 
 @pytest.mark.slow
+@ONE_BROKER
 def test_a_broker_frozen_while_capped_then_thawed_publishes_everything_once_with_no_attempt(
         sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str,
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -560,6 +566,7 @@ def test_a_stop_asked_while_capped_returns_on_time_and_nothing_goes_twice(
 # -- a broker killed inside a transaction: an outage, not a pace ----------------------------------
 
 @pytest.mark.slow
+@ONE_BROKER
 @pytest.mark.parametrize("fault", ["killed", "silent"])
 def test_a_broker_gone_inside_a_transaction_it_partly_acknowledged_is_an_outage_not_a_slow_broker(
         sqlite_db: str, own_broker: LocalKafka, topic: str, progress_topic: str, fault: str,

@@ -1,4 +1,4 @@
-"""Outages are not failures: the broker frozen for 40 s, then PostgreSQL down for 10 s, under two relays.
+"""Outages are not failures: the broker frozen, then PostgreSQL stopped, under two relays.
 
 The broker (Apache Kafka, a ``LocalKafka`` of the test's own) is frozen with
 SIGSTOP of its JVM so it neither answers nor closes a connection; PostgreSQL is a server
@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,16 @@ from transports.testing import read_topic
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
-FREEZE, DB_DOWN = 65.0, 10.0
-"""The freeze holds one whole batch of the relay's inside it: the batch under way when it begins
-may have records delivered (no outage then: the broker answered) and waits up to the relay's
-30 s for the rest; the next one then waits its 30 s with nothing answered, an outage. At 40 s
-the second wait could end after the thaw with records delivered, and no outage was counted
-(seen once on CI)."""
+FREEZE, DB_DOWN = 65.0, 60.0
+"""The longest the broker stays frozen and the database stopped: each outage lasts until every
+relay said it met it (the assertions need a broker outage counted by one relay at least and a
+database outage by each), then ends. The freeze holds one whole batch of a relay's inside it:
+the batch under way when it begins may have records delivered (no outage then: the broker
+answered) and waits up to the relay's 30 s for the rest; the next one then waits its 30 s with
+nothing answered, an outage, said at most about 60 s in. A fixed 40 s freeze could end before
+that second wait did, and no outage was counted (seen once on CI); a fixed 65 s one, as long as
+the freeze may last now, waited past the lines by up to half a minute, and a fixed 10 s database
+stop past them too."""
 
 
 def metric(port: int, name: str, **labels: str) -> float:
@@ -59,6 +64,11 @@ def stopped(process: subprocess.Popen) -> int | None:
         process.kill()
         process.wait()
         return None
+
+
+def lines(logs: list[Path], text: str) -> list[int]:
+    """How many lines of each log say ``text``."""
+    return [log.read_text().count(text) for log in logs]
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -88,12 +98,14 @@ def test_relays_ride_out_a_frozen_broker_and_a_stopped_database(
     writing = threading.Event()
     writing.set()
     write_errors = []
+    written = [0]  # transactions committed
 
     def write() -> None:
         rng = random.Random(5)
         while writing.is_set():
             try:
                 publish(outbox, topic, sorted(f"key-{rng.randrange(100)}" for _ in range(5)))
+                written[0] += 1
             except Exception as exc:  # the database is down: this transaction did not commit
                 write_errors.append(exc)
                 time.sleep(0.5)
@@ -104,17 +116,32 @@ def test_relays_ride_out_a_frozen_broker_and_a_stopped_database(
     try:
         wait_for(lambda: len(rows(outbox, status="published")) >= 300, 60, "relays at work")
 
+        said = lines(logs, "broker unreachable")
         broker.freeze()
-        time.sleep(FREEZE)
-        broker.thaw()
+        try:
+            # Every relay says it, each with a batch waiting on the broker; one that had none to send
+            # (or whose wait the thaw ended, answered) may not, as before: FREEZE s at the most.
+            with suppress(AssertionError):
+                wait_for(lambda: all(map(int.__gt__, lines(logs, "broker unreachable"), said)), FREEZE,
+                         "every relay to say the frozen broker is unreachable")
+            assert any(map(int.__gt__, lines(logs, "broker unreachable"), said)), \
+                f"no relay said the broker was unreachable in the {FREEZE:.0f} s it was frozen"
+        finally:
+            broker.thaw()
         frozen_backlog = len(rows(outbox, status="pending"))
         wait_for(lambda: len(rows(outbox, status="pending")) < frozen_backlog / 2, 90,
                  "the relays to resume after the broker came back")
 
+        said = lines(logs, "database unreachable")
         own_postgres.stop()
-        time.sleep(DB_DOWN)
-        own_postgres.start()
-        time.sleep(5)
+        try:
+            # Each relay meets it: one that owns no shards only when it renews its leases (TTL/3).
+            wait_for(lambda: all(map(int.__gt__, lines(logs, "database unreachable"), said)), DB_DOWN,
+                     "each relay to say the stopped database is unreachable")
+        finally:
+            own_postgres.start()
+        committed = written[0]
+        wait_for(lambda: written[0] >= committed + 20, 60, "the writer to commit again")
     finally:
         writing.clear()
         writer.join(60)

@@ -27,6 +27,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox.testing import LocalKafka, LocalKafkaCluster
+from tests.conftest import thawed_and_running
 from transports import Outcome, ReadBack, Record, TransactionOutcome, Uncommitted
 from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
@@ -300,6 +301,14 @@ def test_a_commit_the_broker_leaves_open_is_not_reported_committed(
         taker.close()
     finally:
         transport.close()
+
+
+@pytest.fixture
+def own_kafka(module_kafka: LocalKafka) -> LocalKafka:
+    """The module's single broker (``module_kafka``), shared by the two tests that kill or freeze it
+    (one JVM start instead of two; the module is in the ``kafka-cluster`` group, on one worker).
+    Their topics and transactional ids differ, and each leaves the broker running."""
+    return thawed_and_running(module_kafka)
 
 
 def new_topic(bootstrap: str, topic: str, partitions: int) -> None:
