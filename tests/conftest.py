@@ -24,6 +24,7 @@ import _xdist_groups
 import pytest
 import sqlalchemy as sa
 from _mock_faults import MockCluster
+from _pg_databases import RecycledDatabases
 from hypothesis import settings
 
 from outbox import Outbox, create_engine
@@ -220,10 +221,20 @@ def java_home() -> str:
     return os.environ.get("JAVA_HOME") or os.path.dirname(os.path.dirname(os.path.realpath(java)))
 
 
+@pytest.fixture(scope="session")
+def _postgres_databases(postgres_server: str) -> Iterator[RecycledDatabases]:
+    databases = RecycledDatabases(postgres_server)
+    try:
+        yield databases
+    finally:
+        databases.close()
+
+
 @pytest.fixture
-def postgres_db(postgres_server: str) -> Iterator[str]:
-    """A fresh, empty database on the shared server, dropped after the test."""
-    with fresh_database(postgres_server) as url:
+def postgres_db(_postgres_databases: RecycledDatabases) -> Iterator[str]:
+    """A fresh, empty database on the shared server, of the test's own until it ends: an earlier
+    test's, emptied and renamed, or a new one (``tests/_pg_databases.py``)."""
+    with _postgres_databases.database() as url:
         yield url
 
 

@@ -27,9 +27,15 @@ from outbox.faststream import subscribe, sweeping
 from tests.inbox_support import apply_effect, for_inbox, inbox_bind
 from tests.inbox_worker import TEST_CONSUMER_SETTINGS
 
+AUTO_COMMIT_INTERVAL_MS = 500
+"""The clients' auto-commit interval (default 5 s). ``subscribe`` commits itself and turns auto-commit
+off; were it on (FastStream's default ``AckPolicy.ACK_FIRST``), a record would be committed on
+receipt within this interval, which is how long a test must wait to see it was not."""
+
 # The inbox workers' consumer settings (a killed consumer's partitions move on after 4 s), reading
 # a new group's topic from its start.
-TEST_SUBSCRIBER_SETTINGS = {"auto_offset_reset": "earliest", **TEST_CONSUMER_SETTINGS}
+TEST_SUBSCRIBER_SETTINGS = {"auto_offset_reset": "earliest",
+                            "auto_commit_interval_ms": AUTO_COMMIT_INTERVAL_MS, **TEST_CONSUMER_SETTINGS}
 
 
 BROKERS = {"confluent": ConfluentBroker, "aiokafka": AiokafkaBroker}

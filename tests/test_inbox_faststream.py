@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 
 from outbox import ConfigurationError, Inbox, create_engine
 from outbox.faststream import subscribe, sweeping
-from tests.faststream_worker import BROKERS, TEST_SUBSCRIBER_SETTINGS
+from tests.faststream_worker import AUTO_COMMIT_INTERVAL_MS, BROKERS, TEST_SUBSCRIBER_SETTINGS
 from tests.inbox_support import (
     INBOX_KINDS,
     AlertLog,
@@ -218,9 +218,13 @@ def test_a_record_cut_short_by_a_crash_is_not_committed_and_comes_again(
                          "--block-seq", "2")
     try:
         expect_line(first, b"blocked")  # a:2's handler hangs before its transaction commits
-        # Longer than the clients' auto-commit interval (5 s): a consumer that committed on receipt
-        # (FastStream's default AckPolicy.ACK_FIRST) would have committed a:2 by now.
-        time.sleep(6)
+        # Four of the clients' auto-commit intervals (AUTO_COMMIT_INTERVAL_MS): a consumer that
+        # committed on receipt (FastStream's default AckPolicy.ACK_FIRST) would have committed a:2
+        # in the first.
+        held = time.monotonic() + 4 * AUTO_COMMIT_INTERVAL_MS / 1000
+        while time.monotonic() < held:
+            assert committed(kafka, group, topic)[0] <= 1, "a:2 (offset 1) was committed unfinished"
+            time.sleep(0.1)
         assert applied(pg, "a") == [("a", 1)]
         assert committed(kafka, group, topic)[0] <= 1, "a:2 (offset 1) was committed unfinished"
     finally:
