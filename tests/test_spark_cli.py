@@ -105,13 +105,22 @@ def test_bad_urls_and_missing_tables_are_named_before_spark_starts(tmp_path, arg
     assert failed.stdout == ""
 
 
-def test_only_the_report_goes_to_stdout_and_the_jvm_stays_quiet(java_home, tmp_path):
+def test_only_the_report_goes_to_stdout_the_jvm_stays_quiet_and_has_ended(java_home, tmp_path):
+    """The command returns once its JVM has ended: nothing of it is left in its temporary directory.
+    It returned while the JVM was still ending, and a scheduler that then ended the command's
+    process group (or a warm-up that replaced the class archive it mapped) killed the JVM before it
+    removed its ``blockmgr-*`` and ``spark-*`` directories."""
     url = f"sqlite:///{tmp_path / 'db.db'}"
     seed(build(n=3_000, keys=30), url, url)
+    scratch = tmp_path / "jvm-tmp"
+    scratch.mkdir()
     done = cli("audit", "--outbox-db", url, "--out", str(tmp_path / "a"), "--as-of", AS_OF.isoformat(),
-               "--master", "local[1]")
+               "--master", "local[1]", SPARK_SUBMIT_OPTS=" ".join(
+                   [os.environ.get("SPARK_SUBMIT_OPTS", ""), f"-Djava.io.tmpdir={scratch}"]).strip())
+    left = sorted(p.name for p in scratch.iterdir())
     assert done.returncode == 1, done.stderr[-3000:]  # the scenario loses messages
     assert done.stdout == (tmp_path / "a" / "report.md").read_text() + "\n"
     for noise in ("Using incubator modules", "log4j", "NativeCodeLoader", "setLogLevel", " INFO "):
         assert noise not in done.stderr, done.stderr[-3000:]
     assert "done" in done.stderr  # the progress line
+    assert left == [], f"the JVM had not ended when the command returned: {left}"

@@ -94,12 +94,19 @@ def discard(archive: Path) -> None:
         archive.unlink()
 
 
-_pending: list[tuple[subprocess.Popen[bytes], Path]] = []
+_pending: list[tuple[subprocess.Popen[bytes], Path | None]] = []
 
 
 def finish_at_exit(jvm: subprocess.Popen[bytes] | None, dump: Path | None) -> None:
-    """At the process's exit, or in ``finish_pending``: let the JVM end (it dumps then), place its archive."""
-    if jvm is not None and dump is not None:
+    """At the process's exit, or in ``finish_pending``: end the JVM and wait for it; place its
+    archive if it writes one (``dump``).
+
+    Waited for with no archive to write too: a command that returned while its JVM was still
+    ending left that JVM to whatever came next. A scheduler that ends the command's process group,
+    or a warm-up that replaces the archive it still maps (it died of SIGBUS), killed it before its
+    shutdown hooks removed its scratch directories (``blockmgr-*`` and ``spark-*``, some 10 MB a
+    run, left in the temporary directory for ever)."""
+    if jvm is not None:
         if not _pending:
             atexit.register(finish_pending)
         _pending.append((jvm, dump))
@@ -116,8 +123,8 @@ def finish_pending() -> list[Path]:
     return done
 
 
-def finish(jvm: subprocess.Popen[bytes], dump: Path) -> Path | None:
-    """End the JVM, wait for its dump, and rename a complete one (exit code 0) to the archive's name."""
+def finish(jvm: subprocess.Popen[bytes], dump: Path | None) -> Path | None:
+    """End the JVM and wait for it; rename a complete dump (exit code 0) to the archive's name."""
     from pyspark import SparkContext
 
     if SparkContext._active_spark_context is not None:
@@ -131,6 +138,8 @@ def finish(jvm: subprocess.Popen[bytes], dump: Path) -> Path | None:
         jvm.wait(timeout=300)
     except subprocess.TimeoutExpired:
         return None  # left to _remove_stale
+    if dump is None:
+        return None
     archive = dump.with_name(dump.name.split(".jsa.")[0] + ".jsa")
     with contextlib.suppress(OSError):
         if jvm.returncode == 0 and dump.is_file():
