@@ -95,28 +95,37 @@ def discard(archive: Path) -> None:
 
 
 _pending: list[tuple[subprocess.Popen[bytes], Path | None]] = []
+_at_exit = False  # _finish registered to run at the process's exit
 
 
 def finish_at_exit(jvm: subprocess.Popen[bytes] | None, dump: Path | None) -> None:
-    """At the process's exit, or in ``finish_pending``: end the JVM and wait for it; place its
-    archive if it writes one (``dump``).
+    """At the process's exit: end the JVM and wait for it; place its archive if it writes one
+    (``dump``; ``finish_pending`` places it earlier).
 
     Waited for with no archive to write too: a command that returned while its JVM was still
     ending left that JVM to whatever came next. A scheduler that ends the command's process group,
     or a warm-up that replaces the archive it still maps (it died of SIGBUS), killed it before its
     shutdown hooks removed its scratch directories (``blockmgr-*`` and ``spark-*``, some 10 MB a
     run, left in the temporary directory for ever)."""
+    global _at_exit
     if jvm is not None:
-        if not _pending:
-            atexit.register(finish_pending)
+        if not _at_exit:
+            atexit.register(_finish, writing_only=False)
+            _at_exit = True
         _pending.append((jvm, dump))
 
 
 def finish_pending() -> list[Path]:
-    """``finish`` every JVM ``finish_at_exit`` was given; the archives now in place."""
+    """``finish`` every JVM ``finish_at_exit`` was given that writes an archive; the archives now in
+    place. One that writes none is left to the process's exit: it may run the session the process
+    goes on using (a test run's, beside a warm-up)."""
+    return _finish(writing_only=True)
+
+
+def _finish(*, writing_only: bool) -> list[Path]:
     done = []
-    while _pending:
-        jvm, dump = _pending.pop()
+    for jvm, dump in [(j, d) for j, d in _pending if d is not None or not writing_only]:
+        _pending.remove((jvm, dump))
         archive = finish(jvm, dump)
         if archive is not None:
             done.append(archive)
