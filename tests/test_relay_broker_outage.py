@@ -399,6 +399,7 @@ def test_a_transaction_its_queued_records_outlived_on_a_frozen_broker_is_an_outa
             raise
 
     answers: list[TransactionResult] = []
+    reached: list[bool] = []
     for round in range(3):
         producer = warmed(transport, topic)
         refused: list[KafkaError] = []
@@ -413,8 +414,13 @@ def test_a_transaction_its_queued_records_outlived_on_a_frozen_broker_is_an_outa
                     own_kafka.thaw()
         finally:
             producer.close()
-        assert [e.code() for e in refused] == [KafkaError._STATE], (round, refused)  # the case, no other
+        assert [e.code() for e in refused] in ([KafkaError._STATE], []), (round, refused)  # no other case
+        reached.append(bool(refused))
     transport.close()
+    # Under load the record past the queue was once produced before librdkafka had failed the
+    # transaction for its timed-out records (CI of 12712bc, round 2 of 3: refused == []): such a
+    # round proves only what every round proves below, so one round in three must meet the case.
+    assert any(reached), "the record past the queue was never refused for the transaction's state"
     for answer in answers:
         assert answer.outcome is not TransactionOutcome.COMMITTED, answer
         assert [(r.outcome, r.unreachable) for r in answer.results] == [(Outcome.RETRY, True)] * 12, answer
