@@ -90,6 +90,20 @@ class Outage:
 
 
 @dataclass
+class Restart:
+    """What one node's restart (SIGTERM, a controlled shutdown, then started again) showed."""
+
+    node: int
+    role: str
+    """What the node was when stopped: the partitions it led and the coordinators it held."""
+    lines: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per process: (outage-began, outage-ended) lines logged from the stop to the pipeline's progress."""
+    said: dict[str, list[str]] = field(default_factory=dict)
+    """Per process whose lines are not (0, 0) or (1, 1): those lines, as logged."""
+    seconds: float = 0.0
+
+
+@dataclass
 class CampaignResult:
     seed: int
     messages: int
@@ -110,6 +124,7 @@ class CampaignResult:
     redeliveries: int
     outages: list[Outage]
     steps: list[tuple[str, float]]
+    restarts: list[Restart] = field(default_factory=list)
 
     def __str__(self) -> str:
         steps = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.steps)
@@ -117,7 +132,9 @@ class CampaignResult:
                 f"({self.records_on_topic - self.messages} duplicates), {self.redeliveries} redeliveries "
                 f"dropped by the inbox; steps: {steps}; outages: "
                 + "; ".join(f"nodes {o.nodes} down {o.waited:.0f} s, {o.tried_during} rows tried, "
-                            f"lines {o.lines}" for o in self.outages))
+                            f"lines {o.lines}" for o in self.outages)
+                + ("; restarts: " + "; ".join(f"node {r.node} ({r.role}) {r.seconds:.0f} s, lines {r.lines}"
+                                              for r in self.restarts) if self.restarts else ""))
 
 
 class Worker:
@@ -198,8 +215,11 @@ class Campaign:
     """The load, the workers and the faults of one campaign; a context manager (stops what it started)."""
 
     def __init__(self, cluster: LocalKafkaCluster, *, outbox_url: str, outbox_engine: sa.Engine,
-                 inbox_url: str, topic: str, workdir: Path, seed: int) -> None:
+                 inbox_url: str, topic: str, workdir: Path, seed: int,
+                 relay_args: tuple[str, ...] = ()) -> None:
+        """``relay_args``: more arguments of each ``outbox relay`` (``--exactly-once``)."""
         self.cluster, self.topic, self.workdir, self.seed = cluster, topic, workdir, seed
+        self.relay_args = relay_args
         self.rng = random.Random(seed)
         self.outbox_url, self.inbox_url = outbox_url, inbox_url
         self.engine = outbox_engine
@@ -208,6 +228,7 @@ class Campaign:
         self.group = f"failover-{topic}"
         self.steps: list[tuple[str, float]] = []
         self.outages: list[Outage] = []
+        self.restarts: list[Restart] = []
         create_topic(cluster.bootstrap, topic, PARTITIONS)
         self.writers = Writers(self.outbox, topic, seed)
         self.busiest = -1  # the hottest key's partition, once its first row is published
@@ -223,7 +244,8 @@ class Campaign:
         for n in (1, 2):
             self.workers.append(Worker(f"relay-{n}", [
                 *OUTBOX_COMMAND, "relay", "--db", self.outbox_url, "--bootstrap-servers",
-                servers, "--worker-id", f"relay-{n}"], self.workdir / f"relay-{n}.log", self.workdir))
+                servers, "--worker-id", f"relay-{n}", *self.relay_args], self.workdir / f"relay-{n}.log",
+                self.workdir))
         for n in (1, 2):
             self.workers.append(Worker(f"inbox-{n}", [
                 *OUTBOX_COMMAND, "inbox", "run", "service:inbox", "--bootstrap-servers",
@@ -309,6 +331,67 @@ class Campaign:
         self._step("lose two of three nodes", fault)
         self.outages.append(outage)
 
+    def restart_each_node_in_turn(self) -> None:
+        """A rolling restart, as an operator does one: each node in turn (an order of the seed's)
+        stopped with SIGTERM (a controlled shutdown: its partitions' leadership and its group and
+        transaction coordinators move away before it exits) and started again; the next only once
+        every replica is back in sync and the pipeline moved on (``_step``)."""
+        nodes = [n.node_id for n in self.cluster.nodes]
+        self.rng.shuffle(nodes)
+        for node in nodes:
+            self.restart_node(node)
+
+    def restart_the_transaction_coordinator(self) -> None:
+        """Restart (SIGTERM, start) only the node that coordinates most of the relays' transactional
+        ids: the coordinators move, and nothing else need (it may lead partitions too)."""
+        found = self._transaction_coordinators()
+        node = max(set(found.values()), key=lambda n: sum(1 for c in found.values() if c == n))
+        self.restart_node(node)
+
+    def restart_node(self, node: int) -> None:
+        """Stop ``node`` with SIGTERM and start it again; record what each worker logged meanwhile."""
+        restart = Restart(node=node, role=self._role(node))
+        logs = {worker.name: worker.size() for worker in self.workers}
+        started = time.monotonic()
+
+        def fault() -> None:
+            self.cluster.stop(node)
+            self._progress()  # the pipeline goes on with two nodes
+            self.cluster.start(node)
+        self._step(f"restart node {node} ({restart.role})", fault)
+        restart.seconds = time.monotonic() - started
+        restart.lines = {w.name: self._lines(w, logs[w.name]) for w in self.workers}
+        restart.said = {w.name: self._said(w, logs[w.name]) for w in self.workers
+                        if restart.lines[w.name] not in ((0, 0), (1, 1))}
+        self.restarts.append(restart)
+
+    def _role(self, node: int) -> str:
+        """What ``node`` leads and coordinates now: the topic's partitions, the group, transactional ids."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.cluster.bootstrap, "log_level": 0})
+        partitions = admin.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+        led = sorted(p for p, info in partitions.items() if info.leader == node)
+        ids = sorted(shard for shard, n in self._transaction_coordinators().items() if n == node)
+        group = " group coordinator," if self._group_coordinator() == node else ""
+        controller = " controller," if self.cluster.active_controller() == node else ""
+        return f"leads {led},{group}{controller} coordinates shards {ids}"
+
+    def _transaction_coordinators(self) -> dict[int, int]:
+        """Shard -> the node coordinating its transactional id (the leader of its partition of
+        ``__transaction_state``: Kafka's ``abs(id.hashCode()) % partitions``)."""
+        from confluent_kafka.admin import AdminClient
+
+        from outbox.relay._exactly_once import transactional_id_of
+
+        schema = self.outbox.load_schema(self.engine)
+        admin = AdminClient({"bootstrap.servers": self.cluster.bootstrap, "log_level": 0})
+        log = "__transaction_state"
+        partitions = admin.list_topics(log, timeout=30).topics[log].partitions
+        return {shard: int(partitions[coordinator_partition(transactional_id_of(schema.incarnation, shard),
+                                                            len(partitions))].leader)
+                for shard in range(schema.shard_count)}
+
     # -- the end ------------------------------------------------------------------------------
 
     def finish(self) -> CampaignResult:
@@ -368,7 +451,8 @@ class Campaign:
             missing_on_topic=sorted(committed - on_topic),
             wire_out_of_order={k: s for k, s in wire.items()
                                if s != list(range(1, expected[k.decode()] + 1))},
-            redeliveries=int(deliveries) - len(effect_ids), outages=self.outages, steps=self.steps)
+            redeliveries=int(deliveries) - len(effect_ids), outages=self.outages, steps=self.steps,
+            restarts=self.restarts)
 
     # -- waiting and reading ------------------------------------------------------------------
 
@@ -513,9 +597,8 @@ class Campaign:
             topics = admin.list_topics(timeout=10).topics
         except Exception:
             return False
-        return all(len(info.isrs) == len(info.replicas)
-                   for name in (self.topic, "__consumer_offsets") if name in topics
-                   for info in topics[name].partitions.values())
+        return all(len(info.isrs) == len(info.replicas)  # the progress and transaction logs' too
+                   for found in topics.values() for info in found.partitions.values())
 
     def _pending_rows(self) -> dict[int, Any]:
         m = self.outbox.tables.messages
@@ -541,14 +624,27 @@ class Campaign:
             return int(conn.scalar(query) or 0)
 
 
+def coordinator_partition(key: str, partitions: int) -> int:
+    """The partition of ``__transaction_state`` (or ``__consumer_offsets``) whose leader coordinates
+    ``key`` (a transactional id, a group; of characters of the BMP, one UTF-16 unit each): Kafka's
+    ``Utils.abs(key.hashCode()) % partitions``."""
+    h = 0
+    for ch in key:
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    h = h - (1 << 32) if h >= 1 << 31 else h
+    return (0 if h == -(1 << 31) else abs(h)) % partitions
+
+
 def read_committed(bootstrap: str, topic: str, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Every record of ``topic`` a ``read_committed`` consumer sees, up to each partition's end,
-    in partition, then offset order."""
-    from confluent_kafka import Consumer, TopicPartition
+    in partition, then offset order. A partition is read to its end once its end-of-partition event
+    came there: its last offsets may be no record the reader sees (transaction markers, a settle's
+    aborted empty records), and a transaction left open holds the event back (its last stable offset)."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest", "log_level": 3})
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest", "log_level": 3})
     try:
         partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
         ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
@@ -561,6 +657,8 @@ def read_committed(bootstrap: str, topic: str, timeout: float = 120.0) -> list[d
             assert time.monotonic() < deadline, f"read {positions} of {ends} in {timeout:.0f} s"
             for message in consumer.consume(10_000, 0.5):
                 if message.error() is not None:
+                    if message.error().code() == KafkaError._PARTITION_EOF:
+                        positions[message.partition()] = max(positions[message.partition()], message.offset())
                     continue
                 positions[message.partition()] = message.offset() + 1
                 records.append({"partition": message.partition(), "offset": message.offset(),
