@@ -341,6 +341,34 @@ class Campaign:
         for node in nodes:
             self.restart_node(node)
 
+    def restart_each_node_while_the_last_catches_up(self) -> None:
+        """A hurried rolling restart: each node stopped (SIGTERM) as soon as the one before it, started
+        again, is back among the cluster's brokers, before it is back in sync (``start`` returns only
+        once it is): with ``min.insync.replicas`` 2 of 3, the partitions whose third replica still
+        catches up are left with one in sync until it has (and, each node a controller too, the
+        quorum with the one left and the one starting). One step, one ``Restart`` (node 0) whose role
+        says, at each stop, whether every replica was in sync."""
+        nodes = [n.node_id for n in self.cluster.nodes]
+        self.rng.shuffle(nodes)
+        restart = Restart(node=0, role="")
+        logs = {worker.name: worker.size() for worker in self.workers}
+        started = time.monotonic()
+        in_sync: list[str] = []
+
+        def fault() -> None:
+            starting: list[threading.Thread] = []
+            for node in nodes:
+                in_sync.append(f"node {node} stopped {'in sync' if self._all_in_sync() else 'out of sync'}")
+                self.cluster.stop(node)
+                starting.append(threading.Thread(target=self.cluster.start, args=(node,), daemon=True))
+                starting[-1].start()
+                self._wait(lambda n=node: n in self._brokers(), f"node {node} back among the brokers")
+            for thread in starting:
+                thread.join(STEP_TIMEOUT)
+        self._step("restart each node while the last catches up", fault)
+        restart.role = f"order {nodes}: {', '.join(in_sync)}"
+        self._record(restart, logs, started)
+
     def restart_the_transaction_coordinator(self) -> None:
         """Restart (SIGTERM, start) only the node that coordinates most of the relays' transactional
         ids: the coordinators move, and nothing else need (it may lead partitions too)."""
@@ -359,6 +387,10 @@ class Campaign:
             self._progress()  # the pipeline goes on with two nodes
             self.cluster.start(node)
         self._step(f"restart node {node} ({restart.role})", fault)
+        self._record(restart, logs, started)
+
+    def _record(self, restart: Restart, logs: dict[str, int], started: float) -> None:
+        """``restart`` with what each worker logged since ``logs`` (their sizes), kept for the result."""
         restart.seconds = time.monotonic() - started
         restart.lines = {w.name: self._lines(w, logs[w.name]) for w in self.workers}
         restart.said = {w.name: self._said(w, logs[w.name]) for w in self.workers
@@ -576,6 +608,16 @@ class Campaign:
         admin = AdminClient({"bootstrap.servers": self.cluster.bootstrap, "log_level": 0})
         found = admin.describe_consumer_groups([self.group])[self.group].result(30)
         return int(found.coordinator.id)
+
+    def _brokers(self) -> set[int]:
+        """The brokers the cluster's metadata names (registered and not fenced), nothing if none answers."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.cluster.live_bootstrap(), "log_level": 0})
+        try:
+            return set(admin.list_topics(timeout=5).brokers)
+        except Exception:
+            return set()
 
     def _isr(self) -> dict[int, tuple[int, ...]]:
         from confluent_kafka.admin import AdminClient

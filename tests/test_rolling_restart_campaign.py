@@ -16,7 +16,9 @@ delivery; nothing parked or alerted; each worker logged at most one outage per r
 ended by itself; every process exits 0 on SIGTERM.
 
 ``ROLLING_ROUNDS`` (default 1) rolling restarts in a row within the campaign;
-``ROLLING_SEED`` (default 1) orders the nodes.
+``ROLLING_SEED`` (default 1) orders the nodes; ``ROLLING_FAULT`` (``rolling``, the default;
+``hurried``: each node stopped as soon as the last started, before it is back in sync;
+``coordinator``: only the node coordinating most of the relays' transactional ids) says which.
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ SEED = int(os.environ.get("ROLLING_SEED", "1"))
 EXACTLY_ONCE = ("--exactly-once",)
 
 
+FAULTS = {
+    "rolling": Campaign.restart_each_node_in_turn,
+    "hurried": Campaign.restart_each_node_while_the_last_catches_up,
+    "coordinator": Campaign.restart_the_transaction_coordinator,
+}
+"""``ROLLING_FAULT``: each node in turn, the next once all are in sync (default); each as soon as the
+last started; the node coordinating most of the relays' transactional ids, alone."""
+FAULT = os.environ.get("ROLLING_FAULT", "rolling")
+
+
 def test_a_rolling_restart_under_exactly_once_relays_loses_doubles_and_reorders_nothing(
     kafka_cluster: LocalKafkaCluster, outbox_engine: sa.Engine, postgres_db: str, inbox_db: str,
     topic: str, tmp_path: Path,
@@ -50,7 +62,7 @@ def test_a_rolling_restart_under_exactly_once_relays_loses_doubles_and_reorders_
                         relay_args=EXACTLY_ONCE)
     with campaign:
         for _ in range(ROUNDS):
-            campaign.restart_each_node_in_turn()
+            FAULTS[FAULT](campaign)
         result = campaign.finish()
     print(f"\n{result}")
     assert_nothing_lost_doubled_or_reordered(result)
