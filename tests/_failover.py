@@ -411,16 +411,15 @@ class Campaign:
 
     def _transaction_coordinators(self) -> dict[int, int]:
         """Shard -> the node coordinating its transactional id (the leader of its partition of
-        ``__transaction_state``: Kafka's ``abs(id.hashCode()) % partitions``)."""
+        ``__transaction_state``: Kafka's ``abs(id.hashCode()) % partitions``), the id being
+        ``outbox-{incarnation}-{shard}`` as docs/relay.md documents it."""
         from confluent_kafka.admin import AdminClient
-
-        from outbox.relay._exactly_once import transactional_id_of
 
         schema = self.outbox.load_schema(self.engine)
         admin = AdminClient({"bootstrap.servers": self.cluster.bootstrap, "log_level": 0})
         log = "__transaction_state"
         partitions = admin.list_topics(log, timeout=30).topics[log].partitions
-        return {shard: int(partitions[coordinator_partition(transactional_id_of(schema.incarnation, shard),
+        return {shard: int(partitions[coordinator_partition(f"outbox-{schema.incarnation}-{shard}",
                                                             len(partitions))].leader)
                 for shard in range(schema.shard_count)}
 

@@ -22,7 +22,6 @@ from _relay_helpers import Running, owned_leases, pending, wait_for
 from outbox import ConfigurationError, Outbox, create_engine
 from outbox.relay._closers import Closers
 from outbox.tenants import Tenant, TenantRelay
-from outbox.tenants._fleet_tenants import FleetTenants
 from transports import Record, SendResult
 from transports.memory import InMemoryBroker, InMemoryTransport
 
@@ -614,26 +613,27 @@ def test_a_stop_whose_release_outlasts_its_bound_says_what_was_given_back_in_the
     # The closer threads each tenant was closed on. Counting the closers alive at once counted a
     # worker's own closer for the tenant it was stepping when the stop came (docs/tenants.md), on
     # the same database but not on the same tenants (CI: "2 closers at once for one database").
-    closes: list[tuple[FleetTenants, str, threading.Thread]] = []
-    real = FleetTenants._close_on_closer
-
-    def recorded(tenants: FleetTenants, unit: Any) -> bool:
-        closes.append((tenants, unit.tenant.name, threading.current_thread()))
-        return real(tenants, unit)
-
-    monkeypatch.setattr(FleetTenants, "_close_on_closer", recorded)  # before the fleet takes it
+    closes: list[tuple[str, threading.Thread]] = []
     names = [f"s{i:02d}" for i in range(12)]
     outboxes = make_tenants(pg, names, shards={name: 1 for name in names})
-    running = Running(fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg))
+    relay = fleet(names, InMemoryBroker(max_record_bytes=ROOMY), database=pg)
+    closers = relay._tenants._closers  # the closers' own close, called only on a closer thread
+    real = closers._close
+
+    def recorded(unit: Any) -> bool:
+        closes.append((unit.tenant.name, threading.current_thread()))
+        return real(unit)
+
+    monkeypatch.setattr(closers, "_close", recorded)
+    running = Running(relay)
     wait_for(lambda: all(owned_leases(o) == 1 for o in outboxes.values()), 20, "every tenant's lease")
     for name in names:
         slow_release(pg, name, 0.3)
     caplog.set_level(logging.INFO, logger="outbox.relay")
     took = running.stop()
     closed_on: dict[str, set[threading.Thread]] = {}
-    for tenants, name, thread in closes:
-        if tenants is running.relay._tenants:
-            closed_on.setdefault(name, set()).add(thread)
+    for name, thread in closes:
+        closed_on.setdefault(name, set()).add(thread)
     assert sorted(closed_on) == names  # every tenant held a lease: each was closed on a closer
     assert {name: len(on) for name, on in closed_on.items() if len(on) > 1} == {}, "closed on two closers"
     said = [r.getMessage() for r in caplog.records if "their leases back" in r.getMessage()]
