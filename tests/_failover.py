@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,8 +373,7 @@ class Campaign:
     def restart_the_transaction_coordinator(self) -> None:
         """Restart (SIGTERM, start) only the node that coordinates most of the relays' transactional
         ids: the coordinators move, and nothing else need (it may lead partitions too)."""
-        found = self._transaction_coordinators()
-        node = max(set(found.values()), key=lambda n: sum(1 for c in found.values() if c == n))
+        [(node, _)] = Counter(self._transaction_coordinators().values()).most_common(1)
         self.restart_node(node)
 
     def restart_node(self, node: int) -> None:
