@@ -198,6 +198,37 @@ def test_a_chunk_that_does_not_read_back_is_not_deleted(spark, sqlite_db, tmp_pa
     assert len(left) >= len(before) - len(first["keys"])
 
 
+
+@pytest.mark.parametrize("directory", ["of an earlier run", "archived into before the origin was recorded"])
+def test_a_run_for_another_database_never_settles_this_ones_chunks(spark, sqlite_db, tmp_path, directory):
+    """An archive directory is one outbox database's (its incarnation; its rows by message id, never by
+    the directory's path nor a row's number): database A's run killed after it committed a chunk, a
+    run of database B in the same directory must not delete B's rows of that chunk's ids (B's rows
+    1, 2, 3 … are not A's, and no copy of them is in the archive; A's chunk, marked done, would then
+    never leave A). B's run is refused, touching nothing; A's next run finishes A's chunk."""
+    other = f"sqlite:///{tmp_path}/other.db"
+    seeded(sqlite_db, 3_000)
+    sc = build(n=3_000, keys=40, seed=11)
+    seed(sc, other, other)
+    before = snapshot(other, TABLES.messages)
+    root = tmp_path / "archive"
+    if directory == "of an earlier run":  # A's run of a longer retention: the directory is A's
+        archive(sqlite_db, root, retention=2 * RETENTION, as_of=AS_OF, spark=spark)
+    [chunk] = commit_by_hand(sqlite_db, root, 1)
+    done = manifest_dir(root, "outbox_messages") / f"{chunk['stem']}.done"
+    try:
+        archive(other, root, retention=RETENTION, as_of=AS_OF, spark=spark)
+    except (ConfigurationError, ArchiveUnreadableError) as exc:
+        assert ("another outbox database" if directory == "of an earlier run" else "another database's chunk"
+                ) in str(exc), exc
+    gone = set(before) - set(snapshot(other, TABLES.messages))
+    kept = {r["message_id"] for r in archived_rows(root, "outbox_messages")}
+    assert gone <= kept, f"{len(gone - kept)} rows of the other database deleted without a copy"
+    assert not gone and not done.exists()
+    assert archive(sqlite_db, root, retention=RETENTION, as_of=AS_OF, spark=spark).recovered_chunks == 1
+    assert done.exists()
+
+
 SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})

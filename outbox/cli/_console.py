@@ -105,8 +105,15 @@ def console(
                                  timeout=tenant_timeout)
         _serve(web, operators.configured, read_only, local, host, port, log_level, proxies)
         return
-    inbox_engines = [open_engine(url) for url in inbox_db]
+    # A URL given twice (as --db and --inbox-db, or twice as --inbox-db) is one engine: one pool is
+    # one database to the console without asking, down or not. Spelled otherwise, its server is asked.
+    opened: dict[str, Engine] = {}
+    for url in inbox_db:
+        if url != db and url not in opened:
+            opened[url] = open_engine(url)
     outbox = open_outbox(db, prefix, schema)
+    assert isinstance(outbox.engine, Engine)
+    inbox_engines = [outbox.engine if url == db else opened[url] for url in inbox_db]
     inboxes = [load_inbox(t) for t in target]
     known = [e for e in (outbox.engine, *inbox_engines) if isinstance(e, Engine)]
     for name, inbox in zip(target, inboxes, strict=True):

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from sqlalchemy import Engine
 
 from ..core._age import ago
 from ..core._envelope import utcnow
@@ -69,8 +70,9 @@ def trace(
     secrets = [s for url in [*([db] if db else []), *inbox_db] for s in database_secrets(url)]
     try:
         tables = OutboxTables(prefix=prefix, schema=schema)
-        outbox_db = _database(db, tables) if db else None
-        inbox_dbs = [_database(url, tables) for url in inbox_db]
+        engines: dict[str, Engine] = {}  # a URL given twice is one engine: read once, even when down
+        outbox_db = _database(db, tables, engines) if db else None
+        inbox_dbs = [_database(url, tables, engines) for url in inbox_db]
         if message_id is not None:
             doc = trace_message(outbox_db, inbox_dbs, message_id, groups=group)
         else:
@@ -91,9 +93,11 @@ def trace(
         print_trace(doc)
 
 
-def _database(url: str, tables: OutboxTables) -> Database:
+def _database(url: str, tables: OutboxTables, engines: dict[str, Engine]) -> Database:
     name = naming(url)
-    return Database(name=name, engine=open_engine(url), tables=tables)
+    if url not in engines:
+        engines[url] = open_engine(url)
+    return Database(name=name, engine=engines[url], tables=tables)
 
 
 def _when(value: str | None, now: datetime) -> str:

@@ -92,15 +92,15 @@ def build_app(outbox: Outbox, *, inboxes: Iterable[Inbox] = (), operators: Opera
                                      f"got {type(engine).__name__}")
     outbox_engine = outbox.engine
     assert isinstance(outbox_engine, Engine)
-    # One database named twice (as the outbox's and as an inbox database, or twice as an inbox
-    # database, in any spelling) is one database: listed and counted once, as the trace reads it once.
-    engines = _distinct(outbox_engine, engines)
-    databases = [_database(e, outbox, tenant) for e in (outbox_engine, *engines)]
+    # One set of tables named twice (as the outbox's and as an inbox database, or twice as an inbox
+    # database, in any spelling) is listed and counted once, as the trace reads it once.
+    engines = _distinct(outbox_engine, engines, outbox)
+    databases = _apart([_database(e, outbox, tenant) for e in (outbox_engine, *engines)])
     by_group: dict[tuple[int, str], Inbox] = {}
     for inbox in inboxes:
         if not isinstance(inbox, Inbox):
             raise ConfigurationError(f"inboxes must be outbox.Inbox objects, got {type(inbox).__name__}")
-        index = _index_of(inbox, [outbox_engine, *engines])
+        index = _index_of(inbox, [outbox_engine, *engines], outbox)
         if not _same_tables(inbox, outbox, [outbox_engine, *engines][index]):
             raise ConfigurationError(f"the inbox of group {inbox.group!r} uses other tables (prefix "
                                      f"{inbox.tables.prefix!r}, schema {inbox.tables.schema!r}) than the "
@@ -199,17 +199,50 @@ def _database(engine: Engine, outbox: Outbox, tenant: str | None = None) -> Data
     return Database(name, engine, outbox.tables)
 
 
-def _distinct(first: Engine, others: list[Engine]) -> list[Engine]:
-    """``others`` less the databases named before them (``first`` included), by what their servers say.
+def _apart(databases: list[Database]) -> list[Database]:
+    """``databases`` with the names two of them share made two, by the schema each one's server says its
+    tables are in (two engines of one URL whose connections set two search paths), or by their place
+    in the list when it does not answer: pages, links and audit lines tell them apart by name."""
+    names = [db.name for db in databases]
+    out = []
+    for index, db in enumerate(databases):
+        if names.count(db.name) == 1:
+            out.append(db)
+            continue
+        try:
+            where = tables_identity(db.engine, db.tables.schema, db.tables.prefix).schema
+            label = f"schema {where.schema or where.database.database}"
+        except Exception:
+            label = f"database {index + 1} of the console"
+        out.append(Database(f"{db.name} ({label})", db.engine, db.tables))
+    return out
 
-    A database that does not answer, or refuses to (a wrong password, no right to ask), is kept:
-    its line says it could not be read.
+
+def _distinct(first: Engine, others: list[Engine], outbox: Outbox) -> list[Engine]:
+    """``others`` less those whose console tables (``outbox``'s schema and prefix) are those of an engine
+    before them (``first`` included), by what their servers say.
+
+    Not by their URLs: two engines spelled alike to the letter may put their unqualified tables in two
+    schemas (``connect_args`` setting the search path). A database that does not answer, or refuses to
+    (a wrong password, no right to ask), is kept: its line says it could not be read.
     """
     kept: list[Engine] = []
     for engine in others:
-        if not any(_same(engine, seen) for seen in (first, *kept)):
+        if not any(_same_place(engine, seen, outbox) for seen in (first, *kept)):
             kept.append(engine)
     return kept
+
+
+def _same_place(a: Engine, b: Engine, outbox: Outbox) -> bool | None:
+    """Whether the console's tables in ``a`` are those in ``b`` (one pool, or their servers say so);
+    None when one does not answer or refuses to say (a wrong password, no right to ask)."""
+    if a.pool is b.pool:
+        return True
+    try:
+        schema, prefix = outbox.tables.schema, outbox.tables.prefix
+        return tables_identity(a, schema, prefix) == tables_identity(b, schema, prefix)
+    except Exception:
+        return None
 
 
 def _same(a: Engine, b: Engine) -> bool | None:
@@ -221,19 +254,30 @@ def _same(a: Engine, b: Engine) -> bool | None:
         return None
 
 
-def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
-    """Which of the console's databases ``inbox`` works in: its replays and discards go there."""
+def _index_of(inbox: Inbox, engines: list[Engine], outbox: Outbox) -> int:
+    """Which of the console's databases ``inbox`` works in: its replays and discards go there.
+
+    Of the console's engines on the inbox's database, the one whose console tables are the inbox's
+    (one database may be listed more than once, each engine's search path another schema); if none
+    is, the first, which the caller refuses as "other tables".
+    """
     bind = inbox.engine
     if isinstance(bind, Engine):  # an async inbox's engine is none of the console's (sync) ones
         for index, engine in enumerate(engines):
             if bind.pool is engine.pool:
-                return index  # one pool: no need to ask (``same_database`` trusts a server's URL alike too)
+                return index  # one pool: no need to ask
         unanswered = False
+        found: list[int] = []
         for index, engine in enumerate(engines):
             same = _same(bind, engine)
             if same:
-                return index
+                found.append(index)
             unanswered = unanswered or same is None
+        for index in found:
+            if _same_tables(inbox, outbox, engines[index]):
+                return index
+        if found:
+            return found[0]
         if unanswered:
             raise ConfigurationError(f"cannot tell which database the inbox of group {inbox.group!r} "
                                      "uses: it or one of the console's databases does not answer")
@@ -244,14 +288,16 @@ def _index_of(inbox: Inbox, engines: list[Engine]) -> int:
 def _same_tables(inbox: Inbox, outbox: Outbox, engine: Engine) -> bool:
     """Whether ``inbox`` (working in ``engine``'s database) uses the console's tables: one prefix, in one
     schema, as the server says. ``None`` and ``public`` (``main`` on SQLite) may be one schema; ``None``
-    for two users of two search paths may be two; ``out_`` and ``OUT_`` are one prefix on SQLite."""
+    for two users, or two engines of one URL whose connections set two search paths, may be two;
+    ``out_`` and ``OUT_`` are one prefix on SQLite. Only one pool needs no question: a URL alike to
+    the letter says nothing of the search path its engine's ``connect_args`` set."""
     if inbox.tables.prefix.lower() != outbox.tables.prefix.lower():
         return False  # no server takes them for one (plain ASCII names): nothing to ask
     bind = inbox.engine
     assert isinstance(bind, Engine)  # ``_index_of`` found it among the console's
     if (inbox.tables.schema, inbox.tables.prefix) == (outbox.tables.schema, outbox.tables.prefix) and (
-            bind.pool is engine.pool or (engine.dialect.name != "sqlite" and bind.url == engine.url)):
-        return True  # one pool, or one URL to the letter (one user, one search path): nothing to ask
+            bind.pool is engine.pool):
+        return True  # one pool, one schema and prefix as given: nothing to ask
     try:
         return (tables_identity(bind, inbox.tables.schema, inbox.tables.prefix)
                 == tables_identity(engine, outbox.tables.schema, outbox.tables.prefix))

@@ -451,14 +451,14 @@ class _opened:
 
     def __init__(self, outbox_db: Database | None, inbox_dbs: Iterable[Database],
                  groups: Sequence[str] | None) -> None:
-        # One database named twice (as outbox and as inbox database, in any spelling) is read once:
-        # the same engine or URL here, and what the servers say once they answered (``__enter__``).
-        # SQLite's URLs are left to its files: two in-memory databases are spelled alike and are two.
+        # One set of tables named twice (as outbox and as inbox database, in any spelling) is read
+        # once: the same pool here, and what the servers say once they answered (``__enter__``).
+        # Not the URL: two engines spelled alike to the letter may be two (two in-memory SQLite
+        # databases; ``connect_args`` setting two search paths, so two schemas).
         plan = ([(outbox_db, True)] if outbox_db else []) + [(db, False) for db in inbox_dbs]
-        spelled = {(db.engine.url.render_as_string(hide_password=False) if db.engine.dialect.name != "sqlite"
-                    else db.engine.pool, db.tables.schema, db.tables.prefix):
-                   (db, outbox_side) for db, outbox_side in reversed(plan)}
-        self.plan = list(spelled.values())[::-1]
+        pooled = {(db.engine.pool, db.tables.schema, db.tables.prefix): (db, outbox_side)
+                  for db, outbox_side in reversed(plan)}
+        self.plan = list(pooled.values())[::-1]
         if not self.plan:
             raise ConfigurationError("give an outbox database, an inbox database, or both")
         self.groups = list(groups) if groups else None

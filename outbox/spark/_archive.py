@@ -7,6 +7,14 @@ eligible, and runs them as Spark tasks in waves so progress can be reported;
 the driver settles (reads back, deletes, marks done) each chunk a wave
 returns. Rows newer than the retention are never read for archiving and
 never deleted.
+
+An archive directory is one outbox database's (per table: the outbox's rows,
+and the inbox rows of the dedup window, from the inbox database): what its
+chunks belong to is the database's incarnation, recorded beside the
+manifests at its first run, never the directory's path or the URL. A run of
+another database (another schema or prefix of one database included) is
+refused before it touches anything: it would otherwise finish the deletes
+of the first one's unfinished chunks in its own tables, by their ids.
 """
 
 from __future__ import annotations
@@ -27,12 +35,13 @@ from pyspark.sql import SparkSession
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError, OutboxError
 from ._chunks import Chunk, eligible, read_manifest, run_chunk, settle
-from ._layout import remove_debris, unfinished_manifests
+from ._layout import origin_file, remove_debris, unfinished_manifests, write_atomically
 from ._session import SessionFactory, session_from
 from ._source import plan_ranges
 from ._storage import local_path, require_shared
-from ._tablemap import check_table, connect, table_for
+from ._tablemap import check_table, connect, safe_url, table_for
 from ._window import parse_duration, parse_instant
+from ._wire import incarnation
 
 Progress = Callable[[str, int, int], None]
 
@@ -101,6 +110,7 @@ def archive(
     root.mkdir(parents=True, exist_ok=True)
     result = ArchiveResult()
     with _exclusive(root):
+        origins = _claim(root, [(name, url) for name, url, _cutoff in jobs], prefix, schema)
         for name, url, cutoff in jobs:
             table, engine = table_for(name, prefix, schema), connect(url)
             try:
@@ -108,6 +118,7 @@ def archive(
                 for manifest in unfinished_manifests(root, name):  # committed by a killed run
                     settle(engine, table, root, manifest, delete_batch)
                     result.recovered_chunks += 1
+                _record(root, name, origins[name])  # what a killed run left was this database's
                 chunks = _plan(root, name, url, cutoff, prefix, schema, chunk_rows, delete_batch)
                 result.chunks += len(chunks)
                 archived = deleted = 0
@@ -126,6 +137,33 @@ def archive(
             finally:
                 engine.dispose()
     return result
+
+
+def _claim(root: Path, jobs: list[tuple[str, str]], prefix: str, schema: str | None
+           ) -> dict[str, str | None]:
+    """Each table's incarnation, or a refusal when a table's archive in ``root`` is another database's.
+
+    Checked for every table before any is touched. A directory archived into before the origin was
+    recorded is taken as this database's once its unfinished chunks settled here (``_record``: each
+    chunk's rows are checked by message id, ``_chunks.delete_archived``); tables without an
+    incarnation (older than the third release's schema) cannot be told apart, and are not checked.
+    """
+    origins = {name: incarnation(url, prefix, schema) for name, url in jobs}
+    for name, url in jobs:
+        path, ours = origin_file(root, name), origins[name]
+        theirs = path.read_text().strip() if path.is_file() else None
+        if ours is not None and theirs is not None and theirs != ours:
+            raise ConfigurationError(
+                f"archive directory {root} holds the {name} of another outbox database (incarnation "
+                f"{theirs}), not of {safe_url(url)}'s (incarnation {ours}): give each database, schema "
+                "and prefix an archive directory of its own. Nothing was archived or deleted.")
+    return origins
+
+
+def _record(root: Path, name: str, origin: str | None) -> None:
+    """Record whose ``name`` rows ``root`` archives, if not recorded yet."""
+    if origin is not None and not origin_file(root, name).is_file():
+        write_atomically(origin_file(root, name), origin.encode())
 
 
 def _plan(root: Path, name: str, url: str, cutoff: datetime, prefix: str, schema: str | None,

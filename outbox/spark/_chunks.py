@@ -112,8 +112,8 @@ def run_chunk(chunk: Chunk) -> tuple[str, int]:
 def settle(engine: sa.Engine, sa_table: sa.Table, root: Path, manifest: dict[str, Any],
            batch: int) -> int:
     """Read a committed chunk back, then delete its rows and mark it done; return rows deleted."""
-    verify(root, sa_table, manifest)
-    deleted = delete_archived(engine, sa_table, manifest, batch)
+    message_ids = verify(root, sa_table, manifest)
+    deleted = delete_archived(engine, sa_table, manifest, batch, message_ids)
     mark_done(root, manifest["table"], manifest["stem"])
     return deleted
 
@@ -131,14 +131,20 @@ def read_manifest(root: Path, table: str, stem: str) -> dict[str, Any]:
     return manifest
 
 
-def verify(root: Path, sa_table: sa.Table, manifest: dict[str, Any]) -> None:
-    """Raise unless the manifest's files, read here, hold exactly the manifest's rows and keys."""
+def verify(root: Path, sa_table: sa.Table, manifest: dict[str, Any]) -> dict[int, str] | None:
+    """Raise unless the manifest's files, read here, hold exactly the manifest's rows and keys.
+
+    Returns, for the outbox table, each row's message id by its id (read back from the files): what
+    the row is, where the id is only where it was (``delete_archived``).
+    """
     names = [c.name for c in _key_columns(sa_table)]
     found: list[Any] = []
+    message_ids: dict[int, str] = {}
     for entry in manifest["files"]:
         path = root / entry["path"]
         try:
-            columns = pq.read_table(path, columns=names).to_pydict()
+            columns = pq.read_table(path, columns=names + (["message_id"] if names == ["id"] else [])
+                                    ).to_pydict()
         except (OSError, pa.ArrowException) as exc:
             raise ArchiveUnreadableError(
                 f"archive file {path} of chunk {manifest['stem']} cannot be read back ({exc}); "
@@ -151,11 +157,18 @@ def verify(root: Path, sa_table: sa.Table, manifest: dict[str, Any]) -> None:
                 "nothing of this chunk was deleted from the database"
             )
         found += keys
+        if names == ["id"]:
+            message_ids.update(zip(columns["id"], map(_canonical, columns["message_id"]), strict=True))
     if sorted(map(str, found)) != sorted(map(str, manifest["keys"])):
         raise ArchiveUnreadableError(
             f"the files of chunk {manifest['stem']} under {root} do not hold the rows its manifest "
             "lists; nothing of this chunk was deleted from the database"
         )
+    return message_ids if names == ["id"] else None
+
+
+def _canonical(message_id: Any) -> str:
+    return str(message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id)))
 
 
 def write_files(chunk: Chunk, table: sa.Table, rows: Sequence[sa.Row[Any]]) -> dict[str, Any]:
@@ -183,14 +196,22 @@ def write_files(chunk: Chunk, table: sa.Table, rows: Sequence[sa.Row[Any]]) -> d
             "files": files, "keys": keys}
 
 
-def delete_archived(engine: sa.Engine, table: sa.Table, manifest: dict[str, Any], batch: int) -> int:
-    """Delete exactly the manifest's rows, ``batch`` per transaction; safe to repeat."""
+def delete_archived(engine: sa.Engine, table: sa.Table, manifest: dict[str, Any], batch: int,
+                    message_ids: dict[int, str] | None = None) -> int:
+    """Delete exactly the manifest's rows, ``batch`` per transaction; safe to repeat.
+
+    ``message_ids`` (``verify``'s, read back from the files) are what the outbox rows are: a row
+    of a manifest's id holding another message is another database's row of that number (a chunk
+    of another outbox database archived into this directory), and nothing of the chunk is deleted.
+    """
     deleted = 0
     keys = manifest["keys"]
     if "id" in table.c:
         for start in range(0, len(keys), batch):
             ids = keys[start:start + batch]
             with engine.begin() as conn:
+                if message_ids is not None:
+                    _same_messages(conn, table, ids, message_ids, manifest["stem"])
                 deleted += conn.execute(
                     sa.delete(table).where(table.c.id.in_(ids), table.c.status == OutboxStatus.PUBLISHED)
                 ).rowcount
@@ -205,6 +226,18 @@ def delete_archived(engine: sa.Engine, table: sa.Table, manifest: dict[str, Any]
                     table.c.consumer_group == group, table.c.message_id.in_(ids[start:start + batch])
                 )).rowcount
     return deleted
+
+
+def _same_messages(conn: sa.Connection, table: sa.Table, ids: list[int], message_ids: dict[int, str],
+                   stem: str) -> None:
+    """Raise unless every row of ``ids`` still in the table holds the message the archive holds."""
+    found = conn.execute(sa.select(table.c.id, table.c.message_id).where(table.c.id.in_(ids))).all()
+    strangers = [row.id for row in found if _canonical(row.message_id) != message_ids.get(row.id)]
+    if strangers:
+        raise ArchiveUnreadableError(
+            f"chunk {stem} archived other messages than this database's rows {strangers[:3]} hold "
+            f"({len(strangers)} rows): it is another database's chunk, in this archive directory; nothing "
+            "of this chunk was deleted from the database (give each database an archive directory)")
 
 
 def mark_done(root: Path, table: str, stem: str) -> None:

@@ -3,6 +3,7 @@
     {root}/{table}/topic={topic}/date={yyyy-mm-dd}/{stem}.parquet
     {root}/_manifests/{table}/{stem}.json   # commit point: files and keys of one chunk
     {root}/_manifests/{table}/{stem}.done   # its rows are deleted from the database
+    {root}/_manifests/{table}/origin        # whose rows: the database's incarnation (``_archive``)
 
 A data file counts only when a manifest with its stem exists; anything else
 under the table directory is debris from a killed run and is removed before
@@ -27,6 +28,11 @@ def table_dir(root: Path, table: str) -> Path:
 
 def manifest_dir(root: Path, table: str) -> Path:
     return root / MANIFESTS / table
+
+
+def origin_file(root: Path, table: str) -> Path:
+    """Where the incarnation of the database whose ``table`` is archived under ``root`` is kept."""
+    return manifest_dir(root, table) / "origin"
 
 
 def write_atomically(path: Path, data: bytes) -> None:
