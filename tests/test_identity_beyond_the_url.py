@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
 
-from outbox import ConfigurationError, Outbox, create_engine
+from outbox import ConfigurationError, Inbox, Outbox, create_engine
 from outbox.console import Operators, create_app
 from outbox.ops import Database, trace_message
 from tests.console_support import broken_inbox, csrf_of, park
@@ -48,19 +48,25 @@ def parked_keys(engine: sa.Engine, outbox: Outbox) -> set[str | None]:
         return set(conn.execute(sa.select(p.c.key).where(p.c.consumer_group == "billing")).scalars())
 
 
-@pytest.mark.postgres
-def test_the_console_never_takes_an_inbox_of_another_schema_for_its_own_tables(
-        pg: sa.Engine, acme: sa.Engine) -> None:
-    """Key ``bad-1`` is parked in ``public`` and in ``acme``. A console of ``public`` given the inbox of
-    ``acme`` either refuses it, or its replay of the key it lists unparks that key: never the other's."""
-    outbox = Outbox(pg)
-    outbox.create_tables()
+def bad_1_parked_in_both(pg: sa.Engine, acme: sa.Engine) -> tuple[dict[str, bool], Inbox, dict[str, bool]]:
+    """Key ``bad-1`` of group ``billing`` parked in ``public`` and in ``acme``: the switch of ``public``'s
+    failing handler, ``acme``'s inbox and the switch of its handler."""
+    Outbox(pg).create_tables()
     here, here_broken = broken_inbox(pg)
     here.create_tables()
     park(here, "bad-1")
     there, there_broken = broken_inbox(acme)
     there.create_tables()
     park(there, "bad-1")
+    return here_broken, there, there_broken
+
+
+@pytest.mark.postgres
+def test_the_console_never_takes_an_inbox_of_another_schema_for_its_own_tables(
+        pg: sa.Engine, acme: sa.Engine) -> None:
+    """Key ``bad-1`` is parked in ``public`` and in ``acme``. A console of ``public`` given the inbox of
+    ``acme`` either refuses it, or its replay of the key it lists unparks that key: never the other's."""
+    outbox, (here_broken, there, there_broken) = Outbox(pg), bad_1_parked_in_both(pg, acme)
     assert parked_keys(pg, outbox) == {"bad-1"} and parked_keys(acme, outbox) == {"bad-1"}
     try:
         app = create_app(outbox, inboxes=[there], operators=Operators(users=USERS))
@@ -100,14 +106,7 @@ def test_an_inbox_database_of_another_schema_spelled_alike_is_listed_and_acted_o
         pg: sa.Engine, acme: sa.Engine) -> None:
     """Given as one of the console's inbox databases, the engine of ``acme`` is listed beside ``public``
     (named apart by its schema), and the replay of a key listed there unparks that key, not ``public``'s."""
-    outbox = Outbox(pg)
-    outbox.create_tables()
-    here, here_broken = broken_inbox(pg)
-    here.create_tables()
-    park(here, "bad-1")
-    there, there_broken = broken_inbox(acme)
-    there.create_tables()
-    park(there, "bad-1")
+    outbox, (here_broken, there, there_broken) = Outbox(pg), bad_1_parked_in_both(pg, acme)
     client = TestClient(create_app(outbox, inboxes=[there], inbox_databases=[acme],
                                    operators=Operators(users=USERS)), base_url="http://127.0.0.1")
     overview = client.get("/", auth=AUTH).text
