@@ -198,7 +198,6 @@ def test_a_chunk_that_does_not_read_back_is_not_deleted(spark, sqlite_db, tmp_pa
     assert len(left) >= len(before) - len(first["keys"])
 
 
-
 @pytest.mark.parametrize("directory", ["of an earlier run", "archived into before the origin was recorded"])
 def test_a_run_for_another_database_never_settles_this_ones_chunks(spark, sqlite_db, tmp_path, directory):
     """An archive directory is one outbox database's (its incarnation; its rows by message id, never by
