@@ -70,7 +70,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "d
 
 SERVER_FIXTURES = {"postgres_server": "postgres", "own_postgres": "postgres", "mysql_server": "mysql",
                    "own_mariadb": "mysql", "kafka": "kafka", "own_kafka": "kafka", "module_kafka": "kafka",
-                   "quick_quotas": "kafka",
+                   "quick_quotas": "kafka", "module_quick_quotas": "kafka",
                    "kafka_cluster": "kafka", "any_kafka": "any_kafka", "java_home": "spark",
                    "logical_postgres": "debezium", "kafka_connect": "debezium", "own_connect": "debezium"}
 """The fixtures (of this file) that start a server, and the marker a test using one (even through
@@ -348,11 +348,25 @@ def thawed_and_running(broker: LocalKafka) -> LocalKafka:
     return broker
 
 
+QUICK_QUOTAS = {"quota.window.num": "2", "quota.window.size.seconds": "1"}
+"""Quotas measured over 2 s (1 s windows, 2 of them): a quota set or lifted takes effect within seconds."""
+
+
 @pytest.fixture
 def quick_quotas() -> Iterator[LocalKafka]:
     """A single-node Apache Kafka of the test's own whose quotas measure the rate over 2 s (1 s
     windows, 2 of them): a quota set or lifted takes effect within seconds (the exactly-once pace)."""
-    yield from own_local_kafka({"quota.window.num": "2", "quota.window.size.seconds": "1"})
+    yield from own_local_kafka(QUICK_QUOTAS)
+
+
+@pytest.fixture(scope="module")
+def module_quick_quotas() -> Iterator[LocalKafka]:
+    """``quick_quotas`` shared by the tests of one module that throttle producers of a ``client.id`` of
+    their own and fault nothing else (a quota on a client id slows only that client; its rate window
+    starts empty): one JVM start instead of one each. A module overrides ``quick_quotas`` with
+    ``thawed_and_running(module_quick_quotas)`` and keeps those tests in one xdist group, and each on
+    a topic, progress topic and transactional ids of its own."""
+    yield from own_local_kafka(QUICK_QUOTAS)
 
 
 @pytest.fixture(scope="session")

@@ -340,6 +340,14 @@ def outages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "unreachable (" in r.getMessage()]
 
 
+@pytest.fixture
+def quick_quotas(module_quick_quotas: LocalKafka) -> LocalKafka:
+    """The module's broker of quick quotas (``module_quick_quotas``), shared by its three tests that
+    throttle a relay of their own (all in the ``timing`` group: one worker): one JVM start instead
+    of three. Each sets its quota on a client id of its own (``Throttled``) and faults nothing."""
+    return thawed_and_running(module_quick_quotas)
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("timing")
 def test_the_quota_lifted_mid_run_lifts_the_cap_and_the_rest_goes_in_few_transactions(

@@ -50,12 +50,13 @@ def test_an_operators_decision_on_a_failed_row_is_acted_on_though_polls_backed_o
     publish(outbox, "k")  # refused: failed, blocking its key
     publish(outbox, "k")  # waits behind it
     wait_for(lambda: pending(outbox) == 1, 10, "the head failed, the second row blocked")
-    # Just after a poll whose gap was 8 s (7 s at least, with its jitter): the next one comes 16 s
-    # later, 12 s at least, so 10 s leave a loaded host seconds to act on the decision and still
-    # tell its notification from that poll.
-    wait_for(lambda: fetches.backed_off("ops", 7.0) and time.monotonic() - fetches.at["ops"][-1] < 0.5,
-             60, "its polls 8 s apart, one just made")
+    # Just after a poll whose gap was 4 s (3.5 s at least: the upper half of its 3-4 s with the
+    # jitter, or the 8 s step's): the next one comes 8 s later, 6 s at least, so at least 5.5 s after
+    # the decision: 5 s leave a loaded host seconds to act on it and still tell its notification from
+    # that poll. (Backing off to 8 s gaps first proved nothing more and took 16-30 s.)
+    wait_for(lambda: fetches.backed_off("ops", 3.5) and time.monotonic() - fetches.at["ops"][-1] < 0.5,
+             60, "its polls 4 s apart, one just made")
     refused.clear()
     assert callable(decide)
     decide(outbox, by="operator")
-    wait_for(lambda: pending(outbox) == 0, 10, "the decision acted on before the next poll")
+    wait_for(lambda: pending(outbox) == 0, 5, "the decision acted on before the next poll")

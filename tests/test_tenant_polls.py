@@ -262,17 +262,21 @@ def test_a_silent_writers_burst_keeps_its_tenant_polled_every_interval_after_it_
         pg: sa.Engine, monkeypatch: pytest.MonkeyPatch, running: list[Running]) -> None:
     """A writer that never notifies writes 40 rows: a poll finds them, batches of 5 drain them (the
     turns after the poll are requeued, not polled), and its next row is found a poll interval
-    later, not at the backoff the drain's eight turns would have grown (a minute here)."""
+    later, not at the backoff the drain's eight turns would have grown (a minute here).
+
+    Backed off to 1.6 s gaps, not 4 s (``poll_interval`` 0.1, not 0.25): the burst is found by a
+    backed-off poll either way, and the backoff the drain would grow is the cap either way (60 s, 45
+    s at least with its jitter), 15 times the 3 s waited for the next row; 4 s gaps took 10 s more."""
     fetches = Fetches(monkeypatch)
     schema_outbox(pg, "silent")
     silent = Outbox(pg, schema="silent", shards=4, notify_channel=None)
-    start(running, ["silent"], pg, poll_interval=0.25, batch_size=5)
+    start(running, ["silent"], pg, poll_interval=0.1, batch_size=5)
     wait_for(lambda: listening(pg), 20, "the fleet listening")
-    wait_for(lambda: fetches.backed_off("silent", 3.5), 30, "its polls 4 s apart (the next 8 s)")
+    wait_for(lambda: fetches.backed_off("silent", 1.4), 30, "its polls 1.6 s apart (the next 3.2 s)")
     with silent.begin() as session:
         for i in range(40):
             silent.publish(session, "polls", {"key": f"k{i}"}, key=f"k{i}")
-    # Its next poll: 6-8 s on, or 12-16 s when the jitter hid the 4 s gap.
+    # Its next poll: 2.4-3.2 s on, or 4.8-6.4 s when the jitter hid the 1.6 s gap.
     wait_for(lambda: pending(silent) == 0, 25, "the burst found by a poll and drained")
     publish(silent, "next")
     wait_for(lambda: pending(silent) == 0, 3, "the next silent row found a poll interval later")

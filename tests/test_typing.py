@@ -3,6 +3,10 @@
 mypy runs on ``typed_usage.py`` (must pass ``--strict``) and on a snippet with
 a wrong argument (must fail: the decorator keeps the signature, minus the
 session, instead of hiding it behind ``Any``). The usage file also runs.
+
+One mypy run checks every file of the three tests that need it (``checked``): a run is
+10-15 s, nearly all of it the analysis of what the files import (outbox, SQLAlchemy), the
+same for each; each test reads the errors of its own files, and none may name another file.
 """
 
 from __future__ import annotations
@@ -20,34 +24,76 @@ from outbox import AsyncOutbox, ConfigurationError, Outbox, create_async_engine,
 HERE = Path(__file__).parent
 
 
-def mypy(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
-         str(path)], cwd=HERE.parent, capture_output=True, text=True, timeout=300)
+WRONG = (
+    "from sqlalchemy.orm import Session\n"
+    "from outbox import Outbox, create_engine\n"
+    "outbox = Outbox(create_engine('sqlite://'))\n\n"
+    "@outbox.transactional\n"
+    "def place(session: Session, order_id: int) -> str:\n"
+    "    return str(order_id)\n\n"
+    "count: int = place('seven')\n"
+)
+"""A call with a wrong argument: mypy must see it through the decorator."""
+
+FIRST_EXAMPLES = {"readme_example": "README.md", "getting_started_example": "docs/getting-started.md"}
+"""README's and getting-started's first example, what a newcomer copies: typed, they type-check.
+
+(The keyword form ``def f(order_id, *, session)`` fails: ``Missing named argument "session"``.)"""
 
 
-@pytest.mark.slow  # a mypy run: 5-30 s
-def test_typed_usage_passes_mypy_strict():
-    result = mypy(HERE / "typed_usage.py")
-    assert result.returncode == 0, result.stdout + result.stderr
+class Checked:
+    """One ``mypy --strict`` run over several files: its output, read per file."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self.result = subprocess.run(
+            [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
+             *map(str, paths)], cwd=HERE.parent, capture_output=True, text=True, timeout=300)
+        self.output = self.result.stdout + self.result.stderr
+
+    def errors(self, *names: str) -> list[str]:
+        """The error lines of the files named ``names`` (file names, e.g. ``wrong.py``)."""
+        return [line for line in self.result.stdout.splitlines()
+                if ": error:" in line and Path(line.split(":", 1)[0]).name in names]
+
+    def assert_clean(self, *names: str) -> None:
+        """No error in ``names``, nor in any file but the snippet that must fail; mypy checked (exit
+        0 or 1, never 2)."""
+        assert self.result.returncode in (0, 1), self.output
+        assert self.errors(*names) == [], self.output
+        others = [line for line in self.result.stdout.splitlines()
+                  if ": error:" in line and Path(line.split(":", 1)[0]).name != "wrong.py"]
+        assert others == [], self.output
 
 
-@pytest.mark.slow  # a mypy run: 5-30 s
-def test_mypy_sees_the_decorated_signature(tmp_path):
-    snippet = tmp_path / "wrong.py"
-    snippet.write_text(
-        "from sqlalchemy.orm import Session\n"
-        "from outbox import Outbox, create_engine\n"
-        "outbox = Outbox(create_engine('sqlite://'))\n\n"
-        "@outbox.transactional\n"
-        "def place(session: Session, order_id: int) -> str:\n"
-        "    return str(order_id)\n\n"
-        "count: int = place('seven')\n"
-    )
-    result = mypy(snippet)
-    assert result.returncode == 1
-    assert 'Argument 1 to "place" has incompatible type "str"; expected "int"' in result.stdout
-    assert 'expression has type "str", variable has type "int"' in result.stdout
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
+    import re
+
+    where = tmp_path_factory.mktemp("typed")
+    (where / "wrong.py").write_text(WRONG)
+    for name, doc in FIRST_EXAMPLES.items():
+        first = re.search(r"^```python\n(.*?)^```", (HERE.parent / doc).read_text(), re.S | re.M)
+        assert first is not None and "@outbox.transactional" in first.group(1), doc
+        (where / f"{name}.py").write_text(first.group(1))
+    return Checked([HERE / "typed_usage.py", where / "wrong.py",
+                    *(where / f"{name}.py" for name in FIRST_EXAMPLES)])
+
+
+# A mypy run, 5-30 s, shared (``checked``): the group keeps its tests on one worker.
+@pytest.mark.slow
+@pytest.mark.xdist_group("mypy")
+def test_typed_usage_passes_mypy_strict(checked: Checked) -> None:
+    checked.assert_clean("typed_usage.py")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("mypy")
+def test_mypy_sees_the_decorated_signature(checked: Checked) -> None:
+    assert checked.result.returncode == 1, checked.output
+    said = "\n".join(checked.errors("wrong.py"))
+    assert 'Argument 1 to "place" has incompatible type "str"; expected "int"' in said, checked.output
+    assert 'expression has type "str", variable has type "int"' in said, checked.output
 
 
 def test_the_typed_usage_runs(sqlite_db):
@@ -88,26 +134,12 @@ def test_begin_refuses_the_wrong_engine_kind():
         pass
 
 
-@pytest.mark.slow  # a mypy run: 5-30 s
-def test_the_first_examples_pass_mypy_strict(tmp_path):
-    """README's and getting-started's first example are what a newcomer copies: typed, they type-check.
-
-    (The keyword form ``def f(order_id, *, session)`` fails: ``Missing named argument "session"``.)
-    """
-    import re
-
-    root = HERE.parent
-    examples = {"readme_example": root / "README.md",
-                "getting_started_example": root / "docs" / "getting-started.md"}
-    for name, doc in examples.items():
-        first = re.search(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)
-        assert first is not None and "@outbox.transactional" in first.group(1), doc
-        (tmp_path / f"{name}.py").write_text(first.group(1))
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-incremental",
-         *(str(tmp_path / f"{name}.py") for name in examples)],
-        cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+@pytest.mark.slow
+@pytest.mark.xdist_group("mypy")
+def test_the_first_examples_pass_mypy_strict(checked: Checked) -> None:
+    """README's and getting-started's first example are what a newcomer copies: typed, they type-check
+    (``FIRST_EXAMPLES``)."""
+    checked.assert_clean(*(f"{name}.py" for name in FIRST_EXAMPLES))
 
 
 async def test_an_async_outbox_writes_what_an_outbox_on_an_async_engine_writes(tmp_path):
