@@ -10,6 +10,7 @@ what each row is, the take-over marked the copy's new rows published without sen
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -102,3 +103,58 @@ def test_a_take_over_on_a_restored_copy_sends_the_rows_the_original_sent_other_m
     assert {m: copies[m] for m in sent_by_a} == dict.fromkeys(sent_by_a, 1)
     assert len(on_wire) == 9
     assert [line for line in caplog.messages if "--new-incarnation" in line], caplog.messages
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+def killed_after_its_commit(worker: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``worker``'s first batch is committed to Kafka and the relay dies before the database hears of
+    it (its batches run until it has a shard: a lease the copy holds from its backup expires first)."""
+    def die(plan: object) -> None:
+        raise Killed
+
+    monkeypatch.setattr(worker._step._batch, "_write", die)
+    with pytest.raises(Killed):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            worker.run_once()
+    monkeypatch.undo()
+
+
+def test_a_restored_copy_marks_the_rows_its_original_sent_and_sends_nothing_twice_after_its_own_crash(
+        restored: tuple[str, str], postgres_server: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The check must not take the copy's own rows for another database's. A's relay dies after its
+    commit, before its mark, and A is copied (B holds rows 1-3 pending, already on the wire). B's
+    first relay takes the shard over from A's record, which names rows 1-3 with the messages B holds
+    under those ids: marked, not sent again; it sends B's new rows 4-6 and dies after its commit too.
+    B's next relay reads B's own record: rows 4-6 marked, not sent again. Every message once."""
+    url_a, url_b = restored
+    engine_a = create_engine(url_a)
+    a = Outbox(engine_a, shards=1)
+    a.create_tables()
+    publish(a, topic, ["k1", "k2", "k3"])
+    killed_after_its_commit(relay(a, kafka, progress_topic, "a"), monkeypatch)
+    assert len(rows(a, status="pending")) == 3
+    engine_a.dispose()
+    backup(postgres_server, url_a, url_b)
+
+    engine_b = create_engine(url_b)
+    b = Outbox(engine_b, shards=1)
+    publish(b, topic, ["k4", "k5", "k6"])
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        killed_after_its_commit(relay(b, kafka, progress_topic, "b1"), monkeypatch)
+        assert [r.id for r in rows(b, status="published")] == [1, 2, 3]
+        assert [r.id for r in rows(b, status="pending")] == [4, 5, 6]
+        last = relay(b, kafka, progress_topic, "b2")
+        drain(last, timeout=60)
+        last.close()
+    messages = [str(r.message_id) for r in rows(b)]
+    engine_b.dispose()
+
+    on_wire = read_topic(kafka, topic, expected=6, settle=2.0, isolation="read_committed")
+    copies = Counter(dict(r.headers)[MESSAGE_ID].decode() for r in on_wire)
+    assert copies == Counter(dict.fromkeys(messages, 1))
+    assert not [line for line in caplog.messages if "--new-incarnation" in line], caplog.messages
