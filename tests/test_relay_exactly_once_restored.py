@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from _relay_helpers import drain, publish, rows
 
 from outbox import Outbox, Relay, create_engine
+from transports import Record, TransactionOutcome
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
@@ -155,6 +156,41 @@ def test_a_restored_copy_marks_the_rows_its_original_sent_and_sends_nothing_twic
     engine_b.dispose()
 
     on_wire = read_topic(kafka, topic, expected=6, settle=2.0, isolation="read_committed")
+    copies = Counter(dict(r.headers)[MESSAGE_ID].decode() for r in on_wire)
+    assert copies == Counter(dict.fromkeys(messages, 1))
+    assert not [line for line in caplog.messages if "--new-incarnation" in line], caplog.messages
+
+
+def test_a_progress_record_of_the_previous_release_is_read_by_id_as_that_release_read_it(
+        postgres_db: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An upgrade mid-flight: a relay committed rows 1-3 and died before its mark, and the shard's last
+    committed progress record is the previous release's (ids, no tags: written here as that release
+    wrote it, by a producer of the shard's transactional id). The take-over marks rows 1-3 by id and
+    sends none of them again."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    publish(outbox, topic, ["k1", "k2", "k3"])
+    killed_after_its_commit(relay(outbox, kafka, progress_topic, "before"), monkeypatch)
+    tid = f"outbox-{outbox.load_schema().incarnation}-0"
+    old = b'{"ids": [1, 2, 3], "sent": [1, 2, 3], "relay": "before", "epoch": 1}'
+    transport = KafkaTransport(bootstrap_servers=kafka)
+    producer = transport.transactional(tid, 30.0)
+    try:
+        answer = producer.send([Record(progress_topic, old, key=tid.encode(), partition=0)])
+        assert answer.outcome is TransactionOutcome.COMMITTED, answer
+    finally:
+        producer.close()
+        transport.close()
+    publish(outbox, topic, ["k4"])
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        after = relay(outbox, kafka, progress_topic, "after")
+        drain(after, timeout=60)
+        after.close()
+    messages = [str(r.message_id) for r in rows(outbox)]
+    engine.dispose()
+    on_wire = read_topic(kafka, topic, expected=4, settle=2.0, isolation="read_committed")
     copies = Counter(dict(r.headers)[MESSAGE_ID].decode() for r in on_wire)
     assert copies == Counter(dict.fromkeys(messages, 1))
     assert not [line for line in caplog.messages if "--new-incarnation" in line], caplog.messages
