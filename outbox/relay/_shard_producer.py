@@ -230,10 +230,11 @@ class ProducerMaker:
         if others and taking_over:
             log.warning(
                 "%s, shard %d: its last progress record names %d rows that this database holds other "
-                "messages under (ids %s…): they are sent, not marked. Likely a database restored from a "
-                "backup, with the original's incarnation: give it its own with `outbox init-db "
-                "--new-incarnation`, or its relays and the original's fence each other",
-                self._name, shard, len(others), ", ".join(str(row) for row in others[:5]))
+                "messages under (ids %s): they are sent, not marked. Likely a database restored from a "
+                "backup, with the original's incarnation: give it its own with "
+                "`outbox init-db --new-incarnation`, or its relays and the original's fence each other",
+                self._name, shard, len(others),
+                ", ".join(str(row) for row in others[:5]) + (", …" if len(others) > 5 else ""))
         return ours
 
     def _taken(self, shard: int, state: ShardState) -> frozenset[str] | None:
