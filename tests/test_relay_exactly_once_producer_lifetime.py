@@ -41,7 +41,7 @@ from _relay_helpers import wait_for
 from confluent_kafka import KafkaError
 
 from outbox import RetriableTransportError
-from outbox.relay._exactly_once import ExactlyOnce
+from outbox.relay._exactly_once import ExactlyOnce, tag_of
 from transports import Outcome, Record, TransactionOutcome, TransactionResult
 from transports.kafka import KafkaTransactionalProducer, KafkaTransport
 
@@ -209,8 +209,8 @@ def test_a_closed_transactional_producer_has_no_client_though_it_is_still_held(
 def relay(transport: Transport, confirm: Any, progress: str, stopping: threading.Event | None = None,
           ) -> ExactlyOnce:
     return ExactlyOnce(transport, incarnation=progress.removeprefix("progress-"), worker_id="w", shards=1,
-                       progress_topic=progress, mark=lambda *_: True, lease=Confirming(confirm),
-                       stopping=stopping)
+                       progress_topic=progress, mark=lambda *_: True, messages=lambda _: {},
+                       lease=Confirming(confirm), stopping=stopping)
 
 
 def test_a_take_over_whose_lease_check_raises_after_its_producer_was_made_frees_that_producer(
@@ -294,7 +294,8 @@ def test_a_batch_whose_shard_raises_frees_the_producer_that_shards_remake_made(
         return True
 
     eo = ExactlyOnce(transport, incarnation=progress.removeprefix("progress-"), worker_id="w", shards=2,
-                     progress_topic=progress, mark=lambda *_: True, lease=Confirming(confirm))
+                     progress_topic=progress, mark=lambda *_: True, messages=lambda _: {},
+                     lease=Confirming(confirm))
     before = clients()
     try:
         assert eo.prepare({0: 1, 1: 1}) == ({0: 1, 1: 1}, None)
@@ -353,15 +354,17 @@ def test_a_shard_whose_transaction_raised_keeps_no_client_of_the_producer_it_dro
     the next take-over reads the progress and marks the row, not sending it again."""
     _, topic, progress = names()
     marked: list[list[int]] = []
+    row = Record(topic, b"v", key=b"k", headers=[("outbox-message-id", str(uuid.uuid4()).encode())])
     eo = ExactlyOnce(transport, incarnation=progress.removeprefix("progress-"), worker_id="w", shards=1,
                      progress_topic=progress, lease=Confirming(lambda *_: True),
-                     mark=lambda shard, epoch, ids: marked.append(ids) is None)
+                     mark=lambda shard, epoch, ids: marked.append(ids) is None,
+                     messages=lambda ids: {7: tag_of(row)} if 7 in ids else {})  # the database's row 7
     before = clients()
     try:
         transport.raising = True
         assert eo.prepare({0: 1}) == ({0: 1}, None)
         transport.raising = False
-        [result] = eo.send([Record(topic, b"v", key=b"k")], [(7, 0)])
+        [result] = eo.send([row], [(7, 0)])
         assert result.outcome is Outcome.RETRY, result
         assert "its outcome is unknown" in caplog.text and eo.producers == 0
         assert clients() <= before, (f"{clients() - before} librdkafka client(s) of the producer the shard "

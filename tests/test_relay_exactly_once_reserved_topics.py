@@ -37,7 +37,7 @@ class AnyLease:
 def step(sharing: Sharing | None, progress_topic: str) -> ExactlyOnce:
     transport = KafkaTransport(bootstrap_servers="127.0.0.1:1", delivery_timeout=1.0)
     return ExactlyOnce(transport, incarnation="inc", worker_id="w", shards=2, progress_topic=progress_topic,
-                       mark=lambda *_: True, lease=AnyLease(), sharing=sharing)
+                       mark=lambda *_: True, messages=lambda _: {}, lease=AnyLease(), sharing=sharing)
 
 
 def test_a_row_to_the_relays_progress_topic_fails_alone_and_is_not_sent() -> None:

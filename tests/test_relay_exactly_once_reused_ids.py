@@ -52,3 +52,31 @@ def test_rows_after_a_retention_that_emptied_the_table_are_sent_after_a_take_ove
         assert conn.execute(sa.select(m.c.id).order_by(m.c.id)).scalars().all() == [3, 4, 5, 6]
     assert {r.status for r in rows(outbox)} == {"published"}
     engine.dispose()
+
+
+def test_a_new_row_given_an_id_the_last_progress_record_names_is_sent_after_a_take_over(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str) -> None:
+    """Rows deleted by hand (not by retention, which keeps the newest), and SQLite gives their ids to
+    new messages: the shard's last progress record names ids 1-3 with the messages sent under them,
+    the table holds other messages under those ids, and a take-over sends them. Before the record
+    named each row's message the take-over marked them published unsent."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    publish(outbox, topic, ["a", "b", "c"])
+    first = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                  progress_topic=progress_topic, worker_id="first")
+    drain(first)
+    first.close()
+    with engine.begin() as conn:
+        conn.execute(sa.delete(outbox.tables.messages))
+    publish(outbox, topic, ["d", "e", "f"])
+    assert [r.id for r in rows(outbox)] == [1, 2, 3]  # the ids the last progress record names
+    second = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                   progress_topic=progress_topic, worker_id="second")
+    drain(second)
+    second.close()
+    on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
+    assert sorted(r.key for r in on_wire) == [b"a", b"b", b"c", b"d", b"e", b"f"]
+    assert {r.status for r in rows(outbox)} == {"published"}
+    engine.dispose()

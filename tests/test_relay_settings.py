@@ -114,10 +114,10 @@ def test_outbox_relay_batches_5000_rows_and_1000_per_tenant_unless_told(
 
 def test_outbox_relay_exactly_once_fits_its_default_batch_to_a_lowered_record_limit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exactly-once's progress record names three batches of row ids and where each record went, and
-    must fit the producer's ``message.max.bytes``: with a lowered limit the default batch is the
-    largest that fits rather than a refusal of a --batch-size nobody gave; one given is still checked
-    as given."""
+    """Exactly-once's progress record names three batches of row ids, two of them with a tag of each
+    row's message, and where each record went, and must fit the producer's ``message.max.bytes``:
+    with a lowered limit the default batch is the largest that fits rather than a refusal of a
+    --batch-size nobody gave; one given is still checked as given."""
     seen = _batch_sizes_built(monkeypatch)
     url = f"sqlite:///{tmp_path / 'o.db'}"
     made = CliRunner().invoke(app, ["init-db", "--db", url, "--max-record-bytes", "30000"])
@@ -129,5 +129,5 @@ def test_outbox_relay_exactly_once_fits_its_default_batch_to_a_lowered_record_li
         result = CliRunner().invoke(app, [*base, *extra])
         assert "_Built" in result.output, result.output
     # (limit - 1,024 overhead - 2,075 topics header - 31 positions header - 200 for the longest relay
-    # name) // (3 x 21 for ids + 35 for a record's position)
-    assert seen == [5000, 986, 4000, 374]
+    # name) // (3 x 21 for ids + 2 x 8 for their messages' tags + 35 for a record's position)
+    assert seen == [5000, 847, 4000, 321]

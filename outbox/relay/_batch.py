@@ -60,6 +60,7 @@ from ..core._wheel import TimingWheel
 from ._exactly_once import ExactlyOnce
 from ._metrics import RelayMetrics
 from ._outcomes import ROW_ID, ROW_KEY, ROW_SHARD, ROW_TOPIC, Plan, Planner
+from ._progress import message_tag
 from ._rows import RowEncoder, safe_reason
 from ._sql import Marks, RelayStatements
 from ._sql_shared import ROW_OCTETS
@@ -317,6 +318,12 @@ class BatchRunner:
         with self._marking() as conn:
             self.sql.published(conn, self.worker_id, marks, utcnow())
             return self.sql.holds(conn, self.worker_id, shard, epoch)
+
+    def message_tags(self, ids: Sequence[int]) -> dict[int, str]:
+        """The tag (``_progress.message_tag``) of the message each row of ``ids`` there is holds: what an
+        exactly-once take-over checks a progress record's rows by (``_shard_producer``)."""
+        with self.engine.connect() as conn:
+            return {row: message_tag(message) for row, message in self.sql.messages(conn, ids).items()}
 
     def close(self) -> None:
         try:

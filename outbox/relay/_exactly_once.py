@@ -16,12 +16,15 @@ docs/guarantees.md "Exactly once on the wire"):
   writes afterwards refused), then reads the shard's last committed progress
   record and marks the rows it names published, without sending them, and
   those of a later transaction the broker split whose records are committed
-  (``_progress.counted``);
+  (``_progress.counted``), each only while the row of its id holds the message
+  the record names (``_shard_producer``: a restored copy of the database reads
+  its original's records);
 - the shard's rows of a batch and one progress record (key: the
   transactional id; partition: the shard's, modulo the topic's count, so no
   other shard's open transaction holds its read back while the topic has a
   partition per shard; value: the ids of the
-  rows committed and not yet known to be marked) are one transaction. Rows
+  rows committed and not yet known to be marked, with a tag of each one's
+  message id from its record's ``outbox-message-id`` header) are one transaction. Rows
   are marked published after the commit; until their mark is known to have
   committed they are named in every later progress record of the shard and
   never sent again;
@@ -79,7 +82,8 @@ from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
-from ._progress import progress_value, topics_fitting
+from ..core._wire import MESSAGE_ID
+from ._progress import UNKNOWN_TAG, message_tag, progress_value, topics_fitting
 from ._shard_producer import (
     ProducerMaker,
     ShardLease,
@@ -140,6 +144,16 @@ def exactly_once_transport(transport: Transport) -> Transactions:
     return transport
 
 
+def tag_of(record: Record) -> str:
+    """The tag (``_progress.message_tag``) of the message a record carries, by its ``outbox-message-id``
+    header; ``UNKNOWN_TAG`` for a record without one (none the relay makes): a take-over then sends
+    its row again rather than mark a row it cannot tell from another."""
+    for name, value in record.headers:
+        if name == MESSAGE_ID:
+            return message_tag(value.decode(errors="replace"))
+    return UNKNOWN_TAG
+
+
 def wait_each(futures: list[Future[None]]) -> None:
     """Wait for each of ``futures`` in turn; the first exception is raised on.
 
@@ -160,7 +174,9 @@ class ExactlyOnce:
     """A relay's transactional sending, a producer per owned shard (module doc).
 
     ``mark(shard, epoch, ids)`` marks rows published (fenced by the epoch) in a
-    transaction of its own, and says whether the lease still held; ``lease`` renews
+    transaction of its own, and says whether the lease still held; ``messages(ids)``
+    gives the tags of the messages the database's rows of those ids hold (rows not
+    there left out: ``ProducerMaker``); ``lease`` renews
     one lease and says whether it held (``Leases.confirm``), and keeps the topics a
     shard's transactions wrote in its row, ahead of each send (``_unsettled``).
     Each transaction and each broker call around one (fencing, reading the
@@ -171,7 +187,7 @@ class ExactlyOnce:
 
     def __init__(self, transport: Transport, *, incarnation: str, worker_id: str, shards: int,
                  progress_topic: str, mark: Callable[[int, int, list[int]], bool],
-                 lease: ShardLease,
+                 messages: Callable[[Sequence[int]], dict[int, str]], lease: ShardLease,
                  sharing: Sharing | None = None, name: str | None = None,
                  stopping: threading.Event | None = None) -> None:
         self._transactions = exactly_once_transport(transport)
@@ -198,7 +214,8 @@ class ExactlyOnce:
         self.answered_since: float | None = None
         # The maker names ids from the incarnation, not through this publisher: it would hold us, a
         # cycle, and a stopped relay's transport would wait for the cycle collector (transports._weak).
-        self._maker = ProducerMaker(self._transactions, lease=lease, progress_topic=self.progress_topic,
+        self._maker = ProducerMaker(self._transactions, lease=lease, messages=messages,
+                                    progress_topic=self.progress_topic,
                                     timeout=timeout, lock=self._lock, name=self.name,
                                     transactional_id=partial(transactional_id_of, incarnation),
                                     slots=sharing.slots if sharing is not None else None)
@@ -497,8 +514,9 @@ class ExactlyOnce:
         """
         assert state.producer is not None
         sent_ids = [ids[i] for i in todo]
+        sent = {ids[i]: tag_of(records[i]) for i in todo}
         with self._lock:
-            carried = sorted(state.unmarked | set(sent_ids))
+            carried = {**state.unmarked, **sent}
         value = progress_value(carried, sent_ids, self._worker_id, state.epoch)
         progress = Record(self.progress_topic, value, key=self.transactional_id(shard).encode(),
                           partition=shard)
@@ -517,7 +535,7 @@ class ExactlyOnce:
         self._pace(shard, state, len(todo), answer, time.monotonic() - began)
         if answer.outcome is TransactionOutcome.COMMITTED:
             with self._lock:
-                state.unmarked |= set(sent_ids)
+                state.unmarked.update(sent)
             for i, res in own.items():
                 results[i] = res
             return {}
@@ -594,7 +612,8 @@ class ExactlyOnce:
         gone = set(ids)
         with self._lock:
             for state in self._owned.values():
-                state.unmarked -= gone
+                for row in gone & state.unmarked.keys():
+                    del state.unmarked[row]
 
     def close(self) -> None:
         if self._pool is not None and self._sharing is None:  # a fleet's pool is the fleet's to shut

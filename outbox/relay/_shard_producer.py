@@ -20,7 +20,12 @@ progress between the two:
   the progress finds whatever this one committed;
 - the read: rows committed under the id and not known to be marked (by an
   earlier owner, or by a relay that made its producer in the window above)
-  are named in the progress, and are not sent again.
+  are named in the progress, and are not sent again; each only while the row of
+  its id in this database holds the message the record names (``_ours``). A
+  database restored from a backup keeps its incarnation, so its relays use the
+  original's ids and read the original's records, whose ids the copy gives to
+  other messages once it writes past its backup: those rows are sent, never
+  marked unsent.
 
 A take-over (the shard's first producer for its lease epoch) also reads, with the
 first confirmation, the topics the shard's lease row names (``_unsettled``): where
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,7 +56,7 @@ from transports._errors import HeldByOpenTransactionError, RetriableTransportErr
 from transports._logsafe import safe_logger
 
 from ..core._outage import is_database_outage
-from ._progress import counted
+from ._progress import counted, identified
 from ._sharing import NoProducerSlot, ProducerSlots
 
 log = safe_logger("outbox.relay")
@@ -103,7 +108,8 @@ class ShardState:
     made: float = 0.0  # when its producer was made (monotonic): kept no longer than a turn (``_sharing``)
     remake_waits: bool = False  # its last ``remake`` failed for no broker's fault: no slot free
     # (``_sharing``), or its settle held by an open transaction (``HeldByOpenTransactionError``)
-    unmarked: set[int] = field(default_factory=set)
+    # Its rows committed to Kafka and not known marked, each with its message's tag (``_progress``).
+    unmarked: dict[int, str] = field(default_factory=dict)
     taking: Future[bool] | None = None  # its take-over (``ProducerMaker.make``) under way on a thread
     taking_since: float = 0.0  # when its last take-over began (monotonic)
     stuck: str | None = None  # why its last take-over failed (logged once a cause), until one succeeds
@@ -126,13 +132,16 @@ class ProducerMaker:
     """Makes shards' producers under a confirmed lease, their progress read (module doc).
 
     ``lease`` renews a shard's lease and says whether it held (with the topics its
-    row names at a take-over); ``lock`` guards every ``ShardState.unmarked``.
+    row names at a take-over); ``messages`` gives the tags (``_progress.message_tag``) of
+    the messages this database's rows of some ids hold, rows not there left out; ``lock``
+    guards every ``ShardState.unmarked``.
     """
 
     def __init__(self, transactions: Transactions, *, lease: ShardLease,
+                 messages: Callable[[Sequence[int]], dict[int, str]],
                  progress_topic: str, timeout: float, transactional_id: Callable[[int], str],
                  lock: threading.Lock, name: str, slots: ProducerSlots | None = None) -> None:
-        self._transactions, self._lease = transactions, lease
+        self._transactions, self._lease, self._messages = transactions, lease, messages
         self._progress_topic, self._timeout = progress_topic, timeout
         self._transactional_id, self._lock, self._name = transactional_id, lock, name
         self._slots = slots  # a fleet's: its shard producers are counted (``_sharing``)
@@ -174,8 +183,9 @@ class ProducerMaker:
             return False
         producer = slots.held(made) if slots is not None else made
         try:
-            ids = counted(self._transactions.read_back(self._progress_topic, shard, tid.encode(),
-                                                       self._timeout))
+            named = counted(self._transactions.read_back(self._progress_topic, shard, tid.encode(),
+                                                         self._timeout))
+            ours = self._ours(shard, named, taking_over)
             held = self._confirmed(shard, state, settled=taking_over)
         except BaseException:
             producer.close()  # made again, and the progress read again, next time
@@ -186,7 +196,7 @@ class ProducerMaker:
         if taking_over:
             state.recorded = frozenset()
         with self._lock:
-            state.unmarked |= set(ids)
+            state.unmarked.update(ours)
         state.producer, state.used = producer, time.monotonic()
         state.made, state.remake_waits = state.used, False
         return True
@@ -207,6 +217,25 @@ class ProducerMaker:
             elif isinstance(exc, RetriableTransportError) and not state.remake_waits:
                 log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
             return False
+
+    def _ours(self, shard: int, named: dict[int, str | None], taking_over: bool) -> dict[int, str]:
+        """The rows of ``named`` (a progress read: id and the tag of the message the record names,
+        None from an earlier release's record) whose ids this database's rows hold those messages
+        under, with their tags (``_progress.identified``); the others are left to be sent, and
+        logged at a take-over: likely a restored database."""
+        if not named:
+            return {}
+        held = self._messages(sorted(named)) or {}  # None: the relay is gone (``weakly``)
+        ours, others = identified(named, held)
+        if others and taking_over:
+            log.warning(
+                "%s, shard %d: its last progress record names %d rows that this database holds other "
+                "messages under (ids %s): they are sent, not marked. Likely a database restored from a "
+                "backup, with the original's incarnation: give it its own with "
+                "`outbox init-db --new-incarnation`, or its relays and the original's fence each other",
+                self._name, shard, len(others),
+                ", ".join(str(row) for row in others[:5]) + (", …" if len(others) > 5 else ""))
+        return ours
 
     def _taken(self, shard: int, state: ShardState) -> frozenset[str] | None:
         """A take-over's first confirmation: the lease of ``state.epoch`` renewed, and the topics its

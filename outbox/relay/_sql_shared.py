@@ -50,6 +50,10 @@ ROW_COLUMNS = (
     "created_at", "available_at", "attempts", "event_type",
 )
 
+MESSAGES_AT_ONCE = 500
+"""Ids a statement of ``RelayStatements.messages`` asks for: a bound parameter each, well within every
+driver's limit (SQLite's 999 before 3.32)."""
+
 ROW_OCTETS = len(ROW_COLUMNS)
 """Where a fetched row carries, after ``ROW_COLUMNS``, the bytes of payload and headers of its
 batch up to and including it (``RelayStatements.fetch``)."""
@@ -315,6 +319,17 @@ class RelayStatements(abc.ABC):
         found = conn.execute(select(leases.c.epoch).where(
             leases.c.shard == shard, leases.c.owner == owner)).scalar()
         return found == epoch
+
+    def messages(self, conn: Connection, ids: Sequence[int]) -> dict[int, Any]:
+        """The message id of each row of ``ids`` there is, read as the fetch reads it (``_column``),
+        ``MESSAGES_AT_ONCE`` ids a statement."""
+        m = self._m
+        found: dict[int, Any] = {}
+        for start in range(0, len(ids), MESSAGES_AT_ONCE):
+            chunk = list(ids[start:start + MESSAGES_AT_ONCE])
+            found.update((row, message) for row, message in conn.execute(
+                select(m.c.id, self._column(m, "message_id")).where(m.c.id.in_(chunk))))
+        return found
 
     def retried(self, conn: Connection, owner: str, marks: Marks) -> int:
         return self.mark(conn, owner, marks, "retried")

@@ -135,6 +135,7 @@ class RelayStep:
             self._batch.exactly_once = ExactlyOnce(
                 transport, incarnation=stored.incarnation, worker_id=worker_id, shards=stored.shard_count,
                 progress_topic=topic, mark=weakly(self._batch.mark_committed),
+                messages=weakly(self._batch.message_tags),
                 lease=UnsettledTopics(self.leases), sharing=sharing, name=self.name,
                 stopping=stopping)
             check_progress_fits(transport, settings.batch_size, worker_id)
