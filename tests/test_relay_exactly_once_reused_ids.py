@@ -24,6 +24,14 @@ from transports.testing import read_topic
 MESSAGE_ID = "outbox-message-id"
 
 
+def drained(outbox: Outbox, kafka: str, progress_topic: str, worker_id: str) -> None:
+    """An exactly-once relay named ``worker_id`` takes the shard over, sends what is pending and stops."""
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                  progress_topic=progress_topic, worker_id=worker_id)
+    drain(relay)
+    relay.close()
+
+
 def test_rows_after_a_retention_that_emptied_the_table_are_sent_after_a_take_over(
         sqlite_db: str, kafka: str, topic: str, progress_topic: str) -> None:
     """Three rows sent in one transaction (the shard's last progress names their ids), all deleted by
@@ -33,17 +41,11 @@ def test_rows_after_a_retention_that_emptied_the_table_are_sent_after_a_take_ove
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
     publish(outbox, topic, ["a", "b", "c"])
-    first = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
-                  progress_topic=progress_topic, worker_id="first")
-    drain(first)
-    first.close()
+    drained(outbox, kafka, progress_topic, "first")
     gone = run_retention(outbox, older_than=timedelta(days=1), now=datetime.now(UTC) + timedelta(days=2),
                          duty=1.0)
     publish(outbox, topic, ["d", "e", "f"])
-    second = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
-                   progress_topic=progress_topic, worker_id="second")
-    drain(second)
-    second.close()
+    drained(outbox, kafka, progress_topic, "second")
     on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
     assert sorted(r.key for r in on_wire) == [b"a", b"b", b"c", b"d", b"e", b"f"]
     assert gone.deleted[outbox.tables.messages.name] == 2  # the newest row stays
@@ -64,18 +66,12 @@ def test_a_new_row_given_an_id_the_last_progress_record_names_is_sent_after_a_ta
     outbox = Outbox(engine, shards=1)
     outbox.create_tables()
     publish(outbox, topic, ["a", "b", "c"])
-    first = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
-                  progress_topic=progress_topic, worker_id="first")
-    drain(first)
-    first.close()
+    drained(outbox, kafka, progress_topic, "first")
     with engine.begin() as conn:
         conn.execute(sa.delete(outbox.tables.messages))
     publish(outbox, topic, ["d", "e", "f"])
     assert [r.id for r in rows(outbox)] == [1, 2, 3]  # the ids the last progress record names
-    second = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
-                   progress_topic=progress_topic, worker_id="second")
-    drain(second)
-    second.close()
+    drained(outbox, kafka, progress_topic, "second")
     on_wire = read_topic(kafka, topic, expected=6, settle=1.0, isolation="read_committed")
     assert sorted(r.key for r in on_wire) == [b"a", b"b", b"c", b"d", b"e", b"f"]
     assert {r.status for r in rows(outbox)} == {"published"}
