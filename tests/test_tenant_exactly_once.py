@@ -174,6 +174,41 @@ def test_a_fleet_killed_between_the_commit_and_the_mark_sends_no_tenant_s_messag
         assert twice == set(writer)  # the proof can fail: at least once sends every batch again
 
 
+@pytest.mark.postgres
+def test_a_fleet_of_schema_tenants_killed_between_the_commit_and_the_mark_sends_nothing_twice(
+        pg: sa.Engine, kafka: str, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tenants as schemas of one PostgreSQL database: each schema's rows have the same ids (1-20). The
+    next fleet's take-over asks each tenant's own schema for the messages of the rows its record names
+    (``BatchRunner.message_tags`` on the tenant's engine): another schema's rows of those ids hold other
+    messages, and every row would be sent again."""
+    outboxes = schema_outboxes(pg, NAMES[:2])
+    writer = publish_all(outboxes, topic, 20)
+    progress = f"{topic}-progress"
+    first = fleet(list(outboxes), kafka, True, progress, worker_id="first", database=pg)
+    first.refresh()
+    first._workers.bind(0)
+
+    def die(plan: Any) -> Any:
+        raise Killed
+
+    for name in outboxes:
+        step = first.relay_of(name)
+        assert step is not None
+        monkeypatch.setattr(step._batch, "_write", die)
+        wait_for(lambda step=step: killed(step), 30, f"{name}'s batch sent")
+    monkeypatch.undo()
+    assert all(len(rows(ob, status="pending")) == 20 for ob in outboxes.values())
+    second = fleet(list(outboxes), kafka, True, progress, worker_id="second", database=pg)
+    try:
+        drain(second, outboxes)
+    finally:
+        second.close()
+    on_wire = read_topic(kafka, topic, expected=len(writer), settle=1.0, isolation="read_committed")
+    seen = check_headers(on_wire, writer)
+    assert set(seen) == set(writer)
+    assert {mid for mid, n in seen.items() if n > 1} == set()
+
+
 @pytest.mark.parametrize("exactly_once", MODES)
 def test_a_tenant_removed_after_its_commit_and_added_again_sends_nothing_twice(
         outboxes: dict[str, Outbox], kafka: str, topic: str, exactly_once: bool,

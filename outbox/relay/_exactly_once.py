@@ -27,7 +27,9 @@ docs/guarantees.md "Exactly once on the wire"):
   message id from its record's ``outbox-message-id`` header) are one transaction. Rows
   are marked published after the commit; until their mark is known to have
   committed they are named in every later progress record of the shard and
-  never sent again;
+  never sent again while the row of the id holds that message (a fetched row of
+  the id holding another, its id given again after a mark whose commit went
+  unanswered and a deletion by hand, is sent);
 - a record the broker refuses for good aborts its transaction: the shard's
   batch is sent again without it (and without its key's later rows), on a new
   producer of the id (a request of the aborted one, purged in flight, could
@@ -460,8 +462,9 @@ class ExactlyOnce:
         rounds = 0
         while rounds < ROUNDS:
             with self._lock:  # named by the progress (read again with every producer made): never sent again
-                for i in todo:
-                    if results[i] is None and ids[i] in state.unmarked:
+                for i in todo:  # while its row holds the message committed under its id (``tag_of``)
+                    if results[i] is None and (tag := state.unmarked.get(ids[i])) is not None and (
+                            tag == tag_of(records[i])):
                         results[i] = SendResult(Outcome.DELIVERED)
             todo = [i for i in todo if results[i] is None and (
                 records[i].key is None or i < stopped.get((records[i].topic, records[i].key), i + 1))]

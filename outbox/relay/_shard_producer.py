@@ -185,7 +185,9 @@ class ProducerMaker:
         try:
             named = counted(self._transactions.read_back(self._progress_topic, shard, tid.encode(),
                                                          self._timeout))
-            ours = self._ours(shard, named, taking_over)
+            with self._lock:  # its own rows still named are checked alike: ``_recover`` marks them all
+                own = dict(state.unmarked)
+            ours = self._ours(shard, named, taking_over, own)
             held = self._confirmed(shard, state, settled=taking_over)
         except BaseException:
             producer.close()  # made again, and the progress read again, next time
@@ -196,6 +198,8 @@ class ProducerMaker:
         if taking_over:
             state.recorded = frozenset()
         with self._lock:
+            for row in own.keys() - ours.keys():
+                state.unmarked.pop(row, None)
             state.unmarked.update(ours)
         state.producer, state.used = producer, time.monotonic()
         state.made, state.remake_waits = state.used, False
@@ -218,15 +222,20 @@ class ProducerMaker:
                 log.warning("%s: no producer for shard %d: %s", self._name, shard, exc)
             return False
 
-    def _ours(self, shard: int, named: dict[int, str | None], taking_over: bool) -> dict[int, str]:
+    def _ours(self, shard: int, named: dict[int, str | None], taking_over: bool,
+              own: Mapping[int, str]) -> dict[int, str]:
         """The rows of ``named`` (a progress read: id and the tag of the message the record names,
-        None from an earlier release's record) whose ids this database's rows hold those messages
-        under, with their tags (``_progress.identified``); the others are left to be sent, and
-        logged at a take-over: likely a restored database."""
-        if not named:
+        None from an earlier release's record) and of ``own`` (the rows the shard's state names: this
+        relay's commits whose mark it has not seen) whose ids this database's rows hold those
+        messages under, with their tags (``_progress.identified``); the others are left to be sent,
+        and logged at a take-over: likely a restored database. A row of ``own`` whose id was given
+        again (rows deleted by hand after a mark whose commit went unanswered) is dropped."""
+        both: dict[int, str | None] = {**own, **named}
+        if not both:
             return {}
-        held = self._messages(sorted(named)) or {}  # None: the relay is gone (``weakly``)
-        ours, others = identified(named, held)
+        held = self._messages(sorted(both)) or {}  # None: the relay is gone (``weakly``)
+        ours, _ = identified(both, held)
+        others = identified(named, held)[1]
         if others and taking_over:
             log.warning(
                 "%s, shard %d: its last progress record names %d rows that this database holds other "
