@@ -391,7 +391,7 @@ def test_exactly_once_with_a_batch_its_progress_record_could_not_carry_is_refuse
     assert outbox_cli("init-db", "--db", db, cwd=tmp_path).returncode == 0
     result = outbox_cli("relay", "--db", db, "--bootstrap-servers", "127.0.0.1:9", "--exactly-once",
                         "--batch-size", "50000", cwd=tmp_path)
-    assert_one_sentence(result, 2, "batch_size=50000", "use batch_size 87")  # 8,742 for the longest relay name
+    assert_one_sentence(result, 2, "batch_size=50000", "use batch_size 87")  # 8,742-8,744 by relay name
 
 
 def test_a_missing_module_is_blamed_on_what_is_missing_not_always_the_database_driver(
