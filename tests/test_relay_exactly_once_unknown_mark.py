@@ -26,18 +26,11 @@ from transports.testing import read_topic
 pytestmark = pytest.mark.kafka
 
 
-def test_rows_given_the_ids_of_rows_whose_mark_went_unanswered_are_sent(
-        sqlite_db: str, kafka: str, topic: str, progress_topic: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows a, b, c go out in one transaction; their mark commits and its answer is lost (an outage at
-    the commit). The rows are deleted by hand and SQLite gives ids 1-3 to d, e, f: the same relay must
-    send them, not take them for a, b, c."""
-    engine = create_engine(sqlite_db)
-    outbox = Outbox(engine, shards=1)
-    outbox.create_tables()
-    publish(outbox, topic, ["a", "b", "c"])
-    worker = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
-                   progress_topic=progress_topic, worker_id="worker", lease_ttl=5.0)
+def ids_given_again_after_an_unanswered_mark(worker: Relay, outbox: Outbox, engine: sa.Engine, topic: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``worker`` sends a, b, c and marks them, and its mark's commit answers with an outage (committed
+    all the same: it still names them); the rows are deleted by hand and SQLite gives their ids 1-3 to
+    the new messages d, e, f."""
     batch = worker._step._batch
     real_marking = batch._marking
     lost: list[bool] = []
@@ -62,6 +55,21 @@ def test_rows_given_the_ids_of_rows_whose_mark_went_unanswered_are_sent(
         conn.execute(sa.delete(outbox.tables.messages))
     publish(outbox, topic, ["d", "e", "f"])
     assert [r.id for r in rows(outbox)] == [1, 2, 3]  # the ids the relay committed a, b, c under
+
+
+def test_rows_given_the_ids_of_rows_whose_mark_went_unanswered_are_sent(
+        sqlite_db: str, kafka: str, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows a, b, c go out in one transaction; their mark commits and its answer is lost (an outage at
+    the commit). The rows are deleted by hand and SQLite gives ids 1-3 to d, e, f: the same relay must
+    send them, not take them for a, b, c."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    publish(outbox, topic, ["a", "b", "c"])
+    worker = Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True,
+                   progress_topic=progress_topic, worker_id="worker", lease_ttl=5.0)
+    ids_given_again_after_an_unanswered_mark(worker, outbox, engine, topic, monkeypatch)
     wait_for(lambda: (worker.run_once(), not rows(outbox, status="pending"))[1], 30, "d, e, f marked")
     worker.close()
     engine.dispose()
@@ -84,30 +92,7 @@ def test_rows_given_those_ids_are_sent_after_a_fenced_transaction_too(
     transport = KafkaTransport(bootstrap_servers=kafka)
     worker = Relay(outbox, transport, exactly_once=True,
                    progress_topic=progress_topic, worker_id="worker", lease_ttl=5.0)
-    batch = worker._step._batch
-    real_marking = batch._marking
-    lost: list[bool] = []
-
-    @contextmanager
-    def answer_lost() -> Iterator[Any]:
-        with real_marking() as conn:
-            yield conn
-        if not lost:
-            lost.append(True)
-            raise sa.exc.OperationalError("COMMIT", None, sqlite3.OperationalError("disk I/O error"))
-
-    monkeypatch.setattr(batch, "_marking", answer_lost)
-
-    def step() -> bool:
-        with suppress(sa.exc.OperationalError):
-            worker.run_once()
-        return bool(lost) and not rows(outbox, status="pending")
-
-    wait_for(step, 30, "a, b, c marked, the mark's answer lost")
-    with engine.begin() as conn:
-        conn.execute(sa.delete(outbox.tables.messages))
-    publish(outbox, topic, ["d", "e", "f"])
-    assert [r.id for r in rows(outbox)] == [1, 2, 3]
+    ids_given_again_after_an_unanswered_mark(worker, outbox, engine, topic, monkeypatch)
     tid = f"outbox-{outbox.load_schema().incarnation}-0"
     other = KafkaTransport(bootstrap_servers=kafka)
     fencer = other.transactional(tid, 30.0)  # fences the relay's producer of the shard
