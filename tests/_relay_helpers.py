@@ -185,3 +185,25 @@ class Running:
         if clean:
             assert self.error == []
         return took
+
+
+class Killed(BaseException):
+    """The process died here (nothing after it runs, nothing is cleaned up)."""
+
+
+def killed_after_its_commit(worker: Relay, monkeypatch: Any) -> None:
+    """``worker``'s first batch is committed to Kafka and the relay dies before the database hears of
+    it (its batches run until it has a shard: a lease another relay held may have to expire first).
+    ``monkeypatch`` is pytest's; undone before returning."""
+    def die(plan: object) -> None:
+        raise Killed
+
+    monkeypatch.setattr(worker._step._batch, "_write", die)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            worker.run_once()
+    except Killed:
+        monkeypatch.undo()
+        return
+    raise AssertionError("the relay's first batch never reached its database write within 30 s")

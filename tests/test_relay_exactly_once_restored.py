@@ -10,14 +10,13 @@ what each row is, the take-over marked the copy's new rows published without sen
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import drain, publish, rows
+from _relay_helpers import drain, killed_after_its_commit, publish, rows
 
 from outbox import Outbox, Relay, create_engine
 from transports import Record, TransactionOutcome
@@ -111,22 +110,6 @@ def test_a_take_over_on_a_restored_copy_sends_the_rows_the_original_sent_other_m
     assert [line for line in caplog.messages if "--new-incarnation" in line], caplog.messages
 
 
-class Killed(BaseException):
-    """The process died here (nothing after it runs, nothing is cleaned up)."""
-
-
-def killed_after_its_commit(worker: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``worker``'s first batch is committed to Kafka and the relay dies before the database hears of
-    it (its batches run until it has a shard: a lease the copy holds from its backup expires first)."""
-    def die(plan: object) -> None:
-        raise Killed
-
-    monkeypatch.setattr(worker._step._batch, "_write", die)
-    with pytest.raises(Killed):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            worker.run_once()
-    monkeypatch.undo()
 
 
 def test_a_restored_copy_marks_the_rows_its_original_sent_and_sends_nothing_twice_after_its_own_crash(

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections import Counter
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import drain, publish, rows, wait_for
+from _relay_helpers import drain, killed_after_its_commit, publish, rows, wait_for
 from prometheus_client import CollectorRegistry
 
 from outbox import CloudEvents, Outbox, Relay, create_engine, relay_metrics
@@ -32,26 +31,11 @@ ROWS = 1_201
 """More rows than three of the take-over's message queries take (500 ids a statement)."""
 
 
-class Killed(BaseException):
-    """The process died here (nothing after it runs, nothing is cleaned up)."""
-
 
 def relay(outbox: Outbox, kafka: str, progress_topic: str, worker_id: str, **options: Any) -> Relay:
     return Relay(outbox, KafkaTransport(bootstrap_servers=kafka), exactly_once=True, batch_size=ROWS,
                  progress_topic=progress_topic, lease_ttl=1.0, worker_id=worker_id, **options)
 
-
-def killed_after_its_commit(worker: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``worker``'s first batch is committed to Kafka and the relay dies before the database hears of it."""
-    def die(plan: object) -> None:
-        raise Killed
-
-    monkeypatch.setattr(worker._step._batch, "_write", die)
-    with pytest.raises(Killed):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            worker.run_once()
-    monkeypatch.undo()
 
 
 def copies_on_the_wire(kafka: str, topic: str, expected: int) -> Counter[uuid.UUID]:
