@@ -109,7 +109,8 @@ class Transport(KafkaTransport):
         self.made.append(weakref.ref(producer))
         return RaisesAfterItsCommit(producer) if self.raising else producer
 
-    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                               stopping: threading.Event | None = None) -> None:
         [made] = self.publish([Record(topic, b"", key=b"made")])
         assert made.outcome is Outcome.DELIVERED, made
 

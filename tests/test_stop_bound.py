@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, publish, rows, wait_for
+from _relay_helpers import ScriptedTransport, owned_leases, publish, rows, wait_for
 
 from outbox import ConfigurationError, Inbox, Outbox, Relay, create_engine
 from outbox.core._stopping import StopLatch
@@ -31,6 +31,8 @@ from outbox.inbox import StopRequested
 from outbox.relay._writer import BackgroundWriter
 from tests.inbox_support import DatabaseOutage, apply_effect, business, record
 from transports import Outcome, Record, SendResult
+from transports.kafka import KafkaTransport
+from transports.testing import BrokerProcess
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
 
@@ -436,3 +438,33 @@ def test_a_stop_before_the_worker_exists_is_handed_to_it() -> None:
     assert stopped == ["early"]
     late()
     assert stopped == ["early", "late"] and late.asked.is_set()
+
+
+@pytest.mark.parametrize("broker_state", ["frozen", "ignores-create-topics"])
+def test_an_exactly_once_relay_stopped_while_its_progress_topic_waits_for_the_broker_ends_its_loop(
+        sqlite_db: str, caplog: pytest.LogCaptureFixture, broker_state: str) -> None:
+    """The progress topic is looked up (and made) before the first send, a wait as long as the
+    transaction timeout (30 s by default, three times the stop bound) when the broker does not answer:
+    a frozen broker, or librdkafka's mock cluster, which never answers CreateTopics. A stop there
+    left the loop behind in the wait, holding the transport and an admin client (CI, 639d058). The
+    stop now ends the wait: ``run`` returns with its loop ended, nothing left behind, no warning."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    with BrokerProcess(brokers=1) as broker:
+        if broker_state == "frozen":
+            broker.freeze()
+        transport = KafkaTransport(bootstrap_servers=broker.bootstrap)
+        relay = Relay(outbox, transport, worker_id="stopped-early", exactly_once=True)
+        runner = _in_thread(lambda: relay.run(stop_timeout=HANG / 3))
+        wait_for(lambda: owned_leases(outbox) > 0, 30, "the relay to take its shards")
+        time.sleep(0.3)  # inside the wait for the broker (the leases are taken just before it)
+        asked = time.monotonic()
+        relay.stop()
+        runner.join(HANG / 3 + MARGIN)
+        took = time.monotonic() - asked
+        transport.close(0)
+    assert not runner.is_alive()
+    assert took < 1 + MARGIN, f"run returned {took:.1f}s after the stop"
+    assert "did not finish" not in caplog.text, "the loop was left behind in its wait for the broker"
+    engine.dispose()

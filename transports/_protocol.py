@@ -8,6 +8,7 @@ only the types here cross it, and broker errors are translated into
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -235,8 +236,10 @@ class Transactions(Protocol):
         so that none of its commits ends such records committed."""
         ...
 
-    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
-        """Create ``topic`` (log compaction, the cluster's replication) unless it exists."""
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                               stopping: threading.Event | None = None) -> None:
+        """Create ``topic`` (log compaction, the cluster's replication) unless it exists. ``stopping``:
+        once set, the wait for the broker ends within a moment (``RetriableTransportError``)."""
         ...
 
     def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:

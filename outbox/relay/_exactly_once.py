@@ -338,20 +338,28 @@ class ExactlyOnce:
                 state.producer.close()
                 state.producer = None
 
-    def check_topic(self) -> None:
+    def check_topic(self) -> bool:
         """Make the progress topic unless it exists; raise ``ConfigurationError`` if it exists and is
-        not compacted, ``RetriableTransportError`` if the broker does not answer."""
+        not compacted, ``RetriableTransportError`` if the broker does not answer. False: the run
+        stopped first (a stop ends the wait for the broker, which may last the transaction timeout:
+        the relay returns at once, and leaves no admin client behind on a thread still waiting)."""
         if not self._topic_ready:
-            self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout)
+            try:
+                self._transactions.ensure_compacted_topic(self.progress_topic, self._shards, self._timeout,
+                                                          self._stopping)
+            except RetriableTransportError:
+                if self._stopping.is_set():
+                    return False
+                raise
             self._topic_ready = True
+        return True
 
     def _take_over(self, shards: list[int]) -> None:
         """Start making ``shards``' producers (each fencing the shard's earlier owners, made only under
         a confirmed lease) and reading their progress, each on a thread of the pool: at once (many
         shards cost about what one costs), and none waits for another (``prepare``)."""
-        if not shards:
+        if not shards or not self.check_topic():
             return
-        self.check_topic()
         pool = self._threads()
         for shard in shards:
             state = self._owned[shard]

@@ -348,8 +348,9 @@ class TenantTransport:
         return _StampedProducer(self._transactions().transactional(
             transactional_id, timeout, one_per_request=one_per_request, left_open=left_open), self)
 
-    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
-        self._transactions().ensure_compacted_topic(topic, partitions, timeout)
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                               stopping: threading.Event | None = None) -> None:
+        self._transactions().ensure_compacted_topic(topic, partitions, timeout, stopping)
 
     def read_back(self, topic: str, partition: int, key: bytes, timeout: float) -> ReadBack:
         return self._transactions().read_back(topic, partition, key, timeout)

@@ -37,10 +37,12 @@ earlier release wrote name no positions: nothing of them is known committed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -70,44 +72,89 @@ bare ``TimeoutError``, not a ``KafkaException`` (a client whose metadata still n
 answered only at its request timeout, which a wait as long often beats). Retriable, as any outage."""
 
 
-def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float) -> None:
+STOPPED = "stopped before the broker answered"
+"""Why a wait for the broker given a ``stopping`` event ended early: the stop was asked for."""
+
+_SLICE = 0.05
+"""How often a wait for an admin request's answer looks at its ``stopping`` event."""
+
+_METADATA_SLICE = 0.5
+"""The longest one metadata request of a stoppable wait blocks (a C call no event interrupts)."""
+
+T = TypeVar("T")
+
+
+def answer(future: Future[T], timeout: float, stopping: threading.Event | None) -> T:
+    """``future.result(timeout)``, given up (``RetriableTransportError``, ``STOPPED``) once ``stopping``
+    is set: a relay stopped while the broker is slow to answer, or never answers (librdkafka's mock
+    cluster ignores CreateTopics), returns at once instead of waiting out the transaction timeout."""
+    deadline = time.monotonic() + timeout
+    while stopping is not None and not future.done() and (left := deadline - time.monotonic()) > 0:
+        if stopping.wait(min(_SLICE, left)):
+            raise RetriableTransportError(STOPPED)
+    return future.result(max(0.0, deadline - time.monotonic()))
+
+
+def listed(admin: AdminClient, topic: str, timeout: float, stopping: threading.Event | None) -> Any:
+    """``admin.list_topics(topic, timeout)``; with ``stopping``, in requests of at most
+    ``_METADATA_SLICE`` s, given up (``STOPPED``) once it is set."""
+    if stopping is None:
+        return admin.list_topics(topic, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return admin.list_topics(topic, timeout=max(0.001, min(_METADATA_SLICE, left)))
+        except KafkaException:
+            if left <= _METADATA_SLICE:
+                raise
+        if stopping.is_set():
+            raise RetriableTransportError(STOPPED)
+
+
+def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float,
+                           stopping: threading.Event | None = None) -> None:
     """Create ``topic`` with log compaction unless it exists; the cluster's default replication.
 
     A topic found existing whose records the broker may delete (``refuse_uncompacted``)
-    is refused with ``ConfigurationError``.
+    is refused with ``ConfigurationError``. ``stopping``: once set, the wait for the
+    broker ends within a moment (``RetriableTransportError``, ``STOPPED``).
     """
     admin = AdminClient({**connection_settings(config), **ADMIN})
     try:
-        found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+        found = listed(admin, topic, timeout, stopping).topics.get(topic)
     except KafkaException as exc:
         raise RetriableTransportError(f"cannot look up topic {topic!r}: {exc.args[0].str()}") from None
     if found is not None and found.error is None and found.partitions:
-        refuse_uncompacted(admin, config, topic, timeout)
+        refuse_uncompacted(admin, config, topic, timeout, stopping)
         return
     new = NewTopic(topic, num_partitions=partitions, replication_factor=-1,
                    config={"cleanup.policy": "compact", "segment.ms": "3600000",
                            "min.compaction.lag.ms": "0"})
     deadline = time.monotonic() + timeout
     try:
-        admin.create_topics([new], operation_timeout=timeout)[topic].result(timeout)
+        answer(admin.create_topics([new], operation_timeout=timeout)[topic], timeout, stopping)
     except TimeoutError:  # concurrent.futures': the future not done in time (see NO_ANSWER)
         raise RetriableTransportError(f"cannot create topic {topic!r}: {NO_ANSWER}") from None
     except KafkaException as exc:
         error: KafkaError = exc.args[0]
         if error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
             raise RetriableTransportError(f"cannot create topic {topic!r}: {error.str()}") from None
-        refuse_uncompacted(admin, config, topic, timeout)  # made meanwhile by someone else
+        refuse_uncompacted(admin, config, topic, timeout, stopping)  # made meanwhile by someone else
+    pause = stopping or threading.Event()
     while time.monotonic() < deadline:  # created: usable once every partition has a leader
         with suppress(KafkaException):
-            found = admin.list_topics(topic, timeout=timeout).topics.get(topic)
+            found = listed(admin, topic, max(0.001, deadline - time.monotonic()), stopping).topics.get(topic)
             if (found is not None and found.error is None and found.partitions
                     and all(p.leader >= 0 for p in found.partitions.values())):
                 return
-        time.sleep(0.1)
+        if pause.wait(0.1):
+            raise RetriableTransportError(STOPPED)
     raise RetriableTransportError(f"topic {topic!r} has no leader for every partition yet")
 
 
-def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str, timeout: float) -> None:
+def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str, timeout: float,
+                       stopping: threading.Event | None = None) -> None:
     """Raise ``ConfigurationError`` unless ``topic`` keeps each key's last record for good.
 
     The relay's progress record of a shard is the only account of rows a
@@ -118,7 +165,8 @@ def refuse_uncompacted(admin: AdminClient, config: Mapping[str, Any], topic: str
     """
     resource = ConfigResource("topic", topic)
     try:
-        found = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
+        found = answer(admin.describe_configs([resource], request_timeout=timeout)[resource], timeout,
+                       stopping)
     except TimeoutError:
         raise RetriableTransportError(
             f"cannot read the configuration of topic {topic!r}: {NO_ANSWER}") from None

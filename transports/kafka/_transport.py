@@ -672,8 +672,9 @@ class KafkaTransport:
                 self._admin = AdminClient({**connection_settings(self._config), **ADMIN})
             return self._admin
 
-    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
-        ensure_compacted_topic(self._config, topic, partitions, timeout)
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                               stopping: threading.Event | None = None) -> None:
+        ensure_compacted_topic(self._config, topic, partitions, timeout, stopping)
 
     def last_committed(self, topic: str, partition: int, key: bytes, timeout: float) -> bytes | None:
         """``_read_back.last_committed``; a transaction of ``key`` the broker left open is ended by the
