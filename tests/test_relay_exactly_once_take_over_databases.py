@@ -140,6 +140,12 @@ def test_a_database_outage_during_the_take_overs_message_query_is_one_outage_and
     assert asked.is_set()
     assert copies_on_the_wire(kafka, topic, 3) == Counter(dict.fromkeys(messages, 1))
     assert second.metrics.outages.labels("database")._value.get() == 1
+    # The take-over's own query met the outage and told it as the database's: not the broker's, not a
+    # take-over failure (the next fetch would have told the database's outage anyway).
+    assert second.metrics.outages.labels("broker")._value.get() == 0
+    told = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+            and "relay second" in r.getMessage()]
+    assert [m for m in told if "database unreachable" not in m and "reachable again" not in m] == [], told
     assert lines(caplog, "second", "database unreachable") == 1
     assert lines(caplog, "second", "database reachable again") == 1
     assert attempts == {1: 3}, f"attempts: {attempts}"
