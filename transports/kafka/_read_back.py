@@ -105,10 +105,10 @@ def listed(admin: AdminClient, topic: str, timeout: float, stopping: threading.E
         left = deadline - time.monotonic()
         try:
             return admin.list_topics(topic, timeout=max(0.001, min(_METADATA_SLICE, left)))
-        except KafkaException:
+        except KafkaException:  # librdkafka's _TRANSPORT at the slice's end, down or frozen alike
             if left <= _METADATA_SLICE:
                 raise
-        if stopping.is_set():
+        if stopping.wait(_SLICE):  # and never a busy loop, should a failure come at once
             raise RetriableTransportError(STOPPED)
 
 
