@@ -28,6 +28,7 @@ from _relay_helpers import wait_for
 
 from outbox import Outbox, create_engine
 from outbox.testing import LocalPostgres
+from transports.kafka import embedded_kafka
 
 ROOT = Path(__file__).resolve().parents[1]
 NOWHERE = "postgresql+psycopg://outbox@127.0.0.1:1/x"  # nothing listens on port 1
@@ -392,6 +393,18 @@ def test_exactly_once_with_a_batch_its_progress_record_could_not_carry_is_refuse
     result = outbox_cli("relay", "--db", db, "--bootstrap-servers", "127.0.0.1:9", "--exactly-once",
                         "--batch-size", "50000", cwd=tmp_path)
     assert_one_sentence(result, 2, "batch_size=50000", "use batch_size 87")  # 8,742-8,744 by relay name
+
+
+def test_exactly_once_on_the_embedded_broker_is_refused_in_one_line(tmp_path: Path) -> None:
+    """librdkafka's mock cluster (``outbox dev-broker``) answers neither the progress topic's creation
+    nor a look at its configuration, and fences no producer: exactly once there waited as in a broker
+    outage, for good. It is refused at the relay's start, by the cluster's own id."""
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    assert outbox_cli("init-db", "--db", db, cwd=tmp_path).returncode == 0
+    with embedded_kafka(brokers=1) as bootstrap:
+        result = outbox_cli("relay", "--db", db, "--bootstrap-servers", bootstrap, "--exactly-once",
+                            "--log-level", "ERROR", cwd=tmp_path)
+    assert_one_sentence(result, 2, "mock cluster", "mockCluster", "Exactly once needs Apache Kafka")
 
 
 def test_a_missing_module_is_blamed_on_what_is_missing_not_always_the_database_driver(

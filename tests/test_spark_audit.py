@@ -168,3 +168,40 @@ def test_bad_url_and_missing_table_are_named(spark, tmp_path):
     with pytest.raises(ConfigurationError, match="outbox_messages does not exist"):
         audit(empty, out_dir=tmp_path / "out", spark=spark)
 
+
+
+def test_the_audit_of_a_large_input_with_whole_stage_codegen_finds_what_the_small_input_path_finds(
+        spark, tmp_path, monkeypatch):
+    """Above ``SMALL_INPUT`` outbox rows the audit compiles its stages (whole-stage codegen), which
+    every other audit test, at most that many rows, runs without: the same seeded faults through both
+    paths give the same summary and the same findings, and the session's setting is restored."""
+    import outbox.spark._audit as audit_module
+
+    sc = build(n=2_000, keys=50)
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    seed(sc, url, url)
+    window = (sc.start + timedelta(seconds=sc.window_start), AS_OF)
+    codegen = spark.conf.get("spark.sql.codegen.wholeStage", "true")
+    real_codegen, taken = audit_module._codegen, []
+
+    def recorded(session, *, enabled):
+        taken.append(enabled)
+        return real_codegen(session, enabled=enabled)
+
+    monkeypatch.setattr(audit_module, "_codegen", recorded)
+    results = {}
+    for path, small_input in (("small", audit_module.SMALL_INPUT), ("large", sc.n - 1)):
+        monkeypatch.setattr(audit_module, "SMALL_INPUT", small_input)
+        results[path] = audit(url, out_dir=tmp_path / path, window=window, sla=SLA, as_of=AS_OF,
+                              spark=spark)
+    assert taken == [False, True], f"codegen per run: {taken}"
+    assert spark.conf.get("spark.sql.codegen.wholeStage", "true") == codegen
+    small, large = results["small"], results["large"]
+    assert small.totals["lost"] > 0 and small.totals["out_of_order_messages"] > 0, small.totals
+    assert large.summary == small.summary
+    for finding in ("lost", "duplicates", "out_of_order"):
+        rows_of = {p: pd.read_parquet(tmp_path / p / finding) for p in results}
+        columns = sorted(rows_of["small"].columns)
+        assert sorted(rows_of["large"].columns) == columns, finding
+        assert (sorted(map(repr, rows_of["large"][columns].itertuples(index=False)))
+                == sorted(map(repr, rows_of["small"][columns].itertuples(index=False)))), finding

@@ -78,8 +78,12 @@ STOPPED = "stopped before the broker answered"
 _SLICE = 0.05
 """How often a wait for an admin request's answer looks at its ``stopping`` event."""
 
-_METADATA_SLICE = 0.5
-"""The longest one metadata request of a stoppable wait blocks (a C call no event interrupts)."""
+_METADATA_GRACE = 1.0
+"""Seconds past its own timeout a metadata request asked on a thread (``listed``) is waited for."""
+
+MOCK_CLUSTER = "mockCluster"
+"""How librdkafka's mock cluster names itself: its cluster id (``rd_kafka_mock_cluster_new``) is this
+and a number; Apache Kafka's is a base64 UUID."""
 
 T = TypeVar("T")
 
@@ -96,20 +100,29 @@ def answer(future: Future[T], timeout: float, stopping: threading.Event | None) 
 
 
 def listed(admin: AdminClient, topic: str, timeout: float, stopping: threading.Event | None) -> Any:
-    """``admin.list_topics(topic, timeout)``; with ``stopping``, in requests of at most
-    ``_METADATA_SLICE`` s, given up (``STOPPED``) once it is set."""
+    """``admin.list_topics(topic, timeout)``; with ``stopping``, asked on a daemon thread of its own
+    ("outbox-metadata") and given up (``STOPPED``) once it is set.
+
+    librdkafka's metadata request is one C call that nothing interrupts, and a request asked again
+    in short slices is never answered by a broker slower than a slice (each answer comes after its
+    request was given up). The thread keeps the admin client until the call returns (``timeout``),
+    and frees it there.
+    """
     if stopping is None:
         return admin.list_topics(topic, timeout=timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
+    answered: Future[Any] = Future()
+
+    def ask() -> None:
         try:
-            return admin.list_topics(topic, timeout=max(0.001, min(_METADATA_SLICE, left)))
-        except KafkaException:  # librdkafka's _TRANSPORT at the slice's end, down or frozen alike
-            if left <= _METADATA_SLICE:
-                raise
-        if stopping.wait(_SLICE):  # and never a busy loop, should a failure come at once
-            raise RetriableTransportError(STOPPED)
+            answered.set_result(admin.list_topics(topic, timeout=timeout))
+        except Exception as exc:  # its traceback (this frame, which holds the future) dropped: no cycle
+            answered.set_exception(exc.with_traceback(None))
+
+    threading.Thread(target=ask, name="outbox-metadata", daemon=True).start()
+    try:
+        return answer(answered, timeout + _METADATA_GRACE, stopping)
+    except TimeoutError:  # concurrent.futures': list_topics did not return within its own timeout
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, NO_ANSWER)) from None
 
 
 def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float,
@@ -117,14 +130,21 @@ def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: in
     """Create ``topic`` with log compaction unless it exists; the cluster's default replication.
 
     A topic found existing whose records the broker may delete (``refuse_uncompacted``)
-    is refused with ``ConfigurationError``. ``stopping``: once set, the wait for the
+    is refused with ``ConfigurationError``, as is librdkafka's mock cluster, which answers
+    neither the creation nor the look at the configuration. ``stopping``: once set, the wait for the
     broker ends within a moment (``RetriableTransportError``, ``STOPPED``).
     """
     admin = AdminClient({**connection_settings(config), **ADMIN})
     try:
-        found = listed(admin, topic, timeout, stopping).topics.get(topic)
+        metadata = listed(admin, topic, timeout, stopping)
     except KafkaException as exc:
         raise RetriableTransportError(f"cannot look up topic {topic!r}: {exc.args[0].str()}") from None
+    if str(metadata.cluster_id or "").startswith(MOCK_CLUSTER):
+        raise ConfigurationError(
+            f"cannot keep topic {topic!r} on librdkafka's mock cluster (cluster id {metadata.cluster_id}: "
+            f"the embedded broker, `outbox dev-broker`): it answers no CreateTopics or DescribeConfigs "
+            f"and fences no producer. Exactly once needs Apache Kafka")
+    found = metadata.topics.get(topic)
     if found is not None and found.error is None and found.partitions:
         refuse_uncompacted(admin, config, topic, timeout, stopping)
         return
