@@ -7,6 +7,7 @@ not turn a broker that answers, slowly, into an outage.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -140,4 +141,42 @@ def test_a_relay_stopped_while_its_take_overs_wait_for_a_frozen_broker_runs_agai
     transport.close(0)
     engine.dispose()
     assert sorted(r.key for r in on_wire) == sorted(f"k{i}".encode() for i in range(20))
+    assert "did not finish" not in caplog.text
+
+
+def test_a_relay_stopped_in_its_progress_topic_check_checks_it_again_in_its_next_run(
+        sqlite_db: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The check a stop ended is not taken for done: the next ``run`` of the same relay looks the
+    topic up again (librdkafka's mock cluster never answers CreateTopics: each check waits there). A
+    run stopped in its check never started: it says so, not "started with shards"."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    checks: list[threading.Event] = []
+
+    class Counting(KafkaTransport):
+        def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                                   stopping: threading.Event | None = None) -> None:
+            checks.append(threading.Event())
+            try:
+                super().ensure_compacted_topic(topic, partitions, timeout, stopping)
+            finally:
+                checks[-1].set()
+
+    with BrokerProcess(brokers=1) as broker:
+        transport = Counting(bootstrap_servers=broker.bootstrap)
+        relay = Relay(outbox, transport, worker_id="checked-again", exactly_once=True)
+        for run in (1, 2):
+            runner = threading.Thread(target=lambda: relay.run(stop_timeout=5))
+            runner.start()
+            wait_for(lambda run=run: len(checks) == run, 30, f"run {run}'s check")
+            relay.stop()
+            runner.join(5 + MARGIN)
+            assert not runner.is_alive()
+            assert checks[-1].is_set(), "the stop ended the check"
+        transport.close(0)
+    engine.dispose()
+    assert len(checks) == 2
+    assert "started with shards" not in caplog.text, "a run stopped before it began said it started"
     assert "did not finish" not in caplog.text
