@@ -223,6 +223,8 @@ class Relay:
             if not self._first_leases():
                 return  # stopped while waiting for the database
             self._step.check_progress_topic()  # a progress topic not compacted refused before any send
+            if self._stopping.is_set():
+                return  # stopped in that check (a broker wait a stop ends): the run never started
             threads.append(threading.Thread(target=self._lease_loop, args=(ended,),
                                             name="outbox-relay-leases", daemon=True))
             if self.settings.backlog_metrics:
