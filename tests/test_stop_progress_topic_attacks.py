@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from _relay_helpers import owned_leases, publish, rows, wait_for
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
@@ -172,3 +173,38 @@ def test_a_relay_stopped_in_its_progress_topic_check_checks_it_again_in_its_next
     assert "started with shards" not in caplog.text, "a run stopped before it began said it started"
     assert "did not finish" not in caplog.text
 
+
+
+def test_a_relay_whose_progress_topic_check_waits_for_the_broker_renews_its_leases_meanwhile(
+        sqlite_db: str) -> None:
+    """The check waits up to the transaction timeout (30 s by default) for a broker that does not
+    answer, three lease TTLs (10 s): it ran before the lease thread started, so the leases the relay
+    had just taken lapsed under it, for another relay to take. Here a TTL of 2 s and a check of 8 s:
+    the leases are renewed while it waits."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine)
+    outbox.create_tables()
+    leases = outbox.tables.leases
+
+    def expiries() -> list[Any]:
+        with engine.connect() as conn:
+            return list(conn.scalars(sa.select(leases.c.expires_at).where(leases.c.owner.is_not(None))))
+
+    with BrokerProcess(brokers=1) as broker:
+        broker.freeze()
+        transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=8)
+        relay = Relay(outbox, transport, worker_id="renewing", exactly_once=True, lease_ttl=2.0)
+        runner = threading.Thread(target=lambda: relay.run(stop_timeout=5))
+        runner.start()
+        try:
+            wait_for(lambda: any(t.name == "outbox-metadata" for t in threading.enumerate()), 30,
+                     "the relay to ask the frozen broker for its progress topic")
+            taken = max(expiries())
+            wait_for(lambda: (now := expiries()) and min(now) > taken, 6,
+                     "the leases renewed while the check waits")
+        finally:
+            relay.stop()
+            runner.join(5 + MARGIN)
+            transport.close(0)
+    engine.dispose()
+    assert not runner.is_alive()

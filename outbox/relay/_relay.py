@@ -222,9 +222,6 @@ class Relay:
         try:
             if not self._first_leases():
                 return  # stopped while waiting for the database
-            self._step.check_progress_topic()  # a progress topic not compacted refused before any send
-            if self._stopping.is_set():
-                return  # stopped in that check (a broker wait a stop ends): the run never started
             threads.append(threading.Thread(target=self._lease_loop, args=(ended,),
                                             name="outbox-relay-leases", daemon=True))
             if self.settings.backlog_metrics:
@@ -233,6 +230,12 @@ class Relay:
                                                 name="outbox-relay-watch", daemon=True))
             for thread in threads:
                 thread.start()
+            # After the lease thread starts: the check waits up to the transaction timeout (30 s) for a
+            # broker that does not answer, three lease TTLs by default; leases it let lapse were taken
+            # by another relay, and this one's first batch found them gone.
+            self._step.check_progress_topic()  # a progress topic not compacted refused before any send
+            if self._stopping.is_set():
+                return  # stopped in that check (a broker wait a stop ends): the run never started
             if self.outbox.notify_channel:
                 self._wakeup.listen(self.engine, self.outbox.notify_channel)
             log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
