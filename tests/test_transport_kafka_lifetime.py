@@ -23,7 +23,7 @@ from _relay_helpers import owned_leases, wait_for
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from outbox import Outbox, create_engine
+from outbox import Outbox, RetriableTransportError, create_engine
 from outbox.relay import Relay
 from outbox.tenants import Tenant, TenantRelay
 from transports import Record
@@ -152,3 +152,20 @@ def test_a_fleet_run_stopped_and_dropped_frees_its_producers_at_once(
     for engine in engines.values():
         engine.dispose()
     assert not left, f"{len(left)} client(s) of a closed and dropped fleet wait for the cycle collector"
+
+
+def test_a_progress_topic_lookup_failed_on_its_own_thread_frees_its_admin_client_at_once(
+        no_collector: None) -> None:
+    """The stoppable lookup (``listed``, given the run's stop event) has its metadata request answered
+    on a thread of its own, through a future: a lookup that failed (the broker unreachable: every
+    take-over of an outage asks again) left the future holding the ``KafkaException`` raised from it,
+    whose traceback holds the frames holding the future, and the admin client: a cycle."""
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:9", delivery_timeout=10)
+    before = clients()
+    with pytest.raises(RetriableTransportError, match="cannot look up topic"):
+        transport.ensure_compacted_topic("lookup-failed", 1, 1.0, threading.Event())
+    wait_for(lambda: not any(t.name == "outbox-metadata" for t in threading.enumerate()), 10,
+             "the metadata thread to end")
+    left = clients() - before
+    transport.close(0)
+    assert not left, f"{len(left)} admin client(s) of a failed lookup wait for the cycle collector"
