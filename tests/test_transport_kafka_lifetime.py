@@ -17,13 +17,14 @@ import gc
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _relay_helpers import owned_leases, wait_for
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from outbox import Outbox, RetriableTransportError, create_engine
+from outbox import ConfigurationError, Outbox, RetriableTransportError, create_engine
 from outbox.relay import Relay
 from outbox.tenants import Tenant, TenantRelay
 from transports import Record
@@ -169,3 +170,40 @@ def test_a_progress_topic_lookup_failed_on_its_own_thread_frees_its_admin_client
     left = clients() - before
     transport.close(0)
     assert not left, f"{len(left)} admin client(s) of a failed lookup wait for the cycle collector"
+
+
+class RefusedInATakeOver(KafkaTransport):
+    """The progress topic's first check (the relay's start) finds the broker down: the check is left
+    to the first take-over's, which refuses the mock there, in the relay's loop (its fatal error)."""
+
+    checks = 0
+
+    def ensure_compacted_topic(self, *args: Any, **kwargs: Any) -> None:
+        self.checks += 1
+        if self.checks == 1:
+            raise RetriableTransportError("the broker is down, for the start's check")
+        super().ensure_compacted_topic(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["start", "take-over"])
+def test_a_relay_refused_and_dropped_frees_its_transport_at_once(
+        mock: str, no_collector: None, sqlite_db: str, where: str) -> None:
+    """Exactly once on the mock cluster is refused by the progress-topic check, the lease thread
+    already running: its leases are given back, its threads end, and the relay's transport is freed
+    once dropped. The run's error, kept for the caller's thread on a list its frame held (and the
+    relay's fatal error of its loop, kept on the relay), held the relay in a cycle through its
+    traceback."""
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    before = clients()
+    kind = KafkaTransport if where == "start" else RefusedInATakeOver
+    transport = kind(bootstrap_servers=mock, delivery_timeout=10)
+    relay = Relay(outbox, transport, worker_id="refused", exactly_once=True)
+    with pytest.raises(ConfigurationError, match="mock cluster"):
+        relay.run()
+    assert owned_leases(outbox) == 0, "the refused relay kept its leases"
+    assert not any(t.name.startswith("outbox-relay") for t in threading.enumerate())
+    transport.close()
+    del relay, transport
+    left = clients() - before
+    assert not left, f"{len(left)} client(s) of a refused relay's transport wait for the cycle collector"

@@ -240,8 +240,14 @@ class Relay:
                 self._wakeup.listen(self.engine, self.outbox.notify_channel)
             log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
             self._loop()
-            if self._fatal is not None:
-                raise self._fatal
+            fatal, self._fatal = self._fatal, None
+            if fatal is not None:
+                # Neither the relay nor this frame keeps it: its traceback holds the frames holding
+                # them, a cycle that kept the relay (its transport's clients) for the collector.
+                try:
+                    raise fatal
+                finally:
+                    del fatal
         finally:
             self._stopping.set()
             ended.set()
