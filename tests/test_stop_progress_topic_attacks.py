@@ -208,3 +208,43 @@ def test_a_relay_whose_progress_topic_check_waits_for_the_broker_renews_its_leas
             transport.close(0)
     engine.dispose()
     assert not runner.is_alive()
+
+
+def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises_that_failure(
+        sqlite_db: str) -> None:
+    """The lease thread runs during the check now (2f8f898): a renewal's fatal error there (the
+    database resharded behind the relay's back, ``SchemaError``) stops the relay, which ends the
+    check's wait, and the run returned as "stopped in that check", its fatal error dropped: ``run``
+    returned normally, the CLI exited 0, and nothing said why the relay stopped."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay.run(stop_timeout=5)
+        except BaseException as exc:
+            raised.append(exc)
+
+    with BrokerProcess(brokers=1) as broker:
+        broker.freeze()
+        transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=8)
+        relay = Relay(outbox, transport, worker_id="resharded", exactly_once=True, lease_ttl=1.0)
+        runner = threading.Thread(target=run)
+        runner.start()
+        try:
+            wait_for(lambda: any(t.name == "outbox-metadata" for t in threading.enumerate()), 30,
+                     "the relay to ask the frozen broker for its progress topic")
+            meta = outbox.tables.meta
+            with engine.begin() as conn:  # behind the running relay's back (never do this)
+                conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="2"))
+            runner.join(5 + MARGIN)
+        finally:
+            relay.stop()
+            runner.join(5 + MARGIN)
+            transport.close(0)
+    engine.dispose()
+    assert not runner.is_alive()
+    assert [type(e).__name__ for e in raised] == ["SchemaError"], raised
+    assert "shard count changed" in str(raised[0])
