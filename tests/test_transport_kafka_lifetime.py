@@ -195,14 +195,15 @@ def test_a_relay_refused_and_dropped_frees_its_transport_at_once(
     traceback."""
     outbox = Outbox(create_engine(sqlite_db))
     outbox.create_tables()
-    before = clients()
+    before, running = clients(), set(threading.enumerate())
     kind = KafkaTransport if where == "start" else RefusedInATakeOver
     transport = kind(bootstrap_servers=mock, delivery_timeout=10)
     relay = Relay(outbox, transport, worker_id="refused", exactly_once=True)
     with pytest.raises(ConfigurationError, match="mock cluster"):
         relay.run()
     assert owned_leases(outbox) == 0, "the refused relay kept its leases"
-    assert not any(t.name.startswith("outbox-relay") for t in threading.enumerate())
+    left_running = [t.name for t in set(threading.enumerate()) - running if t.name.startswith("outbox-relay")]
+    assert not left_running, f"the refused relay left {left_running} running"
     transport.close()
     del relay, transport
     left = clients() - before
