@@ -208,3 +208,21 @@ def test_a_relay_refused_and_dropped_frees_its_transport_at_once(
     del relay, transport
     left = clients() - before
     assert not left, f"{len(left)} client(s) of a refused relay's transport wait for the cycle collector"
+
+
+@pytest.mark.kafka
+def test_a_progress_topic_creation_refused_by_the_broker_frees_its_admin_client_at_once(
+        kafka: str, no_collector: None) -> None:
+    """The stoppable wait for an admin request (``answer``) holds its future, and a future that failed
+    raises the ``KafkaException`` it keeps: its traceback holds that wait's frame, a cycle with the
+    admin client (the creation's caller), as for every creation refused (two relays making the
+    topic at once: TOPIC_ALREADY_EXISTS) or look at its configuration that failed."""
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10)
+    before = clients()
+    with pytest.raises(RetriableTransportError, match="cannot create topic"):
+        transport.ensure_compacted_topic("lifetime-no-partitions", 0, 10, threading.Event())
+    wait_for(lambda: not any(t.name == "outbox-metadata" for t in threading.enumerate()), 10,
+             "the metadata thread to end")
+    left = clients() - before
+    transport.close(0)
+    assert not left, f"{len(left)} admin client(s) of a refused creation wait for the cycle collector"

@@ -96,7 +96,12 @@ def answer(future: Future[T], timeout: float, stopping: threading.Event | None) 
     while stopping is not None and not future.done() and (left := deadline - time.monotonic()) > 0:
         if stopping.wait(min(_SLICE, left)):
             raise RetriableTransportError(STOPPED)
-    return future.result(max(0.0, deadline - time.monotonic()))
+    try:
+        return future.result(max(0.0, deadline - time.monotonic()))
+    finally:
+        # The future keeps the exception it raises (the broker's refusal), whose traceback holds this
+        # frame: a cycle with the admin client of the caller's frame, left for the collector.
+        del future
 
 
 def listed(admin: AdminClient, topic: str, timeout: float, stopping: threading.Event | None) -> Any:
