@@ -20,7 +20,7 @@ from _relay_helpers import owned_leases, publish, rows, wait_for
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.tenants import Tenant, TenantRelay
 from outbox.testing import LocalKafka
-from transports.kafka import KafkaTransport
+from transports.kafka import KafkaTransport, embedded_kafka
 from transports.testing import BrokerProcess, read_topic
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
@@ -248,3 +248,46 @@ def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises
     assert not runner.is_alive()
     assert [type(e).__name__ for e in raised] == ["SchemaError"], raised
     assert "shard count changed" in str(raised[0])
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a fleet treats the mock's refusal as one tenant's "
+                   "failure, tried again with backoff for good; refusing it fleet-wide needs a fatal "
+                   "path the fleet does not have")
+def test_a_tenant_fleet_exactly_once_on_the_mock_cluster_is_refused_not_retried_for_good(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A single relay refuses exactly once on librdkafka's mock cluster at its start
+    (``ConfigurationError``, the CLI's one line, exit 2). A fleet logs it once per tenant ("tried
+    again with backoff") and goes on for good: every tenant takes its leases, is refused, gives them
+    back, again and again; ``outbox relay --tenants --exactly-once`` on ``outbox dev-broker`` never
+    exits. The mock is the fleet's broker, not a tenant's: nothing a retry can change."""
+    engines = {name: create_engine(f"sqlite:///{tmp_path / name}.db") for name in ("a", "b")}
+    for engine in engines.values():
+        Outbox(engine, shards=2).create_tables()
+    raised: list[BaseException] = []
+    with embedded_kafka(brokers=1) as bootstrap:
+        fleet = TenantRelay([Tenant(name, database=str(engine.url)) for name, engine in engines.items()],
+                            lambda: KafkaTransport({"message.max.bytes": "1001000"},
+                                                   bootstrap_servers=bootstrap),
+                            tenant_header="tenant", lease_ttl=2.0, poll_interval=0.1, workers=2,
+                            exactly_once=True, progress_topic="fleet-on-the-mock")
+
+        def run() -> None:
+            try:
+                fleet.run(stop_timeout=5)
+            except BaseException as exc:
+                raised.append(exc)
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        try:
+            runner.join(10)
+            ended = not runner.is_alive()
+        finally:
+            fleet.stop()
+            runner.join(5 + MARGIN)
+            fleet.close()
+    for engine in engines.values():
+        engine.dispose()
+    assert "mock cluster" in caplog.text
+    assert ended, "the fleet went on serving tenants it can never serve"
+    assert [type(e).__name__ for e in raised] == ["ConfigurationError"], raised
