@@ -197,8 +197,10 @@ def test_a_relay_whose_progress_topic_check_waits_for_the_broker_renews_its_leas
         runner = threading.Thread(target=lambda: relay.run(stop_timeout=5))
         runner.start()
         try:
-            wait_for(lambda: any(t.name == "outbox-metadata" for t in threading.enumerate()), 30,
-                     "the relay to ask the frozen broker for its progress topic")
+            # Its leases taken too: an "outbox-metadata" thread may be an earlier test's, still waiting
+            # for its own frozen broker (a stop leaves it to its timeout), before this relay took any.
+            wait_for(lambda: expiries() and any(t.name == "outbox-metadata" for t in threading.enumerate()),
+                     30, "the relay to ask the frozen broker for its progress topic")
             taken = max(expiries())
             wait_for(lambda: (now := expiries()) and min(now) > taken, 6,
                      "the leases renewed while the check waits")
@@ -234,8 +236,9 @@ def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises
         runner = threading.Thread(target=run)
         runner.start()
         try:
-            wait_for(lambda: any(t.name == "outbox-metadata" for t in threading.enumerate()), 30,
-                     "the relay to ask the frozen broker for its progress topic")
+            wait_for(lambda: owned_leases(outbox) > 0 and any(
+                t.name == "outbox-metadata" for t in threading.enumerate()), 30,
+                "the relay to ask the frozen broker for its progress topic")
             meta = outbox.tables.meta
             with engine.begin() as conn:  # behind the running relay's back (never do this)
                 conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="2"))
