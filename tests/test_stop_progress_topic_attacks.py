@@ -294,3 +294,31 @@ def test_a_tenant_fleet_exactly_once_on_the_mock_cluster_is_refused_not_retried_
     assert "mock cluster" in caplog.text
     assert ended, "the fleet went on serving tenants it can never serve"
     assert [type(e).__name__ for e in raised] == ["ConfigurationError"], raised
+
+
+def test_a_transport_whose_progress_topic_check_takes_no_stop_event_is_refused_in_one_line(
+        sqlite_db: str) -> None:
+    """``Transactions.ensure_compacted_topic`` grew a ``stopping`` argument (9d51fb8), passed by
+    position: a third-party transport written against the protocol before it (every member there)
+    passed the construction's check and failed the run with a ``TypeError`` (too many arguments) at
+    its progress-topic check. Refused when the relay is made, naming what it lacks, as a member
+    added since is (``test_relay_exactly_once.py``)."""
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    inner = KafkaTransport(bootstrap_servers="127.0.0.1:9")
+
+    class Older:
+        features = KafkaTransport.features
+        publish, close = inner.publish, inner.close
+        transactional, read_back, transaction_timeout = (
+            inner.transactional, inner.read_back, inner.transaction_timeout)
+
+        def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
+            inner.ensure_compacted_topic(topic, partitions, timeout)
+
+    try:
+        with pytest.raises(ConfigurationError, match=r"Older claims transactions but lacks what "
+                                                     r"transports\.Transactions asks: .*stopping"):
+            Relay(outbox, Older(), exactly_once=True)
+    finally:
+        inner.close(0)
