@@ -20,7 +20,7 @@ from _relay_helpers import owned_leases, publish, rows, wait_for
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.tenants import Tenant, TenantRelay
 from outbox.testing import LocalKafka
-from transports.kafka import KafkaTransport
+from transports.kafka import KafkaTransport, embedded_kafka
 from transports.testing import BrokerProcess, read_topic
 
 pytestmark = pytest.mark.xdist_group("timing")  # wall-clock bounds: one at a time (docs/testing.md)
@@ -197,8 +197,10 @@ def test_a_relay_whose_progress_topic_check_waits_for_the_broker_renews_its_leas
         runner = threading.Thread(target=lambda: relay.run(stop_timeout=5))
         runner.start()
         try:
-            wait_for(lambda: any(t.name == "outbox-metadata" for t in threading.enumerate()), 30,
-                     "the relay to ask the frozen broker for its progress topic")
+            # Its leases taken too: an "outbox-metadata" thread may be an earlier test's, still waiting
+            # for its own frozen broker (a stop leaves it to its timeout), before this relay took any.
+            wait_for(lambda: expiries() and any(t.name == "outbox-metadata" for t in threading.enumerate()),
+                     30, "the relay to ask the frozen broker for its progress topic")
             taken = max(expiries())
             wait_for(lambda: (now := expiries()) and min(now) > taken, 6,
                      "the leases renewed while the check waits")
@@ -208,3 +210,115 @@ def test_a_relay_whose_progress_topic_check_waits_for_the_broker_renews_its_leas
             transport.close(0)
     engine.dispose()
     assert not runner.is_alive()
+
+
+def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises_that_failure(
+        sqlite_db: str) -> None:
+    """The lease thread runs during the check now (2f8f898): a renewal's fatal error there (the
+    database resharded behind the relay's back, ``SchemaError``) stops the relay, which ends the
+    check's wait, and the run returned as "stopped in that check", its fatal error dropped: ``run``
+    returned normally, the CLI exited 0, and nothing said why the relay stopped."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay.run(stop_timeout=5)
+        except BaseException as exc:
+            raised.append(exc)
+
+    with BrokerProcess(brokers=1) as broker:
+        broker.freeze()
+        transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=8)
+        relay = Relay(outbox, transport, worker_id="resharded", exactly_once=True, lease_ttl=1.0)
+        runner = threading.Thread(target=run)
+        runner.start()
+        try:
+            wait_for(lambda: owned_leases(outbox) > 0 and any(
+                t.name == "outbox-metadata" for t in threading.enumerate()), 30,
+                "the relay to ask the frozen broker for its progress topic")
+            meta = outbox.tables.meta
+            with engine.begin() as conn:  # behind the running relay's back (never do this)
+                conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="2"))
+            runner.join(5 + MARGIN)
+        finally:
+            relay.stop()
+            runner.join(5 + MARGIN)
+            transport.close(0)
+    engine.dispose()
+    assert not runner.is_alive()
+    assert [type(e).__name__ for e in raised] == ["SchemaError"], raised
+    assert "shard count changed" in str(raised[0])
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a fleet treats the mock's refusal as one tenant's "
+                   "failure, tried again with backoff for good; refusing it fleet-wide needs a fatal "
+                   "path the fleet does not have")
+def test_a_tenant_fleet_exactly_once_on_the_mock_cluster_is_refused_not_retried_for_good(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A single relay refuses exactly once on librdkafka's mock cluster at its start
+    (``ConfigurationError``, the CLI's one line, exit 2). A fleet logs it once per tenant ("tried
+    again with backoff") and goes on for good: every tenant takes its leases, is refused, gives them
+    back, again and again; ``outbox relay --tenants --exactly-once`` on ``outbox dev-broker`` never
+    exits. The mock is the fleet's broker, not a tenant's: nothing a retry can change."""
+    engines = {name: create_engine(f"sqlite:///{tmp_path / name}.db") for name in ("a", "b")}
+    for engine in engines.values():
+        Outbox(engine, shards=2).create_tables()
+    raised: list[BaseException] = []
+    with embedded_kafka(brokers=1) as bootstrap:
+        fleet = TenantRelay([Tenant(name, database=str(engine.url)) for name, engine in engines.items()],
+                            lambda: KafkaTransport({"message.max.bytes": "1001000"},
+                                                   bootstrap_servers=bootstrap),
+                            tenant_header="tenant", lease_ttl=2.0, poll_interval=0.1, workers=2,
+                            exactly_once=True, progress_topic="fleet-on-the-mock")
+
+        def run() -> None:
+            try:
+                fleet.run(stop_timeout=5)
+            except BaseException as exc:
+                raised.append(exc)
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        try:
+            runner.join(10)
+            ended = not runner.is_alive()
+        finally:
+            fleet.stop()
+            runner.join(5 + MARGIN)
+            fleet.close()
+    for engine in engines.values():
+        engine.dispose()
+    assert "mock cluster" in caplog.text
+    assert ended, "the fleet went on serving tenants it can never serve"
+    assert [type(e).__name__ for e in raised] == ["ConfigurationError"], raised
+
+
+def test_a_transport_whose_progress_topic_check_takes_no_stop_event_is_refused_in_one_line(
+        sqlite_db: str) -> None:
+    """``Transactions.ensure_compacted_topic`` grew a ``stopping`` argument (9d51fb8), passed by
+    position: a third-party transport written against the protocol before it (every member there)
+    passed the construction's check and failed the run with a ``TypeError`` (too many arguments) at
+    its progress-topic check. Refused when the relay is made, naming what it lacks, as a member
+    added since is (``test_relay_exactly_once.py``)."""
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    inner = KafkaTransport(bootstrap_servers="127.0.0.1:9")
+
+    class Older:
+        features = KafkaTransport.features
+        publish, close = inner.publish, inner.close
+        transactional, read_back, transaction_timeout = (
+            inner.transactional, inner.read_back, inner.transaction_timeout)
+
+        def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float) -> None:
+            inner.ensure_compacted_topic(topic, partitions, timeout)
+
+    try:
+        with pytest.raises(ConfigurationError, match=r"Older claims transactions but lacks what "
+                                                     r"transports\.Transactions asks: .*stopping"):
+            Relay(outbox, Older(), exactly_once=True)
+    finally:
+        inner.close(0)

@@ -17,13 +17,14 @@ import gc
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _relay_helpers import owned_leases, wait_for
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
-from outbox import Outbox, create_engine
+from outbox import ConfigurationError, Outbox, RetriableTransportError, create_engine
 from outbox.relay import Relay
 from outbox.tenants import Tenant, TenantRelay
 from transports import Record
@@ -152,3 +153,76 @@ def test_a_fleet_run_stopped_and_dropped_frees_its_producers_at_once(
     for engine in engines.values():
         engine.dispose()
     assert not left, f"{len(left)} client(s) of a closed and dropped fleet wait for the cycle collector"
+
+
+def test_a_progress_topic_lookup_failed_on_its_own_thread_frees_its_admin_client_at_once(
+        no_collector: None) -> None:
+    """The stoppable lookup (``listed``, given the run's stop event) has its metadata request answered
+    on a thread of its own, through a future: a lookup that failed (the broker unreachable: every
+    take-over of an outage asks again) left the future holding the ``KafkaException`` raised from it,
+    whose traceback holds the frames holding the future, and the admin client: a cycle."""
+    transport = KafkaTransport(bootstrap_servers="127.0.0.1:9", delivery_timeout=10)
+    before = clients()
+    with pytest.raises(RetriableTransportError, match="cannot look up topic"):
+        transport.ensure_compacted_topic("lookup-failed", 1, 1.0, threading.Event())
+    wait_for(lambda: not any(t.name == "outbox-metadata" for t in threading.enumerate()), 10,
+             "the metadata thread to end")
+    left = clients() - before
+    transport.close(0)
+    assert not left, f"{len(left)} admin client(s) of a failed lookup wait for the cycle collector"
+
+
+class RefusedInATakeOver(KafkaTransport):
+    """The progress topic's first check (the relay's start) finds the broker down: the check is left
+    to the first take-over's, which refuses the mock there, in the relay's loop (its fatal error)."""
+
+    checks = 0
+
+    def ensure_compacted_topic(self, *args: Any, **kwargs: Any) -> None:
+        self.checks += 1
+        if self.checks == 1:
+            raise RetriableTransportError("the broker is down, for the start's check")
+        super().ensure_compacted_topic(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["start", "take-over"])
+def test_a_relay_refused_and_dropped_frees_its_transport_at_once(
+        mock: str, no_collector: None, sqlite_db: str, where: str) -> None:
+    """Exactly once on the mock cluster is refused by the progress-topic check, the lease thread
+    already running: its leases are given back, its threads end, and the relay's transport is freed
+    once dropped. The run's error, kept for the caller's thread on a list its frame held (and the
+    relay's fatal error of its loop, kept on the relay), held the relay in a cycle through its
+    traceback."""
+    outbox = Outbox(create_engine(sqlite_db))
+    outbox.create_tables()
+    before, running = clients(), set(threading.enumerate())
+    kind = KafkaTransport if where == "start" else RefusedInATakeOver
+    transport = kind(bootstrap_servers=mock, delivery_timeout=10)
+    relay = Relay(outbox, transport, worker_id="refused", exactly_once=True)
+    with pytest.raises(ConfigurationError, match="mock cluster"):
+        relay.run()
+    assert owned_leases(outbox) == 0, "the refused relay kept its leases"
+    left_running = [t.name for t in set(threading.enumerate()) - running if t.name.startswith("outbox-relay")]
+    assert not left_running, f"the refused relay left {left_running} running"
+    transport.close()
+    del relay, transport
+    left = clients() - before
+    assert not left, f"{len(left)} client(s) of a refused relay's transport wait for the cycle collector"
+
+
+@pytest.mark.kafka
+def test_a_progress_topic_creation_refused_by_the_broker_frees_its_admin_client_at_once(
+        kafka: str, no_collector: None) -> None:
+    """The stoppable wait for an admin request (``answer``) holds its future, and a future that failed
+    raises the ``KafkaException`` it keeps: its traceback holds that wait's frame, a cycle with the
+    admin client (the creation's caller), as for every creation refused (two relays making the
+    topic at once: TOPIC_ALREADY_EXISTS) or look at its configuration that failed."""
+    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10)
+    before = clients()
+    with pytest.raises(RetriableTransportError, match="cannot create topic"):
+        transport.ensure_compacted_topic("lifetime-no-partitions", 0, 10, threading.Event())
+    wait_for(lambda: not any(t.name == "outbox-metadata" for t in threading.enumerate()), 10,
+             "the metadata thread to end")
+    left = clients() - before
+    transport.close(0)
+    assert not left, f"{len(left)} admin client(s) of a refused creation wait for the cycle collector"

@@ -89,7 +89,9 @@ def run_with_stop_bound(
             stop()  # KeyboardInterrupt or the like in the waiting thread: the loop must not outlive it
             raise
     if failure:
-        raise failure[0]
+        # Taken off the list: its traceback holds ``target``'s frame, which holds the list, a cycle
+        # that kept the body's objects (a relay's transport, its clients) for the collector.
+        raise failure.pop()
     return None
 
 

@@ -63,6 +63,7 @@ makes one of the same id again and reads the progress again (``ProducerMaker.mak
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -143,7 +144,24 @@ def exactly_once_transport(transport: Transport) -> Transactions:
                        and not hasattr(transport, name))
         raise ConfigurationError(f"{type(transport).__name__} claims transactions but lacks what "
                                  f"transports.Transactions asks: {', '.join(lacks) or 'its members'}")
+    if not _takes_stopping(transport):
+        raise ConfigurationError(
+            f"{type(transport).__name__} claims transactions but lacks what transports.Transactions "
+            f"asks: ensure_compacted_topic(topic, partitions, timeout, stopping), the run's stop event")
     return transport
+
+
+def _takes_stopping(transactions: Transactions) -> bool:
+    """Whether ``ensure_compacted_topic`` takes the ``stopping`` argument the relay passes (by position):
+    one written before it was added failed the run with a ``TypeError`` at the progress-topic check.
+    A callable whose signature cannot be read is taken at its word."""
+    try:
+        inspect.signature(transactions.ensure_compacted_topic).bind("topic", 1, 1.0, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin)
+        return True
+    return True
 
 
 def tag_of(record: Record) -> str:

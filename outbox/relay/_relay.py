@@ -234,14 +234,21 @@ class Relay:
             # broker that does not answer, three lease TTLs by default; leases it let lapse were taken
             # by another relay, and this one's first batch found them gone.
             self._step.check_progress_topic()  # a progress topic not compacted refused before any send
-            if self._stopping.is_set():
-                return  # stopped in that check (a broker wait a stop ends): the run never started
-            if self.outbox.notify_channel:
-                self._wakeup.listen(self.engine, self.outbox.notify_channel)
-            log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
-            self._loop()
-            if self._fatal is not None:
-                raise self._fatal
+            # Stopped in that check (a broker wait a stop ends): the run never started, but a stop
+            # of the lease thread's fatal error (a reshard behind its back) is raised all the same.
+            if not self._stopping.is_set():
+                if self.outbox.notify_channel:
+                    self._wakeup.listen(self.engine, self.outbox.notify_channel)
+                log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
+                self._loop()
+            fatal, self._fatal = self._fatal, None
+            if fatal is not None:
+                # Neither the relay nor this frame keeps it: its traceback holds the frames holding
+                # them, a cycle that kept the relay (its transport's clients) for the collector.
+                try:
+                    raise fatal
+                finally:
+                    del fatal
         finally:
             self._stopping.set()
             ended.set()

@@ -96,7 +96,12 @@ def answer(future: Future[T], timeout: float, stopping: threading.Event | None) 
     while stopping is not None and not future.done() and (left := deadline - time.monotonic()) > 0:
         if stopping.wait(min(_SLICE, left)):
             raise RetriableTransportError(STOPPED)
-    return future.result(max(0.0, deadline - time.monotonic()))
+    try:
+        return future.result(max(0.0, deadline - time.monotonic()))
+    finally:
+        # The future keeps the exception it raises (the broker's refusal), whose traceback holds this
+        # frame: a cycle with the admin client of the caller's frame, left for the collector.
+        del future
 
 
 def listed(admin: AdminClient, topic: str, timeout: float, stopping: threading.Event | None) -> Any:
@@ -110,19 +115,28 @@ def listed(admin: AdminClient, topic: str, timeout: float, stopping: threading.E
     """
     if stopping is None:
         return admin.list_topics(topic, timeout=timeout)
-    answered: Future[Any] = Future()
+    # The future holds the answer or the broker's error, never an exception: one raised from it
+    # (``Future.result``) would be held by it, and its traceback holds this frame, which holds the
+    # future and the admin client, a cycle left for the collector (module doc of
+    # tests/test_transport_kafka_lifetime.py), once a lookup of every take-over in an outage.
+    answered: Future[tuple[Any, KafkaError | None]] = Future()
 
     def ask() -> None:
         try:
-            answered.set_result(admin.list_topics(topic, timeout=timeout))
-        except Exception as exc:  # its traceback (this frame, which holds the future) dropped: no cycle
+            answered.set_result((admin.list_topics(topic, timeout=timeout), None))
+        except KafkaException as exc:
+            answered.set_result((None, exc.args[0]))
+        except Exception as exc:  # not the broker's (rare): raised as it was, its traceback dropped
             answered.set_exception(exc.with_traceback(None))
 
     threading.Thread(target=ask, name="outbox-metadata", daemon=True).start()
     try:
-        return answer(answered, timeout + _METADATA_GRACE, stopping)
+        metadata, error = answer(answered, timeout + _METADATA_GRACE, stopping)
     except TimeoutError:  # concurrent.futures': list_topics did not return within its own timeout
         raise KafkaException(KafkaError(KafkaError._TIMED_OUT, NO_ANSWER)) from None
+    if error is not None:
+        raise KafkaException(error)
+    return metadata
 
 
 def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: int, timeout: float,
