@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import owned_leases, publish, rows, wait_for
+from _relay_helpers import Running, owned_leases, publish, rows, wait_for
 
 from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.tenants import Tenant, TenantRelay
@@ -221,20 +221,11 @@ def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises
     engine = create_engine(sqlite_db)
     outbox = Outbox(engine, shards=4)
     outbox.create_tables()
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            relay.run(stop_timeout=5)
-        except BaseException as exc:
-            raised.append(exc)
-
     with BrokerProcess(brokers=1) as broker:
         broker.freeze()
         transport = KafkaTransport(bootstrap_servers=broker.bootstrap, delivery_timeout=8)
-        relay = Relay(outbox, transport, worker_id="resharded", exactly_once=True, lease_ttl=1.0)
-        runner = threading.Thread(target=run)
-        runner.start()
+        running = Running(Relay(outbox, transport, worker_id="resharded", exactly_once=True,
+                                lease_ttl=1.0), stop_timeout=5)
         try:
             wait_for(lambda: owned_leases(outbox) > 0 and any(
                 t.name == "outbox-metadata" for t in threading.enumerate()), 30,
@@ -242,15 +233,13 @@ def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises
             meta = outbox.tables.meta
             with engine.begin() as conn:  # behind the running relay's back (never do this)
                 conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="2"))
-            runner.join(5 + MARGIN)
+            running.thread.join(5 + MARGIN)
         finally:
-            relay.stop()
-            runner.join(5 + MARGIN)
+            running.stop(close=False, clean=False)
             transport.close(0)
     engine.dispose()
-    assert not runner.is_alive()
-    assert [type(e).__name__ for e in raised] == ["SchemaError"], raised
-    assert "shard count changed" in str(raised[0])
+    assert [type(e).__name__ for e in running.error] == ["SchemaError"], running.error
+    assert "shard count changed" in str(running.error[0])
 
 
 @pytest.mark.xfail(strict=True, reason="not fixed: a fleet treats the mock's refusal as one tenant's "
@@ -266,34 +255,23 @@ def test_a_tenant_fleet_exactly_once_on_the_mock_cluster_is_refused_not_retried_
     engines = {name: create_engine(f"sqlite:///{tmp_path / name}.db") for name in ("a", "b")}
     for engine in engines.values():
         Outbox(engine, shards=2).create_tables()
-    raised: list[BaseException] = []
     with embedded_kafka(brokers=1) as bootstrap:
         fleet = TenantRelay([Tenant(name, database=str(engine.url)) for name, engine in engines.items()],
                             lambda: KafkaTransport({"message.max.bytes": "1001000"},
                                                    bootstrap_servers=bootstrap),
                             tenant_header="tenant", lease_ttl=2.0, poll_interval=0.1, workers=2,
                             exactly_once=True, progress_topic="fleet-on-the-mock")
-
-        def run() -> None:
-            try:
-                fleet.run(stop_timeout=5)
-            except BaseException as exc:
-                raised.append(exc)
-
-        runner = threading.Thread(target=run)
-        runner.start()
+        running = Running(fleet, stop_timeout=5)
         try:
-            runner.join(10)
-            ended = not runner.is_alive()
+            running.thread.join(10)
+            ended = not running.thread.is_alive()
         finally:
-            fleet.stop()
-            runner.join(5 + MARGIN)
-            fleet.close()
+            running.stop(clean=False)
     for engine in engines.values():
         engine.dispose()
     assert "mock cluster" in caplog.text
     assert ended, "the fleet went on serving tenants it can never serve"
-    assert [type(e).__name__ for e in raised] == ["ConfigurationError"], raised
+    assert [type(e).__name__ for e in running.error] == ["ConfigurationError"], running.error
 
 
 def test_a_transport_whose_progress_topic_check_takes_no_stop_event_is_refused_in_one_line(

@@ -161,15 +161,23 @@ def test_a_progress_topic_lookup_failed_on_its_own_thread_frees_its_admin_client
     on a thread of its own, through a future: a lookup that failed (the broker unreachable: every
     take-over of an outage asks again) left the future holding the ``KafkaException`` raised from it,
     whose traceback holds the frames holding the future, and the admin client: a cycle."""
-    transport = KafkaTransport(bootstrap_servers="127.0.0.1:9", delivery_timeout=10)
+    left = left_by_a_failed_check("127.0.0.1:9", "lookup-failed", 1, 1.0, "cannot look up topic")
+    assert not left, f"{len(left)} admin client(s) of a failed lookup wait for the cycle collector"
+
+
+def left_by_a_failed_check(bootstrap: str, topic: str, partitions: int, timeout: float,
+                           match: str) -> set[int]:
+    """The clients left once a stoppable progress-topic check failed (``match``) and its metadata
+    thread ended."""
+    transport = KafkaTransport(bootstrap_servers=bootstrap, delivery_timeout=10)
     before = clients()
-    with pytest.raises(RetriableTransportError, match="cannot look up topic"):
-        transport.ensure_compacted_topic("lookup-failed", 1, 1.0, threading.Event())
+    with pytest.raises(RetriableTransportError, match=match):
+        transport.ensure_compacted_topic(topic, partitions, timeout, threading.Event())
     wait_for(lambda: not any(t.name == "outbox-metadata" for t in threading.enumerate()), 10,
              "the metadata thread to end")
     left = clients() - before
     transport.close(0)
-    assert not left, f"{len(left)} admin client(s) of a failed lookup wait for the cycle collector"
+    return left
 
 
 class RefusedInATakeOver(KafkaTransport):
@@ -217,12 +225,5 @@ def test_a_progress_topic_creation_refused_by_the_broker_frees_its_admin_client_
     raises the ``KafkaException`` it keeps: its traceback holds that wait's frame, a cycle with the
     admin client (the creation's caller), as for every creation refused (two relays making the
     topic at once: TOPIC_ALREADY_EXISTS) or look at its configuration that failed."""
-    transport = KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10)
-    before = clients()
-    with pytest.raises(RetriableTransportError, match="cannot create topic"):
-        transport.ensure_compacted_topic("lifetime-no-partitions", 0, 10, threading.Event())
-    wait_for(lambda: not any(t.name == "outbox-metadata" for t in threading.enumerate()), 10,
-             "the metadata thread to end")
-    left = clients() - before
-    transport.close(0)
+    left = left_by_a_failed_check(kafka, "lifetime-no-partitions", 0, 10, "cannot create topic")
     assert not left, f"{len(left)} admin client(s) of a refused creation wait for the cycle collector"
