@@ -407,6 +407,23 @@ def test_exactly_once_on_the_embedded_broker_is_refused_in_one_line(tmp_path: Pa
     assert_one_sentence(result, 2, "mock cluster", "mockCluster", "Exactly once needs Apache Kafka")
 
 
+def test_a_tenant_fleets_exactly_once_on_the_embedded_broker_is_refused_in_one_line(
+        postgres_db: str, tmp_path: Path) -> None:
+    """Its tenants share the broker: the refusal ends the fleet (it was logged per tenant and tried
+    again with backoff for good, the command never exiting)."""
+    engine = sa.create_engine(postgres_db)
+    with engine.begin() as conn:
+        for schema in ("acme", "globex"):
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    engine.dispose()
+    made = outbox_cli("init-db", "--db", postgres_db, "--tenants", "acme,globex", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    with embedded_kafka(brokers=1) as bootstrap:
+        result = outbox_cli("relay", "--db", postgres_db, "--bootstrap-servers", bootstrap, "--tenants",
+                            "acme,globex", "--exactly-once", "--log-level", "ERROR", cwd=tmp_path)
+    assert_one_sentence(result, 2, "mock cluster", "Exactly once needs Apache Kafka")
+
+
 def test_a_missing_module_is_blamed_on_what_is_missing_not_always_the_database_driver(
         capsys: pytest.CaptureFixture[str]) -> None:
     """A module of our own that cannot be imported (a broken installation: seen when a file moved

@@ -242,16 +242,14 @@ def test_a_relay_whose_lease_thread_fails_during_its_progress_topic_check_raises
     assert "shard count changed" in str(running.error[0])
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: a fleet treats the mock's refusal as one tenant's "
-                   "failure, tried again with backoff for good; refusing it fleet-wide needs a fatal "
-                   "path the fleet does not have")
 def test_a_tenant_fleet_exactly_once_on_the_mock_cluster_is_refused_not_retried_for_good(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A single relay refuses exactly once on librdkafka's mock cluster at its start
-    (``ConfigurationError``, the CLI's one line, exit 2). A fleet logs it once per tenant ("tried
-    again with backoff") and goes on for good: every tenant takes its leases, is refused, gives them
+    (``ConfigurationError``, the CLI's one line, exit 2). A fleet logged it once per tenant ("tried
+    again with backoff") and went on for good: every tenant took its leases, was refused, gave them
     back, again and again; ``outbox relay --tenants --exactly-once`` on ``outbox dev-broker`` never
-    exits. The mock is the fleet's broker, not a tenant's: nothing a retry can change."""
+    exited. The mock is the fleet's broker, not a tenant's: nothing a retry can change, so the fleet
+    stops and ``run`` raises it (``UnsupportedBrokerError``)."""
     engines = {name: create_engine(f"sqlite:///{tmp_path / name}.db") for name in ("a", "b")}
     for engine in engines.values():
         Outbox(engine, shards=2).create_tables()
@@ -269,9 +267,10 @@ def test_a_tenant_fleet_exactly_once_on_the_mock_cluster_is_refused_not_retried_
             running.stop(clean=False)
     for engine in engines.values():
         engine.dispose()
-    assert "mock cluster" in caplog.text
     assert ended, "the fleet went on serving tenants it can never serve"
-    assert [type(e).__name__ for e in running.error] == ["ConfigurationError"], running.error
+    assert [type(e).__name__ for e in running.error] == ["UnsupportedBrokerError"], running.error
+    assert isinstance(running.error[0], ConfigurationError) and "mock cluster" in str(running.error[0])
+    assert "tried again with backoff" not in caplog.text
 
 
 def test_a_transport_whose_progress_topic_check_takes_no_stop_event_is_refused_in_one_line(

@@ -18,6 +18,12 @@ class ConfigurationError(OutboxError, ValueError):
     """A setting is invalid; raised when the object is built, not on first use."""
 
 
+class UnsupportedBrokerError(ConfigurationError):
+    """The broker cannot do what the setting asks, whoever asks it: librdkafka's mock cluster for
+    exactly once. A tenant fleet stops on it (every tenant shares the broker) instead of trying each
+    tenant again for good."""
+
+
 class MessageValidationError(OutboxError, ValueError):
     """A message handed to ``publish()`` is invalid; nothing was written."""
 

@@ -21,6 +21,7 @@ from transports._errors import (
     OutboxError,
     RetriableTransportError,
     TransportError,
+    UnsupportedBrokerError,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "SchemaError",
     "TransportError",
     "UnserializablePayloadError",
+    "UnsupportedBrokerError",
 ]
 
 

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from .._errors import ConfigurationError, RetriableTransportError
+from .._errors import ConfigurationError, RetriableTransportError, UnsupportedBrokerError
 from .._protocol import ReadBack, Uncommitted
 from ._admin import ADMIN, connection_settings
 from ._held import HELD_FOR, read_held
@@ -154,7 +154,7 @@ def ensure_compacted_topic(config: Mapping[str, Any], topic: str, partitions: in
     except KafkaException as exc:
         raise RetriableTransportError(f"cannot look up topic {topic!r}: {exc.args[0].str()}") from None
     if str(metadata.cluster_id or "").startswith(MOCK_CLUSTER):
-        raise ConfigurationError(
+        raise UnsupportedBrokerError(
             f"cannot keep topic {topic!r} on librdkafka's mock cluster (cluster id {metadata.cluster_id}: "
             f"the embedded broker, `outbox dev-broker`): it answers no CreateTopics or DescribeConfigs "
             f"and fences no producer. Exactly once needs Apache Kafka")
