@@ -95,6 +95,33 @@ def run_with_stop_bound(
     return None
 
 
+class Fatal:
+    """The error that ends a worker's run, met on any of its threads, raised by the run once.
+
+    The first one stays (it made the worker stop; what comes after is the wind-down's). Raised, it is
+    kept by nobody, this holder included: its traceback holds the frames that hold the worker, a
+    cycle that left the worker, its transport and librdkafka clients and all, to the cycle collector.
+    """
+
+    def __init__(self) -> None:
+        self._error: Exception | None = None
+
+    def set(self, error: Exception) -> None:
+        if self._error is None:
+            self._error = error
+
+    def clear(self) -> None:
+        self._error = None
+
+    def raise_if_set(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error
+
+
 class StopLatch:
     """A worker command's SIGTERM/SIGINT from its first line: a stop that comes before the worker
     exists is kept and handed to it.

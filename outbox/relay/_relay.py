@@ -42,7 +42,7 @@ from ..core._cloudevents import CloudEvents
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError, SchemaError
 from ..core._outage import OutageBackoff, is_database_outage
-from ..core._stopping import STOP_TIMEOUT, BoundRun
+from ..core._stopping import STOP_TIMEOUT, BoundRun, Fatal
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
 from ._admin import backlog
@@ -151,7 +151,7 @@ class Relay:
                                metrics=self.metrics, outages=self.outages,
                                cloudevents=cloudevents_mode(cloudevents), stopping=self._stopping)
         self._backlog_topics: set[str] = set()
-        self._fatal: Exception | None = None
+        self._fatal = Fatal()
         # Through a weak reference: the relay holding closers that hold it was a cycle, and a relay
         # dropped after its run kept its transport's clients until the cycle collector ran.
         me = weakref.ref(self)
@@ -204,7 +204,7 @@ class Relay:
 
         Returns at most ``stop_timeout`` seconds after the stop, whatever is down.
         """
-        self._fatal = None
+        self._fatal.clear()
         self._runs.run(self._run, stop_timeout=stop_timeout)
 
     def _run(self) -> None:
@@ -241,14 +241,7 @@ class Relay:
                     self._wakeup.listen(self.engine, self.outbox.notify_channel)
                 log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
                 self._loop()
-            fatal, self._fatal = self._fatal, None
-            if fatal is not None:
-                # Neither the relay nor this frame keeps it: its traceback holds the frames holding
-                # them, a cycle that kept the relay (its transport's clients) for the collector.
-                try:
-                    raise fatal
-                finally:
-                    del fatal
+            self._fatal.raise_if_set()
         finally:
             self._stopping.set()
             ended.set()
@@ -303,7 +296,7 @@ class Relay:
                     # Pipelined: this batch's outcomes are written while the next one runs.
                     step = self._step.run(wait=False, leases=False)
                 except ConfigurationError as exc:  # a progress topic found not compacted: not an outage
-                    self._fatal = exc
+                    self._fatal.set(exc)
                     return
                 except Exception as exc:
                     self._step.report(exc, "batch failed")
@@ -328,7 +321,7 @@ class Relay:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
             except SchemaError as exc:
                 log.error("relay %s: %s", self.worker_id, exc)
-                self._fatal = exc
+                self._fatal.set(exc)
                 self.stop()
                 return
             except Exception as exc:

@@ -56,7 +56,7 @@ from ..core._alerts import Alert, AlertSink, LoggingAlertSink, alerts_for_tenant
 from ..core._cloudevents import CloudEvents
 from ..core._errors import ConfigurationError, SchemaError, UnsupportedBrokerError
 from ..core._outage import first_line, is_database_outage
-from ..core._stopping import STOP_TIMEOUT, BoundRun
+from ..core._stopping import STOP_TIMEOUT, BoundRun, Fatal
 from ..core._tables import OutboxTables
 from ..core._tenant import TenantShare, TenantsLike, TenantSource, tenant_source
 from ..core._tenant_labels import TenantLabels
@@ -203,7 +203,7 @@ class TenantRelay:
         self._stopping = self._runs.stopping
         # What a tenant's step met that no retry changes for any tenant (``UnsupportedBrokerError``):
         # the fleet stops and ``run`` raises it.
-        self._fatal: UnsupportedBrokerError | None = None
+        self._fatal = Fatal()
         self._databases = FleetDatabases(
             database, pool_size=self.pool_size, worker_id=self.worker_id, metrics=process_metrics,
             poll_interval=settings.poll_interval, renew_every=renew_interval(settings.lease_ttl),
@@ -359,14 +359,7 @@ class TenantRelay:
                             "expire within the lease TTL", self.worker_id, len(kept), some_names(kept))
             else:
                 log.info("relay %s stopped; leases released", self.worker_id)
-        fatal, self._fatal = self._fatal, None
-        if fatal is not None:
-            # Not kept on the fleet or this frame: its traceback holds the frames that hold them, a
-            # cycle that would leave the fleet's transports to the collector.
-            try:
-                raise fatal
-            finally:
-                del fatal
+        self._fatal.raise_if_set()
 
     def _refresh_loop(self) -> None:
         while not self._stopping.is_set():
@@ -500,7 +493,7 @@ class TenantRelay:
             self._tenants.drop_step(unit)
             return Turn()
         except UnsupportedBrokerError as exc:  # the fleet's broker (the mock cluster, exactly once)
-            self._fatal = self._fatal or exc
+            self._fatal.set(exc)
             self.stop()
             return Turn()
         except Exception as exc:
