@@ -200,3 +200,50 @@ def test_reshard_and_new_incarnation_are_refused_together_not_half_done(sqlite_d
         assert (after.shard_count, after.incarnation, after.max_record_bytes) == (
             before.shard_count, before.incarnation, before.max_record_bytes), args
     engine.dispose()
+
+
+def test_a_reshard_the_lease_thread_finds_while_the_relay_stops_is_raised(eight, monkeypatch):
+    """A stop from outside (SIGTERM) while a renewal is under way, and that renewal finds the count
+    changed: the run checked for its threads' fatal error before its wind-down waited for the lease
+    thread, so an error found after the check was only logged and ``run`` returned as a clean stop
+    (the command exited 0 on a database resharded behind its back)."""
+    relay = Relay(Outbox(eight), ScriptedTransport(), worker_id="stopping", lease_ttl=0.6,
+                  poll_interval=0.05)
+    step, wakeup = relay._step, relay._wakeup
+    maintain, close = step.maintain_leases, wakeup.close
+    renewing, winding_down = threading.Event(), threading.Event()
+    renewals = 0
+
+    def renewal() -> dict[int, int]:
+        nonlocal renewals
+        renewals += 1
+        if renewals > 1:  # the lease thread's, not the run's first leases
+            renewing.set()
+            assert winding_down.wait(10), "the run never wound down"
+            meta = OutboxTables().meta
+            with eight.begin() as conn:
+                conn.execute(sa.update(meta).where(meta.c.name == "shard_count").values(value="4"))
+        return maintain()
+
+    def closing() -> None:  # the first thing the wind-down does after the run's loop ended
+        winding_down.set()
+        close()
+
+    monkeypatch.setattr(step, "maintain_leases", renewal)
+    monkeypatch.setattr(wakeup, "close", closing)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert renewing.wait(15), "no renewal began"
+    relay.stop()
+    thread.join(15)
+    assert not thread.is_alive(), "the relay did not stop"
+    assert len(errors) == 1 and isinstance(errors[0], SchemaError), errors
+    assert "changed from 8 to 4" in str(errors[0])

@@ -241,7 +241,6 @@ class Relay:
                     self._wakeup.listen(self.engine, self.outbox.notify_channel)
                 log.info("relay %s started with shards %s", self.worker_id, sorted(self.leases.owned()))
                 self._loop()
-            self._fatal.raise_if_set()
         finally:
             self._stopping.set()
             ended.set()
@@ -254,6 +253,11 @@ class Relay:
                             sorted(self.leases.owned()), RELEASE_WITHIN)
             elif self._released:
                 log.info("relay %s stopped; leases released", self.worker_id)
+        # After the wind-down, which waited for the lease thread: a renewal under way when a stop
+        # came from outside can still find the count changed, and that error was lost when it came
+        # after this check (the run returned, the command exited 0). A release that outlived its
+        # bound still holds that thread; what it finds then is only logged.
+        self._fatal.raise_if_set()
 
     def _give_back(self, step: RelayStep) -> bool:
         """On the closer: once the lease and backlog threads ended (a renewal in hand holds the
