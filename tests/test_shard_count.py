@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import ScriptedTransport, drain, publish, rows
+from _relay_helpers import Running, ScriptedTransport, drain, publish, rows
 from typer.testing import CliRunner
 
 from outbox import ConfigurationError, Outbox, OutboxTables, Relay, SchemaError, create_engine
@@ -231,19 +231,8 @@ def test_a_reshard_the_lease_thread_finds_while_the_relay_stops_is_raised(eight,
 
     monkeypatch.setattr(step, "maintain_leases", renewal)
     monkeypatch.setattr(wakeup, "close", closing)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            relay.run()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    running = Running(relay)
     assert renewing.wait(15), "no renewal began"
-    relay.stop()
-    thread.join(15)
-    assert not thread.is_alive(), "the relay did not stop"
-    assert len(errors) == 1 and isinstance(errors[0], SchemaError), errors
-    assert "changed from 8 to 4" in str(errors[0])
+    running.stop(clean=False)
+    assert len(running.error) == 1 and isinstance(running.error[0], SchemaError), running.error
+    assert "changed from 8 to 4" in str(running.error[0])
