@@ -21,7 +21,7 @@ from outbox import ConfigurationError, Outbox, Relay, create_engine
 from outbox.relay._progress import TOPICS_BYTES, TOPICS_HEADER_BYTES
 from outbox.testing import create_topic
 from transports.kafka import KafkaTransport
-from transports.kafka._transactions import TOPICS_HEADER
+from transports.kafka._txn_headers import TOPICS_HEADER
 from transports.testing import read_topic
 
 pytestmark = pytest.mark.kafka

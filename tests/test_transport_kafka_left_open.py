@@ -31,7 +31,7 @@ from tests.conftest import thawed_and_running
 from transports import Outcome, ReadBack, Record, TransactionOutcome, Uncommitted
 from transports._errors import RetriableTransportError
 from transports.kafka import KafkaTransport
-from transports.kafka._transactions import TOPICS_HEADER, with_positions, with_topics
+from transports.kafka._txn_headers import TOPICS_HEADER, with_positions, with_topics
 from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.xdist_group("kafka-cluster")]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transports import Record
-from transports.kafka._transactions import (
+from transports.kafka._txn_headers import (
     POSITIONS_HEADER,
     TOPICS_HEADER,
     positions_of,

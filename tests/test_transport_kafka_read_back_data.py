@@ -32,7 +32,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from outbox import RetriableTransportError
 from transports import ReadBack, Record, Uncommitted
 from transports.kafka import KafkaTransport
-from transports.kafka._transactions import with_positions, with_topics
+from transports.kafka._txn_headers import with_positions, with_topics
 from transports.testing import read_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -51,7 +51,7 @@ from .._errors import ConfigurationError, RetriableTransportError, UnsupportedBr
 from .._protocol import ReadBack, Uncommitted
 from ._admin import ADMIN, connection_settings
 from ._held import HELD_FOR, read_held
-from ._transactions import POSITIONS_HEADER, TOPICS_HEADER, positions_of
+from ._txn_headers import POSITIONS_HEADER, TOPICS_HEADER, positions_of
 
 log = logging.getLogger("transports.kafka")
 

@@ -51,8 +51,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from confluent_kafka import IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
 
 from .._errors import ConfigurationError, RetriableTransportError, TransportError
 from .._protocol import Outcome, Record, SendResult, TransactionOutcome, TransactionResult
@@ -62,6 +62,8 @@ from ._held import HELD_FOR, settle_held
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._queue_full import produce_waiting
+from ._stable import FLUSH_STEP, StableOffsets
+from ._txn_headers import with_positions, with_topics
 
 # librdkafka's producer settings a transactional producer must not carry: the gap-less
 # guarantee is the idempotent producer's (a transaction aborts whole instead), and a record
@@ -73,15 +75,6 @@ FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, Kafka
 
 PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 
-FLUSH_STEP = 0.2  # seconds between looks at the reports while a transaction's records are sent
-
-DECIDED_FIRST_STEP = 0.002
-"""Seconds before a committed transaction's partitions are asked again whether it ended there (doubling
-up to ``FLUSH_STEP``): the coordinator writes the markers just after it answers the commit."""
-
-ADMIN_RENEWAL = 1.0
-"""Seconds at least between two admin clients a producer has made anew after failed reads."""
-
 ABANDON_AT_MOST = 5.0
 """Seconds a settle that failed gives the abort of what it wrote (``KafkaTransactionalProducer._abandon``)."""
 
@@ -92,14 +85,6 @@ was given up for want of the broker, not for a pace (``send``, ``TransactionResu
 
 DECIDED_AT_LEAST = 1.0
 """Seconds the check that a commit ended everywhere may take, even when the commit used the timeout up."""
-
-TOPICS_HEADER = "outbox-txn-topics"
-"""Header of a transaction's last record: the topics the transaction writes, comma-separated."""
-
-POSITIONS_HEADER = "outbox-txn-positions"
-"""Header of a transaction's last record: the partition and offset of each of its other records
-(``with_positions``), so a read-back can tell which are committed when the broker split it."""
-
 
 BROKER_MAX_TRANSACTION_MS = 900_000
 """Apache Kafka's default ``transaction.max.timeout.ms``: a producer asking for more is refused."""
@@ -178,10 +163,8 @@ class KafkaTransactionalProducer:
         # When the broker last acknowledged a record of it, and how often it said it throttled it (a
         # quota): ``send`` tells a broker that went silent from a slow one by them.
         self._heard = Heard()
-        # The admin client ``_undecided`` reads with (its transport's, shared; given the one that
-        # failed, a new one).
-        self._admin = admin
-        self._admin_renewed = 0.0
+        # Whether its transactions ended on their partitions (``_undecided``, ``_end_open``).
+        self._stable = StableOffsets(admin)
         settings = {k: v for k, v in config.items() if k not in NOT_TRANSACTIONAL}
         ms = int(timeout * 1000)
         settings.update({"transactional.id": transactional_id, "message.timeout.ms": ms,
@@ -412,81 +395,12 @@ class KafkaTransactionalProducer:
         """None once the partition's last stable offset is past the transaction's record at ``offset``
         (its commit marker written: read_committed readers get the records); else, at ``deadline``,
         why not."""
-        pending, why = self._stable_past({(topic, partition): offset}, deadline)
+        pending, why = self._stable.past({(topic, partition): offset}, deadline)
         if not pending:
             return None
         why = why or "its commit marker is not written there (the last stable offset is not past it)"
         return (f"the commit was answered, but the transaction is not ended on {topic}[{partition}] "
                 f"(its records up to offset {offset} are not readable): {why}")
-
-    def _stable_past(self, offsets: Mapping[tuple[str, int], int], deadline: float, *,
-                     held_for: float | None = None) -> tuple[dict[tuple[str, int], int | None], str | None]:
-        """Wait until each partition's last stable offset (read committed) is past its offset in
-        ``offsets`` (the transaction there ended), at most until ``deadline``; the partitions still
-        not past it (none: all are), each with its last stable offset last read (None: never read),
-        and why, if it is not only that the offset is not past it yet.
-
-        ``held_for``: give up sooner, once every partition left was read and none of their last
-        stable offsets moved for that long (held by an open transaction, ``_held``).
-
-        An unread offset is not past it. A client whose request failed is replaced (at most one a
-        second, ``_admin_client``): its metadata from before a broker's restart can fail every
-        request. ``future.result`` raises concurrent.futures' bare ``TimeoutError`` (not a
-        ``KafkaException``) when the broker answers only at its request timeout (gone or frozen right
-        after it answered, or a leader the client still names was killed): it once escaped ``send``,
-        and the shard's producer then sent the rows again in a transaction that committed what this
-        one left open.
-        """
-        pending = dict(offsets)
-        stable: dict[tuple[str, int], int] = {}
-        moved = time.monotonic()
-        step = DECIDED_FIRST_STEP
-        failed: AdminClient | None = None
-        while True:
-            why: str | None = None
-            admin = None
-            try:
-                admin = self._admin_client(failed)
-                failed = None
-                asked = admin.list_offsets({TopicPartition(t, p): latest_offset() for t, p in pending},
-                                           isolation_level=IsolationLevel.READ_COMMITTED,
-                                           request_timeout=max(0.1, deadline - time.monotonic()))
-                for tp, future in asked.items():
-                    where = (tp.topic, tp.partition)
-                    try:
-                        offset = future.result(max(0.1, deadline - time.monotonic())).offset
-                    except KafkaException as exc:  # unread there (no leader, or the client's view is old)
-                        why = f"its last stable offset cannot be read: {exc.args[0].str()}"
-                        failed = admin
-                        continue
-                    if offset > pending[where]:
-                        del pending[where]
-                    elif stable.get(where) != offset:
-                        stable[where], moved = offset, time.monotonic()
-            except KafkaException as exc:
-                why = f"its last stable offset cannot be read: {exc.args[0].str()}"
-                failed = admin
-            except TimeoutError:
-                why = "its last stable offset cannot be read: no answer in time"
-                failed = admin
-            if not pending:
-                return {}, None
-            now = time.monotonic()
-            held = (held_for is not None and why is None and now - moved >= held_for
-                    and all(where in stable for where in pending))
-            if held or now + step >= deadline:
-                return {where: stable.get(where) for where in sorted(pending)}, why
-            time.sleep(step)
-            step = min(2 * step, FLUSH_STEP)
-
-    def _admin_client(self, failed: AdminClient | None) -> AdminClient:
-        """The admin client to ask; after ``failed`` failed, a new one (at most one a second): a client's
-        metadata from before a broker's restart can fail every request (``FENCED_LEADER_EPOCH``)."""
-        if failed is not None and time.monotonic() - self._admin_renewed >= ADMIN_RENEWAL:
-            self._admin_renewed = time.monotonic()
-        else:
-            failed = None
-        return self._admin(failed)
 
     def _abort(self, count: int, reports: dict[int, tuple[KafkaError | None, Any]],
                refused: dict[int, SendResult], cause: KafkaError | None) -> TransactionResult:
@@ -643,7 +557,7 @@ class KafkaTransactionalProducer:
         # empty record. Another producer's transaction open there since before it holds that too (its
         # last stable offset is the oldest open transaction's, whoever's): after ``HELD_FOR`` s without
         # a move, given up (``_held``), not waited for until the timeout at every try.
-        open_on, why = self._stable_past(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST),
+        open_on, why = self._stable.past(written, max(deadline, time.monotonic() + DECIDED_AT_LEAST),
                                          held_for=HELD_FOR)
         if not open_on:
             return
@@ -706,62 +620,6 @@ class KafkaTransactionalProducer:
             return
         with suppress(KafkaException, SystemError, RuntimeError):
             close()
-
-
-def latest_offset() -> Any:
-    """``OffsetSpec.latest()``: a partition's end (its last stable offset, read committed)."""
-    return OffsetSpec.latest()  # type: ignore[no-untyped-call]  # confluent_kafka leaves it untyped
-
-
-def with_topics(records: Sequence[Record]) -> Sequence[Record]:
-    """``records``, the last one carrying ``TOPICS_HEADER``: the topics of all of them."""
-    if not records:
-        return records
-    topics = ",".join(sorted({r.topic for r in records})).encode()
-    last = records[-1]
-    headers = [(n, v) for n, v in last.headers if n != TOPICS_HEADER] + [(TOPICS_HEADER, topics)]
-    return [*records[:-1], replace(last, headers=headers)]
-
-
-def with_positions(records: Sequence[Record], delivered: Sequence[Any]) -> Sequence[Record]:
-    """``records``, the last one carrying ``POSITIONS_HEADER``: where each of the others went.
-
-    ``delivered``: their delivery reports' messages, in order. The value names each partition
-    written, ``topic/partition/offset`` (the topic by its place in ``TOPICS_HEADER``'s sorted list,
-    the offset the transaction's first record there), then, after ``;``, each record's partition
-    by its place in that list: ``0/3/1200,1/0/87;0,0,1``.
-    """
-    topics = {t: i for i, t in enumerate(sorted({r.topic for r in records}))}
-    places: dict[tuple[str, int], int] = {}
-    firsts: list[str] = []
-    order: list[str] = []
-    for message in delivered:
-        where = (message.topic(), message.partition())
-        place = places.get(where)
-        if place is None:  # the first of the partition's in produce order: its lowest offset there
-            place = places[where] = len(firsts)
-            firsts.append(f"{topics[where[0]]}/{where[1]}/{message.offset()}")
-        order.append(str(place))
-    last = records[-1]
-    headers = [(n, v) for n, v in last.headers if n != POSITIONS_HEADER]
-    headers.append((POSITIONS_HEADER, f"{','.join(firsts)};{','.join(order)}".encode()))
-    return [*records[:-1], replace(last, headers=headers)]
-
-
-def positions_of(topics: bytes, positions: bytes) -> tuple[list[tuple[str, int, int]], list[int]]:
-    """A ``POSITIONS_HEADER``'s partitions (topic, partition, the transaction's first offset there),
-    and each record's partition by its place among them (``topics``: the ``TOPICS_HEADER`` beside it).
-    Raises ``ValueError`` if it is not one."""
-    names = sorted(t for t in topics.decode().split(",") if t)
-    firsts, _, order = positions.decode().partition(";")
-    partitions = []
-    for first in filter(None, firsts.split(",")):
-        topic, partition, offset = first.split("/")
-        partitions.append((names[int(topic)], int(partition), int(offset)))
-    places = [int(p) for p in order.split(",") if p]
-    if any(not 0 <= p < len(partitions) for p in places):
-        raise ValueError(f"a record's partition is not among the {len(partitions)} named")
-    return partitions, places
 
 
 def _answered(reports: Mapping[int, tuple[KafkaError | None, Any]]) -> int:
