@@ -11,7 +11,7 @@ from confluent_kafka import KafkaError
 from outbox import ConfigurationError
 from transports import Outcome, Record, Transport
 from transports.kafka import KafkaTransport, embedded_kafka
-from transports.kafka._transport import classify
+from transports.kafka._outcomes import classify
 from transports.testing import TransportConformance
 
 

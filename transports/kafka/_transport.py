@@ -71,61 +71,14 @@ from ._admin import ADMIN, connection_settings
 from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
+from ._outcomes import REFUSED_WHOLE, TOPIC_GONE_ERRORS, UNKNOWN_TOPIC_ERRORS, result_of
 from ._queue_full import ProducerStopped, fatal_error, produce_waiting
 from ._read_back import ensure_compacted_topic, last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 from ._transactions import KafkaTransactionalProducer, Unsettled
 
-# Errors that cannot succeed by sending the same record again.
-PERMANENT_ERRORS = frozenset({
-    KafkaError.MSG_SIZE_TOO_LARGE,
-    KafkaError.INVALID_MSG_SIZE,
-    KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError._UNKNOWN_TOPIC,
-    KafkaError._UNKNOWN_PARTITION,
-    KafkaError.TOPIC_AUTHORIZATION_FAILED,
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-    KafkaError.TOPIC_EXCEPTION,
-    KafkaError.INVALID_RECORD,
-    KafkaError._BAD_MSG,
-    KafkaError.POLICY_VIOLATION,
-    KafkaError._INVALID_ARG,
-})
-
-# Refusals the broker gives a whole request for what one record in it is (transports._refusals).
-REFUSED_WHOLE = frozenset({
-    KafkaError.MSG_SIZE_TOO_LARGE,
-    KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.INVALID_MSG_SIZE,
-    KafkaError.INVALID_RECORD,
-})
-
 # A producer whose every request holds one record: a refusal it meets is that record's own.
 ONE_PER_REQUEST = {"batch.num.messages": 1, "linger.ms": 0}
-
-# A topic's metadata errors that may mean "not created yet" (transports._unknown_topics).
-UNKNOWN_TOPIC_ERRORS = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
-
-# A record's errors saying its topic (or partition) is gone: deleted, or fewer partitions now.
-TOPIC_GONE_ERRORS = UNKNOWN_TOPIC_ERRORS | {KafkaError._UNKNOWN_PARTITION}
-
-# Errors meaning the broker did not answer at all (frozen, down, unreachable), or answered that
-# the cluster cannot take writes now: too few in-sync replicas for acks=all (followers down). An
-# outage, never the record's fault (DESIGN §9). librdkafka retries those itself; pipelined, the
-# record then has no report within delivery_timeout, in waves its retries may run out.
-UNREACHABLE_ERRORS = frozenset({
-    KafkaError.NOT_ENOUGH_REPLICAS,
-    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
-    KafkaError._MSG_TIMED_OUT,
-    KafkaError._TIMED_OUT,
-    KafkaError._TRANSPORT,
-    KafkaError._ALL_BROKERS_DOWN,
-    KafkaError._RESOLVE,
-    # Purged by the transport itself: no report within its delivery_timeout.
-    KafkaError._PURGE_QUEUE,
-    KafkaError._PURGE_INFLIGHT,
-})
 
 FATAL_CHECK = 0.2  # seconds between looks at a fatal error while waiting for delivery reports
 ABANDON_WAIT = 2.0  # seconds to serve the reports of purged and refused records
@@ -155,18 +108,6 @@ DEFAULTS: dict[str, Any] = {
     "linger.ms": 5,
     "compression.type": "lz4",
 }
-
-
-def classify(error: KafkaError) -> Outcome:
-    """Map a librdkafka error to RETRY (may pass later) or FAILED (never will)."""
-    if error.code() in PERMANENT_ERRORS:
-        return Outcome.FAILED
-    return Outcome.RETRY
-
-
-def result_of(error: KafkaError) -> SendResult:
-    """The ``SendResult`` of a record that ``error`` kept from being delivered."""
-    return SendResult(classify(error), error=error.str(), unreachable=error.code() in UNREACHABLE_ERRORS)
 
 
 MAX_DELIVERY_TIMEOUT = (2**31 - 1) // 1000
