@@ -86,6 +86,7 @@ from transports._logsafe import safe_logger
 from ..core._errors import ConfigurationError
 from ..core._validation import validate_topic
 from ..core._wire import MESSAGE_ID
+from ._pace import paced
 from ._progress import UNKNOWN_TAG, message_tag, progress_value, topics_fitting
 from ._shard_producer import (
     ProducerMaker,
@@ -110,21 +111,6 @@ progress read on them in parallel, a batch's shards' transactions run on them.""
 
 ROUNDS = 8
 """Transactions one shard's batch may take when records are refused (each round fails at least one)."""
-
-
-PACE_GROWS_BELOW = 4
-"""A shard's capped transactions grow again after a commit within 1/4 of the deadline (``_pace``)."""
-
-PACE_GIVEN_UP_AT = 0.9
-"""A transaction that did not commit paces its shard only if it took this much of the deadline at least
-(given up at it, ``_pace``): one ended sooner (a refusal, a broker that went away at once) says nothing
-of the broker's pace; taken for slowness, it halved the shard's transactions and was logged as "given
-up after 10 s" though it took milliseconds."""
-
-PACE_HOLD = 1
-"""Deadlines after a transaction given up with records acknowledged before its shard's cap may grow
-(30 s with ``KafkaTransport``'s default ``delivery_timeout``: longer than a Kafka quota's window,
-11 s by default)."""
 
 
 def transactional_id_of(incarnation: str, shard: int) -> str:
@@ -596,41 +582,9 @@ class ExactlyOnce:
 
     def _pace(self, shard: int, state: ShardState, count: int, answer: TransactionResult,
               took: float) -> None:
-        """Size the shard's next transactions to the broker's pace (``ShardState.cap``).
-
-        A transaction given up at its deadline may have failed for its size, not for want of the
-        broker: one throttled by a quota, or a broker that takes its records more slowly than the
-        deadline allows. Sent again as it was it would time out again, forever, counted as an
-        outage and never as an attempt. So each one given up halves the shard's next ones (to
-        half of what the broker acknowledged of it, when it acknowledged some; the batch's other
-        rows go in the transactions after, in order).
-
-        The cap grows back only by doubling at a commit that filled it within a quarter of the
-        deadline, and not for a deadline (``PACE_HOLD``) after a transaction given up with records
-        acknowledged: a broker throttled by a quota answers a request at once and holds back the
-        ones after it, so one quick commit says little about its pace (doubled at once, the cap
-        grew back into the deadline). A small commit leaves it as it is: the next burst of rows
-        starts capped. A broker that answered nothing is an outage (logged as one by the relay):
-        the cap is halved silently and may grow again at once once the broker is back; so is one
-        that went away during the transaction (``TransactionResult.answered`` 0: a connection lost). One that
-        ended well before its deadline (``PACE_GIVEN_UP_AT``) says nothing of the pace: the cap stays.
-        """
-        now = time.monotonic()
-        if answer.outcome is TransactionOutcome.COMMITTED:
-            if (state.cap is not None and count >= state.cap and took < self._timeout / PACE_GROWS_BELOW
-                    and now >= state.cap_held_until):
-                state.cap *= 2
-            return
-        if answer.outcome is TransactionOutcome.FENCED or took < PACE_GIVEN_UP_AT * self._timeout or not all(
-                r.outcome is Outcome.RETRY and r.unreachable for r in answer.results):
-            return
-        if answer.answered:
-            state.cap_held_until = now + PACE_HOLD * self._timeout
-        cap = max(1, min(answer.answered or count, count) // 2)
-        if state.cap is not None and cap >= state.cap:
-            return
-        state.cap = cap
-        if answer.answered:  # of its records and its progress record: of the rows' at most ``count``
+        """Size the shard's next transactions to the broker's pace (``_pace.paced``)."""
+        cap = paced(state, count, answer, took, self._timeout)
+        if cap is not None:  # of its records and its progress record: of the rows' at most ``count``
             log.warning("%s, shard %d: a transaction of %d records was given up after %.0f s with %d of "
                         "them acknowledged: the broker takes them too slowly; the shard's transactions "
                         "now carry at most %d records", self.name, shard, count, took,
