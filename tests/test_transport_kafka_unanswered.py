@@ -51,6 +51,7 @@ class Unanswered:
 def transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[KafkaTransport]:
     """A transport whose progress reads get the admin client that is never answered."""
     monkeypatch.setattr("transports.kafka._read_back.AdminClient", Unanswered)
+    monkeypatch.setattr("transports.kafka._progress_topic.AdminClient", Unanswered)
     made = KafkaTransport(bootstrap_servers="127.0.0.1:9")
     yield made
     made.close(0)

@@ -22,6 +22,11 @@ CONNECTION_PREFIXES = ("bootstrap.servers", "security.protocol", "sasl.", "ssl."
 # partitions not one per shard, and the relay would then find it there and never make its own.
 ADMIN = {"log_level": 0, "allow.auto.create.topics": False}
 
+NO_ANSWER = "no answer in time"
+"""Why an admin request failed whose future was not done when the wait for it ended: concurrent.futures'
+bare ``TimeoutError``, not a ``KafkaException`` (a client whose metadata still names a killed leader is
+answered only at its request timeout, which a wait as long often beats). Retriable, as any outage."""
+
 
 def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The settings of ``config`` that say how to reach the cluster (for a consumer or admin client)."""

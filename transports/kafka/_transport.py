@@ -72,8 +72,9 @@ from ._first_contact import NOT_FIRST, WrittenPartitions
 from ._implied import UNPROVEN, unproven
 from ._logging import ClientErrors, LibrdkafkaLog
 from ._outcomes import REFUSED_WHOLE, TOPIC_GONE_ERRORS, UNKNOWN_TOPIC_ERRORS, result_of
+from ._progress_topic import ensure_compacted_topic
 from ._queue_full import ProducerStopped, fatal_error, produce_waiting
-from ._read_back import ensure_compacted_topic, last_committed, read_back
+from ._read_back import last_committed, read_back
 from ._settings import check_with_librdkafka, librdkafka_config, redacted
 from ._transactions import KafkaTransactionalProducer, Unsettled
 
