@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--broker", choices=sorted(BROKERS), default="confluent")
     parser.add_argument("--block-seq", type=int, default=None)
+    parser.add_argument("--session-timeout-ms", type=int, default=None,
+                        help="the consumer's session.timeout.ms (TEST_CONSUMER_SETTINGS' otherwise)")
     args = parser.parse_args()
 
     bind = inbox_bind(create_engine(args.db), "async" if args.asynchronous else "sync")
@@ -65,7 +67,10 @@ def main() -> None:
     inbox.handler(args.topic)(for_inbox(inbox, handler))
     # The test made the topic; creating it through the admin API waits for a controller the mock lacks.
     broker = BROKERS[args.broker](args.servers.split(","), allow_auto_create_topics=False)
-    subscribe(broker, inbox, **TEST_SUBSCRIBER_SETTINGS)
+    settings = dict(TEST_SUBSCRIBER_SETTINGS)
+    if args.session_timeout_ms is not None:
+        settings["session_timeout_ms"] = args.session_timeout_ms
+    subscribe(broker, inbox, **settings)
 
     @contextlib.asynccontextmanager
     async def lifespan():  # type: ignore[no-untyped-def]

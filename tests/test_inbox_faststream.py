@@ -214,8 +214,11 @@ def test_a_record_cut_short_by_a_crash_is_not_committed_and_comes_again(
     Inbox(pg, group="unused").create_tables()
     produce(kafka, [record(topic, "a", 1), record(topic, "a", 2)], partition=0)
     group = f"g-{topic}"
+    # The killed consumer's session (2 s, not the workers' 4 s) is what the second one's join waits
+    # out before it gets a:2: nothing else here depends on it (the inbox kill campaigns' reasoning,
+    # test_inbox_crash.KILLED_SESSION_MS).
     first = start_worker(postgres_db, kafka, topic, group, kind, "--broker", broker_kind,
-                         "--block-seq", "2")
+                         "--block-seq", "2", "--session-timeout-ms", "2000")
     try:
         expect_line(first, b"blocked")  # a:2's handler hangs before its transaction commits
         # Four of the clients' auto-commit intervals (AUTO_COMMIT_INTERVAL_MS): a consumer that

@@ -29,10 +29,19 @@ from confluent_kafka import KafkaError, KafkaException
 from outbox import Outbox, Relay, create_engine
 from outbox.relay._exactly_once import ExactlyOnce
 from outbox.testing import LocalKafka, create_topic, set_producer_quota
+from tests.conftest import thawed_and_running
 from transports import Outcome, Record, SendResult, TransactionOutcome
 from transports.kafka import KafkaTransport, _transactions
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+
+
+@pytest.fixture
+def quick_quotas(module_quick_quotas: LocalKafka) -> LocalKafka:
+    """The module's broker of quick quotas, shared by its two tests that throttle producers of a
+    client id of their own (both in the ``timing`` group: one worker) and fault nothing else: one
+    JVM start instead of two."""
+    return thawed_and_running(module_quick_quotas)
 
 
 def refusals_at_produce(monkeypatch: pytest.MonkeyPatch) -> list[KafkaError]:
@@ -192,6 +201,7 @@ def test_a_slow_broker_refusing_a_record_for_good_still_fails_it_alone(
     engine.dispose()
 
 
+@pytest.mark.xdist_group("timing")  # with the test above: the module's one broker of quick quotas
 def test_a_transaction_aborted_with_records_purged_in_flight_ends_unknown_unless_one_was_refused(
         quick_quotas: LocalKafka, topic: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a 50 kB/s quota, 20 records of 8 kB and a queue of 4: the records waiting for room meet

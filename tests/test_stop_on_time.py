@@ -32,7 +32,8 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import pytest
-from _relay_helpers import publish, rows
+import sqlalchemy as sa
+from _relay_helpers import publish
 
 from outbox import Inbox, Outbox, create_engine
 from outbox.core._stopping import STOP_TIMEOUT
@@ -77,6 +78,16 @@ ROUNDS = [  # (worker, broker fault, database fault)
 ]
 
 
+RELAY_ROWS = 10_000
+"""Rows each relay round starts with: it meets its faults at work, with thousands of rows to send."""
+
+
+def count(outbox: Outbox, engine: sa.Engine, status: str) -> int:
+    m = outbox.tables.messages
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.select(sa.func.count()).where(m.c.status == status)) or 0)
+
+
 def until(condition: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen[bytes],
           log: Path) -> None:
     deadline = time.monotonic() + timeout
@@ -97,15 +108,18 @@ def start_busy_worker(kind: str, server: LocalPostgres, broker: BrokerProcess, t
         if kind == "relay":
             outbox = Outbox(engine)
             outbox.create_tables()
-            for _ in range(30):
+            # 10,000 rows (8 s of the stage for 30,000): the relay is stopped with thousands left
+            for _ in range(RELAY_ROWS // 1000):
                 publish(outbox, topic, [f"k{i % 50}" for i in range(1000)])
-            already = len(rows(outbox, status="published"))
+            already = count(outbox, engine, "published")
             process = subprocess.Popen(
                 [sys.executable, "-m", "outbox", "relay", "--db", server.url, "--bootstrap-servers",
                  broker.bootstrap, "--batch-size", "200", "--log-level", "INFO"],
                 cwd=tmp, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-            until(lambda: len(rows(outbox, status="published")) > already + 400, 60, "the relay at work",
+            until(lambda: count(outbox, engine, "published") > already + 400, 60, "the relay at work",
                   process, log)
+            left = count(outbox, engine, "pending")
+            assert left >= 1000, f"the relay had {left} rows left when its faults came: not at work"
             return process
         Inbox(engine, group=group).create_tables()
         business.create_all(engine)
