@@ -1,0 +1,264 @@
+"""Attacks on an exactly-once relay's start with the database going away (docs/relay.md).
+
+An exactly-once relay checks (and makes) its progress topic before its first send, waiting up to the
+transaction timeout for a broker that does not answer; its lease thread runs meanwhile. The database
+stopped or frozen during that wait, or during a take-over's settle, is an outage like any other: told
+once each way, no attempt counted, a stop honoured within its bound, and once both are back every row
+on the topic once, in key order, for a read_committed reader. Real servers: Apache Kafka frozen with
+SIGSTOP, a PostgreSQL of the test's own stopped (``pg_ctl stop``) or frozen (SIGSTOP).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from _relay_helpers import (
+    Running,
+    killed_after_its_commit,
+    owned_leases,
+    publish,
+    rows,
+    seqs_by_key,
+    wait_for,
+)
+
+from outbox import Outbox, Relay, create_engine
+from outbox.testing import LocalKafka, LocalPostgres
+from tests.conftest import thawed_and_running
+from transports.kafka import KafkaTransport
+from transports.testing import read_topic
+
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.xdist_group("eo-start-db")]
+
+MARGIN = 1.5
+"""Seconds on top of a bound for the thread switch and a slow, shared machine."""
+
+KEYS = [f"k{i % 4}" for i in range(24)]
+"""Four keys, six rows each: the order of each on the wire is checked."""
+
+
+@pytest.fixture
+def own_kafka(module_kafka: LocalKafka) -> LocalKafka:
+    return thawed_and_running(module_kafka)
+
+
+def told(caplog: pytest.LogCaptureFixture, worker: str, text: str) -> int:
+    """Lines of relay ``worker`` saying ``text`` ("database unreachable"; a fleet's database lines name
+    the database between: "relay W: database URL unreachable")."""
+    dependency, said = text.split(" ", 1)
+    line = re.compile(rf"relay {re.escape(worker)}: {dependency}( \S+)? {re.escape(said)}")
+    return sum(1 for r in caplog.records if line.match(r.getMessage()))
+
+
+def checking(own_kafka: LocalKafka) -> type[KafkaTransport]:
+    """A Kafka transport whose progress-topic checks are counted (``checks``: an event each, set once
+    the check returned or raised)."""
+
+    class Checking(KafkaTransport):
+        checks: list[threading.Event] = []
+
+        def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                                   stopping: threading.Event | None = None) -> None:
+            self.checks.append(threading.Event())
+            try:
+                super().ensure_compacted_topic(topic, partitions, timeout, stopping)
+            finally:
+                self.checks[-1].set()
+
+    return Checking
+
+
+def reachable_rows(outbox: Outbox, **where: Any) -> list[Any] | None:
+    """``rows``, or None when the database did not answer (a pooled connection a restart killed)."""
+    try:
+        return rows(outbox, **where)
+    except sa.exc.OperationalError:
+        return None
+
+
+def on_the_wire_once_in_order(bootstrap: str, topic: str, outbox: Outbox) -> None:
+    stored = rows(outbox)
+    records = read_topic(bootstrap, topic, expected=len(stored), settle=1.5, isolation="read_committed")
+    copies = Counter(dict(r.headers)["outbox-message-id"].decode() for r in records)
+    assert copies == Counter({str(r.message_id): 1 for r in stored}), copies
+    expected: dict[bytes, list[int]] = {}
+    for row in stored:
+        expected.setdefault(row.key.encode(), []).append(row.seq)
+    assert seqs_by_key(records) == expected
+    assert {r.attempts for r in stored} == {1}, Counter(r.attempts for r in stored)
+
+
+@pytest.mark.parametrize("outage", ["stopped", "frozen"])
+@pytest.mark.parametrize("first_back", ["database", "broker"])
+def test_a_database_outage_during_the_progress_topic_check_is_waited_out_and_the_relay_resumes(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, outage: str, first_back: str) -> None:
+    """The broker frozen, so the relay's start waits in its progress-topic check; the database goes away
+    meanwhile (stopped, or frozen), so the lease thread's renewals fail. Told once each way; both back
+    (in either order), the relay resumes: every row once on the topic, in key order, no attempt more
+    than the one that sent it, and ``run`` raises nothing."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS)
+    transport = checking(own_kafka)(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
+    relay = Relay(outbox, transport, worker_id="check-db", exactly_once=True, lease_ttl=1.5,
+                  poll_interval=0.1, progress_topic=progress_topic)
+    down, up = ((own_postgres.stop, own_postgres.start) if outage == "stopped"
+                else (own_postgres.freeze, own_postgres.thaw))
+    own_kafka.freeze()
+    running = Running(relay, stop_timeout=5)
+    try:
+        wait_for(lambda: transport.checks, 20, "the progress-topic check")
+        down()
+        went = time.monotonic()
+        # A stopped server is told (the lease thread's renewal refused); a frozen one holds the renewal
+        # (nothing bounds a read on PostgreSQL) past a lease TTL: its leases lapse meanwhile.
+        wait_for(lambda: told(caplog, "check-db", "database unreachable") if outage == "stopped"
+                 else time.monotonic() > went + 2 * relay.leases.ttl, 10, "the outage")
+        assert not transport.checks[0].is_set(), "the check ended before the database went away"
+        if first_back == "database":
+            up()
+            wait_for(lambda: told(caplog, "check-db", "database reachable again") if outage == "stopped"
+                     else owned_leases(outbox), 10, "the database back")
+            own_kafka.thaw()
+        else:
+            own_kafka.thaw()
+            wait_for(lambda: transport.checks[0].is_set(), 10, "the check to end")
+            up()
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "every row published", interval=0.1)
+        assert running.thread.is_alive()
+    finally:
+        if own_kafka.frozen:
+            own_kafka.thaw()
+        if outage == "frozen":
+            own_postgres.thaw()
+        running.stop()
+        transport.close(0)
+    on_the_wire_once_in_order(own_kafka.bootstrap, topic, outbox)
+    engine.dispose()
+    down_lines = told(caplog, "check-db", "database unreachable")
+    assert down_lines == (1 if outage == "stopped" else down_lines) <= 1, caplog.messages
+    assert told(caplog, "check-db", "database reachable again") == down_lines, caplog.messages
+    assert "did not finish" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
+        caplog.messages
+
+
+@pytest.mark.parametrize("outage", ["stopped", "frozen"])
+def test_a_relay_stopped_in_its_progress_topic_check_with_the_database_down_returns_within_the_bound(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, outage: str) -> None:
+    """Both down (the broker frozen in the check, the database stopped or frozen under the lease
+    thread): a stop returns within the stop bound, ``run`` raises nothing; once both are back a new
+    relay sends every row once, in key order."""
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS)
+    transport = checking(own_kafka)(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
+    relay = Relay(outbox, transport, worker_id="stopped-db", exactly_once=True, lease_ttl=1.5,
+                  poll_interval=0.1, progress_topic=progress_topic)
+    down, up = ((own_postgres.stop, own_postgres.start) if outage == "stopped"
+                else (own_postgres.freeze, own_postgres.thaw))
+    own_kafka.freeze()
+    running = Running(relay, stop_timeout=3)
+    try:
+        wait_for(lambda: transport.checks, 20, "the progress-topic check")
+        down()
+        wait_for(lambda: told(caplog, "stopped-db", "database unreachable") or outage == "frozen", 10,
+                 "the outage told")
+        took = running.stop(close=False)
+    finally:
+        own_kafka.thaw()
+        up()
+    assert took < 3 + MARGIN, f"run returned {took:.1f}s after the stop"
+    second = Relay(outbox, KafkaTransport(bootstrap_servers=own_kafka.bootstrap), worker_id="after",
+                   exactly_once=True, lease_ttl=1.5, poll_interval=0.1, progress_topic=progress_topic)
+    again = Running(second, stop_timeout=5)
+    try:
+        # The first relay's leases expire (its release could not reach the database) before these
+        # are taken: a TTL.
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "every row published", interval=0.1)
+    finally:
+        again.stop()
+        second.transport.close(0)
+        relay.close()
+        transport.close(0)
+    on_the_wire_once_in_order(own_kafka.bootstrap, topic, outbox)
+    engine.dispose()
+    assert "did not finish" not in caplog.text
+
+
+@pytest.mark.parametrize("outage", ["stopped", "restarted"])
+def test_a_database_outage_between_a_take_overs_read_back_and_its_marks_loses_and_doubles_nothing(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, outage: str) -> None:
+    """A relay commits its first batch and dies before its marks; the next takes its shards over, reads
+    their progress back, and the database goes away just before it marks what that progress names:
+    stopped (an outage, told once each way) or restarted (every pooled connection dead). Once it is
+    back, the rows committed are marked, not sent again; the rest sent once, in key order."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS)
+
+    def relay(worker: str, **options: Any) -> Relay:
+        return Relay(outbox, KafkaTransport(bootstrap_servers=own_kafka.bootstrap), worker_id=worker,
+                     exactly_once=True, lease_ttl=1.0, poll_interval=0.1, batch_size=8,
+                     progress_topic=progress_topic, **options)
+
+    first = relay("first")
+    killed_after_its_commit(first, monkeypatch)
+    assert len(rows(outbox, status="pending")) == len(KEYS)
+    second = relay("second")
+    exactly_once = second._step._batch.exactly_once
+    assert exactly_once is not None
+    real_mark = exactly_once._mark
+    marking: list[int] = []
+    at_the_mark, gone = threading.Event(), threading.Event()
+
+    def down_before_the_mark(shard: int, epoch: int, ids: list[int]) -> bool:
+        if not marking:  # the first mark waits for the database to go (the test's thread stops it)
+            marking.extend(ids)
+            at_the_mark.set()
+            gone.wait(30)
+        return real_mark(shard, epoch, ids)
+
+    monkeypatch.setattr(exactly_once, "_mark", down_before_the_mark)
+    running = Running(second, stop_timeout=5)
+    try:
+        wait_for(at_the_mark.is_set, 30, "the take-over's first mark")
+        own_postgres.stop()
+        if outage == "restarted":
+            own_postgres.start()
+        gone.set()
+        if outage == "stopped":
+            wait_for(lambda: told(caplog, "second", "database unreachable"), 10, "the outage told")
+            own_postgres.start()
+        # The test's reads share the relay's pool: a connection the restart killed fails one of them.
+        wait_for(lambda: reachable_rows(outbox, status="pending") == [], 30, "every row published",
+                 interval=0.1)
+    finally:
+        running.stop()
+        second.transport.close(0)
+        first.transport.close(0)
+    assert marking, "no take-over marked rows its progress named"
+    on_the_wire_once_in_order(own_kafka.bootstrap, topic, outbox)
+    engine.dispose()
+    down_lines = told(caplog, "second", "database unreachable")
+    assert down_lines == told(caplog, "second", "database reachable again") <= 1, caplog.messages
+    assert outage == "restarted" or down_lines == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
+        caplog.messages
+
+
