@@ -25,11 +25,13 @@ from _relay_helpers import (
     owned_leases,
     publish,
     rows,
+    schema_outboxes,
     seqs_by_key,
     wait_for,
 )
 
 from outbox import Outbox, Relay, create_engine
+from outbox.tenants import Tenant, TenantRelay
 from outbox.testing import LocalKafka, LocalPostgres
 from tests.conftest import thawed_and_running
 from transports.kafka import KafkaTransport
@@ -73,6 +75,14 @@ def checking(own_kafka: LocalKafka) -> type[KafkaTransport]:
                 self.checks[-1].set()
 
     return Checking
+
+
+def reachable_rows_of(read: Any, outbox: Outbox) -> list[Any] | None:
+    """``read(outbox)``, or None when the database did not answer (a pooled connection a restart killed)."""
+    try:
+        return read(outbox)
+    except sa.exc.OperationalError:
+        return None
 
 
 def reachable_rows(outbox: Outbox, **where: Any) -> list[Any] | None:
@@ -262,3 +272,82 @@ def test_a_database_outage_between_a_take_overs_read_back_and_its_marks_loses_an
         caplog.messages
 
 
+
+class Checking(KafkaTransport):
+    """A Kafka transport whose progress-topic checks are told in ``checks`` (an event each, set once
+    the check returned or raised): one list for all the transports a fleet makes."""
+
+    checks: list[threading.Event]
+
+    def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
+                               stopping: threading.Event | None = None) -> None:
+        self.checks.append(threading.Event())
+        try:
+            super().ensure_compacted_topic(topic, partitions, timeout, stopping)
+        finally:
+            self.checks[-1].set()
+
+
+def checking_fleet(own_postgres: LocalPostgres, own_kafka: LocalKafka, names: list[str], progress_topic: str,
+                   checks: list[threading.Event], **options: Any) -> TenantRelay:
+    """An exactly-once fleet of tenants ``names`` (a schema each of ``own_postgres``' database)."""
+    bootstrap = own_kafka.bootstrap
+
+    def transport() -> KafkaTransport:
+        made = Checking({"message.max.bytes": "1001000"}, bootstrap_servers=bootstrap, delivery_timeout=12)
+        made.checks = checks
+        return made
+
+    return TenantRelay([Tenant(name, schema=name) for name in names], transport, database=own_postgres.url,
+                       worker_id="fleet", tenant_header="tenant", poll_interval=0.1, workers=2,
+                       exactly_once=True, progress_topic=progress_topic, **options)
+
+
+def lease_expiries(outbox: Outbox) -> list[Any]:
+    """When the leases held now expire (the database's clock: ``now()`` is read beside them)."""
+    leases = outbox.tables.leases
+    engine = outbox.engine
+    assert isinstance(engine, sa.Engine)
+    with engine.connect() as conn:
+        return list(conn.execute(sa.select(leases.c.expires_at - sa.func.now()).where(
+            leases.c.owner.is_not(None))).scalars())
+
+
+def test_a_tenant_fleet_renews_its_leases_once_the_database_is_back_though_its_progress_checks_wait(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The broker frozen, an exactly-once fleet's tenants' turns wait in their progress-topic checks
+    (12 s here, the transaction timeout); the database is stopped meanwhile (its renewal told the
+    outage and closed the database's gate) and started again at once. The gate opened only when a
+    tenant's step answered, and every step waited in its check: the renewal thread, which skips a
+    database whose gate is closed, renewed nothing until then, and the leases (TTL 3 s) lapsed with the
+    database up, for another process to take, while the single relay's lease thread renews them
+    during its check. The renewal tries a database whose gate is closed too; its answer opens it."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(own_postgres.url)
+    outboxes = schema_outboxes(engine, ["acme", "globex"], shards=2)
+    for outbox in outboxes.values():
+        publish(outbox, topic, KEYS)
+    checks: list[threading.Event] = []
+    fleet = checking_fleet(own_postgres, own_kafka, list(outboxes), progress_topic, checks, lease_ttl=3.0)
+    own_kafka.freeze()
+    running = Running(fleet, stop_timeout=5)
+    try:
+        wait_for(lambda: len(checks) == 2 and all(owned_leases(ob) == 2 for ob in outboxes.values()), 20,
+                 "the tenants' progress-topic checks, their leases taken")
+        own_postgres.stop()
+        wait_for(lambda: told(caplog, "fleet", "database unreachable"), 10, "the outage told")
+        own_postgres.start()
+        back = time.monotonic()
+        # Renewed (a TTL ahead) by a round begun after the restart: within an interval (1 s) and a round.
+        wait_for(lambda: all((now := reachable_rows_of(lease_expiries, ob)) and min(now).total_seconds() > 2.0
+                             for ob in outboxes.values()), 3.0, "the leases renewed")
+        assert not any(check.is_set() for check in checks), \
+            f"the checks ended {time.monotonic() - back:.1f}s after the database came back: nothing proved"
+        assert told(caplog, "fleet", "database reachable again") == 1, caplog.messages
+    finally:
+        own_kafka.thaw()
+        running.stop()
+    engine.dispose()
+    assert told(caplog, "fleet", "database unreachable") == 1, caplog.messages
+    assert "did not finish" not in caplog.text
