@@ -68,11 +68,11 @@ def checking(own_kafka: LocalKafka) -> type[KafkaTransport]:
 
         def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
                                    stopping: threading.Event | None = None) -> None:
-            self.checks.append(threading.Event())
+            self.checks.append(ended := threading.Event())
             try:
                 super().ensure_compacted_topic(topic, partitions, timeout, stopping)
             finally:
-                self.checks[-1].set()
+                ended.set()
 
     return Checking
 
@@ -281,11 +281,11 @@ class Checking(KafkaTransport):
 
     def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
                                stopping: threading.Event | None = None) -> None:
-        self.checks.append(threading.Event())
+        self.checks.append(ended := threading.Event())  # a fleet's tenants check at once: each its own
         try:
             super().ensure_compacted_topic(topic, partitions, timeout, stopping)
         finally:
-            self.checks[-1].set()
+            ended.set()
 
 
 def checking_fleet(own_postgres: LocalPostgres, own_kafka: LocalKafka, names: list[str], progress_topic: str,
@@ -351,3 +351,60 @@ def test_a_tenant_fleet_renews_its_leases_once_the_database_is_back_though_its_p
     engine.dispose()
     assert told(caplog, "fleet", "database unreachable") == 1, caplog.messages
     assert "did not finish" not in caplog.text
+
+
+@pytest.mark.parametrize("first_back", ["database", "broker"])
+def test_a_tenant_fleets_database_outage_during_its_progress_topic_checks_is_waited_out(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, first_back: str) -> None:
+    """An exactly-once tenant fleet (two tenants, a schema each of one PostgreSQL database) starts with
+    the broker frozen, its tenants' turns waiting in their progress-topic checks, and the database stops
+    meanwhile: one outage of that database, told once each way; both back (either first), every
+    tenant's rows on the topic once, in key order, and ``run`` raises nothing."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(own_postgres.url)
+    outboxes = schema_outboxes(engine, ["acme", "globex"], shards=2)
+    for outbox in outboxes.values():
+        publish(outbox, topic, KEYS)
+    checks: list[threading.Event] = []
+    fleet = checking_fleet(own_postgres, own_kafka, list(outboxes), progress_topic, checks, lease_ttl=1.5)
+    own_kafka.freeze()
+    running = Running(fleet, stop_timeout=5)
+    try:
+        wait_for(lambda: checks, 20, "a tenant's progress-topic check")
+        own_postgres.stop()
+        wait_for(lambda: told(caplog, "fleet", "database unreachable"), 10, "the outage told")
+        assert not checks[0].is_set(), "the check ended before the database went away"
+        if first_back == "database":
+            own_postgres.start()
+            wait_for(lambda: told(caplog, "fleet", "database reachable again"), 10, "the database back")
+            own_kafka.thaw()
+        else:
+            own_kafka.thaw()
+            wait_for(lambda: checks[0].is_set(), 15, "the check to end")
+            own_postgres.start()
+        wait_for(lambda: all(reachable_rows(ob, status="pending") == [] for ob in outboxes.values()), 30,
+                 "every tenant's rows published", interval=0.1)
+        assert running.thread.is_alive()
+    finally:
+        if own_kafka.frozen:
+            own_kafka.thaw()
+        running.stop()
+    on_wire = read_topic(own_kafka.bootstrap, topic, expected=2 * len(KEYS), settle=1.5,
+                         isolation="read_committed")
+    for outbox in outboxes.values():
+        stored = rows(outbox)
+        ids = {str(s.message_id) for s in stored}
+        records = [r for r in on_wire if dict(r.headers)["outbox-message-id"].decode() in ids]
+        assert Counter(dict(r.headers)["outbox-message-id"].decode() for r in records) == Counter(
+            dict.fromkeys(ids, 1))
+        expected: dict[bytes, list[int]] = {}
+        for row in stored:
+            expected.setdefault(row.key.encode(), []).append(row.seq)
+        assert seqs_by_key(records) == expected
+    engine.dispose()
+    assert told(caplog, "fleet", "database unreachable") == 1, caplog.messages
+    assert told(caplog, "fleet", "database reachable again") == 1, caplog.messages
+    assert "did not finish" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
+        caplog.messages
