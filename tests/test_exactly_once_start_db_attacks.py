@@ -408,3 +408,49 @@ def test_a_tenant_fleets_database_outage_during_its_progress_topic_checks_is_wai
     assert "did not finish" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
         caplog.messages
+
+
+@pytest.mark.parametrize("first_back", ["database", "broker"])
+def test_an_exactly_once_relay_started_with_the_database_and_the_broker_down_waits_for_both(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, first_back: str) -> None:
+    """``run`` begun with PostgreSQL stopped and the broker frozen: it waits for its first leases (the
+    database's outage told once), then in its progress-topic check; both back, in either order, every
+    row once on the topic in key order, and ``run`` raises nothing."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS)
+    transport = checking(own_kafka)(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
+    relay = Relay(outbox, transport, worker_id="both-down", exactly_once=True, lease_ttl=1.5,
+                  poll_interval=0.1, progress_topic=progress_topic)
+    engine.dispose()
+    own_postgres.stop()
+    own_kafka.freeze()
+    running = Running(relay, stop_timeout=5)
+    try:
+        wait_for(lambda: told(caplog, "both-down", "database unreachable"), 10, "the outage told")
+        if first_back == "database":
+            own_postgres.start()
+            wait_for(lambda: transport.checks, 10, "the progress-topic check, its leases taken")
+            own_kafka.thaw()
+        else:
+            own_kafka.thaw()
+            own_postgres.start()
+        wait_for(lambda: reachable_rows(outbox, status="pending") == [], 30, "every row published",
+                 interval=0.1)
+        assert running.thread.is_alive()
+    finally:
+        if own_kafka.frozen:
+            own_kafka.thaw()
+        running.stop()
+        transport.close(0)
+    on_the_wire_once_in_order(own_kafka.bootstrap, topic, outbox)
+    engine.dispose()
+    assert told(caplog, "both-down", "database unreachable") == 1, caplog.messages
+    assert told(caplog, "both-down", "database reachable again") == 1, caplog.messages
+    assert "did not finish" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
+        caplog.messages
+
