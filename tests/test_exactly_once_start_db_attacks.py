@@ -29,10 +29,11 @@ from _relay_helpers import (
     seqs_by_key,
     wait_for,
 )
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from outbox import Outbox, Relay, create_engine
 from outbox.tenants import Tenant, TenantRelay
-from outbox.testing import LocalKafka, LocalPostgres
+from outbox.testing import LocalKafka, LocalPostgres, delete_topic
 from tests.conftest import thawed_and_running
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
@@ -454,3 +455,33 @@ def test_an_exactly_once_relay_started_with_the_database_and_the_broker_down_wai
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
         caplog.messages
 
+
+def test_a_progress_topic_deleted_under_a_running_relay_is_made_again_and_the_relay_goes_on(
+        kafka: str, sqlite_db: str, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The progress topic deleted while an exactly-once relay runs (an operator's cleanup): its next
+    transaction fails (its progress record has nowhere to go) and every take-over after it found the
+    topic missing, for good: the relay checked (made) its progress topic once a run, and sent nothing
+    more until restarted, saying only "cannot take shard 0 over yet (topic … not found)". A take-over
+    that finds it missing has it checked again, and made, compacted, before the next one."""
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS[:8])
+    relay = Relay(outbox, KafkaTransport(bootstrap_servers=kafka, delivery_timeout=5), worker_id="deleted",
+                  exactly_once=True, lease_ttl=2.0, poll_interval=0.1, progress_topic=progress_topic)
+    running = Running(relay, stop_timeout=10)
+    try:
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "the first rows published")
+        delete_topic(kafka, progress_topic)
+        publish(outbox, topic, KEYS[8:])
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "the rows after the deletion published")
+    finally:
+        running.stop()
+        relay.transport.close(0)
+    on_the_wire_once_in_order(kafka, topic, outbox)
+    engine.dispose()
+    admin = AdminClient({"bootstrap.servers": kafka})
+    resource = ConfigResource("topic", progress_topic)
+    assert admin.describe_configs([resource])[resource].result(10)["cleanup.policy"].value == "compact"
+    assert [m for m in caplog.messages if "progress topic" in m and "made again" in m], caplog.messages
