@@ -485,3 +485,40 @@ def test_a_progress_topic_deleted_under_a_running_relay_is_made_again_and_the_re
     resource = ConfigResource("topic", progress_topic)
     assert admin.describe_configs([resource])[resource].result(10)["cleanup.policy"].value == "compact"
     assert [m for m in caplog.messages if "progress topic" in m and "made again" in m], caplog.messages
+
+
+def test_two_exactly_once_relays_started_at_once_make_one_progress_topic_and_send_each_row_once(
+        kafka: str, postgres_db: str, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two relays of one outbox start together, their progress topic missing: both look it up and
+    make it at once (one is told it exists, and checks what the other made); they split the shards,
+    and every row is on the topic once, in key order, the progress topic compacted."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=4)
+    outbox.create_tables()
+    publish(outbox, topic, [f"k{i % 6}" for i in range(60)])
+    relays = [Relay(outbox, KafkaTransport(bootstrap_servers=kafka, delivery_timeout=10), worker_id=worker,
+                    exactly_once=True, lease_ttl=2.0, poll_interval=0.1, progress_topic=progress_topic)
+              for worker in ("left", "right")]
+    go = threading.Barrier(2)
+
+    class Together(Running):
+        def _run(self, stop_timeout: float) -> None:
+            go.wait(10)
+            super()._run(stop_timeout)
+
+    running = [Together(relay, stop_timeout=5) for relay in relays]
+    try:
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "every row published", interval=0.1)
+    finally:
+        for each in running:
+            each.stop()
+        for relay in relays:
+            relay.transport.close(0)
+    on_the_wire_once_in_order(kafka, topic, outbox)
+    engine.dispose()
+    admin = AdminClient({"bootstrap.servers": kafka})
+    resource = ConfigResource("topic", progress_topic)
+    assert admin.describe_configs([resource])[resource].result(10)["cleanup.policy"].value == "compact"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
+        caplog.messages
