@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from _relay_helpers import (
     rows,
     schema_outboxes,
     seqs_by_key,
+    start_cli_relay,
     wait_for,
 )
 from confluent_kafka.admin import AdminClient, ConfigResource
@@ -522,3 +525,35 @@ def test_two_exactly_once_relays_started_at_once_make_one_progress_topic_and_sen
     assert admin.describe_configs([resource])[resource].result(10)["cleanup.policy"].value == "compact"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("outbox")], \
         caplog.messages
+
+
+def test_a_relay_killed_in_its_progress_topic_check_is_taken_over_and_nothing_is_lost_or_doubled(
+        own_kafka: LocalKafka, postgres_db: str, topic: str, progress_topic: str, tmp_path: Path) -> None:
+    """``outbox relay --exactly-once`` SIGKILLed while its progress-topic check waits for the frozen
+    broker (its leases taken, its requests in the broker's sockets): once the broker is back, another
+    relay takes its shards over when their leases expire and sends every row once, in key order."""
+    engine = create_engine(postgres_db)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS)
+    own_kafka.freeze()
+    log = tmp_path / "killed.log"
+    process = start_cli_relay(postgres_db, own_kafka.bootstrap, log, "--exactly-once", "--worker-id",
+                              "killed", "--lease-ttl", "2", "--progress-topic", progress_topic)
+    try:
+        wait_for(lambda: owned_leases(outbox) == 2, 30, "the relay's leases, its check begun")
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        own_kafka.thaw()
+    after = Relay(outbox, KafkaTransport(bootstrap_servers=own_kafka.bootstrap), worker_id="after",
+                  exactly_once=True, lease_ttl=2.0, poll_interval=0.1, progress_topic=progress_topic)
+    running = Running(after, stop_timeout=5)
+    try:
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "every row published", interval=0.1)
+    finally:
+        running.stop()
+        after.transport.close(0)
+    on_the_wire_once_in_order(own_kafka.bootstrap, topic, outbox)
+    engine.dispose()
+    assert "Traceback" not in log.read_text(), log.read_text()
