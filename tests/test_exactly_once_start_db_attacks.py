@@ -41,7 +41,8 @@ from tests.conftest import thawed_and_running
 from transports.kafka import KafkaTransport
 from transports.testing import read_topic
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.xdist_group("eo-start-db")]
+# Slow: servers stopped, frozen and started (docs/testing.md); one worker runs them, with the module's broker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("exactly-once-start-db-attacks")]
 
 MARGIN = 1.5
 """Seconds on top of a bound for the thread switch and a slow, shared machine."""
