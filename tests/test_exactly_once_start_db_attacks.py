@@ -558,3 +558,47 @@ def test_a_relay_killed_in_its_progress_topic_check_is_taken_over_and_nothing_is
     on_the_wire_once_in_order(own_kafka.bootstrap, topic, outbox)
     engine.dispose()
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.mark.parametrize("outage", ["stopped", "frozen"])
+def test_a_tenant_fleet_stopped_in_its_progress_topic_checks_with_the_database_down_returns_within_the_bound(
+        own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+        caplog: pytest.LogCaptureFixture, outage: str) -> None:
+    """An exactly-once fleet's tenants wait in their progress-topic checks (the broker frozen) and the
+    database is stopped or frozen under its lease renewal: a stop returns within its bound, ``run``
+    raising nothing, and a fleet started once both are back sends every tenant's row once."""
+    engine = create_engine(own_postgres.url)
+    outboxes = schema_outboxes(engine, ["acme", "globex"], shards=2)
+    for outbox in outboxes.values():
+        publish(outbox, topic, KEYS)
+    engine.dispose()
+    checks: list[threading.Event] = []
+    fleet = checking_fleet(own_postgres, own_kafka, list(outboxes), progress_topic, checks, lease_ttl=1.5)
+    down, up = ((own_postgres.stop, own_postgres.start) if outage == "stopped"
+                else (own_postgres.freeze, own_postgres.thaw))
+    own_kafka.freeze()
+    running = Running(fleet, stop_timeout=3)
+    try:
+        wait_for(lambda: len(checks) == 2, 20, "the tenants' progress-topic checks")
+        down()
+        went = time.monotonic()
+        # Stopped: the renewal tells it; frozen: the renewal waits in it past a renewal interval.
+        wait_for(lambda: told(caplog, "fleet", "database unreachable") if outage == "stopped"
+                 else time.monotonic() > went + 1.0, 10, "the outage")
+        took = running.stop()
+    finally:
+        own_kafka.thaw()
+        up()
+    assert took < 3 + MARGIN, f"run returned {took:.1f}s after the stop"
+    again = Running(checking_fleet(own_postgres, own_kafka, list(outboxes), progress_topic, [],
+                                   lease_ttl=1.5), stop_timeout=5)
+    try:
+        wait_for(lambda: all(reachable_rows(ob, status="pending") == [] for ob in outboxes.values()), 30,
+                 "every tenant's rows published", interval=0.1)
+    finally:
+        again.stop()
+    on_wire = read_topic(own_kafka.bootstrap, topic, expected=2 * len(KEYS), settle=1.5,
+                         isolation="read_committed")
+    assert Counter(dict(r.headers)["outbox-message-id"].decode() for r in on_wire) == Counter(
+        {str(row.message_id): 1 for ob in outboxes.values() for row in rows(ob)})
+    engine.dispose()
