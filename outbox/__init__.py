@@ -24,6 +24,7 @@ from .core._errors import (
     RecordTooLargeError,
     RetriableTransportError,
     SchemaError,
+    TopicNotFoundError,
     TransportError,
     UnserializablePayloadError,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "SchemaError",
     "SkipMessage",
     "StartPolicy",
+    "TopicNotFoundError",
     "TransportError",
     "UnknownEvents",
     "UnserializablePayloadError",

@@ -43,6 +43,11 @@ class RetriableTransportError(TransportError):
     """
 
 
+class TopicNotFoundError(RetriableTransportError):
+    """A topic the broker answers it does not have (deleted, or not made yet): retriable, and a hint
+    for whoever made it (an exactly-once relay makes its progress topic again, ``_exactly_once``)."""
+
+
 class HeldByOpenTransactionError(RetriableTransportError):
     """A partition does not read past a record yet, held by a transaction open there (retriable).
 

@@ -20,6 +20,7 @@ from transports._errors import (
     MessageValidationError,
     OutboxError,
     RetriableTransportError,
+    TopicNotFoundError,
     TransportError,
     UnsupportedBrokerError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "RecordTooLargeError",
     "RetriableTransportError",
     "SchemaError",
+    "TopicNotFoundError",
     "TransportError",
     "UnserializablePayloadError",
     "UnsupportedBrokerError",

@@ -80,7 +80,7 @@ from transports import (
     Transport,
     transport_features,
 )
-from transports._errors import RetriableTransportError
+from transports._errors import RetriableTransportError, TopicNotFoundError
 from transports._logsafe import safe_logger
 
 from ..core._errors import ConfigurationError
@@ -281,7 +281,16 @@ class ExactlyOnce:
         # exception, raised on by ``settle_take_overs``, holds this frame in its traceback: a cycle.)
         self.answered_since = max((s.taking_since for s in self._owned.values() if answered_held(s)),
                                   default=None)
+        # A take-over that found the progress topic missing (deleted under the running relay): checked,
+        # and made, before the next one; checked once a run, every take-over after found it missing.
+        gone = any(s.taking is not None and s.taking.done()
+                   and isinstance(s.taking.exception(), TopicNotFoundError) for s in self._owned.values())
         error = settle_take_overs(self._owned, self.name)
+        if gone and self._topic_ready:
+            self._topic_ready = False
+            log.warning("%s: its progress topic %s is gone (deleted?): it is made again before the next "
+                        "take-over; rows a transaction committed whose marks had not yet may be sent again",
+                        self.name, self.progress_topic)
         ready: dict[int, int] = {}
         for shard, epoch in sorted(owned.items()):
             state = self._owned[shard]

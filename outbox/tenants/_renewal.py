@@ -71,14 +71,18 @@ class LeaseRenewal:
     def _loop(self, db: FleetDatabase) -> None:
         engine = relay_engine(db.engine)
         while not self._stopping.wait(self.every):
-            if db.gate.down:
-                continue  # its tenants' steps probe it; their leases expire if it stays down
+            # Tried while its gate is closed too, and its answer opens it: the tenants' steps probe it,
+            # but a step may wait long in the broker before it asks the database anything (an
+            # exactly-once tenant's progress-topic check, up to the transaction timeout), and the
+            # leases of a database back meanwhile lapsed unrenewed, for another process to take.
+            down = db.gate.down
             started = time.monotonic()
             try:
                 self.renew(db, engine)
             except Exception as exc:
                 if is_database_outage(exc):
-                    db.gate.failed(exc)
+                    if not down:  # told once; while it is down the probes' backoff paces the gate
+                        db.gate.failed(exc)
                 else:
                     log.exception("relay %s: could not renew its tenants' leases", self._worker_id)
             else:

@@ -44,7 +44,7 @@ from typing import Any
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from .._errors import RetriableTransportError
+from .._errors import RetriableTransportError, TopicNotFoundError
 from .._protocol import ReadBack, Uncommitted
 from ._admin import ADMIN, NO_ANSWER, connection_settings
 from ._held import HELD_FOR, read_held
@@ -118,7 +118,7 @@ def _bounds(admin: AdminClient, topic: str, partition: int,
         try:
             info = admin.list_topics(topic, timeout=timeout).topics.get(topic)
             if info is None or info.error is not None or not info.partitions:
-                raise RetriableTransportError(f"topic {topic!r} not found")
+                raise TopicNotFoundError(f"topic {topic!r} not found")
             tp = TopicPartition(topic, partition % len(info.partitions))
             latest, earliest = OffsetSpec.latest(), OffsetSpec.earliest()  # type: ignore[no-untyped-call]
             # Read uncommitted: the end as written, an open transaction's records included.
