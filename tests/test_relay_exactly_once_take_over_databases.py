@@ -115,18 +115,21 @@ def test_a_database_outage_during_the_take_overs_message_query_is_one_outage_and
                    metrics=relay_metrics(CollectorRegistry()))
     sql = second._step._batch.sql
     real_messages = sql.messages
-    asked = threading.Event()
+    asked, gone = threading.Event(), threading.Event()
 
     def down_under_the_query(conn: Any, ids: Any) -> Any:
-        if not asked.is_set():
-            asked.set()
-            own_postgres.stop()
+        if not asked.is_set():  # the first query waits for the database to go (the test's thread
+            asked.set()  # stops it: stopped from this thread, pg_ctl stop -w hung once in four runs)
+            gone.wait(30)
         return real_messages(conn, ids)
 
     monkeypatch.setattr(sql, "messages", down_under_the_query)
     thread = threading.Thread(target=second.run, daemon=True)
     thread.start()
     try:
+        wait_for(asked.is_set, 30, "the take-over's message query")
+        own_postgres.stop()
+        gone.set()
         wait_for(lambda: lines(caplog, "second", "database unreachable") > 0, 30, "the outage seen")
         own_postgres.start()
         wait_for(lambda: not rows(outbox, status="pending"), 60, "every row published", interval=0.1)
