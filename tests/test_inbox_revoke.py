@@ -180,3 +180,44 @@ def test_a_revoke_ends_the_lost_partitions_work_commits_it_and_leaves_the_kept_o
     assert applied(engine, "busy") == [("busy", 1)]  # its second record is the next owner's
     assert inbox.parked() == []
 
+
+def test_a_revoke_leaves_a_kept_record_waiting_for_its_retry_to_wait(sqlite_db: str) -> None:
+    """A key whose records sit on both partitions (it moved: more partitions, a new partitioner):
+    its kept record waits for its retry with the lost partition's record queued behind it. The
+    revoke drops that one and used to wake the whole lane, so the kept record ran again at once,
+    its ``RetryLater`` (or a failure's backoff) cut short."""
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group=GROUP, concurrency=1, batch_size=1, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    delay = 1.0
+    called: list[float] = []
+    revoked = threading.Event()
+
+    @inbox.handler(TOPIC)
+    def handler(session, message) -> None:  # type: ignore[no-untyped-def]
+        if message.seq == 1:
+            called.append(time.monotonic())
+            if len(called) == 1:
+                raise RetryLater(delay, "downstream busy")
+        apply_effect(session, message)
+
+    broker = InMemoryBroker(partitions=2)
+    source = Watched(broker, began=lambda: None, returned=revoked.set)
+    broker.append(on(KEPT, "moved", 1))
+    broker.append(on(GONE, "moved", 2))
+    joined: list[InMemorySource] = []  # left only once the inbox stopped: it takes nothing back
+    try:
+        with running(inbox, source) as errors:
+            wait_for(lambda: len(called) == 1 and {(KEPT, 0), (GONE, 0)} <= set(source.polled),
+                     "the kept record waiting, the lost one queued behind it", errors=errors)
+            joined.append(InMemorySource(broker, group_id=GROUP, topics=[TOPIC]))  # GONE its share
+            wait_for(revoked.is_set, "the revoke", errors=errors)
+            wait_for(lambda: applied(engine) == [("moved", 1)], "the kept record applied", errors=errors)
+    finally:
+        for member in joined:
+            member.close()
+    # The timer wheel fires on a 20 ms tick: a little early at most, never at once.
+    waited = called[1] - called[0]
+    assert waited >= 0.9 * delay, f"tried again {waited:.2f}s after, not {delay}s"
+    assert applied(engine) == [("moved", 1)]  # seq 2 is the next owner's
