@@ -105,7 +105,12 @@ class KeyScheduler:
                                 timeout)
 
     def drop(self, which: Callable[[Delivery], bool]) -> int:
-        """Remove queued and waiting (not running) deliveries that match; returns how many."""
+        """Remove queued and waiting (not running) deliveries that match; returns how many.
+
+        A lane waiting for its head's retry waits on when the head stays (a revoke that takes
+        the records of another partition queued behind it leaves it alone); when the head goes,
+        what stays runs now.
+        """
         dropped = 0
         with self._cond:
             for lane, queue in list(self._lanes.items()):
@@ -114,8 +119,12 @@ class KeyScheduler:
                 if not gone:
                     continue
                 dropped += gone
+                if keep and keep[0] is queue[0] and lane in self._waiting:
+                    self._lanes[lane] = keep
+                    self._blocked -= gone
+                    continue
                 waiting = self._waiting.cancel(lane)
-                if waiting:  # its head may be gone: let the lane run again now
+                if waiting:  # its head is gone: let the lane run again now
                     self._blocked -= len(queue)
                     self._busy.discard(lane)
                 if keep:
