@@ -398,7 +398,7 @@ def batch_inbox(engine: sa.Engine, kind: str) -> Iterator[MakeInbox]:
 
     def make(calls: list[list[str | None]], *, bad: str | None = None) -> Inbox:
         box = Inbox(inbox_bind(engine, kind), group="b", retry_backoff=0.001, retry_backoff_max=0.01,
-                    alert=AlertLog())
+                    alert=AlertLog(), batch_budget=TEST_BUDGET)  # as ``inbox_on``: a whole redo read
         made.append(box)
         box.create_tables()
         business.create_all(engine)
