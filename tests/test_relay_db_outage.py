@@ -144,3 +144,45 @@ def test_a_relay_whose_mark_the_database_ended_for_idleness_recovers_as_from_one
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], errors
     outbox.engine.dispose()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("work", ["lease renewal", "fetch"])
+def test_work_begun_before_a_database_outage_was_told_does_not_end_it(
+        sqlite_db: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, work: str) -> None:
+    """A restart under the relay: the writer's statement fails and tells the outage, and a lease
+    renewal or a fetch that began before, on another connection, answers just after. Taken for the
+    database back, it told the outage's end, and the next statement, against the stopped server,
+    told a second outage: one restart told twice each way (the official-style CI of b0c620a,
+    ``test_exactly_once_start_db_attacks.py::…read_back_and_its_marks…[restarted]``). Only work
+    begun after the outage was told ends it."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(sqlite_db)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    relay = Relay(outbox, ScriptedTransport(), worker_id="late-answer",
+                  metrics=relay_metrics(CollectorRegistry()))
+    relay.run_once()  # its leases taken
+    tracker = relay.outages.database
+
+    def told_meanwhile(real: Any) -> Any:
+        def answered_after_the_outage_was_told(*args: Any, **kwargs: Any) -> Any:
+            answer = real(*args, **kwargs)
+            tracker.failed("the server went away while this was under way")
+            return answer
+        return answered_after_the_outage_was_told
+
+    if work == "lease renewal":
+        monkeypatch.setattr(relay.leases, "maintain", told_meanwhile(relay.leases.maintain))
+        relay._step.maintain_leases()
+    else:
+        batch = relay._step._batch
+        monkeypatch.setattr(batch.sql, "fetch_params", told_meanwhile(batch.sql.fetch_params))
+        relay.run_once()
+    assert tracker.down, f"a {work} begun before the outage was told ended it"
+    assert "reachable again" not in caplog.text
+    monkeypatch.undo()
+    relay.run_once()  # begun after: it ends the outage
+    assert not tracker.down
+    assert caplog.text.count("database reachable again") == 1
+    relay.close()
+    engine.dispose()

@@ -187,6 +187,7 @@ class BatchRunner:
         self._settle()  # writes that committed: their rows and keys are the database's to tell
         sql = self.sql
         busy = [row_id for writing in self._writes for row_id in writing.busy]  # being marked
+        asked = time.monotonic()  # a fetch begun before an outage was told does not end it
         with self.engine.connect() as conn:
             conn = sql.prepare_fetch(conn)
             limit = limit or self.batch_size
@@ -216,7 +217,7 @@ class BatchRunner:
             rows = sql.without_busy(rows, busy, limit)
             full = full or len(rows) >= limit
         self._backlog = full
-        self.database_outage.answered()
+        self.database_outage.answered(asked)
         wheel = self.wheel
         held = set().union(*(writing.held for writing in self._writes))
         # Rows are unpacked by position: a Row's attribute access costs more per row

@@ -246,13 +246,14 @@ class RelayStep:
         """
         if not self.leases.owned() or self._batch.writing or self._batch.exactly_once is not None:
             return False
+        started = time.monotonic()
         with self._engine.connect() as conn:
             conn = self._sql.prepare_fetch(conn)
             due = self._look_ahead(conn, now, probe=True)
             conn.commit()  # read only; in autocommit (PostgreSQL) a no-op
         if due is None:
             return False
-        self._outages.database.answered()
+        self._outages.database.answered(started)
         return not due
 
     def _look_ahead(self, conn: Connection, now: float, *, probe: bool = False) -> bool | None:
@@ -308,12 +309,16 @@ class RelayStep:
 
     def maintain_leases(self) -> dict[int, int]:
         """Renew, take and count this relay's shard leases; the database answered."""
-        return self.leases_maintained(self.leases.maintain())
+        started = time.monotonic()
+        return self.leases_maintained(self.leases.maintain(), started)
 
-    def leases_maintained(self, owned: dict[int, int]) -> dict[int, int]:
+    def leases_maintained(self, owned: dict[int, int], started: float | None = None) -> dict[int, int]:
         """Its leases were maintained, holding ``owned`` now (by ``maintain_leases``, or by a renewal of
-        many relays' leases at once, ``_leases_shared``): the database answered, the next renewal due."""
-        self._outages.database.answered()
+        many relays' leases at once, ``_leases_shared``): the database answered, the next renewal due.
+
+        ``started``: when that renewal began. One that began before an outage was told says nothing of
+        now: it ended the outage of a server that was going down (a restart told twice each way)."""
+        self._outages.database.answered(started)
         self._leases_due = time.monotonic() + renew_interval(self.leases.ttl)
         self._metrics.shards_owned.labels(self.settings.worker_id).set(len(owned))
         return owned
