@@ -27,12 +27,13 @@ a worker; the waits are ``Event`` waits, so a stop (SIGTERM) ends them at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import tenacity
@@ -339,6 +340,25 @@ class OutageTracker:
             since, self._since, self._failures = self._since, None, 0
         if since is not None:
             self._log.warning(self._wording.up, self.what, time.monotonic() - since)
+
+
+@contextlib.contextmanager
+def told_if_late(tracker: OutageTracker, after: float, why: str) -> Iterator[None]:
+    """While the block runs, ``tracker`` is told it failed (``why``) if the block is still running
+    ``after`` seconds on.
+
+    A server that answers nothing (a frozen host, a ``SIGSTOP``ped server, a partition that drops
+    packets) fails no call: no driver bounds a read on PostgreSQL, and the host's kernel answers TCP
+    keepalives for it. The call just waits, and no outage was ever told. Its answer, when it comes,
+    ends the outage as any other (``OutageTracker.answered``).
+    """
+    timer = threading.Timer(after, tracker.failed, args=(why,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 # -- gating ------------------------------------------------------------------

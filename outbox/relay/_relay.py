@@ -26,6 +26,7 @@ but not marked are sent again, leases expire within their TTL).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -41,7 +42,7 @@ from ..core._alerts import Alert, AlertSink, LoggingAlertSink
 from ..core._cloudevents import CloudEvents
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError, SchemaError
-from ..core._outage import OutageBackoff, is_database_outage
+from ..core._outage import OutageBackoff, is_database_outage, told_if_late
 from ..core._stopping import STOP_TIMEOUT, BoundRun, Fatal
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
@@ -65,6 +66,10 @@ from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
 log = safe_logger("outbox.relay")
+
+UNANSWERED_AT_LEAST = 5.0
+"""Seconds a lease renewal may go unanswered before that is told as a database outage, whatever the
+lease TTL: a shorter wait is a slow database (a lock, a checkpoint), not one that answers nothing."""
 
 
 class Relay:
@@ -279,7 +284,8 @@ class Relay:
         """
         while not self._stopping.is_set():
             try:
-                self._step.maintain_leases()
+                with self._told_if_unanswered():
+                    self._step.maintain_leases()
                 return True
             except Exception as exc:
                 if not is_database_outage(exc):
@@ -320,7 +326,8 @@ class Relay:
         while not ended.wait(interval):
             try:
                 before = set(self.leases.owned())
-                after = self._step.maintain_leases()
+                with self._told_if_unanswered():
+                    after = self._step.maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
             except SchemaError as exc:
@@ -330,6 +337,15 @@ class Relay:
                 return
             except Exception as exc:
                 self._step.report(exc, "could not maintain its leases")
+
+    def _told_if_unanswered(self) -> contextlib.AbstractContextManager[None]:
+        """A lease renewal the database has not answered within the lease TTL (``UNANSWERED_AT_LEAST``
+        at least) is a database outage told (``told_if_late``): a frozen server fails no call, and the
+        relay waited in silence."""
+        after = max(self.leases.ttl, UNANSWERED_AT_LEAST)
+        return told_if_late(self.outages.database, after, (
+            f"no answer to a lease renewal in {after:g}s: the server frozen or cut off, or the lease "
+            f"rows locked; leases past their TTL lapse"))
 
     def _backlog_loop(self, ended: threading.Event) -> None:
         """Every lease renewal interval: the backlog gauges."""
