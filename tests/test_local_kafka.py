@@ -32,6 +32,7 @@ from outbox.testing import (
     Unavailable,
     create_topic,
     free_port,
+    free_ports,
     kafka_bootstrap,
     wait_until_bound,
 )
@@ -108,8 +109,14 @@ def test_a_first_start_that_finds_its_port_taken_starts_again_on_new_ports(
 ) -> None:
     """Between the pick of a free port and the broker's bind, another process may take the port."""
     taken = free_port()
-    picks = iter([taken])  # the first pick (node 1's client port) is the taken one
-    monkeypatch.setattr("outbox.testing._kafka.free_port", lambda: next(picks, None) or free_port())
+    first = [True]
+
+    def picks(count: int) -> list[int]:  # the first pick (node 1's client port) is the taken one
+        if first.pop() if first else False:
+            return [taken, *(p for p in free_ports(count) if p != taken)][:count]
+        return free_ports(count)
+
+    monkeypatch.setattr("outbox.testing._kafka.free_ports", picks)
     taker = held_by(taken)
     try:
         try:
@@ -227,3 +234,13 @@ def test_local_kafka_refuses_to_start_without_its_jars_in_one_line(
     with pytest.raises(FileNotFoundError, match="scripts/setup") as refused:
         LocalKafka()
     assert "\n" not in str(refused.value)
+
+
+def test_the_ports_a_node_is_given_are_distinct() -> None:
+    """A node's broker and controller listeners were picked one ``free_port`` at a time, and the
+    kernel can hand a port just closed out again: both on one port, the node refused at its format
+    ("two listeners on the same port", the CI of 892f5a3). ``free_ports`` holds each until all are
+    picked."""
+    for _ in range(200):
+        ports = free_ports(6)
+        assert len(set(ports)) == 6, ports

@@ -39,7 +39,7 @@ from ._kafka_cluster import LocalKafkaCluster
 from ._kafka_libs import LIBS_VARIABLE as KAFKA_LIBS_VARIABLE
 from ._kafka_node import KafkaNode
 from ._mariadb import LocalMariaDB, fresh_mysql_database, local_mariadb, mariadb_binaries
-from ._ports import PortNotBound, free_port, wait_until_bound
+from ._ports import PortNotBound, free_port, free_ports, wait_until_bound
 from ._postgres import (
     FAST_SETTINGS,
     LOGICAL_SETTINGS,
@@ -103,6 +103,7 @@ __all__ = [
     "delete_topic",
     "docker_engine_answers",
     "free_port",
+    "free_ports",
     "fresh_database",
     "fresh_mysql_database",
     "kafka_bootstrap",

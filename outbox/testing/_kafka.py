@@ -30,7 +30,7 @@ from ._jvm import HOST
 from ._kafka_admin import admin_client, create_topic, partition_leader
 from ._kafka_libs import java, kafka_libs, kafka_version, missing
 from ._kafka_node import STOP_TIMEOUT, KafkaNode
-from ._ports import free_port
+from ._ports import free_ports
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient, ClusterMetadata
@@ -136,11 +136,14 @@ class _KafkaNodes:
                     shutil.rmtree(node.data_dir, ignore_errors=True)
 
     def _configure(self) -> None:
-        ports = [(free_port(), free_port()) for _ in self.nodes]
+        # Every port of every node distinct: picked one by one, two could be the same.
+        per_node = 2 if self._relayed_at is None else 3
+        picked = iter(free_ports(per_node * len(self.nodes)))
+        ports = [(next(picked), next(picked)) for _ in self.nodes]
         voters = ",".join(f"{node.node_id}@{HOST}:{controller}"
                           for node, (_, controller) in zip(self.nodes, ports, strict=True))
         for node, (port, controller) in zip(self.nodes, ports, strict=True):
-            relayed = None if self._relayed_at is None else (free_port(), self._relayed_at)
+            relayed = None if self._relayed_at is None else (next(picked), self._relayed_at)
             node.configure(port, controller, {"controller.quorum.voters": voters, **self._properties},
                            relayed)
 

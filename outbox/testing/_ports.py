@@ -13,6 +13,7 @@ and the caller's identity check (the server's own answer) has to do.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -40,6 +41,20 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago: each is held until all
+    are picked. ``free_port`` twice can give the same port twice (the kernel hands out a port just
+    closed again), and a Kafka node then got its broker and controller listeners on one port
+    (refused at its format: "two listeners on the same port")."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 def _listening_inodes(port: int) -> set[int] | None:
