@@ -24,7 +24,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from outbox import Inbox, RetryLater, create_engine
+from sqlalchemy.orm import Session
+
+from outbox import Inbox, Message, RetryLater, create_engine
 from tests.inbox_support import AlertLog, applied, apply_effect, business, record
 from tests.test_inbox_holes import running, wait_for
 from transports import Record
@@ -112,8 +114,9 @@ def test_a_revoke_ends_the_lost_partitions_work_commits_it_and_leaves_the_kept_o
     at_return: dict[str, Any] = {}
 
     @inbox.handler(TOPIC)
-    def handler(session, message) -> None:  # type: ignore[no-untyped-def]
+    def handler(session: Session, message: Message) -> None:
         key, seq = message.key, message.seq
+        assert key is not None and seq is not None  # every record here has both
         with lock:
             calls[key, seq] += 1
             first = calls[key, seq] == 1
@@ -195,7 +198,7 @@ def test_a_revoke_leaves_a_kept_record_waiting_for_its_retry_to_wait(sqlite_db: 
     revoked = threading.Event()
 
     @inbox.handler(TOPIC)
-    def handler(session, message) -> None:  # type: ignore[no-untyped-def]
+    def handler(session: Session, message: Message) -> None:
         if message.seq == 1:
             called.append(time.monotonic())
             if len(called) == 1:
