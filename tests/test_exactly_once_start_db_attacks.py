@@ -64,22 +64,12 @@ def told(caplog: pytest.LogCaptureFixture, worker: str, text: str) -> int:
     return sum(1 for r in caplog.records if line.match(r.getMessage()))
 
 
-def checking(own_kafka: LocalKafka) -> type[KafkaTransport]:
-    """A Kafka transport whose progress-topic checks are counted (``checks``: an event each, set once
-    the check returned or raised)."""
-
-    class Checking(KafkaTransport):
-        checks: list[threading.Event] = []
-
-        def ensure_compacted_topic(self, topic: str, partitions: int, timeout: float,
-                                   stopping: threading.Event | None = None) -> None:
-            self.checks.append(ended := threading.Event())
-            try:
-                super().ensure_compacted_topic(topic, partitions, timeout, stopping)
-            finally:
-                ended.set()
-
-    return Checking
+def checking(own_kafka: LocalKafka) -> Checking:
+    """A Kafka transport of ``own_kafka`` whose progress-topic checks are counted in a list of its own
+    (``checks``: an event each, set once the check returned or raised)."""
+    made = Checking(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
+    made.checks = []
+    return made
 
 
 def reachable_rows_of(read: Any, outbox: Outbox) -> list[Any] | None:
@@ -110,6 +100,28 @@ def on_the_wire_once_in_order(bootstrap: str, topic: str, outbox: Outbox) -> Non
     assert {r.attempts for r in stored} == {1}, Counter(r.attempts for r in stored)
 
 
+def in_its_check(own_postgres: LocalPostgres, own_kafka: LocalKafka, topic: str, progress_topic: str,
+                 worker: str) -> tuple[sa.Engine, Outbox, Checking, Relay]:
+    """An outbox of ``KEYS`` on ``own_postgres`` and an exactly-once relay of it, not yet run; the
+    broker frozen, so the relay's start waits in its progress-topic check (its transport's ``checks``)."""
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=2)
+    outbox.create_tables()
+    publish(outbox, topic, KEYS)
+    transport = checking(own_kafka)
+    relay = Relay(outbox, transport, worker_id=worker, exactly_once=True, lease_ttl=1.5,
+                  poll_interval=0.1, progress_topic=progress_topic)
+    own_kafka.freeze()
+    return engine, outbox, transport, relay
+
+
+def server_outage(own_postgres: LocalPostgres, outage: str) -> tuple[Any, Any]:
+    """How the database goes away and comes back: ``stopped`` or ``frozen``."""
+    if outage == "stopped":
+        return own_postgres.stop, own_postgres.start
+    return own_postgres.freeze, own_postgres.thaw
+
+
 @pytest.mark.parametrize("outage", ["stopped", "frozen"])
 @pytest.mark.parametrize("first_back", ["database", "broker"])
 def test_a_database_outage_during_the_progress_topic_check_is_waited_out_and_the_relay_resumes(
@@ -120,23 +132,17 @@ def test_a_database_outage_during_the_progress_topic_check_is_waited_out_and_the
     (in either order), the relay resumes: every row once on the topic, in key order, no attempt more
     than the one that sent it, and ``run`` raises nothing."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
-    engine = create_engine(own_postgres.url)
-    outbox = Outbox(engine, shards=2)
-    outbox.create_tables()
-    publish(outbox, topic, KEYS)
-    transport = checking(own_kafka)(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
-    relay = Relay(outbox, transport, worker_id="check-db", exactly_once=True, lease_ttl=1.5,
-                  poll_interval=0.1, progress_topic=progress_topic)
-    down, up = ((own_postgres.stop, own_postgres.start) if outage == "stopped"
-                else (own_postgres.freeze, own_postgres.thaw))
-    own_kafka.freeze()
+    engine, outbox, transport, relay = in_its_check(own_postgres, own_kafka, topic, progress_topic,
+                                                    "check-db")
+    down, up = server_outage(own_postgres, outage)
     running = Running(relay, stop_timeout=5)
     try:
         wait_for(lambda: transport.checks, 20, "the progress-topic check")
         down()
         went = time.monotonic()
         # A stopped server is told (the lease thread's renewal refused); a frozen one holds the renewal
-        # (nothing bounds a read on PostgreSQL) past a lease TTL: its leases lapse meanwhile.
+        # (nothing bounds a read on PostgreSQL) past a lease TTL: its leases lapse meanwhile (told only
+        # once the renewal is 5 s old, ``UNANSWERED_AT_LEAST``: a database back first may be in time).
         wait_for(lambda: told(caplog, "check-db", "database unreachable") if outage == "stopped"
                  else time.monotonic() > went + 2 * relay.leases.ttl, 10, "the outage")
         assert not transport.checks[0].is_set(), "the check ended before the database went away"
@@ -175,16 +181,9 @@ def test_a_relay_stopped_in_its_progress_topic_check_with_the_database_down_retu
     """Both down (the broker frozen in the check, the database stopped or frozen under the lease
     thread): a stop returns within the stop bound, ``run`` raises nothing; once both are back a new
     relay sends every row once, in key order."""
-    engine = create_engine(own_postgres.url)
-    outbox = Outbox(engine, shards=2)
-    outbox.create_tables()
-    publish(outbox, topic, KEYS)
-    transport = checking(own_kafka)(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
-    relay = Relay(outbox, transport, worker_id="stopped-db", exactly_once=True, lease_ttl=1.5,
-                  poll_interval=0.1, progress_topic=progress_topic)
-    down, up = ((own_postgres.stop, own_postgres.start) if outage == "stopped"
-                else (own_postgres.freeze, own_postgres.thaw))
-    own_kafka.freeze()
+    engine, outbox, transport, relay = in_its_check(own_postgres, own_kafka, topic, progress_topic,
+                                                    "stopped-db")
+    down, up = server_outage(own_postgres, outage)
     running = Running(relay, stop_timeout=3)
     try:
         wait_for(lambda: transport.checks, 20, "the progress-topic check")
@@ -427,7 +426,7 @@ def test_an_exactly_once_relay_started_with_the_database_and_the_broker_down_wai
     outbox = Outbox(engine, shards=2)
     outbox.create_tables()
     publish(outbox, topic, KEYS)
-    transport = checking(own_kafka)(bootstrap_servers=own_kafka.bootstrap, delivery_timeout=10)
+    transport = checking(own_kafka)
     relay = Relay(outbox, transport, worker_id="both-down", exactly_once=True, lease_ttl=1.5,
                   poll_interval=0.1, progress_topic=progress_topic)
     engine.dispose()
