@@ -15,6 +15,8 @@ from another connection, then the next run's buffers read from ``auto_explain`` 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -258,3 +260,26 @@ def test_an_inbox_run_on_an_emptied_keys_table_locks_its_keys_not_the_table_afte
         assert rows <= 1
         assert buffers <= BUFFERS_PER_ROW, f"{buffers} buffers to lock {rows} key row(s)"
 
+
+
+def test_a_table_is_emptied_once_a_snapshot_that_saw_its_rows_has_ended(pg: sa.Engine) -> None:
+    """What every vacuumed case stands on: an older snapshot of the database (an autovacuum
+    worker's ANALYZE of a catalog, on a loaded host) keeps VACUUM from removing the deleted rows,
+    so the table keeps its page and is not "clearly empty"; ``emptied`` waits that snapshot out."""
+    Inbox(pg, group="billing").create_tables()
+    ending: list[float] = []
+    with pg.connect() as reader:
+        reader.execute(sa.text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        reader.execute(sa.text("SELECT 1")).one()  # its snapshot, taken before the DELETE
+
+        def end_the_snapshot() -> None:
+            time.sleep(1.0)  # the length of the old snapshot, not a synchronisation
+            ending.append(time.monotonic())
+            reader.rollback()
+
+        ender = threading.Thread(target=end_the_snapshot)
+        ender.start()
+        emptied(pg, "inbox_keys", lambda conn: _key_rows(conn, 100))
+        done = time.monotonic()
+        ender.join()
+    assert done > ending[0]
