@@ -24,9 +24,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from sqlalchemy.orm import Session
 
 from outbox import Inbox, Message, RetryLater, create_engine
+from outbox.inbox._schedule import KeyScheduler
 from tests.inbox_support import AlertLog, applied, apply_effect, business, record
 from tests.test_inbox_holes import running, wait_for
 from transports import Record
@@ -224,3 +226,58 @@ def test_a_revoke_leaves_a_kept_record_waiting_for_its_retry_to_wait(sqlite_db: 
     waited = called[1] - called[0]
     assert waited >= 0.9 * delay, f"tried again {waited:.2f}s after, not {delay}s"
     assert applied(engine) == [("moved", 1)]  # seq 2 is the next owner's
+
+
+def test_a_batch_ending_as_the_revoke_begins_leaves_no_retry_of_the_lost_partition(
+        sqlite_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch checks its failed records are still this consumer's (``Runner._still_mine``) before
+    it puts their retries back (``KeyScheduler._release``). A revoke that begins between the two
+    drops what is queued (nothing yet), then waits for that batch, which then queues the retry of
+    the lost partition's record: this consumer used to handle it again after the revoke returned.
+    The revoke is made to begin exactly in that gap; a record of the same key on the kept partition
+    (unordered: no seq) comes after it, behind any retry left in the key's lane."""
+    engine = create_engine(sqlite_db)
+    inbox = Inbox(engine, group=GROUP, concurrency=1, batch_size=1, max_attempts=100,
+                  retry_backoff=0.05, retry_backoff_max=0.05, alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(engine)
+    broker = InMemoryBroker(partitions=2)
+    revoked = threading.Event()
+    source = Watched(broker, began=lambda: None, returned=revoked.set)
+    calls: list[tuple[int | None, bool]] = []  # (seq, whether the revoke had returned)
+    joined: list[InMemorySource] = []  # left only once the inbox stopped: it takes nothing back
+    revoke_waits = threading.Event()
+
+    @inbox.handler(TOPIC)
+    def handler(session: Session, message: Message) -> None:
+        calls.append((message.seq, revoked.is_set()))
+        if message.seq == 1:
+            raise RuntimeError("fails; its retry is the next owner's")
+        apply_effect(session, message)
+
+    wait_idle, release = KeyScheduler.wait_idle, KeyScheduler._release
+
+    def waits_idle(self: KeyScheduler, *args: Any, **kwargs: Any) -> bool:
+        revoke_waits.set()
+        return wait_idle(self, *args, **kwargs)
+
+    def released(self: KeyScheduler, lanes: Any, batch: list[Any], later: list[Any]) -> None:
+        if later and not joined:  # the lost record's first failure, checked still this consumer's
+            joined.append(InMemorySource(broker, group_id=GROUP, topics=[TOPIC]))  # GONE its share
+            assert revoke_waits.wait(10), "the revoke never began"
+        release(self, lanes, batch, later)
+
+    monkeypatch.setattr(KeyScheduler, "wait_idle", waits_idle)
+    monkeypatch.setattr(KeyScheduler, "_release", released)
+    broker.append(on(GONE, "lost", 1))
+    try:
+        with running(inbox, source) as errors:
+            wait_for(revoked.is_set, "the revoke", errors=errors)
+            kept = record(TOPIC, "lost", None)
+            kept.partition = KEPT
+            broker.append(kept)
+            wait_for(lambda: (None, True) in calls, "the kept record handled", errors=errors)
+    finally:
+        for member in joined:
+            member.close()
+    assert calls == [(1, False), (None, True)], f"handled (seq, after the revoke): {calls}"

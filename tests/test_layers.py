@@ -102,7 +102,10 @@ def test_the_lower_packages_import_only_the_floors_below_them(floor: str) -> Non
 
 # -- the suite drives the public API where one exists (issue 25) ----------------------------------
 
-PRIVATE_IMPORTS_IN_TESTS = 148
+PRIVATE_IMPORTS_IN_TESTS = 149
+# 148 -> 149: the revoke that begins between a batch's "still mine" check and its retries' return
+# (test_inbox_revoke.py, ``inbox._schedule.KeyScheduler`` patched at that seam): no public call
+# stops a worker there, and without it the race shows once in thousands of rebalances.
 # 147 -> 148: the audit's whole-stage codegen path (test_spark_audit.py, ``spark._audit``'s
 # ``SMALL_INPUT`` lowered): through the public API it takes over 100,000 outbox rows, 88 s of SQLite
 # seeding alone in CI, for a path every other audit test skips.

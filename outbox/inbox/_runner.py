@@ -306,6 +306,9 @@ class Runner:
             if not self.scheduler.wait_idle(mine, REVOKE_TIMEOUT):
                 log.error("revoke: work on %s still running after %ss; its offsets stay "
                           "uncommitted and the next owner redoes it", sorted(gone), REVOKE_TIMEOUT)
+            # A batch that had checked its records were still this consumer's just before the
+            # revoke began puts their retries back as it ends, after the first drop.
+            dropped += self.scheduler.drop(mine)
             self._commit(list(gone))
             log.info("revoked %s: %d queued records left for the next owner", sorted(gone), dropped)
         finally:
