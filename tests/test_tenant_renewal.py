@@ -143,7 +143,7 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
     outboxes = schema_outboxes(pg, ["a", "b"], shards=2)
     relay = fleet(["a", "b"], pg, worker_id="fleet-1", lease_ttl=30)
     woken: list[Any] = []
-    renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
+    renewal = LeaseRenewal(ttl=30, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
                            stopping=threading.Event(), worker_id="fleet-1", answered=lambda *_: None)
     try:
         relay.run_once()  # each tenant's first step takes its leases
@@ -191,7 +191,7 @@ def test_a_renewal_in_one_statement_keeps_every_lease_promise(pg: sa.Engine) -> 
 def one_statement_renewal(worker_id: str) -> tuple[LeaseRenewal, list[Any]]:
     """A ``LeaseRenewal`` whose rounds the test runs itself (``_renew_chunk``), and whom it woke."""
     woken: list[Any] = []
-    renewal = LeaseRenewal(every=10, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
+    renewal = LeaseRenewal(ttl=30, schedule=cast(Any, SimpleNamespace(wake=woken.append)),
                            stopping=threading.Event(), worker_id=worker_id, answered=lambda *_: None)
     return renewal, woken
 

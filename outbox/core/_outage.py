@@ -343,16 +343,16 @@ class OutageTracker:
 
 
 @contextlib.contextmanager
-def told_if_late(tracker: OutageTracker, after: float, why: str) -> Iterator[None]:
-    """While the block runs, ``tracker`` is told it failed (``why``) if the block is still running
-    ``after`` seconds on.
+def told_if_late(failed: Callable[[str], object], after: float, why: str) -> Iterator[None]:
+    """While the block runs, ``failed(why)`` is called (an ``OutageTracker``'s or an
+    ``OutageGate``'s) if the block is still running ``after`` seconds on.
 
     A server that answers nothing (a frozen host, a ``SIGSTOP``ped server, a partition that drops
     packets) fails no call: no driver bounds a read on PostgreSQL, and the host's kernel answers TCP
-    keepalives for it. The call just waits, and no outage was ever told. Its answer, when it comes,
-    ends the outage as any other (``OutageTracker.answered``).
+    keepalives for it. The call just waits, and no outage was ever told. The first work begun after
+    the outage was told that the server answers ends it (``OutageTracker.answered(started)``).
     """
-    timer = threading.Timer(after, tracker.failed, args=(why,))
+    timer = threading.Timer(after, failed, args=(why,))
     timer.daemon = True
     timer.start()
     try:

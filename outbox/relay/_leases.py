@@ -22,8 +22,8 @@ threads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -48,6 +48,7 @@ from transports._logsafe import safe_logger
 
 from ..core._envelope import utcnow
 from ..core._errors import SchemaError
+from ..core._outage import told_if_late
 from ..core._tables import MYSQL_FAMILY, OutboxTables
 from ._sql import RelayStatements, statements_for
 
@@ -475,4 +476,20 @@ class Leases:
 
 def renew_interval(ttl: float) -> float:
     return max(0.05, ttl / 3)
+
+
+UNANSWERED_AT_LEAST = 5.0
+"""Seconds a lease renewal may go unanswered before that is told as a database outage, whatever the
+lease TTL: a shorter wait is a slow database (a lock, a checkpoint), not one that answers nothing."""
+
+
+def renewal_watched(failed: Callable[[str], object], ttl: float) -> AbstractContextManager[None]:
+    """A lease renewal the database has not answered within the lease ``ttl`` (``UNANSWERED_AT_LEAST``
+    at least) is a database outage, told to ``failed`` (``told_if_late``): a frozen server fails no
+    call, and the relay (or the fleet's renewal of a database) waited in silence while its leases
+    lapsed."""
+    after = max(ttl, UNANSWERED_AT_LEAST)
+    return told_if_late(failed, after, (
+        f"no answer to a lease renewal in {after:g}s: the server frozen or cut off, or the lease "
+        f"rows locked; leases past their TTL lapse"))
 

@@ -42,7 +42,7 @@ from ..core._alerts import Alert, AlertSink, LoggingAlertSink
 from ..core._cloudevents import CloudEvents
 from ..core._envelope import utcnow
 from ..core._errors import ConfigurationError, SchemaError
-from ..core._outage import OutageBackoff, is_database_outage, told_if_late
+from ..core._outage import OutageBackoff, is_database_outage
 from ..core._stopping import STOP_TIMEOUT, BoundRun, Fatal
 from ..core._wheel import TimingWheel
 from ..producer import Outbox
@@ -50,7 +50,7 @@ from ._admin import backlog
 from ._batch import BatchResult
 from ._closers import RELEASE_WITHIN, Closers
 from ._exactly_once import DEFAULT_PROGRESS_TOPIC
-from ._leases import Leases, renew_interval
+from ._leases import Leases, renew_interval, renewal_watched
 from ._metrics import RelayMetrics, relay_metrics
 from ._session import relay_engine
 from ._settings import (
@@ -66,11 +66,6 @@ from ._stuck import StuckKeys
 from ._wakeup import Wakeup
 
 log = safe_logger("outbox.relay")
-
-UNANSWERED_AT_LEAST = 5.0
-"""Seconds a lease renewal may go unanswered before that is told as a database outage, whatever the
-lease TTL: a shorter wait is a slow database (a lock, a checkpoint), not one that answers nothing."""
-
 
 class Relay:
     """Publishes an ``Outbox``'s rows through a ``Transport``; see the module doc.
@@ -339,13 +334,8 @@ class Relay:
                 self._step.report(exc, "could not maintain its leases")
 
     def _told_if_unanswered(self) -> contextlib.AbstractContextManager[None]:
-        """A lease renewal the database has not answered within the lease TTL (``UNANSWERED_AT_LEAST``
-        at least) is a database outage told (``told_if_late``): a frozen server fails no call, and the
-        relay waited in silence."""
-        after = max(self.leases.ttl, UNANSWERED_AT_LEAST)
-        return told_if_late(self.outages.database, after, (
-            f"no answer to a lease renewal in {after:g}s: the server frozen or cut off, or the lease "
-            f"rows locked; leases past their TTL lapse"))
+        """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``)."""
+        return renewal_watched(self.outages.database.failed, self.leases.ttl)
 
     def _backlog_loop(self, ended: threading.Event) -> None:
         """Every lease renewal interval: the backlog gauges."""

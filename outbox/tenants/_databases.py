@@ -46,7 +46,7 @@ class FleetDatabases:
     """
 
     def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
-                 metrics: RelayMetrics, poll_interval: float, renew_every: float,
+                 metrics: RelayMetrics, poll_interval: float, lease_ttl: float,
                  notify_channel: str | None, schedule: Schedule, stopping: threading.Event,
                  slots: ServerSlots, transaction_pooled: bool = False) -> None:
         self.default = default
@@ -60,7 +60,7 @@ class FleetDatabases:
         self._stopping = stopping
         self._slots = slots
         self._by_key: dict[str, FleetDatabase] = {}
-        self._renewal = LeaseRenewal(every=renew_every, schedule=schedule, stopping=stopping,
+        self._renewal = LeaseRenewal(ttl=lease_ttl, schedule=schedule, stopping=stopping,
                                      worker_id=worker_id, answered=self.answered)
         self.started = False
 

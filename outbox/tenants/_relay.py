@@ -206,7 +206,7 @@ class TenantRelay:
         self._fatal = Fatal()
         self._databases = FleetDatabases(
             database, pool_size=self.pool_size, worker_id=self.worker_id, metrics=process_metrics,
-            poll_interval=settings.poll_interval, renew_every=renew_interval(settings.lease_ttl),
+            poll_interval=settings.poll_interval, lease_ttl=settings.lease_ttl,
             notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping,
             slots=self._slots, transaction_pooled=transaction_pooled)
         # Weakly: the registry is the fleet's, and the fleet holds the transports; a cycle would leave

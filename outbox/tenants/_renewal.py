@@ -38,7 +38,7 @@ from transports._logsafe import safe_logger
 from ..core._envelope import utcnow
 from ..core._outage import is_database_outage
 from ..relay import RelayStep
-from ..relay._leases import Answer, LeaseRound
+from ..relay._leases import Answer, LeaseRound, renew_interval, renewal_watched
 from ..relay._leases_shared import renew_together
 from ..relay._session import relay_engine
 from ._schedule import Schedule
@@ -51,11 +51,12 @@ RENEW_CHUNK = 32
 
 
 class LeaseRenewal:
-    """Renews the leases of each database's tenants every ``every`` seconds, a thread per database."""
+    """Renews the leases (``ttl`` seconds) of each database's tenants every TTL/3, a thread per database."""
 
-    def __init__(self, *, every: float, schedule: Schedule, stopping: threading.Event, worker_id: str,
+    def __init__(self, *, ttl: float, schedule: Schedule, stopping: threading.Event, worker_id: str,
                  answered: Callable[[FleetDatabase, float], None]) -> None:
-        self.every = every
+        self.ttl = ttl
+        self.every = renew_interval(ttl)
         self._schedule = schedule
         self._stopping = stopping
         self._worker_id = worker_id
@@ -75,13 +76,15 @@ class LeaseRenewal:
             # but a step may wait long in the broker before it asks the database anything (an
             # exactly-once tenant's progress-topic check, up to the transaction timeout), and the
             # leases of a database back meanwhile lapsed unrenewed, for another process to take.
-            down = db.gate.down
+            # A round unanswered for the lease TTL closes the gate (``renewal_watched``): a frozen
+            # server fails no call, and its tenants' turns would each wait on it in silence.
             started = time.monotonic()
             try:
-                self.renew(db, engine)
+                with renewal_watched(db.gate.failed, self.ttl):
+                    self.renew(db, engine)
             except Exception as exc:
                 if is_database_outage(exc):
-                    if not down:  # told once; while it is down the probes' backoff paces the gate
+                    if not db.gate.down:  # told once; while it is down the probes' backoff paces the gate
                         db.gate.failed(exc)
                 else:
                     log.exception("relay %s: could not renew its tenants' leases", self._worker_id)
