@@ -10,15 +10,25 @@ of it once. Before that, after ``alert_after``, a gap still held raises one
 ``gap_held`` alert (per head message and process): the missing message may
 still be on its way — a slow relay, a broker outage — and someone can look
 before the key parks.
+
+The sweep's reads, every second, are also how the inbox learns that its database answers nothing
+(a frozen host, a partition that drops packets): such a server fails no call, so a transaction on
+it just waits, in silence. A read unanswered for ``UNANSWERED`` seconds is told as an outage; the
+first read begun after that and answered ends it. Only that outage: one a transaction told (a full
+disk fails writes, not reads) is the transactions' to end, or every sweep would end it again.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any, TypeVar
 
 from ..core._alerts import Alert, AlertKind, deliver
 from ..core._envelope import utcnow
+from ..core._outage import OutageTracker, told_if_late
 from ._alerting import Alerter
 from ._committed import Parked
 from ._conflicts import Verdict, describe
@@ -27,18 +37,30 @@ from ._kinds import Reason
 from ._sessions import Sessions
 from .storage import InboxStorage, KeyState
 
+T = TypeVar("T")
+
+UNANSWERED = 10.0
+"""Seconds a sweep's read may go unanswered before the database is told down: the connect timeout
+(``core._engine.CONNECT_TIMEOUT``), so that a frozen server is told as soon on a pooled connection as
+on a new one. The reads take no lock: only a server that answers nothing keeps one waiting that long."""
+
 
 class GapSweeper:
     """Finds and settles held messages for one group; safe to call from several threads.
 
     Database errors propagate: the caller decides whether to wait (an outage).
     The database work runs through ``Sessions.run``; alerts go out from the
-    calling thread.
+    calling thread. ``outages`` (the inbox's database) hears of a read left
+    unanswered (module doc) and of the next one answered.
     """
 
+    _unanswered_since: float | None = None
+    """When a read left unanswered was told (``_told``): the outage the sweep's reads may end."""
+
     def __init__(self, sessions: Sessions, storage: InboxStorage, alerter: Alerter,
-                 gap_timeout: float, alert_after: float) -> None:
+                 gap_timeout: float, alert_after: float, outages: OutageTracker) -> None:
         self.sessions = sessions
+        self.outages = outages
         self.storage = storage
         self.alerter = alerter
         self.gap_timeout = gap_timeout
@@ -47,7 +69,23 @@ class GapSweeper:
 
     def ready(self, limit: int = 500) -> list[OrderedDelivery]:
         """Held messages that are next in their key; apply each through its key's lane."""
-        return self.sessions.run(self._ready, limit)
+        return self._read(self._ready, limit)
+
+    def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a read, told to ``outages`` if unanswered for ``UNANSWERED`` seconds."""
+        started = time.monotonic()
+        with told_if_late(self._told, UNANSWERED, (
+                f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off")):
+            found = self.sessions.run(fn, *args)
+        since = self._unanswered_since
+        if since is not None and started > since:
+            self._unanswered_since = None
+            self.outages.answered(started)
+        return found
+
+    def _told(self, why: str) -> None:
+        self._unanswered_since = time.monotonic()
+        self.outages.failed(why)
 
     def _ready(self, limit: int) -> list[OrderedDelivery]:
         with self.sessions() as session:
@@ -56,7 +94,7 @@ class GapSweeper:
     def warn_held(self) -> int:
         """One ``gap_held`` alert per gap held longer than ``alert_after`` (not yet parked); how many new."""
         now = utcnow()
-        states, heads = self.sessions.run(self._heads, now - timedelta(seconds=self.alert_after))
+        states, heads = self._read(self._heads, now - timedelta(seconds=self.alert_after))
         current, raised = set(), 0
         for key, head, waiting in heads:
             state = states.get(key)
@@ -95,7 +133,7 @@ class GapSweeper:
         self.warn_held()
         cutoff = utcnow() - timedelta(seconds=self.gap_timeout)
         parked = 0
-        for key in self.sessions.run(self._stale, cutoff):
+        for key in self._read(self._stale, cutoff):
             found = self.sessions.run(self._park_gap, key, cutoff)
             if found is not None:
                 parked += 1

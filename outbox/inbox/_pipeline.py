@@ -46,5 +46,5 @@ def build_pipeline(sessions: Sessions, storage: InboxStorage, handlers: Mapping[
                                                             max=settings.retry_backoff_max,
                                                             jitter=settings.retry_backoff))
     gaps = GapSweeper(sessions, storage, alerter, settings.gap_timeout,
-                      settings.gap_alert_after or settings.gap_timeout / 2)
+                      settings.gap_alert_after or settings.gap_timeout / 2, outages)
     return Pipeline(storage, step, settler, ParkedAdmin(sessions, storage, step), gaps)
