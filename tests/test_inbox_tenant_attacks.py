@@ -524,3 +524,35 @@ def test_a_tenants_tables_made_again_just_after_a_transaction_missed_them_count_
     finally:
         for engine in [made.default, *made.engines.values()]:
             engine.dispose()
+
+
+def test_an_idle_tenants_gap_is_parked_after_an_outage_its_sweep_met(tmp_path: Path) -> None:
+    """A sweep that meets a tenant's database outage closes its gate. Only a probe opens a gate, and
+    the sweep skipped a closed one: a tenant with no traffic was never swept again, its gap never
+    parked nor alerted, however long past ``gap_timeout``. The sweep now probes a closed gate in its
+    turn (``OutageGate.admit``), and its answer opens it."""
+    default = sa.create_engine(f"sqlite:///{tmp_path}/default.db")
+    # A short busy timeout: the sweep's read of a locked file fails fast ("database is locked": an outage).
+    acme = sa.create_engine(f"sqlite:///{tmp_path}/acme.db", connect_args={"timeout": 0.1})
+    inbox = Inbox(default, group="g", tenants=[Tenant("acme", database=acme)], tenant_header=HEADER,
+                  gap_timeout=1.0)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    inbox.create_tables()
+    inbox.create_tables(tenant="acme")
+    held = record(TOPIC, "k", 2)
+    held.headers.append((HEADER, b"acme"))
+    assert inbox.handle(held) == Disposition.HELD  # seq 1 never comes
+    locker = acme.raw_connection()
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        inbox.sweep()  # the outage: acme's gate closes
+    finally:
+        locker.rollback()
+        locker.close()
+    deadline = time.monotonic() + 15
+    while not inbox.parked(tenant="acme") and time.monotonic() < deadline:
+        inbox.sweep()  # what the runner's sweep does every second
+        time.sleep(0.2)
+    assert [m.seq for m in inbox.parked(tenant="acme")] == [2]
+    default.dispose()
+    acme.dispose()

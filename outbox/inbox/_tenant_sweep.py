@@ -4,13 +4,15 @@ The runner's consumer thread must never wait for a tenant's database: each
 turn hands the places whose turn it is (``SWEEP_SLICE`` of them, round robin)
 to a sweeper thread per database and takes what the finished sweeps found; a
 database whose last sweep has not returned (a hung one) is skipped. An outage
-closes the place's gate (``_places``) instead of failing the sweep.
+closes the place's gate (``_places``) instead of failing the sweep; a closed gate
+is probed by the sweep in its turn, as by a worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -115,12 +117,21 @@ class TenantSweeps:
             self.places.refresh()
         found: list[Delivery] = []
         for place in self.places.all() if places is None else places:
-            if not place.gate.down:
+            # A gate an outage closed is probed in its turn, as a worker probes it: a tenant with no
+            # traffic has no worker to open it, and its gaps would never be parked again. One closed
+            # until its tables are checked is a worker's to open (the check, and its log line).
+            if (place.gate.down and not place.checked) or place.gate.admit() is not None:
+                continue
+            started = time.monotonic()
+            try:
                 found.extend(self._sweeping(place, lambda p: [
                     dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], []))
                 self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
                 place.parked_keys = self._sweeping(place, lambda p: p.admin.parked_key_count(),
                                                    place.parked_keys)
+                place.gate.answered(started)  # nothing, when the sweep met an outage (it closed the gate)
+            finally:
+                place.gate.probed()
         return found
 
     def _sweeping(self, place: Place, fn: Callable[[Place], T], otherwise: T) -> T:
