@@ -279,7 +279,7 @@ class Relay:
         """
         while not self._stopping.is_set():
             try:
-                with self._told_if_unanswered():
+                with self._told_if_unanswered(self._stopping):
                     self._step.maintain_leases()
                 return True
             except Exception as exc:
@@ -321,7 +321,7 @@ class Relay:
         while not ended.wait(interval):
             try:
                 before = set(self.leases.owned())
-                with self._told_if_unanswered():
+                with self._told_if_unanswered(ended):
                     after = self._step.maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
@@ -333,9 +333,10 @@ class Relay:
             except Exception as exc:
                 self._step.report(exc, "could not maintain its leases")
 
-    def _told_if_unanswered(self) -> contextlib.AbstractContextManager[None]:
-        """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``)."""
-        return renewal_watched(self.outages.database.failed, self.leases.ttl)
+    def _told_if_unanswered(self, stopped: threading.Event) -> contextlib.AbstractContextManager[None]:
+        """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``),
+        unless the run stopped meanwhile (``stopped``): its last line said so."""
+        return renewal_watched(self.outages.database.failed, self.leases.ttl, unless=stopped)
 
     def _backlog_loop(self, ended: threading.Event) -> None:
         """Every lease renewal interval: the backlog gauges."""

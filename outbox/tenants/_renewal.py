@@ -80,7 +80,7 @@ class LeaseRenewal:
             # server fails no call, and its tenants' turns would each wait on it in silence.
             started = time.monotonic()
             try:
-                with renewal_watched(db.gate.failed, self.ttl):
+                with renewal_watched(db.gate.failed, self.ttl, unless=self._stopping):
                     self.renew(db, engine)
             except Exception as exc:
                 if is_database_outage(exc):
