@@ -13,14 +13,19 @@ import threading
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import Running, ScriptedTransport, owned_leases, publish, rows, schema_outboxes, wait_for
+from inbox_support import AlertLog, applied, apply_effect, business
+from inbox_support import record as inbox_record
 from prometheus_client import CollectorRegistry
+from sqlalchemy.orm import Session
+from test_inbox_holes import running as inbox_running
+from test_inbox_holes import wait_for as inbox_wait_for
 
-from outbox import Outbox, Relay, relay_metrics
+from outbox import Inbox, Message, Outbox, Relay, relay_metrics
 from outbox.core._wire import SEQ
 from outbox.relay import tenant_relay_metrics
 from outbox.tenants import Tenant, TenantLabels, TenantRelay
 from transports import Record
-from transports.memory import InMemoryBroker, InMemoryTransport
+from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 
 TTL = 1.0
 """The lease TTL of these relays: their watch's bound is ``UNANSWERED_AT_LEAST`` (5 s)."""
@@ -147,3 +152,36 @@ def test_a_fleet_stopped_while_its_renewal_hangs_tells_nothing_after_its_run_ret
     assert stopped_while_hanging(pg, outboxes["t1"], "stopped-fleet", running, caplog) == []
     registry = relay.metrics.registry
     assert not registry.get_sample_value("outbox_relay_outages_total", {"dependency": "database"})
+
+
+@pytest.mark.postgres
+def test_an_inbox_stopped_while_its_sweep_read_hangs_tells_nothing_after_its_run_returned(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """The gap sweep's read hangs (its table locked here, a frozen server alike) and the inbox is
+    stopped before the read's 10 s bound: ``run`` returns, and the read's watch must not say the
+    database is unavailable after that."""
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    inbox = Inbox(pg, group="stopped", alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(pg)
+
+    @inbox.handler("orders")
+    def handler(session: Session, message: Message) -> None:
+        apply_effect(session, message)
+
+    broker = InMemoryBroker(partitions=1)
+    source = InMemorySource(broker, group_id="stopped", topics=["orders"])
+    holder = pg.connect()
+    try:
+        with inbox_running(inbox, source):
+            broker.append(inbox_record("orders", "k", 1))
+            inbox_wait_for(lambda: applied(pg) == [("k", 1)], "the first message applied")
+            holder.begin()
+            holder.execute(sa.text("LOCK TABLE inbox_held IN ACCESS EXCLUSIVE MODE"))
+            wait_for(lambda: waiting_on_a_lock(pg, "SELECT inbox_held"), 10, "the sweep's read waiting")
+        after_stop = len(caplog.records)
+        timers_ended()  # the hanging read's watch: past its 10 s
+    finally:
+        holder.rollback()
+        holder.close()
+    assert [r.getMessage() for r in caplog.records[after_stop:] if "unavailable" in r.getMessage()] == []

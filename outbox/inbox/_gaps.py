@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from ..core._alerts import Alert, AlertKind, deliver
 from ..core._envelope import utcnow
 from ..core._outage import OutageTracker, told_if_late
+from ..core._stopping import RunEnd
 from ._alerting import Alerter
 from ._committed import Parked
 from ._conflicts import Verdict, describe
@@ -51,16 +52,20 @@ class GapSweeper:
     Database errors propagate: the caller decides whether to wait (an outage).
     The database work runs through ``Sessions.run``; alerts go out from the
     calling thread. ``outages`` (the inbox's database) hears of a read left
-    unanswered (module doc) and of the next one answered.
+    unanswered (module doc) and of the next one answered; not once the inbox's run
+    that the read began in has ended (``run_end``): a read still hanging after ``run``
+    returned tells nothing.
     """
 
     _unanswered_since: float | None = None
     """When a read left unanswered was told (``_told``): the outage the sweep's reads may end."""
 
     def __init__(self, sessions: Sessions, storage: InboxStorage, alerter: Alerter,
-                 gap_timeout: float, alert_after: float, outages: OutageTracker) -> None:
+                 gap_timeout: float, alert_after: float, outages: OutageTracker,
+                 run_end: RunEnd | None = None) -> None:
         self.sessions = sessions
         self.outages = outages
+        self._run_end = run_end
         self.storage = storage
         self.alerter = alerter
         self.gap_timeout = gap_timeout
@@ -75,7 +80,8 @@ class GapSweeper:
         """``fn(*args)``, a read, told to ``outages`` if unanswered for ``UNANSWERED`` seconds."""
         started = time.monotonic()
         with told_if_late(self._told, UNANSWERED, (
-                f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off")):
+                f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off"),
+                unless=None if self._run_end is None else self._run_end.current()):
             found = self.sessions.run(fn, *args)
         since = self._unanswered_since
         if since is not None and started > since:

@@ -220,7 +220,7 @@ class Relay:
         ended = threading.Event()
         threads = self._threads = []
         try:
-            if not self._first_leases():
+            if not self._first_leases(ended):
                 return  # stopped while waiting for the database
             threads.append(threading.Thread(target=self._lease_loop, args=(ended,),
                                             name="outbox-relay-leases", daemon=True))
@@ -271,7 +271,7 @@ class Relay:
         """The release a stop said goes on gave the leases back in the end."""
         log.info("relay %s gave its leases back %.1fs after its release began", self.worker_id, seconds)
 
-    def _first_leases(self) -> bool:
+    def _first_leases(self, ended: threading.Event) -> bool:
         """Take the first leases, waiting out a database outage; False if stopped meanwhile.
 
         A relay started while the database is down waits for it (one log line each
@@ -279,7 +279,7 @@ class Relay:
         """
         while not self._stopping.is_set():
             try:
-                with self._told_if_unanswered(self._stopping):
+                with self._told_if_unanswered(ended):
                     self._step.maintain_leases()
                 return True
             except Exception as exc:
@@ -335,7 +335,7 @@ class Relay:
 
     def _told_if_unanswered(self, stopped: threading.Event) -> contextlib.AbstractContextManager[None]:
         """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``),
-        unless the run stopped meanwhile (``stopped``): its last line said so."""
+        unless the run ended meanwhile (``stopped``, never cleared): its last line said so."""
         return renewal_watched(self.outages.database.failed, self.leases.ttl, unless=stopped)
 
     def _backlog_loop(self, ended: threading.Event) -> None:

@@ -178,6 +178,10 @@ class FleetDatabases:
         if db.gate.answered(started):
             self.wake_all(db)
 
+    def run_ended(self) -> None:
+        """The fleet's run returns: a renewal round still hanging tells its database's gate nothing."""
+        self._renewal.run_end.end()
+
     def problem(self) -> str | None:
         """Every database down: the process is not ready. One of several down: it is."""
         databases = self.values()

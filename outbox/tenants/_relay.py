@@ -333,6 +333,7 @@ class TenantRelay:
             self._clock()
         finally:
             self._stopping.set()
+            self._databases.run_ended()
             with self._schedule.lock:  # from here on no worker takes a tenant from the queue
                 self._schedule.lock.notify_all()
                 idle = [unit for unit in self._tenants.units.values()

@@ -37,6 +37,7 @@ from transports._logsafe import safe_logger
 
 from ..core._envelope import utcnow
 from ..core._outage import is_database_outage
+from ..core._stopping import RunEnd
 from ..relay import RelayStep
 from ..relay._leases import Answer, LeaseRound, renew_interval, renewal_watched
 from ..relay._leases_shared import renew_together
@@ -61,6 +62,8 @@ class LeaseRenewal:
         self._stopping = stopping
         self._worker_id = worker_id
         self._answered = answered
+        self.run_end = RunEnd()
+        """Ended by the fleet's run as it returns: a round still hanging then tells nothing."""
 
     def start(self, db: FleetDatabase) -> None:
         """Renew ``db``'s tenants' leases from now on, until the fleet stops."""
@@ -80,7 +83,7 @@ class LeaseRenewal:
             # server fails no call, and its tenants' turns would each wait on it in silence.
             started = time.monotonic()
             try:
-                with renewal_watched(db.gate.failed, self.ttl, unless=self._stopping):
+                with renewal_watched(db.gate.failed, self.ttl, unless=self.run_end.current()):
                     self.renew(db, engine)
             except Exception as exc:
                 if is_database_outage(exc):
