@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import sqlalchemy as sa
-from _relay_helpers import Running, ScriptedTransport, owned_leases, publish, rows, schema_outboxes, wait_for
+from _relay_helpers import (
+    Running,
+    ScriptedTransport,
+    owned_leases,
+    pending,
+    publish,
+    rows,
+    schema_outboxes,
+    wait_for,
+)
 from inbox_support import AlertLog, applied, apply_effect, business
 from inbox_support import record as inbox_record
 from prometheus_client import CollectorRegistry
@@ -20,10 +30,12 @@ from sqlalchemy.orm import Session
 from test_inbox_holes import running as inbox_running
 from test_inbox_holes import wait_for as inbox_wait_for
 
-from outbox import Inbox, Message, Outbox, Relay, relay_metrics
+from outbox import Inbox, Message, Outbox, Relay, create_engine, relay_metrics
+from outbox.core._outage import OutageTracker
 from outbox.core._wire import SEQ
 from outbox.relay import tenant_relay_metrics
 from outbox.tenants import Tenant, TenantLabels, TenantRelay
+from outbox.testing import LocalPostgres
 from transports import Record
 from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 
@@ -185,3 +197,124 @@ def test_an_inbox_stopped_while_its_sweep_read_hangs_tells_nothing_after_its_run
         holder.rollback()
         holder.close()
     assert [r.getMessage() for r in caplog.records[after_stop:] if "unavailable" in r.getMessage()] == []
+
+
+@pytest.mark.slow  # a server of its own, frozen
+def test_a_short_freeze_tells_nothing_and_two_freezes_in_a_row_are_told_once_each_way_each(
+        own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture) -> None:
+    """A freeze shorter than the bound (3 s of 5 s) is a slow database: nothing told, nothing lost.
+    Then frozen past the bound, thawed, and frozen again 1 s later: two outages, each told once each
+    way, never "reachable again" from work begun before the second freeze while it lasts; every row
+    published meanwhile is sent, in order."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    transport = ScriptedTransport()
+    running = Running(Relay(outbox, transport, worker_id="refrozen", lease_ttl=2.0, poll_interval=0.1,
+                            metrics=relay_metrics(CollectorRegistry())), stop_timeout=5)
+    try:
+        publish(outbox, "orders", ["k"])
+        wait_for(lambda: not rows(outbox, status="pending"), 20, "the first row published")
+        own_postgres.freeze()
+        try:
+            time.sleep(3.0)  # the freeze's length (shorter than the bound), not a wait for anything
+        finally:
+            own_postgres.thaw()
+        publish(outbox, "orders", ["k"])
+        wait_for(lambda: not rows(outbox, status="pending"), 20, "the row after the short freeze")
+        assert told(caplog, "refrozen", "unreachable") == 0
+        for n in (1, 2):
+            own_postgres.freeze()
+            try:
+                wait_for(lambda n=n: told(caplog, "refrozen", "unreachable") == n, 10, f"outage {n} told")
+                assert told(caplog, "refrozen", "reachable again") == n - 1
+            finally:
+                own_postgres.thaw()
+            if n == 1:  # frozen again as soon as the first outage's end is told
+                wait_for(lambda: told(caplog, "refrozen", "reachable again") == 1, 10, "outage 1 ended")
+        wait_for(lambda: told(caplog, "refrozen", "reachable again") == 2, 30, "outage 2 ended")
+        publish(outbox, "orders", ["k"])
+        wait_for(lambda: not rows(outbox, status="pending"), 30, "the row after the thaws")
+    finally:
+        running.stop()
+        engine.dispose()
+    assert [r.key for r in transport.sent] == [b"k"] * 3
+    assert [seq(r) for r in transport.sent] == [1, 2, 3]
+    assert told(caplog, "refrozen", "unreachable") == 2
+    assert told(caplog, "refrozen", "reachable again") == 2
+
+
+def ended_by_earlier_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The outages ``OutageTracker.answered`` ends with work whose start is unknown or before the
+    outage was told (filled as the test runs): work begun before an outage says nothing of now."""
+    wrong: list[str] = []
+    answered = OutageTracker.answered
+
+    def checked(tracker: OutageTracker, started: float | None = None) -> None:
+        since = tracker._since
+        answered(tracker, started)
+        if since is not None and tracker._since is None and (started is None or started < since):
+            wrong.append(f"{tracker.what}: ended by work started {started}, told at {since}")
+
+    monkeypatch.setattr(OutageTracker, "answered", checked)
+    return wrong
+
+
+@pytest.mark.slow  # a server of its own, frozen
+@pytest.mark.postgres
+def test_a_fleet_with_one_of_two_databases_frozen_tells_only_its_outage_and_opens_it_with_no_traffic(
+        pg: sa.Engine, own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two databases, one frozen past the bound: the other's tenants keep being published and its gate
+    never closes; the frozen one's outage is told once and ended after the thaw (no row published to
+    its tenants meanwhile), once, by work begun after it was told (not the renewal round that hung
+    through it); its rows published after that are sent."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    wrong = ended_by_earlier_work(monkeypatch)
+    healthy = schema_outboxes(pg, ["h1"], shards=1)["h1"]
+    frozen_setup = create_engine(own_postgres.url)
+    frozen = schema_outboxes(frozen_setup, ["f1"], shards=1)["f1"]
+    fleet_engine = create_engine(own_postgres.url, pool_size=4, max_overflow=0)
+    for conn in [fleet_engine.connect() for _ in range(4)]:
+        conn.close()
+    broker = InMemoryBroker()
+    relay = TenantRelay([Tenant("h1", "h1"), Tenant("f1", "f1", database=fleet_engine)],
+                        lambda: InMemoryTransport(broker), database=pg, workers=2, worker_id="two-dbs",
+                        poll_interval=0.1, lease_ttl=2.0, refresh_every=0.5,
+                        metrics=tenant_relay_metrics(TenantLabels(), CollectorRegistry()))
+    running = Running(relay, stop_timeout=10)
+    closed: list[int] = []
+    try:
+        wait_for(lambda: sorted(relay.tenants) == ["f1", "h1"], 30, "both tenants served")
+        gates = {db.engine.url.port: db.gate for db in relay._databases.values()}
+        healthy_gate, frozen_gate = gates[pg.url.port], gates[fleet_engine.url.port]
+        for outbox in (healthy, frozen):
+            with outbox.begin() as session:
+                outbox.publish(session, "orders", {"n": 1}, key="k")
+        wait_for(lambda: pending(healthy) == 0 and pending(frozen) == 0, 30, "the first rows")
+        own_postgres.freeze()
+        try:
+            wait_for(lambda: told(caplog, "two-dbs", "unreachable") == 1, 10, "the frozen one told")
+            for n in range(2, 5):
+                with healthy.begin() as session:
+                    healthy.publish(session, "orders", {"n": n}, key="k")
+                wait_for(lambda: pending(healthy) == 0, 10, "the healthy tenant published")
+                if healthy_gate.down:
+                    closed.append(n)
+        finally:
+            own_postgres.thaw()
+        wait_for(lambda: told(caplog, "two-dbs", "reachable again") == 1, 20, "its end told")
+        wait_for(lambda: not frozen_gate.down, 10, "its gate open, no row published to its tenant")
+        with frozen.begin() as session:
+            frozen.publish(session, "orders", {"n": 2}, key="k")
+        wait_for(lambda: pending(frozen) == 0, 30, "the frozen tenant's row after the thaw")
+    finally:
+        running.stop()
+        fleet_engine.dispose()
+        frozen_setup.dispose()
+    assert closed == []
+    assert wrong == []
+    assert told(caplog, "two-dbs", "unreachable") == 1
+    assert told(caplog, "two-dbs", "reachable again") == 1
+    assert len(broker.records("orders")) == 6

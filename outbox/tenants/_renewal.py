@@ -130,7 +130,7 @@ class LeaseRenewal:
             # Timed once every lock is held: a tenant's lock may be held for long (its own renewal
             # waiting on a row lock, a release), and the rounds of the tenants before it would begin
             # that long before their statement, renewing them for that much less than a TTL.
-            now = utcnow()
+            now, started = utcnow(), time.monotonic()
             rounds = [(unit, step, None if round_ is None else round_.at(now))
                       for unit, step, round_ in entered]
             answers = self._answers(conn, [(unit, step, round_) for unit, step, round_ in rounds
@@ -143,7 +143,10 @@ class LeaseRenewal:
                     answer = answers[id(unit)]
                     if isinstance(answer, Exception):
                         raise answer
-                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *answer))
+                    # When it began: a chunk that hung through an outage told meanwhile (a frozen
+                    # server) ends nothing when it answers; the first work begun after does.
+                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *answer),
+                                                             started)
                 except Exception as exc:
                     if is_database_outage(exc):
                         raise
