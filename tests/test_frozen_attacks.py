@@ -39,6 +39,7 @@ from outbox.testing import LocalPostgres
 from transports import Record
 from transports.memory import InMemoryBroker, InMemorySource, InMemoryTransport
 
+HEADER = "x-tenant"
 TTL = 1.0
 """The lease TTL of these relays: their watch's bound is ``UNANSWERED_AT_LEAST`` (5 s)."""
 
@@ -203,9 +204,9 @@ def test_an_inbox_stopped_while_its_sweep_read_hangs_tells_nothing_after_its_run
 def test_a_short_freeze_tells_nothing_and_two_freezes_in_a_row_are_told_once_each_way_each(
         own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture) -> None:
     """A freeze shorter than the bound (3 s of 5 s) is a slow database: nothing told, nothing lost.
-    Then frozen past the bound, thawed, and frozen again 1 s later: two outages, each told once each
-    way, never "reachable again" from work begun before the second freeze while it lasts; every row
-    published meanwhile is sent, in order."""
+    Then frozen past the bound, thawed, and frozen again as soon as its end is told: two outages,
+    each told once each way, never "reachable again" from work begun before the second freeze while
+    it lasts; every row published meanwhile is sent, in order."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
     engine = create_engine(own_postgres.url)
     outbox = Outbox(engine, shards=1)
@@ -318,3 +319,70 @@ def test_a_fleet_with_one_of_two_databases_frozen_tells_only_its_outage_and_open
     assert told(caplog, "two-dbs", "unreachable") == 1
     assert told(caplog, "two-dbs", "reachable again") == 1
     assert len(broker.records("orders")) == 6
+
+
+@pytest.mark.slow  # a server of its own, frozen
+@pytest.mark.postgres
+def test_an_inbox_tenant_whose_database_is_frozen_holds_up_no_other_tenants_sweep(
+        pg: sa.Engine, own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture) -> None:
+    """Tenant b's database (a server of its own) frozen past the read's bound while tenant a's (the
+    shared server) answers: only b's outage is told, once each way; meanwhile a's messages apply, a's
+    sweep parks a gap that outlived ``gap_timeout`` and its parked keys are counted; after the thaw,
+    b's messages apply."""
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    with pg.begin() as conn:
+        conn.execute(sa.text("CREATE SCHEMA t_a"))
+    b_engine = create_engine(own_postgres.url)
+    tenants = [Tenant("a", schema="t_a"), Tenant("b", database=own_postgres.url)]
+    inbox = Inbox(pg, group="two", tenants=tenants, tenant_header=HEADER, alert=AlertLog(), gap_timeout=2.0)
+    inbox.create_tables()
+    a_tables = pg.execution_options(schema_translate_map={None: "t_a"})
+    for tenant, tables in (("a", a_tables), ("b", b_engine)):
+        inbox.create_tables(tenant=tenant)
+        business.create_all(tables)
+
+    @inbox.handler("orders")
+    def handler(session: Session, message: Message) -> None:
+        apply_effect(session, message)
+
+    def message(tenant: str, key: str, seq: int) -> Record:
+        r = inbox_record("orders", key, seq)
+        r.headers.append((HEADER, tenant.encode()))
+        return r
+
+    def told_of(what: str, text: str) -> int:
+        return sum(1 for r in caplog.records if r.getMessage().startswith(what + text))
+
+    broker = InMemoryBroker(partitions=1)
+    source = InMemorySource(broker, group_id="two", topics=["orders"])
+    router = inbox.router
+    assert router is not None
+    try:
+        with inbox_running(inbox, source) as errors:
+            broker.append(message("a", "k", 1))
+            broker.append(message("b", "k", 1))
+            inbox_wait_for(lambda: applied(a_tables) == [("k", 1)] and applied(b_engine) == [("k", 1)],
+                           "the first messages applied", errors=errors)
+            own_postgres.freeze()
+            try:
+                broker.append(message("a", "gap", 2))  # seq 1 never comes: parked after 2 s
+                broker.append(message("a", "k", 2))
+                inbox_wait_for(lambda: applied(a_tables) == [("k", 1), ("k", 2)], "a applied meanwhile",
+                               errors=errors)
+                inbox_wait_for(lambda: router.parked_key_count() == 1, "a's gap parked and counted",
+                               timeout=15, errors=errors)
+                inbox_wait_for(lambda: told_of("the database of tenant b ", "unavailable") == 1,
+                               "b's outage told", timeout=15, errors=errors)
+            finally:
+                own_postgres.thaw()
+            inbox_wait_for(lambda: told_of("the database of tenant b ", "available again") == 1,
+                           "b's outage ended", timeout=30, errors=errors)
+            broker.append(message("b", "k", 2))
+            inbox_wait_for(lambda: applied(b_engine) == [("k", 1), ("k", 2)], "b applied after the thaw",
+                           timeout=30, errors=errors)
+    finally:
+        b_engine.dispose()
+    assert told_of("the database of tenant b ", "unavailable") == 1
+    assert told_of("the database of tenant b ", "available again") == 1
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()
+            and "tenant b" not in r.getMessage()] == []
