@@ -386,3 +386,45 @@ def test_an_inbox_tenant_whose_database_is_frozen_holds_up_no_other_tenants_swee
     assert told_of("the database of tenant b ", "available again") == 1
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()
             and "tenant b" not in r.getMessage()] == []
+
+
+@pytest.mark.postgres
+def test_an_inbox_table_locked_past_the_read_bound_is_told_once_each_way_and_loses_nothing(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """Not frozen, slow: ``inbox_held`` locked ACCESS EXCLUSIVE (a migration, a VACUUM FULL, a DDL
+    queued behind a long transaction) past the sweep read's 10 s bound. Told once (the read cannot
+    tell a lock from a frozen server), ended once after the lock goes, by a read begun after it was
+    told; the messages that came meanwhile apply, in order."""
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    inbox = Inbox(pg, group="locked", alert=AlertLog())
+    inbox.create_tables()
+    business.create_all(pg)
+
+    @inbox.handler("orders")
+    def handler(session: Session, message: Message) -> None:
+        apply_effect(session, message)
+
+    broker = InMemoryBroker(partitions=1)
+    source = InMemorySource(broker, group_id="locked", topics=["orders"])
+    holder = pg.connect()
+    try:
+        with inbox_running(inbox, source) as errors:
+            broker.append(inbox_record("orders", "k", 1))
+            inbox_wait_for(lambda: applied(pg) == [("k", 1)], "the first message applied", errors=errors)
+            holder.begin()
+            holder.execute(sa.text("LOCK TABLE inbox_held IN ACCESS EXCLUSIVE MODE"))
+            broker.append(inbox_record("orders", "k", 2))
+            broker.append(inbox_record("orders", "k", 3))
+            inbox_wait_for(lambda: "the database unavailable" in caplog.text, "the lock wait told",
+                           timeout=15, errors=errors)
+            holder.rollback()
+            inbox_wait_for(lambda: "the database available again" in caplog.text, "its end told",
+                           timeout=15, errors=errors)
+            inbox_wait_for(lambda: applied(pg) == [("k", 1), ("k", 2), ("k", 3)], "every message applied",
+                           errors=errors)
+    finally:
+        holder.rollback()
+        holder.close()
+    lines = [r.getMessage() for r in caplog.records if "available" in r.getMessage()]
+    assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
+        "the database unavailable", "the database available again"], lines
