@@ -167,14 +167,9 @@ def test_a_fleet_stopped_while_its_renewal_hangs_tells_nothing_after_its_run_ret
     assert not registry.get_sample_value("outbox_relay_outages_total", {"dependency": "database"})
 
 
-@pytest.mark.postgres
-def test_an_inbox_stopped_while_its_sweep_read_hangs_tells_nothing_after_its_run_returned(
-        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
-    """The gap sweep's read hangs (its table locked here, a frozen server alike) and the inbox is
-    stopped before the read's 10 s bound: ``run`` returns, and the read's watch must not say the
-    database is unavailable after that."""
-    caplog.set_level(logging.INFO, logger="outbox.inbox")
-    inbox = Inbox(pg, group="stopped", alert=AlertLog())
+def plain_inbox(pg: sa.Engine, group: str) -> tuple[Inbox, InMemoryBroker, InMemorySource]:
+    """An inbox of ``group`` on ``pg`` applying topic ``orders`` (``apply_effect``), and its source."""
+    inbox = Inbox(pg, group=group, alert=AlertLog())
     inbox.create_tables()
     business.create_all(pg)
 
@@ -183,7 +178,17 @@ def test_an_inbox_stopped_while_its_sweep_read_hangs_tells_nothing_after_its_run
         apply_effect(session, message)
 
     broker = InMemoryBroker(partitions=1)
-    source = InMemorySource(broker, group_id="stopped", topics=["orders"])
+    return inbox, broker, InMemorySource(broker, group_id=group, topics=["orders"])
+
+
+@pytest.mark.postgres
+def test_an_inbox_stopped_while_its_sweep_read_hangs_tells_nothing_after_its_run_returned(
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """The gap sweep's read hangs (its table locked here, a frozen server alike) and the inbox is
+    stopped before the read's 10 s bound: ``run`` returns, and the read's watch must not say the
+    database is unavailable after that."""
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    inbox, broker, source = plain_inbox(pg, "stopped")
     holder = pg.connect()
     try:
         with inbox_running(inbox, source):
@@ -396,16 +401,7 @@ def test_an_inbox_table_locked_past_the_read_bound_is_told_once_each_way_and_los
     tell a lock from a frozen server), ended once after the lock goes, by a read begun after it was
     told; the messages that came meanwhile apply, in order."""
     caplog.set_level(logging.INFO, logger="outbox.inbox")
-    inbox = Inbox(pg, group="locked", alert=AlertLog())
-    inbox.create_tables()
-    business.create_all(pg)
-
-    @inbox.handler("orders")
-    def handler(session: Session, message: Message) -> None:
-        apply_effect(session, message)
-
-    broker = InMemoryBroker(partitions=1)
-    source = InMemorySource(broker, group_id="locked", topics=["orders"])
+    inbox, broker, source = plain_inbox(pg, "locked")
     holder = pg.connect()
     try:
         with inbox_running(inbox, source) as errors:
