@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -33,6 +34,9 @@ from test_inbox_holes import wait_for as inbox_wait_for
 from outbox import Inbox, Message, Outbox, Relay, create_engine, relay_metrics
 from outbox.core._outage import OutageTracker
 from outbox.core._wire import SEQ
+from outbox.inbox import _gaps as gaps_module
+from outbox.inbox._gaps import GapSweeper
+from outbox.inbox._outage import OutageLog
 from outbox.relay import tenant_relay_metrics
 from outbox.tenants import Tenant, TenantLabels, TenantRelay
 from outbox.testing import LocalPostgres
@@ -424,3 +428,28 @@ def test_an_inbox_table_locked_past_the_read_bound_is_told_once_each_way_and_los
     lines = [r.getMessage() for r in caplog.records if "available" in r.getMessage()]
     assert [line.split(" (")[0].split(" after")[0] for line in lines] == [
         "the database unavailable", "the database available again"], lines
+
+
+class Sessions:
+    """What ``GapSweeper._read`` needs of ``Sessions``: ``run(fn, *args)`` in this thread."""
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+
+def test_a_sweep_read_left_unanswered_during_the_transactions_outage_does_not_take_it_over(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk told by the transactions (reads still work), then one read slow past the bound (a
+    lock): the reads' next answer ended the transactions' outage, and the next write that fails told
+    it again. Only an outage the reads' watch told is the reads' to end."""
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    monkeypatch.setattr(gaps_module, "UNANSWERED", 0.05)
+    outages = OutageLog()
+    outages.failed("database or disk is full")  # a transaction's
+    told = threading.Event()
+    monkeypatch.setattr(outages, "failed", lambda why, failed=outages.failed: (failed(why), told.set())[0])
+    sweeper = GapSweeper(Sessions(), cast(Any, None), cast(Any, None), 60.0, 30.0, outages)
+    assert sweeper._read(told.wait, 10)  # answered once its watch told it
+    assert sweeper._read(list) == []  # the next read, answered at once
+    assert outages.down, "the transactions' outage was ended by a read"
+    assert [r.getMessage()[:36] for r in caplog.records] == ["the database unavailable (database o"]

@@ -90,7 +90,10 @@ class GapSweeper:
         return found
 
     def _told(self, why: str) -> None:
-        self._unanswered_since = time.monotonic()
+        # Taken over only when the watch tells it: an outage the transactions told (a full disk
+        # fails writes, not reads) is theirs to end, though a read was slow meanwhile (a lock).
+        if not self.outages.down:
+            self._unanswered_since = time.monotonic()
         self.outages.failed(why)
 
     def _ready(self, limit: int) -> list[OrderedDelivery]:
