@@ -453,3 +453,38 @@ def test_a_sweep_read_left_unanswered_during_the_transactions_outage_does_not_ta
     assert sweeper._read(list) == []  # the next read, answered at once
     assert outages.down, "the transactions' outage was ended by a read"
     assert [r.getMessage()[:36] for r in caplog.records] == ["the database unavailable (database o"]
+
+
+def test_a_server_frozen_under_the_sweeps_parked_key_count_is_told(
+        sqlite_db: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The sweep's last read, the parked keys' count, went unwatched: a server that froze under it
+    held the sweep thread for good, so no later (watched) read began either, and nothing was ever
+    told (the plain inbox's frozen-database test failed so, now and then, under load). The count
+    that never answers stands in for the freeze here; the read's bound is shortened to 0.2 s."""
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    monkeypatch.setattr(gaps_module, "UNANSWERED", 0.2)
+    engine = create_engine(sqlite_db)
+    inbox, broker, source = plain_inbox(engine, "counted")
+    thawed = threading.Event()
+    count = inbox.storage.keys.parked_count
+    frozen = threading.Event()
+
+    def parked_count(session: Session) -> int:
+        if frozen.is_set():
+            thawed.wait(30)
+        return count(session)
+
+    monkeypatch.setattr(inbox.storage.keys, "parked_count", parked_count)
+    try:
+        with inbox_running(inbox, source) as errors:
+            broker.append(inbox_record("orders", "k", 1))
+            inbox_wait_for(lambda: applied(engine) == [("k", 1)], "the message applied", errors=errors)
+            frozen.set()
+            inbox_wait_for(lambda: "the database unavailable" in caplog.text, "the count's freeze told",
+                           timeout=10, errors=errors)
+            thawed.set()
+            inbox_wait_for(lambda: "the database available again" in caplog.text, "its end told",
+                           timeout=10, errors=errors)
+    finally:
+        thawed.set()
+        engine.dispose()

@@ -78,11 +78,17 @@ class GapSweeper:
 
     def _read(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, a read, told to ``outages`` if unanswered for ``UNANSWERED`` seconds."""
+        return self.watched(lambda: self.sessions.run(fn, *args))
+
+    def watched(self, read: Callable[[], T]) -> T:
+        """``read()``, a read of the sweep's (its own, or the parked keys' count after it), told to
+        ``outages`` if unanswered for ``UNANSWERED`` seconds: a read the server froze under that went
+        unwatched hung the sweep for good, and its later reads, which would have told it, never came."""
         started = time.monotonic()
         with told_if_late(self._told, UNANSWERED, (
                 f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off"),
                 unless=None if self._run_end is None else self._run_end.current()):
-            found = self.sessions.run(fn, *args)
+            found = read()
         since = self._unanswered_since
         if since is not None and started > since:
             self._unanswered_since = None

@@ -310,7 +310,8 @@ class Inbox(HandlerRegistration, ParkedOperations):
                     source, decode=read, settler=router or self.settler, gaps=router or self.gaps,
                     metrics=self.metrics, stop=self._stop, concurrency=self.concurrency,
                     batch_size=self.batch_size,
-                    parked_keys=self.admin.parked_key_count if router is None else router.parked_key_count,
+                    parked_keys=(functools.partial(self.gaps.watched, self.admin.parked_key_count)
+                                 if router is None else router.parked_key_count),
                     install_signal_handlers=install_signal_handlers,
                     stop_timeout=stop_timeout, prepare=self._check_schema,
                 ).run()
