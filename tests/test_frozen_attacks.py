@@ -538,3 +538,61 @@ def test_a_tenant_database_frozen_under_its_first_batch_is_told(
                            timeout=10, errors=errors)
     finally:
         thawed.set()
+
+
+@pytest.mark.slow  # a server of its own, frozen
+def test_a_relay_and_an_inbox_stopped_after_their_watches_told_a_freeze_stop_in_time_and_quietly(
+        own_postgres: LocalPostgres, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frozen until both the relay's renewal watch and the inbox's sweep watch told it, then both
+    stopped (as SIGTERM would): each ``run`` returns within its bound; after the thaw, what they left
+    behind (the hung renewal, the release, the sweep's read) raises nothing on any thread and logs
+    no error, and no watch tells anything more."""
+    caplog.set_level(logging.INFO)
+    raised: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(repr(args.exc_value)))
+    engine = create_engine(own_postgres.url)
+    outbox = Outbox(engine, shards=1)
+    outbox.create_tables()
+    relay = Running(Relay(outbox, ScriptedTransport(), worker_id="quiet", lease_ttl=TTL, poll_interval=0.1,
+                          metrics=relay_metrics(CollectorRegistry())), stop_timeout=5)
+    inbox, broker, source = plain_inbox(engine, "quiet")
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            inbox.run(source, install_signal_handlers=False, stop_timeout=5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    frozen = False
+    try:
+        broker.append(inbox_record("orders", "k", 1))
+        inbox_wait_for(lambda: applied(engine) == [("k", 1)], "the message applied", errors=errors)
+        wait_for(lambda: relay.relay.leases.owned(), 20, "the relay's lease")
+        own_postgres.freeze()
+        frozen = True
+        wait_for(lambda: "relay quiet: database unreachable" in caplog.text
+                 and "the database unavailable" in caplog.text, 15, "both told")
+        asked = time.monotonic()
+        inbox.stop()
+        assert relay.stop(close=False, clean=True) < 5 + 1
+        consumer.join(10)
+        assert not consumer.is_alive() and errors == []
+        assert time.monotonic() - asked < 5 + 5 + 1
+        after_stop = len(caplog.records)
+        own_postgres.thaw()
+        frozen = False
+        timers_ended()
+        wait_for(lambda: "gave its leases back" in caplog.text or "released" in caplog.text, 15,
+                 "the relay's release, which went on, done")
+    finally:
+        if frozen:
+            own_postgres.thaw()
+        engine.dispose()
+    late = [f"{r.levelname} {r.getMessage()}" for r in caplog.records[after_stop:]
+            if r.levelno >= logging.ERROR or " unavailable" in r.getMessage()
+            or " unreachable" in r.getMessage()]
+    assert late == [] and raised == []
