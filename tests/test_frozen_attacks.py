@@ -119,12 +119,15 @@ def test_a_lease_row_locked_past_the_bound_is_told_once_each_way_and_loses_nothi
 
 
 def stopped_while_hanging(pg: sa.Engine, outbox: Outbox, worker: str, running: Running,
-                         caplog: pytest.LogCaptureFixture) -> list[str]:
-    """``worker``'s heartbeat row locked until its renewal waits on it, then ``running`` stopped within
-    its bound; what was told of the database once ``run`` returned and every watch ended."""
+                         caplog: pytest.LogCaptureFixture, *, batches_too: bool = False) -> list[str]:
+    """``worker``'s heartbeat row locked until its renewal waits on it (``batches_too``: its messages
+    table too, until its batch loop waits on it as well), then ``running`` stopped within its bound;
+    what was told of the database once ``run`` returned and every watch ended."""
     holder = lock_heartbeat(pg, outbox, worker)
     try:
-        wait_for(lambda: waiting_on_a_lock(pg, ""), 10, "the renewal waiting")
+        if batches_too:
+            holder.execute(sa.text(f"LOCK TABLE {outbox.tables.messages.name} IN ACCESS EXCLUSIVE MODE"))
+        wait_for(lambda: waiting_on_a_lock(pg, "") >= 1 + batches_too, 10, "the renewal waiting")
         assert running.stop(close=False) < 5 + 1
         after_stop = len(caplog.records)
         timers_ended()  # the hanging renewal's watch: past its 5 s
@@ -135,19 +138,22 @@ def stopped_while_hanging(pg: sa.Engine, outbox: Outbox, worker: str, running: R
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("behind", [False, True], ids=["loop-ended", "loop-left-behind"])
 def test_a_relay_stopped_while_its_renewal_hangs_tells_nothing_after_its_run_returned(
-        pg: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+        pg: sa.Engine, caplog: pytest.LogCaptureFixture, behind: bool) -> None:
     """Stopped 0-5 s into a renewal that hangs (a lock here, a frozen server alike): ``run`` returns
     within its bound, and the renewal's watch must not tell an outage (a WARNING, a counted outage)
-    of a relay that has stopped, seconds after its last line said so."""
+    of a relay that has stopped, seconds after its last line said so. Also when its batch loop hangs
+    too and is left behind at the stop (``run`` returns at its 1 s ``stop_timeout``): the loop's own
+    end never came to say the run was over."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
     outbox = Outbox(pg, shards=1)
     outbox.create_tables()
     relay = Relay(outbox, ScriptedTransport(), worker_id="stopped", lease_ttl=TTL, poll_interval=0.1,
                   metrics=relay_metrics(CollectorRegistry()))
-    running = Running(relay, stop_timeout=5)
+    running = Running(relay, stop_timeout=1 if behind else 5)
     wait_for(lambda: relay.leases.owned(), 20, "the relay's lease")
-    assert stopped_while_hanging(pg, outbox, "stopped", running, caplog) == []
+    assert stopped_while_hanging(pg, outbox, "stopped", running, caplog, batches_too=behind) == []
     assert relay.metrics.outages.labels("database")._value.get() == 0
 
 

@@ -344,11 +344,12 @@ class OutageTracker:
 
 @contextlib.contextmanager
 def told_if_late(failed: Callable[[str], object], after: float, why: str, *,
-                 unless: threading.Event | None = None) -> Iterator[None]:
+                 unless: Callable[[], bool] | None = None) -> Iterator[None]:
     """While the block runs, ``failed(why)`` is called (an ``OutageTracker``'s or an
-    ``OutageGate``'s) if the block is still running ``after`` seconds on, and ``unless`` (the
-    worker's stop) is not set by then: a worker stopped while the call hangs has said its last line,
-    and its watch must not tell (log, count) an outage seconds after.
+    ``OutageGate``'s) if the block is still running ``after`` seconds on, and ``unless()`` (the
+    worker stopping or stopped, ``core._stopping.RunEnd.over``) is not true by then: a worker stopped
+    while the call hangs has said its last line, and its watch must not tell (log, count) an outage
+    seconds after.
 
     A server that answers nothing (a frozen host, a ``SIGSTOP``ped server, a partition that drops
     packets) fails no call: no driver bounds a read on PostgreSQL, and the host's kernel answers TCP
@@ -356,7 +357,7 @@ def told_if_late(failed: Callable[[str], object], after: float, why: str, *,
     the outage was told that the server answers ends it (``OutageTracker.answered(started)``).
     """
     def tell() -> None:
-        if unless is None or not unless.is_set():
+        if unless is None or not unless():
             failed(why)
 
     timer = threading.Timer(after, tell)

@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 from ..core._alerts import Alert, AlertKind, deliver
 from ..core._envelope import utcnow
 from ..core._outage import OutageTracker, told_if_late
-from ..core._stopping import RunEnd
 from ._alerting import Alerter
 from ._committed import Parked
 from ._conflicts import Verdict, describe
@@ -53,8 +52,8 @@ class GapSweeper:
     The database work runs through ``Sessions.run``; alerts go out from the
     calling thread. ``outages`` (the inbox's database) hears of a read left
     unanswered (module doc) and of the next one answered; not once the inbox's run
-    that the read began in has ended (``run_end``): a read still hanging after ``run``
-    returned tells nothing.
+    that the read began in is stopping or returned (``run_over()``, called as the read
+    begins): a read still hanging then tells nothing.
     """
 
     _unanswered_since: float | None = None
@@ -62,10 +61,10 @@ class GapSweeper:
 
     def __init__(self, sessions: Sessions, storage: InboxStorage, alerter: Alerter,
                  gap_timeout: float, alert_after: float, outages: OutageTracker,
-                 run_end: RunEnd | None = None) -> None:
+                 run_over: Callable[[], Callable[[], bool]] | None = None) -> None:
         self.sessions = sessions
         self.outages = outages
-        self._run_end = run_end
+        self._run_over = run_over
         self.storage = storage
         self.alerter = alerter
         self.gap_timeout = gap_timeout
@@ -87,7 +86,7 @@ class GapSweeper:
         started = time.monotonic()
         with told_if_late(self._told, UNANSWERED, (
                 f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off"),
-                unless=None if self._run_end is None else self._run_end.current()):
+                unless=None if self._run_over is None else self._run_over()):
             found = read()
         since = self._unanswered_since
         if since is not None and started > since:

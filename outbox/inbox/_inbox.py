@@ -167,10 +167,11 @@ class Inbox(HandlerRegistration, ParkedOperations):
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
         self._run_end = RunEnd()
         """Ended as each ``run`` returns: a sweep read begun in it and still hanging tells nothing."""
+        self._run_over = functools.partial(self._run_end.over, self._stop)
         self._storage = storage
         self.alerter = Alerter(alert, group, self.metrics)
         own = build_pipeline(self._sessions, self._storage_of(self.tables, engine), self._handlers,
-                             settings, self.alerter, OutageLog(), self._run_end)
+                             settings, self.alerter, OutageLog(), self._run_over)
         self.storage, self.step, self.settler, self.admin, self.gaps = (
             own.storage, own.step, own.settler, own.admin, own.gaps)
         warn_small_pool(engine, settings.concurrency)
@@ -223,7 +224,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
         p = build_pipeline(sessions, self._storage_of(OutboxTables(prefix=self.tables.prefix), engine),
                            self._handlers, self.settings,
                            Alerter(self.alert, self.group, metrics, tenant=tenant.name),
-                           OutageLog(f"the database of tenant {tenant.name}"), self._run_end)
+                           OutageLog(f"the database of tenant {tenant.name}"), self._run_over)
         return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, p.storage, p.step,
                      p.settler, p.admin, p.gaps)
 

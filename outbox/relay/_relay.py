@@ -220,7 +220,7 @@ class Relay:
         ended = threading.Event()
         threads = self._threads = []
         try:
-            if not self._first_leases(ended):
+            if not self._first_leases():
                 return  # stopped while waiting for the database
             threads.append(threading.Thread(target=self._lease_loop, args=(ended,),
                                             name="outbox-relay-leases", daemon=True))
@@ -271,7 +271,7 @@ class Relay:
         """The release a stop said goes on gave the leases back in the end."""
         log.info("relay %s gave its leases back %.1fs after its release began", self.worker_id, seconds)
 
-    def _first_leases(self, ended: threading.Event) -> bool:
+    def _first_leases(self) -> bool:
         """Take the first leases, waiting out a database outage; False if stopped meanwhile.
 
         A relay started while the database is down waits for it (one log line each
@@ -279,7 +279,7 @@ class Relay:
         """
         while not self._stopping.is_set():
             try:
-                with self._told_if_unanswered(ended):
+                with self._told_if_unanswered():
                     self._step.maintain_leases()
                 return True
             except Exception as exc:
@@ -321,7 +321,7 @@ class Relay:
         while not ended.wait(interval):
             try:
                 before = set(self.leases.owned())
-                with self._told_if_unanswered(ended):
+                with self._told_if_unanswered():
                     after = self._step.maintain_leases()
                 if set(after) - before or self.leases.surplus:
                     self._wakeup.set()  # new shards to serve, or surplus to give back
@@ -333,10 +333,12 @@ class Relay:
             except Exception as exc:
                 self._step.report(exc, "could not maintain its leases")
 
-    def _told_if_unanswered(self, stopped: threading.Event) -> contextlib.AbstractContextManager[None]:
+    def _told_if_unanswered(self) -> contextlib.AbstractContextManager[None]:
         """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``),
-        unless the run ended meanwhile (``stopped``, never cleared): its last line said so."""
-        return renewal_watched(self.outages.database.failed, self.leases.ttl, unless=stopped)
+        unless the run it began in is stopping or has returned meanwhile (its loop left behind or
+        not): its last line says it stopped."""
+        return renewal_watched(self.outages.database.failed, self.leases.ttl,
+                               unless=self._runs.run_end.over(self._stopping))
 
     def _backlog_loop(self, ended: threading.Event) -> None:
         """Every lease renewal interval: the backlog gauges."""

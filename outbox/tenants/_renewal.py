@@ -55,15 +55,15 @@ class LeaseRenewal:
     """Renews the leases (``ttl`` seconds) of each database's tenants every TTL/3, a thread per database."""
 
     def __init__(self, *, ttl: float, schedule: Schedule, stopping: threading.Event, worker_id: str,
-                 answered: Callable[[FleetDatabase, float], None]) -> None:
+                 answered: Callable[[FleetDatabase, float], None], run_end: RunEnd | None = None) -> None:
         self.ttl = ttl
         self.every = renew_interval(ttl)
         self._schedule = schedule
         self._stopping = stopping
         self._worker_id = worker_id
         self._answered = answered
-        self.run_end = RunEnd()
-        """Ended by the fleet's run as it returns: a round still hanging then tells nothing."""
+        self._run_end = run_end or RunEnd()
+        """Ended as the fleet's run returns: a round still hanging once it stops tells nothing."""
 
     def start(self, db: FleetDatabase) -> None:
         """Renew ``db``'s tenants' leases from now on, until the fleet stops."""
@@ -83,7 +83,7 @@ class LeaseRenewal:
             # server fails no call, and its tenants' turns would each wait on it in silence.
             started = time.monotonic()
             try:
-                with renewal_watched(db.gate.failed, self.ttl, unless=self.run_end.current()):
+                with renewal_watched(db.gate.failed, self.ttl, unless=self._run_end.over(self._stopping)):
                     self.renew(db, engine)
             except Exception as exc:
                 if is_database_outage(exc):
