@@ -594,6 +594,10 @@ def test_a_relay_and_an_inbox_stopped_after_their_watches_told_a_freeze_stop_in_
         timers_ended()
         wait_for(lambda: "gave its leases back" in caplog.text or "released" in caplog.text, 15,
                  "the relay's release, which went on, done")
+        for thread in threading.enumerate():  # the sweep thread left behind, its read answered
+            if thread.name == "outbox-inbox-sweep":
+                thread.join(10)
+                assert not thread.is_alive(), "the inbox's sweep goes on after its run returned"
     finally:
         if frozen:
             own_postgres.thaw()
