@@ -343,16 +343,24 @@ class OutageTracker:
 
 
 @contextlib.contextmanager
-def told_if_late(failed: Callable[[str], object], after: float, why: str) -> Iterator[None]:
+def told_if_late(failed: Callable[[str], object], after: float, why: str, *,
+                 unless: Callable[[], bool] | None = None) -> Iterator[None]:
     """While the block runs, ``failed(why)`` is called (an ``OutageTracker``'s or an
-    ``OutageGate``'s) if the block is still running ``after`` seconds on.
+    ``OutageGate``'s) if the block is still running ``after`` seconds on, and ``unless()`` (the
+    worker stopping or stopped, ``core._stopping.RunEnd.over``) is not true by then: a worker stopped
+    while the call hangs has said its last line, and its watch must not tell (log, count) an outage
+    seconds after.
 
     A server that answers nothing (a frozen host, a ``SIGSTOP``ped server, a partition that drops
     packets) fails no call: no driver bounds a read on PostgreSQL, and the host's kernel answers TCP
     keepalives for it. The call just waits, and no outage was ever told. The first work begun after
     the outage was told that the server answers ends it (``OutageTracker.answered(started)``).
     """
-    timer = threading.Timer(after, failed, args=(why,))
+    def tell() -> None:
+        if unless is None or not unless():
+            failed(why)
+
+    timer = threading.Timer(after, tell)
     timer.daemon = True
     timer.start()
     try:

@@ -149,6 +149,33 @@ class StopLatch:
             stop()
 
 
+class RunEnd:
+    """The end of a worker's run, as an ``Event`` that stays set once it is.
+
+    A worker's stop ``Event`` is cleared when its ``run`` returns (``RunOnce``),
+    so a call begun in a run and still hanging after it (a frozen database)
+    cannot tell from it that its run ended. ``current()``, taken as the call
+    begins, is the run's own end: ``end()`` sets it and puts a fresh one in its
+    place for the calls begun after (the next run, or a call outside any run).
+    """
+
+    def __init__(self) -> None:
+        self._current = threading.Event()
+
+    def current(self) -> threading.Event:
+        return self._current
+
+    def end(self) -> None:
+        ended, self._current = self._current, threading.Event()
+        ended.set()
+
+    def over(self, stopping: threading.Event) -> Callable[[], bool]:
+        """For a call beginning now: whether its run is over, stopping (``stopping``, the worker's
+        stop) or returned (this run's end, which stays set once the stop is cleared)."""
+        ended = self._current
+        return lambda: ended.is_set() or stopping.is_set()
+
+
 class RunOnce:
     """A worker's ``run``: one at a time, and a ``stop()`` that came before it is kept.
 
@@ -204,6 +231,9 @@ class BoundRun:
         self.stopping = threading.Event()
         self._what, self._thread, self._log, self._wake = what, thread, log, wake
         self._runs = RunOnce(self.stopping, what)
+        self.run_end = RunEnd()
+        """Ended as each ``run`` returns, its loop left behind or not: a watch of a call begun in it
+        (``core._outage.told_if_late``) tells nothing after that."""
         self._loop = threading.Event()
         """Set while a loop runs (``loop_running``)."""
 
@@ -212,9 +242,14 @@ class BoundRun:
         return self._loop.is_set()
 
     def run(self, body: Callable[[], None], *, stop_timeout: float = STOP_TIMEOUT) -> None:
-        self._runs.run(lambda: run_with_stop_bound(
-            lambda: self._looping(body), stop=self.stop, stopping=self.stopping.is_set,
-            name=self._thread, what=self._what, log=self._log, stop_timeout=stop_timeout))
+        def start() -> threading.Thread | None:
+            try:
+                return run_with_stop_bound(
+                    lambda: self._looping(body), stop=self.stop, stopping=self.stopping.is_set,
+                    name=self._thread, what=self._what, log=self._log, stop_timeout=stop_timeout)
+            finally:
+                self.run_end.end()
+        self._runs.run(start)
 
     def _looping(self, body: Callable[[], None]) -> None:
         self._loop.set()

@@ -51,16 +51,20 @@ class GapSweeper:
     Database errors propagate: the caller decides whether to wait (an outage).
     The database work runs through ``Sessions.run``; alerts go out from the
     calling thread. ``outages`` (the inbox's database) hears of a read left
-    unanswered (module doc) and of the next one answered.
+    unanswered (module doc) and of the next one answered; not once the inbox's run
+    that the read began in is stopping or returned (``run_over()``, called as the read
+    begins): a read still hanging then tells nothing.
     """
 
     _unanswered_since: float | None = None
     """When a read left unanswered was told (``_told``): the outage the sweep's reads may end."""
 
     def __init__(self, sessions: Sessions, storage: InboxStorage, alerter: Alerter,
-                 gap_timeout: float, alert_after: float, outages: OutageTracker) -> None:
+                 gap_timeout: float, alert_after: float, outages: OutageTracker,
+                 run_over: Callable[[], Callable[[], bool]] | None = None) -> None:
         self.sessions = sessions
         self.outages = outages
+        self._run_over = run_over
         self.storage = storage
         self.alerter = alerter
         self.gap_timeout = gap_timeout
@@ -73,10 +77,17 @@ class GapSweeper:
 
     def _read(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, a read, told to ``outages`` if unanswered for ``UNANSWERED`` seconds."""
+        return self.watched(lambda: self.sessions.run(fn, *args))
+
+    def watched(self, read: Callable[[], T]) -> T:
+        """``read()``, a read of the sweep's (its own, or the parked keys' count after it), told to
+        ``outages`` if unanswered for ``UNANSWERED`` seconds: a read the server froze under that went
+        unwatched hung the sweep for good, and its later reads, which would have told it, never came."""
         started = time.monotonic()
         with told_if_late(self._told, UNANSWERED, (
-                f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off")):
-            found = self.sessions.run(fn, *args)
+                f"no answer to the gap sweep's read in {UNANSWERED:g}s: the server frozen or cut off"),
+                unless=None if self._run_over is None else self._run_over()):
+            found = read()
         since = self._unanswered_since
         if since is not None and started > since:
             self._unanswered_since = None
@@ -84,7 +95,10 @@ class GapSweeper:
         return found
 
     def _told(self, why: str) -> None:
-        self._unanswered_since = time.monotonic()
+        # Taken over only when the watch tells it: an outage the transactions told (a full disk
+        # fails writes, not reads) is theirs to end, though a read was slow meanwhile (a lock).
+        if not self.outages.down:
+            self._unanswered_since = time.monotonic()
         self.outages.failed(why)
 
     def _ready(self, limit: int) -> list[OrderedDelivery]:

@@ -26,7 +26,7 @@ from ..core._alerts import AlertSink, LoggingAlertSink
 from ..core._envelope import Message
 from ..core._errors import ConfigurationError
 from ..core._foreign import ForeignEnvelope
-from ..core._stopping import STOP_TIMEOUT, RunOnce
+from ..core._stopping import STOP_TIMEOUT, RunEnd, RunOnce
 from ..core._tables import SUPPORTED_DIALECTS, OutboxTables
 from ..core._tenant import Tenant, TenantsLike, tenant_source
 from ..core._tenant_labels import TenantLabels
@@ -165,10 +165,13 @@ class Inbox(HandlerRegistration, ParkedOperations):
         self._handlers = HandlerRegistry()
         self._stop = threading.Event()
         self._runs = RunOnce(self._stop, f"the inbox of group {group!r}")
+        self._run_end = RunEnd()
+        """Ended as each ``run`` returns: a sweep read begun in it and still hanging tells nothing."""
+        self._run_over = functools.partial(self._run_end.over, self._stop)
         self._storage = storage
         self.alerter = Alerter(alert, group, self.metrics)
         own = build_pipeline(self._sessions, self._storage_of(self.tables, engine), self._handlers,
-                             settings, self.alerter, OutageLog())
+                             settings, self.alerter, OutageLog(), self._run_over)
         self.storage, self.step, self.settler, self.admin, self.gaps = (
             own.storage, own.step, own.settler, own.admin, own.gaps)
         warn_small_pool(engine, settings.concurrency)
@@ -221,7 +224,7 @@ class Inbox(HandlerRegistration, ParkedOperations):
         p = build_pipeline(sessions, self._storage_of(OutboxTables(prefix=self.tables.prefix), engine),
                            self._handlers, self.settings,
                            Alerter(self.alert, self.group, metrics, tenant=tenant.name),
-                           OutageLog(f"the database of tenant {tenant.name}"))
+                           OutageLog(f"the database of tenant {tenant.name}"), self._run_over)
         return Place(tenant, engine, tenant_tables(self.tables, tenant), sessions, p.storage, p.step,
                      p.settler, p.admin, p.gaps)
 
@@ -301,14 +304,21 @@ class Inbox(HandlerRegistration, ParkedOperations):
 
             def read(record: Record, **kw: Any) -> Delivery:
                 return router.tag(untagged(record, **kw))
-        self._runs.run(lambda: Runner(
-            source, decode=read, settler=router or self.settler, gaps=router or self.gaps,
-            metrics=self.metrics, stop=self._stop, concurrency=self.concurrency,
-            batch_size=self.batch_size,
-            parked_keys=self.admin.parked_key_count if router is None else router.parked_key_count,
-            install_signal_handlers=install_signal_handlers,
-            stop_timeout=stop_timeout, prepare=self._check_schema,
-        ).run())
+
+        def start() -> threading.Thread | None:
+            try:
+                return Runner(
+                    source, decode=read, settler=router or self.settler, gaps=router or self.gaps,
+                    metrics=self.metrics, stop=self._stop, concurrency=self.concurrency,
+                    batch_size=self.batch_size,
+                    parked_keys=(functools.partial(self.gaps.watched, self.admin.parked_key_count)
+                                 if router is None else router.parked_key_count),
+                    install_signal_handlers=install_signal_handlers,
+                    stop_timeout=stop_timeout, prepare=self._check_schema,
+                ).run()
+            finally:
+                self._run_end.end()  # a sweep read of this run still hanging tells nothing
+        self._runs.run(start)
 
     def _check_schema(self) -> None:
         """Refuse old or new tables with what to run; a database that is down is waited for.

@@ -8,7 +8,7 @@ the other.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import tenacity
@@ -37,8 +37,11 @@ class Pipeline:
 
 
 def build_pipeline(sessions: Sessions, storage: InboxStorage, handlers: Mapping[str, TopicHandlers],
-                   settings: InboxSettings, alerter: Alerter, outages: OutageLog) -> Pipeline:
-    """The stages of the inbox of ``settings`` on ``sessions``, alerting and counting through ``alerter``."""
+                   settings: InboxSettings, alerter: Alerter, outages: OutageLog,
+                   run_over: Callable[[], Callable[[], bool]] | None = None) -> Pipeline:
+    """The stages of the inbox of ``settings`` on ``sessions``, alerting and counting through ``alerter``;
+    ``run_over``: whether the inbox's run is stopping or over, for a read beginning now: its sweep's watch
+    then tells nothing (``GapSweeper``)."""
     step = TransactionStep(sessions, storage, handlers, alerter.metrics, settings.start,
                            settings.dedup_window, settings.batch_budget)
     settler = Settler(step, alerter, outages, max_attempts=settings.max_attempts,
@@ -46,5 +49,5 @@ def build_pipeline(sessions: Sessions, storage: InboxStorage, handlers: Mapping[
                                                             max=settings.retry_backoff_max,
                                                             jitter=settings.retry_backoff))
     gaps = GapSweeper(sessions, storage, alerter, settings.gap_timeout,
-                      settings.gap_alert_after or settings.gap_timeout / 2, outages)
+                      settings.gap_alert_after or settings.gap_timeout / 2, outages, run_over)
     return Pipeline(storage, step, settler, ParkedAdmin(sessions, storage, step), gaps)

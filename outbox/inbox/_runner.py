@@ -109,6 +109,9 @@ class Runner:
         self.tracker = OffsetTracker()
         self.revoked: set[TopicPartition] = set()
         self.crash: BaseException | None = None
+        self.ended = threading.Event()
+        """Set as this run's loop winds down, never cleared: the inbox's stop is cleared when ``run``
+        returns, and a sweep thread left behind in a read went on sweeping once the read answered."""
         self.scheduler = KeyScheduler(self._work, concurrency=concurrency, batch_size=batch_size,
                                       on_crash=self._crashed)
         self.max_in_flight, self.max_buffered = in_flight_limits(concurrency, batch_size)
@@ -177,6 +180,7 @@ class Runner:
             raise
         finally:
             self.stop.set()
+            self.ended.set()
             # Half the stop budget for running transactions and a sweep under way; the rest for the
             # commit and the close.
             budget = min(REVOKE_TIMEOUT, self.stop_timeout / 2)
@@ -318,7 +322,7 @@ class Runner:
     def _sweep_until_stopped(self) -> None:
         """The sweep's own thread: its queries never hold up the poll (a slow or frozen database
         would otherwise delay every key's records, and keep the consumer from polling at all)."""
-        while not self.stop.is_set() and self.crash is None:
+        while not self.stop.is_set() and not self.ended.is_set() and self.crash is None:
             self._sweep()
             self.stop.wait(SWEEP_INTERVAL)
 

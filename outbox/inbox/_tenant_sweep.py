@@ -127,7 +127,7 @@ class TenantSweeps:
                 found.extend(self._sweeping(place, lambda p: [
                     dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], []))
                 self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
-                place.parked_keys = self._sweeping(place, lambda p: p.admin.parked_key_count(),
+                place.parked_keys = self._sweeping(place, lambda p: p.gaps.watched(p.admin.parked_key_count),
                                                    place.parked_keys)
                 place.gate.answered(started)  # nothing, when the sweep met an outage (it closed the gate)
             finally:

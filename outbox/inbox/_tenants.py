@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 
 from sqlalchemy.exc import DBAPIError
@@ -218,9 +219,14 @@ class TenantRouter:
     def _settle_at(self, place: Place, batch: list[Delivery], settle: Callable[[], Settled]) -> Settled:
         """``settle`` once the place's tables are known to be there; an outage closes its gate."""
         if not place.checked:
+            started = time.monotonic()
             delay = self._check(place)
             if delay is not None:
                 return self._unchecked(place, batch, delay)
+            # Its tables are there and its database answered: open, and swept again. Left closed
+            # until the batch settled, a server that froze under that batch went unswept, and its
+            # reads, the one watch that tells a frozen server (``_gaps``), never began.
+            place.gate.answered(started)
         try:
             settled = settle()
         except DBAPIError as exc:

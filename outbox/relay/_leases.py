@@ -483,13 +483,14 @@ UNANSWERED_AT_LEAST = 5.0
 lease TTL: a shorter wait is a slow database (a lock, a checkpoint), not one that answers nothing."""
 
 
-def renewal_watched(failed: Callable[[str], object], ttl: float) -> AbstractContextManager[None]:
+def renewal_watched(failed: Callable[[str], object], ttl: float, *,
+                    unless: Callable[[], bool] | None = None) -> AbstractContextManager[None]:
     """A lease renewal the database has not answered within the lease ``ttl`` (``UNANSWERED_AT_LEAST``
     at least) is a database outage, told to ``failed`` (``told_if_late``): a frozen server fails no
     call, and the relay (or the fleet's renewal of a database) waited in silence while its leases
-    lapsed."""
+    lapsed. Nothing is told once ``unless()`` (the worker stopping or stopped) is true."""
     after = max(ttl, UNANSWERED_AT_LEAST)
     return told_if_late(failed, after, (
         f"no answer to a lease renewal in {after:g}s: the server frozen or cut off, or the lease "
-        f"rows locked; leases past their TTL lapse"))
+        f"rows locked; leases past their TTL lapse"), unless=unless)
 

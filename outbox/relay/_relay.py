@@ -334,8 +334,11 @@ class Relay:
                 self._step.report(exc, "could not maintain its leases")
 
     def _told_if_unanswered(self) -> contextlib.AbstractContextManager[None]:
-        """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``)."""
-        return renewal_watched(self.outages.database.failed, self.leases.ttl)
+        """A lease renewal unanswered for the lease TTL is a database outage (``renewal_watched``),
+        unless the run it began in is stopping or has returned meanwhile (its loop left behind or
+        not): its last line says it stopped."""
+        return renewal_watched(self.outages.database.failed, self.leases.ttl,
+                               unless=self._runs.run_end.over(self._stopping))
 
     def _backlog_loop(self, ended: threading.Event) -> None:
         """Every lease renewal interval: the backlog gauges."""

@@ -23,6 +23,7 @@ from ..core._identity import database_identity
 from ..core._notify import parse_notify_payload
 from ..core._outage import OutageBackoff, OutageGate
 from ..core._secrets import database_url
+from ..core._stopping import RunEnd
 from ..core._tenant import Tenant
 from ..relay import RelayMetrics, RelayOutages, transaction_pooled_options
 from ..relay._wakeup import start_listening
@@ -48,7 +49,7 @@ class FleetDatabases:
     def __init__(self, default: str | Engine | None, *, pool_size: int, worker_id: str,
                  metrics: RelayMetrics, poll_interval: float, lease_ttl: float,
                  notify_channel: str | None, schedule: Schedule, stopping: threading.Event,
-                 slots: ServerSlots, transaction_pooled: bool = False) -> None:
+                 slots: ServerSlots, run_end: RunEnd, transaction_pooled: bool = False) -> None:
         self.default = default
         self._pool_size = pool_size
         self._transaction_pooled = transaction_pooled
@@ -61,7 +62,7 @@ class FleetDatabases:
         self._slots = slots
         self._by_key: dict[str, FleetDatabase] = {}
         self._renewal = LeaseRenewal(ttl=lease_ttl, schedule=schedule, stopping=stopping,
-                                     worker_id=worker_id, answered=self.answered)
+                                     worker_id=worker_id, answered=self.answered, run_end=run_end)
         self.started = False
 
     def values(self) -> list[FleetDatabase]:

@@ -208,7 +208,7 @@ class TenantRelay:
             database, pool_size=self.pool_size, worker_id=self.worker_id, metrics=process_metrics,
             poll_interval=settings.poll_interval, lease_ttl=settings.lease_ttl,
             notify_channel=notify_channel, schedule=self._schedule, stopping=self._stopping,
-            slots=self._slots, transaction_pooled=transaction_pooled)
+            slots=self._slots, run_end=self._runs.run_end, transaction_pooled=transaction_pooled)
         # Weakly: the registry is the fleet's, and the fleet holds the transports; a cycle would leave
         # them, librdkafka clients and all, to the cycle collector (``transports._weak``). Only the
         # fleet's own calls (refresh, its threads) reach the registry, so it is alive whenever used.

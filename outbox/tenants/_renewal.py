@@ -37,6 +37,7 @@ from transports._logsafe import safe_logger
 
 from ..core._envelope import utcnow
 from ..core._outage import is_database_outage
+from ..core._stopping import RunEnd
 from ..relay import RelayStep
 from ..relay._leases import Answer, LeaseRound, renew_interval, renewal_watched
 from ..relay._leases_shared import renew_together
@@ -54,13 +55,15 @@ class LeaseRenewal:
     """Renews the leases (``ttl`` seconds) of each database's tenants every TTL/3, a thread per database."""
 
     def __init__(self, *, ttl: float, schedule: Schedule, stopping: threading.Event, worker_id: str,
-                 answered: Callable[[FleetDatabase, float], None]) -> None:
+                 answered: Callable[[FleetDatabase, float], None], run_end: RunEnd | None = None) -> None:
         self.ttl = ttl
         self.every = renew_interval(ttl)
         self._schedule = schedule
         self._stopping = stopping
         self._worker_id = worker_id
         self._answered = answered
+        self._run_end = run_end or RunEnd()
+        """Ended as the fleet's run returns: a round still hanging once it stops tells nothing."""
 
     def start(self, db: FleetDatabase) -> None:
         """Renew ``db``'s tenants' leases from now on, until the fleet stops."""
@@ -80,7 +83,7 @@ class LeaseRenewal:
             # server fails no call, and its tenants' turns would each wait on it in silence.
             started = time.monotonic()
             try:
-                with renewal_watched(db.gate.failed, self.ttl):
+                with renewal_watched(db.gate.failed, self.ttl, unless=self._run_end.over(self._stopping)):
                     self.renew(db, engine)
             except Exception as exc:
                 if is_database_outage(exc):
@@ -127,7 +130,7 @@ class LeaseRenewal:
             # Timed once every lock is held: a tenant's lock may be held for long (its own renewal
             # waiting on a row lock, a release), and the rounds of the tenants before it would begin
             # that long before their statement, renewing them for that much less than a TTL.
-            now = utcnow()
+            now, started = utcnow(), time.monotonic()
             rounds = [(unit, step, None if round_ is None else round_.at(now))
                       for unit, step, round_ in entered]
             answers = self._answers(conn, [(unit, step, round_) for unit, step, round_ in rounds
@@ -140,7 +143,10 @@ class LeaseRenewal:
                     answer = answers[id(unit)]
                     if isinstance(answer, Exception):
                         raise answer
-                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *answer))
+                    # When it began: a chunk that hung through an outage told meanwhile (a frozen
+                    # server) ends nothing when it answers; the first work begun after does.
+                    owned[id(unit)] = step.leases_maintained(step.leases.settle_round(round_, *answer),
+                                                             started)
                 except Exception as exc:
                     if is_database_outage(exc):
                         raise
