@@ -1,0 +1,152 @@
+"""The gap sweep as the probe of a tenant's gate (``_tenant_sweep``), attacked.
+
+A sweep that met a tenant's database outage closes its gate; the sweep probes that gate in its turn
+(``OutageGate.admit``), so that an idle tenant's gaps are parked again. The probe must keep the
+gate's promises (docs/tenants.md, "Down"): one probe at a time, the inbox's outage backoff, one
+WARNING when the database goes and one when it is back; and a sweep's reads that answer say nothing
+of a transaction's writes. SQLite files, one per tenant; the in-memory broker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Disposition, Inbox
+from outbox.tenants import Tenant
+from tests.inbox_support import record
+from tests.test_inbox_holes import wait_for
+from transports import Record
+
+TOPIC = "orders"
+HEADER = "x-tenant"
+GROUP = "g"
+DOWN = "the database of tenant acme unavailable"
+BACK = "the database of tenant acme available again"
+
+
+def of(tenant: str, key: str, seq: int) -> Record:
+    r = record(TOPIC, key, seq)
+    r.headers.append((HEADER, tenant.encode()))
+    return r
+
+
+def told(caplog: pytest.LogCaptureFixture, words: str) -> list[float]:
+    """When each log line containing ``words`` was written (``time.time()``)."""
+    return [r.created for r in caplog.records if words in r.getMessage()]
+
+
+@contextlib.contextmanager
+def locked(engine: sa.Engine, how: str) -> Iterator[list[float]]:
+    """Another connection holds ``BEGIN <how>`` on ``engine``'s SQLite file; yields a list that gets
+    the ``time.time()`` it let go at."""
+    released: list[float] = []
+    locker = engine.raw_connection()
+    try:
+        locker.execute(f"BEGIN {how}")
+        yield released
+    finally:
+        locker.rollback()
+        released.append(time.time())
+        locker.close()
+
+
+def engines(tmp_path: Path, *names: str, timeout: float = 0.1) -> dict[str, sa.Engine]:
+    """The default database and one SQLite file per tenant (a short busy timeout: a locked file
+    fails fast, "database is locked": an outage)."""
+    made = {"default": sa.create_engine(f"sqlite:///{tmp_path}/default.db")}
+    made |= {name: sa.create_engine(f"sqlite:///{tmp_path}/{name}.db", connect_args={"timeout": timeout})
+             for name in names}
+    return made
+
+
+def tenant_inbox(made: dict[str, sa.Engine], **options: Any) -> Inbox:
+    inbox = Inbox(made["default"], group=GROUP, tenant_header=HEADER,
+                  tenants=[Tenant(name, database=e) for name, e in made.items() if name != "default"],
+                  **options)
+    inbox.create_tables()
+    for name in made:
+        if name != "default":
+            inbox.create_tables(tenant=name)
+    return inbox
+
+
+def test_a_sweep_probing_a_database_still_down_tells_it_once_and_backs_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The sweep probes the gate its own outage closed while the database is still down: that probe
+    fails too. It used to tell the gate "answered" all the same (``OutageGate.answered(started)``,
+    whose tracker took a probe begun after the outage was told for the database's answer): "available
+    again" while the file was still locked, the next failure "unavailable" again, and the backoff
+    started over at 0.2 s at each probe."""
+    made = engines(tmp_path, "acme")
+    failed: list[float] = []
+    sa.event.listen(made["acme"], "handle_error", lambda context: failed.append(time.monotonic()))
+    inbox = tenant_inbox(made, gap_timeout=1.0)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    assert inbox.handle(of("acme", "k", 2)) == Disposition.HELD  # seq 1 never comes
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    with locked(made["acme"], "EXCLUSIVE") as released:
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            inbox.sweep()  # ten times faster than the runner's sweep
+            time.sleep(0.1)
+    # A probe's three reads fail: the backoff (0.2 s doubling, less a quarter at most) is 0.6 to 0.8 s
+    # after the first probe, 3.75 to 5 s after the second: two probes in 3 s, not one per sweep.
+    assert len(failed) <= 6, f"{len(failed)} failed reads in 3 s: the backoff started over"
+    deadline = time.monotonic() + 8
+    while not inbox.parked(tenant="acme") and time.monotonic() < deadline:
+        inbox.sweep()
+        time.sleep(0.1)
+    assert [m.seq for m in inbox.parked(tenant="acme")] == [2]
+    assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
+    back = told(caplog, BACK)
+    assert len(back) == 1 and back[0] >= released[0], "available again while the file was locked"
+    for engine in made.values():
+        engine.dispose()
+
+
+def test_a_tenant_whose_writes_fail_while_its_reads_answer_is_not_opened_by_its_sweep(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another connection holds the tenant's write lock (``BEGIN IMMEDIATE``: a long writer; a full
+    disk, too, fails writes, not reads): a transaction fails ("database is locked") and closes the gate,
+    while the sweep's reads answer. The sweep used to probe that gate in its turn and open it: "available
+    again" while no write could go in, "unavailable" again at the next transaction, every sweep. A gate
+    a transaction closed is its put-off deliveries' to probe (here the caller gave up waiting: none)."""
+    made = engines(tmp_path, "acme")
+    inbox = tenant_inbox(made)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    given_up = threading.Event()
+    ended: list[BaseException] = []
+
+    def handle() -> None:
+        try:
+            inbox.handle(of("acme", "k", 1), cancel=given_up)
+        except BaseException as exc:
+            ended.append(exc)
+
+    with locked(made["acme"], "IMMEDIATE") as released:
+        caller = threading.Thread(target=handle, daemon=True)
+        caller.start()
+        wait_for(lambda: bool(told(caplog, DOWN)), "the transaction's outage")
+        given_up.set()
+        caller.join(10)
+        assert [type(e).__name__ for e in ended] == ["StopRequested"]
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            inbox.sweep()  # past the gate's first retry time (0.2 s)
+            time.sleep(0.1)
+    assert inbox.handle(of("acme", "k", 1)) == Disposition.APPLIED
+    assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
+    back = told(caplog, BACK)
+    assert len(back) == 1 and back[0] >= released[0], "available again while no write could go in"
+    for engine in made.values():
+        engine.dispose()
