@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +24,9 @@ import sqlalchemy as sa
 from outbox import Disposition, Inbox
 from outbox.tenants import Tenant
 from tests.inbox_support import record
-from tests.test_inbox_holes import wait_for
+from tests.test_inbox_holes import running, wait_for
 from transports import Record
+from transports.memory import InMemoryBroker, InMemorySource
 
 TOPIC = "orders"
 HEADER = "x-tenant"
@@ -46,15 +48,15 @@ def told(caplog: pytest.LogCaptureFixture, words: str) -> list[float]:
 
 @contextlib.contextmanager
 def locked(engine: sa.Engine, how: str) -> Iterator[list[float]]:
-    """Another connection holds ``BEGIN <how>`` on ``engine``'s SQLite file; yields a list that gets
-    the ``time.time()`` it let go at."""
+    """Another connection (not of ``engine``'s pool) holds ``BEGIN <how>`` on ``engine``'s SQLite
+    file; yields a list that gets the ``time.time()`` it let go at."""
     released: list[float] = []
-    locker = engine.raw_connection()
+    locker = sqlite3.connect(str(engine.url.database), isolation_level=None)
     try:
         locker.execute(f"BEGIN {how}")
         yield released
     finally:
-        locker.rollback()
+        locker.execute("ROLLBACK")
         released.append(time.time())
         locker.close()
 
@@ -98,8 +100,8 @@ def test_a_sweep_probing_a_database_still_down_tells_it_once_and_backs_off(
         while time.monotonic() < until:
             inbox.sweep()  # ten times faster than the runner's sweep
             time.sleep(0.1)
-    # A probe's three reads fail: the backoff (0.2 s doubling, less a quarter at most) is 0.6 to 0.8 s
-    # after the first probe, 3.75 to 5 s after the second: two probes in 3 s, not one per sweep.
+    # A probe stops at its first failed read; the backoff (0.2 s doubling, less a quarter at most) lets
+    # five probes through in 3 s, not one per sweep (thirty here). Started over at each probe: fifteen.
     assert len(failed) <= 6, f"{len(failed)} failed reads in 3 s: the backoff started over"
     deadline = time.monotonic() + 8
     while not inbox.parked(tenant="acme") and time.monotonic() < deadline:
@@ -148,5 +150,70 @@ def test_a_tenant_whose_writes_fail_while_its_reads_answer_is_not_opened_by_its_
     assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
     back = told(caplog, BACK)
     assert len(back) == 1 and back[0] >= released[0], "available again while no write could go in"
+    for engine in made.values():
+        engine.dispose()
+
+
+class Holders:
+    """How many threads hold a connection of ``engine``'s pool at once: the most since ``reset``."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._lock = threading.Lock()
+        self.now = self.most = 0
+        sa.event.listen(engine, "checkout", self._out)
+        sa.event.listen(engine, "checkin", self._in)
+
+    def _out(self, *args: Any) -> None:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def _in(self, *args: Any) -> None:
+        with self._lock:
+            self.now -= 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.most = self.now
+
+
+def test_a_tenant_locked_for_long_is_probed_by_one_caller_at_a_time_and_holds_up_no_other(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """acme's file is locked for 3 s and each statement on it waits 1 s for the lock (its busy
+    timeout): its sweep meets the outage and closes the gate, and records of acme and of globex
+    come in. While acme is down one caller at a time waits on it (the probe: the sweep or a worker),
+    the other workers put acme's records off, globex's are applied at once, and acme's after it.
+    The sweep went on to its next reads after its first one failed, beside a worker's probe:
+    the gate's failure had let the probing go (``OutageGate.failed``)."""
+    made = engines(tmp_path, "acme", "globex", timeout=1.0)
+    inbox = tenant_inbox(made, concurrency=4, batch_size=1)
+    applied: dict[str, float] = {}
+    inbox.handler(TOPIC)(lambda session, message: applied.setdefault(message.key or "", time.monotonic()))
+    broker = InMemoryBroker(partitions=2)
+    source = InMemorySource(broker, group_id=GROUP, topics=[TOPIC])
+    holders = Holders(made["acme"])
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    with running(inbox, source) as errors:
+        broker.append(of("acme", "a-first", 1))  # acme's tables checked: its gate open, swept
+        wait_for(lambda: "a-first" in applied, "acme's first record", errors=errors)
+        with locked(made["acme"], "EXCLUSIVE"):
+            holders.reset()
+            wait_for(lambda: bool(told(caplog, DOWN)), "the sweep's outage", errors=errors)
+            sent = time.monotonic()
+            for n in range(4):
+                broker.append(of("acme", f"a{n}", 1))
+                broker.append(of("globex", f"g{n}", 1))
+            wait_for(lambda: all(f"g{n}" in applied for n in range(4)), "globex's records", errors=errors)
+            globex = max(applied[f"g{n}"] for n in range(4)) - sent
+            time.sleep(max(0.0, sent + 3 - time.monotonic()))  # acme stays down 3 s past them
+            most = holders.most
+            acme_early = [key for key in applied if key.startswith("a") and key != "a-first"]
+        wait_for(lambda: all(f"a{n}" in applied for n in range(4)), "acme's records", timeout=15,
+                 errors=errors)
+    assert acme_early == [], f"applied while acme's file was locked: {acme_early}"
+    assert globex < 1.0, f"globex's records took {globex:.1f}s beside acme's outage"
+    assert most == 1, f"{most} callers waited on acme's locked file at once"
+    assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
+    assert len(told(caplog, BACK)) == 1, told(caplog, BACK)
     for engine in made.values():
         engine.dispose()

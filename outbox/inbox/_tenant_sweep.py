@@ -144,7 +144,9 @@ class TenantSweeps:
     def _sweeping(self, place: Place, fn: Callable[[Place], T], otherwise: T,
                   failures: list[BaseException]) -> T:
         """``fn(place)``; a failure goes to ``failures``, gives ``otherwise``; an outage closes the
-        place's gate."""
+        place's gate. Nothing after a failure that closed it: its probing went with that failure."""
+        if any(isinstance(e, DBAPIError) or is_outage(e) for e in failures):
+            return otherwise
         try:
             return fn(place)
         except Exception as exc:
