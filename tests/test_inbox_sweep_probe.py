@@ -46,18 +46,26 @@ def told(caplog: pytest.LogCaptureFixture, words: str) -> list[float]:
     return [r.created for r in caplog.records if words in r.getMessage()]
 
 
+class Locker(sqlite3.Connection):
+    released: list[float]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released = []
+
+
 @contextlib.contextmanager
-def locked(engine: sa.Engine, how: str) -> Iterator[list[float]]:
+def locked(engine: sa.Engine, how: str) -> Iterator[Locker]:
     """Another connection (not of ``engine``'s pool) holds ``BEGIN <how>`` on ``engine``'s SQLite
-    file; yields a list that gets the ``time.time()`` it let go at."""
-    released: list[float] = []
-    locker = sqlite3.connect(str(engine.url.database), isolation_level=None)
+    file until the block ends, and then commits what it did; its ``released`` gets the
+    ``time.time()`` it let go at."""
+    locker = Locker(str(engine.url.database), isolation_level=None)
     try:
         locker.execute(f"BEGIN {how}")
-        yield released
+        yield locker
     finally:
-        locker.execute("ROLLBACK")
-        released.append(time.time())
+        locker.execute("COMMIT")
+        locker.released.append(time.time())
         locker.close()
 
 
@@ -95,7 +103,7 @@ def test_a_sweep_probing_a_database_still_down_tells_it_once_and_backs_off(
     inbox.handler(TOPIC)(lambda session, message: None)
     assert inbox.handle(of("acme", "k", 2)) == Disposition.HELD  # seq 1 never comes
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    with locked(made["acme"], "EXCLUSIVE") as released:
+    with locked(made["acme"], "EXCLUSIVE") as locker:
         until = time.monotonic() + 3
         while time.monotonic() < until:
             inbox.sweep()  # ten times faster than the runner's sweep
@@ -110,7 +118,7 @@ def test_a_sweep_probing_a_database_still_down_tells_it_once_and_backs_off(
     assert [m.seq for m in inbox.parked(tenant="acme")] == [2]
     assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
     back = told(caplog, BACK)
-    assert len(back) == 1 and back[0] >= released[0], "available again while the file was locked"
+    assert len(back) == 1 and back[0] >= locker.released[0], "available again while the file was locked"
     for engine in made.values():
         engine.dispose()
 
@@ -135,7 +143,7 @@ def test_a_tenant_whose_writes_fail_while_its_reads_answer_is_not_opened_by_its_
         except BaseException as exc:
             ended.append(exc)
 
-    with locked(made["acme"], "IMMEDIATE") as released:
+    with locked(made["acme"], "IMMEDIATE") as locker:
         caller = threading.Thread(target=handle, daemon=True)
         caller.start()
         wait_for(lambda: bool(told(caplog, DOWN)), "the transaction's outage")
@@ -149,7 +157,7 @@ def test_a_tenant_whose_writes_fail_while_its_reads_answer_is_not_opened_by_its_
     assert inbox.handle(of("acme", "k", 1)) == Disposition.APPLIED
     assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
     back = told(caplog, BACK)
-    assert len(back) == 1 and back[0] >= released[0], "available again while no write could go in"
+    assert len(back) == 1 and back[0] >= locker.released[0], "available again while no write could go in"
     for engine in made.values():
         engine.dispose()
 
@@ -215,5 +223,54 @@ def test_a_tenant_locked_for_long_is_probed_by_one_caller_at_a_time_and_holds_up
     assert most == 1, f"{most} callers waited on acme's locked file at once"
     assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
     assert len(told(caplog, BACK)) == 1, told(caplog, BACK)
+    for engine in made.values():
+        engine.dispose()
+
+
+def drop_inbox_tables(connection: sqlite3.Connection) -> None:
+    names = [n for (n,) in connection.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'inbox%'")]
+    for name in names:
+        connection.execute(f"DROP TABLE {name}")
+
+
+def test_a_tenants_tables_dropped_while_its_gate_is_closed_by_an_outage_wait_for_a_worker_to_check(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """acme's sweep meets an outage (its file locked); whoever locked it drops acme's inbox tables
+    before letting go. The sweep's next probe meets the missing tables: it fails nothing, opens
+    nothing, and leaves the gate to a worker, which checks the tables (one ERROR), puts acme's records
+    off, and applies them once they are made."""
+    made = engines(tmp_path, "acme")
+    inbox = tenant_inbox(made, gap_timeout=1.0)
+    inbox.handler(TOPIC)(lambda session, message: None)
+    assert inbox.handle(of("acme", "k", 2)) == Disposition.HELD
+    caplog.set_level(logging.WARNING, logger="outbox.inbox")
+    with locked(made["acme"], "EXCLUSIVE") as locker:
+        inbox.sweep()  # the outage: acme's gate closes
+        drop_inbox_tables(locker)
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        inbox.sweep()  # the probe meets the missing tables
+        time.sleep(0.1)
+    given_up = threading.Event()
+    ended: list[BaseException] = []
+
+    def handle() -> None:
+        try:
+            inbox.handle(of("acme", "other", 1), cancel=given_up)
+        except BaseException as exc:
+            ended.append(exc)
+
+    caller = threading.Thread(target=handle, daemon=True)
+    caller.start()
+    wait_for(lambda: bool(told(caplog, "tenant acme: its inbox tables are not usable")), "the check")
+    given_up.set()
+    caller.join(10)
+    assert [type(e).__name__ for e in ended] == ["StopRequested"]
+    inbox.create_tables(tenant="acme")
+    assert inbox.handle(of("acme", "other", 1)) == Disposition.APPLIED
+    assert len(told(caplog, "tenant acme: its inbox tables are not usable")) == 1
+    assert len(told(caplog, "tenant acme: its inbox tables are there now")) == 1
+    assert len(told(caplog, DOWN)) == 1 and len(told(caplog, BACK)) == 1
     for engine in made.values():
         engine.dispose()
