@@ -274,3 +274,49 @@ def test_a_tenants_tables_dropped_while_its_gate_is_closed_by_an_outage_wait_for
     assert len(told(caplog, DOWN)) == 1 and len(told(caplog, BACK)) == 1
     for engine in made.values():
         engine.dispose()
+
+
+def test_a_tenant_removed_while_its_sweep_holds_its_closed_gate_leaves_the_others_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """acme (by URL: the inbox makes its engine, and closes its pool when no tenant is in it any more)
+    is locked; its sweep meets the outage, closes its gate and probes it, hung on the lock, when acme
+    is removed from the tenant source. Its next record parks as ``tenant_unknown`` in the default
+    database; globex's records are applied all along; nothing fails when the hung probe comes back on
+    a pool closed under it."""
+    made = engines(tmp_path, "globex")
+    acme_file = tmp_path / "acme.db"
+    listed = [Tenant("acme", database=f"sqlite:///{acme_file}"), Tenant("globex", database=made["globex"])]
+    inbox = Inbox(made["default"], group=GROUP, tenant_header=HEADER, tenants=lambda: list(listed),
+                  tenant_refresh=0.2, concurrency=2, batch_size=1)
+    inbox.create_tables()
+    for tenant in listed:
+        inbox.create_tables(tenant=tenant.name)
+    applied: list[str] = []
+    inbox.handler(TOPIC)(lambda session, message: applied.append(message.key or ""))
+    broker = InMemoryBroker(partitions=2)
+    source = InMemorySource(broker, group_id=GROUP, topics=[TOPIC])
+    caplog.set_level(logging.INFO, logger="outbox.inbox")
+    acme = sa.create_engine(f"sqlite:///{acme_file}")  # only for the lock helper's file name
+    with running(inbox, source) as errors:
+        broker.append(of("acme", "a1", 1))
+        broker.append(of("globex", "g1", 1))
+        wait_for(lambda: {"a1", "g1"} <= set(applied), "both tenants served", errors=errors)
+        with locked(acme, "EXCLUSIVE"):
+            wait_for(lambda: bool(told(caplog, DOWN)), "the sweep's outage", errors=errors)
+            listed.pop(0)
+            wait_for(lambda: bool(told(caplog, "tenants: 1 served (0 added, 1 removed)")), "acme removed",
+                     errors=errors)
+            broker.append(of("acme", "a2", 1))
+            broker.append(of("globex", "g2", 1))
+            wait_for(lambda: "g2" in applied, "globex's record beside acme's outage", timeout=3,
+                     errors=errors)
+            wait_for(lambda: [m.key for m in inbox.parked()] == ["a2"], "acme's record parked as unknown",
+                     timeout=5, errors=errors)
+        broker.append(of("globex", "g3", 1))
+        wait_for(lambda: "g3" in applied, "globex's next record", errors=errors)
+    assert [(m.key, m.reason) for m in inbox.parked()] == [("a2", "tenant_unknown")]
+    assert "a2" not in applied
+    assert [r.getMessage()[:40] for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "ALERT message_parked topic=orders key=a2"]  # its alert, nothing else
+    for engine in [*made.values(), acme]:
+        engine.dispose()
