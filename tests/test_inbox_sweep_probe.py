@@ -69,6 +69,26 @@ def locked(engine: sa.Engine, how: str) -> Iterator[Locker]:
         locker.close()
 
 
+def handled_until(inbox: Inbox, r: Record, caplog: pytest.LogCaptureFixture, words: str) -> None:
+    """``inbox.handle(r)`` on a thread of its own until a log line says ``words``; then the caller
+    gives up waiting (``cancel``): nothing of it is put off any more."""
+    given_up = threading.Event()
+    ended: list[BaseException] = []
+
+    def handle() -> None:
+        try:
+            inbox.handle(r, cancel=given_up)
+        except BaseException as exc:
+            ended.append(exc)
+
+    caller = threading.Thread(target=handle, daemon=True)
+    caller.start()
+    wait_for(lambda: bool(told(caplog, words)), words)
+    given_up.set()
+    caller.join(10)
+    assert [type(e).__name__ for e in ended] == ["StopRequested"]
+
+
 def engines(tmp_path: Path, *names: str, timeout: float = 0.1) -> dict[str, sa.Engine]:
     """The default database and one SQLite file per tenant (a short busy timeout: a locked file
     fails fast, "database is locked": an outage)."""
@@ -134,22 +154,8 @@ def test_a_tenant_whose_writes_fail_while_its_reads_answer_is_not_opened_by_its_
     inbox = tenant_inbox(made)
     inbox.handler(TOPIC)(lambda session, message: None)
     caplog.set_level(logging.WARNING, logger="outbox.inbox")
-    given_up = threading.Event()
-    ended: list[BaseException] = []
-
-    def handle() -> None:
-        try:
-            inbox.handle(of("acme", "k", 1), cancel=given_up)
-        except BaseException as exc:
-            ended.append(exc)
-
     with locked(made["acme"], "IMMEDIATE") as locker:
-        caller = threading.Thread(target=handle, daemon=True)
-        caller.start()
-        wait_for(lambda: bool(told(caplog, DOWN)), "the transaction's outage")
-        given_up.set()
-        caller.join(10)
-        assert [type(e).__name__ for e in ended] == ["StopRequested"]
+        handled_until(inbox, of("acme", "k", 1), caplog, DOWN)  # the transaction's outage
         until = time.monotonic() + 1.5
         while time.monotonic() < until:
             inbox.sweep()  # past the gate's first retry time (0.2 s)
@@ -252,21 +258,7 @@ def test_a_tenants_tables_dropped_while_its_gate_is_closed_by_an_outage_wait_for
     while time.monotonic() < until:
         inbox.sweep()  # the probe meets the missing tables
         time.sleep(0.1)
-    given_up = threading.Event()
-    ended: list[BaseException] = []
-
-    def handle() -> None:
-        try:
-            inbox.handle(of("acme", "other", 1), cancel=given_up)
-        except BaseException as exc:
-            ended.append(exc)
-
-    caller = threading.Thread(target=handle, daemon=True)
-    caller.start()
-    wait_for(lambda: bool(told(caplog, "tenant acme: its inbox tables are not usable")), "the check")
-    given_up.set()
-    caller.join(10)
-    assert [type(e).__name__ for e in ended] == ["StopRequested"]
+    handled_until(inbox, of("acme", "other", 1), caplog, "tenant acme: its inbox tables are not usable")
     inbox.create_tables(tenant="acme")
     assert inbox.handle(of("acme", "other", 1)) == Disposition.APPLIED
     assert len(told(caplog, "tenant acme: its inbox tables are not usable")) == 1
