@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 import sqlalchemy as sa
 from _relay_helpers import (
+    SEQ,
     Running,
     ScriptedTransport,
     owned_leases,
@@ -33,7 +34,6 @@ from test_inbox_holes import wait_for as inbox_wait_for
 
 from outbox import Inbox, Message, Outbox, Relay, create_engine, relay_metrics
 from outbox.core._outage import OutageTracker
-from outbox.core._wire import SEQ
 from outbox.inbox import _gaps as gaps_module
 from outbox.inbox._gaps import GapSweeper
 from outbox.inbox._outage import OutageLog

@@ -48,6 +48,9 @@ class Place:
     parked_keys: int = 0
     missing_looks: int = 0
     """Consecutive looks that found its tables missing: paces the next look like an outage's retries."""
+    swept_shut: bool = False
+    """Its gate was last closed by an outage its gap sweep met: the sweep probes it (``_tenant_sweep``).
+    One a transaction met is its put-off deliveries' to probe: reads that answer say nothing of writes."""
     gate: OutageGate = dataclasses.field(init=False)
     """Closed from an outage (or its tables missing, or not checked yet) until a probe answers:
     its deliveries are put off meanwhile, without touching its database."""

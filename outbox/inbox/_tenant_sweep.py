@@ -4,8 +4,9 @@ The runner's consumer thread must never wait for a tenant's database: each
 turn hands the places whose turn it is (``SWEEP_SLICE`` of them, round robin)
 to a sweeper thread per database and takes what the finished sweeps found; a
 database whose last sweep has not returned (a hung one) is skipped. An outage
-closes the place's gate (``_places``) instead of failing the sweep; a closed gate
-is probed by the sweep in its turn, as by a worker.
+closes the place's gate (``_places``) instead of failing the sweep; a gate closed
+so is probed by the sweep in its turn, as by a worker (one a transaction closed
+is its put-off deliveries' to probe).
 """
 
 from __future__ import annotations
@@ -117,30 +118,42 @@ class TenantSweeps:
             self.places.refresh()
         found: list[Delivery] = []
         for place in self.places.all() if places is None else places:
-            # A gate an outage closed is probed in its turn, as a worker probes it: a tenant with no
-            # traffic has no worker to open it, and its gaps would never be parked again. One closed
-            # until its tables are checked is a worker's to open (the check, and its log line).
-            if (place.gate.down and not place.checked) or place.gate.admit() is not None:
+            # A gate an outage of its own sweep closed is probed in its turn, as a worker probes it: a
+            # tenant with no traffic has no worker to open it, and its gaps would never be parked again.
+            # One a transaction closed is its put-off deliveries' to probe (reads that answer say nothing
+            # of writes: a long writer's lock, a full disk); one closed until its tables are checked is a
+            # worker's to open (the check, and its log line).
+            shut = place.gate.down
+            if (shut and not (place.checked and place.swept_shut)) or place.gate.admit() is not None:
                 continue
             started = time.monotonic()
+            failures: list[BaseException] = []
             try:
                 found.extend(self._sweeping(place, lambda p: [
-                    dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], []))
-                self._sweeping(place, lambda p: p.gaps.park_stale(), 0)
+                    dataclasses.replace(d, tenant=Named(p.name or "")) for d in p.gaps.ready()], [],
+                    failures))
+                self._sweeping(place, lambda p: p.gaps.park_stale(), 0, failures)
                 place.parked_keys = self._sweeping(place, lambda p: p.gaps.watched(p.admin.parked_key_count),
-                                                   place.parked_keys)
-                place.gate.answered(started)  # nothing, when the sweep met an outage (it closed the gate)
+                                                   place.parked_keys, failures)
+                if shut and not failures:  # a probe that failed closed the gate again: no answer
+                    place.gate.answered(started)
             finally:
                 place.gate.probed()
         return found
 
-    def _sweeping(self, place: Place, fn: Callable[[Place], T], otherwise: T) -> T:
-        """``fn(place)``; an outage closes the place's gate and gives ``otherwise``."""
+    def _sweeping(self, place: Place, fn: Callable[[Place], T], otherwise: T,
+                  failures: list[BaseException]) -> T:
+        """``fn(place)``; a failure goes to ``failures``, gives ``otherwise``; an outage closes the
+        place's gate. Nothing after a failure that closed it: its probing went with that failure."""
+        if any(isinstance(e, DBAPIError) or is_outage(e) for e in failures):
+            return otherwise
         try:
             return fn(place)
         except Exception as exc:
+            failures.append(exc)
             if is_outage(exc):
                 place.gate.failed(exc)
+                place.swept_shut = True
             elif isinstance(exc, DBAPIError):
                 place.gate.close(BACKOFF.cap)
                 place.checked = False

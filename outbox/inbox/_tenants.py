@@ -241,6 +241,7 @@ class TenantRouter:
             return self._unchecked(place, batch, delay)
         if place.settler.outages.down:
             place.gate.close(max((delay for _, delay in settled.later), default=BACKOFF.first))
+            place.swept_shut = False  # its put-off deliveries probe it, not the sweep's reads
         else:
             place.gate.answered()
         return settled
