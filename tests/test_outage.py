@@ -183,3 +183,23 @@ def test_work_that_began_before_the_outage_was_told_does_not_end_it(monkeypatch:
     clock[0] += 1.0
     assert gate.answered(clock[0] - 0.5) is True  # work begun after the outage was told
     assert not gate.down and not tracker.down
+
+
+def test_a_probe_answering_after_the_gate_closed_again_ends_neither_gate_nor_tracker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work begun after the outage was first told, but before the gate closed again (a later
+    failure: the dependency still down), answers nothing about now: the tracker stays down too.
+    It used to log "available again" while the gate stayed closed, and "unavailable" at the next
+    failure."""
+    clock = [10.0]
+    monkeypatch.setattr("outbox.core._outage.time.monotonic", lambda: clock[0])
+    tracker = OutageTracker("db", log=logging.getLogger("test.outage"))
+    gate = OutageGate(tracker)
+    gate.failed(OSError("refused"))  # told at 10
+    clock[0] += 1.0
+    began = clock[0]  # a probe starts at 11
+    clock[0] += 1.0
+    gate.failed(OSError("refused"))  # another caller fails at 12: closed again
+    clock[0] += 0.1
+    assert gate.answered(began) is False
+    assert gate.down and tracker.down

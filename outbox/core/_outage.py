@@ -432,8 +432,11 @@ class OutageGate:
         """The dependency answered: open. True when this opened it (who put work off may resume now).
 
         ``started``: as ``OutageTracker.answered``'s; work that began before the
-        gate was last closed opens nothing.
+        gate was last closed opens nothing and tells the tracker nothing (a failure
+        since closed it again: the dependency was still down after that work began).
         """
+        if self._closed and started is not None and started < self._closed_at:
+            return False
         if self.tracker is not None:
             self.tracker.answered(started)
         if not self._closed:
