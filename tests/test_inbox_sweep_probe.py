@@ -131,10 +131,7 @@ def test_a_sweep_probing_a_database_still_down_tells_it_once_and_backs_off(
     # A probe stops at its first failed read; the backoff (0.2 s doubling, less a quarter at most) lets
     # five probes through in 3 s, not one per sweep (thirty here). Started over at each probe: fifteen.
     assert len(failed) <= 6, f"{len(failed)} failed reads in 3 s: the backoff started over"
-    deadline = time.monotonic() + 8
-    while not inbox.parked(tenant="acme") and time.monotonic() < deadline:
-        inbox.sweep()
-        time.sleep(0.1)
+    wait_for(lambda: inbox.sweep() or bool(inbox.parked(tenant="acme")), "acme's gap parked", timeout=8)
     assert [m.seq for m in inbox.parked(tenant="acme")] == [2]
     assert len(told(caplog, DOWN)) == 1, told(caplog, DOWN)
     back = told(caplog, BACK)

@@ -26,6 +26,7 @@ from outbox import ConfigurationError, Disposition, Inbox, NotParkedError
 from outbox.inbox._delivery import Named, Unnamed, decode
 from outbox.tenants import Tenant
 from tests.inbox_support import record
+from tests.test_inbox_holes import wait_for
 from transports import Record
 
 TOPIC = "orders"
@@ -549,10 +550,8 @@ def test_an_idle_tenants_gap_is_parked_after_an_outage_its_sweep_met(tmp_path: P
     finally:
         locker.rollback()
         locker.close()
-    deadline = time.monotonic() + 15
-    while not inbox.parked(tenant="acme") and time.monotonic() < deadline:
-        inbox.sweep()  # what the runner's sweep does every second
-        time.sleep(0.2)
+    # Swept as the runner's sweep does every second, until the gap is parked.
+    wait_for(lambda: inbox.sweep() or bool(inbox.parked(tenant="acme")), "acme's gap parked", timeout=15)
     assert [m.seq for m in inbox.parked(tenant="acme")] == [2]
     default.dispose()
     acme.dispose()

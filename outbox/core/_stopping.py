@@ -154,16 +154,13 @@ class RunEnd:
 
     A worker's stop ``Event`` is cleared when its ``run`` returns (``RunOnce``),
     so a call begun in a run and still hanging after it (a frozen database)
-    cannot tell from it that its run ended. ``current()``, taken as the call
-    begins, is the run's own end: ``end()`` sets it and puts a fresh one in its
-    place for the calls begun after (the next run, or a call outside any run).
+    cannot tell from it that its run ended. ``over()``, asked as the call
+    begins, holds the run's own end: ``end()`` sets it and puts a fresh one in
+    its place for the calls begun after (the next run, or a call outside any run).
     """
 
     def __init__(self) -> None:
         self._current = threading.Event()
-
-    def current(self) -> threading.Event:
-        return self._current
 
     def end(self) -> None:
         ended, self._current = self._current, threading.Event()
